@@ -1,0 +1,24 @@
+"""Errors that reach the user as one clear line (the CLI prints them without a traceback)."""
+
+
+class DecodeKitError(Exception):
+    """Base class for every error decodekit raises on purpose."""
+
+
+class InvalidParameter(DecodeKitError, ValueError):
+    """A user-supplied option has a value the algorithm cannot use."""
+
+
+class UnknownMethod(DecodeKitError, KeyError):
+    """A method, drafter, task or baseline name that decodekit does not know."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ModelNotFound(DecodeKitError, FileNotFoundError):
+    """The model path or name does not resolve to loadable weights."""
+
+
+class PromptTooLong(DecodeKitError, ValueError):
+    """The prompt (plus the requested new tokens) does not fit the model's context."""
