@@ -1,0 +1,45 @@
+"""Token-level samplers as small composable logits processors.
+
+``Sampler.from_params(...)`` builds a validated chain; every processor is also usable alone.
+"""
+
+from decodekit.samplers.base import LogitsProcessor
+from decodekit.samplers.penalties import (
+    FrequencyPenalty,
+    NoRepeatNGram,
+    PresencePenalty,
+    RepetitionPenalty,
+)
+from decodekit.samplers.sampler import SAMPLER_PARAMS, Sampler
+from decodekit.samplers.truncation import (
+    AdaptiveTopK,
+    EpsilonCutoff,
+    EtaCutoff,
+    MinP,
+    Temperature,
+    TopH,
+    TopK,
+    TopNSigma,
+    TopP,
+    TypicalP,
+)
+
+__all__ = [
+    "SAMPLER_PARAMS",
+    "AdaptiveTopK",
+    "EpsilonCutoff",
+    "EtaCutoff",
+    "FrequencyPenalty",
+    "LogitsProcessor",
+    "MinP",
+    "NoRepeatNGram",
+    "PresencePenalty",
+    "RepetitionPenalty",
+    "Sampler",
+    "Temperature",
+    "TopH",
+    "TopK",
+    "TopNSigma",
+    "TopP",
+    "TypicalP",
+]

@@ -1,0 +1,247 @@
+"""The decode loop: prefill, ask a method for tokens step by step, stop, stream, count.
+
+A *step method* (plain decoding, every speculative method) only decides which tokens come
+next; the loop here owns stopping (EOS, stop strings, max new tokens), streaming text
+deltas and statistics. Whole-request methods (beam search, best-of-N, ...) implement
+:class:`Decoder` directly and reuse :func:`finish_text` and :class:`GenerationStats`.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import PromptTooLong
+from ..models import LoadedModel
+from ..models.backend import Backend
+from ..samplers import Sampler
+
+
+@dataclass
+class GenerationStats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    new_tokens: int = 0
+    forward_passes: int = 0  # decode-time forward passes (prefill not counted)
+    extra: dict[str, Any] = field(default_factory=dict)  # method-specific figures
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "new_tokens": self.new_tokens,
+            "forward_passes": self.forward_passes,
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            **self.extra,
+        }
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    stats: GenerationStats
+    finish_reason: str  # "eos" | "stop" | "length"
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. candidates, uncertainty signals
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason, "stats": self.stats.as_dict()}
+        if self.extra:
+            out.update(self.extra)
+        return out
+
+
+@dataclass
+class Request:
+    """One generation request, already tokenised."""
+
+    prompt_ids: list[int]
+    sampler: Sampler
+    max_new_tokens: int = 256
+    stop: Sequence[str] = ()
+    on_text: Callable[[str], None] | None = None  # receives streamed text deltas
+
+
+class DecodeState:
+    """What a step method sees: the backend, the sampler and the tokens so far.
+
+    Invariant: every token but possibly the last is in the backend's cache. When the last
+    token is not (it was just chosen), it is *pending*; :meth:`next_logits` runs it.
+    """
+
+    def __init__(self, backend: Backend, sampler: Sampler, prompt_ids: list[int], stats: GenerationStats):
+        self.backend = backend
+        self.sampler = sampler
+        self.tokens = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.stats = stats
+        self._logits: torch.Tensor | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def pending(self) -> int | None:
+        """The last token when it is not yet in the cache, else None."""
+        return self.tokens[-1] if self.backend.length < len(self.tokens) else None
+
+    def history(self) -> list[torch.Tensor]:
+        """The token history in the form samplers take (one row)."""
+        return [torch.tensor(self.tokens)] if self.sampler.needs_history else [torch.empty(0, dtype=torch.long)]
+
+    def prefill(self) -> None:
+        self._logits = self.backend.prefill(self.tokens)[0]
+
+    def next_logits(self) -> torch.Tensor:
+        """Logits ``[V]`` for the token after ``tokens`` (runs the pending token if needed)."""
+        if self.pending is not None:
+            self._logits = self.backend.step(torch.tensor([self.pending]))[0]
+            self.stats.forward_passes += 1
+        assert self._logits is not None
+        return self._logits
+
+    def commit(self, new_tokens: Sequence[int], logits_after: torch.Tensor | None = None) -> None:
+        """Record tokens chosen by the method. ``logits_after`` is given when the cache already holds them all."""
+        self.tokens.extend(new_tokens)
+        self._logits = logits_after
+
+
+class StepMethod(ABC):
+    """Produces one or more tokens per step (plain decoding is one; speculative methods more)."""
+
+    name: str = "step"
+
+    def begin(self, state: DecodeState) -> None:
+        """Called once after prefill (e.g. to index the prompt)."""
+
+    @abstractmethod
+    def step(self, state: DecodeState) -> list[int]:
+        """Choose the next tokens, call ``state.commit`` with them, and return them."""
+
+    def finish(self, state: DecodeState) -> None:
+        """Called once at the end; add method figures to ``state.stats.extra``."""
+
+
+class PlainDecoding(StepMethod):
+    """One forward pass, one token: greedy or sampled by the request's sampler."""
+
+    name = "plain"
+
+    def step(self, state: DecodeState) -> list[int]:
+        logits = state.next_logits()
+        token = int(state.sampler.pick(logits[None], state.history())[0])
+        state.commit([token])
+        return [token]
+
+
+class Decoder(ABC):
+    """Anything that turns a request into a generation."""
+
+    @abstractmethod
+    def generate(self, model: LoadedModel, request: Request) -> Generation: ...
+
+
+def check_fits(backend: Backend, prompt_len: int, max_new_tokens: int) -> None:
+    limit = backend.info.max_length
+    if prompt_len + max_new_tokens > limit:
+        raise PromptTooLong(
+            f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens exceeds the model's context of {limit}"
+        )
+
+
+def finish_text(tokenizer, tokens: list[int], stop: Sequence[str]) -> tuple[str, list[int], str | None]:
+    """Decode ``tokens``; cut at the first stop string (text and tokens). Returns (text, tokens, hit stop)."""
+    text = tokenizer.decode(tokens)
+    hits = [(text.find(s), s) for s in stop if s and s in text]
+    if not hits:
+        return text, tokens, None
+    cut, s = min(hits)
+    text = text[:cut]
+    # Keep the fewest tokens whose text covers the cut text.
+    for n in range(len(tokens) + 1):
+        if len(tokenizer.decode(tokens[:n])) >= cut:
+            return text, tokens[:n], s
+    return text, tokens, s
+
+
+class TextStreamer:
+    """Turns the growing token list into text deltas, holding back what a stop string could still claim."""
+
+    def __init__(self, tokenizer, stop: Sequence[str], callback: Callable[[str], None] | None):
+        self.tokenizer, self.stop, self.callback = tokenizer, [s for s in stop if s], callback
+        self.sent = 0
+
+    def update(self, tokens: list[int], final_text: str | None = None) -> None:
+        if self.callback is None:
+            return
+        text = final_text if final_text is not None else self.tokenizer.decode(tokens)
+        safe = len(text)
+        if final_text is None:
+            if text.endswith("\ufffd"):  # an incomplete multi-byte character
+                safe = len(text.rstrip("\ufffd"))
+            for s in self.stop:  # a stop string may be starting at the end
+                for k in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:k]):
+                        safe = min(safe, len(text) - k)
+                        break
+        if safe > self.sent:
+            self.callback(text[self.sent : safe])
+            self.sent = safe
+
+
+class StepDecoder(Decoder):
+    """Runs a :class:`StepMethod` inside the decode loop."""
+
+    def __init__(self, method: StepMethod):
+        self.method = method
+
+    def generate(self, model: LoadedModel, request: Request) -> Generation:
+        backend, tokenizer = model.backend, model.tokenizer
+        check_fits(backend, len(request.prompt_ids), request.max_new_tokens)
+        stats = GenerationStats()
+        state = DecodeState(backend, request.sampler, request.prompt_ids, stats)
+        streamer = TextStreamer(tokenizer, request.stop, request.on_text)
+
+        t0 = time.perf_counter()
+        state.prefill()
+        self.method.begin(state)
+        t1 = time.perf_counter()
+        stats.prefill_s = t1 - t0
+
+        eos = tokenizer.eos_token_ids
+        finish = "length"
+        new: list[int] = []
+        while len(new) < request.max_new_tokens:
+            produced = self.method.step(state)
+            for token in produced:
+                if token in eos:
+                    finish = "eos"
+                    break
+                new.append(token)
+                if len(new) == request.max_new_tokens:
+                    break
+            if finish == "eos":
+                break
+            if request.stop and any(s in tokenizer.decode(new[-64:]) for s in request.stop if s):
+                finish = "stop"
+                break
+            streamer.update(new)
+        self.method.finish(state)
+        stats.decode_s = time.perf_counter() - t1
+
+        text, new, hit = finish_text(tokenizer, new, request.stop)
+        if hit is not None:
+            finish = "stop"
+        streamer.update(new, final_text=text)
+        stats.new_tokens = len(new)
+        return Generation(text=text, tokens=new, stats=stats, finish_reason=finish)

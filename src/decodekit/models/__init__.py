@@ -1,0 +1,53 @@
+"""Model backends: the one place that touches caches, attention masks and hidden states."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .backend import Backend, ModelInfo, StepOutput
+from .loading import DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, parse_dtype, resolve_model_folder
+from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    """A backend with its tokenizer: what the engine, the CLI and the benchmarks pass around."""
+
+    backend: Backend
+    tokenizer: Tokenizer
+    name: str
+
+    def prompt_ids(self, prompt: str | list[dict[str, str]], *, chat: bool = True) -> list[int]:
+        """Token ids of a prompt; a chat template is applied when the model has one and ``chat``."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = self.tokenizer.chat_prompt(messages) if chat else None
+        if text is None:
+            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
+        return self.tokenizer.encode(text)
+
+
+def load_model(
+    model: str | None = None, *, backend: str = "auto", dtype: str | torch.dtype = "float32"
+) -> LoadedModel:
+    """Load a model by embedded name, Hugging Face folder or GGUF path (default: SmolLM2-135M)."""
+    folder = resolve_model_folder(model)
+    return LoadedModel(
+        backend=build_backend(folder, backend=backend, dtype=parse_dtype(dtype)),
+        tokenizer=HFTokenizer(folder),
+        name=model or DEFAULT_MODEL,
+    )
+
+
+__all__ = [
+    "Backend",
+    "CharTokenizer",
+    "DEFAULT_MODEL",
+    "EMBEDDED_MODELS",
+    "LoadedModel",
+    "ModelInfo",
+    "StepOutput",
+    "Tokenizer",
+    "load_model",
+]

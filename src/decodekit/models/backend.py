@@ -1,0 +1,139 @@
+"""The one interface every decoding algorithm uses to talk to a model.
+
+A backend owns a key/value cache holding ``length`` committed tokens per row. Algorithms
+append tokens (getting logits for each new position), roll the cache back, or verify a
+whole token tree in one forward pass and keep only the accepted root-to-leaf path.
+Nothing outside ``decodekit.models`` touches attention masks, caches or hidden states.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What algorithms may need to know about the model behind a backend."""
+
+    name: str
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    max_length: int
+    dtype: torch.dtype
+    architecture: str
+
+
+@dataclass
+class StepOutput:
+    """Result of one forward pass.
+
+    ``logits`` is float32 ``[B, k, V]``: row b, position i predicts the token after the
+    i-th new token. ``hidden`` maps a layer index ``l`` (0 = embeddings, ``num_layers`` =
+    last decoder layer, before the final norm) to ``[B, k, D]`` states, when requested.
+    """
+
+    logits: torch.Tensor
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of every node of a tree given in topological order (parent index < child index).
+
+    A parent of -1 attaches the node directly to the committed context (depth 0).
+    """
+    depths: list[int] = []
+    for i, parent in enumerate(parents):
+        if parent >= i:
+            raise ValueError(f"tree nodes must be topologically ordered: node {i} has parent {parent}")
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def tree_ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
+    """Boolean ``[N, N]`` matrix: entry (i, j) is True when node j is node i or one of its ancestors."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask
+
+
+class Backend(ABC):
+    """A causal LM with an appendable, rollback-able, tree-verifiable KV cache."""
+
+    info: ModelInfo
+
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Number of committed tokens in the cache (the same for every row)."""
+
+    @property
+    @abstractmethod
+    def batch_size(self) -> int:
+        """Number of rows currently held in the cache."""
+
+    @abstractmethod
+    def reset(self, batch_size: int = 1) -> None:
+        """Empty the cache and set the number of rows."""
+
+    @abstractmethod
+    def append(
+        self,
+        tokens: torch.Tensor,
+        *,
+        hidden_layers: Sequence[int] = (),
+        skip_layers: frozenset[int] = frozenset(),
+        last_only: bool = False,
+    ) -> StepOutput:
+        """Run ``tokens`` ``[B, k]`` after the cache, commit them, return their logits.
+
+        ``skip_layers`` runs those decoder layers as the identity (self-speculative drafting);
+        the cache entries written with skipped layers must be rolled back before the positions
+        are trusted. ``last_only`` computes logits for the last position only (prefill).
+        """
+
+    @abstractmethod
+    def truncate(self, length: int) -> None:
+        """Roll the cache back to its first ``length`` tokens."""
+
+    @abstractmethod
+    def verify_tree(self, tokens: torch.Tensor, parents: Sequence[int]) -> StepOutput:
+        """Run a token tree (batch 1) in one pass; node i sees the context and its ancestors.
+
+        ``tokens`` is ``[N]``, ``parents[i]`` the index of node i's parent (-1 = child of the
+        context), nodes in topological order. Returns logits ``[1, N, V]``. The cache is left
+        uncommitted until :meth:`commit_path`.
+        """
+
+    @abstractmethod
+    def commit_path(self, nodes: Sequence[int]) -> None:
+        """Keep the tree nodes ``nodes`` (a root-to-leaf path, in order) and drop the rest."""
+
+    @abstractmethod
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Replace the cache rows by ``rows`` (indices into the current rows; may repeat).
+
+        Forking one prompt into N samples is ``reorder(torch.zeros(N, dtype=torch.long))``.
+        """
+
+    # Conveniences shared by every backend -------------------------------------------------
+
+    def prefill(self, token_ids: Sequence[int], batch_size: int = 1) -> torch.Tensor:
+        """Reset, run the prompt once, fork it to ``batch_size`` rows; return last logits ``[B, V]``."""
+        self.reset(1)
+        out = self.append(torch.tensor([list(token_ids)], dtype=torch.long), last_only=True)
+        if batch_size > 1:
+            self.reorder(torch.zeros(batch_size, dtype=torch.long))
+            return out.logits[:, -1].expand(batch_size, -1).clone()
+        return out.logits[:, -1]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token per row (``[B]``) and return the next-token logits ``[B, V]``."""
+        return self.append(tokens.view(-1, 1)).logits[:, -1]

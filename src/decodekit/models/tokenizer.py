@@ -1,0 +1,63 @@
+"""A minimal tokenizer interface: what the engine needs, over transformers or a toy vocabulary."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+
+class Tokenizer:
+    """encode/decode text, know the end-of-sequence ids, and format a chat prompt."""
+
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str | None:
+        """The prompt text for a chat (generation prompt added), or None without a chat template."""
+        return None
+
+
+class HFTokenizer(Tokenizer):
+    def __init__(self, folder: Path | str):
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(folder)
+        eos = {self.hf.eos_token_id} if self.hf.eos_token_id is not None else set()
+        # Chat models end turns with a template token that may differ from the configured EOS.
+        for token in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>"):
+            tid = self.hf.convert_tokens_to_ids(token)
+            if isinstance(tid, int) and tid != self.hf.unk_token_id and tid is not None:
+                eos.add(tid)
+        self.eos_token_ids = frozenset(eos)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str | None:
+        if not getattr(self.hf, "chat_template", None):
+            return None
+        return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+class CharTokenizer(Tokenizer):
+    """One token per printable ASCII character; id 0 is end-of-sequence. For tiny test models."""
+
+    OFFSET = 31
+
+    def __init__(self, vocab_size: int = 96):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset({0})
+
+    def encode(self, text: str) -> list[int]:
+        return [min(max(ord(c) - self.OFFSET, 1), self.vocab_size - 1) for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(chr(i + self.OFFSET) for i in ids if i not in self.eos_token_ids)

@@ -1,0 +1,129 @@
+"""The logits-processor interface, shared helpers and parameter checks.
+
+A processor maps logits ``[B, V]`` to new logits ``[B, V]``; a removed token gets ``-inf``.
+Processors chain (the Hugging Face logits-processor pattern): each one sees the previous one's
+output, so a truncation sampler works on the distribution renormalised over what earlier
+processors left.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from decodekit.errors import InvalidParameter
+
+NEG_INF = float("-inf")
+
+
+class LogitsProcessor(ABC):
+    """One step of logit processing.
+
+    ``needs_history`` is True when the output depends on the prompt/generated ids; processors
+    that leave it False never look at ``histories`` (callers may pass an empty list or None).
+    Implementations return a new tensor and never modify ``logits`` in place.
+    """
+
+    needs_history: bool = False
+
+    @abstractmethod
+    def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Return processed logits ``[B, V]`` (float32, ``-inf`` for removed tokens)."""
+
+    def describe(self) -> dict[str, Any]:
+        """The processor's parameters under their ``Sampler.from_params`` names."""
+        return {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.describe().items())
+        return f"{type(self).__name__}({args})"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def keep_only(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """New logits with every token outside ``keep`` set to -inf; the row argmax is always kept."""
+    keep = keep.clone()
+    keep.scatter_(-1, logits.argmax(dim=-1, keepdim=True), True)
+    return logits.masked_fill(~keep, NEG_INF)
+
+
+def sorted_probs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(probs, sorted_probs, sorted_idx)``: softmax of the logits and its descending sort.
+
+    The sort is stable, so equal probabilities keep ascending token-id order.
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    sp, si = torch.sort(probs, dim=-1, descending=True, stable=True)
+    return probs, sp, si
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy in nats of each row (0·log 0 = 0); shape ``[B, 1]``."""
+    return -torch.xlogy(probs, probs).sum(dim=-1, keepdim=True)
+
+
+def count_history(
+    histories: Sequence[torch.Tensor], batch: int, vocab: int, device: torch.device,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Float ``[B, V]`` counts of each token id in each row's history (last ``window`` ids only)."""
+    if histories is None or len(histories) != batch:
+        got = "None" if histories is None else len(histories)
+        raise ValueError(f"expected {batch} histories (one per batch row), got {got}")
+    rows = [torch.as_tensor(h, device=device).reshape(-1).long() for h in histories]
+    if window is not None:
+        rows = [h[-window:] for h in rows]
+    lengths = torch.tensor([h.numel() for h in rows], device=device)
+    counts = torch.zeros(batch * vocab, device=device, dtype=torch.float32)
+    if int(lengths.sum()) == 0:
+        return counts.view(batch, vocab)
+    toks = torch.cat(rows)
+    if int(toks.min()) < 0 or int(toks.max()) >= vocab:
+        raise ValueError(f"history token ids must be in [0, {vocab}), got {int(toks.min())}..{int(toks.max())}")
+    row_ids = torch.repeat_interleave(torch.arange(batch, device=device), lengths)
+    counts.index_add_(0, row_ids * vocab + toks, torch.ones_like(toks, dtype=torch.float32))
+    return counts.view(batch, vocab)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _fmt(x: float) -> str:
+    return "inf" if x == math.inf else "-inf" if x == -math.inf else f"{x:g}"
+
+
+def check_real(name: str, value: Any, lo: float = -math.inf, hi: float = math.inf, *,
+               lo_open: bool = False, hi_open: bool = False) -> float:
+    """Return ``float(value)`` if it is a finite real number in the interval, else raise InvalidParameter."""
+    left = "(" if lo_open or lo == -math.inf else "["
+    right = ")" if hi_open or hi == math.inf else "]"
+    if lo == -math.inf and hi == math.inf:
+        allowed = "a finite number"
+    elif hi == math.inf:
+        allowed = f"{'>' if lo_open else '>='} {_fmt(lo)}"
+    else:
+        allowed = f"in {left}{_fmt(lo)}, {_fmt(hi)}{right}"
+    ok = _is_real(value) and math.isfinite(value)
+    if ok:
+        ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+    if not ok:
+        raise InvalidParameter(f"{name} must be {allowed}, got {value!r}")
+    return float(value)
+
+
+def check_int(name: str, value: Any, lo: int = 1) -> int:
+    """Return ``value`` if it is an integer ``>= lo`` (bools rejected), else raise InvalidParameter."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
+        raise InvalidParameter(f"{name} must be an integer >= {lo}, got {value!r}")
+    return int(value)

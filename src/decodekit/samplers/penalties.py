@@ -1,0 +1,121 @@
+"""History-dependent processors: repetition, frequency and presence penalties, no-repeat-n-gram.
+
+Histories are the prompt plus the generated ids of each row. The penalties take an optional
+recency window ``window`` (``penalty_window`` in ``Sampler.from_params``): only the last W ids of
+the history count, as in penalty decoding (Zhu et al., 2023, "Penalty Decoding: Well Suppress
+the Self-Reinforcement Effect in Open-Ended Text Generation").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from decodekit.samplers.base import LogitsProcessor, check_int, check_real, count_history
+
+
+class _HistoryPenalty(LogitsProcessor):
+    needs_history = True
+    name = ""
+
+    def __init__(self, penalty: float, window: int | None = None) -> None:
+        self.window = None if window is None else check_int("penalty_window", window, 1)
+        self.penalty = self._check(penalty)
+
+    def _check(self, penalty: float) -> float:
+        return check_real(self.name, penalty)
+
+    def counts(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
+        b, v = logits.shape
+        return count_history(histories, b, v, logits.device, self.window)
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {self.name: self.penalty}
+        if self.window is not None:
+            out["penalty_window"] = self.window
+        return out
+
+
+class RepetitionPenalty(_HistoryPenalty):
+    """Repetition penalty (Keskar et al., 2019, "CTRL: A Conditional Transformer Language Model for
+    Controllable Generation"): for every token present in the (windowed) history, a positive logit
+    is divided by r and a negative one multiplied by r, however often the token occurred.
+    r > 1 discourages repeats, r < 1 encourages them."""
+
+    name = "repetition_penalty"
+
+    def _check(self, penalty: float) -> float:
+        return check_real(self.name, penalty, 0.0, lo_open=True)
+
+    def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
+        x = logits.float()
+        seen = self.counts(x, histories) > 0
+        penalised = torch.where(x > 0, x / self.penalty, x * self.penalty)
+        return torch.where(seen, penalised, x)
+
+
+class FrequencyPenalty(_HistoryPenalty):
+    """Frequency penalty (OpenAI API style, additive): logit −= penalty · count of the token in the
+    (windowed) history. Negative values encourage repeats."""
+
+    name = "frequency_penalty"
+
+    def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
+        x = logits.float()
+        return x - self.penalty * self.counts(x, histories)
+
+
+class PresencePenalty(_HistoryPenalty):
+    """Presence penalty (OpenAI API style, additive): logit −= penalty for every token that occurs
+    at least once in the (windowed) history. Negative values encourage repeats."""
+
+    name = "presence_penalty"
+
+    def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
+        x = logits.float()
+        return x - self.penalty * (self.counts(x, histories) > 0).float()
+
+
+class NoRepeatNGram(LogitsProcessor):
+    """No-repeat-n-gram blocking (Paulus et al., 2018, "A Deep Reinforced Model for Abstractive
+    Summarization"): ban every token that would complete an n-gram already present in the
+    history, i.e. each token that followed an earlier occurrence of the last n−1 ids. n = 1 bans
+    every token of the history. The whole history counts (no window). If the bans would remove
+    every remaining token of a row, that row is left unchanged rather than emptied.
+    """
+
+    needs_history = True
+
+    def __init__(self, no_repeat_ngram_size: int) -> None:
+        self.n = check_int("no_repeat_ngram_size", no_repeat_ngram_size, 1)
+
+    def banned(self, history: torch.Tensor) -> torch.Tensor:
+        """Token ids that would complete a repeated n-gram after ``history``."""
+        h = torch.as_tensor(history).reshape(-1).long()
+        n = self.n
+        if h.numel() < n:
+            return h.new_empty(0)
+        grams = h.unfold(0, n, 1)  # [L - n + 1, n]
+        prefix = h[h.numel() - n + 1:]  # last n - 1 ids
+        match = (grams[:, :-1] == prefix).all(dim=-1)
+        return grams[match, -1]
+
+    def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
+        x = logits.float()
+        b, v = x.shape
+        if histories is None or len(histories) != b:
+            got = "None" if histories is None else len(histories)
+            raise ValueError(f"expected {b} histories (one per batch row), got {got}")
+        ban = torch.zeros(b, v, dtype=torch.bool, device=x.device)
+        for row, history in enumerate(histories):
+            ids = self.banned(history).to(x.device)
+            if ids.numel():
+                ban[row, ids] = True
+        out = x.masked_fill(ban, float("-inf"))
+        emptied = ~(out > float("-inf")).any(dim=-1, keepdim=True)
+        return torch.where(emptied, x, out)
+
+    def describe(self) -> dict[str, Any]:
+        return {"no_repeat_ngram_size": self.n}

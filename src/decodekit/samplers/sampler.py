@@ -1,0 +1,184 @@
+"""``Sampler``: a chain of logits processors plus a seeded random generator."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from decodekit.errors import InvalidParameter
+from decodekit.samplers.base import LogitsProcessor, check_int, check_real
+from decodekit.samplers.penalties import (
+    FrequencyPenalty,
+    NoRepeatNGram,
+    PresencePenalty,
+    RepetitionPenalty,
+)
+from decodekit.samplers.truncation import (
+    AdaptiveTopK,
+    EpsilonCutoff,
+    EtaCutoff,
+    MinP,
+    Temperature,
+    TopH,
+    TopK,
+    TopNSigma,
+    TopP,
+    TypicalP,
+)
+
+#: Keyword names of ``Sampler.from_params`` (the CLI builds one flag per name).
+SAMPLER_PARAMS: tuple[str, ...] = (
+    "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon", "eta", "top_n_sigma",
+    "top_h", "adaptive_k", "repetition_penalty", "frequency_penalty", "presence_penalty",
+    "penalty_window", "no_repeat_ngram_size", "greedy", "seed",
+)
+
+
+class Sampler:
+    """Applies ``processors`` in order, then picks a token greedily or by sampling.
+
+    All randomness goes through ``self.generator`` (a CPU ``torch.Generator`` seeded from
+    ``seed``, or from fresh OS entropy when ``seed`` is None; the seed used is ``self.seed``).
+    Sampling moves the probabilities to the generator's device, so draws do not depend on where
+    the logits live.
+    """
+
+    def __init__(self, processors: Sequence[LogitsProcessor] = (), *, greedy: bool = False,
+                 seed: int | None = None) -> None:
+        if not isinstance(greedy, bool):
+            raise InvalidParameter(f"greedy must be true or false, got {greedy!r}")
+        for p in processors:
+            if not isinstance(p, LogitsProcessor):
+                raise TypeError(f"processors must be LogitsProcessor instances, got {type(p).__name__}")
+        self.processors: list[LogitsProcessor] = list(processors)
+        self._greedy = greedy
+        self.generator = torch.Generator()
+        if seed is None:
+            self.seed: int = self.generator.seed()
+        else:
+            self.seed = check_int("seed", seed, 0)
+            self.generator.manual_seed(self.seed)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_params(
+        cls, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+        min_p: float | None = None, typical_p: float | None = None, epsilon: float | None = None,
+        eta: float | None = None, top_n_sigma: float | None = None, top_h: float | None = None,
+        adaptive_k: float | None = None, repetition_penalty: float | None = None,
+        frequency_penalty: float | None = None, presence_penalty: float | None = None,
+        penalty_window: int | None = None, no_repeat_ngram_size: int | None = None,
+        greedy: bool = False, seed: int | None = None,
+    ) -> "Sampler":
+        """Build a validated sampler from flat parameters (None = off).
+
+        Order: repetition, frequency, presence penalties and no-repeat-n-gram; then temperature;
+        then the truncation samplers top-nσ, top-k, top-p, min-p, typical, epsilon, eta, top-H,
+        adaptive top-k (each one sees what the previous ones kept). ``temperature=0`` means
+        greedy. Values that change nothing (temperature 1, top_p 1, min_p 0, typical_p 1,
+        repetition_penalty 1, frequency/presence penalty 0) add no processor.
+        ``penalty_window`` applies to the three penalties.
+        """
+        temperature = check_real("temperature", temperature, 0.0)
+        if not isinstance(greedy, bool):
+            raise InvalidParameter(f"greedy must be true or false, got {greedy!r}")
+        if penalty_window is not None:
+            check_int("penalty_window", penalty_window, 1)
+        procs: list[LogitsProcessor] = []
+        if repetition_penalty is not None:
+            p = RepetitionPenalty(repetition_penalty, penalty_window)
+            if p.penalty != 1.0:
+                procs.append(p)
+        if frequency_penalty is not None:
+            p = FrequencyPenalty(frequency_penalty, penalty_window)
+            if p.penalty != 0.0:
+                procs.append(p)
+        if presence_penalty is not None:
+            p = PresencePenalty(presence_penalty, penalty_window)
+            if p.penalty != 0.0:
+                procs.append(p)
+        if no_repeat_ngram_size is not None:
+            procs.append(NoRepeatNGram(no_repeat_ngram_size))
+        if temperature == 0.0:
+            greedy = True
+        elif temperature != 1.0:
+            procs.append(Temperature(temperature))
+        truncation = (
+            (top_n_sigma, TopNSigma, None), (top_k, TopK, None), (top_p, TopP, 1.0),
+            (min_p, MinP, 0.0), (typical_p, TypicalP, 1.0), (epsilon, EpsilonCutoff, None),
+            (eta, EtaCutoff, None), (top_h, TopH, None), (adaptive_k, AdaptiveTopK, None),
+        )
+        for value, klass, noop in truncation:
+            if value is not None:
+                proc = klass(value)  # validates
+                if noop is None or float(value) != noop:
+                    procs.append(proc)
+        return cls(procs, greedy=greedy, seed=seed)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def is_greedy(self) -> bool:
+        return self._greedy
+
+    @property
+    def needs_history(self) -> bool:
+        return any(p.needs_history for p in self.processors)
+
+    # ------------------------------------------------------------------ steps
+
+    def process(self, logits: torch.Tensor, histories: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """Processed float32 logits ``[B, V]`` (a new tensor; ``logits`` is not modified)."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must have shape [batch, vocab], got {tuple(logits.shape)}")
+        if self.needs_history and (histories is None or len(histories) != logits.shape[0]):
+            got = "None" if histories is None else len(histories)
+            raise ValueError(f"this sampler needs one history per batch row ({logits.shape[0]}), got {got}")
+        out = logits.float()
+        for proc in self.processors:
+            out = proc(out, histories if proc.needs_history else ())
+        return out.clone() if out is logits else out
+
+    def probs(self, logits: torch.Tensor, histories: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """The processed distribution ``[B, V]``; a one-hot at the argmax when greedy."""
+        x = self.process(logits, histories)
+        if self._greedy:
+            return torch.zeros_like(x).scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
+        return torch.softmax(x, dim=-1)
+
+    def pick(self, logits: torch.Tensor, histories: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """Next token per row, LongTensor ``[B]`` on the logits' device."""
+        x = self.process(logits, histories)
+        if self._greedy:
+            return x.argmax(dim=-1)
+        return self.sample_from(torch.softmax(x, dim=-1))
+
+    def sample_from(self, probs: torch.Tensor) -> torch.Tensor:
+        """One draw per row from (possibly unnormalised, non-negative) ``probs`` ``[..., V]``,
+        using ``self.generator``; returns a LongTensor of shape ``probs.shape[:-1]``."""
+        flat = probs.reshape(-1, probs.shape[-1]).to(self.generator.device, torch.float32)
+        if bool((flat.sum(dim=-1) <= 0).any()) or not bool(torch.isfinite(flat).all()):
+            raise ValueError("sample_from needs finite, non-negative probabilities with a positive sum in each row")
+        ids = torch.multinomial(flat, 1, generator=self.generator).view(probs.shape[:-1])
+        return ids.to(probs.device)
+
+    def uniform(self, n: int = 1) -> torch.Tensor:
+        """``n`` independent U(0, 1) draws (float32, shape ``[n]``) from ``self.generator``."""
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ValueError(f"n must be a non-negative integer, got {n!r}")
+        return torch.rand(int(n), generator=self.generator, device=self.generator.device)
+
+    def describe(self) -> dict[str, Any]:
+        """Active parameters: greedy flag, seed, processor order and each processor's settings."""
+        out: dict[str, Any] = {"greedy": self._greedy, "seed": self.seed,
+                               "processors": [type(p).__name__ for p in self.processors]}
+        for p in self.processors:
+            out.update(p.describe())
+        return out
+
+    def __repr__(self) -> str:
+        return f"Sampler({self.processors!r}, greedy={self._greedy}, seed={self.seed})"

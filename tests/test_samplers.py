@@ -1,0 +1,558 @@
+"""Tests for decodekit.samplers: each processor's defining rule on small hand-checkable logits,
+the shared invariants, and the Sampler (greedy, seeding, sampling frequencies, validation)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from decodekit.errors import InvalidParameter
+from decodekit.samplers import (
+    SAMPLER_PARAMS,
+    AdaptiveTopK,
+    EpsilonCutoff,
+    EtaCutoff,
+    FrequencyPenalty,
+    LogitsProcessor,
+    MinP,
+    NoRepeatNGram,
+    PresencePenalty,
+    RepetitionPenalty,
+    Sampler,
+    Temperature,
+    TopH,
+    TopK,
+    TopNSigma,
+    TopP,
+    TypicalP,
+)
+
+NEG = float("-inf")
+
+
+def logits_of(*probs: float) -> torch.Tensor:
+    """A [1, V] logits row whose softmax is ``probs`` (up to float rounding)."""
+    return torch.tensor([probs], dtype=torch.float64).log().float()
+
+
+def kept(out: torch.Tensor, row: int = 0) -> set[int]:
+    return set(torch.nonzero(torch.isfinite(out[row])).flatten().tolist())
+
+
+def entropy(ps: list[float]) -> float:
+    s = sum(ps)
+    return -sum(p / s * math.log(p / s) for p in ps if p > 0)
+
+
+class NoTouch:
+    """A 'histories' object that fails on any use: processors that ignore history must not touch it."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"history was touched ({name})")
+
+    def __len__(self):
+        raise AssertionError("history was touched (len)")
+
+    def __iter__(self):
+        raise AssertionError("history was touched (iter)")
+
+    def __getitem__(self, i):
+        raise AssertionError("history was touched (getitem)")
+
+
+TRUNCATION = [
+    TopK(2), TopP(0.5), MinP(0.3), TypicalP(0.3), EpsilonCutoff(0.05), EtaCutoff(0.05),
+    TopNSigma(0.5), TopH(0.5), AdaptiveTopK(0.1),
+]
+HISTORY_FREE = [Temperature(0.7), *TRUNCATION]
+HISTORY = [RepetitionPenalty(1.5), RepetitionPenalty(1.5, 2), FrequencyPenalty(0.4),
+           FrequencyPenalty(0.4, 3), PresencePenalty(0.6), PresencePenalty(0.6, 1), NoRepeatNGram(2)]
+ALL = HISTORY_FREE + HISTORY
+
+
+# ---------------------------------------------------------------- temperature
+
+
+def test_temperature_divides_logits():
+    out = Temperature(2.0)(torch.tensor([[2.0, 4.0, -6.0, NEG]]), NoTouch())
+    assert out.tolist() == [[1.0, 2.0, -3.0, NEG]]
+
+
+# ---------------------------------------------------------------- top-k
+
+
+def test_top_k_keeps_k_largest():
+    x = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0]])
+    assert kept(TopK(2)(x, [])) == {1, 3}
+    assert kept(TopK(1)(x, [])) == {1}
+    assert kept(TopK(10)(x, [])) == {0, 1, 2, 3, 4}  # k > V keeps everything
+
+
+def test_top_k_keeps_ties_at_the_boundary():
+    x = torch.tensor([[3.0, 1.0, 3.0, 2.0]])
+    assert kept(TopK(1)(x, [])) == {0, 2}
+
+
+# ---------------------------------------------------------------- top-p
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    x = logits_of(0.1, 0.4, 0.2, 0.3)
+    assert kept(TopP(0.3)(x, [])) == {1}          # 0.4 >= 0.3
+    assert kept(TopP(0.65)(x, [])) == {1, 3}      # 0.4 + 0.3 = 0.7 >= 0.65, 0.4 alone < 0.65
+    assert kept(TopP(0.75)(x, [])) == {1, 3, 2}   # 0.9
+    assert kept(TopP(1.0)(x, [])) == {0, 1, 2, 3}
+
+
+def test_top_p_minimality_on_random_rows():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 200, generator=g) * 2
+    p = 0.8
+    out = TopP(p)(x, [])
+    probs = torch.softmax(x.double(), -1)
+    for r in range(16):
+        keep = torch.isfinite(out[r])
+        mass = probs[r][keep].sum().item()
+        smallest = probs[r][keep].min().item()
+        assert mass >= p
+        assert mass - smallest < p  # dropping the least probable kept token falls below p
+        # it is a top set: everything kept is at least as probable as everything dropped
+        assert probs[r][keep].min() >= probs[r][~keep].max()
+
+
+def test_top_p_keeps_tied_tokens_together():
+    x = logits_of(0.5, 0.25, 0.25)
+    assert kept(TopP(0.6)(x, [])) == {0, 1, 2}
+
+
+# ---------------------------------------------------------------- min-p
+
+
+def test_min_p_threshold_is_relative_to_top_probability():
+    x = logits_of(0.5, 0.2, 0.14, 0.1, 0.06)
+    assert kept(MinP(0.3)(x, [])) == {0, 1}           # threshold 0.15
+    assert kept(MinP(0.25)(x, [])) == {0, 1, 2}       # threshold 0.125
+    assert kept(MinP(0.0)(x, [])) == {0, 1, 2, 3, 4}
+    assert kept(MinP(1.0)(x, [])) == {0}
+
+
+def test_min_p_matches_rule_on_random_rows():
+    x = torch.randn(8, 300, generator=torch.Generator().manual_seed(1)) * 3
+    out = MinP(0.1)(x, [])
+    probs = torch.softmax(x, -1)
+    expect = probs >= 0.1 * probs.max(-1, keepdim=True).values
+    assert torch.equal(torch.isfinite(out), expect)
+    assert torch.equal(out[expect], x[expect])  # kept logits are unchanged
+
+
+# ---------------------------------------------------------------- typical
+
+
+def test_typical_keeps_tokens_closest_to_the_entropy():
+    ps = [0.45, 0.25, 0.18, 0.12]
+    h = entropy(ps)
+    dist = [abs(-math.log(p) - h) for p in ps]
+    # hand check of the ranking by |surprisal - H|: 0.25, then 0.18, then 0.45, then 0.12
+    assert sorted(range(4), key=lambda i: dist[i]) == [1, 2, 0, 3]
+    x = logits_of(*ps)
+    paper = lambda tau: kept(TypicalP(tau, keep_argmax=False)(x, []))  # noqa: E731
+    assert paper(0.2) == {1}              # 0.25 >= 0.2
+    assert paper(0.4) == {1, 2}           # 0.25 + 0.18 = 0.43 >= 0.4, the mode is not typical
+    assert paper(0.9) == {0, 1, 2, 3}     # 0.88 < 0.9 so the last one is needed too
+    # library default: the typical set plus the argmax
+    assert kept(TypicalP(0.2)(x, [])) == {0, 1}
+    assert kept(TypicalP(0.4)(x, [])) == {0, 1, 2}
+
+
+def test_typical_set_is_a_mass_minimal_ball_around_entropy():
+    x = torch.randn(6, 100, generator=torch.Generator().manual_seed(5)) * 2
+    tau = 0.7
+    out = TypicalP(tau, keep_argmax=False)(x, [])
+    logp = torch.log_softmax(x.double(), -1)
+    p = logp.exp()
+    h = -(p * logp).sum(-1, keepdim=True)
+    dist = (-logp - h).abs()
+    for r in range(6):
+        keep = torch.isfinite(out[r])
+        assert dist[r][keep].max() < dist[r][~keep].min()  # kept = the closest tokens
+        far = dist[r][keep].argmax()
+        mass = p[r][keep].sum().item()
+        assert mass >= tau and mass - p[r][keep][far].item() < tau
+
+
+# ---------------------------------------------------------------- epsilon / eta
+
+
+def test_epsilon_drops_tokens_below_epsilon():
+    x = logits_of(0.6, 0.3, 0.0995, 0.0005)
+    assert kept(EpsilonCutoff(0.001)(x, [])) == {0, 1, 2}
+    assert kept(EpsilonCutoff(0.2)(x, [])) == {0, 1}
+    assert kept(EpsilonCutoff(0.9)(x, [])) == {0}  # nothing reaches 0.9: the argmax stays
+
+
+def test_eta_uses_entropy_scaled_threshold_when_entropy_is_high():
+    ps = [0.2, 0.1, 0.1, 0.08, 0.08, 0.08, 0.06, 0.06, 0.05, 0.05, 0.04, 0.04, 0.03, 0.02,
+          0.005, 0.003, 0.002]
+    eta = 0.05
+    thr = min(eta, math.sqrt(eta) * math.exp(-entropy(ps)))
+    assert 0.017 < thr < 0.019  # hand value: sqrt(0.05) * exp(-2.523) = 0.01794, below eta
+    out = EtaCutoff(eta)(logits_of(*ps), [])
+    assert kept(out) == {i for i, p in enumerate(ps) if p >= thr}
+    assert {11, 12, 13} <= kept(out)  # 0.04, 0.03, 0.02: below eta but above the eta threshold
+    assert kept(out).isdisjoint({14, 15, 16})
+
+
+def test_eta_uses_eta_when_entropy_is_low():
+    ps = [0.9, 0.05, 0.03, 0.015, 0.005]
+    eta = 0.02
+    assert math.sqrt(eta) * math.exp(-entropy(ps)) > eta  # 0.091: eta is the binding term
+    assert kept(EtaCutoff(eta)(logits_of(*ps), [])) == {0, 1, 2}
+
+
+# ---------------------------------------------------------------- top-n-sigma
+
+
+def test_top_n_sigma_keeps_logits_within_n_sigma_of_max():
+    x = torch.tensor([[4.0, 3.0, 1.0, 0.0, -2.0]])
+    sigma = math.sqrt(22.8 / 5)  # mean 1.2, population variance 4.56
+    assert abs(sigma - 2.1354) < 1e-4
+    assert kept(TopNSigma(1.0)(x, [])) == {0, 1}       # cutoff 4 - 2.135 = 1.865
+    assert kept(TopNSigma(1.5)(x, [])) == {0, 1, 2}    # cutoff 4 - 3.203 = 0.797
+    assert kept(TopNSigma(0.1)(x, [])) == {0}
+
+
+def test_top_n_sigma_ignores_removed_tokens_in_sigma():
+    x = torch.tensor([[4.0, 3.0, 1.0, 0.0, -2.0, NEG, NEG]])
+    assert kept(TopNSigma(1.5)(x, [])) == {0, 1, 2}
+
+
+# ---------------------------------------------------------------- top-H
+
+
+def test_top_h_bound_holds_and_next_token_breaks_it():
+    ps = [0.5, 0.3, 0.15, 0.05]
+    full = entropy(ps)
+    prefix = [entropy(ps[:k]) for k in range(1, 5)]  # 0, 0.662, 0.993, 1.142
+    for alpha, k in [(0.5, 1), (0.6, 2), (0.9, 3), (1.0, 4)]:
+        out = TopH(alpha)(logits_of(*ps), [])
+        assert kept(out) == set(range(k))
+        assert prefix[k - 1] <= alpha * full
+        if k < 4:
+            assert prefix[k] > alpha * full
+
+
+def test_top_h_rule_on_random_rows():
+    x = torch.randn(6, 80, generator=torch.Generator().manual_seed(7)) * 2
+    alpha = 0.6
+    out = TopH(alpha)(x, [])
+    probs = torch.softmax(x.double(), -1)
+    for r in range(6):
+        p = probs[r]
+        keep = torch.isfinite(out[r])
+        bound = alpha * entropy(p.tolist())
+        assert entropy(p[keep].tolist()) <= bound + 1e-9
+        nxt = p[~keep].max()
+        assert entropy(p[keep].tolist() + [nxt.item()]) > bound
+        assert p[keep].min() >= nxt
+
+
+def test_top_h_breaks_ties_by_token_id():
+    # two equal tokens: keeping both would exceed the bound (H = log 2 > alpha * H(p))
+    x = logits_of(0.3, 0.3, 0.2, 0.2)
+    assert kept(TopH(0.3)(x, [])) == {0}
+
+
+# ---------------------------------------------------------------- adaptive top-k
+
+
+def test_adaptive_k_stopping_rule_by_hand():
+    x = logits_of(0.5, 0.3, 0.15, 0.05)
+    # log(1 + p_(k+1)/S_k): k=1 0.470, k=2 0.172, k=3 0.051
+    for lam, k in [(0.5, 1), (0.2, 2), (0.1, 3), (0.01, 4)]:
+        assert kept(AdaptiveTopK(lam)(x, [])) == set(range(k))
+
+
+def test_adaptive_k_minimises_the_kl_l0_objective():
+    g = torch.Generator().manual_seed(11)
+    for lam in (0.02, 0.1, 0.3):
+        x = torch.randn(5, 60, generator=g) * 2
+        out = AdaptiveTopK(lam)(x, [])
+        sp = torch.sort(torch.softmax(x.double(), -1), -1, descending=True).values
+        cost = -torch.log(torch.cumsum(sp, -1)) + lam * torch.arange(1, 61, dtype=torch.float64)
+        best = cost.argmin(-1) + 1
+        assert torch.isfinite(out).sum(-1).tolist() == best.tolist()
+
+
+# ---------------------------------------------------------------- penalties
+
+
+def test_repetition_penalty_divides_positive_multiplies_negative():
+    x = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    out = RepetitionPenalty(2.0)(x, [torch.tensor([0, 1, 1])])
+    assert out.tolist() == [[1.0, -2.0, 0.5, 3.0]]
+
+
+def test_repetition_penalty_window_counts_only_recent_tokens():
+    x = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    out = RepetitionPenalty(2.0, window=2)(x, [torch.tensor([3, 1, 2])])
+    assert out.tolist() == [[2.0, -2.0, 0.25, 3.0]]
+
+
+def test_frequency_penalty_scales_with_count():
+    x = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    out = FrequencyPenalty(0.5)(x, [torch.tensor([0, 1, 1])])
+    assert out.tolist() == [[1.5, -2.0, 0.5, 3.0]]
+    out = FrequencyPenalty(0.5, window=2)(x, [torch.tensor([0, 1, 1])])
+    assert out.tolist() == [[2.0, -2.0, 0.5, 3.0]]
+
+
+def test_presence_penalty_is_once_per_token():
+    x = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    out = PresencePenalty(0.5)(x, [torch.tensor([0, 1, 1, 1])])
+    assert out.tolist() == [[1.5, -1.5, 0.5, 3.0]]
+    out = PresencePenalty(0.5, window=1)(x, [torch.tensor([0, 1, 1, 3])])
+    assert out.tolist() == [[2.0, -1.0, 0.5, 2.5]]
+
+
+def test_penalties_with_ragged_histories():
+    x = torch.zeros(3, 5)
+    hist = [torch.tensor([4, 4, 2]), torch.tensor([], dtype=torch.long), torch.tensor([1])]
+    out = FrequencyPenalty(1.0)(x, hist)
+    assert out.tolist() == [[0, 0, -1, 0, -2], [0, 0, 0, 0, 0], [0, -1, 0, 0, 0]]
+
+
+# ---------------------------------------------------------------- no-repeat-n-gram
+
+
+def test_no_repeat_ngram_bans_exactly_the_completing_token():
+    x = torch.zeros(1, 10)
+    out = NoRepeatNGram(3)(x, [torch.tensor([5, 6, 7, 5, 6])])
+    assert kept(out) == set(range(10)) - {7}
+    out = NoRepeatNGram(3)(x, [torch.tensor([1, 2, 3, 1, 2, 4, 9, 1, 2])])
+    assert kept(out) == set(range(10)) - {3, 4}
+    out = NoRepeatNGram(2)(x, [torch.tensor([3, 4, 5])])  # last id 5 never seen before
+    assert kept(out) == set(range(10))
+
+
+def test_no_repeat_ngram_short_history_and_unigrams():
+    x = torch.zeros(2, 6)
+    assert kept(NoRepeatNGram(3)(x, [torch.tensor([1, 2]), torch.tensor([1])]), 0) == set(range(6))
+    out = NoRepeatNGram(1)(x, [torch.tensor([1, 2, 2]), torch.tensor([], dtype=torch.long)])
+    assert kept(out, 0) == {0, 3, 4, 5} and kept(out, 1) == set(range(6))
+
+
+def test_no_repeat_ngram_bans_the_argmax_and_never_empties_a_row():
+    x = torch.tensor([[5.0, 1.0, 0.0], [5.0, 1.0, NEG]])
+    out = NoRepeatNGram(1)(x, [torch.tensor([0]), torch.tensor([0, 1])])
+    assert kept(out, 0) == {1, 2}                    # the argmax is banned: that is the point
+    assert out[1].tolist() == [5.0, 1.0, NEG]        # banning 0 and 1 would empty it: unchanged
+
+
+# ---------------------------------------------------------------- shared invariants
+
+
+def _history(batch: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, 12, (3 + 2 * b,), generator=g) for b in range(batch)]
+
+
+@pytest.mark.parametrize("proc", ALL, ids=repr)
+def test_rows_are_processed_independently(proc):
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(9)) * 2
+    hist = _history(4)
+    together = proc(x, hist)
+    for r in range(4):
+        alone = proc(x[r:r + 1], hist[r:r + 1])
+        assert torch.equal(together[r:r + 1], alone)
+
+
+@pytest.mark.parametrize("proc", ALL, ids=repr)
+def test_input_is_not_modified(proc):
+    x = torch.randn(3, 12, generator=torch.Generator().manual_seed(4))
+    x[0, 5] = NEG
+    before = x.clone()
+    hist = _history(3)
+    hist_before = [h.clone() for h in hist]
+    out = proc(x, hist)
+    assert torch.equal(x, before)
+    assert all(torch.equal(a, b) for a, b in zip(hist, hist_before))
+    assert out.data_ptr() != x.data_ptr() and out.dtype == torch.float32 and out.shape == x.shape
+
+
+@pytest.mark.parametrize("proc", HISTORY_FREE, ids=repr)
+def test_history_free_processors_do_not_touch_history(proc):
+    assert proc.needs_history is False
+    proc(torch.randn(2, 12), NoTouch())
+
+
+@pytest.mark.parametrize("proc", HISTORY, ids=repr)
+def test_history_processors_declare_it(proc):
+    assert proc.needs_history is True
+
+
+@pytest.mark.parametrize(
+    "proc",
+    [TopK(1), TopP(1e-6), MinP(1.0), TypicalP(1e-6), EpsilonCutoff(0.999), EtaCutoff(0.999),
+     TopNSigma(1e-6), TopH(1e-6), AdaptiveTopK(100.0), *TRUNCATION],
+    ids=repr,
+)
+def test_argmax_always_kept(proc):
+    x = torch.randn(20, 50, generator=torch.Generator().manual_seed(6)) * 3
+    x[:, 7] = NEG  # some tokens already removed upstream
+    out = proc(x, [])
+    assert torch.equal(out.argmax(-1), x.argmax(-1))
+    assert torch.isfinite(out.gather(-1, x.argmax(-1, keepdim=True))).all()
+    assert not torch.isfinite(out[:, 7]).any()
+    assert torch.all(torch.isfinite(out) <= torch.isfinite(x))  # truncation only removes
+    finite = torch.isfinite(out)
+    assert torch.equal(out[finite], x[finite])  # and leaves kept logits untouched
+
+
+# ---------------------------------------------------------------- Sampler
+
+
+def test_public_names_and_params():
+    assert tuple(inspect.signature(Sampler.from_params).parameters) == SAMPLER_PARAMS
+    assert issubclass(TopP, LogitsProcessor)
+
+
+def test_from_params_orders_processors_and_skips_no_ops():
+    s = Sampler.from_params(
+        adaptive_k=0.1, top_h=0.5, eta=0.01, epsilon=0.01, typical_p=0.9, min_p=0.05, top_p=0.9,
+        top_k=40, top_n_sigma=1.0, temperature=0.7, no_repeat_ngram_size=3, presence_penalty=0.1,
+        frequency_penalty=0.1, repetition_penalty=1.1, penalty_window=32, seed=0,
+    )
+    assert s.describe()["processors"] == [
+        "RepetitionPenalty", "FrequencyPenalty", "PresencePenalty", "NoRepeatNGram", "Temperature",
+        "TopNSigma", "TopK", "TopP", "MinP", "TypicalP", "EpsilonCutoff", "EtaCutoff", "TopH",
+        "AdaptiveTopK",
+    ]
+    d = s.describe()
+    assert d["penalty_window"] == 32 and d["top_p"] == 0.9 and d["temperature"] == 0.7
+    assert d["seed"] == 0 and d["greedy"] is False
+    assert s.needs_history
+    plain = Sampler.from_params(temperature=1.0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                                frequency_penalty=0.0, presence_penalty=0.0)
+    assert plain.processors == [] and not plain.needs_history
+
+
+def test_process_composes_in_order():
+    x = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    hist = [torch.tensor([0])]
+    s = Sampler.from_params(repetition_penalty=4.0, temperature=0.5, top_k=2)
+    # penalty first: logit 2 -> 0.5; then /0.5 -> [1, 2, 1, -2]; top-2 keeps 2 and the tied 1s
+    assert s.process(x, hist).tolist() == [[1.0, 2.0, 1.0, NEG]]
+    with pytest.raises(ValueError):
+        s.process(x, None)
+
+
+def test_greedy_equals_argmax_of_processed_logits():
+    x = torch.randn(8, 30, generator=torch.Generator().manual_seed(1)) * 2
+    g = Sampler(greedy=True)
+    assert g.is_greedy and torch.equal(g.pick(x, []), x.argmax(-1))
+    probs = g.probs(x, [])
+    assert torch.equal(probs, torch.nn.functional.one_hot(x.argmax(-1), 30).float())
+    t0 = Sampler.from_params(temperature=0, top_k=5)
+    assert t0.is_greedy and torch.equal(t0.pick(x, []), x.argmax(-1))
+    # greedy still applies penalties: the banned argmax is not picked
+    hist = [torch.tensor([int(i)]) for i in x.argmax(-1)]
+    pen = Sampler.from_params(temperature=0, no_repeat_ngram_size=1)
+    picked = pen.pick(x, hist)
+    assert torch.equal(picked, x.topk(2, -1).indices[:, 1])
+
+
+def test_same_seed_same_samples_different_seed_different():
+    x = torch.zeros(64, 50)
+    a, b, c = (Sampler.from_params(seed=s) for s in (123, 123, 124))
+    draws_a = [a.pick(x, []) for _ in range(3)]
+    draws_b = [b.pick(x, []) for _ in range(3)]
+    draws_c = [c.pick(x, []) for _ in range(3)]
+    assert all(torch.equal(u, v) for u, v in zip(draws_a, draws_b))
+    assert not all(torch.equal(u, v) for u, v in zip(draws_a, draws_c))
+    assert torch.equal(Sampler(seed=5).uniform(4), Sampler(seed=5).uniform(4))
+    assert not torch.equal(Sampler(seed=5).uniform(4), Sampler(seed=6).uniform(4))
+    assert Sampler().seed != Sampler().seed  # no seed: fresh random seeds
+
+
+def test_uniform_draws_are_in_unit_interval():
+    u = Sampler(seed=0).uniform(1000)
+    assert u.shape == (1000,) and u.min() >= 0 and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.05  # sd of the mean is 0.009
+
+
+# chi-square 0.999 quantiles by degrees of freedom (from standard tables)
+CHI2_999 = {2: 13.816, 3: 16.266, 4: 18.467}
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor, n: int) -> float:
+    expected = probs * n
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_sampling_frequencies_match_probs():
+    x = torch.tensor([[2.0, 1.5, 0.3, 1.0, -1.0, 0.0]])
+    s = Sampler.from_params(temperature=0.8, top_k=4, seed=2024)
+    probs = s.probs(x, [])[0].double()
+    assert abs(probs.sum().item() - 1) < 1e-6 and set(torch.nonzero(probs).flatten().tolist()) == {0, 1, 2, 3}
+    n = 40000
+    ids = s.pick(x.expand(n, -1), [])
+    counts = torch.bincount(ids, minlength=6).double()
+    assert counts[[4, 5]].sum() == 0  # removed tokens are never drawn
+    keep = probs > 0
+    assert _chi2(counts[keep], probs[keep], n) < CHI2_999[3]
+
+
+def test_sample_from_uses_given_weights():
+    s = Sampler(seed=7)
+    w = torch.tensor([0.0, 3.0, 1.0, 0.0, 4.0])  # unnormalised, like a speculative residual
+    n = 30000
+    ids = s.sample_from(w.expand(n, -1))
+    assert ids.shape == (n,) and ids.dtype == torch.long
+    counts = torch.bincount(ids, minlength=5).double()
+    assert counts[0] == 0 and counts[3] == 0
+    p = w / w.sum()
+    assert _chi2(counts[[1, 2, 4]], p[[1, 2, 4]].double(), n) < CHI2_999[2]
+    assert s.sample_from(w).shape == ()
+    with pytest.raises(ValueError):
+        s.sample_from(torch.zeros(1, 5))
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_p": -0.1}, "top_p"),
+        ({"top_k": 0}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"top_k": True}, "top_k"),
+        ({"temperature": -0.5}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"min_p": -0.1}, "min_p"), ({"min_p": 1.1}, "min_p"),
+        ({"typical_p": 0}, "typical_p"), ({"typical_p": 1.01}, "typical_p"),
+        ({"epsilon": 0}, "epsilon"), ({"epsilon": 1}, "epsilon"),
+        ({"eta": 0}, "eta"), ({"eta": 1.0}, "eta"),
+        ({"top_n_sigma": 0}, "top_n_sigma"), ({"top_n_sigma": -1}, "top_n_sigma"),
+        ({"top_h": 0}, "top_h"), ({"top_h": 1.5}, "top_h"),
+        ({"adaptive_k": 0}, "adaptive_k"), ({"adaptive_k": "0.1"}, "adaptive_k"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"presence_penalty": float("inf")}, "presence_penalty"),
+        ({"penalty_window": 0}, "penalty_window"),
+        ({"no_repeat_ngram_size": 0}, "no_repeat_ngram_size"),
+        ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"), ({"greedy": "yes"}, "greedy"),
+    ],
+)
+def test_invalid_values_raise_naming_the_parameter(kwargs, name):
+    with pytest.raises(InvalidParameter) as err:
+        Sampler.from_params(**kwargs)
+    msg = str(err.value)
+    assert msg.startswith(f"{name} must be") and "\n" not in msg
+
+
+def test_invalid_message_states_range():
+    with pytest.raises(InvalidParameter, match=r"^top_p must be in \(0, 1\], got 0$"):
+        Sampler.from_params(top_p=0)
+    with pytest.raises(InvalidParameter, match=r"^top_k must be an integer >= 1, got 0$"):
+        TopK(0)
+    with pytest.raises(InvalidParameter, match=r"^temperature must be > 0"):
+        Temperature(0)  # the processor itself needs T > 0; from_params maps 0 to greedy
