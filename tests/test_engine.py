@@ -1,0 +1,102 @@
+"""The decode loop and the Python API on a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodekit.engine import Engine
+from decodekit.errors import InvalidParameter, PromptTooLong, UnknownMethod
+from decodekit.models import CharTokenizer, LoadedModel
+from decodekit.models.tiny import tiny_llama
+
+
+def manual_greedy(backend, prompt_ids: list[int], n: int, eos: set[int]) -> list[int]:
+    backend.reset()
+    logits = backend.append(torch.tensor([prompt_ids])).logits[0, -1]
+    out: list[int] = []
+    for _ in range(n):
+        token = int(logits.argmax())
+        if token in eos:
+            break
+        out.append(token)
+        logits = backend.append(torch.tensor([[token]])).logits[0, -1]
+    return out
+
+
+def test_greedy_equals_a_hand_written_argmax_loop(tiny_model):
+    engine = Engine(tiny_model)
+    for prompt in ("hello world", "abcabcabc", "The quick brown fox"):
+        got = engine.generate(prompt, max_new_tokens=40, chat=False)
+        ids = tiny_model.tokenizer.encode(prompt)
+        assert got.tokens == manual_greedy(tiny_model.backend, ids, 40, {0})
+        assert got.text == tiny_model.tokenizer.decode(got.tokens)
+
+
+def test_stats_count_tokens_and_passes(tiny_model):
+    g = Engine(tiny_model).generate("hello", max_new_tokens=12, chat=False)
+    assert g.finish_reason in ("length", "eos")
+    assert g.stats.new_tokens == len(g.tokens)
+    # the last chosen token is never run through the model
+    assert g.stats.forward_passes == max(len(g.tokens) - 1, 0) + (g.finish_reason == "eos")
+    assert g.stats.decode_s > 0 and g.stats.tokens_per_s > 0
+    assert set(g.as_dict()["stats"]) >= {"prefill_s", "decode_s", "new_tokens", "forward_passes", "tokens_per_s"}
+
+
+def test_seeded_sampling_is_reproducible(tiny_model):
+    engine = Engine(tiny_model)
+    a = engine.generate("hi", method="sample", seed=7, max_new_tokens=30, chat=False)
+    b = engine.generate("hi", method="sample", seed=7, max_new_tokens=30, chat=False)
+    c = engine.generate("hi", method="sample", seed=8, max_new_tokens=30, chat=False)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+
+
+def test_stop_string_cuts_text_and_tokens(tiny_model):
+    engine = Engine(tiny_model)
+    full = engine.generate("hello", max_new_tokens=40, chat=False)
+    assert len(full.text) > 6
+    stop = full.text[3:5]
+    cut = engine.generate("hello", max_new_tokens=40, chat=False, stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.find(stop)]
+    assert cut.tokens == full.tokens[: len(cut.tokens)]
+
+
+def test_eos_ends_generation():
+    tokenizer = CharTokenizer(96)
+    model = LoadedModel(tiny_llama(seed=0), tokenizer, "tiny")
+    free = Engine(model).generate("hello", max_new_tokens=20, chat=False)
+    tokenizer.eos_token_ids = frozenset({free.tokens[4]})  # make the 5th token an end-of-sequence
+    ended = Engine(model).generate("hello", max_new_tokens=20, chat=False)
+    assert ended.finish_reason == "eos"
+    assert ended.tokens == free.tokens[: free.tokens.index(free.tokens[4])]
+
+
+def test_streamed_deltas_join_to_the_text(tiny_model):
+    deltas: list[str] = []
+    g = Engine(tiny_model).generate("stream me", max_new_tokens=25, chat=False, on_text=deltas.append)
+    assert len(deltas) > 1
+    assert "".join(deltas) == g.text
+
+
+def test_bad_input_raises_clear_errors(tiny_model):
+    engine = Engine(tiny_model)
+    with pytest.raises(UnknownMethod, match="unknown method"):
+        engine.generate("x", method="nonsense")
+    with pytest.raises(InvalidParameter, match="top_p"):
+        engine.generate("x", method="sample", top_p=0)
+    with pytest.raises(InvalidParameter, match="takes no options"):
+        engine.generate("x", not_an_option=3)
+    with pytest.raises(InvalidParameter, match="max_new_tokens"):
+        engine.generate("x", max_new_tokens=0)
+    with pytest.raises(PromptTooLong):
+        engine.generate("x" * 600, max_new_tokens=10, chat=False)
+
+
+def test_sampler_parameters_reach_the_sampler(tiny_model):
+    engine = Engine(tiny_model)
+    # top_k=1 sampling is greedy whatever the seed
+    greedy = engine.generate("abc", max_new_tokens=15, chat=False)
+    topk1 = engine.generate("abc", method="sample", top_k=1, seed=3, max_new_tokens=15, chat=False)
+    assert topk1.tokens == greedy.tokens
