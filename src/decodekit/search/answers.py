@@ -1,0 +1,79 @@
+"""Answer extraction shared by voting, CoT-decoding, uncertainty signals and the eval tasks.
+
+Modes: ``number`` (the last number in the text, commas removed, ``12.0`` -> ``12``), ``line``
+(the first non-empty line, normalised), ``text`` (the whole text, normalised), ``auto`` (the last
+number when there is one, else the first line). A callable ``text -> str | None`` may replace a mode.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+import unicodedata
+from collections.abc import Callable
+
+ANSWER_MODES = ("auto", "number", "line", "text")
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+Extractor = Callable[[str], "str | None"]
+
+
+def normalize_text(text: str) -> str:
+    """Lower case, accents removed (NFKD), punctuation dropped, whitespace collapsed."""
+    text = unicodedata.normalize("NFKD", text)
+    text = "".join(c for c in text if not unicodedata.combining(c)).lower()
+    text = text.translate(str.maketrans({c: " " for c in string.punctuation}))
+    return " ".join(text.split())
+
+
+def normalize_number(raw: str) -> str:
+    value = raw.replace(",", "")
+    if "." in value:
+        value = value.rstrip("0").rstrip(".")
+    return "0" if value in ("-0", "") else value
+
+
+def last_number_span(text: str) -> tuple[int, int] | None:
+    """Character span of the last number in ``text`` (a trailing sentence period excluded)."""
+    found = [m for m in NUMBER.finditer(text) if any(c.isdigit() for c in m.group())]
+    if not found:
+        return None
+    m = found[-1]
+    end = m.end()
+    while end > m.start() and text[end - 1] in ",.":
+        end -= 1
+    return m.start(), end
+
+
+def extract_number(text: str) -> str | None:
+    span = last_number_span(text)
+    return normalize_number(text[span[0] : span[1]]) if span else None
+
+
+def extract_line(text: str) -> str | None:
+    for line in text.splitlines():
+        norm = normalize_text(line)
+        if norm:
+            return norm
+    return None
+
+
+def extract_text(text: str) -> str | None:
+    return normalize_text(text) or None
+
+
+def extract_auto(text: str) -> str | None:
+    return extract_number(text) or extract_line(text)
+
+
+_EXTRACTORS: dict[str, Extractor] = {
+    "auto": extract_auto,
+    "number": extract_number,
+    "line": extract_line,
+    "text": extract_text,
+}
+
+
+def extractor(mode: str | Extractor) -> Extractor:
+    """The extraction function for a mode name (or the callable itself)."""
+    return mode if callable(mode) else _EXTRACTORS[mode]

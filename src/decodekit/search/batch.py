@@ -1,0 +1,299 @@
+"""Batched multi-sample decoding: N continuations of one prefix as one batch.
+
+The prefix is run once and its cache forked to N rows; every step appends one token per row
+(logits ``[N, 1, V]``). Rows stop on their own (EOS, stop string, step delimiter, length); a
+finished row keeps feeding an EOS id that nobody reads, and the batch stops when every row is
+done. Each row samples with its own generator, seeded ``seed + i`` from the request's sampler, so
+row i of a batch is the same sample as a sequential ``sample`` run with seed ``seed + i``
+(up to float rounding differences between batch sizes). Each step also records, from the raw
+model distribution, what the scorers and uncertainty signals need: the chosen token's log-prob,
+self-certainty KL(U || p), the top-2 margin and the top-K log-probs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..engine.core import Decoder, Generation, GenerationStats, Request, check_fits, finish_text
+from ..models import LoadedModel
+from ..samplers import Sampler, Temperature
+from ..samplers.penalties import FrequencyPenalty, NoRepeatNGram, PresencePenalty, RepetitionPenalty
+from .cache import PrefixCache
+
+TOPK_RECORDED = 10  # top-K log-probs kept per step (phi_first's default K)
+SEED_MOD = 2**64
+
+
+@dataclass
+class Sample:
+    """One decoded continuation and its per-token record (raw model distribution).
+
+    ``logprobs[i]``, ``certainty[i]``, ``margin[i]``, ``topk[i]`` describe the step that chose
+    ``tokens[i]``; the step that chose EOS (when the row ended on it) is kept apart in ``eos_logprob``.
+    """
+
+    tokens: list[int]
+    logprobs: list[float]
+    certainty: list[float]
+    margin: list[float]
+    topk: list[list[float]]
+    finish_reason: str  # eos | stop | length | step | unfinished
+    text: str = ""
+    eos_logprob: float | None = None
+
+    @property
+    def loglik(self) -> float:
+        """Sequence log-likelihood, the EOS choice included when the row ended on EOS."""
+        return sum(self.logprobs) + (self.eos_logprob or 0.0)
+
+    @property
+    def mean_logprob(self) -> float:
+        n = len(self.logprobs) + (self.eos_logprob is not None)
+        return self.loglik / n if n else 0.0
+
+    @property
+    def choices(self) -> int:
+        """Tokens the model chose for this row, EOS included: what the row cost."""
+        return len(self.tokens) + (self.eos_logprob is not None)
+
+    def cut(self, n: int) -> "Sample":
+        """The first ``n`` tokens (after a stop-string cut)."""
+        if n == len(self.tokens):
+            return self
+        return Sample(self.tokens[:n], self.logprobs[:n], self.certainty[:n], self.margin[:n], self.topk[:n],
+                      self.finish_reason, self.text, None)
+
+    def then(self, other: "Sample") -> "Sample":
+        """This sample followed by ``other`` (step-level search joins steps)."""
+        return Sample(self.tokens + other.tokens, self.logprobs + other.logprobs, self.certainty + other.certainty,
+                      self.margin + other.margin, self.topk + other.topk, other.finish_reason, "", other.eos_logprob)
+
+    @classmethod
+    def empty(cls) -> "Sample":
+        return cls([], [], [], [], [], "unfinished")
+
+
+def sampling_version(sampler: Sampler, temperature: float) -> Sampler:
+    """A sampling sampler for methods that need diverse samples.
+
+    The engine hands every non-``sample`` method a greedy sampler unless a temperature is given;
+    multi-sample methods then sample the same processed distribution at ``temperature`` (inserted
+    after the penalties, where ``Sampler.from_params`` puts it). ``temperature=0`` keeps greedy.
+    """
+    if not sampler.is_greedy or temperature == 0:
+        return sampler
+    procs = list(sampler.processors)
+    penalties = (RepetitionPenalty, FrequencyPenalty, PresencePenalty, NoRepeatNGram)
+    at = max((i + 1 for i, p in enumerate(procs) if isinstance(p, penalties)), default=0)
+    if temperature != 1.0:
+        procs.insert(at, Temperature(temperature))
+    return Sampler(procs, greedy=False, seed=sampler.seed)
+
+
+class RowSamplers:
+    """One processing chain, one generator per slot (slot i seeded ``seed + i``)."""
+
+    def __init__(self, sampler: Sampler, slots: int):
+        self.base = sampler
+        self.samplers = [
+            Sampler(sampler.processors, greedy=sampler.is_greedy, seed=(sampler.seed + i) % SEED_MOD)
+            for i in range(slots)
+        ]
+
+    @property
+    def greedy(self) -> bool:
+        return self.base.is_greedy
+
+    def pick(self, logits: torch.Tensor, histories: list[torch.Tensor] | None, slots: Sequence[int]) -> list[int]:
+        """A token for each row of ``logits`` ``[n, V]``; row j draws with slot ``slots[j]``'s generator."""
+        processed = self.base.process(logits, histories)
+        if self.greedy:
+            return processed.argmax(dim=-1).tolist()
+        probs = torch.softmax(processed, dim=-1)
+        return [int(self.samplers[s].sample_from(probs[j : j + 1])[0]) for j, s in enumerate(slots)]
+
+
+class StepRecorder:
+    """Per-step statistics of the raw distributions, kept as tensors until the end."""
+
+    def __init__(self, topk: int = TOPK_RECORDED):
+        self.topk = topk
+        self.chosen: list[torch.Tensor] = []
+        self.certainty: list[torch.Tensor] = []
+        self.margin: list[torch.Tensor] = []
+        self.top: list[torch.Tensor] = []
+
+    def add(self, logits: torch.Tensor, chosen: Sequence[int]) -> None:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top = logp.topk(max(2, self.topk), dim=-1).values
+        self.chosen.append(logp.gather(1, torch.tensor(list(chosen)).view(-1, 1))[:, 0])
+        self.certainty.append(-math.log(logp.shape[-1]) - logp.mean(dim=-1))
+        self.margin.append(top[:, 0].exp() - top[:, 1].exp())
+        self.top.append(top[:, : self.topk])
+
+    def row(self, i: int, n_tokens: int, ended_eos: bool) -> tuple[list[float], list[float], list[float], list[list[float]], float | None]:
+        steps = len(self.chosen)
+        chosen = torch.stack(self.chosen)[:, i].tolist() if steps else []
+        cert = torch.stack(self.certainty)[:n_tokens, i].tolist() if steps else []
+        margin = torch.stack(self.margin)[:n_tokens, i].tolist() if steps else []
+        top = torch.stack(self.top)[:n_tokens, i].tolist() if steps else []
+        eos = chosen[n_tokens] if ended_eos else None
+        return chosen[:n_tokens], cert, margin, top, eos
+
+
+def step_done(text: str, delimiter: str) -> bool:
+    """True when ``text`` holds the delimiter after some content (a leading delimiter does not count)."""
+    start = text.find(delimiter)
+    while start >= 0:
+        if text[:start].strip(delimiter + " \t\n"):
+            return True
+        start = text.find(delimiter, start + 1)
+    return False
+
+
+class SearchContext:
+    """Everything one request's search needs: model, request, prefix cache, statistics, seeds."""
+
+    def __init__(self, model: LoadedModel, request: Request):
+        check_fits(model.backend, len(request.prompt_ids), request.max_new_tokens)
+        self.model = model
+        self.request = request
+        self.tokenizer = model.tokenizer
+        self.cache = PrefixCache(model.backend)
+        self.eos = frozenset(model.tokenizer.eos_token_ids)
+        self.pad = min(self.eos) if self.eos else 0
+        self.spent = 0  # tokens chosen by the model over all candidates (EOS included)
+        self.t0 = time.perf_counter()
+        self._judge_caches: dict[int, PrefixCache] = {}
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.request.prompt_ids
+
+    def cache_for(self, model: LoadedModel) -> PrefixCache:
+        """The prefix cache of ``model``'s backend (this request's own cache for its own model)."""
+        if model.backend is self.model.backend:
+            return self.cache
+        return self._judge_caches.setdefault(id(model.backend), PrefixCache(model.backend))
+
+    def row_samplers(self, slots: int, temperature: float | None = None) -> RowSamplers:
+        sampler = self.request.sampler if temperature is None else sampling_version(self.request.sampler, temperature)
+        return RowSamplers(sampler, slots)
+
+    def greedy_rows(self, slots: int) -> RowSamplers:
+        """Greedy rows over the request's processing chain, whatever its sampling setting."""
+        sampler = self.request.sampler
+        return RowSamplers(Sampler(sampler.processors, greedy=True, seed=sampler.seed), slots)
+
+    def decode(
+        self,
+        prefix: Sequence[int],
+        rows: RowSamplers,
+        slots: Sequence[int],
+        max_new_tokens: int,
+        *,
+        delimiter: str | None = None,
+        first_tokens: Sequence[int] | None = None,
+        stop_on_first: bool = False,
+    ) -> list[Sample]:
+        """Decode one continuation of ``prefix`` per slot, as one batch (see the module doc).
+
+        ``delimiter`` ends a row when its new text holds the delimiter after some content
+        (finish reason ``step``); ``first_tokens`` forces each row's first token;
+        ``stop_on_first`` ends the batch as soon as any row finishes (others: ``unfinished``).
+        """
+        prefix, n = list(prefix), len(slots)
+        logits = self.cache.fork(prefix, n)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        done: list[str | None] = [None] * n
+        recorder = StepRecorder()
+        for t in range(max_new_tokens):
+            active = [i for i in range(n) if done[i] is None]
+            chosen = self._choose(logits, prefix, tokens, rows, slots, active, first_tokens if t == 0 else None)
+            recorder.add(logits, chosen)
+            self.spent += len(active)
+            for i in active:
+                done[i] = self._advance(tokens[i], chosen[i], max_new_tokens, delimiter)
+            if all(done) or (stop_on_first and any(d in ("eos", "stop") for d in done)):
+                break
+            logits = self.cache.step([tokens[i][-1] if done[i] is None else self.pad for i in range(n)])
+        return [self._sample(recorder, i, tokens[i], done[i] or "unfinished") for i in range(n)]
+
+    def _choose(self, logits, prefix, tokens, rows, slots, active, forced) -> list[int]:
+        chosen = [self.pad] * len(tokens)
+        if forced is not None:
+            for i in active:
+                chosen[i] = int(forced[i])
+            return chosen
+        histories = (
+            [torch.tensor(prefix + tokens[i]) for i in active] if rows.base.needs_history else None
+        )
+        picked = rows.pick(logits[active], histories, [slots[i] for i in active])
+        for i, token in zip(active, picked):
+            chosen[i] = token
+        return chosen
+
+    def _advance(self, row: list[int], token: int, limit: int, delimiter: str | None) -> str | None:
+        """Add ``token`` to ``row``; the finish reason if the row is now done, else None."""
+        if token in self.eos:
+            return "eos"
+        row.append(token)
+        stop = [s for s in self.request.stop if s]
+        if stop and any(s in self.tokenizer.decode(row[-64:]) for s in stop):
+            return "stop"
+        if delimiter and step_done(self.tokenizer.decode(row), delimiter):
+            return "step"
+        return "length" if len(row) >= limit else None
+
+    def _sample(self, recorder: StepRecorder, i: int, tokens: list[int], reason: str) -> Sample:
+        lps, cert, margin, top, eos = recorder.row(i, len(tokens), reason == "eos")
+        sample = Sample(tokens, lps, cert, margin, top, reason, eos_logprob=eos)
+        text, kept, hit = finish_text(self.tokenizer, tokens, self.request.stop)
+        sample = sample.cut(len(kept))
+        sample.text = text
+        if hit is not None:
+            sample.finish_reason = "stop"
+        return sample
+
+    def finalize(self, sample: Sample, extra: dict[str, Any]) -> Generation:
+        """The request's Generation for the chosen sample; statistics over the whole search."""
+        stats = GenerationStats(
+            prefill_s=self.cache.first_prefill_s,
+            decode_s=time.perf_counter() - self.t0 - self.cache.first_prefill_s,
+            new_tokens=len(sample.tokens),
+            forward_passes=max(self.cache.passes - 1, 0),
+        )
+        stats.extra["tokens_spent"] = self.spent
+        stats.extra["positions_run"] = self.cache.tokens_run
+        text = sample.text or self.tokenizer.decode(sample.tokens)
+        reason = sample.finish_reason if sample.finish_reason in ("eos", "stop") else "length"
+        return Generation(text=text, tokens=list(sample.tokens), stats=stats, finish_reason=reason, extra=extra)
+
+
+def decode_batch(model: LoadedModel, request: Request, n: int, *, temperature: float | None = None) -> list[Sample]:
+    """N samples of one request in one batch (row i seeded ``seed + i``); the Python entry point."""
+    ctx = SearchContext(model, request)
+    return ctx.decode(ctx.prompt, ctx.row_samplers(n, temperature), range(n), request.max_new_tokens)
+
+
+class SampleDecoder(Decoder):
+    """One continuation through the batched machinery, returned with its uncertainty signals.
+
+    Greedy (or sampled) exactly like plain decoding, plus ``extra['uncertainty']``; ``decodekit
+    eval`` uses it for ``--method greedy|sample`` so that phi_first and friends come for free.
+    """
+
+    def generate(self, model: LoadedModel, request: Request) -> Generation:
+        from .uncertainty import sample_signals
+
+        ctx = SearchContext(model, request)
+        sample = ctx.decode(ctx.prompt, ctx.row_samplers(1), [0], request.max_new_tokens)[0]
+        signals = sample_signals(sample, model.tokenizer)
+        return ctx.finalize(sample, {"method": "sample" if not request.sampler.is_greedy else "greedy",
+                                     "uncertainty": signals})

@@ -1,0 +1,95 @@
+"""CoT-decoding (Wang & Zhou, 2024, "Chain-of-Thought Reasoning Without Prompting").
+
+Branch on the top-k first tokens (EOS excluded), continue every branch greedily (one batch of k
+rows), and return the path with the highest answer confidence
+Δ = mean over the answer tokens of (p_top1 − p_top2), from the raw model distribution.
+Answer span (our choice, as the paper leaves it task-specific): with ``answer='number'`` or
+``'auto'``, the tokens overlapping the last number of the continuation; when there is no number
+(or with ``answer='text'``), the whole continuation. ``aggregate=True`` is the paper's
+"CoT-decoding (agg)": sum Δ over paths with the same extracted answer, pick the best answer and
+return its highest-Δ path. Not lossless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..engine.core import Decoder, Generation, Request
+from ..models import LoadedModel
+from ..models.tokenizer import Tokenizer
+from .answers import ANSWER_MODES, extractor, last_number_span
+from .batch import Sample, SearchContext
+from .options import Option
+from .select import majority_vote
+from .uncertainty import sample_signals
+
+OPTIONS = {
+    "n": Option("int", 10, "number of first-token branches k", lo=1),
+    "answer": Option("choice", "auto", "answer span: number/auto (last number) or text (all)", choices=ANSWER_MODES),
+    "aggregate": Option("bool", False, "sum Δ over paths with the same answer"),
+}
+
+
+def token_ends(tokens: Sequence[int], tokenizer: Tokenizer) -> list[int]:
+    """End character offset of every token in ``decode(tokens)`` (non-decreasing)."""
+    ends, last = [], 0
+    for i in range(len(tokens)):
+        last = max(last, len(tokenizer.decode(tokens[: i + 1])))
+        ends.append(last)
+    return ends
+
+
+def answer_token_span(tokens: Sequence[int], tokenizer: Tokenizer, mode: str) -> list[int]:
+    """Indices of the answer tokens (see the module doc)."""
+    span = last_number_span(tokenizer.decode(tokens)) if mode in ("number", "auto") else None
+    if span is None:
+        return list(range(len(tokens)))
+    ends = token_ends(tokens, tokenizer)
+    starts = [0] + ends[:-1]
+    return [i for i in range(len(tokens)) if starts[i] < span[1] and ends[i] > span[0]]
+
+
+def path_confidence(margins: Sequence[float], span: Sequence[int]) -> float:
+    """Δ: the mean top-1 − top-2 probability margin over the answer tokens (0 for an empty span)."""
+    return sum(margins[i] for i in span) / len(span) if span else 0.0
+
+
+def choose_path(deltas: Sequence[float], answers: Sequence[str | None] | None = None) -> int:
+    """Highest Δ; with ``answers``, the best path of the answer with the largest total Δ."""
+    if answers is None:
+        return max(range(len(deltas)), key=lambda i: deltas[i])
+    winner, _ = majority_vote(answers, deltas)
+    pool = [i for i in range(len(deltas)) if answers[i] == winner] or list(range(len(deltas)))
+    return max(pool, key=lambda i: deltas[i])
+
+
+class CoTDecoding(Decoder):
+    def __init__(self, n: int = 10, answer: str = "auto", aggregate: bool = False):
+        self.k, self.mode, self.aggregate = n, answer, aggregate
+
+    def generate(self, model: LoadedModel, request: Request) -> Generation:
+        ctx = SearchContext(model, request)
+        first = self._first_tokens(ctx)
+        greedy = ctx.greedy_rows(len(first))
+        samples = ctx.decode(ctx.prompt, greedy, range(len(first)), request.max_new_tokens, first_tokens=first)
+        deltas = [path_confidence(s.margin, answer_token_span(s.tokens, ctx.tokenizer, self.mode)) for s in samples]
+        answers = [extractor(self.mode)(s.text) for s in samples]
+        index = choose_path(deltas, answers if self.aggregate else None)
+        paths = [
+            {"first_token": ctx.tokenizer.decode([t]), "text": s.text, "answer": a, "delta": round(d, 6)}
+            for t, s, a, d in zip(first, samples, answers, deltas)
+        ]
+        signals = sample_signals(samples[index], ctx.tokenizer)
+        signals["delta"] = deltas[index]
+        extra = {"method": "cot", "chosen": index, "answer": answers[index], "candidates": paths, "uncertainty": signals}
+        return ctx.finalize(samples[index], extra)
+
+    def _first_tokens(self, ctx: SearchContext) -> list[int]:
+        logits = ctx.cache.fork(ctx.prompt, 1)
+        history = [torch.tensor(ctx.prompt)] if ctx.request.sampler.needs_history else None
+        processed = ctx.request.sampler.process(logits, history)[0]
+        processed[list(ctx.eos)] = float("-inf")
+        k = min(self.k, int(processed.isfinite().sum()))
+        return processed.topk(max(k, 1)).indices.tolist()

@@ -1,0 +1,157 @@
+"""Scorers for candidates and steps: higher is better.
+
+One interface serves best-of-N (a whole answer) and step-level search (a process-reward model,
+``StepScorer``): ``score(ctx, prefix, segment)`` rates ``segment`` (a :class:`Sample`) decoded after
+the prompt and ``prefix`` (the earlier steps' ids; empty for whole answers).
+
+Built in:
+  ``loglik``         sum of token log-probs (EOS included when the answer ended on it)
+  ``mean-logprob``   the same, per token
+  ``prob``           exp(mean-logprob), the "normalised weighted sum" weight of Wang et al. (2023)
+  ``self-certainty`` mean KL(U || p) over the tokens (Kang et al., 2025)
+  ``judge``          LM-as-judge: p(yes) / (p(yes) + p(no)) after asking "Is this answer correct?"
+                     (for steps: "Is the last step correct?") in the same conversation
+A Python callable ``text -> float`` is also a scorer (it gets the answer text so far).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..errors import InvalidParameter
+from ..models import LoadedModel
+from .batch import Sample, SearchContext
+
+SCORER_NAMES = ("loglik", "mean-logprob", "prob", "self-certainty", "judge")
+
+
+class Scorer(ABC):
+    """Rates a segment; ``nonnegative`` scorers can also serve as voting weights."""
+
+    name = "scorer"
+    nonnegative = False
+
+    @abstractmethod
+    def score(self, ctx: SearchContext, prefix: Sequence[int], segment: Sample) -> float: ...
+
+
+StepScorer = Scorer  # a process-reward model is a scorer applied to each new step
+
+
+class LogLikelihood(Scorer):
+    name = "loglik"
+
+    def score(self, ctx, prefix, segment):
+        return segment.loglik
+
+
+class MeanLogprob(Scorer):
+    name = "mean-logprob"
+
+    def score(self, ctx, prefix, segment):
+        return segment.mean_logprob
+
+
+class Probability(Scorer):
+    name = "prob"
+    nonnegative = True
+
+    def score(self, ctx, prefix, segment):
+        return math.exp(segment.mean_logprob)
+
+
+class SelfCertainty(Scorer):
+    name = "self-certainty"
+    nonnegative = True
+
+    def score(self, ctx, prefix, segment):
+        return sum(segment.certainty) / len(segment.certainty) if segment.certainty else 0.0
+
+
+class CallableScorer(Scorer):
+    name = "callable"
+
+    def __init__(self, fn: Callable[[str], float]):
+        self.fn = fn
+
+    def score(self, ctx, prefix, segment):
+        value = self.fn(ctx.tokenizer.decode(list(prefix) + segment.tokens))
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InvalidParameter(f"the scorer callable must return a finite number, got {value!r}")
+        return float(value)
+
+
+class Judge(Scorer):
+    """LM-as-judge: the (same or another) model is asked, in the conversation that produced the
+    answer, whether the answer is correct; the score is p(yes) / (p(yes) + p(no)), summing the
+    single-token spellings yes/Yes/ yes/ Yes (and no alike). The judge must share the generating
+    model's tokenizer (checked by vocabulary size) because it reads the same token ids.
+    """
+
+    name = "judge"
+    nonnegative = True
+    ANSWER_QUESTION = "Is this answer correct? Answer yes or no."
+    STEP_QUESTION = "Is the last step correct? Answer yes or no."
+
+    def __init__(self, model: LoadedModel | None = None):
+        self.model = model
+
+    def score(self, ctx, prefix, segment):
+        judge = self.model or ctx.model
+        if judge.backend.info.vocab_size != ctx.model.backend.info.vocab_size:
+            raise InvalidParameter("the judge model must share the generating model's tokenizer")
+        question = self.STEP_QUESTION if prefix else self.ANSWER_QUESTION
+        ids = ctx.prompt + list(prefix) + segment.tokens + self._follow_up(judge, question)
+        logits = ctx.cache_for(judge).fork(ids, 1)[0]
+        return self.yes_share(judge, logits)
+
+    @staticmethod
+    def _follow_up(judge: LoadedModel, question: str) -> list[int]:
+        """Ids that close the answer turn and ask ``question`` in the model's chat format."""
+        tok = judge.tokenizer
+        first = [{"role": "user", "content": "Q"}]
+        base = tok.chat_prompt(first)
+        full = tok.chat_prompt(first + [{"role": "assistant", "content": "A"}, {"role": "user", "content": question}])
+        if base is not None and full is not None and full.startswith(base + "A"):
+            return tok.encode(full[len(base) + 1 :])
+        return tok.encode(f"\n\n{question}\nAnswer:")
+
+    @staticmethod
+    def yes_share(judge: LoadedModel, logits: torch.Tensor) -> float:
+        probs = torch.softmax(logits.float(), dim=-1)
+
+        def mass(words: tuple[str, ...]) -> float:
+            ids = {ids[0] for w in words if len(ids := judge.tokenizer.encode(w)) == 1}
+            return float(probs[list(ids)].sum()) if ids else 0.0
+
+        yes, no = mass(("yes", "Yes", " yes", " Yes")), mass(("no", "No", " no", " No"))
+        return yes / (yes + no) if yes + no > 0 else 0.5
+
+
+_BUILT_IN: dict[str, type[Scorer]] = {
+    "loglik": LogLikelihood,
+    "mean-logprob": MeanLogprob,
+    "prob": Probability,
+    "self-certainty": SelfCertainty,
+}
+
+
+def make_scorer(spec: str | Callable[[str], float] | Scorer, judge_model: LoadedModel | str | None = None) -> Scorer:
+    """A scorer from a name, a callable or a Scorer instance."""
+    if isinstance(spec, Scorer):
+        return spec
+    if callable(spec):
+        return CallableScorer(spec)
+    if spec == "judge":
+        if isinstance(judge_model, str):
+            from ..models import load_model
+
+            judge_model = load_model(judge_model)
+        return Judge(judge_model)
+    if spec not in _BUILT_IN:
+        raise InvalidParameter(f"scorer must be one of {', '.join(SCORER_NAMES)} or a callable, got {spec!r}")
+    return _BUILT_IN[spec]()

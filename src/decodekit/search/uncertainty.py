@@ -1,0 +1,129 @@
+"""Uncertainty signals returned with generations (``Generation.extra['uncertainty']``).
+
+* ``phi_first``: normalised entropy H(softmax(top-K logits)) / log K at the first content-bearing
+  token of the answer (K = 10 by default). Content-bearing (our choice): the token decodes, on its
+  own, to text holding a letter or a digit; whitespace, punctuation and template/special tokens
+  (which decode to nothing) are skipped. On a greedy decode it is the paper-style signal; on a
+  sampled answer it is computed the same way. Low = confident.
+* ``self_certainty``: mean over answer tokens of KL(U || p) (Kang et al., 2025, "Scalable Best-of-N
+  Selection for Large Language Models via Self-Certainty"). High = confident.
+* ``mean_logprob``, ``margin`` (mean top-1 minus top-2 probability): likelihood-based confidence.
+* ``agreement``: fraction of N samples whose extracted answer equals the returned answer's
+  (for self-consistency: the majority share; Wang et al., 2023).
+* ``pc``: paraphrase consistency PC@k, the fraction of greedy answers to k paraphrases of the
+  question that agree with the returned answer (needs the question text, so it is computed where
+  the question is known: :func:`paraphrase_consistency`, ``decodekit eval --signals pc``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..engine.core import Request
+from ..models import LoadedModel
+from ..models.tokenizer import Tokenizer
+from .answers import Extractor
+from .batch import SearchContext, Sample
+
+# For each signal, +1 when a higher value means "more likely correct", -1 when lower does.
+CONFIDENCE_DIRECTION: dict[str, int] = {
+    "phi_first": -1,
+    "self_certainty": 1,
+    "mean_logprob": 1,
+    "margin": 1,
+    "agreement": 1,
+    "pc": 1,
+    "delta": 1,
+    "value": 1,
+}
+
+
+def normalized_entropy(logits: Sequence[float] | torch.Tensor) -> float:
+    """Entropy of softmax(logits) divided by log K (K = number of logits), in [0, 1]."""
+    x = torch.as_tensor(logits, dtype=torch.float64)
+    if x.numel() < 2:
+        return 0.0
+    p = torch.softmax(x, dim=-1)
+    return float(-(torch.xlogy(p, p).sum()) / math.log(x.numel()))
+
+
+def first_content_index(tokens: Sequence[int], tokenizer: Tokenizer) -> int | None:
+    """Index of the first token whose own text holds a letter or digit (see the module doc)."""
+    for i, token in enumerate(tokens):
+        if any(c.isalnum() for c in tokenizer.decode([token])):
+            return i
+    return None
+
+
+def phi_first(sample: Sample, tokenizer: Tokenizer, k: int | None = None) -> float | None:
+    """phi_first of a decoded sample (None when it has no content-bearing token)."""
+    i = first_content_index(sample.tokens, tokenizer)
+    if i is None or i >= len(sample.topk):
+        return None
+    top = sample.topk[i]
+    return normalized_entropy(top[:k] if k else top)
+
+
+def sample_signals(sample: Sample, tokenizer: Tokenizer) -> dict[str, float | None]:
+    """The signals one decoded answer carries by itself."""
+    n = len(sample.tokens)
+    return {
+        "phi_first": phi_first(sample, tokenizer),
+        "self_certainty": sum(sample.certainty) / n if n else None,
+        "mean_logprob": sample.mean_logprob if sample.choices else None,
+        "margin": sum(sample.margin) / n if n else None,
+    }
+
+
+def agreement(answer: str | None, answers: Sequence[str | None]) -> float | None:
+    """Share of ``answers`` equal to ``answer`` (None when there is nothing to compare)."""
+    if answer is None or not answers:
+        return None
+    return sum(a == answer for a in answers) / len(answers)
+
+
+def sampled_agreement(
+    model: LoadedModel, request: Request, answer: str | None, extract: Extractor, n: int = 8,
+    temperature: float = 0.7,
+) -> dict[str, object]:
+    """Sample ``n`` answers (one batch) and measure their agreement with ``answer``."""
+    ctx = SearchContext(model, request)
+    samples = ctx.decode(ctx.prompt, ctx.row_samplers(n, temperature), range(n), request.max_new_tokens)
+    answers = [extract(s.text) for s in samples]
+    return {"agreement": agreement(answer, answers), "answers": answers, "tokens_spent": ctx.spent}
+
+
+def paraphrase_consistency(
+    model: LoadedModel, prompts: Sequence[str], answer: str | None, extract: Extractor,
+    request: Request, chat: bool = True,
+) -> dict[str, object]:
+    """PC@k: greedy answers to k paraphrased prompts, and the share agreeing with ``answer``.
+
+    ``request`` supplies the sampler (made greedy here), stop strings and token limit.
+    """
+    answers, spent = [], 0
+    for prompt in prompts:
+        sub = Request(model.prompt_ids(prompt, chat=chat), request.sampler, request.max_new_tokens, request.stop)
+        ctx = SearchContext(model, sub)
+        sample = ctx.decode(ctx.prompt, ctx.greedy_rows(1), [0], sub.max_new_tokens)[0]
+        answers.append(extract(sample.text))
+        spent += ctx.spent
+    return {"pc": agreement(answer, answers), "answers": answers, "tokens_spent": spent}
+
+
+PARAPHRASE_TEMPLATES = (
+    "{q}",
+    "Please answer the following question.\n{q}",
+    "I have a question for you: {q}",
+    "Here is a question.\n\n{q}\n\nWhat is the answer?",
+    "Answer this: {q}",
+    "Question: {q}",
+)
+
+
+def paraphrases(question: str, k: int) -> list[str]:
+    """``k`` template paraphrases of a question (generic; tasks may supply better ones)."""
+    return [PARAPHRASE_TEMPLATES[i % len(PARAPHRASE_TEMPLATES)].format(q=question) for i in range(1, k + 1)]
