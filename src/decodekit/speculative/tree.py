@@ -7,6 +7,7 @@ order. A chain is a tree whose node i has parent i - 1; plain decoding is the em
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import torch
@@ -66,3 +67,74 @@ class Verification:
 
     path: list[int]
     bonus: int
+
+
+# Tree-building helpers shared by the drafters -------------------------------------------------
+
+
+def add_chain(tree: DraftTree, tokens: list[int], parent: int = -1, source: str = "") -> list[int]:
+    """Hang ``tokens`` as a chain below ``parent``, reusing nodes that already spell a prefix of it
+    (so several proposals sharing a start become one tree). Returns the node index of every token."""
+    nodes: list[int] = []
+    for token in tokens:
+        existing = tree.child_with_token(parent, token)
+        parent = existing if existing is not None else tree.add(token, parent, source)
+        nodes.append(parent)
+    return nodes
+
+
+def merge_into(tree: DraftTree, other: DraftTree, budget: int) -> None:
+    """Add ``other``'s nodes to ``tree`` (deduplicating shared prefixes) while ``tree`` has fewer
+    than ``budget`` nodes. ``other``'s deterministic children only (its draft_probs are dropped)."""
+    mapped: list[int] = []
+    for i, (token, parent) in enumerate(zip(other.tokens, other.parents)):
+        top = -1 if parent < 0 else mapped[parent]
+        if top == -2:  # the parent was cut off by the budget
+            mapped.append(-2)
+            continue
+        existing = tree.child_with_token(top, token)
+        if existing is not None:
+            mapped.append(existing)
+        elif len(tree) < budget:
+            mapped.append(tree.add(token, top, other.source[i] if other.source else ""))
+        else:
+            mapped.append(-2)
+
+
+def select_nodes(tree: DraftTree, nodes: list[int]) -> DraftTree:
+    """The subtree made of ``nodes`` (ancestor-closed, any order), reindexed in topological order."""
+    keep = sorted(nodes)
+    index = {old: new for new, old in enumerate(keep)}
+    parents = [-1 if tree.parents[i] < 0 else index[tree.parents[i]] for i in keep]
+    probs = {(-1 if p < 0 else index[p]): q for p, q in tree.draft_probs.items() if p < 0 or p in index}
+    source = [tree.source[i] for i in keep] if tree.source else []
+    return DraftTree([tree.tokens[i] for i in keep], parents, probs, source)
+
+
+def grow_best_first(
+    tree: DraftTree,
+    first: list[tuple[int, float, object]],
+    expand,
+    budget: int,
+    max_depth: int,
+    source: str,
+    parent: int = -1,
+) -> None:
+    """Grow ``tree`` below ``parent`` best-first by path score until it holds ``budget`` nodes.
+
+    ``first`` lists the candidate children of ``parent`` as (token, score, payload);
+    ``expand(payload)`` lists a node's candidate children as (token, relative score, payload);
+    a node's score is the product of relative scores along its path. Candidates must have
+    distinct tokens among siblings. Nodes are added in descending score, so any prefix of the
+    added nodes is the best tree of that size under the scores.
+    """
+    heap = [(-score, n, parent, 1, token, payload) for n, (token, score, payload) in enumerate(first)]
+    heapq.heapify(heap)
+    counter = len(heap)
+    while heap and len(tree) < budget:
+        neg, _, par, depth, token, payload = heapq.heappop(heap)
+        node = tree.add(token, par, source)
+        if depth < max_depth:
+            for child, rel, child_payload in expand(payload):
+                counter += 1
+                heapq.heappush(heap, (neg * rel, counter, node, depth + 1, child, child_payload))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ...errors import InvalidParameter
 from .base import Drafter
 
 
@@ -36,7 +37,24 @@ def register_drafter(name: str, description: str, *, stochastic: bool = False) -
     return wrap
 
 
-__all__ = ["DRAFTERS", "DRAFTER_SPECS", "Drafter", "DrafterSpec", "register_drafter"]
+def int_option(name: str, value, lo: int) -> int:
+    """Validate an integer option (command-line digit strings accepted)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise InvalidParameter(f"{name} must be an integer >= {lo}, got {value!r}")
+    return value
+
+
+def bool_option(name: str, value) -> bool:
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    if not isinstance(value, bool):
+        raise InvalidParameter(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+__all__ = ["DRAFTERS", "DRAFTER_SPECS", "Drafter", "DrafterSpec", "bool_option", "int_option", "register_drafter"]
 
 # Each module registers its drafters on import.
 from . import ngram, suffix, recycling, lookahead, hierarchy, layerskip, draft_model  # noqa: E402,F401

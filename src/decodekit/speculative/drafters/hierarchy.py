@@ -1,1 +1,76 @@
-"""Placeholder; filled in below."""
+"""Hierarchy drafting (Cho et al. 2024, "Lossless acceleration of large language models with
+hierarchical drafting based on temporal locality in speculative decoding").
+
+Drafters are asked in priority order of temporal locality — the request's own context
+(prompt lookup), then model-dependent tables (token recycling), then statistics over earlier
+outputs (suffix automaton with the cross-request corpus) — and their proposals are merged into
+one tree with shared prefixes deduplicated; every node's ``source`` names the drafter that
+proposed it. Model-free; lossless through the verifier.
+
+Choice the paper leaves open: each drafter but the last may use at most half of the remaining
+budget (so a long context match still leaves room for the next level); the last takes the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...engine.core import DecodeState
+from ...errors import InvalidParameter, UnknownMethod
+from ..tree import DraftTree, Verification, merge_into
+from . import DRAFTERS, register_drafter
+from .base import Drafter
+
+DEFAULT_ORDER = ("pld", "recycling", "suffix")
+LEVEL_OPTIONS = {"suffix": {"corpus": True}}  # the statistics level draws on earlier outputs
+
+
+def parse_names(option: str, value, allowed: set[str] | None = None) -> list[str]:
+    """A list of drafter names from a list or a comma-separated string."""
+    names = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise InvalidParameter(f"{option} must name drafters, got {value!r}")
+    for n in names:
+        if n not in DRAFTERS or (allowed is not None and n not in allowed):
+            choices = sorted(allowed if allowed is not None else DRAFTERS)
+            raise UnknownMethod(f"unknown drafter {n!r} in {option}; choose from: {', '.join(choices)}")
+    return names
+
+
+class CompositeDrafter(Drafter):
+    """Shared plumbing of drafters made of drafters: begin/update/finish reach every part once."""
+
+    parts: list[Drafter]
+
+    def begin(self, state: DecodeState) -> None:
+        for part in self.parts:
+            part.begin(state)
+
+    def update(self, state: DecodeState, tree: DraftTree, verdict: Verification, logits: torch.Tensor) -> None:
+        for part in self.parts:
+            part.update(state, tree, verdict, logits)
+
+    def finish(self, state: DecodeState) -> None:
+        for part in self.parts:
+            done = getattr(part, "finish", None)
+            if done is not None:
+                done(state)
+
+
+@register_drafter("hierarchy", "hierarchy drafting: context n-grams, then recycled tokens, then the output corpus")
+class HierarchyDrafter(CompositeDrafter):
+    name = "hierarchy"
+
+    def __init__(self, order=DEFAULT_ORDER):
+        names = parse_names("order", order, set(DRAFTERS) - {"hierarchy", "auto"})
+        self.parts = [DRAFTERS[n](**LEVEL_OPTIONS.get(n, {})) for n in names]
+
+    def draft(self, state: DecodeState, budget: int) -> DraftTree:
+        tree = DraftTree()
+        for i, part in enumerate(self.parts):
+            left = budget - len(tree)
+            if left <= 0:
+                break
+            share = left if i == len(self.parts) - 1 else max(1, left // 2)
+            merge_into(tree, part.draft(state, share), len(tree) + share)
+        return tree

@@ -1,1 +1,88 @@
-"""Placeholder; filled in below."""
+"""Prompt lookup decoding (Saxena 2023, "Prompt Lookup Decoding"): continue the context.
+
+Match the last n tokens (n from ``max_ngram`` down to ``min_ngram``) against earlier positions
+of prompt + generated text and propose the tokens that followed the most recent occurrences.
+A model-free drafter; losslessness comes from the verifier.
+
+Also home of :class:`ContextDrafter`, the shared mechanism of drafters that index the growing
+token list incrementally (each token is indexed once, never the whole context per step).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+from ...engine.core import DecodeState
+from ...errors import InvalidParameter
+from ..tree import DraftTree, add_chain
+from . import int_option, register_drafter
+from .base import Drafter
+
+
+class ContextDrafter(Drafter):
+    """A drafter over the request's own tokens, indexed one token at a time as they arrive."""
+
+    def begin(self, state: DecodeState) -> None:
+        self.reset()
+        self.seen = 0
+        self.sync(state)
+
+    def sync(self, state: DecodeState) -> None:
+        """Index the tokens added since the last call (``state.tokens`` only ever grows)."""
+        tokens = state.tokens
+        for position in range(self.seen, len(tokens)):
+            self.push(tokens, position)
+        self.seen = len(tokens)
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget the previous request's context."""
+
+    @abstractmethod
+    def push(self, tokens: list[int], position: int) -> None:
+        """Index ``tokens[position]`` (every earlier token is indexed already)."""
+
+
+@register_drafter("pld", "prompt lookup: propose what followed the last n-gram earlier in the context")
+class PromptLookup(ContextDrafter):
+    """Prompt lookup decoding. ``matches`` > 1 hangs the continuations of that many most recent
+    occurrences (of the longest matching n-gram) as one tree; shared prefixes are merged.
+
+    Node sources are ``pld:n`` (n = matched n-gram length) so the controller learns how far each
+    match length is worth drafting (our choice: longer matches are accepted far more often).
+    """
+
+    name = "pld"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, matches: int = 1):
+        self.max_ngram = int_option("max_ngram", max_ngram, 1)
+        self.min_ngram = int_option("min_ngram", min_ngram, 1)
+        if self.min_ngram > self.max_ngram:
+            raise InvalidParameter(f"min_ngram ({min_ngram}) must not exceed max_ngram ({max_ngram})")
+        self.matches = int_option("matches", matches, 1)
+        self.reset()
+
+    def reset(self) -> None:
+        self.ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions of its last token
+
+    def push(self, tokens: list[int], position: int) -> None:
+        for n in range(self.min_ngram, min(self.max_ngram, position + 1) + 1):
+            self.ends.setdefault(tuple(tokens[position - n + 1 : position + 1]), []).append(position)
+
+    def draft(self, state: DecodeState, budget: int) -> DraftTree:
+        self.sync(state)
+        tokens = state.tokens
+        tree = DraftTree()
+        for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
+            ends = self.ends.get(tuple(tokens[-n:]), [])
+            found = 0
+            for end in reversed(ends[:-1]):  # the last entry is the current end of the context
+                following = tokens[end + 1 : end + 1 + budget - len(tree)]
+                if following:
+                    add_chain(tree, following, -1, f"pld:{n}")
+                    found += 1
+                if found == self.matches or len(tree) >= budget:
+                    break
+            if found:
+                return tree
+        return tree

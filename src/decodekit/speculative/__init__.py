@@ -1,0 +1,31 @@
+"""Lossless speculative decoding: one draft–verify loop, exact verifiers, many drafters.
+
+Every drafter registered in :data:`decodekit.speculative.drafters.DRAFTERS` becomes a decoding
+method of the same name (``pld``, ``suffix``, ``recycling``, ``lookahead``, ``hierarchy``,
+``layerskip``, ``draft``, and ``auto`` which picks among them with a bandit). Options common to
+all: ``max_draft``, ``budget`` (fixed size, no controller), ``cost_table``; plus each drafter's own.
+"""
+
+from __future__ import annotations
+
+from ..engine.registry import register_method
+from . import bandit  # noqa: F401  (registers the `auto` drafter)
+from .controller import Controller, CostTable
+from .drafters import DRAFTER_SPECS, DRAFTERS, Drafter, register_drafter
+from .loop import SpeculativeMethod, method_builder
+from .tree import DraftTree, Verification
+from .verify import GreedyVerifier, SamplingVerifier, Verifier
+
+
+def register_methods() -> None:
+    """Register (or refresh) one decoding method per drafter."""
+    for name, spec in DRAFTER_SPECS.items():
+        register_method(name, method_builder(name, spec.factory), spec.description, lossless=True, family="speculative")
+
+
+register_methods()
+
+__all__ = [
+    "Controller", "CostTable", "DRAFTERS", "DraftTree", "Drafter", "GreedyVerifier", "SamplingVerifier",
+    "SpeculativeMethod", "Verification", "Verifier", "register_drafter", "register_methods",
+]

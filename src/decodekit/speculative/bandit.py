@@ -1,0 +1,109 @@
+"""``auto``: choose the drafter online with a bandit on measured tokens per second.
+
+After BanditSpec (Hou et al. 2025, "BanditSpec: adaptive speculative decoding via bandit
+algorithms"): each step is one pull of an arm (a drafter); the reward is that step's tokens
+per second, measured around the whole draft–verify step. We use discounted UCB (Garivier &
+Moulines 2011) — UCB1 whose counts decay by ``discount`` per pull, so the choice follows a
+request whose character changes (a summary copies the prompt, an essay does not) — with the
+exploration bonus scaled by the rewards' pooled standard deviation, since tokens/s is not
+bounded in [0, 1]. The statistics live with the model's backend, so they carry across requests.
+Every arm sees every verification (``update``), so all their tables stay current.
+
+Lossless: each step is verified exactly, whichever drafter proposed it. Choices depend on
+timings, so sampled outputs with a seed reproduce their distribution, not the exact tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+from ..engine.core import DecodeState
+from ..models.backend import Backend
+from ..samplers.base import check_real
+from .drafters import DRAFTERS, register_drafter
+from .drafters.hierarchy import CompositeDrafter, parse_names
+from .tree import DraftTree
+
+DEFAULT_ARMS = ("pld", "suffix", "recycling")
+
+
+class DiscountedUCB:
+    """Discounted UCB over arms with real-valued rewards."""
+
+    def __init__(self, arms: list[str], discount: float = 0.98, exploration: float = 1.0):
+        self.arms = list(arms)
+        self.discount = discount
+        self.exploration = exploration
+        self.count = {a: 0.0 for a in arms}
+        self.total = {a: 0.0 for a in arms}
+        self.squares = {a: 0.0 for a in arms}
+
+    def choose(self) -> str:
+        for arm in self.arms:  # every arm once first
+            if self.count[arm] == 0:
+                return arm
+        pulls = sum(self.count.values())
+        scale = self._spread()
+        return max(
+            self.arms,
+            key=lambda a: self.total[a] / self.count[a]
+            + self.exploration * scale * math.sqrt(2 * math.log(max(pulls, 1.0 + 1e-9)) / self.count[a]),
+        )
+
+    def reward(self, arm: str, value: float) -> None:
+        for a in self.arms:
+            self.count[a] *= self.discount
+            self.total[a] *= self.discount
+            self.squares[a] *= self.discount
+        self.count[arm] += 1.0
+        self.total[arm] += value
+        self.squares[arm] += value * value
+
+    def _spread(self) -> float:
+        n = sum(self.count.values())
+        mean = sum(self.total.values()) / n
+        variance = sum(self.squares.values()) / n - mean * mean
+        return math.sqrt(max(variance, 0.0)) or abs(mean) or 1.0
+
+    def report(self) -> dict[str, float]:
+        return {a: round(self.total[a] / self.count[a], 2) for a in self.arms if self.count[a] > 0}
+
+
+_BANDITS: "weakref.WeakKeyDictionary[Backend, dict[tuple, DiscountedUCB]]" = weakref.WeakKeyDictionary()
+
+
+@register_drafter("auto", "picks the drafter each step with a discounted-UCB bandit on measured tokens/s")
+class BanditDrafter(CompositeDrafter):
+    name = "auto"
+
+    def __init__(self, arms=DEFAULT_ARMS, discount: float = 0.98, exploration: float = 1.0):
+        names = parse_names("arms", arms, set(DRAFTERS) - {"auto"})
+        self.names = list(dict.fromkeys(names))
+        self.parts = [DRAFTERS[n]() for n in self.names]
+        self.discount = check_real("discount", discount, 0.0, 1.0, lo_open=True)
+        self.exploration = check_real("exploration", exploration, 0.0)
+
+    def begin(self, state: DecodeState) -> None:
+        super().begin(state)
+        store = _BANDITS.setdefault(state.backend, {})
+        key = (tuple(self.names), self.discount, self.exploration)
+        if key not in store:
+            store[key] = DiscountedUCB(self.names, self.discount, self.exploration)
+        self.bandit = store[key]
+        self.chosen: str | None = None
+        self.pulls = {n: 0 for n in self.names}
+
+    def draft(self, state: DecodeState, budget: int) -> DraftTree:
+        self.chosen = self.bandit.choose()
+        self.pulls[self.chosen] += 1
+        return self.parts[self.names.index(self.chosen)].draft(state, budget)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """The loop reports each step's output; steps without a draft (controller backoff) are not pulls."""
+        if self.chosen is not None and seconds > 0:
+            self.bandit.reward(self.chosen, tokens / seconds)
+        self.chosen = None
+
+    def report(self) -> dict:
+        return {"arm_pulls": dict(self.pulls), "arm_tokens_per_s": self.bandit.report()}

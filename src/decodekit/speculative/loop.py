@@ -1,0 +1,175 @@
+"""The one draft–verify loop every lossless speculative method runs.
+
+Each step: the pending token (the last chosen one, not yet in the cache) is the tree root; the
+controller grants a budget; the drafter proposes a tree below the root; the controller keeps the
+part worth verifying; one ``verify_tree`` pass scores [root] + nodes; the verifier picks the
+accepted path and a bonus token; the cache keeps root + path; the bonus becomes pending.
+An empty tree is a plain step. Output is exactly plain decoding's (greedy: token-identical;
+sampling: identically distributed), whatever the drafter proposes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ..engine.core import DecodeState, StepDecoder, StepMethod
+from ..errors import InvalidParameter
+from .controller import Controller
+from .drafters import Drafter, int_option
+from .tree import DraftTree, Verification
+from .verify import Verifier, make_verifier
+
+COMMON_OPTIONS = {
+    "max_draft": "cap on draft-tree nodes per step (default 32)",
+    "budget": "fixed number of draft nodes per step; disables the adaptive controller",
+    "cost_table": "{tokens: seconds} verify costs to use instead of measuring them",
+}
+
+
+class SpeculativeMethod(StepMethod):
+    """Draft with ``drafter``, size with ``controller``, verify losslessly (greedy or speculative sampling)."""
+
+    def __init__(self, drafter: Drafter, controller: Controller, verifier: Verifier | None = None):
+        self.drafter = drafter
+        self.controller = controller
+        self.fixed_verifier = verifier
+        self.name = drafter.name
+
+    def begin(self, state: DecodeState) -> None:
+        self.controller.begin(state.backend)
+        self.drafter.begin(state)
+        self.verifier = self.fixed_verifier or make_verifier(state)
+        self.verifications = self.accepted = self.drafted = self.plain_steps = 0
+        self.draft_s = self.verify_s = 0.0
+        self.by_source: dict[str, int] = {}
+
+    def step(self, state: DecodeState) -> list[int]:
+        first: list[int] = []
+        if state.pending is None:  # right after prefill: the prefill logits give the root
+            first = [self._pick(state, state.next_logits())]
+            state.commit(first)
+        t0 = time.perf_counter()
+        tree = self._draft(state)
+        t1 = time.perf_counter()
+        self.draft_s += t1 - t0
+        produced = self._verify(state, tree) if len(tree) else self._plain_step(state)
+        t2 = time.perf_counter()
+        if len(tree):
+            self.verify_s += t2 - t1
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None:  # e.g. the bandit of `auto`: tokens per second of this step
+            observe(len(produced), t2 - t0)
+        return first + produced
+
+    def _draft(self, state: DecodeState) -> DraftTree:
+        room = state.backend.info.max_length - len(state.tokens) - 1  # a chain's deepest position must fit
+        budget = min(self.controller.budget(), room)
+        if budget <= 0:
+            return DraftTree()
+        tree = self.drafter.draft(state, budget)
+        if len(tree) > budget:
+            tree = tree.truncated(budget)
+        return self.controller.select(tree, trimmable=getattr(self.drafter, "trimmable", True))
+
+    def _verify(self, state: DecodeState, tree: DraftTree) -> list[int]:
+        t0 = time.perf_counter()
+        tokens = torch.tensor([state.tokens[-1], *tree.tokens])
+        logits = state.backend.verify_tree(tokens, [-1, *[p + 1 for p in tree.parents]]).logits[0]
+        state.stats.forward_passes += 1
+        t1 = time.perf_counter()
+        verdict = self.verifier.verify(state, tree, logits)
+        state.backend.commit_path([0, *[i + 1 for i in verdict.path]])
+        self.drafter.update(state, tree, verdict, logits)
+        produced = [tree.tokens[i] for i in verdict.path] + [verdict.bonus]
+        state.commit(produced)
+        self.controller.observe(tree, verdict, overhead_s=time.perf_counter() - t1)
+        self.verifications += 1
+        self.accepted += len(verdict.path)
+        self.drafted += len(tree)
+        self._count_sources(tree, verdict)
+        return produced
+
+    def _plain_step(self, state: DecodeState) -> list[int]:
+        logits = state.next_logits()
+        token = self._pick(state, logits)
+        self.drafter.update(state, DraftTree(), Verification([], token), logits[None])
+        state.commit([token])
+        self.plain_steps += 1
+        return [token]
+
+    @staticmethod
+    def _pick(state: DecodeState, logits: torch.Tensor) -> int:
+        return int(state.sampler.pick(logits[None], state.history())[0])
+
+    def _count_sources(self, tree: DraftTree, verdict: Verification) -> None:
+        for i in verdict.path:
+            source = tree.source[i] if tree.source else self.drafter.name
+            self.by_source[source] = self.by_source.get(source, 0) + 1
+
+    def finish(self, state: DecodeState) -> None:
+        steps = self.verifications
+        extra: dict[str, Any] = {
+            "drafter": self.drafter.name,
+            "verifications": steps,
+            "plain_steps": self.plain_steps,
+            # Spec-Bench's "mean accepted tokens": accepted draft tokens + the bonus, per verification
+            "mean_accepted": round((self.accepted + steps) / steps, 3) if steps else 1.0,
+            "acceptance_rate": round(self.accepted / self.drafted, 3) if self.drafted else 0.0,
+            "draft_s": round(self.draft_s, 4),
+            "verify_s": round(self.verify_s, 4),
+        }
+        if self.by_source:
+            extra["accepted_by_source"] = dict(self.by_source)
+        report = getattr(self.drafter, "report", None)
+        if report is not None:
+            extra.update(report())
+        state.stats.extra.update(extra)
+        done = getattr(self.drafter, "finish", None)
+        if done is not None:
+            done(state)
+
+
+# Options and registration ------------------------------------------------------------------------
+
+
+def option_names(factory: Callable) -> set[str]:
+    params = inspect.signature(factory).parameters.values()
+    return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"}
+
+
+def check_options(method: str, options: Mapping[str, Any], valid: set[str]) -> None:
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        raise InvalidParameter(
+            f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for method "
+            f"{method!r}; valid options: {', '.join(sorted(valid))}"
+        )
+
+
+def make_controller(options: dict[str, Any]) -> Controller:
+    """A controller from the common options (removed from ``options``)."""
+    max_draft = int_option("max_draft", options.pop("max_draft", 32), 1)
+    budget = options.pop("budget", None)
+    if budget is not None:
+        budget = min(int_option("budget", budget, 0), max_draft)
+    cost_table = options.pop("cost_table", None)
+    if cost_table is not None and not isinstance(cost_table, Mapping):
+        raise InvalidParameter(f"cost_table must be a mapping of token counts to seconds, got {cost_table!r}")
+    return Controller(max_draft, budget=budget, cost_table=cost_table)
+
+
+def method_builder(name: str, factory: Callable[..., Drafter]) -> Callable[..., StepDecoder]:
+    """``build(**options)`` for the registry: validate, then wire drafter + controller into the loop."""
+
+    def build(**options: Any) -> StepDecoder:
+        check_options(name, options, option_names(factory) | set(COMMON_OPTIONS))
+        options = dict(options)
+        controller = make_controller(options)
+        return StepDecoder(SpeculativeMethod(factory(**options), controller))
+
+    return build
