@@ -1,0 +1,213 @@
+"""``decodekit bench``: run the benchmark, write results.json / report.md / speedup.png, or compare two runs."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidParameter
+from .questions import DEFAULT_QUESTIONS, Question
+
+#: --quick: the fast model-free speculative methods, when registered (skipped with a note otherwise).
+QUICK_METHODS = ("greedy", "pld", "suffix", "recycling", "lookahead")
+QUICK = {"limit": 1, "max_new_tokens": 64, "baselines": "hf"}
+FULL = {"limit": None, "max_new_tokens": 256, "baselines": "hf,hf-pld,llamacpp"}
+REFERENCE = "greedy"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench", help="Spec-Bench-style speed benchmark of decoding methods and baselines",
+        description="Benchmark decoding methods against decodekit greedy, transformers generate() and llama.cpp "
+        "on Spec-Bench questions. Writes DIR/results.json, DIR/report.md and DIR/speedup.png.",
+    )
+    p.add_argument("--questions", default=None, metavar="FILE", help=f"Spec-Bench JSONL file (default {DEFAULT_QUESTIONS})")
+    p.add_argument("--methods", default=None, help="comma-separated decodekit methods (greedy is always included; "
+                   "default: greedy + every registered speculative method)")
+    p.add_argument("--baselines", default=None, help="comma-separated from hf, hf-pld, llamacpp, or 'none' "
+                   f"(default {FULL['baselines']}; --quick: {QUICK['baselines']})")
+    p.add_argument("--max-new-tokens", type=int, default=None, help=f"per turn (default {FULL['max_new_tokens']}; --quick {QUICK['max_new_tokens']})")
+    p.add_argument("--limit", type=int, default=None, help="questions per category (default all; --quick 1)")
+    p.add_argument("--categories", default=None, help="comma-separated categories or groups (mt_bench, translation, ...)")
+    p.add_argument("--all-turns", action="store_true", help="feed every turn of multi-turn questions (default: the first)")
+    p.add_argument("--model", default=None, help="embedded model name, HF model folder or .gguf file (default smollm2-135m)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=1, help="passes over the questions; medians are reported")
+    p.add_argument("--threads", type=int, default=None, help="torch threads, also llama.cpp's n_threads (default: torch's)")
+    p.add_argument("--opt", action="append", default=[], metavar="METHOD.KEY=VALUE", help="method option, e.g. pld.max_ngram=3 (repeatable)")
+    p.add_argument("--out", default="bench-results", metavar="DIR", help="output folder (default bench-results)")
+    p.add_argument("--quick", action="store_true", help="a few minutes: 1 question per category, 64 tokens, fast methods, hf baseline")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print the change between two results files and exit")
+    p.set_defaults(func=run)
+    return p
+
+
+@dataclass
+class Plan:
+    """Everything a run needs, validated before the model is loaded."""
+
+    methods: list[str]
+    options: dict[str, dict[str, Any]]
+    baselines: list[str]
+    questions: list[Question]
+    question_file: Path
+    max_new_tokens: int
+    limit: int | None
+    categories: list[str]
+    repeats: int
+    all_turns: bool
+    model: str | None
+    dtype: str
+    threads: int | None
+    out: Path
+    command: str
+    notes: list[str] = field(default_factory=list)
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "questions": str(self.question_file), "methods": self.methods, "baselines": self.baselines,
+            "max_new_tokens": self.max_new_tokens, "limit": self.limit, "categories": self.categories,
+            "dtype": self.dtype, "model": self.model, "repeats": self.repeats, "all_turns": self.all_turns,
+            "options": self.options, "reference": REFERENCE,
+        }
+
+
+def split_list(text: str | None) -> list[str]:
+    return [item.strip() for item in (text or "").split(",") if item.strip()]
+
+
+def choose_methods(requested: str | None, quick: bool, notes: list[str]) -> list[str]:
+    """User-named methods must exist; default lists keep only what is registered."""
+    from ..engine import available_methods, method_spec
+
+    registered = available_methods()
+    if requested is not None:
+        names = split_list(requested)
+        for name in names:
+            method_spec(name)  # raises UnknownMethod
+    elif quick:
+        names = [n for n in QUICK_METHODS if n in registered]
+        missing = [n for n in QUICK_METHODS if n not in registered]
+        if missing:
+            notes.append(f"--quick: not registered, skipped: {', '.join(missing)}")
+    else:
+        names = sorted(n for n, spec in registered.items() if spec.family == "speculative")
+    return [REFERENCE, *dict.fromkeys(n for n in names if n != REFERENCE)]
+
+
+def parse_method_options(items: list[str], methods: list[str]) -> dict[str, dict[str, Any]]:
+    from ..interfaces.cli import parse_option
+
+    options: dict[str, dict[str, Any]] = {}
+    for item in items:
+        method, dot, rest = item.partition(".")
+        if not dot or "=" not in rest:
+            raise InvalidParameter(f"--opt expects METHOD.KEY=VALUE, got {item!r}")
+        if method not in methods:
+            raise InvalidParameter(f"--opt {item!r}: method {method!r} is not in --methods ({', '.join(methods)})")
+        key, value = parse_option(rest)
+        options.setdefault(method, {})[key] = value
+    return options
+
+
+def positive(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or value < 1:
+        raise InvalidParameter(f"--{name} must be a positive integer, got {value}")
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Validate the arguments (unknown methods, baselines, categories, missing files) without loading a model."""
+    from .baselines import check_baselines
+    from .questions import load_questions, resolve_question_file
+
+    defaults = QUICK if args.quick else FULL
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else defaults["max_new_tokens"]
+    limit = args.limit if args.limit is not None else defaults["limit"]
+    for name, value, optional in (("max-new-tokens", max_new, False), ("limit", limit, True),
+                                  ("repeats", args.repeats, False), ("threads", args.threads, True)):
+        positive(name, value, optional)
+    notes: list[str] = []
+    methods = choose_methods(args.methods, args.quick, notes)
+    baselines = [] if (args.baselines or "").strip() == "none" else split_list(args.baselines if args.baselines is not None else defaults["baselines"])
+    check_baselines(baselines)
+    path = resolve_question_file(args.questions)
+    categories = split_list(args.categories)
+    plan = Plan(
+        methods=methods, options=parse_method_options(args.opt, methods), baselines=list(dict.fromkeys(baselines)),
+        questions=load_questions(path, categories=categories, limit=limit), question_file=path,
+        max_new_tokens=max_new, limit=limit, categories=categories, repeats=args.repeats, all_turns=args.all_turns,
+        model=args.model, dtype=args.dtype, threads=args.threads, out=Path(args.out), command="", notes=notes,
+    )
+    plan.command = command_line(plan, args.quick)
+    return plan
+
+
+def command_line(plan: Plan, quick: bool) -> str:
+    """An explicit command that reproduces the run (every default spelled out)."""
+    parts = ["decodekit", "bench", "--questions", str(plan.question_file), "--methods", ",".join(plan.methods),
+             "--baselines", ",".join(plan.baselines) or "none", "--max-new-tokens", str(plan.max_new_tokens),
+             "--repeats", str(plan.repeats), "--dtype", plan.dtype, "--out", str(plan.out)]
+    parts += ["--limit", str(plan.limit)] if plan.limit else []
+    parts += ["--categories", ",".join(plan.categories)] if plan.categories else []
+    parts += ["--model", plan.model] if plan.model else []
+    parts += ["--threads", str(plan.threads)] if plan.threads else []
+    parts += ["--all-turns"] if plan.all_turns else []
+    for method, opts in plan.options.items():
+        for key, value in opts.items():
+            parts += ["--opt", f"{method}.{key}={value}"]
+    return shlex.join(parts) + ("  # --quick" if quick else "")
+
+
+def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[str, Any]:
+    """Run the plan on a loaded model; write results.json, report.md and speedup.png; return the results."""
+    import torch
+
+    from ..engine import Engine
+    from .baselines import build_baselines
+    from .contestants import MethodContestant
+    from .plot import plot_speedup
+    from .report import write_report
+    from .results import build_results, machine_info, write_results
+    from .runner import BenchConfig, run_bench
+
+    if plan.threads:
+        torch.set_num_threads(plan.threads)
+    engine = Engine(model)
+    contestants = [MethodContestant(engine, m, plan.options.get(m)) for m in plan.methods]
+    baselines, notes = build_baselines(plan.baselines, model, model=plan.model, dtype=plan.dtype,
+                                       threads=torch.get_num_threads(), hf_model=hf_model)
+    config = BenchConfig(max_new_tokens=plan.max_new_tokens, repeats=plan.repeats, all_turns=plan.all_turns, reference=REFERENCE)
+    run_ = run_bench([*contestants, *baselines], plan.questions, model.prompt_ids, config, progress=progress)
+    results = build_results(run_, command=plan.command, config=plan.config(),
+                            machine=machine_info(model=model.name, dtype=plan.dtype), notes=[*plan.notes, *notes])
+    write_results(results, plan.out / "results.json")
+    subtitle = f"{model.name}, {plan.dtype}, {len(plan.questions)} questions, {plan.max_new_tokens} new tokens"
+    plot_speedup(results["summary"], plan.out / "speedup.png", subtitle=subtitle)
+    write_report(results, plan.out / "report.md")
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    from .report import compare, terminal_report
+    from .results import load_results
+
+    if args.compare:
+        print(compare(load_results(args.compare[0]), load_results(args.compare[1])))
+        return 0
+    plan = make_plan(args)
+    from ..models import load_model
+
+    model = load_model(plan.model, dtype=plan.dtype)
+    print(f"decodekit bench: {len(plan.questions)} questions x {len(plan.methods)} methods + "
+          f"{len(plan.baselines)} baselines x {plan.repeats} repeat(s), {plan.max_new_tokens} new tokens", file=sys.stderr)
+    results = execute(plan, model, progress=not args.no_progress)
+    print(terminal_report(results))
+    print(f"\nwrote {plan.out / 'results.json'}, {plan.out / 'report.md'}, {plan.out / 'speedup.png'}")
+    return 0

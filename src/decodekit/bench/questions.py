@@ -1,0 +1,124 @@
+"""Spec-Bench question files: load, validate, group and select questions.
+
+A question file is JSON Lines; each line has ``question_id``, ``category`` and ``turns`` (a
+non-empty list of user messages), as in Spec-Bench (Xia et al., 2024, "Unlocking Efficiency in
+Large Language Model Inference: A Comprehensive Survey of Speculative Decoding"). The eight
+MT-Bench sub-categories are reported together as one ``mt_bench`` group, like Spec-Bench does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import InvalidParameter
+
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+MT_BENCH = "mt_bench"
+#: Relative to the current directory first, then to the repository root (see resolve_question_file).
+DEFAULT_QUESTIONS = "../shared/data/specbench/questions.dev.jsonl"
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: int | str
+    category: str
+    turns: tuple[str, ...]
+
+    @property
+    def group(self) -> str:
+        return category_group(self.category)
+
+
+def category_group(category: str) -> str:
+    """The reporting group of a category: MT-Bench sub-categories collapse into ``mt_bench``."""
+    return MT_BENCH if category in MT_BENCH_CATEGORIES else category
+
+
+def repo_root() -> Path:
+    """The source checkout's root (src/decodekit/bench/questions.py -> four levels up)."""
+    return Path(__file__).resolve().parents[3]
+
+
+def resolve_question_file(path: str | Path | None = None) -> Path:
+    """Find the question file: as given (relative to the current directory), else relative to the repo root."""
+    spec = Path(path if path is not None else DEFAULT_QUESTIONS).expanduser()
+    candidates = [spec] if spec.is_absolute() else [Path.cwd() / spec, repo_root() / spec]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    tried = ", ".join(str(c) for c in candidates)
+    raise InvalidParameter(f"question file {str(spec)!r} not found (looked at: {tried}); give one with --questions")
+
+
+def parse_question(line: str, where: str) -> Question:
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise InvalidParameter(f"{where}: not valid JSON ({err.msg})") from None
+    if not isinstance(raw, dict) or not {"question_id", "category", "turns"} <= raw.keys():
+        raise InvalidParameter(f"{where}: a question needs question_id, category and turns")
+    turns = raw["turns"]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+        raise InvalidParameter(f"{where}: turns must be a non-empty list of non-empty strings")
+    if not isinstance(raw["category"], str) or not raw["category"]:
+        raise InvalidParameter(f"{where}: category must be a non-empty string")
+    return Question(raw["question_id"], raw["category"], tuple(turns))
+
+
+def read_questions(path: Path) -> list[Question]:
+    questions = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                questions.append(parse_question(line, f"{path}:{number}"))
+    if not questions:
+        raise InvalidParameter(f"{path}: no questions")
+    return questions
+
+
+def filter_categories(questions: Sequence[Question], categories: Iterable[str] | None) -> list[Question]:
+    """Keep questions whose category or group is named; an unknown name is an error."""
+    if not categories:
+        return list(questions)
+    wanted = set(categories)
+    known = {q.category for q in questions} | {q.group for q in questions}
+    unknown = sorted(wanted - known)
+    if unknown:
+        raise InvalidParameter(f"unknown categor{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)}; the file has: {', '.join(sorted(known))}")
+    return [q for q in questions if q.category in wanted or q.group in wanted]
+
+
+def balanced(questions: Sequence[Question], limit: int | None) -> list[Question]:
+    """At most ``limit`` questions per group, taken round-robin over the group's sub-categories
+    (so ``mt_bench`` with limit 8 gets one question of each MT-Bench category). File order otherwise."""
+    if limit is None:
+        return list(questions)
+    if limit < 1:
+        raise InvalidParameter(f"--limit must be a positive integer, got {limit}")
+    by_group: dict[str, dict[str, list[Question]]] = {}
+    for q in questions:
+        by_group.setdefault(q.group, {}).setdefault(q.category, []).append(q)
+    chosen: list[Question] = []
+    for subcategories in by_group.values():
+        queues = [list(qs) for qs in subcategories.values()]
+        picked = 0
+        while picked < limit and any(queues):
+            for queue in queues:
+                if queue and picked < limit:
+                    chosen.append(queue.pop(0))
+                    picked += 1
+    return chosen
+
+
+def load_questions(
+    path: str | Path | None = None, *, categories: Iterable[str] | None = None, limit: int | None = None
+) -> list[Question]:
+    """Read a question file, filter by category or group, keep ``limit`` questions per group."""
+    return balanced(filter_categories(read_questions(resolve_question_file(path)), categories), limit)
+
+
+def groups_in_order(questions: Iterable[Question]) -> list[str]:
+    return list(dict.fromkeys(q.group for q in questions))

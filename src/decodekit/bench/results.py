@@ -1,0 +1,236 @@
+"""Benchmark results: the summary statistics, the machine description and ``results.json``.
+
+``results.json`` schema (``"schema": "decodekit-bench/1"``)::
+
+    {
+      "schema": "decodekit-bench/1",
+      "created": "2025-01-01T12:00:00",          # local time, ISO 8601
+      "command": "decodekit bench --quick",      # the command line that produced the file
+      "config": {questions, methods, baselines, max_new_tokens, limit, categories, dtype, model,
+                 repeats, all_turns, options},
+      "machine": {cpu, logical_cores, usable_cores, memory_gb, platform, python, torch, torch_threads,
+                  transformers, llama_cpp, dtype, model},
+      "notes": [str, ...],                        # skipped methods/baselines, failures, caveats
+      "records": [                               # one per contestant x question x repeat
+        {method, kind ("decodekit"|"baseline"), family, lossless (bool|null),
+         question_id, category, group (category, MT-Bench ones as "mt_bench"), repeat, position
+         (0-based place in that question's rotated order), turns, prompt_tokens, new_tokens,
+         prefill_s, decode_s, forward_passes (int|null: decode passes, prefill excluded),
+         decode_tps (new_tokens/decode_s), e2e_tps (new_tokens/(prefill_s+decode_s)),
+         mean_accepted (float|null), finish_reason, identical_to_reference (bool|null: token-identical
+         to decodekit greedy; null where not comparable, e.g. llama.cpp), text_match (bool|null),
+         text_prefix_share (float|null: share of greedy's text reproduced from the start),
+         texts [str per turn], tokens [[int] per turn], extra {method figures}, error (str|null)}
+      ],
+      "summary": {
+        "reference": "greedy", "hf_reference": "hf"|null, "aggregate": str, "categories": [..., "overall"],
+        "methods": {name: {kind, family, lossless, token_exact, peak_rss_mb,
+                           "categories": {category: STATS}}}
+      }
+    }
+
+STATS (per method and category; figures over repeats are per-question medians first):
+``questions, new_tokens, prefill_s, decode_s, decode_tps, e2e_tps, speedup, e2e_speedup,
+speedup_vs_hf, e2e_speedup_vs_hf, mean_accepted, passes_per_token, exact_share,
+text_match_share, text_prefix_share, errors``. Speedups are ratios of aggregate throughputs
+(summed tokens / summed seconds) over the questions both sides completed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidParameter
+
+SCHEMA = "decodekit-bench/1"
+OVERALL = "overall"
+AGGREGATE = ("throughput = summed new tokens / summed seconds over a category's questions (per-question "
+             "medians over repeats); speedup = method throughput / reference throughput on the same questions")
+STAT_KEYS = (
+    "questions", "new_tokens", "prefill_s", "decode_s", "decode_tps", "e2e_tps", "speedup", "e2e_speedup",
+    "speedup_vs_hf", "e2e_speedup_vs_hf", "mean_accepted", "passes_per_token", "exact_share",
+    "text_match_share", "text_prefix_share", "errors",
+)
+
+
+def _median(values: list[float | None], low: bool = False) -> float | None:
+    """Median of the values present; None when there are none, or when ``low`` (counts) and one is missing."""
+    present = [v for v in values if v is not None]
+    if not present or (low and len(present) < len(values)):
+        return None
+    return statistics.median_low(present) if low else statistics.median(present)
+
+
+def per_question(records: Iterable[dict[str, Any]]) -> dict[str, dict[Any, dict[str, Any]]]:
+    """method -> question_id -> medians over the successful repeats (with the record's group)."""
+    grouped: dict[str, dict[Any, list[dict[str, Any]]]] = {}
+    for rec in records:
+        if rec["error"] is None:
+            grouped.setdefault(rec["method"], {}).setdefault(rec["question_id"], []).append(rec)
+    out: dict[str, dict[Any, dict[str, Any]]] = {}
+    for method, questions in grouped.items():
+        out[method] = {}
+        for qid, recs in questions.items():
+            row = {"group": recs[0]["group"]}
+            row |= {key: _median([r[key] for r in recs]) for key in ("prefill_s", "decode_s", "mean_accepted")}
+            # Counts stay integers: the lower median is one of the observed values.
+            row |= {key: _median([r[key] for r in recs], low=True) for key in ("new_tokens", "forward_passes")}
+            out[method][qid] = row
+    return out
+
+
+def _throughput(rows: dict[Any, dict[str, Any]], qids: Iterable[Any]) -> tuple[float | None, float | None]:
+    """(decode-only, end-to-end) tokens/s over the given questions."""
+    qids = list(qids)
+    tokens = sum(rows[q]["new_tokens"] for q in qids)
+    decode = sum(rows[q]["decode_s"] for q in qids)
+    total = decode + sum(rows[q]["prefill_s"] for q in qids)
+    return (tokens / decode if decode > 0 else None, tokens / total if total > 0 else None)
+
+
+def _ratio(rows: dict, other: dict | None, qids: list) -> tuple[float | None, float | None]:
+    """Throughput ratios rows/other on the questions both completed."""
+    if other is None:
+        return None, None
+    common = [q for q in qids if q in other]
+    if not common:
+        return None, None
+    mine, theirs = _throughput(rows, common), _throughput(other, common)
+    return tuple(a / b if a is not None and b else None for a, b in zip(mine, theirs))  # type: ignore[return-value]
+
+
+def _share(values: list[Any]) -> float | None:
+    present = [float(v) for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def category_stats(rows: dict[Any, dict[str, Any]], records: list[dict[str, Any]], ref: dict | None, hf: dict | None) -> dict[str, Any]:
+    """STATS for one method on one category (rows: that method's per-question medians there)."""
+    qids = list(rows)
+    tokens = sum(r["new_tokens"] for r in rows.values())
+    passes = [r["forward_passes"] for r in rows.values()]
+    decode_tps, e2e_tps = _throughput(rows, qids) if qids else (None, None)
+    speedup, e2e_speedup = _ratio(rows, ref, qids)
+    vs_hf, e2e_vs_hf = _ratio(rows, hf, qids)
+    ok = [r for r in records if r["error"] is None]
+    return {
+        "questions": len(qids), "new_tokens": tokens,
+        "prefill_s": sum(r["prefill_s"] for r in rows.values()), "decode_s": sum(r["decode_s"] for r in rows.values()),
+        "decode_tps": decode_tps, "e2e_tps": e2e_tps, "speedup": speedup, "e2e_speedup": e2e_speedup,
+        "speedup_vs_hf": vs_hf, "e2e_speedup_vs_hf": e2e_vs_hf,
+        "mean_accepted": _mean_present([r["mean_accepted"] for r in rows.values()]),
+        "passes_per_token": sum(passes) / tokens if qids and tokens and None not in passes else None,
+        "exact_share": _share([r["identical_to_reference"] for r in ok]),
+        "text_match_share": _share([r["text_match"] for r in ok]),
+        "text_prefix_share": _share([r["text_prefix_share"] for r in ok]),
+        "errors": len(records) - len(ok),
+    }
+
+
+def _mean_present(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def _rows_in(medians: dict[str, dict], method: str | None, group: str) -> dict | None:
+    """A method's per-question medians restricted to a group (None when the method has none)."""
+    if method is None or method not in medians:
+        return None
+    return {q: r for q, r in medians[method].items() if group in (OVERALL, r["group"])}
+
+
+def summarize(records: Sequence[dict[str, Any]], contestants: Sequence[dict[str, Any]], peak_rss: dict[str, float],
+              *, reference: str = "greedy", hf_reference: str = "hf") -> dict[str, Any]:
+    """The ``summary`` block of results.json (see the module docstring)."""
+    medians = per_question(records)
+    groups = list(dict.fromkeys(r["group"] for r in records))
+    hf_name = hf_reference if any(c["name"] == hf_reference for c in contestants) else None
+    methods: dict[str, Any] = {}
+    for c in contestants:
+        name = c["name"]
+        per_cat = {}
+        for group in [*groups, OVERALL]:
+            recs = [r for r in records if r["method"] == name and group in (OVERALL, r["group"])]
+            rows = _rows_in(medians, name, group) or {}
+            per_cat[group] = category_stats(rows, recs, _rows_in(medians, reference, group), _rows_in(medians, hf_name, group))
+        methods[name] = {**{k: c[k] for k in ("kind", "family", "lossless", "token_exact")},
+                         "peak_rss_mb": peak_rss.get(name), "categories": per_cat}
+    return {"reference": reference, "hf_reference": hf_name, "aggregate": AGGREGATE,
+            "categories": [*groups, OVERALL], "methods": methods}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def memory_gb() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 1024**2, 1)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _version(module: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(module)
+    except PackageNotFoundError:
+        return None
+
+
+def machine_info(*, model: str, dtype: str) -> dict[str, Any]:
+    import torch
+
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu": cpu_model(), "logical_cores": os.cpu_count(), "usable_cores": usable, "memory_gb": memory_gb(),
+        "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "transformers": _version("transformers"),
+        "llama_cpp": _version("llama-cpp-python"), "dtype": dtype, "model": model,
+    }
+
+
+def build_results(run, *, command: str, config: dict[str, Any], machine: dict[str, Any], notes: Sequence[str] = ()) -> dict[str, Any]:
+    """The whole results.json document for a :class:`~decodekit.bench.runner.BenchRun`."""
+    summary = summarize(run.records, run.contestants, run.peak_rss_mb, reference=config.get("reference", "greedy"))
+    return {
+        "schema": SCHEMA, "created": datetime.now().isoformat(timespec="seconds"), "command": command,
+        "config": config, "machine": machine, "notes": [*notes, *run.notes], "records": run.records, "summary": summary,
+    }
+
+
+def write_results(results: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1, ensure_ascii=False))
+    return path
+
+
+def load_results(path: str | Path) -> dict[str, Any]:
+    """Read a results.json; a missing or foreign file is a one-line error."""
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidParameter(f"results file {str(path)!r} not found")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InvalidParameter(f"{path}: not a JSON file ({err})") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or "summary" not in data:
+        raise InvalidParameter(f"{path}: not a decodekit bench results file (schema {SCHEMA})")
+    return data

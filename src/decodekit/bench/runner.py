@@ -1,0 +1,220 @@
+"""The measurement loop: warm up every contestant, then run them interleaved question by question.
+
+Fairness rules (Spec-Bench style, adapted to one shared CPU):
+* one warm-up generation per contestant before any timing (a prompt that is not a question);
+* for each question, every contestant runs once, in an order rotated by one position from one
+  question (and repeat) to the next, so slow drift of the machine hits all contestants alike;
+* ``repeats`` passes over the questions; the summary takes medians over repeats.
+Each run yields one record (see :mod:`decodekit.bench.results` for the schema).
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import InvalidParameter
+from .contestants import WARMUP_PROMPT, Contestant, RunResult
+from .questions import Question
+
+PromptIds = Callable[[list[dict[str, str]]], list[int]]
+
+
+@dataclass
+class BenchConfig:
+    max_new_tokens: int = 256
+    repeats: int = 1
+    all_turns: bool = False  # feed every turn (each contestant sees its own earlier answers); default: first turn only
+    warmup_tokens: int = 32
+    reference: str = "greedy"
+
+    def validate(self) -> None:
+        for name in ("max_new_tokens", "repeats", "warmup_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidParameter(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class BenchRun:
+    records: list[dict[str, Any]]
+    peak_rss_mb: dict[str, float]
+    notes: list[str] = field(default_factory=list)
+    contestants: list[dict[str, Any]] = field(default_factory=list)
+
+
+def schedule(names: Sequence[str], n_questions: int, repeats: int) -> Iterator[tuple[int, int, list[str]]]:
+    """Yield ``(repeat, question index, order)``; the order rotates by one at every question."""
+    m = len(names)
+    for r in range(repeats):
+        for q in range(n_questions):
+            k = (r * n_questions + q) % m if m else 0
+            yield r, q, list(names[k:]) + list(names[:k])
+
+
+def peak_rss_mb() -> float:
+    """This process's resident-set high-water mark (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (1024 * 1024 if sys.platform == "darwin" else 1024), 1)
+
+
+class Progress:
+    """tqdm when installed, else a one-line stderr counter; silent when disabled."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.enabled, self.bar = total, 0, enabled, None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, file=sys.stderr, unit="run", dynamic_ncols=True, desc="bench")
+            except ImportError:
+                pass
+
+    def update(self, label: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update(1)
+        elif self.enabled:
+            print(f"\rbench {self.done}/{self.total} {label:<40}", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled:
+            print(file=sys.stderr)
+
+
+def run_turns(contestant: Contestant, question: Question, prompt_ids: PromptIds, config: BenchConfig) -> list[tuple[int, RunResult]]:
+    """Run a question's turns (first only unless ``all_turns``); the contestant's answers become the history."""
+    messages: list[dict[str, str]] = []
+    results = []
+    for turn in question.turns if config.all_turns else question.turns[:1]:
+        messages.append({"role": "user", "content": turn})
+        ids = prompt_ids(messages)
+        result = contestant.run(ids, config.max_new_tokens)
+        results.append((len(ids), result))
+        messages.append({"role": "assistant", "content": result.text})
+    return results
+
+
+def rate(tokens: int, seconds: float) -> float | None:
+    return tokens / seconds if seconds > 0 else None
+
+
+def make_record(contestant: Contestant, question: Question, repeat: int, position: int,
+                turns: list[tuple[int, RunResult]] | None, error: str | None = None) -> dict[str, Any]:
+    """One record: figures summed over the turns that ran."""
+    results = [r for _, r in turns or []]
+    new = sum(len(r.tokens) for r in results)
+    prefill = sum(r.prefill_s for r in results)
+    decode = sum(r.decode_s for r in results)
+    passes = [r.forward_passes for r in results]
+    accepted = [r.mean_accepted for r in results if r.mean_accepted is not None]
+    return {
+        "method": contestant.name, "kind": contestant.kind, "family": contestant.family, "lossless": contestant.lossless,
+        "question_id": question.question_id, "category": question.category, "group": question.group,
+        "repeat": repeat, "position": position, "turns": len(results),
+        "prompt_tokens": sum(n for n, _ in turns or []),
+        "new_tokens": new, "prefill_s": prefill, "decode_s": decode,
+        "forward_passes": sum(passes) if results and None not in passes else None,
+        "decode_tps": rate(new, decode), "e2e_tps": rate(new, prefill + decode),
+        "mean_accepted": statistics.fmean(accepted) if accepted else None,
+        "finish_reason": results[-1].finish_reason if results else None,
+        "identical_to_reference": None, "text_match": None, "text_prefix_share": None,
+        "texts": [r.text for r in results], "tokens": [r.tokens for r in results],
+        "extra": results[-1].extra if results else {}, "error": error,
+    }
+
+
+def common_prefix_share(text: str, reference: str) -> float:
+    """Share of the reference text that ``text`` reproduces from the start (1.0 = all of it)."""
+    if not reference:
+        return 1.0 if not text else 0.0
+    n = 0
+    for a, b in zip(text, reference):
+        if a != b:
+            break
+        n += 1
+    return n / len(reference)
+
+
+def compare_to_reference(records: list[dict[str, Any]], reference: str, token_exact: dict[str, bool]) -> None:
+    """Fill the exactness fields of one question's records against the reference method's record."""
+    ref = next((r for r in records if r["method"] == reference and r["error"] is None), None)
+    if ref is None:
+        return
+    ref_text = "\n".join(ref["texts"]).strip()
+    for rec in records:
+        if rec["error"] is not None:
+            continue
+        text = "\n".join(rec["texts"]).strip()
+        rec["text_match"] = text == ref_text
+        rec["text_prefix_share"] = round(common_prefix_share(text, ref_text), 4)
+        if token_exact.get(rec["method"], False):
+            rec["identical_to_reference"] = rec["tokens"] == ref["tokens"]
+
+
+def warm_up(contestants: list[Contestant], prompt_ids: PromptIds, config: BenchConfig,
+            notes: list[str]) -> tuple[list[Contestant], dict[str, float]]:
+    """One untimed generation each; a contestant that fails here is dropped (the reference may not fail)."""
+    ids = prompt_ids([{"role": "user", "content": WARMUP_PROMPT}])
+    kept, rss = [], {}
+    for c in contestants:
+        try:
+            c.run(ids, min(config.warmup_tokens, config.max_new_tokens))
+        except Exception as err:  # a broken method must not sink the whole benchmark
+            if c.name == config.reference:
+                raise
+            notes.append(f"{c.name} failed in warm-up and was skipped: {type(err).__name__}: {err}")
+            continue
+        kept.append(c)
+        rss[c.name] = peak_rss_mb()
+    return kept, rss
+
+
+def run_bench(contestants: Sequence[Contestant], questions: Sequence[Question], prompt_ids: PromptIds,
+              config: BenchConfig, *, progress: bool = True) -> BenchRun:
+    """Warm up, then run every contestant on every question ``repeats`` times, interleaved."""
+    config.validate()
+    names = [c.name for c in contestants]
+    if config.reference not in names:
+        raise InvalidParameter(f"the reference method {config.reference!r} must be among the contestants")
+    if len(set(names)) != len(names):
+        raise InvalidParameter(f"contestant names must be unique, got {', '.join(names)}")
+    if not questions:
+        raise InvalidParameter("no questions to run")
+    notes: list[str] = []
+    kept, rss = warm_up(list(contestants), prompt_ids, config, notes)
+    by_name = {c.name: c for c in kept}
+    token_exact = {c.name: c.token_exact for c in kept}
+    records: list[dict[str, Any]] = []
+    bar = Progress(config.repeats * len(questions) * len(kept), progress)
+    try:
+        for repeat, qi, order in schedule(list(by_name), len(questions), config.repeats):
+            question = questions[qi]
+            batch = []
+            for position, name in enumerate(order):
+                batch.append(run_one(by_name[name], question, prompt_ids, config, repeat, position, notes))
+                bar.update(f"{name} · {question.category} #{question.question_id}")
+            compare_to_reference(batch, config.reference, token_exact)
+            records.extend(batch)
+    finally:
+        bar.close()
+    return BenchRun(records, rss, notes, [c.describe() for c in kept])
+
+
+def run_one(contestant: Contestant, question: Question, prompt_ids: PromptIds, config: BenchConfig,
+            repeat: int, position: int, notes: list[str]) -> dict[str, Any]:
+    try:
+        turns = run_turns(contestant, question, prompt_ids, config)
+    except Exception as err:  # recorded and reported; the other contestants still run
+        message = f"{type(err).__name__}: {err}"
+        notes.append(f"{contestant.name} failed on question {question.question_id}: {message}")
+        return make_record(contestant, question, repeat, position, None, message)
+    return make_record(contestant, question, repeat, position, turns)

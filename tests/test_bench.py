@@ -1,0 +1,410 @@
+"""Tests for decodekit.bench: questions, interleaving, records and summary schema, exactness,
+report writers, --compare, baselines on a tiny model, and bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from decodekit.bench import cli as bench_cli
+from decodekit.bench.baselines import HFGenerate, build_baselines
+from decodekit.bench.contestants import WARMUP_PROMPT, Contestant, MethodContestant, RunResult
+from decodekit.bench.plot import plot_speedup
+from decodekit.bench.questions import balanced, category_group, load_questions, resolve_question_file
+from decodekit.bench.report import compare, markdown_report, terminal_report, write_report
+from decodekit.bench.results import STAT_KEYS, build_results, load_results, summarize
+from decodekit.bench.runner import BenchConfig, run_bench, schedule
+from decodekit.engine import Engine
+from decodekit.errors import DecodeKitError, InvalidParameter, UnknownMethod
+from decodekit.models import CharTokenizer, LoadedModel
+from decodekit.models.tiny import tiny_hf_model, tiny_llama
+
+CATEGORIES = ["writing", "math", "coding", "translation", "translation", "qa", "rag", "summarization"]
+
+
+def write_questions(path: Path, categories=CATEGORIES, turns: int = 1) -> Path:
+    lines = [
+        {"question_id": i, "category": c, "turns": [f"Q{i} {c}: say more {t}" for t in range(turns)]}
+        for i, c in enumerate(categories)
+    ]
+    path.write_text("\n".join(json.dumps(q) for q in lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    # scale 2: peaked distributions, so greedy rarely meets a near-tie between implementations.
+    return LoadedModel(tiny_llama(seed=0, scale=2.0), CharTokenizer(), "tiny")
+
+
+@pytest.fixture(scope="module")
+def hf_tiny():
+    """The same weights as ``tiny`` as a transformers model (built once: slow under load)."""
+    return tiny_hf_model(seed=0, scale=2.0)
+
+
+@pytest.fixture
+def qfile(tmp_path: Path) -> Path:
+    return write_questions(tmp_path / "q.jsonl")
+
+
+class Scripted(Contestant):
+    """A fake contestant: fixed tokens, fixed timings, and a log of the calls it received."""
+
+    kind, family, lossless = "decodekit", "test", True
+
+    def __init__(self, name: str, log: list, tokens=(5, 6, 7), decode_s: float = 0.01):
+        self.name, self.log, self.tokens, self.decode_s = name, log, list(tokens), decode_s
+
+    def run(self, prompt_ids, max_new_tokens):
+        self.log.append((self.name, list(prompt_ids)))
+        tokens = self.tokens[:max_new_tokens]
+        return RunResult(tokens, "x" * len(tokens), 0.002, self.decode_s, "length", forward_passes=len(tokens))
+
+
+class Perturbed(MethodContestant):
+    """Greedy, but appends a token on odd question prompts: deliberately not identical there."""
+
+    def __init__(self, engine: Engine, name: str, odd_prompts: set[tuple[int, ...]]):
+        super().__init__(engine, "greedy", name=name)
+        self.odd = odd_prompts
+
+    def run(self, prompt_ids, max_new_tokens):
+        result = super().run(prompt_ids, max_new_tokens)
+        if tuple(prompt_ids) in self.odd:
+            result.tokens = result.tokens + [1]
+        return result
+
+
+def prompt_fn(model: LoadedModel):
+    return model.prompt_ids
+
+
+# --------------------------------------------------------------------------- questions
+
+
+def test_questions_group_mt_bench_and_balance_per_group(qfile: Path):
+    questions = load_questions(qfile, limit=2)
+    groups = [q.group for q in questions]
+    assert category_group("writing") == "mt_bench" and category_group("rag") == "rag"
+    # mt_bench has 3 sub-categories; limit 2 takes one from each of the first two, round-robin.
+    assert [q.category for q in questions if q.group == "mt_bench"] == ["writing", "math"]
+    assert groups.count("translation") == 2 and groups.count("qa") == 1
+    assert len(load_questions(qfile, categories=["mt_bench"])) == 3
+    assert [q.category for q in load_questions(qfile, categories=["coding", "rag"])] == ["coding", "rag"]
+
+
+def test_balanced_round_robin_over_subcategories(qfile: Path):
+    questions = load_questions(qfile)
+    picked = balanced([q for q in questions if q.group == "mt_bench"], 3)
+    assert sorted(q.category for q in picked) == ["coding", "math", "writing"]
+
+
+def test_question_file_resolution_and_errors(tmp_path: Path, monkeypatch):
+    with pytest.raises(InvalidParameter, match="not found"):
+        resolve_question_file(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1, "category": "qa"}\n')
+    with pytest.raises(InvalidParameter, match="bad.jsonl:1"):
+        load_questions(bad)
+    bad.write_text("not json\n")
+    with pytest.raises(InvalidParameter, match="not valid JSON"):
+        load_questions(bad)
+    with pytest.raises(InvalidParameter, match="unknown category"):
+        load_questions(write_questions(tmp_path / "q.jsonl"), categories=["poetry"])
+    # A relative path is tried against the current directory first.
+    monkeypatch.chdir(tmp_path)
+    assert resolve_question_file("q.jsonl") == (tmp_path / "q.jsonl").resolve()
+
+
+# --------------------------------------------------------------------------- interleaving
+
+
+def test_schedule_rotates_and_runs_every_method_once():
+    names = ["a", "b", "c"]
+    slots = list(schedule(names, n_questions=4, repeats=2))
+    assert len(slots) == 8
+    assert [(r, q) for r, q, _ in slots] == [(r, q) for r in range(2) for q in range(4)]
+    for _, _, order in slots:
+        assert sorted(order) == names
+    firsts = [order[0] for _, _, order in slots]
+    assert firsts == ["a", "b", "c", "a", "b", "c", "a", "b"]  # rotation continues across repeats
+    assert all(slots[i][2] != slots[i + 1][2] for i in range(len(slots) - 1))
+
+
+def test_runner_follows_the_schedule_after_one_warmup_each(tiny: LoadedModel, qfile: Path):
+    log: list = []
+    contestants = [Scripted(n, log) for n in ("greedy", "b", "c")]
+    questions = load_questions(qfile, limit=1)
+    run = run_bench(contestants, questions, prompt_fn(tiny), BenchConfig(max_new_tokens=4, repeats=2), progress=False)
+    warmup_ids = tiny.prompt_ids(WARMUP_PROMPT)
+    assert log[:3] == [(n, warmup_ids) for n in ("greedy", "b", "c")]
+    timed = [name for name, _ in log[3:]]
+    expected = [name for _, _, order in schedule(["greedy", "b", "c"], len(questions), 2) for name in order]
+    assert timed == expected
+    assert [r["method"] for r in run.records] == expected
+    assert [r["position"] for r in run.records] == [0, 1, 2] * (len(expected) // 3)
+
+
+def test_all_turns_feeds_each_contestant_its_own_answers(tiny: LoadedModel, tmp_path: Path):
+    questions = load_questions(write_questions(tmp_path / "q.jsonl", ["qa"], turns=2))
+    log: list = []
+    run = run_bench([Scripted("greedy", log, tokens=(40, 41))], questions, prompt_fn(tiny),
+                    BenchConfig(max_new_tokens=2, all_turns=True), progress=False)
+    first, second = log[1][1], log[2][1]
+    answer = CharTokenizer().encode("xx")  # Scripted's text for two tokens
+    assert second[: len(first)] == first and answer[0] in second[len(first):]
+    assert run.records[0]["turns"] == 2 and run.records[0]["new_tokens"] == 4
+
+
+# --------------------------------------------------------------------------- records, summary, exactness
+
+RECORD_TYPES = {
+    "method": str, "kind": str, "family": str, "question_id": int, "category": str, "group": str, "repeat": int,
+    "position": int, "turns": int, "prompt_tokens": int, "new_tokens": int, "prefill_s": float, "decode_s": float,
+    "forward_passes": int, "decode_tps": float, "e2e_tps": float, "finish_reason": str, "identical_to_reference": bool,
+    "text_match": bool, "text_prefix_share": float, "texts": list, "tokens": list, "extra": dict,
+}
+
+
+def exactness_run(tiny: LoadedModel, qfile: Path):
+    engine = Engine(tiny)
+    questions = load_questions(qfile, categories=["translation"])  # two questions
+    odd = {tuple(tiny.prompt_ids(questions[1].turns[0]))}
+    contestants = [MethodContestant(engine, "greedy"), Perturbed(engine, "greedy-again", set()), Perturbed(engine, "fake", odd)]
+    return run_bench(contestants, questions, prompt_fn(tiny), BenchConfig(max_new_tokens=6), progress=False)
+
+
+def test_records_have_the_documented_schema(tiny: LoadedModel, qfile: Path):
+    run = exactness_run(tiny, qfile)
+    assert len(run.records) == 3 * 2
+    for rec in run.records:
+        for key, kind in RECORD_TYPES.items():
+            assert isinstance(rec[key], kind), (key, rec[key])
+        assert rec["error"] is None and rec["lossless"] is True
+        assert rec["decode_tps"] == pytest.approx(rec["new_tokens"] / rec["decode_s"])
+        assert rec["e2e_tps"] == pytest.approx(rec["new_tokens"] / (rec["prefill_s"] + rec["decode_s"]))
+    assert set(run.peak_rss_mb) == {"greedy", "greedy-again", "fake"}
+    assert all(v > 0 for v in run.peak_rss_mb.values())
+
+
+def test_exactness_statistic(tiny: LoadedModel, qfile: Path):
+    run = exactness_run(tiny, qfile)
+    summary = summarize(run.records, run.contestants, run.peak_rss_mb)
+    overall = {name: info["categories"]["overall"] for name, info in summary["methods"].items()}
+    assert overall["greedy"]["exact_share"] == 1.0
+    assert overall["greedy-again"]["exact_share"] == 1.0
+    assert overall["fake"]["exact_share"] == 0.5  # identical on one question of two
+    assert overall["greedy"]["speedup"] == pytest.approx(1.0)
+
+
+def test_summary_schema_and_aggregates(tiny: LoadedModel, qfile: Path):
+    log: list = []
+    contestants = [Scripted("greedy", log, decode_s=0.02), Scripted("fast", log, decode_s=0.01)]
+    questions = load_questions(qfile, limit=1)
+    run = run_bench(contestants, questions, prompt_fn(tiny), BenchConfig(max_new_tokens=3), progress=False)
+    summary = summarize(run.records, run.contestants, run.peak_rss_mb)
+    assert summary["categories"] == ["mt_bench", "translation", "qa", "rag", "summarization", "overall"]
+    assert summary["reference"] == "greedy" and summary["hf_reference"] is None
+    for info in summary["methods"].values():
+        assert {"kind", "family", "lossless", "token_exact", "peak_rss_mb", "categories"} <= info.keys()
+        for stats in info["categories"].values():
+            assert tuple(stats) == STAT_KEYS
+    fast = summary["methods"]["fast"]["categories"]["overall"]
+    assert fast["questions"] == 5 and fast["new_tokens"] == 15
+    assert fast["decode_tps"] == pytest.approx(15 / 0.05)
+    assert fast["speedup"] == pytest.approx(2.0)  # same tokens in half the decode time
+    assert fast["e2e_speedup"] == pytest.approx((15 / 0.06) / (15 / 0.11))
+    assert fast["passes_per_token"] == pytest.approx(1.0)
+
+
+def test_failing_method_is_recorded_and_others_continue(tiny: LoadedModel, qfile: Path):
+    class Flaky(Scripted):
+        def run(self, prompt_ids, max_new_tokens):
+            if len(self.log) > 2:  # fine in warm-up, then fails
+                raise RuntimeError("boom")
+            return super().run(prompt_ids, max_new_tokens)
+
+    log: list = []
+    run = run_bench([Scripted("greedy", []), Flaky("flaky", log)], load_questions(qfile, limit=1), prompt_fn(tiny),
+                    BenchConfig(max_new_tokens=3), progress=False)
+    errors = [r for r in run.records if r["error"]]
+    assert errors and all(r["method"] == "flaky" and "boom" in r["error"] for r in errors)
+    assert any("flaky failed" in n for n in run.notes)
+    summary = summarize(run.records, run.contestants, run.peak_rss_mb)
+    assert summary["methods"]["flaky"]["categories"]["overall"]["errors"] == len(errors)
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def test_hf_baseline_matches_native_greedy_on_same_weights(tiny: LoadedModel, hf_tiny):
+    hf = HFGenerate(hf_tiny, tiny.tokenizer.eos_token_ids, tiny.tokenizer.decode)
+    engine = Engine(tiny)
+    for prompt in ("Hello there, how are you?", "Translate: Guten Tag"):
+        ids = tiny.prompt_ids(prompt)
+        ours = engine.generate(ids, method="greedy", max_new_tokens=12)
+        theirs = hf.run(ids, 12)
+        assert theirs.tokens == ours.tokens and theirs.finish_reason == ours.finish_reason
+        assert theirs.prefill_s > 0 and theirs.decode_s >= 0
+        assert theirs.forward_passes == ours.stats.forward_passes
+
+
+def test_hf_prompt_lookup_baseline_is_greedy(tiny: LoadedModel, hf_tiny):
+    model = hf_tiny
+    plain = HFGenerate(model, tiny.tokenizer.eos_token_ids, tiny.tokenizer.decode)
+    pld = HFGenerate(model, tiny.tokenizer.eos_token_ids, tiny.tokenizer.decode, name="hf-pld", prompt_lookup=10)
+    ids = tiny.prompt_ids("abc abc abc abc abc abc")
+    assert pld.run(ids, 10).tokens == plain.run(ids, 10).tokens
+
+
+def test_llamacpp_missing_is_a_note_not_an_error(tiny: LoadedModel, monkeypatch):
+    monkeypatch.setattr("decodekit.bench.baselines.llamacpp_available", lambda: False)
+    built, notes = build_baselines(["llamacpp"], tiny, model=None, dtype="float32", threads=1)
+    assert built == [] and "llama-cpp-python is not installed" in notes[0]
+    with pytest.raises(UnknownMethod, match="unknown baseline"):
+        build_baselines(["vllm"], tiny, model=None, dtype="float32", threads=1)
+
+
+# --------------------------------------------------------------------------- CLI plan, outputs, compare
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_cli.add_parser(parser.add_subparsers())
+    return parser.parse_args(["bench", *argv])
+
+
+def test_bad_input_raises_decodekit_errors(qfile: Path, tmp_path: Path):
+    with pytest.raises(UnknownMethod):
+        bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy,no-such-method"))
+    with pytest.raises(UnknownMethod):
+        bench_cli.make_plan(parse("--questions", str(qfile), "--baselines", "hf,tgi"))
+    with pytest.raises(DecodeKitError, match="not found"):
+        bench_cli.make_plan(parse("--questions", str(tmp_path / "none.jsonl")))
+    with pytest.raises(InvalidParameter, match="max-new-tokens"):
+        bench_cli.make_plan(parse("--questions", str(qfile), "--max-new-tokens", "0"))
+    with pytest.raises(InvalidParameter, match="not in --methods"):
+        bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy", "--opt", "pld.max_ngram=3"))
+    with pytest.raises(InvalidParameter, match="not found"):
+        load_results(tmp_path / "nothing.json")
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    with pytest.raises(InvalidParameter, match="not a decodekit bench"):
+        load_results(tmp_path / "other.json")
+
+
+def test_cli_prints_one_line_error(capsys, tmp_path: Path):
+    from decodekit.interfaces.cli import main
+
+    assert main(["bench", "--questions", str(tmp_path / "none.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("decodekit: error:") and "\n" not in err
+
+
+def test_quick_skips_unregistered_defaults_with_a_note(qfile: Path, monkeypatch):
+    monkeypatch.setattr(bench_cli, "QUICK_METHODS", ("greedy", "not-yet-registered"))
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--quick"))
+    assert plan.methods == ["greedy"] and plan.max_new_tokens == 64 and plan.limit == 1
+    assert plan.baselines == ["hf"] and any("not-yet-registered" in n for n in plan.notes)
+    assert "--max-new-tokens 64" in plan.command
+
+
+def test_plan_always_includes_greedy_and_picks_up_registered_methods(qfile: Path, monkeypatch):
+    from decodekit.engine import registry
+    from decodekit.engine.core import PlainDecoding, StepDecoder
+
+    monkeypatch.setitem(registry._METHODS, "fake-spec", registry.MethodSpec(
+        "fake-spec", lambda **o: StepDecoder(PlainDecoding()), "test", lossless=True, family="speculative"))
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--baselines", "none"))
+    assert plan.methods[0] == "greedy" and "fake-spec" in plan.methods and plan.baselines == []
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "fake-spec", "--opt", "fake-spec.k=2"))
+    assert plan.methods == ["greedy", "fake-spec"] and plan.options == {"fake-spec": {"k": 2}}
+
+
+@pytest.fixture(scope="module")
+def executed(tiny: LoadedModel, hf_tiny, tmp_path_factory) -> tuple[dict, Path]:
+    tmp = tmp_path_factory.mktemp("bench")
+    qfile = write_questions(tmp / "q.jsonl")
+    out = tmp / "out"
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy", "--baselines", "hf",
+                                     "--max-new-tokens", "6", "--limit", "1", "--out", str(out)))
+    results = bench_cli.execute(plan, tiny, hf_model=hf_tiny, progress=False)
+    return results, out
+
+
+def test_execute_writes_results_report_and_png(executed):
+    results, out = executed
+    loaded = load_results(out / "results.json")
+    assert loaded["summary"] == json.loads(json.dumps(results["summary"]))
+    assert {"cpu", "torch_threads", "dtype", "model"} <= loaded["machine"].keys()
+    assert loaded["summary"]["hf_reference"] == "hf"
+    assert loaded["summary"]["methods"]["hf"]["categories"]["overall"]["speedup_vs_hf"] == pytest.approx(1.0)
+    report = (out / "report.md").read_text()
+    assert loaded["command"] in report and "## Machine" in report
+    for cat in loaded["summary"]["categories"]:
+        assert cat in report
+    assert "| method | tok/s |" in report and "| hf (baseline) |" in report
+    png = (out / "speedup.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    image = matplotlib.image.imread(out / "speedup.png")
+    assert image.shape[0] > 100 and image.shape[1] > 100
+    table = terminal_report(results)
+    assert "greedy" in table and "hf (baseline)" in table and "mt_bench" in table
+
+
+def test_plot_and_report_on_a_summary_with_many_methods(executed, tmp_path: Path):
+    results, _ = executed
+    summary = json.loads(json.dumps(results["summary"]))
+    for i in range(6):  # more methods than fit value labels comfortably
+        summary["methods"][f"m{i}"] = summary["methods"]["hf"] | {"kind": "decodekit"}
+    from PIL import Image
+
+    path = plot_speedup(summary, tmp_path / "many.png")
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.size[0] > 0 and image.size[1] > 0
+    text = markdown_report(results | {"summary": summary}, image=None)
+    assert "| m5 |" in text and "speedup.png" not in text
+    assert write_report(results, tmp_path / "r.md").read_text().count("### ") == len(summary["categories"]) - 1
+
+
+def test_compare_prints_changes(executed, tmp_path: Path, capsys):
+    results, out = executed
+    b = json.loads(json.dumps(results))
+    stats = b["summary"]["methods"]["greedy"]["categories"]["overall"]
+    stats["decode_tps"] *= 1.5
+    b["summary"]["methods"]["hf"]["categories"]["overall"]["speedup"] = 0.5
+    text = compare(json.loads(json.dumps(results)), b)
+    greedy_row = next(line for line in text.splitlines() if line.startswith("greedy") and "overall" in line)
+    assert "+50.0%" in greedy_row
+    hf_row = next(line for line in text.splitlines() if line.startswith("hf ") and "overall" in line)
+    old = results["summary"]["methods"]["hf"]["categories"]["overall"]["speedup"]
+    assert f"{0.5 - old:+.2f}" in hf_row
+    path_b = tmp_path / "b.json"
+    path_b.write_text(json.dumps(b))
+    assert bench_cli.run(parse("--compare", str(out / "results.json"), str(path_b))) == 0
+    assert "+50.0%" in capsys.readouterr().out
+
+
+def test_build_results_keeps_records_and_notes(tiny: LoadedModel, qfile: Path):
+    run = run_bench([Scripted("greedy", [])], load_questions(qfile, limit=1), prompt_fn(tiny),
+                    BenchConfig(max_new_tokens=2), progress=False)
+    results = build_results(run, command="decodekit bench", config={"reference": "greedy"}, machine={}, notes=["n1"])
+    assert results["schema"] == "decodekit-bench/1" and results["notes"][0] == "n1"
+    assert len(results["records"]) == len(run.records)
+
+
+@pytest.mark.real_model
+def test_hf_baseline_matches_decodekit_greedy_on_the_real_model():
+    from decodekit.bench.baselines import load_hf_model
+    from decodekit.models import load_model
+
+    model = load_model()
+    hf = HFGenerate(load_hf_model(None, "float32"), model.tokenizer.eos_token_ids, model.tokenizer.decode)
+    ids = model.prompt_ids("What is the capital of France?")
+    ours = Engine(model).generate(ids, method="greedy", max_new_tokens=12)
+    assert hf.run(ids, 12).tokens == ours.tokens
