@@ -74,6 +74,16 @@ _EXTRACTORS: dict[str, Extractor] = {
 }
 
 
+def answer_start(text: str, mode: str | Extractor) -> int:
+    """Character offset where the answer begins: the last number for ``number``/``auto`` (when
+    there is one), else 0 (line/text modes and callables cover the whole text)."""
+    if mode in ("number", "auto"):
+        span = last_number_span(text)
+        if span:
+            return span[0]
+    return 0
+
+
 def extractor(mode: str | Extractor) -> Extractor:
     """The extraction function for a mode name (or the callable itself)."""
     return mode if callable(mode) else _EXTRACTORS[mode]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from ..engine.core import Decoder, Generation, GenerationStats, Request, check_f
 from ..models import LoadedModel
 from ..samplers import Sampler, Temperature
 from ..samplers.penalties import FrequencyPenalty, NoRepeatNGram, PresencePenalty, RepetitionPenalty
+from .answers import answer_start
 from .cache import PrefixCache
 
 TOPK_RECORDED = 10  # top-K log-probs kept per step (phi_first's default K)
@@ -287,13 +288,18 @@ class SampleDecoder(Decoder):
 
     Greedy (or sampled) exactly like plain decoding, plus ``extra['uncertainty']``; ``decodekit
     eval`` uses it for ``--method greedy|sample`` so that phi_first and friends come for free.
+    ``answer_start(text)`` says where the answer begins (default: the last number, else 0).
     """
+
+    def __init__(self, answer_start: Callable[[str], int] | None = None):
+        self.answer_start = answer_start
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         from .uncertainty import sample_signals
 
         ctx = SearchContext(model, request)
         sample = ctx.decode(ctx.prompt, ctx.row_samplers(1), [0], request.max_new_tokens)[0]
-        signals = sample_signals(sample, model.tokenizer)
+        start = self.answer_start(sample.text) if self.answer_start else answer_start(sample.text, "auto")
+        signals = sample_signals(sample, model.tokenizer, start)
         return ctx.finalize(sample, {"method": "sample" if not request.sampler.is_greedy else "greedy",
                                      "uncertainty": signals})

@@ -19,26 +19,17 @@ import torch
 from ..engine.core import Decoder, Generation, Request
 from ..models import LoadedModel
 from ..models.tokenizer import Tokenizer
-from .answers import ANSWER_MODES, extractor, last_number_span
+from .answers import ANSWER_MODES, answer_start, extractor, last_number_span
 from .batch import Sample, SearchContext
 from .options import Option
 from .select import majority_vote
-from .uncertainty import sample_signals
+from .uncertainty import sample_signals, token_ends
 
 OPTIONS = {
     "n": Option("int", 10, "number of first-token branches k", lo=1),
     "answer": Option("choice", "auto", "answer span: number/auto (last number) or text (all)", choices=ANSWER_MODES),
     "aggregate": Option("bool", False, "sum Δ over paths with the same answer"),
 }
-
-
-def token_ends(tokens: Sequence[int], tokenizer: Tokenizer) -> list[int]:
-    """End character offset of every token in ``decode(tokens)`` (non-decreasing)."""
-    ends, last = [], 0
-    for i in range(len(tokens)):
-        last = max(last, len(tokenizer.decode(tokens[: i + 1])))
-        ends.append(last)
-    return ends
 
 
 def answer_token_span(tokens: Sequence[int], tokenizer: Tokenizer, mode: str) -> list[int]:
@@ -81,7 +72,7 @@ class CoTDecoding(Decoder):
             {"first_token": ctx.tokenizer.decode([t]), "text": s.text, "answer": a, "delta": round(d, 6)}
             for t, s, a, d in zip(first, samples, answers, deltas)
         ]
-        signals = sample_signals(samples[index], ctx.tokenizer)
+        signals = sample_signals(samples[index], ctx.tokenizer, answer_start(samples[index].text, self.mode))
         signals["delta"] = deltas[index]
         extra = {"method": "cot", "chosen": index, "answer": answers[index], "candidates": paths, "uncertainty": signals}
         return ctx.finalize(samples[index], extra)

@@ -25,6 +25,7 @@ from ..engine.core import Decoder, Generation, Request
 from ..errors import InvalidParameter
 from ..models import LoadedModel
 from .answers import ANSWER_MODES, extractor
+from .answers import answer_start as find_answer_start
 from .batch import Sample, SearchContext
 from .options import Option
 from .scorers import SCORER_NAMES, make_scorer
@@ -75,6 +76,7 @@ SAMPLING_OPTIONS = {
     "sample_temperature": Option("float", 0.7, "temperature used when the request's sampler is greedy", lo=0.0),
     "answer": Option("choice", "auto", "answer extraction for voting and agreement", choices=ANSWER_MODES,
                      allow_callable=True),
+    "answer_start": Option("any", None, "Python callable text -> offset where the answer begins (phi_first)"),
 }
 SCORER_OPTIONS = {
     "scorer": Option("choice", "loglik", "candidate scorer", choices=SCORER_NAMES, allow_callable=True),
@@ -87,10 +89,12 @@ class MultiSampleDecoder(Decoder):
 
     method = "multi-sample"
 
-    def __init__(self, n: int = 8, sample_temperature: float = 0.7, answer: str | Callable = "auto", **_: Any):
+    def __init__(self, n: int = 8, sample_temperature: float = 0.7, answer: str | Callable = "auto",
+                 answer_start: Callable[[str], int] | None = None, **_: Any):
         self.n = n
         self.temperature = sample_temperature
         self.extract = extractor(answer)
+        self.start = answer_start or (lambda text: find_answer_start(text, answer))
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         ctx = SearchContext(model, request)
@@ -99,7 +103,7 @@ class MultiSampleDecoder(Decoder):
         answers = [self.extract(s.text) for s in samples]
         index, scores = self.choose(ctx, samples, answers)
         chosen = samples[index]
-        signals = sample_signals(chosen, model.tokenizer)
+        signals = sample_signals(chosen, model.tokenizer, self.start(chosen.text))
         signals["agreement"] = agreement(answers[index], answers)
         candidates = [
             {"text": s.text, "answer": a, "score": sc, "tokens": len(s.tokens), "loglik": round(s.loglik, 4),

@@ -43,6 +43,7 @@ import torch
 from ..engine.core import Decoder, Generation, Request
 from ..models import LoadedModel
 from ..samplers import Sampler
+from .answers import answer_start
 from .batch import SEED_MOD, RowSamplers, Sample, SearchContext
 from .options import Option
 from .scorers import SCORER_NAMES, Scorer, make_scorer
@@ -135,7 +136,7 @@ class StepSearch(Decoder):
     def result(self, ctx: SearchContext, best: Partial, pool: Sequence[Partial], extra: dict[str, Any]) -> Generation:
         if best.sample.finish_reason == "step":
             best.sample.finish_reason = "length"
-        signals = sample_signals(best.sample, ctx.tokenizer)
+        signals = sample_signals(best.sample, ctx.tokenizer, answer_start(ctx.tokenizer.decode(best.sample.tokens), "auto"))
         signals["value"] = best.value(self.how)
         candidates = [
             {"text": ctx.tokenizer.decode(p.sample.tokens), "value": round(p.value(self.how), 6),

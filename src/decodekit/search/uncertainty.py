@@ -3,7 +3,9 @@
 * ``phi_first``: normalised entropy H(softmax(top-K logits)) / log K at the first content-bearing
   token of the answer (K = 10 by default). Content-bearing (our choice): the token decodes, on its
   own, to text holding a letter or a digit; whitespace, punctuation and template/special tokens
-  (which decode to nothing) are skipped. On a greedy decode it is the paper-style signal; on a
+  (which decode to nothing) are skipped. The answer starts at a character offset given by the
+  caller (the last number for numeric answers; a task may skip a lead-in such as "The capital of
+  X is"); tokens ending before it are skipped too. On a greedy decode it is the paper-style signal; on a
   sampled answer it is computed the same way. Low = confident.
 * ``self_certainty``: mean over answer tokens of KL(U || p) (Kang et al., 2025, "Scalable Best-of-N
   Selection for Large Language Models via Self-Certainty"). High = confident.
@@ -50,28 +52,40 @@ def normalized_entropy(logits: Sequence[float] | torch.Tensor) -> float:
     return float(-(torch.xlogy(p, p).sum()) / math.log(x.numel()))
 
 
-def first_content_index(tokens: Sequence[int], tokenizer: Tokenizer) -> int | None:
-    """Index of the first token whose own text holds a letter or digit (see the module doc)."""
+def token_ends(tokens: Sequence[int], tokenizer: Tokenizer) -> list[int]:
+    """End character offset of every token in ``decode(tokens)`` (non-decreasing)."""
+    ends, last = [], 0
+    for i in range(len(tokens)):
+        last = max(last, len(tokenizer.decode(tokens[: i + 1])))
+        ends.append(last)
+    return ends
+
+
+def first_content_index(tokens: Sequence[int], tokenizer: Tokenizer, start_char: int = 0) -> int | None:
+    """Index of the first token ending after ``start_char`` whose own text holds a letter or digit."""
+    ends = token_ends(tokens, tokenizer) if start_char > 0 else None
     for i, token in enumerate(tokens):
+        if ends is not None and ends[i] <= start_char:
+            continue
         if any(c.isalnum() for c in tokenizer.decode([token])):
             return i
     return None
 
 
-def phi_first(sample: Sample, tokenizer: Tokenizer, k: int | None = None) -> float | None:
+def phi_first(sample: Sample, tokenizer: Tokenizer, k: int | None = None, start_char: int = 0) -> float | None:
     """phi_first of a decoded sample (None when it has no content-bearing token)."""
-    i = first_content_index(sample.tokens, tokenizer)
+    i = first_content_index(sample.tokens, tokenizer, start_char)
     if i is None or i >= len(sample.topk):
         return None
     top = sample.topk[i]
     return normalized_entropy(top[:k] if k else top)
 
 
-def sample_signals(sample: Sample, tokenizer: Tokenizer) -> dict[str, float | None]:
-    """The signals one decoded answer carries by itself."""
+def sample_signals(sample: Sample, tokenizer: Tokenizer, start_char: int = 0) -> dict[str, float | None]:
+    """The signals one decoded answer carries by itself (``start_char``: where the answer begins)."""
     n = len(sample.tokens)
     return {
-        "phi_first": phi_first(sample, tokenizer),
+        "phi_first": phi_first(sample, tokenizer, start_char=start_char),
         "self_certainty": sum(sample.certainty) / n if n else None,
         "mean_logprob": sample.mean_logprob if sample.choices else None,
         "margin": sum(sample.margin) / n if n else None,

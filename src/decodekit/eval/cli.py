@@ -1,0 +1,86 @@
+"""``decodekit eval TASK``: accuracy (Wilson CI), tokens, time and uncertainty-signal AUROCs."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from ..errors import InvalidParameter
+
+METHOD_CHOICES = ("greedy", "sample", "beam", "cot", "best-of-n", "self-consistency", "weighted-vote", "mbr",
+                  "first-finish", "step-beam", "particle", "astar")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..interfaces.cli import add_model_arguments
+    from .tasks import TASKS
+
+    parser.add_argument("task", help=f"task: {', '.join(sorted(TASKS))}")
+    parser.add_argument("--method", default="greedy", help=f"decoding method ({', '.join(METHOD_CHOICES)}, or any registered)")
+    parser.add_argument("--n", type=int, default=8, help="samples / beam width / branches (method-dependent; default 8)")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N items")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's (gsm8k 256, capitals 16)")
+    parser.add_argument("--seed", type=int, default=0, help="item i uses seed + i")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (search methods default to 0.7)")
+    parser.add_argument("--signals", default="", help="extra uncertainty signals, comma-separated: agreement (n samples), pc (paraphrases)")
+    parser.add_argument("--paraphrases", type=int, default=4, help="k for PC@k (default 4)")
+    parser.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="method option (repeatable)")
+    parser.add_argument("--data", default=None, help="task data file (gsm8k: JSONL with question/answer)")
+    parser.add_argument("--out", default=None, help="output folder (default eval-out/TASK-METHOD)")
+    add_model_arguments(parser)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("eval", help="evaluate a decoding method on a task (gsm8k, capitals)")
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace, model=None) -> int:
+    """Run the evaluation; ``model`` (a LoadedModel) skips loading, for tests and notebooks."""
+    from ..interfaces.cli import parse_option
+    from ..models import load_model
+    from .report import write_report
+    from .runner import EvalConfig, evaluate, make_decoder
+    from .tasks import load_task
+
+    for flag in ("n", "limit", "max_new_tokens", "paraphrases"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise InvalidParameter(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    config = EvalConfig(
+        method=args.method, n=args.n, limit=args.limit, max_new_tokens=args.max_new_tokens, seed=args.seed,
+        temperature=args.temperature, options=dict(parse_option(o) for o in args.opt),
+        signals=[s.strip() for s in args.signals.split(",") if s.strip()], paraphrases=args.paraphrases,
+    )
+    task = load_task(args.task, args.data)
+    make_decoder(config, task)  # bad method or option: fail before loading the model
+    model = model or load_model(args.model, backend=args.backend, dtype=args.dtype)
+    result = evaluate(model, task, config)
+    out = Path(args.out or f"eval-out/{args.task}-{args.method}")
+    header = {"command": "decodekit eval " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else [args.task]),
+              "model": model.name, "dtype": args.dtype}
+    paths = write_report(result, out, header)
+    lo, hi = result["ci95"]
+    print(f"{args.task} · {args.method}: accuracy {result['accuracy']:.3f} [{lo:.3f}, {hi:.3f}] "
+          f"({result['correct']}/{result['items']}), {result['tokens_spent']} tokens, {result['time_s']} s")
+    for name, value in result["auroc"].items():
+        print(f"  AUROC {name}: {'n/a' if value is None else f'{value:.3f}'}")
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..errors import DecodeKitError
+
+    parser = argparse.ArgumentParser(prog="python -m decodekit.eval", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except DecodeKitError as err:
+        print(f"decodekit eval: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,134 @@
+"""Run a method over a task: per-item records, accuracy, tokens, time, signal AUROCs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine import build_decoder, make_sampler, method_spec
+from ..engine.core import Decoder, Request
+from ..errors import InvalidParameter
+from ..models import LoadedModel
+from ..search import SampleDecoder, majority_vote, method_options
+from ..search.uncertainty import CONFIDENCE_DIRECTION, paraphrase_consistency, sampled_agreement
+from .metrics import auroc, wilson_interval
+from .tasks import Task
+
+EXTRA_SIGNALS = ("agreement", "pc")
+
+
+@dataclass
+class EvalConfig:
+    method: str = "greedy"
+    n: int = 8
+    limit: int | None = None
+    max_new_tokens: int | None = None
+    seed: int = 0
+    temperature: float | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    signals: Sequence[str] = ()  # extra signals computed besides the method's own
+    paraphrases: int = 4
+
+
+def make_decoder(config: EvalConfig, task: Task) -> Decoder:
+    """Plain greedy/sample go through :class:`SampleDecoder` (same tokens, plus signals); the rest
+    through the registry, with ``--n`` and the task's answer extractor where the method takes them."""
+    method_spec(config.method)
+    bad = [s for s in config.signals if s not in EXTRA_SIGNALS]
+    if bad:
+        raise InvalidParameter(f"unknown signal(s) {', '.join(bad)}; extra signals: {', '.join(EXTRA_SIGNALS)}")
+    if config.method in ("greedy", "sample"):
+        if config.options:
+            raise InvalidParameter(f"method {config.method!r} takes no options")
+        return SampleDecoder(task.answer_start)
+    accepted = method_options(config.method)
+    options = dict(config.options)
+    if "n" in accepted:
+        options.setdefault("n", config.n)
+    if "answer" in accepted and accepted["answer"].allow_callable:
+        options.setdefault("answer", task.answer)
+    if "answer_start" in accepted:
+        options.setdefault("answer_start", task.answer_start)
+    return build_decoder(config.method, **options)
+
+
+def evaluate(model: LoadedModel, task: Task, config: EvalConfig) -> dict[str, Any]:
+    decoder = make_decoder(config, task)
+    items = task.items[: config.limit] if config.limit else task.items
+    max_new = config.max_new_tokens or task.max_new_tokens
+    records = []
+    start = time.perf_counter()
+    for index, item in enumerate(items):
+        records.append(run_item(model, task, config, decoder, item, config.seed + index, max_new))
+    return summarize(task, config, records, time.perf_counter() - start)
+
+
+def run_item(model, task, config, decoder, item, seed, max_new) -> dict[str, Any]:
+    sampler_params = {"seed": seed, "temperature": config.temperature}
+    request = Request(model.prompt_ids(item.question), make_sampler(config.method, sampler_params), max_new)
+    t0 = time.perf_counter()
+    gen = decoder.generate(model, request)
+    answer = task.answer(gen.text)
+    signals = dict(gen.extra.get("uncertainty", {}))
+    spent = gen.stats.extra.get("tokens_spent", gen.stats.new_tokens)
+    extra_spent = 0
+    if "agreement" in config.signals and "agreement" not in signals:
+        probe = Request(request.prompt_ids, make_sampler("greedy", {"seed": seed}), max_new)  # sampled at T=0.7
+        found = sampled_agreement(model, probe, answer, task.answer, n=config.n)
+        signals["agreement"], extra_spent = found["agreement"], extra_spent + found["tokens_spent"]
+    if "pc" in config.signals:
+        found = paraphrase_consistency(model, task.paraphrase(item, config.paraphrases), answer, task.answer, request)
+        signals["pc"], extra_spent = found["pc"], extra_spent + found["tokens_spent"]
+    gen.extra["uncertainty"] = signals
+    record = {
+        "id": item.id, "question": item.question, "gold": item.gold, "output": gen.text, "answer": answer,
+        "correct": task.is_correct(gen.text, item), "tokens_spent": spent, "signal_tokens": extra_spent,
+        "time_s": round(time.perf_counter() - t0, 3), "signals": signals,
+    }
+    candidates = gen.extra.get("candidates")
+    if candidates and all("answer" in c for c in candidates):
+        record["candidates"] = [{"answer": c["answer"], "correct": task.is_correct(c["text"], item)} for c in candidates]
+    return record
+
+
+def budget_curve(records: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Accuracy of a majority vote over the first m samples, m = 1, 2, 4, ..., N (voting methods)."""
+    sized = [r["candidates"] for r in records if r.get("candidates")]
+    if len(sized) != len(records) or not records:
+        return []
+    n = min(len(c) for c in sized)
+    sizes = sorted({m for m in (1, 2, 4, 8, 16, 32, 64) if m <= n} | {n})
+    curve = []
+    for m in sizes:
+        right = 0
+        for cands in sized:
+            winner, _ = majority_vote([c["answer"] for c in cands[:m]])
+            right += any(c["answer"] == winner and c["correct"] for c in cands[:m]) if winner is not None else cands[0]["correct"]
+        curve.append({"samples": m, "accuracy": right / len(sized)})
+    return curve
+
+
+def signal_aurocs(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    """AUROC of each signal, oriented so that higher = "more likely correct", over items that have it."""
+    names = sorted({k for r in records for k, v in r["signals"].items() if isinstance(v, (int, float))})
+    out = {}
+    for name in names:
+        sign = CONFIDENCE_DIRECTION.get(name, 1)
+        pairs = [(sign * r["signals"][name], r["correct"]) for r in records if isinstance(r["signals"].get(name), (int, float))]
+        out[name] = auroc([p[0] for p in pairs], [p[1] for p in pairs]) if pairs else None
+    return out
+
+
+def summarize(task: Task, config: EvalConfig, records: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
+    right = sum(r["correct"] for r in records)
+    lo, hi = wilson_interval(right, len(records))
+    return {
+        "task": task.name, "method": config.method, "n": config.n, "seed": config.seed,
+        "options": {k: v for k, v in config.options.items() if not callable(v)}, "signals_requested": list(config.signals),
+        "items": len(records), "correct": right, "accuracy": right / len(records) if records else 0.0,
+        "ci95": [lo, hi], "tokens_spent": sum(r["tokens_spent"] for r in records),
+        "signal_tokens": sum(r["signal_tokens"] for r in records), "time_s": round(elapsed, 2),
+        "auroc": signal_aurocs(records), "budget_curve": budget_curve(records), "records": records,
+    }

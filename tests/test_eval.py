@@ -1,0 +1,114 @@
+"""`decodekit eval`: statistics on hand-computed cases, tasks, and an end-to-end run on a tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from decodekit.eval import Item, Task, auroc, register_task, reliability_bins, wilson_interval
+from decodekit.eval.cli import add_arguments, run
+from decodekit.eval.runner import budget_curve
+from decodekit.eval.tasks import capital_answer, capital_correct, capitals_task, gsm8k_gold, gsm8k_task
+from decodekit.errors import InvalidParameter, UnknownMethod
+from decodekit.interfaces.cli import main as cli_main
+from decodekit.models import CharTokenizer, LoadedModel
+from decodekit.models.tiny import tiny_llama
+
+
+def test_wilson_interval_on_known_values():
+    assert wilson_interval(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson_interval(10, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_auroc_on_hand_computed_cases():
+    # Positives 0.35, 0.8 vs negatives 0.1, 0.4: 3 of 4 pairs ordered -> 0.75.
+    assert auroc([0.1, 0.4, 0.35, 0.8], [False, False, True, True]) == pytest.approx(0.75)
+    assert auroc([1, 2, 3], [False, True, True]) == 1.0
+    assert auroc([3, 2, 1], [False, True, True]) == 0.0
+    assert auroc([0.5, 0.5], [True, False]) == 0.5  # a tie counts one half
+    assert auroc([0.2, 0.5, 0.5, 0.9], [False, True, False, True]) == pytest.approx(0.875)
+    assert auroc([0.1, 0.2], [True, True]) is None
+
+
+def test_reliability_bins():
+    bins = reliability_bins([0.05, 0.15, 0.95, 0.99, 1.0], [False, True, True, True, False], bins=10)
+    assert [(b["lo"], b["count"]) for b in bins] == [(0.0, 1), (0.1, 1), (0.9, 3)]
+    assert bins[2]["accuracy"] == pytest.approx(2 / 3)
+
+
+def test_capitals_task_matching():
+    task = capitals_task()
+    assert task.items[0].subject == "China" and task.items[0].gold == "Beijing"
+    item = Item("BR", "", "Brasilia")
+    assert capital_correct("The capital of Brazil is Brasília.", item)
+    assert not capital_correct("Rio de Janeiro", item)
+    assert capital_answer("The capital of France is Paris.\nIt is big.") == "paris"
+    assert capital_correct("Astana", Item("KZ", "", "Nur-Sultan"))
+    assert task.answer_start("The capital of Peru is Lima.") == len("The capital of Peru is ")
+
+
+def test_gsm8k_task_parsing(tmp_path):
+    assert gsm8k_gold("so 3 + 4 = 7\n#### 1,234") == "1234"
+    data = tmp_path / "g.jsonl"
+    data.write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n")
+    task = gsm8k_task(data)
+    assert len(task.items) == 1 and task.items[0].gold == "4"
+    assert task.is_correct("2+2 = 4.0", task.items[0]) and not task.is_correct("5", task.items[0])
+    with pytest.raises(InvalidParameter):
+        gsm8k_task(tmp_path / "missing.jsonl")
+
+
+def test_budget_curve_votes_over_the_first_m_samples():
+    records = [{"candidates": [{"answer": "a", "correct": False}, {"answer": "b", "correct": True},
+                               {"answer": "b", "correct": True}, {"answer": "c", "correct": False}]}]
+    assert budget_curve(records) == [{"samples": 1, "accuracy": 0.0}, {"samples": 2, "accuracy": 0.0},
+                                     {"samples": 4, "accuracy": 1.0}]
+
+
+def fake_task() -> Task:
+    items = [Item(str(i), q, q[0]) for i, q in enumerate(["abc", "bcd", "cde"])]
+    return Task("fake3", items, answer=lambda t: t[:1] or None, is_correct=lambda t, item: t[:1] == item.gold,
+                max_new_tokens=6)
+
+
+def eval_args(tmp_path, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["fake3", "--out", str(tmp_path), *argv])
+
+
+@pytest.mark.parametrize("method", ["greedy", "self-consistency"])
+def test_eval_end_to_end_on_a_tiny_model(tmp_path, method, capsys):
+    register_task("fake3", fake_task)
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    args = eval_args(tmp_path, "--method", method, "--n", "4", "--signals", "agreement")
+    assert run(args, model=model) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    records = result["records"]
+    assert result["items"] == len(records) == 3
+    assert all(r["correct"] == (r["output"][:1] == r["gold"]) for r in records)
+    assert result["correct"] == sum(r["correct"] for r in records)
+    assert result["ci95"] == pytest.approx(list(wilson_interval(result["correct"], 3)))
+    assert all(r["signals"].get("agreement") is not None for r in records)
+    assert set(result["auroc"]) >= {"phi_first", "agreement", "self_certainty"}
+    assert (tmp_path / "report.md").read_text().startswith("# decodekit eval: fake3")
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+    if method == "self-consistency":
+        assert result["budget_curve"][-1]["samples"] == 4
+    assert "accuracy" in capsys.readouterr().out
+
+
+def test_eval_rejects_bad_input(tmp_path):
+    register_task("fake3", fake_task)
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    with pytest.raises(UnknownMethod):
+        run(eval_args(tmp_path, "--method", "nope"), model=model)
+    with pytest.raises(InvalidParameter):
+        run(eval_args(tmp_path, "--signals", "vibes"), model=model)
+    with pytest.raises(InvalidParameter):
+        run(eval_args(tmp_path, "--method", "beam", "--opt", "width=2"), model=model)
+    assert cli_main(["eval", "no-such-task"]) == 2

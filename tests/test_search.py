@@ -1,0 +1,329 @@
+"""Search methods on tiny random models and on a hand-made bigram model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decodekit.engine import Engine, build_decoder, make_sampler
+from decodekit.engine.core import Request
+from decodekit.errors import InvalidParameter
+from decodekit.models import CharTokenizer, LoadedModel
+from decodekit.models.backend import Backend, ModelInfo, StepOutput
+from decodekit.models.tiny import tiny_llama
+from decodekit.search import SampleDecoder, decode_batch, majority_vote, mbr_select
+from decodekit.search.batch import Sample, SearchContext, StepRecorder, step_done
+from decodekit.search.beam import gnmt_penalty
+from decodekit.search.cache import PrefixCache
+from decodekit.search.cot import answer_token_span, choose_path, path_confidence
+from decodekit.search.select import chrf_utility, first_finished
+from decodekit.search.steps import effective_sample_size
+
+TOK = CharTokenizer(96)
+
+
+def cid(c: str) -> int:
+    return TOK.encode(c)[0]
+
+
+class BigramBackend(Backend):
+    """Logits depend on the last token only: ``table[last]``. Exact arithmetic for controlled tests."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+        v = table.shape[0]
+        self.info = ModelInfo("bigram", v, 1, 1, 4096, torch.float32, "bigram")
+        self.reset(1)
+
+    @property
+    def length(self) -> int:
+        return len(self.rows[0])
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    def reset(self, batch_size: int = 1) -> None:
+        self.rows = [[] for _ in range(batch_size)]
+
+    def append(self, tokens, *, hidden_layers=(), skip_layers=frozenset(), last_only=False) -> StepOutput:
+        for row, new in zip(self.rows, tokens.tolist()):
+            row.extend(new)
+        logits = self.table[tokens]
+        return StepOutput(logits=logits[:, -1:] if last_only else logits)
+
+    def truncate(self, length: int) -> None:
+        self.rows = [r[:length] for r in self.rows]
+
+    def reorder(self, rows) -> None:
+        self.rows = [list(self.rows[i]) for i in rows.tolist()]
+
+    def verify_tree(self, tokens, parents):
+        raise NotImplementedError
+
+    def commit_path(self, nodes):
+        raise NotImplementedError
+
+
+def bigram_model(rules: dict[str, dict[str, float]], floor: float = -30.0) -> LoadedModel:
+    """``rules[prev][next] = logit`` over CharTokenizer ids ("" = EOS); unlisted logits are ``floor``."""
+    table = torch.full((96, 96), floor)
+    for prev, nexts in rules.items():
+        for nxt, logit in nexts.items():
+            table[cid(prev), 0 if nxt == "" else cid(nxt)] = logit
+    return LoadedModel(BigramBackend(table), TOK, "bigram")
+
+
+def random_bigram(seed: int, chars: str = "ab c", eos_logit: float = -1.0) -> LoadedModel:
+    g = torch.Generator().manual_seed(seed)
+    rules = {p: {n: float(torch.randn(1, generator=g)) for n in chars} | {"": eos_logit} for p in chars + "p"}
+    return bigram_model(rules)
+
+
+@pytest.fixture
+def tiny() -> LoadedModel:
+    return LoadedModel(backend=tiny_llama(seed=0), tokenizer=TOK, name="tiny")
+
+
+def request(model: LoadedModel, prompt: str, method: str = "sample", seed: int = 0, max_new: int = 20, **sampler) -> Request:
+    return Request(TOK.encode(prompt), make_sampler(method, {"seed": seed, **sampler}), max_new)
+
+
+# Batched sampling ------------------------------------------------------------------------------
+
+
+def test_batch_rows_are_sequential_samples_with_their_own_seed(tiny):
+    samples = decode_batch(tiny, request(tiny, "hello", seed=7, max_new=24), 4)
+    engine = Engine(tiny)
+    for i, s in enumerate(samples):
+        seq = engine.generate("hello", method="sample", seed=7 + i, max_new_tokens=24, chat=False)
+        assert s.tokens == seq.tokens
+    assert len({tuple(s.tokens) for s in samples}) > 1
+
+
+def test_batch_is_reproducible_and_records_each_step(tiny):
+    a = decode_batch(tiny, request(tiny, "abc", seed=3), 3)
+    b = decode_batch(tiny, request(tiny, "abc", seed=3), 3)
+    assert [s.tokens for s in a] == [s.tokens for s in b]
+    for s in a:
+        assert len(s.logprobs) == len(s.certainty) == len(s.margin) == len(s.topk) == len(s.tokens)
+        assert all(lp <= 0 for lp in s.logprobs) and all(0 <= m <= 1 for m in s.margin)
+
+
+def test_ragged_rows_stop_on_their_own_and_batch_stops_when_all_done():
+    model = random_bigram(0, eos_logit=0.5)
+    samples = decode_batch(model, request(model, "p", seed=1, max_new=40), 8)
+    reasons = {s.finish_reason for s in samples}
+    assert "eos" in reasons
+    for s in samples:
+        assert 0 not in s.tokens
+        if s.finish_reason == "eos":
+            assert s.eos_logprob is not None and s.choices == len(s.tokens) + 1
+
+
+def test_step_recorder_matches_hand_computed_statistics():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    rec = StepRecorder(topk=3)
+    rec.add(logits, [1])
+    lps, cert, margin, top, _ = rec.row(0, 1, False)
+    p = torch.softmax(logits[0], -1)
+    assert lps[0] == pytest.approx(math.log(p[1]), abs=1e-6)
+    assert cert[0] == pytest.approx(float((0.25 * torch.log(0.25 / p)).sum()), abs=1e-6)  # KL(U || p)
+    assert margin[0] == pytest.approx(float(p[0] - p[1]), abs=1e-6)
+    assert top[0] == pytest.approx(torch.log(p[:3]).tolist(), abs=1e-6)
+
+
+def test_sample_decoder_greedy_equals_engine_greedy(tiny):
+    for prompt in ("hello world", "xyz"):
+        plain = Engine(tiny).generate(prompt, max_new_tokens=30, chat=False)
+        got = SampleDecoder().generate(tiny, request(tiny, prompt, method="greedy", max_new=30))
+        assert got.tokens == plain.tokens and got.text == plain.text
+        assert set(got.extra["uncertainty"]) >= {"phi_first", "self_certainty", "mean_logprob", "margin"}
+
+
+def test_prefix_cache_reuses_the_longest_common_prefix(tiny):
+    cache = PrefixCache(tiny.backend)
+    ids = TOK.encode("hello there")
+    cache.fork(ids[:6], 3)
+    before = cache.tokens_run
+    logits = cache.fork(ids, 1)
+    assert cache.tokens_run - before == len(ids) - 6
+    fresh = tiny_llama(seed=0).prefill(ids)
+    assert torch.allclose(logits, fresh, atol=1e-4)
+
+
+def test_step_done_needs_content_before_the_delimiter():
+    assert not step_done("\n\n", "\n\n")
+    assert step_done("\n\nStep one.\n\n", "\n\n")
+    assert not step_done("Step one.\n", "\n\n")
+
+
+# Beam search -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", ["hello", "The cat", "zz"])
+def test_beam_width_one_equals_greedy(tiny, prompt):
+    plain = Engine(tiny).generate(prompt, max_new_tokens=25, chat=False)
+    beam = Engine(tiny).generate(prompt, method="beam", n=1, max_new_tokens=25, chat=False)
+    assert beam.tokens == plain.tokens
+
+
+def test_full_relative_pruning_keeps_only_the_best_candidate(tiny):
+    plain = Engine(tiny).generate("hello", max_new_tokens=20, chat=False)
+    pruned = Engine(tiny).generate("hello", method="beam", n=4, prune_ratio=1.0, max_new_tokens=20, chat=False)
+    assert pruned.tokens == plain.tokens
+
+
+def test_beam_ranks_candidates_by_gnmt_normalised_score(tiny):
+    g = Engine(tiny).generate("hi", method="beam", n=3, length_penalty=1.0, max_new_tokens=12, chat=False)
+    scores = [c["score"] for c in g.extra["candidates"]]
+    assert scores == sorted(scores, reverse=True)
+    for c in g.extra["candidates"]:
+        length = c["tokens"] + (c["finish_reason"] == "eos")
+        assert c["score"] == pytest.approx(c["logp"] / gnmt_penalty(length, 1.0), abs=1e-3)
+    assert gnmt_penalty(1, 0.6) == 1.0 and gnmt_penalty(7, 1.0) == 2.0
+
+
+# Multi-sample selection -------------------------------------------------------------------------
+
+
+def test_majority_vote_returns_the_mode_and_breaks_ties_by_first_seen():
+    assert majority_vote(["3", "5", "5", None, "3", "5"])[0] == "5"
+    assert majority_vote(["b", "a", "a", "b"])[0] == "b"
+    assert majority_vote([None, None])[0] is None
+
+
+def test_weighted_vote_weights_each_answer():
+    winner, totals = majority_vote(["a", "b", "b"], [0.9, 0.3, 0.4])
+    assert winner == "a" and totals == pytest.approx({"a": 0.9, "b": 0.7})
+
+
+def test_self_consistency_returns_the_mode_of_its_samples(tiny):
+    g = Engine(tiny).generate("hello", method="self-consistency", n=6, answer=lambda t: t[:1] or None,
+                              max_new_tokens=10, chat=False, seed=2)
+    answers = [c["answer"] for c in g.extra["candidates"]]
+    assert g.extra["answer"] == majority_vote(answers)[0] == g.text[:1]
+    assert g.extra["uncertainty"]["agreement"] == answers.count(g.extra["answer"]) / 6
+
+
+def test_weighted_vote_end_to_end_follows_the_scorer(tiny):
+    weight = lambda text: 10.0 if "a" in text else 0.1  # noqa: E731
+    g = Engine(tiny).generate("hello", method="weighted-vote", n=6, answer=lambda t: t[:1] or None, scorer=weight,
+                              max_new_tokens=10, chat=False, seed=5)
+    cands = g.extra["candidates"]
+    assert [c["score"] for c in cands] == [weight(c["text"]) for c in cands]
+    assert g.extra["answer"] == majority_vote([c["answer"] for c in cands], [c["score"] for c in cands])[0]
+
+
+def test_best_of_n_picks_the_highest_log_likelihood(tiny):
+    g = Engine(tiny).generate("hello", method="best-of-n", n=5, max_new_tokens=8, chat=False, seed=1)
+    scores = [c["score"] for c in g.extra["candidates"]]
+    assert g.extra["chosen"] == scores.index(max(scores))
+    assert g.text == g.extra["candidates"][g.extra["chosen"]]["text"]
+
+
+def test_mbr_picks_the_medoid():
+    numbers = ["1", "2", "3", "10", "4"]
+    index, _ = mbr_select(numbers, lambda a, b: -abs(int(a) - int(b)))
+    assert numbers[index] == "3"
+    texts = ["the cat sat on the mat", "the cat sat on a mat", "a cat sat on the mat", "dogs bark loudly"]
+    index, expected = mbr_select(texts, chrf_utility())
+    assert index == 0 and min(expected) == expected[3]
+
+
+def test_first_finish_returns_the_shortest_finished_sample():
+    model = random_bigram(1, eos_logit=0.0)
+    req = request(model, "p", seed=4, max_new=40)
+    samples = decode_batch(model, req, 6)
+    finished = [s for s in samples if s.finish_reason == "eos"]
+    assert finished, "the test model should end some samples"
+    g = build_decoder("first-finish", n=6).generate(model, request(model, "p", seed=4, max_new=40))
+    shortest = min(len(s.tokens) for s in finished)
+    assert len(g.tokens) == shortest and g.finish_reason == "eos"
+    assert g.tokens in [s.tokens for s in finished]
+    assert g.stats.extra["tokens_spent"] <= 6 * (shortest + 1)
+    assert first_finished([Sample([1, 2], [], [], [], [], "eos"), Sample([1], [], [], [], [], "length")]) == 0
+
+
+# CoT-decoding ------------------------------------------------------------------------------------
+
+
+def cot_model() -> LoadedModel:
+    # First token: a > b > c. After a the digit is a near coin-flip (small margin), after b it is sure.
+    return bigram_model({
+        "p": {"a": 5.0, "b": 4.0, "c": 3.0},
+        "a": {"1": 2.0, "7": 1.9}, "b": {"2": 6.0, "8": 0.0}, "c": {"3": 3.0, "9": 2.0},
+        **{d: {"": 10.0} for d in "12378 9"},
+    })
+
+
+def test_cot_decoding_picks_the_max_confidence_path_over_the_greedy_one():
+    model = cot_model()
+    g = build_decoder("cot", n=3).generate(model, request(model, "p", method="greedy", max_new=5))
+    paths = g.extra["candidates"]
+    assert [p["first_token"] for p in paths] == ["a", "b", "c"]
+    assert g.text == "b2" and g.extra["answer"] == "2"
+    assert max(p["delta"] for p in paths) == paths[1]["delta"]
+
+
+def test_cot_answer_span_and_aggregation():
+    tokens = TOK.encode("x 12 y 345.")
+    span = answer_token_span(tokens, TOK, "number")
+    assert TOK.decode([tokens[i] for i in span]) == "345"
+    assert answer_token_span(tokens, TOK, "text") == list(range(len(tokens)))
+    assert path_confidence([0.1, 0.5, 0.9], [1, 2]) == pytest.approx(0.7)
+    assert choose_path([0.5, 0.4, 0.3]) == 0
+    assert choose_path([0.5, 0.4, 0.3], ["1", "2", "2"]) == 1  # answer "2" totals 0.7
+
+
+# Step-level search ---------------------------------------------------------------------------------
+
+
+def test_particle_filter_with_a_constant_scorer_is_independent_sampling():
+    model = random_bigram(2, eos_logit=-0.5)
+    opts = dict(n=4, scorer=lambda text: 0.0, delimiter=" ", max_step_tokens=5)
+    g = build_decoder("particle", **opts).generate(model, request(model, "p", seed=9, max_new=30))
+    independent = decode_batch(model, request(model, "p", seed=9, max_new=30), 4)
+    assert g.extra["resamples"] == 0
+    assert [c["text"] for c in g.extra["candidates"]] == [s.text for s in independent]
+    assert any(len(c["step_scores"]) > 1 for c in g.extra["candidates"])
+
+
+def test_particle_filter_resamples_when_weights_degenerate():
+    model = random_bigram(3, eos_logit=-1.0)
+    score = lambda text: 20.0 * text.count("a")  # noqa: E731
+    g = build_decoder("particle", n=6, scorer=score, delimiter=" ", ess_threshold=1.0).generate(
+        model, request(model, "p", seed=1, max_new=30))
+    assert g.extra["resamples"] >= 1
+    assert effective_sample_size([0.0, 0.0, 0.0, 0.0]) == pytest.approx(4.0)
+    assert effective_sample_size([0.0, -100.0, -100.0]) == pytest.approx(1.0)
+
+
+def test_astar_respects_the_token_budget(tiny):
+    for budget in (9, 30):
+        g = Engine(tiny).generate("hello", method="astar", n=3, token_budget=budget, delimiter="e",
+                                  max_step_tokens=6, max_new_tokens=60, chat=False, seed=1)
+        assert 0 < g.stats.extra["tokens_spent"] <= budget
+        assert len(g.tokens) <= budget
+
+
+def test_step_beam_returns_its_best_finished_solution():
+    model = random_bigram(4, eos_logit=0.0)
+    g = build_decoder("step-beam", n=2, expand=3, delimiter=" ").generate(model, request(model, "p", seed=2, max_new=25))
+    values = [c["value"] for c in g.extra["candidates"]]
+    assert all(c["done"] for c in g.extra["candidates"])
+    assert g.extra["uncertainty"]["value"] == pytest.approx(max(values), abs=1e-5)
+
+
+def test_bad_options_raise_one_line_errors():
+    with pytest.raises(InvalidParameter):
+        build_decoder("beam", n=0)
+    with pytest.raises(InvalidParameter, match="no option"):
+        build_decoder("self-consistency", width=3)
+    with pytest.raises(InvalidParameter):
+        build_decoder("best-of-n", scorer="bogus")
+    with pytest.raises(InvalidParameter):
+        build_decoder("particle", ess_threshold=2)
+    assert build_decoder("beam", n="3").width == 3  # CLI strings are accepted when they parse

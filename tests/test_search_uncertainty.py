@@ -1,0 +1,86 @@
+"""Uncertainty signals and the judge scorer on hand-made inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decodekit.models import CharTokenizer, LoadedModel
+from decodekit.models.tokenizer import Tokenizer
+from decodekit.models.tiny import tiny_llama
+from decodekit.search.answers import answer_start, extract_auto, extract_line, extract_number, normalize_text
+from decodekit.search.batch import Sample, sampling_version
+from decodekit.search.scorers import Judge
+from decodekit.search.uncertainty import agreement, first_content_index, normalized_entropy, phi_first
+from decodekit.samplers import Sampler, Temperature
+
+TOK = CharTokenizer(96)
+
+
+def test_normalized_entropy_on_hand_made_distributions():
+    assert normalized_entropy([0.0] * 10) == pytest.approx(1.0)
+    assert normalized_entropy([50.0] + [0.0] * 9) == pytest.approx(0.0, abs=1e-12)
+    two = [0.0, 0.0] + [-float("inf")] * 8  # two equally likely tokens among K = 10
+    assert normalized_entropy(two) == pytest.approx(math.log(2) / math.log(10))
+
+
+def test_phi_first_skips_whitespace_and_punctuation_and_the_lead_in():
+    tokens = TOK.encode(" .Ab 7")
+    flat, sharp = [0.0] * 10, [30.0] + [0.0] * 9
+    sample = Sample(tokens, [0.0] * 6, [0.0] * 6, [0.0] * 6, [sharp, sharp, flat, sharp, sharp, sharp], "eos")
+    assert first_content_index(tokens, TOK) == 2
+    assert phi_first(sample, TOK) == pytest.approx(1.0)  # at "A"
+    assert phi_first(sample, TOK, start_char=4) == pytest.approx(0.0, abs=1e-9)  # at "7"
+    assert phi_first(Sample(TOK.encode(" ."), [0, 0], [0, 0], [0, 0], [flat, flat], "eos"), TOK) is None
+
+
+def test_answer_extraction_modes():
+    assert extract_number("it costs $1,250.50 in total, not 3.") == "3"
+    assert extract_number("so the answer is 1,250.") == "1250"
+    assert extract_number("x = 12.0") == "12"
+    assert extract_number("no digits") is None
+    assert extract_line("\n  Bogotá, Colombia!\nmore") == "bogota colombia"
+    assert extract_auto("The answer: 42") == "42" and extract_auto("Paris.") == "paris"
+    assert normalize_text("  São   PAULO ") == "sao paulo"
+    assert answer_start("total is 42.", "number") == 9 and answer_start("Paris", "line") == 0
+
+
+def test_agreement_is_the_share_of_equal_answers():
+    assert agreement("a", ["a", "b", "a", None]) == 0.5
+    assert agreement(None, ["a"]) is None
+
+
+def test_sampling_version_inserts_temperature_only_for_greedy_samplers():
+    greedy = Sampler.from_params(greedy=True, seed=3, top_k=5, repetition_penalty=1.2)
+    s = sampling_version(greedy, 0.7)
+    assert not s.is_greedy and s.seed == 3
+    names = [type(p).__name__ for p in s.processors]
+    assert names == ["RepetitionPenalty", "Temperature", "TopK"]
+    assert sampling_version(greedy, 0) is greedy
+    sampled = Sampler([Temperature(1.3)], seed=1)
+    assert sampling_version(sampled, 0.7) is sampled
+
+
+class WordTokenizer(Tokenizer):
+    """Whole words as tokens, so that 'yes' and 'no' are single tokens."""
+
+    WORDS = ["<eos>", "yes", "Yes", "no", "No", "maybe", "Q", "A", "?"]
+
+    def __init__(self):
+        self.eos_token_ids = frozenset({0})
+
+    def encode(self, text):
+        return [self.WORDS.index(w) for w in text.split() if w in self.WORDS]
+
+    def decode(self, ids):
+        return " ".join(self.WORDS[i] for i in ids if i)
+
+
+def test_judge_score_is_the_yes_share_of_yes_plus_no():
+    model = LoadedModel(tiny_llama(seed=0, vocab_size=9), WordTokenizer(), "words")
+    logits = torch.tensor([0.0, 1.0, 0.5, 0.2, -1.0, 3.0, 0.0, 0.0, 0.0])
+    p = torch.softmax(logits, -1)
+    expected = float((p[1] + p[2]) / (p[1] + p[2] + p[3] + p[4]))
+    assert Judge.yes_share(model, logits) == pytest.approx(expected, abs=1e-6)
