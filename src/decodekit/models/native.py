@@ -58,15 +58,29 @@ class LlamaConfig:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Computed in float32 like the reference implementation, whatever the weight dtype.
+    """RMSNorm computed in float32 like the reference implementation, whatever the weight dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, Hugging Face "rotate half" layout. x: [B, H, k, D]; cos/sin: [B|1, 1, k, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def interleave_rope_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Reorder q/k projection rows so each head's rotary pairs (j, j + D/2) become adjacent.
+
+    Hugging Face checkpoints rotate "halves"; with adjacent pairs the rotation is one complex
+    multiply instead of five element-wise ops. q·k is a sum over the same (permuted) dims, so
+    attention is unchanged; only the cache stores keys in this order.
+    """
+    half = head_dim // 2
+    order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+    heads = weight.shape[0] // head_dim
+    return weight.view(heads, head_dim, *weight.shape[1:])[:, order].reshape(weight.shape)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on adjacent pairs. x: [B, k, H, D]; freqs: complex [1, k, 1, D/2]."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs).flatten(-2).to(x.dtype)
 
 
 class Projection:
@@ -107,10 +121,8 @@ class LlamaWeights:
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            qkv_bias = (
-                torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if config.attention_bias else None
-            )
+            qkv = self._fused_qkv(get, p + "self_attn.{}_proj.weight", config.head_dim)
+            qkv_bias = self._fused_qkv(get, p + "self_attn.{}_proj.bias", config.head_dim) if config.attention_bias else None
             self.layers.append(
                 {
                     "attn_norm": get(p + "input_layernorm.weight"),
@@ -121,6 +133,12 @@ class LlamaWeights:
                     "down": Projection(get(p + "mlp.down_proj.weight")),
                 }
             )
+
+
+    @staticmethod
+    def _fused_qkv(get, pattern: str, head_dim: int) -> torch.Tensor:
+        q, k, v = (get(pattern.format(n)) for n in "qkv")
+        return torch.cat([interleave_rope_rows(q, head_dim), interleave_rope_rows(k, head_dim), v]).contiguous()
 
 
 class NativeLlama(Backend):
@@ -154,8 +172,7 @@ class NativeLlama(Backend):
         )
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), inv_freq)
-        angles = torch.cat((angles, angles), dim=-1)
-        self._cos, self._sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        self._freqs = torch.polar(torch.ones_like(angles), angles)  # complex [max_position, D/2]
         self._initial_capacity = initial_capacity
         self._pending: tuple[int, int] | None = None  # (start, n_nodes) of an uncommitted tree
         self.reset(1)
@@ -255,8 +272,7 @@ class NativeLlama(Backend):
         start = self._length
         end = start + k
         self._ensure_capacity(end)
-        cos = self._cos[positions].view(1, 1, k, -1)
-        sin = self._sin[positions].view(1, 1, k, -1)
+        freqs = self._freqs[positions].view(1, k, 1, -1)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         gqa = c.num_heads != c.num_kv_heads
 
@@ -268,9 +284,9 @@ class NativeLlama(Backend):
             if i not in skip_layers:
                 h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
                 qkv = layer["qkv"](h)
-                # Rotate q and k heads together: one set of element-wise ops instead of two.
-                qk = apply_rope(qkv[..., : q_size + kv_size].view(batch, k, -1, c.head_dim).transpose(1, 2), cos, sin)
-                q, kk = qk.split((c.num_heads, c.num_kv_heads), dim=1)
+                # Rotate q and k heads together: one complex multiply for both.
+                qk = apply_rope(qkv[..., : q_size + kv_size].view(batch, k, -1, c.head_dim), freqs)
+                q, kk = qk.transpose(1, 2).split((c.num_heads, c.num_kv_heads), dim=1)
                 v = qkv[..., q_size + kv_size :]
                 self._k[i, :, :, start:end] = kk
                 self._v[i, :, :, start:end] = v.view(batch, k, c.num_kv_heads, c.head_dim).transpose(1, 2)
