@@ -137,8 +137,11 @@ class SpeculativeMethod(StepMethod):
 # Options and registration ------------------------------------------------------------------------
 
 
-def option_names(factory: Callable) -> set[str]:
+def option_names(factory: Callable) -> set[str] | None:
+    """The keyword options a factory takes; None when it takes ``**options`` (it validates them itself)."""
     params = inspect.signature(factory).parameters.values()
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return None
     return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"}
 
 
@@ -167,7 +170,9 @@ def method_builder(name: str, factory: Callable[..., Drafter]) -> Callable[..., 
     """``build(**options)`` for the registry: validate, then wire drafter + controller into the loop."""
 
     def build(**options: Any) -> StepDecoder:
-        check_options(name, options, option_names(factory) | set(COMMON_OPTIONS))
+        own = option_names(factory)
+        if own is not None:
+            check_options(name, options, own | set(COMMON_OPTIONS))
         options = dict(options)
         controller = make_controller(options)
         return StepDecoder(SpeculativeMethod(factory(**options), controller))

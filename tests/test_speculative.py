@@ -1,0 +1,360 @@
+"""Lossless speculative decoding on tiny random models: greedy output is plain greedy's, token for
+token, for every registered speculative method; plus the drafters', controller's and bandit's
+own mechanisms and the option checks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from decodekit.engine import Engine, available_methods
+from decodekit.engine.core import DecodeState, GenerationStats
+from decodekit.errors import InvalidParameter, UnknownMethod
+from decodekit.models import CharTokenizer, LoadedModel
+from decodekit.models.tiny import tiny_llama
+from decodekit.samplers import Sampler
+from decodekit.speculative.bandit import DiscountedUCB
+from decodekit.speculative.controller import Controller, CostTable
+from decodekit.speculative.drafters.ngram import PromptLookup
+from decodekit.speculative.drafters.suffix import SuffixAutomaton
+from decodekit.speculative.tree import DraftTree, Verification, add_chain, grow_best_first, merge_into, select_nodes
+
+PROMPTS = (
+    "hello world hello world hello world hello",
+    "abcabcabcabcabcabcabc",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "Q: 12+12? A: 24. Q: 13+13? A:",
+)
+OURS = ("pld", "suffix", "recycling", "lookahead", "hierarchy", "auto")
+FLAT_COSTS = {1: 1.0, 64: 1.0}  # bfloat16-like: verifying many tokens costs what one does
+STEEP_COSTS = {1: 1.0, 2: 2.0, 64: 64.0}  # every token costs a full pass: speculation never pays
+REQUIRED = {"draft": {"draft_model": "self-truncated:1"}}  # options a method cannot do without
+
+
+def speculative_methods() -> list[str]:
+    return sorted(n for n, spec in available_methods().items() if spec.family == "speculative")
+
+
+def tiny(seed: int = 0, vocab: int = 96, **kw) -> LoadedModel:
+    return LoadedModel(backend=tiny_llama(seed=seed, vocab_size=vocab, **kw), tokenizer=CharTokenizer(vocab), name="tiny")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread; several threads crawl on a shared, loaded machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def engines() -> list[Engine]:
+    return [Engine(tiny(seed)) for seed in (0, 3)]
+
+
+@pytest.fixture(scope="module")
+def references(engines) -> dict:
+    return {
+        (i, p): e.generate(p, max_new_tokens=48, chat=False).tokens for i, e in enumerate(engines) for p in PROMPTS
+    }
+
+
+def test_every_speculative_method_is_registered():
+    assert set(OURS) <= set(speculative_methods())
+    assert all(available_methods()[n].lossless for n in OURS)
+
+
+@pytest.mark.parametrize("method", speculative_methods())
+@pytest.mark.parametrize("options", [{"budget": 6}, {"cost_table": FLAT_COSTS}], ids=["fixed", "controller"])
+def test_greedy_output_is_plain_greedy(engines, references, method, options):
+    for i, engine in enumerate(engines):
+        for prompt in PROMPTS:
+            got = engine.generate(
+                prompt, method=method, max_new_tokens=48, chat=False, **options, **REQUIRED.get(method, {})
+            )
+            assert got.tokens == references[(i, prompt)], (method, prompt)
+            extra = got.stats.extra
+            assert extra["verifications"] + extra["plain_steps"] == got.stats.forward_passes
+
+
+@pytest.mark.parametrize("method", ["pld", "suffix"])
+def test_context_drafters_get_drafts_accepted_on_repetitive_text(engines, method):
+    accepted = 0
+    for engine in engines:
+        for prompt in PROMPTS[:2]:
+            g = engine.generate(prompt, method=method, max_new_tokens=48, chat=False, budget=8)
+            accepted += sum(g.stats.extra.get("accepted_by_source", {}).values())
+            assert g.stats.extra["mean_accepted"] >= 1.0
+    assert accepted > 0
+
+
+def test_speculation_saves_forward_passes_when_drafts_are_right(engines):
+    engine = engines[0]
+    plain = engine.generate(PROMPTS[1], max_new_tokens=48, chat=False)
+    spec = engine.generate(PROMPTS[1], method="pld", max_new_tokens=48, chat=False, budget=8)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.forward_passes < plain.stats.forward_passes
+    assert spec.stats.extra["mean_accepted"] > 1.0
+
+
+def test_greedy_with_a_history_dependent_penalty_stays_exact(engines):
+    # each tree node must be judged with its own path as history
+    for engine in engines:
+        for prompt in PROMPTS:
+            plain = engine.generate(prompt, max_new_tokens=40, chat=False, repetition_penalty=1.3)
+            for method in ("pld", "recycling"):
+                got = engine.generate(prompt, method=method, max_new_tokens=40, chat=False, budget=6, repetition_penalty=1.3)
+                assert got.tokens == plain.tokens, (method, prompt)
+
+
+def test_stop_strings_and_eos_behave_as_in_plain_decoding(engines):
+    engine = engines[0]
+    full = engine.generate(PROMPTS[0], max_new_tokens=40, chat=False)
+    stop = full.text[10:12]
+    plain = engine.generate(PROMPTS[0], max_new_tokens=40, chat=False, stop=[stop])
+    spec = engine.generate(PROMPTS[0], method="pld", max_new_tokens=40, chat=False, stop=[stop], budget=8)
+    assert spec.text == plain.text and spec.finish_reason == plain.finish_reason == "stop"
+
+
+def test_stats_record_the_speculative_figures(engines):
+    g = engines[0].generate(PROMPTS[1], method="hierarchy", max_new_tokens=30, chat=False, budget=8)
+    extra = g.stats.extra
+    assert {"mean_accepted", "acceptance_rate", "verifications", "draft_s", "verify_s", "drafter"} <= set(extra)
+    assert extra["drafter"] == "hierarchy"
+    assert 0.0 <= extra["acceptance_rate"] <= 1.0
+    # produced tokens: the first (from the prefill logits) + (accepted + bonus) per verification + plain steps
+    produced = 1 + round(extra["mean_accepted"] * extra["verifications"]) + extra["plain_steps"]
+    assert produced >= g.stats.new_tokens
+    assert set(extra.get("accepted_by_source", {})) <= {"pld:1", "pld:2", "pld:3", "recycling", "suffix", "suffix:corpus"}
+
+
+# Options ------------------------------------------------------------------------------------------
+
+
+def test_unknown_option_is_named_with_the_valid_ones(engines):
+    with pytest.raises(InvalidParameter, match=r"'max_ngramz'.*valid options: .*max_ngram"):
+        engines[0].generate("hi", method="pld", max_ngramz=3, chat=False)
+
+
+@pytest.mark.parametrize(
+    "method, options",
+    [
+        ("pld", {"max_ngram": 0}),
+        ("pld", {"min_ngram": 4, "max_ngram": 2}),
+        ("pld", {"budget": -1}),
+        ("suffix", {"max_draft": 0}),
+        ("suffix", {"growth": -1.0}),
+        ("suffix", {"corpus": "maybe"}),
+        ("recycling", {"k": 100}),
+        ("lookahead", {"ngram": 1}),
+        ("auto", {"discount": 1.5}),
+        ("pld", {"cost_table": {2: 1.0}}),
+    ],
+)
+def test_bad_option_values_raise_invalid_parameter(engines, method, options):
+    with pytest.raises(InvalidParameter):
+        engines[0].generate("hi", method=method, chat=False, max_new_tokens=4, **options)
+
+
+def test_unknown_drafter_names_raise_unknown_method(engines):
+    with pytest.raises(UnknownMethod, match="choose from"):
+        engines[0].generate("hi", method="hierarchy", order="pld,nope", chat=False)
+    with pytest.raises(UnknownMethod):
+        engines[0].generate("hi", method="auto", arms=["pld", "auto"], chat=False)
+
+
+def test_options_from_the_command_line_may_be_strings(engines):
+    g = engines[0].generate(PROMPTS[1], method="pld", max_ngram="2", budget="4", chat=False, max_new_tokens=8)
+    assert g.stats.new_tokens == 8
+
+
+# Tree helpers -------------------------------------------------------------------------------------
+
+
+def test_add_chain_merges_shared_prefixes():
+    tree = DraftTree()
+    assert add_chain(tree, [1, 2, 3]) == [0, 1, 2]
+    assert add_chain(tree, [1, 2, 4]) == [0, 1, 3]
+    assert tree.parents == [-1, 0, 1, 1]
+    other = DraftTree.chain([1, 5, 6], "x")
+    merge_into(tree, other, budget=5)
+    assert tree.tokens == [1, 2, 3, 4, 5] and tree.parents[4] == 0 and tree.source[4] == "x"
+
+
+def test_select_nodes_reindexes_a_subtree():
+    tree = DraftTree([1, 2, 3, 4], [-1, 0, -1, 2], {2: torch.ones(3)}, ["a"] * 4)
+    sub = select_nodes(tree, [2, 3, 0])
+    assert sub.tokens == [1, 3, 4] and sub.parents == [-1, -1, 1] and set(sub.draft_probs) == {1}
+
+
+def test_best_first_growth_adds_nodes_in_score_order():
+    table = {0: [(1, 0.9, 1), (2, 0.1, 2)], 1: [(3, 0.5, 3)], 2: [(4, 1.0, 4)], 3: [], 4: []}
+    tree = DraftTree()
+    grow_best_first(tree, table[0], lambda s: table[s], budget=3, max_depth=4, source="t")
+    # scores: 1 -> 0.9, 3 -> 0.45, 2 -> 0.1, 4 -> 0.1
+    assert tree.tokens == [1, 3, 2] and tree.parents == [-1, 0, -1]
+
+
+# Drafters -----------------------------------------------------------------------------------------
+
+
+def state_for(tokens: list[int], vocab: int = 32) -> DecodeState:
+    return DecodeState(tiny_llama(vocab_size=vocab), Sampler(greedy=True), tokens, GenerationStats())
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_match():
+    state = state_for([5, 6, 7, 8, 1, 5, 6, 9, 2, 5, 6])
+    drafter = PromptLookup(max_ngram=2, matches=1)
+    drafter.begin(state)
+    tree = drafter.draft(state, 3)
+    assert tree.tokens == [9, 2, 5] and tree.source == ["pld:2"] * 3  # the most recent occurrence
+    several = PromptLookup(max_ngram=2, matches=2)
+    several.begin(state)
+    tree = several.draft(state, 8)
+    assert tree.children(-1) == [0, 4] and {tree.tokens[0], tree.tokens[4]} == {9, 7}
+
+
+def test_prompt_lookup_indexes_new_tokens_incrementally():
+    state = state_for([1, 2, 3, 4])
+    drafter = PromptLookup(max_ngram=2)
+    drafter.begin(state)
+    assert len(drafter.draft(state, 4)) == 0
+    state.tokens.extend([1, 2])
+    assert drafter.draft(state, 4).tokens == [3, 4, 1, 2]
+
+
+def brute_count(text: list[int], pattern: list[int]) -> int:
+    n = len(pattern)
+    return sum(text[i : i + n] == pattern for i in range(len(text) - n + 1))
+
+
+def test_suffix_automaton_counts_and_longest_repeated_suffix_match_brute_force():
+    rng = random.Random(0)
+    sam = SuffixAutomaton()
+    text: list[int] = []
+    for _ in range(300):
+        token = rng.choice([1, 2, 3]) if rng.random() < 0.8 else rng.choice(range(4, 9))
+        sam.extend(token)
+        text.append(token)
+        own = sam.link[sam.last]
+        longest = sam.length[own]
+        # the longest suffix that also occurs earlier
+        assert brute_count(text[:-1], text[len(text) - longest :]) >= 1 or longest == 0
+        assert longest == len(text) or brute_count(text[:-1], text[len(text) - longest - 1 :]) == 0
+    for _ in range(50):  # occurrence counts of random substrings
+        i = rng.randrange(len(text))
+        pattern = text[i : i + rng.randrange(1, 6)]
+        state = 0
+        for t in pattern:
+            state = sam.next[state][t]
+        assert sam.count[state] == brute_count(text, pattern)
+
+
+def test_suffix_corpus_carries_earlier_outputs_across_requests():
+    model = tiny(seed=5)
+    engine = Engine(model)
+    first = engine.generate("zq", method="suffix", corpus=True, max_new_tokens=40, chat=False, budget=8)
+    # the same context again: only the corpus (earlier outputs) knows what follows it
+    prompt = "zq" + first.text[:12]
+    again = engine.generate(prompt, method="suffix", corpus=True, max_new_tokens=20, chat=False, budget=8)
+    plain = engine.generate(prompt, max_new_tokens=20, chat=False)
+    assert again.tokens == plain.tokens
+    assert again.stats.extra.get("accepted_by_source", {}).get("suffix:corpus", 0) > 0
+
+
+def test_recycling_matrix_is_kept_across_requests():
+    engine = Engine(tiny(seed=6))
+    first = engine.generate("abc", method="recycling", max_new_tokens=30, chat=False, budget=8)
+    second = engine.generate("abc", method="recycling", max_new_tokens=30, chat=False, budget=8)
+    # the first run starts from an empty matrix (no draft for unseen tokens: plain steps); the
+    # second drafts at every step from rows the first one filled
+    assert first.stats.extra["plain_steps"] > 0
+    assert second.stats.extra["plain_steps"] == 0 and second.tokens == first.tokens
+
+
+def test_lookahead_pool_feeds_accepted_drafts():
+    engine = Engine(tiny(seed=0))
+    g = engine.generate(PROMPTS[1], method="lookahead", max_new_tokens=60, chat=False, budget=16)
+    assert g.stats.extra["mean_accepted"] > 1.0
+
+
+# Controller ---------------------------------------------------------------------------------------
+
+
+def test_cost_table_interpolates_and_extrapolates():
+    table = CostTable({1: 1.0, 4: 2.5, 8: 3.0})
+    assert table(1) == 1.0 and table(2) == pytest.approx(1.5) and table(6) == pytest.approx(2.75)
+    assert table(12) == pytest.approx(3.5)
+
+
+def chain_tree(n: int, source: str = "s") -> DraftTree:
+    return DraftTree.chain(list(range(1, n + 1)), source)
+
+
+def test_controller_keeps_whole_chain_when_verification_is_free_and_nothing_when_it_is_not():
+    flat = Controller(16, cost_table=FLAT_COSTS)
+    assert len(flat.select(chain_tree(8))) == 8
+    steep = Controller(16, cost_table=STEEP_COSTS)
+    assert len(steep.select(chain_tree(8))) == 0
+    assert steep.budget() == 0  # backs off drafting after a plain choice
+
+
+def test_controller_learns_acceptance_per_depth():
+    ctl = Controller(16, cost_table={1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4, 16: 2.0})
+    tree = chain_tree(8)
+    before = len(ctl.select(tree))
+    for _ in range(30):  # drafts always right: every depth accepted
+        ctl.observe(tree, Verification(list(range(8)), 0), overhead_s=0.0)
+    assert len(ctl.select(tree)) == 8 > before
+    for _ in range(60):  # now always wrong at depth 0
+        ctl.observe(tree, Verification([], 0), overhead_s=0.0)
+    assert len(ctl.select(tree)) == 0
+
+
+def test_controller_explores_after_backing_off():
+    ctl = Controller(16, cost_table=STEEP_COSTS)
+    chosen = []
+    for _ in range(40):
+        budget = ctl.budget()
+        chosen.append(len(ctl.select(chain_tree(4))) if budget else 0)
+    assert 0 < sum(1 for c in chosen if c) <= 6  # a few single-node probes, mostly plain steps
+    assert max(chosen) == 1
+
+
+def test_never_slower_than_plain_with_wrong_drafts_and_costly_verification():
+    engine = Engine(tiny(seed=0))
+    g = engine.generate("hello there", method="recycling", k=1, max_new_tokens=80, chat=False, cost_table=STEEP_COSTS)
+    plain = engine.generate("hello there", max_new_tokens=80, chat=False)
+    assert g.tokens == plain.tokens
+    assert g.stats.extra["verifications"] <= 0.2 * g.stats.forward_passes
+
+
+def test_cost_table_measurement_restores_the_cache():
+    backend = tiny_llama(seed=0)
+    backend.prefill([1, 2, 3])
+    table = CostTable.measure(backend, sizes=(1, 4), reps=1)
+    assert backend.length == 3 and table.sizes == [1, 4] and all(c > 0 for c in table.costs)
+
+
+# Bandit -------------------------------------------------------------------------------------------
+
+
+def test_discounted_ucb_tries_every_arm_then_prefers_the_fastest():
+    bandit = DiscountedUCB(["a", "b", "c"], discount=0.99, exploration=0.5)
+    speed = {"a": 10.0, "b": 30.0, "c": 20.0}
+    rng = random.Random(1)
+    picks = []
+    for _ in range(200):
+        arm = bandit.choose()
+        picks.append(arm)
+        bandit.reward(arm, speed[arm] + rng.uniform(-2, 2))
+    assert set(picks[:3]) == {"a", "b", "c"}
+    assert picks[100:].count("b") > 80
+
+
+def test_auto_reports_its_arm_pulls(engines):
+    g = engines[0].generate(PROMPTS[1], method="auto", max_new_tokens=30, chat=False, budget=6)
+    assert sum(g.stats.extra["arm_pulls"].values()) >= 1
