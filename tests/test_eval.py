@@ -112,3 +112,21 @@ def test_eval_rejects_bad_input(tmp_path):
     with pytest.raises(InvalidParameter):
         run(eval_args(tmp_path, "--method", "beam", "--opt", "width=2"), model=model)
     assert cli_main(["eval", "no-such-task"]) == 2
+
+
+@pytest.mark.real_model
+def test_real_model_greedy_signals_and_judge(real_model):
+    from decodekit.engine import Engine, make_sampler
+    from decodekit.engine.core import Request
+    from decodekit.engine import build_decoder
+    from decodekit.search import SampleDecoder
+
+    task = capitals_task()
+    ids = real_model.prompt_ids(task.items[0].question)
+    plain = Engine(real_model).generate(ids, max_new_tokens=12)
+    got = SampleDecoder(task.answer_start).generate(real_model, Request(ids, make_sampler("greedy", {}), 12))
+    assert got.tokens == plain.tokens
+    assert 0.0 <= got.extra["uncertainty"]["phi_first"] <= 1.0
+    judged = build_decoder("best-of-n", n=2, scorer="judge").generate(
+        real_model, Request(ids, make_sampler("best-of-n", {"seed": 0}), 8))
+    assert all(0.0 < c["score"] < 1.0 for c in judged.extra["candidates"])
