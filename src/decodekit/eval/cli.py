@@ -59,9 +59,16 @@ def run(args: argparse.Namespace, model=None) -> int:
     task = load_task(args.task, args.data)
     make_decoder(config, task)  # bad method or option: fail before loading the model
     model = model or load_model(args.model, backend=args.backend, dtype=args.dtype)
-    result = evaluate(model, task, config)
+    right = [0]
+
+    def progress(done: int, total: int, record: dict) -> None:
+        right[0] += record["correct"]
+        print(f"\r[{done}/{total}] correct {right[0]}", end="\n" if done == total else "", file=sys.stderr, flush=True)
+
+    result = evaluate(model, task, config, progress)
     out = Path(args.out or f"eval-out/{args.task}-{args.method}")
-    header = {"command": "decodekit eval " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else [args.task]),
+    argv = sys.argv[sys.argv.index(args.task):] if args.task in sys.argv else [args.task]
+    header = {"command": "decodekit eval " + shlex.join(argv),
               "model": model.name, "dtype": args.dtype}
     paths = write_report(result, out, header)
     lo, hi = result["ci95"]

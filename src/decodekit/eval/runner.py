@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +54,8 @@ def make_decoder(config: EvalConfig, task: Task) -> Decoder:
     return build_decoder(config.method, **options)
 
 
-def evaluate(model: LoadedModel, task: Task, config: EvalConfig) -> dict[str, Any]:
+def evaluate(model: LoadedModel, task: Task, config: EvalConfig,
+             progress: Callable[[int, int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
     decoder = make_decoder(config, task)
     items = task.items[: config.limit] if config.limit else task.items
     max_new = config.max_new_tokens or task.max_new_tokens
@@ -62,6 +63,8 @@ def evaluate(model: LoadedModel, task: Task, config: EvalConfig) -> dict[str, An
     start = time.perf_counter()
     for index, item in enumerate(items):
         records.append(run_item(model, task, config, decoder, item, config.seed + index, max_new))
+        if progress:
+            progress(index + 1, len(items), records[-1])
     return summarize(task, config, records, time.perf_counter() - start)
 
 
