@@ -408,3 +408,18 @@ def test_hf_baseline_matches_decodekit_greedy_on_the_real_model():
     ids = model.prompt_ids("What is the capital of France?")
     ours = Engine(model).generate(ids, method="greedy", max_new_tokens=12)
     assert hf.run(ids, 12).tokens == ours.tokens
+
+
+@pytest.mark.real_model
+def test_llamacpp_baseline_on_the_embedded_gguf():
+    pytest.importorskip("llama_cpp")
+    from decodekit.bench.baselines import LlamaCpp, gguf_for
+    from decodekit.models import load_model
+
+    model = load_model()
+    baseline = LlamaCpp(gguf_for(None), model.tokenizer.eos_token_ids, n_threads=2)
+    ids = model.prompt_ids("Name three colours.")
+    first, again = baseline.run(ids, 8), baseline.run(ids, 8)
+    assert first.tokens == again.tokens  # greedy and no state carried between calls
+    assert len(first.tokens) == 8 and first.finish_reason == "length" and first.forward_passes == 7
+    assert first.text and first.prefill_s > 0 and first.decode_s > 0

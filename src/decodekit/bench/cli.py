@@ -188,7 +188,8 @@ def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[
     results = build_results(run_, command=plan.command, config=plan.config(),
                             machine=machine_info(model=model.name, dtype=plan.dtype), notes=[*plan.notes, *notes])
     write_results(results, plan.out / "results.json")
-    subtitle = f"{model.name}, {plan.dtype}, {len(plan.questions)} questions, {plan.max_new_tokens} new tokens"
+    n = len(plan.questions)
+    subtitle = f"{model.name}, {plan.dtype}, {n} question{'s' if n != 1 else ''}, {plan.max_new_tokens} new tokens"
     plot_speedup(results["summary"], plan.out / "speedup.png", subtitle=subtitle)
     write_report(results, plan.out / "report.md")
     return results

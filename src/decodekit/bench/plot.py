@@ -47,7 +47,7 @@ def plot_speedup(summary: dict[str, Any], path: Path, *, key: str = "speedup", s
     ax.set_axisbelow(True)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    ax.legend(fontsize=8, ncol=min(len(methods) + 1, 4), loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)
+    ax.legend(fontsize=8, ncol=min(len(methods) + 1, 6), loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
