@@ -199,6 +199,8 @@ def test_exactness_statistic(tiny: LoadedModel, qfile: Path):
     assert overall["greedy-again"]["exact_share"] == 1.0
     assert overall["fake"]["exact_share"] == 0.5  # identical on one question of two
     assert overall["greedy"]["speedup"] == pytest.approx(1.0)
+    notes = build_results(run, command="", config={}, machine={})["notes"]
+    assert len(notes) == 1 and notes[0].startswith("fake is lossless but matched greedy on 50%")
 
 
 def test_summary_schema_and_aggregates(tiny: LoadedModel, qfile: Path):

@@ -9,12 +9,11 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import Engine, method_spec
-from ..models import LoadedModel
 
 #: Used for the warm-up generation; deliberately not a benchmark question, so methods that
 #: learn across requests (suffix trees, n-gram pools) are not primed with a question's answer.
@@ -112,8 +111,3 @@ def cut_at_eos(tokens: list[int], eos: frozenset[int], max_new_tokens: int) -> t
         if token in eos:
             return tokens[:i], "eos"
     return tokens[:max_new_tokens], "length"
-
-
-def model_prompt(model: LoadedModel) -> Callable[[list[dict[str, str]]], list[int]]:
-    """The prompt ids every contestant gets: decodekit's tokenizer with the chat template."""
-    return lambda messages: model.prompt_ids(messages)

@@ -207,12 +207,24 @@ def machine_info(*, model: str, dtype: str) -> dict[str, Any]:
     }
 
 
+def exactness_notes(summary: dict[str, Any]) -> list[str]:
+    """Flag greedy-lossless contestants whose outputs are not all token-identical to the reference."""
+    notes = []
+    for name, info in summary["methods"].items():
+        share = info["categories"][OVERALL]["exact_share"]
+        if info["lossless"] and share is not None and share < 1.0:
+            notes.append(f"{name} is lossless but matched {summary['reference']} on {100 * share:.0f}% of outputs: a bug, "
+                         "or a floating-point near-tie resolved differently by a multi-token pass than by one-token steps")
+    return notes
+
+
 def build_results(run, *, command: str, config: dict[str, Any], machine: dict[str, Any], notes: Sequence[str] = ()) -> dict[str, Any]:
     """The whole results.json document for a :class:`~decodekit.bench.runner.BenchRun`."""
     summary = summarize(run.records, run.contestants, run.peak_rss_mb, reference=config.get("reference", "greedy"))
     return {
         "schema": SCHEMA, "created": datetime.now().isoformat(timespec="seconds"), "command": command,
-        "config": config, "machine": machine, "notes": [*notes, *run.notes], "records": run.records, "summary": summary,
+        "config": config, "machine": machine, "notes": [*notes, *run.notes, *exactness_notes(summary)],
+        "records": run.records, "summary": summary,
     }
 
 
