@@ -39,7 +39,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="passes over the questions; medians are reported")
     p.add_argument("--threads", type=int, default=None, help="torch threads, also llama.cpp's n_threads (default: torch's)")
     p.add_argument("--opt", action="append", default=[], metavar="METHOD.KEY=VALUE", help="method option, e.g. pld.max_ngram=3 (repeatable)")
-    p.add_argument("--out", default="bench-results", metavar="DIR", help="output folder (default bench-results)")
+    p.add_argument("--out", default="bench-out", metavar="DIR", help="output folder (default bench-out)")
     p.add_argument("--quick", action="store_true", help="a few minutes: 1 question per category, 64 tokens, fast methods, hf baseline")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print the change between two results files and exit")
