@@ -48,6 +48,9 @@ class SpeculativeMethod(StepMethod):
         self.draft_s = self.verify_s = 0.0
         self.by_source: dict[str, int] = {}
 
+    # Inference mode: no autograd bookkeeping per small op, and backends may write caches they
+    # (re)allocated inside their own inference-mode forward passes.
+    @torch.inference_mode()
     def step(self, state: DecodeState) -> list[int]:
         first: list[int] = []
         if state.pending is None:  # right after prefill: the prefill logits give the root
