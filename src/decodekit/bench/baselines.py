@@ -1,10 +1,13 @@
 """External baselines on the same weights: transformers ``generate()`` and llama.cpp.
 
 * ``hf``: transformers greedy ``generate()`` (``do_sample=False``), same prompt token ids.
-* ``hf-pld``: the same with transformers' prompt lookup decoding (``prompt_lookup_num_tokens=10``).
+* ``hf-pld``: the same with transformers' prompt lookup decoding (Saxena, 2023; ``prompt_lookup_num_tokens=10``),
+  lossless: drafts are verified greedily.
 * ``llamacpp``: llama-cpp-python on the model's GGUF file (greedy: temperature 0, top-k 1).
-  It runs the *quantised* GGUF weights with its own kernels, so its tokens are not expected to
-  match decodekit's float weights; it is never counted in the exactness statistic.
+  It computes with the quantised GGUF weights in its own kernels (which also quantise the
+  activations), while decodekit runs the same weights dequantised to float; near-ties then
+  resolve differently (seen on SmolLM2's first answer token), so its text is compared only
+  loosely and it is never counted in the exactness statistic.
 
 All stop at the first EOS token decodekit's tokenizer knows (or after ``max_new_tokens``), like
 decodekit's loop, and report the tokens each produced without the EOS. Prefill time is the time
@@ -194,6 +197,6 @@ def _llamacpp(loaded: LoadedModel, model: str | None, threads: int) -> tuple[Con
     gguf = gguf_for(model)
     if gguf is None:
         return None, f"llamacpp baseline skipped: model {model!r} has no GGUF file"
-    note = (f"llamacpp runs the GGUF file {gguf.name} with its own (quantised) weights and kernels, "
-            f"n_threads={threads}; its text is compared to decodekit greedy only loosely")
+    note = (f"llamacpp runs the GGUF file {gguf.name} with its own quantised kernels, n_threads={threads}; "
+            "its text is compared to decodekit greedy only loosely (not in the exactness statistic)")
     return LlamaCpp(gguf, loaded.tokenizer.eos_token_ids, n_threads=threads), note
