@@ -425,3 +425,12 @@ def test_llamacpp_baseline_on_the_embedded_gguf():
     assert first.tokens == again.tokens  # greedy and no state carried between calls
     assert len(first.tokens) == 8 and first.finish_reason == "length" and first.forward_passes == 7
     assert first.text and first.prefill_s > 0 and first.decode_s > 0
+
+
+def test_progress_falls_back_to_a_stderr_line_without_tqdm(tiny: LoadedModel, qfile: Path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
+    run_bench([Scripted("greedy", [])], load_questions(qfile, limit=1), prompt_fn(tiny), BenchConfig(max_new_tokens=2))
+    err = capsys.readouterr().err
+    assert "bench 5/5 greedy" in err and err.endswith("\n")
