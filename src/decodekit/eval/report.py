@@ -81,6 +81,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
         right.plot(xs, [p["accuracy"] for p in r["budget_curve"]], marker="o")
         right.set(xscale="log", xlabel="samples voted", ylabel="accuracy", title="Accuracy vs samples (majority vote)")
         right.set_xticks(xs, [str(x) for x in xs])
+        right.minorticks_off()
     else:
         names = [k for k, v in r["auroc"].items() if v is not None]
         right.bar(names, [r["auroc"][k] for k in names])
