@@ -335,8 +335,32 @@ def test_never_slower_than_plain_with_wrong_drafts_and_costly_verification():
 def test_cost_table_measurement_restores_the_cache():
     backend = tiny_llama(seed=0)
     backend.prefill([1, 2, 3])
-    table = CostTable.measure(backend, sizes=(1, 4), reps=1)
+    table = CostTable.measure(backend, sizes=(1, 4), rounds=1)
     assert backend.length == 3 and table.sizes == [1, 4] and all(c > 0 for c in table.costs)
+
+
+def test_cost_table_follows_observed_pass_times():
+    table = CostTable({1: 1.0, 8: 2.0, 32: 4.0})
+    for _ in range(40):
+        table.observe(8, 6.0)  # the machine is now three times slower at 8 tokens
+    assert table(8) == pytest.approx(6.0, rel=0.01) and table(1) == 1.0
+
+
+def test_cost_table_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    backend = tiny_llama(seed=0)
+    backend.prefill([1, 2, 3])
+    first = CostTable.cached(backend)
+    monkeypatch.setattr(CostTable, "measure", classmethod(lambda cls, *a, **k: pytest.fail("measured twice")))
+    again = CostTable.cached(backend)
+    assert again.as_dict() == pytest.approx(first.as_dict())
+    assert (tmp_path / "speculative" / "verify_cost.json").is_file()
+
+
+def test_injected_cost_tables_are_not_rewritten_by_timings():
+    ctl = Controller(8, cost_table={1: 1.0, 8: 2.0})
+    ctl.observe_cost(8, 100.0)
+    assert ctl.cost(8) == 2.0
 
 
 # Bandit -------------------------------------------------------------------------------------------

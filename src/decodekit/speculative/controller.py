@@ -29,7 +29,7 @@ from ..errors import InvalidParameter
 from ..models.backend import Backend
 from .tree import DraftTree, Verification, select_nodes
 
-MEASURE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+MEASURE_SIZES = (1, 2, 4, 8, 16, 32)
 MAX_BACKOFF = 16
 MAX_DEPTH_KEY = 15
 MAX_RANK_KEY = 7
@@ -62,50 +62,69 @@ class CostTable:
     def as_dict(self) -> dict[str, float]:
         return {str(k): v for k, v in zip(self.sizes, self.costs)}
 
+    def observe(self, n: int, seconds: float, weight: float = 0.2) -> None:
+        """Blend a timed pass of ``n`` tokens into the nearest measured size (scaled by the table's
+        own shape), so a table measured under other load follows the machine as it is now."""
+        anchor = min(range(len(self.sizes)), key=lambda i: abs(math.log(self.sizes[i] / n)))
+        target = seconds * self.costs[anchor] / self(n)
+        self.costs[anchor] += weight * (target - self.costs[anchor])
+
     @staticmethod
     def key(backend: Backend) -> str:
         return f"{backend.info.name}|{str(backend.info.dtype).removeprefix('torch.')}|threads={torch.get_num_threads()}"
 
     @classmethod
-    def measure(cls, backend: Backend, sizes=MEASURE_SIZES, reps: int = 3) -> "CostTable":
-        """Time ``append`` of n tokens after the current cache, then roll back (the cache is unchanged).
-        Needs a cache of at least one token; takes the minimum of ``reps`` runs after one warm-up."""
+    def measure(cls, backend: Backend, sizes=MEASURE_SIZES, rounds: int = 3) -> "CostTable":
+        """Time ``append`` of n tokens after the current cache, then roll back (the cache is
+        unchanged; it must hold at least one token). Sizes are interleaved over ``rounds`` rounds
+        after a warm-up and the minimum kept, so a burst of load does not skew one size only."""
         start = backend.length
         room = backend.info.max_length - start
         sizes = [n for n in sizes if n <= room] or [1]
-        table: dict[int, float] = {}
-        for n in sizes:
-            tokens = torch.zeros(1, n, dtype=torch.long)
-            best = math.inf
-            for rep in range(reps + 1):
+        best = {n: math.inf for n in sizes}
+        for rnd in range(rounds + 1):
+            for n in sizes:
                 t0 = time.perf_counter()
-                backend.append(tokens)
+                backend.append(torch.zeros(1, n, dtype=torch.long))
                 elapsed = time.perf_counter() - t0
                 backend.truncate(start)
-                if rep:
-                    best = min(best, elapsed)
-            table[n] = best
-        return cls(table)
+                if rnd:
+                    best[n] = min(best[n], elapsed)
+        return cls(best)
+
+    @staticmethod
+    def _path():
+        from ..models.loading import cache_root
+
+        return cache_root() / "speculative" / "verify_cost.json"
 
     @classmethod
     def cached(cls, backend: Backend) -> "CostTable":
         """The cached table for this model/dtype/threads, measured (and saved) the first time."""
-        from ..models.loading import cache_root
+        try:
+            saved = json.loads(cls._path().read_text())
+        except (OSError, ValueError):
+            saved = {}
+        entry = saved.get(cls.key(backend))
+        if entry:
+            return cls({int(k): v for k, v in entry.items()})
+        table = cls.measure(backend)
+        table.save(backend)
+        return table
 
-        path = cache_root() / "speculative" / "verify_cost.json"
-        key = cls.key(backend)
+    def save(self, backend: Backend) -> None:
+        """Store this table as the one for ``backend``'s model/dtype/threads."""
+        path = self._path()
         try:
             saved = json.loads(path.read_text())
         except (OSError, ValueError):
             saved = {}
-        if key not in saved:
-            saved[key] = cls.measure(backend).as_dict()
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(saved, indent=1, sort_keys=True))
-            except OSError:
-                pass  # a read-only cache only costs a re-measurement next time
-        return cls({int(k): v for k, v in saved[key].items()})
+        saved[self.key(backend)] = self.as_dict()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(saved, indent=1, sort_keys=True))
+        except OSError:
+            pass  # a read-only cache only costs a re-measurement next time
 
 
 def prior_acceptance(depth: int, rank: int) -> float:
@@ -133,10 +152,22 @@ class Controller:
         self._skip = 0  # plain steps left before drafting again
         self._backoff = 0
         self._explore = False
+        self.learn_costs = False  # True for a measured table: it follows observed pass times
 
     def begin(self, backend: Backend) -> None:
         if self.fixed is None and self.cost is None:
             self.cost = CostTable.cached(backend)
+            self.learn_costs = True
+
+    def observe_cost(self, n: int, seconds: float) -> None:
+        """A timed forward pass of ``n`` tokens (1 = a plain step)."""
+        if self.learn_costs and self.cost is not None:
+            self.cost.observe(n, seconds)
+
+    def finish(self, backend: Backend) -> None:
+        """Keep what this request learnt about pass costs for the next one."""
+        if self.learn_costs and self.cost is not None:
+            self.cost.save(backend)
 
     # Decisions -----------------------------------------------------------------------------
 

@@ -85,6 +85,7 @@ class SpeculativeMethod(StepMethod):
         logits = state.backend.verify_tree(tokens, [-1, *[p + 1 for p in tree.parents]]).logits[0]
         state.stats.forward_passes += 1
         t1 = time.perf_counter()
+        self.controller.observe_cost(len(tokens), t1 - t0)
         verdict = self.verifier.verify(state, tree, logits)
         state.backend.commit_path([0, *[i + 1 for i in verdict.path]])
         self.drafter.update(state, tree, verdict, logits)
@@ -98,7 +99,9 @@ class SpeculativeMethod(StepMethod):
         return produced
 
     def _plain_step(self, state: DecodeState) -> list[int]:
+        t0 = time.perf_counter()
         logits = state.next_logits()
+        self.controller.observe_cost(1, time.perf_counter() - t0)
         token = self._pick(state, logits)
         self.drafter.update(state, DraftTree(), Verification([], token), logits[None])
         state.commit([token])
@@ -132,6 +135,7 @@ class SpeculativeMethod(StepMethod):
         if report is not None:
             extra.update(report())
         state.stats.extra.update(extra)
+        self.controller.finish(state.backend)
         done = getattr(self.drafter, "finish", None)
         if done is not None:
             done(state)
