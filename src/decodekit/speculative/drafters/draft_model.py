@@ -1,0 +1,277 @@
+"""Draft-model drafting: a smaller causal LM proposes a chain, the target verifies it.
+
+Papers: Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
+Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling".
+Lossless: the drafter only proposes; the verifier accepts greedily (output token-identical to
+plain greedy) or by speculative sampling with the recorded draft distribution q (output
+distributed exactly as plain sampling).
+
+Choices the papers leave open (each one tested):
+  * The draft model must share the target's tokenizer; it may have a differently padded
+    vocabulary (its logits are cut or padded with -inf to the target's size).
+  * The draft keeps its own cache in sync with ``state.tokens``: roll back to the longest
+    common prefix, then append every missing token in one forward pass (only the last
+    position's logits are computed).
+  * Greedy requests get greedy drafts; sampling requests get drafts sampled from the
+    request's processed distribution (temperature, top-p, ... applied to the draft logits),
+    recorded as ``draft_probs``; ``stochastic=False`` drafts greedily even then.
+  * Early stop (as in SWIFT): drafting ends before a token whose draft top-1 probability is
+    below ``confidence``. The test uses only q, before any draw, so sampled tokens stay
+    exactly q-distributed.
+  * ``draft_model="self-truncated:N"``: the target's first N layers + final norm + lm head,
+    sharing the target's weights (a weak but download-free draft model; native backend only).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import weakref
+from abc import abstractmethod
+
+import torch
+
+from ...engine.core import DecodeState
+from ...errors import InvalidParameter
+from ...models.backend import Backend
+from ...samplers import Sampler
+from ...samplers.base import check_int, check_real
+from ..tree import DraftTree
+from . import register_drafter
+from .base import Drafter
+
+SELF_TRUNCATED = "self-truncated:"
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidParameter(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def choose_token(
+    logits: torch.Tensor, sampler: Sampler, history: list[int], sample: bool
+) -> tuple[int | None, float, torch.Tensor]:
+    """One draft choice from draft logits ``[V]``: (token, top-1 probability, distribution q).
+
+    q is the request sampler's processed distribution (softmax of the processed logits, also
+    for greedy samplers, so that the confidence is meaningful). The token is None when
+    ``sample`` is set: the caller draws it after the confidence test.
+    """
+    histories = [torch.tensor(history)] if sampler.needs_history else None
+    q = torch.softmax(sampler.process(logits[None], histories)[0], dim=-1)
+    top = int(q.argmax())
+    return (None if sample else top), float(q[top]), q
+
+
+class ChainDrafter(Drafter):
+    """Drafts a chain autoregressively from some draft model, one token per forward pass.
+
+    Subclasses say how the draft model starts (logits after the root) and advances (append a
+    token, return the next logits) and how it cleans up; this class owns the greedy/sampled
+    choice, draft distributions and the confidence stop. ``last_steps`` counts the draft
+    forward passes of the latest :meth:`draft`.
+    """
+
+    @classmethod
+    def from_options(cls, **options: object) -> "ChainDrafter":
+        """Build from keyword options; an unknown option raises InvalidParameter."""
+        known = set(inspect.signature(cls.__init__).parameters) - {"self"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidParameter(
+                f"method {cls.name!r} has no option {', '.join(unknown)}; options: {', '.join(sorted(known))}"
+            )
+        return cls(**options)
+
+    def __init__(self, *, max_draft: int, confidence: float, stochastic: bool):
+        self.max_draft = check_int("max_draft", max_draft, 1)
+        self.confidence = check_real("confidence", confidence, 0.0, 1.0)
+        self.stochastic = check_bool("stochastic", stochastic)
+        self.last_steps = 0
+
+    @abstractmethod
+    def _start(self, state: DecodeState, budget: int) -> tuple[torch.Tensor | None, int]:
+        """Logits ``[V]`` after the root (None: cannot draft now) and the usable budget."""
+
+    @abstractmethod
+    def _advance(self, token: int) -> torch.Tensor:
+        """Feed a drafted token to the draft model; return the logits ``[V]`` after it."""
+
+    def _stop(self, state: DecodeState) -> None:
+        """Called after drafting, also on error (e.g. roll a shared cache back)."""
+
+    def draft(self, state: DecodeState, budget: int) -> DraftTree:
+        self.last_steps = 0
+        tree = DraftTree()
+        if min(budget, self.max_draft) <= 0:
+            return tree
+        try:
+            logits, budget = self._start(state, min(budget, self.max_draft))
+            if logits is None:
+                return tree
+            sampler = state.sampler
+            sample = self.stochastic and not sampler.is_greedy
+            history = list(state.tokens)
+            for i in range(budget):
+                if i:
+                    logits = self._advance(tree.tokens[-1])
+                token, top_prob, q = choose_token(logits, sampler, history, sample)
+                if top_prob < self.confidence:
+                    break
+                if sample:
+                    token = int(sampler.sample_from(q))
+                    tree.draft_probs[i - 1] = q
+                tree.add(token, i - 1, self.name)
+                history.append(token)
+        finally:
+            self._stop(state)
+        return tree
+
+
+# Draft-model backends --------------------------------------------------------------------------
+
+_loaded: dict[tuple[str, torch.dtype], Backend] = {}  # spec folder -> backend, reused across requests
+_truncated: "weakref.WeakKeyDictionary[Backend, dict[int, Backend]]" = weakref.WeakKeyDictionary()
+
+
+def truncated_copy(target: Backend, num_layers: int) -> Backend:
+    """A backend running the target's first ``num_layers`` layers (+ final norm + lm head),
+    sharing its weights, with a cache of its own."""
+    from ...models.native import NativeLlama
+
+    if not isinstance(target, NativeLlama):
+        raise InvalidParameter("draft_model='self-truncated:N' needs the native backend")
+    if num_layers > target.info.num_layers:
+        raise InvalidParameter(
+            f"self-truncated:{num_layers} asks for more layers than the target's {target.info.num_layers}"
+        )
+    draft = copy.copy(target)  # shares weights, rope tables; reset() below allocates its own cache
+    draft.config = dataclasses.replace(target.config, num_layers=num_layers)
+    draft.weights = copy.copy(target.weights)
+    draft.weights.layers = target.weights.layers[:num_layers]
+    draft.info = dataclasses.replace(target.info, num_layers=num_layers, name=f"{target.info.name}[:{num_layers}]")
+    draft.reset(1)
+    return draft
+
+
+def parse_draft_spec(spec: object) -> Backend | int | str:
+    """Validate ``draft_model``: a Backend, a layer count (self-truncated:N) or a model folder."""
+    if isinstance(spec, Backend):
+        return spec
+    if not isinstance(spec, str) or not spec:
+        raise InvalidParameter("method 'draft' needs draft_model= a model folder, .gguf file, embedded name or self-truncated:N")
+    if spec.startswith(SELF_TRUNCATED):
+        n = spec[len(SELF_TRUNCATED) :]
+        if not n.isdigit() or int(n) < 1:
+            raise InvalidParameter(f"draft_model {spec!r}: expected self-truncated:N with N a positive layer count")
+        return int(n)
+    from ...models.loading import resolve_model_folder
+
+    return str(resolve_model_folder(spec))  # ModelNotFound (one line) before any work
+
+
+def draft_backend(spec: Backend | int | str, target: Backend) -> Backend:
+    """The draft backend for a parsed spec, built once and reused across requests."""
+    if isinstance(spec, Backend):
+        if spec is target:
+            raise InvalidParameter("draft_model must not be the target backend itself (it needs its own cache)")
+        return spec
+    if isinstance(spec, int):
+        per_target = _truncated.setdefault(target, {})
+        if spec not in per_target:
+            per_target[spec] = truncated_copy(target, spec)
+        return per_target[spec]
+    key = (spec, target.info.dtype)
+    if key not in _loaded:
+        from pathlib import Path
+
+        from ...models.loading import build_backend
+
+        _loaded.clear()  # keep at most one loaded draft model
+        _loaded[key] = build_backend(Path(spec), dtype=target.info.dtype)
+    return _loaded[key]
+
+
+def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Cut or -inf-pad draft logits ``[V']`` to the target's vocabulary size."""
+    if logits.shape[-1] == vocab_size:
+        return logits
+    if logits.shape[-1] > vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - logits.shape[-1]), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class DraftModelDrafter(ChainDrafter):
+    """Speculative decoding with a separate draft model (Leviathan et al. 2023; Chen et al. 2023).
+
+    Lossless under the project's verifiers. Options: ``draft_model`` (model spec, Backend or
+    ``self-truncated:N``), ``max_draft`` (chain length cap), ``confidence`` (early-stop
+    threshold on the draft's top-1 probability), ``stochastic`` (sample drafts when the
+    request samples). See the module docstring for the choices made.
+    """
+
+    name = "draft"
+
+    def __init__(
+        self,
+        *,
+        draft_model: str | Backend | None = None,
+        max_draft: int = 6,
+        confidence: float = 0.3,
+        stochastic: bool = True,
+    ):
+        super().__init__(max_draft=max_draft, confidence=confidence, stochastic=stochastic)
+        self.spec = parse_draft_spec(draft_model)
+        self.backend: Backend | None = None
+        self._cached: list[int] = []  # mirrors the draft cache
+        self._vocab = 0  # the target's vocabulary size
+
+    def begin(self, state: DecodeState) -> None:
+        self.backend = draft_backend(self.spec, state.backend)
+        self.backend.reset(1)
+        self._cached = []
+        prompt = state.tokens[: self.backend.info.max_length - 1]
+        if prompt:
+            self._append(prompt)
+
+    def _append(self, tokens: list[int]) -> torch.Tensor:
+        assert self.backend is not None
+        out = self.backend.append(torch.tensor([tokens]), last_only=True)
+        self._cached.extend(tokens)
+        self.last_steps += 1
+        return out.logits[0, -1]
+
+    def _start(self, state: DecodeState, budget: int) -> tuple[torch.Tensor | None, int]:
+        if self.backend is None:
+            raise RuntimeError("DraftModelDrafter.draft() before begin()")
+        tokens = state.tokens
+        budget = min(budget, self.backend.info.max_length - len(tokens))
+        if budget <= 0:
+            return None, 0
+        # Keep the longest common prefix, but always run at least the root to get its logits.
+        keep = min(common_prefix(self._cached, tokens), len(tokens) - 1)
+        self.backend.truncate(keep)
+        del self._cached[keep:]
+        self._vocab = state.backend.info.vocab_size
+        return fit_vocab(self._append(tokens[keep:]), self._vocab), budget
+
+    def _advance(self, token: int) -> torch.Tensor:
+        return fit_vocab(self._append([token]), self._vocab)
+
+
+# Registered through from_options so that an unknown option is an InvalidParameter.
+register_drafter(
+    "draft", "a smaller draft model proposes a chain (draft_model=PATH or self-truncated:N)", stochastic=True
+)(DraftModelDrafter.from_options)

@@ -1,0 +1,366 @@
+"""Layer-skipping (self-speculative) and draft-model drafters: exactness through the loop, cache
+hygiene, the adaptive skip-set rule, draft-cache sync, and exact speculative sampling."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from test_speculative_sampling import chi_square_passes, marginal, sample_outcomes
+
+from decodekit.engine import Engine
+from decodekit.engine.core import DecodeState, GenerationStats
+from decodekit.errors import DecodeKitError, InvalidParameter
+from decodekit.models import CharTokenizer, LoadedModel
+from decodekit.models.hf import HFBackend
+from decodekit.models.tiny import tiny_hf_model, tiny_llama
+from decodekit.samplers import Sampler
+from decodekit.speculative.controller import Controller
+from decodekit.speculative.drafters.draft_model import DraftModelDrafter, fit_vocab
+from decodekit.speculative.drafters.layerskip import (
+    GROW_ACCEPT,
+    WINDOW,
+    LayerSkipDrafter,
+    SkipSearch,
+    initial_skip_set,
+)
+from decodekit.speculative.loop import SpeculativeMethod
+from decodekit.speculative.tree import Verification
+
+LAYERS = 6
+PROMPTS = ("hello world hello world", "The quick brown fox jumps", "abcabcabc", "Q: 7*6=? A:")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(seed: int = 0, vocab: int = 96, layers: int = LAYERS, **kw) -> LoadedModel:
+    backend = tiny_llama(seed=seed, vocab_size=vocab, num_layers=layers, scale=2.0, **kw)
+    return LoadedModel(backend, CharTokenizer(vocab), "tiny")
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(tiny(seed=1))
+
+
+@pytest.fixture(scope="module")
+def references(engine) -> dict[str, list[int]]:
+    return {p: engine.generate(p, max_new_tokens=40, chat=False).tokens for p in PROMPTS}
+
+
+def generate(engine: Engine, prompt: str, method: str, **options):
+    return engine.generate(prompt, method=method, max_new_tokens=40, chat=False, **options)
+
+
+# Greedy exactness through the colleague's loop ---------------------------------------------------
+
+CASES = {
+    "layerskip": ("layerskip", {}),
+    "layerskip-half": ("layerskip", {"skip_ratio": 0.5, "confidence": 0.0}),
+    "layerskip-fixed": ("layerskip", {"adapt": False, "confidence": 0.0}),
+    "draft-other-seed": ("draft", {"draft_model": tiny_llama(seed=7, num_layers=2, scale=2.0)}),
+    "draft-wider-vocab": ("draft", {"draft_model": tiny_llama(seed=1, vocab_size=112, num_layers=LAYERS, scale=2.0)}),
+    "self-truncated": ("draft", {"draft_model": "self-truncated:2", "confidence": 0.0}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("control", [{"budget": 5}, {"cost_table": {1: 1.0, 64: 1.0}}], ids=["fixed", "controller"])
+def test_greedy_output_is_plain_greedy(engine, references, case, control):
+    method, options = CASES[case]
+    for prompt in PROMPTS:
+        got = generate(engine, prompt, method, **options, **control)
+        assert got.tokens == references[prompt], (case, prompt)
+
+
+def test_identical_draft_model_accepts_everything(engine, references):
+    twins = [tiny_llama(seed=1, num_layers=LAYERS, scale=2.0), f"self-truncated:{LAYERS}"]
+    for twin in twins:
+        for prompt in PROMPTS:
+            got = generate(engine, prompt, "draft", draft_model=twin, confidence=0.0, budget=4)
+            assert got.tokens == references[prompt]
+            assert got.stats.extra["acceptance_rate"] == 1.0
+            assert got.stats.extra["plain_steps"] == 0
+
+
+def test_layerskip_with_nothing_skipped_accepts_everything(engine, references):
+    for prompt in PROMPTS:
+        got = generate(engine, prompt, "layerskip", skip_ratio=0.0, confidence=0.0, budget=4)
+        assert got.tokens == references[prompt]
+        assert got.stats.extra["acceptance_rate"] == 1.0
+        assert got.stats.extra["skip_layers"] == []
+
+
+# Drafting against a hand-built DecodeState --------------------------------------------------------
+
+
+def pending_state(backend, prompt: list[int], root: int, sampler: Sampler | None = None) -> DecodeState:
+    """Prompt prefilled, ``root`` chosen and pending (what the loop hands a drafter)."""
+    state = DecodeState(backend, sampler or Sampler(greedy=True), prompt, GenerationStats())
+    state.prefill()
+    return state
+
+
+def test_layerskip_leaves_the_target_cache_as_found():
+    prompt, root = [5, 17, 33, 2, 9, 40, 11], 21
+    drafted = tiny_llama(seed=2, num_layers=LAYERS, scale=2.0)
+    untouched = tiny_llama(seed=2, num_layers=LAYERS, scale=2.0)
+    state = pending_state(drafted, prompt, root)
+    drafter = LayerSkipDrafter(skip_ratio=0.5, confidence=0.0)
+    drafter.begin(state)  # runs the layer-importance probe, then rolls it back
+    state.commit([root])
+    tree = drafter.draft(state, 5)
+    assert len(tree) == 5 and drafter.skip_layers
+    assert drafted.length == len(prompt)
+    untouched.prefill(prompt)
+    after_draft = drafted.step(torch.tensor([root]))
+    assert torch.equal(after_draft, untouched.step(torch.tensor([root])))
+
+
+def test_layerskip_draft_is_the_greedy_chain_of_the_skipped_model():
+    prompt, root = [3, 14, 15, 92, 65], 35
+    backend = tiny_llama(seed=3, num_layers=LAYERS, scale=2.0)
+    state = pending_state(backend, prompt, root)
+    drafter = LayerSkipDrafter(skip_ratio=0.5, confidence=0.0, adapt=False)
+    drafter.begin(state)
+    state.commit([root])
+    tree = drafter.draft(state, 4)
+    reference = tiny_llama(seed=3, num_layers=LAYERS, scale=2.0)
+    reference.prefill(prompt)
+    token, chain = root, []
+    for _ in range(4):
+        token = int(reference.append(torch.tensor([[token]]), skip_layers=drafter.skip_layers).logits[0, -1].argmax())
+        chain.append(token)
+    assert tree.tokens == chain and tree.parents == [-1, 0, 1, 2]
+
+
+def test_confidence_threshold_stops_drafting():
+    backend = tiny_llama(seed=3, num_layers=LAYERS, scale=2.0)
+    state = pending_state(backend, [3, 14, 15, 92, 65], 35)
+    state.commit([35])
+    for confidence, expected in ((0.0, 6), (1.0, 0)):  # a top-1 probability of 1 is never reached
+        for drafter in (LayerSkipDrafter(confidence=confidence), DraftModelDrafter(draft_model="self-truncated:3", confidence=confidence)):
+            drafter.begin(state)
+            assert len(drafter.draft(state, 6)) == expected
+            assert backend.length == 5
+
+
+def test_draft_model_keeps_its_cache_in_sync_and_catches_up_in_one_pass():
+    target = tiny_llama(seed=4, num_layers=2, scale=2.0)
+    draft = tiny_llama(seed=5, num_layers=2, scale=2.0)
+    calls: list[int] = []
+    real_append = draft.append
+
+    def spy(tokens, **kw):
+        calls.append(tokens.shape[1])
+        return real_append(tokens, **kw)
+
+    draft.append = spy
+    state = pending_state(target, [1, 2, 3, 4, 5], 6)
+    drafter = DraftModelDrafter(draft_model=draft, confidence=0.0)
+    drafter.begin(state)  # the prompt, in one pass
+    state.commit([6])
+    catch_up = 1  # the root
+    for accepted in (0, 4, 2, 4, 1):
+        calls.clear()
+        tree = drafter.draft(state, 4)
+        assert calls == [catch_up, 1, 1, 1]
+        bonus = 7 if accepted == 4 else (tree.tokens[accepted] + 1) % 96  # a rejection
+        state.commit(tree.tokens[:accepted] + [bonus])
+        # all accepted: the last draft token (never fed to the draft model) and the bonus, together
+        catch_up = 2 if accepted == 4 else 1
+    fresh = tiny_llama(seed=5, num_layers=2, scale=2.0)
+    expected = int(fresh.append(torch.tensor([state.tokens])).logits[0, -1].argmax())
+    assert drafter.draft(state, 1).tokens == [expected]
+
+
+def test_fit_vocab_cuts_or_pads_with_minus_infinity():
+    logits = torch.arange(5.0)
+    assert fit_vocab(logits, 3).tolist() == [0.0, 1.0, 2.0]
+    assert fit_vocab(logits, 7).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, float("-inf"), float("-inf")]
+
+
+# The adaptive skip-set rule, pinned with fake acceptance signals ----------------------------------
+
+
+def feed(search: SkipSearch, accepted: int, passes: int, rounds: int = WINDOW) -> None:
+    for _ in range(rounds):
+        search.record(accepted, passes)
+
+
+def test_poor_acceptance_triggers_a_trial_that_is_dropped_when_worse_and_kept_when_better():
+    search = SkipSearch(12, initial_skip_set(12, 5))
+    start = search.current
+    feed(search, 0, 4)  # nothing accepted: score 1 / (4 * 7/12 + 1) < 1
+    assert search.trial and search.current != start and len(search.current) == len(start)
+    feed(search, 0, 4)  # the trial is no better: back to the start set
+    assert not search.trial and search.current == start
+    feed(search, 0, 4)  # still poor: a shrink trial (alternates with swaps)
+    assert search.trial and len(search.current) == len(start) - 1
+    shrunk = search.current
+    feed(search, 2, 4)  # the trial scores better: kept
+    assert not search.trial and search.best == shrunk == search.current
+
+
+def test_good_acceptance_keeps_the_skip_set():
+    search = SkipSearch(12, initial_skip_set(12, 5))
+    start = search.current
+    feed(search, 4, 4, rounds=5 * WINDOW)  # every draft pass accepted: score > 1
+    assert search.current == start and search.changes == 0
+
+
+def test_drafts_that_are_right_but_do_not_pay_grow_the_skip_set():
+    search = SkipSearch(12, initial_skip_set(12, 1))
+    # per pass acceptance 0.8 >= GROW_ACCEPT but one skipped layer of 12 is too little saving
+    feed(search, 4, 5)
+    assert 4 / 5 >= GROW_ACCEPT and search.speed(4, 5, 1, 1) < 1
+    assert search.trial and len(search.current) == 2
+
+
+def test_trials_use_the_least_important_layers_and_shrinks_drop_the_most_important():
+    importance = [9.0, 0.5, 0.1, 0.2, 0.3, 0.4, 0.6, 0.7, 0.8, 9.0]
+    assert initial_skip_set(10, 3, importance) == {2, 3, 4}
+    assert initial_skip_set(10, 99) == frozenset(range(1, 9))  # never the first or last layer
+    search = SkipSearch(10, initial_skip_set(10, 3, importance), importance)
+    feed(search, 0, 3)
+    assert search.current - {2, 3, 4} <= {1, 5, 6, 7}  # swapped in: one of the 4 least important kept
+    feed(search, 0, 3)
+    feed(search, 0, 3)
+    assert search.current == {2, 3}  # shrink: layer 4 is the most important skipped
+
+
+def test_the_drafter_changes_its_skip_set_when_nothing_is_accepted():
+    backend = tiny_llama(seed=3, num_layers=LAYERS, scale=2.0)
+    state = pending_state(backend, [3, 14, 15, 92, 65], 35)
+    state.commit([35])
+    drafter = LayerSkipDrafter(skip_ratio=0.5, confidence=0.0)
+    drafter.begin(state)
+    start = drafter.skip_layers
+    for _ in range(WINDOW):
+        tree = drafter.draft(state, 4)
+        drafter.update(state, tree, Verification([], 0), None)  # fake verdict: all rejected
+    assert drafter.skip_layers != start and drafter.report()["skip_set_changes"] == 1
+    fixed = LayerSkipDrafter(skip_ratio=0.5, confidence=0.0, adapt=False)
+    fixed.begin(state)
+    for _ in range(3 * WINDOW):
+        fixed.update(state, fixed.draft(state, 4), Verification([], 0), None)
+    assert fixed.skip_layers == start
+
+
+# Speculative sampling stays exact ------------------------------------------------------------------
+
+
+def exact_first_tokens(backend, prompt: list[int], vocab: int, length: int) -> dict[tuple, float]:
+    """P(first ``length`` generated tokens) at temperature 1, EOS (0) ending a sample early."""
+    out: dict[tuple, float] = {}
+
+    def walk(prefix: tuple, p: float) -> None:
+        if len(prefix) == length:
+            out[prefix] = out.get(prefix, 0.0) + p
+            return
+        probs = torch.softmax(backend.prefill(prompt + list(prefix))[0], dim=-1)
+        for t in range(vocab):
+            if t == 0:
+                out[prefix] = out.get(prefix, 0.0) + p * float(probs[0])
+            else:
+                walk(prefix + (t,), p * float(probs[t]))
+
+    walk((), 1.0)
+    return out
+
+
+@pytest.mark.parametrize("which", ["draft", "layerskip"])
+def test_sampled_drafts_keep_the_target_distribution(which):
+    vocab, n, prompt = 6, 1500, [1, 2, 3, 4, 5, 1]
+    model = LoadedModel(tiny_llama(seed=4, vocab_size=vocab, num_layers=4, scale=1.5), CharTokenizer(vocab), "tiny")
+    if which == "draft":
+        drafter = DraftModelDrafter(draft_model=tiny_llama(seed=8, vocab_size=vocab, num_layers=1), confidence=0.0)
+    else:
+        drafter = LayerSkipDrafter(skip_ratio=0.5, confidence=0.0, stochastic=True)
+    paths: Counter = Counter()
+    update = drafter.update
+
+    def counting_update(state, tree, verdict, logits):
+        paths[(len(verdict.path), len(tree))] += 1
+        update(state, tree, verdict, logits)
+
+    drafter.update = counting_update
+    counts = sample_outcomes(model, SpeculativeMethod(drafter, Controller(3, budget=3)), prompt, {"temperature": 1.0}, n, 3)
+    assert any(a == d > 0 for a, d in paths) and any(a < d for a, d in paths)  # accepts and rejects happen
+    exact = exact_first_tokens(model.backend, prompt, vocab, 3)
+    padded = {k + (None,) * (3 - len(k)): v for k, v in exact.items()}
+    seen = Counter({k + (None,) * (3 - len(k)): v for k, v in counts.items()})
+    for positions in (slice(0, 2), slice(1, 3)):
+        ok, stat, critical = chi_square_passes(Counter(marginal(seen, positions)), marginal(padded, positions), n)
+        assert ok, f"{which} tokens {positions}: chi-square {stat:.1f} >= {critical:.1f}"
+
+
+def test_sampled_draft_records_its_distributions():
+    backend = tiny_llama(seed=3, num_layers=LAYERS, scale=2.0)
+    state = pending_state(backend, [3, 14, 15, 92, 65], 35, Sampler.from_params(temperature=0.7, top_k=5, seed=1))
+    state.commit([35])
+    drafter = DraftModelDrafter(draft_model="self-truncated:3", confidence=0.0)
+    drafter.begin(state)
+    tree = drafter.draft(state, 4)
+    assert sorted(tree.draft_probs) == [-1, 0, 1, 2]
+    for parent, q in tree.draft_probs.items():
+        child = tree.tokens[parent + 1]
+        assert abs(float(q.sum()) - 1) < 1e-5 and int((q > 0).sum()) <= 5 and q[child] > 0
+
+
+# Invalid options ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "method, options",
+    [
+        ("layerskip", {"skip_ratio": 1.0}),
+        ("layerskip", {"skip_ratio": -0.1}),
+        ("layerskip", {"confidence": 1.5}),
+        ("layerskip", {"adapt": "maybe"}),
+        ("layerskip", {"stochastic": 1}),
+        ("layerskip", {"max_draft": 0}),
+        ("layerskip", {"skip_layer": 3}),
+        ("draft", {}),
+        ("draft", {"draft_model": "self-truncated:x"}),
+        ("draft", {"draft_model": "self-truncated:0"}),
+        ("draft", {"draft_model": f"self-truncated:{LAYERS + 1}"}),
+        ("draft", {"draft_model": "self-truncated:2", "confidence": "high"}),
+        ("draft", {"draft_model": 3}),
+    ],
+)
+def test_invalid_options_raise_invalid_parameter(engine, method, options):
+    with pytest.raises(InvalidParameter):
+        generate(engine, "hi there", method, budget=3, **options)
+
+
+def test_a_missing_draft_model_and_a_non_native_target_fail_with_one_clear_error(engine, tmp_path):
+    with pytest.raises(DecodeKitError, match="not found"):
+        generate(engine, "hi", "draft", draft_model=str(tmp_path / "nowhere"))
+    with pytest.raises(InvalidParameter, match="target backend itself"):
+        generate(engine, "hi", "draft", draft_model=engine.model.backend)
+    hf = Engine(LoadedModel(HFBackend(tiny_hf_model(seed=1, num_layers=4)), CharTokenizer(96), "tiny-hf"))
+    with pytest.raises(InvalidParameter, match="layerskip"):
+        generate(hf, "hi there", "layerskip", budget=3)
+    with pytest.raises(InvalidParameter, match="native backend"):
+        generate(hf, "hi there", "draft", draft_model="self-truncated:2", budget=3)
+
+
+# The embedded model -------------------------------------------------------------------------------
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("method, options", [("layerskip", {}), ("draft", {"draft_model": "self-truncated:16"})])
+def test_real_model_greedy_is_exact(real_model, method, options):
+    engine = Engine(real_model)
+    prompt = "Name three primary colours."
+    reference = engine.generate(prompt, max_new_tokens=12).tokens
+    got = engine.generate(prompt, method=method, max_new_tokens=12, budget=4, **options)
+    assert got.tokens == reference
