@@ -379,6 +379,15 @@ def test_discounted_ucb_tries_every_arm_then_prefers_the_fastest():
     assert picks[100:].count("b") > 80
 
 
+def test_auto_shares_the_drafters_its_hierarchy_arm_is_made_of():
+    from decodekit.speculative.bandit import BanditDrafter
+
+    auto = BanditDrafter(arms="hierarchy,pld,recycling")
+    hierarchy, pld, recycling = auto.parts
+    assert pld is hierarchy.parts[0] and recycling is hierarchy.parts[1]
+    assert len(auto.leaves()) == len(hierarchy.parts)  # each leaf begins/updates once per step
+
+
 def test_auto_reports_its_arm_pulls(engines):
     g = engines[0].generate(PROMPTS[1], method="auto", max_new_tokens=30, chat=False, budget=6)
     assert sum(g.stats.extra["arm_pulls"].values()) >= 1

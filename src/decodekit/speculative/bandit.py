@@ -7,7 +7,8 @@ Moulines 2011) — UCB1 whose counts decay by ``discount`` per pull, so the choi
 request whose character changes (a summary copies the prompt, an essay does not) — with the
 exploration bonus scaled by the rewards' pooled standard deviation, since tokens/s is not
 bounded in [0, 1]. The statistics live with the model's backend, so they carry across requests.
-Every arm sees every verification (``update``), so all their tables stay current.
+Every arm sees every verification (``update``), so all their tables stay current; arms that are
+also levels of the ``hierarchy`` arm are the same instances (one index, one update per step).
 
 Lossless: each step is verified exactly, whichever drafter proposed it. Choices depend on
 timings, so sampled outputs with a seed reproduce their distribution, not the exact tokens.
@@ -25,7 +26,7 @@ from .drafters import DRAFTERS, register_drafter
 from .drafters.hierarchy import CompositeDrafter, parse_names
 from .tree import DraftTree
 
-DEFAULT_ARMS = ("pld", "suffix", "recycling")
+DEFAULT_ARMS = ("hierarchy", "pld", "recycling", "suffix")
 
 
 class DiscountedUCB:
@@ -80,7 +81,12 @@ class BanditDrafter(CompositeDrafter):
     def __init__(self, arms=DEFAULT_ARMS, discount: float = 0.98, exploration: float = 1.0):
         names = parse_names("arms", arms, set(DRAFTERS) - {"auto"})
         self.names = list(dict.fromkeys(names))
-        self.parts = [DRAFTERS[n]() for n in self.names]
+        arms_by_name = {n: DRAFTERS[n]() for n in self.names}
+        for arm in list(arms_by_name.values()):  # an arm that is also part of a composite arm is shared
+            for leaf in arm.leaves() if isinstance(arm, CompositeDrafter) else []:
+                if not isinstance(arms_by_name.get(leaf.name, arm), CompositeDrafter):
+                    arms_by_name[leaf.name] = leaf
+        self.parts = [arms_by_name[n] for n in self.names]
         self.discount = check_real("discount", discount, 0.0, 1.0, lo_open=True)
         self.exploration = check_real("exploration", exploration, 0.0)
 

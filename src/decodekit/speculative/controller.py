@@ -11,6 +11,7 @@ against plain decoding's ``1 / cost(1)``. Keeping nothing (a plain step) is a ch
 speculation that does not pay falls back to plain decoding. (Our design; the per-node model is
 the one behind EAGLE-2's and Sequoia's tree sizing, with counts instead of draft confidences.)
 
+Acceptance estimates are kept with the model's backend, per drafter, across requests.
 When the best choice is a plain step the controller stops drafting for 1, 2, 4, ... 16 steps
 and then explores with the single best node, so acceptance estimates keep being refreshed at a
 cost of at most one extra token per 16 steps.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -127,6 +129,9 @@ class CostTable:
             pass  # a read-only cache only costs a re-measurement next time
 
 
+_ACCEPTANCE: "weakref.WeakKeyDictionary[Backend, dict[str, dict]]" = weakref.WeakKeyDictionary()
+
+
 def prior_acceptance(depth: int, rank: int) -> float:
     """Starting guess for P(node accepted | parent accepted): optimistic enough to try drafting."""
     return 0.5 / (1 + rank)
@@ -154,10 +159,14 @@ class Controller:
         self._explore = False
         self.learn_costs = False  # True for a measured table: it follows observed pass times
 
-    def begin(self, backend: Backend) -> None:
+    def begin(self, backend: Backend, drafter: str = "") -> None:
+        """Per request: load (or measure) the cost table; pick up what earlier requests of the same
+        drafter on the same model learnt about acceptance (kept with the backend)."""
         if self.fixed is None and self.cost is None:
             self.cost = CostTable.cached(backend)
             self.learn_costs = True
+        if drafter and not self.accept:
+            self.accept = _ACCEPTANCE.setdefault(backend, {}).setdefault(drafter, {})
 
     def observe_cost(self, n: int, seconds: float) -> None:
         """A timed forward pass of ``n`` tokens (1 = a plain step)."""

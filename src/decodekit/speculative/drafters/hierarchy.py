@@ -38,21 +38,30 @@ def parse_names(option: str, value, allowed: set[str] | None = None) -> list[str
 
 
 class CompositeDrafter(Drafter):
-    """Shared plumbing of drafters made of drafters: begin/update/finish reach every part once."""
+    """Shared plumbing of drafters made of drafters: begin/update/finish reach every leaf drafter
+    once, even when composites share parts."""
 
     parts: list[Drafter]
 
-    def begin(self, state: DecodeState) -> None:
+    def leaves(self) -> list[Drafter]:
+        out: list[Drafter] = []
         for part in self.parts:
-            part.begin(state)
+            for leaf in part.leaves() if isinstance(part, CompositeDrafter) else [part]:
+                if all(leaf is not seen for seen in out):
+                    out.append(leaf)
+        return out
+
+    def begin(self, state: DecodeState) -> None:
+        for leaf in self.leaves():
+            leaf.begin(state)
 
     def update(self, state: DecodeState, tree: DraftTree, verdict: Verification, logits: torch.Tensor) -> None:
-        for part in self.parts:
-            part.update(state, tree, verdict, logits)
+        for leaf in self.leaves():
+            leaf.update(state, tree, verdict, logits)
 
     def finish(self, state: DecodeState) -> None:
-        for part in self.parts:
-            done = getattr(part, "finish", None)
+        for leaf in self.leaves():
+            done = getattr(leaf, "finish", None)
             if done is not None:
                 done(state)
 
