@@ -20,7 +20,8 @@ def plot_speedup(summary: dict[str, Any], path: Path, *, key: str = "speedup", s
     cats = summary["categories"]
     methods = [(n, i) for n, i in summary["methods"].items() if n != summary["reference"]]
     width = 0.8 / max(len(methods), 1)
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(cats) * max(len(methods), 2) * 0.45 + 2), 4.8), dpi=130)
+    bars_total = len(cats) * max(len(methods), 1)
+    fig, ax = plt.subplots(figsize=(min(14.0, max(7.0, 2 + 0.3 * bars_total)), 5.0), dpi=130)
     colors = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20")
     for j, (name, info) in enumerate(methods):
         xs, ys = [], []

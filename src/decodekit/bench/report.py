@@ -147,7 +147,7 @@ def explanations(summary: dict[str, Any]) -> list[str]:
         "accepted/verify: tokens accepted per verification pass as the method reports it (mean over questions); "
         "passes/token: decode forward passes per new token (plain decoding: about 1).",
         "exact: share of outputs token-identical to decodekit greedy (lossless methods in greedy mode should be 100%); "
-        "text match: identical text, the only comparison made for llama.cpp (different weights and kernels).",
+        "text match: identical text, the only comparison made for llama.cpp (quantised kernels, so near-ties can differ).",
         "peak RSS: the process's resident-memory high-water mark right after each contestant's first (warm-up) run. "
         "All contestants share one process, so it is cumulative in run order, not a per-method footprint.",
     ]
