@@ -6,6 +6,11 @@ part worth verifying; one ``verify_tree`` pass scores [root] + nodes; the verifi
 accepted path and a bonus token; the cache keeps root + path; the bonus becomes pending.
 An empty tree is a plain step. Output is exactly plain decoding's (greedy: token-identical;
 sampling: identically distributed), whatever the drafter proposes.
+
+``drafter.update`` also follows plain steps (an empty tree, the step's logits as ``[1, V]``), so
+drafters that learn from target logits (token recycling) keep learning while speculation rests.
+Optional drafter hooks, used when present: ``trimmable`` (False: verify all or nothing),
+``observe(tokens, seconds)`` after each step, ``report()`` -> stats extras, ``finish(state)``.
 """
 
 from __future__ import annotations
