@@ -324,6 +324,26 @@ def test_controller_explores_after_backing_off():
     assert max(chosen) == 1
 
 
+def probes(ctl: Controller, steps: int) -> int:
+    count = 0
+    for _ in range(steps):
+        if ctl.budget():
+            tree = ctl.select(chain_tree(4))
+            if len(tree):
+                count += 1
+                ctl.observe(tree, Verification([], 0), overhead_s=0.0)  # the probe fails
+    return count
+
+
+def test_probes_are_rarer_when_they_cost_more():
+    cheap = Controller(16, cost_table={1: 1.0, 2: 1.02, 64: 3.0})
+    dear = Controller(16, cost_table=STEEP_COSTS)
+    for ctl in (cheap, dear):  # learn first that these drafts fail
+        for _ in range(40):
+            ctl.observe(chain_tree(4), Verification([], 0), overhead_s=0.0)
+    assert probes(cheap, 400) > 3 * probes(dear, 400) > 0
+
+
 def test_never_slower_than_plain_with_wrong_drafts_and_costly_verification():
     engine = Engine(tiny(seed=0))
     g = engine.generate("hello there", method="recycling", k=1, max_new_tokens=80, chat=False, cost_table=STEEP_COSTS)

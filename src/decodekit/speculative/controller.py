@@ -12,9 +12,9 @@ speculation that does not pay falls back to plain decoding. (Our design; the per
 the one behind EAGLE-2's and Sequoia's tree sizing, with counts instead of draft confidences.)
 
 Acceptance estimates are kept with the model's backend, per drafter, across requests.
-When the best choice is a plain step the controller stops drafting for 1, 2, 4, ... 16 steps
-and then explores with the single best node, so acceptance estimates keep being refreshed at a
-cost of at most one extra token per 16 steps.
+When the best choice is a plain step the controller stops drafting for 1, 2, 4, ... steps and
+then explores with the single best node, so acceptance estimates keep being refreshed; the
+longest pause (4 to 64 steps) is set so such probes cost about 1% of decode time.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from ..models.backend import Backend
 from .tree import DraftTree, Verification, select_nodes
 
 MEASURE_SIZES = (1, 2, 4, 8, 16, 32)
-MAX_BACKOFF = 16
+MAX_BACKOFF = 64
+EXPLORE_SHARE = 0.01  # at most ~1% of decode time spent on probes that do not pay
 MAX_DEPTH_KEY = 15
 MAX_RANK_KEY = 7
 
@@ -207,7 +208,7 @@ class Controller:
                 best_n, best_rate = n, rate
         explore, self._explore = self._explore, False
         if best_n == 0:
-            self._backoff = min(MAX_BACKOFF, max(1, 2 * self._backoff))
+            self._backoff = min(self._max_backoff(), max(1, 2 * self._backoff))
             self._skip = self._backoff
             if not explore:
                 return DraftTree()
@@ -215,6 +216,11 @@ class Controller:
         else:
             self._backoff = 0
         return select_nodes(tree, order[:best_n]) if best_n < len(tree) else tree
+
+    def _max_backoff(self) -> int:
+        """Plain steps between probes, so that a one-node probe costs about EXPLORE_SHARE of the time."""
+        extra = (self.cost(2) + self.overhead) / self.cost(1) - 1.0
+        return max(4, min(MAX_BACKOFF, math.ceil(extra / EXPLORE_SHARE)))
 
     def node_probs(self, tree: DraftTree) -> list[float]:
         """Estimated P(node on the accepted path) for every node."""
