@@ -20,6 +20,7 @@ from decodekit.speculative.controller import Controller
 from decodekit.speculative.drafters.draft_model import DraftModelDrafter, fit_vocab
 from decodekit.speculative.drafters.layerskip import (
     GROW_ACCEPT,
+    SHRINK_ACCEPT,
     WINDOW,
     LayerSkipDrafter,
     SkipSearch,
@@ -195,18 +196,26 @@ def feed(search: SkipSearch, accepted: int, passes: int, rounds: int = WINDOW) -
         search.record(accepted, passes)
 
 
-def test_poor_acceptance_triggers_a_trial_that_is_dropped_when_worse_and_kept_when_better():
+def test_mostly_wrong_drafts_trigger_a_shrink_trial_dropped_when_worse_kept_when_better():
+    search = SkipSearch(12, initial_skip_set(12, 8))
+    start = search.current
+    feed(search, 0, 4)  # nothing accepted: score 1 / (4 * 4/12 + 1) < 1, per pass 0 < SHRINK_ACCEPT
+    assert search.trial and search.current < start and len(search.current) == 6  # a quarter fewer
+    feed(search, 0, 4)  # the trial is no better (dearer passes, still nothing accepted): back
+    assert not search.trial and search.current == start
+    feed(search, 0, 4)
+    shrunk = search.current
+    feed(search, 3, 4)  # this time the trial scores better: kept
+    assert not search.trial and search.best == shrunk == search.current
+    assert search.changes == 3
+
+
+def test_half_right_drafts_that_do_not_pay_trigger_a_swap():
     search = SkipSearch(12, initial_skip_set(12, 5))
     start = search.current
-    feed(search, 0, 4)  # nothing accepted: score 1 / (4 * 7/12 + 1) < 1
-    assert search.trial and search.current != start and len(search.current) == len(start)
-    feed(search, 0, 4)  # the trial is no better: back to the start set
-    assert not search.trial and search.current == start
-    feed(search, 0, 4)  # still poor: a shrink trial (alternates with swaps)
-    assert search.trial and len(search.current) == len(start) - 1
-    shrunk = search.current
-    feed(search, 2, 4)  # the trial scores better: kept
-    assert not search.trial and search.best == shrunk == search.current
+    feed(search, 2, 4)  # per pass 0.5: between SHRINK_ACCEPT and GROW_ACCEPT; score 3 / (4 * 7/12 + 1) < 1
+    assert SHRINK_ACCEPT <= 0.5 < GROW_ACCEPT and search.speed(2, 4, 1, 5) < 1
+    assert search.trial and len(search.current) == 5 and len(search.current - start) == 1
 
 
 def test_good_acceptance_keeps_the_skip_set():
@@ -218,22 +227,25 @@ def test_good_acceptance_keeps_the_skip_set():
 
 def test_drafts_that_are_right_but_do_not_pay_grow_the_skip_set():
     search = SkipSearch(12, initial_skip_set(12, 1))
-    # per pass acceptance 0.8 >= GROW_ACCEPT but one skipped layer of 12 is too little saving
-    feed(search, 4, 5)
+    feed(search, 4, 5)  # per pass 0.8, but one skipped layer of 12 saves too little
     assert 4 / 5 >= GROW_ACCEPT and search.speed(4, 5, 1, 1) < 1
-    assert search.trial and len(search.current) == 2
+    assert search.trial and len(search.current) == 2 and search.current > initial_skip_set(12, 1)
 
 
-def test_trials_use_the_least_important_layers_and_shrinks_drop_the_most_important():
+def test_trials_use_the_least_important_layers():
     importance = [9.0, 0.5, 0.1, 0.2, 0.3, 0.4, 0.6, 0.7, 0.8, 9.0]
     assert initial_skip_set(10, 3, importance) == {2, 3, 4}
     assert initial_skip_set(10, 99) == frozenset(range(1, 9))  # never the first or last layer
     search = SkipSearch(10, initial_skip_set(10, 3, importance), importance)
     feed(search, 0, 3)
-    assert search.current - {2, 3, 4} <= {1, 5, 6, 7}  # swapped in: one of the 4 least important kept
-    feed(search, 0, 3)
-    feed(search, 0, 3)
     assert search.current == {2, 3}  # shrink: layer 4 is the most important skipped
+    feed(search, 0, 3)  # no better: back to {2, 3, 4}
+    feed(search, 2, 3)  # per pass 2/3: a swap
+    added = search.current - {2, 3, 4}
+    assert len(added) == 1 and added <= {1, 5, 6, 7}  # one of the 4 least important kept layers
+    trial = search.current
+    feed(search, 0, 0, rounds=3 * WINDOW)  # rounds without draft passes carry no signal
+    assert search.trial and search.current == trial
 
 
 def test_the_drafter_changes_its_skip_set_when_nothing_is_accepted():
@@ -246,7 +258,7 @@ def test_the_drafter_changes_its_skip_set_when_nothing_is_accepted():
     for _ in range(WINDOW):
         tree = drafter.draft(state, 4)
         drafter.update(state, tree, Verification([], 0), None)  # fake verdict: all rejected
-    assert drafter.skip_layers != start and drafter.report()["skip_set_changes"] == 1
+    assert drafter.skip_layers < start and drafter.report()["skip_set_changes"] == 1
     fixed = LayerSkipDrafter(skip_ratio=0.5, confidence=0.0, adapt=False)
     fixed.begin(state)
     for _ in range(3 * WINDOW):

@@ -20,12 +20,12 @@ Choices made here (each one tested):
     scored over ``WINDOW`` verification rounds by its estimated speed relative to plain
     decoding, ``(accepted + rounds) / (draft passes * (1 - skipped/L) + rounds)`` (our
     assumption: a verification costs one full forward pass). When the score is below 1 (not
-    paying off), the next window tries a neighbour: one more skipped layer when at least
-    ``GROW_ACCEPT`` of the draft passes gave accepted tokens (drafts are good, make them
-    cheaper), else alternately a swap (one skipped layer for one of the ``NEIGHBOUR_POOL``
-    least important kept layers, fixed-seed RNG) and a shrink (run the most important skipped
-    layer again; never below one skipped layer). A trial is kept if it scores better, else the
-    previous set returns. ``skip_ratio`` is therefore only the starting size.
+    paying off), the next window tries a neighbour chosen by accepted tokens per draft pass:
+    at least ``GROW_ACCEPT`` (drafts right but too dear) skips one more layer; below
+    ``SHRINK_ACCEPT`` (drafts mostly wrong) runs the most important quarter of the skipped
+    layers again (never below one skipped layer); in between swaps one skipped layer for one
+    of the ``NEIGHBOUR_POOL`` least important kept layers (fixed-seed RNG). A trial is kept if
+    it scores better, else the previous set returns. ``skip_ratio`` is only the starting size.
   * Early stop as in SWIFT: drafting ends before a token whose draft top-1 probability is
     below ``confidence``.
   * Greedy drafts by default; ``stochastic=True`` samples drafts from the request's processed
@@ -50,6 +50,7 @@ from .draft_model import ChainDrafter, check_bool
 
 WINDOW = 6  # verification rounds per evaluation of a skip set
 GROW_ACCEPT = 0.8  # accepted tokens per draft pass above which a poor set tries skipping more
+SHRINK_ACCEPT = 0.5  # ... below which it tries skipping a quarter fewer
 NEIGHBOUR_POOL = 4  # a trial skips one of this many least important kept layers
 PROBE_TOKENS = 16  # recent tokens run once per request to rank layers
 
@@ -97,7 +98,6 @@ class SkipSearch:
     trial: bool = field(init=False, default=False)
     changes: int = field(init=False, default=0)
     _sums: list[int] = field(init=False, default_factory=lambda: [0, 0, 0])  # accepted, passes, rounds
-    _moves: int = field(init=False, default=0)  # poor-score trials that were not growth
 
     def __post_init__(self) -> None:
         self.best = self.current
@@ -130,7 +130,7 @@ class SkipSearch:
             return
         self.best_score = score  # a fresh measurement of the best set on the current text
         if score < 1.0:
-            candidate = self._neighbour(self.best, grow=per_pass >= GROW_ACCEPT)
+            candidate = self._neighbour(self.best, per_pass)
             if candidate != self.best:
                 self.trial = True
                 self._set(candidate)
@@ -144,14 +144,14 @@ class SkipSearch:
         """Least important first (layer order without an importance estimate)."""
         return sorted(layers, key=lambda i: self.importance[i]) if self.importance is not None else layers
 
-    def _neighbour(self, skip: frozenset[int], *, grow: bool) -> frozenset[int]:
+    def _neighbour(self, skip: frozenset[int], per_pass: float) -> frozenset[int]:
         kept = self._rank([i for i in range(1, self.num_layers - 1) if i not in skip])
         pool = kept[:NEIGHBOUR_POOL] if self.importance is not None else kept
-        if grow:
+        if per_pass >= GROW_ACCEPT:  # drafts are right but too dear: skip one more layer
             return skip | {self._rng.choice(pool)} if pool else skip
-        self._moves += 1
-        if self._moves % 2 == 0 and len(skip) > 1:  # shrink: run the most important skipped layer
-            return skip - {self._rank(sorted(skip))[-1]}
+        if per_pass < SHRINK_ACCEPT:  # drafts are mostly wrong: run the most important quarter again
+            drop = max(1, len(skip) // 4)
+            return frozenset(self._rank(sorted(skip))[: max(1, len(skip) - drop)])
         if not skip or not pool:
             return skip
         return (skip - {self._rng.choice(sorted(skip))}) | {self._rng.choice(pool)}
