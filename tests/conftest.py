@@ -39,3 +39,11 @@ def specbench_prompts() -> list[str]:
         q = json.loads(line)
         seen.setdefault(q["category"], q["turns"][0])
     return list(seen.values())
+
+
+def pytest_configure(config):
+    # Tiny models are dominated by per-op overhead, which a second thread only adds to; one
+    # thread also keeps the suite's run time steady on a shared machine.
+    import torch
+
+    torch.set_num_threads(1)

@@ -157,3 +157,15 @@ def test_context_overflow_is_reported():
     model = tiny_llama(seed=0, max_position=16)
     with pytest.raises(ValueError, match="context"):
         model.append(tokens(20))
+
+
+@pytest.mark.parametrize("backend", backends(), ids=["native", "hf"])
+def test_clone_shares_weights_but_not_the_cache(backend):
+    ids = tokens(10)
+    backend.reset()
+    backend.append(ids)
+    twin = backend.clone()
+    assert twin.length == 0 and backend.length == 10
+    fresh = twin.append(ids[:, :4]).logits
+    backend.reset()
+    assert torch.allclose(backend.append(ids[:, :4]).logits, fresh, atol=ATOL)

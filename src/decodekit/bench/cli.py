@@ -170,6 +170,7 @@ def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[
     import torch
 
     from ..engine import Engine
+    from ..models import LoadedModel
     from .baselines import build_baselines
     from .contestants import MethodContestant
     from .plot import plot_speedup
@@ -179,8 +180,13 @@ def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[
 
     if plan.threads:
         torch.set_num_threads(plan.threads)
-    engine = Engine(model)
-    contestants = [MethodContestant(engine, m, plan.options.get(m)) for m in plan.methods]
+    # Each method gets its own backend clone (shared weights, own cache and own cross-request
+    # memory: suffix corpus, recycling table, bandit), as if each ran in its own process as in
+    # Spec-Bench; otherwise a method could draft from another method's answer to the same question.
+    contestants = [
+        MethodContestant(Engine(LoadedModel(model.backend.clone(), model.tokenizer, model.name)), m, plan.options.get(m))
+        for m in plan.methods
+    ]
     baselines, notes = build_baselines(plan.baselines, model, model=plan.model, dtype=plan.dtype,
                                        threads=torch.get_num_threads(), hf_model=hf_model)
     config = BenchConfig(max_new_tokens=plan.max_new_tokens, repeats=plan.repeats, all_turns=plan.all_turns, reference=REFERENCE)

@@ -8,6 +8,7 @@ Nothing outside ``decodekit.models`` touches attention masks, caches or hidden s
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -124,6 +125,16 @@ class Backend(ABC):
         """
 
     # Conveniences shared by every backend -------------------------------------------------
+
+    def clone(self) -> "Backend":
+        """A backend over the same weights with its own, empty cache.
+
+        Methods that learn across requests key their memory by backend, so a clone starts with
+        none (the benchmark gives each method its own clone, as if it ran in its own process).
+        """
+        twin = copy.copy(self)
+        twin.reset(1)
+        return twin
 
     def prefill(self, token_ids: Sequence[int], batch_size: int = 1) -> torch.Tensor:
         """Reset, run the prompt once, fork it to ``batch_size`` rows; return last logits ``[B, V]``."""

@@ -187,6 +187,7 @@ class NativeLlama(Backend):
     def batch_size(self) -> int:
         return self._k.shape[1]
 
+    @torch.inference_mode()
     def reset(self, batch_size: int = 1) -> None:
         self._length = 0
         self._pending = None
@@ -210,12 +211,14 @@ class NativeLlama(Backend):
         self._k[:, :, :, :capacity] = old_k
         self._v[:, :, :, :capacity] = old_v
 
+    @torch.inference_mode()
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
         self._length = length
         self._pending = None
 
+    @torch.inference_mode()
     def reorder(self, rows: torch.Tensor) -> None:
         self._k = self._k[:, rows].contiguous()
         self._v = self._v[:, rows].contiguous()
@@ -245,6 +248,7 @@ class NativeLlama(Backend):
         self._pending = (start, n)
         return out
 
+    @torch.inference_mode()
     def commit_path(self, nodes: Sequence[int]) -> None:
         if self._pending is None:
             raise RuntimeError("commit_path() needs a preceding verify_tree()")
