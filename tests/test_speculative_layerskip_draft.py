@@ -147,7 +147,8 @@ def test_confidence_threshold_stops_drafting():
     state = pending_state(backend, [3, 14, 15, 92, 65], 35)
     state.commit([35])
     for confidence, expected in ((0.0, 6), (1.0, 0)):  # a top-1 probability of 1 is never reached
-        for drafter in (LayerSkipDrafter(confidence=confidence), DraftModelDrafter(draft_model="self-truncated:3", confidence=confidence)):
+        drafters = (LayerSkipDrafter(confidence=confidence), DraftModelDrafter(draft_model="self-truncated:3", confidence=confidence))
+        for drafter in drafters:
             drafter.begin(state)
             assert len(drafter.draft(state, 6)) == expected
             assert backend.length == 5
@@ -304,7 +305,8 @@ def test_sampled_drafts_keep_the_target_distribution(which):
         update(state, tree, verdict, logits)
 
     drafter.update = counting_update
-    counts = sample_outcomes(model, SpeculativeMethod(drafter, Controller(3, budget=3)), prompt, {"temperature": 1.0}, n, 3)
+    method = SpeculativeMethod(drafter, Controller(3, budget=3))
+    counts = sample_outcomes(model, method, prompt, {"temperature": 1.0}, n, 3)
     assert any(a == d > 0 for a, d in paths) and any(a < d for a, d in paths)  # accepts and rejects happen
     exact = exact_first_tokens(model.backend, prompt, vocab, 3)
     padded = {k + (None,) * (3 - len(k)): v for k, v in exact.items()}

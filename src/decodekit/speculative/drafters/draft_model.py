@@ -161,7 +161,9 @@ def parse_draft_spec(spec: object) -> Backend | int | str:
     if isinstance(spec, Backend):
         return spec
     if not isinstance(spec, str) or not spec:
-        raise InvalidParameter("method 'draft' needs draft_model= a model folder, .gguf file, embedded name or self-truncated:N")
+        raise InvalidParameter(
+            "method 'draft' needs draft_model= a model folder, .gguf file, embedded name or self-truncated:N"
+        )
     if spec.startswith(SELF_TRUNCATED):
         n = spec[len(SELF_TRUNCATED) :]
         if not n.isdigit() or int(n) < 1:
