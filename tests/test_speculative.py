@@ -41,14 +41,6 @@ def tiny(seed: int = 0, vocab: int = 96, **kw) -> LoadedModel:
     return LoadedModel(backend=tiny_llama(seed=seed, vocab_size=vocab, **kw), tokenizer=CharTokenizer(vocab), name="tiny")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread; several threads crawl on a shared, loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def engines() -> list[Engine]:

@@ -33,13 +33,6 @@ LAYERS = 6
 PROMPTS = ("hello world hello world", "The quick brown fox jumps", "abcabcabc", "Q: 7*6=? A:")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def tiny(seed: int = 0, vocab: int = 96, layers: int = LAYERS, **kw) -> LoadedModel:
     backend = tiny_llama(seed=seed, vocab_size=vocab, num_layers=layers, scale=2.0, **kw)

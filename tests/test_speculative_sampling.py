@@ -38,13 +38,6 @@ FEWER = 2500  # for cases that reuse the same verifier paths
 ALPHA_Z = 3.09  # one-sided normal quantile of alpha = 1e-3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 class TrigramBackend(Backend):
     """A cache of tokens; the logits after (a, b) are ``table[a, b]`` (a = 0 before the first token)."""

@@ -65,6 +65,16 @@ def tree_ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
     return mask
 
 
+def tree_layout(start: int, parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention visibility ``[N, start + N]`` and positions ``[N]`` of a tree placed after ``start``
+    cached tokens: every node sees the whole context plus itself and its ancestors, at position
+    ``start + depth``."""
+    n = len(parents)
+    visible = torch.ones(n, start + n, dtype=torch.bool)
+    visible[:, start:] = tree_ancestor_mask(parents)
+    return visible, start + torch.tensor(tree_depths(parents))
+
+
 class Backend(ABC):
     """A causal LM with an appendable, rollback-able, tree-verifiable KV cache."""
 

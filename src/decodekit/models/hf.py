@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .backend import Backend, ModelInfo, StepOutput, tree_ancestor_mask, tree_depths
+from .backend import Backend, ModelInfo, StepOutput, tree_layout
 
 
 class HFBackend(Backend):
@@ -99,10 +99,8 @@ class HFBackend(Backend):
         if self._batch != 1:
             raise ValueError("tree verification needs a batch of one row")
         start, n = self._length, tokens.numel()
-        allowed = torch.ones(n, start + n, dtype=torch.bool)
-        allowed[:, start:] = tree_ancestor_mask(parents)
-        positions = start + torch.tensor(tree_depths(parents))[None]
-        out = self._run(tokens.view(1, n), positions, allowed)
+        allowed, positions = tree_layout(start, parents)
+        out = self._run(tokens.view(1, n), positions[None], allowed)
         self._pending = (start, n)
         return out
 

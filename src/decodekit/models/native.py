@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .backend import Backend, ModelInfo, StepOutput, tree_ancestor_mask, tree_depths
+from .backend import Backend, ModelInfo, StepOutput, tree_layout
 
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -241,10 +241,8 @@ class NativeLlama(Backend):
         if self.batch_size != 1:
             raise ValueError("tree verification needs a batch of one row")
         start, n = self._length, tokens.numel()
-        depths = torch.tensor(tree_depths(parents))
-        mask = torch.ones(n, start + n, dtype=torch.bool)
-        mask[:, start:] = tree_ancestor_mask(parents)
-        out = self._forward(tokens.view(1, n), start + depths, mask, (), frozenset(), False)
+        mask, positions = tree_layout(start, parents)
+        out = self._forward(tokens.view(1, n), positions, mask, (), frozenset(), False)
         self._pending = (start, n)
         return out
 
