@@ -130,3 +130,14 @@ def test_real_model_greedy_signals_and_judge(real_model):
     judged = build_decoder("best-of-n", n=2, scorer="judge").generate(
         real_model, Request(ids, make_sampler("best-of-n", {"seed": 0}), 8))
     assert all(0.0 < c["score"] < 1.0 for c in judged.extra["candidates"])
+
+
+def test_report_says_when_accuracy_is_low():
+    from decodekit.eval.report import markdown
+
+    base = {"task": "gsm8k", "method": "greedy", "seed": 0, "n": 1, "options": {}, "correct": 0, "items": 10,
+            "tokens_spent": 10, "signal_tokens": 0, "time_s": 1.0, "auroc": {}, "budget_curve": [], "records": []}
+    low = markdown({**base, "accuracy": 0.0, "ci95": [0.0, 0.278]})
+    high = markdown({**base, "accuracy": 0.8, "correct": 8, "ci95": [0.49, 0.94]})
+    assert "Accuracy is low" in low
+    assert "Accuracy is low" not in high

@@ -26,6 +26,9 @@ def write_report(result: dict[str, Any], out: Path, header: dict[str, Any]) -> l
     return paths
 
 
+LOW_ACCURACY = 0.3  # below this upper confidence bound the report warns that the model is out of its depth
+
+
 def markdown(r: dict[str, Any]) -> str:
     lo, hi = r["ci95"]
     lines = [
@@ -43,6 +46,10 @@ def markdown(r: dict[str, Any]) -> str:
         "| signal | direction | AUROC |",
         "|---|---|---|",
     ]
+    if hi < LOW_ACCURACY:
+        lines += ["", f"> Accuracy is low (the 95% upper bound is below {LOW_ACCURACY:.0%}). Small models such as the"
+                  " embedded 135M SmolLM2 rarely solve multi-step problems; such a run checks the pipeline end to"
+                  " end more than it ranks methods, and AUROCs are n/a when every answer is wrong.", ""]
     for name, value in r["auroc"].items():
         direction = "lower = confident" if CONFIDENCE_DIRECTION.get(name, 1) < 0 else "higher = confident"
         lines.append(f"| {name} | {direction} | {'n/a' if value is None else f'{value:.3f}'} |")
