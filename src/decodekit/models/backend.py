@@ -114,7 +114,10 @@ class Backend(ABC):
     def truncate(self, length: int) -> None:
         """Roll the cache back to its first ``length`` tokens."""
 
-    @abstractmethod
+    # Tree verification: shared bookkeeping here, the cache work in three small hooks that
+    # a backend implements (or it overrides verify_tree/commit_path wholesale, as test doubles do).
+
+    @torch.inference_mode()
     def verify_tree(self, tokens: torch.Tensor, parents: Sequence[int]) -> StepOutput:
         """Run a token tree (batch 1) in one pass; node i sees the context and its ancestors.
 
@@ -122,10 +125,38 @@ class Backend(ABC):
         context), nodes in topological order. Returns logits ``[1, N, V]``. The cache is left
         uncommitted until :meth:`commit_path`.
         """
+        if self.batch_size != 1:
+            raise ValueError("tree verification needs a batch of one row")
+        start = self.length
+        visible, positions = tree_layout(start, parents)
+        out = self._run_tree(tokens.view(1, -1), positions, visible)
+        self._pending_tree = start
+        return out
 
-    @abstractmethod
+    @torch.inference_mode()
     def commit_path(self, nodes: Sequence[int]) -> None:
         """Keep the tree nodes ``nodes`` (a root-to-leaf path, in order) and drop the rest."""
+        start = getattr(self, "_pending_tree", None)
+        if start is None:
+            raise RuntimeError("commit_path() needs a preceding verify_tree()")
+        nodes = list(nodes)
+        if nodes != list(range(len(nodes))):  # a path that is a prefix of the node order is already in place
+            self._move_entries(torch.tensor(nodes) + start, start)
+        self._pending_tree = None
+        self._set_length(start + len(nodes))
+
+    def _run_tree(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> StepOutput:
+        """Forward ``tokens`` ``[1, N]`` at ``positions`` with boolean ``visible`` ``[N, length + N]``,
+        writing their cache entries after the committed ones without committing them."""
+        raise NotImplementedError("a backend implements these hooks or overrides verify_tree/commit_path")
+
+    def _move_entries(self, src: torch.Tensor, dst: int) -> None:
+        """Copy the cache entries at positions ``src`` to ``dst, dst + 1, ...``."""
+        raise NotImplementedError("a backend implements these hooks or overrides verify_tree/commit_path")
+
+    def _set_length(self, length: int) -> None:
+        """Make the first ``length`` cache entries the committed ones."""
+        raise NotImplementedError("a backend implements these hooks or overrides verify_tree/commit_path")
 
     @abstractmethod
     def reorder(self, rows: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .backend import Backend, ModelInfo, StepOutput, tree_layout
+from .backend import Backend, ModelInfo, StepOutput
 
 
 class HFBackend(Backend):
@@ -31,7 +31,6 @@ class HFBackend(Backend):
             dtype=self.dtype,
             architecture=f"hf-{cfg.model_type}",
         )
-        self._pending: tuple[int, int] | None = None
         self.reset(1)
 
     @classmethod
@@ -53,7 +52,7 @@ class HFBackend(Backend):
         self._cache = self._cache_cls(config=self.model.config)
         self._length = 0
         self._batch = batch_size
-        self._pending = None
+        self._pending_tree = None
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """Boolean [q, kv] visibility to the additive float mask transformers expects."""
@@ -82,7 +81,7 @@ class HFBackend(Backend):
         allowed = torch.ones(k, start + k, dtype=torch.bool).tril(diagonal=start)
         out = self._run(tokens, torch.arange(start, start + k)[None], allowed, hidden_layers, last_only)
         self._length += k
-        self._pending = None
+        self._pending_tree = None
         return out
 
     @torch.inference_mode()
@@ -93,30 +92,19 @@ class HFBackend(Backend):
         if removed:
             self._cache.crop(-removed)
         self._length = length
-        self._pending = None
+        self._pending_tree = None
 
-    def verify_tree(self, tokens: torch.Tensor, parents: Sequence[int]) -> StepOutput:
-        if self._batch != 1:
-            raise ValueError("tree verification needs a batch of one row")
-        start, n = self._length, tokens.numel()
-        allowed, positions = tree_layout(start, parents)
-        out = self._run(tokens.view(1, n), positions[None], allowed)
-        self._pending = (start, n)
-        return out
+    def _run_tree(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> StepOutput:
+        return self._run(tokens, positions[None], visible)
 
-    @torch.inference_mode()
-    def commit_path(self, nodes: Sequence[int]) -> None:
-        if self._pending is None:
-            raise RuntimeError("commit_path() needs a preceding verify_tree()")
-        start, n = self._pending
-        nodes = list(nodes)
-        if nodes != list(range(len(nodes))):
-            src = torch.tensor(nodes) + start
-            for layer in self._cache.layers:
-                for tensor in (layer.keys, layer.values):
-                    tensor[:, :, start : start + len(nodes)] = tensor[:, :, src]
-        self._length = start + len(nodes)
-        self.truncate(self._length)
+    def _move_entries(self, src: torch.Tensor, dst: int) -> None:
+        for layer in self._cache.layers:
+            for tensor in (layer.keys, layer.values):
+                tensor[:, :, dst : dst + src.numel()] = tensor[:, :, src]
+
+    def _set_length(self, length: int) -> None:
+        self._length = length
+        self.truncate(length)  # drop the rejected nodes' entries from the dynamic cache
 
     @torch.inference_mode()
     def reorder(self, rows: torch.Tensor) -> None:

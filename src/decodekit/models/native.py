@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .backend import Backend, ModelInfo, StepOutput, tree_layout
+from .backend import Backend, ModelInfo, StepOutput
 
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -174,7 +174,6 @@ class NativeLlama(Backend):
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), inv_freq)
         self._freqs = torch.polar(torch.ones_like(angles), angles)  # complex [max_position, D/2]
         self._initial_capacity = initial_capacity
-        self._pending: tuple[int, int] | None = None  # (start, n_nodes) of an uncommitted tree
         self.reset(1)
 
     # Cache management ---------------------------------------------------------------------
@@ -190,7 +189,7 @@ class NativeLlama(Backend):
     @torch.inference_mode()
     def reset(self, batch_size: int = 1) -> None:
         self._length = 0
-        self._pending = None
+        self._pending_tree = None
         self._allocate(batch_size, min(self._initial_capacity, self.config.max_position))
 
     def _allocate(self, batch_size: int, capacity: int) -> None:
@@ -216,7 +215,7 @@ class NativeLlama(Backend):
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
         self._length = length
-        self._pending = None
+        self._pending_tree = None
 
     @torch.inference_mode()
     def reorder(self, rows: torch.Tensor) -> None:
@@ -233,32 +232,19 @@ class NativeLlama(Backend):
         mask = None if k == 1 else torch.ones(k, start + k, dtype=torch.bool).tril(diagonal=start)
         out = self._forward(tokens, positions, mask, hidden_layers, skip_layers, last_only)
         self._length = start + k
-        self._pending = None
+        self._pending_tree = None
         return out
 
-    @torch.inference_mode()
-    def verify_tree(self, tokens: torch.Tensor, parents: Sequence[int]) -> StepOutput:
-        if self.batch_size != 1:
-            raise ValueError("tree verification needs a batch of one row")
-        start, n = self._length, tokens.numel()
-        mask, positions = tree_layout(start, parents)
-        out = self._forward(tokens.view(1, n), positions, mask, (), frozenset(), False)
-        self._pending = (start, n)
-        return out
+    def _run_tree(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> StepOutput:
+        return self._forward(tokens, positions, visible, (), frozenset(), False)
 
-    @torch.inference_mode()
-    def commit_path(self, nodes: Sequence[int]) -> None:
-        if self._pending is None:
-            raise RuntimeError("commit_path() needs a preceding verify_tree()")
-        start, n = self._pending
-        nodes = list(nodes)
-        if nodes != list(range(len(nodes))):  # a path that is a prefix of the node order needs no copy
-            src = torch.tensor(nodes) + start
-            dst = slice(start, start + len(nodes))
-            self._k[:, :, :, dst] = self._k[:, :, :, src]
-            self._v[:, :, :, dst] = self._v[:, :, :, src]
-        self._length = start + len(nodes)
-        self._pending = None
+    def _move_entries(self, src: torch.Tensor, dst: int) -> None:
+        span = slice(dst, dst + src.numel())
+        self._k[:, :, :, span] = self._k[:, :, :, src]
+        self._v[:, :, :, span] = self._v[:, :, :, src]
+
+    def _set_length(self, length: int) -> None:
+        self._length = length
 
     def _forward(
         self,
