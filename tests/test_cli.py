@@ -68,3 +68,11 @@ def test_prompt_longer_than_context_is_a_clear_error(real_model):
     out = run_cli("generate", "--raw", "--max-new-tokens", "8", stdin="word " * 9000)
     assert out.returncode == 2
     assert "exceeds the model's context" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_every_sampler_parameter_has_a_flag():
+    from decodekit.interfaces.cli import SAMPLER_FLAGS
+    from decodekit.samplers import SAMPLER_PARAMS
+
+    # `greedy` is spelled `--method greedy` on the command line
+    assert set(SAMPLER_FLAGS) == set(SAMPLER_PARAMS) - {"greedy"}
