@@ -74,7 +74,9 @@ class CostTable:
 
     @staticmethod
     def key(backend: Backend) -> str:
-        return f"{backend.info.name}|{str(backend.info.dtype).removeprefix('torch.')}|threads={torch.get_num_threads()}"
+        info = backend.info
+        dtype = str(info.dtype).removeprefix("torch.")
+        return f"{info.name}|{info.architecture}|{dtype}|threads={torch.get_num_threads()}"
 
     @classmethod
     def measure(cls, backend: Backend, sizes=MEASURE_SIZES, rounds: int = 3) -> "CostTable":
