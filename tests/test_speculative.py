@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import math
+
 import pytest
 import torch
 
@@ -314,6 +316,33 @@ def test_controller_explores_after_backing_off():
         chosen.append(len(ctl.select(chain_tree(4))) if budget else 0)
     assert 0 < sum(1 for c in chosen if c) <= 6  # a few single-node probes, mostly plain steps
     assert max(chosen) == 1
+
+
+def test_costly_drafting_is_planned_before_drafting():
+    """A drafter that costs half a forward pass per node (layer skipping, a draft model) is only
+    asked for the chain depth that pays, and not at all when acceptance is too low."""
+    costs = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.6, 16: 2.2}
+    good, poor = Controller(8, cost_table=costs), Controller(8, cost_table=costs)
+    for ctl, accepted in ((good, list(range(8))), (poor, [])):
+        ctl.observe_draft(8, 8 * 0.5)
+        for _ in range(60):
+            ctl.observe(chain_tree(8, ""), Verification(accepted, 0), overhead_s=0.0)
+    depth = good.budget()
+    assert 1 < depth <= 8
+    # the chosen depth really is the best of every depth under the controller's own model
+    def rate(d: int) -> float:
+        reach = [math.prod(good._accept(("", j, 0)) for j in range(i + 1)) for i in range(d)]
+        return (1 + sum(reach)) / (d * 0.5 + good.cost(d + 1))
+    assert rate(depth) >= max(rate(d) for d in range(1, 9)) - 1e-9 and rate(depth) > 1.1
+    budgets = []  # mostly plain steps without drafting,
+    for _ in range(40):
+        budgets.append(poor.budget())
+        if budgets[-1]:
+            poor.select(chain_tree(budgets[-1], ""))
+    assert budgets[0] == 0 and set(budgets) == {0, 1} and budgets.count(1) <= 5  # a few 1-node probes
+    cheap = Controller(8, cost_table=costs)
+    cheap.observe_draft(8, 1e-6)
+    assert cheap.budget() == 8  # nearly free drafting: draft the whole budget, trim later
 
 
 def probes(ctl: Controller, steps: int) -> int:

@@ -15,6 +15,13 @@ Acceptance estimates are kept with the model's backend, per drafter, across requ
 When the best choice is a plain step the controller stops drafting for 1, 2, 4, ... steps and
 then explores with the single best node, so acceptance estimates keep being refreshed; the
 longest pause (4 to 64 steps) is set so such probes cost about 1% of decode time.
+
+Drafting itself can cost as much as verifying (a draft model, or the target with layers
+skipped). The controller times drafting per drafted node, and when that is not negligible it
+decides *before* drafting how deep a chain is worth drafting — maximising
+``(1 + expected accepted) / (depth * draft cost per node + cost(depth + 1) + overhead)`` — and
+takes a plain step without drafting when no depth beats plain decoding. Once a tree is drafted
+its cost is spent, so :meth:`Controller.select` weighs only verification.
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ MAX_BACKOFF = 64
 EXPLORE_SHARE = 0.01  # at most ~1% of decode time spent on probes that do not pay
 MAX_DEPTH_KEY = 15
 MAX_RANK_KEY = 7
+CHEAP_DRAFT = 0.02  # drafting a full budget under 2% of a plain step: no need to plan the depth
+# Costly drafting must promise this much more than plain decoding: its estimates are noisy, and
+# a wrong "draft" costs a whole draft chain, a wrong "plain step" costs only the missed gain.
+COSTLY_DRAFT_MARGIN = 1.1
 
 
 class CostTable:
@@ -156,7 +167,11 @@ class Controller:
         self.cost = cost_table if isinstance(cost_table, CostTable) or cost_table is None else CostTable(cost_table)
         self.ema = ema
         self.accept: dict[tuple[str, int, int], float] = {}
-        self.overhead = 0.0  # seconds of drafting + verifier work per speculative step (EMA)
+        self.overhead = 0.0  # seconds of verifier bookkeeping per speculative step (EMA)
+        self.draft_node_s = 0.0  # seconds of drafting per drafted node (ratio of EMAs per call)
+        self._draft_seconds = self._draft_nodes = 0.0
+        self._draft_calls = 0
+        self._chain_source = ""  # source of the last tree's first node: whose acceptance to use
         self._skip = 0  # plain steps left before drafting again
         self._backoff = 0
         self._explore = False
@@ -191,7 +206,33 @@ class Controller:
             self._skip -= 1
             self._explore = self._skip == 0
             return 0
-        return self.max_draft
+        if not self.costly_drafting():
+            return self.max_draft  # drafting is nearly free: let select() trim the tree
+        depth = self.best_chain_depth()
+        if depth > 0:
+            self._backoff = 0
+        elif not self._explore:
+            self._back_off()
+        else:
+            depth = 1  # a one-node probe keeps the acceptance estimate fresh
+        return depth
+
+    def costly_drafting(self) -> bool:
+        """Whether drafting a full budget costs more than a small share of a plain step."""
+        return self.draft_node_s * self.max_draft >= CHEAP_DRAFT * self.cost(1)
+
+    def best_chain_depth(self) -> int:
+        """The chain depth (0 = none) with the best expected tokens per second, counting
+        drafting at the measured cost per node."""
+        best_depth, best_rate = 0, 1.0 / self.cost(1)
+        expected, reach = 1.0, 1.0
+        for depth in range(1, self.max_draft + 1):
+            reach *= self._accept((self._chain_source, min(depth - 1, MAX_DEPTH_KEY), 0))
+            expected += reach
+            rate = expected / (depth * self.draft_node_s + self.cost(depth + 1) + self.overhead)
+            if rate > best_rate:
+                best_depth, best_rate = depth, rate
+        return best_depth
 
     def select(self, tree: DraftTree, *, trimmable: bool = True) -> DraftTree:
         """The part of ``tree`` to verify (possibly empty: a plain step pays better)."""
@@ -210,18 +251,22 @@ class Controller:
                 best_n, best_rate = n, rate
         explore, self._explore = self._explore, False
         if best_n == 0:
-            self._backoff = min(self._max_backoff(), max(1, 2 * self._backoff))
-            self._skip = self._backoff
+            self._back_off()
             if not explore:
                 return DraftTree()
             best_n = 1 if trimmable else len(order)
-        else:
+        elif not self.costly_drafting():  # (costly drafting: budget() decides when to back off)
             self._backoff = 0
         return select_nodes(tree, order[:best_n]) if best_n < len(tree) else tree
 
+    def _back_off(self) -> None:
+        """Plain steps before drafting again: 1, 2, 4, ... up to :meth:`_max_backoff`."""
+        self._backoff = min(self._max_backoff(), max(1, 2 * self._backoff))
+        self._skip = self._backoff
+
     def _max_backoff(self) -> int:
         """Plain steps between probes, so that a one-node probe costs about EXPLORE_SHARE of the time."""
-        extra = (self.cost(2) + self.overhead) / self.cost(1) - 1.0
+        extra = (self.cost(2) + self.overhead + self.draft_node_s) / self.cost(1) - 1.0
         return max(4, min(MAX_BACKOFF, math.ceil(extra / EXPLORE_SHARE)))
 
     def node_probs(self, tree: DraftTree) -> list[float]:
@@ -233,12 +278,27 @@ class Controller:
 
     # Learning ------------------------------------------------------------------------------
 
+    def observe_draft(self, nodes: int, seconds: float) -> None:
+        """A timed draft call that proposed ``nodes`` nodes (before trimming). Calls that propose
+        nothing (a confidence stop, no match) still cost time: the per-node cost is the ratio of
+        the averages of seconds and of nodes per call."""
+        if self._draft_calls == 0:
+            self._draft_seconds, self._draft_nodes = seconds, float(nodes)
+        else:
+            self._draft_seconds += self.ema * (seconds - self._draft_seconds)
+            self._draft_nodes += self.ema * (nodes - self._draft_nodes)
+        self._draft_calls += 1
+        self.draft_node_s = self._draft_seconds / max(self._draft_nodes, 1e-3)
+
     def observe(self, tree: DraftTree, verdict: Verification, overhead_s: float) -> None:
-        """Update acceptance estimates from the children of every accepted node (and the root)."""
+        """Update acceptance estimates from the children of every accepted node (and the root);
+        ``overhead_s`` is the step's verifier bookkeeping beyond its forward pass."""
         first = self.overhead == 0.0
         self.overhead = overhead_s if first else self.overhead + self.ema * (overhead_s - self.overhead)
         if self.fixed is not None:
             return
+        if len(tree):
+            self._chain_source = tree.source[0] if tree.source else ""
         on_path = {-1, *verdict.path}
         for i, (parent, key) in enumerate(zip(tree.parents, node_keys(tree))):
             if parent in on_path:

@@ -65,7 +65,7 @@ class SpeculativeMethod(StepMethod):
         tree = self._draft(state)
         t1 = time.perf_counter()
         self.draft_s += t1 - t0
-        produced = self._verify(state, tree, t1 - t0) if len(tree) else self._plain_step(state)
+        produced = self._verify(state, tree) if len(tree) else self._plain_step(state)
         t2 = time.perf_counter()
         if len(tree):
             self.verify_s += t2 - t1
@@ -79,12 +79,14 @@ class SpeculativeMethod(StepMethod):
         budget = min(self.controller.budget(), room)
         if budget <= 0:
             return DraftTree()
+        t0 = time.perf_counter()
         tree = self.drafter.draft(state, budget)
+        self.controller.observe_draft(len(tree), time.perf_counter() - t0)  # empty drafts cost too
         if len(tree) > budget:
             tree = tree.truncated(budget)
         return self.controller.select(tree, trimmable=getattr(self.drafter, "trimmable", True))
 
-    def _verify(self, state: DecodeState, tree: DraftTree, draft_s: float) -> list[int]:
+    def _verify(self, state: DecodeState, tree: DraftTree) -> list[int]:
         t0 = time.perf_counter()
         tokens = torch.tensor([state.tokens[-1], *tree.tokens])
         logits = state.backend.verify_tree(tokens, [-1, *[p + 1 for p in tree.parents]]).logits[0]
@@ -96,8 +98,8 @@ class SpeculativeMethod(StepMethod):
         self.drafter.update(state, tree, verdict, logits)
         produced = [tree.tokens[i] for i in verdict.path] + [verdict.bonus]
         state.commit(produced)
-        # what a speculative step costs beyond its forward pass: drafting + verifier bookkeeping
-        self.controller.observe(tree, verdict, overhead_s=draft_s + time.perf_counter() - t1)
+        # what a speculative step costs beyond its forward pass and drafting: verifier bookkeeping
+        self.controller.observe(tree, verdict, overhead_s=time.perf_counter() - t1)
         self.verifications += 1
         self.accepted += len(verdict.path)
         self.drafted += len(tree)
