@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .kernels import MAX_ROWS, few_rows_matmul
 from .backend import Backend, ModelInfo, StepOutput
 
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -105,13 +106,22 @@ class Projection:
     100 ms to 61 ms (one token: 46 ms). Cheap multi-row passes are what make speculative
     verification pay in float32. Both are plain float32 (or bfloat16) arithmetic: only
     the summation order differs.
+
+    Float32 passes of up to ``MAX_ROWS`` tokens go to the compiled weight-streaming kernel
+    (:mod:`.kernels`) where it builds: faster than either library here for decode steps and
+    small verification passes, and a token's projections come out the same in both.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight
         self.bias = bias
+        self.few_rows = few_rows_matmul() if weight.dtype == torch.float32 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.few_rows is not None and rows <= MAX_ROWS and x.dtype == torch.float32:
+            out = self.few_rows(self.weight, x.reshape(rows, -1).contiguous()).view(*x.shape[:-1], -1)
+            return out if self.bias is None else out + self.bias
         if ONEDNN_LINEAR:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
