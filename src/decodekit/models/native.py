@@ -96,6 +96,16 @@ def _onednn_linear_works() -> bool:
 ONEDNN_LINEAR = _onednn_linear_works()
 
 
+def native_architecture(dtype: torch.dtype) -> str:
+    """The backend's name with the matmul paths it uses (verification costs depend on them)."""
+    parts = ["native-llama"]
+    if dtype == torch.float32 and few_rows_matmul() is not None:
+        parts.append("kernel")
+    if ONEDNN_LINEAR:
+        parts.append("onednn")
+    return "+".join(parts)
+
+
 class Projection:
     """A linear layer, run through oneDNN's matmul where this torch build has it.
 
@@ -188,7 +198,7 @@ class NativeLlama(Backend):
             hidden_size=config.hidden_size,
             max_length=config.max_position,
             dtype=dtype,
-            architecture="native-llama+onednn" if ONEDNN_LINEAR else "native-llama",
+            architecture=native_architecture(dtype),
         )
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), inv_freq)
