@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from decodekit.models import kernels
 from decodekit.models.native import Projection
 
-matmul = kernels.few_rows_matmul()
+matmul = kernels.few_rows_matmul(torch.float32)
 needs_kernel = pytest.mark.skipif(matmul is None, reason="no C compiler or no AVX-512 on this machine")
 
 
@@ -39,7 +39,18 @@ def test_projection_uses_the_kernel_for_few_rows_and_keeps_shapes_and_bias():
     for shape in [(1, 1, 24), (2, 3, 24), (1, 17, 24)]:  # 17 rows: past MAX_ROWS, torch's path
         x = torch.randn(*shape, generator=gen)
         torch.testing.assert_close(proj(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-    assert Projection(weight.bfloat16()).few_rows is None  # float32 only
+    assert Projection(weight.double()).few_rows is None  # float32 and bfloat16 only
+
+
+@needs_kernel
+def test_bfloat16_weights_multiply_exactly_and_sum_in_float32():
+    gen = torch.Generator().manual_seed(2)
+    weight, x = torch.randn(64, 48, generator=gen).bfloat16(), torch.randn(3, 48, generator=gen).bfloat16()
+    out = kernels.few_rows_matmul(torch.bfloat16)(weight, x)
+    assert out.dtype == torch.bfloat16
+    exact = (x.double() @ weight.double().t()).bfloat16()  # products of bf16 values are exact
+    assert (out.float() - exact.float()).abs().max() <= 2 ** -6 * exact.float().abs().max()
+    assert torch.equal(out[1], kernels.few_rows_matmul(torch.bfloat16)(weight, x[1:2])[0])
 
 
 def test_kernels_can_be_switched_off(monkeypatch):

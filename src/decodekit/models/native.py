@@ -99,7 +99,7 @@ ONEDNN_LINEAR = _onednn_linear_works()
 def native_architecture(dtype: torch.dtype) -> str:
     """The backend's name with the matmul paths it uses (verification costs depend on them)."""
     parts = ["native-llama"]
-    if dtype == torch.float32 and few_rows_matmul() is not None:
+    if few_rows_matmul(dtype) is not None:
         parts.append("kernel")
     if ONEDNN_LINEAR:
         parts.append("onednn")
@@ -117,19 +117,21 @@ class Projection:
     verification pay in float32. Both are plain float32 (or bfloat16) arithmetic: only
     the summation order differs.
 
-    Float32 passes of up to ``MAX_ROWS`` tokens go to the compiled weight-streaming kernel
+    Passes of up to ``MAX_ROWS`` tokens go to the compiled weight-streaming kernel
     (:mod:`.kernels`) where it builds: faster than either library here for decode steps and
-    small verification passes, and a token's projections come out the same in both.
+    small verification passes, and a token's projections come out the same in both. With
+    bfloat16 weights it multiplies in float32 (exact products, float32 sums, as oneDNN's
+    bfloat16 GEMM does) and rounds the result to bfloat16.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight
         self.bias = bias
-        self.few_rows = few_rows_matmul() if weight.dtype == torch.float32 else None
+        self.few_rows = few_rows_matmul(weight.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.few_rows is not None and rows <= MAX_ROWS and x.dtype == torch.float32:
+        if self.few_rows is not None and rows <= MAX_ROWS:
             out = self.few_rows(self.weight, x.reshape(rows, -1).contiguous()).view(*x.shape[:-1], -1)
             return out if self.bias is None else out + self.bias
         if ONEDNN_LINEAR:

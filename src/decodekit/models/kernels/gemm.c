@@ -1,70 +1,100 @@
 /* Weight-streaming matrix products for decode steps: Y[m] = W X[m] for a few rows X[m].
  *
- * W is row-major [n_out, n_in] float32; X is [M, n_in], Y is [M, n_out]. A decode step (M = 1)
- * or a small verification pass (M <= 16 or so) reads every weight once and does little
- * arithmetic with it, so the speed is set by how fast weights stream from memory. Blocks of
- * four weight rows are read side by side (four streams keep more loads in flight), each block
- * is applied to the inputs four at a time while it sits in L1, and blocks are split between
- * threads with OpenMP (inside torch's process this is torch's own OpenMP runtime).
+ * W is row-major [n_out, n_in]; X is [M, n_in] of the same dtype (float32 or bfloat16) and Y is
+ * [M, n_out] float32. A decode step (M = 1) or a small verification pass (M <= 16 or so) reads
+ * every weight once and does little arithmetic with it, so its speed is set by how fast weights
+ * stream from memory. Blocks of four weight rows are read side by side (four streams keep more
+ * loads in flight), each block is applied to the inputs four at a time while it sits in L1, and
+ * blocks are split between threads with OpenMP (inside torch's process this is torch's own
+ * OpenMP runtime).
  *
- * Every output is summed in the same order whatever M is (16 lanes of partial sums, then one
- * horizontal sum), so a token's projections in a multi-token pass are bit-identical to those
- * of a one-token step.
+ * bfloat16 uses AVX512-BF16's dot-product instruction: exact products of bfloat16 pairs, summed
+ * in float32 (the arithmetic of oneDNN's bfloat16 GEMM, in a different order).
+ *
+ * Every output is summed in the same order whatever M is (vector lanes of partial sums, then
+ * one horizontal sum), so a token's projections in a multi-token pass are bit-identical to
+ * those of a one-token step.
  */
 #include <immintrin.h>
 #include <stddef.h>
+#include <stdint.h>
 
-static inline __attribute__((always_inline)) void block(
-    const float *w, const float *x, float *y, int n_in, int n_out, const int R, const int M) {
-    __m512 acc[4][4];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= n_in; i += 16) {
-        __m512 wv[4];
-        for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_ps(w + (size_t)r * n_in + i);
-        for (int m = 0; m < M; m++) {
-            __m512 xv = _mm512_loadu_ps(x + (size_t)m * n_in + i);
-            for (int r = 0; r < R; r++) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
-        }
-    }
-    if (i < n_in) {
-        __mmask16 mask = (__mmask16)((1u << (n_in - i)) - 1u);
-        __m512 wv[4];
-        for (int r = 0; r < R; r++) wv[r] = _mm512_maskz_loadu_ps(mask, w + (size_t)r * n_in + i);
-        for (int m = 0; m < M; m++) {
-            __m512 xv = _mm512_maskz_loadu_ps(mask, x + (size_t)m * n_in + i);
-            for (int r = 0; r < R; r++) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) y[(size_t)m * n_out + r] = _mm512_reduce_add_ps(acc[r][m]);
-}
+/* float32: 16 lanes per vector */
+#define f32_LANES 16
+typedef __mmask16 f32_mask;
+static inline f32_mask f32_tail(int n) { return (f32_mask)((1u << n) - 1u); }
+static inline __m512 f32_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 f32_load_masked(const float *p, f32_mask m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 f32_mac(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
 
-/* Rows [row, row + R) of W against all M inputs, four inputs at a time. */
-static void rows(const float *w, const float *x, float *y, int n_in, int n_out, int row, int R, int M) {
-    const float *wr = w + (size_t)row * n_in;
-    for (int m0 = 0; m0 < M; m0 += 4) {
-        const float *xm = x + (size_t)m0 * n_in;
-        float *ym = y + (size_t)m0 * n_out + row;
-        int left = M - m0 < 4 ? M - m0 : 4;
-        if (R == 4) {
-            switch (left) {
-                case 1: block(wr, xm, ym, n_in, n_out, 4, 1); break;
-                case 2: block(wr, xm, ym, n_in, n_out, 4, 2); break;
-                case 3: block(wr, xm, ym, n_in, n_out, 4, 3); break;
-                default: block(wr, xm, ym, n_in, n_out, 4, 4); break;
-            }
-        } else {
-            for (int m = 0; m < left; m++)
-                block(wr, xm + (size_t)m * n_in, ym + (size_t)m * n_out, n_in, n_out, 1, 1);
-        }
-    }
-}
+/* bfloat16: 32 values per vector, pairs multiplied and added into 16 float32 lanes */
+#define bf16_LANES 32
+typedef __mmask32 bf16_mask;
+static inline bf16_mask bf16_tail(int n) { return (bf16_mask)((1ull << n) - 1ull); }
+static inline __m512i bf16_load(const uint16_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline __m512i bf16_load_masked(const uint16_t *p, bf16_mask m) { return _mm512_maskz_loadu_epi16(m, p); }
+static inline __m512 bf16_mac(__m512 acc, __m512i w, __m512i x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
 
-void decodekit_gemm_f32(const float *w, const float *x, float *y, int M, int n_out, int n_in, int threads) {
-    int blocks = n_out / 4;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int b = 0; b < blocks; b++) rows(w, x, y, n_in, n_out, 4 * b, 4, M);
-    for (int r = 4 * blocks; r < n_out; r++) rows(w, x, y, n_in, n_out, r, 1, M);
+#define DEFINE_KERNEL(NAME, T, VEC, P)                                                             \
+    static inline __attribute__((always_inline)) void NAME##_block(                               \
+        const T *w, const T *x, float *y, int n_in, int n_out, const int R, const int M) {         \
+        __m512 acc[4][4];                                                                          \
+        VEC wv[4];                                                                                 \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();                           \
+        int i = 0;                                                                                 \
+        for (; i + P##_LANES <= n_in; i += P##_LANES) {                                            \
+            for (int r = 0; r < R; r++) wv[r] = P##_load(w + (size_t)r * n_in + i);                \
+            for (int m = 0; m < M; m++) {                                                          \
+                VEC xv = P##_load(x + (size_t)m * n_in + i);                                       \
+                for (int r = 0; r < R; r++) acc[r][m] = P##_mac(acc[r][m], wv[r], xv);             \
+            }                                                                                      \
+        }                                                                                          \
+        if (i < n_in) { /* the last partial vector: masked loads (zeros add nothing) */            \
+            P##_mask mask = P##_tail(n_in - i);                                                    \
+            for (int r = 0; r < R; r++) wv[r] = P##_load_masked(w + (size_t)r * n_in + i, mask);   \
+            for (int m = 0; m < M; m++) {                                                          \
+                VEC xv = P##_load_masked(x + (size_t)m * n_in + i, mask);                          \
+                for (int r = 0; r < R; r++) acc[r][m] = P##_mac(acc[r][m], wv[r], xv);             \
+            }                                                                                      \
+        }                                                                                          \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int m = 0; m < M; m++) y[(size_t)m * n_out + r] = _mm512_reduce_add_ps(acc[r][m]); \
+    }                                                                                              \
+                                                                                                   \
+    /* Rows [row, row + R) of W (R = 4, or 1 for the last rows) against all M inputs. */           \
+    static void NAME##_rows(const T *w, const T *x, float *y, int n_in, int n_out, int row, int R, int M) { \
+        const T *wr = w + (size_t)row * n_in;                                                      \
+        for (int m0 = 0; m0 < M; m0 += 4) {                                                        \
+            const T *xm = x + (size_t)m0 * n_in;                                                   \
+            float *ym = y + (size_t)m0 * n_out + row;                                              \
+            int left = M - m0 < 4 ? M - m0 : 4;                                                    \
+            if (R == 4) {                                                                          \
+                switch (left) {                                                                    \
+                    case 1: NAME##_block(wr, xm, ym, n_in, n_out, 4, 1); break;                    \
+                    case 2: NAME##_block(wr, xm, ym, n_in, n_out, 4, 2); break;                    \
+                    case 3: NAME##_block(wr, xm, ym, n_in, n_out, 4, 3); break;                    \
+                    default: NAME##_block(wr, xm, ym, n_in, n_out, 4, 4); break;                   \
+                }                                                                                  \
+            } else {                                                                               \
+                for (int m = 0; m < left; m++)                                                     \
+                    NAME##_block(wr, xm + (size_t)m * n_in, ym + (size_t)m * n_out, n_in, n_out, 1, 1); \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    void NAME(const T *w, const T *x, float *y, int M, int n_out, int n_in, int threads) {         \
+        int blocks = n_out / 4;                                                                    \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")         \
+        for (int b = 0; b < blocks; b++) NAME##_rows(w, x, y, n_in, n_out, 4 * b, 4, M);           \
+        for (int r = 4 * blocks; r < n_out; r++) NAME##_rows(w, x, y, n_in, n_out, r, 1, M);       \
+    }
+
+DEFINE_KERNEL(decodekit_gemm_f32, float, __m512, f32)
+DEFINE_KERNEL(decodekit_gemm_bf16, uint16_t, __m512i, bf16)
+
+/* Whether this CPU runs the bfloat16 kernel (the float32 one needs only AVX-512F). */
+int decodekit_has_avx512bf16(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
 }
