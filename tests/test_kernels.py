@@ -1,11 +1,14 @@
 """The compiled weight-streaming kernel: same results as torch, row by row identical."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from decodekit.models import kernels
 from decodekit.models.native import Projection
+from decodekit.models.tiny import tiny_llama
 
 matmul = kernels.few_rows_matmul(torch.float32)
 needs_kernel = pytest.mark.skipif(matmul is None, reason="no C compiler or no AVX-512 on this machine")
@@ -62,4 +65,51 @@ def test_a_failed_build_falls_back_to_torch(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
     monkeypatch.setattr(kernels.shutil, "which", lambda name: "/bin/false" if name == "false" else None)
-    assert kernels._build(kernels.SOURCE) is None
+    assert kernels._build(Path(kernels.__file__).with_name("gemm.c")) is None
+
+
+# Layout-independent attention ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_kernel_matches_sdpa(dtype):
+    attend = kernels.layout_independent_attention(dtype)
+    if attend is None:
+        pytest.skip("no C compiler or no AVX-512 on this machine")
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, cap, start, n = 6, 2, 32, 64, 40, 5
+    k = torch.randn(kv_heads, cap, dim, generator=gen).to(dtype)
+    v = torch.randn(kv_heads, cap, dim, generator=gen).to(dtype)
+    q = torch.randn(n, heads, dim, generator=gen).to(dtype)
+    visible = torch.rand(n, start + n, generator=gen) < 0.7
+    visible[:, 0] = True  # every query sees at least one key
+    got = attend(q, k[:, : start + n], v[:, : start + n], visible, dim**-0.5)
+    ref = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], k[None, :, : start + n].float(), v[None, :, : start + n].float(),
+        attn_mask=visible, enable_gqa=True,
+    )[0].transpose(0, 1)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_nodes_are_bit_identical_to_one_token_decoding(dtype):
+    """With the kernels, verifying a token in a tree gives exactly the logits of plain one-token
+    decoding of its path: lossless speculation holds bit for bit, also in bfloat16."""
+    backend = tiny_llama(seed=4, dtype=dtype, hidden_size=64)  # head_dim 16: the kernel's path
+    if backend._attention is None or Projection(torch.zeros(4, 4, dtype=dtype)).few_rows is None:
+        pytest.skip("kernels unavailable on this machine")
+    context = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(5))
+    parents = [-1, 0, 0, 1, 3, -1, 5, 2]
+    nodes = torch.randint(0, 96, (len(parents),), generator=torch.Generator().manual_seed(6))
+    backend.reset()
+    backend.append(context)
+    tree_logits = backend.verify_tree(nodes, parents).logits[0]
+    for node in range(len(parents)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        backend.reset()
+        backend.append(context)
+        for token in nodes[path[::-1]]:
+            logits = backend.append(token.view(1, 1)).logits[0, -1]
+        assert torch.equal(tree_logits[node], logits), node

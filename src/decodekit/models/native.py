@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kernels import MAX_ROWS, few_rows_matmul
+from .kernels import MAX_ROWS, few_rows_matmul, layout_independent_attention
 from .backend import Backend, ModelInfo, StepOutput
 
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -206,6 +206,8 @@ class NativeLlama(Backend):
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), inv_freq)
         self._freqs = torch.polar(torch.ones_like(angles), angles)  # complex [max_position, D/2]
         self._initial_capacity = initial_capacity
+        head_dim_ok = config.head_dim % 16 == 0 and config.head_dim <= 256
+        self._attention = layout_independent_attention(dtype) if head_dim_ok else None
         self.reset(1)
 
     # Cache management ---------------------------------------------------------------------
@@ -295,6 +297,8 @@ class NativeLlama(Backend):
         freqs = self._freqs[positions].view(1, k, 1, -1)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         gqa = c.num_heads != c.num_kv_heads
+        attend = self._attention if batch == 1 and k <= MAX_ROWS else None
+        scale = c.head_dim**-0.5
 
         x = F.embedding(tokens, w.embed)
         hidden: dict[int, torch.Tensor] = {}
@@ -310,10 +314,14 @@ class NativeLlama(Backend):
                 v = qkv[..., q_size + kv_size :]
                 self._k[i, :, :, start:end] = kk
                 self._v[i, :, :, start:end] = v.view(batch, k, c.num_kv_heads, c.head_dim).transpose(1, 2)
-                attn = F.scaled_dot_product_attention(
-                    q, self._k[i, :, :, :end], self._v[i, :, :, :end], attn_mask=mask, enable_gqa=gqa
-                )
-                x = x + layer["o"](attn.transpose(1, 2).reshape(batch, k, q_size))
+                if attend is not None:  # one sequence, few tokens: the layout-independent kernel
+                    heads = attend(qk[0, :, : c.num_heads], self._k[i, 0, :, :end], self._v[i, 0, :, :end], mask, scale)
+                    attn = heads.to(x.dtype).view(batch, k, q_size)
+                else:
+                    attn = F.scaled_dot_product_attention(
+                        q, self._k[i, :, :, :end], self._v[i, :, :, :end], attn_mask=mask, enable_gqa=gqa
+                    ).transpose(1, 2).reshape(batch, k, q_size)
+                x = x + layer["o"](attn)
                 h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
                 gate, up = layer["gate_up"](h).chunk(2, dim=-1)
                 x = x + layer["down"](F.silu(gate) * up)

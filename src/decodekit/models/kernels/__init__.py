@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("gemm.c")
-MAX_ROWS = 16  # above this, oneDNN's blocked GEMM wins
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+MAX_ROWS = 64  # passes of up to this many tokens use the kernels
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC", "-lm"]
 
 MatmulKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
 
 
 def _supported() -> bool:
@@ -67,29 +67,29 @@ def _build(source: Path) -> Path | None:
 
 
 @cache
-def _library() -> ctypes.CDLL | None:
+def _library(name: str) -> ctypes.CDLL | None:
+    """The compiled ``name.c`` next to this file, or None where it cannot be built or loaded."""
     if not _supported():
         return None
-    path = _build(SOURCE)
+    path = _build(Path(__file__).with_name(f"{name}.c"))
     if path is None:
         return None
     try:
-        lib = ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path))
     except OSError:
         return None
-    for fn in (lib.decodekit_gemm_f32, lib.decodekit_gemm_bf16):
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-        fn.restype = None
-    return lib
 
 
 def few_rows_matmul(dtype: torch.dtype = torch.float32) -> MatmulKernel | None:
     """``matmul(weight [out, in], x [rows, in]) -> [rows, out]`` for ``dtype`` weights and inputs
     (float32, or bfloat16 on CPUs with AVX512-BF16), or None where unavailable. The product is
     summed in float32 and returned in ``dtype``."""
-    lib = _library()
+    lib = _library("gemm")
     if lib is None:
         return None
+    for fn in (lib.decodekit_gemm_f32, lib.decodekit_gemm_bf16):
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+        fn.restype = None
     if dtype == torch.float32:
         fn = lib.decodekit_gemm_f32
     elif dtype == torch.bfloat16 and lib.decodekit_has_avx512bf16():
@@ -105,3 +105,34 @@ def few_rows_matmul(dtype: torch.dtype = torch.float32) -> MatmulKernel | None:
         return out if dtype == torch.float32 else out.to(dtype)
 
     return matmul
+
+
+def layout_independent_attention(dtype: torch.dtype) -> AttentionKernel | None:
+    """``attention(q [n_q, H, D], k [H_kv, cap, D], v [H_kv, cap, D], visible [n_q, n_keys] | None,
+    scale) -> [n_q, H, D]`` (``attention.c``) for a ``dtype`` cache (float32 or bfloat16), or None
+    where unavailable. ``visible`` None means every query sees the first ``n_keys`` = cap keys;
+    pass ``k``/``v`` sliced to the keys in use. A query's result depends only on the keys it
+    sees, in cache order, so a token verified in a tree gets the same result as in a plain step."""
+    lib = _library("attention")
+    if lib is None or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    fn = lib.decodekit_attention_f32 if dtype == torch.float32 else lib.decodekit_attention_bf16
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    fn.restype = None
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float) -> torch.Tensor:
+        n_q, n_heads, head_dim = q.shape
+        n_kv_heads, n_keys = k.shape[0], k.shape[1]
+        if head_dim % 16 or head_dim > 256 or k.stride(2) != 1 or k.stride(1) != head_dim or v.stride() != k.stride():
+            raise ValueError("attention kernel: head_dim must be a multiple of 16 (<= 256) and k, v rows contiguous")
+        cap = k.stride(0) // head_dim
+        q = q.float().contiguous()
+        out = torch.empty(n_q, n_heads, head_dim, dtype=torch.float32)
+        mask = None if visible is None else visible.to(torch.bool).contiguous()
+        fn(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(), out.data_ptr(),
+            n_q, n_heads, n_kv_heads, head_dim, cap, n_keys, scale, torch.get_num_threads(),
+        )
+        return out
+
+    return attention
