@@ -83,7 +83,7 @@ def _library(name: str) -> ctypes.CDLL | None:
 def few_rows_matmul(dtype: torch.dtype = torch.float32) -> MatmulKernel | None:
     """``matmul(weight [out, in], x [rows, in]) -> [rows, out]`` for ``dtype`` weights and inputs
     (float32, or bfloat16 on CPUs with AVX512-BF16), or None where unavailable. The product is
-    summed in float32 and returned in ``dtype``."""
+    summed in float32 and returned in ``dtype`` (rounded to nearest even, as torch rounds)."""
     lib = _library("gemm")
     if lib is None:
         return None
@@ -100,9 +100,9 @@ def few_rows_matmul(dtype: torch.dtype = torch.float32) -> MatmulKernel | None:
     def matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         x = x.to(dtype).contiguous()
-        out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+        out = torch.empty(rows, weight.shape[0], dtype=dtype)
         fn(weight.data_ptr(), x.data_ptr(), out.data_ptr(), rows, weight.shape[0], weight.shape[1], torch.get_num_threads())
-        return out if dtype == torch.float32 else out.to(dtype)
+        return out
 
     return matmul
 
