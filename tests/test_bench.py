@@ -434,3 +434,50 @@ def test_progress_falls_back_to_a_stderr_line_without_tqdm(tiny: LoadedModel, qf
     run_bench([Scripted("greedy", [])], load_questions(qfile, limit=1), prompt_fn(tiny), BenchConfig(max_new_tokens=2))
     err = capsys.readouterr().err
     assert "bench 5/5 greedy" in err and err.endswith("\n")
+
+
+# --------------------------------------------------------------------------- checkpoint and resume
+
+
+def test_an_interrupted_run_resumes_without_rerunning_finished_questions(tiny: LoadedModel, qfile: Path):
+    questions = load_questions(qfile, limit=1)
+    saved: list[list[dict]] = []
+    log: list = []
+    names = ("greedy", "b", "c")
+    config = BenchConfig(max_new_tokens=4)
+    full = run_bench([Scripted(n, log) for n in names], questions, prompt_fn(tiny), config, progress=False,
+                     checkpoint=lambda records: saved.append(list(records)))
+    assert [len(s) for s in saved] == [3 * (i + 1) for i in range(len(questions))]  # after every question
+    interrupted = saved[1]  # the run stopped after its second question
+    log.clear()
+    resumed = run_bench([Scripted(n, log) for n in names], questions, prompt_fn(tiny), config, progress=False,
+                        previous=interrupted)
+    assert resumed.resumed == 2
+    assert len(log) == 3 + 3 * (len(questions) - 2)  # warm-ups, then only the unfinished questions
+    assert sorted((r["question_id"], r["method"]) for r in resumed.records) == sorted(
+        (r["question_id"], r["method"]) for r in full.records)
+    # a question missing one contestant's record is run again, for every contestant
+    partial = [r for r in interrupted if not (r["question_id"] == questions[1].question_id and r["method"] == "c")]
+    assert run_bench([Scripted(n, []) for n in names], questions, prompt_fn(tiny), config, progress=False,
+                     previous=partial).resumed == 1
+
+
+def test_resume_grows_the_question_set_and_refuses_other_settings_or_code(tiny: LoadedModel, qfile: Path, tmp_path: Path,
+                                                                          monkeypatch):
+    out = tmp_path / "out"
+    common = ("--questions", str(qfile), "--methods", "greedy", "--baselines", "none", "--max-new-tokens", "4",
+              "--out", str(out), "--no-progress")
+    with pytest.raises(InvalidParameter, match="no checkpoint.json"):
+        bench_cli.make_plan(parse(*common, "--resume"))
+    first = bench_cli.execute(bench_cli.make_plan(parse(*common, "--categories", "qa,rag")), tiny, progress=False)
+    assert {r["category"] for r in first["records"]} == {"qa", "rag"}
+    grown = bench_cli.execute(bench_cli.make_plan(parse(*common, "--resume")), tiny, progress=False)
+    assert len({r["question_id"] for r in grown["records"]}) == len(CATEGORIES)
+    assert any(note.startswith("resumed: 2 question(s)") for note in grown["notes"])
+    kept = {r["question_id"]: r["decode_s"] for r in first["records"]}
+    assert all(r["decode_s"] == kept[r["question_id"]] for r in grown["records"] if r["question_id"] in kept)
+    with pytest.raises(InvalidParameter, match="other settings .*max_new_tokens"):
+        bench_cli.make_plan(parse(*common[:-5], "--max-new-tokens", "8", "--out", str(out), "--resume"))
+    monkeypatch.setattr("decodekit.bench.results.code_version", lambda: "0.0.0+other")
+    with pytest.raises(InvalidParameter, match="cannot be mixed"):
+        bench_cli.make_plan(parse(*common, "--resume"))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -40,6 +42,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads, also llama.cpp's n_threads (default: torch's)")
     p.add_argument("--opt", action="append", default=[], metavar="METHOD.KEY=VALUE", help="method option, e.g. pld.max_ngram=3 (repeatable)")
     p.add_argument("--out", default="bench-out", metavar="DIR", help="output folder (default bench-out)")
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --out (DIR/checkpoint.json, written "
+                   "after every question): finished questions are kept, the rest are run. Needs the same code and "
+                   "settings; --limit and --categories may grow, so a full run can be built up over several sessions")
     p.add_argument("--quick", action="store_true", help="a few minutes: 1 question per category, 64 tokens, fast methods, hf baseline")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print the change between two results files and exit")
@@ -67,6 +72,7 @@ class Plan:
     out: Path
     command: str
     notes: list[str] = field(default_factory=list)
+    resume: bool = False
 
     def config(self) -> dict[str, Any]:
         return {
@@ -75,6 +81,51 @@ class Plan:
             "dtype": self.dtype, "model": self.model, "repeats": self.repeats, "all_turns": self.all_turns,
             "options": self.options, "reference": REFERENCE,
         }
+
+
+    def resume_key(self) -> dict[str, Any]:
+        """What a resumed run must share with the checkpoint (the question selection may grow)."""
+        key = {k: v for k, v in self.config().items() if k not in ("limit", "categories")}
+        return json.loads(json.dumps({**key, "threads": self.threads}))
+
+
+CHECKPOINT = "checkpoint.json"
+CHECKPOINT_SCHEMA = "decodekit-bench-checkpoint/1"
+
+
+def load_checkpoint(plan: Plan) -> tuple[list[dict[str, Any]], list[str]]:
+    """Records and notes saved by an earlier run of ``plan`` in ``plan.out``; a missing checkpoint,
+    other settings or other code is a one-line error (checked before the model loads)."""
+    from .results import code_version
+
+    path = plan.out / CHECKPOINT
+    if not path.is_file():
+        raise InvalidParameter(f"--resume: no {CHECKPOINT} in {str(plan.out)!r}; run without --resume first")
+    try:
+        saved = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InvalidParameter(f"--resume: {path} is not JSON ({err})") from None
+    if not isinstance(saved, dict) or saved.get("schema") != CHECKPOINT_SCHEMA:
+        raise InvalidParameter(f"--resume: {path} is not a decodekit bench checkpoint")
+    if saved.get("code") != code_version():
+        raise InvalidParameter(f"--resume: {path} was written by decodekit {saved.get('code')}, this is "
+                               f"{code_version()}; timings from different code cannot be mixed, run without --resume")
+    if saved.get("resume_key") != plan.resume_key():
+        differ = sorted(k for k in plan.resume_key() if saved.get("resume_key", {}).get(k) != plan.resume_key()[k])
+        raise InvalidParameter(f"--resume: {path} was made with other settings ({', '.join(differ)})")
+    return list(saved.get("records", [])), list(saved.get("notes", []))
+
+
+def save_checkpoint(plan: Plan, records: list[dict[str, Any]], notes: list[str]) -> None:
+    """Write the records so far atomically, so an interrupted run loses at most one question."""
+    from .results import code_version
+
+    plan.out.mkdir(parents=True, exist_ok=True)
+    doc = {"schema": CHECKPOINT_SCHEMA, "code": code_version(), "resume_key": plan.resume_key(),
+           "notes": notes, "records": records}
+    tmp = plan.out / (CHECKPOINT + ".tmp")
+    tmp.write_text(json.dumps(doc, ensure_ascii=False))
+    os.replace(tmp, plan.out / CHECKPOINT)
 
 
 def split_list(text: str | None) -> list[str]:
@@ -144,8 +195,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
         questions=load_questions(path, categories=categories, limit=limit), question_file=path,
         max_new_tokens=max_new, limit=limit, categories=categories, repeats=args.repeats, all_turns=args.all_turns,
         model=args.model, dtype=args.dtype, threads=args.threads, out=Path(args.out), command="", notes=notes,
+        resume=getattr(args, "resume", False),
     )
     plan.command = command_line(plan, args.quick)
+    if plan.resume:
+        load_checkpoint(plan)  # fail now, not after loading the model
     return plan
 
 
@@ -159,6 +213,7 @@ def command_line(plan: Plan, quick: bool) -> str:
     parts += ["--model", plan.model] if plan.model else []
     parts += ["--threads", str(plan.threads)] if plan.threads else []
     parts += ["--all-turns"] if plan.all_turns else []
+    parts += ["--resume"] if plan.resume else []
     for method, opts in plan.options.items():
         for key, value in opts.items():
             parts += ["--opt", f"{method}.{key}={value}"]
@@ -190,9 +245,15 @@ def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[
     baselines, notes = build_baselines(plan.baselines, model, model=plan.model, dtype=plan.dtype,
                                        threads=torch.get_num_threads(), hf_model=hf_model)
     config = BenchConfig(max_new_tokens=plan.max_new_tokens, repeats=plan.repeats, all_turns=plan.all_turns, reference=REFERENCE)
-    run_ = run_bench([*contestants, *baselines], plan.questions, model.prompt_ids, config, progress=progress)
+    previous, earlier_notes = load_checkpoint(plan) if plan.resume else ([], [])
+    notes = [*plan.notes, *notes, *(n for n in earlier_notes if n not in notes)]
+    run_ = run_bench([*contestants, *baselines], plan.questions, model.prompt_ids, config, progress=progress,
+                     previous=previous, checkpoint=lambda records: save_checkpoint(plan, records, notes))
+    save_checkpoint(plan, run_.records, [*notes, *run_.notes])
+    if run_.resumed:
+        notes.append(f"resumed: {run_.resumed} question(s) taken from an earlier run of the same code and settings")
     results = build_results(run_, command=plan.command, config=plan.config(),
-                            machine=machine_info(model=model.name, dtype=plan.dtype), notes=[*plan.notes, *notes])
+                            machine=machine_info(model=model.name, dtype=plan.dtype), notes=notes)
     write_results(results, plan.out / "results.json")
     n = len(plan.questions)
     subtitle = f"{model.name}, {plan.dtype}, {n} question{'s' if n != 1 else ''}, {plan.max_new_tokens} new tokens"

@@ -195,6 +195,20 @@ def _version(module: str) -> str | None:
         return None
 
 
+def code_version() -> str:
+    """decodekit's version plus a hash of its source files: two runs with the same value ran the
+    same code, whether or not it was committed."""
+    import hashlib
+
+    import decodekit
+
+    root = Path(decodekit.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return f"{decodekit.__version__}+{digest.hexdigest()[:12]}"
+
+
 def machine_info(*, model: str, dtype: str) -> dict[str, Any]:
     import torch
 
@@ -204,6 +218,7 @@ def machine_info(*, model: str, dtype: str) -> dict[str, Any]:
         "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "transformers": _version("transformers"),
         "llama_cpp": _version("llama-cpp-python"), "dtype": dtype, "model": model,
+        "decodekit": code_version(),
     }
 
 

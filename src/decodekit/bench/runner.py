@@ -5,6 +5,8 @@ Fairness rules (Spec-Bench style, adapted to one shared CPU):
 * for each question, every contestant runs once, in an order rotated by one position from one
   question (and repeat) to the next, so slow drift of the machine hits all contestants alike;
 * ``repeats`` passes over the questions; the summary takes medians over repeats.
+A run can be checkpointed after every question and resumed: questions are the unit, so every
+finished question keeps all its contestants' records from the same interleaved pass.
 Each run yields one record (see :mod:`decodekit.bench.results` for the schema).
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import resource
 import statistics
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,7 @@ class BenchRun:
     peak_rss_mb: dict[str, float]
     notes: list[str] = field(default_factory=list)
     contestants: list[dict[str, Any]] = field(default_factory=list)
+    resumed: int = 0  # questions (x repeats) taken from an earlier run instead of being run
 
 
 def schedule(names: Sequence[str], n_questions: int, repeats: int) -> Iterator[tuple[int, int, list[str]]]:
@@ -178,9 +181,26 @@ def warm_up(contestants: list[Contestant], prompt_ids: PromptIds, config: BenchC
     return kept, rss
 
 
+def finished_records(previous: Iterable[dict[str, Any]], names: Sequence[str],
+                     questions: Sequence[Question]) -> dict[tuple[int, Any], list[dict[str, Any]]]:
+    """Records of an earlier (interrupted) run grouped by (repeat, question id), keeping only the
+    questions of this run on which every contestant of this run has a record."""
+    wanted = {q.question_id for q in questions}
+    groups: dict[tuple[int, Any], list[dict[str, Any]]] = {}
+    for rec in previous:
+        if rec.get("question_id") in wanted and rec.get("method") in names:
+            groups.setdefault((rec["repeat"], rec["question_id"]), []).append(rec)
+    return {key: recs for key, recs in groups.items() if {r["method"] for r in recs} == set(names)}
+
+
 def run_bench(contestants: Sequence[Contestant], questions: Sequence[Question], prompt_ids: PromptIds,
-              config: BenchConfig, *, progress: bool = True) -> BenchRun:
-    """Warm up, then run every contestant on every question ``repeats`` times, interleaved."""
+              config: BenchConfig, *, progress: bool = True, previous: Iterable[dict[str, Any]] = (),
+              checkpoint: Callable[[list[dict[str, Any]]], None] | None = None) -> BenchRun:
+    """Warm up, then run every contestant on every question ``repeats`` times, interleaved.
+
+    ``previous``: records of an interrupted run of the same benchmark; questions they complete
+    are not run again. ``checkpoint(records)`` is called after every question with all records
+    so far (for saving them, so that an interrupted run can be resumed)."""
     config.validate()
     names = [c.name for c in contestants]
     if config.reference not in names:
@@ -193,20 +213,25 @@ def run_bench(contestants: Sequence[Contestant], questions: Sequence[Question], 
     kept, rss = warm_up(list(contestants), prompt_ids, config, notes)
     by_name = {c.name: c for c in kept}
     token_exact = {c.name: c.token_exact for c in kept}
-    records: list[dict[str, Any]] = []
-    bar = Progress(config.repeats * len(questions) * len(kept), progress)
+    done = finished_records(previous, list(by_name), questions)
+    records: list[dict[str, Any]] = [rec for recs in done.values() for rec in recs]
+    bar = Progress((config.repeats * len(questions) - len(done)) * len(kept), progress)
     try:
         for repeat, qi, order in schedule(list(by_name), len(questions), config.repeats):
             question = questions[qi]
+            if (repeat, question.question_id) in done:
+                continue
             batch = []
             for position, name in enumerate(order):
                 batch.append(run_one(by_name[name], question, prompt_ids, config, repeat, position, notes))
                 bar.update(f"{name} · {question.category} #{question.question_id}")
             compare_to_reference(batch, config.reference, token_exact)
             records.extend(batch)
+            if checkpoint is not None:
+                checkpoint(records)
     finally:
         bar.close()
-    return BenchRun(records, rss, notes, [c.describe() for c in kept])
+    return BenchRun(records, rss, notes, [c.describe() for c in kept], resumed=len(done))
 
 
 def run_one(contestant: Contestant, question: Question, prompt_ids: PromptIds, config: BenchConfig,
