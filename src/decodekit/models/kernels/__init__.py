@@ -1,17 +1,20 @@
-"""Compiled kernels for what torch does slowly here, built on first use and cached.
+"""Compiled kernels for what torch does slowly or inconsistently here, built on first use.
 
-One kernel so far: the product of a float32 or bfloat16 weight matrix with a few rows
-(``gemm.c``), what a
-decode step (one row) or a small verification pass (a few) spends most of its time on. Measured
-on this project's AMD EPYC machine with cold weights, against oneDNN (itself well ahead of MKL
-here): the 3072x576 gate/up projection 364 vs 566 us for 2 rows, 678 vs 821 us for 16; the
-49152x576 lm head 6.1 vs 8.3 ms for 2 rows, 10.7 vs 12.4 ms for 16. A row's result does not
-depend on how many rows are computed with it.
+* ``gemm.c``: a float32 or bfloat16 weight matrix times a few rows, what a decode step (one row)
+  or a verification pass (a few) spends most of its time on. Measured on this project's AMD EPYC
+  machine with cold weights, against oneDNN (itself well ahead of MKL here): the 3072x576
+  gate/up projection 364 vs 566 us for 2 rows, 678 vs 821 us for 16; the 49152x576 lm head
+  6.1 vs 8.3 ms for 2 rows, 10.7 vs 12.4 ms for 16.
+* ``attention.c``: attention over the cache for a few queries, each computed from the keys it
+  sees in cache order.
 
-The C file is compiled with the system compiler (``cc``, OpenMP, AVX-512) into
-``cache_root()/kernels`` the first time it is needed (a few seconds) and loaded with ctypes.
-Without a compiler, on a CPU without AVX-512, or with ``DECODEKIT_KERNELS=0``, :func:`few_rows_matmul`
-returns None and callers keep using torch.
+In both, a row's result does not depend on the other rows of the pass or on the attention
+layout, so a token verified in a tree gets bit for bit its one-token-step logits.
+
+The C files are compiled with the system compiler (``cc``, OpenMP, AVX-512) into
+``cache_root()/kernels`` the first time they are needed (a few seconds) and loaded with ctypes.
+Without a compiler, on a CPU without AVX-512, or with ``DECODEKIT_KERNELS=0``, the functions
+here return None and callers keep using torch.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Ten
 
 
 def _supported() -> bool:
+    """AVX-512 present (as torch sees it) and not switched off."""
     if os.environ.get("DECODEKIT_KERNELS", "1") == "0":
         return False
     try:
