@@ -3,9 +3,9 @@
  * nor on where masked keys sit in the cache.
  *
  * For each (head, query): scores s_j = scale * q.k_j over the visible keys j in cache order
- * (each a fixed-order 16-lane dot product), their max, p_j = exp(s_j - max), the sum of p_j
- * added one key at a time, and out = (sum_j p_j v_j) / sum with v accumulated one key at a time
- * across the head dimension. A token verified in a tree (prefix + its ancestors visible) thus
+ * (each a fixed-order 16-lane dot product), their max, p_j = exp(s_j - max) (a vectorised
+ * exponential), the sum of p_j with the t-th visible key in lane t % 16, and out = (sum_j p_j v_j)
+ * / sum with v accumulated one key at a time across the head dimension. A token verified in a tree (prefix + its ancestors visible) thus
  * gets bit for bit the attention output it gets in plain one-token decoding, where the same keys
  * are the contiguous cache prefix. Library attention kernels block the key axis by position,
  * so their rounding depends on the layout; with bfloat16 that flips near-tied tokens.
@@ -23,6 +23,39 @@
 static inline __m512 load_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* exp(x) for x <= 0, 16 lanes: x = n ln2 + r, exp(r) by its degree-7 Taylor polynomial (relative
+ * error ~1e-7 on |r| <= ln2/2), times 2^n. Every lane computes the same function of its input. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);     /* ln2, high part */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);          /* ln2, low part */
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Replace scores[t] by exp(scores[t] - best) and return their sum. The t-th visible key always
+ * lands in lane t % 16, so the sum depends only on the sequence of visible scores. */
+static float softmax_numerators(float *scores, int n, float best) {
+    __m512 sum = _mm512_setzero_ps(), shift = _mm512_set1_ps(best);
+    for (int t = 0; t < n; t += 16) {
+        __mmask16 m = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u);
+        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), shift));
+        e = _mm512_maskz_mov_ps(m, e);
+        _mm512_mask_storeu_ps(scores + t, m, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
 }
 
 #define DEFINE_ATTENTION(NAME, T, LOAD)                                                            \
@@ -55,13 +88,11 @@ static inline __m512 load_bf16(const uint16_t *p) {
                     keys[n++] = j;                                                                 \
                     if (s > best) best = s;                                                        \
                 }                                                                                  \
+                float total = softmax_numerators(scores, n, best);                                 \
                 __m512 o[16];                                                                      \
                 for (int c = 0; c < chunks; c++) o[c] = _mm512_setzero_ps();                       \
-                float total = 0.0f;                                                                \
                 for (int t = 0; t < n; t++) {                                                      \
-                    float p = expf(scores[t] - best);                                              \
-                    total += p;                                                                    \
-                    __m512 pv = _mm512_set1_ps(p);                                                 \
+                    __m512 pv = _mm512_set1_ps(scores[t]);                                         \
                     const T *vj = vh + (size_t)keys[t] * head_dim;                                 \
                     for (int c = 0; c < chunks; c++) o[c] = _mm512_fmadd_ps(pv, LOAD(vj + 16 * c), o[c]); \
                 }                                                                                  \
