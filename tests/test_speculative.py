@@ -345,6 +345,24 @@ def test_costly_drafting_is_planned_before_drafting():
     assert cheap.budget() == 8  # nearly free drafting: draft the whole budget, trim later
 
 
+def test_drafting_costs_carry_over_to_the_next_request_on_the_same_backend():
+    """A costly drafter that did not pay in one request is not drafted from at the start of the next."""
+    backend = tiny_llama(seed=0)
+    costs = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.6}
+    first = Controller(8, cost_table=costs)
+    first.begin(backend, "slow-drafter")
+    first.observe_draft(4, 4 * 0.6)
+    for _ in range(40):
+        first.observe(chain_tree(4, ""), Verification([], 0), overhead_s=0.0)
+    first.finish(backend)
+    second = Controller(8, cost_table=costs)
+    second.begin(backend, "slow-drafter")
+    assert second.draft_node_s == pytest.approx(0.6) and second.budget() == 0
+    fresh = Controller(8, cost_table=costs)
+    fresh.begin(tiny_llama(seed=1), "slow-drafter")  # another backend knows nothing yet: drafts to measure
+    assert fresh.budget() == 8
+
+
 def probes(ctl: Controller, steps: int) -> int:
     count = 0
     for _ in range(steps):

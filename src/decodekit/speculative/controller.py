@@ -11,7 +11,8 @@ against plain decoding's ``1 / cost(1)``. Keeping nothing (a plain step) is a ch
 speculation that does not pay falls back to plain decoding. (Our design; the per-node model is
 the one behind EAGLE-2's and Sequoia's tree sizing, with counts instead of draft confidences.)
 
-Acceptance estimates are kept with the model's backend, per drafter, across requests.
+Acceptance estimates and drafting costs are kept with the model's backend, per drafter, across
+requests.
 When the best choice is a plain step the controller stops drafting for 1, 2, 4, ... steps and
 then explores with the single best node, so acceptance estimates keep being refreshed; the
 longest pause (4 to 64 steps) is set so such probes cost about 1% of decode time.
@@ -144,6 +145,8 @@ class CostTable:
 
 
 _ACCEPTANCE: "weakref.WeakKeyDictionary[Backend, dict[str, dict]]" = weakref.WeakKeyDictionary()
+# per backend and drafter: (draft seconds EMA, drafted nodes EMA, draft calls, back-off level)
+_DRAFTING: "weakref.WeakKeyDictionary[Backend, dict[str, tuple[float, float, int, int]]]" = weakref.WeakKeyDictionary()
 
 
 def prior_acceptance(depth: int, rank: int) -> float:
@@ -171,6 +174,7 @@ class Controller:
         self.draft_node_s = 0.0  # seconds of drafting per drafted node (ratio of EMAs per call)
         self._draft_seconds = self._draft_nodes = 0.0
         self._draft_calls = 0
+        self._drafter = ""
         self._chain_source = ""  # source of the last tree's first node: whose acceptance to use
         self._skip = 0  # plain steps left before drafting again
         self._backoff = 0
@@ -185,6 +189,11 @@ class Controller:
             self.learn_costs = True
         if drafter and not self.accept:
             self.accept = _ACCEPTANCE.setdefault(backend, {}).setdefault(drafter, {})
+        self._drafter = drafter
+        saved = _DRAFTING.get(backend, {}).get(drafter) if drafter else None
+        if saved is not None and self._draft_calls == 0:  # what drafting cost in earlier requests
+            self._draft_seconds, self._draft_nodes, self._draft_calls, self._backoff = saved
+            self.draft_node_s = self._draft_seconds / max(self._draft_nodes, 1e-3)
 
     def observe_cost(self, n: int, seconds: float) -> None:
         """A timed forward pass of ``n`` tokens (1 = a plain step)."""
@@ -192,9 +201,12 @@ class Controller:
             self.cost.observe(n, seconds)
 
     def finish(self, backend: Backend) -> None:
-        """Keep what this request learnt about pass costs for the next one."""
+        """Keep what this request learnt about pass and drafting costs for the next one."""
         if self.learn_costs and self.cost is not None:
             self.cost.save(backend)
+        if self._drafter and self._draft_calls:
+            drafting = (self._draft_seconds, self._draft_nodes, self._draft_calls, self._backoff)
+            _DRAFTING.setdefault(backend, {})[self._drafter] = drafting
 
     # Decisions -----------------------------------------------------------------------------
 
