@@ -45,9 +45,6 @@ EXPLORE_SHARE = 0.01  # at most ~1% of decode time spent on probes that do not p
 MAX_DEPTH_KEY = 15
 MAX_RANK_KEY = 7
 CHEAP_DRAFT = 0.02  # drafting a full budget under 2% of a plain step: no need to plan the depth
-# Costly drafting must promise this much more than plain decoding: its estimates are noisy, and
-# a wrong "draft" costs a whole draft chain, a wrong "plain step" costs only the missed gain.
-COSTLY_DRAFT_MARGIN = 1.1
 
 
 class CostTable:
