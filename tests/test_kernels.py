@@ -73,7 +73,7 @@ def test_a_failed_build_falls_back_to_torch(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_kernel_matches_sdpa(dtype):
-    attend = kernels.layout_independent_attention(dtype)
+    attend = kernels.layout_independent_attention(dtype, 32)
     if attend is None:
         pytest.skip("no C compiler or no AVX-512 on this machine")
     gen = torch.Generator().manual_seed(3)
@@ -113,3 +113,9 @@ def test_tree_nodes_are_bit_identical_to_one_token_decoding(dtype):
         for token in nodes[path[::-1]]:
             logits = backend.append(token.view(1, 1)).logits[0, -1]
         assert torch.equal(tree_logits[node], logits), node
+
+
+def test_attention_kernel_declines_head_dims_it_cannot_run():
+    assert kernels.layout_independent_attention(torch.float32, 8) is None  # not a multiple of 16
+    assert kernels.layout_independent_attention(torch.float32, 512) is None  # over 256
+    assert kernels.layout_independent_attention(torch.float16, 64) is None  # float32 and bfloat16 only

@@ -206,8 +206,7 @@ class NativeLlama(Backend):
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), inv_freq)
         self._freqs = torch.polar(torch.ones_like(angles), angles)  # complex [max_position, D/2]
         self._initial_capacity = initial_capacity
-        head_dim_ok = config.head_dim % 16 == 0 and config.head_dim <= 256
-        self._attention = layout_independent_attention(dtype) if head_dim_ok else None
+        self._attention = layout_independent_attention(dtype, config.head_dim)
         self.reset(1)
 
     # Cache management ---------------------------------------------------------------------

@@ -84,6 +84,7 @@ def _library(name: str) -> ctypes.CDLL | None:
         return None
 
 
+@cache
 def few_rows_matmul(dtype: torch.dtype = torch.float32) -> MatmulKernel | None:
     """``matmul(weight [out, in], x [rows, in]) -> [rows, out]`` for ``dtype`` weights and inputs
     (float32, or bfloat16 on CPUs with AVX512-BF16), or None where unavailable. The product is
@@ -111,24 +112,25 @@ def few_rows_matmul(dtype: torch.dtype = torch.float32) -> MatmulKernel | None:
     return matmul
 
 
-def layout_independent_attention(dtype: torch.dtype) -> AttentionKernel | None:
+@cache
+def layout_independent_attention(dtype: torch.dtype, head_dim: int) -> AttentionKernel | None:
     """``attention(q [n_q, H, D], k [H_kv, cap, D], v [H_kv, cap, D], visible [n_q, n_keys] | None,
-    scale) -> [n_q, H, D]`` (``attention.c``) for a ``dtype`` cache (float32 or bfloat16), or None
-    where unavailable. ``visible`` None means every query sees the first ``n_keys`` = cap keys;
+    scale) -> [n_q, H, D]`` (``attention.c``) for a ``dtype`` cache (float32 or bfloat16) and
+    ``head_dim`` D (a multiple of 16, at most 256), or None where unavailable. ``visible`` None means every query sees the first ``n_keys`` = cap keys;
     pass ``k``/``v`` sliced to the keys in use. A query's result depends only on the keys it
     sees, in cache order, so a token verified in a tree gets the same result as in a plain step."""
     lib = _library("attention")
-    if lib is None or dtype not in (torch.float32, torch.bfloat16):
+    if lib is None or dtype not in (torch.float32, torch.bfloat16) or head_dim % 16 or head_dim > 256:
         return None
     fn = lib.decodekit_attention_f32 if dtype == torch.float32 else lib.decodekit_attention_bf16
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     fn.restype = None
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float) -> torch.Tensor:
-        n_q, n_heads, head_dim = q.shape
+        n_q, n_heads = q.shape[:2]
         n_kv_heads, n_keys = k.shape[0], k.shape[1]
-        if head_dim % 16 or head_dim > 256 or k.stride(2) != 1 or k.stride(1) != head_dim or v.stride() != k.stride():
-            raise ValueError("attention kernel: head_dim must be a multiple of 16 (<= 256) and k, v rows contiguous")
+        if q.shape[2] != head_dim or k.stride(2) != 1 or k.stride(1) != head_dim or v.stride() != k.stride():
+            raise ValueError(f"attention kernel: needs head_dim {head_dim} and contiguous k, v rows")
         cap = k.stride(0) // head_dim
         q = q.float().contiguous()
         out = torch.empty(n_q, n_heads, head_dim, dtype=torch.float32)
