@@ -73,6 +73,8 @@ class Plan:
     command: str
     notes: list[str] = field(default_factory=list)
     resume: bool = False
+    previous: list[dict[str, Any]] = field(default_factory=list)  # --resume: the checkpoint's records
+    previous_notes: list[str] = field(default_factory=list)
 
     def config(self) -> dict[str, Any]:
         return {
@@ -96,22 +98,19 @@ CHECKPOINT_SCHEMA = "decodekit-bench-checkpoint/1"
 def load_checkpoint(plan: Plan) -> tuple[list[dict[str, Any]], list[str]]:
     """Records and notes saved by an earlier run of ``plan`` in ``plan.out``; a missing checkpoint,
     other settings or other code is a one-line error (checked before the model loads)."""
-    from .results import code_version
+    from .results import code_version, read_document
 
     path = plan.out / CHECKPOINT
     if not path.is_file():
         raise InvalidParameter(f"--resume: no {CHECKPOINT} in {str(plan.out)!r}; run without --resume first")
-    try:
-        saved = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InvalidParameter(f"--resume: {path} is not JSON ({err})") from None
-    if not isinstance(saved, dict) or saved.get("schema") != CHECKPOINT_SCHEMA:
-        raise InvalidParameter(f"--resume: {path} is not a decodekit bench checkpoint")
-    if saved.get("code") != code_version():
+    saved = read_document(path, CHECKPOINT_SCHEMA, "decodekit bench checkpoint", prefix="--resume: ")
+    code = code_version()
+    if saved.get("code") != code:
         raise InvalidParameter(f"--resume: {path} was written by decodekit {saved.get('code')}, this is "
-                               f"{code_version()}; timings from different code cannot be mixed, run without --resume")
-    if saved.get("resume_key") != plan.resume_key():
-        differ = sorted(k for k in plan.resume_key() if saved.get("resume_key", {}).get(k) != plan.resume_key()[k])
+                               f"{code}; timings from different code cannot be mixed, run without --resume")
+    key, saved_key = plan.resume_key(), saved.get("resume_key") or {}
+    if saved_key != key:
+        differ = sorted(k for k in key if saved_key.get(k) != key[k])
         raise InvalidParameter(f"--resume: {path} was made with other settings ({', '.join(differ)})")
     return list(saved.get("records", [])), list(saved.get("notes", []))
 
@@ -198,8 +197,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         resume=getattr(args, "resume", False),
     )
     plan.command = command_line(plan, args.quick)
-    if plan.resume:
-        load_checkpoint(plan)  # fail now, not after loading the model
+    if plan.resume:  # read (and check) now, not after loading the model
+        plan.previous, plan.previous_notes = load_checkpoint(plan)
     return plan
 
 
@@ -230,11 +229,12 @@ def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[
     from .contestants import MethodContestant
     from .plot import plot_speedup
     from .report import write_report
-    from .results import build_results, machine_info, write_results
+    from .results import build_results, code_version, machine_info, write_results
     from .runner import BenchConfig, run_bench
 
     if plan.threads:
         torch.set_num_threads(plan.threads)
+    code_version()  # fix the code stamp of this run's checkpoints and results now
     # Each method gets its own backend clone (shared weights, own cache and own cross-request
     # memory: suffix corpus, recycling table, bandit), as if each ran in its own process as in
     # Spec-Bench; otherwise a method could draft from another method's answer to the same question.
@@ -245,10 +245,9 @@ def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[
     baselines, notes = build_baselines(plan.baselines, model, model=plan.model, dtype=plan.dtype,
                                        threads=torch.get_num_threads(), hf_model=hf_model)
     config = BenchConfig(max_new_tokens=plan.max_new_tokens, repeats=plan.repeats, all_turns=plan.all_turns, reference=REFERENCE)
-    previous, earlier_notes = load_checkpoint(plan) if plan.resume else ([], [])
-    notes = [*plan.notes, *notes, *(n for n in earlier_notes if n not in notes)]
+    notes = [*plan.notes, *notes, *(n for n in plan.previous_notes if n not in notes)]
     run_ = run_bench([*contestants, *baselines], plan.questions, model.prompt_ids, config, progress=progress,
-                     previous=previous, checkpoint=lambda records: save_checkpoint(plan, records, notes))
+                     previous=plan.previous, checkpoint=lambda records: save_checkpoint(plan, records, notes))
     save_checkpoint(plan, run_.records, [*notes, *run_.notes])
     if run_.resumed:
         notes.append(f"resumed: {run_.resumed} question(s) taken from an earlier run of the same code and settings")

@@ -44,6 +44,7 @@ import platform
 import statistics
 from collections.abc import Iterable, Sequence
 from datetime import datetime
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -195,9 +196,11 @@ def _version(module: str) -> str | None:
         return None
 
 
+@cache
 def code_version() -> str:
     """decodekit's version plus a hash of its source files: two runs with the same value ran the
-    same code, whether or not it was committed."""
+    same code, whether or not it was committed. Computed once per process (first call: before a
+    run starts), so editing the sources during a run does not relabel it."""
     import hashlib
 
     import decodekit
@@ -249,15 +252,21 @@ def write_results(results: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def read_document(path: Path, schema: str, what: str, *, prefix: str = "", required: Sequence[str] = ()) -> dict[str, Any]:
+    """A JSON object with ``"schema": schema`` (and the ``required`` keys) from an existing file;
+    anything else is a one-line error naming ``what`` the file should have been."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InvalidParameter(f"{prefix}{path}: not a JSON file ({err})") from None
+    if not isinstance(data, dict) or data.get("schema") != schema or any(key not in data for key in required):
+        raise InvalidParameter(f"{prefix}{path}: not a {what}")
+    return data
+
+
 def load_results(path: str | Path) -> dict[str, Any]:
     """Read a results.json; a missing or foreign file is a one-line error."""
     path = Path(path)
     if not path.is_file():
         raise InvalidParameter(f"results file {str(path)!r} not found")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InvalidParameter(f"{path}: not a JSON file ({err})") from None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA or "summary" not in data:
-        raise InvalidParameter(f"{path}: not a decodekit bench results file (schema {SCHEMA})")
-    return data
+    return read_document(path, SCHEMA, f"decodekit bench results file (schema {SCHEMA})", required=("summary",))
