@@ -96,8 +96,9 @@ def test_tree_nodes_are_bit_identical_to_one_token_decoding(dtype):
     """With the kernels, verifying a token in a tree gives exactly the logits of plain one-token
     decoding of its path: lossless speculation holds bit for bit, also in bfloat16."""
     backend = tiny_llama(seed=4, dtype=dtype, hidden_size=64)  # head_dim 16: the kernel's path
-    if backend._attention is None or Projection(torch.zeros(4, 4, dtype=dtype)).few_rows is None:
+    if backend._attend is None or Projection(torch.zeros(4, 4, dtype=dtype)).few_rows is None:
         pytest.skip("kernels unavailable on this machine")
+    assert backend._ops is not None  # the element-wise kernels are on the path too
     context = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(5))
     parents = [-1, 0, 0, 1, 3, -1, 5, 2]
     nodes = torch.randint(0, 96, (len(parents),), generator=torch.Generator().manual_seed(6))
@@ -119,3 +120,65 @@ def test_attention_kernel_declines_head_dims_it_cannot_run():
     assert kernels.layout_independent_attention(torch.float32, 8) is None  # not a multiple of 16
     assert kernels.layout_independent_attention(torch.float32, 512) is None  # over 256
     assert kernels.layout_independent_attention(torch.float16, 64) is None  # float32 and bfloat16 only
+
+
+# Element-wise layer ops -----------------------------------------------------------------------------
+
+
+def _ops(dtype):
+    ops = kernels.layer_ops(dtype, 64, 96)
+    if ops is None:
+        pytest.skip("no C compiler or no AVX-512 on this machine")
+    return ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_torch_and_updates_the_residual_in_place(dtype):
+    from decodekit.models.native import rms_norm
+
+    gen = torch.Generator().manual_seed(7)
+    x, delta = torch.randn(3, 64, generator=gen).to(dtype), torch.randn(3, 64, generator=gen).to(dtype)
+    weight = torch.randn(64, generator=gen).to(dtype)
+    expected_x = x + delta
+    expected_h = rms_norm(expected_x, weight, 1e-5)
+    got_x = x.clone()
+    got_h = _ops(dtype).add_rms_norm(got_x, delta, weight, 1e-5)
+    assert torch.equal(got_x, expected_x)  # the add rounds exactly as torch's
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got_h, expected_h, rtol=tolerance, atol=tolerance)
+    plain = _ops(dtype).add_rms_norm(expected_x.clone(), None, weight, 1e-5)  # no delta: x untouched
+    assert torch.equal(plain, got_h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype):
+    gen = torch.Generator().manual_seed(8)
+    gate_up = (4 * torch.randn(2, 3, 192, generator=gen)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(_ops(dtype).silu_mul(gate_up), F.silu(gate) * up, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_rotates_like_torch_and_fills_the_cache(dtype):
+    from decodekit.models.native import apply_rope
+
+    gen = torch.Generator().manual_seed(9)
+    heads, kv_heads, dim, cap, start = 4, 2, 16, 12, 5
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    angles = torch.outer(torch.arange(20, dtype=torch.float32), torch.rand(dim // 2, generator=gen))
+    freqs = torch.polar(torch.ones_like(angles), angles)
+    positions = torch.tensor([7, 9, 8])
+    k_cache, v_cache = torch.zeros(kv_heads, cap, dim, dtype=dtype), torch.zeros(kv_heads, cap, dim, dtype=dtype)
+    q = _ops(dtype).rope_store(qkv, torch.view_as_real(freqs).reshape(20, -1), positions, k_cache, v_cache, start, heads)
+    rotated = apply_rope(qkv[:, : (heads + kv_heads) * dim].view(3, heads + kv_heads, dim)[None], freqs[positions].view(1, 3, 1, -1))[0]
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(q, rotated[:, :heads].float(), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(k_cache[:, start : start + 3], rotated[:, heads:].transpose(0, 1), rtol=tolerance, atol=tolerance)
+    assert torch.equal(v_cache[:, start : start + 3], qkv[:, (heads + kv_heads) * dim :].view(3, kv_heads, dim).transpose(0, 1))
+    assert not k_cache[:, :start].any() and not k_cache[:, start + 3 :].any()  # other slots untouched
+
+
+def test_layer_ops_decline_sizes_they_cannot_run():
+    assert kernels.layer_ops(torch.float32, 40, 64) is None  # hidden size not a multiple of 16
+    assert kernels.layer_ops(torch.float16, 64, 64) is None

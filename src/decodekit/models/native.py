@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kernels import MAX_ROWS, few_rows_matmul, layout_independent_attention
+from .kernels import MAX_ROWS, few_rows_matmul, layer_ops, layout_independent_attention
 from .backend import Backend, ModelInfo, StepOutput
 
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -205,8 +205,10 @@ class NativeLlama(Backend):
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), inv_freq)
         self._freqs = torch.polar(torch.ones_like(angles), angles)  # complex [max_position, D/2]
+        self._freqs_pairs = torch.view_as_real(self._freqs).reshape(config.max_position, -1)  # (cos, sin)
         self._initial_capacity = initial_capacity
-        self._attention = layout_independent_attention(dtype, config.head_dim)
+        self._attend = layout_independent_attention(dtype, config.head_dim)
+        self._ops = layer_ops(dtype, config.hidden_size, config.intermediate_size)
         self.reset(1)
 
     # Cache management ---------------------------------------------------------------------
@@ -291,42 +293,80 @@ class NativeLlama(Backend):
         c, w = self.config, self.weights
         batch, k = tokens.shape
         start = self._length
-        end = start + k
-        self._ensure_capacity(end)
-        freqs = self._freqs[positions].view(1, k, 1, -1)
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        gqa = c.num_heads != c.num_kv_heads
-        attend = self._attention if batch == 1 and k <= MAX_ROWS else None
-        scale = c.head_dim**-0.5
+        self._ensure_capacity(start + k)
+        # Passes the matmul kernels take also get the element-wise kernels, so a token's
+        # arithmetic is the same in a plain step and in any verification pass.
+        ops = self._ops if k <= MAX_ROWS else None
 
-        x = F.embedding(tokens, w.embed)
+        x = F.embedding(tokens, w.embed)  # a fresh tensor: the residual stream, updated in place
+        pending = None  # the last MLP output, added to x inside the next norm (one fused call)
         hidden: dict[int, torch.Tensor] = {}
         if 0 in hidden_layers:
-            hidden[0] = x
+            hidden[0] = x.clone()
         for i, layer in enumerate(w.layers):
             if i not in skip_layers:
-                h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
-                qkv = layer["qkv"](h)
-                # Rotate q and k heads together: one complex multiply for both.
-                qk = apply_rope(qkv[..., : q_size + kv_size].view(batch, k, -1, c.head_dim), freqs)
-                q, kk = qk.transpose(1, 2).split((c.num_heads, c.num_kv_heads), dim=1)
-                v = qkv[..., q_size + kv_size :]
-                self._k[i, :, :, start:end] = kk
-                self._v[i, :, :, start:end] = v.view(batch, k, c.num_kv_heads, c.head_dim).transpose(1, 2)
-                if attend is not None:  # one sequence, few tokens: the layout-independent kernel
-                    heads = attend(qk[0, :, : c.num_heads], self._k[i, 0, :, :end], self._v[i, 0, :, :end], mask, scale)
-                    attn = heads.to(x.dtype).view(batch, k, q_size)
+                h = self._add_norm(x, pending, layer["attn_norm"], ops)
+                attn = self._attention(i, layer["qkv"](h), positions, mask, start, ops)
+                h = self._add_norm(x, layer["o"](attn), layer["mlp_norm"], ops)
+                gate_up = layer["gate_up"](h)
+                if ops is not None:
+                    act = ops.silu_mul(gate_up)
                 else:
-                    attn = F.scaled_dot_product_attention(
-                        q, self._k[i, :, :, :end], self._v[i, :, :, :end], attn_mask=mask, enable_gqa=gqa
-                    ).transpose(1, 2).reshape(batch, k, q_size)
-                x = x + layer["o"](attn)
-                h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
-                gate, up = layer["gate_up"](h).chunk(2, dim=-1)
-                x = x + layer["down"](F.silu(gate) * up)
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    act = F.silu(gate) * up
+                pending = layer["down"](act)
             if i + 1 in hidden_layers:
-                hidden[i + 1] = x
+                if pending is not None:
+                    x.add_(pending)  # rounds as the fused add does
+                    pending = None
+                hidden[i + 1] = x.clone()
+        h = self._add_norm(x, pending, w.final_norm, ops)
         if last_only:
-            x = x[:, -1:]
-        logits = w.lm_head(rms_norm(x, w.final_norm, c.rms_norm_eps)).float()
-        return StepOutput(logits=logits, hidden=hidden)
+            h = h[:, -1:]
+        return StepOutput(logits=w.lm_head(h).float(), hidden=hidden)
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, ops) -> torch.Tensor:
+        """``x += delta`` in place (the residual add), then the RMSNorm of x."""
+        if ops is not None:
+            return ops.add_rms_norm(x, delta, weight, self.config.rms_norm_eps)
+        if delta is not None:
+            x.add_(delta)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _attention(
+        self, i: int, qkv: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, start: int, ops
+    ) -> torch.Tensor:
+        """Layer ``i``'s attention for the fused projection ``qkv [B, k, (H + 2 H_kv) D]``: rotate
+        q and k, write k and v to cache slots ``start..start+k``, attend over the cache under
+        ``mask``. Returns ``[B, k, H D]`` in the model dtype."""
+        c = self.config
+        batch, k = qkv.shape[:2]
+        end = start + k
+        q_size = c.num_heads * c.head_dim
+        scale = c.head_dim**-0.5
+        if self._attend is not None and batch == 1 and k <= MAX_ROWS:
+            # One sequence, few tokens: the layout-independent kernel (see kernels/attention.c).
+            if ops is not None:
+                q = ops.rope_store(qkv, self._freqs_pairs, positions, self._k[i, 0], self._v[i, 0], start, c.num_heads)
+            else:
+                q = self._rope_and_store(i, qkv, positions, start)[0][0]
+            heads = self._attend(q, self._k[i, 0, :, :end], self._v[i, 0, :, :end], mask, scale)
+            return heads.to(qkv.dtype).view(batch, k, q_size)
+        _, q = self._rope_and_store(i, qkv, positions, start)
+        return F.scaled_dot_product_attention(
+            q, self._k[i, :, :, :end], self._v[i, :, :, :end], attn_mask=mask, enable_gqa=c.num_heads != c.num_kv_heads
+        ).transpose(1, 2).reshape(batch, k, q_size)
+
+    def _rope_and_store(self, i: int, qkv: torch.Tensor, positions: torch.Tensor, start: int):
+        """The torch path of rotary embedding and cache write. Returns (q [B, k, H, D], q [B, H, k, D])."""
+        c = self.config
+        batch, k = qkv.shape[:2]
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        freqs = self._freqs[positions].view(1, k, 1, -1)
+        # Rotate q and k heads together: one complex multiply for both.
+        qk = apply_rope(qkv[..., : q_size + kv_size].view(batch, k, -1, c.head_dim), freqs)
+        q, kk = qk.transpose(1, 2).split((c.num_heads, c.num_kv_heads), dim=1)
+        v = qkv[..., q_size + kv_size :]
+        self._k[i, :, :, start : start + k] = kk
+        self._v[i, :, :, start : start + k] = v.view(batch, k, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        return qk[:, :, : c.num_heads], q

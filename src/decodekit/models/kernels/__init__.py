@@ -7,6 +7,8 @@
   6.1 vs 8.3 ms for 2 rows, 10.7 vs 12.4 ms for 16.
 * ``attention.c``: attention over the cache for a few queries, each computed from the keys it
   sees in cache order.
+* ``layer_ops.c``: a layer's element-wise work (residual add + RMSNorm, SiLU gating, rotary
+  embedding + cache write) in one call each instead of a handful of torch ops.
 
 In both, a row's result does not depend on the other rows of the pass or on the attention
 layout, so a token verified in a tree gets bit for bit its one-token-step logits.
@@ -55,7 +57,8 @@ def _build(source: Path) -> Path | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{source.stem}-{digest}.so"
     if target.exists():
         return target
@@ -142,3 +145,72 @@ def layout_independent_attention(dtype: torch.dtype, head_dim: int) -> Attention
         return out
 
     return attention
+
+
+class LayerOps:
+    """``layer_ops.c`` for one dtype: a layer's element-wise steps on ``rows`` x ``dim`` tensors.
+
+    Each returns a new tensor (``add_rms_norm`` also updates ``x`` in place) and computes every
+    row on its own, so a token's values do not depend on the rest of the pass."""
+
+    def __init__(self, lib: ctypes.CDLL, suffix: str):
+        self._add_rms_norm = getattr(lib, f"decodekit_add_rms_norm_{suffix}")
+        self._add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]
+        self._silu_mul = getattr(lib, f"decodekit_silu_mul_{suffix}")
+        self._silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+        self._rope_store = getattr(lib, f"decodekit_rope_store_{suffix}")
+        self._rope_store.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6
+        for fn in (self._add_rms_norm, self._silu_mul, self._rope_store):
+            fn.restype = None
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x += delta`` in place (when given), then ``rms_norm(x) * weight``. x contiguous."""
+        h = torch.empty_like(x)
+        if delta is not None:
+            delta = delta.contiguous()
+        dim = x.shape[-1]
+        self._add_rms_norm(
+            x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), h.data_ptr(),
+            x.numel() // dim, dim, eps,
+        )
+        return h
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` where ``gate_up = [gate | up]`` on the last axis."""
+        inter = gate_up.shape[-1] // 2
+        out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+        self._silu_mul(gate_up.contiguous().data_ptr(), out.data_ptr(), out.numel() // inter, inter)
+        return out
+
+    def rope_store(
+        self, qkv: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, n_heads: int,
+    ) -> torch.Tensor:
+        """Rotate q and k of ``qkv [rows, (H + 2 H_kv) D]`` (adjacent-pair layout) by ``freqs``
+        (float ``[max_position, D]`` of (cos, sin) pairs) at ``positions``; write k, v to cache
+        slots ``start + row`` of ``k_cache``/``v_cache`` (``[H_kv, cap, D]``, one layer and
+        sequence); return q as float32 ``[rows, H, D]`` (rounded to the cache dtype first, as
+        the torch path does). Needs D a multiple of 16."""
+        n_kv_heads, cap, head_dim = k_cache.shape
+        if head_dim % 16 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("rope_store needs head_dim a multiple of 16 and contiguous caches")
+        rows = qkv.numel() // qkv.shape[-1]
+        q = torch.empty(rows, n_heads, head_dim, dtype=torch.float32)
+        positions = positions.to(torch.int64).contiguous()
+        self._rope_store(
+            qkv.contiguous().data_ptr(), freqs.data_ptr(), positions.data_ptr(), q.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), rows, n_heads, n_kv_heads, head_dim, cap, start,
+        )
+        return q
+
+
+@cache
+def layer_ops(dtype: torch.dtype, hidden_size: int, intermediate_size: int) -> LayerOps | None:
+    """:class:`LayerOps` for ``dtype`` (float32 or bfloat16) where both sizes are multiples of 16,
+    else None."""
+    if hidden_size % 16 or intermediate_size % 16:
+        return None
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None
+    lib = _library("layer_ops")
+    return None if lib is None else LayerOps(lib, "f32" if dtype == torch.float32 else "bf16")

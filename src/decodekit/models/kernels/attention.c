@@ -14,35 +14,12 @@
  * bfloat16. visible: [n_q, n_keys] bytes, or NULL for "all n_keys". out: [n_q, H, D] float32.
  * Needs D % 16 == 0 and D <= 256.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-static inline __m512 load_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline __m512 load_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* exp(x) for x <= 0, 16 lanes: x = n ln2 + r, exp(r) by its degree-7 Taylor polynomial (relative
- * error ~1e-7 on |r| <= ln2/2), times 2^n. Every lane computes the same function of its input. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);     /* ln2, high part */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);          /* ln2, low part */
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+#include "simd.h"
 
 /* Replace scores[t] by exp(scores[t] - best) and return their sum. The t-th visible key always
  * lands in lane t % 16, so the sum depends only on the sequence of visible scores. */
@@ -50,7 +27,7 @@ static float softmax_numerators(float *scores, int n, float best) {
     __m512 sum = _mm512_setzero_ps(), shift = _mm512_set1_ps(best);
     for (int t = 0; t < n; t += 16) {
         __mmask16 m = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u);
-        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), shift));
+        __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), shift));
         e = _mm512_maskz_mov_ps(m, e);
         _mm512_mask_storeu_ps(scores + t, m, e);
         sum = _mm512_add_ps(sum, e);

@@ -1,0 +1,52 @@
+/* AVX-512 helpers shared by the kernels: bfloat16 loads and stores, and a vectorised exponential.
+ * Every lane computes the same function of its own input, so results never depend on which
+ * lane (or which neighbours) a value has. */
+#ifndef DECODEKIT_SIMD_H
+#define DECODEKIT_SIMD_H
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline __m512 load_f32(const float *p) { return _mm512_loadu_ps(p); }
+
+/* 16 bfloat16 values widened to float32 (exact). */
+static inline __m512 load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* float32 -> bfloat16 rounded to nearest even, as torch converts (NaN stays a quiet NaN).
+ * Plain AVX-512F integer arithmetic, so it runs where AVX512-BF16 is missing. */
+static inline __m256i round_to_bf16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+static inline void store_bf16(uint16_t *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, round_to_bf16(x)); }
+
+/* The value a bfloat16 store then load would give: x rounded to bfloat16, in float32. */
+static inline __m512 as_bf16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_to_bf16(x)), 16));
+}
+
+/* exp(x), 16 lanes: x = n ln2 + r, exp(r) by its degree-7 Taylor polynomial (relative error
+ * ~1e-7 on |r| <= ln2/2), times 2^n. Inputs below -87 give exp(-87); above ~88, infinity. */
+static inline __m512 vexp(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);     /* ln2, high part */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);          /* ln2, low part */
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+#endif
