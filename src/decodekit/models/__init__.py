@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .backend import Backend, ModelInfo, StepOutput
-from .loading import DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, parse_dtype, resolve_model_folder
+from .loading import DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, model_gguf, parse_dtype, resolve_model_folder
 from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 
 
@@ -34,7 +34,7 @@ def load_model(
     """Load a model by embedded name, Hugging Face folder or GGUF path (default: SmolLM2-135M)."""
     folder = resolve_model_folder(model)
     return LoadedModel(
-        backend=build_backend(folder, backend=backend, dtype=parse_dtype(dtype)),
+        backend=build_backend(folder, backend=backend, dtype=parse_dtype(dtype), gguf=model_gguf(model)),
         tokenizer=HFTokenizer(folder),
         name=model or DEFAULT_MODEL,
     )

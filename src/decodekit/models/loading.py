@@ -5,7 +5,8 @@ A model spec is one of:
   * a local Hugging Face model folder (``config.json`` + safetensors + tokenizer files),
   * a local ``.gguf`` file.
 GGUF weights are dequantised through transformers' GGUF support the first time and cached
-as float32 safetensors under ``$DECODEKIT_CACHE`` (default ``~/.cache/decodekit``).
+as float32 safetensors under ``$DECODEKIT_CACHE`` (default ``~/.cache/decodekit``); float32 decode
+steps of the native backend read the file's own blocks (same results, less memory traffic).
 """
 
 from __future__ import annotations
@@ -96,6 +97,21 @@ def resolve_model_folder(spec: str | None) -> Path:
     raise ModelNotFound(f"model {spec!r} not found: give an embedded name ({known}), a model folder or a .gguf file")
 
 
+def model_gguf(spec: str | None) -> Path | None:
+    """The GGUF file a model spec names (an embedded model's, or a .gguf path), else None."""
+    spec = spec or DEFAULT_MODEL
+    if spec in EMBEDDED_MODELS:
+        return embedded_gguf(spec)
+    path = Path(spec).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def gguf_blocks_enabled() -> bool:
+    """Whether float32 native models read their GGUF blocks for decode steps (on unless
+    ``DECODEKIT_GGUF_BLOCKS=0``; results are identical either way, only speed differs)."""
+    return os.environ.get("DECODEKIT_GGUF_BLOCKS", "1") != "0"
+
+
 def dequantised_folder(gguf: Path) -> Path:
     """Dequantise a GGUF file once into a cached Hugging Face folder; return that folder."""
     stat = gguf.stat()
@@ -134,8 +150,13 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_backend(folder: Path, *, backend: str = "auto", dtype: torch.dtype = torch.float32) -> Backend:
-    """Build the native backend for Llama-family configs, the HF backend otherwise (or on request)."""
+def build_backend(
+    folder: Path, *, backend: str = "auto", dtype: torch.dtype = torch.float32, gguf: Path | None = None
+) -> Backend:
+    """Build the native backend for Llama-family configs, the HF backend otherwise (or on request).
+
+    ``gguf``: the file ``folder`` was dequantised from; a float32 native backend then streams its
+    Q4_1 / Q8_0 blocks in decode steps (:mod:`.gguf_blocks`)."""
     from .native import NATIVE_ARCHITECTURES, LlamaConfig, NativeLlama
 
     config = json.loads((folder / "config.json").read_text())
@@ -148,4 +169,10 @@ def build_backend(folder: Path, *, backend: str = "auto", dtype: torch.dtype = t
         from .hf import HFBackend
 
         return HFBackend.from_folder(folder, dtype=dtype)
-    return NativeLlama(LlamaConfig.from_hf(config), load_state_dict(folder), dtype=dtype, name=folder.name)
+    llama = LlamaConfig.from_hf(config)
+    blocks = None
+    if gguf is not None and dtype == torch.float32 and gguf_blocks_enabled():
+        from .gguf_blocks import read_block_matrices
+
+        blocks = read_block_matrices(gguf, llama.num_layers)
+    return NativeLlama(llama, load_state_dict(folder), dtype=dtype, name=folder.name, gguf_blocks=blocks)

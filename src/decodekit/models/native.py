@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kernels import MAX_ROWS, few_rows_matmul, layer_ops, layout_independent_attention
 from .backend import Backend, ModelInfo, StepOutput
+from .gguf_blocks import BlockMatrix, matching_blocks
+from .kernels import MAX_ROWS, block_matmul, few_rows_matmul, layer_ops, layout_independent_attention
 
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -65,6 +66,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 
 
+def rope_row_order(rows: int, head_dim: int) -> torch.Tensor:
+    """The row index :func:`interleave_rope_rows` applies to a ``rows``-row projection."""
+    return interleave_rope_rows(torch.arange(rows).view(rows, 1), head_dim).view(rows)
+
+
 def interleave_rope_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Reorder q/k projection rows so each head's rotary pairs (j, j + D/2) become adjacent.
 
@@ -96,11 +102,13 @@ def _onednn_linear_works() -> bool:
 ONEDNN_LINEAR = _onednn_linear_works()
 
 
-def native_architecture(dtype: torch.dtype) -> str:
+def native_architecture(dtype: torch.dtype, gguf_blocks: bool = False) -> str:
     """The backend's name with the matmul paths it uses (verification costs depend on them)."""
     parts = ["native-llama"]
     if few_rows_matmul(dtype) is not None:
         parts.append("kernel")
+    if gguf_blocks:
+        parts.append("gguf-blocks")
     if ONEDNN_LINEAR:
         parts.append("onednn")
     return "+".join(parts)
@@ -122,12 +130,19 @@ class Projection:
     small verification passes, and a token's projections come out the same in both. With
     bfloat16 weights it multiplies in float32 (exact products, float32 sums, as oneDNN's
     bfloat16 GEMM does) and rounds the result to bfloat16.
+
+    With ``blocks`` (float32 weights that are a GGUF file's dequantised blocks, see
+    :mod:`.gguf_blocks`) those passes stream the blocks instead, with bit-identical results.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks: BlockMatrix | None = None):
         self.weight = weight
         self.bias = bias
         self.few_rows = few_rows_matmul(weight.dtype)
+        kernel = block_matmul(blocks.kind) if blocks is not None and weight.dtype == torch.float32 else None
+        self.blocks = blocks if kernel is not None else None
+        if kernel is not None:
+            self.few_rows = lambda weight, x: kernel(blocks.data, x, blocks.n_in)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -140,32 +155,58 @@ class Projection:
 
 
 class LlamaWeights:
-    """Weights rearranged for fast inference: fused qkv and gate/up projections."""
+    """Weights rearranged for fast inference: fused qkv and gate/up projections.
 
-    def __init__(self, config: LlamaConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype):
+    ``blocks`` (GGUF blocks by Hugging Face name, float32 only) are attached to every fused
+    projection whose float32 weights they reproduce exactly."""
+
+    def __init__(
+        self, config: LlamaConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype,
+        blocks: Mapping[str, BlockMatrix] | None = None,
+    ):
         def get(name: str) -> torch.Tensor:
             return state[name].to(dtype).contiguous()
 
+        self._blocks = blocks if dtype == torch.float32 else None
+        head_dim = config.head_dim
         self.embed = get("model.embed_tokens.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in state
-        self.lm_head = Projection(self.embed if tied else get("lm_head.weight"))
+        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        self.lm_head = self._projection(self.embed if tied else get(head_name), [head_name])
         self.final_norm = get("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            qkv = self._fused_qkv(get, p + "self_attn.{}_proj.weight", config.head_dim)
-            qkv_bias = self._fused_qkv(get, p + "self_attn.{}_proj.bias", config.head_dim) if config.attention_bias else None
+            qkv_names = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+            qkv = self._fused_qkv(get, p + "self_attn.{}_proj.weight", head_dim)
+            qkv_bias = self._fused_qkv(get, p + "self_attn.{}_proj.bias", head_dim) if config.attention_bias else None
+            gate_up_names = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
             self.layers.append(
                 {
                     "attn_norm": get(p + "input_layernorm.weight"),
-                    "qkv": Projection(qkv, qkv_bias),
-                    "o": Projection(get(p + "self_attn.o_proj.weight")),
+                    "qkv": self._projection(qkv, qkv_names, qkv_bias, rope_head_dim=head_dim),
+                    "o": self._projection(get(p + "self_attn.o_proj.weight"), [p + "self_attn.o_proj.weight"]),
                     "mlp_norm": get(p + "post_attention_layernorm.weight"),
-                    "gate_up": Projection(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
-                    "down": Projection(get(p + "mlp.down_proj.weight")),
+                    "gate_up": self._projection(torch.cat([get(n) for n in gate_up_names]), gate_up_names),
+                    "down": self._projection(get(p + "mlp.down_proj.weight"), [p + "mlp.down_proj.weight"]),
                 }
             )
 
+    def _projection(
+        self, weight: torch.Tensor, names: list[str], bias: torch.Tensor | None = None, rope_head_dim: int = 0
+    ) -> Projection:
+        blocks = None
+        if self._blocks is not None:
+            # q and k rows may be stored rotary-interleaved (llama.cpp's layout, which is ours) or not
+            orders = []
+            if rope_head_dim:
+                orders = [lambda n: rope_row_order(n, rope_head_dim), lambda n: rope_row_order(n, rope_head_dim).argsort()]
+            blocks = matching_blocks([self._blocks.get(n) for n in names], weight, orders)
+        return Projection(weight, bias, blocks)
+
+    @property
+    def projections(self) -> list[Projection]:
+        return [self.lm_head] + [layer[n] for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
 
     @staticmethod
     def _fused_qkv(get, pattern: str, head_dim: int) -> torch.Tensor:
@@ -175,6 +216,9 @@ class LlamaWeights:
 
 class NativeLlama(Backend):
     """The native backend: :class:`Backend` over :class:`LlamaWeights` with a preallocated cache.
+
+    ``gguf_blocks``: the model's GGUF blocks (:func:`..gguf_blocks.read_block_matrices`), for
+    float32 decode steps that stream them instead of float32 weights, with identical results.
 
     The cache grows by doubling when full, so no capacity has to be guessed up front.
     """
@@ -187,12 +231,14 @@ class NativeLlama(Backend):
         dtype: torch.dtype = torch.float32,
         name: str = "llama",
         initial_capacity: int = 512,
+        gguf_blocks: Mapping[str, BlockMatrix] | None = None,
     ):
         # Some real weights hold subnormal floats; multi-row matmul kernels run ~3x slower on them.
         torch.set_flush_denormal(True)
         self.config = config
         self.dtype = dtype
-        self.weights = LlamaWeights(config, state, dtype)
+        self.weights = LlamaWeights(config, state, dtype, gguf_blocks)
+        uses_blocks = any(p.blocks is not None for p in self.weights.projections)
         self.info = ModelInfo(
             name=name,
             vocab_size=config.vocab_size,
@@ -200,7 +246,7 @@ class NativeLlama(Backend):
             hidden_size=config.hidden_size,
             max_length=config.max_position,
             dtype=dtype,
-            architecture=native_architecture(dtype),
+            architecture=native_architecture(dtype, uses_blocks),
         )
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), inv_freq)

@@ -1,6 +1,7 @@
 """Compiled kernels for what torch does slowly or inconsistently here, built on first use.
 
-* ``gemm.c``: a float32 or bfloat16 weight matrix times a few rows, what a decode step (one row)
+* ``gemm.c``: a float32 or bfloat16 weight matrix (or GGUF Q4_1 / Q8_0 blocks, rebuilt in
+  float32 on the fly) times a few rows, what a decode step (one row)
   or a verification pass (a few) spends most of its time on. Measured on this project's AMD EPYC
   machine with cold weights, against oneDNN (itself well ahead of MKL here): the 3072x576
   gate/up projection 364 vs 566 us for 2 rows, 678 vs 821 us for 16; the 49152x576 lm head
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 MAX_ROWS = 64  # passes of up to this many tokens use the kernels
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC", "-lm"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-lm"]
 
 MatmulKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
@@ -110,6 +111,28 @@ def few_rows_matmul(dtype: torch.dtype = torch.float32) -> MatmulKernel | None:
         x = x.to(dtype).contiguous()
         out = torch.empty(rows, weight.shape[0], dtype=dtype)
         fn(weight.data_ptr(), x.data_ptr(), out.data_ptr(), rows, weight.shape[0], weight.shape[1], torch.get_num_threads())
+        return out
+
+    return matmul
+
+
+@cache
+def block_matmul(kind: str) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
+    """``matmul(blocks [out, in / 32 * block bytes] uint8, x [rows, in] float32, n_in) ->
+    [rows, out]`` float32 for GGUF ``kind`` ``"q4_1"`` or ``"q8_0"`` blocks, bit-identical to
+    :func:`few_rows_matmul` on the dequantised float32 weights; None where unavailable."""
+    lib = _library("gemm")
+    if lib is None or kind not in ("q4_1", "q8_0"):
+        return None
+    fn = getattr(lib, f"decodekit_gemm_{kind}")
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    fn.restype = None
+
+    def matmul(blocks: torch.Tensor, x: torch.Tensor, n_in: int) -> torch.Tensor:
+        rows = x.shape[0]
+        x = x.to(torch.float32).contiguous()
+        out = torch.empty(rows, blocks.shape[0], dtype=torch.float32)
+        fn(blocks.data_ptr(), x.data_ptr(), out.data_ptr(), rows, blocks.shape[0], n_in, torch.get_num_threads())
         return out
 
     return matmul

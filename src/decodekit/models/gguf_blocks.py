@@ -1,0 +1,132 @@
+"""Decode from a GGUF file's own quantised blocks, bit-identical to float32.
+
+A GGUF model's float32 weights (what decodekit computes with) are its dequantised blocks:
+Q4_1 weight = d * q + m and Q8_0 weight = d * q, with float16 scales d, m and small integers q.
+d * q is exact in float32, so the weight-streaming kernel can read the blocks (5 or 8.5 bits a
+weight instead of 32), rebuild every weight in registers bit for bit, and sum in the float32
+kernel's order (``kernels/gemm.c``). A decode step on a CPU is bound by how fast weights stream
+from memory, so this makes float32 decoding several times faster with identical results.
+
+Only the few-row passes (decode steps, verification) use the blocks; prefill keeps the float32
+weights. Each fused projection's blocks are checked to dequantise exactly to its float32
+weights when the model is built, and a projection that does not match keeps float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+BLOCK_WEIGHTS = 32
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # fp16 d (+ fp16 m), then the packed q
+
+# GGUF tensor names -> Hugging Face Llama names (per layer; "{}" is the layer index)
+GGUF_TO_HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{}.attn_q.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "blk.{}.attn_k.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "blk.{}.attn_v.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "blk.{}.attn_output.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
+    "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
+}
+
+
+@dataclass(frozen=True)
+class BlockMatrix:
+    """A ``[rows, n_in]`` weight matrix as GGUF blocks: ``data`` is uint8 ``[rows, n_in / 32 * block bytes]``."""
+
+    kind: str
+    data: torch.Tensor
+    n_in: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.n_in
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights, computed as GGUF's own dequantisation does."""
+        rows = self.data.shape[0]
+        blocks = self.data.view(rows, -1, BLOCK_BYTES[self.kind])
+        d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+        if self.kind == "q8_0":
+            q = blocks[..., 2:].contiguous().view(torch.int8).float()
+            return (q * d).reshape(rows, self.n_in)
+        m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+        packed = blocks[..., 4:]
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+        return (q * d + m).reshape(rows, self.n_in)
+
+    def select_rows(self, order: torch.Tensor) -> "BlockMatrix":
+        return BlockMatrix(self.kind, self.data[order].contiguous(), self.n_in)
+
+    @staticmethod
+    def stack(parts: list["BlockMatrix"]) -> "BlockMatrix | None":
+        """The parts' rows one after another (None unless all share a kind and width)."""
+        if any(p.kind != parts[0].kind or p.n_in != parts[0].n_in for p in parts):
+            return None
+        return BlockMatrix(parts[0].kind, torch.cat([p.data for p in parts]).contiguous(), parts[0].n_in)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, kind: str) -> "BlockMatrix":
+        """Quantise float weights as llama.cpp does (for tests and tiny models): Q8_0 scales each
+        block by max|w| / 127; Q4_1 maps [min, max] onto 0..15."""
+        rows, n_in = weight.shape
+        if n_in % BLOCK_WEIGHTS:
+            raise ValueError(f"GGUF blocks need a width divisible by {BLOCK_WEIGHTS}, got {n_in}")
+        w = weight.float().reshape(rows, -1, BLOCK_WEIGHTS)
+        if kind == "q8_0":
+            d = (w.abs().amax(-1, keepdim=True) / 127).half()
+            q = torch.round(w / d.float().clamp_min(1e-30)).clamp(-127, 127).to(torch.int8)
+            data = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1)
+        elif kind == "q4_1":
+            low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+            d, m = ((high - low) / 15).half(), low.half()
+            q = torch.round((w - m.float()) / d.float().clamp_min(1e-30)).clamp(0, 15).to(torch.uint8)
+            packed = q[..., :16] | (q[..., 16:] << 4)
+            data = torch.cat([d.view(torch.uint8), m.view(torch.uint8), packed], dim=-1)
+        else:
+            raise ValueError(f"unknown GGUF block kind {kind!r}")
+        return cls(kind, data.reshape(rows, -1).contiguous(), n_in)
+
+
+def read_block_matrices(gguf: Path, num_layers: int) -> dict[str, BlockMatrix]:
+    """The Q4_1 and Q8_0 weight matrices of a GGUF file, under their Hugging Face names (rows as
+    stored in the file; other tensor types are left out)."""
+    from gguf import GGUFReader
+
+    names = {}
+    for gguf_name, hf_name in GGUF_TO_HF.items():
+        for i in range(num_layers) if "{}" in gguf_name else [None]:
+            names[gguf_name.format(i)] = hf_name.format(i)
+    found: dict[str, BlockMatrix] = {}
+    for tensor in GGUFReader(gguf).tensors:
+        kind = tensor.tensor_type.name.lower()
+        if tensor.name in names and kind in BLOCK_BYTES:
+            data = torch.from_numpy(tensor.data.copy()).view(torch.uint8)
+            n_in = data.shape[1] // BLOCK_BYTES[kind] * BLOCK_WEIGHTS
+            found[names[tensor.name]] = BlockMatrix(kind, data, n_in)
+    return found
+
+
+def matching_blocks(parts: list[BlockMatrix | None], weight: torch.Tensor, row_orders: list) -> BlockMatrix | None:
+    """Blocks that dequantise exactly to ``weight`` (a fused float32 matrix made of ``parts``,
+    each part's rows possibly reordered): for every part try its rows as stored and each
+    reordering in ``row_orders`` (functions of a row count returning an index), keep the first
+    that matches. None when any part is missing or nothing matches."""
+    if any(p is None for p in parts):
+        return None
+    chosen, start = [], 0
+    for part in parts:
+        target = weight[start : start + part.shape[0]]
+        start += part.shape[0]
+        candidates = [part] + [part.select_rows(order(part.shape[0])) for order in row_orders]
+        match = next((c for c in candidates if torch.equal(c.dequantize(), target)), None)
+        if match is None:
+            return None
+        chosen.append(match)
+    return BlockMatrix.stack(chosen) if start == weight.shape[0] else None

@@ -1,0 +1,107 @@
+"""Decoding from GGUF blocks: the same float32 results as the dequantised weights, bit for bit."""
+
+import pytest
+import torch
+
+from decodekit.models import kernels
+from decodekit.models.gguf_blocks import BlockMatrix, matching_blocks, read_block_matrices
+from decodekit.models.native import NativeLlama, rope_row_order
+from decodekit.models.tiny import tiny_hf_config, tiny_state_dict
+
+KINDS = ["q4_1", "q8_0"]
+needs_kernel = pytest.mark.skipif(
+    kernels.block_matmul("q4_1") is None or kernels.few_rows_matmul(torch.float32) is None,
+    reason="no C compiler or no AVX-512 on this machine",
+)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantize_then_dequantize_stays_close_and_is_stable(kind):
+    weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    blocks = BlockMatrix.quantize(weight, kind)
+    assert blocks.data.dtype == torch.uint8 and blocks.shape == (8, 64)
+    assert blocks.data.shape[1] == 2 * {"q4_1": 20, "q8_0": 34}[kind]
+    approx = blocks.dequantize()
+    step = (weight.amax() - weight.amin()) / (15 if kind == "q4_1" else 254)
+    assert (approx - weight).abs().max() <= step  # within one quantisation step
+    assert torch.equal(BlockMatrix.quantize(approx, kind).dequantize(), approx)  # a fixed point
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])
+def test_block_kernel_is_bit_identical_to_the_float32_kernel(kind, rows):
+    """The block kernel rebuilds each weight exactly and sums in the float32 kernel's order."""
+    gen = torch.Generator().manual_seed(rows)
+    blocks = BlockMatrix.quantize(torch.randn(37, 96, generator=gen), kind)  # 37: a ragged last row block
+    x = torch.randn(rows, 96, generator=gen)
+    got = kernels.block_matmul(kind)(blocks.data, x, blocks.n_in)
+    assert torch.equal(got, kernels.few_rows_matmul(torch.float32)(blocks.dequantize(), x))
+    assert torch.equal(got[rows - 1], kernels.block_matmul(kind)(blocks.data, x[rows - 1 :], blocks.n_in)[0])
+
+
+def test_matching_blocks_finds_the_row_order_or_declines():
+    gen = torch.Generator().manual_seed(1)
+    q = BlockMatrix.quantize(torch.randn(32, 64, generator=gen), "q4_1")
+    v = BlockMatrix.quantize(torch.randn(16, 64, generator=gen), "q4_1")
+    order = rope_row_order(32, 16)
+    fused = torch.cat([q.dequantize()[order], v.dequantize()])  # q rotary-interleaved, v as is
+    orders = [lambda n: rope_row_order(n, 16)]
+    found = matching_blocks([q, v], fused, orders)
+    assert found is not None and torch.equal(found.dequantize(), fused)
+    assert matching_blocks([q, v], fused, []) is None  # q's rows need the reordering
+    assert matching_blocks([q, None], fused, orders) is None  # a missing part
+    assert matching_blocks([q, v], fused + 1e-3, orders) is None  # not the same weights
+
+
+def _tiny_gguf_model(dtype=torch.float32, kind="q4_1"):
+    """A tiny Llama whose float weights are exactly the dequantised blocks (as after GGUF loading)."""
+    from decodekit.models.native import LlamaConfig
+
+    config = tiny_hf_config(hidden_size=64)
+    llama = LlamaConfig.from_hf(config)
+    state = tiny_state_dict(config, seed=3)
+    blocks = {}
+    for name, weight in list(state.items()):
+        if weight.dim() == 2:
+            blocks[name] = BlockMatrix.quantize(weight, kind)
+            state[name] = blocks[name].dequantize()
+    return llama, state, blocks
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_model_on_blocks_decodes_exactly_as_on_float32(kind):
+    llama, state, blocks = _tiny_gguf_model(kind=kind)
+    plain = NativeLlama(llama, state)
+    on_blocks = NativeLlama(llama, state, gguf_blocks=blocks)
+    assert "gguf-blocks" in on_blocks.info.architecture and "gguf-blocks" not in plain.info.architecture
+    assert all(p.blocks is not None for p in on_blocks.weights.projections)
+    context = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(4))
+    for backend in (plain, on_blocks):
+        backend.reset()
+        backend.append(context)
+    for _ in range(8):  # decode steps and a small tree: identical logits
+        a, b = plain.append(context[:, -1:]).logits, on_blocks.append(context[:, -1:]).logits
+        assert torch.equal(a, b)
+    tokens, parents = torch.tensor([3, 5, 7, 9]), [-1, 0, 0, 1]
+    assert torch.equal(plain.verify_tree(tokens, parents).logits, on_blocks.verify_tree(tokens, parents).logits)
+
+
+def test_blocks_are_ignored_for_bfloat16():
+    llama, state, blocks = _tiny_gguf_model()
+    backend = NativeLlama(llama, state, dtype=torch.bfloat16, gguf_blocks=blocks)
+    assert "gguf-blocks" not in backend.info.architecture
+
+
+def test_reading_the_embedded_gguf_finds_every_projection(real_model):
+    from decodekit.models.loading import embedded_gguf
+
+    backend = real_model.backend
+    blocks = read_block_matrices(embedded_gguf("smollm2-135m"), backend.info.num_layers)
+    assert blocks["model.embed_tokens.weight"].kind == "q8_0"
+    assert blocks["model.layers.0.mlp.down_proj.weight"].kind == "q4_1"
+    if kernels.block_matmul("q4_1") is not None:
+        # every fused projection of the loaded model matched its blocks exactly
+        assert all(p.blocks is not None for p in backend.weights.projections)
+        assert "gguf-blocks" in backend.info.architecture
