@@ -450,3 +450,40 @@ def test_auto_shares_the_drafters_its_hierarchy_arm_is_made_of():
 def test_auto_reports_its_arm_pulls(engines):
     g = engines[0].generate(PROMPTS[1], method="auto", max_new_tokens=30, chat=False, budget=6)
     assert sum(g.stats.extra["arm_pulls"].values()) >= 1
+
+
+def test_realised_speed_below_plain_decoding_vetoes_drafting_until_it_pays_again():
+    """The per-node model may be optimistic; what speculative steps actually deliver decides."""
+    ctl = Controller(8, cost_table={1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})  # verification looks free
+    for _ in range(20):
+        ctl.observe(chain_tree(4), Verification([0, 1], 0), overhead_s=0.0)  # and drafts look good
+    assert ctl.budget() == 8 and len(ctl.select(chain_tree(8))) > 0
+    for _ in range(10):  # yet each speculative step delivered 2 tokens in 3 plain steps' time
+        ctl.observe_step(2, 3.0)
+    assert not ctl.speculation_pays()
+    budgets = []
+    for _ in range(60):  # as the loop runs it: a granted budget is drafted and selected from
+        budgets.append(ctl.budget())
+        if budgets[-1]:
+            ctl.select(chain_tree(budgets[-1]))
+    drafted = [b for b in budgets if b]
+    assert budgets[0] == 0 and 0 < len(drafted) <= 6  # mostly plain steps, a few probes
+    for _ in range(20):  # probes now deliver 3 tokens per plain step's time
+        ctl.observe_step(3, 1.0)
+    assert ctl.speculation_pays()
+    ctl._skip = 0
+    assert ctl.budget() == 8
+
+
+def test_realised_speed_carries_over_to_the_next_request():
+    backend = tiny_llama(seed=0)
+    costs = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}
+    first = Controller(8, cost_table=costs)
+    first.begin(backend, "optimistic-drafter")
+    first.observe_draft(4, 1e-6)
+    for _ in range(10):
+        first.observe_step(1, 2.0)
+    first.finish(backend)
+    second = Controller(8, cost_table=costs)
+    second.begin(backend, "optimistic-drafter")
+    assert not second.speculation_pays() and second.budget() == 0

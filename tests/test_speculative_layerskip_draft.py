@@ -160,9 +160,9 @@ def test_draft_model_keeps_its_cache_in_sync_and_catches_up_in_one_pass():
     draft.append = spy
     state = pending_state(target, [1, 2, 3, 4, 5], 6)
     drafter = DraftModelDrafter(draft_model=draft, confidence=0.0)
-    drafter.begin(state)  # the prompt, in one pass
+    drafter.begin(state)  # nothing yet: the first draft runs the prompt
     state.commit([6])
-    catch_up = 1  # the root
+    catch_up = 6  # the prompt and the root, in one pass
     for accepted in (0, 4, 2, 4, 1):
         calls.clear()
         tree = drafter.draft(state, 4)

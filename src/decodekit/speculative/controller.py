@@ -11,11 +11,19 @@ against plain decoding's ``1 / cost(1)``. Keeping nothing (a plain step) is a ch
 speculation that does not pay falls back to plain decoding. (Our design; the per-node model is
 the one behind EAGLE-2's and Sequoia's tree sizing, with counts instead of draft confidences.)
 
-Acceptance estimates and drafting costs are kept with the model's backend, per drafter, across
-requests.
+Acceptance estimates, drafting costs and realised speed are kept with the model's backend, per
+drafter, across requests.
 When the best choice is a plain step the controller stops drafting for 1, 2, 4, ... steps and
 then explores with the single best node, so acceptance estimates keep being refreshed; the
-longest pause (4 to 64 steps) is set so such probes cost about 1% of decode time.
+longest pause (4 to 512 steps) is set so such probes cost about 1% of decode time (a probe of a
+draft model that must first catch up with the context costs several forward passes).
+
+The per-node model can be optimistic (acceptance estimates lag, a lookahead window is all or
+nothing), so the controller also measures what speculation *realises*: tokens per second of
+its speculative steps, drafting and bookkeeping included (ratio of moving averages). When that
+falls below plain decoding's ``1 / cost(1)``, it backs off as above whatever the model expects,
+and only probes until speculation measurably pays again: never slower than plain decoding by
+measurement, not only by estimate. (Our design.)
 
 Drafting itself can cost as much as verifying (a draft model, or the target with layers
 skipped). The controller times drafting per drafted node, and when that is not negligible it
@@ -40,7 +48,8 @@ from ..models.backend import Backend
 from .tree import DraftTree, Verification, select_nodes
 
 MEASURE_SIZES = (1, 2, 4, 8, 16, 32)
-MAX_BACKOFF = 64
+MAX_BACKOFF = 512
+MIN_REALISED_STEPS = 8  # speculative steps measured before their realised speed can veto drafting
 EXPLORE_SHARE = 0.01  # at most ~1% of decode time spent on probes that do not pay
 MAX_DEPTH_KEY = 15
 MAX_RANK_KEY = 7
@@ -142,8 +151,9 @@ class CostTable:
 
 
 _ACCEPTANCE: "weakref.WeakKeyDictionary[Backend, dict[str, dict]]" = weakref.WeakKeyDictionary()
-# per backend and drafter: (draft seconds EMA, drafted nodes EMA, draft calls, back-off level)
-_DRAFTING: "weakref.WeakKeyDictionary[Backend, dict[str, tuple[float, float, int, int]]]" = weakref.WeakKeyDictionary()
+# per backend and drafter: (draft seconds EMA, drafted nodes EMA, draft calls, back-off level,
+# speculative steps' tokens EMA, their seconds EMA, speculative steps)
+_DRAFTING: "weakref.WeakKeyDictionary[Backend, dict[str, tuple]]" = weakref.WeakKeyDictionary()
 
 
 def prior_acceptance(depth: int, rank: int) -> float:
@@ -175,6 +185,8 @@ class Controller:
         self._chain_source = ""  # source of the last tree's first node: whose acceptance to use
         self._skip = 0  # plain steps left before drafting again
         self._backoff = 0
+        self._step_tokens = self._step_seconds = 0.0  # speculative steps: EMAs of tokens and seconds
+        self._spec_steps = 0
         self._explore = False
         self.learn_costs = False  # True for a measured table: it follows observed pass times
 
@@ -188,8 +200,9 @@ class Controller:
             self.accept = _ACCEPTANCE.setdefault(backend, {}).setdefault(drafter, {})
         self._drafter = drafter
         saved = _DRAFTING.get(backend, {}).get(drafter) if drafter else None
-        if saved is not None and self._draft_calls == 0:  # what drafting cost in earlier requests
-            self._draft_seconds, self._draft_nodes, self._draft_calls, self._backoff = saved
+        if saved is not None and self._draft_calls == 0:  # what drafting cost and gave in earlier requests
+            (self._draft_seconds, self._draft_nodes, self._draft_calls, self._backoff,
+             self._step_tokens, self._step_seconds, self._spec_steps) = saved
             self.draft_node_s = self._draft_seconds / max(self._draft_nodes, 1e-3)
 
     def observe_cost(self, n: int, seconds: float) -> None:
@@ -202,7 +215,10 @@ class Controller:
         if self.learn_costs and self.cost is not None:
             self.cost.save(backend)
         if self._drafter and self._draft_calls:
-            drafting = (self._draft_seconds, self._draft_nodes, self._draft_calls, self._backoff)
+            drafting = (
+                self._draft_seconds, self._draft_nodes, self._draft_calls, self._backoff,
+                self._step_tokens, self._step_seconds, self._spec_steps,
+            )
             _DRAFTING.setdefault(backend, {})[self._drafter] = drafting
 
     # Decisions -----------------------------------------------------------------------------
@@ -215,6 +231,9 @@ class Controller:
             self._skip -= 1
             self._explore = self._skip == 0
             return 0
+        if not self._explore and not self.speculation_pays():
+            self._back_off()  # measured slower than plain decoding: rest, then probe
+            return 0
         if not self.costly_drafting():
             return self.max_draft  # drafting is nearly free: let select() trim the tree
         depth = self.best_chain_depth()
@@ -225,6 +244,13 @@ class Controller:
         else:
             depth = 1  # a one-node probe keeps the acceptance estimate fresh
         return depth
+
+    def speculation_pays(self) -> bool:
+        """Whether speculative steps have realised at least plain decoding's tokens per second
+        (assumed until ``MIN_REALISED_STEPS`` of them are measured)."""
+        if self._spec_steps < MIN_REALISED_STEPS:
+            return True
+        return self._step_tokens / self._step_seconds >= 1.0 / self.cost(1)
 
     def costly_drafting(self) -> bool:
         """Whether drafting a full budget costs more than a small share of a plain step."""
@@ -264,8 +290,8 @@ class Controller:
             if not explore:
                 return DraftTree()
             best_n = 1 if trimmable else len(order)
-        elif not self.costly_drafting():  # (costly drafting: budget() decides when to back off)
-            self._backoff = 0
+        elif not self.costly_drafting() and self.speculation_pays():
+            self._backoff = 0  # (costly drafting: budget() decides when to back off)
         return select_nodes(tree, order[:best_n]) if best_n < len(tree) else tree
 
     def _back_off(self) -> None:
@@ -274,8 +300,12 @@ class Controller:
         self._skip = self._backoff
 
     def _max_backoff(self) -> int:
-        """Plain steps between probes, so that a one-node probe costs about EXPLORE_SHARE of the time."""
+        """Plain steps between probes, so that a probe costs about EXPLORE_SHARE of the time. A probe
+        loses what a one-node step costs beyond a plain step, or, once measured, what speculative
+        steps took beyond the plain steps their tokens would have needed, if that is more."""
         extra = (self.cost(2) + self.overhead + self.draft_node_s) / self.cost(1) - 1.0
+        if self._spec_steps >= MIN_REALISED_STEPS:
+            extra = max(extra, self._step_seconds / self.cost(1) - self._step_tokens)
         return max(4, min(MAX_BACKOFF, math.ceil(extra / EXPLORE_SHARE)))
 
     def node_probs(self, tree: DraftTree) -> list[float]:
@@ -298,6 +328,15 @@ class Controller:
             self._draft_nodes += self.ema * (nodes - self._draft_nodes)
         self._draft_calls += 1
         self.draft_node_s = self._draft_seconds / max(self._draft_nodes, 1e-3)
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A speculative step (drafting, verification and bookkeeping took ``seconds``) produced ``tokens``."""
+        if self._spec_steps == 0:
+            self._step_tokens, self._step_seconds = float(tokens), seconds
+        else:
+            self._step_tokens += self.ema * (tokens - self._step_tokens)
+            self._step_seconds += self.ema * (seconds - self._step_seconds)
+        self._spec_steps += 1
 
     def observe(self, tree: DraftTree, verdict: Verification, overhead_s: float) -> None:
         """Update acceptance estimates from the children of every accepted node (and the root);

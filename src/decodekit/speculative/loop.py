@@ -69,6 +69,7 @@ class SpeculativeMethod(StepMethod):
         t2 = time.perf_counter()
         if len(tree):
             self.verify_s += t2 - t1
+            self.controller.observe_step(len(produced), t2 - t0)
         observe = getattr(self.drafter, "observe", None)
         if observe is not None:  # e.g. the bandit of `auto`: tokens per second of this step
             observe(len(produced), t2 - t0)

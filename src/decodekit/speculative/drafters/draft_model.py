@@ -11,7 +11,7 @@ Choices the papers leave open (each one tested):
     vocabulary (its logits are cut or padded with -inf to the target's size).
   * The draft keeps its own cache in sync with ``state.tokens``: roll back to the longest
     common prefix, then append every missing token in one forward pass (only the last
-    position's logits are computed).
+    position's logits are computed). The prompt too is run by the first draft, not up front.
   * Greedy requests get greedy drafts; sampling requests get drafts sampled from the
     request's processed distribution (temperature, top-p, ... applied to the draft logits),
     recorded as ``draft_probs``; ``stochastic=False`` drafts greedily even then.
@@ -241,12 +241,11 @@ class DraftModelDrafter(ChainDrafter):
         self._vocab = 0  # the target's vocabulary size
 
     def begin(self, state: DecodeState) -> None:
+        # The prompt is run lazily, by the first draft: a request whose controller never
+        # drafts (the draft model does not pay) costs the draft model nothing.
         self.backend = draft_backend(self.spec, state.backend)
         self.backend.reset(1)
         self._cached = []
-        prompt = state.tokens[: self.backend.info.max_length - 1]
-        if prompt:
-            self._append(prompt)
 
     def _append(self, tokens: list[int]) -> torch.Tensor:
         assert self.backend is not None
