@@ -207,7 +207,7 @@ def code_version() -> str:
 
     root = Path(decodekit.__file__).parent
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c")):
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c", ".h")):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return f"{decodekit.__version__}+{digest.hexdigest()[:12]}"
 
