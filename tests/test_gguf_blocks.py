@@ -105,3 +105,17 @@ def test_reading_the_embedded_gguf_finds_every_projection(real_model):
         # every fused projection of the loaded model matched its blocks exactly
         assert all(p.blocks is not None for p in backend.weights.projections)
         assert "gguf-blocks" in backend.info.architecture
+
+
+def test_blocks_are_saved_beside_the_dequantised_weights_and_read_back_the_same(real_model, tmp_path):
+    from decodekit.models.gguf_blocks import cached_block_matrices
+    from decodekit.models.loading import embedded_gguf
+
+    gguf = embedded_gguf("smollm2-135m")
+    first = cached_block_matrices(gguf, tmp_path, real_model.backend.info.num_layers)
+    assert (tmp_path / "gguf_blocks.safetensors").is_file()
+    again = cached_block_matrices(gguf, tmp_path, real_model.backend.info.num_layers)
+    assert first.keys() == again.keys()
+    for name, blocks in first.items():
+        saved = again[name]
+        assert (saved.kind, saved.n_in) == (blocks.kind, blocks.n_in) and torch.equal(saved.data, blocks.data)

@@ -14,6 +14,7 @@ weights when the model is built, and a projection that does not match keeps floa
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +114,35 @@ def read_block_matrices(gguf: Path, num_layers: int) -> dict[str, BlockMatrix]:
     return found
 
 
+def cached_block_matrices(gguf: Path, folder: Path, num_layers: int) -> dict[str, BlockMatrix]:
+    """:func:`read_block_matrices`, saved in ``folder`` (the GGUF's dequantised cache) the first
+    time: reading a GGUF parses all its metadata, the whole vocabulary included, which takes
+    seconds; the saved blocks load in a fraction of that."""
+    import os
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = folder / "gguf_blocks.safetensors"
+    if path.is_file():
+        with safe_open(str(path), "pt") as saved:
+            kinds = saved.metadata() or {}
+            return {name: _saved_matrix(kinds[name], saved.get_tensor(name)) for name in saved.keys()}
+    blocks = read_block_matrices(gguf, num_layers)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        save_file({n: b.data for n, b in blocks.items()}, str(tmp), metadata={n: f"{b.kind}:{b.n_in}" for n, b in blocks.items()})
+        os.replace(tmp, path)  # atomic: a half-written file is never read
+    except OSError:
+        pass  # a read-only cache only costs reading the GGUF again next time
+    return blocks
+
+
+def _saved_matrix(stamp: str, data: torch.Tensor) -> BlockMatrix:
+    kind, n_in = stamp.split(":")  # as written by cached_block_matrices: "kind:n_in"
+    return BlockMatrix(kind, data, int(n_in))
+
+
 def matching_blocks(parts: list[BlockMatrix | None], weight: torch.Tensor, row_orders: list) -> BlockMatrix | None:
     """Blocks that dequantise exactly to ``weight`` (a fused float32 matrix made of ``parts``,
     each part's rows possibly reordered): for every part try its rows as stored and each
@@ -124,7 +154,8 @@ def matching_blocks(parts: list[BlockMatrix | None], weight: torch.Tensor, row_o
     for part in parts:
         target = weight[start : start + part.shape[0]]
         start += part.shape[0]
-        candidates = [part] + [part.select_rows(order(part.shape[0])) for order in row_orders]
+        reordered = (part.select_rows(order(part.shape[0])) for order in row_orders)  # only if needed
+        candidates = itertools.chain([part], reordered)
         match = next((c for c in candidates if torch.equal(c.dequantize(), target)), None)
         if match is None:
             return None

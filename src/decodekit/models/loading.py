@@ -172,7 +172,7 @@ def build_backend(
     llama = LlamaConfig.from_hf(config)
     blocks = None
     if gguf is not None and dtype == torch.float32 and gguf_blocks_enabled():
-        from .gguf_blocks import read_block_matrices
+        from .gguf_blocks import cached_block_matrices
 
-        blocks = read_block_matrices(gguf, llama.num_layers)
+        blocks = cached_block_matrices(gguf, folder, llama.num_layers)
     return NativeLlama(llama, load_state_dict(folder), dtype=dtype, name=folder.name, gguf_blocks=blocks)
