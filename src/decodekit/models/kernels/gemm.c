@@ -1,12 +1,13 @@
 /* Weight-streaming matrix products for decode steps: Y[m] = W X[m] for a few rows X[m].
  *
  * W is row-major [n_out, n_in]; X is [M, n_in] and Y is [M, n_out], all of one dtype (float32 or
- * bfloat16; bfloat16 results are rounded to nearest even from float32 sums). A decode step (M = 1) or a small verification pass (M <= 16 or so) reads
- * every weight once and does little arithmetic with it, so its speed is set by how fast weights
- * stream from memory. Blocks of four weight rows are read side by side (four streams keep more
- * loads in flight), each block is applied to the inputs four at a time while it sits in L1, and
- * blocks are split between threads with OpenMP (inside torch's process this is torch's own
- * OpenMP runtime).
+ * bfloat16; bfloat16 results are rounded to nearest even from float32 sums). A decode step
+ * (M = 1) or a small verification pass reads every weight once and does little arithmetic with
+ * it, so its speed is set by how fast weights stream from memory. A few inputs: each thread
+ * streams its share of the rows one row at a time, applying each row to all inputs (a single
+ * sequential stream is what this machine's prefetchers serve best). More inputs: blocks of four
+ * rows are applied to the inputs four at a time while they sit in L1. Rows are split between
+ * threads with OpenMP (inside torch's process this is torch's own OpenMP runtime).
  *
  * bfloat16 uses AVX512-BF16's dot-product instruction: exact products of bfloat16 pairs, summed
  * in float32 (the arithmetic of oneDNN's bfloat16 GEMM, in a different order).
@@ -24,29 +25,33 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Each weight format says where row r starts (P_row) and how to load the weights [i, i + lanes)
- * of a row as the vector its multiply-accumulate takes (P_at). */
+/* Each weight format says where row r starts (P_row) and how to load the weights of a row as the
+ * vectors its multiply-accumulate takes: P_at fills P_STEP vectors with the weights
+ * [i, i + P_STEP * lanes) (a GGUF block's 32 weights are rebuilt together, sharing its scales),
+ * P_at_masked one vector for a row's last partial vector. */
 
 /* float32: 16 lanes per vector */
 #define f32_LANES 16
+#define f32_STEP 1
 typedef __mmask16 f32_mask;
 static inline f32_mask f32_tail(int n) { return (f32_mask)((1u << n) - 1u); }
 static inline __m512 f32_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 f32_load_masked(const float *p, f32_mask m) { return _mm512_maskz_loadu_ps(m, p); }
 static inline const float *f32_row(const float *w, int r, int n_in) { return w + (size_t)r * n_in; }
-static inline __m512 f32_at(const float *row, int i) { return f32_load(row + i); }
+static inline void f32_at(const float *row, int i, __m512 *out) { out[0] = f32_load(row + i); }
 static inline __m512 f32_at_masked(const float *row, int i, f32_mask m) { return f32_load_masked(row + i, m); }
 static inline __m512 f32_mac(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
 static inline float f32_out(float s) { return s; }
 
 /* bfloat16: 32 values per vector, pairs multiplied and added into 16 float32 lanes */
 #define bf16_LANES 32
+#define bf16_STEP 1
 typedef __mmask32 bf16_mask;
 static inline bf16_mask bf16_tail(int n) { return (bf16_mask)((1ull << n) - 1ull); }
 static inline __m512i bf16_load(const uint16_t *p) { return _mm512_loadu_si512((const void *)p); }
 static inline __m512i bf16_load_masked(const uint16_t *p, bf16_mask m) { return _mm512_maskz_loadu_epi16(m, p); }
 static inline const uint16_t *bf16_row(const uint16_t *w, int r, int n_in) { return w + (size_t)r * n_in; }
-static inline __m512i bf16_at(const uint16_t *row, int i) { return bf16_load(row + i); }
+static inline void bf16_at(const uint16_t *row, int i, __m512i *out) { out[0] = bf16_load(row + i); }
 static inline __m512i bf16_at_masked(const uint16_t *row, int i, bf16_mask m) { return bf16_load_masked(row + i, m); }
 static inline __m512 bf16_mac(__m512 acc, __m512i w, __m512i x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
 /* float32 -> bfloat16, round to nearest even (torch's conversion; NaN stays NaN) */
@@ -60,84 +65,121 @@ static inline uint16_t bf16_out(float s) {
  * (gguf-py, ggml): Q4_1 {fp16 d, fp16 m, 16 bytes: weight j in the low nibble of byte j, weight
  * j + 16 in the high nibble} -> d * q + m; Q8_0 {fp16 d, int8 q[32]} -> d * q. d * q is exact in
  * float32 (an 11-bit by 4- or 8-bit product), so one fused multiply-add gives the dequantised
- * float32 weight bit for bit, and the float32 kernel's sums follow. Rows are n_in / 32 blocks;
- * n_in is a multiple of 32, so the masked loads are never needed. */
+ * float32 weight bit for bit, and the float32 kernel's sums follow. A block is one step of two
+ * float32 vectors (weights 0-15, then 16-31: the float32 kernel's order). Rows are n_in / 32
+ * blocks, so the masked loads are never needed; they are kept correct all the same. */
+#define q4_1_STEP 2
+#define q8_0_STEP 2
 static inline float half_at(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
 
 static inline const uint8_t *q4_1_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * 20; }
-static inline __m512 q4_1_at(const uint8_t *row, int i) {
+static inline void q4_1_at(const uint8_t *row, int i, __m512 *out) {
     const uint8_t *block = row + (size_t)(i / 32) * 20;
-    __m128i qs = _mm_loadu_si128((const __m128i *)(block + 4));
-    if (i & 16) qs = _mm_srli_epi16(qs, 4);
-    __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(qs, _mm_set1_epi8(0x0f))));
-    return _mm512_fmadd_ps(q, _mm512_set1_ps(half_at(block)), _mm512_set1_ps(half_at(block + 2)));
+    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 4)));
+    __m512 d = _mm512_set1_ps(half_at(block)), m = _mm512_set1_ps(half_at(block + 2));
+    out[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f))), d, m);
+    out[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
 }
-static inline __m512 q4_1_at_masked(const uint8_t *row, int i, f32_mask m) { return _mm512_maskz_mov_ps(m, q4_1_at(row, i)); }
+static inline __m512 q4_1_at_masked(const uint8_t *row, int i, f32_mask mask) {
+    __m512 both[2];
+    q4_1_at(row, i & ~31, both);
+    return _mm512_maskz_mov_ps(mask, both[(i & 16) != 0]);
+}
 
 static inline const uint8_t *q8_0_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * 34; }
-static inline __m512 q8_0_at(const uint8_t *row, int i) {
+static inline void q8_0_at(const uint8_t *row, int i, __m512 *out) {
     const uint8_t *block = row + (size_t)(i / 32) * 34;
-    __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 2 + (i & 16)))));
-    return _mm512_mul_ps(q, _mm512_set1_ps(half_at(block)));
+    __m512 d = _mm512_set1_ps(half_at(block));
+    out[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 2)))), d);
+    out[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 18)))), d);
 }
-static inline __m512 q8_0_at_masked(const uint8_t *row, int i, f32_mask m) { return _mm512_maskz_mov_ps(m, q8_0_at(row, i)); }
+static inline __m512 q8_0_at_masked(const uint8_t *row, int i, f32_mask mask) {
+    __m512 both[2];
+    q8_0_at(row, i & ~31, both);
+    return _mm512_maskz_mov_ps(mask, both[(i & 16) != 0]);
+}
+
+/* A pass of at most WP_SINGLE_ROW_MAX inputs streams the weights one row at a time; a longer
+ * one, four rows side by side against groups of four inputs (their shared input loads pay off
+ * with enough inputs). Measured on this project's machine with SmolLM2's matrices, a 1-input
+ * pass one row at a time took 0.4x (bfloat16, Q8_0 head) to 0.9x (float32 layers) the time of
+ * four side-by-side row streams; the cut-offs are where the two met. */
+#define SINGLE_ROW_MAX 8 /* the largest of the formats' cut-offs */
+#define f32_SINGLE_ROW_MAX 4
+#define bf16_SINGLE_ROW_MAX 8
+#define q4_1_SINGLE_ROW_MAX 8
+#define q8_0_SINGLE_ROW_MAX 8
+#define BLOCK_CASE(NAME, R, M) case M: NAME##_block(wr, x, y, n_in, n_out, R, M); break;
 
 /* NAME: weights of type WT in format WP, inputs and outputs of type T with arithmetic P. */
 #define DEFINE_KERNEL(NAME, WT, WP, T, VEC, P, OUT)                                                \
+    /* Rows [0, R) of w against inputs x[0, M), R * M <= 16 (both constants once inlined). */      \
     static inline __attribute__((always_inline)) void NAME##_block(                               \
         const WT *w, const T *x, OUT *y, int n_in, int n_out, const int R, const int M) {          \
-        __m512 acc[4][4];                                                                          \
-        VEC wv[4];                                                                                 \
+        __m512 acc[4][SINGLE_ROW_MAX];                                                             \
+        VEC wv[4][WP##_STEP];                                                                      \
         const WT *rows[4];                                                                         \
         for (int r = 0; r < R; r++) rows[r] = WP##_row(w, r, n_in);                                \
         for (int r = 0; r < R; r++)                                                                \
             for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();                           \
         int i = 0;                                                                                 \
-        for (; i + P##_LANES <= n_in; i += P##_LANES) {                                            \
-            for (int r = 0; r < R; r++) wv[r] = WP##_at(rows[r], i);                               \
-            for (int m = 0; m < M; m++) {                                                          \
-                VEC xv = P##_load(x + (size_t)m * n_in + i);                                       \
-                for (int r = 0; r < R; r++) acc[r][m] = P##_mac(acc[r][m], wv[r], xv);             \
-            }                                                                                      \
+        for (; i + WP##_STEP * P##_LANES <= n_in; i += WP##_STEP * P##_LANES) {                    \
+            for (int r = 0; r < R; r++) WP##_at(rows[r], i, wv[r]);                                \
+            for (int s = 0; s < WP##_STEP; s++) /* in element order, as one vector a step */       \
+                for (int m = 0; m < M; m++) {                                                      \
+                    VEC xv = P##_load(x + (size_t)m * n_in + i + s * P##_LANES);                   \
+                    for (int r = 0; r < R; r++) acc[r][m] = P##_mac(acc[r][m], wv[r][s], xv);      \
+                }                                                                                  \
         }                                                                                          \
-        if (i < n_in) { /* the last partial vector: masked loads (zeros add nothing) */            \
-            P##_mask mask = P##_tail(n_in - i);                                                    \
-            for (int r = 0; r < R; r++) wv[r] = WP##_at_masked(rows[r], i, mask);                  \
+        for (; i < n_in; i += P##_LANES) { /* what is left: masked loads (zeros add nothing) */    \
+            P##_mask mask = P##_tail(n_in - i < P##_LANES ? n_in - i : P##_LANES);                 \
+            for (int r = 0; r < R; r++) wv[r][0] = WP##_at_masked(rows[r], i, mask);               \
             for (int m = 0; m < M; m++) {                                                          \
                 VEC xv = P##_load_masked(x + (size_t)m * n_in + i, mask);                          \
-                for (int r = 0; r < R; r++) acc[r][m] = P##_mac(acc[r][m], wv[r], xv);             \
+                for (int r = 0; r < R; r++) acc[r][m] = P##_mac(acc[r][m], wv[r][0], xv);          \
             }                                                                                      \
         }                                                                                          \
         for (int r = 0; r < R; r++)                                                                \
             for (int m = 0; m < M; m++) y[(size_t)m * n_out + r] = P##_out(_mm512_reduce_add_ps(acc[r][m])); \
     }                                                                                              \
                                                                                                    \
-    /* Rows [row, row + R) of W (R = 4, or 1 for the last rows) against all M inputs. */           \
-    static void NAME##_rows(const WT *w, const T *x, OUT *y, int n_in, int n_out, int row, int R, int M) { \
+    /* Row ``row`` of W against all M <= SINGLE_ROW_MAX inputs. */                                 \
+    static void NAME##_row(const WT *w, const T *x, OUT *y, int n_in, int n_out, int row, int M) {  \
         const WT *wr = WP##_row(w, row, n_in);                                                     \
-        for (int m0 = 0; m0 < M; m0 += 4) {                                                        \
-            const T *xm = x + (size_t)m0 * n_in;                                                   \
-            OUT *ym = y + (size_t)m0 * n_out + row;                                                \
-            int left = M - m0 < 4 ? M - m0 : 4;                                                    \
-            if (R == 4) {                                                                          \
-                switch (left) {                                                                    \
-                    case 1: NAME##_block(wr, xm, ym, n_in, n_out, 4, 1); break;                    \
-                    case 2: NAME##_block(wr, xm, ym, n_in, n_out, 4, 2); break;                    \
-                    case 3: NAME##_block(wr, xm, ym, n_in, n_out, 4, 3); break;                    \
-                    default: NAME##_block(wr, xm, ym, n_in, n_out, 4, 4); break;                   \
-                }                                                                                  \
-            } else {                                                                               \
-                for (int m = 0; m < left; m++)                                                     \
-                    NAME##_block(wr, xm + (size_t)m * n_in, ym + (size_t)m * n_out, n_in, n_out, 1, 1); \
+        y += row;                                                                                  \
+        switch (M) {                                                                               \
+            BLOCK_CASE(NAME, 1, 1) BLOCK_CASE(NAME, 1, 2) BLOCK_CASE(NAME, 1, 3) BLOCK_CASE(NAME, 1, 4) \
+            BLOCK_CASE(NAME, 1, 5) BLOCK_CASE(NAME, 1, 6) BLOCK_CASE(NAME, 1, 7) BLOCK_CASE(NAME, 1, 8) \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* Rows [row, row + 4) of W against all M inputs, four at a time. */                           \
+    static void NAME##_four_rows(const WT *w, const T *x, OUT *y, int n_in, int n_out, int row, int M) { \
+        const WT *wr = WP##_row(w, row, n_in);                                                     \
+        for (int m0 = 0; m0 < M; m0 += 4, x += (size_t)4 * n_in) {                                 \
+            OUT *y0 = y + (size_t)m0 * n_out + row;                                                \
+            switch (M - m0 < 4 ? M - m0 : 4) {                                                     \
+                case 1: NAME##_block(wr, x, y0, n_in, n_out, 4, 1); break;                         \
+                case 2: NAME##_block(wr, x, y0, n_in, n_out, 4, 2); break;                         \
+                case 3: NAME##_block(wr, x, y0, n_in, n_out, 4, 3); break;                         \
+                default: NAME##_block(wr, x, y0, n_in, n_out, 4, 4); break;                        \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
     void NAME(const WT *w, const T *x, OUT *y, int M, int n_out, int n_in, int threads) {          \
+        if (M <= WP##_SINGLE_ROW_MAX) {                                                            \
+            _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")     \
+            for (int r = 0; r < n_out; r++) NAME##_row(w, x, y, n_in, n_out, r, M);                \
+            return;                                                                                \
+        }                                                                                          \
         int blocks = n_out / 4;                                                                    \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")         \
-        for (int b = 0; b < blocks; b++) NAME##_rows(w, x, y, n_in, n_out, 4 * b, 4, M);           \
-        for (int r = 4 * blocks; r < n_out; r++) NAME##_rows(w, x, y, n_in, n_out, r, 1, M);       \
+        for (int b = 0; b < blocks; b++) NAME##_four_rows(w, x, y, n_in, n_out, 4 * b, M);         \
+        for (int r = 4 * blocks; r < n_out; r++)                                                   \
+            for (int m0 = 0; m0 < M; m0 += SINGLE_ROW_MAX)                                         \
+                NAME##_row(w, x + (size_t)m0 * n_in, y + (size_t)m0 * n_out, n_in, n_out, r,       \
+                           M - m0 < SINGLE_ROW_MAX ? M - m0 : SINGLE_ROW_MAX);                     \
     }
 
 DEFINE_KERNEL(decodekit_gemm_f32, float, f32, float, __m512, f32, float)
