@@ -40,6 +40,20 @@ def test_block_kernel_is_bit_identical_to_the_float32_kernel(kind, rows):
     assert torch.equal(got[rows - 1], kernels.block_matmul(kind)(blocks.data, x[rows - 1 :], blocks.n_in)[0])
 
 
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 4, 9, 16])
+def test_interleaved_block_kernel_is_bit_identical(kind, rows):
+    """Rows interleaved in fours give the same bits as the row-major blocks, for any pass size."""
+    gen = torch.Generator().manual_seed(10 + rows)
+    blocks = BlockMatrix.quantize(torch.randn(40, 128, generator=gen), kind)
+    x = torch.randn(rows, 128, generator=gen)
+    got = kernels.block_matmul(kind, interleaved=True)(blocks.interleaved(), x, blocks.n_in)
+    assert torch.equal(got, kernels.block_matmul(kind)(blocks.data, x, blocks.n_in))
+    with pytest.raises(ValueError, match="divisible by 4"):
+        BlockMatrix.quantize(torch.randn(6, 32, generator=gen), kind).interleaved()
+
+
 def test_matching_blocks_finds_the_row_order_or_declines():
     gen = torch.Generator().manual_seed(1)
     q = BlockMatrix.quantize(torch.randn(32, 64, generator=gen), "q4_1")

@@ -62,6 +62,15 @@ class BlockMatrix:
         q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
         return (q * d + m).reshape(rows, self.n_in)
 
+    def interleaved(self) -> torch.Tensor:
+        """``data`` with rows interleaved in fours, block by block (``[rows / 4][n_in / 32][4]
+        [block bytes]``): the layout the kernels' interleaved formats read as one stream per four
+        rows. Needs a row count divisible by 4."""
+        rows, blocks = self.data.shape[0], self.n_in // BLOCK_WEIGHTS
+        if rows % 4:
+            raise ValueError(f"interleaving rows in fours needs a row count divisible by 4, got {rows}")
+        return self.data.view(rows // 4, 4, blocks, BLOCK_BYTES[self.kind]).transpose(1, 2).contiguous().view(rows, -1)
+
     def select_rows(self, order: torch.Tensor) -> "BlockMatrix":
         return BlockMatrix(self.kind, self.data[order].contiguous(), self.n_in)
 

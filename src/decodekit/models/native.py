@@ -142,7 +142,10 @@ class Projection:
         kernel = block_matmul(blocks.kind) if blocks is not None and weight.dtype == torch.float32 else None
         self.blocks = blocks if kernel is not None else None
         if kernel is not None:
-            self.few_rows = lambda weight, x: kernel(blocks.data, x, blocks.n_in)
+            data = blocks.data
+            if blocks.shape[0] % 4 == 0:  # four rows a stream, see kernels/gemm.c
+                data, kernel = blocks.interleaved(), block_matmul(blocks.kind, interleaved=True)
+            self.few_rows = lambda weight, x: kernel(data, x, blocks.n_in)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

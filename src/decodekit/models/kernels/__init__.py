@@ -118,14 +118,16 @@ def few_rows_matmul(dtype: torch.dtype = torch.float32) -> MatmulKernel | None:
 
 
 @cache
-def block_matmul(kind: str) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
+def block_matmul(kind: str, interleaved: bool = False) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
     """``matmul(blocks [out, in / 32 * block bytes] uint8, x [rows, in] float32, n_in) ->
     [rows, out]`` float32 for GGUF ``kind`` ``"q4_1"`` or ``"q8_0"`` blocks, bit-identical to
-    :func:`few_rows_matmul` on the dequantised float32 weights; None where unavailable."""
+    :func:`few_rows_matmul` on the dequantised float32 weights; None where unavailable.
+    ``interleaved``: ``blocks`` as :meth:`..gguf_blocks.BlockMatrix.interleaved` lays them out
+    (faster: measured 5-15% on SmolLM2's matrices for 1-16 rows)."""
     lib = _library("gemm")
     if lib is None or kind not in ("q4_1", "q8_0"):
         return None
-    fn = getattr(lib, f"decodekit_gemm_{kind}")
+    fn = getattr(lib, f"decodekit_gemm_{kind}{'x4' if interleaved else ''}")
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     fn.restype = None
 

@@ -73,13 +73,13 @@ static inline uint16_t bf16_out(float s) {
 static inline float half_at(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
 
 static inline const uint8_t *q4_1_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * 20; }
-static inline void q4_1_at(const uint8_t *row, int i, __m512 *out) {
-    const uint8_t *block = row + (size_t)(i / 32) * 20;
+static inline void q4_1_block(const uint8_t *block, __m512 *out) {
     __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 4)));
     __m512 d = _mm512_set1_ps(half_at(block)), m = _mm512_set1_ps(half_at(block + 2));
     out[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f))), d, m);
     out[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
 }
+static inline void q4_1_at(const uint8_t *row, int i, __m512 *out) { q4_1_block(row + (size_t)(i / 32) * 20, out); }
 static inline __m512 q4_1_at_masked(const uint8_t *row, int i, f32_mask mask) {
     __m512 both[2];
     q4_1_at(row, i & ~31, both);
@@ -87,17 +87,29 @@ static inline __m512 q4_1_at_masked(const uint8_t *row, int i, f32_mask mask) {
 }
 
 static inline const uint8_t *q8_0_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * 34; }
-static inline void q8_0_at(const uint8_t *row, int i, __m512 *out) {
-    const uint8_t *block = row + (size_t)(i / 32) * 34;
+static inline void q8_0_block(const uint8_t *block, __m512 *out) {
     __m512 d = _mm512_set1_ps(half_at(block));
     out[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 2)))), d);
     out[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 18)))), d);
 }
+static inline void q8_0_at(const uint8_t *row, int i, __m512 *out) { q8_0_block(row + (size_t)(i / 32) * 34, out); }
 static inline __m512 q8_0_at_masked(const uint8_t *row, int i, f32_mask mask) {
     __m512 both[2];
     q8_0_at(row, i & ~31, both);
     return _mm512_maskz_mov_ps(mask, both[(i & 16) != 0]);
 }
+
+/* The same blocks with rows interleaved in fours, block by block: [n_out / 4][n_in / 32][4][block]
+ * (gguf_blocks.interleave_rows; n_out a multiple of 4). Four rows read side by side are then
+ * one sequential stream, so every pass takes the four-row path and shares its input loads. */
+#define q4_1x4_STEP 2
+#define q8_0x4_STEP 2
+static inline const uint8_t *q4_1x4_row(const uint8_t *w, int r, int n_in) { return w + ((size_t)(r / 4) * (n_in / 32) * 4 + r % 4) * 20; }
+static inline void q4_1x4_at(const uint8_t *row, int i, __m512 *out) { q4_1_block(row + (size_t)(i / 32) * 80, out); }
+static inline __m512 q4_1x4_at_masked(const uint8_t *row, int i, f32_mask mask) { return q4_1_at_masked(row, i, mask); } /* never called */
+static inline const uint8_t *q8_0x4_row(const uint8_t *w, int r, int n_in) { return w + ((size_t)(r / 4) * (n_in / 32) * 4 + r % 4) * 34; }
+static inline void q8_0x4_at(const uint8_t *row, int i, __m512 *out) { q8_0_block(row + (size_t)(i / 32) * 136, out); }
+static inline __m512 q8_0x4_at_masked(const uint8_t *row, int i, f32_mask mask) { return q8_0_at_masked(row, i, mask); } /* never called */
 
 /* A pass of at most WP_SINGLE_ROW_MAX inputs streams the weights one row at a time; a longer
  * one, four rows side by side against groups of four inputs (their shared input loads pay off
@@ -109,6 +121,8 @@ static inline __m512 q8_0_at_masked(const uint8_t *row, int i, f32_mask mask) {
 #define bf16_SINGLE_ROW_MAX 8
 #define q4_1_SINGLE_ROW_MAX 8
 #define q8_0_SINGLE_ROW_MAX 8
+#define q4_1x4_SINGLE_ROW_MAX 0
+#define q8_0x4_SINGLE_ROW_MAX 0
 #define BLOCK_CASE(NAME, R, M) case M: NAME##_block(wr, x, y, n_in, n_out, R, M); break;
 
 /* NAME: weights of type WT in format WP, inputs and outputs of type T with arithmetic P. */
@@ -186,6 +200,8 @@ DEFINE_KERNEL(decodekit_gemm_f32, float, f32, float, __m512, f32, float)
 DEFINE_KERNEL(decodekit_gemm_bf16, uint16_t, bf16, uint16_t, __m512i, bf16, uint16_t)
 DEFINE_KERNEL(decodekit_gemm_q4_1, uint8_t, q4_1, float, __m512, f32, float)
 DEFINE_KERNEL(decodekit_gemm_q8_0, uint8_t, q8_0, float, __m512, f32, float)
+DEFINE_KERNEL(decodekit_gemm_q4_1x4, uint8_t, q4_1x4, float, __m512, f32, float)
+DEFINE_KERNEL(decodekit_gemm_q8_0x4, uint8_t, q8_0x4, float, __m512, f32, float)
 
 /* Whether this CPU runs the bfloat16 kernel (the float32 one needs only AVX-512F). */
 int decodekit_has_avx512bf16(void) {
