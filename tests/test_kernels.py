@@ -116,6 +116,32 @@ def test_tree_nodes_are_bit_identical_to_one_token_decoding(dtype):
         assert torch.equal(tree_logits[node], logits), node
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_decoder_layers_match_the_layer_by_layer_path(dtype):
+    """forward.c runs the same kernels as the Python layer loop: prefill chunks, steps and tree
+    verification give bit-identical logits and caches either way."""
+    fused = tiny_llama(seed=4, dtype=dtype, hidden_size=64)
+    if fused._stack is None:
+        pytest.skip("kernels unavailable on this machine")
+    looped = tiny_llama(seed=4, dtype=dtype, hidden_size=64)
+    looped._stack = None
+    tokens = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(7))
+    parents = [-1, 0, 0, 1, -1]
+    nodes = torch.randint(0, 96, (len(parents),), generator=torch.Generator().manual_seed(8))
+    outputs = []
+    for backend in (fused, looped):
+        backend.reset()
+        outputs.append([
+            backend.append(tokens[:, :7]).logits,  # a multi-token pass: causal mask
+            backend.append(tokens[:, 7:8]).logits,  # a plain step: every key visible
+            backend.verify_tree(nodes, parents).logits,  # a tree mask
+            backend._k[:, :, :, : backend.length].clone(),
+        ])
+    for got, expected in zip(*outputs):
+        assert torch.equal(got, expected)
+    assert fused.append(tokens[:, 8:9], skip_layers=frozenset({1})).logits.shape == (1, 1, 96)  # loop path
+
+
 def test_attention_kernel_declines_head_dims_it_cannot_run():
     assert kernels.layout_independent_attention(torch.float32, 8) is None  # not a multiple of 16
     assert kernels.layout_independent_attention(torch.float32, 512) is None  # over 256

@@ -17,7 +17,10 @@ import torch.nn.functional as F
 
 from .backend import Backend, ModelInfo, StepOutput
 from .gguf_blocks import BlockMatrix, matching_blocks
-from .kernels import MAX_ROWS, block_matmul, few_rows_matmul, layer_ops, layout_independent_attention
+from .kernels import (
+    MAX_ROWS, DecoderLayers, KernelProjection, block_matmul, decoder_layers, few_rows_matmul, layer_ops,
+    layout_independent_attention,
+)
 
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -139,6 +142,10 @@ class Projection:
         self.weight = weight
         self.bias = bias
         self.few_rows = few_rows_matmul(weight.dtype)
+        # what the few-row kernel is, as compiled code can call it (see kernels.KernelProjection)
+        self.kernel: KernelProjection | None = None
+        if self.few_rows is not None:
+            self.kernel = (self.few_rows.address, weight, weight.shape[0], weight.shape[1])
         kernel = block_matmul(blocks.kind) if blocks is not None and weight.dtype == torch.float32 else None
         self.blocks = blocks if kernel is not None else None
         if kernel is not None:
@@ -146,6 +153,7 @@ class Projection:
             if blocks.shape[0] % 4 == 0:  # four rows a stream, see kernels/gemm.c
                 data, kernel = blocks.interleaved(), block_matmul(blocks.kind, interleaved=True)
             self.few_rows = lambda weight, x: kernel(data, x, blocks.n_in)
+            self.kernel = (kernel.address, data, weight.shape[0], blocks.n_in)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -258,7 +266,26 @@ class NativeLlama(Backend):
         self._initial_capacity = initial_capacity
         self._attend = layout_independent_attention(dtype, config.head_dim)
         self._ops = layer_ops(dtype, config.hidden_size, config.intermediate_size)
+        self._stack = self._decoder_layers()
         self.reset(1)
+
+    def _decoder_layers(self) -> DecoderLayers | None:
+        """The one-call path through every layer (``kernels/forward.c``), where every piece of
+        the layer-by-layer kernel path is available (and no projection has a bias)."""
+        c, w = self.config, self.weights
+        names = ("qkv", "o", "gate_up", "down")
+        if self._ops is None or self._attend is None:
+            return None
+        if any(layer[n].kernel is None or layer[n].bias is not None for layer in w.layers for n in names):
+            return None
+        layers = [
+            {"attn_norm": layer["attn_norm"], "mlp_norm": layer["mlp_norm"], **{n: layer[n].kernel for n in names}}
+            for layer in w.layers
+        ]
+        return decoder_layers(
+            self.dtype, self._ops, self._attend, hidden=c.hidden_size, inter=c.intermediate_size, n_heads=c.num_heads,
+            n_kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_norm_eps, layers=layers,
+        )
 
     # Cache management ---------------------------------------------------------------------
 
@@ -348,6 +375,11 @@ class NativeLlama(Backend):
         ops = self._ops if k <= MAX_ROWS else None
 
         x = F.embedding(tokens, w.embed)  # a fresh tensor: the residual stream, updated in place
+        if self._stack is not None and batch == 1 and ops is not None and not hidden_layers and not skip_layers:
+            # the same kernels as the loop below, called from C in one go
+            pending = torch.empty_like(x)
+            self._stack.run(x[0], pending[0], False, self._freqs_pairs, positions, mask, self._k[:, 0], self._v[:, 0], start)
+            return self._logits(x, pending, ops, last_only, {})
         pending = None  # the last MLP output, added to x inside the next norm (one fused call)
         hidden: dict[int, torch.Tensor] = {}
         if 0 in hidden_layers:
@@ -369,6 +401,10 @@ class NativeLlama(Backend):
                     x.add_(pending)  # rounds as the fused add does
                     pending = None
                 hidden[i + 1] = x.clone()
+        return self._logits(x, pending, ops, last_only, hidden)
+
+    def _logits(self, x: torch.Tensor, pending: torch.Tensor | None, ops, last_only: bool, hidden: dict) -> StepOutput:
+        w = self.weights
         h = self._add_norm(x, pending, w.final_norm, ops)
         if last_only:
             h = h[:, -1:]

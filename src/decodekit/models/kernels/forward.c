@@ -1,0 +1,112 @@
+/* Every decoder layer of a few-row pass (a decode step, a verification pass) in one call.
+ *
+ * The native backend's layer is a dozen kernel calls (norms, projections, rotary embedding and
+ * cache write, attention, SiLU gating); from Python each costs a few microseconds of dispatch,
+ * which added up to over a tenth of a decode step once the kernels themselves got fast. This
+ * file makes exactly the same calls, in the same order, on the same buffers, from C: the
+ * kernels are passed in as function pointers (from gemm.c, layer_ops.c, attention.c), so
+ * results are bit-identical to the layer-by-layer path, which stays in use for everything
+ * else (prefill, skipped layers, hidden states, batches).
+ *
+ * Per layer, with x the residual stream [rows, hidden] (updated in place) and `pending` the
+ * previous layer's MLP output:
+ *   h = add_rms_norm(x += pending, attn_norm); qkv = W_qkv h; q = rope_store(qkv -> cache);
+ *   a = attention(q, cache) (float32, rounded to the model dtype); h = add_rms_norm(x += W_o a,
+ *   mlp_norm); pending = W_down silu_mul(W_gate_up h).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "simd.h"
+
+typedef void (*gemm_fn)(const void *w, const void *x, void *y, int rows, int n_out, int n_in, int threads);
+typedef void (*add_rms_norm_fn)(void *x, const void *delta, const void *weight, void *h, int rows, int dim, float eps);
+typedef void (*silu_mul_fn)(const void *gate_up, void *out, int rows, int inter);
+typedef void (*rope_store_fn)(const void *qkv, const float *freqs, const int64_t *positions, float *q_out,
+                              void *k_cache, void *v_cache, int rows, int n_heads, int n_kv_heads, int head_dim,
+                              int cap, int start);
+typedef void (*attention_fn)(const float *q, const void *k, const void *v, const uint8_t *visible, float *out,
+                             int n_q, int n_heads, int n_kv_heads, int head_dim, int cap, int n_keys, float scale,
+                             int threads);
+
+/* Mirrored by ctypes structures in __init__.py: keep the field order and types in step. */
+typedef struct {
+    gemm_fn fn;
+    const void *weights;
+    int64_t n_out, n_in;
+} Projection;
+
+typedef struct {
+    const void *attn_norm, *mlp_norm;
+    Projection qkv, o, gate_up, down;
+} Layer;
+
+typedef struct {
+    add_rms_norm_fn add_rms_norm;
+    silu_mul_fn silu_mul;
+    rope_store_fn rope_store;
+    attention_fn attention;
+    int64_t hidden, inter, n_heads, n_kv_heads, head_dim;
+    int64_t element_size; /* 4: float32 activations and cache, 2: bfloat16 */
+    double eps, scale;
+} Model;
+
+static void project(const Projection *p, const void *x, void *y, int rows, int threads) {
+    p->fn(p->weights, x, y, rows, (int)p->n_out, (int)p->n_in, threads);
+}
+
+/* Run `n_layers` layers on `rows` new tokens at cache slots start.. (positions as given).
+ * x: [rows, hidden]; pending: [rows, hidden], added to x before the first norm when
+ * has_pending, and holding the last layer's MLP output on return. freqs: rotary (cos, sin)
+ * pairs [max_position, head_dim]. visible: [rows, start + rows] bytes, or NULL for "every
+ * cached key". k_cache, v_cache: layer 0's [n_kv_heads, cap, head_dim] cache of the sequence,
+ * layer_stride elements apart. Returns 0, or -1 when scratch memory cannot be allocated. */
+int decodekit_decoder_layers(const Model *m, const Layer *layers, int n_layers, void *x, void *pending,
+                             int has_pending, const float *freqs, const int64_t *positions,
+                             const uint8_t *visible, void *k_cache, void *v_cache, int64_t layer_stride,
+                             int cap, int rows, int start, int threads) {
+    size_t es = (size_t)m->element_size, r = (size_t)rows;
+    size_t q_width = (size_t)(m->n_heads * m->head_dim);
+    size_t qkv_width = (size_t)((m->n_heads + 2 * m->n_kv_heads) * m->head_dim);
+    size_t sizes[] = {
+        r * m->hidden * es,      /* h */
+        r * qkv_width * es,      /* qkv */
+        r * q_width * 4,         /* q, float32 */
+        r * q_width * 4,         /* attention output, float32 */
+        r * q_width * es,        /* the same in the model dtype */
+        r * m->hidden * es,      /* o projection */
+        r * 2 * m->inter * es,   /* gate | up */
+        r * m->inter * es,       /* silu(gate) * up */
+    };
+    enum { H, QKV, Q, HEADS, ATTN, O, GATE_UP, ACT, BUFFERS };
+    char *buf[BUFFERS];
+    size_t total = 0;
+    for (int b = 0; b < BUFFERS; b++) total += (sizes[b] + 63) / 64 * 64;
+    char *arena = aligned_alloc(64, total);
+    if (!arena) return -1;
+    for (int b = 0, offset = 0; b < BUFFERS; offset += (int)((sizes[b] + 63) / 64 * 64), b++) buf[b] = arena + offset;
+    if (es == 4) buf[ATTN] = buf[HEADS]; /* float32: attention output is already in the model dtype */
+
+    float eps = (float)m->eps, scale = (float)m->scale;
+    int hidden = (int)m->hidden, inter = (int)m->inter;
+    for (int i = 0; i < n_layers; i++) {
+        const Layer *l = &layers[i];
+        char *k = (char *)k_cache + (size_t)i * layer_stride * es, *v = (char *)v_cache + (size_t)i * layer_stride * es;
+        m->add_rms_norm(x, (i > 0 || has_pending) ? pending : NULL, l->attn_norm, buf[H], rows, hidden, eps);
+        project(&l->qkv, buf[H], buf[QKV], rows, threads);
+        m->rope_store(buf[QKV], freqs, positions, (float *)buf[Q], k, v, rows, (int)m->n_heads, (int)m->n_kv_heads,
+                      (int)m->head_dim, cap, start);
+        m->attention((const float *)buf[Q], k, v, visible, (float *)buf[HEADS], rows, (int)m->n_heads,
+                     (int)m->n_kv_heads, (int)m->head_dim, cap, start + rows, scale, threads);
+        if (es == 2) /* rounded to bfloat16 as torch's .to() rounds (q_width is a multiple of 16) */
+            for (size_t j = 0; j < r * q_width; j += 16)
+                store_bf16((uint16_t *)buf[ATTN] + j, _mm512_loadu_ps((const float *)buf[HEADS] + j));
+        project(&l->o, buf[ATTN], buf[O], rows, threads);
+        m->add_rms_norm(x, buf[O], l->mlp_norm, buf[H], rows, hidden, eps);
+        project(&l->gate_up, buf[H], buf[GATE_UP], rows, threads);
+        m->silu_mul(buf[GATE_UP], buf[ACT], rows, inter);
+        project(&l->down, buf[ACT], pending, rows, threads);
+    }
+    free(arena);
+    return 0;
+}
