@@ -139,7 +139,10 @@ def test_one_call_decoder_layers_match_the_layer_by_layer_path(dtype):
         ])
     for got, expected in zip(*outputs):
         assert torch.equal(got, expected)
-    assert fused.append(tokens[:, 8:9], skip_layers=frozenset({1})).logits.shape == (1, 1, 96)  # loop path
+    for skip in (frozenset({1}), frozenset({0, 1})):  # skipped layers (self-speculation drafts); all of them
+        expected = looped.append(tokens[:, 8:9], skip_layers=skip).logits
+        assert torch.equal(fused.append(tokens[:, 8:9], skip_layers=skip).logits, expected)
+        assert torch.equal(fused._k[:, :, :, : fused.length], looped._k[:, :, :, : looped.length])
 
 
 def test_attention_kernel_declines_head_dims_it_cannot_run():

@@ -375,11 +375,13 @@ class NativeLlama(Backend):
         ops = self._ops if k <= MAX_ROWS else None
 
         x = F.embedding(tokens, w.embed)  # a fresh tensor: the residual stream, updated in place
-        if self._stack is not None and batch == 1 and ops is not None and not hidden_layers and not skip_layers:
+        if self._stack is not None and batch == 1 and ops is not None and not hidden_layers:
             # the same kernels as the loop below, called from C in one go
             pending = torch.empty_like(x)
-            self._stack.run(x[0], pending[0], False, self._freqs_pairs, positions, mask, self._k[:, 0], self._v[:, 0], start)
-            return self._logits(x, pending, ops, last_only, {})
+            ran = self._stack.run(
+                x[0], pending[0], self._freqs_pairs, positions, mask, self._k[:, 0], self._v[:, 0], start, skip_layers
+            )
+            return self._logits(x, pending if ran else None, ops, last_only, {})
         pending = None  # the last MLP output, added to x inside the next norm (one fused call)
         hidden: dict[int, torch.Tensor] = {}
         if 0 in hidden_layers:

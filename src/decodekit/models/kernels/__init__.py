@@ -284,27 +284,35 @@ class DecoderLayers:
         self.num_layers = len(layers)
 
     def run(
-        self, x: torch.Tensor, pending: torch.Tensor, has_pending: bool, freqs: torch.Tensor, positions: torch.Tensor,
+        self, x: torch.Tensor, pending: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor,
         visible: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
-    ) -> None:
-        """Run the layers on ``x [rows, hidden]`` (the residual stream, updated in place; all
-        tensors contiguous, in the model dtype). ``pending [rows, hidden]`` is added to x first
-        when ``has_pending`` and receives the last layer's MLP output. ``k_cache``/``v_cache``:
-        ``[layers, H_kv, cap, D]`` of one sequence (contiguous per layer); the new keys go to
-        slots ``start..``. ``visible``: ``[rows, start + rows]`` bool, or None for all keys.
-        Runs as many layers as the cache has (a truncated copy of a model shares its layers)."""
+        skip: frozenset[int] = frozenset(),
+    ) -> bool:
+        """Run the layers not in ``skip`` on ``x [rows, hidden]`` (the residual stream, updated in
+        place; all tensors contiguous, in the model dtype); ``pending [rows, hidden]`` receives
+        the last layer's MLP output (still to be added to x). ``k_cache``/``v_cache``: ``[layers,
+        H_kv, cap, D]`` of one sequence (contiguous per layer); the new keys go to slots
+        ``start..``. ``visible``: ``[rows, start + rows]`` bool, or None for all keys. Runs as
+        many layers as the cache has (a truncated copy of a model shares its layers). Returns
+        whether any layer ran (if none, ``pending`` holds nothing)."""
         rows, num_layers = x.shape[0], k_cache.shape[0]
         if num_layers > self.num_layers:
             raise ValueError(f"decoder layers kernel: a cache of {num_layers} layers for {self.num_layers} layers")
         positions = positions.to(torch.int64).contiguous()
         mask = None if visible is None else visible.to(torch.bool).contiguous()
-        status = self._fn(
-            ctypes.byref(self._model), self._layers, num_layers, x.data_ptr(), pending.data_ptr(), int(has_pending),
-            freqs.data_ptr(), positions.data_ptr(), None if mask is None else mask.data_ptr(),
-            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.shape[2], rows, start, torch.get_num_threads(),
+        flags = None
+        if skip:
+            flags = torch.zeros(num_layers, dtype=torch.uint8)
+            flags[[i for i in skip if i < num_layers]] = 1
+        ran = self._fn(
+            ctypes.byref(self._model), self._layers, num_layers, None if flags is None else flags.data_ptr(),
+            x.data_ptr(), pending.data_ptr(), freqs.data_ptr(), positions.data_ptr(),
+            None if mask is None else mask.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+            k_cache.shape[2], rows, start, torch.get_num_threads(),
         )
-        if status != 0:
+        if ran < 0:
             raise MemoryError("decoder layers kernel: could not allocate its scratch buffers")
+        return ran > 0
 
 
 def decoder_layers(
@@ -318,8 +326,7 @@ def decoder_layers(
     if lib is None:
         return None
     fn = lib.decodekit_decoder_layers
-    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [
-        ctypes.c_int64] + [ctypes.c_int] * 4
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] + [ctypes.c_int] * 4
     fn.restype = ctypes.c_int
     model = _Model(
         ops.addresses["add_rms_norm"], ops.addresses["silu_mul"], ops.addresses["rope_store"], attention.address,

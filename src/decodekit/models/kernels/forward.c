@@ -55,14 +55,15 @@ static void project(const Projection *p, const void *x, void *y, int rows, int t
     p->fn(p->weights, x, y, rows, (int)p->n_out, (int)p->n_in, threads);
 }
 
-/* Run `n_layers` layers on `rows` new tokens at cache slots start.. (positions as given).
- * x: [rows, hidden]; pending: [rows, hidden], added to x before the first norm when
- * has_pending, and holding the last layer's MLP output on return. freqs: rotary (cos, sin)
- * pairs [max_position, head_dim]. visible: [rows, start + rows] bytes, or NULL for "every
- * cached key". k_cache, v_cache: layer 0's [n_kv_heads, cap, head_dim] cache of the sequence,
- * layer_stride elements apart. Returns 0, or -1 when scratch memory cannot be allocated. */
-int decodekit_decoder_layers(const Model *m, const Layer *layers, int n_layers, void *x, void *pending,
-                             int has_pending, const float *freqs, const int64_t *positions,
+/* Run the first `n_layers` layers, except those flagged in `skip` (NULL: none), on `rows` new
+ * tokens at cache slots start.. (positions as given). x: [rows, hidden]; pending: [rows, hidden],
+ * receives the last layer's MLP output. freqs: rotary (cos, sin) pairs [max_position,
+ * head_dim]. visible: [rows, start + rows] bytes, or NULL for "every cached key". k_cache,
+ * v_cache: layer 0's [n_kv_heads, cap, head_dim] cache of the sequence, layer_stride elements
+ * apart (a skipped layer's cache is left alone). Returns how many layers ran, or -1 when scratch
+ * memory cannot be allocated. */
+int decodekit_decoder_layers(const Model *m, const Layer *layers, int n_layers, const uint8_t *skip, void *x,
+                             void *pending, const float *freqs, const int64_t *positions,
                              const uint8_t *visible, void *k_cache, void *v_cache, int64_t layer_stride,
                              int cap, int rows, int start, int threads) {
     size_t es = (size_t)m->element_size, r = (size_t)rows;
@@ -84,15 +85,17 @@ int decodekit_decoder_layers(const Model *m, const Layer *layers, int n_layers, 
     for (int b = 0; b < BUFFERS; b++) total += (sizes[b] + 63) / 64 * 64;
     char *arena = aligned_alloc(64, total);
     if (!arena) return -1;
-    for (int b = 0, offset = 0; b < BUFFERS; offset += (int)((sizes[b] + 63) / 64 * 64), b++) buf[b] = arena + offset;
+    for (size_t b = 0, offset = 0; b < BUFFERS; offset += (sizes[b] + 63) / 64 * 64, b++) buf[b] = arena + offset;
     if (es == 4) buf[ATTN] = buf[HEADS]; /* float32: attention output is already in the model dtype */
 
     float eps = (float)m->eps, scale = (float)m->scale;
     int hidden = (int)m->hidden, inter = (int)m->inter;
+    int ran = 0;
     for (int i = 0; i < n_layers; i++) {
+        if (skip && skip[i]) continue; /* its input goes on to the next layer, pending included */
         const Layer *l = &layers[i];
         char *k = (char *)k_cache + (size_t)i * layer_stride * es, *v = (char *)v_cache + (size_t)i * layer_stride * es;
-        m->add_rms_norm(x, (i > 0 || has_pending) ? pending : NULL, l->attn_norm, buf[H], rows, hidden, eps);
+        m->add_rms_norm(x, ran ? pending : NULL, l->attn_norm, buf[H], rows, hidden, eps);
         project(&l->qkv, buf[H], buf[QKV], rows, threads);
         m->rope_store(buf[QKV], freqs, positions, (float *)buf[Q], k, v, rows, (int)m->n_heads, (int)m->n_kv_heads,
                       (int)m->head_dim, cap, start);
@@ -106,7 +109,8 @@ int decodekit_decoder_layers(const Model *m, const Layer *layers, int n_layers, 
         project(&l->gate_up, buf[H], buf[GATE_UP], rows, threads);
         m->silu_mul(buf[GATE_UP], buf[ACT], rows, inter);
         project(&l->down, buf[ACT], pending, rows, threads);
+        ran++;
     }
     free(arena);
-    return 0;
+    return ran;
 }
