@@ -11,8 +11,10 @@
   sees in cache order.
 * ``layer_ops.c``: a layer's element-wise work (residual add + RMSNorm, SiLU gating, rotary
   embedding + cache write) in one call each instead of a handful of torch ops.
+* ``forward.c``: every decoder layer of a few-row pass in one call, calling the kernels above
+  through function pointers in the layer-by-layer order (:class:`DecoderLayers`).
 
-In both, a row's result does not depend on the other rows of the pass or on the attention
+In all, a row's result does not depend on the other rows of the pass or on the attention
 layout, so a token verified in a tree gets bit for bit its one-token-step logits.
 
 The C files are compiled with the system compiler (``cc``, OpenMP, AVX-512) into
@@ -278,8 +280,8 @@ class DecoderLayers:
     the same order as the layer-by-layer path (bit-identical results, a few microseconds of
     Python dispatch per kernel saved). Holds references to every tensor it points at."""
 
-    def __init__(self, fn, model: _Model, layers: list[_Layer], keep: list[torch.Tensor], dtype: torch.dtype):
-        self._fn, self._model, self._keep, self.dtype = fn, model, keep, dtype
+    def __init__(self, fn, model: _Model, layers: list[_Layer], keep: list[torch.Tensor]):
+        self._fn, self._model, self._keep = fn, model, keep
         self._layers = (_Layer * len(layers))(*layers)
         self.num_layers = len(layers)
 
@@ -341,4 +343,4 @@ def decoder_layers(
             projections[name] = _Projection(address, weights.data_ptr(), n_out, n_in)
         keep += [layer["attn_norm"], layer["mlp_norm"]]
         structs.append(_Layer(layer["attn_norm"].data_ptr(), layer["mlp_norm"].data_ptr(), **projections))
-    return DecoderLayers(fn, model, structs, keep, dtype)
+    return DecoderLayers(fn, model, structs, keep)

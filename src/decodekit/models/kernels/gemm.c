@@ -66,8 +66,7 @@ static inline uint16_t bf16_out(float s) {
  * j + 16 in the high nibble} -> d * q + m; Q8_0 {fp16 d, int8 q[32]} -> d * q. d * q is exact in
  * float32 (an 11-bit by 4- or 8-bit product), so one fused multiply-add gives the dequantised
  * float32 weight bit for bit, and the float32 kernel's sums follow. A block is one step of two
- * float32 vectors (weights 0-15, then 16-31: the float32 kernel's order). Rows are n_in / 32
- * blocks, so the masked loads are never needed; they are kept correct all the same. */
+ * float32 vectors (weights 0-15, then 16-31: the float32 kernel's order). */
 #define q4_1_STEP 2
 #define q8_0_STEP 2
 static inline float half_at(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
@@ -80,11 +79,6 @@ static inline void q4_1_block(const uint8_t *block, __m512 *out) {
     out[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
 }
 static inline void q4_1_at(const uint8_t *row, int i, __m512 *out) { q4_1_block(row + (size_t)(i / 32) * 20, out); }
-static inline __m512 q4_1_at_masked(const uint8_t *row, int i, f32_mask mask) {
-    __m512 both[2];
-    q4_1_at(row, i & ~31, both);
-    return _mm512_maskz_mov_ps(mask, both[(i & 16) != 0]);
-}
 
 static inline const uint8_t *q8_0_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * 34; }
 static inline void q8_0_block(const uint8_t *block, __m512 *out) {
@@ -93,23 +87,29 @@ static inline void q8_0_block(const uint8_t *block, __m512 *out) {
     out[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 18)))), d);
 }
 static inline void q8_0_at(const uint8_t *row, int i, __m512 *out) { q8_0_block(row + (size_t)(i / 32) * 34, out); }
-static inline __m512 q8_0_at_masked(const uint8_t *row, int i, f32_mask mask) {
-    __m512 both[2];
-    q8_0_at(row, i & ~31, both);
-    return _mm512_maskz_mov_ps(mask, both[(i & 16) != 0]);
-}
 
 /* The same blocks with rows interleaved in fours, block by block: [n_out / 4][n_in / 32][4][block]
- * (gguf_blocks.interleave_rows; n_out a multiple of 4). Four rows read side by side are then
+ * (gguf_blocks.BlockMatrix.interleaved; n_out a multiple of 4). Four rows read side by side are then
  * one sequential stream, so every pass takes the four-row path and shares its input loads. */
 #define q4_1x4_STEP 2
 #define q8_0x4_STEP 2
 static inline const uint8_t *q4_1x4_row(const uint8_t *w, int r, int n_in) { return w + ((size_t)(r / 4) * (n_in / 32) * 4 + r % 4) * 20; }
 static inline void q4_1x4_at(const uint8_t *row, int i, __m512 *out) { q4_1_block(row + (size_t)(i / 32) * 80, out); }
-static inline __m512 q4_1x4_at_masked(const uint8_t *row, int i, f32_mask mask) { return q4_1_at_masked(row, i, mask); } /* never called */
 static inline const uint8_t *q8_0x4_row(const uint8_t *w, int r, int n_in) { return w + ((size_t)(r / 4) * (n_in / 32) * 4 + r % 4) * 34; }
 static inline void q8_0x4_at(const uint8_t *row, int i, __m512 *out) { q8_0_block(row + (size_t)(i / 32) * 136, out); }
-static inline __m512 q8_0x4_at_masked(const uint8_t *row, int i, f32_mask mask) { return q8_0_at_masked(row, i, mask); } /* never called */
+
+/* A block format's one-vector load for a row's last partial vector: the half of its block that
+ * holds weight i, masked (rows of whole blocks never need it; it is defined to be correct). */
+#define DEFINE_BLOCK_AT_MASKED(WP)                                                                 \
+    static inline __m512 WP##_at_masked(const uint8_t *row, int i, f32_mask mask) {               \
+        __m512 both[2];                                                                            \
+        WP##_at(row, i & ~31, both);                                                               \
+        return _mm512_maskz_mov_ps(mask, both[(i & 16) != 0]);                                    \
+    }
+DEFINE_BLOCK_AT_MASKED(q4_1)
+DEFINE_BLOCK_AT_MASKED(q8_0)
+DEFINE_BLOCK_AT_MASKED(q4_1x4)
+DEFINE_BLOCK_AT_MASKED(q8_0x4)
 
 /* A pass of at most WP_SINGLE_ROW_MAX inputs streams the weights one row at a time; a longer
  * one, four rows side by side against groups of four inputs (their shared input loads pay off
