@@ -18,7 +18,7 @@ from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.tiny import tiny_llama
 from decodekit.samplers import Sampler
 from decodekit.speculative.bandit import DiscountedUCB
-from decodekit.speculative.controller import Controller, CostTable
+from decodekit.speculative.controller import MEASURE_SIZES, Controller, CostTable
 from decodekit.speculative.drafters.ngram import PromptLookup
 from decodekit.speculative.drafters.suffix import SuffixAutomaton
 from decodekit.speculative.tree import DraftTree, Verification, add_chain, grow_best_first, merge_into, select_nodes
@@ -403,6 +403,66 @@ def test_cost_table_follows_observed_pass_times():
     for _ in range(40):
         table.observe(8, 6.0)  # the machine is now three times slower at 8 tokens
     assert table(8) == pytest.approx(6.0, rel=0.01) and table(1) == 1.0
+
+
+def test_one_stalled_pass_moves_the_cost_table_by_at_most_ten_percent():
+    table = CostTable({1: 1.0, 8: 2.0})
+    table.observe(1, 50.0)  # another process took the CPU for this pass
+    assert table(1) == pytest.approx(1.1)
+    table.observe(1, 0.01)
+    assert table(1) == pytest.approx(1.1 - 0.2 * (1.1 - 1.1 / 1.5))
+
+
+def test_requests_share_the_backends_cost_table_and_timings_are_not_written_to_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    backend = tiny_llama(seed=0)
+    backend.prefill([1, 2, 3])
+    first, second = Controller(8), Controller(8)
+    first.begin(backend, "a")
+    second.begin(backend, "b")
+    assert first.cost is second.cost
+    saved = (tmp_path / "speculative" / "verify_cost.json").read_text()
+    first.observe_cost(1, first.cost(1) * 1.4)
+    first.finish(backend)
+    assert second.cost(1) == first.cost(1)
+    assert (tmp_path / "speculative" / "verify_cost.json").read_text() == saved
+
+
+def test_a_cached_table_without_the_sizes_measured_now_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    backend = tiny_llama(seed=0)
+    backend.prefill([1, 2, 3])
+    CostTable({1: 1.0, 4: 2.0}).save(backend)  # written by an older version
+    assert CostTable.cached(backend).sizes == list(MEASURE_SIZES)
+
+
+def verified_steps(ctl: Controller, steps: int) -> int:
+    """Run the loop's decisions for ``steps`` steps with drafts that always fail; count verifications."""
+    count = 0
+    for _ in range(steps):
+        budget = ctl.budget()
+        if budget:
+            ctl.observe_draft(budget, budget * 0.05)  # costly enough to be planned before drafting
+            tree = ctl.select(chain_tree(budget, "hopeless"))
+            if len(tree):
+                count += 1
+                ctl.observe(tree, Verification([], 0), overhead_s=0.0)
+    return count
+
+
+def test_the_back_off_carries_over_to_the_next_request():
+    """A drafter that did not pay keeps its long pause level in the next request (it used to start
+    again from one plain step, judged by the optimistic prior: seven probes in every 128-token
+    request for lookahead decoding)."""
+    backend = tiny_llama(seed=0)
+    first = Controller(8, cost_table={1: 1.0, 2: 1.3, 64: 64.0})
+    first.begin(backend, "hopeless")
+    verified_steps(first, 300)
+    level = first._backoff
+    first.finish(backend)
+    second = Controller(8, cost_table={1: 1.0, 2: 1.3, 64: 64.0})
+    second.begin(backend, "hopeless")
+    assert level >= 16 and verified_steps(second, level) <= 1
 
 
 def test_cost_table_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):

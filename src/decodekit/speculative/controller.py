@@ -1,9 +1,12 @@
 """How much to speculate: a measured verify-cost table plus learned acceptance.
 
-The right tree size depends on the machine: on this CPU a 16-token pass costs ~2.5x a 1-token
-pass in float32 but about the same in bfloat16. :class:`CostTable` measures the target's
+The right tree size depends on the machine: on this CPU a 16-token pass costs ~7x a 1-token
+pass in float32 on GGUF blocks but ~3x in bfloat16. :class:`CostTable` measures the target's
 forward cost per number of tokens once (cached as JSON under ``cache_root()``, keyed by model,
-dtype and torch thread count). :class:`Controller` keeps an exponential moving average of the
+dtype and torch thread count), every size up to 8 tokens because the curve has steps there.
+In a process, one table per backend follows the timed passes of all methods, each observation
+clamped so that one stalled pass cannot make speculation look cheap; only measured tables are
+written to disk. :class:`Controller` keeps an exponential moving average of the
 probability that a draft node is accepted given its parent was, per (drafter, depth, sibling
 rank), and each step keeps the subset of the drafted tree that maximises expected tokens per
 second — ``(1 + sum of the kept nodes' acceptance probabilities) / (cost(n + 1) + overhead)`` —
@@ -47,7 +50,7 @@ from ..errors import InvalidParameter
 from ..models.backend import Backend
 from .tree import DraftTree, Verification, select_nodes
 
-MEASURE_SIZES = (1, 2, 4, 8, 16, 32)
+MEASURE_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
 MAX_BACKOFF = 512
 MIN_REALISED_STEPS = 8  # speculative steps measured before their realised speed can veto drafting
 EXPLORE_SHARE = 0.01  # at most ~1% of decode time spent on probes that do not pay
@@ -83,12 +86,15 @@ class CostTable:
     def as_dict(self) -> dict[str, float]:
         return {str(k): v for k, v in zip(self.sizes, self.costs)}
 
-    def observe(self, n: int, seconds: float, weight: float = 0.2) -> None:
+    def observe(self, n: int, seconds: float, weight: float = 0.2, max_jump: float = 1.5) -> None:
         """Blend a timed pass of ``n`` tokens into the nearest measured size (scaled by the table's
-        own shape), so a table measured under other load follows the machine as it is now."""
+        own shape), so a table measured under other load follows the machine as it is now. The
+        observation is clamped to within ``max_jump`` times the current value: a pass stalled by
+        another process moves the table by at most 10%, a lasting change still within a few passes."""
         anchor = min(range(len(self.sizes)), key=lambda i: abs(math.log(self.sizes[i] / n)))
-        target = seconds * self.costs[anchor] / self(n)
-        self.costs[anchor] += weight * (target - self.costs[anchor])
+        current = self.costs[anchor]
+        target = min(max(seconds * current / self(n), current / max_jump), current * max_jump)
+        self.costs[anchor] += weight * (target - current)
 
     @staticmethod
     def key(backend: Backend) -> str:
@@ -123,16 +129,25 @@ class CostTable:
 
     @classmethod
     def cached(cls, backend: Backend) -> "CostTable":
-        """The cached table for this model/dtype/threads, measured (and saved) the first time."""
+        """The cached table for this model/dtype/threads, measured (and saved) the first time, or
+        again when the cached one lacks a size this version measures."""
         try:
             saved = json.loads(cls._path().read_text())
         except (OSError, ValueError):
             saved = {}
-        entry = saved.get(cls.key(backend))
-        if entry:
+        entry = saved.get(cls.key(backend)) or {}
+        if {str(n) for n in MEASURE_SIZES} <= set(entry):
             return cls({int(k): v for k, v in entry.items()})
         table = cls.measure(backend)
         table.save(backend)
+        return table
+
+    @classmethod
+    def shared(cls, backend: Backend) -> "CostTable":
+        """The one in-memory table of ``backend``, which every request's timings refine."""
+        table = _COSTS.get(backend)
+        if table is None:
+            table = _COSTS[backend] = cls.cached(backend)
         return table
 
     def save(self, backend: Backend) -> None:
@@ -150,9 +165,10 @@ class CostTable:
             pass  # a read-only cache only costs a re-measurement next time
 
 
+_COSTS: "weakref.WeakKeyDictionary[Backend, CostTable]" = weakref.WeakKeyDictionary()
 _ACCEPTANCE: "weakref.WeakKeyDictionary[Backend, dict[str, dict]]" = weakref.WeakKeyDictionary()
 # per backend and drafter: (draft seconds EMA, drafted nodes EMA, draft calls, back-off level,
-# speculative steps' tokens EMA, their seconds EMA, speculative steps)
+# speculative steps' tokens EMA, their seconds EMA, speculative steps, source of the last chain)
 _DRAFTING: "weakref.WeakKeyDictionary[Backend, dict[str, tuple]]" = weakref.WeakKeyDictionary()
 
 
@@ -191,10 +207,11 @@ class Controller:
         self.learn_costs = False  # True for a measured table: it follows observed pass times
 
     def begin(self, backend: Backend, drafter: str = "") -> None:
-        """Per request: load (or measure) the cost table; pick up what earlier requests of the same
-        drafter on the same model learnt about acceptance (kept with the backend)."""
+        """Per request: take the backend's cost table (measured on first use); pick up what earlier
+        requests of the same drafter on the same model learnt (kept with the backend). The back-off
+        level carries over, the pause does not: a new prompt is judged afresh at its first step."""
         if self.fixed is None and self.cost is None:
-            self.cost = CostTable.cached(backend)
+            self.cost = CostTable.shared(backend)
             self.learn_costs = True
         if drafter and not self.accept:
             self.accept = _ACCEPTANCE.setdefault(backend, {}).setdefault(drafter, {})
@@ -202,7 +219,7 @@ class Controller:
         saved = _DRAFTING.get(backend, {}).get(drafter) if drafter else None
         if saved is not None and self._draft_calls == 0:  # what drafting cost and gave in earlier requests
             (self._draft_seconds, self._draft_nodes, self._draft_calls, self._backoff,
-             self._step_tokens, self._step_seconds, self._spec_steps) = saved
+             self._step_tokens, self._step_seconds, self._spec_steps, self._chain_source) = saved
             self.draft_node_s = self._draft_seconds / max(self._draft_nodes, 1e-3)
 
     def observe_cost(self, n: int, seconds: float) -> None:
@@ -211,13 +228,12 @@ class Controller:
             self.cost.observe(n, seconds)
 
     def finish(self, backend: Backend) -> None:
-        """Keep what this request learnt about pass and drafting costs for the next one."""
-        if self.learn_costs and self.cost is not None:
-            self.cost.save(backend)
+        """Keep what this request learnt about drafting for the next one (pass costs are kept in
+        the backend's shared table already)."""
         if self._drafter and self._draft_calls:
             drafting = (
                 self._draft_seconds, self._draft_nodes, self._draft_calls, self._backoff,
-                self._step_tokens, self._step_seconds, self._spec_steps,
+                self._step_tokens, self._step_seconds, self._spec_steps, self._chain_source,
             )
             _DRAFTING.setdefault(backend, {})[self._drafter] = drafting
 
