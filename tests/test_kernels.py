@@ -211,3 +211,18 @@ def test_rope_store_rotates_like_torch_and_fills_the_cache(dtype):
 def test_layer_ops_decline_sizes_they_cannot_run():
     assert kernels.layer_ops(torch.float32, 40, 64) is None  # hidden size not a multiple of 16
     assert kernels.layer_ops(torch.float16, 64, 64) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [1, 8, 16])
+def test_top_k_indices_match_torch_topk(k):
+    x = torch.randn(3, 49152 + 5, generator=torch.Generator().manual_seed(k))  # a tail past the last 16
+    assert torch.equal(kernels.top_k_indices(x, k), torch.topk(x, k, dim=-1).indices.to(torch.int32))
+
+
+@needs_kernel
+def test_top_k_indices_order_ties_by_index_and_skip_minus_infinity():
+    x = torch.full((2, 40), float("-inf"))
+    x[0, [3, 17, 30, 35]] = torch.tensor([1.0, 2.0, 2.0, 1.0])
+    x[1, 5] = 0.0
+    assert kernels.top_k_indices(x, 3).tolist() == [[17, 30, 3], [5, -1, -1]]

@@ -354,7 +354,6 @@ def test_drafting_costs_carry_over_to_the_next_request_on_the_same_backend():
     first.observe_draft(4, 4 * 0.6)
     for _ in range(40):
         first.observe(chain_tree(4, ""), Verification([], 0), overhead_s=0.0)
-    first.finish(backend)
     second = Controller(8, cost_table=costs)
     second.begin(backend, "slow-drafter")
     assert second.draft_node_s == pytest.approx(0.6) and second.budget() == 0
@@ -423,7 +422,6 @@ def test_requests_share_the_backends_cost_table_and_timings_are_not_written_to_d
     assert first.cost is second.cost
     saved = (tmp_path / "speculative" / "verify_cost.json").read_text()
     first.observe_cost(1, first.cost(1) * 1.4)
-    first.finish(backend)
     assert second.cost(1) == first.cost(1)
     assert (tmp_path / "speculative" / "verify_cost.json").read_text() == saved
 
@@ -458,8 +456,7 @@ def test_the_back_off_carries_over_to_the_next_request():
     first = Controller(8, cost_table={1: 1.0, 2: 1.3, 64: 64.0})
     first.begin(backend, "hopeless")
     verified_steps(first, 300)
-    level = first._backoff
-    first.finish(backend)
+    level = first.learnt.backoff
     second = Controller(8, cost_table={1: 1.0, 2: 1.3, 64: 64.0})
     second.begin(backend, "hopeless")
     assert level >= 16 and verified_steps(second, level) <= 1
@@ -543,7 +540,6 @@ def test_realised_speed_carries_over_to_the_next_request():
     first.observe_draft(4, 1e-6)
     for _ in range(10):
         first.observe_step(1, 2.0)
-    first.finish(backend)
     second = Controller(8, cost_table=costs)
     second.begin(backend, "optimistic-drafter")
     assert not second.speculation_pays() and second.budget() == 0

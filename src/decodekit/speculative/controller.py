@@ -43,6 +43,7 @@ import math
 import time
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -166,10 +167,30 @@ class CostTable:
 
 
 _COSTS: "weakref.WeakKeyDictionary[Backend, CostTable]" = weakref.WeakKeyDictionary()
-_ACCEPTANCE: "weakref.WeakKeyDictionary[Backend, dict[str, dict]]" = weakref.WeakKeyDictionary()
-# per backend and drafter: (draft seconds EMA, drafted nodes EMA, draft calls, back-off level,
-# speculative steps' tokens EMA, their seconds EMA, speculative steps, source of the last chain)
-_DRAFTING: "weakref.WeakKeyDictionary[Backend, dict[str, tuple]]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class DrafterRecord:
+    """What the controller has learnt about one drafter on one backend, kept across requests.
+    Averages are exponential moving averages."""
+
+    accept: dict[tuple[str, int, int], float] = field(default_factory=dict)  # P(accepted | parent) per node key
+    draft_seconds: float = 0.0  # per draft call
+    draft_nodes: float = 0.0  # proposed per draft call
+    draft_calls: int = 0
+    backoff: int = 0  # plain steps between probes at the current back-off level
+    step_tokens: float = 0.0  # tokens per speculative step
+    step_seconds: float = 0.0  # seconds per speculative step, drafting and bookkeeping included
+    spec_steps: int = 0
+    chain_source: str = ""  # source of the last tree's first node: whose acceptance plans a chain
+
+    @property
+    def draft_node_s(self) -> float:
+        """Seconds of drafting per drafted node (a ratio of averages: empty drafts cost too)."""
+        return self.draft_seconds / max(self.draft_nodes, 1e-3)
+
+
+_RECORDS: "weakref.WeakKeyDictionary[Backend, dict[str, DrafterRecord]]" = weakref.WeakKeyDictionary()
 
 
 def prior_acceptance(depth: int, rank: int) -> float:
@@ -192,50 +213,30 @@ class Controller:
         self.fixed = budget
         self.cost = cost_table if isinstance(cost_table, CostTable) or cost_table is None else CostTable(cost_table)
         self.ema = ema
-        self.accept: dict[tuple[str, int, int], float] = {}
+        self.learnt = DrafterRecord()  # this request's until begin() finds the drafter's record
         self.overhead = 0.0  # seconds of verifier bookkeeping per speculative step (EMA)
-        self.draft_node_s = 0.0  # seconds of drafting per drafted node (ratio of EMAs per call)
-        self._draft_seconds = self._draft_nodes = 0.0
-        self._draft_calls = 0
-        self._drafter = ""
-        self._chain_source = ""  # source of the last tree's first node: whose acceptance to use
         self._skip = 0  # plain steps left before drafting again
-        self._backoff = 0
-        self._step_tokens = self._step_seconds = 0.0  # speculative steps: EMAs of tokens and seconds
-        self._spec_steps = 0
         self._explore = False
         self.learn_costs = False  # True for a measured table: it follows observed pass times
 
     def begin(self, backend: Backend, drafter: str = "") -> None:
-        """Per request: take the backend's cost table (measured on first use); pick up what earlier
-        requests of the same drafter on the same model learnt (kept with the backend). The back-off
-        level carries over, the pause does not: a new prompt is judged afresh at its first step."""
+        """Per request: take the backend's cost table (measured on first use) and the record of
+        what earlier requests of the same drafter on the same model learnt. The back-off level
+        carries over, the pause does not: a new prompt is judged afresh at its first step."""
         if self.fixed is None and self.cost is None:
             self.cost = CostTable.shared(backend)
             self.learn_costs = True
-        if drafter and not self.accept:
-            self.accept = _ACCEPTANCE.setdefault(backend, {}).setdefault(drafter, {})
-        self._drafter = drafter
-        saved = _DRAFTING.get(backend, {}).get(drafter) if drafter else None
-        if saved is not None and self._draft_calls == 0:  # what drafting cost and gave in earlier requests
-            (self._draft_seconds, self._draft_nodes, self._draft_calls, self._backoff,
-             self._step_tokens, self._step_seconds, self._spec_steps, self._chain_source) = saved
-            self.draft_node_s = self._draft_seconds / max(self._draft_nodes, 1e-3)
+        if drafter:
+            self.learnt = _RECORDS.setdefault(backend, {}).setdefault(drafter, self.learnt)
 
     def observe_cost(self, n: int, seconds: float) -> None:
         """A timed forward pass of ``n`` tokens (1 = a plain step)."""
         if self.learn_costs and self.cost is not None:
             self.cost.observe(n, seconds)
 
-    def finish(self, backend: Backend) -> None:
-        """Keep what this request learnt about drafting for the next one (pass costs are kept in
-        the backend's shared table already)."""
-        if self._drafter and self._draft_calls:
-            drafting = (
-                self._draft_seconds, self._draft_nodes, self._draft_calls, self._backoff,
-                self._step_tokens, self._step_seconds, self._spec_steps, self._chain_source,
-            )
-            _DRAFTING.setdefault(backend, {})[self._drafter] = drafting
+    @property
+    def draft_node_s(self) -> float:
+        return self.learnt.draft_node_s
 
     # Decisions -----------------------------------------------------------------------------
 
@@ -254,7 +255,7 @@ class Controller:
             return self.max_draft  # drafting is nearly free: let select() trim the tree
         depth = self.best_chain_depth()
         if depth > 0:
-            self._backoff = 0
+            self.learnt.backoff = 0
         elif not self._explore:
             self._back_off()
         else:
@@ -264,9 +265,10 @@ class Controller:
     def speculation_pays(self) -> bool:
         """Whether speculative steps have realised at least plain decoding's tokens per second
         (assumed until ``MIN_REALISED_STEPS`` of them are measured)."""
-        if self._spec_steps < MIN_REALISED_STEPS:
+        learnt = self.learnt
+        if learnt.spec_steps < MIN_REALISED_STEPS:
             return True
-        return self._step_tokens / self._step_seconds >= 1.0 / self.cost(1)
+        return learnt.step_tokens / learnt.step_seconds >= 1.0 / self.cost(1)
 
     def costly_drafting(self) -> bool:
         """Whether drafting a full budget costs more than a small share of a plain step."""
@@ -278,7 +280,7 @@ class Controller:
         best_depth, best_rate = 0, 1.0 / self.cost(1)
         expected, reach = 1.0, 1.0
         for depth in range(1, self.max_draft + 1):
-            reach *= self._accept((self._chain_source, min(depth - 1, MAX_DEPTH_KEY), 0))
+            reach *= self._accept((self.learnt.chain_source, min(depth - 1, MAX_DEPTH_KEY), 0))
             expected += reach
             rate = expected / (depth * self.draft_node_s + self.cost(depth + 1) + self.overhead)
             if rate > best_rate:
@@ -307,21 +309,22 @@ class Controller:
                 return DraftTree()
             best_n = 1 if trimmable else len(order)
         elif not self.costly_drafting() and self.speculation_pays():
-            self._backoff = 0  # (costly drafting: budget() decides when to back off)
+            self.learnt.backoff = 0  # (costly drafting: budget() decides when to back off)
         return select_nodes(tree, order[:best_n]) if best_n < len(tree) else tree
 
     def _back_off(self) -> None:
         """Plain steps before drafting again: 1, 2, 4, ... up to :meth:`_max_backoff`."""
-        self._backoff = min(self._max_backoff(), max(1, 2 * self._backoff))
-        self._skip = self._backoff
+        self.learnt.backoff = min(self._max_backoff(), max(1, 2 * self.learnt.backoff))
+        self._skip = self.learnt.backoff
 
     def _max_backoff(self) -> int:
         """Plain steps between probes, so that a probe costs about EXPLORE_SHARE of the time. A probe
         loses what a one-node step costs beyond a plain step, or, once measured, what speculative
         steps took beyond the plain steps their tokens would have needed, if that is more."""
         extra = (self.cost(2) + self.overhead + self.draft_node_s) / self.cost(1) - 1.0
-        if self._spec_steps >= MIN_REALISED_STEPS:
-            extra = max(extra, self._step_seconds / self.cost(1) - self._step_tokens)
+        learnt = self.learnt
+        if learnt.spec_steps >= MIN_REALISED_STEPS:
+            extra = max(extra, learnt.step_seconds / self.cost(1) - learnt.step_tokens)
         return max(4, min(MAX_BACKOFF, math.ceil(extra / EXPLORE_SHARE)))
 
     def node_probs(self, tree: DraftTree) -> list[float]:
@@ -337,22 +340,23 @@ class Controller:
         """A timed draft call that proposed ``nodes`` nodes (before trimming). Calls that propose
         nothing (a confidence stop, no match) still cost time: the per-node cost is the ratio of
         the averages of seconds and of nodes per call."""
-        if self._draft_calls == 0:
-            self._draft_seconds, self._draft_nodes = seconds, float(nodes)
+        learnt = self.learnt
+        if learnt.draft_calls == 0:
+            learnt.draft_seconds, learnt.draft_nodes = seconds, float(nodes)
         else:
-            self._draft_seconds += self.ema * (seconds - self._draft_seconds)
-            self._draft_nodes += self.ema * (nodes - self._draft_nodes)
-        self._draft_calls += 1
-        self.draft_node_s = self._draft_seconds / max(self._draft_nodes, 1e-3)
+            learnt.draft_seconds += self.ema * (seconds - learnt.draft_seconds)
+            learnt.draft_nodes += self.ema * (nodes - learnt.draft_nodes)
+        learnt.draft_calls += 1
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A speculative step (drafting, verification and bookkeeping took ``seconds``) produced ``tokens``."""
-        if self._spec_steps == 0:
-            self._step_tokens, self._step_seconds = float(tokens), seconds
+        learnt = self.learnt
+        if learnt.spec_steps == 0:
+            learnt.step_tokens, learnt.step_seconds = float(tokens), seconds
         else:
-            self._step_tokens += self.ema * (tokens - self._step_tokens)
-            self._step_seconds += self.ema * (seconds - self._step_seconds)
-        self._spec_steps += 1
+            learnt.step_tokens += self.ema * (tokens - learnt.step_tokens)
+            learnt.step_seconds += self.ema * (seconds - learnt.step_seconds)
+        learnt.spec_steps += 1
 
     def observe(self, tree: DraftTree, verdict: Verification, overhead_s: float) -> None:
         """Update acceptance estimates from the children of every accepted node (and the root);
@@ -362,15 +366,15 @@ class Controller:
         if self.fixed is not None:
             return
         if len(tree):
-            self._chain_source = tree.source[0] if tree.source else ""
+            self.learnt.chain_source = tree.source[0] if tree.source else ""
         on_path = {-1, *verdict.path}
         for i, (parent, key) in enumerate(zip(tree.parents, node_keys(tree))):
             if parent in on_path:
                 old = self._accept(key)
-                self.accept[key] = old + self.ema * ((i in on_path) - old)
+                self.learnt.accept[key] = old + self.ema * ((i in on_path) - old)
 
     def _accept(self, key: tuple[str, int, int]) -> float:
-        value = self.accept.get(key)
+        value = self.learnt.accept.get(key)
         return prior_acceptance(key[1], key[2]) if value is None else value
 
 

@@ -144,7 +144,6 @@ class SpeculativeMethod(StepMethod):
         if report is not None:
             extra.update(report())
         state.stats.extra.update(extra)
-        self.controller.finish(state.backend)
         done = getattr(self.drafter, "finish", None)
         if done is not None:
             done(state)

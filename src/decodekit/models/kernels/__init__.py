@@ -11,6 +11,8 @@
   sees in cache order.
 * ``layer_ops.c``: a layer's element-wise work (residual add + RMSNorm, SiLU gating, rotary
   embedding + cache write) in one call each instead of a handful of torch ops.
+* ``topk.c``: the k best entries of a few rows of logits in one pass (token recycling's
+  per-step table refresh).
 * ``forward.c``: every decoder layer of a few-row pass in one call, calling the kernels above
   through function pointers in the layer-by-layer order (:class:`DecoderLayers`).
 
@@ -181,6 +183,34 @@ def layout_independent_attention(dtype: torch.dtype, head_dim: int) -> Attention
 
     attention.address = _address(fn)
     return attention
+
+
+@cache
+def _topk_function() -> ctypes._CFuncPtr | None:
+    lib = _library("topk")
+    if lib is None:
+        return None
+    fn = lib.decodekit_topk_f32
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
+    fn.restype = None
+    return fn
+
+
+TOPK_MAX = 64  # as in topk.c
+
+
+def top_k_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest entries of each row of ``x [rows, n]`` as int32 ``[rows, k]``,
+    highest first, ties by lower index. ``topk.c`` where available (one row of SmolLM2's 49152
+    logits, k = 8: 6.8 us against torch.topk's 88 us), else ``torch.topk``; the kernel leaves -1
+    where a row has fewer than k entries above -inf."""
+    fn = _topk_function() if 0 < k <= TOPK_MAX else None
+    if fn is None:
+        return torch.topk(x.float(), k, dim=-1).indices.to(torch.int32)
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], k, dtype=torch.int32)
+    fn(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], k)
+    return out
 
 
 class LayerOps:
