@@ -362,11 +362,15 @@ def test_drafting_costs_carry_over_to_the_next_request_on_the_same_backend():
     assert fresh.budget() == 8
 
 
-def probes(ctl: Controller, steps: int) -> int:
+def probes(ctl: Controller, steps: int, draft_s_per_node: float = 0.0) -> int:
+    """Run the loop's decisions for ``steps`` steps with drafts (chains of up to 4) that always
+    fail; count the verifications."""
     count = 0
     for _ in range(steps):
-        if ctl.budget():
-            tree = ctl.select(chain_tree(4))
+        budget = ctl.budget()
+        if budget:
+            ctl.observe_draft(budget, budget * draft_s_per_node)
+            tree = ctl.select(chain_tree(min(budget, 4)))
             if len(tree):
                 count += 1
                 ctl.observe(tree, Verification([], 0), overhead_s=0.0)  # the probe fails
@@ -434,20 +438,6 @@ def test_a_cached_table_without_the_sizes_measured_now_is_measured_again(tmp_pat
     assert CostTable.cached(backend).sizes == list(MEASURE_SIZES)
 
 
-def verified_steps(ctl: Controller, steps: int) -> int:
-    """Run the loop's decisions for ``steps`` steps with drafts that always fail; count verifications."""
-    count = 0
-    for _ in range(steps):
-        budget = ctl.budget()
-        if budget:
-            ctl.observe_draft(budget, budget * 0.05)  # costly enough to be planned before drafting
-            tree = ctl.select(chain_tree(budget, "hopeless"))
-            if len(tree):
-                count += 1
-                ctl.observe(tree, Verification([], 0), overhead_s=0.0)
-    return count
-
-
 def test_the_back_off_carries_over_to_the_next_request():
     """A drafter that did not pay keeps its long pause level in the next request (it used to start
     again from one plain step, judged by the optimistic prior: seven probes in every 128-token
@@ -455,11 +445,11 @@ def test_the_back_off_carries_over_to_the_next_request():
     backend = tiny_llama(seed=0)
     first = Controller(8, cost_table={1: 1.0, 2: 1.3, 64: 64.0})
     first.begin(backend, "hopeless")
-    verified_steps(first, 300)
+    probes(first, 300, draft_s_per_node=0.05)  # costly enough to be planned before drafting
     level = first.learnt.backoff
     second = Controller(8, cost_table={1: 1.0, 2: 1.3, 64: 64.0})
     second.begin(backend, "hopeless")
-    assert level >= 16 and verified_steps(second, level) <= 1
+    assert level >= 16 and probes(second, level, draft_s_per_node=0.05) <= 1
 
 
 def test_cost_table_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):

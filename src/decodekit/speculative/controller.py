@@ -4,7 +4,7 @@ The right tree size depends on the machine: on this CPU a 16-token pass costs ~7
 pass in float32 on GGUF blocks but ~3x in bfloat16. :class:`CostTable` measures the target's
 forward cost per number of tokens once (cached as JSON under ``cache_root()``, keyed by model,
 dtype and torch thread count), every size up to 8 tokens because the curve has steps there.
-In a process, one table per backend follows the timed passes of all methods, each observation
+In a process, one table per backend follows the timed passes of every request on it, each observation
 clamped so that one stalled pass cannot make speculation look cheap; only measured tables are
 written to disk. :class:`Controller` keeps an exponential moving average of the
 probability that a draft node is accepted given its parent was, per (drafter, depth, sibling
