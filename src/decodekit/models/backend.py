@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -75,10 +76,23 @@ def tree_layout(start: int, parents: Sequence[int]) -> tuple[torch.Tensor, torch
     return visible, start + torch.tensor(tree_depths(parents))
 
 
+T = TypeVar("T")
+
+
 class Backend(ABC):
     """A causal LM with an appendable, rollback-able, tree-verifiable KV cache."""
 
     info: ModelInfo
+
+    def memory(self, key: str | tuple, factory: Callable[[], T]) -> T:
+        """What algorithms learn about this model across requests (a suffix corpus, a recycling
+        table, the controller's cost table and acceptance records, a bandit), kept here under
+        ``key``: the value made by ``factory()`` the first time. The one home of per-model state:
+        :meth:`clone` starts with an empty memory, so a clone never sees what its parent learnt."""
+        store: dict[Any, Any] = self.__dict__.setdefault("_memory", {})
+        if key not in store:
+            store[key] = factory()
+        return store[key]
 
     @property
     @abstractmethod
@@ -170,10 +184,11 @@ class Backend(ABC):
     def clone(self) -> "Backend":
         """A backend over the same weights with its own, empty cache.
 
-        Methods that learn across requests key their memory by backend, so a clone starts with
-        none (the benchmark gives each method its own clone, as if it ran in its own process).
+        What methods learnt across requests lives in :meth:`memory`, which a clone starts empty
+        (the benchmark gives each method its own clone, as if it ran in its own process).
         """
         twin = copy.copy(self)
+        twin.__dict__["_memory"] = {}
         twin.reset(1)
         return twin
 
