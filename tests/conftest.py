@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
+from decodekit.data import SPEC_BENCH_QUESTIONS, data_file
 from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.tiny import tiny_llama
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-SPECBENCH = SHARED / "data" / "specbench" / "questions.dev.jsonl"
+SPECBENCH = data_file(SPEC_BENCH_QUESTIONS)
 
 
 @pytest.fixture
@@ -32,8 +31,6 @@ def real_model() -> LoadedModel:
 @pytest.fixture(scope="session")
 def specbench_prompts() -> list[str]:
     """One first-turn prompt per Spec-Bench category (dev split)."""
-    if not SPECBENCH.is_file():
-        pytest.skip(f"{SPECBENCH} not found")
     seen: dict[str, str] = {}
     for line in SPECBENCH.read_text().splitlines():
         q = json.loads(line)

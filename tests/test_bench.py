@@ -481,3 +481,12 @@ def test_resume_grows_the_question_set_and_refuses_other_settings_or_code(tiny: 
     monkeypatch.setattr("decodekit.bench.results.code_version", lambda: "0.0.0+other")
     with pytest.raises(InvalidParameter, match="cannot be mixed"):
         bench_cli.make_plan(parse(*common, "--resume"))
+
+
+def test_default_question_file_ships_inside_the_package():
+    path = resolve_question_file(None)
+    assert "decodekit" in path.parts and path.parent.name == "specbench"
+    assert (path.parent / "LICENSE").is_file()
+    questions = load_questions()
+    assert len(questions) == 240
+    assert {q.group for q in questions} == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}

@@ -141,3 +141,9 @@ def test_report_says_when_accuracy_is_low():
     high = markdown({**base, "accuracy": 0.8, "correct": 8, "ci95": [0.49, 0.94]})
     assert "Accuracy is low" in low
     assert "Accuracy is low" not in high
+
+
+def test_gsm8k_data_ships_inside_the_package():
+    task = gsm8k_task()  # the packaged file, wherever the package is installed
+    assert len(task.items) == 660
+    assert all(item.gold for item in task.items)

@@ -6,14 +6,14 @@ margin is below 1e-4, and only the first one (after it the contexts differ)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from decodekit.data import SPEC_BENCH_QUESTIONS, data_file
 from decodekit.engine import Engine
 
-QUESTIONS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "specbench" / "questions.dev.jsonl"
+QUESTIONS = data_file(SPEC_BENCH_QUESTIONS)
 NEW_TOKENS = 48
 TIE = 1e-4
 
@@ -22,8 +22,6 @@ pytestmark = pytest.mark.real_model
 
 @pytest.fixture(scope="module")
 def questions() -> list[str]:
-    if not QUESTIONS.is_file():
-        pytest.skip(f"{QUESTIONS} not found")
     rows = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
     wanted = ("summarization", "qa")  # one that copies its prompt, one that does not
     return [next(r for r in rows if r["category"] == c)["turns"][0] for c in wanted]

@@ -13,12 +13,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..data import SPEC_BENCH_QUESTIONS, data_file
 from ..errors import InvalidParameter
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 MT_BENCH = "mt_bench"
-#: Relative to the current directory first, then to the repository root (see resolve_question_file).
-DEFAULT_QUESTIONS = "../shared/data/specbench/questions.dev.jsonl"
+#: The 240 Spec-Bench dev questions shipped inside the package (``decodekit.data``).
+DEFAULT_QUESTIONS = "the packaged Spec-Bench dev split"
 
 
 @dataclass(frozen=True)
@@ -37,20 +38,15 @@ def category_group(category: str) -> str:
     return MT_BENCH if category in MT_BENCH_CATEGORIES else category
 
 
-def repo_root() -> Path:
-    """The source checkout's root (src/decodekit/bench/questions.py -> four levels up)."""
-    return Path(__file__).resolve().parents[3]
-
-
 def resolve_question_file(path: str | Path | None = None) -> Path:
-    """Find the question file: as given (relative to the current directory), else relative to the repo root."""
-    spec = Path(path if path is not None else DEFAULT_QUESTIONS).expanduser()
-    candidates = [spec] if spec.is_absolute() else [Path.cwd() / spec, repo_root() / spec]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate.resolve()
-    tried = ", ".join(str(c) for c in candidates)
-    raise InvalidParameter(f"question file {str(spec)!r} not found (looked at: {tried}); give one with --questions")
+    """The question file: the packaged Spec-Bench questions by default, else ``path`` (relative
+    to the current directory)."""
+    if path is None:
+        return data_file(SPEC_BENCH_QUESTIONS)
+    spec = Path(path).expanduser()
+    if not spec.is_file():
+        raise InvalidParameter(f"question file {str(spec)!r} not found; give an existing JSONL file with --questions")
+    return spec.resolve()
 
 
 def parse_question(line: str, where: str) -> Question:

@@ -12,12 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..data import GSM8K_TEST, data_file
 from ..errors import InvalidParameter, UnknownMethod
 from ..search.answers import Extractor, answer_start, extract_number, normalize_text
 from ..search.uncertainty import paraphrases as generic_paraphrases
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-GSM8K_DEFAULT = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "test.dev.jsonl"
 
 
 @dataclass
@@ -61,7 +60,7 @@ def numbers_equal(a: str | None, b: str) -> bool:
 
 
 def gsm8k_task(path: str | Path | None = None) -> Task:
-    file = Path(path) if path else GSM8K_DEFAULT
+    file = Path(path) if path else data_file(GSM8K_TEST)
     if not file.is_file():
         raise InvalidParameter(f"GSM8K data not found at {file} (give --data PATH to a JSONL with question/answer)")
     items = []
