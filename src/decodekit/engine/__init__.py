@@ -11,12 +11,12 @@ from .core import (
     StepDecoder,
     StepMethod,
     check_fits,
-    finish_text,
 )
+from .stops import cut_at_stop, hits_stop, stop_strings
 from .registry import available_methods, build_decoder, method_spec, register_method
 
 __all__ = [
     "DecodeState", "Decoder", "Engine", "Generation", "GenerationStats", "PlainDecoding", "Request",
-    "StepDecoder", "StepMethod", "available_methods", "build_decoder", "check_fits", "finish_text",
-    "generate", "make_sampler", "method_spec", "register_method", "split_params",
+    "StepDecoder", "StepMethod", "available_methods", "build_decoder", "check_fits", "cut_at_stop",
+    "generate", "hits_stop", "make_sampler", "method_spec", "register_method", "split_params", "stop_strings",
 ]

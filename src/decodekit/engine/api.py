@@ -45,7 +45,7 @@ class Engine:
         *,
         method: str = "greedy",
         max_new_tokens: int = 256,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
         chat: bool = True,
         on_text: Callable[[str], None] | None = None,
         **params: Any,
@@ -63,7 +63,7 @@ class Engine:
             prompt_ids = list(prompt)
         else:
             prompt_ids = self.model.prompt_ids(prompt, chat=chat)
-        request = Request(prompt_ids, make_sampler(method, sampler_params), max_new_tokens, tuple(stop), on_text)
+        request = Request(prompt_ids, make_sampler(method, sampler_params), max_new_tokens, stop, on_text)
         return decoder.generate(self.model, request)
 
 

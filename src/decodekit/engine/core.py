@@ -3,7 +3,7 @@
 A *step method* (plain decoding, every speculative method) only decides which tokens come
 next; the loop here owns stopping (EOS, stop strings, max new tokens), streaming text
 deltas and statistics. Whole-request methods (beam search, best-of-N, ...) implement
-:class:`Decoder` directly and reuse :func:`finish_text` and :class:`GenerationStats`.
+:class:`Decoder` directly and reuse the stop-string rule (``engine/stops.py``) and :class:`GenerationStats`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ..errors import PromptTooLong
 from ..models import LoadedModel
 from ..models.backend import Backend
 from ..samplers import Sampler
+from .stops import cut_at_stop, hits_stop, stop_strings
 
 
 @dataclass
@@ -67,8 +68,11 @@ class Request:
     prompt_ids: list[int]
     sampler: Sampler
     max_new_tokens: int = 256
-    stop: Sequence[str] = ()
+    stop: str | Sequence[str] = ()  # one string is one stop string
     on_text: Callable[[str], None] | None = None  # receives streamed text deltas
+
+    def __post_init__(self) -> None:
+        self.stop = stop_strings(self.stop)
 
 
 class DecodeState:
@@ -159,21 +163,6 @@ def check_fits(backend: Backend, prompt_len: int, max_new_tokens: int) -> None:
         )
 
 
-def finish_text(tokenizer, tokens: list[int], stop: Sequence[str]) -> tuple[str, list[int], str | None]:
-    """Decode ``tokens``; cut at the first stop string (text and tokens). Returns (text, tokens, hit stop)."""
-    text = tokenizer.decode(tokens)
-    hits = [(text.find(s), s) for s in stop if s and s in text]
-    if not hits:
-        return text, tokens, None
-    cut, s = min(hits)
-    text = text[:cut]
-    # Keep the fewest tokens whose text covers the cut text.
-    for n in range(len(tokens) + 1):
-        if len(tokenizer.decode(tokens[:n])) >= cut:
-            return text, tokens[:n], s
-    return text, tokens, s
-
-
 class TextStreamer:
     """Turns the growing token list into text deltas, holding back what a stop string could still claim."""
 
@@ -232,14 +221,14 @@ class StepDecoder(Decoder):
                     break
             if finish == "eos":
                 break
-            if request.stop and any(s in tokenizer.decode(new[-64:]) for s in request.stop if s):
+            if hits_stop(tokenizer, new, request.stop):
                 finish = "stop"
                 break
             streamer.update(new)
         self.method.finish(state)
         stats.decode_s = time.perf_counter() - t1
 
-        text, new, hit = finish_text(tokenizer, new, request.stop)
+        text, new, hit = cut_at_stop(tokenizer, new, request.stop)
         if hit is not None:
             finish = "stop"
         streamer.update(new, final_text=text)

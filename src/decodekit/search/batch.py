@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ..engine.core import Decoder, Generation, GenerationStats, Request, check_fits, finish_text
+from ..engine.core import Decoder, Generation, GenerationStats, Request, check_fits
+from ..engine.stops import cut_at_stop, hits_stop
 from ..models import LoadedModel
 from ..samplers import Sampler, Temperature
 from ..samplers.penalties import FrequencyPenalty, NoRepeatNGram, PresencePenalty, RepetitionPenalty
@@ -245,8 +246,7 @@ class SearchContext:
         if token in self.eos:
             return "eos"
         row.append(token)
-        stop = [s for s in self.request.stop if s]
-        if stop and any(s in self.tokenizer.decode(row[-64:]) for s in stop):
+        if hits_stop(self.tokenizer, row, self.request.stop):
             return "stop"
         if delimiter and step_done(self.tokenizer.decode(row), delimiter):
             return "step"
@@ -255,7 +255,7 @@ class SearchContext:
     def _sample(self, recorder: StepRecorder, i: int, tokens: list[int], reason: str) -> Sample:
         lps, cert, margin, top, eos = recorder.row(i, len(tokens), reason == "eos")
         sample = Sample(tokens, lps, cert, margin, top, reason, eos_logprob=eos)
-        text, kept, hit = finish_text(self.tokenizer, tokens, self.request.stop)
+        text, kept, hit = cut_at_stop(self.tokenizer, tokens, self.request.stop)
         sample = sample.cut(len(kept))
         sample.text = text
         if hit is not None:

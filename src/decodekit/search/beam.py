@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.core import Decoder, Generation, Request, finish_text
+from ..engine.core import Decoder, Generation, Request
+from ..engine.stops import cut_at_stop
 from ..models import LoadedModel
 from .batch import Sample, SearchContext
 from .options import Option
@@ -100,7 +101,7 @@ class BeamSearch(Decoder):
         n = len(best.tokens)
         eos_lp = best.logprobs[n] if best.finish_reason == "eos" else None
         sample = Sample(best.tokens, best.logprobs[:n], [], [], [], best.finish_reason, eos_logprob=eos_lp)
-        sample.text, kept, hit = finish_text(ctx.tokenizer, sample.tokens, ctx.request.stop)
+        sample.text, kept, hit = cut_at_stop(ctx.tokenizer, sample.tokens, ctx.request.stop)
         if hit is not None:
             sample = sample.cut(len(kept))
             sample.finish_reason = "stop"

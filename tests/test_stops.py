@@ -1,0 +1,58 @@
+"""The one stop-string rule (engine/stops.py): what stops, where text and tokens are cut."""
+
+from __future__ import annotations
+
+import pytest
+
+from decodekit.engine import Engine
+from decodekit.engine.stops import cut_at_stop, hits_stop, stop_strings
+from decodekit.errors import InvalidParameter
+
+
+class WordTokenizer:
+    """Token i is the i-th word of a fixed vocabulary (several characters a token)."""
+
+    vocab = ["he", "llo", " wor", "ld", "!", " sea", "side"]
+
+    def decode(self, tokens):
+        return "".join(self.vocab[t] for t in tokens)
+
+
+def test_one_string_is_one_stop_string():
+    assert stop_strings("sea") == ("sea",)
+    assert stop_strings(["a", "", "bc"]) == ("a", "bc")
+    assert stop_strings(None) == ()
+    with pytest.raises(InvalidParameter, match="stop"):
+        stop_strings([1, 2])
+
+
+def test_cut_keeps_text_before_the_stop_and_no_token_of_it():
+    tok = WordTokenizer()
+    tokens = [0, 1, 2, 3, 4]  # "hello world!"
+    text, kept, hit = cut_at_stop(tok, tokens, ("orl",))
+    assert (text, hit) == ("hello w", "orl")
+    assert kept == [0, 1]  # " wor" straddles the cut: no token carries any part of the stop string
+    assert tok.decode(kept) == "hello" and text.startswith(tok.decode(kept))
+    text, kept, hit = cut_at_stop(tok, tokens, (" wor", "ld"))  # the first occurrence wins
+    assert (text, kept, hit) == ("hello", [0, 1], " wor")
+    assert cut_at_stop(tok, tokens, ("xyz",)) == ("hello world!", tokens, None)
+
+
+def test_hits_stop_looks_at_the_tail_only_as_far_as_needed():
+    tok = WordTokenizer()
+    assert hits_stop(tok, [0, 1, 5], ("sea",))
+    assert not hits_stop(tok, [0, 1, 5], ())
+    assert not hits_stop(tok, [0] + [4] * 100, ("he",))  # beyond the window: found at the final cut instead
+    assert hits_stop(tok, [0] + [4] * 100, ("he" + "!" * 100,))  # a long stop string widens the window
+
+
+def test_a_single_stop_string_in_python_is_not_split_into_characters(tiny_model):
+    engine = Engine(tiny_model)
+    full = engine.generate("hello", max_new_tokens=40, chat=False)
+    # a stop string one of whose characters occurs earlier: split into characters, it would cut there
+    stop = next(full.text[i : i + 3] for i in range(3, len(full.text) - 3)
+                if min(full.text.find(c) for c in full.text[i : i + 3]) < full.text.find(full.text[i : i + 3]))
+    as_string = engine.generate("hello", max_new_tokens=40, chat=False, stop=stop)
+    as_list = engine.generate("hello", max_new_tokens=40, chat=False, stop=[stop])
+    assert as_string.text == as_list.text == full.text[: full.text.find(stop)]
+    assert as_string.tokens == as_list.tokens
