@@ -11,7 +11,7 @@ from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.tokenizer import Tokenizer
 from decodekit.models.tiny import tiny_llama
 from decodekit.search.answers import answer_start, extract_auto, extract_line, extract_number, normalize_text
-from decodekit.search.batch import Sample, sampling_version
+from decodekit.search.batch import Sample
 from decodekit.search.scorers import Judge
 from decodekit.search.uncertainty import agreement, first_content_index, normalized_entropy, phi_first
 from decodekit.samplers import Sampler, Temperature
@@ -52,15 +52,15 @@ def test_agreement_is_the_share_of_equal_answers():
     assert agreement(None, ["a"]) is None
 
 
-def test_sampling_version_inserts_temperature_only_for_greedy_samplers():
+def test_sampling_inserts_temperature_only_for_greedy_samplers():
     greedy = Sampler.from_params(greedy=True, seed=3, top_k=5, repetition_penalty=1.2)
-    s = sampling_version(greedy, 0.7)
+    s = greedy.sampling(0.7)
     assert not s.is_greedy and s.seed == 3
     names = [type(p).__name__ for p in s.processors]
     assert names == ["RepetitionPenalty", "Temperature", "TopK"]
-    assert sampling_version(greedy, 0) is greedy
+    assert greedy.sampling(0) is greedy
     sampled = Sampler([Temperature(1.3)], seed=1)
-    assert sampling_version(sampled, 0.7) is sampled
+    assert sampled.sampling(0.7) is sampled
 
 
 class WordTokenizer(Tokenizer):

@@ -119,6 +119,24 @@ class Sampler:
                     procs.append(proc)
         return cls(procs, greedy=greedy, seed=seed)
 
+    def sampling(self, temperature: float) -> "Sampler":
+        """This sampler made to sample, for methods that need diverse samples (best-of-N, voting).
+
+        A greedy sampler (what every method but ``sample`` gets unless a temperature is given)
+        becomes one that samples the same processed distribution at ``temperature``, inserted
+        where :meth:`from_params` puts a temperature: after the penalties. A sampler that already
+        samples, or ``temperature=0``, is returned as it is.
+        """
+        temperature = check_real("temperature", temperature, 0.0)
+        if not self._greedy or temperature == 0:
+            return self
+        procs = list(self.processors)
+        penalties = (RepetitionPenalty, FrequencyPenalty, PresencePenalty, NoRepeatNGram)
+        at = max((i + 1 for i, p in enumerate(procs) if isinstance(p, penalties)), default=0)
+        if temperature != 1.0:
+            procs.insert(at, Temperature(temperature))
+        return Sampler(procs, greedy=False, seed=self.seed)
+
     # ------------------------------------------------------------------ properties
 
     @property

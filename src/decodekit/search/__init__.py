@@ -8,7 +8,8 @@ uncertainty signals come back in ``Generation.extra``. Importing this package re
 from __future__ import annotations
 
 from ..engine.registry import register_method
-from .batch import Sample, SampleDecoder, SearchContext, decode_batch
+from .batch import Sample, SearchContext, decode_batch
+from .sample_decoder import SampleDecoder
 from .beam import OPTIONS as BEAM_OPTIONS, BeamSearch
 from .cot import OPTIONS as COT_OPTIONS, CoTDecoding
 from .options import Option, builder

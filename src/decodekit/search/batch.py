@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..engine.core import Decoder, Generation, GenerationStats, Request, check_fits
+from ..engine.core import Generation, GenerationStats, Request, check_fits
 from ..engine.stops import cut_at_stop, hits_stop
 from ..models import LoadedModel
-from ..samplers import Sampler, Temperature
-from ..samplers.penalties import FrequencyPenalty, NoRepeatNGram, PresencePenalty, RepetitionPenalty
-from .answers import answer_start
+from ..samplers import Sampler
 from .cache import PrefixCache
 
 TOPK_RECORDED = 10  # top-K log-probs kept per step (phi_first's default K)
@@ -79,23 +77,6 @@ class Sample:
     @classmethod
     def empty(cls) -> "Sample":
         return cls([], [], [], [], [], "unfinished")
-
-
-def sampling_version(sampler: Sampler, temperature: float) -> Sampler:
-    """A sampling sampler for methods that need diverse samples.
-
-    The engine hands every non-``sample`` method a greedy sampler unless a temperature is given;
-    multi-sample methods then sample the same processed distribution at ``temperature`` (inserted
-    after the penalties, where ``Sampler.from_params`` puts it). ``temperature=0`` keeps greedy.
-    """
-    if not sampler.is_greedy or temperature == 0:
-        return sampler
-    procs = list(sampler.processors)
-    penalties = (RepetitionPenalty, FrequencyPenalty, PresencePenalty, NoRepeatNGram)
-    at = max((i + 1 for i, p in enumerate(procs) if isinstance(p, penalties)), default=0)
-    if temperature != 1.0:
-        procs.insert(at, Temperature(temperature))
-    return Sampler(procs, greedy=False, seed=sampler.seed)
 
 
 class RowSamplers:
@@ -185,7 +166,7 @@ class SearchContext:
         return self._judge_caches.setdefault(id(model.backend), PrefixCache(model.backend))
 
     def row_samplers(self, slots: int, temperature: float | None = None) -> RowSamplers:
-        sampler = self.request.sampler if temperature is None else sampling_version(self.request.sampler, temperature)
+        sampler = self.request.sampler if temperature is None else self.request.sampler.sampling(temperature)
         return RowSamplers(sampler, slots)
 
     def greedy_rows(self, slots: int) -> RowSamplers:
@@ -281,25 +262,3 @@ def decode_batch(model: LoadedModel, request: Request, n: int, *, temperature: f
     """N samples of one request in one batch (row i seeded ``seed + i``); the Python entry point."""
     ctx = SearchContext(model, request)
     return ctx.decode(ctx.prompt, ctx.row_samplers(n, temperature), range(n), request.max_new_tokens)
-
-
-class SampleDecoder(Decoder):
-    """One continuation through the batched machinery, returned with its uncertainty signals.
-
-    Greedy (or sampled) exactly like plain decoding, plus ``extra['uncertainty']``; ``decodekit
-    eval`` uses it for ``--method greedy|sample`` so that phi_first and friends come for free.
-    ``answer_start(text)`` says where the answer begins (default: the last number, else 0).
-    """
-
-    def __init__(self, answer_start: Callable[[str], int] | None = None):
-        self.answer_start = answer_start
-
-    def generate(self, model: LoadedModel, request: Request) -> Generation:
-        from .uncertainty import sample_signals
-
-        ctx = SearchContext(model, request)
-        sample = ctx.decode(ctx.prompt, ctx.row_samplers(1), [0], request.max_new_tokens)[0]
-        start = self.answer_start(sample.text) if self.answer_start else answer_start(sample.text, "auto")
-        signals = sample_signals(sample, model.tokenizer, start)
-        return ctx.finalize(sample, {"method": "sample" if not request.sampler.is_greedy else "greedy",
-                                     "uncertainty": signals})

@@ -20,7 +20,7 @@ from ..engine.core import Decoder, Generation, Request
 from ..models import LoadedModel
 from ..models.tokenizer import Tokenizer
 from .answers import ANSWER_MODES, answer_start, extractor, last_number_span
-from .batch import Sample, SearchContext
+from .batch import SearchContext
 from .options import Option
 from .select import majority_vote
 from .uncertainty import sample_signals, token_ends
