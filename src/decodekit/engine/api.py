@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,15 +65,20 @@ class Engine:
         else:
             prompt_ids = self.model.prompt_ids(prompt, chat=chat)
         request = Request(prompt_ids, make_sampler(method, sampler_params), max_new_tokens, stop, on_text)
-        return decoder.generate(self.model, request)
+        # One request at a time per backend: threads sharing an Engine (or its model) queue here.
+        with self.model.backend.lock:
+            return decoder.generate(self.model, request)
 
 
 _default_engines: dict[tuple, Engine] = {}
+_default_engines_lock = threading.Lock()
 
 
 def generate(prompt: str | list[dict[str, str]], *, model: str | None = None, dtype: str = "float32", **kwargs: Any) -> Generation:
     """One-call generation; the model is loaded once per (model, dtype) and reused."""
     key = (model, dtype)
-    if key not in _default_engines:
-        _default_engines[key] = Engine(model, dtype=dtype)
-    return _default_engines[key].generate(prompt, **kwargs)
+    with _default_engines_lock:  # two threads' first calls load the model once
+        if key not in _default_engines:
+            _default_engines[key] = Engine(model, dtype=dtype)
+        engine = _default_engines[key]
+    return engine.generate(prompt, **kwargs)

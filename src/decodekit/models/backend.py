@@ -9,6 +9,7 @@ Nothing outside ``decodekit.models`` touches attention masks, caches or hidden s
 from __future__ import annotations
 
 import copy
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -78,6 +79,8 @@ def tree_layout(start: int, parents: Sequence[int]) -> tuple[torch.Tensor, torch
 
 T = TypeVar("T")
 
+_MEMORY_LOCK = threading.RLock()  # each entry made once, whichever thread asks first (re-entrant: a factory may use memory too)
+
 
 class Backend(ABC):
     """A causal LM with an appendable, rollback-able, tree-verifiable KV cache."""
@@ -89,10 +92,17 @@ class Backend(ABC):
         table, the controller's cost table and acceptance records, a bandit), kept here under
         ``key``: the value made by ``factory()`` the first time. The one home of per-model state:
         :meth:`clone` starts with an empty memory, so a clone never sees what its parent learnt."""
-        store: dict[Any, Any] = self.__dict__.setdefault("_memory", {})
-        if key not in store:
-            store[key] = factory()
-        return store[key]
+        with _MEMORY_LOCK:
+            store: dict[Any, Any] = self.__dict__.setdefault("_memory", {})
+            if key not in store:
+                store[key] = factory()
+            return store[key]
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held for a whole request: the cache holds one request at a time, and what methods learn
+        across requests (:meth:`memory`) is updated by one request at a time. A clone has its own."""
+        return self.memory("request-lock", threading.RLock)
 
     @property
     @abstractmethod
