@@ -232,31 +232,61 @@ def test_top_n_sigma_ignores_removed_tokens_in_sigma():
 # ---------------------------------------------------------------- top-H
 
 
+def top_h_reference(probs: list[float], alpha: float) -> set[int]:
+    """The authors' stopping rule, transcribed as a loop: walk tokens by descending probability
+    (ties by id), add -p log p, stop before the token whose term takes the sum past alpha * H(p)."""
+    order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+    tau = alpha * -sum(p * math.log(p) for p in probs if p > 0)
+    keep, total = [order[0]], -probs[order[0]] * math.log(probs[order[0]])
+    for i in order[1:]:
+        if probs[i] == 0:
+            break
+        total -= probs[i] * math.log(probs[i])
+        if total > tau * (1 + 1e-9):
+            break
+        keep.append(i)
+    return set(keep)
+
+
 def test_top_h_bound_holds_and_next_token_breaks_it():
     ps = [0.5, 0.3, 0.15, 0.05]
-    full = entropy(ps)
-    prefix = [entropy(ps[:k]) for k in range(1, 5)]  # 0, 0.662, 0.993, 1.142
-    for alpha, k in [(0.5, 1), (0.6, 2), (0.9, 3), (1.0, 4)]:
+    terms = [-p * math.log(p) for p in ps]
+    partial = [sum(terms[:k]) for k in range(1, 5)]  # 0.347, 0.708, 0.992, 1.142 = H(p)
+    for alpha, k in [(0.5, 1), (0.6, 1), (0.7, 2), (0.9, 3), (1.0, 4)]:
         out = TopH(alpha)(logits_of(*ps), [])
         assert kept(out) == set(range(k))
-        assert prefix[k - 1] <= alpha * full
+        assert partial[k - 1] <= alpha * partial[-1] + 1e-12
         if k < 4:
-            assert prefix[k] > alpha * full
+            assert partial[k] > alpha * partial[-1]
 
 
-def test_top_h_rule_on_random_rows():
-    x = torch.randn(6, 80, generator=torch.Generator().manual_seed(7)) * 2
-    alpha = 0.6
-    out = TopH(alpha)(x, [])
-    probs = torch.softmax(x.double(), -1)
-    for r in range(6):
-        p = probs[r]
-        keep = torch.isfinite(out[r])
-        bound = alpha * entropy(p.tolist())
-        assert entropy(p[keep].tolist()) <= bound + 1e-9
-        nxt = p[~keep].max()
-        assert entropy(p[keep].tolist() + [nxt.item()]) > bound
-        assert p[keep].min() >= nxt
+def test_top_h_uniform_keeps_alpha_n_tokens():
+    # the unnormalised sum reaches alpha * log(100) after 50 of 100 equal tokens; a rule on the
+    # renormalised entropy (log k <= alpha * log 100) would keep only 10
+    x = torch.zeros(1, 100)
+    assert len(kept(TopH(0.5)(x, []))) == 50
+    assert len(kept(TopH(0.3)(x, []))) == 30
+
+
+def test_top_h_matches_reference_rule_on_random_rows():
+    g = torch.Generator().manual_seed(7)
+    for _ in range(200):
+        vocab = int(torch.randint(2, 300, (1,), generator=g))
+        x = torch.randn(1, vocab, generator=g) * float(0.3 + 4 * torch.rand(1, generator=g))
+        alpha = float(torch.rand(1, generator=g).clamp(min=0.01))
+        probs = torch.softmax(x, -1)[0].tolist()
+        assert kept(TopH(alpha)(x, [])) == top_h_reference(probs, alpha)
+
+
+def test_top_h_after_top_k_100_is_hugging_face_warper():
+    warper = pytest.importorskip("transformers.generation.logits_process").TopHLogitsWarper
+    g = torch.Generator().manual_seed(11)
+    for _ in range(200):
+        vocab = int(torch.randint(2, 400, (1,), generator=g))
+        x = torch.randn(2, vocab, generator=g) * float(0.3 + 4 * torch.rand(1, generator=g))
+        alpha = float(torch.rand(1, generator=g).clamp(min=0.01))
+        ours = torch.isfinite(TopH(alpha)(TopK(100)(x, []), []))
+        assert torch.equal(ours, torch.isfinite(warper(alpha)(None, x)))
 
 
 def test_top_h_breaks_ties_by_token_id():

@@ -200,31 +200,44 @@ class TopNSigma(LogitsProcessor):
 
 class TopH(LogitsProcessor):
     """Top-H decoding (Potraghloo et al., 2025, "Top-H Decoding: Adapting the Creativity and
-    Coherence with Bounded Entropy in Text Generation").
+    Coherence with Bounded Entropy in Text Generation", NeurIPS 2025, arXiv:2509.02510).
 
-    Greedy solution of entropy-constrained mass maximisation: add tokens in descending probability
-    while the entropy of the renormalised kept set stays <= alpha · H(p). The kept set is
-    therefore the longest such prefix; the next token would break the bound. Unlike the other
-    prefix rules, ties at the boundary are broken by token id (lower id first), because keeping a
-    tied token could break the entropy bound. The authors' reference code looks only at the top
-    100 tokens; this version uses the whole vocabulary.
+    The paper's greedy answer to entropy-constrained mass maximisation, with the stopping rule of
+    the authors' reference code and Hugging Face's ``TopHLogitsWarper``: walk the tokens in
+    descending probability, accumulating the *unnormalised* entropy terms −p log p, and keep the
+    longest prefix whose sum is <= alpha · H(p) (the most probable token is always kept). The
+    next token would push the sum past the bound. For uniform p over n tokens this keeps
+    alpha · n of them. (Checking the *renormalised* entropy of the kept set instead keeps far
+    fewer: n^alpha in that example.)
+
+    Open details, chosen:
+
+    * H(p) and the sum run over the whole vocabulary. Both reference implementations look only at
+      the 100 most probable tokens, for speed (one vectorised sort makes that unnecessary here);
+      Hugging Face also renormalises over those 100, so ``TopK(100)`` followed by ``TopH(alpha)``
+      reproduces its warper. The authors' code keeps the full-vocabulary probabilities over the
+      top 100 instead (same result whenever the vocabulary has at most 100 tokens).
+    * A sum equal to the bound is kept (``<=``, as in both references), up to float rounding.
+    * Unlike the other prefix rules, ties at the boundary are broken by token id (lower id
+      first), because keeping a tied token could break the entropy bound.
+    * Tokens of probability 0 are never kept (their term is 0, so the sum alone would not stop).
     """
 
     def __init__(self, top_h: float) -> None:
         self.top_h = check_real("top_h", top_h, 0.0, 1.0, lo_open=True)
 
     @staticmethod
-    def prefix_entropies(sorted_p: torch.Tensor) -> torch.Tensor:
-        """Entropy (nats, float64) of each renormalised top-k prefix, k = 1..V: log S_k − Σ p log p / S_k."""
+    def kept_count(sorted_p: torch.Tensor, alpha: float) -> torch.Tensor:
+        """Number ``[B, 1]`` of leading tokens of descending rows ``sorted_p`` that top-H keeps."""
         p = sorted_p.double()
-        mass = torch.cumsum(p, dim=-1)
-        return torch.log(mass) - torch.cumsum(torch.xlogy(p, p), dim=-1) / mass
+        partial = torch.cumsum(-torch.xlogy(p, p), dim=-1)  # unnormalised entropy of each prefix
+        bound = alpha * partial[..., -1:]  # alpha * H(p)
+        # the relative slack lets a sum that equals the bound in exact arithmetic count as equal
+        return _prefix_len((partial <= bound * (1 + 1e-9)) & (p > 0))
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         _, sp, si = sorted_probs(logits)
-        h = self.prefix_entropies(sp)
-        bound = self.top_h * h[..., -1:]
-        n = _prefix_len(h <= bound + 1e-12)
+        n = self.kept_count(sp, self.top_h)
         keep_sorted = torch.arange(sp.shape[-1], device=sp.device) < n
         keep = torch.zeros_like(keep_sorted).scatter(-1, si, keep_sorted)
         return keep_only(logits.float(), keep)
