@@ -12,15 +12,17 @@ import pytest
 import torch
 
 from decodekit.engine import Engine, available_methods
-from decodekit.engine.core import DecodeState, GenerationStats
+from decodekit.engine.core import DecodeState, GenerationStats, Request, StepDecoder
 from decodekit.errors import InvalidParameter, UnknownMethod
 from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.tiny import tiny_llama
 from decodekit.samplers import Sampler
-from decodekit.speculative.bandit import DiscountedUCB
 from decodekit.speculative.controller import MEASURE_SIZES, Controller, CostTable
+from decodekit.speculative.drafters.bandit import DiscountedUCB
+from decodekit.speculative.drafters.base import Drafter
 from decodekit.speculative.drafters.ngram import PromptLookup
 from decodekit.speculative.drafters.suffix import SuffixAutomaton
+from decodekit.speculative.loop import SpeculativeMethod
 from decodekit.speculative.tree import DraftTree, Verification, add_chain, grow_best_first, merge_into, select_nodes
 
 PROMPTS = (
@@ -275,6 +277,58 @@ def test_lookahead_pool_feeds_accepted_drafts():
     assert g.stats.extra["mean_accepted"] > 1.0
 
 
+# The drafter contract ------------------------------------------------------------------------------
+
+
+def test_optional_drafter_hooks_are_no_ops_on_the_base_class():
+    class Minimal(Drafter):
+        def draft(self, state, budget):
+            return DraftTree()
+
+    drafter, state = Minimal(), state_for([1, 2, 3])
+    drafter.begin(state)
+    drafter.update(state, DraftTree(), Verification([], 0), torch.zeros(1, 32))
+    drafter.observe(2, 0.1)
+    drafter.finish(state)
+    assert drafter.report() == {} and drafter.trimmable is True
+    assert state.tokens == [1, 2, 3]
+
+
+def test_the_loop_calls_every_hook_of_the_contract():
+    """The loop relies on the base class's hooks, not on probing drafters for them."""
+    calls: list[str] = []
+
+    class Recording(PromptLookup):
+        trimmable = False
+
+        def observe(self, tokens, seconds):
+            calls.append("observe")
+
+        def report(self):
+            return {"recorded": True}
+
+        def finish(self, state):
+            calls.append("finish")
+
+    model = tiny(seed=0)
+    method = SpeculativeMethod(Recording(), Controller(8, budget=4))
+    g = StepDecoder(method).generate(model, Request(model.tokenizer.encode(PROMPTS[1]), Sampler(greedy=True), 12))
+    steps = g.stats.extra["verifications"] + g.stats.extra["plain_steps"]
+    assert calls == ["observe"] * steps + ["finish"] and g.stats.extra["recorded"] is True
+
+
+def test_one_drafter_registry_with_the_shared_mechanisms_in_the_base_module():
+    from decodekit.speculative import drafters
+    from decodekit.speculative.drafters import base
+
+    assert not hasattr(drafters, "DRAFTERS")
+    assert set(speculative_methods()) == set(drafters.DRAFTER_SPECS)
+    assert all(spec.name == name and callable(spec.factory) for name, spec in drafters.DRAFTER_SPECS.items())
+    assert drafters.DRAFTER_SPECS["auto"].factory.__module__ == "decodekit.speculative.drafters.bandit"
+    for shared in ("ContextDrafter", "ChainDrafter", "CompositeDrafter"):
+        assert getattr(base, shared).__module__ == base.__name__
+
+
 # Controller ---------------------------------------------------------------------------------------
 
 
@@ -486,7 +540,7 @@ def test_discounted_ucb_tries_every_arm_then_prefers_the_fastest():
 
 
 def test_auto_shares_the_drafters_its_hierarchy_arm_is_made_of():
-    from decodekit.speculative.bandit import BanditDrafter
+    from decodekit.speculative.drafters.bandit import BanditDrafter
 
     auto = BanditDrafter(arms="hierarchy,pld,recycling")
     hierarchy, pld, recycling = auto.parts

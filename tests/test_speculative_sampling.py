@@ -27,7 +27,7 @@ from decodekit.models.backend import Backend, ModelInfo, StepOutput
 from decodekit.models.tiny import tiny_llama
 from decodekit.samplers import Sampler
 from decodekit.speculative.controller import Controller
-from decodekit.speculative.drafters import DRAFTERS, Drafter
+from decodekit.speculative.drafters import DRAFTER_SPECS, Drafter
 from decodekit.speculative.loop import SpeculativeMethod
 from decodekit.speculative.tree import DraftTree, Verification
 from decodekit.speculative.verify import SamplingVerifier
@@ -211,7 +211,7 @@ def method(drafter: Drafter, budget: int = 8, verifier=None) -> SpeculativeMetho
 )
 def test_model_free_drafters_sample_the_target_distribution(name, options, prompt):
     model = trigram_model(seed=1)
-    check_exact(model, method(DRAFTERS[name](**options)), prompt, {"temperature": 1.0}, n=FEWER)
+    check_exact(model, method(DRAFTER_SPECS[name].factory(**options)), prompt, {"temperature": 1.0}, n=FEWER)
 
 
 @pytest.mark.parametrize("stochastic", [False, True], ids=["deterministic", "stochastic"])
@@ -234,7 +234,7 @@ def test_processors_with_truncation_and_history_stay_exact():
 def test_adaptive_controller_keeps_sampling_exact():
     model = trigram_model(seed=4)
     ctl = Controller(16, cost_table={1: 1.0, 8: 1.2, 16: 1.5})
-    check_exact(model, SpeculativeMethod(DRAFTERS["pld"](), ctl), PROMPT, {"temperature": 1.0}, n=FEWER)
+    check_exact(model, SpeculativeMethod(DRAFTER_SPECS["pld"].factory(), ctl), PROMPT, {"temperature": 1.0}, n=FEWER)
 
 
 class NoResidualVerifier(SamplingVerifier):
@@ -283,7 +283,7 @@ def test_tiny_llama_end_to_end():
     model = LoadedModel(tiny_llama(seed=4, vocab_size=vocab, scale=1.5), CharTokenizer(vocab), "tiny")
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     n, params = 2000, {"temperature": 1.0}
-    counts = sample_outcomes(model, method(DRAFTERS["pld"](matches=2), budget=4), prompt, params, n, 2)
+    counts = sample_outcomes(model, method(DRAFTER_SPECS["pld"].factory(matches=2), budget=4), prompt, params, n, 2)
     # exact joint of the first two tokens from the model (EOS = 0 ends a sample early)
     backend = model.backend
     first = torch.softmax(backend.prefill(prompt)[0], dim=-1)

@@ -1,6 +1,6 @@
 """Lossless speculative decoding: one draft–verify loop, exact verifiers, many drafters.
 
-Every drafter registered in :data:`decodekit.speculative.drafters.DRAFTERS` becomes a decoding
+Every drafter registered in :data:`decodekit.speculative.drafters.DRAFTER_SPECS` becomes a decoding
 method of the same name (``pld``, ``suffix``, ``recycling``, ``lookahead``, ``hierarchy``,
 ``layerskip``, ``draft``, and ``auto`` which picks among them with a bandit). Options common to
 all: ``max_draft``, ``budget`` (fixed size, no controller), ``cost_table``; plus each drafter's own.
@@ -9,9 +9,8 @@ all: ``max_draft``, ``budget`` (fixed size, no controller), ``cost_table``; plus
 from __future__ import annotations
 
 from ..engine.registry import register_method
-from . import bandit  # noqa: F401  (registers the `auto` drafter)
 from .controller import Controller, CostTable
-from .drafters import DRAFTER_SPECS, DRAFTERS, Drafter, register_drafter
+from .drafters import DRAFTER_SPECS, Drafter, register_drafter
 from .loop import SpeculativeMethod, method_builder
 from .tree import DraftTree, Verification
 from .verify import GreedyVerifier, SamplingVerifier, Verifier
@@ -26,6 +25,6 @@ def register_methods() -> None:
 register_methods()
 
 __all__ = [
-    "Controller", "CostTable", "DRAFTERS", "DraftTree", "Drafter", "GreedyVerifier", "SamplingVerifier",
+    "Controller", "CostTable", "DRAFTER_SPECS", "DraftTree", "Drafter", "GreedyVerifier", "SamplingVerifier",
     "SpeculativeMethod", "Verification", "Verifier", "register_drafter", "register_methods",
 ]

@@ -9,8 +9,9 @@ sampling: identically distributed), whatever the drafter proposes.
 
 ``drafter.update`` also follows plain steps (an empty tree, the step's logits as ``[1, V]``), so
 drafters that learn from target logits (token recycling) keep learning while speculation rests.
-Optional drafter hooks, used when present: ``trimmable`` (False: verify all or nothing),
-``observe(tokens, seconds)`` after each step, ``report()`` -> stats extras, ``finish(state)``.
+The loop calls every hook of the :class:`~.drafters.base.Drafter` contract unconditionally
+(``begin``, ``draft``, ``update``, ``observe``, ``report``, ``finish``; ``trimmable``); the
+optional ones default to doing nothing.
 """
 
 from __future__ import annotations
@@ -70,9 +71,7 @@ class SpeculativeMethod(StepMethod):
         if len(tree):
             self.verify_s += t2 - t1
             self.controller.observe_step(len(produced), t2 - t0)
-        observe = getattr(self.drafter, "observe", None)
-        if observe is not None:  # e.g. the bandit of `auto`: tokens per second of this step
-            observe(len(produced), t2 - t0)
+        self.drafter.observe(len(produced), t2 - t0)  # e.g. the bandit of `auto`: tokens per second
         return first + produced
 
     def _draft(self, state: DecodeState) -> DraftTree:
@@ -85,7 +84,7 @@ class SpeculativeMethod(StepMethod):
         self.controller.observe_draft(len(tree), time.perf_counter() - t0)  # empty drafts cost too
         if len(tree) > budget:
             tree = tree.truncated(budget)
-        return self.controller.select(tree, trimmable=getattr(self.drafter, "trimmable", True))
+        return self.controller.select(tree, trimmable=self.drafter.trimmable)
 
     def _verify(self, state: DecodeState, tree: DraftTree) -> list[int]:
         t0 = time.perf_counter()
@@ -140,13 +139,9 @@ class SpeculativeMethod(StepMethod):
         }
         if self.by_source:
             extra["accepted_by_source"] = dict(self.by_source)
-        report = getattr(self.drafter, "report", None)
-        if report is not None:
-            extra.update(report())
+        extra.update(self.drafter.report())
         state.stats.extra.update(extra)
-        done = getattr(self.drafter, "finish", None)
-        if done is not None:
-            done(state)
+        self.drafter.finish(state)
 
 
 # Options and registration ------------------------------------------------------------------------

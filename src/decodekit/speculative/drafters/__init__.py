@@ -22,7 +22,7 @@ class DrafterSpec:
     stochastic: bool  # True: drafts carry draft_probs (sampled proposals)
 
 
-DRAFTERS: dict[str, Callable[..., Drafter]] = {}
+#: The one drafter registry: name -> spec (``spec.factory(**options)`` builds the drafter).
 DRAFTER_SPECS: dict[str, DrafterSpec] = {}
 
 
@@ -30,7 +30,6 @@ def register_drafter(name: str, description: str, *, stochastic: bool = False) -
     """Decorator registering a drafter factory (a class or function taking keyword options)."""
 
     def wrap(factory: Callable[..., Drafter]) -> Callable[..., Drafter]:
-        DRAFTERS[name] = factory
         DRAFTER_SPECS[name] = DrafterSpec(name, factory, description, stochastic)
         return factory
 
@@ -54,7 +53,7 @@ def bool_option(name: str, value) -> bool:
     return value
 
 
-__all__ = ["DRAFTERS", "DRAFTER_SPECS", "Drafter", "DrafterSpec", "bool_option", "int_option", "register_drafter"]
+__all__ = ["DRAFTER_SPECS", "Drafter", "DrafterSpec", "bool_option", "int_option", "register_drafter"]
 
 # Each module registers its drafters on import.
-from . import ngram, suffix, recycling, lookahead, hierarchy, layerskip, draft_model  # noqa: E402,F401
+from . import ngram, suffix, recycling, lookahead, hierarchy, layerskip, draft_model, bandit  # noqa: E402,F401

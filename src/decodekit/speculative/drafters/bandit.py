@@ -19,12 +19,13 @@ from __future__ import annotations
 import math
 import weakref
 
-from ..engine.core import DecodeState
-from ..models.backend import Backend
-from ..samplers.base import check_real
-from .drafters import DRAFTERS, register_drafter
-from .drafters.hierarchy import CompositeDrafter, parse_names
-from .tree import DraftTree
+from ...engine.core import DecodeState
+from ...models.backend import Backend
+from ...samplers.base import check_real
+from ..tree import DraftTree
+from . import DRAFTER_SPECS, register_drafter
+from .base import CompositeDrafter
+from .hierarchy import parse_names
 
 DEFAULT_ARMS = ("hierarchy", "pld", "recycling", "suffix")
 
@@ -79,9 +80,9 @@ class BanditDrafter(CompositeDrafter):
     name = "auto"
 
     def __init__(self, arms=DEFAULT_ARMS, discount: float = 0.98, exploration: float = 1.0):
-        names = parse_names("arms", arms, set(DRAFTERS) - {"auto"})
+        names = parse_names("arms", arms, set(DRAFTER_SPECS) - {"auto"})
         self.names = list(dict.fromkeys(names))
-        arms_by_name = {n: DRAFTERS[n]() for n in self.names}
+        arms_by_name = {n: DRAFTER_SPECS[n].factory() for n in self.names}
         for arm in list(arms_by_name.values()):  # an arm that is also part of a composite arm is shared
             for leaf in arm.leaves() if isinstance(arm, CompositeDrafter) else []:
                 if not isinstance(arms_by_name.get(leaf.name, arm), CompositeDrafter):

@@ -1,10 +1,25 @@
-"""The drafter interface: propose a token tree below the pending token, learn from the verdict."""
+"""The drafter contract and the mechanisms several drafters share.
+
+:class:`Drafter` is the whole interface the loop uses: ``draft`` is required; ``begin``,
+``update``, ``observe``, ``report``, ``finish`` and ``trimmable`` are optional hooks whose
+defaults do nothing, so the loop calls them unconditionally. Shared mechanisms:
+:class:`ContextDrafter` (index the growing context one token at a time: pld, suffix),
+:class:`ChainDrafter` (autoregressive chains from a draft model: draft, layerskip) and
+:class:`CompositeDrafter` (drafters made of drafters: hierarchy, auto).
+"""
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
 
 from ...engine.core import DecodeState
+from ...errors import InvalidParameter
+from ...samplers import Sampler
+from ...samplers.base import check_int, check_real
 from ..tree import DraftTree, Verification
 
 
@@ -13,6 +28,9 @@ class Drafter(ABC):
     that runs the target, like layer skipping, rolls back what it wrote)."""
 
     name: str = "drafter"
+    #: False: the controller verifies the whole tree or nothing (a lookahead window's value
+    #: lies in later steps, so it is not trimmed node by node).
+    trimmable: bool = True
 
     def begin(self, state: DecodeState) -> None:
         """Called once per request after prefill (e.g. index the prompt)."""
@@ -21,6 +39,166 @@ class Drafter(ABC):
     def draft(self, state: DecodeState, budget: int) -> DraftTree:
         """A tree of at most ``budget`` nodes continuing ``state.tokens`` (whose last token is the root)."""
 
-    def update(self, state: DecodeState, tree: DraftTree, verdict: Verification, logits) -> None:
+    def update(self, state: DecodeState, tree: DraftTree, verdict: Verification, logits: torch.Tensor) -> None:
         """Called after each verification with the target's logits for [root] + tree nodes
-        (``[N + 1, V]``), before ``state.tokens`` is extended by the accepted tokens."""
+        (``[N + 1, V]``), before ``state.tokens`` is extended by the accepted tokens; also after
+        plain steps (an empty tree, the step's logits as ``[1, V]``)."""
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Called after every step: it produced ``tokens`` tokens in ``seconds`` (drafting included)."""
+
+    def report(self) -> dict[str, Any]:
+        """Figures added to the request's ``stats.extra`` when it ends."""
+        return {}
+
+    def finish(self, state: DecodeState) -> None:
+        """Called once per request after the last step (e.g. remember its output)."""
+
+
+# Context drafters ---------------------------------------------------------------------------------
+
+
+class ContextDrafter(Drafter):
+    """A drafter over the request's own tokens, indexed one token at a time as they arrive
+    (each token is indexed once, never the whole context per step)."""
+
+    def begin(self, state: DecodeState) -> None:
+        self.reset()
+        self.seen = 0
+        self.sync(state)
+
+    def sync(self, state: DecodeState) -> None:
+        """Index the tokens added since the last call (``state.tokens`` only ever grows)."""
+        tokens = state.tokens
+        for position in range(self.seen, len(tokens)):
+            self.push(tokens, position)
+        self.seen = len(tokens)
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget the previous request's context."""
+
+    @abstractmethod
+    def push(self, tokens: list[int], position: int) -> None:
+        """Index ``tokens[position]`` (every earlier token is indexed already)."""
+
+
+# Chain drafters ------------------------------------------------------------------------------------
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidParameter(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def choose_token(
+    logits: torch.Tensor, sampler: Sampler, history: list[int], sample: bool
+) -> tuple[int | None, float, torch.Tensor]:
+    """One draft choice from draft logits ``[V]``: (token, top-1 probability, distribution q).
+
+    q is the request sampler's processed distribution (softmax of the processed logits, also
+    for greedy samplers, so that the confidence is meaningful). The token is None when
+    ``sample`` is set: the caller draws it after the confidence test.
+    """
+    histories = [torch.tensor(history)] if sampler.needs_history else None
+    q = torch.softmax(sampler.process(logits[None], histories)[0], dim=-1)
+    top = int(q.argmax())
+    return (None if sample else top), float(q[top]), q
+
+
+class ChainDrafter(Drafter):
+    """Drafts a chain autoregressively from some draft model, one token per forward pass.
+
+    Subclasses say how the draft model starts (logits after the root) and advances (append a
+    token, return the next logits) and how it cleans up; this class owns the greedy/sampled
+    choice, draft distributions and the confidence stop (as in SWIFT: drafting ends before a
+    token whose draft top-1 probability is below ``confidence``; the test uses only q, before
+    any draw, so sampled tokens stay exactly q-distributed). ``last_steps`` counts the draft
+    forward passes of the latest :meth:`draft`.
+    """
+
+    @classmethod
+    def from_options(cls, **options: object) -> "ChainDrafter":
+        """Build from keyword options; an unknown option raises InvalidParameter."""
+        known = set(inspect.signature(cls.__init__).parameters) - {"self"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidParameter(
+                f"method {cls.name!r} has no option {', '.join(unknown)}; options: {', '.join(sorted(known))}"
+            )
+        return cls(**options)
+
+    def __init__(self, *, max_draft: int, confidence: float, stochastic: bool):
+        self.max_draft = check_int("max_draft", max_draft, 1)
+        self.confidence = check_real("confidence", confidence, 0.0, 1.0)
+        self.stochastic = check_bool("stochastic", stochastic)
+        self.last_steps = 0
+
+    @abstractmethod
+    def _start(self, state: DecodeState, budget: int) -> tuple[torch.Tensor | None, int]:
+        """Logits ``[V]`` after the root (None: cannot draft now) and the usable budget."""
+
+    @abstractmethod
+    def _advance(self, token: int) -> torch.Tensor:
+        """Feed a drafted token to the draft model; return the logits ``[V]`` after it."""
+
+    def _stop(self, state: DecodeState) -> None:
+        """Called after drafting, also on error (e.g. roll a shared cache back)."""
+
+    def draft(self, state: DecodeState, budget: int) -> DraftTree:
+        self.last_steps = 0
+        tree = DraftTree()
+        if min(budget, self.max_draft) <= 0:
+            return tree
+        try:
+            logits, budget = self._start(state, min(budget, self.max_draft))
+            if logits is None:
+                return tree
+            sampler = state.sampler
+            sample = self.stochastic and not sampler.is_greedy
+            history = list(state.tokens)
+            for i in range(budget):
+                if i:
+                    logits = self._advance(tree.tokens[-1])
+                token, top_prob, q = choose_token(logits, sampler, history, sample)
+                if top_prob < self.confidence:
+                    break
+                if sample:
+                    token = int(sampler.sample_from(q))
+                    tree.draft_probs[i - 1] = q
+                tree.add(token, i - 1, self.name)
+                history.append(token)
+        finally:
+            self._stop(state)
+        return tree
+
+
+# Composite drafters --------------------------------------------------------------------------------
+
+
+class CompositeDrafter(Drafter):
+    """Shared plumbing of drafters made of drafters: begin/update/finish reach every leaf drafter
+    once, even when composites share parts."""
+
+    parts: list[Drafter]
+
+    def leaves(self) -> list[Drafter]:
+        out: list[Drafter] = []
+        for part in self.parts:
+            for leaf in part.leaves() if isinstance(part, CompositeDrafter) else [part]:
+                if all(leaf is not seen for seen in out):
+                    out.append(leaf)
+        return out
+
+    def begin(self, state: DecodeState) -> None:
+        for leaf in self.leaves():
+            leaf.begin(state)
+
+    def update(self, state: DecodeState, tree: DraftTree, verdict: Verification, logits: torch.Tensor) -> None:
+        for leaf in self.leaves():
+            leaf.update(state, tree, verdict, logits)
+
+    def finish(self, state: DecodeState) -> None:
+        for leaf in self.leaves():
+            leaf.finish(state)

@@ -26,108 +26,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import weakref
-from abc import abstractmethod
 
 import torch
 
 from ...engine.core import DecodeState
 from ...errors import InvalidParameter
 from ...models.backend import Backend
-from ...samplers import Sampler
-from ...samplers.base import check_int, check_real
-from ..tree import DraftTree
 from . import register_drafter
-from .base import Drafter
+from .base import ChainDrafter
 
 SELF_TRUNCATED = "self-truncated:"
-
-
-def check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidParameter(f"{name} must be true or false, got {value!r}")
-    return value
-
-
-def choose_token(
-    logits: torch.Tensor, sampler: Sampler, history: list[int], sample: bool
-) -> tuple[int | None, float, torch.Tensor]:
-    """One draft choice from draft logits ``[V]``: (token, top-1 probability, distribution q).
-
-    q is the request sampler's processed distribution (softmax of the processed logits, also
-    for greedy samplers, so that the confidence is meaningful). The token is None when
-    ``sample`` is set: the caller draws it after the confidence test.
-    """
-    histories = [torch.tensor(history)] if sampler.needs_history else None
-    q = torch.softmax(sampler.process(logits[None], histories)[0], dim=-1)
-    top = int(q.argmax())
-    return (None if sample else top), float(q[top]), q
-
-
-class ChainDrafter(Drafter):
-    """Drafts a chain autoregressively from some draft model, one token per forward pass.
-
-    Subclasses say how the draft model starts (logits after the root) and advances (append a
-    token, return the next logits) and how it cleans up; this class owns the greedy/sampled
-    choice, draft distributions and the confidence stop. ``last_steps`` counts the draft
-    forward passes of the latest :meth:`draft`.
-    """
-
-    @classmethod
-    def from_options(cls, **options: object) -> "ChainDrafter":
-        """Build from keyword options; an unknown option raises InvalidParameter."""
-        known = set(inspect.signature(cls.__init__).parameters) - {"self"}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise InvalidParameter(
-                f"method {cls.name!r} has no option {', '.join(unknown)}; options: {', '.join(sorted(known))}"
-            )
-        return cls(**options)
-
-    def __init__(self, *, max_draft: int, confidence: float, stochastic: bool):
-        self.max_draft = check_int("max_draft", max_draft, 1)
-        self.confidence = check_real("confidence", confidence, 0.0, 1.0)
-        self.stochastic = check_bool("stochastic", stochastic)
-        self.last_steps = 0
-
-    @abstractmethod
-    def _start(self, state: DecodeState, budget: int) -> tuple[torch.Tensor | None, int]:
-        """Logits ``[V]`` after the root (None: cannot draft now) and the usable budget."""
-
-    @abstractmethod
-    def _advance(self, token: int) -> torch.Tensor:
-        """Feed a drafted token to the draft model; return the logits ``[V]`` after it."""
-
-    def _stop(self, state: DecodeState) -> None:
-        """Called after drafting, also on error (e.g. roll a shared cache back)."""
-
-    def draft(self, state: DecodeState, budget: int) -> DraftTree:
-        self.last_steps = 0
-        tree = DraftTree()
-        if min(budget, self.max_draft) <= 0:
-            return tree
-        try:
-            logits, budget = self._start(state, min(budget, self.max_draft))
-            if logits is None:
-                return tree
-            sampler = state.sampler
-            sample = self.stochastic and not sampler.is_greedy
-            history = list(state.tokens)
-            for i in range(budget):
-                if i:
-                    logits = self._advance(tree.tokens[-1])
-                token, top_prob, q = choose_token(logits, sampler, history, sample)
-                if top_prob < self.confidence:
-                    break
-                if sample:
-                    token = int(sampler.sample_from(q))
-                    tree.draft_probs[i - 1] = q
-                tree.add(token, i - 1, self.name)
-                history.append(token)
-        finally:
-            self._stop(state)
-        return tree
 
 
 # Draft-model backends --------------------------------------------------------------------------

@@ -13,13 +13,11 @@ budget (so a long context match still leaves room for the next level); the last 
 
 from __future__ import annotations
 
-import torch
-
 from ...engine.core import DecodeState
 from ...errors import InvalidParameter, UnknownMethod
-from ..tree import DraftTree, Verification, merge_into
-from . import DRAFTERS, register_drafter
-from .base import Drafter
+from ..tree import DraftTree, merge_into
+from . import DRAFTER_SPECS, register_drafter
+from .base import CompositeDrafter
 
 DEFAULT_ORDER = ("pld", "recycling", "suffix")
 LEVEL_OPTIONS = {"suffix": {"corpus": True}}  # the statistics level draws on earlier outputs
@@ -31,39 +29,10 @@ def parse_names(option: str, value, allowed: set[str] | None = None) -> list[str
     if not names or not all(isinstance(n, str) and n for n in names):
         raise InvalidParameter(f"{option} must name drafters, got {value!r}")
     for n in names:
-        if n not in DRAFTERS or (allowed is not None and n not in allowed):
-            choices = sorted(allowed if allowed is not None else DRAFTERS)
+        if n not in DRAFTER_SPECS or (allowed is not None and n not in allowed):
+            choices = sorted(allowed if allowed is not None else DRAFTER_SPECS)
             raise UnknownMethod(f"unknown drafter {n!r} in {option}; choose from: {', '.join(choices)}")
     return names
-
-
-class CompositeDrafter(Drafter):
-    """Shared plumbing of drafters made of drafters: begin/update/finish reach every leaf drafter
-    once, even when composites share parts."""
-
-    parts: list[Drafter]
-
-    def leaves(self) -> list[Drafter]:
-        out: list[Drafter] = []
-        for part in self.parts:
-            for leaf in part.leaves() if isinstance(part, CompositeDrafter) else [part]:
-                if all(leaf is not seen for seen in out):
-                    out.append(leaf)
-        return out
-
-    def begin(self, state: DecodeState) -> None:
-        for leaf in self.leaves():
-            leaf.begin(state)
-
-    def update(self, state: DecodeState, tree: DraftTree, verdict: Verification, logits: torch.Tensor) -> None:
-        for leaf in self.leaves():
-            leaf.update(state, tree, verdict, logits)
-
-    def finish(self, state: DecodeState) -> None:
-        for leaf in self.leaves():
-            done = getattr(leaf, "finish", None)
-            if done is not None:
-                done(state)
 
 
 @register_drafter("hierarchy", "hierarchy drafting: context n-grams, then recycled tokens, then the output corpus")
@@ -71,8 +40,8 @@ class HierarchyDrafter(CompositeDrafter):
     name = "hierarchy"
 
     def __init__(self, order=DEFAULT_ORDER):
-        names = parse_names("order", order, set(DRAFTERS) - {"hierarchy", "auto"})
-        self.parts = [DRAFTERS[n](**LEVEL_OPTIONS.get(n, {})) for n in names]
+        names = parse_names("order", order, set(DRAFTER_SPECS) - {"hierarchy", "auto"})
+        self.parts = [DRAFTER_SPECS[n].factory(**LEVEL_OPTIONS.get(n, {})) for n in names]
 
     def draft(self, state: DecodeState, budget: int) -> DraftTree:
         tree = DraftTree()

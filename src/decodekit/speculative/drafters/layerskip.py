@@ -46,7 +46,7 @@ from ...models.backend import Backend
 from ...samplers.base import check_real
 from ..tree import DraftTree, Verification
 from . import register_drafter
-from .draft_model import ChainDrafter, check_bool
+from .base import ChainDrafter, check_bool
 
 WINDOW = 6  # verification rounds per evaluation of a skip set
 GROW_ACCEPT = 0.8  # accepted tokens per draft pass above which a poor set tries skipping more

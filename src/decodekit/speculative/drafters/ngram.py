@@ -2,45 +2,17 @@
 
 Match the last n tokens (n from ``max_ngram`` down to ``min_ngram``) against earlier positions
 of prompt + generated text and propose the tokens that followed the most recent occurrences.
-A model-free drafter; losslessness comes from the verifier.
-
-Also home of :class:`ContextDrafter`, the shared mechanism of drafters that index the growing
-token list incrementally (each token is indexed once, never the whole context per step).
+A model-free drafter; losslessness comes from the verifier. The context is indexed one token at
+a time as it grows (:class:`~.base.ContextDrafter`).
 """
 
 from __future__ import annotations
-
-from abc import abstractmethod
 
 from ...engine.core import DecodeState
 from ...errors import InvalidParameter
 from ..tree import DraftTree, add_chain
 from . import int_option, register_drafter
-from .base import Drafter
-
-
-class ContextDrafter(Drafter):
-    """A drafter over the request's own tokens, indexed one token at a time as they arrive."""
-
-    def begin(self, state: DecodeState) -> None:
-        self.reset()
-        self.seen = 0
-        self.sync(state)
-
-    def sync(self, state: DecodeState) -> None:
-        """Index the tokens added since the last call (``state.tokens`` only ever grows)."""
-        tokens = state.tokens
-        for position in range(self.seen, len(tokens)):
-            self.push(tokens, position)
-        self.seen = len(tokens)
-
-    @abstractmethod
-    def reset(self) -> None:
-        """Forget the previous request's context."""
-
-    @abstractmethod
-    def push(self, tokens: list[int], position: int) -> None:
-        """Index ``tokens[position]`` (every earlier token is indexed already)."""
+from .base import ContextDrafter
 
 
 @register_drafter("pld", "prompt lookup: propose what followed the last n-gram earlier in the context")

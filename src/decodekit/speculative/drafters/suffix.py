@@ -23,7 +23,7 @@ from ...models.backend import Backend
 from ...samplers.base import check_real
 from ..tree import DraftTree, grow_best_first, merge_into
 from . import bool_option, int_option, register_drafter
-from .ngram import ContextDrafter
+from .base import ContextDrafter
 
 COUNT_WALK = 256
 SEPARATOR = -1  # between corpus documents: never proposed, never matched across
