@@ -10,7 +10,8 @@ from decodekit.samplers.penalties import (
     PresencePenalty,
     RepetitionPenalty,
 )
-from decodekit.samplers.sampler import SAMPLER_PARAMS, Sampler
+from decodekit.samplers.params import SAMPLER_OPTIONS, SAMPLER_PARAMS
+from decodekit.samplers.sampler import Sampler
 from decodekit.samplers.truncation import (
     AdaptiveTopK,
     EpsilonCutoff,
@@ -25,6 +26,7 @@ from decodekit.samplers.truncation import (
 )
 
 __all__ = [
+    "SAMPLER_OPTIONS",
     "SAMPLER_PARAMS",
     "AdaptiveTopK",
     "EpsilonCutoff",

@@ -8,15 +8,14 @@ processors left.
 
 from __future__ import annotations
 
-import math
-import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from decodekit.errors import InvalidParameter
+# The value checks live with the option specs (the bottom layer); processors import them from here.
+from decodekit.options import check_int, check_real  # noqa: F401
 
 NEG_INF = float("-inf")
 
@@ -91,39 +90,3 @@ def count_history(
     counts.index_add_(0, row_ids * vocab + toks, torch.ones_like(toks, dtype=torch.float32))
     return counts.view(batch, vocab)
 
-
-# --------------------------------------------------------------------------- checks
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _fmt(x: float) -> str:
-    return "inf" if x == math.inf else "-inf" if x == -math.inf else f"{x:g}"
-
-
-def check_real(name: str, value: Any, lo: float = -math.inf, hi: float = math.inf, *,
-               lo_open: bool = False, hi_open: bool = False) -> float:
-    """Return ``float(value)`` if it is a finite real number in the interval, else raise InvalidParameter."""
-    left = "(" if lo_open or lo == -math.inf else "["
-    right = ")" if hi_open or hi == math.inf else "]"
-    if lo == -math.inf and hi == math.inf:
-        allowed = "a finite number"
-    elif hi == math.inf:
-        allowed = f"{'>' if lo_open else '>='} {_fmt(lo)}"
-    else:
-        allowed = f"in {left}{_fmt(lo)}, {_fmt(hi)}{right}"
-    ok = _is_real(value) and math.isfinite(value)
-    if ok:
-        ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
-    if not ok:
-        raise InvalidParameter(f"{name} must be {allowed}, got {value!r}")
-    return float(value)
-
-
-def check_int(name: str, value: Any, lo: int = 1) -> int:
-    """Return ``value`` if it is an integer ``>= lo`` (bools rejected), else raise InvalidParameter."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
-        raise InvalidParameter(f"{name} must be an integer >= {lo}, got {value!r}")
-    return int(value)

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from decodekit.samplers.base import LogitsProcessor, check_int, check_real, count_history
+from decodekit.samplers.base import LogitsProcessor, count_history
+from decodekit.samplers.params import SAMPLER_OPTIONS
 
 
 class _HistoryPenalty(LogitsProcessor):
@@ -21,11 +22,11 @@ class _HistoryPenalty(LogitsProcessor):
     name = ""
 
     def __init__(self, penalty: float, window: int | None = None) -> None:
-        self.window = None if window is None else check_int("penalty_window", window, 1)
+        self.window = None if window is None else SAMPLER_OPTIONS["penalty_window"].check(window)
         self.penalty = self._check(penalty)
 
     def _check(self, penalty: float) -> float:
-        return check_real(self.name, penalty)
+        return SAMPLER_OPTIONS[self.name].check(penalty)
 
     def counts(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         b, v = logits.shape
@@ -45,9 +46,6 @@ class RepetitionPenalty(_HistoryPenalty):
     r > 1 discourages repeats, r < 1 encourages them."""
 
     name = "repetition_penalty"
-
-    def _check(self, penalty: float) -> float:
-        return check_real(self.name, penalty, 0.0, lo_open=True)
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         x = logits.float()
@@ -89,7 +87,7 @@ class NoRepeatNGram(LogitsProcessor):
     needs_history = True
 
     def __init__(self, no_repeat_ngram_size: int) -> None:
-        self.n = check_int("no_repeat_ngram_size", no_repeat_ngram_size, 1)
+        self.n = SAMPLER_OPTIONS["no_repeat_ngram_size"].check(no_repeat_ngram_size)
 
     def banned(self, history: torch.Tensor) -> torch.Tensor:
         """Token ids that would complete a repeated n-gram after ``history``."""

@@ -9,13 +9,15 @@ from typing import Any
 import torch
 
 from decodekit.errors import InvalidParameter
-from decodekit.samplers.base import LogitsProcessor, check_int, check_real
+from decodekit.options import check_int, check_real, keyword_signature, parse_options
+from decodekit.samplers.base import LogitsProcessor
 from decodekit.samplers.penalties import (
     FrequencyPenalty,
     NoRepeatNGram,
     PresencePenalty,
     RepetitionPenalty,
 )
+from decodekit.samplers.params import SAMPLER_OPTIONS, SAMPLER_PARAMS  # noqa: F401  (SAMPLER_PARAMS re-exported)
 from decodekit.samplers.truncation import (
     AdaptiveTopK,
     EpsilonCutoff,
@@ -28,14 +30,6 @@ from decodekit.samplers.truncation import (
     TopP,
     TypicalP,
 )
-
-#: Keyword names of ``Sampler.from_params`` (the CLI builds one flag per name).
-SAMPLER_PARAMS: tuple[str, ...] = (
-    "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon", "eta", "top_n_sigma",
-    "top_h", "adaptive_k", "repetition_penalty", "frequency_penalty", "presence_penalty",
-    "penalty_window", "no_repeat_ngram_size", "greedy", "seed",
-)
-
 
 class Sampler:
     """Applies ``processors`` in order, then picks a token greedily or by sampling.
@@ -65,16 +59,8 @@ class Sampler:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_params(
-        cls, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-        min_p: float | None = None, typical_p: float | None = None, epsilon: float | None = None,
-        eta: float | None = None, top_n_sigma: float | None = None, top_h: float | None = None,
-        adaptive_k: float | None = None, repetition_penalty: float | None = None,
-        frequency_penalty: float | None = None, presence_penalty: float | None = None,
-        penalty_window: int | None = None, no_repeat_ngram_size: int | None = None,
-        greedy: bool = False, seed: int | None = None,
-    ) -> "Sampler":
-        """Build a validated sampler from flat parameters (None = off).
+    def from_params(cls, **params: Any) -> "Sampler":
+        """Build a validated sampler from flat parameters (:data:`SAMPLER_OPTIONS`; None = off).
 
         Order: repetition, frequency, presence penalties and no-repeat-n-gram; then temperature;
         then the truncation samplers top-nσ, top-k, top-p, min-p, typical, epsilon, eta, top-H,
@@ -83,41 +69,33 @@ class Sampler:
         repetition_penalty 1, frequency/presence penalty 0) add no processor.
         ``penalty_window`` applies to the three penalties.
         """
-        temperature = check_real("temperature", temperature, 0.0)
-        if not isinstance(greedy, bool):
-            raise InvalidParameter(f"greedy must be true or false, got {greedy!r}")
-        if penalty_window is not None:
-            check_int("penalty_window", penalty_window, 1)
+        p = parse_options("the sampler", SAMPLER_OPTIONS, params, text=False)
+        window = p["penalty_window"]
         procs: list[LogitsProcessor] = []
-        if repetition_penalty is not None:
-            p = RepetitionPenalty(repetition_penalty, penalty_window)
-            if p.penalty != 1.0:
-                procs.append(p)
-        if frequency_penalty is not None:
-            p = FrequencyPenalty(frequency_penalty, penalty_window)
-            if p.penalty != 0.0:
-                procs.append(p)
-        if presence_penalty is not None:
-            p = PresencePenalty(presence_penalty, penalty_window)
-            if p.penalty != 0.0:
-                procs.append(p)
-        if no_repeat_ngram_size is not None:
-            procs.append(NoRepeatNGram(no_repeat_ngram_size))
-        if temperature == 0.0:
+        penalties = (("repetition_penalty", RepetitionPenalty, 1.0), ("frequency_penalty", FrequencyPenalty, 0.0),
+                     ("presence_penalty", PresencePenalty, 0.0))
+        for name, klass, noop in penalties:
+            if p[name] is not None and p[name] != noop:
+                procs.append(klass(p[name], window))
+        if p["no_repeat_ngram_size"] is not None:
+            procs.append(NoRepeatNGram(p["no_repeat_ngram_size"]))
+        greedy = p["greedy"]
+        if p["temperature"] == 0.0:
             greedy = True
-        elif temperature != 1.0:
-            procs.append(Temperature(temperature))
+        elif p["temperature"] != 1.0:
+            procs.append(Temperature(p["temperature"]))
         truncation = (
-            (top_n_sigma, TopNSigma, None), (top_k, TopK, None), (top_p, TopP, 1.0),
-            (min_p, MinP, 0.0), (typical_p, TypicalP, 1.0), (epsilon, EpsilonCutoff, None),
-            (eta, EtaCutoff, None), (top_h, TopH, None), (adaptive_k, AdaptiveTopK, None),
+            ("top_n_sigma", TopNSigma, None), ("top_k", TopK, None), ("top_p", TopP, 1.0),
+            ("min_p", MinP, 0.0), ("typical_p", TypicalP, 1.0), ("epsilon", EpsilonCutoff, None),
+            ("eta", EtaCutoff, None), ("top_h", TopH, None), ("adaptive_k", AdaptiveTopK, None),
         )
-        for value, klass, noop in truncation:
-            if value is not None:
-                proc = klass(value)  # validates
-                if noop is None or float(value) != noop:
-                    procs.append(proc)
-        return cls(procs, greedy=greedy, seed=seed)
+        for name, klass, noop in truncation:
+            if p[name] is not None and p[name] != noop:
+                procs.append(klass(p[name]))
+        return cls(procs, greedy=greedy, seed=p["seed"])
+
+    # help() and inspect show the table's keywords, not **params
+    from_params.__func__.__signature__ = keyword_signature(SAMPLER_OPTIONS, "cls")  # type: ignore[attr-defined]
 
     def sampling(self, temperature: float) -> "Sampler":
         """This sampler made to sample, for methods that need diverse samples (best-of-N, voting).

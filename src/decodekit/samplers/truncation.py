@@ -21,12 +21,12 @@ import torch
 
 from decodekit.samplers.base import (
     LogitsProcessor,
-    check_int,
     check_real,
     entropy,
     keep_only,
     sorted_probs,
 )
+from decodekit.samplers.params import SAMPLER_OPTIONS
 
 
 def _mass_before(p: torch.Tensor) -> torch.Tensor:
@@ -50,6 +50,7 @@ class Temperature(LogitsProcessor):
     ``Sampler.from_params`` maps ``temperature=0`` to greedy decoding instead."""
 
     def __init__(self, temperature: float) -> None:
+        # T > 0 here, unlike the parameter's T >= 0: from_params turns 0 into greedy decoding
         self.temperature = check_real("temperature", temperature, 0.0, lo_open=True)
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -64,7 +65,7 @@ class TopK(LogitsProcessor):
     highest logits. Ties at the k-th value are all kept, so a row may keep more than k tokens."""
 
     def __init__(self, top_k: int) -> None:
-        self.top_k = check_int("top_k", top_k, 1)
+        self.top_k = SAMPLER_OPTIONS["top_k"].check(top_k)
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         k = min(self.top_k, logits.shape[-1])
@@ -81,7 +82,7 @@ class TopP(LogitsProcessor):
     last one kept are kept too."""
 
     def __init__(self, top_p: float) -> None:
-        self.top_p = check_real("top_p", top_p, 0.0, 1.0, lo_open=True)
+        self.top_p = SAMPLER_OPTIONS["top_p"].check(top_p)
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         probs, sp, _ = sorted_probs(logits)
@@ -98,7 +99,7 @@ class MinP(LogitsProcessor):
     Coherent LLM Outputs"): keep tokens with p >= min_p * p_max."""
 
     def __init__(self, min_p: float) -> None:
-        self.min_p = check_real("min_p", min_p, 0.0, 1.0)
+        self.min_p = SAMPLER_OPTIONS["min_p"].check(min_p)
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         probs = torch.softmax(logits.float(), dim=-1)
@@ -121,7 +122,7 @@ class TypicalP(LogitsProcessor):
     """
 
     def __init__(self, typical_p: float, *, keep_argmax: bool = True) -> None:
-        self.typical_p = check_real("typical_p", typical_p, 0.0, 1.0, lo_open=True)
+        self.typical_p = SAMPLER_OPTIONS["typical_p"].check(typical_p)
         self.keep_argmax = bool(keep_argmax)
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -145,7 +146,7 @@ class EpsilonCutoff(LogitsProcessor):
     Desmoothing"): keep tokens with p >= epsilon (and always the argmax)."""
 
     def __init__(self, epsilon: float) -> None:
-        self.epsilon = check_real("epsilon", epsilon, 0.0, 1.0, lo_open=True, hi_open=True)
+        self.epsilon = SAMPLER_OPTIONS["epsilon"].check(epsilon)
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         probs = torch.softmax(logits.float(), dim=-1)
@@ -161,7 +162,7 @@ class EtaCutoff(LogitsProcessor):
     and always the argmax."""
 
     def __init__(self, eta: float) -> None:
-        self.eta = check_real("eta", eta, 0.0, 1.0, lo_open=True, hi_open=True)
+        self.eta = SAMPLER_OPTIONS["eta"].check(eta)
 
     def threshold(self, probs: torch.Tensor) -> torch.Tensor:
         """The per-row cutoff ``[B, 1]`` for probability rows ``probs``."""
@@ -182,7 +183,7 @@ class TopNSigma(LogitsProcessor):
     the truncation samplers: its statistics are meant over the (nearly) full vocabulary."""
 
     def __init__(self, top_n_sigma: float) -> None:
-        self.top_n_sigma = check_real("top_n_sigma", top_n_sigma, 0.0, lo_open=True)
+        self.top_n_sigma = SAMPLER_OPTIONS["top_n_sigma"].check(top_n_sigma)
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         x = logits.float()
@@ -224,7 +225,7 @@ class TopH(LogitsProcessor):
     """
 
     def __init__(self, top_h: float) -> None:
-        self.top_h = check_real("top_h", top_h, 0.0, 1.0, lo_open=True)
+        self.top_h = SAMPLER_OPTIONS["top_h"].check(top_h)
 
     @staticmethod
     def kept_count(sorted_p: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -258,7 +259,7 @@ class AdaptiveTopK(LogitsProcessor):
     """
 
     def __init__(self, adaptive_k: float) -> None:
-        self.adaptive_k = check_real("adaptive_k", adaptive_k, 0.0, lo_open=True)
+        self.adaptive_k = SAMPLER_OPTIONS["adaptive_k"].check(adaptive_k)
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         probs, sp, _ = sorted_probs(logits)

@@ -1,0 +1,30 @@
+"""The sampler's parameters, declared once: ``Sampler.from_params`` takes them, each processor
+checks its value with its row, and the command line makes one flag per row (but ``greedy``,
+which is spelled ``--method greedy``)."""
+
+from __future__ import annotations
+
+from decodekit.options import OptionSpec, option_table
+
+SAMPLER_OPTIONS: dict[str, OptionSpec] = option_table(
+    OptionSpec("temperature", float, 1.0, "softmax temperature; 0 is greedy", lo=0.0),
+    OptionSpec("top_k", int, None, "keep the k most likely tokens", lo=1),
+    OptionSpec("top_p", float, None, "nucleus: the most likely tokens up to mass p", lo=0.0, hi=1.0, lo_open=True),
+    OptionSpec("min_p", float, None, "keep tokens with p >= min_p * p_max", lo=0.0, hi=1.0),
+    OptionSpec("typical_p", float, None, "locally typical sampling: typical tokens up to mass p", lo=0.0, hi=1.0, lo_open=True),
+    OptionSpec("epsilon", float, None, "keep tokens with p >= epsilon", lo=0.0, hi=1.0, lo_open=True, hi_open=True),
+    OptionSpec("eta", float, None, "eta sampling: an entropy-dependent cutoff", lo=0.0, hi=1.0, lo_open=True, hi_open=True),
+    OptionSpec("top_n_sigma", float, None, "keep logits within n standard deviations of the max", lo=0.0, lo_open=True),
+    OptionSpec("top_h", float, None, "top-H: keep a prefix with entropy <= top_h * H(p)", lo=0.0, hi=1.0, lo_open=True),
+    OptionSpec("adaptive_k", float, None, "adaptive top-k: the KL decoder's per-token cost", lo=0.0, lo_open=True),
+    OptionSpec("repetition_penalty", float, None, "divide (multiply) positive (negative) logits of seen tokens", lo=0.0, lo_open=True),
+    OptionSpec("frequency_penalty", float, None, "subtract penalty * count of each seen token"),
+    OptionSpec("presence_penalty", float, None, "subtract penalty from each seen token"),
+    OptionSpec("penalty_window", int, None, "only the last N tokens count for the penalties", lo=1),
+    OptionSpec("no_repeat_ngram_size", int, None, "ban tokens that would repeat an n-gram", lo=1),
+    OptionSpec("greedy", bool, False, "pick the most likely token instead of sampling"),
+    OptionSpec("seed", int, None, "random seed (default: fresh entropy)", lo=0),
+)
+
+#: Keyword names of ``Sampler.from_params``, in order.
+SAMPLER_PARAMS: tuple[str, ...] = tuple(SAMPLER_OPTIONS)
