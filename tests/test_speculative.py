@@ -329,6 +329,41 @@ def test_one_drafter_registry_with_the_shared_mechanisms_in_the_base_module():
         assert getattr(base, shared).__module__ == base.__name__
 
 
+def test_a_clone_shares_the_weights_but_not_what_the_parent_learnt():
+    """Backend.memory is the one home of what methods learn per model; a clone starts it empty."""
+    from decodekit.speculative.drafters.bandit import BanditDrafter
+    from decodekit.speculative.drafters.recycling import adjacency_for
+    from decodekit.speculative.drafters.suffix import corpus_for
+
+    engine = Engine(tiny(seed=7))
+    parent = engine.model.backend
+    for method, options in (("suffix", {"corpus": True}), ("recycling", {}), ("auto", {})):
+        engine.generate(PROMPTS[0], method=method, max_new_tokens=24, chat=False, cost_table=FLAT_COSTS, **options)
+    clone = parent.clone()
+    assert clone.weights is parent.weights
+
+    def learnt(backend) -> dict:
+        ctl = Controller(8, cost_table=FLAT_COSTS)
+        ctl.begin(backend, "recycling")
+        auto = BanditDrafter()
+        auto.begin(DecodeState(backend, Sampler(greedy=True), [1, 2, 3], GenerationStats()))
+        return {
+            "corpus": len(corpus_for(backend).documents),
+            "recycling rows": int((adjacency_for(backend, 8) >= 0).any(dim=1).sum()),
+            "controller": ctl.learnt.spec_steps + len(ctl.learnt.accept),
+            "bandit": sum(auto.bandit.count.values()),
+        }
+
+    assert all(learnt(parent).values())
+    assert not any(learnt(clone).values())
+    # a clone decodes like a fresh backend over the same weights: recycling starts from an empty table
+    again = Engine(LoadedModel(clone, engine.model.tokenizer, "tiny")).generate(
+        "abc", method="recycling", max_new_tokens=24, chat=False, budget=8
+    )
+    assert again.tokens == engine.generate("abc", max_new_tokens=24, chat=False).tokens
+    assert again.stats.extra["plain_steps"] > 0
+
+
 # Controller ---------------------------------------------------------------------------------------
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import math
 import time
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -124,21 +123,23 @@ class CostTable:
 
     @staticmethod
     def _path():
-        from ..models.loading import cache_root
+        from ..models.cache import cache_root
 
         return cache_root() / "speculative" / "verify_cost.json"
 
     @classmethod
     def cached(cls, backend: Backend) -> "CostTable":
         """The cached table for this model/dtype/threads, measured (and saved) the first time, or
-        again when the cached one lacks a size this version measures."""
-        try:
-            saved = json.loads(cls._path().read_text())
-        except (OSError, ValueError):
-            saved = {}
-        entry = saved.get(cls.key(backend)) or {}
-        if {str(n) for n in MEASURE_SIZES} <= set(entry):
-            return cls({int(k): v for k, v in entry.items()})
+        again when the cached one lacks a size this version measures or is damaged."""
+        from ..models.cache import read_json
+
+        saved = read_json(cls._path())  # None when missing or failing its check (reported)
+        entry = saved.get(cls.key(backend)) if isinstance(saved, dict) else None
+        if isinstance(entry, dict) and {str(n) for n in MEASURE_SIZES} <= set(entry):
+            try:
+                return cls({int(k): v for k, v in entry.items()})
+            except (InvalidParameter, ValueError):
+                pass  # written by a version that stored something else: measure again
         table = cls.measure(backend)
         table.save(backend)
         return table
@@ -146,27 +147,21 @@ class CostTable:
     @classmethod
     def shared(cls, backend: Backend) -> "CostTable":
         """The one in-memory table of ``backend``, which every request's timings refine."""
-        table = _COSTS.get(backend)
-        if table is None:
-            table = _COSTS[backend] = cls.cached(backend)
-        return table
+        return backend.memory("speculative.cost_table", lambda: cls.cached(backend))
 
     def save(self, backend: Backend) -> None:
-        """Store this table as the one for ``backend``'s model/dtype/threads."""
-        path = self._path()
+        """Store this table as the one for ``backend``'s model/dtype/threads (other keys kept)."""
+        from ..models.cache import update_json
+
+        key, table = self.key(backend), self.as_dict()
+
+        def with_table(saved: object) -> dict:
+            return {**(saved if isinstance(saved, dict) else {}), key: table}
+
         try:
-            saved = json.loads(path.read_text())
-        except (OSError, ValueError):
-            saved = {}
-        saved[self.key(backend)] = self.as_dict()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(saved, indent=1, sort_keys=True))
+            update_json(self._path(), with_table)
         except OSError:
             pass  # a read-only cache only costs a re-measurement next time
-
-
-_COSTS: "weakref.WeakKeyDictionary[Backend, CostTable]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -189,8 +184,6 @@ class DrafterRecord:
         """Seconds of drafting per drafted node (a ratio of averages: empty drafts cost too)."""
         return self.draft_seconds / max(self.draft_nodes, 1e-3)
 
-
-_RECORDS: "weakref.WeakKeyDictionary[Backend, dict[str, DrafterRecord]]" = weakref.WeakKeyDictionary()
 
 
 def prior_acceptance(depth: int, rank: int) -> float:
@@ -227,7 +220,8 @@ class Controller:
             self.cost = CostTable.shared(backend)
             self.learn_costs = True
         if drafter:
-            self.learnt = _RECORDS.setdefault(backend, {}).setdefault(drafter, self.learnt)
+            records: dict[str, DrafterRecord] = backend.memory("speculative.records", dict)
+            self.learnt = records.setdefault(drafter, self.learnt)
 
     def observe_cost(self, n: int, seconds: float) -> None:
         """A timed forward pass of ``n`` tokens (1 = a plain step)."""

@@ -6,7 +6,7 @@ per second, measured around the whole draft–verify step. We use discounted UCB
 Moulines 2011) — UCB1 whose counts decay by ``discount`` per pull, so the choice follows a
 request whose character changes (a summary copies the prompt, an essay does not) — with the
 exploration bonus scaled by the rewards' pooled standard deviation, since tokens/s is not
-bounded in [0, 1]. The statistics live with the model's backend, so they carry across requests.
+bounded in [0, 1]. The statistics live in the backend's memory, so they carry across requests.
 Every arm sees every verification (``update``), so all their tables stay current; arms that are
 also levels of the ``hierarchy`` arm are the same instances (one index, one update per step).
 
@@ -17,10 +17,8 @@ timings, so sampled outputs with a seed reproduce their distribution, not the ex
 from __future__ import annotations
 
 import math
-import weakref
 
 from ...engine.core import DecodeState
-from ...models.backend import Backend
 from ...samplers.base import check_real
 from ..tree import DraftTree
 from . import DRAFTER_SPECS, register_drafter
@@ -72,9 +70,6 @@ class DiscountedUCB:
         return {a: round(self.total[a] / self.count[a], 2) for a in self.arms if self.count[a] > 0}
 
 
-_BANDITS: "weakref.WeakKeyDictionary[Backend, dict[tuple, DiscountedUCB]]" = weakref.WeakKeyDictionary()
-
-
 @register_drafter("auto", "picks the drafter each step with a discounted-UCB bandit on measured tokens/s")
 class BanditDrafter(CompositeDrafter):
     name = "auto"
@@ -93,11 +88,8 @@ class BanditDrafter(CompositeDrafter):
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
-        store = _BANDITS.setdefault(state.backend, {})
-        key = (tuple(self.names), self.discount, self.exploration)
-        if key not in store:
-            store[key] = DiscountedUCB(self.names, self.discount, self.exploration)
-        self.bandit = store[key]
+        key = ("auto.bandit", tuple(self.names), self.discount, self.exploration)
+        self.bandit = state.backend.memory(key, lambda: DiscountedUCB(self.names, self.discount, self.exploration))
         self.chosen: str | None = None
         self.pulls = {n: 0 for n in self.names}
 

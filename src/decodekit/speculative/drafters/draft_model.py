@@ -24,10 +24,6 @@ Choices the papers leave open (each one tested):
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import weakref
-
 import torch
 
 from ...engine.core import DecodeState
@@ -42,27 +38,6 @@ SELF_TRUNCATED = "self-truncated:"
 # Draft-model backends --------------------------------------------------------------------------
 
 _loaded: dict[tuple[str, torch.dtype], Backend] = {}  # spec folder -> backend, reused across requests
-_truncated: "weakref.WeakKeyDictionary[Backend, dict[int, Backend]]" = weakref.WeakKeyDictionary()
-
-
-def truncated_copy(target: Backend, num_layers: int) -> Backend:
-    """A backend running the target's first ``num_layers`` layers (+ final norm + lm head),
-    sharing its weights, with a cache of its own."""
-    from ...models.native import NativeLlama
-
-    if not isinstance(target, NativeLlama):
-        raise InvalidParameter("draft_model='self-truncated:N' needs the native backend")
-    if num_layers > target.info.num_layers:
-        raise InvalidParameter(
-            f"self-truncated:{num_layers} asks for more layers than the target's {target.info.num_layers}"
-        )
-    draft = copy.copy(target)  # shares weights, rope tables; reset() below allocates its own cache
-    draft.config = dataclasses.replace(target.config, num_layers=num_layers)
-    draft.weights = copy.copy(target.weights)
-    draft.weights.layers = target.weights.layers[:num_layers]
-    draft.info = dataclasses.replace(target.info, num_layers=num_layers, name=f"{target.info.name}[:{num_layers}]")
-    draft.reset(1)
-    return draft
 
 
 def parse_draft_spec(spec: object) -> Backend | int | str:
@@ -89,11 +64,8 @@ def draft_backend(spec: Backend | int | str, target: Backend) -> Backend:
         if spec is target:
             raise InvalidParameter("draft_model must not be the target backend itself (it needs its own cache)")
         return spec
-    if isinstance(spec, int):
-        per_target = _truncated.setdefault(target, {})
-        if spec not in per_target:
-            per_target[spec] = truncated_copy(target, spec)
-        return per_target[spec]
+    if isinstance(spec, int):  # kept in the target's memory: a clone of the target makes its own
+        return target.memory(("draft.truncated", spec), lambda: target.truncated(spec))
     key = (spec, target.info.dtype)
     if key not in _loaded:
         from pathlib import Path

@@ -5,7 +5,7 @@ An adjacency matrix keeps, for every token, its top-k successors taken from earl
 verification logits (``vocab x k`` int32, 1.5 MB for SmolLM2 with k = 8). Drafting expands a
 tree from the root token through the matrix; after each verification every scored position
 (root and all tree nodes, accepted or not) refreshes its token's row with the top-k of its
-logits — the "trash" candidates are recycled. The matrix lives as long as the model's backend,
+logits — the "trash" candidates are recycled. The matrix lives in the backend's memory,
 so it keeps learning across requests, plain steps included (the refresh costs a top-k of the
 vocabulary per step: 7 us with ``topk.c``, where torch.topk's 88 us made recycling 3-4% slower
 than plain decoding when it did not speculate). Model-free at draft time; lossless through the
@@ -17,8 +17,6 @@ controller then trims it by learned acceptance). Rows never filled hold -1 and e
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -33,15 +31,14 @@ from .base import Drafter
 # Relative weight of a node's r-th successor: how likely, a priori, the r-th ranked guess is right.
 RANK_WEIGHTS = (0.55, 0.18, 0.08, 0.05, 0.035, 0.025, 0.02, 0.015, 0.012, 0.01, 0.008, 0.006, 0.005, 0.004, 0.003, 0.002)
 
-_MATRICES: "weakref.WeakKeyDictionary[Backend, torch.Tensor]" = weakref.WeakKeyDictionary()
-
 
 def adjacency_for(backend: Backend, k: int) -> torch.Tensor:
-    """This backend's successor matrix (created empty, -1, on first use; kept across requests)."""
-    matrix = _MATRICES.get(backend)
+    """This backend's successor matrix (created empty, -1, on first use; kept across requests in
+    the backend's memory; a request asking for more columns than it has starts a wider one)."""
+    held: dict[str, torch.Tensor] = backend.memory("recycling.successors", dict)
+    matrix = held.get("matrix")
     if matrix is None or matrix.shape[1] < k:
-        matrix = torch.full((backend.info.vocab_size, k), -1, dtype=torch.int32)
-        _MATRICES[backend] = matrix
+        matrix = held["matrix"] = torch.full((backend.info.vocab_size, k), -1, dtype=torch.int32)
     return matrix
 
 

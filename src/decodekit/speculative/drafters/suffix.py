@@ -5,7 +5,7 @@ O(1), no rebuild per step), finds the longest suffix of the context that occurre
 tokens that followed its occurrences, ranked by occurrence count, are grown best-first into a
 tree. As in SuffixDecoding, the tree may be as deep as ``growth`` x the match length (so long
 matches draft far, short ones barely). With ``corpus=True`` a second automaton over earlier
-outputs of the same model (kept across requests in a module-level store, capped in size)
+outputs of the same model (kept across requests in the backend's memory, capped in size)
 proposes too; the longer match drafts first. Model-free; lossless through the verifier.
 
 Choices the papers leave open: occurrence counts are maintained incrementally along the
@@ -16,7 +16,6 @@ reaches it; it then undercounts short strings, which only affects ranking).
 from __future__ import annotations
 
 import math
-import weakref
 
 from ...engine.core import DecodeState
 from ...models.backend import Backend
@@ -126,14 +125,9 @@ class Corpus:
             self.automaton.extend(t)
 
 
-_CORPORA: "weakref.WeakKeyDictionary[Backend, Corpus]" = weakref.WeakKeyDictionary()
-
-
 def corpus_for(backend: Backend) -> Corpus:
-    """The corpus of earlier outputs of this backend's model (lives as long as the backend)."""
-    if backend not in _CORPORA:
-        _CORPORA[backend] = Corpus()
-    return _CORPORA[backend]
+    """The corpus of earlier outputs of this backend's model (kept in the backend's memory)."""
+    return backend.memory("suffix.corpus", Corpus)
 
 
 @register_drafter("suffix", "suffix automaton over the context (and optionally earlier outputs): frequent continuations")
