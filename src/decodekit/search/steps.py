@@ -11,14 +11,7 @@ partial solution's value aggregates its step scores (``aggregate``: mean (defaul
   the best ``n`` partial solutions survive; finished ones leave the beam (which shrinks) and the
   best finished solution is returned.
 * ``particle``: particle filtering (Puri et al., 2025, "A Probabilistic Inference Approach to
-  Inference-Time Scaling of LLMs using Particle-Based Monte Carlo Methods"): ``n`` particles each
-  sample one more step; a particle's weight is multiplied by exp(step score / ``temperature``) and
-  all particles are resampled (multinomial) when the effective sample size falls below
-  ``ess_threshold``·n (1.0 = every step, as in the paper; our default 0.5, the usual SMC rule),
-  then weights reset. Finished particles are carried (and may be resampled). Each particle slot
-  keeps its own generator, so with a constant scorer no resampling happens and particle i is the
-  independent sample seeded ``seed + i``. The returned particle is the finished one with the
-  highest value.
+  Inference-Time Scaling of LLMs using Particle-Based Monte Carlo Methods"; see ParticleFilter).
 * ``astar``: A*-style best-first search (after Chatziveroglou, 2025, "A*-Decoding: Token-Efficient
   Inference Scaling"): a priority queue of partial solutions ordered by value (the PRM score plays
   the heuristic); the best one is popped and expanded into ``n`` sampled next steps; the first
@@ -67,8 +60,8 @@ STEP_BEAM_OPTIONS = {
 }
 PARTICLE_OPTIONS = {
     "n": Option("int", 8, "number of particles", lo=1),
-    "temperature": Option("float", 1.0, "weight temperature: weight *= exp(score / temperature)", lo=1e-6),
-    "ess_threshold": Option("float", 0.5, "resample when ESS < threshold * n", lo=0.0, hi=1.0),
+    "temperature": Option("float", 1.0, "weight temperature: weight = exp(prefix value / temperature)", lo=1e-6),
+    "ess_threshold": Option("float", 0.5, "resample when ESS < threshold * n (1.0: after every step)", lo=0.0, hi=1.0),
     **COMMON_OPTIONS,
 }
 ASTAR_OPTIONS = {
@@ -173,6 +166,29 @@ class StepBeamSearch(StepSearch):
 
 
 class ParticleFilter(StepSearch):
+    """Particle filtering over steps (Puri et al., 2025, "A Probabilistic Inference Approach to
+    Inference-Time Scaling of LLMs using Particle-Based Monte Carlo Methods").
+
+    The model's steps are the proposal and the process reward the observation: after every step
+    each of the ``n`` particles is weighted by exp(value of its current prefix / ``temperature``),
+    the value being the aggregate of its step scores. As in the authors' reference code (its_hub's
+    ``ParticleFiltering``), the weight is the score of the whole prefix, not of the new step, and a
+    finished particle keeps weighing its final value at every later step, so it competes with the
+    live particles on the same footing.
+
+    Particles (finished ones included) are resampled, multinomially, when the effective sample
+    size falls below ``ess_threshold`` · n. Between resamples the per-step log-weights add up (the
+    usual SMC bookkeeping), so the weighted particles approximate the same distribution whatever
+    the threshold. ``ess_threshold=1.0`` resamples after every step, even when the weights are
+    equal: that is the reference's schedule. With it, ``temperature=1``, the matching ``aggregate``
+    and a scorer returning the reference's log-weight (the logit of the PRM's probability), this is
+    the reference algorithm. Our default 0.5 resamples less often, which adds less noise; below
+    1.0 a constant scorer never resamples, and since each particle slot keeps its own generator,
+    particle i is then the independent sample seeded ``seed + i``.
+
+    The returned particle is the finished one with the highest value (the reference's argmax).
+    """
+
     method = "particle"
 
     def __init__(self, n: int = 8, temperature: float = 1.0, ess_threshold: float = 0.5, **kw: Any):
@@ -190,13 +206,18 @@ class ParticleFilter(StepSearch):
             for slots in self._groups(particles):
                 children = self.expand(ctx, particles[slots[0]], rows, slots)
                 for slot, child in zip(slots, children):
-                    log_w[slot] += child.scores[-1] / self.weight_temperature
                     particles[slot] = child
-            if effective_sample_size(log_w) < self.ess_threshold * self.n:
+            log_w = [w + p.value(self.how) / self.weight_temperature for w, p in zip(log_w, particles)]
+            if self._should_resample(log_w):
+                # after a resample every particle stands for an equal share of the distribution
                 particles, log_w = self._resample(particles, log_w, resampler), [0.0] * self.n
                 resamples += 1
         finished = [p for p in particles if p.done]
         return self.result(ctx, self.best(finished), particles, {"resamples": resamples})
+
+    def _should_resample(self, log_w: Sequence[float]) -> bool:
+        # at 1.0 always: ESS == n for equal weights would otherwise skip the reference's resample
+        return self.ess_threshold >= 1.0 or effective_sample_size(log_w) < self.ess_threshold * self.n
 
     @staticmethod
     def _groups(particles: list[Partial]) -> list[list[int]]:
