@@ -157,9 +157,12 @@ class OptionSpec:
         return f"{text}  {self.help}" if self.help else text
 
 
-def option_table(*specs: OptionSpec) -> dict[str, OptionSpec]:
-    """``{spec.name: spec}``; a later spec of the same name replaces an earlier one."""
-    return {spec.name: spec for spec in specs}
+def option_table(*parts: OptionSpec | Mapping[str, OptionSpec]) -> dict[str, OptionSpec]:
+    """``{name: spec}`` from specs and whole tables, in order; a later spec of a name replaces an earlier one."""
+    table: dict[str, OptionSpec] = {}
+    for part in parts:
+        table.update({part.name: part} if isinstance(part, OptionSpec) else part)
+    return table
 
 
 def keyword_signature(specs: Mapping[str, OptionSpec], *leading: str) -> inspect.Signature:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidParameter
+from ..options import parse_option
 from .questions import DEFAULT_QUESTIONS, Question
 
 #: --quick: the fast model-free speculative methods, when registered (skipped with a note otherwise).
@@ -151,7 +152,8 @@ def choose_methods(requested: str | None, quick: bool, notes: list[str]) -> list
 
 
 def parse_method_options(items: list[str], methods: list[str]) -> dict[str, dict[str, Any]]:
-    from ..interfaces.cli import parse_option
+    """``METHOD.KEY=VALUE`` items as ``{method: {key: value}}``, each checked by the method's option specs."""
+    from ..engine import method_spec, validate_options
 
     options: dict[str, dict[str, Any]] = {}
     for item in items:
@@ -160,8 +162,10 @@ def parse_method_options(items: list[str], methods: list[str]) -> dict[str, dict
             raise InvalidParameter(f"--opt expects METHOD.KEY=VALUE, got {item!r}")
         if method not in methods:
             raise InvalidParameter(f"--opt {item!r}: method {method!r} is not in --methods ({', '.join(methods)})")
-        key, value = parse_option(rest)
+        key, value = parse_option(rest, method_spec(method).options)
         options.setdefault(method, {})[key] = value
+    for method, given in options.items():
+        validate_options(method, given)  # an unknown option fails now, not after loading the model
     return options
 
 

@@ -1,6 +1,6 @@
 """The engine loop and the method registry."""
 
-from .api import Engine, generate, make_sampler, split_params
+from .api import Engine, generate, make_sampler, prompt_token_ids, split_params
 from .core import (
     DecodeState,
     Decoder,
@@ -13,10 +13,11 @@ from .core import (
     check_fits,
 )
 from .stops import cut_at_stop, hits_stop, stop_strings
-from .registry import available_methods, build_decoder, method_spec, register_method
+from .registry import MethodSpec, available_methods, build_decoder, method_spec, register_method, validate_options
 
 __all__ = [
-    "DecodeState", "Decoder", "Engine", "Generation", "GenerationStats", "PlainDecoding", "Request",
+    "DecodeState", "Decoder", "Engine", "Generation", "GenerationStats", "MethodSpec", "PlainDecoding", "Request",
     "StepDecoder", "StepMethod", "available_methods", "build_decoder", "check_fits", "cut_at_stop",
-    "generate", "hits_stop", "make_sampler", "method_spec", "register_method", "split_params", "stop_strings",
+    "generate", "hits_stop", "make_sampler", "method_spec", "prompt_token_ids", "register_method", "split_params",
+    "stop_strings", "validate_options",
 ]

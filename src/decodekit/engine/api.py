@@ -3,35 +3,80 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from numbers import Integral
 from typing import Any
 
 import torch
 
+from ..errors import InvalidParameter
 from ..models import LoadedModel, load_model
-from ..samplers import SAMPLER_PARAMS, Sampler
+from ..samplers import SAMPLER_OPTIONS, Sampler
 from .core import Generation, Request
 from .registry import build_decoder, method_spec
 
 
-def make_sampler(method: str, params: dict[str, Any]) -> Sampler:
-    """The sampler for a request: greedy for every method except ``sample``, unless a positive
-    temperature is given (then speculative methods verify by speculative sampling)."""
-    params = dict(params)
-    if method == "greedy":
-        params["greedy"] = True
-        params.pop("temperature", None)
-    elif method != "sample" and params.get("temperature") is None:
-        params["greedy"] = True
+def make_sampler(method: str, params: Mapping[str, Any]) -> Sampler:
+    """The sampler for a request. Every value is checked, whatever the method; then the method's
+    ``sampling`` decides: "always" samples, "when-temperature" samples only when a temperature is
+    given, "never" decodes greedily and refuses a positive temperature (rather than ignore it)."""
     params = {k: v for k, v in params.items() if v is not None}
+    sampling = method_spec(method).sampling
+    temperature = params.get("temperature")
+    if sampling == "never":
+        if temperature is not None and SAMPLER_OPTIONS["temperature"].check(temperature) > 0:
+            raise InvalidParameter(
+                f"method {method!r} never samples, so temperature={temperature:g} would be ignored; "
+                "use method 'sample' (or a speculative or search method) to sample")
+        params["greedy"] = True
+    elif sampling == "when-temperature" and temperature is None:
+        params["greedy"] = True
     return Sampler.from_params(**params)
 
 
-def split_params(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def split_params(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split keyword arguments into sampler parameters and method options."""
-    sampler = {k: v for k, v in params.items() if k in SAMPLER_PARAMS}
-    options = {k: v for k, v in params.items() if k not in SAMPLER_PARAMS}
+    sampler = {k: v for k, v in params.items() if k in SAMPLER_OPTIONS}
+    options = {k: v for k, v in params.items() if k not in SAMPLER_OPTIONS}
     return sampler, options
+
+
+def check_text(text: str, what: str) -> str:
+    """``text`` if it can be encoded (a lone surrogate, e.g. from undecodable bytes, cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidParameter(f"{what} is not valid UTF-8 text (undecodable character at position {err.start})") from None
+    return text
+
+
+def prompt_token_ids(model: LoadedModel, prompt: Any, *, chat: bool) -> list[int]:
+    """The token ids of a prompt (a string, a list of chat messages or a list of token ids);
+    anything else, an empty prompt or a token id outside the vocabulary raises InvalidParameter."""
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+        vocab = model.backend.info.vocab_size
+        bad = next((int(t) for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParameter(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        return [int(t) for t in prompt]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidParameter("the prompt is empty")
+        ids = model.prompt_ids(check_text(prompt, "the prompt"), chat=chat)
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        for i, message in enumerate(prompt):
+            if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+                raise InvalidParameter(f"prompt message {i} needs a 'role' and a 'content' string, got {message!r}")
+            check_text(message["content"], f"prompt message {i}")
+        ids = model.prompt_ids(list(prompt), chat=chat)
+    elif isinstance(prompt, (list, tuple)) and not prompt:
+        raise InvalidParameter("the prompt is empty")
+    else:
+        raise InvalidParameter("the prompt must be a string, a list of {'role', 'content'} messages or a list of "
+                               f"token ids, got {prompt!r:.80}")
+    if not ids:
+        raise InvalidParameter("the prompt is empty")
+    return ids
 
 
 class Engine:
@@ -53,18 +98,15 @@ class Engine:
     ) -> Generation:
         """Generate a continuation. ``params`` are sampler parameters (temperature, top_p, seed, ...)
         and method options (e.g. ``max_ngram`` for ``pld``); unknown names raise an error."""
-        from ..errors import InvalidParameter
-
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidParameter(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if on_text is not None and not callable(on_text):
+            raise InvalidParameter(f"on_text must be a callable taking the new text, got {on_text!r}")
         method_spec(method)  # unknown method: fail before any work
         sampler_params, options = split_params(params)
         decoder = build_decoder(method, **options)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            prompt_ids = list(prompt)
-        else:
-            prompt_ids = self.model.prompt_ids(prompt, chat=chat)
-        request = Request(prompt_ids, make_sampler(method, sampler_params), max_new_tokens, stop, on_text)
+        sampler = make_sampler(method, sampler_params)
+        request = Request(prompt_token_ids(self.model, prompt, chat=chat), sampler, max_new_tokens, stop, on_text)
         # One request at a time per backend: threads sharing an Engine (or its model) queue here.
         with self.model.backend.lock:
             return decoder.generate(self.model, request)

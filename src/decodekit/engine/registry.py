@@ -1,82 +1,72 @@
-"""Method names → decoders. Plug-in packages (speculative, search) register themselves here."""
+"""Method names → decoders. Plain decoding registers here; the speculative and search packages
+register their methods when imported (``decodekit/__init__.py`` imports them, so every method is
+there for anyone who imports decodekit)."""
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from ..errors import InvalidParameter, UnknownMethod
+from ..options import OptionSpec, parse_options
 from .core import Decoder, PlainDecoding, StepDecoder
 
-# Packages whose import registers more methods. Imported lazily, on first lookup.
-PLUGIN_MODULES = ("decodekit.speculative", "decodekit.search")
+#: When a method's requests sample: "never" (greedy even with a temperature: giving one is an
+#: error), "always" (``sample``), or "when-temperature" (greedy unless a temperature is given;
+#: speculative methods then verify by speculative sampling, search methods sample their candidates).
+Sampling = Literal["never", "always", "when-temperature"]
 
 
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
-    build: Callable[..., Decoder]  # keyword options -> Decoder; raises InvalidParameter on bad options
+    build: Callable[..., Decoder]  # keyword options (checked against ``options``) -> Decoder
     description: str
     lossless: bool  # True: output identical to plain decoding with the same sampler
     family: str  # "plain" | "speculative" | "search"
+    # The method's options; None: not declared (the builder checks what it is given).
+    options: Mapping[str, OptionSpec] | None = field(default=None)
+    sampling: Sampling = "when-temperature"
 
 
 _METHODS: dict[str, MethodSpec] = {}
-_plugins_loaded = False
 
 
-def register_method(name: str, build: Callable[..., Decoder], description: str, *, lossless: bool, family: str) -> None:
-    _METHODS[name] = MethodSpec(name, build, description, lossless, family)
-
-
-def _load_plugins() -> None:
-    global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    for module in PLUGIN_MODULES:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as err:
-            if err.name != module:  # a real import error inside the plug-in
-                raise
+def register_method(name: str, build: Callable[..., Decoder], description: str, *, lossless: bool, family: str,
+                    options: Mapping[str, OptionSpec] | None = None, sampling: Sampling = "when-temperature") -> None:
+    if sampling not in ("never", "always", "when-temperature"):
+        raise InvalidParameter(f"sampling must be never, always or when-temperature, got {sampling!r}")
+    _METHODS[name] = MethodSpec(name, build, description, lossless, family, options, sampling)
 
 
 def available_methods() -> dict[str, MethodSpec]:
-    _load_plugins()
     return dict(_METHODS)
 
 
 def method_spec(name: str) -> MethodSpec:
-    methods = available_methods()
-    if name not in methods:
-        raise UnknownMethod(f"unknown method {name!r}; choose from: {', '.join(sorted(methods))}")
-    return methods[name]
+    if name not in _METHODS:
+        raise UnknownMethod(f"unknown method {name!r}; choose from: {', '.join(sorted(_METHODS))}")
+    return _METHODS[name]
 
 
-def build_decoder(name: str, **options) -> Decoder:
-    return method_spec(name).build(**options)
+def validate_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` for method ``name`` with each value parsed and checked (text from the command
+    line is accepted); an unknown name or a bad value raises InvalidParameter naming it."""
+    spec = method_spec(name)
+    if spec.options is None:
+        return dict(options)
+    return parse_options(f"method {name!r}", spec.options, options, defaults=False)
 
 
-def no_options(factory: Callable[[], Decoder], name: str) -> Callable[..., Decoder]:
-    """A builder for a method that takes no options (rejects any it is given)."""
-
-    def build(**options) -> Decoder:
-        if options:
-            raise InvalidParameter(f"method {name!r} takes no options, got: {', '.join(sorted(options))}")
-        return factory()
-
-    return build
+def build_decoder(name: str, **options: Any) -> Decoder:
+    return method_spec(name).build(**validate_options(name, options))
 
 
-register_method(
-    "greedy", no_options(lambda: StepDecoder(PlainDecoding()), "greedy"), "plain greedy decoding", lossless=True, family="plain"
-)
-register_method(
-    "sample",
-    no_options(lambda: StepDecoder(PlainDecoding()), "sample"),
-    "plain sampling with the sampler options (temperature, top-p, ...)",
-    lossless=True,
-    family="plain",
-)
+def plain_decoder() -> Decoder:
+    return StepDecoder(PlainDecoding())
+
+
+register_method("greedy", plain_decoder, "plain greedy decoding", lossless=True, family="plain", options={}, sampling="never")
+register_method("sample", plain_decoder, "plain sampling with the sampler options (temperature, top-p, ...)",
+                lossless=True, family="plain", options={}, sampling="always")

@@ -7,14 +7,15 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..arguments import ArgumentParser, add_model_arguments
 from ..errors import InvalidParameter
+from ..options import parse_option
 
 METHOD_CHOICES = ("greedy", "sample", "beam", "cot", "best-of-n", "self-consistency", "weighted-vote", "mbr",
                   "first-finish", "step-beam", "particle", "astar")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..interfaces.cli import add_model_arguments
     from .tasks import TASKS
 
     parser.add_argument("task", help=f"task: {', '.join(sorted(TASKS))}")
@@ -41,7 +42,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, model=None) -> int:
     """Run the evaluation; ``model`` (a LoadedModel) skips loading, for tests and notebooks."""
-    from ..interfaces.cli import parse_option
+    from ..engine import method_spec
     from ..models import load_model
     from .report import write_report
     from .runner import EvalConfig, evaluate, make_decoder
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace, model=None) -> int:
             raise InvalidParameter(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
     config = EvalConfig(
         method=args.method, n=args.n, limit=args.limit, max_new_tokens=args.max_new_tokens, seed=args.seed,
-        temperature=args.temperature, options=dict(parse_option(o) for o in args.opt),
+        temperature=args.temperature, options=dict(parse_option(o, method_spec(args.method).options) for o in args.opt),
         signals=[s.strip() for s in args.signals.split(",") if s.strip()], paraphrases=args.paraphrases,
     )
     task = load_task(args.task, args.data)
@@ -83,11 +84,10 @@ def run(args: argparse.Namespace, model=None) -> int:
 def main(argv: list[str] | None = None) -> int:
     from ..errors import DecodeKitError
 
-    parser = argparse.ArgumentParser(prog="python -m decodekit.eval", description=__doc__)
+    parser = ArgumentParser(prog="python -m decodekit.eval", description=__doc__)
     add_arguments(parser)
-    args = parser.parse_args(argv)
     try:
-        return run(args)
+        return run(parser.parse_args(argv))
     except DecodeKitError as err:
         print(f"decodekit eval: error: {err}", file=sys.stderr)
         return 2

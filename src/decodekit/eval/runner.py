@@ -7,11 +7,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import build_decoder, make_sampler, method_spec
+from ..engine import build_decoder, make_sampler, method_spec, validate_options
 from ..engine.core import Decoder, Request
 from ..errors import InvalidParameter
 from ..models import LoadedModel
-from ..search import SampleDecoder, majority_vote, method_options
+from ..search import SampleDecoder, majority_vote
 from ..search.uncertainty import CONFIDENCE_DIRECTION, paraphrase_consistency, sampled_agreement
 from .metrics import auroc, wilson_interval
 from .tasks import Task
@@ -35,15 +35,15 @@ class EvalConfig:
 def make_decoder(config: EvalConfig, task: Task) -> Decoder:
     """Plain greedy/sample go through :class:`SampleDecoder` (same tokens, plus signals); the rest
     through the registry, with ``--n`` and the task's answer extractor where the method takes them."""
-    method_spec(config.method)
+    spec = method_spec(config.method)
     bad = [s for s in config.signals if s not in EXTRA_SIGNALS]
     if bad:
         raise InvalidParameter(f"unknown signal(s) {', '.join(bad)}; extra signals: {', '.join(EXTRA_SIGNALS)}")
-    if config.method in ("greedy", "sample"):
-        if config.options:
-            raise InvalidParameter(f"method {config.method!r} takes no options")
+    make_sampler(config.method, {"seed": config.seed, "temperature": config.temperature})  # e.g. greedy + temperature
+    if spec.family == "plain":
+        validate_options(config.method, config.options)  # none taken
         return SampleDecoder(task.answer_start)
-    accepted = method_options(config.method)
+    accepted = spec.options or {}
     options = dict(config.options)
     if "n" in accepted:
         options.setdefault("n", config.n)

@@ -3,57 +3,27 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
+import os
 import sys
 from typing import Any
 
+from ..arguments import ArgumentParser, add_model_arguments, check_argv
+from ..bench import cli as bench_cli
+from ..engine import available_methods, build_decoder, make_sampler, method_spec, split_params
 from ..errors import DecodeKitError, InvalidParameter
+from ..eval import cli as eval_cli
+from ..options import OptionSpec, parse_option
+from ..samplers import SAMPLER_OPTIONS
 
-# Sampler flags: name -> type. The names are Sampler.from_params' keywords.
-SAMPLER_FLAGS: dict[str, type] = {
-    "temperature": float,
-    "top_k": int,
-    "top_p": float,
-    "min_p": float,
-    "typical_p": float,
-    "epsilon": float,
-    "eta": float,
-    "top_n_sigma": float,
-    "top_h": float,
-    "adaptive_k": float,
-    "repetition_penalty": float,
-    "frequency_penalty": float,
-    "presence_penalty": float,
-    "penalty_window": int,
-    "no_repeat_ngram_size": int,
-    "seed": int,
-}
+#: One flag per sampler parameter, from the sampler's table (``greedy`` is ``--method greedy``).
+SAMPLER_FLAGS: dict[str, OptionSpec] = {name: spec for name, spec in SAMPLER_OPTIONS.items() if name != "greedy"}
 
-# Subcommands that live with their feature: module exposing add_parser(subparsers).
-PLUGIN_COMMANDS = ("decodekit.bench.cli", "decodekit.eval.cli")
+#: Subcommands that live with their feature: modules exposing add_parser(subparsers).
+PLUGIN_COMMANDS = (bench_cli, eval_cli)
 
-
-def parse_option(text: str) -> tuple[str, Any]:
-    """``key=value`` with the value read as bool, int, float or string."""
-    if "=" not in text:
-        raise InvalidParameter(f"--opt expects key=value, got {text!r}")
-    key, raw = text.split("=", 1)
-    lowered = raw.lower()
-    if lowered in ("true", "false"):
-        return key, lowered == "true"
-    for cast in (int, float):
-        try:
-            return key, cast(raw)
-        except ValueError:
-            pass
-    return key, raw
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="embedded model name, HF model folder or .gguf file (default: smollm2-135m)")
-    parser.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="model backend (default: native for Llama-family)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute dtype")
+#: What leaves ``decodekit chat`` (besides Ctrl-D).
+CHAT_EXIT = ("/exit", "/quit", "exit", "quit")
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,14 +33,18 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
     parser.add_argument("--draft-model", default=None, help="draft model for --method draft")
     parser.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="method option (repeatable), e.g. --opt max_ngram=3")
-    group = parser.add_argument_group("sampling (any of these with a positive temperature samples)")
-    for name, kind in SAMPLER_FLAGS.items():
-        group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None)
+    group = parser.add_argument_group(
+        "sampling", "greedy never samples (a positive --temperature is an error: use --method sample); sample "
+        "always does; speculative and search methods sample when --temperature is given, else decode greedily")
+    for name, spec in SAMPLER_FLAGS.items():
+        group.add_argument("--" + name.replace("_", "-"), dest=name, type=spec.type, default=None,
+                           metavar=spec.type.__name__.upper(), help=spec.help)
 
 
 def decoding_params(args: argparse.Namespace) -> dict[str, Any]:
+    """Sampler flags and ``--opt`` method options (parsed by the method's option specs) as keywords."""
     params: dict[str, Any] = {name: getattr(args, name) for name in SAMPLER_FLAGS if getattr(args, name) is not None}
-    params.update(parse_option(o) for o in args.opt)
+    params.update(parse_option(o, method_spec(args.method).options) for o in args.opt)
     if args.draft_model is not None:
         params["draft_model"] = args.draft_model
     return params
@@ -78,8 +52,7 @@ def decoding_params(args: argparse.Namespace) -> dict[str, Any]:
 
 def validate_decoding(args: argparse.Namespace) -> None:
     """Reject a bad method, sampler value or option before the model is loaded."""
-    from ..engine import build_decoder, make_sampler, split_params
-
+    method_spec(args.method)
     if args.max_new_tokens < 1:
         raise InvalidParameter(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     sampler_params, options = split_params(decoding_params(args))
@@ -94,11 +67,22 @@ def make_engine(args: argparse.Namespace):
 
 
 def read_prompt(prompt: str | None) -> str:
+    """The prompt argument, or standard input for none or ``-`` (which must be UTF-8 text)."""
     if prompt not in (None, "-"):
+        if not prompt:
+            raise InvalidParameter("the prompt is empty")
         return prompt
     if sys.stdin is None or sys.stdin.isatty():
         raise InvalidParameter("no prompt: give one as an argument or on standard input")
-    text = sys.stdin.read().strip()
+    if hasattr(sys.stdin, "buffer"):
+        data = sys.stdin.buffer.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise InvalidParameter(f"standard input is not valid UTF-8 (byte {data[err.start]:#04x} at offset {err.start})") from None
+    else:  # already text (a StringIO in tests)
+        text = sys.stdin.read()
+    text = text.strip()
     if not text:
         raise InvalidParameter("the prompt on standard input is empty")
     return text
@@ -137,13 +121,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
     engine = make_engine(args)
     params = decoding_params(args)
     messages: list[dict[str, str]] = []
-    print(f"decodekit chat · {engine.model.name} · {args.method} · empty line or Ctrl-D to quit", file=sys.stderr)
+    print(f"decodekit chat · {engine.model.name} · {args.method} · /exit, /quit or Ctrl-D to leave", file=sys.stderr)
     while True:
         try:
             line = input("> ").strip()
         except EOFError:
             break
-        if not line:
+        except UnicodeDecodeError:
+            raise InvalidParameter("standard input is not valid UTF-8") from None
+        if not line:  # nothing to send
+            continue
+        if line.lower() in CHAT_EXIT:
             break
         messages.append({"role": "user", "content": line})
         result = engine.generate(
@@ -156,7 +144,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from ..models.loading import DEFAULT_MODEL, EMBEDDED_MODELS, cache_root, embedded_gguf
+    from ..models.cache import cache_root
+    from ..models.loading import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf
 
     print("Embedded models (pip packages carrying a GGUF file):")
     for name, model in EMBEDDED_MODELS.items():
@@ -170,16 +159,20 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
-    from ..engine import available_methods
-
     for name, spec in sorted(available_methods().items(), key=lambda kv: (kv[1].family, kv[0])):
         kind = "lossless" if spec.lossless else "changes output"
         print(f"  {name:<18} {spec.family:<12} {kind:<15} {spec.description}")
+        if spec.options is None:
+            print("      options: not declared")
+        for option in (spec.options or {}).values():
+            print(f"      --opt {option.describe()}")
+    print("Every method also takes the sampling flags (see `decodekit generate --help`); "
+          "`--opt key=value` sets a method option.")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="decodekit", description="The decoding layer for language models.")
+    parser = ArgumentParser(prog="decodekit", description="The decoding layer for language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion")
@@ -199,22 +192,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("methods", help="list the decoding methods").set_defaults(func=cmd_methods)
 
     for module in PLUGIN_COMMANDS:
-        try:
-            importlib.import_module(module).add_parser(sub)
-        except ModuleNotFoundError as err:
-            if err.name != module:
-                raise
+        module.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run one command; every bad input ends in one line on stderr and exit code 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        check_argv(argv)
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except DecodeKitError as err:
         print(f"decodekit: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader left (`decodekit generate --stream ... | head -c 5`): stop quietly with the
+        # status of a process ended by SIGPIPE, and point stdout at /dev/null so that the
+        # interpreter's final flush does not raise again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 128 + 13
     except KeyboardInterrupt:
         print("\ndecodekit: interrupted", file=sys.stderr)
         return 130

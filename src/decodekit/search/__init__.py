@@ -8,11 +8,12 @@ uncertainty signals come back in ``Generation.extra``. Importing this package re
 from __future__ import annotations
 
 from ..engine.registry import register_method
+from ..options import OptionSpec, option_table
 from .batch import Sample, SearchContext, decode_batch
 from .sample_decoder import SampleDecoder
 from .beam import OPTIONS as BEAM_OPTIONS, BeamSearch
 from .cot import OPTIONS as COT_OPTIONS, CoTDecoding
-from .options import Option, builder
+from .options import builder
 from .scorers import Judge, Scorer, StepScorer, make_scorer
 from .select import (
     SAMPLING_OPTIONS,
@@ -27,15 +28,16 @@ from .select import (
 )
 from .steps import ASTAR_OPTIONS, PARTICLE_OPTIONS, STEP_BEAM_OPTIONS, AStarDecoding, ParticleFilter, StepBeamSearch
 
-METHODS: dict[str, tuple[type, dict[str, Option], str]] = {
+METHODS: dict[str, tuple[type, dict[str, OptionSpec], str]] = {
     "beam": (BeamSearch, BEAM_OPTIONS, "beam search, GNMT length penalty, flexible-beam pruning (Freitag & Al-Onaizan 2017)"),
     "cot": (CoTDecoding, COT_OPTIONS, "CoT-decoding: top-k first tokens, greedy paths, max answer confidence (Wang & Zhou 2024)"),
-    "best-of-n": (BestOfN, {**SAMPLING_OPTIONS, **SCORER_OPTIONS}, "best of N batched samples by a scorer (loglik, self-certainty, judge, ...)"),
+    "best-of-n": (BestOfN, option_table(SAMPLING_OPTIONS, SCORER_OPTIONS), "best of N batched samples by a scorer (loglik, self-certainty, judge, ...)"),
     "self-consistency": (SelfConsistency, SAMPLING_OPTIONS, "majority vote over N sampled answers (Wang et al. 2023)"),
-    "weighted-vote": (WeightedVote, {**SAMPLING_OPTIONS, **SCORER_OPTIONS, "scorer": Option(
-        "choice", "prob", "vote weight", choices=("prob", "self-certainty", "judge"), allow_callable=True)},
+    "weighted-vote": (WeightedVote, option_table(SAMPLING_OPTIONS, SCORER_OPTIONS, OptionSpec(
+        "scorer", str, "prob", "vote weight", choices=("prob", "self-certainty", "judge"), allow_callable=True)),
         "vote over N sampled answers weighted by a score (default exp mean log-prob)"),
-    "mbr": (MinimumBayesRisk, {**SAMPLING_OPTIONS, "utility": Option("choice", "chrf", "utility", choices=("chrf",), allow_callable=True)},
+    "mbr": (MinimumBayesRisk, option_table(SAMPLING_OPTIONS, OptionSpec("utility", str, "chrf", "utility", choices=("chrf",),
+                                                                         allow_callable=True)),
             "minimum Bayes risk over N samples, chrF utility"),
     "first-finish": (FirstFinish, SAMPLING_OPTIONS, "first of N batched samples to finish"),
     "step-beam": (StepBeamSearch, STEP_BEAM_OPTIONS, "step-level beam search guided by a step scorer"),
@@ -44,16 +46,10 @@ METHODS: dict[str, tuple[type, dict[str, Option], str]] = {
 }
 
 for _name, (_cls, _options, _description) in METHODS.items():
-    register_method(_name, builder(_name, _options, _cls), _description, lossless=False, family="search")
-
-
-def method_options(name: str) -> dict[str, Option]:
-    """The options a search method accepts (empty for methods of other families)."""
-    return dict(METHODS[name][1]) if name in METHODS else {}
-
+    register_method(_name, builder(_options, _cls), _description, lossless=False, family="search", options=_options)
 
 __all__ = [
     "AStarDecoding", "BeamSearch", "BestOfN", "CoTDecoding", "FirstFinish", "Judge", "METHODS", "MinimumBayesRisk",
     "ParticleFilter", "Sample", "SampleDecoder", "Scorer", "SearchContext", "SelfConsistency", "StepBeamSearch",
-    "StepScorer", "WeightedVote", "decode_batch", "majority_vote", "make_scorer", "mbr_select", "method_options",
+    "StepScorer", "WeightedVote", "decode_batch", "majority_vote", "make_scorer", "mbr_select",
 ]

@@ -25,14 +25,14 @@ import torch
 from ..engine.core import Decoder, Generation, Request
 from ..engine.stops import cut_at_stop
 from ..models import LoadedModel
+from ..options import OptionSpec, option_table
 from .batch import Sample, SearchContext
-from .options import Option
 
-OPTIONS = {
-    "n": Option("int", 4, "beam width", lo=1),
-    "length_penalty": Option("float", 0.6, "GNMT alpha (0 = none)", lo=0.0),
-    "prune_ratio": Option("float", 0.0, "relative-threshold pruning rp (0 = off)", lo=0.0, hi=1.0),
-}
+OPTIONS = option_table(
+    OptionSpec("n", int, 4, "beam width", lo=1),
+    OptionSpec("length_penalty", float, 0.6, "GNMT alpha (0 = none)", lo=0.0),
+    OptionSpec("prune_ratio", float, 0.0, "relative-threshold pruning rp (0 = off)", lo=0.0, hi=1.0),
+)
 
 
 def gnmt_penalty(length: int, alpha: float) -> float:

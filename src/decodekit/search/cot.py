@@ -19,17 +19,17 @@ import torch
 from ..engine.core import Decoder, Generation, Request
 from ..models import LoadedModel
 from ..models.tokenizer import Tokenizer
+from ..options import OptionSpec, option_table
 from .answers import ANSWER_MODES, answer_start, extractor, last_number_span
 from .batch import SearchContext
-from .options import Option
 from .select import majority_vote
 from .uncertainty import sample_signals, token_ends
 
-OPTIONS = {
-    "n": Option("int", 10, "number of first-token branches k", lo=1),
-    "answer": Option("choice", "auto", "answer span: number/auto (last number) or text (all)", choices=ANSWER_MODES),
-    "aggregate": Option("bool", False, "sum Δ over paths with the same answer"),
-}
+OPTIONS = option_table(
+    OptionSpec("n", int, 10, "number of first-token branches k", lo=1),
+    OptionSpec("answer", str, "auto", "answer span: number/auto (last number) or text (all)", choices=ANSWER_MODES),
+    OptionSpec("aggregate", bool, False, "sum Δ over paths with the same answer"),
+)
 
 
 def answer_token_span(tokens: Sequence[int], tokenizer: Tokenizer, mode: str) -> list[int]:

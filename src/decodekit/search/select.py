@@ -24,10 +24,10 @@ from typing import Any
 from ..engine.core import Decoder, Generation, Request
 from ..errors import InvalidParameter
 from ..models import LoadedModel
+from ..options import OptionSpec, option_table
 from .answers import ANSWER_MODES, extractor
 from .answers import answer_start as find_answer_start
 from .batch import Sample, SearchContext
-from .options import Option
 from .scorers import SCORER_NAMES, make_scorer
 from .uncertainty import agreement, sample_signals
 
@@ -71,17 +71,17 @@ def first_finished(samples: Sequence[Sample]) -> int:
     return min(finished, key=lambda i: (samples[i].choices, -samples[i].loglik))
 
 
-SAMPLING_OPTIONS = {
-    "n": Option("int", 8, "number of samples", lo=1),
-    "sample_temperature": Option("float", 0.7, "temperature used when the request's sampler is greedy", lo=0.0),
-    "answer": Option("choice", "auto", "answer extraction for voting and agreement", choices=ANSWER_MODES,
-                     allow_callable=True),
-    "answer_start": Option("any", None, "Python callable text -> offset where the answer begins (phi_first)"),
-}
-SCORER_OPTIONS = {
-    "scorer": Option("choice", "loglik", "candidate scorer", choices=SCORER_NAMES, allow_callable=True),
-    "judge_model": Option("any", None, "model for the judge scorer (default: the same model)"),
-}
+SAMPLING_OPTIONS = option_table(
+    OptionSpec("n", int, 8, "number of samples", lo=1),
+    OptionSpec("sample_temperature", float, 0.7, "temperature used when the request's sampler is greedy", lo=0.0),
+    OptionSpec("answer", str, "auto", "answer extraction for voting and agreement", choices=ANSWER_MODES,
+               allow_callable=True),
+    OptionSpec("answer_start", object, None, "Python callable text -> offset where the answer begins (phi_first)"),
+)
+SCORER_OPTIONS = option_table(
+    OptionSpec("scorer", str, "loglik", "candidate scorer", choices=SCORER_NAMES, allow_callable=True),
+    OptionSpec("judge_model", object, None, "model for the judge scorer (default: the same model)"),
+)
 
 
 class MultiSampleDecoder(Decoder):

@@ -35,40 +35,40 @@ import torch
 
 from ..engine.core import Decoder, Generation, Request
 from ..models import LoadedModel
+from ..options import OptionSpec, option_table
 from ..samplers import Sampler
 from .answers import answer_start
 from .batch import SEED_MOD, RowSamplers, Sample, SearchContext
-from .options import Option
 from .scorers import SCORER_NAMES, Scorer, make_scorer
 from .uncertainty import sample_signals
 
 AGGREGATES = ("mean", "last", "min", "sum")
 
-COMMON_OPTIONS = {
-    "delimiter": Option("str", "\n\n", "step delimiter"),
-    "max_step_tokens": Option("int", 128, "token cap per step", lo=1),
-    "scorer": Option("choice", "mean-logprob", "step scorer (process reward)", choices=SCORER_NAMES,
-                     allow_callable=True),
-    "judge_model": Option("any", None, "model for the judge scorer (default: the same model)"),
-    "aggregate": Option("choice", "mean", "how step scores make a solution's value", choices=AGGREGATES),
-    "sample_temperature": Option("float", 0.7, "temperature used when the request's sampler is greedy", lo=0.0),
-}
-STEP_BEAM_OPTIONS = {
-    "n": Option("int", 4, "beam width", lo=1),
-    "expand": Option("int", 4, "sampled next steps per beam", lo=1),
-    **COMMON_OPTIONS,
-}
-PARTICLE_OPTIONS = {
-    "n": Option("int", 8, "number of particles", lo=1),
-    "temperature": Option("float", 1.0, "weight temperature: weight = exp(prefix value / temperature)", lo=1e-6),
-    "ess_threshold": Option("float", 0.5, "resample when ESS < threshold * n (1.0: after every step)", lo=0.0, hi=1.0),
-    **COMMON_OPTIONS,
-}
-ASTAR_OPTIONS = {
-    "n": Option("int", 4, "sampled next steps per expansion", lo=1),
-    "token_budget": Option("int", 2048, "total tokens the search may choose", lo=1),
-    **COMMON_OPTIONS,
-}
+COMMON_OPTIONS = option_table(
+    OptionSpec("delimiter", str, "\n\n", "step delimiter"),
+    OptionSpec("max_step_tokens", int, 128, "token cap per step", lo=1),
+    OptionSpec("scorer", str, "mean-logprob", "step scorer (process reward)", choices=SCORER_NAMES,
+               allow_callable=True),
+    OptionSpec("judge_model", object, None, "model for the judge scorer (default: the same model)"),
+    OptionSpec("aggregate", str, "mean", "how step scores make a solution's value", choices=AGGREGATES),
+    OptionSpec("sample_temperature", float, 0.7, "temperature used when the request's sampler is greedy", lo=0.0),
+)
+STEP_BEAM_OPTIONS = option_table(
+    OptionSpec("n", int, 4, "beam width", lo=1),
+    OptionSpec("expand", int, 4, "sampled next steps per beam", lo=1),
+    COMMON_OPTIONS,
+)
+PARTICLE_OPTIONS = option_table(
+    OptionSpec("n", int, 8, "number of particles", lo=1),
+    OptionSpec("temperature", float, 1.0, "weight temperature: weight = exp(prefix value / temperature)", lo=1e-6),
+    OptionSpec("ess_threshold", float, 0.5, "resample when ESS < threshold * n (1.0: after every step)", lo=0.0, hi=1.0),
+    COMMON_OPTIONS,
+)
+ASTAR_OPTIONS = option_table(
+    OptionSpec("n", int, 4, "sampled next steps per expansion", lo=1),
+    OptionSpec("token_budget", int, 2048, "total tokens the search may choose", lo=1),
+    COMMON_OPTIONS,
+)
 
 
 def aggregate(scores: Sequence[float], how: str) -> float:

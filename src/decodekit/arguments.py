@@ -1,0 +1,37 @@
+"""Command-line pieces shared by every subcommand (``decodekit``, ``bench``, ``eval``): the
+parser class and the model flags. Below the features so that bench and eval need not import the
+top-level CLI; the ``--opt key=value`` parser is :func:`decodekit.options.parse_option`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .errors import InvalidParameter
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors raise InvalidParameter, so that they reach the user as the same
+    one line (``decodekit: error: ...``, exit code 2) as every other bad input."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise InvalidParameter(f"{message} (see {self.prog} --help)")
+
+
+def check_argv(argv: list[str]) -> None:
+    """Arguments must be text: bytes that are not UTF-8 arrive as lone surrogates (surrogateescape)."""
+    for arg in argv:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            try:
+                shown = repr(os.fsencode(arg))  # the bytes as given
+            except UnicodeEncodeError:
+                shown = ascii(arg)
+            raise InvalidParameter(f"argument {shown} is not valid UTF-8") from None
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="embedded model name, HF model folder or .gguf file (default: smollm2-135m)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="model backend (default: native for Llama-family)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute dtype")
