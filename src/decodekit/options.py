@@ -143,18 +143,23 @@ class OptionSpec:
         return text
 
     def describe(self) -> str:
-        """One line for listings: ``name: type = default (range)  help``."""
-        kind = {object: "any", dict: "mapping"}.get(self.type, self.type.__name__)
-        bounds = ""
+        """One line for listings, e.g. ``n (int >= 1, default 4): beam width``."""
         if self.choices:
-            bounds = " | ".join(self.choices) + (" | callable" if self.allow_callable else "")
-        elif self.lo is not None or self.hi is not None:
-            lo = "-inf" if self.lo is None else _fmt(self.lo)
-            hi = "inf" if self.hi is None else _fmt(self.hi)
-            bounds = f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi_open or self.hi is None else ']'}"
-        default = "off" if self.default is None else repr(self.default)
-        text = f"{self.name}: {kind} = {default}" + (f" in {bounds}" if bounds else "")
-        return f"{text}  {self.help}" if self.help else text
+            kind = " | ".join(self.choices) + (" | callable" if self.allow_callable else "")
+        else:
+            kind = {object: "any", dict: "mapping"}.get(self.type, self.type.__name__) + self._bounds()
+        default = "off by default" if self.default is None else f"default {self.default!r}"
+        return f"{self.name} ({kind}, {default})" + (f": {self.help}" if self.help else "")
+
+    def _bounds(self) -> str:
+        lo, hi = self.lo, self.hi
+        if lo is None and hi is None:
+            return ""
+        if hi is None:
+            return f" {'>' if self.lo_open else '>='} {_fmt(lo)}"
+        if lo is None:
+            return f" {'<' if self.hi_open else '<='} {_fmt(hi)}"
+        return f" in {'(' if self.lo_open else '['}{_fmt(lo)}, {_fmt(hi)}{')' if self.hi_open else ']'}"
 
 
 def option_table(*parts: OptionSpec | Mapping[str, OptionSpec]) -> dict[str, OptionSpec]:

@@ -165,9 +165,9 @@ def cmd_methods(args: argparse.Namespace) -> int:
         if spec.options is None:
             print("      options: not declared")
         for option in (spec.options or {}).values():
-            print(f"      --opt {option.describe()}")
-    print("Every method also takes the sampling flags (see `decodekit generate --help`); "
-          "`--opt key=value` sets a method option.")
+            print(f"      {option.describe()}")
+    print("Set an option with --opt key=value (bench: --opt method.key=value); every method also takes the "
+          "sampling flags of `decodekit generate --help`.")
     return 0
 
 

@@ -9,9 +9,10 @@ all: ``max_draft``, ``budget`` (fixed size, no controller), ``cost_table``; plus
 from __future__ import annotations
 
 from ..engine.registry import register_method
+from ..options import option_table
 from .controller import Controller, CostTable
 from .drafters import DRAFTER_SPECS, Drafter, register_drafter
-from .loop import SpeculativeMethod, method_builder
+from .loop import COMMON_OPTIONS, SpeculativeMethod, method_builder
 from .tree import DraftTree, Verification
 from .verify import GreedyVerifier, SamplingVerifier, Verifier
 
@@ -19,7 +20,8 @@ from .verify import GreedyVerifier, SamplingVerifier, Verifier
 def register_methods() -> None:
     """Register (or refresh) one decoding method per drafter."""
     for name, spec in DRAFTER_SPECS.items():
-        register_method(name, method_builder(name, spec.factory), spec.description, lossless=True, family="speculative")
+        register_method(name, method_builder(name, spec.factory), spec.description, lossless=True, family="speculative",
+                        options=option_table(spec.options, COMMON_OPTIONS))
 
 
 register_methods()

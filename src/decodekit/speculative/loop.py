@@ -16,25 +16,25 @@ optional ones default to doing nothing.
 
 from __future__ import annotations
 
-import inspect
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..engine.core import DecodeState, StepDecoder, StepMethod
-from ..errors import InvalidParameter
+from ..options import OptionSpec, option_table, parse_options
 from .controller import Controller
-from .drafters import Drafter, int_option
+from .drafters import Drafter
 from .tree import DraftTree, Verification
 from .verify import Verifier, make_verifier
 
-COMMON_OPTIONS = {
-    "max_draft": "cap on draft-tree nodes per step (default 32)",
-    "budget": "fixed number of draft nodes per step; disables the adaptive controller",
-    "cost_table": "{tokens: seconds} verify costs to use instead of measuring them",
-}
+#: Options of every speculative method (the controller's), besides the drafter's own.
+COMMON_OPTIONS = option_table(
+    OptionSpec("max_draft", int, 32, "cap on draft-tree nodes per step", lo=1),
+    OptionSpec("budget", int, None, "fixed number of draft nodes per step; disables the adaptive controller", lo=0),
+    OptionSpec("cost_table", dict, None, "{tokens: seconds} verify costs to use instead of measuring them"),
+)
 
 
 class SpeculativeMethod(StepMethod):
@@ -147,42 +147,21 @@ class SpeculativeMethod(StepMethod):
 # Options and registration ------------------------------------------------------------------------
 
 
-def option_names(factory: Callable) -> set[str] | None:
-    """The keyword options a factory takes; None when it takes ``**options`` (it validates them itself)."""
-    params = inspect.signature(factory).parameters.values()
-    if any(p.kind == p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"}
-
-
-def check_options(method: str, options: Mapping[str, Any], valid: set[str]) -> None:
-    unknown = sorted(set(options) - valid)
-    if unknown:
-        raise InvalidParameter(
-            f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for method "
-            f"{method!r}; valid options: {', '.join(sorted(valid))}"
-        )
-
-
 def make_controller(options: dict[str, Any]) -> Controller:
     """A controller from the common options (removed from ``options``)."""
-    max_draft = int_option("max_draft", options.pop("max_draft", 32), 1)
-    budget = options.pop("budget", None)
+    given = {name: options.pop(name) for name in list(options) if name in COMMON_OPTIONS}
+    common = parse_options("the speculative loop", COMMON_OPTIONS, given)
+    budget = common["budget"]
     if budget is not None:
-        budget = min(int_option("budget", budget, 0), max_draft)
-    cost_table = options.pop("cost_table", None)
-    if cost_table is not None and not isinstance(cost_table, Mapping):
-        raise InvalidParameter(f"cost_table must be a mapping of token counts to seconds, got {cost_table!r}")
-    return Controller(max_draft, budget=budget, cost_table=cost_table)
+        budget = min(budget, common["max_draft"])
+    return Controller(common["max_draft"], budget=budget, cost_table=common["cost_table"])
 
 
 def method_builder(name: str, factory: Callable[..., Drafter]) -> Callable[..., StepDecoder]:
-    """``build(**options)`` for the registry: validate, then wire drafter + controller into the loop."""
+    """``build(**options)`` for the registry (which has checked the options against the drafter's
+    and the common ones): the controller takes the common options, the drafter its own."""
 
     def build(**options: Any) -> StepDecoder:
-        own = option_names(factory)
-        if own is not None:
-            check_options(name, options, own | set(COMMON_OPTIONS))
         options = dict(options)
         controller = make_controller(options)
         return StepDecoder(SpeculativeMethod(factory(**options), controller))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from ...engine.core import DecodeState
-from ...samplers.base import check_real
+from ...options import OptionSpec, option_table
 from ..tree import DraftTree
 from . import DRAFTER_SPECS, register_drafter
 from .base import CompositeDrafter
@@ -70,7 +70,15 @@ class DiscountedUCB:
         return {a: round(self.total[a] / self.count[a], 2) for a in self.arms if self.count[a] > 0}
 
 
-@register_drafter("auto", "picks the drafter each step with a discounted-UCB bandit on measured tokens/s")
+OPTIONS = option_table(
+    OptionSpec("arms", object, DEFAULT_ARMS, "drafters to choose from (a list or comma-separated names)"),
+    OptionSpec("discount", float, 0.98, "weight of past rewards per step", lo=0.0, hi=1.0, lo_open=True),
+    OptionSpec("exploration", float, 1.0, "UCB exploration weight", lo=0.0),
+)
+
+
+@register_drafter("auto", "picks the drafter each step with a discounted-UCB bandit on measured tokens/s",
+                  options=OPTIONS)
 class BanditDrafter(CompositeDrafter):
     name = "auto"
 
@@ -83,8 +91,8 @@ class BanditDrafter(CompositeDrafter):
                 if not isinstance(arms_by_name.get(leaf.name, arm), CompositeDrafter):
                     arms_by_name[leaf.name] = leaf
         self.parts = [arms_by_name[n] for n in self.names]
-        self.discount = check_real("discount", discount, 0.0, 1.0, lo_open=True)
-        self.exploration = check_real("exploration", exploration, 0.0)
+        self.discount = OPTIONS["discount"].parse(discount)
+        self.exploration = OPTIONS["exploration"].parse(exploration)
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)

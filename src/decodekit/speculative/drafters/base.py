@@ -10,16 +10,14 @@ defaults do nothing, so the loop calls them unconditionally. Shared mechanisms:
 
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
 
 from ...engine.core import DecodeState
-from ...errors import InvalidParameter
 from ...samplers import Sampler
-from ...samplers.base import check_int, check_real
+from ...options import OptionSpec, check_int, option_table
 from ..tree import DraftTree, Verification
 
 
@@ -86,12 +84,6 @@ class ContextDrafter(Drafter):
 # Chain drafters ------------------------------------------------------------------------------------
 
 
-def check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidParameter(f"{name} must be true or false, got {value!r}")
-    return value
-
-
 def choose_token(
     logits: torch.Tensor, sampler: Sampler, history: list[int], sample: bool
 ) -> tuple[int | None, float, torch.Tensor]:
@@ -107,6 +99,14 @@ def choose_token(
     return (None if sample else top), float(q[top]), q
 
 
+#: The options every chain drafter takes (a subclass may change a default, e.g. ``stochastic``).
+#: ``max_draft`` is not among them: the loop's common ``max_draft`` caps the budget, so the chain.
+CHAIN_OPTIONS = option_table(
+    OptionSpec("confidence", float, 0.3, "stop before a draft token whose top-1 probability is below this", lo=0.0, hi=1.0),
+    OptionSpec("stochastic", bool, False, "sample drafts when the request samples"),
+)
+
+
 class ChainDrafter(Drafter):
     """Drafts a chain autoregressively from some draft model, one token per forward pass.
 
@@ -118,21 +118,10 @@ class ChainDrafter(Drafter):
     forward passes of the latest :meth:`draft`.
     """
 
-    @classmethod
-    def from_options(cls, **options: object) -> "ChainDrafter":
-        """Build from keyword options; an unknown option raises InvalidParameter."""
-        known = set(inspect.signature(cls.__init__).parameters) - {"self"}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise InvalidParameter(
-                f"method {cls.name!r} has no option {', '.join(unknown)}; options: {', '.join(sorted(known))}"
-            )
-        return cls(**options)
-
     def __init__(self, *, max_draft: int, confidence: float, stochastic: bool):
         self.max_draft = check_int("max_draft", max_draft, 1)
-        self.confidence = check_real("confidence", confidence, 0.0, 1.0)
-        self.stochastic = check_bool("stochastic", stochastic)
+        self.confidence = CHAIN_OPTIONS["confidence"].parse(confidence)
+        self.stochastic = CHAIN_OPTIONS["stochastic"].parse(stochastic)
         self.last_steps = 0
 
     @abstractmethod

@@ -24,13 +24,16 @@ Choices the papers leave open (each one tested):
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...engine.core import DecodeState
 from ...errors import InvalidParameter
 from ...models.backend import Backend
+from ...options import OptionSpec, option_table
 from . import register_drafter
-from .base import ChainDrafter
+from .base import CHAIN_OPTIONS, ChainDrafter
 
 SELF_TRUNCATED = "self-truncated:"
 
@@ -96,6 +99,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+OPTIONS = option_table(
+    OptionSpec("draft_model", object, None, "the draft model: a model name, folder or .gguf, a Backend, or self-truncated:N"),
+    CHAIN_OPTIONS,
+    dataclasses.replace(CHAIN_OPTIONS["stochastic"], default=True),
+)
+
+
 class DraftModelDrafter(ChainDrafter):
     """Speculative decoding with a separate draft model (Leviathan et al. 2023; Chen et al. 2023).
 
@@ -153,7 +163,7 @@ class DraftModelDrafter(ChainDrafter):
         return fit_vocab(self._append([token]), self._vocab)
 
 
-# Registered through from_options so that an unknown option is an InvalidParameter.
 register_drafter(
-    "draft", "a smaller draft model proposes a chain (draft_model=PATH or self-truncated:N)", stochastic=True
-)(DraftModelDrafter.from_options)
+    "draft", "a smaller draft model proposes a chain (draft_model=PATH or self-truncated:N)", stochastic=True,
+    options=OPTIONS,
+)(DraftModelDrafter)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ...engine.core import DecodeState
 from ...errors import InvalidParameter, UnknownMethod
+from ...options import OptionSpec, option_table
 from ..tree import DraftTree, merge_into
 from . import DRAFTER_SPECS, register_drafter
 from .base import CompositeDrafter
@@ -35,7 +36,13 @@ def parse_names(option: str, value, allowed: set[str] | None = None) -> list[str
     return names
 
 
-@register_drafter("hierarchy", "hierarchy drafting: context n-grams, then recycled tokens, then the output corpus")
+OPTIONS = option_table(
+    OptionSpec("order", object, DEFAULT_ORDER, "drafters in priority order (a list or comma-separated names)"),
+)
+
+
+@register_drafter("hierarchy", "hierarchy drafting: context n-grams, then recycled tokens, then the output corpus",
+                  options=OPTIONS)
 class HierarchyDrafter(CompositeDrafter):
     name = "hierarchy"
 

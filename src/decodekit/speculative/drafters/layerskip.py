@@ -43,10 +43,10 @@ import torch
 from ...engine.core import DecodeState
 from ...errors import InvalidParameter
 from ...models.backend import Backend
-from ...samplers.base import check_real
+from ...options import OptionSpec, option_table
 from ..tree import DraftTree, Verification
 from . import register_drafter
-from .base import ChainDrafter, check_bool
+from .base import CHAIN_OPTIONS, ChainDrafter
 
 WINDOW = 6  # verification rounds per evaluation of a skip set
 GROW_ACCEPT = 0.8  # accepted tokens per draft pass above which a poor set tries skipping more
@@ -157,6 +157,13 @@ class SkipSearch:
         return (skip - {self._rng.choice(sorted(skip))}) | {self._rng.choice(pool)}
 
 
+OPTIONS = option_table(
+    OptionSpec("skip_ratio", float, 0.4, "fraction of layers skipped at the start", lo=0.0, hi=1.0, hi_open=True),
+    OptionSpec("adapt", bool, True, "search the skip set on the fly"),
+    CHAIN_OPTIONS,
+)
+
+
 class LayerSkipDrafter(ChainDrafter):
     """Self-speculative drafting with skipped layers (SWIFT, Xia et al. 2024; CLaSp, Chen et
     al. 2025). Options: ``skip_ratio`` (fraction of layers skipped at the start),
@@ -176,8 +183,8 @@ class LayerSkipDrafter(ChainDrafter):
         stochastic: bool = False,
     ):
         super().__init__(max_draft=max_draft, confidence=confidence, stochastic=stochastic)
-        self.skip_ratio = check_real("skip_ratio", skip_ratio, 0.0, 1.0, hi_open=True)
-        self.adapt = check_bool("adapt", adapt)
+        self.skip_ratio = OPTIONS["skip_ratio"].parse(skip_ratio)
+        self.adapt = OPTIONS["adapt"].parse(adapt)
         self.search: SkipSearch | None = None
         self._backend: Backend | None = None
         self._origin = 0
@@ -230,7 +237,5 @@ class LayerSkipDrafter(ChainDrafter):
         return {"skip_layers": sorted(self.search.current), "skip_set_changes": self.search.changes}
 
 
-# Registered through from_options so that an unknown option is an InvalidParameter.
-register_drafter("layerskip", "self-speculative drafting: the target with some layers skipped (SWIFT)")(
-    LayerSkipDrafter.from_options
-)
+register_drafter("layerskip", "self-speculative drafting: the target with some layers skipped (SWIFT)",
+                 options=OPTIONS)(LayerSkipDrafter)

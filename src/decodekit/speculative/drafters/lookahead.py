@@ -21,20 +21,29 @@ from __future__ import annotations
 import torch
 
 from ...engine.core import DecodeState
+from ...options import OptionSpec, option_table
 from ..tree import DraftTree, Verification, add_chain
-from . import int_option, register_drafter
+from . import register_drafter
 from .base import Drafter
 
 
-@register_drafter("lookahead", "lookahead decoding: Jacobi-iteration n-gram pool verified in the same pass")
+OPTIONS = option_table(
+    OptionSpec("window", int, 6, "Jacobi window: guessed tokens below the root", lo=1),
+    OptionSpec("ngram", int, 3, "length of the pool's n-grams", lo=2),
+    OptionSpec("guesses", int, 4, "pool n-grams verified per step", lo=0),
+)
+
+
+@register_drafter("lookahead", "lookahead decoding: Jacobi-iteration n-gram pool verified in the same pass",
+                  options=OPTIONS)
 class LookaheadDrafter(Drafter):
     name = "lookahead"
     trimmable = False
 
     def __init__(self, window: int = 6, ngram: int = 3, guesses: int = 4):
-        self.window_size = int_option("window", window, 1)
-        self.ngram = int_option("ngram", ngram, 2)
-        self.guesses = int_option("guesses", guesses, 0)
+        self.window_size = OPTIONS["window"].parse(window)
+        self.ngram = OPTIONS["ngram"].parse(ngram)
+        self.guesses = OPTIONS["guesses"].parse(guesses)
 
     def begin(self, state: DecodeState) -> None:
         prompt = state.tokens[: state.prompt_len] or [0]

@@ -10,12 +10,19 @@ from __future__ import annotations
 
 from ...engine.core import DecodeState
 from ...errors import InvalidParameter
+from ...options import OptionSpec, option_table
 from ..tree import DraftTree, add_chain
-from . import int_option, register_drafter
+from . import register_drafter
 from .base import ContextDrafter
 
+OPTIONS = option_table(
+    OptionSpec("max_ngram", int, 3, "longest n-gram matched", lo=1),
+    OptionSpec("min_ngram", int, 1, "shortest n-gram matched (<= max_ngram)", lo=1),
+    OptionSpec("matches", int, 1, "most recent occurrences drafted, as one tree", lo=1),
+)
 
-@register_drafter("pld", "prompt lookup: propose what followed the last n-gram earlier in the context")
+
+@register_drafter("pld", "prompt lookup: propose what followed the last n-gram earlier in the context", options=OPTIONS)
 class PromptLookup(ContextDrafter):
     """Prompt lookup decoding. ``matches`` > 1 hangs the continuations of that many most recent
     occurrences (of the longest matching n-gram) as one tree; shared prefixes are merged.
@@ -27,11 +34,11 @@ class PromptLookup(ContextDrafter):
     name = "pld"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, matches: int = 1):
-        self.max_ngram = int_option("max_ngram", max_ngram, 1)
-        self.min_ngram = int_option("min_ngram", min_ngram, 1)
+        self.max_ngram = OPTIONS["max_ngram"].parse(max_ngram)
+        self.min_ngram = OPTIONS["min_ngram"].parse(min_ngram)
         if self.min_ngram > self.max_ngram:
             raise InvalidParameter(f"min_ngram ({min_ngram}) must not exceed max_ngram ({max_ngram})")
-        self.matches = int_option("matches", matches, 1)
+        self.matches = OPTIONS["matches"].parse(matches)
         self.reset()
 
     def reset(self) -> None:

@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 
 from ...engine.core import DecodeState
-from ...errors import InvalidParameter
 from ...models.backend import Backend
 from ...models.kernels import top_k_indices
+from ...options import OptionSpec, option_table
 from ..tree import DraftTree, Verification, grow_best_first
-from . import int_option, register_drafter
+from . import register_drafter
 from .base import Drafter
 
 # Relative weight of a node's r-th successor: how likely, a priori, the r-th ranked guess is right.
@@ -42,15 +42,20 @@ def adjacency_for(backend: Backend, k: int) -> torch.Tensor:
     return matrix
 
 
-@register_drafter("recycling", "token recycling: a top-k successor table refreshed from verification logits")
+OPTIONS = option_table(
+    OptionSpec("k", int, 8, "successors kept per token", lo=1, hi=len(RANK_WEIGHTS)),
+    OptionSpec("max_depth", int, 8, "tree depth cap", lo=1),
+)
+
+
+@register_drafter("recycling", "token recycling: a top-k successor table refreshed from verification logits",
+                  options=OPTIONS)
 class TokenRecycling(Drafter):
     name = "recycling"
 
     def __init__(self, k: int = 8, max_depth: int = 8):
-        self.k = int_option("k", k, 1)
-        if self.k > len(RANK_WEIGHTS):
-            raise InvalidParameter(f"k must be at most {len(RANK_WEIGHTS)}, got {k!r}")
-        self.max_depth = int_option("max_depth", max_depth, 1)
+        self.k = OPTIONS["k"].parse(k)
+        self.max_depth = OPTIONS["max_depth"].parse(max_depth)
 
     def begin(self, state: DecodeState) -> None:
         self.matrix = adjacency_for(state.backend, self.k)

@@ -19,9 +19,9 @@ import math
 
 from ...engine.core import DecodeState
 from ...models.backend import Backend
-from ...samplers.base import check_real
+from ...options import OptionSpec, option_table
 from ..tree import DraftTree, grow_best_first, merge_into
-from . import bool_option, int_option, register_drafter
+from . import register_drafter
 from .base import ContextDrafter
 
 COUNT_WALK = 256
@@ -130,16 +130,26 @@ def corpus_for(backend: Backend) -> Corpus:
     return backend.memory("suffix.corpus", Corpus)
 
 
-@register_drafter("suffix", "suffix automaton over the context (and optionally earlier outputs): frequent continuations")
+OPTIONS = option_table(
+    OptionSpec("corpus", bool, False, "also draft from this model's earlier outputs"),
+    OptionSpec("width", int, 4, "continuations followed per tree node", lo=1),
+    OptionSpec("growth", float, 2.0, "tree depth cap as a multiple of the match length", lo=0.0, lo_open=True),
+    OptionSpec("min_match", int, 1, "shortest match that drafts", lo=1),
+    OptionSpec("max_depth", int, 32, "tree depth cap", lo=1),
+)
+
+
+@register_drafter("suffix", "suffix automaton over the context (and optionally earlier outputs): frequent continuations",
+                  options=OPTIONS)
 class SuffixDrafter(ContextDrafter):
     name = "suffix"
 
     def __init__(self, corpus: bool = False, width: int = 4, growth: float = 2.0, min_match: int = 1, max_depth: int = 32):
-        self.use_corpus = bool_option("corpus", corpus)
-        self.width = int_option("width", width, 1)
-        self.growth = check_real("growth", growth, 0.0, lo_open=True)
-        self.min_match = int_option("min_match", min_match, 1)
-        self.max_depth = int_option("max_depth", max_depth, 1)
+        self.use_corpus = OPTIONS["corpus"].parse(corpus)
+        self.width = OPTIONS["width"].parse(width)
+        self.growth = OPTIONS["growth"].parse(growth)
+        self.min_match = OPTIONS["min_match"].parse(min_match)
+        self.max_depth = OPTIONS["max_depth"].parse(max_depth)
         self.corpus: Corpus | None = None
         self.reset()
 
