@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import InvalidParameter
 from ..options import parse_option
 from .questions import DEFAULT_QUESTIONS, Question
+from .runner import is_record
 
 #: --quick: the fast model-free speculative methods, when registered (skipped with a note otherwise).
 QUICK_METHODS = ("greedy", "pld", "suffix", "recycling", "lookahead")
@@ -110,10 +111,30 @@ def load_checkpoint(plan: Plan) -> tuple[list[dict[str, Any]], list[str]]:
         raise InvalidParameter(f"--resume: {path} was written by decodekit {saved.get('code')}, this is "
                                f"{code}; timings from different code cannot be mixed, run without --resume")
     key, saved_key = plan.resume_key(), saved.get("resume_key") or {}
+    if not isinstance(saved_key, dict):
+        raise InvalidParameter(f"--resume: {path} is not a decodekit bench checkpoint (resume_key is not an object)")
     if saved_key != key:
         differ = sorted(k for k in key if saved_key.get(k) != key[k])
         raise InvalidParameter(f"--resume: {path} was made with other settings ({', '.join(differ)})")
-    return list(saved.get("records", [])), list(saved.get("notes", []))
+    records, notes = saved.get("records", []), saved.get("notes", [])
+    if not isinstance(records, list) or not isinstance(notes, list):
+        raise InvalidParameter(f"--resume: {path}: records and notes must be lists; run without --resume")
+    bad = next((i for i, rec in enumerate(records) if not is_record(rec)), None)
+    if bad is not None:
+        raise InvalidParameter(f"--resume: {path}: record {bad} is malformed; run without --resume")
+    return records, [str(n) for n in notes]
+
+
+def check_writable(out: Path) -> None:
+    """``--out`` must be a folder this process can write, or one it can create: checked before
+    the model loads, without creating anything."""
+    existing = out.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InvalidParameter(f"--out {str(out)!r} is not a writable folder ({existing} is not a folder)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InvalidParameter(f"--out {str(out)!r} is not a writable folder ({existing} is not writable)")
 
 
 def save_checkpoint(plan: Plan, records: list[dict[str, Any]], notes: list[str]) -> None:
@@ -203,6 +224,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     plan.command = command_line(plan, args.quick)
     if plan.resume:  # read (and check) now, not after loading the model
         plan.previous, plan.previous_notes = load_checkpoint(plan)
+    check_writable(plan.out)  # last: a plan that fails otherwise leaves no folder behind
     return plan
 
 

@@ -8,12 +8,11 @@ MT-Bench sub-categories are reported together as one ``mt_bench`` group, like Sp
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data import SPEC_BENCH_QUESTIONS, data_file
+from ..data import SPEC_BENCH_QUESTIONS, data_file, read_jsonl
 from ..errors import InvalidParameter
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -49,12 +48,8 @@ def resolve_question_file(path: str | Path | None = None) -> Path:
     return spec.resolve()
 
 
-def parse_question(line: str, where: str) -> Question:
-    try:
-        raw = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise InvalidParameter(f"{where}: not valid JSON ({err.msg})") from None
-    if not isinstance(raw, dict) or not {"question_id", "category", "turns"} <= raw.keys():
+def parse_question(raw: dict, where: str) -> Question:
+    if not {"question_id", "category", "turns"} <= raw.keys():
         raise InvalidParameter(f"{where}: a question needs question_id, category and turns")
     turns = raw["turns"]
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
@@ -65,11 +60,7 @@ def parse_question(line: str, where: str) -> Question:
 
 
 def read_questions(path: Path) -> list[Question]:
-    questions = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                questions.append(parse_question(line, f"{path}:{number}"))
+    questions = [parse_question(raw, where) for where, raw in read_jsonl(path)]
     if not questions:
         raise InvalidParameter(f"{path}: no questions")
     return questions

@@ -110,6 +110,22 @@ def rate(tokens: int, seconds: float) -> float | None:
     return tokens / seconds if seconds > 0 else None
 
 
+#: The keys of every record (:func:`make_record`); a record read back from a checkpoint must have them.
+RECORD_FIELDS = frozenset({
+    "method", "kind", "family", "lossless", "question_id", "category", "group", "repeat", "position", "turns",
+    "prompt_tokens", "new_tokens", "prefill_s", "decode_s", "forward_passes", "decode_tps", "e2e_tps",
+    "mean_accepted", "finish_reason", "identical_to_reference", "text_match", "text_prefix_share", "texts",
+    "tokens", "extra", "error",
+})
+
+
+def is_record(rec: Any) -> bool:
+    """Whether ``rec`` has the shape of a record (the fields resuming and the summary read)."""
+    return (isinstance(rec, dict) and RECORD_FIELDS <= rec.keys() and isinstance(rec["method"], str)
+            and isinstance(rec["repeat"], int) and isinstance(rec["question_id"], (int, str))
+            and isinstance(rec["group"], str) and isinstance(rec["texts"], list) and isinstance(rec["tokens"], list))
+
+
 def make_record(contestant: Contestant, question: Question, repeat: int, position: int,
                 turns: list[tuple[int, RunResult]] | None, error: str | None = None) -> dict[str, Any]:
     """One record: figures summed over the turns that ran."""

@@ -8,8 +8,12 @@
 
 from __future__ import annotations
 
+import json
 from importlib.resources import files
 from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidParameter
 
 SPEC_BENCH_QUESTIONS = "specbench/questions.dev.jsonl"
 GSM8K_TEST = "gsm8k/test.dev.jsonl"
@@ -18,3 +22,27 @@ GSM8K_TEST = "gsm8k/test.dev.jsonl"
 def data_file(name: str) -> Path:
     """The path of a shipped data file (the package is installed as a folder, so it is a real file)."""
     return Path(str(files(__name__).joinpath(name)))
+
+
+def read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """The objects of a UTF-8 JSON Lines file, each with ``"PATH:LINE"`` for error messages; blank
+    lines are skipped. Undecodable bytes, bad JSON or a line that is not an object: one-line errors."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise InvalidParameter(f"{path}:{line}: not valid UTF-8 (byte {data[err.start]:#04x})") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise InvalidParameter(f"{where}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise InvalidParameter(f"{where}: expected a JSON object, got {type(row).__name__}")
+        rows.append((where, row))
+    return rows

@@ -6,13 +6,12 @@ A task turns an item into a prompt, extracts the answer that votes, and judges c
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..data import GSM8K_TEST, data_file
+from ..data import GSM8K_TEST, data_file, read_jsonl
 from ..errors import InvalidParameter, UnknownMethod
 from ..search.answers import Extractor, answer_start, extract_number, normalize_text
 from ..search.uncertainty import paraphrases as generic_paraphrases
@@ -64,10 +63,10 @@ def gsm8k_task(path: str | Path | None = None) -> Task:
     if not file.is_file():
         raise InvalidParameter(f"GSM8K data not found at {file} (give --data PATH to a JSONL with question/answer)")
     items = []
-    for i, line in enumerate(file.read_text().splitlines()):
-        if line.strip():
-            row = json.loads(line)
-            items.append(Item(str(i), GSM8K_INSTRUCTION + row["question"], gsm8k_gold(row["answer"])))
+    for i, (where, row) in enumerate(read_jsonl(file)):
+        if not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
+            raise InvalidParameter(f"{where}: a GSM8K problem needs 'question' and 'answer' strings")
+        items.append(Item(str(i), GSM8K_INSTRUCTION + row["question"], gsm8k_gold(row["answer"])))
     return Task("gsm8k", items, extract_number, lambda text, item: numbers_equal(extract_number(text), item.gold),
                 max_new_tokens=256, answer_start=lambda text: answer_start(text, "number"))
 
