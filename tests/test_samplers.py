@@ -16,6 +16,7 @@ from decodekit.samplers import (
     EpsilonCutoff,
     EtaCutoff,
     FrequencyPenalty,
+    Histories,
     LogitsProcessor,
     MinP,
     NoRepeatNGram,
@@ -352,6 +353,23 @@ def test_penalties_with_ragged_histories():
     hist = [torch.tensor([4, 4, 2]), torch.tensor([], dtype=torch.long), torch.tensor([1])]
     out = FrequencyPenalty(1.0)(x, hist)
     assert out.tolist() == [[0, 0, -1, 0, -2], [0, 0, 0, 0, 0], [0, -1, 0, 0, 0]]
+
+
+def test_frequency_and_presence_count_generated_ids_only_repetition_counts_the_prompt():
+    # the prompt holds token 3 four times, the generated ids (1, 0) never: OpenAI's frequency and
+    # presence penalties leave 3 alone, CTRL's repetition penalty does not
+    x = torch.tensor([[2.0, 1.0, 0.5, 3.0]])
+    hist = Histories([[3, 3, 3, 3, 1, 0]], prompt_len=4)
+    assert FrequencyPenalty(0.5)(x, hist).tolist() == [[1.5, 0.5, 0.5, 3.0]]
+    assert PresencePenalty(0.5)(x, hist).tolist() == [[1.5, 0.5, 0.5, 3.0]]
+    assert RepetitionPenalty(2.0)(x, hist).tolist() == [[1.0, 0.5, 0.5, 1.5]]
+    assert FrequencyPenalty(0.5, window=1)(x, hist).tolist() == [[1.5, 1.0, 0.5, 3.0]]  # window: generated ids
+    # one prompt length per row; a plain list of tensors has no prompt, so everything counts
+    both = Histories([[3, 3, 1], [3, 3, 1]], prompt_len=[3, 1])
+    assert FrequencyPenalty(1.0)(x.repeat(2, 1), both).tolist() == [[2.0, 1.0, 0.5, 3.0], [2.0, 0.0, 0.5, 2.0]]
+    assert FrequencyPenalty(1.0)(x, [torch.tensor([3, 3, 1])]).tolist() == [[2.0, 0.0, 0.5, 1.0]]
+    sampler = Sampler.from_params(frequency_penalty=2.0, presence_penalty=2.0, temperature=0)
+    assert sampler.pick(x, hist).item() == 3 and sampler.pick(x, [torch.tensor([3, 3, 3, 3, 1, 0])]).item() == 2
 
 
 # ---------------------------------------------------------------- no-repeat-n-gram

@@ -19,7 +19,7 @@ import torch
 from ..errors import PromptTooLong
 from ..models import LoadedModel
 from ..models.backend import Backend
-from ..samplers import Sampler
+from ..samplers import Histories, Sampler
 from .stops import cut_at_stop, hits_stop, stop_strings
 
 
@@ -99,9 +99,11 @@ class DecodeState:
         """The last token when it is not yet in the cache, else None."""
         return self.tokens[-1] if self.backend.length < len(self.tokens) else None
 
-    def history(self) -> list[torch.Tensor]:
-        """The token history in the form samplers take (one row)."""
-        return [torch.tensor(self.tokens)] if self.sampler.needs_history else [torch.empty(0, dtype=torch.long)]
+    def history(self) -> Sequence[torch.Tensor]:
+        """The token history in the form samplers take (one row, knowing where the prompt ends)."""
+        if not self.sampler.needs_history:
+            return [torch.empty(0, dtype=torch.long)]
+        return Histories([self.tokens], self.prompt_len)
 
     def prefill(self) -> None:
         self._logits = self.backend.prefill(self.tokens)[0]

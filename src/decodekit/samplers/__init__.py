@@ -3,7 +3,7 @@
 ``Sampler.from_params(...)`` builds a validated chain; every processor is also usable alone.
 """
 
-from decodekit.samplers.base import LogitsProcessor
+from decodekit.samplers.base import Histories, LogitsProcessor
 from decodekit.samplers.penalties import (
     FrequencyPenalty,
     NoRepeatNGram,
@@ -32,6 +32,7 @@ __all__ = [
     "EpsilonCutoff",
     "EtaCutoff",
     "FrequencyPenalty",
+    "Histories",
     "LogitsProcessor",
     "MinP",
     "NoRepeatNGram",

@@ -68,6 +68,38 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
     return -torch.xlogy(probs, probs).sum(dim=-1, keepdim=True)
 
 
+class Histories(Sequence[torch.Tensor]):
+    """Each batch row's token history (prompt + generated ids) and its prompt length.
+
+    It reads as a list of 1-D id tensors, the whole history, which is what the repetition
+    penalty and no-repeat-n-gram count; :meth:`generated` gives only the ids after the prompt,
+    which is what the frequency and presence penalties count. The decoding loops build one per
+    call; a plain sequence of tensors passed instead stands for histories without a prompt.
+    """
+
+    def __init__(self, rows: Sequence[Sequence[int] | torch.Tensor], prompt_len: int | Sequence[int] = 0) -> None:
+        self.rows = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in rows]
+        lens = [prompt_len] * len(self.rows) if isinstance(prompt_len, int) else list(prompt_len)
+        if len(lens) != len(self.rows):
+            raise ValueError(f"expected {len(self.rows)} prompt lengths, got {len(lens)}")
+        self.prompt_lens = lens
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.rows[i]
+
+    def generated(self) -> list[torch.Tensor]:
+        """Each row's ids after its prompt."""
+        return [row[n:] for row, n in zip(self.rows, self.prompt_lens)]
+
+
+def generated_ids(histories: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """The generated part of each row: :meth:`Histories.generated`, or a plain sequence as is."""
+    return histories.generated() if isinstance(histories, Histories) else histories
+
+
 def count_history(
     histories: Sequence[torch.Tensor], batch: int, vocab: int, device: torch.device,
     window: int | None = None,

@@ -1,9 +1,14 @@
 """History-dependent processors: repetition, frequency and presence penalties, no-repeat-n-gram.
 
-Histories are the prompt plus the generated ids of each row. The penalties take an optional
-recency window ``window`` (``penalty_window`` in ``Sampler.from_params``): only the last W ids of
-the history count, as in penalty decoding (Zhu et al., 2023, "Penalty Decoding: Well Suppress
-the Self-Reinforcement Effect in Open-Ended Text Generation").
+Histories are the prompt plus the generated ids of each row (a :class:`Histories`, which also
+knows where the prompt ends). What counts follows each method's definition: the repetition
+penalty and no-repeat-n-gram count the prompt too (CTRL's and Hugging Face's definition), the
+frequency and presence penalties only the generated ids (OpenAI's and vLLM's definition: the
+chat template alone holds several newlines, which must not be penalised before anything is
+generated). The penalties take an optional recency window ``window`` (``penalty_window`` in
+``Sampler.from_params``): only the last W ids of what they count matter, as in penalty decoding
+(Zhu et al., 2023, "Penalty Decoding: Well Suppress the Self-Reinforcement Effect in Open-Ended
+Text Generation").
 """
 
 from __future__ import annotations
@@ -13,13 +18,14 @@ from typing import Any
 
 import torch
 
-from decodekit.samplers.base import LogitsProcessor, count_history
+from decodekit.samplers.base import LogitsProcessor, count_history, generated_ids
 from decodekit.samplers.params import SAMPLER_OPTIONS
 
 
 class _HistoryPenalty(LogitsProcessor):
     needs_history = True
     name = ""
+    counts_prompt = True  # False: only the generated ids count
 
     def __init__(self, penalty: float, window: int | None = None) -> None:
         self.window = None if window is None else SAMPLER_OPTIONS["penalty_window"].check(window)
@@ -30,7 +36,8 @@ class _HistoryPenalty(LogitsProcessor):
 
     def counts(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         b, v = logits.shape
-        return count_history(histories, b, v, logits.device, self.window)
+        rows = histories if self.counts_prompt else generated_ids(histories)
+        return count_history(rows, b, v, logits.device, self.window)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {self.name: self.penalty}
@@ -41,9 +48,9 @@ class _HistoryPenalty(LogitsProcessor):
 
 class RepetitionPenalty(_HistoryPenalty):
     """Repetition penalty (Keskar et al., 2019, "CTRL: A Conditional Transformer Language Model for
-    Controllable Generation"): for every token present in the (windowed) history, a positive logit
-    is divided by r and a negative one multiplied by r, however often the token occurred.
-    r > 1 discourages repeats, r < 1 encourages them."""
+    Controllable Generation"): for every token present in the (windowed) history, prompt included,
+    a positive logit is divided by r and a negative one multiplied by r, however often the token
+    occurred. r > 1 discourages repeats, r < 1 encourages them."""
 
     name = "repetition_penalty"
 
@@ -55,10 +62,11 @@ class RepetitionPenalty(_HistoryPenalty):
 
 
 class FrequencyPenalty(_HistoryPenalty):
-    """Frequency penalty (OpenAI API style, additive): logit −= penalty · count of the token in the
-    (windowed) history. Negative values encourage repeats."""
+    """Frequency penalty (OpenAI API style, additive): logit −= penalty · count of the token among
+    the (windowed) generated ids, the prompt excluded. Negative values encourage repeats."""
 
     name = "frequency_penalty"
+    counts_prompt = False
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         x = logits.float()
@@ -67,9 +75,11 @@ class FrequencyPenalty(_HistoryPenalty):
 
 class PresencePenalty(_HistoryPenalty):
     """Presence penalty (OpenAI API style, additive): logit −= penalty for every token that occurs
-    at least once in the (windowed) history. Negative values encourage repeats."""
+    at least once among the (windowed) generated ids, the prompt excluded. Negative values
+    encourage repeats."""
 
     name = "presence_penalty"
+    counts_prompt = False
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         x = logits.float()

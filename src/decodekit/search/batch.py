@@ -23,7 +23,7 @@ import torch
 from ..engine.core import Generation, GenerationStats, Request, check_fits
 from ..engine.stops import cut_at_stop, hits_stop
 from ..models import LoadedModel
-from ..samplers import Sampler
+from ..samplers import Histories, Sampler
 from .cache import PrefixCache
 
 TOPK_RECORDED = 10  # top-K log-probs kept per step (phi_first's default K)
@@ -215,7 +215,7 @@ class SearchContext:
                 chosen[i] = int(forced[i])
             return chosen
         histories = (
-            [torch.tensor(prefix + tokens[i]) for i in active] if rows.base.needs_history else None
+            Histories([prefix + tokens[i] for i in active], len(self.prompt)) if rows.base.needs_history else None
         )
         picked = rows.pick(logits[active], histories, [slots[i] for i in active])
         for i, token in zip(active, picked):

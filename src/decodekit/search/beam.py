@@ -26,6 +26,7 @@ from ..engine.core import Decoder, Generation, Request
 from ..engine.stops import cut_at_stop
 from ..models import LoadedModel
 from ..options import OptionSpec, option_table
+from ..samplers import Histories
 from .batch import Sample, SearchContext
 
 OPTIONS = option_table(
@@ -59,7 +60,9 @@ class BeamSearch(Decoder):
         logits = ctx.cache.fork(ctx.prompt, 1)
         beams, finished = [Hypothesis([])], []
         for _ in range(request.max_new_tokens):
-            histories = [torch.tensor(ctx.prompt + b.tokens) for b in beams] if request.sampler.needs_history else None
+            histories = (
+                Histories([ctx.prompt + b.tokens for b in beams], len(ctx.prompt)) if request.sampler.needs_history else None
+            )
             logp = torch.log_softmax(request.sampler.process(logits, histories), dim=-1)
             ctx.spent += len(beams)
             beams, parents, ended = self._advance(beams, logp, ctx.eos)

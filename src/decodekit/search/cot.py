@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from ..engine.core import Decoder, Generation, Request
 from ..models import LoadedModel
 from ..models.tokenizer import Tokenizer
 from ..options import OptionSpec, option_table
+from ..samplers import Histories
 from .answers import ANSWER_MODES, answer_start, extractor, last_number_span
 from .batch import SearchContext
 from .select import majority_vote
@@ -79,7 +78,7 @@ class CoTDecoding(Decoder):
 
     def _first_tokens(self, ctx: SearchContext) -> list[int]:
         logits = ctx.cache.fork(ctx.prompt, 1)
-        history = [torch.tensor(ctx.prompt)] if ctx.request.sampler.needs_history else None
+        history = Histories([ctx.prompt], len(ctx.prompt)) if ctx.request.sampler.needs_history else None
         processed = ctx.request.sampler.process(logits, history)[0]
         processed[list(ctx.eos)] = float("-inf")
         k = min(self.k, int(processed.isfinite().sum()))

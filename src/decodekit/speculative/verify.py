@@ -12,7 +12,8 @@ same sampler would produce them.
   siblings (SpecInfer, Miao et al. 2024; Recursive Speculative Decoding, Jeon et al. 2024).
 
 Target distributions are ``state.sampler.probs`` of the verification logits, one batched call;
-with history-dependent processors each node's history is the context plus its path.
+with history-dependent processors each node's history is the context plus its path (the
+prompt length travels with it, for the penalties that count generated ids only).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..engine.core import DecodeState
+from ..samplers import Histories
 from .tree import DraftTree, Verification
 
 
@@ -44,7 +46,7 @@ def processed_logits(state: DecodeState, tree: DraftTree, logits: torch.Tensor) 
     paths: list[list[int]] = []
     for token, parent in zip(tree.tokens, tree.parents):
         paths.append(([] if parent < 0 else paths[parent]) + [token])
-    histories = [torch.tensor(base)] + [torch.tensor(base + path) for path in paths]
+    histories = Histories([base] + [base + path for path in paths], state.prompt_len)
     return state.sampler.process(logits, histories)
 
 
