@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_argv(argv)
         args = build_parser().parse_args(argv)
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a reader that left shows up here, where it is handled
+        return status
     except DecodeKitError as err:
         print(f"decodekit: error: {err}", file=sys.stderr)
         return 2

@@ -1,0 +1,261 @@
+"""Every bad input ends in one line: the CLI prints ``decodekit: error: ...`` and exits 2 (before the
+model loads where it can), the Python API raises a DecodeKitError naming the input."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from decodekit.bench import cli as bench_cli
+from decodekit.bench.questions import Question
+from decodekit.bench.runner import RECORD_FIELDS, make_record
+from decodekit.engine import Engine, available_methods, make_sampler
+from decodekit.errors import DecodeKitError, InvalidParameter
+from decodekit.interfaces import cli
+from decodekit.models import CharTokenizer, LoadedModel
+from decodekit.models.tiny import tiny_llama
+
+#: Runs the CLI in a child process with the tiny model in place of the embedded one.
+RUN_TINY = """
+import sys
+from decodekit.engine import Engine
+from decodekit.interfaces import cli
+from decodekit.models import CharTokenizer, LoadedModel
+from decodekit.models.tiny import tiny_llama
+cli.make_engine = lambda args: Engine(LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny"))
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny"))
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading a model fails the test: these inputs must be refused before."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(cli, "make_engine", refuse)
+    monkeypatch.setattr("decodekit.models.load_model", refuse)
+
+
+@pytest.fixture
+def tiny_cli(monkeypatch, engine):
+    monkeypatch.setattr(cli, "make_engine", lambda args: engine)
+
+
+def one_error_line(capsys, argv: list[str], expected: str) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("decodekit: error: "), err
+    assert expected in lines[0] and "Traceback" not in err
+    return lines[0]
+
+
+def questions_file(path: Path, *lines: str) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+2?"]})
+
+
+# Command line, no model needed --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["generate", "", "--raw"], "the prompt is empty"),
+    (["generate", ""], "the prompt is empty"),
+    (["generate", "hi", "--temperature", "0.8", "--seed", "1"], "method 'greedy' never samples"),
+    (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0, got -1"),
+    (["generate", "hi", "--temperature", "nan"], "temperature must be >= 0, got nan"),
+    (["generate", "hi", "--method", "pld", "--temperature", "nan"], "temperature must be >= 0"),
+    (["generate", "hi", "--method", "beam", "--temperature", "-1"], "temperature must be >= 0"),
+    (["generate", "hi", "--top-k", "abc"], "argument --top-k: invalid int value: 'abc'"),
+    (["generate", "hi", "--method", "layerskip", "--opt", "adapt=maybe"], "adapt must be true or false"),
+    (["generate", "hi", "--method", "pld", "--opt", "max_ngramz=2"], "has no option 'max_ngramz'"),
+    (["generate", "caf\udce9"], r"argument b'caf\xe9' is not valid UTF-8"),
+    (["chat", "--stop", "\udcff"], "is not valid UTF-8"),
+    (["eval", "capitals", "--temperature", "0.5"], "method 'greedy' never samples"),
+    (["nonsense"], "invalid choice: 'nonsense'"),
+])
+def test_bad_arguments_are_one_line_before_the_model_loads(capsys, no_model, argv, expected):
+    one_error_line(capsys, argv, expected)
+
+
+def test_invalid_utf8_on_stdin(capsys, no_model, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 au lait")))
+    one_error_line(capsys, ["generate"], "standard input is not valid UTF-8 (byte 0xe9 at offset 3)")
+
+
+def test_bench_out_must_be_writable_before_the_model_loads(capsys, no_model, tmp_path):
+    qfile = questions_file(tmp_path / "q.jsonl", QUESTION)
+    (tmp_path / "a-file").write_text("")
+    argv = ["bench", "--questions", str(qfile), "--methods", "greedy", "--baselines", "none"]
+    one_error_line(capsys, [*argv, "--out", str(tmp_path / "a-file" / "out")], "is not a writable folder")
+    assert not (tmp_path / "a-file").is_dir()
+
+
+def test_bench_resume_refuses_malformed_records(capsys, no_model, tmp_path):
+    qfile = questions_file(tmp_path / "q.jsonl", QUESTION)
+    argv = ["bench", "--questions", str(qfile), "--methods", "greedy", "--baselines", "none", "--out", str(tmp_path)]
+    args = cli.build_parser().parse_args(argv)
+    plan = bench_cli.make_plan(args)
+    for records in ([{"method": "greedy"}], [["not", "a", "record"]], "records"):
+        bench_cli.save_checkpoint(plan, records, [])  # a real checkpoint around broken records
+        expected = "records and notes must be lists" if records == "records" else "record 0 is malformed"
+        one_error_line(capsys, [*argv, "--resume"], expected)
+
+
+def test_record_fields_are_what_make_record_writes():
+    contestant = SimpleNamespace(name="greedy", kind="decodekit", family="plain", lossless=True)
+    assert set(make_record(contestant, Question(1, "qa", ("q",)), 0, 0, None)) == RECORD_FIELDS
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b'{"question_id": 1, "category": "qa", "turns": ["caf\xe9"]}\n', "q.jsonl:1: not valid UTF-8 (byte 0xe9)"),
+    (QUESTION.encode() + b'\n{"question_id": 2, "turns": ["x"]}\n', "q.jsonl:2: a question needs question_id, category and turns"),
+    (b"[1, 2]\n", "q.jsonl:1: expected a JSON object"),
+])
+def test_bad_question_files(capsys, no_model, tmp_path, content, expected):
+    (tmp_path / "q.jsonl").write_bytes(content)
+    argv = ["bench", "--questions", str(tmp_path / "q.jsonl"), "--methods", "greedy", "--baselines", "none",
+            "--out", str(tmp_path / "out")]
+    one_error_line(capsys, argv, expected)
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b'{"question": "caf\xe9?", "answer": "#### 1"}\n', "test.jsonl:1: not valid UTF-8"),
+    (b'{"question": "2+2?", "answer": "#### 4"}\n{"question": "no answer"}\n', "test.jsonl:2: a GSM8K problem needs"),
+    (b'{"question": "2+2?", "answer": "#### 4"}\n{not json\n', "test.jsonl:2: not valid JSON"),
+])
+def test_bad_gsm8k_files(capsys, no_model, tmp_path, content, expected):
+    (tmp_path / "test.jsonl").write_bytes(content)
+    one_error_line(capsys, ["eval", "gsm8k", "--data", str(tmp_path / "test.jsonl"), "--limit", "1"], expected)
+
+
+# Command line with the tiny model ------------------------------------------------------------------
+
+
+def test_stop_with_json_returns_tokens_that_spell_the_text(capsys, tiny_cli, engine):
+    text = engine.generate("hello there", max_new_tokens=40, chat=False).text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert cli.main(["generate", "hello there", "--raw", "--max-new-tokens", "40", "--stop", stop, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["text"] == text[: text.index(stop)] and record["finish_reason"] == "stop"
+    assert engine.model.tokenizer.decode(record["tokens"]) == record["text"]
+
+
+def chat(capsys, monkeypatch, typed: str) -> tuple[list[str], str]:
+    """Run ``decodekit chat`` on ``typed`` lines; return the user messages sent and stderr."""
+    sent: list[str] = []
+
+    class Recorder:
+        model = SimpleNamespace(name="tiny")
+
+        def generate(self, messages, **kwargs):
+            sent.append(messages[-1]["content"])
+            return SimpleNamespace(text="ok", stats=SimpleNamespace(new_tokens=1, tokens_per_s=1.0))
+
+    monkeypatch.setattr(cli, "make_engine", lambda args: Recorder())
+    monkeypatch.setattr(sys, "stdin", io.StringIO(typed))
+    assert cli.main(["chat"]) == 0
+    return sent, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("typed, sent", [
+    ("hello\n\n   \nworld\n/exit\nnever\n", ["hello", "world"]),  # empty lines send nothing, and do not leave
+    ("hello\n/quit\nnever\n", ["hello"]),
+    ("hello\nexit\nnever\n", ["hello"]),
+    ("hello\n", ["hello"]),  # end of input (Ctrl-D)
+])
+def test_chat_leaves_on_exit_quit_and_end_of_input_and_sends_no_empty_line(capsys, monkeypatch, typed, sent):
+    got, err = chat(capsys, monkeypatch, typed)
+    assert got == sent
+    assert "/exit, /quit or Ctrl-D to leave" in err.splitlines()[0]
+
+
+def test_broken_pipe_ends_quietly():
+    # The reader is gone before anything is written (`decodekit generate --stream ... | head -c 0`).
+    for flags in (["--stream"], []):
+        read, write = os.pipe()
+        os.close(read)
+        out = subprocess.run([sys.executable, "-c", RUN_TINY, "generate", "hello there", "--raw", *flags],
+                             stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+        os.close(write)
+        assert out.returncode == 128 + 13 and out.stderr == "", out.stderr
+
+
+def test_invalid_utf8_argument_from_a_real_command_line():
+    out = subprocess.run([sys.executable, "-m", "decodekit", "generate", b"caf\xe9"], capture_output=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.decode() == "decodekit: error: argument b'caf\\xe9' is not valid UTF-8\n"
+
+
+# Python API ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    (None, "the prompt must be a string"),
+    (42, "the prompt must be a string"),
+    (b"bytes", "the prompt must be a string"),
+    ("", "the prompt is empty"),
+    ([], "the prompt is empty"),
+    ([{"role": "user"}], "prompt message 0 needs a 'role' and a 'content' string"),
+    ([{"role": "user", "content": None}], "prompt message 0 needs"),
+    ([{"content": "hi"}], "prompt message 0 needs"),
+    ([1, 2, 96], "prompt token id 96 is outside the vocabulary [0, 96)"),
+    ([-1], "prompt token id -1 is outside the vocabulary"),
+    ("caf\udce9", "the prompt is not valid UTF-8 text"),
+    ([{"role": "user", "content": "\udcff"}], "prompt message 0 is not valid UTF-8 text"),
+])
+def test_python_api_refuses_what_is_not_a_prompt(engine, prompt, expected):
+    with pytest.raises(InvalidParameter) as err:
+        engine.generate(prompt, max_new_tokens=4, chat=False)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_python_api_other_bad_arguments(engine):
+    with pytest.raises(InvalidParameter, match="method 'greedy' never samples"):
+        engine.generate("hi", temperature=0.8, seed=1)
+    with pytest.raises(InvalidParameter, match="on_text must be a callable"):
+        engine.generate("hi", on_text="print")
+    with pytest.raises(InvalidParameter, match="stop must be a string or a list of strings"):
+        engine.generate("hi", stop=3)
+    with pytest.raises(DecodeKitError, match="max_new_tokens"):
+        engine.generate("hi", max_new_tokens=True)
+
+
+def test_temperature_zero_with_greedy_and_positive_with_sample_are_fine(engine):
+    greedy = engine.generate("hello", max_new_tokens=8, chat=False)
+    assert engine.generate("hello", max_new_tokens=8, chat=False, temperature=0).tokens == greedy.tokens
+    engine.generate("hello", method="sample", max_new_tokens=8, chat=False, temperature=0.8, seed=1)
+
+
+@pytest.mark.parametrize("method", sorted(available_methods()))
+@pytest.mark.parametrize("temperature", [-1, float("nan"), float("inf")])
+def test_negative_or_nan_temperature_is_refused_by_every_method(method, temperature):
+    with pytest.raises(InvalidParameter, match="^temperature must be >= 0"):
+        make_sampler(method, {"temperature": temperature})
+
+
+def test_a_single_stop_string_is_one_stop_string(engine):
+    text = engine.generate("hello there", max_new_tokens=40, chat=False).text
+    # a stop string whose first character already occurs earlier: split into characters, it would cut there
+    start = next(i for i in range(1, len(text) - 2) if text[i] in text[:i] and text[i : i + 3] not in text[:i + 2])
+    stop = text[start : start + 3]
+    got = engine.generate("hello there", max_new_tokens=40, chat=False, stop=stop)
+    assert got.text == text[: text.index(stop)] and got.finish_reason == "stop"
+    assert engine.model.tokenizer.decode(got.tokens) == got.text

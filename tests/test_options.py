@@ -1,0 +1,217 @@
+"""One option system: OptionSpec tables for the sampler, every method and drafter; one value and
+bool parser; one ``parse_option`` used by the CLI, bench and eval; ``decodekit methods`` lists them."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import decodekit
+from decodekit import options as options_module
+from decodekit.bench import cli as bench_cli
+from decodekit.engine import available_methods, build_decoder, make_sampler, method_spec, register_method
+from decodekit.engine import registry
+from decodekit.errors import InvalidParameter
+from decodekit.eval import cli as eval_cli
+from decodekit.interfaces import cli
+from decodekit.options import OptionSpec, parse_bool, parse_option, parse_options
+from decodekit.samplers import SAMPLER_OPTIONS, SAMPLER_PARAMS, Sampler
+from decodekit.speculative.drafters import DRAFTER_SPECS
+
+SRC = Path(decodekit.__file__).parent
+
+
+def decoder_for(*argv: str):
+    """The decoder the CLI would build for ``decodekit generate hi ARGV`` (no model is loaded)."""
+    args = cli.build_parser().parse_args(["generate", "hi", *argv])
+    cli.validate_decoding(args)
+    _, method_options = decodekit.engine.split_params(cli.decoding_params(args))
+    return build_decoder(args.method, **method_options)
+
+
+# One value parser, one bool parser ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("word, value", [("yes", True), ("no", False), ("true", True), ("False", False),
+                                         ("1", True), ("0", False), (True, True), (False, False)])
+def test_one_bool_parser(word, value):
+    assert parse_bool("flag", word) is value
+    assert OptionSpec("flag", bool, False).parse(word) is value
+
+
+@pytest.mark.parametrize("bad", ["maybe", "", 1, 0, None, 2.0])
+def test_bool_parser_refuses_other_values_naming_the_option(bad):
+    with pytest.raises(InvalidParameter, match="^flag must be true or false"):
+        OptionSpec("flag", bool, False).parse(bad)
+
+
+def test_corpus_and_adapt_take_the_same_words_on_the_command_line():
+    # Today's bug: corpus=yes worked for suffix, adapt=yes was refused for layerskip.
+    for word, value in (("yes", True), ("no", False), ("1", True), ("false", False)):
+        assert decoder_for("--method", "suffix", "--opt", f"corpus={word}").method.drafter.use_corpus is value
+        assert decoder_for("--method", "layerskip", "--opt", f"adapt={word}").method.drafter.adapt is value
+    for method, option in (("suffix", "corpus"), ("layerskip", "adapt"), ("layerskip", "stochastic"), ("cot", "aggregate")):
+        with pytest.raises(InvalidParameter, match=f"^{option} must be true or false"):
+            decoder_for("--method", method, "--opt", f"{option}=maybe")
+
+
+def test_text_values_are_parsed_by_the_spec_type():
+    assert OptionSpec("n", int, 1, lo=1).parse("3") == 3
+    assert OptionSpec("x", float, 1.0).parse("0.5") == 0.5
+    assert OptionSpec("s", str, "a").parse("3") == "3"  # a string option keeps its text
+    with pytest.raises(InvalidParameter, match=r"^n must be an integer >= 1, got '3.5'"):
+        OptionSpec("n", int, 1, lo=1).parse("3.5")
+    with pytest.raises(InvalidParameter, match=r"^x must be a finite number, got nan"):
+        OptionSpec("x", float, 1.0).parse("nan")
+    with pytest.raises(InvalidParameter, match="^mode must be one of a, b"):
+        OptionSpec("mode", str, "a", choices=("a", "b")).parse("c")
+
+
+def test_parse_option_uses_the_key_spec_and_guesses_otherwise():
+    specs = method_spec("beam").options
+    assert parse_option("n=3", specs) == ("n", 3)
+    assert parse_option("x=3") == ("x", 3) and parse_option("x=yes") == ("x", "yes")
+    assert parse_option("delimiter=3", method_spec("step-beam").options) == ("delimiter", "3")
+    with pytest.raises(InvalidParameter, match="key=value"):
+        parse_option("novalue")
+
+
+def test_unknown_options_and_bad_values_name_the_option():
+    with pytest.raises(InvalidParameter, match=r"method 'pld' has no option 'bogus'; valid options: .*max_ngram"):
+        build_decoder("pld", bogus=1)
+    with pytest.raises(InvalidParameter, match=r"method 'greedy' takes no options, got: bogus"):
+        build_decoder("greedy", bogus=1)
+    with pytest.raises(InvalidParameter, match="^max_draft must be an integer >= 1"):
+        build_decoder("layerskip", max_draft=0)
+    with pytest.raises(InvalidParameter, match="^budget must be an integer >= 0"):
+        build_decoder("suffix", budget="-1")
+    with pytest.raises(InvalidParameter, match="^cost_table must be a mapping"):
+        build_decoder("pld", cost_table="fast")
+    with pytest.raises(InvalidParameter, match=r"^k must be an integer in \[1, 16\]"):
+        build_decoder("recycling", k=100)
+    with pytest.raises(InvalidParameter, match="the sampler has no option 'top_q'"):
+        Sampler.from_params(top_q=0.5)
+
+
+# Tables -------------------------------------------------------------------------------------------
+
+
+def test_every_registered_method_declares_its_options():
+    for name, spec in available_methods().items():
+        assert spec.options is not None, name
+        for option_name, option in spec.options.items():
+            assert isinstance(option, OptionSpec) and option.name == option_name and option.help, (name, option_name)
+            if option.default is not None:  # every default passes its own check
+                assert parse_options(name, spec.options, {option_name: option.default})[option_name] == option.default
+    assert {"max_draft", "budget", "cost_table", "max_ngram"} <= set(method_spec("pld").options)
+
+
+def test_drafter_spec_defaults_are_the_constructor_defaults():
+    for name, spec in DRAFTER_SPECS.items():
+        params = inspect.signature(spec.factory).parameters
+        for option in spec.options.values():
+            assert option.name in params, (name, option.name)
+            assert params[option.name].default == option.default, (name, option.name)
+
+
+def test_search_spec_defaults_reach_the_method():
+    assert build_decoder("beam").width == method_spec("beam").options["n"].default
+    assert build_decoder("beam", n="3").width == 3
+
+
+def test_methods_lists_every_option_of_every_method(capsys):
+    assert cli.main(["methods"]) == 0
+    out = capsys.readouterr().out
+    blocks: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("  ") and not line.startswith("      "):
+            current = line.split()[0]
+            blocks[current] = []
+        elif line.startswith("      "):
+            blocks[current].append(line.strip())
+    assert set(blocks) == set(available_methods())
+    for name, spec in available_methods().items():
+        assert blocks[name] == [option.describe() for option in spec.options.values()], name
+    assert "k (int in [1, 16], default 8): successors kept per token" in blocks["recycling"]
+
+
+def test_sampler_flags_are_the_sampler_table():
+    assert SAMPLER_PARAMS == tuple(SAMPLER_OPTIONS)
+    assert tuple(inspect.signature(Sampler.from_params).parameters) == SAMPLER_PARAMS
+    parser = cli.build_parser()
+    generate = parser._subparsers._group_actions[0].choices["generate"]
+    group = next(g for g in generate._action_groups if g.title == "sampling")
+    flags = {action.dest: action for action in group._group_actions}
+    assert set(flags) == set(SAMPLER_OPTIONS) - {"greedy"}
+    for name, action in flags.items():
+        assert action.option_strings == ["--" + name.replace("_", "-")]
+        assert action.type is SAMPLER_OPTIONS[name].type and action.help == SAMPLER_OPTIONS[name].help
+
+
+def test_processors_check_with_their_table_row(monkeypatch):
+    from dataclasses import replace
+
+    from decodekit.samplers import TopP
+
+    monkeypatch.setitem(SAMPLER_OPTIONS, "top_p", replace(SAMPLER_OPTIONS["top_p"], hi=0.5))
+    with pytest.raises(InvalidParameter, match=r"top_p must be in \(0, 0.5\]"):
+        TopP(0.9)
+
+
+# One parser for the CLI, bench and eval; imports point down ---------------------------------------
+
+
+def test_cli_bench_and_eval_share_one_parse_option():
+    assert cli.parse_option is bench_cli.parse_option is eval_cli.parse_option is options_module.parse_option
+    plan_options = bench_cli.parse_method_options(["suffix.corpus=yes", "layerskip.adapt=no", "beam.n=3"],
+                                                  ["greedy", "suffix", "layerskip", "beam"])
+    assert plan_options == {"suffix": {"corpus": True}, "layerskip": {"adapt": False}, "beam": {"n": 3}}
+    with pytest.raises(InvalidParameter, match="has no option 'bogus'"):
+        bench_cli.parse_method_options(["pld.bogus=1"], ["greedy", "pld"])
+
+
+def imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            names.add("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_bench_and_eval_do_not_import_the_cli_and_options_import_only_errors():
+    for path in [*(SRC / "bench").glob("*.py"), *(SRC / "eval").glob("*.py")]:
+        assert not any("interfaces" in name for name in imported_modules(path)), path
+    assert {n for n in imported_modules(SRC / "options.py") if n.startswith(".")} == {".errors"}
+    assert {n for n in imported_modules(SRC / "arguments.py") if n.startswith(".")} == {".errors"}
+
+
+def test_the_engine_names_no_layer_above_it():
+    for path in (SRC / "engine").glob("*.py"):
+        text = path.read_text()
+        assert "decodekit.speculative" not in text and "decodekit.search" not in text, path
+        assert not any(n.startswith("..speculative") or n.startswith("..search") for n in imported_modules(path)), path
+    # importing decodekit (here: only decodekit.engine) registers every family
+    code = "import decodekit.engine as e; m = e.available_methods(); print(m['pld'].family, m['beam'].family)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["speculative", "search"], out.stderr
+
+
+# Sampling behaviour is a field of the method's spec -------------------------------------------------
+
+
+def test_make_sampler_reads_the_sampling_field(monkeypatch):
+    monkeypatch.setitem(registry._METHODS, "fake", registry.MethodSpec(
+        "fake", registry.plain_decoder, "test", lossless=True, family="plain", options={}, sampling="always"))
+    assert not make_sampler("fake", {}).is_greedy  # samples with no temperature, like `sample`
+    assert [method_spec(m).sampling for m in ("greedy", "sample", "pld", "beam")] == [
+        "never", "always", "when-temperature", "when-temperature"]
+    assert make_sampler("pld", {}).is_greedy and not make_sampler("pld", {"temperature": 0.7}).is_greedy
+    with pytest.raises(InvalidParameter, match="sampling must be"):
+        register_method("bad", registry.plain_decoder, "test", lossless=True, family="plain", sampling="sometimes")
