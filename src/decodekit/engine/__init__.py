@@ -12,8 +12,8 @@ from .core import (
     StepMethod,
     check_fits,
 )
-from .stops import cut_at_stop, hits_stop, stop_strings
 from .registry import MethodSpec, available_methods, build_decoder, method_spec, register_method, validate_options
+from .stops import cut_at_stop, hits_stop, stop_strings
 
 __all__ = [
     "DecodeState", "Decoder", "Engine", "Generation", "GenerationStats", "MethodSpec", "PlainDecoding", "Request",

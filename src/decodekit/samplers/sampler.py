@@ -11,13 +11,13 @@ import torch
 from decodekit.errors import InvalidParameter
 from decodekit.options import check_int, check_real, keyword_signature, parse_options
 from decodekit.samplers.base import LogitsProcessor
+from decodekit.samplers.params import SAMPLER_OPTIONS, SAMPLER_PARAMS  # noqa: F401  (SAMPLER_PARAMS re-exported)
 from decodekit.samplers.penalties import (
     FrequencyPenalty,
     NoRepeatNGram,
     PresencePenalty,
     RepetitionPenalty,
 )
-from decodekit.samplers.params import SAMPLER_OPTIONS, SAMPLER_PARAMS  # noqa: F401  (SAMPLER_PARAMS re-exported)
 from decodekit.samplers.truncation import (
     AdaptiveTopK,
     EpsilonCutoff,
@@ -30,6 +30,7 @@ from decodekit.samplers.truncation import (
     TopP,
     TypicalP,
 )
+
 
 class Sampler:
     """Applies ``processors`` in order, then picks a token greedily or by sampling.
