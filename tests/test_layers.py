@@ -1,0 +1,72 @@
+"""The layers of src/decodekit/ (docs/ARCHITECTURE.md): every import points down."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import decodekit
+
+ROOT = Path(decodekit.__file__).parent
+#: Bottom to top. A module may import its own layer and the layers before it, never one after.
+LAYERS = ("errors", "options", "arguments", "data", "models", "samplers", "engine", "speculative", "search", "bench", "eval", "interfaces")
+#: Modules that must not import each other although they share a layer.
+APART = {
+    "models.kernels": {"models.loading"},
+    "search.batch": {"search.uncertainty"},
+}
+
+
+def module_imports(path: Path) -> tuple[str, set[str]]:
+    """The module's dotted name inside decodekit, and every decodekit module it imports."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            elif node.module and node.module.startswith("decodekit."):
+                target = node.module.removeprefix("decodekit.")
+            else:
+                continue
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name.removeprefix("decodekit.") for a in node.names if a.name.startswith("decodekit."))
+    return ".".join(parts), found
+
+
+def all_modules() -> dict[str, set[str]]:
+    return dict(module_imports(p) for p in sorted(ROOT.rglob("*.py")))
+
+
+def test_every_import_points_down():
+    upward = []
+    for module, imports in all_modules().items():
+        own = module.split(".")[0]
+        if own not in LAYERS:
+            continue  # the package's __init__ and __main__ assemble everything
+        for target in imports:
+            layer = target.split(".")[0]
+            if layer in LAYERS and LAYERS.index(layer) > LAYERS.index(own):
+                upward.append(f"{module} imports {target}")
+    assert not upward, upward
+
+
+def test_modules_kept_apart_do_not_import_each_other():
+    modules = all_modules()
+    crossing = [f"{m} imports {t}" for m, banned in APART.items() for t in modules.get(m, ()) if any(t == b or t.startswith(b + ".") for b in banned)]
+    assert not crossing, crossing
+
+
+def test_the_engine_names_no_layer_above_it_even_as_a_string():
+    above = LAYERS[LAYERS.index("engine") + 1 :]
+    for path in (ROOT / "engine").rglob("*.py"):
+        text = path.read_text()
+        named = [layer for layer in above if f'"decodekit.{layer}' in text or f"'decodekit.{layer}" in text]
+        assert not named, f"{path.name} names {named}"
