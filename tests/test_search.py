@@ -324,7 +324,7 @@ def test_particle_weights_are_current_prefix_scores_and_finished_keep_theirs(mon
 
     monkeypatch.setattr(ParticleFilter, "_resample", staticmethod(spy))
     for seed in range(0, 70, 7):
-        fork_filter(6, temperature=0.5, ess_threshold=1.0).generate(model, request(model, "p", seed=seed, max_new=10))
+        fork_filter(6, weight_temperature=0.5, ess_threshold=1.0).generate(model, request(model, "p", seed=seed, max_new=10))
     # a resample after every step (the reference's schedule), so a weight is one prefix's score;
     # "x" is finished from step 1 on and still weighs its final score at step 2
     assert any({"x", "y z"} <= set(texts) for texts, _ in seen)
@@ -387,3 +387,13 @@ def test_bad_options_raise_one_line_errors():
     with pytest.raises(InvalidParameter):
         build_decoder("particle", ess_threshold=2)
     assert build_decoder("beam", n="3").width == 3  # CLI strings are accepted when they parse
+
+
+def test_particle_weight_temperature_is_its_own_option(tiny_model):
+    # `temperature` belongs to the sampler; the weight temperature must still be reachable
+    engine = Engine(tiny_model)
+    out = engine.generate("ab", method="particle", n=2, weight_temperature=0.5, temperature=0.8, seed=0,
+                          max_new_tokens=6, chat=False)
+    assert out.tokens
+    with pytest.raises(InvalidParameter, match="weight_temperature"):
+        engine.generate("ab", method="particle", weight_temperature=0.0, max_new_tokens=4, chat=False)

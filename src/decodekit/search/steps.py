@@ -60,7 +60,8 @@ STEP_BEAM_OPTIONS = option_table(
 )
 PARTICLE_OPTIONS = option_table(
     OptionSpec("n", int, 8, "number of particles", lo=1),
-    OptionSpec("temperature", float, 1.0, "weight temperature: weight = exp(prefix value / temperature)", lo=1e-6),
+    # not `temperature`: that name is the sampler's (the request's own temperature samples the steps)
+    OptionSpec("weight_temperature", float, 1.0, "weight = exp(prefix value / weight_temperature)", lo=1e-6),
     OptionSpec("ess_threshold", float, 0.5, "resample when ESS < threshold * n (1.0: after every step)", lo=0.0, hi=1.0),
     COMMON_OPTIONS,
 )
@@ -170,7 +171,7 @@ class ParticleFilter(StepSearch):
     Inference-Time Scaling of LLMs using Particle-Based Monte Carlo Methods").
 
     The model's steps are the proposal and the process reward the observation: after every step
-    each of the ``n`` particles is weighted by exp(value of its current prefix / ``temperature``),
+    each of the ``n`` particles is weighted by exp(value of its current prefix / ``weight_temperature``),
     the value being the aggregate of its step scores. As in the authors' reference code (its_hub's
     ``ParticleFiltering``), the weight is the score of the whole prefix, not of the new step, and a
     finished particle keeps weighing its final value at every later step, so it competes with the
@@ -180,7 +181,7 @@ class ParticleFilter(StepSearch):
     size falls below ``ess_threshold`` · n. Between resamples the per-step log-weights add up (the
     usual SMC bookkeeping), so the weighted particles approximate the same distribution whatever
     the threshold. ``ess_threshold=1.0`` resamples after every step, even when the weights are
-    equal: that is the reference's schedule. With it, ``temperature=1``, the matching ``aggregate``
+    equal: that is the reference's schedule. With it, ``weight_temperature=1``, the matching ``aggregate``
     and a scorer returning the reference's log-weight (the logit of the PRM's probability), this is
     the reference algorithm. Our default 0.5 resamples less often, which adds less noise; below
     1.0 a constant scorer never resamples, and since each particle slot keeps its own generator,
@@ -191,9 +192,9 @@ class ParticleFilter(StepSearch):
 
     method = "particle"
 
-    def __init__(self, n: int = 8, temperature: float = 1.0, ess_threshold: float = 0.5, **kw: Any):
+    def __init__(self, n: int = 8, weight_temperature: float = 1.0, ess_threshold: float = 0.5, **kw: Any):
         super().__init__(n, **kw)
-        self.weight_temperature, self.ess_threshold = temperature, ess_threshold
+        self.weight_temperature, self.ess_threshold = weight_temperature, ess_threshold
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         ctx = SearchContext(model, request)
