@@ -20,5 +20,20 @@ class ModelNotFound(DecodeKitError, FileNotFoundError):
     """The model path or name does not resolve to loadable weights."""
 
 
+class InvalidModel(DecodeKitError, ValueError):
+    """The model's files are there but cannot be read as a model (damaged or incomplete)."""
+
+    @classmethod
+    def because(cls, path: object, problem: str, err: BaseException) -> "InvalidModel":
+        """``path: problem (cause)``, the cause being the first line of a loader's own error."""
+        lines = str(err).strip().splitlines()
+        cause = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+        return cls(f"{path}: {problem} ({cause})")
+
+
+class CacheError(DecodeKitError, OSError):
+    """decodekit's cache folder (``DECODEKIT_CACHE``) cannot be written."""
+
+
 class PromptTooLong(DecodeKitError, ValueError):
     """The prompt (plus the requested new tokens) does not fit the model's context."""

@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..errors import InvalidParameter
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -201,6 +203,14 @@ class Backend(ABC):
         twin.__dict__["_memory"] = {}
         twin.reset(1)
         return twin
+
+    def truncated(self, num_layers: int) -> "Backend":
+        """A backend running this model's first ``num_layers`` decoder layers (then the final norm
+        and the lm head), sharing its weights, with a cache and a memory of its own: the
+        download-free draft model of self-speculative drafting."""
+        raise InvalidParameter(
+            f"truncating a model to its first layers needs the native backend, not {self.info.architecture}"
+        )
 
     def prefill(self, token_ids: Sequence[int], batch_size: int = 1) -> torch.Tensor:
         """Reset, run the prompt once, fork it to ``batch_size`` rows; return last logits ``[B, V]``."""

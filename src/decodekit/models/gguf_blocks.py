@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .cache import cached_file
+
 BLOCK_WEIGHTS = 32
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # fp16 d (+ fp16 m), then the packed q
 
@@ -125,26 +127,27 @@ def read_block_matrices(gguf: Path, num_layers: int) -> dict[str, BlockMatrix]:
 
 def cached_block_matrices(gguf: Path, folder: Path, num_layers: int) -> dict[str, BlockMatrix]:
     """:func:`read_block_matrices`, saved in ``folder`` (the GGUF's dequantised cache) the first
-    time: reading a GGUF parses all its metadata, the whole vocabulary included, which takes
-    seconds; the saved blocks load in a fraction of that."""
-    import os
-
+    time, and checked like every cached file (:mod:`.cache`): reading a GGUF parses all its
+    metadata, the whole vocabulary included, which takes seconds; the saved blocks load in a
+    fraction of that."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    path = folder / "gguf_blocks.safetensors"
-    if path.is_file():
-        with safe_open(str(path), "pt") as saved:
-            kinds = saved.metadata() or {}
-            return {name: _saved_matrix(kinds[name], saved.get_tensor(name)) for name in saved.keys()}
-    blocks = read_block_matrices(gguf, num_layers)
-    tmp = path.with_name(path.name + ".tmp")
+    read: dict[str, BlockMatrix] = {}
+
+    def save(path: Path) -> None:
+        read.update(read_block_matrices(gguf, num_layers))
+        save_file({n: b.data for n, b in read.items()}, str(path), metadata={n: f"{b.kind}:{b.n_in}" for n, b in read.items()})
+
     try:
-        save_file({n: b.data for n, b in blocks.items()}, str(tmp), metadata={n: f"{b.kind}:{b.n_in}" for n, b in blocks.items()})
-        os.replace(tmp, path)  # atomic: a half-written file is never read
-    except OSError:
-        pass  # a read-only cache only costs reading the GGUF again next time
-    return blocks
+        path = cached_file(folder / "gguf_blocks.safetensors", save)
+    except OSError:  # a read-only cache only costs reading the GGUF again next time
+        return read or read_block_matrices(gguf, num_layers)
+    if read:
+        return read
+    with safe_open(str(path), "pt") as saved:
+        kinds = saved.metadata() or {}
+        return {name: _saved_matrix(kinds[name], saved.get_tensor(name)) for name in saved.keys()}
 
 
 def _saved_matrix(stamp: str, data: torch.Tensor) -> BlockMatrix:

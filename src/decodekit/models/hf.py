@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InvalidModel
 from .backend import Backend, ModelInfo, StepOutput
 
 
@@ -38,7 +39,11 @@ class HFBackend(Backend):
         from transformers import AutoModelForCausalLM
 
         torch.set_flush_denormal(True)
-        return cls(AutoModelForCausalLM.from_pretrained(folder, dtype=dtype), name=Path(folder).name)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        except (OSError, ValueError, KeyError, TypeError) as err:  # transformers' ways of refusing a folder
+            raise InvalidModel.because(folder, "transformers cannot load this model", err) from err
+        return cls(model, name=Path(folder).name)
 
     @property
     def length(self) -> int:

@@ -5,8 +5,9 @@ A model spec is one of:
   * a local Hugging Face model folder (``config.json`` + safetensors + tokenizer files),
   * a local ``.gguf`` file.
 GGUF weights are dequantised through transformers' GGUF support the first time and cached
-as float32 safetensors under ``$DECODEKIT_CACHE`` (default ``~/.cache/decodekit``); float32 decode
-steps of the native backend read the file's own blocks (same results, less memory traffic).
+as float32 safetensors under ``$DECODEKIT_CACHE`` (default ``~/.cache/decodekit``; checked at
+every load and rebuilt when damaged, see :mod:`.cache`); float32 decode steps of the native
+backend read the file's own blocks (same results, less memory traffic).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InvalidParameter, ModelNotFound
+from ..errors import CacheError, InvalidModel, InvalidParameter, ModelNotFound
 from .backend import Backend
+from .cache import cache_root, cached_folder
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -49,10 +51,6 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DECODEKIT_CACHE", Path.home() / ".cache" / "decodekit"))
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -112,30 +110,47 @@ def gguf_blocks_enabled() -> bool:
     return os.environ.get("DECODEKIT_GGUF_BLOCKS", "1") != "0"
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_header(gguf: Path) -> None:
+    """Refuse a file that is not GGUF at all before anything is loaded or cached for it."""
+    with open(gguf, "rb") as handle:
+        if handle.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+            raise InvalidModel(f"{gguf}: not a GGUF file (it does not start with {GGUF_MAGIC!r})")
+
+
 def dequantised_folder(gguf: Path) -> Path:
-    """Dequantise a GGUF file once into a cached Hugging Face folder; return that folder."""
+    """Dequantise a GGUF file once into a cached Hugging Face folder; return that folder (checked
+    at every load, rebuilt when it fails the check: :func:`.cache.cached_folder`)."""
+    check_gguf_header(gguf)
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     folder = cache_root() / f"{gguf.stem}-{key}"
-    if (folder / "model.safetensors").is_file():
-        return folder
+    try:
+        return cached_folder(folder, lambda tmp: dequantise(gguf, tmp))
+    except OSError as err:
+        raise CacheError(f"cannot write the cache folder {folder.parent} ({err.strerror or err}); set DECODEKIT_CACHE") from err
+
+
+def dequantise(gguf: Path, folder: Path) -> None:
+    """Write ``gguf`` as a float32 Hugging Face folder (safetensors, config, tokenizer) into ``folder``."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as err:  # the GGUF parser fails in many ways on a damaged file; all mean the same here
+        raise InvalidModel.because(gguf, "cannot be read as a GGUF model", err) from err
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # safetensors refuses shared tensors
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(folder)  # atomic: a half-written cache is never picked up
-    return folder
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    tokenizer.save_pretrained(folder)
 
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
@@ -146,8 +161,23 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
         raise ModelNotFound(f"{folder}: no .safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(str(file)))
+        try:
+            state.update(load_file(str(file)))
+        except Exception as err:  # safetensors raises its own error type for a damaged file
+            raise InvalidModel.because(file, "cannot be read as safetensors", err) from err
     return state
+
+
+def read_config(folder: Path) -> dict:
+    """A model folder's ``config.json`` as a dict."""
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise InvalidModel.because(path, "cannot be read as JSON", err) from err
+    if not isinstance(config, dict):
+        raise InvalidModel(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
 def build_backend(
@@ -159,7 +189,7 @@ def build_backend(
     Q4_1 / Q8_0 blocks in decode steps (:mod:`.gguf_blocks`)."""
     from .native import NATIVE_ARCHITECTURES, LlamaConfig, NativeLlama
 
-    config = json.loads((folder / "config.json").read_text())
+    config = read_config(folder)
     arch = config.get("model_type", "")
     if backend not in ("auto", "native", "hf"):
         raise InvalidParameter(f"backend must be auto, native or hf, got {backend!r}")
@@ -169,10 +199,17 @@ def build_backend(
         from .hf import HFBackend
 
         return HFBackend.from_folder(folder, dtype=dtype)
-    llama = LlamaConfig.from_hf(config)
+    try:
+        llama = LlamaConfig.from_hf(config)
+    except KeyError as err:
+        raise InvalidModel(f"{folder / 'config.json'}: incomplete, no {err.args[0]!r}") from err
     blocks = None
     if gguf is not None and dtype == torch.float32 and gguf_blocks_enabled():
         from .gguf_blocks import cached_block_matrices
 
         blocks = cached_block_matrices(gguf, folder, llama.num_layers)
-    return NativeLlama(llama, load_state_dict(folder), dtype=dtype, name=folder.name, gguf_blocks=blocks)
+    state = load_state_dict(folder)
+    try:
+        return NativeLlama(llama, state, dtype=dtype, name=folder.name, gguf_blocks=blocks)
+    except KeyError as err:
+        raise InvalidModel(f"{folder}: the weights have no tensor {err.args[0]!r}") from err

@@ -9,12 +9,15 @@ in place, and rollback is just moving a length counter.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ..errors import InvalidParameter
 from .backend import Backend, ModelInfo, StepOutput
 from .gguf_blocks import BlockMatrix, matching_blocks
 from .kernels import (
@@ -286,6 +289,18 @@ class NativeLlama(Backend):
             self.dtype, self._ops, self._attend, hidden=c.hidden_size, inter=c.intermediate_size, n_heads=c.num_heads,
             n_kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_norm_eps, layers=layers,
         )
+
+    def truncated(self, num_layers: int) -> "NativeLlama":
+        """This model's first ``num_layers`` layers (+ final norm + lm head), sharing its weights
+        and rope tables, with a cache and a memory of its own (:meth:`Backend.clone`)."""
+        if not 1 <= num_layers <= self.config.num_layers:
+            raise InvalidParameter(f"cannot truncate a model of {self.config.num_layers} layers to {num_layers}")
+        view = copy.copy(self)
+        view.config = dataclasses.replace(self.config, num_layers=num_layers)
+        view.weights = copy.copy(self.weights)
+        view.weights.layers = self.weights.layers[:num_layers]
+        view.info = dataclasses.replace(self.info, num_layers=num_layers, name=f"{self.info.name}[:{num_layers}]")
+        return view.clone()  # the decoder-layers kernel runs as many layers as the cache has
 
     # Cache management ---------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..errors import InvalidModel
+
 
 class Tokenizer:
     """encode/decode text, know the end-of-sequence ids, and format a chat prompt."""
@@ -26,7 +28,10 @@ class HFTokenizer(Tokenizer):
     def __init__(self, folder: Path | str):
         from transformers import AutoTokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(folder)
+        try:
+            self.hf = AutoTokenizer.from_pretrained(folder)
+        except Exception as err:  # tokenizers raises plain Exception for a damaged tokenizer.json
+            raise InvalidModel.because(folder, "has no usable tokenizer", err) from err
         eos = {self.hf.eos_token_id} if self.hf.eos_token_id is not None else set()
         # Chat models end turns with a template token that may differ from the configured EOS.
         for token in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>"):

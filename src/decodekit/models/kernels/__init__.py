@@ -20,7 +20,8 @@ In all, a row's result does not depend on the other rows of the pass or on the a
 layout, so a token verified in a tree gets bit for bit its one-token-step logits.
 
 The C files are compiled with the system compiler (``cc``, OpenMP, AVX-512) into
-``cache_root()/kernels`` the first time they are needed (a few seconds) and loaded with ctypes.
+``cache_root()/kernels`` the first time they are needed (a few seconds) and loaded with ctypes
+once their digest checks out (:mod:`..cache`: a damaged library is rebuilt, never loaded).
 Without a compiler, on a CPU without AVX-512, or with ``DECODEKIT_KERNELS=0``, the functions
 here return None and callers keep using torch.
 """
@@ -32,12 +33,13 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 import torch
+
+from ..cache import cache_root, cached_file
 
 MAX_ROWS = 64  # passes of up to this many tokens use the kernels
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-lm"]
@@ -57,26 +59,21 @@ def _supported() -> bool:
 
 
 def _build(source: Path) -> Path | None:
-    """Compile ``source`` into the cache (once per source version); None if that fails."""
-    from ..loading import cache_root
-
+    """The compiled ``source`` in the cache (built once per source version, and again whenever
+    the cached library fails its check: a damaged one could crash ``dlopen``); None if that fails."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     digest = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"{source.stem}-{digest}.so"
-    if target.exists():
-        return target
+
+    def compile_to(path: Path) -> None:
+        subprocess.run([compiler, *FLAGS, str(source), "-o", str(path)], check=True, capture_output=True, timeout=120)
+
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            subprocess.run([compiler, *FLAGS, str(source), "-o", str(built)], check=True, capture_output=True, timeout=120)
-            os.replace(built, target)  # atomic: concurrent builders all end with a whole file
+        return cached_file(cache_root() / "kernels" / f"{source.stem}-{digest}.so", compile_to)
     except (OSError, subprocess.SubprocessError):
         return None
-    return target
 
 
 @cache

@@ -1,0 +1,288 @@
+"""Where decodekit keeps what it builds once, and how a cached file earns trust again.
+
+Everything decodekit caches is an *entry* under :func:`cache_root`: a folder (a GGUF model
+dequantised to float safetensors, with its config and tokenizer files) or a single file (the
+saved GGUF blocks, a compiled kernel, the controller's cost table). An entry is:
+
+* **built aside and renamed into place**: written to a temporary path unique to the builder
+  (``.<name>.<random>.tmp`` beside the entry), then ``os.replace``-d, so a half-written entry
+  is never read;
+* **described by a manifest**: each file's size and digest (``manifest.json`` inside a folder
+  entry, ``<name>.manifest.json`` beside a file entry);
+* **checked before every use**: a missing manifest or file, a size or a digest that differs,
+  is reported in one line on stderr and the entry is rebuilt;
+* **built by one process at a time**: builders hold ``fcntl.flock`` on ``.<name>.lock`` beside
+  the entry and check again once they hold it, so concurrent first loads build it once; the
+  lock holder also removes temporaries that a crashed builder left behind.
+
+The digest is CRC-32 over each 16 MiB chunk (chunks hashed on threads: ``zlib.crc32`` releases
+the GIL), folded into one value. It catches accidents, which is what a cache meets: a CRC-32
+detects every change confined to 32 consecutive bits (any single changed byte) and misses other
+changes of a chunk with probability 2^-32. A cryptographic hash would add nothing against
+tampering (whoever can write the cache can rewrite its manifest) and costs several times more
+at every load of the float weights (measured in docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DIGEST = "crc32/16MiB"  # recorded in each manifest: a manifest made with another digest fails the check
+CHUNK = 16 << 20
+MANIFEST = "manifest.json"
+
+Build = Callable[[Path], None]  # writes an entry's content at the (temporary) path it is given
+
+
+def cache_root() -> Path:
+    """``$DECODEKIT_CACHE``, default ``~/.cache/decodekit``."""
+    return Path(os.environ.get("DECODEKIT_CACHE", Path.home() / ".cache" / "decodekit"))
+
+
+# Digests ----------------------------------------------------------------------------------------
+
+
+def file_digest(path: Path) -> str:
+    """The digest of a file's bytes (see the module docstring), read through a memory map."""
+    with open(path, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size == 0:
+            return _fold([])
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                return _fold(_chunk_crcs(view))
+            finally:
+                view.release()
+
+
+def _chunk_crcs(view: memoryview) -> list[int]:
+    starts = range(0, len(view), CHUNK)
+    if len(starts) == 1:
+        return [zlib.crc32(view)]
+    with ThreadPoolExecutor(min(len(starts), os.cpu_count() or 1, 8)) as pool:
+        return list(pool.map(lambda start: zlib.crc32(view[start : start + CHUNK]), starts))
+
+
+def _fold(crcs: list[int]) -> str:
+    return hashlib.blake2b(b"".join(c.to_bytes(4, "big") for c in crcs), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """What a manifest records of one file."""
+
+    size: int
+    digest: str
+
+    @classmethod
+    def of(cls, path: Path) -> "Stamp":
+        return cls(path.stat().st_size, file_digest(path))
+
+
+def manifest_text(stamps: dict[str, Stamp]) -> str:
+    files = {name: {"size": s.size, "digest": s.digest} for name, s in sorted(stamps.items())}
+    return json.dumps({"digest": DIGEST, "files": files}, indent=1)
+
+
+def read_manifest(path: Path) -> dict[str, Stamp] | None:
+    """The stamps a manifest holds, or None when it is missing, unreadable or of another digest."""
+    try:
+        saved = json.loads(path.read_text())
+        if saved["digest"] != DIGEST:
+            return None
+        return {str(name): Stamp(int(f["size"]), str(f["digest"])) for name, f in saved["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def problem_with(base: Path, stamps: dict[str, Stamp]) -> str | None:
+    """Why the files under ``base`` do not match ``stamps`` (the first difference), or None.
+    Sizes are compared before any digest is computed: a truncated file costs a ``stat``."""
+    for name, stamp in stamps.items():
+        try:
+            size = (base / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size != stamp.size:
+            return f"{name} is {size} bytes, its manifest says {stamp.size}"
+    for name, stamp in stamps.items():
+        try:
+            if file_digest(base / name) != stamp.digest:
+                return f"{name} has changed since it was written"
+        except OSError as err:
+            return f"{name} cannot be read ({err.strerror or err})"
+    return None
+
+
+def report(path: Path, problem: str) -> None:
+    """The one line a damaged entry costs the user."""
+    print(f"decodekit: cache {path} failed its check ({problem}); rebuilding it", file=sys.stderr)
+
+
+# Entries ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A cached file or folder at ``path`` with its manifest, lock and temporaries."""
+
+    path: Path
+    folder: bool
+
+    @property
+    def manifest(self) -> Path:
+        return self.path / MANIFEST if self.folder else self.path.with_name(self.path.name + ".manifest.json")
+
+    def exists(self) -> bool:
+        return self.path.exists() or self.path.is_symlink()
+
+    def check(self) -> str | None:
+        """Why this entry cannot be used as it is (missing, damaged), or None."""
+        if not self.exists():
+            return "missing"
+        if self.path.is_dir() != self.folder:
+            return "a folder where a file belongs" if self.path.is_dir() else "a file where a folder belongs"
+        stamps = read_manifest(self.manifest)
+        if stamps is None or (not self.folder and set(stamps) != {self.path.name}):
+            return "no valid manifest"
+        return problem_with(self.path if self.folder else self.path.parent, stamps)
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold this entry's lock (released on exit, or by the system if the process dies)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(f".{self.path.name}.lock"), "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+
+    def settle(self) -> bool:
+        """With the lock held: whether the entry checks out. When it does not, report it (unless
+        it was never built: no file, no manifest) and clear it away with any orphan temporaries."""
+        problem = self.check()
+        if problem is None:
+            return True
+        if self.exists() or self.manifest.exists():
+            report(self.path, problem)
+        for path in [self.path, self.manifest, *self._temporaries()]:
+            _remove(path)
+        return False
+
+    def build(self, build: Build) -> None:
+        """With the lock held: build the entry aside with ``build`` and move it into place."""
+        tmp = self._new_temporary()
+        try:
+            build(tmp)
+            if self.folder:
+                names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+                (tmp / MANIFEST).write_text(manifest_text({n: Stamp.of(tmp / n) for n in names}))
+                os.replace(tmp, self.path)
+            else:
+                stamp = Stamp.of(tmp)
+                os.replace(tmp, self.path)
+                # written second: a reader that sees the new file before its manifest takes the
+                # lock, waits for this builder and checks again
+                self._write_aside(self.manifest, manifest_text({self.path.name: stamp}))
+        finally:
+            _remove(tmp)
+
+    def _new_temporary(self) -> Path:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        prefix, suffix, where = f".{self.path.name}.", ".tmp", self.path.parent
+        if self.folder:
+            return Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=where))
+        handle, name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=where)
+        os.close(handle)
+        return Path(name)
+
+    def _write_aside(self, path: Path, text: str) -> None:
+        """Write ``path`` (a file entry's manifest) as the entry itself is written: aside, then renamed."""
+        tmp = self._new_temporary()
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        finally:
+            _remove(tmp)
+
+    def _temporaries(self) -> list[Path]:
+        """Temporaries of this entry's builders (only ever orphans while the lock is held), and
+        the single ``<name>.tmp`` that versions before the lock used."""
+        name = self.path.name
+        try:
+            siblings = list(self.path.parent.iterdir())
+        except OSError:
+            return []
+        return [p for p in siblings if (p.name.startswith(f".{name}.") and p.name.endswith(".tmp")) or p.name == f"{name}.tmp"]
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _ensure(entry: Entry, build: Build) -> Path:
+    if entry.check() is None:  # the common case: no lock taken
+        return entry.path
+    with entry.locked():
+        if not entry.settle():  # checked again: another process may have built it meanwhile
+            entry.build(build)
+    return entry.path
+
+
+def cached_folder(path: Path, build: Build) -> Path:
+    """``path``, a cached folder that checks out: built by ``build(temporary folder)`` when it is
+    missing or damaged. Raises OSError where the cache cannot be written."""
+    return _ensure(Entry(path, folder=True), build)
+
+
+def cached_file(path: Path, build: Build) -> Path:
+    """``path``, a cached file that checks out: built by ``build(temporary path)`` when it is
+    missing or damaged. Raises OSError where the cache cannot be written."""
+    return _ensure(Entry(path, folder=False), build)
+
+
+def read_json(path: Path) -> Any | None:
+    """The JSON value cached at ``path``, or None when there is none or it is damaged (then
+    reported and cleared, so the caller's next :func:`update_json` starts afresh)."""
+    entry = Entry(path, folder=False)
+    if not entry.exists():
+        return None
+    try:
+        if entry.check() is not None:  # damaged, or its writer is between the file and its manifest
+            with entry.locked():
+                if not entry.settle():
+                    return None
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError):  # an unwritable cache or an unreadable file: no value
+        return None
+
+
+def update_json(path: Path, update: Callable[[Any | None], Any]) -> None:
+    """Replace the JSON value at ``path`` by ``update(current value or None)``, under the entry's
+    lock so that concurrent updates from several processes all land. Raises OSError where the
+    cache cannot be written."""
+    entry = Entry(path, folder=False)
+    with entry.locked():
+        current = None
+        if entry.settle():
+            try:
+                current = json.loads(path.read_bytes())
+            except ValueError:
+                current = None
+        text = json.dumps(update(current), indent=1, sort_keys=True)
+        entry.build(lambda tmp: tmp.write_text(text))

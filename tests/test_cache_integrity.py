@@ -1,0 +1,465 @@
+"""Every cached artefact is checked before use: a missing, truncated, random or subtly altered one
+is reported in one line, rebuilt, and the model answers as before; first loads from several
+processes at once are safe; a damaged model file is one clear error.
+
+Runs on a tiny GGUF model written here (its dequantised folder, GGUF blocks and tokenizer go
+through the same cache code as the embedded model's); one test looks at the real cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from decodekit.errors import InvalidModel
+from decodekit.interfaces.cli import main
+from decodekit.models import kernels, load_model
+from decodekit.models.cache import Entry, cached_folder, read_json, read_manifest, update_json
+from decodekit.models.tiny import tiny_hf_config, tiny_llama, tiny_state_dict
+from decodekit.speculative.controller import CostTable
+
+REPORT = "failed its check"
+
+
+# A tiny GGUF model ------------------------------------------------------------------------------
+
+
+def write_tiny_gguf(path: Path) -> None:
+    """The tiny Llama of :mod:`decodekit.models.tiny` as a GGUF file as llama.cpp writes one: Q8_0
+    projections (q/k rows in llama.cpp's order), float32 norms, a byte-level BPE vocabulary."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    config = tiny_hf_config(vocab_size=260, hidden_size=32, num_layers=2)
+    state = tiny_state_dict(config)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(list(bytes_to_unicode().values()) + ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "Ġt"])
+    writer.add_token_types([1] * 256 + [3, 3, 3, 1])
+    writer.add_token_merges(["Ġ t"])
+    writer.add_bos_token_id(257)
+    writer.add_eos_token_id(258)
+
+    def llama_cpp_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+        return weight.reshape(heads, 2, weight.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+    def q8_0(name: str, weight: torch.Tensor) -> None:
+        blocks = gguf.quants.quantize(weight.numpy().astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    q8_0("token_embd.weight", state["model.embed_tokens.weight"])
+    q8_0("output.weight", state["lm_head.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", state[p + "input_layernorm.weight"].numpy())
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", state[p + "post_attention_layernorm.weight"].numpy())
+        q8_0(f"blk.{i}.attn_q.weight", llama_cpp_rows(state[p + "self_attn.q_proj.weight"], config["num_attention_heads"]))
+        q8_0(f"blk.{i}.attn_k.weight", llama_cpp_rows(state[p + "self_attn.k_proj.weight"], config["num_key_value_heads"]))
+        for gguf_name, hf_name in [("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+                                   ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")]:
+            q8_0(f"blk.{i}.{gguf_name}.weight", state[p + hf_name + ".weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("DECODEKIT_CACHE", str(root))
+    return root
+
+
+def answer(gguf: Path) -> tuple[list[int], str, torch.Tensor]:
+    """What a load of the model gives: a prompt's ids and text back, and the logits of the prompt
+    and of three greedy steps after it."""
+    model = load_model(str(gguf))
+    ids = model.tokenizer.encode("the cat sat on the mat")
+    logits = [model.backend.prefill(ids)]
+    for _ in range(3):
+        logits.append(model.backend.step(logits[-1].argmax(-1)))
+    return ids, model.tokenizer.decode(ids), torch.cat(logits)
+
+
+def assert_same(a, b) -> None:
+    assert a[0] == b[0] and a[1] == b[1]
+    assert torch.equal(a[2], b[2])
+
+
+def model_folder(cache: Path) -> Path:
+    (folder,) = [p for p in cache.iterdir() if p.is_dir() and p.name.startswith("tiny-")]
+    return folder
+
+
+def same_content(path: Path, original: bytes) -> bool:
+    """Whether ``path`` holds what ``original`` held (for safetensors: the same tensors and
+    metadata; the header's order of metadata keys may differ from one write to the next)."""
+    if path.suffix != ".safetensors":
+        return path.read_bytes() == original
+    from safetensors import deserialize
+
+    def tensors(data: bytes) -> dict:
+        return dict(deserialize(data))
+
+    def metadata(data: bytes) -> dict:
+        length = int.from_bytes(data[:8], "little")
+        return json.loads(data[8 : 8 + length]).get("__metadata__", {})
+
+    data = path.read_bytes()
+    try:
+        return tensors(data) == tensors(original) and metadata(data) == metadata(original)
+    except Exception:  # not safetensors at all (truncated, random)
+        return False
+
+
+def reports(err: str) -> list[str]:
+    return [line for line in err.splitlines() if REPORT in line]
+
+
+def leftovers(cache: Path) -> list[Path]:
+    return [p for p in cache.rglob("*") if p.name.endswith(".tmp")]
+
+
+# Damage -----------------------------------------------------------------------------------------
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def randomise(path: Path) -> None:
+    path.write_bytes(np.random.default_rng(0).bytes(path.stat().st_size))
+
+
+def alter_tensor(path: Path, name: str) -> None:
+    """Change the first 16 values of tensor ``name`` of a safetensors file, in place."""
+    data = bytearray(path.read_bytes())
+    length = int.from_bytes(data[:8], "little")
+    info = json.loads(data[8 : 8 + length])[name]
+    start = 8 + length + info["data_offsets"][0]
+    if info["dtype"] == "F32":
+        values = np.frombuffer(bytes(data[start : start + 64]), dtype=np.float32) * 1.5
+        data[start : start + 64] = values.astype(np.float32).tobytes()
+    else:  # GGUF blocks (uint8): their first bytes are a block's float16 scale
+        data[start : start + 16] = bytes((b + 1) % 256 for b in data[start : start + 16])
+    path.write_bytes(bytes(data))
+
+
+def nudge_number(path: Path, key: str) -> None:
+    """Change one digit of the number after ``"key":`` (same size, still valid JSON, plausible)."""
+    text = path.read_text()
+    i = re.search(rf'"{re.escape(key)}": -?0?\.?0*([1-9])', text).start(1)
+    path.write_text(text[:i] + str(int(text[i]) % 9 + 1) + text[i + 1 :])
+
+
+def swap_two_tokens(path: Path) -> None:
+    """Swap the ids of "a" and "e" in a tokenizer's vocabulary (same size: both two digits)."""
+    text = path.read_text()
+    a, e = (re.search(rf'"{token}": (\d+)', text) for token in "ae")
+    assert len(a[1]) == len(e[1])
+    text = text[: a.start(1)] + e[1] + text[a.end(1) :]
+    path.write_text(text[: e.start(1)] + a[1] + text[e.end(1) :])
+
+
+ALTER = {
+    "model.safetensors": lambda p: alter_tensor(p, "model.layers.1.mlp.down_proj.weight"),
+    "gguf_blocks.safetensors": lambda p: alter_tensor(p, "model.layers.1.mlp.down_proj.weight"),
+    "config.json": lambda p: nudge_number(p, "rms_norm_eps"),
+    "tokenizer.json": swap_two_tokens,
+}
+DAMAGE = {"truncated": lambda p, name: truncate(p), "random bytes": lambda p, name: randomise(p),
+          "altered": lambda p, name: ALTER[name](p)}
+
+
+# The dequantised folder and the GGUF blocks -----------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.parametrize("artefact", ALTER)
+def test_a_damaged_model_cache_file_is_reported_rebuilt_and_answers_the_same(tiny_gguf, cache, capsys, artefact, damage):
+    before = answer(tiny_gguf)
+    path = model_folder(cache) / artefact
+    original = path.read_bytes()
+    DAMAGE[damage](path, artefact)
+    assert not same_content(path, original)
+    assert damage == "truncated" or path.stat().st_size == len(original)  # only the digest can tell
+    capsys.readouterr()
+
+    after = answer(tiny_gguf)
+
+    (line,) = reports(capsys.readouterr().err)
+    assert artefact in line
+    assert same_content(path, original)  # rebuilt (the build is deterministic)
+    assert_same(before, after)
+    assert not leftovers(cache)
+
+
+@pytest.mark.parametrize("artefact", ["model.safetensors", "gguf_blocks.safetensors"])
+def test_a_missing_cache_file_is_reported_and_rebuilt_cleanly(tiny_gguf, cache, capsys, artefact):
+    before = answer(tiny_gguf)
+    folder = model_folder(cache)
+    (folder / artefact).unlink()
+    capsys.readouterr()
+
+    after = answer(tiny_gguf)
+    (line,) = reports(capsys.readouterr().err)
+    assert artefact in line and "missing" in line
+    assert_same(before, after)
+    assert not leftovers(cache)
+    answer(tiny_gguf)
+    assert not reports(capsys.readouterr().err)  # fixed for good
+
+
+def test_orphan_temporaries_of_crashed_builders_are_removed(tiny_gguf, cache, capsys):
+    answer(tiny_gguf)
+    folder = model_folder(cache)
+    for orphan in (cache / f".{folder.name}.k2j4.tmp", cache / f"{folder.name}.tmp"):  # ours, and the old fixed name
+        orphan.mkdir()
+        (orphan / "model.safetensors").write_bytes(b"half")
+    truncate(folder / "config.json")
+
+    answer(tiny_gguf)
+    assert len(reports(capsys.readouterr().err)) == 1
+    assert not leftovers(cache) and not (cache / f"{folder.name}.tmp").exists()
+
+
+LOAD = """
+import sys, time
+from pathlib import Path
+import decodekit.models.loading as loading
+from decodekit.models import load_model
+
+gguf, ready, builds, me = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
+dequantise = loading.dequantise
+def slow_dequantise(*args):  # a build that takes a while: the other process meets it half done
+    with open(builds, "a") as log:
+        log.write(me + "\\n")
+    time.sleep(1.0)
+    dequantise(*args)
+loading.dequantise = slow_dequantise
+(ready / me).touch()
+while len(list(ready.iterdir())) < 2:  # start together
+    time.sleep(0.01)
+model = load_model(str(gguf))
+print(model.backend.prefill(model.tokenizer.encode("the cat sat")).argmax().item())
+"""
+
+
+def test_two_processes_loading_an_empty_cache_both_succeed_and_build_once(tiny_gguf, cache, tmp_path):
+    ready, builds = tmp_path / "ready", tmp_path / "builds.log"
+    ready.mkdir()
+    env = {**os.environ, "DECODEKIT_KERNELS": "0"}  # the kernels have their own test; this one is about the model
+    runs = [
+        subprocess.Popen([sys.executable, "-c", LOAD, str(tiny_gguf), str(ready), str(builds), f"p{i}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for i in range(2)
+    ]
+    outputs = [run.communicate(timeout=300) for run in runs]
+    for run, (out, err) in zip(runs, outputs):
+        assert run.returncode == 0, err
+        assert not reports(err)
+    assert outputs[0][0] == outputs[1][0]
+    assert len(builds.read_text().splitlines()) == 1
+    folder = model_folder(cache)
+    assert Entry(folder, folder=True).check() is None
+    assert Entry(folder / "gguf_blocks.safetensors", folder=False).check() is None
+    assert not leftovers(cache)
+
+
+def test_a_cache_entry_is_built_aside_and_replaced_whole(tmp_path, capsys):
+    path = tmp_path / "entry"
+
+    def build(folder: Path) -> None:
+        assert folder != path and not path.exists()  # never built in place
+        (folder / "a.bin").write_bytes(b"x" * 1000)
+        (folder / "sub").mkdir()
+        (folder / "sub" / "b.txt").write_text("b")
+
+    cached_folder(path, build)
+    assert set(read_manifest(path / "manifest.json")) == {"a.bin", "sub/b.txt"}
+    (path / "sub" / "b.txt").write_text("c")  # same size, other content
+    cached_folder(path, build)
+    (line,) = reports(capsys.readouterr().err)
+    assert "sub/b.txt has changed" in line and (path / "sub" / "b.txt").read_text() == "b"
+
+
+# The controller's cost table ----------------------------------------------------------------------
+
+
+COST_DAMAGE = {
+    "truncated": truncate,
+    "random bytes": randomise,
+    "altered": lambda p: nudge_number(p, "1"),
+    "wrong JSON type": lambda p: p.write_text("[1, 2, 3]"),
+}
+
+
+@pytest.mark.parametrize("damage", COST_DAMAGE)
+def test_a_damaged_cost_table_is_reported_and_measured_again(cache, capsys, damage):
+    backend = tiny_llama(seed=0)
+    backend.prefill([1, 2, 3])  # a table is measured after the cached tokens
+    first = CostTable.cached(backend)
+    path = CostTable._path()
+    size = path.stat().st_size
+    COST_DAMAGE[damage](path)
+    assert damage != "altered" or path.stat().st_size == size
+    capsys.readouterr()
+
+    again = CostTable.cached(backend)
+
+    (line,) = reports(capsys.readouterr().err)
+    assert "verify_cost.json" in line
+    assert again.sizes == first.sizes
+    assert read_json(path) == {CostTable.key(backend): again.as_dict()}  # saved again, checked
+    assert not leftovers(cache)
+
+
+def test_concurrent_updates_of_a_cached_json_all_land(tmp_path):
+    path = tmp_path / "table.json"
+
+    def add(i: int) -> None:
+        def update(saved):
+            time.sleep(0.01)  # a slow read-modify-write: without the lock, updates would be lost
+            return {**(saved or {}), str(i): i}
+
+        update_json(path, update)
+
+    threads = [threading.Thread(target=add, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert read_json(path) == {str(i): i for i in range(12)}
+
+
+# Compiled kernels ---------------------------------------------------------------------------------
+
+TOPK = """
+import torch
+from decodekit.models import kernels
+assert kernels._library("topk") is not None, "the kernel did not load"
+x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
+assert torch.equal(kernels.top_k_indices(x, 8), torch.topk(x, 8).indices.to(torch.int32))
+"""
+
+
+def flip_middle_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+    path.write_bytes(bytes(data))
+
+
+KERNEL_DAMAGE = {"truncated": truncate, "random bytes": randomise, "altered": flip_middle_bytes}
+
+
+@pytest.mark.parametrize("damage", KERNEL_DAMAGE)
+def test_a_damaged_kernel_is_rebuilt_before_it_is_loaded(cache, damage):
+    if not kernels._supported():
+        pytest.skip("compiled kernels are off or unsupported here")
+    built = kernels._build(Path(kernels.__file__).with_name("topk.c"))
+    if built is None:
+        pytest.skip("no C compiler")
+    original = built.read_bytes()
+    KERNEL_DAMAGE[damage](built)
+
+    # in a process of its own: loading a damaged library can kill the process (SIGBUS)
+    run = subprocess.run([sys.executable, "-c", TOPK], capture_output=True, text=True, timeout=300)
+
+    assert run.returncode == 0, run.stderr
+    (line,) = reports(run.stderr)
+    assert built.name in line
+    assert Entry(built, folder=False).check() is None
+    assert len(built.read_bytes()) == len(original)
+
+
+# Damaged model files ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["random bytes", "truncated", "header only"])
+def test_a_damaged_gguf_is_one_clear_error(tiny_gguf, cache, tmp_path, damage):
+    data = tiny_gguf.read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes({"random bytes": np.random.default_rng(1).bytes(len(data)), "truncated": data[: len(data) // 2],
+                     "header only": data[:200]}[damage])
+    with pytest.raises(InvalidModel, match=re.escape(str(bad))) as err:
+        load_model(str(bad))
+    assert "\n" not in str(err.value)
+    assert not [p for p in cache.rglob("*") if not p.name.endswith(".lock")]  # nothing cached for it
+
+
+def test_the_cli_reports_a_damaged_gguf_in_one_line(tmp_path, cache, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(np.random.default_rng(2).bytes(4096))
+    assert main(["generate", "--model", str(bad), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and str(bad) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("config, problem", [
+    ('{"model_type": "llama", "vocab_size": 96', "cannot be read as JSON"),
+    ("", "cannot be read as JSON"),
+    ("[1]", "expected a JSON object"),
+    ('{"model_type": "llama", "vocab_size": 96}', "incomplete, no 'num_attention_heads'"),
+])
+def test_a_model_folder_with_a_broken_config_is_one_clear_error(tmp_path, config, problem):
+    from safetensors.torch import save_file
+
+    save_file(tiny_state_dict(tiny_hf_config()), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(InvalidModel, match=re.escape(f"{tmp_path / 'config.json'}: {problem}")):
+        load_model(str(tmp_path))
+
+
+def test_a_model_folder_with_damaged_weights_is_one_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
+    (tmp_path / "model.safetensors").write_bytes(np.random.default_rng(3).bytes(5000))
+    with pytest.raises(InvalidModel, match=re.escape(f"{tmp_path / 'model.safetensors'}: cannot be read as safetensors")):
+        load_model(str(tmp_path))
+
+
+# The real cache -----------------------------------------------------------------------------------
+
+
+@pytest.mark.real_model
+def test_the_real_models_cache_passes_its_check_and_its_manifest_covers_every_file(real_model):
+    from decodekit.models.loading import dequantised_folder, embedded_gguf
+
+    folder = dequantised_folder(embedded_gguf("smollm2-135m"))
+    entry = Entry(folder, folder=True)
+    assert entry.check() is None
+    blocks = folder / "gguf_blocks.safetensors"
+    assert Entry(blocks, folder=False).check() is None
+    own = {"manifest.json", blocks.name, blocks.name + ".manifest.json"}
+    on_disk = {p.name for p in folder.iterdir() if not p.name.startswith(".")} - own
+    assert set(read_manifest(entry.manifest)) == on_disk and "model.safetensors" in on_disk
