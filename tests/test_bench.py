@@ -337,6 +337,29 @@ def executed(tiny: LoadedModel, hf_tiny, tmp_path_factory) -> tuple[dict, Path]:
     return results, out
 
 
+def test_speculative_contestants_get_their_cost_table_before_the_warm_up(tiny: LoadedModel, tmp_path: Path, monkeypatch):
+    """Measuring the verify costs belongs to set-up: neither a warm-up nor a timed question pays for it."""
+    from decodekit.bench import runner
+
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))
+    checked = []
+
+    def warm_up(contestants, *args, **kwargs):
+        for c in contestants:
+            if c.family == "speculative":
+                c.engine.model.backend.memory("speculative.cost_table", lambda: pytest.fail("not prepared"))
+                checked.append(c.name)
+        return original(contestants, *args, **kwargs)
+
+    original = runner.warm_up
+    monkeypatch.setattr(runner, "warm_up", warm_up)
+    qfile = write_questions(tmp_path / "q.jsonl", ["qa"])
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy,pld,recycling", "--baselines",
+                                     "none", "--max-new-tokens", "4", "--out", str(tmp_path / "out")))
+    bench_cli.execute(plan, tiny, progress=False)
+    assert checked == ["pld", "recycling"]
+
+
 def test_execute_writes_results_report_and_png(executed):
     results, out = executed
     loaded = load_results(out / "results.json")

@@ -558,6 +558,66 @@ def test_injected_cost_tables_are_not_rewritten_by_timings():
     assert ctl.cost(8) == 2.0
 
 
+# Cold start ---------------------------------------------------------------------------------------
+
+#: Float32 on this project's CPU (ratios to a 1-token pass): a second token costs 17%, five cost 2.4x.
+CPU_COSTS = {1: 1.0, 2: 1.17, 3: 1.36, 4: 1.6, 5: 2.37, 6: 2.69, 7: 2.9, 8: 3.12, 12: 4.48, 16: 5.8, 24: 8.5, 32: 11.2}
+
+
+def best_first_tree(n: int = 32) -> DraftTree:
+    """A recycling-like tree: four candidates per node, grown best-first."""
+    tree = DraftTree()
+    grow_best_first(tree, [(t, 0.5 ** t, t) for t in range(1, 5)], lambda p: [(p * 10 + t, 0.5 ** t, p * 10 + t) for t in range(1, 5)],
+                    n, 8, "recycling")
+    return tree
+
+
+def test_with_nothing_learnt_a_guess_does_not_buy_a_verification():
+    ctl = Controller(32, cost_table=CPU_COSTS)
+    assert len(best_first_tree()) == 32 and len(ctl.select(best_first_tree())) == 0
+    assert len(ctl.select(chain_tree(8))) == 0  # nor a chain: the prior is below what one node costs
+
+
+def test_probes_are_one_node_for_every_drafter_also_an_all_or_nothing_tree():
+    for trimmable in (True, False):
+        ctl, verified = Controller(32, cost_table=CPU_COSTS), []
+        for _ in range(60):
+            budget = ctl.budget()
+            if budget:
+                tree = ctl.select(chain_tree(14).truncated(budget), trimmable=trimmable)  # a lookahead window
+                if len(tree):
+                    verified.append(len(tree))
+                    ctl.observe(tree, Verification([], 0), overhead_s=0.0)
+        assert verified and set(verified) == {1}, trimmable
+        assert len(verified) <= 6  # and rare: the back-off doubles after each failed probe
+
+
+def test_first_outcomes_move_the_estimate_fast_and_deeper_levels_borrow_it():
+    ctl = Controller(32, cost_table=CPU_COSTS)
+    ctl.observe(chain_tree(1), Verification([0], 0), overhead_s=0.0)  # one accepted probe
+    assert ctl._accept(("s", 0, 0)) == pytest.approx(0.4)  # (2 x prior 0.1 + 1) / 3
+    assert ctl._accept(("s", 3, 0)) == pytest.approx(0.4)  # depths never verified borrow it
+    assert ctl._accept(("other", 0, 0)) == pytest.approx(0.1) and ctl._accept(("s", 0, 1)) == pytest.approx(0.05)
+    assert len(ctl.select(chain_tree(8))) >= 1  # one success is enough to verify the node again
+    for _ in range(5):  # then five failures: about the mean of the outcomes and the prior's two, 1.2 / 8
+        ctl.observe(chain_tree(1), Verification([], 0), overhead_s=0.0)
+    assert 0.14 < ctl._accept(("s", 0, 0)) < 0.16 and len(ctl.select(chain_tree(8))) == 0
+
+
+def test_the_cost_table_is_measured_at_set_up_not_in_the_first_request(tmp_path, monkeypatch):
+    from decodekit.speculative import prepare
+
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    model = tiny(seed=8)
+    model.backend.reset(1)
+    table = prepare(model.backend)  # an empty cache: measured after a dummy context, left empty
+    assert model.backend.length == 0 and table.sizes == list(MEASURE_SIZES)
+    assert (tmp_path / "speculative" / "verify_cost.json").is_file()
+    monkeypatch.setattr(CostTable, "measure", classmethod(lambda cls, *a, **k: pytest.fail("measured in a request")))
+    g = Engine(model).generate(PROMPTS[1], method="pld", max_new_tokens=8, chat=False)
+    assert g.stats.new_tokens == 8 and CostTable.shared(model.backend) is table
+
+
 # Bandit -------------------------------------------------------------------------------------------
 
 

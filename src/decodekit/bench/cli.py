@@ -251,6 +251,7 @@ def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[
 
     from ..engine import Engine
     from ..models import LoadedModel
+    from ..speculative import prepare
     from .baselines import build_baselines
     from .contestants import MethodContestant
     from .plot import plot_speedup
@@ -268,6 +269,11 @@ def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[
         MethodContestant(Engine(LoadedModel(model.backend.clone(), model.tokenizer, model.name)), m, plan.options.get(m))
         for m in plan.methods
     ]
+    # The verify-cost table a speculative method's controller needs is measured (or read from the
+    # cache) now, outside any timed region, as a model load would: not in a warm-up or a question.
+    for contestant in contestants:
+        if contestant.family == "speculative":
+            prepare(contestant.engine.model.backend)
     baselines, notes = build_baselines(plan.baselines, model, model=plan.model, dtype=plan.dtype,
                                        threads=torch.get_num_threads(), hf_model=hf_model)
     config = BenchConfig(max_new_tokens=plan.max_new_tokens, repeats=plan.repeats, all_turns=plan.all_turns, reference=REFERENCE)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..engine.registry import register_method
 from ..options import option_table
-from .controller import Controller, CostTable
+from .controller import Controller, CostTable, prepare
 from .drafters import DRAFTER_SPECS, Drafter, register_drafter
 from .loop import COMMON_OPTIONS, SpeculativeMethod, method_builder
 from .tree import DraftTree, Verification
@@ -28,5 +28,5 @@ register_methods()
 
 __all__ = [
     "Controller", "CostTable", "DRAFTER_SPECS", "DraftTree", "Drafter", "GreedyVerifier", "SamplingVerifier",
-    "SpeculativeMethod", "Verification", "Verifier", "register_drafter", "register_methods",
+    "SpeculativeMethod", "Verification", "Verifier", "prepare", "register_drafter", "register_methods",
 ]

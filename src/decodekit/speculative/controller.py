@@ -4,6 +4,8 @@ The right tree size depends on the machine: on this CPU a 16-token pass costs ~7
 pass in float32 on GGUF blocks but ~3x in bfloat16. :class:`CostTable` measures the target's
 forward cost per number of tokens once (cached as JSON under ``cache_root()``, keyed by model,
 dtype and torch thread count), every size up to 8 tokens because the curve has steps there.
+:func:`prepare` does that when a model is set up (``decodekit bench`` calls it before any
+timing), so the first request does not pay for the measurement.
 In a process, one table per backend follows the timed passes of every request on it, each observation
 clamped so that one stalled pass cannot make speculation look cheap; only measured tables are
 written to disk. :class:`Controller` keeps an exponential moving average of the
@@ -14,8 +16,19 @@ against plain decoding's ``1 / cost(1)``. Keeping nothing (a plain step) is a ch
 speculation that does not pay falls back to plain decoding. (Our design; the per-node model is
 the one behind EAGLE-2's and Sequoia's tree sizing, with counts instead of draft confidences.)
 
-Acceptance estimates, drafting costs and realised speed are kept with the model's backend, per
-drafter, across requests.
+Acceptance estimates, drafting costs and realised speed are kept in the backend's memory, per
+drafter, across requests. A cold start must not be paid for by the first requests (our choices):
+  * Conservative prior. A first-level node never verified is assumed accepted with
+    probability ``PRIOR_ACCEPT`` / (1 + rank): too little to pay for a verification unless
+    verifying is nearly free, so a guess alone never verifies a large tree. A deeper node never verified
+    borrows the estimate of the nearest level above it (the closest evidence).
+  * Fast first estimates. The prior counts as ``PRIOR_WEIGHT`` observations: the first outcomes
+    of a node key are averaged with it (one accepted probe lifts 0.1 to 0.4), and only then does
+    the moving average take over.
+  * Cheap probes. With nothing learnt, a tree is not verified unless verifying is nearly free;
+    the controller backs off one plain step and then probes (below). Every probe verifies one node, whatever the drafter
+    (also a lookahead window, which is otherwise verified whole). A drafter that finds no match
+    proposes nothing, and nothing is verified.
 When the best choice is a plain step the controller stops drafting for 1, 2, 4, ... steps and
 then explores with the single best node, so acceptance estimates keep being refreshed; the
 longest pause (4 to 512 steps) is set so such probes cost about 1% of decode time (a probe of a
@@ -51,12 +64,15 @@ from ..models.backend import Backend
 from .tree import DraftTree, Verification, select_nodes
 
 MEASURE_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
+MEASURE_CONTEXT = 256  # tokens of context a set-up measurement puts before its passes (a typical prompt)
 MAX_BACKOFF = 512
 MIN_REALISED_STEPS = 8  # speculative steps measured before their realised speed can veto drafting
 EXPLORE_SHARE = 0.01  # at most ~1% of decode time spent on probes that do not pay
 MAX_DEPTH_KEY = 15
 MAX_RANK_KEY = 7
 CHEAP_DRAFT = 0.02  # drafting a full budget under 2% of a plain step: no need to plan the depth
+PRIOR_ACCEPT = 0.1  # assumed P(accepted) of a first-level node never verified (rank 0)
+PRIOR_WEIGHT = 2.0  # ... worth this many observations: the first ones are averaged with it
 
 
 class CostTable:
@@ -104,21 +120,31 @@ class CostTable:
 
     @classmethod
     def measure(cls, backend: Backend, sizes=MEASURE_SIZES, rounds: int = 3) -> "CostTable":
-        """Time ``append`` of n tokens after the current cache, then roll back (the cache is
-        unchanged; it must hold at least one token). Sizes are interleaved over ``rounds`` rounds
-        after a warm-up and the minimum kept, so a burst of load does not skew one size only."""
+        """Time ``append`` of n tokens after the current cache, then roll back (the cache is left
+        as it was). An empty cache (set-up, before any request) first gets ``MEASURE_CONTEXT``
+        tokens of context, since a pass's cost grows with the context it attends to. Sizes are
+        interleaved over ``rounds`` rounds after a warm-up and the minimum kept, so a burst of
+        load does not skew one size only."""
         start = backend.length
-        room = backend.info.max_length - start
+        if start == 0:
+            backend.reset(1)
+            context = max(1, min(MEASURE_CONTEXT, backend.info.max_length - max(sizes) - 1))
+            backend.append(torch.zeros(1, context, dtype=torch.long), last_only=True)
+        origin = backend.length
+        room = backend.info.max_length - origin
         sizes = [n for n in sizes if n <= room] or [1]
         best = {n: math.inf for n in sizes}
-        for rnd in range(rounds + 1):
-            for n in sizes:
-                t0 = time.perf_counter()
-                backend.append(torch.zeros(1, n, dtype=torch.long))
-                elapsed = time.perf_counter() - t0
-                backend.truncate(start)
-                if rnd:
-                    best[n] = min(best[n], elapsed)
+        try:
+            for rnd in range(rounds + 1):
+                for n in sizes:
+                    t0 = time.perf_counter()
+                    backend.append(torch.zeros(1, n, dtype=torch.long))
+                    elapsed = time.perf_counter() - t0
+                    backend.truncate(origin)
+                    if rnd:
+                        best[n] = min(best[n], elapsed)
+        finally:
+            backend.truncate(start)
         return cls(best)
 
     @staticmethod
@@ -164,12 +190,21 @@ class CostTable:
             pass  # a read-only cache only costs a re-measurement next time
 
 
+def prepare(backend: Backend) -> CostTable:
+    """Make ``backend``'s verify-cost table ready before its first request: read from the disk
+    cache, or measured now (about a second) the first time this model, dtype and thread count
+    run on the machine. Whoever sets a model up calls it once per backend, outside any timed
+    region (``decodekit bench`` does, before its warm-up), so that no request pays for it."""
+    return CostTable.shared(backend)
+
+
 @dataclass
 class DrafterRecord:
     """What the controller has learnt about one drafter on one backend, kept across requests.
     Averages are exponential moving averages."""
 
     accept: dict[tuple[str, int, int], float] = field(default_factory=dict)  # P(accepted | parent) per node key
+    seen: dict[tuple[str, int, int], int] = field(default_factory=dict)  # verifications behind each estimate
     draft_seconds: float = 0.0  # per draft call
     draft_nodes: float = 0.0  # proposed per draft call
     draft_calls: int = 0
@@ -185,10 +220,10 @@ class DrafterRecord:
         return self.draft_seconds / max(self.draft_nodes, 1e-3)
 
 
-
-def prior_acceptance(depth: int, rank: int) -> float:
-    """Starting guess for P(node accepted | parent accepted): optimistic enough to try drafting."""
-    return 0.5 / (1 + rank)
+def prior_acceptance(rank: int) -> float:
+    """Starting guess for P(accepted) of a first-level node of sibling rank ``rank`` never verified:
+    conservative, so that a guess alone never buys a verification where verifying costs."""
+    return PRIOR_ACCEPT / (1 + rank)
 
 
 class Controller:
@@ -245,8 +280,8 @@ class Controller:
         if not self._explore and not self.speculation_pays():
             self._back_off()  # measured slower than plain decoding: rest, then probe
             return 0
-        if not self.costly_drafting():
-            return self.max_draft  # drafting is nearly free: let select() trim the tree
+        if not self.costly_drafting():  # drafting is nearly free: let select() trim the tree,
+            return 1 if self._explore else self.max_draft  # but a probe is one node whatever the drafter
         depth = self.best_chain_depth()
         if depth > 0:
             self.learnt.backoff = 0
@@ -361,15 +396,29 @@ class Controller:
             return
         if len(tree):
             self.learnt.chain_source = tree.source[0] if tree.source else ""
+        learnt = self.learnt
         on_path = {-1, *verdict.path}
         for i, (parent, key) in enumerate(zip(tree.parents, node_keys(tree))):
             if parent in on_path:
+                seen = learnt.seen.get(key, 0)
+                # the first outcomes are averaged with the starting guess (worth PRIOR_WEIGHT of them),
+                # so a few probes move it far; later ones feed a moving average that follows the text
+                rate = max(self.ema, 1.0 / (seen + 1 + PRIOR_WEIGHT))
                 old = self._accept(key)
-                self.learnt.accept[key] = old + self.ema * ((i in on_path) - old)
+                learnt.accept[key] = old + rate * ((i in on_path) - old)
+                learnt.seen[key] = seen + 1
 
     def _accept(self, key: tuple[str, int, int]) -> float:
-        value = self.learnt.accept.get(key)
-        return prior_acceptance(key[1], key[2]) if value is None else value
+        """Estimated P(accepted | parent accepted) for ``key``. A depth never verified borrows the
+        estimate of the nearest depth above it with the same source and rank (the closest
+        evidence: a drafter that is right at depth 0 is usually right below it too); a first
+        level never verified starts from :func:`prior_acceptance`."""
+        source, depth, rank = key
+        while (value := self.learnt.accept.get((source, depth, rank))) is None:
+            if depth == 0:
+                return prior_acceptance(rank)
+            depth -= 1
+        return value
 
 
 def node_keys(tree: DraftTree) -> list[tuple[str, int, int]]:
