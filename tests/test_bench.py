@@ -59,6 +59,9 @@ class Scripted(Contestant):
     def __init__(self, name: str, log: list, tokens=(5, 6, 7), decode_s: float = 0.01):
         self.name, self.log, self.tokens, self.decode_s = name, log, list(tokens), decode_s
 
+    def fresh(self):
+        self.log.append((self.name, "fresh"))
+
     def run(self, prompt_ids, max_new_tokens):
         self.log.append((self.name, list(prompt_ids)))
         tokens = self.tokens[:max_new_tokens]
@@ -135,18 +138,62 @@ def test_schedule_rotates_and_runs_every_method_once():
     assert all(slots[i][2] != slots[i + 1][2] for i in range(len(slots) - 1))
 
 
+def test_a_question_gets_a_different_order_in_every_repeat():
+    """With as many questions as contestants, rotating per question alone would give each question
+    the same order in every repeat (one contestant always first after a given other)."""
+    names = ["a", "b", "c"]
+    slots = list(schedule(names, n_questions=3, repeats=3))
+    for q in range(3):
+        firsts = [order[0] for r, qi, order in slots if qi == q]
+        assert sorted(firsts) == names
+
+
+def test_timed_runs_start_with_collected_garbage_and_no_collection_during_them(tiny: LoadedModel, qfile: Path):
+    import gc
+
+    seen: list[bool] = []
+
+    class Probe(Scripted):
+        def run(self, prompt_ids, max_new_tokens):
+            seen.append(gc.isenabled())
+            return super().run(prompt_ids, max_new_tokens)
+
+    run_bench([Probe("greedy", [])], load_questions(qfile, limit=1), prompt_fn(tiny), BenchConfig(max_new_tokens=2),
+              progress=False)
+    assert seen[0] is True and seen[1:] and not any(seen[1:])  # the warm-up is untimed; timed runs: off
+    assert gc.isenabled()
+
+
 def test_runner_follows_the_schedule_after_one_warmup_each(tiny: LoadedModel, qfile: Path):
     log: list = []
     contestants = [Scripted(n, log) for n in ("greedy", "b", "c")]
     questions = load_questions(qfile, limit=1)
     run = run_bench(contestants, questions, prompt_fn(tiny), BenchConfig(max_new_tokens=4, repeats=2), progress=False)
     warmup_ids = tiny.prompt_ids(WARMUP_PROMPT)
-    assert log[:3] == [(n, warmup_ids) for n in ("greedy", "b", "c")]
-    timed = [name for name, _ in log[3:]]
+    names = ("greedy", "b", "c")
+    assert log[:3] == [(n, warmup_ids) for n in names]
+    # the second repeat starts as the first did: every contestant forgets and is warmed up again
+    restart = [entry for n in names for entry in ((n, "fresh"), (n, warmup_ids))]
+    per_repeat = len(questions) * 3
+    assert log[3 + per_repeat: 3 + per_repeat + 6] == restart
+    timed = [name for name, _ in log[3: 3 + per_repeat] + log[9 + per_repeat:]]
     expected = [name for _, _, order in schedule(["greedy", "b", "c"], len(questions), 2) for name in order]
     assert timed == expected
     assert [r["method"] for r in run.records] == expected
     assert [r["position"] for r in run.records] == [0, 1, 2] * (len(expected) // 3)
+
+
+def test_a_fresh_method_contestant_forgets_what_it_learnt_but_keeps_the_model(tiny: LoadedModel):
+    contestant = MethodContestant(Engine(LoadedModel(tiny.backend.clone(), tiny.tokenizer, "tiny")), "suffix",
+                                  {"corpus": True, "cost_table": {1: 1.0, 64: 1.0}})
+    ids = tiny.prompt_ids("abcabcabc")
+    first = contestant.run(ids, 12)
+    learnt = contestant.engine.model.backend
+    assert {"suffix.corpus", "speculative.records"} <= set(learnt.__dict__["_memory"])
+    contestant.fresh()
+    backend = contestant.engine.model.backend
+    assert backend is not learnt and not {"suffix.corpus", "speculative.records"} & set(backend.__dict__.get("_memory", {}))
+    assert contestant.run(ids, 12).tokens == first.tokens  # same weights, same output
 
 
 def test_all_turns_feeds_each_contestant_its_own_answers(tiny: LoadedModel, tmp_path: Path):

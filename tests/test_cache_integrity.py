@@ -340,7 +340,7 @@ def test_a_damaged_cost_table_is_reported_and_measured_again(cache, capsys, dama
     (line,) = reports(capsys.readouterr().err)
     assert "verify_cost.json" in line
     assert again.sizes == first.sizes
-    assert read_json(path) == {CostTable.key(backend): again.as_dict()}  # saved again, checked
+    assert read_json(path) == {CostTable.key(backend): again.as_entry()}  # saved again, checked
     assert not leftovers(cache)
 
 

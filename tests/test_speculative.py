@@ -17,7 +17,7 @@ from decodekit.errors import InvalidParameter, UnknownMethod
 from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.tiny import tiny_llama
 from decodekit.samplers import Sampler
-from decodekit.speculative.controller import MEASURE_SIZES, Controller, CostTable
+from decodekit.speculative.controller import MEASURE_CONTEXTS, MEASURE_SIZES, Controller, CostTable
 from decodekit.speculative.drafters.bandit import DiscountedUCB
 from decodekit.speculative.drafters.base import Drafter
 from decodekit.speculative.drafters.ngram import PromptLookup
@@ -503,6 +503,62 @@ def test_one_stalled_pass_moves_the_cost_table_by_at_most_ten_percent():
     assert table(1) == pytest.approx(1.1)
     table.observe(1, 0.01)
     assert table(1) == pytest.approx(1.1 - 0.2 * (1.1 - 1.1 / 1.5))
+
+
+def test_a_pass_costs_more_after_a_longer_context():
+    table = CostTable.from_rows({100: {1: 1.0, 2: 1.2}, 1100: {1: 2.0, 2: 3.2}})
+    assert table.at == 100 and table(1, 100) == 1.0 and table(2, 1100) == pytest.approx(3.2)
+    assert table(2, 600) == pytest.approx(2.2) and table(1, 0) == pytest.approx(0.9)
+    assert table(2) == 1.2  # no context given: the costs as measured at the shorter one
+
+
+def test_observed_pass_times_are_compared_at_their_own_context():
+    table = CostTable.from_rows({0: {1: 1.0, 8: 2.0}, 1000: {1: 2.0, 8: 6.0}})
+    for _ in range(40):
+        table.observe(1, 2.0, context=1000)  # just as the table predicts
+        table.observe(8, 9.0, context=1000)  # 1.5x the prediction: the machine got slower
+    assert table(1, 1000) == pytest.approx(2.0) and table(1, 0) == pytest.approx(1.0)
+    assert table(8, 1000) == pytest.approx(9.0, rel=0.01) and table(8, 0) == pytest.approx(3.0, rel=0.01)
+
+
+def test_the_controller_prices_each_step_at_the_requests_length():
+    """Every row of a pass attends to the whole context, so a node worth verifying after a short
+    prompt (one more row costs 20% of a step) is not worth it after a long one (80%)."""
+    table = CostTable.from_rows({0: {1: 1.0, 2: 1.2, 4: 1.6}, 1000: {1: 2.0, 2: 3.6, 4: 6.0}})
+    ctl = Controller(4, cost_table=table)
+    for accepted in [[0], []] * 30:  # accepted half the time
+        ctl.observe(chain_tree(1), Verification(accepted, 0), overhead_s=0.0)
+    ctl.context = 10
+    assert len(ctl.select(chain_tree(1))) == 1
+    ctl.context = 1000
+    assert len(ctl.select(chain_tree(1))) == 0
+
+
+def test_the_loop_tells_the_controller_the_requests_length(engines):
+    engine = engines[0]
+    seen: list[int] = []
+    original = Controller.budget
+
+    def spy(self):
+        seen.append(self.context)
+        return original(self)
+
+    Controller.budget = spy
+    try:
+        ids = engine.model.prompt_ids("abc", chat=False)
+        engine.generate("abc", method="pld", max_new_tokens=6, chat=False, budget=2)
+    finally:
+        Controller.budget = original
+    assert seen and seen[0] == len(ids) + 1 and seen == sorted(seen)
+
+
+def test_cost_table_is_measured_at_two_contexts_and_cached_whole(tmp_path, monkeypatch):
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    backend = tiny_llama(seed=0)
+    table = CostTable.cached(backend)
+    assert backend.length == 0 and table.at == MEASURE_CONTEXTS[0] and any(table.slopes)
+    again = CostTable.cached(backend)
+    assert (again.at, again.costs, again.slopes) == (table.at, table.costs, table.slopes)
 
 
 def test_requests_share_the_backends_cost_table_and_timings_are_not_written_to_disk(tmp_path, monkeypatch):

@@ -18,8 +18,8 @@ from .runner import is_record
 
 #: --quick: the fast model-free speculative methods, when registered (skipped with a note otherwise).
 QUICK_METHODS = ("greedy", "pld", "suffix", "recycling", "lookahead")
-QUICK = {"limit": 1, "max_new_tokens": 64, "baselines": "hf"}
-FULL = {"limit": None, "max_new_tokens": 256, "baselines": "hf,hf-pld,llamacpp"}
+QUICK = {"limit": 1, "max_new_tokens": 64, "baselines": "hf", "repeats": 5}  # short runs: medians of 5 resist stalls
+FULL = {"limit": None, "max_new_tokens": 256, "baselines": "hf,hf-pld,llamacpp", "repeats": 1}
 REFERENCE = "greedy"
 
 
@@ -40,14 +40,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--all-turns", action="store_true", help="feed every turn of multi-turn questions (default: the first)")
     p.add_argument("--model", default=None, help="embedded model name, HF model folder or .gguf file (default smollm2-135m)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--repeats", type=int, default=1, help="passes over the questions; medians are reported")
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"passes over the questions, each from the same start; medians are reported (default {FULL['repeats']}; --quick {QUICK['repeats']})")
     p.add_argument("--threads", type=int, default=None, help="torch threads, also llama.cpp's n_threads (default: torch's)")
     p.add_argument("--opt", action="append", default=[], metavar="METHOD.KEY=VALUE", help="method option, e.g. pld.max_ngram=3 (repeatable)")
     p.add_argument("--out", default="bench-out", metavar="DIR", help="output folder (default bench-out)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out (DIR/checkpoint.json, written "
                    "after every question): finished questions are kept, the rest are run. Needs the same code and "
                    "settings; --limit and --categories may grow, so a full run can be built up over several sessions")
-    p.add_argument("--quick", action="store_true", help="a few minutes: 1 question per category, 64 tokens, fast methods, hf baseline")
+    p.add_argument("--quick", action="store_true", help="a few minutes: 1 question per category, 64 tokens, 5 repeats, fast methods, hf baseline")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print the change between two results files and exit")
     p.set_defaults(func=run)
@@ -205,8 +206,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     defaults = QUICK if args.quick else FULL
     max_new = args.max_new_tokens if args.max_new_tokens is not None else defaults["max_new_tokens"]
     limit = args.limit if args.limit is not None else defaults["limit"]
+    repeats = args.repeats if args.repeats is not None else defaults["repeats"]
     for name, value, optional in (("max-new-tokens", max_new, False), ("limit", limit, True),
-                                  ("repeats", args.repeats, False), ("threads", args.threads, True)):
+                                  ("repeats", repeats, False), ("threads", args.threads, True)):
         positive(name, value, optional)
     notes: list[str] = []
     methods = choose_methods(args.methods, args.quick, notes)
@@ -217,7 +219,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     plan = Plan(
         methods=methods, options=parse_method_options(args.opt, methods), baselines=list(dict.fromkeys(baselines)),
         questions=load_questions(path, categories=categories, limit=limit), question_file=path,
-        max_new_tokens=max_new, limit=limit, categories=categories, repeats=args.repeats, all_turns=args.all_turns,
+        max_new_tokens=max_new, limit=limit, categories=categories, repeats=repeats, all_turns=args.all_turns,
         model=args.model, dtype=args.dtype, threads=args.threads, out=Path(args.out), command="", notes=notes,
         resume=getattr(args, "resume", False),
     )

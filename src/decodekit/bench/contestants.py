@@ -47,6 +47,10 @@ class Contestant(ABC):
     @abstractmethod
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult: ...
 
+    def fresh(self) -> None:
+        """Forget what earlier runs taught it, as a new process would (nothing, unless it learns
+        across requests)."""
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "family": self.family, "lossless": self.lossless, "token_exact": self.token_exact}
 
@@ -70,8 +74,21 @@ class MethodContestant(Contestant):
     def __init__(self, engine: Engine, method: str, options: Mapping[str, Any] | None = None, *, name: str | None = None):
         spec = method_spec(method)  # raises UnknownMethod
         self.engine, self.method, self.options = engine, method, dict(options or {})
+        self.base = engine.model.backend  # fresh() starts again from a clone of it
         self.name = name or method  # the label in reports; differs from the method when it is run twice
         self.family, self.lossless = spec.family, spec.lossless
+
+    def fresh(self) -> None:
+        """A clone of the backend it started with: same weights, an empty cross-request memory
+        (suffix corpus, recycling table, acceptance records); the verify-cost table, a property
+        of the machine, is read again from the disk cache, as a new process would."""
+        from ..models import LoadedModel
+        from ..speculative import prepare
+
+        model = self.engine.model
+        self.engine = Engine(LoadedModel(self.base.clone(), model.tokenizer, model.name))
+        if self.family == "speculative":
+            prepare(self.engine.model.backend)
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
         g = self.engine.generate(list(prompt_ids), method=self.method, max_new_tokens=max_new_tokens, **self.options)

@@ -3,8 +3,10 @@
 Fairness rules (Spec-Bench style, adapted to one shared CPU):
 * one warm-up generation per contestant before any timing (a prompt that is not a question);
 * for each question, every contestant runs once, in an order rotated by one position from one
-  question (and repeat) to the next, so slow drift of the machine hits all contestants alike;
-* ``repeats`` passes over the questions; the summary takes medians over repeats.
+  question to the next and from one repeat to the next, so slow drift of the machine hits all
+  contestants alike; garbage is collected before each timed run, not during it;
+* ``repeats`` passes over the questions, each from the same start (every contestant forgets what
+  it learnt across requests and is warmed up again); the summary takes medians over repeats.
 A run can be checkpointed after every question and resumed: questions are the unit, so every
 finished question keeps all its contestants' records from the same interleaved pass.
 Each run yields one record (see :mod:`decodekit.bench.results` for the schema).
@@ -12,10 +14,12 @@ Each run yields one record (see :mod:`decodekit.bench.results` for the schema).
 
 from __future__ import annotations
 
+import gc
 import resource
 import statistics
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,11 +55,13 @@ class BenchRun:
 
 
 def schedule(names: Sequence[str], n_questions: int, repeats: int) -> Iterator[tuple[int, int, list[str]]]:
-    """Yield ``(repeat, question index, order)``; the order rotates by one at every question."""
+    """Yield ``(repeat, question index, order)``; the order rotates by one at every question, and
+    a question's order by one more at every repeat (so no contestant holds the same place on a
+    question in every repeat, whatever the number of questions)."""
     m = len(names)
     for r in range(repeats):
         for q in range(n_questions):
-            k = (r * n_questions + q) % m if m else 0
+            k = (q + r) % m if m else 0
             yield r, q, list(names[k:]) + list(names[:k])
 
 
@@ -93,6 +99,21 @@ class Progress:
             print(file=sys.stderr)
 
 
+@contextmanager
+def quiet_collector() -> Iterator[None]:
+    """As ``timeit`` does: collect garbage before a timed run and not during it, so that a pause
+    to collect what another contestant left (transformers allocates many objects) is not
+    charged to whichever run it happens to fall in."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def run_turns(contestant: Contestant, question: Question, prompt_ids: PromptIds, config: BenchConfig) -> list[tuple[int, RunResult]]:
     """Run a question's turns (first only unless ``all_turns``); the contestant's answers become the history."""
     messages: list[dict[str, str]] = []
@@ -100,7 +121,8 @@ def run_turns(contestant: Contestant, question: Question, prompt_ids: PromptIds,
     for turn in question.turns if config.all_turns else question.turns[:1]:
         messages.append({"role": "user", "content": turn})
         ids = prompt_ids(messages)
-        result = contestant.run(ids, config.max_new_tokens)
+        with quiet_collector():
+            result = contestant.run(ids, config.max_new_tokens)
         results.append((len(ids), result))
         messages.append({"role": "assistant", "content": result.text})
     return results
@@ -232,11 +254,15 @@ def run_bench(contestants: Sequence[Contestant], questions: Sequence[Question], 
     done = finished_records(previous, list(by_name), questions)
     records: list[dict[str, Any]] = [rec for recs in done.values() for rec in recs]
     bar = Progress((config.repeats * len(questions) - len(done)) * len(kept), progress)
+    current = None  # the repeat being run: the contestants start each one afresh
     try:
         for repeat, qi, order in schedule(list(by_name), len(questions), config.repeats):
             question = questions[qi]
             if (repeat, question.question_id) in done:
                 continue
+            if current is not None and repeat != current:
+                restart(kept, prompt_ids, config)
+            current = repeat
             batch = []
             for position, name in enumerate(order):
                 batch.append(run_one(by_name[name], question, prompt_ids, config, repeat, position, notes))
@@ -248,6 +274,17 @@ def run_bench(contestants: Sequence[Contestant], questions: Sequence[Question], 
     finally:
         bar.close()
     return BenchRun(records, rss, notes, [c.describe() for c in kept], resumed=len(done))
+
+
+def restart(contestants: Sequence[Contestant], prompt_ids: PromptIds, config: BenchConfig) -> None:
+    """Before each repeat after the first, every contestant forgets what it learnt across requests
+    and is warmed up again: a repeat asks the same questions, and a method that remembers its
+    earlier answers (a suffix corpus) would otherwise draft them; this way every repeat measures
+    the same thing, from the same start."""
+    ids = prompt_ids([{"role": "user", "content": WARMUP_PROMPT}])
+    for c in contestants:
+        c.fresh()
+        c.run(ids, min(config.warmup_tokens, config.max_new_tokens))
 
 
 def run_one(contestant: Contestant, question: Question, prompt_ids: PromptIds, config: BenchConfig,

@@ -1,9 +1,11 @@
 """How much to speculate: a measured verify-cost table plus learned acceptance.
 
-The right tree size depends on the machine: on this CPU a 16-token pass costs ~7x a 1-token
-pass in float32 on GGUF blocks but ~3x in bfloat16. :class:`CostTable` measures the target's
-forward cost per number of tokens once (cached as JSON under ``cache_root()``, keyed by model,
-dtype and torch thread count), every size up to 8 tokens because the curve has steps there.
+The right tree size depends on the machine, the numerics and the context: a many-token pass
+costs several 1-token passes, more so after a long prompt (every row attends to the whole
+context). :class:`CostTable` measures the target's forward cost per number of tokens once, at
+two context lengths (cached as JSON under ``cache_root()``, keyed by model, dtype and torch
+thread count), every size up to 8 tokens because the curve has steps there; the controller
+prices each step's passes at the request's current length.
 :func:`prepare` does that when a model is set up (``decodekit bench`` calls it before any
 timing), so the first request does not pay for the measurement.
 In a process, one table per backend follows the timed passes of every request on it, each observation
@@ -64,53 +66,78 @@ from ..models.backend import Backend
 from .tree import DraftTree, Verification, select_nodes
 
 MEASURE_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
-MEASURE_CONTEXT = 256  # tokens of context a set-up measurement puts before its passes (a typical prompt)
+MEASURE_CONTEXTS = (256, 1024)  # contexts a measurement puts before its passes (a typical prompt, a long one)
 MAX_BACKOFF = 512
 MIN_REALISED_STEPS = 8  # speculative steps measured before their realised speed can veto drafting
 EXPLORE_SHARE = 0.01  # at most ~1% of decode time spent on probes that do not pay
 MAX_DEPTH_KEY = 15
 MAX_RANK_KEY = 7
-CHEAP_DRAFT = 0.02  # drafting a full budget under 2% of a plain step: no need to plan the depth
+CHEAP_DRAFT = 0.02  # a draft call under 2% of a plain step: no need to plan the depth
 PRIOR_ACCEPT = 0.1  # assumed P(accepted) of a first-level node never verified (rank 0)
 PRIOR_WEIGHT = 2.0  # ... worth this many observations: the first ones are averaged with it
 
 
-class CostTable:
-    """Seconds per forward pass of ``n`` new tokens, linearly interpolated between measured sizes."""
+def _interpolate(xs: list[int], ys: list[float], x: int) -> float:
+    """Piecewise-linear ``y(x)`` through the points, extended by the last segment's slope."""
+    if x <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            return ys[i - 1] + t * (ys[i] - ys[i - 1])
+    if len(xs) == 1:
+        return ys[0] * x
+    return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
 
-    def __init__(self, table: Mapping[int, float]):
+
+class CostTable:
+    """Seconds per forward pass of ``n`` new tokens after ``context`` cached ones.
+
+    ``table`` holds the costs at context ``at``, linearly interpolated between measured sizes;
+    ``per_context`` (same sizes) the extra seconds per token of context, since every row of a
+    pass attends to the whole context: a second row costs more after 1,000 tokens than after
+    100, so a tree that pays after a short prompt may not after a long one. Without it (or
+    without a context) the cost does not depend on the context."""
+
+    def __init__(self, table: Mapping[int, float], *, at: int = 0, per_context: Mapping[int, float] | None = None):
         if not table or 1 not in table:
             raise InvalidParameter("a cost table needs at least the cost of 1 token (key 1)")
         if any(not (isinstance(v, (int, float)) and v > 0) for v in table.values()):
             raise InvalidParameter("cost table values must be positive seconds")
         self.sizes = sorted(int(k) for k in table)
         self.costs = [float(table[k]) for k in self.sizes]
+        self.at = int(at)
+        per_context = per_context or {}
+        if per_context and (set(map(int, per_context)) != set(self.sizes)
+                            or any(not (isinstance(v, (int, float)) and v >= 0) for v in per_context.values())):
+            raise InvalidParameter("per-context costs need the same sizes as the table, each >= 0")
+        self.slopes = [float(per_context.get(n, per_context.get(str(n), 0.0))) for n in self.sizes]
+        self._anchors: dict[int, int] = {}
 
-    def __call__(self, n: int) -> float:
-        sizes, costs = self.sizes, self.costs
-        if n <= sizes[0]:
-            return costs[0]
-        for i in range(1, len(sizes)):
-            if n <= sizes[i]:
-                t = (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
-                return costs[i - 1] + t * (costs[i] - costs[i - 1])
-        if len(sizes) == 1:
-            return costs[0] * n
-        slope = (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2])
-        return costs[-1] + slope * (n - sizes[-1])
+    def __call__(self, n: int, context: int | None = None) -> float:
+        cost = _interpolate(self.sizes, self.costs, n)
+        if context is None or not any(self.slopes):
+            return cost
+        # never below a tenth of the measured cost: a short context still pays for the weights
+        return max(cost + (context - self.at) * _interpolate(self.sizes, self.slopes, n), 0.1 * cost)
 
     def as_dict(self) -> dict[str, float]:
         return {str(k): v for k, v in zip(self.sizes, self.costs)}
 
-    def observe(self, n: int, seconds: float, weight: float = 0.2, max_jump: float = 1.5) -> None:
+    def observe(self, n: int, seconds: float, context: int | None = None, weight: float = 0.2,
+                max_jump: float = 1.5) -> None:
         """Blend a timed pass of ``n`` tokens into the nearest measured size (scaled by the table's
-        own shape), so a table measured under other load follows the machine as it is now. The
-        observation is clamped to within ``max_jump`` times the current value: a pass stalled by
-        another process moves the table by at most 10%, a lasting change still within a few passes."""
-        anchor = min(range(len(self.sizes)), key=lambda i: abs(math.log(self.sizes[i] / n)))
-        current = self.costs[anchor]
-        target = min(max(seconds * current / self(n), current / max_jump), current * max_jump)
-        self.costs[anchor] += weight * (target - current)
+        own shape and context term), so a table measured under other load follows the machine as it
+        is now. The observation is clamped to within ``max_jump`` times the prediction: a pass
+        stalled by another process moves the table by at most 10%, a lasting change still within
+        a few passes."""
+        anchor = self._anchors.get(n)
+        if anchor is None:  # the measured size nearest in ratio (computed once per n: this runs every step)
+            anchor = self._anchors[n] = min(range(len(self.sizes)), key=lambda i: abs(math.log(self.sizes[i] / n)))
+        ratio = min(max(seconds / self(n, context), 1.0 / max_jump), max_jump)
+        factor = 1.0 + weight * (ratio - 1.0)
+        self.costs[anchor] *= factor
+        self.slopes[anchor] *= factor
 
     @staticmethod
     def key(backend: Backend) -> str:
@@ -120,32 +147,64 @@ class CostTable:
 
     @classmethod
     def measure(cls, backend: Backend, sizes=MEASURE_SIZES, rounds: int = 3) -> "CostTable":
-        """Time ``append`` of n tokens after the current cache, then roll back (the cache is left
-        as it was). An empty cache (set-up, before any request) first gets ``MEASURE_CONTEXT``
-        tokens of context, since a pass's cost grows with the context it attends to. Sizes are
-        interleaved over ``rounds`` rounds after a warm-up and the minimum kept, so a burst of
-        load does not skew one size only."""
+        """Time ``append`` of n tokens after ``MEASURE_CONTEXTS`` tokens of context (or after the
+        current cache, if longer), then roll back (the cache is left as it was). Two contexts give
+        the table and its per-context term. Sizes are interleaved over ``rounds`` rounds after a
+        warm-up and the minimum kept, so a burst of load does not skew one size only."""
         start = backend.length
         if start == 0:
             backend.reset(1)
-            context = max(1, min(MEASURE_CONTEXT, backend.info.max_length - max(sizes) - 1))
-            backend.append(torch.zeros(1, context, dtype=torch.long), last_only=True)
-        origin = backend.length
-        room = backend.info.max_length - origin
-        sizes = [n for n in sizes if n <= room] or [1]
-        best = {n: math.inf for n in sizes}
+        limit = backend.info.max_length - max(sizes) - 1
+        contexts = sorted({max(start, 1, min(c, limit)) for c in MEASURE_CONTEXTS})
+        rows: dict[int, dict[int, float]] = {}
         try:
-            for rnd in range(rounds + 1):
-                for n in sizes:
-                    t0 = time.perf_counter()
-                    backend.append(torch.zeros(1, n, dtype=torch.long))
-                    elapsed = time.perf_counter() - t0
-                    backend.truncate(origin)
-                    if rnd:
-                        best[n] = min(best[n], elapsed)
+            for context in contexts:
+                if backend.length < context:
+                    backend.append(torch.zeros(1, context - backend.length, dtype=torch.long), last_only=True)
+                origin = backend.length
+                room = backend.info.max_length - origin
+                best = {n: math.inf for n in [n for n in sizes if n <= room] or [1]}
+                for rnd in range(rounds + 1):
+                    for n in best:
+                        t0 = time.perf_counter()
+                        backend.append(torch.zeros(1, n, dtype=torch.long))
+                        elapsed = time.perf_counter() - t0
+                        backend.truncate(origin)
+                        if rnd:
+                            best[n] = min(best[n], elapsed)
+                rows[origin] = best
         finally:
             backend.truncate(start)
-        return cls(best)
+        return cls.from_rows(rows)
+
+    @classmethod
+    def from_rows(cls, rows: Mapping[int, Mapping[int, float]]) -> "CostTable":
+        """A table from costs measured at one or more contexts (``{context: {n: seconds}}``): the
+        shortest context's row, and the per-context term from the shortest to the longest."""
+        (near, table), (far, longer) = min(rows.items()), max(rows.items())
+        if far == near:
+            return cls(table, at=near)
+        per_context = {n: max(0.0, (longer.get(n, cost) - cost) / (far - near)) for n, cost in table.items()}
+        return cls(table, at=near, per_context=per_context)
+
+    def as_entry(self) -> dict[str, object]:
+        """What the disk cache stores (read back by :meth:`from_entry`)."""
+        return {"at": self.at, "costs": self.as_dict(), "per_context": {str(k): v for k, v in zip(self.sizes, self.slopes)}}
+
+    @classmethod
+    def from_entry(cls, entry: object) -> "CostTable | None":
+        """The table a cache entry holds; None when it lacks a size or a part this version
+        measures (written by another version, or damaged): then it is measured again."""
+        if not isinstance(entry, dict) or not isinstance(entry.get("costs"), dict) or not isinstance(entry.get("per_context"), dict):
+            return None
+        wanted = {str(n) for n in MEASURE_SIZES}
+        if not (wanted <= set(entry["costs"]) and set(entry["costs"]) == set(entry["per_context"])):
+            return None
+        try:
+            return cls({int(k): v for k, v in entry["costs"].items()}, at=int(entry.get("at", 0)),
+                       per_context={int(k): v for k, v in entry["per_context"].items()})
+        except (InvalidParameter, ValueError, TypeError):
+            return None
 
     @staticmethod
     def _path():
@@ -160,12 +219,9 @@ class CostTable:
         from ..models.cache import read_json
 
         saved = read_json(cls._path())  # None when missing or failing its check (reported)
-        entry = saved.get(cls.key(backend)) if isinstance(saved, dict) else None
-        if isinstance(entry, dict) and {str(n) for n in MEASURE_SIZES} <= set(entry):
-            try:
-                return cls({int(k): v for k, v in entry.items()})
-            except (InvalidParameter, ValueError):
-                pass  # written by a version that stored something else: measure again
+        table = cls.from_entry(saved.get(cls.key(backend)) if isinstance(saved, dict) else None)
+        if table is not None:
+            return table
         table = cls.measure(backend)
         table.save(backend)
         return table
@@ -179,7 +235,7 @@ class CostTable:
         """Store this table as the one for ``backend``'s model/dtype/threads (other keys kept)."""
         from ..models.cache import update_json
 
-        key, table = self.key(backend), self.as_dict()
+        key, table = self.key(backend), self.as_entry()
 
         def with_table(saved: object) -> dict:
             return {**(saved if isinstance(saved, dict) else {}), key: table}
@@ -246,6 +302,7 @@ class Controller:
         self._skip = 0  # plain steps left before drafting again
         self._explore = False
         self.learn_costs = False  # True for a measured table: it follows observed pass times
+        self.context = 0  # tokens in the request so far (set by the loop every step): passes cost more after more
 
     def begin(self, backend: Backend, drafter: str = "") -> None:
         """Per request: take the backend's cost table (measured on first use) and the record of
@@ -258,10 +315,15 @@ class Controller:
             records: dict[str, DrafterRecord] = backend.memory("speculative.records", dict)
             self.learnt = records.setdefault(drafter, self.learnt)
 
+    def pass_cost(self, n: int) -> float:
+        """Seconds for a forward pass of ``n`` tokens at the current context."""
+        assert self.cost is not None
+        return self.cost(n, self.context)
+
     def observe_cost(self, n: int, seconds: float) -> None:
-        """A timed forward pass of ``n`` tokens (1 = a plain step)."""
+        """A timed forward pass of ``n`` tokens (1 = a plain step) at the current context."""
         if self.learn_costs and self.cost is not None:
-            self.cost.observe(n, seconds)
+            self.cost.observe(n, seconds, self.context)
 
     @property
     def draft_node_s(self) -> float:
@@ -297,21 +359,25 @@ class Controller:
         learnt = self.learnt
         if learnt.spec_steps < MIN_REALISED_STEPS:
             return True
-        return learnt.step_tokens / learnt.step_seconds >= 1.0 / self.cost(1)
+        return learnt.step_tokens / learnt.step_seconds >= 1.0 / self.pass_cost(1)
 
     def costly_drafting(self) -> bool:
-        """Whether drafting a full budget costs more than a small share of a plain step."""
-        return self.draft_node_s * self.max_draft >= CHEAP_DRAFT * self.cost(1)
+        """Whether a draft call costs more than a small share of a plain step. Judged per call, not
+        per node: a lookup in the context costs the same whether it finds nothing or 30 nodes
+        (per node, mostly empty drafts would look dear), while a draft model pays for every node."""
+        return self.learnt.draft_seconds >= CHEAP_DRAFT * self.pass_cost(1)
 
     def best_chain_depth(self) -> int:
         """The chain depth (0 = none) with the best expected tokens per second, counting
         drafting at the measured cost per node."""
-        best_depth, best_rate = 0, 1.0 / self.cost(1)
+        best_depth, best_rate = 0, 1.0 / self.pass_cost(1)
         expected, reach = 1.0, 1.0
         for depth in range(1, self.max_draft + 1):
             reach *= self._accept((self.learnt.chain_source, min(depth - 1, MAX_DEPTH_KEY), 0))
+            if reach * (self.max_draft - depth + 1) < 1e-3 * expected:
+                break  # deeper nodes could add under 0.1% to the expected tokens: no depth beyond pays
             expected += reach
-            rate = expected / (depth * self.draft_node_s + self.cost(depth + 1) + self.overhead)
+            rate = expected / (depth * self.draft_node_s + self.pass_cost(depth + 1) + self.overhead)
             if rate > best_rate:
                 best_depth, best_rate = depth, rate
         return best_depth
@@ -324,11 +390,11 @@ class Controller:
             return tree
         probs = self.node_probs(tree)
         order = sorted(range(len(tree)), key=lambda i: -probs[i]) if trimmable else list(range(len(tree)))
-        best_n, best_rate = 0, 1.0 / self.cost(1)
+        best_n, best_rate = 0, 1.0 / self.pass_cost(1)
         expected = 1.0
         for n, node in enumerate(order, start=1):
             expected += probs[node]
-            rate = expected / (self.cost(n + 1) + self.overhead)
+            rate = expected / (self.pass_cost(n + 1) + self.overhead)
             if rate > best_rate and (trimmable or n == len(order)):
                 best_n, best_rate = n, rate
         explore, self._explore = self._explore, False
@@ -350,10 +416,10 @@ class Controller:
         """Plain steps between probes, so that a probe costs about EXPLORE_SHARE of the time. A probe
         loses what a one-node step costs beyond a plain step, or, once measured, what speculative
         steps took beyond the plain steps their tokens would have needed, if that is more."""
-        extra = (self.cost(2) + self.overhead + self.draft_node_s) / self.cost(1) - 1.0
+        extra = (self.pass_cost(2) + self.overhead + self.draft_node_s) / self.pass_cost(1) - 1.0
         learnt = self.learnt
         if learnt.spec_steps >= MIN_REALISED_STEPS:
-            extra = max(extra, learnt.step_seconds / self.cost(1) - learnt.step_tokens)
+            extra = max(extra, learnt.step_seconds / self.pass_cost(1) - learnt.step_tokens)
         return max(4, min(MAX_BACKOFF, math.ceil(extra / EXPLORE_SHARE)))
 
     def node_probs(self, tree: DraftTree) -> list[float]:

@@ -29,6 +29,8 @@ from .drafters import Drafter
 from .tree import DraftTree, Verification
 from .verify import Verifier, make_verifier
 
+EMPTY_TREE = DraftTree()  # what a plain step verified (drafters read it, never change it)
+
 #: Options of every speculative method (the controller's), besides the drafter's own.
 COMMON_OPTIONS = option_table(
     OptionSpec("max_draft", int, 32, "cap on draft-tree nodes per step", lo=1),
@@ -54,16 +56,26 @@ class SpeculativeMethod(StepMethod):
         self.draft_s = self.verify_s = 0.0
         self.by_source: dict[str, int] = {}
 
-    # Inference mode: no autograd bookkeeping per small op, and backends may write caches they
-    # (re)allocated inside their own inference-mode forward passes.
-    @torch.inference_mode()
     def step(self, state: DecodeState) -> list[int]:
         first: list[int] = []
         if state.pending is None:  # right after prefill: the prefill logits give the root
             first = [self._pick(state, state.next_logits())]
             state.commit(first)
+        self.controller.context = len(state.tokens)  # what this step's passes attend to
         t0 = time.perf_counter()
-        tree = self._draft(state)
+        room = state.backend.info.max_length - len(state.tokens) - 1  # a chain's deepest position must fit
+        budget = min(self.controller.budget(), room)
+        if budget <= 0:  # speculation rests: as lean as plain decoding's step, which it replaces
+            produced = self._plain_step(state)
+            self.drafter.observe(1, time.perf_counter() - t0)
+            return first + produced
+        return first + self._speculate(state, budget, t0)
+
+    # Inference mode: no autograd bookkeeping per small op, and backends may write caches they
+    # (re)allocated inside their own inference-mode forward passes.
+    @torch.inference_mode()
+    def _speculate(self, state: DecodeState, budget: int, t0: float) -> list[int]:
+        tree = self._draft(state, budget)
         t1 = time.perf_counter()
         self.draft_s += t1 - t0
         produced = self._verify(state, tree) if len(tree) else self._plain_step(state)
@@ -72,13 +84,9 @@ class SpeculativeMethod(StepMethod):
             self.verify_s += t2 - t1
             self.controller.observe_step(len(produced), t2 - t0)
         self.drafter.observe(len(produced), t2 - t0)  # e.g. the bandit of `auto`: tokens per second
-        return first + produced
+        return produced
 
-    def _draft(self, state: DecodeState) -> DraftTree:
-        room = state.backend.info.max_length - len(state.tokens) - 1  # a chain's deepest position must fit
-        budget = min(self.controller.budget(), room)
-        if budget <= 0:
-            return DraftTree()
+    def _draft(self, state: DecodeState, budget: int) -> DraftTree:
         t0 = time.perf_counter()
         tree = self.drafter.draft(state, budget)
         self.controller.observe_draft(len(tree), time.perf_counter() - t0)  # empty drafts cost too
@@ -111,7 +119,7 @@ class SpeculativeMethod(StepMethod):
         logits = state.next_logits()
         self.controller.observe_cost(1, time.perf_counter() - t0)
         token = self._pick(state, logits)
-        self.drafter.update(state, DraftTree(), Verification([], token), logits[None])
+        self.drafter.update(state, EMPTY_TREE, Verification([], token), logits[None])
         state.commit([token])
         self.plain_steps += 1
         return [token]
