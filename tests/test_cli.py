@@ -64,6 +64,18 @@ def test_json_output_and_prompt_from_stdin(real_model):
 
 
 @pytest.mark.real_model
+def test_seeded_speculative_sampling_gives_samples_tokens_on_the_embedded_model(real_model):
+    def tokens(method: str) -> list[int]:
+        out = run_cli("generate", "Tell a short story about a fox.", "--method", method, "--temperature", "0.8",
+                      "--seed", "7", "--max-new-tokens", "40", "--json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["tokens"]
+
+    want = tokens("sample")
+    assert tokens("pld") == want and tokens("suffix") == want and tokens("pld") == want  # run after run
+
+
+@pytest.mark.real_model
 def test_prompt_longer_than_context_is_a_clear_error(real_model):
     out = run_cli("generate", "--raw", "--max-new-tokens", "8", stdin="word " * 9000)
     assert out.returncode == 2

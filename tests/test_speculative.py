@@ -738,3 +738,23 @@ def test_realised_speed_carries_over_to_the_next_request():
     second = Controller(8, cost_table=costs)
     second.begin(backend, "optimistic-drafter")
     assert not second.speculation_pays() and second.budget() == 0
+
+
+# Seeded sampling ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", speculative_methods())
+def test_a_seed_gives_plain_samplings_tokens_with_every_speculative_method(engines, method):
+    """Keyed draws fix the token at each position before any drafting: with a seed, every
+    speculative method gives `sample`'s tokens, whatever its controller decides and however its
+    steps are timed (an eager controller and a fixed budget alike)."""
+    engine = engines[0]
+    options = dict(REQUIRED.get(method, {}))
+    if method in ("draft", "layerskip"):
+        options["stochastic"] = True  # drafts sampled from q with the target's keyed noise
+    for prompt in PROMPTS[:2]:
+        for seed in (0, 7):
+            args = dict(max_new_tokens=24, chat=False, temperature=0.8, seed=seed)
+            want = engine.generate(prompt, method="sample", **args).tokens
+            assert engine.generate(prompt, method=method, cost_table=FLAT_COSTS, **args, **options).tokens == want
+            assert engine.generate(prompt, method=method, budget=3, **args, **options).tokens == want

@@ -145,7 +145,7 @@ class PlainDecoding(StepMethod):
 
     def step(self, state: DecodeState) -> list[int]:
         logits = state.next_logits()
-        token = int(state.sampler.pick(logits[None], state.history())[0])
+        token = state.sampler.pick_at(logits, len(state.tokens), state.history())
         state.commit([token])
         return [token]
 

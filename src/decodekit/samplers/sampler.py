@@ -35,8 +35,11 @@ from decodekit.samplers.truncation import (
 class Sampler:
     """Applies ``processors`` in order, then picks a token greedily or by sampling.
 
-    All randomness goes through ``self.generator`` (a CPU ``torch.Generator`` seeded from
-    ``seed``, or from fresh OS entropy when ``seed`` is None; the seed used is ``self.seed``).
+    ``seed`` (fresh OS entropy when None; the seed used is ``self.seed``) keys all randomness.
+    The token at a position of one sequence (:meth:`pick_at`, what plain and speculative decoding
+    use) is drawn with noise keyed by (seed, position), so it does not depend on the order of
+    draws; other draws (several rows at once, verifier coin flips) come from ``self.generator``,
+    a CPU ``torch.Generator`` seeded with it.
     Sampling moves the probabilities to the generator's device, so draws do not depend on where
     the logits live.
     """
@@ -154,6 +157,37 @@ class Sampler:
             return x.argmax(dim=-1)
         return self.sample_from(torch.softmax(x, dim=-1))
 
+    def pick_at(self, logits: torch.Tensor, position: int, history: Sequence[torch.Tensor] | None = None) -> int:
+        """The token at ``position`` of a sequence, from its logits ``[V]``: the argmax when greedy,
+        else :meth:`sample_at` of the processed distribution: the same token for the same seed,
+        position and distribution, whatever was drawn before (``history``: one row, if needed)."""
+        x = self.process(logits[None], history)[0]
+        if self._greedy:
+            return int(x.argmax())
+        return self.sample_at(torch.softmax(x, dim=-1), position)
+
+    def sample_at(self, probs: torch.Tensor, position: int) -> int:
+        """One draw from ``probs`` ``[V]`` (non-negative, possibly unnormalised) for ``position``,
+        by the exponential race: argmax p(v) / E(v) with E(v) ~ Exp(1) i.i.d., which is exactly
+        p-distributed (the Gumbel-max trick: -log E is Gumbel). E depends only on (seed, position),
+        never on what was drawn before, so the token at a position is fixed before any drafting:
+        a speculative method reproduces plain sampling token for token, whatever it drafts and
+        however its steps are timed; a draft drawn with the same E (a draft model at temperature)
+        agrees with the target as often as the two distributions allow this coupling."""
+        flat = probs.reshape(-1).to(torch.float32)
+        if bool(flat.sum() <= 0) or not bool(torch.isfinite(flat).all()) or bool((flat < 0).any()):
+            raise ValueError("sample_at needs finite, non-negative probabilities with a positive sum")
+        return int((flat / self.race_noise(position, flat.numel())).argmax())
+
+    def race_noise(self, position: int, size: int) -> torch.Tensor:
+        """Exp(1) draws ``[size]`` that depend only on (seed, position): a generator seeded by a
+        splitmix64 hash of the two (so neighbouring positions get unrelated streams)."""
+        generator = torch.Generator()
+        generator.manual_seed(splitmix64(self.seed ^ splitmix64(position + 1)))
+        # -log U with U uniform in [0, 1): Exp(1), at float32 resolution as torch's own samplers
+        # (several times faster than Tensor.exponential_ on the CPU)
+        return torch.rand(size, generator=generator).log_().neg_()
+
     def sample_from(self, probs: torch.Tensor) -> torch.Tensor:
         """One draw per row from (possibly unnormalised, non-negative) ``probs`` ``[..., V]``,
         using ``self.generator``; returns a LongTensor of shape ``probs.shape[:-1]``."""
@@ -179,3 +213,15 @@ class Sampler:
 
     def __repr__(self) -> str:
         return f"Sampler({self.processors!r}, greedy={self._greedy}, seed={self.seed})"
+
+
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """A 64-bit integer hash (Steele et al.'s SplitMix64 finaliser): nearby inputs, unrelated outputs.
+    The result is kept below 2**63, which ``torch.Generator.manual_seed`` takes on every platform."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (x ^ (x >> 31)) >> 1

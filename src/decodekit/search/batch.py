@@ -3,8 +3,9 @@
 The prefix is run once and its cache forked to N rows; every step appends one token per row
 (logits ``[N, 1, V]``). Rows stop on their own (EOS, stop string, step delimiter, length); a
 finished row keeps feeding an EOS id that nobody reads, and the batch stops when every row is
-done. Each row samples with its own generator, seeded ``seed + i`` from the request's sampler, so
-row i of a batch is the same sample as a sequential ``sample`` run with seed ``seed + i``
+done. Each row samples with its own seed, ``seed + i`` from the request's sampler, drawing the token
+at each position with noise keyed by that seed and the position (``Sampler.sample_at``), so row i
+of a batch is the same sample as a sequential ``sample`` run with seed ``seed + i``
 (up to float rounding differences between batch sizes). Each step also records, from the raw
 model distribution, what the scorers and uncertainty signals need: the chosen token's log-prob,
 self-certainty KL(U || p), the top-2 margin and the top-K log-probs.
@@ -80,7 +81,7 @@ class Sample:
 
 
 class RowSamplers:
-    """One processing chain, one generator per slot (slot i seeded ``seed + i``)."""
+    """One processing chain, one sampler per slot (slot i seeded ``seed + i``)."""
 
     def __init__(self, sampler: Sampler, slots: int):
         self.base = sampler
@@ -93,13 +94,15 @@ class RowSamplers:
     def greedy(self) -> bool:
         return self.base.is_greedy
 
-    def pick(self, logits: torch.Tensor, histories: list[torch.Tensor] | None, slots: Sequence[int]) -> list[int]:
-        """A token for each row of ``logits`` ``[n, V]``; row j draws with slot ``slots[j]``'s generator."""
+    def pick(self, logits: torch.Tensor, histories: list[torch.Tensor] | None, slots: Sequence[int],
+             positions: Sequence[int]) -> list[int]:
+        """A token for each row of ``logits`` ``[n, V]``: row j is the token at ``positions[j]``
+        drawn with slot ``slots[j]``'s seed (keyed, as plain sampling draws: see ``Sampler.sample_at``)."""
         processed = self.base.process(logits, histories)
         if self.greedy:
             return processed.argmax(dim=-1).tolist()
         probs = torch.softmax(processed, dim=-1)
-        return [int(self.samplers[s].sample_from(probs[j : j + 1])[0]) for j, s in enumerate(slots)]
+        return [self.samplers[s].sample_at(probs[j], positions[j]) for j, s in enumerate(slots)]
 
 
 class StepRecorder:
@@ -217,7 +220,8 @@ class SearchContext:
         histories = (
             Histories([prefix + tokens[i] for i in active], len(self.prompt)) if rows.base.needs_history else None
         )
-        picked = rows.pick(logits[active], histories, [slots[i] for i in active])
+        positions = [len(prefix) + len(tokens[i]) for i in active]  # where in its sequence each token goes
+        picked = rows.pick(logits[active], histories, [slots[i] for i in active], positions)
         for i, token in zip(active, picked):
             chosen[i] = token
         return chosen

@@ -184,7 +184,7 @@ class ParticleFilter(StepSearch):
     equal: that is the reference's schedule. With it, ``weight_temperature=1``, the matching ``aggregate``
     and a scorer returning the reference's log-weight (the logit of the PRM's probability), this is
     the reference algorithm. Our default 0.5 resamples less often, which adds less noise; below
-    1.0 a constant scorer never resamples, and since each particle slot keeps its own generator,
+    1.0 a constant scorer never resamples, and since each particle slot keeps its own seed,
     particle i is then the independent sample seeded ``seed + i``.
 
     The returned particle is the finished one with the highest value (the reference's argmax).

@@ -14,7 +14,7 @@ from .controller import Controller, CostTable, prepare
 from .drafters import DRAFTER_SPECS, Drafter, register_drafter
 from .loop import COMMON_OPTIONS, SpeculativeMethod, method_builder
 from .tree import DraftTree, Verification
-from .verify import GreedyVerifier, SamplingVerifier, Verifier
+from .verify import GreedyVerifier, KeyedVerifier, SamplingVerifier, Verifier
 
 
 def register_methods() -> None:
@@ -27,6 +27,6 @@ def register_methods() -> None:
 register_methods()
 
 __all__ = [
-    "Controller", "CostTable", "DRAFTER_SPECS", "DraftTree", "Drafter", "GreedyVerifier", "SamplingVerifier",
+    "Controller", "CostTable", "DRAFTER_SPECS", "DraftTree", "Drafter", "GreedyVerifier", "KeyedVerifier", "SamplingVerifier",
     "SpeculativeMethod", "Verification", "Verifier", "prepare", "register_drafter", "register_methods",
 ]

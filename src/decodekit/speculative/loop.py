@@ -5,7 +5,8 @@ controller grants a budget; the drafter proposes a tree below the root; the cont
 part worth verifying; one ``verify_tree`` pass scores [root] + nodes; the verifier picks the
 accepted path and a bonus token; the cache keeps root + path; the bonus becomes pending.
 An empty tree is a plain step. Output is exactly plain decoding's (greedy: token-identical;
-sampling: identically distributed), whatever the drafter proposes.
+sampling: token-identical to plain sampling with the same seed, see :class:`~.verify.KeyedVerifier`),
+whatever the drafter proposes.
 
 ``drafter.update`` also follows plain steps (an empty tree, the step's logits as ``[1, V]``), so
 drafters that learn from target logits (token recycling) keep learning while speculation rests.
@@ -126,7 +127,7 @@ class SpeculativeMethod(StepMethod):
 
     @staticmethod
     def _pick(state: DecodeState, logits: torch.Tensor) -> int:
-        return int(state.sampler.pick(logits[None], state.history())[0])
+        return state.sampler.pick_at(logits, len(state.tokens), state.history())
 
     def _count_sources(self, tree: DraftTree, verdict: Verification) -> None:
         for i in verdict.path:

@@ -102,8 +102,22 @@ def merge_into(tree: DraftTree, other: DraftTree, budget: int) -> None:
 
 
 def select_nodes(tree: DraftTree, nodes: list[int]) -> DraftTree:
-    """The subtree made of ``nodes`` (ancestor-closed, any order), reindexed in topological order."""
-    keep = sorted(nodes)
+    """The subtree made of ``nodes`` (ancestor-closed, any order), reindexed in topological order.
+
+    Children sampled without replacement (their parent has ``draft_probs``) can only be verified
+    in draw order by recursive rejection sampling: the second draw is not distributed as q. So of
+    such siblings only a prefix in draw order is kept (up to the first one not chosen), with
+    everything below the dropped ones."""
+    chosen = set(nodes)
+    dropped: set[int] = set()
+    seen_gap: set[int] = set()  # sampled parents whose children have had a gap in draw order
+    for i, parent in enumerate(tree.parents):  # parents come before children
+        if parent in dropped or (parent in tree.draft_probs and parent in seen_gap):
+            dropped.add(i)
+        elif i not in chosen:
+            dropped.add(i)
+            seen_gap.add(parent)
+    keep = sorted(chosen - dropped)
     index = {old: new for new, old in enumerate(keep)}
     parents = [-1 if tree.parents[i] < 0 else index[tree.parents[i]] for i in keep]
     probs = {(-1 if p < 0 else index[p]): q for p, q in tree.draft_probs.items() if p < 0 or p in index}

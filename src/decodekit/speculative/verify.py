@@ -6,6 +6,9 @@ same sampler would produce them.
 * :class:`GreedyVerifier` — follow, from the root, the child whose token is the target's argmax
   (of the *processed* logits, so greedy decoding with penalties stays exact); the bonus is the
   argmax after the last accepted node.
+* :class:`KeyedVerifier` — the default for sampled requests: the target's token at each position
+  is drawn with noise keyed by (seed, position), so the output is token-identical to plain
+  sampling with the same seed, and a draft is accepted when it equals that token.
 * :class:`SamplingVerifier` — speculative sampling (Leviathan et al. 2023, "Fast inference from
   transformers via speculative decoding"; Chen et al. 2023, "Accelerating large language model
   decoding with speculative sampling") generalised to trees by recursive rejection sampling over
@@ -56,23 +59,54 @@ class Verifier(ABC):
         """``logits`` ``[N + 1, V]``: row 0 follows the root, row i + 1 follows node i."""
 
 
-class GreedyVerifier(Verifier):
-    """Longest root path whose tokens are the target's argmax at every step; bonus = the next argmax."""
+class PathVerifier(Verifier):
+    """Follows, from the root, the child whose token is the one plain decoding would choose at
+    that position; the bonus is the choice after the last accepted node. Exact whatever the
+    drafter proposed, since every returned token is plain decoding's own choice."""
 
     def verify(self, state: DecodeState, tree: DraftTree, logits: torch.Tensor) -> Verification:
-        targets = processed_logits(state, tree, logits).argmax(dim=-1).tolist()
+        choose = self.chooser(state, processed_logits(state, tree, logits))
         child_of = {}
         for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
             child_of.setdefault((parent, token), i)
         path: list[int] = []
         node = -1
         while True:
-            want = targets[node + 1]
+            want = choose(node + 1, len(path))
             child = child_of.get((node, want))
             if child is None:
                 return Verification(path, want)
             path.append(child)
             node = child
+
+    @abstractmethod
+    def chooser(self, state: DecodeState, processed: torch.Tensor):
+        """``choose(row, depth)``: plain decoding's token after row ``row`` of ``processed``
+        (``[N + 1, V]``), which sits ``depth`` tokens below the root."""
+
+
+class GreedyVerifier(PathVerifier):
+    """Longest root path whose tokens are the target's argmax at every step; bonus = the next argmax
+    (of the *processed* logits, so greedy decoding with penalties stays exact)."""
+
+    def chooser(self, state: DecodeState, processed: torch.Tensor):
+        targets = processed.argmax(dim=-1).tolist()
+        return lambda row, depth: targets[row]
+
+
+class KeyedVerifier(PathVerifier):
+    """Seeded sampling, token-identical to plain sampling: the target's token at each position is
+    :meth:`~decodekit.samplers.Sampler.sample_at` of the processed distribution, drawn with noise
+    keyed by (seed, position); a child is accepted when it is that token. A point-mass draft is
+    then accepted with probability p(x), as in speculative sampling; a draft sampled with the
+    same keyed noise from q is accepted as often as that coupling of q and p allows (our choice:
+    reproducibility over the last few points of acceptance of rejection sampling; see
+    :class:`SamplingVerifier` for the latter)."""
+
+    def chooser(self, state: DecodeState, processed: torch.Tensor):
+        probs = torch.softmax(processed, dim=-1)
+        base = len(state.tokens)  # the root's child sits at this position
+        return lambda row, depth: state.sampler.sample_at(probs[row], base + depth)
 
 
 class SamplingVerifier(Verifier):
@@ -143,4 +177,6 @@ def residual(p: torch.Tensor, q: torch.Tensor | None, rejected: int) -> torch.Te
 
 
 def make_verifier(state: DecodeState) -> Verifier:
-    return GreedyVerifier() if state.sampler.is_greedy else SamplingVerifier()
+    """Greedy requests: :class:`GreedyVerifier`; sampled ones: :class:`KeyedVerifier`, so that a
+    seed gives the same tokens with or without speculation."""
+    return GreedyVerifier() if state.sampler.is_greedy else KeyedVerifier()

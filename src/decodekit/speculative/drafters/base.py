@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ...engine.core import DecodeState
-from ...samplers import Sampler
+from ...samplers import Histories, Sampler
 from ...options import OptionSpec, check_int, option_table
 from ..tree import DraftTree, Verification
 
@@ -85,7 +85,7 @@ class ContextDrafter(Drafter):
 
 
 def choose_token(
-    logits: torch.Tensor, sampler: Sampler, history: list[int], sample: bool
+    logits: torch.Tensor, sampler: Sampler, history: list[int], sample: bool, prompt_len: int = 0
 ) -> tuple[int | None, float, torch.Tensor]:
     """One draft choice from draft logits ``[V]``: (token, top-1 probability, distribution q).
 
@@ -93,7 +93,8 @@ def choose_token(
     for greedy samplers, so that the confidence is meaningful). The token is None when
     ``sample`` is set: the caller draws it after the confidence test.
     """
-    histories = [torch.tensor(history)] if sampler.needs_history else None
+    # the frequency and presence penalties count generated ids only: the history knows where the prompt ends
+    histories = Histories([history], prompt_len) if sampler.needs_history else None
     q = torch.softmax(sampler.process(logits[None], histories)[0], dim=-1)
     top = int(q.argmax())
     return (None if sample else top), float(q[top]), q
@@ -150,11 +151,11 @@ class ChainDrafter(Drafter):
             for i in range(budget):
                 if i:
                     logits = self._advance(tree.tokens[-1])
-                token, top_prob, q = choose_token(logits, sampler, history, sample)
+                token, top_prob, q = choose_token(logits, sampler, history, sample, state.prompt_len)
                 if top_prob < self.confidence:
                     break
-                if sample:
-                    token = int(sampler.sample_from(q))
+                if sample:  # the target's keyed noise at this position: agrees with it where q ~ p
+                    token = sampler.sample_at(q, len(history))
                     tree.draft_probs[i - 1] = q
                 tree.add(token, i - 1, self.name)
                 history.append(token)
