@@ -534,6 +534,21 @@ def test_the_controller_prices_each_step_at_the_requests_length():
     assert len(ctl.select(chain_tree(1))) == 0
 
 
+def test_a_node_is_verified_only_for_a_gain_beyond_the_margin():
+    """Estimates err both ways: a node whose expected gain over a plain step is under GAIN_MARGIN
+    (5%) is not worth the risk of a slower step."""
+    from decodekit.speculative.controller import GAIN_MARGIN
+
+    def keeps(p: float) -> int:
+        ctl = Controller(4, cost_table={1: 1.0, 2: 1.2, 4: 1.6})
+        ctl.learnt.accept[("s", 0, 0)] = p
+        return len(ctl.select(chain_tree(1)))
+
+    assert GAIN_MARGIN == 0.05
+    assert keeps(0.24) == 0  # (1 + 0.24) / 1.2 = 1.033x plain: under the margin
+    assert keeps(0.30) == 1  # 1.083x plain
+
+
 def test_the_loop_tells_the_controller_the_requests_length(engines):
     engine = engines[0]
     seen: list[int] = []

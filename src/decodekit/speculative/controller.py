@@ -14,7 +14,9 @@ written to disk. :class:`Controller` keeps an exponential moving average of the
 probability that a draft node is accepted given its parent was, per (drafter, depth, sibling
 rank), and each step keeps the subset of the drafted tree that maximises expected tokens per
 second — ``(1 + sum of the kept nodes' acceptance probabilities) / (cost(n + 1) + overhead)`` —
-against plain decoding's ``1 / cost(1)``. Keeping nothing (a plain step) is a choice, so
+against plain decoding's ``1 / cost(1)``, which a tree must beat by ``GAIN_MARGIN`` (the
+estimates err both ways, and a step that loses costs as much as one that wins gains). Keeping
+nothing (a plain step) is a choice, so
 speculation that does not pay falls back to plain decoding. (Our design; the per-node model is
 the one behind EAGLE-2's and Sequoia's tree sizing, with counts instead of draft confidences.)
 
@@ -53,7 +55,6 @@ its cost is spent, so :meth:`Controller.select` weighs only verification.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Mapping
@@ -75,6 +76,7 @@ MAX_RANK_KEY = 7
 CHEAP_DRAFT = 0.02  # a draft call under 2% of a plain step: no need to plan the depth
 PRIOR_ACCEPT = 0.1  # assumed P(accepted) of a first-level node never verified (rank 0)
 PRIOR_WEIGHT = 2.0  # ... worth this many observations: the first ones are averaged with it
+GAIN_MARGIN = 0.05  # speculate only where the estimate beats plain decoding by 5%: estimates err both ways
 
 
 def _interpolate(xs: list[int], ys: list[float], x: int) -> float:
@@ -370,7 +372,7 @@ class Controller:
     def best_chain_depth(self) -> int:
         """The chain depth (0 = none) with the best expected tokens per second, counting
         drafting at the measured cost per node."""
-        best_depth, best_rate = 0, 1.0 / self.pass_cost(1)
+        best_depth, best_rate = 0, (1.0 + GAIN_MARGIN) / self.pass_cost(1)
         expected, reach = 1.0, 1.0
         for depth in range(1, self.max_draft + 1):
             reach *= self._accept((self.learnt.chain_source, min(depth - 1, MAX_DEPTH_KEY), 0))
@@ -390,7 +392,7 @@ class Controller:
             return tree
         probs = self.node_probs(tree)
         order = sorted(range(len(tree)), key=lambda i: -probs[i]) if trimmable else list(range(len(tree)))
-        best_n, best_rate = 0, 1.0 / self.pass_cost(1)
+        best_n, best_rate = 0, (1.0 + GAIN_MARGIN) / self.pass_cost(1)
         expected = 1.0
         for n, node in enumerate(order, start=1):
             expected += probs[node]
