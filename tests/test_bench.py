@@ -148,6 +148,18 @@ def test_a_question_gets_a_different_order_in_every_repeat():
         assert sorted(firsts) == names
 
 
+def test_a_contestant_failing_to_start_a_repeat_is_noted_and_the_bench_goes_on(tiny: LoadedModel, qfile: Path):
+    class Brittle(Scripted):
+        def fresh(self):
+            raise RuntimeError("no memory for a clone")
+
+    log: list = []
+    run = run_bench([Scripted("greedy", log), Brittle("b", log)], load_questions(qfile, limit=1), prompt_fn(tiny),
+                    BenchConfig(max_new_tokens=2, repeats=2), progress=False)
+    assert any("b failed in a repeat's warm-up: RuntimeError: no memory for a clone" in n for n in run.notes)
+    assert {r["repeat"] for r in run.records if r["method"] == "greedy"} == {0, 1}
+
+
 def test_timed_runs_start_with_collected_garbage_and_no_collection_during_them(tiny: LoadedModel, qfile: Path):
     import gc
 

@@ -47,3 +47,24 @@ def test_greedy_matches_transformers_generate_on_specbench(real_model, hf_model,
             logits = hf_model(torch.tensor([ids + theirs[:first]])).logits[0, -1]
         top2 = logits.topk(2).values
         assert float(top2[0] - top2[1]) < 1e-4, f"greedy diverged at {first} with a clear margin"
+
+
+def test_one_thread_or_two_gives_the_same_tokens_on_the_real_model(real_model):
+    """The thread governor may switch between one thread and two from pass to pass (the kernels
+    never split a row; prefill's torch matmuls are held to the same here)."""
+    import torch
+
+    from decodekit.engine import Engine
+
+    engine, before, outputs = Engine(real_model), torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outputs.append([
+                engine.generate("Explain why the sky is blue.", max_new_tokens=24).tokens,
+                engine.generate("Write a line of poetry.", method="sample", temperature=0.9, seed=5, max_new_tokens=24).tokens,
+                engine.generate("Count from one to ten.", method="pld", max_new_tokens=24).tokens,
+            ])
+    finally:
+        torch.set_num_threads(before)
+    assert outputs[0] == outputs[1]

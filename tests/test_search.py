@@ -397,3 +397,22 @@ def test_particle_weight_temperature_is_its_own_option(tiny_model):
     assert out.tokens
     with pytest.raises(InvalidParameter, match="weight_temperature"):
         engine.generate("ab", method="particle", weight_temperature=0.0, max_new_tokens=4, chat=False)
+
+
+def test_astar_gives_every_expansion_its_own_seeds(tiny, monkeypatch):
+    """Draws are keyed by seed and position: two nodes expanded at the same position with the
+    same slot seeds would get coupled samples, so each expansion takes fresh slots."""
+    from decodekit.search.steps import StepSearch
+
+    used: list[tuple[int, ...]] = []
+    original = StepSearch.expand
+
+    def spy(self, ctx, node, rows, slots, cap=None):
+        used.append(tuple(rows.samplers[s].seed for s in slots))
+        return original(self, ctx, node, rows, slots, cap)
+
+    monkeypatch.setattr(StepSearch, "expand", spy)
+    Engine(tiny).generate("hello", method="astar", n=3, token_budget=60, delimiter="e", max_step_tokens=6,
+                          max_new_tokens=60, chat=False, seed=1)
+    seeds = [s for expansion in used for s in expansion]
+    assert len(used) > 1 and len(set(seeds)) == len(seeds)

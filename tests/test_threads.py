@@ -49,3 +49,58 @@ def test_mixed_methods_from_threads_match_one_at_a_time():
     assert not errors, errors
     for i, outputs in results.items():
         assert all(tokens == expected[i] for tokens in outputs), CALLS[i]
+
+
+# The kernels' thread count under contention -----------------------------------------------------
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from decodekit.models.threads import FIRST_PROBE, LONGEST_PAUSE, ThreadGovernor  # noqa: E402
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def drive(governor: ThreadGovernor, seconds: dict[int, float], passes: int) -> list[int]:
+    """Run ``passes`` timed one-token passes whose time depends only on the thread count."""
+    used = []
+    for _ in range(passes):
+        n = governor.choose(timed=True)
+        assert torch.get_num_threads() == n  # torch's count is what the governor chose
+        governor.observe(n, seconds[n])
+        used.append(n)
+    return used
+
+
+def test_the_governor_drops_to_one_thread_when_two_are_slower_and_returns_when_quiet(two_threads):
+    governor = ThreadGovernor()
+    quiet = drive(governor, {2: 3.0, 1: 5.0}, 200)
+    assert quiet[:2] == [2, 1] and quiet[-50:].count(2) >= 49  # tries both, keeps the faster
+    assert governor.pause > FIRST_PROBE  # one thread kept losing: tried ever more rarely
+    shared = drive(governor, {2: 12.0, 1: 6.0}, 100)  # another process took a core
+    assert shared.index(1) <= 10 and shared[-50:].count(1) >= 49  # within a few slow passes
+    back = drive(governor, {2: 3.0, 1: 5.0}, LONGEST_PAUSE + 2)
+    assert back[-1] == 2 and back.count(2) > LONGEST_PAUSE // 2  # one quiet probe is enough
+
+
+def test_untimed_passes_never_probe_and_a_count_set_by_the_user_is_respected(two_threads):
+    governor = ThreadGovernor()
+    assert [governor.choose(timed=False) for _ in range(100)] == [2] * 100
+    torch.set_num_threads(1)
+    assert governor.choose(timed=True) == 1 and governor.most == 1
+
+
+def test_the_thread_count_never_changes_a_token(two_threads):
+    """What the governor may switch between passes: one thread or two, every method's output the same."""
+    outputs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        engine = make_engine()
+        outputs.append([run(engine, prompt, params) for prompt, params in CALLS])
+    assert outputs[0] == outputs[1]

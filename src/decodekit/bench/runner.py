@@ -261,7 +261,7 @@ def run_bench(contestants: Sequence[Contestant], questions: Sequence[Question], 
             if (repeat, question.question_id) in done:
                 continue
             if current is not None and repeat != current:
-                restart(kept, prompt_ids, config)
+                restart(kept, prompt_ids, config, notes)
             current = repeat
             batch = []
             for position, name in enumerate(order):
@@ -276,15 +276,18 @@ def run_bench(contestants: Sequence[Contestant], questions: Sequence[Question], 
     return BenchRun(records, rss, notes, [c.describe() for c in kept], resumed=len(done))
 
 
-def restart(contestants: Sequence[Contestant], prompt_ids: PromptIds, config: BenchConfig) -> None:
+def restart(contestants: Sequence[Contestant], prompt_ids: PromptIds, config: BenchConfig, notes: list[str]) -> None:
     """Before each repeat after the first, every contestant forgets what it learnt across requests
     and is warmed up again: a repeat asks the same questions, and a method that remembers its
     earlier answers (a suffix corpus) would otherwise draft them; this way every repeat measures
     the same thing, from the same start."""
     ids = prompt_ids([{"role": "user", "content": WARMUP_PROMPT}])
     for c in contestants:
-        c.fresh()
-        c.run(ids, min(config.warmup_tokens, config.max_new_tokens))
+        try:
+            c.fresh()
+            c.run(ids, min(config.warmup_tokens, config.max_new_tokens))
+        except Exception as err:  # its timed runs will record what goes wrong; the others still run
+            notes.append(f"{c.name} failed in a repeat's warm-up: {type(err).__name__}: {err}")
 
 
 def run_one(contestant: Contestant, question: Question, prompt_ids: PromptIds, config: BenchConfig,

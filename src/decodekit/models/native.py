@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from ..errors import InvalidParameter
 from .backend import Backend, ModelInfo, StepOutput
 from .gguf_blocks import BlockMatrix, matching_blocks
+from .threads import GOVERNOR
 from .kernels import (
     MAX_ROWS, DecoderLayers, KernelProjection, block_matmul, decoder_layers, few_rows_matmul, layer_ops,
     layout_independent_attention,
@@ -373,6 +375,24 @@ class NativeLlama(Backend):
         self._length = length
 
     def _forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        hidden_layers: Sequence[int],
+        skip_layers: frozenset[int],
+        last_only: bool,
+    ) -> StepOutput:
+        # the kernels' thread count for this pass; one-token passes are timed for the governor
+        timed = tokens.numel() == 1 and not skip_layers
+        threads = GOVERNOR.choose(timed)
+        t0 = time.perf_counter()
+        out = self._pass(tokens, positions, mask, hidden_layers, skip_layers, last_only)
+        if timed:
+            GOVERNOR.observe(threads, time.perf_counter() - t0)
+        return out
+
+    def _pass(
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,

@@ -36,10 +36,11 @@ class Sampler:
     """Applies ``processors`` in order, then picks a token greedily or by sampling.
 
     ``seed`` (fresh OS entropy when None; the seed used is ``self.seed``) keys all randomness.
-    The token at a position of one sequence (:meth:`pick_at`, what plain and speculative decoding
-    use) is drawn with noise keyed by (seed, position), so it does not depend on the order of
-    draws; other draws (several rows at once, verifier coin flips) come from ``self.generator``,
-    a CPU ``torch.Generator`` seeded with it.
+    The token at a position of a sequence (:meth:`pick_at`, :meth:`sample_at`: what plain,
+    speculative and batched decoding use) is drawn with noise keyed by (seed, position), so it
+    does not depend on the order of draws; other draws (:meth:`pick` of several rows,
+    :meth:`sample_from`, :meth:`uniform`: rejection sampling's coin flips, resampling) come from
+    ``self.generator``, a CPU ``torch.Generator`` seeded with it.
     Sampling moves the probabilities to the generator's device, so draws do not depend on where
     the logits live.
     """
@@ -174,7 +175,7 @@ class Sampler:
         a speculative method reproduces plain sampling token for token, whatever it drafts and
         however its steps are timed; a draft drawn with the same E (a draft model at temperature)
         agrees with the target as often as the two distributions allow this coupling."""
-        flat = probs.reshape(-1).to(torch.float32)
+        flat = probs.reshape(-1).to("cpu", torch.float32)  # the noise is drawn on the CPU
         if bool(flat.sum() <= 0) or not bool(torch.isfinite(flat).all()) or bool((flat < 0).any()):
             raise ValueError("sample_at needs finite, non-negative probabilities with a positive sum")
         return int((flat / self.race_noise(position, flat.numel())).argmax())

@@ -85,10 +85,18 @@ class RowSamplers:
 
     def __init__(self, sampler: Sampler, slots: int):
         self.base = sampler
-        self.samplers = [
-            Sampler(sampler.processors, greedy=sampler.is_greedy, seed=(sampler.seed + i) % SEED_MOD)
-            for i in range(slots)
-        ]
+        self.samplers = [self._slot(i) for i in range(slots)]
+
+    def _slot(self, i: int) -> Sampler:
+        return Sampler(self.base.processors, greedy=self.base.is_greedy, seed=(self.base.seed + i) % SEED_MOD)
+
+    def fresh_slots(self, first: int, n: int) -> range:
+        """Slots ``first .. first + n - 1``, made as needed: a search that expands node after node
+        gives each expansion its own, since draws are keyed by seed and position and two nodes at
+        the same position drawing with the same seeds would get coupled samples."""
+        while len(self.samplers) < first + n:
+            self.samplers.append(self._slot(len(self.samplers)))
+        return range(first, first + n)
 
     @property
     def greedy(self) -> bool:

@@ -258,7 +258,7 @@ class AStarDecoding(StepSearch):
             if per_child < 1:
                 heapq.heappush(queue, (-node.value(self.how), next(order), node))
                 break
-            for child in self.expand(ctx, node, rows, range(self.n), cap=per_child):
+            for child in self.expand(ctx, node, rows, rows.fresh_slots(expansions * self.n, self.n), cap=per_child):
                 seen.append(child)
                 heapq.heappush(queue, (-child.value(self.how), next(order), child))
             expansions += 1

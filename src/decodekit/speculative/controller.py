@@ -46,7 +46,8 @@ and only probes until speculation measurably pays again: never slower than plain
 measurement, not only by estimate. (Our design.)
 
 Drafting itself can cost as much as verifying (a draft model, or the target with layers
-skipped). The controller times drafting per drafted node, and when that is not negligible it
+skipped). The controller times drafting per draft call and per drafted node; when a call is not
+negligible against a plain step it
 decides *before* drafting how deep a chain is worth drafting — maximising
 ``(1 + expected accepted) / (depth * draft cost per node + cost(depth + 1) + overhead)`` — and
 takes a plain step without drafting when no depth beats plain decoding. Once a tree is drafted

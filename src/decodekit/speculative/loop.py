@@ -30,8 +30,6 @@ from .drafters import Drafter
 from .tree import DraftTree, Verification
 from .verify import Verifier, make_verifier
 
-EMPTY_TREE = DraftTree()  # what a plain step verified (drafters read it, never change it)
-
 #: Options of every speculative method (the controller's), besides the drafter's own.
 COMMON_OPTIONS = option_table(
     OptionSpec("max_draft", int, 32, "cap on draft-tree nodes per step", lo=1),
@@ -41,7 +39,7 @@ COMMON_OPTIONS = option_table(
 
 
 class SpeculativeMethod(StepMethod):
-    """Draft with ``drafter``, size with ``controller``, verify losslessly (greedy or speculative sampling)."""
+    """Draft with ``drafter``, size with ``controller``, verify losslessly (greedy or keyed sampling)."""
 
     def __init__(self, drafter: Drafter, controller: Controller, verifier: Verifier | None = None):
         self.drafter = drafter
@@ -120,7 +118,7 @@ class SpeculativeMethod(StepMethod):
         logits = state.next_logits()
         self.controller.observe_cost(1, time.perf_counter() - t0)
         token = self._pick(state, logits)
-        self.drafter.update(state, EMPTY_TREE, Verification([], token), logits[None])
+        self.drafter.update(state, DraftTree(), Verification([], token), logits[None])
         state.commit([token])
         self.plain_steps += 1
         return [token]

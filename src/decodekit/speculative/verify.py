@@ -104,9 +104,8 @@ class KeyedVerifier(PathVerifier):
     :class:`SamplingVerifier` for the latter)."""
 
     def chooser(self, state: DecodeState, processed: torch.Tensor):
-        probs = torch.softmax(processed, dim=-1)
         base = len(state.tokens)  # the root's child sits at this position
-        return lambda row, depth: state.sampler.sample_at(probs[row], base + depth)
+        return lambda row, depth: state.sampler.sample_at(torch.softmax(processed[row], dim=-1), base + depth)
 
 
 class SamplingVerifier(Verifier):
