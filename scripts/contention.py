@@ -35,7 +35,7 @@ def main() -> None:
     engine = Engine(load_model())
     engine.generate(PROMPT, max_new_tokens=16)  # warm-up
     results, threads = {}, torch.get_num_threads()
-    for governed in (True, False):
+    for governed in (False, True):
         os.environ["DECODEKIT_THREAD_GOVERNOR"] = "1" if governed else "0"
         torch.set_num_threads(threads)  # the governor may have left one thread set
         quiet = tokens_per_second(engine, args.requests)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -384,61 +383,45 @@ class NativeLlama(Backend):
         last_only: bool,
     ) -> StepOutput:
         # the kernels' thread count for this pass; one-token passes are timed for the governor
-        timed = tokens.numel() == 1 and not skip_layers
-        threads = GOVERNOR.choose(timed)
-        t0 = time.perf_counter()
-        out = self._pass(tokens, positions, mask, hidden_layers, skip_layers, last_only)
-        if timed:
-            GOVERNOR.observe(threads, time.perf_counter() - t0)
-        return out
+        with GOVERNOR.governed(timed=tokens.numel() == 1 and not skip_layers):
+            c, w = self.config, self.weights
+            batch, k = tokens.shape
+            start = self._length
+            self._ensure_capacity(start + k)
+            # Passes the matmul kernels take also get the element-wise kernels, so a token's
+            # arithmetic is the same in a plain step and in any verification pass.
+            ops = self._ops if k <= MAX_ROWS else None
 
-    def _pass(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor | None,
-        hidden_layers: Sequence[int],
-        skip_layers: frozenset[int],
-        last_only: bool,
-    ) -> StepOutput:
-        c, w = self.config, self.weights
-        batch, k = tokens.shape
-        start = self._length
-        self._ensure_capacity(start + k)
-        # Passes the matmul kernels take also get the element-wise kernels, so a token's
-        # arithmetic is the same in a plain step and in any verification pass.
-        ops = self._ops if k <= MAX_ROWS else None
-
-        x = F.embedding(tokens, w.embed)  # a fresh tensor: the residual stream, updated in place
-        if self._stack is not None and batch == 1 and ops is not None and not hidden_layers:
-            # the same kernels as the loop below, called from C in one go
-            pending = torch.empty_like(x)
-            ran = self._stack.run(
-                x[0], pending[0], self._freqs_pairs, positions, mask, self._k[:, 0], self._v[:, 0], start, skip_layers
-            )
-            return self._logits(x, pending if ran else None, ops, last_only, {})
-        pending = None  # the last MLP output, added to x inside the next norm (one fused call)
-        hidden: dict[int, torch.Tensor] = {}
-        if 0 in hidden_layers:
-            hidden[0] = x.clone()
-        for i, layer in enumerate(w.layers):
-            if i not in skip_layers:
-                h = self._add_norm(x, pending, layer["attn_norm"], ops)
-                attn = self._attention(i, layer["qkv"](h), positions, mask, start, ops)
-                h = self._add_norm(x, layer["o"](attn), layer["mlp_norm"], ops)
-                gate_up = layer["gate_up"](h)
-                if ops is not None:
-                    act = ops.silu_mul(gate_up)
-                else:
-                    gate, up = gate_up.chunk(2, dim=-1)
-                    act = F.silu(gate) * up
-                pending = layer["down"](act)
-            if i + 1 in hidden_layers:
-                if pending is not None:
-                    x.add_(pending)  # rounds as the fused add does
-                    pending = None
-                hidden[i + 1] = x.clone()
-        return self._logits(x, pending, ops, last_only, hidden)
+            x = F.embedding(tokens, w.embed)  # a fresh tensor: the residual stream, updated in place
+            if self._stack is not None and batch == 1 and ops is not None and not hidden_layers:
+                # the same kernels as the loop below, called from C in one go
+                pending = torch.empty_like(x)
+                ran = self._stack.run(
+                    x[0], pending[0], self._freqs_pairs, positions, mask, self._k[:, 0], self._v[:, 0], start, skip_layers
+                )
+                return self._logits(x, pending if ran else None, ops, last_only, {})
+            pending = None  # the last MLP output, added to x inside the next norm (one fused call)
+            hidden: dict[int, torch.Tensor] = {}
+            if 0 in hidden_layers:
+                hidden[0] = x.clone()
+            for i, layer in enumerate(w.layers):
+                if i not in skip_layers:
+                    h = self._add_norm(x, pending, layer["attn_norm"], ops)
+                    attn = self._attention(i, layer["qkv"](h), positions, mask, start, ops)
+                    h = self._add_norm(x, layer["o"](attn), layer["mlp_norm"], ops)
+                    gate_up = layer["gate_up"](h)
+                    if ops is not None:
+                        act = ops.silu_mul(gate_up)
+                    else:
+                        gate, up = gate_up.chunk(2, dim=-1)
+                        act = F.silu(gate) * up
+                    pending = layer["down"](act)
+                if i + 1 in hidden_layers:
+                    if pending is not None:
+                        x.add_(pending)  # rounds as the fused add does
+                        pending = None
+                    hidden[i + 1] = x.clone()
+            return self._logits(x, pending, ops, last_only, hidden)
 
     def _logits(self, x: torch.Tensor, pending: torch.Tensor | None, ops, last_only: bool, hidden: dict) -> StepOutput:
         w = self.weights

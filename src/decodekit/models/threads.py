@@ -25,6 +25,9 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -71,6 +74,15 @@ class ThreadGovernor:
                 torch.set_num_threads(best)
             self.current = best
             return best
+
+    @contextmanager
+    def governed(self, timed: bool) -> Iterator[int]:
+        """Around a pass: choose its thread count and, for a ``timed`` one, report its time."""
+        threads = self.choose(timed)
+        t0 = time.perf_counter()
+        yield threads
+        if timed:
+            self.observe(threads, time.perf_counter() - t0)
 
     def observe(self, threads: int, seconds: float) -> None:
         """A one-token pass run with ``threads`` threads took ``seconds``."""
