@@ -10,6 +10,7 @@ from typing import Any
 
 from ..arguments import ArgumentParser, add_model_arguments, check_argv
 from ..bench import cli as bench_cli
+from ..bench import profile as profile_cli
 from ..engine import available_methods, build_decoder, make_sampler, method_spec, split_params
 from ..errors import DecodeKitError, InvalidParameter
 from ..eval import cli as eval_cli
@@ -20,7 +21,7 @@ from ..samplers import SAMPLER_OPTIONS
 SAMPLER_FLAGS: dict[str, OptionSpec] = {name: spec for name, spec in SAMPLER_OPTIONS.items() if name != "greedy"}
 
 #: Subcommands that live with their feature: modules exposing add_parser(subparsers).
-PLUGIN_COMMANDS = (bench_cli, eval_cli)
+PLUGIN_COMMANDS = (bench_cli, profile_cli, eval_cli)
 
 #: What leaves ``decodekit chat`` (besides Ctrl-D).
 CHAT_EXIT = ("/exit", "/quit", "exit", "quit")

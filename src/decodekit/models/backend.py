@@ -100,6 +100,11 @@ class Backend(ABC):
                 store[key] = factory()
             return store[key]
 
+    def weight_traffic(self) -> tuple[int, int] | None:
+        """(bytes a one-token pass reads from the weights, multiply-adds per token), for judging a
+        pass's speed against the machine's bandwidth and arithmetic rate; None where unknown."""
+        return None
+
     @property
     def lock(self) -> threading.RLock:
         """Held for a whole request: the cache holds one request at a time, and what methods learn

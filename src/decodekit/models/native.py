@@ -159,6 +159,11 @@ class Projection:
             self.few_rows = lambda weight, x: kernel(data, x, blocks.n_in)
             self.kernel = (kernel.address, data, weight.shape[0], blocks.n_in)
 
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes a few-row pass reads from this projection's weights (its blocks, where it streams them)."""
+        return self.kernel[1].nbytes if self.kernel is not None else self.weight.nbytes
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if self.few_rows is not None and rows <= MAX_ROWS:
@@ -372,6 +377,10 @@ class NativeLlama(Backend):
 
     def _set_length(self, length: int) -> None:
         self._length = length
+
+    def weight_traffic(self) -> tuple[int, int]:
+        projections = self.weights.projections
+        return sum(p.streamed_bytes for p in projections), sum(p.weight.numel() for p in projections)
 
     def _forward(
         self,

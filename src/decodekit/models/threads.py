@@ -47,6 +47,8 @@ class ThreadGovernor:
         self.pause = FIRST_PROBE
         self.since_probe = 0
         self.probing = False
+        self.leader: int | None = None  # the count with the best estimate at the last choice
+        self.held: int | None = None  # set by hold(): every pass uses it, nothing is timed
         self._lock = threading.Lock()
 
     def choose(self, timed: bool) -> int:
@@ -60,7 +62,15 @@ class ThreadGovernor:
             if found != self.current:  # the first pass, or someone set torch's count: start over
                 self.most, self.estimate, self.pause, self.since_probe = found, {}, FIRST_PROBE, 0
             counts = (self.most, 1) if self.most > 1 else (1,)
+            if self.held is not None:  # a measurement that must not mix thread counts
+                best = self.held
+                if best != found:
+                    torch.set_num_threads(best)
+                self.current = best
+                return best
             best = min(counts, key=lambda n: self.estimate.get(n, -math.inf if n == self.most else math.inf))
+            if best != self.leader:  # a switch: try the count just left again soon (a burst may be over)
+                self.leader, self.pause, self.since_probe = best, FIRST_PROBE, 0
             self.probing = False
             if timed and len(counts) > 1:
                 unmeasured = [n for n in counts if n not in self.estimate]
@@ -76,8 +86,20 @@ class ThreadGovernor:
             return best
 
     @contextmanager
+    def hold(self) -> Iterator[None]:
+        """Every pass inside uses all threads and nothing is timed: for measurements of pass costs
+        (the verify-cost table, ``decodekit profile``), which must not mix thread counts."""
+        outer = self.held
+        self.held = outer or (torch.get_num_threads() if self.current is None else self.most)
+        try:
+            yield
+        finally:
+            self.held = outer
+
+    @contextmanager
     def governed(self, timed: bool) -> Iterator[int]:
         """Around a pass: choose its thread count and, for a ``timed`` one, report its time."""
+        timed = timed and self.held is None
         threads = self.choose(timed)
         t0 = time.perf_counter()
         yield threads

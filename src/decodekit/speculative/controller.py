@@ -65,6 +65,7 @@ import torch
 
 from ..errors import InvalidParameter
 from ..models.backend import Backend
+from ..models.threads import GOVERNOR
 from .tree import DraftTree, Verification, select_nodes
 
 MEASURE_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
@@ -161,24 +162,31 @@ class CostTable:
         contexts = sorted({max(start, 1, min(c, limit)) for c in MEASURE_CONTEXTS})
         rows: dict[int, dict[int, float]] = {}
         try:
-            for context in contexts:
-                if backend.length < context:
-                    backend.append(torch.zeros(1, context - backend.length, dtype=torch.long), last_only=True)
-                origin = backend.length
-                room = backend.info.max_length - origin
-                best = {n: math.inf for n in [n for n in sizes if n <= room] or [1]}
-                for rnd in range(rounds + 1):
-                    for n in best:
-                        t0 = time.perf_counter()
-                        backend.append(torch.zeros(1, n, dtype=torch.long))
-                        elapsed = time.perf_counter() - t0
-                        backend.truncate(origin)
-                        if rnd:
-                            best[n] = min(best[n], elapsed)
-                rows[origin] = best
+            with GOVERNOR.hold():  # all threads for every pass: a table must not mix thread counts
+                for context in contexts:
+                    if backend.length < context:
+                        backend.append(torch.zeros(1, context - backend.length, dtype=torch.long), last_only=True)
+                    rows[backend.length] = cls._time_passes(backend, sizes, rounds)
         finally:
             backend.truncate(start)
         return cls.from_rows(rows)
+
+    @staticmethod
+    def _time_passes(backend: Backend, sizes, rounds: int) -> dict[int, float]:
+        """The fastest of ``rounds`` timed ``append`` s of each size after the cache (rolled back
+        each time), sizes interleaved, after one untimed round."""
+        origin = backend.length
+        room = backend.info.max_length - origin
+        best = {n: math.inf for n in [n for n in sizes if n <= room] or [1]}
+        for rnd in range(rounds + 1):
+            for n in best:
+                t0 = time.perf_counter()
+                backend.append(torch.zeros(1, n, dtype=torch.long))
+                elapsed = time.perf_counter() - t0
+                backend.truncate(origin)
+                if rnd:
+                    best[n] = min(best[n], elapsed)
+        return best
 
     @classmethod
     def from_rows(cls, rows: Mapping[int, Mapping[int, float]]) -> "CostTable":

@@ -1,0 +1,165 @@
+"""``decodekit profile``: what a forward pass costs on this machine, and how close that is to its limits.
+
+For the loaded model: the time of a pass of 1, 2, 4, ... 64 new tokens after a 256-token context
+(the verify-cost curve every speculative method lives on), prefill speed for a 512-token prompt,
+and what those imply: the weight bandwidth of a one-token pass (bytes of weights it reads per
+second, against a measured copy bandwidth) and the multiply-add rate of a 32-token pass (against
+a measured float32 matrix-product rate). ``--contention`` adds decode speed beside a busy loop
+(another process spinning on one core). Numerics: ``exact`` (float32 on the GGUF blocks, the
+default), the only one so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from ..arguments import add_model_arguments
+
+PASS_SIZES = (1, 2, 4, 8, 16, 32, 64)
+PREFILL_TOKENS = 512
+COPY_BYTES = 256 * 2**20  # far beyond the caches: a copy this size streams from memory
+GEMM_SIZE = 2048  # large enough for the matrix product to run near the multiply-add peak
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("profile", help="pass costs, prefill speed and the machine's limits")
+    add_model_arguments(p)
+    p.add_argument("--contention", action="store_true", help="also decode beside a busy loop on one core")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+    return p
+
+
+def best_of(fn, rounds: int = 5) -> float:
+    """The fastest of ``rounds`` timed calls after one untimed one (load from other processes only
+    ever slows a call down)."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def machine_limits() -> dict[str, float | None]:
+    """A STREAM-like copy (bytes read + written per second) and the rate of a large float32 matrix
+    product (torch's, through oneDNN: the multiply-add rate this machine reaches in practice)."""
+    import torch
+
+    src = torch.ones(COPY_BYTES // 4)
+    dst = torch.empty_like(src)
+    copy_s = best_of(lambda: dst.copy_(src))
+    a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
+    gemm_s = best_of(lambda: torch.mm(a, b))
+    return {
+        "copy_gb_s": round(2 * COPY_BYTES / copy_s / 1e9, 2),
+        "fma_gflop_s": round(2 * GEMM_SIZE**3 / gemm_s / 1e9, 1),
+        "vnni_gop_s": None,  # measured once an integer-dot-product numerics exists
+    }
+
+
+def pass_costs(model) -> dict[str, Any]:
+    """Pass times (ms) after a 256-token context, prefill tokens/s, and the rates they imply."""
+    import torch
+
+    from ..speculative.controller import CostTable
+
+    backend = model.backend
+    table = CostTable.measure(backend, sizes=PASS_SIZES)  # at its shortest context, 256 tokens
+    pass_ms = {str(n): round(table(n, table.at) * 1e3, 3) for n in PASS_SIZES}
+    prompt = torch.randint(0, backend.info.vocab_size, (1, PREFILL_TOKENS))
+
+    def prefill() -> None:
+        backend.reset(1)
+        backend.append(prompt, last_only=True)
+
+    prefill_s = best_of(prefill, rounds=3)
+    backend.reset(1)
+    out: dict[str, Any] = {"context": table.at, "pass_ms": pass_ms,
+                           "prefill_tok_s": round(PREFILL_TOKENS / prefill_s, 1)}
+    traffic = backend.weight_traffic()
+    if traffic is not None:
+        weight_bytes, macs = traffic
+        out["weight_gb_s_at_1"] = round(weight_bytes / (pass_ms["1"] / 1e3) / 1e9, 2)
+        out["gflop_s_at_32"] = round(2 * macs * 32 / (pass_ms["32"] / 1e3) / 1e9, 1)
+    return out
+
+
+def decode_speed(model, requests: int = 4) -> float:
+    """Median tokens/s of greedy 64-token requests, after one untimed request (which also lets the
+    thread governor see how the machine is now)."""
+    from ..engine import Engine
+
+    engine = Engine(model)
+    engine.generate("Explain how a bicycle works.", max_new_tokens=16)
+    rates = []
+    for _ in range(requests):
+        out = engine.generate("Explain how a bicycle works.", max_new_tokens=64)
+        rates.append(len(out.tokens) / out.stats.decode_s)
+    return statistics.median(rates)
+
+
+def contention(model) -> dict[str, float]:
+    """Greedy decode speed quiet and beside another process spinning on one core."""
+    quiet = decode_speed(model)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        shared = decode_speed(model)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    return {"quiet_tok_s": round(quiet, 1), "busy_core_tok_s": round(shared, 1), "ratio": round(shared / quiet, 3)}
+
+
+def profile(model, *, with_contention: bool = False) -> dict[str, Any]:
+    """The whole profile as one object (what ``--json`` prints)."""
+    from ..models.threads import GOVERNOR
+
+    with GOVERNOR.hold():  # all threads throughout: figures of one thread count
+        machine = machine_limits()
+        exact = pass_costs(model)
+    if "weight_gb_s_at_1" in exact:
+        exact["bandwidth_share_at_1"] = round(exact["weight_gb_s_at_1"] / machine["copy_gb_s"], 3)
+        exact["fma_share_at_32"] = round(exact["gflop_s_at_32"] / machine["fma_gflop_s"], 3)
+    result: dict[str, Any] = {"model": model.name, "numerics": {"exact": exact}, "machine": machine}
+    if with_contention:
+        result["contention"] = contention(model)
+    return result
+
+
+def describe(result: dict[str, Any]) -> str:
+    lines = [f"model {result['model']}"]
+    m = result["machine"]
+    lines.append(f"machine: copy {m['copy_gb_s']} GB/s (read + write), float32 matrix product {m['fma_gflop_s']} GFLOP/s")
+    for numerics, r in result["numerics"].items():
+        sizes = "  ".join(f"{n}:{ms:.2f}" for n, ms in r["pass_ms"].items())
+        lines.append(f"{numerics}: pass ms after {r['context']} tokens (tokens:ms)  {sizes}")
+        one = r["pass_ms"]["1"]
+        lines.append("  x one token: " + "  ".join(f"{n}:{ms / one:.2f}" for n, ms in r["pass_ms"].items()))
+        lines.append(f"  prefill {r['prefill_tok_s']} tok/s ({PREFILL_TOKENS}-token prompt)")
+        if "weight_gb_s_at_1" in r:
+            lines.append(f"  one-token pass reads weights at {r['weight_gb_s_at_1']} GB/s "
+                         f"({100 * r['bandwidth_share_at_1']:.0f}% of the copy bandwidth)")
+            lines.append(f"  32-token pass computes {r['gflop_s_at_32']} GFLOP/s "
+                         f"({100 * r['fma_share_at_32']:.0f}% of the matrix-product rate)")
+    if "contention" in result:
+        c = result["contention"]
+        lines.append(f"contention: decode {c['quiet_tok_s']} tok/s quiet, {c['busy_core_tok_s']} beside a busy loop "
+                     f"({c['ratio']:.2f}x)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, model=None) -> int:
+    from ..models import load_model
+
+    model = model or load_model(args.model, backend=args.backend, dtype=args.dtype)
+    result = profile(model, with_contention=args.contention)
+    print(json.dumps(result) if args.json else describe(result))
+    return 0

@@ -1,0 +1,54 @@
+"""`decodekit profile`: pass costs, prefill speed and the machine's limits, on the tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from decodekit.bench import profile
+from decodekit.interfaces.cli import main
+from decodekit.models import CharTokenizer, LoadedModel
+from decodekit.models.threads import GOVERNOR
+from decodekit.models.tiny import tiny_llama
+
+
+def test_profile_reports_every_pass_size_and_the_rates_they_imply(capsys, monkeypatch):
+    monkeypatch.setattr(profile, "COPY_BYTES", 2**20)  # small, for a fast test
+    monkeypatch.setattr(profile, "GEMM_SIZE", 64)
+    model = LoadedModel(tiny_llama(seed=0, max_position=1024), CharTokenizer(96), "tiny")
+    args = argparse.Namespace(model=None, backend="auto", dtype="float32", contention=False, json=True)
+    assert profile.run(args, model=model) == 0
+    result = json.loads(capsys.readouterr().out)
+    exact = result["numerics"]["exact"]
+    assert list(exact["pass_ms"]) == [str(n) for n in profile.PASS_SIZES]
+    assert all(ms > 0 for ms in exact["pass_ms"].values()) and exact["prefill_tok_s"] > 0
+    weight_bytes, macs = model.backend.weight_traffic()
+    assert exact["weight_gb_s_at_1"] == round(weight_bytes / (exact["pass_ms"]["1"] / 1e3) / 1e9, 2)
+    assert exact["gflop_s_at_32"] == round(2 * macs * 32 / (exact["pass_ms"]["32"] / 1e3) / 1e9, 1)
+    assert set(result["machine"]) == {"copy_gb_s", "fma_gflop_s", "vnni_gop_s"}
+    assert result["machine"]["copy_gb_s"] > 0 and result["machine"]["fma_gflop_s"] > 0
+    assert model.backend.length == 0  # the cache is left empty
+    assert GOVERNOR.held is None
+
+
+def test_measurements_hold_every_pass_at_one_thread_count():
+    """Inside hold() the governor neither switches nor times: nested holds keep the outer count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        GOVERNOR.choose(timed=False)
+        with GOVERNOR.hold():
+            with GOVERNOR.hold():
+                assert [GOVERNOR.choose(timed=True) for _ in range(40)] == [2] * 40
+            assert GOVERNOR.held == 2
+        assert GOVERNOR.held is None
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_profile_of_a_missing_model_is_one_line(capsys):
+    assert main(["profile", "--model", "/no/such/model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("decodekit: error:") and err.count("\n") == 1
