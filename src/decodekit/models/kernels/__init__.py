@@ -13,6 +13,10 @@
   embedding + cache write) in one call each instead of a handful of torch ops.
 * ``topk.c``: the k best entries of a few rows of logits in one pass (token recycling's
   per-step table refresh).
+* ``gemm_q8.c``: GGUF blocks times inputs quantised to 8 bits, with AVX512-VNNI integer dot
+  products, and its scalar reference. It is the kernel of the coming ``fast`` numerics and is not
+  used for decoding yet: as written it is slower than the float32 block kernel (see
+  docs/BENCHMARKS.md).
 * ``forward.c``: every decoder layer of a few-row pass in one call, calling the kernels above
   through function pointers in the layer-by-layer order (:class:`DecoderLayers`).
 
@@ -43,6 +47,9 @@ from ..cache import cache_root, cached_file
 
 MAX_ROWS = 64  # passes of up to this many tokens use the kernels
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-lm"]
+#: Instructions only some AVX-512 CPUs have, for the one library that uses them (it checks the CPU
+#: before use, so the other libraries never contain them).
+EXTRA_FLAGS = {"gemm_q8": ["-mavx512vnni"]}
 
 MatmulKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
@@ -65,10 +72,11 @@ def _build(source: Path) -> Path | None:
     if compiler is None:
         return None
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode()).hexdigest()[:16]
+    flags = FLAGS + EXTRA_FLAGS.get(source.stem, [])
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:16]
 
     def compile_to(path: Path) -> None:
-        subprocess.run([compiler, *FLAGS, str(source), "-o", str(path)], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *flags, str(source), "-o", str(path)], check=True, capture_output=True, timeout=120)
 
     try:
         return cached_file(cache_root() / "kernels" / f"{source.stem}-{digest}.so", compile_to)
@@ -147,6 +155,45 @@ def block_matmul(kind: str, interleaved: bool = False) -> Callable[[torch.Tensor
 
     matmul.address = _address(fn)
     return matmul
+
+
+@cache
+def integer_block_matmul(kind: str) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
+    """The ``fast`` numerics (``gemm_q8.c``): ``matmul(blocks [out, in / 32 * block bytes] uint8,
+    x [rows, in] float32, n_in) -> [rows, out]`` float32 for GGUF ``kind`` ``"q4_1"`` or ``"q8_0"``
+    blocks (the plain layout, not interleaved), with the inputs quantised to 8 bits per block of 32
+    and integer dot products; None where unavailable (no compiler, or a CPU without AVX512-VNNI)."""
+    lib = _library("gemm_q8")
+    if lib is None or kind not in ("q4_1", "q8_0") or not lib.decodekit_has_avx512vnni():
+        return None
+    fn = getattr(lib, f"decodekit_q8_{kind}")
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    fn.restype = None
+
+    def matmul(blocks: torch.Tensor, x: torch.Tensor, n_in: int) -> torch.Tensor:
+        rows = x.shape[0]
+        x = x.to(torch.float32).contiguous()
+        out = torch.empty(rows, blocks.shape[0], dtype=torch.float32)
+        fn(blocks.data_ptr(), x.data_ptr(), out.data_ptr(), rows, blocks.shape[0], n_in, torch.get_num_threads())
+        return out
+
+    matmul.address = _address(fn)
+    return matmul
+
+
+def integer_block_matmul_reference(kind: str, blocks: torch.Tensor, x: torch.Tensor, n_in: int) -> torch.Tensor | None:
+    """The scalar C reference of :func:`integer_block_matmul`: the same arithmetic in the same
+    order, one value at a time (for tests); None where the library is unavailable."""
+    lib = _library("gemm_q8")
+    if lib is None:
+        return None
+    fn = lib.decodekit_q8_reference
+    fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
+    fn.restype = None
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
+    fn(0 if kind == "q4_1" else 1, blocks.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], blocks.shape[0], n_in)
+    return out
 
 
 @cache
