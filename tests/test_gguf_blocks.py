@@ -170,3 +170,18 @@ def test_integer_kernel_quantises_inputs_as_q8_blocks():
     x = torch.cat([torch.arange(-127, 129, 8, dtype=torch.float32)[:32] / 127 * 3.0, torch.zeros(32)])[None]
     got = kernels.integer_block_matmul("q8_0")(blocks.data, x, 64)
     assert got.item() == pytest.approx((x @ blocks.dequantize().T).item(), rel=1e-6)
+
+
+@needs_vnni
+def test_integer_kernel_turns_a_non_finite_input_into_nan_and_refuses_bad_shapes():
+    blocks = BlockMatrix.quantize(torch.randn(5, 64, generator=torch.Generator().manual_seed(0)), "q4_1")
+    fast = kernels.integer_block_matmul("q4_1")
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, 64)
+        x[1, 40] = bad
+        got = fast(blocks.data, x, 64)
+        assert torch.isfinite(got[0]).all() and torch.isnan(got[1]).all()
+    with pytest.raises(ValueError, match="inputs"):
+        fast(blocks.data, torch.randn(65, 64), 64)  # more rows than the kernel holds
+    with pytest.raises(ValueError, match="blocks"):
+        fast(blocks.data[:, :20].contiguous(), torch.randn(1, 64), 64)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
 from decodekit.bench import profile
 from decodekit.interfaces.cli import main
 from decodekit.models import CharTokenizer, LoadedModel
@@ -31,21 +29,6 @@ def test_profile_reports_every_pass_size_and_the_rates_they_imply(capsys, monkey
     assert result["machine"]["copy_gb_s"] > 0 and result["machine"]["fma_gflop_s"] > 0
     assert model.backend.length == 0  # the cache is left empty
     assert GOVERNOR.held is None
-
-
-def test_measurements_hold_every_pass_at_one_thread_count():
-    """Inside hold() the governor neither switches nor times: nested holds keep the outer count."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        GOVERNOR.choose(timed=False)
-        with GOVERNOR.hold():
-            with GOVERNOR.hold():
-                assert [GOVERNOR.choose(timed=True) for _ in range(40)] == [2] * 40
-            assert GOVERNOR.held == 2
-        assert GOVERNOR.held is None
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_profile_of_a_missing_model_is_one_line(capsys):

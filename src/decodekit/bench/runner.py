@@ -286,8 +286,9 @@ def restart(contestants: Sequence[Contestant], prompt_ids: PromptIds, config: Be
         try:
             c.fresh()
             c.run(ids, min(config.warmup_tokens, config.max_new_tokens))
-        except Exception as err:  # its timed runs will record what goes wrong; the others still run
-            notes.append(f"{c.name} failed in a repeat's warm-up: {type(err).__name__}: {err}")
+        except Exception as err:  # the others still run; the note says this one did not start afresh
+            notes.append(f"{c.name} failed in a repeat's warm-up: {type(err).__name__}: {err} "
+                         "(its runs in that repeat continue from the previous repeat's state)")
 
 
 def run_one(contestant: Contestant, question: Question, prompt_ids: PromptIds, config: BenchConfig,

@@ -392,7 +392,7 @@ class NativeLlama(Backend):
         last_only: bool,
     ) -> StepOutput:
         # the kernels' thread count for this pass; one-token passes are timed for the governor
-        with GOVERNOR.governed(timed=tokens.numel() == 1 and not skip_layers):
+        with GOVERNOR.governed(self.info.name, timed=tokens.numel() == 1 and not skip_layers):
             c, w = self.config, self.weights
             batch, k = tokens.shape
             start = self._length

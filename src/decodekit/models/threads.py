@@ -1,23 +1,25 @@
-"""How many threads the compiled kernels use: all of torch's, unless the machine is shared.
+"""How many threads a forward pass uses: all of the process's, unless the machine is shared.
 
 Threads that split every matrix between them wait for each other at the end of each split. When
 another process takes one of the cores, every pass waits for the descheduled thread, and decoding
 with two threads fell to a quarter of its quiet speed, below one thread alone. So the
-:class:`ThreadGovernor` times one-token passes and keeps, for each thread count it tries (one, or
-all of torch's), a running estimate of a pass's time, and uses the faster. Now and then it tries
-the other count for one pass, so it returns to all threads once the machine is quiet again. The
-pause between those probes doubles while the other count keeps losing (16 passes up to 512).
+:class:`ThreadGovernor` times one-token passes and keeps, per model and per thread count (one, or
+all), a running estimate of a pass's time, and uses the faster. Now and then it tries the other
+count for one pass, so it returns to all threads once the machine is quiet again. The pause
+between those tries doubles while the other count keeps losing (16 passes up to 512) and is short
+again after a switch, in case a burst of load is already over.
 
 A pass is never faster than the machine allows, only slower when something else runs. So a
 faster timing replaces the estimate at once, and a slower one moves it a fifth of the way: one
-quiet probe is enough evidence that a count is fast again, while the estimate still follows the
+quiet try is enough evidence that a count is fast again, while the estimate still follows the
 slow growth of a pass's cost with the context.
 
-The governor sets torch's thread count, which the kernels also take, so the small torch operations
-of a step (an argmax over the vocabulary) stop waiting for a descheduled thread too. The choice never
-changes a result: the kernels never split a row between threads, and a test holds torch's
-operations on the decode path to the same (tokens identical with one thread and with two).
-``DECODEKIT_THREAD_GOVERNOR=0`` turns it off (torch's count for every pass).
+The governor sets torch's thread count, which the kernels take too, so the small torch operations
+of a step (an argmax over the vocabulary) stop waiting for a descheduled thread as well. The
+kernels never split a row between threads, so their results do not depend on the count. For
+torch's own operations (prefill of more than 64 tokens, and everything where the kernels are
+unavailable) the claim rests on tests: one thread and two give identical tokens on the tiny and
+the embedded model. ``DECODEKIT_THREAD_GOVERNOR=0`` turns the governor off.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,89 +39,109 @@ LONGEST_PAUSE = 512  # passes between tries while the other count keeps losing
 SLOWER_WEIGHT = 0.2  # how far a slower timing moves an estimate
 
 
-class ThreadGovernor:
-    """Chooses torch's thread count (which the kernels take too) pass by pass: one, or the count
-    set when the process started (or last set by someone else)."""
+@dataclass
+class _Record:
+    """What the governor knows about one model's one-token passes."""
 
-    def __init__(self) -> None:
+    estimate: dict[int, float] = field(default_factory=dict)  # seconds per pass, per thread count
+    pause: int = FIRST_PROBE
+    since_probe: int = 0
+    leader: int | None = None  # the count with the best estimate at the last choice
+
+
+class ThreadGovernor:
+    """Chooses torch's thread count, which the kernels take too, pass by pass: one, or ``most``.
+    ``most`` is torch's count when the governor first ran, or when someone else last set it."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.current: int | None = None  # the count this governor last set
-        self.most = 1  # the count it may use: torch's, as found
-        self.estimate: dict[int, float] = {}  # seconds of a one-token pass, per thread count
-        self.pause = FIRST_PROBE
-        self.since_probe = 0
-        self.probing = False
-        self.leader: int | None = None  # the count with the best estimate at the last choice
+        self.most = 1
         self.held: int | None = None  # set by hold(): every pass uses it, nothing is timed
+        self._records: dict[Hashable, _Record] = {}
         self._lock = threading.Lock()
 
-    def choose(self, timed: bool) -> int:
-        """Set and return the thread count for the next pass; ``timed``: a one-token pass whose
-        time will be reported to :meth:`observe` (only those passes try the other count)."""
+    def _sync(self) -> int:
+        """Torch's count now; when someone else changed it, that count becomes ``most`` and what
+        was learnt starts over (called with the lock held)."""
+        found = torch.get_num_threads()
+        if found != self.current:
+            self.most, self.current, self._records = found, found, {}
+        return found
+
+    def _set(self, threads: int) -> None:
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        self.current = threads
+
+    def choose(self, key: Hashable, timed: bool) -> tuple[int, bool]:
+        """Set torch's count for the next pass of model ``key``; returns (count, whether the pass
+        tries the other count). ``timed``: a one-token pass whose time goes to :meth:`observe`."""
         with self._lock:
-            found = torch.get_num_threads()
-            if os.environ.get("DECODEKIT_THREAD_GOVERNOR", "1") == "0":  # off: torch's count, always
-                self.current = found
-                return found
-            if found != self.current:  # the first pass, or someone set torch's count: start over
-                self.most, self.estimate, self.pause, self.since_probe = found, {}, FIRST_PROBE, 0
+            if not self.enabled:
+                return torch.get_num_threads(), False
+            self._sync()
+            if self.held is not None:
+                self._set(self.held)
+                return self.held, False
             counts = (self.most, 1) if self.most > 1 else (1,)
-            if self.held is not None:  # a measurement that must not mix thread counts
-                best = self.held
-                if best != found:
-                    torch.set_num_threads(best)
-                self.current = best
-                return best
-            best = min(counts, key=lambda n: self.estimate.get(n, -math.inf if n == self.most else math.inf))
-            if best != self.leader:  # a switch: try the count just left again soon (a burst may be over)
-                self.leader, self.pause, self.since_probe = best, FIRST_PROBE, 0
-            self.probing = False
+            record = self._records.setdefault(key, _Record())
+            best = min(counts, key=lambda n: record.estimate.get(n, -math.inf if n == self.most else math.inf))
+            if best != record.leader:  # a switch: try the count just left again soon
+                record.leader, record.pause, record.since_probe = best, FIRST_PROBE, 0
+            probing = False
             if timed and len(counts) > 1:
-                unmeasured = [n for n in counts if n not in self.estimate]
-                self.since_probe += 1
+                record.since_probe += 1
+                unmeasured = [n for n in counts if n not in record.estimate]
                 if unmeasured:
-                    best, self.probing = unmeasured[0], True
-                elif self.since_probe >= self.pause:
-                    best, self.probing = (1 if best == self.most else self.most), True
-                    self.since_probe = 0
-            if best != found:
-                torch.set_num_threads(best)
-            self.current = best
-            return best
+                    best, probing = unmeasured[0], True
+                elif record.since_probe >= record.pause:
+                    best, probing, record.since_probe = (1 if best == self.most else self.most), True, 0
+            self._set(best)
+            return best, probing
+
+    def observe(self, key: Hashable, threads: int, seconds: float, probing: bool = False) -> None:
+        """A one-token pass of model ``key`` with ``threads`` threads took ``seconds``."""
+        with self._lock:
+            record = self._records.setdefault(key, _Record())
+            old = record.estimate.get(threads)
+            new = seconds if old is None or seconds < old else old + SLOWER_WEIGHT * (seconds - old)
+            record.estimate[threads] = new
+            if probing:
+                won = all(new <= s for n, s in record.estimate.items() if n != threads)
+                record.pause = FIRST_PROBE if won else min(LONGEST_PAUSE, 2 * record.pause)
 
     @contextmanager
-    def hold(self) -> Iterator[None]:
-        """Every pass inside uses all threads and nothing is timed: for measurements of pass costs
-        (the verify-cost table, ``decodekit profile``), which must not mix thread counts."""
-        outer = self.held
-        self.held = outer or (torch.get_num_threads() if self.current is None else self.most)
-        try:
-            yield
-        finally:
-            self.held = outer
-
-    @contextmanager
-    def governed(self, timed: bool) -> Iterator[int]:
-        """Around a pass: choose its thread count and, for a ``timed`` one, report its time."""
-        timed = timed and self.held is None
-        threads = self.choose(timed)
+    def governed(self, key: Hashable, timed: bool) -> Iterator[int]:
+        """Around a pass of model ``key``: choose its thread count and, for a ``timed`` one-token
+        pass, report its time."""
+        threads, probing = self.choose(key, timed)
         t0 = time.perf_counter()
         yield threads
-        if timed:
-            self.observe(threads, time.perf_counter() - t0)
+        if timed and self.enabled and self.held is None:
+            self.observe(key, threads, time.perf_counter() - t0, probing)
 
-    def observe(self, threads: int, seconds: float) -> None:
-        """A one-token pass run with ``threads`` threads took ``seconds``."""
+    @contextmanager
+    def hold(self) -> Iterator[int]:
+        """All threads from here on, for every pass inside, and nothing timed: for measurements
+        (the verify-cost table, ``decodekit profile``), which must not mix thread counts."""
         with self._lock:
-            old = self.estimate.get(threads)
-            if old is None or seconds < old:
-                self.estimate[threads] = seconds
-            else:
-                self.estimate[threads] = old + SLOWER_WEIGHT * (seconds - old)
-            if self.probing:
-                others = [s for n, s in self.estimate.items() if n != threads]
-                won = not others or self.estimate[threads] <= min(others)
-                self.pause = FIRST_PROBE if won else min(LONGEST_PAUSE, 2 * self.pause)
+            self._sync()
+            outer = self.held
+            self.held = outer or self.most
+            self._set(self.held)
+        try:
+            yield self.held
+        finally:
+            with self._lock:
+                self.held = outer
+
+    def full_count(self) -> int:
+        """The count the governor uses when the machine is quiet: what a measurement keyed by the
+        thread count should be filed under."""
+        with self._lock:
+            return self._sync() if self.current is None else self.most
 
 
-#: The process's governor: thread contention is a property of the machine, not of a model.
-GOVERNOR = ThreadGovernor()
+#: The process's governor: thread contention is a property of the machine.
+GOVERNOR = ThreadGovernor(enabled=os.environ.get("DECODEKIT_THREAD_GOVERNOR", "1") != "0")

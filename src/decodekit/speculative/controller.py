@@ -147,7 +147,7 @@ class CostTable:
     def key(backend: Backend) -> str:
         info = backend.info
         dtype = str(info.dtype).removeprefix("torch.")
-        return f"{info.name}|{info.architecture}|{dtype}|threads={torch.get_num_threads()}"
+        return f"{info.name}|{info.architecture}|{dtype}|threads={GOVERNOR.full_count()}"
 
     @classmethod
     def measure(cls, backend: Backend, sizes=MEASURE_SIZES, rounds: int = 3) -> "CostTable":

@@ -171,6 +171,7 @@ def integer_block_matmul(kind: str) -> Callable[[torch.Tensor, torch.Tensor, int
     fn.restype = None
 
     def matmul(blocks: torch.Tensor, x: torch.Tensor, n_in: int) -> torch.Tensor:
+        _check_integer_operands(kind, blocks, x, n_in)
         rows = x.shape[0]
         x = x.to(torch.float32).contiguous()
         out = torch.empty(rows, blocks.shape[0], dtype=torch.float32)
@@ -181,12 +182,23 @@ def integer_block_matmul(kind: str) -> Callable[[torch.Tensor, torch.Tensor, int
     return matmul
 
 
+def _check_integer_operands(kind: str, blocks: torch.Tensor, x: torch.Tensor, n_in: int) -> None:
+    """What ``gemm_q8.c`` relies on: at most MAX_ROWS input rows of ``n_in`` values, a multiple of
+    32, against contiguous uint8 blocks of the right width."""
+    width = n_in // 32 * (20 if kind == "q4_1" else 34)
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != n_in or n_in % 32:
+        raise ValueError(f"integer matmul: inputs [1..{MAX_ROWS}, {n_in}] with {n_in} a multiple of 32, got {tuple(x.shape)}")
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != width or not blocks.is_contiguous():
+        raise ValueError(f"integer matmul: {kind} blocks [out, {width}] contiguous uint8, got {tuple(blocks.shape)} {blocks.dtype}")
+
+
 def integer_block_matmul_reference(kind: str, blocks: torch.Tensor, x: torch.Tensor, n_in: int) -> torch.Tensor | None:
     """The scalar C reference of :func:`integer_block_matmul`: the same arithmetic in the same
     order, one value at a time (for tests); None where the library is unavailable."""
     lib = _library("gemm_q8")
-    if lib is None:
+    if lib is None or not lib.decodekit_has_avx512vnni():  # built with VNNI allowed: only where it runs
         return None
+    _check_integer_operands(kind, blocks, x, n_in)
     fn = lib.decodekit_q8_reference
     fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
     fn.restype = None

@@ -39,14 +39,20 @@ static void quantize_rows(const float *x, int M, int n_in, int8_t *q, float *d, 
             const float *xb = x + (size_t)m * n_in + (size_t)b * QK;
             int8_t *qb = q + (size_t)m * n_in + (size_t)b * QK;
             float amax = 0.0f;
-            for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-            float db = amax / 127.0f, inv = amax > 0.0f ? 1.0f / db : 0.0f;
+            int finite = 1;
+            for (int j = 0; j < QK; j++) {
+                amax = fmaxf(amax, fabsf(xb[j]));
+                finite &= isfinite(xb[j]) != 0;
+            }
+            float db = amax / 127.0f, inv = db > 0.0f ? 1.0f / db : 0.0f;
             int32_t sum = 0;
             for (int j = 0; j < QK; j++) {
-                int v = (int)nearbyintf(xb[j] * inv);
+                /* clamped: x * inv can round past 127 by an ulp, and must never be converted out of range */
+                int v = finite ? (int)nearbyintf(fminf(127.0f, fmaxf(-127.0f, xb[j] * inv))) : 0;
                 qb[j] = (int8_t)v;
                 sum += v;
             }
+            if (!finite) db = NAN;  /* a NaN or infinite input makes the result NaN, never silently finite */
             d[(size_t)m * nb + b] = db;
             s[(size_t)m * nb + b] = sum;
         }
@@ -151,6 +157,7 @@ void decodekit_q8_reference(int kind, const uint8_t *w, const float *x, float *y
     float *d = malloc((size_t)M * nb * sizeof(float));
     int32_t *s = malloc((size_t)M * nb * sizeof(int32_t));
     if (!q || !d || !s) {
+        for (size_t i = 0; i < (size_t)M * n_out; i++) y[i] = NAN;
         free(q), free(d), free(s);
         return;
     }
