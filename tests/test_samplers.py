@@ -100,6 +100,14 @@ def test_top_k_keeps_ties_at_the_boundary():
 # ---------------------------------------------------------------- top-p
 
 
+def test_top_p_stops_when_the_mass_before_a_token_reaches_p_exactly():
+    """0.5 / 0.25 / 0.25 with p = 0.5: the first token alone reaches p (the mass before the second
+    is exactly 0.5, not below it), so one token is kept."""
+    x = torch.tensor([[math.log(2.0), 0.0, 0.0]])
+    assert torch.softmax(x, -1).tolist() == [[0.5, 0.25, 0.25]]  # exact in float32
+    assert kept(TopP(0.5)(x, [])) == {0}
+
+
 def test_top_p_keeps_smallest_set_reaching_p():
     x = logits_of(0.1, 0.4, 0.2, 0.3)
     assert kept(TopP(0.3)(x, [])) == {1}          # 0.4 >= 0.3

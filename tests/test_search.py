@@ -416,3 +416,28 @@ def test_astar_gives_every_expansion_its_own_seeds(tiny, monkeypatch):
                           max_new_tokens=60, chat=False, seed=1)
     seeds = [s for expansion in used for s in expansion]
     assert len(used) > 1 and len(set(seeds)) == len(seeds)
+
+
+
+def test_self_consistency_returns_the_first_sample_with_the_winning_answer():
+    from decodekit.search.select import SelfConsistency
+
+    answers = ["b", "a", "b", "a", "a", "b", "a"]
+    index, _ = SelfConsistency(n=len(answers)).choose(None, [None] * len(answers), answers)
+    assert index == 1  # "a" wins 4 to 3; its first sample is the second
+
+
+def test_best_of_n_loglik_is_the_sum_of_the_samples_token_logprobs(tiny):
+    """Recomputed independently: each candidate's tokens teacher-forced through the model."""
+    g = Engine(tiny).generate("abc", method="best-of-n", n=4, temperature=1.0, seed=3, max_new_tokens=12, chat=False)
+    prompt = TOK.encode("abc")
+    for candidate in g.extra["candidates"]:
+        tokens = TOK.encode(candidate["text"])
+        assert len(tokens) == candidate["tokens"]
+        if candidate["finish_reason"] == "eos":
+            tokens = tokens + [min(TOK.eos_token_ids)]
+        tiny.backend.reset(1)
+        rows = tiny.backend.append(torch.tensor([prompt + tokens]))
+        logprobs = torch.log_softmax(rows.logits[0, len(prompt) - 1 : -1].float(), dim=-1)
+        total = logprobs.gather(-1, torch.tensor(tokens)[:, None]).sum().item()
+        assert candidate["score"] == pytest.approx(total, abs=1e-3)

@@ -773,3 +773,22 @@ def test_a_seed_gives_plain_samplings_tokens_with_every_speculative_method(engin
             want = engine.generate(prompt, method="sample", **args).tokens
             assert engine.generate(prompt, method=method, cost_table=FLAT_COSTS, **args, **options).tokens == want
             assert engine.generate(prompt, method=method, budget=3, **args, **options).tokens == want
+
+
+
+def test_recycling_refreshes_the_row_of_every_scored_node(engines):
+    """After a verification, the root and every tree node (accepted or not) gets the top-k of its
+    own logits: the rejected candidates are what the method recycles."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+    from decodekit.samplers import Sampler
+    from decodekit.speculative.drafters.recycling import TokenRecycling
+
+    backend = engines[0].model.backend.clone()
+    state = DecodeState(backend, Sampler(greedy=True), [5, 6, 7], GenerationStats())
+    drafter = TokenRecycling(k=3)
+    drafter.begin(state)
+    tree = DraftTree([11, 12, 13], [-1, 0, -1])
+    logits = torch.randn(4, backend.info.vocab_size, generator=torch.Generator().manual_seed(0))
+    drafter.update(state, tree, Verification([0], 9), logits)
+    for token, row in zip([7, 11, 12, 13], logits):
+        assert drafter.matrix[token, :3].tolist() == torch.topk(row, 3).indices.tolist()
