@@ -44,3 +44,43 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    # A test that uses the embedded model carries the marker, so `-m "not real_model"` leaves it out.
+    for item in items:
+        if "real_model" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real_model)
+
+
+#: Skip reasons of the kernel tests (they need a C compiler and AVX-512, or AVX512-VNNI).
+KERNEL_SKIP = ("no C compiler", "kernels unavailable")
+
+
+def _kernel_skips(terminalreporter) -> list[str]:
+    skipped = terminalreporter.stats.get("skipped", [])
+    reasons = [str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr) for report in skipped]
+    return [r for r in reasons if any(k in r for k in KERNEL_SKIP)]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # Kernel tests skip where the kernels cannot be built; say how many, and why, every time.
+    skips = _kernel_skips(terminalreporter)
+    if skips:
+        terminalreporter.write_line(f"decodekit: {len(skips)} kernel tests skipped: {sorted(set(skips))[0]}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # In CI on a CPU that has AVX-512, a skipped kernel test means the kernels failed to build: fail.
+    import os
+
+    import torch
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or os.environ.get("CI") != "true":
+        return
+    # (the VNNI kernel's tests may skip: not every AVX-512 CPU has VNNI)
+    failed_build = [r for r in _kernel_skips(reporter) if "no AVX-512" in r or r.endswith("kernels unavailable on this machine")]
+    if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") and failed_build:
+        reporter.write_line("decodekit: kernel tests skipped on an AVX-512 machine in CI: the kernels did not build")
+        session.exitstatus = 1

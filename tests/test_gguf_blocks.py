@@ -138,7 +138,7 @@ def test_blocks_are_saved_beside_the_dequantised_weights_and_read_back_the_same(
 # The integer kernel of the coming `fast` numerics ---------------------------------------------------
 
 needs_vnni = pytest.mark.skipif(kernels.integer_block_matmul("q4_1") is None,
-                                reason="no C compiler or no AVX512-VNNI on this machine")
+                                reason="AVX512-VNNI kernels unavailable on this machine (no VNNI or no compiler)")
 
 
 @needs_vnni

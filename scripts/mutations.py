@@ -1,0 +1,137 @@
+"""Mutation check: does the test suite fail when an algorithm is wrong?
+
+Each mutation is a deliberate bug (one exact text replacement in one file). For each, the script
+copies the repository to a temporary folder, applies the mutation there, runs the tests named
+for it, and reports whether they failed ("caught") or passed ("SURVIVED"). The working tree is
+never touched. Exit status 1 if any mutation survived, 2 if a mutation no longer applies (the
+code moved on: update its text).
+
+    .venv/bin/python scripts/mutations.py            # every mutation
+    .venv/bin/python scripts/mutations.py --list     # what they are
+    .venv/bin/python scripts/mutations.py top-p-boundary keyed-verifier
+
+Add a mutation with every algorithm: the bug a reader could plausibly write, and the tests that
+must catch it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest arguments that must fail
+
+
+MUTATIONS = (
+    Mutation("top-p-boundary", "src/decodekit/samplers/truncation.py",
+             "_mass_before(sp) < self.top_p", "_mass_before(sp) <= self.top_p",
+             ("tests/test_samplers.py",)),
+    Mutation("self-consistency-last-winner", "src/decodekit/search/select.py",
+             "winner, _ = majority_vote(answers)\n        index = answers.index(winner) if winner is not None else 0",
+             "winner, _ = majority_vote(answers)\n        index = len(answers) - 1 - answers[::-1].index(winner) if winner is not None else 0",
+             ("tests/test_search.py",)),
+    Mutation("loglik-is-a-mean", "src/decodekit/search/scorers.py",
+             "        return segment.loglik", "        return segment.loglik / max(1, len(segment.tokens))",
+             ("tests/test_search.py",)),
+    Mutation("recycling-refreshes-the-root-only", "src/decodekit/speculative/drafters/recycling.py",
+             "        self.matrix[rows, : self.k] = top_k_indices(logits, self.k)",
+             "        self.matrix[rows[:1], : self.k] = top_k_indices(logits[:1], self.k)",
+             ("tests/test_speculative.py",)),
+    Mutation("keyed-verifier-replaced-by-rejection-sampling", "src/decodekit/speculative/verify.py",
+             "return GreedyVerifier() if state.sampler.is_greedy else KeyedVerifier()",
+             "return GreedyVerifier() if state.sampler.is_greedy else SamplingVerifier()",
+             ("tests/test_speculative.py", "-k", "seed")),
+    Mutation("keyed-draws-depend-on-the-draw-order", "src/decodekit/samplers/sampler.py",
+             "return int((flat / self.race_noise(position, flat.numel())).argmax())",
+             "return int(self.sample_from(flat[None])[0])",
+             ("tests/test_speculative_sampling.py",)),
+    Mutation("trim-ignores-draw-order", "src/decodekit/speculative/tree.py",
+             "    keep = sorted(chosen - dropped)\n", "    keep = sorted(chosen)\n",
+             ("tests/test_speculative_sampling.py",)),
+    Mutation("cost-ignores-the-context", "src/decodekit/speculative/controller.py",
+             "        if context is None or not any(self.slopes):", "        if True:",
+             ("tests/test_speculative.py",)),
+    Mutation("no-gain-margin", "src/decodekit/speculative/controller.py",
+             "GAIN_MARGIN = 0.05", "GAIN_MARGIN = 0.0",
+             ("tests/test_speculative.py",)),
+    Mutation("governor-keeps-torchs-count", "src/decodekit/models/threads.py",
+             "        if threads != torch.get_num_threads():\n            torch.set_num_threads(threads)\n",
+             "", ("tests/test_threads.py",)),
+    Mutation("integer-kernel-sums-lanes-backwards", "src/decodekit/models/kernels/gemm_q8.c",
+             "    float total = lane[0];\n    for (int l = 1; l < 8; l++) total += lane[l];",
+             "    float total = lane[7];\n    for (int l = 6; l >= 0; l--) total += lane[l];",
+             ("tests/test_gguf_blocks.py", "-k", "integer")),
+    Mutation("bench-repeats-keep-what-they-learnt", "src/decodekit/bench/runner.py",
+             "                restart(kept, prompt_ids, config, notes)", "                pass",
+             ("tests/test_bench.py",)),
+)
+
+
+def copy_repository(to: Path) -> None:
+    """The tracked and untracked (not ignored) files, as git lists them: no virtual environment,
+    no caches."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    for rel in listed:
+        source = ROOT / rel
+        if source.is_file():
+            (to / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, to / rel)
+
+
+def run(mutation: Mutation) -> str:
+    with tempfile.TemporaryDirectory(prefix="decodekit-mutant-") as tmp:
+        copy = Path(tmp)
+        copy_repository(copy)
+        target = copy / mutation.path
+        text = target.read_text()
+        if text.count(mutation.old) != 1:
+            return "STALE"
+        target.write_text(text.replace(mutation.old, mutation.new))
+        # the copy's source comes first on the path, ahead of the installed (editable) package
+        env = {**__import__("os").environ, "PYTHONPATH": str(copy / "src")}
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutation.tests],
+                                cwd=copy, env=env, capture_output=True, text=True)
+        return "caught" if result.returncode != 0 else "SURVIVED"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    if args.list or not chosen:
+        for m in MUTATIONS:
+            print(f"{m.name:48} {m.path}  ({' '.join(m.tests)})")
+        return 0 if args.list else 2
+    # a control: the same copy and tests without any mutation must pass, or "caught" means nothing
+    control = Mutation("control", chosen[0].path, chosen[0].old, chosen[0].old, chosen[0].tests)
+    if run(control) != "SURVIVED":
+        print(f"the tests of {chosen[0].name} fail without any mutation: fix them first")
+        return 2
+    verdicts = {}
+    for m in chosen:
+        verdicts[m.name] = run(m)
+        print(f"{verdicts[m.name]:9} {m.name}", flush=True)
+    if "STALE" in verdicts.values():
+        return 2
+    return 1 if "SURVIVED" in verdicts.values() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
