@@ -100,3 +100,49 @@ def test_sampler_parameters_reach_the_sampler(tiny_model):
     greedy = engine.generate("abc", max_new_tokens=15, chat=False)
     topk1 = engine.generate("abc", method="sample", top_k=1, seed=3, max_new_tokens=15, chat=False)
     assert topk1.tokens == greedy.tokens
+
+
+#: A value for every sampler parameter, chosen to change the tokens on the tiny model.
+SAMPLER_VALUES = {
+    "temperature": 0.5, "top_k": 3, "top_p": 0.5, "min_p": 0.3, "typical_p": 0.4, "epsilon": 0.03, "eta": 0.1,
+    "top_n_sigma": 0.5, "top_h": 0.4, "adaptive_k": 2.0, "repetition_penalty": 3.0, "frequency_penalty": 3.0,
+    "presence_penalty": 3.0, "no_repeat_ngram_size": 1, "greedy": True,
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLER_VALUES))
+def test_every_sampler_parameter_reaches_the_sampler(tiny_model, name):
+    """The engine's tokens with one parameter set equal a hand-made ``Sampler.from_params`` with the
+    same parameter and seed; and that parameter changes the tokens, so a dropped one would show."""
+    from decodekit.engine.core import PlainDecoding, Request, StepDecoder
+    from decodekit.samplers import Sampler
+
+    from decodekit.samplers.params import SAMPLER_OPTIONS
+
+    assert set(SAMPLER_VALUES) | {"seed", "penalty_window"} == set(SAMPLER_OPTIONS)  # every one is here
+    engine, prompt, seed = Engine(tiny_model), "abcabcabc the cat", 11
+    ids = engine.model.prompt_ids(prompt, chat=False)
+
+    def by_hand(**params) -> list[int]:
+        sampler = Sampler.from_params(seed=seed, **params)
+        return StepDecoder(PlainDecoding()).generate(tiny_model, Request(list(ids), sampler, 30)).tokens
+
+    got = engine.generate(prompt, method="sample", seed=seed, max_new_tokens=30, chat=False, **{name: SAMPLER_VALUES[name]})
+    assert got.tokens == by_hand(**{name: SAMPLER_VALUES[name]})
+    assert got.tokens != by_hand()
+
+
+def test_the_penalty_window_reaches_the_sampler(tiny_model):
+    from decodekit.engine.core import PlainDecoding, Request, StepDecoder
+    from decodekit.samplers import Sampler
+
+    engine = Engine(tiny_model)
+    ids = engine.model.prompt_ids("abababab", chat=False)
+    params = {"frequency_penalty": 3.0, "seed": 2}
+
+    def by_hand(**extra) -> list[int]:
+        return StepDecoder(PlainDecoding()).generate(
+            tiny_model, Request(list(ids), Sampler.from_params(**params, **extra), 30)).tokens
+
+    got = engine.generate("abababab", method="sample", max_new_tokens=30, chat=False, penalty_window=2, **params)
+    assert got.tokens == by_hand(penalty_window=2) != by_hand()
