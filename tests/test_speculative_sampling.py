@@ -357,3 +357,62 @@ def test_seeded_speculative_sampling_gives_plain_samplings_tokens(stochastic, bu
         want = plain.generate(model, Request(list(PROMPT), Sampler.from_params(seed=seed, **params), max_new_tokens=12))
         got = spec.generate(model, Request(list(PROMPT), Sampler.from_params(seed=seed, **params), max_new_tokens=12))
         assert got.tokens == want.tokens
+
+
+# Exact verifier tests: the randomness enumerated, no statistics -------------------------------------
+
+
+class EnumeratedSampler(Sampler):
+    """A sampler whose uniform draws are set from outside (a point of a grid) and whose categorical
+    draws hand back their distribution instead of a token (recorded in ``bonus_dist``; the token
+    returned is -1), so one verification's exact output distribution can be summed."""
+
+    def __init__(self, **params):
+        template = Sampler.from_params(**params)
+        super().__init__(template.processors, greedy=False, seed=0)
+        self.grid: list[float] = []
+        self.bonus_dist: torch.Tensor | None = None
+
+    def uniform(self, n: int = 1) -> torch.Tensor:
+        return torch.tensor(self.grid[:n], dtype=torch.float32)
+
+    def sample_from(self, probs: torch.Tensor) -> torch.Tensor:
+        self.bonus_dist = probs.reshape(-1).double() / probs.double().sum()
+        return torch.tensor(-1)
+
+
+def first_token_distribution(verifier, p_logits: torch.Tensor, q: torch.Tensor, grid: int, **params) -> torch.Tensor:
+    """Exact (up to the grid of uniforms) distribution of the first output token when a single
+    child drawn from ``q`` is verified against the target ``p_logits``: the draft token is
+    enumerated with its weight q(x), the acceptance uniform over a stratified grid."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+
+    sampler = EnumeratedSampler(**params)
+    state = DecodeState(None, sampler, [1, 2], GenerationStats())
+    out = torch.zeros(len(q), dtype=torch.float64)
+    logits = torch.stack([p_logits, p_logits])  # row 1 (after the child) is not needed for the first token
+    for x in range(len(q)):
+        if q[x] <= 0:
+            continue
+        tree = DraftTree([x], [-1], {-1: q}, ["t"])
+        for k in range(grid):
+            sampler.grid = [(k + 0.5) / grid]
+            verdict = verifier.verify(state, tree, logits)
+            if verdict.path:
+                out[x] += float(q[x]) / grid
+            else:
+                out += float(q[x]) / grid * sampler.bonus_dist
+    return out
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}], ids=["plain", "processed"])
+def test_rejection_sampling_gives_the_target_distribution_exactly(params):
+    """Speculative sampling's one-step output, summed over the draft and a grid of 2,000 uniforms,
+    is the target's processed distribution to within the grid's resolution (no sampling noise: a
+    5% bias in the acceptance rule moves it by far more than the 1e-3 allowed)."""
+    g = torch.Generator().manual_seed(4)
+    p_logits = torch.randn(V, generator=g) * 1.5
+    q = torch.softmax(torch.randn(V, generator=g), dim=-1)
+    target = Sampler.from_params(**params).probs(p_logits[None])[0].double()
+    got = first_token_distribution(SamplingVerifier(), p_logits, q, 2000, **params)
+    assert torch.allclose(got, target, atol=1e-3), (got - target).abs().max()
