@@ -381,15 +381,17 @@ class EnumeratedSampler(Sampler):
         return torch.tensor(-1)
 
 
-def first_token_distribution(verifier, p_logits: torch.Tensor, q: torch.Tensor, grid: int, **params) -> torch.Tensor:
+def first_token_distribution(verifier, p_logits: torch.Tensor, q: torch.Tensor, grid: int,
+                             **params) -> tuple[torch.Tensor, float]:
     """Exact (up to the grid of uniforms) distribution of the first output token when a single
     child drawn from ``q`` is verified against the target ``p_logits``: the draft token is
-    enumerated with its weight q(x), the acceptance uniform over a stratified grid."""
+    enumerated with its weight q(x), the acceptance uniform over a stratified grid. Also the
+    probability that the draft is accepted."""
     from decodekit.engine.core import DecodeState, GenerationStats
 
     sampler = EnumeratedSampler(**params)
     state = DecodeState(None, sampler, [1, 2], GenerationStats())
-    out = torch.zeros(len(q), dtype=torch.float64)
+    out, accepted = torch.zeros(len(q), dtype=torch.float64), 0.0
     logits = torch.stack([p_logits, p_logits])  # row 1 (after the child) is not needed for the first token
     for x in range(len(q)):
         if q[x] <= 0:
@@ -400,9 +402,10 @@ def first_token_distribution(verifier, p_logits: torch.Tensor, q: torch.Tensor, 
             verdict = verifier.verify(state, tree, logits)
             if verdict.path:
                 out[x] += float(q[x]) / grid
+                accepted += float(q[x]) / grid
             else:
                 out += float(q[x]) / grid * sampler.bonus_dist
-    return out
+    return out, accepted
 
 
 @pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}], ids=["plain", "processed"])
@@ -414,5 +417,7 @@ def test_rejection_sampling_gives_the_target_distribution_exactly(params):
     p_logits = torch.randn(V, generator=g) * 1.5
     q = torch.softmax(torch.randn(V, generator=g), dim=-1)
     target = Sampler.from_params(**params).probs(p_logits[None])[0].double()
-    got = first_token_distribution(SamplingVerifier(), p_logits, q, 2000, **params)
+    got, accepted = first_token_distribution(SamplingVerifier(), p_logits, q, 2000, **params)
     assert torch.allclose(got, target, atol=1e-3), (got - target).abs().max()
+    # and the draft is accepted with probability sum_x min(p(x), q(x)), the most any rule can give
+    assert accepted == pytest.approx(float(torch.minimum(target, q.double()).sum()), abs=1e-3)
