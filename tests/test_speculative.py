@@ -569,9 +569,18 @@ def test_the_loop_tells_the_controller_the_requests_length(engines):
 
 def test_cost_table_is_measured_at_two_contexts_and_cached_whole(tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
-    backend = tiny_llama(seed=0)
+    backend = tiny_llama(seed=0)  # 512 positions: the longer context is cut to what fits
+    contexts: list[int] = []
+    timed = CostTable._time_passes
+
+    def spy(backend, sizes, rounds):
+        contexts.append(backend.length)
+        return timed(backend, sizes, rounds)
+
+    monkeypatch.setattr(CostTable, "_time_passes", staticmethod(spy))
     table = CostTable.cached(backend)
-    assert backend.length == 0 and table.at == MEASURE_CONTEXTS[0] and any(table.slopes)
+    assert contexts == [MEASURE_CONTEXTS[0], 512 - max(MEASURE_SIZES) - 1]  # not timings: which passes ran
+    assert backend.length == 0 and table.at == MEASURE_CONTEXTS[0] and len(table.slopes) == len(MEASURE_SIZES)
     again = CostTable.cached(backend)
     assert (again.at, again.costs, again.slopes) == (table.at, table.costs, table.slopes)
 
