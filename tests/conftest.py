@@ -67,7 +67,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     # Kernel tests skip where the kernels cannot be built; say how many, and why, every time.
     skips = _kernel_skips(terminalreporter)
     if skips:
-        terminalreporter.write_line(f"decodekit: {len(skips)} kernel tests skipped: {sorted(set(skips))[0]}")
+        why = "; ".join(f"{skips.count(r)} x {r}" for r in sorted(set(skips)))
+        terminalreporter.write_line(f"decodekit: {len(skips)} kernel tests skipped ({why})")
 
 
 def pytest_sessionfinish(session, exitstatus):
