@@ -142,11 +142,19 @@ def block_matmul(kind: str, interleaved: bool = False) -> Callable[[torch.Tensor
     lib = _library("gemm")
     if lib is None or kind not in ("q4_1", "q8_0"):
         return None
-    fn = getattr(lib, f"decodekit_gemm_{kind}{'x4' if interleaved else ''}")
+    return _blocks_times_rows(getattr(lib, f"decodekit_gemm_{kind}{'x4' if interleaved else ''}"))
+
+
+def _blocks_times_rows(fn, check: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None):
+    """``matmul(blocks, x, n_in) -> [rows, out]`` float32 around a C function of the block kernels'
+    signature (blocks, x, out, rows, n_out, n_in, threads), with its address for ``forward.c``;
+    ``check`` validates the operands first, where the C code relies on them."""
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     fn.restype = None
 
     def matmul(blocks: torch.Tensor, x: torch.Tensor, n_in: int) -> torch.Tensor:
+        if check is not None:
+            check(blocks, x, n_in)
         rows = x.shape[0]
         x = x.to(torch.float32).contiguous()
         out = torch.empty(rows, blocks.shape[0], dtype=torch.float32)
@@ -166,20 +174,8 @@ def integer_block_matmul(kind: str) -> Callable[[torch.Tensor, torch.Tensor, int
     lib = _library("gemm_q8")
     if lib is None or kind not in ("q4_1", "q8_0") or not lib.decodekit_has_avx512vnni():
         return None
-    fn = getattr(lib, f"decodekit_q8_{kind}")
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-    fn.restype = None
-
-    def matmul(blocks: torch.Tensor, x: torch.Tensor, n_in: int) -> torch.Tensor:
-        _check_integer_operands(kind, blocks, x, n_in)
-        rows = x.shape[0]
-        x = x.to(torch.float32).contiguous()
-        out = torch.empty(rows, blocks.shape[0], dtype=torch.float32)
-        fn(blocks.data_ptr(), x.data_ptr(), out.data_ptr(), rows, blocks.shape[0], n_in, torch.get_num_threads())
-        return out
-
-    matmul.address = _address(fn)
-    return matmul
+    return _blocks_times_rows(getattr(lib, f"decodekit_q8_{kind}"),
+                              lambda blocks, x, n_in: _check_integer_operands(kind, blocks, x, n_in))
 
 
 def _check_integer_operands(kind: str, blocks: torch.Tensor, x: torch.Tensor, n_in: int) -> None:
