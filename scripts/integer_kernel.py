@@ -12,7 +12,7 @@ import time
 import torch
 
 from decodekit.models import load_model
-from decodekit.models.kernels import block_matmul, integer_block_matmul
+from decodekit.models.kernels import block_matmul, integer_block_matmul, pack_integer_blocks
 
 
 def ms_per_call(fn, calls: int = 20) -> float:
@@ -31,13 +31,14 @@ def main() -> None:
     for name, projection in named.items():
         blocks = projection.blocks
         exact, fast = block_matmul(blocks.kind), integer_block_matmul(blocks.kind)
-        for rows in (1, 8, 32):
+        packed = pack_integer_blocks(blocks.kind, blocks.data, blocks.n_in)
+        for rows in (1, 8, 32, 64):
             x = torch.randn(rows, blocks.n_in, generator=torch.Generator().manual_seed(rows))
             reference = exact(blocks.data, x, blocks.n_in)
-            error = ((fast(blocks.data, x, blocks.n_in) - reference).norm() / reference.norm()).item()
+            error = ((fast(packed, x, blocks.n_in) - reference).norm() / reference.norm()).item()
             print(f"| {name} {tuple(blocks.shape)} {blocks.kind} | {rows} "
                   f"| {ms_per_call(lambda: exact(blocks.data, x, blocks.n_in)):.3f} "
-                  f"| {ms_per_call(lambda: fast(blocks.data, x, blocks.n_in)):.3f} | {error:.4f} |")
+                  f"| {ms_per_call(lambda: fast(packed, x, blocks.n_in)):.3f} | {error:.4f} |")
 
 
 if __name__ == "__main__":

@@ -80,10 +80,15 @@ MUTATIONS = (
     Mutation("governor-keeps-torchs-count", "src/decodekit/models/threads.py",
              "        if threads != torch.get_num_threads():\n            torch.set_num_threads(threads)\n",
              "", ("tests/test_threads.py",)),
-    Mutation("integer-kernel-sums-lanes-backwards", "src/decodekit/models/kernels/gemm_q8.c",
-             "    float total = lane[0];\n    for (int l = 1; l < 8; l++) total += lane[l];",
-             "    float total = lane[7];\n    for (int l = 6; l >= 0; l--) total += lane[l];",
+    Mutation("integer-kernel-adds-the-offset-first", "src/decodekit/models/kernels/gemm_q8.c",
+             "            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(in->dx[at])), acc[t]);\n"
+             "            if (kind == 0) acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(in->ex[at]), acc[t]);",
+             "            if (kind == 0) acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(in->ex[at]), acc[t]);\n"
+             "            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(in->dx[at])), acc[t]);",
              ("tests/test_gguf_blocks.py", "-k", "integer")),
+    Mutation("integer-kernel-forgets-the-q8_0-correction", "src/decodekit/models/kernels/gemm_q8.c",
+             "kind == 0 ? _mm512_setzero_si512() : _mm512_set1_epi32(in->cx[at])",
+             "_mm512_setzero_si512()", ("tests/test_gguf_blocks.py", "-k", "integer")),
     Mutation("engine-drops-the-eta-parameter", "src/decodekit/engine/api.py",
              "    params = {k: v for k, v in params.items() if v is not None}",
              "    params = {k: v for k, v in params.items() if v is not None and k != 'eta'}",

@@ -135,53 +135,62 @@ def test_blocks_are_saved_beside_the_dequantised_weights_and_read_back_the_same(
         assert (saved.kind, saved.n_in) == (blocks.kind, blocks.n_in) and torch.equal(saved.data, blocks.data)
 
 
-# The integer kernel of the coming `fast` numerics ---------------------------------------------------
+# The integer kernel of the `fast` numerics -------------------------------------------------------
 
 needs_vnni = pytest.mark.skipif(kernels.integer_block_matmul("q4_1") is None,
                                 reason="AVX512-VNNI kernels unavailable on this machine (no VNNI or no compiler)")
 
 
+def integer_product(kind: str, blocks: BlockMatrix, x: torch.Tensor) -> torch.Tensor:
+    packed = kernels.pack_integer_blocks(kind, blocks.data, blocks.n_in)
+    return kernels.integer_block_matmul(kind)(packed, x, blocks.n_in)
+
+
 @needs_vnni
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 3, 8, 17, 64])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 64, 100])
 def test_integer_kernel_is_its_scalar_reference_bit_for_bit_and_close_to_float32(kind, rows):
     """Inputs quantised to 8 bits per block of 32, integer dot products: the vector kernel does the
     reference's arithmetic in the reference's order; against float32 it is off by the inputs'
     quantisation error (well under 1% here), and each row's result is the same whatever else is in
-    the pass."""
+    the pass (alone, or in a tile of eight at another position)."""
     gen = torch.Generator().manual_seed(rows)
-    blocks = BlockMatrix.quantize(torch.randn(37, 192, generator=gen), kind)
-    x = torch.randn(rows, 192, generator=gen)
-    fast = kernels.integer_block_matmul(kind)
-    got = fast(blocks.data, x, blocks.n_in)
+    blocks = BlockMatrix.quantize(torch.randn(48, 192, generator=gen), kind)
+    x = torch.randn(rows, 192, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
+    got = integer_product(kind, blocks, x)
     assert torch.equal(got, kernels.integer_block_matmul_reference(kind, blocks.data, x, blocks.n_in))
     exact = x @ blocks.dequantize().T
     assert ((got - exact).norm() / exact.norm()).item() < 0.01
-    assert torch.equal(got[rows - 1], fast(blocks.data, x[rows - 1 :].contiguous(), blocks.n_in)[0])
+    assert torch.equal(got[rows - 1], integer_product(kind, blocks, x[rows - 1 :].contiguous())[0])
+    assert torch.equal(got[0], integer_product(kind, blocks, torch.cat([x[rows - 1 :], x[:1]]))[1])
 
 
 @needs_vnni
-def test_integer_kernel_quantises_inputs_as_q8_blocks():
+@pytest.mark.parametrize("kind", KINDS)
+def test_integer_kernel_quantises_inputs_as_q8_blocks(kind):
     """An input exactly on a block's 8-bit grid (its largest magnitude maps to 127) loses nothing
     to quantisation: the result is the float32 product with the dequantised weights up to float
-    rounding, also with a block of zeros (scale 0) beside it."""
-    weight = torch.ones(1, 64)
-    blocks = BlockMatrix.quantize(weight, "q8_0")
+    rounding, also with a block of zeros (scale 0) beside it, and with weights of both signs."""
+    weight = torch.cat([torch.ones(8, 64), -torch.ones(8, 64)]) * torch.linspace(0.5, 2, 64)
+    blocks = BlockMatrix.quantize(weight, kind)
     x = torch.cat([torch.arange(-127, 129, 8, dtype=torch.float32)[:32] / 127 * 3.0, torch.zeros(32)])[None]
-    got = kernels.integer_block_matmul("q8_0")(blocks.data, x, 64)
-    assert got.item() == pytest.approx((x @ blocks.dequantize().T).item(), rel=1e-6)
+    got = integer_product(kind, blocks, x)
+    assert torch.allclose(got, x @ blocks.dequantize().T, rtol=1e-6, atol=1e-5)
 
 
 @needs_vnni
 def test_integer_kernel_turns_a_non_finite_input_into_nan_and_refuses_bad_shapes():
-    blocks = BlockMatrix.quantize(torch.randn(5, 64, generator=torch.Generator().manual_seed(0)), "q4_1")
+    blocks = BlockMatrix.quantize(torch.randn(16, 64, generator=torch.Generator().manual_seed(0)), "q4_1")
+    packed = kernels.pack_integer_blocks("q4_1", blocks.data, 64)
     fast = kernels.integer_block_matmul("q4_1")
     for bad in (float("nan"), float("inf")):
         x = torch.randn(2, 64)
         x[1, 40] = bad
-        got = fast(blocks.data, x, 64)
+        got = fast(packed, x, 64)
         assert torch.isfinite(got[0]).all() and torch.isnan(got[1]).all()
     with pytest.raises(ValueError, match="inputs"):
-        fast(blocks.data, torch.randn(65, 64), 64)  # more rows than the kernel holds
+        fast(packed, torch.randn(3, 60), 60)
     with pytest.raises(ValueError, match="blocks"):
-        fast(blocks.data[:, :20].contiguous(), torch.randn(1, 64), 64)
+        fast(packed[:, :20].contiguous(), torch.randn(1, 64), 64)
+    with pytest.raises(ValueError, match="blocks"):  # not a whole group of 16 rows
+        kernels.pack_integer_blocks("q4_1", blocks.data[:5].contiguous(), 64)

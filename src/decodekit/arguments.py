@@ -35,3 +35,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="embedded model name, HF model folder or .gguf file (default: smollm2-135m)")
     parser.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="model backend (default: native for Llama-family)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute dtype")
+    parser.add_argument(
+        "--numerics", default="exact", choices=["exact", "fast"],
+        help="exact: float32, identical to the dequantised model (default); fast: 8-bit inputs and integer dot products on the GGUF blocks",
+    )

@@ -40,6 +40,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--all-turns", action="store_true", help="feed every turn of multi-turn questions (default: the first)")
     p.add_argument("--model", default=None, help="embedded model name, HF model folder or .gguf file (default smollm2-135m)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--numerics", default="exact", choices=["exact", "fast"],
+                   help="exact: float32 identical to the dequantised model (default); fast: 8-bit inputs, integer dot products")
     p.add_argument("--repeats", type=int, default=None,
                    help=f"passes over the questions, each from the same start; medians are reported (default {FULL['repeats']}; --quick {QUICK['repeats']})")
     p.add_argument("--threads", type=int, default=None, help="torch threads, also llama.cpp's n_threads (default: torch's)")
@@ -71,6 +73,7 @@ class Plan:
     all_turns: bool
     model: str | None
     dtype: str
+    numerics: str
     threads: int | None
     out: Path
     command: str
@@ -83,7 +86,7 @@ class Plan:
         return {
             "questions": str(self.question_file), "methods": self.methods, "baselines": self.baselines,
             "max_new_tokens": self.max_new_tokens, "limit": self.limit, "categories": self.categories,
-            "dtype": self.dtype, "model": self.model, "repeats": self.repeats, "all_turns": self.all_turns,
+            "dtype": self.dtype, "numerics": self.numerics, "model": self.model, "repeats": self.repeats, "all_turns": self.all_turns,
             "options": self.options, "reference": REFERENCE,
         }
 
@@ -220,7 +223,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         methods=methods, options=parse_method_options(args.opt, methods), baselines=list(dict.fromkeys(baselines)),
         questions=load_questions(path, categories=categories, limit=limit), question_file=path,
         max_new_tokens=max_new, limit=limit, categories=categories, repeats=repeats, all_turns=args.all_turns,
-        model=args.model, dtype=args.dtype, threads=args.threads, out=Path(args.out), command="", notes=notes,
+        model=args.model, dtype=args.dtype, numerics=args.numerics, threads=args.threads, out=Path(args.out), command="", notes=notes,
         resume=getattr(args, "resume", False),
     )
     plan.command = command_line(plan, args.quick)
@@ -234,7 +237,8 @@ def command_line(plan: Plan, quick: bool) -> str:
     """An explicit command that reproduces the run (every default spelled out)."""
     parts = ["decodekit", "bench", "--questions", str(plan.question_file), "--methods", ",".join(plan.methods),
              "--baselines", ",".join(plan.baselines) or "none", "--max-new-tokens", str(plan.max_new_tokens),
-             "--repeats", str(plan.repeats), "--dtype", plan.dtype, "--out", str(plan.out)]
+             "--repeats", str(plan.repeats), "--dtype", plan.dtype, "--numerics", plan.numerics,
+             "--out", str(plan.out)]
     parts += ["--limit", str(plan.limit)] if plan.limit else []
     parts += ["--categories", ",".join(plan.categories)] if plan.categories else []
     parts += ["--model", plan.model] if plan.model else []
@@ -286,10 +290,10 @@ def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[
     if run_.resumed:
         notes.append(f"resumed: {run_.resumed} question(s) taken from an earlier run of the same code and settings")
     results = build_results(run_, command=plan.command, config=plan.config(),
-                            machine=machine_info(model=model.name, dtype=plan.dtype), notes=notes)
+                            machine=machine_info(model=model.name, dtype=plan.dtype, numerics=plan.numerics), notes=notes)
     write_results(results, plan.out / "results.json")
     n = len(plan.questions)
-    subtitle = f"{model.name}, {plan.dtype}, {n} question{'s' if n != 1 else ''}, {plan.max_new_tokens} new tokens"
+    subtitle = f"{model.name}, {plan.dtype}, {plan.numerics} numerics, {n} question{'s' if n != 1 else ''}, {plan.max_new_tokens} new tokens"
     plot_speedup(results["summary"], plan.out / "speedup.png", subtitle=subtitle)
     write_report(results, plan.out / "report.md")
     return results
@@ -305,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(args)
     from ..models import load_model
 
-    model = load_model(plan.model, dtype=plan.dtype)
+    model = load_model(plan.model, dtype=plan.dtype, numerics=plan.numerics)
     print(f"decodekit bench: {len(plan.questions)} questions x {len(plan.methods)} methods + "
           f"{len(plan.baselines)} baselines x {plan.repeats} repeat(s), {plan.max_new_tokens} new tokens", file=sys.stderr)
     results = execute(plan, model, progress=not args.no_progress)

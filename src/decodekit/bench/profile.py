@@ -1,12 +1,13 @@
 """``decodekit profile``: what a forward pass costs on this machine, and how close that is to its limits.
 
-For the loaded model: the time of a pass of 1, 2, 4, ... 64 new tokens after a 256-token context
-(the verify-cost curve every speculative method lives on), prefill speed for a 512-token prompt,
-and what those imply: the weight bandwidth of a one-token pass (bytes of weights it reads per
-second, against a measured copy bandwidth) and the multiply-add rate of a 32-token pass (against
-a measured float32 matrix-product rate). ``--contention`` adds decode speed beside a busy loop
-(another process spinning on one core). Numerics: ``exact`` (float32 on the GGUF blocks, the
-default), the only one so far.
+For the model in each numerics (``exact``: float32 on the GGUF blocks; ``fast``: 8-bit inputs and
+integer dot products, where this machine and model have it): the time of a pass of 1, 2, 4, ... 64
+new tokens after a 256-token context (the verify-cost curve every speculative method lives on),
+prefill speed for a 512-token prompt, and what those imply: the weight bandwidth of a one-token
+pass (bytes of weights it reads per second, against a measured copy bandwidth) and the
+multiply-add rate of a 32-token pass (against a measured float32 matrix-product rate for
+``exact``, a VNNI loop's rate for ``fast``). ``--contention`` adds decode speed beside a busy loop
+(another process spinning on one core), in each numerics.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ PASS_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_TOKENS = 512
 COPY_BYTES = 256 * 2**20  # far beyond the caches: a copy this size streams from memory
 GEMM_SIZE = 2048  # large enough for the matrix product to run near the multiply-add peak
+PEAK_ITERATIONS = 2_000_000  # rounds of 12 VNNI instructions a thread: a few milliseconds
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -49,19 +51,27 @@ def best_of(fn, rounds: int = 5) -> float:
 
 
 def machine_limits() -> dict[str, float | None]:
-    """A STREAM-like copy (bytes read + written per second) and the rate of a large float32 matrix
-    product (torch's, through oneDNN: the multiply-add rate this machine reaches in practice)."""
+    """A STREAM-like copy (bytes read + written per second), the rate of a large float32 matrix
+    product (torch's, through oneDNN: the multiply-add rate this machine reaches in practice) and
+    the rate of a loop of nothing but VNNI byte dot products (None without VNNI)."""
     import torch
+
+    from ..models.kernels import integer_peak_loop
 
     src = torch.ones(COPY_BYTES // 4)
     dst = torch.empty_like(src)
     copy_s = best_of(lambda: dst.copy_(src))
     a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
     gemm_s = best_of(lambda: torch.mm(a, b))
+    loop, threads = integer_peak_loop(), torch.get_num_threads()
+    vnni = None
+    if loop is not None:
+        vnni_s = best_of(lambda: loop(PEAK_ITERATIONS, threads))
+        vnni = round(2 * 64 * 12 * PEAK_ITERATIONS * threads / vnni_s / 1e9, 1)
     return {
         "copy_gb_s": round(2 * COPY_BYTES / copy_s / 1e9, 2),
         "fma_gflop_s": round(2 * GEMM_SIZE**3 / gemm_s / 1e9, 1),
-        "vnni_gop_s": None,  # measured once an integer-dot-product numerics exists
+        "vnni_gop_s": vnni,  # byte multiply-adds, counted as two operations each
     }
 
 
@@ -118,27 +128,41 @@ def contention(model) -> dict[str, float]:
     return {"quiet_tok_s": round(quiet, 1), "busy_core_tok_s": round(shared, 1), "ratio": round(shared / quiet, 3)}
 
 
-def profile(model, *, with_contention: bool = False) -> dict[str, Any]:
-    """The whole profile as one object (what ``--json`` prints)."""
+# what a numerics' 32-token multiply-add rate is set against: (its share's name, the machine's rate)
+PEAKS = {"exact": ("fma_share_at_32", "fma_gflop_s"), "fast": ("vnni_share_at_32", "vnni_gop_s")}
+
+
+def profile(models: dict[str, Any], *, with_contention: bool = False, unavailable: dict[str, str] | None = None) -> dict[str, Any]:
+    """The whole profile as one object (what ``--json`` prints). ``models``: a loaded model per
+    numerics; ``unavailable``: why a numerics has none."""
     from ..models.threads import GOVERNOR
 
+    result: dict[str, Any] = {"model": next(iter(models.values())).name, "numerics": {}}
     with GOVERNOR.hold():  # all threads throughout: figures of one thread count
-        machine = machine_limits()
-        exact = pass_costs(model)
-    if "weight_gb_s_at_1" in exact:
-        exact["bandwidth_share_at_1"] = round(exact["weight_gb_s_at_1"] / machine["copy_gb_s"], 3)
-        exact["fma_share_at_32"] = round(exact["gflop_s_at_32"] / machine["fma_gflop_s"], 3)
-    result: dict[str, Any] = {"model": model.name, "numerics": {"exact": exact}, "machine": machine}
+        machine = result["machine"] = machine_limits()
+        for numerics, model in models.items():
+            costs = result["numerics"][numerics] = pass_costs(model)
+            share, peak = PEAKS[numerics]
+            if "weight_gb_s_at_1" in costs:
+                costs["bandwidth_share_at_1"] = round(costs["weight_gb_s_at_1"] / machine["copy_gb_s"], 3)
+                if machine[peak]:
+                    costs[share] = round(costs["gflop_s_at_32"] / machine[peak], 3)
+    for numerics, reason in (unavailable or {}).items():
+        result["numerics"][numerics] = {"unavailable": reason}
     if with_contention:
-        result["contention"] = contention(model)
+        result["contention"] = {numerics: contention(model) for numerics, model in models.items()}
     return result
 
 
 def describe(result: dict[str, Any]) -> str:
     lines = [f"model {result['model']}"]
     m = result["machine"]
-    lines.append(f"machine: copy {m['copy_gb_s']} GB/s (read + write), float32 matrix product {m['fma_gflop_s']} GFLOP/s")
+    vnni = f", VNNI loop {m['vnni_gop_s']} GOP/s" if m["vnni_gop_s"] else ""
+    lines.append(f"machine: copy {m['copy_gb_s']} GB/s (read + write), float32 matrix product {m['fma_gflop_s']} GFLOP/s{vnni}")
     for numerics, r in result["numerics"].items():
+        if "unavailable" in r:
+            lines.append(f"{numerics}: unavailable ({r['unavailable']})")
+            continue
         sizes = "  ".join(f"{n}:{ms:.2f}" for n, ms in r["pass_ms"].items())
         lines.append(f"{numerics}: pass ms after {r['context']} tokens (tokens:ms)  {sizes}")
         one = r["pass_ms"]["1"]
@@ -147,19 +171,29 @@ def describe(result: dict[str, Any]) -> str:
         if "weight_gb_s_at_1" in r:
             lines.append(f"  one-token pass reads weights at {r['weight_gb_s_at_1']} GB/s "
                          f"({100 * r['bandwidth_share_at_1']:.0f}% of the copy bandwidth)")
-            lines.append(f"  32-token pass computes {r['gflop_s_at_32']} GFLOP/s "
-                         f"({100 * r['fma_share_at_32']:.0f}% of the matrix-product rate)")
-    if "contention" in result:
-        c = result["contention"]
-        lines.append(f"contention: decode {c['quiet_tok_s']} tok/s quiet, {c['busy_core_tok_s']} beside a busy loop "
-                     f"({c['ratio']:.2f}x)")
+            share, peak = PEAKS[numerics]
+            against = f" ({100 * r[share]:.0f}% of the {'matrix-product' if numerics == 'exact' else 'VNNI loop'} rate)"
+            lines.append(f"  32-token pass computes {r['gflop_s_at_32']} G multiply-add operations/s"
+                         + (against if share in r else ""))
+    for numerics, c in result.get("contention", {}).items():
+        lines.append(f"contention, {numerics}: decode {c['quiet_tok_s']} tok/s quiet, {c['busy_core_tok_s']} beside a "
+                     f"busy loop ({c['ratio']:.2f}x)")
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace, model=None) -> int:
+def run(args: argparse.Namespace, models: dict[str, Any] | None = None) -> int:
+    """Profile both numerics (``models``: a loaded model per numerics, else loaded from the
+    arguments; a numerics this model or machine cannot run is reported as unavailable)."""
+    from ..errors import InvalidParameter
     from ..models import load_model
 
-    model = model or load_model(args.model, backend=args.backend, dtype=args.dtype)
-    result = profile(model, with_contention=args.contention)
+    unavailable: dict[str, str] = {}
+    if models is None:
+        models = {"exact": load_model(args.model, backend=args.backend, dtype=args.dtype)}
+        try:
+            models["fast"] = load_model(args.model, backend=args.backend, dtype=args.dtype, numerics="fast")
+        except InvalidParameter as err:
+            unavailable["fast"] = str(err)
+    result = profile(models, with_contention=args.contention, unavailable=unavailable)
     print(json.dumps(result) if args.json else describe(result))
     return 0

@@ -99,7 +99,7 @@ def machine_lines(machine: dict[str, Any]) -> list[str]:
         f"{machine['memory_gb']} GB RAM)",
         f"- torch {machine['torch']} with {machine['torch_threads']} threads; transformers {machine['transformers']}; "
         f"llama-cpp-python {machine['llama_cpp'] or 'not installed'}",
-        f"- model {machine['model']}, dtype {machine['dtype']}; {machine['platform']}, Python {machine['python']}",
+        f"- model {machine['model']}, dtype {machine['dtype']}, {machine.get('numerics', 'exact')} numerics; {machine['platform']}, Python {machine['python']}",
     ]
 
 

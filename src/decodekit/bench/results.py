@@ -6,10 +6,10 @@
       "schema": "decodekit-bench/1",
       "created": "2025-01-01T12:00:00",          # local time, ISO 8601
       "command": "decodekit bench --quick",      # the command line that produced the file
-      "config": {questions, methods, baselines, max_new_tokens, limit, categories, dtype, model,
+      "config": {questions, methods, baselines, max_new_tokens, limit, categories, dtype, numerics, model,
                  repeats, all_turns, options},
       "machine": {cpu, logical_cores, usable_cores, memory_gb, platform, python, torch, torch_threads,
-                  transformers, llama_cpp, dtype, model},
+                  transformers, llama_cpp, dtype, numerics, model},
       "notes": [str, ...],                        # skipped methods/baselines, failures, caveats
       "records": [                               # one per contestant x question x repeat
         {method, kind ("decodekit"|"baseline"), family, lossless (bool|null),
@@ -212,7 +212,7 @@ def code_version() -> str:
     return f"{decodekit.__version__}+{digest.hexdigest()[:12]}"
 
 
-def machine_info(*, model: str, dtype: str) -> dict[str, Any]:
+def machine_info(*, model: str, dtype: str, numerics: str = "exact") -> dict[str, Any]:
     import torch
 
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -220,7 +220,7 @@ def machine_info(*, model: str, dtype: str) -> dict[str, Any]:
         "cpu": cpu_model(), "logical_cores": os.cpu_count(), "usable_cores": usable, "memory_gb": memory_gb(),
         "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "transformers": _version("transformers"),
-        "llama_cpp": _version("llama-cpp-python"), "dtype": dtype, "model": model,
+        "llama_cpp": _version("llama-cpp-python"), "dtype": dtype, "numerics": numerics, "model": model,
         "decodekit": code_version(),
     }
 

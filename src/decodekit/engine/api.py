@@ -82,8 +82,12 @@ def prompt_token_ids(model: LoadedModel, prompt: Any, *, chat: bool) -> list[int
 class Engine:
     """A loaded model plus the methods that decode with it. Reuse it across requests."""
 
-    def __init__(self, model: str | LoadedModel | None = None, *, backend: str = "auto", dtype: str | torch.dtype = "float32"):
-        self.model = model if isinstance(model, LoadedModel) else load_model(model, backend=backend, dtype=dtype)
+    def __init__(
+        self, model: str | LoadedModel | None = None, *, backend: str = "auto", dtype: str | torch.dtype = "float32",
+        numerics: str = "exact",
+    ):
+        self.model = (model if isinstance(model, LoadedModel)
+                      else load_model(model, backend=backend, dtype=dtype, numerics=numerics))
 
     def generate(
         self,
@@ -116,11 +120,14 @@ _default_engines: dict[tuple, Engine] = {}
 _default_engines_lock = threading.Lock()
 
 
-def generate(prompt: str | list[dict[str, str]], *, model: str | None = None, dtype: str = "float32", **kwargs: Any) -> Generation:
-    """One-call generation; the model is loaded once per (model, dtype) and reused."""
-    key = (model, dtype)
+def generate(
+    prompt: str | list[dict[str, str]], *, model: str | None = None, dtype: str = "float32", numerics: str = "exact",
+    **kwargs: Any,
+) -> Generation:
+    """One-call generation; the model is loaded once per (model, dtype, numerics) and reused."""
+    key = (model, dtype, numerics)
     with _default_engines_lock:  # two threads' first calls load the model once
         if key not in _default_engines:
-            _default_engines[key] = Engine(model, dtype=dtype)
+            _default_engines[key] = Engine(model, dtype=dtype, numerics=numerics)
         engine = _default_engines[key]
     return engine.generate(prompt, **kwargs)

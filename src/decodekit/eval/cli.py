@@ -59,7 +59,7 @@ def run(args: argparse.Namespace, model=None) -> int:
     )
     task = load_task(args.task, args.data)
     make_decoder(config, task)  # bad method or option: fail before loading the model
-    model = model or load_model(args.model, backend=args.backend, dtype=args.dtype)
+    model = model or load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics)
     right = [0]
 
     def progress(done: int, total: int, record: dict) -> None:
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace, model=None) -> int:
     out = Path(args.out or f"eval-out/{args.task}-{args.method}")
     argv = sys.argv[sys.argv.index(args.task):] if args.task in sys.argv else [args.task]
     header = {"command": "decodekit eval " + shlex.join(argv),
-              "model": model.name, "dtype": args.dtype}
+              "model": model.name, "dtype": args.dtype, "numerics": args.numerics}
     paths = write_report(result, out, header)
     lo, hi = result["ci95"]
     print(f"{args.task} · {args.method}: accuracy {result['accuracy']:.3f} [{lo:.3f}, {hi:.3f}] "

@@ -64,7 +64,7 @@ def validate_decoding(args: argparse.Namespace) -> None:
 def make_engine(args: argparse.Namespace):
     from ..engine import Engine
 
-    return Engine(args.model, backend=args.backend, dtype=args.dtype)
+    return Engine(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics)
 
 
 def read_prompt(prompt: str | None) -> str:

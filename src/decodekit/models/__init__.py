@@ -29,12 +29,13 @@ class LoadedModel:
 
 
 def load_model(
-    model: str | None = None, *, backend: str = "auto", dtype: str | torch.dtype = "float32"
+    model: str | None = None, *, backend: str = "auto", dtype: str | torch.dtype = "float32", numerics: str = "exact"
 ) -> LoadedModel:
-    """Load a model by embedded name, Hugging Face folder or GGUF path (default: SmolLM2-135M)."""
+    """Load a model by embedded name, Hugging Face folder or GGUF path (default: SmolLM2-135M),
+    computing in ``numerics`` (``exact`` or ``fast``, see :data:`.native.NUMERICS`)."""
     folder = resolve_model_folder(model)
     return LoadedModel(
-        backend=build_backend(folder, backend=backend, dtype=parse_dtype(dtype), gguf=model_gguf(model)),
+        backend=build_backend(folder, backend=backend, dtype=parse_dtype(dtype), gguf=model_gguf(model), numerics=numerics),
         tokenizer=HFTokenizer(folder),
         name=model or DEFAULT_MODEL,
     )

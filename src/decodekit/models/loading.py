@@ -181,13 +181,18 @@ def read_config(folder: Path) -> dict:
 
 
 def build_backend(
-    folder: Path, *, backend: str = "auto", dtype: torch.dtype = torch.float32, gguf: Path | None = None
+    folder: Path, *, backend: str = "auto", dtype: torch.dtype = torch.float32, gguf: Path | None = None,
+    numerics: str = "exact",
 ) -> Backend:
     """Build the native backend for Llama-family configs, the HF backend otherwise (or on request).
 
     ``gguf``: the file ``folder`` was dequantised from; a float32 native backend then streams its
-    Q4_1 / Q8_0 blocks in decode steps (:mod:`.gguf_blocks`)."""
-    from .native import NATIVE_ARCHITECTURES, LlamaConfig, NativeLlama
+    Q4_1 / Q8_0 blocks in decode steps (:mod:`.gguf_blocks`). ``numerics``: ``exact`` or ``fast``
+    (:data:`.native.NUMERICS`; ``fast`` needs the native backend and the GGUF blocks)."""
+    from .native import NATIVE_ARCHITECTURES, NUMERICS, LlamaConfig, NativeLlama
+
+    if numerics not in NUMERICS:
+        raise InvalidParameter(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
 
     config = read_config(folder)
     arch = config.get("model_type", "")
@@ -196,6 +201,8 @@ def build_backend(
     if backend == "native" and arch not in NATIVE_ARCHITECTURES:
         raise InvalidParameter(f"the native backend supports {', '.join(NATIVE_ARCHITECTURES)}, not {arch!r}; use --backend hf")
     if backend == "hf" or arch not in NATIVE_ARCHITECTURES:
+        if numerics != "exact":
+            raise InvalidParameter(f"the {numerics} numerics runs on the native backend only (this model uses the HF backend)")
         from .hf import HFBackend
 
         return HFBackend.from_folder(folder, dtype=dtype)
@@ -204,12 +211,12 @@ def build_backend(
     except KeyError as err:
         raise InvalidModel(f"{folder / 'config.json'}: incomplete, no {err.args[0]!r}") from err
     blocks = None
-    if gguf is not None and dtype == torch.float32 and gguf_blocks_enabled():
+    if gguf is not None and dtype == torch.float32 and (gguf_blocks_enabled() or numerics == "fast"):
         from .gguf_blocks import cached_block_matrices
 
         blocks = cached_block_matrices(gguf, folder, llama.num_layers)
     state = load_state_dict(folder)
     try:
-        return NativeLlama(llama, state, dtype=dtype, name=folder.name, gguf_blocks=blocks)
+        return NativeLlama(llama, state, dtype=dtype, name=folder.name, gguf_blocks=blocks, numerics=numerics)
     except KeyError as err:
         raise InvalidModel(f"{folder}: the weights have no tensor {err.args[0]!r}") from err

@@ -22,11 +22,17 @@ from .backend import Backend, ModelInfo, StepOutput
 from .gguf_blocks import BlockMatrix, matching_blocks
 from .threads import GOVERNOR
 from .kernels import (
-    MAX_ROWS, DecoderLayers, KernelProjection, block_matmul, decoder_layers, few_rows_matmul, layer_ops,
-    layout_independent_attention,
+    INTEGER_GROUP, MAX_ROWS, DecoderLayers, KernelProjection, block_matmul, decoder_layers, few_rows_matmul,
+    integer_block_matmul, layer_ops, layout_independent_attention, pack_integer_blocks,
 )
 
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "mistral")
+#: ``exact``: float32 on the weights (or their GGUF blocks), bit-identical to the dequantised model.
+#: ``fast``: inputs quantised to 8 bits per block of 32 and integer dot products against the GGUF
+#: blocks (``kernels/gemm_q8.c``), for every pass, prefill included. Both compute every token's row
+#: on its own, so speculative decoding and batching are lossless relative to plain decoding in
+#: the same numerics; ``fast`` differs from ``exact`` by the inputs' quantisation.
+NUMERICS = ("exact", "fast")
 
 
 @dataclass(frozen=True)
@@ -109,7 +115,7 @@ def _onednn_linear_works() -> bool:
 ONEDNN_LINEAR = _onednn_linear_works()
 
 
-def native_architecture(dtype: torch.dtype, gguf_blocks: bool = False) -> str:
+def native_architecture(dtype: torch.dtype, gguf_blocks: bool = False, numerics: str = "exact") -> str:
     """The backend's name with the matmul paths it uses (verification costs depend on them)."""
     parts = ["native-llama"]
     if few_rows_matmul(dtype) is not None:
@@ -118,7 +124,20 @@ def native_architecture(dtype: torch.dtype, gguf_blocks: bool = False) -> str:
         parts.append("gguf-blocks")
     if ONEDNN_LINEAR:
         parts.append("onednn")
+    if numerics != "exact":
+        parts.append(f"numerics-{numerics}")
     return "+".join(parts)
+
+
+def fast_numerics_unavailable(blocks: "BlockMatrix | None") -> str | None:
+    """Why a projection cannot run the ``fast`` numerics, or None when it can."""
+    if blocks is None:
+        return "it needs a GGUF model's Q4_1 / Q8_0 blocks (a .gguf file or an embedded model, float32)"
+    if integer_block_matmul(blocks.kind) is None:
+        return "it needs a CPU with AVX512-VNNI and a C compiler"
+    if blocks.shape[0] % INTEGER_GROUP:
+        return f"it needs projections of a multiple of {INTEGER_GROUP} rows"
+    return None
 
 
 class Projection:
@@ -140,11 +159,21 @@ class Projection:
 
     With ``blocks`` (float32 weights that are a GGUF file's dequantised blocks, see
     :mod:`.gguf_blocks`) those passes stream the blocks instead, with bit-identical results.
+
+    With ``numerics="fast"`` every pass, whatever its length, runs the integer kernel on the
+    blocks (repacked for it), and the float32 weights are not kept.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks: BlockMatrix | None = None):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks: BlockMatrix | None = None,
+        numerics: str = "exact",
+    ):
         self.weight = weight
         self.bias = bias
+        self.any_rows = False  # whether few_rows takes passes of any length (prefill included)
+        if numerics == "fast":
+            self._use_integer_kernel(blocks)
+            return
         self.few_rows = few_rows_matmul(weight.dtype)
         # what the few-row kernel is, as compiled code can call it (see kernels.KernelProjection)
         self.kernel: KernelProjection | None = None
@@ -159,6 +188,17 @@ class Projection:
             self.few_rows = lambda weight, x: kernel(data, x, blocks.n_in)
             self.kernel = (kernel.address, data, weight.shape[0], blocks.n_in)
 
+    def _use_integer_kernel(self, blocks: BlockMatrix | None) -> None:
+        reason = fast_numerics_unavailable(blocks)
+        if reason is not None:
+            raise InvalidParameter(f"the fast numerics is unavailable: {reason}; use --numerics exact")
+        packed, kernel = pack_integer_blocks(blocks.kind, blocks.data, blocks.n_in), integer_block_matmul(blocks.kind)
+        self.blocks, self.any_rows = blocks, True
+        self.few_rows = lambda weight, x: kernel(packed, x, blocks.n_in)
+        self.kernel = (kernel.address, packed, blocks.shape[0], blocks.n_in)
+        # only the shape is needed from here on: the float32 weights' memory goes back
+        self.weight = torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta")
+
     @property
     def streamed_bytes(self) -> int:
         """Bytes a few-row pass reads from this projection's weights (its blocks, where it streams them)."""
@@ -166,7 +206,7 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.few_rows is not None and rows <= MAX_ROWS:
+        if self.few_rows is not None and (rows <= MAX_ROWS or self.any_rows):
             out = self.few_rows(self.weight, x.reshape(rows, -1).contiguous()).view(*x.shape[:-1], -1)
             return out if self.bias is None else out + self.bias
         if ONEDNN_LINEAR:
@@ -178,16 +218,17 @@ class LlamaWeights:
     """Weights rearranged for fast inference: fused qkv and gate/up projections.
 
     ``blocks`` (GGUF blocks by Hugging Face name, float32 only) are attached to every fused
-    projection whose float32 weights they reproduce exactly."""
+    projection whose float32 weights they reproduce exactly. ``numerics`` is :data:`NUMERICS`'."""
 
     def __init__(
         self, config: LlamaConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype,
-        blocks: Mapping[str, BlockMatrix] | None = None,
+        blocks: Mapping[str, BlockMatrix] | None = None, numerics: str = "exact",
     ):
         def get(name: str) -> torch.Tensor:
             return state[name].to(dtype).contiguous()
 
         self._blocks = blocks if dtype == torch.float32 else None
+        self._numerics = numerics
         head_dim = config.head_dim
         self.embed = get("model.embed_tokens.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in state
@@ -222,7 +263,7 @@ class LlamaWeights:
             if rope_head_dim:
                 orders = [lambda n: rope_row_order(n, rope_head_dim), lambda n: rope_row_order(n, rope_head_dim).argsort()]
             blocks = matching_blocks([self._blocks.get(n) for n in names], weight, orders)
-        return Projection(weight, bias, blocks)
+        return Projection(weight, bias, blocks, self._numerics)
 
     @property
     def projections(self) -> list[Projection]:
@@ -239,6 +280,7 @@ class NativeLlama(Backend):
 
     ``gguf_blocks``: the model's GGUF blocks (:func:`..gguf_blocks.read_block_matrices`), for
     float32 decode steps that stream them instead of float32 weights, with identical results.
+    ``numerics``: one of :data:`NUMERICS` (``fast`` needs ``gguf_blocks``).
 
     The cache grows by doubling when full, so no capacity has to be guessed up front.
     """
@@ -252,12 +294,18 @@ class NativeLlama(Backend):
         name: str = "llama",
         initial_capacity: int = 512,
         gguf_blocks: Mapping[str, BlockMatrix] | None = None,
+        numerics: str = "exact",
     ):
+        if numerics not in NUMERICS:
+            raise InvalidParameter(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+        if numerics == "fast" and dtype != torch.float32:
+            raise InvalidParameter("the fast numerics runs on float32 activations; use --dtype float32")
         # Some real weights hold subnormal floats; multi-row matmul kernels run ~3x slower on them.
         torch.set_flush_denormal(True)
         self.config = config
         self.dtype = dtype
-        self.weights = LlamaWeights(config, state, dtype, gguf_blocks)
+        self.numerics = numerics
+        self.weights = LlamaWeights(config, state, dtype, gguf_blocks, numerics)
         uses_blocks = any(p.blocks is not None for p in self.weights.projections)
         self.info = ModelInfo(
             name=name,
@@ -266,7 +314,7 @@ class NativeLlama(Backend):
             hidden_size=config.hidden_size,
             max_length=config.max_position,
             dtype=dtype,
-            architecture=native_architecture(dtype, uses_blocks),
+            architecture=native_architecture(dtype, uses_blocks, numerics),
         )
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), inv_freq)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .gguf_blocks import BlockMatrix
 from .native import LlamaConfig, NativeLlama
 
 
@@ -57,10 +58,29 @@ def tiny_state_dict(config: dict, seed: int = 0, scale: float = 1.0) -> dict[str
     return state
 
 
-def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, scale: float = 1.0, **config_kwargs) -> NativeLlama:
-    """A tiny native Llama backend with random weights."""
+def as_gguf_blocks(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, BlockMatrix]]:
+    """The weights quantised as the embedded model's GGUF file holds them (projections Q4_1, the
+    output head Q8_0), and the state with each quantised weight replaced by its dequantised value."""
+    state, blocks = dict(state), {}
+    for name, weight in state.items():
+        if name.endswith("_proj.weight") or name == "lm_head.weight":
+            blocks[name] = BlockMatrix.quantize(weight, "q8_0" if name == "lm_head.weight" else "q4_1")
+            state[name] = blocks[name].dequantize()
+    return state, blocks
+
+
+def tiny_llama(
+    seed: int = 0, dtype: torch.dtype = torch.float32, scale: float = 1.0, *, numerics: str = "exact",
+    gguf_blocks: bool = False, **config_kwargs,
+) -> NativeLlama:
+    """A tiny native Llama backend with random weights; ``gguf_blocks`` (implied by the ``fast``
+    numerics) quantises them first, as a GGUF file would hold them (:func:`as_gguf_blocks`)."""
     config = tiny_hf_config(**config_kwargs)
-    return NativeLlama(LlamaConfig.from_hf(config), tiny_state_dict(config, seed, scale), dtype=dtype, name="tiny-llama")
+    state, blocks = tiny_state_dict(config, seed, scale), None
+    if gguf_blocks or numerics != "exact":
+        state, blocks = as_gguf_blocks(state)
+    return NativeLlama(LlamaConfig.from_hf(config), state, dtype=dtype, name="tiny-llama", gguf_blocks=blocks,
+                       numerics=numerics)
 
 
 def tiny_hf_model(seed: int = 0, scale: float = 1.0, **config_kwargs):

@@ -166,41 +166,78 @@ def _blocks_times_rows(fn, check: Callable[[torch.Tensor, torch.Tensor, int], No
 
 
 @cache
-def integer_block_matmul(kind: str) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
-    """The ``fast`` numerics (``gemm_q8.c``): ``matmul(blocks [out, in / 32 * block bytes] uint8,
-    x [rows, in] float32, n_in) -> [rows, out]`` float32 for GGUF ``kind`` ``"q4_1"`` or ``"q8_0"``
-    blocks (the plain layout, not interleaved), with the inputs quantised to 8 bits per block of 32
-    and integer dot products; None where unavailable (no compiler, or a CPU without AVX512-VNNI)."""
+def _integer_library() -> ctypes.CDLL | None:
     lib = _library("gemm_q8")
-    if lib is None or kind not in ("q4_1", "q8_0") or not lib.decodekit_has_avx512vnni():
+    if lib is None or not lib.decodekit_has_avx512vnni():  # built with VNNI allowed: only where it runs
+        return None
+    lib.decodekit_q8_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.decodekit_q8_reference.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
+    lib.decodekit_q8_pack.restype = lib.decodekit_q8_reference.restype = None
+    lib.decodekit_q8_peak.argtypes = [ctypes.c_int64, ctypes.c_int]
+    lib.decodekit_q8_peak.restype = ctypes.c_int64
+    return lib
+
+
+def integer_peak_loop() -> Callable[[int, int], int] | None:
+    """``loop(iterations, threads)``: ``iterations`` x 12 x 64 byte multiply-adds per thread with
+    VNNI, nothing else (``decodekit profile`` times it); None where unavailable."""
+    lib = _integer_library()
+    return None if lib is None else lib.decodekit_q8_peak
+
+
+INTEGER_KINDS = {"q4_1": 0, "q8_0": 1}
+INTEGER_GROUP = 16  # output rows packed side by side (gemm_q8.c's GROUP)
+
+
+@cache
+def integer_block_matmul(kind: str) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
+    """The ``fast`` numerics (``gemm_q8.c``): ``matmul(packed, x [rows, in] float32, n_in) ->
+    [rows, out]`` float32 for GGUF ``kind`` ``"q4_1"`` or ``"q8_0"`` blocks repacked by
+    :func:`pack_integer_blocks`, with the inputs quantised to 8 bits per block of 32 and integer dot
+    products; any number of rows, each computed on its own. None where unavailable (no compiler,
+    or a CPU without AVX512-VNNI)."""
+    lib = _integer_library()
+    if lib is None or kind not in INTEGER_KINDS:
         return None
     return _blocks_times_rows(getattr(lib, f"decodekit_q8_{kind}"),
                               lambda blocks, x, n_in: _check_integer_operands(kind, blocks, x, n_in))
 
 
+def pack_integer_blocks(kind: str, blocks: torch.Tensor, n_in: int) -> torch.Tensor:
+    """GGUF ``kind`` blocks ``[out, in / 32 * block bytes]`` (``out`` a multiple of 16) in the integer
+    kernel's layout, a tensor of the same shape (see ``gemm_q8.c``)."""
+    lib = _integer_library()
+    if lib is None:
+        raise RuntimeError("the integer kernel is unavailable on this machine")
+    _check_integer_operands(kind, blocks, torch.zeros(1, n_in), n_in)
+    packed = torch.empty_like(blocks)
+    lib.decodekit_q8_pack(INTEGER_KINDS[kind], blocks.data_ptr(), packed.data_ptr(), blocks.shape[0], n_in)
+    return packed
+
+
 def _check_integer_operands(kind: str, blocks: torch.Tensor, x: torch.Tensor, n_in: int) -> None:
-    """What ``gemm_q8.c`` relies on: at most MAX_ROWS input rows of ``n_in`` values, a multiple of
-    32, against contiguous uint8 blocks of the right width."""
+    """What ``gemm_q8.c`` relies on: rows of ``n_in`` values, a multiple of 32, against contiguous
+    uint8 blocks of the right width, a multiple of 16 rows."""
     width = n_in // 32 * (20 if kind == "q4_1" else 34)
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != n_in or n_in % 32:
-        raise ValueError(f"integer matmul: inputs [1..{MAX_ROWS}, {n_in}] with {n_in} a multiple of 32, got {tuple(x.shape)}")
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != width or not blocks.is_contiguous():
-        raise ValueError(f"integer matmul: {kind} blocks [out, {width}] contiguous uint8, got {tuple(blocks.shape)} {blocks.dtype}")
+    if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] != n_in or n_in % 32:
+        raise ValueError(f"integer matmul: inputs [rows, {n_in}] with {n_in} a multiple of 32, got {tuple(x.shape)}")
+    if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != width or not blocks.is_contiguous()
+            or blocks.shape[0] % INTEGER_GROUP):
+        raise ValueError(f"integer matmul: {kind} blocks [16 n, {width}] contiguous uint8, got {tuple(blocks.shape)} {blocks.dtype}")
 
 
 def integer_block_matmul_reference(kind: str, blocks: torch.Tensor, x: torch.Tensor, n_in: int) -> torch.Tensor | None:
-    """The scalar C reference of :func:`integer_block_matmul`: the same arithmetic in the same
-    order, one value at a time (for tests); None where the library is unavailable."""
-    lib = _library("gemm_q8")
-    if lib is None or not lib.decodekit_has_avx512vnni():  # built with VNNI allowed: only where it runs
+    """The scalar C reference of :func:`integer_block_matmul`, on the blocks as the file has them
+    (not packed): the same arithmetic in the same order, one value at a time (for tests); None
+    where the library is unavailable."""
+    lib = _integer_library()
+    if lib is None:
         return None
     _check_integer_operands(kind, blocks, x, n_in)
-    fn = lib.decodekit_q8_reference
-    fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
-    fn.restype = None
     x = x.to(torch.float32).contiguous()
     out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
-    fn(0 if kind == "q4_1" else 1, blocks.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], blocks.shape[0], n_in)
+    lib.decodekit_q8_reference(INTEGER_KINDS[kind], blocks.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0],
+                               blocks.shape[0], n_in)
     return out
 
 

@@ -1,20 +1,24 @@
 /* The `fast` numerics: GGUF Q4_1 / Q8_0 weight blocks times inputs quantised to 8 bits, with
- * integer dot products (AVX512-VNNI's vpdpbusd: 32 products of an unsigned and a signed byte,
- * summed four by four into 8 int32 lanes, per instruction).
+ * integer dot products (AVX512-VNNI's vpdpbusd: 64 products of an unsigned and a signed byte,
+ * summed four by four into 16 int32 lanes, per instruction).
  *
- * Each input row is quantised per block of 32 values as llama.cpp's Q8_1 does: d = max|x| / 127,
- * q = nearest integer to x / d (computed as x * (1 / d)), and the block's sum of q. A weight block
- * (Q4_1: w = dw * q + mw, q in 0..15; Q8_0: w = dw * q, q in -127..127) against an input block:
- *     sum_j w_j x_j  ~  dw * dx * sum_j q_j qx_j  (+ mw * dx * sum_j qx_j for Q4_1)
- * with the integer sums exact. The float arithmetic is in one fixed order, written out in the
- * scalar reference below, which a test compares with the vector kernel bit for bit:
- *   lane l (0..7) of a block's integer sum covers weights 4l..4l+3;
- *   acc[l] = fma((float) isum[l], dw * dx, acc[l])    block after block;
- *   rest   = fma(mw * dx, (float) sum(qx), rest)      block after block (Q4_1 only);
- *   y      = ((acc[0] + acc[1]) + ... + acc[7]) + rest.
- * Every output row and every input row is computed alone, in that order, whatever else is in
- * the pass, so a token's logits are the same in a plain step, a verification tree or a batch.
- * Output rows are split between threads; a row is never split.
+ * Inputs. Each input row is quantised per block of 32 values as llama.cpp's Q8_1 does:
+ * dx = max|x| / 127, qx = nearest integer to x * (1 / dx), sx = the block's sum of qx.
+ *
+ * Weights are repacked once (decodekit_q8_pack) in groups of 16 output rows: for each block of
+ * 32 inputs, the 16 rows' 4-byte slices k = 4g..4g+3 side by side in one 64-byte vector, so one
+ * vpdpbusd multiplies 16 rows by 4 inputs of one input row (broadcast) with no horizontal sums.
+ * A Q4_1 weight d * q + m (q in 0..15) is the unsigned operand as it is; a Q8_0 weight d * q
+ * (q in -128..127) is stored as q + 128 and the sum corrected by -128 * sx, exactly.
+ *
+ * Arithmetic, for output row r and input row m (the scalar reference below spells it out, and a
+ * test compares the vector kernel with it bit for bit):
+ *     acc = 0;  for each block b:  acc = fma((float) isum_b, dw_b * dx_b, acc)
+ *                                   acc = fma(mw_b, dx_b * (float) sx_b, acc)     (Q4_1 only)
+ *     y = acc
+ * where isum_b = sum_k q_k qx_k is exact in int32. Every (r, m) pair is computed alone, in that
+ * order, whatever else is in the pass, so a token's logits are the same in a plain step, in a
+ * verification tree, in a batch, and in prefill. Groups of rows are split between threads.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -23,7 +27,17 @@
 #include <string.h>
 
 #define QK 32
-#define MAX_ROWS 64
+#define GROUP 16   /* output rows side by side in the packed layout */
+#define TILE 8     /* input rows a group's unpacked weights are used for before they are rebuilt */
+
+/* GGUF block layouts: Q4_1 {fp16 d, fp16 m, 16 bytes: weight j in the low nibble of byte j,
+ * weight j + 16 in the high one} (20 bytes); Q8_0 {fp16 d, int8 q[32]} (34 bytes). */
+#define Q4_1_BYTES 20
+#define Q8_0_BYTES 34
+/* Packed per group and block: Q4_1 {4 x 64 bytes of nibble pairs, 16 fp16 d, 16 fp16 m};
+ * Q8_0 {8 x 64 bytes of q + 128, 16 fp16 d}. */
+#define Q4_1_PACKED (4 * 64 + 2 * GROUP * 2)
+#define Q8_0_PACKED (8 * 64 + GROUP * 2)
 
 static inline float half_to_float(const uint8_t *p) {
     uint16_t h;
@@ -31,161 +45,239 @@ static inline float half_to_float(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* Quantised inputs: q [M][n_in] int8, d [M][n_in / 32], s [M][n_in / 32] (sum of a block's q). */
-static void quantize_rows(const float *x, int M, int n_in, int8_t *q, float *d, int32_t *s) {
+static inline int q4_1_weight(const uint8_t *block, int k) {
+    return k < 16 ? block[4 + k] & 0x0f : block[4 + k - 16] >> 4;
+}
+
+/* Inputs quantised: q [M][n_in] int8; per row and block, dx (scale), ex = dx * sx (the Q4_1
+ * offset's factor) and cx = -128 * sx (the Q8_0 correction). */
+typedef struct {
+    int8_t *q;
+    float *dx, *ex;
+    int32_t *cx;
+} Quantised;
+
+static int quantised_alloc(Quantised *in, int M, int n_in) {
+    size_t blocks = (size_t)M * (n_in / QK);
+    in->q = aligned_alloc(64, ((size_t)M * n_in + 63) / 64 * 64);
+    in->dx = malloc(blocks * sizeof(float));
+    in->ex = malloc(blocks * sizeof(float));
+    in->cx = malloc(blocks * sizeof(int32_t));
+    return in->q && in->dx && in->ex && in->cx;
+}
+
+static void quantised_free(Quantised *in) { free(in->q), free(in->dx), free(in->ex), free(in->cx); }
+
+/* One block's scale, or NaN when a value is not finite (its quantised values are then 0: the
+ * results come out NaN, never silently finite). */
+static void finish_block(Quantised *in, size_t at, float dx, int32_t sx) {
+    in->dx[at] = dx;
+    in->ex[at] = dx * (float)sx;
+    in->cx[at] = -128 * sx;
+}
+
+/* Scalar quantisation (the reference's). */
+static void quantize_scalar(const float *x, int M, int n_in, Quantised *in) {
     int nb = n_in / QK;
     for (int m = 0; m < M; m++)
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (size_t)m * n_in + (size_t)b * QK;
-            int8_t *qb = q + (size_t)m * n_in + (size_t)b * QK;
+            int8_t *qb = in->q + (size_t)m * n_in + (size_t)b * QK;
             float amax = 0.0f;
             int finite = 1;
             for (int j = 0; j < QK; j++) {
                 amax = fmaxf(amax, fabsf(xb[j]));
                 finite &= isfinite(xb[j]) != 0;
             }
-            float db = amax / 127.0f, inv = db > 0.0f ? 1.0f / db : 0.0f;
-            int32_t sum = 0;
+            float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+            int32_t sx = 0;
             for (int j = 0; j < QK; j++) {
                 /* clamped: x * inv can round past 127 by an ulp, and must never be converted out of range */
                 int v = finite ? (int)nearbyintf(fminf(127.0f, fmaxf(-127.0f, xb[j] * inv))) : 0;
                 qb[j] = (int8_t)v;
-                sum += v;
+                sx += v;
             }
-            if (!finite) db = NAN;  /* a NaN or infinite input makes the result NaN, never silently finite */
-            d[(size_t)m * nb + b] = db;
-            s[(size_t)m * nb + b] = sum;
+            finish_block(in, (size_t)m * nb + b, finite ? dx : NAN, sx);
         }
 }
 
-/* Block layouts: Q4_1 {fp16 d, fp16 m, 16 bytes: weight j in the low nibble of byte j, weight
- * j + 16 in the high one} (20 bytes); Q8_0 {fp16 d, int8 q[32]} (34 bytes). */
-#define Q4_1_BYTES 20
-#define Q8_0_BYTES 34
-
-/* The 32 weights of a Q4_1 block as unsigned bytes in weight order. */
-static inline __m256i q4_1_weights(const uint8_t *block) {
-    __m128i packed = _mm_loadu_si128((const __m128i *)(block + 4));
-    __m128i low = _mm_and_si128(packed, _mm_set1_epi8(0x0f));
-    __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0f));
-    return _mm256_set_m128i(high, low);
-}
-
-static inline float sum_lanes(__m256 acc) {
-    float lane[8];
-    _mm256_storeu_ps(lane, acc);
-    float total = lane[0];
-    for (int l = 1; l < 8; l++) total += lane[l];
-    return total;
-}
-
-/* Output row r against M quantised input rows. */
-static void q4_1_row(const uint8_t *w, const int8_t *q, const float *d, const int32_t *s, float *y, int M,
-                     int n_out, int n_in, int r) {
+/* The same, 16 values a vector (the conversion rounds to nearest even, as nearbyintf does). */
+static void quantize_vector(const float *x, int M, int n_in, Quantised *in) {
     int nb = n_in / QK;
-    const uint8_t *row = w + (size_t)r * nb * Q4_1_BYTES;
-    __m256 acc[MAX_ROWS];
-    float rest[MAX_ROWS];
-    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps(), rest[m] = 0.0f;
+    const __m512 limit = _mm512_set1_ps(127.0f), infinity = _mm512_set1_ps(INFINITY);
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)m * n_in + (size_t)b * QK;
+            int8_t *qb = in->q + (size_t)m * n_in + (size_t)b * QK;
+            __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+            __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+            /* not less than infinity, or unordered: infinite or NaN */
+            int finite = !(_mm512_cmp_ps_mask(a0, infinity, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(a1, infinity, _CMP_NLT_UQ));
+            if (!finite) {
+                memset(qb, 0, QK);
+                finish_block(in, (size_t)m * nb + b, NAN, 0);
+                continue;
+            }
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+            float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+            __m512 scale = _mm512_set1_ps(inv);
+            __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(-limit, _mm512_mul_ps(x0, scale))));
+            __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(-limit, _mm512_mul_ps(x1, scale))));
+            _mm_storeu_si128((__m128i *)qb, _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtepi32_epi8(q1));
+            finish_block(in, (size_t)m * nb + b, dx, _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+        }
+}
+
+/* Repack GGUF blocks [n_out][n_in / 32] (n_out a multiple of 16) into the kernel's layout. */
+void decodekit_q8_pack(int kind, const uint8_t *w, uint8_t *packed, int n_out, int n_in) {
+    int nb = n_in / QK, bytes = kind == 0 ? Q4_1_BYTES : Q8_0_BYTES, size = kind == 0 ? Q4_1_PACKED : Q8_0_PACKED;
+    for (int g = 0; g < n_out / GROUP; g++)
+        for (int b = 0; b < nb; b++) {
+            uint8_t *out = packed + ((size_t)g * nb + b) * size;
+            for (int r = 0; r < GROUP; r++) {
+                const uint8_t *block = w + ((size_t)(g * GROUP + r) * nb + b) * bytes;
+                for (int k = 0; k < QK; k++) {
+                    int chunk = k / 4, slot = r * 4 + k % 4;
+                    if (kind == 0) {
+                        uint8_t q = (uint8_t)q4_1_weight(block, k);
+                        if (chunk < 4) out[chunk * 64 + slot] = q;  /* k < 16: low nibble */
+                        else out[(chunk - 4) * 64 + slot] |= (uint8_t)(q << 4);
+                    } else {
+                        out[chunk * 64 + slot] = (uint8_t)((int8_t)block[2 + k] + 128);
+                    }
+                }
+                memcpy(out + (kind == 0 ? 256 : 512) + 2 * r, block, 2);           /* d */
+                if (kind == 0) memcpy(out + 256 + 2 * GROUP + 2 * r, block + 2, 2);  /* m */
+            }
+        }
+}
+
+/* One group of 16 output rows against input rows m0 .. m0 + T - 1. */
+static inline __attribute__((always_inline)) void group_tile(int kind, const uint8_t *group, const Quantised *in,
+                                                              float *y, int n_out, int n_in, int m0, const int T) {
+    int nb = n_in / QK;
+    __m512 acc[TILE];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const uint8_t *block = row + (size_t)b * Q4_1_BYTES;
-        float dw = half_to_float(block), mw = half_to_float(block + 2);
-        __m256i wq = q4_1_weights(block);
-        for (int m = 0; m < M; m++) {
-            __m256i xq = _mm256_loadu_si256((const __m256i *)(q + (size_t)m * n_in + (size_t)b * QK));
-            __m256i isum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, xq);
-            float dx = d[(size_t)m * nb + b];
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * dx), acc[m]);
-            rest[m] = fmaf(mw * dx, (float)s[(size_t)m * nb + b], rest[m]);
+        __m512i w[8];
+        __m512 dw, mw = _mm512_setzero_ps();
+        if (kind == 0) {
+            const uint8_t *block = group + (size_t)b * Q4_1_PACKED;
+            const __m512i low = _mm512_set1_epi8(0x0f);
+            for (int j = 0; j < 4; j++) {
+                __m512i packed = _mm512_loadu_si512((const void *)(block + 64 * j));
+                w[j] = _mm512_and_si512(packed, low);
+                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            }
+            dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 256)));
+            mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 256 + 2 * GROUP)));
+        } else {
+            const uint8_t *block = group + (size_t)b * Q8_0_PACKED;
+            for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(block + 64 * j));
+            dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 512)));
+        }
+        for (int t = 0; t < T; t++) {
+            size_t at = (size_t)(m0 + t) * nb + b;
+            const int8_t *xq = in->q + (size_t)(m0 + t) * n_in + (size_t)b * QK;
+            __m512i isum = kind == 0 ? _mm512_setzero_si512() : _mm512_set1_epi32(in->cx[at]);
+            for (int j = 0; j < 8; j++) {
+                int32_t four;
+                memcpy(&four, xq + 4 * j, 4);
+                isum = _mm512_dpbusd_epi32(isum, w[j], _mm512_set1_epi32(four));
+            }
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(in->dx[at])), acc[t]);
+            if (kind == 0) acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(in->ex[at]), acc[t]);
         }
     }
-    for (int m = 0; m < M; m++) y[(size_t)m * n_out + r] = sum_lanes(acc[m]) + rest[m];
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(y + (size_t)(m0 + t) * n_out, acc[t]);
 }
 
-static void q8_0_row(const uint8_t *w, const int8_t *q, const float *d, const int32_t *s, float *y, int M,
-                     int n_out, int n_in, int r) {
-    (void)s;
-    int nb = n_in / QK;
-    const uint8_t *row = w + (size_t)r * nb * Q8_0_BYTES;
-    __m256 acc[MAX_ROWS];
-    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *block = row + (size_t)b * Q8_0_BYTES;
-        float dw = half_to_float(block);
-        __m256i wq = _mm256_loadu_si256((const __m256i *)(block + 2));
-        __m256i magnitude = _mm256_abs_epi8(wq);  /* unsigned |w| (128 for -128 read as a byte) */
-        for (int m = 0; m < M; m++) {
-            __m256i xq = _mm256_loadu_si256((const __m256i *)(q + (size_t)m * n_in + (size_t)b * QK));
-            /* |w| * (x * sign(w)) = w * x, with the unsigned operand first as vpdpbusd wants */
-            __m256i isum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, _mm256_sign_epi8(xq, wq));
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * d[(size_t)m * nb + b]), acc[m]);
-        }
+#define TILE_CASE(T) case T: group_tile(kind, group, in, y, n_out, n_in, m0, T); break;
+#define DEFINE_GROUP(NAME, KIND)                                                                     \
+    static void NAME(const uint8_t *group, const Quantised *in, float *y, int M, int n_out, int n_in) { \
+        const int kind = KIND;                                                                       \
+        for (int m0 = 0; m0 < M; m0 += TILE)                                                         \
+            switch (M - m0 < TILE ? M - m0 : TILE) {                                                 \
+                TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)                                  \
+                TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)                                  \
+            }                                                                                        \
     }
-    for (int m = 0; m < M; m++) y[(size_t)m * n_out + r] = sum_lanes(acc[m]);
-}
+DEFINE_GROUP(q4_1_group, 0)
+DEFINE_GROUP(q8_0_group, 1)
 
-typedef void (*row_fn)(const uint8_t *, const int8_t *, const float *, const int32_t *, float *, int, int, int, int);
+typedef void (*group_fn)(const uint8_t *, const Quantised *, float *, int, int, int);
 
-/* y [M, n_out] = W x for M <= 64 input rows (n_in a multiple of 32). */
-static void run(row_fn row, const uint8_t *w, const float *x, float *y, int M, int n_out, int n_in, int threads) {
-    int nb = n_in / QK;
-    int8_t *q = malloc((size_t)M * n_in);
-    float *d = malloc((size_t)M * nb * sizeof(float));
-    int32_t *s = malloc((size_t)M * nb * sizeof(int32_t));
-    if (q && d && s) {
-        quantize_rows(x, M, n_in, q, d, s);
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")
-        for (int r = 0; r < n_out; r++) row(w, q, d, s, y, M, n_out, n_in, r);
-    } else {
+/* y [M, n_out] = W x for packed weights (n_out a multiple of 16, n_in of 32), any M >= 1. */
+static void run(group_fn group, int packed_size, const uint8_t *packed, const float *x, float *y, int M, int n_out,
+                int n_in, int threads) {
+    Quantised in;
+    if (!quantised_alloc(&in, M, n_in)) {
         for (size_t i = 0; i < (size_t)M * n_out; i++) y[i] = NAN;  /* no memory: never a silent result */
-    }
-    free(q), free(d), free(s);
-}
-
-void decodekit_q8_q4_1(const uint8_t *w, const float *x, float *y, int M, int n_out, int n_in, int threads) {
-    run(q4_1_row, w, x, y, M, n_out, n_in, threads);
-}
-
-void decodekit_q8_q8_0(const uint8_t *w, const float *x, float *y, int M, int n_out, int n_in, int threads) {
-    run(q8_0_row, w, x, y, M, n_out, n_in, threads);
-}
-
-/* The scalar reference: the same arithmetic in the same order, one value at a time. */
-void decodekit_q8_reference(int kind, const uint8_t *w, const float *x, float *y, int M, int n_out, int n_in) {
-    int nb = n_in / QK, bytes = kind == 0 ? Q4_1_BYTES : Q8_0_BYTES;
-    int8_t *q = malloc((size_t)M * n_in);
-    float *d = malloc((size_t)M * nb * sizeof(float));
-    int32_t *s = malloc((size_t)M * nb * sizeof(int32_t));
-    if (!q || !d || !s) {
-        for (size_t i = 0; i < (size_t)M * n_out; i++) y[i] = NAN;
-        free(q), free(d), free(s);
+        quantised_free(&in);
         return;
     }
-    quantize_rows(x, M, n_in, q, d, s);
+    quantize_vector(x, M, n_in, &in);
+    int groups = n_out / GROUP, nb = n_in / QK;
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")
+    for (int g = 0; g < groups; g++) group(packed + (size_t)g * nb * packed_size, &in, y + (size_t)g * GROUP, M, n_out, n_in);
+    quantised_free(&in);
+}
+
+void decodekit_q8_q4_1(const uint8_t *packed, const float *x, float *y, int M, int n_out, int n_in, int threads) {
+    run(q4_1_group, Q4_1_PACKED, packed, x, y, M, n_out, n_in, threads);
+}
+
+void decodekit_q8_q8_0(const uint8_t *packed, const float *x, float *y, int M, int n_out, int n_in, int threads) {
+    run(q8_0_group, Q8_0_PACKED, packed, x, y, M, n_out, n_in, threads);
+}
+
+/* The scalar reference, on the GGUF blocks as the file has them: the same arithmetic in the same
+ * order, one value at a time. Not vectorised: GCC 12 turns its signed-byte dot product into
+ * vpdpbusd, which reads the first operand's bytes as unsigned (a wrong result for Q8_0), and a
+ * reference should not depend on the instructions it checks anyway. */
+__attribute__((optimize("no-tree-vectorize"))) void decodekit_q8_reference(int kind, const uint8_t *w, const float *x, float *y, int M, int n_out, int n_in) {
+    int nb = n_in / QK, bytes = kind == 0 ? Q4_1_BYTES : Q8_0_BYTES;
+    Quantised in;
+    if (!quantised_alloc(&in, M, n_in)) {
+        for (size_t i = 0; i < (size_t)M * n_out; i++) y[i] = NAN;
+        quantised_free(&in);
+        return;
+    }
+    quantize_scalar(x, M, n_in, &in);
     for (int m = 0; m < M; m++)
         for (int r = 0; r < n_out; r++) {
-            float acc[8] = {0}, rest = 0.0f;
+            float acc = 0.0f;
             for (int b = 0; b < nb; b++) {
                 const uint8_t *block = w + ((size_t)r * nb + b) * bytes;
-                const int8_t *xq = q + (size_t)m * n_in + (size_t)b * QK;
-                float dw = half_to_float(block), dx = d[(size_t)m * nb + b];
-                float scale = dw * dx;
-                for (int l = 0; l < 8; l++) {
-                    int32_t isum = 0;
-                    for (int k = 4 * l; k < 4 * l + 4; k++) {
-                        int wq = kind == 0 ? (k < 16 ? block[4 + k] & 0x0f : block[4 + k - 16] >> 4)
-                                           : (int8_t)block[2 + k];
-                        isum += wq * xq[k];
-                    }
-                    acc[l] = fmaf((float)isum, scale, acc[l]);
-                }
-                if (kind == 0) rest = fmaf(half_to_float(block + 2) * dx, (float)s[(size_t)m * nb + b], rest);
+                const int8_t *xq = in.q + (size_t)m * n_in + (size_t)b * QK;
+                size_t at = (size_t)m * nb + b;
+                int32_t isum = 0;
+                for (int k = 0; k < QK; k++)
+                    isum += (kind == 0 ? q4_1_weight(block, k) : (int8_t)block[2 + k]) * xq[k];
+                acc = fmaf((float)isum, half_to_float(block) * in.dx[at], acc);
+                if (kind == 0) acc = fmaf(half_to_float(block + 2), in.ex[at], acc);
             }
-            float total = acc[0];
-            for (int l = 1; l < 8; l++) total += acc[l];
-            y[(size_t)m * n_out + r] = total + rest;
+            y[(size_t)m * n_out + r] = acc;
         }
-    free(q), free(d), free(s);
+    quantised_free(&in);
+}
+
+/* The integer multiply-add peak (`decodekit profile`): `iterations` rounds of 12 independent
+ * vpdpbusd per thread, 64 byte products each. Returns a sum of every result, so that none of
+ * them can be left out. */
+int64_t decodekit_q8_peak(int64_t iterations, int threads) {
+    int64_t total = 0;
+    _Pragma("omp parallel num_threads(threads) reduction(+ : total)")
+    {
+        const __m512i a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(1);
+        __m512i acc[12];
+        for (int j = 0; j < 12; j++) acc[j] = _mm512_setzero_si512();
+        for (int64_t i = 0; i < iterations; i++)
+            for (int j = 0; j < 12; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], a, b);
+        for (int j = 0; j < 12; j++) total += _mm512_reduce_add_epi32(acc[j]);
+    }
+    return total;
 }
 
 /* Whether this CPU has the instructions the kernels above use. */
