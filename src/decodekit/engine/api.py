@@ -98,10 +98,15 @@ class Engine:
         stop: str | Sequence[str] = (),
         chat: bool = True,
         on_text: Callable[[str], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        ignore_eos: bool = False,
         **params: Any,
     ) -> Generation:
         """Generate a continuation. ``params`` are sampler parameters (temperature, top_p, seed, ...)
-        and method options (e.g. ``max_ngram`` for ``pld``); unknown names raise an error."""
+        and method options (e.g. ``max_ngram`` for ``pld``); unknown names raise an error.
+        ``should_stop`` is asked after every step; when it says True the generation ends there
+        (finish reason ``cancelled``: a client went away, a deadline passed). ``ignore_eos`` decodes
+        past end-of-sequence tokens (for fixed-length benchmarks)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidParameter(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if on_text is not None and not callable(on_text):
@@ -110,7 +115,10 @@ class Engine:
         sampler_params, options = split_params(params)
         decoder = build_decoder(method, **options)
         sampler = make_sampler(method, sampler_params)
-        request = Request(prompt_token_ids(self.model, prompt, chat=chat), sampler, max_new_tokens, stop, on_text)
+        if not isinstance(ignore_eos, bool):
+            raise InvalidParameter(f"ignore_eos must be true or false, got {ignore_eos!r}")
+        request = Request(prompt_token_ids(self.model, prompt, chat=chat), sampler, max_new_tokens, stop, on_text,
+                          should_stop, ignore_eos)
         # One request at a time per backend: threads sharing an Engine (or its model) queue here.
         with self.model.backend.lock:
             return decoder.generate(self.model, request)

@@ -51,7 +51,7 @@ class Generation:
     text: str
     tokens: list[int]
     stats: GenerationStats
-    finish_reason: str  # "eos" | "stop" | "length"
+    finish_reason: str  # "eos" | "stop" | "length" | "cancelled"
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. candidates, uncertainty signals
 
     def as_dict(self) -> dict[str, Any]:
@@ -70,6 +70,8 @@ class Request:
     max_new_tokens: int = 256
     stop: str | Sequence[str] = ()  # one string is one stop string
     on_text: Callable[[str], None] | None = None  # receives streamed text deltas
+    should_stop: Callable[[], bool] | None = None  # asked after every step: True ends the request ("cancelled")
+    ignore_eos: bool = False  # go on past end-of-sequence tokens (fixed-length benchmarks, as vLLM's ignore_eos)
 
     def __post_init__(self) -> None:
         self.stop = stop_strings(self.stop)
@@ -209,7 +211,7 @@ class StepDecoder(Decoder):
         t1 = time.perf_counter()
         stats.prefill_s = t1 - t0
 
-        eos = tokenizer.eos_token_ids
+        eos = frozenset() if request.ignore_eos else tokenizer.eos_token_ids
         finish = "length"
         new: list[int] = []
         while len(new) < request.max_new_tokens:
@@ -227,6 +229,9 @@ class StepDecoder(Decoder):
                 finish = "stop"
                 break
             streamer.update(new)
+            if request.should_stop is not None and request.should_stop():
+                finish = "cancelled"
+                break
         self.method.finish(state)
         stats.decode_s = time.perf_counter() - t1
 

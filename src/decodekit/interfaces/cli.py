@@ -1,4 +1,4 @@
-"""The ``decodekit`` command line: generate, chat, models, methods, bench, eval."""
+"""The ``decodekit`` command line: generate, chat, models, methods, bench, profile, eval, serve, bench-serve."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import Any
 from ..arguments import ArgumentParser, add_model_arguments, check_argv
 from ..bench import cli as bench_cli
 from ..bench import profile as profile_cli
+from ..serve import cli as serve_cli
+from ..serve import load as bench_serve_cli
 from ..engine import available_methods, build_decoder, make_sampler, method_spec, split_params
 from ..errors import DecodeKitError, InvalidParameter
 from ..eval import cli as eval_cli
@@ -21,7 +23,7 @@ from ..samplers import SAMPLER_OPTIONS
 SAMPLER_FLAGS: dict[str, OptionSpec] = {name: spec for name, spec in SAMPLER_OPTIONS.items() if name != "greedy"}
 
 #: Subcommands that live with their feature: modules exposing add_parser(subparsers).
-PLUGIN_COMMANDS = (bench_cli, profile_cli, eval_cli)
+PLUGIN_COMMANDS = (bench_cli, profile_cli, eval_cli, serve_cli, bench_serve_cli)
 
 #: What leaves ``decodekit chat`` (besides Ctrl-D).
 CHAT_EXIT = ("/exit", "/quit", "exit", "quit")

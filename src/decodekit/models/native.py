@@ -19,11 +19,12 @@ import torch.nn.functional as F
 
 from ..errors import InvalidParameter
 from .backend import Backend, ModelInfo, StepOutput
+from .batching import PREFILL_CHUNK, PassBatcher
 from .gguf_blocks import BlockMatrix, matching_blocks
 from .threads import GOVERNOR
 from .kernels import (
-    INTEGER_GROUP, MAX_ROWS, DecoderLayers, KernelProjection, block_matmul, decoder_layers, few_rows_matmul,
-    integer_block_matmul, layer_ops, layout_independent_attention, pack_integer_blocks,
+    INTEGER_GROUP, MAX_ROWS, DecoderLayers, KernelProjection, SequencePart, block_matmul, decoder_layers,
+    few_rows_matmul, integer_block_matmul, layer_ops, layout_independent_attention, pack_integer_blocks,
 )
 
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -283,7 +284,12 @@ class NativeLlama(Backend):
     ``numerics``: one of :data:`NUMERICS` (``fast`` needs ``gguf_blocks``).
 
     The cache grows by doubling when full, so no capacity has to be guessed up front.
+
+    ``batcher``: set on clones that serve concurrent requests; their passes then run together
+    with the other clones' (:mod:`.batching`), with the same results as alone.
     """
+
+    batcher: PassBatcher | None = None
 
     def __init__(
         self,
@@ -404,8 +410,22 @@ class NativeLlama(Backend):
 
     # Forward passes -------------------------------------------------------------------------
 
+    @property
+    def batch_key(self) -> object:
+        """Passes of backends with the same key can run in one batched pass (the same layers)."""
+        return self._stack
+
+    def _batched(self, tokens: torch.Tensor, hidden_layers, skip_layers) -> bool:
+        """Whether this pass goes through the batcher (one sequence, all layers, the one-call path)."""
+        return (self.batcher is not None and self._stack is not None and tokens.shape[0] == 1 and not hidden_layers
+                and not skip_layers and self.config.num_layers == self._stack.num_layers)
+
     @torch.inference_mode()
     def append(self, tokens, *, hidden_layers=(), skip_layers=frozenset(), last_only=False) -> StepOutput:
+        if tokens.shape[1] > PREFILL_CHUNK and self._batched(tokens, hidden_layers, skip_layers):
+            # a long prompt joins the batch a chunk at a time, so the others keep decoding meanwhile
+            outputs = [self.append(chunk, last_only=last_only) for chunk in tokens.split(PREFILL_CHUNK, dim=1)]
+            return StepOutput(logits=outputs[-1].logits if last_only else torch.cat([o.logits for o in outputs], dim=1))
         start, k = self._length, tokens.shape[1]
         positions = torch.arange(start, start + k)
         # k == 1 attends to everything cached; otherwise causal within the new block.
@@ -439,6 +459,10 @@ class NativeLlama(Backend):
         skip_layers: frozenset[int],
         last_only: bool,
     ) -> StepOutput:
+        if self._batched(tokens, hidden_layers, skip_layers):
+            self._ensure_capacity(self._length + tokens.shape[1])
+            logits = self.batcher.run(self, tokens[0], positions, mask, self._length, last_only)
+            return StepOutput(logits=logits[None])
         # the kernels' thread count for this pass; one-token passes are timed for the governor
         with GOVERNOR.governed(self.info.name, timed=tokens.numel() == 1 and not skip_layers):
             c, w = self.config, self.weights
@@ -479,6 +503,24 @@ class NativeLlama(Backend):
                         pending = None
                     hidden[i + 1] = x.clone()
             return self._logits(x, pending, ops, last_only, hidden)
+
+    @torch.inference_mode()
+    def forward_batch(self, passes: list) -> list[torch.Tensor]:
+        """Run the waiting passes of several clones of this model (:class:`.batching.PassBatcher`)
+        as one: returns each pass's logits ``[k, V]`` (``[1, V]`` where it wants the last only)."""
+        with GOVERNOR.governed(self.info.name, timed=False):
+            w = self.weights
+            x = F.embedding(torch.cat([p.tokens for p in passes]), w.embed)
+            pending = torch.empty_like(x)
+            parts = [SequencePart(len(p.tokens), p.start, p.positions, p.visible, p.backend._k[:, 0], p.backend._v[:, 0])
+                     for p in passes]
+            ran = self._stack.run_batch(x, pending, self._freqs_pairs, parts)
+            h = self._add_norm(x, pending if ran else None, w.final_norm, self._ops)
+            ends = torch.tensor([len(p.tokens) for p in passes]).cumsum(0).tolist()
+            wanted = [list(range(end - 1, end)) if p.last_only else list(range(end - len(p.tokens), end))
+                      for p, end in zip(passes, ends)]
+            logits = w.lm_head(h[[i for rows in wanted for i in rows]]).float()
+            return list(logits.split([len(rows) for rows in wanted]))
 
     def _logits(self, x: torch.Tensor, pending: torch.Tensor | None, ops, last_only: bool, hidden: dict) -> StepOutput:
         w = self.weights

@@ -138,6 +138,8 @@ class SpeculativeMethod(StepMethod):
             "drafter": self.drafter.name,
             "verifications": steps,
             "plain_steps": self.plain_steps,
+            "drafted": self.drafted,  # draft tokens verified
+            "accepted": self.accepted,  # of which accepted
             # Spec-Bench's "mean accepted tokens": accepted draft tokens + the bonus, per verification
             "mean_accepted": round((self.accepted + steps) / steps, 3) if steps else 1.0,
             "acceptance_rate": round(self.accepted / self.drafted, 3) if self.drafted else 0.0,

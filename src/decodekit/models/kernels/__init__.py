@@ -38,6 +38,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -389,6 +390,27 @@ class _Model(ctypes.Structure):
     ] + [("eps", ctypes.c_double), ("scale", ctypes.c_double)]
 
 
+class _Sequence(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("rows", "start", "cap", "layer_stride")] + [
+        (name, ctypes.c_void_p) for name in ("positions", "visible", "k_cache", "v_cache")
+    ]
+
+
+@dataclass
+class SequencePart:
+    """One sequence's rows in a batched pass (:meth:`DecoderLayers.run_batch`): ``rows`` new tokens
+    at ``positions`` (int64), written to cache slots ``start..`` of its own ``k_cache``/``v_cache``
+    (``[layers, H_kv, cap, D]``, contiguous per layer), seeing ``visible`` (``[rows, start + rows]``
+    bool, or None for every cached key)."""
+
+    rows: int
+    start: int
+    positions: torch.Tensor
+    visible: torch.Tensor | None
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
 # A projection as the kernels see it: (the few-row matmul's C function address, the weights it
 # reads, out features, in features).
 KernelProjection = tuple[int, torch.Tensor, int, int]
@@ -399,8 +421,8 @@ class DecoderLayers:
     the same order as the layer-by-layer path (bit-identical results, a few microseconds of
     Python dispatch per kernel saved). Holds references to every tensor it points at."""
 
-    def __init__(self, fn, model: _Model, layers: list[_Layer], keep: list[torch.Tensor]):
-        self._fn, self._model, self._keep = fn, model, keep
+    def __init__(self, fn, batch_fn, model: _Model, layers: list[_Layer], keep: list[torch.Tensor]):
+        self._fn, self._batch_fn, self._model, self._keep = fn, batch_fn, model, keep
         self._layers = (_Layer * len(layers))(*layers)
         self.num_layers = len(layers)
 
@@ -435,6 +457,29 @@ class DecoderLayers:
             raise MemoryError("decoder layers kernel: could not allocate its scratch buffers")
         return ran > 0
 
+    def run_batch(self, x: torch.Tensor, pending: torch.Tensor, freqs: torch.Tensor, parts: list[SequencePart]) -> bool:
+        """:meth:`run` for the rows of several sequences stacked in ``x`` (``parts`` in row order),
+        each with its own cache: a sequence's results are bit for bit those :meth:`run` gives it
+        alone. Every cache must have this model's layer count."""
+        if sum(p.rows for p in parts) != x.shape[0]:
+            raise ValueError("decoder layers kernel: the parts' rows do not add up to the batch's")
+        keep, structs = [], []
+        for p in parts:
+            if p.k_cache.shape[0] != self.num_layers:
+                raise ValueError(f"decoder layers kernel: a cache of {p.k_cache.shape[0]} layers for {self.num_layers} layers")
+            positions = p.positions.to(torch.int64).contiguous()
+            mask = None if p.visible is None else p.visible.to(torch.bool).contiguous()
+            keep += [positions, mask]
+            structs.append(_Sequence(p.rows, p.start, p.k_cache.shape[2], p.k_cache.stride(0), positions.data_ptr(),
+                                     None if mask is None else mask.data_ptr(), p.k_cache.data_ptr(), p.v_cache.data_ptr()))
+        ran = self._batch_fn(
+            ctypes.byref(self._model), self._layers, self.num_layers, None, x.data_ptr(), pending.data_ptr(),
+            freqs.data_ptr(), (_Sequence * len(structs))(*structs), len(structs), torch.get_num_threads(),
+        )
+        if ran < 0:
+            raise MemoryError("decoder layers kernel: could not allocate its scratch buffers")
+        return ran > 0
+
 
 def decoder_layers(
     dtype: torch.dtype, ops: LayerOps, attention: AttentionKernel, *, hidden: int, inter: int, n_heads: int,
@@ -449,6 +494,9 @@ def decoder_layers(
     fn = lib.decodekit_decoder_layers
     fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] + [ctypes.c_int] * 4
     fn.restype = ctypes.c_int
+    batch_fn = lib.decodekit_decoder_layers_batch
+    batch_fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
+    batch_fn.restype = ctypes.c_int
     model = _Model(
         ops.addresses["add_rms_norm"], ops.addresses["silu_mul"], ops.addresses["rope_store"], attention.address,
         hidden, inter, n_heads, n_kv_heads, head_dim, torch.tensor([], dtype=dtype).element_size(), eps, head_dim**-0.5,
@@ -462,4 +510,4 @@ def decoder_layers(
             projections[name] = _Projection(address, weights.data_ptr(), n_out, n_in)
         keep += [layer["attn_norm"], layer["mlp_norm"]]
         structs.append(_Layer(layer["attn_norm"].data_ptr(), layer["mlp_norm"].data_ptr(), **projections))
-    return DecoderLayers(fn, model, structs, keep)
+    return DecoderLayers(fn, batch_fn, model, structs, keep)

@@ -55,17 +55,28 @@ static void project(const Projection *p, const void *x, void *y, int rows, int t
     p->fn(p->weights, x, y, rows, (int)p->n_out, (int)p->n_in, threads);
 }
 
-/* Run the first `n_layers` layers, except those flagged in `skip` (NULL: none), on `rows` new
- * tokens at cache slots start.. (positions as given). x: [rows, hidden]; pending: [rows, hidden],
- * receives the last layer's MLP output. freqs: rotary (cos, sin) pairs [max_position,
- * head_dim]. visible: [rows, start + rows] bytes, or NULL for "every cached key". k_cache,
- * v_cache: layer 0's [n_kv_heads, cap, head_dim] cache of the sequence, layer_stride elements
- * apart (a skipped layer's cache is left alone). Returns how many layers ran, or -1 when scratch
- * memory cannot be allocated. */
-int decodekit_decoder_layers(const Model *m, const Layer *layers, int n_layers, const uint8_t *skip, void *x,
-                             void *pending, const float *freqs, const int64_t *positions,
-                             const uint8_t *visible, void *k_cache, void *v_cache, int64_t layer_stride,
-                             int cap, int rows, int start, int threads) {
+/* One sequence's part of a pass: `rows` consecutive rows of x, at cache slots start.. of its own
+ * cache (positions as given). visible: [rows, start + rows] bytes, or NULL for "every cached
+ * key". k_cache, v_cache: layer 0's [n_kv_heads, cap, head_dim] cache, layer_stride elements
+ * apart. Mirrored by a ctypes structure in __init__.py. */
+typedef struct {
+    int64_t rows, start, cap, layer_stride;
+    const int64_t *positions;
+    const uint8_t *visible;
+    void *k_cache, *v_cache;
+} Sequence;
+
+/* Run the first `n_layers` layers, except those flagged in `skip` (NULL: none), on the rows of
+ * `n_seq` sequences stacked in x [rows, hidden]; pending: [rows, hidden], receives the last
+ * layer's MLP output. freqs: rotary (cos, sin) pairs [max_position, head_dim]. Projections,
+ * norms and gating take all rows at once (every row computed on its own); rotary embedding,
+ * cache writes and attention run per sequence on its own cache, so a sequence's results are the
+ * same alone or beside others (a skipped layer's cache is left alone). Returns how many layers
+ * ran, or -1 when scratch memory cannot be allocated. */
+int decodekit_decoder_layers_batch(const Model *m, const Layer *layers, int n_layers, const uint8_t *skip, void *x,
+                                   void *pending, const float *freqs, const Sequence *seqs, int n_seq, int threads) {
+    int rows = 0;
+    for (int s = 0; s < n_seq; s++) rows += (int)seqs[s].rows;
     size_t es = (size_t)m->element_size, r = (size_t)rows;
     size_t q_width = (size_t)(m->n_heads * m->head_dim);
     size_t qkv_width = (size_t)((m->n_heads + 2 * m->n_kv_heads) * m->head_dim);
@@ -94,13 +105,19 @@ int decodekit_decoder_layers(const Model *m, const Layer *layers, int n_layers, 
     for (int i = 0; i < n_layers; i++) {
         if (skip && skip[i]) continue; /* its input goes on to the next layer, pending included */
         const Layer *l = &layers[i];
-        char *k = (char *)k_cache + (size_t)i * layer_stride * es, *v = (char *)v_cache + (size_t)i * layer_stride * es;
         m->add_rms_norm(x, ran ? pending : NULL, l->attn_norm, buf[H], rows, hidden, eps);
         project(&l->qkv, buf[H], buf[QKV], rows, threads);
-        m->rope_store(buf[QKV], freqs, positions, (float *)buf[Q], k, v, rows, (int)m->n_heads, (int)m->n_kv_heads,
-                      (int)m->head_dim, cap, start);
-        m->attention((const float *)buf[Q], k, v, visible, (float *)buf[HEADS], rows, (int)m->n_heads,
-                     (int)m->n_kv_heads, (int)m->head_dim, cap, start + rows, scale, threads);
+        for (int s = 0, first = 0; s < n_seq; first += (int)seqs[s].rows, s++) {
+            const Sequence *q = &seqs[s];
+            char *k = (char *)q->k_cache + (size_t)i * q->layer_stride * es;
+            char *v = (char *)q->v_cache + (size_t)i * q->layer_stride * es;
+            m->rope_store(buf[QKV] + (size_t)first * qkv_width * es, freqs, q->positions,
+                          (float *)buf[Q] + (size_t)first * q_width, k, v, (int)q->rows, (int)m->n_heads,
+                          (int)m->n_kv_heads, (int)m->head_dim, (int)q->cap, (int)q->start);
+            m->attention((const float *)buf[Q] + (size_t)first * q_width, k, v, q->visible,
+                         (float *)buf[HEADS] + (size_t)first * q_width, (int)q->rows, (int)m->n_heads,
+                         (int)m->n_kv_heads, (int)m->head_dim, (int)q->cap, (int)(q->start + q->rows), scale, threads);
+        }
         if (es == 2) /* rounded to bfloat16 as torch's .to() rounds (q_width is a multiple of 16) */
             for (size_t j = 0; j < r * q_width; j += 16)
                 store_bf16((uint16_t *)buf[ATTN] + j, _mm512_loadu_ps((const float *)buf[HEADS] + j));
@@ -113,4 +130,13 @@ int decodekit_decoder_layers(const Model *m, const Layer *layers, int n_layers, 
     }
     free(arena);
     return ran;
+}
+
+/* One sequence: decodekit_decoder_layers_batch with n_seq = 1. */
+int decodekit_decoder_layers(const Model *m, const Layer *layers, int n_layers, const uint8_t *skip, void *x,
+                             void *pending, const float *freqs, const int64_t *positions,
+                             const uint8_t *visible, void *k_cache, void *v_cache, int64_t layer_stride,
+                             int cap, int rows, int start, int threads) {
+    Sequence seq = {rows, start, cap, layer_stride, positions, visible, k_cache, v_cache};
+    return decodekit_decoder_layers_batch(m, layers, n_layers, skip, x, pending, freqs, &seq, 1, threads);
 }

@@ -1,0 +1,145 @@
+"""Continuous batching of forward passes: many sequences, one pass over the weights.
+
+Each request keeps decoding with its own backend clone (its own cache, drafter and sampler state)
+in its own thread, exactly as it would alone. When a clone attached to a :class:`PassBatcher`
+runs a forward pass, the pass waits for the other active sequences' passes and all of them run as
+one: projections over every row together (the weights stream from memory once for the whole
+batch), rotary embedding, cache writes and attention per sequence on its own cache. Sequences
+join and leave between passes; a long prompt arrives as chunks (:data:`PREFILL_CHUNK` tokens a
+pass), so it never stalls the others' decode steps for a whole prefill.
+
+Batch invariance: every row is computed on its own in the kernels (see ``kernels/forward.c``),
+so a request's tokens are the same whatever else shares its passes: plain, speculative (a
+verification tree is just a pass of several rows) or sampled.
+
+When does a batch run? As soon as every active sequence has a pass waiting (none is still
+choosing its next tokens), or ``wait_s`` after the oldest pass arrived, or when the waiting
+rows fill ``max_rows``. The waiting threads block on a condition variable: no spinning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .native import NativeLlama
+
+#: Prompt tokens a sequence sends per batched pass while its prompt is being read.
+PREFILL_CHUNK = 32
+
+
+@dataclass
+class _Pass:
+    backend: "NativeLlama"
+    tokens: torch.Tensor  # [k]
+    positions: torch.Tensor  # [k]
+    visible: torch.Tensor | None  # [k, start + k] or None: every cached key
+    start: int
+    last_only: bool
+    model: object  # passes of the same model (the same layer kernels) can share a batch
+    arrived: float = field(default_factory=time.perf_counter)
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+class PassBatcher:
+    """Gathers the forward passes of the sequences attached to it and runs them together, on one
+    thread of its own (so that one OpenMP thread team does all the work, however many requests
+    wait).
+
+    ``max_rows``: most rows in one pass (the kernels' few-row limit for the ``exact`` numerics);
+    ``wait_s``: longest a pass waits for the other sequences."""
+
+    def __init__(self, max_rows: int = 64, wait_s: float = 0.005):
+        self.max_rows, self.wait_s = max_rows, wait_s
+        self._cond = threading.Condition()
+        self._waiting: list[_Pass] = []
+        self._active = 0
+        self._thread: threading.Thread | None = None
+        self.passes = 0  # batched passes run (for metrics and tests)
+        self.rows = 0  # rows they carried
+
+    @contextlib.contextmanager
+    def member(self) -> Iterator[None]:
+        """Count the calling request as active while it decodes: a batch waits for its passes."""
+        with self._cond:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()  # a batch may have been waiting for this one
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    def run(self, backend: "NativeLlama", tokens: torch.Tensor, positions: torch.Tensor,
+            visible: torch.Tensor | None, start: int, last_only: bool) -> torch.Tensor:
+        """Logits ``[k, V]`` (``[1, V]`` with ``last_only``) of one sequence's pass, run with the others'."""
+        job = _Pass(backend, tokens, positions, visible, start, last_only, backend.batch_key)
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="decodekit-passes", daemon=True)
+                self._thread.start()
+            self._waiting.append(job)
+            self._cond.notify_all()
+            while not job.done:
+                self._cond.wait()
+        if job.error is not None:
+            raise job.error
+        assert job.logits is not None
+        return job.logits
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                batch = self._ready()
+                while not batch:
+                    oldest = self._waiting[0].arrived if self._waiting else None
+                    self._cond.wait(None if oldest is None else max(0.0, oldest + self.wait_s - time.perf_counter()))
+                    batch = self._ready()
+            self._execute(batch)
+
+    def _ready(self) -> list[_Pass]:
+        """The next batch to run, taken off the queue (empty: not yet). Called with the lock held."""
+        if not self._waiting:
+            return []
+        rows = sum(len(p.tokens) for p in self._waiting)
+        everyone = len(self._waiting) >= self._active
+        if not (everyone or rows >= self.max_rows or time.perf_counter() - self._waiting[0].arrived >= self.wait_s):
+            return []
+        batch, taken, model = [], 0, self._waiting[0].model
+        for job in list(self._waiting):  # oldest first; a pass is never split
+            if job.model is not model:
+                continue
+            if batch and taken + len(job.tokens) > self.max_rows:
+                break
+            batch.append(job)
+            taken += len(job.tokens)
+            self._waiting.remove(job)
+        return batch
+
+    def _execute(self, batch: list[_Pass]) -> None:
+        try:
+            outputs = batch[0].backend.forward_batch(batch)
+            for job, logits in zip(batch, outputs):
+                job.logits = logits
+        except BaseException as err:  # every waiting request hears of it
+            for job in batch:
+                job.error = err
+        with self._cond:
+            self.passes += 1
+            self.rows += sum(len(p.tokens) for p in batch)
+            for job in batch:
+                job.done = True
+            self._cond.notify_all()

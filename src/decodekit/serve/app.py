@@ -1,0 +1,460 @@
+"""The OpenAI-compatible HTTP API (Starlette, through FastAPI) over a :class:`.scheduler.Scheduler`.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET
+/health`` (503 until the model is loaded), ``GET /metrics`` (Prometheus). Request bodies follow
+OpenAI's; what decodekit adds comes as extra fields, as vLLM does: ``method`` (any registered
+decoding method) and any sampler parameter or method option by its decodekit name (``top_k``,
+``min_p``, ``repetition_penalty``, ``budget``, ``max_ngram``, ...). Every error is an OpenAI
+error object with its status: 400 for a bad parameter or a prompt that does not fit, 404 for
+another model or route, 503 when the server is loading or full (with ``Retry-After``).
+
+Defaults as OpenAI's: ``temperature`` 1 (sampling, method ``sample``) unless a request says
+otherwise; ``temperature`` 0 decodes greedily. With ``seed``, choice ``i`` of ``n`` samples with
+``seed + i`` and its tokens are those ``decodekit generate --seed`` gives, alone or in a batch.
+``logprobs`` are the model's own (before temperature and truncation), from a teacher-forced pass
+over the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.api import make_sampler, prompt_token_ids, split_params
+from ..engine.core import check_fits
+from ..engine.registry import build_decoder, method_spec
+from ..errors import DecodeKitError, InvalidParameter, PromptTooLong, UnknownMethod
+from ..models import LoadedModel
+from .metrics import ServerMetrics
+from .scheduler import Job, Outcome, Overloaded, Scheduler
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+# OpenAI fields that are accepted and have no effect here
+IGNORED = {"model", "user", "store", "metadata", "parallel_tool_calls", "service_tier", "stream", "stream_options",
+           "messages", "prompt", "n", "max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs",
+           "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "method", "ignore_eos"}
+# OpenAI fields that would change the answer and are not implemented: refused, never ignored
+UNSUPPORTED = {"tools": "tool calls", "tool_choice": "tool calls", "functions": "function calls",
+               "function_call": "function calls", "logit_bias": "logit_bias", "suffix": "suffix",
+               "echo": "echo", "best_of": "best_of", "audio": "audio output", "modalities": "modalities",
+               "prediction": "predicted outputs"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class Server:
+    """The app and what it serves. ``load`` makes the model (run on a thread at start-up; until
+    it returns, ``/health`` and the API answer 503)."""
+
+    def __init__(self, load: Callable[[], LoadedModel], *, max_batch: int = 8, max_queue: int = 64):
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.scheduler: Scheduler | None = None
+        self.metrics: ServerMetrics | None = None
+        self.load_error: str | None = None
+        self.app = FastAPI(title="decodekit", docs_url=None, redoc_url=None, openapi_url=None)
+        self._load = load
+        self._routes()
+
+    # start-up ---------------------------------------------------------------------------------
+
+    def load_now(self) -> None:
+        try:
+            model = self._load()
+            from ..speculative import prepare
+
+            prepare(model.backend)  # the cost table speculative methods need, measured once, outside requests
+            scheduler = Scheduler(model, max_batch=self.max_batch, max_queue=self.max_queue)
+            self.metrics = ServerMetrics(scheduler)
+            self.scheduler = scheduler
+        except DecodeKitError as err:
+            self.load_error = str(err)
+            raise
+
+    @property
+    def numerics(self) -> str:
+        return getattr(self.scheduler.model.backend, "numerics", "exact") if self.scheduler else ""
+
+    @property
+    def model_id(self) -> str:
+        return self.scheduler.model.name if self.scheduler else ""
+
+    def ready(self) -> Scheduler:
+        if self.scheduler is None:
+            reason = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
+            raise ApiError(503, reason, "server_error", code="model_loading")
+        return self.scheduler
+
+    # routes -----------------------------------------------------------------------------------
+
+    def _routes(self) -> None:
+        app = self.app
+
+        @app.exception_handler(ApiError)
+        async def api_error(request: Request, err: ApiError):
+            if self.metrics:
+                self.metrics.errors.labels(str(err.status)).inc()
+            headers = {"Retry-After": "1"} if err.status == 503 else None
+            return error_response(err.status, str(err), err.kind, err.param, err.code, headers)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, err: StarletteHTTPException):
+            message = f"no route {request.method} {request.url.path}" if err.status_code in (404, 405) else str(err.detail)
+            return error_response(err.status_code, message, "invalid_request_error")
+
+        @app.exception_handler(Exception)
+        async def unexpected(request: Request, err: Exception):
+            if self.metrics:
+                self.metrics.errors.labels("500").inc()
+            return error_response(500, f"internal error: {type(err).__name__}: {err}", "server_error")
+
+        @app.get("/health")
+        async def health():
+            if self.scheduler is None:
+                return JSONResponse({"status": "error" if self.load_error else "loading"}, status_code=503)
+            return {"status": "ok"}
+
+        @app.get("/metrics")
+        async def metrics():
+            self.ready()
+            return Response(self.metrics.text(), media_type="text/plain; version=0.0.4")
+
+        @app.get("/v1/models")
+        async def models():
+            self.ready()
+            return {"object": "list", "data": [self.model_card()]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await self.complete(request, chat=True)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self.complete(request, chat=False)
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "decodekit", "numerics": self.numerics,
+                "max_model_len": self.scheduler.model.backend.info.max_length}
+
+    # completions ------------------------------------------------------------------------------
+
+    async def complete(self, request: Request, *, chat: bool):
+        scheduler = self.ready()
+        body = await read_body(request)
+        if body.get("model") not in (None, self.model_id):
+            raise ApiError(404, f"the model {body.get('model')!r} does not exist; this server serves {self.model_id!r}",
+                           param="model", code="model_not_found")
+        spec = parse_request(body, chat=chat)
+        try:
+            prompt_ids = prompt_token_ids(scheduler.model, spec.prompt, chat=chat)
+            if spec.max_tokens is None:
+                spec.max_tokens = max(1, scheduler.model.backend.info.max_length - len(prompt_ids))
+            check_fits(scheduler.model.backend, len(prompt_ids), spec.max_tokens)
+            check_method(spec)
+        except PromptTooLong as err:
+            raise ApiError(400, str(err), param="messages" if chat else "prompt", code="context_length_exceeded") from None
+        except (InvalidParameter, UnknownMethod) as err:
+            raise ApiError(400, str(err)) from None
+        stream = bool(body.get("stream"))
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue = asyncio.Queue()
+        jobs = []
+        for i in range(spec.n):
+            params = dict(spec.params)
+            if "seed" in params:
+                params["seed"] = params["seed"] + i
+            on_text = (lambda text, i=i: loop.call_soon_threadsafe(deltas.put_nowait, (i, text))) if stream else None
+            jobs.append(Job(prompt_ids, spec.method, params, spec.max_tokens, spec.stop, on_text, spec.top_logprobs,
+                            spec.ignore_eos))
+        try:
+            futures = scheduler.submit(jobs)
+        except Overloaded as err:
+            raise ApiError(503, str(err), "server_error", code="overloaded") from None
+        started = time.perf_counter()
+        reply = Reply(self, chat, spec, prompt_ids, started)
+        if stream:
+            return StreamingResponse(reply.stream(request, jobs, futures, deltas), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        outcomes = await wait_or_cancel(request, jobs, futures)
+        return reply.whole(outcomes)
+
+
+async def read_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the request body is not valid JSON ({err})") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+class RequestSpec:
+    """A completion request's fields, checked, in decodekit's terms."""
+
+    def __init__(self, prompt: Any, method: str, params: dict[str, Any], max_tokens: int | None, stop: list[str], n: int,
+                 top_logprobs: int | None, include_usage: bool, ignore_eos: bool):
+        self.prompt, self.method, self.params, self.max_tokens = prompt, method, params, max_tokens
+        self.ignore_eos = ignore_eos
+        self.stop, self.n, self.top_logprobs, self.include_usage = stop, n, top_logprobs, include_usage
+
+
+def _integer(body: dict, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ApiError(400, f"{name} must be an integer {bounds}, got {value!r}", param=name)
+    return value
+
+
+def _number(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"{name} must be a number, got {value!r}", param=name)
+    return float(value)
+
+
+def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
+    for name, what in UNSUPPORTED.items():
+        if body.get(name) not in (None, False, [], {}):
+            raise ApiError(400, f"{what} ({name}) is not supported by this server", param=name)
+    if chat:
+        prompt = chat_messages(body.get("messages"))
+        fmt = body.get("response_format")
+        if fmt not in (None, {"type": "text"}):
+            raise ApiError(400, "response_format other than text is not supported yet", param="response_format")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+            raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
+    max_tokens = _integer(body, "max_completion_tokens", None, 1)
+    # unset: the rest of the context for chat (filled in once the prompt is tokenised), 16 for completions as OpenAI's
+    max_tokens = _integer(body, "max_tokens", max_tokens if chat else max_tokens or 16, 1)
+    n = _integer(body, "n", 1, 1, MAX_N)
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop):
+        raise ApiError(400, "stop must be a string or a list of at most 4 strings", param="stop")
+    if chat:
+        top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+        top_logprobs = top if body.get("logprobs") else None
+    else:
+        top_logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top_logprobs is not None and body.get("stream"):
+        raise ApiError(400, "logprobs with stream is not supported yet; ask without stream", param="logprobs")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options")
+
+    method = body.get("method", "sample")
+    if not isinstance(method, str):
+        raise ApiError(400, f"method must be a string, got {method!r}", param="method")
+    params: dict[str, Any] = {k: v for k, v in body.items() if k not in IGNORED and k not in UNSUPPORTED and k != "response_format"}
+    temperature = _number(body, "temperature")
+    if temperature is None and "method" not in body:
+        temperature = 1.0  # OpenAI's default
+    if temperature == 0:
+        if method == "sample":
+            method = "greedy"
+    elif temperature is not None:
+        params["temperature"] = temperature
+    top_p = _number(body, "top_p")
+    if top_p is not None and top_p != 1:
+        params["top_p"] = top_p
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, name)
+        if value:
+            params[name] = value
+    seed = _integer(body, "seed", None, 0)
+    samples = temperature not in (None, 0)
+    if seed is not None or samples:
+        params["seed"] = seed if seed is not None else secrets.randbelow(2**31)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, f"ignore_eos must be true or false, got {ignore_eos!r}", param="ignore_eos")
+    return RequestSpec(prompt, method, params, max_tokens, stop, n, top_logprobs, bool(options.get("include_usage")),
+                       ignore_eos)
+
+
+def chat_messages(messages: Any) -> list[dict[str, str]]:
+    """OpenAI chat messages as decodekit's ``{"role", "content"}`` strings (content parts of type
+    text are joined)."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a role", param="messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise ApiError(400, f"messages[{i}]: only text content parts are supported", param="messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        out.append({"role": message["role"], "content": content})
+    return out
+
+
+def check_method(spec: RequestSpec) -> None:
+    """Every parameter and option checked before the request is queued (the same checks the
+    engine makes, so a bad one is a 400 now, not an error after waiting)."""
+    method_spec(spec.method)
+    sampler_params, options = split_params(spec.params)
+    build_decoder(spec.method, **options)
+    make_sampler(spec.method, sampler_params)
+
+
+async def wait_or_cancel(request: Request, jobs: list[Job], futures) -> list[Outcome]:
+    """The outcomes, cancelling every choice if the client goes away meanwhile."""
+    waiting = [asyncio.wrap_future(f) for f in futures]
+    try:
+        while True:
+            done, pending = await asyncio.wait(waiting, timeout=0.25)
+            if not pending:
+                return [await f for f in waiting]
+            if await request.is_disconnected():
+                raise asyncio.CancelledError
+    except BaseException:
+        for job in jobs:
+            job.cancelled.set()
+        raise
+
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+class Reply:
+    """Turns outcomes into OpenAI response bodies and stream chunks."""
+
+    def __init__(self, server: Server, chat: bool, spec: RequestSpec, prompt_ids: list[int], started: float):
+        self.server, self.chat, self.spec, self.prompt_ids, self.started = server, chat, spec, prompt_ids, started
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.tokenizer = server.scheduler.model.tokenizer
+
+    def _envelope(self, chunk: bool = False) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind + (".chunk" if chunk and self.chat else ""), "created": self.created,
+                "model": self.server.model_id, "system_fingerprint": f"decodekit-{self.server.numerics}"}
+
+    def usage(self, outcomes: list[Outcome]) -> dict[str, int]:
+        completion = sum(len(o.generation.tokens) for o in outcomes)
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
+                "total_tokens": len(self.prompt_ids) + completion}
+
+    def record(self, outcome: Outcome, first_token_s: float | None) -> None:
+        if self.server.metrics:
+            self.server.metrics.finished(prompt_tokens=len(self.prompt_ids), generation=outcome.generation,
+                                         queued_s=outcome.queued_s, ttft_s=first_token_s,
+                                         e2e_s=time.perf_counter() - self.started)
+
+    def _logprobs(self, outcome: Outcome) -> dict[str, Any] | None:
+        if outcome.logprobs is None:
+            return None
+        tokens = outcome.generation.tokens
+        pieces = [self.tokenizer.decode([t]) for t in tokens]
+        if self.chat:
+            def entry(token: int, value: float) -> dict[str, Any]:
+                text = self.tokenizer.decode([token])
+                return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8", "replace"))}
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
+                                for t, (lp, top) in zip(tokens, outcome.logprobs)]}
+        offsets, at = [], 0
+        for piece in pieces:
+            offsets.append(at)
+            at += len(piece)
+        return {"tokens": pieces, "token_logprobs": [lp for lp, _ in outcome.logprobs],
+                "top_logprobs": [{self.tokenizer.decode([a]): v for a, v in top} for _, top in outcome.logprobs],
+                "text_offset": offsets}
+
+    def whole(self, outcomes: list[Outcome]) -> dict[str, Any]:
+        choices = []
+        for i, outcome in enumerate(outcomes):
+            g = outcome.generation
+            self.record(outcome, None)
+            choice: dict[str, Any] = {"index": i, "finish_reason": FINISH[g.finish_reason],
+                                      "logprobs": self._logprobs(outcome)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": g.text}
+            else:
+                choice["text"] = g.text
+            choices.append(choice)
+        return {**self._envelope(), "choices": choices, "usage": self.usage(outcomes)}
+
+    def _chunk(self, index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+        body = {**self._envelope(chunk=True), "choices": [choice]}
+        if self.spec.include_usage:
+            body["usage"] = None
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def stream(self, request: Request, jobs: list[Job], futures, deltas: asyncio.Queue) -> AsyncIterator[str]:
+        """Server-sent events: text as it is decoded, each choice's finish reason, the usage when
+        asked for, then ``[DONE]``. A client that goes away cancels every choice."""
+        waiting = {i: asyncio.wrap_future(f) for i, f in enumerate(futures)}
+        unrecorded = dict(enumerate(futures))
+        first: dict[int, float] = {}
+        outcomes: dict[int, Outcome] = {}
+        try:
+            if self.chat:
+                for i in range(len(jobs)):
+                    yield self._chunk(i, None, None, role=True)
+            while waiting or not deltas.empty():
+                try:
+                    index, text = await asyncio.wait_for(deltas.get(), timeout=0.05)
+                    first.setdefault(index, time.perf_counter() - self.started)
+                    yield self._chunk(index, text, None)
+                    continue
+                except asyncio.TimeoutError:
+                    pass
+                for index, future in list(waiting.items()):
+                    if future.done():
+                        outcome = outcomes[index] = future.result()  # an engine error propagates
+                        del waiting[index], unrecorded[index]
+                        while not deltas.empty():  # its last text first
+                            i, text = deltas.get_nowait()
+                            yield self._chunk(i, text, None)
+                        self.record(outcome, first.get(index))
+                        yield self._chunk(index, None, FINISH[outcome.generation.finish_reason])
+            if self.spec.include_usage:
+                body = {**self._envelope(chunk=True), "choices": [], "usage": self.usage(list(outcomes.values()))}
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+        except DecodeKitError as err:  # the stream has started: the error goes in it, as OpenAI does
+            yield f"data: {json.dumps({'error': {'message': str(err), 'type': 'invalid_request_error'}})}\n\n"
+        finally:
+            for job in jobs:  # a client that went away, or an error: stop decoding for nobody
+                job.cancelled.set()
+            for index, future in unrecorded.items():  # what was cancelled is counted when it stops
+                future.add_done_callback(lambda f, i=index: f.exception() or self.record(f.result(), first.get(i)))

@@ -1,0 +1,84 @@
+"""``decodekit serve``: the OpenAI-compatible server (:mod:`.app`) under uvicorn.
+
+The socket is bound first (a taken port is one clear line, exit code 2), then the server starts
+answering (``/health`` says 503) while the model loads on a thread; the start-up line names the
+model, the numerics and the address once it is ready."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import threading
+
+from ..arguments import add_model_arguments
+from ..errors import DecodeKitError, InvalidParameter
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="an OpenAI-compatible server with continuous batching")
+    add_model_arguments(p)
+    p.set_defaults(numerics=None)  # the server's default: fast where the model and CPU allow it, else exact
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503s (default 64)")
+    p.set_defaults(func=run)
+    return p
+
+
+def load_for_serving(args: argparse.Namespace):
+    """The model in the numerics asked for; without ``--numerics``, ``fast`` if it can run here,
+    else ``exact`` (with a note)."""
+    from ..models import load_model
+
+    if args.numerics is not None:
+        return load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics)
+    try:
+        return load_model(args.model, backend=args.backend, dtype=args.dtype, numerics="fast")
+    except InvalidParameter as err:
+        print(f"decodekit serve: {err}; serving the exact numerics", file=sys.stderr)
+        return load_model(args.model, backend=args.backend, dtype=args.dtype, numerics="exact")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    try:
+        sock = socket.create_server((host, port), reuse_port=False)
+    except (OSError, OverflowError) as err:
+        raise InvalidParameter(f"cannot listen on {host}:{port} ({getattr(err, 'strerror', None) or err})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..models import resolve_model_folder
+    from .app import Server
+
+    for name in ("max_batch", "max_queue"):
+        if getattr(args, name) < 1:
+            raise InvalidParameter(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    resolve_model_folder(args.model)  # a missing model is reported now, before anything listens
+    sock = listen(args.host, args.port)
+    server = Server(lambda: load_for_serving(args), max_batch=args.max_batch, max_queue=args.max_queue)
+    config = uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=5)
+    web = uvicorn.Server(config)
+    failed: list[DecodeKitError] = []
+
+    def load() -> None:
+        try:
+            server.load_now()
+        except DecodeKitError as err:
+            failed.append(err)
+            web.should_exit = True
+            return
+        host, port = sock.getsockname()[:2]
+        print(f"decodekit serve: {server.model_id}, {server.numerics} numerics, http://{host}:{port}/v1 "
+              f"(max batch {server.scheduler.max_batch}, queue {server.max_queue})", file=sys.stderr, flush=True)
+
+    threading.Thread(target=load, name="decodekit-load", daemon=True).start()
+    web.run(sockets=[sock])
+    if failed:
+        raise failed[0]
+    return 0

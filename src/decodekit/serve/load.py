@@ -1,0 +1,360 @@
+"""``decodekit bench-serve``: load any OpenAI-compatible server with Spec-Bench questions.
+
+At each concurrency level c, c workers send the first turn of every selected Spec-Bench question
+as a streamed chat completion (``POST {url}/chat/completions``), each worker taking the next
+question as soon as its previous answer has finished, so c requests are in flight until the
+questions run out. Per request: time to first token (TTFT: up to the first chunk with content),
+end-to-end latency, output tokens (the server's ``usage`` when it sends one, else the content
+chunks) and time per output token after the first (TPOT). Per level: requests ok and failed, the
+level's output tokens/s (the output tokens of every request that succeeded over the level's wall
+time) and the 50th, 90th and 99th percentiles of TTFT, TPOT and latency.
+
+Writes DIR/results.json and DIR/throughput.png and prints a Markdown table. ``--compare`` puts
+several results files (decodekit serve, llama-server, vLLM, ...) on one chart and one table,
+sending nothing. HTTP is the standard library's, so that the client is the same for every server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import shlex
+import sys
+import time
+import urllib.parse
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..bench.questions import load_questions, resolve_question_file
+from ..errors import InvalidParameter
+
+SCHEMA = "decodekit-bench-serve/1"
+DEFAULT_URL = "http://127.0.0.1:8000/v1"
+QUANTILES = (50, 90, 99)
+MAX_ERRORS = 5  # error messages kept per level: enough to see what went wrong, not a log
+COMPARE_ROWS = (("output tok/s", "output_tok_s", None), ("TTFT p50 ms", "ttft_ms", "p50"),
+                ("TTFT p99 ms", "ttft_ms", "p99"), ("TPOT p50 ms", "tpot_ms", "p50"), ("latency p50 ms", "e2e_ms", "p50"))
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench-serve", help="replay Spec-Bench questions against an OpenAI-compatible server at several concurrency levels",
+        description="Send Spec-Bench questions as streamed chat completions to an OpenAI-compatible server, c at a time "
+        "for each concurrency level c. Writes DIR/results.json and DIR/throughput.png and prints a Markdown table.",
+    )
+    p.add_argument("--url", default=DEFAULT_URL, help=f"the server's base URL, up to /v1 (default {DEFAULT_URL})")
+    p.add_argument("--model", default=None, help="model id to send (default: the first id of GET URL/models)")
+    p.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated requests in flight (default 1,2,4,8,16)")
+    p.add_argument("--limit", type=int, default=2, help="questions per category (default 2)")
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--method", default=None, help="decodekit decoding method, sent as the extra body field 'method'")
+    p.add_argument("--out", default="bench-serve-out", metavar="DIR", help="output folder (default bench-serve-out)")
+    p.add_argument("--label", default=None, help="the server's name in reports (default: host:port of --url)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default 300)")
+    p.add_argument("--compare", nargs="+", metavar="RESULTS.json",
+                   help="draw these results files on one DIR/throughput.png and print them side by side; sends nothing")
+    p.set_defaults(func=run)
+    return p
+
+
+@dataclass
+class Outcome:
+    """One request; times in seconds from just before it was sent. ``error`` is None when it succeeded."""
+
+    e2e_s: float = 0.0
+    ttft_s: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: the decode rate one user sees."""
+        return None if self.ttft_s is None else (self.e2e_s - self.ttft_s) / max(1, self.tokens - 1)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0 <= q <= 100) by linear interpolation between the two nearest ranks:
+    the sorted values sit at ranks 0 .. n-1 and the percentile is read at rank (n - 1) * q / 100
+    (numpy's default). So the 50th of [1, 2, 3, 4] is 2.5, q = 0 is the minimum, q = 100 the
+    maximum. None for no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be within [0, 100], got {q}")
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def quantiles_ms(values: Sequence[float]) -> dict[str, float | None]:
+    return {f"p{q}": None if (v := percentile(values, q)) is None else round(v * 1e3, 2) for q in QUANTILES}
+
+
+def summarize(outcomes: Sequence[Outcome], wall_s: float, concurrency: int) -> dict[str, Any]:
+    """One level of results.json. Latencies are those of the requests that succeeded."""
+    ok = [o for o in outcomes if o.error is None]
+    tokens = sum(o.tokens for o in ok)
+    return {
+        "concurrency": concurrency, "ok": len(ok), "failed": len(outcomes) - len(ok),
+        "output_tokens": tokens, "wall_s": round(wall_s, 4), "output_tok_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
+        "ttft_ms": quantiles_ms([o.ttft_s for o in ok if o.ttft_s is not None]),
+        "tpot_ms": quantiles_ms([o.tpot_s for o in ok if o.tpot_s is not None]),
+        "e2e_ms": quantiles_ms([o.e2e_s for o in ok]),
+        "errors": [o.error for o in outcomes if o.error is not None][:MAX_ERRORS],
+    }
+
+
+def connect(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
+    """A fresh connection to the server and the path prefix of its API (``/v1``)."""
+    parts = urllib.parse.urlsplit(url)
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    return cls(parts.netloc, timeout=timeout), parts.path.rstrip("/")
+
+
+def error_message(body: bytes) -> str:
+    """The server's ``error.message`` (OpenAI's error object), else the start of what it said."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        text = body.decode("utf-8", "replace").strip()
+        return text.splitlines()[0][:200] if text else "(empty body)"
+
+
+def first_model(url: str, timeout: float) -> str:
+    """The first model id the server lists (``GET {url}/models``)."""
+    conn, base = connect(url, timeout)
+    try:
+        conn.request("GET", base + "/models")
+        response = conn.getresponse()
+        status, body = response.status, response.read()
+    except (OSError, http.client.HTTPException) as err:
+        raise InvalidParameter(f"cannot fetch the model list from {url}/models ({type(err).__name__}: {err}); "
+                               "is the server running? Check --url, or give --model") from None
+    finally:
+        conn.close()
+    if status != 200:
+        raise InvalidParameter(f"GET {url}/models answered HTTP {status}: {error_message(body)}; give --model")
+    try:
+        return str(json.loads(body)["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise InvalidParameter(f"{url}/models lists no model; give --model") from None
+
+
+def read_stream(response: http.client.HTTPResponse, out: Outcome, start: float, timeout: float) -> None:
+    """Read server-sent events (``data: {...}`` lines up to ``data: [DONE]``) into ``out``."""
+    chunks, usage = 0, None
+    for raw in response:
+        line = raw.decode("utf-8").strip()
+        if not line.startswith("data:"):  # blank separators, comments, event names
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            out.tokens = usage if isinstance(usage, int) else chunks
+            return
+        chunk = json.loads(data)
+        if chunk.get("error"):  # a server that fails mid-stream says so in a chunk
+            out.error = f"error in stream: {error_message(data.encode())}"
+            return
+        if isinstance(chunk.get("usage"), dict):
+            usage = chunk["usage"].get("completion_tokens")
+        choices = chunk.get("choices") or []
+        if choices and (choices[0].get("delta") or {}).get("content"):
+            chunks += 1
+            if out.ttft_s is None:
+                out.ttft_s = time.perf_counter() - start
+        if time.perf_counter() - start > timeout:  # the socket timeout only bounds each read
+            out.error = f"timed out after {timeout:g} s"
+            return
+    out.error = "the stream ended before data: [DONE]"
+
+
+def send(url: str, body: dict[str, Any], timeout: float) -> Outcome:
+    """One streamed chat completion. Every failure becomes the outcome's error, never an exception:
+    a load test must go on when the server refuses or drops a request."""
+    out = Outcome()
+    start = time.perf_counter()
+    conn, base = connect(url, timeout)
+    try:
+        conn.request("POST", base + "/chat/completions", json.dumps(body).encode(),
+                     {"Content-Type": "application/json", "Accept": "text/event-stream"})
+        response = conn.getresponse()
+        if response.status == 200:
+            read_stream(response, out, start, timeout)
+        else:
+            out.error = f"HTTP {response.status}: {error_message(response.read())}"
+    except (OSError, http.client.HTTPException, ValueError) as err:  # ValueError: bad JSON or UTF-8
+        out.error = f"{type(err).__name__}: {err}"
+    finally:
+        conn.close()
+    out.e2e_s = time.perf_counter() - start
+    return out
+
+
+def run_level(url: str, bodies: Sequence[dict[str, Any]], concurrency: int, timeout: float) -> dict[str, Any]:
+    """Send every body with ``concurrency`` requests in flight; the level's summary."""
+    start = time.perf_counter()
+    # The pool's queue is the shared iterator: a worker takes the next question when its answer is done.
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        outcomes = list(pool.map(lambda body: send(url, body, timeout), bodies))
+    return summarize(outcomes, time.perf_counter() - start, concurrency)
+
+
+def parse_concurrency(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise InvalidParameter(f"--concurrency must be comma-separated positive integers, got {text!r}") from None
+    if any(c < 1 for c in levels):
+        raise InvalidParameter(f"--concurrency levels must be positive, got {text!r}")
+    return levels
+
+
+def check_options(args: argparse.Namespace) -> None:
+    parts = urllib.parse.urlsplit(args.url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise InvalidParameter(f"--url must be an http:// or https:// URL such as {DEFAULT_URL}, got {args.url!r}")
+    for name in ("max_tokens", "timeout"):
+        if getattr(args, name) <= 0:
+            raise InvalidParameter(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.temperature < 0:
+        raise InvalidParameter(f"--temperature must be 0 (greedy) or more, got {args.temperature}")
+
+
+def command_line(args: argparse.Namespace, model: str, label: str) -> str:
+    """An explicit command that reproduces the run (every default and the model spelled out)."""
+    parts = ["decodekit", "bench-serve", "--url", args.url, "--model", model, "--concurrency", args.concurrency,
+             "--limit", str(args.limit), "--max-tokens", str(args.max_tokens), "--temperature", f"{args.temperature:g}",
+             "--out", str(args.out), "--label", label, "--timeout", f"{args.timeout:g}"]
+    return shlex.join(parts + (["--method", args.method] if args.method else []))
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as err:
+        raise InvalidParameter(f"cannot read {path}: {err.strerror or err}") from None
+    except ValueError:
+        raise InvalidParameter(f"{path} is not a JSON file") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("levels"), list):
+        raise InvalidParameter(f"{path} is not a bench-serve results file (schema {SCHEMA})")
+    return data
+
+
+def fmt(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}"
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """One row per concurrency level; latencies as p50 / p90 / p99."""
+    spread = lambda q: " / ".join(fmt(q[f"p{n}"]) for n in QUANTILES)  # noqa: E731
+    lines = [f"{result['label']} · {result['model']}", "",
+             "| concurrency | ok | failed | output tok/s | TTFT ms p50 / p90 / p99 | TPOT ms p50 / p90 / p99 | latency ms p50 / p90 / p99 |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for lv in result["levels"]:
+        lines.append(f"| {lv['concurrency']} | {lv['ok']} | {lv['failed']} | {fmt(lv['output_tok_s'])} | "
+                     f"{spread(lv['ttft_ms'])} | {spread(lv['tpot_ms'])} | {spread(lv['e2e_ms'])} |")
+    return "\n".join(lines)
+
+
+def compare_table(results: Sequence[dict[str, Any]]) -> str:
+    """One column per results file; a row per concurrency level and measure (– where a run lacks the level)."""
+    levels = [{lv["concurrency"]: lv for lv in r["levels"]} for r in results]
+    lines = ["| concurrency | measure | " + " | ".join(r["label"] for r in results) + " |",
+             "|---:|---|" + "---:|" * len(results)]
+    for c in sorted({c for by_c in levels for c in by_c}):
+        for name, key, sub in (*COMPARE_ROWS, ("failed / sent", None, None)):
+            cells = []
+            for by_c in levels:
+                lv = by_c.get(c)
+                if lv is None:
+                    cells.append("–")
+                elif key is None:
+                    cells.append(f"{lv['failed']} / {lv['ok'] + lv['failed']}")
+                else:
+                    cells.append(fmt(lv[key] if sub is None else lv[key][sub]))
+            lines.append(f"| {c} | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[dict[str, Any]], path: Path) -> Path:
+    """Output tokens/s and p50 TTFT against concurrency, a line per results file."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11.0, 4.2), dpi=130)
+    for r in results:
+        lvs = r["levels"]
+        axes[0].plot([lv["concurrency"] for lv in lvs], [lv["output_tok_s"] for lv in lvs], marker="o", label=r["label"])
+        ttft = [(lv["concurrency"], lv["ttft_ms"]["p50"]) for lv in lvs if lv["ttft_ms"]["p50"] is not None]
+        axes[1].plot([c for c, _ in ttft], [t for _, t in ttft], marker="o", label=r["label"])
+    ticks = sorted({lv["concurrency"] for r in results for lv in r["levels"]})
+    for ax, ylabel in zip(axes, ("output tokens/s (all requests)", "p50 time to first token (ms)")):
+        ax.set_xscale("log", base=2)  # levels usually double
+        ax.set_xticks(ticks, [str(c) for c in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    axes[0].legend(fontsize=8, frameon=False)
+    models = ", ".join(dict.fromkeys(str(r.get("model")) for r in results))
+    fig.suptitle(f"Throughput and time to first token vs concurrency ({models})", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    results = [load_results(Path(p)) for p in args.compare]
+    seen: set[str] = set()
+    for path, r in zip(args.compare, results):  # two runs of one URL share a default label: add their folder
+        if r["label"] in seen:
+            r["label"] = f"{r['label']} ({Path(path).resolve().parent.name})"
+        seen.add(r["label"])
+    print(compare_table(results))
+    print(f"wrote {plot(results, Path(args.out) / 'throughput.png')}", file=sys.stderr)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.compare:
+        return run_compare(args)
+    levels = parse_concurrency(args.concurrency)
+    check_options(args)
+    questions = load_questions(resolve_question_file(None), limit=args.limit)
+    model = args.model or first_model(args.url, args.timeout)
+    out = Path(args.out)
+    try:  # last: a run refused for any other reason leaves no folder behind
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InvalidParameter(f"cannot create the --out folder {out}: {err.strerror or err}") from None
+    label = args.label or urllib.parse.urlsplit(args.url).netloc
+    extra = {"method": args.method} if args.method else {}
+    bodies = [{"model": model, "messages": [{"role": "user", "content": q.turns[0]}], "stream": True,
+               "stream_options": {"include_usage": True}, "max_tokens": args.max_tokens,
+               "temperature": args.temperature, **extra} for q in questions]
+    result = {"schema": SCHEMA, "label": label, "url": args.url, "model": model,
+              "command": command_line(args, model, label), "levels": []}
+    for c in levels:
+        note = f" (so at most {len(bodies)} in flight, not {c}: raise --limit)" if c > len(bodies) else ""
+        print(f"concurrency {c}: {len(bodies)} requests{note}", file=sys.stderr, flush=True)
+        result["levels"].append(run_level(args.url, bodies, c, args.timeout))
+        # after every level, so that an interrupted run keeps the levels it finished
+        (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(markdown_table(result))
+    print(f"wrote {out / 'results.json'} and {plot([result], out / 'throughput.png')}", file=sys.stderr)
+    return 0

@@ -1,0 +1,135 @@
+"""The server's scheduler: request slots, a bounded waiting queue, one batcher for all passes.
+
+Each slot is an :class:`..engine.Engine` over its own clone of the model (its own cache, and
+its own memory of what speculative methods learn), run by one thread of a pool of
+``max_batch``. Every slot's forward passes go through one :class:`..models.batching.PassBatcher`,
+which runs them together on its own thread: continuous batching with the engine's decode loop
+unchanged, so every method (speculative ones included) serves concurrent requests, and a
+request's output does not depend on what else runs (the kernels compute each row on its own).
+
+Admission: at most ``max_batch`` requests run and ``max_queue`` wait; past that a request is
+refused at once (:class:`Overloaded`, HTTP 503 with ``Retry-After``) rather than left to wait
+without bound. A cancelled request (its client went away) stops at its next step and frees its
+slot.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..engine import Engine
+from ..engine.core import Generation
+from ..errors import DecodeKitError
+from ..models import LoadedModel
+
+
+class Overloaded(DecodeKitError):
+    """Every slot is busy and the waiting queue is full."""
+
+    retry_after_s = 1
+
+
+@dataclass
+class Job:
+    """One choice of one request, tokenised and checked, ready to run in a slot."""
+
+    prompt_ids: list[int]
+    method: str
+    params: dict[str, Any]  # sampler parameters and method options
+    max_new_tokens: int
+    stop: list[str] = field(default_factory=list)
+    on_text: Callable[[str], None] | None = None  # called from the slot's thread
+    top_logprobs: int | None = None  # None: no log-probabilities
+    ignore_eos: bool = False
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+
+
+@dataclass
+class Outcome:
+    generation: Generation
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None  # per token: (its logprob, top alternatives)
+    queued_s: float
+
+
+def token_logprobs(backend, prompt_ids: list[int], tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """The model's own log-probability of each generated token (before temperature or truncation)
+    and its ``top`` most likely alternatives, from one teacher-forced pass over prompt + answer."""
+    if not tokens:
+        return []
+    backend.reset(1)
+    logits = backend.append(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1 : -1]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    best = torch.topk(logprobs, top, dim=-1) if top else None
+    rows = []
+    for i, value in enumerate(chosen):
+        alternatives = list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else []
+        rows.append((value, alternatives))
+    return rows
+
+
+class Scheduler:
+    """Slots, admission and the shared batcher for one loaded model."""
+
+    def __init__(self, model: LoadedModel, *, max_batch: int = 8, max_queue: int = 64):
+        from ..models.batching import PassBatcher
+
+        self.model = model
+        self.batcher = PassBatcher()
+        self.batching = getattr(model.backend, "batch_key", None) is not None
+        # a backend that cannot batch its passes serves one request at a time
+        self.max_batch = max_batch if self.batching else 1
+        self.max_queue = max_queue
+        self._slots: queue.SimpleQueue[Engine] = queue.SimpleQueue()
+        for _ in range(self.max_batch):
+            backend = model.backend.clone()
+            if self.batching:
+                backend.batcher = self.batcher
+            self._slots.put(Engine(LoadedModel(backend, model.tokenizer, model.name)))
+        self._pool = ThreadPoolExecutor(self.max_batch, thread_name_prefix="decodekit-request")
+        self._lock = threading.Lock()
+        self.running = 0
+        self.waiting = 0
+
+    def submit(self, jobs: list[Job]) -> list[Future[Outcome]]:
+        """Queue the choices of one request together, or refuse them all (:class:`Overloaded`)."""
+        with self._lock:
+            if self.running + self.waiting + len(jobs) > self.max_batch + self.max_queue:
+                raise Overloaded(f"the server is busy ({self.running} requests running, {self.waiting} waiting); "
+                                 "retry shortly")
+            self.waiting += len(jobs)
+        return [self._pool.submit(self._run, job) for job in jobs]
+
+    def _run(self, job: Job) -> Outcome:
+        engine = self._slots.get()  # never blocks: the pool has as many threads as slots
+        with self._lock:
+            self.waiting -= 1
+            self.running += 1
+        job.started = time.perf_counter()
+        try:
+            with self.batcher.member():
+                generation = engine.generate(
+                    job.prompt_ids, method=job.method, max_new_tokens=job.max_new_tokens, stop=job.stop, chat=False,
+                    on_text=job.on_text, should_stop=job.cancelled.is_set, ignore_eos=job.ignore_eos, **job.params,
+                )
+                logprobs = None
+                if job.top_logprobs is not None and generation.finish_reason != "cancelled":
+                    logprobs = token_logprobs(engine.model.backend, job.prompt_ids, generation.tokens, job.top_logprobs)
+            return Outcome(generation, logprobs, job.started - job.submitted)
+        finally:
+            self._slots.put(engine)
+            with self._lock:
+                self.running -= 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,277 @@
+"""Tests for ``decodekit bench-serve`` (decodekit.serve.load) against a fake OpenAI-compatible
+server started in the test: request counts, token counts, timings, results.json, the chart,
+--compare, percentiles and bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from decodekit.bench.questions import load_questions, resolve_question_file
+from decodekit.errors import InvalidParameter
+from decodekit.serve.load import SCHEMA, Outcome, add_parser, percentile, run, send
+
+FIRST_SLEEP = 0.05  # before the first content chunk: the fake server's time to first token
+CHUNK_SLEEP = 0.01  # between content chunks
+CONTENT = ["Hello", ",", " world", "!"]
+USAGE_TOKENS = 6  # more than the chunks, as a server sending several tokens a chunk would say
+FAIL_EVERY = 5
+N_QUESTIONS = len(load_questions(resolve_question_file(None), limit=1))
+
+
+class FakeServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, usage: bool = True, done: bool = True):
+        super().__init__(("127.0.0.1", 0), FakeHandler)
+        self.usage, self.done = usage, done
+        self.lock = threading.Lock()
+        self.posts: list[dict] = []
+        self.in_flight = self.max_in_flight = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/v1"
+
+
+class FakeHandler(BaseHTTPRequestHandler):
+    server: FakeServer
+
+    def log_message(self, *args) -> None:  # keep the test output clean
+        pass
+
+    def send_json(self, status: int, obj: dict) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self.send_json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        else:
+            self.send_json(404, {"error": {"message": "not found", "type": "invalid_request_error"}})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        srv = self.server
+        with srv.lock:
+            srv.posts.append(body)
+            n = len(srv.posts)
+            srv.in_flight += 1
+            srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
+        try:
+            if n % FAIL_EVERY == 0:
+                self.send_json(503, {"error": {"message": "overloaded", "type": "server_error"}})
+            else:
+                self.stream(srv.usage, srv.done)
+        finally:
+            with srv.lock:
+                srv.in_flight -= 1
+
+    def stream(self, usage: bool, done: bool) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()  # HTTP/1.0: the body ends when the connection closes
+
+        def event(delta: dict | None, **extra) -> None:
+            chunk = {"id": "c1", "object": "chat.completion.chunk", "model": "fake-model",
+                     "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": None}], **extra}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+
+        event({"role": "assistant"})  # no content: must not count as the first token
+        time.sleep(FIRST_SLEEP)
+        for i, piece in enumerate(CONTENT):
+            if i:
+                time.sleep(CHUNK_SLEEP)
+            event({"content": piece})
+        event({})
+        if usage:
+            event(None, usage={"prompt_tokens": 9, "completion_tokens": USAGE_TOKENS, "total_tokens": 9 + USAGE_TOKENS})
+        if done:  # else the connection closes mid-answer, as when a server dies
+            self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def start(usage: bool = True, done: bool = True) -> FakeServer:
+        srv = FakeServer(usage, done)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return srv
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["bench-serve", *argv])
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def test_percentile_known_lists():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([4, 1, 3, 2], 0) == 1 and percentile([4, 1, 3, 2], 100) == 4
+    assert percentile(list(range(1, 11)), 90) == pytest.approx(9.1)
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_percentile_matches_numpy_linear():
+    np = pytest.importorskip("numpy")
+    values = list(np.random.default_rng(0).exponential(size=37))
+    for q in (1, 50, 90, 99, 99.9):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_tpot_is_time_after_the_first_token_per_later_token():
+    assert Outcome(e2e_s=1.0, ttft_s=0.2, tokens=5).tpot_s == pytest.approx(0.2)
+    assert Outcome(e2e_s=1.0, ttft_s=0.2, tokens=1).tpot_s == pytest.approx(0.8)  # one token: all of it
+    assert Outcome(e2e_s=1.0).tpot_s is None
+
+
+def test_run_against_fake_server(fake_server, tmp_path, capsys):
+    srv = fake_server()
+    t0 = time.perf_counter()
+    assert run(parse("--url", srv.url, "--concurrency", "1,3", "--limit", "1", "--out", str(tmp_path), "--method", "pld")) == 0
+    elapsed = time.perf_counter() - t0
+
+    # every question sent once per level, with the model from GET /models and the flags asked for
+    assert len(srv.posts) == 2 * N_QUESTIONS
+    body = srv.posts[0]
+    assert body["model"] == "fake-model" and body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["max_tokens"] == 128 and body["temperature"] == 0 and body["method"] == "pld"
+    assert body["messages"][0]["role"] == "user" and body["messages"][0]["content"]
+    assert srv.max_in_flight == 3
+
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["schema"] == SCHEMA and result["model"] == "fake-model" and result["url"] == srv.url
+    assert result["label"] == srv.url.split("/")[2]
+    assert "--model fake-model" in result["command"] and "--concurrency 1,3" in result["command"]
+    assert [lv["concurrency"] for lv in result["levels"]] == [1, 3]
+    # the server fails every 5th POST: levels run one after the other, so the failures fall by count
+    failures = [sum(1 for n in range(start + 1, start + N_QUESTIONS + 1) if n % FAIL_EVERY == 0)
+                for start in (0, N_QUESTIONS)]
+    for lv, failed in zip(result["levels"], failures):
+        assert lv["failed"] == failed and lv["ok"] == N_QUESTIONS - failed
+        assert lv["errors"] == ["HTTP 503: overloaded"] * failed
+        assert lv["output_tokens"] == lv["ok"] * USAGE_TOKENS  # usage wins over the 4 content chunks
+        assert lv["output_tok_s"] == pytest.approx(lv["output_tokens"] / lv["wall_s"], rel=1e-3)
+        assert set(lv["ttft_ms"]) == {"p50", "p90", "p99"}
+        assert lv["ttft_ms"]["p50"] >= FIRST_SLEEP * 1e3
+        assert lv["ttft_ms"]["p50"] <= lv["ttft_ms"]["p90"] <= lv["ttft_ms"]["p99"]
+        stream_s = FIRST_SLEEP + CHUNK_SLEEP * (len(CONTENT) - 1)
+        assert lv["e2e_ms"]["p50"] >= stream_s * 1e3
+        # the chunk sleeps after the first token, spread over USAGE_TOKENS - 1 later tokens
+        assert lv["tpot_ms"]["p50"] >= CHUNK_SLEEP * (len(CONTENT) - 1) / (USAGE_TOKENS - 1) * 1e3
+    assert sum(lv["wall_s"] for lv in result["levels"]) <= elapsed
+    # three workers overlap requests: the level takes well under three times one request each
+    assert result["levels"][1]["wall_s"] < result["levels"][0]["wall_s"]
+
+    table = capsys.readouterr().out
+    assert "| concurrency | ok | failed | output tok/s |" in table
+    assert f"| 3 | {result['levels'][1]['ok']} | {result['levels'][1]['failed']} |" in table
+    assert (tmp_path / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tokens_counted_from_chunks_without_usage(fake_server):
+    srv = fake_server(usage=False)
+    out = send(srv.url, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, timeout=10)
+    assert out.error is None and out.tokens == len(CONTENT)
+    assert FIRST_SLEEP <= out.ttft_s <= out.e2e_s
+
+
+def test_stream_cut_before_done_is_an_error(fake_server):
+    srv = fake_server(done=False)
+    out = send(srv.url, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, timeout=10)
+    assert out.error == "the stream ended before data: [DONE]"
+
+
+def test_errors_are_recorded_not_raised(tmp_path):
+    # --model given: no model list to fetch, so every request reaches the closed port and fails
+    assert run(parse("--url", closed_port_url(), "--model", "m", "--concurrency", "2", "--limit", "1", "--out", str(tmp_path))) == 0
+    (level,) = json.loads((tmp_path / "results.json").read_text())["levels"]
+    assert level["ok"] == 0 and level["failed"] == N_QUESTIONS and level["output_tok_s"] == 0
+    assert level["ttft_ms"]["p50"] is None and len(level["errors"]) == 5
+    assert level["errors"][0].startswith("ConnectionRefusedError")
+
+
+def level(c: int, tok_s: float, ttft: float) -> dict:
+    ms = {"p50": ttft, "p90": ttft * 2, "p99": ttft * 3}
+    return {"concurrency": c, "ok": 4, "failed": 0, "output_tok_s": tok_s, "ttft_ms": ms, "tpot_ms": ms, "e2e_ms": ms, "errors": []}
+
+
+def test_compare_two_results_files(tmp_path, capsys):
+    a = {"schema": SCHEMA, "label": "decodekit", "url": "u", "model": "m", "command": "c",
+         "levels": [level(1, 50.0, 20.0), level(4, 150.0, 40.0)]}
+    b = {**a, "label": "llama-server", "levels": [level(1, 60.0, 15.0)]}
+    paths = []
+    for name, data in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        paths.append(tmp_path / name / "results.json")
+        paths[-1].write_text(json.dumps(data))
+    out = tmp_path / "cmp"
+    # a closed port: --compare must send nothing
+    assert run(parse("--url", closed_port_url(), "--out", str(out), "--compare", *map(str, paths))) == 0
+    table = capsys.readouterr().out
+    assert "| concurrency | measure | decodekit | llama-server |" in table
+    assert "| 1 | output tok/s | 50.0 | 60.0 |" in table
+    assert "| 4 | output tok/s | 150.0 | – |" in table  # llama-server has no level 4
+    assert "| 1 | TTFT p99 ms | 60.0 | 45.0 |" in table
+    assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+    # the same label twice (two runs of one URL): told apart by folder
+    run(parse("--out", str(out), "--compare", str(paths[0]), str(paths[0])))
+    assert "| decodekit | decodekit (a) |" in capsys.readouterr().out
+
+
+def test_compare_unreadable_file(tmp_path):
+    with pytest.raises(InvalidParameter, match="cannot read"):
+        run(parse("--compare", str(tmp_path / "missing.json"), "--out", str(tmp_path)))
+    (tmp_path / "other.json").write_text(json.dumps({"schema": "something-else"}))
+    with pytest.raises(InvalidParameter, match="not a bench-serve results file"):
+        run(parse("--compare", str(tmp_path / "other.json"), "--out", str(tmp_path)))
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--concurrency", "0"], "--concurrency levels must be positive"),
+    (["--concurrency", "1,two"], "--concurrency must be comma-separated"),
+    (["--max-tokens", "0"], "--max-tokens must be positive"),
+    (["--url", "localhost:8000"], "--url must be an http"),
+])
+def test_bad_options_are_one_line(tmp_path, argv, match):
+    with pytest.raises(InvalidParameter, match=match) as err:
+        run(parse(*argv, "--out", str(tmp_path / "out")))
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_unreachable_url_when_fetching_models(tmp_path):
+    url = closed_port_url()
+    with pytest.raises(InvalidParameter, match="cannot fetch the model list") as err:
+        run(parse("--url", url, "--limit", "1", "--out", str(tmp_path / "out")))
+    assert f"{url}/models" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()

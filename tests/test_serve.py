@@ -1,0 +1,348 @@
+"""`decodekit serve` through the official `openai` client, on a tiny model served in the test:
+responses, streaming, n, stop, seed, logprobs, errors, admission, cancellation, and batch
+invariance (a request's tokens are the same alone and among concurrent requests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from decodekit.engine import Engine  # noqa: E402
+from decodekit.models import CharTokenizer, LoadedModel, kernels  # noqa: E402
+from decodekit.models.tiny import tiny_llama  # noqa: E402
+from decodekit.serve.app import Server  # noqa: E402
+
+MODEL = "tiny"
+PROMPTS = ["hello world hello world hello", "abcabcabcabcabc", "Q: 12+12? A: 24. Q: 13+13? A:", "the cat sat on the mat"]
+
+
+def tiny_model() -> LoadedModel:
+    # head size 16: the one-call layer path the batcher uses; fast numerics where the CPU has VNNI
+    numerics = "fast" if kernels.integer_block_matmul("q4_1") is not None else "exact"
+    backend = tiny_llama(seed=0, hidden_size=64, max_position=2048, numerics=numerics, gguf_blocks=True)
+    return LoadedModel(backend, CharTokenizer(96), MODEL)
+
+
+class Running:
+    """A server on a free loopback port, in a thread of the test process."""
+
+    def __init__(self, model: LoadedModel, **kw):
+        self.model = model
+        self.server = Server(lambda: model, **kw)
+        self.server.load_now()
+        sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.web = uvicorn.Server(uvicorn.Config(self.server.app, log_level="error"))
+        self.thread = threading.Thread(target=self.web.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        while not self.web.started:
+            time.sleep(0.01)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def stop(self) -> None:
+        self.web.should_exit = True
+        self.thread.join(timeout=10)
+        self.server.scheduler.close()
+
+    def get(self, path: str) -> tuple[int, str, dict]:
+        try:
+            with urllib.request.urlopen(self.url + path) as r:
+                return r.status, r.read().decode(), dict(r.headers)
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode(), dict(err.headers)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    saved = os.environ.get("DECODEKIT_CACHE")
+    os.environ["DECODEKIT_CACHE"] = str(tmp_path_factory.mktemp("cache"))  # the tiny model's cost table goes there
+    try:
+        running = Running(tiny_model(), max_batch=4, max_queue=32)
+    finally:
+        if saved is None:
+            del os.environ["DECODEKIT_CACHE"]
+        else:
+            os.environ["DECODEKIT_CACHE"] = saved
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def alone(served):
+    """The reference: the same model decoding each request by itself, outside the server."""
+    engine = Engine(LoadedModel(served.model.backend.clone(), served.model.tokenizer, MODEL))
+    return lambda prompt, **kw: engine.generate(prompt, chat=False, **kw)
+
+
+def chat(served, prompt: str, **kw):
+    return served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], **kw)
+
+
+def test_chat_and_completions_answer_as_the_engine_alone(served, alone):
+    for prompt in PROMPTS[:2]:
+        want = alone(prompt, max_new_tokens=20)
+        got = chat(served, prompt, max_tokens=20, temperature=0)
+        assert got.choices[0].message.content == want.text
+        assert got.usage.completion_tokens == len(want.tokens) and got.model == MODEL
+        assert got.choices[0].finish_reason == ("length" if want.finish_reason == "length" else "stop")
+        text = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+        assert text.choices[0].text == want.text
+
+
+def test_streaming_gives_the_same_text_and_the_usage(served, alone):
+    want = alone(PROMPTS[0], max_new_tokens=24)
+    chunks = list(chat(served, PROMPTS[0], max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.tokens)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+
+
+def test_n_seeded_samples_are_plain_samplings_with_seed_plus_i(served, alone):
+    got = chat(served, PROMPTS[2], max_tokens=16, temperature=0.9, seed=11, n=3)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    for i, choice in enumerate(got.choices):
+        assert choice.message.content == alone(PROMPTS[2], method="sample", max_new_tokens=16, temperature=0.9, seed=11 + i).text
+    again = chat(served, PROMPTS[2], max_tokens=16, temperature=0.9, seed=11, n=3)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in got.choices]
+
+
+def test_ignore_eos_decodes_to_the_length_asked(served, alone):
+    assert alone(PROMPTS[3], max_new_tokens=200).finish_reason == "eos"  # this prompt ends early by itself
+    got = chat(served, PROMPTS[3], max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
+    assert got.usage.completion_tokens == 200 and got.choices[0].finish_reason == "length"
+
+
+def test_stop_strings_cut_the_text(served, alone):
+    full = alone(PROMPTS[1], max_new_tokens=30).text
+    stop = full[5:7]
+    got = chat(served, PROMPTS[1], max_tokens=30, temperature=0, stop=[stop])
+    assert got.choices[0].message.content == full[: full.index(stop)] and got.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_are_the_models_own(served):
+    got = chat(served, PROMPTS[3], max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = got.choices[0].logprobs.content
+    assert len(content) == got.usage.completion_tokens
+    backend = served.model.backend.clone()
+    tok = served.model.tokenizer
+    prompt, answer = tok.encode(PROMPTS[3]), tok.encode(got.choices[0].message.content)
+    logits = backend.append(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
+    want = torch.log_softmax(logits, -1)
+    for i, entry in enumerate(content):
+        assert entry.token == tok.decode([answer[i]])
+        assert entry.logprob == pytest.approx(want[i, answer[i]].item(), abs=1e-4)
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6)  # greedy: the best one
+        assert len(entry.top_logprobs) == 3
+
+
+def test_bad_requests_are_openai_error_objects(served):
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(served, "hi", temperature=-1)
+    assert err.value.status_code == 400 and "temperature" in err.value.message
+    with pytest.raises(openai.NotFoundError):
+        served.client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(served, "x" * 3000, max_tokens=10)
+    assert err.value.code == "context_length_exceeded"
+    for extra in ({"method": "no-such-method"}, {"budget": -1, "method": "pld"}, {"no_such_option": 1}):
+        with pytest.raises(openai.BadRequestError):
+            chat(served, "hi", max_tokens=4, extra_body=extra)
+    with pytest.raises(openai.BadRequestError, match="tool calls"):
+        chat(served, "hi", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    status, body, _ = served.get("/v1/nothing")
+    assert status == 404 and json.loads(body)["error"]["message"] == "no route GET /v1/nothing"
+
+
+def test_health_models_and_metrics(served):
+    status, body, _ = served.get("/health")
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    models = served.client.models.list().data
+    assert [m.id for m in models] == [MODEL] and models[0].numerics == served.server.numerics
+    chat(served, PROMPTS[0], max_tokens=5, temperature=0)
+    status, text, _ = served.get("/metrics")
+    assert status == 200
+    assert "decodekit:generation_tokens_total" in text and "decodekit:batched_passes_total" in text
+    assert "decodekit:time_to_first_token_seconds_bucket" in text
+
+
+def test_speculative_methods_are_served_too(served, alone):
+    for method in ("pld", "suffix", "recycling"):
+        want = alone(PROMPTS[1], method="greedy", max_new_tokens=30).text
+        got = chat(served, PROMPTS[1], max_tokens=30, extra_body={"method": method, "budget": 4})
+        assert got.choices[0].message.content == want, method
+
+
+def test_a_requests_tokens_do_not_depend_on_the_batch(served, alone):
+    """Twelve requests at once (greedy, seeded sampling, speculative; prompts of several lengths,
+    one longer than a prefill chunk) give exactly what each gives alone."""
+    cases = []
+    for i, prompt in enumerate(PROMPTS + [PROMPTS[1] * 6]):
+        cases.append((prompt, {"temperature": 0}, {}))
+        cases.append((prompt, {"temperature": 0.8, "seed": i}, {"method": "sample", "temperature": 0.8, "seed": i}))
+    cases += [(PROMPTS[0], {"extra_body": {"method": "pld", "budget": 6}}, {"method": "pld", "budget": 6}),
+              (PROMPTS[2], {"extra_body": {"method": "recycling", "temperature": 0.7, "seed": 3}},
+               {"method": "recycling", "temperature": 0.7, "seed": 3})]
+    wants = [alone(p, max_new_tokens=40, **kw).text for p, _, kw in cases]
+    before = served.server.scheduler.batcher.rows
+    with ThreadPoolExecutor(len(cases)) as pool:
+        gots = list(pool.map(lambda c: chat(served, c[0], max_tokens=40, **c[1]).choices[0].message.content, cases))
+    assert gots == wants
+    passes = served.server.scheduler.batcher
+    assert passes.rows > before  # they went through the batcher
+
+
+def test_a_full_server_answers_503_with_retry_after():
+    running = Running(tiny_model(), max_batch=1, max_queue=1)
+    try:
+        def ask(_):
+            try:
+                chat(running, PROMPTS[0], max_tokens=1900, temperature=0, extra_body={"ignore_eos": True})
+                return 200, None
+            except openai.APIStatusError as err:
+                return err.status_code, err.response.headers.get("retry-after")
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(ask, range(4)))
+        assert sorted(s for s, _ in results).count(503) >= 1 and (200, None) in results
+        assert all(retry == "1" for s, retry in results if s == 503)
+    finally:
+        running.stop()
+
+
+def test_a_client_that_goes_away_frees_its_slot(served):
+    scheduler = served.server.scheduler
+    stream = chat(served, PROMPTS[0], max_tokens=1900, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()  # the client leaves after the first chunk
+    deadline = time.time() + 10
+    while scheduler.running and time.time() < deadline:
+        time.sleep(0.02)
+    assert scheduler.running == 0
+    status, text, _ = served.get("/metrics")
+    assert 'decodekit:request_success_total{finished_reason="cancelled"}' in text
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+def test_soak_mixed_valid_malformed_and_vanishing_clients(served, alone):
+    """A few hundred requests from 8 clients at once: valid ones (each must equal its request run
+    alone), malformed ones (each an OpenAI error object), and clients that leave mid-stream. At the
+    end the server is healthy, idle, and its memory has not grown."""
+    import http.client
+
+    host, port = served.url.removeprefix("http://").split(":")
+    valid = [(p, {"temperature": 0}, {}) for p in PROMPTS] + [
+        (p, {"temperature": 0.8, "seed": i}, {"method": "sample", "temperature": 0.8, "seed": i}) for i, p in enumerate(PROMPTS)]
+    wants = [alone(p, max_new_tokens=24, **kw).text for p, _, kw in valid]
+    malformed = [b"{not json", b"[]", b'{"messages": []}', b'{"messages": [{"role": "user", "content": 5}]}',
+                 b'{"messages": [{"role": "user", "content": "hi"}], "n": 99}',
+                 b'{"messages": [{"role": "user", "content": "hi"}], "top_k": "many"}']
+
+    def client(worker: int) -> list[str]:
+        problems = []
+        for i in range(worker, 240, 8):
+            kind = i % 3
+            if kind == 0:
+                case = i % len(valid)
+                prompt, kw, _ = valid[case]
+                text = chat(served, prompt, max_tokens=24, **kw).choices[0].message.content
+                if text != wants[case]:
+                    problems.append(f"request {i}: {text!r} != {wants[case]!r}")
+            elif kind == 1:
+                conn = http.client.HTTPConnection(host, int(port), timeout=30)
+                conn.request("POST", "/v1/chat/completions", malformed[i % len(malformed)], {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                body = json.loads(response.read())
+                if response.status != 400 or "message" not in body.get("error", {}):
+                    problems.append(f"request {i}: {response.status} {body}")
+                conn.close()
+            else:
+                conn = http.client.HTTPConnection(host, int(port), timeout=30)
+                body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[i % 4]}], "max_tokens": 1500,
+                        "stream": True, "ignore_eos": True, "temperature": 0}
+                conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+                conn.getresponse().read(200)
+                conn.close()  # gone mid-stream
+        return problems
+
+    client(0)  # warm-up: what the first requests allocate for good is not a leak
+    before = rss_mb()
+    with ThreadPoolExecutor(8) as pool:
+        problems = [p for found in pool.map(client, range(8)) for p in found]
+    assert problems == []
+    scheduler = served.server.scheduler
+    deadline = time.time() + 20
+    while (scheduler.running or scheduler.waiting) and time.time() < deadline:
+        time.sleep(0.05)
+    assert scheduler.running == 0 and scheduler.waiting == 0
+    assert served.get("/health")[0] == 200
+    assert rss_mb() - before < 64
+
+
+def test_serve_command_refuses_a_taken_port_and_a_missing_model_in_one_line(capsys):
+    from decodekit.interfaces.cli import main
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = str(taken.getsockname()[1])
+        assert main(["serve", "--model", "/no/such/model", "--port", port]) == 2
+        assert main(["serve", "--model", "smollm2-135m", "--port", port]) in (2,)  # taken (or model not installed)
+        assert main(["serve", "--max-batch", "0"]) == 2
+    finally:
+        taken.close()
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("decodekit:")]
+    assert len(err) == 3 and all(line.startswith("decodekit: error:") for line in err)
+    assert "--max-batch must be >= 1" in err[2]
+
+
+@pytest.mark.real_model
+def test_serve_command_on_the_embedded_model(real_model, tmp_path):
+    """The real command in a subprocess: /health answers 503 then 200, the start-up line names
+    the numerics, and the answer is the engine's."""
+    import subprocess
+    import sys
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, "-m", "decodekit", "serve", "--port", str(port), "--max-batch", "2"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        url, deadline, statuses = f"http://127.0.0.1:{port}", time.time() + 180, set()
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(url + "/health") as r:
+                    statuses.add(r.status)
+                    break
+            except urllib.error.HTTPError as err:
+                statuses.add(err.code)
+            except OSError:
+                pass
+            time.sleep(0.1)
+        assert 200 in statuses
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        got = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "What is 2+2?"}],
+                                             max_tokens=12, temperature=0)
+        numerics = client.models.list().data[0].numerics
+        from decodekit.models import load_model
+
+        engine = Engine(load_model(numerics=numerics))
+        assert got.choices[0].message.content == engine.generate("What is 2+2?", max_new_tokens=12).text
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert f"{numerics} numerics, http://127.0.0.1:{port}/v1" in err
