@@ -15,6 +15,15 @@ verification tree is just a pass of several rows) or sampled.
 When does a batch run? As soon as every active sequence has a pass waiting (none is still
 choosing its next tokens), or ``wait_s`` after the oldest pass arrived, or when the waiting
 rows fill ``max_rows``. The waiting threads block on a condition variable: no spinning.
+
+Which thread runs the passes matters. The kernels split each step over OpenMP threads, and
+GNU OpenMP keeps a team of worker threads per thread that starts parallel work. Once the teams
+hold more threads than there are cores, it stops letting idle workers spin and puts them to sleep
+between parallel regions; waking them costs about 0.1 ms a region, a few hundred regions a step
+(a pass on a second thread measured 4-5x slower than on the main thread here). So the passes run
+on one thread (:meth:`PassBatcher.serve`, ideally called by the main thread, whose team already
+exists), and the request threads keep their own torch work on one thread
+(:func:`single_threaded`), so that they never start a team of their own.
 """
 
 from __future__ import annotations
@@ -28,11 +37,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
+
 if TYPE_CHECKING:  # pragma: no cover
     from .native import NativeLlama
 
 #: Prompt tokens a sequence sends per batched pass while its prompt is being read.
 PREFILL_CHUNK = 32
+
+
+def single_threaded() -> None:
+    """For a thread that decodes a request while another runs its passes: its own torch work
+    (sampling, drafting) on this thread alone, starting no OpenMP team (the thread count is a
+    per-thread setting; the pass thread keeps its own)."""
+    torch.set_num_threads(1)
 
 
 @dataclass
@@ -51,15 +68,15 @@ class _Pass:
 
 
 class PassBatcher:
-    """Gathers the forward passes of the sequences attached to it and runs them together, on one
-    thread of its own (so that one OpenMP thread team does all the work, however many requests
-    wait).
+    """Gathers the forward passes of the sequences attached to it and runs them together, all on
+    one thread: a thread of its own started at the first pass, or, with ``own_thread=False``,
+    the one that calls :meth:`serve` (passes wait for it).
 
     ``max_rows``: most rows in one pass (the kernels' few-row limit for the ``exact`` numerics);
     ``wait_s``: longest a pass waits for the other sequences."""
 
-    def __init__(self, max_rows: int = 64, wait_s: float = 0.005):
-        self.max_rows, self.wait_s = max_rows, wait_s
+    def __init__(self, max_rows: int = 64, wait_s: float = 0.005, own_thread: bool = True):
+        self.max_rows, self.wait_s, self.own_thread = max_rows, wait_s, own_thread
         self._cond = threading.Condition()
         self._waiting: list[_Pass] = []
         self._active = 0
@@ -88,7 +105,7 @@ class PassBatcher:
         """Logits ``[k, V]`` (``[1, V]`` with ``last_only``) of one sequence's pass, run with the others'."""
         job = _Pass(backend, tokens, positions, visible, start, last_only, backend.batch_key)
         with self._cond:
-            if self._thread is None:
+            if self._thread is None and self.own_thread:
                 self._thread = threading.Thread(target=self._loop, name="decodekit-passes", daemon=True)
                 self._thread.start()
             self._waiting.append(job)
@@ -100,15 +117,28 @@ class PassBatcher:
         assert job.logits is not None
         return job.logits
 
-    def _loop(self) -> None:
-        while True:
+    def serve(self, until: threading.Event) -> None:
+        """Run the passes on the calling thread until ``until`` is set (a batcher made with
+        ``own_thread=False``; ``decodekit serve`` calls it from the main thread)."""
+        if self.own_thread:
+            raise RuntimeError("this batcher runs its passes on a thread of its own")
+        self._loop(until)
+
+    def stop_waiting(self) -> None:
+        """Wake :meth:`serve` (to see that its event is set)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _loop(self, until: threading.Event | None = None) -> None:
+        while until is None or not until.is_set():
             with self._cond:
                 batch = self._ready()
-                while not batch:
+                while not batch and not (until is not None and until.is_set()):
                     oldest = self._waiting[0].arrived if self._waiting else None
-                    self._cond.wait(None if oldest is None else max(0.0, oldest + self.wait_s - time.perf_counter()))
+                    self._cond.wait(0.5 if oldest is None else max(0.0, oldest + self.wait_s - time.perf_counter()))
                     batch = self._ready()
-            self._execute(batch)
+            if batch:
+                self._execute(batch)
 
     def _ready(self) -> list[_Pass]:
         """The next batch to run, taken off the queue (empty: not yet). Called with the lock held."""

@@ -420,11 +420,24 @@ class NativeLlama(Backend):
         return (self.batcher is not None and self._stack is not None and tokens.shape[0] == 1 and not hidden_layers
                 and not skip_layers and self.config.num_layers == self._stack.num_layers)
 
+    def _prefill_chunk(self, tokens: torch.Tensor, hidden_layers, skip_layers) -> int | None:
+        """How many tokens of a long ``append`` go in one pass, or None for all at once.
+
+        Batched (serving): :data:`.batching.PREFILL_CHUNK`, so that a long prompt joins the batch a
+        chunk at a time and the others keep decoding meanwhile. ``fast`` numerics: the kernels'
+        row limit, so that a prompt is read by the same kernels as every other pass; rows are
+        independent there, so any chunking gives the same bits, alone or served."""
+        if self._batched(tokens, hidden_layers, skip_layers):
+            return PREFILL_CHUNK
+        if self.numerics == "fast" and self._stack is not None and tokens.shape[0] == 1 and not hidden_layers and not skip_layers:
+            return MAX_ROWS
+        return None
+
     @torch.inference_mode()
     def append(self, tokens, *, hidden_layers=(), skip_layers=frozenset(), last_only=False) -> StepOutput:
-        if tokens.shape[1] > PREFILL_CHUNK and self._batched(tokens, hidden_layers, skip_layers):
-            # a long prompt joins the batch a chunk at a time, so the others keep decoding meanwhile
-            outputs = [self.append(chunk, last_only=last_only) for chunk in tokens.split(PREFILL_CHUNK, dim=1)]
+        chunk = self._prefill_chunk(tokens, hidden_layers, skip_layers)
+        if chunk is not None and tokens.shape[1] > chunk:
+            outputs = [self.append(part, last_only=last_only) for part in tokens.split(chunk, dim=1)]
             return StepOutput(logits=outputs[-1].logits if last_only else torch.cat([o.logits for o in outputs], dim=1))
         start, k = self._length, tokens.shape[1]
         positions = torch.arange(start, start + k)

@@ -67,8 +67,9 @@ class Server:
     """The app and what it serves. ``load`` makes the model (run on a thread at start-up; until
     it returns, ``/health`` and the API answer 503)."""
 
-    def __init__(self, load: Callable[[], LoadedModel], *, max_batch: int = 8, max_queue: int = 64):
-        self.max_batch, self.max_queue = max_batch, max_queue
+    def __init__(self, load: Callable[[], LoadedModel], *, max_batch: int = 8, max_queue: int = 64,
+                 passes_on_caller: bool = False):
+        self.max_batch, self.max_queue, self.passes_on_caller = max_batch, max_queue, passes_on_caller
         self.scheduler: Scheduler | None = None
         self.metrics: ServerMetrics | None = None
         self.load_error: str | None = None
@@ -84,7 +85,8 @@ class Server:
             from ..speculative import prepare
 
             prepare(model.backend)  # the cost table speculative methods need, measured once, outside requests
-            scheduler = Scheduler(model, max_batch=self.max_batch, max_queue=self.max_queue)
+            scheduler = Scheduler(model, max_batch=self.max_batch, max_queue=self.max_queue,
+                                  passes_on_caller=self.passes_on_caller)
             self.metrics = ServerMetrics(scheduler)
             self.scheduler = scheduler
         except DecodeKitError as err:

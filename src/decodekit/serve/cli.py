@@ -1,8 +1,9 @@
 """``decodekit serve``: the OpenAI-compatible server (:mod:`.app`) under uvicorn.
 
 The socket is bound first (a taken port is one clear line, exit code 2), then the server starts
-answering (``/health`` says 503) while the model loads on a thread; the start-up line names the
-model, the numerics and the address once it is ready."""
+answering (``/health`` says 503) while the main thread loads the model; the start-up line names
+the model, the numerics and the address once it is ready, and the main thread then runs every
+forward pass of every request."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import threading
 
 from ..arguments import add_model_arguments
-from ..errors import DecodeKitError, InvalidParameter
+from ..errors import InvalidParameter
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -61,24 +62,25 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidParameter(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     resolve_model_folder(args.model)  # a missing model is reported now, before anything listens
     sock = listen(args.host, args.port)
-    server = Server(lambda: load_for_serving(args), max_batch=args.max_batch, max_queue=args.max_queue)
-    config = uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=5)
-    web = uvicorn.Server(config)
-    failed: list[DecodeKitError] = []
-
-    def load() -> None:
-        try:
-            server.load_now()
-        except DecodeKitError as err:
-            failed.append(err)
-            web.should_exit = True
-            return
+    server = Server(lambda: load_for_serving(args), max_batch=args.max_batch, max_queue=args.max_queue,
+                    passes_on_caller=True)
+    web = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=5))
+    # HTTP on a thread, answering 503 while the model loads; the main thread loads the model and
+    # then runs every forward pass (see models/batching.py for why the main thread)
+    http = threading.Thread(target=web.run, kwargs={"sockets": [sock]}, name="decodekit-http", daemon=True)
+    http.start()
+    stopped = threading.Event()
+    try:
+        server.load_now()
         host, port = sock.getsockname()[:2]
         print(f"decodekit serve: {server.model_id}, {server.numerics} numerics, http://{host}:{port}/v1 "
               f"(max batch {server.scheduler.max_batch}, queue {server.max_queue})", file=sys.stderr, flush=True)
-
-    threading.Thread(target=load, name="decodekit-load", daemon=True).start()
-    web.run(sockets=[sock])
-    if failed:
-        raise failed[0]
+        threading.Thread(target=lambda: (http.join(), stopped.set(), server.scheduler.batcher.stop_waiting()),
+                         daemon=True).start()
+        server.scheduler.batcher.serve(stopped)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        web.should_exit = True
+        http.join(timeout=10)
     return 0

@@ -81,11 +81,13 @@ def token_logprobs(backend, prompt_ids: list[int], tokens: list[int], top: int) 
 class Scheduler:
     """Slots, admission and the shared batcher for one loaded model."""
 
-    def __init__(self, model: LoadedModel, *, max_batch: int = 8, max_queue: int = 64):
-        from ..models.batching import PassBatcher
+    def __init__(self, model: LoadedModel, *, max_batch: int = 8, max_queue: int = 64, passes_on_caller: bool = False):
+        """``passes_on_caller``: the passes wait for a thread to call ``self.batcher.serve`` (the
+        main thread, in ``decodekit serve``) instead of running on a thread of their own."""
+        from ..models.batching import PassBatcher, single_threaded
 
         self.model = model
-        self.batcher = PassBatcher()
+        self.batcher = PassBatcher(own_thread=not passes_on_caller)
         self.batching = getattr(model.backend, "batch_key", None) is not None
         # a backend that cannot batch its passes serves one request at a time
         self.max_batch = max_batch if self.batching else 1
@@ -96,7 +98,8 @@ class Scheduler:
             if self.batching:
                 backend.batcher = self.batcher
             self._slots.put(Engine(LoadedModel(backend, model.tokenizer, model.name)))
-        self._pool = ThreadPoolExecutor(self.max_batch, thread_name_prefix="decodekit-request")
+        self._pool = ThreadPoolExecutor(self.max_batch, thread_name_prefix="decodekit-request",
+                                        initializer=single_threaded if self.batching else None)
         self._lock = threading.Lock()
         self.running = 0
         self.waiting = 0

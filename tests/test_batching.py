@@ -1,0 +1,95 @@
+"""Continuous batching of forward passes (models/batching.py): requests decoding on their own
+clones in their own threads share passes, and each gets exactly the tokens it gets alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from decodekit.engine import Engine
+from decodekit.models import CharTokenizer, LoadedModel, kernels
+from decodekit.models.batching import PREFILL_CHUNK, PassBatcher, single_threaded
+from decodekit.models.tiny import tiny_llama
+
+NUMERICS = ["exact"] + (["fast"] if kernels.integer_block_matmul("q4_1") is not None else [])
+CASES = [("hello world hello world", "greedy", {}), ("abcabcabcabc" * 6, "pld", {"budget": 4}),
+         ("Q: 1+1? A: 2. Q:", "sample", {"temperature": 0.8, "seed": 3}), ("x y z " * 20, "recycling", {"budget": 4}),
+         ("the cat sat", "lookahead", {"temperature": 0.7, "seed": 1})]
+
+
+def base(numerics: str):
+    # head size 16: the one-call layer path batching needs
+    return tiny_llama(seed=0, hidden_size=64, max_position=1024, numerics=numerics, gguf_blocks=True)
+
+
+def generate(backend, case, **kw):
+    prompt, method, options = case
+    engine = Engine(LoadedModel(backend, CharTokenizer(96), "tiny"))
+    return engine.generate(prompt, method=method, max_new_tokens=30, chat=False, **options, **kw).tokens
+
+
+def concurrently(model, batcher: PassBatcher, cases) -> list:
+    got = [None] * len(cases)
+
+    def work(i: int) -> None:
+        single_threaded()
+        backend = model.clone()
+        backend.batcher = batcher
+        with batcher.member():
+            got[i] = generate(backend, cases[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    return got, threads
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+def test_each_request_gets_its_own_tokens_in_a_shared_batch(numerics):
+    model = base(numerics)
+    alone = [generate(model.clone(), case) for case in CASES]
+    batcher = PassBatcher()
+    got, threads = concurrently(model, batcher, CASES)
+    for t in threads:
+        t.join()
+    assert got == alone
+    assert batcher.rows > batcher.passes  # passes were shared
+
+
+def test_passes_can_run_on_the_callers_thread():
+    """serve(): the main thread runs every pass (as `decodekit serve` does) until told to stop."""
+    model = base(NUMERICS[-1])
+    alone = [generate(model.clone(), case) for case in CASES[:3]]
+    batcher, stop = PassBatcher(own_thread=False), threading.Event()
+    got, threads = concurrently(model, batcher, CASES[:3])
+    threading.Thread(target=lambda: ([t.join() for t in threads], stop.set(), batcher.stop_waiting())).start()
+    batcher.serve(stop)
+    assert got == alone and batcher.passes > 0
+
+
+def test_a_long_prompt_arrives_in_chunks_and_errors_reach_the_request():
+    model = base(NUMERICS[-1])
+    backend = model.clone()
+    backend.batcher = PassBatcher()
+    tokens = torch.randint(0, 96, (1, 3 * PREFILL_CHUNK + 5), generator=torch.Generator().manual_seed(0))
+    with backend.batcher.member():
+        logits = backend.append(tokens).logits
+    assert backend.batcher.passes == 4 and backend.length == tokens.shape[1]
+    assert logits.shape[1] == tokens.shape[1]
+    with backend.batcher.member(), pytest.raises(ValueError, match="exceeds the model's context"):
+        backend.append(torch.zeros(1, 2000, dtype=torch.long))
+
+
+@pytest.mark.skipif("fast" not in NUMERICS, reason="AVX512-VNNI kernels unavailable on this machine")
+def test_fast_prefill_is_the_same_alone_and_served():
+    """In fast numerics a prompt is always read in chunks by the same kernels, so its logits are the
+    same bits alone (chunks of 64) and served (chunks of 32)."""
+    model = base("fast")
+    tokens = torch.randint(0, 96, (1, 300), generator=torch.Generator().manual_seed(1))
+    alone = model.clone().append(tokens).logits
+    served = model.clone()
+    served.batcher = PassBatcher()
+    with served.batcher.member():
+        assert torch.equal(served.append(tokens).logits, alone)
