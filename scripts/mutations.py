@@ -81,14 +81,21 @@ MUTATIONS = (
              "        if threads != torch.get_num_threads():\n            torch.set_num_threads(threads)\n",
              "", ("tests/test_threads.py",)),
     Mutation("integer-kernel-adds-the-offset-first", "src/decodekit/models/kernels/gemm_q8.c",
-             "            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(in->dx[at])), acc[t]);\n"
-             "            if (kind == 0) acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(in->ex[at]), acc[t]);",
-             "            if (kind == 0) acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(in->ex[at]), acc[t]);\n"
-             "            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(in->dx[at])), acc[t]);",
+             "                acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g]), _mm512_mul_ps(dw[g], dx), acc[g][t]);\n"
+             "                if (kind == 0) acc[g][t] = _mm512_fmadd_ps(mw[g], ex, acc[g][t]);",
+             "                if (kind == 0) acc[g][t] = _mm512_fmadd_ps(mw[g], ex, acc[g][t]);\n"
+             "                acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g]), _mm512_mul_ps(dw[g], dx), acc[g][t]);",
              ("tests/test_gguf_blocks.py", "-k", "integer")),
     Mutation("integer-kernel-forgets-the-q8_0-correction", "src/decodekit/models/kernels/gemm_q8.c",
              "kind == 0 ? _mm512_setzero_si512() : _mm512_set1_epi32(in->cx[at])",
              "_mm512_setzero_si512()", ("tests/test_gguf_blocks.py", "-k", "integer")),
+    Mutation("batched-attention-misses-the-last-key", "src/decodekit/models/kernels/forward.c",
+             "(int)(q->start + q->rows), scale, threads);", "(int)(q->start + q->rows - 1), scale, threads);",
+             ("tests/test_kernels.py", "tests/test_batching.py")),
+    Mutation("fast-prefill-not-chunked", "src/decodekit/models/native.py",
+             "            return MAX_ROWS\n", "            return None\n", ("tests/test_batching.py",)),
+    Mutation("serve-gives-every-choice-the-same-seed", "src/decodekit/serve/app.py",
+             'params["seed"] = params["seed"] + i', 'params["seed"] = params["seed"]', ("tests/test_serve.py",)),
     Mutation("engine-drops-the-eta-parameter", "src/decodekit/engine/api.py",
              "    params = {k: v for k, v in params.items() if v is not None}",
              "    params = {k: v for k, v in params.items() if v is not None and k != 'eta'}",

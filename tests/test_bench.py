@@ -385,6 +385,14 @@ def test_plan_always_includes_greedy_and_picks_up_registered_methods(qfile: Path
     assert plan.methods == ["greedy", "fake-spec"] and plan.options == {"fake-spec": {"k": 2}}
 
 
+def test_the_numerics_is_part_of_the_plan_its_command_and_its_resume_key(qfile: Path):
+    exact = bench_cli.make_plan(parse("--questions", str(qfile), "--baselines", "none"))
+    fast = bench_cli.make_plan(parse("--questions", str(qfile), "--baselines", "none", "--numerics", "fast"))
+    assert (exact.numerics, fast.numerics) == ("exact", "fast")
+    assert "--numerics fast" in fast.command and fast.config()["numerics"] == "fast"
+    assert exact.resume_key() != fast.resume_key()  # a run in one numerics never resumes the other
+
+
 @pytest.fixture(scope="module")
 def executed(tiny: LoadedModel, hf_tiny, tmp_path_factory) -> tuple[dict, Path]:
     tmp = tmp_path_factory.mktemp("bench")

@@ -16,6 +16,7 @@ import hashlib
 import importlib.util
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,19 +154,45 @@ def dequantise(gguf: Path, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+class LazyState(Mapping):
+    """A folder's safetensors weights by name, each read from disk when it is asked for (and not
+    kept here): a backend that keeps only some of them in float32 (the ``fast`` numerics keeps the
+    embeddings and norms, and checks the rest against the GGUF blocks one at a time) never holds
+    them all at once."""
 
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelNotFound(f"{folder}: no .safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ModelNotFound(f"{folder}: no .safetensors weights")
+        self._where: dict[str, Path] = {}
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    self._where.update(dict.fromkeys(handle.keys(), file))
+            except Exception as err:  # safetensors raises its own error type for a damaged file
+                raise InvalidModel.because(file, "cannot be read as safetensors", err) from err
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file = self._where[name]
         try:
-            state.update(load_file(str(file)))
-        except Exception as err:  # safetensors raises its own error type for a damaged file
-            raise InvalidModel.because(file, "cannot be read as safetensors", err) from err
-    return state
+            with safe_open(str(file), framework="pt") as handle:
+                return handle.get_tensor(name)
+        except Exception as err:
+            raise InvalidModel.because(file, f"cannot read tensor {name!r}", err) from err
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def load_state_dict(folder: Path) -> LazyState:
+    return LazyState(folder)
 
 
 def read_config(folder: Path) -> dict:

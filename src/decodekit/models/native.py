@@ -253,6 +253,7 @@ class LlamaWeights:
                     "down": self._projection(get(p + "mlp.down_proj.weight"), [p + "mlp.down_proj.weight"]),
                 }
             )
+        self._blocks = None  # what projections did not take is not kept
 
     def _projection(
         self, weight: torch.Tensor, names: list[str], bias: torch.Tensor | None = None, rope_head_dim: int = 0

@@ -153,62 +153,85 @@ void decodekit_q8_pack(int kind, const uint8_t *w, uint8_t *packed, int n_out, i
         }
 }
 
-/* One group of 16 output rows against input rows m0 .. m0 + T - 1. */
-static inline __attribute__((always_inline)) void group_tile(int kind, const uint8_t *group, const Quantised *in,
-                                                              float *y, int n_out, int n_in, int m0, const int T) {
+/* G groups of 16 output rows (G = 1 or 2; the second group `stride` bytes after the first)
+ * against input rows m0 .. m0 + T - 1. Two groups share each broadcast input and each input's
+ * scales: more multiply-adds per instruction for passes of several rows. */
+static inline __attribute__((always_inline)) void group_tile(int kind, const uint8_t *group, size_t stride,
+                                                              const Quantised *in, float *y, int n_out, int n_in,
+                                                              int m0, const int T, const int G) {
     int nb = n_in / QK;
-    __m512 acc[TILE];
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    __m512 acc[2][TILE];
+    for (int g = 0; g < G; g++)
+        for (int t = 0; t < T; t++) acc[g][t] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m512i w[8];
-        __m512 dw, mw = _mm512_setzero_ps();
-        if (kind == 0) {
-            const uint8_t *block = group + (size_t)b * Q4_1_PACKED;
-            const __m512i low = _mm512_set1_epi8(0x0f);
-            for (int j = 0; j < 4; j++) {
-                __m512i packed = _mm512_loadu_si512((const void *)(block + 64 * j));
-                w[j] = _mm512_and_si512(packed, low);
-                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        __m512i w[2][8];
+        __m512 dw[2], mw[2];
+        for (int g = 0; g < G; g++) {
+            if (kind == 0) {
+                const uint8_t *block = group + g * stride + (size_t)b * Q4_1_PACKED;
+                const __m512i low = _mm512_set1_epi8(0x0f);
+                for (int j = 0; j < 4; j++) {
+                    __m512i packed = _mm512_loadu_si512((const void *)(block + 64 * j));
+                    w[g][j] = _mm512_and_si512(packed, low);
+                    w[g][j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+                }
+                dw[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 256)));
+                mw[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 256 + 2 * GROUP)));
+            } else {
+                const uint8_t *block = group + g * stride + (size_t)b * Q8_0_PACKED;
+                for (int j = 0; j < 8; j++) w[g][j] = _mm512_loadu_si512((const void *)(block + 64 * j));
+                dw[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 512)));
             }
-            dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 256)));
-            mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 256 + 2 * GROUP)));
-        } else {
-            const uint8_t *block = group + (size_t)b * Q8_0_PACKED;
-            for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(block + 64 * j));
-            dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 512)));
         }
         for (int t = 0; t < T; t++) {
             size_t at = (size_t)(m0 + t) * nb + b;
             const int8_t *xq = in->q + (size_t)(m0 + t) * n_in + (size_t)b * QK;
-            __m512i isum = kind == 0 ? _mm512_setzero_si512() : _mm512_set1_epi32(in->cx[at]);
+            __m512i start = kind == 0 ? _mm512_setzero_si512() : _mm512_set1_epi32(in->cx[at]);
+            __m512i isum[2] = {start, start};
             for (int j = 0; j < 8; j++) {
                 int32_t four;
                 memcpy(&four, xq + 4 * j, 4);
-                isum = _mm512_dpbusd_epi32(isum, w[j], _mm512_set1_epi32(four));
+                __m512i x = _mm512_set1_epi32(four);
+                for (int g = 0; g < G; g++) isum[g] = _mm512_dpbusd_epi32(isum[g], w[g][j], x);
             }
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(in->dx[at])), acc[t]);
-            if (kind == 0) acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(in->ex[at]), acc[t]);
+            __m512 dx = _mm512_set1_ps(in->dx[at]), ex = _mm512_set1_ps(in->ex[at]);
+            for (int g = 0; g < G; g++) {
+                acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g]), _mm512_mul_ps(dw[g], dx), acc[g][t]);
+                if (kind == 0) acc[g][t] = _mm512_fmadd_ps(mw[g], ex, acc[g][t]);
+            }
         }
     }
-    for (int t = 0; t < T; t++) _mm512_storeu_ps(y + (size_t)(m0 + t) * n_out, acc[t]);
+    for (int g = 0; g < G; g++)
+        for (int t = 0; t < T; t++) _mm512_storeu_ps(y + (size_t)(m0 + t) * n_out + g * GROUP, acc[g][t]);
 }
 
-#define TILE_CASE(T) case T: group_tile(kind, group, in, y, n_out, n_in, m0, T); break;
+/* Tiles of TILE input rows for one group, TILE / 2 for a pair of groups (registers: a pair's
+ * unpacked weights take 16 of the 32 vector registers). */
+#define TILE_CASE(T, G) case T: group_tile(kind, group, stride, in, y, n_out, n_in, m0, T, G); break;
 #define DEFINE_GROUP(NAME, KIND)                                                                     \
-    static void NAME(const uint8_t *group, const Quantised *in, float *y, int M, int n_out, int n_in) { \
+    static void NAME(const uint8_t *group, size_t stride, int pair, const Quantised *in, float *y,  \
+                     int M, int n_out, int n_in) {                                                   \
         const int kind = KIND;                                                                       \
-        for (int m0 = 0; m0 < M; m0 += TILE)                                                         \
-            switch (M - m0 < TILE ? M - m0 : TILE) {                                                 \
-                TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)                                  \
-                TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)                                  \
-            }                                                                                        \
+        if (pair)                                                                                    \
+            for (int m0 = 0; m0 < M; m0 += TILE / 2)                                                 \
+                switch (M - m0 < TILE / 2 ? M - m0 : TILE / 2) {                                     \
+                    TILE_CASE(1, 2) TILE_CASE(2, 2) TILE_CASE(3, 2) TILE_CASE(4, 2)                  \
+                }                                                                                    \
+        else                                                                                         \
+            for (int m0 = 0; m0 < M; m0 += TILE)                                                     \
+                switch (M - m0 < TILE ? M - m0 : TILE) {                                             \
+                    TILE_CASE(1, 1) TILE_CASE(2, 1) TILE_CASE(3, 1) TILE_CASE(4, 1)                  \
+                    TILE_CASE(5, 1) TILE_CASE(6, 1) TILE_CASE(7, 1) TILE_CASE(8, 1)                  \
+                }                                                                                    \
     }
 DEFINE_GROUP(q4_1_group, 0)
 DEFINE_GROUP(q8_0_group, 1)
 
-typedef void (*group_fn)(const uint8_t *, const Quantised *, float *, int, int, int);
+typedef void (*group_fn)(const uint8_t *, size_t, int, const Quantised *, float *, int, int, int);
 
-/* y [M, n_out] = W x for packed weights (n_out a multiple of 16, n_in of 32), any M >= 1. */
+/* y [M, n_out] = W x for packed weights (n_out a multiple of 16, n_in of 32), any M >= 1. A pass
+ * of one input row takes groups one by one (it streams weights; more work per weight buys
+ * nothing); longer passes take them in pairs. */
 static void run(group_fn group, int packed_size, const uint8_t *packed, const float *x, float *y, int M, int n_out,
                 int n_in, int threads) {
     Quantised in;
@@ -218,9 +241,13 @@ static void run(group_fn group, int packed_size, const uint8_t *packed, const fl
         return;
     }
     quantize_vector(x, M, n_in, &in);
-    int groups = n_out / GROUP, nb = n_in / QK;
+    int groups = n_out / GROUP, nb = n_in / QK, span = M > 1 ? 2 : 1, units = (groups + span - 1) / span;
+    size_t stride = (size_t)nb * packed_size;
     _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")
-    for (int g = 0; g < groups; g++) group(packed + (size_t)g * nb * packed_size, &in, y + (size_t)g * GROUP, M, n_out, n_in);
+    for (int u = 0; u < units; u++) {
+        int g = u * span;
+        group(packed + g * stride, stride, g + 1 < groups && span == 2, &in, y + (size_t)g * GROUP, M, n_out, n_in);
+    }
     quantised_free(&in);
 }
 
