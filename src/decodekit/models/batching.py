@@ -81,6 +81,7 @@ class PassBatcher:
         self._waiting: list[_Pass] = []
         self._active = 0
         self._thread: threading.Thread | None = None
+        self._last_end = 0.0  # when the last batch finished: its sequences need a moment to come back
         self.passes = 0  # batched passes run (for metrics and tests)
         self.rows = 0  # rows they carried
 
@@ -134,7 +135,7 @@ class PassBatcher:
             with self._cond:
                 batch = self._ready()
                 while not batch and not (until is not None and until.is_set()):
-                    oldest = self._waiting[0].arrived if self._waiting else None
+                    oldest = max(self._waiting[0].arrived, self._last_end) if self._waiting else None
                     self._cond.wait(0.5 if oldest is None else max(0.0, oldest + self.wait_s - time.perf_counter()))
                     batch = self._ready()
             if batch:
@@ -146,7 +147,10 @@ class PassBatcher:
             return []
         rows = sum(len(p.tokens) for p in self._waiting)
         everyone = len(self._waiting) >= self._active
-        if not (everyone or rows >= self.max_rows or time.perf_counter() - self._waiting[0].arrived >= self.wait_s):
+        # the wait counts from when the oldest pass could first have run: a pass that arrived while
+        # a batch was running waits for that batch's sequences to come back, not from its arrival
+        since = time.perf_counter() - max(self._waiting[0].arrived, self._last_end)
+        if not (everyone or rows >= self.max_rows or since >= self.wait_s):
             return []
         batch, taken, model = [], 0, self._waiting[0].model
         for job in list(self._waiting):  # oldest first; a pass is never split
@@ -168,6 +172,7 @@ class PassBatcher:
             for job in batch:
                 job.error = err
         with self._cond:
+            self._last_end = time.perf_counter()
             self.passes += 1
             self.rows += sum(len(p.tokens) for p in batch)
             for job in batch:

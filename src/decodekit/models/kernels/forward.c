@@ -66,6 +66,21 @@ typedef struct {
     void *k_cache, *v_cache;
 } Sequence;
 
+/* Layer `layer` of one sequence: rotary embedding and cache write of its rows (from row `first`
+ * of qkv), then their attention over its cache into heads. */
+static void sequence_attention(const Model *m, const Sequence *q, size_t first, int layer, const char *qkv, char *q_out,
+                               char *heads, const float *freqs, float scale, int threads) {
+    size_t es = (size_t)m->element_size;
+    size_t q_width = (size_t)(m->n_heads * m->head_dim), qkv_width = (size_t)((m->n_heads + 2 * m->n_kv_heads) * m->head_dim);
+    char *k = (char *)q->k_cache + (size_t)layer * q->layer_stride * es;
+    char *v = (char *)q->v_cache + (size_t)layer * q->layer_stride * es;
+    float *qf = (float *)q_out + first * q_width;
+    m->rope_store(qkv + first * qkv_width * es, freqs, q->positions, qf, k, v, (int)q->rows, (int)m->n_heads,
+                  (int)m->n_kv_heads, (int)m->head_dim, (int)q->cap, (int)q->start);
+    m->attention(qf, k, v, q->visible, (float *)heads + first * q_width, (int)q->rows, (int)m->n_heads, (int)m->n_kv_heads,
+                 (int)m->head_dim, (int)q->cap, (int)(q->start + q->rows), scale, threads);
+}
+
 /* Run the first `n_layers` layers, except those flagged in `skip` (NULL: none), on the rows of
  * `n_seq` sequences stacked in x [rows, hidden]; pending: [rows, hidden], receives the last
  * layer's MLP output. freqs: rotary (cos, sin) pairs [max_position, head_dim]. Projections,
@@ -76,7 +91,9 @@ typedef struct {
 int decodekit_decoder_layers_batch(const Model *m, const Layer *layers, int n_layers, const uint8_t *skip, void *x,
                                    void *pending, const float *freqs, const Sequence *seqs, int n_seq, int threads) {
     int rows = 0;
-    for (int s = 0; s < n_seq; s++) rows += (int)seqs[s].rows;
+    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(n_seq > 0 ? n_seq : 1)); /* each sequence's first row */
+    if (!starts) return -1;
+    for (int s = 0; s < n_seq; s++) starts[s] = rows, rows += (int)seqs[s].rows;
     size_t es = (size_t)m->element_size, r = (size_t)rows;
     size_t q_width = (size_t)(m->n_heads * m->head_dim);
     size_t qkv_width = (size_t)((m->n_heads + 2 * m->n_kv_heads) * m->head_dim);
@@ -95,7 +112,10 @@ int decodekit_decoder_layers_batch(const Model *m, const Layer *layers, int n_la
     size_t total = 0;
     for (int b = 0; b < BUFFERS; b++) total += (sizes[b] + 63) / 64 * 64;
     char *arena = aligned_alloc(64, total);
-    if (!arena) return -1;
+    if (!arena) {
+        free(starts);
+        return -1;
+    }
     for (size_t b = 0, offset = 0; b < BUFFERS; offset += (sizes[b] + 63) / 64 * 64, b++) buf[b] = arena + offset;
     if (es == 4) buf[ATTN] = buf[HEADS]; /* float32: attention output is already in the model dtype */
 
@@ -107,16 +127,15 @@ int decodekit_decoder_layers_batch(const Model *m, const Layer *layers, int n_la
         const Layer *l = &layers[i];
         m->add_rms_norm(x, ran ? pending : NULL, l->attn_norm, buf[H], rows, hidden, eps);
         project(&l->qkv, buf[H], buf[QKV], rows, threads);
-        for (int s = 0, first = 0; s < n_seq; first += (int)seqs[s].rows, s++) {
-            const Sequence *q = &seqs[s];
-            char *k = (char *)q->k_cache + (size_t)i * q->layer_stride * es;
-            char *v = (char *)q->v_cache + (size_t)i * q->layer_stride * es;
-            m->rope_store(buf[QKV] + (size_t)first * qkv_width * es, freqs, q->positions,
-                          (float *)buf[Q] + (size_t)first * q_width, k, v, (int)q->rows, (int)m->n_heads,
-                          (int)m->n_kv_heads, (int)m->head_dim, (int)q->cap, (int)q->start);
-            m->attention((const float *)buf[Q] + (size_t)first * q_width, k, v, q->visible,
-                         (float *)buf[HEADS] + (size_t)first * q_width, (int)q->rows, (int)m->n_heads,
-                         (int)m->n_kv_heads, (int)m->head_dim, (int)q->cap, (int)(q->start + q->rows), scale, threads);
+        /* one sequence: its attention splits over the threads; several: the sequences do (one
+         * parallel region a layer, not one per sequence), each attention on one thread. A
+         * query's result is the same either way. */
+        if (n_seq == 1)
+            sequence_attention(m, &seqs[0], 0, i, buf[QKV], buf[Q], buf[HEADS], freqs, scale, threads);
+        else {
+            _Pragma("omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)")
+            for (int s = 0; s < n_seq; s++)
+                sequence_attention(m, &seqs[s], (size_t)starts[s], i, buf[QKV], buf[Q], buf[HEADS], freqs, scale, 1);
         }
         if (es == 2) /* rounded to bfloat16 as torch's .to() rounds (q_width is a multiple of 16) */
             for (size_t j = 0; j < r * q_width; j += 16)
@@ -129,6 +148,7 @@ int decodekit_decoder_layers_batch(const Model *m, const Layer *layers, int n_la
         ran++;
     }
     free(arena);
+    free(starts);
     return ran;
 }
 

@@ -230,8 +230,8 @@ DEFINE_GROUP(q8_0_group, 1)
 typedef void (*group_fn)(const uint8_t *, size_t, int, const Quantised *, float *, int, int, int);
 
 /* y [M, n_out] = W x for packed weights (n_out a multiple of 16, n_in of 32), any M >= 1. A pass
- * of one input row takes groups one by one (it streams weights; more work per weight buys
- * nothing); longer passes take them in pairs. */
+ * of up to TILE input rows takes groups one by one (one tile: each weight is unpacked once);
+ * longer passes take them in pairs. */
 static void run(group_fn group, int packed_size, const uint8_t *packed, const float *x, float *y, int M, int n_out,
                 int n_in, int threads) {
     Quantised in;
@@ -241,7 +241,7 @@ static void run(group_fn group, int packed_size, const uint8_t *packed, const fl
         return;
     }
     quantize_vector(x, M, n_in, &in);
-    int groups = n_out / GROUP, nb = n_in / QK, span = M > 1 ? 2 : 1, units = (groups + span - 1) / span;
+    int groups = n_out / GROUP, nb = n_in / QK, span = M > TILE ? 2 : 1, units = (groups + span - 1) / span;
     size_t stride = (size_t)nb * packed_size;
     _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")
     for (int u = 0; u < units; u++) {
