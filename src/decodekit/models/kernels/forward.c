@@ -67,18 +67,28 @@ typedef struct {
 } Sequence;
 
 /* Layer `layer` of one sequence: rotary embedding and cache write of its rows (from row `first`
- * of qkv), then their attention over its cache into heads. */
-static void sequence_attention(const Model *m, const Sequence *q, size_t first, int layer, const char *qkv, char *q_out,
-                               char *heads, const float *freqs, float scale, int threads) {
+ * of qkv). */
+static void sequence_rope(const Model *m, const Sequence *q, size_t first, int layer, const char *qkv, char *q_out,
+                          const float *freqs) {
     size_t es = (size_t)m->element_size;
     size_t q_width = (size_t)(m->n_heads * m->head_dim), qkv_width = (size_t)((m->n_heads + 2 * m->n_kv_heads) * m->head_dim);
-    char *k = (char *)q->k_cache + (size_t)layer * q->layer_stride * es;
-    char *v = (char *)q->v_cache + (size_t)layer * q->layer_stride * es;
-    float *qf = (float *)q_out + first * q_width;
-    m->rope_store(qkv + first * qkv_width * es, freqs, q->positions, qf, k, v, (int)q->rows, (int)m->n_heads,
+    m->rope_store(qkv + first * qkv_width * es, freqs, q->positions, (float *)q_out + first * q_width,
+                  (char *)q->k_cache + (size_t)layer * q->layer_stride * es,
+                  (char *)q->v_cache + (size_t)layer * q->layer_stride * es, (int)q->rows, (int)m->n_heads,
                   (int)m->n_kv_heads, (int)m->head_dim, (int)q->cap, (int)q->start);
-    m->attention(qf, k, v, q->visible, (float *)heads + first * q_width, (int)q->rows, (int)m->n_heads, (int)m->n_kv_heads,
-                 (int)m->head_dim, (int)q->cap, (int)(q->start + q->rows), scale, threads);
+}
+
+/* Layer `layer`'s attention for `n_q` rows of one sequence, from its row `row` (stacked row
+ * `first + row`), over its cache. */
+static void sequence_attention(const Model *m, const Sequence *q, size_t first, int row, int n_q, int layer,
+                               const char *q_in, char *heads, float scale, int threads) {
+    size_t es = (size_t)m->element_size, q_width = (size_t)(m->n_heads * m->head_dim);
+    int n_keys = (int)(q->start + q->rows);
+    size_t at = (first + (size_t)row) * q_width;
+    m->attention((const float *)q_in + at, (char *)q->k_cache + (size_t)layer * q->layer_stride * es,
+                 (char *)q->v_cache + (size_t)layer * q->layer_stride * es,
+                 q->visible ? q->visible + (size_t)row * n_keys : NULL, (float *)heads + at, n_q, (int)m->n_heads,
+                 (int)m->n_kv_heads, (int)m->head_dim, (int)q->cap, n_keys, scale, threads);
 }
 
 /* Run the first `n_layers` layers, except those flagged in `skip` (NULL: none), on the rows of
@@ -94,6 +104,13 @@ int decodekit_decoder_layers_batch(const Model *m, const Layer *layers, int n_la
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(n_seq > 0 ? n_seq : 1)); /* each sequence's first row */
     if (!starts) return -1;
     for (int s = 0; s < n_seq; s++) starts[s] = rows, rows += (int)seqs[s].rows;
+    int *row_sequence = malloc(sizeof(int) * (size_t)(rows > 0 ? rows : 1)); /* each row's sequence */
+    if (!row_sequence) {
+        free(starts);
+        return -1;
+    }
+    for (int s = 0; s < n_seq; s++)
+        for (int64_t r = starts[s]; r < starts[s] + seqs[s].rows; r++) row_sequence[r] = s;
     size_t es = (size_t)m->element_size, r = (size_t)rows;
     size_t q_width = (size_t)(m->n_heads * m->head_dim);
     size_t qkv_width = (size_t)((m->n_heads + 2 * m->n_kv_heads) * m->head_dim);
@@ -113,7 +130,7 @@ int decodekit_decoder_layers_batch(const Model *m, const Layer *layers, int n_la
     for (int b = 0; b < BUFFERS; b++) total += (sizes[b] + 63) / 64 * 64;
     char *arena = aligned_alloc(64, total);
     if (!arena) {
-        free(starts);
+        free(starts), free(row_sequence);
         return -1;
     }
     for (size_t b = 0, offset = 0; b < BUFFERS; offset += (sizes[b] + 63) / 64 * 64, b++) buf[b] = arena + offset;
@@ -127,15 +144,19 @@ int decodekit_decoder_layers_batch(const Model *m, const Layer *layers, int n_la
         const Layer *l = &layers[i];
         m->add_rms_norm(x, ran ? pending : NULL, l->attn_norm, buf[H], rows, hidden, eps);
         project(&l->qkv, buf[H], buf[QKV], rows, threads);
-        /* one sequence: its attention splits over the threads; several: the sequences do (one
-         * parallel region a layer, not one per sequence), each attention on one thread. A
-         * query's result is the same either way. */
-        if (n_seq == 1)
-            sequence_attention(m, &seqs[0], 0, i, buf[QKV], buf[Q], buf[HEADS], freqs, scale, threads);
-        else {
+        /* one sequence: its attention splits over the threads; several: the rows of all of them
+         * do, in one parallel region a layer (not one per sequence, and a long prompt chunk beside
+         * single decode rows still splits evenly). A query's result is the same either way. */
+        if (n_seq == 1) {
+            sequence_rope(m, &seqs[0], 0, i, buf[QKV], buf[Q], freqs);
+            sequence_attention(m, &seqs[0], 0, 0, (int)seqs[0].rows, i, buf[Q], buf[HEADS], scale, threads);
+        } else {
+            for (int s = 0; s < n_seq; s++) sequence_rope(m, &seqs[s], (size_t)starts[s], i, buf[QKV], buf[Q], freqs);
             _Pragma("omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)")
-            for (int s = 0; s < n_seq; s++)
-                sequence_attention(m, &seqs[s], (size_t)starts[s], i, buf[QKV], buf[Q], buf[HEADS], freqs, scale, 1);
+            for (int r = 0; r < rows; r++) {
+                int s = row_sequence[r];
+                sequence_attention(m, &seqs[s], (size_t)starts[s], r - (int)starts[s], 1, i, buf[Q], buf[HEADS], scale, 1);
+            }
         }
         if (es == 2) /* rounded to bfloat16 as torch's .to() rounds (q_width is a multiple of 16) */
             for (size_t j = 0; j < r * q_width; j += 16)
@@ -148,7 +169,7 @@ int decodekit_decoder_layers_batch(const Model *m, const Layer *layers, int n_la
         ran++;
     }
     free(arena);
-    free(starts);
+    free(starts), free(row_sequence);
     return ran;
 }
 
