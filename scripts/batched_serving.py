@@ -1,0 +1,85 @@
+"""Continuous batching inside one process, without the network's noise: the server's app and
+scheduler on the embedded model (fast numerics), passes on the main thread as in ``decodekit
+serve``, and C concurrent requests of 128 tokens each (``ignore_eos``), short or long prompts.
+Prints aggregate tokens/s and what the batcher did: passes, rows per pass, milliseconds a pass
+computes, and milliseconds the next pass waits for its requests to come back (their Python work).
+
+    .venv/bin/python scripts/batched_serving.py 1 8 16 [--long]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import uvicorn
+
+from decodekit.models import batching, load_model
+from decodekit.serve.app import Server
+
+SHORT = "Explain how a bicycle works."
+LONG = "Summarise this: " + "The quick brown fox jumps over the lazy dog. " * 25
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("concurrency", type=int, nargs="+")
+    parser.add_argument("--long", action="store_true", help="a prompt of about 270 tokens instead of one sentence")
+    args = parser.parse_args()
+    stats = {"exec": 0.0, "passes": 0, "rows": 0, "gap": 0.0}
+    last_end: list[float | None] = [None]
+    execute = batching.PassBatcher._execute
+
+    def timed(self, batch):  # what each batched pass costs, and how long it waited for its requests
+        start = time.perf_counter()
+        if last_end[0] is not None:
+            stats["gap"] += start - last_end[0]
+        execute(self, batch)
+        last_end[0] = time.perf_counter()
+        stats["exec"] += last_end[0] - start
+        stats["passes"] += 1
+        stats["rows"] += sum(len(p.tokens) for p in batch)
+
+    batching.PassBatcher._execute = timed
+    server = Server(lambda: load_model(numerics="fast"), max_batch=max(args.concurrency), passes_on_caller=True)
+    server.load_now()
+    sock = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/chat/completions"
+    web = uvicorn.Server(uvicorn.Config(server.app, log_level="error"))
+    threading.Thread(target=web.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    done = threading.Event()
+
+    def ask(_) -> int:
+        body = {"messages": [{"role": "user", "content": LONG if args.long else SHORT}], "max_tokens": 128,
+                "temperature": 0, "ignore_eos": True}
+        request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request) as response:
+            return json.loads(response.read())["usage"]["completion_tokens"]
+
+    def drive() -> None:
+        time.sleep(0.5)
+        for c in args.concurrency:
+            stats.update(exec=0.0, passes=0, rows=0, gap=0.0)
+            last_end[0] = None
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                tokens = sum(pool.map(ask, range(c)))
+            wall = time.perf_counter() - t0
+            n = max(1, stats["passes"])
+            print(f"{c:3d} requests: {tokens / wall:6.1f} tok/s; {stats['passes']} passes, {stats['rows'] / n:.1f} rows a pass, "
+                  f"{stats['exec'] * 1e3 / n:.2f} ms computing and {stats['gap'] * 1e3 / n:.2f} ms waiting a pass", flush=True)
+        done.set()
+        server.scheduler.batcher.stop_waiting()
+
+    threading.Thread(target=drive).start()
+    server.scheduler.batcher.serve(done)
+    web.should_exit = True
+
+
+if __name__ == "__main__":
+    main()
