@@ -90,7 +90,7 @@ MUTATIONS = (
              "kind == 0 ? _mm512_setzero_si512() : _mm512_set1_epi32(in->cx[at])",
              "_mm512_setzero_si512()", ("tests/test_gguf_blocks.py", "-k", "integer")),
     Mutation("batched-attention-misses-the-last-key", "src/decodekit/models/kernels/forward.c",
-             "(int)(q->start + q->rows), scale, threads);", "(int)(q->start + q->rows - 1), scale, threads);",
+             "    int n_keys = (int)(q->start + q->rows);", "    int n_keys = (int)(q->start + q->rows - 1);",
              ("tests/test_kernels.py", "tests/test_batching.py")),
     Mutation("fast-prefill-not-chunked", "src/decodekit/models/native.py",
              "            return MAX_ROWS\n", "            return None\n", ("tests/test_batching.py",)),
