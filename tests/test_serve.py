@@ -346,3 +346,20 @@ def test_serve_command_on_the_embedded_model(real_model, tmp_path):
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert f"{numerics} numerics, http://127.0.0.1:{port}/v1" in err
+
+
+def test_response_format_and_guided_fields_constrain_the_answer(served):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"x-guidance": {"whitespace_flexible": False}, "type": "object",
+              "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "y"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    for method in ("greedy", "pld"):
+        got = chat(served, "hello", max_tokens=40, temperature=0, extra_body={"method": method},
+                   response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+        jsonschema.validate(json.loads(got.choices[0].message.content), {k: v for k, v in schema.items() if k != "x-guidance"})
+    got = chat(served, "hello", max_tokens=20, temperature=0.8, seed=2, extra_body={"guided_choice": ["red", "blue"]})
+    assert got.choices[0].message.content in ("red", "blue")
+    with pytest.raises(openai.BadRequestError, match="invalid regex constraint"):
+        chat(served, "hello", max_tokens=5, extra_body={"guided_regex": "[0-9"})
+    with pytest.raises(openai.BadRequestError, match="at most one"):
+        chat(served, "hello", max_tokens=5, response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})

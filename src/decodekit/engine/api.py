@@ -11,15 +11,17 @@ import torch
 
 from ..errors import InvalidParameter
 from ..models import LoadedModel, load_model
-from ..samplers import SAMPLER_OPTIONS, Sampler
+from ..samplers import SAMPLER_OPTIONS, LogitsProcessor, Sampler
+from ..samplers.constraint import Constraint, constraint_processor
 from .core import Generation, Request
 from .registry import build_decoder, method_spec
 
 
-def make_sampler(method: str, params: Mapping[str, Any]) -> Sampler:
+def make_sampler(method: str, params: Mapping[str, Any], constraint: LogitsProcessor | None = None) -> Sampler:
     """The sampler for a request. Every value is checked, whatever the method; then the method's
     ``sampling`` decides: "always" samples, "when-temperature" samples only when a temperature is
-    given, "never" decodes greedily and refuses a positive temperature (rather than ignore it)."""
+    given, "never" decodes greedily and refuses a positive temperature (rather than ignore it).
+    ``constraint`` (a compiled structured-output mask) runs before every other processor."""
     params = {k: v for k, v in params.items() if v is not None}
     sampling = method_spec(method).sampling
     temperature = params.get("temperature")
@@ -31,7 +33,10 @@ def make_sampler(method: str, params: Mapping[str, Any]) -> Sampler:
         params["greedy"] = True
     elif sampling == "when-temperature" and temperature is None:
         params["greedy"] = True
-    return Sampler.from_params(**params)
+    sampler = Sampler.from_params(**params)
+    if constraint is None:
+        return sampler
+    return Sampler([constraint, *sampler.processors], greedy=sampler.is_greedy, seed=sampler.seed)
 
 
 def split_params(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -100,13 +105,16 @@ class Engine:
         on_text: Callable[[str], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         ignore_eos: bool = False,
+        constraint: Constraint | dict | None = None,
         **params: Any,
     ) -> Generation:
         """Generate a continuation. ``params`` are sampler parameters (temperature, top_p, seed, ...)
         and method options (e.g. ``max_ngram`` for ``pld``); unknown names raise an error.
         ``should_stop`` is asked after every step; when it says True the generation ends there
         (finish reason ``cancelled``: a client went away, a deadline passed). ``ignore_eos`` decodes
-        past end-of-sequence tokens (for fixed-length benchmarks)."""
+        past end-of-sequence tokens (for fixed-length benchmarks). ``constraint`` (a
+        :class:`..samplers.constraint.Constraint`, or a dict such as ``{"json_schema": {...}}``,
+        ``{"regex": "..."}``, ``{"choice": [...]}``) makes the output match it, with any method."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidParameter(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if on_text is not None and not callable(on_text):
@@ -114,7 +122,10 @@ class Engine:
         method_spec(method)  # unknown method: fail before any work
         sampler_params, options = split_params(params)
         decoder = build_decoder(method, **options)
-        sampler = make_sampler(method, sampler_params)
+        mask = None
+        if constraint is not None:
+            mask = constraint_processor(constraint, self.model.tokenizer, self.model.backend.info.vocab_size)
+        sampler = make_sampler(method, sampler_params, mask)
         if not isinstance(ignore_eos, bool):
             raise InvalidParameter(f"ignore_eos must be true or false, got {ignore_eos!r}")
         request = Request(prompt_token_ids(self.model, prompt, chat=chat), sampler, max_new_tokens, stop, on_text,

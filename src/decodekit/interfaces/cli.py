@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from ..arguments import ArgumentParser, add_model_arguments, check_argv
@@ -42,6 +43,49 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     for name, spec in SAMPLER_FLAGS.items():
         group.add_argument("--" + name.replace("_", "-"), dest=name, type=spec.type, default=None,
                            metavar=spec.type.__name__.upper(), help=spec.help)
+    structured = parser.add_argument_group("structured output (one of these; any method)").add_mutually_exclusive_group()
+    structured.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    structured.add_argument("--json-schema", metavar="FILE|JSON", help="the output is JSON valid against this schema")
+    structured.add_argument("--regex", metavar="RE", help="the whole output matches this regular expression")
+    structured.add_argument("--choice", metavar="A,B,C", help="the output is one of these comma-separated strings")
+    structured.add_argument("--grammar", metavar="FILE", help="the output follows this Lark grammar (as llguidance reads it)")
+
+
+def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The structured-output flag as a constraint (``--json-schema`` and ``--grammar`` read a file
+    when given one), checked now: a bad schema, pattern or grammar is one line before any model loads."""
+    from llguidance import LLMatcher
+
+    from ..samplers.constraint import Constraint
+
+    def text_or_file(value: str) -> str:
+        path = Path(value)
+        if len(value) < 4096 and path.is_file():
+            try:
+                return path.read_text()
+            except (OSError, UnicodeDecodeError) as err:
+                raise InvalidParameter(f"cannot read {value}: {err}") from None
+        return value
+
+    if args.json_object:
+        spec = {"json": None}
+    elif args.json_schema is not None:
+        spec = {"json_schema": text_or_file(args.json_schema)}
+    elif args.regex is not None:
+        spec = {"regex": args.regex}
+    elif args.choice is not None:
+        spec = {"choice": [c for c in args.choice.split(",") if c]}
+    elif args.grammar is not None:
+        if not Path(args.grammar).is_file():
+            raise InvalidParameter(f"--grammar: no such file {args.grammar!r}")
+        spec = {"grammar": text_or_file(args.grammar)}
+    else:
+        return None
+    constraint = Constraint.coerce(spec)
+    error = LLMatcher.validate_grammar(constraint.grammar())
+    if error:
+        raise InvalidParameter(f"invalid {constraint.kind.replace('_', ' ')} constraint: {error.strip().splitlines()[0]}")
+    return spec
 
 
 def decoding_params(args: argparse.Namespace) -> dict[str, Any]:
@@ -60,6 +104,7 @@ def validate_decoding(args: argparse.Namespace) -> None:
         raise InvalidParameter(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     sampler_params, options = split_params(decoding_params(args))
     make_sampler(args.method, sampler_params)
+    constraint_from_args(args)
     build_decoder(args.method, **options)
 
 
@@ -108,6 +153,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
         chat=not args.raw,
         on_text=emit if stream else None,
+        constraint=constraint_from_args(args),
         **decoding_params(args),
     )
     if args.json:
@@ -139,7 +185,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         result = engine.generate(
             messages, method=args.method, max_new_tokens=args.max_new_tokens, stop=args.stop,
-            on_text=lambda d: (sys.stdout.write(d), sys.stdout.flush()), **params,
+            on_text=lambda d: (sys.stdout.write(d), sys.stdout.flush()), constraint=constraint_from_args(args), **params,
         )
         print(f"\n  [{result.stats.new_tokens} tokens, {result.stats.tokens_per_s:.1f} tok/s]", file=sys.stderr)
         messages.append({"role": "assistant", "content": result.text})

@@ -23,6 +23,15 @@ class Tokenizer:
         """The prompt text for a chat (generation prompt added), or None without a chat template."""
         return None
 
+    def grammar_tokenizer(self):
+        """This vocabulary as llguidance's ``LLTokenizer`` (for structured decoding), built once."""
+        if getattr(self, "_grammar_tokenizer", None) is None:
+            self._grammar_tokenizer = self._make_grammar_tokenizer()
+        return self._grammar_tokenizer
+
+    def _make_grammar_tokenizer(self):
+        raise NotImplementedError(f"{type(self).__name__} has no grammar tokenizer")
+
 
 class HFTokenizer(Tokenizer):
     def __init__(self, folder: Path | str):
@@ -46,6 +55,11 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
+    def _make_grammar_tokenizer(self):
+        from llguidance.hf import from_tokenizer
+
+        return from_tokenizer(self.hf, eos_token=sorted(self.eos_token_ids))
+
     def chat_prompt(self, messages: list[dict[str, str]]) -> str | None:
         if not getattr(self.hf, "chat_template", None):
             return None
@@ -66,3 +80,17 @@ class CharTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(chr(i + self.OFFSET) for i in ids if i not in self.eos_token_ids)
+
+    def _make_grammar_tokenizer(self):
+        from llguidance import LLTokenizer, TokenizerWrapper
+
+        char = self
+
+        class Vocabulary:  # what llguidance's TokenizerWrapper reads
+            eos_token_id, bos_token_id, special_token_ids = 0, None, [0]
+            tokens = [b"<eos>"] + [chr(i + CharTokenizer.OFFSET).encode() for i in range(1, char.vocab_size)]
+
+            def __call__(self, text: bytes) -> list[int]:
+                return char.encode(text.decode("utf-8", "replace"))
+
+        return LLTokenizer(TokenizerWrapper(Vocabulary()))

@@ -33,6 +33,7 @@ from ..engine.api import make_sampler, prompt_token_ids, split_params
 from ..engine.core import check_fits
 from ..engine.registry import build_decoder, method_spec
 from ..errors import DecodeKitError, InvalidParameter, PromptTooLong, UnknownMethod
+from ..samplers.constraint import constraint_processor
 from ..models import LoadedModel
 from .metrics import ServerMetrics
 from .scheduler import Job, Outcome, Overloaded, Scheduler
@@ -42,7 +43,8 @@ MAX_TOP_LOGPROBS = 20
 # OpenAI fields that are accepted and have no effect here
 IGNORED = {"model", "user", "store", "metadata", "parallel_tool_calls", "service_tier", "stream", "stream_options",
            "messages", "prompt", "n", "max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs",
-           "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "method", "ignore_eos"}
+           "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "method", "ignore_eos",
+           "response_format", *("guided_" + kind for kind in ("json", "regex", "choice", "grammar"))}
 # OpenAI fields that would change the answer and are not implemented: refused, never ignored
 UNSUPPORTED = {"tools": "tool calls", "tool_choice": "tool calls", "functions": "function calls",
                "function_call": "function calls", "logit_bias": "logit_bias", "suffix": "suffix",
@@ -172,7 +174,7 @@ class Server:
             if spec.max_tokens is None:
                 spec.max_tokens = max(1, scheduler.model.backend.info.max_length - len(prompt_ids))
             check_fits(scheduler.model.backend, len(prompt_ids), spec.max_tokens)
-            check_method(spec)
+            check_method(spec, scheduler.model)
         except PromptTooLong as err:
             raise ApiError(400, str(err), param="messages" if chat else "prompt", code="context_length_exceeded") from None
         except (InvalidParameter, UnknownMethod) as err:
@@ -187,7 +189,7 @@ class Server:
                 params["seed"] = params["seed"] + i
             on_text = (lambda text, i=i: loop.call_soon_threadsafe(deltas.put_nowait, (i, text))) if stream else None
             jobs.append(Job(prompt_ids, spec.method, params, spec.max_tokens, spec.stop, on_text, spec.top_logprobs,
-                            spec.ignore_eos))
+                            spec.ignore_eos, constraint=spec.constraint))
         try:
             futures = scheduler.submit(jobs)
         except Overloaded as err:
@@ -215,9 +217,9 @@ class RequestSpec:
     """A completion request's fields, checked, in decodekit's terms."""
 
     def __init__(self, prompt: Any, method: str, params: dict[str, Any], max_tokens: int | None, stop: list[str], n: int,
-                 top_logprobs: int | None, include_usage: bool, ignore_eos: bool):
+                 top_logprobs: int | None, include_usage: bool, ignore_eos: bool, constraint: dict | None):
         self.prompt, self.method, self.params, self.max_tokens = prompt, method, params, max_tokens
-        self.ignore_eos = ignore_eos
+        self.ignore_eos, self.constraint = ignore_eos, constraint
         self.stop, self.n, self.top_logprobs, self.include_usage = stop, n, top_logprobs, include_usage
 
 
@@ -246,9 +248,6 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
             raise ApiError(400, f"{what} ({name}) is not supported by this server", param=name)
     if chat:
         prompt = chat_messages(body.get("messages"))
-        fmt = body.get("response_format")
-        if fmt not in (None, {"type": "text"}):
-            raise ApiError(400, "response_format other than text is not supported yet", param="response_format")
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -277,7 +276,7 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
     method = body.get("method", "sample")
     if not isinstance(method, str):
         raise ApiError(400, f"method must be a string, got {method!r}", param="method")
-    params: dict[str, Any] = {k: v for k, v in body.items() if k not in IGNORED and k not in UNSUPPORTED and k != "response_format"}
+    params: dict[str, Any] = {k: v for k, v in body.items() if k not in IGNORED and k not in UNSUPPORTED}
     temperature = _number(body, "temperature")
     if temperature is None and "method" not in body:
         temperature = 1.0  # OpenAI's default
@@ -301,7 +300,32 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
     if not isinstance(ignore_eos, bool):
         raise ApiError(400, f"ignore_eos must be true or false, got {ignore_eos!r}", param="ignore_eos")
     return RequestSpec(prompt, method, params, max_tokens, stop, n, top_logprobs, bool(options.get("include_usage")),
-                       ignore_eos)
+                       ignore_eos, structured_output(body))
+
+
+def structured_output(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The request's constraint: OpenAI's ``response_format`` (``json_object``, ``json_schema``) or
+    vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; at most one."""
+    found = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            found.append({"json": None})
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format json_schema needs json_schema.schema, an object", param="response_format")
+            found.append({"json_schema": schema})
+        elif kind != "text":
+            raise ApiError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                           param="response_format")
+    for kind in ("json", "regex", "choice", "grammar"):
+        if body.get("guided_" + kind) is not None:
+            found.append({"json_schema" if kind == "json" else kind: body["guided_" + kind]})
+    if len(found) > 1:
+        raise ApiError(400, "give at most one of response_format and the guided_* fields", param="response_format")
+    return found[0] if found else None
 
 
 def chat_messages(messages: Any) -> list[dict[str, str]]:
@@ -324,13 +348,15 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
     return out
 
 
-def check_method(spec: RequestSpec) -> None:
-    """Every parameter and option checked before the request is queued (the same checks the
-    engine makes, so a bad one is a 400 now, not an error after waiting)."""
+def check_method(spec: RequestSpec, model: LoadedModel) -> None:
+    """Every parameter, option and constraint checked before the request is queued (the same
+    checks the engine makes, so a bad one is a 400 now, not an error after waiting)."""
     method_spec(spec.method)
     sampler_params, options = split_params(spec.params)
     build_decoder(spec.method, **options)
     make_sampler(spec.method, sampler_params)
+    if spec.constraint is not None:
+        constraint_processor(spec.constraint, model.tokenizer, model.backend.info.vocab_size)
 
 
 async def wait_or_cancel(request: Request, jobs: list[Job], futures) -> list[Outcome]:

@@ -49,6 +49,7 @@ class Job:
     on_text: Callable[[str], None] | None = None  # called from the slot's thread
     top_logprobs: int | None = None  # None: no log-probabilities
     ignore_eos: bool = False
+    constraint: dict | None = None  # structured output (see samplers/constraint.py)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
@@ -123,7 +124,8 @@ class Scheduler:
             with self.batcher.member():
                 generation = engine.generate(
                     job.prompt_ids, method=job.method, max_new_tokens=job.max_new_tokens, stop=job.stop, chat=False,
-                    on_text=job.on_text, should_stop=job.cancelled.is_set, ignore_eos=job.ignore_eos, **job.params,
+                    on_text=job.on_text, should_stop=job.cancelled.is_set, ignore_eos=job.ignore_eos,
+                    constraint=job.constraint, **job.params,
                 )
                 logprobs = None
                 if job.top_logprobs is not None and generation.finish_reason != "cancelled":

@@ -1,0 +1,120 @@
+"""Structured decoding (samplers/constraint.py): outputs match their constraint with every kind
+of method, speculative decoding under a constraint is token-identical to constrained plain
+decoding, and a bad schema, pattern or grammar is one clear line."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+from decodekit.engine import Engine, available_methods  # noqa: E402
+from decodekit.errors import InvalidParameter  # noqa: E402
+from decodekit.models import CharTokenizer, LoadedModel  # noqa: E402
+from decodekit.models.tiny import tiny_llama  # noqa: E402
+from decodekit.samplers.base import Histories  # noqa: E402
+from decodekit.samplers.constraint import Constraint, constraint_processor  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "b": {"enum": ["x", "y"]}},
+          "required": ["a", "b"], "additionalProperties": False}
+COMPACT = {"x-guidance": {"whitespace_flexible": False}, **SCHEMA}  # a random model would pad with spaces forever
+REGEX = r"[a-c]{2,5}![0-9]{2}"
+CHOICES = ["red", "green", "blue"]
+CASES = [({"json_schema": COMPACT}, lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+         ({"regex": REGEX}, lambda t: re.fullmatch(REGEX, t) or pytest.fail(f"{t!r} does not match {REGEX}")),
+         ({"choice": CHOICES}, lambda t: t in CHOICES or pytest.fail(f"{t!r} is not a choice"))]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny"))
+
+
+@pytest.mark.parametrize("constraint, valid", CASES, ids=["json_schema", "regex", "choice"])
+def test_greedy_and_seeded_sampling_give_only_valid_outputs(engine, constraint, valid):
+    outputs = set()
+    for prompt in ("hello", "abcabc", "Q: "):
+        g = engine.generate(prompt, max_new_tokens=40, chat=False, constraint=constraint)
+        assert g.finish_reason == "eos"
+        valid(g.text)
+        for seed in range(6):
+            s = engine.generate(prompt, method="sample", temperature=1.0, seed=seed, max_new_tokens=40, chat=False,
+                                constraint=constraint)
+            valid(s.text)
+            outputs.add(s.text)
+    assert len(outputs) > 1  # sampling still samples among the allowed outputs
+
+
+def speculative_methods() -> list[str]:
+    return sorted(n for n, s in available_methods().items() if s.family == "speculative" and n != "draft")
+
+
+@pytest.mark.parametrize("method", speculative_methods())
+def test_speculation_under_a_constraint_is_constrained_plain_decoding(engine, method):
+    """Each verified node is masked for its own path, so drafts the grammar refuses are never
+    accepted and the tokens are constrained greedy's (and constrained keyed sampling's)."""
+    for constraint, valid in CASES:
+        for prompt in ("hello hello hello", "abcabcabc"):
+            want = engine.generate(prompt, max_new_tokens=40, chat=False, constraint=constraint).tokens
+            got = engine.generate(prompt, method=method, budget=4, max_new_tokens=40, chat=False, constraint=constraint)
+            assert got.tokens == want, (method, constraint)
+            sampled = dict(temperature=0.9, seed=3, max_new_tokens=40, chat=False, constraint=constraint)
+            want = engine.generate(prompt, method="sample", **sampled).tokens
+            assert engine.generate(prompt, method=method, budget=4, **sampled).tokens == want, (method, constraint)
+
+
+def test_search_methods_keep_each_candidate_valid(engine):
+    for method, options in (("best-of-n", {"n": 4, "temperature": 1.0, "seed": 0}),
+                            ("self-consistency", {"n": 4, "temperature": 1.0, "seed": 1})):
+        g = engine.generate("hello", method=method, max_new_tokens=40, chat=False, constraint={"regex": REGEX}, **options)
+        assert re.fullmatch(REGEX, g.text), (method, g.text)
+
+
+def test_the_mask_follows_each_rows_own_path():
+    """One processor, rows at different points of the grammar (as in a verification tree): each
+    row gets the mask of its own generated tokens, whatever order the rows come in."""
+    tok = CharTokenizer(96)
+    proc = constraint_processor({"regex": "ab|ac|bd"}, tok, 96)
+    prompt = tok.encode("zz")
+    rows = [prompt, prompt + tok.encode("a"), prompt + tok.encode("b"), prompt + tok.encode("ab"), prompt + tok.encode("a")]
+    out = proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt)))
+    allowed = [{tok.decode([i]) if i else "<eos>" for i in range(96) if out[r, i] > float("-inf")} for r in range(len(rows))]
+    assert allowed == [{"a", "b"}, {"b", "c"}, {"d"}, {"<eos>"}, {"b", "c"}]
+
+
+def test_bad_constraints_are_one_clear_line(engine):
+    for spec, match in (({"regex": "[0-9"}, "^invalid regex constraint"), ({"json_schema": '{"type": 5}'}, "^invalid json schema"),
+                        ({"json_schema": "{not json"}, "^the JSON schema is not valid JSON"), ({"choice": []}, "non-empty list"),
+                        ({"grammar": "start: foo"}, "^invalid grammar constraint"), ({"xml": "x"}, "constraint kind must be")):
+        with pytest.raises(InvalidParameter, match=match) as err:
+            engine.generate("hi", max_new_tokens=4, chat=False, constraint=spec)
+        assert "\n" not in str(err.value)
+    with pytest.raises(InvalidParameter, match="constraint must be a Constraint or a dict"):
+        Constraint.coerce("json")
+
+
+def test_cli_flags_constrain_and_refuse_in_one_line(capsys):
+    from decodekit.interfaces.cli import main
+
+    assert main(["generate", "hi", "--regex", "[0-9", "--model", "/no/such"]) == 2  # checked before the model
+    assert main(["generate", "hi", "--choice", "a", "--regex", "b"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("decodekit: error: invalid regex constraint") and "not allowed with" in err[1]
+
+
+@pytest.mark.real_model
+def test_real_model_json_schema_output_is_valid(real_model):
+    engine = Engine(real_model)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}
+    for method in ("greedy", "pld"):
+        g = engine.generate("Give the name and age of a person called Ann, aged 31, as JSON.", method=method,
+                            max_new_tokens=60, constraint={"json_schema": schema})
+        jsonschema.validate(json.loads(g.text), schema)
