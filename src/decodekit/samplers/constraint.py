@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import InvalidParameter
@@ -111,20 +112,20 @@ class ConstrainedTokens(LogitsProcessor):
 
     def mask(self) -> torch.Tensor:
         """Bool ``[vocab_size]``: the tokens allowed next."""
-        bits = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
-        allowed = ((bits[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten().bool()
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = torch.from_numpy(np.unpackbits(bits, bitorder="little").view(np.bool_))  # bit i: token i
         if allowed.numel() < self.vocab_size:  # tokens the grammar's tokenizer does not know
             allowed = torch.cat([allowed, torch.zeros(self.vocab_size - allowed.numel(), dtype=torch.bool)])
         return allowed[: self.vocab_size]
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
-        out = logits.clone()
+        rows = []
         for row, generated in enumerate(generated_ids(histories)):
             if self._follow(generated.tolist()):
-                out[row].masked_fill_(~self.mask()[: out.shape[1]], NEG_INF)
-            # else: a path the grammar refuses (a rejected draft); its parent's mask already gave it
-            # no probability, so what this row holds is never used
-        return out
+                rows.append(torch.where(self.mask()[: logits.shape[1]], logits[row], NEG_INF))
+            else:  # a path the grammar refuses (a rejected draft): its parent's mask already gave it
+                rows.append(logits[row])  # no probability, so what this row holds is never used
+        return torch.stack(rows)
 
     def describe(self) -> dict[str, Any]:
         return {"constraint": self.constraint.kind}

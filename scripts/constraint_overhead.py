@@ -1,0 +1,72 @@
+"""What a structured-output constraint costs on the embedded model: for a JSON schema, each
+method constrained and unconstrained (tokens/s, mean of a few prompts after one untimed request),
+validity of the constrained outputs (``jsonschema``), and the time the mask takes per call (the
+median; a speculative method's call masks every node of a tree) against the time per token.
+
+    .venv/bin/python scripts/constraint_overhead.py [--numerics fast]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jsonschema
+
+from decodekit.engine import Engine
+from decodekit.models import load_model
+from decodekit.samplers import constraint as constraint_module
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "city": {"type": "string", "maxLength": 30},
+                                           "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                                                       "maxItems": 3}},
+          "required": ["name", "age", "city", "hobbies"], "additionalProperties": False}
+PROMPTS = ["Describe Ann, a 31-year-old painter from Lisbon, as JSON.",
+           "Give a JSON record for Bob, 45, who lives in Oslo and likes skiing and chess.",
+           "Invent a person and describe them as a JSON object with name, age, city and hobbies.",
+           "Return JSON for Chen, aged 27, from Taipei, hobbies: running, cooking."]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numerics", default="exact", choices=["exact", "fast"])
+    args = parser.parse_args()
+    engine = Engine(load_model(numerics=args.numerics))
+    mask_calls: list[float] = []
+    call = constraint_module.ConstrainedTokens.__call__
+
+    def timed(self, logits, histories):
+        t0 = time.perf_counter()
+        out = call(self, logits, histories)
+        mask_calls.append(time.perf_counter() - t0)
+        return out
+
+    constraint_module.ConstrainedTokens.__call__ = timed
+    print("| method | constrained tok/s | unconstrained tok/s | valid JSON | mask median us a call | share of a step |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for method in ("greedy", "pld", "suffix"):
+        rates, plain, valid = [], [], 0
+        mask_calls.clear()
+        for constrained, rates_of in ((True, rates), (False, plain)):
+            kw = {"constraint": {"json_schema": SCHEMA}} if constrained else {}
+            engine.generate(PROMPTS[0], method=method, max_new_tokens=16, **kw)  # untimed
+            for prompt in PROMPTS:
+                g = engine.generate(prompt, method=method, max_new_tokens=96, **kw)
+                rates_of.append(g.stats.tokens_per_s)
+                if constrained:
+                    try:
+                        jsonschema.validate(json.loads(g.text), SCHEMA)
+                        valid += 1
+                    except (ValueError, jsonschema.ValidationError):
+                        pass
+        median, step_s = statistics.median(mask_calls), 1 / statistics.mean(rates)
+        print(f"| {method} | {statistics.mean(rates):.1f} | {statistics.mean(plain):.1f} | {valid}/{len(PROMPTS)} "
+              f"| {median * 1e6:.0f} | {100 * median / step_s:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
