@@ -96,6 +96,8 @@ MUTATIONS = (
              "            return MAX_ROWS\n", "            return None\n", ("tests/test_batching.py",)),
     Mutation("serve-gives-every-choice-the-same-seed", "src/decodekit/serve/app.py",
              'params["seed"] = params["seed"] + i', 'params["seed"] = params["seed"]', ("tests/test_serve.py",)),
+    Mutation("kept-prefix-truncated-one-short", "src/decodekit/models/backend.py",
+             "            self.truncate(shared)\n", "            self.truncate(shared - 1)\n", ("tests/test_batching.py",)),
     Mutation("engine-drops-the-eta-parameter", "src/decodekit/engine/api.py",
              "    params = {k: v for k, v in params.items() if v is not None}",
              "    params = {k: v for k, v in params.items() if v is not None and k != 'eta'}",

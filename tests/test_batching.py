@@ -93,3 +93,23 @@ def test_fast_prefill_is_the_same_alone_and_served():
     served.batcher = PassBatcher()
     with served.batcher.member():
         assert torch.equal(served.append(tokens).logits, alone)
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+def test_a_kept_prefix_gives_the_logits_of_a_fresh_prefill(numerics):
+    """Where passes are row-independent (served, or fast), prefill keeps the part of the cache
+    a new prompt shares with ``kept_ids`` and reads the rest: the same bits as reading it all."""
+    model = base(numerics)
+    backend = model.clone()
+    backend.batcher = PassBatcher()
+    first = torch.randint(1, 96, (90,), generator=torch.Generator().manual_seed(2)).tolist()
+    second = first[:70] + [5, 6, 7]
+    with backend.batcher.member():
+        backend.prefill(first)
+        backend.kept_ids = first
+        assert backend.shared_prefix(second) == 70
+        reused = backend.prefill(second)
+        backend.reset()
+        assert backend.kept_ids is None and backend.shared_prefix(second) == 0
+        assert torch.equal(reused, backend.prefill(second))
+    assert not model.clone().reuses_prefix() or numerics == "fast"  # alone in exact: prompts may take torch's path

@@ -363,3 +363,18 @@ def test_response_format_and_guided_fields_constrain_the_answer(served):
         chat(served, "hello", max_tokens=5, extra_body={"guided_regex": "[0-9"})
     with pytest.raises(openai.BadRequestError, match="at most one"):
         chat(served, "hello", max_tokens=5, response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})
+
+
+def test_a_prompt_that_starts_like_a_slots_last_one_reuses_its_cache(served, alone):
+    """A chat's next turn (or the same prompt again) takes the shared prefix from a slot's cache and
+    reads only the rest: same answer as alone, fewer prompt tokens read."""
+    scheduler = served.server.scheduler
+    first = "tell me about cats and dogs and birds"
+    answer = chat(served, first, max_tokens=12, temperature=0).choices[0].message.content
+    before = scheduler.prefix_tokens
+    follow = first + answer + " and fish?"
+    got = chat(served, follow, max_tokens=12, temperature=0).choices[0].message.content
+    assert got == alone(follow, max_new_tokens=12).text
+    assert scheduler.prefix_tokens - before >= len(first)
+    status, text, _ = served.get("/metrics")
+    assert "decodekit:prefix_cache_hit_tokens_total" in text

@@ -88,6 +88,25 @@ class Backend(ABC):
     """A causal LM with an appendable, rollback-able, tree-verifiable KV cache."""
 
     info: ModelInfo
+    #: The token ids the cache holds from the last request, when whoever ran it says so (the
+    #: server does): a next prompt that starts the same way re-reads only the rest (:meth:`prefill`).
+    kept_ids: list[int] | None = None
+
+    def reuses_prefix(self) -> bool:
+        """Whether reading a prompt's rest after a cached prefix gives the same bits as reading the
+        whole prompt (true where every pass computes each token's row on its own)."""
+        return False
+
+    def shared_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` :meth:`prefill` would take from the cache (at
+        least one token is always read, for its logits)."""
+        kept = self.kept_ids
+        if not kept or self.batch_size != 1 or not self.reuses_prefix():
+            return 0
+        n, limit = 0, min(len(kept), len(token_ids) - 1, self.length)
+        while n < limit and kept[n] == token_ids[n]:
+            n += 1
+        return n
 
     def memory(self, key: str | tuple, factory: Callable[[], T]) -> T:
         """What algorithms learn about this model across requests (a suffix corpus, a recycling
@@ -218,7 +237,13 @@ class Backend(ABC):
         )
 
     def prefill(self, token_ids: Sequence[int], batch_size: int = 1) -> torch.Tensor:
-        """Reset, run the prompt once, fork it to ``batch_size`` rows; return last logits ``[B, V]``."""
+        """Reset, run the prompt once, fork it to ``batch_size`` rows; return last logits ``[B, V]``.
+        A prompt that starts with :attr:`kept_ids` keeps that part of the cache and reads the rest."""
+        shared = self.shared_prefix(token_ids) if batch_size == 1 else 0
+        if shared:
+            self.truncate(shared)
+            self.kept_ids = None
+            return self.append(torch.tensor([list(token_ids[shared:])], dtype=torch.long), last_only=True).logits[:, -1]
         self.reset(1)
         out = self.append(torch.tensor([list(token_ids)], dtype=torch.long), last_only=True)
         if batch_size > 1:

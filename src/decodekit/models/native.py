@@ -375,6 +375,7 @@ class NativeLlama(Backend):
 
     @torch.inference_mode()
     def reset(self, batch_size: int = 1) -> None:
+        self.kept_ids = None
         self._length = 0
         self._pending_tree = None
         self._allocate(batch_size, min(self._initial_capacity, self.config.max_position))
@@ -410,6 +411,10 @@ class NativeLlama(Backend):
         self._v = self._v[:, rows].contiguous()
 
     # Forward passes -------------------------------------------------------------------------
+
+    def reuses_prefix(self) -> bool:
+        # batched (served) and fast passes read prompts in chunks through the row-independent kernels
+        return self._stack is not None and (self.batcher is not None or self.numerics == "fast")
 
     @property
     def batch_key(self) -> object:

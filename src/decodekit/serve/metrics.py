@@ -23,6 +23,8 @@ class _BatcherCollector:
         batcher = self.scheduler.batcher
         yield CounterMetricFamily("decodekit:batched_passes", "Forward passes run for the batch", value=batcher.passes)
         yield CounterMetricFamily("decodekit:batched_rows", "Token rows those passes carried", value=batcher.rows)
+        yield CounterMetricFamily("decodekit:prefix_cache_hit_tokens", "Prompt tokens taken from a slot's cache",
+                                  value=self.scheduler.prefix_tokens)
 
 
 class ServerMetrics:

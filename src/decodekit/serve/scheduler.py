@@ -15,7 +15,6 @@ slot.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -93,12 +92,13 @@ class Scheduler:
         # a backend that cannot batch its passes serves one request at a time
         self.max_batch = max_batch if self.batching else 1
         self.max_queue = max_queue
-        self._slots: queue.SimpleQueue[Engine] = queue.SimpleQueue()
+        self._free: list[Engine] = []  # idle slots; each cache still holds its last request (kept_ids)
         for _ in range(self.max_batch):
             backend = model.backend.clone()
             if self.batching:
                 backend.batcher = self.batcher
-            self._slots.put(Engine(LoadedModel(backend, model.tokenizer, model.name)))
+            self._free.append(Engine(LoadedModel(backend, model.tokenizer, model.name)))
+        self.prefix_tokens = 0  # prompt tokens taken from a slot's cache instead of being read again
         self._pool = ThreadPoolExecutor(self.max_batch, thread_name_prefix="decodekit-request",
                                         initializer=single_threaded if self.batching else None)
         self._lock = threading.Lock()
@@ -114,9 +114,17 @@ class Scheduler:
             self.waiting += len(jobs)
         return [self._pool.submit(self._run, job) for job in jobs]
 
+    def _take_slot(self, prompt_ids: list[int]) -> Engine:
+        """The idle slot whose cache shares the longest prefix with the prompt (called with the lock
+        held; there is always one: the pool has as many threads as slots)."""
+        best = max(self._free, key=lambda e: e.model.backend.shared_prefix(prompt_ids))
+        self._free.remove(best)
+        self.prefix_tokens += best.model.backend.shared_prefix(prompt_ids)
+        return best
+
     def _run(self, job: Job) -> Outcome:
-        engine = self._slots.get()  # never blocks: the pool has as many threads as slots
         with self._lock:
+            engine = self._take_slot(job.prompt_ids)
             self.waiting -= 1
             self.running += 1
         job.started = time.perf_counter()
@@ -130,10 +138,14 @@ class Scheduler:
                 logprobs = None
                 if job.top_logprobs is not None and generation.finish_reason != "cancelled":
                     logprobs = token_logprobs(engine.model.backend, job.prompt_ids, generation.tokens, job.top_logprobs)
+            backend = engine.model.backend
+            if backend.batch_size == 1 and generation.finish_reason != "cancelled":
+                # what the cache now holds, for a next prompt that starts the same way (a chat's next turn)
+                backend.kept_ids = (job.prompt_ids + generation.tokens)[: backend.length]
             return Outcome(generation, logprobs, job.started - job.submitted)
         finally:
-            self._slots.put(engine)
             with self._lock:
+                self._free.append(engine)
                 self.running -= 1
 
     def close(self) -> None:
