@@ -20,6 +20,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="an OpenAI-compatible server with continuous batching")
     add_model_arguments(p)
     p.set_defaults(numerics=None)  # the server's default: fast where the model and CPU allow it, else exact
+    for action in p._actions:
+        if action.dest == "numerics":
+            action.help = "fast (the server's default, where this model and CPU allow it; else exact) or exact"
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
