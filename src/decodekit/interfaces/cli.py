@@ -54,9 +54,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
 def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
     """The structured-output flag as a constraint (``--json-schema`` and ``--grammar`` read a file
     when given one), checked now: a bad schema, pattern or grammar is one line before any model loads."""
-    from llguidance import LLMatcher
-
-    from ..samplers.constraint import Constraint
+    from ..samplers.constraint import checked_grammar
 
     def text_or_file(value: str) -> str:
         path = Path(value)
@@ -81,10 +79,7 @@ def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
         spec = {"grammar": text_or_file(args.grammar)}
     else:
         return None
-    constraint = Constraint.coerce(spec)
-    error = LLMatcher.validate_grammar(constraint.grammar())
-    if error:
-        raise InvalidParameter(f"invalid {constraint.kind.replace('_', ' ')} constraint: {error.strip().splitlines()[0]}")
+    checked_grammar(spec)
     return spec
 
 

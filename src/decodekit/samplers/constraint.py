@@ -131,18 +131,27 @@ class ConstrainedTokens(LogitsProcessor):
         return {"constraint": self.constraint.kind}
 
 
+def checked_grammar(constraint: Constraint | dict, lltokenizer=None) -> tuple[Constraint, str]:
+    """``constraint`` and its llguidance grammar, checked (against ``lltokenizer`` when given, which
+    also catches what a vocabulary cannot spell); an invalid schema, pattern or grammar is one
+    InvalidParameter line."""
+    from llguidance import LLMatcher
+
+    constraint = Constraint.coerce(constraint)
+    grammar = constraint.grammar()
+    error = LLMatcher.validate_grammar(grammar, lltokenizer).strip()
+    if error:
+        raise InvalidParameter(f"invalid {constraint.kind.replace('_', ' ')} constraint: {error.splitlines()[0]}")
+    return constraint, grammar
+
+
 def constraint_processor(constraint: Constraint | dict, tokenizer, vocab_size: int) -> ConstrainedTokens:
     """Compile ``constraint`` for ``tokenizer`` (a :class:`..models.tokenizer.Tokenizer`); an invalid
     schema, pattern or grammar is one InvalidParameter line."""
     from llguidance import LLMatcher
 
-    constraint = Constraint.coerce(constraint)
-    grammar = constraint.grammar()
     lltokenizer = tokenizer.grammar_tokenizer()
-    error = LLMatcher.validate_grammar(grammar, lltokenizer)
-    if error:
-        first = error.strip().splitlines()[0] if error.strip() else error
-        raise InvalidParameter(f"invalid {constraint.kind.replace('_', ' ')} constraint: {first}")
+    constraint, grammar = checked_grammar(constraint, lltokenizer)
     matcher = LLMatcher(lltokenizer, grammar, log_level=0)
     if matcher.is_error():
         raise InvalidParameter(f"invalid {constraint.kind.replace('_', ' ')} constraint: {matcher.get_error()}")

@@ -117,10 +117,9 @@ class Scheduler:
     def _take_slot(self, prompt_ids: list[int]) -> Engine:
         """The idle slot whose cache shares the longest prefix with the prompt (called with the lock
         held; there is always one: the pool has as many threads as slots)."""
-        best = max(self._free, key=lambda e: e.model.backend.shared_prefix(prompt_ids))
-        self._free.remove(best)
-        self.prefix_tokens += best.model.backend.shared_prefix(prompt_ids)
-        return best
+        shared, best = max((e.model.backend.shared_prefix(prompt_ids), i) for i, e in enumerate(self._free))
+        self.prefix_tokens += shared
+        return self._free.pop(best)
 
     def _run(self, job: Job) -> Outcome:
         with self._lock:
