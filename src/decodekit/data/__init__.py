@@ -4,6 +4,10 @@
   category; the default question file of ``decodekit bench``. Apache-2.0, ``specbench/LICENSE``.
 * ``gsm8k/test.dev.jsonl``: 660 GSM8K test problems (Cobbe et al., 2021); the default data of
   ``decodekit eval gsm8k``. MIT, ``gsm8k/LICENSE``.
+* ``structured/schemas.jsonl``: the corpus of ``decodekit eval structured``: 68 JSON Schemas adapted
+  from the JSON-Schema-Test-Suite (draft 2020-12; MIT, ``structured/LICENSE``; schemas only, with
+  prompts written here, so not the Test Suite itself) and 10 application schemas written here, built
+  by ``scripts/build_structured_corpus.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from ..errors import InvalidParameter
 
 SPEC_BENCH_QUESTIONS = "specbench/questions.dev.jsonl"
 GSM8K_TEST = "gsm8k/test.dev.jsonl"
+STRUCTURED_SCHEMAS = "structured/schemas.jsonl"
 
 
 def data_file(name: str) -> Path:

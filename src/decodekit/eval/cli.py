@@ -28,13 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--signals", default="", help="extra uncertainty signals, comma-separated: agreement (n samples), pc (paraphrases)")
     parser.add_argument("--paraphrases", type=int, default=4, help="k for PC@k (default 4)")
     parser.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="method option (repeatable)")
-    parser.add_argument("--data", default=None, help="task data file (gsm8k: JSONL with question/answer)")
+    parser.add_argument("--data", default=None, help="task data file (gsm8k: JSONL with question/answer; structured: id/prompt/schema)")
+    parser.add_argument("--unconstrained", action="store_true", help="structured: decode without the schema (to compare validity and speed)")
     parser.add_argument("--out", default=None, help="output folder (default eval-out/TASK-METHOD)")
     add_model_arguments(parser)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("eval", help="evaluate a decoding method on a task (gsm8k, capitals)")
+    parser = subparsers.add_parser("eval", help="evaluate a decoding method on a task (gsm8k, capitals, structured)")
     add_arguments(parser)
     parser.set_defaults(func=run)
     return parser
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace, model=None) -> int:
         method=args.method, n=args.n, limit=args.limit, max_new_tokens=args.max_new_tokens, seed=args.seed,
         temperature=args.temperature, options=dict(parse_option(o, method_spec(args.method).options) for o in args.opt),
         signals=[s.strip() for s in args.signals.split(",") if s.strip()], paraphrases=args.paraphrases,
+        constrained=not args.unconstrained,
     )
     task = load_task(args.task, args.data)
     make_decoder(config, task)  # bad method or option: fail before loading the model

