@@ -194,9 +194,10 @@ class Projection:
         if reason is not None:
             raise InvalidParameter(f"the fast numerics is unavailable: {reason}; use --numerics exact")
         packed, kernel = pack_integer_blocks(blocks.kind, blocks.data, blocks.n_in), integer_block_matmul(blocks.kind)
-        self.blocks, self.any_rows = blocks, True
-        self.few_rows = lambda weight, x: kernel(packed, x, blocks.n_in)
-        self.kernel = (kernel.address, packed, blocks.shape[0], blocks.n_in)
+        n_in = blocks.n_in
+        self.blocks, self.any_rows = None, True  # the file's blocks are not kept: the packed copy is what runs
+        self.few_rows = lambda weight, x: kernel(packed, x, n_in)
+        self.kernel = (kernel.address, packed, packed.shape[0], n_in)
         # only the shape is needed from here on: the float32 weights' memory goes back
         self.weight = torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta")
 
@@ -313,7 +314,8 @@ class NativeLlama(Backend):
         self.dtype = dtype
         self.numerics = numerics
         self.weights = LlamaWeights(config, state, dtype, gguf_blocks, numerics)
-        uses_blocks = any(p.blocks is not None for p in self.weights.projections)
+        # fast runs on every projection's (packed) blocks; exact on those that matched
+        uses_blocks = numerics == "fast" or any(p.blocks is not None for p in self.weights.projections)
         self.info = ModelInfo(
             name=name,
             vocab_size=config.vocab_size,
@@ -421,10 +423,15 @@ class NativeLlama(Backend):
         """Passes of backends with the same key can run in one batched pass (the same layers)."""
         return self._stack
 
+    def _one_call(self, tokens: torch.Tensor, hidden_layers, skip_layers) -> bool:
+        """Whether a pass can take the one-call layer path: one sequence, no layer skipped, no
+        hidden state asked for."""
+        return self._stack is not None and tokens.shape[0] == 1 and not hidden_layers and not skip_layers
+
     def _batched(self, tokens: torch.Tensor, hidden_layers, skip_layers) -> bool:
-        """Whether this pass goes through the batcher (one sequence, all layers, the one-call path)."""
-        return (self.batcher is not None and self._stack is not None and tokens.shape[0] == 1 and not hidden_layers
-                and not skip_layers and self.config.num_layers == self._stack.num_layers)
+        """Whether this pass goes through the batcher (the one-call path, all of the model's layers)."""
+        return (self.batcher is not None and self._one_call(tokens, hidden_layers, skip_layers)
+                and self.config.num_layers == self._stack.num_layers)
 
     def _prefill_chunk(self, tokens: torch.Tensor, hidden_layers, skip_layers) -> int | None:
         """How many tokens of a long ``append`` go in one pass, or None for all at once.
@@ -435,7 +442,7 @@ class NativeLlama(Backend):
         independent there, so any chunking gives the same bits, alone or served."""
         if self._batched(tokens, hidden_layers, skip_layers):
             return PREFILL_CHUNK
-        if self.numerics == "fast" and self._stack is not None and tokens.shape[0] == 1 and not hidden_layers and not skip_layers:
+        if self.numerics == "fast" and self._one_call(tokens, hidden_layers, skip_layers):
             return MAX_ROWS
         return None
 

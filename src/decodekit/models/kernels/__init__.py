@@ -421,8 +421,8 @@ class DecoderLayers:
     the same order as the layer-by-layer path (bit-identical results, a few microseconds of
     Python dispatch per kernel saved). Holds references to every tensor it points at."""
 
-    def __init__(self, fn, batch_fn, model: _Model, layers: list[_Layer], keep: list[torch.Tensor]):
-        self._fn, self._batch_fn, self._model, self._keep = fn, batch_fn, model, keep
+    def __init__(self, fn, model: _Model, layers: list[_Layer], keep: list[torch.Tensor]):
+        self._fn, self._model, self._keep = fn, model, keep
         self._layers = (_Layer * len(layers))(*layers)
         self.num_layers = len(layers)
 
@@ -438,42 +438,33 @@ class DecoderLayers:
         ``start..``. ``visible``: ``[rows, start + rows]`` bool, or None for all keys. Runs as
         many layers as the cache has (a truncated copy of a model shares its layers). Returns
         whether any layer ran (if none, ``pending`` holds nothing)."""
-        rows, num_layers = x.shape[0], k_cache.shape[0]
-        if num_layers > self.num_layers:
-            raise ValueError(f"decoder layers kernel: a cache of {num_layers} layers for {self.num_layers} layers")
-        positions = positions.to(torch.int64).contiguous()
-        mask = None if visible is None else visible.to(torch.bool).contiguous()
-        flags = None
-        if skip:
-            flags = torch.zeros(num_layers, dtype=torch.uint8)
-            flags[[i for i in skip if i < num_layers]] = 1
-        ran = self._fn(
-            ctypes.byref(self._model), self._layers, num_layers, None if flags is None else flags.data_ptr(),
-            x.data_ptr(), pending.data_ptr(), freqs.data_ptr(), positions.data_ptr(),
-            None if mask is None else mask.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-            k_cache.shape[2], rows, start, torch.get_num_threads(),
-        )
-        if ran < 0:
-            raise MemoryError("decoder layers kernel: could not allocate its scratch buffers")
-        return ran > 0
+        part = SequencePart(x.shape[0], start, positions, visible, k_cache, v_cache)
+        return self.run_batch(x, pending, freqs, [part], skip)
 
-    def run_batch(self, x: torch.Tensor, pending: torch.Tensor, freqs: torch.Tensor, parts: list[SequencePart]) -> bool:
+    def run_batch(self, x: torch.Tensor, pending: torch.Tensor, freqs: torch.Tensor, parts: list[SequencePart],
+                  skip: frozenset[int] = frozenset()) -> bool:
         """:meth:`run` for the rows of several sequences stacked in ``x`` (``parts`` in row order),
-        each with its own cache: a sequence's results are bit for bit those :meth:`run` gives it
-        alone. Every cache must have this model's layer count."""
+        each with its own cache: a sequence's results are bit for bit those it gets alone. The
+        caches must all have the same number of layers (at most this model's)."""
         if sum(p.rows for p in parts) != x.shape[0]:
             raise ValueError("decoder layers kernel: the parts' rows do not add up to the batch's")
+        num_layers = parts[0].k_cache.shape[0]
         keep, structs = [], []
         for p in parts:
-            if p.k_cache.shape[0] != self.num_layers:
+            if p.k_cache.shape[0] != num_layers or num_layers > self.num_layers:
                 raise ValueError(f"decoder layers kernel: a cache of {p.k_cache.shape[0]} layers for {self.num_layers} layers")
             positions = p.positions.to(torch.int64).contiguous()
             mask = None if p.visible is None else p.visible.to(torch.bool).contiguous()
             keep += [positions, mask]
             structs.append(_Sequence(p.rows, p.start, p.k_cache.shape[2], p.k_cache.stride(0), positions.data_ptr(),
                                      None if mask is None else mask.data_ptr(), p.k_cache.data_ptr(), p.v_cache.data_ptr()))
-        ran = self._batch_fn(
-            ctypes.byref(self._model), self._layers, self.num_layers, None, x.data_ptr(), pending.data_ptr(),
+        flags = None
+        if skip:
+            flags = torch.zeros(num_layers, dtype=torch.uint8)
+            flags[[i for i in skip if i < num_layers]] = 1
+        ran = self._fn(
+            ctypes.byref(self._model), self._layers, num_layers, None if flags is None else flags.data_ptr(),
+            x.data_ptr(), pending.data_ptr(),
             freqs.data_ptr(), (_Sequence * len(structs))(*structs), len(structs), torch.get_num_threads(),
         )
         if ran < 0:
@@ -491,12 +482,9 @@ def decoder_layers(
     lib = _library("forward")
     if lib is None:
         return None
-    fn = lib.decodekit_decoder_layers
-    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] + [ctypes.c_int] * 4
+    fn = lib.decodekit_decoder_layers_batch
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
     fn.restype = ctypes.c_int
-    batch_fn = lib.decodekit_decoder_layers_batch
-    batch_fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
-    batch_fn.restype = ctypes.c_int
     model = _Model(
         ops.addresses["add_rms_norm"], ops.addresses["silu_mul"], ops.addresses["rope_store"], attention.address,
         hidden, inter, n_heads, n_kv_heads, head_dim, torch.tensor([], dtype=dtype).element_size(), eps, head_dim**-0.5,
@@ -510,4 +498,4 @@ def decoder_layers(
             projections[name] = _Projection(address, weights.data_ptr(), n_out, n_in)
         keep += [layer["attn_norm"], layer["mlp_norm"]]
         structs.append(_Layer(layer["attn_norm"].data_ptr(), layer["mlp_norm"].data_ptr(), **projections))
-    return DecoderLayers(fn, batch_fn, model, structs, keep)
+    return DecoderLayers(fn, model, structs, keep)

@@ -172,12 +172,3 @@ int decodekit_decoder_layers_batch(const Model *m, const Layer *layers, int n_la
     free(starts), free(row_sequence);
     return ran;
 }
-
-/* One sequence: decodekit_decoder_layers_batch with n_seq = 1. */
-int decodekit_decoder_layers(const Model *m, const Layer *layers, int n_layers, const uint8_t *skip, void *x,
-                             void *pending, const float *freqs, const int64_t *positions,
-                             const uint8_t *visible, void *k_cache, void *v_cache, int64_t layer_stride,
-                             int cap, int rows, int start, int threads) {
-    Sequence seq = {rows, start, cap, layer_stride, positions, visible, k_cache, v_cache};
-    return decodekit_decoder_layers_batch(m, layers, n_layers, skip, x, pending, freqs, &seq, 1, threads);
-}
