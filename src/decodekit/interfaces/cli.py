@@ -92,15 +92,16 @@ def decoding_params(args: argparse.Namespace) -> dict[str, Any]:
     return params
 
 
-def validate_decoding(args: argparse.Namespace) -> None:
-    """Reject a bad method, sampler value or option before the model is loaded."""
+def validate_decoding(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Reject a bad method, sampler value, option or constraint before the model is loaded; return
+    the structured-output constraint, if any (:func:`constraint_from_args`)."""
     method_spec(args.method)
     if args.max_new_tokens < 1:
         raise InvalidParameter(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     sampler_params, options = split_params(decoding_params(args))
     make_sampler(args.method, sampler_params)
-    constraint_from_args(args)
     build_decoder(args.method, **options)
+    return constraint_from_args(args)
 
 
 def make_engine(args: argparse.Namespace):
@@ -132,7 +133,7 @@ def read_prompt(prompt: str | None) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    validate_decoding(args)
+    constraint = validate_decoding(args)
     prompt = read_prompt(args.prompt)
     engine = make_engine(args)
     stream = args.stream and not args.json
@@ -148,7 +149,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
         chat=not args.raw,
         on_text=emit if stream else None,
-        constraint=constraint_from_args(args),
+        constraint=constraint,
         **decoding_params(args),
     )
     if args.json:
@@ -161,7 +162,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    validate_decoding(args)
+    constraint = validate_decoding(args)
     engine = make_engine(args)
     params = decoding_params(args)
     messages: list[dict[str, str]] = []
@@ -180,7 +181,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         result = engine.generate(
             messages, method=args.method, max_new_tokens=args.max_new_tokens, stop=args.stop,
-            on_text=lambda d: (sys.stdout.write(d), sys.stdout.flush()), constraint=constraint_from_args(args), **params,
+            on_text=lambda d: (sys.stdout.write(d), sys.stdout.flush()), constraint=constraint, **params,
         )
         print(f"\n  [{result.stats.new_tokens} tokens, {result.stats.tokens_per_s:.1f} tok/s]", file=sys.stderr)
         messages.append({"role": "assistant", "content": result.text})

@@ -407,13 +407,13 @@ class Reply:
         if outcome.logprobs is None:
             return None
         tokens = outcome.generation.tokens
-        pieces = [self.tokenizer.decode([t]) for t in tokens]
         if self.chat:
             def entry(token: int, value: float) -> dict[str, Any]:
                 text = self.tokenizer.decode([token])
                 return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8", "replace"))}
             return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
                                 for t, (lp, top) in zip(tokens, outcome.logprobs)]}
+        pieces = [self.tokenizer.decode([t]) for t in tokens]
         offsets, at = [], 0
         for piece in pieces:
             offsets.append(at)
