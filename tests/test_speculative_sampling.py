@@ -464,3 +464,23 @@ def test_recursive_rejection_over_two_siblings_gives_the_target_distribution():
     target = torch.softmax(p_logits.double(), dim=-1)
     got = two_sibling_distribution(SamplingVerifier(), p_logits, q, 24, temperature=1.0)
     assert torch.allclose(got, target, atol=0.02), (got - target).abs().max()
+
+
+def test_kvdraft_sampling_keeps_the_target_distribution():
+    """kvdraft: chains sampled by the model with a 1 + 4 entry streaming cache, verified by the
+    full cache: the first two tokens' joint is the full-cache model's."""
+    vocab = 12
+    model = LoadedModel(tiny_llama(seed=4, vocab_size=vocab, scale=1.5, hidden_size=64), CharTokenizer(vocab), "tiny")
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2, 3, 4, 5]
+    n, params = 2000, {"temperature": 1.0}
+    drafter = DRAFTER_SPECS["kvdraft"].factory(kv_cache="sink:1,window:4,every:1", confidence=0.0)
+    counts = sample_outcomes(model, method(drafter, budget=3), prompt, params, n, 2)
+    backend = model.backend
+    first = torch.softmax(backend.prefill(prompt)[0], dim=-1)
+    exact: dict[tuple, float] = {(): float(first[0])}
+    for a in range(1, vocab):
+        second = torch.softmax(backend.prefill(prompt + [a])[0], dim=-1)
+        for b in range(vocab):
+            exact[(a,) if b == 0 else (a, b)] = float(first[a] * second[b])
+    ok, stat, critical = chi_square_passes(counts, exact, n)
+    assert ok, f"chi-square {stat:.1f} >= {critical:.1f}"

@@ -39,3 +39,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--numerics", default="exact", choices=["exact", "fast"],
         help="exact: float32, identical to the dequantised model (default); fast: 8-bit inputs and integer dot products on the GGUF blocks",
     )
+    parser.add_argument(
+        "--kv-cache", default="full", metavar="POLICY",
+        help="which keys and values to keep: full (default), sink:S,window:W (StreamingLLM), h2o:budget=B,window=W, "
+             "snapkv:budget=B,window=O (see decodekit methods)",
+    )

@@ -189,9 +189,9 @@ def run(args: argparse.Namespace, models: dict[str, Any] | None = None) -> int:
 
     unavailable: dict[str, str] = {}
     if models is None:
-        models = {"exact": load_model(args.model, backend=args.backend, dtype=args.dtype)}
+        models = {"exact": load_model(args.model, backend=args.backend, dtype=args.dtype, kv_cache=args.kv_cache)}
         try:
-            models["fast"] = load_model(args.model, backend=args.backend, dtype=args.dtype, numerics="fast")
+            models["fast"] = load_model(args.model, backend=args.backend, dtype=args.dtype, numerics="fast", kv_cache=args.kv_cache)
         except InvalidParameter as err:
             unavailable["fast"] = str(err)
     result = profile(models, with_contention=args.contention, unavailable=unavailable)

@@ -89,10 +89,10 @@ class Engine:
 
     def __init__(
         self, model: str | LoadedModel | None = None, *, backend: str = "auto", dtype: str | torch.dtype = "float32",
-        numerics: str = "exact",
+        numerics: str = "exact", kv_cache: str = "full",
     ):
         self.model = (model if isinstance(model, LoadedModel)
-                      else load_model(model, backend=backend, dtype=dtype, numerics=numerics))
+                      else load_model(model, backend=backend, dtype=dtype, numerics=numerics, kv_cache=kv_cache))
 
     def generate(
         self,
@@ -141,12 +141,12 @@ _default_engines_lock = threading.Lock()
 
 def generate(
     prompt: str | list[dict[str, str]], *, model: str | None = None, dtype: str = "float32", numerics: str = "exact",
-    **kwargs: Any,
+    kv_cache: str = "full", **kwargs: Any,
 ) -> Generation:
-    """One-call generation; the model is loaded once per (model, dtype, numerics) and reused."""
-    key = (model, dtype, numerics)
+    """One-call generation; the model is loaded once per (model, dtype, numerics, kv_cache) and reused."""
+    key = (model, dtype, numerics, kv_cache)
     with _default_engines_lock:  # two threads' first calls load the model once
         if key not in _default_engines:
-            _default_engines[key] = Engine(model, dtype=dtype, numerics=numerics)
+            _default_engines[key] = Engine(model, dtype=dtype, numerics=numerics, kv_cache=kv_cache)
         engine = _default_engines[key]
     return engine.generate(prompt, **kwargs)

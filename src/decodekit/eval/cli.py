@@ -61,7 +61,7 @@ def run(args: argparse.Namespace, model=None) -> int:
     )
     task = load_task(args.task, args.data)
     make_decoder(config, task)  # bad method or option: fail before loading the model
-    model = model or load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics)
+    model = model or load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics, kv_cache=args.kv_cache)
     right = [0]
 
     def progress(done: int, total: int, record: dict) -> None:

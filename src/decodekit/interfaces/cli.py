@@ -17,6 +17,7 @@ from ..serve import load as bench_serve_cli
 from ..engine import available_methods, build_decoder, make_sampler, method_spec, split_params
 from ..errors import DecodeKitError, InvalidParameter
 from ..eval import cli as eval_cli
+from ..models.kv_policy import POLICY_HELP
 from ..options import OptionSpec, parse_option
 from ..samplers import SAMPLER_OPTIONS
 
@@ -107,7 +108,7 @@ def validate_decoding(args: argparse.Namespace) -> dict[str, Any] | None:
 def make_engine(args: argparse.Namespace):
     from ..engine import Engine
 
-    return Engine(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics)
+    return Engine(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics, kv_cache=args.kv_cache)
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -213,6 +214,9 @@ def cmd_methods(args: argparse.Namespace) -> int:
             print(f"      {option.describe()}")
     print("Set an option with --opt key=value (bench: --opt method.key=value); every method also takes the "
           "sampling flags of `decodekit generate --help`.")
+    print("KV cache policies (--kv-cache POLICY; kv_cache= in Python; any method):")
+    for spelling, description in POLICY_HELP.items():
+        print(f"--kv-cache {spelling:<36} {description}")
     return 0
 
 

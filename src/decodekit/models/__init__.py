@@ -8,6 +8,7 @@ import torch
 
 from .backend import Backend, ModelInfo, StepOutput
 from .loading import DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, model_gguf, parse_dtype, resolve_model_folder
+from .kv_policy import KVPolicy, parse_kv_cache
 from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 
 
@@ -29,13 +30,17 @@ class LoadedModel:
 
 
 def load_model(
-    model: str | None = None, *, backend: str = "auto", dtype: str | torch.dtype = "float32", numerics: str = "exact"
+    model: str | None = None, *, backend: str = "auto", dtype: str | torch.dtype = "float32", numerics: str = "exact",
+    kv_cache: "str | KVPolicy" = "full",
 ) -> LoadedModel:
     """Load a model by embedded name, Hugging Face folder or GGUF path (default: SmolLM2-135M),
-    computing in ``numerics`` (``exact`` or ``fast``, see :data:`.native.NUMERICS`)."""
+    computing in ``numerics`` (``exact`` or ``fast``, see :data:`.native.NUMERICS`), keeping the
+    keys and values ``kv_cache`` says (:mod:`.kv_policy`: ``full``, ``sink:S,window:W``, ...)."""
+    policy = parse_kv_cache(kv_cache)  # a bad spelling fails before any loading
     folder = resolve_model_folder(model)
     return LoadedModel(
-        backend=build_backend(folder, backend=backend, dtype=parse_dtype(dtype), gguf=model_gguf(model), numerics=numerics),
+        backend=build_backend(folder, backend=backend, dtype=parse_dtype(dtype), gguf=model_gguf(model), numerics=numerics,
+                              kv_cache=policy),
         tokenizer=HFTokenizer(folder),
         name=model or DEFAULT_MODEL,
     )

@@ -177,9 +177,10 @@ class Backend(ABC):
         """
         if self.batch_size != 1:
             raise ValueError("tree verification needs a batch of one row")
-        start = self.length
+        self._make_room(len(parents))
+        start, position = self._next_slot()
         visible, positions = tree_layout(start, parents)
-        out = self._run_tree(tokens.view(1, -1), positions, visible)
+        out = self._run_tree(tokens.view(1, -1), positions + (position - start), visible)
         self._pending_tree = start
         return out
 
@@ -195,17 +196,25 @@ class Backend(ABC):
         self._pending_tree = None
         self._set_length(start + len(nodes))
 
+    def _make_room(self, incoming: int) -> None:
+        """Called before a pass of ``incoming`` tokens: a cache policy may evict entries here."""
+
+    def _next_slot(self) -> tuple[int, int]:
+        """(cache slot, position) of the next token: both ``length`` unless a cache policy has
+        evicted entries (see ``models/kv_policy.py``)."""
+        return self.length, self.length
+
     def _run_tree(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> StepOutput:
         """Forward ``tokens`` ``[1, N]`` at ``positions`` with boolean ``visible`` ``[N, length + N]``,
         writing their cache entries after the committed ones without committing them."""
         raise NotImplementedError("a backend implements these hooks or overrides verify_tree/commit_path")
 
     def _move_entries(self, src: torch.Tensor, dst: int) -> None:
-        """Copy the cache entries at positions ``src`` to ``dst, dst + 1, ...``."""
+        """Copy the cache entries at slots ``src`` to ``dst, dst + 1, ...``."""
         raise NotImplementedError("a backend implements these hooks or overrides verify_tree/commit_path")
 
     def _set_length(self, length: int) -> None:
-        """Make the first ``length`` cache entries the committed ones."""
+        """Make the first ``length`` cache slots the committed ones."""
         raise NotImplementedError("a backend implements these hooks or overrides verify_tree/commit_path")
 
     @abstractmethod

@@ -209,14 +209,18 @@ def read_config(folder: Path) -> dict:
 
 def build_backend(
     folder: Path, *, backend: str = "auto", dtype: torch.dtype = torch.float32, gguf: Path | None = None,
-    numerics: str = "exact",
+    numerics: str = "exact", kv_cache: "KVPolicy | str" = "full",
 ) -> Backend:
     """Build the native backend for Llama-family configs, the HF backend otherwise (or on request).
 
     ``gguf``: the file ``folder`` was dequantised from; a float32 native backend then streams its
     Q4_1 / Q8_0 blocks in decode steps (:mod:`.gguf_blocks`). ``numerics``: ``exact`` or ``fast``
-    (:data:`.native.NUMERICS`; ``fast`` needs the native backend and the GGUF blocks)."""
+    (:data:`.native.NUMERICS`; ``fast`` needs the native backend and the GGUF blocks). ``kv_cache``:
+    a cache policy (:mod:`.kv_policy`; other than ``full``, the native backend's)."""
+    from .kv_policy import parse_kv_cache
     from .native import NATIVE_ARCHITECTURES, NUMERICS, LlamaConfig, NativeLlama
+
+    policy = parse_kv_cache(kv_cache)
 
     if numerics not in NUMERICS:
         raise InvalidParameter(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -230,6 +234,8 @@ def build_backend(
     if backend == "hf" or arch not in NATIVE_ARCHITECTURES:
         if numerics != "exact":
             raise InvalidParameter(f"the {numerics} numerics runs on the native backend only (this model uses the HF backend)")
+        if policy.evicts():
+            raise InvalidParameter(f"kv cache {policy.spec} runs on the native backend only (this model uses the HF backend)")
         from .hf import HFBackend
 
         return HFBackend.from_folder(folder, dtype=dtype)
@@ -244,6 +250,7 @@ def build_backend(
         blocks = cached_block_matrices(gguf, folder, llama.num_layers)
     state = load_state_dict(folder)
     try:
-        return NativeLlama(llama, state, dtype=dtype, name=folder.name, gguf_blocks=blocks, numerics=numerics)
+        return NativeLlama(llama, state, dtype=dtype, name=folder.name, gguf_blocks=blocks, numerics=numerics,
+                           kv_cache=policy)
     except KeyError as err:
         raise InvalidModel(f"{folder}: the weights have no tensor {err.args[0]!r}") from err

@@ -21,6 +21,7 @@ from ..errors import InvalidParameter
 from .backend import Backend, ModelInfo, StepOutput
 from .batching import PREFILL_CHUNK, PassBatcher
 from .gguf_blocks import BlockMatrix, matching_blocks
+from .kv_policy import KVPolicy, parse_kv_cache
 from .threads import GOVERNOR
 from .kernels import (
     INTEGER_GROUP, MAX_ROWS, DecoderLayers, KernelProjection, SequencePart, block_matmul, decoder_layers,
@@ -28,6 +29,9 @@ from .kernels import (
 )
 
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "mistral")
+#: ``ModelInfo.max_length`` under a policy that re-assigns positions within the cache (StreamingLLM):
+#: a sequence can then run past the model's context window.
+UNBOUNDED_LENGTH = 1 << 40
 #: ``exact``: float32 on the weights (or their GGUF blocks), bit-identical to the dequantised model.
 #: ``fast``: inputs quantised to 8 bits per block of 32 and integer dot products against the GGUF
 #: blocks (``kernels/gemm_q8.c``), for every pass, prefill included. Both compute every token's row
@@ -289,9 +293,14 @@ class NativeLlama(Backend):
 
     ``batcher``: set on clones that serve concurrent requests; their passes then run together
     with the other clones' (:mod:`.batching`), with the same results as alone.
+
+    ``kv_cache``: a :mod:`.kv_policy` (or its spelling) deciding which entries the cache keeps.
+    The cache then holds ``slots`` entries for ``length`` tokens; a pass writes after the last
+    slot, at the positions the policy assigns (the token's own, or its slot's).
     """
 
     batcher: PassBatcher | None = None
+    _observed_rows = False  # set during a pass whose attention weights go to the cache policy
 
     def __init__(
         self,
@@ -303,6 +312,7 @@ class NativeLlama(Backend):
         initial_capacity: int = 512,
         gguf_blocks: Mapping[str, BlockMatrix] | None = None,
         numerics: str = "exact",
+        kv_cache: KVPolicy | str | None = None,
     ):
         if numerics not in NUMERICS:
             raise InvalidParameter(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -313,6 +323,7 @@ class NativeLlama(Backend):
         self.config = config
         self.dtype = dtype
         self.numerics = numerics
+        self.kv_policy = parse_kv_cache(kv_cache)
         self.weights = LlamaWeights(config, state, dtype, gguf_blocks, numerics)
         # fast runs on every projection's (packed) blocks; exact on those that matched
         uses_blocks = numerics == "fast" or any(p.blocks is not None for p in self.weights.projections)
@@ -325,6 +336,7 @@ class NativeLlama(Backend):
             dtype=dtype,
             architecture=native_architecture(dtype, uses_blocks, numerics),
         )
+        self.info = self._info_for(self.kv_policy)
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), inv_freq)
         self._freqs = torch.polar(torch.ones_like(angles), angles)  # complex [max_position, D/2]
@@ -353,6 +365,22 @@ class NativeLlama(Backend):
             n_kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_norm_eps, layers=layers,
         )
 
+    def _info_for(self, policy: KVPolicy) -> ModelInfo:
+        peak = policy.peak_slots(1)  # what plain decoding needs; a longer pass is checked when it comes
+        if peak is not None and peak > self.config.max_position:
+            raise InvalidParameter(f"kv cache {policy.spec} needs up to {peak} entries, more than the model's context "
+                                   f"of {self.config.max_position}")
+        limit = UNBOUNDED_LENGTH if policy.reassigns_positions else self.config.max_position
+        return dataclasses.replace(self.info, max_length=limit)
+
+    def with_kv_cache(self, policy: KVPolicy | str) -> "NativeLlama":
+        """This model with another cache policy, sharing its weights, with a cache and a memory
+        of its own (:meth:`Backend.clone`): the drafter of ``kvdraft``."""
+        view = copy.copy(self)
+        view.kv_policy = parse_kv_cache(policy)
+        view.info = view._info_for(view.kv_policy)
+        return view.clone()
+
     def truncated(self, num_layers: int) -> "NativeLlama":
         """This model's first ``num_layers`` layers (+ final norm + lm head), sharing its weights
         and rope tables, with a cache and a memory of its own (:meth:`Backend.clone`)."""
@@ -375,10 +403,19 @@ class NativeLlama(Backend):
     def batch_size(self) -> int:
         return self._k.shape[1]
 
+    @property
+    def slots(self) -> int:
+        """Entries the cache holds (``length`` under the full cache; fewer once a policy evicts)."""
+        return self._slots
+
     @torch.inference_mode()
     def reset(self, batch_size: int = 1) -> None:
+        if batch_size != 1 and self.kv_policy.evicts():
+            raise InvalidParameter(f"kv cache {self.kv_policy.spec} holds one sequence; this method needs {batch_size}")
         self.kept_ids = None
-        self._length = 0
+        self._length = self._slots = 0
+        self._tail_from = 0  # tokens from here on sit in the last slots, in order (rollback reaches that far)
+        self._first_pass = True
         self._pending_tree = None
         self._allocate(batch_size, min(self._initial_capacity, self.config.max_position))
 
@@ -387,28 +424,44 @@ class NativeLlama(Backend):
         shape = (c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim)
         self._k = torch.zeros(shape, dtype=self.dtype)
         self._v = torch.zeros(shape, dtype=self.dtype)
+        if self.kv_policy.evicts():
+            # per slot and head: the token it holds, and the attention it has received (H2O, SnapKV)
+            self._held = torch.zeros(c.num_layers, c.num_kv_heads, capacity, dtype=torch.long)
+            self._mass = torch.zeros(c.num_layers, c.num_kv_heads, capacity)
 
     def _ensure_capacity(self, needed: int) -> None:
         capacity = self._k.shape[3]
         if needed <= capacity:
             return
         if needed > self.config.max_position:
+            if self.kv_policy.evicts():
+                raise ValueError(f"kv cache {self.kv_policy.spec}: {needed} entries exceed the model's context of "
+                                 f"{self.config.max_position}")
             raise ValueError(f"sequence of {needed} tokens exceeds the model's context of {self.config.max_position}")
         new_capacity = min(max(needed, 2 * capacity), self.config.max_position)
-        old_k, old_v = self._k, self._v
-        self._allocate(old_k.shape[1], new_capacity)
-        self._k[:, :, :, :capacity] = old_k
-        self._v[:, :, :, :capacity] = old_v
+        old = (self._k, self._v) + ((self._held, self._mass) if self.kv_policy.evicts() else ())
+        self._allocate(old[0].shape[1], new_capacity)
+        self._k[:, :, :, :capacity] = old[0]
+        self._v[:, :, :, :capacity] = old[1]
+        if self.kv_policy.evicts():
+            self._held[..., :capacity] = old[2]
+            self._mass[..., :capacity] = old[3]
 
     @torch.inference_mode()
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
+        if length < self._tail_from:
+            raise ValueError(f"cannot roll back to {length} tokens: kv cache {self.kv_policy.spec} has evicted "
+                             f"entries after token {self._tail_from}")
+        self._slots -= self._length - length
         self._length = length
         self._pending_tree = None
 
     @torch.inference_mode()
     def reorder(self, rows: torch.Tensor) -> None:
+        if rows.numel() != 1 and self.kv_policy.evicts():
+            raise InvalidParameter(f"kv cache {self.kv_policy.spec} holds one sequence; this method needs {rows.numel()}")
         self._k = self._k[:, rows].contiguous()
         self._v = self._v[:, rows].contiguous()
 
@@ -416,6 +469,8 @@ class NativeLlama(Backend):
 
     def reuses_prefix(self) -> bool:
         # batched (served) and fast passes read prompts in chunks through the row-independent kernels
+        if self.kv_policy.evicts():  # the cache does not hold the prompt's entries as a fresh read would
+            return False
         return self._stack is not None and (self.batcher is not None or self.numerics == "fast")
 
     @property
@@ -426,7 +481,8 @@ class NativeLlama(Backend):
     def _one_call(self, tokens: torch.Tensor, hidden_layers, skip_layers) -> bool:
         """Whether a pass can take the one-call layer path: one sequence, no layer skipped, no
         hidden state asked for."""
-        return self._stack is not None and tokens.shape[0] == 1 and not hidden_layers and not skip_layers
+        return (self._stack is not None and tokens.shape[0] == 1 and not hidden_layers and not skip_layers
+                and not self._observed_rows)
 
     def _batched(self, tokens: torch.Tensor, hidden_layers, skip_layers) -> bool:
         """Whether this pass goes through the batcher (the one-call path, all of the model's layers)."""
@@ -442,35 +498,163 @@ class NativeLlama(Backend):
         independent there, so any chunking gives the same bits, alone or served."""
         if self._batched(tokens, hidden_layers, skip_layers):
             return PREFILL_CHUNK
+        chunks = [self.kv_policy.prefill_chunk()]  # a windowed cache reads a prompt a window step at a time
         if self.numerics == "fast" and self._one_call(tokens, hidden_layers, skip_layers):
-            return MAX_ROWS
-        return None
+            chunks.append(MAX_ROWS)
+        return min((c for c in chunks if c is not None), default=None)
 
     @torch.inference_mode()
     def append(self, tokens, *, hidden_layers=(), skip_layers=frozenset(), last_only=False) -> StepOutput:
+        policy, k, first = self.kv_policy, tokens.shape[1], self._first_pass
+        observed = policy.observation_rows(self._slots, k, first)
+        self._first_pass = False
+        if 0 < observed < k:  # only the pass's last rows report their attention (SnapKV's window)
+            parts = [self._append(tokens[:, :-observed], hidden_layers, skip_layers, last_only, False),
+                     self._append(tokens[:, -observed:], hidden_layers, skip_layers, last_only, True)]
+            out = _joined(parts, last_only)
+        else:
+            out = self._append(tokens, hidden_layers, skip_layers, last_only, observed > 0)
+        if policy.compress_after(self._slots, first):
+            self._compact()
+        return out
+
+    def _append(self, tokens: torch.Tensor, hidden_layers, skip_layers, last_only: bool, observe: bool) -> StepOutput:
         chunk = self._prefill_chunk(tokens, hidden_layers, skip_layers)
         if chunk is not None and tokens.shape[1] > chunk:
-            outputs = [self.append(part, last_only=last_only) for part in tokens.split(chunk, dim=1)]
-            return StepOutput(logits=outputs[-1].logits if last_only else torch.cat([o.logits for o in outputs], dim=1))
-        start, k = self._length, tokens.shape[1]
-        positions = torch.arange(start, start + k)
+            parts = [self._append(part, hidden_layers, skip_layers, last_only, observe) for part in tokens.split(chunk, dim=1)]
+            return _joined(parts, last_only)
+        k = tokens.shape[1]
+        self._make_room(k)
+        start, position = self._next_slot()
+        positions = torch.arange(position, position + k)
         # k == 1 attends to everything cached; otherwise causal within the new block.
         mask = None if k == 1 else torch.ones(k, start + k, dtype=torch.bool).tril(diagonal=start)
-        out = self._forward(tokens, positions, mask, hidden_layers, skip_layers, last_only)
-        self._length = start + k
+        self._written(start, torch.arange(self._length, self._length + k))
+        self._observed_rows = observe
+        try:
+            out = self._forward(tokens, positions, mask, hidden_layers, skip_layers, last_only)
+        finally:
+            self._observed_rows = False
+        self._length += k
+        self._slots += k
         self._pending_tree = None
         return out
 
+    # What a cache policy needs: slots apart from tokens, compaction, attention weights -------------
+
+    @torch.inference_mode()
+    def adopt(self, source: "NativeLlama", token_ids: Sequence[int]) -> None:
+        """Start this cache from ``source``'s committed entries (a full cache of this model, batch 1,
+        holding ``token_ids``),
+        keeping what this cache's policy keeps, without reading the tokens again: how a compressed
+        cache is made from the target's after its prompt (``kvdraft``). SnapKV reads the prompt's
+        last ``window`` tokens again, for their attention; H2O's accumulated attention starts here."""
+        if (source.kv_policy.evicts() or source.config != self.config or source.batch_size != 1
+                or source.length != len(token_ids)):
+            raise ValueError("adopt() needs a full cache of the same model holding one sequence")
+        policy, n = self.kv_policy, source.length
+        self.reset(1)
+        observed = 0 if policy.observes_every_pass else policy.observation_rows(0, n, True)
+        copied = n - observed
+        if policy.reassigns_positions and policy.compact_before(copied, 1):
+            keep = policy.keep(copied, None)  # only what is kept is copied
+        else:
+            keep = torch.arange(copied)
+        self._ensure_capacity(keep.numel())
+        span = slice(0, keep.numel())
+        self._k[:, :, :, span] = source._k[:, :, :, keep]
+        self._v[:, :, :, span] = source._v[:, :, :, keep]
+        if policy.evicts():
+            self._held[..., span] = keep
+        if policy.reassigns_positions:
+            self._rotate_keys(keep.numel(), keep - torch.arange(keep.numel()))
+        self._length, self._slots = copied, keep.numel()
+        self._tail_from = copied - policy.recent if keep.numel() < copied else 0
+        if observed:  # read again, observed, and compressed after (SnapKV)
+            self.append(torch.tensor([list(token_ids[copied:n])]), last_only=True)
+        else:
+            self._first_pass = False
+
+    def _next_slot(self) -> tuple[int, int]:
+        return self._slots, self._slots if self.kv_policy.reassigns_positions else self._length
+
+    def _make_room(self, incoming: int) -> None:
+        if self.kv_policy.compact_before(self._slots, incoming):
+            self._compact()
+
+    def _written(self, slot: int, tokens: torch.Tensor) -> None:
+        """Slots ``slot..`` are about to receive the entries of ``tokens`` (sequence indices)."""
+        if self.kv_policy.evicts():
+            self._ensure_capacity(slot + tokens.numel())
+            span = slice(slot, slot + tokens.numel())
+            self._held[..., span] = tokens
+            self._mass[..., span] = 0.0
+
+    @torch.inference_mode()
+    def _compact(self) -> None:
+        """Keep the slots the policy chooses, moved to the front in order."""
+        keep = self.kv_policy.keep(self._slots, self._mass[..., : self._slots] if self.kv_policy.evicts() else None)
+        n = keep.shape[-1]
+        if n < self._slots:
+            if keep.dim() == 1:  # the same slots in every layer and head
+                for cache in (self._k, self._v):
+                    cache[:, :, :, :n] = cache[:, :, :, keep]
+                for table in (self._held, self._mass):
+                    table[..., :n] = table[..., keep]
+                if self.kv_policy.reassigns_positions:
+                    self._rotate_keys(n, keep - torch.arange(n))
+            else:  # per layer and head: [L, H_kv, n]
+                L, B, H, _, D = self._k.shape
+                index = keep[:, None, :, :, None].expand(L, B, H, n, D)
+                for cache in (self._k, self._v):
+                    cache[:, :, :, :n] = cache[:, :, :, : self._slots].gather(3, index)
+                for table in (self._held, self._mass):
+                    table[..., :n] = table[..., : self._slots].gather(2, keep)
+            self._slots = n
+        self._tail_from = max(self._tail_from, self._length - self.kv_policy.recent)
+
+    def _rotate_keys(self, n: int, moved_by: torch.Tensor) -> None:
+        """Rotate the keys of slots ``0..n`` back by the distance each moved (a RoPE rotation by
+        position composes: this places each at its new slot's position)."""
+        keys = self._k[:, :, :, :n]
+        pairs = torch.view_as_complex(keys.float().reshape(*keys.shape[:-1], -1, 2).contiguous())
+        rotated = torch.view_as_real(pairs * self._freqs[moved_by].conj()).flatten(-2)
+        keys.copy_(rotated.to(keys.dtype))
+
+    def _observe(self, layer: int, q: torch.Tensor, end: int, mask: torch.Tensor | None) -> None:
+        """Add the attention weights of the pass's rows ``q [k, H, D]`` over slots ``0..end`` to the
+        policy's mass (summed over rows and each key/value head's group of query heads). Computed
+        in torch beside the kernels' attention: only which entries to keep depends on it."""
+        c = self.config
+        keys = self._k[layer, 0, :, :end].float()
+        rows = q.shape[0]
+        grouped = q.float().reshape(rows, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
+        for r in range(0, rows, 256):  # bounded memory for a long prompt
+            scores = torch.einsum("rhgd,hnd->rhgn", grouped[r : r + 256], keys) * c.head_dim**-0.5
+            if mask is not None:
+                scores = scores.masked_fill(~mask[r : r + 256, None, None, :end], float("-inf"))
+            self._mass[layer, :, :end] += scores.softmax(-1).sum(dim=(0, 2))
+
     def _run_tree(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> StepOutput:
-        return self._forward(tokens, positions, visible, (), frozenset(), False)
+        start, position = self._next_slot()
+        self._written(start, self._length + positions - position)
+        self._observed_rows = self.kv_policy.observes_every_pass
+        try:
+            return self._forward(tokens, positions, visible, (), frozenset(), False)
+        finally:
+            self._observed_rows = False
 
     def _move_entries(self, src: torch.Tensor, dst: int) -> None:
         span = slice(dst, dst + src.numel())
         self._k[:, :, :, span] = self._k[:, :, :, src]
         self._v[:, :, :, span] = self._v[:, :, :, src]
+        if self.kv_policy.evicts():
+            for table in (self._held, self._mass):
+                table[..., span] = table[..., src]
 
-    def _set_length(self, length: int) -> None:
-        self._length = length
+    def _set_length(self, slots: int) -> None:
+        self._length += slots - self._slots
+        self._slots = slots
 
     def weight_traffic(self) -> tuple[int, int]:
         projections = self.weights.projections
@@ -486,21 +670,21 @@ class NativeLlama(Backend):
         last_only: bool,
     ) -> StepOutput:
         if self._batched(tokens, hidden_layers, skip_layers):
-            self._ensure_capacity(self._length + tokens.shape[1])
-            logits = self.batcher.run(self, tokens[0], positions, mask, self._length, last_only)
+            self._ensure_capacity(self._slots + tokens.shape[1])
+            logits = self.batcher.run(self, tokens[0], positions, mask, self._slots, last_only)
             return StepOutput(logits=logits[None])
         # the kernels' thread count for this pass; one-token passes are timed for the governor
         with GOVERNOR.governed(self.info.name, timed=tokens.numel() == 1 and not skip_layers):
             c, w = self.config, self.weights
             batch, k = tokens.shape
-            start = self._length
+            start = self._slots
             self._ensure_capacity(start + k)
             # Passes the matmul kernels take also get the element-wise kernels, so a token's
             # arithmetic is the same in a plain step and in any verification pass.
             ops = self._ops if k <= MAX_ROWS else None
 
             x = F.embedding(tokens, w.embed)  # a fresh tensor: the residual stream, updated in place
-            if self._stack is not None and batch == 1 and ops is not None and not hidden_layers:
+            if self._stack is not None and batch == 1 and ops is not None and not hidden_layers and not self._observed_rows:
                 # the same kernels as the loop below, called from C in one go
                 pending = torch.empty_like(x)
                 ran = self._stack.run(
@@ -580,9 +764,13 @@ class NativeLlama(Backend):
                 q = ops.rope_store(qkv, self._freqs_pairs, positions, self._k[i, 0], self._v[i, 0], start, c.num_heads)
             else:
                 q = self._rope_and_store(i, qkv, positions, start)[0][0]
+            if self._observed_rows:
+                self._observe(i, q, end, mask)
             heads = self._attend(q, self._k[i, 0, :, :end], self._v[i, 0, :, :end], mask, scale)
             return heads.to(qkv.dtype).view(batch, k, q_size)
         _, q = self._rope_and_store(i, qkv, positions, start)
+        if self._observed_rows:
+            self._observe(i, q[0].transpose(0, 1), end, mask)
         return F.scaled_dot_product_attention(
             q, self._k[i, :, :, :end], self._v[i, :, :, :end], attn_mask=mask, enable_gqa=c.num_heads != c.num_kv_heads
         ).transpose(1, 2).reshape(batch, k, q_size)
@@ -600,3 +788,13 @@ class NativeLlama(Backend):
         self._k[i, :, :, start : start + k] = kk
         self._v[i, :, :, start : start + k] = v.view(batch, k, c.num_kv_heads, c.head_dim).transpose(1, 2)
         return qk[:, :, : c.num_heads], q
+
+
+def _joined(parts: list[StepOutput], last_only: bool) -> StepOutput:
+    """One pass's output from the outputs of its consecutive pieces."""
+    if last_only:
+        logits = parts[-1].logits
+    else:
+        logits = torch.cat([p.logits for p in parts], dim=1)
+    hidden = {layer: torch.cat([p.hidden[layer] for p in parts], dim=1) for layer in parts[-1].hidden}
+    return StepOutput(logits=logits, hidden=hidden)

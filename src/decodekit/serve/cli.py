@@ -37,12 +37,12 @@ def load_for_serving(args: argparse.Namespace):
     from ..models import load_model
 
     if args.numerics is not None:
-        return load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics)
+        return load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics, kv_cache=args.kv_cache)
     try:
-        return load_model(args.model, backend=args.backend, dtype=args.dtype, numerics="fast")
+        return load_model(args.model, backend=args.backend, dtype=args.dtype, numerics="fast", kv_cache=args.kv_cache)
     except InvalidParameter as err:
         print(f"decodekit serve: {err}; serving the exact numerics", file=sys.stderr)
-        return load_model(args.model, backend=args.backend, dtype=args.dtype, numerics="exact")
+        return load_model(args.model, backend=args.backend, dtype=args.dtype, numerics="exact", kv_cache=args.kv_cache)
 
 
 def listen(host: str, port: int) -> socket.socket:

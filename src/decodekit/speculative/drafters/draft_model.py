@@ -126,10 +126,13 @@ class DraftModelDrafter(ChainDrafter):
         stochastic: bool = True,
     ):
         super().__init__(max_draft=max_draft, confidence=confidence, stochastic=stochastic)
-        self.spec = parse_draft_spec(draft_model)
+        self.spec = self._parse_spec(draft_model)
         self.backend: Backend | None = None
         self._cached: list[int] = []  # mirrors the draft cache
         self._vocab = 0  # the target's vocabulary size
+
+    def _parse_spec(self, spec: object) -> Backend | int | str | None:
+        return parse_draft_spec(spec)
 
     def begin(self, state: DecodeState) -> None:
         # The prompt is run lazily, by the first draft: a request whose controller never

@@ -1,0 +1,317 @@
+"""KV-cache policies: which of a sequence's keys and values the native backend keeps.
+
+A policy is a rule over the cache's *slots* (the entries it holds, in order) and the *tokens*
+of the sequence (``Backend.length`` counts tokens, which stays the sequence's length whatever
+was evicted). The backend asks the policy before each pass whether to compact, and moves the
+kept entries to the front, in slot order. What every policy guarantees, so that speculative
+decoding and rollback keep working: the last ``recent`` tokens are always held, in the last
+slots, so rolling back up to that many tokens only moves a counter.
+
+Spellings (``--kv-cache``, ``kv_cache=``; :data:`POLICY_HELP` lists them):
+
+* ``full``: every entry (the default; what every lossless claim is relative to).
+* ``sink:S,window:W[,every:E]``: StreamingLLM.
+* ``h2o:budget=B,window=W``: H2O heavy hitters.
+* ``snapkv:budget=B,window=O[,kernel=K]``: SnapKV.
+
+Each policy changes the output relative to the full cache (it drops what a token could attend
+to); ``kvdraft`` uses a compressed cache only to draft, and stays lossless.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import InvalidParameter
+
+POLICY_HELP = {
+    "full": "every key and value (default)",
+    "sink:S,window:W[,every:E]": "StreamingLLM: S attention sinks + the last W tokens, positions within the cache; "
+                                 "runs past the context window at constant memory",
+    "h2o:budget=B,window=W": "H2O: the W most recent tokens + the B-W with the most accumulated attention, per head",
+    "snapkv:budget=B,window=O[,kernel=K]": "SnapKV: after the prompt, per head the prompt positions the last O prompt "
+                                           "tokens attend to most (pooled over K), within B entries",
+}
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """The full cache: nothing is evicted."""
+
+    @property
+    def spec(self) -> str:
+        return "full"
+
+    @property
+    def recent(self) -> int:
+        """Tokens always held in the last slots (how far a compacted cache can roll back)."""
+        return 0
+
+    #: True: kept keys are moved to the positions of their slots (StreamingLLM); False: every
+    #: token keeps its position in the sequence (H2O, SnapKV), so the context window still binds.
+    reassigns_positions = False
+    #: Whether the backend must report attention weights to the policy (H2O on every pass).
+    observes_every_pass = False
+
+    def evicts(self) -> bool:
+        return False
+
+    def peak_slots(self, longest_pass: int) -> int | None:
+        """The most entries the cache can hold with passes of up to ``longest_pass`` tokens (None:
+        as many as the sequence has)."""
+        return None
+
+    def compact_before(self, slots: int, incoming: int) -> bool:
+        """Whether the ``slots`` committed entries are compacted before a pass of ``incoming`` tokens."""
+        return False
+
+    def keep(self, slots: int, mass: torch.Tensor | None) -> torch.Tensor:
+        """The slots to keep, ascending: ``[n]`` (the same for every head) or ``[L, H_kv, n]``."""
+        return torch.arange(slots)
+
+    def prefill_chunk(self) -> int | None:
+        """How many prompt tokens go in one pass at most (None: all at once)."""
+        return None
+
+    def observation_rows(self, slots_before: int, incoming: int, first_pass: bool) -> int:
+        """How many of a pass's last rows report their attention to the policy (SnapKV: the
+        prompt's last O, H2O: every row)."""
+        return incoming if self.observes_every_pass else 0
+
+    def compress_after(self, slots: int, first_pass: bool) -> bool:
+        """Whether the cache is compacted right after a pass (SnapKV: after the prompt)."""
+        return False
+
+
+@dataclass(frozen=True)
+class StreamingPolicy(KVPolicy):
+    """StreamingLLM (Xiao et al., 2024, "Efficient Streaming Language Models with Attention Sinks").
+
+    Keeps the first ``sink`` tokens (the attention sinks) and the most recent ``window`` tokens;
+    positions are those within the cache, as the paper assigns them ("we focus on positions within
+    the cache rather than those in the original text"), so generation runs past the model's
+    context window at constant memory. Changes the output once a sequence passes
+    ``sink + window`` tokens.
+
+    Choices the paper leaves open: the cache is compacted when it holds ``sink + window + every``
+    entries, back to ``sink + window`` (the reference implementation evicts every step; moving
+    and re-rotating the window every step would cost more than the step), so a token attends to
+    the sinks and between ``window`` and ``window + every - 1`` recent tokens. Keys are stored
+    rotated; on compaction the moved keys are rotated back by the distance they moved (RoPE is a
+    rotation by position, so this places them at their new slots). A prompt is read ``every``
+    tokens a pass, so a prompt longer than the context window works too.
+    """
+
+    sink: int = 4
+    window: int = 1024
+    every: int = 0  # 0: window // 8 (at least 1)
+
+    def __post_init__(self) -> None:
+        if self.sink < 0 or self.window < 1 or self.every < 0:
+            raise InvalidParameter(f"kv cache {self.spec!r}: needs sink >= 0, window >= 1, every >= 1")
+
+    @property
+    def step(self) -> int:
+        return self.every or max(1, self.window // 8)
+
+    @property
+    def spec(self) -> str:
+        return f"sink:{self.sink},window:{self.window}" + (f",every:{self.every}" if self.every else "")
+
+    @property
+    def recent(self) -> int:
+        return self.window
+
+    reassigns_positions = True
+
+    def evicts(self) -> bool:
+        return True
+
+    def compact_before(self, slots: int, incoming: int) -> bool:
+        return slots >= self.sink + self.window + self.step
+
+    def peak_slots(self, longest_pass: int) -> int | None:
+        return self.sink + self.window + self.step - 1 + max(longest_pass, self.step)
+
+    def keep(self, slots: int, mass: torch.Tensor | None) -> torch.Tensor:
+        return streaming_keep(slots, self.sink, self.window)
+
+    def prefill_chunk(self) -> int | None:
+        return self.step
+
+
+@dataclass(frozen=True)
+class HeavyHitterPolicy(KVPolicy):
+    """H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference").
+
+    Keeps, per head, the ``window`` most recent tokens and the ``budget - window`` others with the
+    largest attention accumulated over every query so far (the prompt's included); evicts before
+    every pass that starts with more than ``budget`` entries. Changes the output once a sequence
+    passes ``budget`` tokens; positions stay those in the sequence.
+
+    Choices the paper leaves open: with grouped-query attention a key/value head is shared by a
+    group of query heads, so its score is the sum of the group's attention; rows of a verification
+    pass that are later rolled back still count (the accumulated score is a heuristic either way);
+    kept entries stay in sequence order. The attention weights are computed beside the kernels'
+    attention (in torch, float32), so this policy runs the layer-by-layer path.
+    """
+
+    budget: int = 512
+    window: int = 64
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.window <= self.budget:
+            raise InvalidParameter(f"kv cache {self.spec!r}: needs 1 <= window <= budget")
+
+    @property
+    def spec(self) -> str:
+        return f"h2o:budget={self.budget},window={self.window}"
+
+    @property
+    def recent(self) -> int:
+        return self.window
+
+    observes_every_pass = True
+
+    def evicts(self) -> bool:
+        return True
+
+    def compact_before(self, slots: int, incoming: int) -> bool:
+        return slots > self.budget
+
+    def keep(self, slots: int, mass: torch.Tensor | None) -> torch.Tensor:
+        assert mass is not None
+        return heavy_hitter_keep(mass[..., :slots], self.budget, self.window)
+
+
+@dataclass(frozen=True)
+class SnapKVPolicy(KVPolicy):
+    """SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation").
+
+    After the prompt, keeps per head the ``budget - window`` prompt positions that the prompt's
+    last ``window`` tokens (the observation window) attend to most, scores smoothed by average
+    pooling over ``kernel`` positions, plus the window itself. Generated tokens are all kept (the
+    paper compresses the prompt only). A prompt of at most ``budget`` tokens is left whole.
+    Changes the output; positions stay those in the sequence.
+
+    Choices the paper leaves open: pooling and kernel as the reference code's defaults (average,
+    5); with grouped-query attention a key/value head's score sums its group's query heads; kept
+    entries stay in sequence order (the reference keeps them in score order, which changes only
+    the summation order); the prompt is the request's first pass.
+    """
+
+    budget: int = 1024
+    window: int = 32
+    kernel: int = 5
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.window < self.budget or self.kernel < 1 or self.kernel % 2 == 0:
+            raise InvalidParameter(f"kv cache {self.spec!r}: needs 1 <= window < budget and an odd kernel")
+
+    @property
+    def spec(self) -> str:
+        return f"snapkv:budget={self.budget},window={self.window}" + (f",kernel={self.kernel}" if self.kernel != 5 else "")
+
+    @property
+    def recent(self) -> int:
+        return self.window
+
+    def evicts(self) -> bool:
+        return True
+
+    def observation_rows(self, slots_before: int, incoming: int, first_pass: bool) -> int:
+        return min(self.window, incoming) if first_pass and slots_before + incoming > self.budget else 0
+
+    def compress_after(self, slots: int, first_pass: bool) -> bool:
+        return first_pass and slots > self.budget
+
+    def keep(self, slots: int, mass: torch.Tensor | None) -> torch.Tensor:
+        assert mass is not None
+        return snapkv_keep(mass[..., :slots], self.budget, self.window, self.kernel)
+
+
+# The rules, as pure functions (tests check them against slow loops) ------------------------------
+
+
+def streaming_keep(slots: int, sink: int, window: int) -> torch.Tensor:
+    """The first ``sink`` slots and the last ``window`` (all of them when there are no more)."""
+    if slots <= sink + window:
+        return torch.arange(slots)
+    return torch.cat([torch.arange(sink), torch.arange(slots - window, slots)])
+
+
+def heavy_hitter_keep(mass: torch.Tensor, budget: int, window: int) -> torch.Tensor:
+    """Per head (``mass [L, H, n]``), the last ``window`` slots and the ``budget - window`` earlier
+    ones with the largest mass (ties to the earlier slot), ascending: ``[L, H, budget]``."""
+    n = mass.shape[-1]
+    if n <= budget:
+        return torch.arange(n).expand(*mass.shape[:-1], n)
+    older = mass[..., : n - window]
+    # stable descending sort: equal masses keep the earlier slot first
+    chosen = older.sort(dim=-1, descending=True, stable=True).indices[..., : budget - window]
+    recent = torch.arange(n - window, n).expand(*mass.shape[:-1], window)
+    return torch.cat([chosen.sort(dim=-1).values, recent], dim=-1)
+
+
+def snapkv_keep(mass: torch.Tensor, budget: int, window: int, kernel: int) -> torch.Tensor:
+    """Per head (``mass [L, H, n]``: the observation window's attention summed over its rows),
+    the ``budget - window`` prefix slots with the largest pooled mass and the last ``window``."""
+    n = mass.shape[-1]
+    if n <= budget:
+        return torch.arange(n).expand(*mass.shape[:-1], n)
+    prefix = mass[..., : n - window]
+    L, H, m = prefix.shape
+    pooled = F.avg_pool1d(prefix.reshape(L * H, 1, m), kernel, stride=1, padding=kernel // 2).view(L, H, m)
+    chosen = pooled.sort(dim=-1, descending=True, stable=True).indices[..., : budget - window]
+    recent = torch.arange(n - window, n).expand(L, H, window)
+    return torch.cat([chosen.sort(dim=-1).values, recent], dim=-1)
+
+
+# Spellings -----------------------------------------------------------------------------------------
+
+
+def parse_kv_cache(spec: "str | KVPolicy | None") -> KVPolicy:
+    """A policy from its spelling (see the module docstring); InvalidParameter in one line otherwise."""
+    if spec is None or isinstance(spec, KVPolicy):
+        return spec or KVPolicy()
+    text = str(spec).strip()
+    if text == "full":
+        return KVPolicy()
+    kind, _, rest = text.partition(":")
+    if kind == "sink":  # sink:S,window:W[,every:E]
+        fields = _fields(text, rest, ":", ("window", "every"), first="sink")
+        return StreamingPolicy(sink=fields["sink"], window=_required(text, fields, "window"), every=fields.get("every", 0))
+    if kind == "h2o":
+        fields = _fields(text, rest, "=", ("budget", "window"))
+        return HeavyHitterPolicy(budget=_required(text, fields, "budget"), window=_required(text, fields, "window"))
+    if kind == "snapkv":
+        fields = _fields(text, rest, "=", ("budget", "window", "kernel"))
+        return SnapKVPolicy(budget=_required(text, fields, "budget"), window=fields.get("window", 32),
+                            kernel=fields.get("kernel", 5))
+    raise InvalidParameter(f"unknown kv cache {text!r}; choose from: {', '.join(POLICY_HELP)}")
+
+
+def _fields(text: str, rest: str, sep: str, names: tuple[str, ...], first: str | None = None) -> dict[str, int]:
+    parts = rest.split(",") if rest else []
+    fields: dict[str, int] = {}
+    if first is not None:  # "sink:4,window:..." puts the first value right after the kind
+        if not parts or not re.fullmatch(r"\d+", parts[0]):
+            raise InvalidParameter(f"kv cache {text!r}: expected {first}:N first")
+        fields[first] = int(parts.pop(0))
+    for part in parts:
+        name, eq, value = part.partition(sep)
+        if not eq or name not in names or not re.fullmatch(r"\d+", value) or name in fields:
+            raise InvalidParameter(f"kv cache {text!r}: cannot read {part!r} (expected {sep.join(('NAME', 'N'))} "
+                                   f"with NAME one of {', '.join(names)})")
+        fields[name] = int(value)
+    return fields
+
+
+def _required(text: str, fields: dict[str, int], name: str) -> int:
+    if name not in fields:
+        raise InvalidParameter(f"kv cache {text!r}: {name} is missing")
+    return fields[name]

@@ -1,0 +1,320 @@
+"""KV-cache policies: each keeps exactly what its rule says (rules checked against slow loops,
+the attention they rank by checked against transformers), the cache stays usable (rollback,
+speculation, past the context window), and ``kvdraft`` stays lossless."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decodekit.engine import Engine
+from decodekit.errors import InvalidParameter, PromptTooLong
+from decodekit.models import CharTokenizer, LoadedModel
+from decodekit.models.kv_policy import (
+    HeavyHitterPolicy, KVPolicy, SnapKVPolicy, StreamingPolicy, heavy_hitter_keep, parse_kv_cache, snapkv_keep,
+    streaming_keep,
+)
+from decodekit.models.tiny import tiny_hf_model, tiny_llama
+
+# hidden 64: head_dim 16, the compiled kernels' path; hidden 32: head_dim 8, torch's path
+SIZES = [32, 64]
+
+
+def tokens(n: int, seed: int = 0, vocab: int = 96) -> list[int]:
+    return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# Spellings ------------------------------------------------------------------------------------------
+
+
+def test_spellings_parse_and_round_trip():
+    assert parse_kv_cache("full") == KVPolicy() and not KVPolicy().evicts()
+    assert parse_kv_cache("sink:4,window:64") == StreamingPolicy(4, 64)
+    assert parse_kv_cache("sink:0,window:8,every:2") == StreamingPolicy(0, 8, 2)
+    assert parse_kv_cache("h2o:budget=128,window=16") == HeavyHitterPolicy(128, 16)
+    assert parse_kv_cache("snapkv:budget=100,window=8,kernel=3") == SnapKVPolicy(100, 8, 3)
+    for spec in ("full", "sink:4,window:64", "sink:1,window:8,every:2", "h2o:budget=128,window=16",
+                 "snapkv:budget=100,window=8", "snapkv:budget=100,window=8,kernel=3"):
+        assert parse_kv_cache(spec).spec == spec
+
+
+@pytest.mark.parametrize("spec", [
+    "ful", "sink:4", "sink:x,window:4", "sink:4,window:0", "h2o:budget=8", "h2o:budget=8,window=9",
+    "h2o:budget=8,window=4,extra=1", "snapkv:budget=8,window=8", "snapkv:budget=8,window=2,kernel=4",
+    "sink:4,window:8,window:9", "h2o:budget=-1,window=1",
+])
+def test_bad_spellings_fail_in_one_line(spec):
+    with pytest.raises(InvalidParameter) as err:
+        parse_kv_cache(spec)
+    assert "\n" not in str(err.value) and "kv cache" in str(err.value)
+
+
+# The rules against slow loops --------------------------------------------------------------------------
+
+
+def slow_streaming(n: int, sink: int, window: int) -> list[int]:
+    return [i for i in range(n) if i < sink or i >= n - window]
+
+
+def slow_top(scores: list[float], count: int) -> list[int]:
+    """The ``count`` largest, earlier first among equals, as a sorted list of indices."""
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    return sorted(order[:count])
+
+
+def test_streaming_rule():
+    for n in range(0, 40):
+        assert streaming_keep(n, 3, 10).tolist() == slow_streaming(n, 3, 10)
+
+
+def test_heavy_hitter_rule_with_ties():
+    g = torch.Generator().manual_seed(1)
+    mass = torch.randint(0, 5, (2, 3, 30), generator=g).float()  # many ties
+    got = heavy_hitter_keep(mass, budget=12, window=4)
+    for layer in range(2):
+        for head in range(3):
+            scores = mass[layer, head, :26].tolist()
+            assert got[layer, head].tolist() == slow_top(scores, 8) + list(range(26, 30))
+    assert heavy_hitter_keep(mass[..., :10], 12, 4).tolist() == [[list(range(10))] * 3] * 2  # within budget: all
+
+
+def test_snapkv_rule_pools_then_picks():
+    g = torch.Generator().manual_seed(2)
+    mass = torch.rand(1, 2, 40, generator=g)
+    got = snapkv_keep(mass, budget=15, window=5, kernel=5)
+    for head in range(2):
+        prefix = mass[0, head, :35].tolist()
+        # average pooling over 5 with zero padding (count_include_pad, as F.avg_pool1d)
+        pooled = [sum(prefix[j] for j in range(i - 2, i + 3) if 0 <= j < 35) / 5 for i in range(35)]
+        assert got[0, head].tolist() == slow_top(pooled, 10) + list(range(35, 40))
+
+
+# The attention the policies rank by --------------------------------------------------------------------
+
+
+def transformers_attention(seed: int, hidden: int, ids: list[int]) -> list[torch.Tensor]:
+    """Per layer, the attention weights [H, n, n] of one pass over ``ids`` (transformers, eager)."""
+    model = tiny_hf_model(seed=seed, hidden_size=hidden)
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_attentions=True)
+    return [a[0] for a in out.attentions]
+
+
+def grouped(weights: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """[H, ...] -> [H_kv, ...]: the sum over each key/value head's group of query heads."""
+    return weights.reshape(n_kv_heads, -1, *weights.shape[1:]).sum(1)
+
+
+@pytest.mark.parametrize("hidden", SIZES)
+def test_h2o_accumulates_the_attention_every_key_has_received(hidden):
+    ids = tokens(24, seed=3)
+    backend = tiny_llama(seed=5, hidden_size=hidden).with_kv_cache("h2o:budget=64,window=4")
+    backend.prefill(ids[:16])  # one pass of 16, then steps: the mass sums every query's weights
+    for t in ids[16:]:
+        backend.step(torch.tensor([t]))
+    reference = transformers_attention(5, hidden, ids)
+    for layer, weights in enumerate(reference):
+        want = grouped(weights.sum(1), backend.config.num_kv_heads)  # [H_kv, n]
+        assert torch.allclose(backend._mass[layer, :, :24], want, atol=1e-4), layer
+
+
+@pytest.mark.parametrize("hidden", SIZES)
+def test_snapkv_ranks_by_the_observation_windows_attention(hidden):
+    ids = tokens(40, seed=4)
+    policy = SnapKVPolicy(budget=20, window=6, kernel=3)
+    backend = tiny_llama(seed=6, hidden_size=hidden).with_kv_cache(policy)
+    backend.prefill(ids)
+    reference = transformers_attention(6, hidden, ids)
+    assert backend.slots == 20 and backend.length == 40
+    for layer, weights in enumerate(reference):
+        mass = grouped(weights[:, -6:, :].sum(1), backend.config.num_kv_heads)  # the window's rows
+        want = snapkv_keep(mass[None], 20, 6, 3)[0]
+        got = backend._held[layer, :, :20]
+        # near-ties may order differently under float rounding: compare where the scores are apart
+        assert (got == want).float().mean() > 0.95, layer
+        assert got[:, -6:].tolist() == [list(range(34, 40))] * backend.config.num_kv_heads
+    # a generated token is kept, as every later one (SnapKV compresses the prompt only)
+    for _ in range(30):
+        backend.step(torch.tensor([1]))
+    assert backend.slots == 50
+
+
+# What each policy holds, step by step ------------------------------------------------------------------
+
+
+class Recorder:
+    """Wraps a backend's compaction: checks each against the rule applied to what was there before."""
+
+    def __init__(self, backend, rule):
+        self.backend, self.rule, self.count = backend, rule, 0
+        original = backend._compact
+
+        def compact():
+            slots = backend.slots
+            held, mass, v = backend._held[..., :slots].clone(), backend._mass[..., :slots].clone(), backend._v[:, 0, :, :slots].clone()
+            original()
+            keep = self.rule(slots, mass)
+            if keep.dim() == 1:
+                keep = keep.expand(*held.shape[:2], -1)
+            n = keep.shape[-1]
+            assert backend.slots == n
+            assert torch.equal(backend._held[..., :n], held.gather(2, keep))
+            index = keep[..., None].expand(-1, -1, -1, v.shape[-1])
+            assert torch.equal(backend._v[:, 0, :, :n], v.gather(2, index))  # values move untouched
+            self.count += 1
+
+        backend._compact = compact
+
+
+@pytest.mark.parametrize("hidden", SIZES)
+def test_h2o_evicts_by_its_rule_and_stays_within_budget(hidden):
+    policy = HeavyHitterPolicy(budget=20, window=5)
+    backend = tiny_llama(seed=1, hidden_size=hidden).with_kv_cache(policy)
+    recorder = Recorder(backend, lambda slots, mass: heavy_hitter_keep(mass, 20, 5))
+    engine = Engine(LoadedModel(backend, CharTokenizer(96), "tiny"))
+    engine.generate(tokens(30), max_new_tokens=40, ignore_eos=True)
+    # 39 steps after the prompt's pass (the last token is not run), each compacting first
+    assert recorder.count == 39 and backend.slots == 21 and backend.length == 69
+    # the last window tokens are always there, in the last slots of every head
+    assert backend._held[..., backend.slots - 5 : backend.slots].tolist() == [[list(range(64, 69))] * 2] * 2
+
+
+@pytest.mark.parametrize("hidden", SIZES)
+def test_streaming_keeps_sinks_and_window_and_moves_keys_to_their_slots(hidden):
+    policy = StreamingPolicy(sink=2, window=12, every=3)
+    backend = tiny_llama(seed=2, hidden_size=hidden).with_kv_cache(policy)
+    Recorder(backend, lambda slots, mass: streaming_keep(slots, 2, 12))
+    backend.prefill(tokens(10))
+    for t in tokens(40, seed=9):
+        before = backend._k[:, 0].clone(), backend.slots
+        backend.step(torch.tensor([t]))
+        if backend.slots - 1 < before[1]:  # compacted before this step: check the keys' rotation
+            n, moved = backend.slots - 1, before[1] - (backend.slots - 1)
+            old = before[0][:, :, streaming_keep(before[1], 2, 12)]
+            want = rotate(old, [0, 0] + [-moved] * 12, backend.config.rope_theta)
+            assert torch.allclose(backend._k[:, 0, :, :n], want, atol=1e-5)
+    assert backend.slots <= 2 + 12 + 3 and backend.length == 50
+    held = backend._held[0, 0, : backend.slots].tolist()
+    assert held[:2] == [0, 1] and held[2:] == list(range(50 - len(held) + 2, 50))
+
+
+def rotate(keys: torch.Tensor, by: list[int], theta: float) -> torch.Tensor:
+    """Keys [L, H, n, D] (rotary pairs adjacent) rotated by ``by[j]`` positions, in float64."""
+    d = keys.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.tensor(by, dtype=torch.float64)[:, None] * inv  # [n, D/2]
+    x, y = keys.double()[..., 0::2], keys.double()[..., 1::2]
+    out = torch.empty_like(keys, dtype=torch.float64)
+    out[..., 0::2] = x * angles.cos() - y * angles.sin()
+    out[..., 1::2] = x * angles.sin() + y * angles.cos()
+    return out.float()
+
+
+def test_streaming_runs_past_the_context_window_at_constant_memory():
+    backend = tiny_llama(seed=0, hidden_size=64, max_position=64).with_kv_cache("sink:2,window:24,every:4")
+    engine = Engine(LoadedModel(backend, CharTokenizer(96), "tiny"))
+    out = engine.generate(tokens(100), max_new_tokens=200, ignore_eos=True)  # prompt alone is past the window
+    assert len(out.tokens) == 200 and backend.length == 299
+    capacity = backend._k.shape[3]
+    assert backend.slots <= 2 + 24 + 4 and capacity <= 64
+    full = Engine(LoadedModel(tiny_llama(seed=0, hidden_size=64, max_position=64), CharTokenizer(96), "tiny"))
+    with pytest.raises(PromptTooLong) as err:
+        full.generate(tokens(100), max_new_tokens=5)
+    assert "\n" not in str(err.value)
+
+
+def test_a_window_too_large_for_the_context_is_refused():
+    with pytest.raises(InvalidParameter, match="more than the model's context"):
+        tiny_llama(max_position=64).with_kv_cache("sink:4,window:60")
+
+
+@pytest.mark.parametrize("spec", ["h2o:budget=200,window=8", "snapkv:budget=200,window=8", "sink:4,window:200"])
+def test_a_budget_larger_than_the_sequence_changes_nothing(spec):
+    prompt = tokens(40)
+    full = Engine(LoadedModel(tiny_llama(seed=3, hidden_size=64), CharTokenizer(96), "tiny"))
+    policy = Engine(LoadedModel(tiny_llama(seed=3, hidden_size=64).with_kv_cache(spec), CharTokenizer(96), "tiny"))
+    want = full.generate(prompt, max_new_tokens=30, ignore_eos=True).tokens
+    assert policy.generate(prompt, max_new_tokens=30, ignore_eos=True).tokens == want
+
+
+def test_rollback_within_the_window_works_and_beyond_it_is_refused():
+    backend = tiny_llama(seed=0, hidden_size=64).with_kv_cache("sink:2,window:8,every:2")
+    backend.prefill(tokens(30))
+    backend.step(torch.tensor([5]))  # compacts first
+    length = backend.length
+    held = backend._held[0, 0, : backend.slots].tolist()
+    backend.append(torch.tensor([[1, 2, 3]]))  # read 2 at a time: compacts between them
+    backend.truncate(length)
+    now = backend._held[0, 0, : backend.slots].tolist()
+    assert backend.length == length and now[:2] == [0, 1] and now[2:] == held[-len(now) + 2 :]
+    with pytest.raises(ValueError, match="evicted"):
+        backend.truncate(length - 9)
+
+
+def test_policies_need_the_native_backend_and_one_sequence():
+    backend = tiny_llama(seed=0).with_kv_cache("sink:2,window:8")
+    with pytest.raises(InvalidParameter, match="one sequence"):
+        backend.prefill(tokens(5), batch_size=3)
+    engine = Engine(LoadedModel(backend, CharTokenizer(96), "tiny"))
+    with pytest.raises(InvalidParameter, match="one sequence"):
+        engine.generate("abc", method="beam", max_new_tokens=4, chat=False)
+
+
+# kvdraft: lossless self-speculation from a compressed cache ----------------------------------------------
+
+
+@pytest.mark.parametrize("hidden", SIZES)
+@pytest.mark.parametrize("cache", ["sink:2,window:8", "sink:1,window:6,every:1", "snapkv:budget=24,window=4",
+                                   "h2o:budget=24,window=4"])
+def test_kvdraft_greedy_is_plain_greedy(hidden, cache):
+    engine = Engine(LoadedModel(tiny_llama(seed=0, hidden_size=hidden, scale=3.0), CharTokenizer(96), "tiny"))
+    for seed in range(3):
+        prompt = tokens(40, seed=seed)
+        want = engine.generate(prompt, max_new_tokens=40, ignore_eos=True).tokens
+        for budget in (2, 5):
+            got = engine.generate(prompt, method="kvdraft", kv_cache=cache, max_new_tokens=40, ignore_eos=True,
+                                  budget=budget)
+            assert got.tokens == want, (cache, seed, budget)
+            assert got.stats.extra["verifications"] > 0
+
+
+def test_kvdraft_draft_cache_is_the_targets_compressed():
+    """The draft's cache starts as the target's prompt entries under the policy, without a second
+    read: its first logits equal those of a cache that read the prompt under the policy itself
+    when the policy keeps everything, and its entries are the target's where it does not."""
+    target = tiny_llama(seed=2, hidden_size=64)
+    prompt = tokens(30)
+    target.prefill(prompt)
+    draft = target.with_kv_cache("sink:2,window:8,every:1")
+    draft.adopt(target, prompt)
+    assert (draft.length, draft.slots) == (30, 10)
+    kept = streaming_keep(30, 2, 8)
+    assert torch.equal(draft._v[:, 0, :, :10], target._v[:, 0, :, kept])
+    assert draft._held[0, 0, :10].tolist() == kept.tolist()
+    with pytest.raises(ValueError):
+        draft.adopt(draft, prompt)  # the source must be a full cache
+
+
+def test_kvdraft_refuses_a_cache_that_keeps_everything_and_other_backends():
+    engine = Engine(LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny"))
+    with pytest.raises(InvalidParameter, match="evicts"):
+        engine.generate("abc", method="kvdraft", kv_cache="full", max_new_tokens=3, chat=False)
+    with pytest.raises(InvalidParameter, match="kv cache"):
+        engine.generate("abc", method="kvdraft", kv_cache="sink:1", max_new_tokens=3, chat=False)
+
+
+def test_real_model_streaming_and_kvdraft(real_model):
+    """The embedded model: a streaming cache keeps its memory as the text grows, and kvdraft from
+    a small window is token-identical to greedy."""
+    engine = Engine(real_model)
+    prompt = "Write a long story about a lighthouse keeper. " * 40
+    want = engine.generate(prompt, max_new_tokens=24)
+    got = engine.generate(prompt, method="kvdraft", kv_cache="sink:4,window:64", max_new_tokens=24, budget=4)
+    assert got.tokens == want.tokens and got.stats.extra["verifications"] > 0
+    streaming = Engine(LoadedModel(real_model.backend.with_kv_cache("sink:4,window:128"), real_model.tokenizer, "s"))
+    out = streaming.generate(prompt, max_new_tokens=40, ignore_eos=True)
+    assert len(out.tokens) == 40 and streaming.model.backend.slots <= 4 + 128 + 16
+    assert not math.isnan(float(streaming.model.backend._k[0, 0, 0, 0, 0]))
