@@ -300,7 +300,7 @@ def test_kvdraft_draft_cache_is_the_targets_compressed():
 
 def test_kvdraft_refuses_a_cache_that_keeps_everything_and_other_backends():
     engine = Engine(LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny"))
-    with pytest.raises(InvalidParameter, match="evicts"):
+    with pytest.raises(InvalidParameter, match="compressed"):
         engine.generate("abc", method="kvdraft", kv_cache="full", max_new_tokens=3, chat=False)
     with pytest.raises(InvalidParameter, match="kv cache"):
         engine.generate("abc", method="kvdraft", kv_cache="sink:1", max_new_tokens=3, chat=False)
@@ -318,3 +318,58 @@ def test_real_model_streaming_and_kvdraft(real_model):
     out = streaming.generate(prompt, max_new_tokens=40, ignore_eos=True)
     assert len(out.tokens) == 40 and streaming.model.backend.slots <= 4 + 128 + 16
     assert not math.isnan(float(streaming.model.backend._k[0, 0, 0, 0, 0]))
+
+
+# The int8 cache ------------------------------------------------------------------------------------------
+
+
+def test_int8_cache_rows_are_the_quantised_float_rows_and_take_a_quarter_of_the_memory():
+    from decodekit.models.kernels import dequantise_int8_rows, quantise_int8_rows
+
+    full = tiny_llama(seed=0, hidden_size=64)
+    int8 = full.with_kv_cache("int8")
+    ids = torch.tensor([tokens(100)])
+    full.append(ids[:, :64]), full.append(ids[:, 64:])  # the same passes as the int8 cache's reads
+    int8.append(ids)
+    # layer 0's keys and values come from the same inputs: the C quantiser is torch's, bit for bit
+    for mine, theirs in ((int8._k, full._k), (int8._v, full._v)):
+        assert torch.equal(mine[0, 0, :, :100].view(torch.int32), quantise_int8_rows(theirs[0, 0, :, :100]).view(torch.int32))
+        error = (dequantise_int8_rows(mine[0, 0, :, :100]) - theirs[0, 0, :, :100]).abs()
+        step = theirs[0, 0, :, :100].abs().amax(-1, keepdim=True) / 127
+        assert bool((error <= step / 2 + 1e-6).all())  # within half a step of its row
+    assert int8.cache_bytes() / full.cache_bytes() == (16 + 4) / (4 * 16)  # head size 16: int8 values + a scale
+
+
+def test_int8_attention_is_float_attention_on_the_dequantised_rows():
+    from decodekit.models.kernels import dequantise_int8_rows, int8_cache_kernels, layout_independent_attention, quantise_int8_rows
+
+    kernels, reference = int8_cache_kernels(32), layout_independent_attention(torch.float32, 32)
+    if kernels is None or reference is None:
+        pytest.skip("kernels unavailable")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(5, 6, 32, generator=g), torch.randn(2, 70, 32, generator=g), torch.randn(2, 70, 32, generator=g)
+    visible = torch.rand(5, 70, generator=g) < 0.8
+    pk, pv = quantise_int8_rows(k), quantise_int8_rows(v)
+    got = kernels.attention(q, pk, pv, visible, 32**-0.5)
+    same_values = reference(q, dequantise_int8_rows(pk), dequantise_int8_rows(pv), visible, 32**-0.5)
+    assert torch.allclose(got, same_values, atol=1e-5)  # only the rounding of the products differs
+    exact = reference(q, k, v, visible, 32**-0.5)
+    assert (got - exact).abs().max() < 0.05 and not torch.equal(got, exact)  # the quantisation's error, no more
+
+
+def test_int8_cache_speculation_is_lossless_relative_to_int8_greedy():
+    engine = Engine(LoadedModel(tiny_llama(seed=0, hidden_size=64, scale=3.0).with_kv_cache("int8"), CharTokenizer(96), "tiny"))
+    prompt = tokens(80)
+    want = engine.generate(prompt, max_new_tokens=40, ignore_eos=True).tokens
+    for method in ("pld", "suffix"):
+        assert engine.generate(prompt, method=method, max_new_tokens=40, ignore_eos=True, budget=4).tokens == want
+    with pytest.raises(InvalidParameter, match="full cache"):
+        engine.generate(prompt, method="kvdraft", max_new_tokens=4)
+
+
+def test_kvdraft_from_an_int8_draft_cache_is_plain_greedy():
+    engine = Engine(LoadedModel(tiny_llama(seed=1, hidden_size=64, scale=3.0), CharTokenizer(96), "tiny"))
+    prompt = tokens(70)
+    want = engine.generate(prompt, max_new_tokens=30, ignore_eos=True).tokens
+    got = engine.generate(prompt, method="kvdraft", kv_cache="int8", max_new_tokens=30, ignore_eos=True, budget=4)
+    assert got.tokens == want and got.stats.extra["accepted"] > 0

@@ -18,7 +18,7 @@ METHOD_CHOICES = ("greedy", "sample", "beam", "cot", "best-of-n", "self-consiste
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .tasks import TASKS
 
-    parser.add_argument("task", help=f"task: {', '.join(sorted(TASKS))}")
+    parser.add_argument("task", help=f"task: {', '.join(sorted(TASKS))}, longctx (KV-cache policies on long inputs)")
     parser.add_argument("--method", default="greedy", help=f"decoding method ({', '.join(METHOD_CHOICES)}, or any registered)")
     parser.add_argument("--n", type=int, default=8, help="samples / beam width / branches (method-dependent; default 8)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N items")
@@ -30,12 +30,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="method option (repeatable)")
     parser.add_argument("--data", default=None, help="task data file (gsm8k: JSONL with question/answer; structured: id/prompt/schema)")
     parser.add_argument("--unconstrained", action="store_true", help="structured: decode without the schema (to compare validity and speed)")
+    parser.add_argument("--policies", default=None, help="longctx: kv cache policies, ';'-separated (default: full; int8; "
+                        "sink:4,window:1024; h2o:budget=1024,window=128; snapkv:budget=1024,window=32)")
+    parser.add_argument("--lengths", default=None, help="longctx: context lengths in tokens, comma-separated (default 2048,4096,8000,16384)")
+    parser.add_argument("--depths", default=None, help="longctx: pass-key depths in [0, 1], comma-separated (default 0.1,0.5,0.9)")
+    parser.add_argument("--continuation", type=int, default=128, help="longctx: tokens whose NLL is measured (default 128)")
     parser.add_argument("--out", default=None, help="output folder (default eval-out/TASK-METHOD)")
     add_model_arguments(parser)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("eval", help="evaluate a decoding method on a task (gsm8k, capitals, structured)")
+    parser = subparsers.add_parser("eval", help="evaluate a decoding method on a task (gsm8k, capitals, structured, longctx)")
     add_arguments(parser)
     parser.set_defaults(func=run)
     return parser
@@ -49,10 +54,12 @@ def run(args: argparse.Namespace, model=None) -> int:
     from .runner import EvalConfig, evaluate, make_decoder
     from .tasks import load_task
 
-    for flag in ("n", "limit", "max_new_tokens", "paraphrases"):
+    for flag in ("n", "limit", "max_new_tokens", "paraphrases", "continuation"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise InvalidParameter(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if args.task == "longctx":
+        return run_long_context(args, model)
     config = EvalConfig(
         method=args.method, n=args.n, limit=args.limit, max_new_tokens=args.max_new_tokens, seed=args.seed,
         temperature=args.temperature, options=dict(parse_option(o, method_spec(args.method).options) for o in args.opt),
@@ -79,6 +86,45 @@ def run(args: argparse.Namespace, model=None) -> int:
           f"({result['correct']}/{result['items']}), {result['tokens_spent']} tokens, {result['time_s']} s")
     for name, value in result["auroc"].items():
         print(f"  AUROC {name}: {'n/a' if value is None else f'{value:.3f}'}")
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _numbers(flag: str, text: str, kind, lo: float, hi: float) -> tuple:
+    try:
+        values = tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or any(not lo <= v <= hi for v in values):
+        raise InvalidParameter(f"--{flag} must be comma-separated numbers in [{lo}, {hi}], got {text!r}")
+    return values
+
+
+def run_long_context(args: argparse.Namespace, model=None) -> int:
+    """``decodekit eval longctx`` (:mod:`.longctx`)."""
+    from ..models import load_model
+    from ..models.kv_policy import parse_kv_cache
+    from .longctx import LongContextConfig, evaluate_long_context, write
+
+    config = LongContextConfig(continuation=args.continuation, seed=args.seed)
+    if args.policies:
+        config.policies = tuple(p.strip() for p in args.policies.split(";") if p.strip())
+    for policy in config.policies:
+        parse_kv_cache(policy)  # a bad spelling: one line, before loading
+    if args.lengths:
+        config.lengths = _numbers("lengths", args.lengths, int, 16, 1 << 20)
+    if args.depths:
+        config.depths = _numbers("depths", args.depths, float, 0.0, 1.0)
+    model = model or load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics)
+
+    def progress(row: dict) -> None:
+        summary = row.get("error") or f"NLL {row['nll']:.4f}, {row['cache_bytes'] / 1e6:.1f} MB, {row['decode_tok_s']:.1f} tok/s"
+        print(f"{row['length']:>6} {row['policy']:<32} {summary}", file=sys.stderr, flush=True)
+
+    result = evaluate_long_context(model, config, progress)
+    argv = sys.argv[sys.argv.index(args.task):] if args.task in sys.argv else [args.task]
+    result.update({"command": "decodekit eval " + shlex.join(argv), "model": model.name, "numerics": args.numerics})
+    paths = write(result, Path(args.out or "eval-out/longctx"))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

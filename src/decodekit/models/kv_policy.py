@@ -10,6 +10,7 @@ slots, so rolling back up to that many tokens only moves a counter.
 Spellings (``--kv-cache``, ``kv_cache=``; :data:`POLICY_HELP` lists them):
 
 * ``full``: every entry (the default; what every lossless claim is relative to).
+* ``int8``: every entry, each key and value row in 8 bits with a float scale.
 * ``sink:S,window:W[,every:E]``: StreamingLLM.
 * ``h2o:budget=B,window=W``: H2O heavy hitters.
 * ``snapkv:budget=B,window=O[,kernel=K]``: SnapKV.
@@ -30,6 +31,7 @@ from ..errors import InvalidParameter
 
 POLICY_HELP = {
     "full": "every key and value (default)",
+    "int8": "every key and value, each row in int8 with a float32 scale (3.8x less memory at head size 64)",
     "sink:S,window:W[,every:E]": "StreamingLLM: S attention sinks + the last W tokens, positions within the cache; "
                                  "runs past the context window at constant memory",
     "h2o:budget=B,window=W": "H2O: the W most recent tokens + the B-W with the most accumulated attention, per head",
@@ -56,6 +58,12 @@ class KVPolicy:
     reassigns_positions = False
     #: Whether the backend must report attention weights to the policy (H2O on every pass).
     observes_every_pass = False
+    #: Whether keys and values are stored in 8 bits (:class:`Int8Policy`).
+    quantised = False
+
+    def one_sequence(self) -> bool:
+        """Whether the cache holds one sequence only (every policy but the full cache)."""
+        return self.evicts() or self.quantised
 
     def evicts(self) -> bool:
         return False
@@ -85,6 +93,26 @@ class KVPolicy:
     def compress_after(self, slots: int, first_pass: bool) -> bool:
         """Whether the cache is compacted right after a pass (SnapKV: after the prompt)."""
         return False
+
+
+@dataclass(frozen=True)
+class Int8Policy(KVPolicy):
+    """Keys and values quantised to 8 bits per (token, head) row: int8 values and one float32
+    scale, ``max|x| / 127``, round to nearest even; the attention kernel reads them directly.
+
+    The per-token int8 baseline of the KV-quantisation literature (e.g. the per-token
+    quantisation KIVI, Liu et al., 2024, compares against; KIVI's own 2-bit scheme quantises keys
+    per channel and keeps a float residual window, not built here). Changes the output (each
+    entry is off by up to half its row's step); every row is quantised on its own when written,
+    so speculative decoding with this cache is lossless relative to plain decoding with it.
+    Needs the compiled kernels and a float32 model; passes are read 64 tokens at a time.
+    """
+
+    @property
+    def spec(self) -> str:
+        return "int8"
+
+    quantised = True
 
 
 @dataclass(frozen=True)
@@ -281,6 +309,8 @@ def parse_kv_cache(spec: "str | KVPolicy | None") -> KVPolicy:
     text = str(spec).strip()
     if text == "full":
         return KVPolicy()
+    if text == "int8":
+        return Int8Policy()
     kind, _, rest = text.partition(":")
     if kind == "sink":  # sink:S,window:W[,every:E]
         fields = _fields(text, rest, ":", ("window", "every"), first="sink")

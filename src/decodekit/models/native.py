@@ -25,7 +25,8 @@ from .kv_policy import KVPolicy, parse_kv_cache
 from .threads import GOVERNOR
 from .kernels import (
     INTEGER_GROUP, MAX_ROWS, DecoderLayers, KernelProjection, SequencePart, block_matmul, decoder_layers,
-    few_rows_matmul, integer_block_matmul, layer_ops, layout_independent_attention, pack_integer_blocks,
+    few_rows_matmul, int8_cache_kernels, integer_block_matmul, layer_ops, layout_independent_attention,
+    pack_integer_blocks, quantise_int8_rows,
 )
 
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -336,7 +337,6 @@ class NativeLlama(Backend):
             dtype=dtype,
             architecture=native_architecture(dtype, uses_blocks, numerics),
         )
-        self.info = self._info_for(self.kv_policy)
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), inv_freq)
         self._freqs = torch.polar(torch.ones_like(angles), angles)  # complex [max_position, D/2]
@@ -344,12 +344,27 @@ class NativeLlama(Backend):
         self._initial_capacity = initial_capacity
         self._attend = layout_independent_attention(dtype, config.head_dim)
         self._ops = layer_ops(dtype, config.hidden_size, config.intermediate_size)
-        self._stack = self._decoder_layers()
+        self._stack = self._float_stack = self._decoder_layers()
+        self._use_policy(self.kv_policy)
         self.reset(1)
 
-    def _decoder_layers(self) -> DecoderLayers | None:
+    def _use_policy(self, policy: KVPolicy) -> None:
+        """Set the cache policy and what depends on it (the int8 cache has kernels of its own)."""
+        self.kv_policy = policy
+        self.info = self._info_for(policy)
+        self._int8 = None
+        if policy.quantised:
+            self._int8 = int8_cache_kernels(self.config.head_dim) if self.dtype == torch.float32 else None
+            if self._int8 is None or self._ops is None:
+                raise InvalidParameter(f"kv cache {policy.spec} needs a float32 model, the compiled kernels (a C "
+                                       "compiler, AVX-512) and a head size that is a multiple of 16")
+        self._stack = self._decoder_layers(self._int8) if self._int8 is not None else self._float_stack
+        self._row = self._int8.row if self._int8 is not None else self.config.head_dim  # cache elements a row
+
+    def _decoder_layers(self, int8_cache=None) -> DecoderLayers | None:
         """The one-call path through every layer (``kernels/forward.c``), where every piece of
-        the layer-by-layer kernel path is available (and no projection has a bias)."""
+        the layer-by-layer kernel path is available (and no projection has a bias); over the int8
+        cache's kernels with ``int8_cache``."""
         c, w = self.config, self.weights
         names = ("qkv", "o", "gate_up", "down")
         if self._ops is None or self._attend is None:
@@ -363,6 +378,7 @@ class NativeLlama(Backend):
         return decoder_layers(
             self.dtype, self._ops, self._attend, hidden=c.hidden_size, inter=c.intermediate_size, n_heads=c.num_heads,
             n_kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_norm_eps, layers=layers,
+            int8_cache=int8_cache,
         )
 
     def _info_for(self, policy: KVPolicy) -> ModelInfo:
@@ -377,8 +393,7 @@ class NativeLlama(Backend):
         """This model with another cache policy, sharing its weights, with a cache and a memory
         of its own (:meth:`Backend.clone`): the drafter of ``kvdraft``."""
         view = copy.copy(self)
-        view.kv_policy = parse_kv_cache(policy)
-        view.info = view._info_for(view.kv_policy)
+        view._use_policy(parse_kv_cache(policy))
         return view.clone()
 
     def truncated(self, num_layers: int) -> "NativeLlama":
@@ -403,6 +418,11 @@ class NativeLlama(Backend):
     def batch_size(self) -> int:
         return self._k.shape[1]
 
+    def cache_bytes(self) -> int:
+        """Bytes the committed keys and values take (what a policy saves; capacity not counted)."""
+        c = self.config
+        return 2 * c.num_layers * self.batch_size * c.num_kv_heads * self._slots * self._row * self._k.element_size()
+
     @property
     def slots(self) -> int:
         """Entries the cache holds (``length`` under the full cache; fewer once a policy evicts)."""
@@ -410,7 +430,7 @@ class NativeLlama(Backend):
 
     @torch.inference_mode()
     def reset(self, batch_size: int = 1) -> None:
-        if batch_size != 1 and self.kv_policy.evicts():
+        if batch_size != 1 and self.kv_policy.one_sequence():
             raise InvalidParameter(f"kv cache {self.kv_policy.spec} holds one sequence; this method needs {batch_size}")
         self.kept_ids = None
         self._length = self._slots = 0
@@ -421,7 +441,7 @@ class NativeLlama(Backend):
 
     def _allocate(self, batch_size: int, capacity: int) -> None:
         c = self.config
-        shape = (c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim)
+        shape = (c.num_layers, batch_size, c.num_kv_heads, capacity, self._row)
         self._k = torch.zeros(shape, dtype=self.dtype)
         self._v = torch.zeros(shape, dtype=self.dtype)
         if self.kv_policy.evicts():
@@ -460,7 +480,7 @@ class NativeLlama(Backend):
 
     @torch.inference_mode()
     def reorder(self, rows: torch.Tensor) -> None:
-        if rows.numel() != 1 and self.kv_policy.evicts():
+        if rows.numel() != 1 and self.kv_policy.one_sequence():
             raise InvalidParameter(f"kv cache {self.kv_policy.spec} holds one sequence; this method needs {rows.numel()}")
         self._k = self._k[:, rows].contiguous()
         self._v = self._v[:, rows].contiguous()
@@ -501,6 +521,8 @@ class NativeLlama(Backend):
         chunks = [self.kv_policy.prefill_chunk()]  # a windowed cache reads a prompt a window step at a time
         if self.numerics == "fast" and self._one_call(tokens, hidden_layers, skip_layers):
             chunks.append(MAX_ROWS)
+        if self._int8 is not None:  # only the kernels read and write the int8 cache
+            chunks.append(MAX_ROWS)
         return min((c for c in chunks if c is not None), default=None)
 
     @torch.inference_mode()
@@ -532,7 +554,7 @@ class NativeLlama(Backend):
         self._written(start, torch.arange(self._length, self._length + k))
         self._observed_rows = observe
         try:
-            out = self._forward(tokens, positions, mask, hidden_layers, skip_layers, last_only)
+            out = self._forward(tokens, positions, mask, hidden_layers, skip_layers, last_only, causal=True)
         finally:
             self._observed_rows = False
         self._length += k
@@ -549,7 +571,7 @@ class NativeLlama(Backend):
         keeping what this cache's policy keeps, without reading the tokens again: how a compressed
         cache is made from the target's after its prompt (``kvdraft``). SnapKV reads the prompt's
         last ``window`` tokens again, for their attention; H2O's accumulated attention starts here."""
-        if (source.kv_policy.evicts() or source.config != self.config or source.batch_size != 1
+        if (source.kv_policy.one_sequence() or source.config != self.config or source.batch_size != 1
                 or source.length != len(token_ids)):
             raise ValueError("adopt() needs a full cache of the same model holding one sequence")
         policy, n = self.kv_policy, source.length
@@ -562,8 +584,9 @@ class NativeLlama(Backend):
             keep = torch.arange(copied)
         self._ensure_capacity(keep.numel())
         span = slice(0, keep.numel())
-        self._k[:, :, :, span] = source._k[:, :, :, keep]
-        self._v[:, :, :, span] = source._v[:, :, :, keep]
+        for mine, theirs in ((self._k, source._k), (self._v, source._v)):
+            rows = theirs[:, :, :, keep]
+            mine[:, :, :, span] = quantise_int8_rows(rows) if self._int8 is not None else rows
         if policy.evicts():
             self._held[..., span] = keep
         if policy.reassigns_positions:
@@ -668,7 +691,9 @@ class NativeLlama(Backend):
         hidden_layers: Sequence[int],
         skip_layers: frozenset[int],
         last_only: bool,
+        causal: bool = False,
     ) -> StepOutput:
+        """``causal``: ``mask`` is plain causal attention over the new tokens after the cache."""
         if self._batched(tokens, hidden_layers, skip_layers):
             self._ensure_capacity(self._slots + tokens.shape[1])
             logits = self.batcher.run(self, tokens[0], positions, mask, self._slots, last_only)
@@ -698,7 +723,7 @@ class NativeLlama(Backend):
             for i, layer in enumerate(w.layers):
                 if i not in skip_layers:
                     h = self._add_norm(x, pending, layer["attn_norm"], ops)
-                    attn = self._attention(i, layer["qkv"](h), positions, mask, start, ops)
+                    attn = self._attention(i, layer["qkv"](h), positions, mask, start, ops, causal)
                     h = self._add_norm(x, layer["o"](attn), layer["mlp_norm"], ops)
                     gate_up = layer["gate_up"](h)
                     if ops is not None:
@@ -748,16 +773,23 @@ class NativeLlama(Backend):
         return rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _attention(
-        self, i: int, qkv: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, start: int, ops
+        self, i: int, qkv: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, start: int, ops,
+        causal: bool = False,
     ) -> torch.Tensor:
         """Layer ``i``'s attention for the fused projection ``qkv [B, k, (H + 2 H_kv) D]``: rotate
         q and k, write k and v to cache slots ``start..start+k``, attend over the cache under
-        ``mask``. Returns ``[B, k, H D]`` in the model dtype."""
+        ``mask`` (plain causal where ``causal``). Returns ``[B, k, H D]`` in the model dtype."""
         c = self.config
         batch, k = qkv.shape[:2]
         end = start + k
         q_size = c.num_heads * c.head_dim
         scale = c.head_dim**-0.5
+        if self._int8 is not None:  # the int8 cache: its kernels only (passes are read MAX_ROWS at a time)
+            if ops is None or batch != 1:
+                raise ValueError("the int8 cache takes passes of one sequence and at most 64 tokens")
+            q = self._int8.rope_store(qkv, self._freqs_pairs, positions, self._k[i, 0], self._v[i, 0], start, c.num_heads)
+            heads = self._int8.attention(q, self._k[i, 0, :, :end], self._v[i, 0, :, :end], mask, scale)
+            return heads.view(batch, k, q_size)
         if self._attend is not None and batch == 1 and k <= MAX_ROWS:
             # One sequence, few tokens: the layout-independent kernel (see kernels/attention.c).
             if ops is not None:
@@ -771,8 +803,12 @@ class NativeLlama(Backend):
         _, q = self._rope_and_store(i, qkv, positions, start)
         if self._observed_rows:
             self._observe(i, q[0].transpose(0, 1), end, mask)
+        # A prompt's first pass: causal attention without a mask, which torch runs blockwise (flash
+        # attention), instead of materialising every head's k x k score matrix.
+        plain_causal = causal and start == 0
         return F.scaled_dot_product_attention(
-            q, self._k[i, :, :, :end], self._v[i, :, :, :end], attn_mask=mask, enable_gqa=c.num_heads != c.num_kv_heads
+            q, self._k[i, :, :, :end], self._v[i, :, :, :end], attn_mask=None if plain_causal else mask,
+            is_causal=plain_causal, enable_gqa=c.num_heads != c.num_kv_heads,
         ).transpose(1, 2).reshape(batch, k, q_size)
 
     def _rope_and_store(self, i: int, qkv: torch.Tensor, positions: torch.Tensor, start: int):

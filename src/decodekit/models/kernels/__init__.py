@@ -275,6 +275,77 @@ def layout_independent_attention(dtype: torch.dtype, head_dim: int) -> Attention
     return attention
 
 
+class Int8CacheKernels:
+    """The int8 cache's two kernels (kv cache ``int8``, float32 models): each (head, slot) row is
+    ``head_dim`` int8 values then their float32 scale, held in float32 tensors of
+    ``head_dim // 4 + 1`` elements a row (so the cache's shapes and strides stay float32 ones).
+    ``rope_store`` is layer_ops' with the key and value quantised on the way in; ``attention``
+    reads the rows directly. Both compute every row on its own, as their float32 versions do."""
+
+    def __init__(self, attention_lib: ctypes.CDLL, ops_lib: ctypes.CDLL, head_dim: int):
+        self.head_dim, self.row = head_dim, head_dim // 4 + 1
+        self._attention = attention_lib.decodekit_attention_q8
+        self._attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+        self._rope_store = ops_lib.decodekit_rope_store_q8
+        self._rope_store.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6
+        self._attention.restype = self._rope_store.restype = None
+        self.attention_address, self.rope_store_address = _address(self._attention), _address(self._rope_store)
+
+    def rope_store(self, qkv: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, start: int, n_heads: int) -> torch.Tensor:
+        """As :meth:`LayerOps.rope_store`, into int8 caches ``[H_kv, cap, row]``."""
+        n_kv_heads, cap = k_cache.shape[0], k_cache.shape[1]
+        if k_cache.shape[2] != self.row or not k_cache.is_contiguous() or not v_cache.is_contiguous():
+            raise ValueError("int8 rope_store needs contiguous [H_kv, cap, head_dim / 4 + 1] caches")
+        rows = qkv.numel() // qkv.shape[-1]
+        q = torch.empty(rows, n_heads, self.head_dim, dtype=torch.float32)
+        positions = positions.to(torch.int64).contiguous()
+        self._rope_store(qkv.float().contiguous().data_ptr(), freqs.data_ptr(), positions.data_ptr(), q.data_ptr(),
+                         k_cache.data_ptr(), v_cache.data_ptr(), rows, n_heads, n_kv_heads, self.head_dim, cap, start)
+        return q
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+        """As :func:`layout_independent_attention`'s, over int8 caches sliced to the keys in use."""
+        n_q, n_heads = q.shape[:2]
+        if k.shape[2] != self.row or k.stride(1) != self.row or v.stride() != k.stride():
+            raise ValueError("int8 attention needs [H_kv, keys, head_dim / 4 + 1] caches with contiguous rows")
+        cap = k.stride(0) // self.row
+        q = q.float().contiguous()
+        out = torch.empty(n_q, n_heads, self.head_dim, dtype=torch.float32)
+        mask = None if visible is None else visible.to(torch.bool).contiguous()
+        self._attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(),
+                        out.data_ptr(), n_q, n_heads, k.shape[0], self.head_dim, cap, k.shape[1], scale,
+                        torch.get_num_threads())
+        return out
+
+
+@cache
+def int8_cache_kernels(head_dim: int) -> Int8CacheKernels | None:
+    """The int8 cache's kernels for ``head_dim`` (a multiple of 16, at most 256), or None where unavailable."""
+    attention, ops = _library("attention"), _library("layer_ops")
+    if attention is None or ops is None or head_dim % 16 or head_dim > 256:
+        return None
+    return Int8CacheKernels(attention, ops, head_dim)
+
+
+def quantise_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """float32 rows ``[..., D]`` in the int8 cache's layout (``[..., D / 4 + 1]`` float32 holding D
+    int8 values and the scale), exactly as ``rope_store_q8`` writes them."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127.0
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = (x * inverse).round().clamp(-128, 127).to(torch.int8)
+    return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=-1).view(torch.float32)
+
+
+def dequantise_int8_rows(packed: torch.Tensor) -> torch.Tensor:
+    """The float32 values of int8 cache rows (the inverse layout of :func:`quantise_int8_rows`)."""
+    raw = packed.contiguous().view(torch.uint8)
+    values, scale = raw[..., :-4].view(torch.int8).float(), raw[..., -4:].contiguous().view(torch.float32)
+    return values * scale
+
+
 @cache
 def _topk_function() -> ctypes._CFuncPtr | None:
     lib = _library("topk")
@@ -474,11 +545,11 @@ class DecoderLayers:
 
 def decoder_layers(
     dtype: torch.dtype, ops: LayerOps, attention: AttentionKernel, *, hidden: int, inter: int, n_heads: int,
-    n_kv_heads: int, head_dim: int, eps: float, layers: list[dict],
+    n_kv_heads: int, head_dim: int, eps: float, layers: list[dict], int8_cache: Int8CacheKernels | None = None,
 ) -> DecoderLayers | None:
     """:class:`DecoderLayers` over ``layers`` (each a dict of ``attn_norm``, ``mlp_norm`` tensors
     and ``qkv``, ``o``, ``gate_up``, ``down`` :data:`KernelProjection` s), or None where the
-    kernel is unavailable."""
+    kernel is unavailable. ``int8_cache``: the cache is int8 (its rope_store and attention run)."""
     lib = _library("forward")
     if lib is None:
         return None
@@ -486,7 +557,9 @@ def decoder_layers(
     fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
     fn.restype = ctypes.c_int
     model = _Model(
-        ops.addresses["add_rms_norm"], ops.addresses["silu_mul"], ops.addresses["rope_store"], attention.address,
+        ops.addresses["add_rms_norm"], ops.addresses["silu_mul"],
+        int8_cache.rope_store_address if int8_cache else ops.addresses["rope_store"],
+        int8_cache.attention_address if int8_cache else attention.address,
         hidden, inter, n_heads, n_kv_heads, head_dim, torch.tensor([], dtype=dtype).element_size(), eps, head_dim**-0.5,
     )
     keep, structs = [], []

@@ -13,11 +13,17 @@
  * q: [n_q, H, D] float32. k, v: cache of one layer and batch row, [H_kv, cap, D] in float32 or
  * bfloat16. visible: [n_q, n_keys] bytes, or NULL for "all n_keys". out: [n_q, H, D] float32.
  * Needs D % 16 == 0 and D <= 256.
+ *
+ * Loop order, which changes no result: a job is one row and the heads of a group that share a
+ * key/value head (as many as registers hold), so each key and value row is loaded once for them
+ * all and their sums run as independent chains; scores are summed sixteen at a time
+ * (sum_lanes16, the same pairing as one _mm512_reduce_add_ps each).
  */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "simd.h"
 
@@ -35,52 +41,273 @@ static float softmax_numerators(float *scores, int n, float best) {
     return _mm512_reduce_add_ps(sum);
 }
 
-#define DEFINE_ATTENTION(NAME, T, LOAD)                                                            \
-    void NAME(const float *q, const T *k, const T *v, const uint8_t *visible, float *out,           \
-              int n_q, int n_heads, int n_kv_heads, int head_dim, int cap, int n_keys,              \
-              float scale, int threads) {                                                          \
-        int group = n_heads / n_kv_heads, chunks = head_dim / 16;                                  \
-        _Pragma("omp parallel num_threads(threads) if (threads > 1)")                              \
-        {                                                                                          \
-            float *scores = malloc(sizeof(float) * (size_t)n_keys);                                \
-            int *keys = malloc(sizeof(int) * (size_t)n_keys);                                      \
-            _Pragma("omp for schedule(static)")                                                    \
-            for (int job = 0; job < n_q * n_heads; job++) {                                        \
-                int i = job / n_heads, h = job % n_heads;                                          \
-                const float *qi = q + ((size_t)i * n_heads + h) * head_dim;                        \
-                const T *kh = k + (size_t)(h / group) * cap * head_dim;                            \
-                const T *vh = v + (size_t)(h / group) * cap * head_dim;                            \
-                const uint8_t *vis = visible ? visible + (size_t)i * n_keys : NULL;                \
-                __m512 qv[16];                                                                     \
-                for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(qi + 16 * c);             \
-                int n = 0;                                                                         \
-                float best = -INFINITY;                                                            \
-                for (int j = 0; j < n_keys; j++) {                                                 \
-                    if (vis && !vis[j]) continue;                                                  \
-                    const T *kj = kh + (size_t)j * head_dim;                                       \
-                    __m512 acc = _mm512_mul_ps(qv[0], LOAD(kj));                                   \
-                    for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], LOAD(kj + 16 * c), acc); \
-                    float s = _mm512_reduce_add_ps(acc) * scale;                                   \
-                    scores[n] = s;                                                                 \
-                    keys[n++] = j;                                                                 \
-                    if (s > best) best = s;                                                        \
-                }                                                                                  \
-                float total = softmax_numerators(scores, n, best);                                 \
-                __m512 o[16];                                                                      \
-                for (int c = 0; c < chunks; c++) o[c] = _mm512_setzero_ps();                       \
-                for (int t = 0; t < n; t++) {                                                      \
-                    __m512 pv = _mm512_set1_ps(scores[t]);                                         \
-                    const T *vj = vh + (size_t)keys[t] * head_dim;                                 \
-                    for (int c = 0; c < chunks; c++) o[c] = _mm512_fmadd_ps(pv, LOAD(vj + 16 * c), o[c]); \
-                }                                                                                  \
-                float *oi = out + ((size_t)i * n_heads + h) * head_dim;                            \
-                __m512 inv = _mm512_set1_ps(n ? 1.0f / total : 0.0f);                              \
-                for (int c = 0; c < chunks; c++) _mm512_storeu_ps(oi + 16 * c, _mm512_mul_ps(o[c], inv)); \
-            }                                                                                      \
-            free(scores);                                                                          \
-            free(keys);                                                                            \
-        }                                                                                          \
+/* The largest score, as "if (s > best) best = s" over them in order finds it (NaN never wins). */
+static float largest(const float *scores, int n) {
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < n; t += 16) {
+        __mmask16 m = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u);
+        __m512 s = _mm512_maskz_loadu_ps(m, scores + t);
+        best = _mm512_mask_mov_ps(best, _mm512_mask_cmp_ps_mask(m, s, best, _CMP_GT_OQ), s);
+    }
+    float lanes[16], out = -INFINITY;
+    _mm512_storeu_ps(lanes, best);
+    for (int l = 0; l < 16; l++)
+        if (lanes[l] > out) out = lanes[l];
+    return out;
+}
+
+/* The lane sums of 16 vectors at once: lane l of the result is the sum of the vector in slot
+ * SLOT(l), added in _mm512_reduce_add_ps's pairing (lanes 8 apart, then 4, 2, 1), so a score
+ * has the same bits as one reduction of its own vector, for 15 additions a 16 scores, not 60. */
+#define SLOT(t) (4 * ((t) % 4) + (t) / 4)
+static inline __m512 sum_lanes16(const __m512 *v) {
+    __m512 c[8], e[4], g[2];
+    for (int i = 0; i < 8; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++)
+        e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++)
+        g[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * i], e[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(e[2 * i], e[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Scratch of one thread: per query of a job, its scores (and total past the end) and its q.k
+ * products waiting to be summed 16 at a time; the job's visible keys. */
+typedef struct {
+    float *scores; /* [MAX_Q][n_keys + 1] */
+    int *keys;     /* [n_keys] */
+    __m512 *waiting; /* [MAX_Q][16] */
+    size_t stride;
+} Scratch;
+
+#define MAX_Q 4
+
+/* One job: Q queries (rows q[m], outputs out[m]) that read the same key/value head and see the
+ * same keys (the heads of one group, for one row). Each key and value row is loaded once for all
+ * Q; each query's arithmetic is exactly what it would be alone, and its Q x CH accumulators are
+ * independent chains. CH = head_dim / 16 (a constant, so everything stays in registers). */
+#define DEFINE_JOB(NAME, T, LOAD, Q, CH)                                                            \
+    static void NAME(const float *const *q, const T *kh, const T *vh, const uint8_t *vis, float *const *out, \
+                     int n_keys, float scale, Scratch *s) {                                         \
+        __m512 qv[Q][CH];                                                                           \
+        for (int m = 0; m < Q; m++)                                                                 \
+            for (int c = 0; c < CH; c++) qv[m][c] = _mm512_loadu_ps(q[m] + 16 * c);                 \
+        int n = 0, waiting = 0;                                                                     \
+        for (int j = 0; j < n_keys; j++) {                                                          \
+            if (vis && !vis[j]) continue;                                                           \
+            const T *kj = kh + (size_t)j * CH * 16;                                                 \
+            __m512 kv[CH];                                                                          \
+            for (int c = 0; c < CH; c++) kv[c] = LOAD(kj + 16 * c);                                 \
+            for (int m = 0; m < Q; m++) {                                                           \
+                __m512 acc = _mm512_mul_ps(qv[m][0], kv[0]);                                        \
+                for (int c = 1; c < CH; c++) acc = _mm512_fmadd_ps(qv[m][c], kv[c], acc);           \
+                s->waiting[16 * m + SLOT(waiting)] = acc;                                           \
+            }                                                                                       \
+            s->keys[n + waiting] = j;                                                               \
+            if (++waiting == 16) {                                                                  \
+                for (int m = 0; m < Q; m++)                                                         \
+                    _mm512_storeu_ps(s->scores + m * s->stride + n,                                 \
+                                     _mm512_mul_ps(sum_lanes16(s->waiting + 16 * m), _mm512_set1_ps(scale))); \
+                n += 16, waiting = 0;                                                               \
+            }                                                                                       \
+        }                                                                                           \
+        if (waiting) {                                                                              \
+            __mmask16 mask = (__mmask16)((1u << waiting) - 1u);                                     \
+            for (int m = 0; m < Q; m++)                                                             \
+                _mm512_mask_storeu_ps(s->scores + m * s->stride + n, mask,                          \
+                                      _mm512_mul_ps(sum_lanes16(s->waiting + 16 * m), _mm512_set1_ps(scale))); \
+            n += waiting;                                                                           \
+        }                                                                                           \
+        float inverse[Q];                                                                           \
+        for (int m = 0; m < Q; m++) {                                                               \
+            float *scores = s->scores + m * s->stride;                                              \
+            float total = softmax_numerators(scores, n, largest(scores, n));                        \
+            inverse[m] = n ? 1.0f / total : 0.0f;                                                   \
+        }                                                                                           \
+        __m512 o[Q][CH];                                                                            \
+        for (int m = 0; m < Q; m++)                                                                 \
+            for (int c = 0; c < CH; c++) o[m][c] = _mm512_setzero_ps();                             \
+        for (int t = 0; t < n; t++) {                                                               \
+            const T *vj = vh + (size_t)s->keys[t] * CH * 16;                                        \
+            __m512 vv[CH];                                                                          \
+            for (int c = 0; c < CH; c++) vv[c] = LOAD(vj + 16 * c);                                 \
+            for (int m = 0; m < Q; m++) {                                                           \
+                __m512 p = _mm512_set1_ps(s->scores[m * s->stride + t]);                            \
+                for (int c = 0; c < CH; c++) o[m][c] = _mm512_fmadd_ps(p, vv[c], o[m][c]);          \
+            }                                                                                       \
+        }                                                                                           \
+        for (int m = 0; m < Q; m++)                                                                 \
+            for (int c = 0; c < CH; c++)                                                            \
+                _mm512_storeu_ps(out[m] + 16 * c, _mm512_mul_ps(o[m][c], _mm512_set1_ps(inverse[m]))); \
+    }
+
+/* The general case (any head_dim, one query a job): the same arithmetic, chunks counted at run time. */
+#define DEFINE_ONE(NAME, T, LOAD)                                                                   \
+    static void NAME(const float *q, const T *kh, const T *vh, const uint8_t *vis, float *out, int n_keys, \
+                     int chunks, float scale, Scratch *s) {                                         \
+        __m512 qv[16];                                                                              \
+        for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);                       \
+        int n = 0, waiting = 0;                                                                     \
+        for (int j = 0; j < n_keys; j++) {                                                          \
+            if (vis && !vis[j]) continue;                                                           \
+            const T *kj = kh + (size_t)j * chunks * 16;                                             \
+            __m512 acc = _mm512_mul_ps(qv[0], LOAD(kj));                                            \
+            for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], LOAD(kj + 16 * c), acc);  \
+            s->waiting[SLOT(waiting)] = acc;                                                        \
+            s->keys[n + waiting] = j;                                                               \
+            if (++waiting == 16) {                                                                  \
+                _mm512_storeu_ps(s->scores + n, _mm512_mul_ps(sum_lanes16(s->waiting), _mm512_set1_ps(scale))); \
+                n += 16, waiting = 0;                                                               \
+            }                                                                                       \
+        }                                                                                           \
+        if (waiting) {                                                                              \
+            _mm512_mask_storeu_ps(s->scores + n, (__mmask16)((1u << waiting) - 1u),                 \
+                                  _mm512_mul_ps(sum_lanes16(s->waiting), _mm512_set1_ps(scale)));   \
+            n += waiting;                                                                           \
+        }                                                                                           \
+        float total = softmax_numerators(s->scores, n, largest(s->scores, n));                      \
+        __m512 o[16];                                                                               \
+        for (int c = 0; c < chunks; c++) o[c] = _mm512_setzero_ps();                                \
+        for (int t = 0; t < n; t++) {                                                               \
+            __m512 p = _mm512_set1_ps(s->scores[t]);                                                \
+            const T *vj = vh + (size_t)s->keys[t] * chunks * 16;                                    \
+            for (int c = 0; c < chunks; c++) o[c] = _mm512_fmadd_ps(p, LOAD(vj + 16 * c), o[c]);    \
+        }                                                                                           \
+        __m512 inv = _mm512_set1_ps(n ? 1.0f / total : 0.0f);                                       \
+        for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(o[c], inv));  \
+    }
+
+/* A pass: jobs are (key/value head, row, a share of the group's heads). A group's heads go
+ * together (up to MAX_Q a job) where head_dim is 64 or 128, unless that leaves the threads too
+ * few jobs: then one head a job. */
+#define DEFINE_ATTENTION(NAME, T, LOAD)                                                             \
+    DEFINE_JOB(NAME##_q1_c4, T, LOAD, 1, 4)                                                         \
+    DEFINE_JOB(NAME##_q2_c4, T, LOAD, 2, 4)                                                         \
+    DEFINE_JOB(NAME##_q3_c4, T, LOAD, 3, 4)                                                         \
+    DEFINE_JOB(NAME##_q4_c4, T, LOAD, 4, 4)                                                         \
+    DEFINE_JOB(NAME##_q1_c8, T, LOAD, 1, 8)                                                         \
+    DEFINE_JOB(NAME##_q2_c8, T, LOAD, 2, 8)                                                         \
+    DEFINE_ONE(NAME##_one, T, LOAD)                                                                 \
+    void NAME(const float *q, const T *k, const T *v, const uint8_t *visible, float *out,            \
+              int n_q, int n_heads, int n_kv_heads, int head_dim, int cap, int n_keys,               \
+              float scale, int threads) {                                                           \
+        int group = n_heads / n_kv_heads, chunks = head_dim / 16;                                   \
+        int most = chunks == 4 ? 4 : chunks == 8 ? 2 : 1; /* queries a job (registers) */           \
+        int per_job = group < most ? group : most;                                                  \
+        /* enough jobs for every thread twice, or as many as there are heads */                    \
+        while (per_job > 1 && n_kv_heads * n_q * ((group + per_job - 1) / per_job) < 2 * threads) per_job--; \
+        int shares = (group + per_job - 1) / per_job, jobs = n_kv_heads * n_q * shares;             \
+        _Pragma("omp parallel num_threads(threads) if (threads > 1)")                               \
+        {                                                                                           \
+            Scratch s;                                                                              \
+            s.stride = (size_t)n_keys + 1;                                                          \
+            s.scores = malloc(sizeof(float) * s.stride * MAX_Q);                                    \
+            s.keys = malloc(sizeof(int) * s.stride);                                                \
+            s.waiting = aligned_alloc(64, sizeof(__m512) * 16 * MAX_Q);                             \
+            for (int i = 0; i < 16 * MAX_Q; i++) s.waiting[i] = _mm512_setzero_ps();                \
+            _Pragma("omp for schedule(static)")                                                     \
+            for (int job = 0; job < jobs; job++) {                                                  \
+                int kv = job / (n_q * shares), i = job / shares % n_q, share = job % shares;        \
+                int h0 = kv * group + share * per_job, count = group - share * per_job;             \
+                if (count > per_job) count = per_job;                                               \
+                const T *kh = k + (size_t)kv * cap * head_dim, *vh = v + (size_t)kv * cap * head_dim; \
+                const uint8_t *vis = visible ? visible + (size_t)i * n_keys : NULL;                 \
+                const float *qs[MAX_Q];                                                             \
+                float *outs[MAX_Q];                                                                 \
+                for (int m = 0; m < count; m++) {                                                   \
+                    qs[m] = q + ((size_t)i * n_heads + h0 + m) * head_dim;                          \
+                    outs[m] = out + ((size_t)i * n_heads + h0 + m) * head_dim;                      \
+                }                                                                                   \
+                int kind = chunks == 4 ? count : chunks == 8 ? 10 + count : 0;                      \
+                switch (kind) {                                                                     \
+                case 1: NAME##_q1_c4(qs, kh, vh, vis, outs, n_keys, scale, &s); break;              \
+                case 2: NAME##_q2_c4(qs, kh, vh, vis, outs, n_keys, scale, &s); break;              \
+                case 3: NAME##_q3_c4(qs, kh, vh, vis, outs, n_keys, scale, &s); break;              \
+                case 4: NAME##_q4_c4(qs, kh, vh, vis, outs, n_keys, scale, &s); break;              \
+                case 11: NAME##_q1_c8(qs, kh, vh, vis, outs, n_keys, scale, &s); break;             \
+                case 12: NAME##_q2_c8(qs, kh, vh, vis, outs, n_keys, scale, &s); break;             \
+                default:                                                                            \
+                    for (int m = 0; m < count; m++)                                                 \
+                        NAME##_one(qs[m], kh, vh, vis, outs[m], n_keys, chunks, scale, &s);         \
+                }                                                                                   \
+            }                                                                                       \
+            free(s.scores), free(s.keys), free(s.waiting);                                          \
+        }                                                                                           \
     }
 
 DEFINE_ATTENTION(decodekit_attention_f32, float, load_f32)
 DEFINE_ATTENTION(decodekit_attention_bf16, uint16_t, load_bf16)
+
+/* The int8 cache (kv cache "int8"): each (head, slot) row is head_dim int8 values then their
+ * float32 scale (row bytes head_dim + 4), value = scale * q. Written by layer_ops.c's
+ * decodekit_rope_store_q8; read here directly, each query's arithmetic in the same fixed order
+ * as above (scores: q . k_int summed 16 lanes at once, times the row's scale and the softmax
+ * scale; values: sum of (p scale_v) v_int in key order), so a token's result is the same in any
+ * pass. */
+static inline __m512 load_q8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+
+void decodekit_attention_q8(const float *q, const int8_t *k, const int8_t *v, const uint8_t *visible, float *out,
+                            int n_q, int n_heads, int n_kv_heads, int head_dim, int cap, int n_keys, float scale,
+                            int threads) {
+    int group = n_heads / n_kv_heads, chunks = head_dim / 16;
+    size_t row = (size_t)head_dim + 4;
+    _Pragma("omp parallel num_threads(threads) if (threads > 1)")
+    {
+        float *scores = malloc(sizeof(float) * ((size_t)n_keys + 1));
+        int *keys = malloc(sizeof(int) * ((size_t)n_keys + 1));
+        __m512 *waiting = aligned_alloc(64, sizeof(__m512) * 16);
+        for (int i = 0; i < 16; i++) waiting[i] = _mm512_setzero_ps();
+        _Pragma("omp for schedule(static)")
+        for (int job = 0; job < n_q * n_heads; job++) {
+            int i = job / n_heads, h = job % n_heads;
+            const float *qi = q + ((size_t)i * n_heads + h) * head_dim;
+            const int8_t *kh = k + (size_t)(h / group) * cap * row, *vh = v + (size_t)(h / group) * cap * row;
+            const uint8_t *vis = visible ? visible + (size_t)i * n_keys : NULL;
+            __m512 qv[16];
+            for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(qi + 16 * c);
+            int n = 0, w = 0;
+            float row_scales[16];
+            for (int j = 0; j < n_keys; j++) {
+                if (vis && !vis[j]) continue;
+                const int8_t *kj = kh + (size_t)j * row;
+                __m512 acc = _mm512_mul_ps(qv[0], load_q8(kj));
+                for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], load_q8(kj + 16 * c), acc);
+                waiting[SLOT(w)] = acc;
+                memcpy(&row_scales[w], kj + head_dim, sizeof(float));
+                keys[n + w] = j;
+                if (++w == 16 || j == n_keys - 1) {
+                    __mmask16 m = w == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << w) - 1u);
+                    __m512 s = _mm512_mul_ps(_mm512_mul_ps(sum_lanes16(waiting), _mm512_maskz_loadu_ps(m, row_scales)),
+                                             _mm512_set1_ps(scale));
+                    _mm512_mask_storeu_ps(scores + n, m, s);
+                    n += w, w = 0;
+                }
+            }
+            if (w) { /* the last visible key was not the last key */
+                __mmask16 m = (__mmask16)((1u << w) - 1u);
+                __m512 s = _mm512_mul_ps(_mm512_mul_ps(sum_lanes16(waiting), _mm512_maskz_loadu_ps(m, row_scales)),
+                                         _mm512_set1_ps(scale));
+                _mm512_mask_storeu_ps(scores + n, m, s);
+                n += w;
+            }
+            float total = softmax_numerators(scores, n, largest(scores, n));
+            __m512 o[16];
+            for (int c = 0; c < chunks; c++) o[c] = _mm512_setzero_ps();
+            for (int t = 0; t < n; t++) {
+                const int8_t *vj = vh + (size_t)keys[t] * row;
+                float vscale;
+                memcpy(&vscale, vj + head_dim, sizeof(float));
+                __m512 p = _mm512_set1_ps(scores[t] * vscale);
+                for (int c = 0; c < chunks; c++) o[c] = _mm512_fmadd_ps(p, load_q8(vj + 16 * c), o[c]);
+            }
+            __m512 inv = _mm512_set1_ps(n ? 1.0f / total : 0.0f);
+            float *oi = out + ((size_t)i * n_heads + h) * head_dim;
+            for (int c = 0; c < chunks; c++) _mm512_storeu_ps(oi + 16 * c, _mm512_mul_ps(o[c], inv));
+        }
+        free(scores), free(keys), free(waiting);
+    }
+}

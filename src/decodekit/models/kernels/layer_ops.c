@@ -13,6 +13,8 @@
  * up, the rotated q and k). Each row is computed alone in a fixed order, so a token's values do
  * not depend on the other rows of the pass. Needs the hidden, intermediate and head sizes to be
  * multiples of 16 (the head size only for rope_store).
+ *
+ * rope_store_q8 writes the int8 cache instead (kv cache "int8"): see its comment below.
  */
 #include <math.h>
 #include <stddef.h>
@@ -88,3 +90,42 @@ static inline void store_f32(float *p, __m512 x) { _mm512_storeu_ps(p, x); }
 
 DEFINE_LAYER_OPS(f32, float, load_f32, store_f32, same_f32)
 DEFINE_LAYER_OPS(bf16, uint16_t, load_bf16, store_bf16, as_bf16)
+
+/* rope_store for the int8 cache (kv cache "int8", float32 models): as decodekit_rope_store_f32,
+ * then each (row, key/value head)'s rotated key and its value are quantised alone: scale
+ * max|x| / 127, q = x / scale rounded to nearest even, stored as head_dim int8 then the float32
+ * scale (row bytes head_dim + 4, slot start + r of a [n_kv_heads, cap] cache). */
+static void quantise_row(const float *x, int8_t *dst, int n) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + j)));
+    float scale = _mm512_reduce_max_ps(amax) / 127.0f;
+    __m512 inverse = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+    for (int j = 0; j < n; j += 16)
+        _mm_storeu_si128((__m128i *)(dst + j), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + j), inverse))));
+    memcpy(dst + n, &scale, sizeof(float));
+}
+
+void decodekit_rope_store_q8(const float *qkv, const float *freqs, const int64_t *positions, float *q_out,
+                             int8_t *k_cache, int8_t *v_cache, int rows, int n_heads, int n_kv_heads, int head_dim,
+                             int cap, int start) {
+    int width = (n_heads + 2 * n_kv_heads) * head_dim;
+    size_t row_bytes = (size_t)head_dim + 4;
+    float rotated[256];
+    for (int r = 0; r < rows; r++) {
+        const float *row = qkv + (size_t)r * width;
+        const float *f = freqs + (size_t)positions[r] * head_dim;
+        for (int head = 0; head < n_heads + n_kv_heads; head++) {
+            float *dst = head < n_heads ? q_out + ((size_t)r * n_heads + head) * head_dim : rotated;
+            for (int j = 0; j < head_dim; j += 16) {
+                __m512 x = _mm512_loadu_ps(row + (size_t)head * head_dim + j), fv = _mm512_loadu_ps(f + j);
+                __m512 swapped_sin = _mm512_mul_ps(_mm512_permute_ps(x, 0xB1), _mm512_movehdup_ps(fv));
+                _mm512_storeu_ps(dst + j, _mm512_fmaddsub_ps(x, _mm512_moveldup_ps(fv), swapped_sin));
+            }
+            if (head >= n_heads)
+                quantise_row(rotated, k_cache + ((size_t)(head - n_heads) * cap + start + r) * row_bytes, head_dim);
+        }
+        for (int kv = 0; kv < n_kv_heads; kv++)
+            quantise_row(row + (size_t)(n_heads + n_kv_heads + kv) * head_dim,
+                         v_cache + ((size_t)kv * cap + start + r) * row_bytes, head_dim);
+    }
+}

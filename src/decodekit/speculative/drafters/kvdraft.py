@@ -36,7 +36,7 @@ from .draft_model import DraftModelDrafter
 DEFAULT_CACHE = "sink:4,window:256"
 
 OPTIONS = option_table(
-    OptionSpec("kv_cache", str, DEFAULT_CACHE, "the draft's cache policy (a --kv-cache spelling that evicts)"),
+    OptionSpec("kv_cache", str, DEFAULT_CACHE, "the draft's cache policy (a --kv-cache spelling other than full)"),
     CHAIN_OPTIONS,
     dataclasses.replace(CHAIN_OPTIONS["stochastic"], default=True),
 )
@@ -53,8 +53,8 @@ class CompressedCacheDrafter(DraftModelDrafter):
                  stochastic: bool = True):
         super().__init__(draft_model=None, max_draft=max_draft, confidence=confidence, stochastic=stochastic)
         self.policy = parse_kv_cache(kv_cache)
-        if not self.policy.evicts():
-            raise InvalidParameter(f"kvdraft needs a kv_cache that evicts (e.g. {DEFAULT_CACHE}), got {self.policy.spec!r}")
+        if not self.policy.one_sequence():
+            raise InvalidParameter(f"kvdraft needs a compressed kv_cache (e.g. {DEFAULT_CACHE} or int8), got {self.policy.spec!r}")
 
     def _parse_spec(self, spec: object) -> object:
         return None  # the draft is the target itself, found at begin()
@@ -63,6 +63,8 @@ class CompressedCacheDrafter(DraftModelDrafter):
         target = state.backend
         if not hasattr(target, "with_kv_cache"):
             raise InvalidParameter(f"kvdraft needs the native backend, not {target.info.architecture}")
+        if target.kv_policy.one_sequence():
+            raise InvalidParameter(f"kvdraft drafts for a full cache; this model's is {target.kv_policy.spec}")
         self.backend = target.memory(("kvdraft", self.policy.spec), lambda: target.with_kv_cache(self.policy))
         prompt = state.tokens[: target.length]
         self.backend.adopt(target, prompt)

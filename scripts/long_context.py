@@ -1,0 +1,108 @@
+"""Long-context benchmarks of the KV-cache family, on the embedded model.
+
+``kvdraft``: plain greedy against ``kvdraft`` (the model with a compressed cache drafts, its full
+cache verifies) on long prompts built from the packaged Spec-Bench texts (each a different slice
+of them, then "Summarise the text above."), ``--new`` tokens each, requests alternating, the
+first pair a warm-up (the controller's cost table and acceptance estimates carry over between
+requests, as in a long-running process). Every kvdraft output is checked token-identical to greedy's.
+
+``streaming``: one generation of ``--new`` tokens with a StreamingLLM cache (EOS ignored); the
+cache's entries, its allocation and the process's RSS every ``--every`` tokens.
+
+    .venv/bin/python scripts/long_context.py kvdraft [--tokens 6000] [--prompts 3] [--new 128] [--numerics exact]
+    .venv/bin/python scripts/long_context.py streaming [--new 32768] [--kv-cache sink:4,window:1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+
+from decodekit.data import SPEC_BENCH_QUESTIONS, data_file
+from decodekit.engine import Engine
+from decodekit.models import LoadedModel, load_model
+
+
+def documents(tokenizer, length: int, count: int) -> list[list[dict]]:
+    texts = [t for line in data_file(SPEC_BENCH_QUESTIONS).read_text().splitlines() for t in json.loads(line)["turns"]]
+    ids = tokenizer.encode("\n\n".join(texts * 4))
+    step = max(1, (len(ids) - length) // max(count, 1))
+    return [[{"role": "user", "content": tokenizer.decode(ids[i * step : i * step + length]) + "\n\nSummarise the text above."}]
+            for i in range(count)]
+
+
+def kvdraft(args: argparse.Namespace) -> None:
+    model = load_model(numerics=args.numerics)
+    engine = Engine(model)
+    prompts = documents(model.tokenizer, args.tokens, args.prompts + 1)
+    options = {"kv_cache": args.kv_cache}
+    rows = []
+    for i, prompt in enumerate(prompts):
+        plain = engine.generate(prompt, max_new_tokens=args.new, ignore_eos=True)
+        spec = engine.generate(prompt, method="kvdraft", max_new_tokens=args.new, ignore_eos=True, **options)
+        if spec.tokens != plain.tokens:
+            raise SystemExit(f"prompt {i}: kvdraft's tokens differ from greedy's")
+        extra = spec.stats.extra
+        row = {"prompt_tokens": len(model.prompt_ids(prompt)), "greedy_tok_s": plain.stats.new_tokens / plain.stats.decode_s,
+               "kvdraft_tok_s": spec.stats.new_tokens / spec.stats.decode_s, "verifications": extra.get("verifications", 0),
+               "accepted": extra.get("accepted", 0), "warm_up": i == 0}
+        row["speedup"] = row["kvdraft_tok_s"] / row["greedy_tok_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    timed = [r for r in rows if not r["warm_up"]]
+    greedy = statistics.mean(r["greedy_tok_s"] for r in timed)
+    spec = statistics.mean(r["kvdraft_tok_s"] for r in timed)
+    accepted = sum(r["accepted"] for r in timed) / max(sum(r["verifications"] for r in timed), 1)
+    print(json.dumps({"numerics": args.numerics, "kv_cache": args.kv_cache, "greedy_tok_s": round(greedy, 1),
+                      "kvdraft_tok_s": round(spec, 1), "speedup": round(spec / greedy, 3),
+                      "accepted_per_verification": round(accepted, 2), "identical": True}))
+
+
+def streaming(args: argparse.Namespace) -> None:
+    model = load_model(numerics=args.numerics)
+    backend = model.backend.with_kv_cache(args.kv_cache)
+    engine = Engine(LoadedModel(backend, model.tokenizer, model.name))
+    samples = []
+    start = time.perf_counter()
+
+    def on_text(_: str) -> None:
+        if backend.length // args.every > len(samples):
+            samples.append({"tokens": backend.length, "slots": backend.slots, "cache_mb": round(backend.cache_bytes() / 1e6, 2),
+                            "allocated_mb": round(2 * backend._k.nbytes / 1e6, 2),
+                            "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                            "seconds": round(time.perf_counter() - start, 1)})
+            print(json.dumps(samples[-1]), flush=True)
+
+    out = engine.generate("Tell me a very long story.", max_new_tokens=args.new, ignore_eos=True, on_text=on_text)
+    print(json.dumps({"kv_cache": args.kv_cache, "new_tokens": out.stats.new_tokens,
+                      "tok_s": round(out.stats.new_tokens / out.stats.decode_s, 1),
+                      "max_cache_mb": max(s["cache_mb"] for s in samples), "max_allocated_mb": max(s["allocated_mb"] for s in samples),
+                      "first_rss_mb": samples[0]["rss_mb"], "last_rss_mb": samples[-1]["rss_mb"],
+                      "context_window": model.backend.info.max_length}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    k = sub.add_parser("kvdraft")
+    k.add_argument("--tokens", type=int, default=6000)
+    k.add_argument("--prompts", type=int, default=3)
+    k.add_argument("--new", type=int, default=128)
+    k.add_argument("--kv-cache", default="sink:4,window:256")
+    k.add_argument("--numerics", default="exact")
+    k.set_defaults(func=kvdraft)
+    s = sub.add_parser("streaming")
+    s.add_argument("--new", type=int, default=32768)
+    s.add_argument("--every", type=int, default=2048)
+    s.add_argument("--kv-cache", default="sink:4,window:1024")
+    s.add_argument("--numerics", default="exact")
+    s.set_defaults(func=streaming)
+    args = parser.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

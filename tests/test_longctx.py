@@ -1,0 +1,65 @@
+"""``decodekit eval longctx`` on a tiny model: every policy at lengths inside and past the context
+window, NLL relative to the full cache, memory, pass-key answers, the report and the plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from decodekit.eval import cli as eval_cli
+from decodekit.eval.longctx import LongContextConfig, evaluate_long_context, passkey_prompt
+from decodekit.errors import InvalidParameter
+from decodekit.models import CharTokenizer, LoadedModel
+from decodekit.models.tiny import tiny_llama
+
+POLICIES = ("full", "int8", "sink:4,window:64,every:8", "h2o:budget=64,window=16", "snapkv:budget=64,window=8")
+
+
+@pytest.fixture(scope="module")
+def model() -> LoadedModel:
+    return LoadedModel(tiny_llama(seed=0, hidden_size=64, max_position=512), CharTokenizer(96), "tiny")
+
+
+def test_every_policy_at_every_length(model):
+    config = LongContextConfig(policies=POLICIES, lengths=(120, 600), depths=(0.5,), continuation=12, decode_tokens=4)
+    rows = {(r["policy"], r["length"]): r for r in evaluate_long_context(model, config)["rows"]}
+    assert rows[("full", 120)]["nll_change"] == 0 and rows[("full", 120)]["memory_saved"] == 0
+    assert abs(rows[("int8", 120)]["nll_change"]) < 0.05
+    assert rows[("int8", 120)]["memory_saved"] == pytest.approx(1 - 20 / 64)  # head size 16: 16 bytes + a scale
+    for policy in ("sink:4,window:64,every:8", "h2o:budget=64,window=16", "snapkv:budget=64,window=8"):
+        assert rows[(policy, 120)]["memory_saved"] > 0.3 and rows[(policy, 120)]["nll"] > 0
+    # past the 512-token window only the streaming cache runs, in the memory it had at 120 tokens
+    for policy in ("full", "int8", "h2o:budget=64,window=16", "snapkv:budget=64,window=8"):
+        assert "context" in rows[(policy, 600)]["error"]
+    streaming = rows[("sink:4,window:64,every:8", 600)]
+    assert "error" not in streaming and streaming["cache_bytes"] <= rows[("sink:4,window:64,every:8", 120)]["cache_bytes"]
+    assert all(isinstance(v, bool) for r in rows.values() if "passkey" in r for v in r["passkey"].values())
+
+
+def test_passkey_prompt_hides_the_key_at_the_depth():
+    tok = CharTokenizer(128)
+    for depth in (0.0, 0.5, 1.0):
+        text = tok.decode(passkey_prompt(tok, 2000, depth, 12345))
+        where = text.index("The pass key is 12345") / len(text)
+        assert abs(where - depth) < 0.1 and text.endswith("The pass key is")
+
+
+def test_the_command_writes_report_json_and_plot(model, tmp_path, capsys):
+    parser = eval_cli.ArgumentParser()
+    eval_cli.add_arguments(parser)
+    args = parser.parse_args(["longctx", "--policies", "full;sink:4,window:32", "--lengths", "100", "--depths", "0.5",
+                              "--continuation", "8", "--out", str(tmp_path)])
+    assert eval_cli.run(args, model=model) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [r["policy"] for r in result["rows"]] == ["full", "sink:4,window:32"]
+    assert (tmp_path / "plot.png").stat().st_size > 0 and "| 100 | full |" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("flags, message", [(["--policies", "bogus"], "kv cache"), (["--lengths", "x"], "--lengths"),
+                                            (["--depths", "2"], "--depths"), (["--continuation", "0"], "--continuation")])
+def test_bad_flags_fail_in_one_line(model, flags, message):
+    parser = eval_cli.ArgumentParser()
+    eval_cli.add_arguments(parser)
+    with pytest.raises(InvalidParameter, match=message):
+        eval_cli.run(parser.parse_args(["longctx", *flags]), model=model)
