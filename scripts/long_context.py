@@ -9,7 +9,7 @@ requests, as in a long-running process). Every kvdraft output is checked token-i
 ``streaming``: one generation of ``--new`` tokens with a StreamingLLM cache (EOS ignored); the
 cache's entries, its allocation and the process's RSS every ``--every`` tokens.
 
-    .venv/bin/python scripts/long_context.py kvdraft [--tokens 6000] [--prompts 3] [--new 128] [--numerics exact]
+    .venv/bin/python scripts/long_context.py kvdraft [--tokens 6000] [--prompts 3] [--new 128] [--numerics exact] [--budget N]
     .venv/bin/python scripts/long_context.py streaming [--new 32768] [--kv-cache sink:4,window:1024]
 """
 
@@ -38,7 +38,7 @@ def kvdraft(args: argparse.Namespace) -> None:
     model = load_model(numerics=args.numerics)
     engine = Engine(model)
     prompts = documents(model.tokenizer, args.tokens, args.prompts + 1)
-    options = {"kv_cache": args.kv_cache}
+    options = {"kv_cache": args.kv_cache, **({"budget": args.budget} if args.budget else {})}
     rows = []
     for i, prompt in enumerate(prompts):
         plain = engine.generate(prompt, max_new_tokens=args.new, ignore_eos=True)
@@ -56,7 +56,7 @@ def kvdraft(args: argparse.Namespace) -> None:
     greedy = statistics.mean(r["greedy_tok_s"] for r in timed)
     spec = statistics.mean(r["kvdraft_tok_s"] for r in timed)
     accepted = sum(r["accepted"] for r in timed) / max(sum(r["verifications"] for r in timed), 1)
-    print(json.dumps({"numerics": args.numerics, "kv_cache": args.kv_cache, "greedy_tok_s": round(greedy, 1),
+    print(json.dumps({"numerics": args.numerics, "kv_cache": args.kv_cache, "budget": args.budget or "controller", "greedy_tok_s": round(greedy, 1),
                       "kvdraft_tok_s": round(spec, 1), "speedup": round(spec / greedy, 3),
                       "accepted_per_verification": round(accepted, 2), "identical": True}))
 
@@ -93,6 +93,7 @@ def main() -> None:
     k.add_argument("--new", type=int, default=128)
     k.add_argument("--kv-cache", default="sink:4,window:256")
     k.add_argument("--numerics", default="exact")
+    k.add_argument("--budget", type=int, default=0, help="a fixed chain length (default: the controller decides)")
     k.set_defaults(func=kvdraft)
     s = sub.add_parser("streaming")
     s.add_argument("--new", type=int, default=32768)

@@ -363,8 +363,10 @@ def test_int8_cache_speculation_is_lossless_relative_to_int8_greedy():
     want = engine.generate(prompt, max_new_tokens=40, ignore_eos=True).tokens
     for method in ("pld", "suffix"):
         assert engine.generate(prompt, method=method, max_new_tokens=40, ignore_eos=True, budget=4).tokens == want
-    with pytest.raises(InvalidParameter, match="full cache"):
-        engine.generate(prompt, method="kvdraft", max_new_tokens=4)
+    windowed = engine.generate(prompt, method="kvdraft", kv_cache="sink:2,window:8", max_new_tokens=40, ignore_eos=True)
+    assert windowed.tokens == want and windowed.stats.extra["verifications"] > 0
+    with pytest.raises(InvalidParameter, match="keeps every token"):
+        engine.generate(prompt, method="kvdraft", kv_cache="snapkv:budget=40,window=4", max_new_tokens=4)
 
 
 def test_kvdraft_from_an_int8_draft_cache_is_plain_greedy():
@@ -373,3 +375,13 @@ def test_kvdraft_from_an_int8_draft_cache_is_plain_greedy():
     want = engine.generate(prompt, max_new_tokens=30, ignore_eos=True).tokens
     got = engine.generate(prompt, method="kvdraft", kv_cache="int8", max_new_tokens=30, ignore_eos=True, budget=4)
     assert got.tokens == want and got.stats.extra["accepted"] > 0
+
+
+@pytest.mark.parametrize("method, options", [("hierarchy", {"order": "kvdraft,pld"}), ("auto", {"arms": "kvdraft,pld"})])
+def test_kvdraft_inside_hierarchy_and_auto(method, options):
+    engine = Engine(LoadedModel(tiny_llama(seed=0, hidden_size=64, scale=3.0), CharTokenizer(96), "tiny"))
+    prompt = tokens(60, seed=5)
+    want = engine.generate(prompt, max_new_tokens=30, ignore_eos=True).tokens
+    got = engine.generate(prompt, method=method, max_new_tokens=30, ignore_eos=True, budget=4, **options)
+    assert got.tokens == want
+    assert got.stats.extra["accepted_by_source"].get("kvdraft", 0) > 0

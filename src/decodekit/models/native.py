@@ -21,7 +21,7 @@ from ..errors import InvalidParameter
 from .backend import Backend, ModelInfo, StepOutput
 from .batching import PREFILL_CHUNK, PassBatcher
 from .gguf_blocks import BlockMatrix, matching_blocks
-from .kv_policy import KVPolicy, parse_kv_cache
+from .kv_policy import KVPolicy, parse_kv_cache, streaming_keep
 from .threads import GOVERNOR
 from .kernels import (
     INTEGER_GROUP, MAX_ROWS, DecoderLayers, KernelProjection, SequencePart, block_matmul, decoder_layers,
@@ -458,7 +458,8 @@ class NativeLlama(Backend):
                 raise ValueError(f"kv cache {self.kv_policy.spec}: {needed} entries exceed the model's context of "
                                  f"{self.config.max_position}")
             raise ValueError(f"sequence of {needed} tokens exceeds the model's context of {self.config.max_position}")
-        new_capacity = min(max(needed, 2 * capacity), self.config.max_position)
+        # room to grow past a long prompt: otherwise its first decode step copies the whole cache
+        new_capacity = min(max(needed + needed // 4 + 64, 2 * capacity), self.config.max_position)
         old = (self._k, self._v) + ((self._held, self._mass) if self.kv_policy.evicts() else ())
         self._allocate(old[0].shape[1], new_capacity)
         self._k[:, :, :, :capacity] = old[0]
@@ -563,6 +564,25 @@ class NativeLlama(Backend):
         return out
 
     # What a cache policy needs: slots apart from tokens, compaction, attention weights -------------
+
+    @torch.inference_mode()
+    def append_windowed(self, tokens: torch.Tensor, sink: int, window: int) -> StepOutput:
+        """Append ``tokens`` ``[1, k]`` attending only to the first ``sink`` and the last ``window``
+        cached entries (and causally to each other), at their own positions: StreamingLLM's
+        attention over this cache, without evicting anything (``kvdraft``'s draft passes, which
+        the drafter rolls back). Committed like :meth:`append`."""
+        start, k = self._slots, tokens.shape[1]
+        visible = torch.zeros(k, start + k, dtype=torch.bool)
+        visible[:, streaming_keep(start, sink, window)] = True
+        visible[:, start:] = torch.ones(k, k, dtype=torch.bool).tril()
+        positions = torch.arange(self._length, self._length + k)
+        self._make_room(k)
+        self._written(start, positions)
+        out = self._forward(tokens, positions, visible, (), frozenset(), False)
+        self._length += k
+        self._slots += k
+        self._pending_tree = None
+        return out
 
     @torch.inference_mode()
     def adopt(self, source: "NativeLlama", token_ids: Sequence[int]) -> None:

@@ -65,6 +65,7 @@ import torch
 
 from ..errors import InvalidParameter
 from ..models.backend import Backend
+from ..models.kernels import sources_digest
 from ..models.threads import GOVERNOR
 from .tree import DraftTree, Verification, select_nodes
 
@@ -147,7 +148,7 @@ class CostTable:
     def key(backend: Backend) -> str:
         info = backend.info
         dtype = str(info.dtype).removeprefix("torch.")
-        return f"{info.name}|{info.architecture}|{dtype}|threads={GOVERNOR.full_count()}"
+        return f"{info.name}|{info.architecture}|{dtype}|threads={GOVERNOR.full_count()}|kernels={sources_digest()}"
 
     @classmethod
     def measure(cls, backend: Backend, sizes=MEASURE_SIZES, rounds: int = 3) -> "CostTable":
@@ -447,8 +448,9 @@ class Controller:
         nothing (a confidence stop, no match) still cost time: the per-node cost is the ratio of
         the averages of seconds and of nodes per call."""
         learnt = self.learnt
-        if learnt.draft_calls == 0:
-            learnt.draft_seconds, learnt.draft_nodes = seconds, float(nodes)
+        if learnt.draft_calls == 0:  # a first call that found nothing counts as one node, not as
+            # drafting too dear ever to plan (the average of later calls soon takes over)
+            learnt.draft_seconds, learnt.draft_nodes = seconds, float(max(nodes, 1))
         else:
             learnt.draft_seconds += self.ema * (seconds - learnt.draft_seconds)
             learnt.draft_nodes += self.ema * (nodes - learnt.draft_nodes)

@@ -86,6 +86,16 @@ def _build(source: Path) -> Path | None:
 
 
 @cache
+def sources_digest() -> str:
+    """A short digest of every kernel source: what a measurement of kernel speed (the speculative
+    controller's cost table) is keyed by, so that new kernels are measured afresh."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).parent.glob("*.[ch]")):
+        digest.update(source.name.encode() + source.read_bytes())
+    return digest.hexdigest()[:10]
+
+
+@cache
 def _library(name: str) -> ctypes.CDLL | None:
     """The compiled ``name.c`` next to this file, or None where it cannot be built or loaded."""
     if not _supported():

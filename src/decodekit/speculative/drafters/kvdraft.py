@@ -1,33 +1,40 @@
-"""Self-speculation from a compressed KV cache: the target drafts with a small cache and verifies
-with its full one.
+"""Self-speculation from a compressed KV cache: the target drafts while attending to a small part
+of its cache, and verifies with all of it.
 
 Papers: Sun et al., 2024, "TriForce: Lossless Acceleration of Long Sequence Generation with
 Hierarchical Speculative Decoding"; Sadhukhan et al., 2024, "MagicDec: Breaking the
 Latency-Throughput Tradeoff for Long Context Generation with Speculative Decoding". At long
-context a step's cost is attention over the cache as much as the weights; the same model with a
-small cache is a cheap and well-aligned draft model. Lossless: the full-cache target verifies
-every token with the project's verifiers (token-identical to plain greedy; plain sampling's
-distribution under speculative sampling).
+context a step's cost is attention over the cache as much as the weights; the same model
+attending to a small cache is a cheap and well-aligned draft. Lossless: the full-cache target
+verifies every token with the project's verifiers (token-identical to plain greedy; plain
+sampling's distribution under speculative sampling).
 
 Choices the papers leave open (each one tested):
-  * The draft's cache is a :mod:`~decodekit.models.kv_policy` policy over the target's own
-    entries (``kv_cache``, default StreamingLLM with 4 sinks and a 256-token window, MagicDec's
-    draft; TriForce retrieves chunks instead). It is made from the target's cache after the
-    prompt (:meth:`NativeLlama.adopt`), so the prompt is not read twice; afterwards it follows
+  * ``kv_cache="sink:S,window:W"`` (the default, ``sink:4,window:256``: MagicDec's StreamingLLM
+    draft): the draft is the target itself, its passes attending only to the first S and the
+    last W entries of the target's own cache (:meth:`NativeLlama.append_windowed`), at the
+    tokens' own positions; a draft's entries are rolled back after it. The draft's cache is
+    thus a view of the target's, as in both papers: nothing is copied and nothing falls behind.
+  * Any other compressed policy (``snapkv:...``, ``h2o:...``, ``int8``; TriForce retrieves
+    chunks instead): a clone of the target with that cache, made from the target's entries after
+    the prompt (:meth:`NativeLlama.adopt`, no second read of it), then kept in step with
     ``state.tokens`` like any draft model (roll back to the common prefix, append what is missing).
   * Chains, one token per draft pass, with the chain drafters' confidence stop; the controller
     sizes them from measured costs, as for every drafter. No second-level draft (TriForce's
     hierarchy): ``hierarchy`` can combine ``kvdraft`` with the context drafters.
-  * Native backend only (it owns the cache policies).
+  * Native backend; the target's cache keeps every token (``full``, or ``int8`` for windowed
+    drafts, which then match the int8 cache's greedy output).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ...engine.core import DecodeState
 from ...errors import InvalidParameter
-from ...models.kv_policy import parse_kv_cache
+from ...models.kv_policy import StreamingPolicy, parse_kv_cache
 from ...options import OptionSpec, option_table
 from . import register_drafter
 from .base import CHAIN_OPTIONS
@@ -55,6 +62,9 @@ class CompressedCacheDrafter(DraftModelDrafter):
         self.policy = parse_kv_cache(kv_cache)
         if not self.policy.one_sequence():
             raise InvalidParameter(f"kvdraft needs a compressed kv_cache (e.g. {DEFAULT_CACHE} or int8), got {self.policy.spec!r}")
+        self.windowed = isinstance(self.policy, StreamingPolicy)  # drafts on the target's own cache
+        self._target = None
+        self._origin = 0
 
     def _parse_spec(self, spec: object) -> object:
         return None  # the draft is the target itself, found at begin()
@@ -63,15 +73,47 @@ class CompressedCacheDrafter(DraftModelDrafter):
         target = state.backend
         if not hasattr(target, "with_kv_cache"):
             raise InvalidParameter(f"kvdraft needs the native backend, not {target.info.architecture}")
-        if target.kv_policy.one_sequence():
-            raise InvalidParameter(f"kvdraft drafts for a full cache; this model's is {target.kv_policy.spec}")
+        if target.kv_policy.evicts() or (target.kv_policy.quantised and not self.windowed):
+            raise InvalidParameter(f"kvdraft drafts for a cache that keeps every token (full, or int8 with sink:S,window:W "
+                                   f"drafts); this model's is {target.kv_policy.spec}")
+        self._target = target
+        if self.windowed:
+            return
         self.backend = target.memory(("kvdraft", self.policy.spec), lambda: target.with_kv_cache(self.policy))
         prompt = state.tokens[: target.length]
         self.backend.adopt(target, prompt)
         self._cached = list(prompt)
 
+    # The windowed draft: passes on the target's own cache, rolled back after each draft.
+
+    def _start(self, state: DecodeState, budget: int) -> tuple[torch.Tensor | None, int]:
+        if not self.windowed:
+            return super()._start(state, budget)
+        if self._target is None:
+            raise RuntimeError("kvdraft.draft() before begin()")
+        self._origin = self._target.length
+        budget = min(budget, self._target.info.max_length - len(state.tokens))
+        if budget <= 0:
+            return None, 0
+        return self._windowed(state.tokens[self._origin :]), budget
+
+    def _advance(self, token: int) -> torch.Tensor:
+        if not self.windowed:
+            return super()._advance(token)
+        return self._windowed([token])
+
+    def _windowed(self, tokens: list[int]) -> torch.Tensor:
+        assert self._target is not None and isinstance(self.policy, StreamingPolicy)
+        self.last_steps += 1
+        out = self._target.append_windowed(torch.tensor([tokens]), self.policy.sink, self.policy.window)
+        return out.logits[0, -1]
+
+    def _stop(self, state: DecodeState) -> None:
+        if self.windowed and self._target is not None and self._target.length > self._origin:
+            self._target.truncate(self._origin)
+
 
 register_drafter(
-    "kvdraft", "the target with a compressed KV cache drafts chains, its full cache verifies (kv_cache=POLICY)",
+    "kvdraft", "the target attending to a compressed KV cache drafts chains, its full cache verifies (kv_cache=POLICY)",
     stochastic=True, options=OPTIONS,
 )(CompressedCacheDrafter)
