@@ -68,15 +68,16 @@ def streaming(args: argparse.Namespace) -> None:
     samples = []
     start = time.perf_counter()
 
-    def on_text(_: str) -> None:
+    def sample() -> bool:  # asked after every step (should_stop): records, never stops
         if backend.length // args.every > len(samples):
             samples.append({"tokens": backend.length, "slots": backend.slots, "cache_mb": round(backend.cache_bytes() / 1e6, 2),
                             "allocated_mb": round(2 * backend._k.nbytes / 1e6, 2),
                             "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                             "seconds": round(time.perf_counter() - start, 1)})
             print(json.dumps(samples[-1]), flush=True)
+        return False
 
-    out = engine.generate("Tell me a very long story.", max_new_tokens=args.new, ignore_eos=True, on_text=on_text)
+    out = engine.generate("Tell me a very long story.", max_new_tokens=args.new, ignore_eos=True, should_stop=sample)
     print(json.dumps({"kv_cache": args.kv_cache, "new_tokens": out.stats.new_tokens,
                       "tok_s": round(out.stats.new_tokens / out.stats.decode_s, 1),
                       "max_cache_mb": max(s["cache_mb"] for s in samples), "max_allocated_mb": max(s["allocated_mb"] for s in samples),

@@ -90,6 +90,10 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["chat", "--stop", "\udcff"], "is not valid UTF-8"),
     (["eval", "capitals", "--temperature", "0.5"], "method 'greedy' never samples"),
     (["nonsense"], "invalid choice: 'nonsense'"),
+    (["generate", "hi", "--kv-cache", "sink:4"], "kv cache 'sink:4': window is missing"),
+    (["generate", "hi", "--kv-cache", "lru"], "unknown kv cache 'lru'"),
+    (["eval", "longctx", "--lengths", "1,2"], "--lengths must be comma-separated numbers"),
+    (["generate", "hi", "--method", "kvdraft", "--opt", "kv_cache=full"], "kvdraft needs a compressed kv_cache"),
 ])
 def test_bad_arguments_are_one_line_before_the_model_loads(capsys, no_model, argv, expected):
     one_error_line(capsys, argv, expected)

@@ -385,3 +385,16 @@ def test_kvdraft_inside_hierarchy_and_auto(method, options):
     got = engine.generate(prompt, method=method, max_new_tokens=30, ignore_eos=True, budget=4, **options)
     assert got.tokens == want
     assert got.stats.extra["accepted_by_source"].get("kvdraft", 0) > 0
+
+
+@pytest.mark.parametrize("spec", ["h2o:budget=16,window=4", "snapkv:budget=16,window=4"])
+def test_policies_that_keep_positions_stop_at_the_context_window(spec):
+    """They evict, so their cache never fills, but positions past the window have no rotary angle:
+    refused in one line, not read out of bounds."""
+    backend = tiny_llama(seed=0, hidden_size=64, max_position=64).with_kv_cache(spec)
+    with pytest.raises(ValueError, match="exceeds the model's context of 64; a sink:S,window:W cache runs past it"):
+        backend.prefill(tokens(100))
+    backend.prefill(tokens(60))
+    with pytest.raises(ValueError, match="context of 64"):
+        for t in tokens(10):
+            backend.step(torch.tensor([t]))

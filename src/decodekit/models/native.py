@@ -549,6 +549,7 @@ class NativeLlama(Backend):
         k = tokens.shape[1]
         self._make_room(k)
         start, position = self._next_slot()
+        self._check_positions(position + k)
         positions = torch.arange(position, position + k)
         # k == 1 attends to everything cached; otherwise causal within the new block.
         mask = None if k == 1 else torch.ones(k, start + k, dtype=torch.bool).tril(diagonal=start)
@@ -576,6 +577,7 @@ class NativeLlama(Backend):
         visible[:, streaming_keep(start, sink, window)] = True
         visible[:, start:] = torch.ones(k, k, dtype=torch.bool).tril()
         positions = torch.arange(self._length, self._length + k)
+        self._check_positions(self._length + k)
         self._make_room(k)
         self._written(start, positions)
         out = self._forward(tokens, positions, visible, (), frozenset(), False)
@@ -620,6 +622,13 @@ class NativeLlama(Backend):
 
     def _next_slot(self) -> tuple[int, int]:
         return self._slots, self._slots if self.kv_policy.reassigns_positions else self._length
+
+    def _check_positions(self, end: int) -> None:
+        """Positions below ``end`` must have rotary angles: a cache that evicts but keeps positions
+        (H2O, SnapKV) is as bound by the context window as the full cache."""
+        if end > self.config.max_position:
+            hint = "" if self.kv_policy.reassigns_positions else "; a sink:S,window:W cache runs past it"
+            raise ValueError(f"sequence of {end} tokens exceeds the model's context of {self.config.max_position}{hint}")
 
     def _make_room(self, incoming: int) -> None:
         if self.kv_policy.compact_before(self._slots, incoming):
@@ -680,6 +689,7 @@ class NativeLlama(Backend):
 
     def _run_tree(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> StepOutput:
         start, position = self._next_slot()
+        self._check_positions(int(positions.max()) + 1)
         self._written(start, self._length + positions - position)
         self._observed_rows = self.kv_policy.observes_every_pass
         try:
