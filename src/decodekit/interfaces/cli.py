@@ -17,7 +17,7 @@ from ..serve import load as bench_serve_cli
 from ..engine import available_methods, build_decoder, make_sampler, method_spec, split_params
 from ..errors import DecodeKitError, InvalidParameter
 from ..eval import cli as eval_cli
-from ..models.kv_policy import POLICY_HELP
+from ..models.kv_policy import POLICY_HELP, parse_kv_cache
 from ..options import OptionSpec, parse_option
 from ..samplers import SAMPLER_OPTIONS
 
@@ -102,6 +102,7 @@ def validate_decoding(args: argparse.Namespace) -> dict[str, Any] | None:
     sampler_params, options = split_params(decoding_params(args))
     make_sampler(args.method, sampler_params)
     build_decoder(args.method, **options)
+    parse_kv_cache(args.kv_cache)
     return constraint_from_args(args)
 
 
