@@ -10,7 +10,7 @@ requests, as in a long-running process). Every kvdraft output is checked token-i
 cache's entries, its allocation and the process's RSS every ``--every`` tokens.
 
     .venv/bin/python scripts/long_context.py kvdraft [--tokens 6000] [--prompts 3] [--new 128] [--numerics exact] [--budget N]
-    .venv/bin/python scripts/long_context.py streaming [--new 32768] [--kv-cache sink:4,window:1024]
+    .venv/bin/python scripts/long_context.py streaming [--new 32768] [--kv-cache sink:4,window:1024] [--stream-text]
 """
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ def streaming(args: argparse.Namespace) -> None:
             print(json.dumps(samples[-1]), flush=True)
         return False
 
-    out = engine.generate("Tell me a very long story.", max_new_tokens=args.new, ignore_eos=True, should_stop=sample)
+    streamed: list[str] = []  # with --stream-text, the text arrives as a client of the server would get it
+    out = engine.generate("Tell me a very long story.", max_new_tokens=args.new, ignore_eos=True, should_stop=sample,
+                          on_text=streamed.append if args.stream_text else None)
     print(json.dumps({"kv_cache": args.kv_cache, "new_tokens": out.stats.new_tokens,
                       "tok_s": round(out.stats.new_tokens / out.stats.decode_s, 1),
                       "max_cache_mb": max(s["cache_mb"] for s in samples), "max_allocated_mb": max(s["allocated_mb"] for s in samples),
@@ -101,6 +103,7 @@ def main() -> None:
     s.add_argument("--every", type=int, default=2048)
     s.add_argument("--kv-cache", default="sink:4,window:1024")
     s.add_argument("--numerics", default="exact")
+    s.add_argument("--stream-text", action="store_true", help="also stream the text out (on_text), as a server does")
     s.set_defaults(func=streaming)
     args = parser.parse_args()
     args.func(args)

@@ -118,3 +118,14 @@ def test_real_model_json_schema_output_is_valid(real_model):
         g = engine.generate("Give the name and age of a person called Ann, aged 31, as JSON.", method=method,
                             max_new_tokens=60, constraint={"json_schema": schema})
         jsonschema.validate(json.loads(g.text), schema)
+
+
+def test_an_output_that_breaks_its_constraint_is_an_error_not_a_result(engine, monkeypatch):
+    """The loop checks the finished tokens against the constraint: a masking bug (here: masks
+    never applied) raises instead of handing back text the constraint forbids."""
+    from decodekit.samplers.constraint import ConstrainedTokens
+
+    monkeypatch.setattr(ConstrainedTokens, "__call__", lambda self, logits, histories: logits)
+    with pytest.raises(RuntimeError, match="breaks its choice constraint"):
+        for prompt in ("hello", "abcabc", "Q: "):
+            engine.generate(prompt, max_new_tokens=12, chat=False, constraint={"choice": CHOICES})

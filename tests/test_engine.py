@@ -80,6 +80,39 @@ def test_streamed_deltas_join_to_the_text(tiny_model):
     assert "".join(deltas) == g.text
 
 
+class CountingTokenizer:
+    """Decodes like the wrapped tokenizer and counts the tokens it is asked to decode."""
+
+    def __init__(self, inner):
+        self.inner, self.decoded = inner, 0
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return self.inner.decode(ids)
+
+
+@pytest.mark.parametrize("real", [False, True], ids=["chars", "smollm2"])
+def test_a_long_stream_decodes_a_bounded_tail_per_step_and_joins_to_the_text(real, request):
+    from decodekit.engine.core import TextStreamer
+
+    if real:
+        tokenizer = request.getfixturevalue("real_model").tokenizer
+        ids = tokenizer.encode("Héllo wörld! 你好，世界。 🎉 tabs\tand  spaces.\n" * 60)
+    else:
+        from decodekit.models import CharTokenizer
+
+        tokenizer = CharTokenizer(96)
+        ids = [1 + (i * 7) % 95 for i in range(1500)]
+    counting, pieces = CountingTokenizer(tokenizer), []
+    streamer = TextStreamer(counting, ["STOP"], pieces.append)
+    for n in range(1, len(ids) + 1):
+        streamer.update(ids[:n])
+    final = tokenizer.decode(ids)
+    streamer.update(ids, final_text=final)
+    assert "".join(pieces) == final
+    assert counting.decoded < 400 * len(ids) < len(ids) ** 2 / 2  # a bounded tail a step, not the whole text
+
+
 def test_bad_input_raises_clear_errors(tiny_model):
     engine = Engine(tiny_model)
     with pytest.raises(UnknownMethod, match="unknown method"):

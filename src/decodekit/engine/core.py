@@ -168,16 +168,33 @@ def check_fits(backend: Backend, prompt_len: int, max_new_tokens: int) -> None:
 
 
 class TextStreamer:
-    """Turns the growing token list into text deltas, holding back what a stop string could still claim."""
+    """Turns the growing token list into text deltas, holding back what a stop string could still claim.
+
+    A step decodes only the tokens after a *settled* prefix whose text is kept: the prefix moves up
+    (to all but the last ``SETTLE`` tokens) once decoding it apart gives the same text as decoding
+    it with what follows (not the case inside a multi-byte character, or where a tokenizer strips
+    a leading space), so a step costs the same at any length of output."""
+
+    SETTLE = 64
 
     def __init__(self, tokenizer, stop: Sequence[str], callback: Callable[[str], None] | None):
         self.tokenizer, self.stop, self.callback = tokenizer, [s for s in stop if s], callback
         self.sent = 0
+        self.settled, self.settled_text = 0, ""  # tokens[:settled] decode to settled_text, whatever follows
+
+    def _text(self, tokens: list[int]) -> str:
+        decode = self.tokenizer.decode
+        if len(tokens) - self.settled > 2 * self.SETTLE:
+            cut = len(tokens) - self.SETTLE
+            head = decode(tokens[self.settled : cut])
+            if head + decode(tokens[cut:]) == decode(tokens[self.settled :]):
+                self.settled, self.settled_text = cut, self.settled_text + head
+        return self.settled_text + decode(tokens[self.settled :])
 
     def update(self, tokens: list[int], final_text: str | None = None) -> None:
         if self.callback is None:
             return
-        text = final_text if final_text is not None else self.tokenizer.decode(tokens)
+        text = final_text if final_text is not None else self._text(tokens)
         safe = len(text)
         if final_text is None:
             if text.endswith("\ufffd"):  # an incomplete multi-byte character
@@ -234,6 +251,9 @@ class StepDecoder(Decoder):
                 break
         self.method.finish(state)
         stats.decode_s = time.perf_counter() - t1
+        broken = request.sampler.broken_by(new)
+        if broken is not None:  # never hand back a silently wrong result
+            raise RuntimeError(f"decodekit bug: {broken} ({self.method.name}); please report it")
 
         text, new, hit = cut_at_stop(tokenizer, new, request.stop)
         if hit is not None:

@@ -38,6 +38,11 @@ class LogitsProcessor(ABC):
         """The processor's parameters under their ``Sampler.from_params`` names."""
         return {}
 
+    def broken_by(self, generated: list[int]) -> str | None:
+        """Why a request's ``generated`` tokens break what this processor promises (a constraint),
+        or None. The decode loop asks at the end: a broken promise is a bug, and is not returned."""
+        return None
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.describe().items())
         return f"{type(self).__name__}({args})"

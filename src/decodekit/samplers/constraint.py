@@ -113,6 +113,8 @@ class ConstrainedTokens(LogitsProcessor):
     def mask(self) -> torch.Tensor:
         """Bool ``[vocab_size]``: the tokens allowed next."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        if self.matcher.is_error():  # e.g. a mask computation that ran out of its budget: say so, never sample unmasked
+            raise RuntimeError(f"structured decoding failed: {self.matcher.get_error()}")
         allowed = torch.from_numpy(np.unpackbits(bits, bitorder="little").view(np.bool_))  # bit i: token i
         if allowed.numel() < self.vocab_size:  # tokens the grammar's tokenizer does not know
             allowed = torch.cat([allowed, torch.zeros(self.vocab_size - allowed.numel(), dtype=torch.bool)])
@@ -129,6 +131,12 @@ class ConstrainedTokens(LogitsProcessor):
 
     def describe(self) -> dict[str, Any]:
         return {"constraint": self.constraint.kind}
+
+    def broken_by(self, generated: list[int]) -> str | None:
+        if self._follow(list(generated)):
+            return None
+        return f"the output breaks its {self.constraint.kind.replace('_', ' ')} constraint"
+
 
 
 def checked_grammar(constraint: Constraint | dict, lltokenizer=None) -> tuple[Constraint, str]:

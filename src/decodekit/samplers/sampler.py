@@ -45,6 +45,11 @@ class Sampler:
     the logits live.
     """
 
+    def broken_by(self, generated: list[int]) -> str | None:
+        """The first processor's complaint about a finished request's tokens (see
+        :meth:`LogitsProcessor.broken_by`), or None."""
+        return next((why for p in self.processors if (why := p.broken_by(generated)) is not None), None)
+
     def __init__(self, processors: Sequence[LogitsProcessor] = (), *, greedy: bool = False,
                  seed: int | None = None) -> None:
         if not isinstance(greedy, bool):
