@@ -133,6 +133,12 @@ MUTATIONS = (
     Mutation("broken-constraint-returned-as-a-result", "src/decodekit/engine/core.py",
              "        if broken is not None:  # never", "        if False:  # never",
              ("tests/test_constraint.py", "-k", "breaks")),
+    Mutation("served-streaming-cache-reads-prompts-in-other-chunks", "src/decodekit/models/native.py",
+             "        if evicting is not None:\n            return min(evicting, PREFILL_CHUNK)\n"
+             "        if self._batched(tokens, hidden_layers, skip_layers):\n            return PREFILL_CHUNK\n",
+             "        if self._batched(tokens, hidden_layers, skip_layers):\n            return PREFILL_CHUNK\n"
+             "        if evicting is not None:\n            return min(evicting, PREFILL_CHUNK)\n",
+             ("tests/test_batching.py", "-k", "compressed")),
     Mutation("bench-repeats-keep-what-they-learnt", "src/decodekit/bench/runner.py",
              "                restart(kept, prompt_ids, config, notes)", "                pass",
              ("tests/test_bench.py",)),

@@ -58,6 +58,21 @@ def test_each_request_gets_its_own_tokens_in_a_shared_batch(numerics):
     assert batcher.rows > batcher.passes  # passes were shared
 
 
+@pytest.mark.parametrize("cache", ["int8", "sink:4,window:24,every:4", "snapkv:budget=40,window=8"])
+def test_a_compressed_cache_gives_the_same_tokens_alone_and_batched(cache):
+    """The int8 and evicting caches under batching: each request keeps its own policy's entries, and
+    its tokens do not depend on the batch."""
+    model = base("exact").with_kv_cache(cache)
+    cases = [c for c in CASES if c[1] != "lookahead"]  # lookahead verifies windows of several branches
+    alone = [generate(model.clone(), case) for case in cases]
+    batcher = PassBatcher()
+    got, threads = concurrently(model, batcher, cases)
+    for t in threads:
+        t.join()
+    assert got == alone
+    assert batcher.rows > batcher.passes
+
+
 def test_passes_can_run_on_the_callers_thread():
     """serve(): the main thread runs every pass (as `decodekit serve` does) until told to stop."""
     model = base(NUMERICS[-1])

@@ -514,12 +514,17 @@ class NativeLlama(Backend):
         """How many tokens of a long ``append`` go in one pass, or None for all at once.
 
         Batched (serving): :data:`.batching.PREFILL_CHUNK`, so that a long prompt joins the batch a
-        chunk at a time and the others keep decoding meanwhile. ``fast`` numerics: the kernels'
-        row limit, so that a prompt is read by the same kernels as every other pass; rows are
-        independent there, so any chunking gives the same bits, alone or served."""
+        chunk at a time and the others keep decoding meanwhile. ``fast`` numerics and the int8
+        cache: the kernels' row limit, so that a prompt is read by the same kernels as every other
+        pass; rows are independent there, so any chunking gives the same bits, alone or served.
+        A cache that evicts while it reads a prompt (StreamingLLM) reads it in chunks of its own,
+        at most ``PREFILL_CHUNK``, alone and served alike: where it compacts depends on them."""
+        evicting = self.kv_policy.prefill_chunk()
+        if evicting is not None:
+            return min(evicting, PREFILL_CHUNK)
         if self._batched(tokens, hidden_layers, skip_layers):
             return PREFILL_CHUNK
-        chunks = [self.kv_policy.prefill_chunk()]  # a windowed cache reads a prompt a window step at a time
+        chunks = [None]
         if self.numerics == "fast" and self._one_call(tokens, hidden_layers, skip_layers):
             chunks.append(MAX_ROWS)
         if self._int8 is not None:  # only the kernels read and write the int8 cache
