@@ -594,10 +594,10 @@ class NativeLlama(Backend):
     @torch.inference_mode()
     def adopt(self, source: "NativeLlama", token_ids: Sequence[int]) -> None:
         """Start this cache from ``source``'s committed entries (a full cache of this model, batch 1,
-        holding ``token_ids``),
-        keeping what this cache's policy keeps, without reading the tokens again: how a compressed
-        cache is made from the target's after its prompt (``kvdraft``). SnapKV reads the prompt's
-        last ``window`` tokens again, for their attention; H2O's accumulated attention starts here."""
+        holding ``token_ids``), keeping what this cache's policy keeps, without reading the tokens
+        again: how a compressed cache is made from the target's after its prompt (``kvdraft``).
+        SnapKV reads the prompt's last ``window`` tokens again, for their attention; H2O's
+        accumulated attention starts here."""
         if (source.kv_policy.one_sequence() or source.config != self.config or source.batch_size != 1
                 or source.length != len(token_ids)):
             raise ValueError("adopt() needs a full cache of the same model holding one sequence")
