@@ -288,16 +288,15 @@ def heavy_hitter_keep(mass: torch.Tensor, budget: int, window: int) -> torch.Ten
 
 def snapkv_keep(mass: torch.Tensor, budget: int, window: int, kernel: int) -> torch.Tensor:
     """Per head (``mass [L, H, n]``: the observation window's attention summed over its rows),
-    the ``budget - window`` prefix slots with the largest pooled mass and the last ``window``."""
+    the ``budget - window`` prefix slots with the largest pooled mass and the last ``window``:
+    H2O's rule on the prefix's mass smoothed by average pooling over ``kernel`` slots."""
     n = mass.shape[-1]
     if n <= budget:
         return torch.arange(n).expand(*mass.shape[:-1], n)
     prefix = mass[..., : n - window]
     L, H, m = prefix.shape
     pooled = F.avg_pool1d(prefix.reshape(L * H, 1, m), kernel, stride=1, padding=kernel // 2).view(L, H, m)
-    chosen = pooled.sort(dim=-1, descending=True, stable=True).indices[..., : budget - window]
-    recent = torch.arange(n - window, n).expand(L, H, window)
-    return torch.cat([chosen.sort(dim=-1).values, recent], dim=-1)
+    return heavy_hitter_keep(torch.cat([pooled, mass[..., n - window :]], dim=-1), budget, window)
 
 
 # Spellings -----------------------------------------------------------------------------------------
