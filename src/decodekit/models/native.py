@@ -551,17 +551,27 @@ class NativeLlama(Backend):
         if chunk is not None and tokens.shape[1] > chunk:
             parts = [self._append(part, hidden_layers, skip_layers, last_only, observe) for part in tokens.split(chunk, dim=1)]
             return _joined(parts, last_only)
+        def causal(start: int, k: int) -> torch.Tensor | None:
+            # k == 1 attends to everything cached; otherwise causal within the new block.
+            return None if k == 1 else torch.ones(k, start + k, dtype=torch.bool).tril(diagonal=start)
+
+        return self._commit_pass(tokens, causal, hidden_layers, skip_layers, last_only, observe, causal=True)
+
+    def _commit_pass(self, tokens: torch.Tensor, visibility, hidden_layers=(), skip_layers=frozenset(),
+                     last_only: bool = False, observe: bool = False, causal: bool = False) -> StepOutput:
+        """One pass of ``tokens`` ``[B, k]`` after the cache, committed: room made first (a policy may
+        compact), then written at the next slots and positions, seeing ``visibility(start, k)`` (the
+        mask over the ``start`` committed slots and the new ones; None: all)."""
         k = tokens.shape[1]
         self._make_room(k)
         start, position = self._next_slot()
         self._check_positions(position + k)
         positions = torch.arange(position, position + k)
-        # k == 1 attends to everything cached; otherwise causal within the new block.
-        mask = None if k == 1 else torch.ones(k, start + k, dtype=torch.bool).tril(diagonal=start)
         self._written(start, torch.arange(self._length, self._length + k))
         self._observed_rows = observe
         try:
-            out = self._forward(tokens, positions, mask, hidden_layers, skip_layers, last_only, causal=True)
+            out = self._forward(tokens, positions, visibility(start, k), hidden_layers, skip_layers, last_only,
+                                causal=causal)
         finally:
             self._observed_rows = False
         self._length += k
@@ -574,22 +584,16 @@ class NativeLlama(Backend):
     @torch.inference_mode()
     def append_windowed(self, tokens: torch.Tensor, sink: int, window: int) -> StepOutput:
         """Append ``tokens`` ``[1, k]`` attending only to the first ``sink`` and the last ``window``
-        cached entries (and causally to each other), at their own positions: StreamingLLM's
-        attention over this cache, without evicting anything (``kvdraft``'s draft passes, which
+        cached entries (and causally to each other), at the positions this cache assigns (the
+        tokens' own under ``full`` and ``int8``): StreamingLLM's attention over this cache, without evicting anything (``kvdraft``'s draft passes, which
         the drafter rolls back). Committed like :meth:`append`."""
-        start, k = self._slots, tokens.shape[1]
-        visible = torch.zeros(k, start + k, dtype=torch.bool)
-        visible[:, streaming_keep(start, sink, window)] = True
-        visible[:, start:] = torch.ones(k, k, dtype=torch.bool).tril()
-        positions = torch.arange(self._length, self._length + k)
-        self._check_positions(self._length + k)
-        self._make_room(k)
-        self._written(start, positions)
-        out = self._forward(tokens, positions, visible, (), frozenset(), False)
-        self._length += k
-        self._slots += k
-        self._pending_tree = None
-        return out
+        def sinks_and_window(start: int, k: int) -> torch.Tensor:
+            visible = torch.zeros(k, start + k, dtype=torch.bool)
+            visible[:, streaming_keep(start, sink, window)] = True
+            visible[:, start:] = torch.ones(k, k, dtype=torch.bool).tril()
+            return visible
+
+        return self._commit_pass(tokens, sinks_and_window)
 
     @torch.inference_mode()
     def adopt(self, source: "NativeLlama", token_ids: Sequence[int]) -> None:

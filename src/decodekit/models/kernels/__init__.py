@@ -267,22 +267,25 @@ def layout_independent_attention(dtype: torch.dtype, head_dim: int) -> Attention
     fn.restype = None
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float) -> torch.Tensor:
-        n_q, n_heads = q.shape[:2]
-        n_kv_heads, n_keys = k.shape[0], k.shape[1]
         if q.shape[2] != head_dim or k.stride(2) != 1 or k.stride(1) != head_dim or v.stride() != k.stride():
             raise ValueError(f"attention kernel: needs head_dim {head_dim} and contiguous k, v rows")
-        cap = k.stride(0) // head_dim
-        q = q.float().contiguous()
-        out = torch.empty(n_q, n_heads, head_dim, dtype=torch.float32)
-        mask = None if visible is None else visible.to(torch.bool).contiguous()
-        fn(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(), out.data_ptr(),
-            n_q, n_heads, n_kv_heads, head_dim, cap, n_keys, scale, torch.get_num_threads(),
-        )
-        return out
+        return _run_attention(fn, q, k, v, visible, scale, head_dim, head_dim)
 
     attention.address = _address(fn)
     return attention
+
+
+def _run_attention(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
+                   scale: float, head_dim: int, row: int) -> torch.Tensor:
+    """Call an ``attention.c`` kernel on ``k``/``v`` ``[H_kv, keys, row]`` (sliced to the keys in use,
+    ``row`` cache elements a key) for ``q`` ``[n_q, H, head_dim]``; returns ``[n_q, H, head_dim]``."""
+    n_q, n_heads = q.shape[:2]
+    q = q.float().contiguous()
+    out = torch.empty(n_q, n_heads, head_dim, dtype=torch.float32)
+    mask = None if visible is None else visible.to(torch.bool).contiguous()
+    fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(), out.data_ptr(),
+       n_q, n_heads, k.shape[0], head_dim, k.stride(0) // row, k.shape[1], scale, torch.get_num_threads())
+    return out
 
 
 class Int8CacheKernels:
@@ -317,17 +320,9 @@ class Int8CacheKernels:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
                   scale: float) -> torch.Tensor:
         """As :func:`layout_independent_attention`'s, over int8 caches sliced to the keys in use."""
-        n_q, n_heads = q.shape[:2]
         if k.shape[2] != self.row or k.stride(1) != self.row or v.stride() != k.stride():
             raise ValueError("int8 attention needs [H_kv, keys, head_dim / 4 + 1] caches with contiguous rows")
-        cap = k.stride(0) // self.row
-        q = q.float().contiguous()
-        out = torch.empty(n_q, n_heads, self.head_dim, dtype=torch.float32)
-        mask = None if visible is None else visible.to(torch.bool).contiguous()
-        self._attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(),
-                        out.data_ptr(), n_q, n_heads, k.shape[0], self.head_dim, cap, k.shape[1], scale,
-                        torch.get_num_threads())
-        return out
+        return _run_attention(self._attention, q, k, v, visible, scale, self.head_dim, self.row)
 
 
 @cache
