@@ -54,6 +54,61 @@ def test_interleaved_block_kernel_is_bit_identical(kind, rows):
         BlockMatrix.quantize(torch.randn(6, 32, generator=gen), kind).interleaved()
 
 
+FILE_KINDS = ["q5_0", "q4_k", "q5_k", "q6_k"]  # read from files as they are (no quantize() for them)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", FILE_KINDS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_file_block_kernels_are_bit_identical_to_the_gguf_package_dequantisation(kind, rows):
+    """Random blocks (every bit pattern counts: scales, minima, high bits); the reference is the
+    ``gguf`` package's own dequantisation, which is what the float32 weights are."""
+    gen = torch.Generator().manual_seed(rows)
+    blocks = BlockMatrix.random(13, 512, kind, gen)  # two super-blocks a row
+    from gguf import GGMLQuantizationType, dequantize
+
+    reference = torch.from_numpy(dequantize(blocks.data.numpy(), GGMLQuantizationType[kind.upper()])).reshape(13, 512)
+    assert torch.equal(blocks.dequantize(), reference)
+    x = torch.randn(rows, 512, generator=gen)
+    got = kernels.block_matmul(kind)(blocks.data, x, blocks.n_in)
+    assert torch.equal(got, kernels.few_rows_matmul(torch.float32)(reference, x))
+    assert torch.equal(got[-1], kernels.block_matmul(kind)(blocks.data, x[-1:], blocks.n_in)[0])
+
+
+def test_q5_0_blocks_as_q8_0_are_the_same_weights():
+    blocks = BlockMatrix.random(6, 128, "q5_0", torch.Generator().manual_seed(2))
+    widened = blocks.as_q8_0()
+    assert widened.kind == "q8_0" and torch.equal(widened.dequantize(), blocks.dequantize())
+
+
+def test_a_gguf_file_with_k_quants_is_read_as_its_blocks(tmp_path):
+    """A file written by the ``gguf`` package: each tensor comes back as blocks of its own type."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    gen = torch.Generator().manual_seed(0)
+    names = {"blk.0.attn_q.weight": "q5_0", "blk.0.attn_output.weight": "q4_k", "blk.0.ffn_down.weight": "q6_k",
+             "blk.0.ffn_up.weight": "q5_k", "output.weight": "q8_0"}
+    written = {name: BlockMatrix.random(8, 256, kind, gen) for name, kind in names.items()}
+    writer = GGUFWriter(tmp_path / "tiny.gguf", "llama")
+    for name, blocks in written.items():
+        writer.add_tensor(name, blocks.data.numpy(), raw_dtype=GGMLQuantizationType[blocks.kind.upper()])
+    writer.add_tensor("token_embd.weight", np.zeros((8, 256), dtype=np.float32))  # a type left out
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    read = read_block_matrices(tmp_path / "tiny.gguf", num_layers=1)
+    assert "model.embed_tokens.weight" not in read
+    for name, blocks in written.items():
+        hf_name = {"blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight",
+                   "blk.0.attn_output.weight": "model.layers.0.self_attn.o_proj.weight",
+                   "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+                   "blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj.weight", "output.weight": "lm_head.weight"}[name]
+        got = read[hf_name]
+        assert (got.kind, got.shape) == (blocks.kind, (8, 256)) and torch.equal(got.data, blocks.data)
+
+
 def test_matching_blocks_finds_the_row_order_or_declines():
     gen = torch.Generator().manual_seed(1)
     q = BlockMatrix.quantize(torch.randn(32, 64, generator=gen), "q4_1")
@@ -62,7 +117,7 @@ def test_matching_blocks_finds_the_row_order_or_declines():
     fused = torch.cat([q.dequantize()[order], v.dequantize()])  # q rotary-interleaved, v as is
     orders = [lambda n: rope_row_order(n, 16)]
     found = matching_blocks([q, v], fused, orders)
-    assert found is not None and torch.equal(found.dequantize(), fused)
+    assert found is not None and torch.equal(BlockMatrix.stack(found).dequantize(), fused)
     assert matching_blocks([q, v], fused, []) is None  # q's rows need the reordering
     assert matching_blocks([q, None], fused, orders) is None  # a missing part
     assert matching_blocks([q, v], fused + 1e-3, orders) is None  # not the same weights

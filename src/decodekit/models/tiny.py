@@ -1,4 +1,4 @@
-"""Tiny randomly initialised Llama models for tests and examples (no files, no downloads)."""
+"""Tiny randomly initialised Llama and Gemma 3 models for tests and examples (no files, no downloads)."""
 
 from __future__ import annotations
 
@@ -91,3 +91,51 @@ def tiny_hf_model(seed: int = 0, scale: float = 1.0, **config_kwargs):
     model = LlamaForCausalLM(HFLlamaConfig(**{k: v for k, v in config.items() if k != "model_type"}))
     model.load_state_dict(tiny_state_dict(config, seed, scale), strict=False)
     return model.eval()
+
+
+def tiny_gemma3_hf_config(vocab_size: int = 96, num_layers: int = 4, hidden_size: int = 64, sliding_window: int = 8,
+                          max_position: int = 512) -> dict:
+    """A Hugging Face style Gemma 3 text config: local (sliding-window) and global layers
+    alternating, each kind with its own rotary base."""
+    return {
+        "model_type": "gemma3_text",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,  # not head_dim: a scale the test can tell apart
+        "rms_norm_eps": 1e-6,
+        "sliding_window": sliding_window,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        "max_position_embeddings": max_position,
+        "tie_word_embeddings": True,
+    }
+
+
+def tiny_gemma3_hf_model(seed: int = 0, **config_kwargs):
+    """A tiny random Gemma 3 as transformers' Gemma3ForCausalLM (norm weights random too, so that
+    Gemma's ``1 + w`` norms are exercised)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = tiny_gemma3_hf_config(**config_kwargs)
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**{k: v for k, v in config.items() if k != "model_type"}))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * (0.3 if "norm" in name else 0.2))
+    return model.eval()
+
+
+def tiny_gemma3(seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
+    """The native backend on :func:`tiny_gemma3_hf_model`'s weights (same seed)."""
+    from .gemma3 import Gemma3Config, NativeGemma3
+
+    state = tiny_gemma3_hf_model(seed, **config_kwargs).state_dict()
+    config = Gemma3Config.from_hf(tiny_gemma3_hf_config(**config_kwargs))
+    return NativeGemma3(config, state, dtype=dtype, name="tiny-gemma3")

@@ -12,6 +12,8 @@ class Tokenizer:
     """encode/decode text, know the end-of-sequence ids, and format a chat prompt."""
 
     eos_token_ids: frozenset[int] = frozenset()
+    #: what a prompt starts with (Gemma's ``<bos>``; nothing for SmolLM2)
+    prompt_prefix: tuple[int, ...] = ()
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -48,6 +50,9 @@ class HFTokenizer(Tokenizer):
             if isinstance(tid, int) and tid != self.hf.unk_token_id and tid is not None:
                 eos.add(tid)
         self.eos_token_ids = frozenset(eos)
+        # the special tokens the tokenizer puts before a text (it knows whether its model wants a BOS)
+        marked, plain = self.hf.encode("a"), self.hf.encode("a", add_special_tokens=False)
+        self.prompt_prefix = tuple(marked[: marked.index(plain[0])]) if plain and plain[0] in marked else ()
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)

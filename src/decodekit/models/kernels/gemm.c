@@ -12,9 +12,9 @@
  * bfloat16 uses AVX512-BF16's dot-product instruction: exact products of bfloat16 pairs, summed
  * in float32 (the arithmetic of oneDNN's bfloat16 GEMM, in a different order).
  *
- * Q4_1 and Q8_0 weights are GGUF blocks, rebuilt in float32 in registers (see below): a decode
- * step reads 5 or 8.5 bits a weight instead of 32, with float32 results bit-identical to the
- * float32 kernel on the dequantised weights.
+ * Q4_1, Q8_0, Q5_0 and K-quant (Q4_K, Q5_K, Q6_K) weights are GGUF blocks, rebuilt in float32
+ * in registers (see below): a decode step reads 4.5 to 8.5 bits a weight instead of 32, with
+ * float32 results bit-identical to the float32 kernel on the dequantised weights.
  *
  * Every output is summed in the same order whatever M is (vector lanes of partial sums, then
  * one horizontal sum), so a token's projections in a multi-token pass are bit-identical to
@@ -98,6 +98,98 @@ static inline void q4_1x4_at(const uint8_t *row, int i, __m512 *out) { q4_1_bloc
 static inline const uint8_t *q8_0x4_row(const uint8_t *w, int r, int n_in) { return w + ((size_t)(r / 4) * (n_in / 32) * 4 + r % 4) * 34; }
 static inline void q8_0x4_at(const uint8_t *row, int i, __m512 *out) { q8_0_block(row + (size_t)(i / 32) * 136, out); }
 
+/* Q5_0 {fp16 d, 32 high bits, 16 bytes of nibbles as Q4_1's} -> d * (q - 16), q = nibble + 16 * bit;
+ * exact in float32, as Q8_0's. */
+#define q5_0_STEP 2
+static inline const uint8_t *q5_0_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * 22; }
+static inline void q5_0_at(const uint8_t *row, int i, __m512 *out) {
+    const uint8_t *block = row + (size_t)(i / 32) * 22;
+    uint32_t high;
+    memcpy(&high, block + 2, 4);
+    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 6)));
+    __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), bits = _mm512_set1_epi32((int)high);
+    __m512i one = _mm512_set1_epi32(1), sixteen = _mm512_set1_epi32(16), low = _mm512_set1_epi32(0x0f);
+    __m512i h0 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(bits, lanes), one), 4);
+    __m512i h1 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(bits, _mm512_add_epi32(lanes, sixteen)), one), 4);
+    __m512 d = _mm512_set1_ps(half_at(block));
+    __m512i q0 = _mm512_sub_epi32(_mm512_or_si512(_mm512_and_si512(bytes, low), h0), sixteen);
+    __m512i q1 = _mm512_sub_epi32(_mm512_or_si512(_mm512_srli_epi32(bytes, 4), h1), sixteen);
+    out[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d);
+    out[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d);
+}
+
+/* K-quants: super-blocks of 256 weights; one step rebuilds the sub-block of 32 that holds weight i.
+ * Q4_K {fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minima, 128 bytes: sub-blocks 2p and
+ * 2p + 1 in the low and high nibbles of bytes 32p .. 32p + 31} -> (d * s) * q - dmin * m: the
+ * product is exact, so one fused multiply-add rounds once, as the reference's subtraction does.
+ * Q5_K: the same with a fifth bit per weight (bit j of byte l of 32 bytes, for sub-block j).
+ * Q6_K {128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16 weights),
+ * fp16 d} -> (d * s) * (q - 32): both products exact. */
+#define q4_k_STEP 2
+#define q5_k_STEP 2
+#define q6_k_STEP 2
+static inline const uint8_t *q4_k_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 256) * 144; }
+static inline const uint8_t *q5_k_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 256) * 176; }
+static inline const uint8_t *q6_k_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 256) * 210; }
+
+/* Sub-block j's 6-bit scale and minimum from the 12 packed bytes (ggml's get_scale_min_k4). */
+static inline void k_scale_min(const uint8_t *q, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = q[j] & 63, *min = q[j + 4] & 63;
+    } else {
+        *scale = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* 32 weights q (as int32 in two vectors) -> (d * s) * q - dmin * m, for sub-block j of a Q4_K / Q5_K block. */
+static inline void k_rebuild(const uint8_t *block, int j, __m512i q0, __m512i q1, __m512 *out) {
+    int scale, min;
+    k_scale_min(block + 4, j, &scale, &min);
+    __m512 d = _mm512_set1_ps(half_at(block) * (float)scale), m = _mm512_set1_ps(-(half_at(block + 2) * (float)min));
+    out[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), d, m);
+    out[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), d, m);
+}
+
+static inline __m512i nibbles(const uint8_t *bytes, int high) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    return _mm512_and_si512(high ? _mm512_srli_epi32(v, 4) : v, _mm512_set1_epi32(0x0f));
+}
+
+static inline void q4_k_at(const uint8_t *row, int i, __m512 *out) {
+    const uint8_t *block = row + (size_t)(i / 256) * 144;
+    int j = (i % 256) / 32;
+    const uint8_t *qs = block + 16 + 32 * (j / 2);
+    k_rebuild(block, j, nibbles(qs, j & 1), nibbles(qs + 16, j & 1), out);
+}
+
+static inline __m512i fifth_bits(const uint8_t *qh, int j) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qh));
+    return _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v, j), _mm512_set1_epi32(1)), 4);
+}
+
+static inline void q5_k_at(const uint8_t *row, int i, __m512 *out) {
+    const uint8_t *block = row + (size_t)(i / 256) * 176;
+    int j = (i % 256) / 32;
+    const uint8_t *qh = block + 16, *qs = block + 48 + 32 * (j / 2);
+    k_rebuild(block, j, _mm512_or_si512(nibbles(qs, j & 1), fifth_bits(qh, j)),
+              _mm512_or_si512(nibbles(qs + 16, j & 1), fifth_bits(qh + 16, j)), out);
+}
+
+static inline void q6_k_at(const uint8_t *row, int i, __m512 *out) {
+    const uint8_t *block = row + (size_t)(i / 256) * 210;
+    int c = (i % 256) / 32, h = c / 4, u = c % 4;  /* chunk c: half h, quarter u of it */
+    const uint8_t *ql = block + 64 * h + 32 * (u & 1), *qh = block + 128 + 32 * h;
+    const int8_t *scales = (const int8_t *)(block + 192) + 2 * c;
+    float d = half_at(block + 208);
+    for (int s = 0; s < 2; s++) {
+        __m512i high = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16 * s)));
+        high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(high, 2 * u), _mm512_set1_epi32(3)), 4);
+        __m512i q = _mm512_sub_epi32(_mm512_or_si512(nibbles(ql + 16 * s, u >= 2), high), _mm512_set1_epi32(32));
+        out[s] = _mm512_mul_ps(_mm512_set1_ps(d * (float)scales[s]), _mm512_cvtepi32_ps(q));
+    }
+}
+
 /* A block format's one-vector load for a row's last partial vector: the half of its block that
  * holds weight i, masked (rows of whole blocks never need it; it is defined to be correct). */
 #define DEFINE_BLOCK_AT_MASKED(WP)                                                                 \
@@ -110,6 +202,10 @@ DEFINE_BLOCK_AT_MASKED(q4_1)
 DEFINE_BLOCK_AT_MASKED(q8_0)
 DEFINE_BLOCK_AT_MASKED(q4_1x4)
 DEFINE_BLOCK_AT_MASKED(q8_0x4)
+DEFINE_BLOCK_AT_MASKED(q5_0)
+DEFINE_BLOCK_AT_MASKED(q4_k)
+DEFINE_BLOCK_AT_MASKED(q5_k)
+DEFINE_BLOCK_AT_MASKED(q6_k)
 
 /* A pass of at most WP_SINGLE_ROW_MAX inputs streams the weights one row at a time; a longer
  * one, four rows side by side against groups of four inputs (their shared input loads pay off
@@ -123,6 +219,10 @@ DEFINE_BLOCK_AT_MASKED(q8_0x4)
 #define q8_0_SINGLE_ROW_MAX 8
 #define q4_1x4_SINGLE_ROW_MAX 0
 #define q8_0x4_SINGLE_ROW_MAX 0
+#define q5_0_SINGLE_ROW_MAX 8
+#define q4_k_SINGLE_ROW_MAX 8
+#define q5_k_SINGLE_ROW_MAX 8
+#define q6_k_SINGLE_ROW_MAX 8
 #define BLOCK_CASE(NAME, R, M) case M: NAME##_block(wr, x, y, n_in, n_out, R, M); break;
 
 /* NAME: weights of type WT in format WP, inputs and outputs of type T with arithmetic P. */
@@ -202,6 +302,10 @@ DEFINE_KERNEL(decodekit_gemm_q4_1, uint8_t, q4_1, float, __m512, f32, float)
 DEFINE_KERNEL(decodekit_gemm_q8_0, uint8_t, q8_0, float, __m512, f32, float)
 DEFINE_KERNEL(decodekit_gemm_q4_1x4, uint8_t, q4_1x4, float, __m512, f32, float)
 DEFINE_KERNEL(decodekit_gemm_q8_0x4, uint8_t, q8_0x4, float, __m512, f32, float)
+DEFINE_KERNEL(decodekit_gemm_q5_0, uint8_t, q5_0, float, __m512, f32, float)
+DEFINE_KERNEL(decodekit_gemm_q4_k, uint8_t, q4_k, float, __m512, f32, float)
+DEFINE_KERNEL(decodekit_gemm_q5_k, uint8_t, q5_k, float, __m512, f32, float)
+DEFINE_KERNEL(decodekit_gemm_q6_k, uint8_t, q6_k, float, __m512, f32, float)
 
 /* Whether this CPU runs the bfloat16 kernel (the float32 one needs only AVX-512F). */
 int decodekit_has_avx512bf16(void) {

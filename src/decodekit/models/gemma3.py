@@ -1,0 +1,184 @@
+"""Gemma 3 (text) on the native backend: :class:`.native.NativeLlama` with Gemma's differences.
+
+Gemma Team, "Gemma 3 Technical Report" (2025); the reference is transformers' ``Gemma3ForCausalLM``.
+Where it differs from a Llama, and how this module follows it:
+
+* the embedding is scaled by ``sqrt(hidden_size)`` (rounded to float32 first, as the reference does);
+* RMSNorm weights are offsets: the norm multiplies by ``1 + w`` (added once here, in float32);
+* "sandwich" norms: the attention's and the MLP's outputs are normalised before the residual add
+  (``post_attention_layernorm``, ``post_feedforward_layernorm``), and the MLP's input by
+  ``pre_feedforward_layernorm``;
+* queries and keys are RMS-normalised per head (``q_norm``, ``k_norm``) before the rotary embedding;
+* attention scores are scaled by ``query_pre_attn_scalar ** -0.5``;
+* the MLP is GeGLU: ``down(gelu_tanh(gate(x)) * up(x))``;
+* layers listed as ``sliding_attention`` see only the last ``sliding_window`` positions (a key at
+  position j is visible to a query at p when p - j < window, as the reference's mask) and use
+  their own rotary base (``rope_parameters["sliding_attention"]``); the others attend to all;
+* optional tanh soft-capping of the final logits (``final_logit_softcapping``; None in Gemma 3).
+
+Every token's row is still computed on its own, so tree verification and rollback are as for a
+Llama. Choices: the cache keeps every position in every layer (a local layer reads only its
+window, but its older entries are not freed); cache policies that evict or move entries are refused
+(their slots would no longer be positions, which the window needs); the one-call C layer path
+(``kernels/forward.c``) is a Llama's, so Gemma runs the layer loop over the same kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import InvalidParameter
+from .kv_policy import KVPolicy
+from .native import LlamaConfig, LlamaWeights, NativeLlama, rope_row_order, rope_tables
+
+
+
+@dataclass(frozen=True)
+class Gemma3Config(LlamaConfig):
+    query_scale: float = 1.0
+    sliding_window: int = 0
+    local_layers: tuple[bool, ...] = ()
+    local_rope_theta: float = 10000.0
+    final_logit_softcap: float | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping) -> "Gemma3Config":
+        cfg = dict(cfg.get("text_config") or cfg)  # a multimodal config holds the text model's
+        rope = cfg.get("rope_parameters") or {}
+        full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+        for part in (full, local):
+            if part.get("rope_type", "default") != "default":
+                raise NotImplementedError(f"rope scaling {part['rope_type']!r} is not supported by the native backend")
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise NotImplementedError("attention logit soft-capping is not supported by the native backend")
+        if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise NotImplementedError(f"activation {cfg['hidden_activation']!r} is not supported by the native backend")
+        layers = cfg["num_hidden_layers"]
+        types = cfg.get("layer_types") or [
+            "full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0 else "sliding_attention"
+            for i in range(layers)
+        ]
+        base = LlamaConfig.from_hf({**cfg, "rope_parameters": {"rope_theta": full.get("rope_theta", 1e6)}})
+        return cls(
+            **dataclasses.asdict(base),
+            query_scale=cfg.get("query_pre_attn_scalar", base.head_dim) ** -0.5,
+            sliding_window=cfg.get("sliding_window") or 0,
+            local_layers=tuple(t == "sliding_attention" for t in types),
+            local_rope_theta=local.get("rope_theta", 10000.0),
+            final_logit_softcap=cfg.get("final_logit_softcapping"),
+        )
+
+
+class Gemma3Weights(LlamaWeights):
+    """:class:`.native.LlamaWeights` plus Gemma's norms (as ``1 + w``)."""
+
+    MLP_NORM = "pre_feedforward_layernorm.weight"
+
+    def __init__(self, config: Gemma3Config, state, dtype, blocks=None, numerics="exact"):
+        offset_state = _NormOffsets(state)
+        super().__init__(config, offset_state, dtype, blocks, numerics)
+        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype)
+
+    def _layer(self, config: LlamaConfig, p: str, get: Callable[[str], torch.Tensor]) -> dict:
+        layer = super()._layer(config, p, get)
+        order = rope_row_order(config.head_dim, config.head_dim)  # q and k are stored rotary-interleaved
+        q_norm, k_norm = get(p + "self_attn.q_norm.weight")[order], get(p + "self_attn.k_norm.weight")[order]
+        layer["qk_norm"] = torch.cat([q_norm.expand(config.num_heads, -1), k_norm.expand(config.num_kv_heads, -1)])
+        layer["post_attn_norm"] = get(p + "post_attention_layernorm.weight")
+        layer["post_mlp_norm"] = get(p + "post_feedforward_layernorm.weight")
+        return layer
+
+
+class _NormOffsets(Mapping):
+    """A state dict whose norm weights read as ``1 + w`` (Gemma's RMSNorm multiplies by that)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor]):
+        self._state = state
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        weight = self._state[name]
+        return 1.0 + weight.float() if name.endswith("norm.weight") else weight
+
+    def __iter__(self):
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+
+class NativeGemma3(NativeLlama):
+    """The native backend for Gemma 3 text models (see the module's docstring)."""
+
+    config: Gemma3Config
+    weights_class = Gemma3Weights
+
+    def __init__(self, config: Gemma3Config, state, *, kv_cache: KVPolicy | str | None = None, **kwargs):
+        super().__init__(config, state, kv_cache=kv_cache, **kwargs)
+        self._local_freqs, self._local_pairs = rope_tables(config.local_rope_theta, config.head_dim, config.max_position)
+        self.info = dataclasses.replace(self.info, architecture=self.info.architecture.replace("native-llama", "native-gemma3"))
+
+    def _use_policy(self, policy: KVPolicy) -> None:
+        if policy.evicts() or policy.reassigns_positions:
+            raise InvalidParameter(f"kv cache {policy.spec} is not supported for Gemma 3 (its sliding-window layers "
+                                   "need every slot at its position); use full or int8")
+        super()._use_policy(policy)
+
+    def _decoder_layers(self, int8_cache=None):
+        return None  # the one-call C path computes a Llama layer
+
+    @property
+    def _attention_scale(self) -> float:
+        return self.config.query_scale
+
+    def _rope_pairs(self, i: int) -> torch.Tensor:
+        return self._local_pairs if self.config.local_layers[i] else self._freqs_pairs
+
+    def _rope_angles(self, i: int) -> torch.Tensor:
+        return self._local_freqs if self.config.local_layers[i] else self._freqs
+
+    def _window(self, i: int, positions: torch.Tensor, mask: torch.Tensor | None, start: int):
+        window = self.config.sliding_window
+        if not (self.config.local_layers[i] and window):
+            return None
+        k = positions.numel()
+        lo = max(0, min(int(positions.min()) - window + 1, start))  # the first slot any row can see
+        if int(positions.max()) - window < lo:  # every row sees every slot from lo on: its mask as it is
+            return None if lo == 0 else (lo, None if mask is None else mask[:, lo:])
+        # the cache holds position j at slot j (no policy moves entries here); new slots hold `positions`
+        key_positions = torch.cat([torch.arange(lo, start), positions])
+        visible = key_positions[None, :] > positions[:, None] - window
+        if mask is not None:
+            visible &= mask[:, lo:]
+        elif k > 1:
+            raise ValueError("a pass of several tokens needs its mask")
+        return lo, visible
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weights.embed) * self.weights.embed_scale
+
+    def _layer(self, i, layer, x, pending, positions, mask, start, ops, causal):
+        c = self.config
+        h = self._add_norm(x, pending, layer["attn_norm"], ops)
+        qkv = layer["qkv"](h)
+        qk_size = (c.num_heads + c.num_kv_heads) * c.head_dim
+        qk = qkv[..., :qk_size].unflatten(-1, (-1, c.head_dim))
+        qk.copy_(F.rms_norm(qk, (c.head_dim,), eps=c.rms_norm_eps) * layer["qk_norm"])
+        attn = self._attention(i, qkv, positions, mask, start, ops, causal)
+        h = self._add_norm(x, self._norm(layer["o"](attn), layer["post_attn_norm"]), layer["mlp_norm"], ops)
+        gate, up = layer["gate_up"](h).chunk(2, dim=-1)
+        return self._norm(layer["down"](F.gelu(gate, approximate="tanh") * up), layer["post_mlp_norm"])
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+    def _logits(self, x, pending, ops, last_only, hidden):
+        out = super()._logits(x, pending, ops, last_only, hidden)
+        cap = self.config.final_logit_softcap
+        if cap:
+            out.logits = torch.tanh(out.logits / cap) * cap
+        return out

@@ -1,0 +1,101 @@
+"""Gemma 3 on the native backend: transformers' Gemma3ForCausalLM with the same weights is the
+reference; sliding-window layers, sandwich norms, q/k norms and the scaled embedding all count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodekit.engine import Engine
+from decodekit.errors import InvalidParameter
+from decodekit.models import LoadedModel
+from decodekit.models.gemma3 import Gemma3Config
+from decodekit.models.tiny import tiny_gemma3, tiny_gemma3_hf_config, tiny_gemma3_hf_model
+from decodekit.models.tokenizer import CharTokenizer
+
+ATOL = 1e-4
+
+
+def tokens(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_config_reads_the_layer_kinds_and_their_rotary_bases():
+    c = Gemma3Config.from_hf(tiny_gemma3_hf_config(num_layers=4, sliding_window=8))
+    assert c.local_layers == (True, False, True, False)
+    assert (c.rope_theta, c.local_rope_theta, c.sliding_window) == (1e6, 1e4, 8)
+    assert c.query_scale == 24**-0.5
+    scaled = tiny_gemma3_hf_config()
+    scaled["rope_parameters"]["full_attention"] = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    with pytest.raises(NotImplementedError, match="linear"):
+        Gemma3Config.from_hf(scaled)
+
+
+@pytest.mark.parametrize("window", [8, 64])
+def test_native_logits_match_transformers(window):
+    """40 tokens against a window of 8: local layers must drop the keys that fell out of it."""
+    native, hf = tiny_gemma3(seed=3, sliding_window=window), tiny_gemma3_hf_model(seed=3, sliding_window=window)
+    ids = tokens(40)
+    with torch.no_grad():
+        ref = hf(ids).logits
+    whole = native.append(ids).logits
+    native.reset()
+    pieces = [native.append(ids[:, :13]).logits] + [native.append(ids[:, i : i + 1]).logits for i in range(13, 40)]
+    for got in (whole, torch.cat(pieces, dim=1)):
+        assert torch.allclose(got, ref, atol=ATOL)
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_the_window_matters():
+    """The same weights with a window that covers everything give other logits past the window."""
+    ids = tokens(30)
+    narrow, wide = tiny_gemma3(seed=2, sliding_window=8), tiny_gemma3(seed=2, sliding_window=64)
+    a, b = narrow.append(ids).logits[0], wide.append(ids).logits[0]
+    assert torch.equal(a[:8], b[:8])
+    assert not torch.allclose(a[8:], b[8:], atol=1e-3)
+
+
+def path_to(node: int, parents: list[int]) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def test_tree_nodes_are_bit_identical_to_one_token_steps_across_the_window():
+    backend = tiny_gemma3(seed=1, sliding_window=8)
+    context, node_tokens = tokens(20), tokens(9, seed=7)[0]
+    parents = [-1, 0, 0, 1, 2, 4, 5, 6, 3]  # paths deeper than the window's reach from the context
+    backend.append(context)
+    tree = backend.verify_tree(node_tokens, parents).logits[0]
+    for node in range(len(parents)):
+        backend.reset()
+        backend.append(context)
+        for token in node_tokens[path_to(node, parents)]:
+            step = backend.append(token.view(1, 1)).logits[0, -1]
+        assert torch.equal(step, tree[node]), node
+
+
+def test_rollback_then_append_equals_a_fresh_run():
+    backend, ids = tiny_gemma3(seed=4), tokens(30)
+    fresh = backend.append(ids).logits
+    backend.reset()
+    backend.append(ids[:, :20])
+    backend.append(tokens(9, seed=9))
+    backend.truncate(20)
+    assert torch.allclose(backend.append(ids[:, 20:]).logits, fresh[:, 20:], atol=ATOL)
+
+
+@pytest.mark.parametrize("method", ["pld", "recycling", "lookahead"])
+def test_lossless_methods_are_token_identical_to_greedy(method):
+    engine = Engine(LoadedModel(tiny_gemma3(seed=5), CharTokenizer(96), "tiny-gemma3"))
+    prompt = "abcabcabcabc the cat sat on the mat, the cat sat on the"
+    greedy = engine.generate(prompt, method="greedy", max_new_tokens=40, chat=False)
+    other = engine.generate(prompt, method=method, max_new_tokens=40, chat=False)
+    assert other.tokens == greedy.tokens
+
+
+def test_cache_policies_that_move_entries_are_refused():
+    with pytest.raises(InvalidParameter, match="sliding-window"):
+        tiny_gemma3(seed=0).with_kv_cache("sink:4,window:16")
