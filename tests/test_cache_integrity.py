@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from decodekit.models.gguf_blocks import BLOCKS_FILE
 import torch
 
 from decodekit.errors import InvalidModel
@@ -193,7 +195,7 @@ def swap_two_tokens(path: Path) -> None:
 
 ALTER = {
     "model.safetensors": lambda p: alter_tensor(p, "model.layers.1.mlp.down_proj.weight"),
-    "gguf_blocks.safetensors": lambda p: alter_tensor(p, "model.layers.1.mlp.down_proj.weight"),
+    BLOCKS_FILE: lambda p: alter_tensor(p, "model.layers.1.mlp.down_proj.weight"),
     "config.json": lambda p: nudge_number(p, "rms_norm_eps"),
     "tokenizer.json": swap_two_tokens,
 }
@@ -224,7 +226,7 @@ def test_a_damaged_model_cache_file_is_reported_rebuilt_and_answers_the_same(tin
     assert not leftovers(cache)
 
 
-@pytest.mark.parametrize("artefact", ["model.safetensors", "gguf_blocks.safetensors"])
+@pytest.mark.parametrize("artefact", ["model.safetensors", BLOCKS_FILE])
 def test_a_missing_cache_file_is_reported_and_rebuilt_cleanly(tiny_gguf, cache, capsys, artefact):
     before = answer(tiny_gguf)
     folder = model_folder(cache)
@@ -292,7 +294,7 @@ def test_two_processes_loading_an_empty_cache_both_succeed_and_build_once(tiny_g
     assert len(builds.read_text().splitlines()) == 1
     folder = model_folder(cache)
     assert Entry(folder, folder=True).check() is None
-    assert Entry(folder / "gguf_blocks.safetensors", folder=False).check() is None
+    assert Entry(folder / BLOCKS_FILE, folder=False).check() is None
     assert not leftovers(cache)
 
 
@@ -458,8 +460,9 @@ def test_the_real_models_cache_passes_its_check_and_its_manifest_covers_every_fi
     folder = dequantised_folder(embedded_gguf("smollm2-135m"))
     entry = Entry(folder, folder=True)
     assert entry.check() is None
-    blocks = folder / "gguf_blocks.safetensors"
+    blocks = folder / BLOCKS_FILE
     assert Entry(blocks, folder=False).check() is None
-    own = {"manifest.json", blocks.name, blocks.name + ".manifest.json"}
+    # the blocks' files, this version's and any older one's, have manifests of their own
+    own = {"manifest.json"} | {p.name for p in folder.iterdir() if p.name.startswith("gguf_blocks")}
     on_disk = {p.name for p in folder.iterdir() if not p.name.startswith(".")} - own
     assert set(read_manifest(entry.manifest)) == on_disk and "model.safetensors" in on_disk

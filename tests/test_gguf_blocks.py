@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from decodekit.models import kernels
-from decodekit.models.gguf_blocks import BlockMatrix, matching_blocks, read_block_matrices
+from decodekit.models.gguf_blocks import BLOCKS_FILE, BlockMatrix, matching_blocks, read_block_matrices
 from decodekit.models.native import NativeLlama, rope_row_order
 from decodekit.models.tiny import tiny_hf_config, tiny_state_dict
 
@@ -182,7 +182,7 @@ def test_blocks_are_saved_beside_the_dequantised_weights_and_read_back_the_same(
 
     gguf = embedded_gguf("smollm2-135m")
     first = cached_block_matrices(gguf, tmp_path, real_model.backend.info.num_layers)
-    assert (tmp_path / "gguf_blocks.safetensors").is_file()
+    assert (tmp_path / BLOCKS_FILE).is_file()
     again = cached_block_matrices(gguf, tmp_path, real_model.backend.info.num_layers)
     assert first.keys() == again.keys()
     for name, blocks in first.items():
@@ -218,6 +218,23 @@ def test_integer_kernel_is_its_scalar_reference_bit_for_bit_and_close_to_float32
     assert ((got - exact).norm() / exact.norm()).item() < 0.01
     assert torch.equal(got[rows - 1], integer_product(kind, blocks, x[rows - 1 :].contiguous())[0])
     assert torch.equal(got[0], integer_product(kind, blocks, torch.cat([x[rows - 1 :], x[:1]]))[1])
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("rows", [1, 5, 9, 40])
+def test_integer_kernel_on_k_quants_is_its_reference_and_close_to_float32(kind, rows):
+    """The K-quants' sub-block scales and minima (Q6_K: a scale per 16 weights, two integer sums a
+    sub-block) in the integer kernel: bit for bit its scalar reference, close to the float32
+    product, each row alone as in any pass."""
+    gen = torch.Generator().manual_seed(rows)
+    blocks = BlockMatrix.random(32, 512, kind, gen)
+    x = torch.randn(rows, 512, generator=gen)
+    got = integer_product(kind, blocks, x)
+    assert torch.equal(got, kernels.integer_block_matmul_reference(kind, blocks.data, x, blocks.n_in))
+    exact = x @ blocks.dequantize().T
+    assert ((got - exact).norm() / exact.norm()).item() < 0.01
+    assert torch.equal(got[-1], integer_product(kind, blocks, x[-1:].contiguous())[0])
 
 
 @needs_vnni

@@ -87,8 +87,8 @@ class Gemma3Weights(LlamaWeights):
     def _layer(self, config: LlamaConfig, p: str, get: Callable[[str], torch.Tensor]) -> dict:
         layer = super()._layer(config, p, get)
         order = rope_row_order(config.head_dim, config.head_dim)  # q and k are stored rotary-interleaved
-        q_norm, k_norm = get(p + "self_attn.q_norm.weight")[order], get(p + "self_attn.k_norm.weight")[order]
-        layer["qk_norm"] = torch.cat([q_norm.expand(config.num_heads, -1), k_norm.expand(config.num_kv_heads, -1)])
+        layer["q_norm"] = get(p + "self_attn.q_norm.weight")[order].contiguous()
+        layer["k_norm"] = get(p + "self_attn.k_norm.weight")[order].contiguous()
         layer["post_attn_norm"] = get(p + "post_attention_layernorm.weight")
         layer["post_mlp_norm"] = get(p + "post_feedforward_layernorm.weight")
         return layer
@@ -165,15 +165,18 @@ class NativeGemma3(NativeLlama):
         c = self.config
         h = self._add_norm(x, pending, layer["attn_norm"], ops)
         qkv = layer["qkv"](h)
-        qk_size = (c.num_heads + c.num_kv_heads) * c.head_dim
-        qk = qkv[..., :qk_size].unflatten(-1, (-1, c.head_dim))
-        qk.copy_(F.rms_norm(qk, (c.head_dim,), eps=c.rms_norm_eps) * layer["qk_norm"])
+        q_size, k_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for heads, weight in ((qkv[..., :q_size], layer["q_norm"]), (qkv[..., q_size : q_size + k_size], layer["k_norm"])):
+            heads.copy_(self._norm(heads.reshape(-1, c.head_dim), weight, ops).view(heads.shape))
         attn = self._attention(i, qkv, positions, mask, start, ops, causal)
-        h = self._add_norm(x, self._norm(layer["o"](attn), layer["post_attn_norm"]), layer["mlp_norm"], ops)
+        h = self._add_norm(x, self._norm(layer["o"](attn), layer["post_attn_norm"], ops), layer["mlp_norm"], ops)
         gate, up = layer["gate_up"](h).chunk(2, dim=-1)
-        return self._norm(layer["down"](F.gelu(gate, approximate="tanh") * up), layer["post_mlp_norm"])
+        return self._norm(layer["down"](F.gelu(gate, approximate="tanh") * up), layer["post_mlp_norm"], ops)
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, ops) -> torch.Tensor:
+        """RMSNorm of the last axis (rows alone, by the layer kernels where the pass takes them)."""
+        if ops is not None:
+            return ops.add_rms_norm(x.contiguous(), None, weight, self.config.rms_norm_eps)
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
 
     def _logits(self, x, pending, ops, last_only, hidden):

@@ -166,6 +166,11 @@ def read_block_matrices(gguf: Path, num_layers: int) -> dict[str, BlockMatrix]:
     return found
 
 
+#: the saved blocks' file name in a model's cache folder; it names the types read, so that a version
+#: reading more of them does not take a file saved by one reading fewer
+BLOCKS_FILE = f"gguf_blocks-{'-'.join(BLOCK_BYTES).replace('_', '')}.safetensors"
+
+
 def cached_block_matrices(gguf: Path, folder: Path, num_layers: int) -> dict[str, BlockMatrix]:
     """:func:`read_block_matrices`, saved in ``folder`` (the GGUF's dequantised cache) the first
     time, and checked like every cached file (:mod:`.cache`): reading a GGUF parses all its
@@ -181,7 +186,7 @@ def cached_block_matrices(gguf: Path, folder: Path, num_layers: int) -> dict[str
         save_file({n: b.data for n, b in read.items()}, str(path), metadata={n: f"{b.kind}:{b.n_in}" for n, b in read.items()})
 
     try:
-        path = cached_file(folder / "gguf_blocks.safetensors", save)
+        path = cached_file(folder / BLOCKS_FILE, save)
     except OSError:  # a read-only cache only costs reading the GGUF again next time
         return read or read_block_matrices(gguf, num_layers)
     if read:

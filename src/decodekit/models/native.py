@@ -309,6 +309,8 @@ class LlamaWeights:
             parts = matching_blocks([self._blocks.get(n) for n in names], weight, orders)
         if parts is None:
             return Projection(weight, bias, None, self._numerics)
+        if self._numerics == "fast":  # the integer kernel reads Q5_0 as Q8_0 (the same weights)
+            parts = [p.as_q8_0() if p.kind == "q5_0" else p for p in parts]
         stacked = BlockMatrix.stack(parts)
         if stacked is None:  # parts of different types (Gemma's q, k in Q5_0 and v in Q8_0)
             return SplitProjection(weight, bias, parts, self._numerics)

@@ -188,6 +188,8 @@ def _integer_library() -> ctypes.CDLL | None:
     lib.decodekit_q8_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.decodekit_q8_reference.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
     lib.decodekit_q8_pack.restype = lib.decodekit_q8_reference.restype = None
+    lib.decodekit_q8_packed_bytes.argtypes = [ctypes.c_int] * 3
+    lib.decodekit_q8_packed_bytes.restype = ctypes.c_int64
     lib.decodekit_q8_peak.argtypes = [ctypes.c_int64, ctypes.c_int]
     lib.decodekit_q8_peak.restype = ctypes.c_int64
     return lib
@@ -200,14 +202,15 @@ def integer_peak_loop() -> Callable[[int, int], int] | None:
     return None if lib is None else lib.decodekit_q8_peak
 
 
-INTEGER_KINDS = {"q4_1": 0, "q8_0": 1}
+INTEGER_KINDS = {"q4_1": 0, "q8_0": 1, "q4_k": 2, "q6_k": 3, "q5_k": 4}  # gemm_q8.c's kind numbers
+FILE_BLOCKS = {"q4_1": (20, 32), "q8_0": (34, 32), "q4_k": (144, 256), "q6_k": (210, 256), "q5_k": (176, 256)}
 INTEGER_GROUP = 16  # output rows packed side by side (gemm_q8.c's GROUP)
 
 
 @cache
 def integer_block_matmul(kind: str) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
     """The ``fast`` numerics (``gemm_q8.c``): ``matmul(packed, x [rows, in] float32, n_in) ->
-    [rows, out]`` float32 for GGUF ``kind`` ``"q4_1"`` or ``"q8_0"`` blocks repacked by
+    [rows, out]`` float32 for GGUF ``kind`` blocks (one of :data:`INTEGER_KINDS`) repacked by
     :func:`pack_integer_blocks`, with the inputs quantised to 8 bits per block of 32 and integer dot
     products; any number of rows, each computed on its own. None where unavailable (no compiler,
     or a CPU without AVX512-VNNI)."""
@@ -215,27 +218,34 @@ def integer_block_matmul(kind: str) -> Callable[[torch.Tensor, torch.Tensor, int
     if lib is None or kind not in INTEGER_KINDS:
         return None
     return _blocks_times_rows(getattr(lib, f"decodekit_q8_{kind}"),
-                              lambda blocks, x, n_in: _check_integer_operands(kind, blocks, x, n_in))
+                              lambda packed, x, n_in: _check_integer_operands(kind, packed, x, n_in, packed=True))
 
 
 def pack_integer_blocks(kind: str, blocks: torch.Tensor, n_in: int) -> torch.Tensor:
-    """GGUF ``kind`` blocks ``[out, in / 32 * block bytes]`` (``out`` a multiple of 16) in the integer
-    kernel's layout, a tensor of the same shape (see ``gemm_q8.c``)."""
+    """GGUF ``kind`` blocks ``[out, in / block weights * block bytes]`` (``out`` a multiple of 16) in
+    the integer kernel's layout: ``[out, packed bytes / out]`` (see ``gemm_q8.c``)."""
     lib = _integer_library()
     if lib is None:
         raise RuntimeError("the integer kernel is unavailable on this machine")
     _check_integer_operands(kind, blocks, torch.zeros(1, n_in), n_in)
-    packed = torch.empty_like(blocks)
+    packed = torch.empty(blocks.shape[0], _packed_width(kind, n_in), dtype=torch.uint8)
     lib.decodekit_q8_pack(INTEGER_KINDS[kind], blocks.data_ptr(), packed.data_ptr(), blocks.shape[0], n_in)
     return packed
 
 
-def _check_integer_operands(kind: str, blocks: torch.Tensor, x: torch.Tensor, n_in: int) -> None:
-    """What ``gemm_q8.c`` relies on: rows of ``n_in`` values, a multiple of 32, against contiguous
-    uint8 blocks of the right width, a multiple of 16 rows."""
-    width = n_in // 32 * (20 if kind == "q4_1" else 34)
-    if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] != n_in or n_in % 32:
-        raise ValueError(f"integer matmul: inputs [rows, {n_in}] with {n_in} a multiple of 32, got {tuple(x.shape)}")
+@cache
+def _packed_width(kind: str, n_in: int) -> int:
+    return _integer_library().decodekit_q8_packed_bytes(INTEGER_KINDS[kind], INTEGER_GROUP, n_in) // INTEGER_GROUP
+
+
+def _check_integer_operands(kind: str, blocks: torch.Tensor, x: torch.Tensor, n_in: int, packed: bool = False) -> None:
+    """What ``gemm_q8.c`` relies on: rows of ``n_in`` values, a multiple of the block's weights,
+    against contiguous uint8 blocks (as the file has them, or ``packed``) of the right width, a
+    multiple of 16 rows."""
+    size, weights = FILE_BLOCKS[kind]
+    if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] != n_in or n_in % weights:
+        raise ValueError(f"integer matmul: inputs [rows, {n_in}] with {n_in} a multiple of {weights}, got {tuple(x.shape)}")
+    width = _packed_width(kind, n_in) if packed else n_in // weights * size
     if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != width or not blocks.is_contiguous()
             or blocks.shape[0] % INTEGER_GROUP):
         raise ValueError(f"integer matmul: {kind} blocks [16 n, {width}] contiguous uint8, got {tuple(blocks.shape)} {blocks.dtype}")

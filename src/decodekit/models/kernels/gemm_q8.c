@@ -1,24 +1,26 @@
-/* The `fast` numerics: GGUF Q4_1 / Q8_0 weight blocks times inputs quantised to 8 bits, with
- * integer dot products (AVX512-VNNI's vpdpbusd: 64 products of an unsigned and a signed byte,
- * summed four by four into 16 int32 lanes, per instruction).
+/* The `fast` numerics: GGUF weight blocks (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) times inputs quantised to
+ * 8 bits, with integer dot products (AVX512-VNNI's vpdpbusd: 64 products of an unsigned and a
+ * signed byte, summed four by four into 16 int32 lanes, per instruction).
  *
  * Inputs. Each input row is quantised per block of 32 values as llama.cpp's Q8_1 does:
  * dx = max|x| / 127, qx = nearest integer to x * (1 / dx), sx = the block's sum of qx.
  *
- * Weights are repacked once (decodekit_q8_pack) in groups of 16 output rows: for each block of
+ * Weights are repacked once (decodekit_q8_pack) in groups of 16 output rows: for each sub-block of
  * 32 inputs, the 16 rows' 4-byte slices k = 4g..4g+3 side by side in one 64-byte vector, so one
  * vpdpbusd multiplies 16 rows by 4 inputs of one input row (broadcast) with no horizontal sums.
- * A Q4_1 weight d * q + m (q in 0..15) is the unsigned operand as it is; a Q8_0 weight d * q
- * (q in -128..127) is stored as q + 128 and the sum corrected by -128 * sx, exactly.
+ * Every weight is s * (u - z) + n with an unsigned integer u (the vpdpbusd operand as it is): a
+ * Q8_0 weight d * q is stored as q + 128 and its sum corrected by -128 * sx, exactly; a Q6_K
+ * weight's q - 32 likewise, by -32 times each half's sum (it has a scale per 16 weights).
  *
  * Arithmetic, for output row r and input row m (the scalar reference below spells it out, and a
  * test compares the vector kernel with it bit for bit):
- *     acc = 0;  for each block b:  acc = fma((float) isum_b, dw_b * dx_b, acc)
- *                                   acc = fma(mw_b, dx_b * (float) sx_b, acc)     (Q4_1 only)
+ *     acc = 0;  for each sub-block b:  acc = fma((float) isum_b, s_b * dx_b, acc)
+ *                                       acc = fma(n_b, dx_b * (float) sx_b, acc)   (Q4_1, Q4_K, Q5_K)
  *     y = acc
- * where isum_b = sum_k q_k qx_k is exact in int32. Every (r, m) pair is computed alone, in that
- * order, whatever else is in the pass, so a token's logits are the same in a plain step, in a
- * verification tree, in a batch, and in prefill. Groups of rows are split between threads.
+ * where isum_b = sum_k (u_k - z) qx_k is exact in int32 (Q6_K: two sums and two scales, in order).
+ * Every (r, m) pair is computed alone, in that order, whatever else is in the pass, so a token's
+ * logits are the same in a plain step, in a verification tree, in a batch, and in prefill. Groups
+ * of rows are split between threads.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -30,14 +32,31 @@
 #define GROUP 16   /* output rows side by side in the packed layout */
 #define TILE 8     /* input rows a group's unpacked weights are used for before they are rebuilt */
 
-/* GGUF block layouts: Q4_1 {fp16 d, fp16 m, 16 bytes: weight j in the low nibble of byte j,
- * weight j + 16 in the high one} (20 bytes); Q8_0 {fp16 d, int8 q[32]} (34 bytes). */
-#define Q4_1_BYTES 20
-#define Q8_0_BYTES 34
-/* Packed per group and block: Q4_1 {4 x 64 bytes of nibble pairs, 16 fp16 d, 16 fp16 m};
- * Q8_0 {8 x 64 bytes of q + 128, 16 fp16 d}. */
+/* Kinds of weights (the `kind` argument): GGUF blocks as the file has them, and their packed form
+ * per group of 16 rows and sub-block of 32 weights (unsigned weights u, 64 bytes per 4 inputs):
+ *   0 Q4_1 {fp16 d, fp16 m, 16 bytes of nibbles: weight j low, j + 16 high} (20 bytes a block of 32)
+ *       -> w = d u + m;                 packed {4 x 64 bytes of nibble pairs, 16 fp16 d, 16 fp16 m}
+ *   1 Q8_0 {fp16 d, int8 q[32]} (34)    -> w = d (u - 128), u = q + 128;  {8 x 64 bytes, 16 fp16 d}
+ *   2 Q4_K, 4 Q5_K (144, 176 bytes a block of 256; see gemm.c) -> w = s u + n, with the sub-block's
+ *       s = d * scale and n = -(dmin * min) in float32;  {4 x 64 nibble pairs (Q4_K) or 8 x 64
+ *       bytes (Q5_K), 16 float s, 16 float n}
+ *   3 Q6_K (210 bytes a block of 256) -> w = s_h (u - 32), one s_h = d * scale per 16 weights;
+ *       {8 x 64 bytes, 16 float s_0 (weights 0-15), 16 float s_1 (16-31)}
+ * The K-quants' sub-block scales are products of a float16 and a small integer: exact in float32. */
 #define Q4_1_PACKED (4 * 64 + 2 * GROUP * 2)
 #define Q8_0_PACKED (8 * 64 + GROUP * 2)
+#define Q4_K_PACKED (4 * 64 + 2 * GROUP * 4)
+#define WIDE_PACKED (8 * 64 + 2 * GROUP * 4) /* Q5_K, Q6_K */
+enum { KIND_Q4_1, KIND_Q8_0, KIND_Q4_K, KIND_Q6_K, KIND_Q5_K, KINDS };
+static const int FILE_BYTES[KINDS] = {20, 34, 144, 210, 176};      /* per block */
+static const int FILE_WEIGHTS[KINDS] = {32, 32, 256, 256, 256};    /* per block */
+static const int PACKED_BYTES[KINDS] = {Q4_1_PACKED, Q8_0_PACKED, Q4_K_PACKED, WIDE_PACKED, WIDE_PACKED};
+static inline int nibble_kind(int kind) { return kind == KIND_Q4_1 || kind == KIND_Q4_K; }
+
+/* Bytes of the packed form of a [n_out, n_in] matrix (what Python allocates). */
+int64_t decodekit_q8_packed_bytes(int kind, int n_out, int n_in) {
+    return (int64_t)(n_out / GROUP) * (n_in / QK) * PACKED_BYTES[kind];
+}
 
 static inline float half_to_float(const uint8_t *p) {
     uint16_t h;
@@ -45,16 +64,61 @@ static inline float half_to_float(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-static inline int q4_1_weight(const uint8_t *block, int k) {
-    return k < 16 ? block[4 + k] & 0x0f : block[4 + k - 16] >> 4;
+/* A K-quant sub-block's 6-bit scale and minimum (ggml's get_scale_min_k4). */
+static inline void k_scale_min(const uint8_t *q, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = q[j] & 63, *min = q[j + 4] & 63;
+    } else {
+        *scale = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
 }
 
-/* Inputs quantised: q [M][n_in] int8; per row and block, dx (scale), ex = dx * sx (the Q4_1
- * offset's factor) and cx = -128 * sx (the Q8_0 correction). */
+/* Sub-block b (weights 32 b .. 32 b + 31) of a row of file blocks, decoded: u[32], and the scales
+ * and offset of its kind (see above; for Q4_1 / Q8_0 the float16 values, widened). */
+typedef struct {
+    uint8_t u[QK];
+    float s[2], n;
+} SubBlock;
+
+static void decode_sub_block(int kind, const uint8_t *row, int b, SubBlock *out) {
+    const uint8_t *block = row + (size_t)(b * QK / FILE_WEIGHTS[kind]) * FILE_BYTES[kind];
+    int j = b % (FILE_WEIGHTS[kind] / QK);  /* sub-block within a K-quant block */
+    out->n = 0.0f;
+    if (kind == KIND_Q4_1) {
+        for (int k = 0; k < QK; k++) out->u[k] = k < 16 ? block[4 + k] & 0x0f : block[4 + k - 16] >> 4;
+        out->s[0] = out->s[1] = half_to_float(block), out->n = half_to_float(block + 2);
+    } else if (kind == KIND_Q8_0) {
+        for (int k = 0; k < QK; k++) out->u[k] = (uint8_t)((int8_t)block[2 + k] + 128);
+        out->s[0] = out->s[1] = half_to_float(block);
+    } else if (kind == KIND_Q4_K || kind == KIND_Q5_K) {
+        int scale, min, q5 = kind == KIND_Q5_K;
+        const uint8_t *qs = block + (q5 ? 48 : 16) + 32 * (j / 2);
+        for (int k = 0; k < QK; k++) {
+            int v = (j & 1) ? qs[k] >> 4 : qs[k] & 0x0f;
+            out->u[k] = (uint8_t)(q5 ? v | (((block[16 + k] >> j) & 1) << 4) : v);
+        }
+        k_scale_min(block + 4, j, &scale, &min);
+        out->s[0] = out->s[1] = half_to_float(block) * (float)scale;
+        out->n = -(half_to_float(block + 2) * (float)min);
+    } else { /* Q6_K: sub-block j is half h = j / 4, quarter j % 4 of it */
+        int h = j / 4, quarter = j % 4;
+        const uint8_t *ql = block + 64 * h + 32 * (quarter & 1), *qh = block + 128 + 32 * h;
+        for (int k = 0; k < QK; k++)
+            out->u[k] = (uint8_t)((quarter >= 2 ? ql[k] >> 4 : ql[k] & 0x0f) | (((qh[k] >> (2 * quarter)) & 3) << 4));
+        const int8_t *scales = (const int8_t *)(block + 192) + 2 * j;
+        float d = half_to_float(block + 208);
+        out->s[0] = d * (float)scales[0], out->s[1] = d * (float)scales[1];
+    }
+}
+
+/* Inputs quantised: q [M][n_in] int8; per row and block, dx (scale), ex = dx * sx (the offset's
+ * factor), cx = -128 * sx (the Q8_0 correction), and -32 times the sums of the block's halves
+ * (c0, c1: Q6_K's corrections, one per scale). */
 typedef struct {
     int8_t *q;
     float *dx, *ex;
-    int32_t *cx;
+    int32_t *cx, *c0, *c1;
 } Quantised;
 
 static int quantised_alloc(Quantised *in, int M, int n_in) {
@@ -63,17 +127,23 @@ static int quantised_alloc(Quantised *in, int M, int n_in) {
     in->dx = malloc(blocks * sizeof(float));
     in->ex = malloc(blocks * sizeof(float));
     in->cx = malloc(blocks * sizeof(int32_t));
-    return in->q && in->dx && in->ex && in->cx;
+    in->c0 = malloc(blocks * sizeof(int32_t));
+    in->c1 = malloc(blocks * sizeof(int32_t));
+    return in->q && in->dx && in->ex && in->cx && in->c0 && in->c1;
 }
 
-static void quantised_free(Quantised *in) { free(in->q), free(in->dx), free(in->ex), free(in->cx); }
+static void quantised_free(Quantised *in) {
+    free(in->q), free(in->dx), free(in->ex), free(in->cx), free(in->c0), free(in->c1);
+}
 
 /* One block's scale, or NaN when a value is not finite (its quantised values are then 0: the
- * results come out NaN, never silently finite). */
-static void finish_block(Quantised *in, size_t at, float dx, int32_t sx) {
+ * results come out NaN, never silently finite); s0, s1: the sums of its two halves. */
+static void finish_block(Quantised *in, size_t at, float dx, int32_t s0, int32_t s1) {
     in->dx[at] = dx;
-    in->ex[at] = dx * (float)sx;
-    in->cx[at] = -128 * sx;
+    in->ex[at] = dx * (float)(s0 + s1);
+    in->cx[at] = -128 * (s0 + s1);
+    in->c0[at] = -32 * s0;
+    in->c1[at] = -32 * s1;
 }
 
 /* Scalar quantisation (the reference's). */
@@ -90,14 +160,14 @@ static void quantize_scalar(const float *x, int M, int n_in, Quantised *in) {
                 finite &= isfinite(xb[j]) != 0;
             }
             float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
-            int32_t sx = 0;
+            int32_t sx[2] = {0, 0};
             for (int j = 0; j < QK; j++) {
                 /* clamped: x * inv can round past 127 by an ulp, and must never be converted out of range */
                 int v = finite ? (int)nearbyintf(fminf(127.0f, fmaxf(-127.0f, xb[j] * inv))) : 0;
                 qb[j] = (int8_t)v;
-                sx += v;
+                sx[j / 16] += v;
             }
-            finish_block(in, (size_t)m * nb + b, finite ? dx : NAN, sx);
+            finish_block(in, (size_t)m * nb + b, finite ? dx : NAN, sx[0], sx[1]);
         }
 }
 
@@ -115,7 +185,7 @@ static void quantize_vector(const float *x, int M, int n_in, Quantised *in) {
             int finite = !(_mm512_cmp_ps_mask(a0, infinity, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(a1, infinity, _CMP_NLT_UQ));
             if (!finite) {
                 memset(qb, 0, QK);
-                finish_block(in, (size_t)m * nb + b, NAN, 0);
+                finish_block(in, (size_t)m * nb + b, NAN, 0, 0);
                 continue;
             }
             float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
@@ -125,79 +195,99 @@ static void quantize_vector(const float *x, int M, int n_in, Quantised *in) {
             __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(-limit, _mm512_mul_ps(x1, scale))));
             _mm_storeu_si128((__m128i *)qb, _mm512_cvtepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtepi32_epi8(q1));
-            finish_block(in, (size_t)m * nb + b, dx, _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+            finish_block(in, (size_t)m * nb + b, dx, _mm512_reduce_add_epi32(q0), _mm512_reduce_add_epi32(q1));
         }
 }
 
-/* Repack GGUF blocks [n_out][n_in / 32] (n_out a multiple of 16) into the kernel's layout. */
+/* Repack GGUF blocks (rows of n_in weights; n_out a multiple of 16) into the kernel's layout. */
 void decodekit_q8_pack(int kind, const uint8_t *w, uint8_t *packed, int n_out, int n_in) {
-    int nb = n_in / QK, bytes = kind == 0 ? Q4_1_BYTES : Q8_0_BYTES, size = kind == 0 ? Q4_1_PACKED : Q8_0_PACKED;
+    int nb = n_in / QK, size = PACKED_BYTES[kind], weights = nibble_kind(kind) ? 256 : 512;
+    size_t row_bytes = (size_t)(n_in / FILE_WEIGHTS[kind]) * FILE_BYTES[kind];
     for (int g = 0; g < n_out / GROUP; g++)
         for (int b = 0; b < nb; b++) {
             uint8_t *out = packed + ((size_t)g * nb + b) * size;
+            memset(out, 0, weights);
             for (int r = 0; r < GROUP; r++) {
-                const uint8_t *block = w + ((size_t)(g * GROUP + r) * nb + b) * bytes;
+                const uint8_t *row = w + (size_t)(g * GROUP + r) * row_bytes;
+                SubBlock sub;
+                decode_sub_block(kind, row, b, &sub);
                 for (int k = 0; k < QK; k++) {
                     int chunk = k / 4, slot = r * 4 + k % 4;
-                    if (kind == 0) {
-                        uint8_t q = (uint8_t)q4_1_weight(block, k);
-                        if (chunk < 4) out[chunk * 64 + slot] = q;  /* k < 16: low nibble */
-                        else out[(chunk - 4) * 64 + slot] |= (uint8_t)(q << 4);
-                    } else {
-                        out[chunk * 64 + slot] = (uint8_t)((int8_t)block[2 + k] + 128);
-                    }
+                    if (nibble_kind(kind)) /* k < 16: the low nibble of chunk k / 4; else the high one of chunk k / 4 - 4 */
+                        out[(chunk % 4) * 64 + slot] |= (uint8_t)(sub.u[k] << (chunk < 4 ? 0 : 4));
+                    else
+                        out[chunk * 64 + slot] = sub.u[k];
                 }
-                memcpy(out + (kind == 0 ? 256 : 512) + 2 * r, block, 2);           /* d */
-                if (kind == 0) memcpy(out + 256 + 2 * GROUP + 2 * r, block + 2, 2);  /* m */
+                if (kind == KIND_Q4_1 || kind == KIND_Q8_0) { /* the file's float16 d (and m), as they are */
+                    const uint8_t *block = row + (size_t)b * FILE_BYTES[kind];
+                    memcpy(out + weights + 2 * r, block, 2);
+                    if (kind == KIND_Q4_1) memcpy(out + weights + 2 * GROUP + 2 * r, block + 2, 2);
+                } else {
+                    float second = kind == KIND_Q6_K ? sub.s[1] : sub.n;
+                    memcpy(out + weights + 4 * r, &sub.s[0], 4);
+                    memcpy(out + weights + 4 * GROUP + 4 * r, &second, 4);
+                }
             }
         }
 }
 
 /* G groups of 16 output rows (G = 1 or 2; the second group `stride` bytes after the first)
  * against input rows m0 .. m0 + T - 1. Two groups share each broadcast input and each input's
- * scales: more multiply-adds per instruction for passes of several rows. */
+ * scales: more multiply-adds per instruction for passes of several rows. `kind` is a constant
+ * once inlined, so each kind compiles to a loop of its own. */
 static inline __attribute__((always_inline)) void group_tile(int kind, const uint8_t *group, size_t stride,
                                                               const Quantised *in, float *y, int n_out, int n_in,
                                                               int m0, const int T, const int G) {
-    int nb = n_in / QK;
+    int nb = n_in / QK, size = PACKED_BYTES[kind], nibbles = nibble_kind(kind), weights = nibbles ? 256 : 512;
     __m512 acc[2][TILE];
     for (int g = 0; g < G; g++)
         for (int t = 0; t < T; t++) acc[g][t] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         __m512i w[2][8];
-        __m512 dw[2], mw[2];
+        __m512 s0[2], s1[2]; /* the rows' first scale, and their offset or second scale */
         for (int g = 0; g < G; g++) {
-            if (kind == 0) {
-                const uint8_t *block = group + g * stride + (size_t)b * Q4_1_PACKED;
+            const uint8_t *block = group + g * stride + (size_t)b * size;
+            if (nibbles) {
                 const __m512i low = _mm512_set1_epi8(0x0f);
                 for (int j = 0; j < 4; j++) {
                     __m512i packed = _mm512_loadu_si512((const void *)(block + 64 * j));
                     w[g][j] = _mm512_and_si512(packed, low);
                     w[g][j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
                 }
-                dw[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 256)));
-                mw[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 256 + 2 * GROUP)));
             } else {
-                const uint8_t *block = group + g * stride + (size_t)b * Q8_0_PACKED;
                 for (int j = 0; j < 8; j++) w[g][j] = _mm512_loadu_si512((const void *)(block + 64 * j));
-                dw[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 512)));
+            }
+            if (kind == KIND_Q4_1 || kind == KIND_Q8_0) {
+                s0[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + weights)));
+                s1[g] = kind == KIND_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + weights + 2 * GROUP)))
+                                          : _mm512_setzero_ps();
+            } else {
+                s0[g] = _mm512_loadu_ps(block + weights);
+                s1[g] = _mm512_loadu_ps(block + weights + 4 * GROUP);
             }
         }
         for (int t = 0; t < T; t++) {
             size_t at = (size_t)(m0 + t) * nb + b;
             const int8_t *xq = in->q + (size_t)(m0 + t) * n_in + (size_t)b * QK;
-            __m512i start = kind == 0 ? _mm512_setzero_si512() : _mm512_set1_epi32(in->cx[at]);
-            __m512i isum[2] = {start, start};
+            __m512 dx = _mm512_set1_ps(in->dx[at]);
+            /* integer sums: one per block, or one per half (Q6_K: a scale per 16 weights) */
+            int halves = kind == KIND_Q6_K;
+            __m512i first = _mm512_set1_epi32(halves ? in->c0[at] : kind == KIND_Q8_0 ? in->cx[at] : 0);
+            __m512i second = _mm512_set1_epi32(in->c1[at]);
+            __m512i isum[2][2] = {{first, second}, {first, second}};
             for (int j = 0; j < 8; j++) {
                 int32_t four;
                 memcpy(&four, xq + 4 * j, 4);
                 __m512i x = _mm512_set1_epi32(four);
-                for (int g = 0; g < G; g++) isum[g] = _mm512_dpbusd_epi32(isum[g], w[g][j], x);
+                int h = halves && j >= 4;
+                for (int g = 0; g < G; g++) isum[g][h] = _mm512_dpbusd_epi32(isum[g][h], w[g][j], x);
             }
-            __m512 dx = _mm512_set1_ps(in->dx[at]), ex = _mm512_set1_ps(in->ex[at]);
             for (int g = 0; g < G; g++) {
-                acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g]), _mm512_mul_ps(dw[g], dx), acc[g][t]);
-                if (kind == 0) acc[g][t] = _mm512_fmadd_ps(mw[g], ex, acc[g][t]);
+                acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g][0]), _mm512_mul_ps(s0[g], dx), acc[g][t]);
+                if (halves)
+                    acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g][1]), _mm512_mul_ps(s1[g], dx), acc[g][t]);
+                else if (kind != KIND_Q8_0)
+                    acc[g][t] = _mm512_fmadd_ps(s1[g], _mm512_set1_ps(in->ex[at]), acc[g][t]);
             }
         }
     }
@@ -224,8 +314,11 @@ static inline __attribute__((always_inline)) void group_tile(int kind, const uin
                     TILE_CASE(5, 1) TILE_CASE(6, 1) TILE_CASE(7, 1) TILE_CASE(8, 1)                  \
                 }                                                                                    \
     }
-DEFINE_GROUP(q4_1_group, 0)
-DEFINE_GROUP(q8_0_group, 1)
+DEFINE_GROUP(q4_1_group, KIND_Q4_1)
+DEFINE_GROUP(q8_0_group, KIND_Q8_0)
+DEFINE_GROUP(q4_k_group, KIND_Q4_K)
+DEFINE_GROUP(q5_k_group, KIND_Q5_K)
+DEFINE_GROUP(q6_k_group, KIND_Q6_K)
 
 typedef void (*group_fn)(const uint8_t *, size_t, int, const Quantised *, float *, int, int, int);
 
@@ -259,12 +352,25 @@ void decodekit_q8_q8_0(const uint8_t *packed, const float *x, float *y, int M, i
     run(q8_0_group, Q8_0_PACKED, packed, x, y, M, n_out, n_in, threads);
 }
 
+void decodekit_q8_q4_k(const uint8_t *packed, const float *x, float *y, int M, int n_out, int n_in, int threads) {
+    run(q4_k_group, Q4_K_PACKED, packed, x, y, M, n_out, n_in, threads);
+}
+
+void decodekit_q8_q5_k(const uint8_t *packed, const float *x, float *y, int M, int n_out, int n_in, int threads) {
+    run(q5_k_group, WIDE_PACKED, packed, x, y, M, n_out, n_in, threads);
+}
+
+void decodekit_q8_q6_k(const uint8_t *packed, const float *x, float *y, int M, int n_out, int n_in, int threads) {
+    run(q6_k_group, WIDE_PACKED, packed, x, y, M, n_out, n_in, threads);
+}
+
 /* The scalar reference, on the GGUF blocks as the file has them: the same arithmetic in the same
  * order, one value at a time. Not vectorised: GCC 12 turns its signed-byte dot product into
  * vpdpbusd, which reads the first operand's bytes as unsigned (a wrong result for Q8_0), and a
  * reference should not depend on the instructions it checks anyway. */
 __attribute__((optimize("no-tree-vectorize"))) void decodekit_q8_reference(int kind, const uint8_t *w, const float *x, float *y, int M, int n_out, int n_in) {
-    int nb = n_in / QK, bytes = kind == 0 ? Q4_1_BYTES : Q8_0_BYTES;
+    int nb = n_in / QK;
+    size_t row_bytes = (size_t)(n_in / FILE_WEIGHTS[kind]) * FILE_BYTES[kind];
     Quantised in;
     if (!quantised_alloc(&in, M, n_in)) {
         for (size_t i = 0; i < (size_t)M * n_out; i++) y[i] = NAN;
@@ -276,14 +382,20 @@ __attribute__((optimize("no-tree-vectorize"))) void decodekit_q8_reference(int k
         for (int r = 0; r < n_out; r++) {
             float acc = 0.0f;
             for (int b = 0; b < nb; b++) {
-                const uint8_t *block = w + ((size_t)r * nb + b) * bytes;
+                SubBlock sub;
+                decode_sub_block(kind, w + (size_t)r * row_bytes, b, &sub);
                 const int8_t *xq = in.q + (size_t)m * n_in + (size_t)b * QK;
                 size_t at = (size_t)m * nb + b;
-                int32_t isum = 0;
-                for (int k = 0; k < QK; k++)
-                    isum += (kind == 0 ? q4_1_weight(block, k) : (int8_t)block[2 + k]) * xq[k];
-                acc = fmaf((float)isum, half_to_float(block) * in.dx[at], acc);
-                if (kind == 0) acc = fmaf(half_to_float(block + 2), in.ex[at], acc);
+                int32_t half[2] = {0, 0};
+                for (int k = 0; k < QK; k++) half[k / 16] += sub.u[k] * xq[k];
+                if (kind == KIND_Q6_K) {
+                    acc = fmaf((float)(half[0] + in.c0[at]), sub.s[0] * in.dx[at], acc);
+                    acc = fmaf((float)(half[1] + in.c1[at]), sub.s[1] * in.dx[at], acc);
+                    continue;
+                }
+                int32_t isum = half[0] + half[1] + (kind == KIND_Q8_0 ? in.cx[at] : 0);
+                acc = fmaf((float)isum, sub.s[0] * in.dx[at], acc);
+                if (kind != KIND_Q8_0) acc = fmaf(sub.n, in.ex[at], acc);
             }
             y[(size_t)m * n_out + r] = acc;
         }
