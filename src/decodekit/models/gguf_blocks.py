@@ -118,19 +118,6 @@ class BlockMatrix:
             raise ValueError(f"quantize() writes q4_1 and q8_0 blocks, not {kind!r} (see random())")
         return cls(kind, data.reshape(rows, -1).contiguous(), n_in)
 
-    def as_q8_0(self) -> "BlockMatrix":
-        """Q5_0 blocks as the Q8_0 blocks of the same weights (same d, q - 16 as int8: exact), for
-        kernels that read Q8_0 only."""
-        if self.kind != "q5_0":
-            raise ValueError(f"as_q8_0() converts q5_0 blocks, not {self.kind}")
-        blocks = self.data.view(self.data.shape[0], -1, BLOCK_BYTES["q5_0"])
-        high = blocks[..., 2:6].contiguous().view(torch.int32)  # bit j: weight j's fifth bit
-        bits = ((high >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)
-        packed = blocks[..., 6:]
-        q = torch.cat([packed & 0x0F, packed >> 4], dim=-1) | (bits << 4)
-        q8 = (q.to(torch.int16) - 16).to(torch.int8).view(torch.uint8)
-        return BlockMatrix("q8_0", torch.cat([blocks[..., 0:2], q8], dim=-1).reshape(self.data.shape[0], -1), self.n_in)
-
     @classmethod
     def random(cls, rows: int, n_in: int, kind: str, generator: torch.Generator) -> "BlockMatrix":
         """Blocks of random bytes with small finite scales (every other bit pattern of a block is a

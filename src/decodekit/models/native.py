@@ -203,8 +203,6 @@ class Projection:
             self.kernel = (kernel.address, data, weight.shape[0], blocks.n_in)
 
     def _use_integer_kernel(self, blocks: BlockMatrix | None) -> None:
-        if blocks is not None and blocks.kind == "q5_0":
-            blocks = blocks.as_q8_0()  # the same weights (the integer kernel reads Q8_0)
         reason = fast_numerics_unavailable(blocks)
         if reason is not None:
             raise InvalidParameter(f"the fast numerics is unavailable: {reason}; use --numerics exact")
@@ -309,8 +307,6 @@ class LlamaWeights:
             parts = matching_blocks([self._blocks.get(n) for n in names], weight, orders)
         if parts is None:
             return Projection(weight, bias, None, self._numerics)
-        if self._numerics == "fast":  # the integer kernel reads Q5_0 as Q8_0 (the same weights)
-            parts = [p.as_q8_0() if p.kind == "q5_0" else p for p in parts]
         stacked = BlockMatrix.stack(parts)
         if stacked is None:  # parts of different types (Gemma's q, k in Q5_0 and v in Q8_0)
             return SplitProjection(weight, bias, parts, self._numerics)

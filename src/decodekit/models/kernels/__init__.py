@@ -202,8 +202,9 @@ def integer_peak_loop() -> Callable[[int, int], int] | None:
     return None if lib is None else lib.decodekit_q8_peak
 
 
-INTEGER_KINDS = {"q4_1": 0, "q8_0": 1, "q4_k": 2, "q6_k": 3, "q5_k": 4}  # gemm_q8.c's kind numbers
-FILE_BLOCKS = {"q4_1": (20, 32), "q8_0": (34, 32), "q4_k": (144, 256), "q6_k": (210, 256), "q5_k": (176, 256)}
+INTEGER_KINDS = {"q4_1": 0, "q8_0": 1, "q4_k": 2, "q6_k": 3, "q5_k": 4, "q5_0": 5}  # gemm_q8.c's kind numbers
+FILE_BLOCKS = {"q4_1": (20, 32), "q8_0": (34, 32), "q4_k": (144, 256), "q6_k": (210, 256), "q5_k": (176, 256),
+               "q5_0": (22, 32)}  # bytes and weights a block
 INTEGER_GROUP = 16  # output rows packed side by side (gemm_q8.c's GROUP)
 
 

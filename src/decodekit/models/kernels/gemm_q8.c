@@ -1,4 +1,4 @@
-/* The `fast` numerics: GGUF weight blocks (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) times inputs quantised to
+/* The `fast` numerics: GGUF weight blocks (Q4_1, Q8_0, Q5_0, Q4_K, Q5_K, Q6_K) times inputs quantised to
  * 8 bits, with integer dot products (AVX512-VNNI's vpdpbusd: 64 products of an unsigned and a
  * signed byte, summed four by four into 16 int32 lanes, per instruction).
  *
@@ -9,7 +9,8 @@
  * 32 inputs, the 16 rows' 4-byte slices k = 4g..4g+3 side by side in one 64-byte vector, so one
  * vpdpbusd multiplies 16 rows by 4 inputs of one input row (broadcast) with no horizontal sums.
  * Every weight is s * (u - z) + n with an unsigned integer u (the vpdpbusd operand as it is): a
- * Q8_0 weight d * q is stored as q + 128 and its sum corrected by -128 * sx, exactly; a Q6_K
+ * Q8_0 weight d * q is stored as q + 128 and its sum corrected by -128 * sx, exactly (Q5_0's
+ * q - 16 likewise, by -16 * sx); a Q6_K
  * weight's q - 32 likewise, by -32 times each half's sum (it has a scale per 16 weights).
  *
  * Arithmetic, for output row r and input row m (the scalar reference below spells it out, and a
@@ -42,16 +43,22 @@
  *       bytes (Q5_K), 16 float s, 16 float n}
  *   3 Q6_K (210 bytes a block of 256) -> w = s_h (u - 32), one s_h = d * scale per 16 weights;
  *       {8 x 64 bytes, 16 float s_0 (weights 0-15), 16 float s_1 (16-31)}
+ *   5 Q5_0 {fp16 d, 32 fifth bits, 16 bytes of nibbles as Q4_1's} (22) -> w = d (u - 16);
+ *       {4 x 64 nibble pairs, 8 x 8 bytes of fifth bits (one 64-bit mask per 64-byte vector of
+ *       weights, bit i for byte i), 16 fp16 d}: as many bytes as the file's
  * The K-quants' sub-block scales are products of a float16 and a small integer: exact in float32. */
 #define Q4_1_PACKED (4 * 64 + 2 * GROUP * 2)
 #define Q8_0_PACKED (8 * 64 + GROUP * 2)
 #define Q4_K_PACKED (4 * 64 + 2 * GROUP * 4)
 #define WIDE_PACKED (8 * 64 + 2 * GROUP * 4) /* Q5_K, Q6_K */
-enum { KIND_Q4_1, KIND_Q8_0, KIND_Q4_K, KIND_Q6_K, KIND_Q5_K, KINDS };
-static const int FILE_BYTES[KINDS] = {20, 34, 144, 210, 176};      /* per block */
-static const int FILE_WEIGHTS[KINDS] = {32, 32, 256, 256, 256};    /* per block */
-static const int PACKED_BYTES[KINDS] = {Q4_1_PACKED, Q8_0_PACKED, Q4_K_PACKED, WIDE_PACKED, WIDE_PACKED};
-static inline int nibble_kind(int kind) { return kind == KIND_Q4_1 || kind == KIND_Q4_K; }
+#define Q5_0_PACKED (4 * 64 + 64 + GROUP * 2)
+enum { KIND_Q4_1, KIND_Q8_0, KIND_Q4_K, KIND_Q6_K, KIND_Q5_K, KIND_Q5_0, KINDS };
+static const int FILE_BYTES[KINDS] = {20, 34, 144, 210, 176, 22};      /* per block */
+static const int FILE_WEIGHTS[KINDS] = {32, 32, 256, 256, 256, 32};    /* per block */
+static const int PACKED_BYTES[KINDS] = {Q4_1_PACKED, Q8_0_PACKED, Q4_K_PACKED, WIDE_PACKED, WIDE_PACKED, Q5_0_PACKED};
+static const int SCALES_AT[KINDS] = {256, 512, 256, 512, 512, 320};    /* where a packed block's scales start */
+static inline int nibble_kind(int kind) { return kind == KIND_Q4_1 || kind == KIND_Q4_K || kind == KIND_Q5_0; }
+static inline int half_scales(int kind) { return kind == KIND_Q4_1 || kind == KIND_Q8_0 || kind == KIND_Q5_0; }
 
 /* Bytes of the packed form of a [n_out, n_in] matrix (what Python allocates). */
 int64_t decodekit_q8_packed_bytes(int kind, int n_out, int n_in) {
@@ -90,6 +97,12 @@ static void decode_sub_block(int kind, const uint8_t *row, int b, SubBlock *out)
         out->s[0] = out->s[1] = half_to_float(block), out->n = half_to_float(block + 2);
     } else if (kind == KIND_Q8_0) {
         for (int k = 0; k < QK; k++) out->u[k] = (uint8_t)((int8_t)block[2 + k] + 128);
+        out->s[0] = out->s[1] = half_to_float(block);
+    } else if (kind == KIND_Q5_0) {
+        uint32_t fifth;
+        memcpy(&fifth, block + 2, 4);
+        for (int k = 0; k < QK; k++)
+            out->u[k] = (uint8_t)((k < 16 ? block[6 + k] & 0x0f : block[6 + k - 16] >> 4) | (((fifth >> k) & 1) << 4));
         out->s[0] = out->s[1] = half_to_float(block);
     } else if (kind == KIND_Q4_K || kind == KIND_Q5_K) {
         int scale, min, q5 = kind == KIND_Q5_K;
@@ -201,7 +214,7 @@ static void quantize_vector(const float *x, int M, int n_in, Quantised *in) {
 
 /* Repack GGUF blocks (rows of n_in weights; n_out a multiple of 16) into the kernel's layout. */
 void decodekit_q8_pack(int kind, const uint8_t *w, uint8_t *packed, int n_out, int n_in) {
-    int nb = n_in / QK, size = PACKED_BYTES[kind], weights = nibble_kind(kind) ? 256 : 512;
+    int nb = n_in / QK, size = PACKED_BYTES[kind], weights = SCALES_AT[kind];
     size_t row_bytes = (size_t)(n_in / FILE_WEIGHTS[kind]) * FILE_BYTES[kind];
     for (int g = 0; g < n_out / GROUP; g++)
         for (int b = 0; b < nb; b++) {
@@ -214,11 +227,13 @@ void decodekit_q8_pack(int kind, const uint8_t *w, uint8_t *packed, int n_out, i
                 for (int k = 0; k < QK; k++) {
                     int chunk = k / 4, slot = r * 4 + k % 4;
                     if (nibble_kind(kind)) /* k < 16: the low nibble of chunk k / 4; else the high one of chunk k / 4 - 4 */
-                        out[(chunk % 4) * 64 + slot] |= (uint8_t)(sub.u[k] << (chunk < 4 ? 0 : 4));
+                        out[(chunk % 4) * 64 + slot] |= (uint8_t)((sub.u[k] & 0x0f) << (chunk < 4 ? 0 : 4));
                     else
                         out[chunk * 64 + slot] = sub.u[k];
+                    if (kind == KIND_Q5_0) /* the fifth bit: bit `slot` of chunk's 64-bit mask */
+                        out[256 + chunk * 8 + slot / 8] |= (uint8_t)((sub.u[k] >> 4) << (slot % 8));
                 }
-                if (kind == KIND_Q4_1 || kind == KIND_Q8_0) { /* the file's float16 d (and m), as they are */
+                if (half_scales(kind)) { /* the file's float16 d (and m), as they are */
                     const uint8_t *block = row + (size_t)b * FILE_BYTES[kind];
                     memcpy(out + weights + 2 * r, block, 2);
                     if (kind == KIND_Q4_1) memcpy(out + weights + 2 * GROUP + 2 * r, block + 2, 2);
@@ -238,7 +253,7 @@ void decodekit_q8_pack(int kind, const uint8_t *w, uint8_t *packed, int n_out, i
 static inline __attribute__((always_inline)) void group_tile(int kind, const uint8_t *group, size_t stride,
                                                               const Quantised *in, float *y, int n_out, int n_in,
                                                               int m0, const int T, const int G) {
-    int nb = n_in / QK, size = PACKED_BYTES[kind], nibbles = nibble_kind(kind), weights = nibbles ? 256 : 512;
+    int nb = n_in / QK, size = PACKED_BYTES[kind], nibbles = nibble_kind(kind), weights = SCALES_AT[kind];
     __m512 acc[2][TILE];
     for (int g = 0; g < G; g++)
         for (int t = 0; t < T; t++) acc[g][t] = _mm512_setzero_ps();
@@ -254,10 +269,18 @@ static inline __attribute__((always_inline)) void group_tile(int kind, const uin
                     w[g][j] = _mm512_and_si512(packed, low);
                     w[g][j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
                 }
+                if (kind == KIND_Q5_0) { /* the fifth bits: 16 where a chunk's mask has its bit */
+                    const __m512i sixteen = _mm512_set1_epi8(16);
+                    for (int j = 0; j < 8; j++) {
+                        __mmask64 fifth;
+                        memcpy(&fifth, block + 256 + 8 * j, 8);
+                        w[g][j] = _mm512_or_si512(w[g][j], _mm512_maskz_mov_epi8(fifth, sixteen));
+                    }
+                }
             } else {
                 for (int j = 0; j < 8; j++) w[g][j] = _mm512_loadu_si512((const void *)(block + 64 * j));
             }
-            if (kind == KIND_Q4_1 || kind == KIND_Q8_0) {
+            if (half_scales(kind)) {
                 s0[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + weights)));
                 s1[g] = kind == KIND_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + weights + 2 * GROUP)))
                                           : _mm512_setzero_ps();
@@ -272,7 +295,9 @@ static inline __attribute__((always_inline)) void group_tile(int kind, const uin
             __m512 dx = _mm512_set1_ps(in->dx[at]);
             /* integer sums: one per block, or one per half (Q6_K: a scale per 16 weights) */
             int halves = kind == KIND_Q6_K;
-            __m512i first = _mm512_set1_epi32(halves ? in->c0[at] : kind == KIND_Q8_0 ? in->cx[at] : 0);
+            /* the corrections of offset weights: -128 sx (Q8_0), -16 sx (Q5_0), -32 per half (Q6_K) */
+            int32_t correction = kind == KIND_Q8_0 ? in->cx[at] : kind == KIND_Q5_0 ? in->cx[at] / 8 : 0;
+            __m512i first = _mm512_set1_epi32(halves ? in->c0[at] : correction);
             __m512i second = _mm512_set1_epi32(in->c1[at]);
             __m512i isum[2][2] = {{first, second}, {first, second}};
             for (int j = 0; j < 8; j++) {
@@ -286,7 +311,7 @@ static inline __attribute__((always_inline)) void group_tile(int kind, const uin
                 acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g][0]), _mm512_mul_ps(s0[g], dx), acc[g][t]);
                 if (halves)
                     acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g][1]), _mm512_mul_ps(s1[g], dx), acc[g][t]);
-                else if (kind != KIND_Q8_0)
+                else if (kind != KIND_Q8_0 && kind != KIND_Q5_0)
                     acc[g][t] = _mm512_fmadd_ps(s1[g], _mm512_set1_ps(in->ex[at]), acc[g][t]);
             }
         }
@@ -319,6 +344,7 @@ DEFINE_GROUP(q8_0_group, KIND_Q8_0)
 DEFINE_GROUP(q4_k_group, KIND_Q4_K)
 DEFINE_GROUP(q5_k_group, KIND_Q5_K)
 DEFINE_GROUP(q6_k_group, KIND_Q6_K)
+DEFINE_GROUP(q5_0_group, KIND_Q5_0)
 
 typedef void (*group_fn)(const uint8_t *, size_t, int, const Quantised *, float *, int, int, int);
 
@@ -360,6 +386,10 @@ void decodekit_q8_q5_k(const uint8_t *packed, const float *x, float *y, int M, i
     run(q5_k_group, WIDE_PACKED, packed, x, y, M, n_out, n_in, threads);
 }
 
+void decodekit_q8_q5_0(const uint8_t *packed, const float *x, float *y, int M, int n_out, int n_in, int threads) {
+    run(q5_0_group, Q5_0_PACKED, packed, x, y, M, n_out, n_in, threads);
+}
+
 void decodekit_q8_q6_k(const uint8_t *packed, const float *x, float *y, int M, int n_out, int n_in, int threads) {
     run(q6_k_group, WIDE_PACKED, packed, x, y, M, n_out, n_in, threads);
 }
@@ -393,9 +423,9 @@ __attribute__((optimize("no-tree-vectorize"))) void decodekit_q8_reference(int k
                     acc = fmaf((float)(half[1] + in.c1[at]), sub.s[1] * in.dx[at], acc);
                     continue;
                 }
-                int32_t isum = half[0] + half[1] + (kind == KIND_Q8_0 ? in.cx[at] : 0);
-                acc = fmaf((float)isum, sub.s[0] * in.dx[at], acc);
-                if (kind != KIND_Q8_0) acc = fmaf(sub.n, in.ex[at], acc);
+                int32_t correction = kind == KIND_Q8_0 ? in.cx[at] : kind == KIND_Q5_0 ? in.cx[at] / 8 : 0;
+                acc = fmaf((float)(half[0] + half[1] + correction), sub.s[0] * in.dx[at], acc);
+                if (kind != KIND_Q8_0 && kind != KIND_Q5_0) acc = fmaf(sub.n, in.ex[at], acc);
             }
             y[(size_t)m * n_out + r] = acc;
         }
