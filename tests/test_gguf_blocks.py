@@ -139,7 +139,7 @@ def test_a_model_on_blocks_decodes_exactly_as_on_float32(kind):
     plain = NativeLlama(llama, state)
     on_blocks = NativeLlama(llama, state, gguf_blocks=blocks)
     assert "gguf-blocks" in on_blocks.info.architecture and "gguf-blocks" not in plain.info.architecture
-    assert all(p.blocks is not None for p in on_blocks.weights.projections)
+    assert all(p.on_blocks for p in on_blocks.weights.projections)
     context = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(4))
     for backend in (plain, on_blocks):
         backend.reset()
@@ -166,7 +166,7 @@ def test_reading_the_embedded_gguf_finds_every_projection(real_model):
     assert blocks["model.layers.0.mlp.down_proj.weight"].kind == "q4_1"
     if kernels.block_matmul("q4_1") is not None:
         # every fused projection of the loaded model matched its blocks exactly
-        assert all(p.blocks is not None for p in backend.weights.projections)
+        assert all(p.on_blocks for p in backend.weights.projections)
         assert "gguf-blocks" in backend.info.architecture
 
 

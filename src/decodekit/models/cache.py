@@ -28,7 +28,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import mmap
 import os
 import shutil
 import sys
@@ -57,24 +56,17 @@ def cache_root() -> Path:
 
 
 def file_digest(path: Path) -> str:
-    """The digest of a file's bytes (see the module docstring), read through a memory map."""
-    with open(path, "rb") as handle:
-        if os.fstat(handle.fileno()).st_size == 0:
-            return _fold([])
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                return _fold(_chunk_crcs(view))
-            finally:
-                view.release()
-
-
-def _chunk_crcs(view: memoryview) -> list[int]:
-    starts = range(0, len(view), CHUNK)
-    if len(starts) == 1:
-        return [zlib.crc32(view)]
-    with ThreadPoolExecutor(min(len(starts), os.cpu_count() or 1, 8)) as pool:
-        return list(pool.map(lambda start: zlib.crc32(view[start : start + CHUNK]), starts))
+    """The digest of a file's bytes (see the module docstring). Read a chunk at a time, the CRCs
+    computed on a second thread while the next chunk is read: the memory it takes is a few chunks,
+    not the file (a memory map would count the whole file in the process's resident memory)."""
+    crcs, pending = [], []
+    with open(path, "rb", buffering=0) as handle, ThreadPoolExecutor(2) as pool:
+        while chunk := handle.read(CHUNK):
+            pending.append(pool.submit(zlib.crc32, chunk))  # zlib releases the GIL on big buffers
+            if len(pending) > 2:
+                crcs.append(pending.pop(0).result())
+        crcs += [job.result() for job in pending]
+    return _fold(crcs)
 
 
 def _fold(crcs: list[int]) -> str:

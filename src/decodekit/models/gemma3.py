@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..errors import InvalidParameter
 from .kv_policy import KVPolicy
-from .native import LlamaConfig, LlamaWeights, NativeLlama, rope_row_order, rope_tables
+from .native import LlamaConfig, LlamaWeights, NativeLlama, read_rows, rope_row_order, rope_tables
 
 
 
@@ -104,6 +104,9 @@ class _NormOffsets(Mapping):
         weight = self._state[name]
         return 1.0 + weight.float() if name.endswith("norm.weight") else weight
 
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self[name] if name.endswith("norm.weight") else read_rows(self._state, name, start, stop)
+
     def __iter__(self):
         return iter(self._state)
 
@@ -159,7 +162,7 @@ class NativeGemma3(NativeLlama):
         return lo, visible
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.weights.embed) * self.weights.embed_scale
+        return self.weights.embedding(tokens) * self.weights.embed_scale
 
     def _layer(self, i, layer, x, pending, positions, mask, start, ops, causal):
         c = self.config

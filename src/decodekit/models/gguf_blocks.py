@@ -20,6 +20,7 @@ weights when the model is built, and a projection that does not match keeps floa
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,17 @@ class BlockMatrix:
         if rows % 4:
             raise ValueError(f"interleaving rows in fours needs a row count divisible by 4, got {rows}")
         return self.data.view(rows // 4, 4, blocks, BLOCK_BYTES[self.kind]).transpose(1, 2).contiguous().view(rows, -1)
+
+    def take(self, rows: torch.Tensor) -> "BlockMatrix":
+        """Rows ``rows`` (an index tensor) of this matrix, as blocks."""
+        return BlockMatrix(self.kind, self.data[rows.reshape(-1)], self.n_in)
+
+    @classmethod
+    def from_interleaved(cls, kind: str, data: torch.Tensor, rows: torch.Tensor, n_in: int) -> "BlockMatrix":
+        """Rows ``rows`` of a matrix laid out as :meth:`interleaved` gives it (``data``), as blocks."""
+        rows = rows.reshape(-1)
+        blocks = data.view(data.shape[0] // 4, n_in // BLOCK_WEIGHTS[kind], 4, BLOCK_BYTES[kind])
+        return cls(kind, blocks[rows // 4, :, rows % 4].reshape(rows.numel(), -1), n_in)
 
     def select_rows(self, order: torch.Tensor) -> "BlockMatrix":
         return BlockMatrix(self.kind, self.data[order].contiguous(), self.n_in)
@@ -158,12 +170,11 @@ def read_block_matrices(gguf: Path, num_layers: int) -> dict[str, BlockMatrix]:
 BLOCKS_FILE = f"gguf_blocks-{'-'.join(BLOCK_BYTES).replace('_', '')}.safetensors"
 
 
-def cached_block_matrices(gguf: Path, folder: Path, num_layers: int) -> dict[str, BlockMatrix]:
+def cached_block_matrices(gguf: Path, folder: Path, num_layers: int) -> Mapping[str, BlockMatrix]:
     """:func:`read_block_matrices`, saved in ``folder`` (the GGUF's dequantised cache) the first
     time, and checked like every cached file (:mod:`.cache`): reading a GGUF parses all its
     metadata, the whole vocabulary included, which takes seconds; the saved blocks load in a
-    fraction of that."""
-    from safetensors import safe_open
+    fraction of that, each when it is asked for (:class:`SavedBlocks`)."""
     from safetensors.torch import save_file
 
     read: dict[str, BlockMatrix] = {}
@@ -176,16 +187,36 @@ def cached_block_matrices(gguf: Path, folder: Path, num_layers: int) -> dict[str
         path = cached_file(folder / BLOCKS_FILE, save)
     except OSError:  # a read-only cache only costs reading the GGUF again next time
         return read or read_block_matrices(gguf, num_layers)
-    if read:
-        return read
-    with safe_open(str(path), "pt") as saved:
-        kinds = saved.metadata() or {}
-        return {name: _saved_matrix(kinds[name], saved.get_tensor(name)) for name in saved.keys()}
+    return read or SavedBlocks(path)
 
 
-def _saved_matrix(stamp: str, data: torch.Tensor) -> BlockMatrix:
-    kind, n_in = stamp.split(":")  # as written by cached_block_matrices: "kind:n_in"
-    return BlockMatrix(kind, data, int(n_in))
+class SavedBlocks(Mapping):
+    """The block matrices saved by :func:`cached_block_matrices`, each read from the file when it is
+    asked for and not kept here: a model built from them never holds the file's blocks and its own
+    (repacked) copies all at once."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self._path = path
+        with safe_open(str(path), "pt") as saved:
+            self._stamps = dict(saved.metadata() or {})  # name -> "kind:n_in"
+            self._names = list(saved.keys())
+
+    def __getitem__(self, name: str) -> BlockMatrix:
+        from safetensors import safe_open
+
+        if name not in self._stamps:
+            raise KeyError(name)
+        kind, n_in = self._stamps[name].split(":")
+        with safe_open(str(self._path), "pt") as saved:
+            return BlockMatrix(kind, saved.get_tensor(name), int(n_in))
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def matching_blocks(parts: list[BlockMatrix | None], weight: torch.Tensor, row_orders: list) -> list[BlockMatrix] | None:

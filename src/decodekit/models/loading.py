@@ -210,6 +210,17 @@ class LazyState(Mapping):
         except Exception as err:
             raise InvalidModel.because(file, f"cannot read tensor {name!r}", err) from err
 
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start..stop`` of tensor ``name``, read alone (a slice of the file, not the whole tensor)."""
+        from safetensors import safe_open
+
+        file = self._where[name]
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                return handle.get_slice(name)[start:stop]
+        except Exception as err:
+            raise InvalidModel.because(file, f"cannot read tensor {name!r}", err) from err
+
     def __iter__(self):
         return iter(self._where)
 

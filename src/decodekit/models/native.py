@@ -25,8 +25,8 @@ from .kv_policy import KVPolicy, parse_kv_cache, streaming_keep
 from .threads import GOVERNOR
 from .kernels import (
     INTEGER_GROUP, MAX_ROWS, DecoderLayers, KernelProjection, SequencePart, block_matmul, decoder_layers,
-    few_rows_matmul, int8_cache_kernels, integer_block_matmul, layer_ops, layout_independent_attention,
-    pack_integer_blocks, quantise_int8_rows,
+    few_rows_matmul, int8_cache_kernels, integer_block_matmul, integer_block_rows, layer_ops,
+    layout_independent_attention, pack_integer_blocks, quantise_int8_rows,
 )
 
 #: ``ModelInfo.max_length`` under a policy that re-assigns positions within the cache (StreamingLLM):
@@ -180,11 +180,13 @@ class Projection:
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks: BlockMatrix | None = None,
-        numerics: str = "exact",
+        numerics: str = "exact", blocks_only: bool = False,
     ):
         self.weight = weight
         self.bias = bias
         self.any_rows = False  # whether few_rows takes passes of any length (prefill included)
+        self.on_blocks = False  # whether the kernels stream GGUF blocks (the file's, or repacked)
+        self._rows: Callable[[torch.Tensor], torch.Tensor] | None = None  # weight rows, where not self.weight's
         if numerics == "fast":
             self._use_integer_kernel(blocks)
             return
@@ -194,25 +196,37 @@ class Projection:
         if self.few_rows is not None:
             self.kernel = (self.few_rows.address, weight, weight.shape[0], weight.shape[1])
         kernel = block_matmul(blocks.kind) if blocks is not None and weight.dtype == torch.float32 else None
-        self.blocks = blocks if kernel is not None else None
         if kernel is not None:
-            data = blocks.data
+            data, n_in, self.on_blocks = blocks.data, blocks.n_in, True
+            self._rows = lambda rows: blocks.take(rows).dequantize()
             if blocks.shape[0] % 4 == 0 and block_matmul(blocks.kind, interleaved=True):  # four rows a stream (gemm.c)
                 data, kernel = blocks.interleaved(), block_matmul(blocks.kind, interleaved=True)
-            self.few_rows = lambda weight, x: kernel(data, x, blocks.n_in)
-            self.kernel = (kernel.address, data, weight.shape[0], blocks.n_in)
+                self._rows = lambda rows: BlockMatrix.from_interleaved(blocks.kind, data, rows, n_in).dequantize()
+            self.few_rows = lambda weight, x: kernel(data, x, n_in)
+            self.kernel = (kernel.address, data, weight.shape[0], n_in)
+        if blocks_only:  # no float32 weights to fall back on: every pass streams the blocks
+            if not self.on_blocks:
+                raise ValueError("a projection without float32 weights needs a block kernel")
+            self.any_rows = True
 
     def _use_integer_kernel(self, blocks: BlockMatrix | None) -> None:
         reason = fast_numerics_unavailable(blocks)
         if reason is not None:
             raise InvalidParameter(f"the fast numerics is unavailable: {reason}; use --numerics exact")
         packed, kernel = pack_integer_blocks(blocks.kind, blocks.data, blocks.n_in), integer_block_matmul(blocks.kind)
-        n_in = blocks.n_in
-        self.blocks, self.any_rows = None, True  # the file's blocks are not kept: the packed copy is what runs
+        kind, n_in = blocks.kind, blocks.n_in
+        self.on_blocks, self.any_rows = True, True  # the file's blocks are not kept: the packed copy is what runs
         self.few_rows = lambda weight, x: kernel(packed, x, n_in)
         self.kernel = (kernel.address, packed, packed.shape[0], n_in)
+        self._rows = lambda rows: integer_block_rows(kind, packed, rows, n_in)
         # only the shape is needed from here on: the float32 weights' memory goes back
         self.weight = torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta")
+
+    def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` of the weight matrix, float ``[len(rows), in]`` (from the blocks, bit for bit
+        the dequantised rows, where the float32 weights are not kept): a tied embedding's lookup."""
+        rows = rows.reshape(-1)
+        return self._rows(rows) if self._rows is not None else self.weight[rows]
 
     @property
     def streamed_bytes(self) -> int:
@@ -229,6 +243,12 @@ class Projection:
         return F.linear(x, self.weight, self.bias)
 
 
+def read_rows(state: Mapping[str, torch.Tensor], name: str, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start..stop`` of tensor ``name``, as float32 (a state that reads from disk reads only those)."""
+    rows = state.rows(name, start, stop) if hasattr(state, "rows") else state[name][start:stop]
+    return rows.float()
+
+
 class SplitProjection:
     """A fused projection whose parts are blocks of different types: one :class:`Projection` per
     part, outputs side by side. Each output row is its part's, so the results are those of the
@@ -242,7 +262,7 @@ class SplitProjection:
             Projection(weight[a:b], None if bias is None else bias[a:b], blocks, numerics)
             for a, b, blocks in zip(bounds, bounds[1:], parts)
         ]
-        self.blocks, self.bias = parts, None  # the parts add their own bias rows
+        self.on_blocks, self.bias = True, None  # the parts add their own bias rows
         # what the parts keep of the weights is what is kept (nothing, in the fast numerics)
         self.weight = weight if numerics == "exact" else torch.empty(weight.shape, dtype=weight.dtype, device="meta")
 
@@ -271,10 +291,16 @@ class LlamaWeights:
 
         self._blocks = blocks if dtype == torch.float32 else None
         self._numerics = numerics
-        self.embed = get("model.embed_tokens.weight")
+        embed_name = "model.embed_tokens.weight"
         tied = config.tie_word_embeddings or "lm_head.weight" not in state
-        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        self.lm_head = self._projection(self.embed if tied else get(head_name), [head_name])
+        head = self._head_on_blocks(state, embed_name) if tied else None
+        self.embed: torch.Tensor | None = None  # the float32 table; None where the tied head's blocks give its rows
+        if head is not None:
+            self.lm_head = head
+        else:
+            self.embed = get(embed_name)
+            head_name = embed_name if tied else "lm_head.weight"
+            self.lm_head = self._projection(self.embed if tied else get(head_name), [head_name])
         self.final_norm = get("model.norm.weight")
         self.layers = [self._layer(config, f"model.layers.{i}.", get) for i in range(config.num_layers)]
         self._blocks = None  # what projections did not take is not kept
@@ -311,6 +337,28 @@ class LlamaWeights:
         if stacked is None:  # parts of different types (Gemma's q, k in Q5_0 and v in Q8_0)
             return SplitProjection(weight, bias, parts, self._numerics)
         return Projection(weight, bias, stacked, self._numerics)
+
+    def _head_on_blocks(self, state: Mapping[str, torch.Tensor], name: str) -> "Projection | None":
+        """The output head tied to the embedding table ``name``, on the table's blocks alone, when
+        they reproduce its float32 rows exactly (checked a slice at a time: the float32 table, the
+        largest tensor of a model with a big vocabulary, is never held whole). Its rows are then
+        the embedding lookups too. None where the blocks are missing or do not match."""
+        blocks = self._blocks.get(name) if self._blocks is not None else None
+        if blocks is None or block_matmul(blocks.kind) is None:
+            return None
+        step = max(1, (1 << 22) // blocks.n_in)
+        for start in range(0, blocks.shape[0], step):
+            stop = min(start + step, blocks.shape[0])
+            if not torch.equal(blocks.take(torch.arange(start, stop)).dequantize(), read_rows(state, name, start, stop)):
+                return None
+        shape = torch.empty(blocks.shape, dtype=torch.float32, device="meta")
+        return Projection(shape, None, blocks, self._numerics, blocks_only=True)
+
+    def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ``tokens`` (any shape): a fresh float tensor ``[*tokens.shape, D]``."""
+        if self.embed is None:
+            return self.lm_head.weight_rows(tokens).view(*tokens.shape, -1)
+        return F.embedding(tokens, self.embed)
 
     @property
     def projections(self) -> "list[Projection | SplitProjection]":
@@ -367,7 +415,7 @@ class NativeLlama(Backend):
         self.kv_policy = parse_kv_cache(kv_cache)
         self.weights = self.weights_class(config, state, dtype, gguf_blocks, numerics)
         # fast runs on every projection's (packed) blocks; exact on those that matched
-        uses_blocks = numerics == "fast" or any(p.blocks is not None for p in self.weights.projections)
+        uses_blocks = numerics == "fast" or any(p.on_blocks for p in self.weights.projections)
         self.info = ModelInfo(
             name=name,
             vocab_size=config.vocab_size,
@@ -812,7 +860,7 @@ class NativeLlama(Backend):
         as one: returns each pass's logits ``[k, V]`` (``[1, V]`` where it wants the last only)."""
         with GOVERNOR.governed(self.info.name, timed=False):
             w = self.weights
-            x = F.embedding(torch.cat([p.tokens for p in passes]), w.embed)
+            x = w.embedding(torch.cat([p.tokens for p in passes]))
             pending = torch.empty_like(x)
             parts = [SequencePart(len(p.tokens), p.start, p.positions, p.visible, p.backend._k[:, 0], p.backend._v[:, 0])
                      for p in passes]
@@ -839,7 +887,7 @@ class NativeLlama(Backend):
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The residual stream's start: a fresh tensor, updated in place by the layers."""
-        return F.embedding(tokens, self.weights.embed)
+        return self.weights.embedding(tokens)
 
     def _logits(self, x: torch.Tensor, pending: torch.Tensor | None, ops, last_only: bool, hidden: dict) -> StepOutput:
         w = self.weights

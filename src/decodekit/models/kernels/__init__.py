@@ -188,6 +188,8 @@ def _integer_library() -> ctypes.CDLL | None:
     lib.decodekit_q8_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.decodekit_q8_reference.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
     lib.decodekit_q8_pack.restype = lib.decodekit_q8_reference.restype = None
+    lib.decodekit_q8_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+    lib.decodekit_q8_rows.restype = None
     lib.decodekit_q8_packed_bytes.argtypes = [ctypes.c_int] * 3
     lib.decodekit_q8_packed_bytes.restype = ctypes.c_int64
     lib.decodekit_q8_peak.argtypes = [ctypes.c_int64, ctypes.c_int]
@@ -232,6 +234,18 @@ def pack_integer_blocks(kind: str, blocks: torch.Tensor, n_in: int) -> torch.Ten
     packed = torch.empty(blocks.shape[0], _packed_width(kind, n_in), dtype=torch.uint8)
     lib.decodekit_q8_pack(INTEGER_KINDS[kind], blocks.data_ptr(), packed.data_ptr(), blocks.shape[0], n_in)
     return packed
+
+
+@cache
+def integer_block_rows(kind: str, packed: torch.Tensor, rows: torch.Tensor, n_in: int) -> torch.Tensor:
+    """Rows ``rows`` of a matrix packed by :func:`pack_integer_blocks`, as float32 ``[len(rows), n_in]``:
+    bit for bit the GGUF file's dequantised rows (an embedding table tied to its output head)."""
+    lib = _integer_library()
+    rows = rows.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(rows.numel(), n_in, dtype=torch.float32)
+    lib.decodekit_q8_rows(INTEGER_KINDS[kind], packed.data_ptr(), rows.data_ptr(), rows.numel(), packed.shape[0], n_in,
+                          out.data_ptr())
+    return out
 
 
 @cache

@@ -394,6 +394,46 @@ void decodekit_q8_q6_k(const uint8_t *packed, const float *x, float *y, int M, i
     run(q6_k_group, WIDE_PACKED, packed, x, y, M, n_out, n_in, threads);
 }
 
+/* Rows `rows[0..n)` of a packed matrix as float32 weights (out [n][n_in]): s * (u - z) + n, the
+ * GGUF dequantisation's arithmetic (its one rounding, where it has one), so each row is bit for bit
+ * the file's dequantised row. What an embedding table tied to its output head reads a token from. */
+void decodekit_q8_rows(int kind, const uint8_t *packed, const int64_t *rows, int n, int n_out, int n_in, float *out) {
+    int nb = n_in / QK, size = PACKED_BYTES[kind], weights = SCALES_AT[kind];
+    int zero = kind == KIND_Q8_0 ? 128 : kind == KIND_Q5_0 ? 16 : kind == KIND_Q6_K ? 32 : 0;
+    int has_offset = kind == KIND_Q4_1 || kind == KIND_Q4_K || kind == KIND_Q5_K;
+    for (int i = 0; i < n; i++) {
+        int64_t row = rows[i];
+        if (row < 0 || row >= n_out) { /* never read outside the matrix: a NaN row instead */
+            for (int k = 0; k < n_in; k++) out[(size_t)i * n_in + k] = NAN;
+            continue;
+        }
+        int g = (int)(row / GROUP), r = (int)(row % GROUP);
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *block = packed + ((size_t)g * nb + b) * size;
+            float s[2], offset = 0.0f;
+            if (half_scales(kind)) {
+                s[0] = s[1] = half_to_float(block + weights + 2 * r);
+                if (kind == KIND_Q4_1) offset = half_to_float(block + weights + 2 * GROUP + 2 * r);
+            } else {
+                memcpy(&s[0], block + weights + 4 * r, 4);
+                memcpy(kind == KIND_Q6_K ? &s[1] : &offset, block + weights + 4 * GROUP + 4 * r, 4);
+                if (kind != KIND_Q6_K) s[1] = s[0];
+            }
+            for (int k = 0; k < QK; k++) {
+                int chunk = k / 4, slot = r * 4 + k % 4, u;
+                if (nibble_kind(kind)) {
+                    u = (block[(chunk % 4) * 64 + slot] >> (chunk < 4 ? 0 : 4)) & 0x0f;
+                    if (kind == KIND_Q5_0) u |= ((block[256 + chunk * 8 + slot / 8] >> (slot % 8)) & 1) << 4;
+                } else {
+                    u = block[chunk * 64 + slot];
+                }
+                float q = (float)(u - zero);
+                out[(size_t)i * n_in + (size_t)b * QK + k] = has_offset ? fmaf(s[k / 16], q, offset) : s[k / 16] * q;
+            }
+        }
+    }
+}
+
 /* The scalar reference, on the GGUF blocks as the file has them: the same arithmetic in the same
  * order, one value at a time. Not vectorised: GCC 12 turns its signed-byte dot product into
  * vpdpbusd, which reads the first operand's bytes as unsigned (a wrong result for Q8_0), and a
