@@ -77,6 +77,23 @@ def test_tree_nodes_are_bit_identical_to_one_token_steps_across_the_window():
         assert torch.equal(step, tree[node]), node
 
 
+def test_the_one_call_layer_path_gives_the_layer_loops_bits():
+    """Decode steps and trees go through forward.c (Gemma's fields: q/k norms, separate windows,
+    per-layer rotary tables, sandwich norms, GeLU gating); asking for hidden states takes the Python
+    loop over the same kernels. The two agree bit for bit, inside and past the window."""
+    one_call, loop = tiny_gemma3(seed=6, sliding_window=8), tiny_gemma3(seed=6, sliding_window=8)
+    assert one_call._stack is not None
+    context = tokens(20)
+    one_call.append(context), loop.append(context)
+    for token in tokens(6, seed=3)[0]:
+        step = token.view(1, 1)
+        assert torch.equal(one_call.append(step).logits, loop.append(step, hidden_layers=(1,)).logits)
+    node_tokens, parents = tokens(5, seed=4)[0], [-1, 0, 1, 1, 3]
+    tree = one_call.verify_tree(node_tokens, parents).logits
+    loop._stack = None  # the same tree through the layer loop
+    assert torch.equal(tree, loop.verify_tree(node_tokens, parents).logits)
+
+
 def test_rollback_then_append_equals_a_fresh_run():
     backend, ids = tiny_gemma3(seed=4), tokens(30)
     fresh = backend.append(ids).logits

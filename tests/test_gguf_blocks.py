@@ -87,13 +87,16 @@ def test_a_gguf_file_with_k_quants_is_read_as_its_blocks(tmp_path):
     writer = GGUFWriter(tmp_path / "tiny.gguf", "llama")
     for name, blocks in written.items():
         writer.add_tensor(name, blocks.data.numpy(), raw_dtype=GGMLQuantizationType[blocks.kind.upper()])
-    writer.add_tensor("token_embd.weight", np.zeros((8, 256), dtype=np.float32))  # a type left out
+    writer.add_tensor("token_embd.weight", np.zeros((8, 256), dtype=np.float32))  # a float: not blocks
+    q2_k = torch.randint(0, 256, (8, 84), dtype=torch.uint8, generator=gen).numpy()  # one 256-weight block a row
+    writer.add_tensor("blk.0.ffn_gate.weight", q2_k, raw_dtype=GGMLQuantizationType.Q2_K)  # no kernel reads Q2_K
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     read = read_block_matrices(tmp_path / "tiny.gguf", num_layers=1)
-    assert "model.embed_tokens.weight" not in read
+    assert "model.embed_tokens.weight" not in read and "model.layers.0.mlp.gate_proj.weight" not in read
+    assert read.unread == {"model.layers.0.mlp.gate_proj.weight": ("q2_k", 8 * 256)}
     for name, blocks in written.items():
         hf_name = {"blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight",
                    "blk.0.attn_output.weight": "model.layers.0.self_attn.o_proj.weight",
@@ -101,6 +104,46 @@ def test_a_gguf_file_with_k_quants_is_read_as_its_blocks(tmp_path):
                    "blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj.weight", "output.weight": "lm_head.weight"}[name]
         got = read[hf_name]
         assert (got.kind, got.shape) == (blocks.kind, (8, 256)) and torch.equal(got.data, blocks.data)
+
+
+def test_weights_no_kernel_reads_are_named_in_one_line_or_refused_when_they_do_not_fit(monkeypatch, capsys, tmp_path):
+    from decodekit.errors import InvalidModel
+    from decodekit.models import loading
+
+    unread = {"model.layers.0.mlp.gate_proj.weight": ("q2_k", 1 << 20), "model.layers.0.mlp.up_proj.weight": ("iq4_xs", 1 << 20)}
+    loading.check_unread_weights(tmp_path / "m.gguf", {})
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(loading, "available_memory", lambda: 64 << 20)
+    loading.check_unread_weights(tmp_path / "m.gguf", unread)  # 8 MiB of float32: it fits
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "IQ4_XS, Q2_K" in err and "float32" in err
+    monkeypatch.setattr(loading, "available_memory", lambda: 4 << 20)
+    with pytest.raises(InvalidModel, match=r"IQ4_XS, Q2_K.*exceed the memory available.*--backend hf"):
+        loading.check_unread_weights(tmp_path / "m.gguf", unread)
+
+
+@needs_kernel
+def test_a_tied_head_on_blocks_replaces_the_float32_embedding_bit_for_bit():
+    """Tied embeddings with blocks: no float32 table is kept; lookups read the head's blocks (in
+    the layout its kernel streams) and give the same logits, bit for bit, as the float32 table."""
+    from decodekit.models.native import LlamaConfig
+
+    config = {**tiny_hf_config(hidden_size=64), "tie_word_embeddings": True}
+    llama = LlamaConfig.from_hf(config)
+    state = tiny_state_dict(config, seed=5)
+    state.pop("lm_head.weight")
+    blocks = {}
+    for name, weight in list(state.items()):
+        if weight.dim() == 2:
+            blocks[name] = BlockMatrix.quantize(weight, "q8_0" if "embed" in name else "q4_1")
+            state[name] = blocks[name].dequantize()
+    plain, on_blocks = NativeLlama(llama, state), NativeLlama(llama, state, gguf_blocks=blocks)
+    assert plain.weights.embed is not None and on_blocks.weights.embed is None
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(plain.append(ids).logits, on_blocks.append(ids).logits)
+    for token in (3, 7, 11):
+        step = torch.tensor([[token]])
+        assert torch.equal(plain.append(step).logits, on_blocks.append(step).logits)
 
 
 def test_matching_blocks_finds_the_row_order_or_declines():
@@ -229,6 +272,21 @@ def test_integer_kernel_on_k_quants_is_its_reference_and_close_to_float32(kind, 
     exact = x @ blocks.dequantize().T
     assert ((got - exact).norm() / exact.norm()).item() < 0.01
     assert torch.equal(got[-1], integer_product(kind, blocks, x[-1:].contiguous())[0])
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", KINDS + FILE_KINDS)
+def test_packed_rows_are_the_dequantised_rows_bit_for_bit(kind):
+    """A tied embedding's lookups read the head's packed blocks: each row exactly the file's
+    dequantised row (signs of zeros included), and NaN for a row outside the matrix."""
+    gen = torch.Generator().manual_seed(3)
+    blocks = BlockMatrix.random(48, 512, kind, gen)
+    packed = kernels.pack_integer_blocks(kind, blocks.data, blocks.n_in)
+    rows = torch.tensor([0, 17, 47, 16, 17])
+    got = kernels.integer_block_rows(kind, packed, rows, blocks.n_in)
+    want = blocks.dequantize()[rows]
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert kernels.integer_block_rows(kind, packed, torch.tensor([48]), blocks.n_in).isnan().all()
 
 
 @needs_vnni

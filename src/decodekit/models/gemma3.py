@@ -17,10 +17,10 @@ Where it differs from a Llama, and how this module follows it:
 * optional tanh soft-capping of the final logits (``final_logit_softcapping``; None in Gemma 3).
 
 Every token's row is still computed on its own, so tree verification and rollback are as for a
-Llama. Choices: the cache keeps every position in every layer (a local layer reads only its
+Llama, and the one-call layer path (``kernels/forward.c``, with Gemma's fields) gives the layer
+loop's bits. Choices: the cache keeps every position in every layer (a local layer reads only its
 window, but its older entries are not freed); cache policies that evict or move entries are refused
-(their slots would no longer be positions, which the window needs); the one-call C layer path
-(``kernels/forward.c``) is a Llama's, so Gemma runs the layer loop over the same kernels.
+(their slots would no longer be positions, which the window needs).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from ..errors import InvalidParameter
 from .kv_policy import KVPolicy
-from .native import LlamaConfig, LlamaWeights, NativeLlama, read_rows, rope_row_order, rope_tables
+from .kernels import LAYER_NORMS, decoder_layers
+from .native import LlamaConfig, LlamaWeights, NativeLlama, SplitProjection, read_rows, rope_row_order, rope_tables
 
 
 
@@ -121,8 +122,9 @@ class NativeGemma3(NativeLlama):
     weights_class = Gemma3Weights
 
     def __init__(self, config: Gemma3Config, state, *, kv_cache: KVPolicy | str | None = None, **kwargs):
-        super().__init__(config, state, kv_cache=kv_cache, **kwargs)
+        # the local layers' rotary table first: building the layers' kernel path reads it
         self._local_freqs, self._local_pairs = rope_tables(config.local_rope_theta, config.head_dim, config.max_position)
+        super().__init__(config, state, kv_cache=kv_cache, **kwargs)
         self.info = dataclasses.replace(self.info, architecture=self.info.architecture.replace("native-llama", "native-gemma3"))
 
     def _use_policy(self, policy: KVPolicy) -> None:
@@ -132,7 +134,27 @@ class NativeGemma3(NativeLlama):
         super()._use_policy(policy)
 
     def _decoder_layers(self, int8_cache=None):
-        return None  # the one-call C path computes a Llama layer
+        """The one-call layer path (``kernels/forward.c``) with Gemma's fields; None under the int8
+        cache (its rows are not ``head_dim`` floats, which the window's slot offset assumes) and where
+        a piece is missing."""
+        c, w = self.config, self.weights
+        if int8_cache is not None or self._ops is None or self._attend is None:
+            return None
+        layers = []
+        for local, layer in zip(c.local_layers, w.layers):
+            qkv = layer["qkv"]
+            parts = qkv.parts if isinstance(qkv, SplitProjection) else [qkv]
+            kernels = dict(zip(("qkv", "k", "v"), (p.kernel for p in parts)))
+            kernels.update({n: layer[n].kernel for n in ("o", "gate_up", "down")})
+            if len(parts) not in (1, 3) or any(k is None for k in kernels.values()):
+                return None
+            layers.append({**kernels, **{n: layer[n] for n in ("attn_norm", "mlp_norm", *LAYER_NORMS)},
+                           "freqs": self._local_pairs if local else None, "local": local})
+        return decoder_layers(
+            self.dtype, self._ops, self._attend, hidden=c.hidden_size, inter=c.intermediate_size, n_heads=c.num_heads,
+            n_kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_norm_eps, layers=layers, scale=c.query_scale,
+            gelu=True, window=c.sliding_window,
+        )
 
     @property
     def _attention_scale(self) -> float:
@@ -173,8 +195,13 @@ class NativeGemma3(NativeLlama):
             heads.copy_(self._norm(heads.reshape(-1, c.head_dim), weight, ops).view(heads.shape))
         attn = self._attention(i, qkv, positions, mask, start, ops, causal)
         h = self._add_norm(x, self._norm(layer["o"](attn), layer["post_attn_norm"], ops), layer["mlp_norm"], ops)
-        gate, up = layer["gate_up"](h).chunk(2, dim=-1)
-        return self._norm(layer["down"](F.gelu(gate, approximate="tanh") * up), layer["post_mlp_norm"], ops)
+        gate_up = layer["gate_up"](h)
+        if ops is not None:
+            act = ops.gelu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") * up
+        return self._norm(layer["down"](act), layer["post_mlp_norm"], ops)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, ops) -> torch.Tensor:
         """RMSNorm of the last axis (rows alone, by the layer kernels where the pass takes them)."""
@@ -182,9 +209,7 @@ class NativeGemma3(NativeLlama):
             return ops.add_rms_norm(x.contiguous(), None, weight, self.config.rms_norm_eps)
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
 
-    def _logits(self, x, pending, ops, last_only, hidden):
-        out = super()._logits(x, pending, ops, last_only, hidden)
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        logits = super()._head(h)
         cap = self.config.final_logit_softcap
-        if cap:
-            out.logits = torch.tanh(out.logits / cap) * cap
-        return out
+        return torch.tanh(logits / cap) * cap if cap else logits

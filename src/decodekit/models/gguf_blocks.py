@@ -20,6 +20,7 @@ weights when the model is built, and a projection that does not match keeps floa
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,22 +147,35 @@ class BlockMatrix:
         return cls(kind, data.reshape(rows, -1), n_in)
 
 
-def read_block_matrices(gguf: Path, num_layers: int) -> dict[str, BlockMatrix]:
+FLOAT_TYPES = ("f32", "f16", "bf16")  # weights the backend takes as floats (no blocks expected)
+
+
+class Blocks(dict):
+    """Block matrices by Hugging Face name; ``unread``: the file's other quantised weight matrices
+    (name -> (type, number of weights)), which no kernel reads, so that they run as float32."""
+
+    unread: dict[str, tuple[str, int]] = {}
+
+
+def read_block_matrices(gguf: Path, num_layers: int) -> Blocks:
     """The weight matrices of a GGUF file in the types of :data:`BLOCK_BYTES`, under their Hugging
-    Face names (rows as stored in the file; other tensor types are left out)."""
+    Face names (rows as stored in the file; the types left out are listed in ``unread``)."""
     from gguf import GGUFReader
 
     names = {}
     for gguf_name, hf_name in GGUF_TO_HF.items():
         for i in range(num_layers) if "{}" in gguf_name else [None]:
             names[gguf_name.format(i)] = hf_name.format(i)
-    found: dict[str, BlockMatrix] = {}
+    found = Blocks()
+    found.unread = {}
     for tensor in GGUFReader(gguf).tensors:
         kind = tensor.tensor_type.name.lower()
         if tensor.name in names and kind in BLOCK_BYTES:
             data = torch.from_numpy(tensor.data.copy()).view(torch.uint8)
             n_in = data.shape[1] // BLOCK_BYTES[kind] * BLOCK_WEIGHTS[kind]
             found[names[tensor.name]] = BlockMatrix(kind, data, n_in)
+        elif tensor.name in names and kind not in FLOAT_TYPES:
+            found.unread[names[tensor.name]] = (kind, int(tensor.n_elements))
     return found
 
 
@@ -170,24 +184,30 @@ def read_block_matrices(gguf: Path, num_layers: int) -> dict[str, BlockMatrix]:
 BLOCKS_FILE = f"gguf_blocks-{'-'.join(BLOCK_BYTES).replace('_', '')}.safetensors"
 
 
-def cached_block_matrices(gguf: Path, folder: Path, num_layers: int) -> Mapping[str, BlockMatrix]:
+def cached_block_matrices(gguf: Path, folder: Path, num_layers: int) -> "Blocks | SavedBlocks":
     """:func:`read_block_matrices`, saved in ``folder`` (the GGUF's dequantised cache) the first
     time, and checked like every cached file (:mod:`.cache`): reading a GGUF parses all its
     metadata, the whole vocabulary included, which takes seconds; the saved blocks load in a
     fraction of that, each when it is asked for (:class:`SavedBlocks`)."""
     from safetensors.torch import save_file
 
-    read: dict[str, BlockMatrix] = {}
+    read = Blocks()
 
     def save(path: Path) -> None:
-        read.update(read_block_matrices(gguf, num_layers))
-        save_file({n: b.data for n, b in read.items()}, str(path), metadata={n: f"{b.kind}:{b.n_in}" for n, b in read.items()})
+        read.update(fresh := read_block_matrices(gguf, num_layers))
+        read.unread = fresh.unread
+        stamps = {n: f"{b.kind}:{b.n_in}" for n, b in read.items()}
+        save_file({n: b.data for n, b in read.items()}, str(path),
+                  metadata={**stamps, UNREAD_KEY: json.dumps(read.unread)})
 
     try:
         path = cached_file(folder / BLOCKS_FILE, save)
     except OSError:  # a read-only cache only costs reading the GGUF again next time
         return read or read_block_matrices(gguf, num_layers)
     return read or SavedBlocks(path)
+
+
+UNREAD_KEY = "__unread__"  # in the saved file's metadata: Blocks.unread, as JSON
 
 
 class SavedBlocks(Mapping):
@@ -202,6 +222,7 @@ class SavedBlocks(Mapping):
         with safe_open(str(path), "pt") as saved:
             self._stamps = dict(saved.metadata() or {})  # name -> "kind:n_in"
             self._names = list(saved.keys())
+        self.unread = {name: tuple(kind_size) for name, kind_size in json.loads(self._stamps.pop(UNREAD_KEY, "{}")).items()}
 
     def __getitem__(self, name: str) -> BlockMatrix:
         from safetensors import safe_open

@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import json
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -288,12 +289,42 @@ def build_backend(
         from .gguf_blocks import cached_block_matrices
 
         blocks = cached_block_matrices(gguf, folder, native_config.num_layers)
+        check_unread_weights(gguf, blocks.unread)
     state = load_state_dict(folder)
     try:
         return backend_class(native_config, state, dtype=dtype, name=folder.name, gguf_blocks=blocks,
                              numerics=numerics, kv_cache=policy)
     except KeyError as err:
         raise InvalidModel(f"{folder}: the weights have no tensor {err.args[0]!r}") from err
+
+
+def check_unread_weights(gguf: Path, unread: dict[str, tuple[str, int]]) -> None:
+    """Weights in a type no block kernel reads run as float32: say so in one line, or refuse in one
+    line where their float32 copies would not fit in the memory available."""
+    if not unread:
+        return
+    from .gguf_blocks import BLOCK_BYTES
+
+    types = ", ".join(sorted({kind.upper() for kind, _ in unread.values()}))
+    need, free = 4 * sum(n for _, n in unread.values()), available_memory()
+    if free is not None and need > free:
+        raise InvalidModel(f"{gguf.name}: the native backend has no kernel for its {types} weights, and their float32 "
+                           f"copies ({need / 2**30:.1f} GiB) exceed the memory available ({free / 2**30:.1f} GiB); use "
+                           f"--backend hf, or a file in {', '.join(k.upper() for k in BLOCK_BYTES)}")
+    print(f"decodekit: {gguf.name}: {len(unread)} weight matrices in {types} run as float32 on the native backend "
+          f"(its kernels read {', '.join(k.upper() for k in BLOCK_BYTES)})", file=sys.stderr)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 #: model_type in config.json -> the native backend's module and classes (config, backend) for it

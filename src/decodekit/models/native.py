@@ -146,7 +146,8 @@ def native_architecture(dtype: torch.dtype, gguf_blocks: bool = False, numerics:
 def fast_numerics_unavailable(blocks: "BlockMatrix | None") -> str | None:
     """Why a projection cannot run the ``fast`` numerics, or None when it can."""
     if blocks is None:
-        return "it needs a GGUF model's Q4_1 / Q8_0 blocks (a .gguf file or an embedded model, float32)"
+        return ("it needs a GGUF model's blocks, in a type its kernels read (a .gguf file or an embedded model, "
+                "float32)")
     if integer_block_matmul(blocks.kind) is None:
         return "it needs a CPU with AVX512-VNNI and a C compiler"
     if blocks.shape[0] % INTEGER_GROUP:
@@ -860,7 +861,7 @@ class NativeLlama(Backend):
         as one: returns each pass's logits ``[k, V]`` (``[1, V]`` where it wants the last only)."""
         with GOVERNOR.governed(self.info.name, timed=False):
             w = self.weights
-            x = w.embedding(torch.cat([p.tokens for p in passes]))
+            x = self._embed(torch.cat([p.tokens for p in passes]))
             pending = torch.empty_like(x)
             parts = [SequencePart(len(p.tokens), p.start, p.positions, p.visible, p.backend._k[:, 0], p.backend._v[:, 0])
                      for p in passes]
@@ -869,7 +870,7 @@ class NativeLlama(Backend):
             ends = torch.tensor([len(p.tokens) for p in passes]).cumsum(0).tolist()
             wanted = [list(range(end - 1, end)) if p.last_only else list(range(end - len(p.tokens), end))
                       for p, end in zip(passes, ends)]
-            logits = w.lm_head(h[[i for rows in wanted for i in rows]]).float()
+            logits = self._head(h[[i for rows in wanted for i in rows]])
             return list(logits.split([len(rows) for rows in wanted]))
 
     def _layer(self, i: int, layer: dict, x: torch.Tensor, pending: torch.Tensor | None, positions: torch.Tensor,
@@ -894,7 +895,11 @@ class NativeLlama(Backend):
         h = self._add_norm(x, pending, w.final_norm, ops)
         if last_only:
             h = h[:, -1:]
-        return StepOutput(logits=w.lm_head(h).float(), hidden=hidden)
+        return StepOutput(logits=self._head(h), hidden=hidden)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) from the final norm's output."""
+        return self.weights.lm_head(h).float()
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, ops) -> torch.Tensor:
         """``x += delta`` in place (the residual add), then the RMSNorm of x."""

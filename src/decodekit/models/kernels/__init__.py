@@ -418,12 +418,15 @@ class LayerOps:
         self._add_rms_norm = getattr(lib, f"decodekit_add_rms_norm_{suffix}")
         self._add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]
         self._silu_mul = getattr(lib, f"decodekit_silu_mul_{suffix}")
-        self._silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+        self._gelu_mul = getattr(lib, f"decodekit_gelu_mul_{suffix}")
+        for fn in (self._silu_mul, self._gelu_mul):
+            fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
         self._rope_store = getattr(lib, f"decodekit_rope_store_{suffix}")
         self._rope_store.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6
-        for fn in (self._add_rms_norm, self._silu_mul, self._rope_store):
+        for fn in (self._add_rms_norm, self._silu_mul, self._gelu_mul, self._rope_store):
             fn.restype = None
-        self.addresses = {name: _address(getattr(self, "_" + name)) for name in ("add_rms_norm", "silu_mul", "rope_store")}
+        self.addresses = {name: _address(getattr(self, "_" + name))
+                          for name in ("add_rms_norm", "silu_mul", "gelu_mul", "rope_store")}
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x += delta`` in place (when given), then ``rms_norm(x) * weight``. x contiguous."""
@@ -439,9 +442,17 @@ class LayerOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` where ``gate_up = [gate | up]`` on the last axis."""
+        return self._gate_mul(self._silu_mul, gate_up)
+
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up`` where ``gate_up = [gate | up]`` on the last axis."""
+        return self._gate_mul(self._gelu_mul, gate_up)
+
+    @staticmethod
+    def _gate_mul(fn, gate_up: torch.Tensor) -> torch.Tensor:
         inter = gate_up.shape[-1] // 2
         out = gate_up.new_empty(*gate_up.shape[:-1], inter)
-        self._silu_mul(gate_up.contiguous().data_ptr(), out.data_ptr(), out.numel() // inter, inter)
+        fn(gate_up.contiguous().data_ptr(), out.data_ptr(), out.numel() // inter, inter)
         return out
 
     def rope_store(
@@ -483,16 +494,19 @@ class _Projection(ctypes.Structure):
     _fields_ = [("fn", ctypes.c_void_p), ("weights", ctypes.c_void_p), ("n_out", ctypes.c_int64), ("n_in", ctypes.c_int64)]
 
 
+LAYER_NORMS = ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")  # a Gemma layer's, in _Layer's order
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p)] + [
-        (name, _Projection) for name in ("qkv", "o", "gate_up", "down")
-    ]
+        (name, _Projection) for name in ("qkv", "o", "gate_up", "down", "k", "v")
+    ] + [(name, ctypes.c_void_p) for name in LAYER_NORMS + ("freqs",)] + [("local", ctypes.c_int64)]
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ("add_rms_norm", "silu_mul", "rope_store", "attention")] + [
+    _fields_ = [(name, ctypes.c_void_p) for name in ("add_rms_norm", "gate_mul", "rope_store", "attention")] + [
         (name, ctypes.c_int64) for name in ("hidden", "inter", "n_heads", "n_kv_heads", "head_dim", "element_size")
-    ] + [("eps", ctypes.c_double), ("scale", ctypes.c_double)]
+    ] + [("eps", ctypes.c_double), ("scale", ctypes.c_double), ("window", ctypes.c_int64)]
 
 
 class _Sequence(ctypes.Structure):
@@ -580,10 +594,16 @@ class DecoderLayers:
 def decoder_layers(
     dtype: torch.dtype, ops: LayerOps, attention: AttentionKernel, *, hidden: int, inter: int, n_heads: int,
     n_kv_heads: int, head_dim: int, eps: float, layers: list[dict], int8_cache: Int8CacheKernels | None = None,
+    scale: float | None = None, gelu: bool = False, window: int = 0,
 ) -> DecoderLayers | None:
     """:class:`DecoderLayers` over ``layers`` (each a dict of ``attn_norm``, ``mlp_norm`` tensors
     and ``qkv``, ``o``, ``gate_up``, ``down`` :data:`KernelProjection` s), or None where the
-    kernel is unavailable. ``int8_cache``: the cache is int8 (its rope_store and attention run)."""
+    kernel is unavailable. ``int8_cache``: the cache is int8 (its rope_store and attention run).
+
+    A Gemma 3 layer's dict may also hold ``k``, ``v`` (projections of their own; ``qkv`` is then q
+    alone), the tensors of :data:`LAYER_NORMS`, ``freqs`` (its rotary table) and ``local`` (a
+    sliding-window layer: it sees the last ``window`` positions). ``scale``: the attention scale
+    (default ``head_dim ** -0.5``); ``gelu``: GeLU gating instead of SiLU."""
     lib = _library("forward")
     if lib is None:
         return None
@@ -591,18 +611,23 @@ def decoder_layers(
     fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
     fn.restype = ctypes.c_int
     model = _Model(
-        ops.addresses["add_rms_norm"], ops.addresses["silu_mul"],
+        ops.addresses["add_rms_norm"], ops.addresses["gelu_mul" if gelu else "silu_mul"],
         int8_cache.rope_store_address if int8_cache else ops.addresses["rope_store"],
         int8_cache.attention_address if int8_cache else attention.address,
-        hidden, inter, n_heads, n_kv_heads, head_dim, torch.tensor([], dtype=dtype).element_size(), eps, head_dim**-0.5,
+        hidden, inter, n_heads, n_kv_heads, head_dim, torch.tensor([], dtype=dtype).element_size(), eps,
+        head_dim**-0.5 if scale is None else scale, window,
     )
     keep, structs = [], []
     for layer in layers:
         projections = {}
-        for name in ("qkv", "o", "gate_up", "down"):
+        for name in ("qkv", "o", "gate_up", "down", "k", "v"):
+            if name not in layer:
+                continue
             address, weights, n_out, n_in = layer[name]
             keep.append(weights)
             projections[name] = _Projection(address, weights.data_ptr(), n_out, n_in)
-        keep += [layer["attn_norm"], layer["mlp_norm"]]
-        structs.append(_Layer(layer["attn_norm"].data_ptr(), layer["mlp_norm"].data_ptr(), **projections))
+        tensors = {name: layer[name] for name in LAYER_NORMS + ("freqs",) if layer.get(name) is not None}
+        keep += [layer["attn_norm"], layer["mlp_norm"], *tensors.values()]
+        structs.append(_Layer(layer["attn_norm"].data_ptr(), layer["mlp_norm"].data_ptr(), **projections,
+                              **{name: t.data_ptr() for name, t in tensors.items()}, local=int(layer.get("local", 0))))
     return DecoderLayers(fn, model, structs, keep)

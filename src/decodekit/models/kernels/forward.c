@@ -12,16 +12,20 @@
  * previous layer's MLP output:
  *   h = add_rms_norm(x += pending, attn_norm); qkv = W_qkv h; q = rope_store(qkv -> cache);
  *   a = attention(q, cache) (float32, rounded to the model dtype); h = add_rms_norm(x += W_o a,
- *   mlp_norm); pending = W_down silu_mul(W_gate_up h).
+ *   mlp_norm); pending = W_down gate_mul(W_gate_up h)   (gate_mul: SiLU or GeLU gating).
+ * A Gemma 3 layer adds (where its fields are set): q, k, v as separate matrices; q and k heads
+ * RMS-normalised before the rotary embedding; its own rotary table; sliding-window attention;
+ * the attention and MLP outputs normalised before they are added (post_attn_norm, post_mlp_norm).
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "simd.h"
 
 typedef void (*gemm_fn)(const void *w, const void *x, void *y, int rows, int n_out, int n_in, int threads);
 typedef void (*add_rms_norm_fn)(void *x, const void *delta, const void *weight, void *h, int rows, int dim, float eps);
-typedef void (*silu_mul_fn)(const void *gate_up, void *out, int rows, int inter);
+typedef void (*gate_mul_fn)(const void *gate_up, void *out, int rows, int inter);
 typedef void (*rope_store_fn)(const void *qkv, const float *freqs, const int64_t *positions, float *q_out,
                               void *k_cache, void *v_cache, int rows, int n_heads, int n_kv_heads, int head_dim,
                               int cap, int start);
@@ -39,16 +43,23 @@ typedef struct {
 typedef struct {
     const void *attn_norm, *mlp_norm;
     Projection qkv, o, gate_up, down;
+    /* Gemma 3; zero for a Llama layer */
+    Projection k, v;                  /* set: qkv holds q only, k and v are matrices of their own */
+    const void *q_norm, *k_norm;      /* per-head RMSNorm weights of q and k, or NULL */
+    const void *post_attn_norm, *post_mlp_norm; /* or NULL */
+    const float *freqs;               /* this layer's rotary table, or NULL for the pass's */
+    int64_t local;                    /* 1: attends to the last Model.window positions only */
 } Layer;
 
 typedef struct {
     add_rms_norm_fn add_rms_norm;
-    silu_mul_fn silu_mul;
+    gate_mul_fn gate_mul;
     rope_store_fn rope_store;
     attention_fn attention;
     int64_t hidden, inter, n_heads, n_kv_heads, head_dim;
     int64_t element_size; /* 4: float32 activations and cache, 2: bfloat16 */
     double eps, scale;
+    int64_t window; /* the sliding window of local layers */
 } Model;
 
 static void project(const Projection *p, const void *x, void *y, int rows, int threads) {
@@ -78,17 +89,61 @@ static void sequence_rope(const Model *m, const Sequence *q, size_t first, int l
                   (int)m->n_kv_heads, (int)m->head_dim, (int)q->cap, (int)q->start);
 }
 
+/* What a sliding-window layer of one sequence sees: slots lo.. of its cache, under `visible`
+ * ([rows, start + rows - lo], or NULL for all of them). */
+typedef struct {
+    int64_t lo;
+    uint8_t *visible;
+} Window;
+
+/* The window of a sequence's pass (as the Python path's NativeGemma3._window): no row sees a slot
+ * before lo = min(first position - window + 1, start); a slot j holds position j below start and
+ * positions[j - start] from there. Returns 0, or -1 when its mask cannot be allocated. */
+static int window_of(const Sequence *q, int64_t window, Window *out) {
+    int64_t low = q->positions[0], high = q->positions[0];
+    for (int64_t r = 1; r < q->rows; r++) {
+        if (q->positions[r] < low) low = q->positions[r];
+        if (q->positions[r] > high) high = q->positions[r];
+    }
+    int64_t lo = low - window + 1 < q->start ? low - window + 1 : q->start;
+    out->lo = lo > 0 ? lo : 0;
+    out->visible = NULL;
+    int64_t n_keys = q->start + q->rows, width = n_keys - out->lo;
+    if (high - window < out->lo && !q->visible) return 0; /* every row sees every slot from lo on */
+    out->visible = malloc((size_t)(q->rows * width));
+    if (!out->visible) return -1;
+    for (int64_t r = 0; r < q->rows; r++)
+        for (int64_t j = out->lo; j < n_keys; j++) {
+            int64_t position = j < q->start ? j : q->positions[j - q->start];
+            int seen = q->visible ? q->visible[r * n_keys + j] : 1;
+            out->visible[r * width + (j - out->lo)] = (uint8_t)(seen && position > q->positions[r] - window);
+        }
+    return 0;
+}
+
 /* Layer `layer`'s attention for `n_q` rows of one sequence, from its row `row` (stacked row
- * `first + row`), over its cache. */
-static void sequence_attention(const Model *m, const Sequence *q, size_t first, int row, int n_q, int layer,
-                               const char *q_in, char *heads, float scale, int threads) {
+ * `first + row`), over its cache (from slot w->lo, under w's mask, for a sliding-window layer). */
+static void sequence_attention(const Model *m, const Sequence *q, const Window *w, size_t first, int row, int n_q,
+                               int layer, const char *q_in, char *heads, float scale, int threads) {
     size_t es = (size_t)m->element_size, q_width = (size_t)(m->n_heads * m->head_dim);
-    int n_keys = (int)(q->start + q->rows);
-    size_t at = (first + (size_t)row) * q_width;
-    m->attention((const float *)q_in + at, (char *)q->k_cache + (size_t)layer * q->layer_stride * es,
-                 (char *)q->v_cache + (size_t)layer * q->layer_stride * es,
-                 q->visible ? q->visible + (size_t)row * n_keys : NULL, (float *)heads + at, n_q, (int)m->n_heads,
+    int64_t lo = w ? w->lo : 0;
+    int n_keys = (int)(q->start + q->rows - lo);
+    const uint8_t *visible = w ? w->visible : q->visible;
+    size_t at = (first + (size_t)row) * q_width, offset = ((size_t)layer * q->layer_stride + lo * m->head_dim) * es;
+    m->attention((const float *)q_in + at, (char *)q->k_cache + offset, (char *)q->v_cache + offset,
+                 visible ? visible + (size_t)row * n_keys : NULL, (float *)heads + at, n_q, (int)m->n_heads,
                  (int)m->n_kv_heads, (int)m->head_dim, (int)q->cap, n_keys, scale, threads);
+}
+
+/* Rows of qkv from three separate projections (q [rows, q_width], k, v [rows, kv_width]). */
+static void join_qkv(const char *q, const char *k, const char *v, char *qkv, int rows, size_t q_width,
+                     size_t kv_width, size_t es) {
+    size_t width = q_width + 2 * kv_width;
+    for (int r = 0; r < rows; r++) {
+        memcpy(qkv + r * width * es, q + r * q_width * es, q_width * es);
+        memcpy(qkv + (r * width + q_width) * es, k + r * kv_width * es, kv_width * es);
+        memcpy(qkv + (r * width + q_width + kv_width) * es, v + r * kv_width * es, kv_width * es);
+    }
 }
 
 /* Run the first `n_layers` layers, except those flagged in `skip` (NULL: none), on the rows of
@@ -112,8 +167,8 @@ int decodekit_decoder_layers_batch(const Model *m, const Layer *layers, int n_la
     for (int s = 0; s < n_seq; s++)
         for (int64_t r = starts[s]; r < starts[s] + seqs[s].rows; r++) row_sequence[r] = s;
     size_t es = (size_t)m->element_size, r = (size_t)rows;
-    size_t q_width = (size_t)(m->n_heads * m->head_dim);
-    size_t qkv_width = (size_t)((m->n_heads + 2 * m->n_kv_heads) * m->head_dim);
+    size_t q_width = (size_t)(m->n_heads * m->head_dim), kv_width = (size_t)(m->n_kv_heads * m->head_dim);
+    size_t qkv_width = q_width + 2 * kv_width;
     size_t sizes[] = {
         r * m->hidden * es,      /* h */
         r * qkv_width * es,      /* qkv */
@@ -122,9 +177,10 @@ int decodekit_decoder_layers_batch(const Model *m, const Layer *layers, int n_la
         r * q_width * es,        /* the same in the model dtype */
         r * m->hidden * es,      /* o projection */
         r * 2 * m->inter * es,   /* gate | up */
-        r * m->inter * es,       /* silu(gate) * up */
+        r * m->inter * es,       /* gate_mul(gate, up) */
+        r * qkv_width * es,      /* q, k, v from separate matrices, before they are joined */
     };
-    enum { H, QKV, Q, HEADS, ATTN, O, GATE_UP, ACT, BUFFERS };
+    enum { H, QKV, Q, HEADS, ATTN, O, GATE_UP, ACT, PARTS, BUFFERS };
     char *buf[BUFFERS];
     size_t total = 0;
     for (int b = 0; b < BUFFERS; b++) total += (sizes[b] + 63) / 64 * 64;
@@ -135,6 +191,20 @@ int decodekit_decoder_layers_batch(const Model *m, const Layer *layers, int n_la
     }
     for (size_t b = 0, offset = 0; b < BUFFERS; offset += (sizes[b] + 63) / 64 * 64, b++) buf[b] = arena + offset;
     if (es == 4) buf[ATTN] = buf[HEADS]; /* float32: attention output is already in the model dtype */
+    /* each sequence's view for sliding-window layers, the same in all of them */
+    Window *windows = NULL;
+    int local = 0;
+    for (int i = 0; i < n_layers; i++) local |= layers[i].local != 0;
+    if (local && m->window > 0) {
+        windows = calloc((size_t)n_seq, sizeof(Window));
+        int failed = !windows;
+        for (int s = 0; s < n_seq && !failed; s++) failed = window_of(&seqs[s], m->window, &windows[s]) != 0;
+        if (failed) {
+            for (int s = 0; windows && s < n_seq; s++) free(windows[s].visible);
+            free(windows), free(arena), free(starts), free(row_sequence);
+            return -1;
+        }
+    }
 
     float eps = (float)m->eps, scale = (float)m->scale;
     int hidden = (int)m->hidden, inter = (int)m->inter;
@@ -142,32 +212,54 @@ int decodekit_decoder_layers_batch(const Model *m, const Layer *layers, int n_la
     for (int i = 0; i < n_layers; i++) {
         if (skip && skip[i]) continue; /* its input goes on to the next layer, pending included */
         const Layer *l = &layers[i];
+        const Window *w = l->local && windows ? windows : NULL; /* per sequence: w + s */
         m->add_rms_norm(x, ran ? pending : NULL, l->attn_norm, buf[H], rows, hidden, eps);
-        project(&l->qkv, buf[H], buf[QKV], rows, threads);
+        if (l->k.fn) {
+            char *q = buf[PARTS], *k = q + r * q_width * es, *v = k + r * kv_width * es;
+            project(&l->qkv, buf[H], q, rows, threads);
+            project(&l->k, buf[H], k, rows, threads);
+            project(&l->v, buf[H], v, rows, threads);
+            join_qkv(q, k, v, buf[QKV], rows, q_width, kv_width, es);
+        } else {
+            project(&l->qkv, buf[H], buf[QKV], rows, threads);
+        }
+        if (l->q_norm) /* per head, in place (each row's q heads, then its k heads) */
+            for (int row = 0; row < rows; row++) {
+                char *at = buf[QKV] + (size_t)row * qkv_width * es;
+                m->add_rms_norm(at, NULL, l->q_norm, at, (int)m->n_heads, (int)m->head_dim, eps);
+                m->add_rms_norm(at + q_width * es, NULL, l->k_norm, at + q_width * es, (int)m->n_kv_heads,
+                                (int)m->head_dim, eps);
+            }
+        const float *table = l->freqs ? l->freqs : freqs;
         /* one sequence: its attention splits over the threads; several: the rows of all of them
          * do, in one parallel region a layer (not one per sequence, and a long prompt chunk beside
          * single decode rows still splits evenly). A query's result is the same either way. */
         if (n_seq == 1) {
-            sequence_rope(m, &seqs[0], 0, i, buf[QKV], buf[Q], freqs);
-            sequence_attention(m, &seqs[0], 0, 0, (int)seqs[0].rows, i, buf[Q], buf[HEADS], scale, threads);
+            sequence_rope(m, &seqs[0], 0, i, buf[QKV], buf[Q], table);
+            sequence_attention(m, &seqs[0], w, 0, 0, (int)seqs[0].rows, i, buf[Q], buf[HEADS], scale, threads);
         } else {
-            for (int s = 0; s < n_seq; s++) sequence_rope(m, &seqs[s], (size_t)starts[s], i, buf[QKV], buf[Q], freqs);
+            for (int s = 0; s < n_seq; s++) sequence_rope(m, &seqs[s], (size_t)starts[s], i, buf[QKV], buf[Q], table);
             _Pragma("omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)")
             for (int r = 0; r < rows; r++) {
                 int s = row_sequence[r];
-                sequence_attention(m, &seqs[s], (size_t)starts[s], r - (int)starts[s], 1, i, buf[Q], buf[HEADS], scale, 1);
+                sequence_attention(m, &seqs[s], w ? w + s : NULL, (size_t)starts[s], r - (int)starts[s], 1, i, buf[Q],
+                                   buf[HEADS], scale, 1);
             }
         }
         if (es == 2) /* rounded to bfloat16 as torch's .to() rounds (q_width is a multiple of 16) */
             for (size_t j = 0; j < r * q_width; j += 16)
                 store_bf16((uint16_t *)buf[ATTN] + j, _mm512_loadu_ps((const float *)buf[HEADS] + j));
         project(&l->o, buf[ATTN], buf[O], rows, threads);
+        if (l->post_attn_norm) m->add_rms_norm(buf[O], NULL, l->post_attn_norm, buf[O], rows, hidden, eps);
         m->add_rms_norm(x, buf[O], l->mlp_norm, buf[H], rows, hidden, eps);
         project(&l->gate_up, buf[H], buf[GATE_UP], rows, threads);
-        m->silu_mul(buf[GATE_UP], buf[ACT], rows, inter);
+        m->gate_mul(buf[GATE_UP], buf[ACT], rows, inter);
         project(&l->down, buf[ACT], pending, rows, threads);
+        if (l->post_mlp_norm) m->add_rms_norm(pending, NULL, l->post_mlp_norm, pending, rows, hidden, eps);
         ran++;
     }
+    for (int s = 0; windows && s < n_seq; s++) free(windows[s].visible);
+    free(windows);
     free(arena);
     free(starts), free(row_sequence);
     return ran;

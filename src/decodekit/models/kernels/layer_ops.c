@@ -4,6 +4,7 @@
  *
  *   add_rms_norm  x += delta (in place, in x's dtype), then h = rms_norm(x) * weight
  *   silu_mul      out = silu(gate) * up, from the fused [gate | up] projection
+ *   gelu_mul      out = gelu_tanh(gate) * up (Gemma)
  *   rope_store    rotate the q and k heads of the fused qkv projection (adjacent pairs, one
  *                 complex multiply each), write q as float32 for the attention kernel and k, v
  *                 into the cache
@@ -57,6 +58,22 @@ static inline void store_f32(float *p, __m512 x) { _mm512_storeu_ps(p, x); }
                 __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), vexp(_mm512_sub_ps(_mm512_setzero_ps(), g))); \
                 __m512 silu = ROUND(_mm512_div_ps(g, denominator));                                \
                 STORE(out + (size_t)r * inter + j, _mm512_mul_ps(silu, LOAD(up + j)));             \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* GeLU with the tanh approximation: 0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)), u = sqrt(2/pi)  \
+     * (g + 0.044715 g^3), then times up (Gemma's MLP gating). */                                 \
+    void decodekit_gelu_mul_##SUFFIX(const T *gate_up, T *out, int rows, int inter) {              \
+        const __m512 c = _mm512_set1_ps(-2.0f * 0.7978845608028654f), cube = _mm512_set1_ps(0.044715f); \
+        for (int r = 0; r < rows; r++) {                                                           \
+            const T *gate = gate_up + (size_t)r * 2 * inter, *up = gate + inter;                   \
+            for (int j = 0; j < inter; j += 16) {                                                  \
+                __m512 g = LOAD(gate + j);                                                         \
+                __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(cube, g), _mm512_mul_ps(g, g), g);    \
+                __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), vexp(_mm512_mul_ps(c, inner))); \
+                __m512 gelu = ROUND(_mm512_div_ps(g, denominator));                                \
+                STORE(out + (size_t)r * inter + j, _mm512_mul_ps(gelu, LOAD(up + j)));             \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
