@@ -11,7 +11,7 @@ import torch
 from decodekit.engine import Engine
 from decodekit.models import CharTokenizer, LoadedModel, kernels
 from decodekit.models.batching import PREFILL_CHUNK, PassBatcher, single_threaded
-from decodekit.models.tiny import tiny_llama
+from decodekit.models.tiny import tiny_gemma3, tiny_llama
 
 NUMERICS = ["exact"] + (["fast"] if kernels.integer_block_matmul("q4_1") is not None else [])
 CASES = [("hello world hello world", "greedy", {}), ("abcabcabcabc" * 6, "pld", {"budget": 4}),
@@ -56,6 +56,19 @@ def test_each_request_gets_its_own_tokens_in_a_shared_batch(numerics):
         t.join()
     assert got == alone
     assert batcher.rows > batcher.passes  # passes were shared
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+def test_gemma3_requests_get_their_own_tokens_in_a_shared_batch(numerics):
+    """Gemma 3's sliding-window layers in a batch: each sequence's window is its own."""
+    model = tiny_gemma3(seed=2, sliding_window=8, numerics=numerics)
+    alone = [generate(model.clone(), case) for case in CASES]
+    batcher = PassBatcher()
+    got, threads = concurrently(model, batcher, CASES)
+    for t in threads:
+        t.join()
+    assert got == alone
+    assert batcher.rows > batcher.passes
 
 
 @pytest.mark.parametrize("cache", ["int8", "sink:4,window:24,every:4", "snapkv:budget=40,window=8"])

@@ -8,7 +8,7 @@ import torch
 
 from decodekit.engine import Engine
 from decodekit.errors import InvalidParameter
-from decodekit.models import LoadedModel
+from decodekit.models import LoadedModel, kernels
 from decodekit.models.gemma3 import Gemma3Config
 from decodekit.models.tiny import tiny_gemma3, tiny_gemma3_hf_config, tiny_gemma3_hf_model
 from decodekit.models.tokenizer import CharTokenizer
@@ -104,9 +104,13 @@ def test_rollback_then_append_equals_a_fresh_run():
     assert torch.allclose(backend.append(ids[:, 20:]).logits, fresh[:, 20:], atol=ATOL)
 
 
-@pytest.mark.parametrize("method", ["pld", "recycling", "lookahead"])
-def test_lossless_methods_are_token_identical_to_greedy(method):
-    engine = Engine(LoadedModel(tiny_gemma3(seed=5), CharTokenizer(96), "tiny-gemma3"))
+NUMERICS = ["exact"] + (["fast"] if kernels.integer_block_matmul("q4_1") is not None else [])
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+@pytest.mark.parametrize("method", ["pld", "recycling", "lookahead", "layerskip", "kvdraft"])
+def test_lossless_methods_are_token_identical_to_greedy(method, numerics):
+    engine = Engine(LoadedModel(tiny_gemma3(seed=5, numerics=numerics), CharTokenizer(96), "tiny-gemma3"))
     prompt = "abcabcabcabc the cat sat on the mat, the cat sat on the"
     greedy = engine.generate(prompt, method="greedy", max_new_tokens=40, chat=False)
     other = engine.generate(prompt, method=method, max_new_tokens=40, chat=False)

@@ -60,11 +60,13 @@ def tiny_state_dict(config: dict, seed: int = 0, scale: float = 1.0) -> dict[str
 
 def as_gguf_blocks(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, BlockMatrix]]:
     """The weights quantised as the embedded model's GGUF file holds them (projections Q4_1, the
-    output head Q8_0), and the state with each quantised weight replaced by its dequantised value."""
+    output head Q8_0, or the embedding table where the head is tied to it), and the state with
+    each quantised weight replaced by its dequantised value."""
     state, blocks = dict(state), {}
+    head = "lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"
     for name, weight in state.items():
-        if name.endswith("_proj.weight") or name == "lm_head.weight":
-            blocks[name] = BlockMatrix.quantize(weight, "q8_0" if name == "lm_head.weight" else "q4_1")
+        if name.endswith("_proj.weight") or name == head:
+            blocks[name] = BlockMatrix.quantize(weight, "q8_0" if name == head else "q4_1")
             state[name] = blocks[name].dequantize()
     return state, blocks
 
@@ -132,10 +134,15 @@ def tiny_gemma3_hf_model(seed: int = 0, **config_kwargs):
     return model.eval()
 
 
-def tiny_gemma3(seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
-    """The native backend on :func:`tiny_gemma3_hf_model`'s weights (same seed)."""
+def tiny_gemma3(seed: int = 0, dtype: torch.dtype = torch.float32, *, numerics: str = "exact",
+                gguf_blocks: bool = False, **config_kwargs):
+    """The native backend on :func:`tiny_gemma3_hf_model`'s weights (same seed); ``gguf_blocks``
+    (implied by the ``fast`` numerics): quantised first, as :func:`as_gguf_blocks`."""
     from .gemma3 import Gemma3Config, NativeGemma3
 
-    state = tiny_gemma3_hf_model(seed, **config_kwargs).state_dict()
+    state, blocks = dict(tiny_gemma3_hf_model(seed, **config_kwargs).state_dict()), None
+    state.pop("lm_head.weight", None)  # tied to the embedding table, as a saved model leaves it
+    if gguf_blocks or numerics != "exact":
+        state, blocks = as_gguf_blocks(state)
     config = Gemma3Config.from_hf(tiny_gemma3_hf_config(**config_kwargs))
-    return NativeGemma3(config, state, dtype=dtype, name="tiny-gemma3")
+    return NativeGemma3(config, state, dtype=dtype, name="tiny-gemma3", gguf_blocks=blocks, numerics=numerics)
