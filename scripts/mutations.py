@@ -80,17 +80,17 @@ MUTATIONS = (
     Mutation("governor-keeps-torchs-count", "src/decodekit/models/threads.py",
              "        if threads != torch.get_num_threads():\n            torch.set_num_threads(threads)\n",
              "", ("tests/test_threads.py",)),
-    Mutation("integer-kernel-adds-the-offset-first", "src/decodekit/models/kernels/gemm_q8.c",
-             "                acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g]), _mm512_mul_ps(dw[g], dx), acc[g][t]);\n"
-             "                if (kind == 0) acc[g][t] = _mm512_fmadd_ps(mw[g], ex, acc[g][t]);",
-             "                if (kind == 0) acc[g][t] = _mm512_fmadd_ps(mw[g], ex, acc[g][t]);\n"
-             "                acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g]), _mm512_mul_ps(dw[g], dx), acc[g][t]);",
+    Mutation("integer-kernel-rounds-the-offset-product", "src/decodekit/models/kernels/gemm_q8.c",
+             "                else if (kind != KIND_Q8_0 && kind != KIND_Q5_0)\n"
+             "                    acc[g][t] = _mm512_fmadd_ps(s1[g], _mm512_set1_ps(in->ex[at]), acc[g][t]);",
+             "                else if (kind != KIND_Q8_0 && kind != KIND_Q5_0)\n"
+             "                    acc[g][t] = _mm512_fmadd_ps(s1[g], _mm512_set1_ps(in->ex[at]), _mm512_setzero_ps()) + acc[g][t];",
              ("tests/test_gguf_blocks.py", "-k", "integer")),
     Mutation("integer-kernel-forgets-the-q8_0-correction", "src/decodekit/models/kernels/gemm_q8.c",
-             "kind == 0 ? _mm512_setzero_si512() : _mm512_set1_epi32(in->cx[at])",
-             "_mm512_setzero_si512()", ("tests/test_gguf_blocks.py", "-k", "integer")),
+             "int32_t correction = kind == KIND_Q8_0 ? in->cx[at]", "int32_t correction = kind == KIND_Q8_0 ? 0",
+             ("tests/test_gguf_blocks.py", "-k", "integer")),
     Mutation("batched-attention-misses-the-last-key", "src/decodekit/models/kernels/forward.c",
-             "    int n_keys = (int)(q->start + q->rows);", "    int n_keys = (int)(q->start + q->rows - 1);",
+             "    int n_keys = (int)(q->start + q->rows - lo);", "    int n_keys = (int)(q->start + q->rows - lo - 1);",
              ("tests/test_kernels.py", "tests/test_batching.py")),
     Mutation("fast-prefill-not-chunked", "src/decodekit/models/native.py",
              'if self.numerics == "fast" and self._one_call(tokens, hidden_layers, skip_layers):\n            chunks.append(MAX_ROWS)',
