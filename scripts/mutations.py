@@ -169,6 +169,10 @@ MUTATIONS = (
              "out[256 + chunk * 8 + slot / 8] |= (uint8_t)((sub.u[k] >> 4) << (slot % 8));",
              "out[256 + chunk * 8 + slot / 8] |= (uint8_t)((sub.u[k] >> 4) << ((slot + 1) % 8));",
              ("tests/test_gguf_blocks.py", "-k", "k_quants")),
+    Mutation("batch-budget-counts-only-its-own-tokens", "src/decodekit/speculative/controller.py",
+             "return (others + expected) / (self.pass_cost(other_rows + rows) + self.overhead + extra_s)",
+             "return expected / (self.pass_cost(other_rows + rows) + self.overhead + extra_s)",
+             ("tests/test_speculative.py", "-k", "batch")),
 )
 
 

@@ -385,6 +385,27 @@ def test_controller_keeps_whole_chain_when_verification_is_free_and_nothing_when
     assert steep.budget() == 0  # backs off drafting after a plain choice
 
 
+def test_in_a_full_batch_the_controller_weighs_everyone_and_drafts_less():
+    """SmartSpec's goodput rule: rows are nearly free up to 8 and then cost in proportion. Alone,
+    a well-accepted chain of 6 pays; beside 15 sequences whose 15 rows already fill the cheap part,
+    its rows would slow all 16 and it is not verified; the batcher reports the others' rows."""
+    from decodekit.models.batching import PassBatcher
+
+    costs = {1: 1.0, 8: 1.1, 16: 2.2, 64: 8.8}
+    alone, batched = Controller(16, cost_table=costs), Controller(16, cost_table=costs)
+    for ctl in (alone, batched):
+        for _ in range(30):
+            ctl.observe(chain_tree(6), Verification(list(range(6)), 0), overhead_s=0.0)
+    me, batcher = object(), PassBatcher()
+    batcher._last_batch = {id(me): 1, **{i: 1 for i in range(15)}}
+    assert batcher.others(me) == (15, 15)
+    batched._batch = lambda: batcher.others(me)
+    assert len(alone.select(chain_tree(6))) == 6
+    assert len(batched.select(chain_tree(6))) == 0
+    batcher._last_batch = {id(me): 1, 0: 1}  # one other sequence: rows are cheap again
+    assert len(batched.select(chain_tree(6))) == 6
+
+
 def test_controller_learns_acceptance_per_depth():
     ctl = Controller(16, cost_table={1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4, 16: 2.0})
     tree = chain_tree(8)

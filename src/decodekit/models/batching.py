@@ -84,6 +84,7 @@ class PassBatcher:
         self._last_end = 0.0  # when the last batch finished: its sequences need a moment to come back
         self.passes = 0  # batched passes run (for metrics and tests)
         self.rows = 0  # rows they carried
+        self._last_batch: dict[int, int] = {}  # the last batch: rows per sequence (by backend id)
 
     @contextlib.contextmanager
     def member(self) -> Iterator[None]:
@@ -100,6 +101,13 @@ class PassBatcher:
     @property
     def active(self) -> int:
         return self._active
+
+    def others(self, backend: "NativeLlama") -> tuple[int, int]:
+        """The other sequences of the last batch, and the rows they carried, as ``backend`` sees
+        the batches it joins (what a speculation budget weighs its own rows against)."""
+        last = self._last_batch
+        mine = id(backend) in last
+        return len(last) - mine, sum(last.values()) - last.get(id(backend), 0)
 
     def run(self, backend: "NativeLlama", tokens: torch.Tensor, positions: torch.Tensor,
             visible: torch.Tensor | None, start: int, last_only: bool) -> torch.Tensor:
@@ -175,6 +183,7 @@ class PassBatcher:
             self._last_end = time.perf_counter()
             self.passes += 1
             self.rows += sum(len(p.tokens) for p in batch)
+            self._last_batch = {id(p.backend): len(p.tokens) for p in batch}
             for job in batch:
                 job.done = True
             self._cond.notify_all()

@@ -33,6 +33,16 @@ drafter, across requests. A cold start must not be paid for by the first request
     the controller backs off one plain step and then probes (below). Every probe verifies one node, whatever the drafter
     (also a lookahead window, which is otherwise verified whole). A drafter that finds no match
     proposes nothing, and nothing is verified.
+Batches (``decodekit serve``): a request whose passes run with other sequences' weighs the whole
+batch, as SmartSpec's goodput rule does (Liu et al., 2024, "Optimizing Speculative Decoding for
+Serving Large Language Models Using Goodput"): with ``B`` other sequences carrying ``R`` rows (the
+last batch it joined), verifying ``n`` nodes expecting ``E`` tokens yields ``(B + 1 + E) / cost(R +
+n + 1)`` tokens per second for the batch, against ``(B + 1) / cost(R + 1)`` for a plain step. Past the
+few rows where a pass costs little more than one row, extra rows slow every sequence of the batch, so
+speculation backs off as the batch fills. Alone, this is the rule above. (Our reading: SmartSpec
+chooses every request's length jointly; here each request decides for itself, assuming each other
+sequence keeps its rows.)
+
 When the best choice is a plain step the controller stops drafting for 1, 2, 4, ... steps and
 then explores with the single best node, so acceptance estimates keep being refreshed; the
 longest pause (4 to 512 steps) is set so such probes cost about 1% of decode time (a probe of a
@@ -315,6 +325,7 @@ class Controller:
         self._explore = False
         self.learn_costs = False  # True for a measured table: it follows observed pass times
         self.context = 0  # tokens in the request so far (set by the loop every step): passes cost more after more
+        self._batch = None  # () -> (other sequences, their rows) in this request's passes, when it is batched
 
     def begin(self, backend: Backend, drafter: str = "") -> None:
         """Per request: take the backend's cost table (measured on first use) and the record of
@@ -326,11 +337,27 @@ class Controller:
         if drafter:
             records: dict[str, DrafterRecord] = backend.memory("speculative.records", dict)
             self.learnt = records.setdefault(drafter, self.learnt)
+        batcher = getattr(backend, "batcher", None)
+        self._batch = None if batcher is None else (lambda: batcher.others(backend))
 
     def pass_cost(self, n: int) -> float:
         """Seconds for a forward pass of ``n`` tokens at the current context."""
         assert self.cost is not None
         return self.cost(n, self.context)
+
+    def _others(self) -> tuple[int, int]:
+        """Other sequences in this request's passes, and their rows ((0, 0) alone)."""
+        return self._batch() if self._batch is not None else (0, 0)
+
+    def rate(self, expected: float, rows: int, extra_s: float = 0.0) -> float:
+        """Tokens per second of the pass this request's ``rows`` rows join, expecting ``expected``
+        tokens from them (the other sequences one each), ``extra_s`` added to the pass's time."""
+        others, other_rows = self._others()
+        return (others + expected) / (self.pass_cost(other_rows + rows) + self.overhead + extra_s)
+
+    def plain_step_s(self) -> float:
+        """Seconds of a plain step's pass, with this request's batch."""
+        return self.pass_cost(self._others()[1] + 1)
 
     def observe_cost(self, n: int, seconds: float) -> None:
         """A timed forward pass of ``n`` tokens (1 = a plain step) at the current context."""
@@ -371,7 +398,7 @@ class Controller:
         learnt = self.learnt
         if learnt.spec_steps < MIN_REALISED_STEPS:
             return True
-        return learnt.step_tokens / learnt.step_seconds >= 1.0 / self.pass_cost(1)
+        return learnt.step_tokens / learnt.step_seconds >= 1.0 / self.plain_step_s()
 
     def costly_drafting(self) -> bool:
         """Whether a draft call costs more than a small share of a plain step. Judged per call, not
@@ -382,14 +409,14 @@ class Controller:
     def best_chain_depth(self) -> int:
         """The chain depth (0 = none) with the best expected tokens per second, counting
         drafting at the measured cost per node."""
-        best_depth, best_rate = 0, (1.0 + GAIN_MARGIN) / self.pass_cost(1)
+        best_depth, best_rate = 0, (1.0 + GAIN_MARGIN) * self.rate(1.0, 1, -self.overhead)
         expected, reach = 1.0, 1.0
         for depth in range(1, self.max_draft + 1):
             reach *= self._accept((self.learnt.chain_source, min(depth - 1, MAX_DEPTH_KEY), 0))
             if reach * (self.max_draft - depth + 1) < 1e-3 * expected:
                 break  # deeper nodes could add under 0.1% to the expected tokens: no depth beyond pays
             expected += reach
-            rate = expected / (depth * self.draft_node_s + self.pass_cost(depth + 1) + self.overhead)
+            rate = self.rate(expected, depth + 1, depth * self.draft_node_s)
             if rate > best_rate:
                 best_depth, best_rate = depth, rate
         return best_depth
@@ -402,11 +429,11 @@ class Controller:
             return tree
         probs = self.node_probs(tree)
         order = sorted(range(len(tree)), key=lambda i: -probs[i]) if trimmable else list(range(len(tree)))
-        best_n, best_rate = 0, (1.0 + GAIN_MARGIN) / self.pass_cost(1)
+        best_n, best_rate = 0, (1.0 + GAIN_MARGIN) * self.rate(1.0, 1, -self.overhead)
         expected = 1.0
         for n, node in enumerate(order, start=1):
             expected += probs[node]
-            rate = expected / (self.pass_cost(n + 1) + self.overhead)
+            rate = self.rate(expected, n + 1)
             if rate > best_rate and (trimmable or n == len(order)):
                 best_n, best_rate = n, rate
         explore, self._explore = self._explore, False
