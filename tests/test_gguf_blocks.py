@@ -73,6 +73,11 @@ def test_file_block_kernels_are_bit_identical_to_the_gguf_package_dequantisation
     got = kernels.block_matmul(kind)(blocks.data, x, blocks.n_in)
     assert torch.equal(got, kernels.few_rows_matmul(torch.float32)(reference, x))
     assert torch.equal(got[-1], kernels.block_matmul(kind)(blocks.data, x[-1:], blocks.n_in)[0])
+    four = BlockMatrix(kind, blocks.data[:12].contiguous(), 512)  # rows interleaved in fours, block by block
+    interleaved = kernels.block_matmul(kind, interleaved=True)(four.interleaved(), x, 512)
+    assert torch.equal(interleaved, got[:, :12])
+    rows_back = BlockMatrix.from_interleaved(kind, four.interleaved(), torch.tensor([0, 5, 11]), 512)
+    assert torch.equal(rows_back.data, four.data[[0, 5, 11]])
 
 
 def test_a_gguf_file_with_k_quants_is_read_as_its_blocks(tmp_path):

@@ -143,8 +143,7 @@ def few_rows_matmul(dtype: torch.dtype = torch.float32) -> MatmulKernel | None:
     return matmul
 
 
-EXACT_BLOCK_KINDS = ("q4_1", "q8_0", "q5_0", "q4_k", "q5_k", "q6_k")  # gemm.c's block formats
-INTERLEAVED_KINDS = ("q4_1", "q8_0")
+EXACT_BLOCK_KINDS = ("q4_1", "q8_0", "q5_0", "q4_k", "q5_k", "q6_k")  # gemm.c's block formats, each also interleaved
 
 
 @cache
@@ -152,10 +151,10 @@ def block_matmul(kind: str, interleaved: bool = False) -> Callable[[torch.Tensor
     """``matmul(blocks [out, in / block weights * block bytes] uint8, x [rows, in] float32, n_in) ->
     [rows, out]`` float32 for GGUF ``kind`` blocks (one of :data:`EXACT_BLOCK_KINDS`), bit-identical
     to :func:`few_rows_matmul` on the dequantised float32 weights; None where unavailable.
-    ``interleaved`` (Q4_1, Q8_0): ``blocks`` as :meth:`..gguf_blocks.BlockMatrix.interleaved` lays
+    ``interleaved``: ``blocks`` as :meth:`..gguf_blocks.BlockMatrix.interleaved` lays
     them out (faster: measured 5-15% on SmolLM2's matrices for 1-16 rows)."""
     lib = _library("gemm")
-    if lib is None or kind not in EXACT_BLOCK_KINDS or (interleaved and kind not in INTERLEAVED_KINDS):
+    if lib is None or kind not in EXACT_BLOCK_KINDS:
         return None
     return _blocks_times_rows(getattr(lib, f"decodekit_gemm_{kind}{'x4' if interleaved else ''}"))
 

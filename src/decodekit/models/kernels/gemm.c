@@ -102,8 +102,7 @@ static inline void q8_0x4_at(const uint8_t *row, int i, __m512 *out) { q8_0_bloc
  * exact in float32, as Q8_0's. */
 #define q5_0_STEP 2
 static inline const uint8_t *q5_0_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * 22; }
-static inline void q5_0_at(const uint8_t *row, int i, __m512 *out) {
-    const uint8_t *block = row + (size_t)(i / 32) * 22;
+static inline void q5_0_block_at(const uint8_t *block, __m512 *out) {
     uint32_t high;
     memcpy(&high, block + 2, 4);
     __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 6)));
@@ -156,8 +155,7 @@ static inline __m512i nibbles(const uint8_t *bytes, int high) {
     return _mm512_and_si512(high ? _mm512_srli_epi32(v, 4) : v, _mm512_set1_epi32(0x0f));
 }
 
-static inline void q4_k_at(const uint8_t *row, int i, __m512 *out) {
-    const uint8_t *block = row + (size_t)(i / 256) * 144;
+static inline void q4_k_block_at(const uint8_t *block, int i, __m512 *out) {
     int j = (i % 256) / 32;
     const uint8_t *qs = block + 16 + 32 * (j / 2);
     k_rebuild(block, j, nibbles(qs, j & 1), nibbles(qs + 16, j & 1), out);
@@ -168,16 +166,14 @@ static inline __m512i fifth_bits(const uint8_t *qh, int j) {
     return _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v, j), _mm512_set1_epi32(1)), 4);
 }
 
-static inline void q5_k_at(const uint8_t *row, int i, __m512 *out) {
-    const uint8_t *block = row + (size_t)(i / 256) * 176;
+static inline void q5_k_block_at(const uint8_t *block, int i, __m512 *out) {
     int j = (i % 256) / 32;
     const uint8_t *qh = block + 16, *qs = block + 48 + 32 * (j / 2);
     k_rebuild(block, j, _mm512_or_si512(nibbles(qs, j & 1), fifth_bits(qh, j)),
               _mm512_or_si512(nibbles(qs + 16, j & 1), fifth_bits(qh + 16, j)), out);
 }
 
-static inline void q6_k_at(const uint8_t *row, int i, __m512 *out) {
-    const uint8_t *block = row + (size_t)(i / 256) * 210;
+static inline void q6_k_block_at(const uint8_t *block, int i, __m512 *out) {
     int c = (i % 256) / 32, h = c / 4, u = c % 4;  /* chunk c: half h, quarter u of it */
     const uint8_t *ql = block + 64 * h + 32 * (u & 1), *qh = block + 128 + 32 * h;
     const int8_t *scales = (const int8_t *)(block + 192) + 2 * c;
@@ -189,6 +185,29 @@ static inline void q6_k_at(const uint8_t *row, int i, __m512 *out) {
         out[s] = _mm512_mul_ps(_mm512_set1_ps(d * (float)scales[s]), _mm512_cvtepi32_ps(q));
     }
 }
+
+/* Each of those formats read from rows as stored (a row's blocks one after another), and from rows
+ * interleaved in fours block by block, as Q4_1x4 and Q8_0x4 (a K-quant's block is its 256 weights). */
+#define DEFINE_FILE_FORMAT(F, BYTES, WEIGHTS, CALL)                                                 \
+    static inline void F##_at(const uint8_t *row, int i, __m512 *out) {                            \
+        const uint8_t *block = row + (size_t)(i / WEIGHTS) * BYTES;                                \
+        CALL;                                                                                      \
+    }                                                                                              \
+    static inline const uint8_t *F##x4_row(const uint8_t *w, int r, int n_in) {                    \
+        return w + ((size_t)(r / 4) * (n_in / WEIGHTS) * 4 + r % 4) * BYTES;                       \
+    }                                                                                              \
+    static inline void F##x4_at(const uint8_t *row, int i, __m512 *out) {                          \
+        const uint8_t *block = row + (size_t)(i / WEIGHTS) * 4 * BYTES;                            \
+        CALL;                                                                                      \
+    }
+DEFINE_FILE_FORMAT(q5_0, 22, 32, q5_0_block_at(block, out))
+DEFINE_FILE_FORMAT(q4_k, 144, 256, q4_k_block_at(block, i, out))
+DEFINE_FILE_FORMAT(q5_k, 176, 256, q5_k_block_at(block, i, out))
+DEFINE_FILE_FORMAT(q6_k, 210, 256, q6_k_block_at(block, i, out))
+#define q5_0x4_STEP 2
+#define q4_kx4_STEP 2
+#define q5_kx4_STEP 2
+#define q6_kx4_STEP 2
 
 /* A block format's one-vector load for a row's last partial vector: the half of its block that
  * holds weight i, masked (rows of whole blocks never need it; it is defined to be correct). */
@@ -206,6 +225,10 @@ DEFINE_BLOCK_AT_MASKED(q5_0)
 DEFINE_BLOCK_AT_MASKED(q4_k)
 DEFINE_BLOCK_AT_MASKED(q5_k)
 DEFINE_BLOCK_AT_MASKED(q6_k)
+DEFINE_BLOCK_AT_MASKED(q5_0x4)
+DEFINE_BLOCK_AT_MASKED(q4_kx4)
+DEFINE_BLOCK_AT_MASKED(q5_kx4)
+DEFINE_BLOCK_AT_MASKED(q6_kx4)
 
 /* A pass of at most WP_SINGLE_ROW_MAX inputs streams the weights one row at a time; a longer
  * one, four rows side by side against groups of four inputs (their shared input loads pay off
@@ -223,6 +246,10 @@ DEFINE_BLOCK_AT_MASKED(q6_k)
 #define q4_k_SINGLE_ROW_MAX 8
 #define q5_k_SINGLE_ROW_MAX 8
 #define q6_k_SINGLE_ROW_MAX 8
+#define q5_0x4_SINGLE_ROW_MAX 0
+#define q4_kx4_SINGLE_ROW_MAX 0
+#define q5_kx4_SINGLE_ROW_MAX 0
+#define q6_kx4_SINGLE_ROW_MAX 0
 #define BLOCK_CASE(NAME, R, M) case M: NAME##_block(wr, x, y, n_in, n_out, R, M); break;
 
 /* NAME: weights of type WT in format WP, inputs and outputs of type T with arithmetic P. */
@@ -306,6 +333,10 @@ DEFINE_KERNEL(decodekit_gemm_q5_0, uint8_t, q5_0, float, __m512, f32, float)
 DEFINE_KERNEL(decodekit_gemm_q4_k, uint8_t, q4_k, float, __m512, f32, float)
 DEFINE_KERNEL(decodekit_gemm_q5_k, uint8_t, q5_k, float, __m512, f32, float)
 DEFINE_KERNEL(decodekit_gemm_q6_k, uint8_t, q6_k, float, __m512, f32, float)
+DEFINE_KERNEL(decodekit_gemm_q5_0x4, uint8_t, q5_0x4, float, __m512, f32, float)
+DEFINE_KERNEL(decodekit_gemm_q4_kx4, uint8_t, q4_kx4, float, __m512, f32, float)
+DEFINE_KERNEL(decodekit_gemm_q5_kx4, uint8_t, q5_kx4, float, __m512, f32, float)
+DEFINE_KERNEL(decodekit_gemm_q6_kx4, uint8_t, q6_kx4, float, __m512, f32, float)
 
 /* Whether this CPU runs the bfloat16 kernel (the float32 one needs only AVX-512F). */
 int decodekit_has_avx512bf16(void) {
