@@ -12,7 +12,9 @@ import time
 import torch
 
 from decodekit.models import load_model
+from decodekit.models.gguf_blocks import BlockMatrix, cached_block_matrices
 from decodekit.models.kernels import block_matmul, integer_block_matmul, pack_integer_blocks
+from decodekit.models.loading import model_gguf, resolve_model_folder
 
 
 def ms_per_call(fn, calls: int = 20) -> float:
@@ -24,12 +26,14 @@ def ms_per_call(fn, calls: int = 20) -> float:
 
 
 def main() -> None:
-    weights = load_model().backend.weights
-    named = {"lm head": weights.lm_head, "gate/up (layer 0)": weights.layers[0]["gate_up"]}
+    model = load_model()
+    layers = model.backend.info.num_layers
+    blocks = cached_block_matrices(model_gguf(None), resolve_model_folder(None), layers)  # the file's own blocks
+    gate_up = BlockMatrix.stack([blocks["model.layers.0.mlp.gate_proj.weight"], blocks["model.layers.0.mlp.up_proj.weight"]])
+    named = {"lm head": blocks["model.embed_tokens.weight"], "gate/up (layer 0)": gate_up}
     print("| matrix | rows | float32 blocks ms | integer ms | relative error |")
     print("|---|---:|---:|---:|---:|")
-    for name, projection in named.items():
-        blocks = projection.blocks
+    for name, blocks in named.items():
         exact, fast = block_matmul(blocks.kind), integer_block_matmul(blocks.kind)
         packed = pack_integer_blocks(blocks.kind, blocks.data, blocks.n_in)
         for rows in (1, 8, 32, 64):

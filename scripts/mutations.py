@@ -158,7 +158,7 @@ MUTATIONS = (
              "                m->add_rms_norm(at + q_width * es, NULL, l->k_norm, at + q_width * es, (int)m->n_kv_heads,\n                                (int)m->head_dim, eps);\n",
              "",
              ("tests/test_gemma3.py",)),
-    Mutation("q4k-minimum-from-the-scale-bits", "src/decodekit/models/kernels/gemm.c",
+    Mutation("q4k-minimum-from-the-scale-bits", "src/decodekit/models/kernels/gguf.h",
              "*min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);", "*min = (q[j + 4] >> 4) | ((q[j - 4] >> 6) << 4);",
              ("tests/test_gguf_blocks.py", "-k", "file_block")),
     Mutation("q6k-second-half-with-the-first-scale", "src/decodekit/models/kernels/gemm_q8.c",

@@ -60,7 +60,7 @@ def file_digest(path: Path) -> str:
     computed on a second thread while the next chunk is read: the memory it takes is a few chunks,
     not the file (a memory map would count the whole file in the process's resident memory)."""
     crcs, pending = [], []
-    with open(path, "rb", buffering=0) as handle, ThreadPoolExecutor(2) as pool:
+    with open(path, "rb") as handle, ThreadPoolExecutor(2) as pool:  # buffered: read(n) gives n bytes until the end
         while chunk := handle.read(CHUNK):
             pending.append(pool.submit(zlib.crc32, chunk))  # zlib releases the GIL on big buffers
             if len(pending) > 2:

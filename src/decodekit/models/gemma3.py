@@ -35,7 +35,9 @@ import torch.nn.functional as F
 from ..errors import InvalidParameter
 from .kv_policy import KVPolicy
 from .kernels import LAYER_NORMS, decoder_layers
-from .native import LlamaConfig, LlamaWeights, NativeLlama, SplitProjection, read_rows, rope_row_order, rope_tables
+from .native import (
+    LlamaConfig, LlamaWeights, NativeLlama, SplitProjection, read_rows, rms_norm, rope_row_order, rope_tables,
+)
 
 
 
@@ -50,8 +52,12 @@ class Gemma3Config(LlamaConfig):
     @classmethod
     def from_hf(cls, cfg: Mapping) -> "Gemma3Config":
         cfg = dict(cfg.get("text_config") or cfg)  # a multimodal config holds the text model's
+        if cfg.get("rope_scaling"):  # the older spelling of a scaled rotary embedding
+            raise NotImplementedError(f"rope scaling {cfg['rope_scaling']!r} is not supported by the native backend")
         rope = cfg.get("rope_parameters") or {}
-        full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+        # the older spellings of the two bases: rope_theta (global layers), rope_local_base_freq
+        full = rope.get("full_attention") or {"rope_theta": cfg.get("rope_theta", 1e6)}
+        local = rope.get("sliding_attention") or {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
         for part in (full, local):
             if part.get("rope_type", "default") != "default":
                 raise NotImplementedError(f"rope scaling {part['rope_type']!r} is not supported by the native backend")
@@ -207,7 +213,7 @@ class NativeGemma3(NativeLlama):
         """RMSNorm of the last axis (rows alone, by the layer kernels where the pass takes them)."""
         if ops is not None:
             return ops.add_rms_norm(x.contiguous(), None, weight, self.config.rms_norm_eps)
-        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         logits = super()._head(h)

@@ -12,9 +12,11 @@ a scale (and a minimum) per sub-block of 32 (Q4_K, Q5_K: (d * s) * q - dmin * m,
 of 16 weights (Q6_K: (d * s) * (q - 32), 8-bit s). Each sub-block's products are exact in float32
 (at most 24 significant bits), so one rounding, where the reference has one, gives its bits.
 
-Only the few-row passes (decode steps, verification) use the blocks; prefill keeps the float32
-weights. Each fused projection's blocks are checked to dequantise exactly to its float32
-weights when the model is built, and a projection that does not match keeps float32.
+In ``exact``, the few-row passes (decode steps, verification) use the blocks and prefill the float32
+weights, except for an output head tied to the embedding table, which keeps only its blocks (every
+pass streams them, and embedding lookups read their rows). In ``fast``, every pass runs on the
+blocks. Each fused projection's blocks are checked to dequantise exactly to its float32 weights when
+the model is built, and a projection that does not match keeps float32.
 """
 
 from __future__ import annotations
@@ -154,7 +156,9 @@ class Blocks(dict):
     """Block matrices by Hugging Face name; ``unread``: the file's other quantised weight matrices
     (name -> (type, number of weights)), which no kernel reads, so that they run as float32."""
 
-    unread: dict[str, tuple[str, int]] = {}
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.unread: dict[str, tuple[str, int]] = {}
 
 
 def read_block_matrices(gguf: Path, num_layers: int) -> Blocks:
@@ -167,7 +171,6 @@ def read_block_matrices(gguf: Path, num_layers: int) -> Blocks:
         for i in range(num_layers) if "{}" in gguf_name else [None]:
             names[gguf_name.format(i)] = hf_name.format(i)
     found = Blocks()
-    found.unread = {}
     for tensor in GGUFReader(gguf).tensors:
         kind = tensor.tensor_type.name.lower()
         if tensor.name in names and kind in BLOCK_BYTES:

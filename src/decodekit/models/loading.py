@@ -252,7 +252,7 @@ def build_backend(
     """Build the native backend for Llama-family configs, the HF backend otherwise (or on request).
 
     ``gguf``: the file ``folder`` was dequantised from; a float32 native backend then streams its
-    Q4_1 / Q8_0 blocks in decode steps (:mod:`.gguf_blocks`). ``numerics``: ``exact`` or ``fast``
+    blocks in decode steps (:mod:`.gguf_blocks`). ``numerics``: ``exact`` or ``fast``
     (:data:`.native.NUMERICS`; ``fast`` needs the native backend and the GGUF blocks). ``kv_cache``:
     a cache policy (:mod:`.kv_policy`; other than ``full``, the native backend's)."""
     from .kv_policy import parse_kv_cache

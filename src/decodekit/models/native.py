@@ -227,6 +227,8 @@ class Projection:
         """Rows ``rows`` of the weight matrix, float ``[len(rows), in]`` (from the blocks, bit for bit
         the dequantised rows, where the float32 weights are not kept): a tied embedding's lookup."""
         rows = rows.reshape(-1)
+        if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < self.weight.shape[0]:
+            raise IndexError(f"row index out of range for a matrix of {self.weight.shape[0]} rows")
         return self._rows(rows) if self._rows is not None else self.weight[rows]
 
     @property
@@ -263,7 +265,7 @@ class SplitProjection:
             Projection(weight[a:b], None if bias is None else bias[a:b], blocks, numerics)
             for a, b, blocks in zip(bounds, bounds[1:], parts)
         ]
-        self.on_blocks, self.bias = True, None  # the parts add their own bias rows
+        self.on_blocks, self.bias = all(p.on_blocks for p in self.parts), None  # the parts add their own bias rows
         # what the parts keep of the weights is what is kept (nothing, in the fast numerics)
         self.weight = weight if numerics == "exact" else torch.empty(weight.shape, dtype=weight.dtype, device="meta")
 

@@ -39,9 +39,9 @@ Serving Large Language Models Using Goodput"): with ``B`` other sequences carryi
 last batch it joined), verifying ``n`` nodes expecting ``E`` tokens yields ``(B + 1 + E) / cost(R +
 n + 1)`` tokens per second for the batch, against ``(B + 1) / cost(R + 1)`` for a plain step. Past the
 few rows where a pass costs little more than one row, extra rows slow every sequence of the batch, so
-speculation backs off as the batch fills. Alone, this is the rule above. (Our reading: SmartSpec
-chooses every request's length jointly; here each request decides for itself, assuming each other
-sequence keeps its rows.)
+speculation backs off as the batch fills. Alone, this is the rule above. The 5% margin applies to
+the batch's rate. (Our reading: SmartSpec chooses every request's length jointly; here each request
+decides for itself, assuming each other sequence keeps its rows.)
 
 When the best choice is a plain step the controller stops drafting for 1, 2, 4, ... steps and
 then explores with the single best node, so acceptance estimates keep being refreshed; the
@@ -360,8 +360,9 @@ class Controller:
         return self.pass_cost(self._others()[1] + 1)
 
     def observe_cost(self, n: int, seconds: float) -> None:
-        """A timed forward pass of ``n`` tokens (1 = a plain step) at the current context."""
-        if self.learn_costs and self.cost is not None:
+        """A timed forward pass of ``n`` tokens (1 = a plain step) at the current context. Not while
+        batched: the pass carried other sequences' rows too, and waited for them."""
+        if self.learn_costs and self.cost is not None and self._batch is None:
             self.cost.observe(n, seconds, self.context)
 
     @property

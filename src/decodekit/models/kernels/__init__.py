@@ -1,6 +1,6 @@
 """Compiled kernels for what torch does slowly or inconsistently here, built on first use.
 
-* ``gemm.c``: a float32 or bfloat16 weight matrix (or GGUF Q4_1 / Q8_0 blocks, rebuilt in
+* ``gemm.c``: a float32 or bfloat16 weight matrix (or GGUF blocks of the types in :data:`EXACT_BLOCK_KINDS`, rebuilt in
   float32 on the fly) times a few rows, what a decode step (one row)
   or a verification pass (a few) spends most of its time on. Measured on this project's AMD EPYC
   machine (``torch.nn.functional.linear``, i.e. oneDNN, in the same run; medians of 20): the
@@ -235,7 +235,6 @@ def pack_integer_blocks(kind: str, blocks: torch.Tensor, n_in: int) -> torch.Ten
     return packed
 
 
-@cache
 def integer_block_rows(kind: str, packed: torch.Tensor, rows: torch.Tensor, n_in: int) -> torch.Tensor:
     """Rows ``rows`` of a matrix packed by :func:`pack_integer_blocks`, as float32 ``[len(rows), n_in]``:
     bit for bit the GGUF file's dequantised rows (an embedding table tied to its output head)."""
@@ -606,6 +605,8 @@ def decoder_layers(
     lib = _library("forward")
     if lib is None:
         return None
+    if window and int8_cache is not None:  # forward.c's window offset counts rows of head_dim model-dtype values
+        raise ValueError("decoder layers kernel: sliding windows over the int8 cache are not supported")
     fn = lib.decodekit_decoder_layers_batch
     fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
     fn.restype = ctypes.c_int

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "gguf.h"
+
 /* Each weight format says where row r starts (P_row) and how to load the weights of a row as the
  * vectors its multiply-accumulate takes: P_at fills P_STEP vectors with the weights
  * [i, i + P_STEP * lanes) (a GGUF block's 32 weights are rebuilt together, sharing its scales),
@@ -69,12 +71,11 @@ static inline uint16_t bf16_out(float s) {
  * float32 vectors (weights 0-15, then 16-31: the float32 kernel's order). */
 #define q4_1_STEP 2
 #define q8_0_STEP 2
-static inline float half_at(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
 
 static inline const uint8_t *q4_1_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * 20; }
 static inline void q4_1_block(const uint8_t *block, __m512 *out) {
     __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 4)));
-    __m512 d = _mm512_set1_ps(half_at(block)), m = _mm512_set1_ps(half_at(block + 2));
+    __m512 d = _mm512_set1_ps(half_to_float(block)), m = _mm512_set1_ps(half_to_float(block + 2));
     out[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f))), d, m);
     out[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
 }
@@ -82,7 +83,7 @@ static inline void q4_1_at(const uint8_t *row, int i, __m512 *out) { q4_1_block(
 
 static inline const uint8_t *q8_0_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * 34; }
 static inline void q8_0_block(const uint8_t *block, __m512 *out) {
-    __m512 d = _mm512_set1_ps(half_at(block));
+    __m512 d = _mm512_set1_ps(half_to_float(block));
     out[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 2)))), d);
     out[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 18)))), d);
 }
@@ -110,7 +111,7 @@ static inline void q5_0_block_at(const uint8_t *block, __m512 *out) {
     __m512i one = _mm512_set1_epi32(1), sixteen = _mm512_set1_epi32(16), low = _mm512_set1_epi32(0x0f);
     __m512i h0 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(bits, lanes), one), 4);
     __m512i h1 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(bits, _mm512_add_epi32(lanes, sixteen)), one), 4);
-    __m512 d = _mm512_set1_ps(half_at(block));
+    __m512 d = _mm512_set1_ps(half_to_float(block));
     __m512i q0 = _mm512_sub_epi32(_mm512_or_si512(_mm512_and_si512(bytes, low), h0), sixteen);
     __m512i q1 = _mm512_sub_epi32(_mm512_or_si512(_mm512_srli_epi32(bytes, 4), h1), sixteen);
     out[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d);
@@ -131,21 +132,11 @@ static inline const uint8_t *q4_k_row(const uint8_t *w, int r, int n_in) { retur
 static inline const uint8_t *q5_k_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 256) * 176; }
 static inline const uint8_t *q6_k_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 256) * 210; }
 
-/* Sub-block j's 6-bit scale and minimum from the 12 packed bytes (ggml's get_scale_min_k4). */
-static inline void k_scale_min(const uint8_t *q, int j, int *scale, int *min) {
-    if (j < 4) {
-        *scale = q[j] & 63, *min = q[j + 4] & 63;
-    } else {
-        *scale = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
-        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
 /* 32 weights q (as int32 in two vectors) -> (d * s) * q - dmin * m, for sub-block j of a Q4_K / Q5_K block. */
 static inline void k_rebuild(const uint8_t *block, int j, __m512i q0, __m512i q1, __m512 *out) {
     int scale, min;
     k_scale_min(block + 4, j, &scale, &min);
-    __m512 d = _mm512_set1_ps(half_at(block) * (float)scale), m = _mm512_set1_ps(-(half_at(block + 2) * (float)min));
+    __m512 d = _mm512_set1_ps(half_to_float(block) * (float)scale), m = _mm512_set1_ps(-(half_to_float(block + 2) * (float)min));
     out[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), d, m);
     out[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), d, m);
 }
@@ -177,7 +168,7 @@ static inline void q6_k_block_at(const uint8_t *block, int i, __m512 *out) {
     int c = (i % 256) / 32, h = c / 4, u = c % 4;  /* chunk c: half h, quarter u of it */
     const uint8_t *ql = block + 64 * h + 32 * (u & 1), *qh = block + 128 + 32 * h;
     const int8_t *scales = (const int8_t *)(block + 192) + 2 * c;
-    float d = half_at(block + 208);
+    float d = half_to_float(block + 208);
     for (int s = 0; s < 2; s++) {
         __m512i high = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16 * s)));
         high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(high, 2 * u), _mm512_set1_epi32(3)), 4);

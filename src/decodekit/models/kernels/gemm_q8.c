@@ -9,8 +9,8 @@
  * 32 inputs, the 16 rows' 4-byte slices k = 4g..4g+3 side by side in one 64-byte vector, so one
  * vpdpbusd multiplies 16 rows by 4 inputs of one input row (broadcast) with no horizontal sums.
  * Every weight is s * (u - z) + n with an unsigned integer u (the vpdpbusd operand as it is): a
- * Q8_0 weight d * q is stored as q + 128 and its sum corrected by -128 * sx, exactly (Q5_0's
- * q - 16 likewise, by -16 * sx); a Q6_K
+ * Q8_0 weight d * q is stored as q + 128 and its sum corrected by -128 * sx, exactly, and Q5_0's
+ * q - 16 by -16 * sx; a Q6_K
  * weight's q - 32 likewise, by -32 times each half's sum (it has a scale per 16 weights).
  *
  * Arithmetic, for output row r and input row m (the scalar reference below spells it out, and a
@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "gguf.h"
 
 #define QK 32
 #define GROUP 16   /* output rows side by side in the packed layout */
@@ -63,22 +65,6 @@ static inline int half_scales(int kind) { return kind == KIND_Q4_1 || kind == KI
 /* Bytes of the packed form of a [n_out, n_in] matrix (what Python allocates). */
 int64_t decodekit_q8_packed_bytes(int kind, int n_out, int n_in) {
     return (int64_t)(n_out / GROUP) * (n_in / QK) * PACKED_BYTES[kind];
-}
-
-static inline float half_to_float(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-/* A K-quant sub-block's 6-bit scale and minimum (ggml's get_scale_min_k4). */
-static inline void k_scale_min(const uint8_t *q, int j, int *scale, int *min) {
-    if (j < 4) {
-        *scale = q[j] & 63, *min = q[j + 4] & 63;
-    } else {
-        *scale = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
-        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
 }
 
 /* Sub-block b (weights 32 b .. 32 b + 31) of a row of file blocks, decoded: u[32], and the scales
