@@ -149,6 +149,8 @@ def test_a_tied_head_on_blocks_replaces_the_float32_embedding_bit_for_bit():
     for token in (3, 7, 11):
         step = torch.tensor([[token]])
         assert torch.equal(plain.append(step).logits, on_blocks.append(step).logits)
+    with pytest.raises(IndexError, match="out of range"):  # never a row read from outside the table
+        on_blocks.weights.embedding(torch.tensor([[96]]))
 
 
 def test_matching_blocks_finds_the_row_order_or_declines():

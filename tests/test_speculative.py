@@ -404,6 +404,10 @@ def test_in_a_full_batch_the_controller_weighs_everyone_and_drafts_less():
     assert len(batched.select(chain_tree(6))) == 0
     batcher._last_batch = {id(me): 1, 0: 1}  # one other sequence: rows are cheap again
     assert len(batched.select(chain_tree(6))) == 6
+    learning = Controller(16, cost_table=CostTable(costs))
+    learning.learn_costs, learning._batch = True, batched._batch
+    learning.observe_cost(1, 5.0)  # a batched pass's time is not one sequence's cost
+    assert learning.pass_cost(1) == 1.0
 
 
 def test_controller_learns_acceptance_per_depth():
