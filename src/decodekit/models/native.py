@@ -198,11 +198,12 @@ class Projection:
             self.kernel = (self.few_rows.address, weight, weight.shape[0], weight.shape[1])
         kernel = block_matmul(blocks.kind) if blocks is not None and weight.dtype == torch.float32 else None
         if kernel is not None:
-            data, n_in, self.on_blocks = blocks.data, blocks.n_in, True
+            data, kind, n_in, self.on_blocks = blocks.data, blocks.kind, blocks.n_in, True
             self._rows = lambda rows: blocks.take(rows).dequantize()
-            if blocks.shape[0] % 4 == 0 and block_matmul(blocks.kind, interleaved=True):  # four rows a stream (gemm.c)
-                data, kernel = blocks.interleaved(), block_matmul(blocks.kind, interleaved=True)
-                self._rows = lambda rows: BlockMatrix.from_interleaved(blocks.kind, data, rows, n_in).dequantize()
+            if blocks.shape[0] % 4 == 0 and block_matmul(kind, interleaved=True):  # four rows a stream (gemm.c)
+                data, kernel = blocks.interleaved(), block_matmul(kind, interleaved=True)
+                # (naming only the interleaved copy: the file's layout is not kept beside it)
+                self._rows = lambda rows: BlockMatrix.from_interleaved(kind, data, rows, n_in).dequantize()
             self.few_rows = lambda weight, x: kernel(data, x, n_in)
             self.kernel = (kernel.address, data, weight.shape[0], n_in)
         if blocks_only:  # no float32 weights to fall back on: every pass streams the blocks
