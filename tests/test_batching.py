@@ -46,12 +46,12 @@ def concurrently(model, batcher: PassBatcher, cases) -> list:
     return got, threads
 
 
-@pytest.mark.parametrize("numerics", NUMERICS)
-def test_each_request_gets_its_own_tokens_in_a_shared_batch(numerics):
-    model = base(numerics)
-    alone = [generate(model.clone(), case) for case in CASES]
+def assert_batched_as_alone(model, cases) -> None:
+    """The cases run concurrently on clones of ``model`` give each case the tokens it gets alone,
+    in passes that were shared."""
+    alone = [generate(model.clone(), case) for case in cases]
     batcher = PassBatcher()
-    got, threads = concurrently(model, batcher, CASES)
+    got, threads = concurrently(model, batcher, cases)
     for t in threads:
         t.join()
     assert got == alone
@@ -59,31 +59,22 @@ def test_each_request_gets_its_own_tokens_in_a_shared_batch(numerics):
 
 
 @pytest.mark.parametrize("numerics", NUMERICS)
+def test_each_request_gets_its_own_tokens_in_a_shared_batch(numerics):
+    assert_batched_as_alone(base(numerics), CASES)
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
 def test_gemma3_requests_get_their_own_tokens_in_a_shared_batch(numerics):
     """Gemma 3's sliding-window layers in a batch: each sequence's window is its own."""
-    model = tiny_gemma3(seed=2, sliding_window=8, numerics=numerics)
-    alone = [generate(model.clone(), case) for case in CASES]
-    batcher = PassBatcher()
-    got, threads = concurrently(model, batcher, CASES)
-    for t in threads:
-        t.join()
-    assert got == alone
-    assert batcher.rows > batcher.passes
+    assert_batched_as_alone(tiny_gemma3(seed=2, sliding_window=8, numerics=numerics), CASES)
 
 
 @pytest.mark.parametrize("cache", ["int8", "sink:4,window:24,every:4", "snapkv:budget=40,window=8"])
 def test_a_compressed_cache_gives_the_same_tokens_alone_and_batched(cache):
     """The int8 and evicting caches under batching: each request keeps its own policy's entries, and
     its tokens do not depend on the batch."""
-    model = base("exact").with_kv_cache(cache)
     cases = [c for c in CASES if c[1] != "lookahead"]  # lookahead verifies windows of several branches
-    alone = [generate(model.clone(), case) for case in cases]
-    batcher = PassBatcher()
-    got, threads = concurrently(model, batcher, cases)
-    for t in threads:
-        t.join()
-    assert got == alone
-    assert batcher.rows > batcher.passes
+    assert_batched_as_alone(base("exact").with_kv_cache(cache), cases)
 
 
 def test_passes_can_run_on_the_callers_thread():

@@ -9,6 +9,7 @@ import torch
 from decodekit.engine import Engine
 from decodekit.errors import InvalidParameter
 from decodekit.models import LoadedModel, kernels
+from decodekit.models.backend import tree_ancestor_mask
 from decodekit.models.gemma3 import Gemma3Config
 from decodekit.models.tiny import tiny_gemma3, tiny_gemma3_hf_config, tiny_gemma3_hf_model
 from decodekit.models.tokenizer import CharTokenizer
@@ -55,24 +56,17 @@ def test_the_window_matters():
     assert not torch.allclose(a[8:], b[8:], atol=1e-3)
 
 
-def path_to(node: int, parents: list[int]) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
-
-
 def test_tree_nodes_are_bit_identical_to_one_token_steps_across_the_window():
     backend = tiny_gemma3(seed=1, sliding_window=8)
     context, node_tokens = tokens(20), tokens(9, seed=7)[0]
     parents = [-1, 0, 0, 1, 2, 4, 5, 6, 3]  # paths deeper than the window's reach from the context
     backend.append(context)
     tree = backend.verify_tree(node_tokens, parents).logits[0]
+    on_path = tree_ancestor_mask(parents)  # row i: node i and its ancestors, root first in index order
     for node in range(len(parents)):
         backend.reset()
         backend.append(context)
-        for token in node_tokens[path_to(node, parents)]:
+        for token in node_tokens[on_path[node]]:
             step = backend.append(token.view(1, 1)).logits[0, -1]
         assert torch.equal(step, tree[node]), node
 

@@ -356,29 +356,18 @@ static void run(group_fn group, int packed_size, const uint8_t *packed, const fl
     quantised_free(&in);
 }
 
-void decodekit_q8_q4_1(const uint8_t *packed, const float *x, float *y, int M, int n_out, int n_in, int threads) {
-    run(q4_1_group, Q4_1_PACKED, packed, x, y, M, n_out, n_in, threads);
-}
-
-void decodekit_q8_q8_0(const uint8_t *packed, const float *x, float *y, int M, int n_out, int n_in, int threads) {
-    run(q8_0_group, Q8_0_PACKED, packed, x, y, M, n_out, n_in, threads);
-}
-
-void decodekit_q8_q4_k(const uint8_t *packed, const float *x, float *y, int M, int n_out, int n_in, int threads) {
-    run(q4_k_group, Q4_K_PACKED, packed, x, y, M, n_out, n_in, threads);
-}
-
-void decodekit_q8_q5_k(const uint8_t *packed, const float *x, float *y, int M, int n_out, int n_in, int threads) {
-    run(q5_k_group, WIDE_PACKED, packed, x, y, M, n_out, n_in, threads);
-}
-
-void decodekit_q8_q5_0(const uint8_t *packed, const float *x, float *y, int M, int n_out, int n_in, int threads) {
-    run(q5_0_group, Q5_0_PACKED, packed, x, y, M, n_out, n_in, threads);
-}
-
-void decodekit_q8_q6_k(const uint8_t *packed, const float *x, float *y, int M, int n_out, int n_in, int threads) {
-    run(q6_k_group, WIDE_PACKED, packed, x, y, M, n_out, n_in, threads);
-}
+/* The entry points, one per kind: decodekit_q8_q4_1, ..._q8_0, ..._q4_k, ..._q5_k, ..._q6_k, ..._q5_0. */
+#define DEFINE_ENTRY(NAME, KIND)                                                                    \
+    void decodekit_q8_##NAME(const uint8_t *packed, const float *x, float *y, int M, int n_out, int n_in, \
+                             int threads) {                                                          \
+        run(NAME##_group, PACKED_BYTES[KIND], packed, x, y, M, n_out, n_in, threads);                \
+    }
+DEFINE_ENTRY(q4_1, KIND_Q4_1)
+DEFINE_ENTRY(q8_0, KIND_Q8_0)
+DEFINE_ENTRY(q4_k, KIND_Q4_K)
+DEFINE_ENTRY(q5_k, KIND_Q5_K)
+DEFINE_ENTRY(q6_k, KIND_Q6_K)
+DEFINE_ENTRY(q5_0, KIND_Q5_0)
 
 /* Rows `rows[0..n)` of a packed matrix as float32 weights (out [n][n_in]): s * (u - z) + n, the
  * GGUF dequantisation's arithmetic (its one rounding, where it has one), so each row is bit for bit
