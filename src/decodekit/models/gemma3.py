@@ -40,7 +40,6 @@ from .native import (
 )
 
 
-
 @dataclass(frozen=True)
 class Gemma3Config(LlamaConfig):
     query_scale: float = 1.0

@@ -91,7 +91,7 @@ class BlockMatrix:
         return self.data.view(rows // 4, 4, blocks, BLOCK_BYTES[self.kind]).transpose(1, 2).contiguous().view(rows, -1)
 
     def take(self, rows: torch.Tensor) -> "BlockMatrix":
-        """Rows ``rows`` (an index tensor) of this matrix, as blocks."""
+        """Rows ``rows`` (an index tensor, e.g. a reordering) of this matrix, as blocks."""
         return BlockMatrix(self.kind, self.data[rows.reshape(-1)], self.n_in)
 
     @classmethod
@@ -100,9 +100,6 @@ class BlockMatrix:
         rows = rows.reshape(-1)
         blocks = data.view(data.shape[0] // 4, n_in // BLOCK_WEIGHTS[kind], 4, BLOCK_BYTES[kind])
         return cls(kind, blocks[rows // 4, :, rows % 4].reshape(rows.numel(), -1), n_in)
-
-    def select_rows(self, order: torch.Tensor) -> "BlockMatrix":
-        return BlockMatrix(self.kind, self.data[order].contiguous(), self.n_in)
 
     @staticmethod
     def stack(parts: list["BlockMatrix"]) -> "BlockMatrix | None":
@@ -254,7 +251,7 @@ def matching_blocks(parts: list[BlockMatrix | None], weight: torch.Tensor, row_o
     for part in parts:
         target = weight[start : start + part.shape[0]]
         start += part.shape[0]
-        reordered = (part.select_rows(order(part.shape[0])) for order in row_orders)  # only if needed
+        reordered = (part.take(order(part.shape[0])) for order in row_orders)  # only if needed
         candidates = itertools.chain([part], reordered)
         match = next((c for c in candidates if torch.equal(c.dequantize(), target)), None)
         if match is None:

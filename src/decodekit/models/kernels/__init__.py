@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from ..cache import cache_root, cached_file
+from ..gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS
 
 MAX_ROWS = 64  # passes of up to this many tokens use the kernels
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-lm"]
@@ -143,7 +144,7 @@ def few_rows_matmul(dtype: torch.dtype = torch.float32) -> MatmulKernel | None:
     return matmul
 
 
-EXACT_BLOCK_KINDS = ("q4_1", "q8_0", "q5_0", "q4_k", "q5_k", "q6_k")  # gemm.c's block formats, each also interleaved
+EXACT_BLOCK_KINDS = tuple(BLOCK_BYTES)  # gemm.c reads every type gguf_blocks reads, each also interleaved
 
 
 @cache
@@ -204,8 +205,6 @@ def integer_peak_loop() -> Callable[[int, int], int] | None:
 
 
 INTEGER_KINDS = {"q4_1": 0, "q8_0": 1, "q4_k": 2, "q6_k": 3, "q5_k": 4, "q5_0": 5}  # gemm_q8.c's kind numbers
-FILE_BLOCKS = {"q4_1": (20, 32), "q8_0": (34, 32), "q4_k": (144, 256), "q6_k": (210, 256), "q5_k": (176, 256),
-               "q5_0": (22, 32)}  # bytes and weights a block
 INTEGER_GROUP = 16  # output rows packed side by side (gemm_q8.c's GROUP)
 
 
@@ -255,7 +254,7 @@ def _check_integer_operands(kind: str, blocks: torch.Tensor, x: torch.Tensor, n_
     """What ``gemm_q8.c`` relies on: rows of ``n_in`` values, a multiple of the block's weights,
     against contiguous uint8 blocks (as the file has them, or ``packed``) of the right width, a
     multiple of 16 rows."""
-    size, weights = FILE_BLOCKS[kind]
+    size, weights = BLOCK_BYTES[kind], BLOCK_WEIGHTS[kind]
     if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] != n_in or n_in % weights:
         raise ValueError(f"integer matmul: inputs [rows, {n_in}] with {n_in} a multiple of {weights}, got {tuple(x.shape)}")
     width = _packed_width(kind, n_in) if packed else n_in // weights * size
