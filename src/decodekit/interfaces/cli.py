@@ -1,4 +1,5 @@
-"""The ``decodekit`` command line: generate, chat, models, methods, bench, profile, eval, serve, bench-serve."""
+"""The ``decodekit`` command line: generate, chat, models, methods, bench, profile, eval, serve, bench-serve,
+train-drafter."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ..serve import load as bench_serve_cli
 from ..engine import available_methods, build_decoder, make_sampler, method_spec, split_params
 from ..errors import DecodeKitError, InvalidParameter
 from ..eval import cli as eval_cli
+from ..speculative.trained import cli as train_drafter_cli
 from ..models.kv_policy import POLICY_HELP, parse_kv_cache
 from ..options import OptionSpec, parse_option
 from ..samplers import SAMPLER_OPTIONS
@@ -25,7 +27,7 @@ from ..samplers import SAMPLER_OPTIONS
 SAMPLER_FLAGS: dict[str, OptionSpec] = {name: spec for name, spec in SAMPLER_OPTIONS.items() if name != "greedy"}
 
 #: Subcommands that live with their feature: modules exposing add_parser(subparsers).
-PLUGIN_COMMANDS = (bench_cli, profile_cli, eval_cli, serve_cli, bench_serve_cli)
+PLUGIN_COMMANDS = (bench_cli, profile_cli, eval_cli, serve_cli, bench_serve_cli, train_drafter_cli)
 
 #: What leaves ``decodekit chat`` (besides Ctrl-D).
 CHAT_EXIT = ("/exit", "/quit", "exit", "quit")

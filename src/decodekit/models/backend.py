@@ -40,10 +40,14 @@ class StepOutput:
     ``logits`` is float32 ``[B, k, V]``: row b, position i predicts the token after the
     i-th new token. ``hidden`` maps a layer index ``l`` (0 = embeddings, ``num_layers`` =
     last decoder layer, before the final norm) to ``[B, k, D]`` states, when requested.
+    ``features`` is the final norm's output ``[B, k, D]`` (the output head's input) at every new
+    position, ``last_only`` or not, where the backend has it for free (the native backend); trained
+    drafters (EAGLE, Medusa) read it.
     """
 
     logits: torch.Tensor
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    features: torch.Tensor | None = None
 
 
 def tree_depths(parents: Sequence[int]) -> list[int]:
@@ -91,6 +95,12 @@ class Backend(ABC):
     #: The token ids the cache holds from the last request, when whoever ran it says so (the
     #: server does): a next prompt that starts the same way re-reads only the rest (:meth:`prefill`).
     kept_ids: list[int] | None = None
+    #: The files the weights were read from (a GGUF file or safetensors), set by the loader; what
+    #: a trained drafter's record of its target is checked against. Empty for models built in memory.
+    weights_files: tuple = ()
+    #: :attr:`StepOutput.features` of the latest pass (``append``, ``step`` or ``verify_tree``),
+    #: or None where the backend does not produce them.
+    last_features: torch.Tensor | None = None
 
     def reuses_prefix(self) -> bool:
         """Whether reading a prompt's rest after a cached prefix gives the same bits as reading the
@@ -182,6 +192,7 @@ class Backend(ABC):
         visible, positions = tree_layout(start, parents)
         out = self._run_tree(tokens.view(1, -1), positions + (position - start), visible)
         self._pending_tree = start
+        self.last_features = out.features
         return out
 
     @torch.inference_mode()
@@ -236,6 +247,17 @@ class Backend(ABC):
         twin.__dict__["_memory"] = {}
         twin.reset(1)
         return twin
+
+    # What trained drafters read from their target (EAGLE's token embeddings, a reduced output head).
+
+    def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start for ``tokens`` (any shape): float32 ``[*tokens.shape, D]``."""
+        raise InvalidParameter(f"trained drafters need the native backend, not {self.info.architecture}")
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the output head, float32 ``[len(ids), D]`` (the logits of those tokens
+        are the features times these rows)."""
+        raise InvalidParameter(f"trained drafters need the native backend, not {self.info.architecture}")
 
     def truncated(self, num_layers: int) -> "Backend":
         """A backend running this model's first ``num_layers`` decoder layers (then the final norm

@@ -62,7 +62,7 @@ class _Pass:
     last_only: bool
     model: object  # passes of the same model (the same layer kernels) can share a batch
     arrived: float = field(default_factory=time.perf_counter)
-    logits: torch.Tensor | None = None
+    output: tuple[torch.Tensor, torch.Tensor] | None = None  # logits, features
     error: BaseException | None = None
     done: bool = False
 
@@ -110,8 +110,9 @@ class PassBatcher:
         return len(last) - mine, sum(last.values()) - last.get(id(backend), 0)
 
     def run(self, backend: "NativeLlama", tokens: torch.Tensor, positions: torch.Tensor,
-            visible: torch.Tensor | None, start: int, last_only: bool) -> torch.Tensor:
-        """Logits ``[k, V]`` (``[1, V]`` with ``last_only``) of one sequence's pass, run with the others'."""
+            visible: torch.Tensor | None, start: int, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[k, V]`` (``[1, V]`` with ``last_only``) and features ``[k, D]`` of one
+        sequence's pass, run with the others'."""
         job = _Pass(backend, tokens, positions, visible, start, last_only, backend.batch_key)
         with self._cond:
             if self._thread is None and self.own_thread:
@@ -123,8 +124,8 @@ class PassBatcher:
                 self._cond.wait()
         if job.error is not None:
             raise job.error
-        assert job.logits is not None
-        return job.logits
+        assert job.output is not None
+        return job.output
 
     def serve(self, until: threading.Event) -> None:
         """Run the passes on the calling thread until ``until`` is set (a batcher made with
@@ -174,8 +175,8 @@ class PassBatcher:
     def _execute(self, batch: list[_Pass]) -> None:
         try:
             outputs = batch[0].backend.forward_batch(batch)
-            for job, logits in zip(batch, outputs):
-                job.logits = logits
+            for job, output in zip(batch, outputs):
+                job.output = output
         except BaseException as err:  # every waiting request hears of it
             for job in batch:
                 job.error = err

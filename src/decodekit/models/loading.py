@@ -276,7 +276,7 @@ def build_backend(
             raise InvalidParameter(f"kv cache {policy.spec} runs on the native backend only (this model uses the HF backend)")
         from .hf import HFBackend
 
-        return HFBackend.from_folder(folder, dtype=dtype)
+        return _with_files(HFBackend.from_folder(folder, dtype=dtype), folder, gguf)
     config_class, backend_class = native_model_classes(arch)
     try:
         native_config = config_class.from_hf(config)
@@ -292,10 +292,18 @@ def build_backend(
         check_unread_weights(gguf, blocks.unread)
     state = load_state_dict(folder)
     try:
-        return backend_class(native_config, state, dtype=dtype, name=folder.name, gguf_blocks=blocks,
-                             numerics=numerics, kv_cache=policy)
+        built = backend_class(native_config, state, dtype=dtype, name=folder.name, gguf_blocks=blocks,
+                              numerics=numerics, kv_cache=policy)
     except KeyError as err:
         raise InvalidModel(f"{folder}: the weights have no tensor {err.args[0]!r}") from err
+    return _with_files(built, folder, gguf)
+
+
+def _with_files(backend: Backend, folder: Path, gguf: Path | None) -> Backend:
+    """Record where the weights came from: the GGUF file where there is one (a dequantised folder is
+    a copy of it), else the folder's safetensors."""
+    backend.weights_files = (gguf,) if gguf is not None else tuple(sorted(folder.glob("*.safetensors")))
+    return backend
 
 
 def check_unread_weights(gguf: Path, unread: dict[str, tuple[str, int]]) -> None:

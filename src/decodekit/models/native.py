@@ -522,6 +522,7 @@ class NativeLlama(Backend):
         if batch_size != 1 and self.kv_policy.one_sequence():
             raise InvalidParameter(f"kv cache {self.kv_policy.spec} holds one sequence; this method needs {batch_size}")
         self.kept_ids = None
+        self.last_features = None
         self._length = self._slots = 0
         self._tail_from = 0  # tokens from here on sit in the last slots, in order (rollback reaches that far)
         self._first_pass = True
@@ -633,6 +634,7 @@ class NativeLlama(Backend):
             out = self._append(tokens, hidden_layers, skip_layers, last_only, observed > 0)
         if policy.compress_after(self._slots, first):
             self._compact()
+        self.last_features = out.features
         return out
 
     def _append(self, tokens: torch.Tensor, hidden_layers, skip_layers, last_only: bool, observe: bool) -> StepOutput:
@@ -824,8 +826,8 @@ class NativeLlama(Backend):
         """``causal``: ``mask`` is plain causal attention over the new tokens after the cache."""
         if self._batched(tokens, hidden_layers, skip_layers):
             self._ensure_capacity(self._slots + tokens.shape[1])
-            logits = self.batcher.run(self, tokens[0], positions, mask, self._slots, last_only)
-            return StepOutput(logits=logits[None])
+            logits, features = self.batcher.run(self, tokens[0], positions, mask, self._slots, last_only)
+            return StepOutput(logits=logits[None], features=features[None])
         # the kernels' thread count for this pass; one-token passes are timed for the governor
         with GOVERNOR.governed(self.info.name, timed=tokens.numel() == 1 and not skip_layers):
             c, w = self.config, self.weights
@@ -859,9 +861,10 @@ class NativeLlama(Backend):
             return self._logits(x, pending, ops, last_only, hidden)
 
     @torch.inference_mode()
-    def forward_batch(self, passes: list) -> list[torch.Tensor]:
+    def forward_batch(self, passes: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Run the waiting passes of several clones of this model (:class:`.batching.PassBatcher`)
-        as one: returns each pass's logits ``[k, V]`` (``[1, V]`` where it wants the last only)."""
+        as one: returns each pass's logits ``[k, V]`` (``[1, V]`` where it wants the last only)
+        and features ``[k, D]``."""
         with GOVERNOR.governed(self.info.name, timed=False):
             w = self.weights
             x = self._embed(torch.cat([p.tokens for p in passes]))
@@ -874,7 +877,7 @@ class NativeLlama(Backend):
             wanted = [list(range(end - 1, end)) if p.last_only else list(range(end - len(p.tokens), end))
                       for p, end in zip(passes, ends)]
             logits = self._head(h[[i for rows in wanted for i in rows]])
-            return list(logits.split([len(rows) for rows in wanted]))
+            return list(zip(logits.split([len(rows) for rows in wanted]), h.split([len(p.tokens) for p in passes])))
 
     def _layer(self, i: int, layer: dict, x: torch.Tensor, pending: torch.Tensor | None, positions: torch.Tensor,
                mask: torch.Tensor | None, start: int, ops, causal: bool) -> torch.Tensor:
@@ -889,16 +892,21 @@ class NativeLlama(Backend):
         gate, up = gate_up.chunk(2, dim=-1)
         return layer["down"](F.silu(gate) * up)
 
+    def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._embed(tokens).float()
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weights.lm_head.weight_rows(ids).float()
+
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The residual stream's start: a fresh tensor, updated in place by the layers."""
         return self.weights.embedding(tokens)
 
     def _logits(self, x: torch.Tensor, pending: torch.Tensor | None, ops, last_only: bool, hidden: dict) -> StepOutput:
         w = self.weights
-        h = self._add_norm(x, pending, w.final_norm, ops)
-        if last_only:
-            h = h[:, -1:]
-        return StepOutput(logits=self._head(h), hidden=hidden)
+        features = self._add_norm(x, pending, w.final_norm, ops)
+        h = features[:, -1:] if last_only else features
+        return StepOutput(logits=self._head(h), hidden=hidden, features=features)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (float32) from the final norm's output."""
@@ -995,4 +1003,5 @@ def _joined(parts: list[StepOutput], last_only: bool) -> StepOutput:
     else:
         logits = torch.cat([p.logits for p in parts], dim=1)
     hidden = {layer: torch.cat([p.hidden[layer] for p in parts], dim=1) for layer in parts[-1].hidden}
-    return StepOutput(logits=logits, hidden=hidden)
+    features = None if any(p.features is None for p in parts) else torch.cat([p.features for p in parts], dim=1)
+    return StepOutput(logits=logits, hidden=hidden, features=features)

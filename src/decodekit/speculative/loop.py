@@ -48,8 +48,8 @@ class SpeculativeMethod(StepMethod):
         self.name = drafter.name
 
     def begin(self, state: DecodeState) -> None:
+        self.drafter.begin(state)  # first: it may read what prefill left in the backend (trained drafters' features)
         self.controller.begin(state.backend, self.drafter.name)
-        self.drafter.begin(state)
         self.verifier = self.fixed_verifier or make_verifier(state)
         self.verifications = self.accepted = self.drafted = self.plain_steps = 0
         self.draft_s = self.verify_s = 0.0

@@ -42,4 +42,4 @@ def register_drafter(name: str, description: str, *, stochastic: bool = False,
 __all__ = ["DRAFTER_SPECS", "Drafter", "DrafterSpec", "register_drafter"]
 
 # Each module registers its drafters on import.
-from . import ngram, suffix, recycling, lookahead, hierarchy, layerskip, draft_model, kvdraft, bandit  # noqa: E402,F401
+from . import ngram, suffix, recycling, lookahead, hierarchy, layerskip, draft_model, kvdraft, bandit, medusa, eagle  # noqa: E402,F401

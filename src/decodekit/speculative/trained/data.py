@@ -1,0 +1,228 @@
+"""Training data from the target alone: self-distillation with Magpie prompts.
+
+Magpie (Xu et al., 2024, "Magpie: Alignment Data Synthesis from Scratch by Prompting Aligned LLMs
+with Nothing"): given only its chat template up to an empty user turn, an aligned model writes a
+plausible user query. The target writes the queries (sampled, temperature 1, as Magpie), they are
+de-duplicated and checked against the benchmark questions, and the target answers them (most
+greedily, every ``sampled_every``-th one sampled), so the drafter learns the target's own outputs.
+Every position's feature (the final norm's output) is recorded as the tokens are generated: the
+training needs no second pass over the target.
+
+The benchmark questions the project measures on (the shipped Spec-Bench and GSM8K files) never
+reach the training data: a query whose normalised text, or any run of 8 of its words, matches one of
+theirs is dropped, and :func:`check_excluded` asserts it on the finished set by hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from ...data import GSM8K_TEST, SPEC_BENCH_QUESTIONS, data_file, read_jsonl
+from ...errors import InvalidParameter
+from ...models.backend import Backend
+from ...models.tokenizer import Tokenizer
+
+QUERY_MARK = "\x00QUERY\x00"
+SHINGLE = 8  # words
+
+
+@dataclass
+class Sample:
+    """One self-distilled conversation: template + query + the target's answer."""
+
+    tokens: list[int]
+    scored_from: int  # the query's first position: the shared template before it is not scored
+    features: torch.Tensor  # [len(tokens), D] float16, the target's feature at every position
+    query: str = ""
+
+
+@dataclass
+class Corpus:
+    samples: list[Sample] = field(default_factory=list)
+    queries_drafted: int = 0  # queries the target wrote, before de-duplication and checks
+    seconds: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.samples)
+
+
+# The benchmark questions, kept out ---------------------------------------------------------------------
+
+
+def normalised(text: str) -> str:
+    return " ".join(re.findall(r"\w+", text.lower()))
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def shingles(text: str) -> set[str]:
+    """Hashes of every run of :data:`SHINGLE` consecutive words (the whole text if shorter)."""
+    words = normalised(text).split()
+    runs = [words] if len(words) < SHINGLE else [words[i : i + SHINGLE] for i in range(len(words) - SHINGLE + 1)]
+    return {_digest(" ".join(run)) for run in runs if run}
+
+
+def benchmark_questions() -> list[str]:
+    """Every question text of the shipped benchmark files (Spec-Bench turns, GSM8K problems)."""
+    texts: list[str] = []
+    for _, row in read_jsonl(data_file(SPEC_BENCH_QUESTIONS)):
+        texts.extend(str(turn) for turn in row.get("turns", []))
+    for _, row in read_jsonl(data_file(GSM8K_TEST)):
+        texts.append(str(row.get("question", "")))
+    return [t for t in texts if t.strip()]
+
+
+class Exclusion:
+    """The benchmark questions as hashes: whole normalised texts and 8-word runs."""
+
+    def __init__(self, questions: Iterable[str] | None = None):
+        questions = benchmark_questions() if questions is None else list(questions)
+        self.texts = {_digest(normalised(q)) for q in questions}
+        self.runs: set[str] = set().union(*(shingles(q) for q in questions)) if questions else set()
+
+    def overlaps(self, text: str) -> bool:
+        return _digest(normalised(text)) in self.texts or not self.runs.isdisjoint(shingles(text))
+
+
+def check_excluded(corpus: Corpus, exclusion: Exclusion) -> None:
+    """Assert that no training query is, or shares an 8-word run with, a benchmark question."""
+    leaked = [s.query for s in corpus.samples if exclusion.overlaps(s.query)]
+    if leaked:
+        raise AssertionError(f"{len(leaked)} training queries overlap the benchmark questions, e.g. {leaked[0]!r}")
+
+
+# Generation on the target ----------------------------------------------------------------------------------
+
+
+def pre_query(tokenizer: Tokenizer) -> list[int]:
+    """The chat template up to an empty user turn's content (Magpie's pre-query template)."""
+    text = tokenizer.chat_prompt([{"role": "user", "content": QUERY_MARK}])
+    prefix = text.split(QUERY_MARK)[0] if text and QUERY_MARK in text else ""
+    return list(tokenizer.prompt_prefix) + tokenizer.encode(prefix)
+
+
+def chat_ids(tokenizer: Tokenizer, query: str) -> tuple[list[int], int]:
+    """A query's prompt ids and where the query starts in them."""
+    head = pre_query(tokenizer)
+    text = tokenizer.chat_prompt([{"role": "user", "content": query}])
+    ids = list(tokenizer.prompt_prefix) + tokenizer.encode(text if text is not None else query)
+    start = len(head) if ids[: len(head)] == head else 0
+    return ids, start
+
+
+def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    if temperature <= 0 or generator is None:
+        return logits.argmax(-1)
+    return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)[:, 0]
+
+
+@torch.inference_mode()
+def draft_queries(backend: Backend, tokenizer: Tokenizer, rows: int, max_tokens: int,
+                  generator: torch.Generator) -> list[str]:
+    """``rows`` queries sampled side by side from the pre-query template; only those the target
+    ended itself (an end-of-turn token within ``max_tokens``)."""
+    prefix = pre_query(tokenizer) or [next(iter(tokenizer.eos_token_ids))]
+    logits = backend.prefill(prefix, batch_size=rows)
+    if backend.last_features is None:
+        raise InvalidParameter(f"training a drafter needs a backend that gives features (native), not {backend.info.architecture}")
+    out: list[list[int]] = [[] for _ in range(rows)]
+    done = [False] * rows
+    for _ in range(max_tokens):
+        tokens = _choose(logits, 1.0, generator)
+        for r, token in enumerate(tokens.tolist()):
+            if not done[r]:
+                if token in tokenizer.eos_token_ids:
+                    done[r] = True
+                else:
+                    out[r].append(token)
+        if all(done):
+            break
+        logits = backend.append(tokens[:, None]).logits[:, -1]
+    return [tokenizer.decode(ids).strip() for ids, ended in zip(out, done) if ended]
+
+
+@torch.inference_mode()
+def answer(backend: Backend, tokenizer: Tokenizer, query: str, max_new_tokens: int,
+           temperature: float = 0.0, generator: torch.Generator | None = None) -> Sample:
+    """The target's answer to ``query``, with the target's feature at every position."""
+    ids, start = chat_ids(tokenizer, query)
+    backend.reset(1)
+    out = backend.append(torch.tensor([ids]), last_only=True)
+    tokens, features = list(ids), [out.features[0]]
+    logits = out.logits[:, -1]
+    for _ in range(max_new_tokens):
+        token = int(_choose(logits, temperature, generator)[0])
+        out = backend.append(torch.tensor([[token]]))
+        tokens.append(token)
+        features.append(out.features[0])
+        logits = out.logits[:, -1]
+        if token in tokenizer.eos_token_ids:
+            break
+    return Sample(tokens, start, torch.cat(features).half(), query)
+
+
+def self_distil(backend: Backend, tokenizer: Tokenizer, tokens: int, *, seed: int = 0, max_new_tokens: int = 160,
+                query_tokens: int = 64, rows: int = 16, sampled_every: int = 4,
+                exclusion: Exclusion | None = None, progress: Callable[[int], None] | None = None) -> Corpus:
+    """Queries and answers until the samples hold ``tokens`` tokens (see the module docstring)."""
+    exclusion = exclusion or Exclusion()
+    generator = torch.Generator().manual_seed(seed)
+    corpus, seen = Corpus(), set()
+    t0 = time.perf_counter()
+    while corpus.tokens < tokens:
+        drafted = draft_queries(backend, tokenizer, rows, query_tokens, generator)
+        corpus.queries_drafted += rows
+        fresh = 0
+        for query in drafted:
+            key = normalised(query)
+            if len(key.split()) < 3 or key in seen or exclusion.overlaps(query):
+                continue
+            seen.add(key)
+            fresh += 1
+            sampled = len(corpus.samples) % sampled_every == sampled_every - 1
+            sample = answer(backend, tokenizer, query, max_new_tokens, 1.0 if sampled else 0.0,
+                            generator if sampled else None)
+            corpus.samples.append(sample)
+            if progress:
+                progress(len(sample.tokens))
+            if corpus.tokens >= tokens:
+                break
+        if not fresh and corpus.queries_drafted > 50 * rows:  # the model repeats itself: stop, do not spin
+            break
+    corpus.seconds = time.perf_counter() - t0
+    check_excluded(corpus, exclusion)
+    return corpus
+
+
+# The corpus on disk (made once per target, shared by the drafter kinds) ------------------------------
+
+
+def save_corpus(corpus: Corpus, path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".partial")
+    torch.save({"samples": [{"tokens": s.tokens, "scored_from": s.scored_from, "features": s.features,
+                             "query": s.query} for s in corpus.samples],
+                "queries_drafted": corpus.queries_drafted, "seconds": corpus.seconds}, temporary)
+    temporary.replace(path)
+
+
+def load_corpus(path) -> Corpus | None:
+    """The corpus saved at ``path``, or None when there is none or it cannot be read (made again)."""
+    try:
+        saved = torch.load(path, weights_only=True)
+        samples = [Sample(list(s["tokens"]), int(s["scored_from"]), s["features"], str(s["query"]))
+                   for s in saved["samples"]]
+        return Corpus(samples, int(saved["queries_drafted"]), float(saved["seconds"]))
+    except FileNotFoundError:
+        return None
+    except Exception:  # a damaged file: the data is made again, never trusted
+        return None

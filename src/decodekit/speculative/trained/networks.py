@@ -1,0 +1,202 @@
+"""The trained drafters' networks: an EAGLE feature drafter and Medusa heads, in plain PyTorch.
+
+Both read the target's *features* (its final norm's output, the output head's input) and score a
+reduced vocabulary: the ``vocab`` most frequent tokens of the training data, through the target's
+own (frozen) output-head rows for those tokens. Drafting over the whole vocabulary would read the
+whole head (a fifth of a small model's weights) at every draft level; the reduced head is the
+frequency-ranked draft vocabulary of FR-Spec (Zhao et al., 2025) and EAGLE-3. A token outside it is
+never drafted (the target still produces it: drafts are only proposals).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    hidden: int  # the target's feature size
+    heads: int
+    head_dim: int
+    intermediate: int
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    hidden: int
+    heads: int  # K: head k predicts the token k + 2 positions after the feature's
+
+
+def as_dict(config: EagleConfig | MedusaConfig) -> dict:
+    return asdict(config)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (half-split pairs) of ``x`` ``[..., n, heads, head_dim]`` at ``positions`` ``[n]``."""
+    half = x.shape[-1] // 2
+    inv = theta ** (-torch.arange(half, dtype=torch.float32) / half)
+    angles = positions.float()[:, None] * inv  # [n, half]
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # broadcast over heads
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm Llama decoder layer (attention + SwiGLU MLP) that takes keys and values from
+    before its input (a cache) and returns its own, so drafting can grow a tree level by level."""
+
+    def __init__(self, c: EagleConfig):
+        super().__init__()
+        self.c = c
+        inner = c.heads * c.head_dim
+        self.attn_norm, self.mlp_norm = RMSNorm(c.hidden, c.eps), RMSNorm(c.hidden, c.eps)
+        self.qkv = nn.Linear(c.hidden, 3 * inner, bias=False)
+        self.o = nn.Linear(inner, c.hidden, bias=False)
+        self.gate_up = nn.Linear(c.hidden, 2 * c.intermediate, bias=False)
+        self.down = nn.Linear(c.intermediate, c.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``x`` ``[B, n, D]`` at ``positions`` ``[n]``; ``past`` keys/values ``[B, H, m, d]``;
+        ``visible`` ``[n, m + n]`` (True: may attend). Returns (output ``[B, n, D]``, (k, v) of the new rows)."""
+        c = self.c
+        B, n, _ = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(B, n, 3, c.heads, c.head_dim).unbind(2)
+        q, k = rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, n, d]
+        keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+        x = x + self.o(attn.transpose(1, 2).reshape(B, n, -1))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up), (k, v)
+
+
+class ReducedHead(nn.Module):
+    """The target's output-head rows for the draft vocabulary (frozen, not saved with the drafter:
+    taken from the target when the drafter is attached to it)."""
+
+    def __init__(self, vocab: torch.Tensor):
+        super().__init__()
+        self.register_buffer("vocab", vocab.long(), persistent=True)  # draft index -> token id
+        self.rows: torch.Tensor | None = None  # [N, D], set by attach()
+
+    def attach(self, rows: torch.Tensor) -> None:
+        self.rows = rows.float().contiguous()
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            raise RuntimeError("the draft head has no target rows: call attach() first")
+        return features @ self.rows.T
+
+
+class EagleNet(nn.Module):
+    """EAGLE's draft network (Li et al., 2024, "EAGLE: Speculative Sampling Requires Rethinking
+    Feature Uncertainty"): ``fc(concat(e, f))`` of the next token's embedding ``e`` and the current
+    feature ``f``, then one decoder layer, predicting the next feature; the target's frozen head
+    (here its draft-vocabulary rows) turns a feature into logits.
+
+    Choices: the decoder layer keeps its input norm (EAGLE-1 drops it in its first layer); its
+    attention is multi-head with the target's head size, its rotary base 10,000."""
+
+    def __init__(self, config: EagleConfig, vocab: torch.Tensor):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(2 * config.hidden, config.hidden, bias=True)
+        self.layer = DecoderLayer(config)
+        self.head = ReducedHead(vocab)
+
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Predicted next features ``[B, n, D]`` for the pairs (feature j, embedding of token j + 1),
+        and the new rows' keys and values."""
+        return self.layer(self.fc(torch.cat([embeds, features], dim=-1)), positions, visible, past)
+
+    def loss(self, features: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor,
+             noise: float = 0.1, classification_weight: float = 0.1) -> tuple[torch.Tensor, dict]:
+        """EAGLE's training loss on sequences: ``features`` ``[B, L, D]`` (the target's), ``embeds``
+        ``[B, L, D]`` (of the tokens, position j holding token j's), ``mask`` ``[B, L]`` (which
+        positions are scored). Pair j = (f_j + uniform noise, e_{j+1}) predicts f_{j+1}: smooth-L1
+        regression on the feature plus ``classification_weight`` times the cross-entropy against
+        the target's distribution over the draft vocabulary (softmax of the head on f_{j+1})."""
+        inputs = features[:, :-1]
+        if noise:
+            inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
+        L = inputs.shape[1]
+        causal = torch.ones(L, L, dtype=torch.bool).tril()
+        predicted, _ = self(inputs, embeds[:, 1:], torch.arange(L), causal)
+        target = features[:, 1:]
+        weight = mask[:, 1:].float()
+        count = weight.sum().clamp(min=1)
+        regression = (F.smooth_l1_loss(predicted, target, reduction="none").mean(-1) * weight).sum() / count
+        with torch.no_grad():
+            p = torch.softmax(self.head(target), dim=-1)
+        log_q = torch.log_softmax(self.head(predicted), dim=-1)
+        classification = (-(p * log_q).sum(-1) * weight).sum() / count
+        with torch.no_grad():
+            agree = ((log_q.argmax(-1) == p.argmax(-1)).float() * weight).sum() / count
+        total = regression + classification_weight * classification
+        return total, {"regression": float(regression.detach()), "cross_entropy": float(classification.detach()), "top1": float(agree)}
+
+
+class MedusaNet(nn.Module):
+    """Medusa heads (Cai et al., 2024, "Medusa: Simple LLM Inference Acceleration Framework with
+    Multiple Decoding Heads"): K residual blocks ``h + SiLU(W h + b)`` on the target's last feature;
+    head k (0-based) predicts the token k + 2 positions ahead (the target's own head gives the next).
+
+    Choice: the heads share the target's frozen output head (here its draft-vocabulary rows) instead
+    of one trained copy each (Medusa-1), which keeps a drafter a few megabytes; W starts at zero so
+    each head starts as the target's head on the current feature."""
+
+    def __init__(self, config: MedusaConfig, vocab: torch.Tensor):
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList(nn.Linear(config.hidden, config.hidden) for _ in range(config.heads))
+        for block in self.blocks:
+            nn.init.zeros_(block.weight)
+            nn.init.zeros_(block.bias)
+        self.head = ReducedHead(vocab)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits ``[..., K, N]`` for features ``[..., D]``."""
+        states = torch.stack([features + F.silu(block(features)) for block in self.blocks], dim=-2)
+        return self.head(states)
+
+    def loss(self, features: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+             decay: float = 0.8) -> tuple[torch.Tensor, dict]:
+        """Medusa-1's loss: the sum over heads of ``decay ** k`` times head k's cross-entropy against
+        the token k + 2 positions ahead. ``targets`` ``[B, L]`` are draft-vocabulary indices of the
+        tokens (-1: outside it, not scored); ``mask`` ``[B, L]``: which features are scored."""
+        logits = self(features)  # [B, L, K, N]
+        total = features.new_zeros(())
+        top1: dict = {}
+        for k in range(self.config.heads):
+            shift = k + 2
+            if features.shape[1] <= shift:
+                break
+            labels = targets[:, shift:].clone()
+            labels[~mask[:, :-shift] | (labels < 0)] = -100
+            head_logits = logits[:, :-shift, k]
+            loss = F.cross_entropy(head_logits.reshape(-1, head_logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+            if not math.isnan(float(loss)):
+                total = total + decay**k * loss
+            scored = labels != -100
+            with torch.no_grad():
+                top1[f"top1_head{k}"] = float(((head_logits.argmax(-1) == labels) & scored).sum() / scored.sum().clamp(min=1))
+        return total, top1

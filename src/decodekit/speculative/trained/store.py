@@ -1,0 +1,127 @@
+"""Where trained drafters live, and the check that a drafter belongs to its target.
+
+A drafter file is safetensors (float16 weights) with metadata: its kind, network config, the
+fingerprint of the target it was trained on, and how it was trained. The fingerprint is a hash of
+the target's weight files' digests (the GGUF file where the model came from one), or, for a model
+built in memory, of its output head. A drafter whose fingerprint differs from the target's is
+refused in one line: it would still be lossless, but it would draft for another model.
+
+Lookup for ``--method eagle`` / ``medusa``: the ``drafter=`` option's file, else the one
+``decodekit train-drafter`` saved in ``$DECODEKIT_CACHE/drafters``, else one shipped in the package
+(``decodekit/data/drafters``, the embedded model's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import InvalidModel, InvalidParameter
+from ...models.backend import Backend
+from ...models.cache import cache_root, file_digest
+from .networks import EagleConfig, EagleNet, MedusaConfig, MedusaNet
+
+KINDS = {"eagle": (EagleNet, EagleConfig), "medusa": (MedusaNet, MedusaConfig)}
+SHIPPED = Path(__file__).resolve().parents[2] / "data" / "drafters"
+
+
+def target_fingerprint(backend: Backend) -> str:
+    """A hash of the target's weights (see the module docstring), computed once per model."""
+
+    def compute() -> str:
+        h = hashlib.blake2b(digest_size=16)
+        if backend.weights_files:
+            for path in backend.weights_files:
+                h.update(file_digest(Path(path)).encode())
+        else:
+            h.update(backend.head_rows(torch.arange(backend.info.vocab_size)).numpy().tobytes())
+        return h.hexdigest()
+
+    return backend.memory("drafter.fingerprint", compute)
+
+
+def cache_path(backend: Backend, kind: str) -> Path:
+    """Where ``train-drafter`` saves a drafter of ``kind`` for this target."""
+    return cache_root() / "drafters" / f"{target_fingerprint(backend)}-{kind}.safetensors"
+
+
+def save(net: EagleNet | MedusaNet, kind: str, backend: Backend, path: Path, trained: dict[str, Any]) -> Path:
+    """Write ``net`` (float16, without the target's head rows) with its metadata to ``path``."""
+    from safetensors.torch import save_file
+
+    state = {name: (t.half() if t.is_floating_point() else t).contiguous() for name, t in net.state_dict().items()}
+    meta = {"kind": kind, "config": json.dumps(net.config.__dict__), "target": target_fingerprint(backend),
+            "target_name": backend.info.name, "trained": json.dumps(trained)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".partial")
+    save_file(state, str(temporary), metadata=meta)
+    temporary.replace(path)  # never a half-written drafter under the real name
+    return path
+
+
+def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A drafter file's tensors and metadata; a damaged or foreign file is one line."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except FileNotFoundError:
+        raise InvalidParameter(f"drafter file {path} not found") from None
+    except Exception as err:  # safetensors raises several types for a damaged header or body
+        raise InvalidModel.because(path, "cannot be read as a drafter file", err) from err
+    if meta.get("kind") not in KINDS or "config" not in meta or "target" not in meta:
+        raise InvalidModel(f"{path}: not a decodekit drafter (its metadata has no kind, config and target)")
+    return tensors, meta
+
+
+def build(path: Path, kind: str, backend: Backend) -> EagleNet | MedusaNet:
+    """The drafter in ``path``, checked against ``kind`` and the target, attached to its head rows."""
+    tensors, meta = read(path)
+    if meta["kind"] != kind:
+        raise InvalidParameter(f"{path} holds a {meta['kind']} drafter, not a {kind} drafter")
+    if meta["target"] != target_fingerprint(backend):
+        raise InvalidParameter(
+            f"{path}: this {kind} drafter was trained for another model ({meta.get('target_name', '?')}), "
+            f"not {backend.info.name}; train one with: decodekit train-drafter --kind {kind} --model MODEL")
+    net_class, config_class = KINDS[kind]
+    try:
+        config = config_class(**json.loads(meta["config"]))
+        net = net_class(config, tensors["head.vocab"])
+        net.load_state_dict({name: t.float() if t.is_floating_point() else t for name, t in tensors.items()})
+    except (TypeError, ValueError, KeyError, RuntimeError) as err:
+        raise InvalidModel.because(path, f"does not hold a valid {kind} drafter", err) from err
+    if config.hidden != backend.info.hidden_size or int(net.head.vocab.max()) >= backend.info.vocab_size:
+        raise InvalidParameter(f"{path}: the {kind} drafter does not fit {backend.info.name}'s sizes")
+    net.head.attach(backend.head_rows(net.head.vocab))
+    return net.eval().requires_grad_(False)
+
+
+def find(backend: Backend, kind: str, given: str | Path | None = None) -> Path:
+    """The drafter file for this target (see the module docstring), or one line saying how to make one."""
+    if given is not None:
+        return Path(given)
+    saved = cache_path(backend, kind)
+    if saved.exists():
+        return saved
+    fingerprint = target_fingerprint(backend)
+    for path in sorted(SHIPPED.glob(f"*-{kind}.safetensors")):
+        try:
+            if read(path)[1]["target"] == fingerprint:
+                return path
+        except (InvalidModel, InvalidParameter):
+            continue
+    raise InvalidParameter(
+        f"no {kind} drafter for {backend.info.name}; train one with: decodekit train-drafter --kind {kind} "
+        f"--model MODEL (or give drafter=PATH)")
+
+
+def load(backend: Backend, kind: str, given: str | Path | None = None) -> EagleNet | MedusaNet:
+    """The target's drafter of ``kind``, loaded once per model (kept in the backend's memory)."""
+    path = find(backend, kind, given)
+    return backend.memory(("drafter.net", kind, str(path)), lambda: build(path, kind, backend))

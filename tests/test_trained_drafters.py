@@ -1,0 +1,290 @@
+"""Trained drafters (EAGLE, Medusa) on a tiny model: the features they read, their training, their
+files, and the lossless promise (greedy token identity, keyed-sampling identity, chi-square)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from decodekit.engine.core import Request, StepDecoder
+from decodekit.errors import InvalidModel, InvalidParameter
+from decodekit.models import CharTokenizer, LoadedModel
+from decodekit.models.tiny import tiny_llama
+from decodekit.samplers import Sampler
+from decodekit.speculative.controller import Controller
+from decodekit.speculative.drafters import DRAFTER_SPECS
+from decodekit.speculative.loop import SpeculativeMethod
+from decodekit.speculative.trained import data as data_module
+from decodekit.speculative.trained import store
+from decodekit.speculative.trained.data import Corpus, Exclusion, answer, check_excluded, self_distil
+from decodekit.speculative.trained.train import Settings, draft_vocabulary, mean_loss, new_net, split, train
+from decodekit.speculative.verify import SamplingVerifier
+from tests.test_speculative_sampling import chi_square_passes, marginal
+
+KINDS = ["eagle", "medusa"]
+QUERIES = ["abcabc", "hello world", "xyz xyz", "the cat sat", "qqq rrr", "mnop", "a b c d", "zzz"]
+PROMPTS = [CharTokenizer(96).encode(q) for q in QUERIES[:4]]
+
+
+def tiny(seed: int = 0, **kwargs) -> LoadedModel:
+    kwargs.setdefault("hidden_size", 64)  # head_dim 16: the kernels' path, where every row is computed on its own
+    return LoadedModel(tiny_llama(seed=seed, scale=2.0, **kwargs), CharTokenizer(kwargs.get("vocab_size", 96)), "tiny")
+
+
+def corpus_of(model: LoadedModel, tokens: int = 60, count: int = len(QUERIES)) -> Corpus:
+    samples = [answer(model.backend, model.tokenizer, q, tokens) for q in QUERIES[:count]]
+    return Corpus(samples)
+
+
+def trained_net(model: LoadedModel, kind: str, seconds: float = 3.0):
+    settings = Settings(kind, minutes=seconds / 60, vocab=64, batch_tokens=256)
+    corpus = corpus_of(model)
+    samples, _ = split(corpus, 0)
+    net = new_net(kind, model.backend, draft_vocabulary(samples, settings.vocab, model.backend.info.vocab_size), settings)
+    train(net, samples, model.backend, settings)
+    return net, settings, corpus
+
+
+@pytest.fixture(scope="module")
+def drafter_files(tmp_path_factory):
+    """A trained drafter of each kind for tiny(seed=0) in each numerics (the ``fast`` one holds
+    quantised weights: another model), saved to files; trained on the answers to QUERIES, which
+    the tests decode (a tiny random model's text is not learnable beyond what it has seen)."""
+    folder = tmp_path_factory.mktemp("drafters")
+    paths = {}
+    for numerics in ("exact", "fast"):
+        model = tiny(numerics=numerics)
+        for kind in KINDS:
+            net, settings, corpus = trained_net(model, kind)
+            paths[kind, numerics] = store.save(net, kind, model.backend, folder / f"{kind}-{numerics}.safetensors", {})
+    return paths
+
+
+def method_for(kind: str, path, budget: int | None = None, verifier=None, **options) -> SpeculativeMethod:
+    drafter = DRAFTER_SPECS[kind].factory(drafter=str(path), **options)
+    controller = Controller(8, budget=budget) if budget else Controller(8, cost_table={1: 1.0, 4: 1.0, 9: 1.0})
+    return SpeculativeMethod(drafter, controller, verifier)
+
+
+def run(model, method, prompt, sampler=None, n=40):
+    request = Request(list(prompt), sampler or Sampler(greedy=True), max_new_tokens=n, ignore_eos=True)
+    return StepDecoder(method).generate(model, request)
+
+
+# The features the drafters read ---------------------------------------------------------------------------
+
+
+def test_features_are_the_same_in_a_step_a_tree_and_a_prompt():
+    """A position's feature does not depend on the pass that computed it (rows are independent)."""
+    backend = tiny().backend
+    prompt = [5, 6, 7, 8, 9]
+    backend.prefill(prompt)
+    prompt_features = backend.last_features[0].clone()
+    assert prompt_features.shape == (len(prompt), backend.info.hidden_size)
+    backend.step(torch.tensor([10]))
+    stepped = backend.last_features[0, 0].clone()
+    backend.truncate(len(prompt))
+    backend.verify_tree(torch.tensor([10, 11, 12]), [-1, 0, 0])
+    assert torch.equal(backend.last_features[0, 0], stepped)
+    backend.reset(1)
+    backend.append(torch.tensor([prompt[:3]]))
+    assert torch.equal(backend.last_features[0], prompt_features[:3])
+
+
+# Training ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_lowers_the_loss(kind):
+    model = tiny()
+    settings = Settings(kind, minutes=3 / 60, vocab=64, batch_tokens=256)
+    samples = corpus_of(model).samples
+    net = new_net(kind, model.backend, draft_vocabulary(samples, settings.vocab, 96), settings)
+    before = mean_loss(net, samples, model.backend, settings)
+    outcome = train(net, samples, model.backend, settings)
+    after = mean_loss(net, samples, model.backend, settings)
+    assert outcome.steps > 5
+    assert after < 0.7 * before, (before, after)
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_tokens():
+    corpus = Corpus([data_module.Sample([1, 2, 2, 3, 3, 3, 9], 1, torch.zeros(7, 4))])
+    assert draft_vocabulary(corpus.samples, 2, 96).tolist() == [2, 3]  # token 1 is before scored_from
+    assert draft_vocabulary(corpus.samples, 5, 96).tolist() == [0, 1, 2, 3, 9]  # topped up with unused ids
+
+
+def test_held_aside_conversations_are_not_trained_on():
+    corpus = Corpus([data_module.Sample([i], 0, torch.zeros(1, 4), f"q{i}") for i in range(5)])
+    training, held = split(corpus, 2)
+    assert [s.query for s in held] == ["q3", "q4"] and len(training) == 3
+    assert len(split(corpus, 10)[0]) == 1  # always something to train on
+
+
+# The benchmark questions never reach the training data ------------------------------------------------------
+
+
+def test_benchmark_questions_are_dropped_and_checked(monkeypatch):
+    exclusion = Exclusion()
+    question = data_module.benchmark_questions()[0]
+    assert exclusion.overlaps(question)
+    assert exclusion.overlaps("Please: " + question.upper() + " Thanks.")  # a question inside a longer query
+    assert not exclusion.overlaps("a question nobody benchmarks on, about pumpkins")
+    queries = iter([[question, "a fresh question about the weather", "a fresh question about the weather"]] + [[]] * 1000)
+    monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: next(queries))
+    model = tiny()
+    corpus = self_distil(model.backend, model.tokenizer, 10_000, max_new_tokens=8, rows=4)
+    assert [s.query for s in corpus.samples] == ["a fresh question about the weather"]  # the benchmark one and the repeat dropped
+    corpus.samples.append(data_module.Sample([1], 0, torch.zeros(1, 4), question))
+    with pytest.raises(AssertionError, match="overlap the benchmark"):
+        check_excluded(corpus, exclusion)
+
+
+def test_magpie_queries_come_from_the_pre_query_template():
+    model = tiny()
+    queries = data_module.draft_queries(model.backend, model.tokenizer, rows=6, max_tokens=400,
+                                        generator=torch.Generator().manual_seed(0))
+    assert queries and all(isinstance(q, str) for q in queries)
+
+
+# Drafter files ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_drafter_for_another_model_is_refused(drafter_files, kind):
+    other = tiny(seed=1)
+    with pytest.raises(InvalidParameter, match="trained for another model"):
+        store.load(other.backend, kind, drafter_files[kind, "exact"])
+    assert store.load(tiny().backend, kind, drafter_files[kind, "exact"]) is not None
+
+
+def test_damaged_and_wrong_drafter_files_are_one_line(drafter_files, tmp_path):
+    backend = tiny().backend
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(drafter_files["eagle", "exact"].read_bytes()[:100])
+    with pytest.raises(InvalidModel, match="cannot be read as a drafter"):
+        store.load(backend, "eagle", broken)
+    with pytest.raises(InvalidParameter, match="holds a medusa drafter, not a eagle"):
+        store.load(backend, "eagle", drafter_files["medusa", "exact"])
+    with pytest.raises(InvalidParameter, match="not found"):
+        store.load(backend, "eagle", tmp_path / "missing.safetensors")
+
+
+def test_without_a_drafter_the_message_says_how_to_train_one(monkeypatch, tmp_path):
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    model = tiny()
+    with pytest.raises(InvalidParameter, match="decodekit train-drafter --kind medusa"):
+        run(model, SpeculativeMethod(DRAFTER_SPECS["medusa"].factory(), Controller(8, budget=4)), [1, 2, 3])
+
+
+def test_train_drafter_saves_in_the_cache_and_the_method_finds_it(monkeypatch, tmp_path, capsys):
+    from decodekit.speculative.trained import cli
+
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    queries = iter([[f"query number {i} about things" for i in range(4)] for _ in range(100)])
+    monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: next(queries))
+    model = tiny()
+    args = argparse.Namespace(kind="medusa", tokens=400, minutes=0.03, vocab=64, seed=0, eval_queries=2,
+                              max_new_tokens=16, out=None)
+    assert cli.run(args, model=model) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["evaluation"]["identical_to_greedy"] == "2/2"
+    assert record["data_tokens"] >= 400 and record["train_steps"] > 0
+    assert store.find(model.backend, "medusa") == store.cache_path(model.backend, "medusa")
+    assert cli.run(args, model=model) == 0  # the data is made once, then reused
+    assert json.loads(capsys.readouterr().out)["data_seconds"] == record["data_seconds"]
+
+
+# Lossless -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("numerics", ["exact", "fast"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_trained_drafters_are_token_identical_to_greedy(drafter_files, kind, numerics):
+    model = tiny(numerics=numerics)
+    if numerics == "fast" and model.backend.numerics != "fast":
+        pytest.skip("no integer kernel on this machine")
+    accepted = 0
+    for prompt in PROMPTS:
+        plain = run(model, _plain(), prompt)
+        spec = run(model, method_for(kind, drafter_files[kind, numerics]), prompt)
+        assert spec.tokens == plain.tokens
+        accepted += spec.stats.extra["accepted"]
+    assert accepted > 0  # the drafts are verified and some accepted: the path-keeping code ran
+
+
+def _plain():
+    from decodekit.engine.registry import PlainDecoding
+
+    return PlainDecoding()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_trained_drafter_is_accepted_more_than_an_untrained_one(drafter_files, kind, tmp_path):
+    """Catches drafts made from the wrong feature or position: they are still lossless, but rarely accepted."""
+    model = tiny()
+    untrained = new_net(kind, model.backend, store.load(model.backend, kind, drafter_files[kind, "exact"]).head.vocab,
+                        Settings(kind, vocab=64))
+    untrained_path = store.save(untrained, kind, model.backend, tmp_path / f"{kind}.safetensors", {})
+    prompts = PROMPTS + [[12, 13, 14]]  # and one it has not seen
+
+    def mean_accepted(path) -> float:
+        stats = [run(model, method_for(kind, path, budget=4), p, n=60).stats.extra for p in prompts]
+        return sum(s["accepted"] for s in stats) / sum(s["verifications"] for s in stats)
+
+    assert mean_accepted(drafter_files[kind, "exact"]) > mean_accepted(untrained_path) + 0.3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampling_with_a_trained_drafter_is_plain_sampling(drafter_files, kind):
+    """The keyed verifier: each seed gives plain sampling's tokens."""
+    model = tiny()
+    for seed in range(12):
+        params = {"temperature": 1.0, "seed": seed}
+        plain = run(model, _plain(), [5, 6, 7], Sampler.from_params(**params), n=20)
+        spec = run(model, method_for(kind, drafter_files[kind, "exact"]), [5, 6, 7], Sampler.from_params(**params), n=20)
+        assert spec.tokens == plain.tokens
+
+
+SMALL_V = 8
+CHI_SAMPLES = 2500
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trained_drafters_sample_the_target_distribution(kind, tmp_path):
+    """Chi-square of tokens (1, 2) and (2, 3) against the exact joint distribution, with the rejection
+    sampling verifier (the keyed one is checked token for token above)."""
+    model = LoadedModel(tiny_llama(seed=3, scale=1.0, vocab_size=SMALL_V, hidden_size=64), CharTokenizer(SMALL_V), "tiny8")
+    backend = model.backend
+    settings = Settings(kind, minutes=1 / 60, vocab=SMALL_V, batch_tokens=256)
+    samples = [answer(backend, model.tokenizer, q, 30, 1.0, torch.Generator().manual_seed(i)) for i, q in
+               enumerate(["\x21\x22", "\x23", "\x24\x25\x26"])]
+    net = new_net(kind, backend, torch.arange(SMALL_V), settings)
+    train(net, samples, backend, settings)
+    path = store.save(net, kind, backend, tmp_path / "d.safetensors", {})
+    prompt = [1, 2, 3]
+    sampler = Sampler.from_params(temperature=1.0)
+
+    def after(context: list[int]) -> list[float]:
+        return sampler.probs(backend.prefill(context), None)[0].tolist()
+
+    exact: dict[tuple, float] = {}
+    first = after(prompt)
+    for a in range(SMALL_V):
+        second = after(prompt + [a])
+        for b in range(SMALL_V):
+            third = after(prompt + [a, b])
+            for c in range(SMALL_V):
+                exact[(a, b, c)] = first[a] * second[b] * third[c]
+    counts: Counter = Counter()
+    method = method_for(kind, path, budget=6, verifier=SamplingVerifier())
+    for seed in range(CHI_SAMPLES):
+        tokens = run(model, method, prompt, Sampler.from_params(temperature=1.0, seed=seed), n=3).tokens
+        counts[tuple(tokens[:3])] += 1
+    for positions in (slice(0, 2), slice(1, 3)):
+        ok, stat, critical = chi_square_passes(Counter(marginal(counts, positions)), marginal(exact, positions), CHI_SAMPLES)
+        assert ok, f"tokens {positions.start + 1}-{positions.stop}: chi-square {stat:.1f} >= {critical:.1f}"
