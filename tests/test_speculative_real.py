@@ -58,3 +58,17 @@ def test_greedy_matches_plain_up_to_near_ties(real_model, plain_runs, method):
             assert len(got) == len(plain)
         else:
             assert margins[first_diff] < TIE, f"{method} differs at {first_diff} with margin {margins[first_diff]}"
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_the_shipped_trained_drafters_are_exact_and_accepted(real_model, plain_runs, method):
+    """The drafters shipped for the embedded model load for it (fingerprint), reproduce plain greedy
+    token for token, and get more than one token per verification."""
+    engine = Engine(real_model)
+    accepted = verifications = 0
+    for ids, plain, _ in plain_runs:
+        got = engine.generate(ids, method=method, max_new_tokens=NEW_TOKENS, budget=6)
+        assert got.tokens == plain
+        accepted += got.stats.extra["accepted"]
+        verifications += got.stats.extra["verifications"]
+    assert (accepted + verifications) / verifications > 1.5

@@ -168,6 +168,11 @@ def test_damaged_and_wrong_drafter_files_are_one_line(drafter_files, tmp_path):
     broken.write_bytes(drafter_files["eagle", "exact"].read_bytes()[:100])
     with pytest.raises(InvalidModel, match="cannot be read as a drafter"):
         store.load(backend, "eagle", broken)
+    flipped = bytearray(drafter_files["eagle", "exact"].read_bytes())
+    flipped[-5] ^= 0x40  # one bit of the last weight
+    broken.write_bytes(bytes(flipped))
+    with pytest.raises(InvalidModel, match="damaged"):
+        store.load(backend, "eagle", broken)
     with pytest.raises(InvalidParameter, match="holds a medusa drafter, not a eagle"):
         store.load(backend, "eagle", drafter_files["medusa", "exact"])
     with pytest.raises(InvalidParameter, match="not found"):

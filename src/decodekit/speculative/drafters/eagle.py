@@ -48,6 +48,7 @@ class EagleDrafter(FeatureDrafter):
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
+        self.first = self.chunk_start  # pair j is (feature j, token j + 1), from the first known feature on
         self.past: tuple[torch.Tensor, torch.Tensor] | None = None  # the committed pairs' keys and values
         self.pairs = 0  # committed pairs: pair j = (feature j, token j + 1) for j = first .. first + pairs - 1
         self.ahead: torch.Tensor | None = None  # the network's output for the last committed pair
@@ -57,7 +58,7 @@ class EagleDrafter(FeatureDrafter):
         start = self.first + self.pairs
         if start >= upto:
             return
-        features = torch.cat(self.features)[start - self.first : upto - self.first]
+        features = self.features_from(start)[: upto - start]
         tokens = torch.tensor(state.tokens[start + 1 : upto + 1])
         embeds = state.backend.token_embeddings(tokens)
         n, held = upto - start, self.pairs
@@ -80,7 +81,7 @@ class EagleDrafter(FeatureDrafter):
             return self._grow(state, tree, budget, n)
 
     def _grow(self, state: DecodeState, tree: DraftTree, budget: int, n: int) -> DraftTree:
-        net, k, vocab, held = self.net, self.top_k, self.net.head.vocab, self.pairs
+        net, k, held = self.net, self.top_k, self.pairs
         scores: list[float] = []  # each node's path confidence
         parent_feature: dict[int, torch.Tensor] = {}  # the predicted feature at a node's parent's position
         children = self._add_children(tree, scores, parent_feature, [-1], self.ahead[None], 1.0)

@@ -49,26 +49,29 @@ class FeatureDrafter(Drafter):
         features = state.backend.last_features
         if features is None or features.shape[1] > len(state.tokens):
             raise InvalidParameter(f"method {self.kind} needs a backend that gives features (the native backend)")
-        self.features = [features[0].float()]  # features of positions first .. first + count - 1
-        self.first = len(state.tokens) - features.shape[1]
-
-    @property
-    def known(self) -> int:
-        """Positions whose feature is known: ``first .. known - 1``."""
-        return self.first + sum(len(f) for f in self.features)
+        self.chunks = [features[0].float()]  # the known features, in passes' chunks, from position chunk_start
+        self.chunk_start = len(state.tokens) - features.shape[1]
+        self.known = len(state.tokens)  # positions chunk_start .. known - 1 have their feature
 
     def update(self, state: DecodeState, tree: DraftTree, verdict: Verification, logits: torch.Tensor) -> None:
         features = state.backend.last_features
         if features is None or features.shape[1] != len(tree) + 1 or self.known != len(state.tokens) - 1:
             return  # not the pass the loop says it ran: learn nothing rather than misalign
         rows = [0] + [i + 1 for i in verdict.path]  # the root and the accepted nodes
-        self.features.append(features[0, rows].float())
+        self.chunks.append(features[0, rows].float())
+        self.known += len(rows)
+
+    def features_from(self, position: int) -> torch.Tensor:
+        """The features of positions ``position .. known - 1`` (earlier ones are dropped for good)."""
+        while self.chunks and self.chunk_start + len(self.chunks[0]) <= position:
+            self.chunk_start += len(self.chunks.pop(0))
+        return torch.cat(self.chunks)[position - self.chunk_start :]
 
     def last_feature(self, state: DecodeState) -> torch.Tensor | None:
         """The feature at the position before the root (it predicted the root), when known."""
         if self.known != len(state.tokens) - 1:
             return None
-        return self.features[-1][-1]
+        return self.features_from(self.known - 1)[-1]
 
 
 class MedusaDrafter(FeatureDrafter):

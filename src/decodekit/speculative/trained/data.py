@@ -170,34 +170,81 @@ def answer(backend: Backend, tokenizer: Tokenizer, query: str, max_new_tokens: i
     return Sample(tokens, start, torch.cat(features).half(), query)
 
 
+def answer_all(backend: Backend, tokenizer: Tokenizer, jobs: list[tuple[str, float, int]], max_new_tokens: int,
+               concurrency: int) -> list[Sample]:
+    """Answers to ``jobs`` (query, temperature, seed), ``concurrency`` at a time, each on its own clone
+    of the model, their passes run as one by a :class:`~decodekit.models.batching.PassBatcher` (rows
+    are computed independently: every answer is the one it would be alone, features included)."""
+    import threading
+
+    from ...models.batching import PassBatcher
+
+    batcher = PassBatcher(own_thread=True)
+    results: list[Sample | None] = [None] * len(jobs)
+    queue = list(range(len(jobs)))[::-1]
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def work(clone: Backend) -> None:
+        clone.batcher = batcher
+        with batcher.member():
+            while True:
+                with lock:
+                    if not queue or errors:
+                        return
+                    i = queue.pop()
+                query, temperature, seed = jobs[i]
+                generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
+                try:
+                    results[i] = answer(clone, tokenizer, query, max_new_tokens, temperature, generator)
+                except BaseException as err:  # reported on the calling thread
+                    errors.append(err)
+                    return
+
+    threads = [threading.Thread(target=work, args=(backend.clone(),), daemon=True)
+               for _ in range(max(1, min(concurrency, len(jobs))))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return [r for r in results if r is not None]
+
+
 def self_distil(backend: Backend, tokenizer: Tokenizer, tokens: int, *, seed: int = 0, max_new_tokens: int = 160,
-                query_tokens: int = 64, rows: int = 16, sampled_every: int = 4,
+                query_tokens: int = 64, rows: int = 16, sampled_every: int = 4, wave: int = 64,
                 exclusion: Exclusion | None = None, progress: Callable[[int], None] | None = None) -> Corpus:
-    """Queries and answers until the samples hold ``tokens`` tokens (see the module docstring)."""
+    """Queries and answers until the samples hold ``tokens`` tokens (see the module docstring).
+    Queries are drafted ``rows`` at a time and answered ``wave`` at a time, ``rows`` concurrently;
+    every ``sampled_every``-th answer is sampled (temperature 1, its own seed), the others greedy."""
     exclusion = exclusion or Exclusion()
     generator = torch.Generator().manual_seed(seed)
     corpus, seen = Corpus(), set()
     t0 = time.perf_counter()
-    while corpus.tokens < tokens:
-        drafted = draft_queries(backend, tokenizer, rows, query_tokens, generator)
-        corpus.queries_drafted += rows
-        fresh = 0
-        for query in drafted:
-            key = normalised(query)
-            if len(key.split()) < 3 or key in seen or exclusion.overlaps(query):
-                continue
-            seen.add(key)
-            fresh += 1
-            sampled = len(corpus.samples) % sampled_every == sampled_every - 1
-            sample = answer(backend, tokenizer, query, max_new_tokens, 1.0 if sampled else 0.0,
-                            generator if sampled else None)
+    barren = 0  # drafting rounds in a row that gave nothing new
+    while corpus.tokens < tokens and barren < 50:
+        jobs: list[tuple[str, float, int]] = []
+        while len(jobs) < wave and barren < 50:
+            drafted = draft_queries(backend, tokenizer, rows, query_tokens, generator)
+            corpus.queries_drafted += rows
+            fresh = 0
+            for query in drafted:
+                key = normalised(query)
+                if len(key.split()) < 3 or key in seen or exclusion.overlaps(query):
+                    continue
+                seen.add(key)
+                fresh += 1
+                n = len(corpus.samples) + len(jobs)
+                sampled = n % sampled_every == sampled_every - 1
+                jobs.append((query, 1.0 if sampled else 0.0, seed * 1_000_003 + n))
+            barren = 0 if fresh else barren + 1  # a model that only repeats itself: stop, do not spin
+        for sample in answer_all(backend, tokenizer, jobs, max_new_tokens, rows):
+            if corpus.tokens >= tokens:
+                break
             corpus.samples.append(sample)
             if progress:
                 progress(len(sample.tokens))
-            if corpus.tokens >= tokens:
-                break
-        if not fresh and corpus.queries_drafted > 50 * rows:  # the model repeats itself: stop, do not spin
-            break
     corpus.seconds = time.perf_counter() - t0
     check_excluded(corpus, exclusion)
     return corpus

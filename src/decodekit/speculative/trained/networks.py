@@ -10,7 +10,6 @@ never drafted (the target still produces it: drafts are only proposals).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -193,10 +192,11 @@ class MedusaNet(nn.Module):
             labels = targets[:, shift:].clone()
             labels[~mask[:, :-shift] | (labels < 0)] = -100
             head_logits = logits[:, :-shift, k]
-            loss = F.cross_entropy(head_logits.reshape(-1, head_logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-            if not math.isnan(float(loss)):
-                total = total + decay**k * loss
             scored = labels != -100
+            if not scored.any():  # nothing to score for this head (a mean over nothing is NaN)
+                continue
+            loss = F.cross_entropy(head_logits.reshape(-1, head_logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+            total = total + decay**k * loss
             with torch.no_grad():
                 top1[f"top1_head{k}"] = float(((head_logits.argmax(-1) == labels) & scored).sum() / scored.sum().clamp(min=1))
         return total, top1

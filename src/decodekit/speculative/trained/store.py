@@ -55,12 +55,22 @@ def save(net: EagleNet | MedusaNet, kind: str, backend: Backend, path: Path, tra
 
     state = {name: (t.half() if t.is_floating_point() else t).contiguous() for name, t in net.state_dict().items()}
     meta = {"kind": kind, "config": json.dumps(net.config.__dict__), "target": target_fingerprint(backend),
-            "target_name": backend.info.name, "trained": json.dumps(trained)}
+            "target_name": backend.info.name, "trained": json.dumps(trained), "digest": tensors_digest(state)}
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".partial")
     save_file(state, str(temporary), metadata=meta)
     temporary.replace(path)  # never a half-written drafter under the real name
     return path
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """A hash of the tensors' names, shapes and bytes (a damaged body is detected, not trusted)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -77,6 +87,8 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise InvalidModel.because(path, "cannot be read as a drafter file", err) from err
     if meta.get("kind") not in KINDS or "config" not in meta or "target" not in meta:
         raise InvalidModel(f"{path}: not a decodekit drafter (its metadata has no kind, config and target)")
+    if meta.get("digest") != tensors_digest(tensors):
+        raise InvalidModel(f"{path}: damaged (its weights do not match the digest it was saved with)")
     return tensors, meta
 
 

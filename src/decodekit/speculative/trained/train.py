@@ -28,8 +28,8 @@ from .networks import EagleConfig, EagleNet, MedusaConfig, MedusaNet
 @dataclass
 class Settings:
     kind: str  # eagle | medusa
-    tokens: int = 120_000  # self-distilled tokens to generate
-    minutes: float = 12.0  # training time (after the data)
+    tokens: int = 360_000  # self-distilled tokens to generate
+    minutes: float = 15.0  # training time (after the data)
     vocab: int = 8192  # draft vocabulary: the most frequent tokens of the data
     batch_tokens: int = 2048
     max_len: int = 320
