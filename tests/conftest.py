@@ -3,14 +3,37 @@
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
+import torch
 
 from decodekit.data import SPEC_BENCH_QUESTIONS, data_file
 from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.tiny import tiny_llama
 
 SPECBENCH = data_file(SPEC_BENCH_QUESTIONS)
+_DRAFTER_FILES: dict[tuple[str, str], str] = {}
+
+
+def required_options(method: str, backend) -> dict:
+    """Options a method cannot run without on a model made in a test: a draft model for ``draft``; for
+    the trained drafters a drafter file for that model, untrained (what it drafts does not change
+    what a lossless method outputs; ``test_trained_drafters.py`` tests trained ones)."""
+    if method == "draft":
+        return {"draft_model": "self-truncated:1"}
+    if method in ("eagle", "medusa"):
+        from decodekit.speculative.trained import store
+        from decodekit.speculative.trained.train import Settings, new_net
+
+        key = (method, store.target_fingerprint(backend))
+        if key not in _DRAFTER_FILES:
+            folder = Path(tempfile.mkdtemp(prefix="decodekit-test-drafters-"))
+            net = new_net(method, backend, torch.arange(backend.info.vocab_size), Settings(method))
+            _DRAFTER_FILES[key] = str(store.save(net, method, backend, folder / f"{method}.safetensors", {}))
+        return {"drafter": _DRAFTER_FILES[key]}
+    return {}
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
+from tests.conftest import required_options
 from decodekit.engine import Engine, available_methods  # noqa: E402
 from decodekit.errors import InvalidParameter  # noqa: E402
 from decodekit.models import CharTokenizer, LoadedModel  # noqa: E402
@@ -52,7 +53,7 @@ def test_greedy_and_seeded_sampling_give_only_valid_outputs(engine, constraint, 
 
 
 def speculative_methods() -> list[str]:
-    return sorted(n for n, s in available_methods().items() if s.family == "speculative" and n != "draft")
+    return sorted(n for n, s in available_methods().items() if s.family == "speculative")
 
 
 @pytest.mark.parametrize("method", speculative_methods())
@@ -62,11 +63,13 @@ def test_speculation_under_a_constraint_is_constrained_plain_decoding(engine, me
     for constraint, valid in CASES:
         for prompt in ("hello hello hello", "abcabcabc"):
             want = engine.generate(prompt, max_new_tokens=40, chat=False, constraint=constraint).tokens
-            got = engine.generate(prompt, method=method, budget=4, max_new_tokens=40, chat=False, constraint=constraint)
+            required = required_options(method, engine.model.backend)
+            got = engine.generate(prompt, method=method, budget=4, max_new_tokens=40, chat=False, constraint=constraint,
+                                  **required)
             assert got.tokens == want, (method, constraint)
             sampled = dict(temperature=0.9, seed=3, max_new_tokens=40, chat=False, constraint=constraint)
             want = engine.generate(prompt, method="sample", **sampled).tokens
-            assert engine.generate(prompt, method=method, budget=4, **sampled).tokens == want, (method, constraint)
+            assert engine.generate(prompt, method=method, budget=4, **sampled, **required).tokens == want, (method, constraint)
 
 
 def test_search_methods_keep_each_candidate_valid(engine):

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from tests.conftest import required_options
 from decodekit.engine import Engine, available_methods
 from decodekit.errors import InvalidParameter
 from decodekit.models import CharTokenizer, LoadedModel
@@ -23,7 +24,6 @@ pytestmark = pytest.mark.skipif(kernels.integer_block_matmul("q4_1") is None,
 
 PROMPTS = ("hello world hello world hello world hello", "abcabcabcabcabcabcabc", "Q: 12+12? A: 24. Q: 13+13? A:")
 FLAT_COSTS = {1: 1.0, 64: 1.0}
-REQUIRED = {"draft": {"draft_model": "self-truncated:1"}}
 
 
 def fast_model(seed: int, **kw) -> LoadedModel:
@@ -70,8 +70,8 @@ def speculative_methods() -> list[str]:
 
 @pytest.mark.parametrize("method", speculative_methods())
 def test_every_speculative_method_gives_fast_greedys_tokens_and_fast_samplings(engines, method):
-    options = REQUIRED.get(method, {})
     for engine in engines:
+        options = required_options(method, engine.model.backend)
         for prompt in PROMPTS:
             want = engine.generate(prompt, max_new_tokens=40, chat=False).tokens
             for budget in ({"budget": 6}, {"cost_table": FLAT_COSTS}):
@@ -79,6 +79,7 @@ def test_every_speculative_method_gives_fast_greedys_tokens_and_fast_samplings(e
                 assert got.tokens == want, (method, prompt, budget)
     sampled = dict(max_new_tokens=24, chat=False, temperature=0.8, seed=5)
     want = engines[0].generate(PROMPTS[0], method="sample", **sampled).tokens
+    options = required_options(method, engines[0].model.backend)
     assert engines[0].generate(PROMPTS[0], method=method, budget=4, **sampled, **options).tokens == want
 
 

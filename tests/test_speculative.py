@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from tests.conftest import required_options
 from decodekit.engine import Engine, available_methods
 from decodekit.engine.core import DecodeState, GenerationStats, Request, StepDecoder
 from decodekit.errors import InvalidParameter, UnknownMethod
@@ -34,7 +35,6 @@ PROMPTS = (
 OURS = ("pld", "suffix", "recycling", "lookahead", "hierarchy", "auto")
 FLAT_COSTS = {1: 1.0, 64: 1.0}  # bfloat16-like: verifying many tokens costs what one does
 STEEP_COSTS = {1: 1.0, 2: 2.0, 64: 64.0}  # every token costs a full pass: speculation never pays
-REQUIRED = {"draft": {"draft_model": "self-truncated:1"}}  # options a method cannot do without
 
 
 def speculative_methods() -> list[str]:
@@ -69,7 +69,8 @@ def test_greedy_output_is_plain_greedy(engines, references, method, options):
     for i, engine in enumerate(engines):
         for prompt in PROMPTS:
             got = engine.generate(
-                prompt, method=method, max_new_tokens=48, chat=False, **options, **REQUIRED.get(method, {})
+                prompt, method=method, max_new_tokens=48, chat=False, **options,
+                **required_options(method, engine.model.backend)
             )
             assert got.tokens == references[(i, prompt)], (method, prompt)
             extra = got.stats.extra
@@ -798,7 +799,7 @@ def test_a_seed_gives_plain_samplings_tokens_with_every_speculative_method(engin
     speculative method gives `sample`'s tokens, whatever its controller decides and however its
     steps are timed (an eager controller and a fixed budget alike)."""
     engine = engines[0]
-    options = dict(REQUIRED.get(method, {}))
+    options = required_options(method, engine.model.backend)
     if method in ("draft", "layerskip"):
         options["stochastic"] = True  # drafts sampled from q with the target's keyed noise
     for prompt in PROMPTS[:2]:

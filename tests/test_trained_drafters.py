@@ -293,3 +293,17 @@ def test_trained_drafters_sample_the_target_distribution(kind, tmp_path):
     for positions in (slice(0, 2), slice(1, 3)):
         ok, stat, critical = chi_square_passes(Counter(marginal(counts, positions)), marginal(exact, positions), CHI_SAMPLES)
         assert ok, f"tokens {positions.start + 1}-{positions.stop}: chi-square {stat:.1f} >= {critical:.1f}"
+
+
+def test_a_drafters_matrices_run_on_the_backends_kernels():
+    """``Backend.matrix``: Q8_0 blocks on the native kernels (within 8-bit error of the float
+    product); a shape the block kernels do not take falls back to the float product."""
+    backend = tiny().backend
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(48, 64, generator=g), torch.randn(3, 64, generator=g)
+    exact = x @ weight.T
+    product = backend.matrix(weight)(x)
+    assert product.shape == exact.shape
+    assert (product - exact).abs().max() < 0.05 * exact.abs().max()
+    odd = torch.randn(5, 40, generator=g)
+    assert torch.allclose(backend.matrix(odd)(x[:, :40]), x[:, :40] @ odd.T)

@@ -259,6 +259,12 @@ class Backend(ABC):
         are the features times these rows)."""
         raise InvalidParameter(f"trained drafters need the native backend, not {self.info.architecture}")
 
+    def matrix(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> x @ weight.T`` for a trained drafter's float ``[out, in]`` matrix, run by this
+        backend's own few-row kernels where it has them (the native backend holds it as Q8_0 blocks)."""
+        w = weight.detach().float().contiguous()
+        return lambda x: torch.nn.functional.linear(x, w)
+
     def truncated(self, num_layers: int) -> "Backend":
         """A backend running this model's first ``num_layers`` decoder layers (then the final norm
         and the lm head), sharing its weights, with a cache and a memory of its own: the

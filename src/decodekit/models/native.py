@@ -898,6 +898,15 @@ class NativeLlama(Backend):
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weights.lm_head.weight_rows(ids).float()
 
+    def matrix(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        weight = weight.detach().float().contiguous()
+        rows, n_in = weight.shape
+        if n_in % 32 or rows % 16 or self.dtype != torch.float32:  # not a shape the block kernels take
+            return super().matrix(weight)
+        blocks = BlockMatrix.quantize(weight, "q8_0")  # a drafter need not be exact: 8 bits read a quarter of 32
+        numerics = self.numerics if fast_numerics_unavailable(blocks) is None else "exact"
+        return Projection(blocks.dequantize(), None, blocks, numerics)
+
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The residual stream's start: a fresh tensor, updated in place by the layers."""
         return self.weights.embedding(tokens)

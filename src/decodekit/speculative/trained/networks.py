@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -95,14 +97,42 @@ class ReducedHead(nn.Module):
         super().__init__()
         self.register_buffer("vocab", vocab.long(), persistent=True)  # draft index -> token id
         self.rows: torch.Tensor | None = None  # [N, D], set by attach()
+        self.matrix: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by on_kernels()
 
     def attach(self, rows: torch.Tensor) -> None:
         self.rows = rows.float().contiguous()
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
+        if self.matrix is not None:
+            return self.matrix(features)
         if self.rows is None:
             raise RuntimeError("the draft head has no target rows: call attach() first")
-        return features @ self.rows.T
+        return F.linear(features, self.rows)
+
+
+class KernelLinear(nn.Module):
+    """A trained linear layer run by the target backend's kernels (inference only)."""
+
+    def __init__(self, matrix: Callable[[torch.Tensor], torch.Tensor], bias: torch.Tensor | None):
+        super().__init__()
+        self.matrix = matrix
+        self.bias = None if bias is None else bias.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matrix(x)
+        return out if self.bias is None else out + self.bias
+
+
+def on_kernels(net: nn.Module, matrix: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]) -> nn.Module:
+    """Run every linear layer and the draft head of a trained ``net`` through ``matrix(weight)``
+    (the target backend's few-row kernels: a draft level reads a few megabytes, not tens)."""
+    for module in list(net.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, KernelLinear(matrix(child.weight), child.bias))
+            elif isinstance(child, ReducedHead) and child.rows is not None:
+                child.matrix = matrix(child.rows)
+    return net
 
 
 class EagleNet(nn.Module):

@@ -23,7 +23,7 @@ import torch
 from ...errors import InvalidModel, InvalidParameter
 from ...models.backend import Backend
 from ...models.cache import cache_root, file_digest
-from .networks import EagleConfig, EagleNet, MedusaConfig, MedusaNet
+from .networks import EagleConfig, EagleNet, MedusaConfig, MedusaNet, on_kernels
 
 KINDS = {"eagle": (EagleNet, EagleConfig), "medusa": (MedusaNet, MedusaConfig)}
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "drafters"
@@ -111,7 +111,7 @@ def build(path: Path, kind: str, backend: Backend) -> EagleNet | MedusaNet:
     if config.hidden != backend.info.hidden_size or int(net.head.vocab.max()) >= backend.info.vocab_size:
         raise InvalidParameter(f"{path}: the {kind} drafter does not fit {backend.info.name}'s sizes")
     net.head.attach(backend.head_rows(net.head.vocab))
-    return net.eval().requires_grad_(False)
+    return on_kernels(net.eval().requires_grad_(False), backend.matrix)
 
 
 def find(backend: Backend, kind: str, given: str | Path | None = None) -> Path:
