@@ -132,3 +132,26 @@ def test_a_kept_prefix_gives_the_logits_of_a_fresh_prefill(numerics):
         assert backend.kept_ids is None and backend.shared_prefix(second) == 0
         assert torch.equal(reused, backend.prefill(second))
     assert not model.clone().reuses_prefix() or numerics == "fast"  # alone in exact: prompts may take torch's path
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+def test_trained_drafters_read_their_features_from_a_shared_batch(numerics):
+    """EAGLE and Medusa read each pass's features; served, the batch hands each sequence its own."""
+    from tests.conftest import required_options
+
+    model = base(numerics)
+    cases = [("abcabcabcabc" * 4, method, {"budget": 4, **required_options(method, model)}) for method in ("eagle", "medusa")]
+    assert_batched_as_alone(model, cases + CASES[:2])
+
+
+def test_a_served_pass_returns_the_features_of_a_pass_alone():
+    model = base("exact")
+    alone = model.clone()
+    alone.prefill([5, 6, 7, 8])
+    served, batcher = model.clone(), PassBatcher()
+    served.batcher = batcher
+    with batcher.member():
+        served.prefill([5, 6, 7, 8])
+        assert batcher.passes == 1
+    assert served.last_features.shape == (1, 4, model.info.hidden_size)
+    assert torch.equal(served.last_features, alone.last_features)

@@ -99,10 +99,10 @@ def test_features_are_the_same_in_a_step_a_tree_and_a_prompt():
 # Training ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_training_lowers_the_loss(kind):
+@pytest.mark.parametrize("kind, unroll", [("eagle", 1), ("eagle", 2), ("medusa", 1)])
+def test_training_lowers_the_loss(kind, unroll):
     model = tiny()
-    settings = Settings(kind, minutes=3 / 60, vocab=64, batch_tokens=256)
+    settings = Settings(kind, minutes=3 / 60, vocab=64, batch_tokens=256, unroll=unroll)
     samples = corpus_of(model).samples
     net = new_net(kind, model.backend, draft_vocabulary(samples, settings.vocab, 96), settings)
     before = mean_loss(net, samples, model.backend, settings)
@@ -193,7 +193,7 @@ def test_train_drafter_saves_in_the_cache_and_the_method_finds_it(monkeypatch, t
     queries = iter([[f"query number {i} about things" for i in range(4)] for _ in range(100)])
     monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: next(queries))
     model = tiny()
-    args = argparse.Namespace(kind="medusa", tokens=400, minutes=0.03, vocab=64, seed=0, eval_queries=2,
+    args = argparse.Namespace(kind="medusa", tokens=400, minutes=0.03, vocab=64, seed=0, eval_queries=2, unroll=2,
                               max_new_tokens=16, out=None)
     assert cli.run(args, model=model) == 0
     record = json.loads(capsys.readouterr().out)
@@ -307,3 +307,71 @@ def test_a_drafters_matrices_run_on_the_backends_kernels():
     assert (product - exact).abs().max() < 0.05 * exact.abs().max()
     odd = torch.randn(5, 40, generator=g)
     assert torch.allclose(backend.matrix(odd)(x[:, :40]), x[:, :40] @ odd.T)
+
+
+class StubEagle(torch.nn.Module):
+    """A deterministic stand-in for EAGLE's network: the next feature is a fixed mix of the current
+    feature and the token's embedding (no attention), with a real draft head."""
+
+    def __init__(self, backend):
+        super().__init__()
+        from decodekit.speculative.trained.networks import ReducedHead
+
+        self.head = ReducedHead(torch.arange(backend.info.vocab_size))
+        self.head.attach(backend.head_rows(self.head.vocab) * 3)
+
+    def forward(self, features, embeds, positions, visible, past=None):
+        assert visible.shape[0] == features.shape[1]
+        empty = torch.zeros(1, 1, features.shape[1], 1)
+        return torch.tanh(features * 0.5 + embeds), (empty, empty)
+
+
+def test_eagle_trees_are_eagle2s_most_confident_paths(monkeypatch):
+    """EAGLE-2's tree: each level expands the top_k most confident newest nodes into their top_k
+    tokens; the tree kept is the ``budget`` most confident nodes. Checked against a reference written
+    over paths (confidence = product of draft probabilities along the path)."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+    from decodekit.speculative.drafters.eagle import EagleDrafter
+
+    model = tiny()
+    backend = model.backend
+    stub = StubEagle(backend)
+    monkeypatch.setattr(store, "load", lambda *args, **kwargs: stub)
+    top_k, depth, budget = 3, 4, 7
+    drafter = EagleDrafter(top_k=top_k, max_depth=depth, min_confidence=0.0)
+    state = DecodeState(backend, Sampler(greedy=True), [5, 6, 7, 8], GenerationStats())
+    state.prefill()
+    drafter.begin(state)
+    state.commit([int(state.next_logits().argmax())])
+    tree = drafter.draft(state, budget)
+
+    embed = lambda t: backend.token_embeddings(torch.tensor([t]))[0]  # noqa: E731
+    probs = lambda f: torch.softmax(stub.head(f), -1)  # noqa: E731
+    with torch.no_grad():
+        features = backend.last_features[0]
+        pairs = torch.tanh(features * 0.5 + backend.token_embeddings(torch.tensor(state.tokens[1:])))
+        ahead = pairs[-1]  # the last committed pair: (feature before the root, the root)
+        level, every = [], []
+        top = probs(ahead).topk(top_k)
+        level = [((int(t),), float(p), ahead) for p, t in zip(top.values, top.indices)]
+        every += level
+        for _ in range(1, min(depth, budget)):
+            frontier = sorted(level, key=lambda n: -n[1])[:top_k]
+            level = []
+            for path, score, parent_feature in frontier:
+                out = torch.tanh(parent_feature * 0.5 + embed(path[-1]))
+                top = probs(out).topk(top_k)
+                level += [(path + (int(t),), score * float(p), out) for p, t in zip(top.values, top.indices)]
+            every += level
+    kept = {path for path, _, _ in sorted(every, key=lambda n: -n[1])[:budget]}
+    kept |= {path[:i] for path in kept for i in range(1, len(path))}
+
+    def path_of(node: int) -> tuple:
+        out = []
+        while node >= 0:
+            out.append(tree.tokens[node])
+            node = tree.parents[node]
+        return tuple(reversed(out))
+
+    assert {path_of(i) for i in range(len(tree))} == kept
+    assert len(tree) == budget

@@ -23,6 +23,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=defaults.tokens, help="self-distilled tokens to generate (made once per model and seed, then reused)")
     parser.add_argument("--minutes", type=float, default=defaults.minutes, help="training time, after the data")
     parser.add_argument("--vocab", type=int, default=defaults.vocab, help="draft vocabulary size (the data's most frequent tokens)")
+    parser.add_argument("--unroll", type=int, default=defaults.unroll,
+                        help="eagle: training steps on its own predicted features (1: the original EAGLE loss)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--eval-queries", type=int, default=defaults.held_out, help="held-aside queries to evaluate on")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per evaluation answer")
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace, model=None) -> int:
     from ...models import load_model
 
     settings = Settings(args.kind, tokens=args.tokens, minutes=args.minutes, vocab=args.vocab, seed=args.seed,
-                        held_out=args.eval_queries)
+                        held_out=args.eval_queries, unroll=args.unroll)
     model = model or load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics,
                                 kv_cache=args.kv_cache)
     backend, tokenizer = model.backend, model.tokenizer

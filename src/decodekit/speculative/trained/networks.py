@@ -158,20 +158,36 @@ class EagleNet(nn.Module):
         return self.layer(self.fc(torch.cat([embeds, features], dim=-1)), positions, visible, past)
 
     def loss(self, features: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor,
-             noise: float = 0.1, classification_weight: float = 0.1) -> tuple[torch.Tensor, dict]:
+             noise: float = 0.1, classification_weight: float = 0.1, unroll: int = 1) -> tuple[torch.Tensor, dict]:
         """EAGLE's training loss on sequences: ``features`` ``[B, L, D]`` (the target's), ``embeds``
         ``[B, L, D]`` (of the tokens, position j holding token j's), ``mask`` ``[B, L]`` (which
         positions are scored). Pair j = (f_j + uniform noise, e_{j+1}) predicts f_{j+1}: smooth-L1
         regression on the feature plus ``classification_weight`` times the cross-entropy against
-        the target's distribution over the draft vocabulary (softmax of the head on f_{j+1})."""
+        the target's distribution over the draft vocabulary (softmax of the head on f_{j+1}).
+
+        ``unroll`` > 1 also trains on the network's own predictions, as drafting feeds them back
+        beyond the first level: step s pairs the (detached) features predicted at step s - 1 with
+        the next tokens (a short form of EAGLE-3's training-time test); the steps' losses are summed."""
         inputs = features[:, :-1]
         if noise:
             inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
-        L = inputs.shape[1]
-        causal = torch.ones(L, L, dtype=torch.bool).tril()
-        predicted, _ = self(inputs, embeds[:, 1:], torch.arange(L), causal)
-        target = features[:, 1:]
-        weight = mask[:, 1:].float()
+        total = features.new_zeros(())
+        metrics: dict = {}
+        for step in range(unroll):
+            L = inputs.shape[1]
+            if L < 1:
+                break
+            causal = torch.ones(L, L, dtype=torch.bool).tril()
+            predicted, _ = self(inputs, embeds[:, 1 + step :], torch.arange(step, step + L), causal)
+            loss, figures = self._scored(predicted, features[:, 1 + step :], mask[:, 1 + step :].float(),
+                                         classification_weight)
+            total = total + loss
+            metrics.update({(name if step == 0 else f"{name}_{step + 1}"): value for name, value in figures.items()})
+            inputs = predicted.detach()[:, :-1]
+        return total, metrics
+
+    def _scored(self, predicted: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
+                classification_weight: float) -> tuple[torch.Tensor, dict]:
         count = weight.sum().clamp(min=1)
         regression = (F.smooth_l1_loss(predicted, target, reduction="none").mean(-1) * weight).sum() / count
         with torch.no_grad():
@@ -180,8 +196,9 @@ class EagleNet(nn.Module):
         classification = (-(p * log_q).sum(-1) * weight).sum() / count
         with torch.no_grad():
             agree = ((log_q.argmax(-1) == p.argmax(-1)).float() * weight).sum() / count
-        total = regression + classification_weight * classification
-        return total, {"regression": float(regression.detach()), "cross_entropy": float(classification.detach()), "top1": float(agree)}
+        figures = {"regression": float(regression.detach()), "cross_entropy": float(classification.detach()),
+                   "top1": float(agree)}
+        return regression + classification_weight * classification, figures
 
 
 class MedusaNet(nn.Module):

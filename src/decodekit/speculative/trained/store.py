@@ -26,7 +26,7 @@ from ...models.cache import cache_root, file_digest
 from .networks import EagleConfig, EagleNet, MedusaConfig, MedusaNet, on_kernels
 
 KINDS = {"eagle": (EagleNet, EagleConfig), "medusa": (MedusaNet, MedusaConfig)}
-SHIPPED = Path(__file__).resolve().parents[2] / "data" / "drafters"
+SHIPPED = Path(__file__).resolve().parents[2] / "data" / "drafters"  # decodekit/data/drafters
 
 
 def target_fingerprint(backend: Backend) -> str:

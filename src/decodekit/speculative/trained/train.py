@@ -35,13 +35,14 @@ class Settings:
     max_len: int = 320
     lr: float = 2e-3
     medusa_heads: int = 4
+    unroll: int = 2  # EAGLE: steps trained on its own predicted features (1: the original EAGLE loss)
     held_out: int = 8  # conversations kept aside for the evaluation
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("eagle", "medusa"):
             raise InvalidParameter(f"--kind must be eagle or medusa, got {self.kind!r}")
-        for name in ("tokens", "vocab", "batch_tokens", "max_len", "medusa_heads"):
+        for name in ("tokens", "vocab", "batch_tokens", "max_len", "medusa_heads", "unroll"):
             if getattr(self, name) < 1:
                 raise InvalidParameter(f"{name.replace('_', '-')} must be at least 1")
         if not self.minutes > 0:
@@ -121,10 +122,11 @@ def padded(group: list[Sample], backend: Backend, max_len: int) -> tuple[torch.T
     return features, embeds, tokens, mask
 
 
-def batch_loss(net: EagleNet | MedusaNet, batch: tuple[torch.Tensor, ...], index: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def batch_loss(net: EagleNet | MedusaNet, batch: tuple[torch.Tensor, ...], index: torch.Tensor,
+               unroll: int = 1) -> tuple[torch.Tensor, dict]:
     features, embeds, tokens, mask = batch
     if isinstance(net, EagleNet):
-        return net.loss(features, embeds, mask)
+        return net.loss(features, embeds, mask, unroll=unroll)
     return net.loss(features, index[tokens], mask)
 
 
@@ -152,7 +154,7 @@ def train(net: EagleNet | MedusaNet, samples: list[Sample], backend: Backend, se
         for g in optimizer.param_groups:
             g["lr"] = settings.lr * max(scale, 0.02)
         batch = padded(group, backend, settings.max_len)
-        loss, metrics = batch_loss(net, batch, index)
+        loss, metrics = batch_loss(net, batch, index, settings.unroll)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
