@@ -35,7 +35,7 @@ class Settings:
     max_len: int = 320
     lr: float = 2e-3
     medusa_heads: int = 4
-    unroll: int = 2  # EAGLE: steps trained on its own predicted features (1: the original EAGLE loss)
+    unroll: int = 1  # EAGLE: steps trained on its own predicted features (1: the original EAGLE loss)
     held_out: int = 8  # conversations kept aside for the evaluation
     seed: int = 0
 
