@@ -71,4 +71,4 @@ def test_the_shipped_trained_drafters_are_exact_and_accepted(real_model, plain_r
         assert got.tokens == plain
         accepted += got.stats.extra["accepted"]
         verifications += got.stats.extra["verifications"]
-    assert (accepted + verifications) / verifications > 1.5
+    assert (accepted + verifications) / verifications > {"eagle": 1.5, "medusa": 1.2}[method]  # docs/BENCHMARKS.md: 1.66, 1.35

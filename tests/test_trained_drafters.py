@@ -375,3 +375,50 @@ def test_eagle_trees_are_eagle2s_most_confident_paths(monkeypatch):
 
     assert {path_of(i) for i in range(len(tree))} == kept
     assert len(tree) == budget
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_drafter_holds_the_targets_feature_at_every_position(drafter_files, kind):
+    """After every verification and plain step, the features a drafter takes are, position by position,
+    the ones a single pass over the whole text gives (a wrong row of a verification pass would differ)."""
+    model = tiny()
+    method = method_for(kind, drafter_files[kind, "exact"], budget=4)
+    drafter, taken = method.drafter, []
+    update = drafter.update
+
+    def recording(state, tree, verdict, logits):
+        before = drafter.known
+        update(state, tree, verdict, logits)
+        taken.append((before, drafter.chunks[-1].clone(), len(verdict.path)))
+
+    drafter.update = recording
+    out = run(model, method, PROMPTS[0], n=40)
+    assert out.stats.extra["accepted"] > 0 and any(accepted for _, _, accepted in taken)
+    model.backend.prefill(PROMPTS[0] + out.tokens)
+    whole = model.backend.last_features[0]
+    for start, chunk, _ in taken:
+        assert torch.allclose(chunk, whole[start : start + len(chunk)], atol=1e-5), start
+
+
+def test_eagle_predicts_the_same_after_pairs_committed_one_by_one_or_together(drafter_files):
+    """The draft network's cache of committed pairs gives the same prediction whether the pairs came
+    in one pass or several (after a verification several arrive at once)."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+    from decodekit.speculative.drafters.eagle import EagleDrafter
+
+    model = tiny()
+    tokens = PROMPTS[1] + PROMPTS[2]
+    model.backend.prefill(tokens)
+    features = model.backend.last_features[0].clone()
+    state = DecodeState(model.backend, Sampler(greedy=True), tokens, GenerationStats())
+    aheads = []
+    for steps in ([len(tokens) - 1], [3, len(tokens) - 4, len(tokens) - 3, len(tokens) - 1]):
+        drafter = EagleDrafter(drafter=str(drafter_files["eagle", "exact"]))
+        drafter.net = store.load(model.backend, "eagle", drafter.path)
+        drafter.chunks, drafter.chunk_start, drafter.known, drafter.first = [features], 0, len(tokens), 0
+        drafter.past, drafter.pairs, drafter.ahead = None, 0, None
+        with torch.inference_mode():
+            for upto in steps:
+                drafter._commit_pairs(state, upto)
+        aheads.append(drafter.ahead)
+    assert torch.allclose(aheads[0], aheads[1], atol=1e-4)
