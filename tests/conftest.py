@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -30,6 +32,7 @@ def required_options(method: str, backend) -> dict:
         key = (method, store.target_fingerprint(backend))
         if key not in _DRAFTER_FILES:
             folder = Path(tempfile.mkdtemp(prefix="decodekit-test-drafters-"))
+            atexit.register(shutil.rmtree, folder, True)
             net = new_net(method, backend, torch.arange(backend.info.vocab_size), Settings(method))
             _DRAFTER_FILES[key] = str(store.save(net, method, backend, folder / f"{method}.safetensors", {}))
         return {"drafter": _DRAFTER_FILES[key]}
