@@ -27,7 +27,7 @@ from ...engine.core import DecodeState
 from ...options import OptionSpec, option_table
 from ..tree import DraftTree, select_nodes
 from . import register_drafter
-from .medusa import TRAINED_OPTIONS, FeatureDrafter
+from .base import TRAINED_OPTIONS, FeatureDrafter
 
 OPTIONS = option_table(
     TRAINED_OPTIONS,
