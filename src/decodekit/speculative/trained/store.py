@@ -92,6 +92,17 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return tensors, meta
 
 
+def _target_of(path: Path) -> str | None:
+    """The target fingerprint a drafter file's header names (its weights are not read), or None."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return (handle.metadata() or {}).get("target")
+    except Exception:  # not a readable drafter file: not this target's
+        return None
+
+
 def build(path: Path, kind: str, backend: Backend) -> EagleNet | MedusaNet:
     """The drafter in ``path``, checked against ``kind`` and the target, attached to its head rows."""
     tensors, meta = read(path)
@@ -123,11 +134,8 @@ def find(backend: Backend, kind: str, given: str | Path | None = None) -> Path:
         return saved
     fingerprint = target_fingerprint(backend)
     for path in sorted(SHIPPED.glob(f"*-{kind}.safetensors")):
-        try:
-            if read(path)[1]["target"] == fingerprint:
-                return path
-        except (InvalidModel, InvalidParameter):
-            continue
+        if _target_of(path) == fingerprint:
+            return path  # read in full, and its digest checked, when it is built
     raise InvalidParameter(
         f"no {kind} drafter for {backend.info.name}; train one with: decodekit train-drafter --kind {kind} "
         f"--model MODEL (or give drafter=PATH)")
