@@ -18,6 +18,7 @@ from decodekit.engine.core import DecodeState, GenerationStats
 from decodekit.models import load_model
 from decodekit.samplers import Sampler
 from decodekit.speculative.drafters import DRAFTER_SPECS
+from decodekit.speculative.tree import Verification
 
 
 def main() -> None:
@@ -45,8 +46,6 @@ def main() -> None:
             out = backend.verify_tree(torch.tensor([state.tokens[-1], *tree.tokens]), [-1, *[p + 1 for p in tree.parents]])
             t2 = time.perf_counter()
             backend.commit_path([0])  # keep the root only: a plain step's worth of progress
-            from decodekit.speculative.tree import Verification
-
             token = int(out.logits[0, 0].argmax())
             drafter.update(state, tree, Verification([], token), out.logits[0])
             state.commit([token])

@@ -122,6 +122,13 @@ def padded(group: list[Sample], backend: Backend, max_len: int) -> tuple[torch.T
     return features, embeds, tokens, mask
 
 
+def vocab_index(net: EagleNet | MedusaNet, vocab_size: int) -> torch.Tensor:
+    """Token id -> draft-vocabulary index (-1: outside the draft vocabulary)."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long)
+    index[net.head.vocab] = torch.arange(len(net.head.vocab))
+    return index
+
+
 def batch_loss(net: EagleNet | MedusaNet, batch: tuple[torch.Tensor, ...], index: torch.Tensor,
                unroll: int = 1) -> tuple[torch.Tensor, dict]:
     features, embeds, tokens, mask = batch
@@ -137,8 +144,7 @@ def train(net: EagleNet | MedusaNet, samples: list[Sample], backend: Backend, se
         raise InvalidParameter("no training samples")
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)
-    index = torch.full((backend.info.vocab_size,), -1, dtype=torch.long)
-    index[net.head.vocab] = torch.arange(len(net.head.vocab))
+    index = vocab_index(net, backend.info.vocab_size)
     params = [p for p in net.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     outcome = Outcome(net)
@@ -174,8 +180,7 @@ def train(net: EagleNet | MedusaNet, samples: list[Sample], backend: Backend, se
 
 def mean_loss(net: EagleNet | MedusaNet, samples: list[Sample], backend: Backend, settings: Settings) -> float:
     """The loss over ``samples`` (no training): what a test compares before and after."""
-    index = torch.full((backend.info.vocab_size,), -1, dtype=torch.long)
-    index[net.head.vocab] = torch.arange(len(net.head.vocab))
+    index = vocab_index(net, backend.info.vocab_size)
     with torch.no_grad():
         losses = [float(batch_loss(net, padded([s], backend, settings.max_len), index)[0]) for s in samples]
     return sum(losses) / len(losses)
