@@ -196,6 +196,19 @@ MUTATIONS = (
     Mutation("benchmark-questions-not-dropped", "src/decodekit/speculative/trained/data.py",
              "if len(key.split()) < 3 or key in seen or exclusion.overlaps(query):",
              "if len(key.split()) < 3 or key in seen:", ("tests/test_trained_drafters.py", "-k", "benchmark")),
+    Mutation("ray-lost-workers-unit-dropped", "src/decodekit/cluster.py",
+             "            pending.appendleft(key)", "            pass", ("tests/test_ray.py", "-k", "killed")),
+    Mutation("ray-lost-worker-not-replaced", "src/decodekit/cluster.py",
+             "            pending.appendleft(key)\n        self._start_worker()", "            pending.appendleft(key)",
+             ("tests/test_ray.py", "-k", "killed")),
+    Mutation("ray-payload-error-taken-for-a-lost-worker", "src/decodekit/cluster.py",
+             "raise (err.cause if isinstance(err.cause, BaseException) else err) from None",
+             "self._replace(actor, key, pending, err)\n            return",
+             ("tests/test_ray.py", "-k", "payload")),
+    Mutation("ray-bench-records-in-arrival-order", "src/decodekit/bench/distributed.py",
+             "    records.sort(key=", "    sorted(records, key=", ("tests/test_ray.py", "-k", "same_schema")),
+    Mutation("ray-resume-runs-finished-questions-again", "src/decodekit/bench/distributed.py",
+             "if (r, q.question_id) not in done}", "}", ("tests/test_ray.py", "-k", "resume")),
 )
 
 

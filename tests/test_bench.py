@@ -580,3 +580,14 @@ def test_default_question_file_ships_inside_the_package():
     questions = load_questions()
     assert len(questions) == 240
     assert {q.group for q in questions} == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
+
+
+def test_compare_counts_the_runs_whose_tokens_match(tiny: LoadedModel, qfile: Path):
+    from decodekit.bench.report import same_outputs
+
+    a = run_bench([MethodContestant(Engine(tiny), "greedy")], load_questions(qfile), prompt_fn(tiny),
+                  BenchConfig(max_new_tokens=4), progress=False).records
+    b = json.loads(json.dumps(a))
+    assert same_outputs(a, b) == f"outputs: {len(a)} of {len(a)} runs in both files are token-identical"
+    b[1]["tokens"][0][-1] += 1
+    assert same_outputs(a, b[1:]) == f"outputs: {len(a) - 2} of {len(a) - 1} runs in both files are token-identical (differ: greedy)"

@@ -44,3 +44,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="which keys and values to keep: full (default), sink:S,window:W (StreamingLLM), h2o:budget=B,window=W, "
              "snapkv:budget=B,window=O (see decodekit methods)",
     )
+
+
+def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--ray [ADDRESS]`` and ``--workers``: run the units of a sweep on a Ray cluster (:mod:`decodekit.cluster`)."""
+    parser.add_argument(
+        "--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+        help="run on a Ray cluster: alone, a local instance on this machine's cores; 'auto', the cluster this machine "
+             "joined with 'ray start'; or the cluster's address (needs: pip install 'decodekit[ray]')",
+    )
+    parser.add_argument("--workers", type=int, default=None,
+                        help="with --ray: worker processes, each loading the model once (default: the cluster's CPUs / threads per worker)")

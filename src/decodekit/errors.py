@@ -37,3 +37,7 @@ class CacheError(DecodeKitError, OSError):
 
 class PromptTooLong(DecodeKitError, ValueError):
     """The prompt (plus the requested new tokens) does not fit the model's context."""
+
+
+class ClusterError(DecodeKitError, RuntimeError):
+    """A Ray cluster could not be started or joined, or lost more workers than a run tolerates."""

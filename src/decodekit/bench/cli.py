@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..arguments import add_ray_arguments
 from ..errors import InvalidParameter
 from ..options import parse_option
 from .questions import DEFAULT_QUESTIONS, Question
-from .runner import is_record
+from .runner import BenchConfig, is_record, run_bench
 
 #: --quick: the fast model-free speculative methods, when registered (skipped with a note otherwise).
 QUICK_METHODS = ("greedy", "pld", "suffix", "recycling", "lookahead")
@@ -44,7 +45,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="exact: float32 identical to the dequantised model (default); fast: 8-bit inputs, integer dot products")
     p.add_argument("--repeats", type=int, default=None,
                    help=f"passes over the questions, each from the same start; medians are reported (default {FULL['repeats']}; --quick {QUICK['repeats']})")
-    p.add_argument("--threads", type=int, default=None, help="torch threads, also llama.cpp's n_threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads, also llama.cpp's n_threads (default: torch's; with --ray, per worker, default 1)")
     p.add_argument("--opt", action="append", default=[], metavar="METHOD.KEY=VALUE", help="method option, e.g. pld.max_ngram=3 (repeatable)")
     p.add_argument("--out", default="bench-out", metavar="DIR", help="output folder (default bench-out)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out (DIR/checkpoint.json, written "
@@ -52,6 +53,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "settings; --limit and --categories may grow, so a full run can be built up over several sessions")
     p.add_argument("--quick", action="store_true", help="a few minutes: 1 question per category, 64 tokens, 5 repeats, fast methods, hf baseline")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_ray_arguments(p)
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print the change between two results files and exit")
     p.set_defaults(func=run)
     return p
@@ -81,6 +83,8 @@ class Plan:
     resume: bool = False
     previous: list[dict[str, Any]] = field(default_factory=list)  # --resume: the checkpoint's records
     previous_notes: list[str] = field(default_factory=list)
+    ray: str | None = None  # --ray: "local" or a cluster address; None runs here
+    workers: int | None = None
 
     def config(self) -> dict[str, Any]:
         return {
@@ -224,8 +228,15 @@ def make_plan(args: argparse.Namespace) -> Plan:
         questions=load_questions(path, categories=categories, limit=limit), question_file=path,
         max_new_tokens=max_new, limit=limit, categories=categories, repeats=repeats, all_turns=args.all_turns,
         model=args.model, dtype=args.dtype, numerics=args.numerics, threads=args.threads, out=Path(args.out), command="", notes=notes,
-        resume=getattr(args, "resume", False),
+        resume=getattr(args, "resume", False), ray=getattr(args, "ray", None), workers=getattr(args, "workers", None),
     )
+    positive("workers", plan.workers, True)
+    if plan.workers is not None and plan.ray is None:
+        raise InvalidParameter("--workers needs --ray")
+    if plan.ray is not None:
+        from ..cluster import import_ray
+
+        import_ray()  # not installed: the one-line hint now, not after loading anything
     plan.command = command_line(plan, args.quick)
     if plan.resume:  # read (and check) now, not after loading the model
         plan.previous, plan.previous_notes = load_checkpoint(plan)
@@ -245,14 +256,16 @@ def command_line(plan: Plan, quick: bool) -> str:
     parts += ["--threads", str(plan.threads)] if plan.threads else []
     parts += ["--all-turns"] if plan.all_turns else []
     parts += ["--resume"] if plan.resume else []
+    parts += ["--ray", plan.ray] if plan.ray else []
+    parts += ["--workers", str(plan.workers)] if plan.workers else []
     for method, opts in plan.options.items():
         for key, value in opts.items():
             parts += ["--opt", f"{method}.{key}={value}"]
     return shlex.join(parts) + ("  # --quick" if quick else "")
 
 
-def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[str, Any]:
-    """Run the plan on a loaded model; write results.json, report.md and speedup.png; return the results."""
+def build_contestants(plan: Plan, model, *, hf_model=None) -> tuple[list, list[str]]:
+    """The plan's methods and baselines on a loaded model, ready to warm up, and notes on any skipped."""
     import torch
 
     from ..engine import Engine
@@ -260,14 +273,9 @@ def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[
     from ..speculative import prepare
     from .baselines import build_baselines
     from .contestants import MethodContestant
-    from .plot import plot_speedup
-    from .report import write_report
-    from .results import build_results, code_version, machine_info, write_results
-    from .runner import BenchConfig, run_bench
 
     if plan.threads:
         torch.set_num_threads(plan.threads)
-    code_version()  # fix the code stamp of this run's checkpoints and results now
     # Each method gets its own backend clone (shared weights, own cache and own cross-request
     # memory: suffix corpus, recycling table, bandit), as if each ran in its own process as in
     # Spec-Bench; otherwise a method could draft from another method's answer to the same question.
@@ -282,18 +290,40 @@ def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[
             prepare(contestant.engine.model.backend)
     baselines, notes = build_baselines(plan.baselines, model, model=plan.model, dtype=plan.dtype,
                                        threads=torch.get_num_threads(), hf_model=hf_model)
-    config = BenchConfig(max_new_tokens=plan.max_new_tokens, repeats=plan.repeats, all_turns=plan.all_turns, reference=REFERENCE)
+    return [*contestants, *baselines], notes
+
+
+def bench_config(plan: Plan) -> BenchConfig:
+    return BenchConfig(max_new_tokens=plan.max_new_tokens, repeats=plan.repeats, all_turns=plan.all_turns, reference=REFERENCE)
+
+
+def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[str, Any]:
+    """Run the plan on a loaded model; write results.json, report.md and speedup.png; return the results."""
+    from .results import code_version, machine_info
+
+    code_version()  # fix the code stamp of this run's checkpoints and results now
+    contestants, notes = build_contestants(plan, model, hf_model=hf_model)
     notes = [*plan.notes, *notes, *(n for n in plan.previous_notes if n not in notes)]
-    run_ = run_bench([*contestants, *baselines], plan.questions, model.prompt_ids, config, progress=progress,
+    run_ = run_bench(contestants, plan.questions, model.prompt_ids, bench_config(plan), progress=progress,
                      previous=plan.previous, checkpoint=lambda records: save_checkpoint(plan, records, notes))
+    machine = machine_info(model=model.name, dtype=plan.dtype, numerics=plan.numerics)
+    return finish(plan, run_, notes, machine)
+
+
+def finish(plan: Plan, run_, notes: list[str], machine: dict[str, Any], machines: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Save the last checkpoint and write results.json, report.md and speedup.png for a finished run."""
+    from .plot import plot_speedup
+    from .report import write_report
+    from .results import build_results, write_results
+
     save_checkpoint(plan, run_.records, [*notes, *run_.notes])
     if run_.resumed:
         notes.append(f"resumed: {run_.resumed} question(s) taken from an earlier run of the same code and settings")
-    results = build_results(run_, command=plan.command, config=plan.config(),
-                            machine=machine_info(model=model.name, dtype=plan.dtype, numerics=plan.numerics), notes=notes)
+    results = build_results(run_, command=plan.command, config=plan.config(), machine=machine, notes=notes, machines=machines)
     write_results(results, plan.out / "results.json")
     n = len(plan.questions)
-    subtitle = f"{model.name}, {plan.dtype}, {plan.numerics} numerics, {n} question{'s' if n != 1 else ''}, {plan.max_new_tokens} new tokens"
+    subtitle = (f"{machine['model']}, {plan.dtype}, {plan.numerics} numerics, {n} question{'s' if n != 1 else ''}, "
+                f"{plan.max_new_tokens} new tokens")
     plot_speedup(results["summary"], plan.out / "speedup.png", subtitle=subtitle)
     write_report(results, plan.out / "report.md")
     return results
@@ -309,10 +339,16 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(args)
     from ..models import load_model
 
-    model = load_model(plan.model, dtype=plan.dtype, numerics=plan.numerics)
     print(f"decodekit bench: {len(plan.questions)} questions x {len(plan.methods)} methods + "
           f"{len(plan.baselines)} baselines x {plan.repeats} repeat(s), {plan.max_new_tokens} new tokens", file=sys.stderr)
-    results = execute(plan, model, progress=not args.no_progress)
+    if plan.ray is not None:
+        from ..cluster import PoolSettings
+        from .distributed import execute_on_ray
+
+        settings = PoolSettings(workers=plan.workers, threads=plan.threads or 1)
+        results = execute_on_ray(plan, plan.ray, settings, progress=not args.no_progress)
+    else:
+        results = execute(plan, load_model(plan.model, dtype=plan.dtype, numerics=plan.numerics), progress=not args.no_progress)
     print(terminal_report(results))
     print(f"\nwrote {plan.out / 'results.json'}, {plan.out / 'report.md'}, {plan.out / 'speedup.png'}")
     return 0

@@ -103,6 +103,16 @@ def machine_lines(machine: dict[str, Any]) -> list[str]:
     ]
 
 
+def worker_lines(machines: list[dict[str, Any]] | None) -> list[str]:
+    """A run on a Ray cluster: one line per worker (the Machine section describes the first)."""
+    if not machines:
+        return []
+    rows = [f"- {m['host']} pid {m['pid']}: {m['machine']['cpu']}, {m['threads']} thread(s), {m['units']} question runs"
+            + (" (lost mid-run; its question ran again elsewhere)" if m["lost"] else "") for m in machines]
+    return ["## Workers (Ray)", "", "Every question's contestants ran side by side on one worker: ratios are per worker.",
+            "", *rows, ""]
+
+
 def settings_lines(config: dict[str, Any]) -> list[str]:
     return [
         f"- questions: `{config['questions']}` (limit {config['limit'] or 'none'} per category; categories: "
@@ -119,7 +129,7 @@ def markdown_report(results: dict[str, Any], image: str | None = "speedup.png") 
     out = [
         "# decodekit bench", "",
         f"Produced by `{results['command']}` on {results['created']}.", "",
-        "## Machine", "", *machine_lines(results["machine"]), "",
+        "## Machine", "", *machine_lines(results["machine"]), "", *worker_lines(results.get("machines")),
         "## Settings", "", *settings_lines(config), "",
         "## Overall", "", method_table(summary, OVERALL, markdown=True, memory=True), "",
         "## Decode-only speedup vs decodekit greedy", "", matrix(summary, "speedup", num(2, "x"), markdown=True), "",
@@ -175,9 +185,22 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> str:
     lines = [f"A: {a['command']} ({a['created']})", f"B: {b['command']} ({b['created']})"]
     if a["machine"].get("cpu") != b["machine"].get("cpu"):
         lines.append(f"note: different CPUs ({a['machine'].get('cpu')} vs {b['machine'].get('cpu')})")
+    lines.append(same_outputs(a["records"], b["records"]))
     if not rows:
         return "\n".join(lines + ["no method and category in common"])
     return "\n".join(lines + ["", render(headers, rows)])
+
+
+def same_outputs(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> str:
+    """How many runs both files have (method, question, repeat) produced the same tokens in both."""
+    def tokens(records):
+        return {(r["method"], r["question_id"], r["repeat"]): r["tokens"] for r in records if r["error"] is None}
+
+    ta, tb = tokens(a), tokens(b)
+    common = [k for k in ta if k in tb]
+    differ = sorted({k[0] for k in common if ta[k] != tb[k]})
+    return (f"outputs: {sum(ta[k] == tb[k] for k in common)} of {len(common)} runs in both files are token-identical"
+            + (f" (differ: {', '.join(differ)})" if differ else ""))
 
 
 def change(old: float | None, new: float | None) -> list[str]:

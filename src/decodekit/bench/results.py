@@ -10,6 +10,7 @@
                  repeats, all_turns, options},
       "machine": {cpu, logical_cores, usable_cores, memory_gb, platform, python, torch, torch_threads,
                   transformers, llama_cpp, dtype, numerics, model},
+      "machines": [{host, pid, threads, units, lost, machine}],  # only in a run on a Ray cluster: one per worker
       "notes": [str, ...],                        # skipped methods/baselines, failures, caveats
       "records": [                               # one per contestant x question x repeat
         {method, kind ("decodekit"|"baseline"), family, lossless (bool|null),
@@ -49,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidParameter
+from .runner import RECORD_FIELDS
 
 SCHEMA = "decodekit-bench/1"
 OVERALL = "overall"
@@ -236,14 +238,62 @@ def exactness_notes(summary: dict[str, Any]) -> list[str]:
     return notes
 
 
-def build_results(run, *, command: str, config: dict[str, Any], machine: dict[str, Any], notes: Sequence[str] = ()) -> dict[str, Any]:
-    """The whole results.json document for a :class:`~decodekit.bench.runner.BenchRun`."""
+def build_results(run, *, command: str, config: dict[str, Any], machine: dict[str, Any], notes: Sequence[str] = (),
+                  machines: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The whole results.json document for a :class:`~decodekit.bench.runner.BenchRun`;
+    ``machines``: the workers of a run on a cluster, one entry each."""
     summary = summarize(run.records, run.contestants, run.peak_rss_mb, reference=config.get("reference", "greedy"))
-    return {
+    results = {
         "schema": SCHEMA, "created": datetime.now().isoformat(timespec="seconds"), "command": command,
         "config": config, "machine": machine, "notes": [*notes, *run.notes, *exactness_notes(summary)],
         "records": run.records, "summary": summary,
     }
+    if machines is not None:
+        results["machines"] = machines
+    return results
+
+
+_NUMBER = {"type": ["number", "null"]}
+_STATS = {"type": "object", "required": list(STAT_KEYS), "properties": {k: _NUMBER for k in STAT_KEYS}}
+#: results.json as JSON Schema (the module docstring in prose); checked by :func:`validate_results`.
+RESULTS_JSON_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["schema", "created", "command", "config", "machine", "notes", "records", "summary"],
+    "properties": {
+        "schema": {"const": SCHEMA}, "created": {"type": "string"}, "command": {"type": "string"},
+        "config": {"type": "object", "required": ["questions", "methods", "baselines", "max_new_tokens", "dtype",
+                                                  "numerics", "repeats", "options", "reference"]},
+        "machine": {"type": "object", "required": ["cpu", "logical_cores", "usable_cores", "torch_threads", "model",
+                                                   "dtype", "numerics", "decodekit"]},
+        "machines": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["host", "pid", "threads", "units", "lost", "machine"]}},
+        "notes": {"type": "array", "items": {"type": "string"}},
+        "records": {"type": "array", "items": {
+            "type": "object", "required": sorted(RECORD_FIELDS),
+            "properties": {
+                "method": {"type": "string"}, "kind": {"enum": ["decodekit", "baseline"]},
+                "question_id": {"type": ["integer", "string"]}, "repeat": {"type": "integer", "minimum": 0},
+                "position": {"type": "integer", "minimum": 0}, "new_tokens": {"type": "integer", "minimum": 0},
+                "texts": {"type": "array", "items": {"type": "string"}},
+                "tokens": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+                "identical_to_reference": {"type": ["boolean", "null"]}, "error": {"type": ["string", "null"]},
+            }}},
+        "summary": {"type": "object", "required": ["reference", "hf_reference", "aggregate", "categories", "methods"],
+                    "properties": {"methods": {"type": "object", "additionalProperties": {
+                        "type": "object", "required": ["kind", "family", "lossless", "token_exact", "peak_rss_mb", "categories"],
+                        "properties": {"categories": {"type": "object", "additionalProperties": _STATS}}}}}},
+    },
+}
+
+
+def validate_results(results: dict[str, Any]) -> None:
+    """Raise InvalidParameter (one line: where and what) if ``results`` does not follow the schema."""
+    import jsonschema
+
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(RESULTS_JSON_SCHEMA).iter_errors(results))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "(top)"
+        raise InvalidParameter(f"results.json does not follow {SCHEMA} at {where}: {error.message}")
 
 
 def write_results(results: dict[str, Any], path: Path) -> Path:

@@ -54,15 +54,19 @@ class BenchRun:
     resumed: int = 0  # questions (x repeats) taken from an earlier run instead of being run
 
 
+def rotation(names: Sequence[str], question_index: int, repeat: int) -> list[str]:
+    """The order of a question's runs: rotated by one at every question, and by one more at every
+    repeat (so no contestant holds the same place on a question in every repeat, whatever the
+    number of questions)."""
+    k = (question_index + repeat) % len(names) if names else 0
+    return list(names[k:]) + list(names[:k])
+
+
 def schedule(names: Sequence[str], n_questions: int, repeats: int) -> Iterator[tuple[int, int, list[str]]]:
-    """Yield ``(repeat, question index, order)``; the order rotates by one at every question, and
-    a question's order by one more at every repeat (so no contestant holds the same place on a
-    question in every repeat, whatever the number of questions)."""
-    m = len(names)
+    """Yield ``(repeat, question index, order)`` for every run of a benchmark, repeat by repeat."""
     for r in range(repeats):
         for q in range(n_questions):
-            k = (q + r) % m if m else 0
-            yield r, q, list(names[k:]) + list(names[:k])
+            yield r, q, rotation(names, q, r)
 
 
 def peak_rss_mb() -> float:
@@ -231,6 +235,43 @@ def finished_records(previous: Iterable[dict[str, Any]], names: Sequence[str],
     return {key: recs for key, recs in groups.items() if {r["method"] for r in recs} == set(names)}
 
 
+class BenchSession:
+    """The contestants of one machine, warmed up, answering one question at a time: the unit of a
+    run, whether the questions go one after another here or to the workers of a cluster
+    (:mod:`decodekit.bench.distributed`). Every contestant of a question runs here, interleaved."""
+
+    def __init__(self, contestants: Sequence[Contestant], prompt_ids: PromptIds, config: BenchConfig) -> None:
+        config.validate()
+        names = [c.name for c in contestants]
+        if config.reference not in names:
+            raise InvalidParameter(f"the reference method {config.reference!r} must be among the contestants")
+        if len(set(names)) != len(names):
+            raise InvalidParameter(f"contestant names must be unique, got {', '.join(names)}")
+        self.prompt_ids, self.config = prompt_ids, config
+        self.notes: list[str] = []
+        self.kept, self.peak_rss_mb = warm_up(list(contestants), prompt_ids, config, self.notes)
+        self.names = [c.name for c in self.kept]
+        self.current: int | None = None  # the repeat being run: the contestants start each one afresh
+
+    def run_question(self, repeat: int, question_index: int, question: Question,
+                     on_run: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+        """Every contestant once on ``question``, in the rotated order; records compared to the reference."""
+        if self.current is not None and repeat != self.current:
+            restart(self.kept, self.prompt_ids, self.config, self.notes)
+        self.current = repeat
+        by_name = {c.name: c for c in self.kept}
+        batch = []
+        for position, name in enumerate(rotation(self.names, question_index, repeat)):
+            batch.append(run_one(by_name[name], question, self.prompt_ids, self.config, repeat, position, self.notes))
+            if on_run is not None:
+                on_run(name)
+        compare_to_reference(batch, self.config.reference, {c.name: c.token_exact for c in self.kept})
+        return batch
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [c.describe() for c in self.kept]
+
+
 def run_bench(contestants: Sequence[Contestant], questions: Sequence[Question], prompt_ids: PromptIds,
               config: BenchConfig, *, progress: bool = True, previous: Iterable[dict[str, Any]] = (),
               checkpoint: Callable[[list[dict[str, Any]]], None] | None = None) -> BenchRun:
@@ -239,41 +280,24 @@ def run_bench(contestants: Sequence[Contestant], questions: Sequence[Question], 
     ``previous``: records of an interrupted run of the same benchmark; questions they complete
     are not run again. ``checkpoint(records)`` is called after every question with all records
     so far (for saving them, so that an interrupted run can be resumed)."""
-    config.validate()
-    names = [c.name for c in contestants]
-    if config.reference not in names:
-        raise InvalidParameter(f"the reference method {config.reference!r} must be among the contestants")
-    if len(set(names)) != len(names):
-        raise InvalidParameter(f"contestant names must be unique, got {', '.join(names)}")
     if not questions:
         raise InvalidParameter("no questions to run")
-    notes: list[str] = []
-    kept, rss = warm_up(list(contestants), prompt_ids, config, notes)
-    by_name = {c.name: c for c in kept}
-    token_exact = {c.name: c.token_exact for c in kept}
-    done = finished_records(previous, list(by_name), questions)
+    session = BenchSession(contestants, prompt_ids, config)
+    done = finished_records(previous, session.names, questions)
     records: list[dict[str, Any]] = [rec for recs in done.values() for rec in recs]
-    bar = Progress((config.repeats * len(questions) - len(done)) * len(kept), progress)
-    current = None  # the repeat being run: the contestants start each one afresh
+    bar = Progress((config.repeats * len(questions) - len(done)) * len(session.names), progress)
     try:
-        for repeat, qi, order in schedule(list(by_name), len(questions), config.repeats):
+        for repeat, qi, _ in schedule(session.names, len(questions), config.repeats):
             question = questions[qi]
             if (repeat, question.question_id) in done:
                 continue
-            if current is not None and repeat != current:
-                restart(kept, prompt_ids, config, notes)
-            current = repeat
-            batch = []
-            for position, name in enumerate(order):
-                batch.append(run_one(by_name[name], question, prompt_ids, config, repeat, position, notes))
-                bar.update(f"{name} · {question.category} #{question.question_id}")
-            compare_to_reference(batch, config.reference, token_exact)
-            records.extend(batch)
+            label = f"{question.category} #{question.question_id}"
+            records.extend(session.run_question(repeat, qi, question, lambda name: bar.update(f"{name} · {label}")))
             if checkpoint is not None:
                 checkpoint(records)
     finally:
         bar.close()
-    return BenchRun(records, rss, notes, [c.describe() for c in kept], resumed=len(done))
+    return BenchRun(records, session.peak_rss_mb, session.notes, session.describe(), resumed=len(done))
 
 
 def restart(contestants: Sequence[Contestant], prompt_ids: PromptIds, config: BenchConfig, notes: list[str]) -> None:

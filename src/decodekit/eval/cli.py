@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import sys
 from pathlib import Path
 
-from ..arguments import ArgumentParser, add_model_arguments
+from ..arguments import ArgumentParser, add_model_arguments, add_ray_arguments
 from ..errors import InvalidParameter
 from ..options import parse_option
 
@@ -37,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--continuation", type=int, default=128, help="longctx: tokens whose NLL is measured (default 128)")
     parser.add_argument("--out", default=None, help="output folder (default eval-out/TASK-METHOD)")
     add_model_arguments(parser)
+    add_ray_arguments(parser)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -47,9 +49,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, model=None) -> int:
-    """Run the evaluation; ``model`` (a LoadedModel) skips loading, for tests and notebooks."""
+    """Run the evaluation; ``model`` skips loading by name, for tests and notebooks: a LoadedModel,
+    or with ``--ray`` a picklable callable that returns one (each worker calls it once)."""
     from ..engine import method_spec
-    from ..models import load_model
+    from ..models import DEFAULT_MODEL, load_model
     from .report import write_report
     from .runner import EvalConfig, evaluate, make_decoder
     from .tasks import load_task
@@ -58,7 +61,11 @@ def run(args: argparse.Namespace, model=None) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise InvalidParameter(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if args.workers is not None and (args.workers < 1 or args.ray is None):
+        raise InvalidParameter("--workers must be a positive integer and needs --ray")
     if args.task == "longctx":
+        if args.ray is not None:
+            raise InvalidParameter("--ray runs item-by-item tasks; longctx runs on one machine (its rows share one long prompt)")
         return run_long_context(args, model)
     config = EvalConfig(
         method=args.method, n=args.n, limit=args.limit, max_new_tokens=args.max_new_tokens, seed=args.seed,
@@ -68,18 +75,31 @@ def run(args: argparse.Namespace, model=None) -> int:
     )
     task = load_task(args.task, args.data)
     make_decoder(config, task)  # bad method or option: fail before loading the model
-    model = model or load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics, kv_cache=args.kv_cache)
+    recipe = functools.partial(load_model, args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics,
+                               kv_cache=args.kv_cache)
     right = [0]
 
     def progress(done: int, total: int, record: dict) -> None:
         right[0] += record["correct"]
         print(f"\r[{done}/{total}] correct {right[0]}", end="\n" if done == total else "", file=sys.stderr, flush=True)
 
-    result = evaluate(model, task, config, progress)
+    if args.ray is not None:
+        from ..cluster import PoolSettings, import_ray
+        from .distributed import evaluate_on_ray
+
+        import_ray()
+        if model is not None and not callable(model):
+            raise InvalidParameter("with --ray, pass a callable that loads the model (each worker calls it), not a model")
+        result = evaluate_on_ray(model or recipe, task, config, args.ray, PoolSettings(workers=args.workers), progress)
+        name = result["machines"][0]["model"] if result["machines"] else (args.model or DEFAULT_MODEL)
+    else:
+        model = model or recipe()
+        result = evaluate(model, task, config, progress)
+        name = model.name
     out = Path(args.out or f"eval-out/{args.task}-{args.method}")
     argv = sys.argv[sys.argv.index(args.task):] if args.task in sys.argv else [args.task]
     header = {"command": "decodekit eval " + shlex.join(argv),
-              "model": model.name, "dtype": args.dtype, "numerics": args.numerics}
+              "model": name, "dtype": args.dtype, "numerics": args.numerics}
     paths = write_report(result, out, header)
     lo, hi = result["ci95"]
     print(f"{args.task} · {args.method}: accuracy {result['accuracy']:.3f} [{lo:.3f}, {hi:.3f}] "

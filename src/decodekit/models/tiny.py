@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .gguf_blocks import BlockMatrix
 from .native import LlamaConfig, NativeLlama
+
+if TYPE_CHECKING:
+    from . import LoadedModel
 
 
 def tiny_hf_config(vocab_size: int = 96, num_layers: int = 2, hidden_size: int = 32, max_position: int = 512) -> dict:
@@ -83,6 +88,15 @@ def tiny_llama(
         state, blocks = as_gguf_blocks(state)
     return NativeLlama(LlamaConfig.from_hf(config), state, dtype=dtype, name="tiny-llama", gguf_blocks=blocks,
                        numerics=numerics)
+
+
+def tiny_model(seed: int = 0, scale: float = 1.0, **kwargs) -> "LoadedModel":
+    """:func:`tiny_llama` with the character tokenizer, named ``tiny``: a whole model from a
+    picklable call, e.g. ``functools.partial(tiny_model, seed=0)`` for the workers of a Ray run."""
+    from . import LoadedModel
+    from .tokenizer import CharTokenizer
+
+    return LoadedModel(tiny_llama(seed, scale=scale, **kwargs), CharTokenizer(), "tiny")
 
 
 def tiny_hf_model(seed: int = 0, scale: float = 1.0, **config_kwargs):

@@ -1,0 +1,199 @@
+"""Running a sweep's independent units on a Ray cluster (``decodekit bench --ray``, ``eval --ray``).
+
+Ray places the processes; this module only keeps every worker busy and recovers from lost ones.
+Each worker is one Ray actor (:class:`Host`) that builds its payload once (loads its model, warms
+its contestants up) and then runs one unit at a time: a benchmark question with all its
+contestants, or one evaluation item. A unit goes to whichever worker is idle, in the order given.
+
+When a worker's process dies, the unit it was running is put back at the front of the queue and a
+new worker replaces the lost one; a unit's result is accepted once, from the one run that returned
+it, so nothing is counted twice and the run ends with the same units it would have had without the
+fault. An exception raised by the payload itself (a bad model path, a bug) is not a lost worker:
+running it elsewhere would raise it again, so it ends the run as the same one-line error a
+single-machine run gives.
+
+``address``: ``None`` starts a private Ray instance on this machine's usable cores and stops it
+at the end; ``"auto"`` joins the cluster this machine belongs to (``ray start``); anything else is
+a cluster address. Workers on other machines need decodekit installed as on this one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import socket
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ClusterError, InvalidParameter
+
+INSTALL_HINT = "pip install 'decodekit[ray]'"
+LOCAL_OBJECT_STORE = 256 * 1024 * 1024  # results are small; Ray's default takes 30% of the memory
+_SETUP = object()  # the in-flight key of a worker's setup call
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise InvalidParameter(f"--ray needs Ray, which is not installed: {INSTALL_HINT}") from None
+    return ray
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@contextmanager
+def connected(address: str | None) -> Iterator[Any]:
+    """The ``ray`` module, initialised for ``address`` (see the module docstring) for the block."""
+    ray = import_ray()
+    if ray.is_initialized():  # a caller (a test, a notebook) already chose the cluster
+        yield ray
+        return
+    try:
+        if address is None:
+            ray.init(num_cpus=usable_cores(), include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE,
+                     logging_level=logging.WARNING, log_to_driver=False)
+        else:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        where = "a local Ray instance" if address is None else f"the Ray cluster at {address!r}"
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ClusterError(f"could not start or join {where}: {first}") from None
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def host_description() -> dict[str, Any]:
+    """Where a worker runs: enough to tell workers apart in a run's ``machines`` section."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "platform": platform.platform(),
+            "usable_cores": usable_cores()}
+
+
+class Host:
+    """The body of one worker actor: builds its payload once, then runs units on it. A payload is
+    any object with ``run(unit)`` and ``describe() -> dict``."""
+
+    def __init__(self, threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(threads)  # as many as the worker reserved, not the machine's
+        self.threads = threads
+        self.payload: Any = None
+
+    def setup(self, make_payload: Callable[[], Any]) -> dict[str, Any]:
+        self.payload = make_payload()
+        return {**host_description(), "threads": self.threads, **self.payload.describe()}
+
+    def run(self, unit: Any) -> Any:
+        return self.payload.run(unit)
+
+
+@dataclass
+class PoolSettings:
+    workers: int | None = None  # None: as many as the cluster's CPUs hold at ``threads`` each
+    threads: int = 1  # CPUs reserved by (and threads used by) each worker
+    max_lost: int | None = None  # lost workers tolerated before the run stops; None: 2 per worker
+
+    def validate(self) -> None:
+        for name in ("workers", "threads", "max_lost"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < (0 if name == "max_lost" else 1)):
+                raise InvalidParameter(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+class Pool:
+    """Workers on a connected Ray cluster, each holding one payload built by ``make_payload``.
+
+    ``descriptions`` holds one entry per worker that finished its setup (replacements included),
+    with the units it completed under ``"units"`` and ``"lost": True`` once its process died."""
+
+    def __init__(self, ray: Any, make_payload: Callable[[], Any], settings: PoolSettings) -> None:
+        settings.validate()
+        self.ray, self.make_payload, self.settings = ray, make_payload, settings
+        self.actor_class = ray.remote(Host).options(num_cpus=settings.threads, max_restarts=0)
+        count = settings.workers or max(1, int(ray.cluster_resources().get("CPU", 1) // settings.threads))
+        self.max_lost = settings.max_lost if settings.max_lost is not None else 2 * count
+        self.lost = 0
+        self.idle: list[Any] = []
+        self.in_flight: dict[Any, tuple[Any, Any]] = {}  # object ref -> (actor, unit key or _SETUP)
+        self.descriptions: list[dict[str, Any]] = []
+        self._description_of: dict[Any, dict[str, Any]] = {}
+        for _ in range(count):
+            self._start_worker()
+        while self.in_flight:  # every worker set up (or replaced) before the first unit
+            self._collect(on_result=None, pending=deque())
+
+    def _start_worker(self) -> None:
+        actor = self.actor_class.remote(self.settings.threads)
+        self.in_flight[actor.setup.remote(self.make_payload)] = (actor, _SETUP)
+
+    def map(self, units: Mapping[Hashable, Any], on_result: Callable[[Hashable, Any], None]) -> dict[Hashable, Any]:
+        """Run every unit once, in the mapping's order as workers free up; ``on_result(key, result)``
+        as each arrives (e.g. to checkpoint). Returns ``{key: result}``."""
+        pending: deque = deque(units)
+        results: dict[Hashable, Any] = {}
+
+        def accept(key: Hashable, result: Any) -> None:
+            if key in results:  # a unit is in flight on one worker at a time: this cannot happen
+                raise ClusterError(f"unit {key!r} returned twice")
+            results[key] = result
+            on_result(key, result)
+
+        while pending or self.in_flight:
+            while pending and self.idle:
+                actor, key = self.idle.pop(), pending.popleft()
+                self.in_flight[actor.run.remote(units[key])] = (actor, key)
+            self._collect(accept, pending)
+        return results
+
+    def _collect(self, on_result: Callable[[Hashable, Any], None] | None, pending: deque) -> None:
+        """Wait for one call to end and act on it: a finished unit is handed on, a finished setup
+        frees its worker, a lost worker's unit goes back to the front of the queue."""
+        ray = self.ray
+        [ref], _ = ray.wait(list(self.in_flight), num_returns=1)
+        actor, key = self.in_flight.pop(ref)
+        try:
+            value = ray.get(ref)
+        except ray.exceptions.RayTaskError as err:  # the payload raised: the same error anywhere
+            raise (err.cause if isinstance(err.cause, BaseException) else err) from None
+        except ray.exceptions.RayActorError as err:  # the worker's process died
+            self._replace(actor, key, pending, err)
+            return
+        if key is _SETUP:
+            value["units"], value["lost"] = 0, False
+            self.descriptions.append(value)
+            self._description_of[actor] = value
+        else:
+            self._description_of[actor]["units"] += 1
+            assert on_result is not None
+            on_result(key, value)
+        self.idle.append(actor)
+
+    def _replace(self, actor: Any, key: Any, pending: deque, err: BaseException) -> None:
+        self.lost += 1
+        if actor in self._description_of:
+            self._description_of[actor]["lost"] = True
+        if self.lost > self.max_lost:
+            raise ClusterError(f"{self.lost} workers lost, more than the {self.max_lost} tolerated; "
+                               f"the last: {(str(err).strip().splitlines() or ['?'])[0]}")
+        if key is not _SETUP:
+            pending.appendleft(key)
+        self._start_worker()
+
+    def close(self) -> None:
+        for actor in [*self.idle, *(a for a, _ in self.in_flight.values())]:
+            self.ray.kill(actor)
+        self.idle, self.in_flight = [], {}
+
+
+def parse_address(value: str | None) -> str | None:
+    """``--ray`` given alone means a local instance (None); otherwise the address as given."""
+    return None if value in (None, "", "local") else value

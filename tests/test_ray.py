@@ -1,0 +1,324 @@
+"""Sweeps on a Ray cluster (decodekit.cluster, bench --ray, eval --ray): a local Ray instance with two
+worker processes, started here and torn down at the end. A run on the cluster must give every token
+sequence a single-machine run gives, in files of the same schema, and a worker killed mid-run must
+leave every question done exactly once."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from decodekit.bench import cli as bench_cli
+from decodekit.bench.distributed import execute_on_ray
+from decodekit.bench.report import compare
+from decodekit.bench.results import validate_results
+from decodekit.cluster import Pool, PoolSettings
+from decodekit.errors import ClusterError, DecodeKitError, InvalidParameter
+from decodekit.eval.distributed import evaluate_on_ray
+from decodekit.eval.runner import EvalConfig, evaluate
+from decodekit.eval.tasks import load_task
+from decodekit.models.tiny import tiny_model
+
+ray = pytest.importorskip("ray")
+
+from test_bench import parse, write_questions  # noqa: E402
+
+TINY = functools.partial(tiny_model, seed=0, scale=2.0)  # what every worker loads
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two worker CPUs on loopback; this module's payload classes travel by value (workers cannot import tests)."""
+    import logging
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 1024 * 1024,
+             logging_level=logging.WARNING, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def worker_pids(task: str | None = None) -> list[int]:
+    """Processes of Ray actors running ``Host`` (``ray::Host`` idle, ``ray::Host.run`` during a unit)."""
+    title = "ray::Host" + (f".{task}" if task else "")
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                args = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
+            except OSError:
+                continue
+            if args == title:
+                found.append(int(entry.name))
+    return found
+
+
+def kill_a_worker(busy_within: float = 0.5) -> int:
+    """SIGKILL a worker: one in the middle of a unit if one is within ``busy_within`` seconds, else an
+    idle one (the driver finds it dead when it hands it the next unit)."""
+    deadline = time.monotonic() + busy_within
+    while True:
+        busy = worker_pids("run")
+        if busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.002)
+    victims = busy or worker_pids()
+    assert victims, "no worker process found"
+    os.kill(victims[0], signal.SIGKILL)
+    return victims[0]
+
+
+def test_joining_no_running_cluster_is_one_line(monkeypatch):
+    """Runs before the module's cluster starts: ``--ray auto`` with no cluster to join."""
+    from decodekit.cluster import connected
+
+    assert not ray.is_initialized()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ClusterError, match=r"^could not start or join the Ray cluster at 'auto': Could not find any running"):
+        with connected("auto"):
+            pass
+
+
+# The pool on its own -------------------------------------------------------------------------------
+
+
+class Doubler:
+    """Unit 0 is quick and the rest take ``delay``: when unit 0 returns, the other worker is mid-unit."""
+
+    def __init__(self, delay: float = 0.0):
+        self.delay = delay
+
+    def describe(self):
+        return {"kind": "doubler"}
+
+    def run(self, unit):
+        time.sleep(self.delay if unit else 0.01)
+        return {"value": 2 * unit, "pid": os.getpid()}
+
+
+class BrokenSetup:
+    def __init__(self):
+        raise InvalidParameter("model 'nowhere' not found")
+
+
+class BrokenUnit(Doubler):
+    def run(self, unit):
+        raise InvalidParameter(f"unit {unit} is bad")
+
+
+def test_the_pool_runs_every_unit_once_on_both_workers(cluster):
+    pool = Pool(cluster, functools.partial(Doubler, 0.05), PoolSettings())
+    seen = []
+    try:
+        results = pool.map({k: k for k in range(10)}, lambda key, value: seen.append(key))
+    finally:
+        pool.close()
+    assert sorted(seen) == list(range(10))
+    assert {k: v["value"] for k, v in results.items()} == {k: 2 * k for k in range(10)}
+    assert len(pool.descriptions) == 2 and len({d["pid"] for d in pool.descriptions}) == 2  # cluster CPUs / 1 thread
+    assert sum(d["units"] for d in pool.descriptions) == 10 and all(d["units"] for d in pool.descriptions)
+    assert all(d["kind"] == "doubler" and d["threads"] == 1 for d in pool.descriptions)
+
+
+def test_a_worker_killed_mid_unit_is_replaced_and_its_unit_runs_again(cluster):
+    pool = Pool(cluster, functools.partial(Doubler, 0.5), PoolSettings(workers=2))
+    arrivals: list[int] = []
+    killed: list[int] = []
+
+    def arrived(key, value):
+        arrivals.append(key)
+        if not killed:
+            killed.append(kill_a_worker(busy_within=5))
+
+    try:
+        results = pool.map({k: k for k in range(8)}, arrived)
+    finally:
+        pool.close()
+    assert sorted(arrivals) == list(range(8))  # every unit once: none lost, none twice
+    assert {k: v["value"] for k, v in results.items()} == {k: 2 * k for k in range(8)}
+    assert killed[0] not in {v["pid"] for v in results.values()}  # the killed worker's unit ran elsewhere
+    assert len(pool.descriptions) == 3 and [d["lost"] for d in pool.descriptions].count(True) == 1
+    assert next(d for d in pool.descriptions if d["lost"])["pid"] == killed[0]
+
+
+def test_more_lost_workers_than_tolerated_end_the_run_with_one_line(cluster):
+    pool = Pool(cluster, functools.partial(Doubler, 0.2), PoolSettings(workers=1, max_lost=0))
+    try:
+        with pytest.raises(ClusterError, match="1 workers lost, more than the 0 tolerated"):
+            pool.map({k: k for k in range(4)}, lambda key, value: kill_a_worker())
+    finally:
+        pool.close()
+
+
+def test_an_error_of_the_payload_is_raised_as_itself_not_retried(cluster):
+    with pytest.raises(InvalidParameter, match="^model 'nowhere' not found$"):
+        Pool(cluster, BrokenSetup, PoolSettings(workers=1))
+    pool = Pool(cluster, BrokenUnit, PoolSettings(workers=1))
+    try:
+        with pytest.raises(InvalidParameter, match="^unit 0 is bad$"):
+            pool.map({0: 0}, lambda key, value: None)
+        assert pool.lost == 0
+    finally:
+        pool.close()
+
+
+def test_pool_settings_are_checked():
+    for bad in (PoolSettings(workers=0), PoolSettings(threads=0), PoolSettings(max_lost=-1)):
+        with pytest.raises(InvalidParameter):
+            bad.validate()
+
+
+# bench --ray -------------------------------------------------------------------------------------------
+
+
+def bench_plan(tmp: Path, out: str, *extra: str):
+    qfile = tmp / "q.jsonl"
+    if not qfile.exists():
+        write_questions(qfile)
+    return bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy,pld,suffix", "--baselines", "none",
+                                     "--max-new-tokens", "10", "--repeats", "2", "--out", str(tmp / out), *extra))
+
+
+def outputs(records) -> dict:
+    return {(r["method"], r["question_id"], r["repeat"]): r["tokens"] for r in records}
+
+
+def runs_of(records) -> Counter:
+    return Counter((r["method"], r["question_id"], r["repeat"]) for r in records)
+
+
+@pytest.fixture(scope="module")
+def single_machine(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench-ray")
+    return bench_cli.execute(bench_plan(tmp, "local"), TINY(), progress=False), tmp
+
+
+def test_a_bench_on_ray_gives_the_single_machine_tokens_in_the_same_schema(cluster, single_machine):
+    local, tmp = single_machine
+    results = execute_on_ray(bench_plan(tmp, "ray"), None, PoolSettings(), load=TINY, progress=False)
+    validate_results(local)
+    validate_results(results)
+    validate_results(json.loads((tmp / "ray" / "results.json").read_text()))
+    assert "machines" not in local and len(results["machines"]) == 2
+    assert outputs(results["records"]) == outputs(local["records"])
+    assert [(r["method"], r["question_id"], r["repeat"], r["position"]) for r in results["records"]] == \
+           [(r["method"], r["question_id"], r["repeat"], r["position"]) for r in local["records"]]  # the same order
+    assert set(runs_of(results["records"]).values()) == {1}
+    assert all(r["identical_to_reference"] for r in results["records"])
+    assert set(results["summary"]["methods"]) == set(local["summary"]["methods"])
+    assert "Workers (Ray)" in (tmp / "ray" / "report.md").read_text()
+    assert "outputs: 48 of 48 runs in both files are token-identical" in compare(local, results)
+    assert (tmp / "ray" / "speedup.png").stat().st_size > 1000
+
+
+def test_a_bench_worker_killed_mid_run_leaves_every_question_done_once(cluster, single_machine, monkeypatch):
+    from decodekit.bench import distributed
+
+    local, tmp = single_machine
+    saved, killed = [], []
+
+    def save_and_kill(plan, records, notes):
+        saved.append(len(records))
+        original(plan, records, notes)
+        if not killed:
+            killed.append(kill_a_worker())
+
+    original = distributed.save_checkpoint
+    monkeypatch.setattr(distributed, "save_checkpoint", save_and_kill)
+    results = execute_on_ray(bench_plan(tmp, "ray-killed"), None, PoolSettings(workers=2), load=TINY, progress=False)
+    validate_results(results)
+    assert outputs(results["records"]) == outputs(local["records"])
+    assert set(runs_of(results["records"]).values()) == {1} and len(results["records"]) == len(local["records"])
+    assert [m["lost"] for m in results["machines"]].count(True) == 1 and len(results["machines"]) == 3
+    assert sum(m["units"] for m in results["machines"]) == 2 * 8  # repeats x questions, each counted once
+    checkpoint = json.loads((tmp / "ray-killed" / "checkpoint.json").read_text())
+    assert runs_of(checkpoint["records"]) == runs_of(local["records"])
+
+
+def test_a_bench_on_ray_resumes_a_checkpoint_and_runs_only_the_rest(cluster, single_machine):
+    local, tmp = single_machine
+    first = bench_plan(tmp, "ray-resume", "--limit", "1", "--categories", "translation,qa")
+    execute_on_ray(first, None, PoolSettings(), load=TINY, progress=False)
+    resumed = bench_plan(tmp, "ray-resume", "--resume")
+    results = execute_on_ray(resumed, None, PoolSettings(), load=TINY, progress=False)
+    assert sum(m["units"] for m in results["machines"]) == 2 * (8 - 2)  # the two finished questions are not run again
+    assert outputs(results["records"]) == outputs(local["records"])
+    assert any(n.startswith("resumed: 4 question(s)") for n in results["notes"])
+
+
+def test_ray_flags_are_checked_before_anything_starts(tmp_path, monkeypatch):
+    write_questions(tmp_path / "q.jsonl")
+    with pytest.raises(InvalidParameter, match="--workers needs --ray"):
+        bench_cli.make_plan(parse("--questions", str(tmp_path / "q.jsonl"), "--workers", "2", "--out", str(tmp_path)))
+    plan = bench_cli.make_plan(parse("--questions", str(tmp_path / "q.jsonl"), "--ray", "auto", "--workers", "3",
+                                     "--out", str(tmp_path)))
+    assert plan.command.endswith("--ray auto --workers 3") and "ray" not in plan.resume_key()
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    with pytest.raises(DecodeKitError, match=r"^--ray needs Ray, which is not installed: pip install 'decodekit\[ray\]'$"):
+        bench_cli.make_plan(parse("--questions", str(tmp_path / "q.jsonl"), "--ray", "--out", str(tmp_path)))
+
+
+# eval --ray --------------------------------------------------------------------------------------------
+
+
+def test_an_eval_on_ray_gives_the_single_machine_records_even_with_a_worker_killed(cluster):
+    task = load_task("capitals")
+    config = EvalConfig(method="self-consistency", n=3, limit=8, max_new_tokens=8, seed=5)
+    local = evaluate(TINY(), task, config)
+    killed: list[int] = []
+
+    def progress(done, total, record):
+        if not killed:
+            killed.append(kill_a_worker())
+
+    remote = evaluate_on_ray(TINY, task, config, None, PoolSettings(workers=2), progress)
+
+    def without_time(result):
+        return [{k: v for k, v in r.items() if k != "time_s"} for r in result["records"]]
+
+    assert without_time(remote) == without_time(local)
+    same = ("items", "correct", "accuracy", "ci95", "tokens_spent", "auroc", "budget_curve")
+    assert {k: remote[k] for k in same} == {k: local[k] for k in same}
+    assert set(remote) - set(local) == {"machines"}
+    assert [m["lost"] for m in remote["machines"]].count(True) == 1
+    assert sum(m["units"] for m in remote["machines"]) == 8
+
+
+def test_eval_ray_cli_writes_the_usual_files(cluster, tmp_path, capsys):
+    from decodekit.eval.cli import add_arguments, run
+    from decodekit.arguments import ArgumentParser
+
+    parser = ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["capitals", "--limit", "4", "--max-new-tokens", "6", "--ray", "--out", str(tmp_path)])
+    assert run(args, model=TINY) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["items"] == 4 and result["model"] == "tiny" and len(result["machines"]) == 2
+    assert "Ray workers:" in (tmp_path / "report.md").read_text()
+    with pytest.raises(InvalidParameter, match="longctx runs on one machine"):
+        run(parser.parse_args(["longctx", "--ray"]))
+    with pytest.raises(InvalidParameter, match="needs --ray"):
+        run(parser.parse_args(["capitals", "--workers", "2"]))
+
+
+@pytest.mark.real_model
+def test_the_cli_bench_on_ray_matches_one_machine_on_the_embedded_model(cluster, tmp_path, capsys):
+    """The whole path a user takes: the CLI, each worker loading the embedded model by name."""
+    from decodekit.interfaces.cli import main
+
+    common = ["bench", "--methods", "greedy,pld", "--baselines", "none", "--categories", "translation,qa",
+              "--limit", "1", "--max-new-tokens", "24", "--no-progress"]
+    assert main([*common, "--out", str(tmp_path / "one")]) == 0
+    assert main([*common, "--ray", "--workers", "2", "--out", str(tmp_path / "ray")]) == 0
+    one, ray_run = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "ray"))
+    validate_results(ray_run)
+    assert outputs(ray_run["records"]) == outputs(one["records"]) and len(one["records"]) == 4
+    assert "--ray local --workers 2" in ray_run["command"] and len(ray_run["machines"]) == 2
