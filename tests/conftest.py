@@ -16,6 +16,19 @@ from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.tiny import tiny_llama
 
 SPECBENCH = data_file(SPEC_BENCH_QUESTIONS)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread_count():
+    """The process's thread governor off for the tests: under load it would switch a model between
+    one thread and two, and torch's own kernels (which the tiny models' 8-wide heads run on) round
+    differently with each, so bitwise comparisons between two backends would depend on the
+    machine's load. The governor's tests use their own instances (``tests/test_threads.py``)."""
+    from decodekit.models.threads import GOVERNOR
+
+    enabled, GOVERNOR.enabled = GOVERNOR.enabled, False
+    yield
+    GOVERNOR.enabled = enabled
 _DRAFTER_FILES: dict[tuple[str, str], str] = {}
 
 

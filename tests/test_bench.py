@@ -15,7 +15,7 @@ from decodekit.bench.contestants import WARMUP_PROMPT, Contestant, MethodContest
 from decodekit.bench.plot import plot_speedup
 from decodekit.bench.questions import balanced, category_group, load_questions, resolve_question_file
 from decodekit.bench.report import compare, markdown_report, terminal_report, write_report
-from decodekit.bench.results import STAT_KEYS, build_results, load_results, summarize
+from decodekit.bench.results import STAT_KEYS, build_results, load_results, summarize, validate_results
 from decodekit.bench.runner import BenchConfig, run_bench, schedule
 from decodekit.engine import Engine
 from decodekit.errors import DecodeKitError, InvalidParameter, UnknownMethod
@@ -430,6 +430,7 @@ def test_speculative_contestants_get_their_cost_table_before_the_warm_up(tiny: L
 def test_execute_writes_results_report_and_png(executed):
     results, out = executed
     loaded = load_results(out / "results.json")
+    validate_results(loaded)  # the JSON Schema a run on Ray is checked against too
     assert loaded["summary"] == json.loads(json.dumps(results["summary"]))
     assert {"cpu", "torch_threads", "dtype", "model"} <= loaded["machine"].keys()
     assert loaded["summary"]["hf_reference"] == "hf"
@@ -591,3 +592,21 @@ def test_compare_counts_the_runs_whose_tokens_match(tiny: LoadedModel, qfile: Pa
     assert same_outputs(a, b) == f"outputs: {len(a)} of {len(a)} runs in both files are token-identical"
     b[1]["tokens"][0][-1] += 1
     assert same_outputs(a, b[1:]) == f"outputs: {len(a) - 2} of {len(a) - 1} runs in both files are token-identical (differ: greedy)"
+
+
+def test_results_that_break_the_schema_are_one_line(executed):
+    results, _ = executed
+    broken = json.loads(json.dumps(results))
+    broken["records"][0]["tokens"] = "abc"
+    with pytest.raises(InvalidParameter, match=r"^results.json does not follow decodekit-bench/1 at records/0/tokens: "):
+        validate_results(broken)
+    del broken["summary"]
+    with pytest.raises(InvalidParameter, match="'summary' is a required property"):
+        validate_results(broken)
+
+
+def test_a_question_file_with_a_repeated_id_is_refused(tmp_path: Path):
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"question_id": 1, "category": "qa", "turns": ["a"]}\n{"question_id": 1, "category": "rag", "turns": ["b"]}\n')
+    with pytest.raises(InvalidParameter, match="question_id 1 appears twice"):
+        load_questions(path)

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -40,7 +41,7 @@ def cluster():
     import logging
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 1024 * 1024,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 * 1024 * 1024,
              logging_level=logging.WARNING, log_to_driver=False)
     yield ray
     ray.shutdown()
@@ -69,21 +70,45 @@ def kill_a_worker(busy_within: float = 0.5) -> int:
         busy = worker_pids("run")
         if busy or time.monotonic() > deadline:
             break
-        time.sleep(0.002)
+        time.sleep(0.001)
     victims = busy or worker_pids()
     assert victims, "no worker process found"
     os.kill(victims[0], signal.SIGKILL)
     return victims[0]
 
 
-def test_joining_no_running_cluster_is_one_line(monkeypatch):
-    """Runs before the module's cluster starts: ``--ray auto`` with no cluster to join."""
-    from decodekit.cluster import connected
+class MidUnitKiller(threading.Thread):
+    """Once ``trigger`` is set (say, by the first result), kills a worker in the middle of a unit,
+    from beside the driver: the driver goes on handing out units meanwhile, so one is soon busy."""
 
-    assert not ray.is_initialized()
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    with pytest.raises(ClusterError, match=r"^could not start or join the Ray cluster at 'auto': Could not find any running"):
-        with connected("auto"):
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.trigger, self.killed = threading.Event(), None
+
+    def run(self):
+        self.trigger.wait()
+        deadline = time.monotonic() + 30
+        while self.killed is None and time.monotonic() < deadline:
+            busy = worker_pids("run")
+            if busy:
+                os.kill(busy[0], signal.SIGKILL)
+                self.killed = busy[0]
+            time.sleep(0.0005)
+
+
+def test_a_cluster_that_cannot_be_joined_is_one_line(monkeypatch):
+    import decodekit.cluster as cluster_module
+
+    class Unreachable:
+        def is_initialized(self):
+            return False
+
+        def init(self, **kwargs):  # what ray.init raises for --ray auto with no cluster running
+            raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to\nmore")
+
+    monkeypatch.setattr(cluster_module, "import_ray", Unreachable)
+    with pytest.raises(ClusterError, match=r"^could not start or join the Ray cluster at 'auto': Could not find any running Ray instance\. Please specify the one to connect to$"):
+        with cluster_module.connected("auto"):
             pass
 
 
@@ -109,6 +134,11 @@ class BrokenSetup:
         raise InvalidParameter("model 'nowhere' not found")
 
 
+class SlowSetup(Doubler):
+    def __init__(self, seconds: float):
+        time.sleep(seconds)
+
+
 class BrokenUnit(Doubler):
     def run(self, unit):
         raise InvalidParameter(f"unit {unit} is bad")
@@ -124,7 +154,7 @@ def test_the_pool_runs_every_unit_once_on_both_workers(cluster):
     assert sorted(seen) == list(range(10))
     assert {k: v["value"] for k, v in results.items()} == {k: 2 * k for k in range(10)}
     assert len(pool.descriptions) == 2 and len({d["pid"] for d in pool.descriptions}) == 2  # cluster CPUs / 1 thread
-    assert sum(d["units"] for d in pool.descriptions) == 10 and all(d["units"] for d in pool.descriptions)
+    assert sorted(k for d in pool.descriptions for k in d["done"]) == list(range(10)) and all(d["done"] for d in pool.descriptions)
     assert all(d["kind"] == "doubler" and d["threads"] == 1 for d in pool.descriptions)
 
 
@@ -146,7 +176,9 @@ def test_a_worker_killed_mid_unit_is_replaced_and_its_unit_runs_again(cluster):
     assert {k: v["value"] for k, v in results.items()} == {k: 2 * k for k in range(8)}
     assert killed[0] not in {v["pid"] for v in results.values()}  # the killed worker's unit ran elsewhere
     assert len(pool.descriptions) == 3 and [d["lost"] for d in pool.descriptions].count(True) == 1
-    assert next(d for d in pool.descriptions if d["lost"])["pid"] == killed[0]
+    lost = next(d for d in pool.descriptions if d["lost"])
+    assert lost["pid"] == killed[0] and lost["done"] == []  # it was killed in its first slow unit
+    assert sorted(k for d in pool.descriptions for k in d["done"]) == list(range(8)) and pool.lost == 1
 
 
 def test_more_lost_workers_than_tolerated_end_the_run_with_one_line(cluster):
@@ -168,6 +200,48 @@ def test_an_error_of_the_payload_is_raised_as_itself_not_retried(cluster):
         assert pool.lost == 0
     finally:
         pool.close()
+    time.sleep(0.5)
+    assert not worker_pids()  # neither failed setup nor failed unit leaves a worker holding its CPU
+
+
+def test_workers_that_do_not_fit_the_cluster_are_one_line(cluster):
+    for settings in (PoolSettings(workers=3), PoolSettings(threads=4), PoolSettings(workers=2, threads=2)):
+        with pytest.raises(ClusterError, match="^the Ray cluster has 2 CPUs: .* do not fit; lower --workers or --threads$"):
+            Pool(cluster, Doubler, settings)
+
+
+def test_a_worker_that_never_starts_ends_the_run_with_one_line(cluster):
+    with pytest.raises(ClusterError, match="no worker started within 1 s"):
+        Pool(cluster, functools.partial(SlowSetup, 30), PoolSettings(workers=1, start_timeout_s=1))
+    time.sleep(0.5)
+    assert not worker_pids()  # the pool stopped the worker it gave up on
+    pool = Pool(cluster, Doubler, PoolSettings(workers=2))  # and its CPU is free again
+    pool.close()
+
+
+def test_the_local_instance_is_a_new_one_even_where_a_cluster_runs(monkeypatch):
+    """``--ray`` alone must not join a cluster `ray start` left (ray.init() with no address would)."""
+    import decodekit.cluster as cluster_module
+
+    calls = []
+
+    class FakeRay:
+        def is_initialized(self):
+            return False
+
+        def init(self, **kwargs):
+            calls.append(kwargs)
+
+        def shutdown(self):
+            calls.append("shutdown")
+
+    monkeypatch.setattr(cluster_module, "import_ray", FakeRay)
+    with cluster_module.connected(None):
+        pass
+    with cluster_module.connected("auto"):
+        pass
+    assert calls[0]["address"] == "local" and calls[0]["num_cpus"] >= 1 and calls[1] == "shutdown"
+    assert calls[2]["address"] == "auto" and "num_cpus" not in calls[2]
 
 
 def test_pool_settings_are_checked():
@@ -223,22 +297,25 @@ def test_a_bench_worker_killed_mid_run_leaves_every_question_done_once(cluster, 
     from decodekit.bench import distributed
 
     local, tmp = single_machine
-    saved, killed = [], []
+    killer = MidUnitKiller()
+    killer.start()
 
-    def save_and_kill(plan, records, notes):
-        saved.append(len(records))
+    def save_and_trigger(plan, records, notes):
         original(plan, records, notes)
-        if not killed:
-            killed.append(kill_a_worker())
+        killer.trigger.set()
 
     original = distributed.save_checkpoint
-    monkeypatch.setattr(distributed, "save_checkpoint", save_and_kill)
+    monkeypatch.setattr(distributed, "save_checkpoint", save_and_trigger)
     results = execute_on_ray(bench_plan(tmp, "ray-killed"), None, PoolSettings(workers=2), load=TINY, progress=False)
+    killer.join(5)
     validate_results(results)
     assert outputs(results["records"]) == outputs(local["records"])
     assert set(runs_of(results["records"]).values()) == {1} and len(results["records"]) == len(local["records"])
-    assert [m["lost"] for m in results["machines"]].count(True) == 1 and len(results["machines"]) == 3
-    assert sum(m["units"] for m in results["machines"]) == 2 * 8  # repeats x questions, each counted once
+    lost = [m for m in results["machines"] if m["lost"]]
+    assert len(lost) == 1 and lost[0]["pid"] == killer.killed and len(results["machines"]) == 3
+    ran = [tuple(q) for m in results["machines"] for q in m["questions"]]  # each question on one worker, once
+    assert sorted(ran) == sorted((r, q) for (_, q, r) in runs_of(local["records"]) if _ == "greedy")
+    assert sum(n.startswith("ran on a Ray cluster: 3 workers (1 lost and replaced)") for n in results["notes"]) == 1
     checkpoint = json.loads((tmp / "ray-killed" / "checkpoint.json").read_text())
     assert runs_of(checkpoint["records"]) == runs_of(local["records"])
 
@@ -252,6 +329,7 @@ def test_a_bench_on_ray_resumes_a_checkpoint_and_runs_only_the_rest(cluster, sin
     assert sum(m["units"] for m in results["machines"]) == 2 * (8 - 2)  # the two finished questions are not run again
     assert outputs(results["records"]) == outputs(local["records"])
     assert any(n.startswith("resumed: 4 question(s)") for n in results["notes"])
+    assert sum(n.startswith("ran on a Ray cluster") for n in results["notes"]) == 1  # not carried over by the resume
 
 
 def test_ray_flags_are_checked_before_anything_starts(tmp_path, monkeypatch):
@@ -273,13 +351,11 @@ def test_an_eval_on_ray_gives_the_single_machine_records_even_with_a_worker_kill
     task = load_task("capitals")
     config = EvalConfig(method="self-consistency", n=3, limit=8, max_new_tokens=8, seed=5)
     local = evaluate(TINY(), task, config)
-    killed: list[int] = []
-
-    def progress(done, total, record):
-        if not killed:
-            killed.append(kill_a_worker())
-
-    remote = evaluate_on_ray(TINY, task, config, None, PoolSettings(workers=2), progress)
+    killer = MidUnitKiller()
+    killer.start()
+    remote = evaluate_on_ray(TINY, task, config, None, PoolSettings(workers=2),
+                             lambda done, total, record: killer.trigger.set())
+    killer.join(5)
 
     def without_time(result):
         return [{k: v for k, v in r.items() if k != "time_s"} for r in result["records"]]
@@ -288,8 +364,8 @@ def test_an_eval_on_ray_gives_the_single_machine_records_even_with_a_worker_kill
     same = ("items", "correct", "accuracy", "ci95", "tokens_spent", "auroc", "budget_curve")
     assert {k: remote[k] for k in same} == {k: local[k] for k in same}
     assert set(remote) - set(local) == {"machines"}
-    assert [m["lost"] for m in remote["machines"]].count(True) == 1
-    assert sum(m["units"] for m in remote["machines"]) == 8
+    assert [m["pid"] for m in remote["machines"] if m["lost"]] == [killer.killed]
+    assert sorted(i for m in remote["machines"] for i in m["items"]) == list(range(8))
 
 
 def test_eval_ray_cli_writes_the_usual_files(cluster, tmp_path, capsys):

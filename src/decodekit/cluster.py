@@ -23,6 +23,7 @@ import logging
 import os
 import platform
 import socket
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
@@ -57,8 +58,9 @@ def connected(address: str | None) -> Iterator[Any]:
         return
     try:
         if address is None:
-            ray.init(num_cpus=usable_cores(), include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE,
-                     logging_level=logging.WARNING, log_to_driver=False)
+            # address="local": a new instance even where `ray start` left one or RAY_ADDRESS names one
+            ray.init(address="local", num_cpus=usable_cores(), include_dashboard=False,
+                     object_store_memory=LOCAL_OBJECT_STORE, logging_level=logging.WARNING, log_to_driver=False)
         else:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as err:
@@ -101,6 +103,7 @@ class PoolSettings:
     workers: int | None = None  # None: as many as the cluster's CPUs hold at ``threads`` each
     threads: int = 1  # CPUs reserved by (and threads used by) each worker
     max_lost: int | None = None  # lost workers tolerated before the run stops; None: 2 per worker
+    start_timeout_s: float = 600.0  # a worker not set up by then was never placed (no free CPUs) or hangs
 
     def validate(self) -> None:
         for name in ("workers", "threads", "max_lost"):
@@ -113,27 +116,38 @@ class Pool:
     """Workers on a connected Ray cluster, each holding one payload built by ``make_payload``.
 
     ``descriptions`` holds one entry per worker that finished its setup (replacements included),
-    with the units it completed under ``"units"`` and ``"lost": True`` once its process died."""
+    with the keys of the units it completed under ``"done"`` and ``"lost": True`` once its process
+    died. ``lost`` counts every lost worker, those lost before their setup finished included."""
 
     def __init__(self, ray: Any, make_payload: Callable[[], Any], settings: PoolSettings) -> None:
         settings.validate()
         self.ray, self.make_payload, self.settings = ray, make_payload, settings
         self.actor_class = ray.remote(Host).options(num_cpus=settings.threads, max_restarts=0)
-        count = settings.workers or max(1, int(ray.cluster_resources().get("CPU", 1) // settings.threads))
+        cpus = int(ray.cluster_resources().get("CPU", 0))
+        count = settings.workers or cpus // settings.threads
+        if count < 1 or count * settings.threads > cpus:
+            raise ClusterError(f"the Ray cluster has {cpus} CPUs: {max(count, 1)} worker(s) of {settings.threads} "
+                               "thread(s) do not fit; lower --workers or --threads")
         self.max_lost = settings.max_lost if settings.max_lost is not None else 2 * count
         self.lost = 0
         self.idle: list[Any] = []
         self.in_flight: dict[Any, tuple[Any, Any]] = {}  # object ref -> (actor, unit key or _SETUP)
+        self.started: dict[Any, float] = {}  # setup ref -> when it was asked for
         self.descriptions: list[dict[str, Any]] = []
         self._description_of: dict[Any, dict[str, Any]] = {}
-        for _ in range(count):
-            self._start_worker()
-        while self.in_flight:  # every worker set up (or replaced) before the first unit
-            self._collect(on_result=None, pending=deque())
+        try:
+            for _ in range(count):
+                self._start_worker()
+            while self.in_flight:  # every worker set up (or replaced) before the first unit
+                self._collect(on_result=None, pending=deque())
+        except BaseException:
+            self.close()
+            raise
 
     def _start_worker(self) -> None:
         actor = self.actor_class.remote(self.settings.threads)
-        self.in_flight[actor.setup.remote(self.make_payload)] = (actor, _SETUP)
+        ref = actor.setup.remote(self.make_payload)
+        self.in_flight[ref], self.started[ref] = (actor, _SETUP), time.monotonic()
 
     def map(self, units: Mapping[Hashable, Any], on_result: Callable[[Hashable, Any], None]) -> dict[Hashable, Any]:
         """Run every unit once, in the mapping's order as workers free up; ``on_result(key, result)``
@@ -147,32 +161,45 @@ class Pool:
             results[key] = result
             on_result(key, result)
 
-        while pending or self.in_flight:
-            while pending and self.idle:
-                actor, key = self.idle.pop(), pending.popleft()
-                self.in_flight[actor.run.remote(units[key])] = (actor, key)
-            self._collect(accept, pending)
-        return results
+        try:
+            while pending or any(key is not _SETUP for _, key in self.in_flight.values()):
+                while pending and self.idle:
+                    actor, key = self.idle.pop(), pending.popleft()
+                    self.in_flight[actor.run.remote(units[key])] = (actor, key)
+                self._collect(accept, pending)
+        except BaseException:
+            self.close()
+            raise
+        return results  # replacements still starting are not waited for: close() stops them
 
     def _collect(self, on_result: Callable[[Hashable, Any], None] | None, pending: deque) -> None:
         """Wait for one call to end and act on it: a finished unit is handed on, a finished setup
         frees its worker, a lost worker's unit goes back to the front of the queue."""
         ray = self.ray
-        [ref], _ = ray.wait(list(self.in_flight), num_returns=1)
+        timeout = None
+        if all(key is _SETUP for _, key in self.in_flight.values()):  # nothing else can end: bound the wait
+            timeout = max(0.0, min(self.started.values()) + self.settings.start_timeout_s - time.monotonic())
+        ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=timeout)
+        if not ready:
+            raise ClusterError(f"no worker started within {self.settings.start_timeout_s:.0f} s (is the cluster "
+                               "out of free CPUs, or does a node lack decodekit?)")
+        ref = ready[0]
         actor, key = self.in_flight.pop(ref)
+        self.started.pop(ref, None)
         try:
             value = ray.get(ref)
         except ray.exceptions.RayTaskError as err:  # the payload raised: the same error anywhere
+            ray.kill(actor)
             raise (err.cause if isinstance(err.cause, BaseException) else err) from None
         except ray.exceptions.RayActorError as err:  # the worker's process died
             self._replace(actor, key, pending, err)
             return
         if key is _SETUP:
-            value["units"], value["lost"] = 0, False
+            value["done"], value["lost"] = [], False
             self.descriptions.append(value)
             self._description_of[actor] = value
         else:
-            self._description_of[actor]["units"] += 1
+            self._description_of[actor]["done"].append(key)
             assert on_result is not None
             on_result(key, value)
         self.idle.append(actor)
@@ -191,7 +218,7 @@ class Pool:
     def close(self) -> None:
         for actor in [*self.idle, *(a for a, _ in self.in_flight.values())]:
             self.ray.kill(actor)
-        self.idle, self.in_flight = [], {}
+        self.idle, self.in_flight, self.started = [], {}, {}
 
 
 def parse_address(value: str | None) -> str | None:

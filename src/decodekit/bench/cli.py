@@ -310,15 +310,21 @@ def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[
     return finish(plan, run_, notes, machine)
 
 
-def finish(plan: Plan, run_, notes: list[str], machine: dict[str, Any], machines: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Save the last checkpoint and write results.json, report.md and speedup.png for a finished run."""
+def finish(plan: Plan, run_, notes: list[str], machine: dict[str, Any], machines: list[dict[str, Any]] | None = None,
+           *, lost: int = 0) -> dict[str, Any]:
+    """Save the last checkpoint and write results.json, report.md and speedup.png for a finished run;
+    ``machines``: the workers of a run on a Ray cluster (``lost`` of them lost on the way)."""
     from .plot import plot_speedup
     from .report import write_report
     from .results import build_results, write_results
 
     save_checkpoint(plan, run_.records, [*notes, *run_.notes])
+    # Notes on this run only, not saved for a resumed one to repeat:
     if run_.resumed:
         notes.append(f"resumed: {run_.resumed} question(s) taken from an earlier run of the same code and settings")
+    if machines is not None:
+        notes.append(f"ran on a Ray cluster: {len(machines)} workers ({lost} lost and replaced); every question's "
+                     "contestants ran side by side on one worker, so ratios are per worker; see machines")
     results = build_results(run_, command=plan.command, config=plan.config(), machine=machine, notes=notes, machines=machines)
     write_results(results, plan.out / "results.json")
     n = len(plan.questions)

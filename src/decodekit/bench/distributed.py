@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..cluster import Pool, PoolSettings, connected, parse_address
@@ -59,7 +59,11 @@ def model_recipe(plan: Plan) -> ModelRecipe:
     return functools.partial(load_model, plan.model, dtype=plan.dtype, numerics=plan.numerics)
 
 
-MACHINE_KEYS = ("host", "pid", "threads", "units", "lost", "machine")
+def machine_entry(description: dict[str, Any], questions: Sequence[Any]) -> dict[str, Any]:
+    """A worker in results.json: where it ran, and which questions (``[repeat, question_id]``) it ran."""
+    ran = [[repeat, questions[index].question_id] for repeat, index in description["done"]]
+    return {"host": description["host"], "pid": description["pid"], "threads": description["threads"],
+            "units": len(ran), "questions": ran, "lost": description["lost"], "machine": description["machine"]}
 
 
 def execute_on_ray(plan: Plan, address: str | None, settings: PoolSettings, *, load: ModelRecipe | None = None,
@@ -88,7 +92,7 @@ def _run(plan: Plan, pool: Pool, code: str, progress: bool) -> dict[str, Any]:
                      + ", ".join(sorted({d["code"] for d in pool.descriptions})))
     if any([c["name"] for c in d["contestants"]] != names for d in pool.descriptions):
         notes.append("workers kept different contestants after their warm-up; ratios use the questions both sides ran")
-    done = finished_records(plan.previous, names, plan.questions)
+    done = finished_records(plan.previous, names, plan.questions, plan.repeats)
     records = [rec for recs in done.values() for rec in recs]
     units = {(r, qi): (r, qi, q) for r in range(plan.repeats) for qi, q in enumerate(plan.questions)
              if (r, q.question_id) not in done}
@@ -97,7 +101,7 @@ def _run(plan: Plan, pool: Pool, code: str, progress: bool) -> dict[str, Any]:
 
     def arrived(key: Any, result: dict[str, Any]) -> None:
         records.extend(result["records"])
-        notes.extend(result["notes"])
+        notes.extend(n for n in dict.fromkeys(result["notes"]) if n not in notes)  # each worker says the same
         save_checkpoint(plan, records, notes)
         repeat, qi = key
         bar.update(f"repeat {repeat} · question {plan.questions[qi].question_id}")
@@ -112,9 +116,6 @@ def _run(plan: Plan, pool: Pool, code: str, progress: bool) -> dict[str, Any]:
     for d in pool.descriptions:
         for name, mb in d["peak_rss_mb"].items():
             peak[name] = max(peak.get(name, 0.0), mb)
-    machines = [{k: d[k] for k in MACHINE_KEYS} for d in pool.descriptions]
-    lost = sum(d["lost"] for d in pool.descriptions)
-    notes.append(f"ran on a Ray cluster: {len(machines)} workers ({lost} lost and replaced); every question's "
-                 "contestants ran side by side on one worker, so ratios are per worker; see machines")
+    machines = [machine_entry(d, plan.questions) for d in pool.descriptions]
     run_ = BenchRun(records, peak, [], first["contestants"], resumed=len(done))
-    return finish(plan, run_, notes, first["machine"], machines)
+    return finish(plan, run_, notes, first["machine"], machines, lost=pool.lost)

@@ -63,6 +63,11 @@ def read_questions(path: Path) -> list[Question]:
     questions = [parse_question(raw, where) for where, raw in read_jsonl(path)]
     if not questions:
         raise InvalidParameter(f"{path}: no questions")
+    seen: set = set()
+    for q in questions:  # records, checkpoints and summaries are keyed by the id
+        if q.question_id in seen:
+            raise InvalidParameter(f"{path}: question_id {q.question_id!r} appears twice")
+        seen.add(q.question_id)
     return questions
 
 

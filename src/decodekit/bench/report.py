@@ -108,7 +108,7 @@ def worker_lines(machines: list[dict[str, Any]] | None) -> list[str]:
     if not machines:
         return []
     rows = [f"- {m['host']} pid {m['pid']}: {m['machine']['cpu']}, {m['threads']} thread(s), {m['units']} question runs"
-            + (" (lost mid-run; its question ran again elsewhere)" if m["lost"] else "") for m in machines]
+            + (" (lost mid-run; the question it was running ran again elsewhere)" if m["lost"] else "") for m in machines]
     return ["## Workers (Ray)", "", "Every question's contestants ran side by side on one worker: ratios are per worker.",
             "", *rows, ""]
 

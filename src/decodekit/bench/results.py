@@ -10,7 +10,8 @@
                  repeats, all_turns, options},
       "machine": {cpu, logical_cores, usable_cores, memory_gb, platform, python, torch, torch_threads,
                   transformers, llama_cpp, dtype, numerics, model},
-      "machines": [{host, pid, threads, units, lost, machine}],  # only in a run on a Ray cluster: one per worker
+      "machines": [{host, pid, threads, units, questions [[repeat, question_id]], lost, machine}],
+                                                  # only in a run on a Ray cluster: one per worker
       "notes": [str, ...],                        # skipped methods/baselines, failures, caveats
       "records": [                               # one per contestant x question x repeat
         {method, kind ("decodekit"|"baseline"), family, lossless (bool|null),
@@ -266,7 +267,7 @@ RESULTS_JSON_SCHEMA: dict[str, Any] = {
         "machine": {"type": "object", "required": ["cpu", "logical_cores", "usable_cores", "torch_threads", "model",
                                                    "dtype", "numerics", "decodekit"]},
         "machines": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["host", "pid", "threads", "units", "lost", "machine"]}},
+            "type": "object", "required": ["host", "pid", "threads", "units", "questions", "lost", "machine"]}},
         "notes": {"type": "array", "items": {"type": "string"}},
         "records": {"type": "array", "items": {
             "type": "object", "required": sorted(RECORD_FIELDS),

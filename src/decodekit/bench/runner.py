@@ -223,14 +223,14 @@ def warm_up(contestants: list[Contestant], prompt_ids: PromptIds, config: BenchC
     return kept, rss
 
 
-def finished_records(previous: Iterable[dict[str, Any]], names: Sequence[str],
-                     questions: Sequence[Question]) -> dict[tuple[int, Any], list[dict[str, Any]]]:
+def finished_records(previous: Iterable[dict[str, Any]], names: Sequence[str], questions: Sequence[Question],
+                     repeats: int) -> dict[tuple[int, Any], list[dict[str, Any]]]:
     """Records of an earlier (interrupted) run grouped by (repeat, question id), keeping only the
-    questions of this run on which every contestant of this run has a record."""
+    questions and repeats of this run on which every contestant of this run has a record."""
     wanted = {q.question_id for q in questions}
     groups: dict[tuple[int, Any], list[dict[str, Any]]] = {}
     for rec in previous:
-        if rec.get("question_id") in wanted and rec.get("method") in names:
+        if rec.get("question_id") in wanted and rec.get("method") in names and rec.get("repeat") in range(repeats):
             groups.setdefault((rec["repeat"], rec["question_id"]), []).append(rec)
     return {key: recs for key, recs in groups.items() if {r["method"] for r in recs} == set(names)}
 
@@ -283,7 +283,7 @@ def run_bench(contestants: Sequence[Contestant], questions: Sequence[Question], 
     if not questions:
         raise InvalidParameter("no questions to run")
     session = BenchSession(contestants, prompt_ids, config)
-    done = finished_records(previous, session.names, questions)
+    done = finished_records(previous, session.names, questions, config.repeats)
     records: list[dict[str, Any]] = [rec for recs in done.values() for rec in recs]
     bar = Progress((config.repeats * len(questions) - len(done)) * len(session.names), progress)
     try:

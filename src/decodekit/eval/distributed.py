@@ -19,7 +19,7 @@ from .runner import EvalConfig, make_decoder, run_item, summarize
 from .tasks import Task
 
 ModelRecipe = Callable[[], LoadedModel]
-MACHINE_KEYS = ("host", "pid", "threads", "units", "lost", "usable_cores", "platform", "model")
+MACHINE_KEYS = ("host", "pid", "threads", "lost", "usable_cores", "platform", "model")
 
 
 class EvalWorker:
@@ -59,5 +59,6 @@ def evaluate_on_ray(load: ModelRecipe, task: Task, config: EvalConfig, address: 
             pool.close()
         elapsed = time.perf_counter() - start
     result = summarize(task, config, [records[i] for i in range(count)], elapsed)
-    result["machines"] = [{k: d[k] for k in MACHINE_KEYS} for d in pool.descriptions]
+    result["machines"] = [{**{k: d[k] for k in MACHINE_KEYS}, "units": len(d["done"]), "items": sorted(d["done"])}
+                          for d in pool.descriptions]
     return result
