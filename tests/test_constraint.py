@@ -72,6 +72,36 @@ def test_speculation_under_a_constraint_is_constrained_plain_decoding(engine, me
             assert engine.generate(prompt, method=method, budget=4, **sampled, **required).tokens == want, (method, constraint)
 
 
+FIXED = r"ab[0-9]cdefghij[0-9]"  # "ab", then eight characters the grammar fixes after the first digit
+
+
+@pytest.mark.parametrize("method", ["pld", "suffix", "recycling"])
+def test_text_the_grammar_fixes_is_a_free_draft_verified_in_one_pass(engine, method):
+    """The forced characters are drafted whatever the controller grants (budget 0 included), all
+    accepted in one verification, and the output is constrained plain decoding's."""
+    for sampled in ({}, {"method": "sample", "temperature": 0.9, "seed": 5}):
+        plain = engine.generate("xyz", max_new_tokens=20, chat=False, constraint={"regex": FIXED}, **sampled)
+        assert re.fullmatch(FIXED, plain.text)
+        options = {k: v for k, v in sampled.items() if k != "method"}
+        for budget in (0, 4):
+            got = engine.generate("xyz", method=method, budget=budget, max_new_tokens=20, chat=False,
+                                  constraint={"regex": FIXED}, **options)
+            assert got.tokens == plain.tokens
+            forced = len("b") + len("cdefghij")  # "a" comes from the prompt's pass, then "b"; after the digit, the rest
+            assert got.stats.extra["accepted_by_source"]["forced"] == forced
+            assert got.stats.forward_passes == plain.stats.forward_passes - forced  # each forced token saves a pass
+
+
+def test_forced_tokens_follow_the_rows_own_text():
+    processor = constraint_processor({"regex": FIXED}, CharTokenizer(96), 96)
+    spell = CharTokenizer(96).encode
+    assert processor.forced([]) == spell("ab")
+    assert processor.forced(spell("ab")) == []  # a digit: ten choices
+    assert processor.forced(spell("ab7")) == spell("cdefghij")
+    assert processor.forced(spell("ab7cde")) == spell("fghij")
+    assert processor.forced(spell("ax")) == []  # a path the grammar refuses forces nothing
+
+
 def test_search_methods_keep_each_candidate_valid(engine):
     for method, options in (("best-of-n", {"n": 4, "temperature": 1.0, "seed": 0}),
                             ("self-consistency", {"n": 4, "temperature": 1.0, "seed": 1})):

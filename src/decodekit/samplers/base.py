@@ -43,6 +43,11 @@ class LogitsProcessor(ABC):
         or None. The decode loop asks at the end: a broken promise is a bug, and is not returned."""
         return None
 
+    def forced(self, generated: list[int]) -> list[int]:
+        """Tokens this processor leaves as the only continuation after ``generated`` (a grammar's
+        fixed text), as a likely draft: speculative decoding still verifies them. None by default."""
+        return []
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.describe().items())
         return f"{type(self).__name__}({args})"

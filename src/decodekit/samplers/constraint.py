@@ -10,8 +10,9 @@ The processor follows each row's own history: it keeps one matcher, and before a
 the matcher back to the longest prefix it shares with the row's generated tokens and consumes the
 rest. So a row of a verification tree is masked for its own path, and speculative decoding stays
 token-identical to constrained plain decoding (a drafted token the grammar refuses gets no
-probability from its parent's mask, so it is never accepted). Forced tokens (where the grammar
-allows exactly one) are masked like any other; using them as free drafts is left for later.
+probability from its parent's mask, so it is never accepted). Where the grammar fixes the text that
+comes next (a JSON key, a literal), :meth:`ConstrainedTokens.forced` gives its tokens, which
+speculative decoding verifies as a free draft (:mod:`decodekit.speculative.loop`).
 """
 
 from __future__ import annotations
@@ -131,6 +132,14 @@ class ConstrainedTokens(LogitsProcessor):
 
     def describe(self) -> dict[str, Any]:
         return {"constraint": self.constraint.kind}
+
+    def forced(self, generated: list[int]) -> list[int]:
+        """llguidance's fast-forward tokens after ``generated``: the canonical tokens of the text the
+        grammar fixes next (a JSON key, a literal). The mask may still allow another spelling of that
+        text, so they are a draft to verify, not tokens to commit unseen."""
+        if not self._follow(list(generated)):
+            return []
+        return list(self.matcher.compute_ff_tokens())
 
     def broken_by(self, generated: list[int]) -> str | None:
         if self._follow(list(generated)):

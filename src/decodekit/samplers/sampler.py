@@ -50,6 +50,10 @@ class Sampler:
         :meth:`LogitsProcessor.broken_by`), or None."""
         return next((why for p in self.processors if (why := p.broken_by(generated)) is not None), None)
 
+    def forced(self, generated: list[int]) -> list[int]:
+        """The tokens a processor forces after ``generated`` (:meth:`LogitsProcessor.forced`), or []."""
+        return next((tokens for p in self.processors if (tokens := p.forced(generated))), [])
+
     def __init__(self, processors: Sequence[LogitsProcessor] = (), *, greedy: bool = False,
                  seed: int | None = None) -> None:
         if not isinstance(greedy, bool):

@@ -8,6 +8,12 @@ An empty tree is a plain step. Output is exactly plain decoding's (greedy: token
 sampling: token-identical to plain sampling with the same seed, see :class:`~.verify.KeyedVerifier`),
 whatever the drafter proposes.
 
+Where the sampler's constraint fixes the text that comes next (a JSON key, a literal: the grammar's
+forced tokens), that text is the draft, whatever the controller's budget: a chain accepted whenever
+the mask leaves its tokens the only choice, which costs no drafting and gains in every step. It
+is verified like any draft, because a grammar's forced text may have other spellings the mask
+allows; the controller's acceptance statistics and the drafter's timing leave these steps out.
+
 ``drafter.update`` also follows plain steps (an empty tree, the step's logits as ``[1, V]``), so
 drafters that learn from target logits (token recycling) keep learning while speculation rests.
 The loop calls every hook of the :class:`~.drafters.base.Drafter` contract unconditionally
@@ -29,6 +35,8 @@ from .controller import Controller
 from .drafters import Drafter
 from .tree import DraftTree, Verification
 from .verify import Verifier, make_verifier
+
+FORCED = "forced"  # the source of draft tokens a constraint fixed (``accepted_by_source`` counts them)
 
 #: Options of every speculative method (the controller's), besides the drafter's own.
 COMMON_OPTIONS = option_table(
@@ -63,6 +71,9 @@ class SpeculativeMethod(StepMethod):
         self.controller.context = len(state.tokens)  # what this step's passes attend to
         t0 = time.perf_counter()
         room = state.backend.info.max_length - len(state.tokens) - 1  # a chain's deepest position must fit
+        forced = state.sampler.forced(state.generated)[: min(room, self.controller.max_draft)]
+        if forced:
+            return first + self._verify(state, DraftTree.chain(forced, source=FORCED), learn=False)
         budget = min(self.controller.budget(), room)
         if budget <= 0:  # speculation rests: as lean as plain decoding's step, which it replaces
             produced = self._plain_step(state)
@@ -93,7 +104,9 @@ class SpeculativeMethod(StepMethod):
             tree = tree.truncated(budget)
         return self.controller.select(tree, trimmable=self.drafter.trimmable)
 
-    def _verify(self, state: DecodeState, tree: DraftTree) -> list[int]:
+    def _verify(self, state: DecodeState, tree: DraftTree, learn: bool = True) -> list[int]:
+        """One verification pass over ``tree``; ``learn``: the controller counts its acceptance
+        (not for forced tokens, which say nothing of the drafter's)."""
         t0 = time.perf_counter()
         tokens = torch.tensor([state.tokens[-1], *tree.tokens])
         logits = state.backend.verify_tree(tokens, [-1, *[p + 1 for p in tree.parents]]).logits[0]
@@ -105,8 +118,8 @@ class SpeculativeMethod(StepMethod):
         self.drafter.update(state, tree, verdict, logits)
         produced = [tree.tokens[i] for i in verdict.path] + [verdict.bonus]
         state.commit(produced)
-        # what a speculative step costs beyond its forward pass and drafting: verifier bookkeeping
-        self.controller.observe(tree, verdict, overhead_s=time.perf_counter() - t1)
+        if learn:  # what a speculative step costs beyond its forward pass and drafting: verifier bookkeeping
+            self.controller.observe(tree, verdict, overhead_s=time.perf_counter() - t1)
         self.verifications += 1
         self.accepted += len(verdict.path)
         self.drafted += len(tree)
