@@ -4,7 +4,11 @@ validity of the constrained outputs (``jsonschema``), whether they are constrain
 the share of tokens that were forced text drafted for free, and the time the mask takes per call
 (the median; a speculative method's call masks every node of a tree) against the time per token.
 
-    .venv/bin/python scripts/constraint_overhead.py [--numerics fast]
+    .venv/bin/python scripts/constraint_overhead.py [--numerics fast] [--llamacpp]
+
+``--llamacpp`` adds llama-cpp-python's constrained greedy on the same GGUF and prompts
+(``response_format`` with the schema, which it turns into a GBNF grammar), end to end against
+decodekit's constrained greedy end to end (prefill included), both one request at a time.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ PROMPTS = ["Describe Ann, a 31-year-old painter from Lisbon, as JSON.",
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numerics", default="exact", choices=["exact", "fast"])
+    parser.add_argument("--llamacpp", action="store_true", help="also llama-cpp-python's constrained greedy (end to end)")
     args = parser.parse_args()
     engine = Engine(load_model(numerics=args.numerics))
     mask_calls: list[float] = []
@@ -76,6 +81,53 @@ def main() -> None:
         print(f"| {method} | {statistics.mean(rates):.1f} | {statistics.mean(rates) / greedy_rate:.2f}× "
               f"| {statistics.mean(plain):.1f} | {valid}/{len(PROMPTS)} | {same}/{len(PROMPTS)} | {100 * forced / tokens:.0f}% "
               f"| {median * 1e6:.0f} | {100 * median / step_s:.1f}% |")
+    if args.llamacpp:
+        import torch
+
+        constraint_module.ConstrainedTokens.__call__ = call
+        ours = end_to_end(engine)
+        theirs, valid = llamacpp_end_to_end(torch.get_num_threads())
+        print(f"\nconstrained greedy end to end: decodekit {statistics.mean(ours):.1f} tok/s, llama-cpp-python "
+              f"{statistics.mean(theirs):.1f} tok/s ({valid}/{len(PROMPTS)} valid): "
+              f"{statistics.mean(ours) / statistics.mean(theirs):.2f}×")
+
+
+def end_to_end(engine: Engine) -> list[float]:
+    """decodekit constrained greedy, tokens per second of each request end to end (prefill included)."""
+    engine.generate(PROMPTS[0], max_new_tokens=16, constraint={"json_schema": SCHEMA})  # untimed
+    rates = []
+    for prompt in PROMPTS:
+        g = engine.generate(prompt, max_new_tokens=96, constraint={"json_schema": SCHEMA})
+        rates.append(len(g.tokens) / (g.stats.prefill_s + g.stats.decode_s))
+    return rates
+
+
+def llamacpp_end_to_end(threads: int) -> tuple[list[float], int]:
+    """llama-cpp-python's constrained greedy on the same GGUF: tokens per second of each request
+    end to end, and how many outputs are valid."""
+    from llama_cpp import Llama
+
+    from decodekit.bench.baselines import gguf_for
+
+    llm = Llama(model_path=str(gguf_for(None)), n_ctx=2048, n_threads=threads, verbose=False)
+    fmt = {"type": "json_object", "schema": SCHEMA}
+
+    def ask(prompt: str, tokens: int) -> dict:
+        return llm.create_chat_completion([{"role": "user", "content": prompt}], response_format=fmt,
+                                          temperature=0.0, max_tokens=tokens)
+
+    ask(PROMPTS[0], 16)  # untimed
+    rates, valid = [], 0
+    for prompt in PROMPTS:
+        t0 = time.perf_counter()
+        out = ask(prompt, 96)
+        rates.append(out["usage"]["completion_tokens"] / (time.perf_counter() - t0))
+        try:
+            jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), SCHEMA)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return rates, valid
 
 
 if __name__ == "__main__":
