@@ -484,3 +484,42 @@ def test_kvdraft_sampling_keeps_the_target_distribution():
             exact[(a,) if b == 0 else (a, b)] = float(first[a] * second[b])
     ok, stat, critical = chi_square_passes(counts, exact, n)
     assert ok, f"chi-square {stat:.1f} >= {critical:.1f}"
+
+
+def test_rejection_sampling_under_a_constraint_samples_the_constrained_distribution():
+    """Structured decoding with speculative sampling's verifier: every node is masked for its own
+    path, and a sampled tree (drawn from a table that knows nothing of the grammar, so it proposes
+    refused tokens) still yields the constrained target's distribution."""
+    pytest.importorskip("llguidance")
+    from decodekit.samplers.base import Histories
+    from decodekit.samplers.constraint import constraint_processor
+
+    model = trigram_model(seed=5)
+    pattern = r'[!"#]+[$%&]*'  # ids 2-4, then 5-7 (CharTokenizer: id = ord(c) - 31)
+
+    def constrained(seed: int = 0) -> Sampler:
+        return Sampler([constraint_processor({"regex": pattern}, model.tokenizer, V)], seed=seed)
+
+    exact: dict[tuple, float] = {}
+    reference = constrained()
+
+    def walk(context: list[int], prefix: tuple, p: float) -> None:
+        if len(prefix) == 3:
+            exact[prefix] = p
+            return
+        logits = model.backend.table[context[-2], context[-1]]
+        row = reference.probs(logits[None], Histories([torch.tensor(context)], len(PROMPT)))[0]
+        for t in range(V):
+            if row[t] > 0:
+                walk(context + [t], prefix + (t,), p * float(row[t]))
+
+    walk(list(PROMPT), (), 1.0)
+    assert all(set(k[:1]) <= {2, 3, 4} for k in exact) and len(exact) > 20
+    drafter = TableTreeDrafter(model.backend.table * 0.5, widths=(3, 2), stochastic=True)
+    decoder = StepDecoder(method(drafter, budget=16, verifier=SamplingVerifier()))
+    counts: Counter = Counter()
+    for seed in range(SAMPLES):
+        counts[tuple(decoder.generate(model, Request(list(PROMPT), constrained(seed), max_new_tokens=3)).tokens)] += 1
+    for positions in (slice(0, 2), slice(1, 3)):
+        ok, stat, critical = chi_square_passes(Counter(marginal(counts, positions)), marginal(exact, positions), SAMPLES)
+        assert ok, f"tokens {positions.start + 1}-{positions.stop}: chi-square {stat:.1f} >= {critical:.1f}"
