@@ -135,6 +135,21 @@ def test_hidden_states_are_returned_for_requested_layers():
     assert out.hidden[3].shape == (1, 5, 32)
 
 
+def test_hidden_states_and_features_are_transformers_values():
+    """Values, not shapes: the residual stream after each layer and the final norm's output (the
+    features trained drafters read) against transformers' hidden states on the same weights."""
+    from decodekit.models.tiny import tiny_hf_model
+
+    ids = torch.tensor([[5, 17, 33, 2, 9, 40, 11, 60]])
+    native = tiny_llama(seed=4, num_layers=3).append(ids, hidden_layers=(0, 1, 2, 3))
+    with torch.no_grad():
+        reference = tiny_hf_model(seed=4, num_layers=3)(ids, output_hidden_states=True).hidden_states
+    for layer in range(3):  # transformers' last entry is after the final norm
+        torch.testing.assert_close(native.hidden[layer], reference[layer], rtol=0, atol=1e-4)
+    torch.testing.assert_close(native.features, reference[3], rtol=0, atol=1e-4)
+    assert not torch.allclose(native.hidden[3], reference[3], atol=1e-2)  # the stream itself is not normed
+
+
 def test_bfloat16_is_close_to_float32():
     ids = tokens(20)
     f32 = tiny_llama(seed=1).append(ids).logits
