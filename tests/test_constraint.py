@@ -92,6 +92,30 @@ def test_text_the_grammar_fixes_is_a_free_draft_verified_in_one_pass(engine, met
             assert got.stats.forward_passes == plain.stats.forward_passes - forced  # each forced token saves a pass
 
 
+def test_wrong_forced_text_is_only_a_refused_draft(engine, monkeypatch):
+    """Forced tokens are verified, never committed unseen: offered text the grammar refuses, or the
+    model does not choose, leaves the output constrained plain decoding's, and once refused more
+    than half the time it is no longer offered."""
+    from decodekit.samplers import constraint as constraint_module
+
+    spell = CharTokenizer(96).encode
+    monkeypatch.setattr(constraint_module.ConstrainedTokens, "forced", lambda self, generated: spell("zzzz"))
+    for sampled in ({}, {"temperature": 0.9, "seed": 5}):
+        for constraint, _ in CASES:
+            plain = engine.generate("hello", method="sample" if sampled else "greedy", max_new_tokens=30, chat=False,
+                                    constraint=constraint, **sampled)
+            got = engine.generate("hello", method="pld", max_new_tokens=30, chat=False, constraint=constraint, **sampled)
+            assert got.tokens == plain.tokens
+            assert got.stats.extra["forced_drafted"] <= 16 + 4  # offered until 16 were refused, then no more
+
+
+def test_forced_text_at_the_end_of_the_context(engine):
+    """A prompt that leaves room for one new token: no forced chain is verified past the context."""
+    prompt = "x" * (engine.model.backend.info.max_length - 1)
+    plain = engine.generate(prompt, max_new_tokens=1, chat=False, constraint={"regex": FIXED})
+    assert engine.generate(prompt, method="pld", max_new_tokens=1, chat=False, constraint={"regex": FIXED}).tokens == plain.tokens
+
+
 def test_forced_tokens_follow_the_rows_own_text():
     processor = constraint_processor({"regex": FIXED}, CharTokenizer(96), 96)
     spell = CharTokenizer(96).encode
@@ -100,6 +124,7 @@ def test_forced_tokens_follow_the_rows_own_text():
     assert processor.forced(spell("ab7")) == spell("cdefghij")
     assert processor.forced(spell("ab7cde")) == spell("fghij")
     assert processor.forced(spell("ax")) == []  # a path the grammar refuses forces nothing
+    assert processor.forced(spell("ab3cd")) == spell("efghij")  # and the matcher is back on the row's text after it
 
 
 def test_search_methods_keep_each_candidate_valid(engine):

@@ -495,7 +495,7 @@ def test_rejection_sampling_under_a_constraint_samples_the_constrained_distribut
     from decodekit.samplers.constraint import constraint_processor
 
     model = trigram_model(seed=5)
-    pattern = r'[!"#]+[$%&]*'  # ids 2-4, then 5-7 (CharTokenizer: id = ord(c) - 31)
+    pattern = r'[!"]+(#\$%)?[&!]*'  # ids 2-3; "#" (4) fixes "$%" (5, 6): forced text, drafted for free; then 7 or 2
 
     def constrained(seed: int = 0) -> Sampler:
         return Sampler([constraint_processor({"regex": pattern}, model.tokenizer, V)], seed=seed)
@@ -514,7 +514,7 @@ def test_rejection_sampling_under_a_constraint_samples_the_constrained_distribut
                 walk(context + [t], prefix + (t,), p * float(row[t]))
 
     walk(list(PROMPT), (), 1.0)
-    assert all(set(k[:1]) <= {2, 3, 4} for k in exact) and len(exact) > 20
+    assert all(k[0] in (2, 3) for k in exact) and any(k[1:] == (4, 5) for k in exact) and len(exact) > 10
     drafter = TableTreeDrafter(model.backend.table * 0.5, widths=(3, 2), stochastic=True)
     decoder = StepDecoder(method(drafter, budget=16, verifier=SamplingVerifier()))
     counts: Counter = Counter()

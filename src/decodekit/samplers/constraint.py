@@ -95,11 +95,14 @@ class ConstrainedTokens(LogitsProcessor):
 
     def _follow(self, generated: list[int]) -> bool:
         """Bring the matcher to ``generated``; False if the grammar refuses one of its tokens."""
-        shared = 0
-        for a, b in zip(self.consumed, generated):
-            if a != b:
-                break
-            shared += 1
+        if generated[: len(self.consumed)] == self.consumed:  # the common case: the row only grew
+            shared = len(self.consumed)
+        else:
+            shared = 0
+            for a, b in zip(self.consumed, generated):
+                if a != b:
+                    break
+                shared += 1
         if shared < len(self.consumed):
             self.matcher.rollback(len(self.consumed) - shared)
             del self.consumed[shared:]

@@ -12,7 +12,8 @@ Where the sampler's constraint fixes the text that comes next (a JSON key, a lit
 forced tokens), that text is the draft, whatever the controller's budget: a chain accepted whenever
 the mask leaves its tokens the only choice, which costs no drafting and gains in every step. It
 is verified like any draft, because a grammar's forced text may have other spellings the mask
-allows; the controller's acceptance statistics and the drafter's timing leave these steps out.
+allows; the controller's acceptance statistics and the drafter's timing leave these steps out, and
+once the model has refused more than half of the forced tokens offered, drafting returns to the drafter.
 
 ``drafter.update`` also follows plain steps (an empty tree, the step's logits as ``[1, V]``), so
 drafters that learn from target logits (token recycling) keep learning while speculation rests.
@@ -37,6 +38,7 @@ from .tree import DraftTree, Verification
 from .verify import Verifier, make_verifier
 
 FORCED = "forced"  # the source of draft tokens a constraint fixed (``accepted_by_source`` counts them)
+FORCED_TRIAL = 16  # forced tokens offered before their acceptance may stop them
 
 #: Options of every speculative method (the controller's), besides the drafter's own.
 COMMON_OPTIONS = option_table(
@@ -62,6 +64,7 @@ class SpeculativeMethod(StepMethod):
         self.verifications = self.accepted = self.drafted = self.plain_steps = 0
         self.draft_s = self.verify_s = 0.0
         self.by_source: dict[str, int] = {}
+        self.forced_drafted = self.forced_accepted = 0
 
     def step(self, state: DecodeState) -> list[int]:
         first: list[int] = []
@@ -71,9 +74,13 @@ class SpeculativeMethod(StepMethod):
         self.controller.context = len(state.tokens)  # what this step's passes attend to
         t0 = time.perf_counter()
         room = state.backend.info.max_length - len(state.tokens) - 1  # a chain's deepest position must fit
-        forced = state.sampler.forced(state.generated)[: min(room, self.controller.max_draft)]
+        forced = self._forced(state, min(room, self.controller.max_draft))
         if forced:
-            return first + self._verify(state, DraftTree.chain(forced, source=FORCED), learn=False)
+            with torch.inference_mode():
+                produced = self._verify(state, DraftTree.chain(forced, source=FORCED), learn=False)
+            self.forced_drafted += len(forced)
+            self.forced_accepted += len(produced) - 1
+            return first + produced
         budget = min(self.controller.budget(), room)
         if budget <= 0:  # speculation rests: as lean as plain decoding's step, which it replaces
             produced = self._plain_step(state)
@@ -95,6 +102,13 @@ class SpeculativeMethod(StepMethod):
             self.controller.observe_step(len(produced), t2 - t0)
         self.drafter.observe(len(produced), t2 - t0)  # e.g. the bandit of `auto`: tokens per second
         return produced
+
+    def _forced(self, state: DecodeState, most: int) -> list[int]:
+        """The text the constraint fixes next, at most ``most`` tokens; none once the model has
+        refused more than half of the forced tokens it was offered (it prefers other spellings)."""
+        if most <= 0 or (self.forced_drafted >= FORCED_TRIAL and 2 * self.forced_accepted < self.forced_drafted):
+            return []
+        return state.sampler.forced(state.generated)[:most]
 
     def _draft(self, state: DecodeState, budget: int) -> DraftTree:
         t0 = time.perf_counter()
@@ -161,6 +175,8 @@ class SpeculativeMethod(StepMethod):
         }
         if self.by_source:
             extra["accepted_by_source"] = dict(self.by_source)
+        if self.forced_drafted:
+            extra["forced_drafted"] = self.forced_drafted
         extra.update(self.drafter.report())
         state.stats.extra.update(extra)
         self.drafter.finish(state)

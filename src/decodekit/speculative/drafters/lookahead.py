@@ -64,7 +64,7 @@ class LookaheadDrafter(Drafter):
         return tree
 
     def update(self, state: DecodeState, tree: DraftTree, verdict: Verification, logits: torch.Tensor) -> None:
-        if not len(tree):  # a plain step ran no window
+        if "lookahead:window" not in tree.source:  # a plain step, or another's draft (forced text): no Jacobi step ran
             return
         guesses = logits.argmax(dim=-1).tolist()
         new = list(self.window)
