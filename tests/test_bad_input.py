@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from decodekit.bench import cli as bench_cli
+from decodekit.bench.execution import save_checkpoint
 from decodekit.bench.questions import Question
 from decodekit.bench.runner import RECORD_FIELDS, make_record
 from decodekit.engine import Engine, available_methods, make_sampler
@@ -118,7 +119,7 @@ def test_bench_resume_refuses_malformed_records(capsys, no_model, tmp_path):
     args = cli.build_parser().parse_args(argv)
     plan = bench_cli.make_plan(args)
     for records in ([{"method": "greedy"}], [["not", "a", "record"]], "records"):
-        bench_cli.save_checkpoint(plan, records, [])  # a real checkpoint around broken records
+        save_checkpoint(plan, records, [])  # a real checkpoint around broken records
         expected = "records and notes must be lists" if records == "records" else "record 0 is malformed"
         one_error_line(capsys, [*argv, "--resume"], expected)
 

@@ -3,25 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..arguments import add_ray_arguments
 from ..errors import InvalidParameter
 from ..options import parse_option
-from .questions import DEFAULT_QUESTIONS, Question
-from .runner import BenchConfig, is_record, run_bench
+from .execution import REFERENCE, Plan, execute, load_checkpoint
+from .questions import DEFAULT_QUESTIONS
 
 #: --quick: the fast model-free speculative methods, when registered (skipped with a note otherwise).
 QUICK_METHODS = ("greedy", "pld", "suffix", "recycling", "lookahead")
 QUICK = {"limit": 1, "max_new_tokens": 64, "baselines": "hf", "repeats": 5}  # short runs: medians of 5 resist stalls
 FULL = {"limit": None, "max_new_tokens": 256, "baselines": "hf,hf-pld,llamacpp", "repeats": 1}
-REFERENCE = "greedy"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -59,80 +56,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-@dataclass
-class Plan:
-    """Everything a run needs, validated before the model is loaded."""
-
-    methods: list[str]
-    options: dict[str, dict[str, Any]]
-    baselines: list[str]
-    questions: list[Question]
-    question_file: Path
-    max_new_tokens: int
-    limit: int | None
-    categories: list[str]
-    repeats: int
-    all_turns: bool
-    model: str | None
-    dtype: str
-    numerics: str
-    threads: int | None
-    out: Path
-    command: str
-    notes: list[str] = field(default_factory=list)
-    resume: bool = False
-    previous: list[dict[str, Any]] = field(default_factory=list)  # --resume: the checkpoint's records
-    previous_notes: list[str] = field(default_factory=list)
-    ray: str | None = None  # --ray: "local" or a cluster address; None runs here
-    workers: int | None = None
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "questions": str(self.question_file), "methods": self.methods, "baselines": self.baselines,
-            "max_new_tokens": self.max_new_tokens, "limit": self.limit, "categories": self.categories,
-            "dtype": self.dtype, "numerics": self.numerics, "model": self.model, "repeats": self.repeats, "all_turns": self.all_turns,
-            "options": self.options, "reference": REFERENCE,
-        }
-
-
-    def resume_key(self) -> dict[str, Any]:
-        """What a resumed run must share with the checkpoint (the question selection may grow)."""
-        key = {k: v for k, v in self.config().items() if k not in ("limit", "categories")}
-        return json.loads(json.dumps({**key, "threads": self.threads}))
-
-
-CHECKPOINT = "checkpoint.json"
-CHECKPOINT_SCHEMA = "decodekit-bench-checkpoint/1"
-
-
-def load_checkpoint(plan: Plan) -> tuple[list[dict[str, Any]], list[str]]:
-    """Records and notes saved by an earlier run of ``plan`` in ``plan.out``; a missing checkpoint,
-    other settings or other code is a one-line error (checked before the model loads)."""
-    from .results import code_version, read_document
-
-    path = plan.out / CHECKPOINT
-    if not path.is_file():
-        raise InvalidParameter(f"--resume: no {CHECKPOINT} in {str(plan.out)!r}; run without --resume first")
-    saved = read_document(path, CHECKPOINT_SCHEMA, "decodekit bench checkpoint", prefix="--resume: ")
-    code = code_version()
-    if saved.get("code") != code:
-        raise InvalidParameter(f"--resume: {path} was written by decodekit {saved.get('code')}, this is "
-                               f"{code}; timings from different code cannot be mixed, run without --resume")
-    key, saved_key = plan.resume_key(), saved.get("resume_key") or {}
-    if not isinstance(saved_key, dict):
-        raise InvalidParameter(f"--resume: {path} is not a decodekit bench checkpoint (resume_key is not an object)")
-    if saved_key != key:
-        differ = sorted(k for k in key if saved_key.get(k) != key[k])
-        raise InvalidParameter(f"--resume: {path} was made with other settings ({', '.join(differ)})")
-    records, notes = saved.get("records", []), saved.get("notes", [])
-    if not isinstance(records, list) or not isinstance(notes, list):
-        raise InvalidParameter(f"--resume: {path}: records and notes must be lists; run without --resume")
-    bad = next((i for i, rec in enumerate(records) if not is_record(rec)), None)
-    if bad is not None:
-        raise InvalidParameter(f"--resume: {path}: record {bad} is malformed; run without --resume")
-    return records, [str(n) for n in notes]
-
-
 def check_writable(out: Path) -> None:
     """``--out`` must be a folder this process can write, or one it can create: checked before
     the model loads, without creating anything."""
@@ -143,18 +66,6 @@ def check_writable(out: Path) -> None:
         raise InvalidParameter(f"--out {str(out)!r} is not a writable folder ({existing} is not a folder)")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise InvalidParameter(f"--out {str(out)!r} is not a writable folder ({existing} is not writable)")
-
-
-def save_checkpoint(plan: Plan, records: list[dict[str, Any]], notes: list[str]) -> None:
-    """Write the records so far atomically, so an interrupted run loses at most one question."""
-    from .results import code_version
-
-    plan.out.mkdir(parents=True, exist_ok=True)
-    doc = {"schema": CHECKPOINT_SCHEMA, "code": code_version(), "resume_key": plan.resume_key(),
-           "notes": notes, "records": records}
-    tmp = plan.out / (CHECKPOINT + ".tmp")
-    tmp.write_text(json.dumps(doc, ensure_ascii=False))
-    os.replace(tmp, plan.out / CHECKPOINT)
 
 
 def split_list(text: str | None) -> list[str]:
@@ -262,77 +173,6 @@ def command_line(plan: Plan, quick: bool) -> str:
         for key, value in opts.items():
             parts += ["--opt", f"{method}.{key}={value}"]
     return shlex.join(parts) + ("  # --quick" if quick else "")
-
-
-def build_contestants(plan: Plan, model, *, hf_model=None) -> tuple[list, list[str]]:
-    """The plan's methods and baselines on a loaded model, ready to warm up, and notes on any skipped."""
-    import torch
-
-    from ..engine import Engine
-    from ..models import LoadedModel
-    from ..speculative import prepare
-    from .baselines import build_baselines
-    from .contestants import MethodContestant
-
-    if plan.threads:
-        torch.set_num_threads(plan.threads)
-    # Each method gets its own backend clone (shared weights, own cache and own cross-request
-    # memory: suffix corpus, recycling table, bandit), as if each ran in its own process as in
-    # Spec-Bench; otherwise a method could draft from another method's answer to the same question.
-    contestants = [
-        MethodContestant(Engine(LoadedModel(model.backend.clone(), model.tokenizer, model.name)), m, plan.options.get(m))
-        for m in plan.methods
-    ]
-    # The verify-cost table a speculative method's controller needs is measured (or read from the
-    # cache) now, outside any timed region, as a model load would: not in a warm-up or a question.
-    for contestant in contestants:
-        if contestant.family == "speculative":
-            prepare(contestant.engine.model.backend)
-    baselines, notes = build_baselines(plan.baselines, model, model=plan.model, dtype=plan.dtype,
-                                       threads=torch.get_num_threads(), hf_model=hf_model)
-    return [*contestants, *baselines], notes
-
-
-def bench_config(plan: Plan) -> BenchConfig:
-    return BenchConfig(max_new_tokens=plan.max_new_tokens, repeats=plan.repeats, all_turns=plan.all_turns, reference=REFERENCE)
-
-
-def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[str, Any]:
-    """Run the plan on a loaded model; write results.json, report.md and speedup.png; return the results."""
-    from .results import code_version, machine_info
-
-    code_version()  # fix the code stamp of this run's checkpoints and results now
-    contestants, notes = build_contestants(plan, model, hf_model=hf_model)
-    notes = [*plan.notes, *notes, *(n for n in plan.previous_notes if n not in notes)]
-    run_ = run_bench(contestants, plan.questions, model.prompt_ids, bench_config(plan), progress=progress,
-                     previous=plan.previous, checkpoint=lambda records: save_checkpoint(plan, records, notes))
-    machine = machine_info(model=model.name, dtype=plan.dtype, numerics=plan.numerics)
-    return finish(plan, run_, notes, machine)
-
-
-def finish(plan: Plan, run_, notes: list[str], machine: dict[str, Any], machines: list[dict[str, Any]] | None = None,
-           *, lost: int = 0) -> dict[str, Any]:
-    """Save the last checkpoint and write results.json, report.md and speedup.png for a finished run;
-    ``machines``: the workers of a run on a Ray cluster (``lost`` of them lost on the way)."""
-    from .plot import plot_speedup
-    from .report import write_report
-    from .results import build_results, write_results
-
-    save_checkpoint(plan, run_.records, [*notes, *run_.notes])
-    # Notes on this run only, not saved for a resumed one to repeat:
-    if run_.resumed:
-        notes.append(f"resumed: {run_.resumed} question(s) taken from an earlier run of the same code and settings")
-    if machines is not None:
-        notes.append(f"ran on a Ray cluster: {len(machines)} workers ({lost} lost and replaced); every question's "
-                     "contestants ran side by side on one worker, so ratios are per worker; see machines")
-    results = build_results(run_, command=plan.command, config=plan.config(), machine=machine, notes=notes, machines=machines)
-    write_results(results, plan.out / "results.json")
-    n = len(plan.questions)
-    subtitle = (f"{machine['model']}, {plan.dtype}, {plan.numerics} numerics, {n} question{'s' if n != 1 else ''}, "
-                f"{plan.max_new_tokens} new tokens")
-    plot_speedup(results["summary"], plan.out / "speedup.png", subtitle=subtitle)
-    write_report(results, plan.out / "report.md")
-    return results
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..cluster import Pool, PoolSettings, connected, parse_address
 from ..models import LoadedModel
-from .cli import Plan, bench_config, build_contestants, finish, save_checkpoint
+from .execution import Plan, bench_config, build_contestants, finish, save_checkpoint
 from .runner import BenchRun, BenchSession, Progress, finished_records
 
 ModelRecipe = Callable[[], LoadedModel]  # loads the model inside a worker (a picklable callable)
@@ -69,7 +69,7 @@ def machine_entry(description: dict[str, Any], questions: Sequence[Any]) -> dict
 def execute_on_ray(plan: Plan, address: str | None, settings: PoolSettings, *, load: ModelRecipe | None = None,
                    progress: bool = True) -> dict[str, Any]:
     """Run the plan on a Ray cluster (``address`` as in :func:`decodekit.cluster.connected`); write
-    and return the same results as :func:`decodekit.bench.cli.execute`, plus ``machines``."""
+    and return the same results as :func:`decodekit.bench.execution.execute`, plus ``machines``."""
     from .results import code_version
 
     code = code_version()

@@ -40,7 +40,7 @@ def markdown(r: dict[str, Any]) -> str:
         f"- tokens spent by the method: {r['tokens_spent']} ({r['tokens_spent'] / max(r['items'], 1):.1f} per item);"
         f" by extra signals: {r['signal_tokens']}",
         f"- wall time: {r['time_s']} s ({r['time_s'] / max(r['items'], 1):.2f} s per item)",
-        *([f"- Ray workers: " + "; ".join(f"{m['host']} pid {m['pid']}, {m['units']} items{' (lost)' if m['lost'] else ''}"
+        *(["- Ray workers: " + "; ".join(f"{m['host']} pid {m['pid']}, {m['units']} items{' (lost)' if m['lost'] else ''}"
                                             for m in r["machines"])] if r.get("machines") else []),
         "",
         "## Uncertainty signals: AUROC for predicting correctness",
