@@ -69,6 +69,17 @@ def test_gemma3_requests_get_their_own_tokens_in_a_shared_batch(numerics):
     assert_batched_as_alone(tiny_gemma3(seed=2, sliding_window=8, numerics=numerics), CASES)
 
 
+def test_constrained_requests_with_forced_text_get_their_own_tokens_in_a_shared_batch():
+    """Structured output in a batch: each request's mask and its forced text (verified as a free draft
+    by the speculative ones) are its own."""
+    pytest.importorskip("llguidance")
+    fixed = {"constraint": {"regex": r"ab[0-9]cdefghij[0-9]{1,8}"}}
+    cases = [("hello", "greedy", fixed), ("abab ab1cdefghij", "pld", {**fixed, "budget": 4}),
+             ("xyz", "sample", {**fixed, "temperature": 0.8, "seed": 2}),
+             ("q: ab", "suffix", {**fixed, "temperature": 0.8, "seed": 4})]
+    assert_batched_as_alone(base(NUMERICS[-1]), cases)
+
+
 @pytest.mark.parametrize("cache", ["int8", "sink:4,window:24,every:4", "snapkv:budget=40,window=8"])
 def test_a_compressed_cache_gives_the_same_tokens_alone_and_batched(cache):
     """The int8 and evicting caches under batching: each request keeps its own policy's entries, and
