@@ -55,3 +55,16 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--workers", type=int, default=None,
                         help="with --ray: worker processes, each loading the model once (default: the cluster's CPUs / threads per worker)")
+
+
+def check_ray_arguments(ray: str | None, workers: int | None) -> None:
+    """``--workers`` a positive count and only with ``--ray``; with ``--ray``, Ray installed (its
+    one-line install hint otherwise): checked before anything loads."""
+    if workers is not None and (not isinstance(workers, int) or workers < 1):
+        raise InvalidParameter(f"--workers must be a positive integer, got {workers}")
+    if workers is not None and ray is None:
+        raise InvalidParameter("--workers needs --ray")
+    if ray is not None:
+        from .cluster import import_ray
+
+        import_ray()

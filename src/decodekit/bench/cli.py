@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..arguments import add_ray_arguments
+from ..arguments import add_ray_arguments, check_ray_arguments
 from ..errors import InvalidParameter
 from ..options import parse_option
 from .execution import REFERENCE, Plan, execute, load_checkpoint
@@ -141,13 +141,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         model=args.model, dtype=args.dtype, numerics=args.numerics, threads=args.threads, out=Path(args.out), command="", notes=notes,
         resume=getattr(args, "resume", False), ray=getattr(args, "ray", None), workers=getattr(args, "workers", None),
     )
-    positive("workers", plan.workers, True)
-    if plan.workers is not None and plan.ray is None:
-        raise InvalidParameter("--workers needs --ray")
-    if plan.ray is not None:
-        from ..cluster import import_ray
-
-        import_ray()  # not installed: the one-line hint now, not after loading anything
+    check_ray_arguments(plan.ray, plan.workers)
     plan.command = command_line(plan, args.quick)
     if plan.resume:  # read (and check) now, not after loading the model
         plan.previous, plan.previous_notes = load_checkpoint(plan)

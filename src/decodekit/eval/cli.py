@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..arguments import ArgumentParser, add_model_arguments, add_ray_arguments
+from ..arguments import ArgumentParser, add_model_arguments, add_ray_arguments, check_ray_arguments
 from ..errors import InvalidParameter
 from ..options import parse_option
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace, model=None) -> int:
     """Run the evaluation; ``model`` skips loading by name, for tests and notebooks: a LoadedModel,
     or with ``--ray`` a picklable callable that returns one (each worker calls it once)."""
     from ..engine import method_spec
-    from ..models import DEFAULT_MODEL, load_model
+    from ..models import load_model
     from .report import write_report
     from .runner import EvalConfig, evaluate, make_decoder
     from .tasks import load_task
@@ -61,8 +61,7 @@ def run(args: argparse.Namespace, model=None) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise InvalidParameter(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
-    if args.workers is not None and (args.workers < 1 or args.ray is None):
-        raise InvalidParameter("--workers must be a positive integer and needs --ray")
+    check_ray_arguments(args.ray, args.workers)
     if args.task == "longctx":
         if args.ray is not None:
             raise InvalidParameter("--ray runs item-by-item tasks; longctx runs on one machine (its rows share one long prompt)")
@@ -84,14 +83,13 @@ def run(args: argparse.Namespace, model=None) -> int:
         print(f"\r[{done}/{total}] correct {right[0]}", end="\n" if done == total else "", file=sys.stderr, flush=True)
 
     if args.ray is not None:
-        from ..cluster import PoolSettings, import_ray
+        from ..cluster import PoolSettings
         from .distributed import evaluate_on_ray
 
-        import_ray()
         if model is not None and not callable(model):
             raise InvalidParameter("with --ray, pass a callable that loads the model (each worker calls it), not a model")
         result = evaluate_on_ray(model or recipe, task, config, args.ray, PoolSettings(workers=args.workers), progress)
-        name = result["machines"][0]["model"] if result["machines"] else (args.model or DEFAULT_MODEL)
+        name = result["machines"][0]["model"]  # a pool has at least one worker
     else:
         model = model or recipe()
         result = evaluate(model, task, config, progress)
