@@ -34,6 +34,9 @@
 #define QK 32
 #define GROUP 16   /* output rows side by side in the packed layout */
 #define TILE 8     /* input rows a group's unpacked weights are used for before they are rebuilt */
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 8 /* how far ahead a pass of several rows asks for its weights */
+#endif
 
 /* Kinds of weights (the `kind` argument): GGUF blocks as the file has them, and their packed form
  * per group of 16 rows and sub-block of 32 weights (unsigned weights u, 64 bytes per 4 inputs):
@@ -248,6 +251,9 @@ static inline __attribute__((always_inline)) void group_tile(int kind, const uin
         __m512 s0[2], s1[2]; /* the rows' first scale, and their offset or second scale */
         for (int g = 0; g < G; g++) {
             const uint8_t *block = group + g * stride + (size_t)b * size;
+            if (T > 1) /* ask for the weights a few blocks ahead: their multiply-adds then hide the wait */
+                for (int line = 0; line < size; line += 64)
+                    _mm_prefetch((const char *)block + PREFETCH_BLOCKS * size + line, _MM_HINT_T0);
             if (nibbles) {
                 const __m512i low = _mm512_set1_epi8(0x0f);
                 for (int j = 0; j < 4; j++) {
