@@ -68,3 +68,24 @@ def test_one_thread_or_two_gives_the_same_tokens_on_the_real_model(real_model):
     finally:
         torch.set_num_threads(before)
     assert outputs[0] == outputs[1]
+
+
+def test_the_tokenizer_is_the_one_auto_tokenizer_makes(real_model, specbench_prompts):
+    """The embedded model's tokenizer skips AutoTokenizer (a second of every start); it must be the
+    same class, encode and decode the same ids, render the same chat prompt and end on the same ids."""
+    from transformers import AutoTokenizer
+
+    from decodekit.models.loading import resolve_model_folder
+    from decodekit.models.tokenizer import HFTokenizer
+
+    folder = resolve_model_folder(None)
+    ours, auto = HFTokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert type(ours.hf) is type(auto)
+    texts = [*specbench_prompts[:20], "naïve café — 東京 🦊\n\ttabs  and  spaces", "<|im_start|>user\nhi<|im_end|>", ""]
+    for text in texts:
+        ids = auto.encode(text, add_special_tokens=False)
+        assert ours.encode(text) == ids
+        assert ours.decode(ids) == auto.decode(ids, skip_special_tokens=True)
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+        assert ours.chat_prompt(chat) == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert ours.eos_token_ids == {auto.eos_token_id, auto.convert_tokens_to_ids("<|im_end|>")}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,12 +36,32 @@ class Tokenizer:
         raise NotImplementedError(f"{type(self).__name__} has no grammar tokenizer")
 
 
+def _load_hf_tokenizer(folder: Path):
+    """transformers' tokenizer for ``folder``, as ``AutoTokenizer`` makes it.
+
+    A Llama-family folder whose ``tokenizer_config.json`` names the generic ``TokenizersBackend``
+    (what decodekit writes for a GGUF file) gets that class directly: it is the class AutoTokenizer
+    picks for it, and going around AutoTokenizer skips importing transformers' model
+    configurations, about a second of every start (a test compares the two).
+    """
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        config, model_type = {}, None  # AutoTokenizer finds what is wrong and says it
+    if isinstance(config, dict) and config.get("tokenizer_class") == "TokenizersBackend" and model_type == "llama":
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
 class HFTokenizer(Tokenizer):
     def __init__(self, folder: Path | str):
-        from transformers import AutoTokenizer
-
         try:
-            self.hf = AutoTokenizer.from_pretrained(folder)
+            self.hf = _load_hf_tokenizer(Path(folder))
         except Exception as err:  # tokenizers raises plain Exception for a damaged tokenizer.json
             raise InvalidModel.because(folder, "has no usable tokenizer", err) from err
         eos = {self.hf.eos_token_id} if self.hf.eos_token_id is not None else set()
