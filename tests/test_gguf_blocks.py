@@ -325,3 +325,69 @@ def test_integer_kernel_turns_a_non_finite_input_into_nan_and_refuses_bad_shapes
         fast(packed[:, :20].contiguous(), torch.randn(1, 64), 64)
     with pytest.raises(ValueError, match="blocks"):  # not a whole group of 16 rows
         kernels.pack_integer_blocks("q4_1", blocks.data[:5].contiguous(), 64)
+
+
+@needs_vnni
+def test_a_matrix_packed_slice_by_slice_is_the_matrix_packed_whole():
+    """A big head is packed a slice at a time (its file blocks are never all in memory): the same
+    bytes as packing it whole; a slice that does not start on a group of 16 rows is refused."""
+    blocks = BlockMatrix.random(64, 256, "q8_0", torch.Generator().manual_seed(4))
+    whole = kernels.pack_integer_blocks("q8_0", blocks.data, 256)
+    sliced = kernels.pack_integer_blocks("q8_0", blocks.data[:16].contiguous(), 256, rows=64)
+    for start, stop in ((16, 48), (48, 64)):
+        kernels.pack_integer_blocks("q8_0", blocks.data[start:stop].contiguous(), 256, into=sliced, first_row=start)
+    assert torch.equal(sliced, whole)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.pack_integer_blocks("q8_0", blocks.data[:16].contiguous(), 256, into=sliced, first_row=8)
+
+
+@needs_vnni
+def test_a_fast_head_read_slice_by_slice_from_the_saved_blocks_decodes_as_one_held_whole(tmp_path):
+    """The `fast` tied head reads its blocks from the saved file a slice at a time: the model
+    decodes bit for bit as one built from blocks held in memory."""
+    from safetensors.torch import save_file
+
+    from decodekit.models.gguf_blocks import SavedBlocks
+    from decodekit.models.native import LlamaConfig
+
+    config = {**tiny_hf_config(hidden_size=64), "tie_word_embeddings": True}
+    state = tiny_state_dict(config, seed=6)
+    state.pop("lm_head.weight")
+    blocks = {}
+    for name, weight in list(state.items()):
+        if weight.dim() == 2:
+            blocks[name] = BlockMatrix.quantize(weight, "q8_0" if "embed" in name else "q4_1")
+            state[name] = blocks[name].dequantize()
+    path = tmp_path / BLOCKS_FILE
+    save_file({n: b.data for n, b in blocks.items()}, str(path), metadata={n: f"{b.kind}:{b.n_in}" for n, b in blocks.items()})
+    llama = LlamaConfig.from_hf(config)
+    held, read = (NativeLlama(llama, state, gguf_blocks=source, numerics="fast") for source in (blocks, SavedBlocks(path)))
+    assert held.weights.embed is None and read.weights.embed is None
+    ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(held.append(ids).logits, read.append(ids).logits)
+    assert torch.equal(held.append(torch.tensor([[5]])).logits, read.append(torch.tensor([[5]])).logits)
+
+
+def test_rotary_angles_computed_as_far_as_a_sequence_reaches_are_the_whole_tables():
+    """Rotary tables are filled in fixed chunks as passes reach further (a long-context model pays
+    only for the positions it uses): every value is the one the whole table has, whatever was asked
+    for first, and a pass fills what it needs before it runs."""
+    from decodekit.models.native import ROPE_CHUNK, LlamaConfig, RopeTable
+
+    def whole(theta: float, dim: int, positions: int) -> torch.Tensor:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        angles = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
+        return torch.polar(torch.ones_like(angles), angles)
+
+    for theta, dim, positions, reaches in ((1e6, 256, 5000, (5, 3000, 5000)), (1e4, 64, 2500, (2500,))):
+        table = RopeTable(theta, dim, positions)
+        for end in reaches:
+            table.reach(end)
+            assert table.filled >= end
+        assert torch.equal(table.angles, whole(theta, dim, positions))
+        assert torch.equal(table.pairs, torch.view_as_real(table.angles).reshape(positions, -1))
+    config = tiny_hf_config(hidden_size=64, max_position=4 * ROPE_CHUNK)
+    model = NativeLlama(LlamaConfig.from_hf(config), tiny_state_dict(config, seed=1))
+    assert model._rope.filled == 0
+    model.append(torch.zeros(1, ROPE_CHUNK + 3, dtype=torch.long))
+    assert model._rope.filled == 2 * ROPE_CHUNK

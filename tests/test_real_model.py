@@ -70,22 +70,35 @@ def test_one_thread_or_two_gives_the_same_tokens_on_the_real_model(real_model):
     assert outputs[0] == outputs[1]
 
 
-def test_the_tokenizer_is_the_one_auto_tokenizer_makes(real_model, specbench_prompts):
-    """The embedded model's tokenizer skips AutoTokenizer (a second of every start); it must be the
-    same class, encode and decode the same ids, render the same chat prompt and end on the same ids."""
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_the_tokenizer_gives_what_auto_tokenizer_gives(name, specbench_prompts):
+    """An embedded model's tokenizer reads its folder with the tokenizers library alone (far less
+    memory than transformers' Gemma tokenizer, no AutoTokenizer start-up): it must give the same
+    ids, text, chat prompt, end ids and prompt prefix as AutoTokenizer on the same folder."""
     from transformers import AutoTokenizer
 
-    from decodekit.models.loading import resolve_model_folder
-    from decodekit.models.tokenizer import HFTokenizer
+    from decodekit.models.loading import embedded_gguf, resolve_model_folder
+    from decodekit.models.tokenizer import FileTokenizer, file_tokenizer
 
-    folder = resolve_model_folder(None)
-    ours, auto = HFTokenizer(folder), AutoTokenizer.from_pretrained(folder)
-    assert type(ours.hf) is type(auto)
-    texts = [*specbench_prompts[:20], "naïve café — 東京 🦊\n\ttabs  and  spaces", "<|im_start|>user\nhi<|im_end|>", ""]
+    if embedded_gguf(name) is None:
+        pytest.skip(f"embedded model {name} is not installed")
+    folder = resolve_model_folder(name)
+    ours, auto = file_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert isinstance(ours, FileTokenizer)
+    turn = "<|im_start|>user\nhi<|im_end|>" if name.startswith("smollm2") else "<start_of_turn>user\nhi<end_of_turn>"
+    texts = [*specbench_prompts, "naïve café — 東京 🦊\n\ttabs  and  spaces", turn, "", "  lead", "\x00\x01 bytes"]
     for text in texts:
         ids = auto.encode(text, add_special_tokens=False)
         assert ours.encode(text) == ids
         assert ours.decode(ids) == auto.decode(ids, skip_special_tokens=True)
-        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
-        assert ours.chat_prompt(chat) == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    assert ours.eos_token_ids == {auto.eos_token_id, auto.convert_tokens_to_ids("<|im_end|>")}
+        assert ours.decode(auto.encode(text)) == auto.decode(auto.encode(text), skip_special_tokens=True)
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text, "name": None}]
+        if auto.chat_template:
+            assert ours.chat_prompt(chat) == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        else:
+            assert ours.chat_prompt(chat) is None
+    marked = auto.encode("a")
+    assert list(ours.prompt_prefix) == marked[: marked.index(auto.encode("a", add_special_tokens=False)[0])]
+    ends = {auto.eos_token_id} | {auto.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>")}
+    assert ours.eos_token_ids == ends - {None, auto.unk_token_id}

@@ -7,9 +7,12 @@ from dataclasses import dataclass
 import torch
 
 from .backend import Backend, ModelInfo, StepOutput
-from .loading import DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, model_gguf, parse_dtype, resolve_model_folder
+from .loading import (
+    DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, model_gguf, parse_dtype, resolve_model_folder,
+)
 from .kv_policy import KVPolicy, parse_kv_cache
-from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+from .memory import return_freed_memory
+from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer, file_tokenizer
 
 
 @dataclass
@@ -39,13 +42,21 @@ def load_model(
     computing in ``numerics`` (``exact`` or ``fast``, see :data:`.native.NUMERICS`), keeping the
     keys and values ``kv_cache`` says (:mod:`.kv_policy`: ``full``, ``sink:S,window:W``, ...)."""
     policy = parse_kv_cache(kv_cache)  # a bad spelling fails before any loading
-    folder = resolve_model_folder(model)
-    return LoadedModel(
-        backend=build_backend(folder, backend=backend, dtype=parse_dtype(dtype), gguf=model_gguf(model), numerics=numerics,
-                              kv_cache=policy),
-        tokenizer=HFTokenizer(folder),
-        name=model or DEFAULT_MODEL,
-    )
+    folder, gguf = resolve_model_folder(model), model_gguf(model)
+
+    def weights() -> Backend:
+        return build_backend(folder, backend=backend, dtype=parse_dtype(dtype), gguf=gguf, numerics=numerics,
+                             kv_cache=policy)
+
+    if gguf is None:  # a Hugging Face folder: its config and weights are checked first, each with its own message
+        loaded = weights()
+        return LoadedModel(backend=loaded, tokenizer=HFTokenizer(folder), name=model or DEFAULT_MODEL)
+    # A folder decodekit wrote from the GGUF file: the tokenizer first. Parsing a big one (Gemma's
+    # 262k tokens) frees most of what it takes, which goes back to the system before the weights
+    # arrive, so the two peaks do not add up.
+    tokenizer = file_tokenizer(folder)
+    return_freed_memory()
+    return LoadedModel(backend=weights(), tokenizer=tokenizer, name=model or DEFAULT_MODEL)
 
 
 __all__ = [

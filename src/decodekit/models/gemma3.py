@@ -36,7 +36,7 @@ from ..errors import InvalidParameter
 from .kv_policy import KVPolicy
 from .kernels import LAYER_NORMS, decoder_layers
 from .native import (
-    LlamaConfig, LlamaWeights, NativeLlama, SplitProjection, read_rows, rms_norm, rope_row_order, rope_tables,
+    LlamaConfig, LlamaWeights, NativeLlama, RopeTable, SplitProjection, read_rows, rms_norm, rope_row_order,
 )
 
 
@@ -128,8 +128,10 @@ class NativeGemma3(NativeLlama):
 
     def __init__(self, config: Gemma3Config, state, *, kv_cache: KVPolicy | str | None = None, **kwargs):
         # the local layers' rotary table first: building the layers' kernel path reads it
-        self._local_freqs, self._local_pairs = rope_tables(config.local_rope_theta, config.head_dim, config.max_position)
+        local = RopeTable(config.local_rope_theta, config.head_dim, config.max_position)
+        self._local_freqs, self._local_pairs = local.angles, local.pairs
         super().__init__(config, state, kv_cache=kv_cache, **kwargs)
+        self._ropes.append(local)
         self.info = dataclasses.replace(self.info, architecture=self.info.architecture.replace("native-llama", "native-gemma3"))
 
     def _use_policy(self, policy: KVPolicy) -> None:

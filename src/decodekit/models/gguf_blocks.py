@@ -233,11 +233,38 @@ class SavedBlocks(Mapping):
         with safe_open(str(self._path), "pt") as saved:
             return BlockMatrix(kind, saved.get_tensor(name), int(n_in))
 
+    def rows(self, name: str, start: int, stop: int) -> BlockMatrix:
+        """Rows ``start..stop`` of matrix ``name``, read from the file alone (not the whole matrix)."""
+        from safetensors import safe_open
+
+        kind, n_in = self._stamps[name].split(":")
+        with safe_open(str(self._path), "pt") as saved:
+            return BlockMatrix(kind, saved.get_slice(name)[start:stop].contiguous(), int(n_in))
+
+    def num_rows(self, name: str) -> int:
+        from safetensors import safe_open
+
+        with safe_open(str(self._path), "pt") as saved:
+            return saved.get_slice(name).get_shape()[0]
+
     def __iter__(self):
         return iter(self._names)
 
     def __len__(self) -> int:
         return len(self._names)
+
+
+def matrix_rows(blocks: Mapping[str, BlockMatrix], name: str, start: int, stop: int) -> BlockMatrix:
+    """Rows ``start..stop`` of matrix ``name``: read alone from a :class:`SavedBlocks` file (not the
+    whole matrix), or taken from a mapping that holds the matrices."""
+    if isinstance(blocks, SavedBlocks):
+        return blocks.rows(name, start, stop)
+    return blocks[name].take(torch.arange(start, stop))
+
+
+def matrix_height(blocks: Mapping[str, BlockMatrix], name: str) -> int:
+    """How many rows matrix ``name`` has (without reading it from a :class:`SavedBlocks` file)."""
+    return blocks.num_rows(name) if isinstance(blocks, SavedBlocks) else blocks[name].shape[0]
 
 
 def matching_blocks(parts: list[BlockMatrix | None], weight: torch.Tensor, row_orders: list) -> list[BlockMatrix] | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -20,8 +21,9 @@ import torch.nn.functional as F
 from ..errors import InvalidParameter
 from .backend import Backend, ModelInfo, StepOutput
 from .batching import PREFILL_CHUNK, PassBatcher
-from .gguf_blocks import BlockMatrix, matching_blocks
+from .gguf_blocks import BlockMatrix, matching_blocks, matrix_height, matrix_rows
 from .kv_policy import KVPolicy, parse_kv_cache, streaming_keep
+from .memory import return_freed_memory
 from .threads import GOVERNOR
 from .kernels import (
     INTEGER_GROUP, MAX_ROWS, DecoderLayers, KernelProjection, SequencePart, block_matmul, decoder_layers,
@@ -102,13 +104,37 @@ def interleave_rope_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
     return weight.view(heads, head_dim, *weight.shape[1:])[:, order].reshape(weight.shape)
 
 
-def rope_tables(theta: float, head_dim: int, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary angles for every position: complex ``[max_position, D / 2]``, and the same as float
-    (cos, sin) pairs ``[max_position, D]`` (what the kernels read)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-    freqs = torch.polar(torch.ones_like(angles), angles)
-    return freqs, torch.view_as_real(freqs).reshape(max_position, -1)
+ROPE_CHUNK = 1024  # positions whose angles are computed together, always in the same chunks
+
+
+class RopeTable:
+    """Rotary angles for positions ``0 .. max_position - 1``: ``angles``, complex ``[max_position,
+    D / 2]``, and the same memory as float (cos, sin) pairs, ``pairs`` ``[max_position, D]`` (what
+    the kernels read).
+
+    The table is allocated whole but computed only as far as a sequence reaches (:meth:`reach`,
+    which every pass calls first), in fixed chunks of :data:`ROPE_CHUNK` positions, so a position's
+    angles never depend on which were asked for before: memory never written costs nothing, and a
+    model with a long context (Gemma 3: 32,768 positions, 32 MB a table) pays for what it uses."""
+
+    def __init__(self, theta: float, head_dim: int, max_position: int):
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.angles = torch.empty(max_position, head_dim // 2, dtype=torch.complex64)
+        self.pairs = torch.view_as_real(self.angles).reshape(max_position, -1)
+        self.filled = 0  # positions below this have their angles
+        self._lock = threading.Lock()  # requests of a server share the table
+
+    def reach(self, end: int) -> None:
+        """Compute the angles of every position below ``end`` (at most ``max_position``)."""
+        if end <= self.filled:
+            return
+        with self._lock:
+            last = min(-(-end // ROPE_CHUNK) * ROPE_CHUNK, self.angles.shape[0])
+            for start in range(self.filled, last, ROPE_CHUNK):
+                stop = min(start + ROPE_CHUNK, last)
+                angles = torch.outer(torch.arange(start, stop, dtype=torch.float32), self.inv_freq)
+                self.angles[start:stop] = torch.polar(torch.ones_like(angles), angles)
+            self.filled = max(self.filled, last)
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -181,7 +207,7 @@ class Projection:
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks: BlockMatrix | None = None,
-        numerics: str = "exact", blocks_only: bool = False,
+        numerics: str = "exact", blocks_only: bool = False, packed: torch.Tensor | None = None,
     ):
         self.weight = weight
         self.bias = bias
@@ -189,7 +215,7 @@ class Projection:
         self.on_blocks = False  # whether the kernels stream GGUF blocks (the file's, or repacked)
         self._rows: Callable[[torch.Tensor], torch.Tensor] | None = None  # weight rows, where not self.weight's
         if numerics == "fast":
-            self._use_integer_kernel(blocks)
+            self._use_integer_kernel(blocks, packed)
             return
         self.few_rows = few_rows_matmul(weight.dtype)
         # what the few-row kernel is, as compiled code can call it (see kernels.KernelProjection)
@@ -211,11 +237,14 @@ class Projection:
                 raise ValueError("a projection without float32 weights needs a block kernel")
             self.any_rows = True
 
-    def _use_integer_kernel(self, blocks: BlockMatrix | None) -> None:
+    def _use_integer_kernel(self, blocks: BlockMatrix | None, packed: torch.Tensor | None) -> None:
+        """Run on ``blocks`` packed for the integer kernel (``packed``: already done)."""
         reason = fast_numerics_unavailable(blocks)
         if reason is not None:
             raise InvalidParameter(f"the fast numerics is unavailable: {reason}; use --numerics exact")
-        packed, kernel = pack_integer_blocks(blocks.kind, blocks.data, blocks.n_in), integer_block_matmul(blocks.kind)
+        if packed is None:
+            packed = pack_integer_blocks(blocks.kind, blocks.data, blocks.n_in)
+        kernel = integer_block_matmul(blocks.kind)
         kind, n_in = blocks.kind, blocks.n_in
         self.on_blocks, self.any_rows = True, True  # the file's blocks are not kept: the packed copy is what runs
         self.few_rows = lambda weight, x: kernel(packed, x, n_in)
@@ -306,7 +335,12 @@ class LlamaWeights:
             head_name = embed_name if tied else "lm_head.weight"
             self.lm_head = self._projection(self.embed if tied else get(head_name), [head_name])
         self.final_norm = get("model.norm.weight")
-        self.layers = [self._layer(config, f"model.layers.{i}.", get) for i in range(config.num_layers)]
+        self.layers = []
+        for i in range(config.num_layers):
+            # each check of blocks against float32 weights (the head's, then a layer's) leaves the
+            # heap with free pages: given back at once, they never add up to the load's peak
+            return_freed_memory()
+            self.layers.append(self._layer(config, f"model.layers.{i}.", get))
         self._blocks = None  # what projections did not take is not kept
 
     def _layer(self, config: LlamaConfig, p: str, get: Callable[[str], torch.Tensor]) -> dict:
@@ -346,17 +380,35 @@ class LlamaWeights:
         """The output head tied to the embedding table ``name``, on the table's blocks alone, when
         they reproduce its float32 rows exactly (checked a slice at a time: the float32 table, the
         largest tensor of a model with a big vocabulary, is never held whole). Its rows are then
-        the embedding lookups too. None where the blocks are missing or do not match."""
-        blocks = self._blocks.get(name) if self._blocks is not None else None
-        if blocks is None or block_matmul(blocks.kind) is None:
+        the embedding lookups too. None where the blocks are missing or do not match.
+
+        In the ``fast`` numerics each slice of blocks is read alone and packed once it matches, so
+        the head's file blocks (most of a big-vocabulary model's file) are never all in memory
+        beside their packed copy."""
+        if self._blocks is None or name not in self._blocks:
             return None
-        step = max(1, (1 << 22) // blocks.n_in)
-        for start in range(0, blocks.shape[0], step):
-            stop = min(start + step, blocks.shape[0])
-            if not torch.equal(blocks.take(torch.arange(start, stop)).dequantize(), read_rows(state, name, start, stop)):
+        first = matrix_rows(self._blocks, name, 0, 0)
+        if block_matmul(first.kind) is None:
+            return None
+        n_out, n_in = matrix_height(self._blocks, name), first.n_in
+        fast = self._numerics == "fast"
+        if fast:  # the matrix's kind and shape only; its packed copy is filled slice by slice
+            blocks = BlockMatrix(first.kind, torch.empty(n_out, first.data.shape[1], dtype=torch.uint8, device="meta"), n_in)
+        else:
+            blocks = self._blocks[name]
+        packed = None
+        if fast and fast_numerics_unavailable(blocks) is None:
+            packed = pack_integer_blocks(first.kind, first.data, n_in, rows=n_out)
+        step = max(INTEGER_GROUP, (1 << 22) // n_in // INTEGER_GROUP * INTEGER_GROUP)  # whole groups of packed rows
+        for start in range(0, n_out, step):
+            stop = min(start + step, n_out)
+            part = matrix_rows(self._blocks, name, start, stop) if fast else blocks.take(torch.arange(start, stop))
+            if not torch.equal(part.dequantize(), read_rows(state, name, start, stop)):
                 return None
-        shape = torch.empty(blocks.shape, dtype=torch.float32, device="meta")
-        return Projection(shape, None, blocks, self._numerics, blocks_only=True)
+            if packed is not None:
+                pack_integer_blocks(part.kind, part.data, n_in, into=packed, first_row=start)
+        shape = torch.empty(n_out, n_in, dtype=torch.float32, device="meta")
+        return Projection(shape, None, blocks, self._numerics, blocks_only=True, packed=packed)
 
     def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
         """The embedding rows of ``tokens`` (any shape): a fresh float tensor ``[*tokens.shape, D]``."""
@@ -429,7 +481,9 @@ class NativeLlama(Backend):
             dtype=dtype,
             architecture=native_architecture(dtype, uses_blocks, numerics),
         )
-        self._freqs, self._freqs_pairs = rope_tables(config.rope_theta, config.head_dim, config.max_position)
+        self._rope = RopeTable(config.rope_theta, config.head_dim, config.max_position)
+        self._ropes = [self._rope]  # every table a pass reads (Gemma adds its local layers')
+        self._freqs, self._freqs_pairs = self._rope.angles, self._rope.pairs
         self._initial_capacity = initial_capacity
         self._attend = layout_independent_attention(dtype, config.head_dim)
         self._ops = layer_ops(dtype, config.hidden_size, config.intermediate_size)
@@ -724,11 +778,14 @@ class NativeLlama(Backend):
         return self._slots, self._slots if self.kv_policy.reassigns_positions else self._length
 
     def _check_positions(self, end: int) -> None:
-        """Positions below ``end`` must have rotary angles: a cache that evicts but keeps positions
-        (H2O, SnapKV) is as bound by the context window as the full cache."""
+        """Positions below ``end`` must have rotary angles (computed here, where they are not yet): a
+        cache that evicts but keeps positions (H2O, SnapKV) is as bound by the context window as
+        the full cache."""
         if end > self.config.max_position:
             hint = "" if self.kv_policy.reassigns_positions else "; a sink:S,window:W cache runs past it"
             raise ValueError(f"sequence of {end} tokens exceeds the model's context of {self.config.max_position}{hint}")
+        for table in self._ropes:
+            table.reach(end)
 
     def _make_room(self, incoming: int) -> None:
         if self.kv_policy.compact_before(self._slots, incoming):

@@ -36,37 +36,24 @@ class Tokenizer:
         raise NotImplementedError(f"{type(self).__name__} has no grammar tokenizer")
 
 
-def _load_hf_tokenizer(folder: Path):
-    """transformers' tokenizer for ``folder``, as ``AutoTokenizer`` makes it.
-
-    A Llama-family folder whose ``tokenizer_config.json`` names the generic ``TokenizersBackend``
-    (what decodekit writes for a GGUF file) gets that class directly: it is the class AutoTokenizer
-    picks for it, and going around AutoTokenizer skips importing transformers' model
-    configurations, about a second of every start (a test compares the two).
-    """
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        config, model_type = {}, None  # AutoTokenizer finds what is wrong and says it
-    if isinstance(config, dict) and config.get("tokenizer_class") == "TokenizersBackend" and model_type == "llama":
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-        return TokenizersBackend.from_pretrained(folder)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
+#: the named special tokens a chat template sees (transformers' SPECIAL_TOKENS_ATTRIBUTES)
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+#: tokens that end a chat turn where the configured end of sequence may be another
+TURN_ENDS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>")
 
 
 class HFTokenizer(Tokenizer):
+    """A Hugging Face tokenizer folder, as transformers' ``AutoTokenizer`` reads it."""
+
     def __init__(self, folder: Path | str):
+        from transformers import AutoTokenizer
+
         try:
-            self.hf = _load_hf_tokenizer(Path(folder))
+            self.hf = AutoTokenizer.from_pretrained(folder)
         except Exception as err:  # tokenizers raises plain Exception for a damaged tokenizer.json
             raise InvalidModel.because(folder, "has no usable tokenizer", err) from err
         eos = {self.hf.eos_token_id} if self.hf.eos_token_id is not None else set()
-        # Chat models end turns with a template token that may differ from the configured EOS.
-        for token in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>"):
+        for token in TURN_ENDS:
             tid = self.hf.convert_tokens_to_ids(token)
             if isinstance(tid, int) and tid != self.hf.unk_token_id and tid is not None:
                 eos.add(tid)
@@ -90,6 +77,86 @@ class HFTokenizer(Tokenizer):
         if not getattr(self.hf, "chat_template", None):
             return None
         return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+class FileTokenizer(Tokenizer):
+    """A tokenizer folder that decodekit wrote from a GGUF file (its ``tokenizer.json``, its
+    ``tokenizer_config.json`` and chat template), read with the ``tokenizers`` library alone.
+
+    It gives the ids, text and chat prompts ``AutoTokenizer`` gives on the same folder (tests
+    compare them on both embedded models), with the chat template rendered by transformers' own
+    renderer, for much less: transformers' Gemma tokenizer rebuilds its 262k-token vocabulary in
+    Python (a peak of about 580 MB and 275 MB kept, against 360 and 100 MB here), and
+    ``AutoTokenizer`` imports the model configurations (about a second of every start).
+    :func:`file_tokenizer` says where it applies.
+    """
+
+    def __init__(self, folder: Path, config: dict):
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self._rust = RustTokenizer.from_file(str(folder / "tokenizer.json"))
+        self._special = {name: _token_text(config[name]) for name in SPECIAL_TOKEN_NAMES if config.get(name) is not None}
+        template = folder / "chat_template.jinja"
+        self._template = template.read_text(encoding="utf-8") if template.exists() else config.get("chat_template")
+        eos = {self._id("eos_token")}
+        # as HFTokenizer does (AutoTokenizer cannot tell the unknown token from one it does not know)
+        eos |= {self._rust.token_to_id(token) for token in TURN_ENDS} - {self._id("unk_token")}
+        self.eos_token_ids = frozenset(eos - {None})
+        marked, plain = self._rust.encode("a").ids, self._rust.encode("a", add_special_tokens=False).ids
+        self.prompt_prefix = tuple(marked[: marked.index(plain[0])]) if plain and plain[0] in marked else ()
+
+    def _id(self, name: str) -> int | None:
+        return self._rust.token_to_id(self._special[name]) if name in self._special else None
+
+    def encode(self, text: str) -> list[int]:
+        return self._rust.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._rust.decode(list(ids), skip_special_tokens=True)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str | None:
+        if not self._template:
+            return None
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        # as apply_chat_template does: keys whose value is None are left out, special tokens are variables
+        chat = [{key: value for key, value in message.items() if value is not None} for message in messages]
+        rendered, _ = render_jinja_template(conversations=[chat], chat_template=self._template,
+                                            add_generation_prompt=True, **self._special)
+        return rendered[0]
+
+    def _make_grammar_tokenizer(self):
+        from llguidance import LLTokenizer
+        from tokenizers import Tokenizer as RustTokenizer
+
+        copy = RustTokenizer.from_str(self._rust.to_str())  # as llguidance.hf does: no padding, no truncation
+        copy.no_padding()
+        copy.no_truncation()
+        return LLTokenizer(copy.to_str(), eos_token=sorted(self.eos_token_ids))
+
+
+def _token_text(token) -> str:
+    """A special token of ``tokenizer_config.json``: a string, or an added token's fields."""
+    return token["content"] if isinstance(token, dict) else str(token)
+
+
+def file_tokenizer(folder: Path | str) -> Tokenizer:
+    """The tokenizer of a folder decodekit wrote from a GGUF file: a :class:`FileTokenizer` where
+    AutoTokenizer would read the same ``tokenizer.json`` through the generic backend or Gemma's
+    (the classes transformers writes for the GGUF files decodekit converts), else :class:`HFTokenizer`."""
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        usable = (isinstance(config, dict) and config.get("tokenizer_class") in ("TokenizersBackend", "GemmaTokenizer")
+                  and not config.get("clean_up_tokenization_spaces") and (folder / "tokenizer.json").is_file())
+    except (OSError, ValueError):
+        usable = False  # HFTokenizer says what is wrong
+    if usable:
+        try:
+            return FileTokenizer(folder, config)
+        except Exception as err:  # tokenizers raises plain Exception for a damaged tokenizer.json
+            raise InvalidModel.because(folder, "has no usable tokenizer", err) from err
+    return HFTokenizer(folder)
 
 
 class CharTokenizer(Tokenizer):
