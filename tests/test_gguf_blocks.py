@@ -333,8 +333,8 @@ def test_a_matrix_packed_slice_by_slice_is_the_matrix_packed_whole():
     bytes as packing it whole; a slice that does not start on a group of 16 rows is refused."""
     blocks = BlockMatrix.random(64, 256, "q8_0", torch.Generator().manual_seed(4))
     whole = kernels.pack_integer_blocks("q8_0", blocks.data, 256)
-    sliced = kernels.pack_integer_blocks("q8_0", blocks.data[:16].contiguous(), 256, rows=64)
-    for start, stop in ((16, 48), (48, 64)):
+    sliced = kernels.empty_packed("q8_0", 64, 256)
+    for start, stop in ((0, 16), (16, 48), (48, 64)):
         kernels.pack_integer_blocks("q8_0", blocks.data[start:stop].contiguous(), 256, into=sliced, first_row=start)
     assert torch.equal(sliced, whole)
     with pytest.raises(ValueError, match="do not fit"):
@@ -342,13 +342,17 @@ def test_a_matrix_packed_slice_by_slice_is_the_matrix_packed_whole():
 
 
 @needs_vnni
-def test_a_fast_head_read_slice_by_slice_from_the_saved_blocks_decodes_as_one_held_whole(tmp_path):
-    """The `fast` tied head reads its blocks from the saved file a slice at a time: the model
-    decodes bit for bit as one built from blocks held in memory."""
+def test_a_fast_head_read_slice_by_slice_from_the_saved_blocks_decodes_as_one_held_whole(tmp_path, monkeypatch):
+    """The `fast` tied head reads its blocks from the saved file a slice at a time (16 rows here,
+    six slices): the model decodes bit for bit as one built from blocks held in memory, and asking
+    whether the file has the head reads none of it."""
     from safetensors.torch import save_file
 
+    from decodekit.models import native
     from decodekit.models.gguf_blocks import SavedBlocks
     from decodekit.models.native import LlamaConfig
+
+    monkeypatch.setattr(native, "HEAD_SLICE_VALUES", 16 * 64)
 
     config = {**tiny_hf_config(hidden_size=64), "tie_word_embeddings": True}
     state = tiny_state_dict(config, seed=6)
@@ -360,8 +364,13 @@ def test_a_fast_head_read_slice_by_slice_from_the_saved_blocks_decodes_as_one_he
             state[name] = blocks[name].dequantize()
     path = tmp_path / BLOCKS_FILE
     save_file({n: b.data for n, b in blocks.items()}, str(path), metadata={n: f"{b.kind}:{b.n_in}" for n, b in blocks.items()})
+    saved = SavedBlocks(path)
+    monkeypatch.setattr(SavedBlocks, "__getitem__", lambda self, name: pytest.fail(f"{name} read whole"))
+    assert "model.embed_tokens.weight" in saved and "nothing" not in saved
+    monkeypatch.undo()
+    monkeypatch.setattr(native, "HEAD_SLICE_VALUES", 16 * 64)
     llama = LlamaConfig.from_hf(config)
-    held, read = (NativeLlama(llama, state, gguf_blocks=source, numerics="fast") for source in (blocks, SavedBlocks(path)))
+    held, read = (NativeLlama(llama, state, gguf_blocks=source, numerics="fast") for source in (blocks, saved))
     assert held.weights.embed is None and read.weights.embed is None
     ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(2))
     assert torch.equal(held.append(ids).logits, read.append(ids).logits)

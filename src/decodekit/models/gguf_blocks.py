@@ -229,23 +229,32 @@ class SavedBlocks(Mapping):
 
         if name not in self._stamps:
             raise KeyError(name)
-        kind, n_in = self._stamps[name].split(":")
+        kind, n_in = self.stamp(name)
         with safe_open(str(self._path), "pt") as saved:
-            return BlockMatrix(kind, saved.get_tensor(name), int(n_in))
+            return BlockMatrix(kind, saved.get_tensor(name), n_in)
+
+    def stamp(self, name: str) -> tuple[str, int]:
+        """Matrix ``name``'s block type and width (its number of input weights)."""
+        kind, n_in = self._stamps[name].split(":")
+        return kind, int(n_in)
 
     def rows(self, name: str, start: int, stop: int) -> BlockMatrix:
         """Rows ``start..stop`` of matrix ``name``, read from the file alone (not the whole matrix)."""
         from safetensors import safe_open
 
-        kind, n_in = self._stamps[name].split(":")
+        kind, n_in = self.stamp(name)
         with safe_open(str(self._path), "pt") as saved:
-            return BlockMatrix(kind, saved.get_slice(name)[start:stop].contiguous(), int(n_in))
+            return BlockMatrix(kind, saved.get_slice(name)[start:stop].contiguous(), n_in)
 
     def num_rows(self, name: str) -> int:
+        """How many rows matrix ``name`` has, read from the file's header."""
         from safetensors import safe_open
 
         with safe_open(str(self._path), "pt") as saved:
             return saved.get_slice(name).get_shape()[0]
+
+    def __contains__(self, name: object) -> bool:  # without reading the matrix (Mapping's would)
+        return name in self._stamps
 
     def __iter__(self):
         return iter(self._names)
@@ -262,9 +271,12 @@ def matrix_rows(blocks: Mapping[str, BlockMatrix], name: str, start: int, stop: 
     return blocks[name].take(torch.arange(start, stop))
 
 
-def matrix_height(blocks: Mapping[str, BlockMatrix], name: str) -> int:
-    """How many rows matrix ``name`` has (without reading it from a :class:`SavedBlocks` file)."""
-    return blocks.num_rows(name) if isinstance(blocks, SavedBlocks) else blocks[name].shape[0]
+def matrix_shape(blocks: Mapping[str, BlockMatrix], name: str) -> tuple[str, int, int]:
+    """Matrix ``name``'s block type, width and height, without reading it from a :class:`SavedBlocks` file."""
+    if isinstance(blocks, SavedBlocks):
+        return blocks.stamp(name) + (blocks.num_rows(name),)
+    matrix = blocks[name]
+    return matrix.kind, matrix.n_in, matrix.shape[0]
 
 
 def matching_blocks(parts: list[BlockMatrix | None], weight: torch.Tensor, row_orders: list) -> list[BlockMatrix] | None:

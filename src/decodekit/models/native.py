@@ -21,14 +21,14 @@ import torch.nn.functional as F
 from ..errors import InvalidParameter
 from .backend import Backend, ModelInfo, StepOutput
 from .batching import PREFILL_CHUNK, PassBatcher
-from .gguf_blocks import BlockMatrix, matching_blocks, matrix_height, matrix_rows
+from .gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, BlockMatrix, matching_blocks, matrix_rows, matrix_shape
 from .kv_policy import KVPolicy, parse_kv_cache, streaming_keep
 from .memory import return_freed_memory
 from .threads import GOVERNOR
 from .kernels import (
     INTEGER_GROUP, MAX_ROWS, DecoderLayers, KernelProjection, SequencePart, block_matmul, decoder_layers,
     few_rows_matmul, int8_cache_kernels, integer_block_matmul, integer_block_rows, layer_ops,
-    layout_independent_attention, pack_integer_blocks, quantise_int8_rows,
+    empty_packed, layout_independent_attention, pack_integer_blocks, quantise_int8_rows,
 )
 
 #: ``ModelInfo.max_length`` under a policy that re-assigns positions within the cache (StreamingLLM):
@@ -105,6 +105,8 @@ def interleave_rope_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 ROPE_CHUNK = 1024  # positions whose angles are computed together, always in the same chunks
+#: weights of a tied head checked (and, in the fast numerics, read and packed) at a time
+HEAD_SLICE_VALUES = 1 << 22
 
 
 class RopeTable:
@@ -378,35 +380,37 @@ class LlamaWeights:
 
     def _head_on_blocks(self, state: Mapping[str, torch.Tensor], name: str) -> "Projection | None":
         """The output head tied to the embedding table ``name``, on the table's blocks alone, when
-        they reproduce its float32 rows exactly (checked a slice at a time: the float32 table, the
-        largest tensor of a model with a big vocabulary, is never held whole). Its rows are then
-        the embedding lookups too. None where the blocks are missing or do not match.
+        they reproduce its float32 rows exactly (checked :data:`HEAD_SLICE_VALUES` weights at a
+        time: the float32 table, the largest tensor of a model with a big vocabulary, is never held
+        whole). Its rows are then the embedding lookups too. None where the blocks are missing or
+        do not match.
 
         In the ``fast`` numerics each slice of blocks is read alone and packed once it matches, so
         the head's file blocks (most of a big-vocabulary model's file) are never all in memory
         beside their packed copy."""
         if self._blocks is None or name not in self._blocks:
             return None
-        first = matrix_rows(self._blocks, name, 0, 0)
-        if block_matmul(first.kind) is None:
+        kind, n_in, n_out = matrix_shape(self._blocks, name)
+        if block_matmul(kind) is None:
             return None
-        n_out, n_in = matrix_height(self._blocks, name), first.n_in
         fast = self._numerics == "fast"
-        if fast:  # the matrix's kind and shape only; its packed copy is filled slice by slice
-            blocks = BlockMatrix(first.kind, torch.empty(n_out, first.data.shape[1], dtype=torch.uint8, device="meta"), n_in)
+        if fast:  # the matrix's kind and shape only: its packed copy is filled slice by slice
+            blocks = BlockMatrix(kind, torch.empty(n_out, n_in // BLOCK_WEIGHTS[kind] * BLOCK_BYTES[kind],
+                                                   dtype=torch.uint8, device="meta"), n_in)
+            reason = fast_numerics_unavailable(blocks)
+            if reason is not None:
+                raise InvalidParameter(f"the fast numerics is unavailable: {reason}; use --numerics exact")
+            packed = empty_packed(kind, n_out, n_in)
         else:
-            blocks = self._blocks[name]
-        packed = None
-        if fast and fast_numerics_unavailable(blocks) is None:
-            packed = pack_integer_blocks(first.kind, first.data, n_in, rows=n_out)
-        step = max(INTEGER_GROUP, (1 << 22) // n_in // INTEGER_GROUP * INTEGER_GROUP)  # whole groups of packed rows
+            blocks, packed = self._blocks[name], None
+        step = max(INTEGER_GROUP, HEAD_SLICE_VALUES // n_in // INTEGER_GROUP * INTEGER_GROUP)  # whole groups of rows
         for start in range(0, n_out, step):
             stop = min(start + step, n_out)
             part = matrix_rows(self._blocks, name, start, stop) if fast else blocks.take(torch.arange(start, stop))
             if not torch.equal(part.dequantize(), read_rows(state, name, start, stop)):
                 return None
             if packed is not None:
-                pack_integer_blocks(part.kind, part.data, n_in, into=packed, first_row=start)
+                pack_integer_blocks(kind, part.data, n_in, into=packed, first_row=start)
         shape = torch.empty(n_out, n_in, dtype=torch.float32, device="meta")
         return Projection(shape, None, blocks, self._numerics, blocks_only=True, packed=packed)
 
@@ -826,6 +830,8 @@ class NativeLlama(Backend):
         """Rotate the keys of slots ``0..n`` back by the distance each moved (a RoPE rotation by
         position composes: this places each at its new slot's position)."""
         keys = self._k[:, :, :, :n]
+        if moved_by.numel():  # the angles of distances no pass of this model has reached (an adopted cache's)
+            self._rope.reach(int(moved_by.max()) + 1)
         pairs = torch.view_as_complex(keys.float().reshape(*keys.shape[:-1], -1, 2).contiguous())
         rotated = torch.view_as_real(pairs * self._freqs[moved_by].conj()).flatten(-2)
         keys.copy_(rotated.to(keys.dtype))

@@ -91,13 +91,16 @@ class FileTokenizer(Tokenizer):
     :func:`file_tokenizer` says where it applies.
     """
 
-    def __init__(self, folder: Path, config: dict):
-        from tokenizers import Tokenizer as RustTokenizer
-
-        self._rust = RustTokenizer.from_file(str(folder / "tokenizer.json"))
+    def __init__(self, rust, config: dict, template: str | None):
+        self._rust = rust
+        self._rust.no_padding()  # AutoTokenizer's encode pads and truncates only when asked to
+        self._rust.no_truncation()
         self._special = {name: _token_text(config[name]) for name in SPECIAL_TOKEN_NAMES if config.get(name) is not None}
-        template = folder / "chat_template.jinja"
-        self._template = template.read_text(encoding="utf-8") if template.exists() else config.get("chat_template")
+        self._template = template
+        if template:  # imported now, not in the first request
+            from transformers.utils.chat_template_utils import render_jinja_template
+
+            self._render = render_jinja_template
         eos = {self._id("eos_token")}
         # as HFTokenizer does (AutoTokenizer cannot tell the unknown token from one it does not know)
         eos |= {self._rust.token_to_id(token) for token in TURN_ENDS} - {self._id("unk_token")}
@@ -117,22 +120,18 @@ class FileTokenizer(Tokenizer):
     def chat_prompt(self, messages: list[dict[str, str]]) -> str | None:
         if not self._template:
             return None
-        from transformers.utils.chat_template_utils import render_jinja_template
-
+        if not messages:
+            raise ValueError("a chat needs at least one message")  # as apply_chat_template says
         # as apply_chat_template does: keys whose value is None are left out, special tokens are variables
         chat = [{key: value for key, value in message.items() if value is not None} for message in messages]
-        rendered, _ = render_jinja_template(conversations=[chat], chat_template=self._template,
-                                            add_generation_prompt=True, **self._special)
+        rendered, _ = self._render(conversations=[chat], chat_template=self._template, add_generation_prompt=True,
+                                   **self._special)
         return rendered[0]
 
     def _make_grammar_tokenizer(self):
         from llguidance import LLTokenizer
-        from tokenizers import Tokenizer as RustTokenizer
 
-        copy = RustTokenizer.from_str(self._rust.to_str())  # as llguidance.hf does: no padding, no truncation
-        copy.no_padding()
-        copy.no_truncation()
-        return LLTokenizer(copy.to_str(), eos_token=sorted(self.eos_token_ids))
+        return LLTokenizer(self._rust.to_str(), eos_token=sorted(self.eos_token_ids))
 
 
 def _token_text(token) -> str:
@@ -140,23 +139,52 @@ def _token_text(token) -> str:
     return token["content"] if isinstance(token, dict) else str(token)
 
 
+#: what the tokenizer configs decodekit writes hold; a key beyond these (``add_bos_token``,
+#: ``split_special_tokens``, ...) changes what AutoTokenizer does, so such a folder goes to it
+FILE_CONFIG_KEYS = frozenset({"backend", "tokenizer_class", "is_local", "local_files_only", "model_max_length",
+                              "clean_up_tokenization_spaces", "chat_template", *SPECIAL_TOKEN_NAMES})
+
+
+def _gemma_pipeline(rust) -> bool:
+    """Whether ``tokenizer.json`` has the pipeline transformers' ``GemmaTokenizer`` builds around its
+    vocabulary and merges (it keeps only those, and the post-processor, from the file)."""
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
+    want = (normalizers.Replace(" ", "▁"), pre_tokenizers.Split(" ", "merged_with_previous", invert=False),
+            decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]))
+    have = (rust.normalizer, rust.pre_tokenizer, rust.decoder)
+    model = rust.model
+    return (all(h is not None and h.__getstate__() == w.__getstate__() for h, w in zip(have, want))
+            and type(model).__name__ == "BPE" and model.byte_fallback and model.fuse_unk and not model.dropout)
+
+
 def file_tokenizer(folder: Path | str) -> Tokenizer:
     """The tokenizer of a folder decodekit wrote from a GGUF file: a :class:`FileTokenizer` where
-    AutoTokenizer would read the same ``tokenizer.json`` through the generic backend or Gemma's
-    (the classes transformers writes for the GGUF files decodekit converts), else :class:`HFTokenizer`."""
+    AutoTokenizer would read the same ``tokenizer.json`` as it is, through the generic backend
+    or Gemma's (the classes transformers writes for the GGUF files decodekit converts) with no
+    setting that changes its behaviour; else :class:`HFTokenizer`."""
+    from tokenizers import Tokenizer as RustTokenizer
+
     folder = Path(folder)
     try:
         config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-        usable = (isinstance(config, dict) and config.get("tokenizer_class") in ("TokenizersBackend", "GemmaTokenizer")
-                  and not config.get("clean_up_tokenization_spaces") and (folder / "tokenizer.json").is_file())
-    except (OSError, ValueError):
-        usable = False  # HFTokenizer says what is wrong
-    if usable:
-        try:
-            return FileTokenizer(folder, config)
-        except Exception as err:  # tokenizers raises plain Exception for a damaged tokenizer.json
-            raise InvalidModel.because(folder, "has no usable tokenizer", err) from err
-    return HFTokenizer(folder)
+        template_file = folder / "chat_template.jinja"
+        template = template_file.read_text(encoding="utf-8") if template_file.exists() else config.get("chat_template")
+        plain = (isinstance(config, dict) and config.keys() <= FILE_CONFIG_KEYS
+                 and config.get("tokenizer_class") in ("TokenizersBackend", "GemmaTokenizer")
+                 and not config.get("clean_up_tokenization_spaces") and isinstance(template, (str, type(None)))
+                 and (folder / "tokenizer.json").is_file())
+    except (OSError, ValueError, AttributeError):
+        plain = False  # HFTokenizer says what is wrong
+    if not plain:
+        return HFTokenizer(folder)
+    try:
+        rust = RustTokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception as err:  # tokenizers raises plain Exception for a damaged tokenizer.json
+        raise InvalidModel.because(folder, "has no usable tokenizer", err) from err
+    if config["tokenizer_class"] == "GemmaTokenizer" and not _gemma_pipeline(rust):
+        return HFTokenizer(folder)
+    return FileTokenizer(rust, config, template)
 
 
 class CharTokenizer(Tokenizer):

@@ -222,24 +222,31 @@ def integer_block_matmul(kind: str) -> Callable[[torch.Tensor, torch.Tensor, int
                               lambda packed, x, n_in: _check_integer_operands(kind, packed, x, n_in, packed=True))
 
 
-def pack_integer_blocks(kind: str, blocks: torch.Tensor, n_in: int, *, rows: int | None = None,
-                        into: torch.Tensor | None = None, first_row: int = 0) -> torch.Tensor:
+def pack_integer_blocks(kind: str, blocks: torch.Tensor, n_in: int, *, into: torch.Tensor | None = None,
+                        first_row: int = 0) -> torch.Tensor:
     """GGUF ``kind`` blocks ``[out, in / block weights * block bytes]`` (``out`` a multiple of 16) in
     the integer kernel's layout: ``[out, packed bytes / out]`` (see ``gemm_q8.c``).
 
-    A matrix can be packed a slice at a time: ``rows`` makes the packed matrix that many rows tall
-    (packing the given blocks as its first rows), ``into`` packs them into such a matrix from row
-    ``first_row`` on (both multiples of 16: a group of rows is packed together)."""
+    A matrix can be packed a slice at a time: with ``into`` (from :func:`empty_packed`) the blocks
+    are its rows from ``first_row`` on (a multiple of 16: a group of rows is packed together)."""
     lib = _integer_library()
     if lib is None:
         raise RuntimeError("the integer kernel is unavailable on this machine")
     _check_integer_operands(kind, blocks, torch.zeros(1, n_in), n_in)
-    packed = into if into is not None else torch.empty(rows or blocks.shape[0], _packed_width(kind, n_in), dtype=torch.uint8)
-    if first_row % INTEGER_GROUP or first_row + blocks.shape[0] > packed.shape[0] or packed.shape[1] != _packed_width(kind, n_in):
-        raise ValueError(f"integer packing: rows {first_row}..{first_row + blocks.shape[0]} do not fit {tuple(packed.shape)}")
+    packed = empty_packed(kind, blocks.shape[0], n_in) if into is None else into
+    if (packed.dtype != torch.uint8 or not packed.is_contiguous() or packed.shape[1] != _packed_width(kind, n_in)
+            or first_row % INTEGER_GROUP or first_row + blocks.shape[0] > packed.shape[0]):
+        raise ValueError(f"integer packing: rows {first_row}..{first_row + blocks.shape[0]} do not fit "
+                         f"{tuple(packed.shape)} {packed.dtype}")
     if blocks.shape[0]:
         lib.decodekit_q8_pack(INTEGER_KINDS[kind], blocks.data_ptr(), packed[first_row].data_ptr(), blocks.shape[0], n_in)
     return packed
+
+
+def empty_packed(kind: str, rows: int, n_in: int) -> torch.Tensor:
+    """Room for a ``[rows, n_in]`` matrix of ``kind`` blocks in the integer kernel's layout, to be
+    filled by :func:`pack_integer_blocks` a slice at a time."""
+    return torch.empty(rows, _packed_width(kind, n_in), dtype=torch.uint8)
 
 
 def integer_block_rows(kind: str, packed: torch.Tensor, rows: torch.Tensor, n_in: int) -> torch.Tensor:

@@ -1,0 +1,81 @@
+"""The tokenizer of a GGUF model's folder, read with the tokenizers library alone (FileTokenizer),
+against transformers' AutoTokenizer on the same folder: a small folder made here, whose chat
+template uses the special tokens (the embedded models are compared in test_real_model.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from decodekit.models.tokenizer import FileTokenizer, HFTokenizer, file_tokenizer
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def tokenizer_folder(folder: Path, **config) -> Path:
+    """A byte-level BPE tokenizer with a BOS before every text, as transformers saves one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    rust = Tokenizer(models.BPE(unk_token="<unk>"))
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    rust.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "<unk>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    rust.train_from_iterator(["the cat sat on the mat", "a bird in the hand", "naïve café"] * 20, trainer)
+    rust.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", rust.token_to_id("<s>"))])
+    folder.mkdir(exist_ok=True)
+    rust.save(str(folder / "tokenizer.json"))
+    settings = {"tokenizer_class": "TokenizersBackend", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                "pad_token": "</s>", **config}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return folder
+
+
+def test_a_folders_tokenizer_gives_what_auto_tokenizer_gives(tmp_path):
+    from llguidance.hf import from_tokenizer
+    from transformers import AutoTokenizer
+
+    folder = tokenizer_folder(tmp_path / "tok")
+    ours, auto = file_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert isinstance(ours, FileTokenizer)
+    for text in ["the cat sat", "naïve café 🦊", "</s> inside <s>", "", "  two  spaces"]:
+        ids = auto.encode(text, add_special_tokens=False)
+        assert ours.encode(text) == ids
+        assert ours.decode(ids + [auto.eos_token_id]) == auto.decode(ids + [auto.eos_token_id], skip_special_tokens=True)
+        chat = [{"role": "user", "content": text}]
+        assert ours.chat_prompt(chat) == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert ours.chat_prompt([{"role": "user", "content": "hi"}]).startswith("<s>user: hi</s>")  # the variables reach it
+    assert list(ours.prompt_prefix) == [auto.bos_token_id]
+    assert ours.eos_token_ids == {auto.eos_token_id, auto.convert_tokens_to_ids("<|im_end|>")}
+    theirs = from_tokenizer(auto, eos_token=sorted(ours.eos_token_ids))
+    grammar = ours.grammar_tokenizer()
+    assert grammar.vocab_size == theirs.vocab_size and grammar.eos_tokens == theirs.eos_tokens
+    assert grammar.tokenize_str("the mat") == theirs.tokenize_str("the mat")
+    with pytest.raises(ValueError, match="at least one message"):
+        ours.chat_prompt([])
+
+
+@pytest.mark.parametrize("config", [{"add_bos_token": False}, {"split_special_tokens": True},
+                                    {"tokenizer_class": "LlamaTokenizer"}, {"clean_up_tokenization_spaces": True}])
+def test_a_setting_that_changes_auto_tokenizer_sends_the_folder_to_it(tmp_path, config):
+    assert isinstance(file_tokenizer(tokenizer_folder(tmp_path / "tok", **config)), HFTokenizer)
+
+
+def test_a_gemma_folder_whose_pipeline_is_not_gemmas_goes_to_auto_tokenizer(tmp_path):
+    """transformers' GemmaTokenizer keeps the file's vocabulary but builds its own normaliser,
+    pre-tokeniser and decoder: a file with others is read as it would read it."""
+    assert isinstance(file_tokenizer(tokenizer_folder(tmp_path / "tok", tokenizer_class="GemmaTokenizer")), HFTokenizer)
+
+
+def test_a_damaged_tokenizer_file_is_one_clear_error(tmp_path):
+    from decodekit.errors import InvalidModel
+
+    folder = tokenizer_folder(tmp_path / "tok")
+    (folder / "tokenizer.json").write_text('{"model": ')
+    with pytest.raises(InvalidModel, match="has no usable tokenizer"):
+        file_tokenizer(folder)
