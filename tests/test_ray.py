@@ -48,7 +48,9 @@ def cluster():
 
 
 def worker_pids(task: str | None = None) -> list[int]:
-    """Processes of Ray actors running ``Host`` (``ray::Host`` idle, ``ray::Host.run`` during a unit)."""
+    """Processes of this test's Ray actors running ``Host`` (``ray::Host`` idle, ``ray::Host.run``
+    during a unit): descendants of this process, so another test run's cluster on the same machine
+    is never touched."""
     title = "ray::Host" + (f".{task}" if task else "")
     found = []
     for entry in Path("/proc").iterdir():
@@ -57,9 +59,24 @@ def worker_pids(task: str | None = None) -> list[int]:
                 args = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
             except OSError:
                 continue
-            if args == title:
+            if args == title and descends_from_this_process(int(entry.name)):
                 found.append(int(entry.name))
     return found
+
+
+def descends_from_this_process(pid: int) -> bool:
+    """Whether this process is among ``pid``'s ancestors (a private Ray instance's raylet, and so its
+    workers, are started under the driver)."""
+    me = os.getpid()
+    while pid > 1:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return False
+        pid = int(fields[1])  # the parent's pid (after the state field)
+        if pid == me:
+            return True
+    return False
 
 
 def kill_a_worker(busy_within: float = 0.5) -> int:
