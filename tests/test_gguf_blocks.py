@@ -127,21 +127,27 @@ def test_weights_no_kernel_reads_are_named_in_one_line_or_refused_when_they_do_n
         loading.check_unread_weights(tmp_path / "m.gguf", unread)
 
 
-@needs_kernel
-def test_a_tied_head_on_blocks_replaces_the_float32_embedding_bit_for_bit():
-    """Tied embeddings with blocks: no float32 table is kept; lookups read the head's blocks (in
-    the layout its kernel streams) and give the same logits, bit for bit, as the float32 table."""
+def tied_model_on_blocks(seed: int):
+    """A tiny Llama with tied embeddings whose float32 weights are its blocks dequantised (the
+    embedding table in Q8_0, the other matrices in Q4_1): its config, float32 state and blocks."""
     from decodekit.models.native import LlamaConfig
 
     config = {**tiny_hf_config(hidden_size=64), "tie_word_embeddings": True}
-    llama = LlamaConfig.from_hf(config)
-    state = tiny_state_dict(config, seed=5)
+    state = tiny_state_dict(config, seed=seed)
     state.pop("lm_head.weight")
     blocks = {}
     for name, weight in list(state.items()):
         if weight.dim() == 2:
             blocks[name] = BlockMatrix.quantize(weight, "q8_0" if "embed" in name else "q4_1")
             state[name] = blocks[name].dequantize()
+    return LlamaConfig.from_hf(config), state, blocks
+
+
+@needs_kernel
+def test_a_tied_head_on_blocks_replaces_the_float32_embedding_bit_for_bit():
+    """Tied embeddings with blocks: no float32 table is kept; lookups read the head's blocks (in
+    the layout its kernel streams) and give the same logits, bit for bit, as the float32 table."""
+    llama, state, blocks = tied_model_on_blocks(seed=5)
     plain, on_blocks = NativeLlama(llama, state), NativeLlama(llama, state, gguf_blocks=blocks)
     assert plain.weights.embed is not None and on_blocks.weights.embed is None
     ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -350,18 +356,8 @@ def test_a_fast_head_read_slice_by_slice_from_the_saved_blocks_decodes_as_one_he
 
     from decodekit.models import native
     from decodekit.models.gguf_blocks import SavedBlocks
-    from decodekit.models.native import LlamaConfig
 
-    monkeypatch.setattr(native, "HEAD_SLICE_VALUES", 16 * 64)
-
-    config = {**tiny_hf_config(hidden_size=64), "tie_word_embeddings": True}
-    state = tiny_state_dict(config, seed=6)
-    state.pop("lm_head.weight")
-    blocks = {}
-    for name, weight in list(state.items()):
-        if weight.dim() == 2:
-            blocks[name] = BlockMatrix.quantize(weight, "q8_0" if "embed" in name else "q4_1")
-            state[name] = blocks[name].dequantize()
+    llama, state, blocks = tied_model_on_blocks(seed=6)
     path = tmp_path / BLOCKS_FILE
     save_file({n: b.data for n, b in blocks.items()}, str(path), metadata={n: f"{b.kind}:{b.n_in}" for n, b in blocks.items()})
     saved = SavedBlocks(path)
@@ -369,7 +365,6 @@ def test_a_fast_head_read_slice_by_slice_from_the_saved_blocks_decodes_as_one_he
     assert "model.embed_tokens.weight" in saved and "nothing" not in saved
     monkeypatch.undo()
     monkeypatch.setattr(native, "HEAD_SLICE_VALUES", 16 * 64)
-    llama = LlamaConfig.from_hf(config)
     held, read = (NativeLlama(llama, state, gguf_blocks=source, numerics="fast") for source in (blocks, saved))
     assert held.weights.embed is None and read.weights.embed is None
     ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(2))
