@@ -7,9 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .backend import Backend, ModelInfo, StepOutput
-from .loading import (
-    DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, model_gguf, parse_dtype, resolve_model_folder,
-)
+from .loading import DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, model_gguf, parse_dtype, resolve_model_folder
 from .kv_policy import KVPolicy, parse_kv_cache
 from .memory import return_freed_memory
 from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer, file_tokenizer
