@@ -186,8 +186,10 @@ def test_run_against_fake_server(fake_server, tmp_path, capsys):
         assert lv["ttft_ms"]["p50"] <= lv["ttft_ms"]["p90"] <= lv["ttft_ms"]["p99"]
         stream_s = FIRST_SLEEP + CHUNK_SLEEP * (len(CONTENT) - 1)
         assert lv["e2e_ms"]["p50"] >= stream_s * 1e3
-        # the chunk sleeps after the first token, spread over USAGE_TOKENS - 1 later tokens
-        assert lv["tpot_ms"]["p50"] >= CHUNK_SLEEP * (len(CONTENT) - 1) / (USAGE_TOKENS - 1) * 1e3
+        # the time after the first token, spread over USAGE_TOKENS - 1 later tokens (never more than
+        # the whole request's: a lower bound from the server's sleeps fails when the client reads its
+        # first chunk late on a busy machine; Outcome.tpot_s's arithmetic is tested above)
+        assert 0 < lv["tpot_ms"]["p50"] <= lv["e2e_ms"]["p50"] / (USAGE_TOKENS - 1)
     assert sum(lv["wall_s"] for lv in result["levels"]) <= elapsed
     # three workers overlap requests: the level takes well under three times one request each
     assert result["levels"][1]["wall_s"] < result["levels"][0]["wall_s"]
