@@ -183,6 +183,13 @@ def fast_numerics_unavailable(blocks: "BlockMatrix | None") -> str | None:
     return None
 
 
+def require_fast_numerics(blocks: "BlockMatrix | None") -> None:
+    """Refuse, in one line, a projection that cannot run the ``fast`` numerics."""
+    reason = fast_numerics_unavailable(blocks)
+    if reason is not None:
+        raise InvalidParameter(f"the fast numerics is unavailable: {reason}; use --numerics exact")
+
+
 class Projection:
     """A linear layer, run through oneDNN's matmul where this torch build has it.
 
@@ -241,9 +248,7 @@ class Projection:
 
     def _use_integer_kernel(self, blocks: BlockMatrix | None, packed: torch.Tensor | None) -> None:
         """Run on ``blocks`` packed for the integer kernel (``packed``: already done)."""
-        reason = fast_numerics_unavailable(blocks)
-        if reason is not None:
-            raise InvalidParameter(f"the fast numerics is unavailable: {reason}; use --numerics exact")
+        require_fast_numerics(blocks)
         if packed is None:
             packed = pack_integer_blocks(blocks.kind, blocks.data, blocks.n_in)
         kernel = integer_block_matmul(blocks.kind)
@@ -397,9 +402,7 @@ class LlamaWeights:
         if fast:  # the matrix's kind and shape only: its packed copy is filled slice by slice
             blocks = BlockMatrix(kind, torch.empty(n_out, n_in // BLOCK_WEIGHTS[kind] * BLOCK_BYTES[kind],
                                                    dtype=torch.uint8, device="meta"), n_in)
-            reason = fast_numerics_unavailable(blocks)
-            if reason is not None:
-                raise InvalidParameter(f"the fast numerics is unavailable: {reason}; use --numerics exact")
+            require_fast_numerics(blocks)  # before any slice is read
             packed = empty_packed(kind, n_out, n_in)
         else:
             blocks, packed = self._blocks[name], None

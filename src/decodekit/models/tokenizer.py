@@ -36,6 +36,12 @@ class Tokenizer:
         raise NotImplementedError(f"{type(self).__name__} has no grammar tokenizer")
 
 
+def special_prefix(marked: list[int], plain: list[int]) -> tuple[int, ...]:
+    """What a tokenizer puts before a text's own ids: ``marked`` is a short text encoded with the
+    special tokens, ``plain`` without (it knows whether its model wants a BOS)."""
+    return tuple(marked[: marked.index(plain[0])]) if plain and plain[0] in marked else ()
+
+
 #: the named special tokens a chat template sees (transformers' SPECIAL_TOKENS_ATTRIBUTES)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 #: tokens that end a chat turn where the configured end of sequence may be another
@@ -58,9 +64,8 @@ class HFTokenizer(Tokenizer):
             if isinstance(tid, int) and tid != self.hf.unk_token_id and tid is not None:
                 eos.add(tid)
         self.eos_token_ids = frozenset(eos)
-        # the special tokens the tokenizer puts before a text (it knows whether its model wants a BOS)
         marked, plain = self.hf.encode("a"), self.hf.encode("a", add_special_tokens=False)
-        self.prompt_prefix = tuple(marked[: marked.index(plain[0])]) if plain and plain[0] in marked else ()
+        self.prompt_prefix = special_prefix(marked, plain)
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)
@@ -106,7 +111,7 @@ class FileTokenizer(Tokenizer):
         eos |= {self._rust.token_to_id(token) for token in TURN_ENDS} - {self._id("unk_token")}
         self.eos_token_ids = frozenset(eos - {None})
         marked, plain = self._rust.encode("a").ids, self._rust.encode("a", add_special_tokens=False).ids
-        self.prompt_prefix = tuple(marked[: marked.index(plain[0])]) if plain and plain[0] in marked else ()
+        self.prompt_prefix = special_prefix(marked, plain)
 
     def _id(self, name: str) -> int | None:
         return self._rust.token_to_id(self._special[name]) if name in self._special else None
