@@ -133,15 +133,25 @@ def test_a_cluster_that_cannot_be_joined_is_one_line(monkeypatch):
 
 
 class Doubler:
-    """Unit 0 is quick and the rest take ``delay``: when unit 0 returns, the other worker is mid-unit."""
+    """Unit 0 is quick and the rest take ``delay``: when unit 0 returns, the other worker is mid-unit.
 
-    def __init__(self, delay: float = 0.0):
-        self.delay = delay
+    With a ``gate`` folder, each worker leaves a file there when set up, and the slow units wait
+    (up to a minute) until ``setups`` workers have: so a replacement is sure to join before the
+    survivor could finish the queue alone, however long Ray takes to start it on a busy machine."""
+
+    def __init__(self, delay: float = 0.0, gate: Path | None = None, setups: int = 0):
+        self.delay, self.gate, self.setups = delay, gate, setups
+        if gate is not None:
+            (gate / f"setup-{os.getpid()}").touch()
 
     def describe(self):
         return {"kind": "doubler"}
 
     def run(self, unit):
+        deadline = time.monotonic() + 60
+        while unit and self.gate is not None and len(list(self.gate.iterdir())) < self.setups \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
         time.sleep(self.delay if unit else 0.01)
         return {"value": 2 * unit, "pid": os.getpid()}
 
@@ -175,8 +185,8 @@ def test_the_pool_runs_every_unit_once_on_both_workers(cluster):
     assert all(d["kind"] == "doubler" and d["threads"] == 1 for d in pool.descriptions)
 
 
-def test_a_worker_killed_mid_unit_is_replaced_and_its_unit_runs_again(cluster):
-    pool = Pool(cluster, functools.partial(Doubler, 0.5), PoolSettings(workers=2))
+def test_a_worker_killed_mid_unit_is_replaced_and_its_unit_runs_again(cluster, tmp_path):
+    pool = Pool(cluster, functools.partial(Doubler, 0.5, tmp_path, setups=3), PoolSettings(workers=2))
     arrivals: list[int] = []
     killed: list[int] = []
 
@@ -329,10 +339,13 @@ def test_a_bench_worker_killed_mid_run_leaves_every_question_done_once(cluster, 
     assert outputs(results["records"]) == outputs(local["records"])
     assert set(runs_of(results["records"]).values()) == {1} and len(results["records"]) == len(local["records"])
     lost = [m for m in results["machines"] if m["lost"]]
-    assert len(lost) == 1 and lost[0]["pid"] == killer.killed and len(results["machines"]) == 3
+    # The replacement is started at once, but whether its setup ends before the survivor finishes the
+    # queue alone depends on the machine's load; the pool's own test above makes sure it does.
+    workers = len(results["machines"])
+    assert len(lost) == 1 and lost[0]["pid"] == killer.killed and workers in (2, 3)
     ran = [tuple(q) for m in results["machines"] for q in m["questions"]]  # each question on one worker, once
     assert sorted(ran) == sorted((r, q) for (_, q, r) in runs_of(local["records"]) if _ == "greedy")
-    assert sum(n.startswith("ran on a Ray cluster: 3 workers (1 lost and replaced)") for n in results["notes"]) == 1
+    assert sum(n.startswith(f"ran on a Ray cluster: {workers} workers (1 lost and replaced)") for n in results["notes"]) == 1
     checkpoint = json.loads((tmp / "ray-killed" / "checkpoint.json").read_text())
     assert runs_of(checkpoint["records"]) == runs_of(local["records"])
 
