@@ -69,16 +69,27 @@ class FakeHandler(BaseHTTPRequestHandler):
             n = len(srv.posts)
             srv.in_flight += 1
             srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
+        ended = False
+
+        def end() -> None:
+            """The request leaves the count just before the last bytes the client waits for: with
+            them it may send its next request before this handler has returned."""
+            nonlocal ended
+            if not ended:
+                ended = True
+                with srv.lock:
+                    srv.in_flight -= 1
+
         try:
             if n % FAIL_EVERY == 0:
+                end()
                 self.send_json(503, {"error": {"message": "overloaded", "type": "server_error"}})
             else:
-                self.stream(srv.usage, srv.done)
+                self.stream(srv.usage, srv.done, end)
         finally:
-            with srv.lock:
-                srv.in_flight -= 1
+            end()
 
-    def stream(self, usage: bool, done: bool) -> None:
+    def stream(self, usage: bool, done: bool, end) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()  # HTTP/1.0: the body ends when the connection closes
@@ -99,6 +110,7 @@ class FakeHandler(BaseHTTPRequestHandler):
         if usage:
             event(None, usage={"prompt_tokens": 9, "completion_tokens": USAGE_TOKENS, "total_tokens": 9 + USAGE_TOKENS})
         if done:  # else the connection closes mid-answer, as when a server dies
+            end()
             self.wfile.write(b"data: [DONE]\n\n")
 
 
