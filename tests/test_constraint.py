@@ -56,10 +56,15 @@ def speculative_methods() -> list[str]:
     return sorted(n for n, s in available_methods().items() if s.family == "speculative")
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["masks-ahead", "masks-inline"])
 @pytest.mark.parametrize("method", speculative_methods())
-def test_speculation_under_a_constraint_is_constrained_plain_decoding(engine, method):
+def test_speculation_under_a_constraint_is_constrained_plain_decoding(engine, method, ahead, monkeypatch):
     """Each verified node is masked for its own path, so drafts the grammar refuses are never
-    accepted and the tokens are constrained greedy's (and constrained keyed sampling's)."""
+    accepted and the tokens are constrained greedy's (and constrained keyed sampling's); with the
+    masks computed ahead in the background (a core to spare) and without."""
+    from decodekit.samplers.constraint import ConstrainedTokens
+
+    monkeypatch.setattr(ConstrainedTokens, "looks_ahead", ahead)
     for constraint, valid in CASES:
         for prompt in ("hello hello hello", "abcabcabc"):
             want = engine.generate(prompt, max_new_tokens=40, chat=False, constraint=constraint).tokens
@@ -144,6 +149,75 @@ def test_the_mask_follows_each_rows_own_path():
     out = proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt)))
     allowed = [{tok.decode([i]) if i else "<eos>" for i in range(96) if out[r, i] > float("-inf")} for r in range(len(rows))]
     assert allowed == [{"a", "b"}, {"b", "c"}, {"d"}, {"<eos>"}, {"b", "c"}]
+
+
+class ThreadRecordingMatcher:
+    """An llguidance matcher that notes the thread of each mask it computes."""
+
+    def __init__(self, matcher):
+        self.matcher, self.threads = matcher, []
+
+    def compute_bitmask(self):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        return self.matcher.compute_bitmask()
+
+    def __getattr__(self, name):
+        return getattr(self.matcher, name)
+
+
+def test_masks_computed_ahead_are_each_rows_own_masks():
+    """Masks prepared in the background (while a forward pass would run) are the masks of the rows
+    given, and a call takes them for those rows, in any order, beside rows computed on the spot."""
+    tok = CharTokenizer(96)
+    prompt = tok.encode("zz")
+    rows = [prompt + tok.encode(t) for t in ("", "a", "b", "ab", "x", "ac")]  # "x": refused by the grammar
+    fresh = constraint_processor({"regex": "ab|ac|bd"}, tok, 96)
+    want = fresh(torch.zeros(len(rows), 96), Histories(rows, len(prompt)))
+    proc = constraint_processor({"regex": "ab|ac|bd"}, tok, 96)
+    proc.matcher = recorder = ThreadRecordingMatcher(proc.matcher)
+    proc.prepare([r[len(prompt):] for r in reversed(rows[1:])])  # not the root; another order
+    got = proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt)))
+    assert torch.equal(got, want)
+    assert recorder.threads.count("MainThread") == 1  # the root's, not prepared
+    background = [t for t in recorder.threads if t != "MainThread"]
+    assert len(background) == 4 and all(t.startswith("decodekit-mask") for t in background)  # "x" needs none
+    assert proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt))).equal(want)  # prepared masks serve one call
+    assert recorder.threads[5:] == ["MainThread"] * 5
+
+
+@pytest.mark.parametrize("method", ["greedy", "sample", "pld"])
+def test_decoding_with_masks_computed_ahead_is_decoding_without(engine, method, monkeypatch):
+    """The decode loops hand each pass's rows to the processor before the pass (all but the masks
+    right after prefill are computed ahead), and the tokens are those of masks computed on the spot."""
+    import threading
+
+    from decodekit.samplers.constraint import ConstrainedTokens
+
+    options = dict(max_new_tokens=40, chat=False, method=method) | ({"temperature": 0.9, "seed": 2} if method != "greedy" else {})
+    where: list[str] = []
+    bitmask = ConstrainedTokens._bitmask
+    monkeypatch.setattr(ConstrainedTokens, "_bitmask", lambda self: where.append(threading.current_thread().name) or bitmask(self))
+    monkeypatch.setattr(ConstrainedTokens, "looks_ahead", True)  # as with a core to spare
+    for constraint, valid in CASES:
+        ahead = [engine.generate(prompt, constraint=constraint, **options).tokens for prompt in ("hello", "abcabc")]
+        assert where.count("MainThread") <= 2 and len(where) > 8, where  # one after each prefill
+        with monkeypatch.context() as m:
+            m.setattr(ConstrainedTokens, "looks_ahead", False)
+            assert [engine.generate(prompt, constraint=constraint, **options).tokens for prompt in ("hello", "abcabc")] == ahead
+        where.clear()
+
+
+def test_masks_are_computed_ahead_only_with_a_core_to_spare(monkeypatch):
+    """Beside a pass that uses every core, a mask thread takes a core from it (measured slower)."""
+    from decodekit.samplers import constraint as constraint_module
+
+    proc = constraint_processor({"regex": "ab"}, CharTokenizer(96), 96)
+    threads = torch.get_num_threads()
+    for cores, ahead in ((threads, False), (threads + 1, True)):
+        monkeypatch.setattr(constraint_module, "usable_cores", lambda: cores)
+        assert proc.looks_ahead is ahead
 
 
 def test_bad_constraints_are_one_clear_line(engine):

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ClusterError, InvalidParameter
+from .models.threads import usable_cores
 
 INSTALL_HINT = "pip install 'decodekit[ray]'"
 LOCAL_OBJECT_STORE = 256 * 1024 * 1024  # results are small; Ray's default takes 30% of the memory
@@ -43,10 +44,6 @@ def import_ray():
     except ImportError:
         raise InvalidParameter(f"--ray needs Ray, which is not installed: {INSTALL_HINT}") from None
     return ray
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 @contextmanager

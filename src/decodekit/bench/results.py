@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidParameter
+from ..models.threads import usable_cores
 from .runner import RECORD_FIELDS
 
 SCHEMA = "decodekit-bench/1"
@@ -218,9 +219,8 @@ def code_version() -> str:
 def machine_info(*, model: str, dtype: str, numerics: str = "exact") -> dict[str, Any]:
     import torch
 
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
-        "cpu": cpu_model(), "logical_cores": os.cpu_count(), "usable_cores": usable, "memory_gb": memory_gb(),
+        "cpu": cpu_model(), "logical_cores": os.cpu_count(), "usable_cores": usable_cores(), "memory_gb": memory_gb(),
         "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "transformers": _version("transformers"),
         "llama_cpp": _version("llama-cpp-python"), "dtype": dtype, "numerics": numerics, "model": model,

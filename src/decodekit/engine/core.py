@@ -105,7 +105,7 @@ class DecodeState:
         """The token history in the form samplers take (one row, knowing where the prompt ends)."""
         if not self.sampler.needs_history:
             return [torch.empty(0, dtype=torch.long)]
-        return Histories([self.tokens], self.prompt_len)
+        return Histories([list(self.tokens)], self.prompt_len)  # a copy: the tokens grow after the call
 
     def prefill(self) -> None:
         self._logits = self.backend.prefill(self.tokens)[0]
@@ -113,6 +113,8 @@ class DecodeState:
     def next_logits(self) -> torch.Tensor:
         """Logits ``[V]`` for the token after ``tokens`` (runs the pending token if needed)."""
         if self.pending is not None:
+            if self.sampler.looks_ahead:  # e.g. a grammar's mask, computed while the pass runs
+                self.sampler.prepare([self.generated])
             self._logits = self.backend.step(torch.tensor([self.pending]))[0]
             self.stats.forward_passes += 1
         assert self._logits is not None

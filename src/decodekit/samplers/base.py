@@ -29,6 +29,7 @@ class LogitsProcessor(ABC):
     """
 
     needs_history: bool = False
+    looks_ahead: bool = False  # True where :meth:`prepare` does something
 
     @abstractmethod
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -47,6 +48,11 @@ class LogitsProcessor(ABC):
         """Tokens this processor leaves as the only continuation after ``generated`` (a grammar's
         fixed text), as a likely draft: speculative decoding still verifies them. None by default."""
         return []
+
+    def prepare(self, rows: Sequence[Sequence[int]]) -> None:
+        """A hint that the next call will see rows with these generated tokens (given before the
+        forward pass that makes their logits): a processor may start its work on them now, in the
+        background. It never changes what a call returns. Nothing by default."""
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.describe().items())
@@ -88,14 +94,22 @@ class Histories(Sequence[torch.Tensor]):
     """
 
     def __init__(self, rows: Sequence[Sequence[int] | torch.Tensor], prompt_len: int | Sequence[int] = 0) -> None:
-        self.rows = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in rows]
-        lens = [prompt_len] * len(self.rows) if isinstance(prompt_len, int) else list(prompt_len)
-        if len(lens) != len(self.rows):
-            raise ValueError(f"expected {len(self.rows)} prompt lengths, got {len(lens)}")
+        self.given = list(rows)  # read when first used: a caller must not change a row meanwhile
+        self._tensors: list[torch.Tensor] | None = None
+        lens = [prompt_len] * len(self.given) if isinstance(prompt_len, int) else list(prompt_len)
+        if len(lens) != len(self.given):
+            raise ValueError(f"expected {len(self.given)} prompt lengths, got {len(lens)}")
         self.prompt_lens = lens
 
+    @property
+    def rows(self) -> list[torch.Tensor]:
+        """Each row as a 1-D id tensor (made once, when first asked for)."""
+        if self._tensors is None:
+            self._tensors = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in self.given]
+        return self._tensors
+
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.given)
 
     def __getitem__(self, i):  # type: ignore[override]
         return self.rows[i]
@@ -104,10 +118,21 @@ class Histories(Sequence[torch.Tensor]):
         """Each row's ids after its prompt."""
         return [row[n:] for row, n in zip(self.rows, self.prompt_lens)]
 
+    def generated_lists(self) -> list[list[int]]:
+        """Each row's ids after its prompt, as ints (without making tensors of rows given as lists)."""
+        return [(r.tolist() if isinstance(r, torch.Tensor) else list(r))[n:] for r, n in zip(self.given, self.prompt_lens)]
+
 
 def generated_ids(histories: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
     """The generated part of each row: :meth:`Histories.generated`, or a plain sequence as is."""
     return histories.generated() if isinstance(histories, Histories) else histories
+
+
+def generated_lists(histories: Sequence[torch.Tensor]) -> list[list[int]]:
+    """:func:`generated_ids` as lists of ints."""
+    if isinstance(histories, Histories):
+        return histories.generated_lists()
+    return [torch.as_tensor(h).reshape(-1).tolist() for h in histories]
 
 
 def count_history(

@@ -20,14 +20,18 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import InvalidParameter
-from .base import NEG_INF, LogitsProcessor, generated_ids
+from ..models.kernels import mask_logits
+from ..models.threads import usable_cores
+from .base import LogitsProcessor, generated_lists
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
 
@@ -84,14 +88,53 @@ class Constraint:
         raise InvalidParameter(f"constraint must be a Constraint or a dict with one of {', '.join(KINDS)}, got {value!r}")
 
 
+@cache
+def mask_worker() -> ThreadPoolExecutor:
+    """The one thread that computes masks ahead, for every request of the process: one core's worth
+    of work beside the forward pass, however many requests are constrained."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="decodekit-mask")
+
+
 class ConstrainedTokens(LogitsProcessor):
-    """Logits of tokens the grammar does not allow after a row's generated tokens become -inf."""
+    """Logits of tokens the grammar does not allow after a row's generated tokens become -inf.
+
+    Where a core is left free by the forward pass's threads, the masks are computed ahead
+    (:meth:`prepare`), in one background thread, while the pass that gives the logits runs: the
+    decode loop knows each row's tokens before the pass, and llguidance releases the GIL while it
+    computes a mask (vLLM and SGLang overlap the mask with the pass likewise). Where the pass uses
+    every core, a third thread only takes a core from it for a scheduler slice at a time, which
+    measured slower than computing the mask between passes (docs/BENCHMARKS.md). A mask computed
+    ahead is the one the matcher would compute then (the same matcher, brought to the same
+    tokens), so the output does not depend on whether, or when, it was prepared."""
 
     needs_history = True
+
+    @property
+    def looks_ahead(self) -> bool:  # type: ignore[override]
+        return usable_cores() > torch.get_num_threads()
 
     def __init__(self, matcher, vocab_size: int, constraint: Constraint):
         self.matcher, self.vocab_size, self.constraint = matcher, vocab_size, constraint
         self.consumed: list[int] = []  # the generated tokens the matcher has taken, in order
+        self._ahead: Future | None = None  # masks being computed for the rows given to prepare()
+
+    def prepare(self, rows: Sequence[Sequence[int]]) -> None:
+        ready = self._settle()  # the matcher serves one computation at a time
+        self._ahead = mask_worker().submit(self._bitmasks, [list(r) for r in rows], ready)
+
+    def _settle(self) -> dict[tuple[int, ...], np.ndarray | None]:
+        """The masks computed ahead (row's tokens -> bitmask, or None for a row the grammar refuses),
+        once the matcher is free again; {} when none were asked for."""
+        ahead, self._ahead = self._ahead, None
+        return ahead.result() if ahead is not None else {}
+
+    def _bitmasks(self, rows: list[list[int]], known: dict) -> dict[tuple[int, ...], np.ndarray | None]:
+        """Each row's bitmask (None where the grammar refuses the row), from ``known`` or computed."""
+        done = {}
+        for row in rows:
+            key = tuple(row)
+            done[key] = known[key] if key in known else (self._bitmask() if self._follow(row) else None)
+        return done
 
     def _follow(self, generated: list[int]) -> bool:
         """Bring the matcher to ``generated``; False if the grammar refuses one of its tokens."""
@@ -108,30 +151,31 @@ class ConstrainedTokens(LogitsProcessor):
             del self.consumed[shared:]
         rest = generated[shared:]
         if rest:
-            if self.matcher.validate_tokens(rest) < len(rest):
+            taken = self.matcher.try_consume_tokens(rest)  # stops before the first token the grammar refuses
+            self.consumed.extend(rest[:taken])
+            if taken < len(rest):
                 return False
-            self.matcher.consume_tokens(rest)
-            self.consumed.extend(rest)
         return not self.matcher.is_error()
 
-    def mask(self) -> torch.Tensor:
-        """Bool ``[vocab_size]``: the tokens allowed next."""
+    def _bitmask(self) -> np.ndarray:
+        """The tokens allowed next as llguidance's bitmask (bit i of byte i // 8: token i)."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         if self.matcher.is_error():  # e.g. a mask computation that ran out of its budget: say so, never sample unmasked
             raise RuntimeError(f"structured decoding failed: {self.matcher.get_error()}")
-        allowed = torch.from_numpy(np.unpackbits(bits, bitorder="little").view(np.bool_))  # bit i: token i
-        if allowed.numel() < self.vocab_size:  # tokens the grammar's tokenizer does not know
-            allowed = torch.cat([allowed, torch.zeros(self.vocab_size - allowed.numel(), dtype=torch.bool)])
-        return allowed[: self.vocab_size]
+        return bits
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
-        rows = []
-        for row, generated in enumerate(generated_ids(histories)):
-            if self._follow(generated.tolist()):
-                rows.append(torch.where(self.mask()[: logits.shape[1]], logits[row], NEG_INF))
-            else:  # a path the grammar refuses (a rejected draft): its parent's mask already gave it
-                rows.append(logits[row])  # no probability, so what this row holds is never used
-        return torch.stack(rows)
+        rows = generated_lists(histories)
+        masks = self._bitmasks(rows, self._settle())
+        logits = logits.to(torch.float32).contiguous()
+        out = torch.empty_like(logits)
+        for row, tokens in enumerate(rows):
+            bits = masks[tuple(tokens)]
+            if bits is not None:
+                mask_logits(out[row], bits, source=logits[row])
+            else:  # a path the grammar refuses (a rejected draft): its parent's mask gave it no
+                out[row] = logits[row]  # probability, so what its row holds is never used
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {"constraint": self.constraint.kind}
@@ -140,11 +184,13 @@ class ConstrainedTokens(LogitsProcessor):
         """llguidance's fast-forward tokens after ``generated``: the canonical tokens of the text the
         grammar fixes next (a JSON key, a literal). The mask may still allow another spelling of that
         text, so they are a draft to verify, not tokens to commit unseen."""
+        self._settle()
         if not self._follow(list(generated)):
             return []
         return list(self.matcher.compute_ff_tokens())
 
     def broken_by(self, generated: list[int]) -> str | None:
+        self._settle()
         if self._follow(list(generated)):
             return None
         return f"the output breaks its {self.constraint.kind.replace('_', ' ')} constraint"

@@ -54,6 +54,18 @@ class Sampler:
         """The tokens a processor forces after ``generated`` (:meth:`LogitsProcessor.forced`), or []."""
         return next((tokens for p in self.processors if (tokens := p.forced(generated))), [])
 
+    def prepare(self, rows: Sequence[Sequence[int]]) -> None:
+        """Tell the processors that look ahead (:meth:`LogitsProcessor.prepare`) which rows' logits
+        come next: each row's generated tokens, in the order of the rows."""
+        for p in self.processors:
+            if p.looks_ahead:
+                p.prepare(rows)
+
+    @property
+    def looks_ahead(self) -> bool:
+        """Whether a processor does work ahead (the decode loops skip :meth:`prepare` otherwise)."""
+        return any(p.looks_ahead for p in self.processors)
+
     def __init__(self, processors: Sequence[LogitsProcessor] = (), *, greedy: bool = False,
                  seed: int | None = None) -> None:
         if not isinstance(greedy, bool):

@@ -35,7 +35,7 @@ from ..options import OptionSpec, option_table, parse_options
 from .controller import Controller
 from .drafters import Drafter
 from .tree import DraftTree, Verification
-from .verify import Verifier, make_verifier
+from .verify import Verifier, make_verifier, node_histories
 
 FORCED = "forced"  # the source of draft tokens a constraint fixed (``accepted_by_source`` counts them)
 FORCED_TRIAL = 16  # forced tokens offered before their acceptance may stop them
@@ -122,6 +122,8 @@ class SpeculativeMethod(StepMethod):
         """One verification pass over ``tree``; ``learn``: the controller counts its acceptance
         (not for forced tokens, which say nothing of the drafter's)."""
         t0 = time.perf_counter()
+        if state.sampler.looks_ahead:  # e.g. each node's grammar mask, computed while the pass runs
+            state.sampler.prepare([row[state.prompt_len:] for row in node_histories(state, tree)])
         tokens = torch.tensor([state.tokens[-1], *tree.tokens])
         logits = state.backend.verify_tree(tokens, [-1, *[p + 1 for p in tree.parents]]).logits[0]
         state.stats.forward_passes += 1

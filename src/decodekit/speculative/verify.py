@@ -38,6 +38,15 @@ def children_index(tree: DraftTree) -> dict[int, list[int]]:
     return kids
 
 
+def node_histories(state: DecodeState, tree: DraftTree) -> list[list[int]]:
+    """Each row's tokens for [root] + tree nodes: the context, then the node's path."""
+    base = state.tokens
+    paths: list[list[int]] = []
+    for token, parent in zip(tree.tokens, tree.parents):
+        paths.append(([] if parent < 0 else paths[parent]) + [token])
+    return [base] + [base + path for path in paths]
+
+
 def processed_logits(state: DecodeState, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
     """The sampler's processed logits ``[N + 1, V]`` for [root] + tree nodes, each row seeing its
     own history (context + path) when the sampler needs one."""
@@ -45,12 +54,7 @@ def processed_logits(state: DecodeState, tree: DraftTree, logits: torch.Tensor) 
         return logits
     if not state.sampler.needs_history:
         return state.sampler.process(logits)
-    base = state.tokens
-    paths: list[list[int]] = []
-    for token, parent in zip(tree.tokens, tree.parents):
-        paths.append(([] if parent < 0 else paths[parent]) + [token])
-    histories = Histories([base] + [base + path for path in paths], state.prompt_len)
-    return state.sampler.process(logits, histories)
+    return state.sampler.process(logits, Histories(node_histories(state, tree), state.prompt_len))
 
 
 class Verifier(ABC):

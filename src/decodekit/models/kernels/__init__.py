@@ -13,6 +13,7 @@
   embedding + cache write) in one call each instead of a handful of torch ops.
 * ``topk.c``: the k best entries of a few rows of logits in one pass (token recycling's
   per-step table refresh).
+* ``token_mask.c``: a grammar's token bitmask applied to a row of logits (structured decoding).
 * ``gemm_q8.c``: GGUF blocks times inputs quantised to 8 bits, with AVX512-VNNI integer dot
   products, and its scalar reference. It is the kernel of the coming ``fast`` numerics and is not
   used for decoding yet: as written it is slower than the float32 block kernel (see
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..cache import cache_root, cached_file
@@ -418,6 +420,35 @@ def top_k_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     out = torch.empty(x.shape[0], k, dtype=torch.int32)
     fn(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], k)
     return out
+
+
+@cache
+def _mask_function() -> ctypes._CFuncPtr | None:
+    lib = _library("token_mask")
+    if lib is None:
+        return None
+    fn = lib.decodekit_mask_logits_f32
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+    fn.restype = None
+    return fn
+
+
+def mask_logits(out: torch.Tensor, bits: np.ndarray, source: torch.Tensor | None = None) -> None:
+    """Write into the float32 row ``out [V]`` the row ``source`` (default: ``out`` itself) with -inf
+    for every token whose bit in ``bits`` is 0 (llguidance's token bitmask: bit t % 8 of byte
+    t // 8 is token t) and every token past its last bit. ``token_mask.c`` where available, else
+    numpy's unpacking and a torch select."""
+    source = out if source is None else source
+    fn = _mask_function()
+    known = min(8 * bits.size, out.numel())
+    if (fn is None or bits.size % 2 or not (out.is_contiguous() and source.is_contiguous())
+            or out.dtype != torch.float32 or source.dtype != torch.float32):
+        allowed = torch.zeros(out.numel(), dtype=torch.bool)
+        allowed[:known] = torch.from_numpy(np.unpackbits(bits, bitorder="little")[:known].view(np.bool_))
+        out.copy_(torch.where(allowed, source, float("-inf")))
+        return
+    bits = np.ascontiguousarray(bits)
+    fn(out.data_ptr(), source.data_ptr(), bits.ctypes.data, out.numel(), known)
 
 
 class LayerOps:
