@@ -217,7 +217,7 @@ MUTATIONS = (
              "self.consumed.extend(rest[:taken])", "self.consumed.extend(rest)",
              ("tests/test_constraint.py", "-k", "ahead or own_path or forced")),
     Mutation("mask-kernel-keeps-the-refused-tokens", "src/decodekit/models/kernels/token_mask.c",
-             "_mm512_mask_blend_ps((__mmask16)bits[i / 16], refused,", "_mm512_mask_blend_ps((__mmask16)~bits[i / 16], refused,", ("tests/test_kernels.py", "-k", "bitmask")),
+             "_mm512_mask_blend_ps((__mmask16)half_word(bits, i / 16), refused,", "_mm512_mask_blend_ps((__mmask16)~half_word(bits, i / 16), refused,", ("tests/test_kernels.py", "-k", "bitmask")),
     Mutation("hidden-state-without-the-last-layers-output", "src/decodekit/models/native.py",
              "                    if pending is not None:\n                        x.add_(pending)  # rounds as the fused add does\n                        pending = None\n                    hidden[i + 1] = x.clone()",
              "                    hidden[i + 1] = x.clone()",

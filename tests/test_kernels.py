@@ -228,11 +228,11 @@ def test_top_k_indices_order_ties_by_index_and_skip_minus_infinity():
     assert kernels.top_k_indices(x, 3).tolist() == [[17, 30, 3], [5, -1, -1]]
 
 
-@needs_kernel
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False], ids=["kernel", "fallback"])
 @pytest.mark.parametrize("vocab, bitmask_tokens", [(49152, 49152), (49157, 49152), (100, 128), (49152, 49184), (37, 32)])
-def test_a_token_bitmask_sets_exactly_the_refused_logits_to_minus_infinity(vocab, bitmask_tokens, monkeypatch):
-    """The kernel against the bits unpacked one by one: refused tokens, and tokens past the bitmask,
-    get -inf; the rest keep their value. The same for the fallback without the kernel."""
+def test_a_token_bitmask_sets_exactly_the_refused_logits_to_minus_infinity(vocab, bitmask_tokens, kernel, monkeypatch):
+    """The kernel (and the fallback without it) against the bits unpacked one by one: refused
+    tokens, and tokens past the bitmask, get -inf; the rest keep their value."""
     import numpy as np
 
     rng = np.random.default_rng(vocab)
@@ -240,12 +240,11 @@ def test_a_token_bitmask_sets_exactly_the_refused_logits_to_minus_infinity(vocab
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(vocab))
     allowed = [t < bitmask_tokens and bool(bits[t // 8] >> (t % 8) & 1) for t in range(vocab)]
     want = torch.where(torch.tensor(allowed), logits, float("-inf"))
-    for kernel in (True, False):
-        if not kernel:
-            monkeypatch.setattr(kernels, "_mask_function", lambda: None)
-        got = logits.clone()
-        kernels.mask_logits(got, bits)  # in place
-        assert torch.equal(got, want)
-        got = torch.full_like(logits, 7.0)
-        kernels.mask_logits(got, bits, source=logits)  # from another row, which is left as it was
-        assert torch.equal(got, want) and not torch.isinf(logits).any()
+    if not kernel:
+        monkeypatch.setattr(kernels, "_mask_function", lambda: None)
+    got = logits.clone()
+    kernels.mask_logits(got, bits)  # in place
+    assert torch.equal(got, want)
+    got = torch.full_like(logits, 7.0)
+    kernels.mask_logits(got, bits, source=logits)  # from another row, which is left as it was
+    assert torch.equal(got, want) and not torch.isinf(logits).any()

@@ -141,6 +141,7 @@ class Doubler:
 
     def __init__(self, delay: float = 0.0, gate: Path | None = None, setups: int = 0):
         self.delay, self.gate, self.setups = delay, gate, setups
+        self.deadline = time.monotonic() + 60  # one minute in all per worker, not per unit
         if gate is not None:
             (gate / f"setup-{os.getpid()}").touch()
 
@@ -148,9 +149,8 @@ class Doubler:
         return {"kind": "doubler"}
 
     def run(self, unit):
-        deadline = time.monotonic() + 60
         while unit and self.gate is not None and len(list(self.gate.iterdir())) < self.setups \
-                and time.monotonic() < deadline:
+                and time.monotonic() < self.deadline:
             time.sleep(0.01)
         time.sleep(self.delay if unit else 0.01)
         return {"value": 2 * unit, "pid": os.getpid()}

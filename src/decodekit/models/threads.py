@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its CPU affinity), where the system says."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -91,10 +91,12 @@ class Histories(Sequence[torch.Tensor]):
     penalty and no-repeat-n-gram count; :meth:`generated` gives only the ids after the prompt,
     which is what the frequency and presence penalties count. The decoding loops build one per
     call; a plain sequence of tensors passed instead stands for histories without a prompt.
+    Rows are read when first used (tensors are made only for processors that ask for them), so a
+    caller must not change a row it passed until the call that takes the histories has returned.
     """
 
     def __init__(self, rows: Sequence[Sequence[int] | torch.Tensor], prompt_len: int | Sequence[int] = 0) -> None:
-        self.given = list(rows)  # read when first used: a caller must not change a row meanwhile
+        self.given = list(rows)  # read when first used
         self._tensors: list[torch.Tensor] | None = None
         lens = [prompt_len] * len(self.given) if isinstance(prompt_len, int) else list(prompt_len)
         if len(lens) != len(self.given):
@@ -120,7 +122,8 @@ class Histories(Sequence[torch.Tensor]):
 
     def generated_lists(self) -> list[list[int]]:
         """Each row's ids after its prompt, as ints (without making tensors of rows given as lists)."""
-        return [(r.tolist() if isinstance(r, torch.Tensor) else list(r))[n:] for r, n in zip(self.given, self.prompt_lens)]
+        return [r.reshape(-1)[n:].tolist() if isinstance(r, torch.Tensor) else list(r[n:])
+                for r, n in zip(self.given, self.prompt_lens)]
 
 
 def generated_ids(histories: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:

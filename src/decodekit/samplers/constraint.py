@@ -30,7 +30,7 @@ import torch
 
 from ..errors import InvalidParameter
 from ..models.kernels import mask_logits
-from ..models.threads import usable_cores
+from ..models.threads import GOVERNOR, usable_cores
 from .base import LogitsProcessor, generated_lists
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
@@ -88,18 +88,23 @@ class Constraint:
         raise InvalidParameter(f"constraint must be a Constraint or a dict with one of {', '.join(KINDS)}, got {value!r}")
 
 
+def spare_cores() -> int:
+    """The cores the forward passes leave free."""
+    return max(0, usable_cores() - GOVERNOR.full_count())
+
+
 @cache
 def mask_worker() -> ThreadPoolExecutor:
-    """The one thread that computes masks ahead, for every request of the process: one core's worth
-    of work beside the forward pass, however many requests are constrained."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="decodekit-mask")
+    """The threads that compute masks ahead, for every request of the process: as many as the forward
+    passes leave cores free (at least one), however many requests are constrained."""
+    return ThreadPoolExecutor(max_workers=max(1, spare_cores()), thread_name_prefix="decodekit-mask")
 
 
 class ConstrainedTokens(LogitsProcessor):
     """Logits of tokens the grammar does not allow after a row's generated tokens become -inf.
 
     Where a core is left free by the forward pass's threads, the masks are computed ahead
-    (:meth:`prepare`), in one background thread, while the pass that gives the logits runs: the
+    (:meth:`prepare`), on a background thread, while the pass that gives the logits runs: the
     decode loop knows each row's tokens before the pass, and llguidance releases the GIL while it
     computes a mask (vLLM and SGLang overlap the mask with the pass likewise). Where the pass uses
     every core, a third thread only takes a core from it for a scheduler slice at a time, which
@@ -111,7 +116,7 @@ class ConstrainedTokens(LogitsProcessor):
 
     @property
     def looks_ahead(self) -> bool:  # type: ignore[override]
-        return usable_cores() > torch.get_num_threads()
+        return spare_cores() > 0
 
     def __init__(self, matcher, vocab_size: int, constraint: Constraint):
         self.matcher, self.vocab_size, self.constraint = matcher, vocab_size, constraint
@@ -125,8 +130,14 @@ class ConstrainedTokens(LogitsProcessor):
     def _settle(self) -> dict[tuple[int, ...], np.ndarray | None]:
         """The masks computed ahead (row's tokens -> bitmask, or None for a row the grammar refuses),
         once the matcher is free again; {} when none were asked for."""
-        ahead, self._ahead = self._ahead, None
-        return ahead.result() if ahead is not None else {}
+        ahead = self._ahead
+        if ahead is None:
+            return {}
+        try:
+            return ahead.result()
+        finally:  # (an interrupted wait leaves the computation to be waited for next time)
+            if ahead.done():
+                self._ahead = None
 
     def _bitmasks(self, rows: list[list[int]], known: dict) -> dict[tuple[int, ...], np.ndarray | None]:
         """Each row's bitmask (None where the grammar refuses the row), from ``known`` or computed."""

@@ -441,8 +441,8 @@ def mask_logits(out: torch.Tensor, bits: np.ndarray, source: torch.Tensor | None
     source = out if source is None else source
     fn = _mask_function()
     known = min(8 * bits.size, out.numel())
-    if (fn is None or bits.size % 2 or not (out.is_contiguous() and source.is_contiguous())
-            or out.dtype != torch.float32 or source.dtype != torch.float32):
+    if (fn is None or bits.size % 2 or bits.dtype != np.uint8 or source.shape != out.shape or out.dim() != 1
+            or not all(t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu" for t in (out, source))):
         allowed = torch.zeros(out.numel(), dtype=torch.bool)
         allowed[:known] = torch.from_numpy(np.unpackbits(bits, bitorder="little")[:known].view(np.bool_))
         out.copy_(torch.where(allowed, source, float("-inf")))

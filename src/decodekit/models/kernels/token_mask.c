@@ -11,15 +11,22 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
-void decodekit_mask_logits_f32(float *out, const float *in, const uint16_t *bits, int64_t n, int64_t known) {
+static inline uint16_t half_word(const uint8_t *bits, int64_t i) {
+    uint16_t h;
+    memcpy(&h, bits + 2 * i, 2);  /* the bytes need no alignment; compiles to one load */
+    return h;
+}
+
+void decodekit_mask_logits_f32(float *out, const float *in, const uint8_t *bits, int64_t n, int64_t known) {
     const __m512 refused = _mm512_set1_ps(-INFINITY);
     int64_t end = known < n ? known : n;
     int64_t i = 0;
     for (; i + 16 <= end; i += 16)
-        _mm512_storeu_ps(out + i, _mm512_mask_blend_ps((__mmask16)bits[i / 16], refused, _mm512_loadu_ps(in + i)));
+        _mm512_storeu_ps(out + i, _mm512_mask_blend_ps((__mmask16)half_word(bits, i / 16), refused, _mm512_loadu_ps(in + i)));
     for (; i < end; i++)
-        out[i] = (bits[i / 16] >> (i % 16)) & 1 ? in[i] : -INFINITY;
+        out[i] = (bits[i / 8] >> (i % 8)) & 1 ? in[i] : -INFINITY;
     for (; i < n; i++)
         out[i] = -INFINITY;
 }
