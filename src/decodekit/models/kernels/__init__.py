@@ -394,15 +394,20 @@ def dequantise_int8_rows(packed: torch.Tensor) -> torch.Tensor:
     return values * scale
 
 
-@cache
-def _topk_function() -> ctypes._CFuncPtr | None:
-    lib = _library("topk")
+def _c_function(library: str, symbol: str, argtypes: list) -> ctypes._CFuncPtr | None:
+    """``symbol`` of the compiled ``library`` with its argument types (returning void), or None
+    where the library cannot be built or loaded."""
+    lib = _library(library)
     if lib is None:
         return None
-    fn = lib.decodekit_topk_f32
-    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
-    fn.restype = None
+    fn = getattr(lib, symbol)
+    fn.argtypes, fn.restype = argtypes, None
     return fn
+
+
+@cache
+def _topk_function() -> ctypes._CFuncPtr | None:
+    return _c_function("topk", "decodekit_topk_f32", [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3)
 
 
 TOPK_MAX = 64  # as in topk.c
@@ -424,13 +429,7 @@ def top_k_indices(x: torch.Tensor, k: int) -> torch.Tensor:
 
 @cache
 def _mask_function() -> ctypes._CFuncPtr | None:
-    lib = _library("token_mask")
-    if lib is None:
-        return None
-    fn = lib.decodekit_mask_logits_f32
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
-    fn.restype = None
-    return fn
+    return _c_function("token_mask", "decodekit_mask_logits_f32", [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2)
 
 
 def mask_logits(out: torch.Tensor, bits: np.ndarray, source: torch.Tensor | None = None) -> None:
