@@ -183,6 +183,8 @@ class Sampler:
         """The token at ``position`` of a sequence, from its logits ``[V]``: the argmax when greedy,
         else :meth:`sample_at` of the processed distribution: the same token for the same seed,
         position and distribution, whatever was drawn before (``history``: one row, if needed)."""
+        if self._greedy and not self.processors:  # nothing to process: no copy of the row to take
+            return int(logits.argmax())
         x = self.process(logits[None], history)[0]
         if self._greedy:
             return int(x.argmax())
