@@ -271,6 +271,33 @@ def test_integer_kernel_is_its_scalar_reference_bit_for_bit_and_close_to_float32
 
 
 @needs_vnni
+@pytest.mark.parametrize("kind", KINDS + ["q6_k"])
+@pytest.mark.parametrize("rows", [21, 22, 40])
+def test_two_threads_quantising_a_pass_together_give_the_reference_bit_for_bit(kind, rows):
+    """From 128 input blocks of 32 values on, the threads quantise a pass's inputs between them
+    before they split the output rows (21 rows of 192 inputs stay below, 22 and 40 rows, and 21
+    rows of 256, are above): still the scalar reference bit for bit, and each row what it is alone
+    on one thread. A row with a value that is not finite comes out NaN, whichever thread
+    quantised it."""
+    gen = torch.Generator().manual_seed(rows)
+    blocks = (BlockMatrix.quantize(torch.randn(48, 192, generator=gen), kind) if kind in KINDS
+              else BlockMatrix.random(48, 256, kind, gen))
+    n_in = blocks.n_in
+    x = torch.randn(rows, n_in, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
+    x[rows - 2, 5] = float("inf")  # a block of the second thread's share
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got = integer_product(kind, blocks, x)
+    finally:
+        torch.set_num_threads(before)
+    want = kernels.integer_block_matmul_reference(kind, blocks.data, x, n_in)
+    assert torch.equal(got.isnan(), want.isnan()) and got[rows - 2].isnan().all() and not got[: rows - 2].isnan().any()
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(got[0], integer_product(kind, blocks, x[:1].contiguous())[0])
+
+
+@needs_vnni
 @pytest.mark.parametrize("kind", ["q5_0", "q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("rows", [1, 5, 9, 40])
 def test_integer_kernel_on_k_quants_is_its_reference_and_close_to_float32(kind, rows):

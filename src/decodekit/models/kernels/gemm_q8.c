@@ -21,10 +21,12 @@
  * where isum_b = sum_k (u_k - z) qx_k is exact in int32 (Q6_K: two sums and two scales, in order).
  * Every (r, m) pair is computed alone, in that order, whatever else is in the pass, so a token's
  * logits are the same in a plain step, in a verification tree, in a batch, and in prefill. Groups
- * of rows are split between threads.
+ * of rows are split between threads, and so are the input's blocks to quantise in a pass of several
+ * rows (each block is quantised on its own).
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +36,7 @@
 #define QK 32
 #define GROUP 16   /* output rows side by side in the packed layout */
 #define TILE 8     /* input rows a group's unpacked weights are used for before they are rebuilt */
+#define SHARED_QUANTISATION 128 /* input blocks from which the threads quantise them together */
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 8 /* how far ahead a pass of several rows asks for its weights */
 #endif
@@ -173,32 +176,32 @@ static void quantize_scalar(const float *x, int M, int n_in, Quantised *in) {
         }
 }
 
-/* The same, 16 values a vector (the conversion rounds to nearest even, as nearbyintf does). */
-static void quantize_vector(const float *x, int M, int n_in, Quantised *in) {
-    int nb = n_in / QK;
+/* The same, 16 values a vector (the conversion rounds to nearest even, as nearbyintf does), for
+ * blocks `first .. last - 1` of the M x (n_in / QK) input blocks, row after row: each block on its
+ * own, so threads may share the rows' blocks between them. */
+static void quantize_vector(const float *x, size_t first, size_t last, int n_in, Quantised *in) {
     const __m512 limit = _mm512_set1_ps(127.0f), infinity = _mm512_set1_ps(INFINITY);
-    for (int m = 0; m < M; m++)
-        for (int b = 0; b < nb; b++) {
-            const float *xb = x + (size_t)m * n_in + (size_t)b * QK;
-            int8_t *qb = in->q + (size_t)m * n_in + (size_t)b * QK;
-            __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-            __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
-            /* not less than infinity, or unordered: infinite or NaN */
-            int finite = !(_mm512_cmp_ps_mask(a0, infinity, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(a1, infinity, _CMP_NLT_UQ));
-            if (!finite) {
-                memset(qb, 0, QK);
-                finish_block(in, (size_t)m * nb + b, NAN, 0, 0);
-                continue;
-            }
-            float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-            float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
-            __m512 scale = _mm512_set1_ps(inv);
-            __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(-limit, _mm512_mul_ps(x0, scale))));
-            __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(-limit, _mm512_mul_ps(x1, scale))));
-            _mm_storeu_si128((__m128i *)qb, _mm512_cvtepi32_epi8(q0));
-            _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtepi32_epi8(q1));
-            finish_block(in, (size_t)m * nb + b, dx, _mm512_reduce_add_epi32(q0), _mm512_reduce_add_epi32(q1));
+    for (size_t at = first; at < last; at++) {
+        const float *xb = x + at * QK; /* (rows of n_in = nb * QK values: block `at` starts at at * QK) */
+        int8_t *qb = in->q + at * QK;
+        __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+        /* not less than infinity, or unordered: infinite or NaN */
+        int finite = !(_mm512_cmp_ps_mask(a0, infinity, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(a1, infinity, _CMP_NLT_UQ));
+        if (!finite) {
+            memset(qb, 0, QK);
+            finish_block(in, at, NAN, 0, 0);
+            continue;
         }
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+        float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+        __m512 scale = _mm512_set1_ps(inv);
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(-limit, _mm512_mul_ps(x0, scale))));
+        __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(-limit, _mm512_mul_ps(x1, scale))));
+        _mm_storeu_si128((__m128i *)qb, _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtepi32_epi8(q1));
+        finish_block(in, at, dx, _mm512_reduce_add_epi32(q0), _mm512_reduce_add_epi32(q1));
+    }
 }
 
 /* Repack GGUF blocks (rows of n_in weights; n_out a multiple of 16) into the kernel's layout. */
@@ -351,13 +354,24 @@ static void run(group_fn group, int packed_size, const uint8_t *packed, const fl
         quantised_free(&in);
         return;
     }
-    quantize_vector(x, M, n_in, &in);
     int groups = n_out / GROUP, nb = n_in / QK, span = M > TILE ? 2 : 1, units = (groups + span - 1) / span;
-    size_t stride = (size_t)nb * packed_size;
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")
-    for (int u = 0; u < units; u++) {
-        int g = u * span;
-        group(packed + g * stride, stride, g + 1 < groups && span == 2, &in, y + (size_t)g * GROUP, M, n_out, n_in);
+    size_t stride = (size_t)nb * packed_size, blocks = (size_t)M * nb;
+    /* A pass of several rows has the threads quantise the input's blocks between them first (each
+     * block on its own: the same bits whoever does it); a few blocks take less than the barrier. */
+    int shared = threads > 1 && blocks >= SHARED_QUANTISATION;
+    if (!shared) quantize_vector(x, 0, blocks, n_in, &in);
+    _Pragma("omp parallel num_threads(threads) if (threads > 1)")
+    {
+        if (shared) {
+            int team = omp_get_num_threads(), me = omp_get_thread_num();
+            quantize_vector(x, blocks * me / team, blocks * (me + 1) / team, n_in, &in);
+            _Pragma("omp barrier")
+        }
+        _Pragma("omp for schedule(static)")
+        for (int u = 0; u < units; u++) {
+            int g = u * span;
+            group(packed + g * stride, stride, g + 1 < groups && span == 2, &in, y + (size_t)g * GROUP, M, n_out, n_in);
+        }
     }
     quantised_free(&in);
 }
