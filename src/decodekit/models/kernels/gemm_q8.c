@@ -179,10 +179,10 @@ static void quantize_scalar(const float *x, int M, int n_in, Quantised *in) {
 /* The same, 16 values a vector (the conversion rounds to nearest even, as nearbyintf does), for
  * blocks `first .. last - 1` of the M x (n_in / QK) input blocks, row after row: each block on its
  * own, so threads may share the rows' blocks between them. */
-static void quantize_vector(const float *x, size_t first, size_t last, int n_in, Quantised *in) {
+static void quantize_vector(const float *x, size_t first, size_t last, Quantised *in) {
     const __m512 limit = _mm512_set1_ps(127.0f), infinity = _mm512_set1_ps(INFINITY);
     for (size_t at = first; at < last; at++) {
-        const float *xb = x + at * QK; /* (rows of n_in = nb * QK values: block `at` starts at at * QK) */
+        const float *xb = x + at * QK; /* (rows are n_in = nb * QK values: block `at` starts at at * QK) */
         int8_t *qb = in->q + at * QK;
         __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
         __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
@@ -359,12 +359,12 @@ static void run(group_fn group, int packed_size, const uint8_t *packed, const fl
     /* A pass of several rows has the threads quantise the input's blocks between them first (each
      * block on its own: the same bits whoever does it); a few blocks take less than the barrier. */
     int shared = threads > 1 && blocks >= SHARED_QUANTISATION;
-    if (!shared) quantize_vector(x, 0, blocks, n_in, &in);
+    if (!shared) quantize_vector(x, 0, blocks, &in);
     _Pragma("omp parallel num_threads(threads) if (threads > 1)")
     {
         if (shared) {
             int team = omp_get_num_threads(), me = omp_get_thread_num();
-            quantize_vector(x, blocks * me / team, blocks * (me + 1) / team, n_in, &in);
+            quantize_vector(x, blocks * me / team, blocks * (me + 1) / team, &in);
             _Pragma("omp barrier")
         }
         _Pragma("omp for schedule(static)")
