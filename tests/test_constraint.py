@@ -122,7 +122,7 @@ def test_forced_text_at_the_end_of_the_context(engine):
 
 
 def test_forced_tokens_follow_the_rows_own_text():
-    processor = constraint_processor({"regex": FIXED}, CharTokenizer(96), 96)
+    processor = constraint_processor({"regex": FIXED}, CharTokenizer(96))
     spell = CharTokenizer(96).encode
     assert processor.forced([]) == spell("ab")
     assert processor.forced(spell("ab")) == []  # a digit: ten choices
@@ -143,7 +143,7 @@ def test_the_mask_follows_each_rows_own_path():
     """One processor, rows at different points of the grammar (as in a verification tree): each
     row gets the mask of its own generated tokens, whatever order the rows come in."""
     tok = CharTokenizer(96)
-    proc = constraint_processor({"regex": "ab|ac|bd"}, tok, 96)
+    proc = constraint_processor({"regex": "ab|ac|bd"}, tok)
     prompt = tok.encode("zz")
     rows = [prompt, prompt + tok.encode("a"), prompt + tok.encode("b"), prompt + tok.encode("ab"), prompt + tok.encode("a")]
     out = proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt)))
@@ -173,9 +173,9 @@ def test_masks_computed_ahead_are_each_rows_own_masks():
     tok = CharTokenizer(96)
     prompt = tok.encode("zz")
     rows = [prompt + tok.encode(t) for t in ("", "a", "b", "ab", "x", "ac")]  # "x": refused by the grammar
-    fresh = constraint_processor({"regex": "ab|ac|bd"}, tok, 96)
+    fresh = constraint_processor({"regex": "ab|ac|bd"}, tok)
     want = fresh(torch.zeros(len(rows), 96), Histories(rows, len(prompt)))
-    proc = constraint_processor({"regex": "ab|ac|bd"}, tok, 96)
+    proc = constraint_processor({"regex": "ab|ac|bd"}, tok)
     proc.matcher = recorder = ThreadRecordingMatcher(proc.matcher)
     proc.prepare([r[len(prompt):] for r in reversed(rows[1:])])  # not the root; another order
     got = proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt)))
@@ -215,7 +215,7 @@ def test_masks_are_computed_ahead_only_with_a_core_to_spare(monkeypatch):
 
     from decodekit.models.threads import GOVERNOR
 
-    proc = constraint_processor({"regex": "ab"}, CharTokenizer(96), 96)
+    proc = constraint_processor({"regex": "ab"}, CharTokenizer(96))
     threads = GOVERNOR.full_count()  # what passes use on a quiet machine, not what the last pass used
     for cores, ahead in ((threads, False), (threads + 1, True)):
         monkeypatch.setattr(constraint_module, "usable_cores", lambda: cores)

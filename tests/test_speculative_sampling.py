@@ -498,7 +498,7 @@ def test_rejection_sampling_under_a_constraint_samples_the_constrained_distribut
     pattern = r'[!"]+(#\$%)?[&!]*'  # ids 2-3; "#" (4) fixes "$%" (5, 6): forced text, drafted for free; then 7 or 2
 
     def constrained(seed: int = 0) -> Sampler:
-        return Sampler([constraint_processor({"regex": pattern}, model.tokenizer, V)], seed=seed)
+        return Sampler([constraint_processor({"regex": pattern}, model.tokenizer)], seed=seed)
 
     exact: dict[tuple, float] = {}
     reference = constrained()

@@ -124,7 +124,7 @@ class Engine:
         decoder = build_decoder(method, **options)
         mask = None
         if constraint is not None:
-            mask = constraint_processor(constraint, self.model.tokenizer, self.model.backend.info.vocab_size)
+            mask = constraint_processor(constraint, self.model.tokenizer)
         sampler = make_sampler(method, sampler_params, mask)
         if not isinstance(ignore_eos, bool):
             raise InvalidParameter(f"ignore_eos must be true or false, got {ignore_eos!r}")

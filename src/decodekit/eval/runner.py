@@ -74,7 +74,7 @@ def run_item(model, task, config, decoder, item, seed, max_new) -> dict[str, Any
     sampler_params = {"seed": seed, "temperature": config.temperature}
     mask = None
     if item.constraint is not None and config.constrained:
-        mask = constraint_processor(item.constraint, model.tokenizer, model.backend.info.vocab_size)
+        mask = constraint_processor(item.constraint, model.tokenizer)
     request = Request(model.prompt_ids(item.question), make_sampler(config.method, sampler_params, mask), max_new)
     t0 = time.perf_counter()
     gen = decoder.generate(model, request)

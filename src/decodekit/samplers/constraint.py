@@ -118,8 +118,8 @@ class ConstrainedTokens(LogitsProcessor):
     def looks_ahead(self) -> bool:  # type: ignore[override]
         return spare_cores() > 0
 
-    def __init__(self, matcher, vocab_size: int, constraint: Constraint):
-        self.matcher, self.vocab_size, self.constraint = matcher, vocab_size, constraint
+    def __init__(self, matcher, constraint: Constraint):
+        self.matcher, self.constraint = matcher, constraint
         self.consumed: list[int] = []  # the generated tokens the matcher has taken, in order
         self._ahead: Future | None = None  # masks being computed for the rows given to prepare()
 
@@ -222,7 +222,7 @@ def checked_grammar(constraint: Constraint | dict, lltokenizer=None) -> tuple[Co
     return constraint, grammar
 
 
-def constraint_processor(constraint: Constraint | dict, tokenizer, vocab_size: int) -> ConstrainedTokens:
+def constraint_processor(constraint: Constraint | dict, tokenizer) -> ConstrainedTokens:
     """Compile ``constraint`` for ``tokenizer`` (a :class:`..models.tokenizer.Tokenizer`); an invalid
     schema, pattern or grammar is one InvalidParameter line."""
     from llguidance import LLMatcher
@@ -232,4 +232,4 @@ def constraint_processor(constraint: Constraint | dict, tokenizer, vocab_size: i
     matcher = LLMatcher(lltokenizer, grammar, log_level=0)
     if matcher.is_error():
         raise InvalidParameter(f"invalid {constraint.kind.replace('_', ' ')} constraint: {matcher.get_error()}")
-    return ConstrainedTokens(matcher, vocab_size, constraint)
+    return ConstrainedTokens(matcher, constraint)

@@ -356,7 +356,7 @@ def check_method(spec: RequestSpec, model: LoadedModel) -> None:
     build_decoder(spec.method, **options)
     make_sampler(spec.method, sampler_params)
     if spec.constraint is not None:
-        constraint_processor(spec.constraint, model.tokenizer, model.backend.info.vocab_size)
+        constraint_processor(spec.constraint, model.tokenizer)
 
 
 async def wait_or_cancel(request: Request, jobs: list[Job], futures) -> list[Outcome]:
