@@ -1,8 +1,9 @@
 """What a structured-output constraint costs on the embedded model: for a JSON schema, each
 method constrained and unconstrained (tokens/s, mean of a few prompts after one untimed request),
 validity of the constrained outputs (``jsonschema``), whether they are constrained greedy's tokens,
-the share of tokens that were forced text drafted for free, and the time the mask takes per call
-(the median; a speculative method's call masks every node of a tree) against the time per token.
+the share of tokens that were forced text drafted for free, and what the mask adds to a forward
+pass: the sampler's median call times its calls a pass, constrained minus unconstrained, against
+the constrained decode time per pass (the median over the prompts).
 
     .venv/bin/python scripts/constraint_overhead.py [--numerics fast] [--llamacpp]
 
@@ -22,7 +23,7 @@ import jsonschema
 
 from decodekit.engine import Engine
 from decodekit.models import load_model
-from decodekit.samplers import constraint as constraint_module
+from decodekit.samplers import Sampler
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -42,31 +43,28 @@ def main() -> None:
     parser.add_argument("--llamacpp", action="store_true", help="also llama-cpp-python's constrained greedy (end to end)")
     args = parser.parse_args()
     engine = Engine(load_model(numerics=args.numerics))
-    mask_calls: list[float] = []
-    call = constraint_module.ConstrainedTokens.__call__
-
-    def timed(self, logits, histories):
-        t0 = time.perf_counter()
-        out = call(self, logits, histories)
-        mask_calls.append(time.perf_counter() - t0)
-        return out
-
-    constraint_module.ConstrainedTokens.__call__ = timed
+    clock = SamplerClock()
     print("| method | constrained tok/s | × constrained greedy | unconstrained tok/s | valid JSON | = constrained greedy "
-          "| forced share | mask median us a call | share of a step |")
+          "| forced share | mask us a pass | share of a pass |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     reference: dict[str, list[int]] = {}
     greedy_rate = None
     for method in ("greedy", "pld", "suffix", "auto"):
         rates, plain, valid, same, forced, tokens = [], [], 0, 0, 0, 0
-        mask_calls.clear()
+        calls = {True: [], False: []}  # seconds of each sampler call
+        calls_a_pass = {True: [], False: []}  # per request: sampler calls per forward pass
+        pass_s = []  # per constrained request: decode seconds per forward pass
         for constrained, rates_of in ((True, rates), (False, plain)):
             kw = {"constraint": {"json_schema": SCHEMA}} if constrained else {}
             engine.generate(PROMPTS[0], method=method, max_new_tokens=16, **kw)  # untimed
             for prompt in PROMPTS:
+                clock.calls.clear()
                 g = engine.generate(prompt, method=method, max_new_tokens=96, **kw)
                 rates_of.append(g.stats.tokens_per_s)
+                calls[constrained] += clock.calls
+                calls_a_pass[constrained].append(len(clock.calls) / g.stats.forward_passes)
                 if constrained:
+                    pass_s.append(g.stats.decode_s / g.stats.forward_passes)
                     reference.setdefault(prompt, g.tokens)
                     same += g.tokens == reference[prompt]
                     forced += g.stats.extra.get("accepted_by_source", {}).get("forced", 0)
@@ -76,20 +74,50 @@ def main() -> None:
                         valid += 1
                     except (ValueError, jsonschema.ValidationError):
                         pass
-        median, step_s = statistics.median(mask_calls), 1 / statistics.mean(rates)
+        mask_s = (statistics.median(calls[True]) * statistics.mean(calls_a_pass[True])
+                  - statistics.median(calls[False]) * statistics.mean(calls_a_pass[False]))
         greedy_rate = greedy_rate or statistics.mean(rates)
         print(f"| {method} | {statistics.mean(rates):.1f} | {statistics.mean(rates) / greedy_rate:.2f}× "
               f"| {statistics.mean(plain):.1f} | {valid}/{len(PROMPTS)} | {same}/{len(PROMPTS)} | {100 * forced / tokens:.0f}% "
-              f"| {median * 1e6:.0f} | {100 * median / step_s:.1f}% |")
+              f"| {mask_s * 1e6:.0f} | {100 * mask_s / statistics.median(pass_s):.1f}% |")
+    clock.stop()
     if args.llamacpp:
         import torch
 
-        constraint_module.ConstrainedTokens.__call__ = call
         ours = end_to_end(engine)
         theirs, valid = llamacpp_end_to_end(torch.get_num_threads())
         print(f"\nconstrained greedy end to end: decodekit {statistics.mean(ours):.1f} tok/s, llama-cpp-python "
               f"{statistics.mean(theirs):.1f} tok/s ({valid}/{len(PROMPTS)} valid): "
               f"{statistics.mean(ours) / statistics.mean(theirs):.2f}×")
+
+
+class SamplerClock:
+    """Times each call of the sampler (``Sampler.pick_at`` and ``Sampler.process``, the outermost
+    call only): where the mask's work happens, whether the grammar's processor masks a row or
+    finds a greedy step's best allowed token without writing the row."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+        self._depth = 0
+        self._originals = {name: getattr(Sampler, name) for name in ("pick_at", "process")}
+        for name, original in self._originals.items():
+            setattr(Sampler, name, self._timed(original))
+
+    def _timed(self, original):
+        def timed(sampler, *args, **kwargs):
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return original(sampler, *args, **kwargs)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    self.calls.append(time.perf_counter() - t0)
+        return timed
+
+    def stop(self) -> None:
+        for name, original in self._originals.items():
+            setattr(Sampler, name, original)
 
 
 def end_to_end(engine: Engine) -> list[float]:

@@ -151,6 +151,28 @@ def test_the_mask_follows_each_rows_own_path():
     assert allowed == [{"a", "b"}, {"b", "c"}, {"d"}, {"<eos>"}, {"b", "c"}]
 
 
+def test_a_greedy_step_under_a_grammar_is_the_argmax_of_the_masked_row():
+    """The sampler's greedy step asks the grammar for its best allowed token without masking the
+    row (``greedy_choice``): the argmax of the processor's output for each row's own path, with
+    random logits full of ties, the prepared masks of another path pending, and None for a row
+    the grammar refuses (then the sampler masks the row as any processor's)."""
+    from decodekit.samplers import Sampler
+
+    tok = CharTokenizer(96)
+    prompt = tok.encode("zz")
+    proc = constraint_processor({"regex": "[a-c]{2,5}![0-9]{2}"}, tok)
+    generator = torch.Generator().manual_seed(3)
+    for text in ("", "a", "ab", "abcab", "abcab!", "ab!1", "ab!12", "b", "a", ""):
+        row = prompt + tok.encode(text)
+        history = Histories([row], len(prompt))
+        logits = torch.randint(-2, 2, (96,), generator=generator).float()
+        proc.prepare([tok.encode("ca")])  # another row's mask pending: not this row's
+        want = int(proc(logits[None], history)[0].argmax())
+        assert proc.greedy_choice(logits, history) == want, text
+        assert Sampler([proc], greedy=True).pick_at(logits, len(row), history) == want
+    assert proc.greedy_choice(torch.zeros(96), Histories([prompt + tok.encode("x")], len(prompt))) is None
+
+
 class ThreadRecordingMatcher:
     """An llguidance matcher that notes the thread of each mask it computes."""
 
@@ -260,6 +282,7 @@ def test_an_output_that_breaks_its_constraint_is_an_error_not_a_result(engine, m
     from decodekit.samplers.constraint import ConstrainedTokens
 
     monkeypatch.setattr(ConstrainedTokens, "__call__", lambda self, logits, histories: logits)
+    monkeypatch.setattr(ConstrainedTokens, "greedy_choice", lambda self, logits, history: int(logits.argmax()))
     with pytest.raises(RuntimeError, match="breaks its choice constraint"):
         for prompt in ("hello", "abcabc", "Q: "):
             engine.generate(prompt, max_new_tokens=12, chat=False, constraint={"choice": CHOICES})

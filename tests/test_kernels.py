@@ -228,6 +228,31 @@ def test_top_k_indices_order_ties_by_index_and_skip_minus_infinity():
     assert kernels.top_k_indices(x, 3).tolist() == [[17, 30, 3], [5, -1, -1]]
 
 
+@needs_kernel
+def test_argmax_is_torch_argmax_on_ties_infinities_nans_and_short_rows():
+    """The first index of the largest value, as torch answers: equal values in other lanes and in
+    the tail past the last 16, rows of -inf only, +inf, a NaN anywhere (torch: the NaN's index)."""
+    assert kernels._argmax_function() is not None
+    generator = torch.Generator().manual_seed(0)
+    cases = 0
+    for n in (1, 2, 15, 16, 17, 31, 33, 49152 + 5):
+        for trial in range(60):
+            x = torch.randint(-3, 3, (n,), generator=generator).float()  # many ties
+            if trial % 5 == 1:
+                x[torch.randint(0, n, (1,), generator=generator)] = float("nan")
+            if trial % 7 == 2:
+                x.fill_(float("-inf"))
+            if trial % 11 == 3:
+                x[torch.randint(0, n, (1,), generator=generator)] = float("inf")
+            assert kernels.argmax(x) == int(x.argmax()), (n, trial)
+            cases += 1
+    x = torch.randn(5, 49152 + 7, generator=generator)
+    x[2, [40, 9000]] = 99.0  # a tie across lanes: the lower index
+    x[3, [49152 + 6, 49152 + 1]] = 99.0  # a tie in the tail
+    assert kernels.argmax_rows(x) == x.argmax(dim=-1).tolist() and kernels.argmax_rows(x)[2:4] == [40, 49153]
+    assert cases == 8 * 60
+
+
 @pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False], ids=["kernel", "fallback"])
 @pytest.mark.parametrize("vocab, bitmask_tokens", [(49152, 49152), (49157, 49152), (100, 128), (49152, 49184), (37, 32)])
 def test_a_token_bitmask_sets_exactly_the_refused_logits_to_minus_infinity(vocab, bitmask_tokens, kernel, monkeypatch):
@@ -248,3 +273,33 @@ def test_a_token_bitmask_sets_exactly_the_refused_logits_to_minus_infinity(vocab
     got = torch.full_like(logits, 7.0)
     kernels.mask_logits(got, bits, source=logits)  # from another row, which is left as it was
     assert torch.equal(got, want) and not torch.isinf(logits).any()
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False], ids=["kernel", "fallback"])
+@pytest.mark.parametrize("vocab, bitmask_tokens", [(49152, 49152), (49157, 49152), (100, 128), (49152, 49184), (37, 32), (10, 16)])
+def test_the_best_allowed_token_is_the_argmax_of_the_masked_row(vocab, bitmask_tokens, kernel, monkeypatch):
+    """masked_argmax against torch.argmax of the row with the refused tokens at -inf (unpacked bit
+    by bit): many ties (the first allowed one), sparse and empty masks, rows of -inf only (0, as
+    torch answers), NaN among the allowed tokens (its index) and among the refused (ignored)."""
+    import numpy as np
+
+    if not kernel:
+        monkeypatch.setattr(kernels, "_masked_argmax_function", lambda: None)
+    rng = np.random.default_rng(vocab + bitmask_tokens)
+    generator = torch.Generator().manual_seed(vocab)
+    for trial in range(120):
+        logits = torch.randint(-3, 3, (vocab,), generator=generator).float()
+        bits = rng.integers(0, 256, bitmask_tokens // 8, dtype=np.uint8)
+        if trial % 4 == 0:  # about one token in eight allowed
+            bits &= rng.integers(0, 256, bits.size, dtype=np.uint8) & rng.integers(0, 256, bits.size, dtype=np.uint8)
+        if trial % 9 == 0:
+            bits[:] = 0
+        if trial % 5 == 1:
+            logits[torch.randint(0, vocab, (2,), generator=generator)] = float("nan")
+        if trial % 7 == 2:
+            logits.fill_(float("-inf"))
+        allowed = torch.zeros(vocab, dtype=torch.bool)  # bit t % 8 of byte t // 8, none past the mask
+        known = min(vocab, bitmask_tokens)
+        allowed[:known] = torch.from_numpy(((bits[np.arange(known) // 8] >> (np.arange(known) % 8)) & 1).astype(bool))
+        masked = torch.where(allowed, logits, float("-inf"))
+        assert kernels.masked_argmax(logits, bits) == int(masked.argmax()), trial

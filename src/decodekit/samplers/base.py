@@ -54,6 +54,13 @@ class LogitsProcessor(ABC):
         forward pass that makes their logits): a processor may start its work on them now, in the
         background. It never changes what a call returns. Nothing by default."""
 
+    def greedy_choice(self, logits: torch.Tensor, history: Sequence[torch.Tensor]) -> int | None:
+        """The argmax of this processor's output for one row ``logits [V]`` (``history``: its one
+        row), where the processor can find it without writing that output (a mask: the best allowed
+        token); None where it cannot, and the caller processes the row. The sampler asks only when
+        this is its one processor and it decodes greedily."""
+        return None
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.describe().items())
         return f"{type(self).__name__}({args})"

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidParameter
-from ..models.kernels import mask_logits
+from ..models.kernels import mask_logits, masked_argmax
 from ..models.threads import GOVERNOR, usable_cores
 from .base import LogitsProcessor, generated_lists
 
@@ -187,6 +187,11 @@ class ConstrainedTokens(LogitsProcessor):
             else:  # a path the grammar refuses (a rejected draft): its parent's mask gave it no
                 out[row] = logits[row]  # probability, so what its row holds is never used
         return out
+
+    def greedy_choice(self, logits: torch.Tensor, history: Sequence[torch.Tensor]) -> int | None:
+        (row,) = generated_lists(history)
+        bits = self._bitmasks([row], self._settle())[tuple(row)]
+        return None if bits is None else masked_argmax(logits.to(torch.float32).contiguous(), bits)
 
     def describe(self) -> dict[str, Any]:
         return {"constraint": self.constraint.kind}

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from decodekit.errors import InvalidParameter
+from decodekit.models.kernels import argmax
 from decodekit.options import check_int, check_real, keyword_signature, parse_options
 from decodekit.samplers.base import LogitsProcessor
 from decodekit.samplers.params import SAMPLER_OPTIONS, SAMPLER_PARAMS  # noqa: F401  (SAMPLER_PARAMS re-exported)
@@ -184,10 +185,16 @@ class Sampler:
         else :meth:`sample_at` of the processed distribution: the same token for the same seed,
         position and distribution, whatever was drawn before (``history``: one row, if needed)."""
         if self._greedy and not self.processors:  # nothing to process: no copy of the row to take
-            return int(logits.argmax())
+            return argmax(logits)
+        only = self.processors[0] if self._greedy and len(self.processors) == 1 else None
+        if only is not None and (not only.needs_history or (history is not None and len(history) == 1)):
+            # one processor that may find its argmax without writing its output (a grammar's mask)
+            token = only.greedy_choice(logits, history if only.needs_history else ())
+            if token is not None:
+                return token
         x = self.process(logits[None], history)[0]
         if self._greedy:
-            return int(x.argmax())
+            return argmax(x)
         return self.sample_at(torch.softmax(x, dim=-1), position)
 
     def sample_at(self, probs: torch.Tensor, position: int) -> int:
@@ -201,7 +208,7 @@ class Sampler:
         flat = probs.reshape(-1).to("cpu", torch.float32)  # the noise is drawn on the CPU
         if bool(flat.sum() <= 0) or not bool(torch.isfinite(flat).all()) or bool((flat < 0).any()):
             raise ValueError("sample_at needs finite, non-negative probabilities with a positive sum")
-        return int((flat / self.race_noise(position, flat.numel())).argmax())
+        return argmax(flat / self.race_noise(position, flat.numel()))
 
     def race_noise(self, position: int, size: int) -> torch.Tensor:
         """Exp(1) draws ``[size]`` that depend only on (seed, position): a generator seeded by a

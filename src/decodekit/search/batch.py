@@ -24,6 +24,7 @@ import torch
 from ..engine.core import Generation, GenerationStats, Request, check_fits
 from ..engine.stops import cut_at_stop, hits_stop
 from ..models import LoadedModel
+from ..models.kernels import argmax_rows
 from ..samplers import Histories, Sampler
 from .cache import PrefixCache
 
@@ -108,7 +109,7 @@ class RowSamplers:
         drawn with slot ``slots[j]``'s seed (keyed, as plain sampling draws: see ``Sampler.sample_at``)."""
         processed = self.base.process(logits, histories)
         if self.greedy:
-            return processed.argmax(dim=-1).tolist()
+            return argmax_rows(processed)
         probs = torch.softmax(processed, dim=-1)
         return [self.samplers[s].sample_at(probs[j], positions[j]) for j, s in enumerate(slots)]
 

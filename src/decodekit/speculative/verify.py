@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..engine.core import DecodeState
+from ..models.kernels import argmax_rows
 from ..samplers import Histories
 from .tree import DraftTree, Verification
 
@@ -94,7 +95,7 @@ class GreedyVerifier(PathVerifier):
     (of the *processed* logits, so greedy decoding with penalties stays exact)."""
 
     def chooser(self, state: DecodeState, processed: torch.Tensor):
-        targets = processed.argmax(dim=-1).tolist()
+        targets = argmax_rows(processed)
         return lambda row, depth: targets[row]
 
 

@@ -428,6 +428,32 @@ def top_k_indices(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @cache
+def _argmax_function() -> ctypes._CFuncPtr | None:
+    fn = _c_function("topk", "decodekit_argmax_f32", [ctypes.c_void_p, ctypes.c_int64])
+    if fn is not None:
+        fn.restype = ctypes.c_int64
+    return fn
+
+
+def argmax(x: torch.Tensor) -> int:
+    """``int(x.argmax())`` for a 1-D tensor: the first index of the largest entry (NaN counted as
+    largest, as torch counts it). ``topk.c`` for a contiguous float32 row on the CPU, where
+    torch.argmax spends most of a vocabulary-sized row on tracking indices; torch otherwise."""
+    fn = _argmax_function()
+    if fn is not None and x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous() and x.device.type == "cpu":
+        at = fn(x.data_ptr(), x.numel())
+        if at >= 0:
+            return at
+    return int(x.argmax())  # (and a row with a NaN, which the kernel leaves to torch)
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """``x.argmax(dim=-1).tolist()`` for a matrix ``[rows, n]``, row by row as :func:`argmax`."""
+    x = x.contiguous() if x.dtype == torch.float32 else x
+    return [argmax(row) for row in x]
+
+
+@cache
 def _mask_function() -> ctypes._CFuncPtr | None:
     return _c_function("token_mask", "decodekit_mask_logits_f32", [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2)
 
@@ -448,6 +474,29 @@ def mask_logits(out: torch.Tensor, bits: np.ndarray, source: torch.Tensor | None
         return
     bits = np.ascontiguousarray(bits)
     fn(out.data_ptr(), source.data_ptr(), bits.ctypes.data, out.numel(), known)
+
+
+@cache
+def _masked_argmax_function() -> ctypes._CFuncPtr | None:
+    fn = _c_function("token_mask", "decodekit_masked_argmax_f32", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2)
+    if fn is not None:
+        fn.restype = ctypes.c_int64
+    return fn
+
+
+def masked_argmax(x: torch.Tensor, bits: np.ndarray) -> int:
+    """:func:`argmax` of the row :func:`mask_logits` makes from ``x [V]`` and ``bits``, without
+    making it: greedy decoding under a grammar reads the logits once and writes nothing."""
+    fn = _masked_argmax_function()
+    if (fn is not None and bits.size % 2 == 0 and bits.dtype == np.uint8 and x.dim() == 1 and x.dtype == torch.float32
+            and x.is_contiguous() and x.device.type == "cpu"):
+        bits = np.ascontiguousarray(bits)
+        at = fn(x.data_ptr(), bits.ctypes.data, x.numel(), min(8 * bits.size, x.numel()))
+        if at >= 0:
+            return at
+    masked = torch.empty(x.shape, dtype=torch.float32)
+    mask_logits(masked, bits, source=x.to(torch.float32).contiguous())
+    return argmax(masked)
 
 
 class LayerOps:

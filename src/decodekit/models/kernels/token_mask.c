@@ -30,3 +30,52 @@ void decodekit_mask_logits_f32(float *out, const float *in, const uint8_t *bits,
     for (; i < n; i++)
         out[i] = -INFINITY;
 }
+
+/* The argmax of the row decodekit_mask_logits_f32 would write, without writing it: the first index
+ * of the largest allowed logit (greedy decoding under a grammar needs only that token). Each lane
+ * keeps its largest allowed value and where it was, starting from -inf at the lane's first index,
+ * so a row with nothing above -inf answers 0, as torch.argmax of the masked row does. -1 where an
+ * allowed logit is NaN (torch would answer its index; the caller defers to torch). */
+int64_t decodekit_masked_argmax_f32(const float *in, const uint8_t *bits, int64_t n, int64_t known) {
+    int64_t end = known < n ? known : n;
+    int64_t i = 0, best_at = 0;
+    float best = -INFINITY;
+    if (end >= 16) {
+        __m512 lane_best = _mm512_set1_ps(-INFINITY);
+        __m512i lane_at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i at = lane_at;
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        __mmask16 nan = 0;
+        for (; i + 16 <= end; i += 16) {
+            __mmask16 allowed = (__mmask16)half_word(bits, i / 16);
+            __m512 v = _mm512_loadu_ps(in + i);
+            __mmask16 greater = _mm512_mask_cmp_ps_mask(allowed, v, lane_best, _CMP_GT_OQ);
+            nan |= _mm512_mask_cmp_ps_mask(allowed, v, v, _CMP_UNORD_Q);
+            lane_best = _mm512_mask_mov_ps(lane_best, greater, v);
+            lane_at = _mm512_mask_mov_epi32(lane_at, greater, at);
+            at = _mm512_add_epi32(at, sixteen);
+        }
+        if (nan) return -1;
+        float values[16];
+        int32_t where[16];
+        _mm512_storeu_ps(values, lane_best);
+        _mm512_storeu_si512(where, lane_at);
+        best = values[0];
+        best_at = where[0];
+        for (int lane = 1; lane < 16; lane++) {
+            if (values[lane] > best || (values[lane] == best && where[lane] < best_at)) {
+                best = values[lane];
+                best_at = where[lane];
+            }
+        }
+    }
+    for (; i < end; i++) {
+        if (!((bits[i / 8] >> (i % 8)) & 1)) continue;
+        if (in[i] != in[i]) return -1;
+        if (in[i] > best) {
+            best = in[i];
+            best_at = i;
+        }
+    }
+    return best_at;  /* tokens past `known` are -inf: never above the best so far */
+}

@@ -54,3 +54,51 @@ void decodekit_topk_f32(const float *x, int32_t *out, int rows, int n, int k) {
         for (int i = 0; i < k; i++) out[(int64_t)r * k + i] = i < count ? index[i] : -1;
     }
 }
+
+/* The index of the largest value of x[0..n), the first one among equals (torch.argmax's choice),
+ * or -1 where x holds a NaN (torch.argmax then answers the NaN's index; the caller defers to it).
+ * One pass, 16 lanes each keeping its largest value and where it was: a later value must be
+ * strictly greater to replace it, so each lane keeps its first maximum; lanes then break ties by
+ * the lower index. torch.argmax spends most of a vocabulary-sized row on tracking indices. */
+int64_t decodekit_argmax_f32(const float *x, int64_t n) {
+    int64_t best_at = 0;
+    float best = n > 0 ? x[0] : -INFINITY;
+    int64_t j = 0;
+    if (n >= 16) {
+        __m512 lane_best = _mm512_loadu_ps(x);
+        __m512i lane_at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i at = lane_at;
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        __mmask16 nan = _mm512_cmp_ps_mask(lane_best, lane_best, _CMP_UNORD_Q);
+        /* (int32 lanes: rows are vocabularies, far below 2^31 entries) */
+        for (j = 16; j + 16 <= n; j += 16) {
+            __m512 v = _mm512_loadu_ps(x + j);
+            at = _mm512_add_epi32(at, sixteen);
+            __mmask16 greater = _mm512_cmp_ps_mask(v, lane_best, _CMP_GT_OQ);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            lane_best = _mm512_mask_mov_ps(lane_best, greater, v);
+            lane_at = _mm512_mask_mov_epi32(lane_at, greater, at);
+        }
+        if (nan) return -1;
+        float values[16];
+        int32_t where[16];
+        _mm512_storeu_ps(values, lane_best);
+        _mm512_storeu_si512(where, lane_at);
+        best = values[0];
+        best_at = where[0];
+        for (int lane = 1; lane < 16; lane++) {
+            if (values[lane] > best || (values[lane] == best && where[lane] < best_at)) {
+                best = values[lane];
+                best_at = where[lane];
+            }
+        }
+    }
+    for (; j < n; j++) {
+        if (x[j] != x[j]) return -1;
+        if (x[j] > best) {
+            best = x[j];
+            best_at = j;
+        }
+    }
+    return best_at;
+}
