@@ -41,7 +41,7 @@ def main() -> None:
             for seed in range(args.seeds):
                 method = SpeculativeMethod(drafter, Controller(args.budget, budget=args.budget), verifier)
                 sampler = Sampler.from_params(temperature=args.temperature, seed=seed)
-                out = StepDecoder(method).generate(model, Request(list(ids), sampler, max_new_tokens=args.max_new_tokens))
+                StepDecoder(method).generate(model, Request(list(ids), sampler, max_new_tokens=args.max_new_tokens))
                 accepted += method.accepted
                 drafted += method.drafted
         print(f"{label}: {accepted}/{drafted} draft tokens accepted ({accepted / max(drafted, 1):.3f})")

@@ -14,7 +14,7 @@ from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.backend import Backend, ModelInfo, StepOutput
 from decodekit.models.tiny import tiny_llama
 from decodekit.search import SampleDecoder, decode_batch, majority_vote, mbr_select
-from decodekit.search.batch import Sample, SearchContext, StepRecorder, step_done
+from decodekit.search.batch import Sample, StepRecorder, step_done
 from decodekit.search.beam import gnmt_penalty
 from decodekit.search.cache import PrefixCache
 from decodekit.search.cot import answer_token_span, choose_path, path_confidence

@@ -4,7 +4,6 @@ files, and the lossless promise (greedy token identity, keyed-sampling identity,
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 from collections import Counter
 

@@ -6,7 +6,6 @@ works for every architecture transformers knows that accepts a 4-D attention mas
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch

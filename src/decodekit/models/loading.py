@@ -21,12 +21,16 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import CacheError, InvalidModel, InvalidParameter, ModelNotFound
 from .backend import Backend
 from .cache import cache_root, cached_folder
+
+if TYPE_CHECKING:
+    from .kv_policy import KVPolicy
 
 DEFAULT_MODEL = "smollm2-135m"
 

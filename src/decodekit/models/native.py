@@ -896,7 +896,7 @@ class NativeLlama(Backend):
             return StepOutput(logits=logits[None], features=features[None])
         # the kernels' thread count for this pass; one-token passes are timed for the governor
         with GOVERNOR.governed(self.info.name, timed=tokens.numel() == 1 and not skip_layers):
-            c, w = self.config, self.weights
+            w = self.weights
             batch, k = tokens.shape
             start = self._slots
             self._ensure_capacity(start + k)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from decodekit.errors import InvalidParameter
-from decodekit.models.kernels import argmax
+from decodekit.models.kernels import argmax, exponential_race
 from decodekit.options import check_int, check_real, keyword_signature, parse_options
 from decodekit.samplers.base import LogitsProcessor
 from decodekit.samplers.params import SAMPLER_OPTIONS, SAMPLER_PARAMS  # noqa: F401  (SAMPLER_PARAMS re-exported)
@@ -204,20 +204,15 @@ class Sampler:
         never on what was drawn before, so the token at a position is fixed before any drafting:
         a speculative method reproduces plain sampling token for token, whatever it drafts and
         however its steps are timed; a draft drawn with the same E (a draft model at temperature)
-        agrees with the target as often as the two distributions allow this coupling."""
-        flat = probs.reshape(-1).to("cpu", torch.float32)  # the noise is drawn on the CPU
-        if bool(flat.sum() <= 0) or not bool(torch.isfinite(flat).all()) or bool((flat < 0).any()):
-            raise ValueError("sample_at needs finite, non-negative probabilities with a positive sum")
-        return argmax(flat / self.race_noise(position, flat.numel()))
+        agrees with the target as often as the two distributions allow this coupling.
 
-    def race_noise(self, position: int, size: int) -> torch.Tensor:
-        """Exp(1) draws ``[size]`` that depend only on (seed, position): a generator seeded by a
-        splitmix64 hash of the two (so neighbouring positions get unrelated streams)."""
-        generator = torch.Generator()
-        generator.manual_seed(splitmix64(self.seed ^ splitmix64(position + 1)))
-        # -log U with U uniform in [0, 1): Exp(1), at float32 resolution as torch's own samplers
-        # (several times faster than Tensor.exponential_ on the CPU)
-        return torch.rand(size, generator=generator).log_().neg_()
+        E(v) = -log U(v), U(v) a hash of the key and v (:func:`..models.kernels.exponential_race`,
+        which finds the winner without the logarithm of every U); the key is a splitmix64 hash of
+        seed and position, so neighbouring positions get unrelated noise."""
+        try:
+            return exponential_race(probs, splitmix64(self.seed ^ splitmix64(position + 1)))
+        except ValueError:
+            raise ValueError("sample_at needs finite, non-negative probabilities with a positive sum") from None
 
     def sample_from(self, probs: torch.Tensor) -> torch.Tensor:
         """One draw per row from (possibly unnormalised, non-negative) ``probs`` ``[..., V]``,
@@ -251,7 +246,7 @@ MASK64 = (1 << 64) - 1
 
 def splitmix64(x: int) -> int:
     """A 64-bit integer hash (Steele et al.'s SplitMix64 finaliser): nearby inputs, unrelated outputs.
-    The result is kept below 2**63, which ``torch.Generator.manual_seed`` takes on every platform."""
+    The result is kept below 2**63 (seeds and keys stay non-negative 64-bit integers everywhere)."""
     x = (x + 0x9E3779B97F4A7C15) & MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64

@@ -1,23 +1,20 @@
 """Compiled kernels for what torch does slowly or inconsistently here, built on first use.
 
 * ``gemm.c``: a float32 or bfloat16 weight matrix (or GGUF blocks of the types in :data:`EXACT_BLOCK_KINDS`, rebuilt in
-  float32 on the fly) times a few rows, what a decode step (one row)
-  or a verification pass (a few) spends most of its time on. Measured on this project's AMD EPYC
-  machine (``torch.nn.functional.linear``, i.e. oneDNN, in the same run; medians of 20): the
-  3072x576 gate/up projection in float32 320 vs 482 us for 1 row, 741 vs 899 us for 16; the
-  49152x576 lm head 4.0 vs 11.6 ms for 1 row; in bfloat16 2.2 vs 4.9 ms for 1 row, 7.4 vs 7.0
-  ms for 16 (the kernel is kept there too: its rounding does not depend on the row count).
+  float32 on the fly) times a few rows, what a decode step (one row) or a verification pass (a
+  few) spends most of its time on (``exact`` numerics; docs/BENCHMARKS.md compares it with oneDNN).
 * ``attention.c``: attention over the cache for a few queries, each computed from the keys it
   sees in cache order.
 * ``layer_ops.c``: a layer's element-wise work (residual add + RMSNorm, SiLU gating, rotary
   embedding + cache write) in one call each instead of a handful of torch ops.
 * ``topk.c``: the k best entries of a few rows of logits in one pass (token recycling's
-  per-step table refresh).
-* ``token_mask.c``: a grammar's token bitmask applied to a row of logits (structured decoding).
+  per-step table refresh), and the argmax of a row (every greedy step).
+* ``token_mask.c``: a grammar's token bitmask applied to a row of logits, or the row's best
+  allowed token found without writing the masked row (structured decoding).
+* ``race.c``: a seeded draw from a distribution by an exponential race with keyed noise, taking
+  the logarithm for the few tokens that can win (every sampled step).
 * ``gemm_q8.c``: GGUF blocks times inputs quantised to 8 bits, with AVX512-VNNI integer dot
-  products, and its scalar reference. It is the kernel of the coming ``fast`` numerics and is not
-  used for decoding yet: as written it is slower than the float32 block kernel (see
-  docs/BENCHMARKS.md).
+  products, and its scalar reference: the ``fast`` numerics.
 * ``forward.c``: every decoder layer of a few-row pass in one call, calling the kernels above
   through function pointers in the layer-by-layer order (:class:`DecoderLayers`).
 
@@ -35,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -53,7 +51,7 @@ MAX_ROWS = 64  # passes of up to this many tokens use the kernels
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-lm"]
 #: Instructions only some AVX-512 CPUs have, for the one library that uses them (it checks the CPU
 #: before use, so the other libraries never contain them).
-EXTRA_FLAGS = {"gemm_q8": ["-mavx512vnni"]}
+EXTRA_FLAGS = {"gemm_q8": ["-mavx512vnni"], "race": ["-mavx512dq"]}
 
 MatmulKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
@@ -451,6 +449,68 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     """``x.argmax(dim=-1).tolist()`` for a matrix ``[rows, n]``, row by row as :func:`argmax`."""
     x = x.contiguous() if x.dtype == torch.float32 else x
     return [argmax(row) for row in x]
+
+
+@cache
+def _race_function() -> ctypes._CFuncPtr | None:
+    lib = _library("race")
+    if lib is None or not lib.decodekit_has_avx512dq():  # built with AVX512DQ allowed: only where it runs
+        return None
+    fn = lib.decodekit_race_f32
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64], ctypes.c_int64
+    return fn
+
+
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_RACE_MARGIN = 1.0 + 1e-6  # as race.c's MARGIN
+
+
+def race_uniforms(key: int, n: int) -> np.ndarray:
+    """U(v) for v < n, float64 in (0, 1]: race.c's keyed uniforms (the SplitMix64 finaliser of
+    ``key + (v + 1) * golden``, its top 53 bits plus one, times 2^-53)."""
+    with np.errstate(over="ignore"):  # 64-bit arithmetic wraps, as in C
+        z = np.uint64(key) + np.arange(1, n + 1, dtype=np.uint64) * np.uint64(_GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+        z ^= z >> np.uint64(31)
+    return ((z >> np.uint64(11)) + np.uint64(1)).astype(np.float64) * 2.0**-53
+
+
+def _race_ratio(p: float, u: float) -> float:
+    e = -math.log(u)
+    return p / e if e > 0 else math.inf
+
+
+def _race_without_kernel(p: np.ndarray, key: int) -> int:
+    """race.c's answer with numpy and math.log (libm's log, as the kernel's): the same token. The
+    filter differs (a lower bound on the winner's ratio first, which numpy computes for the whole
+    row at once), and lets through every token that can win, as the kernel's does."""
+    if not (np.isfinite(p).all() and (p >= 0).all() and p.max() > 0):
+        return -1
+    u, p = race_uniforms(key, p.size), p.astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):  # u = 1: an infinite bound (or NaN where p = 0)
+        floor = np.nanmax(p * u / (1.0 - u))
+    scale = _RACE_MARGIN / (floor / _RACE_MARGIN)
+    best, best_at = -1.0, -1
+    for v in np.flatnonzero((p > 0) & (u >= 1.0 - p * scale)).tolist():  # in index order
+        r = _race_ratio(float(p[v]), float(u[v]))
+        if r > best:
+            best, best_at = r, v
+    return best_at
+
+
+def exponential_race(probs: torch.Tensor, key: int) -> int:
+    """argmax_v p(v) / E(v) with E(v) = -log U(v) (:func:`race_uniforms`; Exp(1), i.i.d. over v for
+    a key): a draw from ``probs`` ``[V]`` (non-negative, possibly unnormalised) that depends only on
+    ``key`` and the distribution. ``race.c`` where available (it takes the logarithm for the few
+    tokens that can win), else the same algorithm in numpy; ValueError unless the entries are
+    finite and non-negative with a positive sum."""
+    p = probs.reshape(-1).to("cpu", torch.float32).contiguous()
+    fn = _race_function()
+    at = fn(p.data_ptr(), p.numel(), key) if fn is not None else _race_without_kernel(p.numpy(), key)
+    if at < 0:
+        raise ValueError("sampling needs finite, non-negative probabilities with a positive sum")
+    return at
 
 
 @cache
