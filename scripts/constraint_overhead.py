@@ -2,8 +2,8 @@
 method constrained and unconstrained (tokens/s, mean of a few prompts after one untimed request),
 validity of the constrained outputs (``jsonschema``), whether they are constrained greedy's tokens,
 the share of tokens that were forced text drafted for free, and what the mask adds to a forward
-pass: the sampler's median call times its calls a pass, constrained minus unconstrained, against
-the constrained decode time per pass (the median over the prompts).
+pass: the seconds spent in the sampler per forward pass, constrained minus unconstrained, against
+the constrained decode time per pass (medians over the prompts).
 
     .venv/bin/python scripts/constraint_overhead.py [--numerics fast] [--llamacpp]
 
@@ -43,7 +43,20 @@ def main() -> None:
     parser.add_argument("--llamacpp", action="store_true", help="also llama-cpp-python's constrained greedy (end to end)")
     args = parser.parse_args()
     engine = Engine(load_model(numerics=args.numerics))
-    clock = SamplerClock()
+    with SamplerClock() as clock:
+        constrained_table(engine, clock)
+    if args.llamacpp:
+        import torch
+
+        ours = end_to_end(engine)
+        theirs, valid = llamacpp_end_to_end(torch.get_num_threads())
+        print(f"\nconstrained greedy end to end: decodekit {statistics.mean(ours):.1f} tok/s, llama-cpp-python "
+              f"{statistics.mean(theirs):.1f} tok/s ({valid}/{len(PROMPTS)} valid): "
+              f"{statistics.mean(ours) / statistics.mean(theirs):.2f}×")
+
+
+def constrained_table(engine: Engine, clock: "SamplerClock") -> None:
+    """Each method constrained and unconstrained on the prompts: the table's rows."""
     print("| method | constrained tok/s | × constrained greedy | unconstrained tok/s | valid JSON | = constrained greedy "
           "| forced share | mask us a pass | share of a pass |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -51,8 +64,7 @@ def main() -> None:
     greedy_rate = None
     for method in ("greedy", "pld", "suffix", "auto"):
         rates, plain, valid, same, forced, tokens = [], [], 0, 0, 0, 0
-        calls = {True: [], False: []}  # seconds of each sampler call
-        calls_a_pass = {True: [], False: []}  # per request: sampler calls per forward pass
+        sampler_s = {True: [], False: []}  # per request: seconds in the sampler per forward pass
         pass_s = []  # per constrained request: decode seconds per forward pass
         for constrained, rates_of in ((True, rates), (False, plain)):
             kw = {"constraint": {"json_schema": SCHEMA}} if constrained else {}
@@ -61,8 +73,7 @@ def main() -> None:
                 clock.calls.clear()
                 g = engine.generate(prompt, method=method, max_new_tokens=96, **kw)
                 rates_of.append(g.stats.tokens_per_s)
-                calls[constrained] += clock.calls
-                calls_a_pass[constrained].append(len(clock.calls) / g.stats.forward_passes)
+                sampler_s[constrained].append(sum(clock.calls) / g.stats.forward_passes)
                 if constrained:
                     pass_s.append(g.stats.decode_s / g.stats.forward_passes)
                     reference.setdefault(prompt, g.tokens)
@@ -74,21 +85,11 @@ def main() -> None:
                         valid += 1
                     except (ValueError, jsonschema.ValidationError):
                         pass
-        mask_s = (statistics.median(calls[True]) * statistics.mean(calls_a_pass[True])
-                  - statistics.median(calls[False]) * statistics.mean(calls_a_pass[False]))
+        mask_s = statistics.median(sampler_s[True]) - statistics.median(sampler_s[False])
         greedy_rate = greedy_rate or statistics.mean(rates)
         print(f"| {method} | {statistics.mean(rates):.1f} | {statistics.mean(rates) / greedy_rate:.2f}× "
               f"| {statistics.mean(plain):.1f} | {valid}/{len(PROMPTS)} | {same}/{len(PROMPTS)} | {100 * forced / tokens:.0f}% "
               f"| {mask_s * 1e6:.0f} | {100 * mask_s / statistics.median(pass_s):.1f}% |")
-    clock.stop()
-    if args.llamacpp:
-        import torch
-
-        ours = end_to_end(engine)
-        theirs, valid = llamacpp_end_to_end(torch.get_num_threads())
-        print(f"\nconstrained greedy end to end: decodekit {statistics.mean(ours):.1f} tok/s, llama-cpp-python "
-              f"{statistics.mean(theirs):.1f} tok/s ({valid}/{len(PROMPTS)} valid): "
-              f"{statistics.mean(ours) / statistics.mean(theirs):.2f}×")
 
 
 class SamplerClock:
@@ -115,7 +116,10 @@ class SamplerClock:
                     self.calls.append(time.perf_counter() - t0)
         return timed
 
-    def stop(self) -> None:
+    def __enter__(self) -> "SamplerClock":
+        return self
+
+    def __exit__(self, *exc) -> None:
         for name, original in self._originals.items():
             setattr(Sampler, name, original)
 

@@ -1,7 +1,8 @@
 """What a decode step spends choosing its token, and the decode rate around it, on the embedded model:
 plain greedy and plain sampling (temperature 0.7) on the first questions of the Spec-Bench dev split,
-the median time of the sampler's pick per step and the decode tokens per second. One process per
-call, so that two builds can be run alternately and compared.
+the median time of the sampler's pick per step and the decode tokens per second; then `pld` sampling
+(whose verification draws a keyed sample for every row it checks) against plain sampling. One
+process per call, so that two builds can be run alternately and compared.
 
     .venv/bin/python scripts/step_cost.py [--questions 4] [--tokens 128] [--numerics fast]
 """
@@ -37,15 +38,18 @@ def main() -> None:
             picks.append(time.perf_counter() - t0)
 
     Sampler.pick_at = timed
-    for method, params in (("greedy", {}), ("sample", {"temperature": 0.7, "seed": 1})):
-        engine.generate(prompts[0], method=method, max_new_tokens=16, **params)  # untimed
-        picks.clear()
-        tokens = seconds = 0.0
-        for prompt in prompts:
-            g = engine.generate(prompt, method=method, max_new_tokens=args.tokens, **params)
-            tokens, seconds = tokens + len(g.tokens), seconds + g.stats.decode_s
-        print(f"{method}: pick {statistics.median(picks) * 1e6:.0f} us (median), decode {tokens / seconds:.1f} tok/s")
-
+    try:
+        sampling = {"temperature": 0.7, "seed": 1}
+        for method, params in (("greedy", {}), ("sample", sampling), ("pld", sampling)):
+            engine.generate(prompts[0], method=method, max_new_tokens=16, **params)  # untimed
+            picks.clear()
+            tokens = seconds = 0.0
+            for prompt in prompts:
+                g = engine.generate(prompt, method=method, max_new_tokens=args.tokens, **params)
+                tokens, seconds = tokens + len(g.tokens), seconds + g.stats.decode_s
+            print(f"{method}: pick {statistics.median(picks) * 1e6:.0f} us (median), decode {tokens / seconds:.1f} tok/s")
+    finally:
+        Sampler.pick_at = pick_at
 
 if __name__ == "__main__":
     main()

@@ -313,8 +313,7 @@ def race_by_brute_force(p: torch.Tensor, key: int) -> int:
     best, best_at = -1.0, -1
     for v, pv in enumerate(p.tolist()):
         if pv > 0:
-            e = -math.log(u[v])
-            r = pv / e if e > 0 else math.inf
+            r = pv / -math.log(u[v])
             if r > best:
                 best, best_at = r, v
     return best_at
@@ -349,10 +348,47 @@ def test_the_exponential_race_is_the_argmax_over_every_token(kernel, monkeypatch
             kernels.exponential_race(torch.tensor(bad), 7)
 
 
+def key_giving(v: int, h: int) -> int:
+    """The race key for which token v's SplitMix64 output is h (the finaliser inverted)."""
+    mask = 2**64 - 1
+
+    def unshift(y: int, s: int) -> int:  # inverts y = x ^ (x >> s)
+        x = y
+        for _ in range(64 // s + 1):
+            x = y ^ (x >> s)
+        return x & mask
+
+    z = unshift(h, 31) * pow(0x94D049BB133111EB, -1, 2**64) & mask
+    z = unshift(z, 27) * pow(0xBF58476D1CE4E5B9, -1, 2**64) & mask
+    return (unshift(z, 30) - (v + 1) * 0x9E3779B97F4A7C15) & mask
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False], ids=["kernel", "fallback"])
+@pytest.mark.parametrize("n, v", [(16, 8), (9, 8), (24, 17)])
+def test_a_token_at_the_top_cell_of_the_uniforms_wins_by_a_hair(n, v, kernel, monkeypatch):
+    """The filter's edge: U(v) = 1 - 2^-53 (E about 1.1e-16), and p(v) one float32 step above or
+    below what ties token 0. Rounding 1 - p / best lands on U itself there: the bar must let U
+    through (>=), or the winner is lost (the bar compared with >, found in review)."""
+    import math
+
+    if not kernel:
+        monkeypatch.setattr(kernels, "_race_function", lambda: None)
+    key = key_giving(v, 2**64 - 1)
+    u = kernels.race_uniforms(key, n)
+    assert u[v] == 1 - 2**-53
+    lead = 1.0 / -math.log(u[0])  # token 0's ratio with p(0) = 1
+    tie = torch.tensor(lead * -math.log(u[v]), dtype=torch.float32)
+    for p_v, winner in ((torch.nextafter(tie, torch.tensor(1.0)), v), (torch.nextafter(tie, torch.tensor(0.0)), 0)):
+        p = torch.zeros(n)
+        p[0], p[v] = 1.0, p_v
+        assert race_by_brute_force(p, key) == winner
+        assert kernels.exponential_race(p, key) == winner
+
+
 def test_the_race_uniforms_are_uniform_and_keyed():
-    """U(v) in (0, 1], a different stream for a different key, and its first moments those of a
+    """U(v) in (0, 1), a different stream for a different key, and its first moments those of a
     uniform (a mean off by 0.01 would fail: the standard error here is 0.0006)."""
     u = kernels.race_uniforms(12345, 200_000)
-    assert u.min() > 0 and u.max() <= 1
+    assert u.min() > 0 and u.max() < 1
     assert abs(u.mean() - 0.5) < 0.003 and abs(u.var() - 1 / 12) < 0.002
     assert (kernels.race_uniforms(12346, 100) != u[:100]).all()

@@ -438,7 +438,7 @@ def argmax(x: torch.Tensor) -> int:
     largest, as torch counts it). ``topk.c`` for a contiguous float32 row on the CPU, where
     torch.argmax spends most of a vocabulary-sized row on tracking indices; torch otherwise."""
     fn = _argmax_function()
-    if fn is not None and x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous() and x.device.type == "cpu":
+    if fn is not None and _kernel_row(x):
         at = fn(x.data_ptr(), x.numel())
         if at >= 0:
             return at
@@ -447,8 +447,16 @@ def argmax(x: torch.Tensor) -> int:
 
 def argmax_rows(x: torch.Tensor) -> list[int]:
     """``x.argmax(dim=-1).tolist()`` for a matrix ``[rows, n]``, row by row as :func:`argmax`."""
-    x = x.contiguous() if x.dtype == torch.float32 else x
-    return [argmax(row) for row in x]
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        return x.argmax(dim=-1).tolist()
+    return [argmax(row) for row in x.contiguous()]
+
+
+def _kernel_row(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a row the argmax kernels take: contiguous float32 on the CPU, with at least
+    one and fewer than 2^31 entries (their lanes count in int32); torch answers for the rest."""
+    return (x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous() and x.device.type == "cpu"
+            and 0 < x.numel() < 2**31)
 
 
 @cache
@@ -466,19 +474,18 @@ _RACE_MARGIN = 1.0 + 1e-6  # as race.c's MARGIN
 
 
 def race_uniforms(key: int, n: int) -> np.ndarray:
-    """U(v) for v < n, float64 in (0, 1]: race.c's keyed uniforms (the SplitMix64 finaliser of
-    ``key + (v + 1) * golden``, its top 53 bits plus one, times 2^-53)."""
+    """U(v) for v < n, float64 in (0, 1): race.c's keyed uniforms (h, the SplitMix64 finaliser of
+    ``key + (v + 1) * golden``, gives ``(2 (h >> 12) + 1) 2^-53``)."""
     with np.errstate(over="ignore"):  # 64-bit arithmetic wraps, as in C
         z = np.uint64(key) + np.arange(1, n + 1, dtype=np.uint64) * np.uint64(_GOLDEN)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
         z ^= z >> np.uint64(31)
-    return ((z >> np.uint64(11)) + np.uint64(1)).astype(np.float64) * 2.0**-53
+    return (((z >> np.uint64(12)) << np.uint64(1)) | np.uint64(1)).astype(np.float64) * 2.0**-53
 
 
 def _race_ratio(p: float, u: float) -> float:
-    e = -math.log(u)
-    return p / e if e > 0 else math.inf
+    return p / -math.log(u)
 
 
 def _race_without_kernel(p: np.ndarray, key: int) -> int:
@@ -488,8 +495,7 @@ def _race_without_kernel(p: np.ndarray, key: int) -> int:
     if not (np.isfinite(p).all() and (p >= 0).all() and p.max() > 0):
         return -1
     u, p = race_uniforms(key, p.size), p.astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):  # u = 1: an infinite bound (or NaN where p = 0)
-        floor = np.nanmax(p * u / (1.0 - u))
+    floor = np.max(p * u / (1.0 - u))
     scale = _RACE_MARGIN / (floor / _RACE_MARGIN)
     best, best_at = -1.0, -1
     for v in np.flatnonzero((p > 0) & (u >= 1.0 - p * scale)).tolist():  # in index order
@@ -505,6 +511,8 @@ def exponential_race(probs: torch.Tensor, key: int) -> int:
     ``key`` and the distribution. ``race.c`` where available (it takes the logarithm for the few
     tokens that can win), else the same algorithm in numpy; ValueError unless the entries are
     finite and non-negative with a positive sum."""
+    if not 0 <= key < 2**64:
+        raise ValueError(f"a race's key is a 64-bit unsigned integer, got {key}")
     p = probs.reshape(-1).to("cpu", torch.float32).contiguous()
     fn = _race_function()
     at = fn(p.data_ptr(), p.numel(), key) if fn is not None else _race_without_kernel(p.numpy(), key)
@@ -548,8 +556,7 @@ def masked_argmax(x: torch.Tensor, bits: np.ndarray) -> int:
     """:func:`argmax` of the row :func:`mask_logits` makes from ``x [V]`` and ``bits``, without
     making it: greedy decoding under a grammar reads the logits once and writes nothing."""
     fn = _masked_argmax_function()
-    if (fn is not None and bits.size % 2 == 0 and bits.dtype == np.uint8 and x.dim() == 1 and x.dtype == torch.float32
-            and x.is_contiguous() and x.device.type == "cpu"):
+    if fn is not None and bits.size % 2 == 0 and bits.dtype == np.uint8 and _kernel_row(x):
         bits = np.ascontiguousarray(bits)
         at = fn(x.data_ptr(), bits.ctypes.data, x.numel(), min(8 * bits.size, x.numel()))
         if at >= 0:

@@ -70,7 +70,7 @@ int64_t decodekit_argmax_f32(const float *x, int64_t n) {
         __m512i at = lane_at;
         const __m512i sixteen = _mm512_set1_epi32(16);
         __mmask16 nan = _mm512_cmp_ps_mask(lane_best, lane_best, _CMP_UNORD_Q);
-        /* (int32 lanes: rows are vocabularies, far below 2^31 entries) */
+        /* (int32 lanes: the caller passes rows of fewer than 2^31 entries) */
         for (j = 16; j + 16 <= n; j += 16) {
             __m512 v = _mm512_loadu_ps(x + j);
             at = _mm512_add_epi32(at, sixteen);
