@@ -65,14 +65,22 @@ def test_json_output_and_prompt_from_stdin(real_model):
 
 @pytest.mark.real_model
 def test_seeded_speculative_sampling_gives_samples_tokens_on_the_embedded_model(real_model):
+    """Two command-line runs (sample, pld) and the same requests in this process: the seed and the
+    position fix each token, whatever the method and whichever process draws it."""
+    from decodekit.engine import Engine
+
+    prompt, params = "Tell a short story about a fox.", {"temperature": 0.8, "seed": 7, "max_new_tokens": 40}
+
     def tokens(method: str) -> list[int]:
-        out = run_cli("generate", "Tell a short story about a fox.", "--method", method, "--temperature", "0.8",
-                      "--seed", "7", "--max-new-tokens", "40", "--json")
+        out = run_cli("generate", prompt, "--method", method, "--temperature", "0.8", "--seed", "7",
+                      "--max-new-tokens", "40", "--json")
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)["tokens"]
 
     want = tokens("sample")
-    assert tokens("pld") == want and tokens("suffix") == want and tokens("pld") == want  # run after run
+    assert tokens("pld") == want
+    engine = Engine(real_model)
+    assert all(engine.generate(prompt, method=m, **params).tokens == want for m in ("suffix", "pld", "sample"))
 
 
 @pytest.mark.real_model
