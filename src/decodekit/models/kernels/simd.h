@@ -49,4 +49,21 @@ static inline __m512 vexp(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* The largest of 16 lanes' values and where it was, the lowest index among equals: the last step
+ * of an argmax whose lanes each kept their first maximum (topk.c, token_mask.c). */
+static inline void largest_lane(__m512 lane_best, __m512i lane_at, float *best, int64_t *best_at) {
+    float values[16];
+    int32_t where[16];
+    _mm512_storeu_ps(values, lane_best);
+    _mm512_storeu_si512(where, lane_at);
+    *best = values[0];
+    *best_at = where[0];
+    for (int lane = 1; lane < 16; lane++) {
+        if (values[lane] > *best || (values[lane] == *best && where[lane] < *best_at)) {
+            *best = values[lane];
+            *best_at = where[lane];
+        }
+    }
+}
+
 #endif

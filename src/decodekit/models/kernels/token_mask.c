@@ -11,6 +11,8 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+
+#include "simd.h"
 #include <string.h>
 
 static inline uint16_t half_word(const uint8_t *bits, int64_t i) {
@@ -56,18 +58,7 @@ int64_t decodekit_masked_argmax_f32(const float *in, const uint8_t *bits, int64_
             at = _mm512_add_epi32(at, sixteen);
         }
         if (nan) return -1;
-        float values[16];
-        int32_t where[16];
-        _mm512_storeu_ps(values, lane_best);
-        _mm512_storeu_si512(where, lane_at);
-        best = values[0];
-        best_at = where[0];
-        for (int lane = 1; lane < 16; lane++) {
-            if (values[lane] > best || (values[lane] == best && where[lane] < best_at)) {
-                best = values[lane];
-                best_at = where[lane];
-            }
-        }
+        largest_lane(lane_best, lane_at, &best, &best_at);
     }
     for (; i < end; i++) {
         if (!((bits[i / 8] >> (i % 8)) & 1)) continue;

@@ -12,6 +12,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "simd.h"
+
 #define TOPK_MAX 64
 
 static inline void insert(float *best, int32_t *index, int *count, int k, float value, int32_t at) {
@@ -80,18 +82,7 @@ int64_t decodekit_argmax_f32(const float *x, int64_t n) {
             lane_at = _mm512_mask_mov_epi32(lane_at, greater, at);
         }
         if (nan) return -1;
-        float values[16];
-        int32_t where[16];
-        _mm512_storeu_ps(values, lane_best);
-        _mm512_storeu_si512(where, lane_at);
-        best = values[0];
-        best_at = where[0];
-        for (int lane = 1; lane < 16; lane++) {
-            if (values[lane] > best || (values[lane] == best && where[lane] < best_at)) {
-                best = values[lane];
-                best_at = where[lane];
-            }
-        }
+        largest_lane(lane_best, lane_at, &best, &best_at);
     }
     for (; j < n; j++) {
         if (x[j] != x[j]) return -1;
