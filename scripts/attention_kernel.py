@@ -1,8 +1,11 @@
 """The attention kernel against an earlier version of itself: bit-identical outputs, and the time
 of one pass's attention over all 30 layers of the embedded model's shape (9 query heads, 3
-key/value heads, head size 64) at long context, with the caches cold (each layer its own).
+key/value heads, head size 64), with the caches cold (each layer its own). A pass of several rows
+has the mask a verification chain or a prefill chunk has: each row sees the context and the
+rows up to itself.
 
     .venv/bin/python scripts/attention_kernel.py --against 905ae4f   # any git revision of attention.c
+    .venv/bin/python scripts/attention_kernel.py --against HEAD --contexts 256,6000 --rows 1,8,32
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--against", required=True, help="git revision whose attention.c is compared")
     parser.add_argument("--contexts", default="2000,6000")
+    parser.add_argument("--rows", default="1,2,5")
     args = parser.parse_args()
     old_source = subprocess.run(["git", "show", f"{args.against}:src/decodekit/models/kernels/attention.c"],
                                 check=True, capture_output=True, text=True).stdout
@@ -56,14 +60,18 @@ def main() -> None:
             assert torch.equal(attend(libs["old"], q, k, v, visible), attend(libs["new"], q, k, v, visible)), trial
         print("bit-identical on 100 random shapes and masks")
         for context in map(int, args.contexts.split(",")):
-            layers = [(torch.randn(3, context, 64), torch.randn(3, context, 64)) for _ in range(30)]
-            for rows in (1, 2, 5):
+            for rows in map(int, args.rows.split(",")):
+                layers = [(torch.randn(3, context + rows, 64), torch.randn(3, context + rows, 64)) for _ in range(30)]
                 q = torch.randn(rows, 9, 64)
-                line = []
-                for name, lib in libs.items():
-                    best = min(_timed(lambda: [attend(lib, q, k, v, None) for k, v in layers]) for _ in range(5))
-                    line.append(f"{name} {best * 1e3:.2f} ms")
-                print(f"context {context}, {rows} row(s), 30 layers: " + ", ".join(line))
+                visible = None if rows == 1 else torch.ones(rows, context + rows, dtype=torch.uint8).tril(context)
+                times = {}
+                for turn in range(11):  # alternating, the fastest of eleven each
+                    for name, lib in (libs.items() if turn % 2 else reversed(libs.items())):
+                        took = _timed(lambda: [attend(lib, q, k, v, visible) for k, v in layers])
+                        times[name] = min(times.get(name, took), took)
+                print(f"context {context}, {rows} row(s), 30 layers: "
+                      + ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in times.items())
+                      + f", new / old {times['new'] / times['old']:.2f}")
 
 
 def _timed(fn) -> float:

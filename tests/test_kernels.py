@@ -92,6 +92,34 @@ def test_attention_kernel_matches_sdpa(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 48])  # a group's heads in one job (the model's size); one head a job
+def test_a_masked_query_gets_the_bits_of_its_visible_keys_alone(dtype, dim):
+    """The kernel walks a row's mask by runs of visible keys, 64 mask bytes at a time: runs that
+    cross 64-key boundaries, keys seen alone, whole 64-key spans unseen, a run to the last key.
+    Each query's result must be bit for bit the one it gets from its visible keys alone, packed
+    together with no mask (what a plain step over a contiguous cache computes)."""
+    attend = kernels.layout_independent_attention(dtype, dim)
+    if attend is None:
+        pytest.skip("no C compiler or no AVX-512 on this machine")
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, n_keys = 6, 2, 300
+    k = torch.randn(kv_heads, n_keys, dim, generator=gen).to(dtype)
+    v = torch.randn(kv_heads, n_keys, dim, generator=gen).to(dtype)
+    q = torch.randn(5, heads, dim, generator=gen).to(dtype)
+    visible = torch.zeros(5, n_keys, dtype=torch.bool)
+    visible[0] = True  # every key
+    visible[1, 3:250] = True  # one run across three 64-key spans, ending inside the fourth
+    visible[2, [0, 63, 64, 127, 128, 299]] = True  # keys alone, at the spans' edges and the last key
+    visible[3] = torch.rand(n_keys, generator=gen) < 0.5
+    visible[4, 200:] = True  # three 64-key spans unseen, then a run to the end
+    got = attend(q, k, v, visible, dim**-0.5)
+    for row in range(5):
+        seen = visible[row].nonzero().flatten()
+        alone = attend(q[row : row + 1], k[:, seen].contiguous(), v[:, seen].contiguous(), None, dim**-0.5)
+        assert torch.equal(got[row], alone[0]), row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tree_nodes_are_bit_identical_to_one_token_decoding(dtype):
     """With the kernels, verifying a token in a tree gives exactly the logits of plain one-token
     decoding of its path: lossless speculation holds bit for bit, also in bfloat16."""

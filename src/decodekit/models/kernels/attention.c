@@ -56,17 +56,21 @@ static float largest(const float *scores, int n) {
     return out;
 }
 
-/* The first key at or after j that the row sees (n when none): 64 mask bytes at a time, so a row
- * that sees a few keys of a long cache (kvdraft's windowed drafts) does not test every byte. */
-static inline int next_visible(const uint8_t *vis, int j, int n) {
-    if (!vis) return j;
+/* Where the row's next run of visible keys starts at or after j, and where it ends: the first key
+ * at or after j that the row sees (resp. does not see), n when none. 64 mask bytes at a time, so
+ * a row that sees a few keys of a long cache (kvdraft's windowed drafts) does not test every
+ * byte, and a row that sees a long prefix (verification, prefill, batches) tests none of it one
+ * by one. NULL: every key is visible. */
+static inline int next_run(const uint8_t *vis, int j, int n, int seen) {
+    if (!vis) return seen ? j : n;
     while (j < n) {
         if (n - j >= 64) {
             __m512i bytes = _mm512_loadu_si512((const void *)(vis + j));
-            uint64_t seen = _mm512_test_epi8_mask(bytes, bytes);
-            if (seen) return j + __builtin_ctzll(seen);
+            uint64_t found = _mm512_test_epi8_mask(bytes, bytes);
+            if (!seen) found = ~found;
+            if (found) return j + __builtin_ctzll(found);
             j += 64;
-        } else if (vis[j]) {
+        } else if (!vis[j] == !seen) {
             return j;
         } else {
             j++;
@@ -74,6 +78,13 @@ static inline int next_visible(const uint8_t *vis, int j, int n) {
     }
     return n;
 }
+
+/* Every key j < n the row sees, in cache order: the loop body runs once per visible key, with
+ * no test between the keys of a run (run_ and end_ bound each run). */
+#define FOR_EACH_VISIBLE(j, vis, n)                                                                 \
+    for (int run_ = next_run(vis, 0, n, 1), end_ = next_run(vis, run_, n, 0); run_ < (n);            \
+         run_ = next_run(vis, end_, n, 1), end_ = next_run(vis, run_, n, 0))                         \
+        for (int j = run_; j < end_; j++)
 
 /* The lane sums of 16 vectors at once: lane l of the result is the sum of the vector in slot
  * SLOT(l), added in _mm512_reduce_add_ps's pairing (lanes 8 apart, then 4, 2, 1), so a score
@@ -116,7 +127,7 @@ typedef struct {
         for (int m = 0; m < Q; m++)                                                                 \
             for (int c = 0; c < CH; c++) qv[m][c] = _mm512_loadu_ps(q[m] + 16 * c);                 \
         int n = 0, waiting = 0;                                                                     \
-        for (int j = next_visible(vis, 0, n_keys); j < n_keys; j = next_visible(vis, j + 1, n_keys)) { \
+        FOR_EACH_VISIBLE(j, vis, n_keys) { \
             const T *kj = kh + (size_t)j * CH * 16;                                                 \
             __m512 kv[CH];                                                                          \
             for (int c = 0; c < CH; c++) kv[c] = LOAD(kj + 16 * c);                                 \
@@ -170,7 +181,7 @@ typedef struct {
         __m512 qv[16];                                                                              \
         for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);                       \
         int n = 0, waiting = 0;                                                                     \
-        for (int j = next_visible(vis, 0, n_keys); j < n_keys; j = next_visible(vis, j + 1, n_keys)) { \
+        FOR_EACH_VISIBLE(j, vis, n_keys) { \
             const T *kj = kh + (size_t)j * chunks * 16;                                             \
             __m512 acc = _mm512_mul_ps(qv[0], LOAD(kj));                                            \
             for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], LOAD(kj + 16 * c), acc);  \
@@ -288,7 +299,7 @@ void decodekit_attention_q8(const float *q, const int8_t *k, const int8_t *v, co
             for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(qi + 16 * c);
             int n = 0, w = 0;
             float row_scales[16];
-            for (int j = next_visible(vis, 0, n_keys); j < n_keys; j = next_visible(vis, j + 1, n_keys)) {
+            FOR_EACH_VISIBLE(j, vis, n_keys) {
                 const int8_t *kj = kh + (size_t)j * row;
                 __m512 acc = _mm512_mul_ps(qv[0], load_q8(kj));
                 for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], load_q8(kj + 16 * c), acc);
