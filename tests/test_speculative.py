@@ -538,6 +538,33 @@ def test_a_pass_costs_more_after_a_longer_context():
     assert table(2) == 1.2  # no context given: the costs as measured at the shorter one
 
 
+def test_a_measured_table_never_prices_a_pass_above_a_longer_one():
+    """Another process only ever adds time: a size measured dearer than a larger one (a stalled
+    pass) takes the larger one's cost, at every measured context."""
+    table = CostTable.from_rows({256: {1: 1.0, 2: 3.0, 4: 2.0, 8: 4.0}, 1024: {1: 2.0, 2: 2.5, 4: 9.0, 8: 5.0}})
+    assert [table(n, 256) for n in (1, 2, 4, 8)] == [1.0, 2.0, 2.0, 4.0]
+    costs = [table(n, 1024) for n in (1, 2, 4, 8)]
+    assert costs == sorted(costs)
+
+
+def test_the_context_term_is_one_line_through_the_sizes():
+    """Every row of a pass reads the context (a) and attends to it (b per row): the per-context
+    term is a + b n, fitted to all sizes, so one noisy size does not decide the price of long
+    prompts; on a line it is recovered exactly; never negative."""
+    near = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7}
+    on_line = {n: cost + 1000 * (2e-3 + 1e-3 * n) for n, cost in near.items()}
+    table = CostTable.from_rows({0: near, 1000: on_line})
+    for n in near:
+        assert table(n, 6000) == pytest.approx(near[n] + 6000 * (2e-3 + 1e-3 * n))
+    noisy = {**on_line, 2: on_line[2] + 1.0}  # one size's far pass stalled
+    table = CostTable.from_rows({0: near, 1000: noisy})
+    terms = [table(n, 1000) - table(n, 0) for n in (1, 2, 4, 8)]
+    assert terms[2] - terms[1] == pytest.approx(2 * (terms[1] - terms[0]))  # collinear in n
+    assert terms[3] - terms[2] == pytest.approx(4 * (terms[1] - terms[0]))
+    falling = CostTable.from_rows({0: near, 1000: {1: 3.0, 2: 3.0, 4: 3.1, 8: 3.2}})  # terms fall with n: flat
+    assert all(falling(n, 1000) - falling(n, 0) >= 0 for n in near)
+
+
 def test_observed_pass_times_are_compared_at_their_own_context():
     table = CostTable.from_rows({0: {1: 1.0, 8: 2.0}, 1000: {1: 2.0, 8: 6.0}})
     for _ in range(40):

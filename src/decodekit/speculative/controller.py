@@ -105,6 +105,29 @@ def _interpolate(xs: list[int], ys: list[float], x: int) -> float:
     return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
 
 
+def _non_decreasing(row: Mapping[int, float]) -> dict[int, float]:
+    """Each size's cost, or a larger size's if that is lower (the lower envelope from the right)."""
+    out: dict[int, float] = {}
+    lowest = math.inf
+    for n in sorted(row, reverse=True):
+        lowest = out[n] = min(lowest, row[n])
+    return out
+
+
+def _line_at_or_above_zero(points: Mapping[int, float]) -> tuple[float, float]:
+    """Least-squares ``a + b x`` through ``{x: y}`` with a, b >= 0."""
+    xs, ys = list(points), list(points.values())
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    b = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
+    a = mean_y - b * mean_x
+    if b < 0:  # flat: the mean
+        return max(mean_y, 0.0), 0.0
+    if a < 0:  # through zero
+        return 0.0, max(sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs), 0.0)
+    return a, b
+
+
 class CostTable:
     """Seconds per forward pass of ``n`` new tokens after ``context`` cached ones.
 
@@ -202,12 +225,21 @@ class CostTable:
     @classmethod
     def from_rows(cls, rows: Mapping[int, Mapping[int, float]]) -> "CostTable":
         """A table from costs measured at one or more contexts (``{context: {n: seconds}}``): the
-        shortest context's row, and the per-context term from the shortest to the longest."""
+        shortest context's row, and the per-context term from the shortest to the longest.
+
+        Measurements are cleaned of what noise does to them: a pass of n tokens never costs more
+        than one of more tokens (another process only ever adds time), so each size keeps the
+        lowest cost measured at it or at any larger size; and the per-context term is the line
+        a + b n through the sizes' terms (least squares, a, b >= 0): every row of a pass reads
+        the context once (memory, a) and attends to it (arithmetic, b per row), while the terms
+        of single sizes, differences of two noisy times, would be extrapolated to long prompts."""
+        rows = {context: _non_decreasing(row) for context, row in rows.items()}
         (near, table), (far, longer) = min(rows.items()), max(rows.items())
         if far == near:
             return cls(table, at=near)
-        per_context = {n: max(0.0, (longer.get(n, cost) - cost) / (far - near)) for n, cost in table.items()}
-        return cls(table, at=near, per_context=per_context)
+        slopes = {n: (longer.get(n, cost) - cost) / (far - near) for n, cost in table.items()}
+        a, b = _line_at_or_above_zero(slopes)
+        return cls(table, at=near, per_context={n: a + b * n for n in table})
 
     def as_entry(self) -> dict[str, object]:
         """What the disk cache stores (read back by :meth:`from_entry`)."""
