@@ -4,7 +4,7 @@ serve``, and C concurrent requests of 128 tokens each (``ignore_eos``), short or
 Prints aggregate tokens/s and what the batcher did: passes, rows per pass, milliseconds a pass
 computes, and milliseconds the next pass waits for its requests to come back (their Python work).
 
-    .venv/bin/python scripts/batched_serving.py 1 8 16 [--long]
+    .venv/bin/python scripts/batched_serving.py 1 8 16 [--long] [--method pld]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("concurrency", type=int, nargs="+")
     parser.add_argument("--long", action="store_true", help="a prompt of about 270 tokens instead of one sentence")
+    parser.add_argument("--method", default="greedy", help="the decoding method each request asks for (e.g. pld)")
     args = parser.parse_args()
     stats = {"exec": 0.0, "passes": 0, "rows": 0, "gap": 0.0}
     last_end: list[float | None] = [None]
@@ -56,7 +57,7 @@ def main() -> None:
 
     def ask(_) -> int:
         body = {"messages": [{"role": "user", "content": LONG if args.long else SHORT}], "max_tokens": 128,
-                "temperature": 0, "ignore_eos": True}
+                "temperature": 0, "ignore_eos": True, **({} if args.method == "greedy" else {"method": args.method})}
         request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
         with urllib.request.urlopen(request) as response:
             return json.loads(response.read())["usage"]["completion_tokens"]
