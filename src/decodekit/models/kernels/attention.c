@@ -127,7 +127,7 @@ typedef struct {
         for (int m = 0; m < Q; m++)                                                                 \
             for (int c = 0; c < CH; c++) qv[m][c] = _mm512_loadu_ps(q[m] + 16 * c);                 \
         int n = 0, waiting = 0;                                                                     \
-        FOR_EACH_VISIBLE(j, vis, n_keys) { \
+        FOR_EACH_VISIBLE(j, vis, n_keys) {                                                          \
             const T *kj = kh + (size_t)j * CH * 16;                                                 \
             __m512 kv[CH];                                                                          \
             for (int c = 0; c < CH; c++) kv[c] = LOAD(kj + 16 * c);                                 \
@@ -181,7 +181,7 @@ typedef struct {
         __m512 qv[16];                                                                              \
         for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);                       \
         int n = 0, waiting = 0;                                                                     \
-        FOR_EACH_VISIBLE(j, vis, n_keys) { \
+        FOR_EACH_VISIBLE(j, vis, n_keys) {                                                          \
             const T *kj = kh + (size_t)j * chunks * 16;                                             \
             __m512 acc = _mm512_mul_ps(qv[0], LOAD(kj));                                            \
             for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], LOAD(kj + 16 * c), acc);  \
