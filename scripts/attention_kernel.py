@@ -5,7 +5,7 @@ has the mask a verification chain or a prefill chunk has: each row sees the cont
 rows up to itself.
 
     .venv/bin/python scripts/attention_kernel.py --against 905ae4f   # any git revision of attention.c
-    .venv/bin/python scripts/attention_kernel.py --against HEAD --contexts 256,6000 --rows 1,8,32
+    .venv/bin/python scripts/attention_kernel.py --against HEAD --contexts 256,6000 --rows 1,8,32   # an uncommitted change
 """
 
 from __future__ import annotations
