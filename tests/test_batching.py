@@ -80,9 +80,9 @@ def test_constrained_requests_with_forced_text_get_their_own_tokens_in_a_shared_
     assert_batched_as_alone(base(NUMERICS[-1]), cases)
 
 
-@pytest.mark.parametrize("cache", ["int8", "sink:4,window:24,every:4", "snapkv:budget=40,window=8"])
+@pytest.mark.parametrize("cache", ["int8", "int4:group=8,residual=64", "sink:4,window:24,every:4", "snapkv:budget=40,window=8"])
 def test_a_compressed_cache_gives_the_same_tokens_alone_and_batched(cache):
-    """The int8 and evicting caches under batching: each request keeps its own policy's entries, and
+    """The int8, int4 and evicting caches under batching: each request keeps its own policy's entries, and
     its tokens do not depend on the batch."""
     cases = [c for c in CASES if c[1] != "lookahead"]  # lookahead verifies windows of several branches
     assert_batched_as_alone(base("exact").with_kv_cache(cache), cases)

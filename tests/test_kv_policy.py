@@ -13,8 +13,8 @@ from decodekit.engine import Engine
 from decodekit.errors import InvalidParameter, PromptTooLong
 from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.kv_policy import (
-    HeavyHitterPolicy, KVPolicy, SnapKVPolicy, StreamingPolicy, heavy_hitter_keep, parse_kv_cache, snapkv_keep,
-    streaming_keep,
+    HeavyHitterPolicy, KiviPolicy, KVPolicy, SnapKVPolicy, StreamingPolicy, heavy_hitter_keep, parse_kv_cache,
+    snapkv_keep, streaming_keep,
 )
 from decodekit.models.tiny import tiny_hf_model, tiny_llama
 
@@ -35,7 +35,9 @@ def test_spellings_parse_and_round_trip():
     assert parse_kv_cache("sink:0,window:8,every:2") == StreamingPolicy(0, 8, 2)
     assert parse_kv_cache("h2o:budget=128,window=16") == HeavyHitterPolicy(128, 16)
     assert parse_kv_cache("snapkv:budget=100,window=8,kernel=3") == SnapKVPolicy(100, 8, 3)
-    for spec in ("full", "sink:4,window:64", "sink:1,window:8,every:2", "h2o:budget=128,window=16",
+    assert parse_kv_cache("int4") == KiviPolicy(32, 128) and parse_kv_cache("int4:residual=64") == KiviPolicy(32, 64)
+    assert parse_kv_cache("int4").code_bits == 4 and parse_kv_cache("int8").code_bits == 8 and KVPolicy().code_bits is None
+    for spec in ("full", "int8", "int4", "int4:group=8,residual=64", "sink:4,window:64", "sink:1,window:8,every:2", "h2o:budget=128,window=16",
                  "snapkv:budget=100,window=8", "snapkv:budget=100,window=8,kernel=3"):
         assert parse_kv_cache(spec).spec == spec
 
@@ -43,7 +45,7 @@ def test_spellings_parse_and_round_trip():
 @pytest.mark.parametrize("spec", [
     "ful", "sink:4", "sink:x,window:4", "sink:4,window:0", "h2o:budget=8", "h2o:budget=8,window=9",
     "h2o:budget=8,window=4,extra=1", "snapkv:budget=8,window=8", "snapkv:budget=8,window=2,kernel=4",
-    "sink:4,window:8,window:9", "h2o:budget=-1,window=1",
+    "sink:4,window:8,window:9", "h2o:budget=-1,window=1", "int4:residual=32", "int4:group=0", "int4:bits=2",
 ])
 def test_bad_spellings_fail_in_one_line(spec):
     with pytest.raises(InvalidParameter) as err:
@@ -398,3 +400,163 @@ def test_policies_that_keep_positions_stop_at_the_context_window(spec):
     with pytest.raises(ValueError, match="context of 64"):
         for t in tokens(10):
             backend.step(torch.tensor([t]))
+
+
+# The int4 cache (KIVI) ------------------------------------------------------------------------------------
+
+
+def test_int4_codes_are_within_half_a_step_per_channel_group_and_per_token():
+    from decodekit.models.kivi import (
+        dequantise_keys, dequantise_values, pack_nibbles, quantise_keys, quantise_values, unpack_nibbles,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (3, 5, 32), generator=g, dtype=torch.uint8)
+    assert torch.equal(unpack_nibbles(pack_nibbles(codes)), codes)
+    packed = pack_nibbles(codes)  # byte b: channel b low, channel b + 8 high, in each 16 channels
+    assert int(packed[0, 0, 1]) == int(codes[0, 0, 1]) | int(codes[0, 0, 9]) << 4
+    assert int(packed[0, 0, 8]) == int(codes[0, 0, 16]) | int(codes[0, 0, 24]) << 4
+    x = torch.randn(2, 24, 32, generator=g) * torch.linspace(0.1, 8, 32)  # channels of different spans
+    x[0, :8, 3] = 1.5  # a channel constant over a group: exact
+    k_codes, k_params = quantise_keys(x, 8)
+    assert k_codes.shape == (2, 24, 16) and k_params.shape == (2, 3, 2, 32)
+    keys = dequantise_keys(k_codes, k_params, 8)
+    groups = x.view(2, 3, 8, 32)
+    step = (groups.amax(2) - groups.amin(2)) / 15  # per channel and group
+    assert bool(((keys - x).abs().view(2, 3, 8, 32) <= step[:, :, None] / 2 + 1e-6).all())
+    assert torch.equal(keys[0, :8, 3], x[0, :8, 3])
+    v_codes, v_params = quantise_values(x)
+    values = dequantise_values(v_codes, v_params)
+    step = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / 15  # per token
+    assert bool(((values - x).abs() <= step / 2 + 1e-6).all())
+    # per channel, not per token: a key channel's error is bounded by its own span, however large another's is
+    assert (keys - x)[..., 0].abs().max() < 0.1 / 15 * 4
+
+
+@pytest.mark.parametrize("head_dim, heads", [(32, 6), (64, 6), (64, 8), (128, 6)])
+def test_int4_attention_is_float_attention_on_the_dequantised_entries(head_dim, heads):
+    """Head sizes 64 and 128 take the kernels that rebuild each entry once for a group's heads
+    (3 or 4 a job, 2 at 128), 32 the general one."""
+    from decodekit.models.kernels import kivi_attention, layout_independent_attention
+    from decodekit.models.kivi import KiviStore, dequantise_keys, dequantise_values
+
+    D = head_dim
+    kernel, reference = kivi_attention(D), layout_independent_attention(torch.float32, D)
+    if kernel is None or reference is None:
+        pytest.skip("kernels unavailable")
+    g = torch.Generator().manual_seed(0)
+    n, group, base = 90, 8, 40  # positions 0..89; 0..63 quantised, the buffer from 40 on
+    k, v = torch.randn(1, 2, n, D, generator=g), torch.randn(1, 2, n, D, generator=g)
+    store = KiviStore(1, 2, D, group)
+    store.append(k[:, :, :32], v[:, :, :32]), store.append(k[:, :, 32:64], v[:, :, 32:64])  # grows once
+    q = torch.randn(4, heads, D, generator=g)
+    qend = torch.tensor([40, 48, 64, 56])
+    visible = torch.rand(4, n - base, generator=g) < 0.7
+    buffer_k, buffer_v = k[0, :, base:].contiguous(), v[0, :, base:].contiguous()
+    got = kernel(q, store.layer(0), buffer_k, buffer_v, base, n - base, qend, visible, D**-0.5)
+    keys_q = dequantise_keys(store.k_codes[0], store.k_params[0], group)
+    values_q = dequantise_values(store.v_codes[0], store.v_params[0])
+    exact_rows = []
+    for row in range(4):
+        end = int(qend[row])
+        keys, values = torch.cat([keys_q[:, :end], k[0, :, end:]], 1), torch.cat([values_q[:, :end], v[0, :, end:]], 1)
+        seen = torch.cat([torch.ones(end, dtype=torch.bool), visible[row, end - base :]])
+        want = reference(q[row : row + 1], keys, values, seen[None], D**-0.5)
+        assert torch.allclose(got[row], want[0], atol=1e-5), row  # the codes read as dequantised, no more
+        seen = torch.cat([torch.ones(base, dtype=torch.bool), visible[row]])
+        exact_rows.append(reference(q[row : row + 1], k[0], v[0], seen[None], D**-0.5)[0])
+    error = (got - torch.stack(exact_rows)).abs()
+    assert error[0].max() < 0.5 and error[2].max() > 0  # the quantisation's error, where a row reads codes
+    alone = torch.cat([kernel(q[row : row + 1], store.layer(0), buffer_k, buffer_v, base, n - base, qend[row : row + 1],
+                              visible[row : row + 1], D**-0.5) for row in range(4)])
+    assert torch.equal(alone, got)  # a row's result does not depend on the pass's other rows
+
+
+def test_int4_cache_quantises_the_float_entries_a_group_at_a_time_and_keeps_the_residual_bounded():
+    from decodekit.models.kivi import quantise_keys, quantise_values
+
+    full = tiny_llama(seed=0, hidden_size=64)
+    int4 = full.with_kv_cache("int4:group=8,residual=64")
+    ids = torch.tensor([tokens(300)])
+    for part in ids.split(64, dim=1):  # the int4 cache reads 64 tokens a pass
+        full.append(part)
+    most = 0
+    for part in ids.split(50, dim=1):
+        int4.append(part)
+        most = max(most, int4.slots)
+        # the pass's last query read the positions below quantised_end(its position) from codes
+        assert int4._kivi.tokens == int(int4.kv_policy.quantised_end(torch.tensor(int4.length - 1)))
+    store = int4._kivi
+    assert store.tokens == 232 and int4.length == 300 and int4._base <= 300 - 64 - 8
+    # layer 0's entries come from the embeddings alone (later layers' from attention over codes): the
+    # codes of the float entries the full cache holds, and its float rows from the buffer's base on
+    codes, params = quantise_keys(full._k[0, 0, :, :232], 8)
+    assert torch.equal(store.k_codes[0, :, :232], codes) and torch.equal(store.k_params[0, :, :29], params)
+    codes, params = quantise_values(full._v[0, 0, :, :232])
+    assert torch.equal(store.v_codes[0, :, :232], codes) and torch.equal(store.v_params[0, :, :232], params)
+    assert torch.equal(int4._k[0, 0, :, : int4.slots], full._k[0, 0, :, int4._base : 300])
+    assert torch.equal(int4._v[0, 0, :, : int4.slots], full._v[0, 0, :, int4._base : 300])
+    assert most <= 64 + 8 + 2 * 64  # the residual, a group, the pass, and what waits to be dropped
+    # per quantised token and head (size 16): 2 x 8 bytes of codes, a value's scale and minimum, and
+    # an eighth of its group's scales and minima; per residual slot: float32 key and value
+    c = full.config
+    assert int4.cache_bytes() == c.num_layers * c.num_kv_heads * (232 * (16 + 8 + 2 * 16 * 4 // 8) + int4.slots * 2 * 16 * 4)
+
+
+def test_int4_logits_do_not_depend_on_how_the_sequence_is_cut():
+    backend = tiny_llama(seed=0, hidden_size=64, scale=3.0).with_kv_cache("int4:group=8,residual=64")
+    ids = torch.tensor([tokens(200)])
+    whole = torch.cat([backend.append(part).logits for part in ids.split(64, dim=1)], 1)
+    for cut in (17, 1):
+        backend.reset(1)
+        pieces = torch.cat([backend.append(part).logits for part in ids.split(cut, dim=1)], 1)
+        assert torch.equal(pieces, whole), cut
+    full = tiny_llama(seed=0, hidden_size=64, scale=3.0)
+    plain = torch.cat([full.append(part).logits for part in ids.split(64, dim=1)], 1)
+    assert torch.equal(plain[:, :71], whole[:, :71])  # before position 71 every query reads floats only
+    assert not torch.equal(plain[:, 71:], whole[:, 71:])
+
+
+def test_int4_one_call_layers_give_the_layer_loops_bits():
+    """forward.c reads the codes through the pass's KiviView; the layer loop through the same kernel."""
+    one_call = tiny_llama(seed=0, hidden_size=64, scale=3.0).with_kv_cache("int4:group=8,residual=64")
+    loop = one_call.clone()
+    loop._stack = None
+    ids = torch.tensor([tokens(160)])
+    for backend in (one_call, loop):
+        backend.append(ids[:, :100])
+    assert one_call._stack is not None and one_call._kivi.tokens > 0
+    for part in ids[:, 100:].split([1, 7, 1, 51], dim=1):
+        assert torch.equal(one_call.append(part).logits, loop.append(part).logits)
+
+
+def test_int4_cache_speculation_is_lossless_relative_to_int4_greedy():
+    engine = Engine(LoadedModel(tiny_llama(seed=0, hidden_size=64, scale=3.0).with_kv_cache("int4:group=8,residual=64"),
+                                CharTokenizer(96), "tiny"))
+    prompt = tokens(80)
+    want = engine.generate(prompt, max_new_tokens=80, ignore_eos=True).tokens
+    for method in ("pld", "suffix", "recycling"):  # chains and trees
+        got = engine.generate(prompt, method=method, max_new_tokens=80, ignore_eos=True, budget=4)
+        assert got.tokens == want, method
+        assert got.stats.extra["verifications"] > 0
+    with pytest.raises(InvalidParameter, match="kvdraft"):
+        engine.generate(prompt, method="kvdraft", max_new_tokens=4)
+    with pytest.raises(InvalidParameter, match="other than int4"):
+        Engine(LoadedModel(tiny_llama(seed=0, hidden_size=64), CharTokenizer(96), "tiny")).generate(
+            prompt, method="kvdraft", kv_cache="int4", max_new_tokens=4)
+
+
+def test_int4_rollback_reaches_back_residual_minus_64_tokens_before_the_last_pass():
+    def cache():
+        return tiny_llama(seed=0, hidden_size=64).with_kv_cache("int4:group=8,residual=96")
+
+    backend = cache()
+    backend.prefill(tokens(150))  # passes at 0, 64 and 128; the last quantised positions below (149 + 1 - 96) // 8 * 8
+    assert backend._kivi.tokens == 48
+    with pytest.raises(ValueError, match="roll back"):
+        backend.truncate(128 - 32 - 1)
+    backend.truncate(128 - 32)
+    again = backend.append(torch.tensor([tokens(70, seed=1)])).logits
+    fresh = cache()
+    fresh.prefill(tokens(150)[:96])
+    assert torch.equal(fresh.append(torch.tensor([tokens(70, seed=1)])).logits, again)

@@ -516,6 +516,17 @@ def test_cost_table_measurement_restores_the_cache():
     assert backend.length == 3 and table.sizes == [1, 4] and all(c > 0 for c in table.costs)
 
 
+@pytest.mark.parametrize("cache", ["int4:group=8,residual=64", "sink:2,window:8"])
+def test_a_cache_that_cannot_roll_back_far_is_measured_on_its_twin_and_keyed_apart(cache):
+    backend = tiny_llama(seed=0, hidden_size=64).with_kv_cache(cache)
+    backend.prefill(list(range(1, 90)))
+    logits = backend.step(torch.tensor([5]))
+    backend.truncate(89)
+    table = CostTable.measure(backend, sizes=(1, 4), rounds=1)  # 1,024 tokens of context: not on this cache
+    assert table.sizes == [1, 4] and backend.length == 89 and torch.equal(backend.step(torch.tensor([5])), logits)
+    assert CostTable.key(backend) != CostTable.key(tiny_llama(seed=0, hidden_size=64))
+
+
 def test_cost_table_follows_observed_pass_times():
     table = CostTable({1: 1.0, 8: 2.0, 32: 4.0})
     for _ in range(40):

@@ -41,7 +41,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-cache", default="full", metavar="POLICY",
-        help="which keys and values to keep: full (default), sink:S,window:W (StreamingLLM), h2o:budget=B,window=W, "
+        help="which keys and values to keep: full (default), int8, int4 (KIVI), sink:S,window:W (StreamingLLM), h2o:budget=B,window=W, "
              "snapkv:budget=B,window=O (see decodekit methods)",
     )
 

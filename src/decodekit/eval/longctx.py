@@ -29,7 +29,7 @@ import torch
 from ..data import SPEC_BENCH_QUESTIONS, data_file
 from ..errors import InvalidParameter
 
-DEFAULT_POLICIES = ("full", "int8", "sink:4,window:1024", "h2o:budget=1024,window=128", "snapkv:budget=1024,window=32")
+DEFAULT_POLICIES = ("full", "int8", "int4", "sink:4,window:1024", "h2o:budget=1024,window=128", "snapkv:budget=1024,window=32")
 DEFAULT_LENGTHS = (2048, 4096, 8000, 16384)
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "

@@ -11,6 +11,8 @@ Spellings (``--kv-cache``, ``kv_cache=``; :data:`POLICY_HELP` lists them):
 
 * ``full``: every entry (the default; what every lossless claim is relative to).
 * ``int8``: every entry, each key and value row in 8 bits with a float scale.
+* ``int4[:group=G,residual=R]``: every entry, KIVI's 4-bit keys per channel and values per token,
+  the most recent tokens in float.
 * ``sink:S,window:W[,every:E]``: StreamingLLM.
 * ``h2o:budget=B,window=W``: H2O heavy hitters.
 * ``snapkv:budget=B,window=O[,kernel=K]``: SnapKV.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +35,8 @@ from ..errors import InvalidParameter
 POLICY_HELP = {
     "full": "every key and value (default)",
     "int8": "every key and value, each row in int8 with a float32 scale (3.8x less memory at head size 64)",
+    "int4[:group=G,residual=R]": "KIVI: keys in 4 bits per channel over groups of G tokens, values per token, the last "
+                                 "R to R+G-1 tokens in float32 (defaults 32, 128)",
     "sink:S,window:W[,every:E]": "StreamingLLM: S attention sinks + the last W tokens, positions within the cache; "
                                  "runs past the context window at constant memory",
     "h2o:budget=B,window=W": "H2O: the W most recent tokens + the B-W with the most accumulated attention, per head",
@@ -58,8 +63,13 @@ class KVPolicy:
     reassigns_positions = False
     #: Whether the backend must report attention weights to the policy (H2O on every pass).
     observes_every_pass = False
-    #: Whether keys and values are stored in 8 bits (:class:`Int8Policy`).
-    quantised = False
+    #: Bits a stored key or value element takes where the cache quantises them (8:
+    #: :class:`Int8Policy`, 4: :class:`KiviPolicy`); None: the model's own dtype.
+    code_bits: ClassVar[int | None] = None
+
+    @property
+    def quantised(self) -> bool:
+        return self.code_bits is not None
 
     def one_sequence(self) -> bool:
         """Whether the cache holds one sequence only (every policy but the full cache)."""
@@ -67,6 +77,11 @@ class KVPolicy:
 
     def evicts(self) -> bool:
         return False
+
+    def rolls_back_anywhere(self) -> bool:
+        """Whether the cache can be truncated to any earlier length (full, int8); otherwise only to
+        the last ``recent`` tokens before the last pass."""
+        return not self.evicts()
 
     def peak_slots(self, longest_pass: int) -> int | None:
         """The most entries the cache can hold with passes of up to ``longest_pass`` tokens (None:
@@ -112,7 +127,60 @@ class Int8Policy(KVPolicy):
     def spec(self) -> str:
         return "int8"
 
-    quantised = True
+    code_bits = 8
+
+
+@dataclass(frozen=True)
+class KiviPolicy(KVPolicy):
+    """KIVI (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache"), at
+    4 bits: keys quantised per channel over groups of ``group`` tokens, values per token, both
+    asymmetric (a scale and a minimum, round to nearest even), the most recent tokens kept in
+    float32 (the residual). The attention kernel reads the codes directly (:mod:`.kivi`).
+    Changes the output (each entry is off by up to half its step).
+
+    Choices the paper leaves open, or that this project makes differently:
+    * 4 bits, not the paper's 2 (its 4-bit variant; 2 bits lose more on a 135M model).
+    * Which positions a query reads quantised depends on its own position only: those below
+      ``quantised_end(p) = floor((p + 1 - residual) / group) * group``, so each query sees between
+      ``residual`` and ``residual + group - 1`` float tokens (the paper's residual fills to R and
+      is then flushed whole; here it slides a group at a time). A token's logits are thus the same
+      whatever passes the sequence was read in: speculation over this cache is lossless relative
+      to plain decoding with it, and a prompt's chunks do not change its result.
+    * Values are quantised per token over the whole head (the paper groups channels too).
+    * ``residual`` at least 64, the longest pass, so a group is quantised only once all its
+      tokens are written; a rollback reaches back ``residual - 64`` tokens before the last pass
+      (64 by default: a verification pass, a layer-skipping draft).
+    Needs the compiled kernels, a float32 model whose layers all attend to the whole cache (not
+    Gemma 3's sliding windows), passes of one sequence; the layers run one by one.
+    """
+
+    group: int = 32
+    residual: int = 128
+
+    def __post_init__(self) -> None:
+        if self.group < 1 or self.residual < 64:
+            raise InvalidParameter(f"kv cache {self.spec!r}: needs group >= 1 and residual >= 64 (the longest pass)")
+
+    @property
+    def spec(self) -> str:
+        if (self.group, self.residual) == (32, 128):
+            return "int4"
+        return f"int4:group={self.group},residual={self.residual}"
+
+    code_bits = 4
+
+    @property
+    def recent(self) -> int:
+        """A rollback reaches back this far before the last pass: the residual beyond the longest
+        pass (a later query still reads those tokens in float, and they are not quantised yet)."""
+        return self.residual - 64
+
+    def rolls_back_anywhere(self) -> bool:
+        return False
+
+    def quantised_end(self, positions: torch.Tensor) -> torch.Tensor:
+        """Per query position, the first position it reads in float (those below are read quantised)."""
+        return (positions + 1 - self.residual).clamp(min=0) // self.group * self.group
 
 
 @dataclass(frozen=True)
@@ -307,11 +375,14 @@ def parse_kv_cache(spec: "str | KVPolicy | None") -> KVPolicy:
     if spec is None or isinstance(spec, KVPolicy):
         return spec or KVPolicy()
     text = str(spec).strip()
+    kind, _, rest = text.partition(":")
     if text == "full":
         return KVPolicy()
     if text == "int8":
         return Int8Policy()
-    kind, _, rest = text.partition(":")
+    if kind == "int4":
+        fields = _fields(text, rest, "=", ("group", "residual"))
+        return KiviPolicy(group=fields.get("group", 32), residual=fields.get("residual", 128))
     if kind == "sink":  # sink:S,window:W[,every:E]
         fields = _fields(text, rest, ":", ("window", "every"), first="sink")
         return StreamingPolicy(sink=fields["sink"], window=_required(text, fields, "window"), every=fields.get("every", 0))

@@ -22,12 +22,13 @@ from ..errors import InvalidParameter
 from .backend import Backend, ModelInfo, StepOutput
 from .batching import PREFILL_CHUNK, PassBatcher
 from .gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, BlockMatrix, matching_blocks, matrix_rows, matrix_shape
+from .kivi import KiviStore, KiviView
 from .kv_policy import KVPolicy, parse_kv_cache, streaming_keep
 from .memory import return_freed_memory
 from .threads import GOVERNOR
 from .kernels import (
     INTEGER_GROUP, MAX_ROWS, DecoderLayers, KernelProjection, SequencePart, block_matmul, decoder_layers,
-    few_rows_matmul, int8_cache_kernels, integer_block_matmul, integer_block_rows, layer_ops,
+    few_rows_matmul, int8_cache_kernels, integer_block_matmul, integer_block_rows, kivi_attention, layer_ops,
     empty_packed, layout_independent_attention, pack_integer_blocks, quantise_int8_rows,
 )
 
@@ -502,12 +503,17 @@ class NativeLlama(Backend):
         """Set the cache policy and what depends on it (the int8 cache has kernels of its own)."""
         self.kv_policy = policy
         self.info = self._info_for(policy)
-        self._int8 = None
-        if policy.quantised:
-            self._int8 = int8_cache_kernels(self.config.head_dim) if self.dtype == torch.float32 else None
-            if self._int8 is None or self._ops is None:
-                raise InvalidParameter(f"kv cache {policy.spec} needs a float32 model, the compiled kernels (a C "
-                                       "compiler, AVX-512) and a head size that is a multiple of 16")
+        self._int8 = self._kivi_attention = None
+        float32 = self.dtype == torch.float32
+        if policy.code_bits == 8:
+            self._int8 = int8_cache_kernels(self.config.head_dim) if float32 else None
+        elif policy.code_bits == 4:
+            self._kivi_attention = kivi_attention(self.config.head_dim) if float32 else None
+        kernels = self._int8 or self._kivi_attention
+        if policy.quantised and (kernels is None or self._ops is None):
+            raise InvalidParameter(f"kv cache {policy.spec} needs a float32 model, the compiled kernels (a C "
+                                   "compiler, AVX-512) and a head size that is a multiple of 16")
+        # the int4 cache's passes carry their codes to forward.c (a KiviView), over the float path
         self._stack = self._decoder_layers(self._int8) if self._int8 is not None else self._float_stack
         self._row = self._int8.row if self._int8 is not None else self.config.head_dim  # cache elements a row
 
@@ -569,9 +575,11 @@ class NativeLlama(Backend):
         return self._k.shape[1]
 
     def cache_bytes(self) -> int:
-        """Bytes the committed keys and values take (what a policy saves; capacity not counted)."""
+        """Bytes the committed keys and values take (what a policy saves; capacity not counted):
+        under ``int4``, the quantised tokens and the float residual's slots."""
         c = self.config
-        return 2 * c.num_layers * self.batch_size * c.num_kv_heads * self._slots * self._row * self._k.element_size()
+        held = 2 * c.num_layers * self.batch_size * c.num_kv_heads * self._slots * self._row * self._k.element_size()
+        return held + (self._kivi.nbytes() if self._kivi is not None else 0)
 
     @property
     def slots(self) -> int:
@@ -589,6 +597,11 @@ class NativeLlama(Backend):
         self._first_pass = True
         self._pending_tree = None
         self._allocate(batch_size, min(self._initial_capacity, self.config.max_position))
+        c = self.config
+        # int4: the quantised tokens; the float cache then holds the residual, slot 0 at position _base
+        self._kivi = KiviStore(c.num_layers, c.num_kv_heads, c.head_dim, self.kv_policy.group) \
+            if self._kivi_attention is not None else None
+        self._base = 0
 
     def _allocate(self, batch_size: int, capacity: int) -> None:
         c = self.config
@@ -641,7 +654,7 @@ class NativeLlama(Backend):
 
     def reuses_prefix(self) -> bool:
         # batched (served) and fast passes read prompts in chunks through the row-independent kernels
-        if self.kv_policy.evicts():  # the cache does not hold the prompt's entries as a fresh read would
+        if self.kv_policy.evicts() or self._kivi is not None:  # the cache does not hold the prompt's float entries
             return False
         return self._stack is not None and (self.batcher is not None or self.numerics == "fast")
 
@@ -678,7 +691,7 @@ class NativeLlama(Backend):
         chunks = [None]
         if self.numerics == "fast" and self._one_call(tokens, hidden_layers, skip_layers):
             chunks.append(MAX_ROWS)
-        if self._int8 is not None:  # only the kernels read and write the int8 cache
+        if self.kv_policy.quantised:  # only the kernels read and write the int8 and int4 caches
             chunks.append(MAX_ROWS)
         return min((c for c in chunks if c is not None), default=None)
 
@@ -738,7 +751,10 @@ class NativeLlama(Backend):
         """Append ``tokens`` ``[1, k]`` attending only to the first ``sink`` and the last ``window``
         cached entries (and causally to each other), at the positions this cache assigns (the
         tokens' own under ``full`` and ``int8``): StreamingLLM's attention over this cache, without evicting anything (``kvdraft``'s draft passes, which
-        the drafter rolls back). Committed like :meth:`append`."""
+        the drafter rolls back). Committed like :meth:`append`. Not under ``int4``, whose
+        quantised tokens every query sees."""
+        if self._kivi is not None:
+            raise InvalidParameter(f"kv cache {self.kv_policy.spec}: windowed passes are not supported")
         def sinks_and_window(start: int, k: int) -> torch.Tensor:
             visible = torch.zeros(k, start + k, dtype=torch.bool)
             visible[:, streaming_keep(start, sink, window)] = True
@@ -757,6 +773,8 @@ class NativeLlama(Backend):
         if (source.kv_policy.one_sequence() or source.config != self.config or source.batch_size != 1
                 or source.length != len(token_ids)):
             raise ValueError("adopt() needs a full cache of the same model holding one sequence")
+        if self._kivi is not None:
+            raise InvalidParameter(f"kv cache {self.kv_policy.spec} cannot be made from another cache; read the tokens")
         policy, n = self.kv_policy, source.length
         self.reset(1)
         observed = 0 if policy.observes_every_pass else policy.observation_rows(0, n, True)
@@ -797,6 +815,28 @@ class NativeLlama(Backend):
     def _make_room(self, incoming: int) -> None:
         if self.kv_policy.compact_before(self._slots, incoming):
             self._compact()
+        if self._kivi is not None:
+            self._quantise_ahead(incoming)
+
+    def _quantise_ahead(self, incoming: int) -> None:
+        """int4, before a pass of up to ``incoming`` new positions: quantise the groups its last
+        query reads quantised (all written, as residual >= the longest pass), and drop the float
+        rows no later query reads, a group or more at a time. Rolling back can then reach back
+        ``recent`` tokens before this pass, never into the quantised ones (they would need their
+        float rows again): the lowest later query is at ``_tail_from``."""
+        policy, store = self.kv_policy, self._kivi
+        self._tail_from = max(self._tail_from, self._length - policy.recent)
+        end = int(policy.quantised_end(torch.tensor(self._length + incoming - 1)))
+        if end > store.tokens:
+            span = slice(store.tokens - self._base, end - self._base)
+            store.append(self._k[:, 0, :, span], self._v[:, 0, :, span])
+        drop = int(policy.quantised_end(torch.tensor(self._tail_from))) - self._base
+        if drop >= policy.group:  # moving the residual costs a copy of it: not every pass
+            kept = slice(drop, self._slots)
+            for cache in (self._k, self._v):
+                cache[:, :, :, : self._slots - drop] = cache[:, :, :, kept].clone()
+            self._base += drop
+            self._slots -= drop
 
     def _written(self, slot: int, tokens: torch.Tensor) -> None:
         """Slots ``slot..`` are about to receive the entries of ``tokens`` (sequence indices)."""
@@ -909,7 +949,8 @@ class NativeLlama(Backend):
                 # the same kernels as the loop below, called from C in one go
                 pending = torch.empty_like(x)
                 ran = self._stack.run(
-                    x[0], pending[0], self._freqs_pairs, positions, mask, self._k[:, 0], self._v[:, 0], start, skip_layers
+                    x[0], pending[0], self._freqs_pairs, positions, mask, self._k[:, 0], self._v[:, 0], start, skip_layers,
+                    kivi=self._kivi_view(positions),
                 )
                 return self._logits(x, pending if ran else None, ops, last_only, {})
             pending = None  # the last MLP output, added to x inside the next norm (one fused call)
@@ -935,8 +976,8 @@ class NativeLlama(Backend):
             w = self.weights
             x = self._embed(torch.cat([p.tokens for p in passes]))
             pending = torch.empty_like(x)
-            parts = [SequencePart(len(p.tokens), p.start, p.positions, p.visible, p.backend._k[:, 0], p.backend._v[:, 0])
-                     for p in passes]
+            parts = [SequencePart(len(p.tokens), p.start, p.positions, p.visible, p.backend._k[:, 0], p.backend._v[:, 0],
+                                  p.backend._kivi_view(p.positions)) for p in passes]
             ran = self._stack.run_batch(x, pending, self._freqs_pairs, parts)
             h = self._add_norm(x, pending if ran else None, w.final_norm, self._ops)
             ends = torch.tensor([len(p.tokens) for p in passes]).cumsum(0).tolist()
@@ -944,6 +985,12 @@ class NativeLlama(Backend):
                       for p, end in zip(passes, ends)]
             logits = self._head(h[[i for rows in wanted for i in rows]])
             return list(zip(logits.split([len(rows) for rows in wanted]), h.split([len(p.tokens) for p in passes])))
+
+    def _kivi_view(self, positions: torch.Tensor) -> KiviView | None:
+        """Under the int4 cache, what a pass at ``positions`` reads from its codes; None otherwise."""
+        if self._kivi is None:
+            return None
+        return KiviView(self._kivi, self._base, self.kv_policy.quantised_end(positions))
 
     def _layer(self, i: int, layer: dict, x: torch.Tensor, pending: torch.Tensor | None, positions: torch.Tensor,
                mask: torch.Tensor | None, start: int, ops, causal: bool) -> torch.Tensor:
@@ -1011,6 +1058,14 @@ class NativeLlama(Backend):
         lo, windowed = 0, self._window(i, positions, mask, start)
         if windowed is not None:  # a sliding-window layer: keys from slot lo on, under its own mask
             (lo, mask), causal = windowed, False
+        if self._kivi is not None:  # the int4 cache: float residual written as usual, read with the codes
+            if ops is None or batch != 1:
+                raise ValueError("the int4 cache takes passes of one sequence and at most 64 tokens")
+            q = ops.rope_store(qkv, pairs, positions, self._k[i, 0], self._v[i, 0], start, c.num_heads)
+            view = self._kivi_view(positions)
+            heads = self._kivi_attention(q, self._kivi.layer(i), self._k[i, 0], self._v[i, 0], view.base, end, view.qend,
+                                         mask, scale)
+            return heads.view(batch, k, q_size)
         if self._int8 is not None:  # the int8 cache: its kernels only (passes are read MAX_ROWS at a time)
             if ops is None or batch != 1:
                 raise ValueError("the int8 cache takes passes of one sequence and at most 64 tokens")

@@ -181,7 +181,9 @@ class CostTable:
     def key(backend: Backend) -> str:
         info = backend.info
         dtype = str(info.dtype).removeprefix("torch.")
-        return f"{info.name}|{info.architecture}|{dtype}|threads={GOVERNOR.full_count()}|kernels={sources_digest()}"
+        policy = getattr(backend, "kv_policy", None)  # a cache policy changes what a pass costs
+        cache = f"|kv={policy.spec}" if policy is not None and policy.spec != "full" else ""
+        return f"{info.name}|{info.architecture}|{dtype}|threads={GOVERNOR.full_count()}|kernels={sources_digest()}{cache}"
 
     @classmethod
     def measure(cls, backend: Backend, sizes=MEASURE_SIZES, rounds: int = 3) -> "CostTable":
@@ -190,19 +192,23 @@ class CostTable:
         the table and its per-context term. Sizes are interleaved over ``rounds`` rounds after a
         warm-up and the minimum kept, so a burst of load does not skew one size only."""
         start = backend.length
-        if start == 0:
-            backend.reset(1)
+        policy = getattr(backend, "kv_policy", None)
+        in_place = policy is None or policy.rolls_back_anywhere()
+        timed = backend if in_place else backend.clone()  # a cache that cannot go back to `start`: its empty twin
+        if timed.length == 0:
+            timed.reset(1)
         limit = backend.info.max_length - max(sizes) - 1
         contexts = sorted({max(start, 1, min(c, limit)) for c in MEASURE_CONTEXTS})
         rows: dict[int, dict[int, float]] = {}
         try:
             with GOVERNOR.hold():  # all threads for every pass: a table must not mix thread counts
                 for context in contexts:
-                    if backend.length < context:
-                        backend.append(torch.zeros(1, context - backend.length, dtype=torch.long), last_only=True)
-                    rows[backend.length] = cls._time_passes(backend, sizes, rounds)
+                    if timed.length < context:
+                        timed.append(torch.zeros(1, context - timed.length, dtype=torch.long), last_only=True)
+                    rows[timed.length] = cls._time_passes(timed, sizes, rounds)
         finally:
-            backend.truncate(start)
+            if in_place:
+                backend.truncate(start)
         return cls.from_rows(rows)
 
     @staticmethod

@@ -375,6 +375,46 @@ def int8_cache_kernels(head_dim: int) -> Int8CacheKernels | None:
     return Int8CacheKernels(attention, ops, head_dim)
 
 
+KiviAttention = Callable[..., torch.Tensor]
+
+
+@cache
+def kivi_attention(head_dim: int) -> "KiviAttention | None":
+    """``attention(q [n_q, H, D], quantised, k_buffer [H_kv, cap, D], v_buffer, base, n_buf, qend
+    [n_q] int32, visible [n_q, n_buf] | None, scale) -> [n_q, H, D]`` over a KIVI cache
+    (``attention.c``'s ``decodekit_attention_kivi``): positions below a row's ``qend`` read from
+    ``quantised`` (a :class:`..kivi.KiviLayer`), the rest from the float32 buffer, whose slot 0
+    holds position ``base``. None where unavailable (head_dim a multiple of 16, at most 256)."""
+    lib = _library("attention")
+    if lib is None or head_dim % 16 or head_dim > 256:
+        return None
+    fn = lib.decodekit_attention_kivi
+    fn.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 9 + [ctypes.c_float, ctypes.c_int]
+    fn.restype = None
+
+    def attention(q: torch.Tensor, quantised, k_buffer: torch.Tensor, v_buffer: torch.Tensor, base: int, n_buf: int,
+                  qend: torch.Tensor, visible: torch.Tensor | None, scale: float) -> torch.Tensor:
+        n_q, n_heads = q.shape[:2]
+        if (q.shape[2] != head_dim or not k_buffer.is_contiguous() or not v_buffer.is_contiguous()
+                or k_buffer.shape != v_buffer.shape or k_buffer.shape[2] != head_dim or n_buf > k_buffer.shape[1]):
+            raise ValueError(f"kivi attention: needs head_dim {head_dim} and contiguous [H_kv, cap, D] buffers")
+        if int(qend.min()) < base or int(qend.max()) > quantised.tokens:
+            raise ValueError("kivi attention: every row's quantised end must lie between the buffer's base and the "
+                             "quantised tokens")
+        q = q.float().contiguous()
+        qend = qend.to(torch.int32).contiguous()
+        mask = None if visible is None else visible.to(torch.bool).contiguous()
+        out = torch.empty(n_q, n_heads, head_dim, dtype=torch.float32)
+        fn(q.data_ptr(), quantised.k_codes.data_ptr(), quantised.k_params.data_ptr(), quantised.v_codes.data_ptr(),
+           quantised.v_params.data_ptr(), k_buffer.data_ptr(), v_buffer.data_ptr(), qend.data_ptr(),
+           None if mask is None else mask.data_ptr(), out.data_ptr(), n_q, n_heads, k_buffer.shape[0], head_dim,
+           quantised.group, quantised.capacity, k_buffer.shape[1], base, n_buf, scale, torch.get_num_threads())
+        return out
+
+    attention.address = _address(fn)
+    return attention
+
+
 def quantise_int8_rows(x: torch.Tensor) -> torch.Tensor:
     """float32 rows ``[..., D]`` in the int8 cache's layout (``[..., D / 4 + 1]`` float32 holding D
     int8 values and the scale), exactly as ``rope_store_q8`` writes them."""
@@ -667,9 +707,15 @@ class _Model(ctypes.Structure):
     ] + [("eps", ctypes.c_double), ("scale", ctypes.c_double), ("window", ctypes.c_int64)]
 
 
+class _KiviCodes(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("attention", "k_codes", "v_codes", "k_params", "v_params")] + [
+        (name, ctypes.c_int64) for name in ("codes_stride", "k_params_stride", "v_params_stride", "group", "cap_q", "base")
+    ] + [("qend", ctypes.c_void_p)]
+
+
 class _Sequence(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("rows", "start", "cap", "layer_stride")] + [
-        (name, ctypes.c_void_p) for name in ("positions", "visible", "k_cache", "v_cache")
+        (name, ctypes.c_void_p) for name in ("positions", "visible", "k_cache", "v_cache", "kivi")
     ]
 
 
@@ -678,7 +724,8 @@ class SequencePart:
     """One sequence's rows in a batched pass (:meth:`DecoderLayers.run_batch`): ``rows`` new tokens
     at ``positions`` (int64), written to cache slots ``start..`` of its own ``k_cache``/``v_cache``
     (``[layers, H_kv, cap, D]``, contiguous per layer), seeing ``visible`` (``[rows, start + rows]``
-    bool, or None for every cached key)."""
+    bool, or None for every cached key). ``kivi``: under the int4 cache, its codes
+    (:class:`..kivi.KiviView`); the cache is then their float residual."""
 
     rows: int
     start: int
@@ -686,6 +733,19 @@ class SequencePart:
     visible: torch.Tensor | None
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    kivi: object = None
+
+
+def _kivi_codes(view, head_dim: int, keep: list) -> _KiviCodes:
+    """forward.c's view of a sequence's int4 codes (``view``: a :class:`..kivi.KiviView`)."""
+    store, qend = view.store, view.qend.to(torch.int32).contiguous()
+    attention = kivi_attention(head_dim)
+    if attention is None:
+        raise ValueError("decoder layers kernel: the int4 cache's attention kernel is unavailable")
+    keep += [store.k_codes, store.v_codes, store.k_params, store.v_params, qend]
+    return _KiviCodes(attention.address, store.k_codes.data_ptr(), store.v_codes.data_ptr(), store.k_params.data_ptr(),
+                      store.v_params.data_ptr(), store.k_codes.stride(0), store.k_params.stride(0),
+                      store.v_params.stride(0), store.group, store.capacity, view.base, qend.data_ptr())
 
 
 # A projection as the kernels see it: (the few-row matmul's C function address, the weights it
@@ -706,7 +766,7 @@ class DecoderLayers:
     def run(
         self, x: torch.Tensor, pending: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor,
         visible: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
-        skip: frozenset[int] = frozenset(),
+        skip: frozenset[int] = frozenset(), kivi=None,
     ) -> bool:
         """Run the layers not in ``skip`` on ``x [rows, hidden]`` (the residual stream, updated in
         place; all tensors contiguous, in the model dtype); ``pending [rows, hidden]`` receives
@@ -714,8 +774,9 @@ class DecoderLayers:
         H_kv, cap, D]`` of one sequence (contiguous per layer); the new keys go to slots
         ``start..``. ``visible``: ``[rows, start + rows]`` bool, or None for all keys. Runs as
         many layers as the cache has (a truncated copy of a model shares its layers). Returns
-        whether any layer ran (if none, ``pending`` holds nothing)."""
-        part = SequencePart(x.shape[0], start, positions, visible, k_cache, v_cache)
+        whether any layer ran (if none, ``pending`` holds nothing). ``kivi``: the int4 cache's
+        codes (the caches are then their residual)."""
+        part = SequencePart(x.shape[0], start, positions, visible, k_cache, v_cache, kivi)
         return self.run_batch(x, pending, freqs, [part], skip)
 
     def run_batch(self, x: torch.Tensor, pending: torch.Tensor, freqs: torch.Tensor, parts: list[SequencePart],
@@ -733,8 +794,15 @@ class DecoderLayers:
             positions = p.positions.to(torch.int64).contiguous()
             mask = None if p.visible is None else p.visible.to(torch.bool).contiguous()
             keep += [positions, mask]
+            kivi = None
+            if p.kivi is not None:
+                if p.k_cache.dtype != torch.float32:
+                    raise ValueError("decoder layers kernel: the int4 cache's residual is float32")
+                kivi = _kivi_codes(p.kivi, p.k_cache.shape[3], keep)
+                keep.append(kivi)
             structs.append(_Sequence(p.rows, p.start, p.k_cache.shape[2], p.k_cache.stride(0), positions.data_ptr(),
-                                     None if mask is None else mask.data_ptr(), p.k_cache.data_ptr(), p.v_cache.data_ptr()))
+                                     None if mask is None else mask.data_ptr(), p.k_cache.data_ptr(), p.v_cache.data_ptr(),
+                                     None if kivi is None else ctypes.addressof(kivi)))
         flags = None
         if skip:
             flags = torch.zeros(num_layers, dtype=torch.uint8)

@@ -338,3 +338,194 @@ void decodekit_attention_q8(const float *q, const int8_t *k, const int8_t *v, co
         free(scores), free(keys), free(waiting);
     }
 }
+
+/* The KIVI cache (kv cache "int4"; Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit
+ * Quantization for KV Cache"), at 4 bits. Positions below a row's quantised end `qend[i]` are read
+ * from codes: a key is scale_c * code + min_c per channel c, with scale and min shared by a group
+ * of `group` tokens (per channel); a value is scale * code + min with scale and min its token's
+ * own. Positions from qend[i] on are read from the float32 residual buffer, whose slot 0 holds
+ * position `base` (base <= qend[i]); `visible` covers the buffer's first n_buf slots only (the
+ * quantised prefix precedes every row and is all visible).
+ *
+ * Codes: 16 channels in 8 bytes, byte b holding channel b in its low nibble and channel b + 8 in
+ * its high one. kcodes, vcodes: [H_kv, cap_q, D / 2]; kparams: [H_kv, cap_q / group, 2, D]
+ * (scales, then minima); vparams: [H_kv, cap_q, 2]; kbuf, vbuf: [H_kv, cap_buf, D].
+ *
+ * A row's keys are visited in position order and each entry is rebuilt in registers with one
+ * fused multiply-add before the same fixed-order arithmetic as the float kernels, so a row's
+ * result depends only on its position (which fixes qend) and the keys it sees: speculation over
+ * this cache is lossless relative to plain decoding with it. */
+static inline __m512 load_q4(const uint8_t *p) {
+    __m128i bytes = _mm_loadl_epi64((const __m128i *)p), low = _mm_set1_epi8(0x0F);
+    __m128i codes = _mm_unpacklo_epi64(_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+}
+
+/* The codes of CH chunks of 16 channels, as floats: four chunks (32 bytes) unpacked at once where
+ * CH is a multiple of 4 (the same values as load_q4, in fewer instructions). */
+static inline void load_q4_chunks(const uint8_t *p, __m512 *out, int chunks) {
+    if (chunks % 4) {
+        for (int c = 0; c < chunks; c++) out[c] = load_q4(p + 8 * c);
+        return;
+    }
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < chunks; c += 4) {
+        __m256i bytes = _mm256_loadu_si256((const __m256i *)(p + 8 * c));
+        __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+        __m256i even = _mm256_unpacklo_epi64(lo, hi), odd = _mm256_unpackhi_epi64(lo, hi); /* chunks c, c+2 | c+1, c+3 */
+        out[c] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(even)));
+        out[c + 1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(odd)));
+        out[c + 2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(even, 1)));
+        out[c + 3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(odd, 1)));
+    }
+}
+
+/* One key/value head of a KIVI cache, for one layer. */
+typedef struct {
+    const uint8_t *kc, *vc;  /* codes: [cap_q, D / 2] */
+    const float *kp, *vp;    /* parameters: [cap_q / group, 2, D], [cap_q, 2] */
+    const float *kb, *vb;    /* residual: [cap_buf, D] */
+    int group, base, end, n_buf;
+} KiviHead;
+
+/* The products of key kv[] with each query, waiting to be summed 16 keys at a time (DEFINE_JOB's). */
+#define KIVI_SCORE(Q, CH, position)                                                                 \
+    do {                                                                                            \
+        for (int m = 0; m < Q; m++) {                                                               \
+            __m512 acc = _mm512_mul_ps(qv[m][0], kv[0]);                                            \
+            for (int c = 1; c < (CH); c++) acc = _mm512_fmadd_ps(qv[m][c], kv[c], acc);             \
+            s->waiting[16 * m + SLOT(waiting)] = acc;                                               \
+        }                                                                                           \
+        s->keys[n + waiting] = (position);                                                          \
+        if (++waiting == 16) {                                                                      \
+            for (int m = 0; m < Q; m++)                                                             \
+                _mm512_storeu_ps(s->scores + m * s->stride + n,                                     \
+                                 _mm512_mul_ps(sum_lanes16(s->waiting + 16 * m), _mm512_set1_ps(scale))); \
+            n += 16, waiting = 0;                                                                   \
+        }                                                                                           \
+    } while (0)
+
+/* One job: Q queries (rows q[m], outputs out[m]) of one row that share a key/value head, CH =
+ * head_dim / 16 (a constant where registers hold them all, else a variable). Each key and value
+ * is rebuilt once for all Q; each query's arithmetic is what it would be alone. */
+#define DEFINE_KIVI_JOB(NAME, Q, CH_PARAM, CH)                                                      \
+    static void NAME(const float *const *q, float *const *out, const KiviHead *h, const uint8_t *vis, \
+                     int CH_PARAM, float scale, Scratch *s) {                                       \
+        (void)chunks_;                                                                              \
+        const int half = 8 * (CH);                                                                  \
+        __m512 qv[Q][CH], ks[CH], km[CH], kv[CH];                                                   \
+        for (int m = 0; m < Q; m++)                                                                 \
+            for (int c = 0; c < (CH); c++) qv[m][c] = _mm512_loadu_ps(q[m] + 16 * c);               \
+        int n = 0, waiting = 0;                                                                     \
+        for (int c = 0; c < (CH); c++) ks[c] = km[c] = _mm512_setzero_ps();                         \
+        for (int j = 0; j < h->end; j++) { /* the codes: positions 0 .. end - 1 */                  \
+            if (j % h->group == 0) {                                                                \
+                const float *p = h->kp + (size_t)(j / h->group) * 2 * 16 * (CH);                   \
+                for (int c = 0; c < (CH); c++)                                                      \
+                    ks[c] = _mm512_loadu_ps(p + 16 * c), km[c] = _mm512_loadu_ps(p + 16 * ((CH) + c)); \
+            }                                                                                       \
+            const uint8_t *kj = h->kc + (size_t)j * half;                                           \
+            load_q4_chunks(kj, kv, (CH));                                                           \
+            for (int c = 0; c < (CH); c++) kv[c] = _mm512_fmadd_ps(kv[c], ks[c], km[c]);            \
+            KIVI_SCORE(Q, CH, j);                                                                   \
+        }                                                                                           \
+        FOR_EACH_VISIBLE(slot, vis, h->n_buf) { /* the residual, from the row's quantised end on */ \
+            if (h->base + slot < h->end) continue;                                                  \
+            const float *kj = h->kb + (size_t)slot * 16 * (CH);                                     \
+            for (int c = 0; c < (CH); c++) kv[c] = _mm512_loadu_ps(kj + 16 * c);                    \
+            KIVI_SCORE(Q, CH, h->base + slot);                                                      \
+        }                                                                                           \
+        if (waiting) {                                                                              \
+            __mmask16 mask = (__mmask16)((1u << waiting) - 1u);                                     \
+            for (int m = 0; m < Q; m++)                                                             \
+                _mm512_mask_storeu_ps(s->scores + m * s->stride + n, mask,                          \
+                                      _mm512_mul_ps(sum_lanes16(s->waiting + 16 * m), _mm512_set1_ps(scale))); \
+            n += waiting;                                                                           \
+        }                                                                                           \
+        float inverse[Q];                                                                           \
+        for (int m = 0; m < Q; m++) {                                                               \
+            float *scores = s->scores + m * s->stride;                                              \
+            float total = softmax_numerators(scores, n, largest(scores, n));                        \
+            inverse[m] = n ? 1.0f / total : 0.0f;                                                   \
+        }                                                                                           \
+        __m512 o[Q][CH], vv[CH];                                                                    \
+        for (int m = 0; m < Q; m++)                                                                 \
+            for (int c = 0; c < (CH); c++) o[m][c] = _mm512_setzero_ps();                           \
+        for (int t = 0; t < n; t++) {                                                               \
+            int position = s->keys[t];                                                              \
+            if (position < h->end) {                                                                \
+                const uint8_t *vj = h->vc + (size_t)position * half;                                \
+                __m512 vs = _mm512_set1_ps(h->vp[2 * (size_t)position]);                            \
+                __m512 vm = _mm512_set1_ps(h->vp[2 * (size_t)position + 1]);                        \
+                load_q4_chunks(vj, vv, (CH));                                                       \
+                for (int c = 0; c < (CH); c++) vv[c] = _mm512_fmadd_ps(vv[c], vs, vm);              \
+            } else {                                                                                \
+                const float *vj = h->vb + (size_t)(position - h->base) * 16 * (CH);                 \
+                for (int c = 0; c < (CH); c++) vv[c] = _mm512_loadu_ps(vj + 16 * c);                \
+            }                                                                                       \
+            for (int m = 0; m < Q; m++) {                                                           \
+                __m512 p = _mm512_set1_ps(s->scores[m * s->stride + t]);                            \
+                for (int c = 0; c < (CH); c++) o[m][c] = _mm512_fmadd_ps(p, vv[c], o[m][c]);        \
+            }                                                                                       \
+        }                                                                                           \
+        for (int m = 0; m < Q; m++)                                                                 \
+            for (int c = 0; c < (CH); c++)                                                          \
+                _mm512_storeu_ps(out[m] + 16 * c, _mm512_mul_ps(o[m][c], _mm512_set1_ps(inverse[m]))); \
+    }
+
+DEFINE_KIVI_JOB(kivi_q1_c4, 1, chunks_, 4)
+DEFINE_KIVI_JOB(kivi_q2_c4, 2, chunks_, 4)
+DEFINE_KIVI_JOB(kivi_q3_c4, 3, chunks_, 4)
+DEFINE_KIVI_JOB(kivi_q4_c4, 4, chunks_, 4)
+DEFINE_KIVI_JOB(kivi_q1_c8, 1, chunks_, 8)
+DEFINE_KIVI_JOB(kivi_q2_c8, 2, chunks_, 8)
+DEFINE_KIVI_JOB(kivi_one, 1, chunks_, chunks_)
+
+void decodekit_attention_kivi(const float *q, const uint8_t *kcodes, const float *kparams, const uint8_t *vcodes,
+                              const float *vparams, const float *kbuf, const float *vbuf, const int32_t *qend,
+                              const uint8_t *visible, float *out, int n_q, int n_heads, int n_kv_heads, int head_dim,
+                              int group, int cap_q, int cap_buf, int base, int n_buf, float scale, int threads) {
+    int heads_per_kv = n_heads / n_kv_heads, chunks = head_dim / 16, half = head_dim / 2;
+    int most = chunks == 4 ? 4 : chunks == 8 ? 2 : 1; /* queries a job (registers) */
+    int per_job = heads_per_kv < most ? heads_per_kv : most;
+    /* enough jobs for every thread twice, or as many as there are heads (as the float kernels) */
+    while (per_job > 1 && n_kv_heads * n_q * ((heads_per_kv + per_job - 1) / per_job) < 2 * threads) per_job--;
+    int shares = (heads_per_kv + per_job - 1) / per_job, jobs = n_kv_heads * n_q * shares;
+    _Pragma("omp parallel num_threads(threads) if (threads > 1)")
+    {
+        Scratch s;
+        s.stride = (size_t)cap_q + n_buf + 1;
+        s.scores = malloc(sizeof(float) * s.stride * MAX_Q);
+        s.keys = malloc(sizeof(int) * s.stride);
+        s.waiting = aligned_alloc(64, sizeof(__m512) * 16 * MAX_Q);
+        for (int i = 0; i < 16 * MAX_Q; i++) s.waiting[i] = _mm512_setzero_ps();
+        _Pragma("omp for schedule(static)")
+        for (int job = 0; job < jobs; job++) {
+            int kv = job / (n_q * shares), i = job / shares % n_q, share = job % shares;
+            int h0 = kv * heads_per_kv + share * per_job, count = heads_per_kv - share * per_job;
+            if (count > per_job) count = per_job;
+            KiviHead h = {kcodes + (size_t)kv * cap_q * half, vcodes + (size_t)kv * cap_q * half,
+                          kparams + (size_t)kv * (cap_q / group) * 2 * head_dim, vparams + (size_t)kv * cap_q * 2,
+                          kbuf + (size_t)kv * cap_buf * head_dim, vbuf + (size_t)kv * cap_buf * head_dim,
+                          group, base, qend[i], n_buf};
+            const uint8_t *vis = visible ? visible + (size_t)i * n_buf : NULL;
+            const float *qs[MAX_Q];
+            float *outs[MAX_Q];
+            for (int m = 0; m < count; m++) {
+                qs[m] = q + ((size_t)i * n_heads + h0 + m) * head_dim;
+                outs[m] = out + ((size_t)i * n_heads + h0 + m) * head_dim;
+            }
+            switch (chunks == 4 ? count : chunks == 8 ? 10 + count : 0) {
+            case 1: kivi_q1_c4(qs, outs, &h, vis, chunks, scale, &s); break;
+            case 2: kivi_q2_c4(qs, outs, &h, vis, chunks, scale, &s); break;
+            case 3: kivi_q3_c4(qs, outs, &h, vis, chunks, scale, &s); break;
+            case 4: kivi_q4_c4(qs, outs, &h, vis, chunks, scale, &s); break;
+            case 11: kivi_q1_c8(qs, outs, &h, vis, chunks, scale, &s); break;
+            case 12: kivi_q2_c8(qs, outs, &h, vis, chunks, scale, &s); break;
+            default:
+                for (int m = 0; m < count; m++) kivi_one(qs + m, outs + m, &h, vis, chunks, scale, &s);
+            }
+        }
+        free(s.scores), free(s.keys), free(s.waiting);
+    }
+}

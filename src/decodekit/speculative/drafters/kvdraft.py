@@ -23,7 +23,9 @@ Choices the papers leave open (each one tested):
     sizes them from measured costs, as for every drafter. No second-level draft (TriForce's
     hierarchy): ``hierarchy`` can combine ``kvdraft`` with the context drafters.
   * Native backend; the target's cache keeps every token (``full``, or ``int8`` for windowed
-    drafts, which then match the int8 cache's greedy output).
+    drafts, which then match the int8 cache's greedy output; not ``int4``, whose codes every
+    query reads, so a window over it cannot be drawn, nor an ``int4`` draft cache, which would
+    cost a full step).
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ class CompressedCacheDrafter(DraftModelDrafter):
                  stochastic: bool = True):
         super().__init__(draft_model=None, max_draft=max_draft, confidence=confidence, stochastic=stochastic)
         self.policy = parse_kv_cache(kv_cache)
-        if not self.policy.one_sequence():
-            raise InvalidParameter(f"kvdraft needs a compressed kv_cache (e.g. {DEFAULT_CACHE} or int8), got {self.policy.spec!r}")
+        if not self.policy.one_sequence() or self.policy.code_bits == 4:
+            raise InvalidParameter(f"kvdraft needs a compressed kv_cache other than int4 (e.g. {DEFAULT_CACHE} or int8), "
+                                   f"got {self.policy.spec!r}")
         self.windowed = isinstance(self.policy, StreamingPolicy)  # drafts on the target's own cache
         self._target = None
         self._origin = 0
@@ -73,7 +76,8 @@ class CompressedCacheDrafter(DraftModelDrafter):
         target = state.backend
         if not hasattr(target, "with_kv_cache"):
             raise InvalidParameter(f"kvdraft needs the native backend, not {target.info.architecture}")
-        if target.kv_policy.evicts() or (target.kv_policy.quantised and not self.windowed):
+        policy = target.kv_policy  # windowed drafts read an int8 cache as they read a float one, not int4's
+        if policy.evicts() or policy.quantised and not (self.windowed and policy.code_bits == 8):
             raise InvalidParameter(f"kvdraft drafts for a cache that keeps every token (full, or int8 with sink:S,window:W "
                                    f"drafts); this model's is {target.kv_policy.spec}")
         self._target = target
