@@ -9,14 +9,21 @@ requests, as in a long-running process). Every kvdraft output is checked token-i
 ``streaming``: one generation of ``--new`` tokens with a StreamingLLM cache (EOS ignored); the
 cache's entries, its allocation and the process's RSS every ``--every`` tokens.
 
+``decode``: the one-token step after ``--tokens`` of context under each cache policy, one model
+each (sharing the weights), 16 steps a round then rolled back, policies alternating round by
+round, the fastest round of ``--rounds`` kept: what the cache costs a decode step, where the
+machine's noise moves every policy alike.
+
     .venv/bin/python scripts/long_context.py kvdraft [--tokens 6000] [--prompts 3] [--new 128] [--numerics exact] [--budget N]
     .venv/bin/python scripts/long_context.py streaming [--new 32768] [--kv-cache sink:4,window:1024] [--stream-text]
+    .venv/bin/python scripts/long_context.py decode [--tokens 2048,4096,8000] [--kv-cache 'full;int8;int4'] [--numerics fast]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import statistics
 import time
@@ -87,6 +94,30 @@ def streaming(args: argparse.Namespace) -> None:
                       "context_window": model.backend.info.max_length}))
 
 
+def decode(args: argparse.Namespace) -> None:
+    import torch
+
+    base = load_model(numerics=args.numerics).backend
+    for length in (int(n) for n in args.tokens.split(",")):
+        backends = {spec: base.with_kv_cache(spec) for spec in args.kv_cache.split(";")}
+        ids = torch.randint(100, 20000, (1, length), generator=torch.Generator().manual_seed(0))
+        for backend in backends.values():
+            backend.append(ids, last_only=True)
+        best = dict.fromkeys(backends, float("inf"))
+        for _ in range(args.rounds):
+            for spec, backend in backends.items():
+                start = time.perf_counter()
+                for t in range(16):
+                    backend.step(torch.tensor([1000 + t]))
+                best[spec] = min(best[spec], (time.perf_counter() - start) / 16)
+                backend.truncate(length)
+        for spec, backend in backends.items():
+            print(json.dumps({"tokens": length, "kv_cache": spec, "step_ms": round(best[spec] * 1e3, 2),
+                              "tok_s": round(1 / best[spec], 1), "vs_full": round(best.get("full", math.nan) / best[spec], 2),
+                              "cache_mb": round(backend.cache_bytes() / 1e6, 1)}), flush=True)
+        del backends
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -105,6 +136,12 @@ def main() -> None:
     s.add_argument("--numerics", default="exact")
     s.add_argument("--stream-text", action="store_true", help="also stream the text out (on_text), as a server does")
     s.set_defaults(func=streaming)
+    d = sub.add_parser("decode")
+    d.add_argument("--tokens", default="2048,4096,8000", help="context lengths, comma-separated")
+    d.add_argument("--kv-cache", default="full;int8;int4", help="policies, ';'-separated")
+    d.add_argument("--numerics", default="fast")
+    d.add_argument("--rounds", type=int, default=5)
+    d.set_defaults(func=decode)
     args = parser.parse_args()
     args.func(args)
 

@@ -111,6 +111,7 @@ def test_lossless_methods_are_token_identical_to_greedy(method, numerics):
     assert other.tokens == greedy.tokens
 
 
-def test_cache_policies_that_move_entries_are_refused():
+@pytest.mark.parametrize("cache", ["sink:4,window:16", "int4"])
+def test_cache_policies_that_move_entries_or_read_codes_before_every_row_are_refused(cache):
     with pytest.raises(InvalidParameter, match="sliding-window"):
-        tiny_gemma3(seed=0).with_kv_cache("sink:4,window:16")
+        tiny_gemma3(seed=0).with_kv_cache(cache)

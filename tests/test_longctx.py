@@ -13,7 +13,7 @@ from decodekit.errors import InvalidParameter
 from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.tiny import tiny_llama
 
-POLICIES = ("full", "int8", "sink:4,window:64,every:8", "h2o:budget=64,window=16", "snapkv:budget=64,window=8")
+POLICIES = ("full", "int8", "int4:group=8,residual=64", "sink:4,window:64,every:8", "h2o:budget=64,window=16", "snapkv:budget=64,window=8")
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,8 @@ def test_every_policy_at_every_length(model):
     for policy in ("sink:4,window:64,every:8", "h2o:budget=64,window=16", "snapkv:budget=64,window=8"):
         assert rows[(policy, 120)]["memory_saved"] > 0.3 and rows[(policy, 120)]["nll"] > 0
     # past the 512-token window only the streaming cache runs, in the memory it had at 120 tokens
-    for policy in ("full", "int8", "h2o:budget=64,window=16", "snapkv:budget=64,window=8"):
+    assert rows[("int4:group=8,residual=64", 120)]["nll_change"] != 0  # its codes are read from position 71 on
+    for policy in ("full", "int8", "int4:group=8,residual=64", "h2o:budget=64,window=16", "snapkv:budget=64,window=8"):
         assert "context" in rows[(policy, 600)]["error"]
     streaming = rows[("sink:4,window:64,every:8", 600)]
     assert "error" not in streaming and streaming["cache_bytes"] <= rows[("sink:4,window:64,every:8", 120)]["cache_bytes"]
