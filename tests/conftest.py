@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -83,6 +84,13 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+    # Pass-cost tables measured here (one thread, beside another test process) stay out of the
+    # user's cache, where they would misprice every later speculative step of this model; set in
+    # the environment, so the commands the tests start keep theirs apart too.
+    if "DECODEKIT_COST_TABLE" not in os.environ:
+        folder = Path(tempfile.mkdtemp(prefix="decodekit-test-costs-"))
+        atexit.register(shutil.rmtree, folder, True)
+        os.environ["DECODEKIT_COST_TABLE"] = str(folder / "verify_cost.json")
 
 
 def pytest_collection_modifyitems(config, items):

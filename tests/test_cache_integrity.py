@@ -98,6 +98,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
 def cache(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "cache"
     monkeypatch.setenv("DECODEKIT_CACHE", str(root))
+    monkeypatch.delenv("DECODEKIT_COST_TABLE", raising=False)  # the cost table where users find it
     return root
 
 

@@ -516,14 +516,32 @@ def test_cost_table_measurement_restores_the_cache():
     assert backend.length == 3 and table.sizes == [1, 4] and all(c > 0 for c in table.costs)
 
 
-@pytest.mark.parametrize("cache", ["int4:group=8,residual=64", "sink:2,window:8"])
-def test_a_cache_that_cannot_roll_back_far_is_measured_on_its_twin_and_keyed_apart(cache):
-    backend = tiny_llama(seed=0, hidden_size=64).with_kv_cache(cache)
-    backend.prefill(list(range(1, 90)))
+def test_a_table_measured_after_a_long_prompt_also_has_the_short_contexts():
+    """Measured at the prompt's length alone, a table would price every pass of a later short
+    request at the long prompt's cost: the standard contexts are measured on an empty twin, the
+    prompt's length in place, and the cache is left as it was."""
+    backend = tiny_llama(seed=0, max_position=4096)
+    backend.prefill([i % 95 + 1 for i in range(1499)])
     logits = backend.step(torch.tensor([5]))
-    backend.truncate(89)
-    table = CostTable.measure(backend, sizes=(1, 4), rounds=1)  # 1,024 tokens of context: not on this cache
-    assert table.sizes == [1, 4] and backend.length == 89 and torch.equal(backend.step(torch.tensor([5])), logits)
+    backend.truncate(1499)
+    table = CostTable.measure(backend, sizes=(1, 4), rounds=1)
+    assert table.at == MEASURE_CONTEXTS[0] and any(table.slopes)  # the shortest context, and a term to 1,499
+    assert backend.length == 1499 and torch.equal(backend.step(torch.tensor([5])), logits)
+
+
+@pytest.mark.parametrize("cache", ["int4:group=8,residual=64", "sink:2,window:40"])
+def test_a_cache_that_cannot_roll_back_far_is_measured_on_its_twin_and_keyed_apart(cache):
+    """The standard contexts would evict (StreamingLLM) or quantise (int4) entries that rolling
+    back to the cache's length needs: they are timed on an empty twin, an empty cache included."""
+    backend = tiny_llama(seed=0, hidden_size=64, max_position=4096).with_kv_cache(cache)
+    table = CostTable.measure(backend, sizes=(1, 32), rounds=1)
+    assert table.sizes == [1, 32] and backend.length == 0
+    prompt = [i % 95 + 1 for i in range(1499)]
+    backend.prefill(prompt)
+    logits = backend.step(torch.tensor([5]))
+    backend.truncate(1499)
+    table = CostTable.measure(backend, sizes=(1, 32), rounds=1)
+    assert table.sizes == [1, 32] and backend.length == 1499 and torch.equal(backend.step(torch.tensor([5])), logits)
     assert CostTable.key(backend) != CostTable.key(tiny_llama(seed=0, hidden_size=64))
 
 
@@ -634,6 +652,7 @@ def test_the_loop_tells_the_controller_the_requests_length(engines):
 
 def test_cost_table_is_measured_at_two_contexts_and_cached_whole(tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    monkeypatch.setenv("DECODEKIT_COST_TABLE", str(tmp_path / "verify_cost.json"))
     backend = tiny_llama(seed=0)  # 512 positions: the longer context is cut to what fits
     contexts: list[int] = []
     timed = CostTable._time_passes
@@ -652,20 +671,22 @@ def test_cost_table_is_measured_at_two_contexts_and_cached_whole(tmp_path, monke
 
 def test_requests_share_the_backends_cost_table_and_timings_are_not_written_to_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    monkeypatch.setenv("DECODEKIT_COST_TABLE", str(tmp_path / "verify_cost.json"))
     backend = tiny_llama(seed=0)
     backend.prefill([1, 2, 3])
     first, second = Controller(8), Controller(8)
     first.begin(backend, "a")
     second.begin(backend, "b")
     assert first.cost is second.cost
-    saved = (tmp_path / "speculative" / "verify_cost.json").read_text()
+    saved = CostTable._path().read_text()
     first.observe_cost(1, first.cost(1) * 1.4)
     assert second.cost(1) == first.cost(1)
-    assert (tmp_path / "speculative" / "verify_cost.json").read_text() == saved
+    assert CostTable._path().read_text() == saved
 
 
 def test_a_cached_table_without_the_sizes_measured_now_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    monkeypatch.setenv("DECODEKIT_COST_TABLE", str(tmp_path / "verify_cost.json"))
     backend = tiny_llama(seed=0)
     backend.prefill([1, 2, 3])
     CostTable({1: 1.0, 4: 2.0}).save(backend)  # written by an older version
@@ -688,13 +709,14 @@ def test_the_back_off_carries_over_to_the_next_request():
 
 def test_cost_table_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    monkeypatch.setenv("DECODEKIT_COST_TABLE", str(tmp_path / "verify_cost.json"))
     backend = tiny_llama(seed=0)
     backend.prefill([1, 2, 3])
     first = CostTable.cached(backend)
     monkeypatch.setattr(CostTable, "measure", classmethod(lambda cls, *a, **k: pytest.fail("measured twice")))
     again = CostTable.cached(backend)
     assert again.as_dict() == pytest.approx(first.as_dict())
-    assert (tmp_path / "speculative" / "verify_cost.json").is_file()
+    assert CostTable._path().is_file()
 
 
 def test_injected_cost_tables_are_not_rewritten_by_timings():
@@ -753,11 +775,12 @@ def test_the_cost_table_is_measured_at_set_up_not_in_the_first_request(tmp_path,
     from decodekit.speculative import prepare
 
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    monkeypatch.setenv("DECODEKIT_COST_TABLE", str(tmp_path / "verify_cost.json"))
     model = tiny(seed=8)
     model.backend.reset(1)
     table = prepare(model.backend)  # an empty cache: measured after a dummy context, left empty
     assert model.backend.length == 0 and table.sizes == list(MEASURE_SIZES)
-    assert (tmp_path / "speculative" / "verify_cost.json").is_file()
+    assert CostTable._path().is_file()
     monkeypatch.setattr(CostTable, "measure", classmethod(lambda cls, *a, **k: pytest.fail("measured in a request")))
     g = Engine(model).generate(PROMPTS[1], method="pld", max_new_tokens=8, chat=False)
     assert g.stats.new_tokens == 8 and CostTable.shared(model.backend) is table

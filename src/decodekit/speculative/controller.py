@@ -3,9 +3,10 @@
 The right tree size depends on the machine, the numerics and the context: a many-token pass
 costs several 1-token passes, more so after a long prompt (every row attends to the whole
 context). :class:`CostTable` measures the target's forward cost per number of tokens once, at
-two context lengths (cached as JSON under ``cache_root()``, keyed by model, dtype and torch
-thread count), every size up to 8 tokens because the curve has steps there; the controller
-prices each step's passes at the request's current length.
+two context lengths and the current one where it is longer (cached as JSON under
+``cache_root()`` or in ``$DECODEKIT_COST_TABLE``, keyed by model, dtype, torch thread count,
+kernels and cache policy), every size up to 8 tokens because the curve has steps there; the
+controller prices each step's passes at the request's current length.
 :func:`prepare` does that when a model is set up (``decodekit bench`` calls it before any
 timing), so the first request does not pay for the measurement.
 In a process, one table per backend follows the timed passes of every request on it, each observation
@@ -187,28 +188,35 @@ class CostTable:
 
     @classmethod
     def measure(cls, backend: Backend, sizes=MEASURE_SIZES, rounds: int = 3) -> "CostTable":
-        """Time ``append`` of n tokens after ``MEASURE_CONTEXTS`` tokens of context (or after the
-        current cache, if longer), then roll back (the cache is left as it was). Two contexts give
-        the table and its per-context term. Sizes are interleaved over ``rounds`` rounds after a
-        warm-up and the minimum kept, so a burst of load does not skew one size only."""
+        """Time ``append`` of n tokens after ``MEASURE_CONTEXTS`` tokens of context, and after the
+        current cache too where it is longer; the cache is left as it was. The shortest context
+        gives the table, the longest its per-context term. Sizes are interleaved over ``rounds``
+        rounds after a warm-up and the minimum kept, so a burst of load does not skew one size only.
+
+        A backend holding tokens is measured at the standard contexts on an empty twin (its own
+        cache must stay), and at its own length in place, each pass rolled back, where its cache
+        can be (not int4's or an evicting one's): a table taken at one long context alone would
+        price every pass of a later short request at the long context's cost."""
         start = backend.length
         policy = getattr(backend, "kv_policy", None)
         in_place = policy is None or policy.rolls_back_anywhere()
-        timed = backend if in_place else backend.clone()  # a cache that cannot go back to `start`: its empty twin
+        limit = backend.info.max_length - max(sizes) - 1
+        contexts = sorted({max(1, min(c, limit)) for c in MEASURE_CONTEXTS})
+        timed = backend if start == 0 and in_place else _twin(backend)
         if timed.length == 0:
             timed.reset(1)
-        limit = backend.info.max_length - max(sizes) - 1
-        contexts = sorted({max(start, 1, min(c, limit)) for c in MEASURE_CONTEXTS})
         rows: dict[int, dict[int, float]] = {}
-        try:
-            with GOVERNOR.hold():  # all threads for every pass: a table must not mix thread counts
+        with GOVERNOR.hold():  # all threads for every pass: a table must not mix thread counts
+            try:
                 for context in contexts:
                     if timed.length < context:
                         timed.append(torch.zeros(1, context - timed.length, dtype=torch.long), last_only=True)
                     rows[timed.length] = cls._time_passes(timed, sizes, rounds)
-        finally:
-            if in_place:
-                backend.truncate(start)
+            finally:
+                if timed is backend:
+                    backend.truncate(start)
+            if in_place and start > max(rows) and start <= limit:
+                rows[start] = cls._time_passes(backend, sizes, rounds)  # each pass rolled back to `start`
         return cls.from_rows(rows)
 
     @staticmethod
@@ -268,9 +276,16 @@ class CostTable:
 
     @staticmethod
     def _path():
+        """Where measured tables are kept: ``$DECODEKIT_COST_TABLE``, or the cache's
+        ``speculative/verify_cost.json`` (the test suite keeps its own: its tables are measured
+        two test processes to two cores, and would misprice every pass of later real use)."""
+        import os
+        from pathlib import Path
+
         from ..models.cache import cache_root
 
-        return cache_root() / "speculative" / "verify_cost.json"
+        override = os.environ.get("DECODEKIT_COST_TABLE")
+        return Path(override) if override else cache_root() / "speculative" / "verify_cost.json"
 
     @classmethod
     def cached(cls, backend: Backend) -> "CostTable":
@@ -304,6 +319,14 @@ class CostTable:
             update_json(self._path(), with_table)
         except OSError:
             pass  # a read-only cache only costs a re-measurement next time
+
+
+def _twin(backend: Backend) -> Backend:
+    """An empty copy of ``backend`` sharing its weights, running its passes alone (not in a batch)."""
+    twin = backend.clone()
+    if getattr(twin, "batcher", None) is not None:
+        twin.batcher = None
+    return twin
 
 
 def prepare(backend: Backend) -> CostTable:
