@@ -129,3 +129,34 @@ def test_the_thread_count_never_changes_a_token(two_threads):
         engine = make_engine()
         outputs.append([run(engine, prompt, params) for prompt, params in CALLS])
     assert outputs[0] == outputs[1]
+
+
+def test_the_governor_times_plain_steps_only_each_cache_policy_apart(monkeypatch):
+    """It compares one pass kind under each thread count: a one-token draft that attends to a window
+    of the cache, or skips layers, costs a fraction of a plain step, and timed as one it would make
+    whichever count it ran under look faster (one thread, at a long context, for kvdraft)."""
+    import contextlib
+
+    import torch
+
+    from decodekit.models import native
+
+    seen: list[tuple[object, bool]] = []
+
+    class Recorder:
+        @contextlib.contextmanager
+        def governed(self, key, timed):
+            seen.append((key, timed))
+            yield 1
+
+    monkeypatch.setattr(native, "GOVERNOR", Recorder())
+    backend = tiny_llama(seed=0, hidden_size=64)
+    backend.prefill(list(range(1, 40)))
+    backend.step(torch.tensor([5]))
+    backend.append_windowed(torch.tensor([[6]]), 2, 8)
+    backend.append(torch.tensor([[7]]), skip_layers=frozenset({1}))
+    backend.verify_tree(torch.tensor([8, 9]), [-1, 0])
+    int8 = backend.with_kv_cache("int8")
+    int8.step(torch.tensor([5]))
+    assert [timed for _, timed in seen] == [False, True, False, False, False, True]
+    assert seen[1][0] == ("tiny-llama", "full") and seen[-1][0] == ("tiny-llama", "int8")

@@ -934,8 +934,12 @@ class NativeLlama(Backend):
             self._ensure_capacity(self._slots + tokens.shape[1])
             logits, features = self.batcher.run(self, tokens[0], positions, mask, self._slots, last_only)
             return StepOutput(logits=logits[None], features=features[None])
-        # the kernels' thread count for this pass; one-token passes are timed for the governor
-        with GOVERNOR.governed(self.info.name, timed=tokens.numel() == 1 and not skip_layers):
+        # The kernels' thread count for this pass. The governor compares the times of one pass kind
+        # under each count: plain steps over this cache are timed, not the one-token passes that
+        # cost less (a kvdraft draft attending to a window, a layer-skipping draft), which would
+        # make one thread look faster whenever it happened to time one of them.
+        plain_step = tokens.numel() == 1 and not skip_layers and mask is None
+        with GOVERNOR.governed((self.info.name, self.kv_policy.spec), timed=plain_step):
             w = self.weights
             batch, k = tokens.shape
             start = self._slots
@@ -972,7 +976,7 @@ class NativeLlama(Backend):
         """Run the waiting passes of several clones of this model (:class:`.batching.PassBatcher`)
         as one: returns each pass's logits ``[k, V]`` (``[1, V]`` where it wants the last only)
         and features ``[k, D]``."""
-        with GOVERNOR.governed(self.info.name, timed=False):
+        with GOVERNOR.governed((self.info.name, self.kv_policy.spec), timed=False):
             w = self.weights
             x = self._embed(torch.cat([p.tokens for p in passes]))
             pending = torch.empty_like(x)

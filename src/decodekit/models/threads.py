@@ -3,8 +3,10 @@
 Threads that split every matrix between them wait for each other at the end of each split. When
 another process takes one of the cores, every pass waits for the descheduled thread, and decoding
 with two threads fell to a quarter of its quiet speed, below one thread alone. So the
-:class:`ThreadGovernor` times one-token passes and keeps, per model and per thread count (one, or
-all), a running estimate of a pass's time, and uses the faster. Now and then it tries the other
+:class:`ThreadGovernor` times plain one-token steps and keeps, per model (and cache policy) and per
+thread count (one, or all), a running estimate of a step's time, and uses the faster. Drafts that
+cost less than a step (attending to a window, skipping layers) are not timed: counted as steps, they
+made whichever count they ran under look faster. Now and then it tries the other
 count for one pass, so it returns to all threads once the machine is quiet again. The pause
 between those tries doubles while the other count keeps losing (16 passes up to 512) and is short
 again after a switch, in case a burst of load is already over.
