@@ -53,9 +53,9 @@ def main() -> None:
         libs = {"old": compile_source(old_source, Path(tmp), "old"),
                 "new": compile_source((KERNELS / "attention.c").read_text(), Path(tmp), "new")}
         g = torch.Generator().manual_seed(0)
-        for trial in range(100):  # shapes, masks: the same bits
-            rows, keys = 1 + trial % 7, 1 + (trial * 37) % 300
-            q, k, v = torch.randn(rows, 9, 64, generator=g), torch.randn(3, keys, 64, generator=g), torch.randn(3, keys, 64, generator=g)
+        for trial in range(100):  # shapes, masks: the same bits (head sizes of the grouped jobs and the general one)
+            rows, keys, dim = 1 + trial % 7, 1 + (trial * 37) % 300, (64, 128, 48, 16)[trial % 4]
+            q, k, v = torch.randn(rows, 9, dim, generator=g), torch.randn(3, keys, dim, generator=g), torch.randn(3, keys, dim, generator=g)
             visible = None if trial % 2 else (torch.rand(rows, keys, generator=g) < 0.7).to(torch.uint8)
             assert torch.equal(attend(libs["old"], q, k, v, visible), attend(libs["new"], q, k, v, visible)), trial
         print("bit-identical on 100 random shapes and masks")

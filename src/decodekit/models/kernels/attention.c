@@ -116,6 +116,40 @@ typedef struct {
 
 #define MAX_Q 4
 
+/* In a job over Q queries with registers qv[m][c] and a key in kv[c]: each query's products with
+ * the key wait in its slot SLOT(waiting) until 16 keys are in, then become 16 scores at once. */
+#define SCORE_KEY(Q, CH, position)                                                                  \
+    do {                                                                                            \
+        for (int m = 0; m < Q; m++) {                                                               \
+            __m512 acc = _mm512_mul_ps(qv[m][0], kv[0]);                                            \
+            for (int c = 1; c < (CH); c++) acc = _mm512_fmadd_ps(qv[m][c], kv[c], acc);             \
+            s->waiting[16 * m + SLOT(waiting)] = acc;                                               \
+        }                                                                                           \
+        s->keys[n + waiting] = (position);                                                          \
+        if (++waiting == 16) {                                                                      \
+            store_scores(s, Q, n, 16, scale);                                                       \
+            n += 16, waiting = 0;                                                                   \
+        }                                                                                           \
+    } while (0)
+
+/* The scaled scores of the `count` (1..16) keys waiting for each of `queries` queries, stored from
+ * score n on. */
+static inline void store_scores(Scratch *s, int queries, int n, int count, float scale) {
+    __mmask16 mask = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
+    for (int m = 0; m < queries; m++)
+        _mm512_mask_storeu_ps(s->scores + m * s->stride + n, mask,
+                              _mm512_mul_ps(sum_lanes16(s->waiting + 16 * m), _mm512_set1_ps(scale)));
+}
+
+/* Each query's n scores replaced by their softmax numerators; inverse[m]: 1 / their sum (0 for none). */
+static inline void softmax_numerators_of(Scratch *s, int queries, int n, float *inverse) {
+    for (int m = 0; m < queries; m++) {
+        float *scores = s->scores + m * s->stride;
+        float total = softmax_numerators(scores, n, largest(scores, n));
+        inverse[m] = n ? 1.0f / total : 0.0f;
+    }
+}
+
 /* One job: Q queries (rows q[m], outputs out[m]) that read the same key/value head and see the
  * same keys (the heads of one group, for one row). Each key and value row is loaded once for all
  * Q; each query's arithmetic is exactly what it would be alone, and its Q x CH accumulators are
@@ -131,32 +165,11 @@ typedef struct {
             const T *kj = kh + (size_t)j * CH * 16;                                                 \
             __m512 kv[CH];                                                                          \
             for (int c = 0; c < CH; c++) kv[c] = LOAD(kj + 16 * c);                                 \
-            for (int m = 0; m < Q; m++) {                                                           \
-                __m512 acc = _mm512_mul_ps(qv[m][0], kv[0]);                                        \
-                for (int c = 1; c < CH; c++) acc = _mm512_fmadd_ps(qv[m][c], kv[c], acc);           \
-                s->waiting[16 * m + SLOT(waiting)] = acc;                                           \
-            }                                                                                       \
-            s->keys[n + waiting] = j;                                                               \
-            if (++waiting == 16) {                                                                  \
-                for (int m = 0; m < Q; m++)                                                         \
-                    _mm512_storeu_ps(s->scores + m * s->stride + n,                                 \
-                                     _mm512_mul_ps(sum_lanes16(s->waiting + 16 * m), _mm512_set1_ps(scale))); \
-                n += 16, waiting = 0;                                                               \
-            }                                                                                       \
+            SCORE_KEY(Q, CH, j);                                                                    \
         }                                                                                           \
-        if (waiting) {                                                                              \
-            __mmask16 mask = (__mmask16)((1u << waiting) - 1u);                                     \
-            for (int m = 0; m < Q; m++)                                                             \
-                _mm512_mask_storeu_ps(s->scores + m * s->stride + n, mask,                          \
-                                      _mm512_mul_ps(sum_lanes16(s->waiting + 16 * m), _mm512_set1_ps(scale))); \
-            n += waiting;                                                                           \
-        }                                                                                           \
+        if (waiting) store_scores(s, Q, n, waiting, scale), n += waiting;                           \
         float inverse[Q];                                                                           \
-        for (int m = 0; m < Q; m++) {                                                               \
-            float *scores = s->scores + m * s->stride;                                              \
-            float total = softmax_numerators(scores, n, largest(scores, n));                        \
-            inverse[m] = n ? 1.0f / total : 0.0f;                                                   \
-        }                                                                                           \
+        softmax_numerators_of(s, Q, n, inverse);                                                    \
         __m512 o[Q][CH];                                                                            \
         for (int m = 0; m < Q; m++)                                                                 \
             for (int c = 0; c < CH; c++) o[m][c] = _mm512_setzero_ps();                             \
@@ -187,17 +200,11 @@ typedef struct {
             for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], LOAD(kj + 16 * c), acc);  \
             s->waiting[SLOT(waiting)] = acc;                                                        \
             s->keys[n + waiting] = j;                                                               \
-            if (++waiting == 16) {                                                                  \
-                _mm512_storeu_ps(s->scores + n, _mm512_mul_ps(sum_lanes16(s->waiting), _mm512_set1_ps(scale))); \
-                n += 16, waiting = 0;                                                               \
-            }                                                                                       \
+            if (++waiting == 16) store_scores(s, 1, n, 16, scale), n += 16, waiting = 0;            \
         }                                                                                           \
-        if (waiting) {                                                                              \
-            _mm512_mask_storeu_ps(s->scores + n, (__mmask16)((1u << waiting) - 1u),                 \
-                                  _mm512_mul_ps(sum_lanes16(s->waiting), _mm512_set1_ps(scale)));   \
-            n += waiting;                                                                           \
-        }                                                                                           \
-        float total = softmax_numerators(s->scores, n, largest(s->scores, n));                      \
+        if (waiting) store_scores(s, 1, n, waiting, scale), n += waiting;                           \
+        float inverse;                                                                              \
+        softmax_numerators_of(s, 1, n, &inverse);                                                   \
         __m512 o[16];                                                                               \
         for (int c = 0; c < chunks; c++) o[c] = _mm512_setzero_ps();                                \
         for (int t = 0; t < n; t++) {                                                               \
@@ -205,7 +212,7 @@ typedef struct {
             const T *vj = vh + (size_t)s->keys[t] * chunks * 16;                                    \
             for (int c = 0; c < chunks; c++) o[c] = _mm512_fmadd_ps(p, LOAD(vj + 16 * c), o[c]);    \
         }                                                                                           \
-        __m512 inv = _mm512_set1_ps(n ? 1.0f / total : 0.0f);                                       \
+        __m512 inv = _mm512_set1_ps(inverse);                                                       \
         for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(o[c], inv));  \
     }
 
@@ -388,23 +395,6 @@ typedef struct {
     int group, base, end, n_buf;
 } KiviHead;
 
-/* The products of key kv[] with each query, waiting to be summed 16 keys at a time (DEFINE_JOB's). */
-#define KIVI_SCORE(Q, CH, position)                                                                 \
-    do {                                                                                            \
-        for (int m = 0; m < Q; m++) {                                                               \
-            __m512 acc = _mm512_mul_ps(qv[m][0], kv[0]);                                            \
-            for (int c = 1; c < (CH); c++) acc = _mm512_fmadd_ps(qv[m][c], kv[c], acc);             \
-            s->waiting[16 * m + SLOT(waiting)] = acc;                                               \
-        }                                                                                           \
-        s->keys[n + waiting] = (position);                                                          \
-        if (++waiting == 16) {                                                                      \
-            for (int m = 0; m < Q; m++)                                                             \
-                _mm512_storeu_ps(s->scores + m * s->stride + n,                                     \
-                                 _mm512_mul_ps(sum_lanes16(s->waiting + 16 * m), _mm512_set1_ps(scale))); \
-            n += 16, waiting = 0;                                                                   \
-        }                                                                                           \
-    } while (0)
-
 /* One job: Q queries (rows q[m], outputs out[m]) of one row that share a key/value head, CH =
  * head_dim / 16 (a constant where registers hold them all, else a variable). Each key and value
  * is rebuilt once for all Q; each query's arithmetic is what it would be alone. */
@@ -427,27 +417,17 @@ typedef struct {
             const uint8_t *kj = h->kc + (size_t)j * half;                                           \
             load_q4_chunks(kj, kv, (CH));                                                           \
             for (int c = 0; c < (CH); c++) kv[c] = _mm512_fmadd_ps(kv[c], ks[c], km[c]);            \
-            KIVI_SCORE(Q, CH, j);                                                                   \
+            SCORE_KEY(Q, CH, j);                                                                    \
         }                                                                                           \
         FOR_EACH_VISIBLE(slot, vis, h->n_buf) { /* the residual, from the row's quantised end on */ \
             if (h->base + slot < h->end) continue;                                                  \
             const float *kj = h->kb + (size_t)slot * 16 * (CH);                                     \
             for (int c = 0; c < (CH); c++) kv[c] = _mm512_loadu_ps(kj + 16 * c);                    \
-            KIVI_SCORE(Q, CH, h->base + slot);                                                      \
+            SCORE_KEY(Q, CH, h->base + slot);                                                       \
         }                                                                                           \
-        if (waiting) {                                                                              \
-            __mmask16 mask = (__mmask16)((1u << waiting) - 1u);                                     \
-            for (int m = 0; m < Q; m++)                                                             \
-                _mm512_mask_storeu_ps(s->scores + m * s->stride + n, mask,                          \
-                                      _mm512_mul_ps(sum_lanes16(s->waiting + 16 * m), _mm512_set1_ps(scale))); \
-            n += waiting;                                                                           \
-        }                                                                                           \
+        if (waiting) store_scores(s, Q, n, waiting, scale), n += waiting;                           \
         float inverse[Q];                                                                           \
-        for (int m = 0; m < Q; m++) {                                                               \
-            float *scores = s->scores + m * s->stride;                                              \
-            float total = softmax_numerators(scores, n, largest(scores, n));                        \
-            inverse[m] = n ? 1.0f / total : 0.0f;                                                   \
-        }                                                                                           \
+        softmax_numerators_of(s, Q, n, inverse);                                                    \
         __m512 o[Q][CH], vv[CH];                                                                    \
         for (int m = 0; m < Q; m++)                                                                 \
             for (int c = 0; c < (CH); c++) o[m][c] = _mm512_setzero_ps();                           \
