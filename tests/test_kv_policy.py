@@ -438,7 +438,7 @@ def test_int4_attention_is_float_attention_on_the_dequantised_entries(head_dim, 
     """Head sizes 64 and 128 take the kernels that rebuild each entry once for a group's heads
     (3 or 4 a job, 2 at 128), 32 the general one."""
     from decodekit.models.kernels import kivi_attention, layout_independent_attention
-    from decodekit.models.kivi import KiviStore, dequantise_keys, dequantise_values
+    from decodekit.models.kivi import KiviStore, KiviView, dequantise_keys, dequantise_values
 
     D = head_dim
     kernel, reference = kivi_attention(D), layout_independent_attention(torch.float32, D)
@@ -453,7 +453,7 @@ def test_int4_attention_is_float_attention_on_the_dequantised_entries(head_dim, 
     qend = torch.tensor([40, 48, 64, 56])
     visible = torch.rand(4, n - base, generator=g) < 0.7
     buffer_k, buffer_v = k[0, :, base:].contiguous(), v[0, :, base:].contiguous()
-    got = kernel(q, store.layer(0), buffer_k, buffer_v, base, n - base, qend, visible, D**-0.5)
+    got = kernel(q, KiviView(store, base, qend), 0, buffer_k, buffer_v, n - base, visible, D**-0.5)
     keys_q = dequantise_keys(store.k_codes[0], store.k_params[0], group)
     values_q = dequantise_values(store.v_codes[0], store.v_params[0])
     exact_rows = []
@@ -467,8 +467,8 @@ def test_int4_attention_is_float_attention_on_the_dequantised_entries(head_dim, 
         exact_rows.append(reference(q[row : row + 1], k[0], v[0], seen[None], D**-0.5)[0])
     error = (got - torch.stack(exact_rows)).abs()
     assert error[0].max() < 0.5 and error[2].max() > 0  # the quantisation's error, where a row reads codes
-    alone = torch.cat([kernel(q[row : row + 1], store.layer(0), buffer_k, buffer_v, base, n - base, qend[row : row + 1],
-                              visible[row : row + 1], D**-0.5) for row in range(4)])
+    alone = torch.cat([kernel(q[row : row + 1], KiviView(store, base, qend[row : row + 1]), 0, buffer_k, buffer_v,
+                              n - base, visible[row : row + 1], D**-0.5) for row in range(4)])
     assert torch.equal(alone, got)  # a row's result does not depend on the pass's other rows
 
 

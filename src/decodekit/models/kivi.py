@@ -71,22 +71,10 @@ def dequantise_values(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor
 
 
 @dataclass
-class KiviLayer:
-    """One layer's quantised entries, as the attention kernel reads them (``[H_kv, capacity, ...]``)."""
-
-    k_codes: torch.Tensor
-    k_params: torch.Tensor
-    v_codes: torch.Tensor
-    v_params: torch.Tensor
-    group: int
-    capacity: int
-    tokens: int
-
-
-@dataclass
 class KiviView:
-    """What a pass over an int4 cache reads besides its float residual: the codes, the position of
-    the residual's slot 0, and per row of the pass the position its float keys start at."""
+    """What a pass over an int4 cache reads besides its float residual: the codes of every layer,
+    the position of the residual's slot 0, and per row of the pass the position its float keys
+    start at."""
 
     store: "KiviStore"
     base: int
@@ -134,10 +122,6 @@ class KiviStore:
         self.k_codes[:, :, span], self.v_codes[:, :, span], self.v_params[:, :, span] = k_codes, v_codes, v_params
         self.k_params[:, :, self.tokens // G : end // G] = k_params
         self.tokens = end
-
-    def layer(self, i: int) -> KiviLayer:
-        return KiviLayer(self.k_codes[i], self.k_params[i], self.v_codes[i], self.v_params[i], self.group,
-                         self.capacity, self.tokens)
 
     def nbytes(self) -> int:
         """Bytes the quantised tokens take (codes and parameters; capacity not counted)."""

@@ -151,7 +151,7 @@ class KiviPolicy(KVPolicy):
       tokens are written; a rollback reaches back ``residual - 64`` tokens before the last pass
       (64 by default: a verification pass, a layer-skipping draft).
     Needs the compiled kernels, a float32 model whose layers all attend to the whole cache (not
-    Gemma 3's sliding windows), passes of one sequence; the layers run one by one.
+    Gemma 3's sliding windows) and passes of one sequence (served requests are batched as usual).
     """
 
     group: int = 32

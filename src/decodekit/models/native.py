@@ -500,7 +500,7 @@ class NativeLlama(Backend):
         self.reset(1)
 
     def _use_policy(self, policy: KVPolicy) -> None:
-        """Set the cache policy and what depends on it (the int8 cache has kernels of its own)."""
+        """Set the cache policy and what depends on it (the int8 and int4 caches have kernels of their own)."""
         self.kv_policy = policy
         self.info = self._info_for(policy)
         self._int8 = self._kivi_attention = None
@@ -1066,9 +1066,7 @@ class NativeLlama(Backend):
             if ops is None or batch != 1:
                 raise ValueError("the int4 cache takes passes of one sequence and at most 64 tokens")
             q = ops.rope_store(qkv, pairs, positions, self._k[i, 0], self._v[i, 0], start, c.num_heads)
-            view = self._kivi_view(positions)
-            heads = self._kivi_attention(q, self._kivi.layer(i), self._k[i, 0], self._v[i, 0], view.base, end, view.qend,
-                                         mask, scale)
+            heads = self._kivi_attention(q, self._kivi_view(positions), i, self._k[i, 0], self._v[i, 0], end, mask, scale)
             return heads.view(batch, k, q_size)
         if self._int8 is not None:  # the int8 cache: its kernels only (passes are read MAX_ROWS at a time)
             if ops is None or batch != 1:

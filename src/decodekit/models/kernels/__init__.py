@@ -380,11 +380,12 @@ KiviAttention = Callable[..., torch.Tensor]
 
 @cache
 def kivi_attention(head_dim: int) -> "KiviAttention | None":
-    """``attention(q [n_q, H, D], quantised, k_buffer [H_kv, cap, D], v_buffer, base, n_buf, qend
-    [n_q] int32, visible [n_q, n_buf] | None, scale) -> [n_q, H, D]`` over a KIVI cache
-    (``attention.c``'s ``decodekit_attention_kivi``): positions below a row's ``qend`` read from
-    ``quantised`` (a :class:`..kivi.KiviLayer`), the rest from the float32 buffer, whose slot 0
-    holds position ``base``. None where unavailable (head_dim a multiple of 16, at most 256)."""
+    """``attention(q [n_q, H, D], view, layer, k_residual [H_kv, cap, D], v_residual, n_residual,
+    visible [n_q, n_residual] | None, scale) -> [n_q, H, D]`` over layer ``layer`` of an int4
+    (KIVI) cache (``attention.c``'s ``decodekit_attention_kivi``): positions below a row's
+    ``view.qend`` are read from ``view.store``'s codes, the rest from the float32 residual, whose
+    slot 0 holds position ``view.base`` (a :class:`..kivi.KiviView`). None where unavailable
+    (head_dim a multiple of 16, at most 256)."""
     lib = _library("attention")
     if lib is None or head_dim % 16 or head_dim > 256:
         return None
@@ -392,23 +393,26 @@ def kivi_attention(head_dim: int) -> "KiviAttention | None":
     fn.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 9 + [ctypes.c_float, ctypes.c_int]
     fn.restype = None
 
-    def attention(q: torch.Tensor, quantised, k_buffer: torch.Tensor, v_buffer: torch.Tensor, base: int, n_buf: int,
-                  qend: torch.Tensor, visible: torch.Tensor | None, scale: float) -> torch.Tensor:
+    def attention(q: torch.Tensor, view, layer: int, k_residual: torch.Tensor, v_residual: torch.Tensor,
+                  n_residual: int, visible: torch.Tensor | None, scale: float) -> torch.Tensor:
         n_q, n_heads = q.shape[:2]
-        if (q.shape[2] != head_dim or not k_buffer.is_contiguous() or not v_buffer.is_contiguous()
-                or k_buffer.shape != v_buffer.shape or k_buffer.shape[2] != head_dim or n_buf > k_buffer.shape[1]):
-            raise ValueError(f"kivi attention: needs head_dim {head_dim} and contiguous [H_kv, cap, D] buffers")
-        if int(qend.min()) < base or int(qend.max()) > quantised.tokens:
-            raise ValueError("kivi attention: every row's quantised end must lie between the buffer's base and the "
+        store = view.store
+        if (q.shape[2] != head_dim or not k_residual.is_contiguous() or not v_residual.is_contiguous()
+                or k_residual.shape != v_residual.shape or k_residual.shape[2] != head_dim
+                or n_residual > k_residual.shape[1]):
+            raise ValueError(f"kivi attention: needs head_dim {head_dim} and contiguous [H_kv, cap, D] residuals")
+        if int(view.qend.min()) < view.base or int(view.qend.max()) > store.tokens:
+            raise ValueError("kivi attention: every row's quantised end must lie between the residual's base and the "
                              "quantised tokens")
         q = q.float().contiguous()
-        qend = qend.to(torch.int32).contiguous()
+        qend = view.qend.to(torch.int32).contiguous()
         mask = None if visible is None else visible.to(torch.bool).contiguous()
         out = torch.empty(n_q, n_heads, head_dim, dtype=torch.float32)
-        fn(q.data_ptr(), quantised.k_codes.data_ptr(), quantised.k_params.data_ptr(), quantised.v_codes.data_ptr(),
-           quantised.v_params.data_ptr(), k_buffer.data_ptr(), v_buffer.data_ptr(), qend.data_ptr(),
-           None if mask is None else mask.data_ptr(), out.data_ptr(), n_q, n_heads, k_buffer.shape[0], head_dim,
-           quantised.group, quantised.capacity, k_buffer.shape[1], base, n_buf, scale, torch.get_num_threads())
+        fn(q.data_ptr(), store.k_codes[layer].data_ptr(), store.k_params[layer].data_ptr(),
+           store.v_codes[layer].data_ptr(), store.v_params[layer].data_ptr(), k_residual.data_ptr(),
+           v_residual.data_ptr(), qend.data_ptr(), None if mask is None else mask.data_ptr(), out.data_ptr(), n_q,
+           n_heads, k_residual.shape[0], head_dim, store.group, store.capacity, k_residual.shape[1], view.base,
+           n_residual, scale, torch.get_num_threads())
         return out
 
     attention.address = _address(fn)
