@@ -14,7 +14,7 @@ each (sharing the weights), 16 steps a round then rolled back, policies alternat
 round, the fastest round of ``--rounds`` kept: what the cache costs a decode step, where the
 machine's noise moves every policy alike.
 
-    .venv/bin/python scripts/long_context.py kvdraft [--tokens 6000] [--prompts 3] [--new 128] [--numerics exact] [--budget N]
+    .venv/bin/python scripts/long_context.py kvdraft [--tokens 6000] [--prompts 3] [--new 128] [--numerics exact] [--budget N] [--kv-cache sink:S,window:W]
     .venv/bin/python scripts/long_context.py streaming [--new 32768] [--kv-cache sink:4,window:1024] [--stream-text]
     .venv/bin/python scripts/long_context.py decode [--tokens 2048,4096,8000] [--kv-cache 'full;int8;int4'] [--numerics fast]
 """
@@ -31,6 +31,7 @@ import time
 from decodekit.data import SPEC_BENCH_QUESTIONS, data_file
 from decodekit.engine import Engine
 from decodekit.models import LoadedModel, load_model
+from decodekit.speculative.drafters.kvdraft import DEFAULT_CACHE as KVDRAFT_CACHE
 
 
 def documents(tokenizer, length: int, count: int) -> list[list[dict]]:
@@ -125,7 +126,7 @@ def main() -> None:
     k.add_argument("--tokens", type=int, default=6000)
     k.add_argument("--prompts", type=int, default=3)
     k.add_argument("--new", type=int, default=128)
-    k.add_argument("--kv-cache", default="sink:4,window:256")
+    k.add_argument("--kv-cache", default=KVDRAFT_CACHE)
     k.add_argument("--numerics", default="exact")
     k.add_argument("--budget", type=int, default=0, help="a fixed chain length (default: the controller decides)")
     k.set_defaults(func=kvdraft)
