@@ -497,6 +497,7 @@ def test_int4_cache_quantises_the_float_entries_a_group_at_a_time_and_keeps_the_
     assert torch.equal(int4._k[0, 0, :, : int4.slots], full._k[0, 0, :, int4._base : 300])
     assert torch.equal(int4._v[0, 0, :, : int4.slots], full._v[0, 0, :, int4._base : 300])
     assert most <= 64 + 8 + 2 * 64  # the residual, a group, the pass, and what waits to be dropped
+    assert int4._k.shape[3] == 0 + 64 + 2 * 8 + 64  # allocated for no more (rollback reach 0 at residual 64)
     # per quantised token and head (size 16): 2 x 8 bytes of codes, a value's scale and minimum, and
     # an eighth of its group's scales and minima; per residual slot: float32 key and value
     c = full.config

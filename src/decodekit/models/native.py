@@ -596,12 +596,15 @@ class NativeLlama(Backend):
         self._tail_from = 0  # tokens from here on sit in the last slots, in order (rollback reaches that far)
         self._first_pass = True
         self._pending_tree = None
-        self._allocate(batch_size, min(self._initial_capacity, self.config.max_position))
-        c = self.config
+        capacity = min(self._initial_capacity, self.config.max_position)
+        c, policy = self.config, self.kv_policy
         # int4: the quantised tokens; the float cache then holds the residual, slot 0 at position _base
-        self._kivi = KiviStore(c.num_layers, c.num_kv_heads, c.head_dim, self.kv_policy.group) \
+        self._kivi = KiviStore(c.num_layers, c.num_kv_heads, c.head_dim, policy.group) \
             if self._kivi_attention is not None else None
         self._base = 0
+        if self._kivi is not None:  # the most the residual holds (_quantise_ahead): no more is allocated
+            capacity = min(capacity, policy.recent + policy.residual + 2 * policy.group + MAX_ROWS)
+        self._allocate(batch_size, capacity)
 
     def _allocate(self, batch_size: int, capacity: int) -> None:
         c = self.config
