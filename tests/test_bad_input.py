@@ -96,7 +96,7 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["eval", "longctx", "--lengths", "1,2"], "--lengths must be comma-separated numbers"),
     (["generate", "hi", "--method", "kvdraft", "--opt", "kv_cache=full"], "kvdraft needs a compressed kv_cache"),
     (["generate", "hi", "--method", "kvdraft", "--opt", "kv_cache=int4"], "kvdraft needs a compressed kv_cache other than int4"),
-    (["generate", "hi", "--kv-cache", "int4:residual=16"], "needs group >= 1 and residual >= 64"),
+    (["generate", "hi", "--kv-cache", "int2:residual=16"], "needs group >= 1, residual >= 64"),
 ])
 def test_bad_arguments_are_one_line_before_the_model_loads(capsys, no_model, argv, expected):
     one_error_line(capsys, argv, expected)

@@ -37,7 +37,8 @@ def test_spellings_parse_and_round_trip():
     assert parse_kv_cache("snapkv:budget=100,window=8,kernel=3") == SnapKVPolicy(100, 8, 3)
     assert parse_kv_cache("int4") == KiviPolicy(32, 128) and parse_kv_cache("int4:residual=64") == KiviPolicy(32, 64)
     assert parse_kv_cache("int4").code_bits == 4 and parse_kv_cache("int8").code_bits == 8 and KVPolicy().code_bits is None
-    for spec in ("full", "int8", "int4", "int4:group=8,residual=64", "sink:4,window:64", "sink:1,window:8,every:2", "h2o:budget=128,window=16",
+    assert parse_kv_cache("int2") == KiviPolicy(32, 128, bits=2) and parse_kv_cache("int2").kivi
+    for spec in ("full", "int8", "int4", "int4:group=8,residual=64", "int2", "int2:group=16,residual=96", "sink:4,window:64", "sink:1,window:8,every:2", "h2o:budget=128,window=16",
                  "snapkv:budget=100,window=8", "snapkv:budget=100,window=8,kernel=3"):
         assert parse_kv_cache(spec).spec == spec
 
@@ -45,7 +46,7 @@ def test_spellings_parse_and_round_trip():
 @pytest.mark.parametrize("spec", [
     "ful", "sink:4", "sink:x,window:4", "sink:4,window:0", "h2o:budget=8", "h2o:budget=8,window=9",
     "h2o:budget=8,window=4,extra=1", "snapkv:budget=8,window=8", "snapkv:budget=8,window=2,kernel=4",
-    "sink:4,window:8,window:9", "h2o:budget=-1,window=1", "int4:residual=32", "int4:group=0", "int4:bits=2",
+    "sink:4,window:8,window:9", "h2o:budget=-1,window=1", "int4:residual=32", "int4:group=0", "int4:bits=2", "int3",
 ])
 def test_bad_spellings_fail_in_one_line(spec):
     with pytest.raises(InvalidParameter) as err:
@@ -405,38 +406,43 @@ def test_policies_that_keep_positions_stop_at_the_context_window(spec):
 # The int4 cache (KIVI) ------------------------------------------------------------------------------------
 
 
-def test_int4_codes_are_within_half_a_step_per_channel_group_and_per_token():
+@pytest.mark.parametrize("bits", [4, 2])
+def test_kivi_codes_are_within_half_a_step_per_channel_group_and_per_token(bits):
     from decodekit.models.kivi import (
-        dequantise_keys, dequantise_values, pack_nibbles, quantise_keys, quantise_values, unpack_nibbles,
+        dequantise_keys, dequantise_values, pack_codes, quantise_keys, quantise_values, unpack_codes,
     )
 
+    levels = (1 << bits) - 1
     g = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (3, 5, 32), generator=g, dtype=torch.uint8)
-    assert torch.equal(unpack_nibbles(pack_nibbles(codes)), codes)
-    packed = pack_nibbles(codes)  # byte b: channel b low, channel b + 8 high, in each 16 channels
-    assert int(packed[0, 0, 1]) == int(codes[0, 0, 1]) | int(codes[0, 0, 9]) << 4
-    assert int(packed[0, 0, 8]) == int(codes[0, 0, 16]) | int(codes[0, 0, 24]) << 4
+    codes = torch.randint(0, levels + 1, (3, 5, 32), generator=g, dtype=torch.uint8)
+    assert torch.equal(unpack_codes(pack_codes(codes, bits), bits), codes)
+    packed, n = pack_codes(codes, bits), 2 * bits  # a chunk of 16 channels in n bytes
+    # byte b of a chunk: channels b, b + n, b + 2n, ... from its lowest bits up
+    for chunk, b in ((0, 1), (1, n - 1)):
+        want = sum(int(codes[0, 0, 16 * chunk + b + n * k]) << (bits * k) for k in range(8 // bits))
+        assert int(packed[0, 0, n * chunk + b]) == want
     x = torch.randn(2, 24, 32, generator=g) * torch.linspace(0.1, 8, 32)  # channels of different spans
     x[0, :8, 3] = 1.5  # a channel constant over a group: exact
-    k_codes, k_params = quantise_keys(x, 8)
-    assert k_codes.shape == (2, 24, 16) and k_params.shape == (2, 3, 2, 32)
-    keys = dequantise_keys(k_codes, k_params, 8)
+    k_codes, k_params = quantise_keys(x, 8, bits)
+    assert k_codes.shape == (2, 24, 32 * bits // 8) and k_params.shape == (2, 3, 2, 32)
+    keys = dequantise_keys(k_codes, k_params, 8, bits)
     groups = x.view(2, 3, 8, 32)
-    step = (groups.amax(2) - groups.amin(2)) / 15  # per channel and group
+    step = (groups.amax(2) - groups.amin(2)) / levels  # per channel and group
     assert bool(((keys - x).abs().view(2, 3, 8, 32) <= step[:, :, None] / 2 + 1e-6).all())
     assert torch.equal(keys[0, :8, 3], x[0, :8, 3])
-    v_codes, v_params = quantise_values(x)
-    values = dequantise_values(v_codes, v_params)
-    step = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / 15  # per token
+    v_codes, v_params = quantise_values(x, bits)
+    values = dequantise_values(v_codes, v_params, bits)
+    step = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / levels  # per token
     assert bool(((values - x).abs() <= step / 2 + 1e-6).all())
     # per channel, not per token: a key channel's error is bounded by its own span, however large another's is
-    assert (keys - x)[..., 0].abs().max() < 0.1 / 15 * 4
+    assert (keys - x)[..., 0].abs().max() < 0.1 / levels * 4
 
 
+@pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("head_dim, heads", [(32, 6), (64, 6), (64, 8), (128, 6)])
-def test_int4_attention_is_float_attention_on_the_dequantised_entries(head_dim, heads):
+def test_kivi_attention_is_float_attention_on_the_dequantised_entries(head_dim, heads, bits):
     """Head sizes 64 and 128 take the kernels that rebuild each entry once for a group's heads
-    (3 or 4 a job, 2 at 128), 32 the general one."""
+    (3 or 4 a job, 2 at 128) and unpack four chunks at once, 32 the general one chunk by chunk."""
     from decodekit.models.kernels import kivi_attention, layout_independent_attention
     from decodekit.models.kivi import KiviStore, KiviView, dequantise_keys, dequantise_values
 
@@ -447,15 +453,15 @@ def test_int4_attention_is_float_attention_on_the_dequantised_entries(head_dim, 
     g = torch.Generator().manual_seed(0)
     n, group, base = 90, 8, 40  # positions 0..89; 0..63 quantised, the buffer from 40 on
     k, v = torch.randn(1, 2, n, D, generator=g), torch.randn(1, 2, n, D, generator=g)
-    store = KiviStore(1, 2, D, group)
+    store = KiviStore(1, 2, D, group, bits)
     store.append(k[:, :, :32], v[:, :, :32]), store.append(k[:, :, 32:64], v[:, :, 32:64])  # grows once
     q = torch.randn(4, heads, D, generator=g)
     qend = torch.tensor([40, 48, 64, 56])
     visible = torch.rand(4, n - base, generator=g) < 0.7
     buffer_k, buffer_v = k[0, :, base:].contiguous(), v[0, :, base:].contiguous()
     got = kernel(q, KiviView(store, base, qend), 0, buffer_k, buffer_v, n - base, visible, D**-0.5)
-    keys_q = dequantise_keys(store.k_codes[0], store.k_params[0], group)
-    values_q = dequantise_values(store.v_codes[0], store.v_params[0])
+    keys_q = dequantise_keys(store.k_codes[0], store.k_params[0], group, bits)
+    values_q = dequantise_values(store.v_codes[0], store.v_params[0], bits)
     exact_rows = []
     for row in range(4):
         end = int(qend[row])
@@ -466,17 +472,18 @@ def test_int4_attention_is_float_attention_on_the_dequantised_entries(head_dim, 
         seen = torch.cat([torch.ones(base, dtype=torch.bool), visible[row]])
         exact_rows.append(reference(q[row : row + 1], k[0], v[0], seen[None], D**-0.5)[0])
     error = (got - torch.stack(exact_rows)).abs()
-    assert error[0].max() < 0.5 and error[2].max() > 0  # the quantisation's error, where a row reads codes
+    assert error[0].max() < (0.5 if bits == 4 else 1.5) and error[2].max() > 0  # quantisation's error, where read
     alone = torch.cat([kernel(q[row : row + 1], KiviView(store, base, qend[row : row + 1]), 0, buffer_k, buffer_v,
                               n - base, visible[row : row + 1], D**-0.5) for row in range(4)])
     assert torch.equal(alone, got)  # a row's result does not depend on the pass's other rows
 
 
-def test_int4_cache_quantises_the_float_entries_a_group_at_a_time_and_keeps_the_residual_bounded():
+@pytest.mark.parametrize("bits", [4, 2])
+def test_kivi_cache_quantises_the_float_entries_a_group_at_a_time_and_keeps_the_residual_bounded(bits):
     from decodekit.models.kivi import quantise_keys, quantise_values
 
     full = tiny_llama(seed=0, hidden_size=64)
-    int4 = full.with_kv_cache("int4:group=8,residual=64")
+    int4 = full.with_kv_cache(f"int{bits}:group=8,residual=64")
     ids = torch.tensor([tokens(300)])
     for part in ids.split(64, dim=1):  # the int4 cache reads 64 tokens a pass
         full.append(part)
@@ -490,22 +497,24 @@ def test_int4_cache_quantises_the_float_entries_a_group_at_a_time_and_keeps_the_
     assert store.tokens == 232 and int4.length == 300 and int4._base <= 300 - 64 - 8
     # layer 0's entries come from the embeddings alone (later layers' from attention over codes): the
     # codes of the float entries the full cache holds, and its float rows from the buffer's base on
-    codes, params = quantise_keys(full._k[0, 0, :, :232], 8)
+    codes, params = quantise_keys(full._k[0, 0, :, :232], 8, bits)
     assert torch.equal(store.k_codes[0, :, :232], codes) and torch.equal(store.k_params[0, :, :29], params)
-    codes, params = quantise_values(full._v[0, 0, :, :232])
+    codes, params = quantise_values(full._v[0, 0, :, :232], bits)
     assert torch.equal(store.v_codes[0, :, :232], codes) and torch.equal(store.v_params[0, :, :232], params)
     assert torch.equal(int4._k[0, 0, :, : int4.slots], full._k[0, 0, :, int4._base : 300])
     assert torch.equal(int4._v[0, 0, :, : int4.slots], full._v[0, 0, :, int4._base : 300])
     assert most <= 64 + 8 + 2 * 64  # the residual, a group, the pass, and what waits to be dropped
     assert int4._k.shape[3] == 0 + 64 + 2 * 8 + 64  # allocated for no more (rollback reach 0 at residual 64)
-    # per quantised token and head (size 16): 2 x 8 bytes of codes, a value's scale and minimum, and
-    # an eighth of its group's scales and minima; per residual slot: float32 key and value
+    # per quantised token and head (size 16): 2 x 2 x bits bytes of codes, a value's scale and minimum,
+    # and an eighth of its group's scales and minima; per residual slot: float32 key and value
     c = full.config
-    assert int4.cache_bytes() == c.num_layers * c.num_kv_heads * (232 * (16 + 8 + 2 * 16 * 4 // 8) + int4.slots * 2 * 16 * 4)
+    per_token = 4 * bits + 8 + 2 * 16 * 4 // 8
+    assert int4.cache_bytes() == c.num_layers * c.num_kv_heads * (232 * per_token + int4.slots * 2 * 16 * 4)
 
 
-def test_int4_logits_do_not_depend_on_how_the_sequence_is_cut():
-    backend = tiny_llama(seed=0, hidden_size=64, scale=3.0).with_kv_cache("int4:group=8,residual=64")
+@pytest.mark.parametrize("bits", [4, 2])
+def test_kivi_logits_do_not_depend_on_how_the_sequence_is_cut(bits):
+    backend = tiny_llama(seed=0, hidden_size=64, scale=3.0).with_kv_cache(f"int{bits}:group=8,residual=64")
     ids = torch.tensor([tokens(200)])
     whole = torch.cat([backend.append(part).logits for part in ids.split(64, dim=1)], 1)
     for cut in (17, 1):
@@ -531,8 +540,9 @@ def test_int4_one_call_layers_give_the_layer_loops_bits():
         assert torch.equal(one_call.append(part).logits, loop.append(part).logits)
 
 
-def test_int4_cache_speculation_is_lossless_relative_to_int4_greedy():
-    engine = Engine(LoadedModel(tiny_llama(seed=0, hidden_size=64, scale=3.0).with_kv_cache("int4:group=8,residual=64"),
+@pytest.mark.parametrize("bits", [4, 2])
+def test_kivi_cache_speculation_is_lossless_relative_to_its_greedy(bits):
+    engine = Engine(LoadedModel(tiny_llama(seed=0, hidden_size=64, scale=3.0).with_kv_cache(f"int{bits}:group=8,residual=64"),
                                 CharTokenizer(96), "tiny"))
     prompt = tokens(80)
     want = engine.generate(prompt, max_new_tokens=80, ignore_eos=True).tokens

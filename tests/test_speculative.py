@@ -516,7 +516,7 @@ def test_cost_table_measurement_restores_the_cache():
     assert backend.length == 3 and table.sizes == [1, 4] and all(c > 0 for c in table.costs)
 
 
-def test_a_table_measured_after_a_long_prompt_also_has_the_short_contexts():
+def test_a_table_measured_after_a_long_prompt_also_has_the_short_contexts(monkeypatch):
     """Measured at the prompt's length alone, a table would price every pass of a later short
     request at the long prompt's cost: the standard contexts are measured on an empty twin, the
     prompt's length in place, and the cache is left as it was."""
@@ -524,8 +524,16 @@ def test_a_table_measured_after_a_long_prompt_also_has_the_short_contexts():
     backend.prefill([i % 95 + 1 for i in range(1499)])
     logits = backend.step(torch.tensor([5]))
     backend.truncate(1499)
+    timed, time_passes = [], CostTable._time_passes
+
+    def spy(measured, sizes, rounds):  # which passes ran, not their timings
+        timed.append((measured is backend, measured.length))
+        return time_passes(measured, sizes, rounds)
+
+    monkeypatch.setattr(CostTable, "_time_passes", staticmethod(spy))
     table = CostTable.measure(backend, sizes=(1, 4), rounds=1)
-    assert table.at == MEASURE_CONTEXTS[0] and any(table.slopes)  # the shortest context, and a term to 1,499
+    assert timed == [(False, MEASURE_CONTEXTS[0]), (False, MEASURE_CONTEXTS[1]), (True, 1499)]  # the twin, then in place
+    assert table.at == MEASURE_CONTEXTS[0]
     assert backend.length == 1499 and torch.equal(backend.step(torch.tensor([5])), logits)
 
 

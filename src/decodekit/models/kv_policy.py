@@ -11,8 +11,8 @@ Spellings (``--kv-cache``, ``kv_cache=``; :data:`POLICY_HELP` lists them):
 
 * ``full``: every entry (the default; what every lossless claim is relative to).
 * ``int8``: every entry, each key and value row in 8 bits with a float scale.
-* ``int4[:group=G,residual=R]``: every entry, KIVI's 4-bit keys per channel and values per token,
-  the most recent tokens in float.
+* ``int4[:group=G,residual=R]``, ``int2[...]``: every entry, KIVI's 4-bit (2-bit) keys per channel
+  and values per token, the most recent tokens in float.
 * ``sink:S,window:W[,every:E]``: StreamingLLM.
 * ``h2o:budget=B,window=W``: H2O heavy hitters.
 * ``snapkv:budget=B,window=O[,kernel=K]``: SnapKV.
@@ -37,6 +37,7 @@ POLICY_HELP = {
     "int8": "every key and value, each row in int8 with a float32 scale (3.8x less memory at head size 64)",
     "int4[:group=G,residual=R]": "KIVI: keys in 4 bits per channel over groups of G tokens, values per token, the last "
                                  "R to R+G-1 tokens in float32 (defaults 32, 128)",
+    "int2[:group=G,residual=R]": "KIVI at 2 bits (the paper's setting; coarser: see docs/BENCHMARKS.md)",
     "sink:S,window:W[,every:E]": "StreamingLLM: S attention sinks + the last W tokens, positions within the cache; "
                                  "runs past the context window at constant memory",
     "h2o:budget=B,window=W": "H2O: the W most recent tokens + the B-W with the most accumulated attention, per head",
@@ -64,8 +65,10 @@ class KVPolicy:
     #: Whether the backend must report attention weights to the policy (H2O on every pass).
     observes_every_pass = False
     #: Bits a stored key or value element takes where the cache quantises them (8:
-    #: :class:`Int8Policy`, 4: :class:`KiviPolicy`); None: the model's own dtype.
+    #: :class:`Int8Policy`, 4 or 2: :class:`KiviPolicy`); None: the model's own dtype.
     code_bits: ClassVar[int | None] = None
+    #: Whether every query reads the entries before a recent float window from KIVI's codes.
+    kivi: ClassVar[bool] = False
 
     @property
     def quantised(self) -> bool:
@@ -133,13 +136,13 @@ class Int8Policy(KVPolicy):
 @dataclass(frozen=True)
 class KiviPolicy(KVPolicy):
     """KIVI (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache"), at
-    4 bits: keys quantised per channel over groups of ``group`` tokens, values per token, both
-    asymmetric (a scale and a minimum, round to nearest even), the most recent tokens kept in
-    float32 (the residual). The attention kernel reads the codes directly (:mod:`.kivi`).
-    Changes the output (each entry is off by up to half its step).
+    ``bits`` 4 (``int4``) or 2 (``int2``, the paper's headline): keys quantised per channel over
+    groups of ``group`` tokens, values per token, both asymmetric (a scale and a minimum, round to
+    nearest even), the most recent tokens kept in float32 (the residual). The attention kernel
+    reads the codes directly (:mod:`.kivi`). Changes the output (each entry is off by up to half
+    its step).
 
     Choices the paper leaves open, or that this project makes differently:
-    * 4 bits, not the paper's 2 (its 4-bit variant; 2 bits lose more on a 135M model).
     * Which positions a query reads quantised depends on its own position only: those below
       ``quantised_end(p) = floor((p + 1 - residual) / group) * group``, so each query sees between
       ``residual`` and ``residual + group - 1`` float tokens (the paper's residual fills to R and
@@ -156,18 +159,23 @@ class KiviPolicy(KVPolicy):
 
     group: int = 32
     residual: int = 128
+    bits: int = 4
 
     def __post_init__(self) -> None:
-        if self.group < 1 or self.residual < 64:
-            raise InvalidParameter(f"kv cache {self.spec!r}: needs group >= 1 and residual >= 64 (the longest pass)")
+        if self.group < 1 or self.residual < 64 or self.bits not in (2, 4):
+            raise InvalidParameter(f"kv cache {self.spec!r}: needs group >= 1, residual >= 64 (the longest pass) and 4 or 2 bits")
 
     @property
     def spec(self) -> str:
         if (self.group, self.residual) == (32, 128):
-            return "int4"
-        return f"int4:group={self.group},residual={self.residual}"
+            return f"int{self.bits}"
+        return f"int{self.bits}:group={self.group},residual={self.residual}"
 
-    code_bits = 4
+    @property
+    def code_bits(self) -> int:  # type: ignore[override]
+        return self.bits
+
+    kivi = True
 
     @property
     def recent(self) -> int:
@@ -380,9 +388,9 @@ def parse_kv_cache(spec: "str | KVPolicy | None") -> KVPolicy:
         return KVPolicy()
     if text == "int8":
         return Int8Policy()
-    if kind == "int4":
+    if kind in ("int4", "int2"):
         fields = _fields(text, rest, "=", ("group", "residual"))
-        return KiviPolicy(group=fields.get("group", 32), residual=fields.get("residual", 128))
+        return KiviPolicy(group=fields.get("group", 32), residual=fields.get("residual", 128), bits=int(kind[3:]))
     if kind == "sink":  # sink:S,window:W[,every:E]
         fields = _fields(text, rest, ":", ("window", "every"), first="sink")
         return StreamingPolicy(sink=fields["sink"], window=_required(text, fields, "window"), every=fields.get("every", 0))

@@ -507,7 +507,7 @@ class NativeLlama(Backend):
         float32 = self.dtype == torch.float32
         if policy.code_bits == 8:
             self._int8 = int8_cache_kernels(self.config.head_dim) if float32 else None
-        elif policy.code_bits == 4:
+        elif policy.kivi:
             self._kivi_attention = kivi_attention(self.config.head_dim) if float32 else None
         kernels = self._int8 or self._kivi_attention
         if policy.quantised and (kernels is None or self._ops is None):
@@ -598,8 +598,8 @@ class NativeLlama(Backend):
         self._pending_tree = None
         capacity = min(self._initial_capacity, self.config.max_position)
         c, policy = self.config, self.kv_policy
-        # int4: the quantised tokens; the float cache then holds the residual, slot 0 at position _base
-        self._kivi = KiviStore(c.num_layers, c.num_kv_heads, c.head_dim, policy.group) \
+        # int4, int2: the quantised tokens; the float cache then holds the residual, slot 0 at position _base
+        self._kivi = KiviStore(c.num_layers, c.num_kv_heads, c.head_dim, policy.group, policy.bits) \
             if self._kivi_attention is not None else None
         self._base = 0
         if self._kivi is not None:  # the most the residual holds (_quantise_ahead): no more is allocated

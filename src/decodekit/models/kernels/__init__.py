@@ -381,8 +381,8 @@ KiviAttention = Callable[..., torch.Tensor]
 @cache
 def kivi_attention(head_dim: int) -> "KiviAttention | None":
     """``attention(q [n_q, H, D], view, layer, k_residual [H_kv, cap, D], v_residual, n_residual,
-    visible [n_q, n_residual] | None, scale) -> [n_q, H, D]`` over layer ``layer`` of an int4
-    (KIVI) cache (``attention.c``'s ``decodekit_attention_kivi``): positions below a row's
+    visible [n_q, n_residual] | None, scale) -> [n_q, H, D]`` over layer ``layer`` of an int4 or
+    int2 (KIVI) cache (``attention.c``'s ``decodekit_attention_kivi``): positions below a row's
     ``view.qend`` are read from ``view.store``'s codes, the rest from the float32 residual, whose
     slot 0 holds position ``view.base`` (a :class:`..kivi.KiviView`). None where unavailable
     (head_dim a multiple of 16, at most 256)."""
@@ -390,7 +390,7 @@ def kivi_attention(head_dim: int) -> "KiviAttention | None":
     if lib is None or head_dim % 16 or head_dim > 256:
         return None
     fn = lib.decodekit_attention_kivi
-    fn.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 9 + [ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 10 + [ctypes.c_float, ctypes.c_int]
     fn.restype = None
 
     def attention(q: torch.Tensor, view, layer: int, k_residual: torch.Tensor, v_residual: torch.Tensor,
@@ -411,7 +411,7 @@ def kivi_attention(head_dim: int) -> "KiviAttention | None":
         fn(q.data_ptr(), store.k_codes[layer].data_ptr(), store.k_params[layer].data_ptr(),
            store.v_codes[layer].data_ptr(), store.v_params[layer].data_ptr(), k_residual.data_ptr(),
            v_residual.data_ptr(), qend.data_ptr(), None if mask is None else mask.data_ptr(), out.data_ptr(), n_q,
-           n_heads, k_residual.shape[0], head_dim, store.group, store.capacity, k_residual.shape[1], view.base,
+           n_heads, k_residual.shape[0], head_dim, store.group, store.bits, store.capacity, k_residual.shape[1], view.base,
            n_residual, scale, torch.get_num_threads())
         return out
 
@@ -713,7 +713,8 @@ class _Model(ctypes.Structure):
 
 class _KiviCodes(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("attention", "k_codes", "v_codes", "k_params", "v_params")] + [
-        (name, ctypes.c_int64) for name in ("codes_stride", "k_params_stride", "v_params_stride", "group", "cap_q", "base")
+        (name, ctypes.c_int64)
+        for name in ("codes_stride", "k_params_stride", "v_params_stride", "group", "bits", "cap_q", "base")
     ] + [("qend", ctypes.c_void_p)]
 
 
@@ -728,7 +729,7 @@ class SequencePart:
     """One sequence's rows in a batched pass (:meth:`DecoderLayers.run_batch`): ``rows`` new tokens
     at ``positions`` (int64), written to cache slots ``start..`` of its own ``k_cache``/``v_cache``
     (``[layers, H_kv, cap, D]``, contiguous per layer), seeing ``visible`` (``[rows, start + rows]``
-    bool, or None for every cached key). ``kivi``: under the int4 cache, its codes
+    bool, or None for every cached key). ``kivi``: under the int4 and int2 caches, their codes
     (:class:`..kivi.KiviView`); the cache is then their float residual."""
 
     rows: int
@@ -749,7 +750,7 @@ def _kivi_codes(view, head_dim: int, keep: list) -> _KiviCodes:
     keep += [store.k_codes, store.v_codes, store.k_params, store.v_params, qend]
     return _KiviCodes(attention.address, store.k_codes.data_ptr(), store.v_codes.data_ptr(), store.k_params.data_ptr(),
                       store.v_params.data_ptr(), store.k_codes.stride(0), store.k_params.stride(0),
-                      store.v_params.stride(0), store.group, store.capacity, view.base, qend.data_ptr())
+                      store.v_params.stride(0), store.group, store.bits, store.capacity, view.base, qend.data_ptr())
 
 
 # A projection as the kernels see it: (the few-row matmul's C function address, the weights it

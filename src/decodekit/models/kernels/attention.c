@@ -346,53 +346,84 @@ void decodekit_attention_q8(const float *q, const int8_t *k, const int8_t *v, co
     }
 }
 
-/* The KIVI cache (kv cache "int4"; Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit
- * Quantization for KV Cache"), at 4 bits. Positions below a row's quantised end `qend[i]` are read
- * from codes: a key is scale_c * code + min_c per channel c, with scale and min shared by a group
- * of `group` tokens (per channel); a value is scale * code + min with scale and min its token's
- * own. Positions from qend[i] on are read from the float32 residual buffer, whose slot 0 holds
- * position `base` (base <= qend[i]); `visible` covers the buffer's first n_buf slots only (the
- * quantised prefix precedes every row and is all visible).
+/* The KIVI caches (kv caches "int4" and "int2"; Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric
+ * 2bit Quantization for KV Cache"). Positions below a row's quantised end `qend[i]` are read from
+ * codes of `bits` bits: a key is scale_c * code + min_c per channel c, with scale and min shared by
+ * a group of `group` tokens (per channel); a value is scale * code + min with scale and min its
+ * token's own. Positions from qend[i] on are read from the float32 residual buffer, whose slot 0
+ * holds position `base` (base <= qend[i]); `visible` covers the buffer's first n_buf slots only
+ * (the quantised prefix precedes every row and is all visible).
  *
- * Codes: 16 channels in 8 bytes, byte b holding channel b in its low nibble and channel b + 8 in
- * its high one. kcodes, vcodes: [H_kv, cap_q, D / 2]; kparams: [H_kv, cap_q / group, 2, D]
- * (scales, then minima); vparams: [H_kv, cap_q, 2]; kbuf, vbuf: [H_kv, cap_buf, D].
+ * Codes: 16 channels in n = 2 * bits bytes, byte b holding channels b, b + n, b + 2n, ... from its
+ * lowest bits up (4 bits: channel b in the low nibble, b + 8 in the high one). kcodes, vcodes:
+ * [H_kv, cap_q, D * bits / 8]; kparams: [H_kv, cap_q / group, 2, D] (scales, then minima); vparams:
+ * [H_kv, cap_q, 2]; kbuf, vbuf: [H_kv, cap_buf, D].
  *
  * A row's keys are visited in position order and each entry is rebuilt in registers with one
  * fused multiply-add before the same fixed-order arithmetic as the float kernels, so a row's
  * result depends only on its position (which fixes qend) and the keys it sees: speculation over
  * this cache is lossless relative to plain decoding with it. */
+static inline __m512 codes_to_floats(__m128i codes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)); }
+
+/* 4 bits: the 16 codes of one chunk (8 bytes), or of four chunks (32 bytes) at once. */
 static inline __m512 load_q4(const uint8_t *p) {
     __m128i bytes = _mm_loadl_epi64((const __m128i *)p), low = _mm_set1_epi8(0x0F);
-    __m128i codes = _mm_unpacklo_epi64(_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+    return codes_to_floats(_mm_unpacklo_epi64(_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
 }
 
-/* The codes of CH chunks of 16 channels, as floats: four chunks (32 bytes) unpacked at once where
- * CH is a multiple of 4 (the same values as load_q4, in fewer instructions). */
-static inline void load_q4_chunks(const uint8_t *p, __m512 *out, int chunks) {
-    if (chunks % 4) {
-        for (int c = 0; c < chunks; c++) out[c] = load_q4(p + 8 * c);
-        return;
-    }
+static inline void load_q4_x4(const uint8_t *p, __m512 *out) {
     const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int c = 0; c < chunks; c += 4) {
-        __m256i bytes = _mm256_loadu_si256((const __m256i *)(p + 8 * c));
-        __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-        __m256i even = _mm256_unpacklo_epi64(lo, hi), odd = _mm256_unpackhi_epi64(lo, hi); /* chunks c, c+2 | c+1, c+3 */
-        out[c] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(even)));
-        out[c + 1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(odd)));
-        out[c + 2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(even, 1)));
-        out[c + 3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(odd, 1)));
+    __m256i bytes = _mm256_loadu_si256((const __m256i *)p);
+    __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    __m256i even = _mm256_unpacklo_epi64(lo, hi), odd = _mm256_unpackhi_epi64(lo, hi); /* chunks 0, 2 | 1, 3 */
+    out[0] = codes_to_floats(_mm256_castsi256_si128(even));
+    out[1] = codes_to_floats(_mm256_castsi256_si128(odd));
+    out[2] = codes_to_floats(_mm256_extracti128_si256(even, 1));
+    out[3] = codes_to_floats(_mm256_extracti128_si256(odd, 1));
+}
+
+/* 2 bits: the bit pairs k = 0..3 of 16 bytes (four chunks of 4), each pair in a byte of its own. */
+static inline void q2_pairs(__m128i bytes, __m128i *pair) {
+    const __m128i three = _mm_set1_epi8(3);
+    for (int k = 0; k < 4; k++) pair[k] = _mm_and_si128(_mm_srli_epi16(bytes, 2 * k), three);
+}
+
+static inline __m512 load_q2(const uint8_t *p) {
+    int32_t word;
+    memcpy(&word, p, 4);
+    __m128i pair[4];
+    q2_pairs(_mm_cvtsi32_si128(word), pair);
+    return codes_to_floats(_mm_unpacklo_epi64(_mm_unpacklo_epi32(pair[0], pair[1]), _mm_unpacklo_epi32(pair[2], pair[3])));
+}
+
+static inline void load_q2_x4(const uint8_t *p, __m512 *out) {
+    __m128i pair[4];
+    q2_pairs(_mm_loadu_si128((const __m128i *)p), pair);
+    __m128i a = _mm_unpacklo_epi32(pair[0], pair[1]), b = _mm_unpacklo_epi32(pair[2], pair[3]); /* chunks 0, 1 */
+    __m128i c = _mm_unpackhi_epi32(pair[0], pair[1]), d = _mm_unpackhi_epi32(pair[2], pair[3]); /* chunks 2, 3 */
+    out[0] = codes_to_floats(_mm_unpacklo_epi64(a, b));
+    out[1] = codes_to_floats(_mm_unpackhi_epi64(a, b));
+    out[2] = codes_to_floats(_mm_unpacklo_epi64(c, d));
+    out[3] = codes_to_floats(_mm_unpackhi_epi64(c, d));
+}
+
+/* The codes of `chunks` chunks of 16 channels as floats, four chunks at once where they can be
+ * (the same values either way). */
+static inline void load_codes(const uint8_t *p, __m512 *out, int chunks, int bits) {
+    int c = 0, bytes = 2 * bits; /* a chunk's */
+    for (; c + 4 <= chunks; c += 4) {
+        if (bits == 4) load_q4_x4(p + bytes * c, out + c);
+        else load_q2_x4(p + bytes * c, out + c);
     }
+    for (; c < chunks; c++) out[c] = bits == 4 ? load_q4(p + bytes * c) : load_q2(p + bytes * c);
 }
 
 /* One key/value head of a KIVI cache, for one layer. */
 typedef struct {
-    const uint8_t *kc, *vc;  /* codes: [cap_q, D / 2] */
+    const uint8_t *kc, *vc;  /* codes: [cap_q, D * bits / 8] */
     const float *kp, *vp;    /* parameters: [cap_q / group, 2, D], [cap_q, 2] */
     const float *kb, *vb;    /* residual: [cap_buf, D] */
-    int group, base, end, n_buf;
+    int group, base, end, n_buf, bits;
 } KiviHead;
 
 /* One job: Q queries (rows q[m], outputs out[m]) of one row that share a key/value head, CH =
@@ -402,7 +433,7 @@ typedef struct {
     static void NAME(const float *const *q, float *const *out, const KiviHead *h, const uint8_t *vis, \
                      int CH_PARAM, float scale, Scratch *s) {                                       \
         (void)chunks_;                                                                              \
-        const int half = 8 * (CH);                                                                  \
+        const int row_bytes = 2 * h->bits * (CH);                                                   \
         __m512 qv[Q][CH], ks[CH], km[CH], kv[CH];                                                   \
         for (int m = 0; m < Q; m++)                                                                 \
             for (int c = 0; c < (CH); c++) qv[m][c] = _mm512_loadu_ps(q[m] + 16 * c);               \
@@ -414,8 +445,7 @@ typedef struct {
                 for (int c = 0; c < (CH); c++)                                                      \
                     ks[c] = _mm512_loadu_ps(p + 16 * c), km[c] = _mm512_loadu_ps(p + 16 * ((CH) + c)); \
             }                                                                                       \
-            const uint8_t *kj = h->kc + (size_t)j * half;                                           \
-            load_q4_chunks(kj, kv, (CH));                                                           \
+            load_codes(h->kc + (size_t)j * row_bytes, kv, (CH), h->bits);                           \
             for (int c = 0; c < (CH); c++) kv[c] = _mm512_fmadd_ps(kv[c], ks[c], km[c]);            \
             SCORE_KEY(Q, CH, j);                                                                    \
         }                                                                                           \
@@ -434,10 +464,10 @@ typedef struct {
         for (int t = 0; t < n; t++) {                                                               \
             int position = s->keys[t];                                                              \
             if (position < h->end) {                                                                \
-                const uint8_t *vj = h->vc + (size_t)position * half;                                \
+                const uint8_t *vj = h->vc + (size_t)position * row_bytes;                           \
                 __m512 vs = _mm512_set1_ps(h->vp[2 * (size_t)position]);                            \
                 __m512 vm = _mm512_set1_ps(h->vp[2 * (size_t)position + 1]);                        \
-                load_q4_chunks(vj, vv, (CH));                                                       \
+                load_codes(vj, vv, (CH), h->bits);                                                  \
                 for (int c = 0; c < (CH); c++) vv[c] = _mm512_fmadd_ps(vv[c], vs, vm);              \
             } else {                                                                                \
                 const float *vj = h->vb + (size_t)(position - h->base) * 16 * (CH);                 \
@@ -464,8 +494,9 @@ DEFINE_KIVI_JOB(kivi_one, 1, chunks_, chunks_)
 void decodekit_attention_kivi(const float *q, const uint8_t *kcodes, const float *kparams, const uint8_t *vcodes,
                               const float *vparams, const float *kbuf, const float *vbuf, const int32_t *qend,
                               const uint8_t *visible, float *out, int n_q, int n_heads, int n_kv_heads, int head_dim,
-                              int group, int cap_q, int cap_buf, int base, int n_buf, float scale, int threads) {
-    int heads_per_kv = n_heads / n_kv_heads, chunks = head_dim / 16, half = head_dim / 2;
+                              int group, int bits, int cap_q, int cap_buf, int base, int n_buf, float scale,
+                              int threads) {
+    int heads_per_kv = n_heads / n_kv_heads, chunks = head_dim / 16, row_bytes = head_dim * bits / 8;
     int most = chunks == 4 ? 4 : chunks == 8 ? 2 : 1; /* queries a job (registers) */
     int per_job = heads_per_kv < most ? heads_per_kv : most;
     /* enough jobs for every thread twice, or as many as there are heads (as the float kernels) */
@@ -484,10 +515,10 @@ void decodekit_attention_kivi(const float *q, const uint8_t *kcodes, const float
             int kv = job / (n_q * shares), i = job / shares % n_q, share = job % shares;
             int h0 = kv * heads_per_kv + share * per_job, count = heads_per_kv - share * per_job;
             if (count > per_job) count = per_job;
-            KiviHead h = {kcodes + (size_t)kv * cap_q * half, vcodes + (size_t)kv * cap_q * half,
+            KiviHead h = {kcodes + (size_t)kv * cap_q * row_bytes, vcodes + (size_t)kv * cap_q * row_bytes,
                           kparams + (size_t)kv * (cap_q / group) * 2 * head_dim, vparams + (size_t)kv * cap_q * 2,
                           kbuf + (size_t)kv * cap_buf * head_dim, vbuf + (size_t)kv * cap_buf * head_dim,
-                          group, base, qend[i], n_buf};
+                          group, base, qend[i], n_buf, bits};
             const uint8_t *vis = visible ? visible + (size_t)i * n_buf : NULL;
             const float *qs[MAX_Q];
             float *outs[MAX_Q];

@@ -36,8 +36,8 @@ typedef void (*attention_fn)(const float *q, const void *k, const void *v, const
 typedef void (*kivi_attention_fn)(const float *q, const uint8_t *k_codes, const float *k_params, const uint8_t *v_codes,
                                   const float *v_params, const float *k_residual, const float *v_residual,
                                   const int32_t *qend, const uint8_t *visible, float *out, int n_q, int n_heads,
-                                  int n_kv_heads, int head_dim, int group, int cap_q, int cap_residual, int base,
-                                  int n_residual, float scale, int threads);
+                                  int n_kv_heads, int head_dim, int group, int bits, int cap_q, int cap_residual,
+                                  int base, int n_residual, float scale, int threads);
 
 /* Mirrored by ctypes structures in __init__.py: keep the field order and types in step. */
 typedef struct {
@@ -76,7 +76,7 @@ static void project(const Projection *p, const void *x, void *y, int rows, int t
  * cache (positions as given). visible: [rows, start + rows] bytes, or NULL for "every cached
  * key". k_cache, v_cache: layer 0's [n_kv_heads, cap, head_dim] cache, layer_stride elements
  * apart. Mirrored by a ctypes structure in __init__.py. */
-/* A sequence's KIVI codes (kv cache "int4", attention.c's decodekit_attention_kivi): layer 0's
+/* A sequence's KIVI codes (kv caches "int4", "int2": attention.c's decodekit_attention_kivi): layer 0's
  * arrays and each one's stride between layers, in elements; the sequence's float cache is then
  * the residual, its slot 0 holding position `base`. qend: per row, the positions below it are
  * read from the codes. */
@@ -85,7 +85,7 @@ typedef struct {
     const uint8_t *k_codes, *v_codes;
     const float *k_params, *v_params;
     int64_t codes_stride, k_params_stride, v_params_stride;
-    int64_t group, cap_q, base;
+    int64_t group, bits, cap_q, base;
     const int32_t *qend;
 } KiviCodes;
 
@@ -156,7 +156,7 @@ static void sequence_attention(const Model *m, const Sequence *q, const Window *
                      c->v_codes + layer * c->codes_stride, c->v_params + layer * c->v_params_stride,
                      (const float *)((char *)q->k_cache + offset), (const float *)((char *)q->v_cache + offset),
                      c->qend + row, visible ? visible + (size_t)row * n_keys : NULL, (float *)heads + at, n_q,
-                     (int)m->n_heads, (int)m->n_kv_heads, (int)m->head_dim, (int)c->group, (int)c->cap_q, (int)q->cap,
+                     (int)m->n_heads, (int)m->n_kv_heads, (int)m->head_dim, (int)c->group, (int)c->bits, (int)c->cap_q, (int)q->cap,
                      (int)c->base, n_keys, scale, threads);
         return;
     }

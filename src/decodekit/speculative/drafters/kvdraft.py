@@ -63,8 +63,8 @@ class CompressedCacheDrafter(DraftModelDrafter):
                  stochastic: bool = True):
         super().__init__(draft_model=None, max_draft=max_draft, confidence=confidence, stochastic=stochastic)
         self.policy = parse_kv_cache(kv_cache)
-        if not self.policy.one_sequence() or self.policy.code_bits == 4:
-            raise InvalidParameter(f"kvdraft needs a compressed kv_cache other than int4 (e.g. {DEFAULT_CACHE} or int8), "
+        if not self.policy.one_sequence() or self.policy.kivi:
+            raise InvalidParameter(f"kvdraft needs a compressed kv_cache other than int4/int2 (e.g. {DEFAULT_CACHE} or int8), "
                                    f"got {self.policy.spec!r}")
         self.windowed = isinstance(self.policy, StreamingPolicy)  # drafts on the target's own cache
         self._target = None
