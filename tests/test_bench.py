@@ -163,17 +163,30 @@ def test_a_contestant_failing_to_start_a_repeat_is_noted_and_the_bench_goes_on(t
 def test_timed_runs_start_with_collected_garbage_and_no_collection_during_them(tiny: LoadedModel, qfile: Path):
     import gc
 
+    import weakref
+
     seen: list[bool] = []
+    left: list[weakref.ref] = []  # a cycle each run leaves behind
+    collected: list[bool] = []
+
+    class Cycle:
+        pass
 
     class Probe(Scripted):
         def run(self, prompt_ids, max_new_tokens):
             seen.append(gc.isenabled())
+            collected.extend(ref() is None for ref in left)
+            cycle = Cycle()
+            cycle.me = cycle
+            left.append(weakref.ref(cycle))
             return super().run(prompt_ids, max_new_tokens)
 
-    run_bench([Probe("greedy", [])], load_questions(qfile, limit=1), prompt_fn(tiny), BenchConfig(max_new_tokens=2),
+    frozen = gc.get_freeze_count()
+    run_bench([Probe("greedy", [])], load_questions(qfile, limit=2), prompt_fn(tiny), BenchConfig(max_new_tokens=2),
               progress=False)
     assert seen[0] is True and seen[1:] and not any(seen[1:])  # the warm-up is untimed; timed runs: off
-    assert gc.isenabled()
+    assert collected and all(collected)  # what earlier runs left was collected before each timed run
+    assert gc.isenabled() and gc.get_freeze_count() == frozen  # what the bench froze is collectable again
 
 
 def test_runner_follows_the_schedule_after_one_warmup_each(tiny: LoadedModel, qfile: Path):

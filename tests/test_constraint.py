@@ -151,6 +151,44 @@ def test_the_mask_follows_each_rows_own_path():
     assert allowed == [{"a", "b"}, {"b", "c"}, {"d"}, {"<eos>"}, {"b", "c"}]
 
 
+def test_a_grammar_is_compiled_once_and_each_processor_follows_its_own_copy(monkeypatch):
+    """The tokenizer keeps compiled grammars: a second processor for the same constraint is not
+    compiled again, and the two do not share a matcher's state; a bad grammar is never kept."""
+    import llguidance
+
+    from decodekit.models import tokenizer as tokenizer_module
+
+    compiled: list[str] = []
+    original = llguidance.LLMatcher
+
+    class Counting:
+        validate_grammar = staticmethod(original.validate_grammar)
+        grammar_from_regex = staticmethod(original.grammar_from_regex)
+
+        def __new__(cls, lltokenizer, grammar, **kwargs):
+            compiled.append(grammar)
+            return original(lltokenizer, grammar, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Counting)
+    monkeypatch.setattr(tokenizer_module, "GRAMMARS_KEPT", 2)
+    tok = CharTokenizer(96)
+    first, second = (constraint_processor({"regex": "ab|ac|bd"}, tok) for _ in range(2))
+    assert len(compiled) == 1 and first.matcher is not second.matcher
+    prompt = tok.encode("zz")
+
+    def allowed(proc, text: str) -> set[str]:
+        out = proc(torch.zeros(1, 96), Histories([prompt + tok.encode(text)], len(prompt)))
+        return {tok.decode([i]) if i else "<eos>" for i in range(96) if out[0, i] > float("-inf")}
+
+    assert allowed(first, "a") == {"b", "c"} and allowed(second, "b") == {"d"} and allowed(first, "a") == {"b", "c"}
+    for _ in range(2):
+        with pytest.raises(InvalidParameter, match="^invalid regex constraint"):
+            constraint_processor({"regex": "[0-9"}, tok)
+    constraint_processor({"regex": "x"}, tok), constraint_processor({"regex": "y"}, tok)  # "ab|ac|bd" is dropped
+    constraint_processor({"regex": "ab|ac|bd"}, tok)
+    assert compiled.count(Constraint.coerce({"regex": "ab|ac|bd"}).grammar()) == 2 and len(compiled) == 4
+
+
 def test_a_greedy_step_under_a_grammar_is_the_argmax_of_the_masked_row():
     """The sampler's greedy step asks the grammar for its best allowed token without masking the
     row (``greedy_choice``): the argmax of the processor's output for each row's own path, with

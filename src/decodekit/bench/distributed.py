@@ -24,7 +24,7 @@ from typing import Any
 from ..cluster import Pool, PoolSettings, connected, parse_address
 from ..models import LoadedModel
 from .execution import Plan, bench_config, build_contestants, finish, save_checkpoint
-from .runner import BenchRun, BenchSession, Progress, finished_records
+from .runner import BenchRun, BenchSession, Progress, finished_records, freeze_what_exists
 
 ModelRecipe = Callable[[], LoadedModel]  # loads the model inside a worker (a picklable callable)
 
@@ -36,6 +36,7 @@ class BenchWorker:
         from .results import code_version, machine_info
 
         model = load()
+        freeze_what_exists()  # for the worker's life: the frozen objects (the model) live as long
         contestants, self.notes = build_contestants(plan, model)
         self.session = BenchSession(contestants, model.prompt_ids, bench_config(plan))
         self.machine = machine_info(model=model.name, dtype=plan.dtype, numerics=plan.numerics)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import InvalidModel
+
+GRAMMARS_KEPT = 32  # compiled grammars a tokenizer keeps (the most recently used)
 
 
 class Tokenizer:
@@ -34,6 +38,33 @@ class Tokenizer:
 
     def _make_grammar_tokenizer(self):
         raise NotImplementedError(f"{type(self).__name__} has no grammar tokenizer")
+
+    def grammar_matcher(self, grammar: str):
+        """A new llguidance ``LLMatcher`` for ``grammar`` over this vocabulary, at the grammar's start.
+        Each grammar is checked and compiled once (the last :data:`GRAMMARS_KEPT` are kept) and every
+        call gets a copy of the compiled matcher: compiling is most of what a constraint costs a short
+        request, and a server sees the same schema again and again. An invalid grammar raises
+        ValueError with llguidance's first line."""
+        from llguidance import LLMatcher
+
+        with _GRAMMARS_LOCK:
+            kept = self.__dict__.setdefault("_grammar_matchers", OrderedDict())
+            compiled = kept.pop(grammar, None)
+            if compiled is None:
+                lltokenizer = self.grammar_tokenizer()
+                error = LLMatcher.validate_grammar(grammar, lltokenizer).strip()
+                if error:
+                    raise ValueError(error.splitlines()[0])
+                compiled = LLMatcher(lltokenizer, grammar, log_level=0)
+                if compiled.is_error():
+                    raise ValueError(compiled.get_error())
+            kept[grammar] = compiled  # the most recent last
+            while len(kept) > GRAMMARS_KEPT:
+                kept.popitem(last=False)
+            return compiled.deep_copy()
+
+
+_GRAMMARS_LOCK = threading.Lock()  # the server's request threads share a tokenizer
 
 
 def special_prefix(marked: list[int], plain: list[int]) -> tuple[int, ...]:

@@ -228,13 +228,12 @@ def checked_grammar(constraint: Constraint | dict, lltokenizer=None) -> tuple[Co
 
 
 def constraint_processor(constraint: Constraint | dict, tokenizer) -> ConstrainedTokens:
-    """Compile ``constraint`` for ``tokenizer`` (a :class:`..models.tokenizer.Tokenizer`); an invalid
-    schema, pattern or grammar is one InvalidParameter line."""
-    from llguidance import LLMatcher
-
-    lltokenizer = tokenizer.grammar_tokenizer()
-    constraint, grammar = checked_grammar(constraint, lltokenizer)
-    matcher = LLMatcher(lltokenizer, grammar, log_level=0)
-    if matcher.is_error():
-        raise InvalidParameter(f"invalid {constraint.kind.replace('_', ' ')} constraint: {matcher.get_error()}")
+    """Compile ``constraint`` for ``tokenizer`` (a :class:`..models.tokenizer.Tokenizer`, which keeps
+    what it compiled); an invalid schema, pattern or grammar is one InvalidParameter line."""
+    constraint = Constraint.coerce(constraint)
+    grammar = constraint.grammar()
+    try:
+        matcher = tokenizer.grammar_matcher(grammar)
+    except ValueError as error:
+        raise InvalidParameter(f"invalid {constraint.kind.replace('_', ' ')} constraint: {error}") from None
     return ConstrainedTokens(matcher, constraint)

@@ -22,6 +22,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     defaults = Settings("eagle")
     parser.add_argument("--tokens", type=int, default=defaults.tokens, help="self-distilled tokens to generate (made once per model and seed, then reused)")
     parser.add_argument("--minutes", type=float, default=defaults.minutes, help="training time, after the data")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="stop after this many optimiser steps if before --minutes (the same drafter on any machine)")
     parser.add_argument("--vocab", type=int, default=defaults.vocab, help="draft vocabulary size (the data's most frequent tokens)")
     parser.add_argument("--unroll", type=int, default=defaults.unroll,
                         help="eagle: training steps on its own predicted features (1: the original EAGLE loss)")
@@ -41,7 +43,7 @@ def _say(text: str) -> None:
 def run(args: argparse.Namespace, model=None) -> int:
     from ...models import load_model
 
-    settings = Settings(args.kind, tokens=args.tokens, minutes=args.minutes, vocab=args.vocab, seed=args.seed,
+    settings = Settings(args.kind, tokens=args.tokens, minutes=args.minutes, steps=args.steps, vocab=args.vocab, seed=args.seed,
                         held_out=args.eval_queries, unroll=args.unroll)
     model = model or load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics,
                                 kv_cache=args.kv_cache)

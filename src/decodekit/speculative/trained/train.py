@@ -30,6 +30,7 @@ class Settings:
     kind: str  # eagle | medusa
     tokens: int = 360_000  # self-distilled tokens to generate
     minutes: float = 15.0  # training time (after the data)
+    steps: int | None = None  # or fewer optimiser steps: then the net is the same on any machine
     vocab: int = 8192  # draft vocabulary: the most frequent tokens of the data
     batch_tokens: int = 2048
     max_len: int = 320
@@ -42,6 +43,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.kind not in ("eagle", "medusa"):
             raise InvalidParameter(f"--kind must be eagle or medusa, got {self.kind!r}")
+        if self.steps is not None and self.steps < 1:
+            raise InvalidParameter("--steps must be at least 1")
         for name in ("tokens", "vocab", "batch_tokens", "max_len", "medusa_heads", "unroll"):
             if getattr(self, name) < 1:
                 raise InvalidParameter(f"{name.replace('_', '-')} must be at least 1")
@@ -77,11 +80,13 @@ def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int) -> torch
 def new_net(kind: str, backend: Backend, vocab: torch.Tensor, settings: Settings) -> EagleNet | MedusaNet:
     """A freshly initialised drafter for ``backend``, attached to its head rows."""
     hidden = backend.info.hidden_size
-    if kind == "eagle":
-        head_dim = 64 if hidden % 64 == 0 else hidden // max(1, hidden // 64)
-        net: EagleNet | MedusaNet = EagleNet(EagleConfig(hidden, hidden // head_dim, head_dim, 2 * hidden), vocab)
-    else:
-        net = MedusaNet(MedusaConfig(hidden, settings.medusa_heads), vocab)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)  # the seed's initial weights, whatever ran before
+        if kind == "eagle":
+            head_dim = 64 if hidden % 64 == 0 else hidden // max(1, hidden // 64)
+            net: EagleNet | MedusaNet = EagleNet(EagleConfig(hidden, hidden // head_dim, head_dim, 2 * hidden), vocab)
+        else:
+            net = MedusaNet(MedusaConfig(hidden, settings.medusa_heads), vocab)
     net.head.attach(backend.head_rows(vocab))
     return net
 
@@ -139,7 +144,10 @@ def batch_loss(net: EagleNet | MedusaNet, batch: tuple[torch.Tensor, ...], index
 
 def train(net: EagleNet | MedusaNet, samples: list[Sample], backend: Backend, settings: Settings,
           progress: Callable[[int, float, dict], None] | None = None) -> Outcome:
-    """Train ``net`` on ``samples`` for ``settings.minutes``; returns what happened."""
+    """Train ``net`` on ``samples`` for ``settings.minutes``, or ``settings.steps`` optimiser steps if
+    they come first; returns what happened. The learning rate decays over whichever of the two is
+    set (the steps, when both are): a step count gives the same schedule, and so the same net, on a
+    fast machine and a busy one."""
     if not samples:
         raise InvalidParameter("no training samples")
     torch.manual_seed(settings.seed)
@@ -153,10 +161,11 @@ def train(net: EagleNet | MedusaNet, samples: list[Sample], backend: Backend, se
     net.train()
     for group in batches(samples, settings, rng):
         elapsed = time.perf_counter() - t0
-        if elapsed >= budget:
+        if elapsed >= budget or outcome.steps == settings.steps:
             break
-        # a short warm-up, then cosine decay over the time budget
-        scale = min(1.0, (outcome.steps + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(1.0, elapsed / budget)))
+        done = outcome.steps / settings.steps if settings.steps else elapsed / budget
+        # a short warm-up, then cosine decay over the budget
+        scale = min(1.0, (outcome.steps + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
         for g in optimizer.param_groups:
             g["lr"] = settings.lr * max(scale, 0.02)
         batch = padded(group, backend, settings.max_len)
