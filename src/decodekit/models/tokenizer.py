@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import InvalidModel
+from .chat_template import compiled, render_chat
 
 GRAMMARS_KEPT = 32  # compiled grammars a tokenizer keeps (the most recently used)
 
@@ -120,10 +121,10 @@ class FileTokenizer(Tokenizer):
     ``tokenizer_config.json`` and chat template), read with the ``tokenizers`` library alone.
 
     It gives the ids, text and chat prompts ``AutoTokenizer`` gives on the same folder (tests
-    compare them on both embedded models), with the chat template rendered by transformers' own
-    renderer, for much less: transformers' Gemma tokenizer rebuilds its 262k-token vocabulary in
-    Python (a peak of about 580 MB and 275 MB kept, against 360 and 100 MB here), and
-    ``AutoTokenizer`` imports the model configurations (about a second of every start).
+    compare them on both embedded models), with the chat template rendered in transformers'
+    environment rebuilt (:mod:`.chat_template`), for much less: transformers' Gemma tokenizer
+    rebuilds its 262k-token vocabulary in Python (a peak of about 580 MB and 275 MB kept, against 360
+    and 100 MB here), and importing transformers costs about a second of every start.
     :func:`file_tokenizer` says where it applies.
     """
 
@@ -133,10 +134,8 @@ class FileTokenizer(Tokenizer):
         self._rust.no_truncation()
         self._special = {name: _token_text(config[name]) for name in SPECIAL_TOKEN_NAMES if config.get(name) is not None}
         self._template = template
-        if template:  # imported now, not in the first request
-            from transformers.utils.chat_template_utils import render_jinja_template
-
-            self._render = render_jinja_template
+        if template:  # compiled now, not in the first request
+            compiled(template)
         eos = {self._id("eos_token")}
         # as HFTokenizer does (AutoTokenizer cannot tell the unknown token from one it does not know)
         eos |= {self._rust.token_to_id(token) for token in TURN_ENDS} - {self._id("unk_token")}
@@ -160,9 +159,7 @@ class FileTokenizer(Tokenizer):
             raise ValueError("a chat needs at least one message")  # as apply_chat_template says
         # as apply_chat_template does: keys whose value is None are left out, special tokens are variables
         chat = [{key: value for key, value in message.items() if value is not None} for message in messages]
-        rendered, _ = self._render(conversations=[chat], chat_template=self._template, add_generation_prompt=True,
-                                   **self._special)
-        return rendered[0]
+        return render_chat(self._template, chat, add_generation_prompt=True, **self._special)
 
     def _make_grammar_tokenizer(self):
         from llguidance import LLTokenizer
