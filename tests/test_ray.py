@@ -79,6 +79,17 @@ def descends_from_this_process(pid: int) -> bool:
     return False
 
 
+def workers_gone(within: float = 10.0) -> bool:
+    """Whether every worker process of this test's actors has exited within ``within`` seconds
+    (a killed actor's process takes a moment to go)."""
+    deadline = time.monotonic() + within
+    while worker_pids():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def kill_a_worker(busy_within: float = 0.5) -> int:
     """SIGKILL a worker: one in the middle of a unit if one is within ``busy_within`` seconds, else an
     idle one (the driver finds it dead when it hands it the next unit)."""
@@ -227,8 +238,7 @@ def test_an_error_of_the_payload_is_raised_as_itself_not_retried(cluster):
         assert pool.lost == 0
     finally:
         pool.close()
-    time.sleep(0.5)
-    assert not worker_pids()  # neither failed setup nor failed unit leaves a worker holding its CPU
+    assert workers_gone()  # neither failed setup nor failed unit leaves a worker holding its CPU
 
 
 def test_workers_that_do_not_fit_the_cluster_are_one_line(cluster):
@@ -240,8 +250,7 @@ def test_workers_that_do_not_fit_the_cluster_are_one_line(cluster):
 def test_a_worker_that_never_starts_ends_the_run_with_one_line(cluster):
     with pytest.raises(ClusterError, match="no worker started within 1 s"):
         Pool(cluster, functools.partial(SlowSetup, 30), PoolSettings(workers=1, start_timeout_s=1))
-    time.sleep(0.5)
-    assert not worker_pids()  # the pool stopped the worker it gave up on
+    assert workers_gone()  # the pool stopped the worker it gave up on
     pool = Pool(cluster, Doubler, PoolSettings(workers=2))  # and its CPU is free again
     pool.close()
 
