@@ -162,7 +162,7 @@ MUTATIONS = (
     Mutation("bench-leaves-the-process-objects-frozen", "src/decodekit/bench/runner.py",
              "        gc.unfreeze()", "        pass", ("tests/test_bench.py", "-k", "timed_runs")),
     Mutation("compiled-grammar-shared-not-copied", "src/decodekit/models/tokenizer.py",
-             "            return compiled.deep_copy()", "            return compiled",
+             "            return matcher.deep_copy()", "            return matcher",
              ("tests/test_constraint.py", "-k", "compiled_once")),
     Mutation("chat-template-without-lstrip-blocks", "src/decodekit/models/chat_template.py",
              "ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,",

@@ -50,19 +50,19 @@ class Tokenizer:
 
         with _GRAMMARS_LOCK:
             kept = self.__dict__.setdefault("_grammar_matchers", OrderedDict())
-            compiled = kept.pop(grammar, None)
-            if compiled is None:
+            matcher = kept.pop(grammar, None)
+            if matcher is None:
                 lltokenizer = self.grammar_tokenizer()
                 error = LLMatcher.validate_grammar(grammar, lltokenizer).strip()
                 if error:
                     raise ValueError(error.splitlines()[0])
-                compiled = LLMatcher(lltokenizer, grammar, log_level=0)
-                if compiled.is_error():
-                    raise ValueError(compiled.get_error())
-            kept[grammar] = compiled  # the most recent last
+                matcher = LLMatcher(lltokenizer, grammar, log_level=0)
+                if matcher.is_error():
+                    raise ValueError(matcher.get_error())
+            kept[grammar] = matcher  # the most recent last
             while len(kept) > GRAMMARS_KEPT:
                 kept.popitem(last=False)
-            return compiled.deep_copy()
+            return matcher.deep_copy()
 
 
 _GRAMMARS_LOCK = threading.Lock()  # the server's request threads share a tokenizer
