@@ -85,12 +85,14 @@ def pytest_configure(config):
 
     torch.set_num_threads(1)
     # Pass-cost tables measured here (one thread, beside another test process) stay out of the
-    # user's cache, where they would misprice every later speculative step of this model; set in
-    # the environment, so the commands the tests start keep theirs apart too.
+    # user's table, where they would misprice every later speculative step of this model: the suite
+    # keeps its own file in the cache, measured once per model and kernels like the user's (each
+    # real model's table takes seconds), and set in the environment, so the commands the tests
+    # start use it too.
     if "DECODEKIT_COST_TABLE" not in os.environ:
-        folder = Path(tempfile.mkdtemp(prefix="decodekit-test-costs-"))
-        atexit.register(shutil.rmtree, folder, True)
-        os.environ["DECODEKIT_COST_TABLE"] = str(folder / "verify_cost.json")
+        from decodekit.models.cache import cache_root
+
+        os.environ["DECODEKIT_COST_TABLE"] = str(cache_root() / "test-suite" / "verify_cost.json")
 
 
 def pytest_collection_modifyitems(config, items):

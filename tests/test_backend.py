@@ -15,8 +15,11 @@ from decodekit.models.tiny import tiny_hf_model, tiny_llama
 ATOL = 1e-4
 
 
-def backends(seed: int = 0, **kw):
-    return [tiny_llama(seed=seed, **kw), HFBackend(tiny_hf_model(seed=seed, **kw))]
+@pytest.fixture(params=["native", "hf"])
+def backend(request):
+    """The native backend and transformers' on the same tiny weights, each built when a test runs
+    (not at collection: a transformers model takes a while to build)."""
+    return tiny_llama(seed=0) if request.param == "native" else HFBackend(tiny_hf_model(seed=0))
 
 
 def tokens(n: int, vocab: int = 96, seed: int = 1) -> torch.Tensor:
@@ -45,7 +48,6 @@ def test_native_logits_match_transformers():
     assert torch.allclose(got, ref, atol=ATOL)
 
 
-@pytest.mark.parametrize("backend", backends(), ids=["native", "hf"])
 def test_truncate_then_append_equals_fresh_run(backend):
     ids = tokens(30)
     backend.reset()
@@ -59,7 +61,6 @@ def test_truncate_then_append_equals_fresh_run(backend):
     assert torch.allclose(redo, fresh[:, 20:], atol=ATOL)
 
 
-@pytest.mark.parametrize("backend", backends(), ids=["native", "hf"])
 def test_every_tree_node_matches_sequential_decoding(backend):
     rng = random.Random(0)
     context = tokens(12)
@@ -76,7 +77,6 @@ def test_every_tree_node_matches_sequential_decoding(backend):
             assert torch.allclose(tree_logits[node], seq, atol=ATOL), (parents, node)
 
 
-@pytest.mark.parametrize("backend", backends(), ids=["native", "hf"])
 def test_commit_path_keeps_only_the_accepted_branch(backend):
     context = tokens(10)
     parents = [-1, 0, 0, 1, 2, 4]
@@ -92,7 +92,6 @@ def test_commit_path_keeps_only_the_accepted_branch(backend):
     assert torch.allclose(after, ref[:, -3:], atol=ATOL)
 
 
-@pytest.mark.parametrize("backend", backends(), ids=["native", "hf"])
 def test_fork_and_reorder_rows(backend):
     ids = tokens(8)
     logits = backend.prefill(ids[0].tolist(), batch_size=3)
@@ -174,7 +173,6 @@ def test_context_overflow_is_reported():
         model.append(tokens(20))
 
 
-@pytest.mark.parametrize("backend", backends(), ids=["native", "hf"])
 def test_clone_shares_weights_but_not_the_cache(backend):
     ids = tokens(10)
     backend.reset()

@@ -505,11 +505,10 @@ def test_build_results_keeps_records_and_notes(tiny: LoadedModel, qfile: Path):
 
 
 @pytest.mark.real_model
-def test_hf_baseline_matches_decodekit_greedy_on_the_real_model():
+def test_hf_baseline_matches_decodekit_greedy_on_the_real_model(real_model):
     from decodekit.bench.baselines import load_hf_model
-    from decodekit.models import load_model
 
-    model = load_model()
+    model = real_model
     hf = HFGenerate(load_hf_model(None, "float32"), model.tokenizer.eos_token_ids, model.tokenizer.decode)
     ids = model.prompt_ids("What is the capital of France?")
     ours = Engine(model).generate(ids, method="greedy", max_new_tokens=12)
@@ -517,12 +516,11 @@ def test_hf_baseline_matches_decodekit_greedy_on_the_real_model():
 
 
 @pytest.mark.real_model
-def test_llamacpp_baseline_on_the_embedded_gguf():
+def test_llamacpp_baseline_on_the_embedded_gguf(real_model):
     pytest.importorskip("llama_cpp")
     from decodekit.bench.baselines import LlamaCpp, gguf_for
-    from decodekit.models import load_model
 
-    model = load_model()
+    model = real_model
     baseline = LlamaCpp(gguf_for(None), model.tokenizer.eos_token_ids, n_threads=2)
     ids = model.prompt_ids("Name three colours.")
     first, again = baseline.run(ids, 8), baseline.run(ids, 8)

@@ -47,10 +47,10 @@ def test_methods_lists_greedy(capsys):
 
 
 @pytest.mark.real_model
-def test_generate_answers_on_the_embedded_model(real_model):
-    out = run_cli("generate", "What is the capital of France?", "--max-new-tokens", "24")
-    assert out.returncode == 0, out.stderr
-    assert "Paris" in out.stdout
+def test_generate_answers_on_the_embedded_model(real_model, capsys):
+    # in this process (the JSON test below starts the command in a process of its own)
+    assert main(["generate", "What is the capital of France?", "--max-new-tokens", "24"]) == 0
+    assert "Paris" in capsys.readouterr().out
 
 
 @pytest.mark.real_model
@@ -74,10 +74,13 @@ def test_json_output_from_stdin_and_seeded_sampling_across_processes_and_methods
 
 
 @pytest.mark.real_model
-def test_prompt_longer_than_context_is_a_clear_error(real_model):
-    out = run_cli("generate", "--raw", "--max-new-tokens", "8", stdin="word " * 9000)
-    assert out.returncode == 2
-    assert "exceeds the model's context" in out.stderr and "Traceback" not in out.stderr
+def test_prompt_longer_than_context_is_a_clear_error(real_model, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(("word " * 9000).encode())))
+    assert main(["generate", "--raw", "--max-new-tokens", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "exceeds the model's context" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_every_sampler_parameter_has_a_flag():
