@@ -20,13 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from decodekit.models.gguf_blocks import BLOCKS_FILE
 import torch
 
 from decodekit.errors import InvalidModel
 from decodekit.interfaces.cli import main
 from decodekit.models import kernels, load_model
 from decodekit.models.cache import Entry, cached_folder, read_json, read_manifest, update_json
+from decodekit.models.gguf_blocks import BLOCKS_FILE, MATCHES_FILE, BlockMatrix
 from decodekit.models.tiny import tiny_hf_config, tiny_llama, tiny_state_dict
 from decodekit.speculative.controller import CostTable
 
@@ -185,6 +185,16 @@ def nudge_number(path: Path, key: str) -> None:
     path.write_text(text[:i] + str(int(text[i]) % 9 + 1) + text[i + 1 :])
 
 
+def misdirect_a_match(path: Path) -> None:
+    """Record that the first query projection's blocks match with their rows reordered (choice 1),
+    which they do not (same size, still a valid record: only the digest can tell)."""
+    record = json.loads(path.read_text())
+    name = next(n for n in sorted(record["matrices"]) if n.endswith("q_proj.weight"))
+    assert record["matrices"][name][0] == 0
+    record["matrices"][name][0] = 1
+    path.write_text(json.dumps(record, indent=1, sort_keys=True))
+
+
 def swap_two_tokens(path: Path) -> None:
     """Swap the ids of "a" and "e" in a tokenizer's vocabulary (same size: both two digits)."""
     text = path.read_text()
@@ -199,6 +209,7 @@ ALTER = {
     BLOCKS_FILE: lambda p: alter_tensor(p, "model.layers.1.mlp.down_proj.weight"),
     "config.json": lambda p: nudge_number(p, "rms_norm_eps"),
     "tokenizer.json": swap_two_tokens,
+    MATCHES_FILE: misdirect_a_match,
 }
 DAMAGE = {"truncated": lambda p, name: truncate(p), "random bytes": lambda p, name: randomise(p),
           "altered": lambda p, name: ALTER[name](p)}
@@ -225,6 +236,39 @@ def test_a_damaged_model_cache_file_is_reported_rebuilt_and_answers_the_same(tin
     assert same_content(path, original)  # rebuilt (the build is deterministic)
     assert_same(before, after)
     assert not leftovers(cache)
+
+
+def test_what_a_load_finds_of_the_blocks_is_kept_and_spares_the_next_load_its_check(tiny_gguf, cache, monkeypatch):
+    before = answer(tiny_gguf)
+    record = json.loads((model_folder(cache) / MATCHES_FILE).read_text())
+    assert record["key"].startswith("model.safetensors:") and "|blocks:" in record["key"]
+    projections = {n for layer in (0, 1) for n in (f"model.layers.{layer}.self_attn.q_proj.weight", f"model.layers.{layer}.mlp.gate_proj.weight",
+                                                   f"model.layers.{layer}.self_attn.o_proj.weight", f"model.layers.{layer}.mlp.down_proj.weight")}
+    assert set(record["matrices"]) == projections | {"lm_head.weight"}
+    assert record["matrices"]["model.layers.0.self_attn.q_proj.weight"] == [0, 0, 0]  # q, k, v as the file stores them
+
+    def no_dequantising(self):
+        raise AssertionError("a recorded match was checked again")
+
+    monkeypatch.setattr(BlockMatrix, "dequantize", no_dequantising)
+    assert_same(before, answer(tiny_gguf))
+
+
+def test_a_match_record_of_other_files_or_code_is_not_trusted(tiny_gguf, cache, monkeypatch):
+    from decodekit.models import gguf_blocks
+
+    before = answer(tiny_gguf)
+    path = model_folder(cache) / MATCHES_FILE
+
+    def made_by_other_code(record: dict) -> dict:  # a sound record (its manifest agrees) of another key
+        record["matrices"]["model.layers.0.self_attn.q_proj.weight"] = [1, 0, 0]  # q's rows reordered: wrong here
+        return {**record, "key": record["key"].replace("code:", "code:0")}
+
+    update_json(path, made_by_other_code)
+    assert_same(before, answer(tiny_gguf))  # checked again: the other record's choice was not taken
+    record = json.loads(path.read_text())
+    assert record["key"] == gguf_blocks._match_key(model_folder(cache))
+    assert record["matrices"]["model.layers.0.self_attn.q_proj.weight"] == [0, 0, 0]
 
 
 @pytest.mark.parametrize("artefact", ["model.safetensors", BLOCKS_FILE])
@@ -461,9 +505,9 @@ def test_the_real_models_cache_passes_its_check_and_its_manifest_covers_every_fi
     folder = dequantised_folder(embedded_gguf("smollm2-135m"))
     entry = Entry(folder, folder=True)
     assert entry.check() is None
-    blocks = folder / BLOCKS_FILE
-    assert Entry(blocks, folder=False).check() is None
-    # the blocks' files, this version's and any older one's, have manifests of their own
-    own = {"manifest.json"} | {p.name for p in folder.iterdir() if p.name.startswith("gguf_blocks")}
+    blocks, matches = folder / BLOCKS_FILE, folder / MATCHES_FILE
+    assert Entry(blocks, folder=False).check() is None and Entry(matches, folder=False).check() is None
+    # the blocks' files (this version's and any older one's) and the record of their match have manifests of their own
+    own = {"manifest.json"} | {p.name for p in folder.iterdir() if p.name.startswith(("gguf_blocks", MATCHES_FILE))}
     on_disk = {p.name for p in folder.iterdir() if not p.name.startswith(".")} - own
     assert set(read_manifest(entry.manifest)) == on_disk and "model.safetensors" in on_disk

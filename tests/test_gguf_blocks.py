@@ -5,7 +5,7 @@ import torch
 
 from decodekit.models import kernels
 from decodekit.models.gguf_blocks import BLOCKS_FILE, BlockMatrix, matching_blocks, read_block_matrices
-from decodekit.models.native import NativeLlama, rope_row_order
+from decodekit.models.native import TIED_HEAD, NativeLlama, rope_row_order
 from decodekit.models.tiny import tiny_hf_config, tiny_state_dict
 
 KINDS = ["q4_1", "q8_0"]
@@ -159,6 +159,29 @@ def test_a_tied_head_on_blocks_replaces_the_float32_embedding_bit_for_bit():
         on_blocks.weights.embedding(torch.tensor([[96]]))
 
 
+needs_vnni = pytest.mark.skipif(kernels.integer_block_matmul("q4_1") is None,
+                                reason="AVX512-VNNI kernels unavailable on this machine (no VNNI or no compiler)")
+
+
+@pytest.mark.parametrize("numerics", ["exact", pytest.param("fast", marks=needs_vnni)])
+def test_a_build_from_recorded_matches_compares_nothing_and_decodes_the_same(numerics, monkeypatch):
+    """What one build finds of the blocks (the tied head's and each projection's match) is what a
+    later build takes without dequantising; a head recorded as not matching keeps float32."""
+    llama, state, blocks = tied_model_on_blocks(seed=7)
+    matches: dict = {}
+    checked = NativeLlama(llama, state, gguf_blocks=blocks, numerics=numerics, block_matches=matches)
+    assert matches[TIED_HEAD] is True and matches["model.layers.0.mlp.gate_proj.weight"] == [0, 0]
+    assert len(matches) == 1 + 4 * llama.num_layers
+    with monkeypatch.context() as patched:
+        patched.setattr(BlockMatrix, "dequantize", lambda self: pytest.fail("a recorded match was checked again"))
+        taken = NativeLlama(llama, state, gguf_blocks=blocks, numerics=numerics, block_matches=dict(matches))
+    refused = NativeLlama(llama, state, gguf_blocks=blocks, numerics=numerics, block_matches={**matches, TIED_HEAD: False})
+    assert taken.weights.embed is None and refused.weights.embed is not None  # the float32 table kept
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(3))
+    expected = checked.append(ids).logits
+    assert torch.equal(taken.append(ids).logits, expected) and torch.equal(refused.append(ids).logits, expected)
+
+
 def test_matching_blocks_finds_the_row_order_or_declines():
     gen = torch.Generator().manual_seed(1)
     q = BlockMatrix.quantize(torch.randn(32, 64, generator=gen), "q4_1")
@@ -167,10 +190,17 @@ def test_matching_blocks_finds_the_row_order_or_declines():
     fused = torch.cat([q.dequantize()[order], v.dequantize()])  # q rotary-interleaved, v as is
     orders = [lambda n: rope_row_order(n, 16)]
     found = matching_blocks([q, v], fused, orders)
-    assert found is not None and torch.equal(BlockMatrix.stack(found).dequantize(), fused)
+    assert found is not None and torch.equal(BlockMatrix.stack(found[0]).dequantize(), fused)
+    assert found[1] == [1, 0]  # q reordered, v as stored
     assert matching_blocks([q, v], fused, []) is None  # q's rows need the reordering
     assert matching_blocks([q, None], fused, orders) is None  # a missing part
     assert matching_blocks([q, v], fused + 1e-3, orders) is None  # not the same weights
+    # choices found earlier are taken as they are (nothing compared); any that are not choices are checked afresh
+    taken = matching_blocks([q, v], fused + 1e-3, orders, known=[1, 0])
+    assert taken is not None and torch.equal(BlockMatrix.stack(taken[0]).dequantize(), fused) and taken[1] == [1, 0]
+    for unusable in ([2, 0], [1], [True, 0], "1,0", None):
+        assert matching_blocks([q, v], fused, orders, known=unusable)[1] == [1, 0]
+        assert matching_blocks([q, v], fused + 1e-3, orders, known=unusable) is None
 
 
 def _tiny_gguf_model(dtype=torch.float32, kind="q4_1"):
@@ -241,10 +271,6 @@ def test_blocks_are_saved_beside_the_dequantised_weights_and_read_back_the_same(
 
 
 # The integer kernel of the `fast` numerics -------------------------------------------------------
-
-needs_vnni = pytest.mark.skipif(kernels.integer_block_matmul("q4_1") is None,
-                                reason="AVX512-VNNI kernels unavailable on this machine (no VNNI or no compiler)")
-
 
 def integer_product(kind: str, blocks: BlockMatrix, x: torch.Tensor) -> torch.Tensor:
     packed = kernels.pack_integer_blocks(kind, blocks.data, blocks.n_in)

@@ -85,9 +85,9 @@ class Gemma3Weights(LlamaWeights):
 
     MLP_NORM = "pre_feedforward_layernorm.weight"
 
-    def __init__(self, config: Gemma3Config, state, dtype, blocks=None, numerics="exact"):
+    def __init__(self, config: Gemma3Config, state, dtype, blocks=None, numerics="exact", matches=None):
         offset_state = _NormOffsets(state)
-        super().__init__(config, offset_state, dtype, blocks, numerics)
+        super().__init__(config, offset_state, dtype, blocks, numerics, matches)
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype)
 
     def _layer(self, config: LlamaConfig, p: str, get: Callable[[str], torch.Tensor]) -> dict:

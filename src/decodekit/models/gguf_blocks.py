@@ -16,20 +16,22 @@ In ``exact``, the few-row passes (decode steps, verification) use the blocks and
 weights, except for an output head tied to the embedding table, which keeps only its blocks (every
 pass streams them, and embedding lookups read their rows). In ``fast``, every pass runs on the
 blocks. Each fused projection's blocks are checked to dequantise exactly to its float32 weights when
-the model is built, and a projection that does not match keeps float32.
+the model is first built from a cached folder, and a projection that does not match keeps float32;
+what the check found is kept beside the folder's files (:class:`BlockMatches`), so later loads of
+the same files with the same code skip the dequantising and comparing.
 """
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .cache import cached_file
+from .cache import MANIFEST, cached_file, read_json, read_manifest, update_json
 
 #: bytes and weights per block of each type the kernels read (see ``kernels/gemm.c`` for the layouts)
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q5_0": 22, "q4_k": 144, "q5_k": 176, "q6_k": 210}
@@ -279,21 +281,86 @@ def matrix_shape(blocks: Mapping[str, BlockMatrix], name: str) -> tuple[str, int
     return matrix.kind, matrix.n_in, matrix.shape[0]
 
 
-def matching_blocks(parts: list[BlockMatrix | None], weight: torch.Tensor, row_orders: list) -> list[BlockMatrix] | None:
+RowOrder = Callable[[int], torch.Tensor]  # a row count -> the index of a reordering of that many rows
+
+
+def matching_blocks(parts: list[BlockMatrix | None], weight: torch.Tensor, row_orders: list[RowOrder],
+                    known: list[int] | None = None) -> tuple[list[BlockMatrix], list[int]] | None:
     """Each part's blocks, as they dequantise exactly to its rows of ``weight`` (a fused float32
     matrix made of ``parts``, each part's rows possibly reordered): for every part try its rows as
-    stored and each reordering in ``row_orders`` (functions of a row count returning an index),
-    keep the first that matches. None when any part is missing or nothing matches."""
-    if any(p is None for p in parts):
+    stored (choice 0) and each reordering in ``row_orders`` (choice i + 1), keep the first that
+    matches. Returns the blocks and the choices, or None when any part is missing or nothing
+    matches. ``known``: the choices an earlier check of the same files made (:class:`BlockMatches`),
+    taken without dequantising anything (checked afresh where they are not choices for these parts)."""
+    if any(p is None for p in parts) or sum(p.shape[0] for p in parts) != weight.shape[0]:
         return None
-    chosen, start = [], 0
+    if isinstance(known, list) and len(known) == len(parts) and \
+            all(type(c) is int and 0 <= c <= len(row_orders) for c in known):
+        return [_reordered(p, row_orders, c) for p, c in zip(parts, known)], list(known)
+    chosen, choices, start = [], [], 0
     for part in parts:
         target = weight[start : start + part.shape[0]]
         start += part.shape[0]
-        reordered = (part.take(order(part.shape[0])) for order in row_orders)  # only if needed
-        candidates = itertools.chain([part], reordered)
-        match = next((c for c in candidates if torch.equal(c.dequantize(), target)), None)
+        candidates = (_reordered(part, row_orders, c) for c in range(len(row_orders) + 1))  # reordered only if needed
+        match = next(((c, blocks) for c, blocks in enumerate(candidates) if torch.equal(blocks.dequantize(), target)), None)
         if match is None:
             return None
-        chosen.append(match)
-    return chosen if start == weight.shape[0] else None
+        choices.append(match[0])
+        chosen.append(match[1])
+    return chosen, choices
+
+
+def _reordered(part: BlockMatrix, row_orders: list[RowOrder], choice: int) -> BlockMatrix:
+    return part if choice == 0 else part.take(row_orders[choice - 1](part.shape[0]))
+
+
+MATCHES_FILE = "block_matches.json"
+
+
+class BlockMatches:
+    """What the check of a cached folder's GGUF blocks against its float32 weights found, kept in
+    the folder (``block_matches.json``, a checked cache entry): for each fused projection the
+    choices :func:`matching_blocks` made, or None (no match); for a tied output head, whether its
+    blocks matched. ``matrices`` is what a model build reads and adds to; :meth:`save` keeps it.
+
+    A record holds only for the files and the code that made it: its key is the manifests'
+    digests of the float32 weights and of the saved blocks, a digest of this module's source and
+    the ``gguf`` package's version (the two dequantisers compared). A record of another key, or a
+    damaged one (reported by :func:`.cache.read_json`), is checked afresh."""
+
+    def __init__(self, folder: Path):
+        self.path = folder / MATCHES_FILE
+        self.key = _match_key(folder)
+        saved = read_json(self.path) if self.key is not None else None
+        known = saved.get("matrices") if isinstance(saved, dict) and saved.get("key") == self.key else None
+        self.matrices: dict[str, object] = dict(known) if isinstance(known, dict) else {}
+        self._saved = dict(self.matrices)
+
+    def save(self) -> None:
+        """Keep what this build found (nothing is written when it found nothing new)."""
+        if self.key is None or self.matrices == self._saved:
+            return
+        record = {"key": self.key, "matrices": self.matrices}
+        try:
+            update_json(self.path, lambda _: record)
+        except OSError:
+            return  # a read-only cache only costs the check at the next load
+        self._saved = dict(self.matrices)
+
+
+def _match_key(folder: Path) -> str | None:
+    """The key of a folder's match record (see :class:`BlockMatches`); None without the manifests
+    (then nothing is recorded)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    weights, blocks = read_manifest(folder / MANIFEST), read_manifest(folder / f"{BLOCKS_FILE}.manifest.json")
+    if weights is None or blocks is None or BLOCKS_FILE not in blocks:
+        return None
+    try:
+        gguf_version = version("gguf")
+    except PackageNotFoundError:
+        gguf_version = "none"
+    parts = [f"{name}:{stamp.digest}" for name, stamp in sorted(weights.items()) if name.endswith(".safetensors")]
+    parts += [f"blocks:{blocks[BLOCKS_FILE].digest}", f"gguf:{gguf_version}",
+              "code:" + hashlib.sha1(Path(__file__).read_bytes()).hexdigest()[:16]]
+    return "|".join(parts)

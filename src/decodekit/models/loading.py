@@ -288,18 +288,21 @@ def build_backend(
         raise InvalidModel(f"{folder / 'config.json'}: incomplete, no {err.args[0]!r}") from err
     except NotImplementedError as err:
         raise InvalidModel(f"{folder / 'config.json'}: {err}; use --backend hf") from err
-    blocks = None
+    blocks = matches = None
     if gguf is not None and dtype == torch.float32 and (gguf_blocks_enabled() or numerics == "fast"):
-        from .gguf_blocks import cached_block_matrices
+        from .gguf_blocks import BlockMatches, cached_block_matrices
 
         blocks = cached_block_matrices(gguf, folder, native_config.num_layers)
         check_unread_weights(gguf, blocks.unread)
+        matches = BlockMatches(folder)  # what an earlier load found the blocks to match
     state = load_state_dict(folder)
     try:
         built = backend_class(native_config, state, dtype=dtype, name=folder.name, gguf_blocks=blocks,
-                              numerics=numerics, kv_cache=policy)
+                              numerics=numerics, kv_cache=policy, block_matches=matches and matches.matrices)
     except KeyError as err:
         raise InvalidModel(f"{folder}: the weights have no tensor {err.args[0]!r}") from err
+    if matches is not None:
+        matches.save()
     return _with_files(built, folder, gguf)
 
 

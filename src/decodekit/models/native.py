@@ -315,23 +315,32 @@ class SplitProjection:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
+UNCHECKED = object()  # a matrix no earlier check of these files has looked at
+TIED_HEAD = "tied head"  # the record's entry for an output head on its embedding table's blocks
+
+
 class LlamaWeights:
     """Weights rearranged for fast inference: fused qkv and gate/up projections.
 
     ``blocks`` (GGUF blocks by Hugging Face name, float32 only) are attached to every fused
-    projection whose float32 weights they reproduce exactly. ``numerics`` is :data:`NUMERICS`'."""
+    projection whose float32 weights they reproduce exactly. ``numerics`` is :data:`NUMERICS`'.
+    ``matches``: what an earlier check of the same files found, by matrix
+    (:class:`..gguf_blocks.BlockMatches`), taken instead of checking again; each check made here
+    is added to it."""
 
     MLP_NORM = "post_attention_layernorm.weight"  # the norm before the MLP (Llama's name for it)
 
     def __init__(
         self, config: LlamaConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype,
         blocks: Mapping[str, BlockMatrix] | None = None, numerics: str = "exact",
+        matches: dict[str, object] | None = None,
     ):
         def get(name: str) -> torch.Tensor:
             return state[name].to(dtype).contiguous()
 
         self._blocks = blocks if dtype == torch.float32 else None
         self._numerics = numerics
+        self._matches = {} if matches is None else matches
         embed_name = "model.embed_tokens.weight"
         tied = config.tie_word_embeddings or "lm_head.weight" not in state
         head = self._head_on_blocks(state, embed_name) if tied else None
@@ -376,7 +385,11 @@ class LlamaWeights:
             orders = []
             if rope_head_dim:
                 orders = [lambda n: rope_row_order(n, rope_head_dim), lambda n: rope_row_order(n, rope_head_dim).argsort()]
-            parts = matching_blocks([self._blocks.get(n) for n in names], weight, orders)
+            known = self._matches.get(names[0], UNCHECKED)
+            found = None if known is None else matching_blocks(
+                [self._blocks.get(n) for n in names], weight, orders, None if known is UNCHECKED else known)
+            self._matches[names[0]] = None if found is None else found[1]
+            parts = None if found is None else found[0]
         if parts is None:
             return Projection(weight, bias, None, self._numerics)
         stacked = BlockMatrix.stack(parts)
@@ -407,14 +420,22 @@ class LlamaWeights:
             packed = empty_packed(kind, n_out, n_in)
         else:
             blocks, packed = self._blocks[name], None
+        known = self._matches.get(TIED_HEAD, UNCHECKED)
+        if known is False:
+            return None
+        if known is not True:  # not checked yet (or a record that says neither)
+            known = UNCHECKED
         step = max(INTEGER_GROUP, HEAD_SLICE_VALUES // n_in // INTEGER_GROUP * INTEGER_GROUP)  # whole groups of rows
         for start in range(0, n_out, step):
             stop = min(start + step, n_out)
-            part = matrix_rows(self._blocks, name, start, stop) if fast else blocks.take(torch.arange(start, stop))
-            if not torch.equal(part.dequantize(), read_rows(state, name, start, stop)):
+            if known is UNCHECKED or fast:
+                part = matrix_rows(self._blocks, name, start, stop) if fast else blocks.take(torch.arange(start, stop))
+            if known is UNCHECKED and not torch.equal(part.dequantize(), read_rows(state, name, start, stop)):
+                self._matches[TIED_HEAD] = False
                 return None
             if packed is not None:
                 pack_integer_blocks(kind, part.data, n_in, into=packed, first_row=start)
+        self._matches[TIED_HEAD] = True
         shape = torch.empty(n_out, n_in, dtype=torch.float32, device="meta")
         return Projection(shape, None, blocks, self._numerics, blocks_only=True, packed=packed)
 
@@ -466,6 +487,7 @@ class NativeLlama(Backend):
         gguf_blocks: Mapping[str, BlockMatrix] | None = None,
         numerics: str = "exact",
         kv_cache: KVPolicy | str | None = None,
+        block_matches: dict[str, object] | None = None,
     ):
         if numerics not in NUMERICS:
             raise InvalidParameter(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -477,7 +499,7 @@ class NativeLlama(Backend):
         self.dtype = dtype
         self.numerics = numerics
         self.kv_policy = parse_kv_cache(kv_cache)
-        self.weights = self.weights_class(config, state, dtype, gguf_blocks, numerics)
+        self.weights = self.weights_class(config, state, dtype, gguf_blocks, numerics, block_matches)
         # fast runs on every projection's (packed) blocks; exact on those that matched
         uses_blocks = numerics == "fast" or any(p.on_blocks for p in self.weights.projections)
         self.info = ModelInfo(
