@@ -79,6 +79,10 @@ def specbench_prompts() -> list[str]:
 
 
 def pytest_configure(config):
+    # xdist hands out whole files by their number of tests unless told to keep the collection's
+    # order, which puts the longest files first (LONGEST_FIRST below)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     # Tiny models are dominated by per-op overhead, which a second thread only adds to; one
     # thread also keeps the suite's run time steady on a shared machine.
     import torch
@@ -95,11 +99,23 @@ def pytest_configure(config):
         os.environ["DECODEKIT_COST_TABLE"] = str(cache_root() / "test-suite" / "verify_cost.json")
 
 
+#: The files that take longest, first: `-n 2 --dist loadfile` hands whole files to the two test
+#: processes in this order, so the long ones start early and the short ones even out the end
+#: (otherwise one process can sit idle for the last quarter of a minute while the other finishes
+#: the Ray file). Only the order changes, never what runs.
+LONGEST_FIRST = ("test_ray.py", "test_real_gemma.py", "test_trained_drafters.py", "test_cache_integrity.py",
+                 "test_speculative_sampling.py", "test_serve.py", "test_real_model.py", "test_speculative_real.py",
+                 "test_cli.py", "test_bench.py", "test_speculative_layerskip_draft.py", "test_numerics.py",
+                 "test_gguf_blocks.py", "test_kv_policy.py", "test_constraint.py", "test_bad_input.py", "test_chat_template.py")
+
+
 def pytest_collection_modifyitems(config, items):
     # A test that uses the embedded model carries the marker, so `-m "not real_model"` leaves it out.
     for item in items:
         if "real_model" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.real_model)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
 
 
 #: Skip reasons of the kernel tests (they need a C compiler and AVX-512, or AVX512-VNNI).
