@@ -298,7 +298,7 @@ def build_backend(
     state = load_state_dict(folder)
     try:
         built = backend_class(native_config, state, dtype=dtype, name=folder.name, gguf_blocks=blocks,
-                              numerics=numerics, kv_cache=policy, block_matches=matches and matches.matrices)
+                              numerics=numerics, kv_cache=policy, block_matches=None if matches is None else matches.matrices)
     except KeyError as err:
         raise InvalidModel(f"{folder}: the weights have no tensor {err.args[0]!r}") from err
     if matches is not None:

@@ -407,11 +407,12 @@ class LlamaWeights:
         In the ``fast`` numerics each slice of blocks is read alone and packed once it matches, so
         the head's file blocks (most of a big-vocabulary model's file) are never all in memory
         beside their packed copy."""
-        if self._blocks is None or name not in self._blocks:
+        if self._blocks is None or name not in self._blocks or self._matches.get(TIED_HEAD) is False:
             return None
         kind, n_in, n_out = matrix_shape(self._blocks, name)
         if block_matmul(kind) is None:
             return None
+        checked = self._matches.get(TIED_HEAD) is True  # an earlier build of these files found them to match
         fast = self._numerics == "fast"
         if fast:  # the matrix's kind and shape only: its packed copy is filled slice by slice
             blocks = BlockMatrix(kind, torch.empty(n_out, n_in // BLOCK_WEIGHTS[kind] * BLOCK_BYTES[kind],
@@ -420,17 +421,12 @@ class LlamaWeights:
             packed = empty_packed(kind, n_out, n_in)
         else:
             blocks, packed = self._blocks[name], None
-        known = self._matches.get(TIED_HEAD, UNCHECKED)
-        if known is False:
-            return None
-        if known is not True:  # not checked yet (or a record that says neither)
-            known = UNCHECKED
         step = max(INTEGER_GROUP, HEAD_SLICE_VALUES // n_in // INTEGER_GROUP * INTEGER_GROUP)  # whole groups of rows
-        for start in range(0, n_out, step):
+        # each slice is read to be checked (unless a match is recorded) or packed (fast); exact then reads none
+        for start in range(0, n_out, step) if not checked or fast else ():
             stop = min(start + step, n_out)
-            if known is UNCHECKED or fast:
-                part = matrix_rows(self._blocks, name, start, stop) if fast else blocks.take(torch.arange(start, stop))
-            if known is UNCHECKED and not torch.equal(part.dequantize(), read_rows(state, name, start, stop)):
+            part = matrix_rows(self._blocks, name, start, stop) if fast else blocks.take(torch.arange(start, stop))
+            if not checked and not torch.equal(part.dequantize(), read_rows(state, name, start, stop)):
                 self._matches[TIED_HEAD] = False
                 return None
             if packed is not None:
