@@ -168,7 +168,7 @@ MUTATIONS = (
              'isinstance(saved, dict) and saved.get("key") == self.key else None',
              'isinstance(saved, dict) else None', ("tests/test_cache_integrity.py", "-k", "match_record")),
     Mutation("block-match-record-ignored", "src/decodekit/models/native.py",
-             "[self._blocks.get(n) for n in names], weight, orders, None if known is UNCHECKED else known)",
+             "[self._blocks.get(n) for n in names], weight, orders, recorded)",
              "[self._blocks.get(n) for n in names], weight, orders, None)",
              ("tests/test_gguf_blocks.py", "-k", "recorded")),
     Mutation("tied-head-recorded-as-unmatched-still-on-blocks", "src/decodekit/models/native.py",

@@ -315,7 +315,6 @@ class SplitProjection:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-UNCHECKED = object()  # a matrix no earlier check of these files has looked at
 TIED_HEAD = "tied head"  # the record's entry for an output head on its embedding table's blocks
 
 
@@ -385,9 +384,9 @@ class LlamaWeights:
             orders = []
             if rope_head_dim:
                 orders = [lambda n: rope_row_order(n, rope_head_dim), lambda n: rope_row_order(n, rope_head_dim).argsort()]
-            known = self._matches.get(names[0], UNCHECKED)
-            found = None if known is None else matching_blocks(
-                [self._blocks.get(n) for n in names], weight, orders, None if known is UNCHECKED else known)
+            recorded = self._matches.get(names[0])  # the choices an earlier check made, None if none
+            unmatched = recorded is None and names[0] in self._matches  # an earlier check found no match
+            found = None if unmatched else matching_blocks([self._blocks.get(n) for n in names], weight, orders, recorded)
             self._matches[names[0]] = None if found is None else found[1]
             parts = None if found is None else found[0]
         if parts is None:
