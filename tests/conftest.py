@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import shutil
@@ -116,6 +117,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.real_model)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+
+
+def pytest_runtest_setup(item):
+    # As each file starts (the last file's fixtures gone, this file's not made yet), what exists
+    # (torch, transformers, the test modules, a session's real model) goes out of the collector's
+    # sight: each full collection a test triggers (the bench collects before every run it times)
+    # then walks what this file made, not the hundreds of thousands of objects the libraries hold.
+    if item.path != _frozen_at[0]:
+        _frozen_at[0] = item.path
+        gc.collect()
+        gc.freeze()
+
+
+_frozen_at: list = [None]
 
 
 #: Skip reasons of the kernel tests (they need a C compiler and AVX-512, or AVX512-VNNI).

@@ -115,12 +115,17 @@ def freeze_what_exists() -> None:
 
 @contextmanager
 def collector_frozen_for_the_bench() -> Iterator[None]:
-    """:func:`freeze_what_exists` for the duration, then the frozen objects collectable again."""
+    """:func:`freeze_what_exists` for the duration, then the frozen objects collectable again;
+    except where the caller had frozen objects of its own (a server that froze what it made at
+    start-up, a test suite): unfreezing would hand those back to the collector too (``gc`` can
+    only unfreeze everything), so then what the bench froze stays frozen with them."""
+    callers_own = gc.get_freeze_count() > 0
     freeze_what_exists()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not callers_own:
+            gc.unfreeze()
 
 
 @contextmanager
