@@ -251,8 +251,10 @@ def test_a_worker_that_never_starts_ends_the_run_with_one_line(cluster):
     with pytest.raises(ClusterError, match="no worker started within 1 s"):
         Pool(cluster, functools.partial(SlowSetup, 30), PoolSettings(workers=1, start_timeout_s=1))
     assert workers_gone()  # the pool stopped the worker it gave up on
-    pool = Pool(cluster, Doubler, PoolSettings(workers=2))  # and its CPU is free again
-    pool.close()
+    deadline = time.monotonic() + 10
+    while cluster.available_resources().get("CPU") != 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cluster.available_resources().get("CPU") == 2  # and its CPU is free again
 
 
 def test_the_local_instance_is_a_new_one_even_where_a_cluster_runs(monkeypatch):
