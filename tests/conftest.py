@@ -104,10 +104,12 @@ def pytest_configure(config):
 #: processes in this order, so the long ones start early and the short ones even out the end
 #: (otherwise one process can sit idle for the last quarter of a minute while the other finishes
 #: the Ray file). Only the order changes, never what runs.
-LONGEST_FIRST = ("test_ray.py", "test_real_gemma.py", "test_trained_drafters.py", "test_cache_integrity.py",
-                 "test_speculative_sampling.py", "test_serve.py", "test_real_model.py", "test_speculative_real.py",
-                 "test_cli.py", "test_bench.py", "test_speculative_layerskip_draft.py", "test_numerics.py",
-                 "test_gguf_blocks.py", "test_kv_policy.py", "test_constraint.py", "test_bad_input.py", "test_chat_template.py")
+LONGEST_FIRST = ("test_ray.py", "test_real_gemma.py", "test_cache_integrity.py", "test_speculative_sampling.py",
+                 "test_trained_drafters.py", "test_real_model.py", "test_speculative_real.py", "test_serve.py",
+                 "test_speculative_layerskip_draft.py", "test_cli.py", "test_bad_input.py", "test_numerics.py",
+                 "test_speculative.py", "test_bench.py", "test_kv_policy.py", "test_gguf_blocks.py",
+                 "test_chat_template.py", "test_constraint.py", "test_bench_serve.py", "test_options.py",
+                 "test_batching.py", "test_eval.py", "test_kernels.py", "test_longctx.py")
 
 
 def pytest_collection_modifyitems(config, items):
