@@ -49,12 +49,18 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (half-split pairs) of ``x`` ``[..., n, heads, head_dim]`` at ``positions`` ``[n]``."""
-    half = x.shape[-1] // 2
+def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosines and sines ``[n, 1, head_dim / 2]`` of the rotary angles at ``positions`` ``[n]``
+    (computed once per pass: queries and keys share them)."""
+    half = head_dim // 2
     inv = theta ** (-torch.arange(half, dtype=torch.float32) / half)
     angles = positions.float()[:, None] * inv  # [n, half]
-    cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # broadcast over heads
+    return angles.cos()[:, None], angles.sin()[:, None]  # broadcast over heads
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (half-split pairs) of ``x`` ``[..., n, heads, head_dim]`` by :func:`rotary_angles`."""
+    half = x.shape[-1] // 2
     a, b = x[..., :half], x[..., half:]
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
@@ -80,7 +86,8 @@ class DecoderLayer(nn.Module):
         c = self.c
         B, n, _ = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).view(B, n, 3, c.heads, c.head_dim).unbind(2)
-        q, k = rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta)
+        cos, sin = rotary_angles(positions, c.head_dim, c.rope_theta)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, n, d]
         keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
