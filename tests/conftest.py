@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from decodekit.data import SPEC_BENCH_QUESTIONS, data_file
-from decodekit.models import CharTokenizer, LoadedModel
+from decodekit.models import CharTokenizer, LoadedModel, kernels
 from decodekit.models.tiny import tiny_llama
 
 SPECBENCH = data_file(SPEC_BENCH_QUESTIONS)
@@ -139,6 +139,10 @@ _frozen_at: list = [None]
 
 #: Skip reasons of the kernel tests (they need a C compiler and AVX-512, or AVX512-VNNI).
 KERNEL_SKIP = ("no C compiler", "kernels unavailable")
+
+#: The mark of a test of the `fast` numerics' integer kernels.
+needs_vnni = pytest.mark.skipif(kernels.integer_block_matmul("q4_1") is None,
+                                reason="AVX512-VNNI kernels unavailable on this machine (no VNNI or no compiler)")
 
 
 def _kernel_skips(terminalreporter) -> list[str]:

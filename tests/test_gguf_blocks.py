@@ -7,6 +7,7 @@ from decodekit.models import kernels
 from decodekit.models.gguf_blocks import BLOCKS_FILE, BlockMatrix, matching_blocks, read_block_matrices
 from decodekit.models.native import TIED_HEAD, NativeLlama, rope_row_order
 from decodekit.models.tiny import tiny_hf_config, tiny_state_dict
+from tests.conftest import needs_vnni
 
 KINDS = ["q4_1", "q8_0"]
 needs_kernel = pytest.mark.skipif(
@@ -157,10 +158,6 @@ def test_a_tied_head_on_blocks_replaces_the_float32_embedding_bit_for_bit():
         assert torch.equal(plain.append(step).logits, on_blocks.append(step).logits)
     with pytest.raises(IndexError, match="out of range"):  # never a row read from outside the table
         on_blocks.weights.embedding(torch.tensor([[96]]))
-
-
-needs_vnni = pytest.mark.skipif(kernels.integer_block_matmul("q4_1") is None,
-                                reason="AVX512-VNNI kernels unavailable on this machine (no VNNI or no compiler)")
 
 
 @pytest.mark.parametrize("numerics", ["exact", pytest.param("fast", marks=needs_vnni)])

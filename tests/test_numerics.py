@@ -10,17 +10,15 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import required_options
+from tests.conftest import needs_vnni, required_options
 from decodekit.engine import Engine, available_methods
 from decodekit.errors import InvalidParameter
 from decodekit.models import CharTokenizer, LoadedModel
-from decodekit.models import kernels
 from decodekit.models.native import LlamaConfig, NativeLlama
 from decodekit.models.tiny import tiny_hf_config, tiny_llama, tiny_state_dict
 from decodekit.speculative.controller import CostTable
 
-pytestmark = pytest.mark.skipif(kernels.integer_block_matmul("q4_1") is None,
-                                reason="AVX512-VNNI kernels unavailable on this machine (no VNNI or no compiler)")
+pytestmark = needs_vnni
 
 PROMPTS = ("hello world hello world hello world hello", "abcabcabcabcabcabcabc", "Q: 12+12? A: 24. Q: 13+13? A:")
 FLAT_COSTS = {1: 1.0, 64: 1.0}
