@@ -14,7 +14,12 @@ verification tree is just a pass of several rows) or sampled.
 
 When does a batch run? As soon as every active sequence has a pass waiting (none is still
 choosing its next tokens), or ``wait_s`` after the oldest pass arrived, or when the waiting
-rows fill ``max_rows``. The waiting threads block on a condition variable: no spinning.
+rows fill ``max_rows``. The waiting threads block, never spin: each request thread on its own
+pass's event, set when that pass is done, and the pass thread on a condition variable, woken only
+when a pass arrives that could start a batch (the first one, which starts the wait, or the one
+that completes it) or when a request leaves. One shared condition for everything woke every
+request thread at every arrival and every finished batch, to find its own pass not done: with 8
+requests, about 70 thread wake-ups a step, and each wants the interpreter's lock.
 
 Which thread runs the passes matters. The kernels split each step over OpenMP threads, and
 GNU OpenMP keeps a team of worker threads per thread that starts parallel work. Once the teams
@@ -64,7 +69,7 @@ class _Pass:
     arrived: float = field(default_factory=time.perf_counter)
     output: tuple[torch.Tensor, torch.Tensor] | None = None  # logits, features
     error: BaseException | None = None
-    done: bool = False
+    done: threading.Event = field(default_factory=threading.Event)  # set by the pass thread
 
 
 class PassBatcher:
@@ -96,7 +101,7 @@ class PassBatcher:
         finally:
             with self._cond:
                 self._active -= 1
-                self._cond.notify_all()  # a batch may have been waiting for this one
+                self._cond.notify()  # a batch may have been waiting for this one
 
     @property
     def active(self) -> int:
@@ -119,9 +124,12 @@ class PassBatcher:
                 self._thread = threading.Thread(target=self._loop, name="decodekit-passes", daemon=True)
                 self._thread.start()
             self._waiting.append(job)
-            self._cond.notify_all()
-            while not job.done:
-                self._cond.wait()
+            # the pass thread needs to hear of the first pass (its wait starts) and of the one
+            # that fills the batch; it waits for a timeout in between
+            rows = sum(len(p.tokens) for p in self._waiting)
+            if len(self._waiting) == 1 or len(self._waiting) >= self._active or rows >= self.max_rows:
+                self._cond.notify()
+        job.done.wait()
         if job.error is not None:
             raise job.error
         assert job.output is not None
@@ -185,6 +193,5 @@ class PassBatcher:
             self.passes += 1
             self.rows += sum(len(p.tokens) for p in batch)
             self._last_batch = {id(p.backend): len(p.tokens) for p in batch}
-            for job in batch:
-                job.done = True
-            self._cond.notify_all()
+        for job in batch:
+            job.done.set()
