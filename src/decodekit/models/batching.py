@@ -18,8 +18,8 @@ rows fill ``max_rows``. The waiting threads block, never spin: each request thre
 pass's event, set when that pass is done, and the pass thread on a condition variable, woken only
 when a pass arrives that could start a batch (the first one, which starts the wait, or the one
 that completes it) or when a request leaves. One shared condition for everything woke every
-request thread at every arrival and every finished batch, to find its own pass not done: with 8
-requests, about 70 thread wake-ups a step, and each wants the interpreter's lock.
+waiting request thread at every arrival, to find its own pass not done: with 8 requests, some
+forty wake-ups a step, each wanting the interpreter's lock.
 
 Which thread runs the passes matters. The kernels split each step over OpenMP threads, and
 GNU OpenMP keeps a team of worker threads per thread that starts parallel work. Once the teams
