@@ -217,8 +217,10 @@ static inline void softmax_numerators_of(Scratch *s, int queries, int n, float *
     }
 
 /* A pass: jobs are (key/value head, row, a share of the group's heads). A group's heads go
- * together (up to MAX_Q a job) where head_dim is 64 or 128, unless that leaves the threads too
- * few jobs: then one head a job. */
+ * together (up to MAX_Q a job) where head_dim is 64 or 128, split only where that leaves a
+ * thread without a job: each job reads its group's keys and values once, and reading the cache
+ * bounds a decode step's attention, so a one-row pass over three groups on two threads runs
+ * them 2:1 rather than halving each group (which read every key and value twice). */
 #define DEFINE_ATTENTION(NAME, T, LOAD)                                                             \
     DEFINE_JOB(NAME##_q1_c4, T, LOAD, 1, 4)                                                         \
     DEFINE_JOB(NAME##_q2_c4, T, LOAD, 2, 4)                                                         \
@@ -233,8 +235,8 @@ static inline void softmax_numerators_of(Scratch *s, int queries, int n, float *
         int group = n_heads / n_kv_heads, chunks = head_dim / 16;                                   \
         int most = chunks == 4 ? 4 : chunks == 8 ? 2 : 1; /* queries a job (registers) */           \
         int per_job = group < most ? group : most;                                                  \
-        /* enough jobs for every thread twice, or as many as there are heads */                    \
-        while (per_job > 1 && n_kv_heads * n_q * ((group + per_job - 1) / per_job) < 2 * threads) per_job--; \
+        /* a job for every thread, or as many as there are heads */                                \
+        while (per_job > 1 && n_kv_heads * n_q * ((group + per_job - 1) / per_job) < threads) per_job--; \
         int shares = (group + per_job - 1) / per_job, jobs = n_kv_heads * n_q * shares;             \
         _Pragma("omp parallel num_threads(threads) if (threads > 1)")                               \
         {                                                                                           \
@@ -499,7 +501,8 @@ void decodekit_attention_kivi(const float *q, const uint8_t *kcodes, const float
     int heads_per_kv = n_heads / n_kv_heads, chunks = head_dim / 16, row_bytes = head_dim * bits / 8;
     int most = chunks == 4 ? 4 : chunks == 8 ? 2 : 1; /* queries a job (registers) */
     int per_job = heads_per_kv < most ? heads_per_kv : most;
-    /* enough jobs for every thread twice, or as many as there are heads (as the float kernels) */
+    /* enough jobs for every thread twice, or as many as there are heads: the codes are light to
+     * read, so here an uneven split costs more than reading a group twice */
     while (per_job > 1 && n_kv_heads * n_q * ((heads_per_kv + per_job - 1) / per_job) < 2 * threads) per_job--;
     int shares = (heads_per_kv + per_job - 1) / per_job, jobs = n_kv_heads * n_q * shares;
     _Pragma("omp parallel num_threads(threads) if (threads > 1)")
