@@ -343,21 +343,25 @@ def test_int8_cache_rows_are_the_quantised_float_rows_and_take_a_quarter_of_the_
     assert int8.cache_bytes() / full.cache_bytes() == (16 + 4) / (4 * 16)  # head size 16: int8 values + a scale
 
 
-def test_int8_attention_is_float_attention_on_the_dequantised_rows():
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # one query a job; three heads of a group a job; two
+def test_int8_attention_is_float_attention_on_the_dequantised_rows(head_dim):
     from decodekit.models.kernels import dequantise_int8_rows, int8_cache_kernels, layout_independent_attention, quantise_int8_rows
 
-    kernels, reference = int8_cache_kernels(32), layout_independent_attention(torch.float32, 32)
+    kernels, reference = int8_cache_kernels(head_dim), layout_independent_attention(torch.float32, head_dim)
     if kernels is None or reference is None:
         pytest.skip("kernels unavailable")
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(5, 6, 32, generator=g), torch.randn(2, 70, 32, generator=g), torch.randn(2, 70, 32, generator=g)
+    q, k, v = (torch.randn(5, 6, head_dim, generator=g), torch.randn(2, 70, head_dim, generator=g),
+               torch.randn(2, 70, head_dim, generator=g))
     visible = torch.rand(5, 70, generator=g) < 0.8
-    pk, pv = quantise_int8_rows(k), quantise_int8_rows(v)
-    got = kernels.attention(q, pk, pv, visible, 32**-0.5)
-    same_values = reference(q, dequantise_int8_rows(pk), dequantise_int8_rows(pv), visible, 32**-0.5)
+    pk, pv, scale = quantise_int8_rows(k), quantise_int8_rows(v), head_dim**-0.5
+    got = kernels.attention(q, pk, pv, visible, scale)
+    same_values = reference(q, dequantise_int8_rows(pk), dequantise_int8_rows(pv), visible, scale)
     assert torch.allclose(got, same_values, atol=1e-5)  # only the rounding of the products differs
-    exact = reference(q, k, v, visible, 32**-0.5)
+    exact = reference(q, k, v, visible, scale)
     assert (got - exact).abs().max() < 0.05 and not torch.equal(got, exact)  # the quantisation's error, no more
+    for row in range(5):  # a row alone (other jobs, other thread split) gives the same bits as in the pass
+        assert torch.equal(kernels.attention(q[row : row + 1], pk, pv, visible[row : row + 1], scale), got[row : row + 1])
 
 
 def test_int8_cache_speculation_is_lossless_relative_to_int8_greedy():

@@ -116,6 +116,47 @@ typedef struct {
 
 #define MAX_Q 4
 
+static void scratch_init(Scratch *s, size_t keys) {
+    s->stride = keys + 1;
+    s->scores = malloc(sizeof(float) * s->stride * MAX_Q);
+    s->keys = malloc(sizeof(int) * s->stride);
+    s->waiting = aligned_alloc(64, sizeof(__m512) * 16 * MAX_Q);
+    for (int i = 0; i < 16 * MAX_Q; i++) s->waiting[i] = _mm512_setzero_ps();
+}
+
+static void scratch_free(Scratch *s) { free(s->scores), free(s->keys), free(s->waiting); }
+
+/* How a pass is cut into jobs: (key/value head, row, a share of the group's heads), in that
+ * order. A job takes a group's heads together, as many as registers hold (MAX_Q where head_dim
+ * is 64, 2 where 128, else 1), fewer only where there would be under `min_jobs` jobs. */
+typedef struct {
+    int n_q, n_heads, group, per_job, shares, head_dim, jobs;
+} JobPlan;
+
+static JobPlan plan_jobs(int n_q, int n_heads, int n_kv_heads, int head_dim, int min_jobs) {
+    int group = n_heads / n_kv_heads, chunks = head_dim / 16;
+    int most = chunks == 4 ? MAX_Q : chunks == 8 ? 2 : 1;
+    int per_job = group < most ? group : most;
+    while (per_job > 1 && n_kv_heads * n_q * ((group + per_job - 1) / per_job) < min_jobs) per_job--;
+    int shares = (group + per_job - 1) / per_job;
+    return (JobPlan){n_q, n_heads, group, per_job, shares, head_dim, n_kv_heads * n_q * shares};
+}
+
+/* Job `job`'s key/value head and row, its queries' and outputs' rows (qs[m], outs[m]); returns
+ * how many (1..MAX_Q). */
+static inline int job_queries(const JobPlan *p, int job, const float *q, float *out, const float **qs, float **outs,
+                              int *kv, int *row) {
+    int share = job % p->shares, count = p->group - share * p->per_job;
+    *kv = job / (p->n_q * p->shares), *row = job / p->shares % p->n_q;
+    int first = *kv * p->group + share * p->per_job;
+    if (count > p->per_job) count = p->per_job;
+    for (int m = 0; m < count; m++) {
+        qs[m] = q + ((size_t)*row * p->n_heads + first + m) * p->head_dim;
+        outs[m] = out + ((size_t)*row * p->n_heads + first + m) * p->head_dim;
+    }
+    return count;
+}
+
 /* In a job over Q queries with registers qv[m][c] and a key in kv[c]: each query's products with
  * the key wait in its slot SLOT(waiting) until 16 keys are in, then become 16 scores at once. */
 #define SCORE_KEY(Q, CH, position)                                                                  \
@@ -216,11 +257,10 @@ static inline void softmax_numerators_of(Scratch *s, int queries, int n, float *
         for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(o[c], inv));  \
     }
 
-/* A pass: jobs are (key/value head, row, a share of the group's heads). A group's heads go
- * together (up to MAX_Q a job) where head_dim is 64 or 128, split only where that leaves a
- * thread without a job: each job reads its group's keys and values once, and reading the cache
- * bounds a decode step's attention, so a one-row pass over three groups on two threads runs
- * them 2:1 rather than halving each group (which read every key and value twice). */
+/* A pass (plan_jobs): a group's heads are split between jobs only where a thread would have no
+ * job. Each job reads its group's keys and values, and reading the cache bounds a decode step's
+ * attention, so a one-row pass over three groups on two threads runs them 2:1 rather than
+ * halving each group (which read every key and value twice). */
 #define DEFINE_ATTENTION(NAME, T, LOAD)                                                             \
     DEFINE_JOB(NAME##_q1_c4, T, LOAD, 1, 4)                                                         \
     DEFINE_JOB(NAME##_q2_c4, T, LOAD, 2, 4)                                                         \
@@ -232,35 +272,20 @@ static inline void softmax_numerators_of(Scratch *s, int queries, int n, float *
     void NAME(const float *q, const T *k, const T *v, const uint8_t *visible, float *out,            \
               int n_q, int n_heads, int n_kv_heads, int head_dim, int cap, int n_keys,               \
               float scale, int threads) {                                                           \
-        int group = n_heads / n_kv_heads, chunks = head_dim / 16;                                   \
-        int most = chunks == 4 ? 4 : chunks == 8 ? 2 : 1; /* queries a job (registers) */           \
-        int per_job = group < most ? group : most;                                                  \
-        /* a job for every thread, or as many as there are heads */                                \
-        while (per_job > 1 && n_kv_heads * n_q * ((group + per_job - 1) / per_job) < threads) per_job--; \
-        int shares = (group + per_job - 1) / per_job, jobs = n_kv_heads * n_q * shares;             \
+        int chunks = head_dim / 16;                                                                 \
+        JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads);                      \
         _Pragma("omp parallel num_threads(threads) if (threads > 1)")                               \
         {                                                                                           \
             Scratch s;                                                                              \
-            s.stride = (size_t)n_keys + 1;                                                          \
-            s.scores = malloc(sizeof(float) * s.stride * MAX_Q);                                    \
-            s.keys = malloc(sizeof(int) * s.stride);                                                \
-            s.waiting = aligned_alloc(64, sizeof(__m512) * 16 * MAX_Q);                             \
-            for (int i = 0; i < 16 * MAX_Q; i++) s.waiting[i] = _mm512_setzero_ps();                \
+            scratch_init(&s, (size_t)n_keys);                                                       \
             _Pragma("omp for schedule(static)")                                                     \
-            for (int job = 0; job < jobs; job++) {                                                  \
-                int kv = job / (n_q * shares), i = job / shares % n_q, share = job % shares;        \
-                int h0 = kv * group + share * per_job, count = group - share * per_job;             \
-                if (count > per_job) count = per_job;                                               \
-                const T *kh = k + (size_t)kv * cap * head_dim, *vh = v + (size_t)kv * cap * head_dim; \
-                const uint8_t *vis = visible ? visible + (size_t)i * n_keys : NULL;                 \
+            for (int job = 0; job < plan.jobs; job++) {                                             \
                 const float *qs[MAX_Q];                                                             \
                 float *outs[MAX_Q];                                                                 \
-                for (int m = 0; m < count; m++) {                                                   \
-                    qs[m] = q + ((size_t)i * n_heads + h0 + m) * head_dim;                          \
-                    outs[m] = out + ((size_t)i * n_heads + h0 + m) * head_dim;                      \
-                }                                                                                   \
-                int kind = chunks == 4 ? count : chunks == 8 ? 10 + count : 0;                      \
-                switch (kind) {                                                                     \
+                int kv, i, count = job_queries(&plan, job, q, out, qs, outs, &kv, &i);              \
+                const T *kh = k + (size_t)kv * cap * head_dim, *vh = v + (size_t)kv * cap * head_dim; \
+                const uint8_t *vis = visible ? visible + (size_t)i * n_keys : NULL;                 \
+                switch (chunks == 4 ? count : chunks == 8 ? 10 + count : 0) {                       \
                 case 1: NAME##_q1_c4(qs, kh, vh, vis, outs, n_keys, scale, &s); break;              \
                 case 2: NAME##_q2_c4(qs, kh, vh, vis, outs, n_keys, scale, &s); break;              \
                 case 3: NAME##_q3_c4(qs, kh, vh, vis, outs, n_keys, scale, &s); break;              \
@@ -272,7 +297,7 @@ static inline void softmax_numerators_of(Scratch *s, int queries, int n, float *
                         NAME##_one(qs[m], kh, vh, vis, outs[m], n_keys, chunks, scale, &s);         \
                 }                                                                                   \
             }                                                                                       \
-            free(s.scores), free(s.keys), free(s.waiting);                                          \
+            scratch_free(&s);                                                                       \
         }                                                                                           \
     }
 
@@ -287,64 +312,100 @@ DEFINE_ATTENTION(decodekit_attention_bf16, uint16_t, load_bf16)
  * pass. */
 static inline __m512 load_q8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 
+/* The scaled scores of the `count` (1..16) int8 keys waiting for each of `queries` queries
+ * (scale[w]: the w-th waiting key's row scale), stored from score n on. */
+static inline void store_q8_scores(Scratch *s, int queries, int n, int count, const float *row_scales, float scale) {
+    __mmask16 mask = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
+    __m512 rows = _mm512_maskz_loadu_ps(mask, row_scales);
+    for (int m = 0; m < queries; m++)
+        _mm512_mask_storeu_ps(s->scores + m * s->stride + n, mask,
+                              _mm512_mul_ps(_mm512_mul_ps(sum_lanes16(s->waiting + 16 * m), rows), _mm512_set1_ps(scale)));
+}
+
+/* One job on the int8 cache: Q queries of one row that share a key/value head (as DEFINE_JOB),
+ * each key and value row loaded and widened once for all of them. CH: head_dim / 16, a constant
+ * or the run-time `chunks_` (then one query). */
+#define DEFINE_Q8_JOB(NAME, Q, CH)                                                                  \
+    static void NAME(const float *const *q, const int8_t *kh, const int8_t *vh, const uint8_t *vis, \
+                     float *const *out, int n_keys, int chunks_, float scale, Scratch *s) {         \
+        (void)chunks_;                                                                              \
+        const size_t row = 16 * (size_t)(CH) + 4;                                                   \
+        __m512 qv[Q][16], kv[16];                                                                   \
+        for (int m = 0; m < Q; m++)                                                                 \
+            for (int c = 0; c < (CH); c++) qv[m][c] = _mm512_loadu_ps(q[m] + 16 * c);               \
+        int n = 0, waiting = 0;                                                                     \
+        float row_scales[16];                                                                       \
+        FOR_EACH_VISIBLE(j, vis, n_keys) {                                                          \
+            const int8_t *kj = kh + (size_t)j * row;                                                \
+            for (int c = 0; c < (CH); c++) kv[c] = load_q8(kj + 16 * c);                            \
+            for (int m = 0; m < Q; m++) {                                                           \
+                __m512 acc = _mm512_mul_ps(qv[m][0], kv[0]);                                        \
+                for (int c = 1; c < (CH); c++) acc = _mm512_fmadd_ps(qv[m][c], kv[c], acc);         \
+                s->waiting[16 * m + SLOT(waiting)] = acc;                                           \
+            }                                                                                       \
+            memcpy(&row_scales[waiting], kj + 16 * (CH), sizeof(float));                            \
+            s->keys[n + waiting] = j;                                                               \
+            if (++waiting == 16) store_q8_scores(s, Q, n, 16, row_scales, scale), n += 16, waiting = 0; \
+        }                                                                                           \
+        if (waiting) store_q8_scores(s, Q, n, waiting, row_scales, scale), n += waiting;            \
+        float inverse[Q];                                                                           \
+        softmax_numerators_of(s, Q, n, inverse);                                                    \
+        __m512 o[Q][16], vv[16];                                                                    \
+        for (int m = 0; m < Q; m++)                                                                 \
+            for (int c = 0; c < (CH); c++) o[m][c] = _mm512_setzero_ps();                           \
+        for (int t = 0; t < n; t++) {                                                               \
+            const int8_t *vj = vh + (size_t)s->keys[t] * row;                                       \
+            float vscale;                                                                           \
+            memcpy(&vscale, vj + 16 * (CH), sizeof(float));                                         \
+            for (int c = 0; c < (CH); c++) vv[c] = load_q8(vj + 16 * c);                            \
+            for (int m = 0; m < Q; m++) {                                                           \
+                __m512 p = _mm512_set1_ps(s->scores[m * s->stride + t] * vscale);                   \
+                for (int c = 0; c < (CH); c++) o[m][c] = _mm512_fmadd_ps(p, vv[c], o[m][c]);        \
+            }                                                                                       \
+        }                                                                                           \
+        for (int m = 0; m < Q; m++)                                                                 \
+            for (int c = 0; c < (CH); c++)                                                          \
+                _mm512_storeu_ps(out[m] + 16 * c, _mm512_mul_ps(o[m][c], _mm512_set1_ps(inverse[m]))); \
+    }
+
+DEFINE_Q8_JOB(q8_q1_c4, 1, 4)
+DEFINE_Q8_JOB(q8_q2_c4, 2, 4)
+DEFINE_Q8_JOB(q8_q3_c4, 3, 4)
+DEFINE_Q8_JOB(q8_q4_c4, 4, 4)
+DEFINE_Q8_JOB(q8_q1_c8, 1, 8)
+DEFINE_Q8_JOB(q8_q2_c8, 2, 8)
+DEFINE_Q8_JOB(q8_one, 1, chunks_)
+
+/* Jobs as the float kernels'. */
 void decodekit_attention_q8(const float *q, const int8_t *k, const int8_t *v, const uint8_t *visible, float *out,
                             int n_q, int n_heads, int n_kv_heads, int head_dim, int cap, int n_keys, float scale,
                             int threads) {
-    int group = n_heads / n_kv_heads, chunks = head_dim / 16;
+    int chunks = head_dim / 16;
     size_t row = (size_t)head_dim + 4;
+    JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads);
     _Pragma("omp parallel num_threads(threads) if (threads > 1)")
     {
-        float *scores = malloc(sizeof(float) * ((size_t)n_keys + 1));
-        int *keys = malloc(sizeof(int) * ((size_t)n_keys + 1));
-        __m512 *waiting = aligned_alloc(64, sizeof(__m512) * 16);
-        for (int i = 0; i < 16; i++) waiting[i] = _mm512_setzero_ps();
+        Scratch s;
+        scratch_init(&s, (size_t)n_keys);
         _Pragma("omp for schedule(static)")
-        for (int job = 0; job < n_q * n_heads; job++) {
-            int i = job / n_heads, h = job % n_heads;
-            const float *qi = q + ((size_t)i * n_heads + h) * head_dim;
-            const int8_t *kh = k + (size_t)(h / group) * cap * row, *vh = v + (size_t)(h / group) * cap * row;
+        for (int job = 0; job < plan.jobs; job++) {
+            const float *qs[MAX_Q];
+            float *outs[MAX_Q];
+            int kv, i, count = job_queries(&plan, job, q, out, qs, outs, &kv, &i);
+            const int8_t *kh = k + (size_t)kv * cap * row, *vh = v + (size_t)kv * cap * row;
             const uint8_t *vis = visible ? visible + (size_t)i * n_keys : NULL;
-            __m512 qv[16];
-            for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(qi + 16 * c);
-            int n = 0, w = 0;
-            float row_scales[16];
-            FOR_EACH_VISIBLE(j, vis, n_keys) {
-                const int8_t *kj = kh + (size_t)j * row;
-                __m512 acc = _mm512_mul_ps(qv[0], load_q8(kj));
-                for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], load_q8(kj + 16 * c), acc);
-                waiting[SLOT(w)] = acc;
-                memcpy(&row_scales[w], kj + head_dim, sizeof(float));
-                keys[n + w] = j;
-                if (++w == 16 || j == n_keys - 1) {
-                    __mmask16 m = w == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << w) - 1u);
-                    __m512 s = _mm512_mul_ps(_mm512_mul_ps(sum_lanes16(waiting), _mm512_maskz_loadu_ps(m, row_scales)),
-                                             _mm512_set1_ps(scale));
-                    _mm512_mask_storeu_ps(scores + n, m, s);
-                    n += w, w = 0;
-                }
+            switch (chunks == 4 ? count : chunks == 8 ? 10 + count : 0) {
+            case 1: q8_q1_c4(qs, kh, vh, vis, outs, n_keys, chunks, scale, &s); break;
+            case 2: q8_q2_c4(qs, kh, vh, vis, outs, n_keys, chunks, scale, &s); break;
+            case 3: q8_q3_c4(qs, kh, vh, vis, outs, n_keys, chunks, scale, &s); break;
+            case 4: q8_q4_c4(qs, kh, vh, vis, outs, n_keys, chunks, scale, &s); break;
+            case 11: q8_q1_c8(qs, kh, vh, vis, outs, n_keys, chunks, scale, &s); break;
+            case 12: q8_q2_c8(qs, kh, vh, vis, outs, n_keys, chunks, scale, &s); break;
+            default:
+                for (int m = 0; m < count; m++) q8_one(qs + m, kh, vh, vis, outs + m, n_keys, chunks, scale, &s);
             }
-            if (w) { /* the last visible key was not the last key */
-                __mmask16 m = (__mmask16)((1u << w) - 1u);
-                __m512 s = _mm512_mul_ps(_mm512_mul_ps(sum_lanes16(waiting), _mm512_maskz_loadu_ps(m, row_scales)),
-                                         _mm512_set1_ps(scale));
-                _mm512_mask_storeu_ps(scores + n, m, s);
-                n += w;
-            }
-            float total = softmax_numerators(scores, n, largest(scores, n));
-            __m512 o[16];
-            for (int c = 0; c < chunks; c++) o[c] = _mm512_setzero_ps();
-            for (int t = 0; t < n; t++) {
-                const int8_t *vj = vh + (size_t)keys[t] * row;
-                float vscale;
-                memcpy(&vscale, vj + head_dim, sizeof(float));
-                __m512 p = _mm512_set1_ps(scores[t] * vscale);
-                for (int c = 0; c < chunks; c++) o[c] = _mm512_fmadd_ps(p, load_q8(vj + 16 * c), o[c]);
-            }
-            __m512 inv = _mm512_set1_ps(n ? 1.0f / total : 0.0f);
-            float *oi = out + ((size_t)i * n_heads + h) * head_dim;
-            for (int c = 0; c < chunks; c++) _mm512_storeu_ps(oi + 16 * c, _mm512_mul_ps(o[c], inv));
         }
-        free(scores), free(keys), free(waiting);
+        scratch_free(&s);
     }
 }
 
@@ -498,37 +559,24 @@ void decodekit_attention_kivi(const float *q, const uint8_t *kcodes, const float
                               const uint8_t *visible, float *out, int n_q, int n_heads, int n_kv_heads, int head_dim,
                               int group, int bits, int cap_q, int cap_buf, int base, int n_buf, float scale,
                               int threads) {
-    int heads_per_kv = n_heads / n_kv_heads, chunks = head_dim / 16, row_bytes = head_dim * bits / 8;
-    int most = chunks == 4 ? 4 : chunks == 8 ? 2 : 1; /* queries a job (registers) */
-    int per_job = heads_per_kv < most ? heads_per_kv : most;
-    /* enough jobs for every thread twice, or as many as there are heads: the codes are light to
-     * read, so here an uneven split costs more than reading a group twice */
-    while (per_job > 1 && n_kv_heads * n_q * ((heads_per_kv + per_job - 1) / per_job) < 2 * threads) per_job--;
-    int shares = (heads_per_kv + per_job - 1) / per_job, jobs = n_kv_heads * n_q * shares;
+    int chunks = head_dim / 16, row_bytes = head_dim * bits / 8;
+    /* two jobs for every thread at least: the codes are light to read, so here an uneven split
+     * costs more than reading a group's codes twice */
+    JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, 2 * threads);
     _Pragma("omp parallel num_threads(threads) if (threads > 1)")
     {
         Scratch s;
-        s.stride = (size_t)cap_q + n_buf + 1;
-        s.scores = malloc(sizeof(float) * s.stride * MAX_Q);
-        s.keys = malloc(sizeof(int) * s.stride);
-        s.waiting = aligned_alloc(64, sizeof(__m512) * 16 * MAX_Q);
-        for (int i = 0; i < 16 * MAX_Q; i++) s.waiting[i] = _mm512_setzero_ps();
+        scratch_init(&s, (size_t)cap_q + n_buf);
         _Pragma("omp for schedule(static)")
-        for (int job = 0; job < jobs; job++) {
-            int kv = job / (n_q * shares), i = job / shares % n_q, share = job % shares;
-            int h0 = kv * heads_per_kv + share * per_job, count = heads_per_kv - share * per_job;
-            if (count > per_job) count = per_job;
+        for (int job = 0; job < plan.jobs; job++) {
+            const float *qs[MAX_Q];
+            float *outs[MAX_Q];
+            int kv, i, count = job_queries(&plan, job, q, out, qs, outs, &kv, &i);
             KiviHead h = {kcodes + (size_t)kv * cap_q * row_bytes, vcodes + (size_t)kv * cap_q * row_bytes,
                           kparams + (size_t)kv * (cap_q / group) * 2 * head_dim, vparams + (size_t)kv * cap_q * 2,
                           kbuf + (size_t)kv * cap_buf * head_dim, vbuf + (size_t)kv * cap_buf * head_dim,
                           group, base, qend[i], n_buf, bits};
             const uint8_t *vis = visible ? visible + (size_t)i * n_buf : NULL;
-            const float *qs[MAX_Q];
-            float *outs[MAX_Q];
-            for (int m = 0; m < count; m++) {
-                qs[m] = q + ((size_t)i * n_heads + h0 + m) * head_dim;
-                outs[m] = out + ((size_t)i * n_heads + h0 + m) * head_dim;
-            }
             switch (chunks == 4 ? count : chunks == 8 ? 10 + count : 0) {
             case 1: kivi_q1_c4(qs, outs, &h, vis, chunks, scale, &s); break;
             case 2: kivi_q2_c4(qs, outs, &h, vis, chunks, scale, &s); break;
@@ -540,6 +588,6 @@ void decodekit_attention_kivi(const float *q, const uint8_t *kcodes, const float
                 for (int m = 0; m < count; m++) kivi_one(qs + m, outs + m, &h, vis, chunks, scale, &s);
             }
         }
-        free(s.scores), free(s.keys), free(s.waiting);
+        scratch_free(&s);
     }
 }
