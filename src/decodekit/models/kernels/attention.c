@@ -191,6 +191,18 @@ static inline void softmax_numerators_of(Scratch *s, int queries, int n, float *
     }
 }
 
+/* In a job over Q queries with accumulators o[m][c] and a value row in vv[c]: each query adds the
+ * row times its weight (WEIGHT, an expression of m); then out[m] = o[m] / its softmax sum. */
+#define ADD_VALUE_ROW(Q, CH, WEIGHT)                                                                \
+    for (int m = 0; m < Q; m++) {                                                                   \
+        __m512 p = _mm512_set1_ps(WEIGHT);                                                          \
+        for (int c = 0; c < (CH); c++) o[m][c] = _mm512_fmadd_ps(p, vv[c], o[m][c]);                \
+    }
+#define STORE_OUTPUTS(Q, CH)                                                                        \
+    for (int m = 0; m < Q; m++)                                                                     \
+        for (int c = 0; c < (CH); c++)                                                              \
+            _mm512_storeu_ps(out[m] + 16 * c, _mm512_mul_ps(o[m][c], _mm512_set1_ps(inverse[m])));
+
 /* One job: Q queries (rows q[m], outputs out[m]) that read the same key/value head and see the
  * same keys (the heads of one group, for one row). Each key and value row is loaded once for all
  * Q; each query's arithmetic is exactly what it would be alone, and its Q x CH accumulators are
@@ -218,14 +230,9 @@ static inline void softmax_numerators_of(Scratch *s, int queries, int n, float *
             const T *vj = vh + (size_t)s->keys[t] * CH * 16;                                        \
             __m512 vv[CH];                                                                          \
             for (int c = 0; c < CH; c++) vv[c] = LOAD(vj + 16 * c);                                 \
-            for (int m = 0; m < Q; m++) {                                                           \
-                __m512 p = _mm512_set1_ps(s->scores[m * s->stride + t]);                            \
-                for (int c = 0; c < CH; c++) o[m][c] = _mm512_fmadd_ps(p, vv[c], o[m][c]);          \
-            }                                                                                       \
+            ADD_VALUE_ROW(Q, CH, s->scores[m * s->stride + t])                                      \
         }                                                                                           \
-        for (int m = 0; m < Q; m++)                                                                 \
-            for (int c = 0; c < CH; c++)                                                            \
-                _mm512_storeu_ps(out[m] + 16 * c, _mm512_mul_ps(o[m][c], _mm512_set1_ps(inverse[m]))); \
+        STORE_OUTPUTS(Q, CH)                                                                        \
     }
 
 /* The general case (any head_dim, one query a job): the same arithmetic, chunks counted at run time. */
@@ -358,14 +365,9 @@ static inline void store_q8_scores(Scratch *s, int queries, int n, int count, co
             float vscale;                                                                           \
             memcpy(&vscale, vj + 16 * (CH), sizeof(float));                                         \
             for (int c = 0; c < (CH); c++) vv[c] = load_q8(vj + 16 * c);                            \
-            for (int m = 0; m < Q; m++) {                                                           \
-                __m512 p = _mm512_set1_ps(s->scores[m * s->stride + t] * vscale);                   \
-                for (int c = 0; c < (CH); c++) o[m][c] = _mm512_fmadd_ps(p, vv[c], o[m][c]);        \
-            }                                                                                       \
+            ADD_VALUE_ROW(Q, CH, s->scores[m * s->stride + t] * vscale)                             \
         }                                                                                           \
-        for (int m = 0; m < Q; m++)                                                                 \
-            for (int c = 0; c < (CH); c++)                                                          \
-                _mm512_storeu_ps(out[m] + 16 * c, _mm512_mul_ps(o[m][c], _mm512_set1_ps(inverse[m]))); \
+        STORE_OUTPUTS(Q, CH)                                                                        \
     }
 
 DEFINE_Q8_JOB(q8_q1_c4, 1, 4)
@@ -536,14 +538,9 @@ typedef struct {
                 const float *vj = h->vb + (size_t)(position - h->base) * 16 * (CH);                 \
                 for (int c = 0; c < (CH); c++) vv[c] = _mm512_loadu_ps(vj + 16 * c);                \
             }                                                                                       \
-            for (int m = 0; m < Q; m++) {                                                           \
-                __m512 p = _mm512_set1_ps(s->scores[m * s->stride + t]);                            \
-                for (int c = 0; c < (CH); c++) o[m][c] = _mm512_fmadd_ps(p, vv[c], o[m][c]);        \
-            }                                                                                       \
+            ADD_VALUE_ROW(Q, CH, s->scores[m * s->stride + t])                                      \
         }                                                                                           \
-        for (int m = 0; m < Q; m++)                                                                 \
-            for (int c = 0; c < (CH); c++)                                                          \
-                _mm512_storeu_ps(out[m] + 16 * c, _mm512_mul_ps(o[m][c], _mm512_set1_ps(inverse[m]))); \
+        STORE_OUTPUTS(Q, CH)                                                                        \
     }
 
 DEFINE_KIVI_JOB(kivi_q1_c4, 1, chunks_, 4)
