@@ -126,8 +126,7 @@ class PassBatcher:
             self._waiting.append(job)
             # the pass thread needs to hear of the first pass (its wait starts) and of the one
             # that fills the batch; it waits for a timeout in between
-            rows = sum(len(p.tokens) for p in self._waiting)
-            if len(self._waiting) == 1 or len(self._waiting) >= self._active or rows >= self.max_rows:
+            if len(self._waiting) == 1 or self._full():
                 self._cond.notify()
         job.done.wait()
         if job.error is not None:
@@ -158,16 +157,19 @@ class PassBatcher:
             if batch:
                 self._execute(batch)
 
+    def _full(self) -> bool:
+        """Whether the waiting passes make a batch without waiting longer: every active sequence's
+        pass is in, or they fill ``max_rows``. Called with the lock held."""
+        return len(self._waiting) >= self._active or sum(len(p.tokens) for p in self._waiting) >= self.max_rows
+
     def _ready(self) -> list[_Pass]:
         """The next batch to run, taken off the queue (empty: not yet). Called with the lock held."""
         if not self._waiting:
             return []
-        rows = sum(len(p.tokens) for p in self._waiting)
-        everyone = len(self._waiting) >= self._active
         # the wait counts from when the oldest pass could first have run: a pass that arrived while
         # a batch was running waits for that batch's sequences to come back, not from its arrival
         since = time.perf_counter() - max(self._waiting[0].arrived, self._last_end)
-        if not (everyone or rows >= self.max_rows or since >= self.wait_s):
+        if not (self._full() or since >= self.wait_s):
             return []
         batch, taken, model = [], 0, self._waiting[0].model
         for job in list(self._waiting):  # oldest first; a pass is never split
