@@ -320,7 +320,7 @@ DEFINE_ATTENTION(decodekit_attention_bf16, uint16_t, load_bf16)
 static inline __m512 load_q8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 
 /* The scaled scores of the `count` (1..16) int8 keys waiting for each of `queries` queries
- * (scale[w]: the w-th waiting key's row scale), stored from score n on. */
+ * (row_scales[w]: the w-th waiting key's row scale), stored from score n on. */
 static inline void store_q8_scores(Scratch *s, int queries, int n, int count, const float *row_scales, float scale) {
     __mmask16 mask = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
     __m512 rows = _mm512_maskz_loadu_ps(mask, row_scales);
