@@ -75,7 +75,10 @@ static inline uint16_t bf16_out(float s) {
 static inline const uint8_t *q4_1_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * 20; }
 static inline void q4_1_block(const uint8_t *block, __m512 *out) {
     __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 4)));
-    __m512 d = _mm512_set1_ps(half_to_float(block)), m = _mm512_set1_ps(half_to_float(block + 2));
+    int32_t dm; /* d and m, the block's two float16 values, converted together */
+    memcpy(&dm, block, 4);
+    __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+    __m512 d = _mm512_broadcastss_ps(both), m = _mm512_broadcastss_ps(_mm_movehdup_ps(both));
     out[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f))), d, m);
     out[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
 }
