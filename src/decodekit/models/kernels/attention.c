@@ -157,6 +157,18 @@ static inline int job_queries(const JobPlan *p, int job, const float *q, float *
     return count;
 }
 
+/* Which compiled job takes `count` queries of head size 16 * `chunks` (0: none; the caller then runs
+ * one query at a time), and the case labels calling it, for `switch (job_kind(chunks, count))`.
+ * Every kernel compiles the same kinds: 1 to 4 queries at head size 64, 1 or 2 at 128. */
+static inline int job_kind(int chunks, int count) { return chunks == 4 ? count : chunks == 8 ? 10 + count : 0; }
+#define JOB_CASES(PREFIX, ...)                                                                      \
+    case 1: PREFIX##_q1_c4(__VA_ARGS__); break;                                                     \
+    case 2: PREFIX##_q2_c4(__VA_ARGS__); break;                                                     \
+    case 3: PREFIX##_q3_c4(__VA_ARGS__); break;                                                     \
+    case 4: PREFIX##_q4_c4(__VA_ARGS__); break;                                                     \
+    case 11: PREFIX##_q1_c8(__VA_ARGS__); break;                                                    \
+    case 12: PREFIX##_q2_c8(__VA_ARGS__); break;
+
 /* In a job over Q queries with registers qv[m][c] and a key in kv[c]: each query's products with
  * the key wait in its slot SLOT(waiting) until 16 keys are in, then become 16 scores at once. */
 #define SCORE_KEY(Q, CH, position)                                                                  \
@@ -292,13 +304,8 @@ static inline void softmax_numerators_of(Scratch *s, int queries, int n, float *
                 int kv, i, count = job_queries(&plan, job, q, out, qs, outs, &kv, &i);              \
                 const T *kh = k + (size_t)kv * cap * head_dim, *vh = v + (size_t)kv * cap * head_dim; \
                 const uint8_t *vis = visible ? visible + (size_t)i * n_keys : NULL;                 \
-                switch (chunks == 4 ? count : chunks == 8 ? 10 + count : 0) {                       \
-                case 1: NAME##_q1_c4(qs, kh, vh, vis, outs, n_keys, scale, &s); break;              \
-                case 2: NAME##_q2_c4(qs, kh, vh, vis, outs, n_keys, scale, &s); break;              \
-                case 3: NAME##_q3_c4(qs, kh, vh, vis, outs, n_keys, scale, &s); break;              \
-                case 4: NAME##_q4_c4(qs, kh, vh, vis, outs, n_keys, scale, &s); break;              \
-                case 11: NAME##_q1_c8(qs, kh, vh, vis, outs, n_keys, scale, &s); break;             \
-                case 12: NAME##_q2_c8(qs, kh, vh, vis, outs, n_keys, scale, &s); break;             \
+                switch (job_kind(chunks, count)) {                                                  \
+                JOB_CASES(NAME, qs, kh, vh, vis, outs, n_keys, scale, &s)                           \
                 default:                                                                            \
                     for (int m = 0; m < count; m++)                                                 \
                         NAME##_one(qs[m], kh, vh, vis, outs[m], n_keys, chunks, scale, &s);         \
@@ -396,13 +403,8 @@ void decodekit_attention_q8(const float *q, const int8_t *k, const int8_t *v, co
             int kv, i, count = job_queries(&plan, job, q, out, qs, outs, &kv, &i);
             const int8_t *kh = k + (size_t)kv * cap * row, *vh = v + (size_t)kv * cap * row;
             const uint8_t *vis = visible ? visible + (size_t)i * n_keys : NULL;
-            switch (chunks == 4 ? count : chunks == 8 ? 10 + count : 0) {
-            case 1: q8_q1_c4(qs, kh, vh, vis, outs, n_keys, chunks, scale, &s); break;
-            case 2: q8_q2_c4(qs, kh, vh, vis, outs, n_keys, chunks, scale, &s); break;
-            case 3: q8_q3_c4(qs, kh, vh, vis, outs, n_keys, chunks, scale, &s); break;
-            case 4: q8_q4_c4(qs, kh, vh, vis, outs, n_keys, chunks, scale, &s); break;
-            case 11: q8_q1_c8(qs, kh, vh, vis, outs, n_keys, chunks, scale, &s); break;
-            case 12: q8_q2_c8(qs, kh, vh, vis, outs, n_keys, chunks, scale, &s); break;
+            switch (job_kind(chunks, count)) {
+            JOB_CASES(q8, qs, kh, vh, vis, outs, n_keys, chunks, scale, &s)
             default:
                 for (int m = 0; m < count; m++) q8_one(qs + m, kh, vh, vis, outs + m, n_keys, chunks, scale, &s);
             }
@@ -574,13 +576,8 @@ void decodekit_attention_kivi(const float *q, const uint8_t *kcodes, const float
                           kbuf + (size_t)kv * cap_buf * head_dim, vbuf + (size_t)kv * cap_buf * head_dim,
                           group, base, qend[i], n_buf, bits};
             const uint8_t *vis = visible ? visible + (size_t)i * n_buf : NULL;
-            switch (chunks == 4 ? count : chunks == 8 ? 10 + count : 0) {
-            case 1: kivi_q1_c4(qs, outs, &h, vis, chunks, scale, &s); break;
-            case 2: kivi_q2_c4(qs, outs, &h, vis, chunks, scale, &s); break;
-            case 3: kivi_q3_c4(qs, outs, &h, vis, chunks, scale, &s); break;
-            case 4: kivi_q4_c4(qs, outs, &h, vis, chunks, scale, &s); break;
-            case 11: kivi_q1_c8(qs, outs, &h, vis, chunks, scale, &s); break;
-            case 12: kivi_q2_c8(qs, outs, &h, vis, chunks, scale, &s); break;
+            switch (job_kind(chunks, count)) {
+            JOB_CASES(kivi, qs, outs, &h, vis, chunks, scale, &s)
             default:
                 for (int m = 0; m < count; m++) kivi_one(qs + m, outs + m, &h, vis, chunks, scale, &s);
             }
