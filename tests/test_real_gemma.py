@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from decodekit.engine import Engine
+from tests.conftest import assert_transformers_greedy
 
 pytestmark = pytest.mark.real_model
 
@@ -42,9 +43,7 @@ def test_exact_greedy_is_transformers_greedy_on_the_same_weights(gemma):
         ids = engine.model.prompt_ids(prompt, chat=False)
         assert ids[0] == 2  # <bos>, as the tokenizer adds it
         ours = engine.generate(prompt, max_new_tokens=24, chat=False).tokens
-        with torch.no_grad():
-            theirs = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
-        assert ours == theirs[: len(ours)], prompt
+        assert_transformers_greedy(hf, ids, ours, engine.model.tokenizer.eos_token_ids, 24, tie=0.0)
 
 
 @pytest.mark.parametrize("numerics", ["exact", "fast"])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from decodekit.engine import Engine
+from tests.conftest import assert_transformers_greedy
 
 pytestmark = pytest.mark.real_model
 NEW_TOKENS = 32
@@ -30,23 +31,12 @@ def test_native_logits_match_transformers_on_real_weights(real_model, hf_model):
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-def test_greedy_matches_transformers_generate_on_specbench(real_model, hf_model, specbench_prompts):
+def test_greedy_matches_transformers_greedy_on_specbench(real_model, hf_model, specbench_prompts):
     engine = Engine(real_model)
     for prompt in specbench_prompts[:3]:
         ids = real_model.prompt_ids(prompt)
         ours = engine.generate(ids, max_new_tokens=NEW_TOKENS).tokens
-        with torch.no_grad():
-            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        theirs = [t for t in out[0, len(ids):].tolist()]
-        theirs = theirs[: next((i for i, t in enumerate(theirs) if t in real_model.tokenizer.eos_token_ids), len(theirs))]
-        if ours == theirs:
-            continue
-        # A difference is acceptable only where the target's top-2 margin is below 1e-4.
-        first = next(i for i, (a, b) in enumerate(zip(ours + [-1], theirs + [-1])) if a != b)
-        with torch.no_grad():
-            logits = hf_model(torch.tensor([ids + theirs[:first]])).logits[0, -1]
-        top2 = logits.topk(2).values
-        assert float(top2[0] - top2[1]) < 1e-4, f"greedy diverged at {first} with a clear margin"
+        assert_transformers_greedy(hf_model, ids, ours, real_model.tokenizer.eos_token_ids, NEW_TOKENS)
 
 
 def test_one_thread_or_two_gives_the_same_tokens_on_the_real_model(real_model):
