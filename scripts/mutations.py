@@ -351,6 +351,13 @@ MUTATIONS = (
     Mutation("chat-template-without-special-tokens", "src/decodekit/models/tokenizer.py",
              "add_generation_prompt=True,\n                                   **self._special)",
              "add_generation_prompt=True)", ("tests/test_tokenizer.py",)),
+    Mutation("verification-processes-every-row-as-the-root", "src/decodekit/speculative/verify.py",
+             "Histories([histories[row]], state.prompt_len)", "Histories([histories[0]], state.prompt_len)",
+             ("tests/test_constraint.py", "-k", "speculation_under")),
+    Mutation("verification-processes-every-row", "src/decodekit/speculative/verify.py",
+             "    if not state.sampler.needs_history:\n        return None\n    histories",
+             "    if True:\n        return None\n    histories",
+             ("tests/test_constraint.py", "-k", "masks_only_the_rows")),
 )
 
 

@@ -151,6 +151,39 @@ def test_the_mask_follows_each_rows_own_path():
     assert allowed == [{"a", "b"}, {"b", "c"}, {"d"}, {"<eos>"}, {"b", "c"}]
 
 
+@pytest.mark.parametrize("verifier", ["greedy", "keyed", "rejection"])
+def test_a_verification_masks_only_the_rows_on_its_path(monkeypatch, verifier):
+    """Under a grammar, each verifier masks a row only when its walk from the root reaches it: a tree
+    whose drafts are rejected after the first node costs two masks, not one a row, and gives the
+    path and bonus of the rows masked all at once."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+    from decodekit.samplers import Sampler
+    from decodekit.samplers.constraint import ConstrainedTokens
+    from decodekit.speculative.tree import DraftTree
+    from decodekit.speculative import verify
+
+    tok = CharTokenizer(96)
+    a, b = tok.encode("ab")
+    tree = DraftTree([a, a, a, b, b], [-1, 0, 1, -1, 3])  # root -> "aaa" and root -> "bb", every row allowed
+    logits = torch.full((len(tree) + 1, 96), -5.0)
+    logits[0, a] = logits[1, b] = 50.0  # the model wants "a", then "b": the first node accepted, then the bonus
+    masks: list[int] = []
+    original = ConstrainedTokens._bitmask
+    monkeypatch.setattr(ConstrainedTokens, "_bitmask", lambda self: masks.append(1) or original(self))
+
+    def verify_with(row_histories):
+        monkeypatch.setattr(verify, "row_histories", row_histories)
+        sampler = Sampler([constraint_processor({"regex": "[ab]+"}, tok)], greedy=verifier == "greedy", seed=0)
+        state = DecodeState(tiny_llama(seed=0), sampler, tok.encode("zz"), GenerationStats())
+        masks.clear()
+        choice = {"greedy": verify.GreedyVerifier, "keyed": verify.KeyedVerifier, "rejection": verify.SamplingVerifier}
+        return choice[verifier]().verify(state, tree, logits), len(masks)
+
+    (lazy, lazy_masks), (every, every_masks) = verify_with(verify.row_histories), verify_with(lambda state, tree: None)
+    assert (lazy.path, lazy.bonus) == (every.path, every.bonus) == ([0], b)
+    assert lazy_masks == 2 and every_masks == len(tree) + 1  # the root's and "a"'s rows, against every row
+
+
 def test_a_grammar_is_compiled_once_and_each_processor_follows_its_own_copy(monkeypatch):
     """The tokenizer keeps compiled grammars: a second processor for the same constraint is not
     compiled again, and the two do not share a matcher's state; a bad grammar is never kept."""
@@ -243,8 +276,12 @@ def test_masks_computed_ahead_are_each_rows_own_masks():
     assert recorder.threads.count("MainThread") == 1  # the root's, not prepared
     background = [t for t in recorder.threads if t != "MainThread"]
     assert len(background) == 4 and all(t.startswith("decodekit-mask") for t in background)  # "x" needs none
-    assert proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt))).equal(want)  # prepared masks serve one call
-    assert recorder.threads[5:] == ["MainThread"] * 5
+    # the prepared masks serve every call until the next prepare (a verification asks row by row)
+    assert proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt))).equal(want)
+    assert recorder.threads[5:] == ["MainThread"]  # the root's again
+    proc.prepare([rows[0][len(prompt):]])
+    assert proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt))).equal(want)
+    assert recorder.threads[6].startswith("decodekit-mask") and recorder.threads[7:] == ["MainThread"] * 4  # the root's ahead
 
 
 @pytest.mark.parametrize("method", ["greedy", "sample", "pld"])

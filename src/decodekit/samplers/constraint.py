@@ -122,22 +122,24 @@ class ConstrainedTokens(LogitsProcessor):
         self.matcher, self.constraint = matcher, constraint
         self.consumed: list[int] = []  # the generated tokens the matcher has taken, in order
         self._ahead: Future | None = None  # masks being computed for the rows given to prepare()
+        self._ready: dict[tuple[int, ...], np.ndarray | None] = {}  # the last prepare()'s masks
 
     def prepare(self, rows: Sequence[Sequence[int]]) -> None:
         ready = self._settle()  # the matcher serves one computation at a time
         self._ahead = mask_worker().submit(self._bitmasks, [list(r) for r in rows], ready)
 
     def _settle(self) -> dict[tuple[int, ...], np.ndarray | None]:
-        """The masks computed ahead (row's tokens -> bitmask, or None for a row the grammar refuses),
-        once the matcher is free again; {} when none were asked for."""
+        """The masks the last :meth:`prepare` asked for (row's tokens -> bitmask, or None for a row
+        the grammar refuses), once the matcher is free again: they serve every call until the next
+        prepare (a verification asks for its rows one at a time, as its walk reaches them)."""
         ahead = self._ahead
-        if ahead is None:
-            return {}
-        try:
-            return ahead.result()
-        finally:  # (an interrupted wait leaves the computation to be waited for next time)
-            if ahead.done():
-                self._ahead = None
+        if ahead is not None:
+            try:
+                self._ready = ahead.result()
+            finally:  # (an interrupted wait leaves the computation to be waited for next time)
+                if ahead.done():
+                    self._ahead = None
+        return self._ready
 
     def _bitmasks(self, rows: list[list[int]], known: dict) -> dict[tuple[int, ...], np.ndarray | None]:
         """Each row's bitmask (None where the grammar refuses the row), from ``known`` or computed."""

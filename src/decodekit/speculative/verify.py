@@ -14,14 +14,16 @@ same sampler would produce them.
   decoding with speculative sampling") generalised to trees by recursive rejection sampling over
   siblings (SpecInfer, Miao et al. 2024; Recursive Speculative Decoding, Jeon et al. 2024).
 
-Target distributions are ``state.sampler.probs`` of the verification logits, one batched call;
-with history-dependent processors each node's history is the context plus its path (the
-prompt length travels with it, for the penalties that count generated ids only).
+Target distributions are the sampler's processed verification logits: one batched call, or, with
+history-dependent processors (a grammar, the penalties), each row's own when the walk from the root
+reaches it, its history the context plus its path (the prompt length travels with it, for the
+penalties that count generated ids only).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -58,6 +60,20 @@ def processed_logits(state: DecodeState, tree: DraftTree, logits: torch.Tensor) 
     return state.sampler.process(logits, Histories(node_histories(state, tree), state.prompt_len))
 
 
+def row_histories(state: DecodeState, tree: DraftTree) -> Callable[[int], Histories] | None:
+    """``row -> `` that row's history as the sampler takes one row's, where the sampler's processors
+    depend on the history (a grammar's mask, the penalties); None where they do not.
+
+    The verifiers then process a row only when their walk from the root reaches it, as plain decoding
+    processes its one row: the rows of rejected drafts, most of a tree, cost nothing (a grammar's
+    mask costs about as much as the argmax of a row). Processors see each row on its own either way,
+    so a row's values do not depend on which other rows were processed with it."""
+    if not state.sampler.needs_history:
+        return None
+    histories = node_histories(state, tree)
+    return lambda row: Histories([histories[row]], state.prompt_len)
+
+
 class Verifier(ABC):
     @abstractmethod
     def verify(self, state: DecodeState, tree: DraftTree, logits: torch.Tensor) -> Verification:
@@ -70,7 +86,7 @@ class PathVerifier(Verifier):
     drafter proposed, since every returned token is plain decoding's own choice."""
 
     def verify(self, state: DecodeState, tree: DraftTree, logits: torch.Tensor) -> Verification:
-        choose = self.chooser(state, processed_logits(state, tree, logits))
+        choose = self.chooser(state, tree, logits)
         child_of = {}
         for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
             child_of.setdefault((parent, token), i)
@@ -84,17 +100,25 @@ class PathVerifier(Verifier):
             path.append(child)
             node = child
 
+    def chooser(self, state: DecodeState, tree: DraftTree, logits: torch.Tensor) -> Callable[[int, int], int]:
+        """``choose(row, depth)``: plain decoding's token after row ``row`` of ``logits`` (``[N + 1,
+        V]``, unprocessed), which sits ``depth`` tokens below the root; rows processed as the walk
+        reaches them where the processors depend on the history (:func:`row_histories`)."""
+        history, base = row_histories(state, tree), len(state.tokens)
+        if history is not None:  # plain decoding's own choice for one row (a mask: its masked argmax)
+            return lambda row, depth: state.sampler.pick_at(logits[row], base + depth, history(row))
+        return self.choice_of_rows(state, processed_logits(state, tree, logits))
+
     @abstractmethod
-    def chooser(self, state: DecodeState, processed: torch.Tensor):
-        """``choose(row, depth)``: plain decoding's token after row ``row`` of ``processed``
-        (``[N + 1, V]``), which sits ``depth`` tokens below the root."""
+    def choice_of_rows(self, state: DecodeState, processed: torch.Tensor) -> Callable[[int, int], int]:
+        """``choose(row, depth)`` from every row's processed logits ``[N + 1, V]`` at once."""
 
 
 class GreedyVerifier(PathVerifier):
     """Longest root path whose tokens are the target's argmax at every step; bonus = the next argmax
-    (of the *processed* logits, so greedy decoding with penalties stays exact)."""
+    (of the *processed* logits, so greedy decoding with penalties or a grammar stays exact)."""
 
-    def chooser(self, state: DecodeState, processed: torch.Tensor):
+    def choice_of_rows(self, state: DecodeState, processed: torch.Tensor) -> Callable[[int, int], int]:
         targets = argmax_rows(processed)
         return lambda row, depth: targets[row]
 
@@ -108,7 +132,7 @@ class KeyedVerifier(PathVerifier):
     reproducibility over the last few points of acceptance of rejection sampling; see
     :class:`SamplingVerifier` for the latter)."""
 
-    def chooser(self, state: DecodeState, processed: torch.Tensor):
+    def choice_of_rows(self, state: DecodeState, processed: torch.Tensor) -> Callable[[int, int], int]:
         base = len(state.tokens)  # the root's child sits at this position
         return lambda row, depth: state.sampler.sample_at(torch.softmax(processed[row], dim=-1), base + depth)
 
@@ -127,12 +151,19 @@ class SamplingVerifier(Verifier):
 
     def verify(self, state: DecodeState, tree: DraftTree, logits: torch.Tensor) -> Verification:
         sampler = state.sampler
-        probs = torch.softmax(processed_logits(state, tree, logits), dim=-1)
+        history = row_histories(state, tree)
+        every = None if history is not None else torch.softmax(processed_logits(state, tree, logits), dim=-1)
+
+        def probs(row: int) -> torch.Tensor:  # a row's target, processed when the walk reaches it
+            if every is not None:
+                return every[row]
+            return torch.softmax(sampler.process(logits[row][None], history(row))[0], dim=-1)
+
         kids = children_index(tree)
         path: list[int] = []
         node = -1
         while True:
-            p = probs[node + 1]
+            p = probs(node + 1)
             accepted, p = self._choose_child(sampler, tree, node, kids.get(node, []), p)
             if accepted is None:
                 return Verification(path, int(sampler.sample_from(p)))
