@@ -283,7 +283,7 @@ MUTATIONS = (
              ("tests/test_constraint.py", "-k", "refused_draft")),
     Mutation("constraint-masks-every-row-for-the-first", "src/decodekit/samplers/constraint.py",
              "            bits = masks[tuple(tokens)]", "            bits = masks[tuple(rows[0])]",
-             ("tests/test_constraint.py", "-k", "speculation_under_a_constraint and masks-inline")),
+             ("tests/test_constraint.py", "-k", "mask_follows_each_rows_own_path")),
     Mutation("mask-computed-ahead-for-the-row-before", "src/decodekit/samplers/constraint.py",
              "(self._bitmask() if self._follow(row) else None)", "(self._bitmask() if self._follow(row[:-1]) else None)",
              ("tests/test_constraint.py", "-k", "ahead")),
