@@ -19,7 +19,7 @@ from decodekit.errors import InvalidParameter  # noqa: E402
 from decodekit.models import CharTokenizer, LoadedModel  # noqa: E402
 from decodekit.models.tiny import tiny_llama  # noqa: E402
 from decodekit.samplers.base import Histories  # noqa: E402
-from decodekit.samplers.constraint import Constraint, constraint_processor  # noqa: E402
+from decodekit.samplers.constraint import Constraint, checked_grammar, constraint_processor  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "b": {"enum": ["x", "y"]}},
@@ -326,6 +326,14 @@ def test_bad_constraints_are_one_clear_line(engine):
         with pytest.raises(InvalidParameter, match=match) as err:
             engine.generate("hi", max_new_tokens=4, chat=False, constraint=spec)
         assert "\n" not in str(err.value)
+    # a pattern's parse error names its cause, which llguidance gives on a later line
+    for spec, cause in (({"regex": "("}, "unclosed group"), ({"regex": "a{2,1}"}, "invalid repetition count range"),
+                        ({"json_schema": {"type": "string", "pattern": "("}}, "unclosed group")):
+        with pytest.raises(InvalidParameter, match=f"^invalid .* constraint: .*regex parse error: {cause}") as err:
+            engine.generate("hi", max_new_tokens=4, chat=False, constraint=spec)
+        assert "\n" not in str(err.value)
+        with pytest.raises(InvalidParameter, match=f"regex parse error: {cause}"):  # the CLI's check
+            checked_grammar(spec)
     with pytest.raises(InvalidParameter, match="constraint must be a Constraint or a dict"):
         Constraint.coerce("json")
 

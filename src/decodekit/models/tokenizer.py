@@ -55,7 +55,7 @@ class Tokenizer:
                 lltokenizer = self.grammar_tokenizer()
                 error = LLMatcher.validate_grammar(grammar, lltokenizer).strip()
                 if error:
-                    raise ValueError(error.splitlines()[0])
+                    raise ValueError(grammar_error_line(error))
                 matcher = LLMatcher(lltokenizer, grammar, log_level=0)
                 if matcher.is_error():
                     raise ValueError(matcher.get_error())
@@ -66,6 +66,16 @@ class Tokenizer:
 
 
 _GRAMMARS_LOCK = threading.Lock()  # the server's request threads share a tokenizer
+
+
+def grammar_error_line(error: str) -> str:
+    """llguidance's complaint about a grammar as one line: its first line (where), with the cause
+    where a later line gives it as ``error: ...`` (a regular expression's parse errors, whose first
+    line ends in "regex parse error:" and whose cause comes after a picture of the pattern)."""
+    lines = [line.strip() for line in error.strip().splitlines()]
+    first = lines[0] if lines else "invalid grammar"
+    cause = next((line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")), "")
+    return f"{first.rstrip(':')}: {cause}" if cause else first
 
 
 def special_prefix(marked: list[int], plain: list[int]) -> tuple[int, ...]:

@@ -31,6 +31,7 @@ import torch
 from ..errors import InvalidParameter
 from ..models.kernels import mask_logits, masked_argmax
 from ..models.threads import GOVERNOR, usable_cores
+from ..models.tokenizer import grammar_error_line
 from .base import LogitsProcessor, generated_lists
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
@@ -225,7 +226,7 @@ def checked_grammar(constraint: Constraint | dict, lltokenizer=None) -> tuple[Co
     grammar = constraint.grammar()
     error = LLMatcher.validate_grammar(grammar, lltokenizer).strip()
     if error:
-        raise InvalidParameter(f"invalid {constraint.kind.replace('_', ' ')} constraint: {error.splitlines()[0]}")
+        raise InvalidParameter(f"invalid {constraint.kind.replace('_', ' ')} constraint: {grammar_error_line(error)}")
     return constraint, grammar
 
 
