@@ -346,10 +346,13 @@ class StubEagle(torch.nn.Module):
         return torch.tanh(features * 0.5 + embeds), (empty, empty)
 
 
-def test_eagle_trees_are_eagle2s_most_confident_paths(monkeypatch):
+@pytest.mark.parametrize("top_k, depth, budget, prompt", [(3, 4, 7, [5, 6, 7, 8]), (2, 6, 4, [5, 6, 7, 8]),
+                                                         (3, 6, 5, [9, 3, 9, 3]), (4, 5, 9, [1, 2])])
+def test_eagle_trees_are_eagle2s_most_confident_paths(monkeypatch, top_k, depth, budget, prompt):
     """EAGLE-2's tree: each level expands the top_k most confident newest nodes into their top_k
     tokens; the tree kept is the ``budget`` most confident nodes. Checked against a reference written
-    over paths (confidence = product of draft probabilities along the path)."""
+    over paths (confidence = product of draft probabilities along the path), which grows every level
+    the drafter may stop before (once ``budget`` nodes are at least as confident as a level's best)."""
     from decodekit.engine.core import DecodeState, GenerationStats
     from decodekit.speculative.drafters.eagle import EagleDrafter
 
@@ -357,9 +360,8 @@ def test_eagle_trees_are_eagle2s_most_confident_paths(monkeypatch):
     backend = model.backend
     stub = StubEagle(backend)
     monkeypatch.setattr(store, "load", lambda *args, **kwargs: stub)
-    top_k, depth, budget = 3, 4, 7
     drafter = EagleDrafter(top_k=top_k, max_depth=depth, min_confidence=0.0)
-    state = DecodeState(backend, Sampler(greedy=True), [5, 6, 7, 8], GenerationStats())
+    state = DecodeState(backend, Sampler(greedy=True), prompt, GenerationStats())
     state.prefill()
     drafter.begin(state)
     state.commit([int(state.next_logits().argmax())])
@@ -395,6 +397,38 @@ def test_eagle_trees_are_eagle2s_most_confident_paths(monkeypatch):
 
     assert {path_of(i) for i in range(len(tree))} == kept
     assert len(tree) == budget
+
+
+def test_eagle_stops_growing_once_no_deeper_node_could_be_kept(monkeypatch):
+    """A level is drafted only while one of its nodes could still be among the ``budget`` most
+    confident: the same trees with fewer passes of the draft network than growing to ``max_depth``."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+    from decodekit.speculative.drafters import eagle
+
+    backend = tiny().backend
+    stub = StubEagle(backend)
+    forwards = []
+    original = stub.forward
+    stub.forward = lambda *args, **kwargs: forwards.append(1) or original(*args, **kwargs)
+    monkeypatch.setattr(store, "load", lambda *args, **kwargs: stub)
+
+    def trees() -> list[tuple[list[int], list[int]]]:
+        out = []
+        for prompt in ([5, 6, 7, 8], [9, 3, 9, 3], [1, 2], [40, 41, 42]):
+            drafter = eagle.EagleDrafter(top_k=3, max_depth=8, min_confidence=0.0)
+            state = DecodeState(backend, Sampler(greedy=True), prompt, GenerationStats())
+            state.prefill()
+            drafter.begin(state)
+            state.commit([int(state.next_logits().argmax())])
+            tree = drafter.draft(state, 4)
+            out.append((tree.tokens, tree.parents))
+        return out
+
+    pruned, pruned_forwards = trees(), len(forwards)
+    forwards.clear()
+    monkeypatch.setattr(eagle, "_can_enter", lambda scores, best, budget: True)
+    assert trees() == pruned
+    assert pruned_forwards < len(forwards) == 4 * (1 + 3)  # a prompt's last pair, then every level down to the budget
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -14,9 +14,10 @@ Choices the papers leave open (each one tested):
     entries live only for the draft.
   * EAGLE-2's expansion: each level expands the ``top_k`` nodes of the newest level with the highest
     path confidence (the product of draft probabilities along the path), each into its ``top_k``
-    best tokens; growth stops at ``max_depth``, when the level's best confidence falls below
-    ``min_confidence``, or when the nodes would exceed what the budget can use; the tree returned
-    is the ``budget`` most confident nodes (ancestors included), in topological order.
+    best tokens; growth stops at ``max_depth`` (and at the budget's depth), when the level's best
+    confidence falls below ``min_confidence``, or once ``budget`` nodes are at least as confident as
+    the level's best (no deeper node could then be kept: the same tree, fewer draft passes); the tree
+    returned is the ``budget`` most confident nodes (ancestors included), in topological order.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class EagleDrafter(FeatureDrafter):
         keys = values = None
         for depth in range(1, min(self.max_depth, budget)):  # a kept node's ancestors are kept: depth <= budget
             frontier = sorted(children, key=lambda i: -scores[i])[:k]
-            if scores[frontier[0]] < self.min_confidence:
+            if scores[frontier[0]] < self.min_confidence or not _can_enter(scores, scores[frontier[0]], budget):
                 break
             visible = torch.zeros(len(frontier), held + len(run) + len(frontier), dtype=torch.bool)
             visible[:, :held] = True
@@ -127,6 +128,14 @@ class EagleDrafter(FeatureDrafter):
                 parent_feature[child] = predicted[row]
                 added.append(child)
         return added
+
+
+def _can_enter(scores: list[float], best: float, budget: int) -> bool:
+    """Whether a node below one of confidence ``best`` could be among the ``budget`` most confident:
+    a path's confidence never grows with depth, and a new node loses ties to the nodes before it
+    (the selection's sort is stable), so once ``budget`` nodes reach ``best``, deeper levels would be
+    drafted for nothing (EAGLE-2 reranks the whole tree the same way)."""
+    return len(scores) < budget or sum(score >= best for score in scores) < budget
 
 
 def _with_ancestors(tree: DraftTree, nodes: list[int]) -> list[int]:
