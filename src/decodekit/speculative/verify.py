@@ -66,7 +66,7 @@ def row_histories(state: DecodeState, tree: DraftTree) -> Callable[[int], Histor
 
     The verifiers then process a row only when their walk from the root reaches it, as plain decoding
     processes its one row: the rows of rejected drafts, most of a tree, cost nothing (a grammar's
-    mask costs about as much as the argmax of a row). Processors see each row on its own either way,
+    mask costs about twice the argmax of its row). Processors see each row on its own either way,
     so a row's values do not depend on which other rows were processed with it."""
     if not state.sampler.needs_history:
         return None
