@@ -184,6 +184,52 @@ def test_a_verification_masks_only_the_rows_on_its_path(monkeypatch, verifier):
     assert lazy_masks == 2 and every_masks == len(tree) + 1  # the root's and "a"'s rows, against every row
 
 
+def test_drafts_the_grammar_refuses_are_dropped_before_verification():
+    """A tree is cut at each path's first token the grammar refuses, with what hangs below it; only
+    for the verifiers that follow plain decoding's choices, and only for drafters whose trees may
+    be trimmed (rejection sampling's draws depend on every sibling)."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+    from decodekit.samplers import Sampler
+    from decodekit.speculative.controller import Controller
+    from decodekit.speculative.drafters.ngram import PromptLookup
+    from decodekit.speculative.loop import SpeculativeMethod
+    from decodekit.speculative.tree import DraftTree
+    from decodekit.speculative.verify import GreedyVerifier, KeyedVerifier, SamplingVerifier
+
+    tok = CharTokenizer(96)
+    a, b, c, x = tok.encode("abcx")
+    # after "ab" the regex takes c or d, then the end: root -> c -> {x, d-less c}, root -> x -> a, root -> a
+    tree = DraftTree([c, x, c, x, a, a], [-1, 0, 0, -1, 3, -1])
+    processor = constraint_processor({"regex": "ab[cd]"}, tok)
+    state = DecodeState(tiny_llama(seed=0), Sampler([processor], greedy=True), tok.encode("zz") + [a, b], GenerationStats())
+    state.prompt_len = 2  # "ab" generated
+
+    def kept(verifier, trimmable=True):
+        method = SpeculativeMethod(PromptLookup(), Controller(8), verifier)
+        method.verifier, method.refused = verifier, 0
+        method.drafter.trimmable = trimmable
+        out = method._allowed(state, tree)
+        return [(out.tokens[i], -1 if p < 0 else out.tokens[p]) for i, p in enumerate(out.parents)], method.refused
+
+    assert kept(GreedyVerifier()) == ([(c, -1)], 5)  # "abc" only: "abcx", "abcc", "abx...", "aba" refused
+    assert kept(KeyedVerifier())[0] == [(c, -1)]
+    assert kept(SamplingVerifier())[0] == kept(GreedyVerifier(), trimmable=False)[0] == list(zip(tree.tokens, [-1, c, c, -1, x, -1]))
+
+
+@pytest.mark.parametrize("method", ["pld", "suffix"])
+def test_refused_drafts_leave_the_output_constrained_plain_decoding(engine, method):
+    """Drafts from a prompt the grammar cannot spell are dropped (counted), and the tokens are still
+    constrained greedy's and constrained keyed sampling's."""
+    prompt = "aaz abz acz baz bbz bcz caz cbz ccz " * 2  # after any two letters: a "z" the grammar refuses
+    for sampled in ({}, {"temperature": 0.9, "seed": 4}):
+        plain = engine.generate(prompt, method="sample" if sampled else "greedy", max_new_tokens=30, chat=False,
+                                constraint={"regex": REGEX}, **sampled)
+        got = engine.generate(prompt, method=method, budget=4, max_new_tokens=30, chat=False, constraint={"regex": REGEX},
+                              **sampled)
+        assert got.tokens == plain.tokens
+        assert got.stats.extra.get("refused_drafts", 0) > 0, got.stats.extra
+
+
 def test_a_grammar_is_compiled_once_and_each_processor_follows_its_own_copy(monkeypatch):
     """The tokenizer keeps compiled grammars: a second processor for the same constraint is not
     compiled again, and the two do not share a matcher's state; a bad grammar is never kept."""

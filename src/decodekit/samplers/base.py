@@ -30,6 +30,7 @@ class LogitsProcessor(ABC):
 
     needs_history: bool = False
     looks_ahead: bool = False  # True where :meth:`prepare` does something
+    refuses_tokens: bool = False  # True where :meth:`allowed_prefix` can answer less than the whole
 
     @abstractmethod
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -48,6 +49,13 @@ class LogitsProcessor(ABC):
         """Tokens this processor leaves as the only continuation after ``generated`` (a grammar's
         fixed text), as a likely draft: speculative decoding still verifies them. None by default."""
         return []
+
+    def allowed_prefix(self, generated: list[int], continuation: list[int]) -> int:
+        """How many tokens of ``continuation``, in order, may follow ``generated`` for this processor
+        (a grammar refuses some; others refuse none). Speculative decoding drops drafts past that
+        point before verifying them: an optimisation only, since a refused draft is never accepted
+        anyway, so an answer that allows too much costs a verification row and nothing else."""
+        return len(continuation)
 
     def prepare(self, rows: Sequence[Sequence[int]]) -> None:
         """A hint that the next call will see rows with these generated tokens (given before the

@@ -10,7 +10,8 @@ The processor follows each row's own history: it keeps one matcher, and before a
 the matcher back to the longest prefix it shares with the row's generated tokens and consumes the
 rest. So a row of a verification tree is masked for its own path, and speculative decoding stays
 token-identical to constrained plain decoding (a drafted token the grammar refuses gets no
-probability from its parent's mask, so it is never accepted). Where the grammar fixes the text that
+probability from its parent's mask, so it is never accepted; the speculative loop drops such drafts
+before verifying, :meth:`ConstrainedTokens.allowed_prefix`). Where the grammar fixes the text that
 comes next (a JSON key, a literal), :meth:`ConstrainedTokens.forced` gives its tokens, which
 speculative decoding verifies as a free draft (:mod:`decodekit.speculative.loop`).
 """
@@ -114,6 +115,7 @@ class ConstrainedTokens(LogitsProcessor):
     tokens), so the output does not depend on whether, or when, it was prepared."""
 
     needs_history = True
+    refuses_tokens = True
 
     @property
     def looks_ahead(self) -> bool:  # type: ignore[override]
@@ -207,6 +209,17 @@ class ConstrainedTokens(LogitsProcessor):
         if not self._follow(list(generated)):
             return []
         return list(self.matcher.compute_ff_tokens())
+
+    def allowed_prefix(self, generated: list[int], continuation: list[int]) -> int:
+        """llguidance's count of the tokens of ``continuation`` the grammar takes after ``generated``
+        (``validate_tokens``: its parser, without a mask). It has been seen to allow a token the mask
+        refuses (a space, an "e" after a number, in a few states of a JSON grammar), never the other
+        way round but for the end token, which the mask allows where the grammar accepts and it does
+        not: a caller uses it to drop drafts, which either way only ever costs a verification row."""
+        self._settle()
+        if not self._follow(list(generated)):
+            return 0
+        return self.matcher.validate_tokens(list(continuation))
 
     def broken_by(self, generated: list[int]) -> str | None:
         self._settle()

@@ -55,6 +55,17 @@ class Sampler:
         """The tokens a processor forces after ``generated`` (:meth:`LogitsProcessor.forced`), or []."""
         return next((tokens for p in self.processors if (tokens := p.forced(generated))), [])
 
+    @property
+    def refuses_tokens(self) -> bool:
+        """Whether a processor may refuse tokens outright (:meth:`allowed_prefix` below the whole)."""
+        return any(p.refuses_tokens for p in self.processors)
+
+    def allowed_prefix(self, generated: list[int], continuation: list[int]) -> int:
+        """How many tokens of ``continuation``, in order, every processor allows after ``generated``
+        (:meth:`LogitsProcessor.allowed_prefix`)."""
+        return min((p.allowed_prefix(generated, continuation) for p in self.processors if p.refuses_tokens),
+                   default=len(continuation))
+
     def prepare(self, rows: Sequence[Sequence[int]]) -> None:
         """Tell the processors that look ahead (:meth:`LogitsProcessor.prepare`) which rows' logits
         come next: each row's generated tokens, in the order of the rows."""

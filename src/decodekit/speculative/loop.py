@@ -14,6 +14,8 @@ the mask leaves its tokens the only choice, which costs no drafting and gains in
 is verified like any draft, because a grammar's forced text may have other spellings the mask
 allows; the controller's acceptance statistics and the drafter's timing leave these steps out, and
 once the model has refused more than half of the forced tokens offered, drafting returns to the drafter.
+Drafts the constraint refuses are dropped before verification, with what hangs below them
+(:meth:`SpeculativeMethod._allowed`): they could never be accepted.
 
 ``drafter.update`` also follows plain steps (an empty tree, the step's logits as ``[1, V]``), so
 drafters that learn from target logits (token recycling) keep learning while speculation rests.
@@ -34,8 +36,8 @@ from ..engine.core import DecodeState, StepDecoder, StepMethod
 from ..options import OptionSpec, option_table, parse_options
 from .controller import Controller
 from .drafters import Drafter
-from .tree import DraftTree, Verification
-from .verify import Verifier, make_verifier, node_histories
+from .tree import DraftTree, Verification, select_nodes
+from .verify import PathVerifier, Verifier, make_verifier, node_histories
 
 FORCED = "forced"  # the source of draft tokens a constraint fixed (``accepted_by_source`` counts them)
 FORCED_TRIAL = 16  # forced tokens offered before their acceptance may stop them
@@ -65,6 +67,7 @@ class SpeculativeMethod(StepMethod):
         self.draft_s = self.verify_s = 0.0
         self.by_source: dict[str, int] = {}
         self.forced_drafted = self.forced_accepted = 0
+        self.refused = 0  # drafts a constraint refused, dropped before verification
 
     def step(self, state: DecodeState) -> list[int]:
         first: list[int] = []
@@ -116,7 +119,30 @@ class SpeculativeMethod(StepMethod):
         self.controller.observe_draft(len(tree), time.perf_counter() - t0)  # empty drafts cost too
         if len(tree) > budget:
             tree = tree.truncated(budget)
-        return self.controller.select(tree, trimmable=self.drafter.trimmable)
+        return self._allowed(state, self.controller.select(tree, trimmable=self.drafter.trimmable))
+
+    def _allowed(self, state: DecodeState, tree: DraftTree) -> DraftTree:
+        """``tree`` without the drafts a constraint refuses (and what hangs below them): they could
+        never be accepted, and each costs a row of the verification pass. Only where the verifier
+        follows plain decoding's choices (greedy, keyed), whose tokens do not depend on the tree
+        (rejection sampling's draws do, sibling by sibling), and the drafter's trees may be trimmed."""
+        if (not len(tree) or not state.sampler.refuses_tokens or not isinstance(self.verifier, PathVerifier)
+                or not self.drafter.trimmable):
+            return tree
+        generated, paths, allowed = state.generated, [], set()
+        for token, parent in zip(tree.tokens, tree.parents):
+            paths.append((paths[parent] if parent >= 0 else []) + [token])
+        leaves = set(range(len(tree))) - set(tree.parents)
+        for leaf in sorted(leaves):  # one check a root-to-leaf path: its allowed prefix, node by node
+            taken = state.sampler.allowed_prefix(generated, paths[leaf])
+            node = leaf
+            for _ in range(len(paths[leaf]) - taken):
+                node = tree.parents[node]
+            while node >= 0 and node not in allowed:
+                allowed.add(node)
+                node = tree.parents[node]
+        self.refused += len(tree) - len(allowed)
+        return tree if len(allowed) == len(tree) else select_nodes(tree, sorted(allowed))
 
     def _verify(self, state: DecodeState, tree: DraftTree, learn: bool = True) -> list[int]:
         """One verification pass over ``tree``; ``learn``: the controller counts its acceptance
@@ -179,6 +205,8 @@ class SpeculativeMethod(StepMethod):
             extra["accepted_by_source"] = dict(self.by_source)
         if self.forced_drafted:
             extra["forced_drafted"] = self.forced_drafted
+        if self.refused:
+            extra["refused_drafts"] = self.refused
         extra.update(self.drafter.report())
         state.stats.extra.update(extra)
         self.drafter.finish(state)
