@@ -216,6 +216,20 @@ def test_drafts_the_grammar_refuses_are_dropped_before_verification():
     assert kept(SamplingVerifier())[0] == kept(GreedyVerifier(), trimmable=False)[0] == list(zip(tree.tokens, [-1, c, c, -1, x, -1]))
 
 
+def test_ids_past_the_grammars_vocabulary_are_refused_without_breaking_the_matcher():
+    """A draft of a padded vocabulary's id (past the tokenizer's): llguidance's matcher would go into
+    its error state on it, even to validate it; it is refused, and the rows after it are masked as before."""
+    tok = CharTokenizer(96)
+    processor = constraint_processor({"regex": "[ab]+"}, tok)
+    a, b = tok.encode("ab")
+    assert processor.allowed_prefix([a], [b, 96, a]) == 1 and processor.allowed_prefix([a], [-1]) == 0
+    prompt = tok.encode("zz")
+    rows = [prompt + [a, 500], prompt + [a, b]]
+    out = processor(torch.zeros(2, 96), Histories(rows, len(prompt)))
+    assert not processor.matcher.is_error()
+    assert {i for i in range(96) if out[1, i] > float("-inf")} == {0, a, b}  # the end, "a" and "b" after "ab"
+
+
 @pytest.mark.parametrize("method", ["pld", "suffix"])
 def test_refused_drafts_leave_the_output_constrained_plain_decoding(engine, method):
     """Drafts from a prompt the grammar cannot spell are dropped (counted), and the tokens are still

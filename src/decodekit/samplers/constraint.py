@@ -121,8 +121,9 @@ class ConstrainedTokens(LogitsProcessor):
     def looks_ahead(self) -> bool:  # type: ignore[override]
         return spare_cores() > 0
 
-    def __init__(self, matcher, constraint: Constraint):
+    def __init__(self, matcher, constraint: Constraint, vocab: int | None = None):
         self.matcher, self.constraint = matcher, constraint
+        self.vocab = vocab  # the grammar tokenizer's size: an id past it puts llguidance's matcher in error
         self.consumed: list[int] = []  # the generated tokens the matcher has taken, in order
         self._ahead: Future | None = None  # masks being computed for the rows given to prepare()
         self._ready: dict[tuple[int, ...], np.ndarray | None] = {}  # the last prepare()'s masks
@@ -167,11 +168,18 @@ class ConstrainedTokens(LogitsProcessor):
             del self.consumed[shared:]
         rest = generated[shared:]
         if rest:
-            taken = self.matcher.try_consume_tokens(rest)  # stops before the first token the grammar refuses
+            taken = self.matcher.try_consume_tokens(self._known(rest))  # stops before the first token refused
             self.consumed.extend(rest[:taken])
             if taken < len(rest):
                 return False
         return not self.matcher.is_error()
+
+    def _known(self, tokens: list[int]) -> list[int]:
+        """``tokens`` up to the first the grammar's tokenizer does not have (a drafted id of a model's
+        padded vocabulary): llguidance's matcher goes into its error state on one, even to validate it."""
+        if self.vocab is None:
+            return tokens
+        return next((tokens[:i] for i, t in enumerate(tokens) if not 0 <= t < self.vocab), tokens)
 
     def _bitmask(self) -> np.ndarray:
         """The tokens allowed next as llguidance's bitmask (bit i of byte i // 8: token i)."""
@@ -219,7 +227,7 @@ class ConstrainedTokens(LogitsProcessor):
         self._settle()
         if not self._follow(list(generated)):
             return 0
-        return self.matcher.validate_tokens(list(continuation))
+        return self.matcher.validate_tokens(self._known(list(continuation)))
 
     def broken_by(self, generated: list[int]) -> str | None:
         self._settle()
@@ -252,4 +260,4 @@ def constraint_processor(constraint: Constraint | dict, tokenizer) -> Constraine
         matcher = tokenizer.grammar_matcher(grammar)
     except ValueError as error:
         raise InvalidParameter(f"invalid {constraint.kind.replace('_', ' ')} constraint: {error}") from None
-    return ConstrainedTokens(matcher, constraint)
+    return ConstrainedTokens(matcher, constraint, tokenizer.grammar_tokenizer().vocab_size)
