@@ -129,9 +129,7 @@ class SpeculativeMethod(StepMethod):
         if (not len(tree) or not state.sampler.refuses_tokens or not isinstance(self.verifier, PathVerifier)
                 or not self.drafter.trimmable):
             return tree
-        generated, paths, allowed = state.generated, [], set()
-        for token, parent in zip(tree.tokens, tree.parents):
-            paths.append((paths[parent] if parent >= 0 else []) + [token])
+        generated, paths, allowed = state.generated, tree.paths(), set()
         leaves = set(range(len(tree))) - set(tree.parents)
         for leaf in sorted(leaves):  # one check a root-to-leaf path: its allowed prefix, node by node
             taken = state.sampler.allowed_prefix(generated, paths[leaf])

@@ -47,6 +47,13 @@ class DraftTree:
                 return i
         return None
 
+    def paths(self) -> list[list[int]]:
+        """Each node's tokens from below the root down to it, inclusive."""
+        paths: list[list[int]] = []
+        for token, parent in zip(self.tokens, self.parents):
+            paths.append(([] if parent < 0 else paths[parent]) + [token])
+        return paths
+
     def depth(self) -> int:
         depths: list[int] = []
         for p in self.parents:

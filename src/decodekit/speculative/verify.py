@@ -44,10 +44,7 @@ def children_index(tree: DraftTree) -> dict[int, list[int]]:
 def node_histories(state: DecodeState, tree: DraftTree) -> list[list[int]]:
     """Each row's tokens for [root] + tree nodes: the context, then the node's path."""
     base = state.tokens
-    paths: list[list[int]] = []
-    for token, parent in zip(tree.tokens, tree.parents):
-        paths.append(([] if parent < 0 else paths[parent]) + [token])
-    return [base] + [base + path for path in paths]
+    return [base] + [base + path for path in tree.paths()]
 
 
 def processed_logits(state: DecodeState, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
