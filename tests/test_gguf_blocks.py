@@ -5,7 +5,8 @@ import torch
 
 from decodekit.models import kernels
 from decodekit.models.gguf_blocks import BLOCKS_FILE, BlockMatrix, matching_blocks, read_block_matrices
-from decodekit.models.native import TIED_HEAD, NativeLlama, rope_row_order
+from decodekit.models.llama_weights import TIED_HEAD, rope_row_order
+from decodekit.models.native import NativeLlama
 from decodekit.models.tiny import tiny_hf_config, tiny_state_dict
 from tests.conftest import needs_vnni
 
@@ -131,7 +132,7 @@ def test_weights_no_kernel_reads_are_named_in_one_line_or_refused_when_they_do_n
 def tied_model_on_blocks(seed: int):
     """A tiny Llama with tied embeddings whose float32 weights are its blocks dequantised (the
     embedding table in Q8_0, the other matrices in Q4_1): its config, float32 state and blocks."""
-    from decodekit.models.native import LlamaConfig
+    from decodekit.models.llama_weights import LlamaConfig
 
     config = {**tiny_hf_config(hidden_size=64), "tie_word_embeddings": True}
     state = tiny_state_dict(config, seed=seed)
@@ -202,7 +203,7 @@ def test_matching_blocks_finds_the_row_order_or_declines():
 
 def _tiny_gguf_model(dtype=torch.float32, kind="q4_1"):
     """A tiny Llama whose float weights are exactly the dequantised blocks (as after GGUF loading)."""
-    from decodekit.models.native import LlamaConfig
+    from decodekit.models.llama_weights import LlamaConfig
 
     config = tiny_hf_config(hidden_size=64)
     llama = LlamaConfig.from_hf(config)
@@ -404,7 +405,7 @@ def test_a_fast_head_read_slice_by_slice_from_the_saved_blocks_decodes_as_one_he
     whether the file has the head reads none of it."""
     from safetensors.torch import save_file
 
-    from decodekit.models import native
+    from decodekit.models import llama_weights
     from decodekit.models.gguf_blocks import SavedBlocks
 
     llama, state, blocks = tied_model_on_blocks(seed=6)
@@ -414,7 +415,7 @@ def test_a_fast_head_read_slice_by_slice_from_the_saved_blocks_decodes_as_one_he
     monkeypatch.setattr(SavedBlocks, "__getitem__", lambda self, name: pytest.fail(f"{name} read whole"))
     assert "model.embed_tokens.weight" in saved and "nothing" not in saved
     monkeypatch.undo()
-    monkeypatch.setattr(native, "HEAD_SLICE_VALUES", 16 * 64)
+    monkeypatch.setattr(llama_weights, "HEAD_SLICE_VALUES", 16 * 64)
     held, read = (NativeLlama(llama, state, gguf_blocks=source, numerics="fast") for source in (blocks, saved))
     assert held.weights.embed is None and read.weights.embed is None
     ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(2))
@@ -426,7 +427,7 @@ def test_rotary_angles_computed_as_far_as_a_sequence_reaches_are_the_whole_table
     """Rotary tables are filled in fixed chunks as passes reach further (a long-context model pays
     only for the positions it uses): every value is the one the whole table has, whatever was asked
     for first, and a pass fills what it needs before it runs."""
-    from decodekit.models.native import ROPE_CHUNK, LlamaConfig, RopeTable
+    from decodekit.models.llama_weights import ROPE_CHUNK, LlamaConfig, RopeTable
 
     def whole(theta: float, dim: int, positions: int) -> torch.Tensor:
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))

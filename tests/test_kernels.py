@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from decodekit.models import kernels
-from decodekit.models.native import Projection
+from decodekit.models.llama_weights import Projection
 from decodekit.models.tiny import tiny_llama
 
 matmul = kernels.few_rows_matmul(torch.float32)
@@ -191,7 +191,7 @@ def _ops(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_matches_torch_and_updates_the_residual_in_place(dtype):
-    from decodekit.models.native import rms_norm
+    from decodekit.models.llama_weights import rms_norm
 
     gen = torch.Generator().manual_seed(7)
     x, delta = torch.randn(3, 64, generator=gen).to(dtype), torch.randn(3, 64, generator=gen).to(dtype)
@@ -218,7 +218,7 @@ def test_silu_mul_matches_torch(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_store_rotates_like_torch_and_fills_the_cache(dtype):
-    from decodekit.models.native import apply_rope
+    from decodekit.models.llama_weights import apply_rope
 
     gen = torch.Generator().manual_seed(9)
     heads, kv_heads, dim, cap, start = 4, 2, 16, 12, 5

@@ -14,7 +14,8 @@ from tests.conftest import needs_vnni, required_options
 from decodekit.engine import Engine, available_methods
 from decodekit.errors import InvalidParameter
 from decodekit.models import CharTokenizer, LoadedModel
-from decodekit.models.native import LlamaConfig, NativeLlama
+from decodekit.models.llama_weights import LlamaConfig
+from decodekit.models.native import NativeLlama
 from decodekit.models.tiny import tiny_hf_config, tiny_llama, tiny_state_dict
 from decodekit.speculative.controller import CostTable
 

@@ -35,9 +35,8 @@ import torch.nn.functional as F
 from ..errors import InvalidParameter
 from .kv_policy import KVPolicy
 from .kernels import LAYER_NORMS, decoder_layers
-from .native import (
-    LlamaConfig, LlamaWeights, NativeLlama, RopeTable, SplitProjection, read_rows, rms_norm, rope_row_order,
-)
+from .llama_weights import LlamaConfig, LlamaWeights, RopeTable, SplitProjection, read_rows, rms_norm, rope_row_order
+from .native import NativeLlama
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ class Gemma3Config(LlamaConfig):
 
 
 class Gemma3Weights(LlamaWeights):
-    """:class:`.native.LlamaWeights` plus Gemma's norms (as ``1 + w``)."""
+    """:class:`.llama_weights.LlamaWeights` plus Gemma's norms (as ``1 + w``)."""
 
     MLP_NORM = "pre_feedforward_layernorm.weight"
 

@@ -257,10 +257,10 @@ def build_backend(
 
     ``gguf``: the file ``folder`` was dequantised from; a float32 native backend then streams its
     blocks in decode steps (:mod:`.gguf_blocks`). ``numerics``: ``exact`` or ``fast``
-    (:data:`.native.NUMERICS`; ``fast`` needs the native backend and the GGUF blocks). ``kv_cache``:
+    (:data:`.llama_weights.NUMERICS`; ``fast`` needs the native backend and the GGUF blocks). ``kv_cache``:
     a cache policy (:mod:`.kv_policy`; other than ``full``, the native backend's)."""
     from .kv_policy import parse_kv_cache
-    from .native import NUMERICS
+    from .llama_weights import NUMERICS
 
     policy = parse_kv_cache(kv_cache)
 

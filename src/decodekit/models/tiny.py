@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .gguf_blocks import BlockMatrix
-from .native import LlamaConfig, NativeLlama
+from .llama_weights import LlamaConfig
+from .native import NativeLlama
 
 if TYPE_CHECKING:
     from . import LoadedModel
