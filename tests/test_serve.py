@@ -141,7 +141,7 @@ def test_logprobs_are_the_models_own(served):
     logits = backend.append(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
     want = torch.log_softmax(logits, -1)
     for i, entry in enumerate(content):
-        assert entry.token == tok.decode([answer[i]])
+        assert entry.token == tok.decode([answer[i]]) and entry.bytes == list(tok.token_bytes(answer[i]))
         assert entry.logprob == pytest.approx(want[i, answer[i]].item(), abs=1e-4)
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6)  # greedy: the best one
         assert len(entry.top_logprobs) == 3
@@ -164,6 +164,61 @@ def test_bad_requests_are_openai_error_objects(served):
     status, body, _ = served.get("/v1/nothing")
     assert status == 404 and json.loads(body)["error"]["message"] == "no route GET /v1/nothing"
 
+
+
+def post(served, path: str, body: bytes | dict) -> tuple[int, str]:
+    """A raw POST (what the openai client would refuse to send), its status and body."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(served.url + path, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def server_errors(served) -> float:
+    line = next((l for l in served.get("/metrics")[1].splitlines() if l.startswith('decodekit:request_errors_total{status="500"}')), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
+def test_values_no_request_should_send_are_400s_never_500s(served):
+    """Values that pass a type check but break float32, 64-bit seeds or the server's machine: each a
+    400 error object (in a stream: an error event, then [DONE]); none a 500 or a dropped connection."""
+    before = server_errors(served)
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "the the the the"}], "max_tokens": 4}
+    nested = b'{"model": "tiny", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert post(served, "/v1/chat/completions", nested)[0] == 400
+    refused = {
+        "seed": {"seed": 2**64, "temperature": 0.7},
+        "extreme temperature": {"temperature": 1e-38, "seed": 1},
+        "extreme penalty": {"presence_penalty": -1e308, "temperature": 1.0, "seed": 1},
+        "beam's length penalty": {"method": "beam", "temperature": 0, "length_penalty": 1e308},
+        "arms not a list": {"method": "auto", "temperature": 0, "arms": 5},
+        "a draft model by path": {"method": "draft", "temperature": 0, "draft_model": "/etc/passwd"},
+        "a drafter file": {"method": "eagle", "temperature": 0, "drafter": "/nonexistent"},
+        "a judge model": {"method": "best-of-n", "scorer": "judge", "judge_model": 5},
+        "an answer extractor": {"method": "self-consistency", "answer_start": "x"},
+        "a truncation too deep": {"method": "draft", "temperature": 0, "draft_model": "self-truncated:100000"},
+        "a role": {"messages": [{"role": "wizard", "content": "hi"}]},
+        "a flag": {"stream": "yes"},
+    }
+    local = ("a draft model by path", "a drafter file", "a judge model", "an answer extractor")  # never opened
+    for what, extra in refused.items():
+        status, text = post(served, "/v1/chat/completions", {**base, **extra})
+        assert status == 400 and json.loads(text)["error"]["type"] == "invalid_request_error", (what, status, text)
+        assert ("a request cannot choose" in json.loads(text)["error"]["message"]) == (what in local), (what, text)
+    # found while decoding, in a stream: the error as an event, then the end of the stream
+    status, text = post(served, "/v1/chat/completions", {**base, "temperature": 1e-38, "seed": 1, "stream": True})
+    events = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "too extreme" in error["message"] and set(error) == {"message", "type", "param", "code"}
+    # the largest seed: choice i samples with seed + i, wrapping around at 2**64
+    status, text = post(served, "/v1/chat/completions", {**base, "seed": 2**64 - 1, "n": 2, "temperature": 0.7})
+    assert status == 200 and len(json.loads(text)["choices"]) == 2
+    assert server_errors(served) == before
+    assert served.get("/health")[0] == 200
 
 def test_health_models_and_metrics(served):
     status, body, _ = served.get("/health")

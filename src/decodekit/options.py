@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,11 @@ def parse_bool(name: str, value: Any) -> bool:
 # Specs -----------------------------------------------------------------------------------------------
 
 
+def any_value(value: Any) -> bool:
+    """:attr:`OptionSpec.local` of an option every value of which is local (a file, a Python object)."""
+    return True
+
+
 @dataclass(frozen=True)
 class OptionSpec:
     """One option.
@@ -84,6 +89,8 @@ class OptionSpec:
     Numbers must lie in ``[lo, hi]`` (an end is open when asked); a str with ``choices`` must be
     one of them. ``allow_callable``: a Python callable is accepted too (a custom scorer, an answer
     extractor). In a table (:func:`parse_options`), an option whose default is None is off when None.
+    ``local``: whether a value names something of this machine (a file, a model to load, a Python
+    object); a server refuses such a value from a request (:func:`any_value` for every value).
     """
 
     name: str
@@ -96,6 +103,7 @@ class OptionSpec:
     hi_open: bool = False
     choices: tuple[str, ...] = ()
     allow_callable: bool = False
+    local: Callable[[Any], bool] | None = None
 
     def check(self, value: Any) -> Any:
         """``value`` checked against the spec (no conversion from text)."""

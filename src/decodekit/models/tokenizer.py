@@ -31,6 +31,17 @@ class Tokenizer:
         """The prompt text for a chat (generation prompt added), or None without a chat template."""
         return None
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token's text, even where they are part of a character (``decode`` gives
+        such a token U+FFFD); none for a special token, which ``decode`` gives no text either."""
+        try:
+            lltokenizer = self.grammar_tokenizer()
+        except NotImplementedError:
+            return self.decode([token]).encode("utf-8", "replace")
+        if not 0 <= token < lltokenizer.vocab_size or lltokenizer.is_special_token(token):
+            return self.decode([token]).encode("utf-8", "replace")
+        return lltokenizer.decode_bytes([token])
+
     def grammar_tokenizer(self):
         """This vocabulary as llguidance's ``LLTokenizer`` (for structured decoding), built once."""
         if getattr(self, "_grammar_tokenizer", None) is None:

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from decodekit.options import OptionSpec, option_table
 
+#: Seeds are 64-bit: torch's generator takes no more, and seed + i (a request's i-th sample, a
+#: search's i-th row) wraps around at this limit.
+SEED_LIMIT = 2**64
+
 SAMPLER_OPTIONS: dict[str, OptionSpec] = option_table(
     OptionSpec("temperature", float, 1.0, "softmax temperature; 0 is greedy", lo=0.0),
     OptionSpec("top_k", int, None, "keep the k most likely tokens", lo=1),
@@ -23,7 +27,7 @@ SAMPLER_OPTIONS: dict[str, OptionSpec] = option_table(
     OptionSpec("penalty_window", int, None, "only the last N tokens count for the penalties", lo=1),
     OptionSpec("no_repeat_ngram_size", int, None, "ban tokens that would repeat an n-gram", lo=1),
     OptionSpec("greedy", bool, False, "pick the most likely token instead of sampling"),
-    OptionSpec("seed", int, None, "random seed (default: fresh entropy)", lo=0),
+    OptionSpec("seed", int, None, "random seed (default: fresh entropy)", lo=0, hi=SEED_LIMIT - 1),
 )
 
 #: Keyword names of ``Sampler.from_params``, in order.

@@ -12,7 +12,7 @@ from decodekit.errors import InvalidParameter
 from decodekit.models.kernels import argmax, exponential_race
 from decodekit.options import check_int, check_real, keyword_signature, parse_options
 from decodekit.samplers.base import LogitsProcessor
-from decodekit.samplers.params import SAMPLER_OPTIONS, SAMPLER_PARAMS  # noqa: F401  (SAMPLER_PARAMS re-exported)
+from decodekit.samplers.params import SAMPLER_OPTIONS, SAMPLER_PARAMS, SEED_LIMIT  # noqa: F401  (SAMPLER_PARAMS re-exported)
 from decodekit.samplers.penalties import (
     FrequencyPenalty,
     NoRepeatNGram,
@@ -31,6 +31,12 @@ from decodekit.samplers.truncation import (
     TopP,
     TypicalP,
 )
+
+
+#: What a draw from probabilities that are not finite, negative or all zero says: extreme parameters
+#: (a temperature near 0, huge penalties) take float32 logits to infinity, which no draw can follow.
+UNSAMPLEABLE = ("no token can be sampled: the processed probabilities are not finite or sum to zero "
+                "(a temperature or penalty too extreme for float32?)")
 
 
 class Sampler:
@@ -91,7 +97,7 @@ class Sampler:
         if seed is None:
             self.seed: int = self.generator.seed()
         else:
-            self.seed = check_int("seed", seed, 0)
+            self.seed = check_int("seed", seed, 0, SEED_LIMIT - 1)
             self.generator.manual_seed(self.seed)
 
     # ------------------------------------------------------------------ construction
@@ -223,14 +229,14 @@ class Sampler:
         try:
             return exponential_race(probs, splitmix64(self.seed ^ splitmix64(position + 1)))
         except ValueError:
-            raise ValueError("sample_at needs finite, non-negative probabilities with a positive sum") from None
+            raise InvalidParameter(UNSAMPLEABLE) from None
 
     def sample_from(self, probs: torch.Tensor) -> torch.Tensor:
         """One draw per row from (possibly unnormalised, non-negative) ``probs`` ``[..., V]``,
         using ``self.generator``; returns a LongTensor of shape ``probs.shape[:-1]``."""
         flat = probs.reshape(-1, probs.shape[-1]).to(self.generator.device, torch.float32)
         if bool((flat.sum(dim=-1) <= 0).any()) or not bool(torch.isfinite(flat).all()):
-            raise ValueError("sample_from needs finite, non-negative probabilities with a positive sum in each row")
+            raise InvalidParameter(UNSAMPLEABLE)
         ids = torch.multinomial(flat, 1, generator=self.generator).view(probs.shape[:-1])
         return ids.to(probs.device)
 

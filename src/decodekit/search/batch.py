@@ -26,10 +26,10 @@ from ..engine.stops import cut_at_stop, hits_stop
 from ..models import LoadedModel
 from ..models.kernels import argmax_rows
 from ..samplers import Histories, Sampler
+from ..samplers.params import SEED_LIMIT
 from .cache import PrefixCache
 
 TOPK_RECORDED = 10  # top-K log-probs kept per step (phi_first's default K)
-SEED_MOD = 2**64
 
 
 @dataclass
@@ -89,7 +89,7 @@ class RowSamplers:
         self.samplers = [self._slot(i) for i in range(slots)]
 
     def _slot(self, i: int) -> Sampler:
-        return Sampler(self.base.processors, greedy=self.base.is_greedy, seed=(self.base.seed + i) % SEED_MOD)
+        return Sampler(self.base.processors, greedy=self.base.is_greedy, seed=(self.base.seed + i) % SEED_LIMIT)
 
     def fresh_slots(self, first: int, n: int) -> range:
         """Slots ``first .. first + n - 1``, made as needed: a search that expands node after node

@@ -31,7 +31,7 @@ from .batch import Sample, SearchContext
 
 OPTIONS = option_table(
     OptionSpec("n", int, 4, "beam width", lo=1),
-    OptionSpec("length_penalty", float, 0.6, "GNMT alpha (0 = none)", lo=0.0),
+    OptionSpec("length_penalty", float, 0.6, "GNMT alpha (0 = none; the paper tunes it in [0.6, 1])", lo=0.0, hi=10.0),
     OptionSpec("prune_ratio", float, 0.0, "relative-threshold pruning rp (0 = off)", lo=0.0, hi=1.0),
 )
 

@@ -24,7 +24,7 @@ from typing import Any
 from ..engine.core import Decoder, Generation, Request
 from ..errors import InvalidParameter
 from ..models import LoadedModel
-from ..options import OptionSpec, option_table
+from ..options import OptionSpec, any_value, option_table
 from .answers import ANSWER_MODES, extractor
 from .answers import answer_start as find_answer_start
 from .batch import Sample, SearchContext
@@ -76,11 +76,12 @@ SAMPLING_OPTIONS = option_table(
     OptionSpec("sample_temperature", float, 0.7, "temperature used when the request's sampler is greedy", lo=0.0),
     OptionSpec("answer", str, "auto", "answer extraction for voting and agreement", choices=ANSWER_MODES,
                allow_callable=True),
-    OptionSpec("answer_start", object, None, "Python callable text -> offset where the answer begins (phi_first)"),
+    OptionSpec("answer_start", object, None, "Python callable text -> offset where the answer begins (phi_first)",
+               local=any_value),
 )
 SCORER_OPTIONS = option_table(
     OptionSpec("scorer", str, "loglik", "candidate scorer", choices=SCORER_NAMES, allow_callable=True),
-    OptionSpec("judge_model", object, None, "model for the judge scorer (default: the same model)"),
+    OptionSpec("judge_model", object, None, "model for the judge scorer (default: the same model)", local=any_value),
 )
 
 

@@ -35,10 +35,11 @@ import torch
 
 from ..engine.core import Decoder, Generation, Request
 from ..models import LoadedModel
-from ..options import OptionSpec, option_table
+from ..options import OptionSpec, any_value, option_table
 from ..samplers import Sampler
+from ..samplers.params import SEED_LIMIT
 from .answers import answer_start
-from .batch import SEED_MOD, RowSamplers, Sample, SearchContext
+from .batch import RowSamplers, Sample, SearchContext
 from .scorers import SCORER_NAMES, Scorer, make_scorer
 from .uncertainty import sample_signals
 
@@ -49,7 +50,7 @@ COMMON_OPTIONS = option_table(
     OptionSpec("max_step_tokens", int, 128, "token cap per step", lo=1),
     OptionSpec("scorer", str, "mean-logprob", "step scorer (process reward)", choices=SCORER_NAMES,
                allow_callable=True),
-    OptionSpec("judge_model", object, None, "model for the judge scorer (default: the same model)"),
+    OptionSpec("judge_model", object, None, "model for the judge scorer (default: the same model)", local=any_value),
     OptionSpec("aggregate", str, "mean", "how step scores make a solution's value", choices=AGGREGATES),
     OptionSpec("sample_temperature", float, 0.7, "temperature used when the request's sampler is greedy", lo=0.0),
 )
@@ -199,7 +200,7 @@ class ParticleFilter(StepSearch):
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         ctx = SearchContext(model, request)
         rows = ctx.row_samplers(self.n, self.temperature)
-        resampler = Sampler(seed=(rows.base.seed + self.n) % SEED_MOD)  # its own stream, not a particle's
+        resampler = Sampler(seed=(rows.base.seed + self.n) % SEED_LIMIT)  # its own stream, not a particle's
         particles = [Partial(Sample.empty(), []) for _ in range(self.n)]
         log_w = [0.0] * self.n
         resamples = 0

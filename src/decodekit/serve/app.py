@@ -28,17 +28,20 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..engine.api import make_sampler, prompt_token_ids, split_params
 from ..engine.core import check_fits
 from ..engine.registry import build_decoder, method_spec
-from ..errors import DecodeKitError, InvalidParameter, PromptTooLong, UnknownMethod
+from ..errors import DecodeKitError, PromptTooLong
 from ..samplers.constraint import constraint_processor
+from ..samplers.params import SEED_LIMIT
 from ..models import LoadedModel
 from .metrics import ServerMetrics
 from .scheduler import Job, Outcome, Overloaded, Scheduler
 
 MAX_N = 16
+ROLES = ("system", "developer", "user", "assistant")
 MAX_TOP_LOGPROBS = 20
 # OpenAI fields that are accepted and have no effect here
 IGNORED = {"model", "user", "store", "metadata", "parallel_tool_calls", "service_tier", "stream", "stream_options",
@@ -57,6 +60,10 @@ class ApiError(Exception):
                  code: str | None = None):
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer: nobody to answer, nothing to count as an error."""
 
 
 def error_response(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
@@ -121,6 +128,10 @@ class Server:
             headers = {"Retry-After": "1"} if err.status == 503 else None
             return error_response(err.status, str(err), err.kind, err.param, err.code, headers)
 
+        @app.exception_handler(ClientGone)
+        async def client_gone(request: Request, err: ClientGone):
+            return Response(status_code=499)  # nginx's "client closed request": logged, never sent
+
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, err: StarletteHTTPException):
             message = f"no route {request.method} {request.url.path}" if err.status_code in (404, 405) else str(err.detail)
@@ -170,23 +181,24 @@ class Server:
                            param="model", code="model_not_found")
         spec = parse_request(body, chat=chat)
         try:
-            prompt_ids = prompt_token_ids(scheduler.model, spec.prompt, chat=chat)
+            # on a thread: a long prompt takes a while to tokenise, and other clients wait meanwhile otherwise
+            prompt_ids = await asyncio.to_thread(prompt_token_ids, scheduler.model, spec.prompt, chat=chat)
             if spec.max_tokens is None:
                 spec.max_tokens = max(1, scheduler.model.backend.info.max_length - len(prompt_ids))
             check_fits(scheduler.model.backend, len(prompt_ids), spec.max_tokens)
             check_method(spec, scheduler.model)
         except PromptTooLong as err:
             raise ApiError(400, str(err), param="messages" if chat else "prompt", code="context_length_exceeded") from None
-        except (InvalidParameter, UnknownMethod) as err:
+        except DecodeKitError as err:  # a bad parameter, method, option or constraint
             raise ApiError(400, str(err)) from None
-        stream = bool(body.get("stream"))
+        stream = spec.stream
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
         jobs = []
         for i in range(spec.n):
             params = dict(spec.params)
             if "seed" in params:
-                params["seed"] = params["seed"] + i
+                params["seed"] = (params["seed"] + i) % SEED_LIMIT
             on_text = (lambda text, i=i: loop.call_soon_threadsafe(deltas.put_nowait, (i, text))) if stream else None
             jobs.append(Job(prompt_ids, spec.method, params, spec.max_tokens, spec.stop, on_text, spec.top_logprobs,
                             spec.ignore_eos, constraint=spec.constraint))
@@ -199,15 +211,24 @@ class Server:
         if stream:
             return StreamingResponse(reply.stream(request, jobs, futures, deltas), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        outcomes = await wait_or_cancel(request, jobs, futures)
+        try:
+            outcomes = await wait_or_cancel(request, jobs, futures)
+        except DecodeKitError as err:  # found while decoding: an option the checks above cannot judge alone
+            raise ApiError(400, str(err)) from None
         return reply.whole(outcomes)
 
 
 async def read_body(request: Request) -> dict[str, Any]:
     try:
-        body = json.loads(await request.body())
+        raw = await request.body()
+    except ClientDisconnect:
+        raise ClientGone from None
+    try:
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise ApiError(400, f"the request body is not valid JSON ({err})") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
@@ -217,8 +238,9 @@ class RequestSpec:
     """A completion request's fields, checked, in decodekit's terms."""
 
     def __init__(self, prompt: Any, method: str, params: dict[str, Any], max_tokens: int | None, stop: list[str], n: int,
-                 top_logprobs: int | None, include_usage: bool, ignore_eos: bool, constraint: dict | None):
-        self.prompt, self.method, self.params, self.max_tokens = prompt, method, params, max_tokens
+                 top_logprobs: int | None, include_usage: bool, ignore_eos: bool, constraint: dict | None,
+                 stream: bool = False):
+        self.prompt, self.method, self.params, self.max_tokens, self.stream = prompt, method, params, max_tokens, stream
         self.ignore_eos, self.constraint = ignore_eos, constraint
         self.stop, self.n, self.top_logprobs, self.include_usage = stop, n, top_logprobs, include_usage
 
@@ -230,6 +252,15 @@ def _integer(body: dict, name: str, default: int | None, lo: int, hi: int | None
     if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
         bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ApiError(400, f"{name} must be an integer {bounds}, got {value!r}", param=name)
+    return value
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be true or false, got {value!r}", param=name)
     return value
 
 
@@ -262,12 +293,13 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
     stop = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop):
         raise ApiError(400, "stop must be a string or a list of at most 4 strings", param="stop")
+    stream = _flag(body, "stream")
     if chat:
         top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
-        top_logprobs = top if body.get("logprobs") else None
+        top_logprobs = top if _flag(body, "logprobs") else None
     else:
         top_logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    if top_logprobs is not None and body.get("stream"):
+    if top_logprobs is not None and stream:
         raise ApiError(400, "logprobs with stream is not supported yet; ask without stream", param="logprobs")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
@@ -292,15 +324,12 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
         value = _number(body, name)
         if value:
             params[name] = value
-    seed = _integer(body, "seed", None, 0)
+    seed = _integer(body, "seed", None, 0, SEED_LIMIT - 1)
     samples = temperature not in (None, 0)
     if seed is not None or samples:
         params["seed"] = seed if seed is not None else secrets.randbelow(2**31)
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise ApiError(400, f"ignore_eos must be true or false, got {ignore_eos!r}", param="ignore_eos")
     return RequestSpec(prompt, method, params, max_tokens, stop, n, top_logprobs, bool(options.get("include_usage")),
-                       ignore_eos, structured_output(body))
+                       _flag(body, "ignore_eos"), structured_output(body), stream)
 
 
 def structured_output(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -335,8 +364,10 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
     out = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a role", param="messages")
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            role = message.get("role") if isinstance(message, dict) else None
+            raise ApiError(400, f"messages[{i}] must be an object with a role, one of {', '.join(ROLES)}; got {role!r}",
+                           param="messages")
         content = message.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
@@ -351,8 +382,13 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
 def check_method(spec: RequestSpec, model: LoadedModel) -> None:
     """Every parameter, option and constraint checked before the request is queued (the same
     checks the engine makes, so a bad one is a 400 now, not an error after waiting)."""
-    method_spec(spec.method)
+    declared = method_spec(spec.method).options or {}
     sampler_params, options = split_params(spec.params)
+    for name, value in options.items():
+        local = getattr(declared.get(name), "local", None)
+        if local is not None and local(value):
+            raise ApiError(400, f"{name} names a file, a model or an object of the server's machine, which a request "
+                                f"cannot choose", param=name)
     build_decoder(spec.method, **options)
     make_sampler(spec.method, sampler_params)
     if spec.constraint is not None:
@@ -368,7 +404,7 @@ async def wait_or_cancel(request: Request, jobs: list[Job], futures) -> list[Out
             if not pending:
                 return [await f for f in waiting]
             if await request.is_disconnected():
-                raise asyncio.CancelledError
+                raise ClientGone
     except BaseException:
         for job in jobs:
             job.cancelled.set()
@@ -410,7 +446,7 @@ class Reply:
         if self.chat:
             def entry(token: int, value: float) -> dict[str, Any]:
                 text = self.tokenizer.decode([token])
-                return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8", "replace"))}
+                return {"token": text, "logprob": value, "bytes": list(self.tokenizer.token_bytes(token))}
             return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
                                 for t, (lp, top) in zip(tokens, outcome.logprobs)]}
         pieces = [self.tokenizer.decode([t]) for t in tokens]
@@ -479,8 +515,16 @@ class Reply:
                 body = {**self._envelope(chunk=True), "choices": [], "usage": self.usage(list(outcomes.values()))}
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
-        except DecodeKitError as err:  # the stream has started: the error goes in it, as OpenAI does
-            yield f"data: {json.dumps({'error': {'message': str(err), 'type': 'invalid_request_error'}})}\n\n"
+        except Exception as err:  # the stream has started: the error goes in it, as OpenAI does, then [DONE]
+            if isinstance(err, DecodeKitError):
+                error = {"message": str(err), "type": "invalid_request_error", "param": None, "code": None}
+            else:
+                error = {"message": f"internal error: {type(err).__name__}: {err}", "type": "server_error",
+                         "param": None, "code": None}
+            if self.server.metrics:
+                self.server.metrics.errors.labels("400" if isinstance(err, DecodeKitError) else "500").inc()
+            yield f"data: {json.dumps({'error': error})}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
             for job in jobs:  # a client that went away, or an error: stop decoding for nobody
                 job.cancelled.set()

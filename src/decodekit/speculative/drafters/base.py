@@ -19,7 +19,7 @@ import torch
 from ...engine.core import DecodeState
 from ...errors import InvalidParameter
 from ...samplers import Histories, Sampler
-from ...options import OptionSpec, check_int, option_table
+from ...options import OptionSpec, any_value, check_int, option_table
 from ..trained import store
 from ..tree import DraftTree, Verification
 
@@ -171,7 +171,7 @@ class ChainDrafter(Drafter):
 
 #: Options of both trained drafters (``eagle`` adds its own).
 TRAINED_OPTIONS = option_table(
-    OptionSpec("drafter", str, None, "the drafter file (default: the one trained for this model)"),
+    OptionSpec("drafter", str, None, "the drafter file (default: the one trained for this model)", local=any_value),
     OptionSpec("top_k", int, 4, "candidates per draft position", lo=1, hi=64),
 )
 

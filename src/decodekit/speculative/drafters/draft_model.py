@@ -100,7 +100,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 OPTIONS = option_table(
-    OptionSpec("draft_model", object, None, "the draft model: a model name, folder or .gguf, a Backend, or self-truncated:N"),
+    OptionSpec("draft_model", object, None, "the draft model: a model name, folder or .gguf, a Backend, or self-truncated:N",
+               local=lambda value: not (isinstance(value, str) and value.startswith(SELF_TRUNCATED))),
     CHAIN_OPTIONS,
     dataclasses.replace(CHAIN_OPTIONS["stochastic"], default=True),
 )

@@ -26,7 +26,12 @@ LEVEL_OPTIONS = {"suffix": {"corpus": True}}  # the statistics level draws on ea
 
 def parse_names(option: str, value, allowed: set[str] | None = None) -> list[str]:
     """A list of drafter names from a list or a comma-separated string."""
-    names = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
+    if isinstance(value, str):
+        names = [v.strip() for v in value.split(",")]
+    elif isinstance(value, (list, tuple)):
+        names = list(value)
+    else:
+        raise InvalidParameter(f"{option} must be a list or a comma-separated string of drafter names, got {value!r}")
     if not names or not all(isinstance(n, str) and n for n in names):
         raise InvalidParameter(f"{option} must name drafters, got {value!r}")
     for n in names:
