@@ -92,3 +92,17 @@ def test_the_tokenizer_gives_what_auto_tokenizer_gives(name, specbench_prompts):
     assert list(ours.prompt_prefix) == marked[: marked.index(auto.encode("a", add_special_tokens=False)[0])]
     ends = {auto.eos_token_id} | {auto.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>")}
     assert ours.eos_token_ids == ends - {None, auto.unk_token_id}
+
+
+def test_a_tokens_bytes_are_its_own_even_inside_a_character():
+    """``Tokenizer.token_bytes`` (the server's logprobs ``bytes``): a byte-level token that holds part
+    of a character gives its bytes, not U+FFFD's; the bytes of an answer's tokens join into its text."""
+    from decodekit.models import load_model
+
+    tokenizer = load_model(None).tokenizer
+    text = "naïve 🦊 東京"
+    ids = tokenizer.encode(text)
+    pieces = [tokenizer.token_bytes(t) for t in ids]
+    assert b"".join(pieces).decode("utf-8") == text
+    assert any(tokenizer.decode([t]) == "\ufffd" for t in ids)  # the case the bytes are for
+    assert all(tokenizer.token_bytes(t) == b"" for t in tokenizer.eos_token_ids)
