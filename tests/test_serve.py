@@ -150,7 +150,7 @@ def test_logprobs_are_the_models_own(served):
 def test_bad_requests_are_openai_error_objects(served):
     with pytest.raises(openai.BadRequestError) as err:
         chat(served, "hi", temperature=-1)
-    assert err.value.status_code == 400 and "temperature" in err.value.message
+    assert err.value.status_code == 400 and "temperature" in err.value.message and err.value.param == "temperature"
     with pytest.raises(openai.NotFoundError):
         served.client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError) as err:

@@ -190,7 +190,7 @@ class Server:
         except PromptTooLong as err:
             raise ApiError(400, str(err), param="messages" if chat else "prompt", code="context_length_exceeded") from None
         except DecodeKitError as err:  # a bad parameter, method, option or constraint
-            raise ApiError(400, str(err)) from None
+            raise ApiError(400, str(err), param=field_named(str(err), body)) from None
         stream = spec.stream
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
@@ -214,7 +214,7 @@ class Server:
         try:
             outcomes = await wait_or_cancel(request, jobs, futures)
         except DecodeKitError as err:  # found while decoding: an option the checks above cannot judge alone
-            raise ApiError(400, str(err)) from None
+            raise ApiError(400, str(err), param=field_named(str(err), body)) from None
         return reply.whole(outcomes)
 
 
@@ -232,6 +232,13 @@ async def read_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
+
+
+def field_named(message: str, body: dict[str, Any]) -> str | None:
+    """The request field an error of decodekit's checks is about (its messages begin with the
+    parameter's name, as in "temperature must be >= 0"), for the error object's ``param``."""
+    first = message.split(" ", 1)[0].strip(":'")
+    return first if first in body else None
 
 
 class RequestSpec:
