@@ -97,6 +97,20 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["generate", "hi", "--method", "kvdraft", "--opt", "kv_cache=full"], "kvdraft needs a compressed kv_cache"),
     (["generate", "hi", "--method", "kvdraft", "--opt", "kv_cache=int4"], "kvdraft needs a compressed kv_cache other than int4"),
     (["generate", "hi", "--kv-cache", "int2:residual=16"], "needs group >= 1, residual >= 64"),
+    (["generate", "   "], "the prompt is empty"),
+    (["generate", "hi", "--frequency-penalty=1e39"], "frequency_penalty must be in"),  # past float32: inf * 0 = nan
+    (["generate", "hi", "--method", "best-of-n", "--opt", "answer_start=foo"], "answer_start must be a Python callable"),
+    (["generate", "hi", "--json-schema", "/no/such/schema.json"], "no such file"),
+    (["eval", "nosuch"], "choose from: capitals, gsm8k, longctx, structured"),
+    (["eval", "capitals", "--data", "/no/such/file.jsonl"], "task 'capitals' has no data file"),
+    (["eval", "capitals", "--out", "/dev/null/x"], "is not a writable folder"),
+    (["eval", "longctx", "--policies", ";;"], "--policies must name kv cache policies"),
+    (["eval", "longctx", "--lengths", ""], "--lengths must be comma-separated numbers"),
+    (["bench", "--threads", "99999"], "more than this machine's"),
+    (["bench-serve", "--timeout", "nan", "--url", "http://127.0.0.1:1/v1"], "--timeout must be in"),
+    (["serve", "--kv-cache", "bogus"], "unknown kv cache 'bogus'"),
+    (["train-drafter", "--kind", "eagle", "--eval-queries", "0"], "--eval-queries must be at least 1"),
+    (["train-drafter", "--kind", "eagle", "--out", "/tmp"], "must name the drafter's file"),
 ])
 def test_bad_arguments_are_one_line_before_the_model_loads(capsys, no_model, argv, expected):
     one_error_line(capsys, argv, expected)
@@ -147,6 +161,7 @@ def test_bad_question_files(capsys, no_model, tmp_path, content, expected):
     (b'{"question": "caf\xe9?", "answer": "#### 1"}\n', "test.jsonl:1: not valid UTF-8"),
     (b'{"question": "2+2?", "answer": "#### 4"}\n{"question": "no answer"}\n', "test.jsonl:2: a GSM8K problem needs"),
     (b'{"question": "2+2?", "answer": "#### 4"}\n{not json\n', "test.jsonl:2: not valid JSON"),
+    (b"", "task 'gsm8k' has no items in"),
 ])
 def test_bad_gsm8k_files(capsys, no_model, tmp_path, content, expected):
     (tmp_path / "test.jsonl").write_bytes(content)
@@ -203,6 +218,23 @@ def test_broken_pipe_ends_quietly():
                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=120, check=False)
         os.close(write)
         assert out.returncode == 128 + 13 and out.stderr == "", out.stderr
+
+
+def test_an_output_that_cannot_be_written_is_one_line(capsys, monkeypatch):
+    """``decodekit methods > /dev/full``: the write fails (no space left), said in one line, status 1."""
+    import errno
+    import io
+
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def fileno(self):
+            raise io.UnsupportedOperation("no file")
+
+    monkeypatch.setattr(sys, "stdout", Full())
+    assert cli.main(["methods"]) == 1
+    assert capsys.readouterr().err == "decodekit: error: No space left on device\n"
 
 
 def test_invalid_utf8_argument_from_a_real_command_line():

@@ -501,6 +501,10 @@ def test_compare_prints_changes(executed, tmp_path: Path, capsys):
     path_b.write_text(json.dumps(b))
     assert bench_cli.run(parse("--compare", str(out / "results.json"), str(path_b))) == 0
     assert "+50.0%" in capsys.readouterr().out
+    for damage in ({"records": "x"}, {"summary": {}}):  # a damaged or edited file: one line, not a KeyError
+        (tmp_path / "bad.json").write_text(json.dumps({**b, **damage}))
+        with pytest.raises(InvalidParameter, match=r"bad\.json: results\.json does not follow"):
+            bench_cli.run(parse("--compare", str(out / "results.json"), str(tmp_path / "bad.json")))
 
 
 def test_build_results_keeps_records_and_notes(tiny: LoadedModel, qfile: Path):

@@ -224,10 +224,11 @@ def test_stream_cut_before_done_is_an_error(fake_server):
     assert out.error == "the stream ended before data: [DONE]"
 
 
-def test_errors_are_recorded_not_raised(tmp_path):
+def test_errors_are_recorded_and_a_level_with_no_answer_ends_the_run_in_one_line(tmp_path):
     # --model given: no model list to fetch, so every request reaches the closed port and fails
-    assert run(parse("--url", closed_port_url(), "--model", "m", "--concurrency", "2", "--limit", "1", "--out", str(tmp_path))) == 0
-    (level,) = json.loads((tmp_path / "results.json").read_text())["levels"]
+    with pytest.raises(InvalidParameter, match="^every request at concurrency 2 failed, the first with: ConnectionRefusedError"):
+        run(parse("--url", closed_port_url(), "--model", "m", "--concurrency", "2,4", "--limit", "1", "--out", str(tmp_path)))
+    (level,) = json.loads((tmp_path / "results.json").read_text())["levels"]  # recorded, and no further level run
     assert level["ok"] == 0 and level["failed"] == N_QUESTIONS and level["output_tok_s"] == 0
     assert level["ttft_ms"]["p50"] is None and len(level["errors"]) == 5
     assert level["errors"][0].startswith("ConnectionRefusedError")

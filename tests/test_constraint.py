@@ -382,7 +382,8 @@ def test_masks_are_computed_ahead_only_with_a_core_to_spare(monkeypatch):
 def test_bad_constraints_are_one_clear_line(engine):
     for spec, match in (({"regex": "[0-9"}, "^invalid regex constraint"), ({"json_schema": '{"type": 5}'}, "^invalid json schema"),
                         ({"json_schema": "{not json"}, "^the JSON schema is not valid JSON"), ({"choice": []}, "non-empty list"),
-                        ({"grammar": "start: foo"}, "^invalid grammar constraint"), ({"xml": "x"}, "constraint kind must be")):
+                        ({"grammar": "start: foo"}, "^invalid grammar constraint"), ({"xml": "x"}, "constraint kind must be"),
+                        ({"regex": r"[^\s\S]"}, "^invalid regex constraint: no text can continue")):  # matches nothing
         with pytest.raises(InvalidParameter, match=match) as err:
             engine.generate("hi", max_new_tokens=4, chat=False, constraint=spec)
         assert "\n" not in str(err.value)

@@ -38,6 +38,12 @@ def test_every_policy_at_every_length(model):
     assert all(isinstance(v, bool) for r in rows.values() if "passkey" in r for v in r["passkey"].values())
 
 
+def test_a_continuation_past_the_context_is_an_error_row_before_any_pass(model):
+    config = LongContextConfig(policies=("full",), lengths=(120,), depths=(0.5,), continuation=400, decode_tokens=4)
+    (row,) = evaluate_long_context(model, config)["rows"]
+    assert row["error"] == "120 + 400 continuation tokens exceed the context of 512 this cache holds"
+
+
 def test_passkey_prompt_hides_the_key_at_the_depth():
     tok = CharTokenizer(128)
     for depth in (0.0, 0.5, 1.0):

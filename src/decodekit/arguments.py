@@ -1,11 +1,12 @@
 """Command-line pieces shared by every subcommand (``decodekit``, ``bench``, ``eval``): the
-parser class and the model flags. Below the features so that bench and eval need not import the
+parser class, the model flags and the check of an ``--out`` folder. Below the features so that bench and eval need not import the
 top-level CLI; the ``--opt key=value`` parser is :func:`decodekit.options.parse_option`."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from .errors import InvalidParameter
 
@@ -68,3 +69,15 @@ def check_ray_arguments(ray: str | None, workers: int | None) -> None:
         from .cluster import import_ray
 
         import_ray()
+
+
+def check_writable(out: Path) -> None:
+    """``--out`` must be a folder this process can write, or one it can create: checked before
+    the model loads, without creating anything."""
+    existing = out.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InvalidParameter(f"--out {str(out)!r} is not a writable folder ({existing} is not a folder)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InvalidParameter(f"--out {str(out)!r} is not a writable folder ({existing} is not writable)")

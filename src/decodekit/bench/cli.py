@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..arguments import add_ray_arguments, check_ray_arguments
+from ..arguments import add_ray_arguments, check_ray_arguments, check_writable
 from ..errors import InvalidParameter
 from ..options import parse_option
 from .execution import REFERENCE, Plan, execute, load_checkpoint
@@ -54,18 +54,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print the change between two results files and exit")
     p.set_defaults(func=run)
     return p
-
-
-def check_writable(out: Path) -> None:
-    """``--out`` must be a folder this process can write, or one it can create: checked before
-    the model loads, without creating anything."""
-    existing = out.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise InvalidParameter(f"--out {str(out)!r} is not a writable folder ({existing} is not a folder)")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise InvalidParameter(f"--out {str(out)!r} is not a writable folder ({existing} is not writable)")
 
 
 def split_list(text: str | None) -> list[str]:
@@ -128,6 +116,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     for name, value, optional in (("max-new-tokens", max_new, False), ("limit", limit, True),
                                   ("repeats", repeats, False), ("threads", args.threads, True)):
         positive(name, value, optional)
+    if args.threads is not None and getattr(args, "ray", None) is None and args.threads > (os.cpu_count() or 1):
+        raise InvalidParameter(f"--threads {args.threads}: more than this machine's {os.cpu_count()} CPUs, which only "
+                               f"makes the threads wait on each other")
     notes: list[str] = []
     methods = choose_methods(args.methods, args.quick, notes)
     baselines = [] if (args.baselines or "").strip() == "none" else split_list(args.baselines if args.baselines is not None else defaults["baselines"])

@@ -320,4 +320,9 @@ def load_results(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise InvalidParameter(f"results file {str(path)!r} not found")
-    return read_document(path, SCHEMA, f"decodekit bench results file (schema {SCHEMA})", required=("summary",))
+    results = read_document(path, SCHEMA, f"decodekit bench results file (schema {SCHEMA})", required=("summary",))
+    try:
+        validate_results(results)
+    except InvalidParameter as err:  # a damaged or edited file: said, not trusted
+        raise InvalidParameter(f"{path}: {err}") from None
+    return results

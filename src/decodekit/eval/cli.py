@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..arguments import ArgumentParser, add_model_arguments, add_ray_arguments, check_ray_arguments
+from ..arguments import ArgumentParser, add_model_arguments, add_ray_arguments, check_ray_arguments, check_writable
 from ..errors import InvalidParameter
 from ..options import parse_option
 
@@ -17,9 +17,9 @@ METHOD_CHOICES = ("greedy", "sample", "beam", "cot", "best-of-n", "self-consiste
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .tasks import TASKS
+    from .tasks import LONG_CONTEXT, TASKS
 
-    parser.add_argument("task", help=f"task: {', '.join(sorted(TASKS))}, longctx (KV-cache policies on long inputs)")
+    parser.add_argument("task", help=f"task: {', '.join(sorted(TASKS))}, {LONG_CONTEXT} (KV-cache policies on long inputs)")
     parser.add_argument("--method", default="greedy", help=f"decoding method ({', '.join(METHOD_CHOICES)}, or any registered)")
     parser.add_argument("--n", type=int, default=8, help="samples / beam width / branches (method-dependent; default 8)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N items")
@@ -55,14 +55,15 @@ def run(args: argparse.Namespace, model=None) -> int:
     from ..models import load_model
     from .report import write_report
     from .runner import EvalConfig, evaluate, make_decoder
-    from .tasks import load_task
+    from .tasks import LONG_CONTEXT, load_task
 
     for flag in ("n", "limit", "max_new_tokens", "paraphrases", "continuation"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise InvalidParameter(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
     check_ray_arguments(args.ray, args.workers)
-    if args.task == "longctx":
+    check_writable(Path(args.out or "eval-out"))
+    if args.task == LONG_CONTEXT:
         if args.ray is not None:
             raise InvalidParameter("--ray runs item-by-item tasks; longctx runs on one machine (its rows share one long prompt)")
         return run_long_context(args, model)
@@ -125,13 +126,15 @@ def run_long_context(args: argparse.Namespace, model=None) -> int:
     from .longctx import LongContextConfig, evaluate_long_context, write
 
     config = LongContextConfig(continuation=args.continuation, seed=args.seed)
-    if args.policies:
+    if args.policies is not None:
         config.policies = tuple(p.strip() for p in args.policies.split(";") if p.strip())
+        if not config.policies:
+            raise InvalidParameter(f"--policies must name kv cache policies, ';'-separated, got {args.policies!r}")
     for policy in config.policies:
         parse_kv_cache(policy)  # a bad spelling: one line, before loading
-    if args.lengths:
+    if args.lengths is not None:
         config.lengths = _numbers("lengths", args.lengths, int, 16, 1 << 20)
-    if args.depths:
+    if args.depths is not None:
         config.depths = _numbers("depths", args.depths, float, 0.0, 1.0)
     model = model or load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics)
 

@@ -85,8 +85,12 @@ def run_policy(model, policy: str, length: int, config: LongContextConfig, rng: 
 
     backend = model.backend.with_kv_cache(policy) if policy != "full" else model.backend.clone()
     engine = Engine(LoadedModel(backend, model.tokenizer, model.name))
-    ids = document_tokens(model.tokenizer, length + config.continuation)
     row: dict[str, Any] = {"policy": policy, "length": length}
+    if length + config.continuation > backend.info.max_length:  # said now, not after thousands of passes
+        row["error"] = (f"{length} + {config.continuation} continuation tokens exceed the context of "
+                        f"{backend.info.max_length} this cache holds")
+        return row
+    ids = document_tokens(model.tokenizer, length + config.continuation)
     try:
         row["nll"] = continuation_nll(backend, ids, length)
         row["cache_bytes"] = backend.cache_bytes()
@@ -175,7 +179,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("continuation NLL vs full cache (%)")
     ax.set_title(f"Quality against memory: {result.get('model', '')} (labels: context tokens)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # no policy gave a point: no legend to draw
+        ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

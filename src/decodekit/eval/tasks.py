@@ -7,6 +7,7 @@ A task turns an item into a prompt, extracts the answer that votes, and judges c
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import Callable
@@ -168,7 +169,19 @@ def register_task(name: str, factory: Callable[..., Task]) -> None:
     TASKS[name] = factory
 
 
+#: The task ``decodekit eval`` runs apart (:mod:`.longctx`): it measures cache policies, not answers.
+LONG_CONTEXT = "longctx"
+
+
 def load_task(name: str, data: str | None = None) -> Task:
+    """Task ``name``, its items read from ``data`` where given (a task with a file of its own)."""
     if name not in TASKS:
-        raise UnknownMethod(f"unknown task {name!r}; choose from: {', '.join(sorted(TASKS))}")
-    return TASKS[name](data) if data else TASKS[name]()
+        choices = sorted([*TASKS, LONG_CONTEXT])
+        raise UnknownMethod(f"unknown task {name!r}; choose from: {', '.join(choices)}")
+    factory = TASKS[name]
+    if data is not None and not inspect.signature(factory).parameters:
+        raise InvalidParameter(f"--data: task {name!r} has no data file (its items are built in)")
+    task = factory(data) if data is not None else factory()
+    if not task.items:
+        raise InvalidParameter(f"task {name!r} has no items" + (f" in {data}" if data is not None else ""))
+    return task

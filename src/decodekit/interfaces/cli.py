@@ -66,6 +66,8 @@ def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
                 return path.read_text()
             except (OSError, UnicodeDecodeError) as err:
                 raise InvalidParameter(f"cannot read {value}: {err}") from None
+        if not value.lstrip().startswith(("{", "true", "false")):  # not inline JSON: meant as a file
+            raise InvalidParameter(f"--json-schema {value!r}: no such file (give a file or the schema as JSON text)")
         return value
 
     if args.json_object:
@@ -114,10 +116,19 @@ def make_engine(args: argparse.Namespace):
     return Engine(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics, kv_cache=args.kv_cache)
 
 
+def silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush of what could not be
+    written does not fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 def read_prompt(prompt: str | None) -> str:
     """The prompt argument, or standard input for none or ``-`` (which must be UTF-8 text)."""
     if prompt not in (None, "-"):
-        if not prompt:
+        if not prompt.strip():  # as on standard input, where the text is stripped
             raise InvalidParameter("the prompt is empty")
         return prompt
     if sys.stdin is None or sys.stdin.isatty():
@@ -262,13 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:
         # The reader left (`decodekit generate --stream ... | head -c 5`): stop quietly with the
-        # status of a process ended by SIGPIPE, and point stdout at /dev/null so that the
-        # interpreter's final flush does not raise again.
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
+        # status of a process ended by SIGPIPE.
+        silence_stdout()
         return 128 + 13
+    except OSError as err:  # the output could not be written (a full disk: `> /dev/full`), or a file read
+        silence_stdout()
+        print(f"decodekit: error: {err.strerror or err}" + (f": {err.filename}" if err.filename else ""), file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\ndecodekit: interrupted", file=sys.stderr)
         return 130

@@ -68,8 +68,11 @@ class Tokenizer:
                 if error:
                     raise ValueError(grammar_error_line(error))
                 matcher = LLMatcher(lltokenizer, grammar, log_level=0)
-                if matcher.is_error():
-                    raise ValueError(matcher.get_error())
+                probe = matcher.deep_copy()
+                probe.compute_bitmask()  # a grammar no text can start (a pattern matching nothing) fails here
+                for failed in (matcher, probe):
+                    if failed.is_error():
+                        raise ValueError(matcher_error_line(failed.get_error()))
             kept[grammar] = matcher  # the most recent last
             while len(kept) > GRAMMARS_KEPT:
                 kept.popitem(last=False)
@@ -77,6 +80,15 @@ class Tokenizer:
 
 
 _GRAMMARS_LOCK = threading.Lock()  # the server's request threads share a tokenizer
+
+
+def matcher_error_line(error: str) -> str:
+    """The first line of an llguidance matcher's error (the lines after it dump the parser's state),
+    said in words where llguidance's is a bare code."""
+    first = (error.strip().splitlines() or ["unknown error"])[0]
+    if first == "NoExtensionBias":
+        return "no text can continue the output here (the grammar or pattern matches nothing from this point)"
+    return first
 
 
 def grammar_error_line(error: str) -> str:

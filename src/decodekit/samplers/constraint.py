@@ -32,7 +32,7 @@ import torch
 from ..errors import InvalidParameter
 from ..models.kernels import mask_logits, masked_argmax
 from ..models.threads import GOVERNOR, usable_cores
-from ..models.tokenizer import grammar_error_line
+from ..models.tokenizer import grammar_error_line, matcher_error_line
 from .base import LogitsProcessor, generated_lists
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
@@ -185,7 +185,7 @@ class ConstrainedTokens(LogitsProcessor):
         """The tokens allowed next as llguidance's bitmask (bit i of byte i // 8: token i)."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         if self.matcher.is_error():  # e.g. a mask computation that ran out of its budget: say so, never sample unmasked
-            raise RuntimeError(f"structured decoding failed: {self.matcher.get_error()}")
+            raise InvalidParameter(f"structured decoding failed: {matcher_error_line(self.matcher.get_error())}")
         return bits
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -92,6 +92,9 @@ class MultiSampleDecoder(Decoder):
 
     def __init__(self, n: int = 8, sample_temperature: float = 0.7, answer: str | Callable = "auto",
                  answer_start: Callable[[str], int] | None = None, **_: Any):
+        if answer_start is not None and not callable(answer_start):
+            raise InvalidParameter(f"answer_start must be a Python callable text -> offset (given from Python, not as "
+                                   f"text), got {answer_start!r}")
         self.n = n
         self.temperature = sample_temperature
         self.extract = extractor(answer)

@@ -58,11 +58,14 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..models import resolve_model_folder
+    from ..models.kv_policy import parse_kv_cache
     from .app import Server
 
     for name in ("max_batch", "max_queue"):
         if getattr(args, name) < 1:
             raise InvalidParameter(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.kv_cache is not None:
+        parse_kv_cache(args.kv_cache)  # a bad spelling is its own line, not a reason to leave the fast numerics
     resolve_model_folder(args.model)  # a missing model is reported now, before anything listens
     sock = listen(args.host, args.port)
     server = Server(lambda: load_for_serving(args), max_batch=args.max_batch, max_queue=args.max_queue,

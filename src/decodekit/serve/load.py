@@ -37,6 +37,7 @@ SCHEMA = "decodekit-bench-serve/1"
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
 QUANTILES = (50, 90, 99)
 MAX_ERRORS = 5  # error messages kept per level: enough to see what went wrong, not a log
+MAX_TIMEOUT_S = 86400.0  # a day: a larger value overflows the socket's timer (and no request takes that long)
 COMPARE_ROWS = (("output tok/s", "output_tok_s", None), ("TTFT p50 ms", "ttft_ms", "p50"),
                 ("TTFT p99 ms", "ttft_ms", "p99"), ("TPOT p50 ms", "tpot_ms", "p50"), ("latency p50 ms", "e2e_ms", "p50"))
 
@@ -221,11 +222,12 @@ def check_options(args: argparse.Namespace) -> None:
     parts = urllib.parse.urlsplit(args.url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise InvalidParameter(f"--url must be an http:// or https:// URL such as {DEFAULT_URL}, got {args.url!r}")
-    for name in ("max_tokens", "timeout"):
-        if getattr(args, name) <= 0:
-            raise InvalidParameter(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.temperature < 0:
-        raise InvalidParameter(f"--temperature must be 0 (greedy) or more, got {args.temperature}")
+    if args.max_tokens <= 0:
+        raise InvalidParameter(f"--max-tokens must be positive, got {args.max_tokens}")
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN fails too
+        raise InvalidParameter(f"--timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {args.timeout}")
+    if not 0 <= args.temperature < math.inf:
+        raise InvalidParameter(f"--temperature must be 0 (greedy) or a finite positive number, got {args.temperature}")
 
 
 def command_line(args: argparse.Namespace, model: str, label: str) -> str:
@@ -352,9 +354,12 @@ def run(args: argparse.Namespace) -> int:
     for c in levels:
         note = f" (so at most {len(bodies)} in flight, not {c}: raise --limit)" if c > len(bodies) else ""
         print(f"concurrency {c}: {len(bodies)} requests{note}", file=sys.stderr, flush=True)
-        result["levels"].append(run_level(args.url, bodies, c, args.timeout))
+        level = run_level(args.url, bodies, c, args.timeout)
+        result["levels"].append(level)
         # after every level, so that an interrupted run keeps the levels it finished
         (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+        if level["ok"] == 0:  # every request refused (a bad --method, --model, --max-tokens): no figure to report
+            raise InvalidParameter(f"every request at concurrency {c} failed, the first with: {level['errors'][0]}")
     print(markdown_table(result))
     print(f"wrote {out / 'results.json'} and {plot([result], out / 'throughput.png')}", file=sys.stderr)
     return 0

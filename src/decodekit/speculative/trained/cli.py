@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from ...arguments import add_model_arguments
+from ...arguments import add_model_arguments, check_writable
+from ...errors import InvalidParameter
 from ...models.cache import cache_root
 from .data import load_corpus, save_corpus, self_distil
 from .store import cache_path, save, target_fingerprint
@@ -45,9 +46,17 @@ def run(args: argparse.Namespace, model=None) -> int:
 
     settings = Settings(args.kind, tokens=args.tokens, minutes=args.minutes, steps=args.steps, vocab=args.vocab, seed=args.seed,
                         held_out=args.eval_queries, unroll=args.unroll)
+    if args.max_new_tokens < 1:
+        raise InvalidParameter(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.out is not None:
+        if not args.out.name or args.out.is_dir():
+            raise InvalidParameter(f"--out {str(args.out)!r} must name the drafter's file, not a folder")
+        check_writable(args.out.parent)
     model = model or load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics,
                                 kv_cache=args.kv_cache)
     backend, tokenizer = model.backend, model.tokenizer
+    if settings.vocab > backend.info.vocab_size:  # said before the data is made, not after
+        raise InvalidParameter(f"--vocab {settings.vocab} is more than the model's {backend.info.vocab_size} tokens")
     corpus_path = cache_root() / "drafters" / f"{target_fingerprint(backend)}-data-{settings.tokens}-s{settings.seed}.pt"
     corpus = load_corpus(corpus_path)
     if corpus is None:

@@ -45,9 +45,12 @@ class Settings:
             raise InvalidParameter(f"--kind must be eagle or medusa, got {self.kind!r}")
         if self.steps is not None and self.steps < 1:
             raise InvalidParameter("--steps must be at least 1")
-        for name in ("tokens", "vocab", "batch_tokens", "max_len", "medusa_heads", "unroll"):
+        for name in ("tokens", "vocab", "batch_tokens", "max_len", "medusa_heads", "unroll", "held_out"):
             if getattr(self, name) < 1:
-                raise InvalidParameter(f"{name.replace('_', '-')} must be at least 1")
+                flag = "eval-queries" if name == "held_out" else name.replace("_", "-")
+                raise InvalidParameter(f"--{flag} must be at least 1, got {getattr(self, name)}")
+        if self.seed < 0:
+            raise InvalidParameter(f"--seed must be >= 0, got {self.seed}")
         if not self.minutes > 0:
             raise InvalidParameter("--minutes must be positive")
 
