@@ -107,6 +107,8 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["eval", "longctx", "--policies", ";;"], "--policies must name kv cache policies"),
     (["eval", "longctx", "--lengths", ""], "--lengths must be comma-separated numbers"),
     (["bench", "--threads", "99999"], "more than this machine's"),
+    (["bench", "--methods", ",,"], "--methods names no method"),
+    (["bench", "--categories", ""], "--categories names no category"),
     (["bench-serve", "--timeout", "nan", "--url", "http://127.0.0.1:1/v1"], "--timeout must be in"),
     (["serve", "--kv-cache", "bogus"], "unknown kv cache 'bogus'"),
     (["train-drafter", "--kind", "eagle", "--eval-queries", "0"], "--eval-queries must be at least 1"),

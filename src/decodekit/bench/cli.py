@@ -67,6 +67,8 @@ def choose_methods(requested: str | None, quick: bool, notes: list[str]) -> list
     registered = available_methods()
     if requested is not None:
         names = split_list(requested)
+        if not names:
+            raise InvalidParameter(f"--methods names no method, got {requested!r}")
         for name in names:
             method_spec(name)  # raises UnknownMethod
     elif quick:
@@ -125,6 +127,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     check_baselines(baselines)
     path = resolve_question_file(args.questions)
     categories = split_list(args.categories)
+    if args.categories is not None and not categories:
+        raise InvalidParameter(f"--categories names no category, got {args.categories!r}")
     plan = Plan(
         methods=methods, options=parse_method_options(args.opt, methods), baselines=list(dict.fromkeys(baselines)),
         questions=load_questions(path, categories=categories, limit=limit), question_file=path,

@@ -30,7 +30,7 @@ SAMPLER_OPTIONS: dict[str, OptionSpec] = option_table(
                lo=FLOAT32_TINY, hi=FLOAT32_MAX),
     OptionSpec("frequency_penalty", float, None, "subtract penalty * count of each seen token", lo=-FLOAT32_MAX, hi=FLOAT32_MAX),
     OptionSpec("presence_penalty", float, None, "subtract penalty from each seen token", lo=-FLOAT32_MAX, hi=FLOAT32_MAX),
-    OptionSpec("penalty_window", int, None, "only the last N tokens count for the penalties", lo=1),
+    OptionSpec("penalty_window", int, None, "only the last N tokens count for the penalties", lo=1, hi=1 << 40),
     OptionSpec("no_repeat_ngram_size", int, None, "ban tokens that would repeat an n-gram", lo=1),
     OptionSpec("greedy", bool, False, "pick the most likely token instead of sampling"),
     OptionSpec("seed", int, None, "random seed (default: fresh entropy)", lo=0, hi=SEED_LIMIT - 1),
