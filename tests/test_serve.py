@@ -21,7 +21,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from decodekit.engine import Engine  # noqa: E402
 from decodekit.models import CharTokenizer, LoadedModel, kernels  # noqa: E402
 from decodekit.models.tiny import tiny_llama  # noqa: E402
-from decodekit.serve.app import Server  # noqa: E402
+from decodekit.serve.app import MAX_BODY_BYTES, Server  # noqa: E402
 
 MODEL = "tiny"
 PROMPTS = ["hello world hello world hello", "abcabcabcabcabc", "Q: 12+12? A: 24. Q: 13+13? A:", "the cat sat on the mat"]
@@ -189,6 +189,16 @@ def test_values_no_request_should_send_are_400s_never_500s(served):
     base = {"model": MODEL, "messages": [{"role": "user", "content": "the the the the"}], "max_tokens": 4}
     nested = b'{"model": "tiny", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     assert post(served, "/v1/chat/completions", nested)[0] == 400
+    import http.client
+
+    conn = http.client.HTTPConnection(*served.url.removeprefix("http://").split(":"), timeout=30)
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
+    conn.endheaders()  # the body is never sent: the answer comes from the declared size
+    response = conn.getresponse()
+    assert response.status == 413 and "more than the" in json.loads(response.read())["error"]["message"]
+    conn.close()
     refused = {
         "seed": {"seed": 2**64, "temperature": 0.7},
         "extreme temperature": {"temperature": 1e-38, "seed": 1},

@@ -41,6 +41,7 @@ from .metrics import ServerMetrics
 from .scheduler import Job, Outcome, Overloaded, Scheduler
 
 MAX_N = 16
+MAX_BODY_BYTES = 16 << 20  # a context's worth of text or token ids is well under a megabyte
 ROLES = ("system", "developer", "user", "assistant")
 MAX_TOP_LOGPROBS = 20
 # OpenAI fields that are accepted and have no effect here
@@ -219,10 +220,21 @@ class Server:
 
 
 async def read_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object; a body past :data:`MAX_BODY_BYTES` is a 413 as soon as it is
+    declared or read that far (no prompt that fits the context comes near it)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is {int(declared)} bytes, more than the {MAX_BODY_BYTES} this server reads")
+    chunks, size = [], 0
     try:
-        raw = await request.body()
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is more than the {MAX_BODY_BYTES} bytes this server reads")
+            chunks.append(chunk)
     except ClientDisconnect:
         raise ClientGone from None
+    raw = b"".join(chunks)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
