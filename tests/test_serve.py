@@ -189,6 +189,9 @@ def test_values_no_request_should_send_are_400s_never_500s(served):
     base = {"model": MODEL, "messages": [{"role": "user", "content": "the the the the"}], "max_tokens": 4}
     nested = b'{"model": "tiny", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     assert post(served, "/v1/chat/completions", nested)[0] == 400
+    digits = json.dumps({**base, "temperature": 0.7})[:-1].encode() + b', "seed": 1' + b"0" * 1000 + b"}"
+    status, text = post(served, "/v1/chat/completions", digits)  # said by its size, not in a thousand digits
+    assert status == 400 and "got an integer of 3322 bits" in json.loads(text)["error"]["message"]
     import http.client
 
     conn = http.client.HTTPConnection(*served.url.removeprefix("http://").split(":"), timeout=30)
