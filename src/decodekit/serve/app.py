@@ -270,7 +270,7 @@ def _integer(body: dict, name: str, default: int | None, lo: int, hi: int | None
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
         bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        huge = isinstance(value, int) and value.bit_length() > 256  # (Python refuses to print one of thousands of digits)
+        huge = isinstance(value, int) and value.bit_length() > 256  # its digits would be most of the message
         shown = f"an integer of {value.bit_length()} bits" if huge else repr(value)
         raise ApiError(400, f"{name} must be an integer {bounds}, got {shown}", param=name)
     return value
