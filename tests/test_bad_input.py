@@ -98,6 +98,8 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["generate", "hi", "--method", "kvdraft", "--opt", "kv_cache=int4"], "kvdraft needs a compressed kv_cache other than int4"),
     (["generate", "hi", "--kv-cache", "int2:residual=16"], "needs group >= 1, residual >= 64"),
     (["generate", "   "], "the prompt is empty"),
+    (["generate", "hi", "--method", "draft", "--draft-model", "self-truncated:2", "--opt", "draft_model=self-truncated:3"],
+     "both name the draft model"),
     (["generate", "hi", "--frequency-penalty=1e39"], "frequency_penalty must be in"),  # past float32: inf * 0 = nan
     (["generate", "hi", "--method", "best-of-n", "--opt", "answer_start=foo"], "answer_start must be a Python callable"),
     (["generate", "hi", "--json-schema", "/no/such/schema.json"], "no such file"),

@@ -93,6 +93,8 @@ def decoding_params(args: argparse.Namespace) -> dict[str, Any]:
     params: dict[str, Any] = {name: getattr(args, name) for name in SAMPLER_FLAGS if getattr(args, name) is not None}
     params.update(parse_option(o, method_spec(args.method).options) for o in args.opt)
     if args.draft_model is not None:
+        if "draft_model" in params:
+            raise InvalidParameter("--draft-model and --opt draft_model=... both name the draft model; give one")
         params["draft_model"] = args.draft_model
     return params
 

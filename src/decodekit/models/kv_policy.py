@@ -217,7 +217,7 @@ class StreamingPolicy(KVPolicy):
 
     def __post_init__(self) -> None:
         if self.sink < 0 or self.window < 1 or self.every < 0:
-            raise InvalidParameter(f"kv cache {self.spec!r}: needs sink >= 0, window >= 1, every >= 1")
+            raise InvalidParameter(f"kv cache {self.spec!r}: needs sink >= 0, window >= 1, every >= 1 (or 0: window // 8)")
 
     @property
     def step(self) -> int:
