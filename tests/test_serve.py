@@ -151,6 +151,12 @@ def test_bad_requests_are_openai_error_objects(served):
     with pytest.raises(openai.BadRequestError) as err:
         chat(served, "hi", temperature=-1)
     assert err.value.status_code == 400 and "temperature" in err.value.message and err.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as err:  # the option at fault, though the message starts elsewhere
+        chat(served, "hi", max_tokens=4, extra_body={"no_such_option": 1})
+    assert err.value.param == "no_such_option"
+    with pytest.raises(openai.BadRequestError) as err:
+        served.client.completions.create(model=MODEL, prompt=[-1], max_tokens=4)
+    assert err.value.param == "prompt" and "outside the vocabulary" in err.value.message
     with pytest.raises(openai.NotFoundError):
         served.client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError) as err:

@@ -6,7 +6,12 @@ class DecodeKitError(Exception):
 
 
 class InvalidParameter(DecodeKitError, ValueError):
-    """A user-supplied option has a value the algorithm cannot use."""
+    """A user-supplied option has a value the algorithm cannot use. ``param``: the option or field
+    at fault where the message does not start with its name (a server reports it)."""
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class UnknownMethod(DecodeKitError, KeyError):

@@ -195,9 +195,9 @@ def parse_options(owner: str, specs: Mapping[str, OptionSpec], values: Mapping[s
     unknown = sorted(set(values) - set(specs))
     if unknown:
         if not specs:
-            raise InvalidParameter(f"{owner} takes no options, got: {', '.join(unknown)}")
+            raise InvalidParameter(f"{owner} takes no options, got: {', '.join(unknown)}", param=unknown[0])
         raise InvalidParameter(f"{owner} has no option {', '.join(map(repr, unknown))}; "
-                               f"valid options: {', '.join(sorted(specs))}")
+                               f"valid options: {', '.join(sorted(specs))}", param=unknown[0])
     out = {name: spec.default for name, spec in specs.items()} if defaults else {}
     for name, value in values.items():
         spec = specs[name]

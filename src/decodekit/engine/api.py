@@ -62,25 +62,26 @@ def prompt_token_ids(model: LoadedModel, prompt: Any, *, chat: bool) -> list[int
         vocab = model.backend.info.vocab_size
         bad = next((int(t) for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidParameter(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+            raise InvalidParameter(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
         return [int(t) for t in prompt]
     if isinstance(prompt, str):
         if not prompt:
-            raise InvalidParameter("the prompt is empty")
+            raise InvalidParameter("the prompt is empty", param="prompt")
         ids = model.prompt_ids(check_text(prompt, "the prompt"), chat=chat)
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping) for m in prompt):
         for i, message in enumerate(prompt):
             if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
-                raise InvalidParameter(f"prompt message {i} needs a 'role' and a 'content' string, got {message!r}")
+                raise InvalidParameter(f"prompt message {i} needs a 'role' and a 'content' string, got {message!r}",
+                                       param="prompt")
             check_text(message["content"], f"prompt message {i}")
         ids = model.prompt_ids(list(prompt), chat=chat)
     elif isinstance(prompt, (list, tuple)) and not prompt:
-        raise InvalidParameter("the prompt is empty")
+        raise InvalidParameter("the prompt is empty", param="prompt")
     else:
         raise InvalidParameter("the prompt must be a string, a list of {'role', 'content'} messages or a list of "
-                               f"token ids, got {prompt!r:.80}")
+                               f"token ids, got {prompt!r:.80}", param="prompt")
     if not ids:
-        raise InvalidParameter("the prompt is empty")
+        raise InvalidParameter("the prompt is empty", param="prompt")
     return ids
 
 

@@ -191,7 +191,7 @@ class Server:
         except PromptTooLong as err:
             raise ApiError(400, str(err), param="messages" if chat else "prompt", code="context_length_exceeded") from None
         except DecodeKitError as err:  # a bad parameter, method, option or constraint
-            raise ApiError(400, str(err), param=field_named(str(err), body)) from None
+            raise ApiError(400, str(err), param=field_named(err, body, chat)) from None
         stream = spec.stream
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
@@ -215,7 +215,7 @@ class Server:
         try:
             outcomes = await wait_or_cancel(request, jobs, futures)
         except DecodeKitError as err:  # found while decoding: an option the checks above cannot judge alone
-            raise ApiError(400, str(err), param=field_named(str(err), body)) from None
+            raise ApiError(400, str(err), param=field_named(err, body, chat)) from None
         return reply.whole(outcomes)
 
 
@@ -246,10 +246,16 @@ async def read_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def field_named(message: str, body: dict[str, Any]) -> str | None:
-    """The request field an error of decodekit's checks is about (its messages begin with the
-    parameter's name, as in "temperature must be >= 0"), for the error object's ``param``."""
-    first = message.split(" ", 1)[0].strip(":'")
+def field_named(err: DecodeKitError, body: dict[str, Any], chat: bool) -> str | None:
+    """The request field an error of decodekit's checks is about, for the error object's ``param``:
+    the one it names (``InvalidParameter.param``; a chat's prompt is its ``messages``), else the
+    one its message begins with, as in "temperature must be >= 0"."""
+    named = getattr(err, "param", None)
+    if named == "prompt" and chat:
+        return "messages"
+    if named is not None:
+        return named
+    first = str(err).split(" ", 1)[0].strip(":'")
     return first if first in body else None
 
 
