@@ -181,7 +181,9 @@ def test_a_verification_masks_only_the_rows_on_its_path(monkeypatch, verifier):
 
     (lazy, lazy_masks), (every, every_masks) = verify_with(verify.row_histories), verify_with(lambda state, tree: None)
     assert (lazy.path, lazy.bonus) == (every.path, every.bonus) == ([0], b)
-    assert lazy_masks == 2 and every_masks == len(tree) + 1  # the root's and "a"'s rows, against every row
+    # the root's and "a"'s rows, against every row; greedy takes the model's own choice where the
+    # grammar allows it, without a mask at all
+    assert lazy_masks == (0 if verifier == "greedy" else 2) and every_masks == len(tree) + 1
 
 
 def test_drafts_the_grammar_refuses_are_dropped_before_verification():
@@ -304,6 +306,64 @@ def test_a_greedy_step_under_a_grammar_is_the_argmax_of_the_masked_row():
     assert proc.greedy_choice(torch.zeros(96), Histories([prompt + tok.encode("x")], len(prompt))) is None
 
 
+class PairTokenizer(CharTokenizer):
+    """CharTokenizer with one more token, "ab" (id 96): the text "ab" has two spellings."""
+
+    PAIR = 96
+
+    def __init__(self):
+        super().__init__(97)
+
+    def decode(self, ids):
+        return "".join("ab" if i == self.PAIR else CharTokenizer.decode(self, [i]) for i in ids)
+
+    def _make_grammar_tokenizer(self):
+        from llguidance import LLTokenizer, TokenizerWrapper
+
+        char = self
+
+        class Vocabulary:
+            eos_token_id, bos_token_id, special_token_ids = 0, None, [0]
+            tokens = [b"<eos>"] + [chr(i + CharTokenizer.OFFSET).encode() for i in range(1, 96)] + [b"ab"]
+
+            def __call__(self, text: bytes) -> list[int]:
+                return char.encode(text.decode("utf-8", "replace"))
+
+        return LLTokenizer(TokenizerWrapper(Vocabulary()))
+
+
+@pytest.mark.parametrize("regex, text, masked", [
+    ("x(ab|cd)", "x", False),  # nothing forced and "ab" allowed: the model's choice, no mask
+    ("x(ab|cd)", "", True),  # "x" forced; the parser refuses "ab": the mask's choice
+    ("[0-9]ab", "1", True),  # "ab" forced: the parser takes the token "ab", the mask only "a"
+    ("[0-9]ab", "", True),  # a digit next: refused
+])
+def test_greedy_takes_the_models_choice_unmasked_only_where_the_mask_would_give_it(monkeypatch, regex, text, masked):
+    """A greedy step under a grammar tries the model's argmax before any mask: taken where the grammar
+    allows it, which must be exactly where the mask would (llguidance's mask holds only the canonical
+    spelling of text the grammar forces, its parser any spelling); otherwise the masked argmax."""
+    from decodekit.samplers.constraint import ConstrainedTokens
+
+    tok = PairTokenizer()
+    masks: list[int] = []
+    original = ConstrainedTokens._bitmask
+    monkeypatch.setattr(ConstrainedTokens, "_bitmask", lambda self: masks.append(1) or original(self))
+    prompt = tok.encode("zz")
+    history = Histories([prompt + tok.encode(text)], len(prompt))
+    logits = torch.zeros(100)  # a model vocabulary padded past the grammar's
+    logits[tok.PAIR] = 5.0  # the model wants "ab"
+    wants = []
+    for padded in (False, True):  # then, above it, an id the grammar does not have
+        logits[98] = 9.0 if padded else 0.0
+        wants.append(int(constraint_processor({"regex": regex}, tok)(logits[None], history)[0].argmax()))
+        proc = constraint_processor({"regex": regex}, tok)
+        masks.clear()
+        assert proc.greedy_choice(logits, history) == wants[-1]
+        assert masks == ([1] if masked or padded else [])
+        assert not proc.matcher.is_error()
+    assert (wants[0] == tok.PAIR) == (not masked) and wants[1] == wants[0]
+
+
 class ThreadRecordingMatcher:
     """An llguidance matcher that notes the thread of each mask it computes."""
 
@@ -409,15 +469,22 @@ def test_cli_flags_constrain_and_refuse_in_one_line(capsys):
 
 
 @pytest.mark.real_model
-def test_real_model_json_schema_output_is_valid(real_model):
+def test_real_model_json_schema_output_is_valid(real_model, monkeypatch):
     engine = Engine(real_model)
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                                "age": {"type": "integer", "minimum": 0, "maximum": 150}},
               "required": ["name", "age"], "additionalProperties": False}
+    prompt = "Give the name and age of a person called Ann, aged 31, as JSON."
+    outputs = []
     for method in ("greedy", "pld"):
-        g = engine.generate("Give the name and age of a person called Ann, aged 31, as JSON.", method=method,
-                            max_new_tokens=60, constraint={"json_schema": schema})
+        g = engine.generate(prompt, method=method, max_new_tokens=60, constraint={"json_schema": schema})
         jsonschema.validate(json.loads(g.text), schema)
+        outputs.append(g.tokens)
+    from decodekit.samplers.constraint import ConstrainedTokens
+
+    monkeypatch.setattr(ConstrainedTokens, "_takes", lambda self, token: False)  # a mask at every greedy step
+    masked = engine.generate(prompt, max_new_tokens=60, constraint={"json_schema": schema}).tokens
+    assert outputs == [masked, masked]
 
 
 def test_an_output_that_breaks_its_constraint_is_an_error_not_a_result(engine, monkeypatch):
