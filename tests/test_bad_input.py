@@ -115,6 +115,7 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["serve", "--kv-cache", "bogus"], "unknown kv cache 'bogus'"),
     (["train-drafter", "--kind", "eagle", "--eval-queries", "0"], "--eval-queries must be at least 1"),
     (["train-drafter", "--kind", "eagle", "--out", "/tmp"], "must name the drafter's file"),
+    (["generate", "hi", "--json", "--stream"], "argument --stream: not allowed with argument --json"),
 ])
 def test_bad_arguments_are_one_line_before_the_model_loads(capsys, no_model, argv, expected):
     one_error_line(capsys, argv, expected)

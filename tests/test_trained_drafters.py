@@ -223,6 +223,25 @@ def test_train_drafter_saves_in_the_cache_and_the_method_finds_it(monkeypatch, t
     assert json.loads(capsys.readouterr().out)["data_seconds"] == record["data_seconds"]
 
 
+def test_train_drafter_refuses_a_model_it_cannot_train_on_before_making_data(monkeypatch, tmp_path, capsys):
+    """A backend without features, or a cache of one sequence (training decodes many answers side by
+    side), is one line before any data is made, not after the first minutes of it."""
+    from decodekit.models.kv_policy import parse_kv_cache
+    from decodekit.speculative.trained import cli
+
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(cli, "self_distil", lambda *args, **kwargs: pytest.fail("data was made"))
+    args = argparse.Namespace(kind="eagle", tokens=400, minutes=1, steps=4, vocab=64, seed=0, eval_queries=2, unroll=1,
+                              max_new_tokens=16, out=None)
+    for change, message in ((("gives_features", False), "needs a backend that gives features"),
+                            (("kv_policy", parse_kv_cache("int8")), "needs the full kv cache, not int8")):
+        model = tiny()
+        setattr(model.backend, *change)
+        with pytest.raises(InvalidParameter, match=message):
+            cli.run(args, model=model)
+    assert "self-distilling" not in capsys.readouterr().err
+
+
 # Lossless -------------------------------------------------------------------------------------------------------
 
 

@@ -153,7 +153,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     constraint = validate_decoding(args)
     prompt = read_prompt(args.prompt)
     engine = make_engine(args)
-    stream = args.stream and not args.json
+    stream = args.stream
 
     def emit(delta: str) -> None:
         sys.stdout.write(delta)
@@ -244,8 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read standard input)")
     add_model_arguments(gen)
     add_decoding_arguments(gen)
-    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
-    gen.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
+    output = gen.add_mutually_exclusive_group()  # one JSON object is printed at the end: nothing to stream
+    output.add_argument("--stream", action="store_true", help="print text as it is generated")
+    output.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat, streaming")

@@ -101,6 +101,8 @@ class Backend(ABC):
     #: :attr:`StepOutput.features` of the latest pass (``append``, ``step`` or ``verify_tree``),
     #: or None where the backend does not produce them.
     last_features: torch.Tensor | None = None
+    #: Whether the passes produce those features (what trained drafters read and train on).
+    gives_features: bool = False
 
     def reuses_prefix(self) -> bool:
         """Whether reading a prompt's rest after a cached prefix gives the same bits as reading the

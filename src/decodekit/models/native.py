@@ -56,6 +56,7 @@ class NativeLlama(Backend):
     """
 
     weights_class = LlamaWeights
+    gives_features = True
     batcher: PassBatcher | None = None
     _observed_rows = False  # set during a pass whose attention weights go to the cache policy
 

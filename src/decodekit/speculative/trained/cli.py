@@ -12,7 +12,7 @@ from pathlib import Path
 from ...arguments import add_model_arguments, check_writable
 from ...errors import InvalidParameter
 from ...models.cache import cache_root
-from .data import load_corpus, save_corpus, self_distil
+from .data import check_trainable, load_corpus, save_corpus, self_distil
 from .store import cache_path, save, target_fingerprint
 from .train import Settings, draft_vocabulary, new_net, report, split, train
 
@@ -57,6 +57,7 @@ def run(args: argparse.Namespace, model=None) -> int:
     backend, tokenizer = model.backend, model.tokenizer
     if settings.vocab > backend.info.vocab_size:  # said before the data is made, not after
         raise InvalidParameter(f"--vocab {settings.vocab} is more than the model's {backend.info.vocab_size} tokens")
+    check_trainable(backend)
     corpus_path = cache_root() / "drafters" / f"{target_fingerprint(backend)}-data-{settings.tokens}-s{settings.seed}.pt"
     corpus = load_corpus(corpus_path)
     if corpus is None:

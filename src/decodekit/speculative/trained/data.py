@@ -125,6 +125,17 @@ def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator
     return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)[:, 0]
 
 
+def check_trainable(backend: Backend, rows: int = 16) -> None:
+    """What :func:`self_distil` needs, said before any data is made: passes that give features,
+    and a cache that holds ``rows`` answers side by side."""
+    if not backend.gives_features:
+        raise InvalidParameter(f"training a drafter needs a backend that gives features (native), not {backend.info.architecture}")
+    policy = getattr(backend, "kv_policy", None)
+    if policy is not None and policy.one_sequence():
+        raise InvalidParameter(f"training a drafter decodes {rows} answers side by side: it needs the full kv cache, "
+                               f"not {policy.spec}")
+
+
 @torch.inference_mode()
 def draft_queries(backend: Backend, tokenizer: Tokenizer, rows: int, max_tokens: int,
                   generator: torch.Generator) -> list[str]:
