@@ -482,7 +482,7 @@ def test_real_model_json_schema_output_is_valid(real_model, monkeypatch):
         outputs.append(g.tokens)
     from decodekit.samplers.constraint import ConstrainedTokens
 
-    monkeypatch.setattr(ConstrainedTokens, "_takes", lambda self, token: False)  # a mask at every greedy step
+    monkeypatch.setattr(ConstrainedTokens, "_surely_allowed", lambda self, token: False)  # a mask at every greedy step
     masked = engine.generate(prompt, max_new_tokens=60, constraint={"json_schema": schema}).tokens
     assert outputs == [masked, masked]
 

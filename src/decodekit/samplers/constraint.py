@@ -205,7 +205,7 @@ class ConstrainedTokens(LogitsProcessor):
         """The argmax of the masked row. The model's own argmax is tried first, as llama.cpp's
         sampler does: where the grammar takes it, it is the masked argmax too (the first largest
         logit of the row is the first largest of any subset holding it), and the mask, most of a
-        constrained step, is not computed (:meth:`_takes`). Otherwise, or where a mask was computed
+        constrained step, is not computed (:meth:`_surely_allowed`). Otherwise, or where a mask was computed
         ahead for the row, the argmax under the mask."""
         (row,) = generated_lists(history)
         known = self._settle()
@@ -214,20 +214,19 @@ class ConstrainedTokens(LogitsProcessor):
                 return None
             logits = logits.to(torch.float32).contiguous()
             choice = argmax(logits)
-            if self._takes(choice):
+            if self._surely_allowed(choice):
                 return choice
         bits = self._bitmasks([row], known)[tuple(row)]
         return None if bits is None else masked_argmax(logits.to(torch.float32).contiguous(), bits)
 
-    def _takes(self, token: int) -> bool:
-        """Whether the mask at the matcher's state allows ``token``, answered without the mask where
-        that is sure. llguidance's mask is what its parser takes (``validate_tokens``), with the end
-        token where the grammar accepts, unless the grammar forces bytes next: then the mask holds
-        only the canonical tokens of that text (``"name"``, not ``"n"``), while the parser takes any
-        spelling. So a token is taken here only where no bytes are forced and the parser takes it;
-        else the caller computes the mask. A token past the grammar's vocabulary is never asked
-        (the matcher would go into its error state)."""
-        if not 0 <= token < (self.vocab if self.vocab is not None else token + 1):
+    def _surely_allowed(self, token: int) -> bool:
+        """True where the mask at the matcher's state would allow ``token``, known without computing
+        it; False where it would not, or where only the mask can tell. llguidance's mask is what its
+        parser takes (``validate_tokens``), with the end token where the grammar accepts, unless the
+        grammar forces bytes next: then the mask holds only the canonical tokens of that text
+        (``"name"``, not ``"n"``), while the parser takes any spelling. A token past the grammar's
+        vocabulary is never asked (the matcher would go into its error state)."""
+        if token < 0 or (self.vocab is not None and token >= self.vocab):
             return False
         return not self.matcher.compute_ff_bytes() and self.matcher.validate_tokens([token]) == 1
 
