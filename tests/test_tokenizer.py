@@ -5,6 +5,7 @@ template uses the special tokens (the embedded models are compared in test_real_
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -77,5 +78,27 @@ def test_a_damaged_tokenizer_file_is_one_clear_error(tmp_path):
 
     folder = tokenizer_folder(tmp_path / "tok")
     (folder / "tokenizer.json").write_text('{"model": ')
+    with pytest.raises(InvalidModel, match="has no usable tokenizer"):
+        file_tokenizer(folder)
+
+
+def test_a_folders_tokenizer_is_read_once_while_its_files_stay_the_same(tmp_path):
+    """A second load of the same folder shares the tokenizer read first; a file written since
+    (the same bytes, or damaged ones) is read again, never answered from what was read before."""
+    from decodekit.errors import InvalidModel
+
+    folder = tokenizer_folder(tmp_path / "tok")
+    first = file_tokenizer(folder)
+    assert file_tokenizer(str(folder)) is first
+    text = (folder / "tokenizer.json").read_text()
+    (folder / "tokenizer.json").write_text(text)
+    stat = (folder / "tokenizer.json").stat()  # rewritten: a later modification time (set: a clock tick is coarse)
+    os.utime(folder / "tokenizer.json", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    again = file_tokenizer(folder)
+    assert again is not first and again.encode("the cat") == first.encode("the cat")
+    template = (folder / "chat_template.jinja").read_text()
+    (folder / "chat_template.jinja").write_text(template.replace("assistant:", "bot:"))
+    assert file_tokenizer(folder) is not again  # any of its files
+    (folder / "tokenizer.json").write_text(text[: len(text) // 2])
     with pytest.raises(InvalidModel, match="has no usable tokenizer"):
         file_tokenizer(folder)

@@ -6,6 +6,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from functools import lru_cache
 from pathlib import Path
 
 from ..errors import InvalidModel
@@ -224,14 +225,35 @@ def _gemma_pipeline(rust) -> bool:
             and type(model).__name__ == "BPE" and model.byte_fallback and model.fuse_unk and not model.dropout)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
 def file_tokenizer(folder: Path | str) -> Tokenizer:
     """The tokenizer of a folder decodekit wrote from a GGUF file: a :class:`FileTokenizer` where
     AutoTokenizer would read the same ``tokenizer.json`` as it is, through the generic backend
     or Gemma's (the classes transformers writes for the GGUF files decodekit converts) with no
-    setting that changes its behaviour; else :class:`HFTokenizer`."""
+    setting that changes its behaviour; else :class:`HFTokenizer`.
+
+    Read once per process while its files stay as they are (inode, size, modification time): a model
+    loaded again, say in the other numerics, shares it (Gemma's 262k-token file takes most of a
+    second to parse). Tokenizers hold nothing of a request, so sharing one changes no output."""
+    folder = Path(folder).resolve()
+    return _read_tokenizer(folder, tuple(_stamp(folder / name) for name in TOKENIZER_FILES))
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns  # (a file replaced whole is a new inode)
+
+
+@lru_cache(maxsize=4)
+def _read_tokenizer(folder: Path, stamps: tuple) -> Tokenizer:
+    """:func:`file_tokenizer` for ``folder`` whose files had ``stamps`` (the cache's key)."""
     from tokenizers import Tokenizer as RustTokenizer
 
-    folder = Path(folder)
     try:
         config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
         template_file = folder / "chat_template.jinja"
