@@ -181,9 +181,9 @@ def test_a_verification_masks_only_the_rows_on_its_path(monkeypatch, verifier):
 
     (lazy, lazy_masks), (every, every_masks) = verify_with(verify.row_histories), verify_with(lambda state, tree: None)
     assert (lazy.path, lazy.bonus) == (every.path, every.bonus) == ([0], b)
-    # the root's and "a"'s rows, against every row; greedy takes the model's own choice where the
-    # grammar allows it, without a mask at all
-    assert lazy_masks == (0 if verifier == "greedy" else 2) and every_masks == len(tree) + 1
+    # the root's and "a"'s rows, against every row; the verifiers that choose each row's token as plain
+    # decoding does (greedy, keyed) take the model's own choice where the grammar allows it, with no mask
+    assert lazy_masks == (2 if verifier == "rejection" else 0) and every_masks == len(tree) + 1
 
 
 def test_drafts_the_grammar_refuses_are_dropped_before_verification():
@@ -338,11 +338,15 @@ class PairTokenizer(CharTokenizer):
     ("[0-9]ab", "1", True),  # "ab" forced: the parser takes the token "ab", the mask only "a"
     ("[0-9]ab", "", True),  # a digit next: refused
 ])
-def test_greedy_takes_the_models_choice_unmasked_only_where_the_mask_would_give_it(monkeypatch, regex, text, masked):
-    """A greedy step under a grammar tries the model's argmax before any mask: taken where the grammar
-    allows it, which must be exactly where the mask would (llguidance's mask holds only the canonical
-    spelling of text the grammar forces, its parser any spelling); otherwise the masked argmax."""
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_the_models_choice_is_taken_unmasked_only_where_the_mask_would_give_it(monkeypatch, regex, text, masked, greedy):
+    """A step under a grammar chooses before any mask (the argmax, or the keyed race): the choice
+    stands where the grammar allows it, which must be exactly where the mask would (llguidance's mask
+    holds only the canonical spelling of text the grammar forces, its parser any spelling); otherwise
+    the choice under the mask. Pointwise processors after the mask (here a temperature) keep it so."""
+    from decodekit.samplers import Sampler
     from decodekit.samplers.constraint import ConstrainedTokens
+    from decodekit.samplers.truncation import Temperature
 
     tok = PairTokenizer()
     masks: list[int] = []
@@ -351,17 +355,55 @@ def test_greedy_takes_the_models_choice_unmasked_only_where_the_mask_would_give_
     prompt = tok.encode("zz")
     history = Histories([prompt + tok.encode(text)], len(prompt))
     logits = torch.zeros(100)  # a model vocabulary padded past the grammar's
-    logits[tok.PAIR] = 5.0  # the model wants "ab"
+    logits[tok.PAIR] = 30.0  # the model wants "ab": even the keyed race picks it
     wants = []
     for padded in (False, True):  # then, above it, an id the grammar does not have
-        logits[98] = 9.0 if padded else 0.0
-        wants.append(int(constraint_processor({"regex": regex}, tok)(logits[None], history)[0].argmax()))
-        proc = constraint_processor({"regex": regex}, tok)
+        logits[98] = 60.0 if padded else 0.0
+        sampler = Sampler([constraint_processor({"regex": regex}, tok), Temperature(0.5)], greedy=greedy, seed=1)
+        x = sampler.process(logits[None], history)[0]
+        wants.append(int(x.argmax()) if greedy else sampler.sample_at(torch.softmax(x, dim=-1), 7))
+        sampler = Sampler([constraint_processor({"regex": regex}, tok), Temperature(0.5)], greedy=greedy, seed=1)
         masks.clear()
-        assert proc.greedy_choice(logits, history) == wants[-1]
+        assert sampler.pick_at(logits, 7, history) == wants[-1]
         assert masks == ([1] if masked or padded else [])
-        assert not proc.matcher.is_error()
+        assert not sampler.processors[0].matcher.is_error()
     assert (wants[0] == tok.PAIR) == (not masked) and wants[1] == wants[0]
+
+
+def test_a_choice_before_the_mask_only_where_every_later_processor_is_pointwise():
+    """Seeded steps under a grammar with random logits: the sampler's token is the one of the masked
+    row, with pointwise processors after the mask (penalties, temperature) and with ones that look at
+    the whole row (top-k), greedy and sampled, at many positions."""
+    from decodekit.samplers import Sampler
+    from decodekit.samplers.penalties import FrequencyPenalty, RepetitionPenalty
+    from decodekit.samplers.truncation import Temperature, TopK
+
+    tok = PairTokenizer()
+    prompt = tok.encode("zz")
+    generator = torch.Generator().manual_seed(5)
+    chains = [[], [Temperature(0.7)], [RepetitionPenalty(1.3), FrequencyPenalty(0.5), Temperature(1.5)], [TopK(2)],
+              [Temperature(2.0), TopK(3)]]
+    for rest in chains:
+        for greedy in (True, False):
+            for position, text in enumerate(("", "a", "ab", "b", "ba", "abab!", "ab!1", "c", "cc", "ccab")):
+                history = Histories([prompt + tok.encode(text)], len(prompt))
+                logits = torch.randn(97, generator=generator) * 3
+                sampler = Sampler([constraint_processor({"regex": "[a-c]{2,5}![0-9]{2}"}, tok), *rest], greedy=greedy, seed=3)
+                x = sampler.process(logits[None], history)[0]
+                want = int(x.argmax()) if greedy else sampler.sample_at(torch.softmax(x, dim=-1), position)
+                assert sampler.pick_at(logits, position, history) == want, (rest, greedy, text)
+    # where a processor looks at the whole row, the mask must come first: after "d" is refused, top-2
+    # keeps "a" and "b", not "a" and "d" (then "a" would win every draw "d" does not)
+    a, b, d = tok.encode("abd")
+    logits = torch.full((97,), -10.0)
+    logits[a], logits[d], logits[b] = 5.0, 5.0, 4.9
+    history = Histories([prompt], len(prompt))
+    drawn, wanted = [], []
+    for seed in range(40):
+        sampler = Sampler([constraint_processor({"regex": "[ab]"}, tok), TopK(2)], seed=seed)
+        wanted.append(sampler.sample_at(torch.softmax(sampler.process(logits[None], history)[0], dim=-1), 0))
+        drawn.append(sampler.pick_at(logits, 0, history))
+    assert drawn == wanted and set(drawn) == {a, b}
 
 
 class ThreadRecordingMatcher:
@@ -482,7 +524,7 @@ def test_real_model_json_schema_output_is_valid(real_model, monkeypatch):
         outputs.append(g.tokens)
     from decodekit.samplers.constraint import ConstrainedTokens
 
-    monkeypatch.setattr(ConstrainedTokens, "_surely_allowed", lambda self, token: False)  # a mask at every greedy step
+    monkeypatch.setattr(ConstrainedTokens, "surely_allows", lambda self, token, history: False)  # a mask at every greedy step
     masked = engine.generate(prompt, max_new_tokens=60, constraint={"json_schema": schema}).tokens
     assert outputs == [masked, masked]
 

@@ -31,6 +31,7 @@ class LogitsProcessor(ABC):
     needs_history: bool = False
     looks_ahead: bool = False  # True where :meth:`prepare` does something
     refuses_tokens: bool = False  # True where :meth:`allowed_prefix` can answer less than the whole
+    pointwise: bool = False  # True where a token's output depends on its own logit (and the row's history) alone
 
     @abstractmethod
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -61,6 +62,12 @@ class LogitsProcessor(ABC):
         """A hint that the next call will see rows with these generated tokens (given before the
         forward pass that makes their logits): a processor may start its work on them now, in the
         background. It never changes what a call returns. Nothing by default."""
+
+    def surely_allows(self, token: int, history: Sequence[torch.Tensor]) -> bool:
+        """True where this processor's output surely keeps ``token``'s logit as it is, for a row with
+        ``history`` (one row), known without processing the row; False where it does not, or where
+        only processing the row can tell (the default)."""
+        return False
 
     def greedy_choice(self, logits: torch.Tensor, history: Sequence[torch.Tensor]) -> int | None:
         """The argmax of this processor's output for one row ``logits [V]`` (``history``: its one

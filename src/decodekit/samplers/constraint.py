@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidParameter
-from ..models.kernels import argmax, mask_logits, masked_argmax
+from ..models.kernels import mask_logits, masked_argmax
 from ..models.threads import GOVERNOR, usable_cores
 from ..models.tokenizer import grammar_error_line, matcher_error_line
 from .base import LogitsProcessor, generated_lists
@@ -202,30 +202,21 @@ class ConstrainedTokens(LogitsProcessor):
         return out
 
     def greedy_choice(self, logits: torch.Tensor, history: Sequence[torch.Tensor]) -> int | None:
-        """The argmax of the masked row. The model's own argmax is tried first, as llama.cpp's
-        sampler does: where the grammar takes it, it is the masked argmax too (the first largest
-        logit of the row is the first largest of any subset holding it), and the mask, most of a
-        constrained step, is not computed (:meth:`_surely_allowed`). Otherwise, or where a mask was computed
-        ahead for the row, the argmax under the mask."""
         (row,) = generated_lists(history)
-        known = self._settle()
-        if tuple(row) not in known:
-            if not self._follow(row):
-                return None
-            logits = logits.to(torch.float32).contiguous()
-            choice = argmax(logits)
-            if self._surely_allowed(choice):
-                return choice
-        bits = self._bitmasks([row], known)[tuple(row)]
+        bits = self._bitmasks([row], self._settle())[tuple(row)]
         return None if bits is None else masked_argmax(logits.to(torch.float32).contiguous(), bits)
 
-    def _surely_allowed(self, token: int) -> bool:
-        """True where the mask at the matcher's state would allow ``token``, known without computing
-        it; False where it would not, or where only the mask can tell. llguidance's mask is what its
-        parser takes (``validate_tokens``), with the end token where the grammar accepts, unless the
-        grammar forces bytes next: then the mask holds only the canonical tokens of that text
-        (``"name"``, not ``"n"``), while the parser takes any spelling. A token past the grammar's
-        vocabulary is never asked (the matcher would go into its error state)."""
+    def surely_allows(self, token: int, history: Sequence[torch.Tensor]) -> bool:
+        """Whether the mask for the row would allow ``token``, answered without the mask (a choice
+        made before masking, :meth:`..sampler.Sampler.pick_at`, stands where this says so): False
+        where only the mask can tell, and where a mask computed ahead waits for the row.
+        llguidance's mask is what its parser takes (``validate_tokens``), with the end token where the
+        grammar accepts, unless the grammar forces bytes next: then the mask holds only the canonical
+        tokens of that text (``"name"``, not ``"n"``), while the parser takes any spelling. A token
+        past the grammar's vocabulary is never asked (the matcher would go into its error state)."""
+        (row,) = generated_lists(history)
+        if tuple(row) in self._settle() or not self._follow(row):
+            return False
         if token < 0 or (self.vocab is not None and token >= self.vocab):
             return False
         return not self.matcher.compute_ff_bytes() and self.matcher.validate_tokens([token]) == 1

@@ -24,6 +24,7 @@ from decodekit.samplers.params import SAMPLER_OPTIONS
 
 class _HistoryPenalty(LogitsProcessor):
     needs_history = True
+    pointwise = True
     name = ""
     counts_prompt = True  # False: only the generated ids count
 

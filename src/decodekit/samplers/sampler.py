@@ -203,6 +203,9 @@ class Sampler:
         position and distribution, whatever was drawn before (``history``: one row, if needed)."""
         if self._greedy and not self.processors:  # nothing to process: no copy of the row to take
             return argmax(logits)
+        token = self._chosen_before_the_mask(logits, position, history)
+        if token is not None:
+            return token
         only = self.processors[0] if self._greedy and len(self.processors) == 1 else None
         if only is not None and (not only.needs_history or (history is not None and len(history) == 1)):
             # one processor that may find its argmax without writing its output (a grammar's mask)
@@ -213,6 +216,40 @@ class Sampler:
         if self._greedy:
             return argmax(x)
         return self.sample_at(torch.softmax(x, dim=-1), position)
+
+    def _chosen_before_the_mask(self, logits: torch.Tensor, position: int,
+                                history: Sequence[torch.Tensor] | None) -> int | None:
+        """:meth:`pick_at`'s token chosen before the first processor, where that one refuses tokens
+        (a grammar's mask) and every later one is pointwise; None where the mask has to decide.
+
+        A mask leaves the logits of the tokens it allows as they are, and a pointwise processor
+        treats each token by its own logit, so over the allowed tokens the processed values are the
+        same with the mask or without it. The argmax over every token is then the argmax over the
+        allowed ones wherever the mask allows it (the first largest value of a row is the first
+        largest of any part of it that holds it); so is the keyed race's winner, whose noise is fixed
+        per token, up to the float32 rounding of the two softmaxes' normalisations (their ratio is
+        the same for every allowed token): plain, speculative and batched decoding all choose here,
+        so they agree token for token. llama.cpp's sampler asks its grammar in the same order. This
+        saves the mask, most of a constrained step, wherever the model's own choice is allowed."""
+        if not self.processors:
+            return None
+        first, rest = self.processors[0], self.processors[1:]
+        if not first.refuses_tokens or not all(p.pointwise for p in rest):
+            return None
+        if (first.needs_history or any(p.needs_history for p in rest)) and (history is None or len(history) != 1):
+            return None
+        x = logits.float()
+        for proc in rest:
+            x = proc(x[None], history if proc.needs_history else ())[0]
+        x = x.contiguous()
+        if self._greedy:
+            token = argmax(x)
+        else:
+            try:
+                token = self.sample_at(torch.softmax(x, dim=-1), position)
+            except InvalidParameter:  # nothing sampleable without the mask: the mask decides
+                return None
+        return token if first.surely_allows(token, history if first.needs_history else ()) else None
 
     def sample_at(self, probs: torch.Tensor, position: int) -> int:
         """One draw from ``probs`` ``[V]`` (non-negative, possibly unnormalised) for ``position``,

@@ -49,6 +49,8 @@ class Temperature(LogitsProcessor):
     """Temperature scaling: logits / T (T > 1 flattens, T < 1 sharpens). T must be > 0;
     ``Sampler.from_params`` maps ``temperature=0`` to greedy decoding instead."""
 
+    pointwise = True
+
     def __init__(self, temperature: float) -> None:
         # T > 0 here, unlike the parameter's T >= 0: from_params turns 0 into greedy decoding
         self.temperature = check_real("temperature", temperature, 0.0, lo_open=True)
