@@ -302,6 +302,28 @@ def test_summary_schema_and_aggregates(tiny: LoadedModel, qfile: Path):
     assert fast["passes_per_token"] == pytest.approx(1.0)
 
 
+def test_speedup_is_taken_on_the_questions_the_reference_also_finished():
+    def rec(method, qid, decode_s, new_tokens, error=None):
+        return {"method": method, "question_id": qid, "group": "qa", "error": error, "prefill_s": 0.5,
+                "decode_s": decode_s, "new_tokens": new_tokens, "forward_passes": new_tokens, "mean_accepted": None,
+                "identical_to_reference": None, "text_match": None, "text_prefix_share": None}
+
+    records = [rec("greedy", 1, d, 10) for d in (1.0, 1.2, 0.9)]  # median decode 1.0 s
+    records += [rec("greedy", 2, 0.0, 0, error="boom")]  # the reference never finished question 2
+    records += [rec("fast", 1, d, 10) for d in (0.5, 0.4, 0.6)]  # median 0.5 s
+    records += [rec("fast", 2, 0.5, 30)]
+    contestants = [{"name": n, "kind": "method", "family": n, "lossless": True, "token_exact": True}
+                   for n in ("greedy", "fast")]
+    fast = summarize(records, contestants, {})["methods"]["fast"]["categories"]
+    for cat in ("qa", "overall"):
+        stats = fast[cat]
+        assert stats["questions"] == 2 and stats["new_tokens"] == 40
+        assert stats["decode_tps"] == pytest.approx(40 / 1.0)  # its own throughput: every question it finished
+        # against greedy on question 1 alone: 10 tokens in 0.5 s vs in 1.0 s; with prefill 1.0 s vs 1.5 s
+        assert stats["speedup"] == pytest.approx(2.0)
+        assert stats["e2e_speedup"] == pytest.approx(1.5)
+        assert stats["speedup_vs_hf"] is None
+
 def test_failing_method_is_recorded_and_others_continue(tiny: LoadedModel, qfile: Path):
     class Flaky(Scripted):
         def run(self, prompt_ids, max_new_tokens):

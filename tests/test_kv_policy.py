@@ -482,6 +482,21 @@ def test_kivi_attention_is_float_attention_on_the_dequantised_entries(head_dim, 
     assert torch.equal(alone, got)  # a row's result does not depend on the pass's other rows
 
 
+@pytest.mark.parametrize("group, residual", [(8, 64), (32, 128), (1, 64)])
+def test_kivi_quantised_end_leaves_each_query_residual_to_residual_plus_group_minus_one_float_tokens(group, residual):
+    policy = KiviPolicy(group=group, residual=residual)
+    positions = torch.arange(400)
+    got = policy.quantised_end(positions).tolist()
+    for p in positions.tolist():
+        end = 0  # the last group boundary that still leaves the query (itself included) residual float tokens
+        while end + group <= p + 1 - residual:
+            end += group
+        assert got[p] == end, p
+        if p + 1 >= residual:
+            assert residual <= p + 1 - end <= residual + group - 1, p
+    if (group, residual) == (8, 64):  # by hand: position 71 is the first to read a group (0..7) from codes
+        assert got[70] == 0 and got[71] == 8 and got[78] == 8 and got[79] == 16
+
 @pytest.mark.parametrize("bits", [4, 2])
 def test_kivi_cache_quantises_the_float_entries_a_group_at_a_time_and_keeps_the_residual_bounded(bits):
     from decodekit.models.kivi import quantise_keys, quantise_values
@@ -528,7 +543,7 @@ def test_kivi_logits_do_not_depend_on_how_the_sequence_is_cut(bits):
     full = tiny_llama(seed=0, hidden_size=64, scale=3.0)
     plain = torch.cat([full.append(part).logits for part in ids.split(64, dim=1)], 1)
     assert torch.equal(plain[:, :71], whole[:, :71])  # before position 71 every query reads floats only
-    assert not torch.equal(plain[:, 71:], whole[:, 71:])
+    assert not torch.equal(plain[:, 71], whole[:, 71])  # position 71 reads positions 0..7 from codes
 
 
 def test_int4_one_call_layers_give_the_layer_loops_bits():

@@ -186,6 +186,22 @@ def test_beam_ranks_candidates_by_gnmt_normalised_score(tiny):
     assert gnmt_penalty(1, 0.6) == 1.0 and gnmt_penalty(7, 1.0) == 2.0
 
 
+def test_beam_length_penalty_counts_the_eos_token():
+    # From "p": "a" (logit 0) or EOS (logit x = 0.115); after "a", EOS is certain. Width 2 finishes
+    # both hypotheses: "" + EOS (logP = x - s, |Y| = 1) and "a" + EOS (logP = -s, |Y| = 2), with
+    # s = log(1 + e^x). With alpha = 1: lp(1) = 1, lp(2) = 7/6, so "" scores x - s = -0.6373 and
+    # beats "a" at -6s/7 = -0.6448. Leaving EOS out of |Y| (lp(0) = 5/6, lp(1) = 1) flips the order.
+    model = bigram_model({"p": {"a": 0.0, "": 0.115}, "a": {"": 10.0}})
+    g = build_decoder("beam", n=2, length_penalty=1.0).generate(model, request(model, "p", method="greedy", max_new=5))
+    s = math.log1p(math.exp(0.115))
+    cands = g.extra["candidates"]
+    assert [(c["text"], c["finish_reason"]) for c in cands] == [("", "eos"), ("a", "eos")]
+    assert cands[0]["score"] == pytest.approx(0.115 - s, abs=2e-4)
+    assert cands[1]["score"] == pytest.approx(-s * 6 / 7, abs=2e-4)
+    assert cands[1]["logp"] == pytest.approx(-s, abs=2e-4)
+    assert g.text == "" and g.finish_reason == "eos"
+
+
 # Multi-sample selection -------------------------------------------------------------------------
 
 
@@ -245,6 +261,13 @@ def test_first_finish_returns_the_shortest_finished_sample():
     assert g.tokens in [s.tokens for s in finished]
     assert g.stats.extra["tokens_spent"] <= 6 * (shortest + 1)
     assert first_finished([Sample([1, 2], [], [], [], [], "eos"), Sample([1], [], [], [], [], "length")]) == 0
+    # equally short finished samples: the higher log-likelihood (EOS choice included) wins, wherever it stands
+    likely = Sample([5, 6], [-0.5, -0.5], [], [], [], "eos", eos_logprob=-0.2)  # loglik -1.2
+    unlikely = Sample([5, 7], [-0.5, -1.0], [], [], [], "eos", eos_logprob=-0.2)  # loglik -1.7
+    stopped = Sample([5, 8, 9], [-0.1, -0.1, -0.1], [], [], [], "stop")  # loglik -0.3, 3 choices like the others
+    assert first_finished([unlikely, likely]) == 1
+    assert first_finished([likely, unlikely]) == 0
+    assert first_finished([unlikely, stopped, likely]) == 1
 
 
 # CoT-decoding ------------------------------------------------------------------------------------

@@ -250,6 +250,18 @@ def test_suffix_automaton_counts_and_longest_repeated_suffix_match_brute_force()
         assert sam.count[state] == brute_count(text, pattern)
 
 
+def test_suffix_continuations_are_the_most_frequent_next_tokens():
+    # After "1" in 1 2 1 2 1 3 1 2 1 5 1: "2" follows three times, "3" and "5" once each. The width keeps
+    # the most frequent (ties by token id); each share is over all 5 continuations, not only those kept.
+    sam = SuffixAutomaton()
+    for t in [1, 2, 1, 2, 1, 3, 1, 2, 1, 5, 1]:
+        sam.extend(t)
+    one = sam.next[0][1]
+    assert [(t, share) for t, share, _ in sam.continuations(one, 2)] == [(2, pytest.approx(3 / 5)), (3, pytest.approx(1 / 5))]
+    assert [t for t, _, _ in sam.continuations(one, 1)] == [2]
+    # "1 2" is followed by "1" every time
+    assert [(t, share) for t, share, _ in sam.continuations(sam.next[one][2], 4)] == [(1, pytest.approx(1.0))]
+
 def test_suffix_corpus_carries_earlier_outputs_across_requests():
     model = tiny(seed=5)
     engine = Engine(model)
