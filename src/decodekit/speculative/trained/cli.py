@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, model=None) -> int:
     backend, tokenizer = model.backend, model.tokenizer
     if settings.vocab > backend.info.vocab_size:  # said before the data is made, not after
         raise InvalidParameter(f"--vocab {settings.vocab} is more than the model's {backend.info.vocab_size} tokens")
-    check_trainable(backend)
+    check_trainable(backend)  # training needs it too, where the data was made before
     corpus_path = cache_root() / "drafters" / f"{target_fingerprint(backend)}-data-{settings.tokens}-s{settings.seed}.pt"
     corpus = load_corpus(corpus_path)
     if corpus is None:

@@ -143,8 +143,6 @@ def draft_queries(backend: Backend, tokenizer: Tokenizer, rows: int, max_tokens:
     ended itself (an end-of-turn token within ``max_tokens``)."""
     prefix = pre_query(tokenizer) or [next(iter(tokenizer.eos_token_ids))]
     logits = backend.prefill(prefix, batch_size=rows)
-    if backend.last_features is None:
-        raise InvalidParameter(f"training a drafter needs a backend that gives features (native), not {backend.info.architecture}")
     out: list[list[int]] = [[] for _ in range(rows)]
     done = [False] * rows
     for _ in range(max_tokens):
@@ -229,6 +227,7 @@ def self_distil(backend: Backend, tokenizer: Tokenizer, tokens: int, *, seed: in
     """Queries and answers until the samples hold ``tokens`` tokens (see the module docstring).
     Queries are drafted ``rows`` at a time and answered ``wave`` at a time, ``rows`` concurrently;
     every ``sampled_every``-th answer is sampled (temperature 1, its own seed), the others greedy."""
+    check_trainable(backend, rows)
     exclusion = exclusion or Exclusion()
     generator = torch.Generator().manual_seed(seed)
     corpus, seen = Corpus(), set()
