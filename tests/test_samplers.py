@@ -605,6 +605,15 @@ def test_invalid_values_raise_naming_the_parameter(kwargs, name):
     assert msg.startswith(f"{name} must be") and "\n" not in msg
 
 
+def test_greedy_with_a_temperature_is_refused_not_ignored():
+    with pytest.raises(InvalidParameter, match=r"^greedy takes the most likely token, so temperature=0.7 would be ignored"):
+        Sampler.from_params(greedy=True, temperature=0.7)
+    with pytest.raises(InvalidParameter, match="temperature=1 would be ignored"):
+        Sampler.from_params(greedy=True, temperature=1.0)  # said, so refused though 1 is the default
+    for params in ({"greedy": True}, {"greedy": True, "temperature": 0}, {"greedy": True, "top_p": 0.5}):
+        assert Sampler.from_params(**params).is_greedy
+
+
 def test_invalid_message_states_range():
     with pytest.raises(InvalidParameter, match=r"^top_p must be in \(0, 1\], got 0$"):
         Sampler.from_params(top_p=0)

@@ -21,7 +21,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from decodekit.engine import Engine  # noqa: E402
 from decodekit.models import CharTokenizer, LoadedModel, kernels  # noqa: E402
 from decodekit.models.tiny import tiny_llama  # noqa: E402
-from decodekit.serve.app import MAX_BODY_BYTES, Server  # noqa: E402
+from decodekit.serve.app import MAX_BODY_BYTES, Server, parse_request  # noqa: E402
 
 MODEL = "tiny"
 PROMPTS = ["hello world hello world hello", "abcabcabcabcabc", "Q: 12+12? A: 24. Q: 13+13? A:", "the cat sat on the mat"]
@@ -167,6 +167,10 @@ def test_bad_requests_are_openai_error_objects(served):
             chat(served, "hi", max_tokens=4, extra_body=extra)
     with pytest.raises(openai.BadRequestError, match="tool calls"):
         chat(served, "hi", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(openai.BadRequestError) as err:  # refused, not silently greedy
+        chat(served, "hi", max_tokens=4, temperature=0.7, extra_body={"greedy": True})
+    assert err.value.param == "greedy" and "temperature=0.7 would be ignored" in err.value.message
+    assert parse_request({"prompt": "hi", "greedy": True}, chat=False).params == {"greedy": True}  # no OpenAI default T
     status, body, _ = served.get("/v1/nothing")
     assert status == 404 and json.loads(body)["error"]["message"] == "no route GET /v1/nothing"
 

@@ -114,6 +114,9 @@ class Sampler:
         ``penalty_window`` applies to the three penalties.
         """
         p = parse_options("the sampler", SAMPLER_OPTIONS, params, text=False)
+        if p["greedy"] and params.get("temperature") not in (None, 0):
+            raise InvalidParameter(f"greedy takes the most likely token, so temperature={p['temperature']:g} would be "
+                                   "ignored; give one of them")
         window = p["penalty_window"]
         procs: list[LogitsProcessor] = []
         penalties = (("repetition_penalty", RepetitionPenalty, 1.0), ("frequency_penalty", FrequencyPenalty, 0.0),

@@ -337,7 +337,7 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
         raise ApiError(400, f"method must be a string, got {method!r}", param="method")
     params: dict[str, Any] = {k: v for k, v in body.items() if k not in IGNORED and k not in UNSUPPORTED}
     temperature = _number(body, "temperature")
-    if temperature is None and "method" not in body:
+    if temperature is None and "method" not in body and not body.get("greedy"):
         temperature = 1.0  # OpenAI's default
     if temperature == 0:
         if method == "sample":
