@@ -170,6 +170,40 @@ def test_magpie_queries_come_from_the_pre_query_template():
     assert queries and all(isinstance(q, str) for q in queries)
 
 
+def test_task_prompts_open_every_other_drafting_round_with_the_materials_budget(monkeypatch):
+    openings = data_module.TASK_OPENINGS
+    assert [data_module.opening_of_round("magpie", r) for r in range(6)] == [""] * 6
+    rounds = [data_module.opening_of_round("tasks", r) for r in range(2 * len(openings) + 2)]
+    assert rounds[0::2] == [""] * (len(openings) + 1) and rounds[1::2] == [*openings, openings[0]]
+    asked = []
+
+    def drafted(backend, tokenizer, rows, max_tokens, generator, opening=""):
+        asked.append((opening, max_tokens))
+        return [f"{opening}material number {len(asked)} is here"]
+
+    monkeypatch.setattr(data_module, "draft_queries", drafted)
+    model = tiny()
+    corpus = self_distil(model.backend, model.tokenizer, 300, max_new_tokens=4, rows=2, wave=1, query_tokens=7,
+                         material_tokens=11, prompts="tasks")
+    assert asked[:4] == [("", 7), (openings[0], 11), ("", 7), (openings[1], 11)]
+    assert [s.query for s in corpus.samples[:2]] == ["material number 1 is here", f"{openings[0]}material number 2 is here"]
+    with pytest.raises(InvalidParameter, match="--prompts must be one of magpie, tasks"):
+        self_distil(model.backend, model.tokenizer, 10, prompts="books")
+
+
+def test_a_material_starts_with_its_opening_and_one_not_ended_is_cut_after_its_last_full_line():
+    model = tiny()
+    prefixes, prefill = [], model.backend.prefill
+    model.backend.prefill = lambda ids, **kwargs: prefixes.append(list(ids)) or prefill(ids, **kwargs)
+    queries = data_module.draft_queries(model.backend, model.tokenizer, rows=6, max_tokens=300,
+                                        generator=torch.Generator().manual_seed(0), opening="Sum up:  ")
+    assert queries and all(q.startswith("Sum up:  ") and len(q) > len("Sum up:  ") for q in queries)
+    assert prefixes[0][-9:] == model.tokenizer.encode("Sum up:  ")  # the target writes after the opening
+    assert data_module._cut_after_last_line("first line\nsecond line\nhalf a li") == "first line\nsecond line"
+    assert data_module._cut_after_last_line("no full line yet") == ""
+    assert data_module._cut_after_last_line("\n  \nhalf") == ""
+
+
 # Drafter files ------------------------------------------------------------------------------------------------
 
 
@@ -209,10 +243,10 @@ def test_train_drafter_saves_in_the_cache_and_the_method_finds_it(monkeypatch, t
     from decodekit.speculative.trained import cli
 
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
-    queries = iter([[f"query number {i} about things" for i in range(4)] for _ in range(100)])
+    queries = iter([[f"query number {i} about things" for i in range(4)] for _ in range(200)])
     monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: next(queries))
     model = tiny()
-    args = argparse.Namespace(kind="medusa", tokens=400, minutes=1, steps=40, vocab=64, seed=0, eval_queries=2, unroll=2,
+    args = argparse.Namespace(kind="medusa", tokens=400, prompts="magpie", minutes=1, steps=40, vocab=64, seed=0, eval_queries=2, unroll=2,
                               max_new_tokens=16, out=None)
     assert cli.run(args, model=model) == 0
     record = json.loads(capsys.readouterr().out)
@@ -221,6 +255,10 @@ def test_train_drafter_saves_in_the_cache_and_the_method_finds_it(monkeypatch, t
     assert store.find(model.backend, "medusa") == store.cache_path(model.backend, "medusa")
     assert cli.run(args, model=model) == 0  # the data is made once, then reused
     assert json.loads(capsys.readouterr().out)["data_seconds"] == record["data_seconds"]
+    args.prompts = "tasks"  # another recipe: data of its own, not the Magpie data again
+    assert cli.run(args, model=model) == 0
+    made = sorted(path.name.split("-data")[1] for path in (tmp_path / "drafters").glob("*-data*.pt"))
+    assert made == ["-400-s0.pt", "-tasks-400-s0.pt"]
 
 
 def test_train_drafter_refuses_a_model_it_cannot_train_on_before_making_data(monkeypatch, tmp_path, capsys):
@@ -231,7 +269,7 @@ def test_train_drafter_refuses_a_model_it_cannot_train_on_before_making_data(mon
 
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
     monkeypatch.setattr(cli, "self_distil", lambda *args, **kwargs: pytest.fail("data was made"))
-    args = argparse.Namespace(kind="eagle", tokens=400, minutes=1, steps=4, vocab=64, seed=0, eval_queries=2, unroll=1,
+    args = argparse.Namespace(kind="eagle", tokens=400, prompts="magpie", minutes=1, steps=4, vocab=64, seed=0, eval_queries=2, unroll=1,
                               max_new_tokens=16, out=None)
     for change, message in ((("gives_features", False), "needs a backend that gives features"),
                             (("kv_policy", parse_kv_cache("int8")), "needs the full kv cache, not int8")):

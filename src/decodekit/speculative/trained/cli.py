@@ -12,7 +12,7 @@ from pathlib import Path
 from ...arguments import add_model_arguments, check_writable
 from ...errors import InvalidParameter
 from ...models.cache import cache_root
-from .data import check_trainable, load_corpus, save_corpus, self_distil
+from .data import PROMPTS, check_trainable, load_corpus, save_corpus, self_distil
 from .store import cache_path, save, target_fingerprint
 from .train import Settings, draft_vocabulary, new_net, report, split, train
 
@@ -22,6 +22,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--kind", required=True, choices=["eagle", "medusa"])
     defaults = Settings("eagle")
     parser.add_argument("--tokens", type=int, default=defaults.tokens, help="self-distilled tokens to generate (made once per model and seed, then reused)")
+    parser.add_argument("--prompts", choices=PROMPTS, default=defaults.prompts,
+                        help="magpie: the model's own queries; tasks: every other one opens a task (summary, translation, "
+                             "passages, word problem) whose material the model writes")
     parser.add_argument("--minutes", type=float, default=defaults.minutes, help="training time, after the data")
     parser.add_argument("--steps", type=int, default=None,
                         help="stop after this many optimiser steps if before --minutes (the same drafter on any machine)")
@@ -44,7 +47,7 @@ def _say(text: str) -> None:
 def run(args: argparse.Namespace, model=None) -> int:
     from ...models import load_model
 
-    settings = Settings(args.kind, tokens=args.tokens, minutes=args.minutes, steps=args.steps, vocab=args.vocab, seed=args.seed,
+    settings = Settings(args.kind, tokens=args.tokens, prompts=args.prompts, minutes=args.minutes, steps=args.steps, vocab=args.vocab, seed=args.seed,
                         held_out=args.eval_queries, unroll=args.unroll)
     if args.max_new_tokens < 1:
         raise InvalidParameter(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -58,7 +61,8 @@ def run(args: argparse.Namespace, model=None) -> int:
     if settings.vocab > backend.info.vocab_size:  # said before the data is made, not after
         raise InvalidParameter(f"--vocab {settings.vocab} is more than the model's {backend.info.vocab_size} tokens")
     check_trainable(backend)  # training needs it too, where the data was made before
-    corpus_path = cache_root() / "drafters" / f"{target_fingerprint(backend)}-data-{settings.tokens}-s{settings.seed}.pt"
+    recipe = "" if settings.prompts == "magpie" else f"-{settings.prompts}"
+    corpus_path = cache_root() / "drafters" / f"{target_fingerprint(backend)}-data{recipe}-{settings.tokens}-s{settings.seed}.pt"
     corpus = load_corpus(corpus_path)
     if corpus is None:
         _say(f"self-distilling {settings.tokens} tokens from {backend.info.name} (Magpie queries, the model's answers)")
@@ -70,7 +74,8 @@ def run(args: argparse.Namespace, model=None) -> int:
             print(f"\r  data: {min(made[0], settings.tokens)}/{settings.tokens} tokens, {rate:.0f} tok/s", end="",
                   file=sys.stderr, flush=True)
 
-        corpus = self_distil(backend, tokenizer, settings.tokens, seed=settings.seed, progress=progress)
+        corpus = self_distil(backend, tokenizer, settings.tokens, seed=settings.seed, prompts=settings.prompts,
+                             progress=progress)
         _say("")
         save_corpus(corpus, corpus_path)
     _say(f"data: {corpus.tokens} tokens in {len(corpus.samples)} conversations ({corpus.seconds:.0f} s to make)")

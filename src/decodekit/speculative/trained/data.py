@@ -8,6 +8,13 @@ greedily, every ``sampled_every``-th one sampled), so the drafter learns the tar
 Every position's feature (the final norm's output) is recorded as the tokens are generated: the
 training needs no second pass over the target.
 
+Plain Magpie queries are short questions: the answers never quote a long prompt, as summaries,
+translations and answers from retrieved passages do. With ``prompts="tasks"`` every other drafting
+round starts the user turn with one of :data:`TASK_OPENINGS` (this project's own words, no
+benchmark's), and the target writes the task's material itself (an article, a German text, passages,
+a word problem) before answering it: Magpie's pre-query template, carried a few words further. A
+material the target has not ended within ``material_tokens`` is kept, cut after its last full line.
+
 The benchmark questions the project measures on (the shipped Spec-Bench and GSM8K files) never
 reach the training data: a query whose normalised text, or any run of 8 of its words, matches one of
 theirs is dropped, and :func:`check_excluded` asserts it on the finished set by hash.
@@ -30,6 +37,13 @@ from ...models.tokenizer import Tokenizer
 
 QUERY_MARK = "\x00QUERY\x00"
 SHINGLE = 8  # words
+PROMPTS = ("magpie", "tasks")
+TASK_OPENINGS = (
+    "Summarize the following article in a few sentences.\n\n",
+    "Translate this German text into English.\n\n",
+    "Answer the question using the passages below.\n\n",
+    "Solve this word problem step by step.\n\n",
+)
 
 
 @dataclass
@@ -136,12 +150,29 @@ def check_trainable(backend: Backend, rows: int = 16) -> None:
                                f"not {policy.spec}")
 
 
+def opening_of_round(prompts: str, round_: int) -> str:
+    """The user turn's opening for drafting round ``round_``: none for plain Magpie; with ``tasks``,
+    none in even rounds and the task openings in turn in odd ones."""
+    if prompts == "magpie" or round_ % 2 == 0:
+        return ""
+    return TASK_OPENINGS[(round_ // 2) % len(TASK_OPENINGS)]
+
+
+def _cut_after_last_line(text: str) -> str:
+    head, newline, _ = text.rpartition("\n")
+    return head.rstrip() if newline and head.strip() else ""
+
+
 @torch.inference_mode()
 def draft_queries(backend: Backend, tokenizer: Tokenizer, rows: int, max_tokens: int,
-                  generator: torch.Generator) -> list[str]:
-    """``rows`` queries sampled side by side from the pre-query template; only those the target
-    ended itself (an end-of-turn token within ``max_tokens``)."""
+                  generator: torch.Generator, opening: str = "") -> list[str]:
+    """``rows`` queries sampled side by side from the pre-query template (followed by ``opening``,
+    which starts every query). Without an opening only the queries the target ended itself (an
+    end-of-turn token within ``max_tokens``); with one, a material not ended is kept up to its
+    last full line."""
     prefix = pre_query(tokenizer) or [next(iter(tokenizer.eos_token_ids))]
+    if opening:
+        prefix = prefix + tokenizer.encode(opening)
     logits = backend.prefill(prefix, batch_size=rows)
     out: list[list[int]] = [[] for _ in range(rows)]
     done = [False] * rows
@@ -156,7 +187,11 @@ def draft_queries(backend: Backend, tokenizer: Tokenizer, rows: int, max_tokens:
         if all(done):
             break
         logits = backend.append(tokens[:, None]).logits[:, -1]
-    return [tokenizer.decode(ids).strip() for ids, ended in zip(out, done) if ended]
+    if not opening:
+        return [tokenizer.decode(ids).strip() for ids, ended in zip(out, done) if ended]
+    materials = [tokenizer.decode(ids).strip() if ended else _cut_after_last_line(tokenizer.decode(ids))
+                 for ids, ended in zip(out, done)]
+    return [opening + material for material in materials if material]
 
 
 @torch.inference_mode()
@@ -222,21 +257,27 @@ def answer_all(backend: Backend, tokenizer: Tokenizer, jobs: list[tuple[str, flo
 
 
 def self_distil(backend: Backend, tokenizer: Tokenizer, tokens: int, *, seed: int = 0, max_new_tokens: int = 160,
-                query_tokens: int = 64, rows: int = 16, sampled_every: int = 4, wave: int = 64,
-                exclusion: Exclusion | None = None, progress: Callable[[int], None] | None = None) -> Corpus:
+                query_tokens: int = 64, material_tokens: int = 256, prompts: str = "magpie", rows: int = 16,
+                sampled_every: int = 4, wave: int = 64, exclusion: Exclusion | None = None,
+                progress: Callable[[int], None] | None = None) -> Corpus:
     """Queries and answers until the samples hold ``tokens`` tokens (see the module docstring).
     Queries are drafted ``rows`` at a time and answered ``wave`` at a time, ``rows`` concurrently;
     every ``sampled_every``-th answer is sampled (temperature 1, its own seed), the others greedy."""
+    if prompts not in PROMPTS:
+        raise InvalidParameter(f"--prompts must be one of {', '.join(PROMPTS)}, got {prompts!r}")
     check_trainable(backend, rows)
     exclusion = exclusion or Exclusion()
     generator = torch.Generator().manual_seed(seed)
     corpus, seen = Corpus(), set()
     t0 = time.perf_counter()
-    barren = 0  # drafting rounds in a row that gave nothing new
+    barren = rounds = 0  # barren: drafting rounds in a row that gave nothing new
     while corpus.tokens < tokens and barren < 50:
         jobs: list[tuple[str, float, int]] = []
         while len(jobs) < wave and barren < 50:
-            drafted = draft_queries(backend, tokenizer, rows, query_tokens, generator)
+            opening = opening_of_round(prompts, rounds)
+            rounds += 1
+            drafted = draft_queries(backend, tokenizer, rows, material_tokens if opening else query_tokens, generator,
+                                    opening)
             corpus.queries_drafted += rows
             fresh = 0
             for query in drafted:

@@ -21,7 +21,7 @@ import torch
 
 from ...errors import InvalidParameter
 from ...models.backend import Backend
-from .data import Corpus, Sample
+from .data import PROMPTS, Corpus, Sample
 from .networks import EagleConfig, EagleNet, MedusaConfig, MedusaNet
 
 
@@ -29,11 +29,12 @@ from .networks import EagleConfig, EagleNet, MedusaConfig, MedusaNet
 class Settings:
     kind: str  # eagle | medusa
     tokens: int = 360_000  # self-distilled tokens to generate
+    prompts: str = "magpie"  # magpie | tasks (see .data)
     minutes: float = 15.0  # training time (after the data)
     steps: int | None = None  # or fewer optimiser steps: then the net is the same on any machine
     vocab: int = 8192  # draft vocabulary: the most frequent tokens of the data
     batch_tokens: int = 2048
-    max_len: int = 320
+    max_len: int = 512
     lr: float = 2e-3
     medusa_heads: int = 4
     unroll: int = 1  # EAGLE: steps trained on its own predicted features (1: the original EAGLE loss)
@@ -43,6 +44,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.kind not in ("eagle", "medusa"):
             raise InvalidParameter(f"--kind must be eagle or medusa, got {self.kind!r}")
+        if self.prompts not in PROMPTS:
+            raise InvalidParameter(f"--prompts must be one of {', '.join(PROMPTS)}, got {self.prompts!r}")
         if self.steps is not None and self.steps < 1:
             raise InvalidParameter("--steps must be at least 1")
         for name in ("tokens", "vocab", "batch_tokens", "max_len", "medusa_heads", "unroll", "held_out"):
