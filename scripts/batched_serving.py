@@ -4,7 +4,7 @@ serve``, and C concurrent requests of 128 tokens each (``ignore_eos``), short or
 Prints aggregate tokens/s and what the batcher did: passes, rows per pass, milliseconds a pass
 computes, and milliseconds the next pass waits for its requests to come back (their Python work).
 
-    .venv/bin/python scripts/batched_serving.py 1 8 16 [--long] [--method pld] [--kv-cache int8]
+    .venv/bin/python scripts/batched_serving.py 1 8 16 [--long] [--stream] [--method pld] [--kv-cache int8]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--long", action="store_true", help="a prompt of about 270 tokens instead of one sentence")
     parser.add_argument("--method", default="greedy", help="the decoding method each request asks for (e.g. pld)")
     parser.add_argument("--kv-cache", default="full", help="the server's cache policy (as decodekit serve --kv-cache)")
+    parser.add_argument("--stream", action="store_true", help="streamed requests (server-sent events, read as they come)")
     args = parser.parse_args()
     stats = {"exec": 0.0, "passes": 0, "rows": 0, "gap": 0.0}
     last_end: list[float | None] = [None]
@@ -59,9 +60,17 @@ def main() -> None:
     def ask(_) -> int:
         body = {"messages": [{"role": "user", "content": LONG if args.long else SHORT}], "max_tokens": 128,
                 "temperature": 0, "ignore_eos": True, **({} if args.method == "greedy" else {"method": args.method})}
+        if args.stream:
+            body.update(stream=True, stream_options={"include_usage": True})
         request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
         with urllib.request.urlopen(request) as response:
-            return json.loads(response.read())["usage"]["completion_tokens"]
+            if not args.stream:
+                return json.loads(response.read())["usage"]["completion_tokens"]
+            usage = None
+            for line in response:  # one event a line, read as it comes
+                if line.startswith(b"data: {"):
+                    usage = json.loads(line[6:]).get("usage") or usage
+            return usage["completion_tokens"]
 
     def drive() -> None:
         time.sleep(0.5)
