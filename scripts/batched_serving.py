@@ -4,7 +4,7 @@ serve``, and C concurrent requests of 128 tokens each (``ignore_eos``), short or
 Prints aggregate tokens/s and what the batcher did: passes, rows per pass, milliseconds a pass
 computes, and milliseconds the next pass waits for its requests to come back (their Python work).
 
-    .venv/bin/python scripts/batched_serving.py 1 8 16 [--long] [--stream] [--method pld] [--kv-cache int8]
+    .venv/bin/python scripts/batched_serving.py 1 8 16 [--long] [--stream [--stream-interval-ms MS]] [--method pld] [--kv-cache int8]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--method", default="greedy", help="the decoding method each request asks for (e.g. pld)")
     parser.add_argument("--kv-cache", default="full", help="the server's cache policy (as decodekit serve --kv-cache)")
     parser.add_argument("--stream", action="store_true", help="streamed requests (server-sent events, read as they come)")
+    parser.add_argument("--stream-interval-ms", type=float, default=None, help="as decodekit serve's (default: its default)")
     args = parser.parse_args()
     stats = {"exec": 0.0, "passes": 0, "rows": 0, "gap": 0.0}
     last_end: list[float | None] = [None]
@@ -49,7 +50,8 @@ def main() -> None:
         stats["rows"] += sum(len(p.tokens) for p in batch)
 
     batching.PassBatcher._execute = timed
-    server = Server(lambda: load_model(numerics="fast", kv_cache=args.kv_cache), max_batch=max(args.concurrency), passes_on_caller=True)
+    server = Server(lambda: load_model(numerics="fast", kv_cache=args.kv_cache), max_batch=max(args.concurrency), passes_on_caller=True,
+                    **({} if args.stream_interval_ms is None else {"stream_interval_s": args.stream_interval_ms / 1000}))
     server.load_now()
     sock = socket.create_server(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/chat/completions"

@@ -21,7 +21,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from decodekit.engine import Engine  # noqa: E402
 from decodekit.models import CharTokenizer, LoadedModel, kernels  # noqa: E402
 from decodekit.models.tiny import tiny_llama  # noqa: E402
-from decodekit.serve.app import MAX_BODY_BYTES, Server, parse_request  # noqa: E402
+from decodekit.serve.app import FINISHED, MAX_BODY_BYTES, Outbox, Server, parse_request  # noqa: E402
 
 MODEL = "tiny"
 PROMPTS = ["hello world hello world hello", "abcabcabcabcabc", "Q: 12+12? A: 24. Q: 13+13? A:", "the cat sat on the mat"]
@@ -381,11 +381,44 @@ def test_serve_command_refuses_a_taken_port_and_a_missing_model_in_one_line(caps
         assert main(["serve", "--model", "/no/such/model", "--port", port]) == 2
         assert main(["serve", "--model", "smollm2-135m", "--port", port]) in (2,)  # taken (or model not installed)
         assert main(["serve", "--max-batch", "0"]) == 2
+        assert main(["serve", "--stream-interval-ms", "-1"]) == 2
     finally:
         taken.close()
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("decodekit:")]
-    assert len(err) == 3 and all(line.startswith("decodekit: error:") for line in err)
+    assert len(err) == 4 and all(line.startswith("decodekit: error:") for line in err)
     assert "--max-batch must be >= 1" in err[2]
+    assert "--stream-interval-ms must be between 0 and 1000, got -1" in err[3]
+
+
+def test_the_outbox_hands_over_a_first_text_and_an_end_at_once_and_gathers_the_rest():
+    """What a stream writes when: a choice's first text at once (time to first token), later text
+    gathered for the interval (here longer than the test), a choice's end at once and with
+    everything posted before it, in order; with interval 0, everything at once."""
+    import asyncio
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        channel = Outbox(loop, interval_s=3600.0).channel()
+
+        async def post(*items):  # from another thread, as a request thread does
+            await loop.run_in_executor(None, lambda: [channel.post(item) for item in items])
+
+        await post((0, "a"))
+        assert await asyncio.wait_for(channel.take(), 10) == [(0, "a")]
+        await post((0, "b"), (1, "x"), (0, "c"))  # choice 1's first text brings choice 0's along
+        assert await asyncio.wait_for(channel.take(), 10) == [(0, "b"), (1, "x"), (0, "c")]
+        await post((0, "d"), (1, "y"))
+        with pytest.raises(asyncio.TimeoutError):  # neither is a first text: they wait for the interval
+            await asyncio.wait_for(channel.take(), 0.3)
+        await post((1, FINISHED))
+        assert await asyncio.wait_for(channel.take(), 10) == [(0, "d"), (1, "y"), (1, FINISHED)]
+
+        every = Outbox(loop, interval_s=0.0).channel()
+        for item in ((0, "a"), (0, "b"), (0, FINISHED)):
+            await loop.run_in_executor(None, every.post, item)
+            assert await asyncio.wait_for(every.take(), 10) == [item]
+
+    asyncio.run(main())
 
 
 @pytest.mark.real_model

@@ -23,6 +23,7 @@ import secrets
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -42,6 +43,7 @@ from .metrics import ServerMetrics
 from .scheduler import Job, Outcome, Overloaded, Scheduler
 
 MAX_N = 16
+STREAM_INTERVAL_S = 0.02  # see Outbox
 MAX_BODY_BYTES = 16 << 20  # a context's worth of text or token ids is well under a megabyte
 ROLES = ("system", "developer", "user", "assistant")
 MAX_TOP_LOGPROBS = 20
@@ -79,14 +81,24 @@ class Server:
     it returns, ``/health`` and the API answer 503)."""
 
     def __init__(self, load: Callable[[], LoadedModel], *, max_batch: int = 8, max_queue: int = 64,
-                 passes_on_caller: bool = False):
+                 passes_on_caller: bool = False, stream_interval_s: float = STREAM_INTERVAL_S):
+        """``stream_interval_s``: how long a stream's text after its first is gathered before it is
+        written (:class:`Outbox`)."""
         self.max_batch, self.max_queue, self.passes_on_caller = max_batch, max_queue, passes_on_caller
+        self.stream_interval_s = stream_interval_s
+        self._outboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one per event loop
         self.scheduler: Scheduler | None = None
         self.metrics: ServerMetrics | None = None
         self.load_error: str | None = None
         self.app = FastAPI(title="decodekit", docs_url=None, redoc_url=None, openapi_url=None)
         self._load = load
         self._routes()
+
+    def _outbox(self, loop: asyncio.AbstractEventLoop) -> "Outbox":
+        outbox = self._outboxes.get(loop)
+        if outbox is None:
+            outbox = self._outboxes[loop] = Outbox(loop, self.stream_interval_s)
+        return outbox
 
     # start-up ---------------------------------------------------------------------------------
 
@@ -194,7 +206,7 @@ class Server:
         except DecodeKitError as err:  # a bad parameter, method, option or constraint
             raise ApiError(400, str(err), param=field_named(err, body, chat)) from None
         stream = spec.stream
-        deltas = Deliveries(asyncio.get_running_loop())
+        deltas = self._outbox(asyncio.get_running_loop()).channel()
         jobs = []
         for i in range(spec.n):
             params = dict(spec.params)
@@ -442,33 +454,67 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"
 FINISHED = object()  # in a stream's queue: the choice has ended (its outcome is in its future)
 
 
-class Deliveries:
-    """What request threads post for one stream (text, ends), taken on the event loop in batches.
+class Channel:
+    """One streamed response's side of an :class:`Outbox`: what was handed over for it, read on the
+    event loop."""
 
-    A post wakes the event loop only when nothing posted is waiting already, and the stream sends
-    whatever is waiting in one write: each wake-up, generator resumption and socket write takes the
-    interpreter and a core that a request thread or the next pass needs (it shows as time between
-    the passes of a streamed request; docs/BENCHMARKS.md has the figures)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop, self._lock, self._ready = loop, threading.Lock(), asyncio.Event()
-        self._items: list[tuple[int, Any]] = []
+    def __init__(self, outbox: "Outbox"):
+        self.outbox, self.items, self.ready = outbox, [], asyncio.Event()
+        self.begun: set[int] = set()  # choices whose first text has been posted (under the outbox's lock)
 
     def post(self, item: tuple[int, Any]) -> None:
-        """From any thread; items keep their order."""
-        with self._lock:
-            self._items.append(item)
-            if len(self._items) > 1:
-                return  # a wake-up is on its way for the first one
-        self._loop.call_soon_threadsafe(self._ready.set)
+        """From any thread: a choice's text, or its end (:data:`FINISHED`); a choice's items keep their order."""
+        self.outbox.post(self, item)
 
     async def take(self) -> list[tuple[int, Any]]:
-        """Everything posted so far, once there is something."""
-        await self._ready.wait()
-        with self._lock:
-            items, self._items = self._items, []
-            self._ready.clear()
+        """Everything handed over so far, once there is something."""
+        await self.ready.wait()
+        items, self.items = self.items, []
+        self.ready.clear()
         return items
+
+
+class Outbox:
+    """What the request threads post for the streams of one event loop, handed to the loop in batches.
+
+    A choice's first text and its end are handed over at once (the time to the first token, and
+    the response's end); other text is gathered for ``interval_s`` and handed over together with
+    whatever every other stream posted meanwhile: one wake-up of the loop, and one write a stream,
+    for several tokens. Each wake-up, generator resumption and socket write takes the interpreter
+    and a core that a request thread or the next pass needs; a wake-up a token showed as time
+    between passes (docs/BENCHMARKS.md, "Streaming"). ``interval_s`` 0: every token at once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float):
+        self.loop, self.interval_s = loop, interval_s
+        self._lock = threading.Lock()
+        self._posted: list[tuple[Channel, tuple[int, Any]]] = []
+        self._due: str | None = None  # what the loop has been asked for: None, "later" or "now"
+
+    def channel(self) -> Channel:
+        return Channel(self)
+
+    def post(self, channel: Channel, item: tuple[int, Any]) -> None:
+        with self._lock:
+            self._posted.append((channel, item))
+            index, text = item
+            at_once = text is FINISHED or index not in channel.begun or self.interval_s <= 0
+            channel.begun.add(index)
+            wanted = "now" if at_once else "later"
+            if self._due == "now" or self._due == wanted:
+                return  # the loop has been asked already, soon enough
+            self._due = wanted
+        if wanted == "now":
+            self.loop.call_soon_threadsafe(self._hand_over)
+        else:
+            self.loop.call_soon_threadsafe(self.loop.call_later, self.interval_s, self._hand_over)
+
+    def _hand_over(self) -> None:
+        """On the loop: every posted item to its channel. (A timer that finds nothing is harmless.)"""
+        with self._lock:
+            posted, self._posted, self._due = self._posted, [], None
+        for channel, item in posted:
+            channel.items.append(item)
+            channel.ready.set()
 
 
 class Reply:
@@ -540,10 +586,10 @@ class Reply:
             body["usage"] = None
         return f"data: {json.dumps(body)}\n\n"
 
-    async def stream(self, request: Request, jobs: list[Job], futures, deltas: "Deliveries") -> AsyncIterator[str]:
+    async def stream(self, request: Request, jobs: list[Job], futures, deltas: Channel) -> AsyncIterator[str]:
         """Server-sent events: text as it is decoded, each choice's finish reason, the usage when
-        asked for, then ``[DONE]``. A client that goes away cancels every choice. What was posted
-        while the event loop was busy goes out in one write."""
+        asked for, then ``[DONE]``. A client that goes away cancels every choice. What the
+        server's :class:`Outbox` hands over together goes out in one write."""
         unrecorded = dict(enumerate(futures))
         first: dict[int, float] = {}
         outcomes: dict[int, Outcome] = {}

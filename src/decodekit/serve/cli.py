@@ -27,6 +27,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503s (default 64)")
+    p.add_argument("--stream-interval-ms", type=float, default=None,
+                   help="how long a stream's text after its first token is gathered into one write "
+                        "(default 20; 0: every token as it is decoded)")
     p.set_defaults(func=run)
     return p
 
@@ -59,17 +62,20 @@ def run(args: argparse.Namespace) -> int:
 
     from ..models import resolve_model_folder
     from ..models.kv_policy import parse_kv_cache
-    from .app import Server
+    from .app import STREAM_INTERVAL_S, Server
 
     for name in ("max_batch", "max_queue"):
         if getattr(args, name) < 1:
             raise InvalidParameter(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    interval_s = STREAM_INTERVAL_S if args.stream_interval_ms is None else args.stream_interval_ms / 1000
+    if not 0 <= interval_s <= 1:  # NaN too
+        raise InvalidParameter(f"--stream-interval-ms must be between 0 and 1000, got {args.stream_interval_ms}")
     if args.kv_cache is not None:
         parse_kv_cache(args.kv_cache)  # a bad spelling is its own line, not a reason to leave the fast numerics
     resolve_model_folder(args.model)  # a missing model is reported now, before anything listens
     sock = listen(args.host, args.port)
     server = Server(lambda: load_for_serving(args), max_batch=args.max_batch, max_queue=args.max_queue,
-                    passes_on_caller=True)
+                    passes_on_caller=True, stream_interval_s=interval_s)
     web = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=5))
     # HTTP on a thread, answering 503 while the model loads; the main thread loads the model and
     # then runs every forward pass (see models/batching.py for why the main thread)
