@@ -451,7 +451,7 @@ async def wait_or_cancel(request: Request, jobs: list[Job], futures) -> list[Out
 
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
-FINISHED = object()  # in a stream's queue: the choice has ended (its outcome is in its future)
+FINISHED = object()  # posted to a stream's channel: the choice has ended (its outcome is in its future)
 
 
 class Channel:
