@@ -39,11 +39,11 @@ from ..errors import DecodeKitError, PromptTooLong
 from ..samplers.constraint import constraint_processor
 from ..samplers.params import SEED_LIMIT
 from ..models import LoadedModel
+from . import STREAM_INTERVAL_S
 from .metrics import ServerMetrics
 from .scheduler import Job, Outcome, Overloaded, Scheduler
 
 MAX_N = 16
-STREAM_INTERVAL_S = 0.02  # see Outbox
 MAX_BODY_BYTES = 16 << 20  # a context's worth of text or token ids is well under a megabyte
 ROLES = ("system", "developer", "user", "assistant")
 MAX_TOP_LOGPROBS = 20

@@ -14,6 +14,7 @@ import threading
 
 from ..arguments import add_model_arguments
 from ..errors import InvalidParameter
+from . import STREAM_INTERVAL_S
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -29,7 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503s (default 64)")
     p.add_argument("--stream-interval-ms", type=float, default=None,
                    help="how long a stream's text after its first token is gathered into one write "
-                        "(default 20; 0: every token as it is decoded)")
+                        f"(default {STREAM_INTERVAL_S * 1000:g}; 0: every token as it is decoded)")
     p.set_defaults(func=run)
     return p
 
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..models import resolve_model_folder
     from ..models.kv_policy import parse_kv_cache
-    from .app import STREAM_INTERVAL_S, Server
+    from .app import Server
 
     for name in ("max_batch", "max_queue"):
         if getattr(args, name) < 1:
