@@ -189,6 +189,8 @@ def test_task_prompts_open_every_other_drafting_round_with_the_materials_budget(
     assert [s.query for s in corpus.samples[:2]] == ["material number 1 is here", f"{openings[0]}material number 2 is here"]
     with pytest.raises(InvalidParameter, match="--prompts must be one of magpie, tasks"):
         self_distil(model.backend, model.tokenizer, 10, prompts="books")
+    with pytest.raises(InvalidParameter, match="--prompts must be one of magpie, tasks, got 'books'"):
+        Settings("eagle", prompts="books")  # said before a model is loaded
 
 
 def test_a_material_starts_with_its_opening_and_one_not_ended_is_cut_after_its_last_full_line():

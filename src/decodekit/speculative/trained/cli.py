@@ -65,7 +65,8 @@ def run(args: argparse.Namespace, model=None) -> int:
     corpus_path = cache_root() / "drafters" / f"{target_fingerprint(backend)}-data{recipe}-{settings.tokens}-s{settings.seed}.pt"
     corpus = load_corpus(corpus_path)
     if corpus is None:
-        _say(f"self-distilling {settings.tokens} tokens from {backend.info.name} (Magpie queries, the model's answers)")
+        queries = "Magpie queries" + (", every other one opening a task" if settings.prompts == "tasks" else "")
+        _say(f"self-distilling {settings.tokens} tokens from {backend.info.name} ({queries}, the model's answers)")
         made, t0 = [0], time.perf_counter()
 
         def progress(n: int) -> None:

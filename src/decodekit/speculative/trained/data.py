@@ -150,6 +150,12 @@ def check_trainable(backend: Backend, rows: int = 16) -> None:
                                f"not {policy.spec}")
 
 
+def check_prompts(prompts: str) -> None:
+    """One line for a recipe of queries that is not one of :data:`PROMPTS`."""
+    if prompts not in PROMPTS:
+        raise InvalidParameter(f"--prompts must be one of {', '.join(PROMPTS)}, got {prompts!r}")
+
+
 def opening_of_round(prompts: str, round_: int) -> str:
     """The user turn's opening for drafting round ``round_``: none for plain Magpie; with ``tasks``,
     none in even rounds and the task openings in turn in odd ones."""
@@ -263,8 +269,7 @@ def self_distil(backend: Backend, tokenizer: Tokenizer, tokens: int, *, seed: in
     """Queries and answers until the samples hold ``tokens`` tokens (see the module docstring).
     Queries are drafted ``rows`` at a time and answered ``wave`` at a time, ``rows`` concurrently;
     every ``sampled_every``-th answer is sampled (temperature 1, its own seed), the others greedy."""
-    if prompts not in PROMPTS:
-        raise InvalidParameter(f"--prompts must be one of {', '.join(PROMPTS)}, got {prompts!r}")
+    check_prompts(prompts)
     check_trainable(backend, rows)
     exclusion = exclusion or Exclusion()
     generator = torch.Generator().manual_seed(seed)

@@ -21,7 +21,7 @@ import torch
 
 from ...errors import InvalidParameter
 from ...models.backend import Backend
-from .data import PROMPTS, Corpus, Sample
+from .data import Corpus, Sample, check_prompts
 from .networks import EagleConfig, EagleNet, MedusaConfig, MedusaNet
 
 
@@ -44,8 +44,7 @@ class Settings:
     def __post_init__(self) -> None:
         if self.kind not in ("eagle", "medusa"):
             raise InvalidParameter(f"--kind must be eagle or medusa, got {self.kind!r}")
-        if self.prompts not in PROMPTS:
-            raise InvalidParameter(f"--prompts must be one of {', '.join(PROMPTS)}, got {self.prompts!r}")
+        check_prompts(self.prompts)
         if self.steps is not None and self.steps < 1:
             raise InvalidParameter("--steps must be at least 1")
         for name in ("tokens", "vocab", "batch_tokens", "max_len", "medusa_heads", "unroll", "held_out"):
