@@ -187,6 +187,17 @@ def test_importing_the_engine_alone_registers_every_family():
     assert out.stdout.split() == ["speculative", "search"], out.stderr
 
 
+def test_the_package_and_the_cluster_module_import_without_torch():
+    """``import decodekit`` is light (its names come on first use), so a Ray worker whose payload needs
+    no model starts without torch; the names still resolve."""
+    code = ("import sys, decodekit, decodekit.cluster; light = 'torch' not in sys.modules; "
+            "print(light, decodekit.Engine.__name__, 'torch' in sys.modules, 'Engine' in dir(decodekit))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.stdout.split() == ["True", "Engine", "True", "True"], out.stderr
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        decodekit.Nothing  # noqa: B018
+
+
 # Sampling behaviour is a field of the method's spec -------------------------------------------------
 
 

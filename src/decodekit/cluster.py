@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ClusterError, InvalidParameter
-from .models.threads import usable_cores
+from .machine import usable_cores
 
 INSTALL_HINT = "pip install 'decodekit[ray]'"
 LOCAL_OBJECT_STORE = 256 * 1024 * 1024  # results are small; Ray's default takes 30% of the memory

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidParameter
-from ..models.threads import usable_cores
+from ..machine import usable_cores
 from .runner import RECORD_FIELDS
 
 SCHEMA = "decodekit-bench/1"

@@ -1,11 +1,18 @@
-"""Method names → decoders. Plain decoding registers here; the speculative and search packages
-register their methods when imported (``decodekit/__init__.py`` imports them, so every method is
-there for anyone who imports decodekit)."""
+"""Method names → decoders. Plain decoding registers here; every other package that declares
+methods (decodekit's speculative and search packages, and any installed plugin) is named under the
+``decodekit.methods`` entry point group and registers its methods when imported. The registry
+imports them at its first lookup, so the engine never names a layer above it, and a researcher's
+own package adds methods by declaring the same entry point::
+
+    [project.entry-points."decodekit.methods"]
+    mymethod = "mypackage.decoding"
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any, Literal
 
 from ..errors import InvalidParameter, UnknownMethod
@@ -31,6 +38,18 @@ class MethodSpec:
 
 
 _METHODS: dict[str, MethodSpec] = {}
+PLUGIN_GROUP = "decodekit.methods"
+_plugins_imported = False
+
+
+def _registered() -> dict[str, MethodSpec]:
+    """The registry, with the packages of the ``decodekit.methods`` entry points imported first (once)."""
+    global _plugins_imported
+    if not _plugins_imported:
+        _plugins_imported = True  # before the imports: a package may look a method up as it registers
+        for point in entry_points(group=PLUGIN_GROUP):
+            point.load()
+    return _METHODS
 
 
 def register_method(name: str, build: Callable[..., Decoder], description: str, *, lossless: bool, family: str,
@@ -41,13 +60,14 @@ def register_method(name: str, build: Callable[..., Decoder], description: str, 
 
 
 def available_methods() -> dict[str, MethodSpec]:
-    return dict(_METHODS)
+    return dict(_registered())
 
 
 def method_spec(name: str) -> MethodSpec:
-    if name not in _METHODS:
-        raise UnknownMethod(f"unknown method {name!r}; choose from: {', '.join(sorted(_METHODS))}")
-    return _METHODS[name]
+    methods = _registered()
+    if name not in methods:
+        raise UnknownMethod(f"unknown method {name!r}; choose from: {', '.join(sorted(methods))}")
+    return methods[name]
 
 
 def validate_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:

@@ -38,11 +38,6 @@ import torch
 
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity), where the system says."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 FIRST_PROBE = 16  # passes before the first try of the other thread count
 LONGEST_PAUSE = 512  # passes between tries while the other count keeps losing
 SLOWER_WEIGHT = 0.2  # how far a slower timing moves an estimate

@@ -31,7 +31,8 @@ import torch
 
 from ..errors import InvalidParameter
 from ..models.kernels import mask_logits, masked_argmax
-from ..models.threads import GOVERNOR, usable_cores
+from ..machine import usable_cores
+from ..models.threads import GOVERNOR
 from ..models.tokenizer import grammar_error_line, matcher_error_line
 from .base import LogitsProcessor, generated_lists
 
