@@ -54,7 +54,7 @@ def test_speculative_methods_are_lossless(gemma, numerics):
         pytest.skip("AVX512-VNNI kernels unavailable on this machine")
     engine = gemma[numerics]
     flat = {1: 1.0, 64: 1.0}  # every pass priced as one: the controller drafts wherever it can (and no table is measured)
-    for prompt in PROMPTS:
+    for prompt in PROMPTS[1:]:  # code, which repeats itself: drafts are found and accepted (a step of this model is dear)
         greedy = engine.generate(prompt, max_new_tokens=32, chat=False).tokens
         for method in ("pld", "recycling"):
             got = engine.generate(prompt, method=method, max_new_tokens=32, chat=False, cost_table=flat)

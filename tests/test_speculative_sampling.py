@@ -63,11 +63,10 @@ class TrigramBackend(Backend):
         return self.tokens[-1] if self.tokens else 0
 
     def append(self, tokens, *, hidden_layers=(), skip_layers=frozenset(), last_only=False) -> StepOutput:
-        rows = []
-        for t in tokens[0].tolist():
-            rows.append(self.table[self._prev(), t])
-            self.tokens.append(t)
-        return StepOutput(torch.stack(rows)[None])
+        new = tokens[0].tolist()
+        prev = [self._prev(), *new[:-1]]
+        self.tokens.extend(new)
+        return StepOutput(self.table[prev, new][None])
 
     def truncate(self, length: int) -> None:
         del self.tokens[length:]
