@@ -187,6 +187,23 @@ def test_importing_the_engine_alone_registers_every_family():
     assert out.stdout.split() == ["speculative", "search"], out.stderr
 
 
+def test_an_installed_package_adds_methods_through_the_entry_point(monkeypatch):
+    """A package declared under ``decodekit.methods`` is imported at the registry's first lookup, and
+    the methods it registers are there beside decodekit's own."""
+    class Point:
+        def load(self):
+            registry.register_method("plugin-greedy", registry.plain_decoder, "a plugin's method", lossless=True,
+                                     family="plain", options={}, sampling="never")
+
+    asked = []
+    monkeypatch.setattr(registry, "_plugins_imported", False)
+    monkeypatch.setattr(registry, "entry_points", lambda group: asked.append(group) or [Point()])
+    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
+    methods = registry.available_methods()
+    assert asked == ["decodekit.methods"] and methods["plugin-greedy"].description == "a plugin's method"
+    assert methods["pld"].family == "speculative" and registry.available_methods() == methods  # imported once
+
+
 def test_the_package_and_the_cluster_module_import_without_torch():
     """``import decodekit`` is light (its names come on first use), so a Ray worker whose payload needs
     no model starts without torch; the names still resolve."""

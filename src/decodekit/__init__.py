@@ -6,10 +6,8 @@
     >>> engine.generate("Hi", method="pld", max_new_tokens=64)
 
 The names below are imported on first use (PEP 562), so ``import decodekit`` and its light
-submodules (``decodekit.cluster``, ``decodekit.errors``, the command line's argument checks) do not
-import torch: a Ray worker whose payload needs no model starts without it, and a command refused
-for a bad flag answers before torch has loaded. The engine, once imported, imports the speculative
-and search packages, which register their methods.
+submodules (``decodekit.cluster``, ``decodekit.errors``) do not import torch: a Ray worker whose
+payload needs no model starts without it.
 """
 
 from __future__ import annotations
@@ -27,6 +25,11 @@ _EXPORTS = {
     "Sampler": ".samplers",
 }
 __all__ = sorted(_EXPORTS)
+
+#: The packages whose import registers decoding methods: the method registry imports them at its
+#: first lookup (named here, at the top, so the engine never names a layer above it), then those of
+#: other installed packages, which declare themselves under the ``decodekit.methods`` entry points.
+METHOD_PACKAGES = ("decodekit.speculative", "decodekit.search")
 
 if TYPE_CHECKING:
     from .engine import Engine, Generation, available_methods, generate

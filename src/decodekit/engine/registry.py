@@ -1,17 +1,17 @@
-"""Method names → decoders. Plain decoding registers here; every other package that declares
-methods (decodekit's speculative and search packages, and any installed plugin) is named under the
-``decodekit.methods`` entry point group and registers its methods when imported. The registry
-imports them at its first lookup, so the engine never names a layer above it, and a researcher's
-own package adds methods by declaring the same entry point::
+"""Method names → decoders. Plain decoding registers here; the packages that declare other methods
+register them when imported, and the registry imports them at its first lookup: decodekit's own
+(``decodekit.METHOD_PACKAGES``: speculative and search; so the engine never names a layer above it),
+then any installed package's own methods, declared as a ``decodekit.methods`` entry point::
 
     [project.entry-points."decodekit.methods"]
-    mymethod = "mypackage.decoding"
+    mymethods = "mypackage.decoding"    # a module that calls register_method(...)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib import import_module
 from importlib.metadata import entry_points
 from typing import Any, Literal
 
@@ -43,10 +43,14 @@ _plugins_imported = False
 
 
 def _registered() -> dict[str, MethodSpec]:
-    """The registry, with the packages of the ``decodekit.methods`` entry points imported first (once)."""
+    """The registry, with the packages that register methods imported first (once)."""
     global _plugins_imported
     if not _plugins_imported:
+        from .. import METHOD_PACKAGES
+
         _plugins_imported = True  # before the imports: a package may look a method up as it registers
+        for package in METHOD_PACKAGES:
+            import_module(package)
         for point in entry_points(group=PLUGIN_GROUP):
             point.load()
     return _METHODS
