@@ -213,6 +213,7 @@ def test_the_package_and_the_cluster_module_import_without_torch():
     assert out.stdout.split() == ["True", "Engine", "True", "True"], out.stderr
     with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
         decodekit.Nothing  # noqa: B018
+    assert decodekit.speculative.drafters.DRAFTER_SPECS is DRAFTER_SPECS  # a subpackage, imported when asked for
 
 
 # Sampling behaviour is a field of the method's spec -------------------------------------------------

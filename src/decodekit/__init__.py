@@ -39,9 +39,15 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'decodekit' has no attribute {name!r}")
-    value = getattr(import_module(_EXPORTS[name], __name__), name)
+    if name in _EXPORTS:
+        value = getattr(import_module(_EXPORTS[name], __name__), name)
+    else:  # a subpackage not imported yet (``decodekit.speculative``), as an eager package would have it
+        try:
+            value = import_module(f".{name}", __name__)
+        except ModuleNotFoundError as err:
+            if err.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'decodekit' has no attribute {name!r}") from None
     globals()[name] = value  # later lookups skip this function
     return value
 
