@@ -241,27 +241,21 @@ def test_blocks_are_ignored_for_bfloat16():
     assert "gguf-blocks" not in backend.info.architecture
 
 
-def test_reading_the_embedded_gguf_finds_every_projection(real_model):
+def test_the_embedded_ggufs_blocks_are_read_saved_beside_the_weights_and_read_back_the_same(real_model, tmp_path):
+    from decodekit.models.gguf_blocks import cached_block_matrices
     from decodekit.models.loading import embedded_gguf
 
     backend = real_model.backend
-    blocks = read_block_matrices(embedded_gguf("smollm2-135m"), backend.info.num_layers)
-    assert blocks["model.embed_tokens.weight"].kind == "q8_0"
-    assert blocks["model.layers.0.mlp.down_proj.weight"].kind == "q4_1"
     if kernels.block_matmul("q4_1") is not None:
         # every fused projection of the loaded model matched its blocks exactly
         assert all(p.on_blocks for p in backend.weights.projections)
         assert "gguf-blocks" in backend.info.architecture
-
-
-def test_blocks_are_saved_beside_the_dequantised_weights_and_read_back_the_same(real_model, tmp_path):
-    from decodekit.models.gguf_blocks import cached_block_matrices
-    from decodekit.models.loading import embedded_gguf
-
     gguf = embedded_gguf("smollm2-135m")
-    first = cached_block_matrices(gguf, tmp_path, real_model.backend.info.num_layers)
+    first = cached_block_matrices(gguf, tmp_path, backend.info.num_layers)  # read from the file, then saved
+    assert first["model.embed_tokens.weight"].kind == "q8_0"
+    assert first["model.layers.0.mlp.down_proj.weight"].kind == "q4_1"
     assert (tmp_path / BLOCKS_FILE).is_file()
-    again = cached_block_matrices(gguf, tmp_path, real_model.backend.info.num_layers)
+    again = cached_block_matrices(gguf, tmp_path, backend.info.num_layers)
     assert first.keys() == again.keys()
     for name, blocks in first.items():
         saved = again[name]

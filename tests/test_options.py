@@ -180,11 +180,19 @@ def test_cli_bench_and_eval_share_one_parse_option():
         bench_cli.parse_method_options(["pld.bogus=1"], ["greedy", "pld"])
 
 
-def test_importing_the_engine_alone_registers_every_family():
-    # (that the engine names no layer above it is tests/test_layers.py's)
-    code = "import decodekit.engine as e; m = e.available_methods(); print(m['pld'].family, m['beam'].family)"
+def test_import_decodekit_is_light_and_the_engine_alone_registers_every_family():
+    """In a fresh process: ``import decodekit`` (and ``decodekit.cluster``, which a Ray worker imports
+    before its payload) does not import torch; importing the engine alone, every family's methods are
+    there at its first lookup (that the engine names no layer above it is tests/test_layers.py's); the
+    package's names resolve to the engine's."""
+    code = ("import sys, decodekit, decodekit.cluster; light = 'torch' not in sys.modules; "
+            "import decodekit.engine as e; m = e.available_methods(); "
+            "print(light, m['pld'].family, m['beam'].family, decodekit.Engine is e.Engine, 'Engine' in dir(decodekit))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
-    assert out.stdout.split() == ["speculative", "search"], out.stderr
+    assert out.stdout.split() == ["True", "speculative", "search", "True", "True"], out.stderr
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        decodekit.Nothing  # noqa: B018
+    assert decodekit.speculative.drafters.DRAFTER_SPECS is DRAFTER_SPECS  # a subpackage, imported when asked for
 
 
 def test_an_installed_package_adds_methods_through_the_entry_point(monkeypatch):
@@ -202,18 +210,6 @@ def test_an_installed_package_adds_methods_through_the_entry_point(monkeypatch):
     methods = registry.available_methods()
     assert asked == ["decodekit.methods"] and methods["plugin-greedy"].description == "a plugin's method"
     assert methods["pld"].family == "speculative" and registry.available_methods() == methods  # imported once
-
-
-def test_the_package_and_the_cluster_module_import_without_torch():
-    """``import decodekit`` is light (its names come on first use), so a Ray worker whose payload needs
-    no model starts without torch; the names still resolve."""
-    code = ("import sys, decodekit, decodekit.cluster; light = 'torch' not in sys.modules; "
-            "print(light, decodekit.Engine.__name__, 'torch' in sys.modules, 'Engine' in dir(decodekit))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
-    assert out.stdout.split() == ["True", "Engine", "True", "True"], out.stderr
-    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
-        decodekit.Nothing  # noqa: B018
-    assert decodekit.speculative.drafters.DRAFTER_SPECS is DRAFTER_SPECS  # a subpackage, imported when asked for
 
 
 # Sampling behaviour is a field of the method's spec -------------------------------------------------

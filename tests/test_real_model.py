@@ -94,12 +94,10 @@ def test_the_tokenizer_gives_what_auto_tokenizer_gives(name, specbench_prompts):
     assert ours.eos_token_ids == ends - {None, auto.unk_token_id}
 
 
-def test_a_tokens_bytes_are_its_own_even_inside_a_character():
+def test_a_tokens_bytes_are_its_own_even_inside_a_character(real_model):
     """``Tokenizer.token_bytes`` (the server's logprobs ``bytes``): a byte-level token that holds part
     of a character gives its bytes, not U+FFFD's; the bytes of an answer's tokens join into its text."""
-    from decodekit.models import load_model
-
-    tokenizer = load_model(None).tokenizer
+    tokenizer = real_model.tokenizer
     text = "naïve 🦊 東京"
     ids = tokenizer.encode(text)
     pieces = [tokenizer.token_bytes(t) for t in ids]
