@@ -21,7 +21,7 @@ from decodekit.engine import (
     register_method,
     registry,
 )
-from decodekit.errors import InvalidParameter
+from decodekit.errors import DecodeKitError, InvalidParameter
 from decodekit.eval import cli as eval_cli
 from decodekit.interfaces import cli
 from decodekit.options import OptionSpec, parse_bool, parse_option, parse_options
@@ -210,6 +210,22 @@ def test_an_installed_package_adds_methods_through_the_entry_point(monkeypatch):
     methods = registry.available_methods()
     assert asked == ["decodekit.methods"] and methods["plugin-greedy"].description == "a plugin's method"
     assert methods["pld"].family == "speculative" and registry.available_methods() == methods  # imported once
+
+
+def test_a_package_whose_methods_cannot_be_imported_is_one_line_every_time(monkeypatch):
+    class Broken:
+        name, value = "theirs", "theirpackage.decoding"
+
+        def load(self):
+            raise ModuleNotFoundError("No module named 'somedependency'\nmore detail")
+
+    monkeypatch.setattr(registry, "_plugins_imported", False)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [Broken()])
+    for _ in range(2):  # not a partial registry at the second lookup either
+        with pytest.raises(DecodeKitError, match=r"^the methods of 'theirpackage.decoding' \(decodekit.methods entry point "
+                                                 r"'theirs'\) could not be imported: ModuleNotFoundError: No module named "
+                                                 r"'somedependency'$"):
+            registry.method_spec("greedy")
 
 
 # Sampling behaviour is a field of the method's spec -------------------------------------------------

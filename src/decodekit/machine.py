@@ -1,5 +1,5 @@
-"""What this process may run on, in a module without torch: Ray workers, the bench's machine
-description and the thread governor all ask it, and a cluster worker imports it before it knows
+"""What this process may run on, in a module without torch: the Ray cluster code, the bench's machine
+description and the grammar's mask threads ask it, and a cluster worker imports it before it knows
 whether its payload needs a model."""
 
 from __future__ import annotations

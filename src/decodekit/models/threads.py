@@ -36,8 +36,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-
 FIRST_PROBE = 16  # passes before the first try of the other thread count
 LONGEST_PAUSE = 512  # passes between tries while the other count keeps losing
 SLOWER_WEIGHT = 0.2  # how far a slower timing moves an estimate
