@@ -212,6 +212,19 @@ def test_an_installed_package_adds_methods_through_the_entry_point(monkeypatch):
     assert methods["pld"].family == "speculative" and registry.available_methods() == methods  # imported once
 
 
+def test_a_package_cannot_take_a_built_in_methods_name(monkeypatch):
+    def pld_of_mine():
+        return registry.plain_decoder()
+
+    monkeypatch.setattr(registry, "_METHODS", dict(registry.available_methods()))
+    with pytest.raises(InvalidParameter, match=r"^method 'pld' is registered already, by decodekit\.speculative\.\S+; "
+                                               r"choose another name$"):
+        registry.register_method("pld", pld_of_mine, "not pld", lossless=False, family="plain")
+    assert registry.available_methods()["pld"].family == "speculative"
+    registry.register_method("greedy", registry.plain_decoder, "again", lossless=True, family="plain")  # its own module
+    assert registry.available_methods()["greedy"].description == "again"
+
+
 def test_a_package_whose_methods_cannot_be_imported_is_one_line_every_time(monkeypatch):
     class Broken:
         name, value = "theirs", "theirpackage.decoding"

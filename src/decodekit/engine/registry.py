@@ -65,9 +65,20 @@ def _registered() -> dict[str, MethodSpec]:
 
 def register_method(name: str, build: Callable[..., Decoder], description: str, *, lossless: bool, family: str,
                     options: Mapping[str, OptionSpec] | None = None, sampling: Sampling = "when-temperature") -> None:
+    """Add a method. A name another module registered is refused: an installed package must not
+    replace a built-in method (a ``pld`` whose output differs) without anyone asking for it. The same
+    module registering again (its import retried after a failure) replaces its own entry."""
     if sampling not in ("never", "always", "when-temperature"):
         raise InvalidParameter(f"sampling must be never, always or when-temperature, got {sampling!r}")
+    existing = _METHODS.get(name)
+    if existing is not None and _module_of(existing.build) != _module_of(build):
+        raise InvalidParameter(f"method {name!r} is registered already, by {_module_of(existing.build)}; choose another name")
     _METHODS[name] = MethodSpec(name, build, description, lossless, family, options, sampling)
+
+
+def _module_of(build: Callable[..., Decoder]) -> str:
+    """The module that defined a builder (a partial's function's)."""
+    return getattr(getattr(build, "func", build), "__module__", "?")
 
 
 def available_methods() -> dict[str, MethodSpec]:
