@@ -31,9 +31,8 @@ class InvalidModel(DecodeKitError, ValueError):
     @classmethod
     def because(cls, path: object, problem: str, err: BaseException) -> "InvalidModel":
         """``path: problem (cause)``, the cause being the first line of a loader's own error."""
-        lines = str(err).strip().splitlines()
-        cause = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
-        return cls(f"{path}: {problem} ({cause})")
+        return cls(f"{path}: {problem} ({cause_line(err)})")
+
 
 
 class CacheError(DecodeKitError, OSError):
@@ -46,3 +45,9 @@ class PromptTooLong(DecodeKitError, ValueError):
 
 class ClusterError(DecodeKitError, RuntimeError):
     """A Ray cluster could not be started or joined, or lost more workers than a run tolerates."""
+
+
+def cause_line(err: BaseException) -> str:
+    """Another library's error as one line: its type and the first line of its message."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__

@@ -15,7 +15,7 @@ from importlib import import_module
 from importlib.metadata import entry_points
 from typing import Any, Literal
 
-from ..errors import DecodeKitError, InvalidParameter, UnknownMethod
+from ..errors import DecodeKitError, InvalidParameter, UnknownMethod, cause_line
 from ..options import OptionSpec, parse_options
 from .core import Decoder, PlainDecoding, StepDecoder
 
@@ -56,10 +56,8 @@ def _registered() -> dict[str, MethodSpec]:
                 point.load()
             except Exception as err:  # another package's bug or missing dependency: one line, naming it
                 _plugins_imported = False  # tried again at the next lookup, so no lookup sees a partial registry
-                lines = str(err).strip().splitlines()
-                cause = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
                 raise DecodeKitError(f"the methods of {point.value!r} ({PLUGIN_GROUP} entry point {point.name!r}) "
-                                     f"could not be imported: {cause}") from None
+                                     f"could not be imported: {cause_line(err)}") from None
     return _METHODS
 
 
