@@ -284,35 +284,30 @@ static inline __attribute__((always_inline)) void group_tile(int kind, const uin
                 s1[g] = _mm512_loadu_ps(block + weights + 4 * GROUP);
             }
         }
-        /* The tile's integer sums, one per row and group (Q6_K: one per half, a scale each),
-         * computed side by side (j outer): each row's vpdpbusd chain then runs beside the other
-         * rows' instead of waiting on its own latency. Integer sums are exact in any order, and
-         * the float steps below keep theirs, so the bits are those of one row at a time. */
-        const int halves = kind == KIND_Q6_K, per_half = halves ? 4 : 8;
-        for (int h = 0; h <= halves; h++) {
-            __m512i isum[2][TILE];
-            for (int t = 0; t < T; t++) {
-                size_t at = (size_t)(m0 + t) * nb + b;
-                /* the corrections of offset weights: -128 sx (Q8_0), -16 sx (Q5_0), -32 per half (Q6_K) */
-                int32_t correction = halves ? (h ? in->c1[at] : in->c0[at])
-                                            : kind == KIND_Q8_0 ? in->cx[at] : kind == KIND_Q5_0 ? in->cx[at] / 8 : 0;
-                for (int g = 0; g < G; g++) isum[g][t] = _mm512_set1_epi32(correction);
+        for (int t = 0; t < T; t++) {
+            size_t at = (size_t)(m0 + t) * nb + b;
+            const int8_t *xq = in->q + (size_t)(m0 + t) * n_in + (size_t)b * QK;
+            __m512 dx = _mm512_set1_ps(in->dx[at]);
+            /* integer sums: one per block, or one per half (Q6_K: a scale per 16 weights) */
+            int halves = kind == KIND_Q6_K;
+            /* the corrections of offset weights: -128 sx (Q8_0), -16 sx (Q5_0), -32 per half (Q6_K) */
+            int32_t correction = kind == KIND_Q8_0 ? in->cx[at] : kind == KIND_Q5_0 ? in->cx[at] / 8 : 0;
+            __m512i first = _mm512_set1_epi32(halves ? in->c0[at] : correction);
+            __m512i second = _mm512_set1_epi32(in->c1[at]);
+            __m512i isum[2][2] = {{first, second}, {first, second}};
+            for (int j = 0; j < 8; j++) {
+                int32_t four;
+                memcpy(&four, xq + 4 * j, 4);
+                __m512i x = _mm512_set1_epi32(four);
+                int h = halves && j >= 4;
+                for (int g = 0; g < G; g++) isum[g][h] = _mm512_dpbusd_epi32(isum[g][h], w[g][j], x);
             }
-            for (int j = h * per_half; j < (h + 1) * per_half; j++)
-                for (int t = 0; t < T; t++) {
-                    int32_t four;
-                    memcpy(&four, in->q + (size_t)(m0 + t) * n_in + (size_t)b * QK + 4 * j, 4);
-                    __m512i x = _mm512_set1_epi32(four);
-                    for (int g = 0; g < G; g++) isum[g][t] = _mm512_dpbusd_epi32(isum[g][t], w[g][j], x);
-                }
-            for (int t = 0; t < T; t++) {
-                size_t at = (size_t)(m0 + t) * nb + b;
-                __m512 dx = _mm512_set1_ps(in->dx[at]);
-                for (int g = 0; g < G; g++) {
-                    acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g][t]), _mm512_mul_ps(h ? s1[g] : s0[g], dx), acc[g][t]);
-                    if (!halves && kind != KIND_Q8_0 && kind != KIND_Q5_0)
-                        acc[g][t] = _mm512_fmadd_ps(s1[g], _mm512_set1_ps(in->ex[at]), acc[g][t]);
-                }
+            for (int g = 0; g < G; g++) {
+                acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g][0]), _mm512_mul_ps(s0[g], dx), acc[g][t]);
+                if (halves)
+                    acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g][1]), _mm512_mul_ps(s1[g], dx), acc[g][t]);
+                else if (kind != KIND_Q8_0 && kind != KIND_Q5_0)
+                    acc[g][t] = _mm512_fmadd_ps(s1[g], _mm512_set1_ps(in->ex[at]), acc[g][t]);
             }
         }
     }
