@@ -5,18 +5,20 @@
 #   bash scripts/integer_pass.sh [REV] [THREADS] [PASSES]      # REV default HEAD, 2 threads, 40 passes
 #   HOT=1 bash scripts/integer_pass.sh ...                     # weights from the caches instead of memory
 #
-# lib 0 is REV's gemm_q8.c, lib 1 this checkout's; each row says whether lib 1's output is lib 0's
-# bit for bit. Needs a C compiler and a CPU with AVX512-VNNI.
+# lib 0 is REV's gemm_q8.c, lib 1 this checkout's, both compiled with the flags decodekit builds the
+# kernel with (kernels.FLAGS and EXTRA_FLAGS, read from this checkout); each row says whether lib 1's
+# output is lib 0's bit for bit. Needs the install's .venv, a C compiler and a CPU with AVX512-VNNI.
 set -euo pipefail
 rev=${1:-HEAD}; threads=${2:-2}; passes=${3:-40}
 here=$(cd "$(dirname "$0")/.." && pwd)
 kernels=$here/src/decodekit/models/kernels
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-flags=(-O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma -mf16c -mavx512vnni -fopenmp -shared -fPIC)
+read -r -a flags < <(PYTHONPATH="$here/src" "$here/.venv/bin/python" -c \
+    'from decodekit.models.kernels import FLAGS, EXTRA_FLAGS; print(*FLAGS, *EXTRA_FLAGS["gemm_q8"])')
 git -C "$here" show "$rev:src/decodekit/models/kernels/gemm_q8.c" > "$work/gemm_q8.c"
 git -C "$here" show "$rev:src/decodekit/models/kernels/gguf.h" > "$work/gguf.h"
-cc "${flags[@]}" -I"$work" "$work/gemm_q8.c" -o "$work/before.so" -lm
-cc "${flags[@]}" -I"$kernels" "$kernels/gemm_q8.c" -o "$work/after.so" -lm
-cc -O2 -mf16c -mavx512f "$here/scripts/integer_pass.c" -o "$work/integer_pass" -ldl
+cc "${flags[@]}" -I"$work" "$work/gemm_q8.c" -o "$work/before.so"
+cc "${flags[@]}" -I"$kernels" "$kernels/gemm_q8.c" -o "$work/after.so"
+cc -O2 -mf16c -mavx512f "$here/scripts/integer_pass.c" -o "$work/integer_pass" -ldl -Wl,--no-as-needed -lm  # the libraries take libm from the process, as in Python
 "$work/integer_pass" "$threads" "$passes" "$work/before.so" "$work/after.so"
