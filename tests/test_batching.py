@@ -3,6 +3,7 @@ clones in their own threads share passes, and each gets exactly the tokens it ge
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -100,14 +101,23 @@ def test_passes_can_run_on_the_callers_thread():
 
 
 def test_a_long_prompt_arrives_in_chunks_and_errors_reach_the_request():
+    """Beside another request, a prompt is read PREFILL_CHUNK tokens a pass (the other's steps
+    get through between them); alone, in the batcher's largest passes."""
     model = base(NUMERICS[-1])
+    tokens = torch.randint(0, 96, (1, 3 * PREFILL_CHUNK + 5), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for others, passes in ((1, 4), (0, 2)):
+        backend = model.clone()
+        backend.batcher = PassBatcher(max_rows=2 * PREFILL_CHUNK, wait_s=0.0)
+        with contextlib.ExitStack() as members:
+            for _ in range(1 + others):
+                members.enter_context(backend.batcher.member())
+            logits[others] = backend.append(tokens).logits
+        assert backend.batcher.passes == passes and backend.length == tokens.shape[1]
+        assert logits[others].shape[1] == tokens.shape[1]
+    assert torch.equal(logits[0], logits[1])  # rows are computed independently: any chunking gives the same bits
     backend = model.clone()
     backend.batcher = PassBatcher()
-    tokens = torch.randint(0, 96, (1, 3 * PREFILL_CHUNK + 5), generator=torch.Generator().manual_seed(0))
-    with backend.batcher.member():
-        logits = backend.append(tokens).logits
-    assert backend.batcher.passes == 4 and backend.length == tokens.shape[1]
-    assert logits.shape[1] == tokens.shape[1]
     with backend.batcher.member(), pytest.raises(ValueError, match="exceeds the model's context"):
         backend.append(torch.zeros(1, 2000, dtype=torch.long))
 
@@ -115,14 +125,15 @@ def test_a_long_prompt_arrives_in_chunks_and_errors_reach_the_request():
 @pytest.mark.skipif("fast" not in NUMERICS, reason="AVX512-VNNI kernels unavailable on this machine")
 def test_fast_prefill_is_the_same_alone_and_served():
     """In fast numerics a prompt is always read in chunks by the same kernels, so its logits are the
-    same bits alone (chunks of 64) and served (chunks of 32)."""
+    same bits alone (chunks of 64) and served beside another request (chunks of 32)."""
     model = base("fast")
     tokens = torch.randint(0, 96, (1, 300), generator=torch.Generator().manual_seed(1))
     alone = model.clone().append(tokens).logits
     served = model.clone()
-    served.batcher = PassBatcher()
-    with served.batcher.member():
+    served.batcher = PassBatcher(wait_s=0.0)
+    with served.batcher.member(), served.batcher.member():
         assert torch.equal(served.append(tokens).logits, alone)
+    assert served.batcher.rows == 300 and served.batcher.passes == 10
 
 
 @pytest.mark.parametrize("numerics", NUMERICS)

@@ -350,6 +350,7 @@ def test_a_bench_on_ray_gives_the_single_machine_tokens_in_the_same_schema_with_
     # machine's load; the pool's own test above makes sure it does.
     workers = len(results["machines"])
     assert len(lost) == 1 and lost[0]["pid"] == killer.killed and workers in (2, 3)
+    assert all(m["threads"] == m["machine"]["torch_threads"] == 1 for m in results["machines"])  # what each reserved
     ran = [tuple(q) for m in results["machines"] for q in m["questions"]]  # each question on one worker, once
     assert sorted(ran) == sorted((r, q) for (_, q, r) in runs_of(local["records"]) if _ == "greedy")
     assert sum(n.startswith(f"ran on a Ray cluster: {workers} workers (1 lost and replaced)") for n in results["notes"]) == 1

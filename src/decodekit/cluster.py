@@ -23,6 +23,7 @@ import logging
 import os
 import platform
 import socket
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Mapping
@@ -81,9 +82,11 @@ class Host:
     any object with ``run(unit)`` and ``describe() -> dict``."""
 
     def __init__(self, threads: int) -> None:
-        import torch
-
-        torch.set_num_threads(threads)  # as many as the worker reserved, not the machine's
+        # As many threads as the worker reserved, not the machine's. torch reads the variable when
+        # the payload first imports it; a payload that never does (a test's) need not pay for it.
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(threads)
         self.threads = threads
         self.payload: Any = None
 

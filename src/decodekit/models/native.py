@@ -286,8 +286,9 @@ class NativeLlama(Backend):
     def _prefill_chunk(self, tokens: torch.Tensor, hidden_layers, skip_layers) -> int | None:
         """How many tokens of a long ``append`` go in one pass, or None for all at once.
 
-        Batched (serving): :data:`.batching.PREFILL_CHUNK`, so that a long prompt joins the batch a
-        chunk at a time and the others keep decoding meanwhile. ``fast`` numerics and the int8
+        Batched (serving): :data:`.batching.PREFILL_CHUNK` while other requests are decoding, so that
+        a long prompt joins the batch a chunk at a time and their steps keep coming; alone, the
+        largest pass the batcher runs (fewer, fuller passes). ``fast`` numerics and the int8
         cache: the kernels' row limit, so that a prompt is read by the same kernels as every other
         pass; rows are independent there, so any chunking gives the same bits, alone or served.
         A cache that evicts while it reads a prompt (StreamingLLM) reads it in chunks of its own,
@@ -296,7 +297,7 @@ class NativeLlama(Backend):
         if evicting is not None:
             return min(evicting, PREFILL_CHUNK)
         if self._batched(tokens, hidden_layers, skip_layers):
-            return PREFILL_CHUNK
+            return PREFILL_CHUNK if self.batcher.active > 1 else self.batcher.max_rows
         chunks = [None]
         if self.numerics == "fast" and self._one_call(tokens, hidden_layers, skip_layers):
             chunks.append(MAX_ROWS)
