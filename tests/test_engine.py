@@ -80,6 +80,21 @@ def test_streamed_deltas_join_to_the_text(tiny_model):
     assert "".join(deltas) == g.text
 
 
+NEEDS_FILES = {"eagle", "medusa"}  # trained drafters: none exists for the tiny model (their loop is StepDecoder's)
+
+
+def test_every_method_streams_text_that_joins_to_its_answer(tiny_model):
+    """A search settles its answer at the end: a stream gets that text then, once, never nothing."""
+    from decodekit.engine import available_methods
+
+    engine, options = Engine(tiny_model), {"draft": {"draft_model": "self-truncated:1"}}
+    for name in sorted(set(available_methods()) - NEEDS_FILES):
+        deltas: list[str] = []
+        g = engine.generate("stream me", method=name, max_new_tokens=12, chat=False, on_text=deltas.append,
+                            **options.get(name, {}))
+        assert g.text and "".join(deltas) == g.text, name
+
+
 class CountingTokenizer:
     """Decodes like the wrapped tokenizer and counts the tokens it is asked to decode."""
 

@@ -102,6 +102,9 @@ def test_fast_on_the_hf_backend_or_an_unknown_numerics_is_one_clear_line(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
     with pytest.raises(InvalidParameter, match="^the fast numerics runs on the native backend only"):
         build_backend(tmp_path, backend="hf", numerics="fast")
+    for policy in ("int8", "int4", "int2", "sink:4,window:64"):  # HF's cache would hold everything in float
+        with pytest.raises(InvalidParameter, match=f"^kv cache {policy} runs on the native backend only"):
+            build_backend(tmp_path, backend="hf", kv_cache=policy)
     run = subprocess.run([sys.executable, "-m", "decodekit", "generate", "hi", "--numerics", "quick"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "--numerics" in run.stderr

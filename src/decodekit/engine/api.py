@@ -133,7 +133,10 @@ class Engine:
                           should_stop, ignore_eos)
         # One request at a time per backend: threads sharing an Engine (or its model) queue here.
         with self.model.backend.lock:
-            return decoder.generate(self.model, request)
+            generation = decoder.generate(self.model, request)
+        if on_text is not None and not decoder.streams and generation.text:
+            on_text(generation.text)
+        return generation
 
 
 _default_engines: dict[tuple, Engine] = {}

@@ -157,6 +157,10 @@ class PlainDecoding(StepMethod):
 class Decoder(ABC):
     """Anything that turns a request into a generation."""
 
+    #: Whether :meth:`generate` hands ``request.on_text`` the text as it comes. A search knows its
+    #: answer only at the end: the engine hands over that whole text once, when it is chosen.
+    streams: bool = False
+
     @abstractmethod
     def generate(self, model: LoadedModel, request: Request) -> Generation: ...
 
@@ -213,6 +217,8 @@ class TextStreamer:
 
 class StepDecoder(Decoder):
     """Runs a :class:`StepMethod` inside the decode loop."""
+
+    streams = True
 
     def __init__(self, method: StepMethod):
         self.method = method

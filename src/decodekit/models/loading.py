@@ -276,7 +276,7 @@ def build_backend(
     if backend == "hf" or arch not in NATIVE_ARCHITECTURES:
         if numerics != "exact":
             raise InvalidParameter(f"the {numerics} numerics runs on the native backend only (this model uses the HF backend)")
-        if policy.evicts():
+        if policy.spec != "full":  # an evicting or a quantised cache: the native backend's
             raise InvalidParameter(f"kv cache {policy.spec} runs on the native backend only (this model uses the HF backend)")
         from .hf import HFBackend
 
