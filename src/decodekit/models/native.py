@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InvalidParameter
+from ..machine import available_memory
 from .backend import Backend, ModelInfo, StepOutput
 from .batching import PREFILL_CHUNK, PassBatcher
 from .gguf_blocks import BlockMatrix
@@ -212,8 +213,22 @@ class NativeLlama(Backend):
             capacity = min(capacity, policy.recent + policy.residual + 2 * policy.group + MAX_ROWS)
         self._allocate(batch_size, capacity)
 
+    def _check_memory(self, rows: int, capacity: int) -> None:
+        """Refuse, in one line, a cache larger than the memory left (many samples or beams of a
+        search), rather than fail deep in the allocator or be killed by the system."""
+        c = self.config
+        need = 2 * c.num_layers * rows * c.num_kv_heads * capacity * self._row * self.dtype.itemsize
+        free = available_memory()
+        if free is not None and need > free:
+            def size(n: int) -> str:
+                return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+            raise InvalidParameter(f"{rows} sequences of {capacity} positions need a {size(need)} KV cache, more than "
+                                   f"the {size(free)} of memory available; ask for fewer samples or beams")
+
     def _allocate(self, batch_size: int, capacity: int) -> None:
         c = self.config
+        self._check_memory(batch_size, capacity)
         shape = (c.num_layers, batch_size, c.num_kv_heads, capacity, self._row)
         self._k = torch.zeros(shape, dtype=self.dtype)
         self._v = torch.zeros(shape, dtype=self.dtype)
@@ -256,6 +271,8 @@ class NativeLlama(Backend):
     def reorder(self, rows: torch.Tensor) -> None:
         if rows.numel() != 1 and self.kv_policy.one_sequence():
             raise InvalidParameter(f"kv cache {self.kv_policy.spec} holds one sequence; this method needs {rows.numel()}")
+        if rows.numel() > self._k.shape[1]:
+            self._check_memory(rows.numel(), self._k.shape[3])
         self._k = self._k[:, rows].contiguous()
         self._v = self._v[:, rows].contiguous()
 
