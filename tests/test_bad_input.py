@@ -335,3 +335,27 @@ def test_a_kv_cache_larger_than_the_free_memory_is_one_line(monkeypatch, tiny_cl
     Engine(long).generate("hi", max_new_tokens=500, chat=False, ignore_eos=True)  # 512 positions fit
     with pytest.raises(InvalidParameter, match="^1 sequences of .* positions need a .* KV cache"):
         Engine(long).generate("hi", max_new_tokens=700, chat=False, ignore_eos=True)  # growing past them does not
+
+
+def test_chat_goes_on_when_the_conversation_outgrows_the_context(monkeypatch, engine, capsys):
+    """The oldest exchanges make room for a new message; a message too long on its own is not sent,
+    and the chat goes on (the tiny model's context is 512 tokens, its characters one token each)."""
+    sent: list[list[dict]] = []
+    real = engine.generate
+
+    def recording(messages, **kwargs):
+        sent.append([dict(m) for m in messages])
+        return real(messages, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", recording)
+    monkeypatch.setattr(cli, "make_engine", lambda args: engine)
+    typed = ["a" * 200, "b" * 200, "c" * 900, "d" * 200, "e"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(typed) + "\n"))
+    assert cli.main(["chat", "--max-new-tokens", "8"]) == 0
+    err = capsys.readouterr().err
+    users = [[m["content"][0] for m in call if m["role"] == "user"] for call in sent]
+    # c does not fit even alone: refused, the history kept; d does not fit after a and b: a goes
+    assert users == [["a"], ["a", "b"], ["a", "b", "c"], ["b", "c"], ["c"], ["a", "b", "d"], ["b", "d"], ["b", "d", "e"]]
+    assert err.count("the oldest 1 exchange(s) dropped") == 1 and err.count("; not sent") == 1
+    assert "Traceback" not in err
+

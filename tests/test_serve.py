@@ -294,6 +294,11 @@ def test_a_full_server_answers_503_with_retry_after():
             results = list(pool.map(ask, range(4)))
         assert sorted(s for s, _ in results).count(503) >= 1 and (200, None) in results
         assert all(retry == "1" for s, retry in results if s == 503)
+        # more choices than the server ever holds: no retry would help, so not a 503
+        with pytest.raises(openai.BadRequestError, match=r"n=3 choices exceed what this server holds at once "
+                                                         r"\(1 running \+ 1 waiting\)") as refused:
+            chat(running, PROMPTS[0], max_tokens=4, n=3)
+        assert refused.value.body["param"] == "n"
     finally:
         running.stop()
 

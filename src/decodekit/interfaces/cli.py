@@ -16,7 +16,7 @@ from ..bench import profile as profile_cli
 from ..serve import cli as serve_cli
 from ..serve import load as bench_serve_cli
 from ..engine import available_methods, build_decoder, make_sampler, method_spec, split_params
-from ..errors import DecodeKitError, InvalidParameter
+from ..errors import DecodeKitError, InvalidParameter, PromptTooLong
 from ..eval import cli as eval_cli
 from ..speculative.trained import cli as train_drafter_cli
 from ..models.kv_policy import POLICY_HELP, parse_kv_cache
@@ -178,6 +178,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def answer_within_context(engine, messages: list[dict[str, str]], **kwargs: Any):
+    """(the answer to the last message, the messages it was given): the oldest exchanges left out
+    as far as the model's context needs, or (None, ...) with one line on stderr where the last
+    message alone does not fit. Nothing is printed before a prompt is found to fit."""
+    sent = messages
+    while True:
+        try:
+            return engine.generate(sent, **kwargs), sent
+        except PromptTooLong as err:
+            if len(sent) == 1:
+                print(f"decodekit: {err}; not sent", file=sys.stderr)
+                return None, sent
+            sent = sent[2:]  # without the oldest exchange (a user message and its answer)
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     constraint = validate_decoding(args)
     engine = make_engine(args)
@@ -196,12 +211,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line.lower() in CHAT_EXIT:
             break
         messages.append({"role": "user", "content": line})
-        result = engine.generate(
-            messages, method=args.method, max_new_tokens=args.max_new_tokens, stop=args.stop,
+        result, sent = answer_within_context(
+            engine, messages, method=args.method, max_new_tokens=args.max_new_tokens, stop=args.stop,
             on_text=lambda d: (sys.stdout.write(d), sys.stdout.flush()), constraint=constraint, **params,
         )
+        if result is None:  # the message alone does not fit: the history stays as it was
+            messages.pop()
+            continue
+        if len(sent) < len(messages):
+            dropped = (len(messages) - len(sent)) // 2
+            print(f"\n  [the oldest {dropped} exchange(s) dropped to fit the model's context]", file=sys.stderr, end="")
         print(f"\n  [{result.stats.new_tokens} tokens, {result.stats.tokens_per_s:.1f} tok/s]", file=sys.stderr)
-        messages.append({"role": "assistant", "content": result.text})
+        messages = [*sent, {"role": "assistant", "content": result.text}]
     return 0
 
 

@@ -219,6 +219,8 @@ class Server:
             futures = scheduler.submit(jobs)
         except Overloaded as err:
             raise ApiError(503, str(err), "server_error", code="overloaded") from None
+        except DecodeKitError as err:  # more choices than the server ever holds at once
+            raise ApiError(400, str(err), param=field_named(err, body, chat)) from None
         started = time.perf_counter()
         reply = Reply(self, chat, spec, prompt_ids, started)
         if stream:

@@ -26,7 +26,7 @@ import torch
 
 from ..engine import Engine
 from ..engine.core import Generation
-from ..errors import DecodeKitError
+from ..errors import DecodeKitError, InvalidParameter
 from ..models import LoadedModel
 
 
@@ -107,8 +107,12 @@ class Scheduler:
 
     def submit(self, jobs: list[Job]) -> list[Future[Outcome]]:
         """Queue the choices of one request together, or refuse them all (:class:`Overloaded`)."""
+        room = self.max_batch + self.max_queue
+        if len(jobs) > room:  # never fits, however long the client waits: not a 503 to retry
+            raise InvalidParameter(f"n={len(jobs)} choices exceed what this server holds at once ({self.max_batch} "
+                                   f"running + {self.max_queue} waiting)", param="n")
         with self._lock:
-            if self.running + self.waiting + len(jobs) > self.max_batch + self.max_queue:
+            if self.running + self.waiting + len(jobs) > room:
                 raise Overloaded(f"the server is busy ({self.running} requests running, {self.waiting} waiting); "
                                  "retry shortly")
             self.waiting += len(jobs)
