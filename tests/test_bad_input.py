@@ -132,6 +132,12 @@ def test_bench_out_must_be_writable_before_the_model_loads(capsys, no_model, tmp
     argv = ["bench", "--questions", str(qfile), "--methods", "greedy", "--baselines", "none"]
     one_error_line(capsys, [*argv, "--out", str(tmp_path / "a-file" / "out")], "is not a writable folder")
     assert not (tmp_path / "a-file").is_dir()
+    if Path("/proc").is_dir():  # a folder root may "write" by its permissions, where nothing can be made
+        one_error_line(capsys, [*argv, "--out", "/proc/decodekit-out"], "--out '/proc/decodekit-out' is not a writable folder (/proc: ")
+    one_error_line(capsys, ["eval", "capitals", "--out", "/proc/x"] if Path("/proc").is_dir() else
+                   ["eval", "capitals", "--out", str(tmp_path / "a-file" / "out")], "is not a writable folder")
+    bench_cli.make_plan(cli.build_parser().parse_args([*argv, "--out", str(tmp_path / "new" / "out")]))  # writable
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "q.jsonl"]  # and the check left nothing behind
 
 
 def test_bench_resume_refuses_malformed_records(capsys, no_model, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from pathlib import Path
 
 from .errors import InvalidParameter
@@ -73,11 +74,16 @@ def check_ray_arguments(ray: str | None, workers: int | None) -> None:
 
 def check_writable(out: Path) -> None:
     """``--out`` must be a folder this process can write, or one it can create: checked before
-    the model loads, without creating anything."""
+    the model loads, leaving nothing behind. A folder is made and removed where the first part of
+    the path that exists is: permissions alone do not tell (root may write anywhere, but not in
+    ``/proc``)."""
     existing = out.absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
         raise InvalidParameter(f"--out {str(out)!r} is not a writable folder ({existing} is not a folder)")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise InvalidParameter(f"--out {str(out)!r} is not a writable folder ({existing} is not writable)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".decodekit-out-", dir=existing))
+    except OSError as err:
+        raise InvalidParameter(f"--out {str(out)!r} is not a writable folder ({existing}: "
+                               f"{err.strerror or err})") from None
