@@ -140,6 +140,33 @@ def test_a_cluster_that_cannot_be_joined_is_one_line(monkeypatch):
             pass
 
 
+def test_an_address_that_takes_no_connection_is_one_line_at_once(monkeypatch):
+    """Ray retries an unreachable head for minutes: a host:port that refuses, or that no name
+    resolves, is refused before ray.init is asked."""
+    import socket
+
+    import decodekit.cluster as cluster_module
+
+    class NeverAsked:
+        def is_initialized(self):
+            return False
+
+        def init(self, **kwargs):
+            raise AssertionError("ray.init was asked")
+
+    monkeypatch.setattr(cluster_module, "import_ray", NeverAsked)
+    with socket.socket() as closed:  # a port nothing listens on: bound, never listening
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+            with pytest.raises(ClusterError, match=f"^could not reach the Ray cluster at '{address}': Connection refused$"):
+                with cluster_module.connected(address):
+                    pass
+    with pytest.raises(ClusterError, match="^could not reach the Ray cluster at 'no-such-host.invalid:6379': "):
+        with cluster_module.connected("no-such-host.invalid:6379"):
+            pass
+
+
 # The pool on its own -------------------------------------------------------------------------------
 
 

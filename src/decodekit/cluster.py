@@ -47,6 +47,19 @@ def import_ray():
     return ray
 
 
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """An address of the form ``host:port`` (or ``ray://host:port``) must take a connection:
+    Ray itself retries an unreachable one for minutes."""
+    host, colon, port = address.removeprefix("ray://").rpartition(":")
+    if not colon or not port.isdigit():  # "auto", or a form Ray resolves itself
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        reason = f"no answer within {timeout_s:g} s" if isinstance(err, TimeoutError) else err.strerror or type(err).__name__
+        raise ClusterError(f"could not reach the Ray cluster at {address!r}: {reason}") from None
+
+
 @contextmanager
 def connected(address: str | None) -> Iterator[Any]:
     """The ``ray`` module, initialised for ``address`` (see the module docstring) for the block."""
@@ -54,6 +67,8 @@ def connected(address: str | None) -> Iterator[Any]:
     if ray.is_initialized():  # a caller (a test, a notebook) already chose the cluster
         yield ray
         return
+    if address is not None:
+        check_reachable(address)
     try:
         if address is None:
             # address="local": a new instance even where `ray start` left one or RAY_ADDRESS names one
