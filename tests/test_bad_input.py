@@ -12,13 +12,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from decodekit.bench import cli as bench_cli
 from decodekit.bench.execution import save_checkpoint
 from decodekit.bench.questions import Question
 from decodekit.bench.runner import RECORD_FIELDS, make_record
 from decodekit.engine import Engine, available_methods, make_sampler
-from decodekit.errors import DecodeKitError, InvalidParameter
+from decodekit.errors import DecodeKitError, InvalidParameter, UnknownMethod
 from decodekit.interfaces import cli
 from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.tiny import tiny_llama
@@ -286,6 +287,32 @@ def test_python_api_other_bad_arguments(engine):
         engine.generate("hi", stop=3)
     with pytest.raises(DecodeKitError, match="max_new_tokens"):
         engine.generate("hi", max_new_tokens=True)
+    with pytest.raises(InvalidParameter, match="^should_stop must be a callable"):
+        engine.generate("hi", should_stop=5)
+    for flag in ("chat", "ignore_eos"):
+        with pytest.raises(InvalidParameter, match=f"^{flag} must be true or false, got 'no'$"):
+            engine.generate("hi", **{flag: "no"})
+    with pytest.raises(UnknownMethod, match=r"^unknown method \['pld'\]"):
+        engine.generate("hi", method=["pld"])
+    with pytest.raises(InvalidParameter, match="^judge_model must be a model's name or a loaded model"):
+        engine.generate("hi", method="best-of-n", scorer="judge", judge_model=object(), n=2, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({"model": 5}, "^model must be an embedded model's name, a model folder or a .gguf file, got 5$"),
+    ({"model": ["x"]}, "^model, backend, dtype, numerics and kv_cache are names"),
+    ({"kv_cache": {"int8": 1}}, "^model, backend, dtype, numerics and kv_cache are names"),
+    ({"dtype": torch.float16}, "^dtype must be one of float32, bfloat16, got torch.float16$"),
+    ({"backend": "gpu"}, "^backend must be auto, native or hf, got 'gpu'$"),
+])
+def test_the_one_call_api_refuses_what_names_no_model_in_one_line(monkeypatch, kwargs, expected):
+    from decodekit.models import loading
+
+    monkeypatch.setattr(loading, "dequantised_folder", lambda path: pytest.fail("a model was read"))
+    import decodekit
+
+    with pytest.raises(InvalidParameter, match=expected):
+        decodekit.generate("hi", **kwargs)
 
 
 def test_temperature_zero_with_greedy_and_positive_with_sample_are_fine(engine):

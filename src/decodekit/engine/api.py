@@ -120,6 +120,11 @@ class Engine:
             raise InvalidParameter(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if on_text is not None and not callable(on_text):
             raise InvalidParameter(f"on_text must be a callable taking the new text, got {on_text!r}")
+        if should_stop is not None and not callable(should_stop):
+            raise InvalidParameter(f"should_stop must be a callable answering True to end the request, got {should_stop!r}")
+        for name, flag in (("chat", chat), ("ignore_eos", ignore_eos)):
+            if not isinstance(flag, bool):
+                raise InvalidParameter(f"{name} must be true or false, got {flag!r}")
         method_spec(method)  # unknown method: fail before any work
         sampler_params, options = split_params(params)
         decoder = build_decoder(method, **options)
@@ -127,8 +132,6 @@ class Engine:
         if constraint is not None:
             mask = constraint_processor(constraint, self.model.tokenizer)
         sampler = make_sampler(method, sampler_params, mask)
-        if not isinstance(ignore_eos, bool):
-            raise InvalidParameter(f"ignore_eos must be true or false, got {ignore_eos!r}")
         request = Request(prompt_token_ids(self.model, prompt, chat=chat), sampler, max_new_tokens, stop, on_text,
                           should_stop, ignore_eos)
         # One request at a time per backend: threads sharing an Engine (or its model) queue here.
@@ -144,13 +147,19 @@ _default_engines_lock = threading.Lock()
 
 
 def generate(
-    prompt: str | list[dict[str, str]], *, model: str | None = None, dtype: str = "float32", numerics: str = "exact",
-    kv_cache: str = "full", **kwargs: Any,
+    prompt: str | list[dict[str, str]], *, model: str | None = None, backend: str = "auto", dtype: str = "float32",
+    numerics: str = "exact", kv_cache: str = "full", **kwargs: Any,
 ) -> Generation:
-    """One-call generation; the model is loaded once per (model, dtype, numerics, kv_cache) and reused."""
-    key = (model, dtype, numerics, kv_cache)
+    """One-call generation; the model is loaded once per (model, backend, dtype, numerics, kv_cache)
+    and reused."""
+    key = (model, backend, dtype, numerics, kv_cache)
+    try:
+        hash(key)
+    except TypeError:  # a list or a dict where a name goes
+        raise InvalidParameter("model, backend, dtype, numerics and kv_cache are names (strings), got "
+                               f"{key!r:.120}") from None
     with _default_engines_lock:  # two threads' first calls load the model once
         if key not in _default_engines:
-            _default_engines[key] = Engine(model, dtype=dtype, numerics=numerics, kv_cache=kv_cache)
+            _default_engines[key] = Engine(model, backend=backend, dtype=dtype, numerics=numerics, kv_cache=kv_cache)
         engine = _default_engines[key]
     return engine.generate(prompt, **kwargs)

@@ -85,7 +85,7 @@ def available_methods() -> dict[str, MethodSpec]:
 
 def method_spec(name: str) -> MethodSpec:
     methods = _registered()
-    if name not in methods:
+    if not isinstance(name, str) or name not in methods:
         raise UnknownMethod(f"unknown method {name!r}; choose from: {', '.join(sorted(methods))}")
     return methods[name]
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from .backend import Backend, ModelInfo, StepOutput
-from .loading import DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, model_gguf, parse_dtype, resolve_model_folder
+from .loading import (DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, check_backend, model_gguf, parse_dtype,
+                      resolve_model_folder)
 from .kv_policy import KVPolicy, parse_kv_cache
 from .memory import return_freed_memory
 from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer, file_tokenizer
@@ -40,6 +41,8 @@ def load_model(
     computing in ``numerics`` (``exact`` or ``fast``, see :data:`.llama_weights.NUMERICS`), keeping the
     keys and values ``kv_cache`` says (:mod:`.kv_policy`: ``full``, ``sink:S,window:W``, ...)."""
     policy = parse_kv_cache(kv_cache)  # a bad spelling fails before any loading
+    check_backend(backend)
+    parse_dtype(dtype)
     folder, gguf = resolve_model_folder(model), model_gguf(model)
 
     def weights() -> Backend:

@@ -64,10 +64,18 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+BACKENDS = ("auto", "native", "hf")
+
+
+def check_backend(name: str) -> None:
+    if name not in BACKENDS:
+        raise InvalidParameter(f"backend must be {', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}, got {name!r}")
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
+    if isinstance(name, torch.dtype) and name in DTYPES.values():
         return name
-    if name not in DTYPES:
+    if not isinstance(name, str) or name not in DTYPES:
         raise InvalidParameter(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]
 
@@ -111,6 +119,8 @@ def _assembled_gguf(model: EmbeddedModel) -> Path:
 
 def resolve_model_folder(spec: str | None) -> Path:
     """Turn a model spec into a folder with config.json, float safetensors and a tokenizer."""
+    if spec is not None and not isinstance(spec, (str, os.PathLike)):
+        raise InvalidParameter(f"model must be an embedded model's name, a model folder or a .gguf file, got {spec!r:.80}")
     spec = spec or DEFAULT_MODEL
     if spec in EMBEDDED_MODELS:
         gguf = embedded_gguf(spec)
@@ -270,8 +280,7 @@ def build_backend(
 
     config = read_config(folder)
     arch = config.get("model_type", "")
-    if backend not in ("auto", "native", "hf"):
-        raise InvalidParameter(f"backend must be auto, native or hf, got {backend!r}")
+    check_backend(backend)
     if backend == "native" and arch not in NATIVE_ARCHITECTURES:
         raise InvalidParameter(f"the native backend supports {', '.join(NATIVE_ARCHITECTURES)}, not {arch!r}; use --backend hf")
     if backend == "hf" or arch not in NATIVE_ARCHITECTURES:

@@ -151,6 +151,9 @@ def make_scorer(spec: str | Callable[[str], float] | Scorer, judge_model: Loaded
             from ..models import load_model
 
             judge_model = load_model(judge_model)
+        if judge_model is not None and not isinstance(judge_model, LoadedModel):
+            raise InvalidParameter(f"judge_model must be a model's name or a loaded model, got {judge_model!r:.80}",
+                                   param="judge_model")
         return Judge(judge_model)
     if spec not in _BUILT_IN:
         raise InvalidParameter(f"scorer must be one of {', '.join(SCORER_NAMES)} or a callable, got {spec!r}")
