@@ -81,10 +81,10 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["generate", "", "--raw"], "the prompt is empty"),
     (["generate", ""], "the prompt is empty"),
     (["generate", "hi", "--temperature", "0.8", "--seed", "1"], "method 'greedy' never samples"),
-    (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0, got -1"),
-    (["generate", "hi", "--temperature", "nan"], "temperature must be >= 0, got nan"),
-    (["generate", "hi", "--method", "pld", "--temperature", "nan"], "temperature must be >= 0"),
-    (["generate", "hi", "--method", "beam", "--temperature", "-1"], "temperature must be >= 0"),
+    (["generate", "hi", "--temperature", "-1"], "temperature must be a finite number >= 0, got -1"),
+    (["generate", "hi", "--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
+    (["generate", "hi", "--method", "pld", "--temperature", "nan"], "temperature must be a finite number >= 0"),
+    (["generate", "hi", "--method", "beam", "--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["generate", "hi", "--top-k", "abc"], "argument --top-k: invalid int value: 'abc'"),
     (["generate", "hi", "--method", "layerskip", "--opt", "adapt=maybe"], "adapt must be true or false"),
     (["generate", "hi", "--method", "pld", "--opt", "max_ngramz=2"], "has no option 'max_ngramz'"),
@@ -324,7 +324,7 @@ def test_temperature_zero_with_greedy_and_positive_with_sample_are_fine(engine):
 @pytest.mark.parametrize("method", sorted(available_methods()))
 @pytest.mark.parametrize("temperature", [-1, float("nan"), float("inf")])
 def test_negative_or_nan_temperature_is_refused_by_every_method(method, temperature):
-    with pytest.raises(InvalidParameter, match="^temperature must be >= 0"):
+    with pytest.raises(InvalidParameter, match="^temperature must be a finite number >= 0"):
         make_sampler(method, {"temperature": temperature})
 
 

@@ -619,5 +619,5 @@ def test_invalid_message_states_range():
         Sampler.from_params(top_p=0)
     with pytest.raises(InvalidParameter, match=r"^top_k must be an integer >= 1, got 0$"):
         TopK(0)
-    with pytest.raises(InvalidParameter, match=r"^temperature must be > 0"):
+    with pytest.raises(InvalidParameter, match=r"^temperature must be a finite number > 0"):
         Temperature(0)  # the processor itself needs T > 0; from_params maps 0 to greedy

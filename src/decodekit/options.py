@@ -41,9 +41,9 @@ def check_real(name: str, value: Any, lo: float = -math.inf, hi: float = math.in
     if lo == -math.inf and hi == math.inf:
         allowed = "a finite number"
     elif hi == math.inf:
-        allowed = f"{'>' if lo_open else '>='} {_fmt(lo)}"
+        allowed = f"a finite number {'>' if lo_open else '>='} {_fmt(lo)}"
     elif lo == -math.inf:
-        allowed = f"{'<' if hi_open else '<='} {_fmt(hi)}"
+        allowed = f"a finite number {'<' if hi_open else '<='} {_fmt(hi)}"
     else:
         allowed = f"in {'(' if lo_open else '['}{_fmt(lo)}, {_fmt(hi)}{')' if hi_open else ']'}"
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)

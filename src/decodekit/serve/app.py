@@ -263,7 +263,7 @@ async def read_body(request: Request) -> dict[str, Any]:
 def field_named(err: DecodeKitError, body: dict[str, Any], chat: bool) -> str | None:
     """The request field an error of decodekit's checks is about, for the error object's ``param``:
     the one it names (``InvalidParameter.param``; a chat's prompt is its ``messages``), else the
-    one its message begins with, as in "temperature must be >= 0"."""
+    one its message begins with, as in "temperature must be a finite number >= 0"."""
     named = getattr(err, "param", None)
     if named == "prompt" and chat:
         return "messages"
