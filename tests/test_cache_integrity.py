@@ -485,6 +485,13 @@ def test_the_cli_reports_a_damaged_gguf_in_one_line(tmp_path, cache, capsys):
     ("", "cannot be read as JSON"),
     ("[1]", "expected a JSON object"),
     ('{"model_type": "llama", "vocab_size": 96}', "incomplete, no 'num_attention_heads'"),
+    *[(json.dumps(tiny_hf_config() | change), problem) for change, problem in [
+        ({"max_position_embeddings": 0}, "max_position must be a positive integer, got 0"),
+        ({"hidden_size": -5}, "hidden_size must be a positive integer, got -5"),
+        ({"intermediate_size": 2.5}, "intermediate_size must be a positive integer, got 2.5"),
+        ({"rms_norm_eps": "x"}, "rms_norm_eps must be a positive number, got 'x'"),
+        ({"num_attention_heads": 4, "num_key_value_heads": 3}, "4 attention heads cannot share 3 key/value heads evenly"),
+    ]],
 ])
 def test_a_model_folder_with_a_broken_config_is_one_clear_error(tmp_path, config, problem):
     from safetensors.torch import save_file
@@ -492,6 +499,18 @@ def test_a_model_folder_with_a_broken_config_is_one_clear_error(tmp_path, config
     save_file(tiny_state_dict(tiny_hf_config()), str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(config)
     with pytest.raises(InvalidModel, match=re.escape(f"{tmp_path / 'config.json'}: {problem}")):
+        load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("change", [{"num_key_value_heads": 4}, {"intermediate_size": 48}, {"num_attention_heads": 2}])
+def test_a_config_whose_sizes_the_weights_do_not_have_is_one_clear_error(tmp_path, change):
+    """Sizes that describe a model, but not the one in the weights: refused, never run as garbage."""
+    from safetensors.torch import save_file
+
+    save_file(tiny_state_dict(tiny_hf_config()), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config() | change))
+    with pytest.raises(InvalidModel, match=rf"^{re.escape(str(tmp_path))}: model\.layers\.0\.\S+ is \(\d+, \d+\), "
+                                           r"where config\.json's sizes make it \(\d+, \d+\)$"):
         load_model(str(tmp_path))
 
 

@@ -8,6 +8,7 @@ runs the passes over them.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..errors import InvalidParameter
+from ..errors import InvalidModel, InvalidParameter
 from .gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, BlockMatrix, matching_blocks, matrix_rows, matrix_shape
 from .kernels import (
     INTEGER_GROUP, MAX_ROWS, KernelProjection, block_matmul, empty_packed, few_rows_matmul, integer_block_matmul,
@@ -45,6 +46,28 @@ class LlamaConfig:
     max_position: int
     tie_word_embeddings: bool
     attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        """A config.json whose sizes cannot describe a model is refused here, in one line, rather
+        than met as a reshape or type error deep in a layer."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} attention heads cannot share {self.num_kv_heads} key/value heads evenly")
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """The shape of each layer's projection weights (by name after the layer's prefix)."""
+        h, q, kv, ff = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
+        return {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+                "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (ff, h), "mlp.up_proj.weight": (ff, h),
+                "mlp.down_proj.weight": (h, ff)}
 
     @classmethod
     def from_hf(cls, cfg: Mapping) -> "LlamaConfig":
@@ -322,8 +345,14 @@ class LlamaWeights:
         blocks: Mapping[str, BlockMatrix] | None = None, numerics: str = "exact",
         matches: dict[str, object] | None = None,
     ):
+        shapes = config.projection_shapes()
+
         def get(name: str) -> torch.Tensor:
-            return state[name].to(dtype).contiguous()
+            tensor = state[name]
+            want = shapes.get(name.split(".", 3)[-1]) if name.startswith("model.layers.") else None
+            if want is not None and tuple(tensor.shape) != want:  # config.json and the weights disagree
+                raise InvalidModel(f"{name} is {tuple(tensor.shape)}, where config.json's sizes make it {want}")
+            return tensor.to(dtype).contiguous()
 
         self._blocks = blocks if dtype == torch.float32 else None
         self._numerics = numerics

@@ -298,6 +298,8 @@ def build_backend(
         raise InvalidModel(f"{folder / 'config.json'}: incomplete, no {err.args[0]!r}") from err
     except NotImplementedError as err:
         raise InvalidModel(f"{folder / 'config.json'}: {err}; use --backend hf") from err
+    except (TypeError, ValueError) as err:  # sizes that describe no model
+        raise InvalidModel(f"{folder / 'config.json'}: {err}") from None
     blocks = matches = None
     if gguf is not None and dtype == torch.float32 and (gguf_blocks_enabled() or numerics == "fast"):
         from .gguf_blocks import BlockMatches, cached_block_matrices
@@ -311,6 +313,8 @@ def build_backend(
                               numerics=numerics, kv_cache=policy, block_matches=None if matches is None else matches.matrices)
     except KeyError as err:
         raise InvalidModel(f"{folder}: the weights have no tensor {err.args[0]!r}") from err
+    except InvalidModel as err:
+        raise InvalidModel(f"{folder}: {err}") from None
     if matches is not None:
         matches.save()
     return _with_files(built, folder, gguf)
