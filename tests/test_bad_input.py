@@ -104,6 +104,8 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["generate", "hi", "--frequency-penalty=1e39"], "frequency_penalty must be in"),  # past float32: inf * 0 = nan
     (["generate", "hi", "--method", "best-of-n", "--opt", "answer_start=foo"], "answer_start must be a Python callable"),
     (["generate", "hi", "--json-schema", "/no/such/schema.json"], "no such file"),
+    (["generate", "hi", "--json-schema", "[1]"], "a JSON schema must be a JSON object, got list"),
+    (["generate", "hi", "--draft-model", "x"], "--draft-model goes with --method draft; method 'greedy' takes no draft model"),
     (["eval", "nosuch"], "choose from: capitals, gsm8k, longctx, structured"),
     (["eval", "capitals", "--data", "/no/such/file.jsonl"], "task 'capitals' has no data file"),
     (["eval", "capitals", "--out", "/dev/null/x"], "is not a writable folder"),

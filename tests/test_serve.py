@@ -173,6 +173,18 @@ def test_bad_requests_are_openai_error_objects(served):
     assert parse_request({"prompt": "hi", "greedy": True}, chat=False).params == {"greedy": True}  # no OpenAI default T
     status, body, _ = served.get("/v1/nothing")
     assert status == 404 and json.loads(body)["error"]["message"] == "no route GET /v1/nothing"
+    status, body = post(served, "/v1/chat/completions/", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 404 and json.loads(body)["error"]["message"] == "no route POST /v1/chat/completions/"  # not a 307
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for extra, message in (({"messages": ["hi"]}, "messages[0] must be an object with a role and a content, got 'hi'"),
+                           ({"response_format": "json"}, "response_format must be an object such as "
+                                                         '{"type": "json_object"}, got \'json\'')):
+        status, body = post(served, "/v1/chat/completions", {**base, **extra})
+        error = json.loads(body)["error"]
+        assert status == 400 and error["message"] == message and error["param"] == next(iter(extra)), body
+    assert served.client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="the model 'gpt-9' does not exist"):
+        served.client.models.retrieve("gpt-9")
 
 
 

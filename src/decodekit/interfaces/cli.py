@@ -66,7 +66,7 @@ def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
                 return path.read_text()
             except (OSError, UnicodeDecodeError) as err:
                 raise InvalidParameter(f"cannot read {value}: {err}") from None
-        if not value.lstrip().startswith(("{", "true", "false")):  # not inline JSON: meant as a file
+        if not value.lstrip().startswith(("{", "[", "true", "false")):  # not inline JSON: meant as a file
             raise InvalidParameter(f"--json-schema {value!r}: no such file (give a file or the schema as JSON text)")
         return value
 
@@ -93,6 +93,8 @@ def decoding_params(args: argparse.Namespace) -> dict[str, Any]:
     params: dict[str, Any] = {name: getattr(args, name) for name in SAMPLER_FLAGS if getattr(args, name) is not None}
     params.update(parse_option(o, method_spec(args.method).options) for o in args.opt)
     if args.draft_model is not None:
+        if "draft_model" not in (method_spec(args.method).options or {}):
+            raise InvalidParameter(f"--draft-model goes with --method draft; method {args.method!r} takes no draft model")
         if "draft_model" in params:
             raise InvalidParameter("--draft-model and --opt draft_model=... both name the draft model; give one")
         params["draft_model"] = args.draft_model

@@ -90,7 +90,8 @@ class Server:
         self.scheduler: Scheduler | None = None
         self.metrics: ServerMetrics | None = None
         self.load_error: str | None = None
-        self.app = FastAPI(title="decodekit", docs_url=None, redoc_url=None, openapi_url=None)
+        # redirect_slashes=False: a path with a trailing slash is a 404 error object, not an empty 307
+        self.app = FastAPI(title="decodekit", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
         self._load = load
         self._routes()
 
@@ -173,6 +174,13 @@ class Server:
             self.ready()
             return {"object": "list", "data": [self.model_card()]}
 
+        @app.get("/v1/models/{model:path}")
+        async def model(model: str):
+            self.ready()
+            if model != self.model_id:
+                raise self.unknown_model(model)
+            return self.model_card()
+
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
             return await self.complete(request, chat=True)
@@ -180,6 +188,10 @@ class Server:
         @app.post("/v1/completions")
         async def completions(request: Request):
             return await self.complete(request, chat=False)
+
+    def unknown_model(self, name: Any) -> ApiError:
+        return ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_id!r}", param="model",
+                        code="model_not_found")
 
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "decodekit", "numerics": self.numerics,
@@ -191,8 +203,7 @@ class Server:
         scheduler = self.ready()
         body = await read_body(request)
         if body.get("model") not in (None, self.model_id):
-            raise ApiError(404, f"the model {body.get('model')!r} does not exist; this server serves {self.model_id!r}",
-                           param="model", code="model_not_found")
+            raise self.unknown_model(body.get("model"))
         spec = parse_request(body, chat=chat)
         try:
             # on a thread: a long prompt takes a while to tokenise, and other clients wait meanwhile otherwise
@@ -379,7 +390,10 @@ def structured_output(body: dict[str, Any]) -> dict[str, Any] | None:
     found = []
     fmt = body.get("response_format")
     if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if not isinstance(fmt, dict):
+            raise ApiError(400, f"response_format must be an object such as {{\"type\": \"json_object\"}}, got {fmt!r:.80}",
+                           param="response_format")
+        kind = fmt.get("type")
         if kind == "json_object":
             found.append({"json": None})
         elif kind == "json_schema":
@@ -405,10 +419,12 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
     out = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            role = message.get("role") if isinstance(message, dict) else None
-            raise ApiError(400, f"messages[{i}] must be an object with a role, one of {', '.join(ROLES)}; got {role!r}",
+        if not isinstance(message, dict):
+            raise ApiError(400, f"messages[{i}] must be an object with a role and a content, got {message!r:.80}",
                            param="messages")
+        if message.get("role") not in ROLES:
+            raise ApiError(400, f"messages[{i}] must be an object with a role, one of {', '.join(ROLES)}; "
+                                f"got {message.get('role')!r}", param="messages")
         content = message.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
