@@ -105,6 +105,8 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["generate", "hi", "--method", "best-of-n", "--opt", "answer_start=foo"], "answer_start must be a Python callable"),
     (["generate", "hi", "--json-schema", "/no/such/schema.json"], "no such file"),
     (["generate", "hi", "--json-schema", "[1]"], "a JSON schema must be a JSON object, got list"),
+    (["generate", "hi", "--model", ""], "argument --model: is empty"),
+    (["eval", "capitals", "--out", ""], "--out is empty"),
     (["generate", "hi", "--draft-model", "x"], "--draft-model goes with --method draft; method 'greedy' takes no draft model"),
     (["eval", "nosuch"], "choose from: capitals, gsm8k, longctx, structured"),
     (["eval", "capitals", "--data", "/no/such/file.jsonl"], "task 'capitals' has no data file"),
@@ -302,6 +304,7 @@ def test_python_api_other_bad_arguments(engine):
 
 @pytest.mark.parametrize("kwargs, expected", [
     ({"model": 5}, "^model must be an embedded model's name, a model folder or a .gguf file, got 5$"),
+    ({"model": ""}, "^model must be an embedded model's name, a model folder or a .gguf file, got ''$"),
     ({"model": ["x"]}, "^model, backend, dtype, numerics and kv_cache are names"),
     ({"kv_cache": {"int8": 1}}, "^model, backend, dtype, numerics and kv_cache are names"),
     ({"dtype": torch.float16}, "^dtype must be one of float32, bfloat16, got torch.float16$"),

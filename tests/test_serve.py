@@ -182,6 +182,9 @@ def test_bad_requests_are_openai_error_objects(served):
         status, body = post(served, "/v1/chat/completions", {**base, **extra})
         error = json.loads(body)["error"]
         assert status == 400 and error["message"] == message and error["param"] == next(iter(extra)), body
+    for best_of, status_wanted in ((1, 200), (0, 400), (3, 400)):  # 1 is OpenAI's default: it asks for nothing
+        status, body = post(served, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "best_of": best_of})
+        assert status == status_wanted, (best_of, body)
     assert served.client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError, match="the model 'gpt-9' does not exist"):
         served.client.models.retrieve("gpt-9")

@@ -33,8 +33,15 @@ def check_argv(argv: list[str]) -> None:
             raise InvalidParameter(f"argument {shown} is not valid UTF-8") from None
 
 
+def named(value: str) -> str:
+    """An argument that names something (a model): not empty."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("is empty")
+    return value
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="embedded model name, HF model folder or .gguf file (default: smollm2-135m)")
+    parser.add_argument("--model", default=None, type=named, help="embedded model name, HF model folder or .gguf file (default: smollm2-135m)")
     parser.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="model backend (default: native for Llama-family)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute dtype")
     parser.add_argument(

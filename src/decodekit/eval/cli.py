@@ -62,6 +62,8 @@ def run(args: argparse.Namespace, model=None) -> int:
         if value is not None and value < 1:
             raise InvalidParameter(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
     check_ray_arguments(args.ray, args.workers)
+    if args.out == "":
+        raise InvalidParameter("--out is empty; leave it out for the default (eval-out/TASK-METHOD)")
     check_writable(Path(args.out or "eval-out"))
     if args.task == LONG_CONTEXT:
         if args.ray is not None:

@@ -325,9 +325,17 @@ def _number(body: dict, name: str) -> float | None:
     return float(value)
 
 
+def asks_for_nothing(name: str, value: Any) -> bool:
+    """Whether an unsupported field is absent or at a value that changes nothing (OpenAI's
+    defaults: false, empty, ``best_of`` 1); 0 or "" are not taken for false."""
+    if value is None or value is False or (isinstance(value, (list, dict)) and not value):
+        return True
+    return name == "best_of" and type(value) is int and value == 1
+
+
 def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
     for name, what in UNSUPPORTED.items():
-        if body.get(name) not in (None, False, [], {}):
+        if not asks_for_nothing(name, body.get(name)):
             raise ApiError(400, f"{what} ({name}) is not supported by this server", param=name)
     if chat:
         prompt = chat_messages(body.get("messages"))
