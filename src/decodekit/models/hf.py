@@ -38,6 +38,9 @@ class HFBackend(Backend):
         from transformers import AutoModelForCausalLM
 
         torch.set_flush_denormal(True)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # a bar for the weights of a local folder: the CLI's stderr is for errors
         try:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         except (OSError, ValueError, KeyError, TypeError) as err:  # transformers' ways of refusing a folder
