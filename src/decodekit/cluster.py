@@ -148,6 +148,7 @@ class Pool:
         self.idle: list[Any] = []
         self.in_flight: dict[Any, tuple[Any, Any]] = {}  # object ref -> (actor, unit key or _SETUP)
         self.started: dict[Any, float] = {}  # setup ref -> when it was asked for
+        self.created: dict[Any, Any] = {}  # setup ref -> a ref that is ready once Ray has created the actor
         self.descriptions: list[dict[str, Any]] = []
         self._description_of: dict[Any, dict[str, Any]] = {}
         try:
@@ -161,8 +162,9 @@ class Pool:
 
     def _start_worker(self) -> None:
         actor = self.actor_class.remote(self.settings.threads)
+        created = actor.__ray_ready__.remote()  # asked first: an actor runs its calls in order
         ref = actor.setup.remote(self.make_payload)
-        self.in_flight[ref], self.started[ref] = (actor, _SETUP), time.monotonic()
+        self.in_flight[ref], self.started[ref], self.created[ref] = (actor, _SETUP), time.monotonic(), created
 
     def map(self, units: Mapping[Hashable, Any], on_result: Callable[[Hashable, Any], None]) -> dict[Hashable, Any]:
         """Run every unit once, in the mapping's order as workers free up; ``on_result(key, result)``
@@ -201,6 +203,7 @@ class Pool:
         ref = ready[0]
         actor, key = self.in_flight.pop(ref)
         self.started.pop(ref, None)
+        self.created.pop(ref, None)
         try:
             value = ray.get(ref)
         except ray.exceptions.RayTaskError as err:  # the payload raised: the same error anywhere
@@ -230,10 +233,17 @@ class Pool:
             pending.appendleft(key)
         self._start_worker()
 
-    def close(self) -> None:
+    def close(self, creation_timeout_s: float = 5.0) -> None:
+        # An actor killed while Ray is still creating it can leave its worker process leased, holding
+        # its CPU for good (the kill reaches the process before the creation task, which then never
+        # comes): the next pool's workers never start. So workers still in their setup are first let
+        # finish being created (a moment: Host's constructor only sets the thread count), not set up.
+        creating = list(self.created.values())
+        if creating:
+            self.ray.wait(creating, num_returns=len(creating), timeout=creation_timeout_s)
         for actor in [*self.idle, *(a for a, _ in self.in_flight.values())]:
             self.ray.kill(actor)
-        self.idle, self.in_flight, self.started = [], {}, {}
+        self.idle, self.in_flight, self.started, self.created = [], {}, {}, {}
 
 
 def parse_address(value: str | None) -> str | None:
