@@ -119,7 +119,7 @@ def _assembled_gguf(model: EmbeddedModel) -> Path:
 
 def resolve_model_folder(spec: str | None) -> Path:
     """Turn a model spec into a folder with config.json, float safetensors and a tokenizer."""
-    if spec is not None and not isinstance(spec, (str, os.PathLike)) or spec == "":
+    if spec == "" or (spec is not None and not isinstance(spec, (str, os.PathLike))):
         raise InvalidParameter(f"model must be an embedded model's name, a model folder or a .gguf file, got {spec!r:.80}")
     spec = spec or DEFAULT_MODEL
     if spec in EMBEDDED_MODELS:
