@@ -284,8 +284,10 @@ MUTATIONS = (
              ("tests/test_constraint.py", "-k", "breaks")),
     Mutation("served-streaming-cache-reads-prompts-in-other-chunks", "src/decodekit/models/native.py",
              "        if evicting is not None:\n            return min(evicting, PREFILL_CHUNK)\n"
-             "        if self._batched(tokens, hidden_layers, skip_layers):\n            return PREFILL_CHUNK\n",
-             "        if self._batched(tokens, hidden_layers, skip_layers):\n            return PREFILL_CHUNK\n"
+             "        if self._batched(tokens, hidden_layers, skip_layers):\n"
+             "            return PREFILL_CHUNK if self.batcher.active > 1 else self.batcher.max_rows\n",
+             "        if self._batched(tokens, hidden_layers, skip_layers):\n"
+             "            return PREFILL_CHUNK if self.batcher.active > 1 else self.batcher.max_rows\n"
              "        if evicting is not None:\n            return min(evicting, PREFILL_CHUNK)\n",
              ("tests/test_batching.py", "-k", "compressed")),
     Mutation("bench-repeats-keep-what-they-learnt", "src/decodekit/bench/runner.py",
