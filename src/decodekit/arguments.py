@@ -34,7 +34,7 @@ def check_argv(argv: list[str]) -> None:
 
 
 def named(value: str) -> str:
-    """An argument that names something (a model): not empty."""
+    """An argument that names something (a model, an output folder): not empty."""
     if not value.strip():
         raise argparse.ArgumentTypeError("is empty")
     return value

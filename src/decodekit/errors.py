@@ -34,7 +34,6 @@ class InvalidModel(DecodeKitError, ValueError):
         return cls(f"{path}: {problem} ({cause_line(err)})")
 
 
-
 class CacheError(DecodeKitError, OSError):
     """decodekit's cache folder (``DECODEKIT_CACHE``) cannot be written."""
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..arguments import add_ray_arguments, check_ray_arguments, check_writable
+from ..arguments import add_ray_arguments, check_ray_arguments, check_writable, named
 from ..errors import InvalidParameter
 from ..options import parse_option
 from .execution import REFERENCE, Plan, execute, load_checkpoint
@@ -44,7 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"passes over the questions, each from the same start; medians are reported (default {FULL['repeats']}; --quick {QUICK['repeats']})")
     p.add_argument("--threads", type=int, default=None, help="torch threads, also llama.cpp's n_threads (default: torch's; with --ray, per worker, default 1)")
     p.add_argument("--opt", action="append", default=[], metavar="METHOD.KEY=VALUE", help="method option, e.g. pld.max_ngram=3 (repeatable)")
-    p.add_argument("--out", default="bench-out", metavar="DIR", help="output folder (default bench-out)")
+    p.add_argument("--out", default="bench-out", type=named, metavar="DIR", help="output folder (default bench-out)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out (DIR/checkpoint.json, written "
                    "after every question): finished questions are kept, the rest are run. Needs the same code and "
                    "settings; --limit and --categories may grow, so a full run can be built up over several sessions")

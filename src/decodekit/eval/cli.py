@@ -8,7 +8,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..arguments import ArgumentParser, add_model_arguments, add_ray_arguments, check_ray_arguments, check_writable
+from ..arguments import (ArgumentParser, add_model_arguments, add_ray_arguments, check_ray_arguments, check_writable,
+                         named)
 from ..errors import InvalidParameter
 from ..options import parse_option
 
@@ -36,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default=None, help="longctx: context lengths in tokens, comma-separated (default 2048,4096,8000,16384)")
     parser.add_argument("--depths", default=None, help="longctx: pass-key depths in [0, 1], comma-separated (default 0.1,0.5,0.9)")
     parser.add_argument("--continuation", type=int, default=128, help="longctx: tokens whose NLL is measured (default 128)")
-    parser.add_argument("--out", default=None, help="output folder (default eval-out/TASK-METHOD)")
+    parser.add_argument("--out", default=None, type=named, help="output folder (default eval-out/TASK-METHOD)")
     add_model_arguments(parser)
     add_ray_arguments(parser)
 
@@ -62,8 +63,6 @@ def run(args: argparse.Namespace, model=None) -> int:
         if value is not None and value < 1:
             raise InvalidParameter(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
     check_ray_arguments(args.ray, args.workers)
-    if args.out == "":
-        raise InvalidParameter("--out is empty; leave it out for the default (eval-out/TASK-METHOD)")
     check_writable(Path(args.out or "eval-out"))
     if args.task == LONG_CONTEXT:
         if args.ray is not None:

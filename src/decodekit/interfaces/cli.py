@@ -91,9 +91,10 @@ def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
 def decoding_params(args: argparse.Namespace) -> dict[str, Any]:
     """Sampler flags and ``--opt`` method options (parsed by the method's option specs) as keywords."""
     params: dict[str, Any] = {name: getattr(args, name) for name in SAMPLER_FLAGS if getattr(args, name) is not None}
-    params.update(parse_option(o, method_spec(args.method).options) for o in args.opt)
+    options = method_spec(args.method).options
+    params.update(parse_option(o, options) for o in args.opt)
     if args.draft_model is not None:
-        if "draft_model" not in (method_spec(args.method).options or {}):
+        if "draft_model" not in (options or {}):
             raise InvalidParameter(f"--draft-model goes with --method draft; method {args.method!r} takes no draft model")
         if "draft_model" in params:
             raise InvalidParameter("--draft-model and --opt draft_model=... both name the draft model; give one")

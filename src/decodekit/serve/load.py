@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..arguments import named
 from ..bench.questions import load_questions, resolve_question_file
 from ..errors import InvalidParameter
 
@@ -55,7 +56,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--method", default=None, help="decodekit decoding method, sent as the extra body field 'method'")
-    p.add_argument("--out", default="bench-serve-out", metavar="DIR", help="output folder (default bench-serve-out)")
+    p.add_argument("--out", default="bench-serve-out", type=named, metavar="DIR", help="output folder (default bench-serve-out)")
     p.add_argument("--label", default=None, help="the server's name in reports (default: host:port of --url)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default 300)")
     p.add_argument("--compare", nargs="+", metavar="RESULTS.json",
