@@ -12,6 +12,7 @@ import pytest
 from decodekit.bench import cli as bench_cli
 from decodekit.bench.baselines import HFGenerate, build_baselines
 from decodekit.bench.contestants import WARMUP_PROMPT, Contestant, MethodContestant, RunResult
+from decodekit.bench.execution import execute
 from decodekit.bench.plot import plot_speedup
 from decodekit.bench.questions import balanced, category_group, load_questions, resolve_question_file
 from decodekit.bench.report import compare, markdown_report, terminal_report, write_report
@@ -377,8 +378,8 @@ def test_llamacpp_missing_is_a_note_not_an_error(tiny: LoadedModel, monkeypatch)
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    bench_cli.add_parser(parser.add_subparsers())
-    return parser.parse_args(["bench", *argv])
+    bench_cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
 
 
 def test_bad_input_raises_decodekit_errors(qfile: Path, tmp_path: Path):
@@ -442,7 +443,7 @@ def executed(tiny: LoadedModel, hf_tiny, tmp_path_factory) -> tuple[dict, Path]:
     out = tmp / "out"
     plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy", "--baselines", "hf",
                                      "--max-new-tokens", "6", "--limit", "1", "--out", str(out)))
-    results = bench_cli.execute(plan, tiny, hf_model=hf_tiny, progress=False)
+    results = execute(plan, tiny, hf_model=hf_tiny, progress=False)
     return results, out
 
 
@@ -465,7 +466,7 @@ def test_speculative_contestants_get_their_cost_table_before_the_warm_up(tiny: L
     qfile = write_questions(tmp_path / "q.jsonl", ["qa"])
     plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy,pld,recycling", "--baselines",
                                      "none", "--max-new-tokens", "4", "--out", str(tmp_path / "out")))
-    bench_cli.execute(plan, tiny, progress=False)
+    execute(plan, tiny, progress=False)
     assert checked == ["pld", "recycling"]
 
 
@@ -604,9 +605,9 @@ def test_resume_grows_the_question_set_and_refuses_other_settings_or_code(tiny: 
               "--out", str(out), "--no-progress")
     with pytest.raises(InvalidParameter, match="no checkpoint.json"):
         bench_cli.make_plan(parse(*common, "--resume"))
-    first = bench_cli.execute(bench_cli.make_plan(parse(*common, "--categories", "qa,rag")), tiny, progress=False)
+    first = execute(bench_cli.make_plan(parse(*common, "--categories", "qa,rag")), tiny, progress=False)
     assert {r["category"] for r in first["records"]} == {"qa", "rag"}
-    grown = bench_cli.execute(bench_cli.make_plan(parse(*common, "--resume")), tiny, progress=False)
+    grown = execute(bench_cli.make_plan(parse(*common, "--resume")), tiny, progress=False)
     assert len({r["question_id"] for r in grown["records"]}) == len(CATEGORIES)
     assert any(note.startswith("resumed: 2 question(s)") for note in grown["notes"])
     kept = {r["question_id"]: r["decode_s"] for r in first["records"]}

@@ -15,7 +15,7 @@ import pytest
 
 from decodekit.bench.questions import load_questions, resolve_question_file
 from decodekit.errors import InvalidParameter
-from decodekit.serve.load import SCHEMA, Outcome, add_parser, percentile, run, send
+from decodekit.serve.load import SCHEMA, Outcome, add_arguments, percentile, run, send
 
 FIRST_SLEEP = 0.05  # before the first content chunk: the fake server's time to first token
 CHUNK_SLEEP = 0.01  # between content chunks
@@ -131,8 +131,8 @@ def fake_server():
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
-    return parser.parse_args(["bench-serve", *argv])
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
 
 
 def closed_port_url() -> str:

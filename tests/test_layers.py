@@ -9,7 +9,7 @@ import decodekit
 
 ROOT = Path(decodekit.__file__).parent
 #: Bottom to top. A module may import its own layer and the layers before it, never one after.
-LAYERS = ("errors", "machine", "options", "cluster", "arguments", "data", "models", "samplers", "engine", "speculative",
+LAYERS = ("exports", "errors", "machine", "options", "cluster", "arguments", "data", "models", "samplers", "engine", "speculative",
           "search", "bench", "eval", "serve", "interfaces")
 #: Modules that must not import each other although they share a layer.
 APART = {

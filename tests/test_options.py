@@ -180,16 +180,37 @@ def test_cli_bench_and_eval_share_one_parse_option():
         bench_cli.parse_method_options(["pld.bogus=1"], ["greedy", "pld"])
 
 
+LIGHT_COMMAND_LINES = (["--help"], ["generate", "--help"], ["generate", "hi", "--numerics", "quick"], ["bench", "--help"],
+                       ["serve", "--help"], ["bench-serve", "--help"], ["profile", "--help"], ["nosuch"])
+
+LIGHT_CHECK = """
+import contextlib, io, sys
+import decodekit, decodekit.cluster
+light = 'torch' not in sys.modules
+from decodekit.interfaces.cli import main
+codes = []
+for argv in %r:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            codes.append(main(argv))
+        except SystemExit as end:
+            codes.append(end.code)
+light_cli = 'torch' not in sys.modules
+import decodekit.engine as e
+m = e.available_methods()
+print(light, light_cli, codes, m['pld'].family, m['beam'].family, decodekit.Engine is e.Engine, 'Engine' in dir(decodekit))
+""" % (LIGHT_COMMAND_LINES,)
+
+
 def test_import_decodekit_is_light_and_the_engine_alone_registers_every_family():
     """In a fresh process: ``import decodekit`` (and ``decodekit.cluster``, which a Ray worker imports
-    before its payload) does not import torch; importing the engine alone, every family's methods are
-    there at its first lookup (that the engine names no layer above it is tests/test_layers.py's); the
-    package's names resolve to the engine's."""
-    code = ("import sys, decodekit, decodekit.cluster; light = 'torch' not in sys.modules; "
-            "import decodekit.engine as e; m = e.available_methods(); "
-            "print(light, m['pld'].family, m['beam'].family, decodekit.Engine is e.Engine, 'Engine' in dir(decodekit))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
-    assert out.stdout.split() == ["True", "speculative", "search", "True", "True"], out.stderr
+    before its payload) does not import torch, nor do the command line's help and its usage errors
+    (each feature command's module is imported only when that command is given); importing the
+    engine alone, every family's methods are there at its first lookup (that the engine names no
+    layer above it is tests/test_layers.py's); the package's names resolve to the engine's."""
+    out = subprocess.run([sys.executable, "-c", LIGHT_CHECK], capture_output=True, text=True, timeout=120, check=False)
+    codes = "[" + ", ".join("0" if "--help" in argv else "2" for argv in LIGHT_COMMAND_LINES) + "]"
+    assert out.stdout.rsplit(maxsplit=4) == [f"True True {codes}", "speculative", "search", "True", "True"], out.stderr
     with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
         decodekit.Nothing  # noqa: B018
     assert decodekit.speculative.drafters.DRAFTER_SPECS is DRAFTER_SPECS  # a subpackage, imported when asked for

@@ -19,6 +19,7 @@ import pytest
 
 from decodekit.bench import cli as bench_cli
 from decodekit.bench.distributed import execute_on_ray
+from decodekit.bench.execution import execute
 from decodekit.bench.report import compare
 from decodekit.bench.results import validate_results
 from decodekit.cluster import Pool, PoolSettings
@@ -337,7 +338,7 @@ def runs_of(records) -> Counter:
 @pytest.fixture(scope="module")
 def single_machine(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench-ray")
-    return bench_cli.execute(bench_plan(tmp, "local"), TINY(), progress=False), tmp
+    return execute(bench_plan(tmp, "local"), TINY(), progress=False), tmp
 
 
 def test_a_bench_on_ray_gives_the_single_machine_tokens_in_the_same_schema_with_a_worker_killed(

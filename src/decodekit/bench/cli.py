@@ -7,13 +7,15 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..arguments import add_ray_arguments, check_ray_arguments, check_writable, named
 from ..errors import InvalidParameter
 from ..options import parse_option
-from .execution import REFERENCE, Plan, execute, load_checkpoint
 from .questions import DEFAULT_QUESTIONS
+
+if TYPE_CHECKING:
+    from .execution import Plan
 
 #: --quick: the fast model-free speculative methods, when registered (skipped with a note otherwise).
 QUICK_METHODS = ("greedy", "pld", "suffix", "recycling", "lookahead")
@@ -21,12 +23,9 @@ QUICK = {"limit": 1, "max_new_tokens": 64, "baselines": "hf", "repeats": 5}  # s
 FULL = {"limit": None, "max_new_tokens": 256, "baselines": "hf,hf-pld,llamacpp", "repeats": 1}
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "bench", help="Spec-Bench-style speed benchmark of decoding methods and baselines",
-        description="Benchmark decoding methods against decodekit greedy, transformers generate() and llama.cpp "
-        "on Spec-Bench questions. Writes DIR/results.json, DIR/report.md and DIR/speedup.png.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Benchmark decoding methods against decodekit greedy, transformers generate() and llama.cpp "
+                     "on Spec-Bench questions. Writes DIR/results.json, DIR/report.md and DIR/speedup.png.")
     p.add_argument("--questions", default=None, metavar="FILE", help=f"Spec-Bench JSONL file (default {DEFAULT_QUESTIONS})")
     p.add_argument("--methods", default=None, help="comma-separated decodekit methods (greedy is always included; "
                    "default: greedy + every registered speculative method)")
@@ -53,7 +52,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_ray_arguments(p)
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print the change between two results files and exit")
     p.set_defaults(func=run)
-    return p
 
 
 def split_list(text: str | None) -> list[str]:
@@ -63,6 +61,7 @@ def split_list(text: str | None) -> list[str]:
 def choose_methods(requested: str | None, quick: bool, notes: list[str]) -> list[str]:
     """User-named methods must exist; default lists keep only what is registered."""
     from ..engine import available_methods, method_spec
+    from .execution import REFERENCE
 
     registered = available_methods()
     if requested is not None:
@@ -109,6 +108,7 @@ def positive(name: str, value: int | None, allow_none: bool = False) -> None:
 def make_plan(args: argparse.Namespace) -> Plan:
     """Validate the arguments (unknown methods, baselines, categories, missing files) without loading a model."""
     from .baselines import check_baselines
+    from .execution import Plan, load_checkpoint
     from .questions import load_questions, resolve_question_file
 
     defaults = QUICK if args.quick else FULL
@@ -165,6 +165,7 @@ def command_line(plan: Plan, quick: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .execution import execute
     from .report import compare, terminal_report
     from .results import load_results
 

@@ -29,13 +29,11 @@ GEMM_SIZE = 2048  # large enough for the matrix product to run near the multiply
 PEAK_ITERATIONS = 2_000_000  # rounds of 12 VNNI instructions a thread: a few milliseconds
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("profile", help="pass costs, prefill speed and the machine's limits")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--contention", action="store_true", help="also decode beside a busy loop on one core")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
-    return p
 
 
 def best_of(fn, rounds: int = 5) -> float:

@@ -1,7 +1,21 @@
-"""``decodekit eval``: tasks (gsm8k, capitals), accuracy with Wilson intervals, uncertainty AUROCs."""
+"""``decodekit eval``: tasks (gsm8k, capitals), accuracy with Wilson intervals, uncertainty AUROCs.
+The names below are imported on first use (:mod:`decodekit.exports`)."""
 
-from .metrics import auroc, reliability_bins, wilson_interval
-from .runner import EvalConfig, evaluate
-from .tasks import Item, Task, load_task, register_task
+from __future__ import annotations
 
-__all__ = ["EvalConfig", "Item", "Task", "auroc", "evaluate", "load_task", "register_task", "reliability_bins", "wilson_interval"]
+from typing import TYPE_CHECKING
+
+from ..exports import lazy_exports
+
+_EXPORTS = {
+    "auroc": ".metrics", "reliability_bins": ".metrics", "wilson_interval": ".metrics",
+    "EvalConfig": ".runner", "evaluate": ".runner",
+    "Item": ".tasks", "Task": ".tasks", "load_task": ".tasks", "register_task": ".tasks",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:
+    from .metrics import auroc, reliability_bins, wilson_interval
+    from .runner import EvalConfig, evaluate
+    from .tasks import Item, Task, load_task, register_task

@@ -40,13 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, type=named, help="output folder (default eval-out/TASK-METHOD)")
     add_model_arguments(parser)
     add_ray_arguments(parser)
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("eval", help="evaluate a decoding method on a task (gsm8k, capitals, structured, longctx)")
-    add_arguments(parser)
     parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace, model=None) -> int:

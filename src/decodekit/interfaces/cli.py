@@ -7,27 +7,32 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Collection
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
 from ..arguments import ArgumentParser, add_model_arguments, check_argv
-from ..bench import cli as bench_cli
-from ..bench import profile as profile_cli
-from ..serve import cli as serve_cli
-from ..serve import load as bench_serve_cli
-from ..engine import available_methods, build_decoder, make_sampler, method_spec, split_params
 from ..errors import DecodeKitError, InvalidParameter, PromptTooLong
-from ..eval import cli as eval_cli
-from ..speculative.trained import cli as train_drafter_cli
-from ..models.kv_policy import POLICY_HELP, parse_kv_cache
 from ..options import OptionSpec, parse_option
-from ..samplers import SAMPLER_OPTIONS
+from ..samplers.params import SAMPLER_OPTIONS
 
 #: One flag per sampler parameter, from the sampler's table (``greedy`` is ``--method greedy``).
 SAMPLER_FLAGS: dict[str, OptionSpec] = {name: spec for name, spec in SAMPLER_OPTIONS.items() if name != "greedy"}
 
-#: Subcommands that live with their feature: modules exposing add_parser(subparsers).
-PLUGIN_COMMANDS = (bench_cli, profile_cli, eval_cli, serve_cli, bench_serve_cli, train_drafter_cli)
+#: Subcommands that live with their feature: each module has ``add_arguments(parser)``, which
+#: also sets the function that runs the command. A module is imported only where its command is
+#: the one given (or where every command's parser is asked for), so ``decodekit --help`` and a
+#: mistyped command answer without importing torch.
+PLUGIN_COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("decodekit.bench.cli", "Spec-Bench-style speed benchmark of decoding methods and baselines"),
+    "profile": ("decodekit.bench.profile", "pass costs, prefill speed and the machine's limits"),
+    "eval": ("decodekit.eval.cli", "evaluate a decoding method on a task (gsm8k, capitals, structured, longctx)"),
+    "serve": ("decodekit.serve.cli", "an OpenAI-compatible server with continuous batching"),
+    "bench-serve": ("decodekit.serve.load",
+                    "replay Spec-Bench questions against an OpenAI-compatible server at several concurrency levels"),
+    "train-drafter": ("decodekit.speculative.trained.cli", "train an EAGLE or Medusa drafter on the model's own outputs"),
+}
 
 #: What leaves ``decodekit chat`` (besides Ctrl-D).
 CHAT_EXIT = ("/exit", "/quit", "exit", "quit")
@@ -90,6 +95,8 @@ def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def decoding_params(args: argparse.Namespace) -> dict[str, Any]:
     """Sampler flags and ``--opt`` method options (parsed by the method's option specs) as keywords."""
+    from ..engine import method_spec
+
     params: dict[str, Any] = {name: getattr(args, name) for name in SAMPLER_FLAGS if getattr(args, name) is not None}
     options = method_spec(args.method).options
     params.update(parse_option(o, options) for o in args.opt)
@@ -105,6 +112,9 @@ def decoding_params(args: argparse.Namespace) -> dict[str, Any]:
 def validate_decoding(args: argparse.Namespace) -> dict[str, Any] | None:
     """Reject a bad method, sampler value, option or constraint before the model is loaded; return
     the structured-output constraint, if any (:func:`constraint_from_args`)."""
+    from ..engine import build_decoder, make_sampler, method_spec, split_params
+    from ..models.kv_policy import parse_kv_cache
+
     method_spec(args.method)
     if args.max_new_tokens < 1:
         raise InvalidParameter(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
@@ -245,6 +255,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
+    from ..engine import available_methods
+    from ..models.kv_policy import POLICY_HELP
+
     for name, spec in sorted(available_methods().items(), key=lambda kv: (kv[1].family, kv[0])):
         kind = "lossless" if spec.lossless else "changes output"
         print(f"  {name:<18} {spec.family:<12} {kind:<15} {spec.description}")
@@ -260,7 +273,10 @@ def cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; with ``commands``, the feature commands (:data:`PLUGIN_COMMANDS`)
+    among them get their arguments and the rest only their name and help (their modules are not
+    imported)."""
     parser = ArgumentParser(prog="decodekit", description="The decoding layer for language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -281,8 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("models", help="list the models decodekit can load").set_defaults(func=cmd_models)
     sub.add_parser("methods", help="list the decoding methods").set_defaults(func=cmd_methods)
 
-    for module in PLUGIN_COMMANDS:
-        module.add_parser(sub)
+    for name, (module, help_line) in PLUGIN_COMMANDS.items():
+        command = sub.add_parser(name, help=help_line)
+        if commands is None or name in commands:
+            import_module(module).add_arguments(command)
     return parser
 
 
@@ -291,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         check_argv(argv)
-        args = build_parser().parse_args(argv)
+        args = build_parser(commands=argv[:1]).parse_args(argv)  # the command comes first
         status = args.func(args)
         sys.stdout.flush()  # a reader that left shows up here, where it is handled
         return status

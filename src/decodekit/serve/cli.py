@@ -17,8 +17,7 @@ from ..errors import InvalidParameter
 from . import STREAM_INTERVAL_S
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="an OpenAI-compatible server with continuous batching")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.set_defaults(numerics=None)  # the server's default: fast where the model and CPU allow it, else exact
     for action in p._actions:
@@ -32,7 +31,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="how long a stream's text after its first token is gathered into one write "
                         f"(default {STREAM_INTERVAL_S * 1000:g}; 0: every token as it is decoded)")
     p.set_defaults(func=run)
-    return p
 
 
 def load_for_serving(args: argparse.Namespace):

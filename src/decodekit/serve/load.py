@@ -43,12 +43,10 @@ COMPARE_ROWS = (("output tok/s", "output_tok_s", None), ("TTFT p50 ms", "ttft_ms
                 ("TTFT p99 ms", "ttft_ms", "p99"), ("TPOT p50 ms", "tpot_ms", "p50"), ("latency p50 ms", "e2e_ms", "p50"))
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "bench-serve", help="replay Spec-Bench questions against an OpenAI-compatible server at several concurrency levels",
-        description="Send Spec-Bench questions as streamed chat completions to an OpenAI-compatible server, c at a time "
-        "for each concurrency level c. Writes DIR/results.json and DIR/throughput.png and prints a Markdown table.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Send Spec-Bench questions as streamed chat completions to an OpenAI-compatible server, c at a "
+                     "time for each concurrency level c. Writes DIR/results.json and DIR/throughput.png and prints a "
+                     "Markdown table.")
     p.add_argument("--url", default=DEFAULT_URL, help=f"the server's base URL, up to /v1 (default {DEFAULT_URL})")
     p.add_argument("--model", default=None, help="model id to send (default: the first id of GET URL/models)")
     p.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated requests in flight (default 1,2,4,8,16)")
@@ -62,7 +60,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--compare", nargs="+", metavar="RESULTS.json",
                    help="draw these results files on one DIR/throughput.png and print them side by side; sends nothing")
     p.set_defaults(func=run)
-    return p
 
 
 @dataclass

@@ -17,8 +17,7 @@ from .store import cache_path, save, target_fingerprint
 from .train import Settings, draft_vocabulary, new_net, report, split, train
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("train-drafter", help="train an EAGLE or Medusa drafter on the model's own outputs")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kind", required=True, choices=["eagle", "medusa"])
     defaults = Settings("eagle")
     parser.add_argument("--tokens", type=int, default=defaults.tokens, help="self-distilled tokens to generate (made once per model and seed, then reused)")
@@ -37,7 +36,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=None, help="where to save the drafter (default: the model's cache)")
     add_model_arguments(parser)
     parser.set_defaults(func=run)
-    return parser
 
 
 def _say(text: str) -> None:
