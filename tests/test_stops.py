@@ -56,3 +56,28 @@ def test_a_single_stop_string_in_python_is_not_split_into_characters(tiny_model)
     as_list = engine.generate("hello", max_new_tokens=40, chat=False, stop=[stop])
     assert as_string.text == as_list.text == full.text[: full.text.find(stop)]
     assert as_string.tokens == as_list.tokens
+
+
+class ByteTokenizer:
+    """Token i is the byte i: a character outside ASCII takes several tokens, and a text that ends
+    inside one decodes with U+FFFD at its end, as byte-level tokenizers do."""
+
+    def decode(self, tokens):
+        return bytes(tokens).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("text, stop", [("アバラリ", "ラリ"), ("🎌 🌐🎌🎌", "🎌🎌"), ("ab😀cd", "😀c")])
+def test_a_stream_holds_back_a_stop_strings_start_before_an_unfinished_character(text, stop):
+    """What is streamed, byte by byte, is never part of the stop string: the text held back for a
+    stop string that may be starting is judged on the whole characters before an unfinished one."""
+    from decodekit.engine.core import TextStreamer
+
+    tokenizer, tokens, pieces = ByteTokenizer(), list(text.encode()), []
+    streamer = TextStreamer(tokenizer, [stop], pieces.append)
+    for n in range(1, len(tokens) + 1):  # the engine's loop: a step, the stop check, the stream
+        if hits_stop(tokenizer, tokens[:n], (stop,)):
+            break
+        streamer.update(tokens[:n])
+        assert text[: text.index(stop)].startswith("".join(pieces))  # nothing sent is taken back
+    streamer.update(tokens[:n], final_text=cut_at_stop(tokenizer, tokens[:n], (stop,))[0])
+    assert "".join(pieces) == text[: text.index(stop)]

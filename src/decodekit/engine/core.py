@@ -205,10 +205,11 @@ class TextStreamer:
         if final_text is None:
             if text.endswith("\ufffd"):  # an incomplete multi-byte character
                 safe = len(text.rstrip("\ufffd"))
-            for s in self.stop:  # a stop string may be starting at the end
-                for k in range(min(len(s) - 1, len(text)), 0, -1):
-                    if text.endswith(s[:k]):
-                        safe = min(safe, len(text) - k)
+            whole = text[:safe]  # a stop string may be starting at the end of the whole characters
+            for s in self.stop:
+                for k in range(min(len(s) - 1, safe), 0, -1):
+                    if whole.endswith(s[:k]):
+                        safe -= k
                         break
         if safe > self.sent:
             self.callback(text[self.sent : safe])
