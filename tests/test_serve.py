@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -443,8 +444,9 @@ def test_the_outbox_hands_over_a_first_text_and_an_end_at_once_and_gathers_the_r
 
 @pytest.mark.real_model
 def test_serve_command_on_the_embedded_model(real_model, tmp_path):
-    """The real command in a subprocess: /health answers 503 then 200, the start-up line names
-    the numerics, and the answer is the engine's."""
+    """The real command in a subprocess: /health answers 200 once the model is in, the start-up line
+    names the numerics, the answer is the engine's, and SIGTERM in the middle of a stream lets it
+    finish, refuses new connections and ends the process with status 0."""
     import subprocess
     import sys
 
@@ -474,10 +476,19 @@ def test_serve_command_on_the_embedded_model(real_model, tmp_path):
 
         engine = Engine(load_model(numerics=numerics))
         assert got.choices[0].message.content == engine.generate("What is 2+2?", max_new_tokens=12).text
+        chunks = iter(client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "A story."}],
+                                                     max_tokens=48, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+        next(chunks)  # the request is in progress
+        proc.send_signal(signal.SIGTERM)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"  # every token came
+        with pytest.raises(openai.APIConnectionError):
+            client.models.list()
+        assert proc.wait(timeout=30) == 0
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert f"{numerics} numerics, http://127.0.0.1:{port}/v1" in err
+    assert "SIGTERM, shutting down" in err and "Traceback" not in err
 
 
 def test_response_format_and_guided_fields_constrain_the_answer(served):

@@ -56,6 +56,31 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+SHUTDOWN_SIGNALS = ("SIGTERM", "SIGINT")
+
+
+def shut_down_on_signals(web) -> None:
+    """SIGTERM and Ctrl-C shut the server down as uvicorn does on its own thread (which installs no
+    handlers off the main thread): no new connections, the requests in progress answered in full
+    (the passes go on meanwhile) for up to the graceful timeout, then the process ends with status
+    0. A second signal stops waiting for them. A SIGINT the process was started ignoring (a
+    background job of a shell) stays ignored."""
+    import signal
+
+    def shut_down(signum: int, frame) -> None:
+        if web.should_exit:
+            web.force_exit = True
+            return
+        web.should_exit = True
+        print(f"decodekit serve: {signal.Signals(signum).name}, shutting down (the requests in progress are "
+              "finished; another signal stops now)", file=sys.stderr, flush=True)
+
+    for name in SHUTDOWN_SIGNALS:
+        number = getattr(signal, name)
+        if signal.getsignal(number) is not signal.SIG_IGN:
+            signal.signal(number, shut_down)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -81,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     http = threading.Thread(target=web.run, kwargs={"sockets": [sock]}, name="decodekit-http", daemon=True)
     http.start()
     stopped = threading.Event()
+    shut_down_on_signals(web)
     try:
         server.load_now()
         host, port = sock.getsockname()[:2]
