@@ -171,6 +171,8 @@ def test_bad_requests_are_openai_error_objects(served):
     with pytest.raises(openai.BadRequestError) as err:  # refused, not silently greedy
         chat(served, "hi", max_tokens=4, temperature=0.7, extra_body={"greedy": True})
     assert err.value.param == "greedy" and "temperature=0.7 would be ignored" in err.value.message
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):  # not silently none
+        chat(served, "hi", max_tokens=2, top_logprobs=3)
     assert parse_request({"prompt": "hi", "greedy": True}, chat=False).params == {"greedy": True}  # no OpenAI default T
     status, body, _ = served.get("/v1/nothing")
     assert status == 404 and json.loads(body)["error"]["message"] == "no route GET /v1/nothing"
@@ -262,6 +264,9 @@ def test_values_no_request_should_send_are_400s_never_500s(served):
 def test_health_models_and_metrics(served):
     status, body, _ = served.get("/health")
     assert status == 200 and json.loads(body) == {"status": "ok"}
+    for path in ("/health", "/v1/models"):  # what health checkers send
+        with urllib.request.urlopen(urllib.request.Request(served.url + path, method="HEAD")) as r:
+            assert r.status == 200 and r.read() == b""
     models = served.client.models.list().data
     assert [m.id for m in models] == [MODEL] and models[0].numerics == served.server.numerics
     chat(served, PROMPTS[0], max_tokens=5, temperature=0)
@@ -319,18 +324,29 @@ def test_a_full_server_answers_503_with_retry_after():
         running.stop()
 
 
+def cancelled_count(served) -> float:
+    """The metrics' count of choices whose client left."""
+    name = 'decodekit:request_success_total{finished_reason="cancelled"} '
+    return sum(float(line[len(name):]) for line in served.get("/metrics")[1].splitlines() if line.startswith(name))
+
+
 def test_a_client_that_goes_away_frees_its_slot(served):
+    """Streamed or not, a request whose client leaves stops, frees its slot and is counted as
+    cancelled (just after it stops: its future's callback)."""
     scheduler = served.server.scheduler
+    before = cancelled_count(served)
     stream = chat(served, PROMPTS[0], max_tokens=1900, temperature=0, stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
     stream.close()  # the client leaves after the first chunk
-    cancelled = 'decodekit:request_success_total{finished_reason="cancelled"}'
-    # the slot is freed when the request stops, and it is counted just after (its future's callback)
+    impatient = served.client.with_options(timeout=0.2)
+    with pytest.raises(openai.APITimeoutError):  # the client leaves before the answer
+        impatient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                          max_tokens=1900, temperature=0, extra_body={"ignore_eos": True})
     deadline = time.time() + 10
-    while (scheduler.running or cancelled not in served.get("/metrics")[1]) and time.time() < deadline:
+    while (scheduler.running or cancelled_count(served) < before + 2) and time.time() < deadline:
         time.sleep(0.02)
     assert scheduler.running == 0
-    assert cancelled in served.get("/metrics")[1]
+    assert cancelled_count(served) == before + 2
 
 
 def rss_mb() -> float:

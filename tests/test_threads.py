@@ -160,3 +160,44 @@ def test_the_governor_times_plain_steps_only_each_cache_policy_apart(monkeypatch
     int8.step(torch.tensor([5]))
     assert [timed for _, timed in seen] == [False, True, False, False, False, True]
     assert seen[1][0] == ("tiny-llama", "full") and seen[-1][0] == ("tiny-llama", "int8")
+
+
+def test_busy_elsewhere_is_the_cores_busy_time_less_this_processs_own():
+    """Per window: what the cores did (a 10 ms tick at a time) less this process's own CPU time, in cores."""
+    from decodekit.machine import BusyElsewhere
+
+    clock, machine, own = [0.0], [(0.0, 0.0)], [0.0]
+    busy = BusyElsewhere(window_s=0.1, times=lambda: machine[0], own=lambda: own[0], clock=lambda: clock[0])
+    busy.cpus = 2
+    assert busy() is None  # no window has passed
+    clock[0], machine[0], own[0] = 0.05, (0.1, 0.1), 0.05
+    assert busy() is None  # nor yet
+    clock[0], machine[0], own[0] = 0.2, (0.3, 0.4), 0.1  # 0.3 busy of 0.4 CPU-s (2 cores x 0.2 s); 0.1 ours
+    assert busy() == pytest.approx(1.0)  # (0.3 - 0.1) CPU-s over 0.2 s
+    clock[0], machine[0], own[0] = 0.25, (0.35, 0.5), 0.15
+    assert busy() == pytest.approx(1.0)  # within the next window: the last figure
+    clock[0], machine[0], own[0] = 0.4, (0.55, 0.8), 0.35  # all of the busy time ours
+    assert busy() == pytest.approx(0.0)
+    gone = BusyElsewhere(times=lambda: None)  # no /proc/stat
+    clock[0] = 10.0
+    assert gone() is None
+
+
+def test_the_governor_leaves_the_cores_other_processes_keep_busy_without_a_try(two_threads, monkeypatch):
+    """Where another process keeps a core busy, every pass (untimed ones too: the server's) runs on
+    one thread with no try of two, whatever the timings say; once the cores are free again the next
+    timed pass tries the other count."""
+    from decodekit.models import threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    others = [0.0]
+    governor = ThreadGovernor(busy_elsewhere=lambda: others[0])
+    quiet = drive(governor, {2: 3.0, 1: 5.0}, 100)
+    assert quiet[-50:].count(2) >= 49
+    others[0] = 0.9  # a busy loop on the other core
+    assert drive(governor, {2: 3.0, 1: 5.0}, 600) == [1] * 600  # never a try of two, which stalls for a slice a region
+    assert [governor.choose("m", timed=False) for _ in range(5)] == [(1, False)] * 5
+    others[0] = 0.1
+    assert drive(governor, {2: 3.0, 1: 5.0}, 20)[1:] == [2] * 19  # (the first pass tries the other count)
+    unknown = ThreadGovernor(busy_elsewhere=lambda: None)  # no figure: the timings decide, as before
+    assert drive(unknown, {2: 12.0, 1: 6.0}, 100)[-50:].count(1) >= 45

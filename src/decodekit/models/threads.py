@@ -11,6 +11,15 @@ count for one pass, so it returns to all threads once the machine is quiet again
 between those tries doubles while the other count keeps losing (16 passes up to 512) and is short
 again after a switch, in case a burst of load is already over.
 
+Timing alone learns late and dearly: under load a pass with a descheduled thread took not 2x but
+hundreds of times a quiet one (every parallel region waits a scheduler slice for it), so one try of
+all threads could stall a request for a second or more, and passes no one times (the server's
+batched ones) never switched at all. So where the system says how busy the cores are
+(:class:`decodekit.machine.BusyElsewhere`: their busy time less this process's own), a pass runs on
+the cores other processes left free, without a try, while they keep half a core or more busy; the
+timings decide only when the cores look free (hyper-threads, or a slower machine, can still make
+fewer threads faster).
+
 A pass is never faster than the machine allows, only slower when something else runs. So a
 faster timing replaces the estimate at once, and a slower one moves it a fifth of the way: one
 quiet try is enough evidence that a count is fast again, while the estimate still follows the
@@ -30,15 +39,18 @@ import math
 import os
 import threading
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
+from ..machine import BusyElsewhere, usable_cores
+
 FIRST_PROBE = 16  # passes before the first try of the other thread count
 LONGEST_PAUSE = 512  # passes between tries while the other count keeps losing
 SLOWER_WEIGHT = 0.2  # how far a slower timing moves an estimate
+BUSY_ELSEWHERE = 0.5  # cores kept busy by other processes from which the governor leaves them theirs
 
 
 @dataclass
@@ -55,8 +67,10 @@ class ThreadGovernor:
     """Chooses torch's thread count, which the kernels take too, pass by pass: one, or ``most``.
     ``most`` is torch's count when the governor first ran, or when someone else last set it."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, busy_elsewhere: Callable[[], float | None] | None = None) -> None:
         self.enabled = enabled
+        self.busy_elsewhere = busy_elsewhere  # cores other processes keep busy (None: unknown)
+        self._crowded = False  # whether the last choice left cores to other processes
         self.current: int | None = None  # the count this governor last set
         self.most = 1
         self.held: int | None = None  # set by hold(): every pass uses it, nothing is timed
@@ -88,6 +102,16 @@ class ThreadGovernor:
                 return self.held, False
             counts = (self.most, 1) if self.most > 1 else (1,)
             record = self._records.setdefault(key, _Record())
+            others = self.busy_elsewhere() if self.busy_elsewhere is not None and self.most > 1 else None
+            if others is not None and others >= BUSY_ELSEWHERE:
+                self._crowded = True
+                threads = max(1, min(self.most, round(usable_cores() - others)))
+                self._set(threads)
+                return threads, False
+            if self._crowded:  # the cores are free again: the next timed pass tries the other count
+                self._crowded = False
+                for each in self._records.values():
+                    each.since_probe = each.pause
             best = min(counts, key=lambda n: record.estimate.get(n, -math.inf if n == self.most else math.inf))
             if best != record.leader:  # a switch: try the count just left again soon
                 record.leader, record.pause, record.since_probe = best, FIRST_PROBE, 0
@@ -146,4 +170,4 @@ class ThreadGovernor:
 
 
 #: The process's governor: thread contention is a property of the machine.
-GOVERNOR = ThreadGovernor(enabled=os.environ.get("DECODEKIT_THREAD_GOVERNOR", "1") != "0")
+GOVERNOR = ThreadGovernor(enabled=os.environ.get("DECODEKIT_THREAD_GOVERNOR", "1") != "0", busy_elsewhere=BusyElsewhere())

@@ -158,23 +158,23 @@ class Server:
                 self.metrics.errors.labels("500").inc()
             return error_response(500, f"internal error: {type(err).__name__}: {err}", "server_error")
 
-        @app.get("/health")
+        @app.api_route("/health", methods=["GET", "HEAD"])
         async def health():
             if self.scheduler is None:
                 return JSONResponse({"status": "error" if self.load_error else "loading"}, status_code=503)
             return {"status": "ok"}
 
-        @app.get("/metrics")
+        @app.api_route("/metrics", methods=["GET", "HEAD"])
         async def metrics():
             self.ready()
             return Response(self.metrics.text(), media_type="text/plain; version=0.0.4")
 
-        @app.get("/v1/models")
+        @app.api_route("/v1/models", methods=["GET", "HEAD"])
         async def models():
             self.ready()
             return {"object": "list", "data": [self.model_card()]}
 
-        @app.get("/v1/models/{model:path}")
+        @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
         async def model(model: str):
             self.ready()
             if model != self.model_id:
@@ -239,6 +239,9 @@ class Server:
                                      headers={"Cache-Control": "no-cache"})
         try:
             outcomes = await wait_or_cancel(request, jobs, futures)
+        except ClientGone:
+            reply.record_when_stopped(dict(enumerate(futures)), {})  # cancelled choices count too, as in a stream
+            raise
         except DecodeKitError as err:  # found while decoding: an option the checks above cannot judge alone
             raise ApiError(400, str(err), param=field_named(err, body, chat)) from None
         return reply.whole(outcomes)
@@ -357,6 +360,8 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
     if chat:
         top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
         top_logprobs = top if _flag(body, "logprobs") else None
+        if top_logprobs is None and body.get("top_logprobs") is not None:  # as OpenAI answers it
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     else:
         top_logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top_logprobs is not None and stream:
@@ -562,6 +567,12 @@ class Reply:
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
                 "total_tokens": len(self.prompt_ids) + completion}
 
+    def record_when_stopped(self, futures: dict[int, Any], first: dict[int, float]) -> None:
+        """Count each of these choices when its request thread has stopped (a cancelled one with
+        what it generated before; one that failed is counted as an error where it is answered)."""
+        for index, future in futures.items():
+            future.add_done_callback(lambda f, i=index: f.exception() or self.record(f.result(), first.get(i)))
+
     def record(self, outcome: Outcome, first_token_s: float | None) -> None:
         if self.server.metrics:
             self.server.metrics.finished(prompt_tokens=len(self.prompt_ids), generation=outcome.generation,
@@ -657,5 +668,4 @@ class Reply:
         finally:
             for job in jobs:  # a client that went away, or an error: stop decoding for nobody
                 job.cancelled.set()
-            for index, future in unrecorded.items():  # what was cancelled is counted when it stops
-                future.add_done_callback(lambda f, i=index: f.exception() or self.record(f.result(), first.get(i)))
+            self.record_when_stopped(unrecorded, first)  # what was cancelled is counted when it stops

@@ -35,9 +35,10 @@ class ServerMetrics:
                              ).set_function(lambda: scheduler.running)
         self.waiting = Gauge("decodekit:num_requests_waiting", "Requests waiting for a slot", registry=r,
                              ).set_function(lambda: scheduler.waiting)
-        self.prompt_tokens = Counter("decodekit:prompt_tokens", "Prompt tokens read", registry=r)
+        # each choice of a request with n > 1 is counted as a request of its own (as vLLM does)
+        self.prompt_tokens = Counter("decodekit:prompt_tokens", "Prompt tokens, once per choice", registry=r)
         self.generation_tokens = Counter("decodekit:generation_tokens", "Tokens generated", registry=r)
-        self.requests = Counter("decodekit:request_success", "Finished requests by finish reason", ["finished_reason"], registry=r)
+        self.requests = Counter("decodekit:request_success", "Finished choices by finish reason (cancelled: the client left)", ["finished_reason"], registry=r)
         self.errors = Counter("decodekit:request_errors", "Requests answered with an error, by HTTP status", ["status"], registry=r)
         self.ttft = Histogram("decodekit:time_to_first_token_seconds", "Time to first token", registry=r, buckets=LATENCY_BUCKETS)
         self.itl = Histogram("decodekit:time_per_output_token_seconds", "Mean time per output token after the first, per request",
