@@ -20,6 +20,7 @@ from decodekit.engine import (
     method_spec,
     register_method,
     registry,
+    split_params,
 )
 from decodekit.errors import DecodeKitError, InvalidParameter
 from decodekit.eval import cli as eval_cli
@@ -274,3 +275,18 @@ def test_make_sampler_reads_the_sampling_field(monkeypatch):
     assert make_sampler("pld", {}).is_greedy and not make_sampler("pld", {"temperature": 0.7}).is_greedy
     with pytest.raises(InvalidParameter, match="sampling must be"):
         register_method("bad", registry.plain_decoder, "test", lossless=True, family="plain", sampling="sometimes")
+
+
+def test_no_method_option_shares_a_name_with_a_sampler_parameter(monkeypatch):
+    """A keyword named like a sampler parameter always goes to the sampler (``split_params``): an
+    option of that name could never be set, and setting it would change sampling instead (the
+    trained drafters' candidates per position were once ``top_k``). Registering one is refused."""
+    for name, spec in available_methods().items():
+        assert not set(spec.options or ()) & set(SAMPLER_OPTIONS), name
+    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
+    with pytest.raises(InvalidParameter, match="top_k share a name with the sampler's parameters"):
+        registry.register_method("clashing", registry.plain_decoder, "", lossless=True, family="plain",
+                                 options={"top_k": OptionSpec("top_k", int, 4, "")})
+    sampler, options = split_params({"top_k": 8, "candidates": 3})
+    assert sampler == {"top_k": 8} and options == {"candidates": 3}
+    assert set(available_methods()["eagle"].options) >= {"candidates"}

@@ -420,7 +420,7 @@ def test_eagle_trees_are_eagle2s_most_confident_paths(monkeypatch, top_k, depth,
     backend = model.backend
     stub = StubEagle(backend)
     monkeypatch.setattr(store, "load", lambda *args, **kwargs: stub)
-    drafter = EagleDrafter(top_k=top_k, max_depth=depth, min_confidence=0.0)
+    drafter = EagleDrafter(candidates=top_k, max_depth=depth, min_confidence=0.0)
     state = DecodeState(backend, Sampler(greedy=True), prompt, GenerationStats())
     state.prefill()
     drafter.begin(state)
@@ -475,7 +475,7 @@ def test_eagle_stops_growing_once_no_deeper_node_could_be_kept(monkeypatch):
     def trees() -> list[tuple[list[int], list[int]]]:
         out = []
         for prompt in ([5, 6, 7, 8], [9, 3, 9, 3], [1, 2], [40, 41, 42]):
-            drafter = eagle.EagleDrafter(top_k=3, max_depth=8, min_confidence=0.0)
+            drafter = eagle.EagleDrafter(candidates=3, max_depth=8, min_confidence=0.0)
             state = DecodeState(backend, Sampler(greedy=True), prompt, GenerationStats())
             state.prefill()
             drafter.begin(state)

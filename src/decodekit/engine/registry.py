@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from ..errors import DecodeKitError, InvalidParameter, UnknownMethod, cause_line
 from ..options import OptionSpec, parse_options
+from ..samplers.params import SAMPLER_OPTIONS
 from .core import Decoder, PlainDecoding, StepDecoder
 
 #: When a method's requests sample: "never" (greedy even with a temperature: giving one is an
@@ -68,6 +69,10 @@ def register_method(name: str, build: Callable[..., Decoder], description: str, 
     module registering again (its import retried after a failure) replaces its own entry."""
     if sampling not in ("never", "always", "when-temperature"):
         raise InvalidParameter(f"sampling must be never, always or when-temperature, got {sampling!r}")
+    clash = sorted(set(options or ()) & set(SAMPLER_OPTIONS))
+    if clash:  # a keyword of that name always goes to the sampler: the option could never be set
+        raise InvalidParameter(f"method {name!r}: option(s) {', '.join(clash)} share a name with the sampler's "
+                               "parameters; choose other names")
     existing = _METHODS.get(name)
     if existing is not None and _module_of(existing.build) != _module_of(build):
         raise InvalidParameter(f"method {name!r} is registered already, by {_module_of(existing.build)}; choose another name")

@@ -172,7 +172,8 @@ class ChainDrafter(Drafter):
 #: Options of both trained drafters (``eagle`` adds its own).
 TRAINED_OPTIONS = option_table(
     OptionSpec("drafter", str, None, "the drafter file (default: the one trained for this model)", local=any_value),
-    OptionSpec("top_k", int, 4, "candidates per draft position", lo=1, hi=64),
+    OptionSpec("candidates", int, 4, "candidates per draft position (EAGLE-2's top-k; named apart from the sampler's top_k)",
+               lo=1, hi=64),
 )
 
 
@@ -182,9 +183,9 @@ class FeatureDrafter(Drafter):
 
     kind = ""
 
-    def __init__(self, *, drafter: str | None = None, top_k: int = 4):
+    def __init__(self, *, drafter: str | None = None, candidates: int = 4):
         self.path = drafter
-        self.top_k = TRAINED_OPTIONS["top_k"].parse(top_k)
+        self.candidates = TRAINED_OPTIONS["candidates"].parse(candidates)
         self.net = None
 
     def begin(self, state: DecodeState) -> None:

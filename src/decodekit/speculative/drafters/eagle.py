@@ -12,8 +12,8 @@ Choices the papers leave open (each one tested):
     made from the target's true features as verifications and plain steps compute them
     (``last_features``); drafted positions use the network's own predicted features, and their
     entries live only for the draft.
-  * EAGLE-2's expansion: each level expands the ``top_k`` nodes of the newest level with the highest
-    path confidence (the product of draft probabilities along the path), each into its ``top_k``
+  * EAGLE-2's expansion: each level expands the ``candidates`` nodes of the newest level with the highest
+    path confidence (the product of draft probabilities along the path), each into its ``candidates``
     best tokens; growth stops at ``max_depth`` (and at the budget's depth), when the level's best
     confidence falls below ``min_confidence``, or once ``budget`` nodes are at least as confident as
     the level's best (no deeper node could then be kept: the same tree, fewer draft passes); the tree
@@ -42,8 +42,8 @@ class EagleDrafter(FeatureDrafter):
 
     name = kind = "eagle"
 
-    def __init__(self, *, drafter: str | None = None, top_k: int = 4, max_depth: int = 6, min_confidence: float = 0.02):
-        super().__init__(drafter=drafter, top_k=top_k)
+    def __init__(self, *, drafter: str | None = None, candidates: int = 4, max_depth: int = 6, min_confidence: float = 0.02):
+        super().__init__(drafter=drafter, candidates=candidates)
         self.max_depth = OPTIONS["max_depth"].parse(max_depth)
         self.min_confidence = OPTIONS["min_confidence"].parse(min_confidence)
 
@@ -82,7 +82,7 @@ class EagleDrafter(FeatureDrafter):
             return self._grow(state, tree, budget, n)
 
     def _grow(self, state: DecodeState, tree: DraftTree, budget: int, n: int) -> DraftTree:
-        net, k, held = self.net, self.top_k, self.pairs
+        net, k, held = self.net, self.candidates, self.pairs
         scores: list[float] = []  # each node's path confidence
         parent_feature: dict[int, torch.Tensor] = {}  # the predicted feature at a node's parent's position
         children = self._add_children(tree, scores, parent_feature, [-1], self.ahead[None], 1.0)
@@ -114,10 +114,10 @@ class EagleDrafter(FeatureDrafter):
 
     def _add_children(self, tree: DraftTree, scores: list[float], parent_feature: dict, parents: list[int],
                       predicted: torch.Tensor, root_score: float | None) -> list[int]:
-        """Hang each parent's ``top_k`` tokens under it (``predicted``: the feature at each parent's
+        """Hang each parent's ``candidates`` tokens under it (``predicted``: the feature at each parent's
         position, one row per parent); returns the new nodes."""
         probs = torch.softmax(self.net.head(predicted), dim=-1)
-        top = probs.topk(self.top_k, dim=-1)
+        top = probs.topk(self.candidates, dim=-1)
         vocab = self.net.head.vocab
         added = []
         for row, parent in enumerate(parents):

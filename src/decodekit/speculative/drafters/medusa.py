@@ -9,7 +9,7 @@ Choices the paper leaves open (each one tested):
   * The tree is grown per step from the heads' own probabilities, best first by the product of the
     probabilities along a path (Medusa fixes one sparse tree from heads' validation accuracies;
     growing it per step uses the same estimate, for this step's candidates). Each head offers its
-    ``top_k`` tokens; head k's candidates hang below every node of depth k.
+    ``candidates`` tokens; head k's candidates hang below every node of depth k.
   * The feature is the one the last verification (or plain step) computed at the last accepted
     position, read from the backend (``last_features``), so drafting runs no target pass.
 """
@@ -36,7 +36,7 @@ class MedusaDrafter(FeatureDrafter):
             return tree
         with torch.inference_mode():
             probs = torch.softmax(self.net(feature), dim=-1)  # [K, N]
-            top = probs.topk(self.top_k, dim=-1)
+            top = probs.topk(self.candidates, dim=-1)
         vocab = self.net.head.vocab.tolist()
         heads = [[(vocab[i], p, k + 1) for p, i in zip(top.values[k].tolist(), top.indices[k].tolist())]
                  for k in range(probs.shape[0])]
