@@ -503,6 +503,18 @@ MUTATIONS = (
              "    if not state.sampler.needs_history:\n        return None\n    histories",
              "    if True:\n        return None\n    histories",
              ("tests/test_constraint.py", "-k", "masks_only_the_rows")),
+    Mutation("stream-judges-a-stop-start-on-the-unfinished-character", "src/decodekit/engine/core.py",
+             "            whole = text[:safe]", "            whole = text",
+             ("tests/test_stops.py",)),
+    Mutation("governor-tries-all-threads-beside-a-busy-process", "src/decodekit/models/threads.py",
+             "if others is not None and others >= BUSY_ELSEWHERE:", "if others is not None and others > 2 * BUSY_ELSEWHERE:",
+             ("tests/test_threads.py", "-k", "leaves_the_cores")),
+    Mutation("busy-elsewhere-counts-this-processs-own-time", "src/decodekit/machine.py",
+             "max(0.0, (busy - (now[2] - own)) * self.cpus / elapsed)", "max(0.0, busy * self.cpus / elapsed)",
+             ("tests/test_threads.py", "-k", "busy_elsewhere")),
+    Mutation("method-option-named-like-a-sampler-parameter", "src/decodekit/speculative/drafters/base.py",
+             'OptionSpec("candidates", int, 4,', 'OptionSpec("top_k", int, 4,',
+             ("tests/test_options.py", "-k", "sampler_parameter")),
 )
 
 
