@@ -44,6 +44,7 @@ def test_hits_stop_looks_at_the_tail_only_as_far_as_needed():
     assert not hits_stop(tok, [0, 1, 5], ())
     assert not hits_stop(tok, [0] + [4] * 100, ("he",))  # beyond the window: found at the final cut instead
     assert hits_stop(tok, [0] + [4] * 100, ("he" + "!" * 100,))  # a long stop string widens the window
+    assert hits_stop(tok, [0] + [4] * 100, ("he",), added=101)  # and so do the tokens one step added
 
 
 def test_a_single_stop_string_in_python_is_not_split_into_characters(tiny_model):
@@ -81,3 +82,27 @@ def test_a_stream_holds_back_a_stop_strings_start_before_an_unfinished_character
         assert text[: text.index(stop)].startswith("".join(pieces))  # nothing sent is taken back
     streamer.update(tokens[:n], final_text=cut_at_stop(tokenizer, tokens[:n], (stop,))[0])
     assert "".join(pieces) == text[: text.index(stop)]
+
+
+def test_a_step_that_adds_many_tokens_is_checked_for_a_stop_string_in_all_of_them(tiny_model):
+    """A speculative step can accept more tokens than the stop check's window: a stop string near
+    the start of the step ends the request there, and the stream never carries it."""
+    from decodekit.engine.core import Request, StepDecoder, StepMethod
+    from decodekit.samplers import Sampler
+
+    burst = tiny_model.tokenizer.encode("ab STOP " + "x" * 150)
+
+    class Burst(StepMethod):
+        steps = 0
+
+        def step(self, state):
+            Burst.steps += 1
+            state.commit(burst)
+            return burst
+
+    pieces: list[str] = []
+    request = Request(tiny_model.tokenizer.encode("hi"), Sampler.from_params(), max_new_tokens=400, stop="STOP",
+                      on_text=pieces.append)
+    got = StepDecoder(Burst()).generate(tiny_model, request)
+    assert (got.text, got.finish_reason, Burst.steps) == ("ab ", "stop", 1)
+    assert "".join(pieces) == "ab "

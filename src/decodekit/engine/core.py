@@ -241,6 +241,7 @@ class StepDecoder(Decoder):
         finish = "length"
         new: list[int] = []
         while len(new) < request.max_new_tokens:
+            before = len(new)
             produced = self.method.step(state)
             for token in produced:
                 if token in eos:
@@ -251,7 +252,7 @@ class StepDecoder(Decoder):
                     break
             if finish == "eos":
                 break
-            if hits_stop(tokenizer, new, request.stop):
+            if hits_stop(tokenizer, new, request.stop, added=len(new) - before):
                 finish = "stop"
                 break
             streamer.update(new)

@@ -28,11 +28,12 @@ def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     return tuple(s for s in stop if s)
 
 
-def hits_stop(tokenizer, tokens: Sequence[int], stop: Sequence[str]) -> bool:
-    """Whether the text of ``tokens`` now contains a stop string (decodes only the tail that can)."""
+def hits_stop(tokenizer, tokens: Sequence[int], stop: Sequence[str], added: int = 1) -> bool:
+    """Whether the text of ``tokens``, the last ``added`` of them new, now contains a stop string
+    (decodes only the tail that can: one that ends in a new token; a speculative step adds many)."""
     if not stop:
         return False
-    window = max(MIN_WINDOW, 4 * max(len(s) for s in stop) + 4)
+    window = max(MIN_WINDOW, 4 * max(len(s) for s in stop) + 4) + max(0, added - 1)
     text = tokenizer.decode(list(tokens[-window:]))
     return any(s in text for s in stop)
 
