@@ -46,7 +46,7 @@ def kvdraft(args: argparse.Namespace) -> None:
     model = load_model(numerics=args.numerics)
     engine = Engine(model)
     prompts = documents(model.tokenizer, args.tokens, args.prompts + 1)
-    options = {"kv_cache": args.kv_cache, **({"budget": args.budget} if args.budget else {})}
+    options = {"draft_cache": args.kv_cache, **({"budget": args.budget} if args.budget else {})}
     rows = []
     for i, prompt in enumerate(prompts):
         plain = engine.generate(prompt, max_new_tokens=args.new, ignore_eos=True)

@@ -278,7 +278,7 @@ def test_kvdraft_greedy_is_plain_greedy(hidden, cache):
         prompt = tokens(40, seed=seed)
         want = engine.generate(prompt, max_new_tokens=40, ignore_eos=True).tokens
         for budget in (2, 5):
-            got = engine.generate(prompt, method="kvdraft", kv_cache=cache, max_new_tokens=40, ignore_eos=True,
+            got = engine.generate(prompt, method="kvdraft", draft_cache=cache, max_new_tokens=40, ignore_eos=True,
                                   budget=budget)
             assert got.tokens == want, (cache, seed, budget)
             assert got.stats.extra["verifications"] > 0
@@ -304,9 +304,9 @@ def test_kvdraft_draft_cache_is_the_targets_compressed():
 def test_kvdraft_refuses_a_cache_that_keeps_everything_and_other_backends():
     engine = Engine(LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny"))
     with pytest.raises(InvalidParameter, match="compressed"):
-        engine.generate("abc", method="kvdraft", kv_cache="full", max_new_tokens=3, chat=False)
+        engine.generate("abc", method="kvdraft", draft_cache="full", max_new_tokens=3, chat=False)
     with pytest.raises(InvalidParameter, match="kv cache"):
-        engine.generate("abc", method="kvdraft", kv_cache="sink:1", max_new_tokens=3, chat=False)
+        engine.generate("abc", method="kvdraft", draft_cache="sink:1", max_new_tokens=3, chat=False)
 
 
 def test_real_model_streaming_and_kvdraft(real_model):
@@ -315,7 +315,7 @@ def test_real_model_streaming_and_kvdraft(real_model):
     engine = Engine(real_model)
     prompt = "Write a long story about a lighthouse keeper. " * 20  # 200 tokens: past both windows
     want = engine.generate(prompt, max_new_tokens=24)
-    got = engine.generate(prompt, method="kvdraft", kv_cache="sink:4,window:64", max_new_tokens=24, budget=4)
+    got = engine.generate(prompt, method="kvdraft", draft_cache="sink:4,window:64", max_new_tokens=24, budget=4)
     assert got.tokens == want.tokens and got.stats.extra["verifications"] > 0
     streaming = Engine(LoadedModel(real_model.backend.with_kv_cache("sink:4,window:128"), real_model.tokenizer, "s"))
     out = streaming.generate(prompt, max_new_tokens=40, ignore_eos=True)
@@ -370,17 +370,17 @@ def test_int8_cache_speculation_is_lossless_relative_to_int8_greedy():
     want = engine.generate(prompt, max_new_tokens=40, ignore_eos=True).tokens
     for method in ("pld", "suffix"):
         assert engine.generate(prompt, method=method, max_new_tokens=40, ignore_eos=True, budget=4).tokens == want
-    windowed = engine.generate(prompt, method="kvdraft", kv_cache="sink:2,window:8", max_new_tokens=40, ignore_eos=True)
+    windowed = engine.generate(prompt, method="kvdraft", draft_cache="sink:2,window:8", max_new_tokens=40, ignore_eos=True)
     assert windowed.tokens == want and windowed.stats.extra["verifications"] > 0
     with pytest.raises(InvalidParameter, match="keeps every token"):
-        engine.generate(prompt, method="kvdraft", kv_cache="snapkv:budget=40,window=4", max_new_tokens=4)
+        engine.generate(prompt, method="kvdraft", draft_cache="snapkv:budget=40,window=4", max_new_tokens=4)
 
 
 def test_kvdraft_from_an_int8_draft_cache_is_plain_greedy():
     engine = Engine(LoadedModel(tiny_llama(seed=1, hidden_size=64, scale=3.0), CharTokenizer(96), "tiny"))
     prompt = tokens(70)
     want = engine.generate(prompt, max_new_tokens=30, ignore_eos=True).tokens
-    got = engine.generate(prompt, method="kvdraft", kv_cache="int8", max_new_tokens=30, ignore_eos=True, budget=4)
+    got = engine.generate(prompt, method="kvdraft", draft_cache="int8", max_new_tokens=30, ignore_eos=True, budget=4)
     assert got.tokens == want and got.stats.extra["accepted"] > 0
 
 
@@ -573,7 +573,7 @@ def test_kivi_cache_speculation_is_lossless_relative_to_its_greedy(bits):
         engine.generate(prompt, method="kvdraft", max_new_tokens=4)
     with pytest.raises(InvalidParameter, match="other than int4"):
         Engine(LoadedModel(tiny_llama(seed=0, hidden_size=64), CharTokenizer(96), "tiny")).generate(
-            prompt, method="kvdraft", kv_cache="int4", max_new_tokens=4)
+            prompt, method="kvdraft", draft_cache="int4", max_new_tokens=4)
 
 
 def test_int4_rollback_reaches_back_residual_minus_64_tokens_before_the_last_pass():

@@ -281,8 +281,11 @@ def test_no_method_option_shares_a_name_with_a_sampler_parameter(monkeypatch):
     """A keyword named like a sampler parameter always goes to the sampler (``split_params``): an
     option of that name could never be set, and setting it would change sampling instead (the
     trained drafters' candidates per position were once ``top_k``). Registering one is refused."""
+    own = set(inspect.signature(decodekit.generate).parameters) | set(inspect.signature(decodekit.Engine.generate).parameters)
     for name, spec in available_methods().items():
         assert not set(spec.options or ()) & set(SAMPLER_OPTIONS), name
+        # nor one of generate()'s own keywords (kvdraft's draft cache was once kv_cache, the model's policy there)
+        assert not set(spec.options or ()) & (own - {"kwargs", "params"}), name
     monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
     with pytest.raises(InvalidParameter, match="top_k share a name with the sampler's parameters"):
         registry.register_method("clashing", registry.plain_decoder, "", lossless=True, family="plain",

@@ -472,7 +472,7 @@ def test_kvdraft_sampling_keeps_the_target_distribution():
     model = LoadedModel(tiny_llama(seed=4, vocab_size=vocab, scale=1.5, hidden_size=64), CharTokenizer(vocab), "tiny")
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2, 3, 4, 5]
     n, params = 2000, {"temperature": 1.0}
-    drafter = DRAFTER_SPECS["kvdraft"].factory(kv_cache="sink:1,window:4,every:1", confidence=0.0)
+    drafter = DRAFTER_SPECS["kvdraft"].factory(draft_cache="sink:1,window:4,every:1", confidence=0.0)
     counts = sample_outcomes(model, method(drafter, budget=3), prompt, params, n, 2)
     backend = model.backend
     first = torch.softmax(backend.prefill(prompt)[0], dim=-1)

@@ -10,7 +10,7 @@ verifies every token with the project's verifiers (token-identical to plain gree
 sampling's distribution under speculative sampling).
 
 Choices the papers leave open (each one tested):
-  * ``kv_cache="sink:S,window:W"`` (the default, ``sink:4,window:1024``: MagicDec's StreamingLLM
+  * ``draft_cache="sink:S,window:W"`` (the default, ``sink:4,window:1024``: MagicDec's StreamingLLM
     draft; at 6,000 tokens a window of 1,024 paid 1.21-1.25x, 256 1.00-1.12x, 512 1.15x, 2,048
     1.06x, docs/BENCHMARKS.md): the draft is the target itself, its passes attending only to the first S and the
     last W entries of the target's own cache (:meth:`NativeLlama.append_windowed`), at the
@@ -46,7 +46,8 @@ from .draft_model import DraftModelDrafter
 DEFAULT_CACHE = "sink:4,window:1024"
 
 OPTIONS = option_table(
-    OptionSpec("kv_cache", str, DEFAULT_CACHE, "the draft's cache policy (a --kv-cache spelling other than full)"),
+    OptionSpec("draft_cache", str, DEFAULT_CACHE, "the draft's cache policy (a --kv-cache spelling other than full; "
+               "the target keeps its own, full)"),
     CHAIN_OPTIONS,
     dataclasses.replace(CHAIN_OPTIONS["stochastic"], default=True),
 )
@@ -54,17 +55,18 @@ OPTIONS = option_table(
 
 class CompressedCacheDrafter(DraftModelDrafter):
     """The target model with a compressed cache drafts chains (TriForce, MagicDec). Lossless
-    under the project's verifiers. Options: ``kv_cache`` (the draft's policy), ``confidence``,
+    under the project's verifiers. Options: ``draft_cache`` (the draft's policy; named apart from the
+    model's own ``kv_cache``, which ``decodekit.generate`` takes), ``confidence``,
     ``stochastic``, ``max_draft`` (see the module docstring)."""
 
     name = "kvdraft"
 
-    def __init__(self, *, kv_cache: str = DEFAULT_CACHE, max_draft: int = 6, confidence: float = 0.3,
+    def __init__(self, *, draft_cache: str = DEFAULT_CACHE, max_draft: int = 6, confidence: float = 0.3,
                  stochastic: bool = True):
         super().__init__(draft_model=None, max_draft=max_draft, confidence=confidence, stochastic=stochastic)
-        self.policy = parse_kv_cache(kv_cache)
+        self.policy = parse_kv_cache(draft_cache)
         if not self.policy.one_sequence() or self.policy.kivi:
-            raise InvalidParameter(f"kvdraft needs a compressed kv_cache other than int4/int2 (e.g. {DEFAULT_CACHE} or int8), "
+            raise InvalidParameter(f"kvdraft needs a compressed draft_cache other than int4/int2 (e.g. {DEFAULT_CACHE} or int8), "
                                    f"got {self.policy.spec!r}")
         self.windowed = isinstance(self.policy, StreamingPolicy)  # drafts on the target's own cache
         self._target = None
@@ -119,6 +121,6 @@ class CompressedCacheDrafter(DraftModelDrafter):
 
 
 register_drafter(
-    "kvdraft", "the target attending to a compressed KV cache drafts chains, its full cache verifies (kv_cache=POLICY)",
+    "kvdraft", "the target attending to a compressed KV cache drafts chains, its full cache verifies (draft_cache=POLICY)",
     stochastic=True, options=OPTIONS,
 )(CompressedCacheDrafter)
