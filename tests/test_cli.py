@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from decodekit.errors import InvalidParameter
 from decodekit.interfaces.cli import main, parse_option
 
 
@@ -89,3 +90,16 @@ def test_every_sampler_parameter_has_a_flag():
 
     # `greedy` is spelled `--method greedy` on the command line
     assert set(SAMPLER_FLAGS) == set(SAMPLER_PARAMS) - {"greedy"}
+
+
+def test_a_prompt_on_standard_input_keeps_its_indentation(monkeypatch):
+    """Standard input loses its final newlines only, as "$(cat file)" does: the same prompt as the argument."""
+    import io
+
+    from decodekit.interfaces.cli import read_prompt
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("    def add(a, b):\n\n"))
+    assert read_prompt(None) == "    def add(a, b):" == read_prompt("    def add(a, b):")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(" \n\n"))
+    with pytest.raises(InvalidParameter, match="empty"):
+        read_prompt("-")

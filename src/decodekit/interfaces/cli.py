@@ -141,7 +141,8 @@ def silence_stdout() -> None:
 
 
 def read_prompt(prompt: str | None) -> str:
-    """The prompt argument, or standard input for none or ``-`` (which must be UTF-8 text)."""
+    """The prompt argument, or standard input for none or ``-`` (which must be UTF-8 text), less its
+    final newlines, as ``"$(cat file)"`` gives it: a code prompt keeps its leading indentation."""
     if prompt not in (None, "-"):
         if not prompt.strip():  # as on standard input, where the text is stripped
             raise InvalidParameter("the prompt is empty")
@@ -156,8 +157,8 @@ def read_prompt(prompt: str | None) -> str:
             raise InvalidParameter(f"standard input is not valid UTF-8 (byte {data[err.start]:#04x} at offset {err.start})") from None
     else:  # already text (a StringIO in tests)
         text = sys.stdin.read()
-    text = text.strip()
-    if not text:
+    text = text.rstrip("\r\n")
+    if not text.strip():
         raise InvalidParameter("the prompt on standard input is empty")
     return text
 
