@@ -330,6 +330,29 @@ def cancelled_count(served) -> float:
     return sum(float(line[len(name):]) for line in served.get("/metrics")[1].splitlines() if line.startswith(name))
 
 
+def test_browser_pages_may_call_the_api_only_from_the_origins_allowed():
+    """CORS: a preflight from an allowed origin is answered with its headers; without the option,
+    or from another origin, a browser gets none (and refuses the call)."""
+    def preflight(running, origin: str) -> dict:
+        request = urllib.request.Request(running.url + "/v1/chat/completions", method="OPTIONS", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+        try:
+            with urllib.request.urlopen(request) as reply:
+                return dict(reply.headers)
+        except urllib.error.HTTPError as err:
+            return dict(err.headers)
+
+    model = tiny_model()
+    for origins, origin, allowed in (((), "http://ui.example", False), (("http://ui.example",), "http://ui.example", True),
+                                     (("http://ui.example",), "http://evil.example", False)):
+        running = Running(model, max_batch=1, max_queue=1, allowed_origins=origins)
+        try:
+            headers = preflight(running, origin)
+            assert (headers.get("access-control-allow-origin") == origin) is allowed, (origins, origin, headers)
+        finally:
+            running.stop()
+
+
 def test_a_client_that_goes_away_frees_its_slot(served):
     """Streamed or not, a request whose client leaves stops, frees its slot and is counted as
     cancelled (just after it stops: its future's callback)."""

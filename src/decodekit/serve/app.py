@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -81,9 +81,12 @@ class Server:
     it returns, ``/health`` and the API answer 503)."""
 
     def __init__(self, load: Callable[[], LoadedModel], *, max_batch: int = 8, max_queue: int = 64,
-                 passes_on_caller: bool = False, stream_interval_s: float = STREAM_INTERVAL_S):
+                 passes_on_caller: bool = False, stream_interval_s: float = STREAM_INTERVAL_S,
+                 allowed_origins: Sequence[str] = ()):
         """``stream_interval_s``: how long a stream's text after its first is gathered before it is
-        written (:class:`Outbox`)."""
+        written (:class:`Outbox`). ``allowed_origins``: web pages (``https://host:port``, or ``*``)
+        whose scripts may call the API from a browser (CORS); none by default, so that a page the
+        user happens to visit cannot use a server on their machine."""
         self.max_batch, self.max_queue, self.passes_on_caller = max_batch, max_queue, passes_on_caller
         self.stream_interval_s = stream_interval_s
         self._outboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one per event loop
@@ -92,6 +95,11 @@ class Server:
         self.load_error: str | None = None
         # redirect_slashes=False: a path with a trailing slash is a 404 error object, not an empty 307
         self.app = FastAPI(title="decodekit", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+        if allowed_origins:
+            from starlette.middleware.cors import CORSMiddleware
+
+            self.app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "HEAD", "POST"],
+                                    allow_headers=["*"])
         self._load = load
         self._routes()
 

@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503s (default 64)")
+    p.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+                   help="comma-separated web origins (https://host:port, or *) whose pages may call the API from a "
+                        "browser (CORS; default none)")
     p.add_argument("--stream-interval-ms", type=float, default=None,
                    help="how long a stream's text after its first token is gathered into one write "
                         f"(default {STREAM_INTERVAL_S * 1000:g}; 0: every token as it is decoded)")
@@ -99,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     resolve_model_folder(args.model)  # a missing model is reported now, before anything listens
     sock = listen(args.host, args.port)
     server = Server(lambda: load_for_serving(args), max_batch=args.max_batch, max_queue=args.max_queue,
-                    passes_on_caller=True, stream_interval_s=interval_s)
+                    passes_on_caller=True, stream_interval_s=interval_s,
+                    allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()])
     web = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=5))
     # HTTP on a thread, answering 503 while the model loads; the main thread loads the model and
     # then runs every forward pass (see models/batching.py for why the main thread)
