@@ -12,8 +12,9 @@ payload needs no model starts without it.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .exports import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -38,19 +39,4 @@ if TYPE_CHECKING:
     from .samplers import Sampler
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(import_module(_EXPORTS[name], __name__), name)
-    else:  # a subpackage not imported yet (``decodekit.speculative``), as an eager package would have it
-        try:
-            value = import_module(f".{name}", __name__)
-        except ModuleNotFoundError as err:
-            if err.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module 'decodekit' has no attribute {name!r}") from None
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, subpackages=True)

@@ -14,15 +14,25 @@ from importlib import import_module
 from typing import Any
 
 
-def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(package: str, exports: Mapping[str, str], *,
+                 subpackages: bool = False) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``__getattr__`` and ``__dir__`` for ``package``: each name of ``exports`` comes from the
-    submodule it maps to (relative to the package), imported at the name's first lookup."""
+    submodule it maps to (relative to the package), imported at the name's first lookup; with
+    ``subpackages``, any other name is a subpackage not imported yet, as an eager package has it."""
     namespace = vars(sys.modules[package])
 
     def __getattr__(name: str) -> Any:
-        if name not in exports:
+        if name in exports:
+            value = getattr(import_module(exports[name], package), name)
+        elif subpackages:
+            try:
+                value = import_module(f".{name}", package)
+            except ModuleNotFoundError as err:
+                if err.name != f"{package}.{name}":
+                    raise
+                raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+        else:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(import_module(exports[name], package), name)
         namespace[name] = value  # later lookups skip this function
         return value
 
