@@ -205,9 +205,14 @@ def post(served, path: str, body: bytes | dict) -> tuple[int, str]:
         return err.code, err.read().decode()
 
 
-def server_errors(served) -> float:
-    line = next((l for l in served.get("/metrics")[1].splitlines() if l.startswith('decodekit:request_errors_total{status="500"}')), None)
+def metric(served, series: str) -> float:
+    """The value of one series of /metrics (its name with labels), 0 while it has none."""
+    line = next((l for l in served.get("/metrics")[1].splitlines() if l.startswith(series + " ")), None)
     return float(line.split()[-1]) if line else 0.0
+
+
+def server_errors(served) -> float:
+    return metric(served, 'decodekit:request_errors_total{status="500"}')
 
 
 def test_values_no_request_should_send_are_400s_never_500s(served):
@@ -326,8 +331,7 @@ def test_a_full_server_answers_503_with_retry_after():
 
 def cancelled_count(served) -> float:
     """The metrics' count of choices whose client left."""
-    name = 'decodekit:request_success_total{finished_reason="cancelled"} '
-    return sum(float(line[len(name):]) for line in served.get("/metrics")[1].splitlines() if line.startswith(name))
+    return metric(served, 'decodekit:request_success_total{finished_reason="cancelled"}')
 
 
 def test_browser_pages_may_call_the_api_only_from_the_origins_allowed():
