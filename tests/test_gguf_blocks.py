@@ -8,7 +8,7 @@ from decodekit.models.gguf_blocks import BLOCKS_FILE, BlockMatrix, matching_bloc
 from decodekit.models.llama_weights import TIED_HEAD, rope_row_order
 from decodekit.models.native import NativeLlama
 from decodekit.models.tiny import tiny_hf_config, tiny_state_dict
-from tests.conftest import needs_vnni
+from tests.marks import needs_vnni
 
 KINDS = ["q4_1", "q8_0"]
 needs_kernel = pytest.mark.skipif(

