@@ -122,6 +122,13 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["serve", "--kv-cache", "bogus"], "unknown kv cache 'bogus'"),
     (["train-drafter", "--kind", "eagle", "--eval-queries", "0"], "--eval-queries must be at least 1"),
     (["train-drafter", "--kind", "eagle", "--out", "/tmp"], "must name the drafter's file"),
+    (["train-drafter", "--kind", "eagle", "--minutes", "inf"], "--minutes inf needs --steps"),
+    (["train-drafter", "--kind", "medusa", "--unroll", "3"], "--unroll applies to --kind eagle"),
+    (["eval", "capitals", "--policies", "full"], "--policies applies to longctx only"),
+    (["eval", "gsm8k", "--continuation", "64"], "--continuation applies to longctx only"),
+    (["eval", "longctx", "--unconstrained"], "--unconstrained applies to the item tasks, not longctx"),
+    (["eval", "longctx", "--opt", "a=1"], "--opt applies to the item tasks, not longctx"),
+    (["eval", "capitals", "--unconstrained"], "task 'capitals' has no constraint to leave out"),
     (["generate", "hi", "--json", "--stream"], "argument --stream: not allowed with argument --json"),
 ])
 def test_bad_arguments_are_one_line_before_the_model_loads(capsys, no_model, argv, expected):

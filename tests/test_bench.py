@@ -619,6 +619,42 @@ def test_resume_grows_the_question_set_and_refuses_other_settings_or_code(tiny: 
         bench_cli.make_plan(parse(*common, "--resume"))
 
 
+def test_resume_refuses_a_changed_question_file_and_an_edited_checkpoint(tiny: LoadedModel, qfile: Path, tmp_path: Path):
+    """Same path, other questions: refused, not answered from the old ones. A checkpoint record edited
+    after it was written (a token, a timing, a duplicate) is refused, not carried into the report."""
+    out = tmp_path / "out"
+    common = ("--questions", str(qfile), "--methods", "greedy", "--baselines", "none", "--max-new-tokens", "4",
+              "--out", str(out), "--no-progress")
+    execute(bench_cli.make_plan(parse(*common, "--categories", "qa")), tiny, progress=False)
+    bench_cli.make_plan(parse(*common, "--resume"))  # unchanged: resumes
+    original = qfile.read_text()
+    qfile.write_text(original.replace("say more", "say less"))
+    with pytest.raises(InvalidParameter, match=r"^--resume: the question file .* has changed since .*checkpoint.json was written"):
+        bench_cli.make_plan(parse(*common, "--resume"))
+    qfile.write_text(original)
+    checkpoint = out / "checkpoint.json"
+    saved = checkpoint.read_text()
+    for edit in (lambda doc: doc["records"][0]["tokens"][0].__setitem__(0, 1),
+                 lambda doc: doc["records"][0].__setitem__("decode_s", -1.0),
+                 lambda doc: doc["records"].append(doc["records"][0]),
+                 lambda doc: doc["notes"].append("an edit")):
+        doc = json.loads(saved)
+        edit(doc)
+        checkpoint.write_text(json.dumps(doc))
+        with pytest.raises(InvalidParameter, match="has been changed since decodekit wrote it"):
+            bench_cli.make_plan(parse(*common, "--resume"))
+    checkpoint.write_text(saved)
+    bench_cli.make_plan(parse(*common, "--resume"))
+
+
+@pytest.mark.parametrize("qid", [None, 1.5, True, [1], {"a": 1}, ""])
+def test_a_question_id_that_is_not_an_integer_or_a_string_is_refused(tmp_path: Path, qid):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"question_id": qid, "category": "qa", "turns": ["a"]}) + "\n")
+    with pytest.raises(InvalidParameter, match=r":1: question_id must be an integer or a non-empty string"):
+        load_questions(path)
+
+
 def test_default_question_file_ships_inside_the_package():
     path = resolve_question_file(None)
     assert "decodekit" in path.parts and path.parent.name == "specbench"

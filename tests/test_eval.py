@@ -167,6 +167,19 @@ def test_structured_corpus_is_valid_and_compiles():
     assert not schema_valid('{"name": "Ann", "age": 31', person)
 
 
+def test_a_data_file_with_a_repeated_item_id_is_refused(tmp_path):
+    """Records and reports are keyed by the id: two items with one id would be two records with it."""
+    from decodekit.eval.tasks import load_task
+
+    path = tmp_path / "s.jsonl"
+    row = {"id": "a", "prompt": "p", "schema": {"type": "integer"}}
+    path.write_text(json.dumps(row) + "\n" + json.dumps({**row, "prompt": "q"}) + "\n")
+    with pytest.raises(InvalidParameter, match=r"^task 'structured': item id 'a' appears twice in "):
+        load_task("structured", str(path))
+    path.write_text(json.dumps(row) + "\n" + json.dumps({**row, "id": "b"}) + "\n")
+    assert [item.id for item in load_task("structured", str(path)).items] == ["a", "b"]
+
+
 def test_structured_eval_decodes_under_each_items_schema(tmp_path):
     """On a tiny model: constrained outputs that ended by themselves are all valid, and the
     constrained run is valid more often than the same run without the schema."""

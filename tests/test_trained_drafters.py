@@ -248,7 +248,7 @@ def test_train_drafter_saves_in_the_cache_and_the_method_finds_it(monkeypatch, t
     queries = iter([[f"query number {i} about things" for i in range(4)] for _ in range(200)])
     monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: next(queries))
     model = tiny()
-    args = argparse.Namespace(kind="medusa", tokens=400, prompts="magpie", minutes=1, steps=40, vocab=64, seed=0, eval_queries=2, unroll=2,
+    args = argparse.Namespace(kind="medusa", tokens=400, prompts="magpie", minutes=1, steps=40, vocab=64, seed=0, eval_queries=2, unroll=1,
                               max_new_tokens=16, out=None)
     assert cli.run(args, model=model) == 0
     record = json.loads(capsys.readouterr().out)

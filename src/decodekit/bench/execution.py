@@ -5,6 +5,8 @@ cluster (:mod:`decodekit.bench.distributed`); ``decodekit bench`` (:mod:`.cli`) 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -54,10 +56,16 @@ class Plan:
         }
 
 
+    @functools.cached_property
+    def question_file_sha256(self) -> str:
+        """The question file's contents: a resumed run must read the same questions, not only the
+        same path (taken once, when the run starts)."""
+        return hashlib.sha256(self.question_file.read_bytes()).hexdigest()
+
     def resume_key(self) -> dict[str, Any]:
         """What a resumed run must share with the checkpoint (the question selection may grow)."""
         key = {k: v for k, v in self.config().items() if k not in ("limit", "categories")}
-        return json.loads(json.dumps({**key, "threads": self.threads}))
+        return json.loads(json.dumps({**key, "threads": self.threads, "question_file_sha256": self.question_file_sha256}))
 
 
 CHECKPOINT = "checkpoint.json"
@@ -82,14 +90,27 @@ def load_checkpoint(plan: Plan) -> tuple[list[dict[str, Any]], list[str]]:
         raise InvalidParameter(f"--resume: {path} is not a decodekit bench checkpoint (resume_key is not an object)")
     if saved_key != key:
         differ = sorted(k for k in key if saved_key.get(k) != key[k])
+        if differ == ["question_file_sha256"]:
+            raise InvalidParameter(f"--resume: the question file {str(plan.question_file)!r} has changed since {path} "
+                                   "was written; run without --resume")
         raise InvalidParameter(f"--resume: {path} was made with other settings ({', '.join(differ)})")
     records, notes = saved.get("records", []), saved.get("notes", [])
     if not isinstance(records, list) or not isinstance(notes, list):
         raise InvalidParameter(f"--resume: {path}: records and notes must be lists; run without --resume")
+    if saved.get("digest") != checkpoint_digest(records, notes):
+        raise InvalidParameter(f"--resume: {path} has been changed since decodekit wrote it (its records do not "
+                               "match their digest); run without --resume")
     bad = next((i for i, rec in enumerate(records) if not is_record(rec)), None)
     if bad is not None:
         raise InvalidParameter(f"--resume: {path}: record {bad} is malformed; run without --resume")
     return records, [str(n) for n in notes]
+
+
+def checkpoint_digest(records: list[dict[str, Any]], notes: list[str]) -> str:
+    """SHA-256 of a checkpoint's notes and records as JSON: a record edited or damaged after it was
+    written (a token, a timing, a duplicate) would otherwise pass its shape check and reach the report."""
+    text = json.dumps([notes, records], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def save_checkpoint(plan: Plan, records: list[dict[str, Any]], notes: list[str]) -> None:
@@ -98,7 +119,7 @@ def save_checkpoint(plan: Plan, records: list[dict[str, Any]], notes: list[str])
 
     plan.out.mkdir(parents=True, exist_ok=True)
     doc = {"schema": CHECKPOINT_SCHEMA, "code": code_version(), "resume_key": plan.resume_key(),
-           "notes": notes, "records": records}
+           "digest": checkpoint_digest(records, notes), "notes": notes, "records": records}
     tmp = plan.out / (CHECKPOINT + ".tmp")
     tmp.write_text(json.dumps(doc, ensure_ascii=False))
     os.replace(tmp, plan.out / CHECKPOINT)

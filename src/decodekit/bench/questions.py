@@ -56,6 +56,9 @@ def parse_question(raw: dict, where: str) -> Question:
         raise InvalidParameter(f"{where}: turns must be a non-empty list of non-empty strings")
     if not isinstance(raw["category"], str) or not raw["category"]:
         raise InvalidParameter(f"{where}: category must be a non-empty string")
+    qid = raw["question_id"]
+    if isinstance(qid, bool) or not isinstance(qid, (int, str)) or qid == "":
+        raise InvalidParameter(f"{where}: question_id must be an integer or a non-empty string, got {qid!r:.40}")
     return Question(raw["question_id"], raw["category"], tuple(turns))
 
 

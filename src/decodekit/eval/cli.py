@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "sink:4,window:1024; h2o:budget=1024,window=128; snapkv:budget=1024,window=32)")
     parser.add_argument("--lengths", default=None, help="longctx: context lengths in tokens, comma-separated (default 2048,4096,8000,16384)")
     parser.add_argument("--depths", default=None, help="longctx: pass-key depths in [0, 1], comma-separated (default 0.1,0.5,0.9)")
-    parser.add_argument("--continuation", type=int, default=128, help="longctx: tokens whose NLL is measured (default 128)")
+    parser.add_argument("--continuation", type=int, default=None, help="longctx: tokens whose NLL is measured (default 128)")
     parser.add_argument("--out", default=None, type=named, help="output folder (default eval-out/TASK-METHOD)")
     add_model_arguments(parser)
     add_ray_arguments(parser)
@@ -58,6 +58,7 @@ def run(args: argparse.Namespace, model=None) -> int:
             raise InvalidParameter(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
     check_ray_arguments(args.ray, args.workers)
     check_writable(Path(args.out or "eval-out"))
+    check_task_flags(args, LONG_CONTEXT)
     if args.task == LONG_CONTEXT:
         if args.ray is not None:
             raise InvalidParameter("--ray runs item-by-item tasks; longctx runs on one machine (its rows share one long prompt)")
@@ -69,6 +70,8 @@ def run(args: argparse.Namespace, model=None) -> int:
         constrained=not args.unconstrained,
     )
     task = load_task(args.task, args.data)
+    if args.unconstrained and not any(item.constraint for item in task.items):
+        raise InvalidParameter(f"--unconstrained: task {args.task!r} has no constraint to leave out")
     make_decoder(config, task)  # bad method or option: fail before loading the model
     recipe = functools.partial(load_model, args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics,
                                kv_cache=args.kv_cache)
@@ -104,6 +107,20 @@ def run(args: argparse.Namespace, model=None) -> int:
     return 0
 
 
+#: The flags of the long-context evaluation alone, and those of the item-by-item tasks alone.
+LONG_CONTEXT_FLAGS = ("policies", "lengths", "depths", "continuation")
+ITEM_FLAGS = ("data", "unconstrained", "signals", "opt")
+
+
+def check_task_flags(args: argparse.Namespace, long_context: str) -> None:
+    """A flag given for a task it does not apply to is refused, not silently ignored."""
+    others = ITEM_FLAGS if args.task == long_context else LONG_CONTEXT_FLAGS
+    given = [flag for flag in others if getattr(args, flag) not in (None, False, "", [])]
+    if given:
+        which = f"{long_context} only" if args.task != long_context else f"the item tasks, not {long_context}"
+        raise InvalidParameter(f"--{given[0]} applies to {which}")
+
+
 def _numbers(flag: str, text: str, kind, lo: float, hi: float) -> tuple:
     try:
         values = tuple(kind(x) for x in text.split(",") if x.strip())
@@ -120,7 +137,9 @@ def run_long_context(args: argparse.Namespace, model=None) -> int:
     from ..models.kv_policy import parse_kv_cache
     from .longctx import LongContextConfig, evaluate_long_context, write
 
-    config = LongContextConfig(continuation=args.continuation, seed=args.seed)
+    config = LongContextConfig(seed=args.seed)
+    if args.continuation is not None:
+        config.continuation = args.continuation
     if args.policies is not None:
         config.policies = tuple(p.strip() for p in args.policies.split(";") if p.strip())
         if not config.policies:

@@ -184,4 +184,9 @@ def load_task(name: str, data: str | None = None) -> Task:
     task = factory(data) if data is not None else factory()
     if not task.items:
         raise InvalidParameter(f"task {name!r} has no items" + (f" in {data}" if data is not None else ""))
+    seen: set[str] = set()
+    for item in task.items:  # records and reports are keyed by the id
+        if item.id in seen:
+            raise InvalidParameter(f"task {name!r}: item id {item.id!r} appears twice" + (f" in {data}" if data else ""))
+        seen.add(item.id)
     return task

@@ -55,6 +55,10 @@ class Settings:
             raise InvalidParameter(f"--seed must be >= 0, got {self.seed}")
         if not self.minutes > 0:
             raise InvalidParameter("--minutes must be positive")
+        if math.isinf(self.minutes) and self.steps is None:
+            raise InvalidParameter("--minutes inf needs --steps: training would never end")
+        if self.kind == "medusa" and self.unroll != 1:
+            raise InvalidParameter("--unroll applies to --kind eagle (Medusa's heads read no features of their own)")
 
 
 @dataclass
