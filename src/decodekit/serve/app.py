@@ -338,9 +338,12 @@ def _number(body: dict, name: str) -> float | None:
 
 def asks_for_nothing(name: str, value: Any) -> bool:
     """Whether an unsupported field is absent or at a value that changes nothing (OpenAI's
-    defaults: false, empty, ``best_of`` 1); 0 or "" are not taken for false."""
+    defaults: false, empty, ``best_of`` 1, a tool choice of "none" or "auto", which calls no tool
+    where no tool is given, and given tools are refused); 0 or "" are not taken for false."""
     if value is None or value is False or (isinstance(value, (list, dict)) and not value):
         return True
+    if name in ("tool_choice", "function_call"):
+        return value in ("none", "auto")
     return name == "best_of" and type(value) is int and value == 1
 
 
