@@ -576,6 +576,30 @@ def test_kivi_cache_speculation_is_lossless_relative_to_its_greedy(bits):
             prompt, method="kvdraft", draft_cache="int4", max_new_tokens=4)
 
 
+def test_a_drafter_on_the_models_own_cache_drafts_no_further_than_it_can_roll_back():
+    """layerskip's chain and the cost table's timed passes are rolled back: under int4 with the
+    shortest residual (one pass) and a sink window shorter than the timed passes, they stay within
+    what the cache can roll back (one line, never a ValueError), and int4 layerskip is int4 greedy."""
+    from decodekit.errors import RollbackRefused
+    from decodekit.speculative.controller import CostTable
+
+    prompt = tokens(80)
+    engine = Engine(LoadedModel(tiny_llama(seed=0, hidden_size=64, scale=3.0).with_kv_cache("int4:group=8,residual=64"),
+                                CharTokenizer(96), "tiny"))
+    want = engine.generate(prompt, max_new_tokens=40, ignore_eos=True).tokens
+    got = engine.generate(prompt, method="layerskip", max_new_tokens=40, ignore_eos=True, budget=4)
+    assert got.tokens == want and got.stats.extra["verifications"] > 0
+    sink = tiny_llama(seed=0, hidden_size=64).with_kv_cache("sink:2,window:8,every:1")
+    table = CostTable.measure(sink, sizes=(1, 4, 16, 32), rounds=1)  # passes past the window, on a twin
+    assert set(table.sizes) == {1, 4, 16, 32} and sink.length == 0
+    engine = Engine(LoadedModel(sink, CharTokenizer(96), "tiny"))
+    for method in ("pld", "layerskip"):
+        assert len(engine.generate(prompt, method=method, max_new_tokens=24, ignore_eos=True).tokens) == 24
+    sink.prefill(tokens(30))
+    with pytest.raises(RollbackRefused, match="evicted"):  # what the callers above keep clear of
+        sink.truncate(10)
+
+
 def test_int4_rollback_reaches_back_residual_minus_64_tokens_before_the_last_pass():
     def cache():
         return tiny_llama(seed=0, hidden_size=64).with_kv_cache("int4:group=8,residual=96")

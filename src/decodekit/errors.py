@@ -14,6 +14,11 @@ class InvalidParameter(DecodeKitError, ValueError):
         self.param = param
 
 
+class RollbackRefused(InvalidParameter):
+    """A cache asked to roll back past what its policy kept (an evicting or int4 cache holds only the
+    last ``recent`` tokens as they were): callers that roll back limit themselves to that reach."""
+
+
 class UnknownMethod(DecodeKitError, KeyError):
     """A method, drafter, task or baseline name that decodekit does not know."""
 

@@ -86,6 +86,12 @@ class KVPolicy:
         the last ``recent`` tokens before the last pass."""
         return not self.evicts()
 
+    def one_token_passes_rolled_back(self) -> int | None:
+        """How many one-token passes can be appended and then all rolled back (a drafter's chain on
+        the model's own cache): any number (None) where the cache rolls back anywhere, else the
+        ``recent`` tokens held as they were, plus the last pass."""
+        return None if self.rolls_back_anywhere() else self.recent + 1
+
     def peak_slots(self, longest_pass: int) -> int | None:
         """The most entries the cache can hold with passes of up to ``longest_pass`` tokens (None:
         as many as the sequence has)."""

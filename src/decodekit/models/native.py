@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..errors import InvalidParameter
+from ..errors import InvalidParameter, RollbackRefused
 from ..machine import available_memory
 from .backend import Backend, ModelInfo, StepOutput
 from .batching import PREFILL_CHUNK, PassBatcher
@@ -261,8 +261,8 @@ class NativeLlama(Backend):
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
         if length < self._tail_from:
-            raise ValueError(f"cannot roll back to {length} tokens: kv cache {self.kv_policy.spec} has evicted "
-                             f"entries after token {self._tail_from}")
+            raise RollbackRefused(f"cannot roll back to {length} tokens: kv cache {self.kv_policy.spec} has evicted "
+                                  f"entries after token {self._tail_from}")
         self._slots -= self._length - length
         self._length = length
         self._pending_tree = None

@@ -75,6 +75,9 @@ def layer_importance(backend: Backend, tokens: list[int]) -> list[float] | None:
     origin, layers = backend.length, backend.info.num_layers
     if not probe or origin + len(probe) > backend.info.max_length:
         return None
+    policy = getattr(backend, "kv_policy", None)
+    if policy is not None and not policy.rolls_back_anywhere() and len(probe) > policy.recent:
+        return None  # a cache that could not roll the probe back (evicting, int4 with a short residual)
     try:
         hidden = backend.append(torch.tensor([probe]), hidden_layers=range(layers + 1)).hidden
     finally:
@@ -205,6 +208,10 @@ class LayerSkipDrafter(ChainDrafter):
         self._backend = state.backend
         self._origin = state.backend.length
         budget = min(budget, state.backend.info.max_length - len(state.tokens))
+        policy = getattr(state.backend, "kv_policy", None)
+        reach = policy.one_token_passes_rolled_back() if policy is not None else None
+        if reach is not None:  # the chain is rolled back afterwards: no longer than the cache allows
+            budget = min(budget, reach)
         if budget <= 0:
             return None, 0
         if state.pending is None:  # the root is cached: its full-model logits are known
