@@ -125,3 +125,20 @@ def test_search_paths_count_the_same(case):
     request = Request(list(prompt), Sampler.from_params(temperature=0, **PENALTIES), N)
     assert decode_batch(model, request, 2)[1].tokens == want
     assert Engine(model).generate(prompt, method="beam", n=1, max_new_tokens=N, chat=False, **PENALTIES).tokens == want
+
+
+@pytest.mark.parametrize("params", [{"repetition_penalty": 1.2e-38}, {"frequency_penalty": -3e38}])
+def test_a_penalty_past_float32s_range_saturates_and_a_masked_token_stays_masked(params):
+    """In-range penalties so strong that a seen token's logit would overflow: it saturates at the
+    largest float32, so the probabilities stay a distribution over the seen tokens (never NaN), and
+    a token masked before the penalty (-inf) is not brought back."""
+    sampler = Sampler.from_params(temperature=1.0, **params)
+    logits = torch.tensor([[5.0, 6.0, -1.0, float("-inf"), 2.0]])
+    history = [torch.tensor([0, 1, 1, 3])]  # token 1 twice: the frequency penalty doubles for it
+    processed = sampler.process(logits, history)
+    assert torch.isfinite(processed[0, [0, 1, 2, 4]]).all() and processed[0, 3] == float("-inf")
+    assert processed[0, 1] == torch.finfo(torch.float32).max  # 6 / 1.2e-38 and 6 + 2 * 3e38 overflow
+    probs = sampler.probs(logits, history)[0]
+    assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-6 and float(probs[[0, 1]].sum()) == 1.0
+    if "repetition_penalty" in params:  # both seen tokens saturate: a tie
+        assert probs.tolist() == [0.5, 0.5, 0.0, 0.0, 0.0]

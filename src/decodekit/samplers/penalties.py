@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from decodekit.samplers.base import LogitsProcessor, count_history, generated_ids
-from decodekit.samplers.params import SAMPLER_OPTIONS
+from decodekit.samplers.params import FLOAT32_MAX, SAMPLER_OPTIONS
 
 
 class _HistoryPenalty(LogitsProcessor):
@@ -47,6 +47,12 @@ class _HistoryPenalty(LogitsProcessor):
         return out
 
 
+def saturated(penalised: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """A finite logit that a penalty pushed past float32's range takes its largest value instead of
+    ±inf (two infinite logits would give NaN probabilities); a masked (−inf) logit stays masked."""
+    return torch.where(torch.isfinite(logits), penalised.clamp(-FLOAT32_MAX, FLOAT32_MAX), penalised)
+
+
 class RepetitionPenalty(_HistoryPenalty):
     """Repetition penalty (Keskar et al., 2019, "CTRL: A Conditional Transformer Language Model for
     Controllable Generation"): for every token present in the (windowed) history, prompt included,
@@ -59,7 +65,7 @@ class RepetitionPenalty(_HistoryPenalty):
         x = logits.float()
         seen = self.counts(x, histories) > 0
         penalised = torch.where(x > 0, x / self.penalty, x * self.penalty)
-        return torch.where(seen, penalised, x)
+        return torch.where(seen, saturated(penalised, x), x)
 
 
 class FrequencyPenalty(_HistoryPenalty):
@@ -71,7 +77,7 @@ class FrequencyPenalty(_HistoryPenalty):
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         x = logits.float()
-        return x - self.penalty * self.counts(x, histories)
+        return saturated(x - self.penalty * self.counts(x, histories), x)
 
 
 class PresencePenalty(_HistoryPenalty):
@@ -84,7 +90,7 @@ class PresencePenalty(_HistoryPenalty):
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         x = logits.float()
-        return x - self.penalty * (self.counts(x, histories) > 0).float()
+        return saturated(x - self.penalty * (self.counts(x, histories) > 0).float(), x)
 
 
 class NoRepeatNGram(LogitsProcessor):
