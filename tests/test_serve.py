@@ -554,8 +554,13 @@ def test_response_format_and_guided_fields_constrain_the_answer(served):
         jsonschema.validate(json.loads(got.choices[0].message.content), {k: v for k, v in schema.items() if k != "x-guidance"})
     got = chat(served, "hello", max_tokens=20, temperature=0.8, seed=2, extra_body={"guided_choice": ["red", "blue"]})
     assert got.choices[0].message.content in ("red", "blue")
-    with pytest.raises(openai.BadRequestError, match="invalid regex constraint"):
+    with pytest.raises(openai.BadRequestError, match="invalid regex constraint") as err:
         chat(served, "hello", max_tokens=5, extra_body={"guided_regex": "[0-9"})
+    assert err.value.param == "guided_regex"  # the field the bad constraint came from
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "bogus"}}}
+    with pytest.raises(openai.BadRequestError, match="invalid json schema constraint") as err:
+        chat(served, "hello", max_tokens=5, response_format=bad_schema)
+    assert err.value.param == "response_format"
     with pytest.raises(openai.BadRequestError, match="at most one"):
         chat(served, "hello", max_tokens=5, response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})
 

@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect
 from ..engine.api import make_sampler, prompt_token_ids, split_params
 from ..engine.core import check_fits
 from ..engine.registry import build_decoder, method_spec
-from ..errors import DecodeKitError, PromptTooLong
+from ..errors import DecodeKitError, InvalidParameter, PromptTooLong
 from ..samplers.constraint import constraint_processor
 from ..samplers.params import SEED_LIMIT
 from ..models import LoadedModel
@@ -47,11 +47,13 @@ MAX_N = 16
 MAX_BODY_BYTES = 16 << 20  # a context's worth of text or token ids is well under a megabyte
 ROLES = ("system", "developer", "user", "assistant")
 MAX_TOP_LOGPROBS = 20
+#: vLLM's fields for structured output, beside OpenAI's response_format
+GUIDED = tuple("guided_" + kind for kind in ("json", "regex", "choice", "grammar"))
 # OpenAI fields that are accepted and have no effect here
 IGNORED = {"model", "user", "store", "metadata", "parallel_tool_calls", "service_tier", "stream", "stream_options",
            "messages", "prompt", "n", "max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs",
            "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "method", "ignore_eos",
-           "response_format", *("guided_" + kind for kind in ("json", "regex", "choice", "grammar"))}
+           "response_format", *GUIDED}
 # OpenAI fields that would change the answer and are not implemented: refused, never ignored
 UNSUPPORTED = {"tools": "tool calls", "tool_choice": "tool calls", "functions": "function calls",
                "function_call": "function calls", "logit_bias": "logit_bias", "suffix": "suffix",
@@ -289,6 +291,8 @@ def field_named(err: DecodeKitError, body: dict[str, Any], chat: bool) -> str | 
     named = getattr(err, "param", None)
     if named == "prompt" and chat:
         return "messages"
+    if named == "constraint":  # the field that gave it (structured_output takes one at most)
+        return next((f for f in ("response_format", *GUIDED) if body.get(f) is not None), None)
     if named is not None:
         return named
     first = str(err).split(" ", 1)[0].strip(":'")
@@ -473,7 +477,10 @@ def check_method(spec: RequestSpec, model: LoadedModel) -> None:
     build_decoder(spec.method, **options)
     make_sampler(spec.method, sampler_params)
     if spec.constraint is not None:
-        constraint_processor(spec.constraint, model.tokenizer)
+        try:
+            constraint_processor(spec.constraint, model.tokenizer)
+        except InvalidParameter as err:  # the error object names the request's field (field_named)
+            raise InvalidParameter(str(err), param=err.param or "constraint") from None
 
 
 async def wait_or_cancel(request: Request, jobs: list[Job], futures) -> list[Outcome]:
