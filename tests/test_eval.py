@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -165,6 +166,18 @@ def test_structured_corpus_is_valid_and_compiles():
     assert schema_valid('{"name": "Ann", "age": 31, "city": "Lisbon"}', person)
     assert not schema_valid('{"name": "Ann", "age": 331, "city": "Lisbon"}', person)
     assert not schema_valid('{"name": "Ann", "age": 31', person)
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"question": "q", "answer": "two"}, "GSM8K answer without '####': 'two'"),
+    ({"question": " ", "answer": "#### 2"}, "a GSM8K problem needs a non-empty 'question'"),
+    ({"question": "q"}, "a GSM8K problem needs a non-empty 'question' and an 'answer' string"),
+])
+def test_a_bad_gsm8k_problem_is_one_line_naming_its_line(tmp_path, row, message):
+    path = tmp_path / "g.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(InvalidParameter, match=f"^{re.escape(str(path))}:2: {re.escape(message)}"):
+        gsm8k_task(path)
 
 
 def test_a_data_file_with_a_repeated_item_id_is_refused(tmp_path):

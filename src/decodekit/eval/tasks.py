@@ -68,9 +68,13 @@ def gsm8k_task(path: str | Path | None = None) -> Task:
         raise InvalidParameter(f"GSM8K data not found at {file} (give --data PATH to a JSONL with question/answer)")
     items = []
     for i, (where, row) in enumerate(read_jsonl(file)):
-        if not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
-            raise InvalidParameter(f"{where}: a GSM8K problem needs 'question' and 'answer' strings")
-        items.append(Item(str(i), GSM8K_INSTRUCTION + row["question"], gsm8k_gold(row["answer"])))
+        if not isinstance(row.get("question"), str) or not row["question"].strip() or not isinstance(row.get("answer"), str):
+            raise InvalidParameter(f"{where}: a GSM8K problem needs a non-empty 'question' and an 'answer' string")
+        try:
+            gold = gsm8k_gold(row["answer"])
+        except InvalidParameter as err:
+            raise InvalidParameter(f"{where}: {err}") from None
+        items.append(Item(str(i), GSM8K_INSTRUCTION + row["question"], gold))
     return Task("gsm8k", items, extract_number, lambda text, item: numbers_equal(extract_number(text), item.gold),
                 max_new_tokens=256, answer_start=lambda text: answer_start(text, "number"))
 
