@@ -432,9 +432,10 @@ def structured_output(body: dict[str, Any]) -> dict[str, Any] | None:
         elif kind != "text":
             raise ApiError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
                            param="response_format")
-    for kind in ("json", "regex", "choice", "grammar"):
-        if body.get("guided_" + kind) is not None:
-            found.append({"json_schema" if kind == "json" else kind: body["guided_" + kind]})
+    for field in GUIDED:
+        if body.get(field) is not None:
+            kind = field.removeprefix("guided_")
+            found.append({"json_schema" if kind == "json" else kind: body[field]})
     if len(found) > 1:
         raise ApiError(400, "give at most one of response_format and the guided_* fields", param="response_format")
     return found[0] if found else None
