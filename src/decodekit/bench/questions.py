@@ -59,7 +59,7 @@ def parse_question(raw: dict, where: str) -> Question:
     qid = raw["question_id"]
     if isinstance(qid, bool) or not isinstance(qid, (int, str)) or qid == "":
         raise InvalidParameter(f"{where}: question_id must be an integer or a non-empty string, got {qid!r:.40}")
-    return Question(raw["question_id"], raw["category"], tuple(turns))
+    return Question(qid, raw["category"], tuple(turns))
 
 
 def read_questions(path: Path) -> list[Question]:
