@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data import SPEC_BENCH_QUESTIONS, data_file, read_jsonl
+from ..data import SPEC_BENCH_QUESTIONS, data_file, first_repeated, read_jsonl
 from ..errors import InvalidParameter
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -66,11 +66,9 @@ def read_questions(path: Path) -> list[Question]:
     questions = [parse_question(raw, where) for where, raw in read_jsonl(path)]
     if not questions:
         raise InvalidParameter(f"{path}: no questions")
-    seen: set = set()
-    for q in questions:  # records, checkpoints and summaries are keyed by the id
-        if q.question_id in seen:
-            raise InvalidParameter(f"{path}: question_id {q.question_id!r} appears twice")
-        seen.add(q.question_id)
+    twice = first_repeated(q.question_id for q in questions)
+    if twice is not None:
+        raise InvalidParameter(f"{path}: question_id {twice!r} appears twice")
     return questions
 
 

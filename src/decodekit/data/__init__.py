@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Hashable, Iterable
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -53,3 +54,14 @@ def read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
             raise InvalidParameter(f"{where}: expected a JSON object, got {type(row).__name__}")
         rows.append((where, row))
     return rows
+
+
+def first_repeated(ids: Iterable[Hashable]) -> Hashable | None:
+    """The first id that appears a second time, or None: records, checkpoints and reports are
+    keyed by id, so a repeated one would mix two items' results."""
+    seen: set[Hashable] = set()
+    for each in ids:
+        if each in seen:
+            return each
+        seen.add(each)
+    return None

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..data import GSM8K_TEST, STRUCTURED_SCHEMAS, data_file, read_jsonl
+from ..data import GSM8K_TEST, STRUCTURED_SCHEMAS, data_file, first_repeated, read_jsonl
 from ..errors import InvalidParameter, UnknownMethod
 from ..search.answers import Extractor, answer_start, extract_number, normalize_text
 from ..search.uncertainty import paraphrases as generic_paraphrases
@@ -188,9 +188,7 @@ def load_task(name: str, data: str | None = None) -> Task:
     task = factory(data) if data is not None else factory()
     if not task.items:
         raise InvalidParameter(f"task {name!r} has no items" + (f" in {data}" if data is not None else ""))
-    seen: set[str] = set()
-    for item in task.items:  # records and reports are keyed by the id
-        if item.id in seen:
-            raise InvalidParameter(f"task {name!r}: item id {item.id!r} appears twice" + (f" in {data}" if data else ""))
-        seen.add(item.id)
+    twice = first_repeated(item.id for item in task.items)
+    if twice is not None:
+        raise InvalidParameter(f"task {name!r}: item id {twice!r} appears twice" + (f" in {data}" if data else ""))
     return task
