@@ -527,6 +527,15 @@ MUTATIONS = (
     Mutation("method-option-named-like-a-sampler-parameter", "src/decodekit/speculative/drafters/base.py",
              'OptionSpec("candidates", int, 4,', 'OptionSpec("top_k", int, 4,',
              ("tests/test_options.py", "-k", "sampler_parameter")),
+    Mutation("grammar-mask-lets-special-tokens-spell-text", "src/decodekit/samplers/constraint.py",
+             "        hit = bits & self._special_bits\n", "        hit = bits & 0\n",
+             ("tests/test_constraint.py", "-k", "special_token")),
+    Mutation("matcher-error-taken-as-a-refused-row", "src/decodekit/samplers/constraint.py",
+             "        if self.matcher.is_error():\n            raise", "        if False:\n            raise",
+             ("tests/test_constraint.py", "-k", "matcher_error")),
+    Mutation("ignore-eos-runs-past-the-grammars-end", "src/decodekit/engine/core.py",
+             "if request.ignore_eos and not request.sampler.refuses_tokens else", "if request.ignore_eos else",
+             ("tests/test_constraint.py", "-k", "ignore_eos")),
 )
 
 

@@ -546,3 +546,59 @@ def test_an_output_that_breaks_its_constraint_is_an_error_not_a_result(engine, m
     with pytest.raises(RuntimeError, match="breaks its choice constraint"):
         for prompt in ("hello", "abcabc", "Q: "):
             engine.generate(prompt, max_new_tokens=12, chat=False, constraint={"choice": CHOICES})
+
+
+@pytest.mark.parametrize("method", ["greedy", "pld"])
+def test_ignore_eos_stops_where_the_grammar_ends(engine, method):
+    """``ignore_eos`` decodes past end-of-sequence tokens, but a constraint allows one only where
+    its grammar is complete and then nothing else: the output ends there, as without the flag."""
+    for prompt in ("hello", "abcabc"):
+        plain = engine.generate(prompt, method=method, max_new_tokens=30, chat=False, constraint={"choice": CHOICES})
+        ignoring = engine.generate(prompt, method=method, max_new_tokens=30, chat=False, constraint={"choice": CHOICES},
+                                   ignore_eos=True)
+        assert (ignoring.text, ignoring.finish_reason) == (plain.text, "eos")
+        assert ignoring.text in CHOICES
+
+
+@pytest.fixture(scope="module")
+def bpe_engine(tmp_path_factory) -> Engine:
+    """The tiny model under a byte-level BPE vocabulary with special tokens, read from a
+    tokenizer.json as the embedded model's is (llguidance then spells text with them)."""
+    from tests.test_tokenizer import tokenizer_folder
+    from decodekit.models.tokenizer import file_tokenizer
+
+    tokenizer = file_tokenizer(tokenizer_folder(tmp_path_factory.mktemp("bpe")))
+    return Engine(LoadedModel(tiny_llama(seed=0, vocab_size=tokenizer.grammar_tokenizer().vocab_size), tokenizer, "tiny"))
+
+
+@pytest.mark.parametrize("method", ["greedy", "pld"])
+def test_text_only_a_special_token_could_spell_is_one_line(bpe_engine, method):
+    """llguidance spells text with special tokens too ("<|im_end|>"), which decode to no text: a
+    mask never allows one but for the end of the text, so a constraint that can only go on as a
+    special token's text is one line, never an empty or unmasked output; where ordinary tokens
+    may spell that text, they do."""
+    tokenizer = bpe_engine.model.tokenizer
+    special = tokenizer.special_tokens()
+    assert set(special.values()) == {"<s>", "</s>", "<unk>", "<|im_end|>"}
+    for spec, name in (({"regex": r"<\|im_end\|>x"}, "<|im_end|>"), ({"choice": ["<s>"]}, "<s>")):
+        with pytest.raises(InvalidParameter, match=rf"^structured decoding failed: .*special token \({re.escape(name)}\)") as err:
+            bpe_engine.generate("the", method=method, max_new_tokens=12, chat=False, constraint=spec)
+        assert "\n" not in str(err.value)
+    for seed in range(4):
+        g = bpe_engine.generate("the", method="sample", seed=seed, max_new_tokens=30, chat=False,
+                                constraint={"regex": "(the|<s>) (mat|<unk>)"})
+        assert re.fullmatch("(the|<s>) (mat|<unk>)", g.text) and g.finish_reason == "eos"
+        assert not set(g.tokens) & set(special)
+
+
+def test_a_matcher_error_outside_the_mask_is_one_line_not_an_unmasked_row(engine):
+    """A grammar whose text never ends makes llguidance's forced-text computation give up; the
+    matcher's error state is then an error, not a row taken as refused and sampled unmasked."""
+    with pytest.raises(InvalidParameter, match=r"^structured decoding failed: ") as err:
+        engine.generate("hi", max_new_tokens=6, chat=False, constraint={"grammar": 'start: a\na: "x" a\n'})
+    assert "\n" not in str(err.value)
+
+
+def test_a_json_constraint_takes_no_schema():
+    with pytest.raises(InvalidParameter, match="takes no value; for a schema use json_schema"):
+        Constraint.coerce({"json": {"type": "integer"}})

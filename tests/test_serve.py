@@ -99,6 +99,10 @@ def test_chat_and_completions_answer_as_the_engine_alone(served, alone):
         assert got.choices[0].finish_reason == ("length" if want.finish_reason == "length" else "stop")
         text = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
         assert text.choices[0].text == want.text
+    ids = served.model.prompt_ids(PROMPTS[0], chat=False)
+    for prompt in ([PROMPTS[0]], ids, [ids]):  # one prompt: text or token ids, alone or in a list of one
+        got = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+        assert got.choices[0].text == alone(PROMPTS[0], max_new_tokens=20).text
 
 
 def test_streaming_gives_the_same_text_and_the_usage(served, alone):
@@ -563,6 +567,31 @@ def test_response_format_and_guided_fields_constrain_the_answer(served):
     assert err.value.param == "response_format"
     with pytest.raises(openai.BadRequestError, match="at most one"):
         chat(served, "hello", max_tokens=5, response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})
+    # a constraint found broken while decoding (a text that never ends) names its field too, streamed or not
+    endless = {"guided_grammar": 'start: a\na: "x" a\n'}
+    with pytest.raises(openai.BadRequestError, match="^Error code: 400 .*structured decoding failed") as err:
+        chat(served, "hello", max_tokens=5, extra_body=endless)
+    assert err.value.param == "guided_grammar"
+    with pytest.raises(openai.APIError, match="structured decoding failed") as err:
+        list(chat(served, "hello", max_tokens=5, stream=True, extra_body=endless))
+    assert err.value.body["param"] == "guided_grammar"
+    # ignore_eos stops where the constraint's text ends
+    got = chat(served, "hello", max_tokens=20, temperature=0, extra_body={"guided_choice": ["red", "blue"], "ignore_eos": True})
+    assert got.choices[0].message.content in ("red", "blue") and got.choices[0].finish_reason == "stop"
+
+
+def test_a_methods_options_come_as_extra_fields_or_in_an_object_of_their_own(served, alone):
+    with pytest.raises(openai.BadRequestError, match="unknown method 'nope'") as err:
+        chat(served, "hello", max_tokens=5, extra_body={"method": "nope"})
+    assert err.value.param == "method"
+    # a method's options in an object of their own: a search method's n apart from OpenAI's
+    got = chat(served, "hello", max_tokens=8, temperature=0, extra_body={"method": "beam", "method_options": {"n": 2}})
+    assert got.choices[0].message.content == alone("hello", method="beam", n=2, max_new_tokens=8).text
+    with pytest.raises(openai.BadRequestError, match="n must be"):  # it reaches the method, not the choices
+        chat(served, "hello", max_tokens=5, extra_body={"method": "beam", "method_options": {"n": 0}})
+    with pytest.raises(openai.BadRequestError, match="both in the body and in method_options") as err:
+        chat(served, "hello", max_tokens=5, extra_body={"method": "pld", "max_ngram": 2, "method_options": {"max_ngram": 3}})
+    assert err.value.param == "method_options"
 
 
 def test_a_prompt_that_starts_like_a_slots_last_one_reuses_its_cache(served, alone):

@@ -20,7 +20,12 @@ class RollbackRefused(InvalidParameter):
 
 
 class UnknownMethod(DecodeKitError, KeyError):
-    """A method, drafter, task or baseline name that decodekit does not know."""
+    """A method, drafter, task or baseline name that decodekit does not know. ``param``: the option
+    or field that named it (a server reports it)."""
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""

@@ -46,12 +46,13 @@ def split_params(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
     return sampler, options
 
 
-def check_text(text: str, what: str) -> str:
+def check_text(text: str, what: str, param: str | None = None) -> str:
     """``text`` if it can be encoded (a lone surrogate, e.g. from undecodable bytes, cannot)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise InvalidParameter(f"{what} is not valid UTF-8 text (undecodable character at position {err.start})") from None
+        raise InvalidParameter(f"{what} is not valid UTF-8 text (undecodable character at position {err.start})",
+                               param=param) from None
     return text
 
 
@@ -67,13 +68,13 @@ def prompt_token_ids(model: LoadedModel, prompt: Any, *, chat: bool) -> list[int
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidParameter("the prompt is empty", param="prompt")
-        ids = model.prompt_ids(check_text(prompt, "the prompt"), chat=chat)
+        ids = model.prompt_ids(check_text(prompt, "the prompt", "prompt"), chat=chat)
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping) for m in prompt):
         for i, message in enumerate(prompt):
             if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
                 raise InvalidParameter(f"prompt message {i} needs a 'role' and a 'content' string, got {message!r}",
                                        param="prompt")
-            check_text(message["content"], f"prompt message {i}")
+            check_text(message["content"], f"prompt message {i}", "prompt")
         ids = model.prompt_ids(list(prompt), chat=chat)
     elif isinstance(prompt, (list, tuple)) and not prompt:
         raise InvalidParameter("the prompt is empty", param="prompt")
@@ -113,7 +114,8 @@ class Engine:
         and method options (e.g. ``max_ngram`` for ``pld``); unknown names raise an error.
         ``should_stop`` is asked after every step; when it says True the generation ends there
         (finish reason ``cancelled``: a client went away, a deadline passed). ``ignore_eos`` decodes
-        past end-of-sequence tokens (for fixed-length benchmarks). ``constraint`` (a
+        past end-of-sequence tokens (for fixed-length benchmarks), except where a ``constraint``'s
+        grammar ends the text. ``constraint`` (a
         :class:`..samplers.constraint.Constraint`, or a dict such as ``{"json_schema": {...}}``,
         ``{"regex": "..."}``, ``{"choice": [...]}``) makes the output match it, with any method."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

@@ -237,7 +237,9 @@ class StepDecoder(Decoder):
         t1 = time.perf_counter()
         stats.prefill_s = t1 - t0
 
-        eos = frozenset() if request.ignore_eos else tokenizer.eos_token_ids
+        # a constraint allows the end-of-sequence token exactly where its grammar is complete and
+        # nothing but it once nothing more can follow: there the output ends, ignore_eos or not
+        eos = frozenset() if request.ignore_eos and not request.sampler.refuses_tokens else tokenizer.eos_token_ids
         finish = "length"
         new: list[int] = []
         while len(new) < request.max_new_tokens:

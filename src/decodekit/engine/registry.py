@@ -91,7 +91,7 @@ def available_methods() -> dict[str, MethodSpec]:
 def method_spec(name: str) -> MethodSpec:
     methods = _registered()
     if not isinstance(name, str) or name not in methods:
-        raise UnknownMethod(f"unknown method {name!r}; choose from: {', '.join(sorted(methods))}")
+        raise UnknownMethod(f"unknown method {name!r}; choose from: {', '.join(sorted(methods))}", param="method")
     return methods[name]
 
 

@@ -52,6 +52,19 @@ class Tokenizer:
     def _make_grammar_tokenizer(self):
         raise NotImplementedError(f"{type(self).__name__} has no grammar tokenizer")
 
+    def special_tokens(self) -> dict[int, str]:
+        """The special tokens, id -> text (found once). They decode to no text, while llguidance
+        spells text with them ("<|im_end|>"), so structured decoding never allows one as text."""
+        found = self.__dict__.get("_special_tokens")
+        if found is None:
+            found = self.__dict__["_special_tokens"] = self._find_special_tokens()
+        return found
+
+    def _find_special_tokens(self) -> dict[int, str]:
+        lltokenizer = self.grammar_tokenizer()  # every id asked: a tokenizer that knows its added tokens says faster
+        return {t: lltokenizer.decode_bytes([t]).decode("utf-8", "replace")
+                for t in range(lltokenizer.vocab_size) if lltokenizer.is_special_token(t)}
+
     def grammar_matcher(self, grammar: str):
         """A new llguidance ``LLMatcher`` for ``grammar`` over this vocabulary, at the grammar's start.
         Each grammar is checked and compiled once (the last :data:`GRAMMARS_KEPT` are kept) and every
@@ -144,6 +157,9 @@ class HFTokenizer(Tokenizer):
 
         return from_tokenizer(self.hf, eos_token=sorted(self.eos_token_ids))
 
+    def _find_special_tokens(self) -> dict[int, str]:
+        return {t: added.content for t, added in self.hf.added_tokens_decoder.items() if added.special}
+
     def chat_prompt(self, messages: list[dict[str, str]]) -> str | None:
         if not getattr(self.hf, "chat_template", None):
             return None
@@ -199,6 +215,9 @@ class FileTokenizer(Tokenizer):
         from llguidance import LLTokenizer
 
         return LLTokenizer(self._rust.to_str(), eos_token=sorted(self.eos_token_ids))
+
+    def _find_special_tokens(self) -> dict[int, str]:
+        return {t: added.content for t, added in self._rust.get_added_tokens_decoder().items() if added.special}
 
 
 def _token_text(token) -> str:

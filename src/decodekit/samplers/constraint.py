@@ -55,6 +55,9 @@ class Constraint:
         if self.kind == "choice" and (not isinstance(self.value, (list, tuple)) or not self.value
                                       or not all(isinstance(c, str) and c for c in self.value)):
             raise InvalidParameter(f"a choice constraint needs a non-empty list of non-empty strings, got {self.value!r}")
+        if self.kind == "json" and self.value is not None:
+            raise InvalidParameter(f"a json constraint means any JSON object and takes no value; for a schema use "
+                                   f"json_schema, got {self.value!r:.80}")
         if self.kind in ("regex", "grammar") and (not isinstance(self.value, str) or not self.value):
             raise InvalidParameter(f"a {self.kind} constraint needs a non-empty string, got {self.value!r}")
 
@@ -122,9 +125,14 @@ class ConstrainedTokens(LogitsProcessor):
     def looks_ahead(self) -> bool:  # type: ignore[override]
         return spare_cores() > 0
 
-    def __init__(self, matcher, constraint: Constraint, vocab: int | None = None):
+    def __init__(self, matcher, constraint: Constraint, vocab: int | None = None, special: dict[int, str] | None = None,
+                 eos: frozenset[int] = frozenset()):
         self.matcher, self.constraint = matcher, constraint
         self.vocab = vocab  # the grammar tokenizer's size: an id past it puts llguidance's matcher in error
+        # llguidance spells text with special tokens too ("<|im_end|>"), which decode to no text: a
+        # mask never allows one, but for an end-of-sequence token where the grammar accepts
+        self.special, self.eos = dict(special or {}), eos
+        self._special_bits: np.ndarray | None = None  # bit set: a special token (llguidance's layout)
         self.consumed: list[int] = []  # the generated tokens the matcher has taken, in order
         self._ahead: Future | None = None  # masks being computed for the rows given to prepare()
         self._ready: dict[tuple[int, ...], np.ndarray | None] = {}  # the last prepare()'s masks
@@ -171,9 +179,19 @@ class ConstrainedTokens(LogitsProcessor):
         if rest:
             taken = self.matcher.try_consume_tokens(self._known(rest))  # stops before the first token refused
             self.consumed.extend(rest[:taken])
+            self._check()
             if taken < len(rest):
                 return False
-        return not self.matcher.is_error()
+        self._check()
+        return True
+
+    def _check(self) -> None:
+        """An error of the matcher's own (a grammar too complex for its limits, a computation out of
+        its budget): one line, never a row taken as refused and left unmasked. The matcher's error
+        state lasts, so every later use would fail alike."""
+        if self.matcher.is_error():
+            raise InvalidParameter(f"structured decoding failed: {matcher_error_line(self.matcher.get_error())}",
+                                   param="constraint")
 
     def _known(self, tokens: list[int]) -> list[int]:
         """``tokens`` up to the first the grammar's tokenizer does not have (a drafted id of a model's
@@ -185,9 +203,33 @@ class ConstrainedTokens(LogitsProcessor):
     def _bitmask(self) -> np.ndarray:
         """The tokens allowed next as llguidance's bitmask (bit i of byte i // 8: token i)."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        if self.matcher.is_error():  # e.g. a mask computation that ran out of its budget: say so, never sample unmasked
-            raise InvalidParameter(f"structured decoding failed: {matcher_error_line(self.matcher.get_error())}")
-        return bits
+        self._check()  # e.g. a mask computation that ran out of its budget: say so, never sample unmasked
+        return self._without_special(bits)
+
+    def _without_special(self, bits: np.ndarray) -> np.ndarray:
+        """``bits`` less the special tokens, but for the end-of-sequence ones where the grammar
+        accepts; a mask left with nothing is an error (the text can only go on as a special
+        token's, which no output holds)."""
+        if not self.special:
+            return bits
+        if self._special_bits is None or len(self._special_bits) != len(bits):
+            marks = np.zeros(8 * len(bits), dtype=np.uint8)
+            marks[[t for t in self.special if t < len(marks)]] = 1
+            self._special_bits = np.packbits(marks, bitorder="little")
+        hit = bits & self._special_bits
+        if not hit.any():
+            return bits
+        kept = bits & ~self._special_bits
+        accepting = self.matcher.is_accepting()
+        for t in self.eos if accepting else ():
+            if t in self.special and hit[t // 8] >> (t % 8) & 1:
+                kept[t // 8] |= 1 << (t % 8)
+        if not kept.any():
+            names = ", ".join(self.special[t] for t in sorted(self.special)
+                              if t < 8 * len(bits) and hit[t // 8] >> (t % 8) & 1)
+            raise InvalidParameter(f"structured decoding failed: the constraint goes on only with the text of a special "
+                                   f"token ({names}), which no output holds", param="constraint")
+        return kept
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         rows = generated_lists(histories)
@@ -218,9 +260,11 @@ class ConstrainedTokens(LogitsProcessor):
         (row,) = generated_lists(history)
         if tuple(row) in self._settle() or not self._follow(row):
             return False
-        if token < 0 or (self.vocab is not None and token >= self.vocab):
+        if token < 0 or (self.vocab is not None and token >= self.vocab) or token in self.special:
             return False
-        return not self.matcher.compute_ff_bytes() and self.matcher.validate_tokens([token]) == 1
+        forced = self.matcher.compute_ff_bytes()
+        self._check()
+        return not forced and self.matcher.validate_tokens([token]) == 1
 
     def describe(self) -> dict[str, Any]:
         return {"constraint": self.constraint.kind}
@@ -232,7 +276,9 @@ class ConstrainedTokens(LogitsProcessor):
         self._settle()
         if not self._follow(list(generated)):
             return []
-        return list(self.matcher.compute_ff_tokens())
+        tokens = list(self.matcher.compute_ff_tokens())
+        self._check()
+        return tokens
 
     def allowed_prefix(self, generated: list[int], continuation: list[int]) -> int:
         """llguidance's count of the tokens of ``continuation`` the grammar takes after ``generated``
@@ -276,4 +322,5 @@ def constraint_processor(constraint: Constraint | dict, tokenizer) -> Constraine
         matcher = tokenizer.grammar_matcher(grammar)
     except ValueError as error:
         raise InvalidParameter(f"invalid {constraint.kind.replace('_', ' ')} constraint: {error}") from None
-    return ConstrainedTokens(matcher, constraint, tokenizer.grammar_tokenizer().vocab_size)
+    vocab = tokenizer.grammar_tokenizer().vocab_size
+    return ConstrainedTokens(matcher, constraint, vocab, tokenizer.special_tokens(), tokenizer.eos_token_ids)

@@ -53,7 +53,7 @@ GUIDED = tuple("guided_" + kind for kind in ("json", "regex", "choice", "grammar
 IGNORED = {"model", "user", "store", "metadata", "parallel_tool_calls", "service_tier", "stream", "stream_options",
            "messages", "prompt", "n", "max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs",
            "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "method", "ignore_eos",
-           "response_format", *GUIDED}
+           "response_format", "method_options", *GUIDED}
 # OpenAI fields that would change the answer and are not implemented: refused, never ignored
 UNSUPPORTED = {"tools": "tool calls", "tool_choice": "tool calls", "functions": "function calls",
                "function_call": "function calls", "logit_bias": "logit_bias", "suffix": "suffix",
@@ -243,7 +243,7 @@ class Server:
         except DecodeKitError as err:  # more choices than the server ever holds at once
             raise ApiError(400, str(err), param=field_named(err, body, chat)) from None
         started = time.perf_counter()
-        reply = Reply(self, chat, spec, prompt_ids, started)
+        reply = Reply(self, chat, spec, prompt_ids, started, body)
         if stream:
             return StreamingResponse(reply.stream(request, jobs, futures, deltas), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -359,8 +359,8 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
         prompt = chat_messages(body.get("messages"))
     else:
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one prompt in a list of them: text, or token ids
         if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
             raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
     max_tokens = _integer(body, "max_completion_tokens", None, 1)
@@ -389,6 +389,15 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
     if not isinstance(method, str):
         raise ApiError(400, f"method must be a string, got {method!r}", param="method")
     params: dict[str, Any] = {k: v for k, v in body.items() if k not in IGNORED and k not in UNSUPPORTED}
+    # a method's options may also come in an object of their own: the only way to give those named
+    # like an OpenAI field (a search method's n, which the body's n cannot be)
+    named = body.get("method_options") or {}
+    if not isinstance(named, dict) or not all(isinstance(k, str) for k in named):
+        raise ApiError(400, "method_options must be an object of a method's options", param="method_options")
+    twice = sorted(set(named) & set(params))
+    if twice:
+        raise ApiError(400, f"{twice[0]} is given both in the body and in method_options", param="method_options")
+    params.update(named)
     temperature = _number(body, "temperature")
     if temperature is None and "method" not in body and not body.get("greedy"):
         temperature = 1.0  # OpenAI's default
@@ -570,8 +579,10 @@ class Outbox:
 class Reply:
     """Turns outcomes into OpenAI response bodies and stream chunks."""
 
-    def __init__(self, server: Server, chat: bool, spec: RequestSpec, prompt_ids: list[int], started: float):
+    def __init__(self, server: Server, chat: bool, spec: RequestSpec, prompt_ids: list[int], started: float,
+                 body: dict[str, Any]):
         self.server, self.chat, self.spec, self.prompt_ids, self.started = server, chat, spec, prompt_ids, started
+        self.body = body  # the request as sent: what an error's param names
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.tokenizer = server.scheduler.model.tokenizer
@@ -676,7 +687,8 @@ class Reply:
             yield "data: [DONE]\n\n"
         except Exception as err:  # the stream has started: the error goes in it, as OpenAI does, then [DONE]
             if isinstance(err, DecodeKitError):
-                error = {"message": str(err), "type": "invalid_request_error", "param": None, "code": None}
+                error = {"message": str(err), "type": "invalid_request_error", "param": field_named(err, self.body, self.chat),
+                         "code": None}
             else:
                 error = {"message": f"internal error: {type(err).__name__}: {err}", "type": "server_error",
                          "param": None, "code": None}

@@ -37,7 +37,7 @@ def parse_names(option: str, value, allowed: set[str] | None = None) -> list[str
     for n in names:
         if n not in DRAFTER_SPECS or (allowed is not None and n not in allowed):
             choices = sorted(allowed if allowed is not None else DRAFTER_SPECS)
-            raise UnknownMethod(f"unknown drafter {n!r} in {option}; choose from: {', '.join(choices)}")
+            raise UnknownMethod(f"unknown drafter {n!r} in {option}; choose from: {', '.join(choices)}", param=option)
     return names
 
 
