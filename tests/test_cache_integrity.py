@@ -537,3 +537,26 @@ def test_the_real_models_cache_passes_its_check_and_its_manifest_covers_every_fi
     own = {"manifest.json"} | {p.name for p in folder.iterdir() if p.name.startswith(("gguf_blocks", MATCHES_FILE))}
     on_disk = {p.name for p in folder.iterdir() if not p.name.startswith(".")} - own
     assert set(read_manifest(entry.manifest)) == on_disk and "model.safetensors" in on_disk
+
+
+def test_a_path_outside_the_cache_that_decodekit_did_not_write_is_refused_never_cleared(tmp_path, monkeypatch):
+    """A cache path named by a variable (DECODEKIT_COST_TABLE) that holds the user's own folder or
+    file is refused in one line and left as it is; one of decodekit's own is still rebuilt."""
+    from decodekit.models.cache import CacheRefused, read_json, update_json
+
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))
+    folder, mine = tmp_path / "folder", tmp_path / "mine.json"
+    folder.mkdir()
+    (folder / "a.txt").write_text("keep")
+    mine.write_text('{"mine": 1}')
+    for path in (folder, mine):
+        with pytest.raises(CacheRefused, match="decodekit did not write") as err:
+            update_json(path, lambda old: {"x": 1})
+        assert "\n" not in str(err.value)
+        with pytest.raises(CacheRefused):
+            read_json(path)
+    assert (folder / "a.txt").read_text() == "keep" and mine.read_text() == '{"mine": 1}'
+    ours = tmp_path / "ours.json"
+    update_json(ours, lambda old: {"x": 1})
+    ours.write_text('{"x": 2}')  # damaged: its manifest no longer agrees
+    assert read_json(ours) is None and not ours.exists()  # reported and cleared, to be written afresh

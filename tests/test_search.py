@@ -464,3 +464,19 @@ def test_best_of_n_loglik_is_the_sum_of_the_samples_token_logprobs(tiny):
         logprobs = torch.log_softmax(rows.logits[0, len(prompt) - 1 : -1].float(), dim=-1)
         total = logprobs.gather(-1, torch.tensor(tokens)[:, None]).sum().item()
         assert candidate["score"] == pytest.approx(total, abs=1e-3)
+
+
+def test_every_search_stops_at_the_step_its_should_stop_says_so(tiny):
+    """A search asks ``should_stop`` at every step, as the decode loop does (a server's client that
+    went away frees its slot there), and ends "cancelled" with no text: it has no answer before its end."""
+    from decodekit.engine import available_methods
+
+    engine = Engine(tiny)
+    searches = sorted(n for n, s in available_methods().items() if s.family == "search")
+    assert len(searches) >= 10
+    for method in searches:
+        asked = []
+        out = engine.generate("hello", method=method, n=2, max_new_tokens=40, chat=False,
+                              should_stop=lambda: asked.append(1) or len(asked) >= 3)
+        assert (out.finish_reason, out.text, out.tokens, len(asked)) == ("cancelled", "", [], 3), method
+        assert engine.generate("hello", method=method, n=2, max_new_tokens=40, chat=False).finish_reason != "cancelled"

@@ -13,7 +13,7 @@ from ..errors import InvalidParameter
 from ..models import LoadedModel, load_model
 from ..samplers import SAMPLER_OPTIONS, LogitsProcessor, Sampler
 from ..samplers.constraint import Constraint, constraint_processor
-from .core import Generation, Request
+from .core import Cancelled, Generation, GenerationStats, Request
 from .registry import build_decoder, method_spec
 
 
@@ -138,7 +138,10 @@ class Engine:
                           should_stop, ignore_eos)
         # One request at a time per backend: threads sharing an Engine (or its model) queue here.
         with self.model.backend.lock:
-            generation = decoder.generate(self.model, request)
+            try:
+                generation = decoder.generate(self.model, request)
+            except Cancelled:  # a search stopped by should_stop: it has no answer yet
+                generation = Generation(text="", tokens=[], stats=GenerationStats(), finish_reason="cancelled")
         if on_text is not None and not decoder.streams and generation.text:
             on_text(generation.text)
         return generation

@@ -165,6 +165,18 @@ class Decoder(ABC):
     def generate(self, model: LoadedModel, request: Request) -> Generation: ...
 
 
+class Cancelled(Exception):
+    """Raised inside a search when its request's ``should_stop`` says so. A search has no answer
+    before its end to hand back, so the engine answers "cancelled" with no text."""
+
+
+def check_cancelled(request: Request) -> None:
+    """End a search's request here (:class:`Cancelled`) when its ``should_stop`` says so: asked at
+    every step, as the decode loop asks it, so a client that went away frees its slot."""
+    if request.should_stop is not None and request.should_stop():
+        raise Cancelled
+
+
 def check_fits(backend: Backend, prompt_len: int, max_new_tokens: int) -> None:
     limit = backend.info.max_length
     if prompt_len + max_new_tokens > limit:

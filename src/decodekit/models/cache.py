@@ -40,11 +40,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import InvalidParameter
+
 DIGEST = "crc32/16MiB"  # recorded in each manifest: a manifest made with another digest fails the check
 CHUNK = 16 << 20
 MANIFEST = "manifest.json"
 
 Build = Callable[[Path], None]  # writes an entry's content at the (temporary) path it is given
+
+
+class CacheRefused(InvalidParameter):
+    """A cache path that holds something decodekit did not write, outside its cache folder."""
 
 
 def cache_root() -> Path:
@@ -167,6 +173,11 @@ class Entry:
         problem = self.check()
         if problem is None:
             return True
+        if self.exists() and not self.manifest.exists() and not _inside(self.path, cache_root()):
+            # a path outside the cache (a variable such as DECODEKIT_COST_TABLE names it) holding
+            # something decodekit never wrote: the user's, never cleared away
+            raise CacheRefused(f"{self.path} is {'a folder' if self.path.is_dir() else 'a file'} decodekit did not "
+                               f"write; give a path of its own (a new file) or remove it")
         if self.exists() or self.manifest.exists():
             report(self.path, problem)
         for path in [self.path, self.manifest, *self._temporaries()]:
@@ -220,6 +231,10 @@ class Entry:
         return [p for p in siblings if (p.name.startswith(f".{name}.") and p.name.endswith(".tmp")) or p.name == f"{name}.tmp"]
 
 
+def _inside(path: Path, folder: Path) -> bool:
+    return path.resolve().is_relative_to(folder.resolve())
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -260,6 +275,8 @@ def read_json(path: Path) -> Any | None:
                 if not entry.settle():
                     return None
         return json.loads(path.read_bytes())
+    except CacheRefused:
+        raise
     except (OSError, ValueError):  # an unwritable cache or an unreadable file: no value
         return None
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..engine.core import Generation, GenerationStats, Request, check_fits
+from ..engine.core import Generation, GenerationStats, Request, check_cancelled, check_fits
 from ..engine.stops import cut_at_stop, hits_stop
 from ..models import LoadedModel
 from ..models.kernels import argmax_rows
@@ -209,6 +209,7 @@ class SearchContext:
         done: list[str | None] = [None] * n
         recorder = StepRecorder()
         for t in range(max_new_tokens):
+            check_cancelled(self.request)
             active = [i for i in range(n) if done[i] is None]
             chosen = self._choose(logits, prefix, tokens, rows, slots, active, first_tokens if t == 0 else None)
             recorder.add(logits, chosen)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.core import Decoder, Generation, Request
+from ..engine.core import Decoder, Generation, Request, check_cancelled
 from ..engine.stops import cut_at_stop
 from ..models import LoadedModel
 from ..options import OptionSpec, option_table
@@ -60,6 +60,7 @@ class BeamSearch(Decoder):
         logits = ctx.cache.fork(ctx.prompt, 1)
         beams, finished = [Hypothesis([])], []
         for _ in range(request.max_new_tokens):
+            check_cancelled(request)
             histories = (
                 Histories([ctx.prompt + b.tokens for b in beams], len(ctx.prompt)) if request.sampler.needs_history else None
             )
