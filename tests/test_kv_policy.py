@@ -576,7 +576,7 @@ def test_kivi_cache_speculation_is_lossless_relative_to_its_greedy(bits):
             prompt, method="kvdraft", draft_cache="int4", max_new_tokens=4)
 
 
-def test_a_drafter_on_the_models_own_cache_drafts_no_further_than_it_can_roll_back():
+def test_a_drafter_on_the_models_own_cache_drafts_no_further_than_it_can_roll_back(monkeypatch):
     """layerskip's chain and the cost table's timed passes are rolled back: under int4 with the
     shortest residual (one pass) and a sink window shorter than the timed passes, they stay within
     what the cache can roll back (one line, never a ValueError), and int4 layerskip is int4 greedy."""
@@ -590,8 +590,14 @@ def test_a_drafter_on_the_models_own_cache_drafts_no_further_than_it_can_roll_ba
     got = engine.generate(prompt, method="layerskip", max_new_tokens=40, ignore_eos=True, budget=4)
     assert got.tokens == want and got.stats.extra["verifications"] > 0
     sink = tiny_llama(seed=0, hidden_size=64).with_kv_cache("sink:2,window:8,every:1")
+    passes = []
+    monkeypatch.setattr(type(sink), "_forward", lambda self, *a, _f=type(sink)._forward, **k: passes.append(1) or _f(self, *a, **k))
     table = CostTable.measure(sink, sizes=(1, 4, 16, 32), rounds=1)  # passes past the window, on a twin
     assert set(table.sizes) == {1, 4, 16, 32} and sink.length == 0
+    # timed on a full cache after at most the window's peak entries, each pass rolled back: not
+    # after a context read again a few tokens at a time after every pass (thousands of passes)
+    assert table.at <= sink.kv_policy.peak_slots(32) and len(passes) < 40
+    monkeypatch.undo()
     engine = Engine(LoadedModel(sink, CharTokenizer(96), "tiny"))
     for method in ("pld", "layerskip"):
         assert len(engine.generate(prompt, method=method, max_new_tokens=24, ignore_eos=True).tokens) == 24

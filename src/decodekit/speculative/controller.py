@@ -201,8 +201,16 @@ class CostTable:
         policy = getattr(backend, "kv_policy", None)
         in_place = policy is None or policy.rolls_back_anywhere()
         limit = backend.info.max_length - max(sizes) - 1
+        peak = policy.peak_slots(max(sizes)) if policy is not None and policy.evicts() else None
+        if peak is not None:
+            # a window's pass attends to at most `peak` entries, as a full cache's pass does after that
+            # many tokens: timed so, on a full-cache twin, which rolls each pass back instead of reading
+            # its context again (a small window reads a prompt in chunks of a few tokens)
+            limit = min(limit, peak)
+            in_place, timed = False, _twin(backend.with_kv_cache("full"))
         contexts = sorted({max(1, min(c, limit)) for c in MEASURE_CONTEXTS})
-        timed = backend if start == 0 and in_place else _twin(backend)
+        if peak is None:
+            timed = backend if start == 0 and in_place else _twin(backend)
         if timed.length == 0:
             timed.reset(1)
         rows: dict[int, dict[int, float]] = {}
