@@ -47,6 +47,7 @@ def test_spellings_parse_and_round_trip():
     "ful", "sink:4", "sink:x,window:4", "sink:4,window:0", "h2o:budget=8", "h2o:budget=8,window=9",
     "h2o:budget=8,window=4,extra=1", "snapkv:budget=8,window=8", "snapkv:budget=8,window=2,kernel=4",
     "sink:4,window:8,window:9", "h2o:budget=-1,window=1", "int4:residual=32", "int4:group=0", "int4:bits=2", "int3",
+    "int4:group=99999999999999999999", "int2:residual=2147483648", "h2o:budget=99999999999999999999,window=4",
 ])
 def test_bad_spellings_fail_in_one_line(spec):
     with pytest.raises(InvalidParameter) as err:
@@ -620,3 +621,14 @@ def test_int4_rollback_reaches_back_residual_minus_64_tokens_before_the_last_pas
     fresh = cache()
     fresh.prefill(tokens(150)[:96])
     assert torch.equal(fresh.append(torch.tensor([tokens(70, seed=1)])).logits, again)
+
+
+def test_a_window_without_room_for_a_long_pass_is_one_line_not_a_traceback():
+    """A window whose cache nearly fills the context has no room for a long verification pass: the
+    pass is refused as a DecodeKitError (one line on the command line), naming the cache."""
+    from decodekit.errors import DecodeKitError
+
+    backend = tiny_llama(seed=0, hidden_size=64, max_position=64).with_kv_cache("sink:2,window:54,every:4")
+    backend.prefill(tokens(80))
+    with pytest.raises(DecodeKitError, match=r"^kv cache sink:2,window:54,every:4: a pass reaching cache slot \d+ goes past"):
+        backend.verify_tree(torch.tensor([5] * 12), list(range(-1, 11)))

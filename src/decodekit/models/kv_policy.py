@@ -423,7 +423,13 @@ def _fields(text: str, rest: str, sep: str, names: tuple[str, ...], first: str |
             raise InvalidParameter(f"kv cache {text!r}: cannot read {part!r} (expected {sep.join(('NAME', 'N'))} "
                                    f"with NAME one of {', '.join(names)})")
         fields[name] = int(value)
+    for name, value in fields.items():  # the kernels count entries in 32-bit integers
+        if value > FIELD_LIMIT:
+            raise InvalidParameter(f"kv cache {text!r}: {name} {value} is out of range (at most {FIELD_LIMIT})")
     return fields
+
+
+FIELD_LIMIT = 2**31 - 1
 
 
 def _required(text: str, fields: dict[str, int], name: str) -> int:

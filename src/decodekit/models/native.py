@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..errors import InvalidParameter, RollbackRefused
+from ..errors import InvalidParameter, PromptTooLong, RollbackRefused
 from ..machine import available_memory
 from .backend import Backend, ModelInfo, StepOutput
 from .batching import PREFILL_CHUNK, PassBatcher
@@ -434,8 +434,11 @@ class NativeLlama(Backend):
         cache that evicts but keeps positions (H2O, SnapKV) is as bound by the context window as
         the full cache."""
         if end > self.config.max_position:
-            hint = "" if self.kv_policy.reassigns_positions else "; a sink:S,window:W cache runs past it"
-            raise ValueError(f"sequence of {end} tokens exceeds the model's context of {self.config.max_position}{hint}")
+            if self.kv_policy.reassigns_positions:  # a window that leaves no room for a pass this long
+                raise PromptTooLong(f"kv cache {self.kv_policy.spec}: a pass reaching cache slot {end} goes past the "
+                                    f"model's context of {self.config.max_position}; a smaller window leaves room for it")
+            raise PromptTooLong(f"sequence of {end} tokens exceeds the model's context of {self.config.max_position}; "
+                                f"a sink:S,window:W cache runs past it")
         for table in self._ropes:
             table.reach(end)
 
