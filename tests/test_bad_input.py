@@ -90,6 +90,7 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["generate", "hi", "--method", "pld", "--opt", "max_ngramz=2"], "has no option 'max_ngramz'"),
     (["generate", "caf\udce9"], r"argument b'caf\xe9' is not valid UTF-8"),
     (["chat", "--stop", "\udcff"], "is not valid UTF-8"),
+    (["chat", "--raw"], "unrecognized arguments: --raw"),  # a chat is its template
     (["eval", "capitals", "--temperature", "0.5"], "method 'greedy' never samples"),
     (["nonsense"], "invalid choice: 'nonsense'"),
     (["generate", "hi", "--kv-cache", "sink:4"], "kv cache 'sink:4': window is missing"),
@@ -406,3 +407,16 @@ def test_chat_goes_on_when_the_conversation_outgrows_the_context(monkeypatch, en
     assert err.count("the oldest 1 exchange(s) dropped") == 1 and err.count("; not sent") == 1
     assert "Traceback" not in err
 
+
+
+def test_a_model_file_that_cannot_be_read_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """An unreadable .gguf is the user's bad input (a ModelNotFound), not a failing machine (exit 1)."""
+    from decodekit.interfaces import cli
+    from decodekit.models import loading
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    monkeypatch.setattr(loading.os, "access", lambda path, mode: Path(path) != model)  # as chmod 000 for a user
+    assert cli.main(["generate", "hi", "--model", str(model)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("m.gguf: the model file cannot be read (permission denied)")

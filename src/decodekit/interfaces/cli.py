@@ -42,7 +42,6 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default="greedy", help="decoding method (see `decodekit methods`; default greedy)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
     parser.add_argument("--draft-model", default=None, help="draft model for --method draft")
     parser.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="method option (repeatable), e.g. --opt max_ngram=3")
     group = parser.add_argument_group(
@@ -285,6 +284,7 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read standard input)")
     add_model_arguments(gen)
     add_decoding_arguments(gen)
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template: continue the prompt's text")
     output = gen.add_mutually_exclusive_group()  # one JSON object is printed at the end: nothing to stream
     output.add_argument("--stream", action="store_true", help="print text as it is generated")
     output.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")

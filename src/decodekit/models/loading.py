@@ -135,6 +135,8 @@ def resolve_model(spec: str | None) -> tuple[Path, Path | None]:
         return dequantised_folder(gguf), gguf
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        if not os.access(path, os.R_OK):  # the user's file: bad input, not a failing machine
+            raise ModelNotFound(f"{spec}: the model file cannot be read (permission denied)")
         return dequantised_folder(path), path
     if path.is_dir() and (path / "config.json").is_file():
         return path, None
