@@ -502,14 +502,15 @@ def test_a_model_folder_with_a_broken_config_is_one_clear_error(tmp_path, config
         load_model(str(tmp_path))
 
 
-@pytest.mark.parametrize("change", [{"num_key_value_heads": 4}, {"intermediate_size": 48}, {"num_attention_heads": 2}])
+@pytest.mark.parametrize("change", [{"num_key_value_heads": 4}, {"intermediate_size": 48}, {"num_attention_heads": 2},
+                                    {"vocab_size": 50}, {"vocab_size": 200}])
 def test_a_config_whose_sizes_the_weights_do_not_have_is_one_clear_error(tmp_path, change):
     """Sizes that describe a model, but not the one in the weights: refused, never run as garbage."""
     from safetensors.torch import save_file
 
     save_file(tiny_state_dict(tiny_hf_config()), str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config() | change))
-    with pytest.raises(InvalidModel, match=rf"^{re.escape(str(tmp_path))}: model\.layers\.0\.\S+ is \(\d+, \d+\), "
+    with pytest.raises(InvalidModel, match=rf"^{re.escape(str(tmp_path))}: model\.\S+ is \(\d+, \d+\), "
                                            r"where config\.json's sizes make it \(\d+, \d+\)$"):
         load_model(str(tmp_path))
 

@@ -359,6 +359,11 @@ class LlamaWeights:
         self._matches = {} if matches is None else matches
         embed_name = "model.embed_tokens.weight"
         tied = config.tie_word_embeddings or "lm_head.weight" not in state
+        for name in (embed_name,) if tied else (embed_name, "lm_head.weight"):  # read from the headers alone
+            shape = state.shape(name) if hasattr(state, "shape") else tuple(state[name].shape)
+            if shape != (config.vocab_size, config.hidden_size):
+                raise InvalidModel(f"{name} is {shape}, where config.json's sizes make it "
+                                   f"{(config.vocab_size, config.hidden_size)}")
         head = self._head_on_blocks(state, embed_name) if tied else None
         self.embed: torch.Tensor | None = None  # the float32 table; None where the tied head's blocks give its rows
         if head is not None:

@@ -245,6 +245,17 @@ class LazyState(Mapping):
         except Exception as err:
             raise InvalidModel.because(file, f"cannot read tensor {name!r}", err) from err
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Tensor ``name``'s shape, read from the file's header alone."""
+        from safetensors import safe_open
+
+        file = self._where[name]
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                return tuple(handle.get_slice(name).get_shape())
+        except Exception as err:
+            raise InvalidModel.because(file, f"cannot read tensor {name!r}", err) from err
+
     def __iter__(self):
         return iter(self._where)
 
