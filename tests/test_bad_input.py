@@ -96,6 +96,8 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["generate", "hi", "--kv-cache", "sink:4"], "kv cache 'sink:4': window is missing"),
     (["generate", "hi", "--kv-cache", "lru"], "unknown kv cache 'lru'"),
     (["eval", "longctx", "--lengths", "1,2"], "--lengths must be comma-separated numbers"),
+    (["eval", "longctx", "--kv-cache", "int8"], "--kv-cache applies to the item tasks, not longctx"),
+    (["eval", "longctx", "--method", "beam"], "--method applies to the item tasks, not longctx"),
     (["generate", "hi", "--method", "kvdraft", "--opt", "draft_cache=full"], "kvdraft needs a compressed draft_cache"),
     (["generate", "hi", "--method", "kvdraft", "--opt", "draft_cache=int4"], "kvdraft needs a compressed draft_cache other than int4"),
     (["generate", "hi", "--kv-cache", "int2:residual=16"], "needs group >= 1, residual >= 64"),

@@ -209,3 +209,20 @@ def test_structured_eval_decodes_under_each_items_schema(tmp_path):
     for record in constrained["records"]:
         if len(record["output"]) < 60:  # ended before the budget: must be valid
             assert record["correct"], record
+
+
+def test_the_longctx_help_states_the_defaults_it_runs():
+    """``decodekit eval --help`` names longctx's defaults without importing torch: the text is
+    checked against the values here."""
+    import argparse
+
+    from decodekit.eval.cli import add_arguments
+    from decodekit.eval.longctx import DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_POLICIES, LongContextConfig
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    helps = {a.dest: a.help for a in parser._actions}
+    assert f"(default: {'; '.join(DEFAULT_POLICIES)})" in helps["policies"]
+    assert f"(default {','.join(map(str, DEFAULT_LENGTHS))})" in helps["lengths"]
+    assert f"(default {','.join(map(str, DEFAULT_DEPTHS))})" in helps["depths"]
+    assert f"(default {LongContextConfig().continuation})" in helps["continuation"]

@@ -373,7 +373,7 @@ def test_int8_cache_speculation_is_lossless_relative_to_int8_greedy():
         assert engine.generate(prompt, method=method, max_new_tokens=40, ignore_eos=True, budget=4).tokens == want
     windowed = engine.generate(prompt, method="kvdraft", draft_cache="sink:2,window:8", max_new_tokens=40, ignore_eos=True)
     assert windowed.tokens == want and windowed.stats.extra["verifications"] > 0
-    with pytest.raises(InvalidParameter, match="keeps every token"):
+    with pytest.raises(InvalidParameter, match=r"under the model.s int8 cache .* draft_cache must be sink:S,window:W, got snapkv"):
         engine.generate(prompt, method="kvdraft", draft_cache="snapkv:budget=40,window=4", max_new_tokens=4)
 
 

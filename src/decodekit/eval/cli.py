@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="method option (repeatable)")
     parser.add_argument("--data", default=None, help="task data file (gsm8k: JSONL with question/answer; structured: id/prompt/schema)")
     parser.add_argument("--unconstrained", action="store_true", help="structured: decode without the schema (to compare validity and speed)")
-    parser.add_argument("--policies", default=None, help="longctx: kv cache policies, ';'-separated (default: full; int8; "
+    parser.add_argument("--policies", default=None, help="longctx: kv cache policies, ';'-separated (default: full; int8; int4; "
                         "sink:4,window:1024; h2o:budget=1024,window=128; snapkv:budget=1024,window=32)")
     parser.add_argument("--lengths", default=None, help="longctx: context lengths in tokens, comma-separated (default 2048,4096,8000,16384)")
     parser.add_argument("--depths", default=None, help="longctx: pass-key depths in [0, 1], comma-separated (default 0.1,0.5,0.9)")
@@ -109,16 +109,21 @@ def run(args: argparse.Namespace, model=None) -> int:
 
 #: The flags of the long-context evaluation alone, and those of the item-by-item tasks alone.
 LONG_CONTEXT_FLAGS = ("policies", "lengths", "depths", "continuation")
-ITEM_FLAGS = ("data", "unconstrained", "signals", "opt")
+ITEM_FLAGS = ("data", "unconstrained", "signals", "opt", "method", "n", "limit", "max_new_tokens", "temperature",
+              "paraphrases", "kv_cache")  # longctx runs greedy decoding under its own --policies
 
 
 def check_task_flags(args: argparse.Namespace, long_context: str) -> None:
-    """A flag given for a task it does not apply to is refused, not silently ignored."""
+    """A flag given for a task it does not apply to is refused, not silently ignored (a flag left
+    at its default counts as not given)."""
+    parser = ArgumentParser()
+    add_arguments(parser)
+    defaults = parser.parse_args([args.task])
     others = ITEM_FLAGS if args.task == long_context else LONG_CONTEXT_FLAGS
-    given = [flag for flag in others if getattr(args, flag) not in (None, False, "", [])]
+    given = [flag for flag in others if hasattr(args, flag) and getattr(args, flag) != getattr(defaults, flag)]
     if given:
         which = f"{long_context} only" if args.task != long_context else f"the item tasks, not {long_context}"
-        raise InvalidParameter(f"--{given[0]} applies to {which}")
+        raise InvalidParameter(f"--{given[0].replace('_', '-')} applies to {which}")
 
 
 def _numbers(flag: str, text: str, kind, lo: float, hi: float) -> tuple:

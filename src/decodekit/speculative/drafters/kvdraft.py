@@ -80,6 +80,9 @@ class CompressedCacheDrafter(DraftModelDrafter):
         if not hasattr(target, "with_kv_cache"):
             raise InvalidParameter(f"kvdraft needs the native backend, not {target.info.architecture}")
         policy = target.kv_policy  # windowed drafts read an int8 cache as they read a float one, not int4's
+        if policy.quantised and policy.code_bits == 8 and not self.windowed:
+            raise InvalidParameter(f"under the model's int8 cache kvdraft drafts through a window of it: draft_cache "
+                                   f"must be sink:S,window:W, got {self.policy.spec}", param="draft_cache")
         if policy.evicts() or policy.quantised and not (self.windowed and policy.code_bits == 8):
             raise InvalidParameter(f"kvdraft drafts for a cache that keeps every token (full, or int8 with sink:S,window:W "
                                    f"drafts); this model's is {target.kv_policy.spec}")
