@@ -45,3 +45,24 @@ def test_profile_of_a_missing_model_is_one_line(capsys):
     assert main(["profile", "--model", "/no/such/model"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("decodekit: error:") and err.count("\n") == 1
+
+
+def test_profile_measures_the_numerics_it_is_asked_for_or_both(capsys, monkeypatch):
+    import decodekit.models
+
+    monkeypatch.setattr(profile, "COPY_BYTES", 2**20)
+    monkeypatch.setattr(profile, "GEMM_SIZE", 64)
+    monkeypatch.setattr(profile, "PEAK_ITERATIONS", 1000)
+    loaded = []
+
+    def load_model(*args, numerics="exact", **kwargs):
+        loaded.append(numerics)
+        return LoadedModel(tiny_llama(seed=0, max_position=1024), CharTokenizer(96), "tiny")
+
+    monkeypatch.setattr(decodekit.models, "load_model", load_model)
+    for asked, want in (("exact", ["exact"]), (None, ["exact", "fast"])):
+        loaded.clear()
+        args = argparse.Namespace(model=None, backend="auto", dtype="float32", kv_cache="full", numerics=asked,
+                                  contention=False, json=True)
+        assert profile.run(args) == 0
+        assert loaded == want and list(json.loads(capsys.readouterr().out)["numerics"]) == want

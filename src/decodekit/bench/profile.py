@@ -31,6 +31,9 @@ PEAK_ITERATIONS = 2_000_000  # rounds of 12 VNNI instructions a thread: a few mi
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    for action in p._actions:  # one numerics, or (the default here) both side by side
+        if action.dest == "numerics":
+            action.default, action.help = None, "profile this numerics only (default: both, exact and fast)"
     p.add_argument("--contention", action="store_true", help="also decode beside a busy loop on one core")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -187,11 +190,16 @@ def run(args: argparse.Namespace, models: dict[str, Any] | None = None) -> int:
 
     unavailable: dict[str, str] = {}
     if models is None:
-        models = {"exact": load_model(args.model, backend=args.backend, dtype=args.dtype, kv_cache=args.kv_cache)}
-        try:
-            models["fast"] = load_model(args.model, backend=args.backend, dtype=args.dtype, numerics="fast", kv_cache=args.kv_cache)
-        except InvalidParameter as err:
-            unavailable["fast"] = str(err)
+        chosen = getattr(args, "numerics", None)
+        models = {}
+        for numerics in [chosen] if chosen else ["exact", "fast"]:
+            try:
+                models[numerics] = load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=numerics,
+                                              kv_cache=args.kv_cache)
+            except InvalidParameter as err:
+                if chosen or numerics == "exact":  # asked for by name, or nothing left to profile
+                    raise
+                unavailable[numerics] = str(err)
     result = profile(models, with_contention=args.contention, unavailable=unavailable)
     print(json.dumps(result) if args.json else describe(result))
     return 0

@@ -9,6 +9,7 @@ runs the passes over them.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -189,6 +190,8 @@ def fast_numerics_unavailable(blocks: "BlockMatrix | None") -> str | None:
         return ("it needs a GGUF model's blocks, in a type its kernels read (a .gguf file or an embedded model, "
                 "float32)")
     if integer_block_matmul(blocks.kind) is None:
+        if os.environ.get("DECODEKIT_KERNELS", "1") == "0":
+            return "it needs the compiled kernels, which DECODEKIT_KERNELS=0 turns off"
         return "it needs a CPU with AVX512-VNNI and a C compiler"
     if blocks.shape[0] % INTEGER_GROUP:
         return f"it needs projections of a multiple of {INTEGER_GROUP} rows"
