@@ -561,3 +561,21 @@ def test_a_path_outside_the_cache_that_decodekit_did_not_write_is_refused_never_
     update_json(ours, lambda old: {"x": 1})
     ours.write_text('{"x": 2}')  # damaged: its manifest no longer agrees
     assert read_json(ours) is None and not ours.exists()  # reported and cleared, to be written afresh
+
+
+def test_a_gguf_file_replaced_at_its_path_rebuilds_its_folder_in_place(tiny_gguf, cache, capsys, tmp_path):
+    """One cached folder per GGUF path: the same file written again (a reinstalled package, a new
+    modification time) is read again into the same folder, never into one more beside it."""
+    from decodekit.models.loading import dequantised_folder
+
+    gguf = tmp_path / "copy.gguf"
+    gguf.write_bytes(tiny_gguf.read_bytes())
+    first = dequantised_folder(gguf)
+    before = answer(gguf)
+    stat = gguf.stat()
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    again = dequantised_folder(gguf)
+    assert again == first and "built from another version of its source" in capsys.readouterr().err
+    assert sorted(p.name for p in cache.iterdir() if p.name.startswith("copy-")) == [first.name]
+    assert_same(answer(gguf), before)
+    assert dequantised_folder(gguf) == first and capsys.readouterr().err == ""  # checked, not rebuilt again

@@ -45,6 +45,7 @@ from ..errors import InvalidParameter
 DIGEST = "crc32/16MiB"  # recorded in each manifest: a manifest made with another digest fails the check
 CHUNK = 16 << 20
 MANIFEST = "manifest.json"
+SOURCE = "source.txt"  # in a folder entry built from a file that may change (a GGUF file): what it was built from
 
 Build = Callable[[Path], None]  # writes an entry's content at the (temporary) path it is given
 
@@ -140,6 +141,7 @@ class Entry:
 
     path: Path
     folder: bool
+    source: str | None = None  # a folder's: what it was built from (say, a file's size and time), kept in SOURCE
 
     @property
     def manifest(self) -> Path:
@@ -157,7 +159,11 @@ class Entry:
         stamps = read_manifest(self.manifest)
         if stamps is None or (not self.folder and set(stamps) != {self.path.name}):
             return "no valid manifest"
-        return problem_with(self.path if self.folder else self.path.parent, stamps)
+        problem = problem_with(self.path if self.folder else self.path.parent, stamps)
+        if problem is None and self.source is not None and (SOURCE not in stamps or
+                                                            (self.path / SOURCE).read_text() != self.source):
+            return "built from another version of its source"
+        return problem
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -190,6 +196,8 @@ class Entry:
         try:
             build(tmp)
             if self.folder:
+                if self.source is not None:
+                    (tmp / SOURCE).write_text(self.source)
                 names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
                 (tmp / MANIFEST).write_text(manifest_text({n: Stamp.of(tmp / n) for n in names}))
                 os.replace(tmp, self.path)
@@ -251,10 +259,12 @@ def _ensure(entry: Entry, build: Build) -> Path:
     return entry.path
 
 
-def cached_folder(path: Path, build: Build) -> Path:
+def cached_folder(path: Path, build: Build, source: str | None = None) -> Path:
     """``path``, a cached folder that checks out: built by ``build(temporary folder)`` when it is
-    missing or damaged. Raises OSError where the cache cannot be written."""
-    return _ensure(Entry(path, folder=True), build)
+    missing or damaged, or, with ``source``, built from another source (then rebuilt in place, so
+    a source file that changes never leaves old folders behind). Raises OSError where the cache
+    cannot be written."""
+    return _ensure(Entry(path, folder=True, source=source), build)
 
 
 def cached_file(path: Path, build: Build) -> Path:

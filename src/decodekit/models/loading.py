@@ -176,10 +176,11 @@ def dequantised_folder(gguf: Path) -> Path:
     at every load, rebuilt when it fails the check: :func:`.cache.cached_folder`)."""
     check_gguf_header(gguf)
     stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    # one folder per file path: a file replaced at the same path (a reinstalled package) rebuilds it
+    key = hashlib.sha1(f"{gguf.resolve()}".encode()).hexdigest()[:12]
     folder = cache_root() / f"{gguf.stem}-{key}"
     try:
-        return cached_folder(folder, lambda tmp: dequantise(gguf, tmp))
+        return cached_folder(folder, lambda tmp: dequantise(gguf, tmp), source=f"{stat.st_size}:{stat.st_mtime_ns}")
     except OSError as err:
         raise CacheError(f"cannot write the cache folder {folder.parent} ({err.strerror or err}); set DECODEKIT_CACHE") from err
 
