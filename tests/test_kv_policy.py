@@ -632,3 +632,14 @@ def test_a_window_without_room_for_a_long_pass_is_one_line_not_a_traceback():
     backend.prefill(tokens(80))
     with pytest.raises(DecodeKitError, match=r"^kv cache sink:2,window:54,every:4: a pass reaching cache slot \d+ goes past"):
         backend.verify_tree(torch.tensor([5] * 12), list(range(-1, 11)))
+
+
+@pytest.mark.parametrize("method", ["pld", "lookahead"])
+def test_speculation_under_a_window_near_the_context_keeps_its_trees_within_it(method):
+    """A window whose entries nearly fill the context leaves a verification little room: the loop
+    drafts no deeper than the slots left, so generation runs on past the context window."""
+    backend = tiny_llama(seed=0, hidden_size=64, max_position=64).with_kv_cache("sink:2,window:54,every:4")
+    engine = Engine(LoadedModel(backend, CharTokenizer(96), "tiny"))
+    prompt = tokens(20) * 4  # repeats: drafts to verify
+    out = engine.generate(prompt, method=method, max_new_tokens=100, ignore_eos=True, budget=32)
+    assert len(out.tokens) == 100 and out.stats.extra["verifications"] > 0

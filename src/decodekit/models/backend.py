@@ -176,6 +176,10 @@ class Backend(ABC):
     def truncate(self, length: int) -> None:
         """Roll the cache back to its first ``length`` tokens."""
 
+    def pass_room(self) -> int:
+        """The most tokens the next pass can hold (a verification's root and tree included)."""
+        return self.info.max_length - self.length
+
     # Tree verification: shared bookkeeping here, the cache work in three small hooks that
     # a backend implements (or it overrides verify_tree/commit_path wholesale, as test doubles do).
 

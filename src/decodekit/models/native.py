@@ -429,6 +429,16 @@ class NativeLlama(Backend):
     def _next_slot(self) -> tuple[int, int]:
         return self._slots, self._slots if self.kv_policy.reassigns_positions else self._length
 
+    def pass_room(self) -> int:
+        # a window's positions are its slots: what is left of the context after the entries the
+        # next pass finds (fewer if the pass compacts the cache first)
+        if not self.kv_policy.reassigns_positions:
+            return super().pass_room()
+        policy, slots = self.kv_policy, self._slots
+        if policy.compact_before(slots, 1):
+            slots = policy.keep(slots, None).numel()
+        return self.config.max_position - slots
+
     def _check_positions(self, end: int) -> None:
         """Positions below ``end`` must have rotary angles (computed here, where they are not yet): a
         cache that evicts but keeps positions (H2O, SnapKV) is as bound by the context window as

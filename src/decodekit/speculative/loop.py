@@ -76,7 +76,8 @@ class SpeculativeMethod(StepMethod):
             state.commit(first)
         self.controller.context = len(state.tokens)  # what this step's passes attend to
         t0 = time.perf_counter()
-        room = state.backend.info.max_length - len(state.tokens) - 1  # a chain's deepest position must fit
+        # a chain's deepest position must fit the context (a window's: its slots)
+        room = min(state.backend.info.max_length - len(state.tokens), state.backend.pass_room()) - 1
         forced = self._forced(state, min(room, self.controller.max_draft))
         if forced:
             with torch.inference_mode():
