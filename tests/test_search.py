@@ -390,6 +390,9 @@ def test_astar_respects_the_token_budget(tiny):
                                   max_step_tokens=6, max_new_tokens=60, chat=False, seed=1)
         assert 0 < g.stats.extra["tokens_spent"] <= budget
         assert len(g.tokens) <= budget
+    with pytest.raises(InvalidParameter, match=r"token_budget \(2\) must be at least n \(3\)"):  # never an empty answer
+        Engine(tiny).generate("hello", method="astar", n=3, token_budget=2, chat=False)
+    assert Engine(tiny).generate("hello", method="astar", n=3, token_budget=3, chat=False, seed=1).tokens
 
 
 def test_step_beam_returns_its_best_finished_solution():

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..engine.core import Decoder, Generation, Request
+from ..errors import InvalidParameter
 from ..models import LoadedModel
 from ..options import OptionSpec, any_value, option_table
 from ..samplers import Sampler
@@ -242,6 +243,9 @@ class AStarDecoding(StepSearch):
 
     def __init__(self, n: int = 4, token_budget: int = 2048, **kw: Any):
         super().__init__(n, **kw)
+        if token_budget < self.n:  # the first expansion gives each of its n children a token at least
+            raise InvalidParameter(f"token_budget ({token_budget}) must be at least n ({self.n}), a token for each "
+                                   f"child of the first expansion", param="token_budget")
         self.budget = token_budget
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
