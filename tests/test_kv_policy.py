@@ -599,6 +599,9 @@ def test_a_drafter_on_the_models_own_cache_drafts_no_further_than_it_can_roll_ba
     # after a context read again a few tokens at a time after every pass (thousands of passes)
     assert table.at <= sink.kv_policy.peak_slots(32) and len(passes) < 40
     monkeypatch.undo()
+    heavy = tiny_llama(seed=0, hidden_size=64).with_kv_cache("h2o:budget=16,window=4")  # no peak: its own twin
+    table = CostTable.measure(heavy, sizes=(1, 4, 32), rounds=1)  # a pass past the budget cannot be rolled back
+    assert set(table.sizes) == {1, 4, 32} and heavy.length == 0
     engine = Engine(LoadedModel(sink, CharTokenizer(96), "tiny"))
     for method in ("pld", "layerskip"):
         assert len(engine.generate(prompt, method=method, max_new_tokens=24, ignore_eos=True).tokens) == 24
