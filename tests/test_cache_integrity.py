@@ -579,3 +579,25 @@ def test_a_gguf_file_replaced_at_its_path_rebuilds_its_folder_in_place(tiny_gguf
     assert sorted(p.name for p in cache.iterdir() if p.name.startswith("copy-")) == [first.name]
     assert_same(answer(gguf), before)
     assert dequantised_folder(gguf) == first and capsys.readouterr().err == ""  # checked, not rebuilt again
+
+
+def test_an_assembled_model_file_that_fails_its_check_is_reported_and_written_again(cache, capsys, monkeypatch):
+    """A chunked model package's assembled file whose SHA-256 differs (FileExistsError from the
+    package) is written again, and the user is told, as for every other damaged cache entry."""
+    import types
+
+    from decodekit.models import loading
+
+    calls = []
+
+    def assemble(target, overwrite=False):
+        calls.append(overwrite)
+        if not overwrite:
+            raise FileExistsError(f"{target} already exists with an unexpected sha256")
+        return target
+
+    package = types.SimpleNamespace(MODEL_NAME="fake.gguf", assemble=assemble)
+    monkeypatch.setattr(loading.importlib, "import_module", lambda name: package)
+    model = loading.EmbeddedModel("fake_package", "pip install fake", "a fake", assembled=True)
+    assert loading._assembled_gguf(model) == cache / "models" / "fake.gguf" and calls == [False, True]
+    assert "fake.gguf failed its check (its SHA-256 is not the package's); rebuilding it" in capsys.readouterr().err

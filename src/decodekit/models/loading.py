@@ -28,7 +28,7 @@ import torch
 from ..errors import CacheError, InvalidModel, InvalidParameter, ModelNotFound
 from ..machine import available_memory
 from .backend import Backend
-from .cache import cache_root, cached_folder
+from .cache import cache_root, cached_folder, report
 
 if TYPE_CHECKING:
     from .kv_policy import KVPolicy
@@ -107,7 +107,8 @@ def _assembled_gguf(model: EmbeddedModel) -> Path:
         return package.assemble(target)
     except FileNotFoundError as err:  # a chunk package is missing
         raise ModelNotFound(f"{model.package}: {err}; run: {model.install}") from err
-    except (FileExistsError, ValueError):  # a damaged copy (its digest differs): written again
+    except (FileExistsError, ValueError):  # a damaged copy (its digest differs): said, and written again
+        report(target, "its SHA-256 is not the package's")
         try:
             return package.assemble(target, overwrite=True)
         except ValueError as err:
