@@ -170,10 +170,15 @@ class Cancelled(Exception):
     before its end to hand back, so the engine answers "cancelled" with no text."""
 
 
+def stop_requested(request: Request) -> bool:
+    """Whether the request's ``should_stop`` says to end it now (asked after every step)."""
+    return request.should_stop is not None and request.should_stop()
+
+
 def check_cancelled(request: Request) -> None:
     """End a search's request here (:class:`Cancelled`) when its ``should_stop`` says so: asked at
     every step, as the decode loop asks it, so a client that went away frees its slot."""
-    if request.should_stop is not None and request.should_stop():
+    if stop_requested(request):
         raise Cancelled
 
 
@@ -270,7 +275,7 @@ class StepDecoder(Decoder):
                 finish = "stop"
                 break
             streamer.update(new)
-            if request.should_stop is not None and request.should_stop():
+            if stop_requested(request):
                 finish = "cancelled"
                 break
         self.method.finish(state)

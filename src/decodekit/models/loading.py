@@ -18,10 +18,11 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -226,37 +227,31 @@ class LazyState(Mapping):
             except Exception as err:  # safetensors raises its own error type for a damaged file
                 raise InvalidModel.because(file, "cannot be read as safetensors", err) from err
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    @contextmanager
+    def _opened(self, name: str) -> Iterator[Any]:
+        """The file holding tensor ``name``, open; a damaged one is one InvalidModel line."""
         from safetensors import safe_open
 
         file = self._where[name]
         try:
             with safe_open(str(file), framework="pt") as handle:
-                return handle.get_tensor(name)
+                yield handle
         except Exception as err:
             raise InvalidModel.because(file, f"cannot read tensor {name!r}", err) from err
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        with self._opened(name) as handle:
+            return handle.get_tensor(name)
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start..stop`` of tensor ``name``, read alone (a slice of the file, not the whole tensor)."""
-        from safetensors import safe_open
-
-        file = self._where[name]
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                return handle.get_slice(name)[start:stop]
-        except Exception as err:
-            raise InvalidModel.because(file, f"cannot read tensor {name!r}", err) from err
+        with self._opened(name) as handle:
+            return handle.get_slice(name)[start:stop]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Tensor ``name``'s shape, read from the file's header alone."""
-        from safetensors import safe_open
-
-        file = self._where[name]
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                return tuple(handle.get_slice(name).get_shape())
-        except Exception as err:
-            raise InvalidModel.because(file, f"cannot read tensor {name!r}", err) from err
+        with self._opened(name) as handle:
+            return tuple(handle.get_slice(name).get_shape())
 
     def __iter__(self):
         return iter(self._where)

@@ -176,14 +176,10 @@ class ConstrainedTokens(LogitsProcessor):
             self.matcher.rollback(len(self.consumed) - shared)
             del self.consumed[shared:]
         rest = generated[shared:]
-        if rest:
-            taken = self.matcher.try_consume_tokens(self._known(rest))  # stops before the first token refused
-            self.consumed.extend(rest[:taken])
-            self._check()
-            if taken < len(rest):
-                return False
+        taken = self.matcher.try_consume_tokens(self._known(rest)) if rest else 0  # stops before the first token refused
+        self.consumed.extend(rest[:taken])
         self._check()
-        return True
+        return taken == len(rest)
 
     def _check(self) -> None:
         """An error of the matcher's own (a grammar too complex for its limits, a computation out of

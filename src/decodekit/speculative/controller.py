@@ -208,9 +208,9 @@ class CostTable:
             # its context again (a small window reads a prompt in chunks of a few tokens)
             limit = min(limit, peak)
             in_place, timed = False, _twin(backend.with_kv_cache("full"))
-        contexts = sorted({max(1, min(c, limit)) for c in MEASURE_CONTEXTS})
-        if peak is None:
+        else:
             timed = backend if start == 0 and in_place else _twin(backend)
+        contexts = sorted({max(1, min(c, limit)) for c in MEASURE_CONTEXTS})
         if timed.length == 0:
             timed.reset(1)
         rows: dict[int, dict[int, float]] = {}

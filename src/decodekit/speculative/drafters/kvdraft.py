@@ -83,7 +83,7 @@ class CompressedCacheDrafter(DraftModelDrafter):
         if policy.quantised and policy.code_bits == 8 and not self.windowed:
             raise InvalidParameter(f"under the model's int8 cache kvdraft drafts through a window of it: draft_cache "
                                    f"must be sink:S,window:W, got {self.policy.spec}", param="draft_cache")
-        if policy.evicts() or policy.quantised and not (self.windowed and policy.code_bits == 8):
+        if policy.evicts() or policy.quantised and policy.code_bits != 8:
             raise InvalidParameter(f"kvdraft drafts for a cache that keeps every token (full, or int8 with sink:S,window:W "
                                    f"drafts); this model's is {target.kv_policy.spec}")
         self._target = target
