@@ -104,6 +104,21 @@ def test_unknown_options_and_bad_values_name_the_option():
         Sampler.from_params(top_q=0.5)
 
 
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "epsilon", "repetition_penalty", "presence_penalty"])
+def test_an_integer_too_large_for_a_float_is_a_bad_value_not_a_crash(name):
+    with pytest.raises(InvalidParameter, match=f"^{name} must be"):
+        Sampler.from_params(**{"temperature": 0.7, name: 10**400})
+
+
+def test_one_value_is_never_set_twice_on_the_command_line():
+    """A flag and an --opt (or two --opt) naming the same parameter: refused, not the last one kept."""
+    for argv, given in ((["--method", "sample", "--seed", "4", "--opt", "seed=3"], "--seed"),
+                        (["--method", "sample", "--temperature", "0.8", "--opt", "temperature=5"], "--temperature"),
+                        (["--method", "pld", "--opt", "max_ngram=2", "--opt", "max_ngram=3"], "--opt max_ngram")):
+        with pytest.raises(InvalidParameter, match=f"^{given}=?.* and --opt .* both set"):
+            decoder_for(*argv)
+
+
 # Tables -------------------------------------------------------------------------------------------
 
 

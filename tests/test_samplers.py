@@ -82,6 +82,16 @@ def test_temperature_divides_logits():
     assert out.tolist() == [[1.0, 2.0, -3.0, NEG]]
 
 
+@pytest.mark.parametrize("temperature", [1e-37, 1e-38, 1e-45])
+def test_a_temperature_near_0_keeps_the_most_likely_tokens_evenly(temperature):
+    """logits / T past float32's range (or T below its normal numbers, which flush to 0): the
+    distribution is still softmax(l / T)'s, whose limit keeps the largest logits, ties evenly."""
+    logits = torch.tensor([[50.0, 80.0, 80.0, -3.0, NEG], [1.0, 0.5, 2.0, 2.0 - 2**-22, NEG]])
+    probs = torch.softmax(Temperature(temperature)(logits, NoTouch()), dim=-1)
+    assert probs.tolist() == [[0.0, 0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0]]
+    assert torch.isinf(Temperature(temperature)(torch.tensor([[float("inf"), 1.0]]), NoTouch())[0, 0])  # left as it is
+
+
 # ---------------------------------------------------------------- top-k
 
 

@@ -247,7 +247,8 @@ def test_values_no_request_should_send_are_400s_never_500s(served):
     conn.close()
     refused = {
         "seed": {"seed": 2**64, "temperature": 0.7},
-        "extreme temperature": {"temperature": 1e-38, "seed": 1},
+        "a temperature too large for a float": {"temperature": 10**400},
+        "a sampler field in method_options": {"method": "pld", "method_options": {"temperature": 0.5}},
         "extreme penalty": {"presence_penalty": -1e308, "temperature": 1.0, "seed": 1},
         "beam's length penalty": {"method": "beam", "temperature": 0, "length_penalty": 1e308},
         "arms not a list": {"method": "auto", "temperature": 0, "arms": 5},
@@ -265,11 +266,18 @@ def test_values_no_request_should_send_are_400s_never_500s(served):
         assert status == 400 and json.loads(text)["error"]["type"] == "invalid_request_error", (what, status, text)
         assert ("a request cannot choose" in json.loads(text)["error"]["message"]) == (what in local), (what, text)
     # found while decoding, in a stream: the error as an event, then the end of the stream
-    status, text = post(served, "/v1/chat/completions", {**base, "temperature": 1e-38, "seed": 1, "stream": True})
+    endless = {"guided_grammar": 'start: a\na: "x" a\n'}  # a text that never ends, found out while decoding
+    status, text = post(served, "/v1/chat/completions", {**base, **endless, "stream": True})
     events = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
     assert status == 200 and events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
-    assert "too extreme" in error["message"] and set(error) == {"message", "type", "param", "code"}
+    assert "structured decoding failed" in error["message"] and set(error) == {"message", "type", "param", "code"}
+    # a temperature so near 0 that logits / T overflow float32 (or T is below its normal numbers):
+    # the limit, the most likely token, as greedy decoding picks it
+    greedy = json.loads(post(served, "/v1/chat/completions", {**base, "temperature": 0})[1])["choices"][0]
+    for tiny in (1e-38, 1e-45):
+        status, text = post(served, "/v1/chat/completions", {**base, "temperature": tiny, "seed": 1})
+        assert status == 200 and json.loads(text)["choices"][0]["message"] == greedy["message"], (tiny, text)
     # the largest seed: choice i samples with seed + i, wrapping around at 2**64
     status, text = post(served, "/v1/chat/completions", {**base, "seed": 2**64 - 1, "n": 2, "temperature": 0.7})
     assert status == 200 and len(json.loads(text)["choices"]) == 2
@@ -591,6 +599,15 @@ def test_a_methods_options_come_as_extra_fields_or_in_an_object_of_their_own(ser
         chat(served, "hello", max_tokens=5, extra_body={"method": "beam", "method_options": {"n": 0}})
     with pytest.raises(openai.BadRequestError, match="both in the body and in method_options") as err:
         chat(served, "hello", max_tokens=5, extra_body={"method": "pld", "max_ngram": 2, "method_options": {"max_ngram": 3}})
+    assert err.value.param == "method_options"
+    # the body's own fields are read from the body: in method_options they would be dropped or overridden
+    for field, value in (("temperature", 0.5), ("seed", 3), ("top_p", 0.5), ("presence_penalty", 1.0), ("stop", "x")):
+        with pytest.raises(openai.BadRequestError, match=f"{field} is a field of the request body") as err:
+            chat(served, "hello", max_tokens=5, seed=4, extra_body={"method": "pld", "method_options": {field: value}})
+        assert err.value.param == "method_options"
+    # an option found bad by the method names the object it came in
+    with pytest.raises(openai.BadRequestError, match="top_k must be") as err:
+        chat(served, "hello", max_tokens=5, temperature=0.7, extra_body={"method": "pld", "method_options": {"top_k": 0}})
     assert err.value.param == "method_options"
 
 

@@ -35,6 +35,22 @@ def _fmt(x: float) -> str:
     return "inf" if x == math.inf else "-inf" if x == -math.inf else f"{x:g}"
 
 
+def shown(value: Any, width: int = 60) -> str:
+    """``repr(value)`` for an error message, cut to ``width`` characters (a 400-digit integer, a
+    pasted document)."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def finite(value: numbers.Real) -> bool:
+    """Whether a real number is finite as a float (an integer too large for a float is not: it has
+    no float value, and math.isfinite raises on it)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def check_real(name: str, value: Any, lo: float = -math.inf, hi: float = math.inf, *,
                lo_open: bool = False, hi_open: bool = False) -> float:
     """``float(value)`` if it is a finite real number in the interval (bools rejected), else InvalidParameter."""
@@ -46,11 +62,11 @@ def check_real(name: str, value: Any, lo: float = -math.inf, hi: float = math.in
         allowed = f"a finite number {'<' if hi_open else '<='} {_fmt(hi)}"
     else:
         allowed = f"in {'(' if lo_open else '['}{_fmt(lo)}, {_fmt(hi)}{')' if hi_open else ']'}"
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and finite(value)
     if ok:
         ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
     if not ok:
-        raise InvalidParameter(f"{name} must be {allowed}, got {value!r}")
+        raise InvalidParameter(f"{name} must be {allowed}, got {shown(value)}")
     return float(value)
 
 
@@ -60,7 +76,7 @@ def check_int(name: str, value: Any, lo: int | None = 1, hi: int | None = None) 
     if not ok or (lo is not None and value < lo) or (hi is not None and value > hi):
         allowed = ("" if lo is None and hi is None else f" <= {hi}" if lo is None
                    else f" >= {lo}" if hi is None else f" in [{lo}, {hi}]")
-        raise InvalidParameter(f"{name} must be an integer{allowed}, got {value!r}")
+        raise InvalidParameter(f"{name} must be an integer{allowed}, got {shown(value)}")
     return int(value)
 
 
@@ -69,7 +85,7 @@ def parse_bool(name: str, value: Any) -> bool:
     if isinstance(value, str) and value.strip().lower() in TRUE_WORDS | FALSE_WORDS:
         return value.strip().lower() in TRUE_WORDS
     if not isinstance(value, bool):
-        raise InvalidParameter(f"{name} must be true or false (yes/no, 1/0), got {value!r}")
+        raise InvalidParameter(f"{name} must be true or false (yes/no, 1/0), got {shown(value)}")
     return value
 
 
@@ -112,7 +128,7 @@ class OptionSpec:
         name = self.name
         if self.type is bool:
             if not isinstance(value, bool):  # typed values are strict: 1 is not a bool
-                raise InvalidParameter(f"{name} must be true or false, got {value!r}")
+                raise InvalidParameter(f"{name} must be true or false, got {shown(value)}")
             return value
         if self.type is int:
             return check_int(name, value, None if self.lo is None else int(self.lo), None if self.hi is None else int(self.hi))
@@ -123,13 +139,13 @@ class OptionSpec:
         if self.type is str:
             if self.choices and value not in self.choices:
                 extra = " or a callable" if self.allow_callable else ""
-                raise InvalidParameter(f"{name} must be one of {', '.join(self.choices)}{extra}, got {value!r}")
+                raise InvalidParameter(f"{name} must be one of {', '.join(self.choices)}{extra}, got {shown(value)}")
             if not isinstance(value, str) or not value:
-                raise InvalidParameter(f"{name} must be a non-empty string, got {value!r}")
+                raise InvalidParameter(f"{name} must be a non-empty string, got {shown(value)}")
             return value
         if self.type is dict:
             if not isinstance(value, Mapping):
-                raise InvalidParameter(f"{name} must be a mapping, got {value!r}")
+                raise InvalidParameter(f"{name} must be a mapping, got {shown(value)}")
             return value
         return value  # object: any Python value
 

@@ -46,7 +46,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="method option (repeatable), e.g. --opt max_ngram=3")
     group = parser.add_argument_group(
         "sampling", "greedy never samples (a positive --temperature is an error: use --method sample); sample "
-        "always does; speculative and search methods sample when --temperature is given, else decode greedily")
+        "always does; speculative methods sample when --temperature is given, else decode greedily; beam and cot "
+        "never sample; the search methods that choose among samples draw them at --temperature, or at their "
+        "sample_temperature option where it is not given or 0")
     for name, spec in SAMPLER_FLAGS.items():
         group.add_argument("--" + name.replace("_", "-"), dest=name, type=spec.type, default=None,
                            metavar=spec.type.__name__.upper(), help=spec.help)
@@ -98,7 +100,11 @@ def decoding_params(args: argparse.Namespace) -> dict[str, Any]:
 
     params: dict[str, Any] = {name: getattr(args, name) for name in SAMPLER_FLAGS if getattr(args, name) is not None}
     options = method_spec(args.method).options
-    params.update(parse_option(o, options) for o in args.opt)
+    for key, value in (parse_option(o, options) for o in args.opt):
+        if key in params:  # never one value silently over another
+            given = f"--{key.replace('_', '-')}" if key in SAMPLER_FLAGS and getattr(args, key) is not None else f"--opt {key}=..."
+            raise InvalidParameter(f"{given} and --opt {key}=... both set {key}; give one")
+        params[key] = value
     if args.draft_model is not None:
         if "draft_model" not in (options or {}):
             raise InvalidParameter(f"--draft-model goes with --method draft; method {args.method!r} takes no draft model")

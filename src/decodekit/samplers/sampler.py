@@ -33,10 +33,10 @@ from decodekit.samplers.truncation import (
 )
 
 
-#: What a draw from probabilities that are not finite, negative or all zero says: extreme parameters
-#: (a temperature near 0, huge penalties) take float32 logits to infinity, which no draw can follow.
+#: What a draw from probabilities that are not finite, negative or all zero says: huge penalties take
+#: float32 logits to infinity, which no draw can follow (a temperature near 0 does not: see Temperature).
 UNSAMPLEABLE = ("no token can be sampled: the processed probabilities are not finite or sum to zero "
-                "(a temperature or penalty too extreme for float32?)")
+                "(a penalty too extreme for float32?)")
 
 
 class Sampler:

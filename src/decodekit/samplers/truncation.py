@@ -54,9 +54,19 @@ class Temperature(LogitsProcessor):
     def __init__(self, temperature: float) -> None:
         # T > 0 here, unlike the parameter's T >= 0: from_params turns 0 into greedy decoding
         self.temperature = check_real("temperature", temperature, 0.0, lo_open=True)
+        # what the logits are divided by: a temperature below float32's smallest normal number would
+        # be flushed to 0 (0 / 0); at that one the softmax already keeps only the largest logits
+        self._divisor = max(self.temperature, torch.finfo(torch.float32).tiny)
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
-        return logits.float() / self.temperature
+        logits = logits.float()
+        scaled = logits / self._divisor
+        if self._divisor < 1.0 and bool(torch.isposinf(scaled).any()) and not bool(torch.isposinf(logits).any()):
+            # a temperature this near 0 takes finite logits past float32's range; shifted by each
+            # row's largest first they do not overflow, and softmax(l / T) is the same distribution
+            # (as T -> 0: the most likely tokens, evenly)
+            scaled = (logits - logits.amax(dim=-1, keepdim=True)) / self._divisor
+        return scaled
 
     def describe(self) -> dict[str, Any]:
         return {"temperature": self.temperature}

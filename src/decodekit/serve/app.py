@@ -9,7 +9,8 @@ error object with its status: 400 for a bad parameter or a prompt that does not 
 another model or route, 503 when the server is loading or full (with ``Retry-After``).
 
 Defaults as OpenAI's: ``temperature`` 1 (sampling, method ``sample``) unless a request says
-otherwise; ``temperature`` 0 decodes greedily. With ``seed``, choice ``i`` of ``n`` samples with
+otherwise; ``temperature`` 0 decodes greedily (a search method that chooses among samples draws
+them at its ``sample_temperature`` then, as everywhere). With ``seed``, choice ``i`` of ``n`` samples with
 ``seed + i`` and its tokens are those ``decodekit generate --seed`` gives, alone or in a batch.
 ``logprobs`` are the model's own (before temperature and truncation), from a teacher-forced pass
 over the answer.
@@ -39,6 +40,7 @@ from ..errors import DecodeKitError, InvalidParameter, PromptTooLong
 from ..samplers.constraint import constraint_processor
 from ..samplers.params import SEED_LIMIT
 from ..models import LoadedModel
+from ..options import finite
 from . import STREAM_INTERVAL_S
 from .metrics import ServerMetrics
 from .scheduler import Job, Outcome, Overloaded, Scheduler
@@ -296,7 +298,10 @@ def field_named(err: DecodeKitError, body: dict[str, Any], chat: bool) -> str | 
     if named is not None:
         return named
     first = str(err).split(" ", 1)[0].strip(":'")
-    return first if first in body else None
+    if first in body:
+        return first
+    named_options = body.get("method_options")
+    return "method_options" if isinstance(named_options, dict) and first in named_options else None
 
 
 class RequestSpec:
@@ -335,8 +340,8 @@ def _number(body: dict, name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ApiError(400, f"{name} must be a number, got {value!r}", param=name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not finite(value):
+        raise ApiError(400, f"{name} must be a finite number, got {value!r:.80}", param=name)
     return float(value)
 
 
@@ -394,6 +399,11 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
     named = body.get("method_options") or {}
     if not isinstance(named, dict) or not all(isinstance(k, str) for k in named):
         raise ApiError(400, "method_options must be an object of a method's options", param="method_options")
+    # the OpenAI fields are read from the body below: inside method_options they would be lost
+    fields = sorted(set(named) & (IGNORED - {"n"}))
+    if fields:
+        raise ApiError(400, f"{fields[0]} is a field of the request body, not a method option: give it there",
+                       param="method_options")
     twice = sorted(set(named) & set(params))
     if twice:
         raise ApiError(400, f"{twice[0]} is given both in the body and in method_options", param="method_options")
