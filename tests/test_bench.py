@@ -612,6 +612,13 @@ def test_resume_grows_the_question_set_and_refuses_other_settings_or_code(tiny: 
     assert any(note.startswith("resumed: 2 question(s)") for note in grown["notes"])
     kept = {r["question_id"]: r["decode_s"] for r in first["records"]}
     assert all(r["decode_s"] == kept[r["question_id"]] for r in grown["records"] if r["question_id"] in kept)
+    # a resumed run that asks fewer questions reports those, and keeps the others in the checkpoint
+    narrow = execute(bench_cli.make_plan(parse(*common, "--categories", "qa", "--resume")), tiny, progress=False)
+    assert {r["category"] for r in narrow["records"]} == {"qa"}
+    regrown = execute(bench_cli.make_plan(parse(*common, "--resume")), tiny, progress=False)
+    assert any(note.startswith(f"resumed: {len(CATEGORIES)} question(s)") for note in regrown["notes"])
+    assert sorted((r["question_id"], r["decode_s"]) for r in regrown["records"]) == sorted(
+        (r["question_id"], r["decode_s"]) for r in grown["records"])
     with pytest.raises(InvalidParameter, match="other settings .*max_new_tokens"):
         bench_cli.make_plan(parse(*common[:-5], "--max-new-tokens", "8", "--out", str(out), "--resume"))
     monkeypatch.setattr("decodekit.bench.results.code_version", lambda: "0.0.0+other")

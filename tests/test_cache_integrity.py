@@ -579,6 +579,14 @@ def test_a_gguf_file_replaced_at_its_path_rebuilds_its_folder_in_place(tiny_gguf
     assert sorted(p.name for p in cache.iterdir() if p.name.startswith("copy-")) == [first.name]
     assert_same(answer(gguf), before)
     assert dequantised_folder(gguf) == first and capsys.readouterr().err == ""  # checked, not rebuilt again
+    # changed in place, its size and modification time kept (cp -p, rsync -a, an archive unpacked
+    # over it): the bytes tell, and the folder is rebuilt from what the file now holds
+    data = bytearray(gguf.read_bytes())
+    data[-1] ^= 0xFF  # the last tensor's last byte
+    stat = gguf.stat()
+    gguf.write_bytes(bytes(data))
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert dequantised_folder(gguf) == first and "built from another version of its source" in capsys.readouterr().err
 
 
 def test_an_assembled_model_file_that_fails_its_check_is_reported_and_written_again(cache, capsys, monkeypatch):

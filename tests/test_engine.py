@@ -140,6 +140,32 @@ def test_bad_input_raises_clear_errors(tiny_model):
         engine.generate("x", max_new_tokens=0)
     with pytest.raises(PromptTooLong):
         engine.generate("x" * 600, max_new_tokens=10, chat=False)
+    with pytest.raises(InvalidParameter, match="ignore_eos is for plain and speculative decoding") as err:
+        engine.generate("x", method="best-of-n", ignore_eos=True)  # a search's candidates end where the model ends them
+    assert err.value.param == "ignore_eos"
+
+
+@pytest.mark.parametrize("method", ["greedy", "pld", "sample"])
+def test_a_generation_started_from_inside_another_on_the_same_model_is_refused(tiny_model, method):
+    """The request lock lets its own thread in again: a generate() from an on_text callback would
+    run on the cache the outer one is decoding into. It is refused; the model serves on afterwards."""
+    engine = Engine(tiny_model)
+    kw = dict(method=method, max_new_tokens=16, chat=False, **({"seed": 1, "temperature": 0.8} if method != "greedy" else {}))
+    alone = engine.generate("abcabcabc", **kw)
+    inner = []
+
+    def nested(_: str) -> None:
+        if not inner:
+            inner.append(1)
+            engine.generate("hi", max_new_tokens=2, chat=False)
+
+    with pytest.raises(InvalidParameter, match="still running"):
+        engine.generate("abcabcabc", on_text=nested, **kw)
+    assert engine.generate("abcabcabc", **kw).tokens == alone.tokens
+    # a search streams its answer once it is done, outside the lock: a generate() there is fine
+    got = engine.generate("abcabcabc", method="beam", n=2, max_new_tokens=8, chat=False,
+                          on_text=lambda _: inner.append(engine.generate("hi", max_new_tokens=2, chat=False)))
+    assert got.text and len(inner) == 2
 
 
 def test_sampler_parameters_reach_the_sampler(tiny_model):
@@ -194,3 +220,16 @@ def test_the_penalty_window_reaches_the_sampler(tiny_model):
 
     got = engine.generate("abababab", method="sample", max_new_tokens=30, chat=False, penalty_window=2, **params)
     assert got.tokens == by_hand(penalty_window=2) != by_hand()
+
+
+@pytest.mark.parametrize("method", ["greedy", "pld", "best-of-n"])
+def test_a_model_whose_weights_hold_a_nan_is_refused_not_decoded(method):
+    """A damaged weight (a NaN in the final norm here) makes every logit NaN: the request fails
+    in one line instead of decoding token 0 over and over (GGUF files carry no checksums)."""
+    from decodekit.errors import InvalidModel
+
+    backend = tiny_llama(seed=0)
+    backend.weights.final_norm[3] = float("nan")
+    engine = Engine(LoadedModel(backend, CharTokenizer(96), "tiny"))
+    with pytest.raises(InvalidModel, match="logits are not finite"):
+        engine.generate("hello", method=method, max_new_tokens=4, chat=False)

@@ -434,7 +434,7 @@ def test_astar_gives_every_expansion_its_own_seeds(tiny, monkeypatch):
     original = StepSearch.expand
 
     def spy(self, ctx, node, rows, slots, cap=None):
-        used.append(tuple(rows.samplers[s].seed for s in slots))
+        used.append(tuple(rows.sampler(s).seed for s in slots))
         return original(self, ctx, node, rows, slots, cap)
 
     monkeypatch.setattr(StepSearch, "expand", spy)
@@ -483,3 +483,28 @@ def test_every_search_stops_at_the_step_its_should_stop_says_so(tiny):
                               should_stop=lambda: asked.append(1) or len(asked) >= 3)
         assert (out.finish_reason, out.text, out.tokens, len(asked)) == ("cancelled", "", [], 3), method
         assert engine.generate("hello", method=method, n=2, max_new_tokens=40, chat=False).finish_reason != "cancelled"
+
+
+@pytest.mark.parametrize("method", ["step-beam", "particle", "astar"])
+def test_a_stop_string_across_steps_ends_a_step_search_there(tiny, method):
+    """A step search decodes each step after the steps before it: a stop string that begins in one
+    step and ends in the next (one-token steps here, so every stop of two characters does) ends
+    the answer where it begins, as in plain decoding."""
+    engine = Engine(tiny)
+    kw = dict(method=method, n=1, max_new_tokens=20, seed=3, temperature=1.0, max_step_tokens=1, chat=False)
+    if method == "step-beam":
+        kw["expand"] = 1
+    free = engine.generate("hello", **kw).text
+    assert len(free) >= 7
+    stop = free[4:6]
+    out = engine.generate("hello", stop=[stop], **kw)
+    assert (out.text, out.finish_reason) == (free[: free.index(stop)], "stop")
+    assert len(out.tokens) == len(TOK.encode(out.text))
+
+
+@pytest.mark.parametrize("method", ["best-of-n", "self-consistency", "mbr", "first-finish", "weighted-vote", "particle"])
+def test_more_samples_than_memory_holds_is_one_line_before_anything_is_built(tiny, method):
+    """A search over n sequences at once refuses an n whose cache cannot fit, before it makes
+    anything per sequence (a sampler per row, a particle per slot: millions of objects first)."""
+    with pytest.raises(InvalidParameter, match="sequences of .* need a .* KV cache"):
+        Engine(tiny).generate("hello", method=method, n=3 * 10**6, max_new_tokens=4, chat=False)

@@ -121,6 +121,13 @@ def test_n_seeded_samples_are_plain_samplings_with_seed_plus_i(served, alone):
         assert choice.message.content == alone(PROMPTS[2], method="sample", max_new_tokens=16, temperature=0.9, seed=11 + i).text
     again = chat(served, PROMPTS[2], max_tokens=16, temperature=0.9, seed=11, n=3)
     assert [c.message.content for c in again.choices] == [c.message.content for c in got.choices]
+    # a search draws its own samples seeded seed, seed + 1, ...: its choices are spaced 2**32 apart,
+    # so that no two of them share a sample
+    options = {"method": "best-of-n", "method_options": {"n": 3}}
+    got = chat(served, PROMPTS[2], max_tokens=16, temperature=0.9, seed=11, n=2, extra_body=options)
+    for i, choice in enumerate(got.choices):
+        want = alone(PROMPTS[2], method="best-of-n", n=3, max_new_tokens=16, temperature=0.9, seed=11 + i * 2**32)
+        assert choice.message.content == want.text
 
 
 def test_ignore_eos_decodes_to_the_length_asked(served, alone):
@@ -624,3 +631,16 @@ def test_a_prompt_that_starts_like_a_slots_last_one_reuses_its_cache(served, alo
     assert scheduler.prefix_tokens - before >= len(first)
     status, text, _ = served.get("/metrics")
     assert "decodekit:prefix_cache_hit_tokens_total" in text
+
+
+def test_after_a_search_the_next_turn_reads_its_whole_prompt(served, alone):
+    """A search leaves in the cache whatever it read last (a judge's question, another particle),
+    not the prompt and its answer: the next turn on that slot must not take any of it for its own."""
+    for first, options in (("judge the cats and dogs", {"n": 2, "scorer": "judge"}),
+                           ("particles of cats and dogs", {"n": 3, "delimiter": " ", "max_step_tokens": 4})):
+        method = "best-of-n" if "scorer" in options else "particle"
+        answer = chat(served, first, max_tokens=12, temperature=1.0, seed=1,
+                      extra_body={"method": method, "method_options": options}).choices[0].message.content
+        follow = first + answer + " and fish?"
+        got = chat(served, follow, max_tokens=12, temperature=0).choices[0].message.content
+        assert got == alone(follow, max_new_tokens=12).text, method

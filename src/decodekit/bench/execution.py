@@ -114,9 +114,13 @@ def checkpoint_digest(records: list[dict[str, Any]], notes: list[str]) -> str:
 
 
 def save_checkpoint(plan: Plan, records: list[dict[str, Any]], notes: list[str]) -> None:
-    """Write the records so far atomically, so an interrupted run loses at most one question."""
+    """Write the records so far atomically, so an interrupted run loses at most one question. The
+    resumed checkpoint's records of questions this run does not ask (a smaller --limit or other
+    --categories) are kept in it, for a later run that asks them again."""
     from .results import code_version
 
+    asked = {q.question_id for q in plan.questions}
+    records = [*records, *(r for r in plan.previous if r.get("question_id") not in asked)]
     plan.out.mkdir(parents=True, exist_ok=True)
     doc = {"schema": CHECKPOINT_SCHEMA, "code": code_version(), "resume_key": plan.resume_key(),
            "digest": checkpoint_digest(records, notes), "notes": notes, "records": records}

@@ -127,6 +127,9 @@ class Engine:
         for name, flag in (("chat", chat), ("ignore_eos", ignore_eos)):
             if not isinstance(flag, bool):
                 raise InvalidParameter(f"{name} must be true or false, got {flag!r}")
+        if ignore_eos and method_spec(method).family == "search":  # (an unknown method fails here too)
+            raise InvalidParameter(f"ignore_eos is for plain and speculative decoding; {method} chooses among candidates "
+                                   "that end where the model ends them", param="ignore_eos")
         method_spec(method)  # unknown method: fail before any work
         sampler_params, options = split_params(params)
         decoder = build_decoder(method, **options)
@@ -137,11 +140,19 @@ class Engine:
         request = Request(prompt_token_ids(self.model, prompt, chat=chat), sampler, max_new_tokens, stop, on_text,
                           should_stop, ignore_eos)
         # One request at a time per backend: threads sharing an Engine (or its model) queue here.
-        with self.model.backend.lock:
+        backend = self.model.backend
+        with backend.lock:
+            if backend.request_thread == threading.get_ident():  # the lock lets its own thread in again
+                raise InvalidParameter("generate() was called on a model whose generation on this thread is still running "
+                                       "(from its on_text or should_stop?): it would overwrite that one's cache; call it "
+                                       "once that one has returned, or on a clone of the model")
+            backend.request_thread = threading.get_ident()
             try:
                 generation = decoder.generate(self.model, request)
             except Cancelled:  # a search stopped by should_stop: it has no answer yet
                 generation = Generation(text="", tokens=[], stats=GenerationStats(), finish_reason="cancelled")
+            finally:
+                backend.request_thread = None
         if on_text is not None and not decoder.streams and generation.text:
             on_text(generation.text)
         return generation

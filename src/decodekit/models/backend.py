@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..errors import InvalidParameter
+from ..errors import InvalidModel, InvalidParameter
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,7 @@ class Backend(ABC):
     #: The token ids the cache holds from the last request, when whoever ran it says so (the
     #: server does): a next prompt that starts the same way re-reads only the rest (:meth:`prefill`).
     kept_ids: list[int] | None = None
+    request_thread: int | None = None  # the thread whose request holds the cache now (Engine.generate)
     #: The files the weights were read from (a GGUF file or safetensors), set by the loader; what
     #: a trained drafter's record of its target is checked against. Empty for models built in memory.
     weights_files: tuple = ()
@@ -234,6 +235,10 @@ class Backend(ABC):
         """Make the first ``length`` cache slots the committed ones."""
         raise NotImplementedError("a backend implements these hooks or overrides verify_tree/commit_path")
 
+    def check_rows(self, rows: int) -> None:
+        """Refuse, in one line, ``rows`` sequences at once where their cache cannot fit (a search
+        asks before it builds anything per sequence). Nothing is checked by default."""
+
     @abstractmethod
     def reorder(self, rows: torch.Tensor) -> None:
         """Replace the cache rows by ``rows`` (indices into the current rows; may repeat).
@@ -251,6 +256,7 @@ class Backend(ABC):
         """
         twin = copy.copy(self)
         twin.__dict__["_memory"] = {}
+        twin.request_thread = None
         twin.reset(1)
         return twin
 
@@ -286,13 +292,24 @@ class Backend(ABC):
         if shared:
             self.truncate(shared)
             self.kept_ids = None
-            return self.append(torch.tensor([list(token_ids[shared:])], dtype=torch.long), last_only=True).logits[:, -1]
+            return self._finite(self.append(torch.tensor([list(token_ids[shared:])], dtype=torch.long), last_only=True).logits[:, -1])
         self.reset(1)
         out = self.append(torch.tensor([list(token_ids)], dtype=torch.long), last_only=True)
+        self._finite(out.logits)
         if batch_size > 1:
             self.reorder(torch.zeros(batch_size, dtype=torch.long))
             return out.logits[:, -1].expand(batch_size, -1).clone()
         return out.logits[:, -1]
+
+    def _finite(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits``, where none is NaN or +infinity: a request's first logits are checked, since a
+        model whose weights hold a NaN or an infinity (a damaged file) gives such logits for every
+        token, and would otherwise decode token 0 over and over, silently (-infinity is a token a
+        model rules out)."""
+        if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
+            raise InvalidModel(f"{self.info.name}: the model's logits are not finite (NaN or infinity) for this prompt; "
+                               "its weights are damaged, or its arithmetic overflows")
+        return logits
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per row (``[B]``) and return the next-token logits ``[B, V]``."""

@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import sys
+import zlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -177,14 +178,26 @@ def dequantised_folder(gguf: Path) -> Path:
     """Dequantise a GGUF file once into a cached Hugging Face folder; return that folder (checked
     at every load, rebuilt when it fails the check: :func:`.cache.cached_folder`)."""
     check_gguf_header(gguf)
-    stat = gguf.stat()
     # one folder per file path: a file replaced at the same path (a reinstalled package) rebuilds it
     key = hashlib.sha1(f"{gguf.resolve()}".encode()).hexdigest()[:12]
     folder = cache_root() / f"{gguf.stem}-{key}"
     try:
-        return cached_folder(folder, lambda tmp: dequantise(gguf, tmp), source=f"{stat.st_size}:{stat.st_mtime_ns}")
+        return cached_folder(folder, lambda tmp: dequantise(gguf, tmp), source=file_stamp(gguf))
     except OSError as err:
         raise CacheError(f"cannot write the cache folder {folder.parent} ({err.strerror or err}); set DECODEKIT_CACHE") from err
+
+
+def file_stamp(path: Path) -> str:
+    """Size, modification time and CRC-32 of a file's bytes: what a cached folder built from it
+    records. The checksum (a read of the file, tens of milliseconds for the embedded model) tells
+    a file changed in place apart even where its size and time were kept (``cp -p``, ``rsync -a``,
+    an archive unpacked over it)."""
+    stat = path.stat()
+    crc = 0
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 23):
+            crc = zlib.crc32(chunk, crc)
+    return f"{stat.st_size}:{stat.st_mtime_ns}:{crc:08x}"
 
 
 def dequantise(gguf: Path, folder: Path) -> None:

@@ -227,6 +227,9 @@ class NativeLlama(Backend):
             raise InvalidParameter(f"{rows} sequences of {capacity} positions need a {size(need)} KV cache, more than "
                                    f"the {size(free)} of memory available; ask for fewer samples or beams")
 
+    def check_rows(self, rows: int) -> None:
+        self._check_memory(rows, self._k.shape[3])
+
     def _allocate(self, batch_size: int, capacity: int) -> None:
         c = self.config
         self._check_memory(batch_size, capacity)

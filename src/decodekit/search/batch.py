@@ -84,19 +84,20 @@ class Sample:
 class RowSamplers:
     """One processing chain, one sampler per slot (slot i seeded ``seed + i``)."""
 
-    def __init__(self, sampler: Sampler, slots: int):
+    def __init__(self, sampler: Sampler):
         self.base = sampler
-        self.samplers = [self._slot(i) for i in range(slots)]
+        self._made: dict[int, Sampler] = {}  # made when a row first draws: a huge n fails on its cache, not here
 
-    def _slot(self, i: int) -> Sampler:
-        return Sampler(self.base.processors, greedy=self.base.is_greedy, seed=(self.base.seed + i) % SEED_LIMIT)
+    def sampler(self, i: int) -> Sampler:
+        """Slot ``i``'s sampler (seeded ``seed + i``)."""
+        if i not in self._made:
+            self._made[i] = Sampler(self.base.processors, greedy=self.base.is_greedy, seed=(self.base.seed + i) % SEED_LIMIT)
+        return self._made[i]
 
     def fresh_slots(self, first: int, n: int) -> range:
-        """Slots ``first .. first + n - 1``, made as needed: a search that expands node after node
-        gives each expansion its own, since draws are keyed by seed and position and two nodes at
-        the same position drawing with the same seeds would get coupled samples."""
-        while len(self.samplers) < first + n:
-            self.samplers.append(self._slot(len(self.samplers)))
+        """Slots ``first .. first + n - 1``, none used before: a search that expands node after
+        node gives each expansion its own, since draws are keyed by seed and position and two nodes
+        at the same position drawing with the same seeds would get coupled samples."""
         return range(first, first + n)
 
     @property
@@ -111,7 +112,7 @@ class RowSamplers:
         if self.greedy:
             return argmax_rows(processed)
         probs = torch.softmax(processed, dim=-1)
-        return [self.samplers[s].sample_at(probs[j], positions[j]) for j, s in enumerate(slots)]
+        return [self.sampler(s).sample_at(probs[j], positions[j]) for j, s in enumerate(slots)]
 
 
 class StepRecorder:
@@ -177,14 +178,14 @@ class SearchContext:
             return self.cache
         return self._judge_caches.setdefault(id(model.backend), PrefixCache(model.backend))
 
-    def row_samplers(self, slots: int, temperature: float | None = None) -> RowSamplers:
+    def row_samplers(self, temperature: float | None = None) -> RowSamplers:
         sampler = self.request.sampler if temperature is None else self.request.sampler.sampling(temperature)
-        return RowSamplers(sampler, slots)
+        return RowSamplers(sampler)
 
-    def greedy_rows(self, slots: int) -> RowSamplers:
+    def greedy_rows(self) -> RowSamplers:
         """Greedy rows over the request's processing chain, whatever its sampling setting."""
         sampler = self.request.sampler
-        return RowSamplers(Sampler(sampler.processors, greedy=True, seed=sampler.seed), slots)
+        return RowSamplers(Sampler(sampler.processors, greedy=True, seed=sampler.seed))
 
     def decode(
         self,
@@ -204,6 +205,7 @@ class SearchContext:
         ``stop_on_first`` ends the batch as soon as any row finishes (others: ``unfinished``).
         """
         prefix, n = list(prefix), len(slots)
+        answer = prefix[len(self.prompt) :]  # a step search's steps so far: a stop string may begin there
         logits = self.cache.fork(prefix, n)
         tokens: list[list[int]] = [[] for _ in range(n)]
         done: list[str | None] = [None] * n
@@ -215,11 +217,11 @@ class SearchContext:
             recorder.add(logits, chosen)
             self.spent += len(active)
             for i in active:
-                done[i] = self._advance(tokens[i], chosen[i], max_new_tokens, delimiter)
+                done[i] = self._advance(tokens[i], chosen[i], max_new_tokens, delimiter, answer)
             if all(done) or (stop_on_first and any(d in ("eos", "stop") for d in done)):
                 break
             logits = self.cache.step([tokens[i][-1] if done[i] is None else self.pad for i in range(n)])
-        return [self._sample(recorder, i, tokens[i], done[i] or "unfinished") for i in range(n)]
+        return [self._sample(recorder, i, tokens[i], done[i] or "unfinished", answer) for i in range(n)]
 
     def _choose(self, logits, prefix, tokens, rows, slots, active, forced) -> list[int]:
         chosen = [self.pad] * len(tokens)
@@ -236,43 +238,48 @@ class SearchContext:
             chosen[i] = token
         return chosen
 
-    def _advance(self, row: list[int], token: int, limit: int, delimiter: str | None) -> str | None:
-        """Add ``token`` to ``row``; the finish reason if the row is now done, else None."""
+    def _advance(self, row: list[int], token: int, limit: int, delimiter: str | None, answer: list[int]) -> str | None:
+        """Add ``token`` to ``row`` (which follows ``answer``); the finish reason if the row is now
+        done, else None."""
         if token in self.eos:
             return "eos"
         row.append(token)
-        if hits_stop(self.tokenizer, row, self.request.stop):
+        if hits_stop(self.tokenizer, answer + row if answer else row, self.request.stop):
             return "stop"
         if delimiter and step_done(self.tokenizer.decode(row), delimiter):
             return "step"
         return "length" if len(row) >= limit else None
 
-    def _sample(self, recorder: StepRecorder, i: int, tokens: list[int], reason: str) -> Sample:
+    def _sample(self, recorder: StepRecorder, i: int, tokens: list[int], reason: str, answer: list[int]) -> Sample:
         lps, cert, margin, top, eos = recorder.row(i, len(tokens), reason == "eos")
         sample = Sample(tokens, lps, cert, margin, top, reason, eos_logprob=eos)
-        text, kept, hit = cut_at_stop(self.tokenizer, tokens, self.request.stop)
-        sample = sample.cut(len(kept))
-        sample.text = text
+        text, kept, hit = cut_at_stop(self.tokenizer, answer + tokens, self.request.stop)
+        if len(kept) >= len(answer):  # else the stop began in the steps before: the row is kept whole, finalize cuts
+            sample = sample.cut(len(kept) - len(answer))
+        sample.text = text if not answer else self.tokenizer.decode(sample.tokens)
         if hit is not None:
             sample.finish_reason = "stop"
         return sample
 
     def finalize(self, sample: Sample, extra: dict[str, Any]) -> Generation:
         """The request's Generation for the chosen sample; statistics over the whole search."""
+        # the steps of a step search, joined, may hold a stop string across a step's boundary
+        text, tokens, hit = cut_at_stop(self.tokenizer, list(sample.tokens), self.request.stop)
         stats = GenerationStats(
             prefill_s=self.cache.first_prefill_s,
             decode_s=time.perf_counter() - self.t0 - self.cache.first_prefill_s,
-            new_tokens=len(sample.tokens),
+            new_tokens=len(tokens),
             forward_passes=max(self.cache.passes - 1, 0),
         )
         stats.extra["tokens_spent"] = self.spent
         stats.extra["positions_run"] = self.cache.tokens_run
-        text = sample.text or self.tokenizer.decode(sample.tokens)
-        reason = sample.finish_reason if sample.finish_reason in ("eos", "stop") else "length"
-        return Generation(text=text, tokens=list(sample.tokens), stats=stats, finish_reason=reason, extra=extra)
+        if hit is None:  # the sample's own text: cut at a stop string inside a token, it may end past its tokens'
+            text = sample.text or text
+        reason = "stop" if hit is not None else sample.finish_reason if sample.finish_reason in ("eos", "stop") else "length"
+        return Generation(text=text, tokens=tokens, stats=stats, finish_reason=reason, extra=extra)
 
 
 def decode_batch(model: LoadedModel, request: Request, n: int, *, temperature: float | None = None) -> list[Sample]:
     """N samples of one request in one batch (row i seeded ``seed + i``); the Python entry point."""
     ctx = SearchContext(model, request)
-    return ctx.decode(ctx.prompt, ctx.row_samplers(n, temperature), range(n), request.max_new_tokens)
+    return ctx.decode(ctx.prompt, ctx.row_samplers(temperature), range(n), request.max_new_tokens)

@@ -62,7 +62,7 @@ class CoTDecoding(Decoder):
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         ctx = SearchContext(model, request)
         first = self._first_tokens(ctx)
-        greedy = ctx.greedy_rows(len(first))
+        greedy = ctx.greedy_rows()
         samples = ctx.decode(ctx.prompt, greedy, range(len(first)), request.max_new_tokens, first_tokens=first)
         deltas = [path_confidence(s.margin, answer_token_span(s.tokens, ctx.tokenizer, self.mode)) for s in samples]
         answers = [extractor(self.mode)(s.text) for s in samples]

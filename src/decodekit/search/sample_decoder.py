@@ -24,7 +24,7 @@ class SampleDecoder(Decoder):
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         ctx = SearchContext(model, request)
-        sample = ctx.decode(ctx.prompt, ctx.row_samplers(1), [0], request.max_new_tokens)[0]
+        sample = ctx.decode(ctx.prompt, ctx.row_samplers(), [0], request.max_new_tokens)[0]
         start = self.answer_start(sample.text) if self.answer_start else answer_start(sample.text, "auto")
         signals = sample_signals(sample, model.tokenizer, start)
         return ctx.finalize(sample, {"method": "sample" if not request.sampler.is_greedy else "greedy",

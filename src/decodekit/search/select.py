@@ -102,7 +102,7 @@ class MultiSampleDecoder(Decoder):
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         ctx = SearchContext(model, request)
-        samples = ctx.decode(ctx.prompt, ctx.row_samplers(self.n, self.temperature), range(self.n),
+        samples = ctx.decode(ctx.prompt, ctx.row_samplers(self.temperature), range(self.n),
                              request.max_new_tokens, stop_on_first=self.stops_early)
         answers = [self.extract(s.text) for s in samples]
         index, scores = self.choose(ctx, samples, answers)

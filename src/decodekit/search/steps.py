@@ -155,7 +155,7 @@ class StepBeamSearch(StepSearch):
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         ctx = SearchContext(model, request)
-        rows = ctx.row_samplers(self.n * self.k, self.temperature)
+        rows = ctx.row_samplers(self.temperature)
         beams, finished = [Partial(Sample.empty(), [])], []
         while beams:
             children = []
@@ -200,7 +200,8 @@ class ParticleFilter(StepSearch):
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         ctx = SearchContext(model, request)
-        rows = ctx.row_samplers(self.n, self.temperature)
+        model.backend.check_rows(self.n)  # the first step decodes every particle at once
+        rows = ctx.row_samplers(self.temperature)
         resampler = Sampler(seed=(rows.base.seed + self.n) % SEED_LIMIT)  # its own stream, not a particle's
         particles = [Partial(Sample.empty(), []) for _ in range(self.n)]
         log_w = [0.0] * self.n
@@ -250,7 +251,7 @@ class AStarDecoding(StepSearch):
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         ctx = SearchContext(model, request)
-        rows = ctx.row_samplers(self.n, self.temperature)
+        rows = ctx.row_samplers(self.temperature)
         order = itertools.count()
         queue: list[tuple[float, int, Partial]] = [(0.0, next(order), Partial(Sample.empty(), []))]
         seen: list[Partial] = []

@@ -105,7 +105,7 @@ def sampled_agreement(
 ) -> dict[str, object]:
     """Sample ``n`` answers (one batch) and measure their agreement with ``answer``."""
     ctx = SearchContext(model, request)
-    samples = ctx.decode(ctx.prompt, ctx.row_samplers(n, temperature), range(n), request.max_new_tokens)
+    samples = ctx.decode(ctx.prompt, ctx.row_samplers(temperature), range(n), request.max_new_tokens)
     answers = [extract(s.text) for s in samples]
     return {"agreement": agreement(answer, answers), "answers": answers, "tokens_spent": ctx.spent}
 
@@ -122,7 +122,7 @@ def paraphrase_consistency(
     for prompt in prompts:
         sub = Request(model.prompt_ids(prompt, chat=chat), request.sampler, request.max_new_tokens, request.stop)
         ctx = SearchContext(model, sub)
-        sample = ctx.decode(ctx.prompt, ctx.greedy_rows(1), [0], sub.max_new_tokens)[0]
+        sample = ctx.decode(ctx.prompt, ctx.greedy_rows(), [0], sub.max_new_tokens)[0]
         answers.append(extract(sample.text))
         spent += ctx.spent
     return {"pc": agreement(answer, answers), "answers": answers, "tokens_spent": spent}

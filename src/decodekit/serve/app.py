@@ -11,7 +11,8 @@ another model or route, 503 when the server is loading or full (with ``Retry-Aft
 Defaults as OpenAI's: ``temperature`` 1 (sampling, method ``sample``) unless a request says
 otherwise; ``temperature`` 0 decodes greedily (a search method that chooses among samples draws
 them at its ``sample_temperature`` then, as everywhere). With ``seed``, choice ``i`` of ``n`` samples with
-``seed + i`` and its tokens are those ``decodekit generate --seed`` gives, alone or in a batch.
+``seed + i`` (a search method's with ``seed + i * 2**32``, since its own samples take ``seed``,
+``seed + 1``, ...) and its tokens are those ``decodekit generate --seed`` gives, alone or in a batch.
 ``logprobs`` are the model's own (before temperature and truncation), from a teacher-forced pass
 over the answer.
 """
@@ -56,6 +57,8 @@ IGNORED = {"model", "user", "store", "metadata", "parallel_tool_calls", "service
            "messages", "prompt", "n", "max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs",
            "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "method", "ignore_eos",
            "response_format", "method_options", *GUIDED}
+#: Seeds between two choices of a search method (its samples are seeded seed, seed + 1, ...).
+SEARCH_CHOICE_SPACING = 2**32
 # OpenAI fields that would change the answer and are not implemented: refused, never ignored
 UNSUPPORTED = {"tools": "tool calls", "tool_choice": "tool calls", "functions": "function calls",
                "function_call": "function calls", "logit_bias": "logit_bias", "suffix": "suffix",
@@ -231,10 +234,13 @@ class Server:
         stream = spec.stream
         deltas = self._outbox(asyncio.get_running_loop()).channel()
         jobs = []
+        # choice i seeds seed + i; a search's own samples take seed, seed + 1, ... too, so its choices
+        # are spaced far apart, that no two of them share a sample
+        spacing = SEARCH_CHOICE_SPACING if method_spec(spec.method).family == "search" else 1
         for i in range(spec.n):
             params = dict(spec.params)
             if "seed" in params:
-                params["seed"] = (params["seed"] + i) % SEED_LIMIT
+                params["seed"] = (params["seed"] + i * spacing) % SEED_LIMIT
             on_text = (lambda text, i=i: deltas.post((i, text))) if stream else None
             jobs.append(Job(prompt_ids, spec.method, params, spec.max_tokens, spec.stop, on_text, spec.top_logprobs,
                             spec.ignore_eos, constraint=spec.constraint))

@@ -26,6 +26,7 @@ import torch
 
 from ..engine import Engine
 from ..engine.core import Generation
+from ..engine.registry import method_spec
 from ..errors import DecodeKitError, InvalidParameter
 from ..models import LoadedModel
 
@@ -142,8 +143,12 @@ class Scheduler:
                 if job.top_logprobs is not None and generation.finish_reason != "cancelled":
                     logprobs = token_logprobs(engine.model.backend, job.prompt_ids, generation.tokens, job.top_logprobs)
             backend = engine.model.backend
-            if backend.batch_size == 1 and generation.finish_reason != "cancelled":
-                # what the cache now holds, for a next prompt that starts the same way (a chat's next turn)
+            # what the cache now holds, for a next prompt that starts the same way (a chat's next
+            # turn): the prompt and the answer after a plain or speculative decode, or the teacher-
+            # forced pass of the log-probabilities; after a search, whatever candidate, particle or
+            # judge's question it read last, so nothing is kept
+            holds_answer = job.top_logprobs is not None or method_spec(job.method).family != "search"
+            if backend.batch_size == 1 and generation.finish_reason != "cancelled" and holds_answer:
                 backend.kept_ids = (job.prompt_ids + generation.tokens)[: backend.length]
             return Outcome(generation, logprobs, job.started - job.submitted)
         finally:
