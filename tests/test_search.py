@@ -103,6 +103,27 @@ def test_batch_rows_are_sequential_samples_with_their_own_seed(tiny):
     assert len({tuple(s.tokens) for s in samples}) > 1
 
 
+@pytest.mark.parametrize("numerics", ["exact", "fast"])
+def test_a_batch_rows_logits_are_bit_for_bit_those_of_one_sequence(numerics):
+    """On the kernels of a model on GGUF blocks, a batch of rows runs as the pass batcher runs
+    sequences (each row on its own slice of the cache): a row's logits are exactly those of the
+    same tokens alone, so row i is the sample seeded seed + i, in ``fast`` too (whose 8-bit inputs
+    turn the smallest difference into a different token within a few)."""
+    backend = tiny_llama(seed=0, hidden_size=64, max_position=256, numerics=numerics, gguf_blocks=True)
+    ids = TOK.encode("hello there")
+    alone = backend.prefill(ids)
+    steps = [backend.step(torch.tensor([t]))[0] for t in TOK.encode("abc")]
+    batch = backend.prefill(ids, batch_size=3)
+    assert torch.equal(batch, alone.expand(3, -1))
+    for t, want in zip(TOK.encode("abc"), steps):
+        assert torch.equal(backend.step(torch.tensor([t, t, t])), want.expand(3, -1))
+    model = LoadedModel(backend=backend, tokenizer=TOK, name="tiny")
+    samples = decode_batch(model, request(model, "hello", seed=7, max_new=24, temperature=1.0), 4)
+    for i, sample in enumerate(samples):
+        assert sample.tokens == Engine(model).generate("hello", method="sample", seed=7 + i, max_new_tokens=24,
+                                                       chat=False).tokens
+
+
 def test_batch_is_reproducible_and_records_each_step(tiny):
     a = decode_batch(tiny, request(tiny, "abc", seed=3), 3)
     b = decode_batch(tiny, request(tiny, "abc", seed=3), 3)

@@ -594,14 +594,23 @@ class NativeLlama(Backend):
             ops = self._ops if k <= MAX_ROWS else None
 
             x = self._embed(tokens)
-            if self._stack is not None and batch == 1 and ops is not None and not hidden_layers and not self._observed_rows:
+            if self._stack is not None and ops is not None and not hidden_layers and not self._observed_rows:
                 # the same kernels as the loop below, called from C in one go
                 pending = torch.empty_like(x)
-                ran = self._stack.run(
-                    x[0], pending[0], self._freqs_pairs, positions, mask, self._k[:, 0], self._v[:, 0], start, skip_layers,
-                    kivi=self._kivi_view(positions),
-                )
-                return self._logits(x, pending if ran else None, ops, last_only, {})
+                if batch == 1:
+                    ran = self._stack.run(
+                        x[0], pending[0], self._freqs_pairs, positions, mask, self._k[:, 0], self._v[:, 0], start,
+                        skip_layers, kivi=self._kivi_view(positions),
+                    )
+                    return self._logits(x, pending if ran else None, ops, last_only, {})
+                if mask is None or mask.dim() == 2:
+                    # several sequences of this cache (a search's rows), each on its own slice of
+                    # it, as the pass batcher runs sequences: every row's logits are bit for bit
+                    # those it gets alone (the loop below attends through torch for them all)
+                    parts = [SequencePart(k, start, positions, mask, self._k[:, b], self._v[:, b]) for b in range(batch)]
+                    ran = self._stack.run_batch(x.view(batch * k, -1), pending.view(batch * k, -1), self._freqs_pairs,
+                                                parts, skip_layers)
+                    return self._logits(x, pending if ran else None, ops, last_only, {})
             pending = None  # the last MLP output, added to x inside the next norm (one fused call)
             hidden: dict[int, torch.Tensor] = {}
             if 0 in hidden_layers:

@@ -5,8 +5,9 @@ The prefix is run once and its cache forked to N rows; every step appends one to
 finished row keeps feeding an EOS id that nobody reads, and the batch stops when every row is
 done. Each row samples with its own seed, ``seed + i`` from the request's sampler, drawing the token
 at each position with noise keyed by that seed and the position (``Sampler.sample_at``), so row i
-of a batch is the same sample as a sequential ``sample`` run with seed ``seed + i``
-(up to float rounding differences between batch sizes). Each step also records, from the raw
+of a batch is the same sample as a sequential ``sample`` run with seed ``seed + i`` (on the
+native kernels a row's logits are bit for bit those it gets alone; elsewhere, up to float
+rounding differences between batch sizes). Each step also records, from the raw
 model distribution, what the scorers and uncertainty signals need: the chosen token's log-prob,
 self-certainty KL(U || p), the top-2 margin and the top-K log-probs.
 """
