@@ -155,6 +155,12 @@ def test_bench_out_must_be_writable_before_the_model_loads(capsys, no_model, tmp
                    ["eval", "capitals", "--out", str(tmp_path / "a-file" / "out")], "is not a writable folder")
     bench_cli.make_plan(cli.build_parser().parse_args([*argv, "--out", str(tmp_path / "new" / "out")]))  # writable
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "q.jsonl"]  # and the check left nothing behind
+    # a folder where a command writes one of its files: refused now, not once the run is over
+    for command, name in ((argv, "results.json"), (argv, "checkpoint.json"), (["eval", "capitals"], "plot.png")):
+        out = tmp_path / f"out-{name}"
+        (out / name).mkdir(parents=True)
+        one_error_line(capsys, [*command, "--out", str(out), *(["--resume"] if name == "checkpoint.json" else [])],
+                       f"{out / name} is in the way of the file this command writes there")
 
 
 def test_bench_resume_refuses_malformed_records(capsys, no_model, tmp_path):

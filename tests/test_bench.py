@@ -650,6 +650,17 @@ def test_resume_refuses_a_changed_question_file_and_an_edited_checkpoint(tiny: L
         checkpoint.write_text(json.dumps(doc))
         with pytest.raises(InvalidParameter, match="has been changed since decodekit wrote it"):
             bench_cli.make_plan(parse(*common, "--resume"))
+    # edited with its digest computed again: each field of its type, or the record is refused
+    from decodekit.bench.execution import checkpoint_digest
+
+    for field, value in (("new_tokens", "abc"), ("decode_s", -1.0), ("prefill_s", None), ("forward_passes", 2.5),
+                         ("mean_accepted", "x"), ("turns", True)):
+        doc = json.loads(saved)
+        doc["records"][0][field] = value
+        doc["digest"] = checkpoint_digest(doc["records"], doc["notes"])
+        checkpoint.write_text(json.dumps(doc))
+        with pytest.raises(InvalidParameter, match="record 0 is malformed"):
+            bench_cli.make_plan(parse(*common, "--resume"))
     checkpoint.write_text(saved)
     bench_cli.make_plan(parse(*common, "--resume"))
 

@@ -54,6 +54,9 @@ def test_capitals_task_matching():
 
 def test_gsm8k_task_parsing(tmp_path):
     assert gsm8k_gold("so 3 + 4 = 7\n#### 1,234") == "1234"
+    for answer in ("####", "blah #### 12 ####"):  # no number after the last '####': no answer could match it
+        with pytest.raises(InvalidParameter, match="without a number after its last '####'"):
+            gsm8k_gold(answer)
     data = tmp_path / "g.jsonl"
     data.write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n")
     task = gsm8k_task(data)

@@ -41,6 +41,11 @@ def test_answer_extraction_modes():
     assert extract_number("so the answer is 1,250.") == "1250"
     assert extract_number("x = 12.0") == "12"
     assert extract_number("no digits") is None
+    # a hyphen after a digit or letter is a range or a date, not a minus sign; the minus sign is
+    # one wherever else it stands, as Unicode's too; a leading point, leading zeros
+    cases = {"read pages 3-4": "4", "on 2024-05-06": "6", "x = -5": "-5", "x=\u22125": "-5", "3 - 4 = -1": "-1",
+             "about .5 of it": "0.5", "-.25": "-0.25", "agent 007": "7", "0.50": "0.5", "-0.0": "0", "10 - 4": "4"}
+    assert {text: extract_number(text) for text in cases} == cases
     assert extract_line("\n  Bogotá, Colombia!\nmore") == "bogota colombia"
     assert extract_auto("The answer: 42") == "42" and extract_auto("Paris.") == "paris"
     assert normalize_text("  São   PAULO ") == "sao paulo"

@@ -602,8 +602,9 @@ def test_a_methods_options_come_as_extra_fields_or_in_an_object_of_their_own(ser
     # a method's options in an object of their own: a search method's n apart from OpenAI's
     got = chat(served, "hello", max_tokens=8, temperature=0, extra_body={"method": "beam", "method_options": {"n": 2}})
     assert got.choices[0].message.content == alone("hello", method="beam", n=2, max_new_tokens=8).text
-    with pytest.raises(openai.BadRequestError, match="n must be"):  # it reaches the method, not the choices
-        chat(served, "hello", max_tokens=5, extra_body={"method": "beam", "method_options": {"n": 0}})
+    with pytest.raises(openai.BadRequestError, match="n must be") as err:  # it reaches the method, not the choices
+        chat(served, "hello", max_tokens=5, n=2, extra_body={"method": "beam", "method_options": {"n": 0}})
+    assert err.value.param == "method_options"
     with pytest.raises(openai.BadRequestError, match="both in the body and in method_options") as err:
         chat(served, "hello", max_tokens=5, extra_body={"method": "pld", "max_ngram": 2, "method_options": {"max_ngram": 3}})
     assert err.value.param == "method_options"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import InvalidParameter
@@ -79,11 +80,15 @@ def check_ray_arguments(ray: str | None, workers: int | None) -> None:
         import_ray()
 
 
-def check_writable(out: Path) -> None:
+def check_writable(out: Path, files: Sequence[str] = ()) -> None:
     """``--out`` must be a folder this process can write, or one it can create: checked before
     the model loads, leaving nothing behind. A folder is made and removed where the first part of
     the path that exists is: permissions alone do not tell (root may write anywhere, but not in
-    ``/proc``)."""
+    ``/proc``). ``files``: what the command writes there; none of them may already be a folder."""
+    taken = next((name for name in files if (out / name).exists() and not (out / name).is_file()), None)
+    if taken is not None:
+        raise InvalidParameter(f"--out {str(out)!r}: {out / taken} is in the way of the file this command writes there "
+                               "(it is not a file)")
     existing = out.absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent

@@ -138,9 +138,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
     )
     check_ray_arguments(plan.ray, plan.workers)
     plan.command = command_line(plan, args.quick)
+    # (it makes nothing: a plan that fails later leaves no folder behind either)
+    check_writable(plan.out, ("results.json", "report.md", "speedup.png", "checkpoint.json", "checkpoint.json.tmp"))
     if plan.resume:  # read (and check) now, not after loading the model
         plan.previous, plan.previous_notes = load_checkpoint(plan)
-    check_writable(plan.out)  # last: a plan that fails otherwise leaves no folder behind
     return plan
 
 

@@ -15,6 +15,7 @@ Each run yields one record (see :mod:`decodekit.bench.results` for the schema).
 from __future__ import annotations
 
 import gc
+import math
 import resource
 import statistics
 import sys
@@ -170,11 +171,24 @@ RECORD_FIELDS = frozenset({
 })
 
 
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _seconds(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
 def is_record(rec: Any) -> bool:
-    """Whether ``rec`` has the shape of a record (the fields resuming and the summary read)."""
+    """Whether ``rec`` has the shape of a record (the fields resuming and the summary read, each of
+    its type: a checkpoint edited by hand is refused, not summed into a traceback)."""
     return (isinstance(rec, dict) and RECORD_FIELDS <= rec.keys() and isinstance(rec["method"], str)
-            and isinstance(rec["repeat"], int) and isinstance(rec["question_id"], (int, str))
-            and isinstance(rec["group"], str) and isinstance(rec["texts"], list) and isinstance(rec["tokens"], list))
+            and _count(rec["repeat"]) and isinstance(rec["question_id"], (int, str))
+            and isinstance(rec["group"], str) and isinstance(rec["texts"], list) and isinstance(rec["tokens"], list)
+            and all(_count(rec[k]) for k in ("position", "turns", "prompt_tokens", "new_tokens"))
+            and all(_seconds(rec[k]) for k in ("prefill_s", "decode_s"))
+            and (rec["forward_passes"] is None or _count(rec["forward_passes"]))
+            and all(rec[k] is None or _seconds(rec[k]) for k in ("decode_tps", "e2e_tps", "mean_accepted")))
 
 
 def make_record(contestant: Contestant, question: Question, repeat: int, position: int,

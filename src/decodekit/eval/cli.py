@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, model=None) -> int:
         if value is not None and value < 1:
             raise InvalidParameter(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
     check_ray_arguments(args.ray, args.workers)
-    check_writable(Path(args.out or "eval-out"))
+    check_writable(Path(args.out or "eval-out"), ("results.json", "report.md", "plot.png"))
     check_task_flags(args, LONG_CONTEXT)
     if args.task == LONG_CONTEXT:
         if args.ray is not None:

@@ -50,7 +50,10 @@ def gsm8k_gold(answer: str) -> str:
     """The number after ``####`` in a GSM8K reference solution."""
     if "####" not in answer:
         raise InvalidParameter(f"GSM8K answer without '####': {answer[:60]!r}")
-    return extract_number(answer.split("####")[-1]) or ""
+    gold = extract_number(answer.split("####")[-1])
+    if gold is None:  # an item no answer could ever match
+        raise InvalidParameter(f"GSM8K answer without a number after its last '####': {answer[-60:]!r}")
+    return gold
 
 
 def numbers_equal(a: str | None, b: str) -> bool:

@@ -1,6 +1,7 @@
 """Answer extraction shared by voting, CoT-decoding, uncertainty signals and the eval tasks.
 
-Modes: ``number`` (the last number in the text, commas removed, ``12.0`` -> ``12``), ``line``
+Modes: ``number`` (the last number in the text, commas removed, ``12.0`` -> ``12``, ``.5`` -> ``0.5``,
+``007`` -> ``7``; a hyphen after a letter or digit, as in ``pages 3-4``, is not a minus sign), ``line``
 (the first non-empty line, normalised), ``text`` (the whole text, normalised), ``auto`` (the last
 number when there is one, else the first line). A callable ``text -> str | None`` may replace a mode.
 """
@@ -13,7 +14,7 @@ import unicodedata
 from collections.abc import Callable
 
 ANSWER_MODES = ("auto", "number", "line", "text")
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+NUMBER = re.compile(r"[-\u2212]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")  # the Unicode minus sign too
 
 Extractor = Callable[[str], "str | None"]
 
@@ -27,10 +28,13 @@ def normalize_text(text: str) -> str:
 
 
 def normalize_number(raw: str) -> str:
-    value = raw.replace(",", "")
+    value = raw.replace(",", "").replace("\u2212", "-")
+    sign, value = ("-", value[1:]) if value.startswith("-") else ("", value)
     if "." in value:
         value = value.rstrip("0").rstrip(".")
-    return "0" if value in ("-0", "") else value
+    whole, dot, fraction = value.partition(".")
+    value = (whole.lstrip("0") or "0") + dot + fraction
+    return "0" if value == "0" else sign + value
 
 
 def last_number_span(text: str) -> tuple[int, int] | None:
@@ -39,10 +43,12 @@ def last_number_span(text: str) -> tuple[int, int] | None:
     if not found:
         return None
     m = found[-1]
-    end = m.end()
-    while end > m.start() and text[end - 1] in ",.":
+    start, end = m.start(), m.end()
+    if text[start] in "-\u2212" and start > 0 and text[start - 1].isalnum():  # a range or a date: 3-4, 2024-05
+        start += 1
+    while end > start and text[end - 1] in ",.":
         end -= 1
-    return m.start(), end
+    return start, end
 
 
 def extract_number(text: str) -> str | None:

@@ -304,10 +304,10 @@ def field_named(err: DecodeKitError, body: dict[str, Any], chat: bool) -> str | 
     if named is not None:
         return named
     first = str(err).split(" ", 1)[0].strip(":'")
-    if first in body:
-        return first
     named_options = body.get("method_options")
-    return "method_options" if isinstance(named_options, dict) and first in named_options else None
+    if isinstance(named_options, dict) and first in named_options:  # (a search's n, not the body's n of choices)
+        return "method_options"
+    return first if first in body else None
 
 
 class RequestSpec:
