@@ -119,8 +119,9 @@ def save_checkpoint(plan: Plan, records: list[dict[str, Any]], notes: list[str])
     --categories) are kept in it, for a later run that asks them again."""
     from .results import code_version
 
-    asked = {q.question_id for q in plan.questions}
-    records = [*records, *(r for r in plan.previous if r.get("question_id") not in asked)]
+    if plan.previous:
+        asked = {q.question_id for q in plan.questions}
+        records = [*records, *(r for r in plan.previous if r.get("question_id") not in asked)]
     plan.out.mkdir(parents=True, exist_ok=True)
     doc = {"schema": CHECKPOINT_SCHEMA, "code": code_version(), "resume_key": plan.resume_key(),
            "digest": checkpoint_digest(records, notes), "notes": notes, "records": records}
