@@ -537,6 +537,21 @@ MUTATIONS = (
     Mutation("ignore-eos-runs-past-the-grammars-end", "src/decodekit/engine/core.py",
              "if request.ignore_eos and not request.sampler.refuses_tokens else", "if request.ignore_eos else",
              ("tests/test_constraint.py", "-k", "ignore_eos")),
+    Mutation("a-slot-keeps-a-searchs-cache-as-its-prefix", "src/decodekit/serve/scheduler.py",
+             'holds_answer = job.top_logprobs is not None or method_spec(job.method).family != "search"',
+             "holds_answer = True", ("tests/test_serve.py", "-k", "after_a_search")),
+    Mutation("step-search-looks-for-stops-in-its-step-alone", "src/decodekit/search/batch.py",
+             "hits_stop(self.tokenizer, answer + row if answer else row, self.request.stop)",
+             "hits_stop(self.tokenizer, row, self.request.stop)", ("tests/test_search.py", "-k", "across_steps")),
+    Mutation("search-rows-attend-through-torch", "src/decodekit/models/native.py",
+             "if mask is None or mask.dim() == 2:\n                    # several sequences", "if False:\n                    # several sequences",
+             ("tests/test_search.py", "-k", "bit_for_bit")),
+    Mutation("a-searchs-choices-share-their-samples", "src/decodekit/serve/app.py",
+             'spacing = SEARCH_CHOICE_SPACING if method_spec(spec.method).family == "search" else 1', "spacing = 1",
+             ("tests/test_serve.py", "-k", "seed_plus_i")),
+    Mutation("temperature-near-0-overflows", "src/decodekit/samplers/truncation.py",
+             "scaled = (logits - logits.amax(dim=-1, keepdim=True)) / self._divisor", "scaled = logits / self._divisor",
+             ("tests/test_samplers.py", "-k", "near_0")),
 )
 
 

@@ -509,18 +509,19 @@ def test_every_search_stops_at_the_step_its_should_stop_says_so(tiny):
 @pytest.mark.parametrize("method", ["step-beam", "particle", "astar"])
 def test_a_stop_string_across_steps_ends_a_step_search_there(tiny, method):
     """A step search decodes each step after the steps before it: a stop string that begins in one
-    step and ends in the next (one-token steps here, so every stop of two characters does) ends
-    the answer where it begins, as in plain decoding."""
+    step and ends in the next (steps of four one-character tokens here: characters 3 and 4) ends
+    the answer where it begins, as in plain decoding, and the step it ends in stops there."""
     engine = Engine(tiny)
-    kw = dict(method=method, n=1, max_new_tokens=20, seed=3, temperature=1.0, max_step_tokens=1, chat=False)
+    kw = dict(method=method, n=1, max_new_tokens=20, seed=3, temperature=1.0, max_step_tokens=4, chat=False)
     if method == "step-beam":
         kw["expand"] = 1
     free = engine.generate("hello", **kw).text
     assert len(free) >= 7
-    stop = free[4:6]
+    stop = free[3:5]
     out = engine.generate("hello", stop=[stop], **kw)
     assert (out.text, out.finish_reason) == (free[: free.index(stop)], "stop")
     assert len(out.tokens) == len(TOK.encode(out.text))
+    assert out.stats.extra["tokens_spent"] == len(out.tokens) + len(stop)  # it stopped there, not at the end
 
 
 @pytest.mark.parametrize("method", ["best-of-n", "self-consistency", "mbr", "first-finish", "weighted-vote", "particle"])
