@@ -214,21 +214,36 @@ def test_stop_with_json_returns_tokens_that_spell_the_text(capsys, tiny_cli, eng
     assert engine.model.tokenizer.decode(record["tokens"]) == record["text"]
 
 
-def chat(capsys, monkeypatch, typed: str) -> tuple[list[str], str]:
-    """Run ``decodekit chat`` on ``typed`` lines; return the user messages sent and stderr."""
+def chat(capsys, monkeypatch, typed: str, out: list[str] | None = None) -> tuple[list[str], str]:
+    """Run ``decodekit chat`` on ``typed`` lines; return the user messages sent and stderr (and
+    stdout into ``out``). The model answers "ok <message>", streamed."""
     sent: list[str] = []
 
     class Recorder:
         model = SimpleNamespace(name="tiny")
 
-        def generate(self, messages, **kwargs):
+        def generate(self, messages, on_text=None, **kwargs):
             sent.append(messages[-1]["content"])
-            return SimpleNamespace(text="ok", stats=SimpleNamespace(new_tokens=1, tokens_per_s=1.0))
+            text = f"ok {messages[-1]['content']}"
+            on_text(text)
+            return SimpleNamespace(text=text, stats=SimpleNamespace(new_tokens=1, tokens_per_s=1.0))
 
     monkeypatch.setattr(cli, "make_engine", lambda args: Recorder())
     monkeypatch.setattr(sys, "stdin", io.StringIO(typed))
     assert cli.main(["chat"]) == 0
-    return sent, capsys.readouterr().err
+    captured = capsys.readouterr()
+    if out is not None:
+        out.append(captured.out)
+    return sent, captured.err
+
+
+def test_chat_writes_answer_by_answer_to_stdout_and_skips_a_line_that_is_not_utf8(capsys, monkeypatch):
+    """Each answer ends its line on stdout (saved apart from stderr, it reads answer by answer); a
+    line whose bytes are not UTF-8 (read back as lone surrogates) is not sent, and the chat goes on."""
+    out: list[str] = []
+    sent, err = chat(capsys, monkeypatch, "hello\ncaf\udce9 au lait\nworld\n", out)
+    assert sent == ["hello", "world"] and err.count("the line is not valid UTF-8; not sent") == 1
+    assert out[0] == "> ok hello\n> > ok world\n> \n"
 
 
 @pytest.mark.parametrize("typed, sent", [

@@ -70,3 +70,15 @@ def test_bad_flags_fail_in_one_line(model, flags, message):
     eval_cli.add_arguments(parser)
     with pytest.raises(InvalidParameter, match=message):
         eval_cli.run(parser.parse_args(["longctx", *flags]), model=model)
+
+
+def test_a_policy_the_model_does_not_take_is_its_rows_error_and_the_rest_run():
+    """Gemma 3's sliding windows take no evicting or int4 cache: those rows say so, the others run."""
+    from decodekit.models.tiny import tiny_gemma3
+
+    gemma = LoadedModel(tiny_gemma3(seed=0), CharTokenizer(96), "tiny-gemma")
+    config = LongContextConfig(policies=("full", "int4:group=8,residual=64", "int8"), lengths=(120,), depths=(0.5,),
+                               continuation=12, decode_tokens=4)
+    rows = {r["policy"]: r for r in evaluate_long_context(gemma, config)["rows"]}
+    assert "not supported for Gemma 3" in rows["int4:group=8,residual=64"]["error"]
+    assert "error" not in rows["full"] and "error" not in rows["int8"] and rows["int8"]["nll"] > 0

@@ -182,6 +182,23 @@ def test_fit_vocab_cuts_or_pads_with_minus_infinity():
     assert fit_vocab(logits, 7).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, float("-inf"), float("-inf")]
 
 
+def test_a_draft_model_of_another_tokenizer_is_refused_in_one_line():
+    """A vocabulary smaller than the target's by more than a padding is another tokenizer's (its
+    ids mean other tokens, and the target's largest ones are past its embedding table); a token
+    past the draft's vocabulary, one of the target's padding, is refused where it comes."""
+    target = LoadedModel(tiny_llama(seed=0, vocab_size=3000), CharTokenizer(96), "tiny")
+    small = tiny_llama(seed=1, vocab_size=96)
+    with pytest.raises(InvalidParameter, match="vocabulary \\(96 tokens\\) is not the target's \\(3000\\)") as err:
+        Engine(target).generate("hello", method="draft", draft_model=small, max_new_tokens=8, chat=False)
+    assert err.value.param == "draft_model"
+    padded = LoadedModel(tiny_llama(seed=0, vocab_size=96 + 64), CharTokenizer(96), "tiny")
+    drafter = DraftModelDrafter(draft_model=tiny_llama(seed=1, vocab_size=96))
+    state = DecodeState(padded.backend, Sampler(greedy=True), [1, 2, 96 + 7], GenerationStats())
+    drafter.begin(state)  # a padding apart: taken
+    with pytest.raises(InvalidParameter, match="token 103 is past the draft model's vocabulary of 96"):
+        drafter.draft(state, 2)
+
+
 # The adaptive skip-set rule, pinned with fake acceptance signals ----------------------------------
 
 

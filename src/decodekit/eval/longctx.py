@@ -83,9 +83,13 @@ def run_policy(model, policy: str, length: int, config: LongContextConfig, rng: 
     from ..errors import DecodeKitError
     from ..models import LoadedModel
 
-    backend = model.backend.with_kv_cache(policy) if policy != "full" else model.backend.clone()
-    engine = Engine(LoadedModel(backend, model.tokenizer, model.name))
     row: dict[str, Any] = {"policy": policy, "length": length}
+    try:
+        backend = model.backend.with_kv_cache(policy) if policy != "full" else model.backend.clone()
+    except DecodeKitError as err:  # a policy this model does not take (Gemma 3's sliding windows): its rows say so
+        row["error"] = str(err)
+        return row
+    engine = Engine(LoadedModel(backend, model.tokenizer, model.name))
     if length + config.continuation > backend.info.max_length:  # said now, not after thousands of passes
         row["error"] = (f"{length} + {config.continuation} continuation tokens exceed the context of "
                         f"{backend.info.max_length} this cache holds")

@@ -221,10 +221,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     while True:
         try:
             line = input("> ").strip()
+            line.encode("utf-8")  # (read with surrogate escapes, bytes that are not UTF-8 come back as lone surrogates)
         except EOFError:
+            print()  # the prompt's line ends
             break
-        except UnicodeDecodeError:
-            raise InvalidParameter("standard input is not valid UTF-8") from None
+        except (UnicodeDecodeError, UnicodeEncodeError):  # that line only: the conversation goes on
+            print("decodekit: the line is not valid UTF-8; not sent", file=sys.stderr)
+            continue
         if not line:  # nothing to send
             continue
         if line.lower() in CHAT_EXIT:
@@ -237,10 +240,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if result is None:  # the message alone does not fit: the history stays as it was
             messages.pop()
             continue
+        print(flush=True)  # the answer's line ends where it was written, so that a saved stdout reads answer by answer
         if len(sent) < len(messages):
             dropped = (len(messages) - len(sent)) // 2
-            print(f"\n  [the oldest {dropped} exchange(s) dropped to fit the model's context]", file=sys.stderr, end="")
-        print(f"\n  [{result.stats.new_tokens} tokens, {result.stats.tokens_per_s:.1f} tok/s]", file=sys.stderr)
+            print(f"  [the oldest {dropped} exchange(s) dropped to fit the model's context]", file=sys.stderr)
+        print(f"  [{result.stats.new_tokens} tokens, {result.stats.tokens_per_s:.1f} tok/s]", file=sys.stderr)
         messages = [*sent, {"role": "assistant", "content": result.text}]
     return 0
 
