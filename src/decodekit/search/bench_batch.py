@@ -3,7 +3,7 @@
 Row i of the batch samples with seed ``seed + i``, exactly like the i-th sequential call, so both
 sides produce the same samples (the same token count) and only the schedule differs.
 
-    python -m decodekit.search.bench_batch [--n 8] [--max-new-tokens 64] [--dtype float32] [--threads T]
+    python -m decodekit.search.bench_batch [--n 8] [--max-new-tokens 64] [--dtype float32] [--numerics exact] [--threads T]
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--numerics", default="exact", choices=["exact", "fast"])
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    model = load_model(args.model, dtype=args.dtype)
+    model = load_model(args.model, dtype=args.dtype, numerics=args.numerics)
     for r in range(args.repeats):
         print(json.dumps(compare(model, n=args.n, max_new_tokens=args.max_new_tokens, seed=args.seed + 100 * r)))
     return 0
