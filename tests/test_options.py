@@ -102,6 +102,22 @@ def test_unknown_options_and_bad_values_name_the_option():
         build_decoder("recycling", k=100)
     with pytest.raises(InvalidParameter, match="the sampler has no option 'top_q'"):
         Sampler.from_params(top_q=0.5)
+    with pytest.raises(InvalidParameter, match=r"^window must be an integer in \[1, 64\]"):  # what one pass holds
+        build_decoder("lookahead", window=10**9)
+
+
+def test_a_cost_table_comes_as_json_on_the_command_line_and_is_checked_entry_by_entry():
+    decoder_for("--method", "pld", "--opt", 'cost_table={"1": 0.004, "8": 0.006}')  # JSON's keys are strings
+    for table, message in (({1: 1.0, -4: 2.0}, "keys must be token counts >= 1, got -4"),
+                           ({1: 1.0, 2.5: 1.0}, "keys must be token counts >= 1, got 2.5"),
+                           ({"1": 1.0, None: 2}, "keys must be token counts >= 1, got None"),
+                           ({1: float("inf")}, "values must be seconds from 1e-9 to 3600, got inf"),
+                           ({1: 1e-300, 64: 1e300}, "values must be seconds from 1e-9 to 3600"),
+                           ({1: True}, "values must be seconds"), ({1: 1.0, "1": 2.0}, "the cost of 1 tokens twice"),
+                           ({8: 1.0}, "needs at least the cost of 1 token")):
+        with pytest.raises(InvalidParameter, match=message) as err:
+            build_decoder("pld", cost_table=table)  # its controller reads the table as it is built
+        assert err.value.param == "cost_table"
 
 
 @pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "epsilon", "repetition_penalty", "presence_penalty"])

@@ -159,8 +159,12 @@ def test_bad_option_values_raise_invalid_parameter(engines, method, options):
 def test_unknown_drafter_names_raise_unknown_method(engines):
     with pytest.raises(UnknownMethod, match="choose from"):
         engines[0].generate("hi", method="hierarchy", order="pld,nope", chat=False)
-    with pytest.raises(UnknownMethod):
-        engines[0].generate("hi", method="auto", arms=["pld", "auto"], chat=False)
+    # known drafters a combination cannot hold: itself, or draft (whose draft_model it would not pass on)
+    for method, option, names in (("auto", "arms", ["pld", "auto"]), ("hierarchy", "order", "draft,pld"),
+                                  ("auto", "arms", "draft")):
+        with pytest.raises(InvalidParameter, match=f"cannot be one of {option} .*choose from") as err:
+            engines[0].generate("hi", method=method, chat=False, **{option: names})
+        assert err.value.param == option and "draft" not in str(err.value).split("choose from: ")[1].split(", ")
 
 
 def test_options_from_the_command_line_may_be_strings(engines):

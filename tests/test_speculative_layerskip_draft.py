@@ -191,6 +191,9 @@ def test_a_draft_model_of_another_tokenizer_is_refused_in_one_line():
     with pytest.raises(InvalidParameter, match="vocabulary \\(96 tokens\\) is not the target's \\(3000\\)") as err:
         Engine(target).generate("hello", method="draft", draft_model=small, max_new_tokens=8, chat=False)
     assert err.value.param == "draft_model"
+    with pytest.raises(InvalidParameter, match="vocabulary \\(3000 tokens\\) is not the target's \\(96\\)"):
+        Engine(LoadedModel(small, CharTokenizer(96), "tiny")).generate(
+            "hello", method="draft", draft_model=tiny_llama(seed=2, vocab_size=3000), max_new_tokens=8, chat=False)
     padded = LoadedModel(tiny_llama(seed=0, vocab_size=96 + 64), CharTokenizer(96), "tiny")
     drafter = DraftModelDrafter(draft_model=tiny_llama(seed=1, vocab_size=96))
     state = DecodeState(padded.backend, Sampler(greedy=True), [1, 2, 96 + 7], GenerationStats())

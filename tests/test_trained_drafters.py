@@ -232,6 +232,17 @@ def test_damaged_and_wrong_drafter_files_are_one_line(drafter_files, tmp_path):
         store.load(backend, "eagle", drafter_files["medusa", "exact"])
     with pytest.raises(InvalidParameter, match="not found"):
         store.load(backend, "eagle", tmp_path / "missing.safetensors")
+    # the digest written again over a head whose token ids are not ids: refused in one line too
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(drafter_files["eagle", "exact"]), framework="pt") as handle:
+        meta, tensors = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
+    for vocab in (torch.cat([torch.tensor([-5]), tensors["head.vocab"][1:]]), tensors["head.vocab"][:0]):
+        crafted = {**tensors, "head.vocab": vocab.contiguous()}
+        save_file(crafted, str(broken), metadata={**meta, "digest": store.tensors_digest(crafted)})
+        with pytest.raises(InvalidModel, match="head.vocab is not a list of token ids"):
+            store.load(backend, "eagle", broken)
 
 
 def test_without_a_drafter_the_message_says_how_to_train_one(monkeypatch, tmp_path):

@@ -16,6 +16,7 @@ The bottom layer, beside ``errors``: imports nothing else from decodekit.
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -151,7 +152,7 @@ class OptionSpec:
 
     def parse(self, value: Any) -> Any:
         """``value`` (typed, or text from the command line) converted to the spec's type and checked."""
-        if isinstance(value, str) and self.type in (int, float, bool):
+        if isinstance(value, str) and self.type in (int, float, bool, dict):
             value = self.from_text(value)
         return self.check(value)
 
@@ -164,6 +165,12 @@ class OptionSpec:
                 return self.type(text.strip())
             except ValueError:
                 return text
+        if self.type is dict:  # a JSON object, e.g. --opt 'cost_table={"1": 0.004, "8": 0.006}'
+            try:
+                value = json.loads(text)
+            except ValueError:
+                return text
+            return value if isinstance(value, dict) else text
         return text
 
     def describe(self) -> str:

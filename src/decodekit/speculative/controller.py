@@ -70,6 +70,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,7 @@ from ..errors import InvalidParameter
 from ..models.backend import Backend
 from ..models.kernels import sources_digest
 from ..models.threads import GOVERNOR
+from ..options import finite
 from .tree import DraftTree, Verification, select_nodes
 
 MEASURE_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
@@ -129,6 +131,29 @@ def _line_at_or_above_zero(points: Mapping[int, float]) -> tuple[float, float]:
     return a, b
 
 
+def checked_costs(table: Mapping[Any, Any]) -> dict[int, float]:
+    """A cost table given by a user, as ``{tokens: seconds}``: keys token counts >= 1 (integers, or
+    their digits as JSON writes keys), values seconds from a nanosecond to an hour, the cost of 1 token among
+    them; anything else one InvalidParameter line."""
+    if not isinstance(table, Mapping):
+        raise InvalidParameter(f"cost_table must be a mapping of tokens to seconds, got {table!r:.60}", param="cost_table")
+    out: dict[int, float] = {}
+    for key, value in table.items():
+        size = key if isinstance(key, int) and not isinstance(key, bool) else \
+            int(key) if isinstance(key, str) and key.strip().isdigit() else None
+        if size is None or size < 1:
+            raise InvalidParameter(f"cost_table keys must be token counts >= 1, got {key!r:.40}", param="cost_table")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (finite(value) and 1e-9 <= value <= 3600):
+            raise InvalidParameter(f"cost_table values must be seconds from 1e-9 to 3600, got {value!r:.40} for {size} "
+                                   "tokens", param="cost_table")
+        if size in out:
+            raise InvalidParameter(f"cost_table gives the cost of {size} tokens twice", param="cost_table")
+        out[size] = float(value)
+    if 1 not in out:
+        raise InvalidParameter("a cost table needs at least the cost of 1 token (key 1)", param="cost_table")
+    return out
+
+
 class CostTable:
     """Seconds per forward pass of ``n`` new tokens after ``context`` cached ones.
 
@@ -139,12 +164,9 @@ class CostTable:
     without a context) the cost does not depend on the context."""
 
     def __init__(self, table: Mapping[int, float], *, at: int = 0, per_context: Mapping[int, float] | None = None):
-        if not table or 1 not in table:
-            raise InvalidParameter("a cost table needs at least the cost of 1 token (key 1)")
-        if any(not (isinstance(v, (int, float)) and v > 0) for v in table.values()):
-            raise InvalidParameter("cost table values must be positive seconds")
-        self.sizes = sorted(int(k) for k in table)
-        self.costs = [float(table[k]) for k in self.sizes]
+        table = checked_costs(table)
+        self.sizes = sorted(table)
+        self.costs = [table[k] for k in self.sizes]
         self.at = int(at)
         per_context = per_context or {}
         if per_context and (set(map(int, per_context)) != set(self.sizes)

@@ -46,7 +46,7 @@ FORCED_TRIAL = 16  # forced tokens offered before their acceptance may stop them
 COMMON_OPTIONS = option_table(
     OptionSpec("max_draft", int, 32, "cap on draft-tree nodes per step", lo=1),
     OptionSpec("budget", int, None, "fixed number of draft nodes per step; disables the adaptive controller", lo=0),
-    OptionSpec("cost_table", dict, None, "{tokens: seconds} verify costs to use instead of measuring them"),
+    OptionSpec("cost_table", dict, None, "{tokens: seconds} verify costs to use instead of measuring them (a JSON object after --opt)"),
 )
 
 

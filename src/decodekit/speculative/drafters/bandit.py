@@ -11,7 +11,8 @@ Every arm sees every verification (``update``), so all their tables stay current
 also levels of the ``hierarchy`` arm are the same instances (one index, one update per step).
 
 Lossless: each step is verified exactly, whichever drafter proposed it. Choices depend on
-timings, so sampled outputs with a seed reproduce their distribution, not the exact tokens.
+timings, but a sampled token is fixed by the seed and its position (keyed draws), whatever was
+drafted: with a seed, the tokens are plain sampling's, exactly.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ...options import OptionSpec, option_table
 from ..tree import DraftTree
 from . import DRAFTER_SPECS, register_drafter
 from .base import CompositeDrafter
-from .hierarchy import parse_names
+from .hierarchy import NEEDS_ITS_OWN_OPTIONS, parse_names
 
 DEFAULT_ARMS = ("hierarchy", "pld", "recycling", "suffix")
 
@@ -83,7 +84,7 @@ class BanditDrafter(CompositeDrafter):
     name = "auto"
 
     def __init__(self, arms=DEFAULT_ARMS, discount: float = 0.98, exploration: float = 1.0):
-        names = parse_names("arms", arms, set(DRAFTER_SPECS) - {"auto"})
+        names = parse_names("arms", arms, set(DRAFTER_SPECS) - {"auto"} - NEEDS_ITS_OWN_OPTIONS)
         self.names = list(dict.fromkeys(names))
         arms_by_name = {n: DRAFTER_SPECS[n].factory() for n in self.names}
         for arm in list(arms_by_name.values()):  # an arm that is also part of a composite arm is shared

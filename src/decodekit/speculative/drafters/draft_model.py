@@ -8,8 +8,8 @@ distributed exactly as plain sampling).
 
 Choices the papers leave open (each one tested):
   * The draft model must share the target's tokenizer; it may have a differently padded
-    vocabulary (its logits are cut or padded with -inf to the target's size). One smaller by
-    more than a padding (``VOCAB_PADDING``), or asked to read a token past its vocabulary, is refused.
+    vocabulary (its logits are cut or padded with -inf to the target's size). One that differs by
+    more than a padding (``VOCAB_PADDING``), or is asked to read a token past its vocabulary, is refused.
   * The draft keeps its own cache in sync with ``state.tokens``: roll back to the longest
     common prefix, then append every missing token in one forward pass (only the last
     position's logits are computed). The prompt too is run by the first draft, not up front.
@@ -62,7 +62,7 @@ def parse_draft_spec(spec: object) -> Backend | int | str:
     return str(resolve_model_folder(spec))  # ModelNotFound (one line) before any work
 
 
-#: How many fewer tokens a draft model's vocabulary may have than the target's (a padded one).
+#: How many tokens a draft model's vocabulary may differ by from the target's (a padded one).
 VOCAB_PADDING = 1024
 
 
@@ -145,7 +145,7 @@ class DraftModelDrafter(ChainDrafter):
         # drafts (the draft model does not pay) costs the draft model nothing.
         self.backend = draft_backend(self.spec, state.backend)
         draft, target = self.backend.info.vocab_size, state.backend.info.vocab_size
-        if draft < target - VOCAB_PADDING:  # not a padding apart: another tokenizer, whose ids mean other tokens
+        if abs(draft - target) > VOCAB_PADDING:  # not a padding apart: another tokenizer, whose ids mean other tokens
             raise InvalidParameter(f"the draft model's vocabulary ({draft} tokens) is not the target's ({target}): a draft "
                                    "model must share the target's tokenizer", param="draft_model")
         self.backend.reset(1)

@@ -36,10 +36,16 @@ def parse_names(option: str, value, allowed: set[str] | None = None) -> list[str
         raise InvalidParameter(f"{option} must name drafters, got {value!r}")
     for n in names:
         if n not in DRAFTER_SPECS or (allowed is not None and n not in allowed):
-            choices = sorted(allowed if allowed is not None else DRAFTER_SPECS)
-            raise UnknownMethod(f"unknown drafter {n!r} in {option}; choose from: {', '.join(choices)}", param=option)
+            choices = ", ".join(sorted(allowed if allowed is not None else DRAFTER_SPECS))
+            if n in DRAFTER_SPECS:  # known, but not here
+                raise InvalidParameter(f"drafter {n!r} cannot be one of {option} (it is a combination itself, or needs "
+                                       f"options of its own); choose from: {choices}", param=option)
+            raise UnknownMethod(f"unknown drafter {n!r} in {option}; choose from: {choices}", param=option)
     return names
 
+
+#: Drafters that cannot be built without an option of their own, which a combination does not pass on.
+NEEDS_ITS_OWN_OPTIONS = frozenset({"draft"})  # its draft_model
 
 OPTIONS = option_table(
     OptionSpec("order", object, DEFAULT_ORDER, "drafters in priority order (a list or comma-separated names)"),
@@ -52,7 +58,7 @@ class HierarchyDrafter(CompositeDrafter):
     name = "hierarchy"
 
     def __init__(self, order=DEFAULT_ORDER):
-        names = parse_names("order", order, set(DRAFTER_SPECS) - {"hierarchy", "auto"})
+        names = parse_names("order", order, set(DRAFTER_SPECS) - {"hierarchy", "auto"} - NEEDS_ITS_OWN_OPTIONS)
         self.parts = [DRAFTER_SPECS[n].factory(**LEVEL_OPTIONS.get(n, {})) for n in names]
 
     def draft(self, state: DecodeState, budget: int) -> DraftTree:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ...engine.core import DecodeState
+from ...models.kernels import MAX_ROWS
 from ...options import OptionSpec, option_table
 from ..tree import DraftTree, Verification, add_chain
 from . import register_drafter
@@ -28,9 +29,10 @@ from .base import Drafter
 
 
 OPTIONS = option_table(
-    OptionSpec("window", int, 6, "Jacobi window: guessed tokens below the root", lo=1),
-    OptionSpec("ngram", int, 3, "length of the pool's n-grams", lo=2),
-    OptionSpec("guesses", int, 4, "pool n-grams verified per step", lo=0),
+    # bounded by what one verification pass holds (MAX_ROWS): a larger window only costs memory and time
+    OptionSpec("window", int, 6, "Jacobi window: guessed tokens below the root", lo=1, hi=MAX_ROWS),
+    OptionSpec("ngram", int, 3, "length of the pool's n-grams", lo=2, hi=MAX_ROWS),
+    OptionSpec("guesses", int, 4, "pool n-grams verified per step", lo=0, hi=MAX_ROWS),
 )
 
 

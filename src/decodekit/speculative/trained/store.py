@@ -119,7 +119,10 @@ def build(path: Path, kind: str, backend: Backend) -> EagleNet | MedusaNet:
         net.load_state_dict({name: t.float() if t.is_floating_point() else t for name, t in tensors.items()})
     except (TypeError, ValueError, KeyError, RuntimeError) as err:
         raise InvalidModel.because(path, f"does not hold a valid {kind} drafter", err) from err
-    if config.hidden != backend.info.hidden_size or int(net.head.vocab.max()) >= backend.info.vocab_size:
+    vocab = net.head.vocab
+    if not vocab.numel() or int(vocab.min()) < 0:  # the draft head's token ids
+        raise InvalidModel(f"{path}: does not hold a valid {kind} drafter (its head.vocab is not a list of token ids)")
+    if config.hidden != backend.info.hidden_size or int(vocab.max()) >= backend.info.vocab_size:
         raise InvalidParameter(f"{path}: the {kind} drafter does not fit {backend.info.name}'s sizes")
     net.head.attach(backend.head_rows(net.head.vocab))
     return on_kernels(net.eval().requires_grad_(False), backend.matrix)
