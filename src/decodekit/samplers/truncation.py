@@ -61,7 +61,8 @@ class Temperature(LogitsProcessor):
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         logits = logits.float()
         scaled = logits / self._divisor
-        if self._divisor < 1.0 and bool(torch.isposinf(scaled).any()) and not bool(torch.isposinf(logits).any()):
+        # (a max, not isposinf().any(): a third of the time, on the sampling path of every token)
+        if self._divisor < 1.0 and float(scaled.max()) == math.inf and float(logits.max()) != math.inf:
             # a temperature this near 0 takes finite logits past float32's range; shifted by each
             # row's largest first they do not overflow, and softmax(l / T) is the same distribution
             # (as T -> 0: the most likely tokens, evenly)
