@@ -15,7 +15,6 @@ Each run yields one record (see :mod:`decodekit.bench.results` for the schema).
 from __future__ import annotations
 
 import gc
-import math
 import resource
 import statistics
 import sys
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidParameter
+from ..options import finite
 from .contestants import WARMUP_PROMPT, Contestant, RunResult
 from .questions import Question
 
@@ -176,7 +176,7 @@ def _count(value: Any) -> bool:
 
 
 def _seconds(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and finite(value) and value >= 0
 
 
 def is_record(rec: Any) -> bool:

@@ -127,10 +127,9 @@ class Engine:
         for name, flag in (("chat", chat), ("ignore_eos", ignore_eos)):
             if not isinstance(flag, bool):
                 raise InvalidParameter(f"{name} must be true or false, got {flag!r}")
-        if ignore_eos and method_spec(method).family == "search":  # (an unknown method fails here too)
+        if ignore_eos and method_spec(method).family == "search":  # (an unknown method fails before any work)
             raise InvalidParameter(f"ignore_eos is for plain and speculative decoding; {method} chooses among candidates "
                                    "that end where the model ends them", param="ignore_eos")
-        method_spec(method)  # unknown method: fail before any work
         sampler_params, options = split_params(params)
         decoder = build_decoder(method, **options)
         mask = None

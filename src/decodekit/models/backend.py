@@ -292,7 +292,8 @@ class Backend(ABC):
         if shared:
             self.truncate(shared)
             self.kept_ids = None
-            return self._finite(self.append(torch.tensor([list(token_ids[shared:])], dtype=torch.long), last_only=True).logits[:, -1])
+            rest = torch.tensor([list(token_ids[shared:])], dtype=torch.long)
+            return self._finite(self.append(rest, last_only=True).logits[:, -1])
         self.reset(1)
         out = self.append(torch.tensor([list(token_ids)], dtype=torch.long), last_only=True)
         self._finite(out.logits)

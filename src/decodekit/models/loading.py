@@ -18,7 +18,6 @@ import importlib.util
 import json
 import os
 import sys
-import zlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ import torch
 from ..errors import CacheError, InvalidModel, InvalidParameter, ModelNotFound
 from ..machine import available_memory
 from .backend import Backend
-from .cache import cache_root, cached_folder, report
+from .cache import cache_root, cached_folder, file_digest, report
 
 if TYPE_CHECKING:
     from .kv_policy import KVPolicy
@@ -188,16 +187,12 @@ def dequantised_folder(gguf: Path) -> Path:
 
 
 def file_stamp(path: Path) -> str:
-    """Size, modification time and CRC-32 of a file's bytes: what a cached folder built from it
-    records. The checksum (a read of the file, tens of milliseconds for the embedded model) tells
-    a file changed in place apart even where its size and time were kept (``cp -p``, ``rsync -a``,
-    an archive unpacked over it)."""
+    """Size, modification time and digest of a file's bytes (:func:`.cache.file_digest`): what a
+    cached folder built from it records. The digest (a read of the file, tens of milliseconds for
+    the embedded model) tells a file changed in place apart even where its size and time were kept
+    (``cp -p``, ``rsync -a``, an archive unpacked over it)."""
     stat = path.stat()
-    crc = 0
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 23):
-            crc = zlib.crc32(chunk, crc)
-    return f"{stat.st_size}:{stat.st_mtime_ns}:{crc:08x}"
+    return f"{stat.st_size}:{stat.st_mtime_ns}:{file_digest(path)}"
 
 
 def dequantise(gguf: Path, folder: Path) -> None:

@@ -132,9 +132,9 @@ def _line_at_or_above_zero(points: Mapping[int, float]) -> tuple[float, float]:
 
 
 def checked_costs(table: Mapping[Any, Any]) -> dict[int, float]:
-    """A cost table given by a user, as ``{tokens: seconds}``: keys token counts >= 1 (integers, or
-    their digits as JSON writes keys), values seconds from a nanosecond to an hour, the cost of 1 token among
-    them; anything else one InvalidParameter line."""
+    """A cost table given by a user, as ``{tokens: seconds}``: keys token counts >= 1 (integers,
+    or their digits as JSON writes keys), values seconds from a nanosecond to an hour, the cost of
+    1 token among them; anything else one InvalidParameter line."""
     if not isinstance(table, Mapping):
         raise InvalidParameter(f"cost_table must be a mapping of tokens to seconds, got {table!r:.60}", param="cost_table")
     out: dict[int, float] = {}

@@ -153,8 +153,8 @@ class DraftModelDrafter(ChainDrafter):
 
     def _append(self, tokens: list[int]) -> torch.Tensor:
         assert self.backend is not None
-        if max(tokens) >= self.backend.info.vocab_size:  # a token of the target's padding, or another tokenizer
-            raise InvalidParameter(f"token {max(tokens)} is past the draft model's vocabulary of "
+        if (largest := max(tokens)) >= self.backend.info.vocab_size:  # the target's padding, or another tokenizer
+            raise InvalidParameter(f"token {largest} is past the draft model's vocabulary of "
                                    f"{self.backend.info.vocab_size}: a draft model must share the target's tokenizer",
                                    param="draft_model")
         out = self.backend.append(torch.tensor([tokens]), last_only=True)
