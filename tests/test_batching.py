@@ -177,3 +177,31 @@ def test_a_served_pass_returns_the_features_of_a_pass_alone():
         assert batcher.passes == 1
     assert served.last_features.shape == (1, 4, model.info.hidden_size)
     assert torch.equal(served.last_features, alone.last_features)
+
+
+def waiting_pass(rows: int, model: object):
+    from decodekit.models.batching import _Pass
+
+    return _Pass(None, torch.zeros(rows, dtype=torch.long), torch.arange(rows), None, 0, False, model)
+
+
+def test_a_batch_waits_for_every_active_sequence_and_keeps_to_its_rows_and_model():
+    """What _ready takes off the queue: nothing while an active sequence has no pass in and the
+    wait is not over; then the oldest passes of the oldest pass's model, never past max_rows
+    (a pass is never split, so one larger than max_rows runs alone)."""
+    llama, gemma = object(), object()
+    batcher = PassBatcher(max_rows=64, wait_s=3600.0)
+    batcher._active = 4
+    with batcher._cond:
+        batcher._waiting = [waiting_pass(30, llama), waiting_pass(1, gemma), waiting_pass(30, llama)]
+        assert batcher._ready() == []  # the fourth sequence is still choosing its tokens
+        batcher._waiting.append(waiting_pass(10, llama))
+        first, second, third, fourth = batcher._waiting
+        assert batcher._ready() == [first, third]  # 60 rows; the 10 more would pass 64
+        assert batcher._waiting == [second, fourth]
+        assert batcher._ready() == []  # two of four sequences have a pass in
+        batcher.wait_s = 0.0  # the wait is over
+        assert batcher._ready() == [second]  # now the oldest: its model's passes only
+        assert batcher._ready() == [fourth]
+        batcher._waiting = [waiting_pass(70, llama), waiting_pass(1, llama)]
+        assert [len(p.tokens) for p in batcher._ready()] == [70]

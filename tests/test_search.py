@@ -312,6 +312,13 @@ def test_cot_decoding_picks_the_max_confidence_path_over_the_greedy_one():
     assert max(p["delta"] for p in paths) == paths[1]["delta"]
 
 
+def test_cot_never_branches_on_eos():
+    # EOS is the likeliest first token here: the k branches are the k likeliest others
+    model = bigram_model({"p": {"": 9.0, "a": 5.0, "b": 4.0, "c": 3.0}, **{c: {"": 10.0} for c in "abc"}})
+    g = build_decoder("cot", n=2).generate(model, request(model, "p", method="greedy", max_new=3))
+    assert [p["first_token"] for p in g.extra["candidates"]] == ["a", "b"]
+
+
 def test_cot_answer_span_and_aggregation():
     tokens = TOK.encode("x 12 y 345.")
     span = answer_token_span(tokens, TOK, "number")
@@ -531,3 +538,86 @@ def test_more_samples_than_memory_holds_is_one_line_before_anything_is_built(tin
     anything per sequence (a sampler per row, a particle per slot: millions of objects first)."""
     with pytest.raises(InvalidParameter, match="sequences of .* need a .* KV cache"):
         Engine(tiny).generate("hello", method=method, n=3 * 10**6, max_new_tokens=4, chat=False)
+
+
+# Step searches' rules, checked against what each step search saw -----------------------------------
+
+
+def test_step_values_aggregate_as_named():
+    from decodekit.search.steps import aggregate
+
+    scores = [1.0, 3.0, 2.0]
+    assert {how: aggregate(scores, how) for how in ("mean", "last", "min", "sum")} == {
+        "mean": 2.0, "last": 2.0, "min": 1.0, "sum": 6.0}
+    assert aggregate([], "mean") == -math.inf
+
+
+def spy_expansions(monkeypatch) -> list[tuple[object, list]]:
+    """Every StepSearch.expand call: the node expanded and the children it gave."""
+    from decodekit.search.steps import StepSearch
+
+    calls: list[tuple[object, list]] = []
+    original = StepSearch.expand
+
+    def spy(self, ctx, node, rows, slots, cap=None):
+        children = original(self, ctx, node, rows, slots, cap)
+        calls.append((node, children))
+        return children
+
+    monkeypatch.setattr(StepSearch, "expand", spy)
+    return calls
+
+
+def letters_score(text: str) -> float:
+    """A step scorer that tells steps apart: each 'a' is worth 1, each 'b' costs 0.5."""
+    return text.count("a") - 0.5 * text.count("b")
+
+
+@pytest.mark.parametrize("bigram, seed", [(4, 3), (6, 4)])  # runs where beams finish at different rounds
+def test_step_beam_keeps_the_best_children_and_shrinks_as_beams_finish(monkeypatch, bigram, seed):
+    model = random_bigram(bigram, eos_logit=-0.3)
+    calls = spy_expansions(monkeypatch)
+    n, expand = 3, 2
+    g = build_decoder("step-beam", n=n, expand=expand, delimiter=" ", scorer=letters_score, aggregate="sum").generate(
+        model, request(model, "p", seed=seed, max_new=24))
+    beams, finished, rounds, shrunk = [calls[0][0]], [], 0, False
+    while beams:  # a round: each beam expanded into `expand` children, the best n - finished kept
+        batch, calls[: len(beams)] = calls[: len(beams)], []
+        assert [id(node) for node, _ in batch] == [id(b) for b in beams]
+        assert all(len(children) == expand for _, children in batch)
+        children = [c for _, kids in batch for c in kids]
+        kept = sorted(children, key=lambda p: p.value("sum"), reverse=True)[: n - len(finished)]
+        finished += [c for c in kept if c.done]
+        beams, rounds = [c for c in kept if not c.done], rounds + 1
+        shrunk = shrunk or (beams and finished)
+    assert not calls and shrunk  # some round ran with fewer beams because others had finished
+    assert rounds > 1
+    assert sorted(c["value"] for c in g.extra["candidates"]) == pytest.approx(sorted(c.value("sum") for c in finished))
+    assert g.extra["uncertainty"]["value"] == pytest.approx(max(c.value("sum") for c in finished))
+
+
+def test_astar_always_expands_the_most_valuable_node_it_has(monkeypatch):
+    model = random_bigram(6, eos_logit=-2.0)
+    calls = spy_expansions(monkeypatch)
+    build_decoder("astar", n=3, token_budget=120, delimiter=" ", scorer=letters_score, max_step_tokens=4).generate(
+        model, request(model, "p", seed=3, max_new=40))
+    assert len(calls) > 2
+    waiting = []  # every node produced and not yet expanded
+    for node, children in calls:
+        if waiting:
+            assert node.value("mean") == max(w.value("mean") for w in waiting)
+            waiting.remove(next(w for w in waiting if w is node))
+        waiting += children
+
+
+def test_particle_log_weights_add_up_between_resamples(monkeypatch):
+    model = bigram_model(FORK_RULES)
+    seen = []
+    monkeypatch.setattr(ParticleFilter, "_should_resample",
+                        lambda self, log_w: seen.append(list(log_w)) or False)  # never resample
+    g = fork_filter(4, weight_temperature=0.5).generate(model, request(model, "p", seed=0, max_new=10))
+    texts = [c["text"] for c in g.extra["candidates"]]
+    assert set(texts) == {"x", "y z"} and len(seen) == 2
+    # "x" weighs its final score at both steps; "y " weighs 0 then "y z" its score
+    final = {"x": 2 * FORK_SCORES["x"] / 0.5, "y z": FORK_SCORES["y z"] / 0.5}
+    assert seen[-1] == pytest.approx([final[t] for t in texts])

@@ -13,7 +13,7 @@ from decodekit.models.tiny import tiny_llama
 from decodekit.search.answers import answer_start, extract_auto, extract_line, extract_number, normalize_text
 from decodekit.search.batch import Sample
 from decodekit.search.scorers import Judge
-from decodekit.search.uncertainty import agreement, first_content_index, normalized_entropy, phi_first
+from decodekit.search.uncertainty import agreement, first_content_index, normalized_entropy, phi_first, sample_signals
 from decodekit.samplers import Sampler, Temperature
 
 TOK = CharTokenizer(96)
@@ -29,10 +29,12 @@ def test_normalized_entropy_on_hand_made_distributions():
 def test_phi_first_skips_whitespace_and_punctuation_and_the_lead_in():
     tokens = TOK.encode(" .Ab 7")
     flat, sharp = [0.0] * 10, [30.0] + [0.0] * 9
-    sample = Sample(tokens, [0.0] * 6, [0.0] * 6, [0.0] * 6, [sharp, sharp, flat, sharp, sharp, sharp], "eos")
+    sample = Sample(tokens, [0.0] * 6, [0.0] * 6, [0.0] * 6, [sharp, sharp, flat, flat, sharp, sharp], "eos")
     assert first_content_index(tokens, TOK) == 2
     assert phi_first(sample, TOK) == pytest.approx(1.0)  # at "A"
-    assert phi_first(sample, TOK, start_char=4) == pytest.approx(0.0, abs=1e-9)  # at "7"
+    # the lead-in " .Ab" ends at character 4: "b", ending there, is part of it; the answer is "7"
+    assert phi_first(sample, TOK, start_char=4) == pytest.approx(0.0, abs=1e-9)
+    assert phi_first(sample, TOK, start_char=3) == pytest.approx(1.0)  # at "b"
     assert phi_first(Sample(TOK.encode(" ."), [0, 0], [0, 0], [0, 0], [flat, flat], "eos"), TOK) is None
 
 
@@ -50,6 +52,12 @@ def test_answer_extraction_modes():
     assert extract_auto("The answer: 42") == "42" and extract_auto("Paris.") == "paris"
     assert normalize_text("  São   PAULO ") == "sao paulo"
     assert answer_start("total is 42.", "number") == 9 and answer_start("Paris", "line") == 0
+
+
+def test_a_samples_own_signals_are_means_over_its_tokens():
+    sample = Sample(TOK.encode("ab"), [-1.0, -3.0], [0.5, 1.5], [0.2, 0.4], [[0.0] * 4] * 2, "length")
+    signals = sample_signals(sample, TOK)
+    assert signals == pytest.approx({"phi_first": 1.0, "self_certainty": 1.0, "mean_logprob": -2.0, "margin": 0.3})
 
 
 def test_agreement_is_the_share_of_equal_answers():

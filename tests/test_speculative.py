@@ -913,3 +913,81 @@ def test_recycling_refreshes_the_row_of_every_scored_node(engines):
     drafter.update(state, tree, Verification([0], 9), logits)
     for token, row in zip([7, 11, 12, 13], logits):
         assert drafter.matrix[token, :3].tolist() == torch.topk(row, 3).indices.tolist()
+
+
+# Composite and Jacobi drafters' rules, on hand-made states ------------------------------------------
+
+
+def test_discounted_ucb_decays_every_arm_and_ranks_by_its_index():
+    bandit = DiscountedUCB(["a", "b"], discount=0.5, exploration=1.0)
+    for arm, value in (("a", 4.0), ("b", 2.0), ("a", 6.0)):
+        bandit.reward(arm, value)
+    # each reward first discounts every arm's statistics, the unpulled ones too
+    assert bandit.count == pytest.approx({"a": 0.25 + 1.0, "b": 0.5})
+    assert bandit.total == pytest.approx({"a": 1.0 + 6.0, "b": 1.0})
+
+    def index(bandit: DiscountedUCB, arm: str) -> float:  # the docstring's rule, written out
+        n = sum(bandit.count.values())
+        mean = sum(bandit.total.values()) / n
+        spread = math.sqrt(sum(bandit.squares.values()) / n - mean * mean)
+        bonus = math.sqrt(2 * math.log(n) / bandit.count[arm])
+        return bandit.total[arm] / bandit.count[arm] + bandit.exploration * spread * bonus
+
+    rng = random.Random(3)
+    bandit = DiscountedUCB(["a", "b", "c"], discount=0.95, exploration=0.3)
+    for _ in range(60):
+        arm = bandit.choose()
+        if min(bandit.count.values()) > 0:
+            assert arm == max(bandit.arms, key=lambda a: index(bandit, a))
+        bandit.reward(arm, {"a": 10.0, "b": 9.0, "c": 5.0}[arm] + rng.uniform(-1, 1))
+    # the runner-up, pulled less, is still tried now and then: its bonus is its own count's
+    assert 0 < bandit.count["b"] < bandit.count["a"]
+
+
+class _FixedChain(Drafter):
+    """Proposes `budget` tokens from `first` on, and remembers the budgets it was given."""
+
+    def __init__(self, first: int):
+        self.first, self.asked = first, []
+
+    def draft(self, state, budget):
+        self.asked.append(budget)
+        return DraftTree.chain(list(range(self.first, self.first + budget)), f"from{self.first}")
+
+
+def test_hierarchy_gives_each_level_half_of_what_is_left_and_the_last_the_rest():
+    from decodekit.speculative.drafters.hierarchy import HierarchyDrafter
+
+    hierarchy = HierarchyDrafter(order="pld,recycling,suffix")
+    hierarchy.parts = [_FixedChain(100), _FixedChain(200), _FixedChain(300)]
+    tree = hierarchy.draft(None, 10)
+    assert [part.asked for part in hierarchy.parts] == [[5], [2], [3]]
+    assert tree.source == ["from100"] * 5 + ["from200"] * 2 + ["from300"] * 3
+
+
+class _Tokens:
+    """The part of a DecodeState the lookahead drafter reads."""
+
+    def __init__(self, tokens: list[int], prompt_len: int):
+        self.tokens, self.prompt_len = tokens, prompt_len
+
+
+def test_lookahead_jacobi_step_collects_diagonals_and_keeps_the_newest_ngrams():
+    from decodekit.speculative.drafters.lookahead import LookaheadDrafter
+
+    drafter = LookaheadDrafter(window=3, ngram=3, guesses=2)
+    state = _Tokens([5, 6, 7], 3)
+    drafter.begin(state)
+    drafter.levels, drafter.window = [[10, 11, 12]], [20, 21, 22]
+    drafter.pool = {10: {(1, 2): None, (3, 4): None}}  # full (guesses=2), oldest first
+    # a step that verified the whole window: the argmax after the root, 20, 21, 22 is 30, 31, 32, 33
+    logits = torch.full((4, 64), -1.0)
+    for row, guess in enumerate((30, 31, 32, 33)):
+        logits[row, guess] = 1.0
+    drafter.update(state, DraftTree.chain([20, 21, 22], "lookahead:window"), Verification([], 30), logits)
+    # Jacobi: guess i + 1 is the argmax after window token i (new[0]: after the root)
+    assert drafter.window == [30, 31, 32] and drafter.levels == [[20, 21, 22]]
+    # the diagonal n-gram (levels[0][0], window[1], new[2]) enters the pool; the oldest one leaves
+    assert list(drafter.pool[10]) == [(3, 4), (21, 32)]
+    drafter.pool[7] = {(1, 2): None, (3, 4): None, (5, 6): None}
+    assert drafter.draft(state, 4).tokens == [5, 6, 3, 4]  # root 7: the newest n-grams first

@@ -88,6 +88,14 @@ T = TypeVar("T")
 _MEMORY_LOCK = threading.RLock()  # each entry made once, whichever thread asks first (re-entrant: a factory may use memory too)
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n, limit = 0, min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
 class Backend(ABC):
     """A causal LM with an appendable, rollback-able, tree-verifiable KV cache."""
 
@@ -116,10 +124,7 @@ class Backend(ABC):
         kept = self.kept_ids
         if not kept or self.batch_size != 1 or not self.reuses_prefix():
             return 0
-        n, limit = 0, min(len(kept), len(token_ids) - 1, self.length)
-        while n < limit and kept[n] == token_ids[n]:
-            n += 1
-        return n
+        return common_prefix(kept[: self.length], token_ids[: len(token_ids) - 1])
 
     def memory(self, key: str | tuple, factory: Callable[[], T]) -> T:
         """What algorithms learn about this model across requests (a suffix corpus, a recycling

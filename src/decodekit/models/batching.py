@@ -57,7 +57,7 @@ def single_threaded() -> None:
     torch.set_num_threads(1)
 
 
-@dataclass
+@dataclass(eq=False)  # a pass is itself (the queue removes passes by identity), never equal to another
 class _Pass:
     backend: "NativeLlama"
     tokens: torch.Tensor  # [k]

@@ -13,15 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.backend import Backend
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+from ..models.backend import Backend, common_prefix
 
 
 class PrefixCache:

@@ -31,7 +31,7 @@ import torch
 
 from ...engine.core import DecodeState
 from ...errors import InvalidParameter
-from ...models.backend import Backend
+from ...models.backend import Backend, common_prefix
 from ...options import OptionSpec, option_table
 from . import register_drafter
 from .base import CHAIN_OPTIONS, ChainDrafter
@@ -93,15 +93,6 @@ def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         return logits[..., :vocab_size]
     pad = logits.new_full((*logits.shape[:-1], vocab_size - logits.shape[-1]), float("-inf"))
     return torch.cat([logits, pad], dim=-1)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 OPTIONS = option_table(
