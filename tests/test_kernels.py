@@ -39,7 +39,7 @@ def test_projection_uses_the_kernel_for_few_rows_and_keeps_shapes_and_bias():
     weight, bias = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
     proj = Projection(weight, bias)
     assert proj.few_rows is not None
-    for shape in [(1, 1, 24), (2, 3, 24), (1, 17, 24)]:  # 17 rows: past MAX_ROWS, torch's path
+    for shape in [(1, 1, 24), (2, 3, 24), (1, 17, 24), (1, kernels.MAX_ROWS + 1, 24)]:  # the last past MAX_ROWS: torch's path
         x = torch.randn(*shape, generator=gen)
         torch.testing.assert_close(proj(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     assert Projection(weight.double()).few_rows is None  # float32 and bfloat16 only

@@ -18,11 +18,11 @@ APART = {
 }
 
 
-def module_imports(path: Path) -> tuple[str, set[str]]:
-    """The module's dotted name inside decodekit, and every decodekit module it imports."""
-    rel = path.relative_to(ROOT).with_suffix("")
-    parts = list(rel.parts)
-    package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+def module_imports(path: Path, root: Path = ROOT) -> tuple[str, set[str]]:
+    """The module's dotted name inside decodekit, and every decodekit module it imports (for
+    ``from X import name``, both X and X.name: the name may be a module)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    package = parts[:-1]
     if parts[-1] == "__init__":
         parts = parts[:-1]
     found: set[str] = set()
@@ -30,16 +30,30 @@ def module_imports(path: Path) -> tuple[str, set[str]]:
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - node.level + 1]
-                target = ".".join([*base, *([node.module] if node.module else [])])
-            elif node.module and node.module.startswith("decodekit."):
-                target = node.module.removeprefix("decodekit.")
+            elif node.module == "decodekit" or (node.module or "").startswith("decodekit."):
+                base = []
             else:
                 continue
-            found.add(target)
-            found.update(f"{target}.{alias.name}" for alias in node.names)
+            target = [*base, *(node.module.split(".") if node.module else [])]
+            if not node.level:
+                target = target[1:]  # decodekit itself
+            if target:
+                found.add(".".join(target))
+            found.update(".".join([*target, alias.name]) for alias in node.names)
         elif isinstance(node, ast.Import):
             found.update(a.name.removeprefix("decodekit.") for a in node.names if a.name.startswith("decodekit."))
     return ".".join(parts), found
+
+
+def test_the_import_reader_sees_every_spelling(tmp_path):
+    (tmp_path / "engine").mkdir()
+    module = tmp_path / "engine" / "x.py"
+    module.write_text("from .. import search\nfrom decodekit import serve\nfrom decodekit.bench.runner import run\n"
+                      "import decodekit.eval.tasks\nfrom .core import Request\nfrom ..models import kernels\n")
+    name, found = module_imports(module, tmp_path)
+    assert name == "engine.x"
+    assert {"search", "serve", "bench.runner", "eval.tasks", "engine.core", "models.kernels"} <= found
+    assert not any(t == "" or t.startswith(".") for t in found)
 
 
 def all_modules() -> dict[str, set[str]]:

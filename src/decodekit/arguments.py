@@ -41,14 +41,26 @@ def named(value: str) -> str:
     return value
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, type=named, help="embedded model name, HF model folder or .gguf file (default: smollm2-135m)")
-    parser.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="model backend (default: native for Llama-family)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute dtype")
+#: What a model is loaded with (``models.load_model``'s backend, dtype and numerics): the one list of
+#: each, here below the models layer so that the flags need no torch.
+BACKENDS = ("auto", "native", "hf")
+DTYPES = ("float32", "bfloat16")
+NUMERICS = ("exact", "fast")
+
+
+def add_numerics_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--dtype`` and ``--numerics``."""
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and compute dtype")
     parser.add_argument(
-        "--numerics", default="exact", choices=["exact", "fast"],
+        "--numerics", default="exact", choices=NUMERICS,
         help="exact: float32, identical to the dequantised model (default); fast: 8-bit inputs and integer dot products on the GGUF blocks",
     )
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, type=named, help="embedded model name, HF model folder or .gguf file (default: smollm2-135m)")
+    parser.add_argument("--backend", default="auto", choices=BACKENDS, help="model backend (default: native for Llama-family)")
+    add_numerics_arguments(parser)
     parser.add_argument(
         "--kv-cache", default="full", metavar="POLICY",
         help="which keys and values to keep: full (default), int8, int4 (KIVI), sink:S,window:W (StreamingLLM), h2o:budget=B,window=W, "

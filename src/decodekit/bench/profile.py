@@ -172,7 +172,7 @@ def describe(result: dict[str, Any]) -> str:
         if "weight_gb_s_at_1" in r:
             lines.append(f"  one-token pass reads weights at {r['weight_gb_s_at_1']} GB/s "
                          f"({100 * r['bandwidth_share_at_1']:.0f}% of the copy bandwidth)")
-            share, peak = PEAKS[numerics]
+            share, _ = PEAKS[numerics]
             against = f" ({100 * r[share]:.0f}% of the {'matrix-product' if numerics == 'exact' else 'VNNI loop'} rate)"
             lines.append(f"  32-token pass computes {r['gflop_s_at_32']} G operations/s (two a multiply-add)"
                          + (against if share in r else ""))

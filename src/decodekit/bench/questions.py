@@ -111,7 +111,3 @@ def load_questions(
 ) -> list[Question]:
     """Read a question file, filter by category or group, keep ``limit`` questions per group."""
     return balanced(filter_categories(read_questions(resolve_question_file(path)), categories), limit)
-
-
-def groups_in_order(questions: Iterable[Question]) -> list[str]:
-    return list(dict.fromkeys(q.group for q in questions))

@@ -37,7 +37,7 @@ def load_model(
     kv_cache: "str | KVPolicy" = "full",
 ) -> LoadedModel:
     """Load a model by embedded name, Hugging Face folder or GGUF path (default: SmolLM2-135M),
-    computing in ``numerics`` (``exact`` or ``fast``, see :data:`.llama_weights.NUMERICS`), keeping the
+    computing in ``numerics`` (``exact`` or ``fast``, see :data:`..arguments.NUMERICS`), keeping the
     keys and values ``kv_cache`` says (:mod:`.kv_policy`: ``full``, ``sink:S,window:W``, ...)."""
     policy = parse_kv_cache(kv_cache)  # a bad spelling fails before any loading
     check_backend(backend)

@@ -24,8 +24,8 @@ forty wake-ups a step, each wanting the interpreter's lock.
 Which thread runs the passes matters. The kernels split each step over OpenMP threads, and
 GNU OpenMP keeps a team of worker threads per thread that starts parallel work. Once the teams
 hold more threads than there are cores, it stops letting idle workers spin and puts them to sleep
-between parallel regions; waking them costs about 0.1 ms a region, a few hundred regions a step
-(a pass on a second thread measured 4-5x slower than on the main thread here). So the passes run
+between parallel regions; waking them costs a fraction of a millisecond a region, a few hundred
+regions a step (a pass on a second thread measured several times slower than on the main thread). So the passes run
 on one thread (:meth:`PassBatcher.serve`, ideally called by the main thread, whose team already
 exists), and the request threads keep their own torch work on one thread
 (:func:`single_threaded`), so that they never start a team of their own.
@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .kernels import MAX_ROWS
 
 if TYPE_CHECKING:  # pragma: no cover
     from .native import NativeLlama
@@ -80,7 +81,7 @@ class PassBatcher:
     ``max_rows``: most rows in one pass (the kernels' few-row limit for the ``exact`` numerics);
     ``wait_s``: longest a pass waits for the other sequences."""
 
-    def __init__(self, max_rows: int = 64, wait_s: float = 0.005, own_thread: bool = True):
+    def __init__(self, max_rows: int = MAX_ROWS, wait_s: float = 0.005, own_thread: bool = True):
         self.max_rows, self.wait_s, self.own_thread = max_rows, wait_s, own_thread
         self._cond = threading.Condition()
         self._waiting: list[_Pass] = []

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InvalidParameter
+from .kernels import MAX_ROWS
 
 POLICY_HELP = {
     "full": "every key and value (default)",
@@ -168,8 +169,9 @@ class KiviPolicy(KVPolicy):
     bits: int = 4
 
     def __post_init__(self) -> None:
-        if self.group < 1 or self.residual < 64 or self.bits not in (2, 4):
-            raise InvalidParameter(f"kv cache {self.spec!r}: needs group >= 1, residual >= 64 (the longest pass) and 4 or 2 bits")
+        if self.group < 1 or self.residual < MAX_ROWS or self.bits not in (2, 4):
+            raise InvalidParameter(f"kv cache {self.spec!r}: needs group >= 1, residual >= {MAX_ROWS} (the longest pass) "
+                                   "and 4 or 2 bits")
 
     @property
     def spec(self) -> str:
@@ -187,7 +189,7 @@ class KiviPolicy(KVPolicy):
     def recent(self) -> int:
         """A rollback reaches back this far before the last pass: the residual beyond the longest
         pass (a later query still reads those tokens in float, and they are not quantised yet)."""
-        return self.residual - 64
+        return self.residual - MAX_ROWS
 
     def rolls_back_anywhere(self) -> bool:
         return False

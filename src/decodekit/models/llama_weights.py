@@ -1,6 +1,6 @@
 """The weights of a Llama-family model as the native backend computes with them: the config, the
 rotary tables, and each linear layer as a :class:`Projection` on the GGUF file's own blocks (or on
-float32 weights), in the numerics the model was loaded with (:data:`NUMERICS`).
+float32 weights), in the numerics the model was loaded with (:data:`..arguments.NUMERICS`).
 
 :class:`LlamaWeights` holds them all; :class:`.native.NativeLlama` (the backend, with its cache)
 runs the passes over them.
@@ -25,12 +25,11 @@ from .kernels import (
 )
 from .memory import return_freed_memory
 
-#: ``exact``: float32 on the weights (or their GGUF blocks), bit-identical to the dequantised model.
-#: ``fast``: inputs quantised to 8 bits per block of 32 and integer dot products against the GGUF
-#: blocks (``kernels/gemm_q8.c``), for every pass, prefill included. Both compute every token's row
-#: on its own, so speculative decoding and batching are lossless relative to plain decoding in
-#: the same numerics; ``fast`` differs from ``exact`` by the inputs' quantisation.
-NUMERICS = ("exact", "fast")
+# The numerics (:data:`..arguments.NUMERICS`). ``exact``: float32 on the weights (or their GGUF blocks), bit-identical to the dequantised model.
+# ``fast``: inputs quantised to 8 bits per block of 32 and integer dot products against the GGUF
+# blocks (``kernels/gemm_q8.c``), for every pass, prefill included. Both compute every token's row
+# on its own, so speculative decoding and batching are lossless relative to plain decoding in
+# the same numerics; ``fast`` differs from ``exact`` by the inputs' quantisation.
 
 
 @dataclass(frozen=True)
@@ -209,10 +208,9 @@ class Projection:
     """A linear layer, run through oneDNN's matmul where this torch build has it.
 
     Why not ``F.linear``: on this project's AMD EPYC machine, float32 ``F.linear`` goes to MKL,
-    whose kernels for a few rows are far from the hardware (2 rows cost 2x one row; the
-    49152-wide lm head took 26.6 ms for 4 rows). oneDNN's ``_linear_pointwise`` on the same
-    ``[out, in]`` weight took 8.5 ms there, and a full 4-token forward pass dropped from
-    100 ms to 61 ms (one token: 46 ms). Cheap multi-row passes are what make speculative
+    whose kernels for a few rows are far from the hardware (2 rows cost twice one row), while
+    oneDNN's ``_linear_pointwise`` on the same ``[out, in]`` weight costs a fraction of that for a
+    few rows (docs/BENCHMARKS.md, the earliest float32 runs). Cheap multi-row passes are what make speculative
     verification pay in float32. Both are plain float32 (or bfloat16) arithmetic: only
     the summation order differs.
 
@@ -336,7 +334,7 @@ class LlamaWeights:
     """Weights rearranged for fast inference: fused qkv and gate/up projections.
 
     ``blocks`` (GGUF blocks by Hugging Face name, float32 only) are attached to every fused
-    projection whose float32 weights they reproduce exactly. ``numerics`` is :data:`NUMERICS`'.
+    projection whose float32 weights they reproduce exactly. ``numerics`` is one of :data:`..arguments.NUMERICS`.
     ``matches``: what an earlier check of the same files found, by matrix
     (:class:`..gguf_blocks.BlockMatches`), taken instead of checking again; each check made here
     is added to it."""

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..arguments import BACKENDS, DTYPES as DTYPE_NAMES, NUMERICS
 from ..errors import CacheError, InvalidModel, InvalidParameter, ModelNotFound
 from ..machine import available_memory
 from .backend import Backend
@@ -62,10 +63,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     ),
 }
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-BACKENDS = ("auto", "native", "hf")
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16)))
 
 
 def check_backend(name: str) -> None:
@@ -292,10 +290,9 @@ def build_backend(
 
     ``gguf``: the file ``folder`` was dequantised from; a float32 native backend then streams its
     blocks in decode steps (:mod:`.gguf_blocks`). ``numerics``: ``exact`` or ``fast``
-    (:data:`.llama_weights.NUMERICS`; ``fast`` needs the native backend and the GGUF blocks). ``kv_cache``:
+    (:data:`..arguments.NUMERICS`; ``fast`` needs the native backend and the GGUF blocks). ``kv_cache``:
     a cache policy (:mod:`.kv_policy`; other than ``full``, the native backend's)."""
     from .kv_policy import parse_kv_cache
-    from .llama_weights import NUMERICS
 
     policy = parse_kv_cache(kv_cache)
 

@@ -1,9 +1,8 @@
 """A compact PyTorch Llama-family transformer (SmolLM2, Llama, Qwen2, Mistral) with a
 preallocated KV cache, in the spirit of gpt-fast.
 
-Why not transformers: one decode step through transformers costs ~47 ms here against
-~39 ms for the same math in a plain loop; the difference is per-layer Python and cache
-bookkeeping. Here q/k/v and gate/up are fused into one matmul each, the cache is written
+Why not transformers: a decode step through transformers spends much of its time on per-layer
+Python and cache bookkeeping around the same math. Here q/k/v and gate/up are fused into one matmul each, the cache is written
 in place, and rollback is just moving a length counter. The weights it computes with (config,
 rotary tables, projections on the GGUF blocks) are :mod:`.llama_weights`.
 """
@@ -17,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..arguments import NUMERICS
 from ..errors import InvalidParameter, PromptTooLong, RollbackRefused
 from ..machine import available_memory
 from .backend import Backend, ModelInfo, StepOutput
@@ -30,7 +30,7 @@ from .kernels import (
     layout_independent_attention, quantise_int8_rows,
 )
 from .llama_weights import (
-    NUMERICS, LlamaConfig, LlamaWeights, Projection, RopeTable, apply_rope, fast_numerics_unavailable,
+    LlamaConfig, LlamaWeights, Projection, RopeTable, apply_rope, fast_numerics_unavailable,
     native_architecture, rms_norm,
 )
 
@@ -78,7 +78,7 @@ class NativeLlama(Backend):
             raise InvalidParameter(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         if numerics == "fast" and dtype != torch.float32:
             raise InvalidParameter("the fast numerics runs on float32 activations; use --dtype float32")
-        # Some real weights hold subnormal floats; multi-row matmul kernels run ~3x slower on them.
+        # Some real weights hold subnormal floats, on which multi-row matmul kernels run several times slower.
         torch.set_flush_denormal(True)
         self.config = config
         self.dtype = dtype
@@ -718,13 +718,13 @@ class NativeLlama(Backend):
             (lo, mask), causal = windowed, False
         if self._kivi is not None:  # the int4 cache: float residual written as usual, read with the codes
             if ops is None or batch != 1:
-                raise ValueError("the int4 cache takes passes of one sequence and at most 64 tokens")
+                raise ValueError(f"the int4 cache takes passes of one sequence and at most {MAX_ROWS} tokens")
             q = ops.rope_store(qkv, pairs, positions, self._k[i, 0], self._v[i, 0], start, c.num_heads)
             heads = self._kivi_attention(q, self._kivi_view(positions), i, self._k[i, 0], self._v[i, 0], end, mask, scale)
             return heads.view(batch, k, q_size)
         if self._int8 is not None:  # the int8 cache: its kernels only (passes are read MAX_ROWS at a time)
             if ops is None or batch != 1:
-                raise ValueError("the int8 cache takes passes of one sequence and at most 64 tokens")
+                raise ValueError(f"the int8 cache takes passes of one sequence and at most {MAX_ROWS} tokens")
             q = self._int8.rope_store(qkv, pairs, positions, self._k[i, 0], self._v[i, 0], start, c.num_heads)
             heads = self._int8.attention(q, self._k[i, 0, :, lo:end], self._v[i, 0, :, lo:end], mask, scale)
             return heads.view(batch, k, q_size)

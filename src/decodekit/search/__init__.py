@@ -14,7 +14,7 @@ from .sample_decoder import SampleDecoder
 from .beam import OPTIONS as BEAM_OPTIONS, BeamSearch
 from .cot import OPTIONS as COT_OPTIONS, CoTDecoding
 from .options import builder
-from .scorers import Judge, Scorer, StepScorer, make_scorer
+from .scorers import NONNEGATIVE_SCORER_NAMES, Judge, Scorer, StepScorer, make_scorer
 from .select import (
     SAMPLING_OPTIONS,
     SCORER_OPTIONS,
@@ -34,7 +34,7 @@ METHODS: dict[str, tuple[type, dict[str, OptionSpec], str]] = {
     "best-of-n": (BestOfN, option_table(SAMPLING_OPTIONS, SCORER_OPTIONS), "best of N batched samples by a scorer (loglik, self-certainty, judge, ...)"),
     "self-consistency": (SelfConsistency, SAMPLING_OPTIONS, "majority vote over N sampled answers (Wang et al. 2023)"),
     "weighted-vote": (WeightedVote, option_table(SAMPLING_OPTIONS, SCORER_OPTIONS, OptionSpec(
-        "scorer", str, "prob", "vote weight", choices=("prob", "self-certainty", "judge"), allow_callable=True)),
+        "scorer", str, "prob", "vote weight", choices=NONNEGATIVE_SCORER_NAMES, allow_callable=True)),
         "vote over N sampled answers weighted by a score (default exp mean log-prob)"),
     "mbr": (MinimumBayesRisk, option_table(SAMPLING_OPTIONS, OptionSpec("utility", str, "chrf", "utility", choices=("chrf",),
                                                                          allow_callable=True)),

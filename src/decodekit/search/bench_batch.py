@@ -13,6 +13,7 @@ import json
 import time
 from typing import Any
 
+from ..arguments import add_numerics_arguments
 from ..engine import Engine
 from ..models import LoadedModel, load_model
 
@@ -43,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m decodekit.search.bench_batch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--numerics", default="exact", choices=["exact", "fast"])
+    add_numerics_arguments(parser)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)

@@ -26,8 +26,6 @@ from ..errors import InvalidParameter
 from ..models import LoadedModel
 from .batch import Sample, SearchContext
 
-SCORER_NAMES = ("loglik", "mean-logprob", "prob", "self-certainty", "judge")
-
 
 class Scorer(ABC):
     """Rates a segment; ``nonnegative`` scorers can also serve as voting weights."""
@@ -132,12 +130,11 @@ class Judge(Scorer):
         return yes / (yes + no) if yes + no > 0 else 0.5
 
 
-_BUILT_IN: dict[str, type[Scorer]] = {
-    "loglik": LogLikelihood,
-    "mean-logprob": MeanLogprob,
-    "prob": Probability,
-    "self-certainty": SelfCertainty,
-}
+_BUILT_IN: dict[str, type[Scorer]] = {s.name: s for s in (LogLikelihood, MeanLogprob, Probability, SelfCertainty)}
+_BY_NAME: dict[str, type[Scorer]] = {**_BUILT_IN, Judge.name: Judge}
+SCORER_NAMES = tuple(_BY_NAME)
+#: The scorers whose values can weigh votes (weighted-vote's choices).
+NONNEGATIVE_SCORER_NAMES = tuple(name for name, scorer in _BY_NAME.items() if scorer.nonnegative)
 
 
 def make_scorer(spec: str | Callable[[str], float] | Scorer, judge_model: LoadedModel | str | None = None) -> Scorer:

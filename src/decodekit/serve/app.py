@@ -42,7 +42,7 @@ from ..samplers.constraint import constraint_processor
 from ..samplers.params import SEED_LIMIT
 from ..models import LoadedModel
 from ..options import finite
-from . import STREAM_INTERVAL_S
+from . import MAX_BATCH, MAX_QUEUE, RETRY_AFTER_S, STREAM_INTERVAL_S
 from .metrics import ServerMetrics
 from .scheduler import Job, Outcome, Overloaded, Scheduler
 
@@ -52,7 +52,8 @@ ROLES = ("system", "developer", "user", "assistant")
 MAX_TOP_LOGPROBS = 20
 #: vLLM's fields for structured output, beside OpenAI's response_format
 GUIDED = tuple("guided_" + kind for kind in ("json", "regex", "choice", "grammar"))
-# OpenAI fields that are accepted and have no effect here
+# OpenAI fields this module reads itself, or that mean nothing for a local model (model, user, store, ...):
+# never passed on to the method as its options
 IGNORED = {"model", "user", "store", "metadata", "parallel_tool_calls", "service_tier", "stream", "stream_options",
            "messages", "prompt", "n", "max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs",
            "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "method", "ignore_eos",
@@ -87,7 +88,7 @@ class Server:
     """The app and what it serves. ``load`` makes the model (run on a thread at start-up; until
     it returns, ``/health`` and the API answer 503)."""
 
-    def __init__(self, load: Callable[[], LoadedModel], *, max_batch: int = 8, max_queue: int = 64,
+    def __init__(self, load: Callable[[], LoadedModel], *, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
                  passes_on_caller: bool = False, stream_interval_s: float = STREAM_INTERVAL_S,
                  allowed_origins: Sequence[str] = ()):
         """``stream_interval_s``: how long a stream's text after its first is gathered before it is
@@ -155,7 +156,7 @@ class Server:
         async def api_error(request: Request, err: ApiError):
             if self.metrics:
                 self.metrics.errors.labels(str(err.status)).inc()
-            headers = {"Retry-After": "1"} if err.status == 503 else None
+            headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 503 else None
             return error_response(err.status, str(err), err.kind, err.param, err.code, headers)
 
         @app.exception_handler(ClientGone)

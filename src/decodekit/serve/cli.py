@@ -14,7 +14,7 @@ import threading
 
 from ..arguments import add_model_arguments
 from ..errors import InvalidParameter
-from . import STREAM_INTERVAL_S
+from . import MAX_BATCH, MAX_QUEUE, STREAM_INTERVAL_S
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,8 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             action.help = "fast (the server's default, where this model and CPU allow it; else exact) or exact"
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503s (default 64)")
+    p.add_argument("--max-batch", type=int, default=MAX_BATCH, help=f"requests decoded together (default {MAX_BATCH})")
+    p.add_argument("--max-queue", type=int, default=MAX_QUEUE,
+                   help=f"requests waiting for a slot before 503s (default {MAX_QUEUE})")
     p.add_argument("--allowed-origins", default="", metavar="ORIGINS",
                    help="comma-separated web origins (https://host:port, or *) whose pages may call the API from a "
                         "browser (CORS; default none)")

@@ -29,12 +29,11 @@ from ..engine.core import Generation
 from ..engine.registry import method_spec
 from ..errors import DecodeKitError, InvalidParameter
 from ..models import LoadedModel
+from . import MAX_BATCH, MAX_QUEUE
 
 
 class Overloaded(DecodeKitError):
     """Every slot is busy and the waiting queue is full."""
-
-    retry_after_s = 1
 
 
 @dataclass
@@ -82,7 +81,8 @@ def token_logprobs(backend, prompt_ids: list[int], tokens: list[int], top: int) 
 class Scheduler:
     """Slots, admission and the shared batcher for one loaded model."""
 
-    def __init__(self, model: LoadedModel, *, max_batch: int = 8, max_queue: int = 64, passes_on_caller: bool = False):
+    def __init__(self, model: LoadedModel, *, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
+                 passes_on_caller: bool = False):
         """``passes_on_caller``: the passes wait for a thread to call ``self.batcher.serve`` (the
         main thread, in ``decodekit serve``) instead of running on a thread of their own."""
         from ..models.batching import PassBatcher, single_threaded

@@ -20,7 +20,7 @@ from .verify import GreedyVerifier, KeyedVerifier, SamplingVerifier, Verifier
 def register_methods() -> None:
     """Register (or refresh) one decoding method per drafter."""
     for name, spec in DRAFTER_SPECS.items():
-        register_method(name, method_builder(name, spec.factory), spec.description, lossless=True, family="speculative",
+        register_method(name, method_builder(spec.factory), spec.description, lossless=True, family="speculative",
                         options=option_table(spec.options, COMMON_OPTIONS))
 
 

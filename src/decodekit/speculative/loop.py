@@ -224,7 +224,7 @@ def make_controller(options: dict[str, Any]) -> Controller:
     return Controller(common["max_draft"], budget=budget, cost_table=common["cost_table"])
 
 
-def method_builder(name: str, factory: Callable[..., Drafter]) -> Callable[..., StepDecoder]:
+def method_builder(factory: Callable[..., Drafter]) -> Callable[..., StepDecoder]:
     """``build(**options)`` for the registry (which has checked the options against the drafter's
     and the common ones): the controller takes the common options, the drafter its own."""
 

@@ -20,7 +20,6 @@ class DrafterSpec:
     name: str
     factory: Callable[..., Drafter]
     description: str
-    stochastic: bool  # True: drafts carry draft_probs (sampled proposals)
     options: Mapping[str, OptionSpec] = field(default_factory=dict)  # the factory's keyword options
 
 
@@ -28,12 +27,11 @@ class DrafterSpec:
 DRAFTER_SPECS: dict[str, DrafterSpec] = {}
 
 
-def register_drafter(name: str, description: str, *, stochastic: bool = False,
-                     options: Mapping[str, OptionSpec] | None = None) -> Callable:
+def register_drafter(name: str, description: str, *, options: Mapping[str, OptionSpec] | None = None) -> Callable:
     """Decorator registering a drafter factory (a class or function taking the keyword ``options``)."""
 
     def wrap(factory: Callable[..., Drafter]) -> Callable[..., Drafter]:
-        DRAFTER_SPECS[name] = DrafterSpec(name, factory, description, stochastic, dict(options or {}))
+        DRAFTER_SPECS[name] = DrafterSpec(name, factory, description, dict(options or {}))
         return factory
 
     return wrap

@@ -172,6 +172,6 @@ class DraftModelDrafter(ChainDrafter):
 
 
 register_drafter(
-    "draft", "a smaller draft model proposes a chain (draft_model=PATH or self-truncated:N)", stochastic=True,
+    "draft", "a smaller draft model proposes a chain (draft_model=PATH or self-truncated:N)",
     options=OPTIONS,
 )(DraftModelDrafter)

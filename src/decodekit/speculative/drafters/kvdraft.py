@@ -125,5 +125,5 @@ class CompressedCacheDrafter(DraftModelDrafter):
 
 register_drafter(
     "kvdraft", "the target attending to a compressed KV cache drafts chains, its full cache verifies (draft_cache=POLICY)",
-    stochastic=True, options=OPTIONS,
+    options=OPTIONS,
 )(CompressedCacheDrafter)

@@ -7,8 +7,8 @@ tree from the root token through the matrix; after each verification every score
 (root and all tree nodes, accepted or not) refreshes its token's row with the top-k of its
 logits — the "trash" candidates are recycled. The matrix lives in the backend's memory,
 so it keeps learning across requests, plain steps included (the refresh costs a top-k of the
-vocabulary per step: 7 us with ``topk.c``, where torch.topk's 88 us made recycling 3-4% slower
-than plain decoding when it did not speculate). Model-free at draft time; lossless through the
+vocabulary per step, hence ``topk.c``: with torch.topk, recycling was measurably slower than
+plain decoding when it did not speculate). Model-free at draft time; lossless through the
 verifier.
 
 Choice the paper leaves open: its static tree was tuned offline; ours is the best-first tree
