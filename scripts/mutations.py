@@ -621,6 +621,8 @@ MUTATIONS = (
              "ranks[order[i : j + 1]] = (i + j) / 2 + 1", "ranks[order[i : j + 1]] = i + 1", ("tests/test_eval.py",)),
     Mutation("reliability-top-bin-dropped", "src/decodekit/eval/metrics.py",
              "index = np.minimum((c * bins).astype(int), bins - 1)", "index = (c * bins).astype(int)", ("tests/test_eval.py",)),
+    Mutation("schema-numbers-llguidance-rounds-trusted", "src/decodekit/samplers/constraint.py",
+             "            if inexact is not None:\n", "            if False:\n", ("tests/test_constraint.py", "-k", "round_is_refused")),
 )
 
 

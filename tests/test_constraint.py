@@ -602,3 +602,26 @@ def test_a_matcher_error_outside_the_mask_is_one_line_not_an_unmasked_row(engine
 def test_a_json_constraint_takes_no_schema():
     with pytest.raises(InvalidParameter, match="takes no value; for a schema use json_schema"):
         Constraint.coerce({"json": {"type": "integer"}})
+
+
+@pytest.mark.parametrize("schema, where", [
+    ({"const": 2**53 + 1}, "const at /"),
+    ({"type": "integer", "minimum": 2**64}, "minimum at /"),
+    ({"type": "object", "properties": {"id": {"enum": ["a", [1, 10**20]]}}}, "enum at /properties/id"),
+    ('{"const": 1e400}', "const at / holds inf"),  # JSON text whose literal overflows a float
+    ({"properties": {"const": {"maximum": 2**60}}}, "maximum at /properties/const"),  # a property named const
+])
+def test_a_schema_number_llguidance_would_round_is_refused(schema, where):
+    """llguidance reads a schema's numbers as float64: 2**53 + 1 decoded as 2**53 broke the schema
+    while the output ended as if it were valid."""
+    with pytest.raises(InvalidParameter, match=re.escape(where)):
+        Constraint("json_schema", schema).grammar()
+
+
+def test_boolean_schemas_and_numbers_a_float_holds_exactly():
+    for schema in (True, {"const": 2**53}, {"enum": [-(2**53), 0.5]}, {"properties": {"maximum": {"type": "string"}}}):
+        checked_grammar({"json_schema": schema})
+    with pytest.raises(InvalidParameter, match="false allows no value"):
+        Constraint("json_schema", False).grammar()
+    with pytest.raises(InvalidParameter, match="a JSON object or a boolean, got list"):
+        Constraint("json_schema", [1]).grammar()

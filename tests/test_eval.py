@@ -229,3 +229,15 @@ def test_the_longctx_help_states_the_defaults_it_runs():
     assert f"(default {','.join(map(str, DEFAULT_LENGTHS))})" in helps["lengths"]
     assert f"(default {','.join(map(str, DEFAULT_DEPTHS))})" in helps["depths"]
     assert f"(default {LongContextConfig().continuation})" in helps["continuation"]
+
+
+def test_a_structured_file_takes_boolean_schemas_and_is_checked_whole_before_any_decoding(tmp_path):
+    from decodekit.eval.tasks import load_task
+
+    path = tmp_path / "items.jsonl"
+    good = {"id": "a", "prompt": "Any JSON:", "schema": True}
+    path.write_text(json.dumps(good) + "\n")
+    assert [item.id for item in load_task("structured", str(path)).items] == ["a"]
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"id": "b", "prompt": "x", "schema": {"const": 2**60}}) + "\n")
+    with pytest.raises(InvalidParameter, match=r"items.jsonl:2: the JSON schema's const"):
+        load_task("structured", str(path))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..data import GSM8K_TEST, STRUCTURED_SCHEMAS, data_file, first_repeated, read_jsonl
 from ..errors import InvalidParameter, UnknownMethod
+from ..samplers.constraint import checked_grammar
 from ..search.answers import Extractor, answer_start, extract_number, normalize_text
 from ..search.uncertainty import paraphrases as generic_paraphrases
 
@@ -165,6 +166,10 @@ def structured_task(path: str | Path | None = None) -> Task:
             raise InvalidParameter(f"{where}: a structured item needs a 'prompt' string and a 'schema'")
         schema = row["schema"]
         constrained = {**schema, "x-guidance": COMPACT_JSON} if isinstance(schema, dict) else schema
+        try:  # every item's schema checked before the first is decoded
+            checked_grammar({"json_schema": constrained})
+        except InvalidParameter as err:
+            raise InvalidParameter(f"{where}: {err}") from None
         items.append(Item(str(row.get("id", where)), row["prompt"], json.dumps(schema), constraint={"json_schema": constrained}))
     return Task("structured", items, answer=lambda text: text.strip() or None, is_correct=schema_valid, max_new_tokens=128)
 

@@ -19,6 +19,7 @@ speculative decoding verifies as a free draft (:mod:`decodekit.speculative.loop`
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +38,42 @@ from ..models.tokenizer import grammar_error_line, matcher_error_line
 from .base import LogitsProcessor, generated_lists
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
+
+
+#: Schema keywords whose numbers bound or spell the output's values.
+NUMERIC_KEYWORDS = ("const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+EXACT_INTEGERS = 2**53  # float64 holds every integer up to this, and not all beyond
+
+
+def inexact_number(schema: Any, at: str = "") -> str | None:
+    """Where ``schema`` bounds or spells a value with a number a float64 does not hold exactly (an
+    integer beyond 2**53, an infinity from an overflowing literal such as 1e400), as
+    "KEYWORD at PATH holds N"; None when it has none. llguidance rounds such numbers, and an output
+    decoded under the rounded bound would break the schema the user gave."""
+    def bad(value: Any) -> Any:
+        if isinstance(value, bool):
+            return None
+        if isinstance(value, int) and abs(value) > EXACT_INTEGERS:
+            return value
+        if isinstance(value, float) and not math.isfinite(value):
+            return value
+        for inner in value.values() if isinstance(value, dict) else value if isinstance(value, list) else ():
+            if (found := bad(inner)) is not None:
+                return found
+        return None
+
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            if isinstance(value, (dict, list)):  # a subschema (a property may be named "const" too)
+                if (found := inexact_number(value, f"{at}/{key}")) is not None:
+                    return found
+            if key in NUMERIC_KEYWORDS and (found := bad(value)) is not None:
+                return f"{key} at {at or '/'} holds {found}"
+    elif isinstance(schema, list):
+        for i, value in enumerate(schema):
+            if (found := inexact_number(value, f"{at}/{i}")) is not None:
+                return found
+    return None
 
 
 @dataclass(frozen=True)
@@ -74,9 +111,18 @@ class Constraint:
                     schema = json.loads(schema)
                 except ValueError as err:
                     raise InvalidParameter(f"the JSON schema is not valid JSON ({err})") from None
-            if not isinstance(schema, dict):
-                raise InvalidParameter(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
-            return LLMatcher.grammar_from_json_schema(schema)
+            if not isinstance(schema, (dict, bool)):  # true: any JSON value; false: none
+                raise InvalidParameter(f"a JSON schema must be a JSON object or a boolean, got {type(schema).__name__}")
+            if schema is False:
+                raise InvalidParameter("the JSON schema false allows no value at all")
+            inexact = inexact_number(schema)
+            if inexact is not None:
+                raise InvalidParameter(f"the JSON schema's {inexact}: llguidance reads a schema's numbers as 64-bit "
+                                       f"floats, so its output could break the schema")
+            try:
+                return LLMatcher.grammar_from_json_schema(schema)
+            except ValueError as err:
+                raise InvalidParameter(f"invalid json schema constraint: {err}") from None
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.value)
         if self.kind == "choice":
