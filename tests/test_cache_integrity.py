@@ -360,6 +360,25 @@ def test_a_cache_entry_is_built_aside_and_replaced_whole(tmp_path, capsys):
     assert "sub/b.txt has changed" in line and (path / "sub" / "b.txt").read_text() == "b"
 
 
+def test_a_manifest_that_does_not_vouch_for_its_entry_is_not_trusted(tmp_path):
+    from decodekit.models.cache import cached_file
+
+    path = tmp_path / "entry.bin"
+    cached_file(path, lambda tmp: tmp.write_bytes(b"x" * 100))
+    entry, manifest = Entry(path, folder=False), path.with_name("entry.bin.manifest.json")
+    assert entry.check() is None
+    saved = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**saved, "digest": "md5"}))  # made with another digest
+    assert entry.check() == "no valid manifest"
+    manifest.write_text(json.dumps({**saved, "files": {"other.bin": saved["files"]["entry.bin"]}}))  # another file's
+    assert entry.check() == "no valid manifest"
+    manifest.write_text(json.dumps(saved))
+    path.unlink()
+    path.mkdir()  # a folder where the file belongs, under the file's manifest
+    (path / "entry.bin").write_bytes(b"x" * 100)
+    assert entry.check() == "a folder where a file belongs"
+
+
 # The controller's cost table ----------------------------------------------------------------------
 
 

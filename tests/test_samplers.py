@@ -631,3 +631,14 @@ def test_invalid_message_states_range():
         TopK(0)
     with pytest.raises(InvalidParameter, match=r"^temperature must be a finite number > 0"):
         Temperature(0)  # the processor itself needs T > 0; from_params maps 0 to greedy
+
+
+def test_histories_give_each_rows_generated_ids_whether_rows_are_lists_or_tensors():
+    from decodekit.samplers.base import Histories, generated_ids, generated_lists
+
+    rows = [[5, 6, 7, 8], torch.tensor([1, 2, 3])]
+    histories = Histories(rows, [2, 1])
+    assert generated_lists(histories) == [[7, 8], [2, 3]]
+    assert [t.tolist() for t in generated_ids(histories)] == [[7, 8], [2, 3]]
+    assert [t.tolist() for t in histories] == [[5, 6, 7, 8], [1, 2, 3]]  # read as a list: the whole history
+    assert generated_lists([torch.tensor([4, 5])]) == [[4, 5]]  # a plain sequence has no prompt
