@@ -646,6 +646,9 @@ MUTATIONS = (
              ("tests/test_cache_integrity.py", "-k", "vouch")),
     Mutation("folder-where-a-file-belongs-accepted", "src/decodekit/models/cache.py",
              "        if self.path.is_dir() != self.folder:\n", "        if False:\n", ("tests/test_cache_integrity.py", "-k", "vouch")),
+    Mutation("a-windowed-cache-request-without-max-tokens-runs-on", "src/decodekit/serve/app.py",
+             "spec.max_tokens = max(1, min(room, info.trained_length or room))", "spec.max_tokens = max(1, room)",
+             ("tests/test_serve.py", "-k", "windowed_cache_decodes")),
 )
 
 

@@ -107,7 +107,7 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["generate", "hi", "--frequency-penalty=1e39"], "frequency_penalty must be in"),  # past float32: inf * 0 = nan
     (["generate", "hi", "--method", "best-of-n", "--opt", "answer_start=foo"], "answer_start must be a Python callable"),
     (["generate", "hi", "--json-schema", "/no/such/schema.json"], "no such file"),
-    (["generate", "hi", "--json-schema", "[1]"], "a JSON schema must be a JSON object, got list"),
+    (["generate", "hi", "--json-schema", "[1]"], "a JSON schema must be a JSON object or a boolean, got list"),
     (["generate", "hi", "--model", ""], "argument --model: is empty"),
     (["eval", "capitals", "--out", ""], "argument --out: is empty"),
     (["bench", "--out", ""], "argument --out: is empty"),

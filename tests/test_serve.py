@@ -196,6 +196,13 @@ def test_bad_requests_are_openai_error_objects(served):
         status, body = post(served, "/v1/chat/completions", {**base, **extra})
         error = json.loads(body)["error"]
         assert status == 400 and error["message"] == message and error["param"] == next(iter(extra)), body
+    # the field at fault named, though the message starts elsewhere
+    for extra, param in (({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
+                         ({"method": "draft", "draft_model": "self-truncated:1000"}, "draft_model"),
+                         ({"method": "kvdraft", "draft_cache": "sink:4"}, "draft_cache"),
+                         ({"method": "kvdraft", "draft_cache": "full"}, "draft_cache")):
+        status, body = post(served, "/v1/chat/completions", {**base, **extra})
+        assert status == 400 and json.loads(body)["error"]["param"] == param, (extra, body)
     for best_of, status_wanted in ((1, 200), (0, 400), (3, 400)):  # 1 is OpenAI's default: it asks for nothing
         status, body = post(served, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "best_of": best_of})
         assert status == status_wanted, (best_of, body)
@@ -645,3 +652,20 @@ def test_after_a_search_the_next_turn_reads_its_whole_prompt(served, alone):
         follow = first + answer + " and fish?"
         got = chat(served, follow, max_tokens=12, temperature=0).choices[0].message.content
         assert got == alone(follow, max_new_tokens=12).text, method
+
+
+def test_without_max_tokens_a_windowed_cache_decodes_as_many_tokens_as_the_models_context(tmp_path, monkeypatch):
+    """A sink:S,window:W cache has no end of context: a request without max_tokens stops after the
+    model's own context's worth of tokens instead of running until the client goes away."""
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    backend = tiny_llama(seed=0, hidden_size=64, max_position=96).with_kv_cache("sink:4,window:32")
+    assert backend.info.trained_length == 96 and backend.info.max_length > 10**9
+    running = Running(LoadedModel(backend, CharTokenizer(96), MODEL), max_batch=1)
+    try:
+        for prompt in ("hi", "y" * 200):  # a prompt longer than the context too: the window makes room
+            # a chat (a completion's default is OpenAI's 16); a client timeout, should it run on
+            out = running.client.with_options(timeout=60).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": prompt}], extra_body={"ignore_eos": True})
+            assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 96
+    finally:
+        running.stop()

@@ -28,9 +28,11 @@ class ModelInfo:
     vocab_size: int
     num_layers: int
     hidden_size: int
-    max_length: int
+    max_length: int  # the longest sequence the backend takes (beyond the model's own context where its cache keeps a window)
     dtype: torch.dtype
     architecture: str
+    #: The context the model was trained for, where max_length goes past it (0: max_length is it).
+    trained_length: int = 0
 
 
 @dataclass

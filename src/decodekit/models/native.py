@@ -149,8 +149,9 @@ class NativeLlama(Backend):
         if peak is not None and peak > self.config.max_position:
             raise InvalidParameter(f"kv cache {policy.spec} needs up to {peak} entries, more than the model's context "
                                    f"of {self.config.max_position}")
-        limit = UNBOUNDED_LENGTH if policy.reassigns_positions else self.config.max_position
-        return dataclasses.replace(self.info, max_length=limit)
+        if policy.reassigns_positions:  # a window of the sequence: any length
+            return dataclasses.replace(self.info, max_length=UNBOUNDED_LENGTH, trained_length=self.config.max_position)
+        return dataclasses.replace(self.info, max_length=self.config.max_position, trained_length=0)
 
     def with_kv_cache(self, policy: KVPolicy | str) -> "NativeLlama":
         """This model with another cache policy, sharing its weights, with a cache and a memory

@@ -224,8 +224,10 @@ class Server:
         try:
             # on a thread: a long prompt takes a while to tokenise, and other clients wait meanwhile otherwise
             prompt_ids = await asyncio.to_thread(prompt_token_ids, scheduler.model, spec.prompt, chat=chat)
-            if spec.max_tokens is None:
-                spec.max_tokens = max(1, scheduler.model.backend.info.max_length - len(prompt_ids))
+            if spec.max_tokens is None:  # to the context's end; past a windowed cache's, as many as the model's context holds
+                info = scheduler.model.backend.info
+                room = info.max_length - len(prompt_ids)
+                spec.max_tokens = max(1, min(room, info.trained_length or room))
             check_fits(scheduler.model.backend, len(prompt_ids), spec.max_tokens)
             check_method(spec, scheduler.model)
         except PromptTooLong as err:
@@ -434,7 +436,11 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
     samples = temperature not in (None, 0)
     if seed is not None or samples:
         params["seed"] = seed if seed is not None else secrets.randbelow(2**31)
-    return RequestSpec(prompt, method, params, max_tokens, stop, n, top_logprobs, bool(options.get("include_usage")),
+    include_usage = options.get("include_usage", False)
+    if include_usage is not None and not isinstance(include_usage, bool):  # never "no" read as true
+        raise ApiError(400, f"stream_options.include_usage must be true or false, got {include_usage!r}",
+                       param="stream_options")
+    return RequestSpec(prompt, method, params, max_tokens, stop, n, top_logprobs, bool(include_usage),
                        _flag(body, "ignore_eos"), structured_output(body), stream)
 
 

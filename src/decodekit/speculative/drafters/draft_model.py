@@ -73,7 +73,10 @@ def draft_backend(spec: Backend | int | str, target: Backend) -> Backend:
             raise InvalidParameter("draft_model must not be the target backend itself (it needs its own cache)")
         return spec
     if isinstance(spec, int):  # kept in the target's memory: a clone of the target makes its own
-        return target.memory(("draft.truncated", spec), lambda: target.truncated(spec))
+        try:
+            return target.memory(("draft.truncated", spec), lambda: target.truncated(spec))
+        except InvalidParameter as err:
+            raise InvalidParameter(f"draft_model {SELF_TRUNCATED}{spec}: {err}", param="draft_model") from None
     key = (spec, target.info.dtype)
     if key not in _loaded:
         from pathlib import Path

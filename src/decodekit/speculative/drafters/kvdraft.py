@@ -64,10 +64,13 @@ class CompressedCacheDrafter(DraftModelDrafter):
     def __init__(self, *, draft_cache: str = DEFAULT_CACHE, max_draft: int = 6, confidence: float = 0.3,
                  stochastic: bool = True):
         super().__init__(draft_model=None, max_draft=max_draft, confidence=confidence, stochastic=stochastic)
-        self.policy = parse_kv_cache(draft_cache)
+        try:
+            self.policy = parse_kv_cache(draft_cache)
+        except InvalidParameter as err:
+            raise InvalidParameter(f"draft_cache: {err}", param="draft_cache") from None
         if not self.policy.one_sequence() or self.policy.kivi:
             raise InvalidParameter(f"kvdraft needs a compressed draft_cache other than int4/int2 (e.g. {DEFAULT_CACHE} or int8), "
-                                   f"got {self.policy.spec!r}")
+                                   f"got {self.policy.spec!r}", param="draft_cache")
         self.windowed = isinstance(self.policy, StreamingPolicy)  # drafts on the target's own cache
         self._target = None
         self._origin = 0
@@ -78,14 +81,14 @@ class CompressedCacheDrafter(DraftModelDrafter):
     def begin(self, state: DecodeState) -> None:
         target = state.backend
         if not hasattr(target, "with_kv_cache"):
-            raise InvalidParameter(f"kvdraft needs the native backend, not {target.info.architecture}")
+            raise InvalidParameter(f"kvdraft needs the native backend, not {target.info.architecture}", param="method")
         policy = target.kv_policy  # windowed drafts read an int8 cache as they read a float one, not int4's
         if policy.quantised and policy.code_bits == 8 and not self.windowed:
             raise InvalidParameter(f"under the model's int8 cache kvdraft drafts through a window of it: draft_cache "
                                    f"must be sink:S,window:W, got {self.policy.spec}", param="draft_cache")
         if policy.evicts() or policy.quantised and policy.code_bits != 8:
             raise InvalidParameter(f"kvdraft drafts for a cache that keeps every token (full, or int8 with sink:S,window:W "
-                                   f"drafts); this model's is {target.kv_policy.spec}")
+                                   f"drafts); this model's is {target.kv_policy.spec}", param="method")
         self._target = target
         if self.windowed:
             return
