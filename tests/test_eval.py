@@ -71,6 +71,17 @@ def test_budget_curve_votes_over_the_first_m_samples():
                                {"answer": "b", "correct": True}, {"answer": "c", "correct": False}]}]
     assert budget_curve(records) == [{"samples": 1, "accuracy": 0.0}, {"samples": 2, "accuracy": 0.0},
                                      {"samples": 4, "accuracy": 1.0}]
+    three = [{"candidates": records[0]["candidates"][:3]}]  # N off the powers of two is the curve's last point
+    assert [p["samples"] for p in budget_curve(three)] == [1, 2, 3]
+
+
+def test_signal_aurocs_orient_each_signal_so_that_higher_means_likelier_correct():
+    from decodekit.eval.runner import signal_aurocs
+
+    # low phi_first (entropy) and high self-certainty both mark the correct answers here
+    records = [{"signals": {"phi_first": phi, "self_certainty": -phi}, "correct": ok}
+               for phi, ok in ((0.1, True), (0.2, True), (0.8, False), (0.9, False))]
+    assert signal_aurocs(records) == {"phi_first": 1.0, "self_certainty": 1.0}
 
 
 def fake_task() -> Task:

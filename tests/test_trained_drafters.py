@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import warnings
 from collections import Counter
 
 import pytest
@@ -243,6 +245,23 @@ def test_damaged_and_wrong_drafter_files_are_one_line(drafter_files, tmp_path):
         save_file(crafted, str(broken), metadata={**meta, "digest": store.tensors_digest(crafted)})
         with pytest.raises(InvalidModel, match="head.vocab is not a list of token ids"):
             store.load(backend, "eagle", broken)
+    # weights that are not finite, or not stored as a drafter's are; a config that cannot be a network's
+    name = next(n for n, t in tensors.items() if t.is_floating_point())
+    for weights in (torch.full_like(tensors[name], float("nan")), tensors[name].double(), tensors[name].to(torch.int8)):
+        crafted = {**tensors, name: weights.contiguous()}
+        save_file(crafted, str(broken), metadata={**meta, "digest": store.tensors_digest(crafted)})
+        with pytest.raises(InvalidModel, match=f"{re.escape(name)} must hold finite float16"):
+            store.load(backend, "eagle", broken)
+    config = json.loads(meta["config"])
+    for change, problem in (({"heads": 0}, "heads must be a positive integer"),
+                            ({"rope_theta": float("nan")}, "rope_theta must be a positive number"),
+                            ({"eps": -1}, "eps must be a positive number"),
+                            ({"intermediate": 7}, "size mismatch for")):  # the weights' shapes say otherwise
+        save_file(tensors, str(broken), metadata={**meta, "config": json.dumps({**config, **change})})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # one line: no torch warning before it
+            with pytest.raises(InvalidModel, match=problem):
+                store.load(backend, "eagle", broken)
 
 
 def test_without_a_drafter_the_message_says_how_to_train_one(monkeypatch, tmp_path):
@@ -290,7 +309,20 @@ def test_train_drafter_refuses_a_model_it_cannot_train_on_before_making_data(mon
         setattr(model.backend, *change)
         with pytest.raises(InvalidParameter, match=message):
             cli.run(args, model=model)
+    # answers that cannot fit, and a folder where the drafter's file would be saved
+    with pytest.raises(InvalidParameter, match="--max-new-tokens 100000000 leaves no room"):
+        cli.run(argparse.Namespace(**{**vars(args), "max_new_tokens": 10**8}), model=tiny())
+    store.cache_path(tiny().backend, "eagle").mkdir(parents=True)
+    with pytest.raises(InvalidParameter, match="is a folder: the drafter's file cannot be saved there"):
+        cli.run(args, model=tiny())
     assert "self-distilling" not in capsys.readouterr().err
+
+
+def test_an_evaluation_that_verified_nothing_reports_no_figure(drafter_files):
+    from decodekit.speculative.trained.cli import evaluate
+
+    assert evaluate(tiny(), "eagle", drafter_files["eagle", "exact"], [], 8) == {
+        "queries": 0, "mean_accepted": None, "identical_to_greedy": "0/0"}
 
 
 # Lossless -------------------------------------------------------------------------------------------------------
@@ -309,6 +341,18 @@ def test_trained_drafters_are_token_identical_to_greedy(drafter_files, kind, num
         assert spec.tokens == plain.tokens
         accepted += spec.stats.extra["accepted"]
     assert accepted > 0  # the drafts are verified and some accepted: the path-keeping code ran
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_draft_vocabulary_smaller_than_the_candidates_asked_drafts_what_it_has(kind, tmp_path):
+    model = tiny()
+    settings = Settings(kind, minutes=1, steps=2, vocab=2, batch_tokens=256)
+    samples, _ = split(corpus_of(model), 0)
+    net = new_net(kind, model.backend, draft_vocabulary(samples, settings.vocab, model.backend.info.vocab_size), settings)
+    train(net, samples, model.backend, settings)
+    path = store.save(net, kind, model.backend, tmp_path / f"{kind}.safetensors", {})
+    spec = run(model, method_for(kind, path, budget=6, candidates=8), PROMPTS[0])
+    assert spec.tokens == run(model, _plain(), PROMPTS[0]).tokens
 
 
 def _plain():
@@ -550,3 +594,28 @@ def test_eagle_predicts_the_same_after_pairs_committed_one_by_one_or_together(dr
                 drafter._commit_pairs(state, upto)
         aheads.append(drafter.ahead)
     assert torch.allclose(aheads[0], aheads[1], atol=1e-4)
+
+
+def test_a_drafter_file_may_be_given_as_a_path(drafter_files):
+    from decodekit.engine import Engine
+
+    engine = Engine(tiny())
+    path = drafter_files["eagle", "exact"]
+    given = engine.generate("hello", method="eagle", drafter=path, max_new_tokens=8, chat=False)
+    assert given.tokens == engine.generate("hello", method="eagle", drafter=str(path), max_new_tokens=8, chat=False).tokens
+
+
+def test_medusa_loss_is_the_same_with_a_samples_padding():
+    """In a batch a shorter sample is padded: its padding is scored neither as a feature nor as the
+    label of a head's feature shift tokens back (padding tokens may lie in the draft vocabulary)."""
+    model = tiny()
+    net = new_net("medusa", model.backend, torch.arange(16), Settings("medusa"))
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(1, 12, model.backend.info.hidden_size, generator=g)
+    targets, mask = torch.randint(0, 16, (1, 12), generator=g), torch.ones(1, 12, dtype=torch.bool)
+    mask[0, :3] = False  # the prompt: not scored
+    alone, _ = net.loss(features, targets, mask)
+    padded_loss, _ = net.loss(torch.cat([features, torch.zeros(1, 5, features.shape[-1])], dim=1),
+                              torch.cat([targets, torch.zeros(1, 5, dtype=torch.long)], dim=1),
+                              torch.cat([mask, torch.zeros(1, 5, dtype=torch.bool)], dim=1))
+    assert padded_loss.item() == pytest.approx(alone.item(), rel=1e-6)

@@ -19,8 +19,10 @@ import inspect
 import json
 import math
 import numbers
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .errors import InvalidParameter
@@ -102,7 +104,8 @@ def any_value(value: Any) -> bool:
 class OptionSpec:
     """One option.
 
-    ``type`` is int, float, bool, str, dict (a mapping) or object (any Python value, unchecked).
+    ``type`` is int, float, bool, str, Path (a file's path: text or a ``Path``, given as text), dict (a
+    mapping) or object (any Python value, unchecked).
     Numbers must lie in ``[lo, hi]`` (an end is open when asked); a str with ``choices`` must be
     one of them. ``allow_callable``: a Python callable is accepted too (a custom scorer, an answer
     extractor). In a table (:func:`parse_options`), an option whose default is None is off when None.
@@ -137,7 +140,9 @@ class OptionSpec:
             lo = -math.inf if self.lo is None else self.lo
             hi = math.inf if self.hi is None else self.hi
             return check_real(name, value, lo, hi, lo_open=self.lo_open, hi_open=self.hi_open)
-        if self.type is str:
+        if self.type is Path and isinstance(value, os.PathLike):  # a file's path, as text or a Path
+            value = os.fspath(value)
+        if self.type in (str, Path):
             if self.choices and value not in self.choices:
                 extra = " or a callable" if self.allow_callable else ""
                 raise InvalidParameter(f"{name} must be one of {', '.join(self.choices)}{extra}, got {shown(value)}")
@@ -178,7 +183,7 @@ class OptionSpec:
         if self.choices:
             kind = " | ".join(self.choices) + (" | callable" if self.allow_callable else "")
         else:
-            kind = {object: "any", dict: "mapping"}.get(self.type, self.type.__name__) + self._bounds()
+            kind = {object: "any", dict: "mapping", Path: "path"}.get(self.type, self.type.__name__) + self._bounds()
         default = "off by default" if self.default is None else f"default {self.default!r}"
         return f"{self.name} ({kind}, {default})" + (f": {self.help}" if self.help else "")
 

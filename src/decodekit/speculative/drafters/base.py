@@ -12,6 +12,7 @@ defaults do nothing, so the loop calls them unconditionally. Shared mechanisms:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -171,7 +172,7 @@ class ChainDrafter(Drafter):
 
 #: Options of both trained drafters (``eagle`` adds its own).
 TRAINED_OPTIONS = option_table(
-    OptionSpec("drafter", str, None, "the drafter file (default: the one trained for this model)", local=any_value),
+    OptionSpec("drafter", Path, None, "the drafter file (default: the one trained for this model)", local=any_value),
     OptionSpec("candidates", int, 4, "candidates per draft position (EAGLE-2's top-k; named apart from the sampler's top_k)",
                lo=1, hi=64),
 )

@@ -117,7 +117,7 @@ class EagleDrafter(FeatureDrafter):
         """Hang each parent's ``candidates`` tokens under it (``predicted``: the feature at each parent's
         position, one row per parent); returns the new nodes."""
         probs = torch.softmax(self.net.head(predicted), dim=-1)
-        top = probs.topk(self.candidates, dim=-1)
+        top = probs.topk(min(self.candidates, probs.shape[-1]), dim=-1)  # a small draft vocabulary has fewer
         vocab = self.net.head.vocab
         added = []
         for row, parent in enumerate(parents):

@@ -36,7 +36,7 @@ class MedusaDrafter(FeatureDrafter):
             return tree
         with torch.inference_mode():
             probs = torch.softmax(self.net(feature), dim=-1)  # [K, N]
-            top = probs.topk(self.candidates, dim=-1)
+            top = probs.topk(min(self.candidates, probs.shape[-1]), dim=-1)  # a small draft vocabulary has fewer
         vocab = self.net.head.vocab.tolist()
         heads = [[(vocab[i], p, k + 1) for p, i in zip(top.values[k].tolist(), top.indices[k].tolist())]
                  for k in range(probs.shape[0])]

@@ -59,6 +59,13 @@ def run(args: argparse.Namespace, model=None) -> int:
     if settings.vocab > backend.info.vocab_size:  # said before the data is made, not after
         raise InvalidParameter(f"--vocab {settings.vocab} is more than the model's {backend.info.vocab_size} tokens")
     check_trainable(backend)  # training needs it too, where the data was made before
+    if args.max_new_tokens >= backend.info.max_length:  # the evaluation's answers: said now, not after the training
+        raise InvalidParameter(f"--max-new-tokens {args.max_new_tokens} leaves no room for a query in the model's "
+                               f"context of {backend.info.max_length} tokens")
+    path = args.out or cache_path(backend, settings.kind)
+    if path.is_dir():
+        raise InvalidParameter(f"{path} is a folder: the drafter's file cannot be saved there (remove it, or give --out)")
+    check_writable(path.parent)
     recipe = "" if settings.prompts == "magpie" else f"-{settings.prompts}"
     corpus_path = cache_root() / "drafters" / f"{target_fingerprint(backend)}-data{recipe}-{settings.tokens}-s{settings.seed}.pt"
     corpus = load_corpus(corpus_path)
@@ -70,7 +77,7 @@ def run(args: argparse.Namespace, model=None) -> int:
         def progress(n: int) -> None:
             made[0] += n
             rate = made[0] / max(time.perf_counter() - t0, 1e-9)
-            print(f"\r  data: {min(made[0], settings.tokens)}/{settings.tokens} tokens, {rate:.0f} tok/s", end="",
+            print(f"\r  data: {made[0]} tokens of {settings.tokens}, {rate:.0f} tok/s", end="",
                   file=sys.stderr, flush=True)
 
         corpus = self_distil(backend, tokenizer, settings.tokens, seed=settings.seed, prompts=settings.prompts,
@@ -89,7 +96,6 @@ def run(args: argparse.Namespace, model=None) -> int:
 
     outcome = train(net, training, backend, settings, progress_train)
     _say(f"\ntrained {outcome.steps} steps in {outcome.seconds:.0f} s: loss {outcome.first_loss:.4f} -> {outcome.last_loss:.4f}")
-    path = args.out or cache_path(backend, settings.kind)
     save(net, settings.kind, backend, path, report(settings, corpus, outcome, {}))
     evaluation = evaluate(model, settings.kind, path, [s.query for s in held], args.max_new_tokens)
     record = report(settings, corpus, outcome, evaluation)
@@ -116,6 +122,7 @@ def evaluate(model, kind: str, path: Path, queries: list[str], max_new_tokens: i
         identical += plain.tokens == drafted.tokens
     return {
         "queries": len(queries),
-        "mean_accepted": round((accepted + verifications) / verifications, 3) if verifications else 1.0,
+        # None where nothing was verified (no query held aside, or the controller never drafted): not a figure
+        "mean_accepted": round((accepted + verifications) / verifications, 3) if verifications else None,
         "identical_to_greedy": f"{identical}/{len(queries)}",
     }

@@ -10,6 +10,8 @@ never drafted (the target still produces it: drafts are only proposals).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass
 
 from collections.abc import Callable
@@ -28,11 +30,29 @@ class EagleConfig:
     rope_theta: float = 10000.0
     eps: float = 1e-5
 
+    def __post_init__(self) -> None:
+        check_sizes(self, "hidden", "heads", "head_dim", "intermediate")
+        for name in ("rope_theta", "eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+
 
 @dataclass(frozen=True)
 class MedusaConfig:
     hidden: int
     heads: int  # K: head k predicts the token k + 2 positions after the feature's
+
+    def __post_init__(self) -> None:
+        check_sizes(self, "hidden", "heads")
+
+
+def check_sizes(config: object, *names: str) -> None:
+    """A network config's sizes are positive integers (ValueError otherwise: a damaged drafter file's)."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def as_dict(config: EagleConfig | MedusaConfig) -> dict:
@@ -235,7 +255,8 @@ class MedusaNet(nn.Module):
              decay: float = 0.8) -> tuple[torch.Tensor, dict]:
         """Medusa-1's loss: the sum over heads of ``decay ** k`` times head k's cross-entropy against
         the token k + 2 positions ahead. ``targets`` ``[B, L]`` are draft-vocabulary indices of the
-        tokens (-1: outside it, not scored); ``mask`` ``[B, L]``: which features are scored."""
+        tokens (-1: outside it, not scored); ``mask`` ``[B, L]``: which features are scored (padding never is,
+        as feature or as label)."""
         logits = self(features)  # [B, L, K, N]
         total = features.new_zeros(())
         top1: dict = {}
@@ -244,7 +265,8 @@ class MedusaNet(nn.Module):
             if features.shape[1] <= shift:
                 break
             labels = targets[:, shift:].clone()
-            labels[~mask[:, :-shift] | (labels < 0)] = -100
+            # scored: a scored feature whose token `shift` ahead is a real one (not a shorter sample's padding)
+            labels[~(mask[:, :-shift] & mask[:, shift:]) | (labels < 0)] = -100
             head_logits = logits[:, :-shift, k]
             scored = labels != -100
             if not scored.any():  # nothing to score for this head (a mean over nothing is NaN)

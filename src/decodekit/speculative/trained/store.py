@@ -27,6 +27,7 @@ from .networks import EagleConfig, EagleNet, MedusaConfig, MedusaNet, on_kernels
 
 KINDS = {"eagle": (EagleNet, EagleConfig), "medusa": (MedusaNet, MedusaConfig)}
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "drafters"  # decodekit/data/drafters
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what a drafter's weights may be stored in
 
 
 def target_fingerprint(backend: Backend) -> str:
@@ -58,8 +59,11 @@ def save(net: EagleNet | MedusaNet, kind: str, backend: Backend, path: Path, tra
             "target_name": backend.info.name, "trained": json.dumps(trained), "digest": tensors_digest(state)}
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".partial")
-    save_file(state, str(temporary), metadata=meta)
-    temporary.replace(path)  # never a half-written drafter under the real name
+    try:
+        save_file(state, str(temporary), metadata=meta)
+        temporary.replace(path)  # never a half-written drafter under the real name
+    finally:
+        temporary.unlink(missing_ok=True)  # nothing left behind where it failed
     return path
 
 
@@ -112,12 +116,22 @@ def build(path: Path, kind: str, backend: Backend) -> EagleNet | MedusaNet:
         raise InvalidParameter(
             f"{path}: this {kind} drafter was trained for another model ({meta.get('target_name', '?')}), "
             f"not {backend.info.name}; train one with: decodekit train-drafter --kind {kind} --model MODEL")
+    for name, t in tensors.items():  # float weights as save() writes them, and finite; integer token ids
+        floating = name != "head.vocab"
+        if floating and (t.dtype not in WEIGHT_DTYPES or not bool(torch.isfinite(t).all())):
+            raise InvalidModel(f"{path}: does not hold a valid {kind} drafter ({name} must hold finite float16, "
+                               f"bfloat16 or float32 values)")
+        if not floating and t.is_floating_point():
+            raise InvalidModel(f"{path}: does not hold a valid {kind} drafter (its head.vocab is not a list of token ids)")
     net_class, config_class = KINDS[kind]
     try:
         config = config_class(**json.loads(meta["config"]))
         net = net_class(config, tensors["head.vocab"])
         net.load_state_dict({name: t.float() if t.is_floating_point() else t for name, t in tensors.items()})
     except (TypeError, ValueError, KeyError, RuntimeError) as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        if len(lines) > 1 and lines[0].startswith("Error(s) in loading state_dict"):  # the details are below it
+            raise InvalidModel(f"{path}: does not hold a valid {kind} drafter ({lines[1]})") from err
         raise InvalidModel.because(path, f"does not hold a valid {kind} drafter", err) from err
     vocab = net.head.vocab
     if not vocab.numel() or int(vocab.min()) < 0:  # the draft head's token ids
