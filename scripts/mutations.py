@@ -668,6 +668,21 @@ MUTATIONS = (
     Mutation("eagle-distils-its-own-distribution", "src/decodekit/speculative/trained/networks.py",
              "p = torch.softmax(self.head(target), dim=-1)", "p = torch.softmax(self.head(predicted), dim=-1).detach()",
              ("tests/test_trained_drafters.py", "-k", "accepted_more or lowers")),
+    Mutation("joined-steps-forget-what-a-stop-cut-off", "src/decodekit/search/batch.py",
+             "other.eos_logprob,\n                      other.cut_off)", "other.eos_logprob,\n                      [])",
+             ("tests/test_search.py", "-k", "inside_a_token")),
+    Mutation("stop-found-in-an-unfinished-character", "src/decodekit/engine/stops.py",
+             "    text = settled(tokenizer.decode(list(tokens[-window:])))", "    text = tokenizer.decode(list(tokens[-window:]))",
+             ("tests/test_stops.py",)),
+    Mutation("stop-cut-keeps-tokens-up-to-a-partial-character", "src/decodekit/engine/stops.py",
+             "        if len(settled(prefix)) > cut:", "        if len(prefix) > cut:", ("tests/test_stops.py",)),
+    Mutation("final-text-garbled-by-an-unfinished-character", "src/decodekit/engine/stops.py",
+             '    the stop string hit or None)."""\n    text = decoded(tokenizer, tokens)',
+             '    the stop string hit or None)."""\n    text = tokenizer.decode(tokens)', ("tests/test_stops.py",)),
+    Mutation("completion-tokens-each-decoded-alone", "src/decodekit/serve/app.py",
+             "    pieces = [decoder.decode(tokenizer.token_bytes(t)) for t in tokens]",
+             "    pieces = [tokenizer.token_bytes(t).decode(\"utf-8\", \"replace\") for t in tokens]",
+             ("tests/test_serve.py", "-k", "join_to_its_text")),
 )
 
 

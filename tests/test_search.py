@@ -621,3 +621,32 @@ def test_particle_log_weights_add_up_between_resamples(monkeypatch):
     # "x" weighs its final score at both steps; "y " weighs 0 then "y z" its score
     final = {"x": 2 * FORK_SCORES["x"] / 0.5, "y z": FORK_SCORES["y z"] / 0.5}
     assert seen[-1] == pytest.approx([final[t] for t in texts])
+
+
+class PieceTokenizer(CharTokenizer):
+    """CharTokenizer plus tokens of several characters (ids from 96 on), so that a stop string can
+    end inside a token."""
+
+    PIECES = ["Hello", " world", ","]
+
+    def decode(self, ids):
+        return "".join(self.PIECES[i - 96] if i >= 96 else CharTokenizer.decode(self, [i]) for i in ids)
+
+
+@pytest.mark.parametrize("method, options", [("greedy", {}), ("best-of-n", {"n": 2}), ("beam", {"n": 2}),
+                                             ("step-beam", {"n": 2, "expand": 2}), ("particle", {"n": 2}),
+                                             ("astar", {"n": 2})])
+@pytest.mark.parametrize("stop, text", [("o", "Hell"), ("world", "Hello "), (",", "Hello world")])
+def test_a_stop_inside_a_token_keeps_the_text_before_it_in_every_method(method, options, stop, text):
+    """The model writes "Hello", " world", ",", "Hello", ...: with steps split at ",", a stop string
+    ending inside a token cuts the text there, whatever method decoded it."""
+    table = torch.full((99, 99), -30.0)
+    order = [cid("p"), 96, 97, 98]
+    for a, b in zip(order, order[1:] + [96]):
+        table[a, b] = 5.0
+    model = LoadedModel(BigramBackend(table), PieceTokenizer(96), "pieces")
+    engine = Engine(model)
+    g = engine.generate("p", method=method, stop=stop, max_new_tokens=12, chat=False, seed=0,
+                        **({"delimiter": ","} if method in ("step-beam", "particle", "astar") else {}), **options)
+    assert (g.text, g.finish_reason) == (text, "stop")
+    assert model.tokenizer.decode(g.tokens) == text[: len(model.tokenizer.decode(g.tokens))]  # whole tokens before the cut

@@ -669,3 +669,26 @@ def test_without_max_tokens_a_windowed_cache_decodes_as_many_tokens_as_the_model
             assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 96
     finally:
         running.stop()
+
+
+def test_a_developer_message_is_a_system_message():
+    from decodekit.serve.app import chat_messages
+
+    assert chat_messages([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+
+
+def test_a_completions_tokens_join_to_its_text_and_their_offsets_index_it():
+    from decodekit.serve.app import token_texts
+
+    class Bytes:  # token i is byte i: a character outside ASCII takes several tokens
+        def token_bytes(self, token):
+            return bytes([token])
+
+    text = "Hi 😀 a中b"
+    pieces, offsets = token_texts(Bytes(), list(text.encode()))
+    assert "".join(pieces) == text and len(pieces) == len(text.encode())
+    assert all(text[at:].startswith(piece) for piece, at in zip(pieces, offsets))
+    assert pieces[3:7] == ["", "", "", "😀"]  # the emoji is its last byte's
+    unfinished, _ = token_texts(Bytes(), list("ab😀".encode())[:-1])
+    assert "".join(unfinished) == "ab\ufffd"  # as the output's text ends

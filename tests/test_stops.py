@@ -67,6 +67,55 @@ class ByteTokenizer:
         return bytes(tokens).decode("utf-8", errors="replace")
 
 
+class RunTokenizer(ByteTokenizer):
+    """As Gemma's byte fallback decodes: a run of bytes that is not all whole characters becomes one
+    U+FFFD per byte, the whole characters at its start included."""
+
+    def decode(self, tokens):
+        data = bytes(tokens)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as err:  # (at the end here) the run of non-ASCII bytes it lies in
+            start = err.start
+            while start > 0 and data[start - 1] >= 0x80:
+                start -= 1
+            return data[:start].decode("utf-8") + "\ufffd" * (len(data) - start)
+
+
+@pytest.mark.parametrize("tokenizer", [ByteTokenizer(), RunTokenizer()])
+def test_a_cut_keeps_every_token_of_the_whole_characters_before_it(tokenizer):
+    text = "ab 𓀀X 𐍈𠀀 ꙮY end"
+    tokens = list(text.encode())
+    for stop in ("X", "Y", "𠀀", " e"):
+        cut_text, kept, hit = cut_at_stop(tokenizer, tokens, (stop,))
+        assert (cut_text, hit) == (text[: text.index(stop)], stop)
+        assert bytes(kept) == cut_text.encode()  # not one token fewer: the last character's bytes too
+
+
+@pytest.mark.parametrize("tokenizer", [ByteTokenizer(), RunTokenizer()])
+def test_text_ending_inside_a_character_keeps_the_whole_characters_before_it(tokenizer):
+    from decodekit.engine.core import TextStreamer
+
+    tokens = list("ab 𐍈𠀀".encode())[:-2]  # 𠀀 cut after two of its four bytes
+    text = cut_at_stop(tokenizer, tokens, ())[0]
+    assert text.startswith("ab 𐍈") and set(text[len("ab 𐍈"):]) == {"\ufffd"}
+    pieces = []
+    streamer = TextStreamer(tokenizer, [], pieces.append)
+    for n in range(1, len(tokens) + 1):
+        streamer.update(tokens[:n])
+    streamer.update(tokens, final_text=text)
+    assert "".join(pieces) == text  # the stream and the final text agree
+
+
+def test_no_stop_string_is_found_in_a_character_not_yet_whole():
+    text = "ab 😀 c"
+    tokens = list(text.encode())
+    unfinished = tokens[: text.encode().index("😀".encode()) + 2]  # two of the emoji's four bytes
+    assert ByteTokenizer().decode(unfinished).endswith("\ufffd")
+    assert not hits_stop(ByteTokenizer(), unfinished, ("\ufffd",))
+    assert cut_at_stop(ByteTokenizer(), tokens, ("\ufffd",)) == (text, tokens, None)
+
+
 @pytest.mark.parametrize("text, stop", [("アバラリ", "ラリ"), ("🎌 🌐🎌🎌", "🎌🎌"), ("ab😀cd", "😀c")])
 def test_a_stream_holds_back_a_stop_strings_start_before_an_unfinished_character(text, stop):
     """What is streamed, byte by byte, is never part of the stop string: the text held back for a

@@ -34,19 +34,52 @@ def hits_stop(tokenizer, tokens: Sequence[int], stop: Sequence[str], added: int 
     if not stop:
         return False
     window = max(MIN_WINDOW, 4 * max(len(s) for s in stop) + 4) + max(0, added - 1)
-    text = tokenizer.decode(list(tokens[-window:]))
+    text = settled(tokenizer.decode(list(tokens[-window:])))
     return any(s in text for s in stop)
 
 
-def cut_at_stop(tokenizer, tokens: list[int], stop: Sequence[str]) -> tuple[str, list[int], str | None]:
-    """Decode ``tokens`` and cut at the first stop string: (text, tokens before it, the stop string hit or None)."""
+def settled(text: str) -> str:
+    """``text`` without the replacement characters at its end: they stand for a character whose
+    tokens have not all come yet, where no stop string can be found (not even "\ufffd")."""
+    return text.rstrip("\ufffd")
+
+
+#: Byte tokens one character takes at most (UTF-8).
+CHARACTER_BYTES = 4
+
+
+def decoded(tokenizer, tokens: list[int]) -> str:
+    """The text of ``tokens``. Where they end inside a character, the tokens before it are decoded
+    apart from its bytes: a tokenizer may turn a whole run of byte tokens into replacement
+    characters (Gemma's byte fallback does), the whole characters the run began with included,
+    which a stream had already sent as they were."""
     text = tokenizer.decode(tokens)
-    hits = [(text.find(s), s) for s in stop if s and s in text]
+    if not text.endswith("\ufffd"):
+        return text
+    for k in range(len(tokens) - 1, max(len(tokens) - CHARACTER_BYTES, 0) - 1, -1):
+        head = tokenizer.decode(tokens[:k])
+        if not head.endswith("\ufffd"):
+            return head + tokenizer.decode(tokens[k:])
+    return text
+
+
+def cut_at_stop(tokenizer, tokens: list[int], stop: Sequence[str]) -> tuple[str, list[int], str | None]:
+    """Decode ``tokens`` (:func:`decoded`) and cut at the first stop string: (text, tokens before it,
+    the stop string hit or None)."""
+    text = decoded(tokenizer, tokens)
+    searched = settled(text)
+    hits = [(searched.find(s), s) for s in stop if s and s in searched]
     if not hits:
         return text, tokens, None
     cut, hit = min(hits)
-    text = text[:cut]
+    # the longest run of tokens whose text is a prefix of the text before the cut; a prefix that ends
+    # inside a character (byte tokens) decodes to replacement characters and is passed over, not
+    # taken as the end (a tokenizer may give one per byte, and even garble the character before)
     kept = 0
-    while kept < len(tokens) and len(tokenizer.decode(tokens[: kept + 1])) <= cut:
-        kept += 1
-    return text, tokens[:kept], hit
+    for k in range(1, len(tokens) + 1):
+        prefix = tokenizer.decode(tokens[:k])
+        if len(settled(prefix)) > cut:
+            break
+        if len(prefix) <= cut and text.startswith(prefix):
+            kept = k
+    return text[:cut], tokens[:kept], hit

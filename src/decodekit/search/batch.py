@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +39,8 @@ class Sample:
 
     ``logprobs[i]``, ``certainty[i]``, ``margin[i]``, ``topk[i]`` describe the step that chose
     ``tokens[i]``; the step that chose EOS (when the row ended on it) is kept apart in ``eos_logprob``.
+    ``cut_off``: the tokens a stop string cut off the end (the stop's, and one that held text before
+    it), kept so that steps joined later are cut again exactly where the text is.
     """
 
     tokens: list[int]
@@ -49,6 +51,7 @@ class Sample:
     finish_reason: str  # eos | stop | length | step | unfinished
     text: str = ""
     eos_logprob: float | None = None
+    cut_off: list[int] = field(default_factory=list)
 
     @property
     def loglik(self) -> float:
@@ -70,12 +73,13 @@ class Sample:
         if n == len(self.tokens):
             return self
         return Sample(self.tokens[:n], self.logprobs[:n], self.certainty[:n], self.margin[:n], self.topk[:n],
-                      self.finish_reason, self.text, None)
+                      self.finish_reason, self.text, None, self.tokens[n:] + self.cut_off)
 
     def then(self, other: "Sample") -> "Sample":
         """This sample followed by ``other`` (step-level search joins steps)."""
         return Sample(self.tokens + other.tokens, self.logprobs + other.logprobs, self.certainty + other.certainty,
-                      self.margin + other.margin, self.topk + other.topk, other.finish_reason, "", other.eos_logprob)
+                      self.margin + other.margin, self.topk + other.topk, other.finish_reason, "", other.eos_logprob,
+                      other.cut_off)
 
     @classmethod
     def empty(cls) -> "Sample":
@@ -265,7 +269,7 @@ class SearchContext:
     def finalize(self, sample: Sample, extra: dict[str, Any]) -> Generation:
         """The request's Generation for the chosen sample; statistics over the whole search."""
         # the steps of a step search, joined, may hold a stop string across a step's boundary
-        text, tokens, hit = cut_at_stop(self.tokenizer, list(sample.tokens), self.request.stop)
+        text, tokens, hit = cut_at_stop(self.tokenizer, list(sample.tokens) + sample.cut_off, self.request.stop)
         stats = GenerationStats(
             prefill_s=self.cache.first_prefill_s,
             decode_s=time.perf_counter() - self.t0 - self.cache.first_prefill_s,

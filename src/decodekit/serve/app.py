@@ -20,6 +20,7 @@ over the answer.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import secrets
 import threading
@@ -473,9 +474,25 @@ def structured_output(body: dict[str, Any]) -> dict[str, Any] | None:
     return found[0] if found else None
 
 
+def token_texts(tokenizer, tokens: list[int]) -> tuple[list[str], list[int]]:
+    """Each token's text and where it starts in the text (a completion's ``tokens`` and
+    ``text_offset``): the characters the token completes, as an incremental detokeniser gives them.
+    A character split over byte tokens is the last one's and the ones before it hold "", so the
+    texts join to the output's text and the offsets index it."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    pieces = [decoder.decode(tokenizer.token_bytes(t)) for t in tokens]
+    if pieces:
+        pieces[-1] += decoder.decode(b"", final=True)
+    offsets, at = [], 0
+    for piece in pieces:
+        offsets.append(at)
+        at += len(piece)
+    return pieces, offsets
+
+
 def chat_messages(messages: Any) -> list[dict[str, str]]:
     """OpenAI chat messages as decodekit's ``{"role", "content"}`` strings (content parts of type
-    text are joined)."""
+    text are joined; a developer message is a system message)."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
     out = []
@@ -493,7 +510,8 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
-        out.append({"role": message["role"], "content": content})
+        # OpenAI's developer messages are its newer name for system ones: chat templates know "system"
+        out.append({"role": "system" if message["role"] == "developer" else message["role"], "content": content})
     return out
 
 
@@ -642,11 +660,7 @@ class Reply:
                 return {"token": text, "logprob": value, "bytes": list(self.tokenizer.token_bytes(token))}
             return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
                                 for t, (lp, top) in zip(tokens, outcome.logprobs)]}
-        pieces = [self.tokenizer.decode([t]) for t in tokens]
-        offsets, at = [], 0
-        for piece in pieces:
-            offsets.append(at)
-            at += len(piece)
+        pieces, offsets = token_texts(self.tokenizer, tokens)
         return {"tokens": pieces, "token_logprobs": [lp for lp, _ in outcome.logprobs],
                 "top_logprobs": [{self.tokenizer.decode([a]): v for a, v in top} for _, top in outcome.logprobs],
                 "text_offset": offsets}
