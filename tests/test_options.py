@@ -278,6 +278,28 @@ def test_a_package_cannot_take_a_built_in_methods_name(monkeypatch):
     assert registry.available_methods()["greedy"].description == "again"
 
 
+FIRST_REGISTRATION = """
+from decodekit.engine import registry
+from decodekit.errors import InvalidParameter
+try:
+    registry.register_method("pld", lambda: registry.plain_decoder(), "not pld", lossless=False, family="plain")
+except InvalidParameter as err:
+    print("refused:", err)
+methods = registry.available_methods()
+print(methods["pld"].family, len(methods) > 20)
+"""
+
+
+def test_a_built_in_methods_name_cannot_be_taken_before_the_registry_is_first_read():
+    """Registering first (nothing has looked a method up yet) must not take ``pld`` and leave the
+    built-in packages half imported: they are imported before another package's method."""
+    out = subprocess.run([sys.executable, "-c", FIRST_REGISTRATION], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.stdout.splitlines()[-2:] == [
+        "refused: method 'pld' is registered already, by decodekit.speculative.loop; choose another name",
+        "speculative True"], out.stdout + out.stderr
+
+
 def test_a_package_whose_methods_cannot_be_imported_is_one_line_every_time(monkeypatch):
     class Broken:
         name, value = "theirs", "theirpackage.decoding"

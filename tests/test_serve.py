@@ -569,6 +569,36 @@ def test_serve_command_on_the_embedded_model(real_model, tmp_path):
     assert "SIGTERM, shutting down" in err and "Traceback" not in err
 
 
+@pytest.mark.real_model
+def test_serve_stopped_while_its_model_loads_ends_with_status_0(real_model):
+    import subprocess
+    import sys
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, "-m", "decodekit", "serve", "--port", str(port)], stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline, loading = time.time() + 120, False
+        while time.time() < deadline and not loading:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health")
+                break  # loaded already: too late to test this
+            except urllib.error.HTTPError as err:
+                loading = err.code == 503
+            except OSError:
+                time.sleep(0.02)
+        if not loading:
+            pytest.skip("the model loaded before a request saw it loading")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "SIGTERM, shutting down" in err and "error" not in err, err
+
+
 def test_response_format_and_guided_fields_constrain_the_answer(served):
     jsonschema = pytest.importorskip("jsonschema")
     schema = {"x-guidance": {"whitespace_flexible": False}, "type": "object",

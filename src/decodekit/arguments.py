@@ -63,7 +63,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_numerics_arguments(parser)
     parser.add_argument(
         "--kv-cache", default="full", metavar="POLICY",
-        help="which keys and values to keep: full (default), int8, int4 (KIVI), sink:S,window:W (StreamingLLM), h2o:budget=B,window=W, "
+        help="which keys and values to keep: full (default), int8, int4 and int2 (KIVI), sink:S,window:W (StreamingLLM), h2o:budget=B,window=W, "
              "snapkv:budget=B,window=O (see decodekit methods)",
     )
 

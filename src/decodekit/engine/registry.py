@@ -41,17 +41,27 @@ class MethodSpec:
 _METHODS: dict[str, MethodSpec] = {}
 PLUGIN_GROUP = "decodekit.methods"
 _plugins_imported = False
+_built_ins_imported = False
+
+
+def _import_built_ins() -> None:
+    """decodekit's own method packages, imported once (before any other package's methods, so that
+    none can take a built-in method's name by registering first)."""
+    global _built_ins_imported
+    if not _built_ins_imported:
+        from .. import METHOD_PACKAGES
+
+        _built_ins_imported = True  # before the imports: a package registers as it is imported
+        for package in METHOD_PACKAGES:
+            import_module(package)
 
 
 def _registered() -> dict[str, MethodSpec]:
     """The registry, with the packages that register methods imported first (once)."""
     global _plugins_imported
     if not _plugins_imported:
-        from .. import METHOD_PACKAGES
-
         _plugins_imported = True  # before the imports: a package may look a method up as it registers
-        for package in METHOD_PACKAGES:
-            import_module(package)
+        _import_built_ins()
         for point in entry_points(group=PLUGIN_GROUP):
             try:
                 point.load()
@@ -73,6 +83,8 @@ def register_method(name: str, build: Callable[..., Decoder], description: str, 
     if clash:  # a keyword of that name always goes to the sampler: the option could never be set
         raise InvalidParameter(f"method {name!r}: option(s) {', '.join(clash)} share a name with the sampler's "
                                "parameters; choose other names")
+    if not _module_of(build).startswith("decodekit."):  # another package's method: after the built-in ones
+        _import_built_ins()
     existing = _METHODS.get(name)
     if existing is not None and _module_of(existing.build) != _module_of(build):
         raise InvalidParameter(f"method {name!r} is registered already, by {_module_of(existing.build)}; choose another name")

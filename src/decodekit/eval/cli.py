@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default=None, help="longctx: context lengths in tokens, comma-separated (default 2048,4096,8000,16384)")
     parser.add_argument("--depths", default=None, help="longctx: pass-key depths in [0, 1], comma-separated (default 0.1,0.5,0.9)")
     parser.add_argument("--continuation", type=int, default=None, help="longctx: tokens whose NLL is measured (default 128)")
-    parser.add_argument("--out", default=None, type=named, help="output folder (default eval-out/TASK-METHOD)")
+    parser.add_argument("--out", default=None, type=named, help="output folder (default eval-out/TASK-METHOD, eval-out/TASK-METHOD-unconstrained with "
+                        "--unconstrained; longctx: eval-out/longctx)")
     add_model_arguments(parser)
     add_ray_arguments(parser)
     parser.set_defaults(func=run)
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace, model=None) -> int:
         model = model or recipe()
         result = evaluate(model, task, config, progress)
         name = model.name
-    out = Path(args.out or f"eval-out/{args.task}-{args.method}")
+    out = Path(args.out or f"eval-out/{args.task}-{args.method}" + ("-unconstrained" if args.unconstrained else ""))
     argv = sys.argv[sys.argv.index(args.task):] if args.task in sys.argv else [args.task]
     header = {"command": "decodekit eval " + shlex.join(argv),
               "model": name, "dtype": args.dtype, "numerics": args.numerics}

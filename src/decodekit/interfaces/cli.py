@@ -277,7 +277,9 @@ def cmd_methods(args: argparse.Namespace) -> int:
             print(f"      {option.describe()}")
     print("Set an option with --opt key=value (bench: --opt method.key=value); every method also takes the "
           "sampling flags of `decodekit generate --help`.")
-    print("KV cache policies (--kv-cache POLICY; kv_cache= in Python; any method):")
+    print("KV cache policies (--kv-cache POLICY; kv_cache= on decodekit.Engine or decodekit.generate in Python). Every "
+          "policy but full changes the output and holds one sequence: methods that decode several at once (beam, "
+          "best-of-n, ...) need full:")
     for spelling, description in POLICY_HELP.items():
         print(f"--kv-cache {spelling:<36} {description}")
     return 0

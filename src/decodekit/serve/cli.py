@@ -114,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     shut_down_on_signals(web)
     try:
         server.load_now()
+        if web.should_exit:  # a signal came while the model loaded: the HTTP thread has closed the socket
+            return 0
         host, port = sock.getsockname()[:2]
         print(f"decodekit serve: {server.model_id}, {server.numerics} numerics, http://{host}:{port}/v1 "
               f"(max batch {server.scheduler.max_batch}, queue {server.max_queue})", file=sys.stderr, flush=True)

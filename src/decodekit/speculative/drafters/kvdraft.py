@@ -46,8 +46,8 @@ from .draft_model import DraftModelDrafter
 DEFAULT_CACHE = "sink:4,window:1024"
 
 OPTIONS = option_table(
-    OptionSpec("draft_cache", str, DEFAULT_CACHE, "the draft's cache policy (a --kv-cache spelling other than full; "
-               "the target keeps its own, full)"),
+    OptionSpec("draft_cache", str, DEFAULT_CACHE, "the draft's cache policy (a --kv-cache spelling other than full, "
+               "int4 or int2; the target keeps its own cache)"),
     CHAIN_OPTIONS,
     dataclasses.replace(CHAIN_OPTIONS["stochastic"], default=True),
 )
