@@ -683,6 +683,12 @@ MUTATIONS = (
              "    pieces = [decoder.decode(tokenizer.token_bytes(t)) for t in tokens]",
              "    pieces = [tokenizer.token_bytes(t).decode(\"utf-8\", \"replace\") for t in tokens]",
              ("tests/test_serve.py", "-k", "join_to_its_text")),
+    Mutation("a-package-registering-first-takes-a-built-in-name", "src/decodekit/engine/registry.py",
+             '    if not _module_of(build).startswith("decodekit."):  # another package\'s method: after the built-in ones\n'
+             "        _import_built_ins()\n", "", ("tests/test_options.py", "-k", "first_read")),
+    Mutation("serve-stopped-while-loading-reads-a-closed-socket", "src/decodekit/serve/cli.py",
+             "        if web.should_exit:  # a signal came while the model loaded", "        if False:  # a signal came while the model loaded",
+             ("tests/test_serve.py", "-k", "while_its_model_loads")),
 )
 
 
