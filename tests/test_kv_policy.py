@@ -308,6 +308,13 @@ def test_kvdraft_refuses_a_cache_that_keeps_everything_and_other_backends():
         engine.generate("abc", method="kvdraft", draft_cache="full", max_new_tokens=3, chat=False)
     with pytest.raises(InvalidParameter, match="kv cache"):
         engine.generate("abc", method="kvdraft", draft_cache="sink:1", max_new_tokens=3, chat=False)
+    small = Engine(LoadedModel(tiny_llama(seed=0, max_position=96), CharTokenizer(96), "tiny"))
+    with pytest.raises(InvalidParameter, match="more than the model's context of 96"):  # as --kv-cache refuses it
+        small.generate("abc", method="kvdraft", draft_cache="sink:4,window:200", max_new_tokens=3, chat=False)
+    with pytest.raises(InvalidParameter, match="unknown kv cache 'int4:'"):
+        parse_kv_cache("int4:")
+    with pytest.raises(InvalidParameter, match="expected sink:N first"):
+        parse_kv_cache("sink:\u0663,window:8")  # a digit of another script
 
 
 def test_real_model_streaming_and_kvdraft(real_model):

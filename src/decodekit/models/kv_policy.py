@@ -396,7 +396,7 @@ def parse_kv_cache(spec: "str | KVPolicy | None") -> KVPolicy:
         return KVPolicy()
     if text == "int8":
         return Int8Policy()
-    if kind in ("int4", "int2"):
+    if kind in ("int4", "int2") and (rest or not text.endswith(":")):  # "int4:" names no field after its colon
         fields = _fields(text, rest, "=", ("group", "residual"))
         return KiviPolicy(group=fields.get("group", 32), residual=fields.get("residual", 128), bits=int(kind[3:]))
     if kind == "sink":  # sink:S,window:W[,every:E]
@@ -416,12 +416,12 @@ def _fields(text: str, rest: str, sep: str, names: tuple[str, ...], first: str |
     parts = rest.split(",") if rest else []
     fields: dict[str, int] = {}
     if first is not None:  # "sink:4,window:..." puts the first value right after the kind
-        if not parts or not re.fullmatch(r"\d+", parts[0]):
+        if not parts or not re.fullmatch(r"[0-9]+", parts[0]):
             raise InvalidParameter(f"kv cache {text!r}: expected {first}:N first")
         fields[first] = int(parts.pop(0))
     for part in parts:
         name, eq, value = part.partition(sep)
-        if not eq or name not in names or not re.fullmatch(r"\d+", value) or name in fields:
+        if not eq or name not in names or not re.fullmatch(r"[0-9]+", value) or name in fields:
             raise InvalidParameter(f"kv cache {text!r}: cannot read {part!r} (expected {sep.join(('NAME', 'N'))} "
                                    f"with NAME one of {', '.join(names)})")
         fields[name] = int(value)

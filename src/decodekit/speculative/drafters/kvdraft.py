@@ -90,6 +90,11 @@ class CompressedCacheDrafter(DraftModelDrafter):
             raise InvalidParameter(f"kvdraft drafts for a cache that keeps every token (full, or int8 with sink:S,window:W "
                                    f"drafts); this model's is {target.kv_policy.spec}", param="method")
         self._target = target
+        peak = self.policy.peak_slots(1)
+        # as --kv-cache refuses it (it would compress nothing); the default's is let be on a model of a short context
+        if self.policy.spec != DEFAULT_CACHE and peak is not None and peak > target.info.max_length:
+            raise InvalidParameter(f"draft_cache {self.policy.spec} needs up to {peak} entries, more than the model's "
+                                   f"context of {target.info.max_length}", param="draft_cache")
         if self.windowed:
             return
         self.backend = target.memory(("kvdraft", self.policy.spec), lambda: target.with_kv_cache(self.policy))
