@@ -20,7 +20,7 @@ from ..errors import PromptTooLong
 from ..models import LoadedModel
 from ..models.backend import Backend
 from ..samplers import Histories, Sampler
-from .stops import cut_at_stop, hits_stop, stop_strings
+from .stops import cut_at_stop, hits_stop, settled, stop_strings
 
 
 @dataclass
@@ -220,8 +220,7 @@ class TextStreamer:
         text = final_text if final_text is not None else self._text(tokens)
         safe = len(text)
         if final_text is None:
-            if text.endswith("\ufffd"):  # an incomplete multi-byte character
-                safe = len(text.rstrip("\ufffd"))
+            safe = len(settled(text))  # not an incomplete multi-byte character at the end
             whole = text[:safe]  # a stop string may be starting at the end of the whole characters
             for s in self.stop:
                 for k in range(min(len(s) - 1, safe), 0, -1):
