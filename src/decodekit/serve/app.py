@@ -337,12 +337,14 @@ def _integer(body: dict, name: str, default: int | None, lo: int, hi: int | None
     return value
 
 
-def _flag(body: dict, name: str) -> bool:
+def _flag(body: dict, name: str, field: str | None = None) -> bool:
+    """A boolean field of ``body`` (``field``: its name in the request, where ``body`` is an object inside it)."""
     value = body.get(name, False)
     if value is None:
         return False
-    if not isinstance(value, bool):
-        raise ApiError(400, f"{name} must be true or false, got {value!r}", param=name)
+    if not isinstance(value, bool):  # never "no" read as true
+        field = field or name
+        raise ApiError(400, f"{field} must be true or false, got {value!r}", param=field.split(".")[0])
     return value
 
 
@@ -437,11 +439,8 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
     samples = temperature not in (None, 0)
     if seed is not None or samples:
         params["seed"] = seed if seed is not None else secrets.randbelow(2**31)
-    include_usage = options.get("include_usage", False)
-    if include_usage is not None and not isinstance(include_usage, bool):  # never "no" read as true
-        raise ApiError(400, f"stream_options.include_usage must be true or false, got {include_usage!r}",
-                       param="stream_options")
-    return RequestSpec(prompt, method, params, max_tokens, stop, n, top_logprobs, bool(include_usage),
+    include_usage = _flag(options, "include_usage", "stream_options.include_usage")
+    return RequestSpec(prompt, method, params, max_tokens, stop, n, top_logprobs, include_usage,
                        _flag(body, "ignore_eos"), structured_output(body), stream)
 
 
