@@ -63,9 +63,10 @@ def run(args: argparse.Namespace, model=None) -> int:
         raise InvalidParameter(f"--max-new-tokens {args.max_new_tokens} leaves no room for a query in the model's "
                                f"context of {backend.info.max_length} tokens")
     path = args.out or cache_path(backend, settings.kind)
-    if path.is_dir():
-        raise InvalidParameter(f"{path} is a folder: the drafter's file cannot be saved there (remove it, or give --out)")
-    check_writable(path.parent)
+    if args.out is None:  # the cache's place for it, checked as --out was before the model loaded
+        if path.is_dir():
+            raise InvalidParameter(f"{path} is a folder: the drafter's file cannot be saved there (remove it, or give --out)")
+        check_writable(path.parent)
     recipe = "" if settings.prompts == "magpie" else f"-{settings.prompts}"
     corpus_path = cache_root() / "drafters" / f"{target_fingerprint(backend)}-data{recipe}-{settings.tokens}-s{settings.seed}.pt"
     corpus = load_corpus(corpus_path)
