@@ -13,8 +13,10 @@ from collections.abc import Sequence
 from ..errors import InvalidParameter
 
 #: Tokens decoded at the end of the output to look for a stop string, at least; a longer stop
-#: string widens the window (a character takes at most four byte-level tokens).
+#: string widens the window (a character takes at most CHARACTER_BYTES byte-level tokens).
 MIN_WINDOW = 64
+#: Byte tokens one character takes at most (UTF-8).
+CHARACTER_BYTES = 4
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -33,7 +35,7 @@ def hits_stop(tokenizer, tokens: Sequence[int], stop: Sequence[str], added: int 
     (decodes only the tail that can: one that ends in a new token; a speculative step adds many)."""
     if not stop:
         return False
-    window = max(MIN_WINDOW, 4 * max(len(s) for s in stop) + 4) + max(0, added - 1)
+    window = max(MIN_WINDOW, CHARACTER_BYTES * (max(len(s) for s in stop) + 1)) + max(0, added - 1)
     text = settled(tokenizer.decode(list(tokens[-window:])))
     return any(s in text for s in stop)
 
@@ -42,10 +44,6 @@ def settled(text: str) -> str:
     """``text`` without the replacement characters at its end: they stand for a character whose
     tokens have not all come yet, where no stop string can be found (not even "\ufffd")."""
     return text.rstrip("\ufffd")
-
-
-#: Byte tokens one character takes at most (UTF-8).
-CHARACTER_BYTES = 4
 
 
 def decoded(tokenizer, tokens: list[int]) -> str:

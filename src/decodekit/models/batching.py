@@ -25,9 +25,9 @@ Which thread runs the passes matters. The kernels split each step over OpenMP th
 GNU OpenMP keeps a team of worker threads per thread that starts parallel work. Once the teams
 hold more threads than there are cores, it stops letting idle workers spin and puts them to sleep
 between parallel regions; waking them costs a fraction of a millisecond a region, a few hundred
-regions a step (a pass on a second thread measured several times slower than on the main thread). So the passes run
-on one thread (:meth:`PassBatcher.serve`, ideally called by the main thread, whose team already
-exists), and the request threads keep their own torch work on one thread
+regions a step (a pass on a second thread measured several times slower than on the main
+thread). So the passes run on one thread (:meth:`PassBatcher.serve`, ideally called by the main
+thread, whose team already exists), and the request threads keep their own torch work on one thread
 (:func:`single_threaded`), so that they never start a team of their own.
 """
 

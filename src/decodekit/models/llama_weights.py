@@ -25,8 +25,8 @@ from .kernels import (
 )
 from .memory import return_freed_memory
 
-# The numerics (:data:`..arguments.NUMERICS`). ``exact``: float32 on the weights (or their GGUF blocks), bit-identical to the dequantised model.
-# ``fast``: inputs quantised to 8 bits per block of 32 and integer dot products against the GGUF
+# The numerics (:data:`..arguments.NUMERICS`). ``exact``: float32 on the weights (or their GGUF
+# blocks), bit-identical to the dequantised model. ``fast``: inputs quantised to 8 bits per block of 32 and integer dot products against the GGUF
 # blocks (``kernels/gemm_q8.c``), for every pass, prefill included. Both compute every token's row
 # on its own, so speculative decoding and batching are lossless relative to plain decoding in
 # the same numerics; ``fast`` differs from ``exact`` by the inputs' quantisation.
@@ -210,8 +210,8 @@ class Projection:
     Why not ``F.linear``: on this project's AMD EPYC machine, float32 ``F.linear`` goes to MKL,
     whose kernels for a few rows are far from the hardware (2 rows cost twice one row), while
     oneDNN's ``_linear_pointwise`` on the same ``[out, in]`` weight costs a fraction of that for a
-    few rows (docs/BENCHMARKS.md, the earliest float32 runs). Cheap multi-row passes are what make speculative
-    verification pay in float32. Both are plain float32 (or bfloat16) arithmetic: only
+    few rows (docs/BENCHMARKS.md, the earliest float32 runs). Cheap multi-row passes are what
+    make speculative verification pay in float32. Both are plain float32 (or bfloat16) arithmetic: only
     the summation order differs.
 
     Passes of up to ``MAX_ROWS`` tokens go to the compiled weight-streaming kernel

@@ -3,8 +3,9 @@ preallocated KV cache, in the spirit of gpt-fast.
 
 Why not transformers: a decode step through transformers spends much of its time on per-layer
 Python and cache bookkeeping around the same math. Here q/k/v and gate/up are fused into one
-matmul each, the cache is written in place, and rollback is just moving a length counter. The weights it computes with (config,
-rotary tables, projections on the GGUF blocks) are :mod:`.llama_weights`.
+matmul each, the cache is written in place, and rollback is just moving a length counter. The
+weights it computes with (config, rotary tables, projections on the GGUF blocks) are
+:mod:`.llama_weights`.
 """
 
 from __future__ import annotations
