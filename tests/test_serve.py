@@ -200,7 +200,8 @@ def test_bad_requests_are_openai_error_objects(served):
     for extra, param in (({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
                          ({"method": "draft", "draft_model": "self-truncated:1000"}, "draft_model"),
                          ({"method": "kvdraft", "draft_cache": "sink:4"}, "draft_cache"),
-                         ({"method": "kvdraft", "draft_cache": "full"}, "draft_cache")):
+                         ({"method": "kvdraft", "draft_cache": "full"}, "draft_cache"),
+                         ({"stop": ["ok", "\udcff"]}, "stop")):  # a lone surrogate: no text the model can write
         status, body = post(served, "/v1/chat/completions", {**base, **extra})
         assert status == 400 and json.loads(body)["error"]["param"] == param, (extra, body)
     for best_of, status_wanted in ((1, 200), (0, 400), (3, 400)):  # 1 is OpenAI's default: it asks for nothing

@@ -24,6 +24,9 @@ def test_one_string_is_one_stop_string():
     assert stop_strings(None) == ()
     with pytest.raises(InvalidParameter, match="stop"):
         stop_strings([1, 2])
+    with pytest.raises(InvalidParameter, match="not valid UTF-8") as err:  # it could never match
+        stop_strings(["ok", "a\udcff"])
+    assert err.value.param == "stop"
 
 
 def test_cut_keeps_text_before_the_stop_and_no_token_of_it():

@@ -27,6 +27,12 @@ def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
         stop = (stop,)
     if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
         raise InvalidParameter(f"stop must be a string or a list of strings, got {stop!r}")
+    for s in stop:
+        try:  # a lone surrogate (bytes that were not UTF-8) is no text a model can write
+            s.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise InvalidParameter(f"stop string {s!r} is not valid UTF-8 text (undecodable character at "
+                                   f"position {err.start})", param="stop") from None
     return tuple(s for s in stop if s)
 
 
