@@ -175,6 +175,32 @@ def test_prefix_cache_reuses_the_longest_common_prefix(tiny):
     assert torch.allclose(logits, fresh, atol=1e-4)
 
 
+@torch.inference_mode()  # as the decoders run
+def test_a_second_fork_of_the_same_ids_runs_no_pass_and_returns_their_logits(tiny):
+    cache = PrefixCache(tiny.backend)
+    ids = TOK.encode("hello there")
+    first = cache.fork(ids, 1)
+    want = first.clone()
+    first[0, :5] = float("-inf")  # callers may change logits in place (CoT masks EOS)
+    passes = cache.passes
+    again = cache.fork(ids, 1)
+    assert cache.passes == passes and torch.equal(again, want)
+    again[0, 5:9] = float("-inf")
+    assert torch.equal(cache.fork(ids, 3), want.expand(3, -1)) and cache.passes == passes
+    cache.step([1, 2, 3])
+    cache.fork(ids, 1)  # a pass ran since the last fork: the last id is run again
+    assert cache.passes == passes + 2
+
+
+def test_beam_and_cot_run_as_many_passes_as_greedy_for_greedys_tokens(tiny):
+    for max_new in (1, 8):
+        plain = Engine(tiny).generate("hello", max_new_tokens=max_new, chat=False, ignore_eos=True)
+        for method in ("beam", "cot"):
+            got = Engine(tiny).generate("hello", method=method, n=1, max_new_tokens=max_new, chat=False)
+            assert got.tokens == plain.tokens, method
+            assert got.stats.forward_passes == plain.stats.forward_passes, (method, max_new)
+
+
 def test_step_done_needs_content_before_the_delimiter():
     assert not step_done("\n\n", "\n\n")
     assert step_done("\n\nStep one.\n\n", "\n\n")
@@ -289,6 +315,9 @@ def test_first_finish_returns_the_shortest_finished_sample():
     assert first_finished([unlikely, likely]) == 1
     assert first_finished([likely, unlikely]) == 0
     assert first_finished([unlikely, stopped, likely]) == 1
+    # a stop string's cut tokens were decoded: a row cut to 1 token after 4 steps finished after 4
+    cut = Sample([5], [-0.1], [], [], [], "stop", cut_off=[8, 9, 9])
+    assert cut.steps == 4 and first_finished([cut, likely]) == 1 and first_finished([cut, unlikely]) == 1
 
 
 # CoT-decoding ------------------------------------------------------------------------------------
@@ -441,6 +470,18 @@ def test_bad_options_raise_one_line_errors():
     with pytest.raises(InvalidParameter):
         build_decoder("particle", ess_threshold=2)
     assert build_decoder("beam", n="3").width == 3  # CLI strings are accepted when they parse
+
+
+@pytest.mark.parametrize("method, options, message", [
+    ("self-consistency", {"answer": lambda text: [text]}, "the answer callable must return a string or None"),
+    ("best-of-n", {"answer_start": lambda text: "x"}, "the answer_start callable must return an offset"),
+    ("best-of-n", {"answer_start": lambda text: len(text) + 1}, "the answer_start callable must return an offset"),
+    ("mbr", {"utility": lambda hyp, ref: "x"}, "the utility callable must return a finite number"),
+    ("mbr", {"utility": lambda hyp, ref: math.nan}, "the utility callable must return a finite number"),
+])
+def test_a_python_callable_returning_the_wrong_thing_is_one_line(tiny, method, options, message):
+    with pytest.raises(InvalidParameter, match=message):
+        Engine(tiny).generate("hello", method=method, n=2, max_new_tokens=4, chat=False, seed=1, **options)
 
 
 def test_particle_weight_temperature_is_its_own_option(tiny_model):

@@ -68,6 +68,11 @@ class Sample:
         """Tokens the model chose for this row, EOS included: what the row cost."""
         return len(self.tokens) + (self.eos_logprob is not None)
 
+    @property
+    def steps(self) -> int:
+        """Steps the row took to finish: its choices and the tokens a stop string cut off."""
+        return self.choices + len(self.cut_off)
+
     def cut(self, n: int) -> "Sample":
         """The first ``n`` tokens (after a stop-string cut)."""
         if n == len(self.tokens):

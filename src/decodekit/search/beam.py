@@ -59,7 +59,7 @@ class BeamSearch(Decoder):
         ctx = SearchContext(model, request)
         logits = ctx.cache.fork(ctx.prompt, 1)
         beams, finished = [Hypothesis([])], []
-        for _ in range(request.max_new_tokens):
+        for length in range(1, request.max_new_tokens + 1):
             check_cancelled(request)
             histories = (
                 Histories([ctx.prompt + b.tokens for b in beams], len(ctx.prompt)) if request.sampler.needs_history else None
@@ -68,8 +68,8 @@ class BeamSearch(Decoder):
             ctx.spent += len(beams)
             beams, parents, ended = self._advance(beams, logp, ctx.eos)
             finished += ended
-            if len(finished) >= self.width or not beams:
-                break
+            if len(finished) >= self.width or not beams or length == request.max_new_tokens:
+                break  # (no pass for logits nobody reads)
             ctx.cache.select(parents)
             logits = ctx.cache.step([b.tokens[-1] for b in beams])
         pool = finished + [b for b in beams if b.finish_reason == "length"] if len(finished) < self.width else finished

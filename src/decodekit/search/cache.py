@@ -25,42 +25,57 @@ class PrefixCache:
         self.passes = 0  # forward passes run through this object
         self.tokens_run = 0  # positions computed (prefill and decode)
         self.first_prefill_s = 0.0
+        # the ids of the last fork and their next-token logits, while no pass has run since: a
+        # second fork of the same ids (CoT-decoding branches after looking at the first logits)
+        # then needs no pass
+        self.last_fork: tuple[list[int], torch.Tensor] | None = None
 
     def fork(self, ids: Sequence[int], n: int = 1) -> torch.Tensor:
         """Leave ``n`` rows holding ``ids``; return the next-token logits ``[n, V]``."""
         ids = list(ids)
         if not ids:
             raise ValueError("cannot run an empty prefix")
-        best, keep = self._best_row(ids)
-        t0 = time.perf_counter()
-        if keep == 0:
-            logits = self.backend.prefill(ids)
-            if not self.passes:
-                self.first_prefill_s = time.perf_counter() - t0
+        best, common = self._best_row(ids)
+        if self.last_fork is not None and self.last_fork[0] == ids and common == len(ids):
+            self._keep(best, common)
+            logits = self.last_fork[1].clone()  # a caller may change its logits in place
         else:
-            if self.backend.batch_size != 1 or best != 0:
-                self.backend.reorder(torch.tensor([best]))
-            self.backend.truncate(keep)
-            logits = self.backend.append(torch.tensor([ids[keep:]]), last_only=True).logits[:, -1]
-        self.passes += 1
-        self.tokens_run += len(ids) - keep
+            t0 = time.perf_counter()
+            keep = min(common, len(ids) - 1)  # the last id is re-run for its logits
+            if keep == 0:
+                logits = self.backend.prefill(ids)
+                if not self.passes:
+                    self.first_prefill_s = time.perf_counter() - t0
+            else:
+                self._keep(best, keep)
+                logits = self.backend.append(torch.tensor([ids[keep:]]), last_only=True).logits[:, -1]
+            self.passes += 1
+            self.tokens_run += len(ids) - keep
+            self.last_fork = (ids, logits.clone())
         if n > 1:
             self.backend.reorder(torch.zeros(n, dtype=torch.long))
             logits = logits.expand(n, -1)
         self.rows = [list(ids) for _ in range(n)]
         return logits
 
+    def _keep(self, row: int, length: int) -> None:
+        """Leave only ``row``, rolled back to its first ``length`` tokens."""
+        if self.backend.batch_size != 1 or row != 0:
+            self.backend.reorder(torch.tensor([row]))
+        self.backend.truncate(length)
+
     def _best_row(self, ids: list[int]) -> tuple[int, int]:
-        """(row, tokens to keep): at least the last id is always re-run to get its logits."""
+        """(row, its common prefix with ``ids``): the row sharing the longest prefix."""
         best, keep = 0, 0
         for i, row in enumerate(self.rows):
             c = common_prefix(row, ids)
             if c > keep:
                 best, keep = i, c
-        return best, min(keep, len(ids) - 1)
+        return best, keep
 
     def step(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append one token per row; logits ``[B, V]``."""
+        self.last_fork = None
         logits = self.backend.step(torch.tensor(list(tokens), dtype=torch.long))
         for row, token in zip(self.rows, tokens):
             row.append(int(token))
@@ -71,5 +86,6 @@ class PrefixCache:
     def select(self, rows: Sequence[int]) -> None:
         """Keep (and repeat) the given rows, in order."""
         rows = list(rows)
+        self.last_fork = None
         self.backend.reorder(torch.tensor(rows, dtype=torch.long))
         self.rows = [list(self.rows[r]) for r in rows]

@@ -18,7 +18,9 @@ at ``sample_temperature`` (default 0.7) from the same processed distribution.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from numbers import Integral, Real
 from typing import Any
 
 from ..engine.core import Decoder, Generation, Request
@@ -64,11 +66,43 @@ def mbr_select(texts: Sequence[str], utility: Utility) -> tuple[int, list[float]
 
 
 def first_finished(samples: Sequence[Sample]) -> int:
-    """Index of the shortest finished sample (ties: higher log-likelihood); 0 when none finished."""
+    """Index of the sample that finished first, in the fewest steps (a stop string's cut tokens
+    count: they were decoded), ties to the higher log-likelihood; 0 when none finished."""
     finished = [i for i, s in enumerate(samples) if s.finish_reason in ("eos", "stop")]
     if not finished:
         return 0
-    return min(finished, key=lambda i: (samples[i].choices, -samples[i].loglik))
+    return min(finished, key=lambda i: (samples[i].steps, -samples[i].loglik))
+
+
+def checked_answer(fn: Callable[[str], str | None]) -> Callable[[str], str | None]:
+    """A user's ``answer`` callable, held to returning a string or None (no answer)."""
+    def extract(text: str) -> str | None:
+        value = fn(text)
+        if value is not None and not isinstance(value, str):
+            raise InvalidParameter(f"the answer callable must return a string or None, got {value!r}", param="answer")
+        return value
+    return extract
+
+
+def checked_start(fn: Callable[[str], int]) -> Callable[[str], int]:
+    """A user's ``answer_start`` callable, held to returning an offset into the text."""
+    def start(text: str) -> int:
+        value = fn(text)
+        if not isinstance(value, Integral) or isinstance(value, bool) or not 0 <= value <= len(text):
+            raise InvalidParameter(f"the answer_start callable must return an offset in [0, {len(text)}] into the "
+                                   f"text, got {value!r}", param="answer_start")
+        return int(value)
+    return start
+
+
+def checked_utility(fn: Utility) -> Utility:
+    """A user's ``utility`` callable, held to returning a finite number."""
+    def utility(hyp: str, ref: str) -> float:
+        value = fn(hyp, ref)
+        if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(value):
+            raise InvalidParameter(f"the utility callable must return a finite number, got {value!r}", param="utility")
+        return float(value)
+    return utility
 
 
 SAMPLING_OPTIONS = option_table(
@@ -97,8 +131,8 @@ class MultiSampleDecoder(Decoder):
                                    f"text), got {answer_start!r}")
         self.n = n
         self.temperature = sample_temperature
-        self.extract = extractor(answer)
-        self.start = answer_start or (lambda text: find_answer_start(text, answer))
+        self.extract = extractor(answer) if not callable(answer) else checked_answer(answer)
+        self.start = checked_start(answer_start) if answer_start else (lambda text: find_answer_start(text, answer))
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         ctx = SearchContext(model, request)
@@ -173,7 +207,7 @@ class MinimumBayesRisk(MultiSampleDecoder):
 
     def __init__(self, utility: str | Utility = "chrf", **kw: Any):
         super().__init__(**kw)
-        self.utility = chrf_utility() if utility == "chrf" else utility
+        self.utility = chrf_utility() if utility == "chrf" else checked_utility(utility)
 
     def choose(self, ctx, samples, answers):
         return mbr_select([s.text for s in samples], self.utility)
@@ -186,4 +220,4 @@ class FirstFinish(MultiSampleDecoder):
     stops_early = True
 
     def choose(self, ctx, samples, answers):
-        return first_finished(samples), [s.choices for s in samples]
+        return first_finished(samples), [s.steps for s in samples]
