@@ -134,7 +134,8 @@ def test_a_penalty_past_float32s_range_saturates_and_a_masked_token_stays_masked
     a token masked before the penalty (-inf) is not brought back."""
     sampler = Sampler.from_params(temperature=1.0, **params)
     logits = torch.tensor([[5.0, 6.0, -1.0, float("-inf"), 2.0]])
-    history = [torch.tensor([0, 1, 1, 3])]  # token 1 twice: the frequency penalty doubles for it
+    # tokens 1 and 3 twice: the frequency penalty doubles for them (-inf - 2 * -3e38 would be NaN)
+    history = [torch.tensor([0, 1, 1, 3, 3])]
     processed = sampler.process(logits, history)
     assert torch.isfinite(processed[0, [0, 1, 2, 4]]).all() and processed[0, 3] == float("-inf")
     assert processed[0, 1] == torch.finfo(torch.float32).max  # 6 / 1.2e-38 and 6 + 2 * 3e38 overflow

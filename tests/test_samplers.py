@@ -89,7 +89,14 @@ def test_a_temperature_near_0_keeps_the_most_likely_tokens_evenly(temperature):
     logits = torch.tensor([[50.0, 80.0, 80.0, -3.0, NEG], [1.0, 0.5, 2.0, 2.0 - 2**-22, NEG]])
     probs = torch.softmax(Temperature(temperature)(logits, NoTouch()), dim=-1)
     assert probs.tolist() == [[0.0, 0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0]]
+    negative = torch.tensor([[-50.0, -60.0, -50.0, -70.0, NEG]])  # past the range downwards, alone
+    assert torch.softmax(Temperature(temperature)(negative, NoTouch()), dim=-1).tolist() == [[0.5, 0.0, 0.5, 0.0, 0.0]]
     assert torch.isinf(Temperature(temperature)(torch.tensor([[float("inf"), 1.0]]), NoTouch())[0, 0])  # left as it is
+
+
+def test_a_temperature_past_float32s_range_makes_every_allowed_token_equally_likely():
+    probs = torch.softmax(Temperature(1e39)(torch.tensor([[1.0, NEG, 2.0, -30.0]]), NoTouch()), dim=-1)
+    assert probs[0].tolist() == pytest.approx([1 / 3, 0.0, 1 / 3, 1 / 3])  # not NaN: the masked token stays masked
 
 
 # ---------------------------------------------------------------- top-k
@@ -210,6 +217,14 @@ def test_epsilon_drops_tokens_below_epsilon():
     assert kept(EpsilonCutoff(0.001)(x, [])) == {0, 1, 2}
     assert kept(EpsilonCutoff(0.2)(x, [])) == {0, 1}
     assert kept(EpsilonCutoff(0.9)(x, [])) == {0}  # nothing reaches 0.9: the argmax stays
+
+
+def test_a_cutoff_that_drops_everything_keeps_every_token_tied_for_the_top():
+    """Which of several equally likely tokens is kept must not depend on token ids (HF's warpers
+    keep them all too)."""
+    assert kept(EpsilonCutoff(0.5)(torch.zeros(1, 4), [])) == {0, 1, 2, 3}
+    assert kept(EpsilonCutoff(0.6)(torch.tensor([[-9.0, 0.0, -9.0, 0.0]]), [])) == {1, 3}
+    assert kept(EtaCutoff(0.9)(torch.tensor([[0.0, -9.0, 0.0]]), [])) == {0, 2}
 
 
 def test_eta_uses_entropy_scaled_threshold_when_entropy_is_high():

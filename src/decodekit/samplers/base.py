@@ -85,9 +85,9 @@ class LogitsProcessor(ABC):
 
 
 def keep_only(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """New logits with every token outside ``keep`` set to -inf; the row argmax is always kept."""
-    keep = keep.clone()
-    keep.scatter_(-1, logits.argmax(dim=-1, keepdim=True), True)
+    """New logits with every token outside ``keep`` set to -inf; a row's most likely tokens are
+    always kept (all of them where several tie: which one is kept must not depend on token ids)."""
+    keep = keep | (logits == logits.amax(dim=-1, keepdim=True))
     return logits.masked_fill(~keep, NEG_INF)
 
 

@@ -49,8 +49,9 @@ class _HistoryPenalty(LogitsProcessor):
 
 def saturated(penalised: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """A finite logit that a penalty pushed past float32's range takes its largest value instead of
-    ±inf (two infinite logits would give NaN probabilities); a masked (−inf) logit stays masked."""
-    return torch.where(torch.isfinite(logits), penalised.clamp(-FLOAT32_MAX, FLOAT32_MAX), penalised)
+    ±inf (two infinite logits would give NaN probabilities); a masked (−inf) logit stays masked,
+    whatever the penalty (−inf minus an infinite negative penalty would be NaN)."""
+    return torch.where(torch.isfinite(logits), penalised.clamp(-FLOAT32_MAX, FLOAT32_MAX), logits)
 
 
 class RepetitionPenalty(_HistoryPenalty):

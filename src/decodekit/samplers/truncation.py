@@ -26,7 +26,7 @@ from decodekit.samplers.base import (
     keep_only,
     sorted_probs,
 )
-from decodekit.samplers.params import SAMPLER_OPTIONS
+from decodekit.samplers.params import FLOAT32_MAX, SAMPLER_OPTIONS
 
 
 def _mass_before(p: torch.Tensor) -> torch.Tensor:
@@ -54,19 +54,23 @@ class Temperature(LogitsProcessor):
     def __init__(self, temperature: float) -> None:
         # T > 0 here, unlike the parameter's T >= 0: from_params turns 0 into greedy decoding
         self.temperature = check_real("temperature", temperature, 0.0, lo_open=True)
-        # what the logits are divided by: a temperature below float32's smallest normal number would
-        # be flushed to 0 (0 / 0); at that one the softmax already keeps only the largest logits
-        self._divisor = max(self.temperature, torch.finfo(torch.float32).tiny)
+        # what the logits are divided by, within float32: a temperature below its smallest normal
+        # number would be flushed to 0 (0 / 0), where the softmax already keeps only the largest
+        # logits; one above its largest would be infinite (-inf / inf is NaN), where every allowed
+        # token is already equally likely
+        self._divisor = min(max(self.temperature, torch.finfo(torch.float32).tiny), FLOAT32_MAX)
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
         logits = logits.float()
         scaled = logits / self._divisor
-        # (a max, not isposinf().any(): a third of the time, on the sampling path of every token)
-        if self._divisor < 1.0 and float(scaled.max()) == math.inf and float(logits.max()) != math.inf:
-            # a temperature this near 0 takes finite logits past float32's range; shifted by each
-            # row's largest first they do not overflow, and softmax(l / T) is the same distribution
-            # (as T -> 0: the most likely tokens, evenly)
-            scaled = (logits - logits.amax(dim=-1, keepdim=True)) / self._divisor
+        # (one max per row: a third of the time, on the sampling path of every token)
+        if self._divisor < 1.0 and not bool(scaled.amax(dim=-1).isfinite().all()):
+            # a temperature this near 0 takes finite logits past float32's range, up to +inf or
+            # (a row whose largest logit is negative) down to -inf everywhere; shifted by each row's
+            # largest first they do not, and softmax(l / T) is the same distribution (as T -> 0: the
+            # most likely tokens, evenly). A row whose largest is ±inf itself is left as it was.
+            peak = logits.amax(dim=-1, keepdim=True)
+            scaled = (logits - torch.where(peak.isfinite(), peak, torch.zeros_like(peak))) / self._divisor
         return scaled
 
     def describe(self) -> dict[str, Any]:
@@ -254,7 +258,8 @@ class TopH(LogitsProcessor):
         n = self.kept_count(sp, self.top_h)
         keep_sorted = torch.arange(sp.shape[-1], device=sp.device) < n
         keep = torch.zeros_like(keep_sorted).scatter(-1, si, keep_sorted)
-        return keep_only(logits.float(), keep)
+        # (the prefix holds the argmax; not keep_only, which would keep every token tied with it)
+        return logits.float().masked_fill(~keep, float("-inf"))
 
     def describe(self) -> dict[str, Any]:
         return {"top_h": self.top_h}
