@@ -391,3 +391,19 @@ def test_real_model_greedy_is_exact(real_model, method, options):
     reference = engine.generate(prompt, max_new_tokens=12).tokens
     got = engine.generate(prompt, method=method, max_new_tokens=12, budget=4, **options)
     assert got.tokens == reference
+
+
+def test_a_draft_model_folder_is_loaded_once_and_each_target_drafts_with_its_own_cache(monkeypatch, tmp_path):
+    """The draft model's weights are shared; its cache is per target (kept in the target's memory,
+    the one home of per-model state), so two clones drafting at once never share a cache."""
+    from decodekit.models import loading
+    from decodekit.speculative.drafters import draft_model
+
+    loads = []
+    monkeypatch.setattr(loading, "build_backend", lambda folder, dtype: loads.append(folder) or tiny_llama(seed=3))
+    monkeypatch.setattr(draft_model, "_loaded", {})
+    target = tiny_llama(seed=0)
+    twin = target.clone()
+    mine, theirs = draft_model.draft_backend(str(tmp_path), target), draft_model.draft_backend(str(tmp_path), twin)
+    assert mine is not theirs and draft_model.draft_backend(str(tmp_path), target) is mine
+    assert len(loads) == 1 and mine.weights is theirs.weights

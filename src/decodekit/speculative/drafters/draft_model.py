@@ -26,6 +26,7 @@ Choices the papers leave open (each one tested):
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import torch
 
@@ -41,7 +42,10 @@ SELF_TRUNCATED = "self-truncated:"
 
 # Draft-model backends --------------------------------------------------------------------------
 
-_loaded: dict[tuple[str, torch.dtype], Backend] = {}  # spec folder -> backend, reused across requests
+#: The weights of the last draft model loaded from a folder, shared by every target: each target
+#: keeps its own clone (its own cache) in its memory.
+_loaded: dict[tuple[str, torch.dtype], Backend] = {}
+_LOADING = threading.Lock()
 
 
 def parse_draft_spec(spec: object) -> Backend | int | str:
@@ -78,14 +82,20 @@ def draft_backend(spec: Backend | int | str, target: Backend) -> Backend:
         except InvalidParameter as err:
             raise InvalidParameter(f"draft_model {SELF_TRUNCATED}{spec}: {err}", param="draft_model") from None
     key = (spec, target.info.dtype)
-    if key not in _loaded:
-        from pathlib import Path
+    return target.memory(("draft.model", *key), lambda: _draft_weights(key).clone())
 
-        from ...models.loading import build_backend
 
-        _loaded.clear()  # keep at most one loaded draft model
-        _loaded[key] = build_backend(Path(spec), dtype=target.info.dtype)
-    return _loaded[key]
+def _draft_weights(key: tuple[str, torch.dtype]) -> Backend:
+    """The draft model of a folder, loaded once (at most one kept loaded)."""
+    with _LOADING:
+        if key not in _loaded:
+            from pathlib import Path
+
+            from ...models.loading import build_backend
+
+            _loaded.clear()
+            _loaded[key] = build_backend(Path(key[0]), dtype=key[1])
+        return _loaded[key]
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
