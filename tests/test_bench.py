@@ -552,10 +552,11 @@ def test_hf_baseline_matches_decodekit_greedy_on_the_real_model(real_model):
 @pytest.mark.real_model
 def test_llamacpp_baseline_on_the_embedded_gguf(real_model):
     pytest.importorskip("llama_cpp")
-    from decodekit.bench.baselines import LlamaCpp, gguf_for
+    from decodekit.bench.baselines import LlamaCpp
+    from decodekit.models.loading import model_gguf
 
     model = real_model
-    baseline = LlamaCpp(gguf_for(None), model.tokenizer.eos_token_ids, n_threads=2)
+    baseline = LlamaCpp(model_gguf(None), model.tokenizer.eos_token_ids, n_threads=2)
     ids = model.prompt_ids("Name three colours.")
     first, again = baseline.run(ids, 8), baseline.run(ids, 8)
     assert first.tokens == again.tokens  # greedy and no state carried between calls

@@ -478,6 +478,8 @@ def test_bad_options_raise_one_line_errors():
     ("best-of-n", {"answer_start": lambda text: len(text) + 1}, "the answer_start callable must return an offset"),
     ("mbr", {"utility": lambda hyp, ref: "x"}, "the utility callable must return a finite number"),
     ("mbr", {"utility": lambda hyp, ref: math.nan}, "the utility callable must return a finite number"),
+    ("best-of-n", {"scorer": lambda text: "x"}, "the scorer callable must return a finite number"),
+    ("best-of-n", {"scorer": lambda text: True}, "the scorer callable must return a finite number"),
 ])
 def test_a_python_callable_returning_the_wrong_thing_is_one_line(tiny, method, options, message):
     with pytest.raises(InvalidParameter, match=message):

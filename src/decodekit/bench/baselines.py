@@ -26,7 +26,7 @@ import torch
 
 from ..errors import UnknownMethod
 from ..models import LoadedModel
-from ..models.loading import EMBEDDED_MODELS, embedded_gguf, parse_dtype, resolve_model_folder
+from ..models.loading import model_gguf, parse_dtype, resolve_model_folder
 from .contestants import Contestant, RunResult, Stopwatch, cut_at_eos
 
 BASELINES = ("hf", "hf-pld", "llamacpp")
@@ -151,15 +151,6 @@ def llamacpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def gguf_for(model: str | None) -> Path | None:
-    """The GGUF file behind a model spec (embedded name or .gguf path), or None."""
-    spec = model or next(iter(EMBEDDED_MODELS))
-    if spec in EMBEDDED_MODELS:
-        return embedded_gguf(spec)
-    path = Path(spec).expanduser()
-    return path if path.is_file() and path.suffix == ".gguf" else None
-
-
 def check_baselines(names: Sequence[str]) -> None:
     unknown = [n for n in names if n not in BASELINES]
     if unknown:
@@ -194,7 +185,7 @@ def _llamacpp(loaded: LoadedModel, model: str | None, threads: int) -> tuple[Con
         return None, ("llamacpp baseline skipped: llama-cpp-python is not installed "
                       "(pip install 'decodekit[llamacpp]'; on CPUs without native flags build with "
                       "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON\")")
-    gguf = gguf_for(model)
+    gguf = model_gguf(model)
     if gguf is None:
         return None, f"llamacpp baseline skipped: model {model!r} has no GGUF file"
     note = (f"llamacpp runs the GGUF file {gguf.name} with its own quantised kernels, n_threads={threads}; "

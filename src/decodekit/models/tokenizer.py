@@ -173,8 +173,8 @@ class FileTokenizer(Tokenizer):
     It gives the ids, text and chat prompts ``AutoTokenizer`` gives on the same folder (tests
     compare them on both embedded models), with the chat template rendered in transformers'
     environment rebuilt (:mod:`.chat_template`), for much less: transformers' Gemma tokenizer
-    rebuilds its 262k-token vocabulary in Python (a peak of about 580 MB and 275 MB kept, against 360
-    and 100 MB here), and importing transformers costs about a second of every start.
+    rebuilds its 262k-token vocabulary in Python (far more memory, docs/BENCHMARKS.md), and no
+    start pays for importing transformers.
     :func:`file_tokenizer` says where it applies.
     """
 

@@ -1,4 +1,4 @@
-"""The logits-processor interface, shared helpers and parameter checks.
+"""The logits-processor interface and shared helpers.
 
 A processor maps logits ``[B, V]`` to new logits ``[B, V]``; a removed token gets ``-inf``.
 Processors chain (the Hugging Face logits-processor pattern): each one sees the previous one's
@@ -13,9 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
-# The value checks live with the option specs (the bottom layer); processors import them from here.
-from decodekit.options import check_int, check_real  # noqa: F401
 
 NEG_INF = float("-inf")
 

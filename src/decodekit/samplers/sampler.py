@@ -12,7 +12,7 @@ from decodekit.errors import InvalidParameter
 from decodekit.models.kernels import argmax, exponential_race
 from decodekit.options import check_int, check_real, keyword_signature, parse_options
 from decodekit.samplers.base import LogitsProcessor
-from decodekit.samplers.params import SAMPLER_OPTIONS, SAMPLER_PARAMS, SEED_LIMIT  # noqa: F401  (SAMPLER_PARAMS re-exported)
+from decodekit.samplers.params import SAMPLER_OPTIONS, SEED_LIMIT
 from decodekit.samplers.penalties import (
     FrequencyPenalty,
     NoRepeatNGram,

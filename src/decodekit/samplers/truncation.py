@@ -19,13 +19,8 @@ from typing import Any
 
 import torch
 
-from decodekit.samplers.base import (
-    LogitsProcessor,
-    check_real,
-    entropy,
-    keep_only,
-    sorted_probs,
-)
+from decodekit.options import check_real
+from decodekit.samplers.base import LogitsProcessor, entropy, keep_only, sorted_probs
 from decodekit.samplers.params import FLOAT32_MAX, SAMPLER_OPTIONS
 
 

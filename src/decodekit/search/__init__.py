@@ -8,16 +8,18 @@ uncertainty signals come back in ``Generation.extra``. Importing this package re
 from __future__ import annotations
 
 from ..engine.registry import register_method
-from ..options import OptionSpec, option_table
+from ..options import OptionSpec
 from .batch import Sample, SearchContext, decode_batch
 from .sample_decoder import SampleDecoder
 from .beam import OPTIONS as BEAM_OPTIONS, BeamSearch
 from .cot import OPTIONS as COT_OPTIONS, CoTDecoding
 from .options import builder
-from .scorers import NONNEGATIVE_SCORER_NAMES, Judge, Scorer, StepScorer, make_scorer
+from .scorers import Judge, Scorer, StepScorer, make_scorer
 from .select import (
+    BEST_OF_N_OPTIONS,
+    MBR_OPTIONS,
     SAMPLING_OPTIONS,
-    SCORER_OPTIONS,
+    WEIGHTED_VOTE_OPTIONS,
     BestOfN,
     FirstFinish,
     MinimumBayesRisk,
@@ -31,14 +33,11 @@ from .steps import ASTAR_OPTIONS, PARTICLE_OPTIONS, STEP_BEAM_OPTIONS, AStarDeco
 METHODS: dict[str, tuple[type, dict[str, OptionSpec], str]] = {
     "beam": (BeamSearch, BEAM_OPTIONS, "beam search, GNMT length penalty, flexible-beam pruning (Freitag & Al-Onaizan 2017)"),
     "cot": (CoTDecoding, COT_OPTIONS, "CoT-decoding: top-k first tokens, greedy paths, max answer confidence (Wang & Zhou 2024)"),
-    "best-of-n": (BestOfN, option_table(SAMPLING_OPTIONS, SCORER_OPTIONS), "best of N batched samples by a scorer (loglik, self-certainty, judge, ...)"),
+    "best-of-n": (BestOfN, BEST_OF_N_OPTIONS, "best of N batched samples by a scorer (loglik, self-certainty, judge, ...)"),
     "self-consistency": (SelfConsistency, SAMPLING_OPTIONS, "majority vote over N sampled answers (Wang et al. 2023)"),
-    "weighted-vote": (WeightedVote, option_table(SAMPLING_OPTIONS, SCORER_OPTIONS, OptionSpec(
-        "scorer", str, "prob", "vote weight", choices=NONNEGATIVE_SCORER_NAMES, allow_callable=True)),
-        "vote over N sampled answers weighted by a score (default exp mean log-prob)"),
-    "mbr": (MinimumBayesRisk, option_table(SAMPLING_OPTIONS, OptionSpec("utility", str, "chrf", "utility", choices=("chrf",),
-                                                                         allow_callable=True)),
-            "minimum Bayes risk over N samples, chrF utility"),
+    "weighted-vote": (WeightedVote, WEIGHTED_VOTE_OPTIONS,
+                      "vote over N sampled answers weighted by a score (default exp mean log-prob)"),
+    "mbr": (MinimumBayesRisk, MBR_OPTIONS, "minimum Bayes risk over N samples, chrF utility"),
     "first-finish": (FirstFinish, SAMPLING_OPTIONS, "first of N batched samples to finish"),
     "step-beam": (StepBeamSearch, STEP_BEAM_OPTIONS, "step-level beam search guided by a step scorer"),
     "particle": (ParticleFilter, PARTICLE_OPTIONS, "particle filtering over steps (Puri et al. 2025)"),

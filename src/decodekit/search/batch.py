@@ -27,8 +27,14 @@ from ..engine.stops import cut_at_stop, hits_stop
 from ..models import LoadedModel
 from ..models.kernels import argmax_rows
 from ..samplers import Histories, Sampler
+from ..options import OptionSpec
 from ..samplers.params import SEED_LIMIT
 from .cache import PrefixCache
+
+#: The temperature a search draws its samples at when the request's sampler is greedy.
+SAMPLE_TEMPERATURE = 0.7
+SAMPLE_TEMPERATURE_OPTION = OptionSpec("sample_temperature", float, SAMPLE_TEMPERATURE,
+                                       "temperature used when the request's sampler is greedy", lo=0.0)
 
 TOPK_RECORDED = 10  # top-K log-probs kept per step (phi_first's default K)
 

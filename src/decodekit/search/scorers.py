@@ -19,11 +19,13 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from numbers import Real
 
 import torch
 
 from ..errors import InvalidParameter
 from ..models import LoadedModel
+from ..options import OptionSpec, any_value
 from .batch import Sample, SearchContext
 
 
@@ -78,7 +80,7 @@ class CallableScorer(Scorer):
 
     def score(self, ctx, prefix, segment):
         value = self.fn(ctx.tokenizer.decode(list(prefix) + segment.tokens))
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(value):
             raise InvalidParameter(f"the scorer callable must return a finite number, got {value!r}")
         return float(value)
 
@@ -132,6 +134,9 @@ class Judge(Scorer):
 
 _BUILT_IN: dict[str, type[Scorer]] = {s.name: s for s in (LogLikelihood, MeanLogprob, Probability, SelfCertainty)}
 _BY_NAME: dict[str, type[Scorer]] = {**_BUILT_IN, Judge.name: Judge}
+#: Every method with a scorer option takes the judge's model with it.
+JUDGE_MODEL_OPTION = OptionSpec("judge_model", object, None, "model for the judge scorer (default: the same model)",
+                                local=any_value)
 SCORER_NAMES = tuple(_BY_NAME)
 #: The scorers whose values can weigh votes (weighted-vote's choices).
 NONNEGATIVE_SCORER_NAMES = tuple(name for name, scorer in _BY_NAME.items() if scorer.nonnegative)

@@ -13,7 +13,7 @@ None of these is lossless: they change the output distribution on purpose. Choic
 leave open: vote ties go to the answer seen first (sample order); the returned text is the first
 sample carrying the winning answer; samples with no extractable answer do not vote.
 When the request's sampler is greedy (the engine's default for these methods), samples are drawn
-at ``sample_temperature`` (default 0.7) from the same processed distribution.
+at ``sample_temperature`` (default :data:`~.batch.SAMPLE_TEMPERATURE`) from the same processed distribution.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from ..models import LoadedModel
 from ..options import OptionSpec, any_value, option_table
 from .answers import ANSWER_MODES, extractor
 from .answers import answer_start as find_answer_start
-from .batch import Sample, SearchContext
-from .scorers import SCORER_NAMES, make_scorer
+from .batch import SAMPLE_TEMPERATURE, SAMPLE_TEMPERATURE_OPTION, Sample, SearchContext
+from .scorers import JUDGE_MODEL_OPTION, NONNEGATIVE_SCORER_NAMES, SCORER_NAMES, make_scorer
 from .uncertainty import agreement, sample_signals
 
 Utility = Callable[[str, str], float]
@@ -107,7 +107,7 @@ def checked_utility(fn: Utility) -> Utility:
 
 SAMPLING_OPTIONS = option_table(
     OptionSpec("n", int, 8, "number of samples", lo=1),
-    OptionSpec("sample_temperature", float, 0.7, "temperature used when the request's sampler is greedy", lo=0.0),
+    SAMPLE_TEMPERATURE_OPTION,
     OptionSpec("answer", str, "auto", "answer extraction for voting and agreement", choices=ANSWER_MODES,
                allow_callable=True),
     OptionSpec("answer_start", object, None, "Python callable text -> offset where the answer begins (phi_first)",
@@ -115,8 +115,13 @@ SAMPLING_OPTIONS = option_table(
 )
 SCORER_OPTIONS = option_table(
     OptionSpec("scorer", str, "loglik", "candidate scorer", choices=SCORER_NAMES, allow_callable=True),
-    OptionSpec("judge_model", object, None, "model for the judge scorer (default: the same model)", local=any_value),
+    JUDGE_MODEL_OPTION,
 )
+BEST_OF_N_OPTIONS = option_table(SAMPLING_OPTIONS, SCORER_OPTIONS)
+WEIGHTED_VOTE_OPTIONS = option_table(BEST_OF_N_OPTIONS, OptionSpec(
+    "scorer", str, "prob", "vote weight", choices=NONNEGATIVE_SCORER_NAMES, allow_callable=True))
+MBR_OPTIONS = option_table(SAMPLING_OPTIONS, OptionSpec("utility", str, "chrf", "utility", choices=("chrf",),
+                                                        allow_callable=True))
 
 
 class MultiSampleDecoder(Decoder):
@@ -124,7 +129,7 @@ class MultiSampleDecoder(Decoder):
 
     method = "multi-sample"
 
-    def __init__(self, n: int = 8, sample_temperature: float = 0.7, answer: str | Callable = "auto",
+    def __init__(self, n: int = 8, sample_temperature: float = SAMPLE_TEMPERATURE, answer: str | Callable = "auto",
                  answer_start: Callable[[str], int] | None = None, **_: Any):
         if answer_start is not None and not callable(answer_start):
             raise InvalidParameter(f"answer_start must be a Python callable text -> offset (given from Python, not as "

@@ -36,12 +36,12 @@ import torch
 from ..engine.core import Decoder, Generation, Request
 from ..errors import InvalidParameter
 from ..models import LoadedModel
-from ..options import OptionSpec, any_value, option_table
+from ..options import OptionSpec, option_table
 from ..samplers import Sampler
 from ..samplers.params import SEED_LIMIT
 from .answers import answer_start
-from .batch import RowSamplers, Sample, SearchContext
-from .scorers import SCORER_NAMES, Scorer, make_scorer
+from .batch import SAMPLE_TEMPERATURE, SAMPLE_TEMPERATURE_OPTION, RowSamplers, Sample, SearchContext
+from .scorers import JUDGE_MODEL_OPTION, SCORER_NAMES, Scorer, make_scorer
 from .uncertainty import sample_signals
 
 AGGREGATES = ("mean", "last", "min", "sum")
@@ -51,9 +51,9 @@ COMMON_OPTIONS = option_table(
     OptionSpec("max_step_tokens", int, 128, "token cap per step", lo=1),
     OptionSpec("scorer", str, "mean-logprob", "step scorer (process reward)", choices=SCORER_NAMES,
                allow_callable=True),
-    OptionSpec("judge_model", object, None, "model for the judge scorer (default: the same model)", local=any_value),
+    JUDGE_MODEL_OPTION,
     OptionSpec("aggregate", str, "mean", "how step scores make a solution's value", choices=AGGREGATES),
-    OptionSpec("sample_temperature", float, 0.7, "temperature used when the request's sampler is greedy", lo=0.0),
+    SAMPLE_TEMPERATURE_OPTION,
 )
 STEP_BEAM_OPTIONS = option_table(
     OptionSpec("n", int, 4, "beam width", lo=1),
@@ -109,7 +109,7 @@ class StepSearch(Decoder):
     method = "steps"
 
     def __init__(self, n: int, delimiter: str = "\n\n", max_step_tokens: int = 128, scorer: Any = "mean-logprob",
-                 judge_model: Any = None, aggregate: str = "mean", sample_temperature: float = 0.7, **_: Any):
+                 judge_model: Any = None, aggregate: str = "mean", sample_temperature: float = SAMPLE_TEMPERATURE, **_: Any):
         self.n = n
         self.delimiter, self.max_step = delimiter, max_step_tokens
         self.scorer: Scorer = make_scorer(scorer, judge_model)

@@ -1,7 +1,9 @@
 """Uncertainty signals returned with generations (``Generation.extra['uncertainty']``).
 
-* ``phi_first``: normalised entropy H(softmax(top-K logits)) / log K at the first content-bearing
-  token of the answer (K = 10 by default). Content-bearing (our choice): the token decodes, on its
+* ``phi_first`` (Gabriel, 2026, "The First Token Knows: Single-Decode Confidence for Hallucination
+  Detection", arXiv:2605.05166): normalised entropy H(softmax(top-K logits)) / log K at the first
+  content-bearing token of the answer (K = 10 by default). Content-bearing (our reading of the
+  paper's rule, which depends on the template and tokenizer): the token decodes, on its
   own, to text holding a letter or a digit; whitespace, punctuation and template/special tokens
   (which decode to nothing) are skipped. The answer starts at a character offset given by the
   caller (the last number for numeric answers; a task may skip a lead-in such as "The capital of
@@ -28,7 +30,7 @@ from ..engine.core import Request
 from ..models import LoadedModel
 from ..models.tokenizer import Tokenizer
 from .answers import Extractor
-from .batch import SearchContext, Sample
+from .batch import SAMPLE_TEMPERATURE, Sample, SearchContext
 
 # For each signal, +1 when a higher value means "more likely correct", -1 when lower does.
 CONFIDENCE_DIRECTION: dict[str, int] = {
@@ -101,7 +103,7 @@ def agreement(answer: str | None, answers: Sequence[str | None]) -> float | None
 
 def sampled_agreement(
     model: LoadedModel, request: Request, answer: str | None, extract: Extractor, n: int = 8,
-    temperature: float = 0.7,
+    temperature: float = SAMPLE_TEMPERATURE,
 ) -> dict[str, object]:
     """Sample ``n`` answers (one batch) and measure their agreement with ``answer``."""
     ctx = SearchContext(model, request)

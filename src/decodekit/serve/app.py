@@ -39,7 +39,7 @@ from ..engine.api import make_sampler, prompt_token_ids, split_params
 from ..engine.core import check_fits
 from ..engine.registry import build_decoder, method_spec
 from ..errors import DecodeKitError, InvalidParameter, PromptTooLong
-from ..samplers.constraint import constraint_processor
+from ..samplers.constraint import KINDS, constraint_processor
 from ..samplers.params import SEED_LIMIT
 from ..models import LoadedModel
 from ..options import finite
@@ -52,7 +52,7 @@ MAX_BODY_BYTES = 16 << 20  # a context's worth of text or token ids is well unde
 ROLES = ("system", "developer", "user", "assistant")
 MAX_TOP_LOGPROBS = 20
 #: vLLM's fields for structured output, beside OpenAI's response_format
-GUIDED = tuple("guided_" + kind for kind in ("json", "regex", "choice", "grammar"))
+GUIDED = tuple("guided_" + kind for kind in KINDS if kind != "json_schema")
 # OpenAI fields this module reads itself, or that mean nothing for a local model (model, user, store, ...):
 # never passed on to the method as its options
 IGNORED = {"model", "user", "store", "metadata", "parallel_tool_calls", "service_tier", "stream", "stream_options",

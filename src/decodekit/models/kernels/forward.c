@@ -1,11 +1,12 @@
 /* Every decoder layer of a few-row pass (a decode step, a verification pass) in one call.
  *
  * The native backend's layer is a dozen kernel calls (norms, projections, rotary embedding and
- * cache write, attention, SiLU gating). Called one by one from Python, with dispatch between
- * them, a float32 decode step on GGUF blocks took 10.5 ms; from here, 6.6 ms. This file makes
- * exactly the same calls, in the same order, on the same buffers: the kernels are passed in as
- * function pointers (from gemm.c, layer_ops.c, attention.c), so results are bit-identical to
- * the layer-by-layer path, which stays in use for prefill, hidden-state requests and batches.
+ * cache write, attention, SiLU gating). Called one by one from Python, each pays Python's
+ * dispatch; from here, one call per pass instead of about 300 (docs/BENCHMARKS.md has the
+ * times). This file makes exactly the same calls, in the same order, on the same buffers: the
+ * kernels are passed in as function pointers (from gemm.c, layer_ops.c, attention.c), so results
+ * are bit-identical to the layer-by-layer path, which stays in use for passes of more than
+ * MAX_ROWS tokens (long prefills), hidden-state or observed passes, and batches with a 3-D mask.
  * Layers can be skipped (self-speculation drafts), as the Python loop skips them.
  *
  * Per layer, with x the residual stream [rows, hidden] (updated in place) and `pending` the

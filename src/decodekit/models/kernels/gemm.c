@@ -226,9 +226,8 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
 
 /* A pass of at most WP_SINGLE_ROW_MAX inputs streams the weights one row at a time; a longer
  * one, four rows side by side against groups of four inputs (their shared input loads pay off
- * with enough inputs). Measured on this project's machine with SmolLM2's matrices, a 1-input
- * pass one row at a time took 0.4x (bfloat16, Q8_0 head) to 0.9x (float32 layers) the time of
- * four side-by-side row streams; the cut-offs are where the two met. */
+ * with enough inputs). The cut-offs are where the two met, per format, measured with SmolLM2's
+ * matrices (docs/BENCHMARKS.md). */
 #define SINGLE_ROW_MAX 8 /* the largest of the formats' cut-offs */
 #define f32_SINGLE_ROW_MAX 4
 #define bf16_SINGLE_ROW_MAX 8

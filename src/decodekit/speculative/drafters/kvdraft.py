@@ -11,8 +11,7 @@ sampling's distribution under speculative sampling).
 
 Choices the papers leave open (each one tested):
   * ``draft_cache="sink:S,window:W"`` (the default, ``sink:4,window:1024``: MagicDec's StreamingLLM
-    draft; at 6,000 tokens a window of 1,024 paid 1.21-1.25x, 256 1.00-1.12x, 512 1.15x, 2,048
-    1.06x, docs/BENCHMARKS.md): the draft is the target itself, its passes attending only to the first S and the
+    draft, with the window that paid best at 6,000 tokens in docs/BENCHMARKS.md): the draft is the target itself, its passes attending only to the first S and the
     last W entries of the target's own cache (:meth:`NativeLlama.append_windowed`), at the
     tokens' own positions; a draft's entries are rolled back after it. The draft's cache is
     thus a view of the target's, as in both papers: nothing is copied and nothing falls behind.

@@ -4,6 +4,12 @@ Match the last n tokens (n from ``max_ngram`` down to ``min_ngram``) against ear
 of prompt + generated text and propose the tokens that followed the most recent occurrences.
 A model-free drafter; losslessness comes from the verifier. The context is indexed one token at
 a time as it grows (:class:`~.base.ContextDrafter`).
+
+Choices the reference leaves open, or where this one differs from it:
+  * the reference drafts from the first match it finds; this drafter drafts from the most recent
+    occurrences (``matches`` of them, as a tree), which follow the current topic more closely;
+  * n-gram lengths ``max_ngram=3`` down to ``min_ngram``, longest first, as the reference;
+  * ``pld:n`` names a source of one n-gram length only (the controller's per-length statistics).
 """
 
 from __future__ import annotations
