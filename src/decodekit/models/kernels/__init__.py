@@ -18,6 +18,9 @@
 * ``forward.c``: every decoder layer of a few-row pass in one call, calling the kernels above
   through function pointers in the layer-by-layer order (:class:`DecoderLayers`).
 
+``decodekit.h`` declares every exported function and the structures of ``forward.c``'s call; each C
+file includes it, so the compiler checks the definitions, and the ctypes declarations here follow it.
+
 In all, a row's result does not depend on the other rows of the pass or on the attention
 layout, so a token verified in a tree gets bit for bit its one-token-step logits.
 
@@ -691,7 +694,7 @@ def layer_ops(dtype: torch.dtype, hidden_size: int, intermediate_size: int) -> L
     return None if lib is None else LayerOps(lib, "f32" if dtype == torch.float32 else "bf16")
 
 
-# forward.c's structures, field for field.
+# decodekit.h's structures, field for field (checked against the C sizes when forward.c loads).
 class _Projection(ctypes.Structure):
     _fields_ = [("fn", ctypes.c_void_p), ("weights", ctypes.c_void_p), ("n_out", ctypes.c_int64), ("n_in", ctypes.c_int64)]
 
@@ -722,6 +725,20 @@ class _Sequence(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("rows", "start", "cap", "layer_stride")] + [
         (name, ctypes.c_void_p) for name in ("positions", "visible", "k_cache", "v_cache", "kivi")
     ]
+
+
+MIRRORED_STRUCTS = (_Projection, _Layer, _Model, _KiviCodes, _Sequence)  # decodekit_struct_sizes' order
+
+
+def _check_struct_sizes(lib: ctypes.CDLL) -> None:
+    """Refuse a forward.c whose structures the ctypes mirrors above no longer match (a field added
+    on one side only would have C read the wrong memory)."""
+    sizes = (ctypes.c_int64 * len(MIRRORED_STRUCTS))()
+    lib.decodekit_struct_sizes(sizes)
+    for struct, size in zip(MIRRORED_STRUCTS, sizes):
+        if ctypes.sizeof(struct) != size:
+            raise RuntimeError(f"decodekit bug: {struct.__name__[1:]} is {size} bytes in decodekit.h, "
+                               f"{ctypes.sizeof(struct)} in its ctypes mirror")
 
 
 @dataclass
@@ -840,6 +857,7 @@ def decoder_layers(
         return None
     if window and int8_cache is not None:  # forward.c's window offset counts rows of head_dim model-dtype values
         raise ValueError("decoder layers kernel: sliding windows over the int8 cache are not supported")
+    _check_struct_sizes(lib)
     fn = lib.decodekit_decoder_layers_batch
     fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
     fn.restype = ctypes.c_int

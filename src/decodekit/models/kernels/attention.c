@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decodekit.h"
 #include "simd.h"
 
 /* Replace scores[t] by exp(scores[t] - best) and return their sum. The t-th visible key always

@@ -22,81 +22,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decodekit.h"
 #include "simd.h"
-
-typedef void (*gemm_fn)(const void *w, const void *x, void *y, int rows, int n_out, int n_in, int threads);
-typedef void (*add_rms_norm_fn)(void *x, const void *delta, const void *weight, void *h, int rows, int dim, float eps);
-typedef void (*gate_mul_fn)(const void *gate_up, void *out, int rows, int inter);
-typedef void (*rope_store_fn)(const void *qkv, const float *freqs, const int64_t *positions, float *q_out,
-                              void *k_cache, void *v_cache, int rows, int n_heads, int n_kv_heads, int head_dim,
-                              int cap, int start);
-typedef void (*attention_fn)(const float *q, const void *k, const void *v, const uint8_t *visible, float *out,
-                             int n_q, int n_heads, int n_kv_heads, int head_dim, int cap, int n_keys, float scale,
-                             int threads);
-
-typedef void (*kivi_attention_fn)(const float *q, const uint8_t *k_codes, const float *k_params, const uint8_t *v_codes,
-                                  const float *v_params, const float *k_residual, const float *v_residual,
-                                  const int32_t *qend, const uint8_t *visible, float *out, int n_q, int n_heads,
-                                  int n_kv_heads, int head_dim, int group, int bits, int cap_q, int cap_residual,
-                                  int base, int n_residual, float scale, int threads);
-
-/* Mirrored by ctypes structures in __init__.py: keep the field order and types in step. */
-typedef struct {
-    gemm_fn fn;
-    const void *weights;
-    int64_t n_out, n_in;
-} Projection;
-
-typedef struct {
-    const void *attn_norm, *mlp_norm;
-    Projection qkv, o, gate_up, down;
-    /* Gemma 3; zero for a Llama layer */
-    Projection k, v;                  /* set: qkv holds q only, k and v are matrices of their own */
-    const void *q_norm, *k_norm;      /* per-head RMSNorm weights of q and k, or NULL */
-    const void *post_attn_norm, *post_mlp_norm; /* or NULL */
-    const float *freqs;               /* this layer's rotary table, or NULL for the pass's */
-    int64_t local;                    /* 1: attends to the last Model.window positions only */
-} Layer;
-
-typedef struct {
-    add_rms_norm_fn add_rms_norm;
-    gate_mul_fn gate_mul;
-    rope_store_fn rope_store;
-    attention_fn attention;
-    int64_t hidden, inter, n_heads, n_kv_heads, head_dim;
-    int64_t element_size; /* 4: float32 activations and cache, 2: bfloat16 */
-    double eps, scale;
-    int64_t window; /* the sliding window of local layers */
-} Model;
 
 static void project(const Projection *p, const void *x, void *y, int rows, int threads) {
     p->fn(p->weights, x, y, rows, (int)p->n_out, (int)p->n_in, threads);
 }
-
-/* One sequence's part of a pass: `rows` consecutive rows of x, at cache slots start.. of its own
- * cache (positions as given). visible: [rows, start + rows] bytes, or NULL for "every cached
- * key". k_cache, v_cache: layer 0's [n_kv_heads, cap, head_dim] cache, layer_stride elements
- * apart. Mirrored by a ctypes structure in __init__.py. */
-/* A sequence's KIVI codes (kv caches "int4", "int2": attention.c's decodekit_attention_kivi): layer 0's
- * arrays and each one's stride between layers, in elements; the sequence's float cache is then
- * the residual, its slot 0 holding position `base`. qend: per row, the positions below it are
- * read from the codes. */
-typedef struct {
-    kivi_attention_fn attention;
-    const uint8_t *k_codes, *v_codes;
-    const float *k_params, *v_params;
-    int64_t codes_stride, k_params_stride, v_params_stride;
-    int64_t group, bits, cap_q, base;
-    const int32_t *qend;
-} KiviCodes;
-
-typedef struct {
-    int64_t rows, start, cap, layer_stride;
-    const int64_t *positions;
-    const uint8_t *visible;
-    void *k_cache, *v_cache;
-    const KiviCodes *kivi; /* or NULL: the cache holds every key and value */
-} Sequence;
 
 /* Layer `layer` of one sequence: rotary embedding and cache write of its rows (from row `first`
  * of qkv). */
@@ -294,4 +225,9 @@ int decodekit_decoder_layers_batch(const Model *m, const Layer *layers, int n_la
     free(arena);
     free(starts), free(row_sequence);
     return ran;
+}
+
+void decodekit_struct_sizes(int64_t *out) {
+    out[0] = sizeof(Projection), out[1] = sizeof(Layer), out[2] = sizeof(Model);
+    out[3] = sizeof(KiviCodes), out[4] = sizeof(Sequence);
 }

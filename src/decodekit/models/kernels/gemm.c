@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "decodekit.h"
 #include "gguf.h"
 
 /* Each weight format says where row r starts (P_row) and how to load the weights of a row as the

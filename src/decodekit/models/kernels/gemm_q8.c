@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decodekit.h"
 #include "gguf.h"
 
 #define QK 32

@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "decodekit.h"
 #include "simd.h"
 
 static inline __m512 same_f32(__m512 x) { return x; }

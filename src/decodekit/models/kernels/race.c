@@ -23,6 +23,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "decodekit.h"
+
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 #define MARGIN (1.0 + 1e-6)
 

@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "decodekit.h"
 #include "simd.h"
 
 #define TOPK_MAX 64
