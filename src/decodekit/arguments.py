@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import InvalidParameter
+from .options import check_int
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -82,8 +83,8 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
 def check_ray_arguments(ray: str | None, workers: int | None) -> None:
     """``--workers`` a positive count and only with ``--ray``; with ``--ray``, Ray installed (its
     one-line install hint otherwise): checked before anything loads."""
-    if workers is not None and (not isinstance(workers, int) or workers < 1):
-        raise InvalidParameter(f"--workers must be a positive integer, got {workers}")
+    if workers is not None:
+        check_int("--workers", workers)
     if workers is not None and ray is None:
         raise InvalidParameter("--workers needs --ray")
     if ray is not None:

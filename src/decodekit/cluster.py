@@ -33,6 +33,7 @@ from typing import Any
 
 from .errors import ClusterError, InvalidParameter
 from .machine import usable_cores
+from .options import check_int
 
 INSTALL_HINT = "pip install 'decodekit[ray]'"
 LOCAL_OBJECT_STORE = 256 * 1024 * 1024  # results are small; Ray's default takes 30% of the memory
@@ -123,8 +124,8 @@ class PoolSettings:
     def validate(self) -> None:
         for name in ("workers", "threads", "max_lost"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < (0 if name == "max_lost" else 1)):
-                raise InvalidParameter(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            if value is not None:
+                check_int(f"--{name.replace('_', '-')}", value, 0 if name == "max_lost" else 1)
 
 
 class Pool:

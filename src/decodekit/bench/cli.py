@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..arguments import add_numerics_arguments, add_ray_arguments, check_ray_arguments, check_writable, named
 from ..errors import InvalidParameter
-from ..options import parse_option
+from ..options import check_int, parse_option
 from .questions import DEFAULT_QUESTIONS
 
 if TYPE_CHECKING:
@@ -100,8 +100,7 @@ def parse_method_options(items: list[str], methods: list[str]) -> dict[str, dict
 def positive(name: str, value: int | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if not isinstance(value, int) or value < 1:
-        raise InvalidParameter(f"--{name} must be a positive integer, got {value}")
+    check_int(f"--{name}", value)
 
 
 def make_plan(args: argparse.Namespace) -> Plan:

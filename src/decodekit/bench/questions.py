@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..data import SPEC_BENCH_QUESTIONS, data_file, first_repeated, read_jsonl
 from ..errors import InvalidParameter
+from ..options import check_int
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 MT_BENCH = "mt_bench"
@@ -89,8 +90,7 @@ def balanced(questions: Sequence[Question], limit: int | None) -> list[Question]
     (so ``mt_bench`` with limit 8 gets one question of each MT-Bench category). File order otherwise."""
     if limit is None:
         return list(questions)
-    if limit < 1:
-        raise InvalidParameter(f"--limit must be a positive integer, got {limit}")
+    check_int("--limit", limit)
     by_group: dict[str, dict[str, list[Question]]] = {}
     for q in questions:
         by_group.setdefault(q.group, {}).setdefault(q.category, []).append(q)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidParameter
-from ..options import finite
+from ..options import check_int, finite
 from .contestants import WARMUP_PROMPT, Contestant, RunResult
 from .questions import Question
 
@@ -41,9 +41,7 @@ class BenchConfig:
 
     def validate(self) -> None:
         for name in ("max_new_tokens", "repeats", "warmup_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise InvalidParameter(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            check_int(name.replace("_", "-"), getattr(self, name))
 
 
 @dataclass

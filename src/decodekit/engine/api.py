@@ -11,6 +11,7 @@ import torch
 
 from ..errors import InvalidParameter
 from ..models import LoadedModel, load_model
+from ..options import check_int
 from ..samplers import SAMPLER_OPTIONS, LogitsProcessor, Sampler
 from ..samplers.constraint import Constraint, constraint_processor
 from .core import Cancelled, Generation, GenerationStats, Request
@@ -118,8 +119,7 @@ class Engine:
         grammar ends the text. ``constraint`` (a
         :class:`..samplers.constraint.Constraint`, or a dict such as ``{"json_schema": {...}}``,
         ``{"regex": "..."}``, ``{"choice": [...]}``) makes the output match it, with any method."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InvalidParameter(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens)
         if on_text is not None and not callable(on_text):
             raise InvalidParameter(f"on_text must be a callable taking the new text, got {on_text!r}")
         if should_stop is not None and not callable(should_stop):

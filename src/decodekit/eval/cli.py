@@ -11,7 +11,7 @@ from pathlib import Path
 from ..arguments import (ArgumentParser, add_model_arguments, add_ray_arguments, check_ray_arguments, check_writable,
                          named)
 from ..errors import InvalidParameter
-from ..options import parse_option
+from ..options import check_int, parse_option
 
 METHOD_CHOICES = ("greedy", "sample", "beam", "cot", "best-of-n", "self-consistency", "weighted-vote", "mbr",
                   "first-finish", "step-beam", "particle", "astar")
@@ -54,9 +54,8 @@ def run(args: argparse.Namespace, model=None) -> int:
     from .tasks import LONG_CONTEXT, load_task
 
     for flag in ("n", "limit", "max_new_tokens", "paraphrases", "continuation"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise InvalidParameter(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+        if getattr(args, flag) is not None:
+            check_int(f"--{flag.replace('_', '-')}", getattr(args, flag))
     check_ray_arguments(args.ray, args.workers)
     check_writable(Path(args.out or "eval-out"), ("results.json", "report.md", "plot.png"))
     check_task_flags(args, LONG_CONTEXT)
