@@ -85,3 +85,12 @@ def test_the_engine_names_no_layer_above_it_even_as_a_string():
         text = path.read_text()
         named = [layer for layer in above if f'"decodekit.{layer}' in text or f"'decodekit.{layer}" in text]
         assert not named, f"{path.name} names {named}"
+
+
+def test_the_architecture_document_draws_and_lists_this_order():
+    doc = (ROOT.parents[1] / "docs" / "ARCHITECTURE.md").read_text()
+    diagram = doc.split("```\n", 2)[1]
+    drawn = [line.split()[0].rstrip("/").removesuffix(".py") for line in diagram.splitlines() if line[:1].strip()]
+    assert drawn == list(reversed(LAYERS))
+    sentence = doc.split("holds the order, bottom to top: ", 1)[1].split(")", 1)[0]
+    assert [name.strip() for name in " ".join(sentence.split()).split(",")] == list(LAYERS)
