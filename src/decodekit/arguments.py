@@ -44,6 +44,8 @@ def named(value: str) -> str:
 
 #: What a model is loaded with (``models.load_model``'s backend, dtype and numerics): the one list of
 #: each, here below the models layer so that the flags need no torch.
+#: The embedded model a command runs without --model.
+DEFAULT_MODEL = "smollm2-135m"
 BACKENDS = ("auto", "native", "hf")
 DTYPES = ("float32", "bfloat16")
 NUMERICS = ("exact", "fast")
@@ -58,8 +60,13 @@ def add_numerics_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, type=named,
+                        help=f"embedded model name, HF model folder or .gguf file (default: {DEFAULT_MODEL})")
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, type=named, help="embedded model name, HF model folder or .gguf file (default: smollm2-135m)")
+    add_model_argument(parser)
     parser.add_argument("--backend", default="auto", choices=BACKENDS, help="model backend (default: native for Llama-family)")
     add_numerics_arguments(parser)
     parser.add_argument(

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..arguments import add_numerics_arguments, add_ray_arguments, check_ray_arguments, check_writable, named
+from ..arguments import add_model_argument, add_numerics_arguments, add_ray_arguments, check_ray_arguments, check_writable, named
 from ..errors import InvalidParameter
 from ..options import check_int, parse_option
 from .questions import DEFAULT_QUESTIONS
@@ -35,8 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="questions per category (default all; --quick 1)")
     p.add_argument("--categories", default=None, help="comma-separated categories or groups (mt_bench, translation, ...)")
     p.add_argument("--all-turns", action="store_true", help="feed every turn of multi-turn questions (default: the first)")
-    p.add_argument("--model", default=None, type=named,
-                   help="embedded model name, HF model folder or .gguf file (default smollm2-135m)")
+    add_model_argument(p)
     add_numerics_arguments(p)
     p.add_argument("--repeats", type=int, default=None,
                    help=f"passes over the questions, each from the same start; medians are reported (default {FULL['repeats']}; --quick {QUICK['repeats']})")

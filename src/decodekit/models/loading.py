@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..arguments import BACKENDS, DTYPES as DTYPE_NAMES, NUMERICS
+from ..arguments import BACKENDS, DEFAULT_MODEL, DTYPES as DTYPE_NAMES, NUMERICS
 from ..errors import CacheError, InvalidModel, InvalidParameter, ModelNotFound
 from ..machine import available_memory
 from .backend import Backend
@@ -34,8 +34,6 @@ from .cache import cache_root, cached_folder, file_digest, report
 
 if TYPE_CHECKING:
     from .kv_policy import KVPolicy
-
-DEFAULT_MODEL = "smollm2-135m"
 
 
 @dataclass(frozen=True)
