@@ -393,6 +393,8 @@ def test_bad_input_raises_decodekit_errors(qfile: Path, tmp_path: Path):
         bench_cli.make_plan(parse("--questions", str(qfile), "--max-new-tokens", "0"))
     with pytest.raises(InvalidParameter, match="not in --methods"):
         bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy", "--opt", "pld.max_ngram=3"))
+    with pytest.raises(InvalidParameter, match="draft_model"):  # named, but cannot be built: not a skip note later
+        bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy,draft"))
     with pytest.raises(InvalidParameter, match="not found"):
         load_results(tmp_path / "nothing.json")
     (tmp_path / "other.json").write_text('{"a": 1}')

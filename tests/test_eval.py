@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import re
 
 import pytest
@@ -115,6 +116,11 @@ def test_eval_end_to_end_on_a_tiny_model(tmp_path, method, capsys):
     if method == "self-consistency":
         assert result["budget_curve"][-1]["samples"] == 4
     assert "accuracy" in capsys.readouterr().out
+    # a command that reproduces the run: its flags parse to the run's, given before the task or after
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    given = ["--n", "4", "--method", method, "fake3", "--out", str(tmp_path), "--signals", "agreement"]
+    assert vars(parser.parse_args(shlex.split(result["command"])[2:])) == vars(args) == vars(parser.parse_args(given))
 
 
 def test_eval_rejects_bad_input(tmp_path):
@@ -126,7 +132,20 @@ def test_eval_rejects_bad_input(tmp_path):
         run(eval_args(tmp_path, "--signals", "vibes"), model=model)
     with pytest.raises(InvalidParameter):
         run(eval_args(tmp_path, "--method", "beam", "--opt", "width=2"), model=model)
+    with pytest.raises(InvalidParameter, match="--n"):  # one n, which the report and the budget curve read
+        run(eval_args(tmp_path, "--method", "self-consistency", "--opt", "n=2"), model=model)
     assert cli_main(["eval", "no-such-task"]) == 2
+
+
+def test_the_default_output_folder_is_checked_before_any_work(tmp_path, monkeypatch):
+    register_task("fake3", fake_task)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "eval-out").mkdir()
+    (tmp_path / "eval-out" / "fake3-greedy").write_text("a file where the folder goes")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(InvalidParameter, match="eval-out/fake3-greedy"):
+        run(parser.parse_args(["fake3"]), model=lambda: pytest.fail("the model was loaded"))
 
 
 @pytest.mark.real_model

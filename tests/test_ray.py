@@ -270,8 +270,10 @@ def test_an_error_of_the_payload_is_raised_as_itself_not_retried(cluster):
 
 
 def test_workers_that_do_not_fit_the_cluster_are_one_line(cluster):
-    for settings in (PoolSettings(workers=3), PoolSettings(threads=4), PoolSettings(workers=2, threads=2)):
-        with pytest.raises(ClusterError, match="^the Ray cluster has 2 CPUs: .* do not fit; lower --workers or --threads$"):
+    for settings, advice in ((PoolSettings(workers=3), "lower --workers"),  # (one thread each: --threads cannot go lower)
+                             (PoolSettings(threads=4), "lower --workers or --threads"),
+                             (PoolSettings(workers=2, threads=2), "lower --workers or --threads")):
+        with pytest.raises(ClusterError, match=f"^the Ray cluster has 2 CPUs: .* do not fit; {advice}$"):
             Pool(cluster, Doubler, settings)
 
 

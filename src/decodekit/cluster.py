@@ -143,7 +143,7 @@ class Pool:
         count = settings.workers or cpus // settings.threads
         if count < 1 or count * settings.threads > cpus:
             raise ClusterError(f"the Ray cluster has {cpus} CPUs: {max(count, 1)} worker(s) of {settings.threads} "
-                               "thread(s) do not fit; lower --workers or --threads")
+                               "thread(s) do not fit; lower --workers" + (" or --threads" if settings.threads > 1 else ""))
         self.max_lost = settings.max_lost if settings.max_lost is not None else 2 * count
         self.lost = 0
         self.idle: list[Any] = []

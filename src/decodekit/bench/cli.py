@@ -96,6 +96,15 @@ def parse_method_options(items: list[str], methods: list[str]) -> dict[str, dict
     return options
 
 
+def check_methods_build(methods: list[str], options: dict[str, dict[str, Any]]) -> None:
+    """Every method the user named can be built with its options (draft without its draft_model
+    cannot): said in one line now, not as a note after the model has loaded."""
+    from ..engine import build_decoder
+
+    for method in methods:
+        build_decoder(method, **options.get(method, {}))
+
+
 def positive(name: str, value: int | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -133,6 +142,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         model=args.model, dtype=args.dtype, numerics=args.numerics, threads=args.threads, out=Path(args.out), command="", notes=notes,
         resume=getattr(args, "resume", False), ray=getattr(args, "ray", None), workers=getattr(args, "workers", None),
     )
+    if args.methods is not None:
+        check_methods_build(plan.methods, plan.options)
     check_ray_arguments(plan.ray, plan.workers)
     plan.command = command_line(plan, args.quick)
     # (it makes nothing: a plan that fails later leaves no folder behind either)

@@ -57,12 +57,13 @@ def run(args: argparse.Namespace, model=None) -> int:
         if getattr(args, flag) is not None:
             check_int(f"--{flag.replace('_', '-')}", getattr(args, flag))
     check_ray_arguments(args.ray, args.workers)
-    check_writable(Path(args.out or "eval-out"), ("results.json", "report.md", "plot.png"))
     check_task_flags(args, LONG_CONTEXT)
+    out = output_folder(args, LONG_CONTEXT)
+    check_writable(out, ("results.json", "report.md", "plot.png"))
     if args.task == LONG_CONTEXT:
         if args.ray is not None:
             raise InvalidParameter("--ray runs item-by-item tasks; longctx runs on one machine (its rows share one long prompt)")
-        return run_long_context(args, model)
+        return run_long_context(args, out, model)
     config = EvalConfig(
         method=args.method, n=args.n, limit=args.limit, max_new_tokens=args.max_new_tokens, seed=args.seed,
         temperature=args.temperature, options=dict(parse_option(o, method_spec(args.method).options) for o in args.opt),
@@ -93,10 +94,7 @@ def run(args: argparse.Namespace, model=None) -> int:
         model = model or recipe()
         result = evaluate(model, task, config, progress)
         name = model.name
-    out = Path(args.out or f"eval-out/{args.task}-{args.method}" + ("-unconstrained" if args.unconstrained else ""))
-    argv = sys.argv[sys.argv.index(args.task):] if args.task in sys.argv else [args.task]
-    header = {"command": "decodekit eval " + shlex.join(argv),
-              "model": name, "dtype": args.dtype, "numerics": args.numerics}
+    header = {"command": command_line(args), "model": name, "dtype": args.dtype, "numerics": args.numerics}
     paths = write_report(result, out, header)
     lo, hi = result["ci95"]
     print(f"{args.task} · {args.method}: accuracy {result['accuracy']:.3f} [{lo:.3f}, {hi:.3f}] "
@@ -136,7 +134,37 @@ def _numbers(flag: str, text: str, kind, lo: float, hi: float) -> tuple:
     return values
 
 
-def run_long_context(args: argparse.Namespace, model=None) -> int:
+def output_folder(args: argparse.Namespace, long_context: str) -> Path:
+    """``--out``, or the task's default folder."""
+    if args.out:
+        return Path(args.out)
+    if args.task == long_context:
+        return Path("eval-out/longctx")
+    return Path(f"eval-out/{args.task}-{args.method}" + ("-unconstrained" if args.unconstrained else ""))
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """A command that reproduces the run: the task and every flag not at its default, wherever
+    it was given on the command line."""
+    parser = ArgumentParser()
+    add_arguments(parser)
+    parts = ["decodekit", "eval", args.task]
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or action.dest == "help" or value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        if action.nargs == 0:
+            parts.append(flag)
+        elif isinstance(value, list):
+            for item in value:
+                parts += [flag, str(item)]
+        else:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
+def run_long_context(args: argparse.Namespace, out: Path, model=None) -> int:
     """``decodekit eval longctx`` (:mod:`.longctx`)."""
     from ..models import load_model
     from ..models.kv_policy import parse_kv_cache
@@ -162,9 +190,8 @@ def run_long_context(args: argparse.Namespace, model=None) -> int:
         print(f"{row['length']:>6} {row['policy']:<32} {summary}", file=sys.stderr, flush=True)
 
     result = evaluate_long_context(model, config, progress)
-    argv = sys.argv[sys.argv.index(args.task):] if args.task in sys.argv else [args.task]
-    result.update({"command": "decodekit eval " + shlex.join(argv), "model": model.name, "numerics": args.numerics})
-    paths = write(result, Path(args.out or "eval-out/longctx"))
+    result.update({"command": command_line(args), "model": model.name, "numerics": args.numerics})
+    paths = write(result, out)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

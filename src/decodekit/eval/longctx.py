@@ -10,8 +10,10 @@ Two tasks, both built from what the package ships (nothing downloaded):
   hidden at several depths of repeated filler text; the model is asked for it and answers
   greedily; correct when the number appears in the answer.
 
-Per policy and length: NLL, pass-key accuracy by depth, the cache's bytes after the context
-(the committed entries, :meth:`NativeLlama.cache_bytes`) and decode tokens per second. A policy
+Per policy and length: NLL, pass-key accuracy by depth, the cache's bytes once the continuation
+is read (the committed entries, :meth:`NativeLlama.cache_bytes`; every policy measured at the same
+point, where an evicting policy such as H2O has evicted down to its budget while the full cache
+holds context and continuation) and decode tokens per second. A policy
 that cannot hold a length (the full cache past the context window) is reported as such.
 Writes ``results.json``, ``report.md`` and ``plot.png`` (NLL change against cache memory).
 """
@@ -179,7 +181,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
                             xytext=(3, 3), textcoords="offset points")
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xscale("log")
-    ax.set_xlabel("KV cache after the context (MB, log scale)")
+    ax.set_xlabel("KV cache after context and continuation (MB, log scale)")
     ax.set_ylabel("continuation NLL vs full cache (%)")
     ax.set_title(f"Quality against memory: {result.get('model', '')} (labels: context tokens)", fontsize=10)
     ax.grid(alpha=0.3)

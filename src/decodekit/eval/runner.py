@@ -47,6 +47,8 @@ def make_decoder(config: EvalConfig, task: Task) -> Decoder:
         return SampleDecoder(task.answer_start)
     accepted = spec.options or {}
     options = dict(config.options)
+    if "n" in options:  # one n: the report, the agreement signal and the budget curve read --n
+        raise InvalidParameter("the number of samples is --n (EvalConfig.n), not --opt n=", param="n")
     if "n" in accepted:
         options.setdefault("n", config.n)
     if "answer" in accepted and accepted["answer"].allow_callable:
