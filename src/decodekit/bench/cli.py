@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baselines", default=None, help="comma-separated from hf, hf-pld, llamacpp, or 'none' "
                    f"(default {FULL['baselines']}; --quick: {QUICK['baselines']})")
     p.add_argument("--max-new-tokens", type=int, default=None, help=f"per turn (default {FULL['max_new_tokens']}; --quick {QUICK['max_new_tokens']})")
-    p.add_argument("--limit", type=int, default=None, help="questions per category (default all; --quick 1)")
+    p.add_argument("--limit", type=int, default=None, help="questions per Spec-Bench category (mt_bench, translation, ...; MT-Bench's own categories such as math share mt_bench's, taken in turn) (default all; --quick 1)")
     p.add_argument("--categories", default=None, help="comma-separated categories or groups (mt_bench, translation, ...)")
     p.add_argument("--all-turns", action="store_true", help="feed every turn of multi-turn questions (default: the first)")
     add_model_argument(p)
