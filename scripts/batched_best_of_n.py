@@ -3,7 +3,7 @@
 Row i of the batch samples with seed ``seed + i``, exactly like the i-th sequential call, so both
 sides produce the same samples (the same token count) and only the schedule differs.
 
-    python -m decodekit.search.bench_batch [--n 8] [--max-new-tokens 64] [--dtype float32] [--numerics exact] [--threads T]
+    .venv/bin/python scripts/batched_best_of_n.py [--n 8] [--max-new-tokens 64] [--dtype float32] [--numerics exact] [--threads T]
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import json
 import time
 from typing import Any
 
-from ..arguments import add_numerics_arguments
-from ..engine import Engine
-from ..models import LoadedModel, load_model
+from decodekit.arguments import add_model_argument, add_numerics_arguments
+from decodekit.engine import Engine
+from decodekit.models import LoadedModel, load_model
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -41,9 +41,9 @@ def compare(model: LoadedModel, prompt: str = PROMPT, n: int = 8, max_new_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m decodekit.search.bench_batch", description=__doc__,
+    parser = argparse.ArgumentParser(prog="scripts/batched_best_of_n.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
+    add_model_argument(parser)
     add_numerics_arguments(parser)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
