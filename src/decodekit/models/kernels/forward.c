@@ -108,6 +108,128 @@ static void join_qkv(const char *q, const char *k, const char *v, char *qkv, int
     }
 }
 
+/* The per-row buffers of a layer, in one arena. */
+enum { H, QKV, Q, HEADS, ATTN, O, GATE_UP, ACT, PARTS, BUFFERS };
+
+/* What a pass needs besides its inputs: the buffers, each sequence's first row and each row's
+ * sequence (the rows of all sequences are stacked), each sequence's sliding-window view. */
+typedef struct {
+    int rows, n_seq;
+    size_t q_width, kv_width, qkv_width; /* in elements */
+    char *arena, *buf[BUFFERS];
+    int64_t *starts;
+    int *row_sequence;
+    Window *windows; /* or NULL: no sliding-window layer in the pass */
+} Pass;
+
+static void pass_free(Pass *p) {
+    for (int s = 0; p->windows && s < p->n_seq; s++) free(p->windows[s].visible);
+    free(p->windows), free(p->arena), free(p->starts), free(p->row_sequence);
+}
+
+/* Allocates a pass's scratch memory; 0, or -1 (nothing left allocated) when it cannot. */
+static int pass_alloc(Pass *p, const Model *m, const Layer *layers, int n_layers, const Sequence *seqs, int n_seq) {
+    memset(p, 0, sizeof *p);
+    p->n_seq = n_seq;
+    p->starts = malloc(sizeof(int64_t) * (size_t)(n_seq > 0 ? n_seq : 1));
+    if (!p->starts) return -1;
+    for (int s = 0; s < n_seq; s++) p->starts[s] = p->rows, p->rows += (int)seqs[s].rows;
+    p->row_sequence = malloc(sizeof(int) * (size_t)(p->rows > 0 ? p->rows : 1));
+    if (!p->row_sequence) return pass_free(p), -1;
+    for (int s = 0; s < n_seq; s++)
+        for (int64_t r = p->starts[s]; r < p->starts[s] + seqs[s].rows; r++) p->row_sequence[r] = s;
+    size_t es = (size_t)m->element_size, r = (size_t)p->rows;
+    p->q_width = (size_t)(m->n_heads * m->head_dim), p->kv_width = (size_t)(m->n_kv_heads * m->head_dim);
+    p->qkv_width = p->q_width + 2 * p->kv_width;
+    size_t sizes[BUFFERS] = {
+        [H] = r * m->hidden * es,
+        [QKV] = r * p->qkv_width * es,
+        [Q] = r * p->q_width * 4,         /* float32 */
+        [HEADS] = r * p->q_width * 4,     /* the attention output, float32 */
+        [ATTN] = r * p->q_width * es,     /* the same in the model dtype */
+        [O] = r * m->hidden * es,
+        [GATE_UP] = r * 2 * m->inter * es,
+        [ACT] = r * m->inter * es,        /* gate_mul(gate, up) */
+        [PARTS] = r * p->qkv_width * es,  /* q, k, v from separate matrices, before they are joined */
+    };
+    size_t total = 0;
+    for (int b = 0; b < BUFFERS; b++) total += (sizes[b] + 63) / 64 * 64;
+    p->arena = aligned_alloc(64, total);
+    if (!p->arena) return pass_free(p), -1;
+    for (size_t b = 0, offset = 0; b < BUFFERS; offset += (sizes[b] + 63) / 64 * 64, b++) p->buf[b] = p->arena + offset;
+    if (es == 4) p->buf[ATTN] = p->buf[HEADS]; /* float32: the attention output is already in the model dtype */
+    int local = 0;
+    for (int i = 0; i < n_layers; i++) local |= layers[i].local != 0;
+    if (local && m->window > 0) { /* each sequence's view, the same in every sliding-window layer */
+        p->windows = calloc((size_t)n_seq, sizeof(Window));
+        if (!p->windows) return pass_free(p), -1;
+        for (int s = 0; s < n_seq; s++)
+            if (window_of(&seqs[s], m->window, &p->windows[s]) != 0) return pass_free(p), -1;
+    }
+    return 0;
+}
+
+/* Layer i's attention half: x += (the previous layer's MLP output), normalised; q, k, v; rotary
+ * embedding and cache writes; attention; its output projection, into buf[O]. */
+static void attention_half(const Model *m, const Layer *l, int i, Pass *p, void *x, const void *pending,
+                           const float *freqs, const Sequence *seqs, int threads) {
+    size_t es = (size_t)m->element_size, r = (size_t)p->rows;
+    int rows = p->rows;
+    float eps = (float)m->eps, scale = (float)m->scale;
+    char **buf = p->buf;
+    const Window *w = l->local ? p->windows : NULL; /* per sequence: w + s */
+    m->add_rms_norm(x, pending, l->attn_norm, buf[H], rows, (int)m->hidden, eps);
+    if (l->k.fn) {
+        char *q = buf[PARTS], *k = q + r * p->q_width * es, *v = k + r * p->kv_width * es;
+        project(&l->qkv, buf[H], q, rows, threads);
+        project(&l->k, buf[H], k, rows, threads);
+        project(&l->v, buf[H], v, rows, threads);
+        join_qkv(q, k, v, buf[QKV], rows, p->q_width, p->kv_width, es);
+    } else {
+        project(&l->qkv, buf[H], buf[QKV], rows, threads);
+    }
+    if (l->q_norm) /* per head, in place (each row's q heads, then its k heads) */
+        for (int row = 0; row < rows; row++) {
+            char *at = buf[QKV] + (size_t)row * p->qkv_width * es;
+            m->add_rms_norm(at, NULL, l->q_norm, at, (int)m->n_heads, (int)m->head_dim, eps);
+            m->add_rms_norm(at + p->q_width * es, NULL, l->k_norm, at + p->q_width * es, (int)m->n_kv_heads,
+                            (int)m->head_dim, eps);
+        }
+    const float *table = l->freqs ? l->freqs : freqs;
+    /* one sequence: its attention splits over the threads; several: the rows of all of them do,
+     * in one parallel region a layer (not one per sequence, and a long prompt chunk beside single
+     * decode rows still splits evenly). A query's result is the same either way. */
+    if (p->n_seq == 1) {
+        sequence_rope(m, &seqs[0], 0, i, buf[QKV], buf[Q], table);
+        sequence_attention(m, &seqs[0], w, 0, 0, (int)seqs[0].rows, i, buf[Q], buf[HEADS], scale, threads);
+    } else {
+        for (int s = 0; s < p->n_seq; s++) sequence_rope(m, &seqs[s], (size_t)p->starts[s], i, buf[QKV], buf[Q], table);
+        _Pragma("omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)")
+        for (int row = 0; row < rows; row++) {
+            int s = p->row_sequence[row];
+            sequence_attention(m, &seqs[s], w ? w + s : NULL, (size_t)p->starts[s], row - (int)p->starts[s], 1, i,
+                               buf[Q], buf[HEADS], scale, 1);
+        }
+    }
+    if (es == 2) /* rounded to bfloat16 as torch's .to() rounds (q_width is a multiple of 16) */
+        for (size_t j = 0; j < r * p->q_width; j += 16)
+            store_bf16((uint16_t *)buf[ATTN] + j, _mm512_loadu_ps((const float *)buf[HEADS] + j));
+    project(&l->o, buf[ATTN], buf[O], rows, threads);
+    if (l->post_attn_norm) m->add_rms_norm(buf[O], NULL, l->post_attn_norm, buf[O], rows, (int)m->hidden, eps);
+}
+
+/* Layer i's MLP half: x += buf[O], normalised; gate and up; their gating; down, into pending. */
+static void mlp_half(const Model *m, const Layer *l, Pass *p, void *x, void *pending, int threads) {
+    int rows = p->rows, hidden = (int)m->hidden;
+    float eps = (float)m->eps;
+    char **buf = p->buf;
+    m->add_rms_norm(x, buf[O], l->mlp_norm, buf[H], rows, hidden, eps);
+    project(&l->gate_up, buf[H], buf[GATE_UP], rows, threads);
+    m->gate_mul(buf[GATE_UP], buf[ACT], rows, (int)m->inter);
+    project(&l->down, buf[ACT], pending, rows, threads);
+    if (l->post_mlp_norm) m->add_rms_norm(pending, NULL, l->post_mlp_norm, pending, rows, hidden, eps);
+}
+
 /* Run the first `n_layers` layers, except those flagged in `skip` (NULL: none), on the rows of
  * `n_seq` sequences stacked in x [rows, hidden]; pending: [rows, hidden], receives the last
  * layer's MLP output. freqs: rotary (cos, sin) pairs [max_position, head_dim]. Projections,
@@ -117,113 +239,16 @@ static void join_qkv(const char *q, const char *k, const char *v, char *qkv, int
  * ran, or -1 when scratch memory cannot be allocated. */
 int decodekit_decoder_layers_batch(const Model *m, const Layer *layers, int n_layers, const uint8_t *skip, void *x,
                                    void *pending, const float *freqs, const Sequence *seqs, int n_seq, int threads) {
-    int rows = 0;
-    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(n_seq > 0 ? n_seq : 1)); /* each sequence's first row */
-    if (!starts) return -1;
-    for (int s = 0; s < n_seq; s++) starts[s] = rows, rows += (int)seqs[s].rows;
-    int *row_sequence = malloc(sizeof(int) * (size_t)(rows > 0 ? rows : 1)); /* each row's sequence */
-    if (!row_sequence) {
-        free(starts);
-        return -1;
-    }
-    for (int s = 0; s < n_seq; s++)
-        for (int64_t r = starts[s]; r < starts[s] + seqs[s].rows; r++) row_sequence[r] = s;
-    size_t es = (size_t)m->element_size, r = (size_t)rows;
-    size_t q_width = (size_t)(m->n_heads * m->head_dim), kv_width = (size_t)(m->n_kv_heads * m->head_dim);
-    size_t qkv_width = q_width + 2 * kv_width;
-    size_t sizes[] = {
-        r * m->hidden * es,      /* h */
-        r * qkv_width * es,      /* qkv */
-        r * q_width * 4,         /* q, float32 */
-        r * q_width * 4,         /* attention output, float32 */
-        r * q_width * es,        /* the same in the model dtype */
-        r * m->hidden * es,      /* o projection */
-        r * 2 * m->inter * es,   /* gate | up */
-        r * m->inter * es,       /* gate_mul(gate, up) */
-        r * qkv_width * es,      /* q, k, v from separate matrices, before they are joined */
-    };
-    enum { H, QKV, Q, HEADS, ATTN, O, GATE_UP, ACT, PARTS, BUFFERS };
-    char *buf[BUFFERS];
-    size_t total = 0;
-    for (int b = 0; b < BUFFERS; b++) total += (sizes[b] + 63) / 64 * 64;
-    char *arena = aligned_alloc(64, total);
-    if (!arena) {
-        free(starts), free(row_sequence);
-        return -1;
-    }
-    for (size_t b = 0, offset = 0; b < BUFFERS; offset += (sizes[b] + 63) / 64 * 64, b++) buf[b] = arena + offset;
-    if (es == 4) buf[ATTN] = buf[HEADS]; /* float32: attention output is already in the model dtype */
-    /* each sequence's view for sliding-window layers, the same in all of them */
-    Window *windows = NULL;
-    int local = 0;
-    for (int i = 0; i < n_layers; i++) local |= layers[i].local != 0;
-    if (local && m->window > 0) {
-        windows = calloc((size_t)n_seq, sizeof(Window));
-        int failed = !windows;
-        for (int s = 0; s < n_seq && !failed; s++) failed = window_of(&seqs[s], m->window, &windows[s]) != 0;
-        if (failed) {
-            for (int s = 0; windows && s < n_seq; s++) free(windows[s].visible);
-            free(windows), free(arena), free(starts), free(row_sequence);
-            return -1;
-        }
-    }
-
-    float eps = (float)m->eps, scale = (float)m->scale;
-    int hidden = (int)m->hidden, inter = (int)m->inter;
+    Pass pass;
+    if (pass_alloc(&pass, m, layers, n_layers, seqs, n_seq) != 0) return -1;
     int ran = 0;
     for (int i = 0; i < n_layers; i++) {
         if (skip && skip[i]) continue; /* its input goes on to the next layer, pending included */
-        const Layer *l = &layers[i];
-        const Window *w = l->local && windows ? windows : NULL; /* per sequence: w + s */
-        m->add_rms_norm(x, ran ? pending : NULL, l->attn_norm, buf[H], rows, hidden, eps);
-        if (l->k.fn) {
-            char *q = buf[PARTS], *k = q + r * q_width * es, *v = k + r * kv_width * es;
-            project(&l->qkv, buf[H], q, rows, threads);
-            project(&l->k, buf[H], k, rows, threads);
-            project(&l->v, buf[H], v, rows, threads);
-            join_qkv(q, k, v, buf[QKV], rows, q_width, kv_width, es);
-        } else {
-            project(&l->qkv, buf[H], buf[QKV], rows, threads);
-        }
-        if (l->q_norm) /* per head, in place (each row's q heads, then its k heads) */
-            for (int row = 0; row < rows; row++) {
-                char *at = buf[QKV] + (size_t)row * qkv_width * es;
-                m->add_rms_norm(at, NULL, l->q_norm, at, (int)m->n_heads, (int)m->head_dim, eps);
-                m->add_rms_norm(at + q_width * es, NULL, l->k_norm, at + q_width * es, (int)m->n_kv_heads,
-                                (int)m->head_dim, eps);
-            }
-        const float *table = l->freqs ? l->freqs : freqs;
-        /* one sequence: its attention splits over the threads; several: the rows of all of them
-         * do, in one parallel region a layer (not one per sequence, and a long prompt chunk beside
-         * single decode rows still splits evenly). A query's result is the same either way. */
-        if (n_seq == 1) {
-            sequence_rope(m, &seqs[0], 0, i, buf[QKV], buf[Q], table);
-            sequence_attention(m, &seqs[0], w, 0, 0, (int)seqs[0].rows, i, buf[Q], buf[HEADS], scale, threads);
-        } else {
-            for (int s = 0; s < n_seq; s++) sequence_rope(m, &seqs[s], (size_t)starts[s], i, buf[QKV], buf[Q], table);
-            _Pragma("omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)")
-            for (int r = 0; r < rows; r++) {
-                int s = row_sequence[r];
-                sequence_attention(m, &seqs[s], w ? w + s : NULL, (size_t)starts[s], r - (int)starts[s], 1, i, buf[Q],
-                                   buf[HEADS], scale, 1);
-            }
-        }
-        if (es == 2) /* rounded to bfloat16 as torch's .to() rounds (q_width is a multiple of 16) */
-            for (size_t j = 0; j < r * q_width; j += 16)
-                store_bf16((uint16_t *)buf[ATTN] + j, _mm512_loadu_ps((const float *)buf[HEADS] + j));
-        project(&l->o, buf[ATTN], buf[O], rows, threads);
-        if (l->post_attn_norm) m->add_rms_norm(buf[O], NULL, l->post_attn_norm, buf[O], rows, hidden, eps);
-        m->add_rms_norm(x, buf[O], l->mlp_norm, buf[H], rows, hidden, eps);
-        project(&l->gate_up, buf[H], buf[GATE_UP], rows, threads);
-        m->gate_mul(buf[GATE_UP], buf[ACT], rows, inter);
-        project(&l->down, buf[ACT], pending, rows, threads);
-        if (l->post_mlp_norm) m->add_rms_norm(pending, NULL, l->post_mlp_norm, pending, rows, hidden, eps);
+        attention_half(m, &layers[i], i, &pass, x, ran ? pending : NULL, freqs, seqs, threads);
+        mlp_half(m, &layers[i], &pass, x, pending, threads);
         ran++;
     }
-    for (int s = 0; windows && s < n_seq; s++) free(windows[s].visible);
-    free(windows);
-    free(arena);
-    free(starts), free(row_sequence);
+    pass_free(&pass);
     return ran;
 }
 
