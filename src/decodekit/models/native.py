@@ -587,45 +587,57 @@ class NativeLlama(Backend):
         # make one thread look faster whenever it happened to time one of them.
         plain_step = tokens.numel() == 1 and not skip_layers and mask is None
         with GOVERNOR.governed((self.info.name, self.kv_policy.spec), timed=plain_step):
-            w = self.weights
-            batch, k = tokens.shape
             start = self._slots
-            self._ensure_capacity(start + k)
+            self._ensure_capacity(start + tokens.shape[1])
             # Passes the matmul kernels take also get the element-wise kernels, so a token's
             # arithmetic is the same in a plain step and in any verification pass.
-            ops = self._ops if k <= MAX_ROWS else None
-
+            ops = self._ops if tokens.shape[1] <= MAX_ROWS else None
             x = self._embed(tokens)
             if self._stack is not None and ops is not None and not hidden_layers and not self._observed_rows:
-                # the same kernels as the loop below, called from C in one go
-                pending = torch.empty_like(x)
-                if batch == 1:
-                    ran = self._stack.run(
-                        x[0], pending[0], self._freqs_pairs, positions, mask, self._k[:, 0], self._v[:, 0], start,
-                        skip_layers, kivi=self._kivi_view(positions),
-                    )
-                    return self._logits(x, pending if ran else None, ops, last_only, {})
-                if mask is None or mask.dim() == 2:
-                    # several sequences of this cache (a search's rows), each on its own slice of
-                    # it, as the pass batcher runs sequences: every row's logits are bit for bit
-                    # those it gets alone (the loop below attends through torch for them all)
-                    parts = [SequencePart(k, start, positions, mask, self._k[:, b], self._v[:, b]) for b in range(batch)]
-                    ran = self._stack.run_batch(x.view(batch * k, -1), pending.view(batch * k, -1), self._freqs_pairs,
-                                                parts, skip_layers)
-                    return self._logits(x, pending if ran else None, ops, last_only, {})
-            pending = None  # the last MLP output, added to x inside the next norm (one fused call)
-            hidden: dict[int, torch.Tensor] = {}
-            if 0 in hidden_layers:
-                hidden[0] = x.clone()
-            for i, layer in enumerate(w.layers):
-                if i not in skip_layers:
-                    pending = self._layer(i, layer, x, pending, positions, mask, start, ops, causal)
-                if i + 1 in hidden_layers:
-                    if pending is not None:
-                        x.add_(pending)  # rounds as the fused add does
-                        pending = None
-                    hidden[i + 1] = x.clone()
-            return self._logits(x, pending, ops, last_only, hidden)
+                out = self._forward_in_c(x, positions, mask, start, skip_layers, ops, last_only)
+                if out is not None:
+                    return out
+            return self._forward_layers(x, positions, mask, start, hidden_layers, skip_layers, ops, last_only, causal)
+
+    def _forward_in_c(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, start: int,
+                      skip_layers: frozenset[int], ops, last_only: bool) -> StepOutput | None:
+        """The pass through forward.c: the same kernels as :meth:`_forward_layers`, called from C in
+        one go; None where it does not take the pass (several sequences under a 3-D mask)."""
+        batch, k = x.shape[:2]
+        if batch > 1 and mask is not None and mask.dim() != 2:
+            return None
+        pending = torch.empty_like(x)
+        if batch == 1:
+            ran = self._stack.run(
+                x[0], pending[0], self._freqs_pairs, positions, mask, self._k[:, 0], self._v[:, 0], start,
+                skip_layers, kivi=self._kivi_view(positions),
+            )
+            return self._logits(x, pending if ran else None, ops, last_only, {})
+        # several sequences of this cache (a search's rows), each on its own slice of it, as the
+        # pass batcher runs sequences: every row's logits are bit for bit those it gets alone (the
+        # layer loop attends through torch for them all)
+        parts = [SequencePart(k, start, positions, mask, self._k[:, b], self._v[:, b]) for b in range(batch)]
+        ran = self._stack.run_batch(x.view(batch * k, -1), pending.view(batch * k, -1), self._freqs_pairs,
+                                    parts, skip_layers)
+        return self._logits(x, pending if ran else None, ops, last_only, {})
+
+    def _forward_layers(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, start: int,
+                        hidden_layers: Sequence[int], skip_layers: frozenset[int], ops, last_only: bool,
+                        causal: bool) -> StepOutput:
+        """The pass layer by layer from Python (long prefills, hidden states, observed rows)."""
+        pending = None  # the last MLP output, added to x inside the next norm (one fused call)
+        hidden: dict[int, torch.Tensor] = {}
+        if 0 in hidden_layers:
+            hidden[0] = x.clone()
+        for i, layer in enumerate(self.weights.layers):
+            if i not in skip_layers:
+                pending = self._layer(i, layer, x, pending, positions, mask, start, ops, causal)
+            if i + 1 in hidden_layers:
+                if pending is not None:
+                    x.add_(pending)  # rounds as the fused add does
+                    pending = None
+                hidden[i + 1] = x.clone()
+        return self._logits(x, pending, ops, last_only, hidden)
 
     @torch.inference_mode()
     def forward_batch(self, passes: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
