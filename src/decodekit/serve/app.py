@@ -369,17 +369,11 @@ def asks_for_nothing(name: str, value: Any) -> bool:
 
 
 def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
+    """A request body, checked field by field (an :class:`ApiError` naming the field otherwise)."""
     for name, what in UNSUPPORTED.items():
         if not asks_for_nothing(name, body.get(name)):
             raise ApiError(400, f"{what} ({name}) is not supported by this server", param=name)
-    if chat:
-        prompt = chat_messages(body.get("messages"))
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # one prompt in a list of them: text, or token ids
-        if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-            raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
+    prompt = chat_messages(body.get("messages")) if chat else _completion_prompt(body)
     max_tokens = _integer(body, "max_completion_tokens", None, 1)
     # unset: the rest of the context for chat (filled in once the prompt is tokenised), 16 for completions as OpenAI's
     max_tokens = _integer(body, "max_tokens", max_tokens if chat else max_tokens or 16, 1)
@@ -389,6 +383,31 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop):
         raise ApiError(400, "stop must be a string or a list of at most 4 strings", param="stop")
     stream = _flag(body, "stream")
+    top_logprobs = _top_logprobs(body, chat, stream)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options")
+    method = body.get("method", "sample")
+    if not isinstance(method, str):
+        raise ApiError(400, f"method must be a string, got {method!r}", param="method")
+    method, params = _sampling(body, method, _method_options(body))
+    include_usage = _flag(options, "include_usage", "stream_options.include_usage")
+    return RequestSpec(prompt, method, params, max_tokens, stop, n, top_logprobs, include_usage,
+                       _flag(body, "ignore_eos"), structured_output(body), stream)
+
+
+def _completion_prompt(body: dict[str, Any]) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # one prompt in a list of them: text, or token ids
+    if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
+    return prompt
+
+
+def _top_logprobs(body: dict[str, Any], chat: bool, stream: bool) -> int | None:
+    """How many alternatives each token's log-probability comes with (None: no log-probabilities):
+    chat's ``logprobs`` + ``top_logprobs``, the legacy completions' ``logprobs`` count."""
     if chat:
         top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
         top_logprobs = top if _flag(body, "logprobs") else None
@@ -398,13 +417,12 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
         top_logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top_logprobs is not None and stream:
         raise ApiError(400, "logprobs with stream is not supported yet; ask without stream", param="logprobs")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise ApiError(400, "stream_options must be an object", param="stream_options")
+    return top_logprobs
 
-    method = body.get("method", "sample")
-    if not isinstance(method, str):
-        raise ApiError(400, f"method must be a string, got {method!r}", param="method")
+
+def _method_options(body: dict[str, Any]) -> dict[str, Any]:
+    """The method's options and sampler parameters: the body's fields that are not OpenAI's, and
+    ``method_options``."""
     params: dict[str, Any] = {k: v for k, v in body.items() if k not in IGNORED and k not in UNSUPPORTED}
     # a method's options may also come in an object of their own: the only way to give those named
     # like an OpenAI field (a search method's n, which the body's n cannot be)
@@ -420,6 +438,12 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
     if twice:
         raise ApiError(400, f"{twice[0]} is given both in the body and in method_options", param="method_options")
     params.update(named)
+    return params
+
+
+def _sampling(body: dict[str, Any], method: str, params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The OpenAI sampling fields as decodekit's: temperature 0 is greedy decoding, OpenAI's default
+    temperature is 1 (for plain sampling), and a sampling request without a seed gets a random one."""
     temperature = _number(body, "temperature")
     if temperature is None and "method" not in body and not body.get("greedy"):
         temperature = 1.0  # OpenAI's default
@@ -436,12 +460,9 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
         if value:
             params[name] = value
     seed = _integer(body, "seed", None, 0, SEED_LIMIT - 1)
-    samples = temperature not in (None, 0)
-    if seed is not None or samples:
+    if seed is not None or temperature not in (None, 0):
         params["seed"] = seed if seed is not None else secrets.randbelow(2**31)
-    include_usage = _flag(options, "include_usage", "stream_options.include_usage")
-    return RequestSpec(prompt, method, params, max_tokens, stop, n, top_logprobs, include_usage,
-                       _flag(body, "ignore_eos"), structured_output(body), stream)
+    return method, params
 
 
 def structured_output(body: dict[str, Any]) -> dict[str, Any] | None:
