@@ -640,7 +640,7 @@ MUTATIONS = (
              "            if inexact is not None:\n", "            if False:\n", ("tests/test_constraint.py", "-k", "round_is_refused")),
     Mutation("keep-only-may-drop-the-argmax", "src/decodekit/samplers/base.py",
              "    keep = keep | (logits == logits.amax(dim=-1, keepdim=True))\n", "", ("tests/test_samplers.py",)),
-    Mutation("ctypes-sequence-mirror-out-of-step", "src/decodekit/models/kernels/__init__.py",
+    Mutation("ctypes-sequence-mirror-out-of-step", "src/decodekit/models/kernels/layers.py",
              '(name, ctypes.c_void_p) for name in ("positions", "visible", "k_cache", "v_cache", "kivi")',
              '(name, ctypes.c_void_p) for name in ("positions", "visible", "k_cache", "v_cache", "kivi", "extra")',
              ("tests/test_kernels.py", "-x")),

@@ -433,7 +433,7 @@ def test_concurrent_updates_of_a_cached_json_all_land(tmp_path):
 TOPK = """
 import torch
 from decodekit.models import kernels
-assert kernels._library("topk") is not None, "the kernel did not load"
+assert kernels.build._library("topk") is not None, "the kernel did not load"
 x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
 assert torch.equal(kernels.top_k_indices(x, 8), torch.topk(x, 8).indices.to(torch.int32))
 """
@@ -453,9 +453,9 @@ def test_a_damaged_kernel_is_rebuilt_before_it_is_loaded(cache):
     """Each damage is detected by the library's check; one damaged library (the subtlest damage,
     bytes altered in place) then goes through a whole load, which rebuilds it: the rebuild after a
     detection is the same whatever the damage, and each load costs a process and a compilation."""
-    if not kernels._supported():
+    if not kernels.build._supported():
         pytest.skip("compiled kernels are off or unsupported here")
-    built = kernels._build(Path(kernels.__file__).with_name("topk.c"))
+    built = kernels.build._build(Path(kernels.__file__).with_name("topk.c"))
     if built is None:
         pytest.skip("no C compiler")
     original = built.read_bytes()

@@ -58,14 +58,14 @@ def test_bfloat16_weights_multiply_exactly_and_sum_in_float32():
 
 def test_kernels_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("DECODEKIT_KERNELS", "0")
-    assert not kernels._supported()
+    assert not kernels.build._supported()
 
 
 def test_a_failed_build_falls_back_to_torch(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
-    monkeypatch.setattr(kernels.shutil, "which", lambda name: "/bin/false" if name == "false" else None)
-    assert kernels._build(Path(kernels.__file__).with_name("gemm.c")) is None
+    monkeypatch.setattr(kernels.build.shutil, "which", lambda name: "/bin/false" if name == "false" else None)
+    assert kernels.build._build(Path(kernels.__file__).with_name("gemm.c")) is None
 
 
 # Layout-independent attention ---------------------------------------------------------------------
@@ -260,7 +260,7 @@ def test_top_k_indices_order_ties_by_index_and_skip_minus_infinity():
 def test_argmax_is_torch_argmax_on_ties_infinities_nans_and_short_rows():
     """The first index of the largest value, as torch answers: equal values in other lanes and in
     the tail past the last 16, rows of -inf only, +inf, a NaN anywhere (torch: the NaN's index)."""
-    assert kernels._argmax_function() is not None
+    assert kernels.sampling._argmax_function() is not None
     generator = torch.Generator().manual_seed(0)
     cases = 0
     for n in (1, 2, 15, 16, 17, 31, 33, 49152 + 5):
@@ -294,7 +294,7 @@ def test_a_token_bitmask_sets_exactly_the_refused_logits_to_minus_infinity(vocab
     allowed = [t < bitmask_tokens and bool(bits[t // 8] >> (t % 8) & 1) for t in range(vocab)]
     want = torch.where(torch.tensor(allowed), logits, float("-inf"))
     if not kernel:
-        monkeypatch.setattr(kernels, "_mask_function", lambda: None)
+        monkeypatch.setattr(kernels.sampling, "_mask_function", lambda: None)
     got = logits.clone()
     kernels.mask_logits(got, bits)  # in place
     assert torch.equal(got, want)
@@ -312,7 +312,7 @@ def test_the_best_allowed_token_is_the_argmax_of_the_masked_row(vocab, bitmask_t
     import numpy as np
 
     if not kernel:
-        monkeypatch.setattr(kernels, "_masked_argmax_function", lambda: None)
+        monkeypatch.setattr(kernels.sampling, "_masked_argmax_function", lambda: None)
     rng = np.random.default_rng(vocab + bitmask_tokens)
     generator = torch.Generator().manual_seed(vocab)
     for trial in range(120):
@@ -353,9 +353,9 @@ def test_the_exponential_race_is_the_argmax_over_every_token(kernel, monkeypatch
     every token: peaked and flat rows, rows with zeros, unnormalised ones, lengths around the
     8-lane blocks, a 49152-token row; and one clear error for a row that is not a distribution."""
     if kernel:
-        assert kernels._race_function() is not None
+        assert kernels.sampling._race_function() is not None
     else:
-        monkeypatch.setattr(kernels, "_race_function", lambda: None)
+        monkeypatch.setattr(kernels.sampling, "_race_function", lambda: None)
     generator = torch.Generator().manual_seed(5)
     for n in (1, 3, 7, 8, 9, 16, 23, 200):
         for trial in range(150):
@@ -400,7 +400,7 @@ def test_a_token_at_the_top_cell_of_the_uniforms_wins_by_a_hair(n, v, kernel, mo
     import math
 
     if not kernel:
-        monkeypatch.setattr(kernels, "_race_function", lambda: None)
+        monkeypatch.setattr(kernels.sampling, "_race_function", lambda: None)
     key = key_giving(v, 2**64 - 1)
     u = kernels.race_uniforms(key, n)
     assert u[v] == 1 - 2**-53

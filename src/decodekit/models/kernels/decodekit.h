@@ -2,7 +2,7 @@
  *
  * Each .c file is compiled into a library of its own and includes this header, so the compiler
  * checks every definition against its declaration here. Python calls them through ctypes
- * (`__init__.py`, whose argtypes and structures follow these declarations); `forward.c` calls the
+ * (the Python modules beside it, whose argtypes and structures follow these declarations); `forward.c` calls the
  * matrix, layer and attention kernels through the type-erased pointers at the end.
  *
  * Conventions: matrices are row-major; `rows` (or `M`, `n_q`) inputs or queries; `threads` OpenMP
@@ -34,7 +34,7 @@ DECODEKIT_BLOCK_GEMM(q6_kx4);
 int decodekit_has_avx512bf16(void);
 
 /* gemm_q8.c: GGUF blocks repacked once (`decodekit_q8_pack`; kind: gemm_q8.c's kind numbers, as
- * INTEGER_KINDS in __init__.py) times inputs quantised to 8 bits per block of 32, with VNNI integer dot products.
+ * INTEGER_KINDS in matmul.py) times inputs quantised to 8 bits per block of 32, with VNNI integer dot products.
  * The `fast` numerics; decodekit_q8_reference is its scalar reference, bit for bit. */
 int64_t decodekit_q8_packed_bytes(int kind, int n_out, int n_in);
 void decodekit_q8_pack(int kind, const uint8_t *w, uint8_t *packed, int n_out, int n_in);
@@ -116,7 +116,7 @@ typedef void (*kivi_attention_fn)(const float *q, const uint8_t *k_codes, const 
                                   int n_kv_heads, int head_dim, int group, int bits, int cap_q, int cap_residual,
                                   int base, int n_residual, float scale, int threads);
 
-/* Mirrored by ctypes structures in __init__.py: keep the field order and types in step. */
+/* Mirrored by ctypes structures in layers.py: keep the field order and types in step. */
 typedef struct {
     gemm_fn fn;
     const void *weights;

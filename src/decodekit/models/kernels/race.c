@@ -16,7 +16,7 @@
  * is peaked.
  *
  * The answer is the argmax over every token whatever the filter lets through (the first index
- * among equal ratios): decodekit/models/kernels/__init__.py computes the same with numpy and
+ * among equal ratios): decodekit/models/kernels/sampling.py computes the same with numpy and
  * math.log where this library is not available. p(v) = 0 never wins. Returns -1 when p has a
  * negative, infinite or NaN entry or no positive one. */
 #include <immintrin.h>
