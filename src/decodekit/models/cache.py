@@ -55,11 +55,24 @@ class CacheRefused(InvalidParameter):
 
 
 def cache_root() -> Path:
-    """``$DECODEKIT_CACHE``, default ``~/.cache/decodekit``."""
-    return Path(os.environ.get("DECODEKIT_CACHE", Path.home() / ".cache" / "decodekit"))
+    """``$DECODEKIT_CACHE``, default ``~/.cache/decodekit`` (also where it is set but empty: an
+    empty path would be the current folder)."""
+    return Path(os.environ.get("DECODEKIT_CACHE") or Path.home() / ".cache" / "decodekit")
 
 
 # Digests ----------------------------------------------------------------------------------------
+
+
+def save_tensors(tensors: dict[str, Any], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' ``save_file``, a failure to write (a full disk among them) raised as the
+    OSError any other write gives (safetensors raises its own error type)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as err:
+        raise OSError(f"{path}: {err}") from err
 
 
 def file_digest(path: Path) -> str:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .cache import MANIFEST, cached_file, read_json, read_manifest, update_json
+from .cache import MANIFEST, cached_file, read_json, read_manifest, save_tensors, update_json
 
 #: bytes and weights per block of each type the kernels read (see ``kernels/gemm.c`` for the layouts)
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q5_0": 22, "q4_k": 144, "q5_k": 176, "q6_k": 210}
@@ -191,16 +191,13 @@ def cached_block_matrices(gguf: Path, folder: Path, num_layers: int) -> "Blocks 
     time, and checked like every cached file (:mod:`.cache`): reading a GGUF parses all its
     metadata, the whole vocabulary included, which takes seconds; the saved blocks load in a
     fraction of that, each when it is asked for (:class:`SavedBlocks`)."""
-    from safetensors.torch import save_file
-
     read = Blocks()
 
     def save(path: Path) -> None:
         read.update(fresh := read_block_matrices(gguf, num_layers))
         read.unread = fresh.unread
         stamps = {n: f"{b.kind}:{b.n_in}" for n, b in read.items()}
-        save_file({n: b.data for n, b in read.items()}, str(path),
-                  metadata={**stamps, UNREAD_KEY: json.dumps(read.unread)})
+        save_tensors({n: b.data for n, b in read.items()}, path, metadata={**stamps, UNREAD_KEY: json.dumps(read.unread)})
 
     try:
         path = cached_file(folder / BLOCKS_FILE, save)

@@ -32,6 +32,9 @@ from .memory import return_freed_memory
 # the same numerics; ``fast`` differs from ``exact`` by the inputs' quantisation.
 
 
+#: The longest context this backend takes (a model's rotary table is allocated for all of it).
+MAX_POSITIONS = 1 << 24
+
 @dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
@@ -59,8 +62,16 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.max_position > MAX_POSITIONS:  # (its rotary table would be allocated whole)
+            raise ValueError(f"max_position {self.max_position} is more than the {MAX_POSITIONS} positions "
+                             "this backend holds")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_heads} attention heads cannot share {self.num_kv_heads} key/value heads evenly")
+
+    def norm_shape(self, name: str) -> tuple[int]:
+        """The shape of a norm's weight: one value per channel of what it normalises (a head's for
+        the per-head q and k norms, the hidden state's for the others)."""
+        return (self.head_dim,) if name.endswith(("q_norm.weight", "k_norm.weight")) else (self.hidden_size,)
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """The shape of each layer's projection weights (by name after the layer's prefix)."""
@@ -73,8 +84,11 @@ class LlamaConfig:
     def from_hf(cls, cfg: Mapping) -> "LlamaConfig":
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise NotImplementedError(f"rope scaling {rope['rope_type']!r} is not supported by the native backend")
+        # (rope_scaling: the older configs' name for it, with "type" for "rope_type" in the oldest)
+        for scaling in (rope, cfg.get("rope_scaling") or {}):
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind not in ("default", None):
+                raise NotImplementedError(f"rope scaling {kind!r} is not supported by the native backend")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -351,6 +365,8 @@ class LlamaWeights:
         def get(name: str) -> torch.Tensor:
             tensor = state[name]
             want = shapes.get(name.split(".", 3)[-1]) if name.startswith("model.layers.") else None
+            if name.endswith("norm.weight"):  # (a kernel reads as many values as the config says)
+                want = config.norm_shape(name)
             if want is not None and tuple(tensor.shape) != want:  # config.json and the weights disagree
                 raise InvalidModel(f"{name} is {tuple(tensor.shape)}, where config.json's sizes make it {want}")
             return tensor.to(dtype).contiguous()

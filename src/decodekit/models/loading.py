@@ -30,7 +30,7 @@ from ..arguments import BACKENDS, DEFAULT_MODEL, DTYPES as DTYPE_NAMES, NUMERICS
 from ..errors import CacheError, InvalidModel, InvalidParameter, ModelNotFound
 from ..machine import available_memory
 from .backend import Backend
-from .cache import cache_root, cached_folder, file_digest, report
+from .cache import cache_root, cached_folder, file_digest, report, save_tensors
 
 if TYPE_CHECKING:
     from .kv_policy import KVPolicy
@@ -193,22 +193,41 @@ def file_stamp(path: Path) -> str:
 
 def dequantise(gguf: Path, folder: Path) -> None:
     """Write ``gguf`` as a float32 Hugging Face folder (safetensors, config, tokenizer) into ``folder``."""
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # its load report: what is wrong is said below, in one line
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model, report = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                             output_loading_info=True)
     except Exception as err:  # the GGUF parser fails in many ways on a damaged file; all mean the same here
         raise InvalidModel.because(gguf, "cannot be read as a GGUF model", err) from err
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    check_loading_report(gguf, report, tied=model.config.tie_word_embeddings)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # safetensors refuses shared tensors
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(state, folder / "model.safetensors", metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     tokenizer.save_pretrained(folder)
+
+
+def check_loading_report(gguf: Path, report: dict, *, tied: bool) -> None:
+    """Refuse a file transformers could load only by making weights up: a tensor the model needs
+    and the file lacks (a damaged name, fewer layers than its metadata says) is initialised at
+    random, without an error; one of another shape likewise."""
+    missing = [k for k in report.get("missing_keys", ()) if not (tied and k == "lm_head.weight")]
+    mismatched = [k for k, *_ in report.get("mismatched_keys", ())]
+    if missing or mismatched:
+        which = missing or mismatched
+        raise InvalidModel(f"{gguf}: {len(which)} weight tensor(s) " + ("missing" if missing else "of the wrong shape")
+                           + f" ({', '.join(sorted(which)[:3])}{', ...' if len(which) > 3 else ''}): a damaged file")
 
 
 class LazyState(Mapping):

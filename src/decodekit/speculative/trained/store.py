@@ -22,7 +22,7 @@ import torch
 
 from ...errors import InvalidModel, InvalidParameter
 from ...models.backend import Backend
-from ...models.cache import cache_root, file_digest
+from ...models.cache import cache_root, file_digest, save_tensors
 from .networks import EagleConfig, EagleNet, MedusaConfig, MedusaNet, on_kernels
 
 KINDS = {"eagle": (EagleNet, EagleConfig), "medusa": (MedusaNet, MedusaConfig)}
@@ -52,15 +52,13 @@ def cache_path(backend: Backend, kind: str) -> Path:
 
 def save(net: EagleNet | MedusaNet, kind: str, backend: Backend, path: Path, trained: dict[str, Any]) -> Path:
     """Write ``net`` (float16, without the target's head rows) with its metadata to ``path``."""
-    from safetensors.torch import save_file
-
     state = {name: (t.half() if t.is_floating_point() else t).contiguous() for name, t in net.state_dict().items()}
     meta = {"kind": kind, "config": json.dumps(net.config.__dict__), "target": target_fingerprint(backend),
             "target_name": backend.info.name, "trained": json.dumps(trained), "digest": tensors_digest(state)}
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".partial")
     try:
-        save_file(state, str(temporary), metadata=meta)
+        save_tensors(state, temporary, metadata=meta)
         temporary.replace(path)  # never a half-written drafter under the real name
     finally:
         temporary.unlink(missing_ok=True)  # nothing left behind where it failed
