@@ -111,6 +111,27 @@ def test_lossless_methods_are_token_identical_to_greedy(method, numerics):
     assert other.tokens == greedy.tokens
 
 
+def test_the_hf_backend_runs_gemma_past_its_window_as_the_native_one_does():
+    """--backend hf keeps every key in every layer and gives the sliding-window layers a mask of
+    their own: decode steps past the window, a rollback and speculative trees agree with the
+    native backend (itself checked against transformers above)."""
+    from decodekit.models.hf import HFBackend
+
+    native, hf = tiny_gemma3(seed=3, sliding_window=8), HFBackend(tiny_gemma3_hf_model(seed=3, sliding_window=8))
+    ids = tokens(30)
+    assert torch.allclose(hf.append(ids[:, :20]).logits, native.append(ids[:, :20]).logits, atol=ATOL)
+    for t in range(20, 30):
+        assert torch.allclose(hf.append(ids[:, t : t + 1]).logits, native.append(ids[:, t : t + 1]).logits, atol=ATOL), t
+    hf.truncate(12), native.truncate(12)
+    assert torch.allclose(hf.append(ids[:, 12:16]).logits, native.append(ids[:, 12:16]).logits, atol=ATOL)
+    engine = Engine(LoadedModel(hf, CharTokenizer(96), "tiny-gemma3-hf"))
+    prompt = "abcabcabcabc the cat sat on the mat, the cat sat on the"
+    greedy = engine.generate(prompt, method="greedy", max_new_tokens=30, chat=False)
+    assert engine.generate(prompt, method="pld", max_new_tokens=30, chat=False).tokens == greedy.tokens
+    native_engine = Engine(LoadedModel(tiny_gemma3(seed=3, sliding_window=8), CharTokenizer(96), "tiny-gemma3"))
+    assert native_engine.generate(prompt, method="greedy", max_new_tokens=30, chat=False).tokens == greedy.tokens
+
+
 @pytest.mark.parametrize("cache", ["sink:4,window:16", "int4"])
 def test_cache_policies_that_move_entries_or_read_codes_before_every_row_are_refused(cache):
     with pytest.raises(InvalidParameter, match="sliding-window"):

@@ -2,6 +2,10 @@
 
 Slower than the native backend (transformers' per-layer overhead and cache objects) but
 works for every architecture transformers knows that accepts a 4-D attention mask.
+
+Every layer's cache keeps every key (a plain ``DynamicCache``: a sliding-window layer's own cache
+would keep only the last window of them, which rollbacks and trees cannot work with); a model
+with sliding-window layers (Gemma 3) gets a mask of each kind, the window applied by position.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ class HFBackend(Backend):
         self._cache_cls = DynamicCache
         cfg = model.config.get_text_config()
         self.dtype = next(model.parameters()).dtype
+        # layers attending to the last `window` positions only (a mask of their own), if any
+        kinds = set(getattr(cfg, "layer_types", None) or ())
+        self.window = getattr(cfg, "sliding_window", None) if "sliding_attention" in kinds else None
         self.info = ModelInfo(
             name=name,
             vocab_size=cfg.vocab_size,
@@ -56,13 +63,22 @@ class HFBackend(Backend):
         return self._batch
 
     def reset(self, batch_size: int = 1) -> None:
-        self._cache = self._cache_cls(config=self.model.config)
+        self._cache = self._cache_cls()
         self._length = 0
         self._batch = batch_size
         self._pending_tree = None
 
-    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """Boolean [q, kv] visibility to the additive float mask transformers expects."""
+    def _mask(self, allowed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Boolean [q, kv] visibility to the additive float mask transformers expects; with
+        sliding-window layers, one mask per kind of layer (the new tokens at ``positions``, the
+        cached ones at their slots)."""
+        if self.window is None:
+            return self._additive(allowed)
+        keys = torch.cat([torch.arange(allowed.shape[1] - allowed.shape[0]), positions.view(-1)])
+        near = positions.view(-1, 1) - keys.view(1, -1) < self.window
+        return {"full_attention": self._additive(allowed), "sliding_attention": self._additive(allowed & near)}
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(allowed.shape, dtype=self.dtype)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         return mask[None, None].expand(self._batch, 1, -1, -1)
@@ -72,7 +88,7 @@ class HFBackend(Backend):
         out = self.model(
             input_ids=tokens,
             position_ids=positions.expand(tokens.shape[0], -1),
-            attention_mask=self._mask(allowed),
+            attention_mask=self._mask(allowed, positions[0]),
             cache=self._cache,
             use_cache=True,
             output_hidden_states=bool(hidden_layers),
