@@ -132,6 +132,12 @@ def test_the_hf_backend_runs_gemma_past_its_window_as_the_native_one_does():
     assert native_engine.generate(prompt, method="greedy", max_new_tokens=30, chat=False).tokens == greedy.tokens
 
 
+def test_a_sequence_past_the_context_is_not_pointed_to_a_cache_gemma_refuses():
+    backend = tiny_gemma3(seed=1, sliding_window=8)
+    with pytest.raises(ValueError, match=r"exceeds the model's context of 512$"):
+        backend.prefill(tokens(600)[0].tolist())
+
+
 @pytest.mark.parametrize("cache", ["sink:4,window:16", "int4"])
 def test_cache_policies_that_move_entries_or_read_codes_before_every_row_are_refused(cache):
     with pytest.raises(InvalidParameter, match="sliding-window"):

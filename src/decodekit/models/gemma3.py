@@ -124,6 +124,7 @@ class NativeGemma3(NativeLlama):
 
     config: Gemma3Config
     weights_class = Gemma3Weights
+    takes_streaming_cache = False  # (see _use_policy)
 
     def __init__(self, config: Gemma3Config, state, *, kv_cache: KVPolicy | str | None = None, **kwargs):
         # the local layers' rotary table first: building the layers' kernel path reads it

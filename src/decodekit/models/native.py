@@ -59,6 +59,7 @@ class NativeLlama(Backend):
 
     weights_class = LlamaWeights
     gives_features = True
+    takes_streaming_cache = True  # (a sink:S,window:W cache: what a too-long sequence is pointed to)
     batcher: PassBatcher | None = None
     _observed_rows = False  # set during a pass whose attention weights go to the cache policy
 
@@ -454,8 +455,8 @@ class NativeLlama(Backend):
             if self.kv_policy.reassigns_positions:  # a window that leaves no room for a pass this long
                 raise PromptTooLong(f"kv cache {self.kv_policy.spec}: a pass reaching cache slot {end} goes past the "
                                     f"model's context of {self.config.max_position}; a smaller window leaves room for it")
-            raise PromptTooLong(f"sequence of {end} tokens exceeds the model's context of {self.config.max_position}; "
-                                f"a sink:S,window:W cache runs past it")
+            raise PromptTooLong(f"sequence of {end} tokens exceeds the model's context of {self.config.max_position}"
+                                + ("; a sink:S,window:W cache runs past it" if self.takes_streaming_cache else ""))
         for table in self._ropes:
             table.reach(end)
 
