@@ -284,7 +284,9 @@ def test_train_drafter_saves_in_the_cache_and_the_method_finds_it(monkeypatch, t
     record = json.loads(capsys.readouterr().out)
     assert record["evaluation"]["identical_to_greedy"] == "2/2"
     assert record["data_tokens"] >= 400 and record["train_steps"] > 0
-    assert store.find(model.backend, "medusa") == store.cache_path(model.backend, "medusa")
+    saved, loaded = store.cache_path(model.backend, "medusa"), store.load(model.backend, "medusa")
+    from_file = store.build(saved, "medusa", model.backend).state_dict()
+    assert all(torch.equal(t, from_file[name]) for name, t in loaded.state_dict().items())
     assert cli.run(args, model=model) == 0  # the data is made once, then reused
     assert json.loads(capsys.readouterr().out)["data_seconds"] == record["data_seconds"]
     args.prompts = "tasks"  # another recipe: data of its own, not the Magpie data again
@@ -619,3 +621,29 @@ def test_medusa_loss_is_the_same_with_a_samples_padding():
                               torch.cat([targets, torch.zeros(1, 5, dtype=torch.long)], dim=1),
                               torch.cat([mask, torch.zeros(1, 5, dtype=torch.bool)], dim=1))
     assert padded_loss.item() == pytest.approx(alone.item(), rel=1e-6)
+
+
+def test_a_damaged_drafter_in_the_cache_falls_back_to_the_shipped_one_with_a_line(drafter_files, monkeypatch,
+                                                                                 tmp_path, capsys):
+    """The cache's drafter takes precedence over the package's; a damaged one is said so in one line
+    and the shipped drafter is used (it used to stop every eagle request with the error)."""
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))
+    package = tmp_path / "package"
+    package.mkdir()
+    good = drafter_files["medusa", "exact"]
+    (package / "tiny-medusa.safetensors").write_bytes(good.read_bytes())
+    monkeypatch.setattr(store, "SHIPPED", package)
+    model = tiny()
+    saved = store.cache_path(model.backend, "medusa")
+    saved.parent.mkdir(parents=True)
+    data = bytearray(good.read_bytes())
+    data[-100] ^= 0xFF  # a flipped byte in the weights
+    saved.write_bytes(bytes(data))
+    loaded = store.load(model.backend, "medusa")
+    err = capsys.readouterr().err
+    assert f"decodekit: {saved}: damaged" in err and "using the drafter shipped with decodekit instead" in err
+    from_package = store.build(good, "medusa", model.backend).state_dict()
+    assert all(torch.equal(t, from_package[name]) for name, t in loaded.state_dict().items())
+    monkeypatch.setattr(store, "SHIPPED", tmp_path / "nothing")  # no fallback: the damage is the error
+    with pytest.raises(InvalidModel, match="damaged"):
+        store.load(tiny().backend, "medusa")

@@ -8,13 +8,15 @@ refused in one line: it would still be lossless, but it would draft for another 
 
 Lookup for ``--method eagle`` / ``medusa``: the ``drafter=`` option's file, else the one
 ``decodekit train-drafter`` saved in ``$DECODEKIT_CACHE/drafters``, else one shipped in the package
-(``decodekit/data/drafters``, the embedded model's).
+(``decodekit/data/drafters``, the embedded model's). A damaged file in the cache is said so in one
+line and the shipped drafter is used instead, where there is one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -140,23 +142,35 @@ def build(path: Path, kind: str, backend: Backend) -> EagleNet | MedusaNet:
     return on_kernels(net.eval().requires_grad_(False), backend.matrix)
 
 
-def find(backend: Backend, kind: str, given: str | Path | None = None) -> Path:
-    """The drafter file for this target (see the module docstring), or one line saying how to make one."""
-    if given is not None:
-        return Path(given)
-    saved = cache_path(backend, kind)
-    if saved.exists():
-        return saved
+def shipped(backend: Backend, kind: str) -> Path | None:
+    """The drafter of ``kind`` the package ships for this target, if any (its header read only)."""
     fingerprint = target_fingerprint(backend)
     for path in sorted(SHIPPED.glob(f"*-{kind}.safetensors")):
         if _target_of(path) == fingerprint:
             return path  # read in full, and its digest checked, when it is built
-    raise InvalidParameter(
-        f"no {kind} drafter for {backend.info.name}; train one with: decodekit train-drafter --kind {kind} "
-        f"--model MODEL (or give drafter=PATH)")
+    return None
 
 
 def load(backend: Backend, kind: str, given: str | Path | None = None) -> EagleNet | MedusaNet:
-    """The target's drafter of ``kind``, loaded once per model (kept in the backend's memory)."""
-    path = find(backend, kind, given)
-    return backend.memory(("drafter.net", kind, str(path)), lambda: build(path, kind, backend))
+    """The target's drafter of ``kind`` (see the module docstring), loaded once per model (kept in
+    the backend's memory), or one line saying how to make one. A damaged drafter in the cache is
+    said so in one line and the shipped one is used, where there is one."""
+    def built(path: Path) -> EagleNet | MedusaNet:
+        return backend.memory(("drafter.net", kind, str(path)), lambda: build(path, kind, backend))
+
+    if given is not None:
+        return built(Path(given))
+    fallback = shipped(backend, kind)
+    saved = cache_path(backend, kind)
+    if saved.exists():
+        try:
+            return built(saved)
+        except InvalidModel as err:
+            if fallback is None:
+                raise
+            print(f"decodekit: {err}; using the drafter shipped with decodekit instead", file=sys.stderr)
+    if fallback is not None:
+        return built(fallback)
+    raise InvalidParameter(
+        f"no {kind} drafter for {backend.info.name}; train one with: decodekit train-drafter --kind {kind} "
+        f"--model MODEL (or give drafter=PATH)")
