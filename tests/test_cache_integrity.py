@@ -554,6 +554,18 @@ def test_a_norm_weight_of_the_wrong_length_is_one_clear_error(tmp_path, norm):
         load_model(str(tmp_path))
 
 
+def test_weights_that_are_not_floats_are_one_clear_error(tmp_path):
+    from safetensors.torch import save_file
+
+    state = tiny_state_dict(tiny_hf_config())
+    name = "model.layers.0.mlp.down_proj.weight"
+    state[name] = state[name].to(torch.int8)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
+    with pytest.raises(InvalidModel, match=re.escape(f"{name} holds int8 values, not float weights")):
+        load_model(str(tmp_path))
+
+
 def test_a_failed_tensor_write_is_an_os_error_and_an_empty_cache_variable_the_default(tmp_path, monkeypatch):
     """safetensors raises its own error type where a write fails (a full disk): the caches catch
     OSError, as for every other write. An empty DECODEKIT_CACHE is the default, not the current folder."""

@@ -369,6 +369,8 @@ class LlamaWeights:
                 want = config.norm_shape(name)
             if want is not None and tuple(tensor.shape) != want:  # config.json and the weights disagree
                 raise InvalidModel(f"{name} is {tuple(tensor.shape)}, where config.json's sizes make it {want}")
+            if not tensor.is_floating_point():  # (quantised integers would be read as the weights themselves)
+                raise InvalidModel(f"{name} holds {str(tensor.dtype).removeprefix('torch.')} values, not float weights")
             return tensor.to(dtype).contiguous()
 
         self._blocks = blocks if dtype == torch.float32 else None
