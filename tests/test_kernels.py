@@ -420,3 +420,30 @@ def test_the_race_uniforms_are_uniform_and_keyed():
     assert u.min() > 0 and u.max() < 1
     assert abs(u.mean() - 0.5) < 0.003 and abs(u.var() - 1 / 12) < 0.002
     assert (kernels.race_uniforms(12346, 100) != u[:100]).all()
+
+
+def c_defines(source: str) -> dict[str, str]:
+    """The ``#define NAME value`` lines of a kernel source, value as written (comments dropped)."""
+    import re
+
+    text = (Path(kernels.__file__).parent / source).read_text()
+    return {m[1]: m[2].split("/*")[0].strip() for m in re.finditer(r"^#define (\w+) (.+)$", text, re.M)}
+
+
+def test_the_tables_python_shares_with_the_c_kernels_agree():
+    """What both sides need (block sizes, the packed group, the top-k limit, the race's margin,
+    the integer kinds' numbers) is written in each language: here they are held together."""
+    import re
+
+    from decodekit.models.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS
+
+    gguf = c_defines("gguf.h")
+    assert {kind: int(gguf[f"{kind.upper()}_BYTES"]) for kind in BLOCK_BYTES} == BLOCK_BYTES
+    weights = {kind: int(gguf["K_BLOCK_WEIGHTS" if kind.endswith("_k") else "SMALL_BLOCK_WEIGHTS"]) for kind in BLOCK_WEIGHTS}
+    assert weights == BLOCK_WEIGHTS
+    assert int(c_defines("gemm_q8.c")["GROUP"]) == kernels.INTEGER_GROUP
+    assert int(c_defines("topk.c")["TOPK_MAX"]) == kernels.TOPK_MAX
+    assert eval(c_defines("race.c")["MARGIN"]) == kernels.sampling._RACE_MARGIN
+    enum = re.search(r"enum \{ (KIND_\w+(?:, KIND_\w+)*), KINDS \};", (Path(kernels.__file__).parent / "gemm_q8.c").read_text())
+    order = [name.removeprefix("KIND_").lower() for name in enum[1].split(", ")]
+    assert {kind: i for i, kind in enumerate(order)} == kernels.INTEGER_KINDS

@@ -73,7 +73,7 @@ static inline uint16_t bf16_out(float s) {
 #define q4_1_STEP 2
 #define q8_0_STEP 2
 
-static inline const uint8_t *q4_1_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * 20; }
+static inline const uint8_t *q4_1_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * Q4_1_BYTES; }
 static inline void q4_1_block(const uint8_t *block, __m512 *out) {
     __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 4)));
     int32_t dm; /* d and m, the block's two float16 values, converted together */
@@ -83,30 +83,30 @@ static inline void q4_1_block(const uint8_t *block, __m512 *out) {
     out[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f))), d, m);
     out[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
 }
-static inline void q4_1_at(const uint8_t *row, int i, __m512 *out) { q4_1_block(row + (size_t)(i / 32) * 20, out); }
+static inline void q4_1_at(const uint8_t *row, int i, __m512 *out) { q4_1_block(row + (size_t)(i / 32) * Q4_1_BYTES, out); }
 
-static inline const uint8_t *q8_0_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * 34; }
+static inline const uint8_t *q8_0_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * Q8_0_BYTES; }
 static inline void q8_0_block(const uint8_t *block, __m512 *out) {
     __m512 d = _mm512_set1_ps(half_to_float(block));
     out[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 2)))), d);
     out[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 18)))), d);
 }
-static inline void q8_0_at(const uint8_t *row, int i, __m512 *out) { q8_0_block(row + (size_t)(i / 32) * 34, out); }
+static inline void q8_0_at(const uint8_t *row, int i, __m512 *out) { q8_0_block(row + (size_t)(i / 32) * Q8_0_BYTES, out); }
 
 /* The same blocks with rows interleaved in fours, block by block: [n_out / 4][n_in / 32][4][block]
  * (gguf_blocks.BlockMatrix.interleaved; n_out a multiple of 4). Four rows read side by side are then
  * one sequential stream, so every pass takes the four-row path and shares its input loads. */
 #define q4_1x4_STEP 2
 #define q8_0x4_STEP 2
-static inline const uint8_t *q4_1x4_row(const uint8_t *w, int r, int n_in) { return w + ((size_t)(r / 4) * (n_in / 32) * 4 + r % 4) * 20; }
+static inline const uint8_t *q4_1x4_row(const uint8_t *w, int r, int n_in) { return w + ((size_t)(r / 4) * (n_in / 32) * 4 + r % 4) * Q4_1_BYTES; }
 static inline void q4_1x4_at(const uint8_t *row, int i, __m512 *out) { q4_1_block(row + (size_t)(i / 32) * 80, out); }
-static inline const uint8_t *q8_0x4_row(const uint8_t *w, int r, int n_in) { return w + ((size_t)(r / 4) * (n_in / 32) * 4 + r % 4) * 34; }
+static inline const uint8_t *q8_0x4_row(const uint8_t *w, int r, int n_in) { return w + ((size_t)(r / 4) * (n_in / 32) * 4 + r % 4) * Q8_0_BYTES; }
 static inline void q8_0x4_at(const uint8_t *row, int i, __m512 *out) { q8_0_block(row + (size_t)(i / 32) * 136, out); }
 
 /* Q5_0 {fp16 d, 32 high bits, 16 bytes of nibbles as Q4_1's} -> d * (q - 16), q = nibble + 16 * bit;
  * exact in float32, as Q8_0's. */
 #define q5_0_STEP 2
-static inline const uint8_t *q5_0_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * 22; }
+static inline const uint8_t *q5_0_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * Q5_0_BYTES; }
 static inline void q5_0_block_at(const uint8_t *block, __m512 *out) {
     uint32_t high;
     memcpy(&high, block + 2, 4);
@@ -132,9 +132,9 @@ static inline void q5_0_block_at(const uint8_t *block, __m512 *out) {
 #define q4_k_STEP 2
 #define q5_k_STEP 2
 #define q6_k_STEP 2
-static inline const uint8_t *q4_k_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 256) * 144; }
-static inline const uint8_t *q5_k_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 256) * 176; }
-static inline const uint8_t *q6_k_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 256) * 210; }
+static inline const uint8_t *q4_k_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 256) * Q4_K_BYTES; }
+static inline const uint8_t *q5_k_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 256) * Q5_K_BYTES; }
+static inline const uint8_t *q6_k_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 256) * Q6_K_BYTES; }
 
 /* 32 weights q (as int32 in two vectors) -> (d * s) * q - dmin * m, for sub-block j of a Q4_K / Q5_K block. */
 static inline void k_rebuild(const uint8_t *block, int j, __m512i q0, __m512i q1, __m512 *out) {
@@ -195,10 +195,10 @@ static inline void q6_k_block_at(const uint8_t *block, int i, __m512 *out) {
         const uint8_t *block = row + (size_t)(i / WEIGHTS) * 4 * BYTES;                            \
         CALL;                                                                                      \
     }
-DEFINE_FILE_FORMAT(q5_0, 22, 32, q5_0_block_at(block, out))
-DEFINE_FILE_FORMAT(q4_k, 144, 256, q4_k_block_at(block, i, out))
-DEFINE_FILE_FORMAT(q5_k, 176, 256, q5_k_block_at(block, i, out))
-DEFINE_FILE_FORMAT(q6_k, 210, 256, q6_k_block_at(block, i, out))
+DEFINE_FILE_FORMAT(q5_0, Q5_0_BYTES, SMALL_BLOCK_WEIGHTS, q5_0_block_at(block, out))
+DEFINE_FILE_FORMAT(q4_k, Q4_K_BYTES, K_BLOCK_WEIGHTS, q4_k_block_at(block, i, out))
+DEFINE_FILE_FORMAT(q5_k, Q5_K_BYTES, K_BLOCK_WEIGHTS, q5_k_block_at(block, i, out))
+DEFINE_FILE_FORMAT(q6_k, Q6_K_BYTES, K_BLOCK_WEIGHTS, q6_k_block_at(block, i, out))
 #define q5_0x4_STEP 2
 #define q4_kx4_STEP 2
 #define q5_kx4_STEP 2

@@ -62,8 +62,9 @@
 #define WIDE_PACKED (8 * 64 + 2 * GROUP * 4) /* Q5_K, Q6_K */
 #define Q5_0_PACKED (4 * 64 + 64 + GROUP * 2)
 enum { KIND_Q4_1, KIND_Q8_0, KIND_Q4_K, KIND_Q6_K, KIND_Q5_K, KIND_Q5_0, KINDS };
-static const int FILE_BYTES[KINDS] = {20, 34, 144, 210, 176, 22};      /* per block */
-static const int FILE_WEIGHTS[KINDS] = {32, 32, 256, 256, 256, 32};    /* per block */
+static const int FILE_BYTES[KINDS] = {Q4_1_BYTES, Q8_0_BYTES, Q4_K_BYTES, Q6_K_BYTES, Q5_K_BYTES, Q5_0_BYTES};
+static const int FILE_WEIGHTS[KINDS] = {SMALL_BLOCK_WEIGHTS, SMALL_BLOCK_WEIGHTS, K_BLOCK_WEIGHTS, K_BLOCK_WEIGHTS,
+                                        K_BLOCK_WEIGHTS, SMALL_BLOCK_WEIGHTS};
 static const int PACKED_BYTES[KINDS] = {Q4_1_PACKED, Q8_0_PACKED, Q4_K_PACKED, WIDE_PACKED, WIDE_PACKED, Q5_0_PACKED};
 static const int SCALES_AT[KINDS] = {256, 512, 256, 512, 512, 320};    /* where a packed block's scales start */
 static inline int nibble_kind(int kind) { return kind == KIND_Q4_1 || kind == KIND_Q4_K || kind == KIND_Q5_0; }
