@@ -23,8 +23,10 @@ to); ``kvdraft`` uses a compressed cache only to draft, and stays lossless.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import ClassVar
 
 import torch
@@ -37,13 +39,14 @@ POLICY_HELP = {
     "full": "every key and value (default)",
     "int8": "every key and value, each row in int8 with a float32 scale (3.8x less memory at head size 64)",
     "int4[:group=G,residual=R]": "KIVI: keys in 4 bits per channel over groups of G tokens, values per token, the last "
-                                 "R to R+G-1 tokens in float32 (defaults 32, 128)",
+                                 "R to R+G-1 tokens in float32 (defaults {kivi.group}, {kivi.residual})",
     "int2[:group=G,residual=R]": "KIVI at 2 bits (the paper's setting; coarser: see docs/BENCHMARKS.md)",
     "sink:S,window:W[,every:E]": "StreamingLLM: S attention sinks + the last W tokens, positions within the cache; "
                                  "runs past the context window at constant memory",
     "h2o:budget=B,window=W": "H2O: the W most recent tokens + the B-W with the most accumulated attention, per head",
     "snapkv:budget=B,window=O[,kernel=K]": "SnapKV: after the prompt, per head the prompt positions the last O prompt "
-                                           "tokens attend to most (pooled over K), within B entries",
+                                           "tokens attend to most (pooled over K), within B entries (defaults O "
+                                           "{snapkv.window}, K {snapkv.kernel})",
 }
 
 
@@ -386,6 +389,15 @@ def snapkv_keep(mass: torch.Tensor, budget: int, window: int, kernel: int) -> to
 # Spellings -----------------------------------------------------------------------------------------
 
 
+def _defaults(policy: type) -> SimpleNamespace:
+    return SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(policy)})
+
+
+# (the defaults the help names are the policies' own)
+POLICY_HELP = {spelling: text.format(kivi=_defaults(KiviPolicy), snapkv=_defaults(SnapKVPolicy))
+               for spelling, text in POLICY_HELP.items()}
+
+
 def parse_kv_cache(spec: "str | KVPolicy | None") -> KVPolicy:
     """A policy from its spelling (see the module docstring); InvalidParameter in one line otherwise."""
     if spec is None or isinstance(spec, KVPolicy):
@@ -397,18 +409,19 @@ def parse_kv_cache(spec: "str | KVPolicy | None") -> KVPolicy:
     if text == "int8":
         return Int8Policy()
     if kind in ("int4", "int2") and (rest or not text.endswith(":")):  # "int4:" names no field after its colon
-        fields = _fields(text, rest, "=", ("group", "residual"))
-        return KiviPolicy(group=fields.get("group", 32), residual=fields.get("residual", 128), bits=int(kind[3:]))
+        return KiviPolicy(**_fields(text, rest, "=", ("group", "residual")), bits=int(kind[3:]))
     if kind == "sink":  # sink:S,window:W[,every:E]
         fields = _fields(text, rest, ":", ("window", "every"), first="sink")
-        return StreamingPolicy(sink=fields["sink"], window=_required(text, fields, "window"), every=fields.get("every", 0))
+        _required(text, fields, "window")
+        return StreamingPolicy(**fields)
     if kind == "h2o":
         fields = _fields(text, rest, "=", ("budget", "window"))
-        return HeavyHitterPolicy(budget=_required(text, fields, "budget"), window=_required(text, fields, "window"))
+        _required(text, fields, "budget", "window")
+        return HeavyHitterPolicy(**fields)
     if kind == "snapkv":
         fields = _fields(text, rest, "=", ("budget", "window", "kernel"))
-        return SnapKVPolicy(budget=_required(text, fields, "budget"), window=fields.get("window", 32),
-                            kernel=fields.get("kernel", 5))
+        _required(text, fields, "budget")
+        return SnapKVPolicy(**fields)
     raise InvalidParameter(f"unknown kv cache {text!r}; choose from: {', '.join(POLICY_HELP)}")
 
 
@@ -434,7 +447,8 @@ def _fields(text: str, rest: str, sep: str, names: tuple[str, ...], first: str |
 FIELD_LIMIT = 2**31 - 1
 
 
-def _required(text: str, fields: dict[str, int], name: str) -> int:
-    if name not in fields:
-        raise InvalidParameter(f"kv cache {text!r}: {name} is missing")
-    return fields[name]
+def _required(text: str, fields: dict[str, int], *names: str) -> None:
+    """The fields a spelling must give (the others take the policy's defaults)."""
+    for name in names:
+        if name not in fields:
+            raise InvalidParameter(f"kv cache {text!r}: {name} is missing")
