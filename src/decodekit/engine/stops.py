@@ -9,8 +9,12 @@ its characters before the cut stay in the text only).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidParameter
+
+if TYPE_CHECKING:
+    from ..models.tokenizer import Tokenizer
 
 #: Tokens decoded at the end of the output to look for a stop string, at least; a longer stop
 #: string widens the window (a character takes at most CHARACTER_BYTES byte-level tokens).
@@ -36,7 +40,7 @@ def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     return tuple(s for s in stop if s)
 
 
-def hits_stop(tokenizer, tokens: Sequence[int], stop: Sequence[str], added: int = 1) -> bool:
+def hits_stop(tokenizer: Tokenizer, tokens: Sequence[int], stop: Sequence[str], added: int = 1) -> bool:
     """Whether the text of ``tokens``, the last ``added`` of them new, now contains a stop string
     (decodes only the tail that can: one that ends in a new token; a speculative step adds many)."""
     if not stop:
@@ -52,7 +56,7 @@ def settled(text: str) -> str:
     return text.rstrip("\ufffd")
 
 
-def decoded(tokenizer, tokens: list[int]) -> str:
+def decoded(tokenizer: Tokenizer, tokens: list[int]) -> str:
     """The text of ``tokens``. Where they end inside a character, the tokens before it are decoded
     apart from its bytes: a tokenizer may turn a whole run of byte tokens into replacement
     characters (Gemma's byte fallback does), the whole characters the run began with included,
@@ -67,7 +71,7 @@ def decoded(tokenizer, tokens: list[int]) -> str:
     return text
 
 
-def cut_at_stop(tokenizer, tokens: list[int], stop: Sequence[str]) -> tuple[str, list[int], str | None]:
+def cut_at_stop(tokenizer: Tokenizer, tokens: list[int], stop: Sequence[str]) -> tuple[str, list[int], str | None]:
     """Decode ``tokens`` (:func:`decoded`) and cut at the first stop string: (text, tokens before it,
     the stop string hit or None)."""
     text = decoded(tokenizer, tokens)

@@ -10,6 +10,7 @@ with sliding-window layers (Gemma 3) gets a mask of each kind, the window applie
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -97,7 +98,8 @@ class HFBackend(Backend):
         hidden = {layer: out.hidden_states[layer] for layer in hidden_layers} if hidden_layers else {}
         return StepOutput(logits=out.logits.float(), hidden=hidden)
 
-    def append(self, tokens, *, hidden_layers=(), skip_layers=frozenset(), last_only=False) -> StepOutput:
+    def append(self, tokens: torch.Tensor, *, hidden_layers: Sequence[int] = (), skip_layers: frozenset[int] = frozenset(),
+               last_only: bool = False) -> StepOutput:
         if skip_layers:
             raise NotImplementedError("layer skipping needs the native backend")
         start, k = self._length, tokens.shape[1]

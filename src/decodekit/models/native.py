@@ -331,7 +331,8 @@ class NativeLlama(Backend):
         return min((c for c in chunks if c is not None), default=None)
 
     @torch.inference_mode()
-    def append(self, tokens, *, hidden_layers=(), skip_layers=frozenset(), last_only=False) -> StepOutput:
+    def append(self, tokens: torch.Tensor, *, hidden_layers: Sequence[int] = (), skip_layers: frozenset[int] = frozenset(),
+               last_only: bool = False) -> StepOutput:
         policy, k, first = self.kv_policy, tokens.shape[1], self._first_pass
         observed = policy.observation_rows(self._slots, k, first)
         self._first_pass = False

@@ -8,9 +8,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidModel
 from .chat_template import compiled, render_chat
+
+if TYPE_CHECKING:
+    import llguidance
 
 GRAMMARS_KEPT = 32  # compiled grammars a tokenizer keeps (the most recently used)
 
@@ -43,7 +47,7 @@ class Tokenizer:
             return self.decode([token]).encode("utf-8", "replace")
         return lltokenizer.decode_bytes([token])
 
-    def grammar_tokenizer(self):
+    def grammar_tokenizer(self) -> llguidance.LLTokenizer:
         """This vocabulary as llguidance's ``LLTokenizer`` (for structured decoding), built once."""
         if getattr(self, "_grammar_tokenizer", None) is None:
             self._grammar_tokenizer = self._make_grammar_tokenizer()
@@ -65,7 +69,7 @@ class Tokenizer:
         return {t: lltokenizer.decode_bytes([t]).decode("utf-8", "replace")
                 for t in range(lltokenizer.vocab_size) if lltokenizer.is_special_token(t)}
 
-    def grammar_matcher(self, grammar: str):
+    def grammar_matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A new llguidance ``LLMatcher`` for ``grammar`` over this vocabulary, at the grammar's start.
         Each grammar is checked and compiled once (the last :data:`GRAMMARS_KEPT` are kept) and every
         call gets a copy of the compiled matcher: compiling is most of what a constraint costs a short

@@ -45,14 +45,14 @@ StepScorer = Scorer  # a process-reward model is a scorer applied to each new st
 class LogLikelihood(Scorer):
     name = "loglik"
 
-    def score(self, ctx, prefix, segment):
+    def score(self, ctx: SearchContext, prefix: Sequence[int], segment: Sample) -> float:
         return segment.loglik
 
 
 class MeanLogprob(Scorer):
     name = "mean-logprob"
 
-    def score(self, ctx, prefix, segment):
+    def score(self, ctx: SearchContext, prefix: Sequence[int], segment: Sample) -> float:
         return segment.mean_logprob
 
 
@@ -60,7 +60,7 @@ class Probability(Scorer):
     name = "prob"
     nonnegative = True
 
-    def score(self, ctx, prefix, segment):
+    def score(self, ctx: SearchContext, prefix: Sequence[int], segment: Sample) -> float:
         return math.exp(segment.mean_logprob)
 
 
@@ -68,7 +68,7 @@ class SelfCertainty(Scorer):
     name = "self-certainty"
     nonnegative = True
 
-    def score(self, ctx, prefix, segment):
+    def score(self, ctx: SearchContext, prefix: Sequence[int], segment: Sample) -> float:
         return sum(segment.certainty) / len(segment.certainty) if segment.certainty else 0.0
 
 
@@ -78,7 +78,7 @@ class CallableScorer(Scorer):
     def __init__(self, fn: Callable[[str], float]):
         self.fn = fn
 
-    def score(self, ctx, prefix, segment):
+    def score(self, ctx: SearchContext, prefix: Sequence[int], segment: Sample) -> float:
         value = self.fn(ctx.tokenizer.decode(list(prefix) + segment.tokens))
         if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(value):
             raise InvalidParameter(f"the scorer callable must return a finite number, got {value!r}")
@@ -100,7 +100,7 @@ class Judge(Scorer):
     def __init__(self, model: LoadedModel | None = None):
         self.model = model
 
-    def score(self, ctx, prefix, segment):
+    def score(self, ctx: SearchContext, prefix: Sequence[int], segment: Sample) -> float:
         judge = self.model or ctx.model
         if judge.backend.info.vocab_size != ctx.model.backend.info.vocab_size:
             raise InvalidParameter("the judge model must share the generating model's tokenizer")

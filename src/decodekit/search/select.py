@@ -172,7 +172,7 @@ class BestOfN(MultiSampleDecoder):
         super().__init__(**kw)
         self.scorer = make_scorer(scorer, judge_model)
 
-    def choose(self, ctx, samples, answers):
+    def choose(self, ctx: SearchContext, samples: list[Sample], answers: list[str | None]) -> tuple[int, list[Any]]:
         scores = [self.scorer.score(ctx, [], s) for s in samples]
         return max(range(len(samples)), key=lambda i: scores[i]), scores
 
@@ -182,7 +182,7 @@ class SelfConsistency(MultiSampleDecoder):
 
     method = "self-consistency"
 
-    def choose(self, ctx, samples, answers):
+    def choose(self, ctx: SearchContext, samples: list[Sample], answers: list[str | None]) -> tuple[int, list[Any]]:
         winner, _ = majority_vote(answers)
         index = answers.index(winner) if winner is not None else 0
         return index, [None] * len(samples)
@@ -196,7 +196,7 @@ class WeightedVote(BestOfN):
     def __init__(self, scorer: Any = "prob", **kw: Any):
         super().__init__(scorer=scorer, **kw)
 
-    def choose(self, ctx, samples, answers):
+    def choose(self, ctx: SearchContext, samples: list[Sample], answers: list[str | None]) -> tuple[int, list[Any]]:
         weights = [self.scorer.score(ctx, [], s) for s in samples]
         if any(w < 0 for w in weights):
             raise InvalidParameter(f"weighted-vote needs non-negative weights; scorer {self.scorer.name!r} gave {min(weights)}")
@@ -214,7 +214,7 @@ class MinimumBayesRisk(MultiSampleDecoder):
         super().__init__(**kw)
         self.utility = chrf_utility() if utility == "chrf" else checked_utility(utility)
 
-    def choose(self, ctx, samples, answers):
+    def choose(self, ctx: SearchContext, samples: list[Sample], answers: list[str | None]) -> tuple[int, list[Any]]:
         return mbr_select([s.text for s in samples], self.utility)
 
 
@@ -224,5 +224,5 @@ class FirstFinish(MultiSampleDecoder):
     method = "first-finish"
     stops_early = True
 
-    def choose(self, ctx, samples, answers):
+    def choose(self, ctx: SearchContext, samples: list[Sample], answers: list[str | None]) -> tuple[int, list[Any]]:
         return first_finished(samples), [s.steps for s in samples]
