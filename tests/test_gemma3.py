@@ -47,6 +47,24 @@ def test_native_logits_match_transformers(window):
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
+def test_a_prompt_longer_than_a_chunk_is_read_in_chunks_with_transformers_logits(monkeypatch):
+    """The exact numerics read a long prompt in chunks (a window's mask over the whole of it grows
+    with its square): every position's logits still are transformers' on the whole prompt."""
+    from decodekit.models import gemma3
+
+    monkeypatch.setattr(gemma3, "LONG_PROMPT_CHUNK", 48)
+    native = tiny_gemma3(seed=3, sliding_window=8)
+    hf = tiny_gemma3_hf_model(seed=3, sliding_window=8)
+    ids = tokens(130)
+    passes = []
+    monkeypatch.setattr(native, "_forward", lambda tokens, *args, **kw: passes.append(tokens.shape[1])
+                        or type(native)._forward(native, tokens, *args, **kw))
+    got = native.append(ids).logits
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert passes == [48, 48, 34] and torch.allclose(got, ref, atol=ATOL)
+
+
 def test_the_window_matters():
     """The same weights with a window that covers everything give other logits past the window."""
     ids = tokens(30)

@@ -79,6 +79,9 @@ class Gemma3Config(LlamaConfig):
         )
 
 
+#: Tokens a pass of a long prompt reads in the exact numerics (see NativeGemma3._prefill_chunk).
+LONG_PROMPT_CHUNK = 1024
+
 class Gemma3Weights(LlamaWeights):
     """:class:`.llama_weights.LlamaWeights` plus Gemma's norms (as ``1 + w``)."""
 
@@ -162,6 +165,13 @@ class NativeGemma3(NativeLlama):
             n_kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_norm_eps, layers=layers, scale=c.query_scale,
             gelu=True, window=c.sliding_window,
         )
+
+    def _prefill_chunk(self, tokens: torch.Tensor, hidden_layers, skip_layers) -> int | None:
+        """A long prompt in the exact numerics is read :data:`LONG_PROMPT_CHUNK` tokens a pass: a
+        sliding-window layer's mask over a whole prompt grows with its square, over a chunk with
+        its length (the logits differ only by float32 rounding)."""
+        chunk = super()._prefill_chunk(tokens, hidden_layers, skip_layers)
+        return LONG_PROMPT_CHUNK if chunk is None and self.config.sliding_window else chunk
 
     @property
     def _attention_scale(self) -> float:
