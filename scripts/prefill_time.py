@@ -1,0 +1,34 @@
+"""How long a model takes to read a prompt of random token ids (``backend.prefill``), once.
+
+    .venv/bin/python scripts/prefill_time.py --model gemma3-270m --numerics exact --tokens 8192
+    /usr/bin/time -f "%M KB %e s" .venv/bin/python scripts/prefill_time.py ...     # and its peak memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from decodekit.arguments import add_model_argument, add_numerics_arguments
+from decodekit.models import load_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser)
+    add_numerics_arguments(parser)
+    parser.add_argument("--tokens", type=int, default=4096)
+    args = parser.parse_args()
+    model = load_model(args.model, dtype=args.dtype, numerics=args.numerics)
+    vocab = model.backend.info.vocab_size
+    ids = torch.randint(vocab // 50, vocab // 10, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    start = time.perf_counter()
+    logits = model.backend.prefill(ids)
+    print(f"{model.name} {args.numerics}: prefill of {args.tokens} tokens {time.perf_counter() - start:.1f} s "
+          f"(first logits {logits[0, :3].tolist()})")
+
+
+if __name__ == "__main__":
+    main()
