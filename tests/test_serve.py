@@ -49,7 +49,8 @@ class Running:
         self.thread.start()
         while not self.web.started:
             time.sleep(0.01)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+        # (a request the server never ends fails in a minute, not the client's default ten)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
     def stop(self) -> None:
         self.web.should_exit = True
@@ -547,7 +548,7 @@ def test_serve_command_on_the_embedded_model(real_model, tmp_path):
                 pass
             time.sleep(0.1)
         assert 200 in statuses
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         got = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "What is 2+2?"}],
                                              max_tokens=12, temperature=0)
         numerics = client.models.list().data[0].numerics
