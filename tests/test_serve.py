@@ -724,3 +724,43 @@ def test_a_completions_tokens_join_to_its_text_and_their_offsets_index_it():
     assert pieces[3:7] == ["", "", "", "😀"]  # the emoji is its last byte's
     unfinished, _ = token_texts(Bytes(), list("ab😀".encode())[:-1])
     assert "".join(unfinished) == "ab\ufffd"  # as the output's text ends
+
+
+def test_a_stop_inside_a_token_leaves_its_shown_part_in_the_logprobs_and_usage_counts_every_token():
+    """The text keeps a cut token's characters before the stop string: its log-probability is given,
+    its text as far as the output's goes (the pieces join to the text), and usage counts every token
+    generated, the ones cut off included, as OpenAI bills them."""
+    from decodekit.engine.core import Generation, GenerationStats
+    from decodekit.engine.stops import cut_at_stop, shown_tokens
+    from decodekit.serve.app import token_texts
+
+    class Words:
+        vocab = ["He", "llo", " wor", "ld", "!"]
+
+        def decode(self, tokens):
+            return "".join(self.vocab[t] for t in tokens)
+
+        def token_bytes(self, token):
+            return self.vocab[token].encode()
+
+    words = Words()
+    generated = [0, 1, 2, 3, 4]
+    text, kept, hit = cut_at_stop(words, generated, ["rld"])
+    g = Generation(text, kept, GenerationStats(), "stop", cut_off=generated[len(kept):])
+    assert (text, kept, g.generated) == ("Hello wo", [0, 1], 5)
+    shown = shown_tokens(words, g.text, g.tokens, g.cut_off)
+    pieces, offsets = token_texts(words, shown, len(g.text))
+    assert shown == [0, 1, 2] and pieces == ["He", "llo", " wo"] and offsets == [0, 2, 5]
+    assert shown_tokens(words, "Hello", [0, 1], [2, 3]) == [0, 1]  # a cut between tokens shows none of them
+
+
+def test_a_legacy_top_logprobs_key_spells_a_partial_characters_bytes():
+    """Byte tokens of one character all decode to U+FFFD: keyed by that text, one alternative would
+    hide another (and the chosen one's value be lost); OpenAI spells them by their bytes."""
+    from decodekit.serve.app import top_key
+
+    class Bytes:
+        def token_bytes(self, token):
+            return {0: b"\xf0\x9f", 1: b"\x8c\x8d", 2: b"ok"}[token]
+
+    assert [top_key(Bytes(), t) for t in (0, 1, 2)] == ["bytes:\\xf0\\x9f", "bytes:\\x8c\\x8d", "ok"]

@@ -53,6 +53,14 @@ class Generation:
     stats: GenerationStats
     finish_reason: str  # "eos" | "stop" | "length" | "cancelled"
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. candidates, uncertainty signals
+    # tokens generated after ``tokens`` that a stop string cut off: the stop's own, and one whose
+    # characters before the cut stay in ``text`` (:func:`.stops.shown_tokens`)
+    cut_off: list[int] = field(default_factory=list)
+
+    @property
+    def generated(self) -> int:
+        """Tokens the model generated, those a stop string cut off included (what a server bills)."""
+        return len(self.tokens) + len(self.cut_off)
 
     def as_dict(self) -> dict[str, Any]:
         out = {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason, "stats": self.stats.as_dict()}
@@ -283,9 +291,9 @@ class StepDecoder(Decoder):
         if broken is not None:  # never hand back a silently wrong result
             raise RuntimeError(f"decodekit bug: {broken} ({self.method.name}); please report it")
 
-        text, new, hit = cut_at_stop(tokenizer, new, request.stop)
+        text, kept, hit = cut_at_stop(tokenizer, new, request.stop)
         if hit is not None:
             finish = "stop"
-        streamer.update(new, final_text=text)
-        stats.new_tokens = len(new)
-        return Generation(text=text, tokens=new, stats=stats, finish_reason=finish)
+        streamer.update(kept, final_text=text)
+        stats.new_tokens = len(kept)
+        return Generation(text=text, tokens=kept, stats=stats, finish_reason=finish, cut_off=new[len(kept):])

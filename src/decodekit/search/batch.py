@@ -280,7 +280,8 @@ class SearchContext:
     def finalize(self, sample: Sample, extra: dict[str, Any]) -> Generation:
         """The request's Generation for the chosen sample; statistics over the whole search."""
         # the steps of a step search, joined, may hold a stop string across a step's boundary
-        text, tokens, hit = cut_at_stop(self.tokenizer, list(sample.tokens) + sample.cut_off, self.request.stop)
+        generated = list(sample.tokens) + sample.cut_off
+        text, tokens, hit = cut_at_stop(self.tokenizer, generated, self.request.stop)
         stats = GenerationStats(
             prefill_s=self.cache.first_prefill_s,
             decode_s=time.perf_counter() - self.t0 - self.cache.first_prefill_s,
@@ -292,7 +293,8 @@ class SearchContext:
         if hit is None:  # the sample's own text: cut at a stop string inside a token, it may end past its tokens'
             text = sample.text or text
         reason = "stop" if hit is not None else sample.finish_reason if sample.finish_reason in ("eos", "stop") else "length"
-        return Generation(text=text, tokens=tokens, stats=stats, finish_reason=reason, extra=extra)
+        return Generation(text=text, tokens=tokens, stats=stats, finish_reason=reason, extra=extra,
+                          cut_off=generated[len(tokens):])
 
 
 def decode_batch(model: LoadedModel, request: Request, n: int, *, temperature: float | None = None) -> list[Sample]:

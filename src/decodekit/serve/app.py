@@ -38,10 +38,12 @@ from starlette.requests import ClientDisconnect
 from ..engine.api import make_sampler, prompt_token_ids, split_params
 from ..engine.core import check_fits
 from ..engine.registry import build_decoder, method_spec
+from ..engine.stops import shown_tokens
 from ..errors import DecodeKitError, InvalidParameter, PromptTooLong
 from ..samplers.constraint import KINDS, constraint_processor
 from ..samplers.params import SEED_LIMIT
 from ..models import LoadedModel
+from ..models.tokenizer import Tokenizer
 from ..options import finite
 from . import MAX_BATCH, MAX_QUEUE, RETRY_AFTER_S, STREAM_INTERVAL_S
 from .metrics import ServerMetrics
@@ -494,20 +496,34 @@ def structured_output(body: dict[str, Any]) -> dict[str, Any] | None:
     return found[0] if found else None
 
 
-def token_texts(tokenizer, tokens: list[int]) -> tuple[list[str], list[int]]:
+def token_texts(tokenizer: Tokenizer, tokens: list[int], length: int | None = None) -> tuple[list[str], list[int]]:
     """Each token's text and where it starts in the text (a completion's ``tokens`` and
     ``text_offset``): the characters the token completes, as an incremental detokeniser gives them.
     A character split over byte tokens is the last one's and the ones before it hold "", so the
-    texts join to the output's text and the offsets index it."""
+    texts join to the output's text and the offsets index it. ``length``: the text's, where a stop
+    string cut it inside the last token (its text is then cut there too)."""
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     pieces = [decoder.decode(tokenizer.token_bytes(t)) for t in tokens]
     if pieces:
         pieces[-1] += decoder.decode(b"", final=True)
     offsets, at = [], 0
-    for piece in pieces:
+    for i, piece in enumerate(pieces):
         offsets.append(at)
+        if length is not None:
+            pieces[i] = piece = piece[: max(length - at, 0)]
         at += len(piece)
     return pieces, offsets
+
+
+def top_key(tokenizer: Tokenizer, token: int) -> str:
+    """A legacy completion's ``top_logprobs`` key for ``token``: its text, or, for a token holding
+    part of a character, its bytes spelled ``bytes:\\xNN...`` as OpenAI spells them (its text would
+    be U+FFFD, the same for every such token, and one would hide another)."""
+    raw = tokenizer.token_bytes(token)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def chat_messages(messages: Any) -> list[dict[str, str]]:
@@ -654,7 +670,7 @@ class Reply:
                 "model": self.server.model_id, "system_fingerprint": f"decodekit-{self.server.numerics}"}
 
     def usage(self, outcomes: list[Outcome]) -> dict[str, int]:
-        completion = sum(len(o.generation.tokens) for o in outcomes)
+        completion = sum(o.generation.generated for o in outcomes)
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
                 "total_tokens": len(self.prompt_ids) + completion}
 
@@ -671,18 +687,25 @@ class Reply:
                                          e2e_s=time.perf_counter() - self.started)
 
     def _logprobs(self, outcome: Outcome) -> dict[str, Any] | None:
+        """Each token's log-probability: the tokens the text shows, a last one cut inside by a stop
+        string included, with its text (and bytes) as far as the text goes."""
         if outcome.logprobs is None:
             return None
-        tokens = outcome.generation.tokens
+        g = outcome.generation
+        tokens = shown_tokens(self.tokenizer, g.text, g.tokens, g.cut_off)
+        pieces, offsets = token_texts(self.tokenizer, tokens, len(g.text))
         if self.chat:
             def entry(token: int, value: float) -> dict[str, Any]:
                 text = self.tokenizer.decode([token])
                 return {"token": text, "logprob": value, "bytes": list(self.tokenizer.token_bytes(token))}
-            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
-                                for t, (lp, top) in zip(tokens, outcome.logprobs)]}
-        pieces, offsets = token_texts(self.tokenizer, tokens)
+            content = [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
+                       for t, (lp, top) in zip(tokens, outcome.logprobs)]
+            for item in content[len(g.tokens):]:  # cut inside: what of it the text shows
+                item["token"] = pieces[len(tokens) - 1]
+                item["bytes"] = list(item["token"].encode("utf-8", "surrogatepass"))
+            return {"content": content}
         return {"tokens": pieces, "token_logprobs": [lp for lp, _ in outcome.logprobs],
-                "top_logprobs": [{self.tokenizer.decode([a]): v for a, v in top} for _, top in outcome.logprobs],
+                "top_logprobs": [{top_key(self.tokenizer, a): v for a, v in top} for _, top in outcome.logprobs],
                 "text_offset": offsets}
 
     def whole(self, outcomes: list[Outcome]) -> dict[str, Any]:

@@ -53,7 +53,7 @@ class ServerMetrics:
     def finished(self, *, prompt_tokens: int, generation, queued_s: float, ttft_s: float | None, e2e_s: float) -> None:
         """Record one finished choice."""
         self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(len(generation.tokens))
+        self.generation_tokens.inc(generation.generated)
         self.requests.labels(generation.finish_reason).inc()
         self.queued.observe(queued_s)
         self.e2e.observe(e2e_s)

@@ -27,6 +27,7 @@ import torch
 from ..engine import Engine
 from ..engine.core import Generation
 from ..engine.registry import method_spec
+from ..engine.stops import shown_tokens
 from ..errors import DecodeKitError, InvalidParameter
 from ..models import LoadedModel
 from . import MAX_BATCH, MAX_QUEUE
@@ -141,7 +142,8 @@ class Scheduler:
                 )
                 logprobs = None
                 if job.top_logprobs is not None and generation.finish_reason != "cancelled":
-                    logprobs = token_logprobs(engine.model.backend, job.prompt_ids, generation.tokens, job.top_logprobs)
+                    shown = shown_tokens(engine.model.tokenizer, generation.text, generation.tokens, generation.cut_off)
+                    logprobs = token_logprobs(engine.model.backend, job.prompt_ids, shown, job.top_logprobs)
             backend = engine.model.backend
             # what the cache now holds, for a next prompt that starts the same way (a chat's next
             # turn): the prompt and the answer after a plain or speculative decode, or the teacher-
