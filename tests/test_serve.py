@@ -387,6 +387,17 @@ def test_browser_pages_may_call_the_api_only_from_the_origins_allowed():
         try:
             headers = preflight(running, origin)
             assert (headers.get("access-control-allow-origin") == origin) is allowed, (origins, origin, headers)
+            # a text/plain POST needs no preflight: a page not allowed is refused before decoding
+            body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+            request = urllib.request.Request(running.url + "/v1/completions", data=body, method="POST",
+                                             headers={"Origin": origin, "Content-Type": "text/plain;charset=UTF-8"})
+            try:
+                with urllib.request.urlopen(request) as reply:
+                    status = reply.status
+            except urllib.error.HTTPError as err:
+                status, error = err.code, json.loads(err.read())["error"]
+                assert "--allowed-origins" in error["message"]
+            assert status == (200 if allowed else 403), (origins, origin)
         finally:
             running.stop()
 

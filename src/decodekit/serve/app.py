@@ -99,6 +99,7 @@ class Server:
         whose scripts may call the API from a browser (CORS); none by default, so that a page the
         user happens to visit cannot use a server on their machine."""
         self.max_batch, self.max_queue, self.passes_on_caller = max_batch, max_queue, passes_on_caller
+        self.allowed_origins = frozenset(allowed_origins)
         self.stream_interval_s = stream_interval_s
         self._outboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one per event loop
         self.scheduler: Scheduler | None = None
@@ -216,10 +217,20 @@ class Server:
         return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "decodekit", "numerics": self.numerics,
                 "max_model_len": self.scheduler.model.backend.info.max_length}
 
+    def check_origin(self, request: Request) -> None:
+        """A browser names the page that sends a request (``Origin``). CORS keeps such a page from
+        reading the answer, not from sending the request: a text/plain POST needs no preflight. So a
+        request from a page that is not allowed is refused before any decoding."""
+        origin = request.headers.get("origin")
+        if origin is not None and "*" not in self.allowed_origins and origin not in self.allowed_origins:
+            raise ApiError(403, f"requests from the web page {origin} are not allowed (decodekit serve "
+                                "--allowed-origins names the pages that may call it)")
+
     # completions ------------------------------------------------------------------------------
 
     async def complete(self, request: Request, *, chat: bool):
         scheduler = self.ready()
+        self.check_origin(request)
         body = await read_body(request)
         if body.get("model") not in (None, self.model_id):
             raise self.unknown_model(body.get("model"))
