@@ -215,6 +215,13 @@ def test_bad_requests_are_openai_error_objects(served):
         status, body = post(served, "/v1/chat/completions", {**base, **extra})
         assert status == status_wanted, (extra, body)
     assert served.client.models.retrieve(MODEL).id == MODEL
+    # null is a field not given; OpenAI's metadata fields are ignored as user is; others are named
+    for extra, status_wanted in (({"safety_identifier": "u1", "prompt_cache_key": "k", "top_k": None,
+                                   "reasoning_effort": None, "some_future_field": None}, 200),
+                                 ({"reasoning_effort": "low"}, 400)):
+        status, body = post(served, "/v1/chat/completions", {**base, **extra})
+        assert status == status_wanted, (extra, body)
+    assert "reasoning effort (reasoning_effort) is not supported" in body
     with pytest.raises(openai.NotFoundError, match="the model 'gpt-9' does not exist"):
         served.client.models.retrieve("gpt-9")
 

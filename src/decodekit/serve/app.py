@@ -57,7 +57,8 @@ MAX_TOP_LOGPROBS = 20
 GUIDED = tuple("guided_" + kind for kind in KINDS if kind != "json_schema")
 # OpenAI fields this module reads itself, or that mean nothing for a local model (model, user, store, ...):
 # never passed on to the method as its options
-IGNORED = {"model", "user", "store", "metadata", "parallel_tool_calls", "service_tier", "stream", "stream_options",
+IGNORED = {"model", "user", "safety_identifier", "store", "metadata", "prompt_cache_key", "prompt_cache_retention",
+           "parallel_tool_calls", "service_tier", "stream", "stream_options",
            "messages", "prompt", "n", "max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs",
            "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "method", "ignore_eos",
            "response_format", "method_options", *GUIDED}
@@ -67,7 +68,8 @@ SEARCH_CHOICE_SPACING = 2**32
 UNSUPPORTED = {"tools": "tool calls", "tool_choice": "tool calls", "functions": "function calls",
                "function_call": "function calls", "logit_bias": "logit_bias", "suffix": "suffix",
                "echo": "echo", "best_of": "best_of", "audio": "audio output", "modalities": "modalities",
-               "prediction": "predicted outputs"}
+               "prediction": "predicted outputs", "reasoning_effort": "reasoning effort", "verbosity": "verbosity",
+               "web_search_options": "web search"}
 
 
 class ApiError(Exception):
@@ -436,7 +438,9 @@ def _top_logprobs(body: dict[str, Any], chat: bool, stream: bool) -> int | None:
 def _method_options(body: dict[str, Any]) -> dict[str, Any]:
     """The method's options and sampler parameters: the body's fields that are not OpenAI's, and
     ``method_options``."""
-    params: dict[str, Any] = {k: v for k, v in body.items() if k not in IGNORED and k not in UNSUPPORTED}
+    # (a field set to null is a field not given, as OpenAI reads it)
+    params: dict[str, Any] = {k: v for k, v in body.items()
+                              if k not in IGNORED and k not in UNSUPPORTED and v is not None}
     # a method's options may also come in an object of their own: the only way to give those named
     # like an OpenAI field (a search method's n, which the body's n cannot be)
     named = body.get("method_options") or {}
