@@ -182,3 +182,41 @@ def test_clone_shares_weights_but_not_the_cache(backend):
     fresh = twin.append(ids[:, :4]).logits
     backend.reset()
     assert torch.allclose(backend.append(ids[:, :4]).logits, fresh, atol=ATOL)
+
+
+def test_a_llama_with_attention_bias_adds_the_output_projections_bias_too():
+    """transformers' Llama puts attention_bias on q, k, v and o (Qwen2 on q, k, v only)."""
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+
+    from decodekit.models.llama_weights import LlamaConfig
+    from decodekit.models.native import NativeLlama
+    from decodekit.models.tiny import tiny_hf_config
+
+    config = tiny_hf_config() | {"attention_bias": True}
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(HFLlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})).eval()
+    state = {name: t + 0.1 * torch.randn_like(t) if name.endswith("bias") else t for name, t in hf.state_dict().items()}
+    hf.load_state_dict(state)
+    native = NativeLlama(LlamaConfig.from_hf(config), state)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        assert torch.allclose(native.append(ids).logits, hf(ids).logits, atol=1e-4)
+
+
+def test_the_hf_backend_gives_mistrals_window_to_every_layer():
+    """Mistral's layers attend to the last sliding_window positions without a list of layer kinds:
+    the mask the HF backend passes carries the window (a plain causal mask overrode it)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                             sliding_window=4, max_position_embeddings=128)).eval()
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+    backend = HFBackend(model)
+    assert backend.window == 4
+    assert torch.allclose(backend.append(ids[:, :12]).logits, want[:, :12], atol=1e-5)
+    steps = [backend.append(ids[:, t : t + 1]).logits for t in range(12, 20)]
+    assert torch.allclose(torch.cat(steps, dim=1), want[:, 12:], atol=1e-5)

@@ -515,6 +515,12 @@ def test_the_cli_reports_a_damaged_gguf_in_one_line(tmp_path, cache, capsys):
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "original_max_position_embeddings": 64}}, "rope scaling 'llama3' is not supported"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling 'linear' is not supported"),
+        # what the native backend does not compute, which it used to run as if absent
+        ({"model_type": "mistral", "sliding_window": 16},
+         "sliding-window attention (a window of 16) is not supported by the native backend"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16}, "sliding-window attention"),
+        ({"mlp_bias": True}, "an MLP with biases (mlp_bias) is not supported"),
+        ({"hidden_act": "gelu"}, "the activation 'gelu' is not supported"),
     ]],
 ])
 def test_a_model_folder_with_a_broken_config_is_one_clear_error(tmp_path, config, problem):

@@ -19,6 +19,11 @@ from ..errors import InvalidModel
 from .backend import Backend, ModelInfo, StepOutput
 
 
+#: transformers models whose every layer attends to the last config.sliding_window positions (when
+#: it is set) without a list of layer kinds: the window goes into the mask decodekit passes them.
+WINDOW_EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3", "starcoder2"})
+
+
 class HFBackend(Backend):
     def __init__(self, model, name: str = "hf"):
         from transformers import DynamicCache
@@ -27,9 +32,13 @@ class HFBackend(Backend):
         self._cache_cls = DynamicCache
         cfg = model.config.get_text_config()
         self.dtype = next(model.parameters()).dtype
-        # layers attending to the last `window` positions only (a mask of their own), if any
+        # the last `window` positions seen by the sliding-window layers: some of them (Gemma 3, Qwen2:
+        # the config lists each layer's kind) or, for the models that window every layer by their
+        # config's sliding_window alone (Mistral's family), all of them
         kinds = set(getattr(cfg, "layer_types", None) or ())
-        self.window = getattr(cfg, "sliding_window", None) if "sliding_attention" in kinds else None
+        windowed = "sliding_attention" in kinds or (not kinds and cfg.model_type in WINDOW_EVERY_LAYER)
+        self.window = getattr(cfg, "sliding_window", None) if windowed else None
+        self.mixed_layers = len(kinds) > 1
         self.info = ModelInfo(
             name=name,
             vocab_size=cfg.vocab_size,
@@ -77,6 +86,8 @@ class HFBackend(Backend):
             return self._additive(allowed)
         keys = torch.cat([torch.arange(allowed.shape[1] - allowed.shape[0]), positions.view(-1)])
         near = positions.view(-1, 1) - keys.view(1, -1) < self.window
+        if not self.mixed_layers:
+            return self._additive(allowed & near)
         return {"full_attention": self._additive(allowed), "sliding_attention": self._additive(allowed & near)}
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,8 @@ class LlamaConfig:
     rope_theta: float
     max_position: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    attention_bias: bool = False  # q, k and v have biases (Qwen2; Llama with attention_bias)
+    output_bias: bool = False  # o too (Llama with attention_bias)
 
     def __post_init__(self) -> None:
         """A config.json whose sizes cannot describe a model is refused here, in one line, rather
@@ -89,6 +90,9 @@ class LlamaConfig:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind not in ("default", None):
                 raise NotImplementedError(f"rope scaling {kind!r} is not supported by the native backend")
+        unsupported = native_unsupported(cfg)
+        if unsupported:
+            raise NotImplementedError(f"{unsupported} is not supported by the native backend")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -102,7 +106,26 @@ class LlamaConfig:
             max_position=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
+            output_bias=bool(cfg.get("attention_bias")) and cfg.get("model_type") == "llama",
         )
+
+
+def native_unsupported(cfg: Mapping) -> str | None:
+    """What in a Llama-family config.json the native backend does not compute (it would give other
+    logits without a word), or None: a sliding window shorter than the context (Mistral 7B v0.1,
+    Qwen2 with use_sliding_window), MLP biases, a gating activation other than SiLU."""
+    window, kinds, kind = cfg.get("sliding_window"), cfg.get("layer_types") or (), cfg.get("model_type")
+    if kinds:
+        windowed = "sliding_attention" in kinds
+    else:  # (Llama has no window; Qwen2 names one it does not use unless use_sliding_window says so)
+        windowed = window is not None and (kind == "mistral" or (kind == "qwen2" and bool(cfg.get("use_sliding_window"))))
+    if windowed and isinstance(window, int) and window < cfg.get("max_position_embeddings", 4096):
+        return f"sliding-window attention (a window of {window})"
+    if cfg.get("mlp_bias"):
+        return "an MLP with biases (mlp_bias)"
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        return f"the activation {cfg['hidden_act']!r}"
+    return None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -410,7 +433,8 @@ class LlamaWeights:
         return {
             "attn_norm": get(p + "input_layernorm.weight"),
             "qkv": self._projection(qkv, qkv_names, qkv_bias, rope_head_dim=head_dim),
-            "o": self._projection(get(p + "self_attn.o_proj.weight"), [p + "self_attn.o_proj.weight"]),
+            "o": self._projection(get(p + "self_attn.o_proj.weight"), [p + "self_attn.o_proj.weight"],
+                                  get(p + "self_attn.o_proj.bias") if config.output_bias else None),
             "mlp_norm": get(p + self.MLP_NORM),
             "gate_up": self._projection(torch.cat([get(n) for n in gate_up_names]), gate_up_names),
             "down": self._projection(get(p + "mlp.down_proj.weight"), [p + "mlp.down_proj.weight"]),
