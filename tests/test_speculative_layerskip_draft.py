@@ -304,7 +304,9 @@ def exact_first_tokens(backend, prompt: list[int], vocab: int, length: int) -> d
 
 @pytest.mark.parametrize("which", ["draft", "layerskip"])
 def test_sampled_drafts_keep_the_target_distribution(which):
-    vocab, n, prompt = 6, 1500, [1, 2, 3, 4, 5, 1]
+    # (a prompt after which EOS is unlikely: after [1, 2, 3, 4, 5, 1] it came first 99.9% of the
+    # time, and the samples ended before any draft was verified)
+    vocab, n, prompt = 6, 1500, [4, 5, 4, 5]
     model = LoadedModel(tiny_llama(seed=4, vocab_size=vocab, num_layers=4, scale=1.5), CharTokenizer(vocab), "tiny")
     if which == "draft":
         drafter = DraftModelDrafter(draft_model=tiny_llama(seed=8, vocab_size=vocab, num_layers=1), confidence=0.0)
@@ -407,3 +409,40 @@ def test_a_draft_model_folder_is_loaded_once_and_each_target_drafts_with_its_own
     mine, theirs = draft_model.draft_backend(str(tmp_path), target), draft_model.draft_backend(str(tmp_path), twin)
     assert mine is not theirs and draft_model.draft_backend(str(tmp_path), target) is mine
     assert len(loads) == 1 and mine.weights is theirs.weights
+
+
+@pytest.mark.parametrize("method, options", [("draft", {"draft_model": "self-truncated:1"}), ("layerskip", {}),
+                                             ("kvdraft", {})])
+def test_a_chain_drafts_as_far_as_the_budget_says(method, options):
+    """The chain drafters have no cap of their own: a fixed budget of 16 (under the loop's common
+    max_draft) drafts 16 nodes a verification (they stopped at 6, their old default)."""
+    engine = Engine(LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny"))
+    g = engine.generate("abcabcabcabcabcabcabc", method=method, max_new_tokens=60, chat=False, budget=16,
+                        confidence=0.0, **options)
+    assert g.stats.extra["drafted"] == 16 * g.stats.extra["verifications"]
+
+
+@pytest.mark.parametrize("method, options, cache", [
+    ("draft", {"draft_model": "self-truncated:1"}, "int4:group=8,residual=64"),  # the draft shares the target's cache policy
+    ("kvdraft", {"draft_cache": "h2o:budget=6,window=3"}, "full"),
+])
+def test_a_draft_cache_that_rolls_back_only_so_far_caps_its_chains(method, options, cache):
+    """A chain drafted on a cache is rolled back past what the target did not accept: no longer
+    than that cache can roll back (a longer one failed mid-generation), and still greedy's tokens."""
+    backend = tiny_llama(seed=0, vocab_size=96, hidden_size=64, max_position=2048).with_kv_cache(cache)
+    engine = Engine(LoadedModel(backend, CharTokenizer(96), "tiny"))
+    prompt = ("hello world " * 30)[:300]
+    greedy = engine.generate(prompt, max_new_tokens=120, chat=False)
+    got = engine.generate(prompt, method=method, max_new_tokens=120, chat=False, budget=8, confidence=0.0, **options)
+    assert got.tokens == greedy.tokens
+
+
+@pytest.mark.parametrize("method, options", [("layerskip", {}), ("draft", {"draft_model": "self-truncated:1"})])
+def test_no_draft_runs_for_tokens_the_request_would_throw_away(method, options):
+    """max_new_tokens=1 is the prefill's token alone, as plain decoding's; a chain never drafts past
+    the request's end (a verification adds one token more than it accepts)."""
+    engine = Engine(LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny"))
+    one = engine.generate("abcabcabcabc", method=method, max_new_tokens=1, chat=False, budget=6, confidence=0.0, **options)
+    assert one.stats.forward_passes == 0 and one.stats.extra["drafted"] == 0 and len(one.tokens) == 1
+    few = engine.generate("abcabcabcabc", method=method, max_new_tokens=4, chat=False, budget=16, confidence=0.0, **options)
+    assert few.stats.extra["drafted"] <= 3 and len(few.tokens) == 4

@@ -134,11 +134,13 @@ def chi_square_passes(counts: Counter, expected_p: dict[tuple, float], n: int) -
 
 
 def sample_outcomes(model: LoadedModel, method: SpeculativeMethod, prompt: list[int], params: dict, n: int, length: int):
+    """The first ``length`` tokens of ``n`` seeded requests. Each request asks for more (a method
+    drafts no token past a request's end: the later positions would come from shallow trees only)."""
     decoder = StepDecoder(method)
     counts: Counter = Counter()
     for seed in range(n):
         sampler = Sampler.from_params(seed=seed, **params)
-        tokens = decoder.generate(model, Request(list(prompt), sampler, max_new_tokens=length)).tokens
+        tokens = decoder.generate(model, Request(list(prompt), sampler, max_new_tokens=length + 2)).tokens
         counts[tuple(tokens[:length])] += 1
     return counts
 
@@ -229,7 +231,10 @@ class KeepOnlyTheSecondDraw(Controller):
     (and its child), as a controller ranking siblings by learnt acceptance may."""
 
     def select(self, tree, *, trimmable=True):
-        second = [i for i, p in enumerate(tree.parents) if p < 0][1]
+        roots = [i for i, p in enumerate(tree.parents) if p < 0]
+        if len(roots) < 2:  # a tree cut short by the request's end
+            return tree
+        second = roots[1]
         return select_nodes(tree, [second, *(i for i, p in enumerate(tree.parents) if p == second)])
 
 

@@ -99,6 +99,15 @@ class DecodeState:
         self.prompt_len = len(prompt_ids)
         self.stats = stats
         self._logits: torch.Tensor | None = None
+        # what ends the request (the decode loop sets them): a method may spare passes whose
+        # tokens would be thrown away
+        self.max_new_tokens: int | None = None
+        self.eos: frozenset[int] = frozenset()
+
+    @property
+    def tokens_left(self) -> int | None:
+        """New tokens the request still takes (None: not said)."""
+        return None if self.max_new_tokens is None else self.max_new_tokens - len(self.tokens) + self.prompt_len
 
     @property
     def generated(self) -> list[int]:
@@ -264,6 +273,7 @@ class StepDecoder(Decoder):
         # a constraint allows the end-of-sequence token exactly where its grammar is complete and
         # nothing but it once nothing more can follow: there the output ends, ignore_eos or not
         eos = frozenset() if request.ignore_eos and not request.sampler.refuses_tokens else tokenizer.eos_token_ids
+        state.max_new_tokens, state.eos = request.max_new_tokens, frozenset(eos)
         finish = "length"
         new: list[int] = []
         while len(new) < request.max_new_tokens:

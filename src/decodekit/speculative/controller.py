@@ -170,8 +170,8 @@ class CostTable:
         self.at = int(at)
         per_context = per_context or {}
         if per_context and (set(map(int, per_context)) != set(self.sizes)
-                            or any(not (isinstance(v, (int, float)) and v >= 0) for v in per_context.values())):
-            raise InvalidParameter("per-context costs need the same sizes as the table, each >= 0")
+                            or any(not (isinstance(v, (int, float)) and 0 <= v < math.inf) for v in per_context.values())):
+            raise InvalidParameter("per-context costs need the same sizes as the table, each finite and >= 0")
         self.slopes = [float(per_context.get(n, per_context.get(str(n), 0.0))) for n in self.sizes]
         self._anchors: dict[int, int] = {}
 
@@ -303,7 +303,7 @@ class CostTable:
         try:
             return cls({int(k): v for k, v in entry["costs"].items()}, at=int(entry.get("at", 0)),
                        per_context={int(k): v for k, v in entry["per_context"].items()})
-        except (InvalidParameter, ValueError, TypeError):
+        except (InvalidParameter, ValueError, TypeError, OverflowError):  # (int(Infinity) overflows)
             return None
 
     @staticmethod

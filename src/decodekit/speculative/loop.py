@@ -74,10 +74,15 @@ class SpeculativeMethod(StepMethod):
         if state.pending is None:  # right after prefill: the prefill logits give the root
             first = [self._pick(state, state.next_logits())]
             state.commit(first)
+            if first[0] in state.eos or state.tokens_left == 0:  # the request ends there: no pass more
+                return first
         self.controller.context = len(state.tokens)  # what this step's passes attend to
         t0 = time.perf_counter()
-        # a chain's deepest position must fit the context (a window's: its slots)
+        # a chain's deepest position must fit the context (a window's: its slots), and no token of it
+        # past the request's end (a verification adds one more than it accepts)
         room = min(state.backend.info.max_length - len(state.tokens), state.backend.pass_room()) - 1
+        if state.tokens_left is not None:
+            room = min(room, state.tokens_left - 1)
         forced = self._forced(state, min(room, self.controller.max_draft))
         if forced:
             with torch.inference_mode():

@@ -120,11 +120,12 @@ class ChainDrafter(Drafter):
     choice, draft distributions and the confidence stop (as in SWIFT: drafting ends before a
     token whose draft top-1 probability is below ``confidence``; the test uses only q, before
     any draw, so sampled tokens stay exactly q-distributed). ``last_steps`` counts the draft
-    forward passes of the latest :meth:`draft`.
+    forward passes of the latest :meth:`draft`. ``max_draft``: a cap of the drafter's own on a
+    chain (None: the budget the loop gives, which its common ``max_draft`` caps, is the only one).
     """
 
-    def __init__(self, *, max_draft: int, confidence: float, stochastic: bool):
-        self.max_draft = check_int("max_draft", max_draft, 1)
+    def __init__(self, *, max_draft: int | None, confidence: float, stochastic: bool):
+        self.max_draft = None if max_draft is None else check_int("max_draft", max_draft, 1)
         self.confidence = CHAIN_OPTIONS["confidence"].parse(confidence)
         self.stochastic = CHAIN_OPTIONS["stochastic"].parse(stochastic)
         self.last_steps = 0
@@ -140,13 +141,23 @@ class ChainDrafter(Drafter):
     def _stop(self, state: DecodeState) -> None:
         """Called after drafting, also on error (e.g. roll a shared cache back)."""
 
+    @staticmethod
+    def within_rollback(budget: int, backend: object) -> int:
+        """``budget`` cut to the one-token passes ``backend``'s cache can take and then roll back
+        (a chain drafted on a cache is rolled back past what the target did not accept)."""
+        policy = getattr(backend, "kv_policy", None)
+        reach = policy.one_token_passes_rolled_back() if policy is not None else None
+        return budget if reach is None else min(budget, reach)
+
     def draft(self, state: DecodeState, budget: int) -> DraftTree:
         self.last_steps = 0
         tree = DraftTree()
-        if min(budget, self.max_draft) <= 0:
+        if self.max_draft is not None:
+            budget = min(budget, self.max_draft)
+        if budget <= 0:
             return tree
         try:
-            logits, budget = self._start(state, min(budget, self.max_draft))
+            logits, budget = self._start(state, budget)
             if logits is None:
                 return tree
             sampler = state.sampler

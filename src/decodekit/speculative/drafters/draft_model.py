@@ -131,7 +131,7 @@ class DraftModelDrafter(ChainDrafter):
         self,
         *,
         draft_model: str | Backend | None = None,
-        max_draft: int = 6,
+        max_draft: int | None = None,
         confidence: float = 0.3,
         stochastic: bool = True,
     ):
@@ -170,7 +170,8 @@ class DraftModelDrafter(ChainDrafter):
         if self.backend is None:
             raise RuntimeError("DraftModelDrafter.draft() before begin()")
         tokens = state.tokens
-        budget = min(budget, self.backend.info.max_length - len(tokens))
+        # (the chain is rolled back, past what the target does not accept, at the next draft)
+        budget = self.within_rollback(min(budget, self.backend.info.max_length - len(tokens)), self.backend)
         if budget <= 0:
             return None, 0
         # Keep the longest common prefix, but always run at least the root to get its logits.

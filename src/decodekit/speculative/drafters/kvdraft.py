@@ -60,7 +60,7 @@ class CompressedCacheDrafter(DraftModelDrafter):
 
     name = "kvdraft"
 
-    def __init__(self, *, draft_cache: str = DEFAULT_CACHE, max_draft: int = 6, confidence: float = 0.3,
+    def __init__(self, *, draft_cache: str = DEFAULT_CACHE, max_draft: int | None = None, confidence: float = 0.3,
                  stochastic: bool = True):
         super().__init__(draft_model=None, max_draft=max_draft, confidence=confidence, stochastic=stochastic)
         try:
@@ -109,7 +109,7 @@ class CompressedCacheDrafter(DraftModelDrafter):
         if self._target is None:
             raise RuntimeError("kvdraft.draft() before begin()")
         self._origin = self._target.length
-        budget = min(budget, self._target.info.max_length - len(state.tokens))
+        budget = self.within_rollback(min(budget, self._target.info.max_length - len(state.tokens)), self._target)
         if budget <= 0:
             return None, 0
         return self._windowed(state.tokens[self._origin :]), budget

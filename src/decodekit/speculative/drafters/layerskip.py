@@ -180,7 +180,7 @@ class LayerSkipDrafter(ChainDrafter):
         self,
         *,
         skip_ratio: float = 0.4,
-        max_draft: int = 6,
+        max_draft: int | None = None,
         confidence: float = 0.3,
         adapt: bool = True,
         stochastic: bool = False,
@@ -207,11 +207,7 @@ class LayerSkipDrafter(ChainDrafter):
             raise RuntimeError("LayerSkipDrafter.draft() before begin()")
         self._backend = state.backend
         self._origin = state.backend.length
-        budget = min(budget, state.backend.info.max_length - len(state.tokens))
-        policy = getattr(state.backend, "kv_policy", None)
-        reach = policy.one_token_passes_rolled_back() if policy is not None else None
-        if reach is not None:  # the chain is rolled back afterwards: no longer than the cache allows
-            budget = min(budget, reach)
+        budget = self.within_rollback(min(budget, state.backend.info.max_length - len(state.tokens)), state.backend)
         if budget <= 0:
             return None, 0
         if state.pending is None:  # the root is cached: its full-model logits are known
