@@ -68,7 +68,9 @@ class Gemma3Config(LlamaConfig):
             "full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0 else "sliding_attention"
             for i in range(layers)
         ]
-        base = LlamaConfig.from_hf({**cfg, "rope_parameters": {"rope_theta": full.get("rope_theta", 1e6)}})
+        # the sizes as a Llama's; its windows and gating are Gemma's own, read here and below
+        base = LlamaConfig.from_hf({**cfg, "rope_parameters": {"rope_theta": full.get("rope_theta", 1e6)},
+                                    "layer_types": None, "sliding_window": None, "hidden_act": "silu"})
         return cls(
             **dataclasses.asdict(base),
             query_scale=cfg.get("query_pre_attn_scalar", base.head_dim) ** -0.5,
@@ -81,6 +83,7 @@ class Gemma3Config(LlamaConfig):
 
 #: Tokens a pass of a long prompt reads in the exact numerics (see NativeGemma3._prefill_chunk).
 LONG_PROMPT_CHUNK = 1024
+
 
 class Gemma3Weights(LlamaWeights):
     """:class:`.llama_weights.LlamaWeights` plus Gemma's norms (as ``1 + w``)."""
