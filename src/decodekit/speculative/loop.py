@@ -26,6 +26,7 @@ optional ones default to doing nothing.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -233,9 +234,13 @@ def method_builder(factory: Callable[..., Drafter]) -> Callable[..., StepDecoder
     """``build(**options)`` for the registry (which has checked the options against the drafter's
     and the common ones): the controller takes the common options, the drafter its own."""
 
+    takes_max_draft = "max_draft" in inspect.signature(factory).parameters
+
     def build(**options: Any) -> StepDecoder:
         options = dict(options)
         controller = make_controller(options)
+        if controller.fixed is not None and takes_max_draft:  # a fixed budget is the chain's length, past its cap
+            options["max_draft"] = max(controller.fixed, 1)
         return StepDecoder(SpeculativeMethod(factory(**options), controller))
 
     return build

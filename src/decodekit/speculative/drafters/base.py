@@ -120,8 +120,8 @@ class ChainDrafter(Drafter):
     choice, draft distributions and the confidence stop (as in SWIFT: drafting ends before a
     token whose draft top-1 probability is below ``confidence``; the test uses only q, before
     any draw, so sampled tokens stay exactly q-distributed). ``last_steps`` counts the draft
-    forward passes of the latest :meth:`draft`. ``max_draft``: a cap of the drafter's own on a
-    chain (None: the budget the loop gives, which its common ``max_draft`` caps, is the only one).
+    forward passes of the latest :meth:`draft`. ``max_draft``: a cap of the drafter's own on the
+    chains the controller sizes (None: none); a fixed ``budget`` given to the method replaces it.
     """
 
     def __init__(self, *, max_draft: int | None, confidence: float, stochastic: bool):

@@ -131,7 +131,7 @@ class DraftModelDrafter(ChainDrafter):
         self,
         *,
         draft_model: str | Backend | None = None,
-        max_draft: int | None = None,
+        max_draft: int | None = 6,
         confidence: float = 0.3,
         stochastic: bool = True,
     ):

@@ -60,7 +60,7 @@ class CompressedCacheDrafter(DraftModelDrafter):
 
     name = "kvdraft"
 
-    def __init__(self, *, draft_cache: str = DEFAULT_CACHE, max_draft: int | None = None, confidence: float = 0.3,
+    def __init__(self, *, draft_cache: str = DEFAULT_CACHE, max_draft: int | None = 6, confidence: float = 0.3,
                  stochastic: bool = True):
         super().__init__(draft_model=None, max_draft=max_draft, confidence=confidence, stochastic=stochastic)
         try:

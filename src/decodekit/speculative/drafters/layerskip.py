@@ -180,7 +180,7 @@ class LayerSkipDrafter(ChainDrafter):
         self,
         *,
         skip_ratio: float = 0.4,
-        max_draft: int | None = None,
+        max_draft: int | None = 6,
         confidence: float = 0.3,
         adapt: bool = True,
         stochastic: bool = False,
