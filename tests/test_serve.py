@@ -782,3 +782,32 @@ def test_a_legacy_top_logprobs_key_spells_a_partial_characters_bytes():
             return {0: b"\xf0\x9f", 1: b"\x8c\x8d", 2: b"ok"}[token]
 
     assert [top_key(Bytes(), t) for t in (0, 1, 2)] == ["bytes:\\xf0\\x9f", "bytes:\\x8c\\x8d", "ok"]
+
+
+def test_a_chat_logprob_entry_for_each_cut_token_shows_its_own_part():
+    """A stop string cut inside a token whose character began in the token before: both are in
+    the logprobs, each with its own piece of the text (they held one piece for both, and the
+    first byte token's replacement character was taken for a whole character)."""
+    import types
+
+    from decodekit.engine.core import Generation, GenerationStats
+    from decodekit.engine.stops import cut_at_stop
+    from decodekit.serve.app import Reply
+    from decodekit.serve.scheduler import Outcome
+
+    class Pieces:
+        vocab = [b"a", b"\xc3", b"\xa9!"]  # "a", then "é!" split inside the é
+
+        def decode(self, tokens):
+            return b"".join(self.vocab[t] for t in tokens).decode("utf-8", "replace")
+
+        def token_bytes(self, token):
+            return self.vocab[token]
+
+    generated = [0, 1, 2]
+    text, kept, _ = cut_at_stop(Pieces(), generated, ["!"])
+    g = Generation(text, kept, GenerationStats(), "stop", cut_off=generated[len(kept):])
+    outcome = Outcome(g, [(-0.1, []), (-0.2, []), (-0.3, [])], 0.0)
+    content = Reply._logprobs(types.SimpleNamespace(chat=True, tokenizer=Pieces()), outcome)["content"]
+    assert (text, kept) == ("aé", [0]) and [c["token"] for c in content] == ["a", "", "é"]
+    assert b"".join(bytes(c["bytes"]) for c in content) == text.encode()

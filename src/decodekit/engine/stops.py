@@ -96,10 +96,10 @@ def cut_at_stop(tokenizer: Tokenizer, tokens: list[int], stop: Sequence[str]) ->
 def shown_tokens(tokenizer: Tokenizer, text: str, tokens: list[int], cut_off: Sequence[int]) -> list[int]:
     """The tokens whose text ``text`` shows, in whole or in part: ``tokens`` and, where a stop string
     cut inside a token (its characters before the cut stay in the text), the cut-off tokens up to
-    the one that holds the text's end."""
+    the one that holds the text's end (a character split over byte tokens counts once all are in)."""
     shown = list(tokens)
     for token in cut_off:
-        if len(decoded(tokenizer, shown)) >= len(text):
+        if len(settled(decoded(tokenizer, shown))) >= len(text):
             break
         shown.append(token)
     return shown

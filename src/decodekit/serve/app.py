@@ -715,9 +715,9 @@ class Reply:
                 return {"token": text, "logprob": value, "bytes": list(self.tokenizer.token_bytes(token))}
             content = [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
                        for t, (lp, top) in zip(tokens, outcome.logprobs)]
-            for item in content[len(g.tokens):]:  # cut inside: what of it the text shows
-                item["token"] = pieces[len(tokens) - 1]
-                item["bytes"] = list(item["token"].encode("utf-8", "surrogatepass"))
+            for i in range(len(g.tokens), len(tokens)):  # cut off, partly shown: what of each the text shows
+                content[i]["token"] = pieces[i]
+                content[i]["bytes"] = list(pieces[i].encode("utf-8", "surrogatepass"))
             return {"content": content}
         return {"tokens": pieces, "token_logprobs": [lp for lp, _ in outcome.logprobs],
                 "top_logprobs": [{top_key(self.tokenizer, a): v for a, v in top} for _, top in outcome.logprobs],
