@@ -480,6 +480,8 @@ def test_bad_options_raise_one_line_errors():
     ("mbr", {"utility": lambda hyp, ref: math.nan}, "the utility callable must return a finite number"),
     ("best-of-n", {"scorer": lambda text: "x"}, "the scorer callable must return a finite number"),
     ("best-of-n", {"scorer": lambda text: True}, "the scorer callable must return a finite number"),
+    ("best-of-n", {"scorer": lambda text: 10**400}, "the scorer callable must return a finite number"),  # no float
+    ("mbr", {"utility": lambda hyp, ref: 10**400}, "the utility callable must return a finite number"),
 ])
 def test_a_python_callable_returning_the_wrong_thing_is_one_line(tiny, method, options, message):
     with pytest.raises(InvalidParameter, match=message):

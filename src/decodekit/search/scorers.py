@@ -25,7 +25,7 @@ import torch
 
 from ..errors import InvalidParameter
 from ..models import LoadedModel
-from ..options import OptionSpec, any_value
+from ..options import OptionSpec, any_value, finite
 from .batch import Sample, SearchContext
 
 
@@ -72,6 +72,14 @@ class SelfCertainty(Scorer):
         return sum(segment.certainty) / len(segment.certainty) if segment.certainty else 0.0
 
 
+def returned_number(value: object, what: str, param: str | None = None) -> float:
+    """What a user's ``what`` callable returned, held to being a finite number (bools and integers
+    past a float's range refused): one line, not a TypeError or a NaN score later."""
+    if not isinstance(value, Real) or isinstance(value, bool) or not finite(value):
+        raise InvalidParameter(f"the {what} callable must return a finite number, got {value!r}", param=param)
+    return float(value)
+
+
 class CallableScorer(Scorer):
     name = "callable"
 
@@ -79,10 +87,7 @@ class CallableScorer(Scorer):
         self.fn = fn
 
     def score(self, ctx: SearchContext, prefix: Sequence[int], segment: Sample) -> float:
-        value = self.fn(ctx.tokenizer.decode(list(prefix) + segment.tokens))
-        if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(value):
-            raise InvalidParameter(f"the scorer callable must return a finite number, got {value!r}")
-        return float(value)
+        return returned_number(self.fn(ctx.tokenizer.decode(list(prefix) + segment.tokens)), "scorer")
 
 
 class Judge(Scorer):

@@ -18,9 +18,8 @@ at ``sample_temperature`` (default :data:`~.batch.SAMPLE_TEMPERATURE`) from the 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Any
 
 from ..engine.core import Decoder, Generation, Request
@@ -30,7 +29,7 @@ from ..options import OptionSpec, any_value, option_table
 from .answers import ANSWER_MODES, extractor
 from .answers import answer_start as find_answer_start
 from .batch import SAMPLE_TEMPERATURE, SAMPLE_TEMPERATURE_OPTION, Sample, SearchContext
-from .scorers import JUDGE_MODEL_OPTION, NONNEGATIVE_SCORER_NAMES, SCORER_NAMES, make_scorer
+from .scorers import JUDGE_MODEL_OPTION, NONNEGATIVE_SCORER_NAMES, SCORER_NAMES, make_scorer, returned_number
 from .uncertainty import agreement, sample_signals
 
 Utility = Callable[[str, str], float]
@@ -98,10 +97,7 @@ def checked_start(fn: Callable[[str], int]) -> Callable[[str], int]:
 def checked_utility(fn: Utility) -> Utility:
     """A user's ``utility`` callable, held to returning a finite number."""
     def utility(hyp: str, ref: str) -> float:
-        value = fn(hyp, ref)
-        if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(value):
-            raise InvalidParameter(f"the utility callable must return a finite number, got {value!r}", param="utility")
-        return float(value)
+        return returned_number(fn(hyp, ref), "utility", param="utility")
     return utility
 
 
