@@ -160,15 +160,15 @@ def load(backend: Backend, kind: str, given: str | Path | None = None) -> EagleN
 
     if given is not None:
         return built(Path(given))
-    fallback = shipped(backend, kind)
     saved = cache_path(backend, kind)
     if saved.exists():
         try:
             return built(saved)
         except InvalidModel as err:
-            if fallback is None:
+            if shipped(backend, kind) is None:
                 raise
             print(f"decodekit: {err}; using the drafter shipped with decodekit instead", file=sys.stderr)
+    fallback = shipped(backend, kind)
     if fallback is not None:
         return built(fallback)
     raise InvalidParameter(
