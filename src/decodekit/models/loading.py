@@ -201,13 +201,13 @@ def dequantise(gguf: Path, folder: Path) -> None:
     transformers_logging.set_verbosity_error()  # its load report: what is wrong is said below, in one line
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model, report = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+        model, loading_info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                              output_loading_info=True)
     except Exception as err:  # the GGUF parser fails in many ways on a damaged file; all mean the same here
         raise InvalidModel.because(gguf, "cannot be read as a GGUF model", err) from err
     finally:
         transformers_logging.set_verbosity(verbosity)
-    check_loading_report(gguf, report, tied=model.config.tie_word_embeddings)
+    check_loading_report(gguf, loading_info, tied=model.config.tie_word_embeddings)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # safetensors refuses shared tensors

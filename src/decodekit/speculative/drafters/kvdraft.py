@@ -11,10 +11,11 @@ sampling's distribution under speculative sampling).
 
 Choices the papers leave open (each one tested):
   * ``draft_cache="sink:S,window:W"`` (the default, ``sink:4,window:1024``: MagicDec's StreamingLLM
-    draft, with the window that paid best at 6,000 tokens in docs/BENCHMARKS.md): the draft is the target itself, its passes attending only to the first S and the
-    last W entries of the target's own cache (:meth:`NativeLlama.append_windowed`), at the
-    tokens' own positions; a draft's entries are rolled back after it. The draft's cache is
-    thus a view of the target's, as in both papers: nothing is copied and nothing falls behind.
+    draft, with the window that paid best at 6,000 tokens in docs/BENCHMARKS.md): the draft is the
+    target itself, its passes attending only to the first S and the last W entries of the
+    target's own cache (:meth:`NativeLlama.append_windowed`), at the tokens' own positions; a
+    draft's entries are rolled back after it. The draft's cache is thus a view of the target's, as
+    in both papers: nothing is copied and nothing falls behind.
   * Any other compressed policy (``snapkv:...``, ``h2o:...``, ``int8``; TriForce retrieves
     chunks instead): a clone of the target with that cache, made from the target's entries after
     the prompt (:meth:`NativeLlama.adopt`, no second read of it), then kept in step with
