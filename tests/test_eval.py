@@ -137,6 +137,29 @@ def test_eval_rejects_bad_input(tmp_path):
     assert cli_main(["eval", "no-such-task"]) == 2
 
 
+def test_paraphrases_are_distinct_rephrasings_and_never_the_question_itself():
+    from decodekit.search.uncertainty import PARAPHRASE_TEMPLATES, paraphrases
+
+    question = "What is 2 + 2?"
+    every = paraphrases(question, len(PARAPHRASE_TEMPLATES))
+    assert len(set(every)) == len(every) and question not in every
+    assert all(question in p for p in every)
+    with pytest.raises(InvalidParameter, match="paraphrases"):  # a repeat would count one answer twice
+        paraphrases(question, len(PARAPHRASE_TEMPLATES) + 1)
+    capitals = capitals_task()
+    item = capitals.items[0]
+    five = capitals.paraphrase(item, 5)
+    assert len(set(five)) == 5 and item.question not in five
+    with pytest.raises(InvalidParameter, match="paraphrases"):
+        capitals.paraphrase(item, 6)
+
+
+def test_eval_refuses_more_paraphrases_than_the_task_has_before_loading(tmp_path):
+    register_task("fake3", fake_task)
+    with pytest.raises(InvalidParameter, match="paraphrases"):
+        run(eval_args(tmp_path, "--signals", "pc", "--paraphrases", "50"), model=lambda: pytest.fail("the model was loaded"))
+
+
 def test_the_default_output_folder_is_checked_before_any_work(tmp_path, monkeypatch):
     register_task("fake3", fake_task)
     monkeypatch.chdir(tmp_path)

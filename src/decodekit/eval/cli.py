@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="item i uses seed + i")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (search methods default to 0.7)")
     parser.add_argument("--signals", default="", help="extra uncertainty signals, comma-separated: agreement (n samples), pc (paraphrases)")
-    parser.add_argument("--paraphrases", type=int, default=4, help="k for PC@k (default 4)")
+    parser.add_argument("--paraphrases", type=int, default=4, help="k for PC@k: that many distinct rephrasings (default 4; the shipped tasks have 5)")
     parser.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="method option (repeatable)")
     parser.add_argument("--data", default=None, help="task data file (gsm8k: JSONL with question/answer; structured: id/prompt/schema)")
     parser.add_argument("--unconstrained", action="store_true", help="structured: decode without the schema (to compare validity and speed)")
@@ -74,6 +74,8 @@ def run(args: argparse.Namespace, model=None) -> int:
     if args.unconstrained and not any(item.constraint for item in task.items):
         raise InvalidParameter(f"--unconstrained: task {args.task!r} has no constraint to leave out")
     make_decoder(config, task)  # bad method or option: fail before loading the model
+    if "pc" in config.signals and task.items:
+        task.paraphrase(task.items[0], config.paraphrases)  # more than the task has: fail before loading
     recipe = functools.partial(load_model, args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics,
                                kv_cache=args.kv_cache)
     right = [0]

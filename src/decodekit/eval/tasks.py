@@ -18,6 +18,7 @@ from ..data import GSM8K_TEST, STRUCTURED_SCHEMAS, data_file, first_repeated, re
 from ..errors import InvalidParameter, UnknownMethod
 from ..samplers.constraint import checked_grammar
 from ..search.answers import Extractor, answer_start, extract_number, normalize_text
+from ..search.uncertainty import first_paraphrases
 from ..search.uncertainty import paraphrases as generic_paraphrases
 
 
@@ -134,7 +135,7 @@ def capitals_task() -> Task:
     items = [Item(c["iso"], CAPITAL_QUESTION.format(c=c["name"]), c["capital"], c["name"]) for c in countries]
 
     def paraphrase(item: Item, k: int) -> list[str]:
-        return [CAPITAL_PARAPHRASES[i % len(CAPITAL_PARAPHRASES)].format(c=item.subject) for i in range(k)]
+        return [template.format(c=item.subject) for template in first_paraphrases(CAPITAL_PARAPHRASES, k)]
 
     return Task("capitals", items, capital_answer, capital_correct, paraphrase, max_new_tokens=16,
                 answer_start=capital_answer_start)

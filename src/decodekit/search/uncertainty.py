@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from ..engine.core import Request
+from ..errors import InvalidParameter
 from ..models import LoadedModel
 from ..models.tokenizer import Tokenizer
 from .answers import Extractor
@@ -130,8 +131,8 @@ def paraphrase_consistency(
     return {"pc": agreement(answer, answers), "answers": answers, "tokens_spent": spent}
 
 
+#: Rephrasings of a question, none of them the question itself (PC@k asks k different ones).
 PARAPHRASE_TEMPLATES = (
-    "{q}",
     "Please answer the following question.\n{q}",
     "I have a question for you: {q}",
     "Here is a question.\n\n{q}\n\nWhat is the answer?",
@@ -141,5 +142,13 @@ PARAPHRASE_TEMPLATES = (
 
 
 def paraphrases(question: str, k: int) -> list[str]:
-    """``k`` template paraphrases of a question (generic; tasks may supply better ones)."""
-    return [PARAPHRASE_TEMPLATES[i % len(PARAPHRASE_TEMPLATES)].format(q=question) for i in range(1, k + 1)]
+    """``k`` distinct template paraphrases of a question (generic; tasks may supply better ones)."""
+    return [template.format(q=question) for template in first_paraphrases(PARAPHRASE_TEMPLATES, k)]
+
+
+def first_paraphrases(templates: Sequence[str], k: int) -> Sequence[str]:
+    """The first ``k`` of a task's paraphrase templates; more than there are is refused (repeating
+    a template would count one rephrasing's answer several times and inflate PC@k)."""
+    if k > len(templates):
+        raise InvalidParameter(f"paraphrases: {k} asked, but this task has {len(templates)} distinct ones", param="paraphrases")
+    return templates[:k]
