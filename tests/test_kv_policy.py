@@ -302,6 +302,23 @@ def test_kvdraft_draft_cache_is_the_targets_compressed():
         draft.adopt(draft, prompt)  # the source must be a full cache
 
 
+def test_an_adopted_h2o_cache_keeps_the_heavy_hitters_of_the_prompt():
+    """H2O's scores count the prompt's own queries: a cache adopted from the target keeps what one
+    that read the prompt itself keeps (it kept the earliest slots, every score tied at zero)."""
+    prompt = tokens(60, seed=3)
+    target = tiny_llama(seed=5, hidden_size=64)
+    target.prefill(prompt)
+    adopted = target.with_kv_cache("h2o:budget=20,window=4")
+    adopted.adopt(target, prompt)
+    read = tiny_llama(seed=5, hidden_size=64).with_kv_cache("h2o:budget=20,window=4")
+    read.prefill(prompt)
+    for cache in (adopted, read):
+        cache.step(torch.tensor([7]))
+    assert torch.equal(adopted._held[..., : adopted.slots], read._held[..., : read.slots])
+    kept = adopted._held[..., : adopted.slots].reshape(-1, adopted.slots).sort(dim=-1).values
+    assert not torch.equal(kept[:, :16], torch.arange(16).expand_as(kept[:, :16]))  # heavy hitters, not the first slots
+
+
 def test_kvdraft_refuses_a_cache_that_keeps_everything_and_other_backends():
     engine = Engine(LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny"))
     with pytest.raises(InvalidParameter, match="compressed"):

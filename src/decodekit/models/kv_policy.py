@@ -129,8 +129,8 @@ class Int8Policy(KVPolicy):
     scale, ``max|x| / 127``, round to nearest even; the attention kernel reads them directly.
 
     The per-token int8 baseline of the KV-quantisation literature (e.g. the per-token
-    quantisation KIVI, Liu et al., 2024, compares against; KIVI's own 2-bit scheme quantises keys
-    per channel and keeps a float residual window, not built here). Changes the output (each
+    quantisation KIVI, Liu et al., 2024, compares against; KIVI's own scheme, keys per channel and
+    a float residual window, is :class:`KiviPolicy`). Changes the output (each
     entry is off by up to half its row's step); every row is quantised on its own when written,
     so speculative decoding with this cache is lossless relative to plain decoding with it.
     Needs the compiled kernels and a float32 model; passes are read 64 tokens at a time.

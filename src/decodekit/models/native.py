@@ -403,9 +403,10 @@ class NativeLlama(Backend):
     def adopt(self, source: "NativeLlama", token_ids: Sequence[int]) -> None:
         """Start this cache from ``source``'s committed entries (a full cache of this model, batch 1,
         holding ``token_ids``), keeping what this cache's policy keeps, without reading the tokens
-        again: how a compressed cache is made from the target's after its prompt (``kvdraft``).
-        SnapKV reads the prompt's last ``window`` tokens again, for their attention; H2O's
-        accumulated attention starts here."""
+        again, except what the policy must observe: SnapKV reads the prompt's last ``window``
+        tokens again, H2O the whole prompt (its accumulated attention counts the prompt's queries,
+        which no cache holds). How a compressed cache is made from the target's after its prompt
+        (``kvdraft``)."""
         if (source.kv_policy.one_sequence() or source.config != self.config or source.batch_size != 1
                 or source.length != len(token_ids)):
             raise ValueError("adopt() needs a full cache of the same model holding one sequence")
@@ -413,7 +414,7 @@ class NativeLlama(Backend):
             raise InvalidParameter(f"kv cache {self.kv_policy.spec} cannot be made from another cache; read the tokens")
         policy, n = self.kv_policy, source.length
         self.reset(1)
-        observed = 0 if policy.observes_every_pass else policy.observation_rows(0, n, True)
+        observed = n if policy.observes_every_pass else policy.observation_rows(0, n, True)
         copied = n - observed
         if policy.reassigns_positions and policy.compact_before(copied, 1):
             keep = policy.keep(copied, None)  # only what is kept is copied
@@ -430,7 +431,7 @@ class NativeLlama(Backend):
             self._rotate_keys(keep.numel(), keep - torch.arange(keep.numel()))
         self._length, self._slots = copied, keep.numel()
         self._tail_from = copied - policy.recent if keep.numel() < copied else 0
-        if observed:  # read again, observed, and compressed after (SnapKV)
+        if observed:  # read again, observed, and compressed after (SnapKV) or as they come (H2O)
             self.append(torch.tensor([list(token_ids[copied:n])]), last_only=True)
         else:
             self._first_pass = False

@@ -52,18 +52,20 @@ COMMON_OPTIONS = option_table(
 
 
 class SpeculativeMethod(StepMethod):
-    """Draft with ``drafter``, size with ``controller``, verify losslessly (greedy or keyed sampling)."""
+    """Draft with ``drafter``, size with ``controller``, verify losslessly: greedy requests by
+    :class:`GreedyVerifier`, sampled ones by ``verifier`` (default :class:`KeyedVerifier`;
+    :class:`SamplingVerifier` for speculative sampling)."""
 
     def __init__(self, drafter: Drafter, controller: Controller, verifier: Verifier | None = None):
         self.drafter = drafter
         self.controller = controller
-        self.fixed_verifier = verifier
+        self.sampled_verifier = verifier
         self.name = drafter.name
 
     def begin(self, state: DecodeState) -> None:
         self.drafter.begin(state)  # first: it may read what prefill left in the backend (trained drafters' features)
         self.controller.begin(state.backend, self.drafter.name)
-        self.verifier = self.fixed_verifier or make_verifier(state)
+        self.verifier = make_verifier(state, self.sampled_verifier)
         self.verifications = self.accepted = self.drafted = self.plain_steps = 0
         self.draft_s = self.verify_s = 0.0
         self.by_source: dict[str, int] = {}

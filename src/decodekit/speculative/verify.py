@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from ..engine.core import DecodeState
+from ..errors import InvalidParameter
 from ..models.kernels import argmax_rows
 from ..samplers import Histories
 from .tree import DraftTree, Verification
@@ -208,7 +209,15 @@ def residual(p: torch.Tensor, q: torch.Tensor | None, rejected: int) -> torch.Te
     return out / total
 
 
-def make_verifier(state: DecodeState) -> Verifier:
-    """Greedy requests: :class:`GreedyVerifier`; sampled ones: :class:`KeyedVerifier`, so that a
-    seed gives the same tokens with or without speculation."""
-    return GreedyVerifier() if state.sampler.is_greedy else KeyedVerifier()
+def make_verifier(state: DecodeState, sampled: Verifier | None = None) -> Verifier:
+    """Greedy requests: :class:`GreedyVerifier` (the sampling verifiers would draw from the
+    unscaled distribution: a greedy sampler has no temperature to make it a point mass); sampled
+    ones: ``sampled``, by default :class:`KeyedVerifier`, so that a seed gives the same tokens with
+    or without speculation. A :class:`GreedyVerifier` for sampled requests is refused: it would
+    return the argmax where the request asked for a sample."""
+    if state.sampler.is_greedy:
+        return GreedyVerifier()
+    if isinstance(sampled, GreedyVerifier):
+        raise InvalidParameter("a GreedyVerifier cannot verify a sampled request; give KeyedVerifier or SamplingVerifier",
+                               param="verifier")
+    return sampled or KeyedVerifier()

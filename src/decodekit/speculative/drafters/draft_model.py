@@ -3,8 +3,9 @@
 Papers: Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
 Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling".
 Lossless: the drafter only proposes; the verifier accepts greedily (output token-identical to
-plain greedy) or by speculative sampling with the recorded draft distribution q (output
-distributed exactly as plain sampling).
+plain greedy) or, for sampled requests, by keyed sampling (token-identical to plain sampling with
+the same seed; the default) or by speculative sampling with the recorded draft distribution q
+(``SamplingVerifier``: distributed exactly as plain sampling).
 
 Choices the papers leave open (each one tested):
   * The draft model must share the target's tokenizer; it may have a differently padded

@@ -6,8 +6,9 @@ Hierarchical Speculative Decoding"; Sadhukhan et al., 2024, "MagicDec: Breaking 
 Latency-Throughput Tradeoff for Long Context Generation with Speculative Decoding". At long
 context a step's cost is attention over the cache as much as the weights; the same model
 attending to a small cache is a cheap and well-aligned draft. Lossless: the full-cache target
-verifies every token with the project's verifiers (token-identical to plain greedy; plain
-sampling's distribution under speculative sampling).
+verifies every token with the project's verifiers (token-identical to plain greedy, and to plain
+sampling with the same seed by keyed sampling; plain sampling's distribution under speculative
+sampling, ``SamplingVerifier``).
 
 Choices the papers leave open (each one tested):
   * ``draft_cache="sink:S,window:W"`` (the default, ``sink:4,window:1024``: MagicDec's StreamingLLM
@@ -15,10 +16,12 @@ Choices the papers leave open (each one tested):
     target itself, its passes attending only to the first S and the last W entries of the
     target's own cache (:meth:`NativeLlama.append_windowed`), at the tokens' own positions; a
     draft's entries are rolled back after it. The draft's cache is thus a view of the target's, as
-    in both papers: nothing is copied and nothing falls behind.
+    in both papers: nothing is copied and nothing falls behind (so ``every:E``, how often a
+    StreamingLLM cache compacts, changes nothing here: each draft pass sees exactly S + W entries).
   * Any other compressed policy (``snapkv:...``, ``h2o:...``, ``int8``; TriForce retrieves
     chunks instead): a clone of the target with that cache, made from the target's entries after
-    the prompt (:meth:`NativeLlama.adopt`, no second read of it), then kept in step with
+    the prompt (:meth:`NativeLlama.adopt`: a second read of the prompt only where the policy observes it,
+    SnapKV's last window and H2O's whole prompt), then kept in step with
     ``state.tokens`` like any draft model (roll back to the common prefix, append what is missing).
   * Chains, one token per draft pass, with the chain drafters' confidence stop; the controller
     sizes them from measured costs, as for every drafter. No second-level draft (TriForce's

@@ -4,7 +4,8 @@ identity, is its own draft model.
 Papers: Xia et al. 2024, "SWIFT: On-the-Fly Self-Speculative Decoding for LLM Inference
 Acceleration"; Chen et al. 2025, "CLaSp: In-Context Layer Skip for Self-Speculative Decoding".
 Lossless: drafts are only proposals, verified with all layers (greedy: token-identical to
-plain greedy; sampling: speculative sampling keeps the target distribution).
+plain greedy; sampling: keyed sampling gives plain sampling's tokens for the same seed, and
+speculative sampling, ``SamplingVerifier``, keeps the target distribution).
 
 Choices made here (each one tested):
   * Drafting writes the target's own cache after the committed context (first the pending
