@@ -80,6 +80,26 @@ def test_streamed_deltas_join_to_the_text(tiny_model):
     assert "".join(deltas) == g.text
 
 
+def test_loading_choices_beside_a_loaded_model_are_refused_not_ignored(tiny_model):
+    for choice in ({"kv_cache": "int8"}, {"numerics": "fast"}, {"dtype": "bfloat16"}, {"backend": "hf"}):
+        with pytest.raises(InvalidParameter, match=next(iter(choice))):
+            Engine(tiny_model, **choice)
+    assert Engine(tiny_model).model is tiny_model
+
+
+def test_streams_hold_back_the_longest_start_of_any_stop_string(tiny_model):
+    """With several stop strings a stream holds back the longest end of the text that any of them
+    starts with, in either order (it held back each in turn, the later ones within what was left,
+    and streamed text a stop string then removed)."""
+    engine = Engine(tiny_model)
+    free = engine.generate("stream me", max_new_tokens=30, chat=False).text
+    for stops in ([free[1:2] + "\x00", free[:4]], [free[5:7] + "\x00", free[3:9], free[:2] + "\x00"]):
+        for order in (stops, stops[::-1]):
+            deltas: list[str] = []
+            g = engine.generate("stream me", max_new_tokens=30, chat=False, stop=order, on_text=deltas.append)
+            assert "".join(deltas) == g.text, order
+
+
 NEEDS_FILES = {"eagle", "medusa"}  # trained drafters: none exists for the tiny model (their loop is StepDecoder's)
 
 

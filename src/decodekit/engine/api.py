@@ -91,11 +91,22 @@ class Engine:
     """A loaded model plus the methods that decode with it. Reuse it across requests."""
 
     def __init__(
-        self, model: str | LoadedModel | None = None, *, backend: str = "auto", dtype: str | torch.dtype = "float32",
-        numerics: str = "exact", kv_cache: str = "full",
+        self, model: str | LoadedModel | None = None, *, backend: str | None = None, dtype: str | torch.dtype | None = None,
+        numerics: str | None = None, kv_cache: str | None = None,
     ):
-        self.model = (model if isinstance(model, LoadedModel)
-                      else load_model(model, backend=backend, dtype=dtype, numerics=numerics, kv_cache=kv_cache))
+        """``backend``, ``dtype``, ``numerics`` and ``kv_cache`` choose how a model named (or the
+        default one) is loaded, as :func:`load_model`'s arguments (its defaults where not given); a
+        :class:`LoadedModel` keeps what it was loaded with, and they are refused beside one rather
+        than ignored."""
+        given = {name: value for name, value in (("backend", backend), ("dtype", dtype), ("numerics", numerics),
+                                                 ("kv_cache", kv_cache)) if value is not None}
+        if isinstance(model, LoadedModel):
+            if given:
+                raise InvalidParameter(f"{', '.join(given)}: chosen when a model is loaded; this one is loaded already "
+                                       f"(pass them to load_model, or give the model's name here)", param=next(iter(given)))
+            self.model = model
+        else:
+            self.model = load_model(model, **given)
 
     def generate(
         self,
@@ -162,11 +173,11 @@ _default_engines_lock = threading.Lock()
 
 
 def generate(
-    prompt: str | list[dict[str, str]], *, model: str | None = None, backend: str = "auto", dtype: str = "float32",
-    numerics: str = "exact", kv_cache: str = "full", **kwargs: Any,
+    prompt: str | list[dict[str, str]], *, model: str | LoadedModel | None = None, backend: str | None = None,
+    dtype: str | None = None, numerics: str | None = None, kv_cache: str | None = None, **kwargs: Any,
 ) -> Generation:
     """One-call generation; the model is loaded once per (model, backend, dtype, numerics, kv_cache)
-    and reused."""
+    and reused (those not given: :func:`load_model`'s defaults)."""
     key = (model, backend, dtype, numerics, kv_cache)
     try:
         hash(key)

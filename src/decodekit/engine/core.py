@@ -238,15 +238,16 @@ class TextStreamer:
         safe = len(text)
         if final_text is None:
             safe = len(settled(text))  # not an incomplete multi-byte character at the end
-            whole = text[:safe]  # a stop string may be starting at the end of the whole characters
-            for s in self.stop:
-                for k in range(min(len(s) - 1, safe), 0, -1):
-                    if whole.endswith(s[:k]):
-                        safe -= k
-                        break
+            safe -= stop_start_at_end(text[:safe], self.stop)
         if safe > self.sent:
             self.callback(text[self.sent : safe])
             self.sent = safe
+
+
+def stop_start_at_end(text: str, stops: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that a stop string starts with: text a stop
+    string may still claim, so not streamed yet (the longest over all of them, whatever their order)."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
 
 
 class StepDecoder(Decoder):
