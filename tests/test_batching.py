@@ -33,12 +33,14 @@ def generate(backend, case, **kw):
 
 def concurrently(model, batcher: PassBatcher, cases) -> list:
     got = [None] * len(cases)
+    together = threading.Barrier(len(cases))  # every request is a member before any reads its prompt
 
     def work(i: int) -> None:
         single_threaded()
         backend = model.clone()
         backend.batcher = batcher
         with batcher.member():
+            together.wait()
             got[i] = generate(backend, cases[i])
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
@@ -47,16 +49,16 @@ def concurrently(model, batcher: PassBatcher, cases) -> list:
     return got, threads
 
 
-def assert_batched_as_alone(model, cases) -> None:
+def assert_batched_as_alone(model, cases, shared: bool = True) -> None:
     """The cases run concurrently on clones of ``model`` give each case the tokens it gets alone,
-    in passes that were shared."""
+    in passes that were shared (unless ``shared`` is False: a policy whose passes never batch)."""
     alone = [generate(model.clone(), case) for case in cases]
     batcher = PassBatcher()
     got, threads = concurrently(model, batcher, cases)
     for t in threads:
         t.join()
     assert got == alone
-    assert batcher.rows > batcher.passes  # passes were shared
+    assert batcher.rows > batcher.passes or not shared
 
 
 @pytest.mark.parametrize("numerics", NUMERICS)
@@ -87,6 +89,16 @@ def test_a_compressed_cache_gives_the_same_tokens_alone_and_batched(cache):
     its tokens do not depend on the batch."""
     cases = [c for c in CASES if c[1] != "lookahead"]  # lookahead verifies windows of several branches
     assert_batched_as_alone(base("exact").with_kv_cache(cache), cases)
+
+
+@pytest.mark.parametrize("cache", ["h2o:budget=40,window=8", "snapkv:budget=60,window=40"])
+def test_a_policy_that_observes_a_long_prompt_reads_it_as_alone_when_batched(cache):
+    """H2O evicts by the attention of every pass, SnapKV by its window's: a prompt longer than a
+    served chunk is read in the passes it gets alone (it was read 32 tokens a pass while others ran)."""
+    long = "the cat sat on the mat and the dog sat on the log; " * 3
+    cases = [(long, "sample", {"temperature": 0.8, "seed": 1}), ("hello", "greedy", {}), (long[::-1], "greedy", {}),
+             ("abc " * 20, "pld", {"budget": 3})]
+    assert_batched_as_alone(base("exact").with_kv_cache(cache), cases, shared=not cache.startswith("h2o"))
 
 
 def test_passes_can_run_on_the_callers_thread():

@@ -169,11 +169,11 @@ class NativeGemma3(NativeLlama):
             gelu=True, window=c.sliding_window,
         )
 
-    def _prefill_chunk(self, tokens: torch.Tensor, hidden_layers, skip_layers) -> int | None:
+    def _prefill_chunk(self, tokens: torch.Tensor, hidden_layers, skip_layers, observe: bool = False) -> int | None:
         """A long prompt in the exact numerics is read :data:`LONG_PROMPT_CHUNK` tokens a pass: a
         sliding-window layer's mask over a whole prompt grows with its square, over a chunk with
         its length (the logits differ only by float32 rounding)."""
-        chunk = super()._prefill_chunk(tokens, hidden_layers, skip_layers)
+        chunk = super()._prefill_chunk(tokens, hidden_layers, skip_layers, observe)
         return LONG_PROMPT_CHUNK if chunk is None and self.config.sliding_window else chunk
 
     @property

@@ -308,7 +308,7 @@ class NativeLlama(Backend):
         return (self.batcher is not None and self._one_call(tokens, hidden_layers, skip_layers)
                 and self.config.num_layers == self._stack.num_layers)
 
-    def _prefill_chunk(self, tokens: torch.Tensor, hidden_layers, skip_layers) -> int | None:
+    def _prefill_chunk(self, tokens: torch.Tensor, hidden_layers, skip_layers, observe: bool = False) -> int | None:
         """How many tokens of a long ``append`` go in one pass, or None for all at once.
 
         Batched (serving): :data:`.batching.PREFILL_CHUNK` while other requests are decoding, so that
@@ -317,11 +317,13 @@ class NativeLlama(Backend):
         cache: the kernels' row limit, so that a prompt is read by the same kernels as every other
         pass; rows are independent there, so any chunking gives the same bits, alone or served.
         A cache that evicts while it reads a prompt (StreamingLLM) reads it in chunks of its own,
-        at most ``PREFILL_CHUNK``, alone and served alike: where it compacts depends on them."""
+        at most ``PREFILL_CHUNK``, alone and served alike: where it compacts depends on them. So does
+        a pass whose attention a policy observes (H2O's every pass, SnapKV's window): it never goes
+        through the batcher, and is chunked as it would be alone whatever else is served."""
         evicting = self.kv_policy.prefill_chunk()
         if evicting is not None:
             return min(evicting, PREFILL_CHUNK)
-        if self._batched(tokens, hidden_layers, skip_layers):
+        if not observe and self._batched(tokens, hidden_layers, skip_layers):
             return PREFILL_CHUNK if self.batcher.active > 1 else self.batcher.max_rows
         chunks = [None]
         if self.numerics == "fast" and self._one_call(tokens, hidden_layers, skip_layers):
@@ -348,7 +350,7 @@ class NativeLlama(Backend):
         return out
 
     def _append(self, tokens: torch.Tensor, hidden_layers, skip_layers, last_only: bool, observe: bool) -> StepOutput:
-        chunk = self._prefill_chunk(tokens, hidden_layers, skip_layers)
+        chunk = self._prefill_chunk(tokens, hidden_layers, skip_layers, observe)
         if chunk is not None and tokens.shape[1] > chunk:
             parts = [self._append(part, hidden_layers, skip_layers, last_only, observe) for part in tokens.split(chunk, dim=1)]
             return _joined(parts, last_only)
