@@ -80,6 +80,24 @@ def test_streamed_deltas_join_to_the_text(tiny_model):
     assert "".join(deltas) == g.text
 
 
+def test_should_stop_is_asked_before_the_request_and_between_the_passes_of_a_long_prompt():
+    """A client gone while its request waited, or while its long prompt is read, frees the slot
+    there: no pass at all, or none after the chunk being read (the int8 cache reads a prompt 64
+    tokens a pass)."""
+    from decodekit.models import CharTokenizer
+    from decodekit.models.tiny import tiny_llama
+
+    backend = tiny_llama(seed=0, hidden_size=64, max_position=1024).with_kv_cache("int8")
+    engine, prompt = Engine(LoadedModel(backend, CharTokenizer(96), "tiny")), "the cat sat on the mat. " * 12
+    gone = engine.generate(prompt, max_new_tokens=5, chat=False, should_stop=lambda: True)
+    assert (gone.finish_reason, gone.text, gone.tokens, backend.length) == ("cancelled", "", [], 0)
+    asked: list[int] = []
+    left = engine.generate(prompt, max_new_tokens=5, chat=False, should_stop=lambda: asked.append(1) or len(asked) >= 3)
+    assert (left.finish_reason, left.tokens, backend.length) == ("cancelled", [], 64)  # asked before it, and before its 1st and 2nd passes
+    assert engine.generate(prompt, max_new_tokens=5, chat=False).tokens == Engine(
+        LoadedModel(backend.clone(), CharTokenizer(96), "tiny")).generate(prompt, max_new_tokens=5, chat=False).tokens
+
+
 def test_loading_choices_beside_a_loaded_model_are_refused_not_ignored(tiny_model):
     for choice in ({"kv_cache": "int8"}, {"numerics": "fast"}, {"dtype": "bfloat16"}, {"backend": "hf"}):
         with pytest.raises(InvalidParameter, match=next(iter(choice))):

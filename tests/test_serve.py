@@ -315,11 +315,18 @@ def test_health_models_and_metrics(served):
             assert r.status == 200 and r.read() == b""
     models = served.client.models.list().data
     assert [m.id for m in models] == [MODEL] and models[0].numerics == served.server.numerics
+    counts = ("decodekit:time_to_first_token_seconds_count", "decodekit:e2e_request_latency_seconds_count",
+              "decodekit:time_per_output_token_seconds_count")
+    before = [metric(served, c) for c in counts]
     chat(served, PROMPTS[0], max_tokens=5, temperature=0)
+    for _ in chat(served, PROMPTS[0], max_tokens=5, temperature=0, stream=True):
+        pass
+    chat(served, PROMPTS[0], max_tokens=5, extra_body={"method": "best-of-n"})
     status, text, _ = served.get("/metrics")
     assert status == 200
     assert "decodekit:generation_tokens_total" in text and "decodekit:batched_passes_total" in text
-    assert "decodekit:time_to_first_token_seconds_bucket" in text
+    # every request that produced a token has its time to first token, streamed or not, search or not
+    assert [metric(served, c) - b for c, b in zip(counts, before)] == [3, 3, 3]
 
 
 def test_speculative_methods_are_served_too(served, alone):
@@ -426,6 +433,34 @@ def test_a_client_that_goes_away_frees_its_slot(served):
         time.sleep(0.02)
     assert scheduler.running == 0
     assert cancelled_count(served) == before + 2
+
+
+def test_a_request_cancelled_while_it_waits_gives_its_queue_place_back_at_once(alone):
+    """A waiting choice whose client left frees its queue place then, not when a slot frees: the
+    next client is admitted (it got a 503), and the cancelled choice never takes a slot."""
+    from decodekit.serve.scheduler import Job, Overloaded, Scheduler
+
+    model = tiny_model()
+    scheduler = Scheduler(model, max_batch=1, max_queue=1)
+    try:
+        prompt = model.tokenizer.encode(PROMPTS[0])
+        long, waiting, later = (Job(prompt, "greedy", {}, 1900, ignore_eos=True), Job(prompt, "greedy", {}, 4),
+                                Job(prompt, "greedy", {}, 6))
+        (running,) = scheduler.submit([long])
+        (queued,) = scheduler.submit([waiting])
+        with pytest.raises(Overloaded):
+            scheduler.submit([later])
+        scheduler.cancel([waiting])
+        assert (scheduler.running, scheduler.waiting) == (1, 0)
+        (admitted,) = scheduler.submit([later])
+        scheduler.cancel([long])
+        assert running.result(timeout=60).generation.finish_reason == "cancelled"
+        assert queued.result(timeout=60).generation.finish_reason == "cancelled"
+        assert waiting.started is None and not queued.result().generation.tokens  # it never took a slot
+        assert admitted.result(timeout=60).generation.tokens == alone(prompt, max_new_tokens=6).tokens
+        assert (scheduler.running, scheduler.waiting) == (0, 0)
+    finally:
+        scheduler.close()
 
 
 def rss_mb() -> float:

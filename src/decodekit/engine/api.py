@@ -11,10 +11,11 @@ import torch
 
 from ..errors import InvalidParameter
 from ..models import LoadedModel, load_model
+from ..models.backend import Interrupted
 from ..options import check_int
 from ..samplers import SAMPLER_OPTIONS, LogitsProcessor, Sampler
 from ..samplers.constraint import Constraint, constraint_processor
-from .core import Cancelled, Generation, GenerationStats, Request
+from .core import Cancelled, Generation, GenerationStats, Request, stop_requested
 from .registry import build_decoder, method_spec
 
 
@@ -124,8 +125,9 @@ class Engine:
     ) -> Generation:
         """Generate a continuation. ``params`` are sampler parameters (temperature, top_p, seed, ...)
         and method options (e.g. ``max_ngram`` for ``pld``); unknown names raise an error.
-        ``should_stop`` is asked after every step; when it says True the generation ends there
-        (finish reason ``cancelled``: a client went away, a deadline passed). ``ignore_eos`` decodes
+        ``should_stop`` is asked before the request starts, between the passes of a long prompt and
+        after every step; when it says True the generation ends there (finish reason ``cancelled``:
+        a client went away, a deadline passed; before the first step, with no text). ``ignore_eos`` decodes
         past end-of-sequence tokens (for fixed-length benchmarks), except where a ``constraint``'s
         grammar ends the text. ``constraint`` (a
         :class:`..samplers.constraint.Constraint`, or a dict such as ``{"json_schema": {...}}``,
@@ -156,13 +158,15 @@ class Engine:
                 raise InvalidParameter("generate() was called on a model whose generation on this thread is still running "
                                        "(from its on_text or should_stop?): it would overwrite that one's cache; call it "
                                        "once that one has returned, or on a clone of the model")
-            backend.request_thread = threading.get_ident()
+            backend.request_thread, backend.interrupt = threading.get_ident(), should_stop
             try:
+                if stop_requested(request):  # cancelled before it started (a client gone while it waited)
+                    raise Cancelled
                 generation = decoder.generate(self.model, request)
-            except Cancelled:  # a search stopped by should_stop: it has no answer yet
+            except (Cancelled, Interrupted):  # a search stopped by should_stop, or the prompt's reading: no answer yet
                 generation = Generation(text="", tokens=[], stats=GenerationStats(), finish_reason="cancelled")
             finally:
-                backend.request_thread = None
+                backend.request_thread = backend.interrupt = None
         if on_text is not None and not decoder.streams and generation.text:
             on_text(generation.text)
         return generation

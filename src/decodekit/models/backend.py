@@ -98,6 +98,11 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+class Interrupted(Exception):
+    """A long prompt abandoned between two of its passes: the request's ``should_stop`` said so
+    (:attr:`Backend.interrupt`). The cache then holds part of the prompt; the next request resets it."""
+
+
 class Backend(ABC):
     """A causal LM with an appendable, rollback-able, tree-verifiable KV cache."""
 
@@ -106,6 +111,9 @@ class Backend(ABC):
     #: server does): a next prompt that starts the same way re-reads only the rest (:meth:`prefill`).
     kept_ids: list[int] | None = None
     request_thread: int | None = None  # the thread whose request holds the cache now (Engine.generate)
+    #: Asked between the passes of a prompt read in several (:meth:`check_interrupt`): a request's
+    #: ``should_stop`` while it runs, so that a client gone while its long prompt is read frees the slot.
+    interrupt: Callable[[], bool] | None = None
     #: The files the weights were read from (a GGUF file or safetensors), set by the loader; what
     #: a trained drafter's record of its target is checked against. Empty for models built in memory.
     weights_files: tuple = ()
@@ -255,6 +263,11 @@ class Backend(ABC):
 
     # Conveniences shared by every backend -------------------------------------------------
 
+    def check_interrupt(self) -> None:
+        """Raise :class:`Interrupted` where :attr:`interrupt` says to abandon the prompt being read."""
+        if self.interrupt is not None and self.interrupt():
+            raise Interrupted
+
     def clone(self) -> "Backend":
         """A backend over the same weights with its own, empty cache.
 
@@ -263,7 +276,7 @@ class Backend(ABC):
         """
         twin = copy.copy(self)
         twin.__dict__["_memory"] = {}
-        twin.request_thread = None
+        twin.request_thread = twin.interrupt = None
         twin.reset(1)
         return twin
 

@@ -352,7 +352,10 @@ class NativeLlama(Backend):
     def _append(self, tokens: torch.Tensor, hidden_layers, skip_layers, last_only: bool, observe: bool) -> StepOutput:
         chunk = self._prefill_chunk(tokens, hidden_layers, skip_layers, observe)
         if chunk is not None and tokens.shape[1] > chunk:
-            parts = [self._append(part, hidden_layers, skip_layers, last_only, observe) for part in tokens.split(chunk, dim=1)]
+            parts = []
+            for part in tokens.split(chunk, dim=1):
+                self.check_interrupt()  # between passes: nothing of a batch is pending
+                parts.append(self._append(part, hidden_layers, skip_layers, last_only, observe))
             return _joined(parts, last_only)
         def causal(start: int, k: int) -> torch.Tensor | None:
             # k == 1 attends to everything cached; otherwise causal within the new block.

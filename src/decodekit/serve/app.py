@@ -275,7 +275,7 @@ class Server:
             return StreamingResponse(reply.stream(request, jobs, futures, deltas), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            outcomes = await wait_or_cancel(request, jobs, futures)
+            outcomes = await wait_or_cancel(request, scheduler, jobs, futures)
         except ClientGone:
             reply.record_when_stopped(dict(enumerate(futures)), {})  # cancelled choices count too, as in a stream
             raise
@@ -585,7 +585,7 @@ def check_method(spec: RequestSpec, model: LoadedModel) -> None:
             raise InvalidParameter(str(err), param=err.param or "constraint") from None
 
 
-async def wait_or_cancel(request: Request, jobs: list[Job], futures) -> list[Outcome]:
+async def wait_or_cancel(request: Request, scheduler: Scheduler, jobs: list[Job], futures) -> list[Outcome]:
     """The outcomes, cancelling every choice if the client goes away meanwhile."""
     waiting = [asyncio.wrap_future(f) for f in futures]
     try:
@@ -596,8 +596,7 @@ async def wait_or_cancel(request: Request, jobs: list[Job], futures) -> list[Out
             if await request.is_disconnected():
                 raise ClientGone
     except BaseException:
-        for job in jobs:
-            job.cancelled.set()
+        scheduler.cancel(jobs)
         raise
 
 
@@ -701,6 +700,17 @@ class Reply:
                                          queued_s=outcome.queued_s, ttft_s=first_token_s,
                                          e2e_s=time.perf_counter() - self.started)
 
+    def first_token_s(self, outcome: Outcome) -> float | None:
+        """When a reply that is not streamed had its first token, from the request's arrival: after
+        its wait and its prompt's reading where the method decodes token by token; at the end for a
+        search, which settles its answer last. None where no token was generated."""
+        g = outcome.generation
+        if not g.generated:
+            return None
+        if method_spec(self.spec.method).family == "search":
+            return time.perf_counter() - self.started
+        return outcome.queued_s + g.stats.prefill_s
+
     def _logprobs(self, outcome: Outcome) -> dict[str, Any] | None:
         """Each token's log-probability: the tokens the text shows, a last one cut inside by a stop
         string included, with its text (and bytes) as far as the text goes."""
@@ -727,7 +737,7 @@ class Reply:
         choices = []
         for i, outcome in enumerate(outcomes):
             g = outcome.generation
-            self.record(outcome, None)
+            self.record(outcome, self.first_token_s(outcome))
             choice: dict[str, Any] = {"index": i, "finish_reason": FINISH[g.finish_reason],
                                       "logprobs": self._logprobs(outcome)}
             if self.chat:
@@ -792,6 +802,5 @@ class Reply:
             yield f"data: {json.dumps({'error': error})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            for job in jobs:  # a client that went away, or an error: stop decoding for nobody
-                job.cancelled.set()
+            self.server.scheduler.cancel(jobs)  # a client that went away, or an error: stop decoding for nobody
             self.record_when_stopped(unrecorded, first)  # what was cancelled is counted when it stops

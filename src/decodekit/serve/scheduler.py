@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..engine import Engine
-from ..engine.core import Generation
+from ..engine.core import Generation, GenerationStats
 from ..engine.registry import method_spec
 from ..engine.stops import shown_tokens
 from ..errors import DecodeKitError, InvalidParameter
@@ -53,6 +53,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
+    abandoned: bool = False  # cancelled while it waited: its queue place was given back then
 
 
 @dataclass
@@ -127,12 +128,25 @@ class Scheduler:
         self.prefix_tokens += shared
         return self._free.pop(best)
 
+    def cancel(self, jobs: list[Job]) -> None:
+        """Stop these choices: a running one at its next step or between its prompt's passes, a
+        waiting one before it starts, its queue place given back now (for the next client)."""
+        with self._lock:
+            for job in jobs:
+                job.cancelled.set()
+                if job.started is None and not job.abandoned:
+                    job.abandoned = True
+                    self.waiting -= 1
+
     def _run(self, job: Job) -> Outcome:
         with self._lock:
+            if job.abandoned:
+                nothing = Generation(text="", tokens=[], stats=GenerationStats(), finish_reason="cancelled")
+                return Outcome(nothing, None, time.perf_counter() - job.submitted)
             engine = self._take_slot(job.prompt_ids)
             self.waiting -= 1
             self.running += 1
-        job.started = time.perf_counter()
+            job.started = time.perf_counter()
         try:
             with self.batcher.member():
                 generation = engine.generate(
