@@ -48,8 +48,9 @@ def test_native_logits_match_transformers(window):
 
 
 def test_a_prompt_longer_than_a_chunk_is_read_in_chunks_with_transformers_logits(monkeypatch):
-    """The exact numerics read a long prompt in chunks (a window's mask over the whole of it grows
-    with its square): every position's logits still are transformers' on the whole prompt."""
+    """A long prompt is read in chunks, the kernels' 64 rows a pass, or through torch (hidden states
+    asked for) ``LONG_PROMPT_CHUNK`` a pass (a window's mask over the whole of it grows with its
+    square): every position's logits still are transformers' on the whole prompt."""
     from decodekit.models import gemma3
 
     monkeypatch.setattr(gemma3, "LONG_PROMPT_CHUNK", 48)
@@ -59,9 +60,13 @@ def test_a_prompt_longer_than_a_chunk_is_read_in_chunks_with_transformers_logits
     passes = []
     monkeypatch.setattr(native, "_forward", lambda tokens, *args, **kw: passes.append(tokens.shape[1])
                         or type(native)._forward(native, tokens, *args, **kw))
-    got = native.append(ids).logits
     with torch.no_grad():
         ref = hf(ids).logits
+    got = native.append(ids).logits
+    assert passes == [64, 64, 2] and torch.allclose(got, ref, atol=ATOL)
+    native.reset()
+    passes.clear()
+    got = native.append(ids, hidden_layers=(1,)).logits
     assert passes == [48, 48, 34] and torch.allclose(got, ref, atol=ATOL)
 
 

@@ -170,9 +170,10 @@ class NativeGemma3(NativeLlama):
         )
 
     def _prefill_chunk(self, tokens: torch.Tensor, hidden_layers, skip_layers, observe: bool = False) -> int | None:
-        """A long prompt in the exact numerics is read :data:`LONG_PROMPT_CHUNK` tokens a pass: a
-        sliding-window layer's mask over a whole prompt grows with its square, over a chunk with
-        its length (the logits differ only by float32 rounding)."""
+        """A long prompt that the kernels do not read (hidden states asked for; no kernels) is read
+        :data:`LONG_PROMPT_CHUNK` tokens a pass: a sliding-window layer's mask over a whole prompt
+        grows with its square, over a chunk with its length (the logits differ only by float32
+        rounding)."""
         chunk = super()._prefill_chunk(tokens, hidden_layers, skip_layers, observe)
         return LONG_PROMPT_CHUNK if chunk is None and self.config.sliding_window else chunk
 

@@ -313,9 +313,10 @@ class NativeLlama(Backend):
 
         Batched (serving): :data:`.batching.PREFILL_CHUNK` while other requests are decoding, so that
         a long prompt joins the batch a chunk at a time and their steps keep coming; alone, the
-        largest pass the batcher runs (fewer, fuller passes). ``fast`` numerics and the int8
-        cache: the kernels' row limit, so that a prompt is read by the same kernels as every other
-        pass; rows are independent there, so any chunking gives the same bits, alone or served.
+        largest pass the batcher runs (fewer, fuller passes). Alone, where the kernels take the
+        pass (either numerics; always for the int8 and int4 caches): their row limit, so that a
+        prompt is read by the same kernels as every other pass; rows are independent there, so any
+        chunking gives the same bits, alone or served (one pass through torch would round otherwise).
         A cache that evicts while it reads a prompt (StreamingLLM) reads it in chunks of its own,
         at most ``PREFILL_CHUNK``, alone and served alike: where it compacts depends on them. So does
         a pass whose attention a policy observes (H2O's every pass, SnapKV's window): it never goes
@@ -326,7 +327,7 @@ class NativeLlama(Backend):
         if not observe and self._batched(tokens, hidden_layers, skip_layers):
             return PREFILL_CHUNK if self.batcher.active > 1 else self.batcher.max_rows
         chunks = [None]
-        if self.numerics == "fast" and self._one_call(tokens, hidden_layers, skip_layers):
+        if self._one_call(tokens, hidden_layers, skip_layers):
             chunks.append(MAX_ROWS)
         if self.kv_policy.quantised:  # only the kernels read and write the int8 and int4 caches
             chunks.append(MAX_ROWS)
