@@ -289,6 +289,25 @@ def test_integer_kernel_is_its_scalar_reference_bit_for_bit_and_close_to_float32
 
 
 @needs_vnni
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_block_of_values_too_small_to_invert_its_scale_is_quantised_to_zeros(kind):
+    """Below ~3.7e-37 a block's 1 / scale is infinite: its values (an exact zero among them: 0 *
+    inf is NaN, which the vector and scalar code converted differently) are quantised to zeros,
+    in the kernel as in its reference, within a tiny absolute error of float32."""
+    gen = torch.Generator().manual_seed(0)
+    blocks = BlockMatrix.quantize(torch.randn(16, 64, generator=gen), kind)
+    x = torch.randn(2, 64, generator=gen) * 1e-37
+    x[0, 3] = 0.0
+    x[1, 32:] = torch.randn(32, generator=gen)  # a normal block beside a tiny one, in the same row
+    got = integer_product(kind, blocks, x)
+    assert torch.equal(got, kernels.integer_block_matmul_reference(kind, blocks.data, x, blocks.n_in))
+    assert torch.equal(got[0], torch.zeros(16))
+    normal = x[1:].clone()
+    normal[0, :32] = 0.0
+    assert torch.equal(got[1], integer_product(kind, blocks, normal)[0])
+
+
+@needs_vnni
 @pytest.mark.parametrize("kind", KINDS + ["q6_k"])
 @pytest.mark.parametrize("rows", [21, 22, 40])
 def test_two_threads_quantising_a_pass_together_give_the_reference_bit_for_bit(kind, rows):

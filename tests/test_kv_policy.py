@@ -368,6 +368,23 @@ def test_int8_cache_rows_are_the_quantised_float_rows_and_take_a_quarter_of_the_
     assert int8.cache_bytes() / full.cache_bytes() == (16 + 4) / (4 * 16)  # head size 16: int8 values + a scale
 
 
+def test_a_row_too_small_to_invert_its_scale_is_stored_as_zeros_by_the_kernel_as_in_python():
+    """A key or value row below ~3.7e-37 has an infinite 1 / scale: rope_store_q8 stored -128 for
+    every value (a sign flipped), quantise_int8_rows the row itself; both store zeros now."""
+    from decodekit.models.kernels import dequantise_int8_rows, int8_cache_kernels, quantise_int8_rows
+
+    d = 16
+    value = torch.full((d,), 1e-38)
+    value[1::2] = 0.0
+    qkv = torch.zeros(1, 3 * d)
+    qkv[0, 2 * d :] = value
+    k_cache, v_cache = torch.zeros(1, 4, d // 4 + 1), torch.zeros(1, 4, d // 4 + 1)
+    int8_cache_kernels(d).rope_store(qkv, torch.tensor([1.0, 0.0] * (d // 2)).repeat(4, 1), torch.tensor([0]),
+                                     k_cache, v_cache, 0, 1)
+    assert torch.equal(v_cache[0, :1].view(torch.int32), quantise_int8_rows(value[None]).view(torch.int32))
+    assert torch.equal(dequantise_int8_rows(v_cache[0, :1])[0], torch.zeros(d))
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 128])  # one query a job; three heads of a group a job; two
 def test_int8_attention_is_float_attention_on_the_dequantised_rows(head_dim):
     from decodekit.models.kernels import dequantise_int8_rows, int8_cache_kernels, layout_independent_attention, quantise_int8_rows

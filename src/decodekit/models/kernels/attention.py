@@ -145,7 +145,8 @@ def quantise_int8_rows(x: torch.Tensor) -> torch.Tensor:
     int8 values and the scale), exactly as ``rope_store_q8`` writes them."""
     x = x.float()
     scale = x.abs().amax(dim=-1, keepdim=True) / 127.0
-    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    inverse = 1.0 / scale  # infinite for a zero row or one below ~3.7e-37: stored as zeros
+    inverse = torch.where(inverse.isinf(), torch.zeros_like(inverse), inverse)
     q = (x * inverse).round().clamp(-128, 127).to(torch.int8)
     return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=-1).view(torch.float32)
 

@@ -153,6 +153,14 @@ static void finish_block(Quantised *in, size_t at, float dx, int32_t s0, int32_t
     in->c1[at] = -32 * s1;
 }
 
+/* 1 / dx, or 0 where dx is 0 or so small (a block of values below ~3.7e-37) that its inverse is
+ * infinite: such a block is quantised to zeros (0 * inf would be NaN, converted differently by the
+ * scalar and the vector code). */
+static inline float inverse_scale(float dx) {
+    float inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+    return isinf(inv) ? 0.0f : inv;
+}
+
 /* Scalar quantisation (the reference's). */
 static void quantize_scalar(const float *x, int M, int n_in, Quantised *in) {
     int nb = n_in / QK;
@@ -166,7 +174,7 @@ static void quantize_scalar(const float *x, int M, int n_in, Quantised *in) {
                 amax = fmaxf(amax, fabsf(xb[j]));
                 finite &= isfinite(xb[j]) != 0;
             }
-            float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+            float dx = amax / 127.0f, inv = inverse_scale(dx);
             int32_t sx[2] = {0, 0};
             for (int j = 0; j < QK; j++) {
                 /* clamped: x * inv can round past 127 by an ulp, and must never be converted out of range */
@@ -196,7 +204,7 @@ static void quantize_vector(const float *x, size_t first, size_t last, Quantised
             continue;
         }
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-        float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+        float dx = amax / 127.0f, inv = inverse_scale(dx);
         __m512 scale = _mm512_set1_ps(inv);
         __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(-limit, _mm512_mul_ps(x0, scale))));
         __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(-limit, _mm512_mul_ps(x1, scale))));

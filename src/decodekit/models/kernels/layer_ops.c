@@ -117,7 +117,9 @@ static void quantise_row(const float *x, int8_t *dst, int n) {
     __m512 amax = _mm512_setzero_ps();
     for (int j = 0; j < n; j += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + j)));
     float scale = _mm512_reduce_max_ps(amax) / 127.0f;
-    __m512 inverse = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+    float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    /* a row below ~3.7e-37 has an infinite inverse: stored as zeros (as quantise_int8_rows does) */
+    __m512 inverse = _mm512_set1_ps(isinf(inv) ? 0.0f : inv);
     for (int j = 0; j < n; j += 16)
         _mm_storeu_si128((__m128i *)(dst + j), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + j), inverse))));
     memcpy(dst + n, &scale, sizeof(float));
