@@ -422,6 +422,18 @@ def test_a_chain_drafts_as_far_as_the_budget_says(method, options):
     assert g.stats.extra["drafted"] == 16 * g.stats.extra["verifications"]
 
 
+@pytest.mark.parametrize("method, options", [("draft", {"draft_model": "self-truncated:1"}), ("layerskip", {}),
+                                             ("kvdraft", {})])
+def test_a_max_draft_given_is_the_chains_cap_too(method, options):
+    """The common ``max_draft`` a request gives caps the chains the controller sizes, past the chain
+    drafters' own default cap of 6 (which it did not reach: they kept 6)."""
+    from decodekit.engine import build_decoder
+
+    assert build_decoder(method, **options).method.drafter.max_draft == 6
+    assert build_decoder(method, max_draft=16, **options).method.drafter.max_draft == 16
+    assert build_decoder(method, max_draft=3, **options).method.drafter.max_draft == 3
+
+
 @pytest.mark.parametrize("method, options, cache", [
     ("draft", {"draft_model": "self-truncated:1"}, "int4:group=8,residual=64"),  # the draft shares the target's cache policy
     ("kvdraft", {"draft_cache": "h2o:budget=6,window=3"}, "full"),

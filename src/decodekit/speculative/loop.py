@@ -240,9 +240,13 @@ def method_builder(factory: Callable[..., Drafter]) -> Callable[..., StepDecoder
 
     def build(**options: Any) -> StepDecoder:
         options = dict(options)
+        asked = options.get("max_draft")
         controller = make_controller(options)
-        if controller.fixed is not None and takes_max_draft:  # a fixed budget is the chain's length, past its cap
-            options["max_draft"] = max(controller.fixed, 1)
+        if takes_max_draft:  # a chain drafter's own cap on its chains gives way to what the request says:
+            if controller.fixed is not None:  # a fixed budget is the chain's length
+                options["max_draft"] = max(controller.fixed, 1)
+            elif asked is not None:  # the common cap, given, is the chain's
+                options["max_draft"] = controller.max_draft
         return StepDecoder(SpeculativeMethod(factory(**options), controller))
 
     return build
