@@ -463,6 +463,28 @@ def test_a_request_cancelled_while_it_waits_gives_its_queue_place_back_at_once(a
         scheduler.close()
 
 
+def test_a_damaged_model_found_while_decoding_is_the_servers_fault_not_the_request():
+    """A model whose logits are not finite (a damaged weight) fails each request with a 500
+    server_error, streamed or not; it was a 400 telling the client its request was bad."""
+    backend = tiny_llama(seed=0)
+    backend.weights.final_norm[3] = float("nan")
+    running = Running(LoadedModel(backend, CharTokenizer(96), MODEL), max_batch=1, max_queue=1)
+    try:
+        with pytest.raises(openai.InternalServerError, match="not finite") as failed:
+            chat(running, PROMPTS[0], max_tokens=4)
+        assert failed.value.body["type"] == "server_error"
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True}).encode()
+        request = urllib.request.Request(running.url + "/v1/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request) as reply:
+            stream = reply.read().decode()
+        error = next(json.loads(line[6:])["error"] for line in stream.splitlines() if '"error"' in line)
+        assert error["type"] == "server_error" and "not finite" in error["message"]
+        assert metric(running, 'decodekit:request_errors_total{status="500"}') == 2
+    finally:
+        running.stop()
+
+
 def rss_mb() -> float:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024

@@ -39,7 +39,7 @@ from ..engine.api import make_sampler, prompt_token_ids, split_params
 from ..engine.core import check_fits
 from ..engine.registry import build_decoder, method_spec
 from ..engine.stops import shown_tokens
-from ..errors import DecodeKitError, InvalidParameter, PromptTooLong
+from ..errors import CacheError, ClusterError, DecodeKitError, InvalidModel, InvalidParameter, ModelNotFound, PromptTooLong
 from ..samplers.constraint import KINDS, constraint_processor
 from ..samplers.params import SEED_LIMIT
 from ..models import LoadedModel
@@ -77,6 +77,20 @@ class ApiError(Exception):
                  code: str | None = None):
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
+
+
+#: Errors raised while a request decodes that are the server's fault, not the request's: a model or
+#: a cache found damaged (a 500, where the request's own faults are 400s).
+SERVER_FAULTS = (InvalidModel, CacheError, ModelNotFound, ClusterError)
+
+
+def decoding_error(err: Exception, body: dict[str, Any], chat: bool) -> ApiError:
+    """The answer to an error raised while a request decoded: a 400 naming the request's field at
+    fault, or a 500 where the fault is the server's (or unexpected)."""
+    if isinstance(err, DecodeKitError) and not isinstance(err, SERVER_FAULTS):
+        return ApiError(400, str(err), param=field_named(err, body, chat))
+    message = str(err) if isinstance(err, DecodeKitError) else f"internal error: {type(err).__name__}: {err}"
+    return ApiError(500, message, "server_error")
 
 
 class ClientGone(Exception):
@@ -279,8 +293,8 @@ class Server:
         except ClientGone:
             reply.record_when_stopped(dict(enumerate(futures)), {})  # cancelled choices count too, as in a stream
             raise
-        except DecodeKitError as err:  # found while decoding: an option the checks above cannot judge alone
-            raise ApiError(400, str(err), param=field_named(err, body, chat)) from None
+        except DecodeKitError as err:  # found while decoding: an option the checks above cannot judge alone, or a fault
+            raise decoding_error(err, body, chat) from None
         return reply.whole(outcomes)
 
 
@@ -791,14 +805,10 @@ class Reply:
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
         except Exception as err:  # the stream has started: the error goes in it, as OpenAI does, then [DONE]
-            if isinstance(err, DecodeKitError):
-                error = {"message": str(err), "type": "invalid_request_error", "param": field_named(err, self.body, self.chat),
-                         "code": None}
-            else:
-                error = {"message": f"internal error: {type(err).__name__}: {err}", "type": "server_error",
-                         "param": None, "code": None}
+            answer = decoding_error(err, self.body, self.chat)
+            error = {"message": str(answer), "type": answer.kind, "param": answer.param, "code": answer.code}
             if self.server.metrics:
-                self.server.metrics.errors.labels("400" if isinstance(err, DecodeKitError) else "500").inc()
+                self.server.metrics.errors.labels(str(answer.status)).inc()
             yield f"data: {json.dumps({'error': error})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
