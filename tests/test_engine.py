@@ -105,6 +105,15 @@ def test_loading_choices_beside_a_loaded_model_are_refused_not_ignored(tiny_mode
     assert Engine(tiny_model).model is tiny_model
 
 
+def test_the_one_call_generate_takes_a_loaded_model_too(tiny_model):
+    import decodekit
+
+    got = decodekit.generate("hello", model=tiny_model, max_new_tokens=6, chat=False)
+    assert got.tokens == Engine(tiny_model).generate("hello", max_new_tokens=6, chat=False).tokens
+    with pytest.raises(InvalidParameter, match="kv_cache"):
+        decodekit.generate("hello", model=tiny_model, kv_cache="int8", max_new_tokens=6, chat=False)
+
+
 def test_streams_hold_back_the_longest_start_of_any_stop_string(tiny_model):
     """With several stop strings a stream holds back the longest end of the text that any of them
     starts with, in either order (it held back each in turn, the later ones within what was left,

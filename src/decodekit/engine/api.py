@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from numbers import Integral
@@ -172,6 +173,8 @@ class Engine:
         return generation
 
 
+#: load_model's defaults for the loading choices generate() leaves out (one cache key for either spelling).
+LOAD_DEFAULTS = {name: p.default for name, p in inspect.signature(load_model).parameters.items() if p.kind is p.KEYWORD_ONLY}
 _default_engines: dict[tuple, Engine] = {}
 _default_engines_lock = threading.Lock()
 
@@ -181,8 +184,11 @@ def generate(
     dtype: str | None = None, numerics: str | None = None, kv_cache: str | None = None, **kwargs: Any,
 ) -> Generation:
     """One-call generation; the model is loaded once per (model, backend, dtype, numerics, kv_cache)
-    and reused (those not given: :func:`load_model`'s defaults)."""
-    key = (model, backend, dtype, numerics, kv_cache)
+    and reused (those not given: :func:`load_model`'s defaults), or ``model`` is one loaded already."""
+    if isinstance(model, LoadedModel):
+        return Engine(model, backend=backend, dtype=dtype, numerics=numerics, kv_cache=kv_cache).generate(prompt, **kwargs)
+    given = {"backend": backend, "dtype": dtype, "numerics": numerics, "kv_cache": kv_cache}
+    key = (model, *(LOAD_DEFAULTS[name] if value is None else value for name, value in given.items()))
     try:
         hash(key)
     except TypeError:  # a list or a dict where a name goes
