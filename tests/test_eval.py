@@ -146,6 +146,9 @@ def test_paraphrases_are_distinct_rephrasings_and_never_the_question_itself():
     assert all(question in p for p in every)
     with pytest.raises(InvalidParameter, match="paraphrases"):  # a repeat would count one answer twice
         paraphrases(question, len(PARAPHRASE_TEMPLATES) + 1)
+    for k in (0, -1):  # (a negative k counted from the end)
+        with pytest.raises(InvalidParameter, match="paraphrases"):
+            paraphrases(question, k)
     capitals = capitals_task()
     item = capitals.items[0]
     five = capitals.paraphrase(item, 5)

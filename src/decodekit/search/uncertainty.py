@@ -30,6 +30,7 @@ from ..engine.core import Request
 from ..errors import InvalidParameter
 from ..models import LoadedModel
 from ..models.tokenizer import Tokenizer
+from ..options import check_int
 from .answers import Extractor
 from .batch import SAMPLE_TEMPERATURE, Sample, SearchContext
 
@@ -149,6 +150,7 @@ def paraphrases(question: str, k: int) -> list[str]:
 def first_paraphrases(templates: Sequence[str], k: int) -> Sequence[str]:
     """The first ``k`` of a task's paraphrase templates; more than there are is refused (repeating
     a template would count one rephrasing's answer several times and inflate PC@k)."""
+    check_int("paraphrases", k)
     if k > len(templates):
         raise InvalidParameter(f"paraphrases: {k} asked, but this task has {len(templates)} distinct ones", param="paraphrases")
     return templates[:k]

@@ -244,7 +244,8 @@ class Server:
 
     # completions ------------------------------------------------------------------------------
 
-    async def complete(self, request: Request, *, chat: bool):
+    async def complete(self, request: Request, *, chat: bool) -> Response | dict[str, Any]:
+        started = time.perf_counter()  # the request's arrival: its latencies count reading and checking it too
         scheduler = self.ready()
         self.check_origin(request)
         body = await read_body(request)
@@ -283,7 +284,6 @@ class Server:
             raise ApiError(503, str(err), "server_error", code="overloaded") from None
         except DecodeKitError as err:  # more choices than the server ever holds at once
             raise ApiError(400, str(err), param=field_named(err, body, chat)) from None
-        started = time.perf_counter()
         reply = Reply(self, chat, spec, prompt_ids, started, body)
         if stream:
             return StreamingResponse(reply.stream(request, jobs, futures, deltas), media_type="text/event-stream",
