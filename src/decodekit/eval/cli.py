@@ -133,6 +133,8 @@ def _numbers(flag: str, text: str, kind, lo: float, hi: float) -> tuple:
         values = ()
     if not values or any(not lo <= v <= hi for v in values):
         raise InvalidParameter(f"--{flag} must be comma-separated numbers in [{lo}, {hi}], got {text!r}")
+    if len(set(values)) < len(values):  # a repeat would be reported under one key, its other result lost
+        raise InvalidParameter(f"--{flag} names a value twice: {text!r}")
     return values
 
 
@@ -188,7 +190,7 @@ def run_long_context(args: argparse.Namespace, out: Path, model=None) -> int:
     model = model or load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics)
 
     def progress(row: dict) -> None:
-        summary = row.get("error") or f"NLL {row['nll']:.4f}, {row['cache_bytes'] / 1e6:.1f} MB, {row['decode_tok_s']:.1f} tok/s"
+        summary = row.get("error") or f"NLL {row['nll']:.4f}, {row['cache_bytes'] / 1e6:.1f} MB at peak, {row['decode_tok_s']:.1f} tok/s"
         print(f"{row['length']:>6} {row['policy']:<32} {summary}", file=sys.stderr, flush=True)
 
     result = evaluate_long_context(model, config, progress)

@@ -10,10 +10,10 @@ Two tasks, both built from what the package ships (nothing downloaded):
   hidden at several depths of repeated filler text; the model is asked for it and answers
   greedily; correct when the number appears in the answer.
 
-Per policy and length: NLL, pass-key accuracy by depth, the cache's bytes once the continuation
-is read (the committed entries, :meth:`NativeLlama.cache_bytes`; every policy measured at the same
-point, where an evicting policy such as H2O has evicted down to its budget while the full cache
-holds context and continuation) and decode tokens per second. A policy
+Per policy and length: NLL, pass-key accuracy by depth, the cache's peak bytes while the context
+and the continuation are read (the most entries held at once, :meth:`NativeLlama.cache_bytes`:
+SnapKV holds the whole context before it compresses it, H2O evicts as it reads) and decode tokens
+per second. A policy
 that cannot hold a length (the full cache past the context window) is reported as such.
 Writes ``results.json``, ``report.md`` and ``plot.png`` (NLL change against cache memory).
 """
@@ -37,6 +37,9 @@ DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
+PASSKEY_ANSWER_TOKENS = 8  # a five-digit number and what the model says around it
+
+
 @dataclass
 class LongContextConfig:
     policies: tuple[str, ...] = DEFAULT_POLICIES
@@ -57,16 +60,21 @@ def document_tokens(tokenizer, needed: int) -> list[int]:
 
 
 def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
-    """About ``length`` tokens: filler with the pass key at ``depth`` (0 = start, 1 = end), then the question."""
+    """About ``length`` tokens (within one filler sentence): filler with the pass key at ``depth``
+    (0 = start, 1 = end), then the question."""
     head = "There is important information hidden in this text. Find it and remember it.\n"
     needle = f"The pass key is {key}. Remember it. {key} is the pass key.\n"
     question = "\nWhat is the pass key? The pass key is"
-    fixed = len(tokenizer.encode(head + needle + question))
-    filler_tokens = tokenizer.encode(FILLER)
-    repeats = max(1, (length - fixed) // max(len(filler_tokens), 1))
-    before = round(repeats * depth)
-    text = head + FILLER * before + needle + FILLER * (repeats - before) + question
-    return tokenizer.encode(text)
+
+    def prompt(repeats: int) -> list[int]:
+        before = round(repeats * depth)
+        return tokenizer.encode(head + FILLER * before + needle + FILLER * (repeats - before) + question)
+
+    fixed = len(prompt(0))
+    repeats = max(1, (length - fixed) // max(len(tokenizer.encode(FILLER)), 1))
+    # repeated, the filler tokenizes shorter than alone (its sentences merge at their joins): measured once, resized
+    per_repeat = (len(prompt(repeats)) - fixed) / repeats
+    return prompt(max(1, round((length - fixed) / max(per_repeat, 1e-9))))
 
 
 def continuation_nll(backend, ids: list[int], context: int) -> float:
@@ -87,31 +95,34 @@ def run_policy(model, policy: str, length: int, config: LongContextConfig, rng: 
 
     row: dict[str, Any] = {"policy": policy, "length": length}
     try:
-        backend = model.backend.with_kv_cache(policy) if policy != "full" else model.backend.clone()
+        backend = model.backend.with_kv_cache(policy)  # "full" too: whatever cache the model was loaded with
     except DecodeKitError as err:  # a policy this model does not take (Gemma 3's sliding windows): its rows say so
         row["error"] = str(err)
         return row
     engine = Engine(LoadedModel(backend, model.tokenizer, model.name))
-    if length + config.continuation > backend.info.max_length:  # said now, not after thousands of passes
-        row["error"] = (f"{length} + {config.continuation} continuation tokens exceed the context of "
-                        f"{backend.info.max_length} this cache holds")
+    after = max(config.continuation, config.decode_tokens, PASSKEY_ANSWER_TOKENS)  # the most any run reads past the context
+    if length + after > backend.info.max_length:  # said now, not after thousands of passes
+        row["error"] = (f"{length} + {after} tokens after it exceed the context of {backend.info.max_length} "
+                        "this cache holds")
         return row
     ids = document_tokens(model.tokenizer, length + config.continuation)
+    measured: dict[str, Any] = {}
     try:
-        row["nll"] = continuation_nll(backend, ids, length)
-        row["cache_bytes"] = backend.cache_bytes()
+        measured["nll"] = continuation_nll(backend, ids, length)
+        measured["cache_bytes"] = backend.cache_bytes(peak=True)
         out = engine.generate(ids[:length], max_new_tokens=config.decode_tokens, ignore_eos=True)
-        row["decode_tok_s"] = out.stats.new_tokens / max(out.stats.decode_s, 1e-9)
-        row["prefill_s"] = out.stats.prefill_s
-        row["passkey"] = {}
+        measured["decode_tok_s"] = out.stats.new_tokens / max(out.stats.decode_s, 1e-9)
+        measured["prefill_s"] = out.stats.prefill_s
+        measured["passkey"] = {}
         for depth in config.depths:
             key = rng.randrange(10000, 100000)
             prompt = passkey_prompt(model.tokenizer, length, depth, key)
-            answer = engine.generate(prompt, max_new_tokens=8).text
-            row["passkey"][str(depth)] = str(key) in answer
-    except (DecodeKitError, ValueError) as err:  # e.g. the full cache past the context window
+            answer = engine.generate(prompt, max_new_tokens=PASSKEY_ANSWER_TOKENS).text
+            measured["passkey"][str(depth)] = str(key) in answer
+    except (DecodeKitError, ValueError) as err:  # e.g. the full cache past the context window: no figure of it kept
         row["error"] = str(err)
-    return row
+        return row
+    return {**row, **measured}
 
 
 def evaluate_long_context(model, config: LongContextConfig, progress=None) -> dict[str, Any]:
@@ -146,7 +157,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"- model: {result.get('model', '')}, {result.get('numerics', '')} numerics; continuation "
         f"{result['config']['continuation']} tokens, decode speed over {result['config']['decode_tokens']} tokens",
         "",
-        "| length | policy | NLL | vs full | cache MB | saved | decode tok/s | pass-key " + " ".join(f"@{d}" for d in depths) + " |",
+        "| length | policy | NLL | vs full | peak cache MB | saved | decode tok/s | pass-key " + " ".join(f"@{d}" for d in depths) + " |",
         "|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in result["rows"]:
@@ -181,7 +192,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
                             xytext=(3, 3), textcoords="offset points")
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xscale("log")
-    ax.set_xlabel("KV cache after context and continuation (MB, log scale)")
+    ax.set_xlabel("peak KV cache while reading context and continuation (MB, log scale)")
     ax.set_ylabel("continuation NLL vs full cache (%)")
     ax.set_title(f"Quality against memory: {result.get('model', '')} (labels: context tokens)", fontsize=10)
     ax.grid(alpha=0.3)

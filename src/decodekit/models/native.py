@@ -184,11 +184,17 @@ class NativeLlama(Backend):
     def batch_size(self) -> int:
         return self._k.shape[1]
 
-    def cache_bytes(self) -> int:
-        """Bytes the committed keys and values take (what a policy saves; capacity not counted):
-        under ``int4``, the quantised tokens and the float residual's slots."""
+    def cache_bytes(self, peak: bool = False) -> int:
+        """Bytes the committed keys and values take (what a policy saves; capacity not counted),
+        with an evicting policy's bookkeeping (each entry's position and accumulated attention);
+        under ``int4``, the quantised tokens and the float residual's slots. ``peak``: at the most
+        entries held at once since the cache was reset (a prompt read whole before SnapKV
+        compresses it, a verification tree's nodes)."""
         c = self.config
-        held = 2 * c.num_layers * self.batch_size * c.num_kv_heads * self._slots * self._row * self._k.element_size()
+        slots = self._peak_slots if peak else self._slots
+        held = 2 * c.num_layers * self.batch_size * c.num_kv_heads * slots * self._row * self._k.element_size()
+        if self.kv_policy.evicts():
+            held += c.num_layers * c.num_kv_heads * slots * (self._held.element_size() + self._mass.element_size())
         return held + (self._kivi.nbytes() if self._kivi is not None else 0)
 
     @property
@@ -203,7 +209,7 @@ class NativeLlama(Backend):
                                    f"once (searches over several sequences run with the full cache)")
         self.kept_ids = None
         self.last_features = None
-        self._length = self._slots = 0
+        self._length = self._slots = self._peak_slots = 0
         self._tail_from = 0  # tokens from here on sit in the last slots, in order (rollback reaches that far)
         self._first_pass = True
         self._pending_tree = None
@@ -245,6 +251,7 @@ class NativeLlama(Backend):
             self._mass = torch.zeros(c.num_layers, c.num_kv_heads, capacity)
 
     def _ensure_capacity(self, needed: int) -> None:
+        self._peak_slots = max(self._peak_slots, needed)
         capacity = self._k.shape[3]
         if needed <= capacity:
             return
