@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -357,6 +358,18 @@ def test_hf_baseline_matches_native_greedy_on_same_weights(tiny: LoadedModel, hf
         assert theirs.forward_passes == ours.stats.forward_passes
 
 
+def test_only_what_decodes_greedily_is_held_to_the_greedy_reference(tiny: LoadedModel, hf_tiny):
+    """A lossless method that samples keeps plain sampling's tokens, not greedy's, and transformers'
+    float32 tokens are not the fast numerics' 8-bit ones: neither is flagged as "a bug" for differing."""
+    engine = Engine(tiny)
+    assert MethodContestant(engine, "pld").lossless and not MethodContestant(engine, "sample").lossless
+    assert not MethodContestant(engine, "pld", {"temperature": 0.7}).lossless
+    for numerics, exact in (("exact", True), ("fast", False)):
+        (hf,), _ = build_baselines(["hf"], tiny, model=None, dtype="float32", threads=1, hf_model=hf_tiny,
+                                   numerics=numerics)
+        assert hf.token_exact is exact
+
+
 def test_hf_prompt_lookup_baseline_is_greedy(tiny: LoadedModel, hf_tiny):
     model = hf_tiny
     plain = HFGenerate(model, tiny.tokenizer.eos_token_ids, tiny.tokenizer.decode)
@@ -426,8 +439,26 @@ def test_plan_always_includes_greedy_and_picks_up_registered_methods(qfile: Path
         "fake-spec", lambda **o: StepDecoder(PlainDecoding()), "test", lossless=True, family="speculative"))
     plan = bench_cli.make_plan(parse("--questions", str(qfile), "--baselines", "none"))
     assert plan.methods[0] == "greedy" and "fake-spec" in plan.methods and plan.baselines == []
+    # a method that does not build without options of the user's is left out, with a note, so that the
+    # command recorded for the run runs again (naming draft without its draft_model is refused)
+    assert "draft" not in plan.methods and any(n.startswith("draft: left out") for n in plan.notes)
+    assert bench_cli.make_plan(parse(*shlex.split(plan.command)[2:])).methods == plan.methods
     plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "fake-spec", "--opt", "fake-spec.k=2"))
     assert plan.methods == ["greedy", "fake-spec"] and plan.options == {"fake-spec": {"k": 2}}
+
+
+def test_a_json_object_option_is_recorded_as_json_and_read_back(qfile: Path):
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "pld", "--opt",
+                                     'pld.cost_table={"1": 0.01, "8": 0.02}'))
+    again = bench_cli.make_plan(parse(*shlex.split(plan.command)[2:]))
+    assert again.options == plan.options == {"pld": {"cost_table": {"1": 0.01, "8": 0.02}}}
+
+
+def test_a_question_category_named_like_the_reports_total_is_refused(tmp_path: Path):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "category": "overall", "turns": ["hi"]}) + "\n")
+    with pytest.raises(InvalidParameter, match="reserved"):
+        load_questions(path)
 
 
 def test_the_numerics_is_part_of_the_plan_its_command_and_its_resume_key(qfile: Path):
@@ -493,6 +524,8 @@ def test_execute_writes_results_report_and_png(executed):
     assert image.shape[0] > 100 and image.shape[1] > 100
     table = terminal_report(results)
     assert "greedy" in table and "hf (baseline)" in table and "mt_bench" in table
+    stamp = loaded["machine"]["decodekit"]
+    assert f"decodekit {stamp}" in report and f"exact numerics; decodekit {stamp}" in table  # which code, which numerics
 
 
 def test_plot_and_report_on_a_summary_with_many_methods(executed, tmp_path: Path):

@@ -55,9 +55,11 @@ class HFGenerate(Contestant):
     lossless = True  # greedy; prompt lookup in transformers verifies greedily
 
     def __init__(self, hf_model, eos_token_ids: frozenset[int], decode: Callable[[Sequence[int]], str], *,
-                 name: str = "hf", prompt_lookup: int | None = None):
+                 name: str = "hf", prompt_lookup: int | None = None, token_exact: bool = True):
+        """``token_exact``: False against decodekit's ``fast`` numerics, whose 8-bit inputs are not
+        transformers' float32 (its tokens are then compared as text, not one to one)."""
         self.model, self.eos, self.decode = hf_model.eval(), frozenset(eos_token_ids), decode
-        self.name, self.prompt_lookup = name, prompt_lookup
+        self.name, self.prompt_lookup, self.token_exact = name, prompt_lookup, token_exact
         self.calls = 0
 
     def _count(self, *_: Any) -> None:
@@ -158,7 +160,8 @@ def check_baselines(names: Sequence[str]) -> None:
 
 
 def build_baselines(
-    names: Sequence[str], loaded: LoadedModel, *, model: str | None, dtype: str, threads: int, hf_model=None
+    names: Sequence[str], loaded: LoadedModel, *, model: str | None, dtype: str, threads: int, hf_model=None,
+    numerics: str = "exact",
 ) -> tuple[list[Contestant], list[str]]:
     """Build the requested baselines; returns them and notes on those skipped.
 
@@ -172,7 +175,7 @@ def build_baselines(
         if name in ("hf", "hf-pld"):
             hf_model = hf_model if hf_model is not None else load_hf_model(model, dtype)
             lookup = PROMPT_LOOKUP_TOKENS if name == "hf-pld" else None
-            built.append(HFGenerate(hf_model, eos, decode, name=name, prompt_lookup=lookup))
+            built.append(HFGenerate(hf_model, eos, decode, name=name, prompt_lookup=lookup, token_exact=numerics == "exact"))
         elif name == "llamacpp":
             baseline, note = _llamacpp(loaded, model, threads)
             built.extend([baseline] if baseline else [])

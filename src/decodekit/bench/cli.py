@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..arguments import add_model_argument, add_numerics_arguments, add_ray_arguments, check_ray_arguments, check_writable, named
-from ..errors import InvalidParameter
+from ..errors import DecodeKitError, InvalidParameter
 from ..options import check_int, parse_option
 from .questions import DEFAULT_QUESTIONS
 
@@ -58,7 +59,7 @@ def split_list(text: str | None) -> list[str]:
 
 def choose_methods(requested: str | None, quick: bool, notes: list[str]) -> list[str]:
     """User-named methods must exist; default lists keep only what is registered."""
-    from ..engine import available_methods, method_spec
+    from ..engine import available_methods, build_decoder, method_spec
     from .execution import REFERENCE
 
     registered = available_methods()
@@ -73,8 +74,14 @@ def choose_methods(requested: str | None, quick: bool, notes: list[str]) -> list
         missing = [n for n in QUICK_METHODS if n not in registered]
         if missing:
             notes.append(f"--quick: not registered, skipped: {', '.join(missing)}")
-    else:
-        names = sorted(n for n, spec in registered.items() if spec.family == "speculative")
+    else:  # every speculative method that builds without options of the user's (draft needs its draft_model)
+        names = []
+        for name in sorted(n for n, spec in registered.items() if spec.family == "speculative"):
+            try:
+                build_decoder(name)
+                names.append(name)
+            except DecodeKitError as err:
+                notes.append(f"{name}: left out of the default methods ({err})")
     return [REFERENCE, *dict.fromkeys(n for n in names if n != REFERENCE)]
 
 
@@ -168,8 +175,8 @@ def command_line(plan: Plan, quick: bool) -> str:
     parts += ["--ray", plan.ray] if plan.ray else []
     parts += ["--workers", str(plan.workers)] if plan.workers else []
     for method, opts in plan.options.items():
-        for key, value in opts.items():
-            parts += ["--opt", f"{method}.{key}={value}"]
+        for key, value in opts.items():  # a JSON object option (cost_table) as JSON, which --opt reads back
+            parts += ["--opt", f"{method}.{key}={json.dumps(value) if isinstance(value, dict) else value}"]
     return shlex.join(parts) + ("  # --quick" if quick else "")
 
 

@@ -76,7 +76,10 @@ class MethodContestant(Contestant):
         self.engine, self.method, self.options = engine, method, dict(options or {})
         self.base = engine.model.backend  # fresh() starts again from a clone of it
         self.name = name or method  # the label in reports; differs from the method when it is run twice
-        self.family, self.lossless = spec.family, spec.lossless
+        # lossless here: its tokens are the greedy reference's (a lossless method that samples, such
+        # as ``sample``, keeps plain sampling's tokens, not greedy's)
+        samples = spec.sampling == "always" or (spec.sampling == "when-temperature" and bool(self.options.get("temperature")))
+        self.family, self.lossless = spec.family, spec.lossless and not samples
 
     def fresh(self) -> None:
         """A clone of the backend it started with: same weights, an empty cross-request memory

@@ -156,7 +156,7 @@ def build_contestants(plan: Plan, model, *, hf_model=None) -> tuple[list, list[s
         if contestant.family == "speculative":
             prepare(contestant.engine.model.backend)
     baselines, notes = build_baselines(plan.baselines, model, model=plan.model, dtype=plan.dtype,
-                                       threads=torch.get_num_threads(), hf_model=hf_model)
+                                       threads=torch.get_num_threads(), hf_model=hf_model, numerics=plan.numerics)
     return [*contestants, *baselines], notes
 
 

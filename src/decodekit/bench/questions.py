@@ -33,6 +33,10 @@ class Question:
         return category_group(self.category)
 
 
+#: The reports' name for every category together (no question's category may take it).
+OVERALL = "overall"
+
+
 def category_group(category: str) -> str:
     """The reporting group of a category: MT-Bench sub-categories collapse into ``mt_bench``."""
     return MT_BENCH if category in MT_BENCH_CATEGORIES else category
@@ -57,6 +61,8 @@ def parse_question(raw: dict, where: str) -> Question:
         raise InvalidParameter(f"{where}: turns must be a non-empty list of non-empty strings")
     if not isinstance(raw["category"], str) or not raw["category"]:
         raise InvalidParameter(f"{where}: category must be a non-empty string")
+    if category_group(raw["category"]) == OVERALL:  # the reports' name for all categories together
+        raise InvalidParameter(f"{where}: the category name {OVERALL!r} is reserved for the reports' total")
     qid = raw["question_id"]
     if isinstance(qid, bool) or not isinstance(qid, (int, str)) or qid == "":
         raise InvalidParameter(f"{where}: question_id must be an integer or a non-empty string, got {qid!r:.40}")

@@ -80,8 +80,10 @@ def matrix(summary: dict[str, Any], key: str, fmt: Fmt, markdown: bool = False, 
 
 
 def terminal_report(results: dict[str, Any]) -> str:
-    summary = results["summary"]
+    summary, machine = results["summary"], results["machine"]
     parts = [
+        f"{machine['model']}, {machine['dtype']}, {machine.get('numerics', 'exact')} numerics; decodekit "
+        f"{machine.get('decodekit', 'unknown')}",
         f"Overall ({summary['reference']} = decodekit plain greedy, the reference):",
         method_table(summary, OVERALL, memory=True),
         "",
@@ -100,6 +102,7 @@ def machine_lines(machine: dict[str, Any]) -> list[str]:
         f"- torch {machine['torch']} with {machine['torch_threads']} threads; transformers {machine['transformers']}; "
         f"llama-cpp-python {machine['llama_cpp'] or 'not installed'}",
         f"- model {machine['model']}, dtype {machine['dtype']}, {machine.get('numerics', 'exact')} numerics; {machine['platform']}, Python {machine['python']}",
+        f"- decodekit {machine.get('decodekit', 'unknown')} (the code that ran)",
     ]
 
 

@@ -52,10 +52,10 @@ from typing import Any
 
 from ..errors import InvalidParameter
 from ..machine import usable_cores
+from .questions import OVERALL
 from .runner import RECORD_FIELDS
 
 SCHEMA = "decodekit-bench/1"
-OVERALL = "overall"
 AGGREGATE = ("throughput = summed new tokens / summed seconds over a category's questions (per-question "
              "medians over repeats); speedup = method throughput / reference throughput on the same questions")
 STAT_KEYS = (
