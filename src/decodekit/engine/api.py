@@ -16,7 +16,7 @@ from ..models.backend import Interrupted
 from ..options import check_int
 from ..samplers import SAMPLER_OPTIONS, LogitsProcessor, Sampler
 from ..samplers.constraint import Constraint, constraint_processor
-from .core import Cancelled, Generation, GenerationStats, Request, stop_requested
+from .core import Generation, Request, stop_requested
 from .registry import build_decoder, method_spec
 
 
@@ -161,11 +161,10 @@ class Engine:
                                        "once that one has returned, or on a clone of the model")
             backend.request_thread, backend.interrupt = threading.get_ident(), should_stop
             try:
-                if stop_requested(request):  # cancelled before it started (a client gone while it waited)
-                    raise Cancelled
-                generation = decoder.generate(self.model, request)
-            except (Cancelled, Interrupted):  # a search stopped by should_stop, or the prompt's reading: no answer yet
-                generation = Generation(text="", tokens=[], stats=GenerationStats(), finish_reason="cancelled")
+                # cancelled before it started (a client gone while it waited): no pass at all
+                generation = Generation.cancelled() if stop_requested(request) else decoder.generate(self.model, request)
+            except Interrupted:  # a search stopped by should_stop (Cancelled), or its prompt's reading: no answer yet
+                generation = Generation.cancelled()
             finally:
                 backend.request_thread = backend.interrupt = None
         if on_text is not None and not decoder.streams and generation.text:

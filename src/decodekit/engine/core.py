@@ -18,7 +18,7 @@ import torch
 
 from ..errors import PromptTooLong
 from ..models import LoadedModel
-from ..models.backend import Backend
+from ..models.backend import Backend, Interrupted
 from ..samplers import Histories, Sampler
 from .stops import cut_at_stop, hits_stop, settled, stop_strings
 
@@ -56,6 +56,11 @@ class Generation:
     # tokens generated after ``tokens`` that a stop string cut off: the stop's own, and one whose
     # characters before the cut stay in ``text`` (:func:`.stops.shown_tokens`)
     cut_off: list[int] = field(default_factory=list)
+
+    @classmethod
+    def cancelled(cls) -> "Generation":
+        """A request ended before it had an answer (cancelled while it waited, read its prompt or searched)."""
+        return cls(text="", tokens=[], stats=GenerationStats(), finish_reason="cancelled")
 
     @property
     def generated(self) -> int:
@@ -182,9 +187,10 @@ class Decoder(ABC):
     def generate(self, model: LoadedModel, request: Request) -> Generation: ...
 
 
-class Cancelled(Exception):
+class Cancelled(Interrupted):
     """Raised inside a search when its request's ``should_stop`` says so. A search has no answer
-    before its end to hand back, so the engine answers "cancelled" with no text."""
+    before its end to hand back, so the engine answers "cancelled" with no text, as it does for a
+    prompt abandoned between its passes (:class:`Interrupted`, which this is one of)."""
 
 
 def stop_requested(request: Request) -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..engine import Engine
-from ..engine.core import Generation, GenerationStats
+from ..engine.core import Generation
 from ..engine.registry import method_spec
 from ..engine.stops import shown_tokens
 from ..errors import DecodeKitError, InvalidParameter
@@ -53,7 +53,6 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
-    abandoned: bool = False  # cancelled while it waited: its queue place was given back then
 
 
 @dataclass
@@ -106,7 +105,12 @@ class Scheduler:
                                         initializer=single_threaded if self.batching else None)
         self._lock = threading.Lock()
         self.running = 0
-        self.waiting = 0
+        self._queued: dict[int, Job] = {}  # id -> a choice admitted that has not taken a slot nor been cancelled
+
+    @property
+    def waiting(self) -> int:
+        """Choices admitted that wait for a slot."""
+        return len(self._queued)
 
     def submit(self, jobs: list[Job]) -> list[Future[Outcome]]:
         """Queue the choices of one request together, or refuse them all (:class:`Overloaded`)."""
@@ -118,7 +122,7 @@ class Scheduler:
             if self.running + self.waiting + len(jobs) > room:
                 raise Overloaded(f"the server is busy ({self.running} requests running, {self.waiting} waiting); "
                                  "retry shortly")
-            self.waiting += len(jobs)
+            self._queued.update((id(job), job) for job in jobs)
         return [self._pool.submit(self._run, job) for job in jobs]
 
     def _take_slot(self, prompt_ids: list[int]) -> Engine:
@@ -134,17 +138,13 @@ class Scheduler:
         with self._lock:
             for job in jobs:
                 job.cancelled.set()
-                if job.started is None and not job.abandoned:
-                    job.abandoned = True
-                    self.waiting -= 1
+                self._queued.pop(id(job), None)
 
     def _run(self, job: Job) -> Outcome:
         with self._lock:
-            if job.abandoned:
-                nothing = Generation(text="", tokens=[], stats=GenerationStats(), finish_reason="cancelled")
-                return Outcome(nothing, None, time.perf_counter() - job.submitted)
+            if self._queued.pop(id(job), None) is None:  # cancelled while it waited: its place is given back
+                return Outcome(Generation.cancelled(), None, time.perf_counter() - job.submitted)
             engine = self._take_slot(job.prompt_ids)
-            self.waiting -= 1
             self.running += 1
             job.started = time.perf_counter()
         try:
