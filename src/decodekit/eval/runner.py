@@ -85,7 +85,8 @@ def run_item(model, task, config, decoder, item, seed, max_new) -> dict[str, Any
     spent = gen.stats.extra.get("tokens_spent", gen.stats.new_tokens)
     extra_spent = 0
     if "agreement" in config.signals and "agreement" not in signals:
-        probe = Request(request.prompt_ids, make_sampler("greedy", {"seed": seed}), max_new)  # sampled at T=0.7
+        # the seed's sampler: sampled_agreement draws its samples at its own SAMPLE_TEMPERATURE
+        probe = Request(request.prompt_ids, make_sampler("greedy", {"seed": seed}), max_new)
         found = sampled_agreement(model, probe, answer, task.answer, n=config.n)
         signals["agreement"], extra_spent = found["agreement"], extra_spent + found["tokens_spent"]
     if "pc" in config.signals:

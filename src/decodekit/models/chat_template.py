@@ -1,5 +1,5 @@
 """Chat templates rendered as transformers' ``apply_chat_template`` renders them, without importing
-transformers (about a second of every process start, most of what loading the embedded model took
+transformers (a large share of every process start, most of what loading the embedded model took
 besides the weights).
 
 A model file's chat template is Jinja code written for transformers, and code from a model file is

@@ -218,8 +218,8 @@ class StreamingPolicy(KVPolicy):
     the sinks and between ``window`` and ``window + every - 1`` recent tokens. Keys are stored
     rotated; on compaction the moved keys are rotated back by the distance they moved (RoPE is a
     rotation by position, so this places them at their new slots). A prompt is read ``every``
-    tokens a pass (at most 32, the same alone and served), so a prompt longer than the context
-    window works too.
+    tokens a pass (``window // 8`` where ``every`` is not given; at most 32, the same alone and
+    served), so a prompt longer than the context window works too.
     """
 
     sink: int = 4

@@ -244,10 +244,9 @@ def require_fast_numerics(blocks: "BlockMatrix | None") -> None:
 class Projection:
     """A linear layer, run through oneDNN's matmul where this torch build has it.
 
-    Why not ``F.linear``: on this project's AMD EPYC machine, float32 ``F.linear`` goes to MKL,
-    whose kernels for a few rows are far from the hardware (2 rows cost twice one row), while
-    oneDNN's ``_linear_pointwise`` on the same ``[out, in]`` weight costs a fraction of that for a
-    few rows (docs/BENCHMARKS.md, the earliest float32 runs). Cheap multi-row passes are what
+    Why not ``F.linear``: float32 ``F.linear`` goes to MKL, whose kernels for a few rows are far
+    from the hardware, while oneDNN's ``_linear_pointwise`` on the same ``[out, in]`` weight costs
+    a fraction of that for a few rows (the figures: docs/BENCHMARKS.md, the earliest float32 runs). Cheap multi-row passes are what
     make speculative verification pay in float32. Both are plain float32 (or bfloat16) arithmetic: only
     the summation order differs.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from decodekit.exports import lazy_exports
+from ..exports import lazy_exports
 
 #: Each public name and the submodule it comes from.
 _EXPORTS = {

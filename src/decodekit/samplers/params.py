@@ -4,7 +4,7 @@ which is spelled ``--method greedy``)."""
 
 from __future__ import annotations
 
-from decodekit.options import OptionSpec, option_table
+from ..options import OptionSpec, option_table
 
 #: Seeds are 64-bit: torch's generator takes no more, and seed + i (a request's i-th sample, a
 #: search's i-th row) wraps around at this limit.

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from decodekit.samplers.base import LogitsProcessor, count_history, generated_ids
-from decodekit.samplers.params import FLOAT32_MAX, SAMPLER_OPTIONS
+from .base import LogitsProcessor, count_history, generated_ids
+from .params import FLOAT32_MAX, SAMPLER_OPTIONS
 
 
 class _HistoryPenalty(LogitsProcessor):

@@ -8,18 +8,18 @@ from typing import Any
 
 import torch
 
-from decodekit.errors import InvalidParameter
-from decodekit.models.kernels import argmax, exponential_race
-from decodekit.options import check_int, check_real, keyword_signature, parse_options
-from decodekit.samplers.base import LogitsProcessor
-from decodekit.samplers.params import SAMPLER_OPTIONS, SEED_LIMIT
-from decodekit.samplers.penalties import (
+from ..errors import InvalidParameter
+from ..models.kernels import argmax, exponential_race
+from ..options import check_int, check_real, keyword_signature, parse_options
+from .base import LogitsProcessor
+from .params import SAMPLER_OPTIONS, SEED_LIMIT
+from .penalties import (
     FrequencyPenalty,
     NoRepeatNGram,
     PresencePenalty,
     RepetitionPenalty,
 )
-from decodekit.samplers.truncation import (
+from .truncation import (
     AdaptiveTopK,
     EpsilonCutoff,
     EtaCutoff,

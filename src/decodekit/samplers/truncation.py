@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from decodekit.options import check_real
-from decodekit.samplers.base import LogitsProcessor, entropy, keep_only, sorted_probs
-from decodekit.samplers.params import FLOAT32_MAX, SAMPLER_OPTIONS
+from ..options import check_real
+from .base import LogitsProcessor, entropy, keep_only, sorted_probs
+from .params import FLOAT32_MAX, SAMPLER_OPTIONS
 
 
 def _mass_before(p: torch.Tensor) -> torch.Tensor:

@@ -363,7 +363,7 @@ def _twin(backend: Backend) -> Backend:
 
 def prepare(backend: Backend) -> CostTable:
     """Make ``backend``'s verify-cost table ready before its first request: read from the disk
-    cache, or measured now (about a second) the first time this model, dtype and thread count
+    cache, or measured now (a few passes of each size) the first time this model, dtype and thread count
     run on the machine. Whoever sets a model up calls it once per backend, outside any timed
     region (``decodekit bench`` does, before its warm-up), so that no request pays for it."""
     return CostTable.shared(backend)
