@@ -441,9 +441,9 @@ def test_the_tables_python_shares_with_the_c_kernels_agree():
     assert {kind: int(gguf[f"{kind.upper()}_BYTES"]) for kind in BLOCK_BYTES} == BLOCK_BYTES
     weights = {kind: int(gguf["K_BLOCK_WEIGHTS" if kind.endswith("_k") else "SMALL_BLOCK_WEIGHTS"]) for kind in BLOCK_WEIGHTS}
     assert weights == BLOCK_WEIGHTS
-    assert int(c_defines("gemm_q8.c")["GROUP"]) == kernels.INTEGER_GROUP
+    assert int(c_defines("decodekit.h")["DECODEKIT_Q8_GROUP"]) == kernels.INTEGER_GROUP
     assert int(c_defines("topk.c")["TOPK_MAX"]) == kernels.TOPK_MAX
     assert eval(c_defines("race.c")["MARGIN"]) == kernels.sampling._RACE_MARGIN
-    enum = re.search(r"enum \{ (KIND_\w+(?:, KIND_\w+)*), KINDS \};", (Path(kernels.__file__).parent / "gemm_q8.c").read_text())
+    enum = re.search(r"enum \{ (KIND_\w+(?:, KIND_\w+)*), KINDS \};", (Path(kernels.__file__).parent / "decodekit.h").read_text())
     order = [name.removeprefix("KIND_").lower() for name in enum[1].split(", ")]
     assert {kind: i for i, kind in enumerate(order)} == kernels.INTEGER_KINDS

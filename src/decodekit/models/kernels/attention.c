@@ -419,13 +419,13 @@ void decodekit_attention_q8(const float *q, const int8_t *k, const int8_t *v, co
  * codes of `bits` bits: a key is scale_c * code + min_c per channel c, with scale and min shared by
  * a group of `group` tokens (per channel); a value is scale * code + min with scale and min its
  * token's own. Positions from qend[i] on are read from the float32 residual buffer, whose slot 0
- * holds position `base` (base <= qend[i]); `visible` covers the buffer's first n_buf slots only
+ * holds position `base` (base <= qend[i]); `visible` covers the buffer's first n_residual slots only
  * (the quantised prefix precedes every row and is all visible).
  *
  * Codes: 16 channels in n = 2 * bits bytes, byte b holding channels b, b + n, b + 2n, ... from its
- * lowest bits up (4 bits: channel b in the low nibble, b + 8 in the high one). kcodes, vcodes:
- * [H_kv, cap_q, D * bits / 8]; kparams: [H_kv, cap_q / group, 2, D] (scales, then minima); vparams:
- * [H_kv, cap_q, 2]; kbuf, vbuf: [H_kv, cap_buf, D].
+ * lowest bits up (4 bits: channel b in the low nibble, b + 8 in the high one). k_codes, v_codes:
+ * [H_kv, cap_q, D * bits / 8]; k_params: [H_kv, cap_q / group, 2, D] (scales, then minima); v_params:
+ * [H_kv, cap_q, 2]; k_residual, v_residual: [H_kv, cap_residual, D].
  *
  * A row's keys are visited in position order and each entry is rebuilt in registers with one
  * fused multiply-add before the same fixed-order arithmetic as the float kernels, so a row's
@@ -490,8 +490,8 @@ static inline void load_codes(const uint8_t *p, __m512 *out, int chunks, int bit
 typedef struct {
     const uint8_t *kc, *vc;  /* codes: [cap_q, D * bits / 8] */
     const float *kp, *vp;    /* parameters: [cap_q / group, 2, D], [cap_q, 2] */
-    const float *kb, *vb;    /* residual: [cap_buf, D] */
-    int group, base, end, n_buf, bits;
+    const float *kb, *vb;    /* residual: [cap_residual, D] */
+    int group, base, end, n_residual, bits;
 } KiviHead;
 
 /* One job: Q queries (rows q[m], outputs out[m]) of one row that share a key/value head, CH =
@@ -517,7 +517,7 @@ typedef struct {
             for (int c = 0; c < (CH); c++) kv[c] = _mm512_fmadd_ps(kv[c], ks[c], km[c]);            \
             SCORE_KEY(Q, CH, j);                                                                    \
         }                                                                                           \
-        FOR_EACH_VISIBLE(slot, vis, h->n_buf) { /* the residual, from the row's quantised end on */ \
+        FOR_EACH_VISIBLE(slot, vis, h->n_residual) { /* the residual, from the row's quantised end on */ \
             if (h->base + slot < h->end) continue;                                                  \
             const float *kj = h->kb + (size_t)slot * 16 * (CH);                                     \
             for (int c = 0; c < (CH); c++) kv[c] = _mm512_loadu_ps(kj + 16 * c);                    \
@@ -554,10 +554,10 @@ DEFINE_KIVI_JOB(kivi_q1_c8, 1, chunks_, 8)
 DEFINE_KIVI_JOB(kivi_q2_c8, 2, chunks_, 8)
 DEFINE_KIVI_JOB(kivi_one, 1, chunks_, chunks_)
 
-void decodekit_attention_kivi(const float *q, const uint8_t *kcodes, const float *kparams, const uint8_t *vcodes,
-                              const float *vparams, const float *kbuf, const float *vbuf, const int32_t *qend,
+void decodekit_attention_kivi(const float *q, const uint8_t *k_codes, const float *k_params, const uint8_t *v_codes,
+                              const float *v_params, const float *k_residual, const float *v_residual, const int32_t *qend,
                               const uint8_t *visible, float *out, int n_q, int n_heads, int n_kv_heads, int head_dim,
-                              int group, int bits, int cap_q, int cap_buf, int base, int n_buf, float scale,
+                              int group, int bits, int cap_q, int cap_residual, int base, int n_residual, float scale,
                               int threads) {
     int chunks = head_dim / 16, row_bytes = head_dim * bits / 8;
     /* two jobs for every thread at least: the codes are light to read, so here an uneven split
@@ -566,17 +566,17 @@ void decodekit_attention_kivi(const float *q, const uint8_t *kcodes, const float
     _Pragma("omp parallel num_threads(threads) if (threads > 1)")
     {
         Scratch s;
-        scratch_init(&s, (size_t)cap_q + n_buf);
+        scratch_init(&s, (size_t)cap_q + n_residual);
         _Pragma("omp for schedule(static)")
         for (int job = 0; job < plan.jobs; job++) {
             const float *qs[MAX_Q];
             float *outs[MAX_Q];
             int kv, i, count = job_queries(&plan, job, q, out, qs, outs, &kv, &i);
-            KiviHead h = {kcodes + (size_t)kv * cap_q * row_bytes, vcodes + (size_t)kv * cap_q * row_bytes,
-                          kparams + (size_t)kv * (cap_q / group) * 2 * head_dim, vparams + (size_t)kv * cap_q * 2,
-                          kbuf + (size_t)kv * cap_buf * head_dim, vbuf + (size_t)kv * cap_buf * head_dim,
-                          group, base, qend[i], n_buf, bits};
-            const uint8_t *vis = visible ? visible + (size_t)i * n_buf : NULL;
+            KiviHead h = {k_codes + (size_t)kv * cap_q * row_bytes, v_codes + (size_t)kv * cap_q * row_bytes,
+                          k_params + (size_t)kv * (cap_q / group) * 2 * head_dim, v_params + (size_t)kv * cap_q * 2,
+                          k_residual + (size_t)kv * cap_residual * head_dim, v_residual + (size_t)kv * cap_residual * head_dim,
+                          group, base, qend[i], n_residual, bits};
+            const uint8_t *vis = visible ? visible + (size_t)i * n_residual : NULL;
             switch (job_kind(chunks, count)) {
             JOB_CASES(kivi, qs, outs, &h, vis, chunks, scale, &s)
             default:

@@ -33,9 +33,11 @@ DECODEKIT_BLOCK_GEMM(q5_kx4);
 DECODEKIT_BLOCK_GEMM(q6_kx4);
 int decodekit_has_avx512bf16(void);
 
-/* gemm_q8.c: GGUF blocks repacked once (`decodekit_q8_pack`; kind: gemm_q8.c's kind numbers, as
+/* gemm_q8.c: GGUF blocks repacked once (`decodekit_q8_pack`; kind: one of the kinds below, as
  * INTEGER_KINDS in matmul.py) times inputs quantised to 8 bits per block of 32, with VNNI integer dot products.
  * The `fast` numerics; decodekit_q8_reference is its scalar reference, bit for bit. */
+enum { KIND_Q4_1, KIND_Q8_0, KIND_Q4_K, KIND_Q6_K, KIND_Q5_K, KIND_Q5_0, KINDS };
+#define DECODEKIT_Q8_GROUP 16 /* output rows side by side in the packed layout (matmul.py's INTEGER_GROUP) */
 int64_t decodekit_q8_packed_bytes(int kind, int n_out, int n_in);
 void decodekit_q8_pack(int kind, const uint8_t *w, uint8_t *packed, int n_out, int n_in);
 #define DECODEKIT_Q8_GEMM(F) \
@@ -65,10 +67,10 @@ void decodekit_attention_q8(const float *q, const int8_t *k, const int8_t *v, co
                             int threads);
 /* The KIVI cache: positions below qend[row] read from the 2- or 4-bit codes, the rest from the
  * float residual whose slot 0 holds position `base`. */
-void decodekit_attention_kivi(const float *q, const uint8_t *kcodes, const float *kparams, const uint8_t *vcodes,
-                              const float *vparams, const float *kbuf, const float *vbuf, const int32_t *qend,
+void decodekit_attention_kivi(const float *q, const uint8_t *k_codes, const float *k_params, const uint8_t *v_codes,
+                              const float *v_params, const float *k_residual, const float *v_residual, const int32_t *qend,
                               const uint8_t *visible, float *out, int n_q, int n_heads, int n_kv_heads, int head_dim,
-                              int group, int bits, int cap_q, int cap_buf, int base, int n_buf, float scale,
+                              int group, int bits, int cap_q, int cap_residual, int base, int n_residual, float scale,
                               int threads);
 
 /* layer_ops.c: a layer's element-wise work, float32 (f32) or bfloat16 (bf16) activations. */

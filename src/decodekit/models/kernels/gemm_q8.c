@@ -35,7 +35,7 @@
 #include "gguf.h"
 
 #define QK 32
-#define GROUP 16   /* output rows side by side in the packed layout */
+#define GROUP DECODEKIT_Q8_GROUP
 #define TILE 8     /* input rows a group's unpacked weights are used for before they are rebuilt */
 #define SHARED_QUANTISATION 128 /* input blocks from which the threads quantise them together */
 #ifndef PREFETCH_BLOCKS
@@ -61,7 +61,6 @@
 #define Q4_K_PACKED (4 * 64 + 2 * GROUP * 4)
 #define WIDE_PACKED (8 * 64 + 2 * GROUP * 4) /* Q5_K, Q6_K */
 #define Q5_0_PACKED (4 * 64 + 64 + GROUP * 2)
-enum { KIND_Q4_1, KIND_Q8_0, KIND_Q4_K, KIND_Q6_K, KIND_Q5_K, KIND_Q5_0, KINDS };
 static const int FILE_BYTES[KINDS] = {Q4_1_BYTES, Q8_0_BYTES, Q4_K_BYTES, Q6_K_BYTES, Q5_K_BYTES, Q5_0_BYTES};
 static const int FILE_WEIGHTS[KINDS] = {SMALL_BLOCK_WEIGHTS, SMALL_BLOCK_WEIGHTS, K_BLOCK_WEIGHTS, K_BLOCK_WEIGHTS,
                                         K_BLOCK_WEIGHTS, SMALL_BLOCK_WEIGHTS};
