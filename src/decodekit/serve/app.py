@@ -55,13 +55,14 @@ ROLES = ("system", "developer", "user", "assistant")
 MAX_TOP_LOGPROBS = 20
 #: vLLM's fields for structured output, beside OpenAI's response_format
 GUIDED = tuple("guided_" + kind for kind in KINDS if kind != "json_schema")
-# OpenAI fields this module reads itself, or that mean nothing for a local model (model, user, store, ...):
-# never passed on to the method as its options
-IGNORED = {"model", "user", "safety_identifier", "store", "metadata", "prompt_cache_key", "prompt_cache_retention",
-           "parallel_tool_calls", "service_tier", "stream", "stream_options",
-           "messages", "prompt", "n", "max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs",
-           "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "method", "ignore_eos",
-           "response_format", "method_options", *GUIDED}
+#: Request fields this module reads itself: never passed on to the method as its options.
+READ_HERE = {"model", "stream", "stream_options", "messages", "prompt", "n", "max_tokens", "max_completion_tokens",
+             "stop", "logprobs", "top_logprobs", "temperature", "top_p", "seed", "presence_penalty",
+             "frequency_penalty", "method", "ignore_eos", "response_format", "method_options", *GUIDED}
+#: OpenAI fields that mean nothing for a local model and change no answer: accepted and ignored.
+IGNORED = {"user", "safety_identifier", "store", "metadata", "prompt_cache_key", "prompt_cache_retention",
+           "parallel_tool_calls", "service_tier"}
+NOT_OPTIONS = READ_HERE | IGNORED
 #: Seeds between two choices of a search method (its samples are seeded seed, seed + 1, ...).
 SEARCH_CHOICE_SPACING = 2**32
 # OpenAI fields that would change the answer and are not implemented: refused, never ignored
@@ -97,9 +98,14 @@ class ClientGone(Exception):
     """The client closed the connection before its answer: nobody to answer, nothing to count as an error."""
 
 
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """An OpenAI error object (what goes under ``"error"``, in a reply or in a stream's event)."""
+    return {"message": message, "type": kind, "param": param, "code": code}
+
+
 def error_response(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    body = {"error": error_body(message, kind, param, code)}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -169,13 +175,17 @@ class Server:
 
     # routes -----------------------------------------------------------------------------------
 
+    def count_error(self, status: int) -> None:
+        """One request answered with an error of this HTTP status, in the metrics (once they exist)."""
+        if self.metrics:
+            self.metrics.errors.labels(str(status)).inc()
+
     def _routes(self) -> None:
         app = self.app
 
         @app.exception_handler(ApiError)
         async def api_error(request: Request, err: ApiError):
-            if self.metrics:
-                self.metrics.errors.labels(str(err.status)).inc()
+            self.count_error(err.status)
             headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 503 else None
             return error_response(err.status, str(err), err.kind, err.param, err.code, headers)
 
@@ -190,8 +200,7 @@ class Server:
 
         @app.exception_handler(Exception)
         async def unexpected(request: Request, err: Exception):
-            if self.metrics:
-                self.metrics.errors.labels("500").inc()
+            self.count_error(500)
             return error_response(500, f"internal error: {type(err).__name__}: {err}", "server_error")
 
         @app.api_route("/health", methods=["GET", "HEAD"])
@@ -454,14 +463,14 @@ def _method_options(body: dict[str, Any]) -> dict[str, Any]:
     ``method_options``."""
     # (a field set to null is a field not given, as OpenAI reads it)
     params: dict[str, Any] = {k: v for k, v in body.items()
-                              if k not in IGNORED and k not in UNSUPPORTED and v is not None}
+                              if k not in NOT_OPTIONS and k not in UNSUPPORTED and v is not None}
     # a method's options may also come in an object of their own: the only way to give those named
     # like an OpenAI field (a search method's n, which the body's n cannot be)
     named = body.get("method_options") or {}
     if not isinstance(named, dict) or not all(isinstance(k, str) for k in named):
         raise ApiError(400, "method_options must be an object of a method's options", param="method_options")
     # the OpenAI fields are read from the body below: inside method_options they would be lost
-    fields = sorted(set(named) & (IGNORED - {"n"}))
+    fields = sorted(set(named) & (NOT_OPTIONS - {"n"}))
     if fields:
         raise ApiError(400, f"{fields[0]} is a field of the request body, not a method option: give it there",
                        param="method_options")
@@ -806,10 +815,8 @@ class Reply:
             yield "data: [DONE]\n\n"
         except Exception as err:  # the stream has started: the error goes in it, as OpenAI does, then [DONE]
             answer = decoding_error(err, self.body, self.chat)
-            error = {"message": str(answer), "type": answer.kind, "param": answer.param, "code": answer.code}
-            if self.server.metrics:
-                self.server.metrics.errors.labels(str(answer.status)).inc()
-            yield f"data: {json.dumps({'error': error})}\n\n"
+            self.server.count_error(answer.status)
+            yield f"data: {json.dumps({'error': error_body(str(answer), answer.kind, answer.param, answer.code)})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             self.server.scheduler.cancel(jobs)  # a client that went away, or an error: stop decoding for nobody
