@@ -104,11 +104,17 @@ def choose_token(
     return (None if sample else top), float(q[top]), q
 
 
+#: A chain drafter's own cap on its chains (the controller sizes them below it, unless a request
+#: gives ``max_draft`` or a fixed ``budget``), and its default confidence stop (SWIFT's).
+CHAIN_CAP = 6
+CHAIN_CONFIDENCE = 0.3
+
 #: The options every chain drafter takes (a subclass may change a default, e.g. ``stochastic``).
 #: ``max_draft`` is not among them: a chain drafter's own cap (its constructor's) gives way to the
 #: loop's common ``max_draft`` where a request gives one, and to a fixed ``budget`` (``method_builder``).
 CHAIN_OPTIONS = option_table(
-    OptionSpec("confidence", float, 0.3, "stop before a draft token whose top-1 probability is below this", lo=0.0, hi=1.0),
+    OptionSpec("confidence", float, CHAIN_CONFIDENCE, "stop before a draft token whose top-1 probability is below this",
+               lo=0.0, hi=1.0),
     OptionSpec("stochastic", bool, False, "sample drafts when the request samples"),
 )
 

@@ -36,7 +36,7 @@ from ...errors import InvalidParameter
 from ...models.backend import Backend, common_prefix
 from ...options import OptionSpec, option_table
 from . import register_drafter
-from .base import CHAIN_OPTIONS, ChainDrafter
+from .base import CHAIN_CAP, CHAIN_CONFIDENCE, CHAIN_OPTIONS, ChainDrafter
 
 SELF_TRUNCATED = "self-truncated:"
 
@@ -132,8 +132,8 @@ class DraftModelDrafter(ChainDrafter):
         self,
         *,
         draft_model: str | Backend | None = None,
-        max_draft: int | None = 6,
-        confidence: float = 0.3,
+        max_draft: int | None = CHAIN_CAP,
+        confidence: float = CHAIN_CONFIDENCE,
         stochastic: bool = True,
     ):
         super().__init__(max_draft=max_draft, confidence=confidence, stochastic=stochastic)

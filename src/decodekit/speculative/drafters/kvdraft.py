@@ -43,7 +43,7 @@ from ...errors import InvalidParameter
 from ...models.kv_policy import StreamingPolicy, parse_kv_cache
 from ...options import OptionSpec, option_table
 from . import register_drafter
-from .base import CHAIN_OPTIONS
+from .base import CHAIN_CAP, CHAIN_CONFIDENCE, CHAIN_OPTIONS
 from .draft_model import DraftModelDrafter
 
 DEFAULT_CACHE = "sink:4,window:1024"
@@ -64,7 +64,7 @@ class CompressedCacheDrafter(DraftModelDrafter):
 
     name = "kvdraft"
 
-    def __init__(self, *, draft_cache: str = DEFAULT_CACHE, max_draft: int | None = 6, confidence: float = 0.3,
+    def __init__(self, *, draft_cache: str = DEFAULT_CACHE, max_draft: int | None = CHAIN_CAP, confidence: float = CHAIN_CONFIDENCE,
                  stochastic: bool = True):
         super().__init__(draft_model=None, max_draft=max_draft, confidence=confidence, stochastic=stochastic)
         try:

@@ -47,7 +47,7 @@ from ...models.backend import Backend
 from ...options import OptionSpec, option_table
 from ..tree import DraftTree, Verification
 from . import register_drafter
-from .base import CHAIN_OPTIONS, ChainDrafter
+from .base import CHAIN_CAP, CHAIN_CONFIDENCE, CHAIN_OPTIONS, ChainDrafter
 
 WINDOW = 6  # verification rounds per evaluation of a skip set
 GROW_ACCEPT = 0.8  # accepted tokens per draft pass above which a poor set tries skipping more
@@ -181,8 +181,8 @@ class LayerSkipDrafter(ChainDrafter):
         self,
         *,
         skip_ratio: float = 0.4,
-        max_draft: int | None = 6,
-        confidence: float = 0.3,
+        max_draft: int | None = CHAIN_CAP,
+        confidence: float = CHAIN_CONFIDENCE,
         adapt: bool = True,
         stochastic: bool = False,
     ):
