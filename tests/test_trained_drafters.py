@@ -165,6 +165,26 @@ def test_benchmark_questions_are_dropped_and_checked(monkeypatch):
         check_excluded(corpus, exclusion)
 
 
+def test_a_model_that_drafts_no_query_stops_soon_in_one_line_and_caches_no_data(monkeypatch, tmp_path):
+    """A pretrained model with no chat template never ends a Magpie query: self-distillation
+    stops after a few barren rounds (it spent fifty, minutes on a real model) and says why, and no
+    empty corpus is saved for the next run to fail on."""
+    from decodekit.speculative.trained import cli
+
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    asked = []
+    monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: asked.append(1) or [])
+    model = tiny()
+    with pytest.raises(InvalidParameter, match="no usable query in 5 drafting rounds: it has no chat template.*--prompts tasks"):
+        self_distil(model.backend, model.tokenizer, 300, max_new_tokens=4, rows=2)
+    assert len(asked) == data_module.FIRST_BARREN_ROUNDS
+    args = argparse.Namespace(kind="medusa", tokens=400, prompts="magpie", minutes=1, steps=40, vocab=64, seed=0,
+                              eval_queries=2, unroll=1, max_new_tokens=16, out=None)
+    with pytest.raises(InvalidParameter, match="no usable query"):
+        cli.run(args, model=model)
+    assert not list((tmp_path / "drafters").glob("*-data*.pt"))
+
+
 def test_magpie_queries_come_from_the_pre_query_template():
     model = tiny()
     queries = data_module.draft_queries(model.backend, model.tokenizer, rows=6, max_tokens=400,

@@ -107,6 +107,12 @@ class Exclusion:
         return _digest(normalised(text)) in self.texts or not self.runs.isdisjoint(shingles(text))
 
 
+#: Drafting rounds in a row that give no new query before self-distillation stops: once some came
+#: (a model that only repeats itself), and before any came (a model that never ends a query).
+BARREN_ROUNDS = 50
+FIRST_BARREN_ROUNDS = 5
+
+
 def check_excluded(corpus: Corpus, exclusion: Exclusion) -> None:
     """Assert that no training query is, or shares an 8-word run with, a benchmark question."""
     leaked = [s.query for s in corpus.samples if exclusion.overlaps(s.query)]
@@ -276,9 +282,13 @@ def self_distil(backend: Backend, tokenizer: Tokenizer, tokens: int, *, seed: in
     corpus, seen = Corpus(), set()
     t0 = time.perf_counter()
     barren = rounds = 0  # barren: drafting rounds in a row that gave nothing new
-    while corpus.tokens < tokens and barren < 50:
+
+    def drafting() -> bool:  # a model that only repeats itself, or never drafted a query at all: stop, do not spin
+        return barren < (BARREN_ROUNDS if seen else FIRST_BARREN_ROUNDS)
+
+    while corpus.tokens < tokens and drafting():
         jobs: list[tuple[str, float, int]] = []
-        while len(jobs) < wave and barren < 50:
+        while len(jobs) < wave and drafting():
             opening = opening_of_round(prompts, rounds)
             rounds += 1
             drafted = draft_queries(backend, tokenizer, rows, material_tokens if opening else query_tokens, generator,
@@ -294,7 +304,7 @@ def self_distil(backend: Backend, tokenizer: Tokenizer, tokens: int, *, seed: in
                 n = len(corpus.samples) + len(jobs)
                 sampled = n % sampled_every == sampled_every - 1
                 jobs.append((query, 1.0 if sampled else 0.0, seed * 1_000_003 + n))
-            barren = 0 if fresh else barren + 1  # a model that only repeats itself: stop, do not spin
+            barren = 0 if fresh else barren + 1
         for sample in answer_all(backend, tokenizer, jobs, max_new_tokens, rows):
             if corpus.tokens >= tokens:
                 break
@@ -302,6 +312,11 @@ def self_distil(backend: Backend, tokenizer: Tokenizer, tokens: int, *, seed: in
             if progress:
                 progress(len(sample.tokens))
     corpus.seconds = time.perf_counter() - t0
+    if not corpus.samples:  # said now, and no empty corpus is cached for the next run to fail on at once
+        template = tokenizer.chat_prompt([{"role": "user", "content": QUERY_MARK}]) is not None
+        raise InvalidParameter(f"{backend.info.name} drafted no usable query in {rounds} drafting rounds"
+                               + ("" if template else ": it has no chat template, whose empty user turn Magpie drafts "
+                                  "queries from" + ("; try --prompts tasks" if prompts == "magpie" else "")))
     check_excluded(corpus, exclusion)
     return corpus
 
