@@ -134,6 +134,18 @@ def test_lossless_methods_are_token_identical_to_greedy(method, numerics):
     assert other.tokens == greedy.tokens
 
 
+def test_kvdraft_with_a_draft_cache_gemma_cannot_hold_names_what_it_can():
+    """The refusal names draft_cache and what kvdraft drafts through on Gemma (it suggested full,
+    which kvdraft refuses)."""
+    from decodekit.errors import InvalidParameter
+
+    engine = Engine(LoadedModel(tiny_gemma3(seed=0), CharTokenizer(96), "tiny-gemma3"))
+    with pytest.raises(InvalidParameter, match=r"^draft_cache snapkv:budget=16,window=4: .*sink:S,window:W or int8$") as refused:
+        engine.generate("abc abc abc", method="kvdraft", draft_cache="snapkv:budget=16,window=4", max_new_tokens=5,
+                        chat=False)
+    assert refused.value.param == "draft_cache" and "full" not in str(refused.value)
+
+
 def test_the_hf_backend_runs_gemma_past_its_window_as_the_native_one_does():
     """--backend hf keeps every key in every layer and gives the sliding-window layers a mask of
     their own: decode steps past the window, a rollback and speculative trees agree with the

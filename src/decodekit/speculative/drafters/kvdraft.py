@@ -100,7 +100,11 @@ class CompressedCacheDrafter(DraftModelDrafter):
                                    f"context of {target.info.max_length}", param="draft_cache")
         if self.windowed:
             return
-        self.backend = target.memory(("kvdraft", self.policy.spec), lambda: target.with_kv_cache(self.policy))
+        try:
+            self.backend = target.memory(("kvdraft", self.policy.spec), lambda: target.with_kv_cache(self.policy))
+        except InvalidParameter:  # a cache this model cannot hold (Gemma 3's windows take no evicting one)
+            raise InvalidParameter(f"draft_cache {self.policy.spec}: {target.info.name} cannot hold this cache; kvdraft "
+                                   f"drafts on it through sink:S,window:W or int8", param="draft_cache") from None
         prompt = state.tokens[: target.length]
         self.backend.adopt(target, prompt)
         self._cached = list(prompt)
