@@ -643,7 +643,7 @@ MUTATIONS = (
              "                self.check_interrupt()  # between passes", "                pass  # between passes",
              ("tests/test_engine.py", "-k", "should_stop_is_asked")),
     Mutation("cancelled-waiting-choice-keeps-its-place", "src/decodekit/serve/scheduler.py",
-             "                self._queued.pop(id(job), None)\n", "                pass\n",
+             "                self._queued.discard(job)\n", "                pass\n",
              ("tests/test_serve.py", "-k", "queue_place")),
     Mutation("longctx-memory-at-the-end", "src/decodekit/eval/longctx.py", "backend.cache_bytes(peak=True)",
              "backend.cache_bytes()", ("tests/test_longctx.py", "-k", "every_policy")),

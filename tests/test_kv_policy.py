@@ -302,6 +302,20 @@ def test_kvdraft_draft_cache_is_the_targets_compressed():
         draft.adopt(draft, prompt)  # the source must be a full cache
 
 
+def test_h2o_reads_a_prompt_64_tokens_a_pass_evicting_between_them(monkeypatch):
+    """The choice H2O's docstring states: a long prompt in the kernels' passes of 64 tokens, the cache
+    evicted down to its budget before each pass that finds it over (in either numerics, alone and
+    served: where it evicts must not depend on what else runs)."""
+    from decodekit.models.native import NativeLlama
+
+    cache = tiny_llama(seed=0, hidden_size=64, max_position=1024).with_kv_cache("h2o:budget=40,window=8")
+    passes, forward = [], NativeLlama._forward
+    monkeypatch.setattr(NativeLlama, "_forward", lambda self, tokens, *a, **k: passes.append((tokens.shape[1], self._slots))
+                        or forward(self, tokens, *a, **k))
+    cache.prefill(tokens(160))
+    assert passes == [(64, 0), (64, 40), (32, 40)]
+
+
 def test_an_adopted_h2o_cache_keeps_the_heavy_hitters_of_the_prompt():
     """H2O's scores count the prompt's own queries: a cache adopted from the target keeps what one
     that read the prompt itself keeps (it kept the earliest slots, every score tied at zero)."""
@@ -317,6 +331,13 @@ def test_an_adopted_h2o_cache_keeps_the_heavy_hitters_of_the_prompt():
     assert torch.equal(adopted._held[..., : adopted.slots], read._held[..., : read.slots])
     kept = adopted._held[..., : adopted.slots].reshape(-1, adopted.slots).sort(dim=-1).values
     assert not torch.equal(kept[:, :16], torch.arange(16).expand_as(kept[:, :16]))  # heavy hitters, not the first slots
+
+
+def test_kvdraft_says_why_a_model_cannot_hold_its_draft_cache():
+    engine = Engine(LoadedModel(tiny_llama(seed=0, dtype=torch.bfloat16), CharTokenizer(96), "tiny"))
+    with pytest.raises(InvalidParameter, match=r"^draft_cache int8: .*float32") as refused:
+        engine.generate("abc abc abc abc", method="kvdraft", draft_cache="int8", max_new_tokens=5, chat=False)
+    assert refused.value.param == "draft_cache"
 
 
 def test_kvdraft_refuses_a_cache_that_keeps_everything_and_other_backends():

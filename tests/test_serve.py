@@ -447,6 +447,9 @@ def test_a_request_cancelled_while_it_waits_gives_its_queue_place_back_at_once(a
         long, waiting, later = (Job(prompt, "greedy", {}, 1900, ignore_eos=True), Job(prompt, "greedy", {}, 4),
                                 Job(prompt, "greedy", {}, 6))
         (running,) = scheduler.submit([long])
+        deadline = time.time() + 30
+        while scheduler.running == 0 and time.time() < deadline:  # the pool's thread takes it a moment later
+            time.sleep(0.005)
         (queued,) = scheduler.submit([waiting])
         with pytest.raises(Overloaded):
             scheduler.submit([later])

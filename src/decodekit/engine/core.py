@@ -83,7 +83,8 @@ class Request:
     max_new_tokens: int = 256
     stop: str | Sequence[str] = ()  # one string is one stop string
     on_text: Callable[[str], None] | None = None  # receives streamed text deltas
-    should_stop: Callable[[], bool] | None = None  # asked after every step: True ends the request ("cancelled")
+    # asked before the request, between a long prompt's passes and after every step: True ends it ("cancelled")
+    should_stop: Callable[[], bool] | None = None
     ignore_eos: bool = False  # go on past end-of-sequence tokens (fixed-length benchmarks, as vLLM's ignore_eos)
 
     def __post_init__(self) -> None:

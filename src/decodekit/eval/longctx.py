@@ -60,8 +60,8 @@ def document_tokens(tokenizer, needed: int) -> list[int]:
 
 
 def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
-    """About ``length`` tokens (within one filler sentence): filler with the pass key at ``depth``
-    (0 = start, 1 = end), then the question."""
+    """About ``length`` tokens (at most, and within one filler sentence): filler with the pass key at
+    ``depth`` (0 = start, 1 = end), then the question."""
     head = "There is important information hidden in this text. Find it and remember it.\n"
     needle = f"The pass key is {key}. Remember it. {key} is the pass key.\n"
     question = "\nWhat is the pass key? The pass key is"
@@ -74,7 +74,7 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
     repeats = max(1, (length - fixed) // max(len(tokenizer.encode(FILLER)), 1))
     # repeated, the filler tokenizes shorter than alone (its sentences merge at their joins): measured once, resized
     per_repeat = (len(prompt(repeats)) - fixed) / repeats
-    return prompt(max(1, round((length - fixed) / max(per_repeat, 1e-9))))
+    return prompt(max(1, int((length - fixed) / max(per_repeat, 1e-9))))
 
 
 def continuation_nll(backend, ids: list[int], context: int) -> float:

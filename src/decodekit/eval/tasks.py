@@ -18,8 +18,7 @@ from ..data import GSM8K_TEST, STRUCTURED_SCHEMAS, data_file, first_repeated, re
 from ..errors import InvalidParameter, UnknownMethod
 from ..samplers.constraint import checked_grammar
 from ..search.answers import Extractor, answer_start, extract_number, normalize_text
-from ..search.uncertainty import first_paraphrases
-from ..search.uncertainty import paraphrases as generic_paraphrases
+from ..search.uncertainty import first_paraphrases, paraphrases as generic_paraphrases
 
 
 

@@ -111,9 +111,9 @@ class Backend(ABC):
     #: server does): a next prompt that starts the same way re-reads only the rest (:meth:`prefill`).
     kept_ids: list[int] | None = None
     request_thread: int | None = None  # the thread whose request holds the cache now (Engine.generate)
-    #: Asked between the passes of a long append read in several (a prompt, a teacher-forced answer;
-    #: :meth:`check_interrupt`): a request's ``should_stop`` while it runs, so that a client gone while
-    #: its long prompt is read frees the slot.
+    #: Asked between the passes of a long append read in several (a prompt; :meth:`check_interrupt`):
+    #: a request's ``should_stop`` while it runs, so that a client gone while its long prompt is read
+    #: frees the slot.
     interrupt: Callable[[], bool] | None = None
     #: The files the weights were read from (a GGUF file or safetensors), set by the loader; what
     #: a trained drafter's record of its target is checked against. Empty for models built in memory.

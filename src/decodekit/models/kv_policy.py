@@ -272,8 +272,11 @@ class HeavyHitterPolicy(KVPolicy):
     Choices the paper leaves open: with grouped-query attention a key/value head is shared by a
     group of query heads, so its score is the sum of the group's attention; rows of a verification
     pass that are later rolled back still count (the accumulated score is a heuristic either way);
-    kept entries stay in sequence order. The attention weights are computed beside the kernels'
-    attention (in torch, float32), so this policy runs the layer-by-layer path.
+    kept entries stay in sequence order; a prompt is read 64 tokens a pass (the kernels' passes, in
+    either numerics, alone and served alike), evicted down to the budget between them as during
+    generation (the reference reads the prompt whole first: its peak memory is the whole prompt's).
+    The attention weights are computed beside the kernels' attention (in torch, float32), so this
+    policy runs the layer-by-layer path.
     """
 
     budget: int = 512

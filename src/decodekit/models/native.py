@@ -294,10 +294,10 @@ class NativeLlama(Backend):
     # Forward passes -------------------------------------------------------------------------
 
     def reuses_prefix(self) -> bool:
-        # batched (served) and fast passes read prompts in chunks through the row-independent kernels
+        # a prompt is read in chunks through the row-independent kernels, alone or served, in either numerics
         if self.kv_policy.evicts() or self._kivi is not None:  # the cache does not hold the prompt's float entries
             return False
-        return self._stack is not None and (self.batcher is not None or self.numerics == "fast")
+        return self._stack is not None
 
     @property
     def batch_key(self) -> object:
@@ -323,7 +323,9 @@ class NativeLlama(Backend):
         largest pass the batcher runs (fewer, fuller passes). Alone, where the kernels take the
         pass (either numerics; always for the int8 and int4 caches): their row limit, so that a
         prompt is read by the same kernels as every other pass; rows are independent there, so any
-        chunking gives the same bits, alone or served (one pass through torch would round otherwise).
+        chunking gives the same bits, alone or served (one pass through torch would round otherwise),
+        except where a policy evicts between passes (H2O, whose prompt is then read 64 tokens a pass
+        in either numerics, alone and served).
         A cache that evicts while it reads a prompt (StreamingLLM) reads it in chunks of its own,
         at most ``PREFILL_CHUNK``, alone and served alike: where it compacts depends on them. So does
         a pass whose attention a policy observes (H2O's every pass, SnapKV's window): it never goes

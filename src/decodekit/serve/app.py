@@ -304,7 +304,7 @@ class Server:
             raise
         except DecodeKitError as err:  # found while decoding: an option the checks above cannot judge alone, or a fault
             raise decoding_error(err, body, chat) from None
-        return reply.whole(outcomes)
+        return reply.whole(outcomes, jobs)
 
 
 async def read_body(request: Request) -> dict[str, Any]:
@@ -723,16 +723,17 @@ class Reply:
                                          queued_s=outcome.queued_s, ttft_s=first_token_s,
                                          e2e_s=time.perf_counter() - self.started)
 
-    def first_token_s(self, outcome: Outcome) -> float | None:
+    def first_token_s(self, outcome: Outcome, job: Job) -> float | None:
         """When a reply that is not streamed had its first token, from the request's arrival: after
-        its wait and its prompt's reading where the method decodes token by token; at the end for a
-        search, which settles its answer last. None where no token was generated."""
+        its reading and tokenising, its wait and its prompt's reading where the method decodes token
+        by token; at the end for a search, which settles its answer last. None where no token was
+        generated."""
         g = outcome.generation
         if not g.generated:
             return None
         if method_spec(self.spec.method).family == "search":
             return time.perf_counter() - self.started
-        return outcome.queued_s + g.stats.prefill_s
+        return (job.submitted - self.started) + outcome.queued_s + g.stats.prefill_s
 
     def _logprobs(self, outcome: Outcome) -> dict[str, Any] | None:
         """Each token's log-probability: the tokens the text shows, a last one cut inside by a stop
@@ -756,11 +757,11 @@ class Reply:
                 "top_logprobs": [{top_key(self.tokenizer, a): v for a, v in top} for _, top in outcome.logprobs],
                 "text_offset": offsets}
 
-    def whole(self, outcomes: list[Outcome]) -> dict[str, Any]:
+    def whole(self, outcomes: list[Outcome], jobs: list[Job]) -> dict[str, Any]:
         choices = []
-        for i, outcome in enumerate(outcomes):
+        for i, (outcome, job) in enumerate(zip(outcomes, jobs)):
             g = outcome.generation
-            self.record(outcome, self.first_token_s(outcome))
+            self.record(outcome, self.first_token_s(outcome, job))
             choice: dict[str, Any] = {"index": i, "finish_reason": FINISH[g.finish_reason],
                                       "logprobs": self._logprobs(outcome)}
             if self.chat:

@@ -37,7 +37,7 @@ class Overloaded(DecodeKitError):
     """Every slot is busy and the waiting queue is full."""
 
 
-@dataclass
+@dataclass(eq=False)  # each job is itself (a set member), whatever its fields
 class Job:
     """One choice of one request, tokenised and checked, ready to run in a slot."""
 
@@ -105,7 +105,7 @@ class Scheduler:
                                         initializer=single_threaded if self.batching else None)
         self._lock = threading.Lock()
         self.running = 0
-        self._queued: dict[int, Job] = {}  # id -> a choice admitted that has not taken a slot nor been cancelled
+        self._queued: set[Job] = set()  # choices admitted that have not taken a slot nor been cancelled
 
     @property
     def waiting(self) -> int:
@@ -122,7 +122,7 @@ class Scheduler:
             if self.running + self.waiting + len(jobs) > room:
                 raise Overloaded(f"the server is busy ({self.running} requests running, {self.waiting} waiting); "
                                  "retry shortly")
-            self._queued.update((id(job), job) for job in jobs)
+            self._queued.update(jobs)
         return [self._pool.submit(self._run, job) for job in jobs]
 
     def _take_slot(self, prompt_ids: list[int]) -> Engine:
@@ -138,12 +138,13 @@ class Scheduler:
         with self._lock:
             for job in jobs:
                 job.cancelled.set()
-                self._queued.pop(id(job), None)
+                self._queued.discard(job)
 
     def _run(self, job: Job) -> Outcome:
         with self._lock:
-            if self._queued.pop(id(job), None) is None:  # cancelled while it waited: its place is given back
+            if job not in self._queued:  # cancelled while it waited: its place is given back
                 return Outcome(Generation.cancelled(), None, time.perf_counter() - job.submitted)
+            self._queued.discard(job)
             engine = self._take_slot(job.prompt_ids)
             self.running += 1
             job.started = time.perf_counter()

@@ -102,9 +102,10 @@ class CompressedCacheDrafter(DraftModelDrafter):
             return
         try:
             self.backend = target.memory(("kvdraft", self.policy.spec), lambda: target.with_kv_cache(self.policy))
-        except InvalidParameter:  # a cache this model cannot hold (Gemma 3's windows take no evicting one)
-            raise InvalidParameter(f"draft_cache {self.policy.spec}: {target.info.name} cannot hold this cache; kvdraft "
-                                   f"drafts on it through sink:S,window:W or int8", param="draft_cache") from None
+        except InvalidParameter as err:
+            if self.policy.evicts():  # Gemma 3's windows take no evicting cache (its message would suggest full)
+                err = f"{target.info.name} cannot hold an evicting cache; kvdraft drafts on it through sink:S,window:W or int8"
+            raise InvalidParameter(f"draft_cache {self.policy.spec}: {err}", param="draft_cache") from None
         prompt = state.tokens[: target.length]
         self.backend.adopt(target, prompt)
         self._cached = list(prompt)
