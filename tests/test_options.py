@@ -292,6 +292,34 @@ def test_a_built_in_methods_name_cannot_be_taken_before_the_registry_is_first_re
         "speculative True"], out.stdout + out.stderr
 
 
+CONCURRENT_FIRST_LOOKUPS = """
+import threading
+from decodekit.engine import registry
+names, found, together = ["beam", "pld", "suffix", "best-of-n", "medusa", "mbr"], [], threading.Barrier(6)
+
+def look(name):
+    together.wait()
+    try:
+        found.append(registry.method_spec(name).name)
+    except Exception as err:
+        found.append(f"{type(err).__name__}: {err}")
+
+threads = [threading.Thread(target=look, args=(n,)) for n in names]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(sorted(found) == sorted(names), found)
+"""
+
+
+def test_threads_looking_methods_up_first_all_wait_for_the_whole_registry():
+    """The first lookups of several threads at once: they saw the registry half filled (the first
+    thread marked it imported before its imports) and failed with UnknownMethod."""
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", CONCURRENT_FIRST_LOOKUPS], capture_output=True, text=True,
+                             timeout=120, check=False)
+        assert out.stdout.startswith("True"), out.stdout + out.stderr
+
+
 def test_a_package_whose_methods_cannot_be_imported_is_one_line_every_time(monkeypatch):
     class Broken:
         name, value = "theirs", "theirpackage.decoding"

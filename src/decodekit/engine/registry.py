@@ -9,6 +9,7 @@ then any installed package's own methods, declared as a ``decodekit.methods`` en
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import import_module
@@ -40,35 +41,48 @@ class MethodSpec:
 
 _METHODS: dict[str, MethodSpec] = {}
 PLUGIN_GROUP = "decodekit.methods"
-_plugins_imported = False
+_plugins_imported = False  # every package that registers methods imported
 _built_ins_imported = False
+_plugins_importing = False  # under way, on the thread that holds _loading
+#: The first lookups: other threads wait here until the imports are done (they saw a half-filled
+#: registry); the importing thread may come back in (a package that looks a method up as it registers).
+_loading = threading.RLock()
 
 
 def _import_built_ins() -> None:
     """decodekit's own method packages, imported once (before any other package's methods, so that
     none can take a built-in method's name by registering first)."""
     global _built_ins_imported
-    if not _built_ins_imported:
-        from .. import METHOD_PACKAGES
+    with _loading:
+        if not _built_ins_imported:
+            from .. import METHOD_PACKAGES
 
-        _built_ins_imported = True  # before the imports: a package registers as it is imported
-        for package in METHOD_PACKAGES:
-            import_module(package)
+            _built_ins_imported = True  # before the imports: a package registers as it is imported
+            for package in METHOD_PACKAGES:
+                import_module(package)
 
 
 def _registered() -> dict[str, MethodSpec]:
     """The registry, with the packages that register methods imported first (once)."""
-    global _plugins_imported
-    if not _plugins_imported:
-        _plugins_imported = True  # before the imports: a package may look a method up as it registers
-        _import_built_ins()
-        for point in entry_points(group=PLUGIN_GROUP):
-            try:
-                point.load()
-            except Exception as err:  # another package's bug or missing dependency: one line, naming it
-                _plugins_imported = False  # tried again at the next lookup, so no lookup sees a partial registry
-                raise DecodeKitError(f"the methods of {point.value!r} ({PLUGIN_GROUP} entry point {point.name!r}) "
-                                     f"could not be imported: {cause_line(err)}") from None
+    global _plugins_imported, _plugins_importing
+    if _plugins_imported:
+        return _METHODS
+    with _loading:
+        if _plugins_imported or _plugins_importing:  # done meanwhile, or this thread's own imports looking one up
+            return _METHODS
+        _plugins_importing = True
+        try:
+            _import_built_ins()
+            for point in entry_points(group=PLUGIN_GROUP):
+                try:
+                    point.load()
+                except Exception as err:  # another package's bug or missing dependency: one line, naming it
+                    # (tried again at the next lookup, so no lookup sees a partial registry)
+                    raise DecodeKitError(f"the methods of {point.value!r} ({PLUGIN_GROUP} entry point {point.name!r}) "
+                                         f"could not be imported: {cause_line(err)}") from None
+            _plugins_imported = True
+        finally:
+            _plugins_importing = False
     return _METHODS
 
 
