@@ -715,7 +715,8 @@ class Reply:
         """Count each of these choices when its request thread has stopped (a cancelled one with
         what it generated before; one that failed is counted as an error where it is answered)."""
         for index, future in futures.items():
-            future.add_done_callback(lambda f, i=index: f.exception() or self.record(f.result(), first.get(i)))
+            # (a future the scheduler's close cancelled has nothing to count)
+            future.add_done_callback(lambda f, i=index: f.cancelled() or f.exception() or self.record(f.result(), first.get(i)))
 
     def record(self, outcome: Outcome, first_token_s: float | None) -> None:
         if self.server.metrics:

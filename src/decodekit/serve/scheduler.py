@@ -5,7 +5,9 @@ its own memory of what speculative methods learn), run by one thread of a pool o
 ``max_batch``. Every slot's forward passes go through one :class:`..models.batching.PassBatcher`,
 which runs them together on its own thread: continuous batching with the engine's decode loop
 unchanged, so every method (speculative ones included) serves concurrent requests, and a
-request's output does not depend on what else runs (the kernels compute each row on its own).
+request's output does not depend on what else runs (the kernels compute each row on its own), except
+a speculative method's under an evicting cache (``sink:``, ``h2o:``, ``snapkv:``), where the passes the
+controller sizes, from the batch too, decide what is evicted (as the README says).
 
 Admission: at most ``max_batch`` requests run and ``max_queue`` wait; past that a request is
 refused at once (:class:`Overloaded`, HTTP 503 with ``Retry-After``) rather than left to wait
@@ -174,4 +176,7 @@ class Scheduler:
                 self.running -= 1
 
     def close(self) -> None:
+        """Stop: what waits is dropped (its futures cancelled), what runs finishes on its own."""
+        with self._lock:
+            self._queued.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
