@@ -220,3 +220,38 @@ def test_the_hf_backend_gives_mistrals_window_to_every_layer():
     assert torch.allclose(backend.append(ids[:, :12]).logits, want[:, :12], atol=1e-5)
     steps = [backend.append(ids[:, t : t + 1]).logits for t in range(12, 20)]
     assert torch.allclose(torch.cat(steps, dim=1), want[:, 12:], atol=1e-5)
+
+
+def test_a_memory_family_keeps_its_most_recently_used_values_only():
+    """Values keyed by a request's options (a draft cache's spelling) are bounded per family, the
+    least recently used dropped first; other keys are kept whatever happens to a family."""
+    backend = tiny_llama(seed=0)
+    made = []
+    value = lambda key, keep=2: backend.memory(("family", key), lambda: made.append(key) or key, keep=keep)
+    backend.memory("corpus", list)
+    for key in ("a", "b", "a", "c"):  # "a" used again before "c" comes: "b" is the one dropped
+        value(key)
+    assert made == ["a", "b", "c"] and value("a") == "a" and made == ["a", "b", "c"]
+    value("b")
+    assert made == ["a", "b", "c", "b"]  # made again: it had been dropped
+    assert {k for k in backend._memory if isinstance(k, tuple)} == {("family", "a"), ("family", "b")}
+    assert "corpus" in backend._memory
+
+
+def test_requests_varying_a_draft_cache_or_a_draft_models_spelling_keep_few_clones(tmp_path):
+    """kvdraft kept a clone of the model and its cache for every draft_cache a request named, and a
+    draft model a copy for every spelling of its folder."""
+    from decodekit.engine import Engine
+    from decodekit.models import CharTokenizer, LoadedModel
+    from decodekit.speculative.drafters.draft_model import KEPT_DRAFTS, _one_spelling
+
+    model = LoadedModel(tiny_llama(seed=0, hidden_size=64), CharTokenizer(96), "tiny")
+    engine = Engine(model)
+    for budget in range(16, 24):
+        engine.generate("abc abc abc abc", method="kvdraft", draft_cache=f"h2o:budget={budget},window=4",
+                        max_new_tokens=4, chat=False)
+    kept = [k for k in model.backend._memory if isinstance(k, tuple) and k[0] == "kvdraft"]
+    assert kept == [("kvdraft", "h2o:budget=22,window=4"), ("kvdraft", "h2o:budget=23,window=4")] and KEPT_DRAFTS == 2
+    (tmp_path / "m").mkdir()
+    assert _one_spelling(str(tmp_path / "m" / ".." / "m")) == _one_spelling(str(tmp_path / "m")) == str(tmp_path / "m")
+    assert _one_spelling("smollm2-135m") == "smollm2-135m"

@@ -339,7 +339,7 @@ def test_python_api_other_bad_arguments(engine):
     ({"model": 5}, "^model must be an embedded model's name, a model folder or a .gguf file, got 5$"),
     ({"model": ""}, "^model must be an embedded model's name, a model folder or a .gguf file, got ''$"),
     ({"model": ["x"]}, "^model, backend, dtype, numerics and kv_cache are names"),
-    ({"kv_cache": {"int8": 1}}, "^model, backend, dtype, numerics and kv_cache are names"),
+    ({"kv_cache": {"int8": 1}}, "^unknown kv cache"),
     ({"dtype": torch.float16}, "^dtype must be one of float32, bfloat16, got torch.float16$"),
     ({"backend": "gpu"}, "^backend must be auto, native or hf, got 'gpu'$"),
 ])

@@ -114,6 +114,30 @@ def test_the_one_call_generate_takes_a_loaded_model_too(tiny_model):
         decodekit.generate("hello", model=tiny_model, kv_cache="int8", max_new_tokens=6, chat=False)
 
 
+def test_the_one_call_generate_loads_a_model_once_however_its_choices_are_spelt(monkeypatch):
+    """The default model named or not, a default choice given or not, a cache spelling with a space:
+    one engine (each spelling loaded the model again, and kept it)."""
+    from decodekit.engine import api
+    from decodekit.models import DEFAULT_MODEL
+
+    built = []
+
+    class Counted:
+        def __init__(self, model, **loading):
+            built.append((model, loading))
+
+        def generate(self, prompt, **kwargs):
+            return prompt
+
+    monkeypatch.setattr(api, "Engine", Counted)
+    monkeypatch.setattr(api, "_default_engines", {})
+    for kw in ({}, {"model": DEFAULT_MODEL}, {"kv_cache": " full"}, {"dtype": "float32", "backend": "auto"}):
+        assert api.generate("hi", **kw) == "hi"
+    assert len(built) == 1
+    api.generate("hi", kv_cache="int8")
+    assert len(built) == 2
+
+
 def test_streams_hold_back_the_longest_start_of_any_stop_string(tiny_model):
     """With several stop strings a stream holds back the longest end of the text that any of them
     starts with, in either order (it held back each in turn, the later ones within what was left,

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from ..errors import InvalidParameter
-from ..models import LoadedModel, load_model
+from ..models import DEFAULT_MODEL, LoadedModel, load_model, parse_dtype
+from ..models.kv_policy import parse_kv_cache
 from ..models.backend import Interrupted
 from ..options import check_int
 from ..samplers import SAMPLER_OPTIONS, LogitsProcessor, Sampler
@@ -187,7 +188,11 @@ def generate(
     if isinstance(model, LoadedModel):
         return Engine(model, backend=backend, dtype=dtype, numerics=numerics, kv_cache=kv_cache).generate(prompt, **kwargs)
     given = {"backend": backend, "dtype": dtype, "numerics": numerics, "kv_cache": kv_cache}
-    key = (model, *(LOAD_DEFAULTS[name] if value is None else value for name, value in given.items()))
+    chosen = {name: LOAD_DEFAULTS[name] if value is None else value for name, value in given.items()}
+    # one key however a choice is spelt (the default model named or not, " full" or "full"): each
+    # model loaded stays loaded
+    key = (DEFAULT_MODEL if model is None else model, chosen["backend"], parse_dtype(chosen["dtype"]), chosen["numerics"],
+           parse_kv_cache(chosen["kv_cache"]).spec)
     try:
         hash(key)
     except TypeError:  # a list or a dict where a name goes

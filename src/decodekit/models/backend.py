@@ -137,15 +137,26 @@ class Backend(ABC):
             return 0
         return common_prefix(kept[: self.length], token_ids[: len(token_ids) - 1])
 
-    def memory(self, key: str | tuple, factory: Callable[[], T]) -> T:
+    def memory(self, key: str | tuple, factory: Callable[[], T], keep: int | None = None) -> T:
         """What algorithms learn about this model across requests (a suffix corpus, a recycling
         table, the controller's cost table and acceptance records, a bandit), kept here under
         ``key``: the value made by ``factory()`` the first time. The one home of per-model state:
-        :meth:`clone` starts with an empty memory, so a clone never sees what its parent learnt."""
+        :meth:`clone` starts with an empty memory, so a clone never sees what its parent learnt.
+
+        ``keep``: for a tuple key whose later parts come from a request's options (a draft cache's
+        spelling, a draft model), at most that many values of its family (``key[0]``) are kept, the
+        least recently used dropped first, so that requests varying an option cannot grow memory
+        without bound."""
         with _MEMORY_LOCK:
             store: dict[Any, Any] = self.__dict__.setdefault("_memory", {})
-            if key not in store:
-                store[key] = factory()
+            if key in store:
+                store[key] = store.pop(key)  # the most recently used last
+                return store[key]
+            if keep is not None:
+                family = [k for k in store if isinstance(k, tuple) and k[0] == key[0]]
+                for old in family[: max(len(family) - keep + 1, 0)]:
+                    del store[old]
+            store[key] = factory()
             return store[key]
 
     def weight_traffic(self) -> tuple[int, int] | None:

@@ -26,6 +26,10 @@ from . import DRAFTER_SPECS, register_drafter
 from .base import CompositeDrafter
 from .hierarchy import NEEDS_ITS_OWN_OPTIONS, parse_names
 
+#: Bandits a model keeps, one per setting of ``discount`` and ``exploration`` (the most recently
+#: used): requests varying them must not grow memory without bound.
+KEPT_BANDITS = 4
+
 DEFAULT_ARMS = ("hierarchy", "pld", "recycling", "suffix")
 
 
@@ -98,7 +102,8 @@ class BanditDrafter(CompositeDrafter):
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
         key = ("auto.bandit", tuple(self.names), self.discount, self.exploration)
-        self.bandit = state.backend.memory(key, lambda: DiscountedUCB(self.names, self.discount, self.exploration))
+        self.bandit = state.backend.memory(key, lambda: DiscountedUCB(self.names, self.discount, self.exploration),
+                                           keep=KEPT_BANDITS)
         self.chosen: str | None = None
         self.pulls = {n: 0 for n in self.names}
 

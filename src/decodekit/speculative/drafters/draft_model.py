@@ -67,6 +67,9 @@ def parse_draft_spec(spec: object) -> Backend | int | str:
     return str(resolve_model_folder(spec))  # ModelNotFound (one line) before any work
 
 
+#: Draft models a target keeps built across requests (the most recently used): requests that vary
+#: ``draft_model`` must not grow memory without bound.
+KEPT_DRAFTS = 2
 #: How many tokens a draft model's vocabulary may differ by from the target's (a padded one).
 VOCAB_PADDING = 1024
 
@@ -79,15 +82,25 @@ def draft_backend(spec: Backend | int | str, target: Backend) -> Backend:
         return spec
     if isinstance(spec, int):  # kept in the target's memory: a clone of the target makes its own
         try:
-            return target.memory(("draft.truncated", spec), lambda: target.truncated(spec))
+            return target.memory(("draft.truncated", spec), lambda: target.truncated(spec), keep=KEPT_DRAFTS)
         except InvalidParameter as err:
             raise InvalidParameter(f"draft_model {SELF_TRUNCATED}{spec}: {err}", param="draft_model") from None
-    key = (spec, target.info.dtype)
-    return target.memory(("draft.model", *key), lambda: _draft_weights(key).clone())
+    key = (_one_spelling(spec), target.info.dtype)
+    return target.memory(("draft.model", *key), lambda: _draft_weights(key).clone(), keep=KEPT_DRAFTS)
+
+
+def _one_spelling(spec: str) -> str:
+    """A folder or file by its resolved path (``m`` and ``m/../m`` are one model, loaded once); a
+    model's name as given."""
+    from pathlib import Path
+
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if path.exists() else spec
 
 
 def _draft_weights(key: tuple[str, torch.dtype]) -> Backend:
-    """The draft model of a folder, loaded once (at most one kept loaded)."""
+    """The draft model of a folder, loaded once (at most one kept here, as the source of the clones
+    targets keep)."""
     with _LOADING:
         if key not in _loaded:
             from pathlib import Path

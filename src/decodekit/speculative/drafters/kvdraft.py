@@ -44,7 +44,7 @@ from ...models.kv_policy import StreamingPolicy, parse_kv_cache
 from ...options import OptionSpec, option_table
 from . import register_drafter
 from .base import CHAIN_CAP, CHAIN_CONFIDENCE, CHAIN_OPTIONS
-from .draft_model import DraftModelDrafter
+from .draft_model import KEPT_DRAFTS, DraftModelDrafter
 
 DEFAULT_CACHE = "sink:4,window:1024"
 
@@ -101,7 +101,8 @@ class CompressedCacheDrafter(DraftModelDrafter):
         if self.windowed:
             return
         try:
-            self.backend = target.memory(("kvdraft", self.policy.spec), lambda: target.with_kv_cache(self.policy))
+            self.backend = target.memory(("kvdraft", self.policy.spec), lambda: target.with_kv_cache(self.policy),
+                                         keep=KEPT_DRAFTS)
         except InvalidParameter as err:
             if self.policy.evicts():  # Gemma 3's windows take no evicting cache (its message would suggest full)
                 err = f"{target.info.name} cannot hold an evicting cache; kvdraft drafts on it through sink:S,window:W or int8"

@@ -156,7 +156,8 @@ def load(backend: Backend, kind: str, given: str | Path | None = None) -> EagleN
     the backend's memory), or one line saying how to make one. A damaged drafter in the cache is
     said so in one line and the shipped one is used, where there is one."""
     def built(path: Path) -> EagleNet | MedusaNet:
-        return backend.memory(("drafter.net", kind, str(path)), lambda: build(path, kind, backend))
+        # one entry per file however it is spelt, and a few files at most (requests may name others)
+        return backend.memory(("drafter.net", kind, str(path.resolve())), lambda: build(path, kind, backend), keep=4)
 
     if given is not None:
         return built(Path(given))
