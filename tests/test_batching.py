@@ -151,8 +151,8 @@ def test_prefill_is_the_same_alone_and_served(numerics):
 
 @pytest.mark.parametrize("numerics", NUMERICS)
 def test_a_kept_prefix_gives_the_logits_of_a_fresh_prefill(numerics):
-    """Where passes are row-independent (served, or fast), prefill keeps the part of the cache
-    a new prompt shares with ``kept_ids`` and reads the rest: the same bits as reading it all."""
+    """Passes being row-independent (served or alone, either numerics), prefill keeps the part of
+    the cache a new prompt shares with ``kept_ids`` and reads the rest: the same bits as reading it all."""
     model = base(numerics)
     backend = model.clone()
     backend.batcher = PassBatcher()
@@ -166,7 +166,13 @@ def test_a_kept_prefix_gives_the_logits_of_a_fresh_prefill(numerics):
         backend.reset()
         assert backend.kept_ids is None and backend.shared_prefix(second) == 0
         assert torch.equal(reused, backend.prefill(second))
-    assert not model.clone().reuses_prefix() or numerics == "fast"  # alone in exact: prompts may take torch's path
+    alone = model.clone()  # alone too, now that a prompt read alone takes the kernels in exact as well
+    alone.prefill(first)
+    alone.kept_ids = first
+    assert alone.shared_prefix(second) == 70
+    reused = alone.prefill(second)
+    alone.reset()
+    assert torch.equal(reused, alone.prefill(second))
 
 
 @pytest.mark.parametrize("numerics", NUMERICS)
@@ -218,3 +224,23 @@ def test_a_batch_waits_for_every_active_sequence_and_keeps_to_its_rows_and_model
         assert batcher._ready() == [fourth]
         batcher._waiting = [waiting_pass(70, llama), waiting_pass(1, llama)]
         assert [len(p.tokens) for p in batcher._ready()] == [70]
+
+
+def test_a_closed_batcher_ends_its_thread_once_no_request_is_left():
+    """Its own thread ran for ever (a scheduler closed, or training's batcher per wave of answers,
+    left one behind each time); a request still decoding when it is closed keeps it until it ends."""
+    model = base("exact")
+
+    def passes_thread() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "decodekit-passes"]
+
+    before = len(passes_thread())
+    backend, batcher = model.clone(), PassBatcher()
+    backend.batcher = batcher
+    with batcher.member():
+        backend.prefill([1, 2, 3])
+        batcher.close()  # a request still in: its passes are still run
+        backend.step(torch.tensor([4]))
+        assert len(passes_thread()) == before + 1
+    batcher._thread.join(timeout=10)
+    assert len(passes_thread()) == before

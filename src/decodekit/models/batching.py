@@ -87,6 +87,7 @@ class PassBatcher:
         self._waiting: list[_Pass] = []
         self._active = 0
         self._thread: threading.Thread | None = None
+        self._closed = threading.Event()  # the own thread's end (close)
         self._last_end = 0.0  # when the last batch finished: its sequences need a moment to come back
         self.passes = 0  # batched passes run (for metrics and tests)
         self.rows = 0  # rows they carried
@@ -122,7 +123,8 @@ class PassBatcher:
         job = _Pass(backend, tokens, positions, visible, start, last_only, backend.batch_key)
         with self._cond:
             if self._thread is None and self.own_thread:
-                self._thread = threading.Thread(target=self._loop, name="decodekit-passes", daemon=True)
+                self._thread = threading.Thread(target=self._loop, args=(self._closed,), name="decodekit-passes",
+                                                daemon=True)
                 self._thread.start()
             self._waiting.append(job)
             # the pass thread needs to hear of the first pass (its wait starts) and of the one
@@ -142,16 +144,30 @@ class PassBatcher:
             raise RuntimeError("this batcher runs its passes on a thread of its own")
         self._loop(until)
 
+    def close(self) -> None:
+        """End the batcher's own thread once no request is left to run passes for (a batcher per wave
+        of answers, or a scheduler closed: each thread left would wake twice a second for ever)."""
+        self._closed.set()
+        self.stop_waiting()
+        thread = self._thread
+        if thread is not None and not self._active:
+            thread.join(timeout=10)
+
     def stop_waiting(self) -> None:
         """Wake :meth:`serve` (to see that its event is set)."""
         with self._cond:
             self._cond.notify_all()
 
+    def _finished(self, until: threading.Event | None) -> bool:
+        """Whether the loop ends: ``until`` set, and for the batcher's own thread (closed) no request
+        left whose passes it would run."""
+        return until is not None and until.is_set() and not (self.own_thread and (self._active or self._waiting))
+
     def _loop(self, until: threading.Event | None = None) -> None:
-        while until is None or not until.is_set():
+        while not self._finished(until):
             with self._cond:
                 batch = self._ready()
-                while not batch and not (until is not None and until.is_set()):
+                while not batch and not self._finished(until):
                     oldest = max(self._waiting[0].arrived, self._last_end) if self._waiting else None
                     self._cond.wait(0.5 if oldest is None else max(0.0, oldest + self.wait_s - time.perf_counter()))
                     batch = self._ready()

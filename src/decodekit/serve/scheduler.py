@@ -180,3 +180,4 @@ class Scheduler:
         with self._lock:
             self._queued.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.batcher.close()

@@ -259,10 +259,13 @@ def answer_all(backend: Backend, tokenizer: Tokenizer, jobs: list[tuple[str, flo
 
     threads = [threading.Thread(target=work, args=(backend.clone(),), daemon=True)
                for _ in range(max(1, min(concurrency, len(jobs))))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        batcher.close()
     if errors:
         raise errors[0]
     return [r for r in results if r is not None]
