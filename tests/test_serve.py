@@ -455,6 +455,7 @@ def test_a_request_cancelled_while_it_waits_gives_its_queue_place_back_at_once(a
             scheduler.submit([later])
         scheduler.cancel([waiting])
         assert (scheduler.running, scheduler.waiting) == (1, 0)
+        assert queued.done()  # answered at once, and dropped from the queue (it stayed in the pool's until a slot freed)
         (admitted,) = scheduler.submit([later])
         scheduler.cancel([long])
         assert running.result(timeout=60).generation.finish_reason == "cancelled"

@@ -107,7 +107,9 @@ class Scheduler:
                                         initializer=single_threaded if self.batching else None)
         self._lock = threading.Lock()
         self.running = 0
-        self._queued: set[Job] = set()  # choices admitted that have not taken a slot nor been cancelled
+        # the choices admitted that wait for a slot, oldest first, with the futures their callers hold:
+        # here, not in the pool's queue, so that one cancelled is dropped at once, memory and all
+        self._queued: dict[Job, Future[Outcome]] = {}
 
     @property
     def waiting(self) -> int:
@@ -124,12 +126,26 @@ class Scheduler:
             if self.running + self.waiting + len(jobs) > room:
                 raise Overloaded(f"the server is busy ({self.running} requests running, {self.waiting} waiting); "
                                  "retry shortly")
-            self._queued.update(jobs)
-        return [self._pool.submit(self._run, job) for job in jobs]
+            futures: list[Future[Outcome]] = [Future() for _ in jobs]
+            self._queued.update(zip(jobs, futures))
+            self._dispatch()
+        return futures
+
+    def _dispatch(self) -> None:
+        """Start the waiting choices, oldest first, while slots are free (called with the lock held)."""
+        while self._queued and self._free:
+            job = next(iter(self._queued))
+            future = self._queued.pop(job)
+            if not future.set_running_or_notify_cancel():  # its caller cancelled the future meanwhile
+                continue
+            engine = self._take_slot(job.prompt_ids)
+            self.running += 1
+            job.started = time.perf_counter()
+            self._pool.submit(self._run, job, engine, future)
 
     def _take_slot(self, prompt_ids: list[int]) -> Engine:
         """The idle slot whose cache shares the longest prefix with the prompt (called with the lock
-        held; there is always one: the pool has as many threads as slots)."""
+        held, where one is free)."""
         shared, best = max((e.model.backend.shared_prefix(prompt_ids), i) for i, e in enumerate(self._free))
         self.prefix_tokens += shared
         return self._free.pop(best)
@@ -138,46 +154,57 @@ class Scheduler:
         """Stop these choices: a running one at its next step or between its prompt's passes, a
         waiting one before it starts, its queue place given back now (for the next client)."""
         with self._lock:
+            waited = [(job, self._queued.pop(job)) for job in jobs if job in self._queued]
             for job in jobs:
                 job.cancelled.set()
-                self._queued.discard(job)
+        for job, future in waited:  # never started: answered now (outside the lock: callbacks run here)
+            future.set_result(Outcome(Generation.cancelled(), None, time.perf_counter() - job.submitted))
 
-    def _run(self, job: Job) -> Outcome:
-        with self._lock:
-            if job not in self._queued:  # cancelled while it waited: its place is given back
-                return Outcome(Generation.cancelled(), None, time.perf_counter() - job.submitted)
-            self._queued.discard(job)
-            engine = self._take_slot(job.prompt_ids)
-            self.running += 1
-            job.started = time.perf_counter()
+    def _run(self, job: Job, engine: Engine, future: Future[Outcome]) -> None:
+        """Decode a choice in its slot, give the slot back (the next waiting choice starts), then
+        answer its future: a caller that submits again at once finds the slot free."""
         try:
-            with self.batcher.member():
-                generation = engine.generate(
-                    job.prompt_ids, method=job.method, max_new_tokens=job.max_new_tokens, stop=job.stop, chat=False,
-                    on_text=job.on_text, should_stop=job.cancelled.is_set, ignore_eos=job.ignore_eos,
-                    constraint=job.constraint, **job.params,
-                )
-                logprobs = None
-                if job.top_logprobs is not None and generation.finish_reason != "cancelled":
-                    shown = shown_tokens(engine.model.tokenizer, generation.text, generation.tokens, generation.cut_off)
-                    logprobs = token_logprobs(engine.model.backend, job.prompt_ids, shown, job.top_logprobs)
-            backend = engine.model.backend
-            # what the cache now holds, for a next prompt that starts the same way (a chat's next
-            # turn): the prompt and the answer after a plain or speculative decode, or the teacher-
-            # forced pass of the log-probabilities; after a search, whatever candidate, particle or
-            # judge's question it read last, so nothing is kept
-            holds_answer = job.top_logprobs is not None or method_spec(job.method).family != "search"
-            if backend.batch_size == 1 and generation.finish_reason != "cancelled" and holds_answer:
-                backend.kept_ids = (job.prompt_ids + generation.tokens)[: backend.length]
-            return Outcome(generation, logprobs, job.started - job.submitted)
-        finally:
-            with self._lock:
-                self._free.append(engine)
-                self.running -= 1
+            outcome = self._decode(job, engine)
+        except BaseException as err:  # handed to the caller, whatever it is (nothing is left hanging)
+            self._release(engine)
+            future.set_exception(err)
+            return
+        self._release(engine)
+        future.set_result(outcome)
+
+    def _release(self, engine: Engine) -> None:
+        with self._lock:
+            self._free.append(engine)
+            self.running -= 1
+            self._dispatch()
+
+    def _decode(self, job: Job, engine: Engine) -> Outcome:
+        """The choice decoded in its slot's engine, with its log-probabilities where asked for."""
+        with self.batcher.member():
+            generation = engine.generate(
+                job.prompt_ids, method=job.method, max_new_tokens=job.max_new_tokens, stop=job.stop, chat=False,
+                on_text=job.on_text, should_stop=job.cancelled.is_set, ignore_eos=job.ignore_eos,
+                constraint=job.constraint, **job.params,
+            )
+            logprobs = None
+            if job.top_logprobs is not None and generation.finish_reason != "cancelled":
+                shown = shown_tokens(engine.model.tokenizer, generation.text, generation.tokens, generation.cut_off)
+                logprobs = token_logprobs(engine.model.backend, job.prompt_ids, shown, job.top_logprobs)
+        backend = engine.model.backend
+        # what the cache now holds, for a next prompt that starts the same way (a chat's next
+        # turn): the prompt and the answer after a plain or speculative decode, or the teacher-
+        # forced pass of the log-probabilities; after a search, whatever candidate, particle or
+        # judge's question it read last, so nothing is kept
+        holds_answer = job.top_logprobs is not None or method_spec(job.method).family != "search"
+        if backend.batch_size == 1 and generation.finish_reason != "cancelled" and holds_answer:
+            backend.kept_ids = (job.prompt_ids + generation.tokens)[: backend.length]
+        return Outcome(generation, logprobs, job.started - job.submitted)
 
     def close(self) -> None:
         """Stop: what waits is dropped (its futures cancelled), what runs finishes on its own."""
         with self._lock:
-            self._queued.clear()
+            waiting, self._queued = list(self._queued.values()), {}
+        for future in waiting:
+            future.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.batcher.close()
