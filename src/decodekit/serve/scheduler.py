@@ -157,8 +157,9 @@ class Scheduler:
             waited = [(job, self._queued.pop(job)) for job in jobs if job in self._queued]
             for job in jobs:
                 job.cancelled.set()
-        for job, future in waited:  # never started: answered now (outside the lock: callbacks run here)
-            future.set_result(Outcome(Generation.cancelled(), None, time.perf_counter() - job.submitted))
+        for job, future in waited:  # never started: answered now (outside the lock: callbacks run here),
+            if future.set_running_or_notify_cancel():  # unless its caller cancelled the future itself
+                future.set_result(Outcome(Generation.cancelled(), None, time.perf_counter() - job.submitted))
 
     def _run(self, job: Job, engine: Engine, future: Future[Outcome]) -> None:
         """Decode a choice in its slot, give the slot back (the next waiting choice starts), then
