@@ -12,8 +12,8 @@ import torch
 
 from ..errors import InvalidParameter
 from ..models import DEFAULT_MODEL, LoadedModel, load_model, parse_dtype
-from ..models.kv_policy import parse_kv_cache
 from ..models.backend import Interrupted
+from ..models.kv_policy import parse_kv_cache
 from ..options import check_int
 from ..samplers import SAMPLER_OPTIONS, LogitsProcessor, Sampler
 from ..samplers.constraint import Constraint, constraint_processor

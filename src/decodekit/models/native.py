@@ -335,12 +335,8 @@ class NativeLlama(Backend):
             return min(evicting, PREFILL_CHUNK)
         if not observe and self._batched(tokens, hidden_layers, skip_layers):
             return PREFILL_CHUNK if self.batcher.active > 1 else self.batcher.max_rows
-        chunks = [None]
-        if self._one_call(tokens, hidden_layers, skip_layers):
-            chunks.append(MAX_ROWS)
-        if self.kv_policy.quantised:  # only the kernels read and write the int8 and int4 caches
-            chunks.append(MAX_ROWS)
-        return min((c for c in chunks if c is not None), default=None)
+        # the kernels' passes; and only the kernels read and write the int8 and int4 caches
+        return MAX_ROWS if self._one_call(tokens, hidden_layers, skip_layers) or self.kv_policy.quantised else None
 
     @torch.inference_mode()
     def append(self, tokens: torch.Tensor, *, hidden_layers: Sequence[int] = (), skip_layers: frozenset[int] = frozenset(),

@@ -90,8 +90,12 @@ def decoding_error(err: Exception, body: dict[str, Any], chat: bool) -> ApiError
     fault, or a 500 where the fault is the server's (or unexpected)."""
     if isinstance(err, DecodeKitError) and not isinstance(err, SERVER_FAULTS):
         return ApiError(400, str(err), param=field_named(err, body, chat))
-    message = str(err) if isinstance(err, DecodeKitError) else f"internal error: {type(err).__name__}: {err}"
-    return ApiError(500, message, "server_error")
+    return ApiError(500, str(err) if isinstance(err, DecodeKitError) else internal_error(err), "server_error")
+
+
+def internal_error(err: Exception) -> str:
+    """A 500's message for an error no check foresaw (its type and text, never a traceback)."""
+    return f"internal error: {type(err).__name__}: {err}"
 
 
 class ClientGone(Exception):
@@ -201,7 +205,7 @@ class Server:
         @app.exception_handler(Exception)
         async def unexpected(request: Request, err: Exception):
             self.count_error(500)
-            return error_response(500, f"internal error: {type(err).__name__}: {err}", "server_error")
+            return error_response(500, internal_error(err), "server_error")
 
         @app.api_route("/health", methods=["GET", "HEAD"])
         async def health():
