@@ -872,3 +872,27 @@ def test_a_chat_logprob_entry_for_each_cut_token_shows_its_own_part():
     content = Reply._logprobs(types.SimpleNamespace(chat=True, tokenizer=Pieces()), outcome)["content"]
     assert (text, kept) == ("aé", [0]) and [c["token"] for c in content] == ["a", "", "é"]
     assert b"".join(bytes(c["bytes"]) for c in content) == text.encode()
+
+
+def test_when_one_choice_fails_the_others_are_still_counted(served, monkeypatch):
+    """n = 2, not streamed, the second choice failing while decoding: the reply is the error, and
+    the first choice, which decoded to its end, is in the metrics all the same."""
+    from concurrent.futures import Future
+
+    from decodekit.errors import DecodeKitError
+
+    scheduler = served.server.scheduler
+    submit = scheduler.submit
+
+    def second_fails(jobs):
+        futures = submit(jobs[:1])
+        failed: Future = Future()
+        failed.set_exception(DecodeKitError("the logits are not finite"))
+        return futures + [failed]
+
+    monkeypatch.setattr(scheduler, "submit", second_fails)
+    before = (metric(served, "decodekit:generation_tokens_total"), metric(served, 'decodekit:request_success_total{finished_reason="length"}'))
+    with pytest.raises(openai.APIStatusError, match="not finite"):
+        chat(served, PROMPTS[1], max_tokens=5, n=2, temperature=0, extra_body={"ignore_eos": True})
+    after = (metric(served, "decodekit:generation_tokens_total"), metric(served, 'decodekit:request_success_total{finished_reason="length"}'))
+    assert (after[0] - before[0], after[1] - before[1]) == (5, 1)

@@ -307,6 +307,7 @@ class Server:
             reply.record_when_stopped(dict(enumerate(futures)), {})  # cancelled choices count too, as in a stream
             raise
         except DecodeKitError as err:  # found while decoding: an option the checks above cannot judge alone, or a fault
+            reply.record_finished(futures, jobs)  # the other choices ran to their end: they count
             raise decoding_error(err, body, chat) from None
         return reply.whole(outcomes, jobs)
 
@@ -721,6 +722,12 @@ class Reply:
         for index, future in futures.items():
             # (a future the scheduler's close cancelled has nothing to count)
             future.add_done_callback(lambda f, i=index: f.cancelled() or f.exception() or self.record(f.result(), first.get(i)))
+
+    def record_finished(self, futures, jobs: list[Job]) -> None:
+        """Count the choices of a reply that is not streamed that finished, when another failed."""
+        for future, job in zip(futures, jobs):
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.record(future.result(), self.first_token_s(future.result(), job))
 
     def record(self, outcome: Outcome, first_token_s: float | None) -> None:
         if self.server.metrics:
