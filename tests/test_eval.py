@@ -203,6 +203,18 @@ def test_report_says_when_accuracy_is_low():
     assert "Accuracy is low" not in high
 
 
+def test_the_budget_curve_names_what_it_votes_over():
+    """CoT-decoding's candidates are its first-token branches, not samples."""
+    from decodekit.eval.report import markdown
+
+    curve = [{"samples": 1, "accuracy": 0.5}, {"samples": 2, "accuracy": 0.5}]
+    base = {"task": "gsm8k", "seed": 0, "n": 2, "options": {}, "correct": 1, "items": 2, "accuracy": 0.5,
+            "ci95": [0.1, 0.9], "tokens_spent": 10, "signal_tokens": 0, "time_s": 1.0, "auroc": {},
+            "budget_curve": curve, "records": []}
+    assert "over the first m decoding paths" in markdown({**base, "method": "cot"})
+    assert "over the first m samples" in markdown({**base, "method": "self-consistency"})
+
+
 def test_gsm8k_data_ships_inside_the_package():
     task = gsm8k_task()  # the packaged file, wherever the package is installed
     assert len(task.items) == 660

@@ -56,13 +56,19 @@ def markdown(r: dict[str, Any]) -> str:
         direction = "lower = confident" if CONFIDENCE_DIRECTION.get(name, 1) < 0 else "higher = confident"
         lines.append(f"| {name} | {direction} | {'n/a' if value is None else f'{value:.3f}'} |")
     if r["budget_curve"]:
-        lines += ["", "## Accuracy of a majority vote over the first m samples", "", "| m | accuracy |", "|---|---|"]
+        lines += ["", f"## Accuracy of a majority vote over the first m {voted(r)}", "", "| m | accuracy |", "|---|---|"]
         lines += [f"| {p['samples']} | {p['accuracy']:.3f} |" for p in r["budget_curve"]]
     lines += ["", "## Items", "", "| id | gold | answer | correct |", "|---|---|---|---|"]
     for rec in r["records"][:100]:
         answer = str(rec["answer"]).replace("|", "\\|")[:60]
         lines.append(f"| {rec['id']} | {rec['gold']} | {answer} | {'yes' if rec['correct'] else 'no'} |")
     return "\n".join(lines) + "\n"
+
+
+def voted(r: dict[str, Any]) -> str:
+    """What the budget curve votes over: CoT-decoding's candidates are its top-k first-token
+    branches, in the order of their first token's rank, not samples."""
+    return "decoding paths" if r["method"] == "cot" else "samples"
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
@@ -88,7 +94,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
     if r["budget_curve"]:
         xs = [p["samples"] for p in r["budget_curve"]]
         right.plot(xs, [p["accuracy"] for p in r["budget_curve"]], marker="o")
-        right.set(xscale="log", xlabel="samples voted", ylabel="accuracy", title="Accuracy vs samples (majority vote)")
+        right.set(xscale="log", xlabel=f"{voted(r)} voted", ylabel="accuracy", title=f"Accuracy vs {voted(r)} (majority vote)")
         right.set_xticks(xs, [str(x) for x in xs])
         right.minorticks_off()
     else:
