@@ -309,3 +309,34 @@ def test_a_structured_file_takes_boolean_schemas_and_is_checked_whole_before_any
     path.write_text(json.dumps(good) + "\n" + json.dumps({"id": "b", "prompt": "x", "schema": {"const": 2**60}}) + "\n")
     with pytest.raises(InvalidParameter, match=r"items.jsonl:2: the JSON schema's const"):
         load_task("structured", str(path))
+
+
+def test_agreement_samples_are_drawn_under_the_items_schema_and_apart_from_the_answer(monkeypatch):
+    """The agreement signal's samples: under the item's constraint (a `const` schema leaves one
+    answer, so they all agree with it), from seeds of their own (never the answer's draws, which
+    would put the answer among them), and no two items share a sample's seeds."""
+    pytest.importorskip("jsonschema")
+    import decodekit.eval.runner as runner
+    from decodekit.eval.runner import EvalConfig, evaluate
+    from decodekit.eval.tasks import structured_task
+
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    probes, drawn = [], []
+    original = runner.sampled_agreement
+
+    def spy(model, probe, answer, extract, n=8, **kw):
+        probes.append(probe.sampler.seed)
+        return original(model, probe, answer, extract, n=n, **kw)
+
+    monkeypatch.setattr(runner, "sampled_agreement", spy)
+    task = structured_task()
+    task.items = [i for i in task.items if i.id.startswith("const")][:2]
+    result = evaluate(model, task, EvalConfig(max_new_tokens=48, n=3, signals=["agreement"]))
+    assert [r["signals"]["agreement"] for r in result["records"]] == [1.0, 1.0]
+
+    original_run = runner.run_item
+    monkeypatch.setattr(runner, "run_item", lambda *a: drawn.append(a[5]) or original_run(*a))
+    probes.clear()
+    evaluate(model, fake_task(), EvalConfig(method="sample", temperature=0.7, n=4, signals=["agreement"]))
+    rows = [set(range(s, s + 4)) for s in drawn + probes]  # each item's and each probe's seeds
+    assert all(not (a & b) for i, a in enumerate(rows) for b in rows[i + 1:])

@@ -1,6 +1,6 @@
 """``decodekit eval --ray``: an evaluation's items spread over the workers of a Ray cluster.
 
-The unit is one item. Item ``i`` is decoded with seed ``seed + i`` wherever it runs, so every
+The unit is one item. Item ``i`` is decoded with the same seed wherever it runs (``item_seed``), so every
 output, answer and signal is the one a single-machine run gives; only the per-item times come from
 different machines. Each worker loads the model and builds the method's decoder once. The merged
 ``results.json`` has the single-machine fields plus ``machines``, one entry per worker.
@@ -15,7 +15,7 @@ from typing import Any
 
 from ..cluster import Pool, PoolSettings, connected, parse_address
 from ..models import LoadedModel
-from .runner import EvalConfig, make_decoder, run_item, summarize
+from .runner import EvalConfig, item_seed, make_decoder, run_item, summarize
 from .tasks import Task
 
 ModelRecipe = Callable[[], LoadedModel]
@@ -35,7 +35,7 @@ class EvalWorker:
 
     def run(self, index: int) -> dict[str, Any]:
         item = self.task.items[index]
-        return run_item(self.model, self.task, self.config, self.decoder, item, self.config.seed + index, self.max_new)
+        return run_item(self.model, self.task, self.config, self.decoder, item, item_seed(self.config, index), self.max_new)
 
 
 def evaluate_on_ray(load: ModelRecipe, task: Task, config: EvalConfig, address: str | None, settings: PoolSettings,

@@ -12,12 +12,24 @@ from ..samplers.constraint import constraint_processor
 from ..engine.core import Decoder, Request
 from ..errors import InvalidParameter
 from ..models import LoadedModel
+from ..samplers.params import SEED_LIMIT
 from ..search import SampleDecoder, majority_vote
 from ..search.uncertainty import CONFIDENCE_DIRECTION, paraphrase_consistency, sampled_agreement
 from .metrics import auroc, wilson_interval
 from .tasks import Task
 
 EXTRA_SIGNALS = ("agreement", "pc")
+#: Seeds between two items: an item's samples take seed, seed + 1, ..., so that no two items share
+#: a sample's draws (draws are keyed by seed and position).
+ITEM_SEED_SPACING = 2**32
+#: Where, past an item's seed, the agreement signal's samples start: a stream of their own, never
+#: the answer's (with the answer among them, agreement could not fall below 1 / n).
+AGREEMENT_SEEDS = 2**31
+
+
+def item_seed(config: "EvalConfig", index: int) -> int:
+    """The seed item ``index`` is decoded with, wherever it runs."""
+    return (config.seed + index * ITEM_SEED_SPACING) % SEED_LIMIT
 
 
 @dataclass
@@ -66,7 +78,7 @@ def evaluate(model: LoadedModel, task: Task, config: EvalConfig,
     records = []
     start = time.perf_counter()
     for index, item in enumerate(items):
-        records.append(run_item(model, task, config, decoder, item, config.seed + index, max_new))
+        records.append(run_item(model, task, config, decoder, item, item_seed(config, index), max_new))
         if progress:
             progress(index + 1, len(items), records[-1])
     return summarize(task, config, records, time.perf_counter() - start)
@@ -85,8 +97,9 @@ def run_item(model, task, config, decoder, item, seed, max_new) -> dict[str, Any
     spent = gen.stats.extra.get("tokens_spent", gen.stats.new_tokens)
     extra_spent = 0
     if "agreement" in config.signals and "agreement" not in signals:
-        # the seed's sampler: sampled_agreement draws its samples at its own SAMPLE_TEMPERATURE
-        probe = Request(request.prompt_ids, make_sampler("greedy", {"seed": seed}), max_new)
+        # sampled_agreement draws its samples at its own SAMPLE_TEMPERATURE, under the item's constraint
+        probe_seed = (seed + AGREEMENT_SEEDS) % SEED_LIMIT
+        probe = Request(request.prompt_ids, make_sampler("greedy", {"seed": probe_seed}, mask), max_new)
         found = sampled_agreement(model, probe, answer, task.answer, n=config.n)
         signals["agreement"], extra_spent = found["agreement"], extra_spent + found["tokens_spent"]
     if "pc" in config.signals:
