@@ -51,6 +51,23 @@ def test_capitals_task_matching():
     assert capital_answer("The capital of France is Paris.\nIt is big.") == "paris"
     assert capital_correct("Astana", Item("KZ", "", "Nur-Sultan"))
     assert task.answer_start("The capital of Peru is Lima.") == len("The capital of Peru is ")
+    assert task.answer_start("Peru's capital is Lima.") == len("Peru's capital is ")
+
+
+@pytest.mark.parametrize("subject, gold, right, wrong", [
+    ("Singapore", "Singapore", ["Singapore", "Singapore City.", "The capital of Singapore is Singapore."],
+     ["Singapore does not have a capital.", "Singapore? I don't know."]),
+    ("Luxembourg", "Luxembourg", ["Luxembourg City", "Luxembourg's capital is Luxembourg."],
+     ["Luxembourg's capital is Brussels.", "Luxembourg has Brussels as its capital"]),
+    ("Guinea-Bissau", "Bissau", ["Bissau", "Guinea-Bissau's capital is Bissau.", "Bissau, Guinea-Bissau"],
+     ["Guinea-Bissau", "Guinea-Bissau is a country"]),
+    ("Sao Tome and Principe", "Sao Tome", ["São Tomé"], ["Sao Tome and Principe"]),
+    ("Mexico", "Mexico City", ["Mexico City", "It is Mexico City."], ["Mexico", "Guadalajara, Mexico"]),
+])
+def test_a_capital_inside_its_countrys_name_is_not_answered_by_echoing_the_country(subject, gold, right, wrong):
+    item = Item("X", "", gold, subject)
+    assert all(capital_correct(text, item) for text in right)
+    assert not any(capital_correct(text, item) for text in wrong)
 
 
 def test_gsm8k_task_parsing(tmp_path):

@@ -98,8 +98,10 @@ CAPITAL_ALIASES = {
     "Nur-Sultan": ("Astana",), "Nay Pyi Taw": ("Naypyidaw", "Naypyitaw"), "Kyiv": ("Kiev",),
     "Sanaa": ("Sana'a",), "Washington": ("Washington D.C.",),
 }
-_LEAD = re.compile(r"^(?:the )?capital(?: city)? of [a-z ]+? is (?:the city of )?")
-_RAW_LEAD = re.compile(r"^\W*(?:the )?capital(?: city)? of [^\n]+? is (?:the city of )?", re.IGNORECASE)
+# "the capital of X is", or "X's capital is" (as one of the paraphrases words the question)
+_LEAD = re.compile(r"^(?:(?:the )?capital(?: city)? of [a-z ]+?|[a-z ]+? s capital(?: city)?) is (?:the city of )?")
+_RAW_LEAD = re.compile(r"^\W*(?:(?:the )?capital(?: city)? of [^\n]+?|[^\n]+?'s capital(?: city)?) is (?:the city of )?",
+                       re.IGNORECASE)
 
 
 def capital_answer_start(text: str) -> int:
@@ -118,11 +120,20 @@ def capital_answer(text: str) -> str | None:
 
 
 def capital_correct(text: str, item: Item) -> bool:
+    """Whether the answer names the capital. Where the capital's name is inside the country's
+    (Singapore, Luxembourg, Guinea-Bissau), an answer that only repeats the country's name does not
+    count ("Singapore has no capital"): the name must stand outside it, or be the whole answer."""
     answer = capital_answer(text)
     if answer is None:
         return False
-    names = (item.gold, *CAPITAL_ALIASES.get(item.gold, ()))
-    return any(f" {normalize_text(n)} " in f" {answer} " for n in names)
+    names = [normalize_text(n) for n in (item.gold, *CAPITAL_ALIASES.get(item.gold, ()))]
+    if answer in names or answer in [f"{n} city" for n in names]:
+        return True
+    country = normalize_text(item.subject or "")
+    shown = f" {answer} "
+    if country and any(f" {n} " in f" {country} " for n in names):
+        shown = shown.replace(f" {country} ", " | ")
+    return any(f" {n} " in shown for n in names)
 
 
 def capitals_task() -> Task:
