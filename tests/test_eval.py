@@ -114,6 +114,16 @@ def eval_args(tmp_path, *argv: str) -> argparse.Namespace:
     return parser.parse_args(["fake3", "--out", str(tmp_path), *argv])
 
 
+def test_cot_in_eval_answers_with_the_tasks_extractor():
+    from decodekit.eval.runner import EvalConfig, evaluate
+
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    task = fake_task()
+    result = evaluate(model, task, EvalConfig(method="cot", n=3, max_new_tokens=4))
+    candidates = [(c, record["gold"]) for record in result["records"] for c in record["candidates"]]
+    assert all(len(c["answer"]) == 1 and c["correct"] == (c["answer"] == gold) for c, gold in candidates)  # the task's: t[:1]
+
+
 @pytest.mark.parametrize("method", ["greedy", "self-consistency"])
 def test_eval_end_to_end_on_a_tiny_model(tmp_path, method, capsys):
     register_task("fake3", fake_task)

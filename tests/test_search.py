@@ -358,6 +358,22 @@ def test_cot_answer_span_and_aggregation():
     assert choose_path([0.5, 0.4, 0.3], ["1", "2", "2"]) == 1  # answer "2" totals 0.7
 
 
+def test_cot_takes_a_tasks_answer_extractor_and_answer_start():
+    """An eval task's functions: its extractor gives the answers compared, its answer start the
+    span whose margins make Δ (to the end of the line) and where phi_first is read."""
+    model = cot_model()
+    req = lambda: request(model, "p", method="greedy", max_new=5)
+    by_number = build_decoder("cot", n=3).generate(model, req())
+    g = build_decoder("cot", n=3, answer=lambda text: text[:1].upper(), answer_start=lambda text: 1).generate(model, req())
+    assert [p["answer"] for p in g.extra["candidates"]] == ["A", "B", "C"]
+    # the span after the first letter is the digit: the same Δ as the last-number span
+    assert [p["delta"] for p in g.extra["candidates"]] == [p["delta"] for p in by_number.extra["candidates"]]
+    whole = build_decoder("cot", n=3, answer=lambda text: text[:1], answer_start=lambda text: 0).generate(model, req())
+    assert [p["delta"] for p in whole.extra["candidates"]] != [p["delta"] for p in g.extra["candidates"]]
+    with pytest.raises(InvalidParameter, match="answer_start"):
+        build_decoder("cot", n=3, answer_start=lambda text: -1).generate(model, req())
+
+
 # Step-level search ---------------------------------------------------------------------------------
 
 
@@ -369,6 +385,20 @@ def test_particle_filter_with_a_constant_scorer_is_independent_sampling():
     assert g.extra["resamples"] == 0
     assert [c["text"] for c in g.extra["candidates"]] == [s.text for s in independent]
     assert any(len(c["step_scores"]) > 1 for c in g.extra["candidates"])
+
+
+@pytest.mark.parametrize("method", ["step-beam", "particle", "astar"])
+def test_a_step_search_reads_phi_first_where_the_tasks_answer_starts(method):
+    """An eval task's answer_start (as for the voting methods and CoT), not the last number's."""
+    model = random_bigram(2, eos_logit=-0.5)
+    seen = []
+    opts = dict(n=2, scorer=lambda text: 0.0, delimiter=" ", max_step_tokens=5)
+    g = build_decoder(method, **opts, answer_start=lambda text: seen.append(text) or 0).generate(
+        model, request(model, "p", seed=0, max_new=12))
+    assert seen[-1] == g.text
+    with pytest.raises(InvalidParameter, match="answer_start"):
+        build_decoder(method, **opts, answer_start=lambda text: len(text) + 1).generate(
+            model, request(model, "p", seed=0, max_new=12))
 
 
 def test_particle_filter_resamples_when_weights_degenerate():

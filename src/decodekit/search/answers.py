@@ -12,6 +12,10 @@ import re
 import string
 import unicodedata
 from collections.abc import Callable
+from numbers import Integral
+
+from ..errors import InvalidParameter
+from ..options import OptionSpec, any_value
 
 ANSWER_MODES = ("auto", "number", "line", "text")
 NUMBER = re.compile(r"[-\u2212]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")  # the Unicode minus sign too
@@ -93,3 +97,39 @@ def answer_start(text: str, mode: str | Extractor) -> int:
 def extractor(mode: str | Extractor) -> Extractor:
     """The extraction function for a mode name (or the callable itself)."""
     return mode if callable(mode) else _EXTRACTORS[mode]
+
+
+ANSWER_START_OPTION = OptionSpec("answer_start", object, None,
+                                 "Python callable text -> offset where the answer begins (phi_first)", local=any_value)
+
+
+def checked_answer(fn: Callable[[str], str | None]) -> Callable[[str], str | None]:
+    """A user's ``answer`` callable, held to returning a string or None (no answer)."""
+    def extract(text: str) -> str | None:
+        value = fn(text)
+        if value is not None and not isinstance(value, str):
+            raise InvalidParameter(f"the answer callable must return a string or None, got {value!r}", param="answer")
+        return value
+    return extract
+
+
+def checked_start(fn: Callable[[str], int]) -> Callable[[str], int]:
+    """A user's ``answer_start`` callable, held to returning an offset into the text."""
+    def start(text: str) -> int:
+        value = fn(text)
+        if not isinstance(value, Integral) or isinstance(value, bool) or not 0 <= value <= len(text):
+            raise InvalidParameter(f"the answer_start callable must return an offset in [0, {len(text)}] into the "
+                                   f"text, got {value!r}", param="answer_start")
+        return int(value)
+    return start
+
+
+def answer_functions(answer: str | Callable[[str], str | None], start: Callable[[str], int] | None,
+                     ) -> tuple[Callable[[str], str | None], Callable[[str], int]]:
+    """A method's answer extractor and answer-start finder, from its ``answer`` mode or callable and
+    its optional ``answer_start`` callable ``start`` (a task's own, such as an eval task's)."""
+    if start is not None and not callable(start):
+        raise InvalidParameter(f"answer_start must be a Python callable text -> offset (given from Python, not as "
+                               f"text), got {start!r}")
+    extract = checked_answer(answer) if callable(answer) else extractor(answer)
+    return extract, checked_start(start) if start else (lambda text: answer_start(text, answer))

@@ -4,36 +4,47 @@ Branch on the top-k first tokens (EOS excluded), continue every branch greedily 
 rows), and return the path with the highest answer confidence
 Δ = mean over the answer tokens of (p_top1 − p_top2), from the raw model distribution.
 Answer span (our choice, as the paper leaves it task-specific): with ``answer='number'`` or
-``'auto'``, the tokens overlapping the last number of the continuation; when there is no number
-(or with ``answer='text'``), the whole continuation. ``aggregate=True`` is the paper's
+``'auto'``, the tokens overlapping the last number of the continuation; with an ``answer_start``
+callable (a task's, as ``decodekit eval`` passes it), the tokens from that offset to the end of its
+line; otherwise (no number, ``answer='text'`` or ``'line'``, or an ``answer`` callable alone) the
+whole continuation. The answers compared by ``aggregate`` are ``answer``'s, a callable's included
+(an eval task's own extractor). ``aggregate=True`` is the paper's
 "CoT-decoding (agg)": sum Δ over paths with the same extracted answer, pick the best answer and
 return its highest-Δ path. Not lossless.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..engine.core import Decoder, Generation, Request
 from ..models import LoadedModel
 from ..models.tokenizer import Tokenizer
 from ..options import OptionSpec, option_table
 from ..samplers import Histories
-from .answers import ANSWER_MODES, answer_start, extractor, last_number_span
+from .answers import ANSWER_MODES, ANSWER_START_OPTION, answer_functions, last_number_span
 from .batch import SearchContext
 from .select import majority_vote
 from .uncertainty import sample_signals, token_ends
 
 OPTIONS = option_table(
     OptionSpec("n", int, 10, "number of first-token branches k", lo=1),
-    OptionSpec("answer", str, "auto", "answer span: number/auto (last number) or text (all)", choices=ANSWER_MODES),
+    OptionSpec("answer", str, "auto", "answer extraction and span: number/auto (last number) or text (all)",
+               choices=ANSWER_MODES, allow_callable=True),
     OptionSpec("aggregate", bool, False, "sum Δ over paths with the same answer"),
+    ANSWER_START_OPTION,
 )
 
 
-def answer_token_span(tokens: Sequence[int], tokenizer: Tokenizer, mode: str) -> list[int]:
+def answer_token_span(tokens: Sequence[int], tokenizer: Tokenizer, mode: object,
+                      start: Callable[[str], int] | None = None) -> list[int]:
     """Indices of the answer tokens (see the module doc)."""
-    span = last_number_span(tokenizer.decode(tokens)) if mode in ("number", "auto") else None
+    text = tokenizer.decode(tokens)
+    span = last_number_span(text) if mode in ("number", "auto") else None
+    if span is None and start is not None:
+        begin = start(text)
+        end = text.find("\n", begin)
+        span = (begin, len(text) if end < 0 else end) if text[begin:end if end >= 0 else None].strip() else None
     if span is None:
         return list(range(len(tokens)))
     ends = token_ends(tokens, tokenizer)
@@ -56,22 +67,26 @@ def choose_path(deltas: Sequence[float], answers: Sequence[str | None] | None = 
 
 
 class CoTDecoding(Decoder):
-    def __init__(self, n: int = 10, answer: str = "auto", aggregate: bool = False):
+    def __init__(self, n: int = 10, answer: str | Callable[[str], str | None] = "auto", aggregate: bool = False,
+                 answer_start: Callable[[str], int] | None = None):
         self.k, self.mode, self.aggregate = n, answer, aggregate
+        self.extract, self.start = answer_functions(answer, answer_start)
+        self.span_start = self.start if answer_start is not None else None
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         ctx = SearchContext(model, request)
         first = self._first_tokens(ctx)
         greedy = ctx.greedy_rows()
         samples = ctx.decode(ctx.prompt, greedy, range(len(first)), request.max_new_tokens, first_tokens=first)
-        deltas = [path_confidence(s.margin, answer_token_span(s.tokens, ctx.tokenizer, self.mode)) for s in samples]
-        answers = [extractor(self.mode)(s.text) for s in samples]
+        deltas = [path_confidence(s.margin, answer_token_span(s.tokens, ctx.tokenizer, self.mode, self.span_start))
+                  for s in samples]
+        answers = [self.extract(s.text) for s in samples]
         index = choose_path(deltas, answers if self.aggregate else None)
         paths = [
             {"first_token": ctx.tokenizer.decode([t]), "text": s.text, "answer": a, "delta": round(d, 6)}
             for t, s, a, d in zip(first, samples, answers, deltas)
         ]
-        signals = sample_signals(samples[index], ctx.tokenizer, answer_start(samples[index].text, self.mode))
+        signals = sample_signals(samples[index], ctx.tokenizer, self.start(samples[index].text))
         signals["delta"] = deltas[index]
         extra = {"method": "cot", "chosen": index, "answer": answers[index], "candidates": paths, "uncertainty": signals}
         return ctx.finalize(samples[index], extra)

@@ -19,15 +19,13 @@ at ``sample_temperature`` (default :data:`~.batch.SAMPLE_TEMPERATURE`) from the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from numbers import Integral
 from typing import Any
 
 from ..engine.core import Decoder, Generation, Request
 from ..errors import InvalidParameter
 from ..models import LoadedModel
-from ..options import OptionSpec, any_value, option_table
-from .answers import ANSWER_MODES, extractor
-from .answers import answer_start as find_answer_start
+from ..options import OptionSpec, option_table
+from .answers import ANSWER_MODES, ANSWER_START_OPTION, answer_functions
 from .batch import SAMPLE_TEMPERATURE, SAMPLE_TEMPERATURE_OPTION, Sample, SearchContext
 from .scorers import JUDGE_MODEL_OPTION, NONNEGATIVE_SCORER_NAMES, SCORER_NAMES, make_scorer, returned_number
 from .uncertainty import agreement, sample_signals
@@ -73,27 +71,6 @@ def first_finished(samples: Sequence[Sample]) -> int:
     return min(finished, key=lambda i: (samples[i].steps, -samples[i].loglik))
 
 
-def checked_answer(fn: Callable[[str], str | None]) -> Callable[[str], str | None]:
-    """A user's ``answer`` callable, held to returning a string or None (no answer)."""
-    def extract(text: str) -> str | None:
-        value = fn(text)
-        if value is not None and not isinstance(value, str):
-            raise InvalidParameter(f"the answer callable must return a string or None, got {value!r}", param="answer")
-        return value
-    return extract
-
-
-def checked_start(fn: Callable[[str], int]) -> Callable[[str], int]:
-    """A user's ``answer_start`` callable, held to returning an offset into the text."""
-    def start(text: str) -> int:
-        value = fn(text)
-        if not isinstance(value, Integral) or isinstance(value, bool) or not 0 <= value <= len(text):
-            raise InvalidParameter(f"the answer_start callable must return an offset in [0, {len(text)}] into the "
-                                   f"text, got {value!r}", param="answer_start")
-        return int(value)
-    return start
-
-
 def checked_utility(fn: Utility) -> Utility:
     """A user's ``utility`` callable, held to returning a finite number."""
     def utility(hyp: str, ref: str) -> float:
@@ -106,8 +83,7 @@ SAMPLING_OPTIONS = option_table(
     SAMPLE_TEMPERATURE_OPTION,
     OptionSpec("answer", str, "auto", "answer extraction for voting and agreement", choices=ANSWER_MODES,
                allow_callable=True),
-    OptionSpec("answer_start", object, None, "Python callable text -> offset where the answer begins (phi_first)",
-               local=any_value),
+    ANSWER_START_OPTION,
 )
 SCORER_OPTIONS = option_table(
     OptionSpec("scorer", str, "loglik", "candidate scorer", choices=SCORER_NAMES, allow_callable=True),
@@ -127,13 +103,9 @@ class MultiSampleDecoder(Decoder):
 
     def __init__(self, n: int = 8, sample_temperature: float = SAMPLE_TEMPERATURE, answer: str | Callable = "auto",
                  answer_start: Callable[[str], int] | None = None, **_: Any):
-        if answer_start is not None and not callable(answer_start):
-            raise InvalidParameter(f"answer_start must be a Python callable text -> offset (given from Python, not as "
-                                   f"text), got {answer_start!r}")
         self.n = n
         self.temperature = sample_temperature
-        self.extract = extractor(answer) if not callable(answer) else checked_answer(answer)
-        self.start = checked_start(answer_start) if answer_start else (lambda text: find_answer_start(text, answer))
+        self.extract, self.start = answer_functions(answer, answer_start)
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         ctx = SearchContext(model, request)

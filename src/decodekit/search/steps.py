@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ from ..models import LoadedModel
 from ..options import OptionSpec, option_table
 from ..samplers import Sampler
 from ..samplers.params import SEED_LIMIT
-from .answers import answer_start
+from .answers import ANSWER_START_OPTION, answer_functions
 from .batch import SAMPLE_TEMPERATURE, SAMPLE_TEMPERATURE_OPTION, RowSamplers, Sample, SearchContext
 from .scorers import JUDGE_MODEL_OPTION, SCORER_NAMES, Scorer, make_scorer
 from .uncertainty import sample_signals
@@ -54,6 +54,7 @@ COMMON_OPTIONS = option_table(
     JUDGE_MODEL_OPTION,
     OptionSpec("aggregate", str, "mean", "how step scores make a solution's value", choices=AGGREGATES),
     SAMPLE_TEMPERATURE_OPTION,
+    ANSWER_START_OPTION,
 )
 STEP_BEAM_OPTIONS = option_table(
     OptionSpec("n", int, 4, "beam width", lo=1),
@@ -109,8 +110,10 @@ class StepSearch(Decoder):
     method = "steps"
 
     def __init__(self, n: int, delimiter: str = "\n\n", max_step_tokens: int = 128, scorer: Any = "mean-logprob",
-                 judge_model: Any = None, aggregate: str = "mean", sample_temperature: float = SAMPLE_TEMPERATURE, **_: Any):
+                 judge_model: Any = None, aggregate: str = "mean", sample_temperature: float = SAMPLE_TEMPERATURE,
+                 answer_start: Callable[[str], int] | None = None, **_: Any):
         self.n = n
+        _, self.start = answer_functions("auto", answer_start)  # where phi_first is read
         self.delimiter, self.max_step = delimiter, max_step_tokens
         self.scorer: Scorer = make_scorer(scorer, judge_model)
         self.how, self.temperature = aggregate, sample_temperature
@@ -132,7 +135,7 @@ class StepSearch(Decoder):
     def result(self, ctx: SearchContext, best: Partial, pool: Sequence[Partial], extra: dict[str, Any]) -> Generation:
         if best.sample.finish_reason == "step":
             best.sample.finish_reason = "length"
-        signals = sample_signals(best.sample, ctx.tokenizer, answer_start(ctx.tokenizer.decode(best.sample.tokens), "auto"))
+        signals = sample_signals(best.sample, ctx.tokenizer, self.start(ctx.tokenizer.decode(best.sample.tokens)))
         signals["value"] = best.value(self.how)
         candidates = [
             {"text": ctx.tokenizer.decode(p.sample.tokens), "value": round(p.value(self.how), 6),
