@@ -97,3 +97,26 @@ def test_judge_score_is_the_yes_share_of_yes_plus_no():
     p = torch.softmax(logits, -1)
     expected = float((p[1] + p[2]) / (p[1] + p[2] + p[3] + p[4]))
     assert Judge.yes_share(model, logits) == pytest.approx(expected, abs=1e-6)
+
+
+def test_a_step_search_asks_the_judge_about_each_step_the_first_included():
+    """Every step, the first one too, is asked the step question; a whole answer the answer one."""
+    from decodekit.engine import Engine
+    from decodekit.models import CharTokenizer
+
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    asked = []
+    follow_up = Judge._follow_up
+
+    def spy(judge, question):
+        asked.append(question)
+        return follow_up(judge, question)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Judge, "_follow_up", staticmethod(spy))
+        Engine(model).generate("Q: 1+1=", method="step-beam", n=2, expand=2, scorer="judge", delimiter="a",
+                               max_step_tokens=4, max_new_tokens=12)
+        assert asked and set(asked) == {Judge.STEP_QUESTION}
+        asked.clear()
+        Engine(model).generate("Q: 1+1=", method="best-of-n", n=2, scorer="judge", max_new_tokens=6)
+        assert asked == [Judge.ANSWER_QUESTION] * 2

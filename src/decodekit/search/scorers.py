@@ -2,7 +2,9 @@
 
 One interface serves best-of-N (a whole answer) and step-level search (a process-reward model,
 ``StepScorer``): ``score(ctx, prefix, segment)`` rates ``segment`` (a :class:`Sample`) decoded after
-the prompt and ``prefix`` (the earlier steps' ids; empty for whole answers).
+the prompt and ``prefix`` (empty for whole answers); step searches call ``score_step`` (the same,
+``prefix`` the earlier steps' ids, possibly none), which a scorer that asks differently about a
+step overrides (the judge).
 
 Built in:
   ``loglik``         sum of token log-probs (EOS included when the answer ended on it)
@@ -37,6 +39,10 @@ class Scorer(ABC):
 
     @abstractmethod
     def score(self, ctx: SearchContext, prefix: Sequence[int], segment: Sample) -> float: ...
+
+    def score_step(self, ctx: SearchContext, prefix: Sequence[int], step: Sample) -> float:
+        """A step of a solution, after the earlier steps ``prefix`` (none for the first step)."""
+        return self.score(ctx, prefix, step)
 
 
 StepScorer = Scorer  # a process-reward model is a scorer applied to each new step
@@ -106,10 +112,15 @@ class Judge(Scorer):
         self.model = model
 
     def score(self, ctx: SearchContext, prefix: Sequence[int], segment: Sample) -> float:
+        return self._ask(ctx, prefix, segment, self.ANSWER_QUESTION)
+
+    def score_step(self, ctx: SearchContext, prefix: Sequence[int], step: Sample) -> float:
+        return self._ask(ctx, prefix, step, self.STEP_QUESTION)  # the first step too: it is not a whole answer
+
+    def _ask(self, ctx: SearchContext, prefix: Sequence[int], segment: Sample, question: str) -> float:
         judge = self.model or ctx.model
         if judge.backend.info.vocab_size != ctx.model.backend.info.vocab_size:
             raise InvalidParameter("the judge model must share the generating model's tokenizer")
-        question = self.STEP_QUESTION if prefix else self.ANSWER_QUESTION
         ids = ctx.prompt + list(prefix) + segment.tokens + self._follow_up(judge, question)
         logits = ctx.cache_for(judge).fork(ids, 1)[0]
         return self.yes_share(judge, logits)

@@ -128,7 +128,7 @@ class StepSearch(Decoder):
         for step in steps:
             joined = node.sample.then(step)
             done = step.finish_reason in ("eos", "stop") or len(joined.tokens) >= done_len
-            score = self.scorer.score(ctx, node.sample.tokens, step)
+            score = self.scorer.score_step(ctx, node.sample.tokens, step)
             children.append(Partial(joined, node.scores + [score], done))
         return children
 
