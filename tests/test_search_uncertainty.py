@@ -48,6 +48,12 @@ def test_answer_extraction_modes():
     cases = {"read pages 3-4": "4", "on 2024-05-06": "6", "x = -5": "-5", "x=\u22125": "-5", "3 - 4 = -1": "-1",
              "about .5 of it": "0.5", "-.25": "-0.25", "agent 007": "7", "0.50": "0.5", "-0.0": "0", "10 - 4": "4"}
     assert {text: extract_number(text) for text in cases} == cases
+    # commas only between groups of three digits; a sign before a dollar sign; no number cut out of a
+    # longer run of digits and dots
+    cases = {"1,2,3": "3", "1,000,000 apples": "1000000", "a loss of -$5": "-5", "$-5": "-5", "it is $3.50.": "3.5",
+             "version 1.5.2": "1.5", "10,000.00": "10000", "12,34": "34"}
+    assert {text: extract_number(text) for text in cases} == cases
+    assert answer_start("it is $3.50.", "number") == len("it is $")
     assert extract_line("\n  Bogotá, Colombia!\nmore") == "bogota colombia"
     assert extract_auto("The answer: 42") == "42" and extract_auto("Paris.") == "paris"
     assert normalize_text("  São   PAULO ") == "sao paulo"

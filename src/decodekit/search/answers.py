@@ -1,6 +1,6 @@
 """Answer extraction shared by voting, CoT-decoding, uncertainty signals and the eval tasks.
 
-Modes: ``number`` (the last number in the text, commas removed, ``12.0`` -> ``12``, ``.5`` -> ``0.5``,
+Modes: ``number`` (the last number in the text, its thousands' commas removed, ``12.0`` -> ``12``, ``.5`` -> ``0.5``,
 ``007`` -> ``7``; a hyphen after a letter or digit, as in ``pages 3-4``, is not a minus sign), ``line``
 (the first non-empty line, normalised), ``text`` (the whole text, normalised), ``auto`` (the last
 number when there is one, else the first line). A callable ``text -> str | None`` may replace a mode.
@@ -18,7 +18,10 @@ from ..errors import InvalidParameter
 from ..options import OptionSpec, any_value
 
 ANSWER_MODES = ("auto", "number", "line", "text")
-NUMBER = re.compile(r"[-\u2212]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")  # the Unicode minus sign too
+# A number: an optional sign (the Unicode minus too; a dollar sign may follow it), then digits with commas only
+# between groups of three (so "1,2,3" is three numbers), then decimals; never a piece of a longer
+# run of digits and dots ("1.5.2" is 1.5 and nothing more, not 0.2).
+NUMBER = re.compile(r"(?<![\d.])(?<!\d\.)(?:[-\u2212]\$?)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)")
 
 Extractor = Callable[[str], "str | None"]
 
@@ -32,7 +35,7 @@ def normalize_text(text: str) -> str:
 
 
 def normalize_number(raw: str) -> str:
-    value = raw.replace(",", "").replace("\u2212", "-")
+    value = raw.replace(",", "").replace("$", "").replace("\u2212", "-")
     sign, value = ("-", value[1:]) if value.startswith("-") else ("", value)
     if "." in value:
         value = value.rstrip("0").rstrip(".")
