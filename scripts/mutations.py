@@ -806,6 +806,9 @@ MUTATIONS = (
              "        return self._ask(ctx, prefix, step, self.STEP_QUESTION)",
              "        return self._ask(ctx, prefix, step, self.STEP_QUESTION if prefix else self.ANSWER_QUESTION)",
              ("tests/test_search_uncertainty.py", "-k", "judge")),
+    Mutation("tokens-of-a-step-past-a-stop-billed", "src/decodekit/engine/core.py",
+             "            new = through_stop(tokenizer, new, text, hit, len(kept))", "            pass",
+             ("tests/test_speculative.py", "-k", "bills_what")),
     Mutation("number-commas-anywhere", "src/decodekit/search/answers.py",
              r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)", r"\d[\d,]*", ("tests/test_search_uncertainty.py", "-k", "extraction")),
 )

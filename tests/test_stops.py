@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from decodekit.engine import Engine
-from decodekit.engine.stops import cut_at_stop, hits_stop, stop_strings
+from decodekit.engine.stops import cut_at_stop, hits_stop, stop_strings, through_stop
 from decodekit.errors import InvalidParameter
 
 
@@ -39,6 +39,14 @@ def test_cut_keeps_text_before_the_stop_and_no_token_of_it():
     text, kept, hit = cut_at_stop(tok, tokens, (" wor", "ld"))  # the first occurrence wins
     assert (text, kept, hit) == ("hello", [0, 1], " wor")
     assert cut_at_stop(tok, tokens, ("xyz",)) == ("hello world!", tokens, None)
+
+
+def test_the_tokens_generated_end_with_the_one_that_completes_the_stop_string():
+    tok = WordTokenizer()
+    tokens = [0, 1, 2, 3, 4, 5, 6]  # "hello world! seaside"
+    for stop, through in (("orl", [0, 1, 2, 3]), ("wor", [0, 1, 2]), ("!", [0, 1, 2, 3, 4]), ("llo w", [0, 1, 2])):
+        text, kept, hit = cut_at_stop(tok, tokens, (stop,))
+        assert through_stop(tok, tokens, text, hit, len(kept)) == through
 
 
 def test_hits_stop_looks_at_the_tail_only_as_far_as_needed():

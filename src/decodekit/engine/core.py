@@ -20,7 +20,7 @@ from ..errors import PromptTooLong
 from ..models import LoadedModel
 from ..models.backend import Backend, Interrupted
 from ..samplers import Histories, Sampler
-from .stops import cut_at_stop, hits_stop, settled, stop_strings
+from .stops import cut_at_stop, hits_stop, settled, stop_strings, through_stop
 
 
 @dataclass
@@ -312,6 +312,7 @@ class StepDecoder(Decoder):
         text, kept, hit = cut_at_stop(tokenizer, new, request.stop)
         if hit is not None:
             finish = "stop"
+            new = through_stop(tokenizer, new, text, hit, len(kept))  # a step's tokens past the stop are not generated
         streamer.update(kept, final_text=text)
         stats.new_tokens = len(kept)
         return Generation(text=text, tokens=kept, stats=stats, finish_reason=finish, cut_off=new[len(kept):])

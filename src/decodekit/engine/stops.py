@@ -93,6 +93,17 @@ def cut_at_stop(tokenizer: Tokenizer, tokens: list[int], stop: Sequence[str]) ->
     return text[:cut], tokens[:kept], hit
 
 
+def through_stop(tokenizer: Tokenizer, tokens: list[int], text: str, hit: str, kept: int) -> list[int]:
+    """``tokens`` up to the one that completes the stop string ``hit`` (cut from the end of ``text``,
+    :func:`cut_at_stop`'s): what the model generated before it stopped, wherever a step ended (a
+    speculative step or a search's step may run past the stop, and what came after is not counted)."""
+    end = len(text) + len(hit)
+    for k in range(max(kept, 1), len(tokens) + 1):
+        if len(settled(decoded(tokenizer, tokens[:k]))) >= end:
+            return tokens[:k]
+    return tokens
+
+
 def shown_tokens(tokenizer: Tokenizer, text: str, tokens: list[int], cut_off: Sequence[int]) -> list[int]:
     """The tokens whose text ``text`` shows, in whole or in part: ``tokens`` and, where a stop string
     cut inside a token (its characters before the cut stay in the text), the cut-off tokens up to

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..engine.core import Generation, GenerationStats, Request, check_cancelled, check_fits
-from ..engine.stops import cut_at_stop, hits_stop
+from ..engine.stops import cut_at_stop, hits_stop, through_stop
 from ..models import LoadedModel
 from ..models.kernels import argmax_rows
 from ..samplers import Histories, Sampler
@@ -282,6 +282,8 @@ class SearchContext:
         # the steps of a step search, joined, may hold a stop string across a step's boundary
         generated = list(sample.tokens) + sample.cut_off
         text, tokens, hit = cut_at_stop(self.tokenizer, generated, self.request.stop)
+        if hit is not None:
+            generated = through_stop(self.tokenizer, generated, text, hit, len(tokens))
         stats = GenerationStats(
             prefill_s=self.cache.first_prefill_s,
             decode_s=time.perf_counter() - self.t0 - self.cache.first_prefill_s,
