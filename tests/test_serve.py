@@ -208,6 +208,12 @@ def test_bad_requests_are_openai_error_objects(served):
     for best_of, status_wanted in ((1, 200), (0, 400), (3, 400)):  # 1 is OpenAI's default: it asks for nothing
         status, body = post(served, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "best_of": best_of})
         assert status == status_wanted, (best_of, body)
+    # OpenAI's default modalities ask for what the server gives; stream options without a stream are refused, as OpenAI does
+    for extra, status_wanted in (({"modalities": ["text"]}, 200), ({"modalities": ["text", "audio"]}, 400),
+                                 ({"stream_options": {"include_usage": True}}, 400),
+                                 ({"stream": True, "stream_options": {"include_usage": True}}, 200)):
+        status, body = post(served, "/v1/chat/completions", {**base, **extra})
+        assert status == status_wanted, (extra, body)
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
     for extra, status_wanted in (({"tool_choice": "none", "tools": []}, 200), ({"tool_choice": "auto"}, 200),
                                  ({"tool_choice": "required"}, 400), ({"tool_choice": "none", "tools": [tool]}, 400),

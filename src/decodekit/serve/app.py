@@ -403,11 +403,14 @@ def _number(body: dict, name: str) -> float | None:
 def asks_for_nothing(name: str, value: Any) -> bool:
     """Whether an unsupported field is absent or at a value that changes nothing (OpenAI's
     defaults: false, empty, ``best_of`` 1, a tool choice of "none" or "auto", which calls no tool
-    where no tool is given, and given tools are refused); 0 or "" are not taken for false."""
+    where no tool is given, and given tools are refused, ``modalities`` ["text"], what this server
+    answers in); 0 or "" are not taken for false."""
     if value is None or value is False or (isinstance(value, (list, dict)) and not value):
         return True
     if name in ("tool_choice", "function_call"):
         return value in ("none", "auto")
+    if name == "modalities":
+        return value == ["text"]
     return name == "best_of" and type(value) is int and value == 1
 
 
@@ -430,6 +433,8 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", param="stream_options")
+    if options and not stream:  # as OpenAI answers it: options of a stream that is not asked for
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     method = body.get("method", "sample")
     if not isinstance(method, str):
         raise ApiError(400, f"method must be a string, got {method!r}", param="method")
