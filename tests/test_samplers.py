@@ -165,6 +165,14 @@ def test_min_p_threshold_is_relative_to_top_probability():
     assert kept(MinP(1.0)(x, [])) == {0}
 
 
+def test_min_p_keeps_a_token_exactly_at_the_threshold():
+    """The rule is p >= min_p * p_max: a token whose probability equals the threshold stays."""
+    x = logits_of(0.5, 0.25, 0.125, 0.125)
+    assert torch.softmax(x, -1).tolist() == [[0.5, 0.25, 0.125, 0.125]]  # exact in float32
+    assert kept(MinP(0.5)(x, [])) == {0, 1}         # threshold 0.25 = p of token 1
+    assert kept(MinP(0.25)(x, [])) == {0, 1, 2, 3}  # threshold 0.125 = p of tokens 2 and 3
+
+
 def test_min_p_matches_rule_on_random_rows():
     x = torch.randn(8, 300, generator=torch.Generator().manual_seed(1)) * 3
     out = MinP(0.1)(x, [])
@@ -219,6 +227,14 @@ def test_epsilon_drops_tokens_below_epsilon():
     assert kept(EpsilonCutoff(0.9)(x, [])) == {0}  # nothing reaches 0.9: the argmax stays
 
 
+def test_epsilon_keeps_a_token_exactly_at_epsilon():
+    """Hewitt et al.'s rule keeps p >= epsilon: a probability equal to epsilon is kept."""
+    x = logits_of(0.5, 0.25, 0.125, 0.125)
+    assert torch.softmax(x, -1).tolist() == [[0.5, 0.25, 0.125, 0.125]]  # exact in float32
+    assert kept(EpsilonCutoff(0.25)(x, [])) == {0, 1}
+    assert kept(EpsilonCutoff(0.125)(x, [])) == {0, 1, 2, 3}
+
+
 def test_a_cutoff_that_drops_everything_keeps_every_token_tied_for_the_top():
     """Which of several equally likely tokens is kept must not depend on token ids (HF's warpers
     keep them all too)."""
@@ -256,11 +272,20 @@ def test_top_n_sigma_keeps_logits_within_n_sigma_of_max():
     assert kept(TopNSigma(1.0)(x, [])) == {0, 1}       # cutoff 4 - 2.135 = 1.865
     assert kept(TopNSigma(1.5)(x, [])) == {0, 1, 2}    # cutoff 4 - 3.203 = 0.797
     assert kept(TopNSigma(0.1)(x, [])) == {0}
+    # the population σ, not the sample σ sqrt(22.8 / 4) = 2.3875 (whose cutoff 0.896 would keep logit 1)
+    assert kept(TopNSigma(1.3)(x, [])) == {0, 1}       # cutoff 4 - 2.776 = 1.224
 
 
 def test_top_n_sigma_ignores_removed_tokens_in_sigma():
     x = torch.tensor([[4.0, 3.0, 1.0, 0.0, -2.0, NEG, NEG]])
     assert kept(TopNSigma(1.5)(x, [])) == {0, 1, 2}
+    # the mean too is over the 5 finite logits: 1.2, not 6 / 25 = 0.24 over the row of 25, whose
+    # σ (2.34) would give the cutoff 4 - 1.3 * 2.34 = 0.96 and keep logit 1 (see the test above)
+    clean = torch.tensor([[4.0, 3.0, 1.0, 0.0, -2.0]])
+    padded = torch.cat([clean, torch.full((1, 20), NEG)], dim=-1)
+    for n in (0.5, 1.0, 1.3, 1.5, 2.0):
+        assert kept(TopNSigma(n)(padded, [])) == kept(TopNSigma(n)(clean, [])), n
+    assert kept(TopNSigma(1.3)(padded, [])) == {0, 1}
 
 
 # ---------------------------------------------------------------- top-H
@@ -321,6 +346,14 @@ def test_top_h_after_top_k_100_is_hugging_face_warper():
         alpha = float(torch.rand(1, generator=g).clamp(min=0.01))
         ours = torch.isfinite(TopH(alpha)(TopK(100)(x, []), []))
         assert torch.equal(ours, torch.isfinite(warper(alpha)(None, x)))
+
+
+def test_top_h_never_keeps_a_token_of_probability_0():
+    """Its entropy term is 0, so with alpha = 1 the sum alone would not stop before it (the docstring's
+    promise): logit -200 has probability exp(-200) = 0 in float32."""
+    x = torch.tensor([[0.0, 0.0, -200.0, -200.0]])
+    assert torch.softmax(x, -1)[0, 2:].tolist() == [0.0, 0.0]
+    assert kept(TopH(1.0)(x, [])) == {0, 1}
 
 
 def test_top_h_breaks_ties_by_token_id():

@@ -249,6 +249,45 @@ def test_beam_length_penalty_counts_the_eos_token():
     assert g.text == "" and g.finish_reason == "eos"
 
 
+def beam(model: LoadedModel, n: int = 2, max_new: int = 5):
+    req = request(model, "p", method="greedy", max_new=max_new)
+    return build_decoder("beam", n=n, length_penalty=0.0).generate(model, req)
+
+
+def outcomes(g) -> list[tuple[str, str]]:
+    return [(c["text"], c["finish_reason"]) for c in g.extra["candidates"]]
+
+
+def test_beam_finishes_an_eos_candidate_only_when_it_ranks_within_the_width():
+    """As Hugging Face's: of the 2·width candidates ranked, an EOS one ranked width or below (0-based)
+    neither finishes nor takes a beam's place. Width 2, from "p": "a" (log-prob -0.313) and "b"
+    (-1.313). Step 2 ranks "a"+EOS (-0.313 - log(1 + e^-0.8) = -0.684), "ac" (-0.313 - 1.171 = -1.484),
+    "b"+EOS (-1.313 - 0.313 = -1.626, rank 2: dropped) and "bd" (-2.626); "ac" and "bd" then end.
+    Finishing "b" too would end the search at step 2 with "a" and "b"."""
+    model = bigram_model({"p": {"a": 1.0, "b": 0.0}, "a": {"": 5.0, "c": 4.2}, "b": {"": 1.0, "d": 0.0},
+                          "c": {"": 10.0}, "d": {"": 10.0}})
+    assert outcomes(beam(model)) == [("a", "eos"), ("ac", "eos"), ("bd", "eos")]
+
+
+def test_beam_keeps_width_live_hypotheses_when_an_eos_candidate_is_among_the_best():
+    """2·width candidates are ranked per step, so an EOS among the best (which finishes) still leaves
+    width beams: from "p", EOS (logit 2) finishes and both "a" (1) and "b" (0) go on; ranking only
+    width candidates would drop "b"."""
+    model = bigram_model({"p": {"": 2.0, "a": 1.0, "b": 0.0}, "a": {"": 10.0}, "b": {"": 10.0}})
+    assert outcomes(beam(model)) == [("", "eos"), ("a", "eos"), ("b", "eos")]
+
+
+def test_beam_at_max_new_tokens_unfinished_beams_compete_with_fewer_than_width_finished():
+    """The module's promise: at max_new_tokens the unfinished beams compete as they are. From "p",
+    "a" (log-prob 1 - log(e^2 + e + 1) = -0.408) and EOS (-1.408, within the width: finished) and
+    "b" (-2.408); then "aa" and "bb" are certain. After 2 tokens "aa" (-0.408) beats the one finished
+    hypothesis "" (-1.408)."""
+    model = bigram_model({"p": {"a": 2.0, "": 1.0, "b": 0.0}, "a": {"a": 10.0, "": -50.0}, "b": {"b": 10.0, "": -50.0}})
+    g = beam(model, max_new=2)
+    assert outcomes(g) == [("aa", "length"), ("", "eos"), ("bb", "length")]
+    assert g.text == "aa" and g.finish_reason == "length"
+
+
 # Multi-sample selection -------------------------------------------------------------------------
 
 
@@ -256,6 +295,7 @@ def test_majority_vote_returns_the_mode_and_breaks_ties_by_first_seen():
     assert majority_vote(["3", "5", "5", None, "3", "5"])[0] == "5"
     assert majority_vote(["b", "a", "a", "b"])[0] == "b"
     assert majority_vote([None, None])[0] is None
+    assert majority_vote([None, None, "7"]) == ("7", {"7": 1.0})  # samples with no answer do not vote
 
 
 def test_weighted_vote_weights_each_answer():
@@ -287,10 +327,21 @@ def test_best_of_n_picks_the_highest_log_likelihood(tiny):
     assert g.text == g.extra["candidates"][g.extra["chosen"]]["text"]
 
 
+def test_best_of_n_ties_go_to_the_first_sample():
+    """BestOfN's documented tie rule: of equal scores, the first sample wins."""
+    from decodekit.search.select import BestOfN
+
+    samples = [Sample([i], [lp], [], [], [], "length") for i, lp in enumerate([-2.0, -0.5, -1.0, -0.5])]
+    index, scores = BestOfN(n=4).choose(None, samples, [None] * 4)
+    assert scores == [-2.0, -0.5, -1.0, -0.5] and index == 1
+
+
 def test_mbr_picks_the_medoid():
     numbers = ["1", "2", "3", "10", "4"]
-    index, _ = mbr_select(numbers, lambda a, b: -abs(int(a) - int(b)))
+    index, expected = mbr_select(numbers, lambda a, b: -abs(int(a) - int(b)))
     assert numbers[index] == "3"
+    # each mean is over the 4 others, the sample itself left out: "3" is -(2 + 1 + 7 + 1) / 4
+    assert expected == [-15 / 4, -12 / 4, -11 / 4, -30 / 4, -12 / 4]
     texts = ["the cat sat on the mat", "the cat sat on a mat", "a cat sat on the mat", "dogs bark loudly"]
     index, expected = mbr_select(texts, chrf_utility())
     assert index == 0 and min(expected) == expected[3]
@@ -348,6 +399,18 @@ def test_cot_never_branches_on_eos():
     assert [p["first_token"] for p in g.extra["candidates"]] == ["a", "b"]
 
 
+def test_cot_branches_on_the_first_tokens_of_the_processed_distribution():
+    """The request's sampler (penalties included) shapes the first-token branches as it does every
+    later token: with the prompt "ax", a repetition penalty of 4 takes "a" from logit 5 to 1.25,
+    below "b" (4) and "c" (3)."""
+    model = bigram_model({"x": {"a": 5.0, "b": 4.0, "c": 3.0}, **{c: {"": 10.0} for c in "abc"}})
+    plain = build_decoder("cot", n=2).generate(model, request(model, "ax", method="greedy", max_new=3))
+    assert [p["first_token"] for p in plain.extra["candidates"]] == ["a", "b"]
+    req = request(model, "ax", method="greedy", max_new=3, repetition_penalty=4.0)
+    g = build_decoder("cot", n=2).generate(model, req)
+    assert [p["first_token"] for p in g.extra["candidates"]] == ["b", "c"]
+
+
 def test_cot_answer_span_and_aggregation():
     tokens = TOK.encode("x 12 y 345.")
     span = answer_token_span(tokens, TOK, "number")
@@ -356,6 +419,8 @@ def test_cot_answer_span_and_aggregation():
     assert path_confidence([0.1, 0.5, 0.9], [1, 2]) == pytest.approx(0.7)
     assert choose_path([0.5, 0.4, 0.3]) == 0
     assert choose_path([0.5, 0.4, 0.3], ["1", "2", "2"]) == 1  # answer "2" totals 0.7
+    # the paper's aggregation sums Δ, it does not count paths: "1" (0.9) beats "2" (0.3 + 0.2) on two paths
+    assert choose_path([0.9, 0.3, 0.2], ["1", "2", "2"]) == 0
 
 
 def test_cot_takes_a_tasks_answer_extractor_and_answer_start():

@@ -14,7 +14,7 @@ from decodekit.search.answers import answer_start, extract_auto, extract_line, e
 from decodekit.search.batch import Sample
 from decodekit.search.scorers import Judge
 from decodekit.search.uncertainty import agreement, first_content_index, normalized_entropy, phi_first, sample_signals
-from decodekit.samplers import Sampler, Temperature
+from decodekit.samplers import Histories, Sampler, Temperature
 
 TOK = CharTokenizer(96)
 
@@ -46,7 +46,8 @@ def test_answer_extraction_modes():
     # a hyphen after a digit or letter is a range or a date, not a minus sign; the minus sign is
     # one wherever else it stands, as Unicode's too; a leading point, leading zeros
     cases = {"read pages 3-4": "4", "on 2024-05-06": "6", "x = -5": "-5", "x=\u22125": "-5", "3 - 4 = -1": "-1",
-             "about .5 of it": "0.5", "-.25": "-0.25", "agent 007": "7", "0.50": "0.5", "-0.0": "0", "10 - 4": "4"}
+             "about .5 of it": "0.5", "-.25": "-0.25", "agent 007": "7", "0.50": "0.5", "-0.0": "0", "10 - 4": "4",
+             "COVID-19": "19", "see item-5": "5"}
     assert {text: extract_number(text) for text in cases} == cases
     # commas only between groups of three digits; a sign before a dollar sign; no number cut out of a
     # longer run of digits and dots
@@ -66,6 +67,16 @@ def test_a_samples_own_signals_are_means_over_its_tokens():
     assert signals == pytest.approx({"phi_first": 1.0, "self_certainty": 1.0, "mean_logprob": -2.0, "margin": 0.3})
 
 
+def test_prob_and_self_certainty_scorers_are_means_over_the_tokens():
+    """prob is exp(mean log-prob) (Wang et al.'s normalised weight, EOS counted as a token);
+    self-certainty the mean of the per-token KL(U || p) (Kang et al.), not sums."""
+    from decodekit.search.scorers import Probability, SelfCertainty
+
+    sample = Sample(TOK.encode("ab"), [-1.0, -3.0], [0.5, 1.5], [0.2, 0.4], [[0.0] * 4] * 2, "eos", eos_logprob=-2.0)
+    assert Probability().score(None, [], sample) == pytest.approx(math.exp(-6.0 / 3))
+    assert SelfCertainty().score(None, [], sample) == pytest.approx(1.0)
+
+
 def test_agreement_is_the_share_of_equal_answers():
     assert agreement("a", ["a", "b", "a", None]) == 0.5
     assert agreement(None, ["a"]) is None
@@ -78,6 +89,10 @@ def test_sampling_inserts_temperature_only_for_greedy_samplers():
     names = [type(p).__name__ for p in s.processors]
     assert names == ["RepetitionPenalty", "Temperature", "TopK"]
     assert greedy.sampling(0) is greedy
+    # after the penalties: a presence penalty of 1 then T = 0.5 gives (2 - 1) / 0.5 = 2, not 2 / 0.5 - 1 = 3
+    hist = Histories([[0]], 0)
+    presence = Sampler.from_params(greedy=True, presence_penalty=1.0).sampling(0.5)
+    assert presence.process(torch.tensor([[2.0, 1.0, 0.0]]), hist).tolist() == [[2.0, 2.0, 0.0]]
     sampled = Sampler([Temperature(1.3)], seed=1)
     assert sampled.sampling(0.7) is sampled
 
