@@ -114,6 +114,45 @@ def test_wrong_forced_text_is_only_a_refused_draft(engine, monkeypatch):
             assert got.stats.extra["forced_drafted"] <= 16 + 4  # offered until 16 were refused, then no more
 
 
+def test_forced_text_is_offered_while_the_model_accepts_half_of_it(engine, monkeypatch):
+    """Forcing stops only once the model has refused more than half of the forced tokens: forced
+    chains of two whose first token is the model's own and whose second is not (half accepted)
+    are offered at every step, past the trial's 16 tokens."""
+    from decodekit.samplers import constraint as constraint_module
+    from decodekit.speculative.loop import FORCED_TRIAL
+
+    constraint = {"regex": "[a-z]{40}"}
+    want = engine.generate("hello", max_new_tokens=40, chat=False, constraint=constraint).tokens
+    spell = CharTokenizer(96).encode
+
+    def forced(self, generated):  # the model's next token, then one it does not choose
+        i = len(generated)
+        return [want[i], next(t for t in spell("zy") if t != want[i + 1])] if i + 1 < len(want) else []
+
+    monkeypatch.setattr(constraint_module.ConstrainedTokens, "forced", forced)
+    got = engine.generate("hello", method="pld", max_new_tokens=40, chat=False, constraint=constraint)
+    assert got.tokens == want
+    extra = got.stats.extra
+    # every forced chain: its first token accepted, its second refused (the bonus is the model's own)
+    assert extra["forced_drafted"] == 2 * extra["accepted_by_source"]["forced"] > FORCED_TRIAL + 2
+
+
+def test_a_refused_forced_token_is_refused_though_the_step_yields_a_bonus(engine, monkeypatch):
+    """The bonus token a verification adds is no accepted forced token: a one-token forced text the
+    model never takes is refused every time, and after the trial's 16 it is offered no more."""
+    from decodekit.samplers import constraint as constraint_module
+    from decodekit.speculative.loop import FORCED_TRIAL
+
+    constraint = {"regex": "[a-y]{40}"}  # "z" is never allowed: the forced "z" is always refused
+    plain = engine.generate("hello", max_new_tokens=40, chat=False, constraint=constraint)
+    spell = CharTokenizer(96).encode
+    monkeypatch.setattr(constraint_module.ConstrainedTokens, "forced", lambda self, generated: spell("z"))
+    got = engine.generate("hello", method="pld", max_new_tokens=40, chat=False, constraint=constraint)
+    assert got.tokens == plain.tokens
+    assert got.stats.extra["forced_drafted"] == FORCED_TRIAL
+    assert "forced" not in got.stats.extra.get("accepted_by_source", {})
+
+
 def test_forced_text_at_the_end_of_the_context(engine):
     """A prompt that leaves room for one new token: no forced chain is verified past the context."""
     prompt = "x" * (engine.model.backend.info.max_length - 1)

@@ -473,6 +473,70 @@ def test_a_request_cancelled_while_it_waits_gives_its_queue_place_back_at_once(a
         scheduler.close()
 
 
+def test_a_request_whose_choices_fill_every_slot_and_queue_place_is_admitted(alone):
+    """Choices beyond running + waiting can never fit (refused); exactly that many fit an idle server."""
+    from decodekit.errors import InvalidParameter
+    from decodekit.serve.scheduler import Job, Scheduler
+
+    model = tiny_model()
+    scheduler = Scheduler(model, max_batch=1, max_queue=1)
+    try:
+        prompt = model.tokenizer.encode(PROMPTS[0])
+        with pytest.raises(InvalidParameter, match="n=3 choices exceed"):
+            scheduler.submit([Job(prompt, "greedy", {}, 4) for _ in range(3)])
+        futures = scheduler.submit([Job(prompt, "greedy", {}, 4) for _ in range(2)])  # one runs, one waits
+        want = alone(prompt, max_new_tokens=4).tokens
+        assert [f.result(timeout=60).generation.tokens for f in futures] == [want, want]
+    finally:
+        scheduler.close()
+
+
+def test_waiting_choices_start_oldest_first(alone):
+    """The queue is first come, first served: when the slot frees, the choice that waited longest starts."""
+    from decodekit.serve.scheduler import Job, Scheduler
+
+    model = tiny_model()
+    scheduler = Scheduler(model, max_batch=1, max_queue=2)
+    try:
+        prompt = model.tokenizer.encode(PROMPTS[0])
+        long = Job(prompt, "greedy", {}, 1900, ignore_eos=True)
+        (running,) = scheduler.submit([long])
+        deadline = time.time() + 30
+        while scheduler.running == 0 and time.time() < deadline:
+            time.sleep(0.005)
+        older, newer = Job(prompt, "greedy", {}, 4), Job(prompt, "greedy", {}, 4)
+        futures = scheduler.submit([older]) + scheduler.submit([newer])
+        scheduler.cancel([long])
+        for future in futures:
+            future.result(timeout=60)
+        assert older.started < newer.started
+    finally:
+        scheduler.close()
+
+
+def test_a_prompt_goes_to_the_idle_slot_whose_cache_shares_most_of_it(alone):
+    """Of two idle slots, the one that last read this prompt's start takes it (not the one freed last,
+    whose cache the other conversation's next turn would then miss)."""
+    from decodekit.serve.scheduler import Job, Scheduler
+
+    model = tiny_model()
+    scheduler = Scheduler(model, max_batch=2, max_queue=0)
+    try:
+        first, other = (model.tokenizer.encode(p) for p in ("tell me about cats and dogs", "a different prompt"))
+        # both run at once; the first ends long before the other, whose slot is freed last
+        done = scheduler.submit([Job(first, "greedy", {}, 2), Job(other, "greedy", {}, 40, ignore_eos=True)])
+        answers = [future.result(timeout=60).generation.tokens for future in done]
+        # each conversation's next turn in turn: each finds its own slot's cache (the other's is left alone)
+        for prompt, answer in ((first, answers[0]), (other, answers[1])):
+            before = scheduler.prefix_tokens
+            follow = prompt + answer + model.tokenizer.encode(" and fish?")
+            (again,) = scheduler.submit([Job(follow, "greedy", {}, 4)])
+            assert again.result(timeout=60).generation.tokens == alone(follow, max_new_tokens=4).tokens
+            assert scheduler.prefix_tokens - before >= len(prompt)
+    finally:
+        scheduler.close()
+
+
 def test_a_damaged_model_found_while_decoding_is_the_servers_fault_not_the_request():
     """A model whose logits are not finite (a damaged weight) fails each request with a 500
     server_error, streamed or not; it was a 400 telling the client its request was bad."""

@@ -22,7 +22,7 @@ from decodekit.speculative.controller import MEASURE_CONTEXTS, MEASURE_SIZES, Co
 from decodekit.speculative.drafters.bandit import DiscountedUCB
 from decodekit.speculative.drafters.base import Drafter
 from decodekit.speculative.drafters.ngram import PromptLookup
-from decodekit.speculative.drafters.suffix import SuffixAutomaton
+from decodekit.speculative.drafters.suffix import SuffixAutomaton, SuffixDrafter
 from decodekit.speculative.loop import SpeculativeMethod
 from decodekit.speculative.tree import DraftTree, Verification, add_chain, grow_best_first, merge_into, select_nodes
 
@@ -290,6 +290,76 @@ def test_suffix_corpus_carries_earlier_outputs_across_requests():
     plain = engine.generate(prompt, max_new_tokens=20, chat=False)
     assert again.tokens == plain.tokens
     assert again.stats.extra.get("accepted_by_source", {}).get("suffix:corpus", 0) > 0
+
+
+def test_suffix_trees_are_no_deeper_than_max_depth():
+    """The depth cap holds however long the match is (growth x match length would go deeper)."""
+    state = state_for([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6])  # the last six tokens occurred before: a match of 6
+    deep, capped = SuffixDrafter(), SuffixDrafter(max_depth=2)
+    for drafter in (deep, capped):
+        drafter.begin(state)
+    assert deep.draft(state, 8).tokens == [1, 2, 3, 4, 5, 6]  # what followed the match, as far as it goes
+    tree = capped.draft(state, 8)
+    assert tree.tokens == [1, 2] and tree.parents == [-1, 0]
+
+
+def test_the_longer_of_the_contexts_and_the_corpus_match_drafts_first():
+    """With the corpus on, the context's own match and the corpus's compete for the budget: the
+    longer match (more evidence) drafts first."""
+    from decodekit.speculative.drafters.suffix import corpus_for
+
+    state = state_for([1, 2, 3, 9, 1, 2])  # its own longest repeat is "1 2" (then 3)
+    corpus_for(state.backend).add([9, 1, 2, 4])  # an earlier output holds "9 1 2" (then 4, and it ends)
+    drafter = SuffixDrafter(corpus=True)
+    drafter.begin(state)
+    tree = drafter.draft(state, 1)
+    assert (tree.tokens, tree.source) == ([4], ["suffix:corpus"])
+    tree = drafter.draft(state, 2)  # the corpus has no more to say: the context's match takes the rest
+    assert (tree.tokens, tree.parents, tree.source) == ([4, 3], [-1, -1], ["suffix:corpus", "suffix"])
+
+
+def test_a_full_corpus_keeps_its_newest_outputs(monkeypatch):
+    """Past its size limit the corpus keeps the newest half: recent outputs are the likeliest to recur."""
+    from decodekit.speculative.drafters import suffix
+
+    monkeypatch.setattr(suffix, "CORPUS_LIMIT", 10)
+    corpus = suffix.Corpus()
+    corpus.add([1, 2, 3])
+    corpus.add([4, 5, 6])
+    corpus.add([7, 8, 9, 10])  # 4 + 4 + 5 tokens with separators: over 10, the newest that fit in 5 stay
+    assert corpus.documents == [[7, 8, 9, 10]]
+    sam = corpus.automaton
+    assert 8 in sam.next[sam.next[0][7]] and 1 not in sam.next[0]
+
+
+def test_recycling_best_first_tree_follows_the_rank_weights():
+    """The tree is grown best-first by path score, the product of the successors' rank weights
+    (0.55, 0.18, ...): a first successor's first successor (0.55^2 = 0.30) before the root's second
+    (0.18), and that before a third level (0.55^3 = 0.17)."""
+    from decodekit.speculative.drafters.recycling import RANK_WEIGHTS, TokenRecycling
+
+    state = state_for([1, 2, 5], vocab=64)
+    drafter = TokenRecycling(k=2)
+    drafter.begin(state)
+    for token, row in {5: [10, 11], 10: [20, 21], 11: [30, 31], 20: [40, 41]}.items():
+        drafter.matrix[token, :2] = torch.tensor(row, dtype=torch.int32)
+    assert RANK_WEIGHTS[0] ** 2 > RANK_WEIGHTS[1] > RANK_WEIGHTS[0] ** 3 > RANK_WEIGHTS[0] * RANK_WEIGHTS[1]
+    tree = drafter.draft(state, 4)
+    assert tree.tokens == [10, 20, 11, 40] and tree.parents == [-1, 0, -1, 1]
+
+
+def test_a_request_with_fewer_successors_reads_the_rows_a_wider_one_learnt():
+    """The successor matrix is kept across requests; only one asking for more columns starts a wider one."""
+    from decodekit.speculative.drafters.recycling import TokenRecycling
+
+    state = state_for([1, 2, 5], vocab=64)
+    wide = TokenRecycling(k=8)
+    wide.begin(state)
+    wide.matrix[5, :8] = torch.arange(10, 18, dtype=torch.int32)
+    narrow = TokenRecycling(k=2)
+    narrow.begin(state)
+    assert narrow.matrix is wide.matrix
+    assert narrow.draft(state, 2).tokens == [10, 11]
 
 
 def test_recycling_matrix_is_kept_across_requests():
@@ -810,6 +880,33 @@ def test_first_outcomes_move_the_estimate_fast_and_deeper_levels_borrow_it():
     assert 0.14 < ctl._accept(("s", 0, 0)) < 0.16 and len(ctl.select(chain_tree(8))) == 0
 
 
+def test_acceptance_is_learnt_only_from_nodes_whose_parent_was_accepted():
+    """The estimates are P(accepted | parent accepted): a node below a rejected one was never
+    judged, so it teaches nothing, and its depth keeps borrowing the level above."""
+    ctl = Controller(32, cost_table=CPU_COSTS)
+    ctl.observe(chain_tree(3), Verification([0], 0), overhead_s=0.0)  # first accepted, second rejected, third unreached
+    assert ctl._accept(("s", 0, 0)) == pytest.approx(0.4)  # (2 x prior 0.1 + 1) / 3
+    assert ctl._accept(("s", 1, 0)) == pytest.approx(0.8 / 3)  # (2 x borrowed 0.4 + 0) / 3
+    assert ctl._accept(("s", 2, 0)) == pytest.approx(0.8 / 3)  # never reached: borrows depth 1, unchanged
+    fresh = Controller(32, cost_table=CPU_COSTS)
+    fresh.observe(chain_tree(2), Verification([], 0), overhead_s=0.0)  # rejected at once
+    assert fresh._accept(("s", 0, 0)) == pytest.approx(0.2 / 3) == fresh._accept(("s", 1, 0))
+
+
+def test_a_planned_chain_prices_its_first_node_by_the_first_levels_acceptance():
+    """Costly drafting: a chain of depth d reaches its nodes with the product of the acceptances
+    of levels 0 .. d - 1; a drafter right at its first node and wrong below is asked for one node."""
+    costs = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.6, 16: 2.2}
+    ctl = Controller(8, cost_table=costs)
+    ctl.observe_draft(8, 8 * 0.3)  # 0.3 of a plain step per drafted node
+    for _ in range(60):
+        ctl.observe(chain_tree(2, ""), Verification([0], 0), overhead_s=0.0)
+    assert ctl._accept(("", 0, 0)) > 0.99 and ctl._accept(("", 1, 0)) < 0.01
+    # depth 1: (1 + ~1) / (0.3 + cost(2) 1.1) = ~1.43 tokens per second against plain decoding's 1;
+    # depth 2 adds ~0 tokens for 0.3 + 0.1 more seconds
+    assert ctl.best_chain_depth() == 1 and ctl.budget() == 1
+
+
 def test_the_cost_table_is_measured_at_set_up_not_in_the_first_request(tmp_path, monkeypatch):
     from decodekit.speculative import prepare
 
@@ -978,6 +1075,32 @@ def test_hierarchy_gives_each_level_half_of_what_is_left_and_the_last_the_rest()
     tree = hierarchy.draft(None, 10)
     assert [part.asked for part in hierarchy.parts] == [[5], [2], [3]]
     assert tree.source == ["from100"] * 5 + ["from200"] * 2 + ["from300"] * 3
+
+
+def test_hierarchy_gives_the_first_level_the_only_node_of_a_budget_of_one():
+    """Each level but the last gets half of what is left, at least one node: with one node to give,
+    the highest-priority level (the context) drafts it."""
+    from decodekit.speculative.drafters.hierarchy import HierarchyDrafter
+
+    hierarchy = HierarchyDrafter(order="pld,recycling,suffix")
+    hierarchy.parts = [_FixedChain(100), _FixedChain(200), _FixedChain(300)]
+    tree = hierarchy.draft(None, 1)
+    assert [part.asked for part in hierarchy.parts] == [[1], [], []]
+    assert tree.tokens == [100] and tree.source == ["from100"]
+
+
+def test_auto_rewards_only_the_steps_its_arm_drafted():
+    """A plain step the controller took (no draft) is no pull of the arm chosen before it."""
+    from decodekit.speculative.drafters.bandit import BanditDrafter
+
+    auto = BanditDrafter(arms="pld,suffix")
+    auto.parts = [_FixedChain(100), _FixedChain(200)]
+    auto.bandit, auto.pulls, auto.chosen = DiscountedUCB(auto.names), {n: 0 for n in auto.names}, None
+    auto.draft(None, 3)  # the first untried arm: pld
+    auto.observe(4, 1.0)  # its step: 4 tokens in a second
+    auto.observe(1, 0.5)  # then a plain step, drafted by no arm
+    assert auto.bandit.count == {"pld": 1.0, "suffix": 0.0} and auto.bandit.total == {"pld": 4.0, "suffix": 0.0}
+    assert auto.pulls == {"pld": 1, "suffix": 0}
 
 
 class _Tokens:

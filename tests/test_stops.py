@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from decodekit.engine import Engine
-from decodekit.engine.stops import cut_at_stop, hits_stop, stop_strings, through_stop
+from decodekit.engine.stops import cut_at_stop, hits_stop, shown_tokens, stop_strings, through_stop
 from decodekit.errors import InvalidParameter
 
 
@@ -47,6 +47,25 @@ def test_the_tokens_generated_end_with_the_one_that_completes_the_stop_string():
     for stop, through in (("orl", [0, 1, 2, 3]), ("wor", [0, 1, 2]), ("!", [0, 1, 2, 3, 4]), ("llo w", [0, 1, 2])):
         text, kept, hit = cut_at_stop(tok, tokens, (stop,))
         assert through_stop(tok, tokens, text, hit, len(kept)) == through
+
+
+def test_a_stop_string_that_occurs_twice_cuts_at_its_first_occurrence():
+    """The generation stops as soon as the text contains the stop string: at its first occurrence."""
+    tok = WordTokenizer()
+    tokens = [0, 1, 4, 2, 3, 4]  # "hello! world!"
+    assert cut_at_stop(tok, tokens, ("!",)) == ("hello", [0, 1], "!")
+    assert cut_at_stop(tok, tokens, ("!", "ld")) == ("hello", [0, 1], "!")
+
+
+def test_shown_tokens_take_the_cut_token_that_holds_even_one_character_of_the_text():
+    """A token the stop string cuts inside is shown when any of its characters stay in the text."""
+    tok = WordTokenizer()
+    tokens = [0, 1, 2, 3, 4]  # "hello world!"
+    text, kept, _ = cut_at_stop(tok, tokens, ("wor",))
+    assert (text, kept) == ("hello ", [0, 1])  # " wor" is cut after its one character " "
+    assert shown_tokens(tok, text, kept, tokens[len(kept):]) == [0, 1, 2]
+    text, kept, _ = cut_at_stop(tok, tokens, ("ld",))  # the cut falls between tokens: none is shown
+    assert shown_tokens(tok, text, kept, tokens[len(kept):]) == [0, 1, 2] == kept
 
 
 def test_hits_stop_looks_at_the_tail_only_as_far_as_needed():
@@ -101,6 +120,25 @@ def test_a_cut_keeps_every_token_of_the_whole_characters_before_it(tokenizer):
         cut_text, kept, hit = cut_at_stop(tokenizer, tokens, (stop,))
         assert (cut_text, hit) == (text[: text.index(stop)], stop)
         assert bytes(kept) == cut_text.encode()  # not one token fewer: the last character's bytes too
+
+
+def test_kept_tokens_never_end_inside_a_character_whose_last_token_carries_the_stop_string():
+    """Byte-level BPE may merge bytes across characters: a token that ends one character and begins
+    the stop string's is dropped, and so are the tokens of the character it ends; the kept tokens'
+    text is a prefix of the cut text (never one ending in a replacement character)."""
+
+    class Pieces(ByteTokenizer):
+        pieces = [b"ok ", "ア".encode()[:2], "ア".encode()[2:] + "バ".encode()[:1], "バ".encode()[1:] + b"!"]
+
+        def decode(self, tokens):
+            return super().decode(b"".join(self.pieces[t] for t in tokens))
+
+    tok = Pieces()
+    assert tok.decode([0, 1, 2, 3]) == "ok アバ!" and tok.decode([0, 1]) == "ok \ufffd"
+    text, kept, hit = cut_at_stop(tok, [0, 1, 2, 3], ("バ",))
+    assert (text, kept, hit) == ("ok ア", [0], "バ")  # token 2 holds ア's last byte and バ's first
+    assert text.startswith(tok.decode(kept))
+    assert shown_tokens(tok, text, kept, [1, 2, 3]) == [0, 1, 2]  # ア is shown with the tokens that hold it
 
 
 @pytest.mark.parametrize("tokenizer", [ByteTokenizer(), RunTokenizer()])

@@ -571,6 +571,68 @@ def test_eagle_stops_growing_once_no_deeper_node_could_be_kept(monkeypatch):
     assert pruned_forwards < len(forwards) == 4 * (1 + 3)  # a prompt's last pair, then every level down to the budget
 
 
+def test_eagle_grows_a_level_whose_best_confidence_is_exactly_the_minimum(monkeypatch):
+    """Growth stops when a level's best path confidence is *below* ``min_confidence``: at exactly
+    the minimum the next level is still drafted, a hair above it is not."""
+    import math
+
+    from decodekit.engine.core import DecodeState, GenerationStats
+    from decodekit.speculative.drafters import eagle
+
+    backend = tiny().backend
+    monkeypatch.setattr(store, "load", lambda *args, **kwargs: StubEagle(backend))
+    best = []
+    can_enter = eagle._can_enter
+    monkeypatch.setattr(eagle, "_can_enter", lambda scores, top, budget: best.append(top) or can_enter(scores, top, budget))
+
+    def depth_of_tree(min_confidence: float) -> int:
+        drafter = eagle.EagleDrafter(candidates=2, max_depth=2, min_confidence=min_confidence)
+        state = DecodeState(backend, Sampler(greedy=True), [5, 6, 7, 8], GenerationStats())
+        state.prefill()
+        drafter.begin(state)
+        state.commit([int(state.next_logits().argmax())])
+        tree = drafter.draft(state, 16)
+        return 2 if any(p >= 0 for p in tree.parents) else 1
+
+    assert depth_of_tree(0.0) == 2
+    level_best = best[0]  # the first level's best confidence, as the drafter compares it
+    best.clear()
+    assert depth_of_tree(level_best) == 2
+    assert depth_of_tree(math.nextafter(level_best, 1.0)) == 1
+
+
+def test_eagle_drafts_each_level_at_the_position_a_committed_pair_would_take(drafter_files):
+    """A drafted node's pair (the feature predicted at its parent's position, its token) sits right
+    after the committed pairs, where it would be were it committed: the draft network predicts the
+    same next feature from it as from that pair committed with the predicted feature."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+    from decodekit.speculative.drafters.eagle import EagleDrafter
+
+    model = tiny()
+    tokens = PROMPTS[1] + PROMPTS[2]  # the last one is the root
+    model.backend.prefill(tokens)
+    features = model.backend.last_features[0].clone()
+    drafter = EagleDrafter(drafter=str(drafter_files["eagle", "exact"]), candidates=3, max_depth=2, min_confidence=0.0)
+    drafter.net = store.load(model.backend, "eagle", drafter.path)
+    n = len(tokens)
+    drafter.chunks, drafter.chunk_start, drafter.known, drafter.first = [features[: n - 1]], 0, n - 1, 0
+    drafter.past, drafter.pairs, drafter.ahead = None, 0, None
+    levels = []  # (parents, the feature predicted at each parent's position) per level drafted
+    add_children = drafter._add_children
+    drafter._add_children = lambda tree, scores, feature, parents, predicted, root: (
+        levels.append((list(parents), predicted.clone())) or add_children(tree, scores, feature, parents, predicted, root))
+    state = DecodeState(model.backend, Sampler(greedy=True), tokens, GenerationStats())
+    with torch.inference_mode():
+        tree = drafter.draft(state, 12)
+        (_, at_root), (frontier, below) = levels  # the root's children, then the first level's
+        first = frontier[0]
+        # the same pair committed: the feature predicted at the root's position, the first node's token
+        drafter.chunks, drafter.known = [torch.cat([features[: n - 1], at_root])], n
+        drafter._commit_pairs(DecodeState(model.backend, Sampler(greedy=True), tokens + [tree.tokens[first]],
+                                          GenerationStats()), n)
+    assert torch.allclose(below[0], drafter.ahead, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_drafter_holds_the_targets_feature_at_every_position(drafter_files, kind):
     """After every verification and plain step, the features a drafter takes are, position by position,
