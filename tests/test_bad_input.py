@@ -214,9 +214,9 @@ def test_stop_with_json_returns_tokens_that_spell_the_text(capsys, tiny_cli, eng
     assert engine.model.tokenizer.decode(record["tokens"]) == record["text"]
 
 
-def chat(capsys, monkeypatch, typed: str, out: list[str] | None = None) -> tuple[list[str], str]:
-    """Run ``decodekit chat`` on ``typed`` lines; return the user messages sent and stderr (and
-    stdout into ``out``). The model answers "ok <message>", streamed."""
+def chat(capsys, monkeypatch, typed: str, out: list[str] | None = None, stdin=None) -> tuple[list[str], str]:
+    """Run ``decodekit chat`` on ``typed`` lines (or on ``stdin``); return the user messages sent and
+    stderr (and stdout into ``out``). The model answers "ok <message>", streamed."""
     sent: list[str] = []
 
     class Recorder:
@@ -229,7 +229,7 @@ def chat(capsys, monkeypatch, typed: str, out: list[str] | None = None) -> tuple
             return SimpleNamespace(text=text, stats=SimpleNamespace(new_tokens=1, tokens_per_s=1.0))
 
     monkeypatch.setattr(cli, "make_engine", lambda args: Recorder())
-    monkeypatch.setattr(sys, "stdin", io.StringIO(typed))
+    monkeypatch.setattr(sys, "stdin", stdin or io.StringIO(typed))
     assert cli.main(["chat"]) == 0
     captured = capsys.readouterr()
     if out is not None:
@@ -244,6 +244,14 @@ def test_chat_writes_answer_by_answer_to_stdout_and_skips_a_line_that_is_not_utf
     sent, err = chat(capsys, monkeypatch, "hello\ncaf\udce9 au lait\nworld\n", out)
     assert sent == ["hello", "world"] and err.count("the line is not valid UTF-8; not sent") == 1
     assert out[0] == "> ok hello\n> > ok world\n> \n"
+
+
+def test_chat_read_strictly_still_loses_only_the_line_that_is_not_utf8(capsys, monkeypatch):
+    """Where standard input decodes strictly (a UTF-8 locale, PYTHONIOENCODING), the lines read in
+    one chunk with the bad one are not lost with it."""
+    typed = io.TextIOWrapper(io.BytesIO(b"hello\ncaf\xe9 au lait\nworld\n"), encoding="utf-8", errors="strict")
+    sent, err = chat(capsys, monkeypatch, "", stdin=typed)
+    assert sent == ["hello", "world"] and err.count("the line is not valid UTF-8; not sent") == 1
 
 
 @pytest.mark.parametrize("typed, sent", [

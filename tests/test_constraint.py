@@ -664,3 +664,19 @@ def test_boolean_schemas_and_numbers_a_float_holds_exactly():
         Constraint("json_schema", False).grammar()
     with pytest.raises(InvalidParameter, match="a JSON object or a boolean, got list"):
         Constraint("json_schema", [1]).grammar()
+
+
+def test_a_mask_computed_ahead_is_found_by_a_wait_repeated_after_an_interrupt():
+    """A Ctrl-C can land just after a wait for a mask took its wake-up: the outcome stays with the
+    computation, so the repeated wait returns it instead of waiting for ever; a worker's error is
+    raised in the caller; and the workers take work through a queue whose put holds no lock they need."""
+    from decodekit.samplers.constraint import MaskWorkers
+
+    workers = MaskWorkers(1)
+    pending = workers.submit(lambda a, b: a + b, 2, 3)
+    pending.woken.get(timeout=30)  # the interrupted wait: its wake-up taken, its result never read
+    assert pending.result() == 5
+    failing = workers.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.result()
+    assert workers.submit(len, "abc").result() == 3  # the worker goes on

@@ -218,10 +218,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
     params = decoding_params(args)
     messages: list[dict[str, str]] = []
     print(f"decodekit chat · {engine.model.name} · {args.method} · /exit, /quit or Ctrl-D to leave", file=sys.stderr)
+    # bytes that are not UTF-8 come back as lone surrogates, in their own line only: a strict reader
+    # (the locale's or PYTHONIOENCODING's) would drop the whole buffered chunk of input with them
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
             line = input("> ").strip()
-            line.encode("utf-8")  # (read with surrogate escapes, bytes that are not UTF-8 come back as lone surrogates)
+            line.encode("utf-8")  # a lone surrogate: a byte that is not UTF-8
         except EOFError:
             print()  # the prompt's line ends
             break

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import re
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -145,11 +146,55 @@ def spare_cores() -> int:
     return max(0, usable_cores() - GOVERNOR.full_count())
 
 
-@cache
-def mask_worker() -> ThreadPoolExecutor:
+class Pending:
+    """A computation handed to :class:`MaskWorkers`: its outcome, once there is one."""
+
+    def __init__(self):
+        self.outcome: list[tuple[bool, Any]] = []  # (True, result) or (False, exception), once done
+        self.woken: queue.SimpleQueue = queue.SimpleQueue()
+
+    def result(self) -> Any:
+        """Wait for the outcome (an interrupted wait may be repeated: the outcome stays here)."""
+        if not self.outcome:
+            self.woken.get()
+        done, value = self.outcome[0]
+        if not done:
+            raise value
+        return value
+
+
+class MaskWorkers:
     """The threads that compute masks ahead, for every request of the process: as many as the forward
-    passes leave cores free (at least one), however many requests are constrained."""
-    return ThreadPoolExecutor(max_workers=max(1, spare_cores()), thread_name_prefix="decodekit-mask")
+    passes leave cores free (at least one), however many requests are constrained.
+
+    Work and wake-ups pass through ``queue.SimpleQueue`` only, whose ``put`` and ``get`` are single C
+    calls, and an outcome is kept where a repeated wait finds it: a KeyboardInterrupt in the caller
+    can neither leave a lock the workers need held (a ``ThreadPoolExecutor``'s ``submit`` can, and
+    every later mask then waits for ever) nor lose an outcome."""
+
+    def __init__(self, threads: int):
+        self.work: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(threads):
+            threading.Thread(target=self._serve, name=f"decodekit-mask-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable, *args: Any) -> Pending:
+        pending = Pending()
+        self.work.put((fn, args, pending))
+        return pending
+
+    def _serve(self) -> None:
+        while True:
+            fn, args, pending = self.work.get()
+            try:
+                pending.outcome.append((True, fn(*args)))
+            except BaseException as err:  # handed to the caller, who raises it
+                pending.outcome.append((False, err))
+            pending.woken.put(None)
+
+
+@cache
+def mask_worker() -> MaskWorkers:
+    return MaskWorkers(max(1, spare_cores()))
 
 
 class ConstrainedTokens(LogitsProcessor):
@@ -180,7 +225,7 @@ class ConstrainedTokens(LogitsProcessor):
         self.special, self.eos = dict(special or {}), eos
         self._special_bits: np.ndarray | None = None  # bit set: a special token (llguidance's layout)
         self.consumed: list[int] = []  # the generated tokens the matcher has taken, in order
-        self._ahead: Future | None = None  # masks being computed for the rows given to prepare()
+        self._ahead: Pending | None = None  # the masks being computed for the rows given to prepare()
         self._ready: dict[tuple[int, ...], np.ndarray | None] = {}  # the last prepare()'s masks
 
     def prepare(self, rows: Sequence[Sequence[int]]) -> None:
@@ -191,12 +236,12 @@ class ConstrainedTokens(LogitsProcessor):
         """The masks the last :meth:`prepare` asked for (row's tokens -> bitmask, or None for a row
         the grammar refuses), once the matcher is free again: they serve every call until the next
         prepare (a verification asks for its rows one at a time, as its walk reaches them)."""
-        ahead = self._ahead
-        if ahead is not None:
+        if self._ahead is not None:
+            ahead = self._ahead
             try:
-                self._ready = ahead.result()
-            finally:  # (an interrupted wait leaves the computation to be waited for next time)
-                if ahead.done():
+                self._ready = ahead.result()  # (an interrupted wait leaves it to be waited for next time)
+            finally:
+                if ahead.outcome:
                     self._ahead = None
         return self._ready
 
