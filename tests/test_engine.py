@@ -304,3 +304,27 @@ def test_a_model_whose_weights_hold_a_nan_is_refused_not_decoded(method):
     engine = Engine(LoadedModel(backend, CharTokenizer(96), "tiny"))
     with pytest.raises(InvalidModel, match="logits are not finite"):
         engine.generate("hello", method=method, max_new_tokens=4, chat=False)
+
+
+@pytest.mark.parametrize("method, options", [("greedy", {}), ("sample", {"seed": 3, "temperature": 0.9}),
+                                             ("pld", {"budget": 8})])
+def test_a_chats_next_turn_reads_only_its_new_part_and_answers_as_a_fresh_engine(method, options):
+    """After plain or speculative decoding the engine notes what its cache holds, so a next prompt
+    that extends prompt and answer reads only its rest (the row-independent kernels give the same
+    bits); after a search or a cancelled request, nothing is kept."""
+    backend = tiny_llama(seed=0, hidden_size=64, gguf_blocks=True)
+    engine = Engine(LoadedModel(backend, CharTokenizer(96), "tiny"))
+    fresh = Engine(LoadedModel(backend.clone(), CharTokenizer(96), "tiny"))
+    tok = engine.model.tokenizer
+    prompt = tok.encode("hello world hello")
+    first = engine.generate(prompt, chat=False, method=method, max_new_tokens=12, **options)
+    follow = prompt + first.tokens + tok.encode(" and again")
+    assert backend.shared_prefix(follow) == backend.length >= len(prompt) + len(first.tokens) - 1  # (the last one: not read)
+    again = engine.generate(follow, chat=False, method=method, max_new_tokens=12, **options)
+    assert again.tokens == fresh.generate(follow, chat=False, method=method, max_new_tokens=12, **options).tokens
+    other = tok.encode("zzz quite another prompt")
+    engine.generate(other, chat=False, method=method, max_new_tokens=4, should_stop=lambda: True, **options)
+    assert engine.generate(other, chat=False, method=method, max_new_tokens=8, **options).tokens == \
+        fresh.generate(other, chat=False, method=method, max_new_tokens=8, **options).tokens
+    engine.generate(follow, chat=False, method="best-of-n", n=2, max_new_tokens=4)
+    assert backend.kept_ids is None

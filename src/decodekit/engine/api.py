@@ -12,7 +12,7 @@ import torch
 
 from ..errors import InvalidParameter
 from ..models import DEFAULT_MODEL, LoadedModel, load_model, parse_dtype
-from ..models.backend import Interrupted
+from ..models.backend import Backend, Interrupted
 from ..models.kv_policy import parse_kv_cache
 from ..options import check_int
 from ..samplers import SAMPLER_OPTIONS, LogitsProcessor, Sampler
@@ -168,6 +168,7 @@ class Engine:
                 generation = Generation.cancelled()
             finally:
                 backend.request_thread = backend.interrupt = None
+            keep_answer(backend, method, request.prompt_ids, generation)
         if on_text is not None and not decoder.streams and generation.text:
             on_text(generation.text)
         return generation
@@ -177,6 +178,15 @@ class Engine:
 LOAD_DEFAULTS = {name: p.default for name, p in inspect.signature(load_model).parameters.items() if p.kind is p.KEYWORD_ONLY}
 _default_engines: dict[tuple, Engine] = {}
 _default_engines_lock = threading.Lock()
+
+
+def keep_answer(backend: Backend, method: str, prompt_ids: list[int], generation: Generation) -> None:
+    """Note what the cache holds after a request, for a next prompt that starts the same way (a
+    chat's next turn reads only its new part): the prompt and the answer after plain or speculative
+    decoding; after a search, whatever candidate, particle or judge's question it read last, and
+    after a cancelled request, perhaps part of its prompt, so nothing is kept."""
+    if backend.batch_size == 1 and generation.finish_reason != "cancelled" and method_spec(method).family != "search":
+        backend.kept_ids = (prompt_ids + generation.tokens)[: backend.length]
 
 
 def generate(

@@ -108,7 +108,8 @@ class Backend(ABC):
 
     info: ModelInfo
     #: The token ids the cache holds from the last request, when whoever ran it says so (the
-    #: server does): a next prompt that starts the same way re-reads only the rest (:meth:`prefill`).
+    #: engine does after plain and speculative decoding, the server after a teacher-forced pass of
+    #: log-probabilities): a next prompt that starts the same way re-reads only the rest (:meth:`prefill`).
     kept_ids: list[int] | None = None
     request_thread: int | None = None  # the thread whose request holds the cache now (Engine.generate)
     #: Asked between the passes of a long append read in several (a prompt; :meth:`check_interrupt`):

@@ -28,7 +28,6 @@ import torch
 
 from ..engine import Engine
 from ..engine.core import Generation
-from ..engine.registry import method_spec
 from ..engine.stops import shown_tokens
 from ..errors import DecodeKitError, InvalidParameter
 from ..models import LoadedModel
@@ -191,14 +190,9 @@ class Scheduler:
             if job.top_logprobs is not None and generation.finish_reason != "cancelled":
                 shown = shown_tokens(engine.model.tokenizer, generation.text, generation.tokens, generation.cut_off)
                 logprobs = token_logprobs(engine.model.backend, job.prompt_ids, shown, job.top_logprobs)
-        backend = engine.model.backend
-        # what the cache now holds, for a next prompt that starts the same way (a chat's next
-        # turn): the prompt and the answer after a plain or speculative decode, or the teacher-
-        # forced pass of the log-probabilities; after a search, whatever candidate, particle or
-        # judge's question it read last, so nothing is kept
-        holds_answer = job.top_logprobs is not None or method_spec(job.method).family != "search"
-        if backend.batch_size == 1 and generation.finish_reason != "cancelled" and holds_answer:
-            backend.kept_ids = (job.prompt_ids + generation.tokens)[: backend.length]
+                if shown:  # the teacher-forced pass read prompt and answer: the cache holds them, after a search too
+                    backend = engine.model.backend
+                    backend.kept_ids = (job.prompt_ids + generation.tokens)[: backend.length]
         return Outcome(generation, logprobs, job.started - job.submitted)
 
     def close(self) -> None:
