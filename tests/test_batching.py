@@ -175,6 +175,35 @@ def test_a_kept_prefix_gives_the_logits_of_a_fresh_prefill(numerics):
     assert torch.equal(reused, alone.prefill(second))
 
 
+def test_the_same_prompt_again_reads_its_last_token_for_its_logits():
+    """A prompt equal to ``kept_ids`` takes all but its last token from the cache: the last is read
+    again, for the logits the request starts from (none would be left to read otherwise)."""
+    backend = base("exact").clone()
+    prompt = torch.randint(1, 96, (90,), generator=torch.Generator().manual_seed(3)).tolist()
+    backend.prefill(prompt)
+    backend.kept_ids = prompt
+    assert backend.shared_prefix(prompt) == len(prompt) - 1
+    reused = backend.prefill(prompt)
+    backend.reset()
+    assert torch.equal(reused, backend.prefill(prompt))
+
+
+@pytest.mark.parametrize("cache", ["int4:group=8,residual=64", "int2:group=8,residual=64", "sink:4,window:24,every:4",
+                                   "h2o:budget=40,window=8"])
+def test_a_cache_without_its_prompts_float_entries_takes_no_prefix(cache):
+    """KIVI's quantised tokens and an evicting cache's dropped ones cannot be rolled back to (nor
+    read as a fresh prefill reads them): a prompt that starts like ``kept_ids`` is read whole."""
+    backend = base("exact").with_kv_cache(cache)
+    first = torch.randint(1, 96, (200,), generator=torch.Generator().manual_seed(2)).tolist()
+    second = first[:150] + [5, 6, 7]
+    backend.prefill(first)
+    backend.kept_ids = first
+    assert not backend.reuses_prefix() and backend.shared_prefix(second) == 0
+    reused = backend.prefill(second)
+    backend.reset()
+    assert torch.equal(reused, backend.prefill(second))
+
+
 @pytest.mark.parametrize("numerics", NUMERICS)
 def test_trained_drafters_read_their_features_from_a_shared_batch(numerics):
     """EAGLE and Medusa read each pass's features; served, the batch hands each sequence its own."""
@@ -224,6 +253,68 @@ def test_a_batch_waits_for_every_active_sequence_and_keeps_to_its_rows_and_model
         assert batcher._ready() == [fourth]
         batcher._waiting = [waiting_pass(70, llama), waiting_pass(1, llama)]
         assert [len(p.tokens) for p in batcher._ready()] == [70]
+
+
+def test_a_batch_runs_once_its_rows_reach_max_rows_and_waits_from_the_last_batchs_end():
+    """Passes that fill exactly ``max_rows`` make a batch at once (none could join it); a pass that
+    arrived while a batch was running waits ``wait_s`` from that batch's end, not from its arrival
+    (the batch's sequences are coming back with their next passes)."""
+    import time
+
+    model = object()
+    batcher = PassBatcher(max_rows=64, wait_s=3600.0)
+    batcher._active = 3
+    with batcher._cond:
+        batcher._waiting = [waiting_pass(32, model), waiting_pass(32, model)]
+        assert len(batcher._ready()) == 2  # 64 rows: full, though a third sequence has no pass in
+        batcher.wait_s = 5.0
+        late = waiting_pass(1, model)
+        late.arrived = time.perf_counter() - 10.0  # waited 10 s, but a batch ended just now
+        batcher._last_end = time.perf_counter()
+        batcher._waiting = [late]
+        assert batcher._ready() == []
+        batcher._last_end -= 10.0  # that batch ended 10 s ago: the wait is over
+        assert batcher._ready() == [late]
+
+
+class StubBackend:
+    """Runs a batch by returning empty outputs, or by raising ``error``."""
+
+    def __init__(self, error: BaseException | None = None):
+        self.error = error
+
+    def forward_batch(self, passes):
+        if self.error is not None:
+            raise self.error
+        return [(torch.zeros(len(p.tokens), 1), torch.zeros(len(p.tokens), 1)) for p in passes]
+
+
+def stub_pass(rows: int, backend: StubBackend):
+    from decodekit.models.batching import _Pass
+
+    return _Pass(backend, torch.zeros(rows, dtype=torch.long), torch.arange(rows), None, 0, False, None)
+
+
+def test_a_failed_batch_hands_its_error_to_every_sequence_in_it():
+    """Each request waiting on the batch hears of the error, not only the first (the others would
+    find no output and fail with an unrelated assertion)."""
+    failing = StubBackend(ValueError("the kernels failed"))
+    batch = [stub_pass(1, failing), stub_pass(3, StubBackend()), stub_pass(2, StubBackend())]
+    PassBatcher()._execute(batch)
+    for job in batch:
+        assert job.done.is_set() and job.output is None and job.error is failing.error
+
+
+def test_others_are_the_sequences_of_the_last_batch_only():
+    """What a speculation budget weighs its rows against is the last batch, not every sequence
+    seen so far: one that left no longer counts."""
+    me, gone = StubBackend(), StubBackend()
+    batcher = PassBatcher()
+    batcher._execute([stub_pass(1, me), stub_pass(5, gone)])
+    assert batcher.others(me) == (1, 5)
+    batcher._execute([stub_pass(2, me)])
+    assert batcher.others(me) == (0, 0)
+    assert batcher.others(gone) == (1, 2)
 
 
 def test_a_closed_batcher_ends_its_thread_once_no_request_is_left():

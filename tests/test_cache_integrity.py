@@ -689,3 +689,14 @@ def test_a_gguf_missing_a_weight_tensor_is_refused_not_made_up(tiny_gguf, cache,
     with pytest.raises(InvalidModel, match=r"damaged.gguf: 1 weight tensor\(s\) missing \(model.layers.1.self_attn.q_proj"):
         load_model(str(damaged))
     assert not list(cache.glob("damaged-*/model.safetensors"))  # nothing cached for it
+
+
+def test_a_missing_output_head_is_refused_unless_it_is_tied_to_the_embedding(tmp_path):
+    """A tied model has no lm_head tensor of its own (transformers reports it missing, harmlessly);
+    an untied one without it would decode through a head made up at random."""
+    from decodekit.models.loading import check_loading_report
+
+    report = {"missing_keys": ["lm_head.weight"], "mismatched_keys": []}
+    check_loading_report(tmp_path / "m.gguf", report, tied=True)
+    with pytest.raises(InvalidModel, match=r"m.gguf: 1 weight tensor\(s\) missing \(lm_head.weight\)"):
+        check_loading_report(tmp_path / "m.gguf", report, tied=False)

@@ -26,6 +26,11 @@ def test_config_reads_the_layer_kinds_and_their_rotary_bases():
     assert c.local_layers == (True, False, True, False)
     assert (c.rope_theta, c.local_rope_theta, c.sliding_window) == (1e6, 1e4, 8)
     assert c.query_scale == 24**-0.5
+    # the older spelling, no layer_types: every sliding_window_pattern-th layer is global (the
+    # reference's rule: layer i is local where (i + 1) % pattern != 0)
+    older = {k: v for k, v in tiny_gemma3_hf_config(num_layers=6).items() if k != "layer_types"}
+    assert Gemma3Config.from_hf(older).local_layers == (True, True, True, True, True, False)
+    assert Gemma3Config.from_hf({**older, "sliding_window_pattern": 3}).local_layers == (True, True, False) * 2
     scaled = tiny_gemma3_hf_config()
     scaled["rope_parameters"]["full_attention"] = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
     with pytest.raises(NotImplementedError, match="linear"):
@@ -45,6 +50,20 @@ def test_native_logits_match_transformers(window):
     for got in (whole, torch.cat(pieces, dim=1)):
         assert torch.allclose(got, ref, atol=ATOL)
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("hidden_layers", [(), (1,)])
+def test_passes_of_two_tokens_past_the_window_give_transformers_logits(hidden_layers):
+    """A pass of positions p and p + 1: the first row's window starts one key before the second's,
+    which must not see that key (p + 1 - j < window); through forward.c and through the layer loop
+    (hidden states asked for), whose mask skips what no row can see."""
+    native, hf = tiny_gemma3(seed=3, sliding_window=8), tiny_gemma3_hf_model(seed=3, sliding_window=8)
+    ids = tokens(40)
+    with torch.no_grad():
+        ref = hf(ids).logits
+    pieces = [native.append(ids[:, :12], hidden_layers=hidden_layers).logits]
+    pieces += [native.append(ids[:, i : i + 2], hidden_layers=hidden_layers).logits for i in range(12, 40, 2)]
+    assert torch.allclose(torch.cat(pieces, dim=1), ref, atol=ATOL)
 
 
 def test_a_prompt_longer_than_a_chunk_is_read_in_chunks_with_transformers_logits(monkeypatch):
@@ -68,6 +87,22 @@ def test_a_prompt_longer_than_a_chunk_is_read_in_chunks_with_transformers_logits
     passes.clear()
     got = native.append(ids, hidden_layers=(1,)).logits
     assert passes == [48, 48, 34] and torch.allclose(got, ref, atol=ATOL)
+
+
+def test_final_logit_softcapping_caps_the_logits_at_tanh_of_their_ratio_to_the_cap():
+    """``final_logit_softcapping`` c: the logits are c * tanh(logits / c), as the reference caps them
+    (None in Gemma 3, but a config may set it)."""
+    from decodekit.models.gemma3 import NativeGemma3
+
+    state = dict(tiny_gemma3_hf_model(seed=3).state_dict())
+    state.pop("lm_head.weight", None)
+    config = tiny_gemma3_hf_config()
+    plain = NativeGemma3(Gemma3Config.from_hf(config), state, name="plain")
+    capped = NativeGemma3(Gemma3Config.from_hf({**config, "final_logit_softcapping": 2.0}), state, name="capped")
+    ids = tokens(12)
+    raw = plain.append(ids).logits
+    assert raw.abs().max() > 2.0  # the cap bends them
+    assert torch.allclose(capped.append(ids).logits, 2.0 * torch.tanh(raw / 2.0), atol=1e-5)
 
 
 def test_the_window_matters():

@@ -258,6 +258,22 @@ def test_rollback_within_the_window_works_and_beyond_it_is_refused():
         backend.truncate(length - 9)
 
 
+def test_an_h2o_cache_at_its_budget_has_evicted_nothing_and_rolls_back_anywhere():
+    """H2O evicts before a pass that starts with more than ``budget`` entries; one that starts with
+    exactly ``budget`` keeps every entry, so every earlier length is still there to roll back to."""
+    backend = tiny_llama(seed=0, hidden_size=64).with_kv_cache("h2o:budget=20,window=4")
+    backend.prefill(tokens(20))
+    backend.step(torch.tensor([5]))  # starts with 20 entries: nothing to evict
+    assert (backend.length, backend.slots) == (21, 21)
+    backend.truncate(10)
+    assert backend._held[0, 0, : backend.slots].tolist() == list(range(10))
+    backend.prefill(tokens(21))
+    backend.step(torch.tensor([5]))  # starts with 21: evicts down to 20, the window's 4 held as they were
+    assert backend.slots == 21
+    with pytest.raises(ValueError, match="evicted"):
+        backend.truncate(10)
+
+
 def test_policies_need_the_native_backend_and_one_sequence():
     backend = tiny_llama(seed=0).with_kv_cache("sink:2,window:8")
     with pytest.raises(InvalidParameter, match="one sequence"):
@@ -300,6 +316,11 @@ def test_kvdraft_draft_cache_is_the_targets_compressed():
     assert draft._held[0, 0, :10].tolist() == kept.tolist()
     with pytest.raises(ValueError):
         draft.adopt(draft, prompt)  # the source must be a full cache
+    # the window's tokens are held as they were: rollback reaches back that far, and no further
+    with pytest.raises(ValueError, match="evicted"):
+        draft.truncate(30 - 8 - 1)
+    draft.truncate(30 - 8)
+    assert (draft.length, draft.slots) == (22, 2)
 
 
 def test_h2o_reads_a_prompt_64_tokens_a_pass_evicting_between_them(monkeypatch):

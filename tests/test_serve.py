@@ -537,6 +537,26 @@ def test_a_prompt_goes_to_the_idle_slot_whose_cache_shares_most_of_it(alone):
         scheduler.close()
 
 
+def test_the_prefix_counter_sums_the_tokens_every_request_took_from_a_slot():
+    """``prefix_tokens`` (the metric decodekit:prefix_cache_hit_tokens_total) is a running total:
+    each request adds the prefix it took from its slot's cache, whatever earlier ones took."""
+    from decodekit.serve.scheduler import Job, Scheduler
+
+    model = tiny_model()
+    scheduler = Scheduler(model, max_batch=1, max_queue=1)
+    try:
+        slot = scheduler._free[0].model.backend
+        prompt, taken = model.tokenizer.encode(PROMPTS[3]), []
+        for _ in range(3):  # a chat's turns: each prompt starts with the last one and its answer
+            taken.append(slot.shared_prefix(prompt))
+            (future,) = scheduler.submit([Job(prompt, "greedy", {}, 4)])
+            prompt = prompt + future.result(timeout=60).generation.tokens + model.tokenizer.encode(" and?")
+        assert taken[0] == 0 and taken[1] > 0 and taken[2] > taken[1]
+        assert scheduler.prefix_tokens == sum(taken)
+    finally:
+        scheduler.close()
+
+
 def test_a_damaged_model_found_while_decoding_is_the_servers_fault_not_the_request():
     """A model whose logits are not finite (a damaged weight) fails each request with a 500
     server_error, streamed or not; it was a 400 telling the client its request was bad."""

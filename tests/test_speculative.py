@@ -280,6 +280,40 @@ def test_suffix_continuations_are_the_most_frequent_next_tokens():
     # "1 2" is followed by "1" every time
     assert [(t, share) for t, share, _ in sam.continuations(sam.next[one][2], 4)] == [(1, pytest.approx(1.0))]
 
+
+def test_suffix_corpus_match_is_the_longest_suffix_of_the_context_found_in_the_corpus_brute_force():
+    """The corpus match drafts as deep as ``growth`` x its length: that length is the context's
+    matched text, which may be shorter than the longest string of the automaton's state (a "1"
+    always preceded by "9" shares the state of "9 1")."""
+    sam = SuffixAutomaton()
+    for t in [9, 1, 2, 3]:
+        sam.extend(t)
+    state, matched = sam.advance(0, 0, 1)
+    assert (sam.length[state], matched) == (2, 1)
+    rng = random.Random(1)
+    corpus = [rng.choice([1, 2, 3, 4]) for _ in range(200)]
+    sam = SuffixAutomaton()
+    for t in corpus:
+        sam.extend(t)
+    state, matched, context = 0, 0, []
+    for _ in range(300):
+        token = rng.choice([1, 2, 3, 4, 5])  # 5: never in the corpus
+        context.append(token)
+        state, matched = sam.advance(state, matched, token)
+        longest = max(n for n in range(len(context) + 1) if n == 0 or brute_count(corpus, context[len(context) - n :]))
+        assert matched == longest
+
+
+def test_suffix_drafts_from_a_match_of_exactly_min_match_tokens():
+    drafter = SuffixDrafter(min_match=2)
+    state = state_for([1, 2, 3, 1, 2])  # "1 2" occurred before, followed by 3
+    drafter.begin(state)
+    assert drafter.draft(state, 1).tokens == [3]
+    state = state_for([1, 2, 3, 4, 2])  # only "2" occurred before: shorter than min_match
+    drafter.begin(state)
+    assert drafter.draft(state, 1).tokens == []
+
+
 def test_suffix_corpus_carries_earlier_outputs_across_requests():
     model = tiny(seed=5)
     engine = Engine(model)
@@ -371,6 +405,19 @@ def test_recycling_matrix_is_kept_across_requests():
     # (a draft there would be thrown away)
     assert first.stats.extra["plain_steps"] > 1
     assert second.stats.extra["plain_steps"] <= 1 and second.tokens == first.tokens
+
+
+def test_recycling_proposes_token_0_and_ends_a_branch_only_at_an_unfilled_row():
+    """-1 marks a row never filled; token 0 is a token like any other."""
+    from decodekit.speculative.drafters.recycling import TokenRecycling
+
+    drafter = TokenRecycling(k=2, max_depth=2)
+    drafter.matrix = torch.full((5, 2), -1, dtype=torch.int32)
+    drafter.matrix[4] = torch.tensor([0, 3])
+    drafter.matrix[0] = torch.tensor([2, -1])
+    tree = drafter.draft(state_for([1, 4]), 8)
+    # after 4: 0 and 3; after 0: 2; after 3: nothing yet
+    assert sorted(zip(tree.tokens, tree.parents)) == sorted([(0, -1), (3, -1), (2, tree.tokens.index(0))])
 
 
 def test_lookahead_pool_feeds_accepted_drafts():

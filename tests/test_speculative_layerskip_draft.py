@@ -232,6 +232,17 @@ def test_half_right_drafts_that_do_not_pay_trigger_a_swap():
     assert search.trial and len(search.current) == 5 and len(search.current - start) == 1
 
 
+def test_a_trial_that_only_ties_the_best_set_is_dropped():
+    """A trial is kept if it scores better (the module docstring); one that does as well as the set
+    it replaced is not, so the set does not wander among equals."""
+    search = SkipSearch(12, initial_skip_set(12, 5))
+    start = search.current
+    feed(search, 2, 4)  # a swap trial: the same number of skipped layers
+    assert search.trial and len(search.current) == 5 and search.current != start
+    feed(search, 2, 4)  # the same signals: the same score as the best set's
+    assert not search.trial and search.current == start and search.changes == 2
+
+
 def test_good_acceptance_keeps_the_skip_set():
     search = SkipSearch(12, initial_skip_set(12, 5))
     start = search.current
