@@ -326,6 +326,53 @@ def test_speedup_is_taken_on_the_questions_the_reference_also_finished():
         assert stats["e2e_speedup"] == pytest.approx(1.5)
         assert stats["speedup_vs_hf"] is None
 
+def test_per_question_counts_are_observed_values_and_unknown_when_a_repeat_lacks_one():
+    """Over repeats, a count is the lower median (one of the observed integers, not 10.5 tokens),
+    and a count one repeat did not report is unknown, not the median of the others; times take the
+    plain median."""
+    from decodekit.bench.results import per_question
+
+    def rec(new_tokens, passes, decode_s):
+        return {"method": "m", "question_id": 1, "group": "qa", "error": None, "prefill_s": 0.1,
+                "decode_s": decode_s, "mean_accepted": None, "new_tokens": new_tokens, "forward_passes": passes}
+
+    row = per_question([rec(10, 8, 1.0), rec(11, None, 2.0)])["m"][1]
+    assert row["new_tokens"] == 10 and row["forward_passes"] is None and row["decode_s"] == 1.5
+    assert per_question([rec(11, 9, 1.0), rec(10, 8, 2.0)])["m"][1]["forward_passes"] == 8
+
+
+def test_only_lossless_methods_are_flagged_for_outputs_other_than_greedys():
+    """A lossy method (beam search, a sampler) is expected to differ from greedy: no note; a lossless
+    one that differs is a bug or a near-tie, and is noted."""
+    from decodekit.bench.results import exactness_notes
+
+    def method(lossless):
+        return {"lossless": lossless, "categories": {"overall": {"exact_share": 0.5}}}
+
+    notes = exactness_notes({"reference": "greedy", "methods": {"spec": method(True), "beam": method(False)}})
+    assert len(notes) == 1 and notes[0].startswith("spec is lossless but matched greedy on 50%")
+
+
+def test_the_prefix_share_is_a_share_of_the_reference_text():
+    """text_prefix_share: how much of greedy's text a method reproduces from the start."""
+    from decodekit.bench.runner import common_prefix_share
+
+    assert common_prefix_share("abc", "abcdef") == 0.5  # half of the reference, though all of the output
+    assert common_prefix_share("abcdef", "abc") == 1.0
+    assert common_prefix_share("abx", "abcd") == 0.5
+
+
+def test_a_record_has_no_pass_count_when_one_of_its_turns_has_none():
+    """A record's figures are sums over its turns: a turn whose passes are unknown leaves the sum unknown."""
+    from decodekit.bench.questions import Question
+    from decodekit.bench.runner import make_record
+
+    question = Question(1, "qa", ("a", "b"))
+    known, unknown = (RunResult([1, 2], "xy", 0.1, 0.2, "length", forward_passes=p) for p in (2, None))
+    assert make_record(Scripted("m", []), question, 0, 0, [(3, known), (5, known)])["forward_passes"] == 4
+    assert make_record(Scripted("m", []), question, 0, 0, [(3, known), (5, unknown)])["forward_passes"] is None
+
+
 def test_failing_method_is_recorded_and_others_continue(tiny: LoadedModel, qfile: Path):
     class Flaky(Scripted):
         def run(self, prompt_ids, max_new_tokens):
@@ -555,6 +602,9 @@ def test_compare_prints_changes(executed, tmp_path: Path, capsys):
     hf_row = next(line for line in text.splitlines() if line.startswith("hf ") and "overall" in line)
     old = results["summary"]["methods"]["hf"]["categories"]["overall"]["speedup"]
     assert f"{0.5 - old:+.2f}" in hf_row
+    assert "different CPUs" not in text  # both ran here
+    b["machine"]["cpu"] = "another CPU"
+    assert f"note: different CPUs ({results['machine']['cpu']} vs another CPU)" in compare(results, b)
     path_b = tmp_path / "b.json"
     path_b.write_text(json.dumps(b))
     assert bench_cli.run(parse("--compare", str(out / "results.json"), str(path_b))) == 0
@@ -634,6 +684,17 @@ def test_an_interrupted_run_resumes_without_rerunning_finished_questions(tiny: L
                      previous=partial).resumed == 1
 
 
+def test_a_resumed_run_takes_only_the_repeats_it_runs(tiny: LoadedModel, qfile: Path):
+    """Records of a repeat this run does not have are neither counted as resumed nor reported."""
+    question = load_questions(qfile)[:1]
+    names = ("greedy", "b")
+    twice = run_bench([Scripted(n, []) for n in names], question, prompt_fn(tiny), BenchConfig(max_new_tokens=4, repeats=2),
+                      progress=False)
+    once = run_bench([Scripted(n, []) for n in names], question, prompt_fn(tiny), BenchConfig(max_new_tokens=4),
+                     progress=False, previous=twice.records)
+    assert once.resumed == 1 and [r["repeat"] for r in once.records] == [0, 0]
+
+
 def test_resume_grows_the_question_set_and_refuses_other_settings_or_code(tiny: LoadedModel, qfile: Path, tmp_path: Path,
                                                                           monkeypatch):
     out = tmp_path / "out"
@@ -660,6 +721,17 @@ def test_resume_grows_the_question_set_and_refuses_other_settings_or_code(tiny: 
     monkeypatch.setattr("decodekit.bench.results.code_version", lambda: "0.0.0+other")
     with pytest.raises(InvalidParameter, match="cannot be mixed"):
         bench_cli.make_plan(parse(*common, "--resume"))
+
+
+def test_a_resumed_run_says_a_note_it_makes_again_once(tiny: LoadedModel, qfile: Path, tmp_path: Path, monkeypatch):
+    """A baseline that cannot run is noted by the first run (saved in the checkpoint) and again by the
+    resumed one: its report says it once."""
+    monkeypatch.setattr("decodekit.bench.baselines.llamacpp_available", lambda: False)
+    common = ("--questions", str(qfile), "--methods", "greedy", "--baselines", "llamacpp", "--max-new-tokens", "4",
+              "--out", str(tmp_path / "out"), "--no-progress")
+    execute(bench_cli.make_plan(parse(*common, "--categories", "qa")), tiny, progress=False)
+    resumed = execute(bench_cli.make_plan(parse(*common, "--resume")), tiny, progress=False)
+    assert sum("llama-cpp-python is not installed" in note for note in resumed["notes"]) == 1
 
 
 def test_resume_refuses_a_changed_question_file_and_an_edited_checkpoint(tiny: LoadedModel, qfile: Path, tmp_path: Path):
@@ -727,6 +799,9 @@ def test_compare_counts_the_runs_whose_tokens_match(tiny: LoadedModel, qfile: Pa
     assert same_outputs(a, b) == f"outputs: {len(a)} of {len(a)} runs in both files are token-identical"
     b[1]["tokens"][0][-1] += 1
     assert same_outputs(a, b[1:]) == f"outputs: {len(a) - 2} of {len(a) - 1} runs in both files are token-identical (differ: greedy)"
+    # runs are matched by repeat too: two repeats of one question are two runs
+    again = [{**r, "repeat": 1, "tokens": [[9]]} for r in a]
+    assert same_outputs(a + again, a + again) == f"outputs: {2 * len(a)} of {2 * len(a)} runs in both files are token-identical"
 
 
 def test_results_that_break_the_schema_are_one_line(executed):

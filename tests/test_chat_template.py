@@ -13,6 +13,8 @@ MESSAGES = [
     {"role": "user", "content": "Say <b>hi</b> & \"quote\" 'me' ünïcode"},
     {"role": "assistant", "content": "hi", "reasoning": "they asked for hi"},
     {"role": "user", "content": "again"},
+    # both names given: reasoning_content is the reasoning, and the message keeps its own thinking
+    {"role": "assistant", "content": "ok", "reasoning_content": "standard", "thinking": "its own"},
 ]
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}
 
@@ -52,6 +54,8 @@ def test_a_template_is_sandboxed_and_its_errors_are_jinjas():
         render_chat("{{ messages.append(1) }}", MESSAGES)
     with pytest.raises(jinja2.exceptions.SecurityError, match="_secret"):
         render_chat("{% set ns = namespace(_secret=1) %}", MESSAGES)
+    with pytest.raises(jinja2.exceptions.SecurityError, match="_secret"):  # nor set on one afterwards
+        render_chat("{% set ns = namespace(n=0) %}{% set ns._secret = 1 %}", MESSAGES)
     assert MESSAGES[2] == {"role": "assistant", "content": "hi", "reasoning": "they asked for hi"}  # not aliased in place
 
 

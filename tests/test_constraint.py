@@ -321,6 +321,10 @@ def test_a_grammar_is_compiled_once_and_each_processor_follows_its_own_copy(monk
     constraint_processor({"regex": "x"}, tok), constraint_processor({"regex": "y"}, tok)  # "ab|ac|bd" is dropped
     constraint_processor({"regex": "ab|ac|bd"}, tok)
     assert compiled.count(Constraint.coerce({"regex": "ab|ac|bd"}).grammar()) == 2 and len(compiled) == 4
+    # the least recently used goes: "y", used again, outlives "ab|ac|bd", compiled after it
+    constraint_processor({"regex": "y"}, tok), constraint_processor({"regex": "z"}, tok)
+    constraint_processor({"regex": "y"}, tok)
+    assert len(compiled) == 5
 
 
 def test_a_greedy_step_under_a_grammar_is_the_argmax_of_the_masked_row():

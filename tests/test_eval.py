@@ -42,6 +42,14 @@ def test_reliability_bins():
     assert bins[2]["accuracy"] == pytest.approx(2 / 3)
 
 
+def test_reliability_bins_put_confidences_outside_0_1_in_the_end_bins_at_the_ends():
+    """The bins cover [0, 1]: a signal a little outside it is clipped to the nearest end, so it lands
+    in the first or last bin and the bin's mean confidence stays a probability."""
+    bins = reliability_bins([-0.5, 1.5], [False, True], bins=4)
+    assert bins == [{"lo": 0.0, "hi": 0.25, "count": 1, "confidence": 0.0, "accuracy": 0.0},
+                    {"lo": 0.75, "hi": 1.0, "count": 1, "confidence": 1.0, "accuracy": 1.0}]
+
+
 def test_capitals_task_matching():
     task = capitals_task()
     assert task.items[0].subject == "China" and task.items[0].gold == "Beijing"
@@ -91,6 +99,21 @@ def test_budget_curve_votes_over_the_first_m_samples():
                                      {"samples": 4, "accuracy": 1.0}]
     three = [{"candidates": records[0]["candidates"][:3]}]  # N off the powers of two is the curve's last point
     assert [p["samples"] for p in budget_curve(three)] == [1, 2, 3]
+
+
+def test_budget_curve_ends_at_the_fewest_samples_any_item_has():
+    """Every point votes over m samples of every item: past the shortest item's count, that item
+    would vote over fewer than m."""
+    four = {"candidates": [{"answer": a, "correct": a == "b"} for a in "abbc"]}
+    two = {"candidates": [{"answer": a, "correct": a == "b"} for a in "bb"]}
+    assert [p["samples"] for p in budget_curve([four, two])] == [1, 2]
+
+
+def test_budget_curve_scores_a_vote_with_no_answer_by_the_first_sample():
+    """With no answer to vote on, the method's output is its first sample (as self-consistency's
+    is), and the point scores that sample's correctness."""
+    records = [{"candidates": [{"answer": None, "correct": True}, {"answer": None, "correct": False}]}]
+    assert budget_curve(records) == [{"samples": 1, "accuracy": 1.0}, {"samples": 2, "accuracy": 1.0}]
 
 
 def test_signal_aurocs_orient_each_signal_so_that_higher_means_likelier_correct():
@@ -148,6 +171,20 @@ def test_eval_end_to_end_on_a_tiny_model(tmp_path, method, capsys):
     add_arguments(parser)
     given = ["--n", "4", "--method", method, "fake3", "--out", str(tmp_path), "--signals", "agreement"]
     assert vars(parser.parse_args(shlex.split(result["command"])[2:])) == vars(args) == vars(parser.parse_args(given))
+
+
+def test_signal_tokens_add_up_every_extra_signals_samples(monkeypatch):
+    """An item's signal_tokens is what all its extra signals spent: the agreement samples' tokens and
+    the paraphrases' tokens together."""
+    import decodekit.eval.runner as runner
+    from decodekit.eval.runner import EvalConfig, evaluate
+
+    monkeypatch.setattr(runner, "sampled_agreement", lambda *a, **kw: {"agreement": 0.5, "tokens_spent": 3})
+    monkeypatch.setattr(runner, "paraphrase_consistency", lambda *a, **kw: {"pc": 0.25, "tokens_spent": 5})
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    result = evaluate(model, fake_task(), EvalConfig(max_new_tokens=2, signals=["agreement", "pc"], paraphrases=2))
+    assert [r["signal_tokens"] for r in result["records"]] == [8, 8, 8]
+    assert result["signal_tokens"] == 24
 
 
 def test_eval_rejects_bad_input(tmp_path):

@@ -190,8 +190,11 @@ def test_matching_blocks_finds_the_row_order_or_declines():
     found = matching_blocks([q, v], fused, orders)
     assert found is not None and torch.equal(BlockMatrix.stack(found[0]).dequantize(), fused)
     assert found[1] == [1, 0]  # q reordered, v as stored
+    assert BlockMatrix.stack([v, BlockMatrix.quantize(torch.randn(4, 32, generator=gen), "q4_1")]) is None  # another width
     assert matching_blocks([q, v], fused, []) is None  # q's rows need the reordering
     assert matching_blocks([q, None], fused, orders) is None  # a missing part
+    assert matching_blocks([q], fused, orders) is None  # parts that are not the whole matrix (q alone matches its rows)
+    assert matching_blocks([q], fused, orders, known=[1]) is None
     assert matching_blocks([q, v], fused + 1e-3, orders) is None  # not the same weights
     # choices found earlier are taken as they are (nothing compared); any that are not choices are checked afresh
     taken = matching_blocks([q, v], fused + 1e-3, orders, known=[1, 0])

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from decodekit.eval import cli as eval_cli
-from decodekit.eval.longctx import LongContextConfig, evaluate_long_context, passkey_prompt
+from decodekit.eval.longctx import LongContextConfig, continuation_nll, document_tokens, evaluate_long_context, passkey_prompt
 from decodekit.errors import InvalidParameter
 from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.tiny import tiny_llama
@@ -25,6 +26,9 @@ def test_every_policy_at_every_length(model):
     config = LongContextConfig(policies=POLICIES, lengths=(120, 300, 600), depths=(0.5,), continuation=12, decode_tokens=4)
     rows = {(r["policy"], r["length"]): r for r in evaluate_long_context(model, config)["rows"]}
     assert rows[("full", 120)]["nll_change"] == 0 and rows[("full", 120)]["memory_saved"] == 0
+    for (policy, length), row in rows.items():  # relative to the full cache at the same length: NLL / full NLL - 1
+        if "nll" in row and "nll" in rows[("full", length)]:
+            assert row["nll_change"] == pytest.approx(row["nll"] / rows[("full", length)]["nll"] - 1)
     assert abs(rows[("int8", 120)]["nll_change"]) < 0.05
     assert rows[("int8", 120)]["memory_saved"] == pytest.approx(1 - 20 / 64)  # head size 16: 16 bytes + a scale
     # the peak: StreamingLLM and H2O evict as they read the context; SnapKV holds all of it (and its
@@ -39,6 +43,18 @@ def test_every_policy_at_every_length(model):
     streaming = rows[("sink:4,window:64,every:8", 600)]
     assert "error" not in streaming and streaming["cache_bytes"] <= rows[("sink:4,window:64,every:8", 120)]["cache_bytes"]
     assert all(isinstance(v, bool) for r in rows.values() if "passkey" in r for v in r["passkey"].values())
+
+
+def test_continuation_nll_is_the_mean_nll_of_the_tokens_after_the_context(model):
+    """Each continuation token is scored by the logits of everything before it (here all positions of
+    one pass), and the mean is over the continuation's tokens alone."""
+    ids = document_tokens(model.tokenizer, 40)
+    assert len(ids) == 40
+    backend = model.backend.clone()
+    backend.reset()
+    logits = backend.append(torch.tensor([ids])).logits[0].float()
+    expected = -sum(float(torch.log_softmax(logits[k - 1], -1)[ids[k]]) for k in range(30, 40)) / 10
+    assert continuation_nll(model.backend.clone(), ids, 30) == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_continuation_past_the_context_is_an_error_row_before_any_pass(model):

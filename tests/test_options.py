@@ -78,10 +78,32 @@ def test_text_values_are_parsed_by_the_spec_type():
         OptionSpec("mode", str, "a", choices=("a", "b")).parse("c")
 
 
+def test_a_range_holds_its_ends_unless_one_is_declared_open():
+    """lo and hi are in the range; an open end is not, and the listing says which."""
+    k = OptionSpec("k", int, 4, lo=1, hi=16)
+    assert k.parse("16") == 16 and k.parse(1) == 1
+    with pytest.raises(InvalidParameter, match=r"^k must be an integer in \[1, 16\], got 17"):
+        k.parse(17)
+    x = OptionSpec("x", float, 1.0, lo=0.0, lo_open=True)
+    with pytest.raises(InvalidParameter, match=r"^x must be a finite number > 0, got 0"):
+        x.parse("0")
+    assert x.describe() == "x (float > 0, default 1.0)"
+    assert OptionSpec("y", float, 1.0, lo=0.0).describe() == "y (float >= 0, default 1.0)"
+
+
+def test_none_turns_off_only_an_option_that_is_off_by_default():
+    """None is the value of an option whose default is None (off); any other option must get a value."""
+    specs = {"n": OptionSpec("n", int, 4, lo=1), "budget": OptionSpec("budget", int, None, lo=1)}
+    assert parse_options("method 'm'", specs, {"budget": None}) == {"n": 4, "budget": None}
+    with pytest.raises(InvalidParameter, match="^n must be an integer >= 1, got None"):
+        parse_options("method 'm'", specs, {"n": None})
+
+
 def test_parse_option_uses_the_key_spec_and_guesses_otherwise():
     specs = method_spec("beam").options
     assert parse_option("n=3", specs) == ("n", 3)
     assert parse_option("x=3") == ("x", 3) and parse_option("x=yes") == ("x", "yes")
+    assert parse_option("x=True") == ("x", True) and parse_option("x=FALSE") == ("x", False)  # in any case
     assert parse_option("delimiter=3", method_spec("step-beam").options) == ("delimiter", "3")
     with pytest.raises(InvalidParameter, match="key=value"):
         parse_option("novalue")
@@ -268,6 +290,26 @@ def test_a_package_cannot_take_a_built_in_methods_name(monkeypatch):
     assert registry.available_methods()["pld"].family == "speculative"
     registry.register_method("greedy", registry.plain_decoder, "again", lossless=True, family="plain")  # its own module
     assert registry.available_methods()["greedy"].description == "again"
+
+
+def test_a_partials_method_belongs_to_the_module_of_the_function_inside(monkeypatch):
+    """A builder made with functools.partial is the package's whose function it wraps (a partial's
+    own module is functools'): one package's partial cannot replace another package's method."""
+    import functools
+
+    def build_a(**options):
+        return registry.plain_decoder()
+
+    def build_b(**options):
+        return registry.plain_decoder()
+
+    build_a.__module__, build_b.__module__ = "package_a.methods", "package_b.methods"
+    monkeypatch.setattr(registry, "_METHODS", dict(registry.available_methods()))
+    registry.register_method("shared-name", functools.partial(build_a), "a's", lossless=True, family="plain")
+    with pytest.raises(InvalidParameter, match=r"^method 'shared-name' is registered already, by package_a\.methods;"):
+        registry.register_method("shared-name", functools.partial(build_b), "b's", lossless=True, family="plain")
+    registry.register_method("shared-name", functools.partial(build_a), "a's again", lossless=True, family="plain")
+    assert registry.available_methods()["shared-name"].description == "a's again"
 
 
 FIRST_REGISTRATION = """

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from decodekit.models.tokenizer import FileTokenizer, HFTokenizer, file_tokenizer
+from decodekit.models.tokenizer import CharTokenizer, FileTokenizer, HFTokenizer, file_tokenizer
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -61,6 +61,15 @@ def test_a_folders_tokenizer_gives_what_auto_tokenizer_gives(tmp_path):
         ours.chat_prompt([])
 
 
+def test_a_turn_end_that_is_the_unknown_token_ends_no_turn_as_with_auto_tokenizer(tmp_path):
+    """AutoTokenizer cannot tell the unknown token from a turn end it does not know, so HFTokenizer
+    leaves the unknown token's id out of the end-of-sequence ids: a folder's own tokenizer does too."""
+    folder = tokenizer_folder(tmp_path / "tok", unk_token="<|im_end|>")
+    ours, auto = file_tokenizer(folder), HFTokenizer(folder)
+    assert isinstance(ours, FileTokenizer)
+    assert ours.eos_token_ids == auto.eos_token_ids == {ours._rust.token_to_id("</s>")}
+
+
 @pytest.mark.parametrize("config", [{"add_bos_token": False}, {"split_special_tokens": True},
                                     {"tokenizer_class": "LlamaTokenizer"}, {"clean_up_tokenization_spaces": True}])
 def test_a_setting_that_changes_auto_tokenizer_sends_the_folder_to_it(tmp_path, config):
@@ -102,3 +111,11 @@ def test_a_folders_tokenizer_is_read_once_while_its_files_stay_the_same(tmp_path
     (folder / "tokenizer.json").write_text(text[: len(text) // 2])
     with pytest.raises(InvalidModel, match="has no usable tokenizer"):
         file_tokenizer(folder)
+
+
+def test_the_char_tokenizer_never_spells_the_end_of_sequence():
+    """Id 0 is the tiny models' end of sequence: a character below the printable range (a newline
+    in a prompt) takes the lowest text id, never 0, and one above it the highest."""
+    tok = CharTokenizer(96)
+    assert tok.encode("\n\x1f a") == [1, 1, 1, ord("a") - 31]
+    assert tok.encode("é") == [95] and 0 not in tok.encode("line one\nline two")
