@@ -729,9 +729,14 @@ def test_a_resumed_run_says_a_note_it_makes_again_once(tiny: LoadedModel, qfile:
     monkeypatch.setattr("decodekit.bench.baselines.llamacpp_available", lambda: False)
     common = ("--questions", str(qfile), "--methods", "greedy", "--baselines", "llamacpp", "--max-new-tokens", "4",
               "--out", str(tmp_path / "out"), "--no-progress")
-    execute(bench_cli.make_plan(parse(*common, "--categories", "qa")), tiny, progress=False)
-    resumed = execute(bench_cli.make_plan(parse(*common, "--resume")), tiny, progress=False)
+    first = bench_cli.make_plan(parse(*common, "--categories", "qa"))
+    first.notes.append("a note of the plan")  # (as --quick's notes of methods it leaves out)
+    execute(first, tiny, progress=False)
+    again = bench_cli.make_plan(parse(*common, "--resume"))
+    again.notes.append("a note of the plan")
+    resumed = execute(again, tiny, progress=False)
     assert sum("llama-cpp-python is not installed" in note for note in resumed["notes"]) == 1
+    assert resumed["notes"].count("a note of the plan") == 1
 
 
 def test_resume_refuses_a_changed_question_file_and_an_edited_checkpoint(tiny: LoadedModel, qfile: Path, tmp_path: Path):

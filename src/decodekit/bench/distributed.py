@@ -23,7 +23,7 @@ from typing import Any
 
 from ..cluster import Pool, PoolSettings, connected, parse_address
 from ..models import LoadedModel
-from .execution import Plan, bench_config, build_contestants, finish, save_checkpoint
+from .execution import Plan, bench_config, build_contestants, finish, merged_notes, save_checkpoint
 from .runner import BenchRun, BenchSession, Progress, finished_records, freeze_what_exists
 
 ModelRecipe = Callable[[], LoadedModel]  # loads the model inside a worker (a picklable callable)
@@ -86,8 +86,7 @@ def execute_on_ray(plan: Plan, address: str | None, settings: PoolSettings, *, l
 def _run(plan: Plan, pool: Pool, code: str, progress: bool) -> dict[str, Any]:
     first = pool.descriptions[0]
     names = [c["name"] for c in first["contestants"]]
-    notes = [*plan.notes, *dict.fromkeys(n for d in pool.descriptions for n in d["notes"])]
-    notes += [n for n in plan.previous_notes if n not in notes]
+    notes = merged_notes(plan.notes, (n for d in pool.descriptions for n in d["notes"]), plan.previous_notes)
     if any(d["code"] != code for d in pool.descriptions):
         notes.append("some workers run other decodekit code than the driver: "
                      + ", ".join(sorted({d["code"] for d in pool.descriptions})))

@@ -9,6 +9,7 @@ import functools
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,12 @@ def build_contestants(plan: Plan, model, *, hf_model=None) -> tuple[list, list[s
     return [*contestants, *baselines], notes
 
 
+def merged_notes(*groups: Iterable[str]) -> list[str]:
+    """The notes of a run, each once, in order: the plan's, the contestants', and a resumed run's
+    from its checkpoint (which holds the first two groups' notes of the run it continues)."""
+    return list(dict.fromkeys(note for group in groups for note in group))
+
+
 def bench_config(plan: Plan) -> BenchConfig:
     return BenchConfig(max_new_tokens=plan.max_new_tokens, repeats=plan.repeats, all_turns=plan.all_turns, reference=REFERENCE)
 
@@ -170,7 +177,7 @@ def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[
 
     code_version()  # fix the code stamp of this run's checkpoints and results now
     contestants, notes = build_contestants(plan, model, hf_model=hf_model)
-    notes = [*plan.notes, *notes, *(n for n in plan.previous_notes if n not in notes)]
+    notes = merged_notes(plan.notes, notes, plan.previous_notes)
     run_ = run_bench(contestants, plan.questions, model.prompt_ids, bench_config(plan), progress=progress,
                      previous=plan.previous, checkpoint=lambda records: save_checkpoint(plan, records, notes))
     machine = machine_info(model=model.name, dtype=plan.dtype, numerics=plan.numerics)
