@@ -582,3 +582,14 @@ def test_acceptance_at_each_depth_is_the_sum_of_min_p_q():
     z = 3.29
     assert abs(first / n - depth1) < z * math.sqrt(depth1 * (1 - depth1) / n), (first / n, depth1)
     assert abs(second / first - depth2) < z * math.sqrt(depth2 * (1 - depth2) / first), (second / first, depth2)
+
+
+def test_a_residual_with_no_mass_left_is_the_target_without_the_rejected_token():
+    """norm(max(0, p - q)) is undefined when p == q (rounding made a probability-0 rejection happen): the
+    documented fallback is p with the rejected token removed, renormalised; never NaN."""
+    from decodekit.speculative.verify import residual
+
+    p = torch.tensor([0.5, 0.25, 0.25, 0.0])
+    assert torch.equal(residual(p, p.clone(), 0), torch.tensor([0.0, 0.5, 0.5, 0.0]))
+    assert torch.equal(residual(p, None, 1), torch.tensor([2 / 3, 0.0, 1 / 3, 0.0]))  # a point mass: p without it
+    assert torch.equal(residual(torch.tensor([1.0, 0.0]), None, 0), torch.tensor([0.5, 0.5]))  # nothing left at all

@@ -198,6 +198,68 @@ def test_the_governor_leaves_the_cores_other_processes_keep_busy_without_a_try(t
     assert drive(governor, {2: 3.0, 1: 5.0}, 600) == [1] * 600  # never a try of two, which stalls for a slice a region
     assert [governor.choose("m", timed=False) for _ in range(5)] == [(1, False)] * 5
     others[0] = 0.1
-    assert drive(governor, {2: 3.0, 1: 5.0}, 20)[1:] == [2] * 19  # (the first pass tries the other count)
+    assert drive(governor, {2: 3.0, 1: 5.0}, 20) == [1] + [2] * 19  # the first pass tries the other count
     unknown = ThreadGovernor(busy_elsewhere=lambda: None)  # no figure: the timings decide, as before
     assert drive(unknown, {2: 12.0, 1: 6.0}, 100)[-50:].count(1) >= 45
+
+
+def test_a_faster_timing_replaces_the_estimate_and_a_slower_one_moves_it_a_fifth_of_the_way():
+    """A pass is never faster than the machine allows: a faster time is the new estimate at once, a slower
+    one (load, or a longer context) moves it by SLOWER_WEIGHT of the difference."""
+    from decodekit.models.threads import SLOWER_WEIGHT
+
+    governor = ThreadGovernor()
+    governor.observe("m", 2, 10.0)
+    governor.observe("m", 2, 20.0)
+    assert governor._records["m"].estimate[2] == pytest.approx(10.0 + SLOWER_WEIGHT * 10.0)  # 12.0
+    governor.observe("m", 2, 5.0)
+    assert governor._records["m"].estimate[2] == 5.0
+
+
+def test_tries_of_a_losing_count_come_ever_more_rarely_up_to_the_longest_pause(two_threads):
+    """Each lost try doubles the pause before the next one (16 passes up to LONGEST_PAUSE, then no longer):
+    the passes between tries of one thread are 64, 128, 256, 512, 512, ... once both counts are measured."""
+    used = drive(ThreadGovernor(), {2: 3.0, 1: 5.0}, 4000)
+    tries = [i for i, n in enumerate(used) if n == 1]
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    # the first try measures one thread (pass 2); the next comes when the pass count since the last
+    # choice reaches the doubled pause of 32; every later gap is the pause, doubled after each loss
+    assert tries[:2] == [1, 2 * FIRST_PROBE - 1]
+    assert gaps[1:] == [64, 128, 256, LONGEST_PAUSE] + [LONGEST_PAUSE] * (len(gaps) - 5)
+
+
+def test_the_cores_left_are_the_free_ones_to_the_nearest_core_from_half_a_busy_core(monkeypatch):
+    """Half a core kept busy elsewhere (BUSY_ELSEWHERE) already leaves it to the other process; the count is
+    the cores the others leave free, rounded to the nearest whole core (4 - 1.4 = 2.6: 3 threads)."""
+    from decodekit.models import threads
+
+    before = torch.get_num_threads()
+    try:
+        for cores, others, expected in [(3, 0.5, 2), (4, 1.4, 3), (4, 1.6, 2)]:
+            monkeypatch.setattr(threads, "usable_cores", lambda cores=cores: cores)
+            torch.set_num_threads(cores)
+            governor = ThreadGovernor(busy_elsewhere=lambda others=others: others)
+            assert governor.choose("m", timed=False) == (expected, False), (cores, others)
+            assert governor.choose("m", timed=True) == (expected, False), (cores, others)  # no try either
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_cpu_times_count_busy_ticks_of_this_processs_cores_only(monkeypatch):
+    """/proc/stat's per-CPU lines (not the summary line) of the CPUs asked for: busy is user, system, irq,
+    softirq and steal, not nice (niced work yields to ours) nor idle and iowait; both in seconds."""
+    import io
+    import os
+
+    from decodekit import machine
+
+    stat = ("cpu  100 100 100 100 100 100 100 100 0 0\n"
+            "cpu0 1 2 3 4 5 6 7 8 0 0\n"
+            "cpu1 10 20 30 40 50 60 70 80 0 0\n"
+            "cpu2 1000 1000 1000 1000 1000 1000 1000 1000 0 0\n"
+            "intr 5\n")
+    monkeypatch.setattr(machine, "open", lambda path, *a, **k: io.StringIO(stat), raising=False)
+    tick = os.sysconf("SC_CLK_TCK")
+    busy, total = machine._cpu_times({0, 1})
+    assert busy == pytest.approx((1 + 3 + 6 + 7 + 8 + 10 + 30 + 60 + 70 + 80) / tick)
+    assert total == pytest.approx((36 + 360) / tick)

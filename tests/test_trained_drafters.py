@@ -137,6 +137,8 @@ def test_the_draft_vocabulary_is_the_most_frequent_tokens():
     corpus = Corpus([data_module.Sample([1, 2, 2, 3, 3, 3, 9], 1, torch.zeros(7, 4))])
     assert draft_vocabulary(corpus.samples, 2, 96).tolist() == [2, 3]  # token 1 is before scored_from
     assert draft_vocabulary(corpus.samples, 5, 96).tolist() == [0, 1, 2, 3, 9]  # topped up with unused ids
+    tied = [data_module.Sample([5, 4, 4, 5, 7], 0, torch.zeros(5, 4))]
+    assert draft_vocabulary(tied, 1, 96).tolist() == [4]  # a tie in frequency: the smaller id first
 
 
 def test_held_aside_conversations_are_not_trained_on():
@@ -163,6 +165,25 @@ def test_benchmark_questions_are_dropped_and_checked(monkeypatch):
     corpus.samples.append(data_module.Sample([1], 0, torch.zeros(1, 4), question))
     with pytest.raises(AssertionError, match="overlap the benchmark"):
         check_excluded(corpus, exclusion)
+
+
+def test_every_eight_word_run_of_a_question_is_excluded_the_last_one_too():
+    """A query that quotes any 8 consecutive words of a benchmark question overlaps it, the question's
+    last 8 words included; 7 of them do not."""
+    words = "one two three four five six seven eight nine ten".split()
+    exclusion = Exclusion([" ".join(words)])
+    assert exclusion.overlaps(" ".join(words[2:]))  # the last run
+    assert exclusion.overlaps("so " + " ".join(words[:8]) + " then")  # the first, inside a longer query
+    assert not exclusion.overlaps(" ".join(words[3:]))  # seven words
+
+
+def test_queries_of_fewer_than_three_words_are_dropped(monkeypatch):
+    """A query needs three words to be one; three are enough."""
+    queries = iter([["just two", "now three words", "one"]] + [[]] * 1000)
+    monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: next(queries))
+    model = tiny()
+    corpus = self_distil(model.backend, model.tokenizer, 10_000, max_new_tokens=4, rows=4, exclusion=Exclusion([]))
+    assert [s.query for s in corpus.samples] == ["now three words"]
 
 
 def test_a_model_that_drafts_no_query_stops_soon_in_one_line_and_caches_no_data(monkeypatch, tmp_path):
@@ -282,6 +303,46 @@ def test_damaged_and_wrong_drafter_files_are_one_line(drafter_files, tmp_path):
             warnings.simplefilter("error")  # one line: no torch warning before it
             with pytest.raises(InvalidModel, match=problem):
                 store.load(backend, "eagle", broken)
+
+
+def test_a_drafter_whose_token_ids_reach_past_the_targets_vocabulary_is_refused(drafter_files, tmp_path):
+    """Draft token ids index the target's vocabulary: vocab_size - 1 is the last there is, vocab_size is not."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    backend = tiny().backend
+    with safe_open(str(drafter_files["eagle", "exact"]), framework="pt") as handle:
+        meta, tensors = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
+    crafted_path = tmp_path / "crafted.safetensors"
+    for last, fits in ((backend.info.vocab_size - 1, True), (backend.info.vocab_size, False)):
+        vocab = tensors["head.vocab"].clone()
+        vocab[-1] = last
+        crafted = {**tensors, "head.vocab": vocab}
+        save_file(crafted, str(crafted_path), metadata={**meta, "digest": store.tensors_digest(crafted)})
+        if fits:
+            assert store.build(crafted_path, "eagle", backend) is not None
+        else:
+            with pytest.raises(InvalidParameter, match="does not fit"):
+                store.build(crafted_path, "eagle", backend)
+
+
+def test_the_target_fingerprint_covers_every_weights_file(tmp_path):
+    """A model in several weight files (shards) is another model when any one of them differs."""
+    import types
+
+    files = {}
+    for name, body in (("a", b"first shard"), ("b", b"second shard"), ("c", b"another second shard")):
+        files[name] = tmp_path / f"{name}.safetensors"
+        files[name].write_bytes(body)
+
+    def fingerprint(*names: str) -> str:
+        backend = types.SimpleNamespace(weights_files=[str(files[n]) for n in names],
+                                        memory=lambda key, compute: compute())
+        return store.target_fingerprint(backend)
+
+    assert fingerprint("a", "b") == fingerprint("a", "b")
+    assert fingerprint("a", "b") != fingerprint("a", "c")
+    assert fingerprint("a", "b") != fingerprint("b", "a")  # the files in order
 
 
 def test_without_a_drafter_the_message_says_how_to_train_one(monkeypatch, tmp_path):
@@ -487,7 +548,8 @@ class StubEagle(torch.nn.Module):
 
 
 @pytest.mark.parametrize("top_k, depth, budget, prompt", [(3, 4, 7, [5, 6, 7, 8]), (2, 6, 4, [5, 6, 7, 8]),
-                                                         (3, 6, 5, [9, 3, 9, 3]), (4, 5, 9, [1, 2])])
+                                                         (3, 6, 5, [9, 3, 9, 3]), (4, 5, 9, [1, 2]),
+                                                         (2, 3, 30, [5, 6, 7, 8])])  # a budget above every node drafted
 def test_eagle_trees_are_eagle2s_most_confident_paths(monkeypatch, top_k, depth, budget, prompt):
     """EAGLE-2's tree: each level expands the top_k most confident newest nodes into their top_k
     tokens; the tree kept is the ``budget`` most confident nodes. Checked against a reference written
@@ -536,7 +598,7 @@ def test_eagle_trees_are_eagle2s_most_confident_paths(monkeypatch, top_k, depth,
         return tuple(reversed(out))
 
     assert {path_of(i) for i in range(len(tree))} == kept
-    assert len(tree) == budget
+    assert len(tree) == min(budget, len(every))
 
 
 def test_eagle_stops_growing_once_no_deeper_node_could_be_kept(monkeypatch):
@@ -569,6 +631,16 @@ def test_eagle_stops_growing_once_no_deeper_node_could_be_kept(monkeypatch):
     monkeypatch.setattr(eagle, "_can_enter", lambda scores, best, budget: True)
     assert trees() == pruned
     assert pruned_forwards < len(forwards) == 4 * (1 + 3)  # a prompt's last pair, then every level down to the budget
+
+
+def test_eagle_drafts_no_level_once_budget_nodes_are_as_confident_as_its_best():
+    """A deeper node is at most as confident as the level's best and loses ties to the nodes before it
+    (a stable sort): once ``budget`` nodes reach that confidence, it could not be kept."""
+    from decodekit.speculative.drafters.eagle import _can_enter
+
+    assert not _can_enter([0.5, 0.4, 0.3], 0.3, 3)  # exactly budget nodes at least as confident: stop
+    assert _can_enter([0.5, 0.4, 0.2], 0.3, 3)  # only two reach it
+    assert _can_enter([0.5, 0.4], 0.1, 3)  # fewer nodes than the budget
 
 
 def test_eagle_grows_a_level_whose_best_confidence_is_exactly_the_minimum(monkeypatch):
@@ -729,3 +801,30 @@ def test_a_damaged_drafter_in_the_cache_falls_back_to_the_shipped_one_with_a_lin
     monkeypatch.setattr(store, "SHIPPED", tmp_path / "nothing")  # no fallback: the damage is the error
     with pytest.raises(InvalidModel, match="damaged"):
         store.load(tiny().backend, "medusa")
+
+
+def test_medusa_hangs_head_ks_candidates_below_every_node_of_depth_k():
+    """Head k predicts the token k + 2 positions after the feature: its candidates are the children of
+    the depth-k nodes (depth 0: the root, with head 0's), so the tree is as deep as there are heads."""
+    from decodekit.speculative.drafters.medusa import MedusaDrafter
+
+    heads = 3
+    logits = torch.full((heads, 6), -5.0)
+    for k in range(heads):
+        logits[k, 2 * k], logits[k, 2 * k + 1] = 2.0, 1.0  # head k proposes draft indices 2k and 2k + 1
+
+    class Net:
+        head = argparse.Namespace(vocab=torch.tensor([10, 11, 12, 13, 14, 15]))
+
+        def __call__(self, feature):
+            return logits
+
+    drafter = MedusaDrafter(candidates=2)
+    drafter.net = Net()
+    drafter.last_feature = lambda state: torch.zeros(4)
+    tree = drafter.draft(None, budget=100)
+    assert len(tree) == 2 + 4 + 8 and tree.depth() == heads
+    depth = []
+    for parent in tree.parents:
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+    assert all(token in (10 + 2 * d, 11 + 2 * d) for token, d in zip(tree.tokens, depth))
