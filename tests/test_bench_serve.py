@@ -289,3 +289,24 @@ def test_unreachable_url_when_fetching_models(tmp_path):
         run(parse("--url", url, "--limit", "1", "--out", str(tmp_path / "out")))
     assert f"{url}/models" in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_timeout_of_exactly_a_day_is_taken():
+    """--timeout is in (0, 86400] seconds: the day itself is allowed, a second more is not."""
+    from decodekit.serve.load import MAX_TIMEOUT_S, check_options
+
+    check_options(parse("--timeout", str(MAX_TIMEOUT_S)))
+    with pytest.raises(InvalidParameter, match="--timeout must be in"):
+        check_options(parse("--timeout", str(MAX_TIMEOUT_S + 1)))
+
+
+def test_a_levels_throughput_counts_only_the_requests_that_succeeded_and_compare_shows_every_sent():
+    """Output tokens/s is the tokens of the requests that succeeded over the wall time (a failed request's
+    partial tokens are not output); --compare's "failed / sent" row counts every request sent."""
+    from decodekit.serve.load import compare_table, summarize
+
+    level = summarize([Outcome(e2e_s=1.0, ttft_s=0.5, tokens=10), Outcome(e2e_s=1.0, tokens=6, error="HTTP 503: full")],
+                      wall_s=2.0, concurrency=2)
+    assert (level["ok"], level["failed"], level["output_tokens"], level["output_tok_s"]) == (1, 1, 10, 5.0)
+    table = compare_table([{"label": "a", "levels": [level]}])
+    assert "| 2 | failed / sent | 1 / 2 |" in table.splitlines()

@@ -26,6 +26,12 @@ def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess
         (["generate", "hi", "--model", "/no/such/model"], "not found"),
         (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
         (["generate", "hi", "--opt", "novalue"], "key=value"),
+        # one value never silently over another; a blank name names no model; --workers only with --ray
+        (["generate", "hi", "--method", "sample", "--temperature", "0.5", "--opt", "temperature=0.7"],
+         "--temperature and --opt temperature=... both set temperature"),
+        (["generate", "hi", "--model", " "], "is empty"),
+        (["bench", "--workers", "2"], "--workers needs --ray"),
+        (["bench", "--workers", "0"], "--workers must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
@@ -103,3 +109,14 @@ def test_a_prompt_on_standard_input_keeps_its_indentation(monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO(" \n\n"))
     with pytest.raises(InvalidParameter, match="empty"):
         read_prompt("-")
+
+
+def test_choice_flag_drops_empty_alternatives():
+    """--choice a,,b is the choices a and b: an empty one (a doubled or trailing comma) would let the
+    model answer nothing at all."""
+    import argparse
+
+    from decodekit.interfaces.cli import constraint_from_args
+
+    args = argparse.Namespace(json_object=False, json_schema=None, regex=None, choice="yes,,no,", grammar=None)
+    assert constraint_from_args(args) == {"choice": ["yes", "no"]}

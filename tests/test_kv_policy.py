@@ -376,6 +376,16 @@ def test_kvdraft_refuses_a_cache_that_keeps_everything_and_other_backends():
         parse_kv_cache("sink:\u0663,window:8")  # a digit of another script
 
 
+def test_kvdraft_takes_a_draft_cache_that_needs_exactly_the_models_context():
+    """Refused only for *more* entries than the context, as --kv-cache is: sink:4,window:75 peaks at
+    4 + 75 + 9 - 1 + 9 = 96 entries (its compaction step is 9), a context of 96 holds it."""
+    assert parse_kv_cache("sink:4,window:75").peak_slots(1) == 96
+    small = Engine(LoadedModel(tiny_llama(seed=0, max_position=96), CharTokenizer(96), "tiny"))
+    plain = small.generate("abc abc abc", max_new_tokens=5, chat=False).tokens
+    got = small.generate("abc abc abc", method="kvdraft", draft_cache="sink:4,window:75", max_new_tokens=5, chat=False)
+    assert got.tokens == plain
+
+
 def test_real_model_streaming_and_kvdraft(real_model):
     """The embedded model: a streaming cache keeps its memory as the text grows, and kvdraft from
     a small window is token-identical to greedy."""

@@ -20,6 +20,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from decodekit.engine import Engine  # noqa: E402
+from decodekit.errors import InvalidParameter  # noqa: E402
 from decodekit.models import CharTokenizer, LoadedModel, kernels  # noqa: E402
 from decodekit.models.tiny import tiny_llama  # noqa: E402
 from decodekit.serve.app import FINISHED, MAX_BODY_BYTES, Outbox, Server, parse_request  # noqa: E402
@@ -986,3 +987,169 @@ def test_when_one_choice_fails_the_others_are_still_counted(served, monkeypatch)
         chat(served, PROMPTS[1], max_tokens=5, n=2, temperature=0, extra_body={"ignore_eos": True})
     after = (metric(served, "decodekit:generation_tokens_total"), metric(served, 'decodekit:request_success_total{finished_reason="length"}'))
     assert (after[0] - before[0], after[1] - before[1]) == (5, 1)
+
+
+def refused(body: dict, chat: bool = False) -> str | None:
+    """The ``param`` of the 400 that parse_request answers ``body`` with (AssertionError if it accepts it)."""
+    from decodekit.serve.app import ApiError
+
+    with pytest.raises(ApiError) as err:
+        parse_request(body, chat=chat)
+    assert err.value.status == 400
+    return err.value.param
+
+
+def test_integer_fields_take_both_ends_of_their_range_and_nothing_past_them():
+    """max_tokens >= 1, n in [1, 16], seed in [0, 2**64), logprobs and top_logprobs in [0, 20]: the
+    ends are values a client may send (as OpenAI takes them); a boolean is not an integer."""
+    from decodekit.samplers.params import SEED_LIMIT
+
+    spec = parse_request({"prompt": "hi", "max_tokens": 1, "n": 1, "seed": 0, "logprobs": 0}, chat=False)
+    assert (spec.max_tokens, spec.n, spec.params["seed"], spec.top_logprobs) == (1, 1, 0, 0)
+    spec = parse_request({"prompt": "hi", "n": 16, "seed": SEED_LIMIT - 1, "logprobs": 20}, chat=False)
+    assert (spec.n, spec.params["seed"], spec.top_logprobs) == (16, SEED_LIMIT - 1, 20)
+    assert parse_request({"prompt": "hi", "max_completion_tokens": 1}, chat=False).max_tokens == 1
+    for field, value in (("max_tokens", 0), ("max_completion_tokens", 0), ("n", 0), ("n", 17), ("seed", -1),
+                         ("seed", SEED_LIMIT), ("logprobs", -1), ("logprobs", 21), ("n", True), ("max_tokens", 2.0)):
+        assert refused({"prompt": "hi", field: value}) == field, (field, value)
+    assert refused({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+                   chat=True) == "top_logprobs"
+
+
+def test_stop_takes_up_to_four_strings():
+    """OpenAI's limit: a string or a list of at most 4."""
+    assert parse_request({"prompt": "hi", "stop": list("abcd")}, chat=False).stop == list("abcd")
+    assert parse_request({"prompt": "hi", "stop": "ab"}, chat=False).stop == ["ab"]
+    assert refused({"prompt": "hi", "stop": list("abcde")}) == "stop"
+
+
+def test_logprob_fields_that_would_be_ignored_are_refused():
+    """top_logprobs without logprobs: true (even 0, as OpenAI answers it), and a completion's logprobs
+    (even 0) with stream: a 400, never a reply without the log-probabilities asked for."""
+    messages = [{"role": "user", "content": "hi"}]
+    assert refused({"messages": messages, "top_logprobs": 0}, chat=True) == "top_logprobs"
+    assert parse_request({"messages": messages, "logprobs": True, "top_logprobs": 0}, chat=True).top_logprobs == 0
+    assert parse_request({"messages": messages, "logprobs": True}, chat=True).top_logprobs == 0
+    assert parse_request({"messages": messages, "logprobs": False}, chat=True).top_logprobs is None
+    assert refused({"prompt": "hi", "logprobs": 0, "stream": True}) == "logprobs"
+
+
+def test_max_tokens_defaults_to_16_for_a_completion_and_to_the_context_for_a_chat():
+    """OpenAI's defaults: a legacy completion's max_tokens is 16; a chat's is the rest of the context
+    (None here, filled in once the prompt is tokenised); max_completion_tokens is the newer name."""
+    assert parse_request({"prompt": "hi"}, chat=False).max_tokens == 16
+    assert parse_request({"prompt": "hi", "max_completion_tokens": 40}, chat=False).max_tokens == 40
+    assert parse_request({"messages": [{"role": "user", "content": "hi"}]}, chat=True).max_tokens is None
+
+
+def test_openai_sampling_defaults_pass_nothing_on_to_the_sampler():
+    """top_p 1 and penalties 0 are OpenAI's defaults, which change nothing: not passed on as options
+    (a greedy method would refuse them as ignored); temperature 0 is greedy decoding, with no seed."""
+    spec = parse_request({"prompt": "hi", "temperature": 0, "top_p": 1, "presence_penalty": 0,
+                          "frequency_penalty": 0.0}, chat=False)
+    assert (spec.method, spec.params) == ("greedy", {})
+    spec = parse_request({"prompt": "hi", "temperature": 0.5, "top_p": 0.9, "presence_penalty": 0.5, "seed": 3}, chat=False)
+    assert (spec.method, spec.params) == ("sample", {"temperature": 0.5, "top_p": 0.9, "presence_penalty": 0.5, "seed": 3})
+
+
+def test_structured_output_fields_are_read_as_their_kinds_one_at_most():
+    """response_format json_object / json_schema and vLLM's guided_* fields; a response_format needs its
+    type (text: no constraint); two constraints at once are refused, never one of them dropped."""
+    schema = {"type": "object"}
+    read = lambda **body: parse_request({"prompt": "hi", **body}, chat=False).constraint  # noqa: E731
+    assert read(response_format={"type": "json_object"}) == {"json": None}
+    assert read(response_format={"type": "json_schema", "json_schema": {"schema": schema}}) == {"json_schema": schema}
+    assert read(response_format={"type": "text"}) is None
+    assert read(guided_json=schema) == {"json_schema": schema}
+    assert read(guided_regex="a+") == {"regex": "a+"} and read(guided_choice=["a", "b"]) == {"choice": ["a", "b"]}
+    assert refused({"prompt": "hi", "response_format": {}}) == "response_format"
+    assert refused({"prompt": "hi", "response_format": {"type": "json_object"}, "guided_regex": "a+"}) == "response_format"
+
+
+def test_a_completion_takes_one_prompt_and_null_flags_are_false():
+    """One prompt per request (a list of two is refused, not cut to the first); an empty list of token
+    ids is no prompt; best_of must be the integer 1 (true is not); a flag set to null is not given."""
+    assert parse_request({"prompt": ["hi"]}, chat=False).prompt == "hi"
+    assert parse_request({"prompt": [[1, 2]]}, chat=False).prompt == [1, 2]
+    for prompt in (["a", "b"], [], [[1], [2]]):
+        assert refused({"prompt": prompt}) == "prompt", prompt
+    assert refused({"prompt": "hi", "best_of": True}) == "best_of"
+    spec = parse_request({"prompt": "hi", "stream": None, "ignore_eos": None}, chat=False)
+    assert spec.stream is False and spec.ignore_eos is False
+
+
+def test_an_error_about_a_chats_prompt_names_its_messages():
+    """A chat has no prompt field: the error object's param is the field the client sent."""
+    from decodekit.serve.app import field_named
+
+    err = InvalidParameter("the prompt is empty", param="prompt")
+    assert field_named(err, {"messages": []}, chat=True) == "messages"
+    assert field_named(err, {"prompt": ""}, chat=False) == "prompt"
+
+
+def test_a_body_of_exactly_the_limit_is_read():
+    """The limit is the largest body read (a 413 past it, not at it)."""
+    import asyncio
+
+    from decodekit.serve.app import ApiError, read_body
+
+    class Declared:
+        def __init__(self, size):
+            self.headers = {"content-length": str(size)}
+
+        async def stream(self):
+            yield b"{}"
+
+    assert asyncio.run(read_body(Declared(MAX_BODY_BYTES))) == {}
+    with pytest.raises(ApiError) as err:
+        asyncio.run(read_body(Declared(MAX_BODY_BYTES + 1)))
+    assert err.value.status == 413
+
+
+def test_usage_counts_every_choices_tokens_and_the_prompt_once():
+    """OpenAI's usage for n choices: the prompt once, the completion tokens of all of them, and their sum."""
+    import types
+
+    from decodekit.serve.app import Reply
+
+    outcomes = [types.SimpleNamespace(generation=types.SimpleNamespace(generated=k)) for k in (4, 7)]
+    usage = Reply.usage(types.SimpleNamespace(prompt_ids=[1, 2, 3]), outcomes)
+    assert usage == {"prompt_tokens": 3, "completion_tokens": 11, "total_tokens": 14}
+
+
+def test_stream_chunks_carry_a_null_usage_when_usage_is_asked_for():
+    """With stream_options.include_usage every chunk has "usage": null and only the last one a usage, as OpenAI sends them."""
+    import types
+
+    from decodekit.serve.app import Reply
+
+    for include_usage in (True, False):
+        reply = types.SimpleNamespace(chat=True, spec=types.SimpleNamespace(include_usage=include_usage),
+                                      _envelope=lambda chunk=False: {"object": "chat.completion.chunk"})
+        body = json.loads(Reply._chunk(reply, 0, "hi", None).removeprefix("data: "))
+        assert ("usage" in body) == include_usage and body.get("usage") is None
+        assert body["choices"] == [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None, "logprobs": None}]
+
+
+def test_metrics_time_per_output_token_is_over_the_tokens_after_the_first():
+    """vLLM's TPOT: (latency - time to first token) / (tokens - 1), none for a one-token answer; the
+    speculative counters take the drafted and the accepted tokens each."""
+    import types
+
+    from decodekit.serve.metrics import ServerMetrics
+
+    scheduler = types.SimpleNamespace(running=0, waiting=0, prefix_tokens=0, batcher=types.SimpleNamespace(passes=0, rows=0))
+    metrics = ServerMetrics(scheduler)
+
+    def generation(n, extra):
+        return types.SimpleNamespace(generated=n, tokens=list(range(n)), finish_reason="length",
+                                     stats=types.SimpleNamespace(extra=extra))
+
+    metrics.finished(prompt_tokens=3, generation=generation(5, {"drafted": 6, "accepted": 4}), queued_s=0.0, ttft_s=1.0, e2e_s=3.0)
+    metrics.finished(prompt_tokens=3, generation=generation(1, {}), queued_s=0.0, ttft_s=1.0, e2e_s=1.5)
+    value = metrics.registry.get_sample_value
+    assert value("decodekit:time_per_output_token_seconds_count") == 1
+    assert value("decodekit:time_per_output_token_seconds_sum") == pytest.approx((3.0 - 1.0) / 4)
+    assert value("decodekit:time_to_first_token_seconds_count") == 2
+    assert (value("decodekit:spec_decode_num_draft_tokens_total"), value("decodekit:spec_decode_num_accepted_tokens_total")) == (6, 4)
+    assert value("decodekit:generation_tokens_total") == 6 and value("decodekit:prompt_tokens_total") == 6

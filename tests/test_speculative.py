@@ -213,6 +213,37 @@ def test_best_first_growth_adds_nodes_in_score_order():
     assert tree.tokens == [1, 3, 2] and tree.parents == [-1, 0, -1]
 
 
+def test_best_first_growth_multiplies_relative_scores_and_stops_at_max_depth():
+    table = {0: [(1, 0.9, 1), (2, 0.5, 2)], 1: [(3, 0.4, 3)], 2: [(4, 0.9, 4)], 3: [(5, 1.0, 5)], 4: [], 5: []}
+    tree = DraftTree()
+    grow_best_first(tree, table[0], lambda s: table[s], budget=10, max_depth=4, source="t")
+    # scores: 1 -> 0.9, 2 -> 0.5, 4 -> 0.45, 3 -> 0.36, 5 -> 0.36 (a child after its parent on a tie)
+    assert tree.tokens == [1, 2, 4, 3, 5] and tree.parents == [-1, -1, 1, 0, 3]
+    shallow = DraftTree()
+    grow_best_first(shallow, table[0], lambda s: table[s], budget=10, max_depth=1, source="t")
+    assert shallow.tokens == [1, 2] and shallow.depth() == 1
+
+
+def test_a_trees_depth_is_its_number_of_levels():
+    assert DraftTree().depth() == 0
+    assert DraftTree([1, 2], [-1, -1]).depth() == 1  # siblings below the root: one level
+    assert DraftTree.chain([1, 2, 3]).depth() == 3
+    assert DraftTree([1, 2, 3, 4], [-1, 0, -1, 2]).depth() == 2
+
+
+def test_the_path_verifier_follows_the_first_of_duplicate_siblings():
+    """Of two siblings with the same token the first proposed is followed, as ``child_with_token`` finds it."""
+    from decodekit.speculative.verify import GreedyVerifier
+
+    tree = DraftTree([3, 4, 3], [-1, 0, -1])  # node 2 repeats node 0's token, with no subtree
+    logits = torch.full((4, 8), -1.0)
+    for row, token in enumerate([3, 4, 5, 4]):  # rows 1 and 3 follow the same tokens: the same choice
+        logits[row, token] = 1.0
+    state = DecodeState(None, Sampler(greedy=True), [1], GenerationStats())
+    verdict = GreedyVerifier().verify(state, tree, logits)
+    assert verdict.path == [0, 1] and verdict.bonus == 5
+
+
 # Drafters -----------------------------------------------------------------------------------------
 
 
@@ -239,6 +270,27 @@ def test_prompt_lookup_indexes_new_tokens_incrementally():
     assert len(drafter.draft(state, 4)) == 0
     state.tokens.extend([1, 2])
     assert drafter.draft(state, 4).tokens == [3, 4, 1, 2]
+
+
+def test_prompt_lookup_matches_the_contexts_first_token_too():
+    """Every position is indexed, the first included: its one-token n-gram matches a later copy."""
+    state = state_for([7, 8, 9, 7])
+    drafter = PromptLookup(max_ngram=3)
+    drafter.begin(state)
+    assert drafter.draft(state, 3).tokens == [8, 9, 7]
+    state = state_for([7, 8, 1, 7, 8])
+    drafter.begin(state)
+    tree = drafter.draft(state, 2)
+    assert tree.tokens == [1, 7] and tree.source == ["pld:2"] * 2  # the two-token n-gram at positions 0-1
+
+
+def test_prompt_lookup_with_several_matches_stays_within_the_budget():
+    state = state_for([5, 1, 2, 3, 5, 4, 6, 7, 5])
+    drafter = PromptLookup(max_ngram=1, matches=2)
+    drafter.begin(state)
+    tree = drafter.draft(state, 5)
+    assert tree.tokens == [4, 6, 7, 5, 1] and tree.parents == [-1, 0, 1, 2, -1]  # the second match gets what is left
+    assert [len(drafter.draft(state, b)) for b in range(1, 9)] == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def brute_count(text: list[int], pattern: list[int]) -> int:

@@ -147,6 +147,25 @@ def test_confidence_threshold_stops_drafting():
             assert backend.length == 5
 
 
+def test_a_draft_token_exactly_as_confident_as_the_threshold_is_kept():
+    """The stop is before a token whose top-1 probability is *below* ``confidence`` (SWIFT's rule)."""
+    from decodekit.speculative.drafters.base import ChainDrafter
+
+    class Even(ChainDrafter):  # two equally likely tokens at every step: top-1 probability exactly 0.5
+        name = "even"
+        logits = torch.tensor([0.0, 0.0] + [-float("inf")] * 30)
+
+        def _start(self, state, budget):
+            return self.logits, budget
+
+        def _advance(self, token):
+            return self.logits
+
+    state = DecodeState(tiny_llama(vocab_size=32), Sampler(greedy=True), [1, 2, 3], GenerationStats())
+    assert len(Even(max_draft=None, confidence=0.5, stochastic=False).draft(state, 4)) == 4
+    assert len(Even(max_draft=None, confidence=0.51, stochastic=False).draft(state, 4)) == 0
+
+
 def test_draft_model_keeps_its_cache_in_sync_and_catches_up_in_one_pass():
     target = tiny_llama(seed=4, num_layers=2, scale=2.0)
     draft = tiny_llama(seed=5, num_layers=2, scale=2.0)

@@ -186,6 +186,22 @@ def test_queries_of_fewer_than_three_words_are_dropped(monkeypatch):
     assert [s.query for s in corpus.samples] == ["now three words"]
 
 
+def test_every_fourth_answer_is_sampled_and_the_others_are_greedy(monkeypatch):
+    """``sampled_every=4``: answers 3, 7, ... (0-based) are sampled at temperature 1, the rest greedy."""
+    queries = iter([[f"fresh question number {i}" for i in range(8)]] + [[]] * 1000)
+    monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: next(queries))
+    jobs = []
+
+    def answered(backend, tokenizer, given, max_new_tokens, concurrency):
+        jobs.extend(given)
+        return [data_module.Sample([1, 2], 0, torch.zeros(2, 4), query) for query, _, _ in given]
+
+    monkeypatch.setattr(data_module, "answer_all", answered)
+    model = tiny()
+    self_distil(model.backend, model.tokenizer, 10_000, rows=8, sampled_every=4, exclusion=Exclusion([]))
+    assert [temperature for _, temperature, _ in jobs] == [0.0, 0.0, 0.0, 1.0] * 2
+
+
 def test_a_model_that_drafts_no_query_stops_soon_in_one_line_and_caches_no_data(monkeypatch, tmp_path):
     """A pretrained model with no chat template never ends a Magpie query: self-distillation
     stops after a few barren rounds (it spent fifty, minutes on a real model) and says why, and no
@@ -775,6 +791,92 @@ def test_medusa_loss_is_the_same_with_a_samples_padding():
                               torch.cat([targets, torch.zeros(1, 5, dtype=torch.long)], dim=1),
                               torch.cat([mask, torch.zeros(1, 5, dtype=torch.bool)], dim=1))
     assert padded_loss.item() == pytest.approx(alone.item(), rel=1e-6)
+
+
+def test_a_batch_scores_each_sample_from_its_query_to_its_end():
+    """``padded``: the shared template before ``scored_from`` and a shorter sample's padding are not scored."""
+    from decodekit.speculative.trained.train import padded
+
+    backend = tiny().backend
+    D = backend.info.hidden_size
+    group = [data_module.Sample([5, 6, 7, 8, 9], 2, torch.ones(5, D)),
+             data_module.Sample([5, 6, 7, 8, 9, 10, 11], 3, torch.ones(7, D))]
+    features, embeds, tokens, mask = padded(group, backend, max_len=512)
+    assert mask.tolist() == [[False, False, True, True, True, False, False],
+                             [False, False, False, True, True, True, True]]
+    assert tokens[0].tolist() == [5, 6, 7, 8, 9, 0, 0] and features[0, 5:].abs().sum() == 0
+    assert padded(group, backend, max_len=4)[3].tolist() == [[False, False, True, True], [False, False, False, True]]
+
+
+def small_eagle(seed: int = 0):
+    from decodekit.speculative.trained.networks import EagleConfig, EagleNet
+
+    torch.manual_seed(seed)
+    net = EagleNet(EagleConfig(hidden=8, heads=2, head_dim=4, intermediate=16), torch.arange(5))
+    net.head.attach(torch.randn(5, 8))
+    return net
+
+
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_eagle_loss_is_the_same_with_a_samples_padding(unroll):
+    """Pair j predicts f_{j+1} and is scored where position j + 1 is: padding is scored neither in the
+    regression nor in the cross-entropy (and the prompt's pairs not either)."""
+    net = small_eagle()
+    g = torch.Generator().manual_seed(0)
+    features, embeds = torch.randn(1, 10, 8, generator=g), torch.randn(1, 10, 8, generator=g)
+    mask = torch.ones(1, 10, dtype=torch.bool)
+    mask[0, :3] = False  # the prompt: not scored
+    alone, _ = net.loss(features, embeds, mask, noise=0.0, unroll=unroll)
+    padded_loss, _ = net.loss(torch.cat([features, torch.zeros(1, 4, 8)], dim=1),
+                              torch.cat([embeds, torch.randn(1, 4, 8, generator=g)], dim=1),
+                              torch.cat([mask, torch.zeros(1, 4, dtype=torch.bool)], dim=1), noise=0.0, unroll=unroll)
+    assert padded_loss.item() == pytest.approx(alone.item(), rel=1e-6)
+
+
+def test_eagle_loss_scores_pair_j_where_its_target_feature_is():
+    """The loss of pair j (f_j, e_{j+1}) is weighted by the mask at j + 1, the position of the feature it
+    predicts: with every position scored but the last, a changed last feature changes nothing, and a
+    mask of one scored position gives that one pair's smooth-L1 plus 0.1 times its cross-entropy."""
+    net = small_eagle()
+    g = torch.Generator().manual_seed(1)
+    features, embeds = torch.randn(1, 6, 8, generator=g), torch.randn(1, 6, 8, generator=g)
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    mask[0, -1] = False
+    changed = features.clone()
+    changed[0, -1] += 5.0
+    assert net.loss(changed, embeds, mask, noise=0.0)[0].item() == pytest.approx(
+        net.loss(features, embeds, mask, noise=0.0)[0].item(), rel=1e-6)
+    one = torch.zeros(1, 6, dtype=torch.bool)
+    one[0, 4] = True  # the feature predicted by pair 3
+    with torch.no_grad():
+        predicted, _ = net(features[:, :-1], embeds[:, 1:], torch.arange(5), torch.ones(5, 5, dtype=torch.bool).tril())
+        guess, target = predicted[0, 3], features[0, 4]
+        diff = (guess - target).abs()
+        regression = torch.where(diff < 1, 0.5 * diff**2, diff - 0.5).mean()
+        p = torch.softmax(net.head.rows @ target, -1)
+        cross_entropy = -(p * torch.log_softmax(net.head.rows @ guess, -1)).sum()
+        loss, figures = net.loss(features, embeds, one, noise=0.0)
+    assert figures["regression"] == pytest.approx(regression.item(), rel=1e-5)
+    assert loss.item() == pytest.approx((regression + 0.1 * cross_entropy).item(), rel=1e-5)
+
+
+def test_medusa_loss_weighs_head_k_by_the_decay_to_the_k():
+    """Medusa-1's loss: the sum over heads of ``decay ** k`` times head k's cross-entropy against the
+    token k + 2 ahead; head 0 has weight 1. Untrained heads are the target's head on the feature."""
+    from decodekit.speculative.trained.networks import MedusaConfig, MedusaNet
+
+    net = MedusaNet(MedusaConfig(hidden=4, heads=2), torch.arange(3))
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(3, 4, generator=g)
+    net.head.attach(rows)
+    features = torch.randn(1, 5, 4, generator=g)
+    targets = torch.tensor([[0, 1, 2, 1, 0]])
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    log_q = torch.log_softmax(features[0] @ rows.T, -1)  # [5, 3]: every head's, untrained
+    head0 = -sum(log_q[j, targets[0, j + 2]] for j in range(3)) / 3
+    head1 = -sum(log_q[j, targets[0, j + 3]] for j in range(2)) / 2
+    with torch.no_grad():
+        assert net.loss(features, targets, mask, decay=0.5)[0].item() == pytest.approx((head0 + 0.5 * head1).item(), rel=1e-5)
 
 
 def test_a_damaged_drafter_in_the_cache_falls_back_to_the_shipped_one_with_a_line(drafter_files, monkeypatch,
