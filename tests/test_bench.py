@@ -417,6 +417,19 @@ def test_only_what_decodes_greedily_is_held_to_the_greedy_reference(tiny: Loaded
         assert hf.token_exact is exact
 
 
+def test_only_the_hf_pld_baseline_looks_up_the_prompt_and_both_are_token_exact_only_in_exact(tiny: LoadedModel, hf_tiny):
+    """``hf`` is plain ``generate()``, ``hf-pld`` the same with prompt lookup (10 tokens); both decode
+    in transformers' float32, so their tokens are held one to one against ``exact`` greedy only."""
+    for numerics, exact in (("exact", True), ("fast", False)):
+        built, notes = build_baselines(["hf", "hf-pld"], tiny, model=None, dtype="float32", threads=1,
+                                       hf_model=hf_tiny, numerics=numerics)
+        assert [b.name for b in built] == ["hf", "hf-pld"] and notes == []
+        plain, pld = built
+        assert plain.prompt_lookup is None and "prompt_lookup_num_tokens" not in plain.generate_kwargs(8)
+        assert pld.prompt_lookup == 10 and pld.generate_kwargs(8)["prompt_lookup_num_tokens"] == 10
+        assert plain.token_exact is exact and pld.token_exact is exact
+
+
 def test_hf_prompt_lookup_baseline_is_greedy(tiny: LoadedModel, hf_tiny):
     model = hf_tiny
     plain = HFGenerate(model, tiny.tokenizer.eos_token_ids, tiny.tokenizer.decode)

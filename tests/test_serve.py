@@ -1117,6 +1117,28 @@ def test_usage_counts_every_choices_tokens_and_the_prompt_once():
     assert usage == {"prompt_tokens": 3, "completion_tokens": 11, "total_tokens": 14}
 
 
+def test_a_cancelled_choice_finishes_with_stop_not_length():
+    """OpenAI has no "cancelled" finish reason: a choice ended before its max_tokens reports "stop"
+    ("length" would say it ran out of tokens), as "eos" and a stop string do; "length" stays "length"."""
+    import types
+
+    from decodekit.engine.core import Generation, GenerationStats
+    from decodekit.serve.app import Reply
+    from decodekit.serve.scheduler import Job, Outcome
+
+    reply = Reply.__new__(Reply)  # just what a whole reply reads: no server running
+    reply.server = types.SimpleNamespace(metrics=None, model_id="tiny", numerics="exact")
+    reply.chat, reply.spec, reply.prompt_ids, reply.started = False, types.SimpleNamespace(method="greedy"), [1, 2], 0.0
+    reply.id, reply.created, reply.tokenizer = "cmpl-test", 0, None
+    reasons = ("cancelled", "eos", "stop", "length")
+    outcomes = [Outcome(Generation.cancelled(), None, 0.0)]
+    outcomes += [Outcome(Generation("ab", [3, 4], GenerationStats(), reason), None, 0.0) for reason in reasons[1:]]
+    jobs = [Job([1, 2], "greedy", {}, 8) for _ in outcomes]
+    body = Reply.whole(reply, outcomes, jobs)
+    assert [c["finish_reason"] for c in body["choices"]] == ["stop", "stop", "stop", "length"]
+    assert body["choices"][0]["text"] == "" and body["usage"]["completion_tokens"] == 6
+
+
 def test_stream_chunks_carry_a_null_usage_when_usage_is_asked_for():
     """With stream_options.include_usage every chunk has "usage": null and only the last one a usage, as OpenAI sends them."""
     import types
