@@ -4,6 +4,7 @@ invariance (a request's tokens are the same alone and among concurrent requests)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -442,21 +443,37 @@ def test_a_client_that_goes_away_frees_its_slot(served):
     assert cancelled_count(served) == before + 2
 
 
+@contextlib.contextmanager
+def scheduler_of(**limits):
+    """A scheduler (no HTTP) over the tiny model, closed at the end: (model, scheduler)."""
+    from decodekit.serve.scheduler import Scheduler
+
+    model = tiny_model()
+    scheduler = Scheduler(model, **limits)
+    try:
+        yield model, scheduler
+    finally:
+        scheduler.close()
+
+
+def started(scheduler, deadline_s: float = 30) -> None:
+    """Until a submitted choice runs (the pool's thread takes it a moment later)."""
+    deadline = time.time() + deadline_s
+    while scheduler.running == 0 and time.time() < deadline:
+        time.sleep(0.005)
+
+
 def test_a_request_cancelled_while_it_waits_gives_its_queue_place_back_at_once(alone):
     """A waiting choice whose client left frees its queue place then, not when a slot frees: the
     next client is admitted (it got a 503), and the cancelled choice never takes a slot."""
-    from decodekit.serve.scheduler import Job, Overloaded, Scheduler
+    from decodekit.serve.scheduler import Job, Overloaded
 
-    model = tiny_model()
-    scheduler = Scheduler(model, max_batch=1, max_queue=1)
-    try:
+    with scheduler_of(max_batch=1, max_queue=1) as (model, scheduler):
         prompt = model.tokenizer.encode(PROMPTS[0])
         long, waiting, later = (Job(prompt, "greedy", {}, 1900, ignore_eos=True), Job(prompt, "greedy", {}, 4),
                                 Job(prompt, "greedy", {}, 6))
         (running,) = scheduler.submit([long])
-        deadline = time.time() + 30
-        while scheduler.running == 0 and time.time() < deadline:  # the pool's thread takes it a moment later
-            time.sleep(0.005)
+        started(scheduler)
         (queued,) = scheduler.submit([waiting])
         with pytest.raises(Overloaded):
             scheduler.submit([later])
@@ -470,59 +487,45 @@ def test_a_request_cancelled_while_it_waits_gives_its_queue_place_back_at_once(a
         assert waiting.started is None and not queued.result().generation.tokens  # it never took a slot
         assert admitted.result(timeout=60).generation.tokens == alone(prompt, max_new_tokens=6).tokens
         assert (scheduler.running, scheduler.waiting) == (0, 0)
-    finally:
-        scheduler.close()
 
 
 def test_a_request_whose_choices_fill_every_slot_and_queue_place_is_admitted(alone):
     """Choices beyond running + waiting can never fit (refused); exactly that many fit an idle server."""
     from decodekit.errors import InvalidParameter
-    from decodekit.serve.scheduler import Job, Scheduler
+    from decodekit.serve.scheduler import Job
 
-    model = tiny_model()
-    scheduler = Scheduler(model, max_batch=1, max_queue=1)
-    try:
+    with scheduler_of(max_batch=1, max_queue=1) as (model, scheduler):
         prompt = model.tokenizer.encode(PROMPTS[0])
         with pytest.raises(InvalidParameter, match="n=3 choices exceed"):
             scheduler.submit([Job(prompt, "greedy", {}, 4) for _ in range(3)])
         futures = scheduler.submit([Job(prompt, "greedy", {}, 4) for _ in range(2)])  # one runs, one waits
         want = alone(prompt, max_new_tokens=4).tokens
         assert [f.result(timeout=60).generation.tokens for f in futures] == [want, want]
-    finally:
-        scheduler.close()
 
 
 def test_waiting_choices_start_oldest_first(alone):
     """The queue is first come, first served: when the slot frees, the choice that waited longest starts."""
-    from decodekit.serve.scheduler import Job, Scheduler
+    from decodekit.serve.scheduler import Job
 
-    model = tiny_model()
-    scheduler = Scheduler(model, max_batch=1, max_queue=2)
-    try:
+    with scheduler_of(max_batch=1, max_queue=2) as (model, scheduler):
         prompt = model.tokenizer.encode(PROMPTS[0])
         long = Job(prompt, "greedy", {}, 1900, ignore_eos=True)
         (running,) = scheduler.submit([long])
-        deadline = time.time() + 30
-        while scheduler.running == 0 and time.time() < deadline:
-            time.sleep(0.005)
+        started(scheduler)
         older, newer = Job(prompt, "greedy", {}, 4), Job(prompt, "greedy", {}, 4)
         futures = scheduler.submit([older]) + scheduler.submit([newer])
         scheduler.cancel([long])
         for future in futures:
             future.result(timeout=60)
         assert older.started < newer.started
-    finally:
-        scheduler.close()
 
 
 def test_a_prompt_goes_to_the_idle_slot_whose_cache_shares_most_of_it(alone):
     """Of two idle slots, the one that last read this prompt's start takes it (not the one freed last,
     whose cache the other conversation's next turn would then miss)."""
-    from decodekit.serve.scheduler import Job, Scheduler
+    from decodekit.serve.scheduler import Job
 
-    model = tiny_model()
-    scheduler = Scheduler(model, max_batch=2, max_queue=0)
-    try:
+    with scheduler_of(max_batch=2, max_queue=0) as (model, scheduler):
         first, other = (model.tokenizer.encode(p) for p in ("tell me about cats and dogs", "a different prompt"))
         # both run at once; the first ends long before the other, whose slot is freed last
         done = scheduler.submit([Job(first, "greedy", {}, 2), Job(other, "greedy", {}, 40, ignore_eos=True)])
@@ -534,18 +537,14 @@ def test_a_prompt_goes_to_the_idle_slot_whose_cache_shares_most_of_it(alone):
             (again,) = scheduler.submit([Job(follow, "greedy", {}, 4)])
             assert again.result(timeout=60).generation.tokens == alone(follow, max_new_tokens=4).tokens
             assert scheduler.prefix_tokens - before >= len(prompt)
-    finally:
-        scheduler.close()
 
 
 def test_the_prefix_counter_sums_the_tokens_every_request_took_from_a_slot():
     """``prefix_tokens`` (the metric decodekit:prefix_cache_hit_tokens_total) is a running total:
     each request adds the prefix it took from its slot's cache, whatever earlier ones took."""
-    from decodekit.serve.scheduler import Job, Scheduler
+    from decodekit.serve.scheduler import Job
 
-    model = tiny_model()
-    scheduler = Scheduler(model, max_batch=1, max_queue=1)
-    try:
+    with scheduler_of(max_batch=1, max_queue=1) as (model, scheduler):
         slot = scheduler._free[0].model.backend
         prompt, taken = model.tokenizer.encode(PROMPTS[3]), []
         for _ in range(3):  # a chat's turns: each prompt starts with the last one and its answer
@@ -554,8 +553,6 @@ def test_the_prefix_counter_sums_the_tokens_every_request_took_from_a_slot():
             prompt = prompt + future.result(timeout=60).generation.tokens + model.tokenizer.encode(" and?")
         assert taken[0] == 0 and taken[1] > 0 and taken[2] > taken[1]
         assert scheduler.prefix_tokens == sum(taken)
-    finally:
-        scheduler.close()
 
 
 def test_a_damaged_model_found_while_decoding_is_the_servers_fault_not_the_request():
