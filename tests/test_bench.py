@@ -634,6 +634,9 @@ def test_build_results_keeps_records_and_notes(tiny: LoadedModel, qfile: Path):
     results = build_results(run, command="decodekit bench", config={"reference": "greedy"}, machine={}, notes=["n1"])
     assert results["schema"] == "decodekit-bench/1" and results["notes"][0] == "n1"
     assert len(results["records"]) == len(run.records)
+    # a note the run makes again (a resumed run's warm-up) beside the one its checkpoint kept: said once
+    run.notes.append("n1")
+    assert build_results(run, command="", config={}, machine={}, notes=["n1"])["notes"].count("n1") == 1
 
 
 @pytest.mark.real_model
@@ -838,3 +841,16 @@ def test_a_question_file_with_a_repeated_id_is_refused(tmp_path: Path):
     path.write_text('{"question_id": 1, "category": "qa", "turns": ["a"]}\n{"question_id": 1, "category": "rag", "turns": ["b"]}\n')
     with pytest.raises(InvalidParameter, match="question_id 1 appears twice"):
         load_questions(path)
+
+
+def test_a_decodekit_contestant_reads_its_whole_prompt_as_the_baselines_do(monkeypatch):
+    """The engine keeps its cache for a next prompt that extends the last (a chat's next turn); in the
+    bench every contestant reads each prompt whole, or decodekit's prefill would be timed on less."""
+    backend = tiny_llama(seed=0, hidden_size=64, gguf_blocks=True)  # row-independent kernels: prefixes are reused
+    contestant = MethodContestant(Engine(LoadedModel(backend, CharTokenizer(), "tiny")), "greedy")
+    first = contestant.run([5, 6, 7, 8], 6)
+    taken = []
+    shared_prefix = backend.shared_prefix
+    monkeypatch.setattr(backend, "shared_prefix", lambda ids: taken.append(shared_prefix(ids)) or taken[-1])
+    contestant.run([5, 6, 7, 8, *first.tokens, 9, 10], 6)  # the next turn of the same conversation
+    assert taken and set(taken) == {0}

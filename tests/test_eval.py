@@ -65,7 +65,8 @@ def test_capitals_task_matching():
 @pytest.mark.parametrize("subject, gold, right, wrong", [
     ("Singapore", "Singapore", ["Singapore", "Singapore City.", "The capital of Singapore is Singapore."],
      ["Singapore does not have a capital.", "Singapore? I don't know."]),
-    ("Luxembourg", "Luxembourg", ["Luxembourg City", "Luxembourg's capital is Luxembourg."],
+    ("Luxembourg", "Luxembourg", ["Luxembourg City", "Luxembourg's capital is Luxembourg.",
+                                  "Luxembourg City is the capital of Luxembourg.", "The capital is Luxembourg City."],
      ["Luxembourg's capital is Brussels.", "Luxembourg has Brussels as its capital"]),
     ("Guinea-Bissau", "Bissau", ["Bissau", "Guinea-Bissau's capital is Bissau.", "Bissau, Guinea-Bissau"],
      ["Guinea-Bissau", "Guinea-Bissau is a country"]),

@@ -437,6 +437,10 @@ def test_cot_takes_a_tasks_answer_extractor_and_answer_start():
     assert [p["delta"] for p in whole.extra["candidates"]] != [p["delta"] for p in g.extra["candidates"]]
     with pytest.raises(InvalidParameter, match="answer_start"):
         build_decoder("cot", n=3, answer_start=lambda text: -1).generate(model, req())
+    # a built-in extractor given as a function (gsm8k's extract_number) is its mode: Δ over the last number
+    from decodekit.search.answers import extract_number
+    as_function = build_decoder("cot", n=3, answer=extract_number, answer_start=lambda text: 0).generate(model, req())
+    assert [p["delta"] for p in as_function.extra["candidates"]] == [p["delta"] for p in by_number.extra["candidates"]]
 
 
 # Step-level search ---------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def test_answer_extraction_modes():
     # commas only between groups of three digits; a sign before a dollar sign; no number cut out of a
     # longer run of digits and dots
     cases = {"1,2,3": "3", "1,000,000 apples": "1000000", "a loss of -$5": "-5", "$-5": "-5", "it is $3.50.": "3.5",
-             "version 1.5.2": "1.5", "10,000.00": "10000", "12,34": "34"}
+             "version 1.5.2": "1.5", "10,000.00": "10000", "12,34": "34", "so...42": "42"}
     assert {text: extract_number(text) for text in cases} == cases
     assert answer_start("it is $3.50.", "number") == len("it is $")
     assert extract_line("\n  Bogotá, Colombia!\nmore") == "bogota colombia"

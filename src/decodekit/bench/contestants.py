@@ -94,6 +94,9 @@ class MethodContestant(Contestant):
             prepare(self.engine.model.backend)
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
+        # every contestant reads its whole prompt, as the baselines do (llama.cpp's is reset, HF's
+        # cache is new): not a prefix the engine kept from the last question or turn
+        self.engine.model.backend.kept_ids = None
         g = self.engine.generate(list(prompt_ids), method=self.method, max_new_tokens=max_new_tokens, **self.options)
         accepted = g.stats.extra.get("mean_accepted")
         return RunResult(

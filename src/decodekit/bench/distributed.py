@@ -23,7 +23,8 @@ from typing import Any
 
 from ..cluster import Pool, PoolSettings, connected, parse_address
 from ..models import LoadedModel
-from .execution import Plan, bench_config, build_contestants, finish, merged_notes, save_checkpoint
+from .execution import Plan, bench_config, build_contestants, finish, save_checkpoint
+from .results import merged_notes
 from .runner import BenchRun, BenchSession, Progress, finished_records, freeze_what_exists
 
 ModelRecipe = Callable[[], LoadedModel]  # loads the model inside a worker (a picklable callable)

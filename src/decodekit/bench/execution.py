@@ -9,13 +9,13 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidParameter
 from .questions import Question
+from .results import merged_notes
 from .runner import BenchConfig, is_record, run_bench
 
 REFERENCE = "greedy"
@@ -159,12 +159,6 @@ def build_contestants(plan: Plan, model, *, hf_model=None) -> tuple[list, list[s
     baselines, notes = build_baselines(plan.baselines, model, model=plan.model, dtype=plan.dtype,
                                        threads=torch.get_num_threads(), hf_model=hf_model, numerics=plan.numerics)
     return [*contestants, *baselines], notes
-
-
-def merged_notes(*groups: Iterable[str]) -> list[str]:
-    """The notes of a run, each once, in order: the plan's, the contestants', and a resumed run's
-    from its checkpoint (which holds the first two groups' notes of the run it continues)."""
-    return list(dict.fromkeys(note for group in groups for note in group))
 
 
 def bench_config(plan: Plan) -> BenchConfig:

@@ -239,6 +239,12 @@ def exactness_notes(summary: dict[str, Any]) -> list[str]:
     return notes
 
 
+def merged_notes(*groups: Iterable[str]) -> list[str]:
+    """The notes of a run, each once, in order: the plan's, the contestants', and a resumed run's
+    from its checkpoint (which holds the notes of the run it continues, which this one may make again)."""
+    return list(dict.fromkeys(note for group in groups for note in group))
+
+
 def build_results(run, *, command: str, config: dict[str, Any], machine: dict[str, Any], notes: Sequence[str] = (),
                   machines: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The whole results.json document for a :class:`~decodekit.bench.runner.BenchRun`;
@@ -246,7 +252,7 @@ def build_results(run, *, command: str, config: dict[str, Any], machine: dict[st
     summary = summarize(run.records, run.contestants, run.peak_rss_mb, reference=config.get("reference", "greedy"))
     results = {
         "schema": SCHEMA, "created": datetime.now().isoformat(timespec="seconds"), "command": command,
-        "config": config, "machine": machine, "notes": [*notes, *run.notes, *exactness_notes(summary)],
+        "config": config, "machine": machine, "notes": merged_notes(notes, run.notes, exactness_notes(summary)),
         "records": run.records, "summary": summary,
     }
     if machines is not None:

@@ -19,9 +19,10 @@ from ..options import OptionSpec, any_value
 
 ANSWER_MODES = ("auto", "number", "line", "text")
 # A number: an optional sign (the Unicode minus too; a dollar sign may follow it), then digits with commas only
-# between groups of three (so "1,2,3" is three numbers), then decimals; never a piece of a longer
-# run of digits and dots ("1.5.2" is 1.5 and nothing more, not 0.2).
-NUMBER = re.compile(r"(?<![\d.])(?<!\d\.)(?:[-\u2212]\$?)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)")
+# between groups of three (so "1,2,3" is three numbers), then decimals, or a leading point's decimals;
+# never a piece of a longer run of digits and dots ("1.5.2" is 1.5 and nothing more, not 0.2), though
+# a number may follow dots that end no digits ("so...42").
+NUMBER = re.compile(r"(?<!\d)(?<!\d\.)(?:[-\u2212]\$?)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)")
 
 Extractor = Callable[[str], "str | None"]
 
@@ -102,6 +103,12 @@ def extractor(mode: str | Extractor) -> Extractor:
     return mode if callable(mode) else _EXTRACTORS[mode]
 
 
+def mode_of(answer: str | Extractor) -> str | Extractor:
+    """The mode name of a built-in extractor given as a function (an eval task's ``extract_number``
+    is the ``number`` mode: its answer span is the last number), else ``answer`` itself."""
+    return next((name for name, fn in _EXTRACTORS.items() if answer is fn), answer)
+
+
 ANSWER_START_OPTION = OptionSpec("answer_start", object, None,
                                  "Python callable text -> offset where the answer begins (phi_first)", local=any_value)
 
@@ -135,4 +142,4 @@ def answer_functions(answer: str | Callable[[str], str | None], start: Callable[
         raise InvalidParameter(f"answer_start must be a Python callable text -> offset (given from Python, not as "
                                f"text), got {start!r}")
     extract = checked_answer(answer) if callable(answer) else extractor(answer)
-    return extract, checked_start(start) if start else (lambda text: answer_start(text, answer))
+    return extract, checked_start(start) if start else (lambda text: answer_start(text, mode_of(answer)))

@@ -22,7 +22,7 @@ from ..models import LoadedModel
 from ..models.tokenizer import Tokenizer
 from ..options import OptionSpec, option_table
 from ..samplers import Histories
-from .answers import ANSWER_MODES, ANSWER_START_OPTION, answer_functions, last_number_span
+from .answers import ANSWER_MODES, ANSWER_START_OPTION, Extractor, answer_functions, last_number_span, mode_of
 from .batch import SearchContext
 from .select import majority_vote
 from .uncertainty import sample_signals, token_ends
@@ -36,15 +36,20 @@ OPTIONS = option_table(
 )
 
 
-def answer_token_span(tokens: Sequence[int], tokenizer: Tokenizer, mode: object,
+def line_span(text: str, begin: int) -> tuple[int, int] | None:
+    """From ``begin`` to the end of its line, or None where that holds no text."""
+    end = text.find("\n", begin)
+    end = len(text) if end < 0 else end
+    return (begin, end) if text[begin:end].strip() else None
+
+
+def answer_token_span(tokens: Sequence[int], tokenizer: Tokenizer, mode: str | Extractor,
                       start: Callable[[str], int] | None = None) -> list[int]:
     """Indices of the answer tokens (see the module doc)."""
     text = tokenizer.decode(tokens)
     span = last_number_span(text) if mode in ("number", "auto") else None
     if span is None and start is not None:
-        begin = start(text)
-        end = text.find("\n", begin)
-        span = (begin, len(text) if end < 0 else end) if text[begin:end if end >= 0 else None].strip() else None
+        span = line_span(text, start(text))
     if span is None:
         return list(range(len(tokens)))
     ends = token_ends(tokens, tokenizer)
@@ -69,9 +74,9 @@ def choose_path(deltas: Sequence[float], answers: Sequence[str | None] | None = 
 class CoTDecoding(Decoder):
     def __init__(self, n: int = 10, answer: str | Callable[[str], str | None] = "auto", aggregate: bool = False,
                  answer_start: Callable[[str], int] | None = None):
-        self.k, self.mode, self.aggregate = n, answer, aggregate
+        self.k, self.mode, self.aggregate = n, mode_of(answer), aggregate
         self.extract, self.start = answer_functions(answer, answer_start)
-        self.span_start = self.start if answer_start is not None else None
+        self.span_start = self.start if answer_start is not None else None  # a given start begins the Δ span too
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         ctx = SearchContext(model, request)
