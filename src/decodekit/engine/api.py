@@ -186,7 +186,7 @@ def keep_answer(backend: Backend, method: str, prompt_ids: list[int], generation
     decoding; after a search, whatever candidate, particle or judge's question it read last, and
     after a cancelled request, perhaps part of its prompt, so nothing is kept."""
     if backend.batch_size == 1 and generation.finish_reason != "cancelled" and method_spec(method).family != "search":
-        backend.kept_ids = (prompt_ids + generation.tokens)[: backend.length]
+        backend.keep(prompt_ids + generation.tokens)
 
 
 def generate(

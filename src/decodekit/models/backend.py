@@ -130,6 +130,11 @@ class Backend(ABC):
         whole prompt (true where every pass computes each token's row on its own)."""
         return False
 
+    def keep(self, token_ids: Sequence[int]) -> None:
+        """Say that the cache holds ``token_ids`` (as far as it holds anything: the last token decoded
+        is not read yet) for a next prompt that starts the same way."""
+        self.kept_ids = list(token_ids[: self.length])
+
     def shared_prefix(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of ``token_ids`` :meth:`prefill` would take from the cache (at
         least one token is always read, for its logits)."""

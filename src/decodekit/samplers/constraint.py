@@ -149,15 +149,15 @@ def spare_cores() -> int:
 class Pending:
     """A computation handed to :class:`MaskWorkers`: its outcome, once there is one."""
 
-    def __init__(self):
-        self.outcome: list[tuple[bool, Any]] = []  # (True, result) or (False, exception), once done
-        self.woken: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self) -> None:
+        self.outcome: tuple[bool, Any] | None = None  # (True, result) or (False, exception), once done
+        self.woken: queue.SimpleQueue = queue.SimpleQueue()  # one item, put once the outcome is there
 
     def result(self) -> Any:
         """Wait for the outcome (an interrupted wait may be repeated: the outcome stays here)."""
-        if not self.outcome:
+        if self.outcome is None:
             self.woken.get()
-        done, value = self.outcome[0]
+        done, value = self.outcome
         if not done:
             raise value
         return value
@@ -177,7 +177,7 @@ class MaskWorkers:
         for i in range(threads):
             threading.Thread(target=self._serve, name=f"decodekit-mask-{i}", daemon=True).start()
 
-    def submit(self, fn: Callable, *args: Any) -> Pending:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Pending:
         pending = Pending()
         self.work.put((fn, args, pending))
         return pending
@@ -186,14 +186,14 @@ class MaskWorkers:
         while True:
             fn, args, pending = self.work.get()
             try:
-                pending.outcome.append((True, fn(*args)))
+                pending.outcome = (True, fn(*args))
             except BaseException as err:  # handed to the caller, who raises it
-                pending.outcome.append((False, err))
+                pending.outcome = (False, err)
             pending.woken.put(None)
 
 
 @cache
-def mask_worker() -> MaskWorkers:
+def mask_workers() -> MaskWorkers:
     return MaskWorkers(max(1, spare_cores()))
 
 
@@ -230,7 +230,7 @@ class ConstrainedTokens(LogitsProcessor):
 
     def prepare(self, rows: Sequence[Sequence[int]]) -> None:
         ready = self._settle()  # the matcher serves one computation at a time
-        self._ahead = mask_worker().submit(self._bitmasks, [list(r) for r in rows], ready)
+        self._ahead = mask_workers().submit(self._bitmasks, [list(r) for r in rows], ready)
 
     def _settle(self) -> dict[tuple[int, ...], np.ndarray | None]:
         """The masks the last :meth:`prepare` asked for (row's tokens -> bitmask, or None for a row
@@ -241,7 +241,7 @@ class ConstrainedTokens(LogitsProcessor):
             try:
                 self._ready = ahead.result()  # (an interrupted wait leaves it to be waited for next time)
             finally:
-                if ahead.outcome:
+                if ahead.outcome is not None:
                     self._ahead = None
         return self._ready
 

@@ -28,6 +28,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -728,7 +729,7 @@ class Reply:
             # (a future the scheduler's close cancelled has nothing to count)
             future.add_done_callback(lambda f, i=index: f.cancelled() or f.exception() or self.record(f.result(), first.get(i)))
 
-    def record_finished(self, futures, jobs: list[Job]) -> None:
+    def record_finished(self, futures: list[Future[Outcome]], jobs: list[Job]) -> None:
         """Count the choices of a reply that is not streamed that finished, when another failed."""
         for future, job in zip(futures, jobs):
             if future.done() and not future.cancelled() and future.exception() is None:

@@ -191,8 +191,7 @@ class Scheduler:
                 shown = shown_tokens(engine.model.tokenizer, generation.text, generation.tokens, generation.cut_off)
                 logprobs = token_logprobs(engine.model.backend, job.prompt_ids, shown, job.top_logprobs)
                 if shown:  # the teacher-forced pass read prompt and answer: the cache holds them, after a search too
-                    backend = engine.model.backend
-                    backend.kept_ids = (job.prompt_ids + generation.tokens)[: backend.length]
+                    engine.model.backend.keep(job.prompt_ids + generation.tokens)
         return Outcome(generation, logprobs, job.started - job.submitted)
 
     def close(self) -> None:
