@@ -24,7 +24,9 @@ from decodekit.engine import Engine  # noqa: E402
 from decodekit.errors import InvalidParameter  # noqa: E402
 from decodekit.models import CharTokenizer, LoadedModel, kernels  # noqa: E402
 from decodekit.models.tiny import tiny_llama  # noqa: E402
-from decodekit.serve.app import FINISHED, MAX_BODY_BYTES, Outbox, Server, parse_request  # noqa: E402
+from decodekit.serve.app import Server  # noqa: E402
+from decodekit.serve.reply import FINISHED, Outbox  # noqa: E402
+from decodekit.serve.request import MAX_BODY_BYTES, parse_request  # noqa: E402
 
 MODEL = "tiny"
 PROMPTS = ["hello world hello world hello", "abcabcabcabcabc", "Q: 12+12? A: 24. Q: 13+13? A:", "the cat sat on the mat"]
@@ -871,14 +873,14 @@ def test_without_max_tokens_a_windowed_cache_decodes_as_many_tokens_as_the_model
 
 
 def test_a_developer_message_is_a_system_message():
-    from decodekit.serve.app import chat_messages
+    from decodekit.serve.request import chat_messages
 
     assert chat_messages([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]) == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
 
 
 def test_a_completions_tokens_join_to_its_text_and_their_offsets_index_it():
-    from decodekit.serve.app import token_texts
+    from decodekit.serve.reply import token_texts
 
     class Bytes:  # token i is byte i: a character outside ASCII takes several tokens
         def token_bytes(self, token):
@@ -899,7 +901,7 @@ def test_a_stop_inside_a_token_leaves_its_shown_part_in_the_logprobs_and_usage_c
     generated, the ones cut off included, as OpenAI bills them."""
     from decodekit.engine.core import Generation, GenerationStats
     from decodekit.engine.stops import cut_at_stop, shown_tokens
-    from decodekit.serve.app import token_texts
+    from decodekit.serve.reply import token_texts
 
     class Words:
         vocab = ["He", "llo", " wor", "ld", "!"]
@@ -924,7 +926,7 @@ def test_a_stop_inside_a_token_leaves_its_shown_part_in_the_logprobs_and_usage_c
 def test_a_legacy_top_logprobs_key_spells_a_partial_characters_bytes():
     """Byte tokens of one character all decode to U+FFFD: keyed by that text, one alternative would
     hide another (and the chosen one's value be lost); OpenAI spells them by their bytes."""
-    from decodekit.serve.app import top_key
+    from decodekit.serve.reply import top_key
 
     class Bytes:
         def token_bytes(self, token):
@@ -941,7 +943,7 @@ def test_a_chat_logprob_entry_for_each_cut_token_shows_its_own_part():
 
     from decodekit.engine.core import Generation, GenerationStats
     from decodekit.engine.stops import cut_at_stop
-    from decodekit.serve.app import Reply
+    from decodekit.serve.reply import Reply
     from decodekit.serve.scheduler import Outcome
 
     class Pieces:
@@ -988,7 +990,7 @@ def test_when_one_choice_fails_the_others_are_still_counted(served, monkeypatch)
 
 def refused(body: dict, chat: bool = False) -> str | None:
     """The ``param`` of the 400 that parse_request answers ``body`` with (AssertionError if it accepts it)."""
-    from decodekit.serve.app import ApiError
+    from decodekit.serve.errors import ApiError
 
     with pytest.raises(ApiError) as err:
         parse_request(body, chat=chat)
@@ -1077,7 +1079,7 @@ def test_a_completion_takes_one_prompt_and_null_flags_are_false():
 
 def test_an_error_about_a_chats_prompt_names_its_messages():
     """A chat has no prompt field: the error object's param is the field the client sent."""
-    from decodekit.serve.app import field_named
+    from decodekit.serve.request import field_named
 
     err = InvalidParameter("the prompt is empty", param="prompt")
     assert field_named(err, {"messages": []}, chat=True) == "messages"
@@ -1088,7 +1090,8 @@ def test_a_body_of_exactly_the_limit_is_read():
     """The limit is the largest body read (a 413 past it, not at it)."""
     import asyncio
 
-    from decodekit.serve.app import ApiError, read_body
+    from decodekit.serve.errors import ApiError
+    from decodekit.serve.request import read_body
 
     class Declared:
         def __init__(self, size):
@@ -1107,7 +1110,7 @@ def test_usage_counts_every_choices_tokens_and_the_prompt_once():
     """OpenAI's usage for n choices: the prompt once, the completion tokens of all of them, and their sum."""
     import types
 
-    from decodekit.serve.app import Reply
+    from decodekit.serve.reply import Reply
 
     outcomes = [types.SimpleNamespace(generation=types.SimpleNamespace(generated=k)) for k in (4, 7)]
     usage = Reply.usage(types.SimpleNamespace(prompt_ids=[1, 2, 3]), outcomes)
@@ -1120,7 +1123,7 @@ def test_a_cancelled_choice_finishes_with_stop_not_length():
     import types
 
     from decodekit.engine.core import Generation, GenerationStats
-    from decodekit.serve.app import Reply
+    from decodekit.serve.reply import Reply
     from decodekit.serve.scheduler import Job, Outcome
 
     reply = Reply.__new__(Reply)  # just what a whole reply reads: no server running
@@ -1140,7 +1143,7 @@ def test_stream_chunks_carry_a_null_usage_when_usage_is_asked_for():
     """With stream_options.include_usage every chunk has "usage": null and only the last one a usage, as OpenAI sends them."""
     import types
 
-    from decodekit.serve.app import Reply
+    from decodekit.serve.reply import Reply
 
     for include_usage in (True, False):
         reply = types.SimpleNamespace(chat=True, spec=types.SimpleNamespace(include_usage=include_usage),
