@@ -46,10 +46,11 @@ def test_block_kernel_is_bit_identical_to_the_float32_kernel(kind, rows):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, 4, 9, 16])
 def test_interleaved_block_kernel_is_bit_identical(kind, rows):
-    """Rows interleaved in fours give the same bits as the row-major blocks, for any pass size."""
+    """Rows interleaved in fours give the same bits as the row-major blocks, for any pass size.
+    Three blocks a row: with four, interleaving four rows would be a transpose, its own inverse."""
     gen = torch.Generator().manual_seed(10 + rows)
-    blocks = BlockMatrix.quantize(torch.randn(40, 128, generator=gen), kind)
-    x = torch.randn(rows, 128, generator=gen)
+    blocks = BlockMatrix.quantize(torch.randn(40, 96, generator=gen), kind)
+    x = torch.randn(rows, 96, generator=gen)
     got = kernels.block_matmul(kind, interleaved=True)(blocks.interleaved(), x, blocks.n_in)
     assert torch.equal(got, kernels.block_matmul(kind)(blocks.data, x, blocks.n_in))
     with pytest.raises(ValueError, match="divisible by 4"):
@@ -383,6 +384,40 @@ def test_integer_kernel_quantises_inputs_as_q8_blocks(kind):
 
 
 @needs_vnni
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_input_halfway_between_two_steps_rounds_to_the_even_one(kind):
+    """The inputs' conversion rounds to nearest even (as nearbyintf and the vector conversion do):
+    in a block whose largest magnitude is 127 (scale 1), x.5 goes to the even integer, in the
+    kernel as in its scalar reference; with integer Q8_0 weights of scale 1 the product is then
+    exactly that of the inputs rounded half to even (torch.round's rule)."""
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randint(-127, 128, (16, 64), generator=gen).float()
+    weight[:, [0, 32]] = 127.0  # every block's largest weight: scale 1, the integers as they are
+    blocks = BlockMatrix.quantize(weight, kind)
+    halves = torch.arange(-15, 16, dtype=torch.float32) + 0.5  # -14.5 .. 15.5: ties of both parities and signs
+    x = torch.cat([torch.tensor([127.0]), halves, torch.tensor([-127.0]), halves.flip(0)])[None]
+    got = integer_product(kind, blocks, x)
+    assert torch.equal(got, kernels.integer_block_matmul_reference(kind, blocks.data, x, blocks.n_in))
+    if kind == "q8_0":
+        assert torch.equal(blocks.dequantize(), weight)
+        assert torch.equal(got, torch.round(x) @ weight.T)
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", KINDS)
+def test_block_kernels_read_a_strided_input_as_its_values(kind):
+    """An input given as a view (a transpose) is made contiguous before the C code reads it as
+    packed rows, in the integer kernel as in the exact block kernel."""
+    gen = torch.Generator().manual_seed(8)
+    blocks = BlockMatrix.quantize(torch.randn(16, 64, generator=gen), kind)
+    x = torch.randn(64, 3, generator=gen).t()
+    assert not x.is_contiguous()
+    assert torch.equal(integer_product(kind, blocks, x), integer_product(kind, blocks, x.contiguous()))
+    exact = kernels.block_matmul(kind)
+    assert torch.equal(exact(blocks.data, x, 64), exact(blocks.data, x.contiguous(), 64))
+
+
+@needs_vnni
 def test_integer_kernel_turns_a_non_finite_input_into_nan_and_refuses_bad_shapes():
     blocks = BlockMatrix.quantize(torch.randn(16, 64, generator=torch.Generator().manual_seed(0)), "q4_1")
     packed = kernels.pack_integer_blocks("q4_1", blocks.data, 64)
@@ -403,7 +438,8 @@ def test_integer_kernel_turns_a_non_finite_input_into_nan_and_refuses_bad_shapes
 @needs_vnni
 def test_a_matrix_packed_slice_by_slice_is_the_matrix_packed_whole():
     """A big head is packed a slice at a time (its file blocks are never all in memory): the same
-    bytes as packing it whole; a slice that does not start on a group of 16 rows is refused."""
+    bytes as packing it whole; a slice that does not start on a group of 16 rows, that runs past
+    the room's rows, or room laid out for another kind or width, is refused."""
     blocks = BlockMatrix.random(64, 256, "q8_0", torch.Generator().manual_seed(4))
     whole = kernels.pack_integer_blocks("q8_0", blocks.data, 256)
     sliced = kernels.empty_packed("q8_0", 64, 256)
@@ -412,6 +448,12 @@ def test_a_matrix_packed_slice_by_slice_is_the_matrix_packed_whole():
     assert torch.equal(sliced, whole)
     with pytest.raises(ValueError, match="do not fit"):
         kernels.pack_integer_blocks("q8_0", blocks.data[:16].contiguous(), 256, into=sliced, first_row=8)
+    with pytest.raises(ValueError, match="do not fit"):  # past the room's last row
+        kernels.pack_integer_blocks("q8_0", blocks.data[:32].contiguous(), 256, into=sliced, first_row=48)
+    for other in (kernels.empty_packed("q8_0", 64, 512), kernels.empty_packed("q4_1", 64, 256)):  # another layout's room
+        with pytest.raises(ValueError, match="do not fit"):
+            kernels.pack_integer_blocks("q8_0", blocks.data, 256, into=other)
+    assert torch.equal(sliced, whole)  # a refused slice writes nothing
 
 
 @needs_vnni

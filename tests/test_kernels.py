@@ -1,5 +1,7 @@
 """The compiled weight-streaming kernel: same results as torch, row by row identical."""
 
+import ctypes
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,17 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
     together = matmul(weight, x)
     for i in range(7):
         assert torch.equal(together[i], matmul(weight, x[i : i + 1].contiguous())[0])
+
+
+@needs_kernel
+def test_a_strided_input_is_multiplied_as_its_values():
+    """Rows taken as a view (a transpose, every other column) are made contiguous before the C
+    code reads them as packed rows: the product of the values, as for a contiguous copy."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 24, generator=gen)
+    for x in (torch.randn(24, 3, generator=gen).t(), torch.randn(3, 48, generator=gen)[:, ::2]):
+        assert not x.is_contiguous()
+        assert torch.equal(matmul(weight, x), matmul(weight, x.contiguous()))
 
 
 @needs_kernel
@@ -66,6 +79,57 @@ def test_a_failed_build_falls_back_to_torch(monkeypatch, tmp_path):
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
     monkeypatch.setattr(kernels.build.shutil, "which", lambda name: "/bin/false" if name == "false" else None)
     assert kernels.build._build(Path(kernels.__file__).with_name("gemm.c")) is None
+
+
+@pytest.mark.parametrize("source", sorted(p.name for p in Path(kernels.__file__).parent.glob("*.c")))
+def test_every_kernel_source_builds_wherever_the_kernels_run(source):
+    """A kernel that fails to compile is silently replaced by torch (and its tests skip): so every
+    source, with its own extra instructions (VNNI, AVX512DQ), must build wherever gemm.c does."""
+    if kernels.build._library("gemm") is None:
+        pytest.skip("no C compiler or no AVX-512 on this machine")
+    assert kernels.build._build(Path(kernels.__file__).with_name(source)) is not None
+
+
+def test_a_library_is_rebuilt_when_its_headers_or_flags_change(monkeypatch, tmp_path):
+    """The compiled library is found by a digest of its source, the headers beside it and its
+    flags: a change to any of them builds a new one (an old library is never loaded for new code);
+    the kernels' digest for the cost table covers the headers too."""
+    if kernels.build._build(Path(kernels.__file__).with_name("topk.c")) is None:
+        pytest.skip("no C compiler that builds the kernels")
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))
+    source, header = tmp_path / "probe.c", tmp_path / "probe.h"
+    header.write_text("#define ANSWER 41\n")
+    source.write_text('#include "probe.h"\nint probe(void) { return ANSWER; }\n')
+    first = kernels.build._build(source)
+    header.write_text("#define ANSWER 42\n")
+    second = kernels.build._build(source)
+    monkeypatch.setitem(kernels.build.EXTRA_FLAGS, "probe", ["-DUNUSED"])
+    third = kernels.build._build(source)
+    assert None not in (first, second, third) and len({first, second, third}) == 3
+    assert ctypes.CDLL(str(third)).probe() == 42
+
+    for name in ("probe.c", "probe.h"):
+        (tmp_path / "kernels_dir").mkdir(exist_ok=True)
+        shutil.copy(tmp_path / name, tmp_path / "kernels_dir" / name)
+    monkeypatch.setattr(kernels.build, "__file__", str(tmp_path / "kernels_dir" / "build.py"))
+    try:
+        kernels.build.sources_digest.cache_clear()
+        before = kernels.build.sources_digest()
+        (tmp_path / "kernels_dir" / "probe.h").write_text("#define ANSWER 43\n")
+        kernels.build.sources_digest.cache_clear()
+        assert kernels.build.sources_digest() != before
+    finally:
+        kernels.build.sources_digest.cache_clear()  # (the real sources' digest on the next call)
+
+
+def test_a_library_that_cannot_be_loaded_falls_back_to_torch(monkeypatch, tmp_path):
+    """A built file that the loader refuses (not a shared library) means no kernel, never an error."""
+    if not kernels.build._supported():
+        pytest.skip("compiled kernels are off or unsupported here")
+    junk = tmp_path / "junk.so"
+    junk.write_bytes(b"not a shared library")
+    monkeypatch.setattr(kernels.build, "_build", lambda source: junk)
+    assert kernels.build._library.__wrapped__("gemm") is None
 
 
 # Layout-independent attention ---------------------------------------------------------------------
@@ -173,10 +237,54 @@ def test_one_call_decoder_layers_match_the_layer_by_layer_path(dtype):
         assert torch.equal(fused._k[:, :, :, : fused.length], looped._k[:, :, :, : looped.length])
 
 
+def test_a_truncated_model_ignores_skips_of_layers_it_does_not_have():
+    """A truncated copy shares its model's layers and runs as many as its cache has: a skip set
+    naming layers past them (a self-speculation draft's) skips nothing there, in forward.c as in
+    the layer-by-layer path."""
+    fused = tiny_llama(seed=4, hidden_size=64, num_layers=3)
+    if fused._stack is None:
+        pytest.skip("kernels unavailable on this machine")
+    looped = tiny_llama(seed=4, hidden_size=64, num_layers=3)
+    looped._stack = None
+    tokens = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(9))
+    logits = []
+    for backend in (fused.truncated(2), looped.truncated(2)):
+        backend.append(tokens[:, :3])
+        logits.append(backend.append(tokens[:, 3:], skip_layers=frozenset({1, 2})).logits)
+    assert torch.equal(*logits)
+    plain = fused.truncated(2)
+    plain.append(tokens[:, :3])
+    assert torch.equal(plain.append(tokens[:, 3:], skip_layers=frozenset({1})).logits, logits[0])
+
+
+def test_a_batch_whose_parts_do_not_add_up_to_its_rows_is_refused():
+    """forward.c reads each part's rows from the stacked input: parts that do not cover exactly
+    the rows given would have it read past them or leave rows unrun."""
+    backend = tiny_llama(seed=4, hidden_size=64)
+    if backend._stack is None:
+        pytest.skip("kernels unavailable on this machine")
+    k_cache, v_cache = backend._k[:, 0], backend._v[:, 0]
+    part = kernels.SequencePart(2, 0, torch.arange(2), None, k_cache, v_cache)
+    x = torch.zeros(3, 64)
+    with pytest.raises(ValueError, match="add up"):
+        backend._stack.run_batch(x, torch.empty_like(x), backend._freqs_pairs, [part])
+
+
 def test_attention_kernel_declines_head_dims_it_cannot_run():
     assert kernels.layout_independent_attention(torch.float32, 8) is None  # not a multiple of 16
     assert kernels.layout_independent_attention(torch.float32, 512) is None  # over 256
     assert kernels.layout_independent_attention(torch.float16, 64) is None  # float32 and bfloat16 only
+
+
+@needs_kernel
+def test_attention_kernel_takes_head_dims_up_to_256():
+    """Its documented range: head_dim a multiple of 16, at most 256 (Gemma's 256 included)."""
+    attend = kernels.layout_independent_attention(torch.float32, 256)
+    assert attend is not None
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = torch.randn(2, 2, 256, generator=gen), torch.randn(1, 9, 256, generator=gen), torch.randn(1, 9, 256, generator=gen)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(attend(q, k, v, None, 256**-0.5), ref, rtol=1e-5, atol=1e-5)
 
 
 # Element-wise layer ops -----------------------------------------------------------------------------
@@ -238,6 +346,7 @@ def test_rope_store_rotates_like_torch_and_fills_the_cache(dtype):
 
 def test_layer_ops_decline_sizes_they_cannot_run():
     assert kernels.layer_ops(torch.float32, 40, 64) is None  # hidden size not a multiple of 16
+    assert kernels.layer_ops(torch.float32, 64, 40) is None  # intermediate size not a multiple of 16
     assert kernels.layer_ops(torch.float16, 64, 64) is None
 
 
@@ -254,6 +363,8 @@ def test_top_k_indices_order_ties_by_index_and_skip_minus_infinity():
     x[0, [3, 17, 30, 35]] = torch.tensor([1.0, 2.0, 2.0, 1.0])
     x[1, 5] = 0.0
     assert kernels.top_k_indices(x, 3).tolist() == [[17, 30, 3], [5, -1, -1]]
+    full = kernels.top_k_indices(x, kernels.TOPK_MAX)  # the largest k the kernel takes
+    assert full.tolist() == [[17, 30, 3, 35] + [-1] * (kernels.TOPK_MAX - 4), [5] + [-1] * (kernels.TOPK_MAX - 1)]
 
 
 @needs_kernel
@@ -374,6 +485,20 @@ def test_the_exponential_race_is_the_argmax_over_every_token(kernel, monkeypatch
     for bad in ([0.5, -0.1, 0.6], [0.0] * 20, [0.1] * 9 + [float("nan")], [float("inf")] + [0.1] * 12):
         with pytest.raises(ValueError, match="finite, non-negative"):
             kernels.exponential_race(torch.tensor(bad), 7)
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False], ids=["kernel", "fallback"])
+def test_a_race_key_is_a_64_bit_unsigned_integer(kernel, monkeypatch):
+    """Keys outside 0 .. 2^64 - 1 are refused (C would wrap 2^64 to key 0: another draw, silently);
+    both ends of the range are keys."""
+    if not kernel:
+        monkeypatch.setattr(kernels.sampling, "_race_function", lambda: None)
+    p = torch.tensor([0.2, 0.3, 0.5])
+    for key in (0, 2**64 - 1):
+        assert kernels.exponential_race(p, key) == race_by_brute_force(p, key)
+    for key in (-1, 2**64):
+        with pytest.raises(ValueError, match="64-bit"):
+            kernels.exponential_race(p, key)
 
 
 def key_giving(v: int, h: int) -> int:
