@@ -1765,6 +1765,14 @@ MUTATIONS = (
              "x = x.to(torch.float32).contiguous()\n        out = torch.empty(rows, blocks.shape[0]",
              "x = x.to(torch.float32)\n        out = torch.empty(rows, blocks.shape[0]",
              ("tests/test_gguf_blocks.py", "-k", "strided")),
+    Mutation("judge-passes-on-the-judges-own-cache", "src/decodekit/search/batch.py",
+             "clone = self.model.backend.own_clone(model.backend, \"judge\", keep=KEPT_JUDGES)",
+             "clone = model.backend",
+             ("tests/test_search_uncertainty.py", "-k", "keeps_its_answer")),
+    Mutation("draft-model-object-drafted-on-in-place", "src/decodekit/speculative/drafters/draft_model.py",
+             "return target.own_clone(spec, \"draft\", keep=KEPT_DRAFTS)",
+             "return spec",
+             ("tests/test_speculative_layerskip_draft.py", "-k", "keeps_its_answer")),
 )
 
 

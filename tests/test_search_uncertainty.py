@@ -141,3 +141,23 @@ def test_a_step_search_asks_the_judge_about_each_step_the_first_included():
         asked.clear()
         Engine(model).generate("Q: 1+1=", method="best-of-n", n=2, scorer="judge", max_new_tokens=6)
         assert asked == [Judge.ANSWER_QUESTION] * 2
+
+
+def test_a_judge_model_decoding_a_request_of_its_own_keeps_its_answer():
+    """A search judged by a model that is mid-request (here from that request's own on_text) asks
+    a clone of it: the judge's own cache, and so its answer, stay as if no search had run."""
+    from decodekit.engine import Engine
+
+    judge = LoadedModel(tiny_llama(seed=0, hidden_size=64), TOK, "judge")
+    other = LoadedModel(tiny_llama(seed=1, hidden_size=64), TOK, "other")
+    prompt = "hello world " * 8
+    alone = Engine(LoadedModel(judge.backend.clone(), TOK, "judge")).generate(prompt, max_new_tokens=30, chat=False)
+    searched = []
+
+    def on_text(delta):
+        if not searched:  # after the first token: the judge's cache holds the prompt and that token
+            searched.append(Engine(other).generate("zq", method="best-of-n", n=2, seed=1, scorer="judge",
+                                                   judge_model=judge, max_new_tokens=3, chat=False))
+
+    got = Engine(judge).generate(prompt, max_new_tokens=30, chat=False, on_text=on_text)
+    assert searched and got.tokens == alone.tokens

@@ -170,16 +170,17 @@ def test_draft_model_keeps_its_cache_in_sync_and_catches_up_in_one_pass():
     target = tiny_llama(seed=4, num_layers=2, scale=2.0)
     draft = tiny_llama(seed=5, num_layers=2, scale=2.0)
     calls: list[int] = []
-    real_append = draft.append
+    state = pending_state(target, [1, 2, 3, 4, 5], 6)
+    drafter = DraftModelDrafter(draft_model=draft, confidence=0.0)
+    drafter.begin(state)  # nothing yet: the first draft runs the prompt
+    assert drafter.backend is not draft  # a clone the target keeps: draft may be decoding a request of its own
+    real_append = drafter.backend.append
 
     def spy(tokens, **kw):
         calls.append(tokens.shape[1])
         return real_append(tokens, **kw)
 
-    draft.append = spy
-    state = pending_state(target, [1, 2, 3, 4, 5], 6)
-    drafter = DraftModelDrafter(draft_model=draft, confidence=0.0)
-    drafter.begin(state)  # nothing yet: the first draft runs the prompt
+    drafter.backend.append = spy
     state.commit([6])
     catch_up = 6  # the prompt and the root, in one pass
     for accepted in (0, 4, 2, 4, 1):
@@ -488,3 +489,22 @@ def test_no_draft_runs_for_tokens_the_request_would_throw_away(method, options):
     assert one.stats.forward_passes == 0 and one.stats.extra["drafted"] == 0 and len(one.tokens) == 1
     few = engine.generate("abcabcabcabc", method=method, max_new_tokens=4, chat=False, budget=16, confidence=0.0, **options)
     assert few.stats.extra["drafted"] <= 3 and len(few.tokens) == 4
+
+
+def test_a_draft_model_decoding_a_request_of_its_own_keeps_its_answer():
+    """A draft model given as a backend may be serving its own requests: the target drafts on a
+    clone of it, so the draft model's own answer stays as if it had not been drafted from."""
+    tok = CharTokenizer(96)
+    draft = LoadedModel(tiny_llama(seed=5, num_layers=2, scale=2.0), tok, "draft")
+    target = LoadedModel(tiny_llama(seed=4, num_layers=2, scale=2.0), tok, "target")
+    prompt = "hello world " * 6
+    alone = Engine(LoadedModel(draft.backend.clone(), tok, "draft")).generate(prompt, max_new_tokens=30, chat=False)
+    drafted = []
+
+    def on_text(delta):
+        if not drafted:
+            drafted.append(Engine(target).generate("zq", method="draft", draft_model=draft.backend, confidence=0.0,
+                                                   max_new_tokens=8, chat=False))
+
+    got = Engine(draft).generate(prompt, max_new_tokens=30, chat=False, on_text=on_text)
+    assert drafted and got.tokens == alone.tokens

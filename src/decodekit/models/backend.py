@@ -165,6 +165,15 @@ class Backend(ABC):
             store[key] = factory()
             return store[key]
 
+    def own_clone(self, other: "Backend", role: str, keep: int) -> "Backend":
+        """A clone of ``other`` in a ``role`` (a judge, a draft model) kept for this backend's
+        requests, which hold :attr:`lock` and so use it one at a time: ``other`` itself may be
+        decoding a request of its own on another thread, and a pass on its cache would overwrite
+        that one's. ``keep``: as :meth:`memory`'s, for requests that name other backends."""
+        # the entry holds ``other`` itself, so its id is not reused for another backend while kept
+        _, clone = self.memory((role + ".clone", id(other)), lambda: (other, other.clone()), keep=keep)
+        return clone
+
     def weight_traffic(self) -> tuple[int, int] | None:
         """(bytes a one-token pass reads from the weights, multiply-adds per token), for judging a
         pass's speed against the machine's bandwidth and arithmetic rate; None where unknown."""

@@ -36,6 +36,8 @@ SAMPLE_TEMPERATURE = 0.7
 SAMPLE_TEMPERATURE_OPTION = OptionSpec("sample_temperature", float, SAMPLE_TEMPERATURE,
                                        "temperature used when the request's sampler is greedy", lo=0.0)
 
+#: Judge models (other than the request's own) a backend keeps a clone of, the most recently used.
+KEPT_JUDGES = 2
 TOPK_RECORDED = 10  # top-K log-probs kept per step (phi_first's default K)
 
 
@@ -189,10 +191,15 @@ class SearchContext:
         return self.request.prompt_ids
 
     def cache_for(self, model: LoadedModel) -> PrefixCache:
-        """The prefix cache of ``model``'s backend (this request's own cache for its own model)."""
+        """A prefix cache of ``model`` for this request: its own cache for its own model; for another
+        (a judge), one over a clone this request's backend keeps, never ``model``'s own cache, which
+        may hold a request of its own on another thread."""
         if model.backend is self.model.backend:
             return self.cache
-        return self._judge_caches.setdefault(id(model.backend), PrefixCache(model.backend))
+        if id(model.backend) not in self._judge_caches:
+            clone = self.model.backend.own_clone(model.backend, "judge", keep=KEPT_JUDGES)
+            self._judge_caches[id(model.backend)] = PrefixCache(clone)
+        return self._judge_caches[id(model.backend)]
 
     def row_samplers(self, temperature: float | None = None) -> RowSamplers:
         sampler = self.request.sampler if temperature is None else self.request.sampler.sampling(temperature)

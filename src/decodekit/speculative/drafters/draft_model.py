@@ -79,7 +79,7 @@ def draft_backend(spec: Backend | int | str, target: Backend) -> Backend:
     if isinstance(spec, Backend):
         if spec is target:
             raise InvalidParameter("draft_model must not be the target backend itself (it needs its own cache)")
-        return spec
+        return target.own_clone(spec, "draft", keep=KEPT_DRAFTS)  # spec may be decoding a request of its own
     if isinstance(spec, int):  # kept in the target's memory: a clone of the target makes its own
         try:
             return target.memory(("draft.truncated", spec), lambda: target.truncated(spec), keep=KEPT_DRAFTS)
