@@ -1773,6 +1773,18 @@ MUTATIONS = (
              "return target.own_clone(spec, \"draft\", keep=KEPT_DRAFTS)",
              "return spec",
              ("tests/test_speculative_layerskip_draft.py", "-k", "keeps_its_answer")),
+    Mutation("feature-history-of-other-tokens-taken", "src/decodekit/speculative/drafters/base.py",
+             "if held is None or len(held) < position or self.tokens[:position] != tokens[:position]:",
+             "if held is None or len(held) < position:",
+             ("tests/test_trained_drafters.py", "-k", "before_the_last")),
+    Mutation("feature-history-misses-the-verified-features", "src/decodekit/speculative/drafters/base.py",
+             "if self.taken is not None:\n            self.taken.append(self.chunks[-1])",
+             "if False:\n            self.taken.append(self.chunks[-1])",
+             ("tests/test_trained_drafters.py", "-k", "read_whole")),
+    Mutation("feature-history-not-taken", "src/decodekit/speculative/drafters/base.py",
+             "if earlier is not None:\n            self.chunks.insert(0, earlier)",
+             "if False:\n            self.chunks.insert(0, earlier)",
+             ("tests/test_trained_drafters.py", "-k", "read_whole")),
 )
 
 

@@ -744,6 +744,67 @@ def test_a_drafter_holds_the_targets_feature_at_every_position(drafter_files, ki
         assert torch.allclose(chunk, whole[start : start + len(chunk)], atol=1e-5), start
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prompt_whose_beginning_the_cache_kept_drafts_as_if_read_whole(drafter_files, kind, monkeypatch):
+    """A chat's next turn reads only what the cache did not keep; the drafter takes the features of
+    the kept beginning from the last request, so it drafts the trees a fresh engine drafts (EAGLE's
+    draft network sees the whole context, as in the paper)."""
+    from decodekit.engine import Engine
+
+    drafter_class = type(DRAFTER_SPECS[kind].factory(drafter=str(drafter_files[kind, "exact"])))
+    trees: list[list[list[int]]] = []
+    draft = drafter_class.draft
+
+    def recording(self, state, budget):
+        tree = draft(self, state, budget)
+        trees[-1].append(list(tree.tokens))
+        return tree
+
+    monkeypatch.setattr(drafter_class, "draft", recording)
+    options = dict(method=kind, drafter=str(drafter_files[kind, "exact"]), budget=4, max_new_tokens=24, chat=False,
+                   ignore_eos=True)
+    model = tiny()
+    trees.append([])
+    first = Engine(model).generate(QUERIES[0], **options)
+    turn = QUERIES[0] + first.text + QUERIES[0]
+    assert model.backend.shared_prefix(model.tokenizer.encode(turn)) > len(QUERIES[0])  # the cache kept turn one
+    for engine in (Engine(model), Engine(tiny())):  # the kept cache, then a fresh model's
+        trees.append([])
+        engine.generate(turn, **options)
+    assert trees[1] and trees[1] == trees[2]
+
+
+def test_the_features_of_a_request_before_the_last_are_not_taken(drafter_files):
+    """The cache kept a plain request's text, not that of the EAGLE request before it, whose
+    features belong to other tokens: a next turn of the plain request drafts as it would had the
+    EAGLE request never run (from the features of what it reads)."""
+    from decodekit.engine import Engine
+    from decodekit.speculative.drafters.eagle import EagleDrafter
+
+    options = dict(method="eagle", drafter=str(drafter_files["eagle", "exact"]), budget=4, max_new_tokens=24,
+                   chat=False, ignore_eos=True)
+    trees: list[list[list[int]]] = []
+    draft = EagleDrafter.draft
+
+    def recording(self, state, budget):
+        tree = draft(self, state, budget)
+        trees[-1].append(list(tree.tokens))
+        return tree
+
+    for eagle_first in (True, False):
+        model = tiny()
+        if eagle_first:  # its features: more positions than the plain request's kept text
+            Engine(model).generate(QUERIES[1] * 4, **options)
+        plain = Engine(model).generate(QUERIES[0], max_new_tokens=12, chat=False, ignore_eos=True)
+        turn = QUERIES[0] + plain.text + QUERIES[2]
+        assert model.backend.shared_prefix(model.tokenizer.encode(turn)) > len(QUERIES[0])
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(EagleDrafter, "draft", recording)
+            trees.append([])
+            Engine(model).generate(turn, **options)
+    assert trees[0] and trees[0] == trees[1]
+
+
 def test_eagle_predicts_the_same_after_pairs_committed_one_by_one_or_together(drafter_files):
     """The draft network's cache of committed pairs gives the same prediction whether the pairs came
     in one pass or several (after a verification several arrive at once)."""

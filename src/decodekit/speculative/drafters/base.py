@@ -196,9 +196,29 @@ TRAINED_OPTIONS = option_table(
 )
 
 
+class FeatureHistory:
+    """The target's features at every position of its backend's last request that a feature
+    drafter decoded, kept in the backend's memory: a next prompt whose beginning the cache kept (a
+    chat's next turn) reads only the rest, and its drafter takes the features of the beginning
+    from here, as if it had read the whole prompt."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.features: torch.Tensor | None = None  # [positions, D] from position 0
+
+    def before(self, tokens: list[int], position: int) -> torch.Tensor | None:
+        """The features of positions ``0 .. position - 1`` where the last request had them for the
+        same tokens; None otherwise."""
+        held = self.features
+        if held is None or len(held) < position or self.tokens[:position] != tokens[:position]:
+            return None
+        return held[:position]
+
+
 class FeatureDrafter(Drafter):
     """What EAGLE and Medusa share: their network, loaded for the target, and the target's features
-    at the committed positions, taken from every pass the loop runs."""
+    at the committed positions, taken from every pass the loop runs (and, for a prompt whose
+    beginning the cache kept from the last request, from its :class:`FeatureHistory`)."""
 
     kind = ""
 
@@ -215,6 +235,11 @@ class FeatureDrafter(Drafter):
         self.chunks = [features[0].float()]  # the known features, in passes' chunks, from position chunk_start
         self.chunk_start = len(state.tokens) - features.shape[1]
         self.known = len(state.tokens)  # positions chunk_start .. known - 1 have their feature
+        earlier = state.backend.memory("features.history", FeatureHistory).before(state.tokens, self.chunk_start)
+        if earlier is not None:
+            self.chunks.insert(0, earlier)
+            self.chunk_start = 0
+        self.taken = list(self.chunks) if self.chunk_start == 0 else None  # for the next request's history
 
     def update(self, state: DecodeState, tree: DraftTree, verdict: Verification, logits: torch.Tensor) -> None:
         features = state.backend.last_features
@@ -222,7 +247,14 @@ class FeatureDrafter(Drafter):
             return  # not the pass the loop says it ran: learn nothing rather than misalign
         rows = [0] + [i + 1 for i in verdict.path]  # the root and the accepted nodes
         self.chunks.append(features[0, rows].float())
+        if self.taken is not None:
+            self.taken.append(self.chunks[-1])
         self.known += len(rows)
+
+    def finish(self, state: DecodeState) -> None:
+        if self.taken is not None:
+            history = state.backend.memory("features.history", FeatureHistory)
+            history.tokens, history.features = list(state.tokens), torch.cat(self.taken)
 
     def features_from(self, position: int) -> torch.Tensor:
         """The features of positions ``position .. known - 1`` (earlier ones are dropped for good)."""

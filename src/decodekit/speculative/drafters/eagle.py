@@ -11,7 +11,9 @@ Choices the papers leave open (each one tested):
   * The draft network keeps its own key/value cache of the committed pairs (feature j, token j + 1),
     made from the target's true features as verifications and plain steps compute them
     (``last_features``); drafted positions use the network's own predicted features, and their
-    entries live only for the draft.
+    entries live only for the draft. Where the cache kept a prompt's beginning from the last request
+    (a chat's next turn) and reads only the rest, the features of that beginning come from the
+    last request (``FeatureHistory``): the network sees the whole context, as the paper's does.
   * EAGLE-2's expansion: each level expands the ``candidates`` nodes of the newest level with the highest
     path confidence (the product of draft probabilities along the path), each into its ``candidates``
     best tokens; growth stops at ``max_depth`` (and at the budget's depth), when the level's best
