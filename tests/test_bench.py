@@ -854,3 +854,330 @@ def test_a_decodekit_contestant_reads_its_whole_prompt_as_the_baselines_do(monke
     monkeypatch.setattr(backend, "shared_prefix", lambda ids: taken.append(shared_prefix(ids)) or taken[-1])
     contestant.run([5, 6, 7, 8, *first.tokens, 9, 10], 6)  # the next turn of the same conversation
     assert taken and set(taken) == {0}
+
+
+# --------------------------------------------------------------------------- figures by hand
+
+
+def hand_record(method, qid, group="qa", *, decode_s=1.0, prefill_s=0.5, new_tokens=10, passes=None, accepted=None,
+                identical=None, error=None, repeat=0):
+    """A record with only the fields the summary reads, figures chosen by the test."""
+    return {"method": method, "question_id": qid, "group": group, "repeat": repeat, "error": error,
+            "prefill_s": prefill_s, "decode_s": decode_s, "new_tokens": new_tokens,
+            "forward_passes": new_tokens if passes is None else passes, "mean_accepted": accepted,
+            "identical_to_reference": identical, "text_match": identical, "text_prefix_share": None}
+
+
+def hand_contestants(*names):
+    return [{"name": n, "kind": "decodekit", "family": "test", "lossless": True, "token_exact": True} for n in names]
+
+
+def test_the_reference_throughput_is_taken_on_the_questions_the_method_finished():
+    """A speedup compares both sides on the same questions: those the reference finished and the
+    method did not are left out of the reference's side too."""
+    records = [hand_record("greedy", 1, decode_s=1.0), hand_record("greedy", 2, decode_s=3.0, new_tokens=10),
+               hand_record("fast", 1, decode_s=0.5), hand_record("fast", 2, decode_s=0.0, new_tokens=0, error="boom")]
+    stats = summarize(records, hand_contestants("greedy", "fast"), {})["methods"]["fast"]["categories"]["overall"]
+    assert stats["speedup"] == pytest.approx(2.0)  # 10 tokens in 0.5 s against 10 tokens in 1.0 s
+    assert stats["e2e_speedup"] == pytest.approx(1.5 / 1.0)  # 10/1.0 against 10/1.5
+
+
+def test_accepted_per_verification_is_the_mean_over_questions_and_passes_per_token_a_ratio():
+    """accepted/verify is documented as the mean over questions (not a median); passes/token is
+    decode passes over new tokens (below 1 when a pass yields several tokens)."""
+    records = [hand_record("greedy", q) for q in (1, 2, 3)]
+    records += [hand_record("spec", q, new_tokens=10, passes=p, accepted=a) for q, p, a in ((1, 2, 1.0), (2, 4, 2.0), (3, 9, 6.0))]
+    stats = summarize(records, hand_contestants("greedy", "spec"), {})["methods"]["spec"]["categories"]["overall"]
+    assert stats["mean_accepted"] == pytest.approx(3.0)  # (1 + 2 + 6) / 3; the median would be 2
+    assert stats["passes_per_token"] == pytest.approx(15 / 30)
+
+
+def test_a_categorys_shares_and_errors_count_only_that_categorys_runs():
+    """Each category's exact share and error count come from its own records; a run with no
+    verdict (the reference failed there) is left out of the share, not counted as a mismatch."""
+    records = [hand_record("greedy", 1, "qa"), hand_record("greedy", 2, "qa", error="boom"), hand_record("greedy", 3, "rag"),
+               hand_record("greedy", 4, "rag")]
+    records += [hand_record("m", 1, "qa", identical=True), hand_record("m", 2, "qa", identical=None),
+                hand_record("m", 3, "rag", identical=False), hand_record("m", 4, "rag", error="boom")]
+    cats = summarize(records, hand_contestants("greedy", "m"), {})["methods"]["m"]["categories"]
+    assert cats["qa"]["exact_share"] == 1.0 and cats["qa"]["errors"] == 0
+    assert cats["rag"]["exact_share"] == 0.0 and cats["rag"]["errors"] == 1
+    assert cats["overall"]["exact_share"] == 0.5 and cats["overall"]["errors"] == 1
+    assert cats["qa"]["text_match_share"] == 1.0
+
+
+# --------------------------------------------------------------------------- code stamp and machine
+
+
+def test_the_code_stamp_covers_the_kernels_and_the_file_names(tmp_path: Path, monkeypatch):
+    """Two runs with the same stamp ran the same code: a C kernel or header is code too, and the
+    same contents under other names (a module moved) is other code."""
+    import decodekit
+    from decodekit.bench.results import code_version
+
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("A = 1\n")
+    (package / "kernel.c").write_text("int f(void) { return 1; }\n")
+    (package / "kernel.h").write_text("int f(void);\n")
+    (package / "notes.txt").write_text("not code\n")
+    monkeypatch.setattr(decodekit, "__file__", str(package / "__init__.py"))
+
+    def stamp() -> str:
+        return code_version.__wrapped__()
+
+    first = stamp()
+    assert first.startswith(f"{decodekit.__version__}+") and stamp() == first
+    (package / "notes.txt").write_text("still not code\n")
+    assert stamp() == first
+    for name in ("kernel.c", "kernel.h"):
+        saved = (package / name).read_text()
+        (package / name).write_text(saved + "/* changed */\n")
+        assert stamp() != first, name
+        (package / name).write_text(saved)
+    assert stamp() == first
+    (package / "kernel.c").rename(package / "k.c")  # same contents, same order, another name
+    assert stamp() != first
+
+
+def test_the_machine_records_the_numerics_it_ran_in():
+    """results.json says which numerics ran: a fast-numerics run is not reported as exact."""
+    from decodekit.bench.results import machine_info
+
+    machine = machine_info(model="tiny", dtype="float32", numerics="fast")
+    assert machine["numerics"] == "fast" and machine["dtype"] == "float32" and machine["model"] == "tiny"
+
+
+def test_memory_is_reported_in_gib_from_meminfo_kib(monkeypatch):
+    """/proc/meminfo gives kB (KiB): 16777216 kB is 16 GiB."""
+    from decodekit.bench import results
+
+    read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "MemFree: 1 kB\nMemTotal:       16777216 kB\n"
+                        if str(self) == "/proc/meminfo" else read_text(self, *a, **k))
+    assert results.memory_gb() == 16.0
+
+
+# --------------------------------------------------------------------------- report tables by hand
+
+
+def hand_summary() -> dict:
+    def stats(**given):
+        return {key: None for key in STAT_KEYS} | given
+
+    return {"reference": "greedy", "hf_reference": None, "aggregate": "agg", "categories": ["qa", "overall"],
+            "methods": {
+                "greedy": {"kind": "decodekit", "family": "plain", "lossless": True, "token_exact": True, "peak_rss_mb": 100.0,
+                           "categories": {c: stats(decode_tps=10.0, speedup=1.0, e2e_speedup=1.0, questions=2)
+                                          for c in ("qa", "overall")}},
+                "spec": {"kind": "decodekit", "family": "speculative", "lossless": True, "token_exact": True,
+                         "peak_rss_mb": 120.0,
+                         "categories": {c: stats(decode_tps=30.0, e2e_tps=20.0, speedup=3.25, e2e_speedup=2.5,
+                                                 mean_accepted=4.5, passes_per_token=0.25, exact_share=0.5,
+                                                 text_match_share=0.75, questions=2) for c in ("qa", "overall")}},
+            }}
+
+
+def table_row(table: str, name: str, markdown: bool = False) -> dict[str, str]:
+    """A rendered table's row for one method, keyed by header."""
+    lines = table.splitlines()
+    if markdown:
+        cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+        header, rows = cells[0], cells[2:]
+    else:
+        import re
+
+        header = re.split(r"\s{2,}", lines[0].strip())
+        rows = [re.split(r"\s{2,}", line.strip()) for line in lines[2:]]
+    return next(dict(zip(header, row)) for row in rows if row[0] == name)
+
+
+def test_the_method_table_shows_each_figure_under_its_own_header():
+    """speedup is decode-only, e2e speedup includes prefill, accepted/verify is tokens per
+    verification, exact and text match are percentages."""
+    from decodekit.bench.report import method_table
+
+    row = table_row(method_table(hand_summary(), "overall", markdown=True), "spec", markdown=True)
+    assert row["tok/s"] == "30.0" and row["e2e tok/s"] == "20.0"
+    assert row["speedup"] == "3.25x" and row["e2e speedup"] == "2.50x" and row["vs HF"] == "-"
+    assert row["accepted/verify"] == "4.50" and row["passes/token"] == "0.25"
+    assert row["exact"] == "50%" and row["text match"] == "75%" and row["questions"] == "2"
+
+
+def test_the_speedup_matrices_leave_out_the_reference_and_show_their_own_figure():
+    """The reference is 1.00x by definition: its row is left out; the end-to-end section shows
+    the end-to-end speedup, not the decode-only one."""
+    from decodekit.bench.report import matrix
+
+    table = matrix(hand_summary(), "speedup", lambda v: f"{v:.2f}x")
+    assert "spec" in table and "greedy" not in table
+    report = markdown_report({"summary": hand_summary(), "command": "c", "created": "t", "notes": [],
+                              "machine": {"cpu": "cpu", "usable_cores": 1, "logical_cores": 1, "memory_gb": 1.0,
+                                          "torch": "t", "torch_threads": 1, "transformers": "t", "llama_cpp": None,
+                                          "model": "tiny", "dtype": "float32", "platform": "p", "python": "3"},
+                              "config": {"questions": "q.jsonl", "limit": None, "categories": [], "all_turns": False,
+                                         "max_new_tokens": 4, "repeats": 1, "methods": ["greedy", "spec"],
+                                         "baselines": []}}, image=None)
+    e2e = report.split("## End-to-end speedup")[1].split("## Per category")[0]
+    assert table_row(e2e.strip().split("\n", 1)[1].strip(), "spec", markdown=True)["overall"] == "2.50x"
+    decode = report.split("## Decode-only speedup")[1].split("## End-to-end")[0]
+    assert table_row(decode.strip().split("\n", 1)[1].strip(), "spec", markdown=True)["overall"] == "3.25x"
+    assert "first turn only" in report and "### qa (2 questions)" in report
+
+
+# --------------------------------------------------------------------------- question selection, records
+
+
+def test_a_limit_takes_each_categorys_first_questions_in_file_order(tmp_path: Path):
+    """--limit keeps the first questions of a category as the file lists them (the Spec-Bench order),
+    round-robin over MT-Bench's sub-categories."""
+    path = write_questions(tmp_path / "q.jsonl", ["qa", "qa", "qa", "writing", "writing", "math"])
+    assert [q.question_id for q in load_questions(path, limit=2)] == [0, 1, 3, 5]
+    assert [q.question_id for q in load_questions(path, limit=1, categories=["writing"])] == [3]
+
+
+def test_a_multi_turn_record_sums_its_prompts_and_ends_with_its_last_turns_finish():
+    """A record's figures are over all its turns: the prompt tokens of every turn, and the way
+    the conversation ended (its last turn)."""
+    from decodekit.bench.questions import Question
+    from decodekit.bench.runner import make_record
+
+    question = Question(1, "qa", ("a", "b"))
+    first = RunResult([1, 2], "xy", 0.1, 0.2, "eos", forward_passes=2)
+    last = RunResult([3], "z", 0.1, 0.2, "length", forward_passes=1)
+    record = make_record(Scripted("m", []), question, 0, 0, [(3, first), (8, last)])
+    assert record["prompt_tokens"] == 11 and record["new_tokens"] == 3 and record["turns"] == 2
+    assert record["finish_reason"] == "length" and record["texts"] == ["xy", "z"]
+
+
+def test_a_question_the_reference_failed_gets_no_exactness_verdict():
+    """Exactness is against greedy's output: where greedy failed there is nothing to compare with."""
+    from decodekit.bench.runner import compare_to_reference
+
+    ok = {"method": "m", "error": None, "texts": ["abc"], "tokens": [[1, 2, 3]],
+          "identical_to_reference": None, "text_match": None, "text_prefix_share": None}
+    failed = {**ok, "method": "greedy", "error": "boom", "texts": [], "tokens": []}
+    compare_to_reference([failed, ok], "greedy", {"greedy": True, "m": True})
+    assert ok["identical_to_reference"] is None and ok["text_match"] is None and ok["text_prefix_share"] is None
+
+
+def test_the_warm_up_stays_within_the_token_budget(tiny: LoadedModel, qfile: Path):
+    """A warm-up generates at most --max-new-tokens (it is a short untimed run, never a longer one)."""
+    budgets: list[int] = []
+
+    class Budgeted(Scripted):
+        def run(self, prompt_ids, max_new_tokens):
+            budgets.append(max_new_tokens)
+            return super().run(prompt_ids, max_new_tokens)
+
+    run_bench([Budgeted("greedy", [])], load_questions(qfile, limit=1)[:1], prompt_fn(tiny),
+              BenchConfig(max_new_tokens=3, warmup_tokens=32, repeats=2), progress=False)
+    assert budgets and max(budgets) == 3
+
+
+def test_a_resumed_runs_progress_counts_only_the_runs_left(tiny: LoadedModel, qfile: Path, monkeypatch, capsys):
+    """The progress total is what this run will do: the resumed questions are not waited for."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    questions = load_questions(qfile, limit=1)[:2]
+    first = run_bench([Scripted("greedy", [])], questions, prompt_fn(tiny), BenchConfig(max_new_tokens=2), progress=False)
+    capsys.readouterr()
+    run_bench([Scripted("greedy", [])], questions, prompt_fn(tiny), BenchConfig(max_new_tokens=2),
+              previous=first.records[:1])
+    err = capsys.readouterr().err
+    assert "bench 1/1 greedy" in err and "/2" not in err
+
+
+# --------------------------------------------------------------------------- contestants and baselines
+
+
+def test_a_baseline_is_cut_before_its_first_eos():
+    """Every contestant reports the tokens it produced without the EOS, like decodekit's loop."""
+    from decodekit.bench.contestants import cut_at_eos
+
+    assert cut_at_eos([4, 5, 2, 6], frozenset({2}), 8) == ([4, 5], "eos")
+    assert cut_at_eos([4, 5, 6], frozenset({2}), 2) == ([4, 5], "length")
+
+
+def test_a_methods_figures_keep_only_finite_json_scalars():
+    """A NaN or an infinity is not JSON: it is recorded as unknown."""
+    from decodekit.bench.contestants import json_safe
+
+    assert json_safe({"a": 1.5, "b": float("nan"), "c": float("inf"), "d": True, "e": [1], "f": "x"}) == {
+        "a": 1.5, "b": None, "c": None, "d": True, "f": "x"}
+
+
+def test_a_generation_with_no_new_token_is_all_prefill(monkeypatch):
+    """Prefill runs from the start to the first new token; without one, all the time was prefill."""
+    from decodekit.bench import contestants
+
+    clock = iter([10.0, 13.0])
+    monkeypatch.setattr(contestants.time, "perf_counter", lambda: next(clock))
+    assert contestants.Stopwatch().split() == (3.0, 0.0)
+
+
+def test_the_hf_streamer_stamps_the_first_new_token_not_the_prompt():
+    """transformers puts the prompt into the streamer first: that is not the first new token."""
+    from decodekit.bench.baselines import _FirstTokenStreamer
+    from decodekit.bench.contestants import Stopwatch
+
+    watch = Stopwatch()
+    streamer = _FirstTokenStreamer(watch)
+    streamer.put(None)
+    assert watch.first is None
+    streamer.put(None)
+    assert watch.first is not None
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_the_recorded_command_reproduces_the_plan(qfile: Path, tmp_path: Path):
+    """results.json's command spells out every setting: run again, it makes the same plan."""
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy,pld,greedy", "--baselines", "none",
+                                     "--limit", "1", "--categories", "mt_bench,qa", "--all-turns", "--repeats", "2",
+                                     "--max-new-tokens", "5", "--out", str(tmp_path / "out")))
+    assert plan.methods == ["greedy", "pld"]
+    again = bench_cli.make_plan(parse(*shlex.split(plan.command)[2:]))
+    assert again.config() == plan.config() and again.command == plan.command
+    assert [q.question_id for q in again.questions] == [q.question_id for q in plan.questions]
+
+
+# --------------------------------------------------------------------------- the chart's data
+
+
+def plotted_bars(summary: dict, tmp_path: Path, monkeypatch, **kwargs) -> dict[str, list[tuple[float, float]]]:
+    """(x, height) of each labelled bar series plot_speedup draws."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    drawn: dict[str, list[tuple[float, float]]] = {}
+    bar = Axes.bar
+
+    def spy(self, x, height, *args, label=None, **kw):
+        drawn[label] = list(zip(x, height))
+        return bar(self, x, height, *args, label=label, **kw)
+
+    monkeypatch.setattr(Axes, "bar", spy)
+    plot_speedup(summary, tmp_path / "chart.png", **kwargs)
+    return drawn
+
+
+def test_the_chart_has_a_bar_per_method_and_category_over_its_category(tmp_path: Path, monkeypatch):
+    """Every method but the reference gets one bar per category it has a figure for, within that
+    category's slot (x = category index +- 0.4); the key picks the figure."""
+    summary = hand_summary()
+    summary["methods"]["base"] = {**summary["methods"]["spec"], "kind": "baseline",
+                                  "categories": {"qa": {**summary["methods"]["spec"]["categories"]["qa"], "speedup": None},
+                                                 "overall": {**summary["methods"]["spec"]["categories"]["overall"], "speedup": 0.5}}}
+    drawn = plotted_bars(summary, tmp_path, monkeypatch)
+    assert set(drawn) == {"spec", "base (baseline)"}
+    assert [h for _, h in drawn["spec"]] == [3.25, 3.25] and [h for _, h in drawn["base (baseline)"]] == [0.5]
+    assert all(c - 0.4 < x < c + 0.4 for c, (x, _) in enumerate(drawn["spec"]))
+    assert 0.6 < drawn["base (baseline)"][0][0] < 1.4  # overall only: no bar for the missing qa figure
+    assert drawn["spec"][0][0] < 0 < drawn["base (baseline)"][0][0] - 1  # side by side, in method order
+    e2e = plotted_bars(summary, tmp_path, monkeypatch, key="e2e_speedup")
+    assert [h for _, h in e2e["spec"]] == [2.5, 2.5]
