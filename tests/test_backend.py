@@ -255,3 +255,108 @@ def test_requests_varying_a_draft_cache_or_a_draft_models_spelling_keep_few_clon
     (tmp_path / "m").mkdir()
     assert _one_spelling(str(tmp_path / "m" / ".." / "m")) == _one_spelling(str(tmp_path / "m")) == str(tmp_path / "m")
     assert _one_spelling("smollm2-135m") == "smollm2-135m"
+
+
+def test_a_tree_node_cannot_be_its_own_parent():
+    """Nodes come in topological order: a parent's index is below its child's, never equal to it."""
+    for parents in ([0], [-1, 1]):
+        with pytest.raises(ValueError, match="topologically ordered"):
+            tree_depths(parents)
+
+
+def test_a_second_commit_path_without_a_new_verification_is_refused():
+    """commit_path keeps nodes of the tree the last verify_tree wrote: once they are committed no
+    tree is pending, and a second commit is refused rather than moving committed entries."""
+    backend = tiny_llama(seed=0)
+    backend.append(tokens(5))
+    backend.verify_tree(tokens(3, seed=2)[0], [-1, 0, 1])
+    backend.commit_path([0, 1])
+    assert backend.length == 7
+    with pytest.raises(RuntimeError, match="verify_tree"):
+        backend.commit_path([0])
+    assert backend.length == 7
+
+
+def test_tree_verification_over_several_rows_is_refused():
+    """A token tree is verified for one sequence (batch of one row): with forked rows it is refused."""
+    backend = tiny_llama(seed=0)
+    backend.prefill(tokens(5)[0].tolist(), batch_size=2)
+    with pytest.raises(ValueError, match="one row"):
+        backend.verify_tree(tokens(3, seed=2)[0], [-1, 0, 1])
+
+
+def test_a_clone_starts_with_an_empty_memory(backend):
+    """What a model learnt across requests (memory()) is its own: a clone starts empty and what
+    either learns afterwards stays its own."""
+    backend.memory("corpus", list).append("parent's")
+    twin = backend.clone()
+    assert twin.memory("corpus", list) == []
+    twin.memory("corpus", list).append("twin's")
+    assert backend.memory("corpus", list) == ["parent's"] and twin.lock is not backend.lock
+
+
+def test_first_logits_with_nan_or_plus_infinity_are_refused_but_minus_infinity_is_a_ruled_out_token():
+    """A damaged model's logits (NaN, +infinity) are refused in one line at a request's start;
+    -infinity only rules a token out, as a model may."""
+    from decodekit.errors import InvalidModel
+
+    backend = tiny_llama(seed=0)
+    ruled_out = torch.tensor([[0.5, -torch.inf, 1.0]])
+    assert backend._finite(ruled_out) is ruled_out
+    for bad in (torch.nan, torch.inf):
+        with pytest.raises(InvalidModel, match="not finite"):
+            backend._finite(torch.tensor([[0.5, bad, 1.0]]))
+    backend.weights.final_norm[0] = torch.nan  # a damaged norm weight: every logit NaN
+    with pytest.raises(InvalidModel, match="not finite"):
+        backend.prefill([1, 2, 3])
+
+
+def test_the_room_for_a_pass_is_what_the_context_has_left():
+    """pass_room() is the context's length less the committed tokens: a tree of exactly that many
+    nodes fits."""
+    backend = tiny_llama(seed=0, max_position=16)
+    backend.append(tokens(10))
+    assert backend.pass_room() == 6
+    backend.verify_tree(tokens(6, seed=3)[0], [-1, 0, 1, 2, 3, 4])
+    backend.commit_path(range(6))
+    assert backend.length == 16 and backend.pass_room() == 0
+
+
+def prefix_reusing_llama():
+    """A tiny Llama whose passes run the one-call layer path (head size 16), so that a prompt's
+    rest read after a kept prefix gives the bits of the whole prompt (reuses_prefix)."""
+    backend = tiny_llama(seed=0, hidden_size=64)
+    if not backend.reuses_prefix():
+        pytest.skip("needs the compiled kernels")
+    return backend
+
+
+def test_a_kept_prefix_is_taken_for_one_row_only():
+    """prefill reuses the kept prefix only when it reads one row from a one-row cache: a prompt
+    forked into several rows, or a cache holding several, is read afresh, with the same logits."""
+    ids = tokens(12)[0].tolist()
+    want = prefix_reusing_llama().prefill(ids)
+    backend = prefix_reusing_llama()
+    backend.prefill(ids[:8], batch_size=3)  # three rows held
+    backend.kept_ids = ids[:8]
+    assert backend.shared_prefix(ids) == 0
+    assert torch.equal(backend.prefill(ids), want) and backend.batch_size == 1
+    backend.kept_ids = ids[:8]
+    forked = backend.prefill(ids, batch_size=3)  # the same prompt, forked: read afresh, three rows
+    assert forked.shape == (3, want.shape[-1]) and backend.batch_size == 3 and backend.length == 12
+    assert torch.equal(forked, want.expand(3, -1))
+
+
+def test_a_prompt_that_reused_the_kept_prefix_leaves_nothing_kept():
+    """kept_ids says what the cache holds: once a prompt took part of it and read its own rest, the
+    cache holds that prompt, so a later prompt starting as the old kept tokens is read afresh."""
+    first = tokens(12, seed=1)[0].tolist()
+    second = first[:4] + [(t + 1) % 96 for t in first[4:]]  # shares its first four tokens only
+    backend = prefix_reusing_llama()
+    backend.prefill(first)
+    backend.keep(first)
+    assert backend.shared_prefix(second) == 4
+    backend.prefill(second)
+    assert backend.kept_ids is None
+    again = first + [5]
+    assert torch.equal(backend.prefill(again), prefix_reusing_llama().prefill(again))

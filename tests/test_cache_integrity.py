@@ -700,3 +700,112 @@ def test_a_missing_output_head_is_refused_unless_it_is_tied_to_the_embedding(tmp
     check_loading_report(tmp_path / "m.gguf", report, tied=True)
     with pytest.raises(InvalidModel, match=r"m.gguf: 1 weight tensor\(s\) missing \(lm_head.weight\)"):
         check_loading_report(tmp_path / "m.gguf", report, tied=False)
+
+
+def test_a_file_that_does_not_start_as_gguf_is_refused_by_its_first_bytes(tiny_gguf, cache, tmp_path):
+    """A .gguf whose magic is not b"GGUF" is not a GGUF file: refused as such before any parser or
+    cache sees it (whatever the rest of the file holds)."""
+    bad = tmp_path / "renamed.gguf"
+    bad.write_bytes(b"GGUX" + tiny_gguf.read_bytes()[4:])
+    with pytest.raises(InvalidModel, match=re.escape(f"{bad}: not a GGUF file (it does not start with b'GGUF')")):
+        load_model(str(bad))
+    assert not [p for p in cache.rglob("*") if not p.name.endswith(".lock")]
+
+
+def test_a_gguf_tensor_of_the_wrong_shape_is_refused_not_made_up(tmp_path):
+    """transformers initialises a tensor whose shape differs from the config's at random, saying so
+    only in its report (mismatched_keys): refused like a missing one."""
+    from decodekit.models.loading import check_loading_report
+
+    report = {"missing_keys": [], "mismatched_keys": [("model.layers.0.mlp.up_proj.weight", (64, 16), (64, 32))]}
+    with pytest.raises(InvalidModel, match=r"m.gguf: 1 weight tensor\(s\) of the wrong shape "
+                                           r"\(model.layers.0.mlp.up_proj.weight\): a damaged file"):
+        check_loading_report(tmp_path / "m.gguf", report, tied=True)
+
+
+def test_an_empty_model_spec_is_refused_not_taken_for_the_default(monkeypatch):
+    """An empty string names no model (an unset variable in a script): refused in one line, never
+    read as the embedded default."""
+    from decodekit.errors import InvalidParameter
+    from decodekit.models import loading
+
+    monkeypatch.setattr(loading, "dequantised_folder", lambda gguf: pytest.fail("a model was loaded"))
+    with pytest.raises(InvalidParameter, match="^model must be an embedded model's name"):
+        loading.resolve_model("")
+
+
+def test_a_truncated_cache_file_is_found_by_its_size_without_reading_it(tmp_path, monkeypatch):
+    """A manifest's sizes are compared before any digest: a cut-short file costs a stat, and is
+    reported by its size."""
+    from decodekit.models import cache as cache_module
+
+    entry = Entry(tmp_path / "table.json", folder=False)
+    entry.build(lambda tmp: tmp.write_text('{"a": 1}'))
+    assert entry.check() is None
+    (tmp_path / "table.json").write_text('{"a"')
+    monkeypatch.setattr(cache_module, "file_digest", lambda path: pytest.fail("a digest computed"))
+    assert entry.check() == "table.json is 4 bytes, its manifest says 8"
+
+
+def test_a_model_from_a_gguf_names_the_gguf_as_its_weights(tiny_gguf, cache):
+    """A dequantised folder is a copy of its GGUF file: the file is what a trained drafter's record
+    of its target is checked against, not the cache's safetensors."""
+    assert load_model(str(tiny_gguf)).backend.weights_files == (tiny_gguf,)
+
+
+def test_a_match_record_is_keyed_by_the_gguf_packages_version(tiny_gguf, cache, monkeypatch):
+    """The record compares decodekit's dequantisation with the gguf package's: another version of
+    the package may dequantise otherwise, so the record's key changes with it."""
+    import importlib.metadata
+
+    from decodekit.models.gguf_blocks import _match_key
+
+    load_model(str(tiny_gguf))
+    key = _match_key(model_folder(cache))
+    assert key is not None and _match_key(model_folder(cache)) == key
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1" if name == "gguf" else real(name))
+    assert _match_key(model_folder(cache)) != key
+
+
+def test_a_window_as_long_as_the_context_restricts_nothing_and_loads(tmp_path):
+    """A sliding window no shorter than the context (Mistral configs that keep the field) never
+    leaves a key out: the native backend computes it as plain attention, so it is not refused."""
+    from safetensors.torch import save_file
+
+    save_file(tiny_state_dict(tiny_hf_config()), str(tmp_path / "model.safetensors"))
+    config = tiny_hf_config() | {"model_type": "mistral", "sliding_window": 512, "hidden_act": "swish"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from decodekit.models.loading import build_backend
+
+    assert build_backend(tmp_path, backend="native").info.max_length == 512
+
+
+def test_an_untied_model_without_its_output_head_is_one_clear_error(tmp_path):
+    """config.json says the head is its own tensor, and there is none: transformers would start a
+    random head; taking the embedding table instead would be a guess. Refused in one line."""
+    from safetensors.torch import save_file
+
+    state = tiny_state_dict(tiny_hf_config())
+    del state["lm_head.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
+    with pytest.raises(InvalidModel, match="no lm_head.weight, and config.json does not tie"):
+        load_model(str(tmp_path), backend="native")
+    (tmp_path / "config.json").write_text(json.dumps({**tiny_hf_config(), "tie_word_embeddings": True}))
+    from decodekit.models.loading import build_backend
+
+    assert build_backend(tmp_path, backend="native").info.vocab_size == 96  # tied: the table is the head
+
+
+def test_an_output_head_of_the_wrong_shape_is_one_clear_error(tmp_path):
+    """An untied lm_head whose rows are not config.json's vocabulary would give logits over another
+    vocabulary: refused in one line, as the embedding table is."""
+    from safetensors.torch import save_file
+
+    state = tiny_state_dict(tiny_hf_config())
+    state["lm_head.weight"] = state["lm_head.weight"][:50].clone()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
+    with pytest.raises(InvalidModel, match=re.escape("lm_head.weight is (50, 32), where config.json's sizes make it (96, 32)")):
+        load_model(str(tmp_path), backend="native")

@@ -504,3 +504,62 @@ def test_rotary_angles_computed_as_far_as_a_sequence_reaches_are_the_whole_table
     assert model._rope.filled == 0
     model.append(torch.zeros(1, ROPE_CHUNK + 3, dtype=torch.long))
     assert model._rope.filled == 2 * ROPE_CHUNK
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantize_maps_each_blocks_extremes_onto_the_ends_of_its_integer_range(kind):
+    """llama.cpp's rules: Q8_0 scales a block by max|w| / 127, so its largest magnitude comes back
+    as itself (to float16's rounding of the scale); Q4_1 maps [min, max] onto 0..15, so both ends
+    come back."""
+    weight = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    back = BlockMatrix.quantize(weight, kind).dequantize().view(4, 2, 32)
+    w = weight.view(4, 2, 32)
+    if kind == "q8_0":
+        top = w.abs().argmax(-1, keepdim=True)
+        assert torch.allclose(back.gather(-1, top), w.gather(-1, top), rtol=2**-9, atol=0)
+    else:
+        spread = (w.amax(-1) - w.amin(-1)) / 500
+        assert ((back.amax(-1) - w.amax(-1)).abs() <= spread).all()
+        assert ((back.amin(-1) - w.amin(-1)).abs() <= spread).all()
+
+
+@needs_kernel
+def test_a_tied_head_checked_slice_by_slice_matches_every_slice(monkeypatch):
+    """The tied head's blocks are checked against the float32 table a slice of rows at a time, each
+    slice against its own rows: blocks that match put the head on blocks, whatever the slicing."""
+    from decodekit.models import llama_weights
+
+    llama, state, blocks = tied_model_on_blocks(seed=5)
+    monkeypatch.setattr(llama_weights, "HEAD_SLICE_VALUES", 16 * 64)  # six slices of 16 rows
+    matches: dict = {}
+    sliced = NativeLlama(llama, state, gguf_blocks=blocks, block_matches=matches)
+    assert sliced.weights.embed is None and matches[TIED_HEAD] is True
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(sliced.append(ids).logits, NativeLlama(llama, state).append(ids).logits)
+
+
+def test_quantised_tensors_of_names_the_backend_does_not_read_are_neither_blocks_nor_unread(tmp_path):
+    """Only the weight matrices the backend computes with are read (or listed as unread, to run in
+    float32): a quantised tensor of another name (a vision tower's, an expert router's) is ignored."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    gen = torch.Generator().manual_seed(0)
+    writer = GGUFWriter(tmp_path / "tiny.gguf", "llama")
+    for name in ("blk.0.attn_v.weight", "blk.0.ffn_gate_inp.weight", "v.blk.0.attn_q.weight"):
+        writer.add_tensor(name, BlockMatrix.random(8, 64, "q8_0", gen).data.numpy(), raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    read = read_block_matrices(tmp_path / "tiny.gguf", num_layers=1)
+    assert list(read) == ["model.layers.0.self_attn.v_proj.weight"] and read.unread == {}
+
+
+def test_unread_weights_whose_float32_copies_just_fit_are_run_not_refused(monkeypatch, capsys, tmp_path):
+    """Refused only where the float32 copies exceed the memory available: exactly that much fits."""
+    from decodekit.models import loading
+
+    unread = {"model.layers.0.mlp.gate_proj.weight": ("q2_k", 1 << 20)}
+    monkeypatch.setattr(loading, "available_memory", lambda: 4 << 20)  # 4 bytes a weight
+    loading.check_unread_weights(tmp_path / "m.gguf", unread)
+    assert "run as float32" in capsys.readouterr().err

@@ -125,3 +125,25 @@ def test_real_model_fast_numerics_stays_near_exact_and_speculation_stays_lossles
         want = engine.generate(prompt, max_new_tokens=48).tokens
         for method in ("pld", "recycling"):
             assert engine.generate(prompt, method=method, max_new_tokens=48, budget=6).tokens == want, method
+
+
+def test_a_dtype_other_than_float32_or_bfloat16_is_one_clear_error():
+    """The backends compute in float32 or bfloat16 only: a torch dtype outside those (float16) is
+    refused like an unknown name, not passed on."""
+    from decodekit.models.loading import parse_dtype
+
+    assert parse_dtype(torch.bfloat16) is torch.bfloat16 and parse_dtype("float32") is torch.float32
+    for dtype in (torch.float16, "float16", torch.float64):
+        with pytest.raises(InvalidParameter, match="^dtype must be one of"):
+            parse_dtype(dtype)
+
+
+def test_the_native_backend_asked_for_an_architecture_it_lacks_is_one_clear_error(tmp_path):
+    """--backend native on a model it does not compute is refused, never run on the HF backend instead."""
+    import json
+
+    from decodekit.models.loading import build_backend
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 96}))
+    with pytest.raises(InvalidParameter, match="^the native backend supports llama, .*not 'gpt2'; use --backend hf"):
+        build_backend(tmp_path, backend="native")

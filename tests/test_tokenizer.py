@@ -119,3 +119,71 @@ def test_the_char_tokenizer_never_spells_the_end_of_sequence():
     tok = CharTokenizer(96)
     assert tok.encode("\n\x1f a") == [1, 1, 1, ord("a") - 31]
     assert tok.encode("é") == [95] and 0 not in tok.encode("line one\nline two")
+
+
+def gemma_folder(folder: Path, byte_fallback: bool = True) -> Path:
+    """A tiny tokenizer with the pipeline transformers' GemmaTokenizer builds (spaces as "▁", bytes
+    of characters outside the vocabulary spelt as <0xNN> tokens where ``byte_fallback``)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, **{f"<0x{b:02X}>": 4 + b for b in range(256)},
+             "▁": 260, "a": 261, "t": 262, "▁a": 263, "at": 264}
+    rust = Tokenizer(models.BPE(vocab, [("▁", "a"), ("a", "t")], unk_token="<unk>", byte_fallback=byte_fallback,
+                                fuse_unk=True))
+    rust.normalizer = normalizers.Replace(" ", "▁")
+    rust.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous", invert=False)
+    rust.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    rust.add_special_tokens(["<pad>", "<eos>", "<bos>", "<unk>"])
+    folder.mkdir(exist_ok=True)
+    rust.save(str(folder / "tokenizer.json"))
+    settings = {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>",
+                "pad_token": "<pad>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    return folder
+
+
+def test_a_gemma_folder_reads_bytes_outside_its_vocabulary_as_byte_tokens_or_goes_to_auto_tokenizer(tmp_path):
+    """GemmaTokenizer's model falls back to byte tokens for text outside its vocabulary: a folder
+    with that pipeline is read as it is, and one whose model lacks the byte fallback (it would read
+    such text as <unk>) goes to AutoTokenizer."""
+    ours = file_tokenizer(gemma_folder(tmp_path / "gemma"))
+    assert isinstance(ours, FileTokenizer)
+    ids = ours.encode("at é")
+    assert ids[-2:] == [4 + 0xC3, 4 + 0xA9] and ours.decode(ids) == "at é"  # é is C3 A9 in UTF-8
+    assert isinstance(file_tokenizer(gemma_folder(tmp_path / "plain", byte_fallback=False)), HFTokenizer)
+
+
+def test_the_char_tokenizers_end_of_sequence_is_its_one_special_token():
+    """Id 0 ends a sequence: the special token, which decodes to no text and has no bytes, while
+    every other id spells its character."""
+    tok = CharTokenizer(96)
+    assert tok.decode([ord("h") - 31, ord("i") - 31, 0]) == "hi"
+    assert tok.special_tokens() == {0: "<eos>"}
+    assert tok.token_bytes(0) == b"" and tok.token_bytes(ord("a") - 31) == b"a"
+
+
+def test_a_folders_special_tokens_are_its_special_added_tokens_only(tmp_path):
+    """An added token that is not special (a tool-call marker) is text: it decodes, and structured
+    decoding may spell with it; only the special ones are listed, as AutoTokenizer has them."""
+    from tokenizers import AddedToken, Tokenizer
+
+    folder = tokenizer_folder(tmp_path / "tok")
+    rust = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    rust.add_tokens([AddedToken("<tool>", special=False)])
+    rust.save(str(folder / "tokenizer.json"))
+    ours, auto = file_tokenizer(folder), HFTokenizer(folder)
+    assert isinstance(ours, FileTokenizer)
+    assert ours.special_tokens() == auto.special_tokens()
+    assert set(ours.special_tokens().values()) == {"<s>", "</s>", "<unk>", "<|im_end|>"}
+
+
+def test_a_message_key_whose_value_is_none_is_left_out_as_auto_tokenizer_leaves_it(tmp_path):
+    """apply_chat_template drops a message's keys whose value is None (an assistant turn without
+    content): the template sees them undefined, never as the text "None"."""
+    from transformers import AutoTokenizer
+
+    folder = tokenizer_folder(tmp_path / "tok")
+    ours, auto = file_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
+    assert ours.chat_prompt(chat) == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert "None" not in ours.chat_prompt(chat)

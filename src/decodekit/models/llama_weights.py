@@ -399,7 +399,10 @@ class LlamaWeights:
         self._numerics = numerics
         self._matches = {} if matches is None else matches
         embed_name = "model.embed_tokens.weight"
-        tied = config.tie_word_embeddings or "lm_head.weight" not in state
+        tied = config.tie_word_embeddings
+        if not tied and "lm_head.weight" not in state:  # transformers would start a random head: refused here
+            raise InvalidModel("the weights hold no lm_head.weight, and config.json does not tie the output head to the "
+                               "embedding table (tie_word_embeddings is not true)")
         for name in (embed_name,) if tied else (embed_name, "lm_head.weight"):  # read from the headers alone
             shape = state.shape(name) if hasattr(state, "shape") else tuple(state[name].shape)
             if shape != (config.vocab_size, config.hidden_size):
