@@ -132,6 +132,7 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["eval", "longctx", "--unconstrained"], "--unconstrained applies to the item tasks, not longctx"),
     (["eval", "longctx", "--opt", "a=1"], "--opt applies to the item tasks, not longctx"),
     (["eval", "capitals", "--unconstrained"], "task 'capitals' has no constraint to leave out"),
+    (["eval", "capitals", "--limit", "0"], "--limit must be an integer >= 1, got 0"),  # 0 would mean every item
     (["generate", "hi", "--json", "--stream"], "argument --stream: not allowed with argument --json"),
 ])
 def test_bad_arguments_are_one_line_before_the_model_loads(capsys, no_model, argv, expected):
@@ -451,3 +452,13 @@ def test_a_model_file_that_cannot_be_read_is_one_line_and_exit_2(tmp_path, monke
     assert cli.main(["generate", "hi", "--model", str(model)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].endswith("m.gguf: the model file cannot be read (permission denied)")
+
+
+def test_another_librarys_error_is_named_by_its_first_line():
+    """cause_line: the type and the first line of the message (the rest is usually a traceback or detail)."""
+    from decodekit.errors import InvalidModel, cause_line
+
+    err = ValueError("header is damaged\n  at offset 12\n  more detail")
+    assert cause_line(err) == "ValueError: header is damaged"
+    assert cause_line(OSError()) == "OSError"
+    assert str(InvalidModel.because("m.gguf", "cannot be read", err)) == "m.gguf: cannot be read (ValueError: header is damaged)"

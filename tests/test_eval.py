@@ -405,3 +405,166 @@ def test_agreement_samples_are_drawn_under_the_items_schema_and_apart_from_the_a
     evaluate(model, fake_task(), EvalConfig(method="sample", temperature=0.7, n=4, signals=["agreement"]))
     rows = [set(range(s, s + 4)) for s in drawn + probes]  # each item's and each probe's seeds
     assert all(not (a & b) for i, a in enumerate(rows) for b in rows[i + 1:])
+
+
+# A stand-in method, for what the runner does around any method's output ----------------------------
+
+
+class ScriptedDecoder:
+    """A method whose output is given: ``reply(prompt)`` -> (text, extra, stats.extra); it keeps every request."""
+
+    def __init__(self, reply, new_tokens: int = 2):
+        self.reply, self.new_tokens, self.requests = reply, new_tokens, []
+
+    def generate(self, model, request):
+        from decodekit.engine.core import Generation, GenerationStats
+
+        self.requests.append(request)
+        text, extra, stats_extra = self.reply(model.tokenizer.decode(request.prompt_ids))
+        return Generation(text, [0] * self.new_tokens, GenerationStats(new_tokens=self.new_tokens, extra=stats_extra),
+                          "length", extra)
+
+
+def scripted_eval(monkeypatch, decoder, **config):
+    import decodekit.eval.runner as runner
+    from decodekit.eval.runner import EvalConfig, evaluate
+
+    monkeypatch.setattr(runner, "make_decoder", lambda config, task: decoder)
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    return evaluate(model, fake_task(), EvalConfig(**config))
+
+
+def test_an_items_tokens_spent_is_what_its_whole_search_spent(monkeypatch):
+    """A search's cost is every token it decoded (stats.extra['tokens_spent']), not the answer's length;
+    a method that reports none spent the answer's tokens."""
+    searched = ScriptedDecoder(lambda prompt: ("a", {}, {"tokens_spent": 9}), new_tokens=2)
+    result = scripted_eval(monkeypatch, searched, method="self-consistency")
+    assert [r["tokens_spent"] for r in result["records"]] == [9, 9, 9] and result["tokens_spent"] == 27
+    plain = ScriptedDecoder(lambda prompt: ("a", {}, {}), new_tokens=2)
+    assert scripted_eval(monkeypatch, plain)["tokens_spent"] == 6
+
+
+def test_a_methods_own_agreement_is_kept_and_costs_no_extra_samples(monkeypatch):
+    """Voting methods report agreement over their own samples: --signals agreement then draws none."""
+    import decodekit.eval.runner as runner
+
+    monkeypatch.setattr(runner, "sampled_agreement", lambda *a, **kw: pytest.fail("agreement sampled again"))
+    voter = ScriptedDecoder(lambda prompt: ("a", {"uncertainty": {"agreement": 0.75}}, {}))
+    result = scripted_eval(monkeypatch, voter, method="self-consistency", signals=["agreement"])
+    assert [r["signals"]["agreement"] for r in result["records"]] == [0.75] * 3
+    assert result["signal_tokens"] == 0
+
+
+def test_every_item_is_decoded_with_the_max_new_tokens_asked_for_else_the_tasks(monkeypatch):
+    """--max-new-tokens overrides the task's own budget (fake3's is 6)."""
+    asked = ScriptedDecoder(lambda prompt: ("a", {}, {}))
+    scripted_eval(monkeypatch, asked, max_new_tokens=3)
+    assert [r.max_new_tokens for r in asked.requests] == [3, 3, 3]
+    default = ScriptedDecoder(lambda prompt: ("a", {}, {}))
+    scripted_eval(monkeypatch, default)
+    assert [r.max_new_tokens for r in default.requests] == [6, 6, 6]
+
+
+def test_accuracy_and_its_interval_count_the_items_evaluated_not_the_whole_task(monkeypatch):
+    """With --limit 2 of fake3's 3 items, and "a" right for the first item only: 1 of 2, Wilson(1, 2)."""
+    always_a = ScriptedDecoder(lambda prompt: ("a", {}, {}))
+    result = scripted_eval(monkeypatch, always_a, limit=2)
+    assert len(always_a.requests) == 2 and [r["id"] for r in result["records"]] == ["0", "1"]
+    assert (result["items"], result["correct"], result["accuracy"]) == (2, 1, 0.5)
+    assert result["ci95"] == pytest.approx(list(wilson_interval(1, 2)))
+
+
+def test_each_candidate_is_judged_by_its_own_text_not_the_chosen_output(monkeypatch):
+    """The budget curve scores votes over candidates: each candidate's correctness is its own."""
+    candidates = [{"text": "abc", "answer": "a"}, {"text": "zzz", "answer": "z"}]
+    chooser = ScriptedDecoder(lambda prompt: ("zzz", {"candidates": candidates}, {}))
+    result = scripted_eval(monkeypatch, chooser, method="self-consistency", limit=1)
+    record = result["records"][0]  # item 0, gold "a"
+    assert record["correct"] is False
+    assert record["candidates"] == [{"answer": "a", "correct": True}, {"answer": "z", "correct": False}]
+
+
+def test_a_plain_method_with_an_option_is_refused():
+    """greedy and sample take no method options: one given is an error, not silently dropped."""
+    from decodekit.eval.runner import EvalConfig, evaluate
+
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    with pytest.raises(InvalidParameter):
+        evaluate(model, fake_task(), EvalConfig(method="greedy", options={"width": 2}))
+
+
+def test_the_budget_curve_is_drawn_only_when_every_item_has_candidates():
+    """A curve over the items that have candidates alone would not be the task's accuracy."""
+    voted = {"candidates": [{"answer": "a", "correct": True}, {"answer": "a", "correct": True}]}
+    assert budget_curve([voted, {"signals": {}}]) == []
+    assert budget_curve([voted]) == [{"samples": 1, "accuracy": 1.0}, {"samples": 2, "accuracy": 1.0}]
+
+
+def test_a_signals_auroc_is_over_the_items_that_have_it():
+    """An item without a signal is left out of that signal's AUROC, not scored as 0."""
+    from decodekit.eval.runner import signal_aurocs
+
+    records = [{"signals": {"x": 0.9}, "correct": True}, {"signals": {"x": 0.1}, "correct": False},
+               {"signals": {}, "correct": True}]
+    assert signal_aurocs(records) == {"x": 1.0}
+
+
+def test_gsm8k_judges_the_final_number_by_its_value():
+    """Correct when the final number equals the reference's: 7.0 is 7, 7.5 is not."""
+    from decodekit.eval.tasks import numbers_equal
+
+    assert numbers_equal("7.0", "7") and numbers_equal("7", "7")
+    assert not numbers_equal("7.5", "7") and not numbers_equal("6.99", "7") and not numbers_equal(None, "7")
+
+
+REPORT_BASE = {"task": "gsm8k", "method": "greedy", "seed": 0, "n": 1, "options": {}, "correct": 2, "items": 10,
+               "accuracy": 0.2, "ci95": [0.057, 0.51], "tokens_spent": 100, "signal_tokens": 0, "time_s": 1.0,
+               "auroc": {}, "budget_curve": [], "records": []}
+
+
+def test_the_low_accuracy_warning_reads_the_upper_bound():
+    """Warned only when even the 95% upper bound is below 30%: an interval reaching above it is not."""
+    from decodekit.eval.report import markdown
+
+    assert "Accuracy is low" not in markdown({**REPORT_BASE, "ci95": [0.1, 0.6]})
+    assert "Accuracy is low" in markdown({**REPORT_BASE, "ci95": [0.0, 0.25]})
+
+
+def test_the_report_states_per_item_figures_and_each_signals_direction():
+    """Tokens per item divide by the items evaluated; phi_first (entropy) is confident when low."""
+    from decodekit.eval.report import markdown
+
+    text = markdown({**REPORT_BASE, "auroc": {"phi_first": 0.8, "agreement": 0.6, "pc": None}})
+    assert "tokens spent by the method: 100 (10.0 per item)" in text and "(0.10 s per item)" in text
+    assert "| phi_first | lower = confident | 0.800 |" in text
+    assert "| agreement | higher = confident | 0.600 |" in text and "| pc | higher = confident | n/a |" in text
+
+
+def test_an_answer_with_a_pipe_keeps_the_items_table_in_four_columns():
+    from decodekit.eval.report import markdown
+
+    record = {"id": "0", "gold": "4", "answer": "4 | 5", "correct": False}
+    rows = [line for line in markdown({**REPORT_BASE, "records": [record]}).splitlines() if line.startswith("| 0 |")]
+    assert rows == ["| 0 | 4 | 4 \\| 5 | no |"]
+
+
+def test_the_reliability_plot_orients_each_signal_as_its_auroc_does():
+    """A signal that is confident when low (phi_first) is flipped into a confidence, as for AUROC."""
+    from decodekit.eval.report import CALIBRATION_SIGNALS
+    from decodekit.search.uncertainty import CONFIDENCE_DIRECTION
+
+    for name, to_confidence in CALIBRATION_SIGNALS.items():
+        rising = to_confidence(0.8) > to_confidence(0.2)
+        assert rising == (CONFIDENCE_DIRECTION.get(name, 1) > 0), name
+        assert 0.0 <= to_confidence(0.2) <= 1.0 and 0.0 <= to_confidence(0.8) <= 1.0
+
+
+def test_an_unconstrained_run_has_a_default_folder_of_its_own(tmp_path):
+    """--unconstrained is run to compare with the constrained run: it must not overwrite that run's files."""
+    from decodekit.eval.cli import output_folder
+    from decodekit.eval.tasks import LONG_CONTEXT
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    folders = {output_folder(parser.parse_args(["structured", *flags]), LONG_CONTEXT) for flags in ([], ["--unconstrained"])}
+    assert {str(f) for f in folders} == {"eval-out/structured-greedy", "eval-out/structured-greedy-unconstrained"}

@@ -107,6 +107,17 @@ def test_the_command_writes_report_json_and_plot(model, tmp_path, capsys):
     assert (tmp_path / "plot.png").stat().st_size > 0 and "| 100 | full |" in (tmp_path / "report.md").read_text()
 
 
+def test_the_ends_of_the_depth_range_are_depths_too(model, tmp_path):
+    """--depths takes numbers in [0, 1], both ends included: 0 hides the key at the start, 1 at the end."""
+    parser = eval_cli.ArgumentParser()
+    eval_cli.add_arguments(parser)
+    args = parser.parse_args(["longctx", "--policies", "full", "--lengths", "100", "--depths", "0,1",
+                              "--continuation", "8", "--out", str(tmp_path)])
+    assert eval_cli.run(args, model=model) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["config"]["depths"] == [0.0, 1.0] and set(result["rows"][0]["passkey"]) == {"0.0", "1.0"}
+
+
 @pytest.mark.parametrize("flags, message", [(["--policies", "bogus"], "kv cache"), (["--lengths", "x"], "--lengths"),
                                             (["--depths", "2"], "--depths"), (["--continuation", "0"], "--continuation"),
                                             (["--depths", "0.5,0.50"], "twice")])

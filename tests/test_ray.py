@@ -247,6 +247,29 @@ def test_a_worker_killed_mid_unit_is_replaced_and_its_unit_runs_again(cluster, t
     assert sorted(k for d in pool.descriptions for k in d["done"]) == list(range(8)) and pool.lost == 1
 
 
+def test_lost_workers_up_to_the_tolerated_number_do_not_end_the_run(cluster):
+    """max_lost is how many lost workers a run tolerates: with 1, one lost worker is replaced and the run ends whole."""
+    pool = Pool(cluster, functools.partial(Doubler, 0.2), PoolSettings(workers=1, max_lost=1))
+    killed: list[int] = []
+    try:
+        results = pool.map({k: k for k in range(4)}, lambda key, value: killed or killed.append(kill_a_worker()))
+    finally:
+        pool.close()
+    assert {k: v["value"] for k, v in results.items()} == {k: 2 * k for k in range(4)} and pool.lost == 1
+
+
+def test_units_are_handed_out_in_the_order_given(cluster):
+    """One worker runs the units one at a time, so they arrive in the mapping's order."""
+    pool = Pool(cluster, Doubler, PoolSettings(workers=1))
+    order = [3, 1, 4, 0, 2]
+    arrivals: list[int] = []
+    try:
+        pool.map({k: k for k in order}, lambda key, value: arrivals.append(key))
+    finally:
+        pool.close()
+    assert arrivals == order
+
+
 def test_more_lost_workers_than_tolerated_end_the_run_with_one_line(cluster):
     pool = Pool(cluster, functools.partial(Doubler, 0.2), PoolSettings(workers=1, max_lost=0))
     try:
@@ -435,6 +458,19 @@ def test_an_eval_on_ray_gives_the_single_machine_records_even_with_a_worker_kill
     assert set(remote) - set(local) == {"machines"}
     assert [m["pid"] for m in remote["machines"] if m["lost"]] == [killer.killed]
     assert sorted(i for m in remote["machines"] for i in m["items"]) == list(range(8))
+    assert [m["units"] for m in remote["machines"]] == [len(m["items"]) for m in remote["machines"]]  # as the report reads it
+
+
+def test_an_eval_on_ray_with_a_limit_past_the_last_item_runs_every_item_once(cluster, tmp_path):
+    """--limit past the task's end means the whole task, as on one machine."""
+    data = tmp_path / "g.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i} + {i}?", "answer": f"#### {2 * i}"}) + "\n" for i in range(2)))
+    task = load_task("gsm8k", str(data))
+    config = EvalConfig(limit=5, max_new_tokens=4)
+    remote = evaluate_on_ray(TINY, task, config, None, PoolSettings(workers=1))
+    local = evaluate(TINY(), task, config)
+    assert remote["items"] == local["items"] == 2
+    assert [r["output"] for r in remote["records"]] == [r["output"] for r in local["records"]]
 
 
 def test_eval_ray_cli_writes_the_usual_files(cluster, tmp_path, capsys):

@@ -164,6 +164,16 @@ def test_sample_decoder_greedy_equals_engine_greedy(tiny):
         assert set(got.extra["uncertainty"]) >= {"phi_first", "self_certainty", "mean_logprob", "margin"}
 
 
+def test_sample_decoder_names_its_mode_and_reads_phi_first_where_the_tasks_answer_starts(tiny):
+    """extra['method'] says greedy or sample as the request's sampler does; the eval task's
+    answer_start (not the last number's) places phi_first."""
+    seen = []
+    got = SampleDecoder(lambda text: seen.append(text) or 0).generate(tiny, request(tiny, "hi", method="greedy", max_new=8))
+    assert got.extra["method"] == "greedy" and seen == [got.text]
+    sampled = SampleDecoder().generate(tiny, request(tiny, "hi", method="sample", temperature=0.8, max_new=8))
+    assert sampled.extra["method"] == "sample"
+
+
 def test_prefix_cache_reuses_the_longest_common_prefix(tiny):
     cache = PrefixCache(tiny.backend)
     ids = TOK.encode("hello there")
