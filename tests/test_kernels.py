@@ -69,6 +69,18 @@ def test_bfloat16_weights_multiply_exactly_and_sum_in_float32():
     assert torch.equal(out[1], kernels.few_rows_matmul(torch.bfloat16)(weight, x[1:2])[0])
 
 
+@needs_kernel
+def test_bfloat16_outputs_round_a_tie_to_the_even_neighbour():
+    """A float32 sum exactly halfway between two bfloat16 values goes to the even one (torch's
+    round-to-nearest-even conversion): 1 + 2^-8 -> 1, and 1 + 3 * 2^-8 -> 1 + 2^-6."""
+    weight, x = torch.zeros(2, 32), torch.zeros(1, 32)
+    x[0, :2] = torch.tensor([1.0, 2.0**-8])
+    weight[0, :2] = torch.tensor([1.0, 1.0])  # 1 + 2^-8: halfway between 1 and 1 + 2^-7
+    weight[1, :2] = torch.tensor([1.0 + 2.0**-7, 1.0])  # 1 + 3 * 2^-8: halfway between 1 + 2^-7 and 1 + 2^-6
+    out = kernels.few_rows_matmul(torch.bfloat16)(weight.bfloat16(), x.bfloat16())
+    assert out.float().tolist() == [[1.0, 1.0 + 2.0**-6]]
+
+
 def test_kernels_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("DECODEKIT_KERNELS", "0")
     assert not kernels.build._supported()
@@ -231,12 +243,14 @@ def test_one_call_decoder_layers_match_the_layer_by_layer_path(dtype):
         ])
     for got, expected in zip(*outputs):
         assert torch.equal(got, expected)
-    for skip in (frozenset({1}), frozenset({0, 1})):  # skipped layers (self-speculation drafts); all of them
+    for skip in (frozenset({1}), frozenset({0}), frozenset({0, 1})):  # skipped layers (self-speculation drafts): the
+        # last, the first (the next layer then adds no MLP output before its norm), all of them
         expected = looped.append(tokens[:, 8:9], skip_layers=skip).logits
         assert torch.equal(fused.append(tokens[:, 8:9], skip_layers=skip).logits, expected)
         assert torch.equal(fused._k[:, :, :, : fused.length], looped._k[:, :, :, : looped.length])
 
 
+<<<<<<< ours
 def test_a_truncated_model_ignores_skips_of_layers_it_does_not_have():
     """A truncated copy shares its model's layers and runs as many as its cache has: a skip set
     naming layers past them (a self-speculation draft's) skips nothing there, in forward.c as in
@@ -268,6 +282,41 @@ def test_a_batch_whose_parts_do_not_add_up_to_its_rows_is_refused():
     x = torch.zeros(3, 64)
     with pytest.raises(ValueError, match="add up"):
         backend._stack.run_batch(x, torch.empty_like(x), backend._freqs_pairs, [part])
+=======
+@pytest.mark.parametrize("dim", [16, 64])  # one query a job; a group's heads in one job
+def test_attention_scores_hundreds_apart_give_the_best_keys_value(dim):
+    """Softmax subtracts the largest score before exponentiating: with scores 320 apart (exp far
+    past float32's range) the result is the best key's value, not inf / inf. The best key is the
+    16th, the last lane of the 16 the largest score is looked for in."""
+    attend = kernels.layout_independent_attention(torch.float32, dim)
+    if attend is None:
+        pytest.skip("no C compiler or no AVX-512 on this machine")
+    n_keys = 20
+    weights = torch.zeros(n_keys)
+    weights[3], weights[15] = 1.0, 2.0  # scores 0, 10 * dim * 1 and 10 * dim * 2
+    k = (weights[:, None] * torch.ones(n_keys, dim))[None].repeat(2, 1, 1).contiguous()
+    v = torch.randn(2, n_keys, dim, generator=torch.Generator().manual_seed(12))
+    q = torch.full((1, 6, dim), 10.0)
+    got = attend(q, k, v, None, 1.0)
+    want = v[:, 15].repeat_interleave(3, dim=0)[None]  # heads 0-2 read key/value head 0, heads 3-5 head 1
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("dim", [16, 64])  # one query a job; a group's heads in one job
+def test_a_query_that_sees_no_key_gets_zeros_not_nan(dim):
+    """The kernel's rule for a row with no visible key (a softmax sum of 0 is inverted as 0):
+    zeros, not the NaN of 0 * inf, and the other rows of the pass are untouched by it."""
+    attend = kernels.layout_independent_attention(torch.float32, dim)
+    if attend is None:
+        pytest.skip("no C compiler or no AVX-512 on this machine")
+    gen = torch.Generator().manual_seed(13)
+    k, v, q = torch.randn(2, 20, dim, generator=gen), torch.randn(2, 20, dim, generator=gen), torch.randn(2, 6, dim, generator=gen)
+    visible = torch.ones(2, 20, dtype=torch.bool)
+    visible[0] = False
+    got = attend(q, k, v, visible, dim**-0.5)
+    assert torch.equal(got[0], torch.zeros(6, dim))
+    assert torch.equal(got[1], attend(q[1:], k, v, None, dim**-0.5)[0])
+>>>>>>> theirs
 
 
 def test_attention_kernel_declines_head_dims_it_cannot_run():
@@ -313,6 +362,17 @@ def test_add_rms_norm_matches_torch_and_updates_the_residual_in_place(dtype):
     torch.testing.assert_close(got_h, expected_h, rtol=tolerance, atol=tolerance)
     plain = _ops(dtype).add_rms_norm(expected_x.clone(), None, weight, 1e-5)  # no delta: x untouched
     assert torch.equal(plain, got_h)
+
+
+def test_rms_norm_adds_epsilon_to_the_mean_square_under_the_root():
+    """RMSNorm is x / sqrt(mean(x^2) + eps): a row whose mean square equals eps is scaled by
+    1 / sqrt(2 eps), which matters for rows as small as eps (eps outside the root would not)."""
+    x = torch.full((2, 64), 1e-3)  # mean square 1e-6
+    x[1] = -x[1]
+    h = _ops(torch.float32).add_rms_norm(x, None, torch.ones(64), 1e-6)
+    want = torch.full((2, 64), 2**-0.5)
+    want[1] = -want[1]
+    torch.testing.assert_close(h, want, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -365,6 +425,20 @@ def test_top_k_indices_order_ties_by_index_and_skip_minus_infinity():
     assert kernels.top_k_indices(x, 3).tolist() == [[17, 30, 3], [5, -1, -1]]
     full = kernels.top_k_indices(x, kernels.TOPK_MAX)  # the largest k the kernel takes
     assert full.tolist() == [[17, 30, 3, 35] + [-1] * (kernels.TOPK_MAX - 4), [5] + [-1] * (kernels.TOPK_MAX - 1)]
+
+
+@needs_kernel
+def test_top_k_indices_when_the_bar_rises_inside_a_block_and_the_best_is_the_last_value():
+    """The k-th best so far rises while one block of 16 is scanned: a later value of that block
+    that beat the old bar but not the new one stays out (a descending row keeps its first k). And
+    the tail past the last 16 is read up to its last value."""
+    descending = torch.arange(40, 0, -1, dtype=torch.float32)[None]
+    assert kernels.top_k_indices(descending, 3).tolist() == [[0, 1, 2]]
+    assert kernels.top_k_indices(descending, 1).tolist() == [[0]]
+    for n in (17, 40, 49157):
+        x = torch.randn(1, n, generator=torch.Generator().manual_seed(n))
+        x[0, -1] = 100.0
+        assert kernels.top_k_indices(x, 4).tolist() == torch.topk(x, 4, dim=-1).indices.tolist()
 
 
 @needs_kernel
