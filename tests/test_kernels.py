@@ -250,7 +250,6 @@ def test_one_call_decoder_layers_match_the_layer_by_layer_path(dtype):
         assert torch.equal(fused._k[:, :, :, : fused.length], looped._k[:, :, :, : looped.length])
 
 
-<<<<<<< ours
 def test_a_truncated_model_ignores_skips_of_layers_it_does_not_have():
     """A truncated copy shares its model's layers and runs as many as its cache has: a skip set
     naming layers past them (a self-speculation draft's) skips nothing there, in forward.c as in
@@ -282,7 +281,8 @@ def test_a_batch_whose_parts_do_not_add_up_to_its_rows_is_refused():
     x = torch.zeros(3, 64)
     with pytest.raises(ValueError, match="add up"):
         backend._stack.run_batch(x, torch.empty_like(x), backend._freqs_pairs, [part])
-=======
+
+
 @pytest.mark.parametrize("dim", [16, 64])  # one query a job; a group's heads in one job
 def test_attention_scores_hundreds_apart_give_the_best_keys_value(dim):
     """Softmax subtracts the largest score before exponentiating: with scores 320 apart (exp far
@@ -316,7 +316,6 @@ def test_a_query_that_sees_no_key_gets_zeros_not_nan(dim):
     got = attend(q, k, v, visible, dim**-0.5)
     assert torch.equal(got[0], torch.zeros(6, dim))
     assert torch.equal(got[1], attend(q[1:], k, v, None, dim**-0.5)[0])
->>>>>>> theirs
 
 
 def test_attention_kernel_declines_head_dims_it_cannot_run():
