@@ -2537,6 +2537,10 @@ MUTATIONS = (
              "for (int c = 0; c < CH; c++) qv[m][c] = _mm512_loadu_ps(q[m] + 16 * c);",
              "for (int c = 0; c < CH; c++) qv[m][c] = _mm512_loadu_ps(q[0] + 16 * c);",
              ("tests/test_kv_policy.py", "-k", "int8_attention_is_float_attention")),
+    Mutation("topk-bar-not-raised-when-full", "src/decodekit/models/kernels/topk.c",
+             "value, j + lane);\n                    if (count == k) bar = best[k - 1];",
+             "value, j + lane);",
+             ("tests/test_kernels.py", "-k", "top_k_indices")),
 )
 
 
