@@ -2541,6 +2541,10 @@ MUTATIONS = (
              "value, j + lane);\n                    if (count == k) bar = best[k - 1];",
              "value, j + lane);",
              ("tests/test_kernels.py", "-k", "top_k_indices")),
+    Mutation("join-qkv-values-in-the-keys-place", "src/decodekit/models/kernels/forward.c",
+             "memcpy(qkv + (r * width + q_width + kv_width) * es, v + r * kv_width * es",
+             "memcpy(qkv + (r * width + q_width + kv_width) * es, k + r * kv_width * es",
+             ("tests/test_gemma3.py", "-k", "different_types")),
 )
 
 

@@ -146,6 +146,37 @@ def test_the_one_call_layer_path_gives_the_layer_loops_bits():
     assert torch.equal(tree, loop.verify_tree(node_tokens, parents).logits)
 
 
+def mixed_blocks_gemma3(seed: int):
+    """A tiny Gemma 3 on GGUF blocks whose v projections are Q8_0 beside Q4_1 q and k (as the
+    embedded Gemma's file mixes kinds): three projections, joined row by row in forward.c."""
+    from decodekit.models.gemma3 import NativeGemma3
+    from decodekit.models.gguf_blocks import BlockMatrix
+    from decodekit.models.tiny import as_gguf_blocks
+
+    state = dict(tiny_gemma3_hf_model(seed).state_dict())
+    state.pop("lm_head.weight", None)
+    state, blocks = as_gguf_blocks(state)
+    for name in [n for n in state if n.endswith("v_proj.weight")]:
+        blocks[name] = BlockMatrix.quantize(state[name], "q8_0")
+        state[name] = blocks[name].dequantize()
+    return NativeGemma3(Gemma3Config.from_hf(tiny_gemma3_hf_config()), state, gguf_blocks=blocks)
+
+
+def test_q_k_and_v_on_blocks_of_different_types_give_the_layer_loops_bits():
+    """Separate q, k and v projections are joined into each row's qkv (q, then k, then v) before
+    the norms and attention, in forward.c as in the Python loop."""
+    one_call, loop = mixed_blocks_gemma3(seed=6), mixed_blocks_gemma3(seed=6)
+    if one_call._stack is None:
+        pytest.skip("kernels unavailable on this machine")
+    loop._stack = None
+    context = tokens(12)
+    one_call.append(context), loop.append(context)
+    for token in tokens(4, seed=3)[0]:
+        step = token.view(1, 1)
+        assert torch.equal(one_call.append(step).logits, loop.append(step).logits)
+    assert torch.equal(one_call._v[:, :, :, : one_call.length], loop._v[:, :, :, : loop.length])
+
+
 def test_rollback_then_append_equals_a_fresh_run():
     backend, ids = tiny_gemma3(seed=4), tokens(30)
     fresh = backend.append(ids).logits
