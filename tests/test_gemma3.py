@@ -243,3 +243,21 @@ def test_a_sequence_past_the_context_is_not_pointed_to_a_cache_gemma_refuses():
 def test_cache_policies_that_move_entries_or_read_codes_before_every_row_are_refused(cache):
     with pytest.raises(InvalidParameter, match="sliding-window"):
         tiny_gemma3(seed=0).with_kv_cache(cache)
+
+
+def test_the_older_spelling_reads_the_local_rotary_base_from_rope_local_base_freq():
+    """Configs without ``rope_parameters`` (Gemma 3's own): ``rope_theta`` is the global layers' base,
+    ``rope_local_base_freq`` the sliding-window layers'."""
+    older = {k: v for k, v in tiny_gemma3_hf_config(num_layers=2).items() if k != "rope_parameters"}
+    c = Gemma3Config.from_hf({**older, "rope_theta": 1e6, "rope_local_base_freq": 1e4})
+    assert (c.rope_theta, c.local_rope_theta) == (1e6, 1e4)
+
+
+def test_a_pass_longer_than_the_kernels_rows_gives_transformers_logits():
+    """A 100-token pass with hidden states asked for goes through torch (rotary tables, GeGLU with
+    tanh, the window's mask), not the kernels: still transformers' logits."""
+    native, hf = tiny_gemma3(seed=3, sliding_window=8), tiny_gemma3_hf_model(seed=3, sliding_window=8)
+    ids = tokens(100)
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert torch.allclose(native.append(ids, hidden_layers=(1,)).logits, ref, atol=ATOL)

@@ -739,3 +739,123 @@ def test_speculation_under_a_window_near_the_context_keeps_its_trees_within_it(m
     prompt = tokens(20) * 4  # repeats: drafts to verify
     out = engine.generate(prompt, method=method, max_new_tokens=100, ignore_eos=True, budget=32)
     assert len(out.tokens) == 100 and out.stats.extra["verifications"] > 0
+
+
+# Found by a mutation hunt: what the tests above left open --------------------------------------------------
+
+
+def test_an_h2o_window_may_fill_the_whole_budget():
+    """``h2o:budget=B,window=W`` needs 1 <= W <= B: W == B (only the recent window, no heavy hitters) is valid."""
+    assert parse_kv_cache("h2o:budget=8,window=8") == HeavyHitterPolicy(8, 8)
+    assert heavy_hitter_keep(torch.arange(12.0).expand(1, 1, 12), budget=8, window=8).tolist() == [[list(range(4, 12))]]
+
+
+def test_a_streaming_window_under_eight_tokens_compacts_a_token_at_a_time():
+    """``every`` defaults to window // 8, at least 1: a window of 4 still reads a prompt and compacts."""
+    policy = parse_kv_cache("sink:1,window:4")
+    assert policy.step == 1 and policy.prefill_chunk() == 1
+    backend = tiny_llama(seed=0, hidden_size=64).with_kv_cache(policy)
+    backend.prefill(tokens(12))
+    assert (backend.length, backend.slots) == (12, 6)  # 1 + 4 + 1 before the next pass compacts
+    assert backend._held[0, 0, :6].tolist() == [0] + list(range(7, 12))
+
+
+def test_a_token_written_to_a_slot_starts_with_no_accumulated_attention():
+    """H2O's score of an entry is the attention it has received: a slot written again after a rollback
+    starts from zero, so its mass is that of the same sequence read without the rolled-back pass."""
+    ids = tokens(20, seed=3)
+    rolled = tiny_llama(seed=5, hidden_size=64).with_kv_cache("h2o:budget=64,window=4")
+    rolled.prefill(ids[:16])
+    rolled.append(torch.tensor([[9, 8, 7, 6]]))  # a pass that is rolled back
+    rolled.truncate(16)
+    fresh = tiny_llama(seed=5, hidden_size=64).with_kv_cache("h2o:budget=64,window=4")
+    fresh.prefill(ids[:16])
+    for backend in (rolled, fresh):
+        for t in ids[16:]:
+            backend.step(torch.tensor([t]))
+    # slots 16..19 were written twice in `rolled`: only the second tokens' attention counts there
+    assert torch.allclose(rolled._mass[..., 16:20], fresh._mass[..., 16:20], atol=1e-5)
+    assert not torch.allclose(rolled._mass[..., :16], fresh._mass[..., :16], atol=1e-5)  # rolled-back rows still count there
+
+
+def test_an_adopted_streaming_cache_compacts_only_where_reading_the_prompt_would():
+    """A cache adopted from the target keeps what the policy keeps after the prompt: a streaming cache
+    compacts at sink + window + every entries, so a 12-token prompt under sink:2,window:8,every:4 is kept whole."""
+    target = tiny_llama(seed=2, hidden_size=64)
+    prompt = tokens(12)
+    target.prefill(prompt)
+    adopted = target.with_kv_cache("sink:2,window:8,every:4")
+    adopted.adopt(target, prompt)
+    read = tiny_llama(seed=2, hidden_size=64).with_kv_cache("sink:2,window:8,every:4")
+    read.prefill(prompt)
+    assert (adopted.length, adopted.slots) == (read.length, read.slots) == (12, 12)
+    assert adopted._held[0, 0, :12].tolist() == read._held[0, 0, :12].tolist() == list(range(12))
+    assert torch.equal(adopted._v[:, 0, :, :12], target._v[:, 0, :, :12])
+
+
+@pytest.mark.parametrize("hidden", SIZES)
+def test_a_windowed_pass_attends_to_the_sinks_and_the_window_only(hidden):
+    """``append_windowed`` (kvdraft's draft passes): StreamingLLM's attention without evicting. The
+    reference is a cache that holds only the sinks and the window (moved to the front, keys still
+    rotated by their own positions), read at the same positions."""
+    prompt, sink, window = tokens(30, seed=1), 3, 7
+    windowed = tiny_llama(seed=4, hidden_size=hidden)
+    windowed.prefill(prompt)
+    reference = windowed.clone()
+    reference.prefill(prompt)
+    keep = streaming_keep(30, sink, window)
+    with torch.inference_mode():  # (the cache's tensors are inference tensors)
+        reference._move_entries(keep, 0)
+    reference._slots = keep.numel()  # the next pass: slot 10, position 30
+    new = torch.tensor([tokens(3, seed=2)])
+    got = windowed.append_windowed(new, sink, window).logits
+    want = reference.append(new).logits
+    assert torch.allclose(got, want, atol=1e-5)
+    assert windowed.length == 33 and windowed.slots == 33  # nothing evicted
+
+
+def test_an_adopted_snapkv_cache_of_exactly_its_budget_keeps_every_generated_token():
+    """SnapKV compresses the prompt only (its first pass): a prompt of exactly ``budget`` tokens is left
+    whole, and the tokens generated after it are all kept, adopted or read alike."""
+    target = tiny_llama(seed=2, hidden_size=64)
+    prompt = tokens(20)
+    target.prefill(prompt)
+    adopted = target.with_kv_cache("snapkv:budget=20,window=4")
+    adopted.adopt(target, prompt)
+    read = tiny_llama(seed=2, hidden_size=64).with_kv_cache("snapkv:budget=20,window=4")
+    read.prefill(prompt)
+    for cache in (adopted, read):
+        for t in (5, 6, 7):
+            cache.step(torch.tensor([t]))
+        assert (cache.length, cache.slots) == (23, 23)
+        assert cache._held[0, 0, :23].tolist() == list(range(23))
+
+
+def test_kivi_drops_float_rows_as_soon_as_a_whole_group_is_read_from_codes_only():
+    """The residual keeps the float rows a later query still reads: before each pass, those below
+    ``quantised_end`` of the lowest later query are dropped once they make a group, so fewer than a
+    group of them is ever left (here rollback reaches 0 tokens back: residual 64)."""
+    backend = tiny_llama(seed=0, hidden_size=64).with_kv_cache("int4:group=8,residual=64")
+    policy = backend.kv_policy
+    backend.append(torch.tensor([tokens(100)]))
+    for t in tokens(40, seed=2):
+        before = backend.length
+        backend.step(torch.tensor([t]))
+        assert 0 <= int(policy.quantised_end(torch.tensor(before))) - backend._base < policy.group, before
+    assert backend._k.shape[3] == 64 + 2 * 8 + 64  # never grown past what reset allocated
+
+
+def test_an_evicting_cache_counts_each_entrys_position_and_attention_mass():
+    """``cache_bytes``: the keys and values held plus, under H2O and SnapKV, each entry's position (int64)
+    and accumulated attention (float32), per layer and key/value head; ``peak=True``: at the most entries held."""
+    full = tiny_llama(seed=0, hidden_size=64)
+    heavy = full.with_kv_cache("h2o:budget=20,window=4")
+    ids = tokens(30)
+    full.prefill(ids[:21])
+    heavy.prefill(ids)  # 64 a pass: 30 entries at once, then nothing to evict before the next pass
+    heavy.step(torch.tensor([5]))  # evicts down to 20 first
+    c = full.config
+    assert heavy.slots == 21
+    assert heavy.cache_bytes() == full.cache_bytes() + c.num_layers * c.num_kv_heads * 21 * (8 + 4)
+    full.prefill(ids)
+    assert heavy.cache_bytes(peak=True) == full.cache_bytes() + c.num_layers * c.num_kv_heads * 30 * (8 + 4)

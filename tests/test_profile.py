@@ -134,3 +134,77 @@ def test_profile_reports_fast_unavailable_but_a_missing_exact_is_an_error(capsys
         out = capsys.readouterr().out.splitlines()
         assert "fast: unavailable (no fast numerics here)" in out
         assert any(line.startswith("exact: pass ms after 256 tokens") for line in out)
+
+
+def test_machine_limits_count_a_copy_as_read_plus_write_and_a_multiply_add_as_two_operations(monkeypatch):
+    """The copy moves COPY_BYTES each way; a GEMM_SIZE matrix product is GEMM_SIZE**3 multiply-adds; the
+    VNNI loop runs PEAK_ITERATIONS rounds of 12 instructions of 64 byte multiply-adds on every thread."""
+    import torch
+
+    monkeypatch.setattr(profile, "COPY_BYTES", 10**6)
+    monkeypatch.setattr(profile, "GEMM_SIZE", 100)
+    monkeypatch.setattr(profile, "PEAK_ITERATIONS", 1000)
+    monkeypatch.setattr(profile, "best_of", lambda fn, rounds=5: 1e-3)  # every measurement takes 1 ms
+    monkeypatch.setattr(kernels, "integer_peak_loop", lambda: lambda iterations, threads: None)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    limits = profile.machine_limits()
+    assert limits["copy_gb_s"] == 2.0  # 2 x 1e6 bytes in 1 ms
+    assert limits["fma_gflop_s"] == 2.0  # 2 x 100**3 operations in 1 ms
+    assert limits["vnni_gop_s"] == 3.1  # 2 x 64 x 12 x 1000 x 2 threads = 3.072e6 operations in 1 ms
+
+
+def test_best_of_is_the_fastest_timed_call_after_an_untimed_one(monkeypatch):
+    """Load from other processes only slows a call down: the fastest of ``rounds``, the first call untimed."""
+    clock = iter([0.0, 3.0, 10.0, 11.0, 20.0, 22.0])  # timed calls of 3, 1 and 2 seconds
+    monkeypatch.setattr(profile.time, "perf_counter", lambda: next(clock))
+    calls = []
+    assert profile.best_of(lambda: calls.append(1), rounds=3) == 1.0
+    assert len(calls) == 4
+
+
+def test_contention_ratio_is_the_busy_speed_over_the_quiet_one(monkeypatch):
+    """``ratio``: decode speed beside a busy core as a share of the quiet speed (below 1 when it slows)."""
+    speeds = iter([10.0, 8.0])  # quiet first, then beside the spinner
+    monkeypatch.setattr(profile, "decode_speed", lambda model: next(speeds))
+
+    class Spinner:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def kill(self):
+            pass
+
+        def wait(self):
+            pass
+
+    monkeypatch.setattr(profile.subprocess, "Popen", Spinner)
+    assert profile.contention(object()) == {"quiet_tok_s": 10.0, "busy_core_tok_s": 8.0, "ratio": 0.8}
+
+
+def test_a_machine_without_a_vnni_loop_gives_fast_no_share_of_it(monkeypatch):
+    """Without a VNNI loop (``vnni_gop_s`` None) ``fast`` still gets its bandwidth share, and no operations share."""
+    stub_measurements(monkeypatch)
+    monkeypatch.setattr(profile, "machine_limits", lambda: {**MACHINE, "vnni_gop_s": None})
+    result = profile.profile({n: stub_model(n) for n in ("exact", "fast")})
+    fast = result["numerics"]["fast"]
+    assert fast["bandwidth_share_at_1"] == 0.4 and "vnni_share_at_32" not in fast
+    assert result["numerics"]["exact"]["fma_share_at_32"] == 0.3
+
+
+def test_prefill_speed_is_the_prompts_tokens_over_its_time(monkeypatch):
+    """``prefill_tok_s``: PREFILL_TOKENS over the fastest prefill's seconds."""
+    monkeypatch.setattr(profile, "best_of", lambda fn, rounds=5: 0.25)
+    model = LoadedModel(tiny_llama(seed=0, max_position=1024), CharTokenizer(96), "tiny")
+    assert profile.pass_costs(model)["prefill_tok_s"] == 2048.0  # 512 tokens in a quarter of a second
+
+
+def test_a_figure_without_its_machine_rate_is_described_without_a_share():
+    """A machine whose peak loop could not run (no VNNI) gives no share of it: the description
+    leaves the share out rather than failing."""
+    from decodekit.bench import profile
+
+    r = {"context": 256, "pass_ms": {"1": 4.0}, "prefill_tok_s": 1.0, "weight_gb_s_at_1": 8.0, "gflop_s_at_32": 100.0,
+         "bandwidth_share_at_1": 0.4}
+    text = profile.describe({"model": "m", "machine": {"copy_gb_s": 20.0, "fma_gflop_s": 100.0, "vnni_gop_s": None},
+                             "numerics": {"fast": r}})
+    assert "100.0 G operations/s (two a multiply-add)\n" in text + "\n" and "VNNI loop rate" not in text

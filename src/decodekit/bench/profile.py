@@ -173,9 +173,9 @@ def describe(result: dict[str, Any]) -> str:
             lines.append(f"  one-token pass reads weights at {r['weight_gb_s_at_1']} GB/s "
                          f"({100 * r['bandwidth_share_at_1']:.0f}% of the copy bandwidth)")
             share, _ = PEAKS[numerics]
-            against = f" ({100 * r[share]:.0f}% of the {'matrix-product' if numerics == 'exact' else 'VNNI loop'} rate)"
-            lines.append(f"  32-token pass computes {r['gflop_s_at_32']} G operations/s (two a multiply-add)"
-                         + (against if share in r else ""))
+            rate = "matrix-product" if numerics == "exact" else "VNNI loop"
+            against = f" ({100 * r[share]:.0f}% of the {rate} rate)" if share in r else ""
+            lines.append(f"  32-token pass computes {r['gflop_s_at_32']} G operations/s (two a multiply-add){against}")
     for numerics, c in result.get("contention", {}).items():
         lines.append(f"contention, {numerics}: decode {c['quiet_tok_s']} tok/s quiet, {c['busy_core_tok_s']} beside a "
                      f"busy loop ({c['ratio']:.2f}x)")
