@@ -203,6 +203,96 @@ def test_a_llama_with_attention_bias_adds_the_output_projections_bias_too():
         assert torch.allclose(native.append(ids).logits, hf(ids).logits, atol=1e-4)
 
 
+def native_and_transformers_logits(config: dict, state: dict, hf_class=None, hf_config_class=None):
+    """Logits of 24 tokens from the native backend and from transformers, on one config.json and weights."""
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+
+    from decodekit.models.llama_weights import LlamaConfig
+    from decodekit.models.native import NativeLlama
+
+    hf_config = (hf_config_class or HFLlamaConfig)(**{k: v for k, v in config.items() if k != "model_type"})
+    hf = (hf_class or LlamaForCausalLM)(hf_config).eval()
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all(name == "lm_head.weight" for name in missing)  # (a tied head is the table)
+    ids = tokens(24)
+    with torch.no_grad():
+        return NativeLlama(LlamaConfig.from_hf(config), state).append(ids).logits, hf(ids).logits
+
+
+@pytest.mark.parametrize("change", [
+    {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},  # Llama 3's base, in rope_parameters
+    {"head_dim": 16},  # wider than hidden_size / heads, as Gemma's and Qwen3's
+    {"num_key_value_heads": 1},  # one key/value head for every query head (MQA)
+    {"num_key_value_heads": 4},  # no sharing (MHA)
+    {"rms_norm_eps": 0.5},
+], ids=["rope-theta", "head-dim", "mqa", "mha", "eps"])
+def test_native_reads_config_json_as_transformers_does(change):
+    """Each config.json field the native backend reads means what it means to transformers' Llama."""
+    from decodekit.models.tiny import tiny_hf_config, tiny_state_dict
+
+    config = tiny_hf_config() | change
+    native, hf = native_and_transformers_logits(config, tiny_state_dict(config, seed=5))
+    assert torch.allclose(native, hf, atol=ATOL)
+
+
+def test_a_tied_head_is_the_embedding_table_even_where_the_weights_hold_another():
+    """tie_word_embeddings: the output head is the embedding table (transformers ties them), whatever
+    lm_head.weight a checkpoint also carries."""
+    from decodekit.models.tiny import tiny_hf_config, tiny_state_dict
+
+    config = tiny_hf_config() | {"tie_word_embeddings": True}
+    state = tiny_state_dict(config, seed=6)  # its lm_head.weight is not the table
+    native, hf = native_and_transformers_logits(config, {k: v for k, v in state.items() if k != "lm_head.weight"})
+    assert torch.allclose(native, hf, atol=ATOL)
+    from decodekit.models.llama_weights import LlamaConfig
+    from decodekit.models.native import NativeLlama
+
+    with_head = NativeLlama(LlamaConfig.from_hf(config), state).append(tokens(24)).logits
+    assert torch.allclose(with_head, hf, atol=ATOL)
+
+
+def test_a_qwen2_config_json_gives_q_k_and_v_their_biases():
+    """Qwen2's q, k and v projections carry biases although its config.json names no attention_bias."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from decodekit.models.tiny import tiny_hf_config
+
+    config = tiny_hf_config() | {"model_type": "qwen2"}
+    torch.manual_seed(0)
+    hf = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in config.items() if k != "model_type"}))
+    state = {name: t + 0.2 * torch.randn_like(t) if name.endswith("bias") else t for name, t in hf.state_dict().items()}
+    assert any(name.endswith("q_proj.bias") for name in state)
+    native, want = native_and_transformers_logits(config, state, Qwen2ForCausalLM, Qwen2Config)
+    assert torch.allclose(native, want, atol=ATOL)
+
+
+def test_config_json_defaults_are_transformers_llama_defaults():
+    """Where config.json leaves a field out, the native backend takes transformers' default for it."""
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    from decodekit.models.llama_weights import LlamaConfig
+    from decodekit.models.tiny import tiny_hf_config
+
+    left_out = ("rms_norm_eps", "tie_word_embeddings", "num_key_value_heads", "head_dim", "rope_parameters")
+    config = {k: v for k, v in tiny_hf_config().items() if k not in left_out}
+    ours, theirs = LlamaConfig.from_hf(config), HFLlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    assert ours.rms_norm_eps == theirs.rms_norm_eps and ours.tie_word_embeddings == theirs.tie_word_embeddings
+    assert ours.num_kv_heads == theirs.num_key_value_heads and ours.head_dim == theirs.head_dim
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
+
+
+@pytest.mark.parametrize("model_type, extra", [("mistral", {}), ("qwen2", {"use_sliding_window": True})])
+def test_a_window_as_long_as_the_context_runs_natively(model_type, extra):
+    """A sliding window that covers the whole context changes nothing (Mistral v0.2 and Qwen2 name one):
+    only a shorter window is refused."""
+    from decodekit.models.llama_weights import native_unsupported
+    from decodekit.models.tiny import tiny_hf_config
+
+    config = tiny_hf_config(max_position=128) | {"model_type": model_type, "sliding_window": 128} | extra
+    assert native_unsupported(config) is None
+    assert "a window of 127" in native_unsupported(config | {"sliding_window": 127})
+
+
 def test_the_hf_backend_gives_mistrals_window_to_every_layer():
     """Mistral's layers attend to the last sliding_window positions without a list of layer kinds:
     the mask the HF backend passes carries the window (a plain causal mask overrode it)."""

@@ -134,6 +134,7 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["eval", "capitals", "--unconstrained"], "task 'capitals' has no constraint to leave out"),
     (["eval", "capitals", "--limit", "0"], "--limit must be an integer >= 1, got 0"),  # 0 would mean every item
     (["generate", "hi", "--json", "--stream"], "argument --stream: not allowed with argument --json"),
+    (["generate", "hi", "--grammar", "/no/such/grammar.lark"], "--grammar: no such file '/no/such/grammar.lark'"),
 ])
 def test_bad_arguments_are_one_line_before_the_model_loads(capsys, no_model, argv, expected):
     one_error_line(capsys, argv, expected)
@@ -259,6 +260,8 @@ def test_chat_read_strictly_still_loses_only_the_line_that_is_not_utf8(capsys, m
     ("hello\n\n   \nworld\n/exit\nnever\n", ["hello", "world"]),  # empty lines send nothing, and do not leave
     ("hello\n/quit\nnever\n", ["hello"]),
     ("hello\nexit\nnever\n", ["hello"]),
+    ("hello\n/EXIT\nnever\n", ["hello"]),  # in any case, as typed
+    ("hello\nQuit\nnever\n", ["hello"]),
     ("hello\n", ["hello"]),  # end of input (Ctrl-D)
 ])
 def test_chat_leaves_on_exit_quit_and_end_of_input_and_sends_no_empty_line(capsys, monkeypatch, typed, sent):

@@ -120,3 +120,15 @@ def test_choice_flag_drops_empty_alternatives():
 
     args = argparse.Namespace(json_object=False, json_schema=None, regex=None, choice="yes,,no,", grammar=None)
     assert constraint_from_args(args) == {"choice": ["yes", "no"]}
+
+
+def test_generate_and_chat_flags_default_to_what_the_readme_says():
+    """README: greedy is the default method, float32 on the exact numerics, a full KV cache, the backend
+    chosen by the model (auto); the embedded model where --model is not given."""
+    from decodekit.interfaces.cli import build_parser
+
+    for argv in (["generate", "hi"], ["chat"]):
+        args = build_parser(commands=argv[:1]).parse_args(argv)
+        assert (args.method, args.numerics, args.dtype, args.kv_cache, args.backend, args.model) == (
+            "greedy", "exact", "float32", "full", "auto", None)
+        assert args.stop == [] and args.opt == [] and args.draft_model is None

@@ -438,6 +438,28 @@ def test_frequency_and_presence_count_generated_ids_only_repetition_counts_the_p
     assert sampler.pick(x, hist).item() == 3 and sampler.pick(x, [torch.tensor([3, 3, 3, 3, 1, 0])]).item() == 2
 
 
+@pytest.mark.parametrize("make, name", [
+    (lambda: RepetitionPenalty(0.0), "repetition_penalty"),
+    (lambda: FrequencyPenalty(float("nan")), "frequency_penalty"),
+    (lambda: PresencePenalty(float("inf")), "presence_penalty"),
+    (lambda: RepetitionPenalty(1.5, window=0), "penalty_window"),
+    (lambda: FrequencyPenalty(0.5, window=-2), "penalty_window"),
+], ids=["repetition-0", "frequency-nan", "presence-inf", "window-0", "window-negative"])
+def test_penalty_processors_check_their_values_when_built_directly(make, name):
+    """A processor built without ``Sampler.from_params`` checks its own values: a window of 0 would count everything."""
+    with pytest.raises(InvalidParameter, match=rf"^{name} must be"):
+        make()
+
+
+@pytest.mark.parametrize("rows", [[[4], []], [[], [-1]]], ids=["id-equal-to-vocab", "negative-id"])
+def test_penalties_refuse_history_ids_outside_the_vocabulary(rows):
+    """An id outside [0, V) names no logit: counted, it would land on another row's token."""
+    hist = [torch.tensor(r, dtype=torch.long) for r in rows]
+    for proc in (FrequencyPenalty(1.0), PresencePenalty(1.0), RepetitionPenalty(2.0)):
+        with pytest.raises(ValueError, match=r"history token ids must be in \[0, 4\)"):
+            proc(torch.zeros(2, 4), hist)
+
+
 # ---------------------------------------------------------------- no-repeat-n-gram
 
 
@@ -463,6 +485,15 @@ def test_no_repeat_ngram_bans_the_argmax_and_never_empties_a_row():
     out = NoRepeatNGram(1)(x, [torch.tensor([0]), torch.tensor([0, 1])])
     assert kept(out, 0) == {1, 2}                    # the argmax is banned: that is the point
     assert out[1].tolist() == [5.0, 1.0, NEG]        # banning 0 and 1 would empty it: unchanged
+
+
+def test_no_repeat_ngram_needs_the_whole_prefix_to_match():
+    """Paulus et al.'s rule bans a token only after the same n-1 ids: a match of the last id alone bans nothing."""
+    x = torch.zeros(1, 10)
+    out = NoRepeatNGram(3)(x, [torch.tensor([1, 2, 3, 4, 2])])  # (4, 2) never came before; (1, 2) did
+    assert kept(out) == set(range(10))
+    out = NoRepeatNGram(3)(x, [torch.tensor([1, 2, 3, 1, 2])])  # (1, 2) again: 3 would repeat (1, 2, 3)
+    assert kept(out) == set(range(10)) - {3}
 
 
 # ---------------------------------------------------------------- shared invariants
@@ -563,6 +594,15 @@ def test_process_composes_in_order():
         s.process(x, None)
 
 
+def test_process_returns_a_new_tensor_even_with_nothing_to_do():
+    """``process`` promises a new tensor: a caller may write into it without changing the logits it gave."""
+    x = torch.tensor([[2.0, 1.0, 0.5]])
+    out = Sampler(seed=0).process(x)
+    assert out is not x and torch.equal(out, x)
+    out[0, 0] = NEG
+    assert x.tolist() == [[2.0, 1.0, 0.5]]
+
+
 def test_greedy_equals_argmax_of_processed_logits():
     x = torch.randn(8, 30, generator=torch.Generator().manual_seed(1)) * 2
     g = Sampler(greedy=True)
@@ -589,6 +629,15 @@ def test_same_seed_same_samples_different_seed_different():
     assert torch.equal(Sampler(seed=5).uniform(4), Sampler(seed=5).uniform(4))
     assert not torch.equal(Sampler(seed=5).uniform(4), Sampler(seed=6).uniform(4))
     assert Sampler().seed != Sampler().seed  # no seed: fresh random seeds
+
+
+def test_keyed_draws_are_unrelated_across_neighbouring_seeds_and_positions():
+    """The race's key hashes seed and position apart (splitmix64): no two of 8 seeds x 32 positions
+    share their noise, so draws from a uniform 65,536-token distribution almost never coincide
+    (0.5 coincidences expected); a key that ignored the position, or mixed it unhashed, repeats."""
+    probs = torch.ones(1 << 16)
+    draws = [Sampler(seed=seed).sample_at(probs, position) for seed in range(8) for position in range(32)]
+    assert len(set(draws)) >= len(draws) - 3
 
 
 def test_uniform_draws_are_in_unit_interval():
@@ -690,3 +739,9 @@ def test_histories_give_each_rows_generated_ids_whether_rows_are_lists_or_tensor
     assert [t.tolist() for t in generated_ids(histories)] == [[7, 8], [2, 3]]
     assert [t.tolist() for t in histories] == [[5, 6, 7, 8], [1, 2, 3]]  # read as a list: the whole history
     assert generated_lists([torch.tensor([4, 5])]) == [[4, 5]]  # a plain sequence has no prompt
+
+
+def test_histories_refuse_a_prompt_length_per_row_that_does_not_match_the_rows():
+    """One prompt length per row: fewer would leave a row's prompt counted as generated (zip stops early)."""
+    with pytest.raises(ValueError, match="expected 2 prompt lengths, got 1"):
+        Histories([[1, 2], [3, 4]], [1])

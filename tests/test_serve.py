@@ -657,6 +657,64 @@ def test_serve_command_refuses_a_taken_port_and_a_missing_model_in_one_line(caps
     assert "--stream-interval-ms must be between 0 and 1000, got -1" in err[3]
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--max-queue", "0"], "--max-queue must be >= 1, got 0"),
+    (["serve", "--stream-interval-ms", "1001"], "--stream-interval-ms must be between 0 and 1000, got 1001"),
+    (["serve", "--stream-interval-ms", "nan"], "--stream-interval-ms must be between 0 and 1000, got nan"),
+])
+def test_serve_command_refuses_bad_limits_before_it_looks_for_the_model(argv, message, capsys, monkeypatch):
+    """Each limit is checked first, in one line (exit code 2): a queue of 0 or an interval past a second
+    (or NaN) never reaches the model, let alone a socket."""
+    from decodekit.interfaces.cli import main
+
+    def refuse(name):
+        raise AssertionError("the model was looked for before the bad flag was refused")
+
+    monkeypatch.setattr("decodekit.models.loading.resolve_model_folder", refuse)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("decodekit: error: ") and message in err[0]
+
+
+def test_serve_flags_default_to_what_the_help_and_readme_say():
+    """README and --help: 127.0.0.1:8000, --max-batch 8, the queue and the 20 ms stream interval of
+    decodekit.serve, no allowed origins, and no --numerics (fast where the model and CPU allow it)."""
+    from decodekit.interfaces.cli import build_parser
+    from decodekit.serve import MAX_BATCH, MAX_QUEUE
+
+    args = build_parser(commands=["serve"]).parse_args(["serve"])
+    assert (args.host, args.port, args.max_batch, args.max_queue) == ("127.0.0.1", 8000, 8, MAX_QUEUE)
+    assert MAX_BATCH == 8
+    assert args.stream_interval_ms is None and args.allowed_origins == "" and args.numerics is None
+    assert (args.kv_cache, args.dtype, args.backend, args.model) == ("full", "float32", "auto", None)
+
+
+def test_serve_loads_fast_numerics_by_default_and_falls_back_to_exact_with_a_note(monkeypatch, capsys):
+    """Without --numerics the server asks for fast first and serves exact (saying so) where fast cannot
+    run; --numerics names the one it loads."""
+    import argparse
+
+    from decodekit.serve.cli import load_for_serving
+
+    asked = []
+
+    def load_model(model, *, numerics, **kwargs):
+        asked.append(numerics)
+        if numerics == "fast" and fast_refused:
+            raise InvalidParameter("no fast numerics here")
+        return numerics
+
+    monkeypatch.setattr("decodekit.models.load_model", load_model)
+    args = argparse.Namespace(model=None, backend="auto", dtype="float32", kv_cache="full", numerics=None)
+    fast_refused = False
+    assert load_for_serving(args) == "fast" and asked == ["fast"]
+    fast_refused, asked[:] = True, []
+    assert load_for_serving(args) == "exact" and asked == ["fast", "exact"]
+    assert "no fast numerics here; serving the exact numerics" in capsys.readouterr().err
+    asked[:] = []
+    assert load_for_serving(argparse.Namespace(**{**vars(args), "numerics": "exact"})) == "exact" and asked == ["exact"]
+
+
 def test_the_outbox_hands_over_a_first_text_and_an_end_at_once_and_gathers_the_rest():
     """What a stream writes when: a choice's first text at once (time to first token), later text
     gathered for the interval (here longer than the test), a choice's end at once and with
