@@ -37,6 +37,17 @@ def test_config_reads_the_layer_kinds_and_their_rotary_bases():
         Gemma3Config.from_hf(scaled)
 
 
+def test_a_config_that_does_not_say_ties_the_head_as_transformers_gemma3_does():
+    """Google's Gemma 3 config.json files leave tie_word_embeddings out and hold no lm_head:
+    transformers' Gemma 3 ties by default (Llama's does not), and so does this config."""
+    from transformers import Gemma3TextConfig
+
+    silent = {k: v for k, v in tiny_gemma3_hf_config().items() if k != "tie_word_embeddings"}
+    assert Gemma3TextConfig().tie_word_embeddings is True
+    assert Gemma3Config.from_hf(silent).tie_word_embeddings is True
+    assert Gemma3Config.from_hf({**silent, "tie_word_embeddings": False}).tie_word_embeddings is False
+
+
 @pytest.mark.parametrize("window", [8, 64])
 def test_native_logits_match_transformers(window):
     """40 tokens against a window of 8: local layers must drop the keys that fell out of it."""

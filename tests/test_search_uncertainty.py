@@ -161,3 +161,28 @@ def test_a_judge_model_decoding_a_request_of_its_own_keeps_its_answer():
 
     got = Engine(judge).generate(prompt, max_new_tokens=30, chat=False, on_text=on_text)
     assert searched and got.tokens == alone.tokens
+
+
+def test_a_judge_loaded_by_name_for_a_request_is_used_and_let_go(monkeypatch):
+    """A judge named by the request is loaded for that request alone: it needs no clone, and
+    nothing of it stays in the generating model's memory once the request is over."""
+    import gc
+    import weakref
+
+    import decodekit.models
+    from decodekit.engine import Engine
+
+    loaded = []
+
+    def load_model(name):
+        loaded.append(LoadedModel(tiny_llama(seed=1, hidden_size=64), TOK, name))
+        return loaded[-1]
+
+    monkeypatch.setattr(decodekit.models, "load_model", load_model)
+    model = LoadedModel(tiny_llama(seed=0, hidden_size=64), TOK, "tiny")
+    Engine(model).generate("zq", method="best-of-n", n=2, seed=1, scorer="judge", judge_model="a-judge",
+                           max_new_tokens=3, chat=False)
+    assert len(loaded) == 1 and loaded[0].backend.length > 0  # the judge's own cache was used
+    judge = weakref.ref(loaded.pop().backend)
+    gc.collect()
+    assert judge() is None

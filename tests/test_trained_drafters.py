@@ -774,6 +774,18 @@ def test_a_prompt_whose_beginning_the_cache_kept_drafts_as_if_read_whole(drafter
     assert trees[1] and trees[1] == trees[2]
 
 
+def test_only_a_drafter_that_reads_earlier_features_keeps_them_for_the_next_request(drafter_files):
+    """Medusa reads the last feature alone: it keeps no history of a request's features; EAGLE,
+    whose network attends to every earlier one, does."""
+    from decodekit.engine import Engine
+
+    for kind, keeps in (("medusa", False), ("eagle", True)):
+        model = tiny()
+        Engine(model).generate(QUERIES[0], method=kind, drafter=str(drafter_files[kind, "exact"]), budget=4,
+                               max_new_tokens=8, chat=False, ignore_eos=True)
+        assert ("features.history" in model.backend.__dict__.get("_memory", {})) == keeps, kind
+
+
 def test_the_features_of_a_request_before_the_last_are_not_taken(drafter_files):
     """The cache kept a plain request's text, not that of the EAGLE request before it, whose
     features belong to other tokens: a next turn of the plain request drafts as it would had the

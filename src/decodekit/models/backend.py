@@ -170,7 +170,8 @@ class Backend(ABC):
         requests, which hold :attr:`lock` and so use it one at a time: ``other`` itself may be
         decoding a request of its own on another thread, and a pass on its cache would overwrite
         that one's. ``keep``: as :meth:`memory`'s, for requests that name other backends."""
-        # the entry holds ``other`` itself, so its id is not reused for another backend while kept
+        # the entry holds ``other`` itself (so its id is not reused for another backend while kept,
+        # and ``other`` stays in memory as long as its clone: ``keep`` bounds both)
         _, clone = self.memory((role + ".clone", id(other)), lambda: (other, other.clone()), keep=keep)
         return clone
 

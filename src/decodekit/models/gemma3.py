@@ -69,8 +69,10 @@ class Gemma3Config(LlamaConfig):
             for i in range(layers)
         ]
         # the sizes as a Llama's; its windows and gating are Gemma's own, read here and below
+        # (transformers' Gemma 3 ties the output head to the embedding table unless told otherwise)
         base = LlamaConfig.from_hf({**cfg, "rope_parameters": {"rope_theta": full.get("rope_theta", 1e6)},
-                                    "layer_types": None, "sliding_window": None, "hidden_act": "silu"})
+                                    "layer_types": None, "sliding_window": None, "hidden_act": "silu",
+                                    "tie_word_embeddings": cfg.get("tie_word_embeddings", True)})
         return cls(
             **dataclasses.asdict(base),
             query_scale=cfg.get("query_pre_attn_scalar", base.head_dim) ** -0.5,

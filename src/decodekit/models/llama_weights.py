@@ -402,7 +402,7 @@ class LlamaWeights:
         tied = config.tie_word_embeddings
         if not tied and "lm_head.weight" not in state:  # transformers would start a random head: refused here
             raise InvalidModel("the weights hold no lm_head.weight, and config.json does not tie the output head to the "
-                               "embedding table (tie_word_embeddings is not true)")
+                               "embedding table (add \"tie_word_embeddings\": true to it if the model ties them)")
         for name in (embed_name,) if tied else (embed_name, "lm_head.weight"):  # read from the headers alone
             shape = state.shape(name) if hasattr(state, "shape") else tuple(state[name].shape)
             if shape != (config.vocab_size, config.hidden_size):

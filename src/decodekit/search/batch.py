@@ -190,15 +190,15 @@ class SearchContext:
     def prompt(self) -> list[int]:
         return self.request.prompt_ids
 
-    def cache_for(self, model: LoadedModel) -> PrefixCache:
+    def cache_for(self, model: LoadedModel, shared: bool = True) -> PrefixCache:
         """A prefix cache of ``model`` for this request: its own cache for its own model; for another
-        (a judge), one over a clone this request's backend keeps, never ``model``'s own cache, which
-        may hold a request of its own on another thread."""
+        (a judge) that is ``shared``, one over a clone this request's backend keeps, never ``model``'s
+        own cache, which may hold a request of its own on another thread."""
         if model.backend is self.model.backend:
             return self.cache
         if id(model.backend) not in self._judge_caches:
-            clone = self.model.backend.own_clone(model.backend, "judge", keep=KEPT_JUDGES)
-            self._judge_caches[id(model.backend)] = PrefixCache(clone)
+            backend = self.model.backend.own_clone(model.backend, "judge", keep=KEPT_JUDGES) if shared else model.backend
+            self._judge_caches[id(model.backend)] = PrefixCache(backend)
         return self._judge_caches[id(model.backend)]
 
     def row_samplers(self, temperature: float | None = None) -> RowSamplers:

@@ -108,8 +108,10 @@ class Judge(Scorer):
     ANSWER_QUESTION = "Is this answer correct? Answer yes or no."
     STEP_QUESTION = "Is the last step correct? Answer yes or no."
 
-    def __init__(self, model: LoadedModel | None = None):
-        self.model = model
+    def __init__(self, model: LoadedModel | None = None, *, owned: bool = False):
+        """``owned``: ``model`` was loaded for this scorer alone (a judge named by a request), so
+        its cache is this request's to use; a model passed in may be decoding requests of its own."""
+        self.model, self.owned = model, owned
 
     def score(self, ctx: SearchContext, prefix: Sequence[int], segment: Sample) -> float:
         return self._ask(ctx, prefix, segment, self.ANSWER_QUESTION)
@@ -122,7 +124,7 @@ class Judge(Scorer):
         if judge.backend.info.vocab_size != ctx.model.backend.info.vocab_size:
             raise InvalidParameter("the judge model must share the generating model's tokenizer")
         ids = ctx.prompt + list(prefix) + segment.tokens + self._follow_up(judge, question)
-        logits = ctx.cache_for(judge).fork(ids, 1)[0]
+        logits = ctx.cache_for(judge, shared=not self.owned).fork(ids, 1)[0]
         return self.yes_share(judge, logits)
 
     @staticmethod
@@ -168,7 +170,7 @@ def make_scorer(spec: str | Callable[[str], float] | Scorer, judge_model: Loaded
         if isinstance(judge_model, str):
             from ..models import load_model
 
-            judge_model = load_model(judge_model)
+            return Judge(load_model(judge_model), owned=True)
         if judge_model is not None and not isinstance(judge_model, LoadedModel):
             raise InvalidParameter(f"judge_model must be a model's name or a loaded model, got {judge_model!r:.80}",
                                    param="judge_model")

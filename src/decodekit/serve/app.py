@@ -74,7 +74,7 @@ class Server:
         self._load = load
         self._routes()
 
-    def _outbox(self, loop: asyncio.AbstractEventLoop) -> "Outbox":
+    def _outbox(self, loop: asyncio.AbstractEventLoop) -> Outbox:
         outbox = self._outboxes.get(loop)
         if outbox is None:
             outbox = self._outboxes[loop] = Outbox(loop, self.stream_interval_s)

@@ -1,5 +1,6 @@
 """The server's errors as OpenAI error objects: :class:`ApiError` carries the HTTP status, the
-error's type and the request field at fault to the handler that answers it."""
+error's type and the request field at fault to the handler that answers it; the faults found
+while decoding that are the server's own (a 500, not the request's 400) are :data:`SERVER_FAULTS`."""
 
 from __future__ import annotations
 

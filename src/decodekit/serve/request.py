@@ -25,7 +25,7 @@ ROLES = ("system", "developer", "user", "assistant")
 MAX_TOP_LOGPROBS = 20
 #: vLLM's fields for structured output, beside OpenAI's response_format
 GUIDED = tuple("guided_" + kind for kind in KINDS if kind != "json_schema")
-#: Request fields this module reads itself: never passed on to the method as its options.
+#: Request fields the server reads itself (here, or ``model`` in app.py): never passed on to the method as its options.
 READ_HERE = {"model", "stream", "stream_options", "messages", "prompt", "n", "max_tokens", "max_completion_tokens",
              "stop", "logprobs", "top_logprobs", "temperature", "top_p", "seed", "presence_penalty",
              "frequency_penalty", "method", "ignore_eos", "response_format", "method_options", *GUIDED}

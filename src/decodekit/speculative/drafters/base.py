@@ -221,6 +221,9 @@ class FeatureDrafter(Drafter):
     beginning the cache kept from the last request, from its :class:`FeatureHistory`)."""
 
     kind = ""
+    #: Whether drafting reads the features of earlier positions (EAGLE's network attends to them),
+    #: so that a prompt's kept beginning needs its features from the last request (FeatureHistory).
+    reads_earlier_features = False
 
     def __init__(self, *, drafter: str | None = None, candidates: int = 4):
         self.path = drafter
@@ -235,11 +238,14 @@ class FeatureDrafter(Drafter):
         self.chunks = [features[0].float()]  # the known features, in passes' chunks, from position chunk_start
         self.chunk_start = len(state.tokens) - features.shape[1]
         self.known = len(state.tokens)  # positions chunk_start .. known - 1 have their feature
-        earlier = state.backend.memory("features.history", FeatureHistory).before(state.tokens, self.chunk_start)
-        if earlier is not None:
-            self.chunks.insert(0, earlier)
-            self.chunk_start = 0
-        self.taken = list(self.chunks) if self.chunk_start == 0 else None  # for the next request's history
+        self.history_chunks = None  # every position's features, for the next request's history
+        if self.reads_earlier_features:
+            earlier = state.backend.memory("features.history", FeatureHistory).before(state.tokens, self.chunk_start)
+            if earlier is not None:
+                self.chunks.insert(0, earlier)
+                self.chunk_start = 0
+            if self.chunk_start == 0:
+                self.history_chunks = list(self.chunks)
 
     def update(self, state: DecodeState, tree: DraftTree, verdict: Verification, logits: torch.Tensor) -> None:
         features = state.backend.last_features
@@ -247,17 +253,18 @@ class FeatureDrafter(Drafter):
             return  # not the pass the loop says it ran: learn nothing rather than misalign
         rows = [0] + [i + 1 for i in verdict.path]  # the root and the accepted nodes
         self.chunks.append(features[0, rows].float())
-        if self.taken is not None:
-            self.taken.append(self.chunks[-1])
+        if self.history_chunks is not None:
+            self.history_chunks.append(self.chunks[-1])
         self.known += len(rows)
 
     def finish(self, state: DecodeState) -> None:
-        if self.taken is not None:
+        if self.history_chunks is not None:
             history = state.backend.memory("features.history", FeatureHistory)
-            history.tokens, history.features = list(state.tokens), torch.cat(self.taken)
+            history.tokens, history.features = list(state.tokens), torch.cat(self.history_chunks)
 
     def features_from(self, position: int) -> torch.Tensor:
-        """The features of positions ``position .. known - 1`` (earlier ones are dropped for good)."""
+        """The features of positions ``position .. known - 1`` (earlier ones are dropped from the
+        chunks drafting reads, which stay short; ``history_chunks`` keeps them for the next request)."""
         while self.chunks and self.chunk_start + len(self.chunks[0]) <= position:
             self.chunk_start += len(self.chunks.pop(0))
         return torch.cat(self.chunks)[position - self.chunk_start :]

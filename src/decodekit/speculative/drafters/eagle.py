@@ -43,6 +43,7 @@ class EagleDrafter(FeatureDrafter):
     """EAGLE's draft network with EAGLE-2's dynamic tree; see the module docstring."""
 
     name = kind = "eagle"
+    reads_earlier_features = True
 
     def __init__(self, *, drafter: str | None = None, candidates: int = 4, max_depth: int = 6, min_confidence: float = 0.02):
         super().__init__(drafter=drafter, candidates=candidates)
