@@ -323,6 +323,38 @@ def test_kvdraft_draft_cache_is_the_targets_compressed():
     assert (draft.length, draft.slots) == (22, 2)
 
 
+def test_kvdraft_drafts_attending_to_the_first_sink_and_the_last_window_entries():
+    """MagicDec's StreamingLLM draft: each draft pass of ``sink:S,window:W`` attends to the first S and
+    the last W entries of the target's own cache; its greedy chain is the one such passes give."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+    from decodekit.samplers import Sampler
+    from decodekit.speculative.drafters.kvdraft import CompressedCacheDrafter
+
+    prompt, root = tokens(40, seed=4), 7
+    target = tiny_llama(seed=0, hidden_size=64, scale=3.0)
+    state = DecodeState(target, Sampler(greedy=True), prompt, GenerationStats())
+    state.prefill()
+    state.commit([root])
+    drafter = CompressedCacheDrafter(draft_cache="sink:2,window:8", confidence=0.0)
+    drafter.begin(state)
+    tree = drafter.draft(state, 4)
+    assert target.length == len(prompt)  # the draft's entries rolled back
+    reference = tiny_llama(seed=0, hidden_size=64, scale=3.0)
+    reference.prefill(prompt)
+    token, chain = root, []
+    for _ in range(4):
+        token = int(reference.append_windowed(torch.tensor([[token]]), 2, 8).logits[0, -1].argmax())
+        chain.append(token)
+    assert tree.tokens == chain and tree.parents == [-1, 0, 1, 2]
+    other = tiny_llama(seed=0, hidden_size=64, scale=3.0)  # the same chain with sink and window swapped differs
+    other.prefill(prompt)
+    token, swapped = root, []
+    for _ in range(4):
+        token = int(other.append_windowed(torch.tensor([[token]]), 8, 2).logits[0, -1].argmax())
+        swapped.append(token)
+    assert swapped != chain
+
+
 def test_h2o_reads_a_prompt_64_tokens_a_pass_evicting_between_them(monkeypatch):
     """The choice H2O's docstring states: a long prompt in the kernels' passes of 64 tokens, the cache
     evicted down to its budget before each pass that finds it over (in either numerics, alone and
@@ -374,6 +406,16 @@ def test_kvdraft_refuses_a_cache_that_keeps_everything_and_other_backends():
         parse_kv_cache("int4:")
     with pytest.raises(InvalidParameter, match="expected sink:N first"):
         parse_kv_cache("sink:\u0663,window:8")  # a digit of another script
+
+
+def test_kvdraft_under_an_int8_model_cache_drafts_only_through_a_window():
+    """Under the model's int8 cache a draft cache is a window over it (sink:S,window:W); a separate
+    compressed clone (snapkv, int8) is refused in one line naming draft_cache."""
+    engine = Engine(LoadedModel(tiny_llama(seed=0, hidden_size=64).with_kv_cache("int8"), CharTokenizer(96), "tiny"))
+    for spec in ("snapkv:budget=24,window=4", "int8"):
+        with pytest.raises(InvalidParameter, match=f"draft_cache must be sink:S,window:W, got {spec}") as refused:
+            engine.generate("abc abc abc", method="kvdraft", draft_cache=spec, max_new_tokens=3, chat=False)
+        assert refused.value.param == "draft_cache"
 
 
 def test_kvdraft_takes_a_draft_cache_that_needs_exactly_the_models_context():

@@ -574,6 +574,27 @@ def test_cost_table_interpolates_and_extrapolates():
     assert table(12) == pytest.approx(3.5)
 
 
+def test_a_table_of_one_size_prices_n_tokens_as_n_passes():
+    """Extrapolated by the last segment's slope; with the one-token cost alone, the line through zero:
+    nothing known says a many-token pass is cheaper than that many one-token passes."""
+    table = CostTable({1: 0.5})
+    assert table(1) == 0.5 and table(4) == pytest.approx(2.0)
+
+
+def test_a_short_context_never_prices_a_pass_below_a_tenth_of_its_measured_cost():
+    """The context term is extrapolated down to short contexts, but a pass still reads the weights."""
+    table = CostTable({1: 1.0, 2: 1.5}, at=1000, per_context={1: 0.001, 2: 0.002})
+    assert table(1, 500) == pytest.approx(0.5)
+    assert table(1, 0) == pytest.approx(0.1) and table(2, 0) == pytest.approx(0.15)
+
+
+def test_an_observed_pass_moves_the_measured_size_nearest_in_ratio():
+    """10 tokens are nearer 12 than 8 in ratio (10/8 > 12/10): a slow 10-token pass raises 12's cost."""
+    table = CostTable({1: 1.0, 8: 2.0, 12: 3.0})
+    table.observe(10, 1.5 * table(10))  # clamped to 1.5x, blended by 0.2: +10%
+    assert table(12) == pytest.approx(3.3) and table(8) == 2.0 and table(1) == 1.0
+
+
 def chain_tree(n: int, source: str = "s") -> DraftTree:
     return DraftTree.chain(list(range(1, n + 1)), source)
 
@@ -609,6 +630,18 @@ def test_in_a_full_batch_the_controller_weighs_everyone_and_drafts_less():
     learning.learn_costs, learning._batch = True, batched._batch
     learning.observe_cost(1, 5.0)  # a batched pass's time is not one sequence's cost
     assert learning.pass_cost(1) == 1.0
+
+
+def test_the_controller_verifies_the_most_probable_nodes_not_the_first_drafted():
+    """The kept subset maximises expected tokens per second, so nodes are taken by their estimated
+    probability: where one node pays, it is the likelier sibling even if it was drafted second."""
+    ctl = Controller(8, cost_table={1: 1.0, 2: 1.0, 3: 2.0})
+    ctl.learnt.accept.update({("s", 0, 0): 0.2, ("s", 0, 1): 0.6})
+    tree = DraftTree()
+    tree.add(10, -1, "s")
+    tree.add(11, -1, "s")
+    kept = ctl.select(tree)
+    assert kept.tokens == [11] and kept.parents == [-1]
 
 
 def test_controller_learns_acceptance_per_depth():
@@ -658,6 +691,18 @@ def test_costly_drafting_is_planned_before_drafting():
     cheap = Controller(8, cost_table=costs)
     cheap.observe_draft(8, 1e-6)
     assert cheap.budget() == 8  # nearly free drafting: draft the whole budget, trim later
+
+
+def test_a_first_draft_call_that_found_nothing_counts_as_one_node():
+    """Its time is spread over one node, not over none (which would price drafting too dear ever to
+    plan): a drafter whose chains are accepted is still asked for a chain."""
+    costs = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.6}
+    ctl = Controller(8, cost_table=costs)
+    ctl.observe_draft(0, 0.1)
+    assert ctl.draft_node_s == pytest.approx(0.1)
+    for _ in range(30):
+        ctl.observe(chain_tree(4, ""), Verification([0, 1, 2, 3], 0), overhead_s=0.0)
+    assert ctl.budget() > 0
 
 
 def test_drafting_costs_carry_over_to_the_next_request_on_the_same_backend():
@@ -1072,6 +1117,45 @@ def test_realised_speed_below_plain_decoding_vetoes_drafting_until_it_pays_again
     assert ctl.speculation_pays()
     ctl._skip = 0
     assert ctl.budget() == 8
+
+
+def test_realised_speed_vetoes_from_the_eighth_measured_step_and_equal_speed_pays():
+    """Speculation must realise at least plain decoding's tokens per second, judged once
+    MIN_REALISED_STEPS (8) speculative steps are measured; exactly plain decoding's speed is enough."""
+    from decodekit.speculative.controller import MIN_REALISED_STEPS
+
+    assert MIN_REALISED_STEPS == 8
+    ctl = Controller(8, cost_table={1: 1.0, 8: 1.0})
+    for _ in range(7):
+        ctl.observe_step(1, 2.0)  # half plain decoding's speed
+    assert ctl.speculation_pays()  # seven steps: still assumed
+    ctl.observe_step(1, 2.0)
+    assert not ctl.speculation_pays()
+    even = Controller(8, cost_table={1: 1.0, 8: 1.0})
+    for _ in range(8):
+        even.observe_step(2, 2.0)  # two tokens in two plain steps' time
+    assert even.speculation_pays()
+
+
+def test_in_a_batch_realised_speed_is_compared_with_a_plain_step_of_the_whole_batch():
+    """A plain step in a batch runs the other sequences' rows too (SmartSpec's goodput): its time is
+    cost(others' rows + 1), not cost(1)."""
+    ctl = Controller(8, cost_table={1: 1.0, 8: 1.1, 16: 2.2})
+    ctl._batch = lambda: (15, 15)
+    assert ctl.plain_step_s() == pytest.approx(2.2)
+    for _ in range(8):
+        ctl.observe_step(1, 2.0)  # slower than a plain step alone, faster than one beside 15 others
+    assert ctl.speculation_pays()
+
+
+def test_a_chain_depth_that_only_ties_a_shallower_one_is_not_chosen():
+    """Depths are compared by expected tokens per second; a deeper chain must do better, not as well
+    (it drafts and risks more). Acceptance 0.5 then 0.75: depth 1 gives 1.5 tokens in a 2-row pass
+    costing 1.0, depth 2 gives 1.875 in a 3-row pass costing 1.25: both 1.5 tokens per second."""
+    ctl = Controller(2, cost_table={1: 1.0, 2: 1.0, 3: 1.25})
+    ctl.learnt.accept.update({("", 0, 0): 0.5, ("", 1, 0): 0.75})
+    assert ctl.draft_node_s == 0.0
+    assert ctl.best_chain_depth() == 1
 
 
 def test_realised_speed_carries_over_to_the_next_request():

@@ -4,6 +4,7 @@ hygiene, the adaptive skip-set rule, draft-cache sync, and exact speculative sam
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,9 +26,10 @@ from decodekit.speculative.drafters.layerskip import (
     LayerSkipDrafter,
     SkipSearch,
     initial_skip_set,
+    layer_importance,
 )
 from decodekit.speculative.loop import SpeculativeMethod
-from decodekit.speculative.tree import Verification
+from decodekit.speculative.tree import DraftTree, Verification
 
 LAYERS = 6
 PROMPTS = ("hello world hello world", "The quick brown fox jumps", "abcabcabc", "Q: 7*6=? A:")
@@ -196,6 +198,26 @@ def test_draft_model_keeps_its_cache_in_sync_and_catches_up_in_one_pass():
     assert drafter.draft(state, 1).tokens == [expected]
 
 
+def test_a_new_request_starts_the_draft_cache_afresh():
+    """``begin`` empties the draft cache: the next request's first draft runs its whole context, even
+    where it shares a prefix with the last request's, and drafts what a fresh draft model would."""
+    target = tiny_llama(seed=4, num_layers=2, scale=2.0)
+    drafter = DraftModelDrafter(draft_model=tiny_llama(seed=5, num_layers=2, scale=2.0), confidence=0.0)
+    for prompt in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 9, 8]):
+        target.reset(1)
+        state = pending_state(target, prompt, 6)
+        drafter.begin(state)
+        state.commit([6])
+        calls = []
+        real_append = drafter.backend.append
+        drafter.backend.append = lambda tokens, **kw: calls.append(tokens.shape[1]) or real_append(tokens, **kw)
+        tree = drafter.draft(state, 1)
+        drafter.backend.append = real_append
+        fresh = tiny_llama(seed=5, num_layers=2, scale=2.0)
+        assert calls == [len(prompt) + 1]
+        assert tree.tokens == [int(fresh.append(torch.tensor([state.tokens])).logits[0, -1].argmax())]
+
+
 def test_fit_vocab_cuts_or_pads_with_minus_infinity():
     logits = torch.arange(5.0)
     assert fit_vocab(logits, 3).tolist() == [0.0, 1.0, 2.0]
@@ -220,6 +242,28 @@ def test_a_draft_model_of_another_tokenizer_is_refused_in_one_line():
     drafter.begin(state)  # a padding apart: taken
     with pytest.raises(InvalidParameter, match="token 103 is past the draft model's vocabulary of 96"):
         drafter.draft(state, 2)
+
+
+def test_a_draft_vocabulary_exactly_a_padding_apart_is_taken_and_its_first_missing_id_refused():
+    """A draft model may differ from the target's vocabulary by up to ``VOCAB_PADDING`` ids (a padding);
+    the first id past the draft's vocabulary (its size) is one it cannot read."""
+    from decodekit.speculative.drafters.draft_model import VOCAB_PADDING
+
+    target = tiny_llama(seed=0, vocab_size=96 + VOCAB_PADDING)
+    drafter = DraftModelDrafter(draft_model=tiny_llama(seed=1, vocab_size=96))
+    state = DecodeState(target, Sampler(greedy=True), [1, 2, 3], GenerationStats())
+    drafter.begin(state)  # exactly a padding apart: taken
+    assert len(drafter.draft(state, 2)) <= 2
+    state = DecodeState(target, Sampler(greedy=True), [1, 2, 96], GenerationStats())
+    drafter.begin(state)
+    with pytest.raises(InvalidParameter, match="token 96 is past the draft model's vocabulary of 96"):
+        drafter.draft(state, 2)
+
+
+def test_self_truncated_zero_is_refused_when_the_drafter_is_made():
+    """``self-truncated:N`` needs a positive layer count, checked with the options, before any model runs."""
+    with pytest.raises(InvalidParameter, match="N a positive layer count"):
+        DraftModelDrafter(draft_model="self-truncated:0")
 
 
 # The adaptive skip-set rule, pinned with fake acceptance signals ----------------------------------
@@ -291,6 +335,86 @@ def test_trials_use_the_least_important_layers():
     trial = search.current
     feed(search, 0, 0, rounds=3 * WINDOW)  # rounds without draft passes carry no signal
     assert search.trial and search.current == trial
+
+
+def test_skip_set_speed_counts_a_draft_pass_at_its_share_of_the_layers():
+    """The score is (accepted + rounds) / (draft passes * (1 - skipped/L) + rounds): a pass with half
+    the layers skipped costs half a verification, so 2 accepted of 4 such passes per round is exactly
+    plain decoding's speed and starts no search."""
+    search = SkipSearch(12, initial_skip_set(12, 6))
+    assert search.speed(2, 4, 1, 6) == pytest.approx(3 / (4 * 0.5 + 1)) == pytest.approx(1.0)
+    assert search.speed(0, 3, 2, 9) == pytest.approx(2 / (3 * 0.25 + 2))
+    start = search.current
+    feed(search, 2, 4)  # score 1: not below plain decoding
+    assert not search.trial and search.current == start and search.changes == 0
+
+
+def test_a_trial_is_judged_against_the_best_sets_latest_score():
+    """Each window re-measures the best set on the current text (the module docstring), and the next
+    trial must beat that fresh score, not an older, higher one from other text."""
+    search = SkipSearch(12, initial_skip_set(12, 8))
+    feed(search, 0, 4)  # score 1 / (4 * 4/12 + 1) < 1, nothing accepted: a shrink trial to 6 layers
+    six = search.current
+    assert search.trial and len(six) == 6
+    feed(search, 3, 4)  # the trial scores 4 / (4 * 6/12 + 1) = 4/3: kept
+    assert not search.trial and search.best == six
+    feed(search, 0, 4)  # the text changed: the best set now scores 1 / 3, a shrink trial to 5 layers
+    five = search.current
+    assert search.trial and len(five) == 5 and five < six
+    feed(search, 1, 4)  # 2 / (4 * 7/12 + 1) = 0.6: better than 1/3 (though not than the old 4/3): kept
+    assert not search.trial and search.best == five == search.current
+
+
+def test_layer_importance_is_one_minus_the_cosine_of_a_layers_input_and_output():
+    """Block influence (ShortGPT): 1 - cos(h_i, h_i+1) averaged over the probe's positions; a layer
+    that leaves its input unchanged scores 0 and is skipped first; the probe is rolled back."""
+    states = [[[1.0, 0.0], [1.0, 0.0]],  # input
+              [[1.0, 0.0], [1.0, 0.0]],  # layer 0 changes nothing: 1 - 1 = 0
+              [[0.0, 1.0], [0.0, 1.0]],  # layer 1 turns it by 90 degrees: 1 - 0 = 1
+              [[0.0, -1.0], [0.0, -1.0]],  # layer 2 reverses it: 1 - (-1) = 2
+              [[0.0, -1.0], [1.0, 0.0]]]  # layer 3: cosines 1 and 0, so 1 - 1/2
+    hidden = [torch.tensor([h]) for h in states]
+
+    class Probed:
+        length = 3
+        info = SimpleNamespace(num_layers=4, max_length=64)
+        kv_policy = None
+
+        def append(self, tokens, hidden_layers):
+            assert list(hidden_layers) == list(range(5)) and tokens.tolist() == [[8, 9]]
+            self.length += tokens.shape[1]
+            return SimpleNamespace(hidden=hidden)
+
+        def truncate(self, length):
+            self.length = length
+
+    backend = Probed()
+    importance = layer_importance(backend, [7, 8, 9][-2:])
+    assert importance == pytest.approx([0.0, 1.0, 2.0, 0.5]) and backend.length == 3
+    assert initial_skip_set(4, 1, importance) == {1}  # of layers 1 and 2, the less influential
+
+
+def test_the_starting_skip_set_is_the_skip_ratio_of_the_layers_rounded():
+    """``round(skip_ratio * L)`` layers skipped at the start (the module docstring): 0.3 of 6 is 1.8, so 2."""
+    backend = tiny_llama(seed=3, num_layers=LAYERS, scale=2.0)
+    state = pending_state(backend, [3, 14, 15, 92, 65], 35)
+    drafter = LayerSkipDrafter(skip_ratio=0.3)
+    drafter.begin(state)
+    assert len(drafter.skip_layers) == round(0.3 * LAYERS) == 2
+
+
+def test_the_skip_search_counts_only_the_accepted_tokens_layer_skipping_drafted():
+    """In a tree of several drafters (hierarchy), the skip set is judged by its own drafts: accepted
+    nodes another drafter proposed say nothing about the skipped layers."""
+    drafter = LayerSkipDrafter(skip_ratio=0.5)
+    recorded = []
+    drafter.search = SimpleNamespace(record=lambda accepted, passes: recorded.append((accepted, passes)))
+    tree = DraftTree()
+    for token, parent, source in ((5, -1, "layerskip"), (6, 0, "pld"), (7, 1, "pld"), (8, -1, "layerskip")):
+        tree.add(token, parent, source)
+    drafter.last_steps = 2
+    drafter.update(None, tree, Verification([0, 1, 2], 0), None)
+    assert recorded == [(1, 2)] and drafter.last_steps == 0
 
 
 def test_the_drafter_changes_its_skip_set_when_nothing_is_accepted():

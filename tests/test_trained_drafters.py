@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 import warnings
 from collections import Counter
@@ -23,7 +24,7 @@ from decodekit.speculative.loop import SpeculativeMethod
 from decodekit.speculative.trained import data as data_module
 from decodekit.speculative.trained import store
 from decodekit.speculative.trained.data import Corpus, Exclusion, answer, check_excluded, self_distil
-from decodekit.speculative.trained.train import Settings, draft_vocabulary, mean_loss, new_net, split, train
+from decodekit.speculative.trained.train import Settings, batches, draft_vocabulary, mean_loss, new_net, split, train
 from decodekit.speculative.verify import SamplingVerifier
 from tests.test_speculative_sampling import chi_square_passes, marginal
 
@@ -139,6 +140,56 @@ def test_the_draft_vocabulary_is_the_most_frequent_tokens():
     assert draft_vocabulary(corpus.samples, 5, 96).tolist() == [0, 1, 2, 3, 9]  # topped up with unused ids
     tied = [data_module.Sample([5, 4, 4, 5, 7], 0, torch.zeros(5, 4))]
     assert draft_vocabulary(tied, 1, 96).tolist() == [4]  # a tie in frequency: the smaller id first
+
+
+def test_the_draft_vocabulary_counts_only_the_scored_part():
+    """The template before ``scored_from`` is never a draft target: its tokens are not counted, however often."""
+    samples = [data_module.Sample([4, 4, 4, 2, 3, 3], 3, torch.zeros(6, 4))]
+    assert draft_vocabulary(samples, 2, 96).tolist() == [2, 3]
+
+
+def test_the_draft_vocabulary_is_topped_up_with_ids_it_does_not_hold_yet():
+    """Fewer distinct tokens than asked: the smallest *unused* ids fill it, each id once."""
+    samples = [data_module.Sample([0, 0, 5], 0, torch.zeros(3, 4))]
+    assert draft_vocabulary(samples, 3, 96).tolist() == [0, 1, 5]
+
+
+def test_batches_hold_up_to_batch_tokens_counting_each_sample_cut_to_max_len():
+    """Batches of about ``batch_tokens`` tokens: a group exactly that full is one batch, and a sample
+    counts as the ``max_len`` tokens it is cut to."""
+    def sizes(lengths, **kw):
+        settings = Settings("eagle", **kw)
+        samples = [data_module.Sample([1] * n, 0, torch.zeros(n, 4)) for n in lengths]
+        stream = batches(samples, settings, random.Random(0))
+        groups = {id(g): g for g in (next(stream) for _ in range(len(lengths)))}  # every group, each once
+        return sorted(len(g) for g in groups.values())
+    assert sizes([4, 4, 4, 4], batch_tokens=8) == [2, 2]
+    assert sizes([10, 10, 10, 10], batch_tokens=8, max_len=4) == [2, 2]
+
+
+def test_training_records_its_first_and_last_loss_and_the_scored_tokens_seen():
+    """The outcome the drafter file reports: the first step's loss, the last one's, and the tokens
+    scored (from the query on, not the template nor the padding)."""
+    model = tiny()
+    samples = [data_module.Sample(list(range(1, 13)), 4, torch.zeros(12, 64)),
+               data_module.Sample(list(range(1, 9)), 2, torch.zeros(8, 64))]
+    settings = Settings("medusa", minutes=1, steps=3, vocab=16, batch_tokens=64)
+    net = new_net("medusa", model.backend, draft_vocabulary(samples, settings.vocab, 96), settings)
+    losses = []
+    outcome = train(net, samples, model.backend, settings, lambda step, loss, metrics: losses.append(loss))
+    assert outcome.steps == 3 and len(losses) == 3
+    assert outcome.first_loss == losses[0] and outcome.last_loss == losses[-1] and losses[0] != losses[-1]
+    assert outcome.tokens_seen == 3 * ((12 - 4) + (8 - 2))  # both samples in one batch, every step
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"minutes": 0}, "--minutes must be positive"),
+    ({"minutes": float("nan")}, "--minutes must be positive"),
+    ({"seed": -1}, "--seed must be >= 0, got -1"),
+])
+def test_training_settings_out_of_range_are_one_line(change, message):
+    with pytest.raises(InvalidParameter, match=re.escape(message)):
+        Settings("eagle", **change)
 
 
 def test_held_aside_conversations_are_not_trained_on():
@@ -415,6 +466,71 @@ def test_train_drafter_refuses_a_model_it_cannot_train_on_before_making_data(mon
     with pytest.raises(InvalidParameter, match="is a folder: the drafter's file cannot be saved there"):
         cli.run(args, model=tiny())
     assert "self-distilling" not in capsys.readouterr().err
+
+
+def test_train_drafter_refuses_a_vocabulary_past_the_models_and_answers_as_long_as_its_context(monkeypatch, tmp_path):
+    """Both said before any data is made: a draft vocabulary of more tokens than the model has, and
+    evaluation answers that fill the whole context (no room for the query)."""
+    from decodekit.speculative.trained import cli
+
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(cli, "self_distil", lambda *args, **kwargs: pytest.fail("data was made"))
+    args = argparse.Namespace(kind="eagle", tokens=400, prompts="magpie", minutes=1, steps=4, vocab=97, seed=0, eval_queries=2,
+                              unroll=1, max_new_tokens=16, out=None)
+    with pytest.raises(InvalidParameter, match="--vocab 97 is more than the model's 96 tokens"):
+        cli.run(args, model=tiny())
+    model = tiny()
+    context = model.backend.info.max_length
+    with pytest.raises(InvalidParameter, match=f"--max-new-tokens {context} leaves no room"):
+        cli.run(argparse.Namespace(**{**vars(args), "vocab": 96, "max_new_tokens": context}), model=model)
+
+
+def test_train_drafter_learns_its_vocabulary_on_the_training_part_and_evaluates_on_the_held_aside(monkeypatch, tmp_path,
+                                                                                                   capsys):
+    """The held-aside conversations are the evaluation's queries and take no part in training, not even
+    in choosing the draft vocabulary (their tokens would be counted)."""
+    from decodekit.speculative.trained import cli
+
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    samples = [data_module.Sample([10 + i] * 6, 0, torch.zeros(6, 64), f"q{i}") for i in range(5)]
+    monkeypatch.setattr(cli, "self_distil", lambda *args, **kwargs: Corpus(list(samples)))
+    vocab_samples, queries = [], []
+
+    def vocabulary(training, size, vocab_size):
+        vocab_samples.extend(training)
+        return draft_vocabulary(training, size, vocab_size)
+
+    monkeypatch.setattr(cli, "draft_vocabulary", vocabulary)
+    monkeypatch.setattr(cli, "evaluate", lambda model, kind, path, asked, n: queries.extend(asked) or {})
+    args = argparse.Namespace(kind="medusa", tokens=30, prompts="magpie", minutes=1, steps=2, vocab=8, seed=0, eval_queries=2,
+                              unroll=1, max_new_tokens=8, out=None)
+    assert cli.run(args, model=tiny()) == 0
+    assert [s.query for s in vocab_samples] == ["q0", "q1", "q2"] and queries == ["q3", "q4"]
+    assert json.loads(capsys.readouterr().out)["conversations"] == 5
+
+
+def test_the_evaluation_counts_each_verifications_bonus_token_in_the_mean_accepted(monkeypatch):
+    """Mean accepted tokens per verification, as the papers report it: accepted drafts plus the
+    target's own token of each verification, over all the queries' verifications."""
+    from types import SimpleNamespace
+
+    from decodekit.engine import api
+    from decodekit.speculative.trained.cli import evaluate
+
+    drafted = iter([{"verifications": 4, "accepted": 6}, {"verifications": 2, "accepted": 0}])
+
+    class Counted:
+        def __init__(self, model):
+            pass
+
+        def generate(self, query, method, **kwargs):
+            extra = {} if method == "greedy" else next(drafted)
+            return SimpleNamespace(tokens=[1, 2] if method == "greedy" or query == "a" else [1, 3],
+                                   stats=SimpleNamespace(extra=extra))
+
+    monkeypatch.setattr(api, "Engine", Counted)
+    got = evaluate(None, "eagle", "drafter.safetensors", ["a", "b"], 8)
+    assert got == {"queries": 2, "mean_accepted": round((6 + 0 + 4 + 2) / (4 + 2), 3), "identical_to_greedy": "1/2"}
 
 
 def test_an_evaluation_that_verified_nothing_reports_no_figure(drafter_files):
