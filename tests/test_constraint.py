@@ -684,3 +684,13 @@ def test_a_mask_computed_ahead_is_found_by_a_wait_repeated_after_an_interrupt():
     with pytest.raises(ZeroDivisionError):
         failing.result()
     assert workers.submit(len, "abc").result() == 3  # the worker goes on
+
+
+@pytest.mark.parametrize("prompt", ["hello", "abcabc", "Q: "])
+def test_the_constraint_masks_before_every_other_processor(engine, prompt):
+    """The constraint runs first: top_k=1 then keeps the likeliest token the grammar allows (the
+    constrained greedy choice), where top-k first could leave only a token the grammar refuses."""
+    greedy = engine.generate(prompt, max_new_tokens=20, chat=False, constraint={"choice": CHOICES})
+    top1 = engine.generate(prompt, method="sample", top_k=1, seed=0, max_new_tokens=20, chat=False,
+                           constraint={"choice": CHOICES})
+    assert top1.text in CHOICES and top1.tokens == greedy.tokens

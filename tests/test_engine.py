@@ -328,3 +328,119 @@ def test_a_chats_next_turn_reads_only_its_new_part_and_answers_as_a_fresh_engine
         fresh.generate(other, chat=False, method=method, max_new_tokens=8, **options).tokens
     engine.generate(follow, chat=False, method="best-of-n", n=2, max_new_tokens=4)
     assert backend.kept_ids is None
+
+
+class Burst:
+    """A step method that commits a fixed run of tokens every step (as a speculative step accepting many)."""
+
+    def __init__(self, tokens: list[int]):
+        from decodekit.engine.core import StepMethod
+
+        class _Burst(StepMethod):
+            def step(_, state):
+                state.commit(tokens)
+                return list(tokens)
+
+        self.method = _Burst()
+
+
+def test_a_step_that_runs_past_max_new_tokens_returns_max_new_tokens(tiny_model):
+    """max_new_tokens bounds the output, however many tokens one step accepted."""
+    from decodekit.engine.core import Request, StepDecoder
+    from decodekit.samplers import Sampler
+
+    burst = tiny_model.tokenizer.encode("abcdefghij")
+    request = Request(tiny_model.tokenizer.encode("hi"), Sampler.from_params(), max_new_tokens=7)
+    got = StepDecoder(Burst(burst).method).generate(tiny_model, request)
+    assert (got.tokens, got.text, got.finish_reason, got.stats.new_tokens) == (burst[:7], "abcdefg", "length", 7)
+
+
+def test_tokens_left_counts_only_the_new_tokens():
+    """DecodeState.tokens_left: what max_new_tokens still allows, the prompt not counted."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+    from decodekit.samplers import Sampler
+
+    backend = tiny_llama(seed=0)
+    state = DecodeState(backend, Sampler.from_params(), [5, 6, 7, 8, 9], GenerationStats())
+    assert state.tokens_left is None
+    state.max_new_tokens = 10
+    assert state.tokens_left == 10
+    state.commit([11, 12, 13])
+    assert state.tokens_left == 7
+
+
+def test_a_stop_string_counts_the_kept_tokens_and_bills_those_up_to_the_stop(tiny_model):
+    """new_tokens counts the tokens handed back; the tokens a stop cut off are those generated
+    after them up to the one that completes the stop (one character a token here), and no more."""
+    engine = Engine(tiny_model)
+    full = engine.generate("hello", max_new_tokens=40, chat=False)
+    stop = full.text[6:8]
+    cut = engine.generate("hello", max_new_tokens=40, chat=False, stop=stop)
+    start = full.text.index(stop)
+    assert cut.finish_reason == "stop" and cut.tokens == full.tokens[:start]
+    assert cut.stats.new_tokens == len(cut.tokens) == start
+    assert cut.cut_off == full.tokens[start : start + len(stop)]
+    assert cut.generated == start + len(stop)
+
+
+def test_prefill_time_is_the_prompts_pass_and_decode_time_the_rest(tiny_model, monkeypatch):
+    """prefill_s is the prompt's pass alone, decode_s the steps after it (a clock that moves 100
+    in a prefill and 1 in a step, so each is known by hand)."""
+    import types
+
+    from decodekit.engine import core
+
+    now = [0.0]
+    monkeypatch.setattr(core, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    backend = tiny_model.backend
+    prefill, step = backend.prefill, backend.step
+    monkeypatch.setattr(backend, "prefill", lambda *a, **k: now.__setitem__(0, now[0] + 100) or prefill(*a, **k))
+    monkeypatch.setattr(backend, "step", lambda *a, **k: now.__setitem__(0, now[0] + 1) or step(*a, **k))
+    g = Engine(tiny_model).generate("hello", max_new_tokens=9, chat=False, ignore_eos=True)
+    assert g.stats.forward_passes == 8  # the last token chosen is never run
+    assert (g.stats.prefill_s, g.stats.decode_s) == (100, 8)
+    assert g.stats.tokens_per_s == 9 / 8
+
+
+def test_a_request_that_fills_the_context_exactly_fits(tiny_model):
+    """A prompt plus max_new_tokens up to the model's context is allowed; one more is refused."""
+    limit = tiny_model.backend.info.max_length
+    prompt = [1 + i % 90 for i in range(limit - 6)]
+    got = Engine(tiny_model).generate(prompt, max_new_tokens=6, chat=False, ignore_eos=True)
+    assert len(got.tokens) == 6
+    with pytest.raises(PromptTooLong):
+        Engine(tiny_model).generate(prompt, max_new_tokens=7, chat=False, ignore_eos=True)
+
+
+@pytest.mark.parametrize("method, options", [("beam", {"n": 1}), ("best-of-n", {"n": 2, "scorer": "judge"})])
+def test_a_search_that_ends_on_one_row_keeps_nothing_and_a_next_turn_answers_as_a_fresh_engine(method, options):
+    """After a search the cache holds what it read last (a candidate, a judge's question), not
+    prompt and answer: nothing is kept, even where it ends on one row."""
+    backend = tiny_llama(seed=0, hidden_size=64, gguf_blocks=True)
+    engine = Engine(LoadedModel(backend, CharTokenizer(96), "tiny"))
+    fresh = Engine(LoadedModel(backend.clone(), CharTokenizer(96), "tiny"))
+    tok = engine.model.tokenizer
+    prompt = tok.encode("hello world hello")
+    first = engine.generate(prompt, chat=False, method=method, max_new_tokens=8, **options)
+    assert backend.batch_size == 1 and backend.kept_ids is None
+    follow = prompt + first.tokens + tok.encode(" and again")
+    assert engine.generate(follow, chat=False, max_new_tokens=8).tokens == \
+        fresh.generate(follow, chat=False, max_new_tokens=8).tokens
+
+
+def test_a_search_with_no_answer_streams_nothing(tiny_model):
+    """A search hands its answer's text over once, at the end; with no text (cancelled) nothing,
+    not an empty delta."""
+    pieces: list[str] = []
+    got = Engine(tiny_model).generate("hi", method="best-of-n", n=2, max_new_tokens=4, chat=False,
+                                      should_stop=lambda: True, on_text=pieces.append)
+    assert (got.finish_reason, pieces) == ("cancelled", [])
+
+
+def test_should_stop_is_asked_after_every_step(tiny_model):
+    """should_stop is asked after every step: once it says so (here, as soon as text was streamed),
+    the generation ends there, cancelled, with what it has."""
+    pieces: list[str] = []
+    got = Engine(tiny_model).generate("hello", max_new_tokens=30, chat=False, ignore_eos=True, on_text=pieces.append,
+                                      should_stop=lambda: bool(pieces))
+    assert (got.finish_reason, len(got.tokens), "".join(pieces)) == ("cancelled", 1, got.text)

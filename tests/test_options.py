@@ -91,6 +91,40 @@ def test_a_range_holds_its_ends_unless_one_is_declared_open():
     assert OptionSpec("y", float, 1.0, lo=0.0).describe() == "y (float >= 0, default 1.0)"
 
 
+def test_an_open_high_end_is_listed_as_open_too():
+    """describe() says which ends are in the range: an open high end is "<", a closed one "<="."""
+    assert OptionSpec("r", float, 0.5, hi=1.0, hi_open=True).describe() == "r (float < 1, default 0.5)"
+    assert OptionSpec("r", float, 0.5, hi=1.0).describe() == "r (float <= 1, default 0.5)"
+    assert OptionSpec("r", float, 0.5, lo=0.0, hi=1.0, hi_open=True).describe() == "r (float in [0, 1), default 0.5)"
+
+
+def test_a_bool_is_no_number_for_a_float_option():
+    """check_real refuses bools (True is no temperature), as check_int does, naming the option."""
+    with pytest.raises(InvalidParameter, match="^x must be a finite number, got True"):
+        OptionSpec("x", float, 1.0).parse(True)
+    with pytest.raises(InvalidParameter, match="^temperature must be"):
+        Sampler.from_params(temperature=True)
+
+
+def test_a_string_option_refuses_an_empty_string_and_a_path_option_takes_a_path():
+    """A str option must be a non-empty string; a Path option takes a path as text or as a Path."""
+    with pytest.raises(InvalidParameter, match="^s must be a non-empty string, got ''"):
+        OptionSpec("s", str, "a").parse("")
+    assert OptionSpec("f", Path, None).parse(Path("some/file.bin")) == "some/file.bin"
+    assert OptionSpec("f", Path, None).parse("some/file.bin") == "some/file.bin"
+
+
+def test_typed_values_are_not_parsed_from_text_when_text_is_off():
+    """parse_options(text=False) (the sampler's, for Python callers) checks values as they are:
+    the string "3" is no integer there, while the command line's parse turns it into one."""
+    specs = {"n": OptionSpec("n", int, 4, lo=1)}
+    assert parse_options("method 'm'", specs, {"n": "3"}) == {"n": 3}
+    with pytest.raises(InvalidParameter, match="^n must be an integer >= 1, got '3'"):
+        parse_options("method 'm'", specs, {"n": "3"}, text=False)
+    with pytest.raises(InvalidParameter, match="^top_k must be"):
+        Sampler.from_params(top_k="3")
+
+
 def test_none_turns_off_only_an_option_that_is_off_by_default():
     """None is the value of an option whose default is None (off); any other option must get a value."""
     specs = {"n": OptionSpec("n", int, 4, lo=1), "budget": OptionSpec("budget", int, None, lo=1)}
@@ -107,6 +141,13 @@ def test_parse_option_uses_the_key_spec_and_guesses_otherwise():
     assert parse_option("delimiter=3", method_spec("step-beam").options) == ("delimiter", "3")
     with pytest.raises(InvalidParameter, match="key=value"):
         parse_option("novalue")
+    with pytest.raises(InvalidParameter, match="key=value"):
+        parse_option("=3")  # no key
+
+
+def test_a_guessed_value_is_an_int_before_a_float():
+    """literal(): true/false, then int, then float, else the text: "3" is the integer 3, not 3.0."""
+    assert [type(parse_option(f"x={raw}")[1]) for raw in ("3", "-2", "0.5", "1e3", "abc")] == [int, int, float, float, str]
 
 
 def test_unknown_options_and_bad_values_name_the_option():
@@ -390,6 +431,15 @@ def test_make_sampler_reads_the_sampling_field(monkeypatch):
     assert make_sampler("pld", {}).is_greedy and not make_sampler("pld", {"temperature": 0.7}).is_greedy
     with pytest.raises(InvalidParameter, match="sampling must be"):
         register_method("bad", registry.plain_decoder, "test", lossless=True, family="plain", sampling="sometimes")
+
+
+def test_a_method_without_an_option_table_gets_its_options_as_given(monkeypatch):
+    """options=None: not declared, so the builder checks what it is given, all of it, unparsed."""
+    got = {}
+    monkeypatch.setitem(registry._METHODS, "fake", registry.MethodSpec(
+        "fake", lambda **kw: got.update(kw) or registry.plain_decoder(), "test", lossless=True, family="plain"))
+    build_decoder("fake", window="3", k=2)
+    assert got == {"window": "3", "k": 2}
 
 
 def test_no_method_option_shares_a_name_with_a_sampler_parameter(monkeypatch):

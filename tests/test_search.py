@@ -144,6 +144,39 @@ def test_ragged_rows_stop_on_their_own_and_batch_stops_when_all_done():
             assert s.eos_logprob is not None and s.choices == len(s.tokens) + 1
 
 
+def test_a_row_ending_on_eos_records_the_eos_choices_own_log_prob():
+    """eos_logprob is the log-prob of choosing EOS at the step after the last token (not the last
+    token's): p -> a (logits a 2, b 1), then a -> EOS (logits EOS 3, c 0), the rest at -30."""
+    model = bigram_model({"p": {"a": 2.0, "b": 1.0}, "a": {"": 3.0, "c": 0.0}})
+    [s] = decode_batch(model, request(model, "p", method="greedy", max_new=5), 1)
+    assert (s.tokens, s.finish_reason) == ([cid("a")], "eos")
+    table = model.backend.table
+    assert s.logprobs[0] == pytest.approx(float(torch.log_softmax(table[cid("p")], -1)[cid("a")]), abs=1e-6)
+    assert s.eos_logprob == pytest.approx(float(torch.log_softmax(table[cid("a")], -1)[0]), abs=1e-6)
+    assert s.loglik == pytest.approx(s.logprobs[0] + s.eos_logprob)
+
+
+def test_tokens_spent_count_only_the_rows_still_decoding():
+    """A finished row's pad feeds cost nothing: the spend is each row's own choices (EOS included)."""
+    from decodekit.search.batch import SearchContext
+
+    model = random_bigram(0, eos_logit=0.5)
+    ctx = SearchContext(model, request(model, "p", seed=1, max_new=40))
+    samples = ctx.decode(ctx.prompt, ctx.row_samplers(), range(8), 40)
+    assert len({s.choices for s in samples}) > 1  # ragged
+    assert ctx.spent == sum(s.choices for s in samples)
+
+
+def test_first_finish_ends_the_batch_when_a_row_hits_a_stop_string():
+    """A stop string finishes a row as EOS does: first-finish stops the whole batch there, every row
+    having run as many steps as the winner."""
+    model = random_bigram(1, eos_logit=-30.0)
+    g = build_decoder("first-finish", n=4).generate(model, Request(TOK.encode("p"), make_sampler("sample", {"seed": 2}),
+                                                                    40, stop="c"))
+    assert g.finish_reason == "stop" and g.generated < 40
+    assert g.stats.extra["tokens_spent"] == 4 * g.generated
+
+
 def test_step_recorder_matches_hand_computed_statistics():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     rec = StepRecorder(topk=3)
@@ -183,6 +216,28 @@ def test_prefix_cache_reuses_the_longest_common_prefix(tiny):
     assert cache.tokens_run - before == len(ids) - 6
     fresh = tiny_llama(seed=0).prefill(ids)
     assert torch.allclose(logits, fresh, atol=1e-4)
+
+
+def test_a_fork_after_steps_and_a_select_reuses_the_row_that_shares_the_most(tiny):
+    """Rows grow with every step and follow a select: a new prefix is read from the row sharing the
+    longest prefix with it (whichever row that is), running only its last id, with a fresh prefill's logits."""
+    a, b, c, d, e, f, x = TOK.encode("abcdefx")
+    ids = TOK.encode("hello")
+    cache = PrefixCache(tiny.backend)
+    cache.fork(ids, 3)
+    cache.step([a, b, c])
+    cache.step([d, e, f])
+    before = cache.tokens_run
+    logits = cache.fork(ids + [b, e, x], 1)
+    assert cache.tokens_run - before == 1
+    assert torch.allclose(logits, tiny_llama(seed=0).prefill(ids + [b, e, x]), atol=1e-4)
+    cache.fork(ids, 2)
+    cache.step([a, b])
+    cache.select([1])
+    before = cache.tokens_run
+    logits = cache.fork(ids + [b, x], 1)
+    assert cache.tokens_run - before == 1
+    assert torch.allclose(logits, tiny_llama(seed=0).prefill(ids + [b, x]), atol=1e-4)
 
 
 @torch.inference_mode()  # as the decoders run
@@ -419,6 +474,18 @@ def test_cot_branches_on_the_first_tokens_of_the_processed_distribution():
     req = request(model, "ax", method="greedy", max_new=3, repetition_penalty=4.0)
     g = build_decoder("cot", n=2).generate(model, req)
     assert [p["first_token"] for p in g.extra["candidates"]] == ["b", "c"]
+
+
+def test_cot_continues_each_branch_greedily_even_when_the_request_samples(tiny):
+    """CoT-decoding (Wang & Zhou, 2024) branches on the top-k first tokens and decodes each branch
+    greedily: with a temperature given, each path is still the greedy continuation of its first token."""
+    prompt = TOK.encode("hello")
+    g = build_decoder("cot", n=3).generate(tiny, Request(prompt, make_sampler("cot", {"seed": 0, "temperature": 1.5}), 8))
+    engine = Engine(tiny)
+    for path in g.extra["candidates"]:
+        first = TOK.encode(path["first_token"])
+        rest = engine.generate(prompt + first, max_new_tokens=7, chat=False)
+        assert path["text"] == path["first_token"] + rest.text
 
 
 def test_cot_answer_span_and_aggregation():
@@ -804,3 +871,4 @@ def test_a_stop_inside_a_token_keeps_the_text_before_it_in_every_method(method, 
                         **({"delimiter": ","} if method in ("step-beam", "particle", "astar") else {}), **options)
     assert (g.text, g.finish_reason) == (text, "stop")
     assert model.tokenizer.decode(g.tokens) == text[: len(model.tokenizer.decode(g.tokens))]  # whole tokens before the cut
+    assert g.stats.new_tokens == len(g.tokens)  # the tokens handed back, not those the stop cut off

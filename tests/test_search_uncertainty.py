@@ -61,6 +61,25 @@ def test_answer_extraction_modes():
     assert answer_start("total is 42.", "number") == 9 and answer_start("Paris", "line") == 0
 
 
+def test_auto_answers_start_at_the_last_number_when_there_is_one():
+    """auto is the last number when there is one (so its answer starts there), else the first line (at 0)."""
+    assert answer_start("total is 42.", "auto") == answer_start("total is 42.", "number") == 9
+    assert answer_start("so -3 it is", "auto") == 3
+    assert answer_start("Paris", "auto") == 0
+
+
+def test_an_answer_start_callable_may_point_at_the_texts_end():
+    """answer_start returns an offset in [0, len(text)]: the end itself is one (an empty answer)."""
+    from decodekit.errors import InvalidParameter
+    from decodekit.search.answers import answer_functions
+
+    _, start = answer_functions("auto", lambda text: len(text))
+    assert start("abc") == 3
+    _, start = answer_functions("auto", lambda text: len(text) + 1)
+    with pytest.raises(InvalidParameter, match=r"answer_start callable must return an offset in \[0, 3\]"):
+        start("abc")
+
+
 def test_a_samples_own_signals_are_means_over_its_tokens():
     sample = Sample(TOK.encode("ab"), [-1.0, -3.0], [0.5, 1.5], [0.2, 0.4], [[0.0] * 4] * 2, "length")
     signals = sample_signals(sample, TOK)
@@ -75,6 +94,15 @@ def test_prob_and_self_certainty_scorers_are_means_over_the_tokens():
     sample = Sample(TOK.encode("ab"), [-1.0, -3.0], [0.5, 1.5], [0.2, 0.4], [[0.0] * 4] * 2, "eos", eos_logprob=-2.0)
     assert Probability().score(None, [], sample) == pytest.approx(math.exp(-6.0 / 3))
     assert SelfCertainty().score(None, [], sample) == pytest.approx(1.0)
+
+
+def test_mean_logprob_scorer_is_the_loglik_per_choice():
+    """mean-logprob is loglik over the choices, EOS counted (loglik -6 over 3 choices), not the sum."""
+    from decodekit.search.scorers import LogLikelihood, MeanLogprob
+
+    sample = Sample(TOK.encode("ab"), [-1.0, -3.0], [0.5, 1.5], [0.2, 0.4], [[0.0] * 4] * 2, "eos", eos_logprob=-2.0)
+    assert LogLikelihood().score(None, [], sample) == pytest.approx(-6.0)
+    assert MeanLogprob().score(None, [], sample) == pytest.approx(-2.0)
 
 
 def test_agreement_is_the_share_of_equal_answers():
@@ -118,6 +146,65 @@ def test_judge_score_is_the_yes_share_of_yes_plus_no():
     p = torch.softmax(logits, -1)
     expected = float((p[1] + p[2]) / (p[1] + p[2] + p[3] + p[4]))
     assert Judge.yes_share(model, logits) == pytest.approx(expected, abs=1e-6)
+
+
+def test_the_judge_counts_only_single_token_spellings_of_yes_and_no():
+    """Only a token that is a whole "yes" or "no" answers: with one token a character, none is, and
+    the share is the neutral 0.5 however likely "y" or "n" (the first tokens of the words) are."""
+    from decodekit.models import CharTokenizer
+
+    tok = CharTokenizer(96)
+    model = LoadedModel(tiny_llama(seed=0), tok, "tiny")
+    logits = torch.zeros(96)
+    logits[tok.encode("y")[0]] = 5.0
+    logits[tok.encode("N")[0]] = 1.0
+    assert Judge.yes_share(model, logits) == 0.5
+
+
+def test_the_judge_reads_a_step_after_the_prompt_and_the_earlier_steps():
+    """A step is judged in its conversation: prompt, earlier steps, the step, then the question;
+    the score is the yes share of the next-token distribution there (here against a fresh prefill)."""
+    from decodekit.engine import make_sampler
+    from decodekit.engine.core import Request
+    from decodekit.search.batch import Sample, SearchContext
+
+    model = LoadedModel(tiny_llama(seed=0, vocab_size=9), WordTokenizer(), "words")
+    ctx = SearchContext(model, Request([6, 8], make_sampler("best-of-n", {}), 8))  # "Q ?"
+    prefix, step = [7, 5, 5], [7]  # "A maybe maybe", "A"
+    got = Judge().score_step(ctx, prefix, Sample(step, [0.0], [], [], [], "step"))
+    ids = ctx.prompt + prefix + step + Judge._follow_up(model, Judge.STEP_QUESTION)
+    want = Judge.yes_share(model, tiny_llama(seed=0, vocab_size=9).prefill(ids)[0])
+    assert got == pytest.approx(want, abs=1e-6)
+    alone_ids = ctx.prompt + step + Judge._follow_up(model, Judge.STEP_QUESTION)
+    alone = Judge.yes_share(model, tiny_llama(seed=0, vocab_size=9).prefill(alone_ids)[0])
+    assert abs(want - alone) > 1e-4  # (the earlier steps change the answer here)
+
+
+def test_the_judges_question_follows_the_answer_in_the_chat_format():
+    """The follow-up closes the answer's turn and asks in a user turn, in the model's chat format,
+    without the answer itself (which the ids before it already hold)."""
+    from decodekit.models import CharTokenizer
+
+    class Chat(CharTokenizer):
+        def chat_prompt(self, messages):
+            return "".join(f"<{m['role'][0]}>{m['content']}</{m['role'][0]}>" for m in messages) + "<a>"
+
+    model = LoadedModel(tiny_llama(seed=0), Chat(96), "tiny")
+    assert model.tokenizer.decode(Judge._follow_up(model, "Right?")) == "</a><u>Right?</u><a>"
+    plain = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")  # no chat template
+    assert Judge._follow_up(plain, "Right?") == plain.tokenizer.encode("\n\nRight?\nAnswer:")
+
+
+def test_a_judge_with_another_vocabulary_is_refused():
+    """The judge reads the generating model's token ids, so it must share its tokenizer."""
+    from decodekit.engine import Engine
+    from decodekit.errors import InvalidParameter
+    from decodekit.models import CharTokenizer
+
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    judge = LoadedModel(tiny_llama(seed=0, vocab_size=80), CharTokenizer(80), "small")
+    with pytest.raises(InvalidParameter, match="judge model must share the generating model's tokenizer"):
+        Engine(model).generate("hi", method="best-of-n", n=2, scorer="judge", judge_model=judge, max_new_tokens=3)
 
 
 def test_a_step_search_asks_the_judge_about_each_step_the_first_included():
@@ -186,3 +273,10 @@ def test_a_judge_loaded_by_name_for_a_request_is_used_and_let_go(monkeypatch):
     judge = weakref.ref(loaded.pop().backend)
     gc.collect()
     assert judge() is None
+
+
+def test_normalized_text_reads_punctuation_as_a_space():
+    """A name hyphenated or not, or a list with or without spaces after its commas, is the same answer."""
+    assert normalize_text("Port-au-Prince") == normalize_text("Port au Prince") == "port au prince"
+    assert normalize_text("a,b") == normalize_text("a, b") == "a b"
+    assert normalize_text("  São  Tomé! ") == "sao tome"

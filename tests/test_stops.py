@@ -77,6 +77,14 @@ def test_hits_stop_looks_at_the_tail_only_as_far_as_needed():
     assert hits_stop(tok, [0] + [4] * 100, ("he",), added=101)  # and so do the tokens one step added
 
 
+def test_the_earliest_stop_in_the_text_wins_whatever_its_place_in_the_list():
+    """The text is cut at the first occurrence of any stop string, not at the first string listed."""
+    tok = WordTokenizer()
+    tokens = [0, 1, 2, 3, 4]  # "hello world!"
+    assert cut_at_stop(tok, tokens, ("ld", "!", " wor")) == ("hello", [0, 1], " wor")
+    assert cut_at_stop(tok, tokens, ("!", "ld")) == ("hello wor", [0, 1, 2], "ld")
+
+
 def test_a_single_stop_string_in_python_is_not_split_into_characters(tiny_model):
     engine = Engine(tiny_model)
     full = engine.generate("hello", max_new_tokens=40, chat=False)
@@ -204,3 +212,13 @@ def test_a_step_that_adds_many_tokens_is_checked_for_a_stop_string_in_all_of_the
     got = StepDecoder(Burst()).generate(tiny_model, request)
     assert (got.text, got.finish_reason, Burst.steps) == ("ab ", "stop", 1)
     assert "".join(pieces) == "ab "
+
+
+def test_a_long_stop_string_of_many_byte_characters_is_found_in_its_window():
+    """A character takes up to four byte tokens: the window for a stop string of 21 characters
+    (81 bytes here) holds all its tokens, and more than MIN_WINDOW of them."""
+    stop = "x" + "\U0001F600" * 20
+    tokens = list(("so " + stop).encode())
+    assert len(stop.encode()) == 81
+    assert hits_stop(ByteTokenizer(), tokens, (stop,))
+    assert not hits_stop(ByteTokenizer(), tokens[:-1], (stop,))  # its last character not whole yet

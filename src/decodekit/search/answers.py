@@ -28,7 +28,8 @@ Extractor = Callable[[str], "str | None"]
 
 
 def normalize_text(text: str) -> str:
-    """Lower case, accents removed (NFKD), punctuation dropped, whitespace collapsed."""
+    """Lower case, accents removed (NFKD), punctuation read as a space (so "Port-au-Prince" is
+    "port au prince", as written either way), whitespace collapsed."""
     text = unicodedata.normalize("NFKD", text)
     text = "".join(c for c in text if not unicodedata.combining(c)).lower()
     text = text.translate(str.maketrans({c: " " for c in string.punctuation}))
@@ -46,7 +47,8 @@ def normalize_number(raw: str) -> str:
 
 
 def last_number_span(text: str) -> tuple[int, int] | None:
-    """Character span of the last number in ``text`` (a trailing sentence period excluded)."""
+    """Character span of the last number in ``text`` (:data:`NUMBER` ends on a digit: a trailing
+    sentence period or comma is never part of it)."""
     found = [m for m in NUMBER.finditer(text) if any(c.isdigit() for c in m.group())]
     if not found:
         return None
@@ -54,8 +56,6 @@ def last_number_span(text: str) -> tuple[int, int] | None:
     start, end = m.start(), m.end()
     if text[start] in "-\u2212" and start > 0 and text[start - 1].isalnum():  # a range or a date: 3-4, 2024-05
         start += 1
-    while end > start and text[end - 1] in ",.":
-        end -= 1
     return start, end
 
 
