@@ -306,15 +306,21 @@ def test_a_model_whose_weights_hold_a_nan_is_refused_not_decoded(method):
         engine.generate("hello", method=method, max_new_tokens=4, chat=False)
 
 
+def kept_and_fresh_engines():
+    """An engine whose backend keeps its cache between requests (row-independent kernels), and a
+    fresh one over a clone: what a next turn must answer alike."""
+    backend = tiny_llama(seed=0, hidden_size=64, gguf_blocks=True)
+    engine = Engine(LoadedModel(backend, CharTokenizer(96), "tiny"))
+    return backend, engine, Engine(LoadedModel(backend.clone(), CharTokenizer(96), "tiny"))
+
+
 @pytest.mark.parametrize("method, options", [("greedy", {}), ("sample", {"seed": 3, "temperature": 0.9}),
                                              ("pld", {"budget": 8})])
 def test_a_chats_next_turn_reads_only_its_new_part_and_answers_as_a_fresh_engine(method, options):
     """After plain or speculative decoding the engine notes what its cache holds, so a next prompt
     that extends prompt and answer reads only its rest (the row-independent kernels give the same
     bits); after a search or a cancelled request, nothing is kept."""
-    backend = tiny_llama(seed=0, hidden_size=64, gguf_blocks=True)
-    engine = Engine(LoadedModel(backend, CharTokenizer(96), "tiny"))
-    fresh = Engine(LoadedModel(backend.clone(), CharTokenizer(96), "tiny"))
+    backend, engine, fresh = kept_and_fresh_engines()
     tok = engine.model.tokenizer
     prompt = tok.encode("hello world hello")
     first = engine.generate(prompt, chat=False, method=method, max_new_tokens=12, **options)
@@ -416,9 +422,7 @@ def test_a_request_that_fills_the_context_exactly_fits(tiny_model):
 def test_a_search_that_ends_on_one_row_keeps_nothing_and_a_next_turn_answers_as_a_fresh_engine(method, options):
     """After a search the cache holds what it read last (a candidate, a judge's question), not
     prompt and answer: nothing is kept, even where it ends on one row."""
-    backend = tiny_llama(seed=0, hidden_size=64, gguf_blocks=True)
-    engine = Engine(LoadedModel(backend, CharTokenizer(96), "tiny"))
-    fresh = Engine(LoadedModel(backend.clone(), CharTokenizer(96), "tiny"))
+    backend, engine, fresh = kept_and_fresh_engines()
     tok = engine.model.tokenizer
     prompt = tok.encode("hello world hello")
     first = engine.generate(prompt, chat=False, method=method, max_new_tokens=8, **options)

@@ -820,16 +820,23 @@ def test_a_token_written_to_a_slot_starts_with_no_accumulated_attention():
     assert not torch.allclose(rolled._mass[..., :16], fresh._mass[..., :16], atol=1e-5)  # rolled-back rows still count there
 
 
+def adopted_and_read(policy: str, prompt_length: int):
+    """The target's full cache of a prompt, a ``policy`` cache adopted from it, and one that read the
+    prompt itself (the cache adopting must keep what reading keeps)."""
+    target = tiny_llama(seed=2, hidden_size=64)
+    prompt = tokens(prompt_length)
+    target.prefill(prompt)
+    adopted = target.with_kv_cache(policy)
+    adopted.adopt(target, prompt)
+    read = tiny_llama(seed=2, hidden_size=64).with_kv_cache(policy)
+    read.prefill(prompt)
+    return target, adopted, read
+
+
 def test_an_adopted_streaming_cache_compacts_only_where_reading_the_prompt_would():
     """A cache adopted from the target keeps what the policy keeps after the prompt: a streaming cache
     compacts at sink + window + every entries, so a 12-token prompt under sink:2,window:8,every:4 is kept whole."""
-    target = tiny_llama(seed=2, hidden_size=64)
-    prompt = tokens(12)
-    target.prefill(prompt)
-    adopted = target.with_kv_cache("sink:2,window:8,every:4")
-    adopted.adopt(target, prompt)
-    read = tiny_llama(seed=2, hidden_size=64).with_kv_cache("sink:2,window:8,every:4")
-    read.prefill(prompt)
+    target, adopted, read = adopted_and_read("sink:2,window:8,every:4", 12)
     assert (adopted.length, adopted.slots) == (read.length, read.slots) == (12, 12)
     assert adopted._held[0, 0, :12].tolist() == read._held[0, 0, :12].tolist() == list(range(12))
     assert torch.equal(adopted._v[:, 0, :, :12], target._v[:, 0, :, :12])
@@ -859,13 +866,7 @@ def test_a_windowed_pass_attends_to_the_sinks_and_the_window_only(hidden):
 def test_an_adopted_snapkv_cache_of_exactly_its_budget_keeps_every_generated_token():
     """SnapKV compresses the prompt only (its first pass): a prompt of exactly ``budget`` tokens is left
     whole, and the tokens generated after it are all kept, adopted or read alike."""
-    target = tiny_llama(seed=2, hidden_size=64)
-    prompt = tokens(20)
-    target.prefill(prompt)
-    adopted = target.with_kv_cache("snapkv:budget=20,window=4")
-    adopted.adopt(target, prompt)
-    read = tiny_llama(seed=2, hidden_size=64).with_kv_cache("snapkv:budget=20,window=4")
-    read.prefill(prompt)
+    _, adopted, read = adopted_and_read("snapkv:budget=20,window=4", 20)
     for cache in (adopted, read):
         for t in (5, 6, 7):
             cache.step(torch.tensor([t]))

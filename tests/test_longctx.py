@@ -96,25 +96,25 @@ def test_passkey_prompts_are_as_long_as_labelled_within_a_filler_sentence(real_m
         assert abs(len(passkey_prompt(tok, length, 0.5, 12345)) - length) <= sentence
 
 
-def test_the_command_writes_report_json_and_plot(model, tmp_path, capsys):
+def run_longctx(model, out, policies: str, depths: str) -> dict:
+    """``decodekit eval longctx`` at 100 tokens on ``model``: its results.json."""
     parser = eval_cli.ArgumentParser()
     eval_cli.add_arguments(parser)
-    args = parser.parse_args(["longctx", "--policies", "full;sink:4,window:32", "--lengths", "100", "--depths", "0.5",
-                              "--continuation", "8", "--out", str(tmp_path)])
+    args = parser.parse_args(["longctx", "--policies", policies, "--lengths", "100", "--depths", depths,
+                              "--continuation", "8", "--out", str(out)])
     assert eval_cli.run(args, model=model) == 0
-    result = json.loads((tmp_path / "results.json").read_text())
+    return json.loads((out / "results.json").read_text())
+
+
+def test_the_command_writes_report_json_and_plot(model, tmp_path, capsys):
+    result = run_longctx(model, tmp_path, "full;sink:4,window:32", "0.5")
     assert [r["policy"] for r in result["rows"]] == ["full", "sink:4,window:32"]
     assert (tmp_path / "plot.png").stat().st_size > 0 and "| 100 | full |" in (tmp_path / "report.md").read_text()
 
 
 def test_the_ends_of_the_depth_range_are_depths_too(model, tmp_path):
     """--depths takes numbers in [0, 1], both ends included: 0 hides the key at the start, 1 at the end."""
-    parser = eval_cli.ArgumentParser()
-    eval_cli.add_arguments(parser)
-    args = parser.parse_args(["longctx", "--policies", "full", "--lengths", "100", "--depths", "0,1",
-                              "--continuation", "8", "--out", str(tmp_path)])
-    assert eval_cli.run(args, model=model) == 0
-    result = json.loads((tmp_path / "results.json").read_text())
+    result = run_longctx(model, tmp_path, "full", "0,1")
     assert result["config"]["depths"] == [0.0, 1.0] and set(result["rows"][0]["passkey"]) == {"0.0", "1.0"}
 
 

@@ -860,14 +860,9 @@ def test_a_drafter_holds_the_targets_feature_at_every_position(drafter_files, ki
         assert torch.allclose(chunk, whole[start : start + len(chunk)], atol=1e-5), start
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_prompt_whose_beginning_the_cache_kept_drafts_as_if_read_whole(drafter_files, kind, monkeypatch):
-    """A chat's next turn reads only what the cache did not keep; the drafter takes the features of
-    the kept beginning from the last request, so it drafts the trees a fresh engine drafts (EAGLE's
-    draft network sees the whole context, as in the paper)."""
-    from decodekit.engine import Engine
-
-    drafter_class = type(DRAFTER_SPECS[kind].factory(drafter=str(drafter_files[kind, "exact"])))
+def recorded_trees(monkeypatch, drafter_class) -> list[list[list[int]]]:
+    """The trees ``drafter_class`` drafts from now on, a list of them a request (append an empty
+    list before each request)."""
     trees: list[list[list[int]]] = []
     draft = drafter_class.draft
 
@@ -877,6 +872,17 @@ def test_a_prompt_whose_beginning_the_cache_kept_drafts_as_if_read_whole(drafter
         return tree
 
     monkeypatch.setattr(drafter_class, "draft", recording)
+    return trees
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prompt_whose_beginning_the_cache_kept_drafts_as_if_read_whole(drafter_files, kind, monkeypatch):
+    """A chat's next turn reads only what the cache did not keep; the drafter takes the features of
+    the kept beginning from the last request, so it drafts the trees a fresh engine drafts (EAGLE's
+    draft network sees the whole context, as in the paper)."""
+    from decodekit.engine import Engine
+
+    trees = recorded_trees(monkeypatch, type(DRAFTER_SPECS[kind].factory(drafter=str(drafter_files[kind, "exact"]))))
     options = dict(method=kind, drafter=str(drafter_files[kind, "exact"]), budget=4, max_new_tokens=24, chat=False,
                    ignore_eos=True)
     model = tiny()
@@ -902,7 +908,7 @@ def test_only_a_drafter_that_reads_earlier_features_keeps_them_for_the_next_requ
         assert ("features.history" in model.backend.__dict__.get("_memory", {})) == keeps, kind
 
 
-def test_the_features_of_a_request_before_the_last_are_not_taken(drafter_files):
+def test_the_features_of_a_request_before_the_last_are_not_taken(drafter_files, monkeypatch):
     """The cache kept a plain request's text, not that of the EAGLE request before it, whose
     features belong to other tokens: a next turn of the plain request drafts as it would had the
     EAGLE request never run (from the features of what it reads)."""
@@ -911,26 +917,20 @@ def test_the_features_of_a_request_before_the_last_are_not_taken(drafter_files):
 
     options = dict(method="eagle", drafter=str(drafter_files["eagle", "exact"]), budget=4, max_new_tokens=24,
                    chat=False, ignore_eos=True)
-    trees: list[list[list[int]]] = []
-    draft = EagleDrafter.draft
-
-    def recording(self, state, budget):
-        tree = draft(self, state, budget)
-        trees[-1].append(list(tree.tokens))
-        return tree
-
+    trees = recorded_trees(monkeypatch, EagleDrafter)
+    turns = []
     for eagle_first in (True, False):
         model = tiny()
         if eagle_first:  # its features: more positions than the plain request's kept text
+            trees.append([])
             Engine(model).generate(QUERIES[1] * 4, **options)
         plain = Engine(model).generate(QUERIES[0], max_new_tokens=12, chat=False, ignore_eos=True)
         turn = QUERIES[0] + plain.text + QUERIES[2]
         assert model.backend.shared_prefix(model.tokenizer.encode(turn)) > len(QUERIES[0])
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(EagleDrafter, "draft", recording)
-            trees.append([])
-            Engine(model).generate(turn, **options)
-    assert trees[0] and trees[0] == trees[1]
+        trees.append([])
+        Engine(model).generate(turn, **options)
+        turns.append(trees[-1])
+    assert turns[0] and turns[0] == turns[1]
 
 
 def test_eagle_predicts_the_same_after_pairs_committed_one_by_one_or_together(drafter_files):
