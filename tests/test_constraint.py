@@ -653,6 +653,7 @@ def test_a_json_constraint_takes_no_schema():
     ({"type": "object", "properties": {"id": {"enum": ["a", [1, 10**20]]}}}, "enum at /properties/id"),
     ('{"const": 1e400}', "const at / holds inf"),  # JSON text whose literal overflows a float
     ({"properties": {"const": {"maximum": 2**60}}}, "maximum at /properties/const"),  # a property named const
+    ({"anyOf": [{"type": "string"}, {"type": "integer", "maximum": 2**60}]}, "maximum at /anyOf/1"),  # a list of subschemas
 ])
 def test_a_schema_number_llguidance_would_round_is_refused(schema, where):
     """llguidance reads a schema's numbers as float64: 2**53 + 1 decoded as 2**53 broke the schema
@@ -694,3 +695,100 @@ def test_the_constraint_masks_before_every_other_processor(engine, prompt):
     top1 = engine.generate(prompt, method="sample", top_k=1, seed=0, max_new_tokens=20, chat=False,
                            constraint={"choice": CHOICES})
     assert top1.text in CHOICES and top1.tokens == greedy.tokens
+
+
+def test_numbers_outside_the_keywords_that_bound_values_are_not_refused():
+    """Only the keywords that bound or spell a value (const, enum, minimum, ...) decide the output;
+    an annotation's big number (a default, an example) changes nothing llguidance decodes."""
+    for schema in ({"type": "integer", "minimum": 0, "default": 2**60}, {"type": "integer", "examples": [2**60, 1e400]}):
+        checked_grammar({"json_schema": schema})
+
+
+def test_a_choice_constraint_refuses_an_empty_choice():
+    """An empty string among the choices would let the output be empty: refused in one line."""
+    with pytest.raises(InvalidParameter, match="non-empty list of non-empty strings"):
+        Constraint("choice", ["yes", ""])
+
+
+def test_choices_are_matched_literally_not_as_patterns():
+    """A choice is its own text: "a+b" allows exactly "a+b", not "aab" as the regex a+b would."""
+    tok = CharTokenizer(96)
+    proc = constraint_processor({"choice": ["a+b", "c.d"]}, tok)
+    assert proc.broken_by(tok.encode("a+b")) is None and proc.broken_by(tok.encode("c.d")) is None
+    assert proc.broken_by(tok.encode("aab")) is not None and proc.broken_by(tok.encode("cxd")) is not None
+
+
+def test_no_draft_is_allowed_after_a_path_the_grammar_refuses():
+    """``allowed_prefix`` after generated tokens the grammar refuses is 0: nothing can follow a broken path."""
+    tok = CharTokenizer(96)
+    proc = constraint_processor({"regex": "[ab]+"}, tok)
+    a, b, c = tok.encode("abc")
+    assert proc.allowed_prefix([a], [b, a]) == 2
+    assert proc.allowed_prefix([c], [a, b]) == 0
+    assert proc.allowed_prefix([a, c], [a]) == 0
+
+
+def test_a_choice_before_the_mask_never_asks_the_matcher_about_an_id_it_lacks():
+    """``surely_allows`` of an id outside the grammar's vocabulary (the first past it, a negative one)
+    is False without asking llguidance, whose matcher goes into its error state on one (or raises)."""
+    tok = CharTokenizer(96)
+    proc = constraint_processor({"regex": "[ab]+"}, tok)
+    prompt = tok.encode("zz")
+    history = Histories([prompt + tok.encode("a")], len(prompt))
+    for token in (proc.vocab, -1):
+        assert proc.surely_allows(token, history) is False
+        assert not proc.matcher.is_error()
+    assert proc.surely_allows(tok.encode("b")[0], history) is True
+
+
+def test_a_wait_repeated_after_the_outcome_came_returns_at_once():
+    """Once a computation's outcome is there, every later wait returns it (the single wake-up is not
+    waited for again): a mask computed ahead may be asked for twice."""
+    import threading
+
+    from decodekit.samplers.constraint import MaskWorkers
+
+    pending = MaskWorkers(1).submit(lambda: 7)
+    assert pending.result() == 7
+    answers: list[int] = []
+    again = threading.Thread(target=lambda: answers.append(pending.result()), daemon=True)
+    again.start()
+    again.join(timeout=30)  # a deadlock guard, not a timing: the wait must not block
+    assert answers == [7]
+
+
+def test_an_interrupted_wait_for_masks_computed_ahead_is_waited_for_again():
+    """A wait for prepared masks interrupted before they came (Ctrl-C) leaves them pending: the next
+    call waits for them and takes them, instead of using the matcher beside the worker that still
+    has it."""
+    import threading
+
+    tok = CharTokenizer(96)
+    prompt = tok.encode("zz")
+    rows = [prompt + tok.encode(t) for t in ("a", "b", "ab")]
+    want = constraint_processor({"regex": "ab|ac|bd"}, tok)(torch.zeros(len(rows), 96), Histories(rows, len(prompt)))
+    proc = constraint_processor({"regex": "ab|ac|bd"}, tok)
+    gate = threading.Event()
+    proc.matcher = recorder = ThreadRecordingMatcher(proc.matcher)
+    compute = recorder.compute_bitmask
+    recorder.compute_bitmask = lambda: gate.wait(30) and compute()
+    proc.prepare([r[len(prompt):] for r in rows])
+    pending, waits = proc._ahead, []
+
+    class Interrupted:  # the computation, whose first wait is interrupted while the worker still computes
+        @property
+        def outcome(self):
+            return pending.outcome
+
+        def result(self):
+            waits.append(1)
+            if len(waits) == 1:
+                raise KeyboardInterrupt
+            return pending.result()
+
+    proc._ahead = Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt)))
+    gate.set()
+    assert torch.equal(proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt))), want)
+    assert len(waits) == 2 and "MainThread" not in recorder.threads  # every mask was the worker's

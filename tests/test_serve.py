@@ -1233,3 +1233,204 @@ def test_metrics_time_per_output_token_is_over_the_tokens_after_the_first():
     assert value("decodekit:time_to_first_token_seconds_count") == 2
     assert (value("decodekit:spec_decode_num_draft_tokens_total"), value("decodekit:spec_decode_num_accepted_tokens_total")) == (6, 4)
     assert value("decodekit:generation_tokens_total") == 6 and value("decodekit:prompt_tokens_total") == 6
+
+
+def test_a_backend_that_cannot_batch_its_passes_serves_one_choice_at_a_time():
+    """The module's rule: without a batch key the passes cannot run together, so one slot: a second
+    choice waits for the first instead of running beside it."""
+    from decodekit.serve.scheduler import Job, Scheduler
+
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), MODEL)  # head size 8: no batched layer path
+    assert model.backend.batch_key is None
+    scheduler = Scheduler(model, max_batch=4, max_queue=4)
+    try:
+        assert scheduler.max_batch == 1
+        prompt = model.tokenizer.encode(PROMPTS[0])
+        long, short = Job(prompt, "greedy", {}, 1900, ignore_eos=True), Job(prompt, "greedy", {}, 3, ignore_eos=True)
+        futures = scheduler.submit([long, short])
+        started(scheduler)
+        assert (scheduler.running, scheduler.waiting) == (1, 1)
+        scheduler.cancel([long])
+        assert len(futures[1].result(timeout=60).generation.tokens) == 3  # it ran once the slot was free
+    finally:
+        scheduler.close()
+
+
+def test_a_waiting_choice_whose_future_was_cancelled_never_takes_a_slot(alone):
+    """A caller may cancel a waiting choice's future itself: when the slot frees, that choice is
+    skipped (never started) and the next one runs."""
+    from decodekit.serve.scheduler import Job
+
+    with scheduler_of(max_batch=1, max_queue=2) as (model, scheduler):
+        prompt = model.tokenizer.encode(PROMPTS[0])
+        long, dropped, later = (Job(prompt, "greedy", {}, 1900, ignore_eos=True), Job(prompt, "greedy", {}, 4),
+                                Job(prompt, "greedy", {}, 5))
+        (running,) = scheduler.submit([long])
+        started(scheduler)
+        (dropped_future,) = scheduler.submit([dropped])
+        (later_future,) = scheduler.submit([later])
+        assert dropped_future.cancel()
+        scheduler.cancel([long])
+        assert later_future.result(timeout=60).generation.tokens == alone(prompt, max_new_tokens=5).tokens
+        assert dropped.started is None and dropped_future.cancelled()
+        assert (scheduler.running, scheduler.waiting) == (0, 0)
+
+
+def test_a_choice_that_fails_gives_its_slot_back_before_its_caller_hears_of_it(alone):
+    """A choice whose decoding raises (an option only the engine can judge) frees its slot: when its
+    caller gets the error, nothing runs, and the next choice runs as it would alone."""
+    from decodekit.errors import DecodeKitError
+    from decodekit.serve.scheduler import Job
+
+    with scheduler_of(max_batch=1, max_queue=1) as (model, scheduler):
+        prompt = model.tokenizer.encode(PROMPTS[0])
+        (failing,) = scheduler.submit([Job(prompt, "greedy", {"top_k": -3}, 4)])
+        with pytest.raises(DecodeKitError):
+            failing.result(timeout=60)
+        assert (scheduler.running, scheduler.waiting, len(scheduler._free)) == (0, 0, 1)
+        (next_one,) = scheduler.submit([Job(prompt, "greedy", {}, 4)])
+        assert next_one.result(timeout=60).generation.tokens == alone(prompt, max_new_tokens=4).tokens
+
+
+def test_a_choices_slot_is_free_when_its_caller_hears_it_ended_and_its_wait_is_its_queue_time():
+    """The scheduler's promise: a caller that submits again the moment its answer comes finds the
+    slot free (the slot is given back before the future is answered); the outcome's queue time is
+    from submission to start, not to the end."""
+    from decodekit.serve.scheduler import Job
+
+    with scheduler_of(max_batch=1, max_queue=0) as (model, scheduler):
+        job = Job(model.tokenizer.encode(PROMPTS[1]), "greedy", {}, 6)
+        (future,) = scheduler.submit([job])
+        seen = []
+        future.add_done_callback(lambda f: seen.append((scheduler.running, len(scheduler._free))))
+        outcome = future.result(timeout=60)
+        assert seen == [(0, 1)]
+        assert outcome.queued_s == job.started - job.submitted
+
+
+def test_cancelling_a_choice_whose_future_its_caller_cancelled_is_quiet():
+    """A waiting choice whose caller cancelled its future, then cancelled through the scheduler (a
+    client gone): no error, the queue place freed, the choice marked to stop."""
+    from decodekit.serve.scheduler import Job
+
+    with scheduler_of(max_batch=1, max_queue=1) as (model, scheduler):
+        prompt = model.tokenizer.encode(PROMPTS[0])
+        long, waiting = Job(prompt, "greedy", {}, 1900, ignore_eos=True), Job(prompt, "greedy", {}, 4)
+        (running,) = scheduler.submit([long])
+        started(scheduler)
+        (queued,) = scheduler.submit([waiting])
+        assert queued.cancel()
+        scheduler.cancel([waiting])
+        assert waiting.cancelled.is_set() and (scheduler.running, scheduler.waiting) == (1, 0)
+        scheduler.cancel([long])
+        assert running.result(timeout=60).generation.finish_reason == "cancelled"
+
+
+def test_after_a_request_with_logprobs_the_slot_keeps_its_prompt_and_answer():
+    """The log-probabilities' teacher-forced pass reads prompt and answer: the slot's cache is said to
+    hold them, so the conversation's next turn reads only what is new."""
+    from decodekit.serve.scheduler import Job
+
+    with scheduler_of(max_batch=1, max_queue=0) as (model, scheduler):
+        slot = scheduler._free[0].model.backend
+        prompt = model.tokenizer.encode(PROMPTS[3])
+        (future,) = scheduler.submit([Job(prompt, "greedy", {}, 5, ignore_eos=True, top_logprobs=0)])
+        answer = future.result(timeout=60).generation.tokens
+        follow = prompt + answer + model.tokenizer.encode(" and?")
+        assert slot.shared_prefix(follow) == len(prompt) + len(answer)  # a greedy decode alone leaves its last token unread
+
+
+def test_closing_the_scheduler_cancels_the_choices_that_wait():
+    """On close, what waits is dropped: its callers' futures are cancelled, not left unanswered."""
+    from decodekit.serve.scheduler import Job
+
+    with scheduler_of(max_batch=1, max_queue=1) as (model, scheduler):
+        prompt = model.tokenizer.encode(PROMPTS[0])
+        long = Job(prompt, "greedy", {}, 1900, ignore_eos=True)
+        scheduler.submit([long])
+        started(scheduler)
+        (queued,) = scheduler.submit([Job(prompt, "greedy", {}, 4)])
+        scheduler.close()
+        scheduler.cancel([long])
+        assert queued.cancelled() and scheduler.waiting == 0
+
+
+def test_until_its_model_loads_the_server_answers_503_and_says_when_the_load_failed():
+    """/health, /metrics and the API answer 503 while the model loads; once the load failed,
+    /health says "error" (a health checker stops waiting) and the API gives the reason."""
+    from decodekit.errors import InvalidModel
+
+    def load():
+        raise InvalidModel("the weights are truncated")
+
+    server = Server(load, max_batch=1, max_queue=1)
+    sock = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    web = uvicorn.Server(uvicorn.Config(server.app, log_level="error"))
+    thread = threading.Thread(target=web.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not web.started:
+        time.sleep(0.01)
+
+    def get(path: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(url + path) as r:
+                return r.status, json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    try:
+        assert get("/health") == (503, {"status": "loading"})
+        status, body = get("/metrics")
+        assert status == 503 and "the model is loading" in body["error"]["message"]
+        with pytest.raises(InvalidModel):
+            server.load_now()
+        assert get("/health") == (503, {"status": "error"})
+        status, body = get("/v1/models")
+        assert status == 503 and "failed to load: the weights are truncated" in body["error"]["message"]
+    finally:
+        web.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_a_request_whose_wait_is_cancelled_cancels_its_choices():
+    """Whatever ends the wait for a request's choices (its client gone, or its task cancelled as the
+    server stops), the choices are cancelled: they never run on for nobody."""
+    import asyncio
+    from concurrent.futures import Future
+
+    from decodekit.serve.app import wait_or_cancel
+
+    class Connected:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    class Recording:
+        def __init__(self):
+            self.cancelled = []
+
+        def cancel(self, jobs):
+            self.cancelled.append(jobs)
+
+    scheduler, jobs = Recording(), ["a choice"]
+
+    async def cancelled_wait():
+        task = asyncio.create_task(wait_or_cancel(Connected(), scheduler, jobs, [Future()]))
+        await asyncio.sleep(0)  # the wait starts
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled_wait())
+    assert scheduler.cancelled == [jobs]
+
+
+def test_without_max_tokens_a_chat_decodes_to_the_end_of_the_context():
+    """OpenAI's default for a chat: as many tokens as the context holds after the prompt."""
+    running = Running(LoadedModel(tiny_llama(seed=0, max_position=96), CharTokenizer(96), MODEL), max_batch=1, max_queue=1)
+    try:
+        reply = chat(running, PROMPTS[0], temperature=0, extra_body={"ignore_eos": True})
+        assert reply.usage.prompt_tokens + reply.usage.completion_tokens == 96
+        assert reply.choices[0].finish_reason == "length"
+    finally:
+        running.stop()

@@ -1119,3 +1119,122 @@ def test_medusa_hangs_head_ks_candidates_below_every_node_of_depth_k():
     for parent in tree.parents:
         depth.append(0 if parent < 0 else depth[parent] + 1)
     assert all(token in (10 + 2 * d, 11 + 2 * d) for token, d in zip(tree.tokens, depth))
+
+
+def _crafted(source, path, tensors=None, **meta_changes):
+    """``source``'s drafter file written again to ``path`` with other tensors or metadata (its saved
+    digest kept unless the change names one)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(source), framework="pt") as handle:
+        meta, original = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
+    meta = {k: v for k, v in {**meta, **meta_changes}.items() if v is not None}
+    save_file({n: t.contiguous() for n, t in (tensors or original).items()}, str(path), metadata=meta)
+    return original, meta
+
+
+def test_a_saved_drafter_holds_float16_weights_and_integer_token_ids(drafter_files):
+    """The module's promise: a drafter file is float16 weights (half a float32 file's size); the
+    draft head's token ids stay integers."""
+    from safetensors import safe_open
+
+    with safe_open(str(drafter_files["eagle", "exact"]), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    assert tensors["head.vocab"].dtype in (torch.int32, torch.int64)
+    assert {t.dtype for name, t in tensors.items() if name != "head.vocab"} == {torch.float16}
+
+
+def test_a_tensor_reshaped_under_its_saved_digest_is_damaged(drafter_files, tmp_path):
+    """The digest covers each tensor's name and shape, not only its bytes: the same bytes under
+    another shape are a damaged file, said so, not taken for another network."""
+    path = tmp_path / "reshaped.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(str(drafter_files["eagle", "exact"]), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    name = next(n for n, t in tensors.items() if t.dim() == 2 and t.is_floating_point())
+    _crafted(drafter_files["eagle", "exact"], path, {**tensors, name: tensors[name].reshape(-1)})
+    with pytest.raises(InvalidModel, match="damaged"):
+        store.load(tiny().backend, "eagle", path)
+
+
+def test_a_file_whose_metadata_names_no_target_is_not_a_drafter(drafter_files, tmp_path):
+    """Kind, config and target are what make a drafter file: without a target it is one line, not a KeyError."""
+    path = tmp_path / "no-target.safetensors"
+    _crafted(drafter_files["medusa", "exact"], path, target=None)
+    with pytest.raises(InvalidModel, match="not a decodekit drafter"):
+        store.load(tiny().backend, "medusa", path)
+
+
+def test_a_head_whose_token_ids_are_floats_is_refused(drafter_files, tmp_path):
+    """head.vocab holds token ids: stored as floats (even whole ones) it is no drafter of ours."""
+    from safetensors import safe_open
+
+    path = tmp_path / "float-vocab.safetensors"
+    with safe_open(str(drafter_files["eagle", "exact"]), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    crafted = {**tensors, "head.vocab": tensors["head.vocab"].float()}
+    _crafted(drafter_files["eagle", "exact"], path, crafted, digest=store.tensors_digest(crafted))
+    with pytest.raises(InvalidModel, match="head.vocab is not a list of token ids"):
+        store.load(tiny().backend, "eagle", path)
+
+
+def test_a_drafter_of_another_width_is_refused_though_its_header_names_the_target(drafter_files, tmp_path):
+    """A drafter whose network is narrower or wider than the target's hidden size cannot read its
+    features: one line, whatever fingerprint its header carries."""
+    wide = tiny(hidden_size=128)
+    path = tmp_path / "other-width.safetensors"
+    _crafted(drafter_files["eagle", "exact"], path, target=store.target_fingerprint(wide.backend))
+    with pytest.raises(InvalidParameter, match="does not fit"):
+        store.build(path, "eagle", wide.backend)
+
+
+def test_a_shipped_drafter_for_another_model_is_not_used(drafter_files, monkeypatch, tmp_path):
+    """The package's drafters are the embedded model's: one trained for another target is passed
+    over, and the message says how to train one for this model."""
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))
+    package = tmp_path / "package"
+    package.mkdir()
+    (package / "tiny-medusa.safetensors").write_bytes(drafter_files["medusa", "exact"].read_bytes())
+    monkeypatch.setattr(store, "SHIPPED", package)
+    assert store.shipped(tiny().backend, "medusa") == package / "tiny-medusa.safetensors"
+    other = tiny(seed=1)
+    assert store.shipped(other.backend, "medusa") is None
+    with pytest.raises(InvalidParameter, match="no medusa drafter for .*train-drafter"):
+        store.load(other.backend, "medusa")
+
+
+def test_the_fingerprint_of_a_model_in_memory_covers_every_row_of_its_head():
+    """A model built in memory is fingerprinted by its whole output head: two heads that differ
+    only in the last token's row are two models."""
+    import types
+
+    def fingerprint(head: torch.Tensor) -> str:
+        backend = types.SimpleNamespace(weights_files=[], info=types.SimpleNamespace(vocab_size=head.shape[0]),
+                                        head_rows=lambda ids: head[ids], memory=lambda key, compute: compute())
+        return store.target_fingerprint(backend)
+
+    head = torch.randn(10, 4, generator=torch.Generator().manual_seed(0))
+    last_changed, first_changed = head.clone(), head.clone()
+    last_changed[-1, 0] += 1
+    first_changed[0, 0] += 1
+    assert fingerprint(head) == fingerprint(head.clone())
+    assert fingerprint(head) != fingerprint(last_changed) and fingerprint(head) != fingerprint(first_changed)
+
+
+def test_a_save_that_fails_leaves_no_file_behind(drafter_files, monkeypatch, tmp_path):
+    """A drafter is written under a temporary name and moved into place: a write that fails leaves
+    neither a drafter nor a half-written file in the folder."""
+    model = tiny()
+    net = store.build(drafter_files["medusa", "exact"], "medusa", model.backend)
+
+    def failing(state, path, metadata):
+        path.write_bytes(b"half a drafter")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(store, "save_tensors", failing)
+    folder = tmp_path / "drafters"
+    with pytest.raises(OSError, match="disk full"):
+        store.save(net, "medusa", model.backend, folder / "tiny-medusa.safetensors", {})
+    assert list(folder.iterdir()) == []

@@ -328,7 +328,9 @@ class ConstrainedTokens(LogitsProcessor):
             if bits is not None:
                 mask_logits(out[row], bits, source=logits[row])
             else:  # a path the grammar refuses (a rejected draft): its parent's mask gave it no
-                out[row] = logits[row]  # probability, so what its row holds is never used
+                # probability; its row keeps the model's logits, finite, since a verification
+                # normalises every row (a row of -inf alone would be NaN there, and refused)
+                out[row] = logits[row]
         return out
 
     def greedy_choice(self, logits: torch.Tensor, history: Sequence[torch.Tensor]) -> int | None:
