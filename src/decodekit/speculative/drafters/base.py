@@ -204,15 +204,14 @@ class FeatureHistory:
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
-        self.features: torch.Tensor | None = None  # [positions, D] from position 0
+        self.chunks: list[torch.Tensor] = []  # [rows, D] each, from position 0 on (joined only when read)
 
     def before(self, tokens: list[int], position: int) -> torch.Tensor | None:
         """The features of positions ``0 .. position - 1`` where the last request had them for the
         same tokens; None otherwise."""
-        held = self.features
-        if held is None or len(held) < position or self.tokens[:position] != tokens[:position]:
+        if sum(len(c) for c in self.chunks) < position or self.tokens[:position] != tokens[:position]:
             return None
-        return held[:position]
+        return torch.cat(self.chunks)[:position]
 
 
 class FeatureDrafter(Drafter):
@@ -240,10 +239,11 @@ class FeatureDrafter(Drafter):
         self.known = len(state.tokens)  # positions chunk_start .. known - 1 have their feature
         self.history_chunks = None  # every position's features, for the next request's history
         if self.reads_earlier_features:
-            earlier = state.backend.memory("features.history", FeatureHistory).before(state.tokens, self.chunk_start)
-            if earlier is not None:
-                self.chunks.insert(0, earlier)
-                self.chunk_start = 0
+            if self.chunk_start > 0:  # the cache kept the prompt's beginning
+                earlier = state.backend.memory("features.history", FeatureHistory).before(state.tokens, self.chunk_start)
+                if earlier is not None:
+                    self.chunks.insert(0, earlier)
+                    self.chunk_start = 0
             if self.chunk_start == 0:
                 self.history_chunks = list(self.chunks)
 
@@ -260,7 +260,7 @@ class FeatureDrafter(Drafter):
     def finish(self, state: DecodeState) -> None:
         if self.history_chunks is not None:
             history = state.backend.memory("features.history", FeatureHistory)
-            history.tokens, history.features = list(state.tokens), torch.cat(self.history_chunks)
+            history.tokens, history.chunks = list(state.tokens), self.history_chunks
 
     def features_from(self, position: int) -> torch.Tensor:
         """The features of positions ``position .. known - 1`` (earlier ones are dropped from the
