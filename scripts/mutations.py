@@ -3709,6 +3709,18 @@ MUTATIONS = (
              "out[row] = logits[row]\n        return out",
              "out[row] = float(\"-inf\")\n        return out",
              ("tests/test_constraint.py", "-k", "speculation_under")),
+    Mutation("method-checked-after-the-prompt", "src/decodekit/engine/core.py",
+             "self.method.check(backend)\n        stats = GenerationStats()",
+             "stats = GenerationStats()",
+             ("tests/test_bad_input.py", "-k", "drafter_that_cannot")),
+    Mutation("speculative-loop-skips-the-drafters-check", "src/decodekit/speculative/loop.py",
+             "def check(self, backend: Backend) -> None:\n        self.drafter.check(backend)",
+             "def check(self, backend: Backend) -> None:\n        pass",
+             ("tests/test_bad_input.py", "-k", "drafter_that_cannot")),
+    Mutation("composite-checks-no-part", "src/decodekit/speculative/drafters/base.py",
+             "def check(self, backend: Backend) -> None:\n        for leaf in self.leaves():\n            leaf.check(backend)",
+             "def check(self, backend: Backend) -> None:\n        pass",
+             ("tests/test_bad_input.py", "-k", "drafter_that_cannot")),
 )
 
 

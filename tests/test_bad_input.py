@@ -468,3 +468,32 @@ def test_another_librarys_error_is_named_by_its_first_line():
     assert cause_line(err) == "ValueError: header is damaged"
     assert cause_line(OSError()) == "OSError"
     assert str(InvalidModel.because("m.gguf", "cannot be read", err)) == "m.gguf: cannot be read (ValueError: header is damaged)"
+
+
+def test_a_drafter_that_cannot_draft_for_the_model_says_so_before_the_prompt_is_read(monkeypatch, tmp_path):
+    """What a drafter needs of the target (a cache kvdraft can draft for, a draft model of the same
+    vocabulary, a trained drafter's file, a backend that gives features) is checked before prefill:
+    a request refused costs no prompt read, and the message is the one the check gives."""
+    from decodekit.engine.core import DecodeState
+    from decodekit.models.hf import HFBackend
+    from decodekit.models.tiny import tiny_hf_model
+
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(DecodeState, "prefill", lambda self: pytest.fail("the prompt was read"))
+    tok = CharTokenizer(96)
+
+    def refused(backend, match: str, **options) -> None:
+        with pytest.raises(InvalidParameter, match=match):
+            Engine(LoadedModel(backend, tok, "tiny")).generate("abc abc", max_new_tokens=3, chat=False, **options)
+
+    refused(tiny_llama(seed=0).with_kv_cache("h2o:budget=64,window=8"), "kvdraft drafts for a cache that keeps every token",
+            method="kvdraft")
+    refused(tiny_llama(seed=0, dtype=torch.bfloat16), r"^draft_cache int8: ", method="kvdraft", draft_cache="int8")
+    refused(tiny_llama(seed=0, max_position=96), "more than the model's context of 96", method="kvdraft",
+            draft_cache="sink:4,window:200")
+    refused(tiny_llama(seed=0), r"the draft model's vocabulary \(2000 tokens\) is not the target's \(96\)", method="draft",
+            draft_model=tiny_llama(seed=1, vocab_size=2000))
+    refused(tiny_llama(seed=0), "no eagle drafter for", method="eagle")
+    refused(HFBackend(tiny_hf_model(num_layers=2)), "needs a backend that gives features", method="medusa")
+    refused(tiny_llama(seed=0, hidden_size=64).with_kv_cache("int4"), "kvdraft drafts for a cache that keeps every token",
+            method="hierarchy", order="pld,kvdraft")  # a drafter's parts are checked as it is

@@ -154,6 +154,10 @@ class StepMethod(ABC):
 
     name: str = "step"
 
+    def check(self, backend: Backend) -> None:
+        """Called before prefill: refuse (:class:`~decodekit.errors.InvalidParameter`) a model this method cannot run
+        on, so that a request it cannot serve costs no prompt read."""
+
     def begin(self, state: DecodeState) -> None:
         """Called once after prefill (e.g. to index the prompt)."""
 
@@ -268,6 +272,7 @@ class StepDecoder(Decoder):
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         backend, tokenizer = model.backend, model.tokenizer
         check_fits(backend, len(request.prompt_ids), request.max_new_tokens)
+        self.method.check(backend)
         stats = GenerationStats()
         state = DecodeState(backend, request.sampler, request.prompt_ids, stats)
         streamer = TextStreamer(tokenizer, request.stop, request.on_text)

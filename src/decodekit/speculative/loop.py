@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..engine.core import DecodeState, StepDecoder, StepMethod
+from ..models.backend import Backend
 from ..options import OptionSpec, option_table, parse_options
 from .controller import Controller
 from .drafters import Drafter
@@ -61,6 +62,9 @@ class SpeculativeMethod(StepMethod):
         self.controller = controller
         self.sampled_verifier = verifier
         self.name = drafter.name
+
+    def check(self, backend: Backend) -> None:
+        self.drafter.check(backend)
 
     def begin(self, state: DecodeState) -> None:
         self.drafter.begin(state)  # first: it may read what prefill left in the backend (trained drafters' features)

@@ -1,8 +1,8 @@
 """The drafter contract and the mechanisms several drafters share.
 
-:class:`Drafter` is the whole interface the loop uses: ``draft`` is required; ``begin``,
-``update``, ``observe``, ``report``, ``finish`` and ``trimmable`` are optional hooks whose
-defaults do nothing, so the loop calls them unconditionally. Shared mechanisms:
+:class:`Drafter` is the whole interface the loop uses: ``draft`` is required; ``check``,
+``begin``, ``update``, ``observe``, ``report``, ``finish`` and ``trimmable`` are optional hooks
+whose defaults do nothing, so the loop calls them unconditionally. Shared mechanisms:
 :class:`ContextDrafter` (index the growing context one token at a time: pld, suffix),
 :class:`ChainDrafter` (autoregressive chains from a draft model: draft, layerskip),
 :class:`FeatureDrafter` (trained networks on the target's features: eagle, medusa) and
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ...engine.core import DecodeState
+from ...models.backend import Backend
 from ...errors import InvalidParameter
 from ...samplers import Histories, Sampler
 from ...options import OptionSpec, any_value, check_int, option_table
@@ -33,6 +34,10 @@ class Drafter(ABC):
     #: False: the controller verifies the whole tree or nothing (a lookahead window's value
     #: lies in later steps, so it is not trimmed node by node).
     trimmable: bool = True
+
+    def check(self, backend: Backend) -> None:
+        """Called once per request before prefill: refuse (:class:`InvalidParameter`) a target
+        this drafter cannot draft for, before the prompt is read."""
 
     def begin(self, state: DecodeState) -> None:
         """Called once per request after prefill (e.g. index the prompt)."""
@@ -229,11 +234,17 @@ class FeatureDrafter(Drafter):
         self.candidates = TRAINED_OPTIONS["candidates"].parse(candidates)
         self.net = None
 
+    def check(self, backend: Backend) -> None:
+        if not backend.gives_features:
+            raise InvalidParameter(f"method {self.kind} needs a backend that gives features (the native backend)")
+        store.load(backend, self.kind, self.path)  # kept in the backend's memory for begin()
+
     def begin(self, state: DecodeState) -> None:
+        self.check(state.backend)  # again for a drafter used without the loop (the net is kept, not reloaded)
         self.net = store.load(state.backend, self.kind, self.path)
         features = state.backend.last_features
         if features is None or features.shape[1] > len(state.tokens):
-            raise InvalidParameter(f"method {self.kind} needs a backend that gives features (the native backend)")
+            raise InvalidParameter(f"method {self.kind} needs the features of the prompt's last pass")
         self.chunks = [features[0].float()]  # the known features, in passes' chunks, from position chunk_start
         self.chunk_start = len(state.tokens) - features.shape[1]
         self.known = len(state.tokens)  # positions chunk_start .. known - 1 have their feature
@@ -292,6 +303,10 @@ class CompositeDrafter(Drafter):
                 if all(leaf is not seen for seen in out):
                     out.append(leaf)
         return out
+
+    def check(self, backend: Backend) -> None:
+        for leaf in self.leaves():
+            leaf.check(backend)
 
     def begin(self, state: DecodeState) -> None:
         for leaf in self.leaves():

@@ -158,14 +158,18 @@ class DraftModelDrafter(ChainDrafter):
     def _parse_spec(self, spec: object) -> Backend | int | str | None:
         return parse_draft_spec(spec)
 
-    def begin(self, state: DecodeState) -> None:
-        # The prompt is run lazily, by the first draft: a request whose controller never
-        # drafts (the draft model does not pay) costs the draft model nothing.
-        self.backend = draft_backend(self.spec, state.backend)
-        draft, target = self.backend.info.vocab_size, state.backend.info.vocab_size
+    def check(self, backend: Backend) -> None:
+        self.backend = draft_backend(self.spec, backend)
+        draft, target = self.backend.info.vocab_size, backend.info.vocab_size
         if abs(draft - target) > VOCAB_PADDING:  # not a padding apart: another tokenizer, whose ids mean other tokens
             raise InvalidParameter(f"the draft model's vocabulary ({draft} tokens) is not the target's ({target}): a draft "
                                    "model must share the target's tokenizer", param="draft_model")
+
+    def begin(self, state: DecodeState) -> None:
+        # The prompt is run lazily, by the first draft: a request whose controller never
+        # drafts (the draft model does not pay) costs the draft model nothing.
+        self.check(state.backend)  # again for a drafter used without the loop: kept in the target's memory
+        assert self.backend is not None
         self.backend.reset(1)
         self._cached = []
 

@@ -40,6 +40,7 @@ import torch
 
 from ...engine.core import DecodeState
 from ...errors import InvalidParameter
+from ...models.backend import Backend
 from ...models.kv_policy import StreamingPolicy, parse_kv_cache
 from ...options import OptionSpec, option_table
 from . import register_drafter
@@ -79,10 +80,9 @@ class CompressedCacheDrafter(DraftModelDrafter):
         self._origin = 0
 
     def _parse_spec(self, spec: object) -> object:
-        return None  # the draft is the target itself, found at begin()
+        return None  # the draft is the target itself, found at check()
 
-    def begin(self, state: DecodeState) -> None:
-        target = state.backend
+    def check(self, target: Backend) -> None:
         if not hasattr(target, "with_kv_cache"):
             raise InvalidParameter(f"kvdraft needs the native backend, not {target.info.architecture}", param="method")
         policy = target.kv_policy  # windowed drafts read an int8 cache as they read a float one, not int4's
@@ -92,7 +92,6 @@ class CompressedCacheDrafter(DraftModelDrafter):
         if policy.evicts() or policy.quantised and policy.code_bits != 8:
             raise InvalidParameter(f"kvdraft drafts for a cache that keeps every token (full, or int8 with sink:S,window:W "
                                    f"drafts); this model's is {target.kv_policy.spec}", param="method")
-        self._target = target
         peak = self.policy.peak_slots(1)
         # as --kv-cache refuses it (it would compress nothing); the default's is let be on a model of a short context
         if self.policy.spec != DEFAULT_CACHE and peak is not None and peak > target.info.max_length:
@@ -107,6 +106,14 @@ class CompressedCacheDrafter(DraftModelDrafter):
             if self.policy.evicts():  # Gemma 3's windows take no evicting cache (its message would suggest full)
                 err = f"{target.info.name} cannot hold an evicting cache; kvdraft drafts on it through sink:S,window:W or int8"
             raise InvalidParameter(f"draft_cache {self.policy.spec}: {err}", param="draft_cache") from None
+
+    def begin(self, state: DecodeState) -> None:
+        target = state.backend
+        self.check(target)  # again for a drafter used without the loop: the draft's backend is kept, not rebuilt
+        self._target = target
+        if self.windowed:
+            return
+        assert self.backend is not None
         prompt = state.tokens[: target.length]
         self.backend.adopt(target, prompt)
         self._cached = list(prompt)
