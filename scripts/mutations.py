@@ -3721,6 +3721,14 @@ MUTATIONS = (
              "def check(self, backend: Backend) -> None:\n        for leaf in self.leaves():\n            leaf.check(backend)",
              "def check(self, backend: Backend) -> None:\n        pass",
              ("tests/test_bad_input.py", "-k", "drafter_that_cannot")),
+    Mutation("sample-search-judges-the-model-after-sampling", "src/decodekit/search/select.py",
+             "if self.scorer is not None:\n            self.scorer.check(model)\n",
+             "pass\n",
+             ("tests/test_search_uncertainty.py", "-k", "another_vocabulary")),
+    Mutation("step-search-judges-the-model-after-stepping", "src/decodekit/search/steps.py",
+             "self.scorer.check(model)\n        return SearchContext(model, request)",
+             "return SearchContext(model, request)",
+             ("tests/test_search_uncertainty.py", "-k", "another_vocabulary")),
 )
 
 

@@ -195,16 +195,21 @@ def test_the_judges_question_follows_the_answer_in_the_chat_format():
     assert Judge._follow_up(plain, "Right?") == plain.tokenizer.encode("\n\nRight?\nAnswer:")
 
 
-def test_a_judge_with_another_vocabulary_is_refused():
-    """The judge reads the generating model's token ids, so it must share its tokenizer."""
+@pytest.mark.parametrize("method", ["best-of-n", "weighted-vote", "step-beam", "particle", "astar"])
+def test_a_judge_with_another_vocabulary_is_refused_before_any_sample(monkeypatch, method):
+    """The judge reads the generating model's token ids, so it must share its tokenizer; said before
+    the search decodes anything (not after n samples)."""
     from decodekit.engine import Engine
     from decodekit.errors import InvalidParameter
     from decodekit.models import CharTokenizer
+    from decodekit.search.batch import SearchContext
 
     model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
     judge = LoadedModel(tiny_llama(seed=0, vocab_size=80), CharTokenizer(80), "small")
-    with pytest.raises(InvalidParameter, match="judge model must share the generating model's tokenizer"):
-        Engine(model).generate("hi", method="best-of-n", n=2, scorer="judge", judge_model=judge, max_new_tokens=3)
+    monkeypatch.setattr(SearchContext, "decode", lambda *args, **kwargs: pytest.fail("the search decoded"))
+    with pytest.raises(InvalidParameter, match="judge model must share the generating model's tokenizer") as refused:
+        Engine(model).generate("hi", method=method, n=2, scorer="judge", judge_model=judge, max_new_tokens=3)
+    assert refused.value.param == "judge_model"
 
 
 def test_a_step_search_asks_the_judge_about_each_step_the_first_included():

@@ -37,6 +37,10 @@ class Scorer(ABC):
     name = "scorer"
     nonnegative = False
 
+    def check(self, model: LoadedModel) -> None:
+        """Called before a search decodes anything: refuse (:class:`InvalidParameter`) a generating
+        model this scorer cannot score, so that the refusal costs no samples."""
+
     @abstractmethod
     def score(self, ctx: SearchContext, prefix: Sequence[int], segment: Sample) -> float: ...
 
@@ -119,10 +123,13 @@ class Judge(Scorer):
     def score_step(self, ctx: SearchContext, prefix: Sequence[int], step: Sample) -> float:
         return self._ask(ctx, prefix, step, self.STEP_QUESTION)  # the first step too: it is not a whole answer
 
+    def check(self, model: LoadedModel) -> None:
+        if self.model is not None and self.model.backend.info.vocab_size != model.backend.info.vocab_size:
+            raise InvalidParameter("the judge model must share the generating model's tokenizer", param="judge_model")
+
     def _ask(self, ctx: SearchContext, prefix: Sequence[int], segment: Sample, question: str) -> float:
+        self.check(ctx.model)  # again for a scorer used outside a search
         judge = self.model or ctx.model
-        if judge.backend.info.vocab_size != ctx.model.backend.info.vocab_size:
-            raise InvalidParameter("the judge model must share the generating model's tokenizer")
         ids = ctx.prompt + list(prefix) + segment.tokens + self._follow_up(judge, question)
         logits = ctx.cache_for(judge, shared=not self.owned).fork(ids, 1)[0]
         return self.yes_share(judge, logits)

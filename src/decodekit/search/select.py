@@ -27,7 +27,7 @@ from ..models import LoadedModel
 from ..options import OptionSpec, option_table
 from .answers import ANSWER_MODES, ANSWER_START_OPTION, answer_functions
 from .batch import SAMPLE_TEMPERATURE, SAMPLE_TEMPERATURE_OPTION, Sample, SearchContext
-from .scorers import JUDGE_MODEL_OPTION, NONNEGATIVE_SCORER_NAMES, SCORER_NAMES, make_scorer, returned_number
+from .scorers import JUDGE_MODEL_OPTION, NONNEGATIVE_SCORER_NAMES, SCORER_NAMES, Scorer, make_scorer, returned_number
 from .uncertainty import agreement, sample_signals
 
 Utility = Callable[[str, str], float]
@@ -108,6 +108,8 @@ class MultiSampleDecoder(Decoder):
         self.extract, self.start = answer_functions(answer, answer_start)
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
+        if self.scorer is not None:
+            self.scorer.check(model)
         ctx = SearchContext(model, request)
         samples = ctx.decode(ctx.prompt, ctx.row_samplers(self.temperature), range(self.n),
                              request.max_new_tokens, stop_on_first=self.stops_early)
@@ -126,6 +128,8 @@ class MultiSampleDecoder(Decoder):
         return ctx.finalize(chosen, extra)
 
     stops_early = False
+    #: What rates the samples, where the method has one.
+    scorer: Scorer | None = None
 
     def choose(self, ctx: SearchContext, samples: list[Sample], answers: list[str | None]) -> tuple[int, list[Any]]:
         raise NotImplementedError

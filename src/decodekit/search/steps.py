@@ -118,6 +118,11 @@ class StepSearch(Decoder):
         self.scorer: Scorer = make_scorer(scorer, judge_model)
         self.how, self.temperature = aggregate, sample_temperature
 
+    def context(self, model: LoadedModel, request: Request) -> SearchContext:
+        """The request's search context, once the scorer has checked the model (before any step)."""
+        self.scorer.check(model)
+        return SearchContext(model, request)
+
     def expand(self, ctx: SearchContext, node: Partial, rows: RowSamplers, slots: Sequence[int],
                cap: int | None = None) -> list[Partial]:
         """One sampled next step per slot (one batch), each child scored."""
@@ -157,7 +162,7 @@ class StepBeamSearch(StepSearch):
         self.k = expand
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
-        ctx = SearchContext(model, request)
+        ctx = self.context(model, request)
         rows = ctx.row_samplers(self.temperature)
         beams, finished = [Partial(Sample.empty(), [])], []
         while beams:
@@ -202,7 +207,7 @@ class ParticleFilter(StepSearch):
         self.weight_temperature, self.ess_threshold = weight_temperature, ess_threshold
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
-        ctx = SearchContext(model, request)
+        ctx = self.context(model, request)
         model.backend.check_rows(self.n)  # the first step decodes every particle at once
         rows = ctx.row_samplers(self.temperature)
         resampler = Sampler(seed=(rows.base.seed + self.n) % SEED_LIMIT)  # its own stream, not a particle's
@@ -253,7 +258,7 @@ class AStarDecoding(StepSearch):
         self.budget = token_budget
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
-        ctx = SearchContext(model, request)
+        ctx = self.context(model, request)
         rows = ctx.row_samplers(self.temperature)
         order = itertools.count()
         queue: list[tuple[float, int, Partial]] = [(0.0, next(order), Partial(Sample.empty(), []))]
