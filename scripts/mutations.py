@@ -3729,6 +3729,22 @@ MUTATIONS = (
              "self.scorer.check(model)\n        return SearchContext(model, request)",
              "return SearchContext(model, request)",
              ("tests/test_search_uncertainty.py", "-k", "another_vocabulary")),
+    Mutation("matcher-paths-mask-on-the-anchor", "src/decodekit/samplers/constraint.py",
+             "matcher = self.anchor.deep_copy()",
+             "matcher = self.anchor",
+             ("tests/test_constraint.py", "-k", "another_paths_mask or json_schema_keeps_to_it")),
+    Mutation("matcher-paths-keep-a-refused-row-as-taken", "src/decodekit/samplers/constraint.py",
+             "self.paths[key[:taken]] = matcher",
+             "self.paths[key] = matcher",
+             ("tests/test_constraint.py", "-k", "literally")),
+    Mutation("matcher-paths-anchor-forgets-its-rollback", "src/decodekit/samplers/constraint.py",
+             "del self.anchor_tokens[shared:]",
+             "pass",
+             ("tests/test_constraint.py", "-k", "another_paths_mask or json_schema_keeps_to_it or follows_each_rows")),
+    Mutation("matcher-paths-copy-nothing-moved-on", "src/decodekit/samplers/constraint.py",
+             "matcher = self.paths.pop(key[:start])",
+             "matcher = self.paths[key[:start]]",
+             ("tests/test_constraint.py", "-k", "another_paths_mask or json_schema_keeps_to_it or follows_each_rows")),
 )
 
 

@@ -190,6 +190,46 @@ def test_the_mask_follows_each_rows_own_path():
     assert allowed == [{"a", "b"}, {"b", "c"}, {"d"}, {"<eos>"}, {"b", "c"}]
 
 
+def test_a_row_reached_after_another_paths_mask_gets_its_own_mask():
+    """llguidance keeps its last mask by parser row and lexer state, and a rollback leaves it there:
+    a row reached after a sibling's mask on a path of as many lexemes would get the sibling's mask.
+    Each row's mask here is the one a fresh processor gives it alone, in any order of the rows."""
+    import itertools
+
+    tok = CharTokenizer(96)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    texts = ['{ "name": "x" ', '{"name": "x", ', '{"name": "x" ', '{ "name": "xy"', '{"name": "x", "age": 1']
+    rows = [tok.encode(t) for t in texts]
+
+    def masks(proc, order):
+        out = proc(torch.zeros(len(order), 96), Histories([rows[i] for i in order], 0))
+        return {i: out[k] > float("-inf") for k, i in enumerate(order)}
+
+    alone = {i: masks(constraint_processor({"json_schema": schema}, tok), [i])[i] for i in range(len(rows))}
+    assert not torch.equal(alone[0], alone[1])  # the first two rows allow different tokens next
+    for order in itertools.permutations(range(len(rows)), 3):
+        proc = constraint_processor({"json_schema": schema}, tok)
+        for step in (order, order[::-1]):  # one call, and again in the other order
+            got = masks(proc, list(step))
+            assert all(torch.equal(got[i], alone[i]) for i in step), (order, step)
+
+
+def test_every_candidate_of_a_search_under_a_json_schema_keeps_to_it():
+    """A search's rows share one processor and branch from the first token: each candidate, finished
+    or cut off, is a text the schema allows (a fresh processor follows every one of its tokens)."""
+    tok = CharTokenizer(96)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    engine = Engine(LoadedModel(tiny_llama(seed=0, hidden_size=64), tok, "tiny"))
+    for seed in range(6):
+        g = engine.generate([{"role": "user", "content": "hello world"}], method="best-of-n", n=8, max_new_tokens=40,
+                            temperature=1.0, seed=seed, constraint={"json_schema": schema})
+        for candidate in g.extra["candidates"]:
+            assert constraint_processor({"json_schema": schema}, tok).broken_by(tok.encode(candidate["text"])) is None, \
+                (seed, candidate["text"])
+
+
 @pytest.mark.parametrize("verifier", ["greedy", "keyed", "rejection"])
 def test_a_verification_masks_only_the_rows_on_its_path(monkeypatch, verifier):
     """Under a grammar, each verifier masks a row only when its walk from the root reaches it: a tree
@@ -208,7 +248,7 @@ def test_a_verification_masks_only_the_rows_on_its_path(monkeypatch, verifier):
     logits[0, a] = logits[1, b] = 50.0  # the model wants "a", then "b": the first node accepted, then the bonus
     masks: list[int] = []
     original = ConstrainedTokens._bitmask
-    monkeypatch.setattr(ConstrainedTokens, "_bitmask", lambda self: masks.append(1) or original(self))
+    monkeypatch.setattr(ConstrainedTokens, "_bitmask", lambda self, matcher: masks.append(1) or original(self, matcher))
 
     def verify_with(row_histories):
         monkeypatch.setattr(verify, "row_histories", row_histories)
@@ -267,7 +307,7 @@ def test_ids_past_the_grammars_vocabulary_are_refused_without_breaking_the_match
     prompt = tok.encode("zz")
     rows = [prompt + [a, 500], prompt + [a, b]]
     out = processor(torch.zeros(2, 96), Histories(rows, len(prompt)))
-    assert not processor.matcher.is_error()
+    assert not any(m.is_error() for m in processor.paths.matchers())
     assert {i for i in range(96) if out[1, i] > float("-inf")} == {0, a, b}  # the end, "a" and "b" after "ab"
 
 
@@ -307,7 +347,7 @@ def test_a_grammar_is_compiled_once_and_each_processor_follows_its_own_copy(monk
     monkeypatch.setattr(tokenizer_module, "GRAMMARS_KEPT", 2)
     tok = CharTokenizer(96)
     first, second = (constraint_processor({"regex": "ab|ac|bd"}, tok) for _ in range(2))
-    assert len(compiled) == 1 and first.matcher is not second.matcher
+    assert len(compiled) == 1 and first.paths.anchor is not second.paths.anchor
     prompt = tok.encode("zz")
 
     def allowed(proc, text: str) -> set[str]:
@@ -394,7 +434,7 @@ def test_the_models_choice_is_taken_unmasked_only_where_the_mask_would_give_it(m
     tok = PairTokenizer()
     masks: list[int] = []
     original = ConstrainedTokens._bitmask
-    monkeypatch.setattr(ConstrainedTokens, "_bitmask", lambda self: masks.append(1) or original(self))
+    monkeypatch.setattr(ConstrainedTokens, "_bitmask", lambda self, matcher: masks.append(1) or original(self, matcher))
     prompt = tok.encode("zz")
     history = Histories([prompt + tok.encode(text)], len(prompt))
     logits = torch.zeros(100)  # a model vocabulary padded past the grammar's
@@ -409,7 +449,7 @@ def test_the_models_choice_is_taken_unmasked_only_where_the_mask_would_give_it(m
         masks.clear()
         assert sampler.pick_at(logits, 7, history) == wants[-1]
         assert masks == ([1] if masked or padded else [])
-        assert not sampler.processors[0].matcher.is_error()
+        assert not any(m.is_error() for m in sampler.processors[0].paths.matchers())
     assert (wants[0] == tok.PAIR) == (not masked) and wants[1] == wants[0]
 
 
@@ -449,23 +489,26 @@ def test_a_choice_before_the_mask_only_where_every_later_processor_is_pointwise(
     assert drawn == wanted and set(drawn) == {a, b}
 
 
-class ThreadRecordingMatcher:
-    """An llguidance matcher that notes the thread of each mask it computes."""
+def record_mask_threads(monkeypatch, gate=None) -> list[str]:
+    """The thread of each mask the processors compute from now on (each waits for ``gate`` first)."""
+    import threading
 
-    def __init__(self, matcher):
-        self.matcher, self.threads = matcher, []
+    from decodekit.samplers.constraint import ConstrainedTokens
 
-    def compute_bitmask(self):
-        import threading
+    threads: list[str] = []
+    original = ConstrainedTokens._bitmask
 
-        self.threads.append(threading.current_thread().name)
-        return self.matcher.compute_bitmask()
+    def recorded(self, matcher):
+        threads.append(threading.current_thread().name)
+        if gate is not None:
+            gate.wait(30)
+        return original(self, matcher)
 
-    def __getattr__(self, name):
-        return getattr(self.matcher, name)
+    monkeypatch.setattr(ConstrainedTokens, "_bitmask", recorded)
+    return threads
 
 
-def test_masks_computed_ahead_are_each_rows_own_masks():
+def test_masks_computed_ahead_are_each_rows_own_masks(monkeypatch):
     """Masks prepared in the background (while a forward pass would run) are the masks of the rows
     given, and a call takes them for those rows, in any order, beside rows computed on the spot."""
     tok = CharTokenizer(96)
@@ -474,19 +517,19 @@ def test_masks_computed_ahead_are_each_rows_own_masks():
     fresh = constraint_processor({"regex": "ab|ac|bd"}, tok)
     want = fresh(torch.zeros(len(rows), 96), Histories(rows, len(prompt)))
     proc = constraint_processor({"regex": "ab|ac|bd"}, tok)
-    proc.matcher = recorder = ThreadRecordingMatcher(proc.matcher)
+    threads = record_mask_threads(monkeypatch)
     proc.prepare([r[len(prompt):] for r in reversed(rows[1:])])  # not the root; another order
     got = proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt)))
     assert torch.equal(got, want)
-    assert recorder.threads.count("MainThread") == 1  # the root's, not prepared
-    background = [t for t in recorder.threads if t != "MainThread"]
+    assert threads.count("MainThread") == 1  # the root's, not prepared
+    background = [t for t in threads if t != "MainThread"]
     assert len(background) == 4 and all(t.startswith("decodekit-mask") for t in background)  # "x" needs none
     # the prepared masks serve every call until the next prepare (a verification asks row by row)
     assert proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt))).equal(want)
-    assert recorder.threads[5:] == ["MainThread"]  # the root's again
+    assert threads[5:] == ["MainThread"]  # the root's again
     proc.prepare([rows[0][len(prompt):]])
     assert proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt))).equal(want)
-    assert recorder.threads[6].startswith("decodekit-mask") and recorder.threads[7:] == ["MainThread"] * 4  # the root's ahead
+    assert threads[6].startswith("decodekit-mask") and threads[7:] == ["MainThread"] * 4  # the root's ahead
 
 
 @pytest.mark.parametrize("method", ["greedy", "sample", "pld"])
@@ -500,7 +543,8 @@ def test_decoding_with_masks_computed_ahead_is_decoding_without(engine, method, 
     options = dict(max_new_tokens=40, chat=False, method=method) | ({"temperature": 0.9, "seed": 2} if method != "greedy" else {})
     where: list[str] = []
     bitmask = ConstrainedTokens._bitmask
-    monkeypatch.setattr(ConstrainedTokens, "_bitmask", lambda self: where.append(threading.current_thread().name) or bitmask(self))
+    monkeypatch.setattr(ConstrainedTokens, "_bitmask",
+                        lambda self, matcher: where.append(threading.current_thread().name) or bitmask(self, matcher))
     monkeypatch.setattr(ConstrainedTokens, "looks_ahead", True)  # as with a core to spare
     for constraint, valid in CASES:
         ahead = [engine.generate(prompt, constraint=constraint, **options).tokens for prompt in ("hello", "abcabc")]
@@ -716,6 +760,9 @@ def test_choices_are_matched_literally_not_as_patterns():
     proc = constraint_processor({"choice": ["a+b", "c.d"]}, tok)
     assert proc.broken_by(tok.encode("a+b")) is None and proc.broken_by(tok.encode("c.d")) is None
     assert proc.broken_by(tok.encode("aab")) is not None and proc.broken_by(tok.encode("cxd")) is not None
+    for _ in range(2):  # asked again, a refused row is still refused, and a row continuing its taken part too
+        assert proc.broken_by(tok.encode("aab")) is not None and proc.broken_by(tok.encode("aab+")) is not None
+    assert proc.broken_by(tok.encode("a+")) is None and proc.forced(tok.encode("a")) == tok.encode("+b")
 
 
 def test_no_draft_is_allowed_after_a_path_the_grammar_refuses():
@@ -737,7 +784,7 @@ def test_a_choice_before_the_mask_never_asks_the_matcher_about_an_id_it_lacks():
     history = Histories([prompt + tok.encode("a")], len(prompt))
     for token in (proc.vocab, -1):
         assert proc.surely_allows(token, history) is False
-        assert not proc.matcher.is_error()
+        assert not any(m.is_error() for m in proc.paths.matchers())
     assert proc.surely_allows(tok.encode("b")[0], history) is True
 
 
@@ -757,7 +804,7 @@ def test_a_wait_repeated_after_the_outcome_came_returns_at_once():
     assert answers == [7]
 
 
-def test_an_interrupted_wait_for_masks_computed_ahead_is_waited_for_again():
+def test_an_interrupted_wait_for_masks_computed_ahead_is_waited_for_again(monkeypatch):
     """A wait for prepared masks interrupted before they came (Ctrl-C) leaves them pending: the next
     call waits for them and takes them, instead of using the matcher beside the worker that still
     has it."""
@@ -769,9 +816,7 @@ def test_an_interrupted_wait_for_masks_computed_ahead_is_waited_for_again():
     want = constraint_processor({"regex": "ab|ac|bd"}, tok)(torch.zeros(len(rows), 96), Histories(rows, len(prompt)))
     proc = constraint_processor({"regex": "ab|ac|bd"}, tok)
     gate = threading.Event()
-    proc.matcher = recorder = ThreadRecordingMatcher(proc.matcher)
-    compute = recorder.compute_bitmask
-    recorder.compute_bitmask = lambda: gate.wait(30) and compute()
+    threads = record_mask_threads(monkeypatch, gate)
     proc.prepare([r[len(prompt):] for r in rows])
     pending, waits = proc._ahead, []
 
@@ -791,4 +836,4 @@ def test_an_interrupted_wait_for_masks_computed_ahead_is_waited_for_again():
         proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt)))
     gate.set()
     assert torch.equal(proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt))), want)
-    assert len(waits) == 2 and "MainThread" not in recorder.threads  # every mask was the worker's
+    assert len(waits) == 2 and threads and "MainThread" not in threads  # every mask was the worker's

@@ -6,9 +6,9 @@ for a tokenizer into a :class:`ConstrainedTokens` processor, which the sampler r
 other processor (penalties, temperature, truncation) and the final choice see the allowed tokens
 only, and an end-of-sequence token is allowed exactly where the grammar accepts.
 
-The processor follows each row's own history: it keeps one matcher, and before a mask it rolls
-the matcher back to the longest prefix it shares with the row's generated tokens and consumes the
-rest. So a row of a verification tree is masked for its own path, and speculative decoding stays
+The processor follows each row's own history (:class:`MatcherPaths`: a matcher per row, moved
+only forward, copied where rows branch). So a row of a verification tree is masked for its own
+path, and speculative decoding stays
 token-identical to constrained plain decoding (a drafted token the grammar refuses gets no
 probability from its parent's mask, so it is never accepted; the speculative loop drops such drafts
 before verifying, :meth:`ConstrainedTokens.allowed_prefix`). Where the grammar fixes the text that
@@ -23,6 +23,7 @@ import math
 import queue
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -197,6 +198,67 @@ def mask_workers() -> MaskWorkers:
     return MaskWorkers(max(1, spare_cores()))
 
 
+class MatcherPaths:
+    """llguidance matchers at the rows a processor is asked about (a batch's rows, a verification
+    tree's paths): each row's own, moved only forward once it has computed a mask.
+
+    Why not one matcher rolled back from row to row: llguidance keeps the last mask it computed,
+    keyed by the parser's row index and lexer state, and ``rollback`` leaves that entry in place
+    (llguidance 1.5.1 to at least 1.9.1). A row reached on another path with the same index and
+    state then gets the earlier path's mask: a sibling's allowed tokens, and an output that breaks
+    its schema. Rolling back is safe for a matcher that has never computed a mask: the ``anchor``
+    here, which moves to wherever a row branches off the kept paths and is copied there
+    (``deep_copy``, which keeps no mask either)."""
+
+    #: Matchers kept at once (the rows of the last calls; a batch's rows each move on from their own).
+    KEPT = 64
+
+    def __init__(self, matcher, known: Callable[[list[int]], list[int]]):
+        self.anchor, self.anchor_tokens = matcher, []  # never asked for a mask
+        self.known = known  # the tokens a matcher may be given (up to the first the grammar's vocabulary lacks)
+        self.paths: OrderedDict[tuple[int, ...], Any] = OrderedDict()  # tokens taken -> the matcher there
+
+    def matchers(self) -> list:
+        return [self.anchor, *self.paths.values()]
+
+    def at(self, tokens: list[int]) -> tuple[Any, int]:
+        """A matcher brought along ``tokens`` as far as the grammar takes them, and how many it took.
+        The matcher is the path's own: the caller may compute its mask, never roll it back."""
+        key = tuple(tokens)
+        if key in self.paths:
+            self.paths.move_to_end(key)
+            return self.paths[key], len(key)
+        start = max((len(k) for k in self.paths if len(k) < len(key) and key[: len(k)] == k), default=None)
+        if start is not None:  # a kept path this row continues: moved on, not copied
+            matcher = self.paths.pop(key[:start])
+        else:
+            start = self._move_anchor(tokens)
+            matcher = self.anchor.deep_copy()
+        rest = self.known(tokens[start:])
+        taken = start + (matcher.try_consume_tokens(rest) if rest else 0)  # stops before the first token refused
+        self.paths[key[:taken]] = matcher
+        while len(self.paths) > self.KEPT:
+            self.paths.popitem(last=False)
+        return matcher, taken
+
+    def _move_anchor(self, tokens: list[int]) -> int:
+        """Bring the anchor to the longest beginning of ``tokens`` it can take without a token the
+        grammar refuses past it; how many tokens that is (at most those the anchor held already
+        plus the ones it took)."""
+        shared = 0
+        for a, b in zip(self.anchor_tokens, tokens):
+            if a != b:
+                break
+            shared += 1
+        if shared < len(self.anchor_tokens):
+            self.anchor.rollback(len(self.anchor_tokens) - shared)
+            del self.anchor_tokens[shared:]
+        rest = self.known(tokens[shared:])
+        taken = self.anchor.try_consume_tokens(rest) if rest else 0
+        self.anchor_tokens.extend(rest[:taken])
+        return len(self.anchor_tokens)
+
+
 class ConstrainedTokens(LogitsProcessor):
     """Logits of tokens the grammar does not allow after a row's generated tokens become -inf.
 
@@ -218,13 +280,13 @@ class ConstrainedTokens(LogitsProcessor):
 
     def __init__(self, matcher, constraint: Constraint, vocab: int | None = None, special: dict[int, str] | None = None,
                  eos: frozenset[int] = frozenset()):
-        self.matcher, self.constraint = matcher, constraint
+        self.constraint = constraint
         self.vocab = vocab  # the grammar tokenizer's size: an id past it puts llguidance's matcher in error
+        self.paths = MatcherPaths(matcher, self._known)
         # llguidance spells text with special tokens too ("<|im_end|>"), which decode to no text: a
         # mask never allows one, but for an end-of-sequence token where the grammar accepts
         self.special, self.eos = dict(special or {}), eos
         self._special_bits: np.ndarray | None = None  # bit set: a special token (llguidance's layout)
-        self.consumed: list[int] = []  # the generated tokens the matcher has taken, in order
         self._ahead: Pending | None = None  # the masks being computed for the rows given to prepare()
         self._ready: dict[tuple[int, ...], np.ndarray | None] = {}  # the last prepare()'s masks
 
@@ -250,34 +312,26 @@ class ConstrainedTokens(LogitsProcessor):
         done = {}
         for row in rows:
             key = tuple(row)
-            done[key] = known[key] if key in known else (self._bitmask() if self._follow(row) else None)
+            if key in known:
+                done[key] = known[key]
+            else:
+                matcher = self._follow(row)
+                done[key] = None if matcher is None else self._bitmask(matcher)
         return done
 
-    def _follow(self, generated: list[int]) -> bool:
-        """Bring the matcher to ``generated``; False if the grammar refuses one of its tokens."""
-        if generated[: len(self.consumed)] == self.consumed:  # the common case: the row only grew
-            shared = len(self.consumed)
-        else:
-            shared = 0
-            for a, b in zip(self.consumed, generated):
-                if a != b:
-                    break
-                shared += 1
-        if shared < len(self.consumed):
-            self.matcher.rollback(len(self.consumed) - shared)
-            del self.consumed[shared:]
-        rest = generated[shared:]
-        taken = self.matcher.try_consume_tokens(self._known(rest)) if rest else 0  # stops before the first token refused
-        self.consumed.extend(rest[:taken])
-        self._check()
-        return taken == len(rest)
+    def _follow(self, generated: list[int]):
+        """The matcher of the row ``generated``; None if the grammar refuses one of its tokens."""
+        matcher, taken = self.paths.at(list(generated))
+        self._check(matcher)
+        return matcher if taken == len(generated) else None
 
-    def _check(self) -> None:
+    @staticmethod
+    def _check(matcher) -> None:
         """An error of the matcher's own (a grammar too complex for its limits, a computation out of
         its budget): one line, never a row taken as refused and left unmasked. The matcher's error
         state lasts, so every later use would fail alike."""
-        if self.matcher.is_error():
-            raise InvalidParameter(f"structured decoding failed: {matcher_error_line(self.matcher.get_error())}",
+        if matcher.is_error():
+            raise InvalidParameter(f"structured decoding failed: {matcher_error_line(matcher.get_error())}",
                                    param="constraint")
 
     def _known(self, tokens: list[int]) -> list[int]:
@@ -287,13 +341,14 @@ class ConstrainedTokens(LogitsProcessor):
             return tokens
         return next((tokens[:i] for i, t in enumerate(tokens) if not 0 <= t < self.vocab), tokens)
 
-    def _bitmask(self) -> np.ndarray:
-        """The tokens allowed next as llguidance's bitmask (bit i of byte i // 8: token i)."""
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        self._check()  # e.g. a mask computation that ran out of its budget: say so, never sample unmasked
-        return self._without_special(bits)
+    def _bitmask(self, matcher) -> np.ndarray:
+        """The tokens allowed next after ``matcher``'s row, as llguidance's bitmask (bit i of byte
+        i // 8: token i)."""
+        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+        self._check(matcher)  # e.g. a mask computation that ran out of its budget: say so, never sample unmasked
+        return self._without_special(bits, matcher)
 
-    def _without_special(self, bits: np.ndarray) -> np.ndarray:
+    def _without_special(self, bits: np.ndarray, matcher) -> np.ndarray:
         """``bits`` less the special tokens, but for the end-of-sequence ones where the grammar
         accepts; a mask left with nothing is an error (the text can only go on as a special
         token's, which no output holds)."""
@@ -307,7 +362,7 @@ class ConstrainedTokens(LogitsProcessor):
         if not hit.any():
             return bits
         kept = bits & ~self._special_bits
-        accepting = self.matcher.is_accepting()
+        accepting = matcher.is_accepting()
         for t in self.eos if accepting else ():
             if t in self.special and hit[t // 8] >> (t % 8) & 1:
                 kept[t // 8] |= 1 << (t % 8)
@@ -347,13 +402,13 @@ class ConstrainedTokens(LogitsProcessor):
         tokens of that text (``"name"``, not ``"n"``), while the parser takes any spelling. A token
         past the grammar's vocabulary is never asked (the matcher would go into its error state)."""
         (row,) = generated_lists(history)
-        if tuple(row) in self._settle() or not self._follow(row):
+        if tuple(row) in self._settle() or (matcher := self._follow(row)) is None:
             return False
         if token < 0 or (self.vocab is not None and token >= self.vocab) or token in self.special:
             return False
-        forced = self.matcher.compute_ff_bytes()
-        self._check()
-        return not forced and self.matcher.validate_tokens([token]) == 1
+        forced = matcher.compute_ff_bytes()
+        self._check(matcher)
+        return not forced and matcher.validate_tokens([token]) == 1
 
     def describe(self) -> dict[str, Any]:
         return {"constraint": self.constraint.kind}
@@ -363,10 +418,10 @@ class ConstrainedTokens(LogitsProcessor):
         grammar fixes next (a JSON key, a literal). The mask may still allow another spelling of that
         text, so they are a draft to verify, not tokens to commit unseen."""
         self._settle()
-        if not self._follow(list(generated)):
+        if (matcher := self._follow(list(generated))) is None:
             return []
-        tokens = list(self.matcher.compute_ff_tokens())
-        self._check()
+        tokens = list(matcher.compute_ff_tokens())
+        self._check(matcher)
         return tokens
 
     def allowed_prefix(self, generated: list[int], continuation: list[int]) -> int:
@@ -376,13 +431,13 @@ class ConstrainedTokens(LogitsProcessor):
         way round but for the end token, which the mask allows where the grammar accepts and it does
         not: a caller uses it to drop drafts, which either way only ever costs a verification row."""
         self._settle()
-        if not self._follow(list(generated)):
+        if (matcher := self._follow(list(generated))) is None:
             return 0
-        return self.matcher.validate_tokens(self._known(list(continuation)))
+        return matcher.validate_tokens(self._known(list(continuation)))
 
     def broken_by(self, generated: list[int]) -> str | None:
         self._settle()
-        if self._follow(list(generated)):
+        if self._follow(list(generated)) is not None:
             return None
         return f"the output breaks its {self.constraint.kind.replace('_', ' ')} constraint"
 
