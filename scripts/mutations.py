@@ -3745,6 +3745,10 @@ MUTATIONS = (
              "matcher = self.paths.pop(key[:start])",
              "matcher = self.paths[key[:start]]",
              ("tests/test_constraint.py", "-k", "another_paths_mask or json_schema_keeps_to_it or follows_each_rows")),
+    Mutation("logprobs-in-one-pass-under-an-evicting-cache", "src/decodekit/serve/scheduler.py",
+             "if policy is not None and policy.evicts():",
+             "if False:",
+             ("tests/test_serve.py", "-k", "cache_that_chose")),
 )
 
 

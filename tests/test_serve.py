@@ -1434,3 +1434,20 @@ def test_without_max_tokens_a_chat_decodes_to_the_end_of_the_context():
         assert reply.choices[0].finish_reason == "length"
     finally:
         running.stop()
+
+
+@pytest.mark.parametrize("cache", ["h2o:budget=24,window=8", "snapkv:budget=24,window=8", "full"])
+def test_logprobs_are_those_of_the_cache_that_chose_the_tokens(cache):
+    """A greedy answer's tokens are each their own most likely token in the reported logprobs, also
+    under a cache that drops entries as decoding goes on (one pass over prompt and answer would
+    still hold what decoding had dropped)."""
+    from decodekit.serve.scheduler import token_logprobs
+
+    tok = CharTokenizer(96)
+    model = LoadedModel(tiny_llama(seed=0).with_kv_cache(cache), tok, "tiny")
+    prompt = tok.encode("the cat sat on the mat and the dog")
+    tokens = Engine(model).generate(prompt, max_new_tokens=40, ignore_eos=True, chat=False).tokens
+    rows = token_logprobs(model.backend, prompt, tokens, top=1)
+    assert len(rows) == len(tokens) == 40
+    assert [alternatives[0][0] for _, alternatives in rows] == tokens
+    assert all(value == alternatives[0][1] for value, alternatives in rows)

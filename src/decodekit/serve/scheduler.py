@@ -65,11 +65,19 @@ class Outcome:
 
 def token_logprobs(backend, prompt_ids: list[int], tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
     """The model's own log-probability of each generated token (before temperature or truncation)
-    and its ``top`` most likely alternatives, from one teacher-forced pass over prompt + answer."""
+    and its ``top`` most likely alternatives, from one teacher-forced pass over prompt + answer. Under
+    a cache that drops entries as a request goes on (``h2o:``, ``snapkv:``), one pass would still hold
+    what decoding had dropped: there the prompt's read and one step a token run again, as plain
+    decoding ran them, so the values are those of the cache that chose the tokens."""
     if not tokens:
         return []
-    backend.reset(1)
-    logits = backend.append(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1 : -1]
+    policy = getattr(backend, "kv_policy", None)
+    if policy is not None and policy.evicts():
+        steps = [backend.prefill(prompt_ids)] + [backend.step(torch.tensor([token])) for token in tokens[:-1]]
+        logits = torch.cat(steps)
+    else:
+        backend.reset(1)
+        logits = backend.append(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1 : -1]
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
     best = torch.topk(logprobs, top, dim=-1) if top else None
