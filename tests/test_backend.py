@@ -48,6 +48,32 @@ def test_native_logits_match_transformers():
     assert torch.allclose(got, ref, atol=ATOL)
 
 
+def test_tiny_weights_scale_multiplies_every_random_weight():
+    """tiny_state_dict's ``scale`` multiplies the spread of every random weight (the norm weights
+    stay ones): the documented knob for sharper next-token distributions."""
+    from decodekit.models.tiny import tiny_hf_config, tiny_state_dict
+
+    config = tiny_hf_config()
+    plain, sharp = tiny_state_dict(config, seed=7), tiny_state_dict(config, seed=7, scale=2.0)
+    assert plain.keys() == sharp.keys()
+    for name, weight in plain.items():
+        assert torch.equal(sharp[name], weight if name.endswith("norm.weight") else 2 * weight), name
+
+
+def test_tiny_model_and_the_transformers_model_take_the_scale_too():
+    """tiny_model and tiny_hf_model are tiny_llama's model (same seed, same scale) behind another
+    interface: a scale given to them reaches their weights."""
+    from decodekit.models.tiny import tiny_model
+
+    ids = tokens(12)
+    want = tiny_llama(seed=3, scale=2.0).append(ids).logits
+    assert not torch.equal(want, tiny_llama(seed=3).append(ids).logits)
+    assert torch.equal(tiny_model(seed=3, scale=2.0).backend.append(ids).logits, want)
+    with torch.no_grad():
+        ref = tiny_hf_model(seed=3, scale=2.0)(ids).logits
+    assert torch.allclose(want, ref, atol=ATOL)
+
+
 def test_truncate_then_append_equals_fresh_run(backend):
     ids = tokens(30)
     backend.reset()

@@ -1181,3 +1181,193 @@ def test_the_chart_has_a_bar_per_method_and_category_over_its_category(tmp_path:
     assert drawn["spec"][0][0] < 0 < drawn["base (baseline)"][0][0] - 1  # side by side, in method order
     e2e = plotted_bars(summary, tmp_path, monkeypatch, key="e2e_speedup")
     assert [h for _, h in e2e["spec"]] == [2.5, 2.5]
+
+
+# --------------------------------------------------------------------------- plan, contestants and resume (hunt)
+
+
+def test_the_resume_key_holds_the_threads_but_not_the_question_selection(qfile: Path):
+    """Timings taken with other torch threads cannot be mixed; a grown --limit or --categories may resume."""
+    common = ("--questions", str(qfile), "--methods", "greedy", "--baselines", "none")
+    plain = bench_cli.make_plan(parse(*common))
+    assert bench_cli.make_plan(parse(*common, "--threads", "1")).resume_key() != plain.resume_key()
+    assert bench_cli.make_plan(parse(*common, "--limit", "1", "--categories", "qa")).resume_key() == plain.resume_key()
+
+
+def test_the_bench_config_carries_the_plans_token_budget_repeats_and_turns(qfile: Path):
+    """The runner gets what the command asked for: every turn, every repeat, the token budget."""
+    from decodekit.bench.execution import bench_config
+
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy", "--baselines", "none",
+                                     "--all-turns", "--repeats", "3", "--max-new-tokens", "5"))
+    assert bench_config(plan) == BenchConfig(max_new_tokens=5, repeats=3, all_turns=True, reference="greedy")
+
+
+def test_each_method_gets_its_own_backend_clone_and_the_plans_threads(tiny: LoadedModel, qfile: Path, monkeypatch):
+    """As if each method ran in its own process (Spec-Bench): no method drafts from another's cache or memory;
+    --threads sets torch's thread count before anything runs."""
+    import torch
+
+    from decodekit.bench.execution import build_contestants
+
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy,pld,suffix", "--baselines", "none",
+                                     "--threads", "1"))
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n))
+    calls: list[int] = []
+    contestants, notes = build_contestants(plan, tiny)
+    assert calls == [1] and notes == [] and torch.get_num_threads() == threads
+    backends = [c.engine.model.backend for c in contestants]
+    assert [c.name for c in contestants] == ["greedy", "pld", "suffix"]
+    assert len({id(b) for b in backends}) == 3 and all(b is not tiny.backend for b in backends)
+
+
+def test_a_resumed_run_keeps_the_notes_of_the_run_it_continues(tiny: LoadedModel, qfile: Path, tmp_path: Path, monkeypatch):
+    """A question that failed before is not run again: its note comes from the checkpoint, as do the plan's."""
+    from decodekit.bench import execution
+
+    class FailsOnQa(Scripted):
+        decode = staticmethod(tiny.tokenizer.decode)
+
+        def run(self, prompt_ids, max_new_tokens):
+            if " qa: " in self.decode(prompt_ids):
+                raise RuntimeError("out of memory")
+            return super().run(prompt_ids, max_new_tokens)
+
+    monkeypatch.setattr(execution, "build_contestants", lambda plan, model, hf_model=None: (
+        [Scripted("greedy", []), FailsOnQa("b", [])], []))
+    common = ("--questions", str(qfile), "--methods", "greedy", "--baselines", "none", "--max-new-tokens", "4",
+              "--out", str(tmp_path / "out"))
+    first = bench_cli.make_plan(parse(*common, "--categories", "qa"))
+    first.notes.append("a note of the first plan")
+    before = execute(first, tiny, progress=False)
+    failed = [n for n in before["notes"] if n.startswith("b failed on question 5")]
+    assert len(failed) == 1
+    resumed = execute(bench_cli.make_plan(parse(*common, "--categories", "qa,rag", "--resume")), tiny, progress=False)
+    assert "a note of the first plan" in resumed["notes"] and failed[0] in resumed["notes"]
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"question_id": 1, "category": "qa", "turns": ["a", ""]}, "turns must be a non-empty list of non-empty strings"),
+    ({"question_id": 1, "category": "", "turns": ["a"]}, "category must be a non-empty string"),
+])
+def test_a_question_with_an_empty_turn_or_category_is_refused(tmp_path: Path, raw, message):
+    """Spec-Bench's format: every turn a user message, every question in a named category."""
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps(raw) + "\n")
+    with pytest.raises(InvalidParameter, match=f":1: {message}"):
+        load_questions(path)
+
+
+def test_a_question_file_without_questions_is_refused(tmp_path: Path):
+    """A benchmark over no question would report nothing: refused before the model loads."""
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n")
+    with pytest.raises(InvalidParameter, match="no questions"):
+        load_questions(path)
+
+
+def test_threads_up_to_this_machines_cpus_are_accepted(qfile: Path):
+    """Only more threads than CPUs is refused: as many as there are is the usual setting."""
+    import os
+
+    cpus = os.cpu_count() or 1
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--baselines", "none", "--threads", str(cpus)))
+    assert plan.threads == cpus
+    with pytest.raises(InvalidParameter, match="more than this machine's"):
+        bench_cli.make_plan(parse("--questions", str(qfile), "--baselines", "none", "--threads", str(cpus + 1)))
+
+
+def test_a_baseline_named_twice_runs_once(qfile: Path):
+    """Contestant names are unique: a repeated baseline is one contestant, as a repeated method is."""
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy", "--baselines", "hf,hf-pld,hf"))
+    assert plan.baselines == ["hf", "hf-pld"] and "--baselines hf,hf-pld " in plan.command
+
+
+def test_the_default_methods_are_greedy_and_the_speculative_ones(qfile: Path):
+    """Without --methods: the reference and every speculative method, not the sampling or search ones."""
+    from decodekit.engine import method_spec
+
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--baselines", "none"))
+    assert plan.methods[0] == "greedy" and len(plan.methods) > 1
+    assert all(method_spec(m).family == "speculative" for m in plan.methods[1:])
+
+
+def test_an_unknown_method_option_is_refused_before_the_model_loads(qfile: Path):
+    """Also for a default method (not named with --methods): one line now, not an error after loading."""
+    with pytest.raises(InvalidParameter, match="has no option 'no_such_option'"):
+        bench_cli.make_plan(parse("--questions", str(qfile), "--baselines", "none", "--opt", "pld.no_such_option=3"))
+
+
+def test_the_recorded_command_keeps_the_model_and_the_threads(qfile: Path, tmp_path: Path):
+    """The command spells out every setting, the model and torch's thread count included."""
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy", "--baselines", "none",
+                                     "--model", "some-model", "--threads", "1", "--out", str(tmp_path / "out")))
+    again = bench_cli.make_plan(parse(*shlex.split(plan.command)[2:]))
+    assert (again.model, again.threads) == ("some-model", 1) and again.resume_key() == plan.resume_key()
+
+
+def test_a_methods_figures_keep_their_unknown_values():
+    """A figure a method reports as None is recorded as unknown, not dropped."""
+    from decodekit.bench.contestants import json_safe
+
+    assert json_safe({"a": None, "b": 2}) == {"a": None, "b": 2}
+
+
+def test_prefill_ends_at_the_first_new_token_not_the_last(monkeypatch):
+    """Prefill is the time to the first streamed token; later tokens are decode time."""
+    from decodekit.bench import contestants
+
+    clock = iter([10.0, 11.0, 15.0, 20.0])
+    monkeypatch.setattr(contestants.time, "perf_counter", lambda: next(clock))
+    watch = contestants.Stopwatch()
+    watch.first_token()
+    watch.first_token()
+    assert watch.split() == (1.0, 4.0)
+
+
+class FakeHF:
+    """transformers' generate() as the baseline sees it: the prompt streamed first, then each new token
+    after one forward pass (the first of them the prefill), the EOS token kept in the output."""
+
+    def __init__(self, new_tokens):
+        self.new, self.hooks = list(new_tokens), []
+
+    def eval(self):
+        return self
+
+    def register_forward_hook(self, fn):
+        self.hooks.append(fn)
+        return argparse.Namespace(remove=lambda: self.hooks.remove(fn))
+
+    def generate(self, input_ids, streamer, max_new_tokens, eos_token_id, **kwargs):
+        import torch
+
+        streamer.put(input_ids)
+        new = self.new[:max_new_tokens]
+        stop = next((i for i, t in enumerate(new) if t in eos_token_id), None)
+        new = new if stop is None else new[:stop + 1]  # generate() stops after the EOS it produced
+        for token in new:
+            for hook in list(self.hooks):
+                hook(self, (), None)
+            streamer.put(torch.tensor([token]))
+        return torch.cat([input_ids, torch.tensor([new])], dim=1)
+
+
+def test_the_hf_baseline_stops_at_its_eos_and_counts_its_passes_after_the_prefill():
+    """Like decodekit's loop: the tokens before the first EOS, finish "eos", and decode-time passes only."""
+    hf = HFGenerate(FakeHF([4, 5, 2, 6]), frozenset({2}), lambda tokens: "".join(map(str, tokens)))
+    result = hf.run([1, 3], 8)
+    assert (result.tokens, result.text, result.finish_reason, result.forward_passes) == ([4, 5], "45", "eos", 2)
+    again = hf.run([1, 3], 2)
+    assert (again.tokens, again.finish_reason, again.forward_passes) == ([4, 5], "length", 1)
+
+
+def test_a_methods_run_reports_the_tokens_it_accepted_per_verification(tiny: LoadedModel):
+    """The bench's "accepted/verify" column is the method's own mean_accepted figure for the run."""
+    ids = tiny.prompt_ids("abc abc abc abc abc abc")
+    expected = Engine(LoadedModel(tiny.backend.clone(), tiny.tokenizer, "tiny")).generate(
+        ids, method="pld", max_new_tokens=12).stats.extra["mean_accepted"]
+    result = MethodContestant(Engine(LoadedModel(tiny.backend.clone(), tiny.tokenizer, "tiny")), "pld").run(ids, 12)
+    assert isinstance(expected, (int, float)) and result.mean_accepted == pytest.approx(float(expected))
+    assert "mean_accepted" not in result.extra

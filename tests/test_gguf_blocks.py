@@ -457,6 +457,55 @@ def test_a_matrix_packed_slice_by_slice_is_the_matrix_packed_whole():
 
 
 @needs_vnni
+def test_packing_no_rows_writes_nothing_even_at_the_end_of_the_room():
+    """A slice of no rows (a head's last, empty slice) packs nothing: the room is returned as it
+    was, also where the slice starts at the room's end, and a matrix of no rows packs to no rows."""
+    blocks = BlockMatrix.random(32, 64, "q4_1", torch.Generator().manual_seed(6))
+    room = kernels.pack_integer_blocks("q4_1", blocks.data, 64)
+    before = room.clone()
+    assert kernels.pack_integer_blocks("q4_1", blocks.data[:0], 64, into=room, first_row=32) is room
+    assert torch.equal(room, before)
+    assert kernels.pack_integer_blocks("q4_1", blocks.data[:0], 64).shape[0] == 0
+
+
+@needs_vnni
+def test_integer_kernel_refuses_blocks_it_cannot_read_as_packed_rows():
+    """The C code reads the blocks as packed rows: a view with other strides (the same shape and
+    values) is refused, packed or as the file has them, not read in memory order; a kind the integer
+    kernel does not read has no kernel (None, as where it is unavailable), not an error."""
+    blocks = BlockMatrix.quantize(torch.randn(16, 64, generator=torch.Generator().manual_seed(7)), "q4_1")
+    packed = kernels.pack_integer_blocks("q4_1", blocks.data, 64)
+    fast, x = kernels.integer_block_matmul("q4_1"), torch.randn(2, 64)
+    strided_packed, strided_blocks = packed.t().contiguous().t(), blocks.data.t().contiguous().t()
+    assert torch.equal(strided_packed, packed) and not strided_packed.is_contiguous()
+    with pytest.raises(ValueError, match="blocks"):
+        fast(strided_packed, x, 64)
+    with pytest.raises(ValueError, match="blocks"):
+        kernels.integer_block_matmul_reference("q4_1", strided_blocks, x, 64)
+    with pytest.raises(ValueError, match="blocks"):
+        kernels.pack_integer_blocks("q4_1", strided_blocks, 64)
+    assert kernels.integer_block_matmul("q3_k") is None and kernels.block_matmul("q3_k") is None
+
+
+def test_tiny_models_on_blocks_hold_projections_in_q4_1_and_the_head_in_q8_0():
+    """as_gguf_blocks quantises as the embedded model's GGUF file does: every projection Q4_1, the
+    output head Q8_0 (the embedding table, where the head is tied to it), and the state holds each
+    quantised weight's dequantised values."""
+    from decodekit.models.tiny import as_gguf_blocks
+
+    for tied in (False, True):
+        config = {**tiny_hf_config(hidden_size=64), "tie_word_embeddings": tied}
+        state = tiny_state_dict(config, seed=2)
+        if tied:
+            state.pop("lm_head.weight")
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        quantised, blocks = as_gguf_blocks(state)
+        want = {name: "q4_1" for name in state if name.endswith("_proj.weight")} | {head: "q8_0"}
+        assert {name: b.kind for name, b in blocks.items()} == want
+        assert all(torch.equal(quantised[name], b.dequantize()) for name, b in blocks.items())
+
+
+@needs_vnni
 def test_a_fast_head_read_slice_by_slice_from_the_saved_blocks_decodes_as_one_held_whole(tmp_path, monkeypatch):
     """The `fast` tied head reads its blocks from the saved file a slice at a time (16 rows here,
     six slices): the model decodes bit for bit as one built from blocks held in memory, and asking

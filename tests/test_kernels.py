@@ -283,6 +283,26 @@ def test_a_batch_whose_parts_do_not_add_up_to_its_rows_is_refused():
         backend._stack.run_batch(x, torch.empty_like(x), backend._freqs_pairs, [part])
 
 
+def test_a_batch_with_a_cache_deeper_than_the_model_or_parts_of_other_depths_is_refused():
+    """forward.c runs as many layers as the first part's cache has, over every part's cache: a
+    cache of more layers than the model, or parts whose caches differ in depth, are refused (C
+    would read past the model's layers or the shallower cache)."""
+    backend = tiny_llama(seed=4, hidden_size=64)  # two layers
+    if backend._stack is None:
+        pytest.skip("kernels unavailable on this machine")
+    k_cache, v_cache = backend._k[:, 0], backend._v[:, 0]
+
+    def part(k, v):
+        return kernels.SequencePart(1, 0, torch.arange(1), None, k, v)
+
+    deeper = [torch.zeros(3, *k_cache.shape[1:], dtype=k_cache.dtype) for _ in range(4)]
+    shallow = k_cache[:1].contiguous(), v_cache[:1].contiguous()
+    x = torch.zeros(2, 64)
+    for parts in ([part(deeper[0], deeper[1]), part(deeper[2], deeper[3])], [part(k_cache, v_cache), part(*shallow)]):
+        with pytest.raises(ValueError, match="layers"):
+            backend._stack.run_batch(x, torch.empty_like(x), backend._freqs_pairs, parts)
+
+
 @pytest.mark.parametrize("dim", [16, 64])  # one query a job; a group's heads in one job
 def test_attention_scores_hundreds_apart_give_the_best_keys_value(dim):
     """Softmax subtracts the largest score before exponentiating: with scores 320 apart (exp far
@@ -316,6 +336,39 @@ def test_a_query_that_sees_no_key_gets_zeros_not_nan(dim):
     got = attend(q, k, v, visible, dim**-0.5)
     assert torch.equal(got[0], torch.zeros(6, dim))
     assert torch.equal(got[1], attend(q[1:], k, v, None, dim**-0.5)[0])
+
+
+def test_attention_reads_strided_queries_and_masks_as_their_values():
+    """The kernel reads q and the mask as packed rows: a transposed view of either (same values,
+    other strides) must give the bits of its contiguous copy, not the bytes in memory order."""
+    attend = kernels.layout_independent_attention(torch.float32, 32)
+    if attend is None:
+        pytest.skip("no C compiler or no AVX-512 on this machine")
+    gen = torch.Generator().manual_seed(21)
+    k, v = torch.randn(2, 40, 32, generator=gen), torch.randn(2, 40, 32, generator=gen)
+    q = torch.randn(6, 5, 32, generator=gen).transpose(0, 1)  # [5 queries, 6 heads, 32], strided
+    visible = (torch.rand(40, 5, generator=gen) < 0.6).t()  # [5, 40], strided
+    visible[:, 0] = True
+    assert not q.is_contiguous() and not visible.is_contiguous()
+    want = attend(q.contiguous(), k, v, visible.contiguous(), 32**-0.5)
+    assert torch.equal(attend(q, k, v, visible, 32**-0.5), want)
+
+
+def test_attention_refuses_keys_and_values_whose_rows_it_cannot_walk():
+    """The kernel walks k and v with one stride, head_dim elements a key: a key row that is a
+    slice of a wider row, or values laid out unlike the keys, are refused, not read wrongly."""
+    attend = kernels.layout_independent_attention(torch.float32, 32)
+    if attend is None:
+        pytest.skip("no C compiler or no AVX-512 on this machine")
+    gen = torch.Generator().manual_seed(22)
+    q, cache = torch.randn(1, 2, 32, generator=gen), torch.randn(2, 64, 32, generator=gen)
+    wide = torch.randn(2, 20, 64, generator=gen)[:, :, :32]  # rows 64 apart
+    with pytest.raises(ValueError, match="contiguous k, v rows"):
+        attend(q, wide, wide, None, 1.0)
+    with pytest.raises(ValueError, match="contiguous k, v rows"):
+        attend(q, cache[:, :20], cache[:, :20].contiguous(), None, 1.0)  # keys 64 a head, values 20
+    sliced = attend(q, cache[:, :20], cache[:, :20], None, 1.0)  # the same stride: read as sliced
+    assert torch.equal(sliced, attend(q, cache[:, :20].contiguous(), cache[:, :20].contiguous(), None, 1.0))
 
 
 def test_attention_kernel_declines_head_dims_it_cannot_run():
@@ -384,6 +437,29 @@ def test_silu_mul_matches_torch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_mul_and_rope_store_read_strided_inputs_as_their_values(dtype):
+    """A gate/up or qkv row given as a transposed view gives its contiguous copy's bits: the copy
+    the C code reads must outlive the call (``fn(t.contiguous().data_ptr())`` frees it first)."""
+    gen = torch.Generator().manual_seed(23)
+    ops, weight = _ops(dtype), torch.randn(64, generator=gen).to(dtype)
+    x, delta = torch.randn(3, 64, generator=gen).to(dtype), torch.randn(64, 3, generator=gen).to(dtype).t()
+    got_x, want_x = x.clone(), x.clone()
+    got = ops.add_rms_norm(got_x, delta, weight, 1e-5)
+    assert torch.equal(got, ops.add_rms_norm(want_x, delta.contiguous(), weight, 1e-5)) and torch.equal(got_x, want_x)
+    gate_up = torch.randn(192, 3, generator=gen).to(dtype).t()
+    assert torch.equal(ops.silu_mul(gate_up), ops.silu_mul(gate_up.contiguous()))
+    assert torch.equal(ops.gelu_mul(gate_up), ops.gelu_mul(gate_up.contiguous()))
+    heads, kv_heads, dim = 4, 2, 16
+    qkv = torch.randn((heads + 2 * kv_heads) * dim, 3, generator=gen).to(dtype).t()
+    freqs = torch.view_as_real(torch.polar(torch.ones(20, dim // 2), torch.rand(20, dim // 2, generator=gen))).reshape(20, -1)
+    results = []
+    for rows in (qkv, qkv.contiguous()):
+        k_cache, v_cache = torch.zeros(kv_heads, 8, dim, dtype=dtype), torch.zeros(kv_heads, 8, dim, dtype=dtype)
+        results.append((ops.rope_store(rows, freqs, torch.tensor([3, 4, 5]), k_cache, v_cache, 2, heads), k_cache, v_cache))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_store_rotates_like_torch_and_fills_the_cache(dtype):
     from decodekit.models.llama_weights import apply_rope
 
@@ -401,6 +477,31 @@ def test_rope_store_rotates_like_torch_and_fills_the_cache(dtype):
     torch.testing.assert_close(k_cache[:, start : start + 3], rotated[:, heads:].transpose(0, 1), rtol=tolerance, atol=tolerance)
     assert torch.equal(v_cache[:, start : start + 3], qkv[:, (heads + kv_heads) * dim :].view(3, kv_heads, dim).transpose(0, 1))
     assert not k_cache[:, :start].any() and not k_cache[:, start + 3 :].any()  # other slots untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_reads_a_strided_delta_as_its_values(dtype):
+    """add_rms_norm adds delta's values: a delta given as a transposed view (the C code reads
+    packed rows) updates x and gives h bit for bit as its contiguous copy does."""
+    gen = torch.Generator().manual_seed(23)
+    ops, weight = _ops(dtype), torch.randn(64, generator=gen).to(dtype)
+    x, delta = torch.randn(3, 64, generator=gen).to(dtype), torch.randn(64, 3, generator=gen).to(dtype).t()
+    assert not delta.is_contiguous()
+    got_x, want_x = x.clone(), x.clone()
+    got = ops.add_rms_norm(got_x, delta, weight, 1e-5)
+    assert torch.equal(got, ops.add_rms_norm(want_x, delta.contiguous(), weight, 1e-5)) and torch.equal(got_x, want_x)
+
+
+def test_rope_store_refuses_a_value_cache_it_cannot_write_as_rows():
+    """rope_store writes both caches as packed [H_kv, cap, D] rows: a value cache that is a strided
+    view (a transpose) is refused like a key cache would be, not written in memory order."""
+    ops = _ops(torch.float32)
+    qkv, freqs = torch.randn(1, 8 * 16), torch.tensor([1.0, 0.0] * 8).repeat(4, 1)
+    k_cache, v_cache = torch.zeros(2, 4, 16), torch.zeros(2, 16, 4).transpose(1, 2)
+    with pytest.raises(ValueError, match="contiguous caches"):
+        ops.rope_store(qkv, freqs, torch.tensor([0]), k_cache, v_cache, 0, 4)
+    with pytest.raises(ValueError, match="contiguous caches"):
+        ops.rope_store(qkv, freqs, torch.tensor([0]), v_cache, k_cache, 0, 4)
 
 
 def test_layer_ops_decline_sizes_they_cannot_run():
@@ -463,6 +564,38 @@ def test_argmax_is_torch_argmax_on_ties_infinities_nans_and_short_rows():
     x[3, [49152 + 6, 49152 + 1]] = 99.0  # a tie in the tail
     assert kernels.argmax_rows(x) == x.argmax(dim=-1).tolist() and kernels.argmax_rows(x)[2:4] == [40, 49153]
     assert cases == 8 * 60
+
+
+@needs_kernel
+def test_top_k_indices_and_argmax_read_strided_rows_as_their_values():
+    """The kernels read packed float32 rows: a transposed matrix or a column (a strided view)
+    gives torch's answer on its values, not on the bytes in memory order."""
+    gen = torch.Generator().manual_seed(24)
+    x = torch.randn(300, 3, generator=gen).t()  # [3, 300], strided
+    assert torch.equal(kernels.top_k_indices(x, 5), torch.topk(x, 5, dim=-1).indices.to(torch.int32))
+    for column in range(3):
+        row = x[column]
+        assert not row.is_contiguous()
+        assert kernels.argmax(row) == int(row.argmax())
+
+
+def test_a_token_bitmask_on_a_strided_or_non_float32_row_masks_its_values():
+    """mask_logits' promise holds for any row it is given: a column of a matrix (strided) is masked
+    in place, its neighbours untouched; float64 and bfloat16 rows are masked as their values."""
+    import numpy as np
+
+    bits = np.array([0b10100101, 0b00001111, 0xFF, 0x00] * 2, dtype=np.uint8)  # 64 tokens
+    allowed = torch.tensor([bool(bits[t // 8] >> (t % 8) & 1) for t in range(64)])
+    matrix = torch.randn(64, 3, generator=torch.Generator().manual_seed(25))
+    before = matrix.clone()
+    kernels.mask_logits(matrix[:, 1], bits)
+    assert torch.equal(matrix[:, 1], torch.where(allowed, before[:, 1], float("-inf")))
+    assert torch.equal(matrix[:, [0, 2]], before[:, [0, 2]])
+    for dtype in (torch.float64, torch.bfloat16):
+        row = before[:, 0].to(dtype)
+        got = row.clone()
+        kernels.mask_logits(got, bits)
+        assert torch.equal(got, torch.where(allowed, row, float("-inf")).to(dtype)), dtype
 
 
 @pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False], ids=["kernel", "fallback"])

@@ -618,6 +618,27 @@ def test_kivi_attention_is_float_attention_on_the_dequantised_entries(head_dim, 
     assert torch.equal(alone, got)  # a row's result does not depend on the pass's other rows
 
 
+def test_kivi_attention_refuses_quantised_ends_outside_the_codes_written():
+    """A row's quantised end lies between the residual's base and the tokens quantised so far: an
+    end past those tokens (codes never written, in the store's spare room) or below the base (keys
+    in neither part) is refused, not read."""
+    from decodekit.models.kernels import kivi_attention
+    from decodekit.models.kivi import KiviStore, KiviView
+
+    kernel = kivi_attention(32)
+    if kernel is None:
+        pytest.skip("kernels unavailable")
+    g = torch.Generator().manual_seed(3)
+    store = KiviStore(1, 2, 32, 8, 4)
+    store.append(torch.randn(1, 2, 8, 32, generator=g), torch.randn(1, 2, 8, 32, generator=g))
+    assert store.tokens == 8 and store.capacity >= 16
+    q, k, v = torch.randn(1, 6, 32, generator=g), torch.randn(2, 16, 32, generator=g), torch.randn(2, 16, 32, generator=g)
+    assert kernel(q, KiviView(store, 8, torch.tensor([8])), 0, k, v, 16, None, 32**-0.5).isfinite().all()
+    for base, qend in ((8, 16), (8, 4)):
+        with pytest.raises(ValueError, match="quantised end"):
+            kernel(q, KiviView(store, base, torch.tensor([qend])), 0, k, v, 16, None, 32**-0.5)
+
+
 @pytest.mark.parametrize("group, residual", [(8, 64), (32, 128), (1, 64)])
 def test_kivi_quantised_end_leaves_each_query_residual_to_residual_plus_group_minus_one_float_tokens(group, residual):
     policy = KiviPolicy(group=group, residual=residual)

@@ -436,6 +436,69 @@ def test_ray_flags_are_checked_before_anything_starts(tmp_path, monkeypatch):
         bench_cli.make_plan(parse("--questions", str(tmp_path / "q.jsonl"), "--ray", "--out", str(tmp_path)))
 
 
+class FakePool:
+    """Pool's interface without Ray: units dealt round-robin to in-process workers (hand-made descriptions)."""
+
+    def __init__(self, workers, descriptions):
+        self.workers, self.descriptions, self.lost = workers, descriptions, 0
+
+    def map(self, units, on_result):
+        for i, key in enumerate(units):
+            self.descriptions[i % len(self.workers)]["done"].append(key)
+            on_result(key, self.workers[i % len(self.workers)].run(units[key]))
+
+
+def fake_pool(codes, peaks, note):
+    from decodekit.bench.results import machine_info
+    from decodekit.bench.runner import BenchConfig, BenchSession
+    from test_bench import Scripted
+
+    class Worker:
+        def __init__(self):
+            self.session = BenchSession([Scripted("greedy", []), Scripted("b", [])], lambda messages: [1, 2, 3],
+                                        BenchConfig(max_new_tokens=4))
+
+        def run(self, unit):
+            return {"records": self.session.run_question(*unit), "notes": [note]}
+
+    workers = [Worker() for _ in codes]
+    descriptions = [{"machine": machine_info(model="tiny", dtype="float32"), "contestants": w.session.describe(),
+                     "code": code, "peak_rss_mb": peak, "notes": [], "host": "h", "pid": i, "threads": 1,
+                     "done": [], "lost": False} for i, (w, code, peak) in enumerate(zip(workers, codes, peaks))]
+    return FakePool(workers, descriptions)
+
+
+def test_a_bench_on_ray_merges_its_workers_figures(tmp_path):
+    """Each worker's questions by id, the largest memory peak of any worker, a note once however many
+    workers make it, a note when a worker runs other code, and a resumed count."""
+    from decodekit.bench import distributed
+
+    qfile = write_questions(tmp_path / "q.jsonl")
+    common = ("--questions", str(qfile), "--methods", "greedy", "--baselines", "none", "--max-new-tokens", "4",
+              "--out", str(tmp_path / "out"))
+    plan = bench_cli.make_plan(parse(*common, "--categories", "qa,rag"))  # question ids 5 and 6, at indices 0 and 1
+    pool = fake_pool(["driver", "other"], [{"greedy": 10.0, "b": 30.0}, {"greedy": 20.0, "b": 5.0}], "a worker's note")
+    results = distributed._run(plan, pool, "driver", progress=False)
+    assert [m["questions"] for m in results["machines"]] == [[[0, 5]], [[0, 6]]]
+    assert {n: results["summary"]["methods"][n]["peak_rss_mb"] for n in ("greedy", "b")} == {"greedy": 20.0, "b": 30.0}
+    assert results["notes"].count("a worker's note") == 1
+    assert json.loads((tmp_path / "out" / "checkpoint.json").read_text())["notes"].count("a worker's note") == 1
+    assert any(n.startswith("some workers run other decodekit code than the driver") for n in results["notes"])
+    resumed = bench_cli.make_plan(parse(*common, "--categories", "qa,rag,summarization", "--resume"))
+    again = distributed._run(resumed, fake_pool(["driver"], [{}], "a worker's note"), "driver", progress=False)
+    assert any(n.startswith("resumed: 2 question(s)") for n in again["notes"])
+    assert [m["questions"] for m in again["machines"]] == [[[0, 7]]]
+
+
+def test_threads_under_ray_are_per_worker_not_checked_against_this_machine(tmp_path):
+    """With --ray, --threads is each worker's count on its node, which may have more CPUs than the driver."""
+    write_questions(tmp_path / "q.jsonl")
+    threads = (os.cpu_count() or 1) + 1
+    plan = bench_cli.make_plan(parse("--questions", str(tmp_path / "q.jsonl"), "--ray", "auto", "--threads", str(threads),
+                                     "--out", str(tmp_path)))
+    assert plan.threads == threads and f"--threads {threads}" in plan.command
+
+
 # eval --ray --------------------------------------------------------------------------------------------
 
 

@@ -75,7 +75,8 @@ class Int8CacheKernels:
         rows = qkv.numel() // qkv.shape[-1]
         q = torch.empty(rows, n_heads, self.head_dim, dtype=torch.float32)
         positions = positions.to(torch.int64).contiguous()
-        self._rope_store(qkv.float().contiguous().data_ptr(), freqs.data_ptr(), positions.data_ptr(), q.data_ptr(),
+        qkv = qkv.float().contiguous()
+        self._rope_store(qkv.data_ptr(), freqs.data_ptr(), positions.data_ptr(), q.data_ptr(),
                          k_cache.data_ptr(), v_cache.data_ptr(), rows, n_heads, n_kv_heads, self.head_dim, cap, start)
         return q
 

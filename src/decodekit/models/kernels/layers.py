@@ -57,7 +57,8 @@ class LayerOps:
     def _gate_mul(fn, gate_up: torch.Tensor) -> torch.Tensor:
         inter = gate_up.shape[-1] // 2
         out = gate_up.new_empty(*gate_up.shape[:-1], inter)
-        fn(gate_up.contiguous().data_ptr(), out.data_ptr(), out.numel() // inter, inter)
+        gate_up = gate_up.contiguous()
+        fn(gate_up.data_ptr(), out.data_ptr(), out.numel() // inter, inter)
         return out
 
     def rope_store(
@@ -75,8 +76,9 @@ class LayerOps:
         rows = qkv.numel() // qkv.shape[-1]
         q = torch.empty(rows, n_heads, head_dim, dtype=torch.float32)
         positions = positions.to(torch.int64).contiguous()
+        qkv = qkv.contiguous()
         self._rope_store(
-            qkv.contiguous().data_ptr(), freqs.data_ptr(), positions.data_ptr(), q.data_ptr(),
+            qkv.data_ptr(), freqs.data_ptr(), positions.data_ptr(), q.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), rows, n_heads, n_kv_heads, head_dim, cap, start,
         )
         return q
