@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidParameter
+from ..models.backend import common_prefix
 from ..models.kernels import mask_logits, masked_argmax
 from ..machine import usable_cores
 from ..models.threads import GOVERNOR
@@ -228,8 +229,10 @@ class MatcherPaths:
         if key in self.paths:
             self.paths.move_to_end(key)
             return self.paths[key], len(key)
-        start = max((len(k) for k in self.paths if len(k) < len(key) and key[: len(k)] == k), default=None)
-        if start is not None:  # a kept path this row continues: moved on, not copied
+        # the longest kept path the row continues, looked up by length (a tree's paths have a few)
+        start = next((n for n in sorted({len(k) for k in self.paths if len(k) < len(key)}, reverse=True)
+                      if key[:n] in self.paths), None)
+        if start is not None:  # moved on, not copied
             matcher = self.paths.pop(key[:start])
         else:
             start = self._move_anchor(tokens)
@@ -245,11 +248,7 @@ class MatcherPaths:
         """Bring the anchor to the longest beginning of ``tokens`` it can take without a token the
         grammar refuses past it; how many tokens that is (at most those the anchor held already
         plus the ones it took)."""
-        shared = 0
-        for a, b in zip(self.anchor_tokens, tokens):
-            if a != b:
-                break
-            shared += 1
+        shared = common_prefix(self.anchor_tokens, tokens)
         if shared < len(self.anchor_tokens):
             self.anchor.rollback(len(self.anchor_tokens) - shared)
             del self.anchor_tokens[shared:]
