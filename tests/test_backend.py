@@ -476,3 +476,44 @@ def test_a_prompt_that_reused_the_kept_prefix_leaves_nothing_kept():
     assert backend.kept_ids is None
     again = first + [5]
     assert torch.equal(backend.prefill(again), prefix_reusing_llama().prefill(again))
+
+
+def test_truncating_past_the_cached_length_is_refused(backend):
+    """truncate rolls back; it cannot grow the cache: a length past what is cached is a ValueError, and the cache is kept."""
+    backend.reset()
+    backend.append(tokens(5))
+    with pytest.raises(ValueError, match="cannot truncate a cache of 5 tokens to 6"):
+        backend.truncate(6)
+    assert backend.length == 5
+
+
+def test_the_hf_backend_windows_no_layer_of_a_model_whose_layers_are_all_full_attention():
+    """A config may keep a sliding_window while its layer_types list only full-attention layers (Dots1,
+    or a Qwen2 config edited so): transformers then attends to every key, and so must the HF backend's mask."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)).eval()
+    model.config.sliding_window = 4  # kept, as Dots1's config keeps it
+    assert set(model.config.layer_types) == {"full_attention"}
+    ids = tokens(12)
+    with torch.no_grad():
+        want = model(ids).logits
+    assert torch.allclose(HFBackend(model).append(ids).logits, want, atol=1e-5)
+
+
+def test_a_folder_transformers_does_not_recognise_is_one_clear_error(tmp_path):
+    """transformers refuses an unknown model_type with a ValueError: one InvalidModel line naming the folder."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from decodekit.errors import InvalidModel
+    from decodekit.models.tiny import tiny_hf_config, tiny_state_dict
+
+    save_file(tiny_state_dict(tiny_hf_config()), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config() | {"model_type": "no_such_architecture"}))
+    with pytest.raises(InvalidModel, match=rf"^{tmp_path}: transformers cannot load this model \(ValueError: ") as err:
+        HFBackend.from_folder(tmp_path)
+    assert "\n" not in str(err.value)

@@ -467,6 +467,8 @@ def test_another_librarys_error_is_named_by_its_first_line():
     err = ValueError("header is damaged\n  at offset 12\n  more detail")
     assert cause_line(err) == "ValueError: header is damaged"
     assert cause_line(OSError()) == "OSError"
+    # a message that opens with blank lines (some parsers start with a newline) is named by its first words
+    assert cause_line(ValueError("\n\n  header is damaged\nmore")) == "ValueError: header is damaged"
     assert str(InvalidModel.because("m.gguf", "cannot be read", err)) == "m.gguf: cannot be read (ValueError: header is damaged)"
 
 

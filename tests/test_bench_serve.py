@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shlex
 import socket
 import threading
 import time
@@ -275,6 +277,9 @@ def test_compare_unreadable_file(tmp_path):
     (["--concurrency", "1,two"], "--concurrency must be comma-separated"),
     (["--max-tokens", "0"], "--max-tokens must be positive"),
     (["--url", "localhost:8000"], "--url must be an http"),
+    (["--url", "http:///v1"], "--url must be an http"),  # no host to send to
+    (["--timeout", "0"], "--timeout must be in"),
+    (["--temperature", "-0.5"], "--temperature must be 0"),
 ])
 def test_bad_options_are_one_line(tmp_path, argv, match):
     with pytest.raises(InvalidParameter, match=match) as err:
@@ -310,3 +315,91 @@ def test_a_levels_throughput_counts_only_the_requests_that_succeeded_and_compare
     assert (level["ok"], level["failed"], level["output_tokens"], level["output_tok_s"]) == (1, 1, 10, 5.0)
     table = compare_table([{"label": "a", "levels": [level]}])
     assert "| 2 | failed / sent | 1 / 2 |" in table.splitlines()
+
+
+def test_a_level_latencies_are_those_of_the_requests_that_succeeded():
+    """TTFT and latency percentiles describe the answers served: a refused request's quick 503 is not a latency."""
+    from decodekit.serve.load import summarize
+
+    level = summarize([Outcome(e2e_s=2.0, ttft_s=1.0, tokens=3), Outcome(e2e_s=0.5, ttft_s=0.1, tokens=1, error="cut")],
+                      wall_s=2.0, concurrency=2)
+    assert level["e2e_ms"] == {"p50": 2000.0, "p90": 2000.0, "p99": 2000.0}
+    assert level["ttft_ms"] == {"p50": 1000.0, "p90": 1000.0, "p99": 1000.0}
+
+
+def test_a_servers_error_is_its_message_or_the_first_line_of_its_body():
+    """error_message: OpenAI's error.message when the body is one, else the start of what the server said."""
+    from decodekit.serve.load import error_message
+
+    assert error_message(b'{"error": {"message": "model not loaded"}}') == "model not loaded"
+    assert error_message(b"\n502 Bad Gateway\n<html>details</html>\n") == "502 Bad Gateway"
+    assert error_message(b"") == "(empty body)"
+
+
+def stream_lines(*chunks: dict | str) -> list[bytes]:
+    """Server-sent events as http.client yields them, line by line."""
+    return [f"data: {c if isinstance(c, str) else json.dumps(c)}\n".encode() for c in chunks]
+
+
+def test_an_error_chunk_in_the_stream_fails_the_request():
+    """A server that fails mid-answer says so in a chunk with an error object: the request failed, whatever follows."""
+    from decodekit.serve.load import read_stream
+
+    out = Outcome()
+    content = {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}
+    read_stream(stream_lines(content, {"error": {"message": "out of memory"}}, content, "[DONE]"), out, time.perf_counter(), 60)
+    assert out.error == "error in stream: out of memory"
+
+
+def test_a_stream_that_outlasts_the_timeout_is_a_failure():
+    """--timeout bounds the whole request (the socket's timeout only bounds each read): a stream still
+    going past it is cut and counted as failed. The request here started 10 s before a 1 s timeout."""
+    from decodekit.serve.load import read_stream
+
+    out = Outcome()
+    content = {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}
+    read_stream(stream_lines(content, content, "[DONE]"), out, time.perf_counter() - 10, 1.0)
+    assert out.error == "timed out after 1 s"
+
+
+def test_a_model_list_answered_with_an_http_error_is_one_line_naming_the_status(fake_server):
+    """GET {url}/models that answers an error (a wrong --url path) is said with its status and the server's message."""
+    from decodekit.serve.load import first_model
+
+    srv = fake_server()
+    wrong = srv.url.removesuffix("/v1") + "/v2"  # the fake server answers 404 there
+    with pytest.raises(InvalidParameter, match=rf"^GET {re.escape(wrong)}/models answered HTTP 404: not found; give --model$"):
+        first_model(wrong, timeout=10)
+
+
+def test_a_url_with_a_trailing_slash_reaches_the_same_api(fake_server):
+    """--url is the base URL up to /v1: a trailing slash names the same API, not a path with an empty segment."""
+    from decodekit.serve.load import first_model
+
+    srv = fake_server()
+    assert first_model(srv.url + "/", timeout=10) == "fake-model"
+    out = send(srv.url + "/", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, timeout=10)
+    assert out.error is None
+
+
+def test_the_recorded_command_reproduces_the_run_method_included():
+    """results.json's command spells out every option, the decoding method too: parsed again, it gives the same run."""
+    from decodekit.serve.load import command_line
+
+    args = parse("--url", "http://h:1/v1", "--method", "pld", "--limit", "3", "--temperature", "0.5")
+    argv = shlex.split(command_line(args, "m", "lab"))
+    again = parse(*argv[2:])
+    assert argv[:2] == ["decodekit", "bench-serve"] and again.method == "pld" and again.model == "m"
+    assert vars(again) | {"model": None, "label": None} == vars(args)
+
+
+@pytest.mark.parametrize("content, problem", [("{not json", "is not a JSON file"),
+                                              (json.dumps({"schema": SCHEMA}), "is not a bench-serve results file"),
+                                              (json.dumps({"schema": SCHEMA, "levels": {}}), "is not a bench-serve results file")])
+def test_a_results_file_that_is_not_json_or_lacks_its_levels_is_one_line(tmp_path, content, problem):
+    """--compare reads only bench-serve results files (JSON, its schema, a list of levels): any other file is one line."""
+    path = tmp_path / "results.json"
+    path.write_text(content)
+    with pytest.raises(InvalidParameter, match=re.escape(f"{path} {problem}")) as err:
+        run(parse("--compare", str(path), "--out", str(tmp_path / "cmp")))
+    assert "\n" not in str(err.value)

@@ -515,6 +515,8 @@ def test_the_cli_reports_a_damaged_gguf_in_one_line(tmp_path, cache, capsys):
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "original_max_position_embeddings": 64}}, "rope scaling 'llama3' is not supported"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling 'linear' is not supported"),
+        ({"rope_scaling": "linear"}, "rope_scaling must be an object, got 'linear'"),  # a hand-edited config
+        ({"rope_parameters": [1]}, "rope_parameters must be an object, got [1]"),
         # what the native backend does not compute, which it used to run as if absent
         ({"model_type": "mistral", "sliding_window": 16},
          "sliding-window attention (a window of 16) is not supported by the native backend"),
@@ -558,6 +560,26 @@ def test_a_norm_weight_of_the_wrong_length_is_one_clear_error(tmp_path, norm):
     (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
     with pytest.raises(InvalidModel, match=re.escape(f"{norm} is (16,), where config.json's sizes make it (")):
         load_model(str(tmp_path))
+
+
+def test_the_hf_backend_refuses_weights_transformers_would_make_up(tmp_path):
+    """transformers starts a tensor the folder lacks (or holds in another shape) at random and only
+    says so in its report: the HF backend refuses the folder as the native one does, in one line."""
+    from safetensors.torch import save_file
+
+    from decodekit.models.loading import build_backend
+
+    name = "model.layers.1.self_attn.q_proj.weight"
+    for change, problem in ((lambda state: state.pop(name), "missing"),
+                            (lambda state: state.update({name: state[name][:16].clone()}), "of the wrong shape")):
+        state = tiny_state_dict(tiny_hf_config())
+        change(state)
+        save_file(state, str(tmp_path / "model.safetensors"))
+        (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
+        with pytest.raises(InvalidModel, match=re.escape(f"{tmp_path}: 1 weight tensor(s) {problem} ({name}): damaged weights")):
+            build_backend(tmp_path, backend="hf")
+    save_file(tiny_state_dict(tiny_hf_config()), str(tmp_path / "model.safetensors"))
+    assert build_backend(tmp_path, backend="hf").info.vocab_size == 96  # whole weights load
 
 
 def test_weights_that_are_not_floats_are_one_clear_error(tmp_path):
@@ -719,7 +741,7 @@ def test_a_gguf_tensor_of_the_wrong_shape_is_refused_not_made_up(tmp_path):
 
     report = {"missing_keys": [], "mismatched_keys": [("model.layers.0.mlp.up_proj.weight", (64, 16), (64, 32))]}
     with pytest.raises(InvalidModel, match=r"m.gguf: 1 weight tensor\(s\) of the wrong shape "
-                                           r"\(model.layers.0.mlp.up_proj.weight\): a damaged file"):
+                                           r"\(model.layers.0.mlp.up_proj.weight\): damaged weights"):
         check_loading_report(tmp_path / "m.gguf", report, tied=True)
 
 
@@ -809,3 +831,101 @@ def test_an_output_head_of_the_wrong_shape_is_one_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
     with pytest.raises(InvalidModel, match=re.escape("lm_head.weight is (50, 32), where config.json's sizes make it (96, 32)")):
         load_model(str(tmp_path), backend="native")
+
+
+def test_a_path_that_is_neither_a_gguf_file_nor_a_model_folder_is_not_found(tmp_path, monkeypatch):
+    """A model spec is an embedded name, a .gguf file or a folder with config.json: a file of another
+    kind, or a folder without config.json, is one line saying so, and nothing is read as a model."""
+    from decodekit.errors import ModelNotFound
+    from decodekit.models import loading
+
+    monkeypatch.setattr(loading, "dequantised_folder", lambda gguf: pytest.fail("read as a GGUF file"))
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"GGUF" + bytes(64))  # even one that starts as GGUF: the spec's suffix says what it is
+    (tmp_path / "empty").mkdir()
+    for path in (other, tmp_path / "empty"):
+        with pytest.raises(ModelNotFound, match=re.escape(f"{path}: not a .gguf file or a Hugging Face model folder (no config.json)")):
+            loading.resolve_model(str(path))
+
+
+def test_two_gguf_files_of_one_name_in_two_folders_get_a_cache_folder_each(tmp_path, monkeypatch):
+    """The cache keeps one folder per GGUF path: two files of the same name elsewhere (two versions of
+    a model) must not share one, or each load would rebuild it from the other."""
+    from decodekit.models import loading
+
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "cached_folder", lambda folder, build, source: folder)  # where, not what
+    files = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        files.append(tmp_path / name / "model.gguf")
+        files[-1].write_bytes(b"GGUF" + bytes(64))
+    first, second = (loading.dequantised_folder(f) for f in files)
+    assert first != second and first.name.startswith("model-") and second.name.startswith("model-")
+    assert loading.dequantised_folder(files[0]) == first
+
+
+def test_a_model_folder_without_safetensors_weights_is_one_clear_error(tmp_path):
+    """A folder with config.json and no weights file is not a model: said in one line, naming the folder."""
+    from decodekit.errors import ModelNotFound
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
+    with pytest.raises(ModelNotFound, match=re.escape(f"{tmp_path}: no .safetensors weights")):
+        load_model(str(tmp_path), backend="native")
+
+
+def test_weights_sharded_over_several_safetensors_files_are_all_read(tmp_path):
+    """A Hugging Face folder may split its weights over model-0000k-of-0000n.safetensors files: the
+    model is the tensors of every file, the same as one file holding them all."""
+    from safetensors.torch import save_file
+
+    from decodekit.models.loading import build_backend
+
+    state = tiny_state_dict(tiny_hf_config())
+    whole, shards = tmp_path / "whole", tmp_path / "shards"
+    for folder in (whole, shards):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(tiny_hf_config()))
+    save_file(state, str(whole / "model.safetensors"))
+    names = sorted(state)
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        save_file({k: state[k] for k in part}, str(shards / f"model-0000{i + 1}-of-00002.safetensors"))
+    prompt = [1, 5, 9, 2]
+    expected = build_backend(whole, backend="native").prefill(prompt)
+    assert torch.equal(build_backend(shards, backend="native").prefill(prompt), expected)
+
+
+def test_a_numerics_name_that_is_not_one_is_refused_not_run_as_exact(tmp_path):
+    """--numerics is exact or fast: a misspelt one is one line naming the choices, whichever backend the model gets."""
+    from safetensors.torch import save_file
+
+    from decodekit.errors import InvalidParameter
+    from decodekit.models.loading import build_backend
+
+    save_file(tiny_state_dict(tiny_hf_config()), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
+    for backend in ("native", "hf"):  # the name is checked before the backend is chosen, for either
+        with pytest.raises(InvalidParameter, match="^numerics must be one of exact, fast, got 'fastest'$"):
+            build_backend(tmp_path, backend=backend, numerics="fastest")
+
+
+def test_a_config_whose_sizes_are_strings_is_one_clear_error(tmp_path):
+    """A config.json size of the wrong JSON type (a quoted number) fails the arithmetic on it with a
+    TypeError: one line naming the file, never a traceback."""
+    from safetensors.torch import save_file
+
+    save_file(tiny_state_dict(tiny_hf_config()), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config() | {"num_attention_heads": "4", "head_dim": None}))
+    with pytest.raises(InvalidModel, match=re.escape(f"{tmp_path / 'config.json'}: ")) as err:
+        load_model(str(tmp_path))
+    assert "\n" not in str(err.value)
+
+
+def test_the_gguf_blocks_switch_turns_the_block_kernels_off_with_the_same_logits(tiny_gguf, cache, monkeypatch):
+    """DECODEKIT_GGUF_BLOCKS=0 runs a float32 GGUF model on its dequantised weights instead of its
+    blocks (documented as giving the same results, only at another speed)."""
+    on = answer(tiny_gguf)
+    assert "gguf-blocks" in load_model(str(tiny_gguf)).backend.info.architecture
+    monkeypatch.setenv("DECODEKIT_GGUF_BLOCKS", "0")
+    assert "gguf-blocks" not in load_model(str(tiny_gguf)).backend.info.architecture
+    assert_same(answer(tiny_gguf), on)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -339,6 +340,255 @@ def test_pool_settings_are_checked():
     for bad in (PoolSettings(workers=0), PoolSettings(threads=0), PoolSettings(max_lost=-1)):
         with pytest.raises(InvalidParameter):
             bad.validate()
+
+
+
+def test_an_ipv6_address_in_brackets_is_tried_without_them():
+    """``[::1]:6379`` is how an IPv6 head is written: the brackets are the address's spelling, not the host's name."""
+    import socket
+
+    from decodekit.cluster import check_reachable
+
+    try:
+        closed = socket.socket(socket.AF_INET6)
+        closed.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with closed:
+        address = f"[::1]:{closed.getsockname()[1]}"
+        with pytest.raises(ClusterError, match=rf"^could not reach the Ray cluster at '{re.escape(address)}': Connection refused$"):
+            check_reachable(address)
+
+
+def test_an_address_that_does_not_answer_in_time_is_said_so(monkeypatch):
+    """A head that never answers (a firewall dropping packets) is told apart from one that refuses."""
+    import decodekit.cluster as cluster_module
+
+    def silent(address, timeout):
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(cluster_module.socket, "create_connection", silent)
+    with pytest.raises(ClusterError, match=r"^could not reach the Ray cluster at '10\.0\.0\.1:6379': no answer within 5 s$"):
+        cluster_module.check_reachable("10.0.0.1:6379")
+
+
+def test_a_ray_the_caller_initialised_is_used_as_it_is_and_left_running(monkeypatch):
+    """Where the caller (a test, a notebook) has initialised Ray, its cluster is used: no second
+    ray.init, and no shutdown at the end of the run."""
+    import decodekit.cluster as cluster_module
+
+    calls = []
+
+    class Initialised:
+        def is_initialized(self):
+            return True
+
+        def init(self, **kwargs):
+            calls.append("init")
+
+        def shutdown(self):
+            calls.append("shutdown")
+
+    monkeypatch.setattr(cluster_module, "import_ray", Initialised)
+    for address in (None, "auto"):
+        with cluster_module.connected(address) as ray:
+            assert isinstance(ray, Initialised)
+    assert calls == []
+
+def test_ray_local_spelled_out_means_a_local_instance():
+    """``--ray`` alone, ``--ray ''`` and ``--ray local`` start a private instance (None); anything else is an address."""
+    from decodekit.cluster import parse_address
+
+    assert parse_address(None) is None and parse_address("") is None and parse_address("local") is None
+    assert parse_address("auto") == "auto" and parse_address("10.0.0.1:6379") == "10.0.0.1:6379"
+
+
+def test_no_lost_worker_tolerated_is_a_valid_setting():
+    """--max-lost 0 means any lost worker ends the run: a setting, not an error (negative ones are refused)."""
+    PoolSettings(max_lost=0).validate()
+    PoolSettings(workers=1, threads=1).validate()
+
+
+def test_a_worker_sets_its_thread_count_for_its_payload(monkeypatch):
+    """Each worker runs as many threads as CPUs it reserved (--threads), not the machine's: the
+    variable torch reads at import, and torch's own count where torch is loaded already."""
+    import torch
+
+    from decodekit.cluster import Host
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # restored after the test
+    before = torch.get_num_threads()
+    try:
+        host = Host(3)
+        assert os.environ["OMP_NUM_THREADS"] == "3" and torch.get_num_threads() == 3 and host.threads == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+# The pool's bookkeeping on a stand-in for Ray (no processes): what it waits for, replaces and stops.
+
+
+class FakeRay:
+    """Enough of Ray for :class:`Pool`: every call runs at once in this process; ``wait`` hands back
+    the first ref asked for. ``die`` lists unit keys whose first run loses its worker. Records each
+    wait (its timeout and what it waited for) and each kill."""
+
+    class exceptions:
+        class RayTaskError(Exception):
+            def __init__(self, cause):
+                super().__init__(str(cause))
+                self.cause = cause
+
+        class RayActorError(Exception):
+            pass
+
+    def __init__(self, cpus: int = 2, die=()):
+        self.cpus, self.die = cpus, set(die)
+        self.values: dict = {}  # ref -> ("ok", value) or ("err", exception)
+        self.kinds: dict = {}  # ref -> "created", "setup" or "run"
+        self.actors: list = []
+        self.waits: list[tuple] = []
+        self.events: list[tuple] = []
+
+    def cluster_resources(self):
+        return {"CPU": self.cpus}
+
+    def _ref(self, kind, call, *args):
+        ref = object()
+        self.kinds[ref] = kind
+        try:
+            self.values[ref] = ("ok", call(*args))
+        except self.exceptions.RayActorError as err:
+            self.values[ref] = ("err", err)
+        except Exception as err:  # the payload's own error, as Ray wraps it
+            self.values[ref] = ("err", self.exceptions.RayTaskError(err))
+        return ref
+
+    def remote(self, cls):
+        fake = self
+
+        class Method:
+            def __init__(self, kind, call):
+                self.kind, self.call = kind, call
+
+            def remote(self, *args):
+                return fake._ref(self.kind, self.call, *args)
+
+        class Actor:
+            def __init__(self, threads):
+                self.threads = threads
+                self.host = None
+                fake.actors.append(self)
+                self.__ray_ready__ = Method("created", lambda: True)
+                self.setup = Method("setup", self._setup)
+                self.run = Method("run", self._run)
+
+            def _setup(self, make_payload):
+                self.host = cls.__new__(cls)  # Host's body without touching this process's threads
+                self.host.threads, self.host.payload = self.threads, None
+                return self.host.setup(make_payload)
+
+            def _run(self, unit):
+                if unit in fake.die:
+                    fake.die.discard(unit)
+                    raise fake.exceptions.RayActorError("the worker died")
+                return self.host.run(unit)
+
+        class ActorClass:
+            def options(self, **kwargs):
+                return self
+
+            def remote(self, threads):
+                return Actor(threads)
+
+        return ActorClass()
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        self.waits.append((timeout, [self.kinds[r] for r in refs]))
+        self.events.append(("wait", num_returns, tuple(refs)))
+        return list(refs[:num_returns]), list(refs[num_returns:])
+
+    def get(self, ref):
+        status, value = self.values[ref]
+        if status == "err":
+            raise value
+        return value
+
+    def kill(self, actor):
+        self.events.append(("kill", actor))
+
+
+class Echo:
+    def describe(self):
+        return {"kind": "echo"}
+
+    def run(self, unit):
+        if unit == "bad":
+            raise InvalidParameter("unit bad is bad")
+        return unit
+
+
+def test_a_pool_places_as_many_workers_as_the_cpus_hold_at_their_thread_count():
+    """With no --workers, the pool starts cluster CPUs // --threads workers, each reserving --threads CPUs."""
+    fake = FakeRay(cpus=4)
+    pool = Pool(fake, Echo, PoolSettings(threads=2))
+    assert len(pool.descriptions) == 2 and all(d["threads"] == 2 for d in pool.descriptions)
+    assert pool.max_lost == 4  # two per worker by default
+
+
+def test_the_wait_for_starting_workers_is_bounded_from_the_oldest_start(monkeypatch):
+    """start_timeout_s counts from when a worker was asked for: while only setups are in flight, the
+    wait ends when the oldest of them runs out of time (here asked at t=0 and t=100, waited at t=200)."""
+    import decodekit.cluster as cluster_module
+
+    clock = iter(range(0, 10**6, 100))
+    monkeypatch.setattr(cluster_module.time, "monotonic", lambda: next(clock))
+    fake = FakeRay()
+    Pool(fake, Echo, PoolSettings(workers=2, start_timeout_s=600))
+    assert fake.waits[0] == (0 + 600 - 200, ["setup", "setup"])
+
+
+def test_a_unit_in_flight_is_waited_for_without_the_start_timeout():
+    """A unit may take longer than a worker takes to start: once a unit is in flight beside a replacement
+    still setting up, the wait is unbounded (the start timeout is for setups alone)."""
+    fake = FakeRay(die={0})
+    pool = Pool(fake, Echo, PoolSettings(workers=2, start_timeout_s=600))
+    arrivals: list = []
+    assert pool.map({k: k for k in range(4)}, lambda key, value: arrivals.append(key)) == {k: k for k in range(4)}
+    assert sorted(arrivals) == [0, 1, 2, 3] and pool.lost == 1 and len(fake.actors) == 3
+    mixed = [timeout for timeout, kinds in fake.waits if "run" in kinds and "setup" in kinds]
+    assert mixed and all(timeout is None for timeout in mixed)
+    assert all(timeout is not None for timeout, kinds in fake.waits if set(kinds) == {"setup"})
+
+
+def test_an_error_of_the_payload_stops_every_worker_busy_or_idle():
+    """A payload's error ends the run: every worker, the one that raised, those still running a unit and
+    the idle ones, is stopped (none left holding its CPUs)."""
+    fake = FakeRay(cpus=3)
+    pool = Pool(fake, Echo, PoolSettings(workers=3))
+    with pytest.raises(InvalidParameter, match="^unit bad is bad$"):
+        pool.map({"bad": "bad", 1: 1, 2: 2}, lambda key, value: None)
+    killed = {id(e[1]) for e in fake.events if e[0] == "kill"}
+    assert killed == {id(a) for a in fake.actors}
+
+
+def test_workers_still_being_created_are_let_finish_before_they_are_stopped():
+    """An actor killed while Ray still creates it can keep its CPU for good: close() first waits (boundedly)
+    for every worker still in its setup to exist, and only then kills them."""
+    fake = FakeRay(cpus=2)
+
+    class BadSetup(Echo):
+        def __init__(self):
+            raise InvalidParameter("model 'nowhere' not found")
+
+    with pytest.raises(InvalidParameter, match="^model 'nowhere' not found$"):
+        Pool(fake, BadSetup, PoolSettings(workers=2))
+    # the first setup's error is seen at the first wait; the second worker was still setting up
+    waits_for_creation = [i for i, e in enumerate(fake.events) if e[0] == "wait" and all(fake.kinds[r] == "created" for r in e[2])]
+    kills = [i for i, e in enumerate(fake.events) if e[0] == "kill"]
+    assert waits_for_creation and len(kills) == 2
+    second = fake.actors[1]
+    assert waits_for_creation[0] < next(i for i in kills if fake.events[i][1] is second)
 
 
 # bench --ray -------------------------------------------------------------------------------------------

@@ -436,6 +436,20 @@ def test_first_finish_returns_the_shortest_finished_sample():
     assert cut.steps == 4 and first_finished([cut, likely]) == 1 and first_finished([cut, unlikely]) == 1
 
 
+
+def test_first_finish_with_no_finished_sample_returns_the_first():
+    """first_finished's documented fallback: 0 when no sample finished (EOS or stop string)."""
+    samples = [Sample([1, 2], [-0.1, -0.1], [], [], [], "length"), Sample([3], [-0.5], [], [], [], "length")]
+    assert first_finished(samples) == 0
+
+
+def test_weighted_vote_refuses_a_negative_weight(tiny):
+    """Weighted voting needs non-negative weights: a callable scorer giving a negative one is refused."""
+    with pytest.raises(InvalidParameter, match="non-negative"):
+        Engine(tiny).generate("hello", method="weighted-vote", n=3, scorer=lambda text: -1.0, max_new_tokens=4,
+                              chat=False, seed=0)
+
+
 # CoT-decoding ------------------------------------------------------------------------------------
 
 
@@ -872,3 +886,92 @@ def test_a_stop_inside_a_token_keeps_the_text_before_it_in_every_method(method, 
     assert (g.text, g.finish_reason) == (text, "stop")
     assert model.tokenizer.decode(g.tokens) == text[: len(model.tokenizer.decode(g.tokens))]  # whole tokens before the cut
     assert g.stats.new_tokens == len(g.tokens)  # the tokens handed back, not those the stop cut off
+
+
+@pytest.mark.parametrize("method", ["step-beam", "particle", "astar"])
+def test_a_step_search_stops_at_max_new_tokens_even_within_a_step(method):
+    """A step is cut at the tokens the request has left: a model that never writes the delimiter nor
+    EOS gives exactly max_new_tokens, however long max_step_tokens allows a step to be."""
+    model = bigram_model({"p": {"a": 0.0}, "a": {"a": 0.0}})
+    g = build_decoder(method, n=2, delimiter=" ", max_step_tokens=128).generate(model, request(model, "p", max_new=5))
+    assert (g.text, g.finish_reason) == ("aaaaa", "length")
+
+
+def test_step_beam_gives_each_beam_of_a_round_its_own_seeds(monkeypatch):
+    """Draws are keyed by seed and position: beams of one round expanded with the same slot seeds
+    would get coupled children, so beam b samples with slots b·expand .. (b + 1)·expand - 1."""
+    from decodekit.search.steps import StepSearch
+
+    rounds: dict[int, list[tuple[int, ...]]] = {}
+    original = StepSearch.expand
+
+    def spy(self, ctx, node, rows, slots, cap=None):
+        rounds.setdefault(len(node.scores), []).append(tuple(rows.sampler(s).seed for s in slots))
+        return original(self, ctx, node, rows, slots, cap)
+
+    monkeypatch.setattr(StepSearch, "expand", spy)
+    model = random_bigram(4, eos_logit=-3.0)
+    build_decoder("step-beam", n=3, expand=2, delimiter=" ").generate(model, request(model, "p", seed=2, max_new=20))
+    assert any(len(beams) > 1 for beams in rounds.values())
+    for beams in rounds.values():
+        seeds = [s for beam in beams for s in beam]
+        assert len(set(seeds)) == len(seeds)
+
+
+def test_particle_filter_never_expands_a_finished_particle(monkeypatch):
+    """A finished particle keeps its text (and weighs its final value); only live ones take a step."""
+    model = bigram_model(FORK_RULES)
+    calls = spy_expansions(monkeypatch)
+    for seed in range(0, 30, 6):
+        fork_filter(4).generate(model, request(model, "p", seed=seed, max_new=10))
+    assert any(c.done for _, children in calls for c in children) and len(calls) > 5
+    assert not any(node.done for node, _ in calls)
+
+
+def test_particle_threshold_one_resamples_even_equal_weights():
+    """ess_threshold=1.0 resamples after every step (the reference's schedule), equal weights
+    included; below 1.0 a constant scorer never resamples."""
+    model = random_bigram(2, eos_logit=-0.5)
+    opts = dict(n=4, scorer=lambda text: 0.0, delimiter=" ", max_step_tokens=5)
+    req = lambda: request(model, "p", seed=0, max_new=30)  # noqa: E731
+    assert build_decoder("particle", ess_threshold=1.0, **opts).generate(model, req()).extra["resamples"] >= 1
+    assert build_decoder("particle", ess_threshold=0.99, **opts).generate(model, req()).extra["resamples"] == 0
+
+
+def test_astar_out_of_budget_returns_its_best_partial_solution():
+    """With the budget spent and nothing finished, the best partial solution (the one popped last)
+    is returned: "p" always writes "y " (one step of 2 tokens), and a budget of 2 allows no more."""
+    model = bigram_model({"p": {"y": 0.0}, "y": {" ": 0.0}, " ": {"z": 0.0}, "z": {"": 0.0}})
+    g = build_decoder("astar", n=1, token_budget=2, delimiter=" ").generate(model, request(model, "p", max_new=10))
+    assert (g.text, g.finish_reason, g.extra["budget_exhausted"]) == ("y ", "length", True)
+
+
+def test_astar_out_of_budget_prefers_a_finished_solution_to_a_better_partial_one():
+    """The module's rule: when the budget is spent, the best finished solution seen, else the best
+    partial one. "x" (finished, value 0) loses to "y " (partial, value 1) on value, yet is returned."""
+    model = bigram_model(FORK_RULES)
+    scores = {"x": 0.0, "y ": 1.0, "y z": 2.0}
+    decoder = build_decoder("astar", n=2, token_budget=4, delimiter=" ", aggregate="last",
+                            scorer=lambda text: scores[text])
+    runs = [decoder.generate(model, request(model, "p", seed=seed, max_new=10)) for seed in range(0, 40, 3)]
+    forked = [g for g in runs if {c["text"] for c in g.extra["candidates"]} == {"x", "y "}]
+    assert forked, "some seed should give one child of each kind"
+    for g in forked:
+        assert g.extra.get("budget_exhausted") and (g.text, g.finish_reason) == ("x", "eos")
+
+
+def test_beam_spends_a_token_per_live_beam_per_step():
+    """tokens_spent counts every row decoded: from "p" one row (EOS finishes, "a" and "b" go on),
+    then two rows, whose EOS ends the search: 1 + 2 = 3."""
+    model = bigram_model({"p": {"": 2.0, "a": 1.0, "b": 0.0}, "a": {"": 10.0}, "b": {"": 10.0}})
+    assert beam(model).stats.extra["tokens_spent"] == 3
+
+
+def test_beam_mean_logprob_is_its_log_probability_per_token():
+    """A hypothesis's per-token log-probs sum to its logP: "aa" (logP -0.408 over 2 tokens, no EOS)
+    has mean log-prob logP / 2."""
+    model = bigram_model({"p": {"a": 2.0, "": 1.0, "b": 0.0}, "a": {"a": 10.0, "": -50.0}, "b": {"b": 10.0, "": -50.0}})
+    g = beam(model, max_new=2)
+    logp = 2.0 - math.log(math.exp(2) + math.exp(1) + 1)
+    assert g.extra["candidates"][0]["logp"] == pytest.approx(logp, abs=1e-3)
+    assert g.extra["uncertainty"]["mean_logprob"] == pytest.approx(logp / 2, abs=1e-3)

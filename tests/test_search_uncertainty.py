@@ -285,3 +285,17 @@ def test_normalized_text_reads_punctuation_as_a_space():
     assert normalize_text("Port-au-Prince") == normalize_text("Port au Prince") == "port au prince"
     assert normalize_text("a,b") == normalize_text("a, b") == "a b"
     assert normalize_text("  São  Tomé! ") == "sao tome"
+
+
+def test_phi_first_reads_only_the_top_k_logits_it_is_asked_for():
+    """phi_first is H(softmax(top-K logits)) / log K with the K given: K = 2 of two equal logits is 1."""
+    top = [0.0, 0.0] + [-5.0] * 8
+    sample = Sample(TOK.encode("A"), [0.0], [0.0], [0.0], [top], "eos")
+    assert phi_first(sample, TOK, k=2) == pytest.approx(1.0)
+    assert phi_first(sample, TOK) == pytest.approx(normalized_entropy(top)) != pytest.approx(1.0)
+
+
+def test_normalized_entropy_of_a_single_logit_is_zero():
+    """One candidate is certainty: entropy 0 (log K = 0 would otherwise divide 0 by 0)."""
+    assert normalized_entropy([3.0]) == 0.0
+    assert normalized_entropy([]) == 0.0

@@ -1322,3 +1322,81 @@ def test_a_cost_table_entry_with_an_infinite_term_is_measured_again():
     assert CostTable.from_entry(good) is not None
     assert CostTable.from_entry({**good, "per_context": dict.fromkeys(sizes, math.inf)}) is None
     assert CostTable.from_entry({**good, "at": math.inf}) is None
+
+
+def test_the_suffix_corpus_keeps_a_requests_output_not_its_prompt():
+    """The corpus holds earlier *outputs* of the model (SuffixDecoding's output corpus), not prompts."""
+    from decodekit.speculative.drafters.suffix import corpus_for
+
+    state = state_for([1, 2, 3])
+    drafter = SuffixDrafter(corpus=True)
+    drafter.begin(state)
+    state.tokens += [4, 5]
+    drafter.finish(state)
+    assert corpus_for(state.backend).documents == [[4, 5]]
+
+
+@pytest.mark.parametrize("growth, tokens", [(1.5, [2]), (0.5, [2]), (3.0, [2, 3, 1])])
+def test_suffix_tree_depth_is_growth_times_the_match_length_rounded_down_and_at_least_one(growth, tokens):
+    """The depth cap is floor(growth x match length), at least 1: the context's last "1" matched once
+    (length 1), followed there by 2, 3, 1."""
+    state = state_for([1, 2, 3, 1])
+    drafter = SuffixDrafter(growth=growth)
+    drafter.begin(state)
+    assert drafter.draft(state, 8).tokens == tokens
+
+
+def test_discounted_ucb_discounts_the_squares_too():
+    """Every statistic of every arm decays by ``discount`` per pull, the squared rewards (the spread's)
+    as well: a: 16 · 0.25 + 36, b: 4 · 0.5."""
+    bandit = DiscountedUCB(["a", "b"], discount=0.5, exploration=1.0)
+    for arm, value in (("a", 4.0), ("b", 2.0), ("a", 6.0)):
+        bandit.reward(arm, value)
+    assert bandit.squares == pytest.approx({"a": 40.0, "b": 2.0})
+
+
+def test_auto_counts_an_arm_named_twice_once():
+    """An arm listed twice is one arm: one drafter, one set of statistics decayed once per pull."""
+    from decodekit.speculative.drafters.bandit import BanditDrafter
+
+    auto = BanditDrafter(arms="pld,suffix,pld")
+    assert auto.names == ["pld", "suffix"] and len(auto.parts) == 2
+
+
+def test_auto_takes_no_reward_from_a_step_timed_at_zero_seconds():
+    """tokens / seconds is no speed when no time was measured: such a step is no pull."""
+    from decodekit.speculative.drafters.bandit import BanditDrafter
+
+    auto = BanditDrafter(arms="pld,suffix")
+    auto.parts = [_FixedChain(100), _FixedChain(200)]
+    auto.bandit, auto.pulls, auto.chosen = DiscountedUCB(auto.names), {n: 0 for n in auto.names}, None
+    auto.draft(None, 3)
+    auto.observe(4, 0.0)
+    assert auto.bandit.count == {"pld": 0.0, "suffix": 0.0} and auto.chosen is None
+
+
+def test_a_context_drafter_indexes_each_token_once_and_forgets_the_last_request():
+    """ContextDrafter's contract: begin() resets and indexes the prompt, later calls index only the
+    tokens added since; a new request starts from an empty index."""
+    from decodekit.speculative.drafters.base import ContextDrafter
+
+    class Recorder(ContextDrafter):
+        def reset(self):
+            self.indexed = []
+
+        def push(self, tokens, position):
+            self.indexed.append(tokens[position])
+
+        def draft(self, state, budget):
+            self.sync(state)
+            return DraftTree()
+
+    drafter = Recorder()
+    state = state_for([1, 2, 3])
+    drafter.begin(state)
+    state.tokens += [4]
+    drafter.draft(state, 2)
+    drafter.draft(state, 2)
+    assert drafter.indexed == [1, 2, 3, 4]
+    drafter.begin(state_for([7, 8]))
+    assert drafter.indexed == [7, 8]

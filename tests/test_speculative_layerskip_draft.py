@@ -18,6 +18,7 @@ from decodekit.models.hf import HFBackend
 from decodekit.models.tiny import tiny_hf_model, tiny_llama
 from decodekit.samplers import Sampler
 from decodekit.speculative.controller import Controller
+from decodekit.speculative.drafters.base import ChainDrafter
 from decodekit.speculative.drafters.draft_model import DraftModelDrafter, fit_vocab
 from decodekit.speculative.drafters.layerskip import (
     GROW_ACCEPT,
@@ -166,6 +167,35 @@ def test_a_draft_token_exactly_as_confident_as_the_threshold_is_kept():
     state = DecodeState(tiny_llama(vocab_size=32), Sampler(greedy=True), [1, 2, 3], GenerationStats())
     assert len(Even(max_draft=None, confidence=0.5, stochastic=False).draft(state, 4)) == 4
     assert len(Even(max_draft=None, confidence=0.51, stochastic=False).draft(state, 4)) == 0
+
+
+
+class _Fixed(ChainDrafter):
+    """A chain drafter whose draft model always gives the same logits (token 0 a little ahead of 1)."""
+
+    name = "fixed"
+    logits = torch.tensor([0.5, 0.0] + [-float("inf")] * 30)
+
+    def _start(self, state, budget):
+        return self.logits, budget
+
+    def _advance(self, token):
+        return self.logits
+
+
+def test_a_chain_draft_penalises_the_tokens_drafted_before_it_but_not_the_prompt():
+    """The request's presence penalty counts generated ids only (the prompt's 0 is not one) and every
+    token drafted earlier in the chain: 0 (0.5), then 1 (0 beats 0.5 - 1), then 0 (-0.5 beats -1)."""
+    sampler = Sampler.from_params(greedy=True, presence_penalty=1.0)
+    state = DecodeState(tiny_llama(vocab_size=32), sampler, [0, 5], GenerationStats())
+    assert _Fixed(max_draft=None, confidence=0.0, stochastic=False).draft(state, 3).tokens == [0, 1, 0]
+
+
+def test_a_chain_drafter_keeps_to_its_own_cap():
+    """``max_draft`` caps a chain below the budget the controller grants."""
+    state = DecodeState(tiny_llama(vocab_size=32), Sampler(greedy=True), [1, 2, 3], GenerationStats())
+    assert len(_Fixed(max_draft=2, confidence=0.0, stochastic=False).draft(state, 5)) == 2
+    assert len(_Fixed(max_draft=None, confidence=0.0, stochastic=False).draft(state, 5)) == 5
 
 
 def test_draft_model_keeps_its_cache_in_sync_and_catches_up_in_one_pass():

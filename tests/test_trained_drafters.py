@@ -933,6 +933,18 @@ def test_the_features_of_a_request_before_the_last_are_not_taken(drafter_files, 
     assert turns[0] and turns[0] == turns[1]
 
 
+def test_a_feature_history_gives_every_position_it_holds_the_last_included():
+    """A next prompt whose kept beginning is exactly the last request's featured positions takes
+    them all; one position more than the history holds, or other tokens, take none."""
+    from decodekit.speculative.drafters.base import FeatureHistory
+
+    history = FeatureHistory()
+    history.tokens, history.chunks = [5, 6, 7, 8], [torch.arange(4.0).view(2, 2), torch.arange(4.0, 6.0).view(1, 2)]
+    assert torch.equal(history.before([5, 6, 7, 9], 3), torch.arange(6.0).view(3, 2))
+    assert torch.equal(history.before([5, 6, 7], 2), torch.arange(4.0).view(2, 2))
+    assert history.before([5, 6, 7, 8], 4) is None  # 3 positions held
+    assert history.before([5, 1, 7, 8], 3) is None
+
 def test_eagle_predicts_the_same_after_pairs_committed_one_by_one_or_together(drafter_files):
     """The draft network's cache of committed pairs gives the same prediction whether the pairs came
     in one pass or several (after a verification several arrive at once)."""

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from ..errors import InvalidParameter
 from .kv_policy import KVPolicy
 from .kernels import LAYER_NORMS, decoder_layers
-from .llama_weights import LlamaConfig, LlamaWeights, RopeTable, SplitProjection, read_rows, rms_norm, rope_row_order
+from .llama_weights import (LlamaConfig, LlamaWeights, RopeTable, SplitProjection, config_object, read_rows, rms_norm,
+                            rope_row_order)
 from .native import NativeLlama
 
 
@@ -49,13 +50,13 @@ class Gemma3Config(LlamaConfig):
 
     @classmethod
     def from_hf(cls, cfg: Mapping) -> "Gemma3Config":
-        cfg = dict(cfg.get("text_config") or cfg)  # a multimodal config holds the text model's
+        cfg = dict(config_object(cfg, "text_config") or cfg)  # a multimodal config holds the text model's
         if cfg.get("rope_scaling"):  # the older spelling of a scaled rotary embedding
             raise NotImplementedError(f"rope scaling {cfg['rope_scaling']!r} is not supported by the native backend")
-        rope = cfg.get("rope_parameters") or {}
+        rope = config_object(cfg, "rope_parameters")
         # the older spellings of the two bases: rope_theta (global layers), rope_local_base_freq
-        full = rope.get("full_attention") or {"rope_theta": cfg.get("rope_theta", 1e6)}
-        local = rope.get("sliding_attention") or {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+        full = config_object(rope, "full_attention") or {"rope_theta": cfg.get("rope_theta", 1e6)}
+        local = config_object(rope, "sliding_attention") or {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
         for part in (full, local):
             if part.get("rope_type", "default") != "default":
                 raise NotImplementedError(f"rope scaling {part['rope_type']!r} is not supported by the native backend")

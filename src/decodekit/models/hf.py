@@ -10,18 +10,46 @@ with sliding-window layers (Gemma 3) gets a mask of each kind, the window applie
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from ..errors import InvalidModel
 from .backend import Backend, ModelInfo, StepOutput
 
+T = TypeVar("T")
+
 
 #: transformers models whose every layer attends to the last config.sliding_window positions (when
 #: it is set) without a list of layer kinds: the window goes into the mask decodekit passes them.
 WINDOW_EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3", "starcoder2"})
+
+
+def quietly_loaded(load: Callable[[], T]) -> T:
+    """``load()`` with transformers' own load report silenced: what is wrong with the weights is
+    said by :func:`check_loading_report`, in one line."""
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        return load()
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+
+
+def check_loading_report(source: Path, report: dict, *, tied: bool) -> None:
+    """Refuse a model transformers could load only by making weights up: a tensor the model needs
+    and the file lacks (a damaged name, fewer layers than its config says) is initialised at
+    random, without an error; one of another shape likewise."""
+    missing = [k for k in report.get("missing_keys", ()) if not (tied and k == "lm_head.weight")]
+    mismatched = [k for k, *_ in report.get("mismatched_keys", ())]
+    if missing or mismatched:
+        which = missing or mismatched
+        raise InvalidModel(f"{source}: {len(which)} weight tensor(s) " + ("missing" if missing else "of the wrong shape")
+                           + f" ({', '.join(sorted(which)[:3])}{', ...' if len(which) > 3 else ''}): damaged weights")
 
 
 class HFBackend(Backend):
@@ -59,9 +87,12 @@ class HFBackend(Backend):
 
         hf_logging.disable_progress_bar()  # a bar for the weights of a local folder: the CLI's stderr is for errors
         try:
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+            # (mismatched sizes reported, not raised: the check below names the tensor)
+            model, report = quietly_loaded(lambda: AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True))
         except (OSError, ValueError, KeyError, TypeError) as err:  # transformers' ways of refusing a folder
             raise InvalidModel.because(folder, "transformers cannot load this model", err) from err
+        check_loading_report(folder, report, tied=model.config.tie_word_embeddings)
         return cls(model, name=Path(folder).name)
 
     @property

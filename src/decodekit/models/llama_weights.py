@@ -84,9 +84,9 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, cfg: Mapping) -> "LlamaConfig":
         heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or {}
+        rope = config_object(cfg, "rope_parameters")
         # (rope_scaling: the older configs' name for it, with "type" for "rope_type" in the oldest)
-        for scaling in (rope, cfg.get("rope_scaling") or {}):
+        for scaling in (rope, config_object(cfg, "rope_scaling")):
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind not in ("default", None):
                 raise NotImplementedError(f"rope scaling {kind!r} is not supported by the native backend")
@@ -108,6 +108,15 @@ class LlamaConfig:
             attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
             output_bias=bool(cfg.get("attention_bias")) and cfg.get("model_type") == "llama",
         )
+
+
+def config_object(cfg: Mapping, key: str) -> Mapping:
+    """The object a config holds under ``key`` ({} where it has none); ValueError where it holds
+    another kind of value (a damaged or hand-edited config.json)."""
+    value = cfg.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{key} must be an object, got {value!r:.60}")
+    return value
 
 
 def native_unsupported(cfg: Mapping) -> str | None:

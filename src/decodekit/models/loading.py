@@ -31,6 +31,7 @@ from ..errors import CacheError, InvalidModel, InvalidParameter, ModelNotFound
 from ..machine import available_memory
 from .backend import Backend
 from .cache import cache_root, cached_folder, file_digest, report, save_tensors
+from .hf import check_loading_report, quietly_loaded
 
 if TYPE_CHECKING:
     from .kv_policy import KVPolicy
@@ -195,18 +196,15 @@ def dequantise(gguf: Path, folder: Path) -> None:
     """Write ``gguf`` as a float32 Hugging Face folder (safetensors, config, tokenizer) into ``folder``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from transformers.utils import logging as transformers_logging
-
-    verbosity = transformers_logging.get_verbosity()
-    transformers_logging.set_verbosity_error()  # its load report: what is wrong is said below, in one line
-    try:
+    def read() -> tuple:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model, loading_info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                             output_loading_info=True)
+        return tokenizer, *AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                                output_loading_info=True)
+
+    try:
+        tokenizer, model, loading_info = quietly_loaded(read)
     except Exception as err:  # the GGUF parser fails in many ways on a damaged file; all mean the same here
         raise InvalidModel.because(gguf, "cannot be read as a GGUF model", err) from err
-    finally:
-        transformers_logging.set_verbosity(verbosity)
     check_loading_report(gguf, loading_info, tied=model.config.tie_word_embeddings)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
@@ -217,17 +215,6 @@ def dequantise(gguf: Path, folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     tokenizer.save_pretrained(folder)
 
-
-def check_loading_report(gguf: Path, report: dict, *, tied: bool) -> None:
-    """Refuse a file transformers could load only by making weights up: a tensor the model needs
-    and the file lacks (a damaged name, fewer layers than its metadata says) is initialised at
-    random, without an error; one of another shape likewise."""
-    missing = [k for k in report.get("missing_keys", ()) if not (tied and k == "lm_head.weight")]
-    mismatched = [k for k, *_ in report.get("mismatched_keys", ())]
-    if missing or mismatched:
-        which = missing or mismatched
-        raise InvalidModel(f"{gguf}: {len(which)} weight tensor(s) " + ("missing" if missing else "of the wrong shape")
-                           + f" ({', '.join(sorted(which)[:3])}{', ...' if len(which) > 3 else ''}): a damaged file")
 
 
 class LazyState(Mapping):
