@@ -213,6 +213,8 @@ class MatcherPaths:
 
     #: Matchers kept at once (the rows of the last calls; a batch's rows each move on from their own).
     KEPT = 64
+    #: How many of the kept paths' lengths a row is looked up at before it branches from the anchor.
+    LOOKED_BACK = 8
 
     def __init__(self, matcher, known: Callable[[list[int]], list[int]]):
         self.anchor, self.anchor_tokens = matcher, []  # never asked for a mask
@@ -229,9 +231,10 @@ class MatcherPaths:
         if key in self.paths:
             self.paths.move_to_end(key)
             return self.paths[key], len(key)
-        # the longest kept path the row continues, looked up by length (a tree's paths have a few)
-        start = next((n for n in sorted({len(k) for k in self.paths if len(k) < len(key)}, reverse=True)
-                      if key[:n] in self.paths), None)
+        # the longest kept path the row continues, among the few longest kept below its length (a row
+        # grows from its own path, a tree's from a path a few tokens back); further back, the anchor
+        lengths = sorted({len(k) for k in self.paths if len(k) < len(key)}, reverse=True)[: self.LOOKED_BACK]
+        start = next((n for n in lengths if key[:n] in self.paths), None)
         if start is not None:  # moved on, not copied
             matcher = self.paths.pop(key[:start])
         else:
