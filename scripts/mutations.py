@@ -4501,6 +4501,18 @@ MUTATIONS = (
              "if not isinstance(value, Mapping):\n",
              "if False:\n",
              ("tests/test_cache_integrity.py", "-k", "broken_config")),
+    Mutation("cost-table-times-past-the-twins-context", "src/decodekit/speculative/controller.py",
+             "limit = min(limit, peak, timed.info.max_length - max(sizes) - 1)",
+             "limit = min(limit, peak)",
+             ("tests/test_kv_policy.py", "-k", "drafter_on_the_models_own_cache")),
+    Mutation("prefix-cache-rolls-back-past-the-floor", "src/decodekit/search/cache.py",
+             "if keep and not self._can_keep(best, keep):",
+             "if False:",
+             ("tests/test_kv_policy.py", "-k", "cannot_roll_back_to")),
+    Mutation("prefix-cache-floor-off-by-one", "src/decodekit/search/cache.py",
+             "return self.backend.rollback_floor() <= length",
+             "return self.backend.rollback_floor() < length",
+             ("tests/test_kv_policy.py", "-k", "cannot_roll_back_to")),
 )
 
 

@@ -755,6 +755,14 @@ def test_a_drafter_on_the_models_own_cache_drafts_no_further_than_it_can_roll_ba
     # after a context read again a few tokens at a time after every pass (thousands of passes)
     assert table.at <= sink.kv_policy.peak_slots(32) and len(passes) < 40
     monkeypatch.undo()
+    # a window whose peak is past a short model's context (a sink cache runs past it): timed within the
+    # full-cache twin's context, which holds the model's positions only
+    short = tiny_llama(seed=0, hidden_size=64, max_position=64).with_kv_cache("sink:4,window:32")
+    assert short.kv_policy.peak_slots(32) > 64
+    table = CostTable.measure(short, sizes=(1, 4, 32), rounds=1)
+    assert set(table.sizes) == {1, 4, 32} and table.at <= 64 - 32 - 1
+    short_engine = Engine(LoadedModel(short, CharTokenizer(96), "tiny"))
+    assert len(short_engine.generate(prompt, method="pld", max_new_tokens=100, ignore_eos=True).tokens) == 100
     heavy = tiny_llama(seed=0, hidden_size=64).with_kv_cache("h2o:budget=16,window=4")  # no peak: its own twin
     table = CostTable.measure(heavy, sizes=(1, 4, 32), rounds=1)  # a pass past the budget cannot be rolled back
     assert set(table.sizes) == {1, 4, 32} and heavy.length == 0
@@ -923,3 +931,39 @@ def test_an_evicting_cache_counts_each_entrys_position_and_attention_mass():
     assert heavy.cache_bytes() == full.cache_bytes() + c.num_layers * c.num_kv_heads * 21 * (8 + 4)
     full.prefill(ids)
     assert heavy.cache_bytes(peak=True) == full.cache_bytes() + c.num_layers * c.num_kv_heads * 30 * (8 + 4)
+
+
+@pytest.mark.parametrize("method", ["astar", "particle"])
+def test_a_one_sequence_search_judged_under_a_small_window_reads_again_what_it_cannot_roll_back_to(method):
+    """A judge's question after a step can push the step's beginning out of a sink window: the
+    search's next fork reads its prefix again instead of refusing the rollback."""
+    tok = CharTokenizer(96)
+    engine = Engine(LoadedModel(tiny_llama(seed=0, hidden_size=64, max_position=1024, scale=2.0)
+                                .with_kv_cache("sink:2,window:16"), tok, "tiny"))
+    prompt = tok.encode("Q: 2+2? A: the cat sat on the mat\n\n" * 3)
+    got = engine.generate(prompt, method=method, n=1, scorer="judge", max_step_tokens=8, delimiter=" ",
+                          max_new_tokens=40, chat=False)
+    assert got.tokens
+
+
+def test_a_prefix_cache_reads_again_what_an_evicting_cache_cannot_roll_back_to():
+    """Where rolling back to the shared prefix is past the cache's floor, the fork reads the ids
+    afresh (a prefill), and its logits are those of that prefill; within the floor it rolls back."""
+    from decodekit.search.cache import PrefixCache
+
+    backend = tiny_llama(seed=0, hidden_size=64).with_kv_cache("sink:2,window:16")
+    cache = PrefixCache(backend)
+    ids = tokens(60)
+    cache.fork(ids)
+    assert backend.rollback_floor() > 30  # compacted as it read
+    logits = cache.fork(ids[:30] + tokens(5, seed=1))
+    fresh = tiny_llama(seed=0, hidden_size=64).with_kv_cache("sink:2,window:16")
+    assert torch.equal(logits, fresh.prefill(ids[:30] + tokens(5, seed=1)))
+    assert backend.length == 35 and cache.tokens_run == 60 + 35
+    row = ids[:30] + tokens(5, seed=1)
+    assert backend.rollback_floor() <= 33
+    cache.fork(row[:33] + tokens(2, seed=2))  # within reach: rolled back to 33, two read
+    assert backend.length == 35 and cache.tokens_run == 60 + 35 + 2
+    floor, run = backend.rollback_floor(), cache.tokens_run
+    cache.fork(row[:floor] + tokens(2, seed=3))  # exactly as far back as it reaches: rolled back too
+    assert cache.tokens_run == run + 2

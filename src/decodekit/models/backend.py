@@ -220,6 +220,11 @@ class Backend(ABC):
     def truncate(self, length: int) -> None:
         """Roll the cache back to its first ``length`` tokens."""
 
+    def rollback_floor(self) -> int:
+        """The shortest length :meth:`truncate` takes now: 0 but for a cache that keeps only its
+        last tokens as they were (an evicting one), which refuses to go back past them."""
+        return 0
+
     def pass_room(self) -> int:
         """The most tokens the next pass can hold (a verification's root and tree included)."""
         return self.info.max_length - self.length

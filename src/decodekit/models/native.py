@@ -270,13 +270,16 @@ class NativeLlama(Backend):
             self._held[..., :capacity] = old[2]
             self._mass[..., :capacity] = old[3]
 
+    def rollback_floor(self) -> int:
+        return self._tail_from
+
     @torch.inference_mode()
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
         if length < self._tail_from:
-            raise RollbackRefused(f"cannot roll back to {length} tokens: kv cache {self.kv_policy.spec} has evicted "
-                                  f"entries after token {self._tail_from}")
+            raise RollbackRefused(f"cannot roll back to {length} tokens: kv cache {self.kv_policy.spec} holds the "
+                                  f"tokens before token {self._tail_from} no longer as they were (evicted, compacted or quantised)")
         self._slots -= self._length - length
         self._length = length
         self._pending_tree = None

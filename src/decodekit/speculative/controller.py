@@ -228,8 +228,8 @@ class CostTable:
             # a window's pass attends to at most `peak` entries, as a full cache's pass does after that
             # many tokens: timed so, on a full-cache twin, which rolls each pass back instead of reading
             # its context again (a small window reads a prompt in chunks of a few tokens)
-            limit = min(limit, peak)
             in_place, timed = False, _twin(backend.with_kv_cache("full"))
+            limit = min(limit, peak, timed.info.max_length - max(sizes) - 1)  # the twin holds the model's context only
         else:
             timed = backend if start == 0 and in_place else _twin(backend)
         contexts = sorted({max(1, min(c, limit)) for c in MEASURE_CONTEXTS})
