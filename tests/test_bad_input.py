@@ -117,6 +117,7 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["eval", "capitals", "--data", "/no/such/file.jsonl"], "task 'capitals' has no data file"),
     (["eval", "capitals", "--out", "/dev/null/x"], "is not a writable folder"),
     (["eval", "longctx", "--policies", ";;"], "--policies must name kv cache policies"),
+    (["eval", "longctx", "--policies", "full;lru"], "unknown kv cache 'lru'"),  # any of them, before loading
     (["eval", "longctx", "--lengths", ""], "--lengths must be comma-separated numbers"),
     (["bench", "--threads", "99999"], "more than this machine's"),
     (["bench", "--methods", ",,"], "--methods names no method"),

@@ -837,3 +837,42 @@ def test_an_interrupted_wait_for_masks_computed_ahead_is_waited_for_again(monkey
     gate.set()
     assert torch.equal(proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt))), want)
     assert len(waits) == 2 and threads and "MainThread" not in threads  # every mask was the worker's
+
+
+
+def test_a_forced_chain_is_at_most_max_draft_tokens(engine, monkeypatch):
+    """Forced text is drafted whatever the controller's budget, but within its ``max_draft`` cap:
+    with a cap of 3 the eight fixed characters come in chains of at most three."""
+    from decodekit.speculative.drafters.ngram import PromptLookup
+
+    verified: list[int] = []
+    update = PromptLookup.update
+
+    def recording(self, state, tree, verdict, logits):
+        verified.append(len(tree))
+        update(self, state, tree, verdict, logits)
+
+    monkeypatch.setattr(PromptLookup, "update", recording)
+    plain = engine.generate("xyz", max_new_tokens=20, chat=False, constraint={"regex": FIXED})
+    got = engine.generate("xyz", method="pld", max_draft=3, budget=0, max_new_tokens=20, chat=False,
+                          constraint={"regex": FIXED})
+    assert got.tokens == plain.tokens
+    assert max(verified) == 3 and got.stats.extra["forced_drafted"] == sum(verified)
+
+
+def test_forced_steps_teach_the_controller_nothing(engine, monkeypatch):
+    """The controller's acceptance statistics leave forced chains out: they say nothing of the drafter's."""
+    from decodekit.speculative.controller import Controller
+
+    taught: list[list[str]] = []
+    observe = Controller.observe
+
+    def recording(self, tree, verdict, overhead_s):
+        taught.append(list(tree.source or []))
+        observe(self, tree, verdict, overhead_s)
+
+    monkeypatch.setattr(Controller, "observe", recording)
+    got = engine.generate("xyzxyz", method="pld", cost_table={1: 1.0, 64: 1.0}, max_new_tokens=20, chat=False,
+                          constraint={"regex": FIXED})
+    assert got.stats.extra["accepted_by_source"]["forced"] > 0
+    assert not any("forced" in sources for sources in taught), taught

@@ -568,3 +568,12 @@ def test_an_unconstrained_run_has_a_default_folder_of_its_own(tmp_path):
     add_arguments(parser)
     folders = {output_folder(parser.parse_args(["structured", *flags]), LONG_CONTEXT) for flags in ([], ["--unconstrained"])}
     assert {str(f) for f in folders} == {"eval-out/structured-greedy", "eval-out/structured-greedy-unconstrained"}
+
+
+def test_the_reproducing_command_keeps_every_repeated_opt(tmp_path):
+    """--opt is repeatable: the command that reproduces a run names each option given, not only the last."""
+    from decodekit.eval.cli import command_line
+
+    args = eval_args(tmp_path, "--method", "best-of-n", "--opt", "a=1", "--opt", "b=2")
+    parts = shlex.split(command_line(args))
+    assert [parts[i + 1] for i, part in enumerate(parts) if part == "--opt"] == ["a=1", "b=2"]

@@ -112,6 +112,11 @@ def test_the_command_writes_report_json_and_plot(model, tmp_path, capsys):
     assert (tmp_path / "plot.png").stat().st_size > 0 and "| 100 | full |" in (tmp_path / "report.md").read_text()
 
 
+def test_the_continuation_flag_sets_the_tokens_scored(model, tmp_path):
+    """--continuation N: N tokens after the context are scored (the run helper gives 8; the default is 128)."""
+    assert run_longctx(model, tmp_path, "full", "0.5")["config"]["continuation"] == 8
+
+
 def test_the_ends_of_the_depth_range_are_depths_too(model, tmp_path):
     """--depths takes numbers in [0, 1], both ends included: 0 hides the key at the start, 1 at the end."""
     result = run_longctx(model, tmp_path, "full", "0,1")
@@ -138,3 +143,74 @@ def test_a_policy_the_model_does_not_take_is_its_rows_error_and_the_rest_run():
     rows = {r["policy"]: r for r in evaluate_long_context(gemma, config)["rows"]}
     assert "not supported for Gemma 3" in rows["int4:group=8,residual=64"]["error"]
     assert "error" not in rows["full"] and "error" not in rows["int8"] and rows["int8"]["nll"] > 0
+
+
+def test_a_row_is_an_error_when_the_decode_run_or_the_pass_key_answer_would_pass_the_context(model):
+    """What a row reads past the context is the most of the continuation, the decode run and the
+    pass-key answer: each is checked against the context before any pass."""
+    from decodekit.eval.longctx import PASSKEY_ANSWER_TOKENS
+
+    config = LongContextConfig(policies=("full",), lengths=(490,), depths=(0.5,), continuation=4, decode_tokens=30)
+    (row,) = evaluate_long_context(model, config)["rows"]
+    assert row["error"] == "490 + 30 tokens after it exceed the context of 512 this cache holds"
+    length = 512 - PASSKEY_ANSWER_TOKENS + 1
+    config = LongContextConfig(policies=("full",), lengths=(length,), depths=(0.5,), continuation=4, decode_tokens=4)
+    (row,) = evaluate_long_context(model, config)["rows"]
+    assert row["error"] == f"{length} + {PASSKEY_ANSWER_TOKENS} tokens after it exceed the context of 512 this cache holds"
+
+
+def test_passkey_prompts_are_at_most_as_long_as_labelled_and_within_a_filler_sentence():
+    """One character a token: the prompt is at most ``length`` tokens, and short of it by less than a filler."""
+    from decodekit.eval.longctx import FILLER
+
+    tok = CharTokenizer(128)
+    for length in (300, 1000, 2000):
+        for depth in (0.0, 0.5, 1.0):
+            n = len(passkey_prompt(tok, length, depth, 12345))
+            assert length - len(FILLER) < n <= length, (length, depth, n)
+
+
+class _EchoEngine:
+    """An engine whose answer is the last 80 characters of its prompt (there: the pass key hidden at
+    depth 1, not the one at depth 0), and whose decode run is 4 tokens in 2 seconds."""
+
+    def __init__(self, model):
+        self.tokenizer = model.tokenizer
+
+    def generate(self, prompt, max_new_tokens, ignore_eos=False):
+        from types import SimpleNamespace
+
+        stats = SimpleNamespace(new_tokens=4, decode_s=2.0, prefill_s=0.5)
+        return SimpleNamespace(text=self.tokenizer.decode(prompt)[-80:], stats=stats)
+
+
+def test_a_pass_key_is_found_where_the_answer_holds_it_and_speed_is_tokens_per_second(model, monkeypatch):
+    """Pass-key retrieval is correct when the number appears in the answer; decode speed is the run's
+    new tokens over its decode seconds."""
+    monkeypatch.setattr("decodekit.engine.Engine", _EchoEngine)
+    config = LongContextConfig(policies=("full",), lengths=(300,), depths=(0.0, 1.0), continuation=4, decode_tokens=4)
+    (row,) = evaluate_long_context(model, config)["rows"]
+    assert row["passkey"] == {"0.0": False, "1.0": True}
+    assert row["decode_tok_s"] == pytest.approx(2.0) and row["prefill_s"] == 0.5
+
+
+def test_a_value_error_in_a_run_is_its_rows_error(model, monkeypatch):
+    """A run that fails (e.g. past a window) is reported as the row's error, and no figure of it is kept."""
+
+    class Failing(_EchoEngine):
+        def generate(self, prompt, max_new_tokens, ignore_eos=False):
+            raise ValueError("position 600 is past the window")
+
+    monkeypatch.setattr("decodekit.engine.Engine", Failing)
+    config = LongContextConfig(policies=("full",), lengths=(120,), depths=(0.5,), continuation=4, decode_tokens=4)
+    (row,) = evaluate_long_context(model, config)["rows"]
+    assert row == {"policy": "full", "length": 120, "error": "position 600 is past the window"}
+
+
+def test_longctx_on_a_backend_without_kv_cache_policies_is_one_line():
+    """The policies are the native backend's: another backend is refused before any work."""
+    from tests.test_speculative_sampling import trigram_model
+
+    config = LongContextConfig(policies=("full",), lengths=(120,), depths=(0.5,), continuation=4, decode_tokens=4)
+    with pytest.raises(InvalidParameter, match="needs the native backend"):
+        evaluate_long_context(trigram_model(), config)

@@ -1400,3 +1400,52 @@ def test_a_context_drafter_indexes_each_token_once_and_forgets_the_last_request(
     assert drafter.indexed == [1, 2, 3, 4]
     drafter.begin(state_for([7, 8]))
     assert drafter.indexed == [7, 8]
+
+
+class _Overeager(Drafter):
+    """Proposes ``size`` tokens of plain greedy's continuation whatever budget it is given, and
+    records the budgets it was given and the trees verified."""
+
+    def __init__(self, reference: list[int], size: int):
+        self.reference, self.size, self.asked, self.verified = reference, size, [], []
+
+    def draft(self, state, budget):
+        self.asked.append(budget)
+        done = len(state.tokens) - state.prompt_len
+        return DraftTree.chain(self.reference[done:done + self.size])
+
+    def update(self, state, tree, verdict, logits):
+        if len(tree):
+            self.verified.append(len(tree))
+
+
+@pytest.mark.parametrize("options", [{"budget": 8}, {"cost_table": FLAT_COSTS}], ids=["fixed", "controller"])
+def test_a_draft_larger_than_its_budget_is_cut_to_the_budget(engines, options):
+    """A drafter's tree is verified within the budget it was granted (the context's and the
+    request's room included), however many nodes it proposed."""
+    from decodekit.speculative.loop import make_controller
+
+    engine = engines[0]
+    prompt = engine.model.tokenizer.encode(PROMPTS[1])
+    reference = engine.generate(PROMPTS[1], max_new_tokens=12, chat=False).tokens
+    drafter = _Overeager(reference, 10)
+    method = SpeculativeMethod(drafter, make_controller(dict(options)))
+    got = StepDecoder(method).generate(engine.model, Request(list(prompt), Sampler(greedy=True), 6))
+    assert got.tokens == reference[:6]
+    assert drafter.verified and all(n <= budget for n, budget in zip(drafter.verified, drafter.asked)), (
+        drafter.asked, drafter.verified)
+
+
+def test_max_draft_caps_a_fixed_budget_too(engines, monkeypatch):
+    """``max_draft`` caps the draft-tree nodes per step, a fixed ``budget`` above it included."""
+    verified: list[int] = []
+    update = PromptLookup.update
+
+    def recording(self, state, tree, verdict, logits):
+        verified.append(len(tree))
+        update(self, state, tree, verdict, logits)
+
+    monkeypatch.setattr(PromptLookup, "update", recording)
+    got = engines[0].generate(PROMPTS[1], method="pld", budget=10, max_draft=4, max_new_tokens=30, chat=False)
+    assert got.tokens == engines[0].generate(PROMPTS[1], max_new_tokens=30, chat=False).tokens
+    assert max(verified) == 4, verified

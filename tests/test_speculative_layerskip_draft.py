@@ -662,3 +662,17 @@ def test_a_draft_model_decoding_a_request_of_its_own_keeps_its_answer():
 
     got = Engine(draft).generate(prompt, max_new_tokens=30, chat=False, on_text=on_text)
     assert drafted and got.tokens == alone.tokens
+
+
+@pytest.mark.parametrize("method, options", [("layerskip", {}), ("draft", {"draft_model": "self-truncated:1"})])
+def test_no_draft_runs_after_an_end_of_sequence_from_the_prompts_pass(method, options):
+    """When the prefill's token ends the request (an end-of-sequence token), the step returns it
+    with no pass more, as plain decoding does: nothing is drafted or verified."""
+    backend = tiny_llama(seed=0)
+    tokenizer = CharTokenizer(96)
+    first = Engine(LoadedModel(backend, tokenizer, "tiny")).generate("abcabcabcabc", max_new_tokens=1, chat=False).tokens[0]
+    tokenizer.eos_token_ids = frozenset({first})  # the model's first token now ends the text
+    engine = Engine(LoadedModel(backend, tokenizer, "tiny"))
+    got = engine.generate("abcabcabcabc", method=method, max_new_tokens=8, chat=False, budget=6, confidence=0.0, **options)
+    assert got.tokens == [] and got.finish_reason == "eos"
+    assert got.stats.forward_passes == 0 and got.stats.extra["drafted"] == 0

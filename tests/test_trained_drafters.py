@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import re
 import warnings
@@ -314,6 +315,116 @@ def test_a_material_starts_with_its_opening_and_one_not_ended_is_cut_after_its_l
     assert data_module._cut_after_last_line("first line\nsecond line\nhalf a li") == "first line\nsecond line"
     assert data_module._cut_after_last_line("no full line yet") == ""
     assert data_module._cut_after_last_line("\n  \nhalf") == ""
+
+
+
+class _LineTokenizer(CharTokenizer):
+    """Characters, with "|" read as a line break (CharTokenizer has none)."""
+
+    def decode(self, ids):
+        return super().decode(ids).replace("|", "\n")
+
+
+class _ScriptedRows:
+    """A batch backend whose row r writes ``texts[r]`` (then end-of-sequence), one token a pass: the
+    sampled token is certain (every other logit at -1e9)."""
+
+    def __init__(self, tokenizer, texts: list[str | list[int]], vocab: int = 96):
+        self.scripts = [t if isinstance(t, list) else tokenizer.encode(t) for t in texts]
+        self.vocab, self.t = vocab, 0
+
+    def _logits(self) -> torch.Tensor:
+        logits = torch.full((len(self.scripts), self.vocab), -1e9)
+        for r, script in enumerate(self.scripts):
+            logits[r, script[self.t] if self.t < len(script) else 0] = 0.0
+        return logits
+
+    def prefill(self, ids, batch_size=1):
+        assert batch_size == len(self.scripts)
+        self.t = 0
+        return self._logits()
+
+    def append(self, tokens):
+        from types import SimpleNamespace
+
+        self.t += 1
+        return SimpleNamespace(logits=self._logits()[:, None])
+
+
+def test_a_magpie_query_is_what_the_target_wrote_up_to_its_end_and_only_an_ended_one_is_kept():
+    """Without an opening only the queries the target ended within ``max_tokens`` are kept, each up to
+    its end-of-sequence token (what a row samples after it is not part of it)."""
+    tok = CharTokenizer(96)
+    ended_then_more = tok.encode("what is a cat") + [0] + tok.encode("zzz")
+    backend = _ScriptedRows(tok, [ended_then_more, "this one never ends at all", "how do owls fly"])
+    queries = data_module.draft_queries(backend, tok, rows=3, max_tokens=20, generator=torch.Generator().manual_seed(0))
+    assert queries == ["what is a cat", "how do owls fly"]
+
+
+def test_an_ended_material_is_kept_whole_and_one_not_ended_cut_after_its_last_full_line():
+    """With an opening, a material the target ended is kept as written; one not ended within
+    ``max_tokens`` is cut after its last full line."""
+    tok = _LineTokenizer(96)
+    backend = _ScriptedRows(tok, ["line one|line two", "first|second|half a li"])
+    queries = data_module.draft_queries(backend, tok, rows=2, max_tokens=22, generator=torch.Generator().manual_seed(0),
+                                        opening="Sum up: ")
+    assert queries == ["Sum up: line one\nline two", "Sum up: first\nsecond"]
+
+
+
+def test_an_answer_runs_max_new_tokens_with_a_feature_at_every_position():
+    """The target answers up to ``max_new_tokens`` tokens (fewer only where it ends), and each
+    position of the sample has its feature."""
+    model = tiny()
+    ids, _ = data_module.chat_ids(model.tokenizer, "hello world")
+    sample = answer(model.backend, model.tokenizer, "hello world", 6)
+    generated = sample.tokens[len(ids):]
+    assert sample.tokens[:len(ids)] == ids
+    assert len(generated) == 6 or (generated[-1] in model.tokenizer.eos_token_ids and len(generated) < 6)
+    assert sample.features.shape == (len(sample.tokens), model.backend.info.hidden_size)
+
+
+class _TemplateTokenizer(CharTokenizer):
+    """A chat template "<u>CONTENT</u>": the pre-query template is "<u>"."""
+
+    def chat_prompt(self, messages, **kwargs):
+        return "".join(f"<u>{m['content']}</u>" for m in messages)
+
+
+def test_the_pre_query_template_is_the_chat_template_up_to_the_user_turns_content():
+    """Magpie's pre-query template: the templated text before the empty user turn's content, not after it."""
+    tok = _TemplateTokenizer(96)
+    assert data_module.pre_query(tok) == tok.encode("<u>")
+    ids, start = data_module.chat_ids(tok, "hi there")
+    assert ids == tok.encode("<u>hi there</u>") and start == 3
+
+
+def test_drafting_goes_on_while_fresh_queries_come_now_and_then(monkeypatch):
+    """Only barren rounds *in a row* stop self-distillation: a model that gives a fresh query every
+    other round is drafted from until the samples hold the tokens asked for."""
+    rounds = []
+
+    def drafted(*args, **kwargs):
+        rounds.append(1)
+        return [f"fresh question number {len(rounds)}"] if len(rounds) % 2 else []
+
+    monkeypatch.setattr(data_module, "draft_queries", drafted)
+    monkeypatch.setattr(data_module, "answer_all", lambda backend, tokenizer, given, max_new_tokens, concurrency: [
+        data_module.Sample([1, 2], 0, torch.zeros(2, 4), query) for query, _, _ in given])
+    model = tiny()
+    corpus = self_distil(model.backend, model.tokenizer, 2 * 40, rows=1, wave=1, exclusion=Exclusion([]))
+    assert len(corpus.samples) == 40 and len(rounds) > data_module.BARREN_ROUNDS
+
+
+def test_the_corpus_stops_at_the_tokens_asked_for(monkeypatch):
+    """Answers are added until the samples hold ``tokens`` tokens: the rest of a wave is not kept."""
+    queries = iter([[f"fresh question number {i}" for i in range(8)]] + [[]] * 1000)
+    monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: next(queries))
+    monkeypatch.setattr(data_module, "answer_all", lambda backend, tokenizer, given, max_new_tokens, concurrency: [
+        data_module.Sample([1, 2], 0, torch.zeros(2, 4), query) for query, _, _ in given])
+    model = tiny()
+    corpus = self_distil(model.backend, model.tokenizer, 5, rows=8, exclusion=Exclusion([]))
+    assert corpus.tokens == 6 and len(corpus.samples) == 3  # 2 + 2 < 5 tokens: a third; then 6 >= 5
 
 
 # Drafter files ------------------------------------------------------------------------------------------------
@@ -660,6 +771,73 @@ def test_a_drafters_matrices_run_on_the_backends_kernels():
     assert (product - exact).abs().max() < 0.05 * exact.abs().max()
     odd = torch.randn(5, 40, generator=g)
     assert torch.allclose(backend.matrix(odd)(x[:, :40]), x[:, :40] @ odd.T)
+
+
+
+def test_on_kernels_runs_every_linear_layer_and_the_head_through_the_matrix_and_keeps_the_biases():
+    """``on_kernels``: each linear layer (bias included) and the draft head run through ``matrix(weight)``,
+    and the network computes what it computed before."""
+    import torch.nn.functional as F
+
+    from decodekit.speculative.trained.networks import MedusaConfig, MedusaNet, on_kernels
+
+    g = torch.Generator().manual_seed(0)
+    net = MedusaNet(MedusaConfig(hidden=8, heads=2), torch.arange(5))
+    net.head.attach(torch.randn(5, 8, generator=g))
+    with torch.no_grad():
+        for block in net.blocks:
+            block.weight.copy_(torch.randn(8, 8, generator=g))
+            block.bias.copy_(torch.randn(8, generator=g))
+    features = torch.randn(3, 8, generator=g)
+    with torch.no_grad():
+        before = net(features)
+    given = []
+
+    def matrix(weight):
+        given.append(weight.detach().clone())
+        return lambda x: F.linear(x, weight.detach())
+
+    on_kernels(net, matrix)
+    assert len(given) == 3 and any(torch.equal(w, net.head.rows) for w in given)  # two blocks and the head
+    with torch.no_grad():
+        assert torch.allclose(net(features), before, atol=1e-6)
+
+
+def test_rms_norm_gives_unit_root_mean_square():
+    """RMSNorm (Zhang & Sennrich, 2019): x / sqrt(mean(x^2) + eps), times its weight (ones at first)."""
+    from decodekit.speculative.trained.networks import RMSNorm
+
+    x = torch.tensor([[3.0, 4.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    out = RMSNorm(4, eps=0.0)(x)
+    assert torch.allclose(out, x / torch.tensor([[2.5], [1.0]]))  # rms of (3, 4, 0, 0) is sqrt(25 / 4)
+
+
+def test_rotary_embedding_is_llamas_rotation_of_half_split_pairs():
+    """Pair i (x_i, x_{i + d/2}) is rotated by position * theta^(-2i/d), as a complex number times e^{i angle}."""
+    from decodekit.speculative.trained.networks import rotary_angles, rotate
+
+    head_dim, theta = 8, 10000.0
+    positions = torch.tensor([0, 1, 5])
+    cos, sin = rotary_angles(positions, head_dim, theta)
+    x = torch.randn(1, 3, 2, head_dim, generator=torch.Generator().manual_seed(0))  # [B, n, heads, d]
+    out = rotate(x, cos, sin)
+    for n, p in enumerate(positions.tolist()):
+        for i in range(head_dim // 2):
+            angle = p * theta ** (-2 * i / head_dim)
+            z = torch.complex(x[0, n, :, i], x[0, n, :, i + head_dim // 2]) * complex(math.cos(angle), math.sin(angle))
+            assert torch.allclose(out[0, n, :, i], z.real, atol=1e-5)
+            assert torch.allclose(out[0, n, :, i + head_dim // 2], z.imag, atol=1e-5)
+
+
+def test_eagle_noise_is_centred_on_the_feature(monkeypatch):
+    """EAGLE's feature noise is uniform in [-noise, noise]: a draw in the middle of the range adds nothing."""
+    net = small_eagle()
+    g = torch.Generator().manual_seed(0)
+    features, embeds = torch.randn(1, 6, 8, generator=g), torch.randn(1, 6, 8, generator=g)
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    quiet = net.loss(features, embeds, mask, noise=0.0)[0].item()
+    monkeypatch.setattr(torch, "rand_like", lambda t: torch.full_like(t, 0.5))
+    assert net.loss(features, embeds, mask, noise=0.5)[0].item() == pytest.approx(quiet, rel=1e-6)
 
 
 class StubEagle(torch.nn.Module):
