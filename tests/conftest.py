@@ -58,6 +58,21 @@ def required_options(method: str, backend) -> dict:
     return {}
 
 
+def record_verified_tree_sizes(monkeypatch) -> list[int]:
+    """The size of each tree prompt lookup (``pld``) verifies from now on (its ``update`` sees them all)."""
+    from decodekit.speculative.drafters.ngram import PromptLookup
+
+    verified: list[int] = []
+    update = PromptLookup.update
+
+    def recording(self, state, tree, verdict, logits):
+        verified.append(len(tree))
+        update(self, state, tree, verdict, logits)
+
+    monkeypatch.setattr(PromptLookup, "update", recording)
+    return verified
+
+
 def assert_transformers_greedy(hf_model, ids: list[int], ours: list[int], eos_ids, max_new_tokens: int,
                                *, tie: float = 1e-4) -> None:
     """``ours`` (without its end token) is what greedy decoding with transformers' model gives after

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from tests.conftest import required_options
+from tests.conftest import record_verified_tree_sizes, required_options
 from decodekit.engine import Engine, available_methods  # noqa: E402
 from decodekit.errors import InvalidParameter  # noqa: E402
 from decodekit.models import CharTokenizer, LoadedModel  # noqa: E402
@@ -843,16 +843,7 @@ def test_an_interrupted_wait_for_masks_computed_ahead_is_waited_for_again(monkey
 def test_a_forced_chain_is_at_most_max_draft_tokens(engine, monkeypatch):
     """Forced text is drafted whatever the controller's budget, but within its ``max_draft`` cap:
     with a cap of 3 the eight fixed characters come in chains of at most three."""
-    from decodekit.speculative.drafters.ngram import PromptLookup
-
-    verified: list[int] = []
-    update = PromptLookup.update
-
-    def recording(self, state, tree, verdict, logits):
-        verified.append(len(tree))
-        update(self, state, tree, verdict, logits)
-
-    monkeypatch.setattr(PromptLookup, "update", recording)
+    verified = record_verified_tree_sizes(monkeypatch)
     plain = engine.generate("xyz", max_new_tokens=20, chat=False, constraint={"regex": FIXED})
     got = engine.generate("xyz", method="pld", max_draft=3, budget=0, max_new_tokens=20, chat=False,
                           constraint={"regex": FIXED})

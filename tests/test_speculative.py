@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import required_options
+from tests.conftest import record_verified_tree_sizes, required_options
 from decodekit.engine import Engine, available_methods
 from decodekit.engine.core import DecodeState, GenerationStats, Request, StepDecoder
 from decodekit.errors import InvalidParameter, UnknownMethod
@@ -1438,14 +1438,7 @@ def test_a_draft_larger_than_its_budget_is_cut_to_the_budget(engines, options):
 
 def test_max_draft_caps_a_fixed_budget_too(engines, monkeypatch):
     """``max_draft`` caps the draft-tree nodes per step, a fixed ``budget`` above it included."""
-    verified: list[int] = []
-    update = PromptLookup.update
-
-    def recording(self, state, tree, verdict, logits):
-        verified.append(len(tree))
-        update(self, state, tree, verdict, logits)
-
-    monkeypatch.setattr(PromptLookup, "update", recording)
+    verified = record_verified_tree_sizes(monkeypatch)
     got = engines[0].generate(PROMPTS[1], method="pld", budget=10, max_draft=4, max_new_tokens=30, chat=False)
     assert got.tokens == engines[0].generate(PROMPTS[1], max_new_tokens=30, chat=False).tokens
     assert max(verified) == 4, verified
