@@ -1436,7 +1436,7 @@ def test_without_max_tokens_a_chat_decodes_to_the_end_of_the_context():
         running.stop()
 
 
-@pytest.mark.parametrize("cache", ["h2o:budget=24,window=8", "snapkv:budget=24,window=8", "full"])
+@pytest.mark.parametrize("cache", ["h2o:budget=24,window=8", "snapkv:budget=24,window=8", "sink:4,window:16", "full"])
 def test_logprobs_are_those_of_the_cache_that_chose_the_tokens(cache):
     """A greedy answer's tokens are each their own most likely token in the reported logprobs, also
     under a cache that drops entries as decoding goes on (one pass over prompt and answer would

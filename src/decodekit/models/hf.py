@@ -27,6 +27,10 @@ T = TypeVar("T")
 WINDOW_EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3", "starcoder2"})
 
 
+# Reading transformers' loading report, here beside the backend that loads through transformers;
+# loading.py's GGUF dequantisation uses it too (loading imports this module, never the reverse).
+
+
 def quietly_loaded(load: Callable[[], T]) -> T:
     """``load()`` with transformers' own load report silenced: what is wrong with the weights is
     said by :func:`check_loading_report`, in one line."""

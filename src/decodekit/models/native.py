@@ -278,8 +278,8 @@ class NativeLlama(Backend):
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
         if length < self._tail_from:
-            raise RollbackRefused(f"cannot roll back to {length} tokens: kv cache {self.kv_policy.spec} holds the "
-                                  f"tokens before token {self._tail_from} no longer as they were (evicted, compacted or quantised)")
+            raise RollbackRefused(f"cannot roll back to {length} tokens: kv cache {self.kv_policy.spec} has evicted, "
+                                  f"compacted or quantised the entries before token {self._tail_from}")
         self._slots -= self._length - length
         self._length = length
         self._pending_tree = None

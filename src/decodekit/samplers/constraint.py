@@ -211,7 +211,8 @@ class MatcherPaths:
     here, which moves to wherever a row branches off the kept paths and is copied there
     (``deep_copy``, which keeps no mask either)."""
 
-    #: Matchers kept at once (the rows of the last calls; a batch's rows each move on from their own).
+    #: Matchers kept at most (a batch's rows each move on from their own; a long output's matcher
+    #: holds parser state for every token, so the paths of rows no longer asked about are dropped).
     KEPT = 64
     #: How many of the kept paths' lengths a row is looked up at before it branches from the anchor.
     LOOKED_BACK = 8
@@ -220,9 +221,24 @@ class MatcherPaths:
         self.anchor, self.anchor_tokens = matcher, []  # never asked for a mask
         self.known = known  # the tokens a matcher may be given (up to the first the grammar's vocabulary lacks)
         self.paths: OrderedDict[tuple[int, ...], Any] = OrderedDict()  # tokens taken -> the matcher there
+        self.call = 0  # the processor's calls so far (each asks about one pass's rows)
+        self.used: dict[tuple[int, ...], int] = {}  # the call that last asked about each kept path
 
     def matchers(self) -> list:
         return [self.anchor, *self.paths.values()]
+
+    def next_call(self) -> None:
+        """A new pass's rows are asked about: the paths neither this call's rows nor the last's
+        asked about are dropped (rows grow from the last pass's rows; a dropped one that is asked
+        about again branches from the anchor, at the cost of a copy)."""
+        self.call += 1
+        for key in [k for k, call in self.used.items() if call < self.call - 1]:
+            del self.paths[key], self.used[key]
+
+    def touch(self, tokens: tuple[int, ...]) -> None:
+        """``tokens``' path is asked about again (its mask was known): kept for the next call."""
+        if tokens in self.used:
+            self.used[tokens] = self.call
 
     def at(self, tokens: list[int]) -> tuple[Any, int]:
         """A matcher brought along ``tokens`` as far as the grammar takes them, and how many it took.
@@ -230,6 +246,7 @@ class MatcherPaths:
         key = tuple(tokens)
         if key in self.paths:
             self.paths.move_to_end(key)
+            self.used[key] = self.call
             return self.paths[key], len(key)
         # the longest kept path the row continues, among the few longest kept below its length (a row
         # grows from its own path, a tree's from a path a few tokens back); further back, the anchor
@@ -237,14 +254,15 @@ class MatcherPaths:
         start = next((n for n in lengths if key[:n] in self.paths), None)
         if start is not None:  # moved on, not copied
             matcher = self.paths.pop(key[:start])
+            del self.used[key[:start]]
         else:
             start = self._move_anchor(tokens)
             matcher = self.anchor.deep_copy()
         rest = self.known(tokens[start:])
         taken = start + (matcher.try_consume_tokens(rest) if rest else 0)  # stops before the first token refused
-        self.paths[key[:taken]] = matcher
+        self.paths[key[:taken]], self.used[key[:taken]] = matcher, self.call
         while len(self.paths) > self.KEPT:
-            self.paths.popitem(last=False)
+            del self.used[self.paths.popitem(last=False)[0]]
         return matcher, taken
 
     def _move_anchor(self, tokens: list[int]) -> int:
@@ -270,8 +288,8 @@ class ConstrainedTokens(LogitsProcessor):
     computes a mask (vLLM and SGLang overlap the mask with the pass likewise). Where the pass uses
     every core, a third thread only takes a core from it for a scheduler slice at a time, which
     measured slower than computing the mask between passes (docs/BENCHMARKS.md). A mask computed
-    ahead is the one the matcher would compute then (the same matcher, brought to the same
-    tokens), so the output does not depend on whether, or when, it was prepared."""
+    ahead is the one the row's matcher would compute then (:class:`MatcherPaths`: the same paths,
+    brought to the same tokens), so the output does not depend on whether, or when, it was prepared."""
 
     needs_history = True
     refuses_tokens = True
@@ -293,7 +311,7 @@ class ConstrainedTokens(LogitsProcessor):
         self._ready: dict[tuple[int, ...], np.ndarray | None] = {}  # the last prepare()'s masks
 
     def prepare(self, rows: Sequence[Sequence[int]]) -> None:
-        ready = self._settle()  # the matcher serves one computation at a time
+        ready = self._settle()  # the matchers serve one computation at a time
         self._ahead = mask_workers().submit(self._bitmasks, [list(r) for r in rows], ready)
 
     def _settle(self) -> dict[tuple[int, ...], np.ndarray | None]:
@@ -311,11 +329,13 @@ class ConstrainedTokens(LogitsProcessor):
 
     def _bitmasks(self, rows: list[list[int]], known: dict) -> dict[tuple[int, ...], np.ndarray | None]:
         """Each row's bitmask (None where the grammar refuses the row), from ``known`` or computed."""
+        self.paths.next_call()
         done = {}
         for row in rows:
             key = tuple(row)
             if key in known:
                 done[key] = known[key]
+                self.paths.touch(key)
             else:
                 matcher = self._follow(row)
                 done[key] = None if matcher is None else self._bitmask(matcher)

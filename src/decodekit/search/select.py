@@ -100,6 +100,8 @@ class MultiSampleDecoder(Decoder):
     """Samples ``n`` continuations in one batch, then :meth:`choose` picks one."""
 
     method = "multi-sample"
+    #: What rates the samples, where the method has one.
+    scorer: Scorer | None = None
 
     def __init__(self, n: int = 8, sample_temperature: float = SAMPLE_TEMPERATURE, answer: str | Callable = "auto",
                  answer_start: Callable[[str], int] | None = None, **_: Any):
@@ -128,8 +130,6 @@ class MultiSampleDecoder(Decoder):
         return ctx.finalize(chosen, extra)
 
     stops_early = False
-    #: What rates the samples, where the method has one.
-    scorer: Scorer | None = None
 
     def choose(self, ctx: SearchContext, samples: list[Sample], answers: list[str | None]) -> tuple[int, list[Any]]:
         raise NotImplementedError

@@ -66,8 +66,8 @@ class Outcome:
 def token_logprobs(backend, prompt_ids: list[int], tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
     """The model's own log-probability of each generated token (before temperature or truncation)
     and its ``top`` most likely alternatives, from one teacher-forced pass over prompt + answer. Under
-    a cache that drops entries as a request goes on (``h2o:``, ``snapkv:``), one pass would still hold
-    what decoding had dropped: there the prompt's read and one step a token run again, as plain
+    a cache that drops entries as a request goes on (``sink:``, ``h2o:``, ``snapkv:``), one pass would
+    not drop them as decoding did: there the prompt's read and one step a token run again, as plain
     decoding ran them, so the values are those of the cache that chose the tokens in plain decoding
     (a speculative method's passes evict otherwise; its output may differ there, as documented)."""
     if not tokens:

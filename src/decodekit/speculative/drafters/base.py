@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from ...engine.core import DecodeState
-from ...models.backend import Backend
 from ...errors import InvalidParameter
+from ...models.backend import Backend
 from ...samplers import Histories, Sampler
 from ...options import OptionSpec, any_value, check_int, option_table
 from ..trained import store
@@ -36,8 +36,10 @@ class Drafter(ABC):
     trimmable: bool = True
 
     def check(self, backend: Backend) -> None:
-        """Called once per request before prefill: refuse (:class:`InvalidParameter`) a target
-        this drafter cannot draft for, before the prompt is read."""
+        """Called by the loop before prefill: refuse (:class:`InvalidParameter`) a target this
+        drafter cannot draft for, before the prompt is read. Drafters whose check prepares what
+        ``begin`` uses (a draft model, a trained network) check again in ``begin`` where it was
+        not done for this target (a drafter used without the loop)."""
 
     def begin(self, state: DecodeState) -> None:
         """Called once per request after prefill (e.g. index the prompt)."""
@@ -232,16 +234,16 @@ class FeatureDrafter(Drafter):
     def __init__(self, *, drafter: str | None = None, candidates: int = 4):
         self.path = drafter
         self.candidates = TRAINED_OPTIONS["candidates"].parse(candidates)
-        self.net = None
+        self.net, self._net_for = None, None  # the network, and the target it was loaded for
 
     def check(self, backend: Backend) -> None:
         if not backend.gives_features:
             raise InvalidParameter(f"method {self.kind} needs a backend that gives features (the native backend)")
-        store.load(backend, self.kind, self.path)  # kept in the backend's memory for begin()
+        self.net, self._net_for = store.load(backend, self.kind, self.path), backend
 
     def begin(self, state: DecodeState) -> None:
-        self.check(state.backend)  # again for a drafter used without the loop (the net is kept, not reloaded)
-        self.net = store.load(state.backend, self.kind, self.path)
+        if self.net is None or self._net_for is not state.backend:  # a drafter used without the loop
+            self.check(state.backend)
         features = state.backend.last_features
         if features is None or features.shape[1] > len(state.tokens):
             raise InvalidParameter(f"method {self.kind} needs the features of the prompt's last pass")
