@@ -4750,6 +4750,10 @@ MUTATIONS = (
              "except (DecodeKitError, ValueError) as err:  # e.g.",
              "except DecodeKitError as err:  # e.g.",
              ("tests/test_longctx.py", "-k", "value_error")),
+    Mutation("matcher-paths-never-dropped", "src/decodekit/samplers/constraint.py",
+             "for key in [k for k, call in self.used.items() if call < self.call - 1]:",
+             "for key in [k for k, call in self.used.items() if call < 0]:",
+             ("tests/test_constraint.py", "-k", "keeps_only_the_matchers")),
 )
 
 

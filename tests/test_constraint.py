@@ -867,3 +867,21 @@ def test_forced_steps_teach_the_controller_nothing(engine, monkeypatch):
                           constraint={"regex": FIXED})
     assert got.stats.extra["accepted_by_source"]["forced"] > 0
     assert not any("forced" in sources for sources in taught), taught
+
+
+@pytest.mark.parametrize("method", ["suffix", "lookahead"])
+def test_a_long_constrained_output_keeps_only_the_matchers_of_its_last_rows(engine, method, monkeypatch):
+    """Each kept matcher holds parser state for every token of its row: the paths no call asked about
+    since the one before are dropped, so a long speculative output does not keep its dead branches."""
+    from decodekit.samplers import constraint as constraint_module
+
+    made: list = []
+    init = constraint_module.MatcherPaths.__init__
+    monkeypatch.setattr(constraint_module.MatcherPaths, "__init__",
+                        lambda self, *args: init(self, *args) or made.append(self))
+    schema = {"type": "array", "items": {"type": "string"}}
+    plain = engine.generate("abc abc abc", max_new_tokens=200, chat=False, constraint={"json_schema": schema})
+    got = engine.generate("abc abc abc", method=method, max_new_tokens=200, chat=False, constraint={"json_schema": schema})
+    assert got.tokens == plain.tokens and len(got.tokens) == 200
+    paths = made[-1]
+    assert paths.call > 20 and len(paths.paths) <= 8, (paths.call, sorted(len(k) for k in paths.paths))
