@@ -266,9 +266,8 @@ class MatcherPaths:
         return matcher, taken
 
     def _move_anchor(self, tokens: list[int]) -> int:
-        """Bring the anchor to the longest beginning of ``tokens`` it can take without a token the
-        grammar refuses past it; how many tokens that is (at most those the anchor held already
-        plus the ones it took)."""
+        """Bring the anchor along ``tokens`` as far as the grammar takes them (rolled back to where
+        they part, then forward); how many of them it holds."""
         shared = common_prefix(self.anchor_tokens, tokens)
         if shared < len(self.anchor_tokens):
             self.anchor.rollback(len(self.anchor_tokens) - shared)
@@ -341,7 +340,7 @@ class ConstrainedTokens(LogitsProcessor):
                 done[key] = None if matcher is None else self._bitmask(matcher)
         return done
 
-    def _follow(self, generated: list[int]):
+    def _follow(self, generated: list[int]) -> Any:
         """The matcher of the row ``generated``; None if the grammar refuses one of its tokens."""
         matcher, taken = self.paths.at(list(generated))
         self._check(matcher)
