@@ -4754,6 +4754,10 @@ MUTATIONS = (
              "for key in [k for k, call in self.used.items() if call < self.call - 1]:",
              "for key in [k for k, call in self.used.items() if call < 0]:",
              ("tests/test_constraint.py", "-k", "keeps_only_the_matchers")),
+    Mutation("chain-past-the-context", "src/decodekit/speculative/loop.py",
+             "room = min(state.backend.info.max_length - len(state.tokens), state.backend.pass_room()) - 1",
+             "room = min(state.backend.info.max_length - len(state.tokens), state.backend.pass_room())",
+             ("tests/test_kv_policy.py", "-k", "within_the_models_positions")),
 )
 
 

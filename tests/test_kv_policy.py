@@ -967,3 +967,14 @@ def test_a_prefix_cache_reads_again_what_an_evicting_cache_cannot_roll_back_to()
     floor, run = backend.rollback_floor(), cache.tokens_run
     cache.fork(row[:floor] + tokens(2, seed=3))  # exactly as far back as it reaches: rolled back too
     assert cache.tokens_run == run + 2
+
+
+def test_a_speculative_chain_under_a_window_stays_within_the_models_positions():
+    """A window's positions are its slots: a verification (the root and its drafts) fits the slots
+    the context leaves, with room for the root, however large the budget."""
+    tok = CharTokenizer(96)
+    engine = Engine(LoadedModel(tiny_llama(seed=0, hidden_size=64, max_position=48, scale=3.0)
+                                .with_kv_cache("sink:4,window:32"), tok, "tiny"))
+    prompt = tok.encode("abcabcabcabcabcabcabc")
+    got = engine.generate(prompt, method="pld", budget=12, max_new_tokens=150, ignore_eos=True, chat=False)
+    assert len(got.tokens) == 150 and got.stats.extra["verifications"] > 0
