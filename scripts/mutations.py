@@ -4758,6 +4758,10 @@ MUTATIONS = (
              "room = min(state.backend.info.max_length - len(state.tokens), state.backend.pass_room()) - 1",
              "room = min(state.backend.info.max_length - len(state.tokens), state.backend.pass_room())",
              ("tests/test_kv_policy.py", "-k", "within_the_models_positions")),
+    Mutation("eagle-unrolled-steps-not-detached", "src/decodekit/speculative/trained/networks.py",
+             "inputs = predicted.detach()[:, :-1]",
+             "inputs = predicted[:, :-1]",
+             ("tests/test_trained_drafters.py", "-k", "as_constants")),
 )
 
 

@@ -1428,3 +1428,29 @@ def test_a_save_that_fails_leaves_no_file_behind(drafter_files, monkeypatch, tmp
     with pytest.raises(OSError, match="disk full"):
         store.save(net, "medusa", model.backend, folder / "tiny-medusa.safetensors", {})
     assert list(folder.iterdir()) == []
+
+
+def test_eagle_unrolled_steps_learn_from_their_inputs_as_constants():
+    """Step s of an unrolled loss reads the features step s - 1 predicted, detached: its gradient is
+    that of its own loss with those inputs held fixed, so the total gradient is the first step's
+    plus the second's (and not through the first step's predictions again)."""
+    g = torch.Generator().manual_seed(3)
+    features, embeds = torch.randn(1, 9, 8, generator=g), torch.randn(1, 9, 8, generator=g)
+    mask = torch.ones(1, 9, dtype=torch.bool)
+
+    def gradients(loss: torch.Tensor, net) -> list[torch.Tensor]:
+        loss.backward()
+        return [p.grad.clone() for p in net.parameters() if p.grad is not None]
+
+    net = small_eagle()
+    both = gradients(net.loss(features, embeds, mask, noise=0.0, unroll=2)[0], net)
+    net = small_eagle()
+    first = gradients(net.loss(features, embeds, mask, noise=0.0, unroll=1)[0], net)
+    net = small_eagle()
+    with torch.no_grad():
+        causal = torch.ones(8, 8, dtype=torch.bool).tril()
+        inputs = net(features[:, :-1], embeds[:, 1:], torch.arange(8), causal)[0][:, :-1]
+    predicted, _ = net(inputs, embeds[:, 2:], torch.arange(1, 8), torch.ones(7, 7, dtype=torch.bool).tril())
+    second = gradients(net._scored(predicted, features[:, 2:], mask[:, 2:].float(), 0.1)[0], net)
+    assert len(both) == len(first) == len(second) > 0
+    assert all(torch.allclose(b, f + s, rtol=1e-4, atol=1e-6) for b, f, s in zip(both, first, second))
