@@ -199,6 +199,36 @@ def test_context_overflow_is_reported():
         model.append(tokens(20))
 
 
+def test_a_sequence_that_fills_the_context_exactly_fits():
+    """The context holds max_position tokens: a cache growing to exactly that many is no overflow."""
+    model = tiny_llama(seed=0, max_position=16)
+    model._initial_capacity = 8
+    model.reset()
+    got = model.append(tokens(16)).logits
+    ref = tiny_llama(seed=0, max_position=16).append(tokens(16)).logits
+    assert model.length == 16 and torch.allclose(got, ref, atol=ATOL)
+
+
+def test_a_growing_cache_never_allocates_past_the_context():
+    """Growth leaves room past a long prompt, but never more positions than the model can attend
+    to: the memory check and the allocation are for at most max_position entries."""
+    model = tiny_llama(seed=0, max_position=16)
+    model._initial_capacity = 8
+    model.reset()
+    model.append(tokens(10))
+    assert model._k.shape[3] == 16 and model._v.shape[3] == 16
+
+
+def test_reset_forgets_the_last_sequences_peak():
+    """A cache's peak is that of the sequence it holds: after reset, a shorter sequence's peak
+    is its own size, not the previous sequence's."""
+    model = tiny_llama(seed=0)
+    model.append(tokens(10))
+    model.reset()
+    model.append(tokens(3))
+    assert model.cache_bytes(peak=True) == model.cache_bytes() > 0
+
+
 def test_clone_shares_weights_but_not_the_cache(backend):
     ids = tokens(10)
     backend.reset()

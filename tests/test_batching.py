@@ -255,6 +255,18 @@ def test_a_batch_waits_for_every_active_sequence_and_keeps_to_its_rows_and_model
         assert [len(p.tokens) for p in batcher._ready()] == [70]
 
 
+def test_a_later_pass_never_jumps_one_that_does_not_fit():
+    """Batches take passes oldest first: the first that would pass ``max_rows`` ends the batch,
+    so a later, smaller pass does not run before it (which could hold a large pass back for ever)."""
+    model = object()
+    batcher = PassBatcher(max_rows=64, wait_s=0.0)
+    with batcher._cond:
+        batcher._waiting = [waiting_pass(30, model), waiting_pass(40, model), waiting_pass(2, model)]
+        first, second, third = batcher._waiting
+        assert batcher._ready() == [first]
+        assert batcher._ready() == [second, third]
+
+
 def test_a_batch_runs_once_its_rows_reach_max_rows_and_waits_from_the_last_batchs_end():
     """Passes that fill exactly ``max_rows`` make a batch at once (none could join it); a pass that
     arrived while a batch was running waits ``wait_s`` from that batch's end, not from its arrival
@@ -305,6 +317,31 @@ def test_a_failed_batch_hands_its_error_to_every_sequence_in_it():
         assert job.done.is_set() and job.output is None and job.error is failing.error
 
 
+def test_the_pass_that_completes_a_batch_wakes_the_pass_thread():
+    """A batch runs as soon as every active sequence has a pass in: the pass that completes it
+    wakes the pass thread, which otherwise sleeps until ``wait_s`` (an hour here) is over."""
+    batcher = PassBatcher(wait_s=3600.0)
+    batcher._active = 2
+    backends = [StubBackend(), StubBackend()]
+    results = []
+
+    def request(backend: StubBackend) -> None:
+        backend.batch_key = None
+        results.append(batcher.run(backend, torch.zeros(1, dtype=torch.long), torch.arange(1), None, 0, False))
+
+    threads = [threading.Thread(target=request, args=(b,), daemon=True) for b in backends]
+    threads[0].start()
+    while not batcher._waiting:  # the first pass is in: the pass thread starts its wait
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.2)  # (the pass thread now sleeps in its wait)
+    threads[1].start()
+    for t in threads:
+        t.join(timeout=5)
+    assert len(results) == 2 and batcher.passes == 1
+    batcher._active = 0
+    batcher.close()
+
+
 def test_others_are_the_sequences_of_the_last_batch_only():
     """What a speculation budget weighs its rows against is the last batch, not every sequence
     seen so far: one that left no longer counts."""
@@ -315,6 +352,18 @@ def test_others_are_the_sequences_of_the_last_batch_only():
     batcher._execute([stub_pass(2, me)])
     assert batcher.others(me) == (0, 0)
     assert batcher.others(gone) == (1, 2)
+
+
+def test_a_closed_batchers_thread_runs_the_passes_already_waiting():
+    """Closing ends the batcher's own thread only once no request is left whose passes it would
+    run: a pass already waiting still runs (its request would otherwise wait for ever)."""
+    batcher = PassBatcher(wait_s=0.0)
+    job = stub_pass(1, StubBackend())
+    batcher._waiting = [job]
+    closed = threading.Event()
+    closed.set()
+    batcher._loop(closed)
+    assert job.done.is_set() and job.output is not None and batcher._waiting == []
 
 
 def test_a_closed_batcher_ends_its_thread_once_no_request_is_left():

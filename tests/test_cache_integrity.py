@@ -379,6 +379,39 @@ def test_a_manifest_that_does_not_vouch_for_its_entry_is_not_trusted(tmp_path):
     assert entry.check() == "a folder where a file belongs"
 
 
+def test_a_manifest_missing_a_field_is_no_valid_manifest_not_a_crash(tmp_path):
+    """A manifest is checked before it is trusted: one without its file list (or with a file
+    lacking its size) is no valid manifest, and the entry is rebuilt, not a KeyError."""
+    from decodekit.models.cache import DIGEST, cached_file
+
+    path = tmp_path / "entry.bin"
+    manifest = path.with_name("entry.bin.manifest.json")
+    cached_file(path, lambda tmp: tmp.write_bytes(b"x" * 100))
+    manifest.write_text(json.dumps({"digest": DIGEST}))
+    assert read_manifest(manifest) is None
+    assert Entry(path, folder=False).check() == "no valid manifest"
+    manifest.write_text(json.dumps({"digest": DIGEST, "files": {"entry.bin": {"digest": "0"}}}))
+    assert read_manifest(manifest) is None
+    cached_file(path, lambda tmp: tmp.write_bytes(b"y" * 100))
+    assert path.read_bytes() == b"y" * 100 and Entry(path, folder=False).check() is None
+
+
+def test_a_folder_built_without_a_source_is_rebuilt_when_one_is_asked_for(tmp_path, capsys):
+    """A folder checks out for a source only if its manifest vouches for the source it was built
+    from: one that records none (built before sources were kept) is rebuilt, not read."""
+    path, builds = tmp_path / "entry", []
+
+    def build(folder: Path) -> None:
+        builds.append(folder)
+        (folder / "a.bin").write_bytes(b"x" * 10)
+
+    cached_folder(path, build)
+    assert not (path / "source.txt").exists()
+    cached_folder(path, build, source="v1")
+    assert len(builds) == 2 and (path / "source.txt").read_text() == "v1"
+    assert "built from another version of its source" in capsys.readouterr().err
+
+
 # The controller's cost table ----------------------------------------------------------------------
 
 

@@ -132,3 +132,16 @@ def test_generate_and_chat_flags_default_to_what_the_readme_says():
         assert (args.method, args.numerics, args.dtype, args.kv_cache, args.backend, args.model) == (
             "greedy", "exact", "float32", "full", "auto", None)
         assert args.stop == [] and args.opt == [] and args.draft_model is None
+
+
+def test_ctrl_c_ends_with_status_130_and_one_line(monkeypatch, capsys):
+    """An interrupted command exits as a process ended by SIGINT does (128 + 2), with one line on
+    stderr and no traceback."""
+    from decodekit.interfaces import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_methods", interrupted)
+    assert main(["methods"]) == 130
+    assert capsys.readouterr().err.strip() == "decodekit: interrupted"

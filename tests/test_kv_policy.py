@@ -301,6 +301,19 @@ def test_kvdraft_greedy_is_plain_greedy(hidden, cache):
             assert got.stats.extra["verifications"] > 0
 
 
+def test_adopt_refuses_token_ids_that_are_not_the_sources():
+    """adopt() copies the source's committed entries as those of ``token_ids``: ids of another
+    length than the source holds would leave the cache's length and its entries apart."""
+    target = tiny_llama(seed=2, hidden_size=64)
+    prompt = tokens(30)
+    target.prefill(prompt)
+    draft = target.with_kv_cache("sink:2,window:8,every:1")
+    with pytest.raises(ValueError, match="holding one sequence"):
+        draft.adopt(target, prompt[:-1])
+    with pytest.raises(ValueError, match="holding one sequence"):
+        draft.adopt(target, prompt + [1])
+
+
 def test_kvdraft_draft_cache_is_the_targets_compressed():
     """The draft's cache starts as the target's prompt entries under the policy, without a second
     read: its first logits equal those of a cache that read the prompt under the policy itself

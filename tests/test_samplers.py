@@ -201,6 +201,16 @@ def test_typical_keeps_tokens_closest_to_the_entropy():
     assert kept(TypicalP(0.4)(x, [])) == {0, 1, 2}
 
 
+def test_typical_stops_when_the_mass_before_a_token_reaches_tau_exactly():
+    """Meister et al.'s set is the smallest prefix of the typicality ranking with mass >= tau: for
+    0.5 / 0.25 / 0.125 / 0.125 (H = 1.75 ln 2, distances 0.75, 0.25, 1.25, 1.25 ln 2) the 0.25
+    token alone reaches tau = 0.25, so the next one (the mode) is not needed."""
+    x = torch.tensor([[math.log(2.0), 0.0, -math.log(2.0), -math.log(2.0)]])
+    assert torch.log_softmax(x, -1).exp().tolist() == [[0.5, 0.25, 0.125, 0.125]]  # exact in float32
+    assert kept(TypicalP(0.25, keep_argmax=False)(x, [])) == {1}
+    assert kept(TypicalP(0.75, keep_argmax=False)(x, [])) == {0, 1}  # 0.25 + 0.5 reaches 0.75
+
+
 def test_typical_set_is_a_mass_minimal_ball_around_entropy():
     x = torch.randn(6, 100, generator=torch.Generator().manual_seed(5)) * 2
     tau = 0.7

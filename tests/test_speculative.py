@@ -1314,6 +1314,53 @@ def test_lookahead_jacobi_step_collects_diagonals_and_keeps_the_newest_ngrams():
     assert drafter.draft(state, 4).tokens == [5, 6, 3, 4]  # root 7: the newest n-grams first
 
 
+def test_lookahead_ngram_found_again_becomes_the_newest():
+    """The pool keeps the ``guesses`` most *recent* distinct n-grams per key: one collected again
+    moves to the newest end, so it is the last to be evicted and the first verified."""
+    from decodekit.speculative.drafters.lookahead import LookaheadDrafter
+
+    drafter = LookaheadDrafter(window=3, ngram=3, guesses=2)
+    state = _Tokens([5, 6, 7], 3)
+    drafter.begin(state)
+    drafter.levels, drafter.window = [[10, 11, 12]], [20, 21, 22]
+    drafter.pool = {10: {(21, 32): None, (3, 4): None}}  # (21, 32) is the older one
+    logits = torch.full((4, 64), -1.0)
+    for row, guess in enumerate((30, 31, 32, 33)):
+        logits[row, guess] = 1.0
+    drafter.update(state, DraftTree.chain([20, 21, 22], "lookahead:window"), Verification([], 30), logits)
+    # the diagonal (levels[0][0], window[1], new[2]) = (10, 21, 32) is collected again: now the newest
+    assert list(drafter.pool[10]) == [(3, 4), (21, 32)]
+
+
+def test_lookahead_runs_no_jacobi_step_after_a_draft_without_its_window():
+    """The window's next iterate comes from the logits after the window's own tokens: a step whose
+    tree holds only pool n-grams (or another's draft) computed none, so the window stays as it is."""
+    from decodekit.speculative.drafters.lookahead import LookaheadDrafter
+
+    drafter = LookaheadDrafter(window=3, ngram=3, guesses=2)
+    state = _Tokens([5, 6, 7], 3)
+    drafter.begin(state)
+    drafter.levels, drafter.window = [[10, 11, 12]], [20, 21, 22]
+    logits = torch.full((3, 64), -1.0)
+    logits[:, 40] = 1.0
+    drafter.update(state, DraftTree.chain([8, 9], "lookahead"), Verification([], 30), logits)
+    assert drafter.window == [20, 21, 22] and drafter.levels == [[10, 11, 12]]
+
+
+def test_lookahead_window_fills_the_budget_left_by_the_pool():
+    """The tree is the pool's n-grams and then as much of the Jacobi window as the budget leaves."""
+    from decodekit.speculative.drafters.lookahead import LookaheadDrafter
+
+    drafter = LookaheadDrafter(window=4, ngram=3, guesses=2)
+    state = _Tokens([5, 6, 7], 3)
+    drafter.begin(state)
+    drafter.window = [20, 21, 22, 23]
+    assert drafter.draft(state, 3).tokens == [20, 21, 22]  # no n-gram for root 7: the window alone
+    drafter.pool[7] = {(1, 2): None}
+    tree = drafter.draft(state, 4)
+    assert tree.tokens == [1, 2, 20, 21] and tree.source == ["lookahead"] * 2 + ["lookahead:window"] * 2
+
+
 def test_a_cost_table_entry_with_an_infinite_term_is_measured_again():
     """What a damaged or another version's file holds is measured again, never run: an infinite
     per-context term or anchor (a NaN or an overflow later, in a request) counts as damaged."""
