@@ -79,6 +79,24 @@ def test_a_capital_inside_its_countrys_name_is_not_answered_by_echoing_the_count
     assert not any(capital_correct(text, item) for text in wrong)
 
 
+def test_capital_answer_skips_lines_with_nothing_to_say():
+    """The answer is the first non-empty line: a blank or punctuation-only line before it does not answer."""
+    assert capital_answer("\n  \n...\nParis.") == "paris"
+    assert capital_answer("\n \n") is None
+
+
+def test_load_task_refuses_a_data_file_for_built_in_items_and_an_empty_one(tmp_path):
+    """--data goes only to a task that reads a file, and a task with no items is an error, not an empty run."""
+    from decodekit.eval.tasks import load_task
+
+    with pytest.raises(InvalidParameter, match="has no data file"):
+        load_task("capitals", str(tmp_path / "x.jsonl"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(InvalidParameter, match="has no items"):
+        load_task("structured", str(empty))
+
+
 def test_gsm8k_task_parsing(tmp_path):
     assert gsm8k_gold("so 3 + 4 = 7\n#### 1,234") == "1234"
     for answer in ("####", "blah #### 12 ####"):  # no number after the last '####': no answer could match it
@@ -515,6 +533,14 @@ def test_gsm8k_judges_the_final_number_by_its_value():
 
     assert numbers_equal("7.0", "7") and numbers_equal("7", "7")
     assert not numbers_equal("7.5", "7") and not numbers_equal("6.99", "7") and not numbers_equal(None, "7")
+
+
+def test_numbers_equal_compares_what_float_cannot_read_as_text():
+    """A value float() cannot read (a gold like "1/2") still matches the same text, and only it."""
+    from decodekit.eval.tasks import numbers_equal
+
+    assert numbers_equal("1/2", "1/2")
+    assert not numbers_equal("1/2", "0.5") and not numbers_equal("7", "n/a")
 
 
 REPORT_BASE = {"task": "gsm8k", "method": "greedy", "seed": 0, "n": 1, "options": {}, "correct": 2, "items": 10,

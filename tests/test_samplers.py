@@ -755,3 +755,84 @@ def test_histories_refuse_a_prompt_length_per_row_that_does_not_match_the_rows()
     """One prompt length per row: fewer would leave a row's prompt counted as generated (zip stops early)."""
     with pytest.raises(ValueError, match="expected 2 prompt lengths, got 1"):
         Histories([[1, 2], [3, 4]], [1])
+
+
+# ---------------------------------------------------------------- the sampler's own promises
+
+
+class RefuseTokens(LogitsProcessor):
+    """A mask (like a grammar's) that refuses ``refused`` and allows only ``allow`` tokens of any continuation."""
+
+    refuses_tokens = True
+
+    def __init__(self, refused: set[int], allow: int = 10**9):
+        self.refused, self.allow = refused, allow
+
+    def __call__(self, logits, histories):
+        out = logits.clone()
+        out[:, sorted(self.refused)] = NEG
+        return out
+
+    def allowed_prefix(self, generated, continuation):
+        return min(self.allow, len(continuation))
+
+    def surely_allows(self, token, history):
+        return token not in self.refused
+
+
+def test_allowed_prefix_is_the_strictest_processors():
+    """Every processor must allow a draft token, so the prefix is the shortest any refusing processor allows."""
+    s = Sampler([RefuseTokens(set(), allow=3), Temperature(0.5), RefuseTokens(set(), allow=1)], seed=0)
+    assert s.allowed_prefix([], [4, 5, 6, 7]) == 1
+    assert Sampler([Temperature(0.5)], seed=0).allowed_prefix([], [4, 5, 6]) == 3  # nothing refuses
+
+
+def test_pick_at_never_returns_a_token_the_mask_refuses():
+    """The choice made before the mask stands only where the mask surely allows it; else the mask decides."""
+    logits = torch.tensor([5.0, 2.0, 1.0])
+    greedy = Sampler([RefuseTokens({0})], greedy=True, seed=0)
+    assert greedy.pick_at(logits, 0) == 1
+    sampled = Sampler([RefuseTokens({0}), Temperature(0.01)], seed=0)
+    assert all(sampled.pick_at(logits, position) == 1 for position in range(8))
+
+
+def test_process_refuses_a_history_count_unlike_the_rows():
+    """A history processor needs one history per row: one history for two rows is an error, not a guess."""
+    class FirstRowsHistory(LogitsProcessor):  # a processor of one's own that trusts what it is given
+        needs_history = True
+
+        def __call__(self, logits, histories):
+            return logits.clone()
+
+    for s in (Sampler.from_params(repetition_penalty=1.5), Sampler([FirstRowsHistory()], seed=0)):
+        with pytest.raises(ValueError, match="one history per batch row"):
+            s.process(torch.zeros(2, 4), [torch.tensor([1])])
+
+
+def test_uniform_refuses_a_negative_count():
+    """``uniform(n)`` takes a non-negative integer; -1 is a ValueError naming it."""
+    with pytest.raises(ValueError, match="non-negative"):
+        Sampler(seed=0).uniform(-1)
+    assert Sampler(seed=0).uniform(0).shape == (0,)
+
+
+def test_greedy_must_be_a_bool():
+    """``greedy=1`` is refused rather than read as true (the sampler's parameters are checked, not coerced)."""
+    with pytest.raises(InvalidParameter, match="greedy"):
+        Sampler(greedy=1)
+
+
+def test_seed_takes_every_64_bit_value_and_no_more():
+    """Seeds are unsigned 64-bit integers: 2**64 - 1 is the largest, 2**64 is refused."""
+    assert Sampler(seed=2**64 - 1).seed == 2**64 - 1
+    with pytest.raises(InvalidParameter, match="seed"):
+        Sampler(seed=2**64)
+
+
+def test_splitmix64_keys_stay_below_2_to_the_63():
+    """splitmix64 promises keys below 2**63 (non-negative signed 64-bit), whatever the input."""
+    from decodekit.samplers.sampler import splitmix64
+
+    outs = [splitmix64(x) for x in (*range(64), 2**64 - 1, 2**63, 12345678901234567)]
+    assert all(0 <= k < 2**63 for k in outs)
+    assert any(k >= 2**62 for k in outs)  # the top kept bit is used (the outputs are not just small)
