@@ -5078,6 +5078,22 @@ MUTATIONS = (
              "return token if first.surely_allows(token, history if first.needs_history else ()) else None",
              "return token",
              ("tests/test_samplers.py", "-k", "mask_refuses")),
+    Mutation("bench-compare-ignores-run-flags", "src/decodekit/bench/cli.py",
+             "check_compare_alone(args)\n",
+             "pass\n",
+             ("tests/test_bench.py", "-k", "compare_prints_changes")),
+    Mutation("eval-opt-repeated-keeps-the-last", "src/decodekit/options.py",
+             "if key in options:\n            raise InvalidParameter(f\"--opt {key}=... is given twice; give one\")",
+             "if False:\n            raise InvalidParameter(f\"--opt {key}=... is given twice; give one\")",
+             ("tests/test_eval.py", "-k", "rejects_bad_input")),
+    Mutation("eval-n-ignored-for-one-answer-methods", "src/decodekit/eval/runner.py",
+             "if config.n != EvalConfig.n and \"n\" not in (spec.options or {}) and \"agreement\" not in config.signals:",
+             "if False:",
+             ("tests/test_eval.py", "-k", "rejects_bad_input")),
+    Mutation("bench-opt-repeated-keeps-the-last", "src/decodekit/bench/cli.py",
+             "if key in options.get(method, {}):  # never one value silently over another",
+             "if False:",
+             ("tests/test_bench.py", "-k", "bad_input_raises")),
 )
 
 

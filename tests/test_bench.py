@@ -466,6 +466,9 @@ def test_bad_input_raises_decodekit_errors(qfile: Path, tmp_path: Path):
         bench_cli.make_plan(parse("--questions", str(qfile), "--max-new-tokens", "0"))
     with pytest.raises(InvalidParameter, match="not in --methods"):
         bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy", "--opt", "pld.max_ngram=3"))
+    with pytest.raises(InvalidParameter, match=r"^--opt pld.max_ngram=\.\.\. is given twice; give one$"):
+        bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "pld", "--opt", "pld.max_ngram=3",
+                                  "--opt", "pld.max_ngram=4"))
     with pytest.raises(InvalidParameter, match="draft_model"):  # named, but cannot be built: not a skip note later
         bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy,draft"))
     with pytest.raises(InvalidParameter, match="not found"):
@@ -622,6 +625,9 @@ def test_compare_prints_changes(executed, tmp_path: Path, capsys):
     path_b.write_text(json.dumps(b))
     assert bench_cli.run(parse("--compare", str(out / "results.json"), str(path_b))) == 0
     assert "+50.0%" in capsys.readouterr().out
+    for flag in (("--methods", "nope"), ("--limit", "-5"), ("--quick",)):  # it runs nothing: never ignored
+        with pytest.raises(InvalidParameter, match=f"^--compare reads two results files and runs nothing; {flag[0]} "):
+            bench_cli.run(parse("--compare", str(out / "results.json"), str(path_b), *flag))
     for damage in ({"records": "x"}, {"summary": {}}):  # a damaged or edited file: one line, not a KeyError
         (tmp_path / "bad.json").write_text(json.dumps({**b, **damage}))
         with pytest.raises(InvalidParameter, match=r"bad\.json: results\.json does not follow"):

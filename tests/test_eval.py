@@ -217,6 +217,12 @@ def test_eval_rejects_bad_input(tmp_path):
         run(eval_args(tmp_path, "--method", "beam", "--opt", "width=2"), model=model)
     with pytest.raises(InvalidParameter, match="--n"):  # one n, which the report and the budget curve read
         run(eval_args(tmp_path, "--method", "self-consistency", "--opt", "n=2"), model=model)
+    # a value never silently over another, and no flag silently ignored (the report would name it)
+    with pytest.raises(InvalidParameter, match=r"^--opt max_ngram=\.\.\. is given twice; give one$"):
+        run(eval_args(tmp_path, "--method", "pld", "--opt", "max_ngram=3", "--opt", "max_ngram=4"), model=model)
+    for method in ("greedy", "pld"):
+        with pytest.raises(InvalidParameter, match=f"^--n 3: method '{method}' draws one answer"):
+            run(eval_args(tmp_path, "--method", method, "--n", "3"), model=model)
     assert cli_main(["eval", "no-such-task"]) == 2
 
 

@@ -20,7 +20,7 @@ import json
 import math
 import numbers
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -249,6 +249,18 @@ def literal(text: str) -> Any:
         except ValueError:
             pass
     return text
+
+
+def parse_option_items(items: Sequence[str], specs: Mapping[str, OptionSpec] | None = None) -> dict[str, Any]:
+    """``--opt`` items as one dict, each parsed by :func:`parse_option`; a key given twice is refused
+    (never one value silently over another)."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, value = parse_option(item, specs)
+        if key in options:
+            raise InvalidParameter(f"--opt {key}=... is given twice; give one")
+        options[key] = value
+    return options
 
 
 def parse_option(text: str, specs: Mapping[str, OptionSpec] | None = None) -> tuple[str, Any]:

@@ -97,6 +97,8 @@ def parse_method_options(items: list[str], methods: list[str]) -> dict[str, dict
         if method not in methods:
             raise InvalidParameter(f"--opt {item!r}: method {method!r} is not in --methods ({', '.join(methods)})")
         key, value = parse_option(rest, method_spec(method).options)
+        if key in options.get(method, {}):  # never one value silently over another
+            raise InvalidParameter(f"--opt {method}.{key}=... is given twice; give one")
         options.setdefault(method, {})[key] = value
     for method, given in options.items():
         validate_options(method, given)  # an unknown option fails now, not after loading the model
@@ -180,12 +182,25 @@ def command_line(plan: Plan, quick: bool) -> str:
     return shlex.join(parts) + ("  # --quick" if quick else "")
 
 
+def check_compare_alone(args: argparse.Namespace) -> None:
+    """``--compare`` reads two results files and runs nothing: a run flag beside it would be
+    silently ignored, so it is refused (a flag left at its default counts as not given)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    given = [name for name, default in defaults.items() if name != "compare" and getattr(args, name, default) != default]
+    if given:
+        raise InvalidParameter(f"--compare reads two results files and runs nothing; --{given[0].replace('_', '-')} "
+                               "does not go with it")
+
+
 def run(args: argparse.Namespace) -> int:
     from .execution import execute
     from .report import compare, terminal_report
     from .results import load_results
 
     if args.compare:
+        check_compare_alone(args)
         print(compare(load_results(args.compare[0]), load_results(args.compare[1])))
         return 0
     plan = make_plan(args)

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..arguments import (ArgumentParser, add_model_arguments, add_ray_arguments, check_ray_arguments, check_writable,
                          named)
 from ..errors import InvalidParameter
-from ..options import check_int, parse_option
+from ..options import check_int, parse_option_items
 
 METHOD_CHOICES = ("greedy", "sample", "beam", "cot", "best-of-n", "self-consistency", "weighted-vote", "mbr",
                   "first-finish", "step-beam", "particle", "astar")
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, model=None) -> int:
         return run_long_context(args, out, model)
     config = EvalConfig(
         method=args.method, n=args.n, limit=args.limit, max_new_tokens=args.max_new_tokens, seed=args.seed,
-        temperature=args.temperature, options=dict(parse_option(o, method_spec(args.method).options) for o in args.opt),
+        temperature=args.temperature, options=parse_option_items(args.opt, method_spec(args.method).options),
         signals=[s.strip() for s in args.signals.split(",") if s.strip()], paraphrases=args.paraphrases,
         constrained=not args.unconstrained,
     )

@@ -54,6 +54,9 @@ def make_decoder(config: EvalConfig, task: Task) -> Decoder:
     if bad:
         raise InvalidParameter(f"unknown signal(s) {', '.join(bad)}; extra signals: {', '.join(EXTRA_SIGNALS)}")
     make_sampler(config.method, {"seed": config.seed, "temperature": config.temperature})  # e.g. greedy + temperature
+    if config.n != EvalConfig.n and "n" not in (spec.options or {}) and "agreement" not in config.signals:
+        raise InvalidParameter(f"--n {config.n}: method {config.method!r} draws one answer; --n sets the samples of the "
+                               f"methods that take n and of --signals agreement", param="n")
     if spec.family == "plain":
         validate_options(config.method, config.options)  # none taken
         return SampleDecoder(task.answer_start)
