@@ -259,7 +259,8 @@ def test_processors_check_with_their_table_row(monkeypatch):
 
 
 def test_cli_bench_and_eval_share_one_parse_option():
-    assert cli.parse_option is bench_cli.parse_option is eval_cli.parse_option is options_module.parse_option
+    assert cli.parse_option is bench_cli.parse_option is options_module.parse_option
+    assert eval_cli.parse_option_items is options_module.parse_option_items  # which reads each item with it
     plan_options = bench_cli.parse_method_options(["suffix.corpus=yes", "layerskip.adapt=no", "beam.n=3"],
                                                   ["greedy", "suffix", "layerskip", "beam"])
     assert plan_options == {"suffix": {"corpus": True}, "layerskip": {"adapt": False}, "beam": {"n": 3}}
