@@ -5094,6 +5094,10 @@ MUTATIONS = (
              "if key in options.get(method, {}):  # never one value silently over another",
              "if False:",
              ("tests/test_bench.py", "-k", "bad_input_raises")),
+    Mutation("train-report-writes-infinity", "src/decodekit/speculative/trained/train.py",
+             "if math.isinf(settings.minutes):  # no time limit (--steps bounds it): JSON has no infinity",
+             "if False:",
+             ("tests/test_trained_drafters.py", "-k", "without_a_time_limit")),
 )
 
 

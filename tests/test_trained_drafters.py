@@ -25,7 +25,7 @@ from decodekit.speculative.loop import SpeculativeMethod
 from decodekit.speculative.trained import data as data_module
 from decodekit.speculative.trained import store
 from decodekit.speculative.trained.data import Corpus, Exclusion, answer, check_excluded, self_distil
-from decodekit.speculative.trained.train import Settings, batches, draft_vocabulary, mean_loss, new_net, split, train
+from decodekit.speculative.trained.train import Settings, batches, draft_vocabulary, mean_loss, new_net, report, split, train
 from decodekit.speculative.verify import SamplingVerifier
 from tests.test_speculative_sampling import chi_square_passes, marginal
 
@@ -1454,3 +1454,17 @@ def test_eagle_unrolled_steps_learn_from_their_inputs_as_constants():
     second = gradients(net._scored(predicted, features[:, 2:], mask[:, 2:].float(), 0.1)[0], net)
     assert len(both) == len(first) == len(second) > 0
     assert all(torch.allclose(b, f + s, rtol=1e-4, atol=1e-6) for b, f, s in zip(both, first, second))
+
+
+def test_a_training_without_a_time_limit_records_its_minutes_as_json_can_read_them():
+    """``--minutes inf --steps N`` trains N steps whatever the machine: the report (printed, and kept
+    in the drafter file) records no time limit as null, never as Infinity, which strict JSON refuses."""
+    import json
+    from types import SimpleNamespace
+
+    corpus = SimpleNamespace(tokens=10, samples=[1], queries_drafted=1, seconds=1.0)
+    outcome = SimpleNamespace(seconds=2.0, steps=3, tokens_seen=30, first_loss=2.0, last_loss=1.0)
+    unbounded = report(Settings("eagle", minutes=float("inf"), steps=3), corpus, outcome, {})
+    assert unbounded["settings"]["minutes"] is None and unbounded["settings"]["steps"] == 3
+    json.dumps(unbounded, allow_nan=False)  # strict JSON: raises on an infinity
+    assert report(Settings("eagle", minutes=2.5, steps=3), corpus, outcome, {})["settings"]["minutes"] == 2.5

@@ -214,8 +214,11 @@ def split(corpus: Corpus, held_out: int) -> tuple[list[Sample], list[Sample]]:
 
 def report(settings: Settings, corpus: Corpus, outcome: Outcome, evaluation: dict) -> dict:
     """What the drafter file records about its training."""
+    recorded = asdict(settings)
+    if math.isinf(settings.minutes):  # no time limit (--steps bounds it): JSON has no infinity
+        recorded["minutes"] = None
     return {
-        "settings": asdict(settings),
+        "settings": recorded,
         "data_tokens": corpus.tokens,
         "conversations": len(corpus.samples),
         "queries_drafted": corpus.queries_drafted,
