@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .errors import InvalidParameter
@@ -20,6 +20,17 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise InvalidParameter(f"{message} (see {self.prog} --help)")
+
+
+def flags_given(args: argparse.Namespace, add_arguments: Callable[[argparse.ArgumentParser], None],
+                positional: Sequence[str] = ()) -> list[str]:
+    """The names of ``args``' flags that differ from their defaults under ``add_arguments`` (a
+    flag left at its default counts as not given), for refusing flags where they would be ignored.
+    ``positional``: the command's positional arguments, which its defaults need."""
+    parser = ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args(list(positional)))
+    return [name for name, default in defaults.items() if getattr(args, name, default) != default]
 
 
 def check_argv(argv: list[str]) -> None:

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..arguments import add_model_argument, add_numerics_arguments, add_ray_arguments, check_ray_arguments, check_writable, named
+from ..arguments import (add_model_argument, add_numerics_arguments, add_ray_arguments, check_ray_arguments, check_writable,
+                         flags_given, named)
 from ..errors import DecodeKitError, InvalidParameter
 from ..options import check_int, parse_option
 from .questions import DEFAULT_QUESTIONS
@@ -185,10 +186,7 @@ def command_line(plan: Plan, quick: bool) -> str:
 def check_compare_alone(args: argparse.Namespace) -> None:
     """``--compare`` reads two results files and runs nothing: a run flag beside it would be
     silently ignored, so it is refused (a flag left at its default counts as not given)."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    defaults = vars(parser.parse_args([]))
-    given = [name for name, default in defaults.items() if name != "compare" and getattr(args, name, default) != default]
+    given = [name for name in flags_given(args, add_arguments) if name != "compare"]
     if given:
         raise InvalidParameter(f"--compare reads two results files and runs nothing; --{given[0].replace('_', '-')} "
                                "does not go with it")

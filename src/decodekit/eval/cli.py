@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..arguments import (ArgumentParser, add_model_arguments, add_ray_arguments, check_ray_arguments, check_writable,
-                         named)
+                         flags_given, named)
 from ..errors import InvalidParameter
 from ..options import check_int, parse_option_items
 
@@ -116,11 +116,8 @@ ITEM_FLAGS = ("data", "unconstrained", "signals", "opt", "method", "n", "limit",
 def check_task_flags(args: argparse.Namespace, long_context: str) -> None:
     """A flag given for a task it does not apply to is refused, not silently ignored (a flag left
     at its default counts as not given)."""
-    parser = ArgumentParser()
-    add_arguments(parser)
-    defaults = parser.parse_args([args.task])
     others = ITEM_FLAGS if args.task == long_context else LONG_CONTEXT_FLAGS
-    given = [flag for flag in others if hasattr(args, flag) and getattr(args, flag) != getattr(defaults, flag)]
+    given = [flag for flag in flags_given(args, add_arguments, [args.task]) if flag in others]
     if given:
         which = f"{long_context} only" if args.task != long_context else f"the item tasks, not {long_context}"
         raise InvalidParameter(f"--{given[0].replace('_', '-')} applies to {which}")

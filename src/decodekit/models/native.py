@@ -277,7 +277,7 @@ class NativeLlama(Backend):
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
-        if length < self._tail_from:
+        if length < self.rollback_floor():
             raise RollbackRefused(f"cannot roll back to {length} tokens: kv cache {self.kv_policy.spec} has evicted, "
                                   f"compacted or quantised the entries before token {self._tail_from}")
         self._slots -= self._length - length

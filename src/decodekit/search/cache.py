@@ -42,7 +42,7 @@ class PrefixCache:
         else:
             t0 = time.perf_counter()
             keep = min(common, len(ids) - 1)  # the last id is re-run for its logits
-            if keep and not self._can_keep(best, keep):  # an evicting cache past its reach: read it all again
+            if keep < self.backend.rollback_floor():  # an evicting cache past its reach: read it all again
                 keep = 0
             if keep == 0:
                 logits = self.backend.prefill(ids)
@@ -59,14 +59,6 @@ class PrefixCache:
             logits = logits.expand(n, -1)
         self.rows = [list(ids) for _ in range(n)]
         return logits
-
-    def _can_keep(self, row: int, length: int) -> bool:
-        """Whether ``row`` can be rolled back to ``length`` tokens: an evicting cache (a window, a
-        budget) holds only its last tokens as they were, and a judge's question after a step may
-        have pushed the step's beginning out of it."""
-        if self.backend.batch_size != 1 or row != 0:
-            return True  # a search of several rows holds a cache that rolls back anywhere
-        return self.backend.rollback_floor() <= length
 
     def _keep(self, row: int, length: int) -> None:
         """Leave only ``row``, rolled back to its first ``length`` tokens."""
