@@ -5098,6 +5098,10 @@ MUTATIONS = (
              "if math.isinf(settings.minutes):  # no time limit (--steps bounds it): JSON has no infinity",
              "if False:",
              ("tests/test_trained_drafters.py", "-k", "without_a_time_limit")),
+    Mutation("flags-given-finds-none", "src/decodekit/arguments.py",
+             "return [name for name, default in defaults.items() if getattr(args, name, default) != default]",
+             "return []",
+             ("tests/test_eval.py", "tests/test_bench.py", "-k", "task or compare or flag")),
 )
 
 
