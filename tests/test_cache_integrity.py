@@ -686,30 +686,53 @@ def test_a_path_outside_the_cache_that_decodekit_did_not_write_is_refused_never_
     assert read_json(ours) is None and not ours.exists()  # reported and cleared, to be written afresh
 
 
-def test_a_gguf_file_replaced_at_its_path_rebuilds_its_folder_in_place(tiny_gguf, cache, capsys, tmp_path):
-    """One cached folder per GGUF path: the same file written again (a reinstalled package, a new
-    modification time) is read again into the same folder, never into one more beside it."""
+def test_a_gguf_file_is_cached_by_its_bytes_not_its_path_or_time(tiny_gguf, cache, capsys, tmp_path):
+    """One cached folder per file content: the same file touched (a new modification time) or copied
+    elsewhere (the model installed in a second environment) reuses its folder without a rebuild; a
+    file changed in place, its size and time kept (cp -p, rsync -a, an archive unpacked over it),
+    gets a folder of its own, built from what it now holds."""
     from decodekit.models.loading import dequantised_folder
 
     gguf = tmp_path / "copy.gguf"
     gguf.write_bytes(tiny_gguf.read_bytes())
     first = dequantised_folder(gguf)
     before = answer(gguf)
+    capsys.readouterr()
     stat = gguf.stat()
     os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    again = dequantised_folder(gguf)
-    assert again == first and "built from another version of its source" in capsys.readouterr().err
-    assert sorted(p.name for p in cache.iterdir() if p.name.startswith("copy-")) == [first.name]
-    assert_same(answer(gguf), before)
-    assert dequantised_folder(gguf) == first and capsys.readouterr().err == ""  # checked, not rebuilt again
-    # changed in place, its size and modification time kept (cp -p, rsync -a, an archive unpacked
-    # over it): the bytes tell, and the folder is rebuilt from what the file now holds
+    assert dequantised_folder(gguf) == first and capsys.readouterr().err == ""
+    (tmp_path / "elsewhere").mkdir()
+    moved = tmp_path / "elsewhere" / "copy.gguf"
+    moved.write_bytes(gguf.read_bytes())
+    assert dequantised_folder(moved) == first and capsys.readouterr().err == ""
+    assert_same(answer(moved), before)
     data = bytearray(gguf.read_bytes())
     data[-1] ^= 0xFF  # the last tensor's last byte
     stat = gguf.stat()
     gguf.write_bytes(bytes(data))
     os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert dequantised_folder(gguf) == first and "built from another version of its source" in capsys.readouterr().err
+    changed = dequantised_folder(gguf)
+    assert changed != first and changed.name.startswith("copy-")
+    assert not torch.equal(answer(gguf)[2], before[2])  # read from the file's new bytes
+    assert sorted(p.name for p in cache.iterdir() if p.name.startswith("copy-")) == sorted([first.name, changed.name])
+
+
+def test_a_cached_folder_whose_source_stamp_differs_is_rebuilt_in_place(tiny_gguf, cache, capsys, tmp_path):
+    """The folder's recorded source is checked at every load: a folder that says it was built from
+    other bytes than its name's (a collision of the name's 12 hexadecimal digits, or an edit) is
+    reported and rebuilt from the file."""
+    from decodekit.models.cache import SOURCE, MANIFEST, Stamp, manifest_text
+    from decodekit.models.loading import dequantised_folder
+
+    first = dequantised_folder(tiny_gguf)
+    before = answer(tiny_gguf)
+    capsys.readouterr()
+    (first / SOURCE).write_text("1:0123")
+    stamps = read_manifest(first / MANIFEST)
+    stamps[SOURCE] = Stamp.of(first / SOURCE)  # a manifest that vouches for the wrong source
+    (first / MANIFEST).write_text(manifest_text(stamps))
+    assert dequantised_folder(tiny_gguf) == first and "built from another version of its source" in capsys.readouterr().err
+    assert_same(answer(tiny_gguf), before)
 
 
 def test_an_assembled_model_file_that_fails_its_check_is_reported_and_written_again(cache, capsys, monkeypatch):
@@ -881,21 +904,21 @@ def test_a_path_that_is_neither_a_gguf_file_nor_a_model_folder_is_not_found(tmp_
             loading.resolve_model(str(path))
 
 
-def test_two_gguf_files_of_one_name_in_two_folders_get_a_cache_folder_each(tmp_path, monkeypatch):
-    """The cache keeps one folder per GGUF path: two files of the same name elsewhere (two versions of
-    a model) must not share one, or each load would rebuild it from the other."""
+def test_two_gguf_files_of_one_name_with_other_bytes_get_a_cache_folder_each(tmp_path, monkeypatch):
+    """Two files of the same name elsewhere (two versions of a model) must not share one folder, or
+    each load would rebuild it from the other; two copies of the same bytes share theirs."""
     from decodekit.models import loading
 
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(loading, "cached_folder", lambda folder, build, source: folder)  # where, not what
     files = []
-    for name in ("a", "b"):
+    for name, fill in (("a", 0), ("b", 1), ("c", 0)):
         (tmp_path / name).mkdir()
         files.append(tmp_path / name / "model.gguf")
-        files[-1].write_bytes(b"GGUF" + bytes(64))
-    first, second = (loading.dequantised_folder(f) for f in files)
+        files[-1].write_bytes(b"GGUF" + bytes([fill]) * 64)
+    first, second, third = (loading.dequantised_folder(f) for f in files)
     assert first != second and first.name.startswith("model-") and second.name.startswith("model-")
-    assert loading.dequantised_folder(files[0]) == first
+    assert third == first and loading.dequantised_folder(files[0]) == first
 
 
 def test_a_model_folder_without_safetensors_weights_is_one_clear_error(tmp_path):
@@ -962,3 +985,127 @@ def test_the_gguf_blocks_switch_turns_the_block_kernels_off_with_the_same_logits
     monkeypatch.setenv("DECODEKIT_GGUF_BLOCKS", "0")
     assert "gguf-blocks" not in load_model(str(tiny_gguf)).backend.info.architecture
     assert_same(answer(tiny_gguf), on)
+
+
+# What the cache holds, and pruning it -----------------------------------------------------------
+
+
+DAY = 86400
+
+
+def make_entries(root: Path) -> dict[str, Path]:
+    """A folder entry, a file entry in a subfolder, and a file with no manifest (a trained
+    drafter's), as the cache functions write them."""
+    from decodekit.models.cache import cached_file
+
+    folder = cached_folder(root / "model-abc", lambda tmp: (tmp / "weights.bin").write_bytes(bytes(1000)))
+    library = cached_file(root / "kernels" / "attention-1234.so", lambda tmp: tmp.write_bytes(bytes(300)))
+    drafter = root / "drafters" / "eagle.safetensors"
+    drafter.parent.mkdir()
+    drafter.write_bytes(bytes(50))
+    return {"folder": folder, "library": library, "drafter": drafter}
+
+
+def age(entry_or_file: Path, days: float) -> None:
+    """Set what counts as a path's last use ``days`` ago: an entry's manifest's time, another file's own."""
+    manifest = Entry(entry_or_file, folder=entry_or_file.is_dir()).manifest
+    target = manifest if manifest.exists() else entry_or_file
+    when = time.time() - days * DAY
+    os.utime(target, (when, when))
+
+
+def test_the_cache_lists_each_entry_once_with_its_size_and_last_use(tmp_path):
+    """A folder entry is one item (its files and manifest counted in its size), a file entry is one
+    item with its manifest, a file without a manifest is an item decodekit does not build by itself;
+    locks and manifests are never items of their own."""
+    from decodekit.models.cache import cached_items
+
+    made = make_entries(tmp_path)
+    age(made["library"], 3)
+    items = {item.path: item for item in cached_items(tmp_path)}
+    assert set(items) == set(made.values())
+    folder = items[made["folder"]]
+    assert folder.entry and folder.size == 1000 + (made["folder"] / "manifest.json").stat().st_size
+    library = items[made["library"]]
+    manifest = Entry(made["library"], folder=False).manifest
+    assert library.entry and library.size == 300 + manifest.stat().st_size
+    assert abs(time.time() - library.used - 3 * DAY) < 60
+    assert not items[made["drafter"]].entry and items[made["drafter"]].size == 50
+
+
+def test_using_an_entry_marks_it_used(tmp_path):
+    """A check that passes (every load) records the use, so that pruning weighs the last use, not
+    the build."""
+    from decodekit.models.cache import cached_file, cached_items
+
+    made = make_entries(tmp_path)
+    age(made["folder"], 40)
+    age(made["library"], 40)
+    cached_folder(made["folder"], lambda tmp: pytest.fail("rebuilt"))
+    cached_file(made["library"], lambda tmp: pytest.fail("rebuilt"))
+    assert all(time.time() - item.used < 60 for item in cached_items(tmp_path))
+
+
+def test_pruning_removes_only_entries_unused_for_the_days_given(tmp_path):
+    """Entries unused longer than the limit go, whole (manifest included); recently used ones and
+    files decodekit would not build again (a trained drafter) stay, however old."""
+    from decodekit.models.cache import cached_items, remove_unused
+
+    made = make_entries(tmp_path)
+    age(made["folder"], 31)
+    age(made["library"], 29)
+    age(made["drafter"], 400)
+    removed = remove_unused(30, tmp_path)
+    assert [item.path for item in removed] == [made["folder"]]
+    assert not made["folder"].exists()
+    assert {item.path for item in cached_items(tmp_path)} == {made["library"], made["drafter"]}
+    assert [item.path for item in remove_unused(0, tmp_path)] == [made["library"]]
+    assert not made["library"].exists() and not Entry(made["library"], folder=False).manifest.exists()
+    assert made["drafter"].exists()
+
+
+def test_pruning_leaves_an_entry_whose_lock_another_holds(tmp_path):
+    """A builder at work holds the entry's lock: pruning neither waits for it nor removes the entry."""
+    import fcntl
+
+    from decodekit.models.cache import remove_unused
+
+    made = make_entries(tmp_path)
+    age(made["folder"], 100)
+    with open(made["folder"].with_name(f".{made['folder'].name}.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        assert made["folder"] not in [item.path for item in remove_unused(0, tmp_path)]
+    assert made["folder"].exists()
+    assert made["folder"] in [item.path for item in remove_unused(0, tmp_path)]
+
+
+def test_a_pruned_model_folder_is_built_again_and_answers_the_same(tiny_gguf, cache):
+    """Pruning is safe: what it removes is rebuilt at the next load, with the same results."""
+    from decodekit.models.cache import remove_unused
+
+    before = answer(tiny_gguf)
+    folder = model_folder(cache)
+    assert folder in [item.path for item in remove_unused(0, cache)]
+    assert not any(p.name.startswith("tiny-") for p in cache.iterdir() if p.is_dir())
+    assert_same(answer(tiny_gguf), before)
+
+
+def test_the_cache_command_lists_prunes_and_refuses_bad_days(tmp_path, monkeypatch, capsys):
+    """``decodekit cache`` lists the cache, ``--prune DAYS`` removes what went unused (said in one
+    line), ``--json`` gives every item; a negative or non-numeric DAYS is one error line, exit 2."""
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    made = make_entries(tmp_path)
+    age(made["folder"], 10)
+    assert main(["cache"]) == 0
+    out = capsys.readouterr().out
+    assert "model-abc/" in out and "kernels/ (1 item)" in out and "drafters/ (1 item)  (not removed by --prune)" in out
+    assert main(["cache", "--prune", "5", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [item["path"] for item in report["removed"]] == ["model-abc"]
+    assert sorted(item["path"] for item in report["items"]) == ["drafters/eagle.safetensors", "kernels/attention-1234.so"]
+    assert report["bytes"] == sum(item["bytes"] for item in report["items"])
+    for days in ("-1", "nan", "soon"):
+        assert main(["cache", "--prune", days]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("decodekit: error:") and len(err.strip().splitlines()) == 1
+    assert made["library"].exists()

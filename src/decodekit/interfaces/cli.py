@@ -1,5 +1,5 @@
 """The ``decodekit`` command line: generate, chat, models, methods, bench, profile, eval, serve, bench-serve,
-train-drafter."""
+train-drafter, cache."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ PLUGIN_COMMANDS: dict[str, tuple[str, str]] = {
     "bench-serve": ("decodekit.serve.load",
                     "replay Spec-Bench questions against an OpenAI-compatible server at several concurrency levels"),
     "train-drafter": ("decodekit.speculative.trained.cli", "train an EAGLE or Medusa drafter on the model's own outputs"),
+    "cache": ("decodekit.interfaces.cache_command", "what decodekit keeps on disk, and removing what has gone unused"),
 }
 
 #: What leaves ``decodekit chat`` (besides Ctrl-D).

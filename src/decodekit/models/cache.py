@@ -32,6 +32,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -186,6 +187,26 @@ class Entry:
             fcntl.flock(handle, fcntl.LOCK_EX)
             yield
 
+    @contextmanager
+    def locked_if_free(self) -> Iterator[bool]:
+        """Hold this entry's lock where no one else holds it; yields whether it was taken (a
+        builder at work is never waited for, nor disturbed)."""
+        with open(self.path.with_name(f".{self.path.name}.lock"), "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+
+    def mark_used(self) -> None:
+        """Record a use of the entry: its manifest's modification time, which :func:`remove_unused`
+        weighs. Best effort: a cache that cannot be written is still read."""
+        try:
+            os.utime(self.manifest)
+        except OSError:
+            pass
+
     def settle(self) -> bool:
         """With the lock held: whether the entry checks out. When it does not, report it (unless
         it was never built: no file, no manifest) and clear it away with any orphan temporaries."""
@@ -265,6 +286,7 @@ def _remove(path: Path) -> None:
 
 def _ensure(entry: Entry, build: Build) -> Path:
     if entry.check() is None:  # the common case: no lock taken
+        entry.mark_used()
         return entry.path
     with entry.locked():
         if not entry.settle():  # checked again: another process may have built it meanwhile
@@ -297,6 +319,7 @@ def read_json(path: Path) -> Any | None:
             with entry.locked():
                 if not entry.settle():
                     return None
+        entry.mark_used()
         return json.loads(path.read_bytes())
     except CacheRefused:
         raise
@@ -318,3 +341,80 @@ def update_json(path: Path, update: Callable[[Any | None], Any]) -> None:
                 current = None
         text = json.dumps(update(current), indent=1, sort_keys=True)
         entry.build(lambda tmp: tmp.write_text(text))
+
+
+# What the cache holds, and removing what has gone unused ---------------------------------------
+
+
+@dataclass(frozen=True)
+class CachedItem:
+    """One thing under :func:`cache_root`: an entry (it has a manifest, and decodekit builds it
+    again by itself when it is gone) or another file (a trained drafter, its training data, an
+    assembled model file: written by a command, or by a package's own code)."""
+
+    path: Path
+    size: int  # bytes, the manifest's included
+    used: float  # when it was last used (an entry) or written (another file), seconds since the epoch
+    entry: bool
+
+
+def _is_bookkeeping(name: str) -> bool:
+    """A lock, a builder's temporary or a file entry's manifest: part of an entry, never one."""
+    return (name.startswith(".") and (name.endswith(".lock") or name.endswith(".tmp"))) or name.endswith(".manifest.json")
+
+
+def cached_items(root: Path | None = None) -> list[CachedItem]:
+    """Everything the cache at ``root`` (default :func:`cache_root`) holds, entries and other files."""
+    root = cache_root() if root is None else root
+    items = []
+    for folder, subfolders, files in os.walk(root):
+        here = Path(folder)
+        if here != root and MANIFEST in files:  # a folder entry: itself one item
+            subfolders.clear()
+            size = sum(_size(Path(inside) / name) for inside, _, names in os.walk(here) for name in names)
+            items.append(CachedItem(here, size, _mtime(here / MANIFEST), True))
+            continue
+        subfolders[:] = [name for name in subfolders if not _is_bookkeeping(name)]
+        for name in files:
+            path = here / name
+            if _is_bookkeeping(name) or path.is_symlink():
+                continue
+            manifest = Entry(path, folder=False).manifest
+            if manifest.exists():
+                items.append(CachedItem(path, _size(path) + _size(manifest), _mtime(manifest), True))
+            else:
+                items.append(CachedItem(path, _size(path), _mtime(path), False))
+    return items
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # gone meanwhile
+        return 0
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def remove_unused(days: float, root: Path | None = None, now: float | None = None) -> list[CachedItem]:
+    """Remove the entries of the cache at ``root`` not used for ``days`` days (0: every entry), and
+    return them. Only entries go, which decodekit builds again when it needs them; other files stay
+    (a trained drafter took minutes to make). An entry whose lock another process holds (a build
+    under way) is left, and so is one used since it was listed."""
+    cutoff = (time.time() if now is None else now) - days * 86400
+    removed = []
+    for item in cached_items(root):
+        if not item.entry or item.used > cutoff:
+            continue
+        entry = Entry(item.path, folder=item.path.is_dir())
+        with entry.locked_if_free() as held:
+            if held and _mtime(entry.manifest) <= cutoff:
+                for path in [entry.path, entry.manifest]:
+                    _remove(path)
+                removed.append(item)
+    return removed

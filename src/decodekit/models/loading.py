@@ -12,7 +12,6 @@ backend read the file's own blocks (same results, less memory traffic).
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import json
@@ -174,22 +173,23 @@ def dequantised_folder(gguf: Path) -> Path:
     """Dequantise a GGUF file once into a cached Hugging Face folder; return that folder (checked
     at every load, rebuilt when it fails the check: :func:`.cache.cached_folder`)."""
     check_gguf_header(gguf)
-    # one folder per file path: a file replaced at the same path (a reinstalled package) rebuilds it
-    key = hashlib.sha1(f"{gguf.resolve()}".encode()).hexdigest()[:12]
-    folder = cache_root() / f"{gguf.stem}-{key}"
+    # one folder per file content, wherever the file is: the same model installed in several
+    # environments is dequantised once, and a file changed in place gets a folder of its own (the
+    # old one goes with `decodekit cache --prune`)
+    stamp = file_stamp(gguf)
+    folder = cache_root() / f"{gguf.stem}-{stamp.split(':')[1][:12]}"
     try:
-        return cached_folder(folder, lambda tmp: dequantise(gguf, tmp), source=file_stamp(gguf))
+        return cached_folder(folder, lambda tmp: dequantise(gguf, tmp), source=stamp)
     except OSError as err:
         raise CacheError(f"cannot write the cache folder {folder.parent} ({err.strerror or err}); set DECODEKIT_CACHE") from err
 
 
 def file_stamp(path: Path) -> str:
-    """Size, modification time and digest of a file's bytes (:func:`.cache.file_digest`): what a
-    cached folder built from it records. The digest (a read of the file, tens of milliseconds for
-    the embedded model) tells a file changed in place apart even where its size and time were kept
-    (``cp -p``, ``rsync -a``, an archive unpacked over it)."""
-    stat = path.stat()
-    return f"{stat.st_size}:{stat.st_mtime_ns}:{file_digest(path)}"
+    """Size and digest of a file's bytes (:func:`.cache.file_digest`): what a cached folder built
+    from it records. The digest (a read of the file, tens of milliseconds for the embedded model)
+    tells a file changed in place apart even where its size and time were kept (``cp -p``,
+    ``rsync -a``, an archive unpacked over it)."""
+    return f"{path.stat().st_size}:{file_digest(path)}"
 
 
 def dequantise(gguf: Path, folder: Path) -> None:
