@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from decodekit.errors import InvalidParameter
-from decodekit.interfaces.cli import main, parse_option
+from decodekit.interfaces.cli import main
+from decodekit.options import parse_option
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

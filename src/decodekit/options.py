@@ -251,14 +251,16 @@ def literal(text: str) -> Any:
     return text
 
 
-def parse_option_items(items: Sequence[str], specs: Mapping[str, OptionSpec] | None = None) -> dict[str, Any]:
+def parse_option_items(items: Sequence[str], specs: Mapping[str, OptionSpec] | None = None,
+                       prefix: str = "") -> dict[str, Any]:
     """``--opt`` items as one dict, each parsed by :func:`parse_option`; a key given twice is refused
-    (never one value silently over another)."""
+    (never one value silently over another). ``prefix``: what the items were written after (bench's
+    ``METHOD.``), for the message."""
     options: dict[str, Any] = {}
     for item in items:
         key, value = parse_option(item, specs)
         if key in options:
-            raise InvalidParameter(f"--opt {key}=... is given twice; give one")
+            raise InvalidParameter(f"--opt {prefix}{key}=... is given twice; give one")
         options[key] = value
     return options
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..arguments import (add_model_argument, add_numerics_arguments, add_ray_arguments, check_ray_arguments, check_writable,
                          flags_given, named)
 from ..errors import DecodeKitError, InvalidParameter
-from ..options import check_int, parse_option
+from ..options import check_int, parse_option_items
 from .questions import DEFAULT_QUESTIONS
 
 if TYPE_CHECKING:
@@ -90,17 +90,16 @@ def parse_method_options(items: list[str], methods: list[str]) -> dict[str, dict
     """``METHOD.KEY=VALUE`` items as ``{method: {key: value}}``, each checked by the method's option specs."""
     from ..engine import method_spec, validate_options
 
-    options: dict[str, dict[str, Any]] = {}
+    per_method: dict[str, list[str]] = {}
     for item in items:
         method, dot, rest = item.partition(".")
         if not dot or "=" not in rest:
             raise InvalidParameter(f"--opt expects METHOD.KEY=VALUE, got {item!r}")
         if method not in methods:
             raise InvalidParameter(f"--opt {item!r}: method {method!r} is not in --methods ({', '.join(methods)})")
-        key, value = parse_option(rest, method_spec(method).options)
-        if key in options.get(method, {}):  # never one value silently over another
-            raise InvalidParameter(f"--opt {method}.{key}=... is given twice; give one")
-        options.setdefault(method, {})[key] = value
+        per_method.setdefault(method, []).append(rest)
+    options = {method: parse_option_items(rest, method_spec(method).options, prefix=f"{method}.")
+               for method, rest in per_method.items()}
     for method, given in options.items():
         validate_options(method, given)  # an unknown option fails now, not after loading the model
     return options

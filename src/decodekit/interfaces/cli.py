@@ -14,7 +14,7 @@ from typing import Any
 
 from ..arguments import ArgumentParser, add_model_arguments, check_argv
 from ..errors import DecodeKitError, InvalidParameter, PromptTooLong
-from ..options import OptionSpec, parse_option
+from ..options import OptionSpec, parse_option_items
 from ..samplers.params import SAMPLER_OPTIONS
 
 #: One flag per sampler parameter, from the sampler's table (``greedy`` is ``--method greedy``).
@@ -101,10 +101,9 @@ def decoding_params(args: argparse.Namespace) -> dict[str, Any]:
 
     params: dict[str, Any] = {name: getattr(args, name) for name in SAMPLER_FLAGS if getattr(args, name) is not None}
     options = method_spec(args.method).options
-    for key, value in (parse_option(o, options) for o in args.opt):
+    for key, value in parse_option_items(args.opt, options).items():  # an --opt given twice: refused there
         if key in params:  # never one value silently over another
-            given = f"--{key.replace('_', '-')}" if key in SAMPLER_FLAGS and getattr(args, key) is not None else f"--opt {key}=..."
-            raise InvalidParameter(f"{given} and --opt {key}=... both set {key}; give one")
+            raise InvalidParameter(f"--{key.replace('_', '-')} and --opt {key}=... both set {key}; give one")
         params[key] = value
     if args.draft_model is not None:
         if "draft_model" not in (options or {}):
