@@ -5142,6 +5142,14 @@ MUTATIONS = (
              "if args.prune is not None and not args.prune >= 0:",
              "if args.prune is not None and args.prune < 0:",
              ("tests/test_cache_integrity.py", "-k", "cache_command")),
+    Mutation("chat-room-check-off-by-one", "src/decodekit/interfaces/cli.py",
+             "if shortest + max_new_tokens > limit:",
+             "if shortest + max_new_tokens >= limit:",
+             ("tests/test_bad_input.py", "-k", "no_room_for_any_message")),
+    Mutation("chat-room-never-checked", "src/decodekit/interfaces/cli.py",
+             "check_room_for_a_message(engine, args.max_new_tokens)\n    messages",
+             "messages",
+             ("tests/test_bad_input.py", "-k", "no_room_for_any_message")),
 )
 
 

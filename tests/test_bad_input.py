@@ -235,6 +235,7 @@ def chat(capsys, monkeypatch, typed: str, out: list[str] | None = None, stdin=No
             return SimpleNamespace(text=text, stats=SimpleNamespace(new_tokens=1, tokens_per_s=1.0))
 
     monkeypatch.setattr(cli, "make_engine", lambda args: Recorder())
+    monkeypatch.setattr(cli, "check_room_for_a_message", lambda engine, max_new_tokens: None)  # the recorder has no context
     monkeypatch.setattr(sys, "stdin", stdin or io.StringIO(typed))
     assert cli.main(["chat"]) == 0
     captured = capsys.readouterr()
@@ -445,6 +446,23 @@ def test_chat_goes_on_when_the_conversation_outgrows_the_context(monkeypatch, en
     assert users == [["a"], ["a", "b"], ["a", "b", "c"], ["b", "c"], ["c"], ["a", "b", "d"], ["b", "d"], ["b", "d", "e"]]
     assert err.count("the oldest 1 exchange(s) dropped") == 1 and err.count("; not sent") == 1
     assert "Traceback" not in err
+
+
+def test_chat_refuses_an_answer_length_that_leaves_no_room_for_any_message(monkeypatch, engine, capsys):
+    """Where even a one-character message and its answer cannot fit the context (512 tokens here),
+    the chat is refused at its start, in one line with exit code 2, not message by message; the
+    longest answer that leaves room for the shortest message is accepted."""
+    from decodekit.engine.api import prompt_token_ids
+
+    shortest = len(prompt_token_ids(engine.model, [{"role": "user", "content": "x"}], chat=True))
+    monkeypatch.setattr(cli, "make_engine", lambda args: engine)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("x\n"))
+    assert cli.main(["chat", "--max-new-tokens", str(512 - shortest + 1)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"decodekit: error: --max-new-tokens {512 - shortest + 1} leaves no room")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("x\n"))
+    assert cli.main(["chat", "--max-new-tokens", str(512 - shortest)]) == 0
+    assert "not sent" not in capsys.readouterr().err
 
 
 

@@ -212,10 +212,24 @@ def answer_within_context(engine, messages: list[dict[str, str]], **kwargs: Any)
             sent = sent[2:]  # without the oldest exchange (a user message and its answer)
 
 
+def check_room_for_a_message(engine, max_new_tokens: int) -> None:
+    """Refuse, before the first message, an answer length that leaves no room in the model's context
+    for even a one-character message (every message would be refused, one by one)."""
+    from ..engine.api import prompt_token_ids
+
+    limit = engine.model.backend.info.max_length
+    shortest = len(prompt_token_ids(engine.model, [{"role": "user", "content": "x"}], chat=True))
+    if shortest + max_new_tokens > limit:
+        raise InvalidParameter(f"--max-new-tokens {max_new_tokens} leaves no room for a message in the model's "
+                               f"context of {limit} tokens (a message and its answer must fit; the shortest takes "
+                               f"{shortest} tokens)")
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     constraint = validate_decoding(args)
     engine = make_engine(args)
     params = decoding_params(args)
+    check_room_for_a_message(engine, args.max_new_tokens)
     messages: list[dict[str, str]] = []
     print(f"decodekit chat · {engine.model.name} · {args.method} · /exit, /quit or Ctrl-D to leave", file=sys.stderr)
     # bytes that are not UTF-8 come back as lone surrogates, in their own line only: a strict reader
