@@ -241,6 +241,26 @@ def test_all_turns_feeds_each_contestant_its_own_answers(tiny: LoadedModel, tmp_
     assert run.records[0]["turns"] == 2 and run.records[0]["new_tokens"] == 4
 
 
+def test_without_all_turns_a_record_counts_only_the_first_turn_it_ran(tiny: LoadedModel, tmp_path: Path):
+    """By default only a question's first turn is fed: its record says one turn ran, not the file's two."""
+    questions = load_questions(write_questions(tmp_path / "q.jsonl", ["qa"], turns=2))
+    run = run_bench([Scripted("greedy", [], tokens=(40, 41))], questions, prompt_fn(tiny),
+                    BenchConfig(max_new_tokens=2), progress=False)
+    assert run.records[0]["turns"] == 1 and run.records[0]["texts"] == ["xx"] and run.records[0]["new_tokens"] == 2
+
+
+def test_the_reference_failing_its_warm_up_ends_the_bench(tiny: LoadedModel, qfile: Path):
+    """Every figure is relative to the reference: another contestant failing its warm-up is skipped,
+    the reference failing it is an error, not a bench with no speedups."""
+    class Broken(Scripted):
+        def run(self, prompt_ids, max_new_tokens):
+            raise RuntimeError("cannot start")
+
+    with pytest.raises(RuntimeError, match="cannot start"):
+        run_bench([Broken("greedy", []), Scripted("b", [])], load_questions(qfile, limit=1), prompt_fn(tiny),
+                  BenchConfig(max_new_tokens=2), progress=False)
+
+
 # --------------------------------------------------------------------------- records, summary, exactness
 
 RECORD_TYPES = {
@@ -360,6 +380,14 @@ def test_the_prefix_share_is_a_share_of_the_reference_text():
     assert common_prefix_share("abc", "abcdef") == 0.5  # half of the reference, though all of the output
     assert common_prefix_share("abcdef", "abc") == 1.0
     assert common_prefix_share("abx", "abcd") == 0.5
+
+
+def test_an_empty_reference_is_reproduced_only_by_an_empty_output():
+    """Where greedy said nothing, an output that says nothing is all of it; one that says something is not greedy's."""
+    from decodekit.bench.runner import common_prefix_share
+
+    assert common_prefix_share("", "") == 1.0
+    assert common_prefix_share("abc", "") == 0.0
 
 
 def test_a_record_has_no_pass_count_when_one_of_its_turns_has_none():
@@ -898,6 +926,15 @@ def test_accepted_per_verification_is_the_mean_over_questions_and_passes_per_tok
     assert stats["passes_per_token"] == pytest.approx(15 / 30)
 
 
+def test_passes_per_token_is_unknown_when_a_question_has_no_pass_count():
+    """passes/token needs the passes of every question counted: one unknown count leaves it unknown (not a crash)."""
+    records = [hand_record("greedy", q) for q in (1, 2)]
+    records += [hand_record("m", 1, passes=5), {**hand_record("m", 2), "forward_passes": None}]
+    cats = summarize(records, hand_contestants("greedy", "m"), {})["methods"]
+    assert cats["m"]["categories"]["overall"]["passes_per_token"] is None
+    assert cats["greedy"]["categories"]["overall"]["passes_per_token"] == pytest.approx(1.0)
+
+
 def test_a_categorys_shares_and_errors_count_only_that_categorys_runs():
     """Each category's exact share and error count come from its own records; a run with no
     verdict (the reference failed there) is left out of the share, not counted as a mismatch."""
@@ -984,6 +1021,16 @@ def hand_summary() -> dict:
             }}
 
 
+def hand_results(**given) -> dict:
+    """A results document around :func:`hand_summary` (what the report writers read)."""
+    return {"summary": hand_summary(), "command": "c", "created": "t", "notes": [], "records": [],
+            "machine": {"cpu": "cpu", "usable_cores": 1, "logical_cores": 1, "memory_gb": 1.0,
+                        "torch": "t", "torch_threads": 1, "transformers": "t", "llama_cpp": None,
+                        "model": "tiny", "dtype": "float32", "platform": "p", "python": "3"},
+            "config": {"questions": "q.jsonl", "limit": None, "categories": [], "all_turns": False,
+                       "max_new_tokens": 4, "repeats": 1, "methods": ["greedy", "spec"], "baselines": []}} | given
+
+
 def table_row(table: str, name: str, markdown: bool = False) -> dict[str, str]:
     """A rendered table's row for one method, keyed by header."""
     lines = table.splitlines()
@@ -1017,18 +1064,86 @@ def test_the_speedup_matrices_leave_out_the_reference_and_show_their_own_figure(
 
     table = matrix(hand_summary(), "speedup", lambda v: f"{v:.2f}x")
     assert "spec" in table and "greedy" not in table
-    report = markdown_report({"summary": hand_summary(), "command": "c", "created": "t", "notes": [],
-                              "machine": {"cpu": "cpu", "usable_cores": 1, "logical_cores": 1, "memory_gb": 1.0,
-                                          "torch": "t", "torch_threads": 1, "transformers": "t", "llama_cpp": None,
-                                          "model": "tiny", "dtype": "float32", "platform": "p", "python": "3"},
-                              "config": {"questions": "q.jsonl", "limit": None, "categories": [], "all_turns": False,
-                                         "max_new_tokens": 4, "repeats": 1, "methods": ["greedy", "spec"],
-                                         "baselines": []}}, image=None)
+    report = markdown_report(hand_results(), image=None)
     e2e = report.split("## End-to-end speedup")[1].split("## Per category")[0]
     assert table_row(e2e.strip().split("\n", 1)[1].strip(), "spec", markdown=True)["overall"] == "2.50x"
     decode = report.split("## Decode-only speedup")[1].split("## End-to-end")[0]
     assert table_row(decode.strip().split("\n", 1)[1].strip(), "spec", markdown=True)["overall"] == "3.25x"
     assert "first turn only" in report and "### qa (2 questions)" in report
+
+
+def test_a_category_of_one_question_is_headed_in_the_singular():
+    """A category heading counts its questions in plain English: "1 question", not "1 questions"."""
+    summary = hand_summary()
+    summary["methods"]["greedy"]["categories"]["qa"]["questions"] = 1
+    report = markdown_report(hand_results(summary=summary), image=None)
+    assert "### qa (1 question)\n" in report and "(1 questions)" not in report
+
+
+def test_the_overall_tables_show_each_methods_peak_memory():
+    """The terminal and markdown overall tables carry the peak-RSS column, each method its own figure."""
+    terminal = terminal_report(hand_results())
+    overall = terminal.split("the reference):\n", 1)[1].split("\n\n", 1)[0]
+    assert table_row(overall, "spec")["peak RSS MB"] == "120" and table_row(overall, "greedy")["peak RSS MB"] == "100"
+    report = markdown_report(hand_results(), image=None)
+    overall = report.split("## Overall\n\n", 1)[1].split("\n\n", 1)[0]
+    assert table_row(overall, "spec", markdown=True)["peak RSS MB"] == "120"
+
+
+def test_the_reports_carry_the_runs_notes():
+    """Skipped methods, failures and exactness caveats are part of the result: both reports say them."""
+    notes = ["spec failed on question 3: RuntimeError: boom", "llamacpp baseline skipped"]
+    report = markdown_report(hand_results(notes=notes), image=None)
+    assert "## Notes" in report and all(f"- {n}" in report for n in notes)
+    assert all(f"note: {n}" in terminal_report(hand_results(notes=notes)) for n in notes)
+
+
+def test_a_markdown_table_has_one_alignment_cell_per_column():
+    """GitHub renders a table only when its delimiter row has as many cells as its header."""
+    from decodekit.bench.report import render
+
+    lines = render(["method", "a", "b"], [["x", "1", "2"]], markdown=True).splitlines()
+    assert lines[1] == "|:---|---:|---:|"
+    assert all(len(line.strip("|").split("|")) == 3 for line in lines)
+
+
+def test_the_workers_section_marks_only_the_lost_worker():
+    """A worker lost mid-run is named as lost (its question ran again elsewhere); the others are not."""
+    from decodekit.bench.report import worker_lines
+
+    machines = [{"host": host, "pid": pid, "threads": 1, "units": 2, "lost": lost, "machine": {"cpu": "cpu"}}
+                for host, pid, lost in (("a", 1, False), ("b", 2, True))]
+    lines = worker_lines(machines)
+    kept = next(line for line in lines if line.startswith("- a pid 1"))
+    lost = next(line for line in lines if line.startswith("- b pid 2"))
+    assert "lost mid-run" not in kept and "lost mid-run" in lost
+    assert worker_lines(None) == [] and worker_lines([]) == []
+
+
+def test_compare_leaves_out_a_method_only_the_second_run_has():
+    """--compare diffs what both runs measured: a method new in B has no A figure to compare with."""
+    b = hand_results()
+    b["summary"]["methods"]["new"] = b["summary"]["methods"]["spec"]
+    text = compare(hand_results(), b)
+    assert not any(line.startswith("new ") for line in text.splitlines())
+    assert any(line.startswith("spec ") for line in text.splitlines())
+
+
+def test_a_change_from_zero_tokens_per_second_has_no_relative_size():
+    """A relative change is undefined from zero: shown as "-" rather than dividing by it."""
+    from decodekit.bench.report import change
+
+    assert change(0.0, 5.0) == ["0.0", "5.0", "-"]
+    assert change(4.0, 5.0) == ["4.0", "5.0", "+25.0%"]
+
+
+def test_compare_counts_only_runs_that_produced_outputs_in_both_files():
+    """A run that failed in one file has no tokens to compare: it is not counted as a differing run."""
+    from decodekit.bench.report import same_outputs
+
+    ok = {"method": "m", "question_id": 1, "repeat": 0, "error": None, "tokens": [[1, 2]]}
+    failed = {**ok, "error": "boom", "tokens": []}
+    assert same_outputs([ok], [failed]) == "outputs: 0 of 0 runs in both files are token-identical"
 
 
 # --------------------------------------------------------------------------- question selection, records
@@ -1065,6 +1180,41 @@ def test_a_question_the_reference_failed_gets_no_exactness_verdict():
     failed = {**ok, "method": "greedy", "error": "boom", "texts": [], "tokens": []}
     compare_to_reference([failed, ok], "greedy", {"greedy": True, "m": True})
     assert ok["identical_to_reference"] is None and ok["text_match"] is None and ok["text_prefix_share"] is None
+
+
+def test_a_run_that_failed_gets_no_exactness_verdict():
+    """A failed run produced no output: it is neither a match nor a mismatch of greedy's."""
+    from decodekit.bench.runner import compare_to_reference
+
+    ref = {"method": "greedy", "error": None, "texts": ["abc"], "tokens": [[1, 2, 3]],
+           "identical_to_reference": None, "text_match": None, "text_prefix_share": None}
+    failed = {**ref, "method": "m", "error": "boom", "texts": [], "tokens": []}
+    compare_to_reference([ref, failed], "greedy", {"greedy": True, "m": True})
+    assert failed["identical_to_reference"] is None and failed["text_match"] is None and failed["text_prefix_share"] is None
+    assert ref["identical_to_reference"] is True
+
+
+def test_a_contestant_that_is_not_token_exact_gets_only_a_text_verdict(tiny: LoadedModel, qfile: Path):
+    """Token ids are compared one to one only for contestants that declare them comparable
+    (token_exact); a lossless one that does not (hf against fast numerics) is compared as text."""
+    class Loose(Scripted):
+        token_exact = False
+
+    run = run_bench([Scripted("greedy", []), Loose("loose", [])], load_questions(qfile, limit=1)[:1], prompt_fn(tiny),
+                    BenchConfig(max_new_tokens=3), progress=False)
+    loose = next(r for r in run.records if r["method"] == "loose")
+    greedy = next(r for r in run.records if r["method"] == "greedy")
+    assert loose["identical_to_reference"] is None and loose["text_match"] is True
+    assert greedy["identical_to_reference"] is True
+
+
+def test_a_records_accepted_per_verification_is_the_mean_over_its_turns():
+    """A record's figures cover every turn that ran: accepted/verify is the mean of the turns that report it."""
+    from decodekit.bench.questions import Question
+    from decodekit.bench.runner import make_record
+
+    turns = [(3, RunResult([1], "a", 0.1, 0.2, "length", forward_passes=1, mean_accepted=a)) for a in (2.0, None, 4.0)]
+    assert make_record(Scripted("m", []), Question(1, "qa", ("a", "b", "c")), 0, 0, turns)["mean_accepted"] == 3.0
 
 
 def test_the_warm_up_stays_within_the_token_budget(tiny: LoadedModel, qfile: Path):
@@ -1367,6 +1517,48 @@ def test_the_hf_baseline_stops_at_its_eos_and_counts_its_passes_after_the_prefil
     assert (result.tokens, result.text, result.finish_reason, result.forward_passes) == ([4, 5], "45", "eos", 2)
     again = hf.run([1, 3], 2)
     assert (again.tokens, again.finish_reason, again.forward_passes) == ([4, 5], "length", 1)
+
+
+class FakeLlama:
+    """llama-cpp-python's ``Llama`` as the baseline uses it: streams a scripted token sequence."""
+
+    script: list[int] = []
+
+    def __init__(self, model_path, **kwargs):
+        self.resets = 0
+
+    def token_eos(self):
+        return 99
+
+    def reset(self):
+        self.resets += 1
+
+    def generate(self, tokens, **kwargs):
+        yield from self.script
+
+    def detokenize(self, tokens):
+        return "".join(map(str, tokens)).encode()
+
+
+@pytest.mark.parametrize("script, budget, expected", [
+    ([4, 5, 6, 7, 8], 3, ([4, 5, 6], "length", 2)),  # stops at the budget
+    ([4, 5, 2, 6], 8, ([4, 5], "eos", 2)),  # decodekit's tokenizer's EOS, left out
+    ([4, 5, 99, 6], 8, ([4, 5], "eos", 2)),  # llama.cpp's own EOS too
+])
+def test_the_llamacpp_baseline_stops_at_its_budget_or_eos(monkeypatch, tmp_path: Path, script, budget, expected):
+    """Like decodekit's loop: at most max_new_tokens, the tokens before the first EOS (either
+    tokenizer's), and decode-time passes only (the first token comes from the prefill)."""
+    import sys
+    import types
+
+    from decodekit.bench.baselines import LlamaCpp
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    monkeypatch.setattr(FakeLlama, "script", script)
+    baseline = LlamaCpp(tmp_path / "m.gguf", frozenset({2}), n_threads=1)
+    result = baseline.run([1, 3], budget)
+    assert (result.tokens, result.finish_reason, result.forward_passes) == expected
+    assert result.text == "".join(map(str, expected[0])) and baseline.llm.resets == 1
 
 
 def test_a_methods_run_reports_the_tokens_it_accepted_per_verification(tiny: LoadedModel):

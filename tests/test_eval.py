@@ -609,3 +609,15 @@ def test_the_reproducing_command_keeps_every_repeated_opt(tmp_path):
     args = eval_args(tmp_path, "--method", "best-of-n", "--opt", "a=1", "--opt", "b=2")
     parts = shlex.split(command_line(args))
     assert [parts[i + 1] for i, part in enumerate(parts) if part == "--opt"] == ["a=1", "b=2"]
+
+
+def test_the_report_lists_every_item_of_a_small_run_and_its_interval_low_to_high():
+    """The items table is the run's items in order (a dozen is far below the table's cap), and the
+    Wilson interval reads [lower, upper]."""
+    from decodekit.eval.report import markdown
+
+    records = [{"id": str(i), "gold": "4", "answer": "4" if i % 2 else "5", "correct": bool(i % 2)} for i in range(12)]
+    text = markdown({**REPORT_BASE, "records": records})
+    rows = [line for line in text.split("## Items", 1)[1].splitlines() if line.startswith("| ") and "gold" not in line]
+    assert rows == [f"| {i} | 4 | {'4' if i % 2 else '5'} | {'yes' if i % 2 else 'no'} |" for i in range(12)]
+    assert "95% Wilson CI [0.057, 0.510]" in text
