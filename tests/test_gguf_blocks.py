@@ -429,6 +429,8 @@ def test_integer_kernel_turns_a_non_finite_input_into_nan_and_refuses_bad_shapes
         assert torch.isfinite(got[0]).all() and torch.isnan(got[1]).all()
     with pytest.raises(ValueError, match="inputs"):
         fast(packed, torch.randn(3, 60), 60)
+    with pytest.raises(ValueError, match="inputs"):  # no row at all: the kernel's pass needs one
+        fast(packed, torch.randn(0, 64), 64)
     with pytest.raises(ValueError, match="blocks"):
         fast(packed[:, :20].contiguous(), torch.randn(1, 64), 64)
     with pytest.raises(ValueError, match="blocks"):  # not a whole group of 16 rows

@@ -17,7 +17,7 @@ needs_kernel = pytest.mark.skipif(matmul is None, reason="no C compiler or no AV
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8, 16])
 @pytest.mark.parametrize("shape", [(96, 64), (101, 37), (3, 20), (8, 576)])
 def test_kernel_matches_torch(rows, shape):
     gen = torch.Generator().manual_seed(rows)
@@ -79,6 +79,36 @@ def test_bfloat16_outputs_round_a_tie_to_the_even_neighbour():
     weight[1, :2] = torch.tensor([1.0 + 2.0**-7, 1.0])  # 1 + 3 * 2^-8: halfway between 1 + 2^-7 and 1 + 2^-6
     out = kernels.few_rows_matmul(torch.bfloat16)(weight.bfloat16(), x.bfloat16())
     assert out.float().tolist() == [[1.0, 1.0 + 2.0**-6]]
+
+
+@needs_kernel
+def test_bfloat16_outputs_keep_infinities_and_nans():
+    """Rounding to bfloat16 is torch's conversion: a float32 sum of +-inf stays +-inf (only a NaN,
+    whose mantissa is non-zero, is made a quiet NaN), and a NaN stays a NaN."""
+    bf16 = kernels.few_rows_matmul(torch.bfloat16)
+    if bf16 is None:
+        pytest.skip("no AVX512-BF16 on this machine")
+    weight, x = torch.zeros(2, 32), torch.zeros(2, 32)
+    x[0, :2], x[1, 0] = torch.tensor([float("inf"), 1.0]), float("nan")
+    weight[0, :2], weight[1, :2] = torch.tensor([1.0, 0.0]), torch.tensor([-2.0, 3.0])
+    out = bf16(weight.bfloat16(), x.bfloat16()).float()
+    assert out[0].tolist() == [float("inf"), float("-inf")]  # inf * 1 + 1 * 0, inf * -2 + 1 * 3
+    assert bool(out[1].isnan().all())
+
+
+def test_the_bfloat16_kernel_is_not_offered_where_the_cpu_lacks_avx512bf16(monkeypatch):
+    """The bfloat16 kernel's dot products are AVX512-BF16 instructions: on a CPU without them (the
+    library says so) there is no bfloat16 kernel (torch runs), while float32's is still offered."""
+    from types import SimpleNamespace
+
+    from decodekit.models.kernels import matmul as matmul_module
+
+    fake = SimpleNamespace(decodekit_gemm_f32=SimpleNamespace(), decodekit_gemm_bf16=SimpleNamespace(),
+                           decodekit_has_avx512bf16=lambda: 0)
+    monkeypatch.setattr(matmul_module, "_library", lambda name: fake)
+    monkeypatch.setattr(matmul_module, "_address", lambda fn: 0)
+    assert matmul_module.few_rows_matmul.__wrapped__(torch.bfloat16) is None
+    assert matmul_module.few_rows_matmul.__wrapped__(torch.float32) is not None
 
 
 def test_kernels_can_be_switched_off(monkeypatch):
@@ -338,6 +368,26 @@ def test_a_query_that_sees_no_key_gets_zeros_not_nan(dim):
     assert torch.equal(got[1], attend(q[1:], k, v, None, dim**-0.5)[0])
 
 
+@pytest.mark.parametrize("dim", [16, 64])  # one query a job; a group's heads in one job
+def test_a_query_that_sees_one_key_gets_that_keys_value_exactly(dim):
+    """Softmax over a single score is 1 (exp(s - s) = 1, a sum of 1): a query that sees one key (a
+    prompt's first token, a lone key in a mask) gets that key's value row, bit for bit, whatever
+    its score, and the others of the pass are untouched by it."""
+    attend = kernels.layout_independent_attention(torch.float32, dim)
+    if attend is None:
+        pytest.skip("no C compiler or no AVX-512 on this machine")
+    gen = torch.Generator().manual_seed(14)
+    k, v, q = torch.randn(2, 20, dim, generator=gen), torch.randn(2, 20, dim, generator=gen), torch.randn(3, 6, dim, generator=gen)
+    visible = torch.zeros(3, 20, dtype=torch.bool)
+    visible[0, 0], visible[1, 17], visible[2] = True, True, True
+    got = attend(q, k, v, visible, dim**-0.5)
+    for row, key in ((0, 0), (1, 17)):
+        assert torch.equal(got[row], v[:, key].repeat_interleave(3, dim=0)), row  # heads 0-2: kv head 0, 3-5: 1
+    assert torch.equal(got[2], attend(q[2:], k, v, None, dim**-0.5)[0])
+    first = attend(q[:1], k[:, :1], v[:, :1], None, dim**-0.5)  # one key in the cache, no mask
+    assert torch.equal(first[0], v[:, 0].repeat_interleave(3, dim=0))
+
+
 def test_attention_reads_strided_queries_and_masks_as_their_values():
     """The kernel reads q and the mask as packed rows: a transposed view of either (same values,
     other strides) must give the bits of its contiguous copy, not the bytes in memory order."""
@@ -369,6 +419,18 @@ def test_attention_refuses_keys_and_values_whose_rows_it_cannot_walk():
         attend(q, cache[:, :20], cache[:, :20].contiguous(), None, 1.0)  # keys 64 a head, values 20
     sliced = attend(q, cache[:, :20], cache[:, :20], None, 1.0)  # the same stride: read as sliced
     assert torch.equal(sliced, attend(q, cache[:, :20].contiguous(), cache[:, :20].contiguous(), None, 1.0))
+
+
+def test_attention_refuses_queries_of_another_head_size():
+    """The kernel reads head_dim values a query, as it was built for: queries of another size
+    would be read past their rows (or short of them), so they are refused."""
+    attend = kernels.layout_independent_attention(torch.float32, 32)
+    if attend is None:
+        pytest.skip("no C compiler or no AVX-512 on this machine")
+    gen = torch.Generator().manual_seed(23)
+    k, v = torch.randn(2, 8, 32, generator=gen), torch.randn(2, 8, 32, generator=gen)
+    with pytest.raises(ValueError, match="head_dim 32"):
+        attend(torch.randn(1, 2, 16, generator=gen), k, v, None, 1.0)
 
 
 def test_attention_kernel_declines_head_dims_it_cannot_run():

@@ -513,6 +513,29 @@ def test_int8_attention_is_float_attention_on_the_dequantised_rows(head_dim):
         assert torch.equal(kernels.attention(q[row : row + 1], pk, pv, visible[row : row + 1], scale), got[row : row + 1])
 
 
+def test_int8_kernels_refuse_value_caches_laid_out_unlike_the_keys():
+    """Both int8 kernels walk the key and value caches with the keys' strides: a value cache of
+    another layout (a slice of a wider cache, a non-contiguous copy) is refused, not misread."""
+    from decodekit.models.kernels import int8_cache_kernels, quantise_int8_rows
+
+    d = 16
+    kernels = int8_cache_kernels(d)
+    if kernels is None:
+        pytest.skip("kernels unavailable")
+    g = torch.Generator().manual_seed(5)
+    pk = quantise_int8_rows(torch.randn(2, 8, d, generator=g))
+    wide = quantise_int8_rows(torch.randn(2, 16, d, generator=g))[:, :8]  # 16 rows a head apart, not 8
+    q = torch.randn(1, 2, d, generator=g)
+    with pytest.raises(ValueError, match="int8 attention"):
+        kernels.attention(q, pk, wide, None, d**-0.5)
+    qkv = torch.randn(1, 3 * d, generator=g)
+    freqs = torch.tensor([1.0, 0.0] * (d // 2)).repeat(4, 1)
+    k_cache = torch.zeros(1, 4, d // 4 + 1)
+    v_cache = torch.zeros(1, 8, d // 4 + 1)[:, ::2]  # [1, 4, row], every other slot: not contiguous
+    with pytest.raises(ValueError, match="int8 rope_store"):
+        kernels.rope_store(qkv, freqs, torch.tensor([0]), k_cache, v_cache, 0, 1)
+
+
 def test_int8_cache_speculation_is_lossless_relative_to_int8_greedy():
     engine = Engine(LoadedModel(tiny_llama(seed=0, hidden_size=64, scale=3.0).with_kv_cache("int8"), CharTokenizer(96), "tiny"))
     prompt = tokens(80)
@@ -650,6 +673,27 @@ def test_kivi_attention_refuses_quantised_ends_outside_the_codes_written():
     for base, qend in ((8, 16), (8, 4)):
         with pytest.raises(ValueError, match="quantised end"):
             kernel(q, KiviView(store, base, torch.tensor([qend])), 0, k, v, 16, None, 32**-0.5)
+
+
+def test_kivi_attention_refuses_residuals_and_queries_it_cannot_read():
+    """The kernel walks the key and value residuals with one layout, head_dim values a row, and
+    reads head_dim values a query: value residuals shaped unlike the keys', or queries of another
+    head size, are refused, not read past their ends."""
+    from decodekit.models.kernels import kivi_attention
+    from decodekit.models.kivi import KiviStore, KiviView
+
+    kernel = kivi_attention(32)
+    if kernel is None:
+        pytest.skip("kernels unavailable")
+    g = torch.Generator().manual_seed(4)
+    store = KiviStore(1, 2, 32, 8, 4)
+    store.append(torch.randn(1, 2, 8, 32, generator=g), torch.randn(1, 2, 8, 32, generator=g))
+    q, k = torch.randn(1, 6, 32, generator=g), torch.randn(2, 16, 32, generator=g)
+    view = KiviView(store, 8, torch.tensor([8]))
+    with pytest.raises(ValueError, match="kivi attention: needs head_dim 32"):
+        kernel(q, view, 0, k, torch.randn(2, 4, 32, generator=g), 4, None, 32**-0.5)  # fewer value rows
+    with pytest.raises(ValueError, match="kivi attention: needs head_dim 32"):
+        kernel(torch.randn(1, 6, 16, generator=g), view, 0, k, k.clone(), 16, None, 32**-0.5)
 
 
 @pytest.mark.parametrize("group, residual", [(8, 64), (32, 128), (1, 64)])
