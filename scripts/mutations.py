@@ -5426,6 +5426,18 @@ MUTATIONS = (
              "elif dtype == torch.bfloat16 and lib.decodekit_has_avx512bf16():",
              "elif dtype == torch.bfloat16:",
              ("tests/test_kernels.py", "-k", "avx512bf16")),
+    Mutation("judge-room-ignores-its-question", "src/decodekit/search/scorers.py",
+             "if len(request.prompt_ids) + request.max_new_tokens + question > limit:",
+             "if len(request.prompt_ids) + request.max_new_tokens > limit:",
+             ("tests/test_search_uncertainty.py", "-k", "question_would_pass")),
+    Mutation("judge-room-checked-mid-search-only", "src/decodekit/search/select.py",
+             "self.scorer.check(model, request)",
+             "self.scorer.check(model)",
+             ("tests/test_search_uncertainty.py", "-k", "question_would_pass")),
+    Mutation("judge-room-unchecked-in-step-search", "src/decodekit/search/steps.py",
+             "self.scorer.check(model, request)",
+             "self.scorer.check(model)",
+             ("tests/test_search_uncertainty.py", "-k", "question_would_pass")),
 )
 
 

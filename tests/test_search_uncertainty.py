@@ -219,14 +219,14 @@ def test_a_step_search_asks_the_judge_about_each_step_the_first_included():
 
     model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
     asked = []
-    follow_up = Judge._follow_up
+    ask = Judge._ask
 
-    def spy(judge, question):
+    def spy(self, ctx, prefix, segment, question):
         asked.append(question)
-        return follow_up(judge, question)
+        return ask(self, ctx, prefix, segment, question)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Judge, "_follow_up", staticmethod(spy))
+        patch.setattr(Judge, "_ask", spy)
         Engine(model).generate("Q: 1+1=", method="step-beam", n=2, expand=2, scorer="judge", delimiter="a",
                                max_step_tokens=4, max_new_tokens=12)
         assert asked and set(asked) == {Judge.STEP_QUESTION}
@@ -299,3 +299,33 @@ def test_normalized_entropy_of_a_single_logit_is_zero():
     """One candidate is certainty: entropy 0 (log K = 0 would otherwise divide 0 by 0)."""
     assert normalized_entropy([3.0]) == 0.0
     assert normalized_entropy([]) == 0.0
+
+
+@pytest.mark.parametrize("method", ["best-of-n", "step-beam"])
+def test_a_judge_whose_question_would_pass_the_context_refuses_the_request_before_sampling(method, monkeypatch):
+    """The judge reads prompt + answer + its own question: a request that fits the context but leaves
+    no room for the question is refused before any candidate is drafted, naming the judge's question
+    (a PromptTooLong, so a chat drops its oldest exchanges), never mid-search; one token less of
+    answer than the limit runs."""
+    from decodekit.engine import Engine
+    from decodekit.errors import PromptTooLong
+    from decodekit.search import batch
+
+    model = LoadedModel(tiny_llama(seed=0, hidden_size=64, max_position=200), TOK, "tiny")
+    question = max(len(Judge._follow_up(model, q)) for q in (Judge.ANSWER_QUESTION, Judge.STEP_QUESTION))
+    prompt = "a" * 120
+    room = 200 - len(TOK.encode(prompt)) - question
+    real = batch.SearchContext.decode
+
+    def watched(self, *args, **kwargs):
+        watched.calls += 1
+        return real(self, *args, **kwargs)
+
+    watched.calls = 0
+    monkeypatch.setattr(batch.SearchContext, "decode", watched)
+    engine = Engine(model)
+    with pytest.raises(PromptTooLong, match=f"\\+ {room + 1} new tokens \\+ the judge's question of {question} tokens"):
+        engine.generate(prompt, method=method, n=2, seed=1, scorer="judge", max_new_tokens=room + 1, chat=False)
+    assert watched.calls == 0
+    engine.generate(prompt, method=method, n=2, seed=1, scorer="judge", max_new_tokens=room, chat=False)
+    assert watched.calls > 0

@@ -25,7 +25,8 @@ from numbers import Real
 
 import torch
 
-from ..errors import InvalidParameter
+from ..engine.core import Request
+from ..errors import InvalidParameter, PromptTooLong
 from ..models import LoadedModel
 from ..options import OptionSpec, any_value, finite
 from .batch import Sample, SearchContext
@@ -37,9 +38,10 @@ class Scorer(ABC):
     name = "scorer"
     nonnegative = False
 
-    def check(self, model: LoadedModel) -> None:
+    def check(self, model: LoadedModel, request: Request | None = None) -> None:
         """Called before a search decodes anything: refuse (:class:`InvalidParameter`) a generating
-        model this scorer cannot score, so that the refusal costs no samples."""
+        model this scorer cannot score, or (:class:`PromptTooLong`) a request whose answers it could not
+        read within its model's context, so that the refusal costs no samples."""
 
     @abstractmethod
     def score(self, ctx: SearchContext, prefix: Sequence[int], segment: Sample) -> float: ...
@@ -123,12 +125,22 @@ class Judge(Scorer):
     def score_step(self, ctx: SearchContext, prefix: Sequence[int], step: Sample) -> float:
         return self._ask(ctx, prefix, step, self.STEP_QUESTION)  # the first step too: it is not a whole answer
 
-    def check(self, model: LoadedModel) -> None:
+    def check(self, model: LoadedModel, request: Request | None = None) -> None:
         if self.model is not None and self.model.backend.info.vocab_size != model.backend.info.vocab_size:
             raise InvalidParameter("the judge model must share the generating model's tokenizer", param="judge_model")
+        if request is None:
+            return
+        # the judge reads prompt + answer + its question: a request that fits the context may not
+        # leave room for the question (a chat then drops its oldest exchanges, as for a long prompt)
+        judge = self.model or model
+        question = max(len(self._follow_up(judge, q)) for q in (self.ANSWER_QUESTION, self.STEP_QUESTION))
+        limit = judge.backend.info.max_length
+        if len(request.prompt_ids) + request.max_new_tokens + question > limit:
+            raise PromptTooLong(f"prompt of {len(request.prompt_ids)} tokens + {request.max_new_tokens} new tokens + the "
+                                f"judge's question of {question} tokens exceeds the judge model's context of {limit}")
 
     def _ask(self, ctx: SearchContext, prefix: Sequence[int], segment: Sample, question: str) -> float:
-        self.check(ctx.model)  # again for a scorer used outside a search
+        self.check(ctx.model, ctx.request)  # again for a scorer used outside a search
         judge = self.model or ctx.model
         ids = ctx.prompt + list(prefix) + segment.tokens + self._follow_up(judge, question)
         logits = ctx.cache_for(judge, shared=not self.owned).fork(ids, 1)[0]

@@ -111,7 +111,7 @@ class MultiSampleDecoder(Decoder):
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         if self.scorer is not None:
-            self.scorer.check(model)
+            self.scorer.check(model, request)
         ctx = SearchContext(model, request)
         samples = ctx.decode(ctx.prompt, ctx.row_samplers(self.temperature), range(self.n),
                              request.max_new_tokens, stop_on_first=self.stops_early)

@@ -120,7 +120,7 @@ class StepSearch(Decoder):
 
     def context(self, model: LoadedModel, request: Request) -> SearchContext:
         """The request's search context, once the scorer has checked the model (before any step)."""
-        self.scorer.check(model)
+        self.scorer.check(model, request)
         return SearchContext(model, request)
 
     def expand(self, ctx: SearchContext, node: Partial, rows: RowSamplers, slots: Sequence[int],
