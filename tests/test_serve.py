@@ -1451,3 +1451,313 @@ def test_logprobs_are_those_of_the_cache_that_chose_the_tokens(cache):
     assert len(rows) == len(tokens) == 40
     assert [alternatives[0][0] for _, alternatives in rows] == tokens
     assert all(value == alternatives[0][1] for value, alternatives in rows)
+
+
+def bare_reply(chat: bool, include_usage: bool = False, method: str = "greedy", metrics=None, tokenizer=None):
+    """A :class:`Reply` with just what its bodies and chunks read: no server running."""
+    import types
+
+    from decodekit.serve.reply import Reply
+
+    reply = Reply.__new__(Reply)
+    reply.server = types.SimpleNamespace(metrics=metrics, model_id="tiny", numerics="exact",
+                                         scheduler=types.SimpleNamespace(cancel=lambda jobs: None),
+                                         count_error=lambda status: metrics and metrics.errors.labels(str(status)).inc())
+    reply.chat, reply.prompt_ids, reply.started, reply.body = chat, [1, 2], 0.0, {}
+    reply.spec = types.SimpleNamespace(method=method, include_usage=include_usage)
+    reply.id, reply.created, reply.tokenizer = "cmpl-test", 0, tokenizer
+    return reply
+
+
+def fake_metrics():
+    import types
+
+    from decodekit.serve.metrics import ServerMetrics
+
+    batcher = types.SimpleNamespace(passes=3, rows=7)
+    return ServerMetrics(types.SimpleNamespace(running=2, waiting=5, prefix_tokens=0, batcher=batcher))
+
+
+def test_response_and_chunk_objects_are_named_as_openai_names_them():
+    """OpenAI's object names: chat.completion and chat.completion.chunk for a chat; a legacy
+    completion is text_completion, its stream chunks included."""
+    from decodekit.engine.core import Generation, GenerationStats
+    from decodekit.serve.scheduler import Job, Outcome
+
+    outcome = Outcome(Generation("ab", [3, 4], GenerationStats(), "eos"), None, 0.0)
+    for chat, whole, chunk in ((True, "chat.completion", "chat.completion.chunk"), (False, "text_completion", "text_completion")):
+        reply = bare_reply(chat)
+        assert reply.whole([outcome], [Job([1, 2], "greedy", {}, 8)])["object"] == whole
+        assert json.loads(reply._chunk(0, "a", None).removeprefix("data: "))["object"] == chunk
+
+
+def test_a_choices_last_chunk_has_an_empty_delta_or_an_empty_text():
+    """OpenAI ends a streamed choice with its finish reason and no content: a chat's delta is {}
+    (never "content": null), a legacy completion's text is "" (never null)."""
+    end = json.loads(bare_reply(True)._chunk(1, None, "stop").removeprefix("data: "))["choices"][0]
+    assert end == {"index": 1, "delta": {}, "finish_reason": "stop", "logprobs": None}
+    end = json.loads(bare_reply(False)._chunk(1, None, "length").removeprefix("data: "))["choices"][0]
+    assert end == {"index": 1, "text": "", "finish_reason": "length", "logprobs": None}
+
+
+def run_stream(reply, takes: list, outcomes: list, monkeypatch, clock=None) -> list[dict]:
+    """The events of ``reply.stream`` over a channel that hands over ``takes`` in turn, for choices
+    that ended with ``outcomes`` (the last event, [DONE], as the string)."""
+    import asyncio
+    from concurrent.futures import Future
+
+    from decodekit.serve import reply as reply_module
+    from decodekit.serve.scheduler import Job
+
+    class Scripted:
+        def post(self, item):  # (the ends the futures post: scripted in takes instead)
+            pass
+
+        async def take(self):
+            return takes.pop(0)
+
+    if clock is not None:
+        monkeypatch.setattr(reply_module, "time", clock)
+    futures = []
+    for outcome in outcomes:
+        future: Future = Future()
+        if isinstance(outcome, Exception):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+        futures.append(future)
+    jobs = [Job([1, 2], reply.spec.method, {}, 8) for _ in outcomes]
+
+    async def main():
+        return [text async for text in reply.stream(None, jobs, futures, Scripted())]
+
+    events = [e.removeprefix("data: ") for part in asyncio.run(main()) for e in part.split("\n\n") if e]
+    return [json.loads(e) for e in events[:-1]] + [events[-1]]
+
+
+def test_a_streamed_chat_gives_every_choice_its_role_then_its_text_its_end_and_the_usage(monkeypatch):
+    """n streamed chat choices: each choice's first chunk carries its role (OpenAI's clients read
+    every choice's), then its text, its finish reason, then one usage chunk for all of them, and [DONE]."""
+    from decodekit.engine.core import Generation, GenerationStats
+    from decodekit.serve.reply import FINISHED
+    from decodekit.serve.scheduler import Outcome
+
+    outcomes = [Outcome(Generation(text, tokens, GenerationStats(), reason), None, 0.0)
+                for text, tokens, reason in (("ab", [3, 4], "length"), ("c", [5], "eos"))]
+    takes = [[(0, "a"), (1, "c")], [(0, "b"), (1, FINISHED)], [(0, FINISHED)]]
+    events = run_stream(bare_reply(True, include_usage=True), takes, outcomes, monkeypatch)
+    assert events[-1] == "[DONE]"
+    choices = [(e["choices"][0]["index"], e["choices"][0]["delta"], e["choices"][0]["finish_reason"]) for e in events[:-2]]
+    assert choices[:2] == [(0, {"role": "assistant", "content": ""}, None), (1, {"role": "assistant", "content": ""}, None)]
+    assert choices[2:] == [(0, {"content": "a"}, None), (1, {"content": "c"}, None), (0, {"content": "b"}, None),
+                           (1, {}, "stop"), (0, {}, "length")]
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+
+
+def test_a_streamed_choices_time_to_first_token_is_its_first_text(monkeypatch):
+    """The time to first token of a stream: when its first text was handed over, not a later one."""
+    import itertools
+    import types
+
+    from decodekit.engine.core import Generation, GenerationStats
+    from decodekit.serve.reply import FINISHED
+    from decodekit.serve.scheduler import Outcome
+
+    ticks = itertools.count(1)  # the clock reads 1 at the first text, 2 at the second, 3 at the end
+    clock = types.SimpleNamespace(perf_counter=lambda: float(next(ticks)), time=lambda: 0.0)
+    metrics = fake_metrics()
+    outcome = Outcome(Generation("ab", [3, 4], GenerationStats(), "length"), None, 0.0)
+    run_stream(bare_reply(False, metrics=metrics), [[(0, "a")], [(0, "b")], [(0, FINISHED)]], [outcome], monkeypatch, clock)
+    value = metrics.registry.get_sample_value
+    assert value("decodekit:time_to_first_token_seconds_sum") == 1.0
+    assert value("decodekit:e2e_request_latency_seconds_sum") == 3.0
+
+
+def test_an_error_in_a_stream_is_counted_by_its_status(monkeypatch):
+    """A stream that fails after it began answers with an error event and [DONE], and the error is
+    in the metrics as one answered before the stream would be."""
+    from decodekit.errors import DecodeKitError
+    from decodekit.serve.reply import FINISHED
+
+    metrics = fake_metrics()
+    events = run_stream(bare_reply(True, metrics=metrics), [[(0, FINISHED)]],
+                        [DecodeKitError("the logits are not finite")], monkeypatch)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["message"] == "the logits are not finite"
+    assert metrics.registry.get_sample_value("decodekit:request_errors_total", {"status": "400"}) == 1
+
+
+def test_a_replys_time_to_first_token_counts_its_reading_wait_and_prefill():
+    """Not streamed, a method decoding token by token: its first token came after the request was
+    read (job submitted), its wait and its prompt's reading; a search settles its answer last (at the
+    end); an answer without tokens has none."""
+    import time
+
+    from decodekit.engine.core import Generation, GenerationStats
+    from decodekit.serve.scheduler import Job, Outcome
+
+    reply = bare_reply(False)
+    reply.started = 10.0
+    job = Job([1, 2], "greedy", {}, 8, submitted=12.5)
+    outcome = Outcome(Generation("ab", [3, 4], GenerationStats(prefill_s=0.25), "length"), None, 1.0)
+    assert reply.first_token_s(outcome, job) == 2.5 + 1.0 + 0.25
+    assert reply.first_token_s(Outcome(Generation.cancelled(), None, 1.0), job) is None
+    search = bare_reply(False, method="best-of-n")
+    search.started = time.perf_counter() - 100.0  # arrived 100 s ago, submitted at once, no wait, no prefill
+    job = Job([1, 2], "best-of-n", {}, 8, submitted=search.started)
+    assert search.first_token_s(Outcome(Generation("ab", [3, 4], GenerationStats(), "length"), None, 0.0), job) >= 100.0
+
+
+def test_legacy_logprobs_show_a_cut_tokens_text_only_as_far_as_the_text_goes():
+    """A completion's logprobs.tokens join to its text: a token a stop string cut inside shows only
+    its characters before the stop, and text_offset indexes the text."""
+    from decodekit.engine.core import Generation, GenerationStats
+    from decodekit.engine.stops import cut_at_stop
+    from decodekit.serve.scheduler import Outcome
+
+    class Words:
+        vocab = ["He", "llo", " wor", "ld", "!"]
+
+        def decode(self, tokens):
+            return "".join(self.vocab[t] for t in tokens)
+
+        def token_bytes(self, token):
+            return self.vocab[token].encode()
+
+    generated = [0, 1, 2, 3, 4]
+    text, kept, _ = cut_at_stop(Words(), generated, ["rld"])
+    g = Generation(text, kept, GenerationStats(), "stop", cut_off=generated[len(kept):])
+    outcome = Outcome(g, [(-0.1, []), (-0.2, []), (-0.3, [])], 0.0)
+    logprobs = bare_reply(False, tokenizer=Words())._logprobs(outcome)
+    assert logprobs["tokens"] == ["He", "llo", " wo"] and "".join(logprobs["tokens"]) == text
+    assert logprobs["text_offset"] == [0, 2, 5] and logprobs["token_logprobs"] == [-0.1, -0.2, -0.3]
+
+
+def test_a_chat_logprob_entry_of_a_kept_token_has_the_tokens_own_bytes():
+    """OpenAI's bytes field: the token's own bytes, so that byte tokens of one character each keep
+    theirs (their bytes join to the character; their text is the tokenizer's)."""
+    from decodekit.engine.core import Generation, GenerationStats
+    from decodekit.serve.scheduler import Outcome
+
+    class Bytes:
+        vocab = [b"\xc3", b"\xa9"]  # "é" in two tokens
+
+        def decode(self, tokens):
+            return b"".join(self.vocab[t] for t in tokens).decode("utf-8", "replace")
+
+        def token_bytes(self, token):
+            return self.vocab[token]
+
+    outcome = Outcome(Generation("é", [0, 1], GenerationStats(), "eos"), [(-0.1, []), (-0.2, [])], 0.0)
+    content = bare_reply(True, tokenizer=Bytes())._logprobs(outcome)["content"]
+    assert [c["bytes"] for c in content] == [[0xC3], [0xA9]]
+    assert [c["token"] for c in content] == ["\ufffd", "\ufffd"]
+
+
+def test_request_fields_of_the_wrong_type_are_400s_naming_them():
+    """Each field's own type checked, the error naming it (never a 500 from reading it as another type)."""
+    messages = [{"role": "user", "content": "hi"}]
+    assert refused({"prompt": "hi", "stop": ["a", 1]}) == "stop"
+    assert refused({"prompt": "hi", "stream": True, "stream_options": "yes"}) == "stream_options"
+    assert refused({"prompt": "hi", "method": 5}) == "method"
+    assert refused({"prompt": "hi", "method_options": ["top_k"]}) == "method_options"
+    assert refused({"prompt": "hi", "response_format": {"type": "json_schema"}}) == "response_format"
+    assert refused({"messages": []}, chat=True) == "messages"
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    assert refused({"messages": [{"role": "user", "content": [image]}]}, chat=True) == "messages"
+    assert parse_request({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, chat=True).prompt == messages
+
+
+def test_an_option_given_in_the_body_and_in_method_options_is_refused():
+    """Two values for one option: refused, never one of them silently taken."""
+    assert refused({"prompt": "hi", "top_k": 3, "method_options": {"top_k": 4}}) == "method_options"
+    assert parse_request({"prompt": "hi", "method_options": {"top_k": 4}}, chat=False).params["top_k"] == 4
+
+
+def test_openai_sampling_fields_keep_the_method_asked_for():
+    """Temperature 0 makes plain sampling greedy and leaves another method as it is (a search draws
+    at its sample_temperature); OpenAI's default temperature 1 is for plain sampling only; both
+    penalties are passed on; an unseeded sampling request gets a seed of its own."""
+    spec = parse_request({"prompt": "hi", "method": "best-of-n", "temperature": 0}, chat=False)
+    assert (spec.method, spec.params) == ("best-of-n", {})
+    spec = parse_request({"prompt": "hi", "method": "pld"}, chat=False)
+    assert (spec.method, spec.params) == ("pld", {})
+    spec = parse_request({"prompt": "hi", "temperature": 0.5, "frequency_penalty": 0.5, "seed": 1}, chat=False)
+    assert spec.params == {"temperature": 0.5, "frequency_penalty": 0.5, "seed": 1}
+    seeds = {parse_request({"prompt": "hi", "temperature": 0.7}, chat=False).params["seed"] for _ in range(3)}
+    assert len(seeds) > 1  # (three equal draws of 2**31: once in 2**62)
+
+
+def test_an_errors_param_is_the_request_field_it_is_about():
+    """The error object's param: method_options for a search option named like a body field (the
+    search's n, not the choices' n), the constraint's own field, none where no field is named."""
+    from decodekit.errors import DecodeKitError
+    from decodekit.serve.request import field_named
+
+    assert field_named(DecodeKitError("n must be >= 1"), {"n": 2, "method_options": {"n": 0}}, False) == "method_options"
+    assert field_named(DecodeKitError("n must be >= 1"), {"n": 2}, False) == "n"
+    assert field_named(DecodeKitError("structured decoding failed"), {"prompt": "hi"}, False) is None
+    bad = InvalidParameter("the regex does not compile", param="constraint")
+    assert field_named(bad, {"prompt": "hi", "guided_regex": "("}, False) == "guided_regex"
+    assert field_named(bad, {"prompt": "hi", "response_format": {"type": "json_object"}}, False) == "response_format"
+
+
+def test_an_unsupported_field_at_0_or_empty_text_is_refused():
+    """Only OpenAI's defaults (null, false, empty lists and objects) ask for nothing: "" or 0 are values
+    asked for (a suffix of "" is not no suffix), so they are refused as the field is."""
+    assert refused({"prompt": "hi", "suffix": ""}) == "suffix"
+    assert refused({"prompt": "hi", "echo": 0}) == "echo"
+    assert parse_request({"prompt": "hi", "echo": False, "suffix": None, "tools": []}, chat=False).prompt == "hi"
+
+
+def test_a_body_must_be_an_object_and_a_streamed_body_may_be_exactly_the_limit():
+    """A JSON body that is not an object is a 400; a body sent without its size is read up to the
+    limit, included, and a 413 past it."""
+    import asyncio
+
+    from decodekit.serve.errors import ApiError
+    from decodekit.serve.request import read_body
+
+    class Sent:
+        def __init__(self, data: bytes):
+            self.headers, self.data = {}, data
+
+        async def stream(self):
+            for at in range(0, len(self.data), 1 << 20):
+                yield self.data[at : at + (1 << 20)]
+
+    with pytest.raises(ApiError) as err:
+        asyncio.run(read_body(Sent(b"[1]")))
+    assert err.value.status == 400
+    assert asyncio.run(read_body(Sent(b"{}" + b" " * (MAX_BODY_BYTES - 2)))) == {}
+    with pytest.raises(ApiError) as err:
+        asyncio.run(read_body(Sent(b"{}" + b" " * (MAX_BODY_BYTES - 1))))
+    assert err.value.status == 413
+
+
+def test_a_prompt_too_long_names_the_field_the_client_sent_and_every_error_is_counted(served):
+    """context_length_exceeded names messages for a chat and prompt for a completion; each request
+    answered with an error counts once under its status in /metrics."""
+    errors = 'decodekit:request_errors_total{status="400"}'
+    before = metric(served, errors)
+    for path, body, param in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 3000}]}, "messages"),
+                              ("/v1/completions", {"prompt": "x" * 3000}, "prompt")):
+        status, text = post(served, path, {**body, "max_tokens": 10})
+        error = json.loads(text)["error"]
+        assert status == 400 and (error["code"], error["param"]) == ("context_length_exceeded", param), text
+    assert metric(served, errors) - before == 2
+
+
+def test_metrics_gauges_and_histograms_read_their_own_figures():
+    """Each series its own figure: running and waiting requests, the batcher's passes and rows, the
+    queue time (not the latency), and each finish reason under its own label."""
+    import types
+
+    metrics = fake_metrics()
+    g = types.SimpleNamespace(generated=2, tokens=[1, 2], finish_reason="eos", stats=types.SimpleNamespace(extra={}))
+    metrics.finished(prompt_tokens=3, generation=g, queued_s=0.5, ttft_s=None, e2e_s=3.0)
+    value = metrics.registry.get_sample_value
+    assert (value("decodekit:num_requests_running"), value("decodekit:num_requests_waiting")) == (2, 5)
+    assert (value("decodekit:batched_passes_total"), value("decodekit:batched_rows_total")) == (3, 7)
+    assert value("decodekit:request_queue_time_seconds_sum") == 0.5
+    assert value("decodekit:e2e_request_latency_seconds_sum") == 3.0
+    assert value("decodekit:request_success_total", {"finished_reason": "eos"}) == 1
