@@ -384,3 +384,115 @@ def test_a_closed_batcher_ends_its_thread_once_no_request_is_left():
         assert len(passes_thread()) == before + 1
     batcher._thread.join(timeout=10)
     assert len(passes_thread()) == before
+
+
+def test_a_batch_counts_one_pass_and_every_row_it_carried():
+    """The metrics (``decodekit:batched_passes``, ``decodekit:batched_rows``): one pass per batch, and
+    the rows of all its sequences' passes, not the number of sequences."""
+    batcher = PassBatcher()
+    batcher._execute([stub_pass(1, StubBackend()), stub_pass(5, StubBackend())])
+    batcher._execute([stub_pass(3, StubBackend())])
+    assert (batcher.passes, batcher.rows) == (2, 9)
+
+
+def test_a_request_is_woken_only_once_its_output_is_in():
+    """The request thread reads its pass's output as soon as ``done`` is set: it must be set after the
+    output (or the error) is stored, for every pass of the batch."""
+    batch = [stub_pass(1, StubBackend()), stub_pass(2, StubBackend())]
+    seen = []
+
+    class Recording(threading.Event):
+        def __init__(self, job):
+            super().__init__()
+            self.job = job
+
+        def set(self):
+            seen.append(self.job.output is not None or self.job.error is not None)
+            super().set()
+
+    for job in batch:
+        job.done = Recording(job)
+    PassBatcher()._execute(batch)
+    assert seen and all(seen)
+    assert all(job.output is not None and job.error is None for job in batch)
+
+
+def test_a_request_that_leaves_lets_the_passes_waiting_for_it_run_at_once():
+    """A batch waits for every active sequence's pass; a sequence that leaves instead wakes the pass
+    thread, so the others' passes run now, not after ``wait_s`` (an hour here)."""
+    batcher = PassBatcher(wait_s=3600.0)
+    backend = StubBackend()
+    backend.batch_key = None
+    results, leave, inside = [], threading.Event(), threading.Event()
+
+    def leaver() -> None:
+        with batcher.member():
+            inside.set()
+            leave.wait()
+
+    def request() -> None:
+        with batcher.member():
+            results.append(batcher.run(backend, torch.zeros(1, dtype=torch.long), torch.arange(1), None, 0, False))
+
+    threads = [threading.Thread(target=leaver, daemon=True), threading.Thread(target=request, daemon=True)]
+    threads[0].start()
+    inside.wait(5)
+    threads[1].start()
+    while not batcher._waiting:  # the pass is in: the pass thread waits for the leaver's
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.2)  # (the pass thread now sleeps in its wait)
+    leave.set()
+    for t in threads:
+        t.join(timeout=5)
+    assert len(results) == 1 and batcher.passes == 1
+    batcher.close()
+
+
+def test_serve_runs_the_passes_until_its_event_is_set():
+    """serve() keeps running passes on the calling thread while ``until`` is unset (a request's pass
+    sent after it started still runs), and returns once it is set."""
+    batcher, until = PassBatcher(own_thread=False, wait_s=0.0), threading.Event()
+    server = threading.Thread(target=batcher.serve, args=(until,), daemon=True)
+    server.start()
+    backend, results = StubBackend(), []
+    backend.batch_key = None
+
+    def request() -> None:
+        with batcher.member():
+            results.append(batcher.run(backend, torch.zeros(2, dtype=torch.long), torch.arange(2), None, 0, False))
+
+    client = threading.Thread(target=request, daemon=True)
+    client.start()
+    client.join(timeout=5)
+    assert len(results) == 1 and batcher.passes == 1
+    until.set()
+    batcher.stop_waiting()
+    server.join(timeout=5)
+    assert not server.is_alive()
+
+
+def test_serve_is_refused_for_a_batcher_with_a_thread_of_its_own():
+    """A batcher runs its passes on one thread: its own, or the caller of serve(), never both."""
+    until = threading.Event()
+    until.set()
+    with pytest.raises(RuntimeError, match="thread of its own"):
+        PassBatcher().serve(until)
+
+
+def test_closing_with_a_request_still_in_leaves_its_thread_running_without_waiting():
+    """close() joins the batcher's own thread only once no request is left; with one still decoding the
+    thread keeps running its passes, and the caller (often that request) is not held up."""
+    batcher, backend, joined = PassBatcher(wait_s=0.0), StubBackend(), []
+    backend.batch_key = None
+    with batcher.member():
+        batcher.run(backend, torch.zeros(1, dtype=torch.long), torch.arange(1), None, 0, False)  # starts the thread
+        thread = batcher._thread
+        join = thread.join
+        thread.join = lambda timeout=None: joined.append(timeout)
+        batcher.close()
+        assert joined == [] and thread.is_alive()
+        batcher.run(backend, torch.zeros(1, dtype=torch.long), torch.arange(1), None, 0, False)  # still served
+    batcher.close()
+    assert len(joined) == 1
+    join(timeout=5)
+    assert not thread.is_alive()

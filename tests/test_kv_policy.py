@@ -48,11 +48,29 @@ def test_spellings_parse_and_round_trip():
     "h2o:budget=8,window=4,extra=1", "snapkv:budget=8,window=8", "snapkv:budget=8,window=2,kernel=4",
     "sink:4,window:8,window:9", "h2o:budget=-1,window=1", "int4:residual=32", "int4:group=0", "int4:bits=2", "int3",
     "int4:group=99999999999999999999", "int2:residual=2147483648", "h2o:budget=99999999999999999999,window=4",
+    "snapkv:window=8", "sink:,window:4", "int4:",
 ])
 def test_bad_spellings_fail_in_one_line(spec):
     with pytest.raises(InvalidParameter) as err:
         parse_kv_cache(spec)
     assert "\n" not in str(err.value) and "kv cache" in str(err.value)
+
+
+def test_every_policys_spelling_reads_back_as_the_same_policy():
+    """``spec`` is what logs, the cost table and the server name a cache by: read back, it must give the
+    same policy, a default group with another residual (or the reverse) included."""
+    for policy in (KiviPolicy(32, 64), KiviPolicy(32, 256, bits=2), KiviPolicy(16, 128), KiviPolicy(8, 64, bits=2),
+                   StreamingPolicy(0, 8, 2), StreamingPolicy(4, 64), HeavyHitterPolicy(16, 16), SnapKVPolicy(100, 8, 7)):
+        assert parse_kv_cache(policy.spec) == policy, policy
+
+
+def test_a_field_of_exactly_the_limit_is_accepted():
+    """The fields are refused past FIELD_LIMIT (the kernels' 32-bit counts), and FIELD_LIMIT itself is
+    still in range ("at most")."""
+    from decodekit.models.kv_policy import FIELD_LIMIT
+
+    assert parse_kv_cache(f"h2o:budget={FIELD_LIMIT},window=4") == HeavyHitterPolicy(FIELD_LIMIT, 4)
+    assert parse_kv_cache(f"sink:4,window:{FIELD_LIMIT}").window == FIELD_LIMIT
 
 
 # The rules against slow loops --------------------------------------------------------------------------
@@ -1035,3 +1053,28 @@ def test_a_speculative_chain_under_a_window_stays_within_the_models_positions():
     prompt = tok.encode("abcabcabcabcabcabcabc")
     got = engine.generate(prompt, method="pld", budget=12, max_new_tokens=150, ignore_eos=True, chat=False)
     assert len(got.tokens) == 150 and got.stats.extra["verifications"] > 0
+
+
+def test_snapkv_observes_the_attention_of_exactly_the_prompts_it_compresses():
+    """SnapKV leaves a prompt of at most ``budget`` tokens whole: only a prompt it compresses needs its
+    observation window's attention (which takes the slower, observed path), and only its first pass."""
+    policy = SnapKVPolicy(budget=20, window=6)
+    for before, incoming in [(0, 19), (0, 20), (0, 21), (0, 40), (0, 3), (15, 5), (15, 6)]:
+        compresses = policy.compress_after(before + incoming, first_pass=True)
+        assert compresses == (before + incoming > 20)
+        assert policy.observation_rows(before, incoming, first_pass=True) == (min(6, incoming) if compresses else 0)
+        assert policy.observation_rows(before, incoming, first_pass=False) == 0
+
+
+def test_a_snapkv_cache_rolls_back_through_its_observation_window_and_no_further():
+    """After the prompt is compressed, its last ``window`` tokens are held in the last slots, in order (a
+    rollback into them moves a counter); the token before them may have been evicted: refused."""
+    backend = tiny_llama(seed=6, hidden_size=64).with_kv_cache("snapkv:budget=20,window=6")
+    backend.prefill(tokens(40, seed=4))
+    assert (backend.slots, backend.length) == (20, 40)
+    backend.truncate(37)
+    assert backend.slots == 17 and backend._held[..., 14:17].tolist() == [[[34, 35, 36]] * 2] * 2
+    backend.truncate(34)  # the whole window: the prompt's heavy hitters are left
+    assert backend.slots == 14 and bool((backend._held[..., :14] < 34).all())
+    with pytest.raises(ValueError, match="evicted"):
+        backend.truncate(33)

@@ -174,6 +174,8 @@ def test_a_cost_table_comes_as_json_on_the_command_line_and_is_checked_entry_by_
     decoder_for("--method", "pld", "--opt", 'cost_table={"1": 0.004, "8": 0.006}')  # JSON's keys are strings
     for table, message in (({1: 1.0, -4: 2.0}, "keys must be token counts >= 1, got -4"),
                            ({1: 1.0, 2.5: 1.0}, "keys must be token counts >= 1, got 2.5"),
+                           ({0: 0.5, 1: 1.0}, "keys must be token counts >= 1, got 0"),
+                           ({"0": 0.5, "1": 1.0}, "keys must be token counts >= 1, got '0'"),
                            ({"1": 1.0, None: 2}, "keys must be token counts >= 1, got None"),
                            ({1: float("inf")}, "values must be seconds from 1e-9 to 3600, got inf"),
                            ({1: 1e-300, 64: 1e300}, "values must be seconds from 1e-9 to 3600"),

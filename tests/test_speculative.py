@@ -18,7 +18,7 @@ from decodekit.errors import InvalidParameter, UnknownMethod
 from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.tiny import tiny_llama
 from decodekit.samplers import Sampler
-from decodekit.speculative.controller import MEASURE_CONTEXTS, MEASURE_SIZES, Controller, CostTable
+from decodekit.speculative.controller import MEASURE_CONTEXTS, MEASURE_SIZES, Controller, CostTable, node_keys
 from decodekit.speculative.drafters.bandit import DiscountedUCB
 from decodekit.speculative.drafters.base import Drafter
 from decodekit.speculative.drafters.ngram import PromptLookup
@@ -291,6 +291,16 @@ def test_prompt_lookup_with_several_matches_stays_within_the_budget():
     tree = drafter.draft(state, 5)
     assert tree.tokens == [4, 6, 7, 5, 1] and tree.parents == [-1, 0, 1, 2, -1]  # the second match gets what is left
     assert [len(drafter.draft(state, b)) for b in range(1, 9)] == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_prompt_lookup_with_one_match_drafts_the_most_recent_occurrence_only():
+    """``matches`` bounds the occurrences drafted: with one, a short continuation leaves the rest of
+    the budget unused rather than hanging an older occurrence beside it."""
+    state = state_for([5, 6, 7, 8, 1, 5, 6, 9, 2, 5, 6])
+    drafter = PromptLookup(max_ngram=2, matches=1)
+    drafter.begin(state)
+    tree = drafter.draft(state, 8)
+    assert tree.tokens == [9, 2, 5, 6] and tree.parents == [-1, 0, 1, 2]  # what followed the last [5, 6]
 
 
 def brute_count(text: list[int], pattern: list[int]) -> int:
@@ -632,6 +642,61 @@ def test_in_a_full_batch_the_controller_weighs_everyone_and_drafts_less():
     assert learning.pass_cost(1) == 1.0
 
 
+def test_node_keys_are_source_depth_and_rank_among_the_same_parents_children():
+    """Acceptance is tracked per (source, depth, sibling rank): a node's depth is its parent's plus
+    one, not the previous node's, and its rank counts only its own siblings drafted before it."""
+    tree = DraftTree([1, 2, 3, 4, 5], [-1, 0, 0, -1, 3], {}, ["s", "s", "s", "t", "t"])
+    assert node_keys(tree) == [("s", 0, 0), ("s", 1, 0), ("s", 1, 1), ("t", 0, 1), ("t", 1, 0)]
+
+
+def test_a_tree_that_cannot_be_trimmed_is_verified_whole_or_not_at_all():
+    """A lookahead window is all or nothing: where its first node alone would pay but the whole
+    window does not, a plain step is taken, not the first node."""
+    costs = {1: 1.0, 2: 1.1, 3: 1.2, 4: 3.0}
+    trimming, whole = Controller(8, cost_table=costs), Controller(8, cost_table=costs)
+    for ctl in (trimming, whole):
+        ctl.learnt.accept.update({("s", 0, 0): 1.0, ("s", 1, 0): 0.0})  # first node always right, the rest never
+    # the first node alone: 2 tokens for cost(2) = 1.1; the window of 3: still 2 tokens, for cost(4) = 3.0
+    assert len(trimming.select(chain_tree(3))) == 1
+    assert len(whole.select(chain_tree(3), trimmable=False)) == 0
+
+
+def test_the_verifiers_bookkeeping_is_charged_to_speculative_steps_only():
+    """A speculative step costs its pass plus the verifier's bookkeeping, a plain step its pass
+    alone: bookkeeping that eats the gain makes a plain step the choice, both when trimming a tree
+    and when planning a costly drafter's chain."""
+    flat = {1: 1.0, 64: 1.0}
+
+    def controller(overhead: float) -> Controller:
+        ctl = Controller(8, cost_table=flat)
+        ctl.learnt.accept[("s", 0, 0)] = 0.3  # deeper levels borrow it
+        ctl.learnt.chain_source = "s"
+        ctl.observe_draft(1, 0.1)  # 0.1 of a plain step per drafted node: drafting is planned
+        ctl.overhead = overhead
+        return ctl
+
+    # no bookkeeping: one node gives 1.3 tokens per pass (select), or 1.3 / 1.1 when drafted (planned)
+    assert len(controller(0.0).select(chain_tree(8))) > 0 and controller(0.0).best_chain_depth() > 0
+    # 0.5 s of it: at most (1 + 0.3 / 0.7) / 1.5 = 0.95 tokens per second against plain decoding's 1 / 1.0
+    assert len(controller(0.5).select(chain_tree(8))) == 0
+    assert controller(0.5).best_chain_depth() == 0 and controller(0.5).budget() == 0
+
+
+def test_drafting_is_costly_by_the_cost_of_a_call_not_of_a_node():
+    """A lookup costs the same whether it finds a node or none: a call at 1% of a plain step is
+    cheap even when most calls find nothing (per node it would look dear), and a drafter paying
+    1.5% per node is costly when a call drafts 8."""
+    lookup = Controller(8, cost_table={1: 1.0, 8: 1.5})
+    lookup.observe_draft(1, 0.01)
+    for _ in range(40):
+        lookup.observe_draft(0, 0.01)  # mostly no match: about 0.002 nodes per call
+    assert lookup.draft_node_s > 1.0 and not lookup.costly_drafting()
+    assert lookup.budget() == 8  # drafts the whole budget; select() trims
+    model = Controller(8, cost_table={1: 1.0, 8: 1.5})
+    model.observe_draft(8, 8 * 0.015)
+    assert model.draft_node_s == pytest.approx(0.015) and model.costly_drafting()
+
+
 def test_the_controller_verifies_the_most_probable_nodes_not_the_first_drafted():
     """The kept subset maximises expected tokens per second, so nodes are taken by their estimated
     probability: where one node pays, it is the likelier sibling even if it was drafted second."""
@@ -846,6 +911,14 @@ def test_the_context_term_is_one_line_through_the_sizes():
     falling = CostTable.from_rows({0: near, 1000: {1: 3.0, 2: 3.0, 4: 3.1, 8: 3.2}})  # terms fall with n: flat
     flat = [falling(n, 1000) - falling(n, 0) for n in near]
     assert min(flat) >= 0 and max(flat) == pytest.approx(min(flat))
+
+
+def test_a_context_term_that_would_start_below_zero_is_a_line_through_zero():
+    """Terms (0, 1, 2) ms per token of context for 1, 2, 3 rows: the least-squares line 1 n - 1 would
+    price one row below zero, so the line through zero is fitted instead: b = sum(n t) / sum(n^2) = 8 / 14."""
+    table = CostTable.from_rows({0: {1: 1.0, 2: 1.0, 3: 1.0}, 1000: {1: 1.0, 2: 2.0, 3: 3.0}})
+    for n in (1, 2, 3):
+        assert table(n, 1000) - table(n, 0) == pytest.approx(1000 * n * 8e-3 / 14)
 
 
 def test_observed_pass_times_are_compared_at_their_own_context():

@@ -277,6 +277,25 @@ def test_draw_order_prefixes_are_kept_for_sampled_siblings_only():
     assert select_nodes(fixed, [1, 3]).tokens == [4, 6]  # fixed proposals: any subset
 
 
+def test_a_sampled_tree_cut_to_a_budget_or_trimmed_keeps_the_distribution_its_children_were_drawn_from():
+    """A child drawn from q is accepted with probability min(1, p(x) / q(x)): 1 for drafts drawn from
+    the target's own distribution. Cut to the budget or to a draw-order prefix, the tree must still
+    record q for the root's children; without it they would be verified as point masses and
+    accepted with probability p(x) only (still lossless, but accepted less)."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+
+    p_logits = torch.log(torch.tensor([1e-9, 0.3, 0.3, 0.2, 0.2]))
+    p = torch.softmax(p_logits, dim=-1)
+    tree = DraftTree([1, 2, 3], [-1, 0, -1], {-1: p, 0: p}, ["t"] * 3)  # 1, then 2 below it; 3 drawn second
+    logits = torch.stack([p_logits] * 4)
+    for cut in (tree.truncated(2), select_nodes(tree, [0, 1])):
+        assert cut.tokens == [1, 2] and cut.parents == [-1, 0]
+        assert set(cut.draft_probs) == {-1, 0} and torch.equal(cut.draft_probs[-1], p)
+        for seed in range(20):
+            state = DecodeState(None, Sampler(seed=seed), [1], GenerationStats())
+            assert SamplingVerifier().verify(state, cut, logits[:3]).path == [0, 1]
+
+
 def test_processors_with_truncation_and_history_stay_exact():
     model = trigram_model(seed=3)
     drafter = TableTreeDrafter(model.backend.table, widths=(3, 2), stochastic=True)  # q != processed p

@@ -263,3 +263,70 @@ def test_the_cpu_times_count_busy_ticks_of_this_processs_cores_only(monkeypatch)
     busy, total = machine._cpu_times({0, 1})
     assert busy == pytest.approx((1 + 3 + 6 + 7 + 8 + 10 + 30 + 60 + 70 + 80) / tick)
     assert total == pytest.approx((36 + 360) / tick)
+
+
+def test_a_count_set_by_someone_else_starts_the_learning_over(two_threads):
+    """When torch's count changes behind the governor's back, that count becomes ``most`` and what was
+    learnt under the old one starts over: its timings say nothing about the new count."""
+    governor = ThreadGovernor()
+    drive(governor, {2: 12.0, 1: 6.0}, 40)  # learnt: one thread is faster
+    assert governor.choose("m", timed=False)[0] == 1
+    torch.set_num_threads(2)  # the user, not the governor
+    assert governor.choose("m", timed=False) == (2, False) and governor._records["m"].estimate == {}
+
+
+def test_the_cores_left_free_never_exceed_the_full_count_nor_fall_below_one(monkeypatch, two_threads):
+    """Beside a busy process the governor takes the cores the others leave free, but never more than
+    ``most`` (the count it would use on a quiet machine) and never fewer than one."""
+    from decodekit.models import threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)
+    assert ThreadGovernor(busy_elsewhere=lambda: 0.6).choose("m", timed=False) == (2, False)  # 3.4 free, most 2
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    assert ThreadGovernor(busy_elsewhere=lambda: 1.9).choose("m", timed=False) == (1, False)  # 0.1 free: still one
+    assert torch.get_num_threads() == 1
+
+
+def test_after_a_switch_the_count_just_left_is_tried_again_soon(two_threads):
+    """The pause between tries is short again after a switch (FIRST_PROBE passes), however long it had
+    grown while the other count kept losing: a burst of load may already be over."""
+    governor = ThreadGovernor()
+    drive(governor, {2: 3.0, 1: 5.0}, 3000)
+    assert governor._records["m"].pause == LONGEST_PAUSE
+    loaded = drive(governor, {2: 12.0, 1: 6.0}, 60)  # two's estimate climbs past one's: a switch, no try
+    switch = loaded.index(1)
+    assert 2 in loaded[switch:] and loaded[switch:].index(2) <= FIRST_PROBE
+
+
+def test_passes_under_hold_are_not_timed(two_threads):
+    """``hold`` is for measurements: the passes inside run on all threads and their times teach the
+    governor nothing (a measurement's passes are not a decode's)."""
+    governor = ThreadGovernor()
+    with governor.hold():
+        for _ in range(3):
+            with governor.governed("m", timed=True) as n:
+                assert n == 2
+    assert governor._records.get("m") is None or governor._records["m"].estimate == {}
+
+
+def test_the_full_count_before_any_pass_is_torchs(two_threads):
+    """What a measurement is filed under is the quiet machine's count, torch's own even before the
+    governor has chosen for a single pass."""
+    assert ThreadGovernor().full_count() == 2
+
+
+def test_once_the_cores_are_free_again_every_models_next_timed_pass_tries_the_other_count(two_threads, monkeypatch):
+    """Leaving a crowded machine, each model (not only the one whose pass noticed first) tries the count
+    it did not use: the timings it has are from before the crowd."""
+    from decodekit.models import threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    others = [0.0]
+    governor = ThreadGovernor(busy_elsewhere=lambda: others[0])
+    for key in ("target", "draft"):
+        assert drive(governor, {2: 3.0, 1: 5.0}, 100, key=key)[-50:].count(2) >= 49
+    others[0] = 0.9
+    drive(governor, {2: 3.0, 1: 5.0}, 10, key="target")
+    others[0] = 0.0
+    assert drive(governor, {2: 3.0, 1: 5.0}, 5, key="target") == [1, 2, 2, 2, 2]
+    assert drive(governor, {2: 3.0, 1: 5.0}, 5, key="draft") == [1, 2, 2, 2, 2]
