@@ -1022,6 +1022,7 @@ def test_the_cache_lists_each_entry_once_with_its_size_and_last_use(tmp_path):
 
     made = make_entries(tmp_path)
     age(made["library"], 3)
+    (made["drafter"].parent / f".{made['drafter'].name}.lock").touch()  # a writer's lock beside a drafter
     items = {item.path: item for item in cached_items(tmp_path)}
     assert set(items) == set(made.values())
     folder = items[made["folder"]]
@@ -1055,11 +1056,11 @@ def test_pruning_removes_only_entries_unused_for_the_days_given(tmp_path):
     age(made["folder"], 31)
     age(made["library"], 29)
     age(made["drafter"], 400)
-    removed = remove_unused(30, tmp_path)
+    removed = remove_unused(30, tmp_path).removed
     assert [item.path for item in removed] == [made["folder"]]
     assert not made["folder"].exists()
     assert {item.path for item in cached_items(tmp_path)} == {made["library"], made["drafter"]}
-    assert [item.path for item in remove_unused(0, tmp_path)] == [made["library"]]
+    assert [item.path for item in remove_unused(0, tmp_path).removed] == [made["library"]]
     assert not made["library"].exists() and not Entry(made["library"], folder=False).manifest.exists()
     assert made["drafter"].exists()
 
@@ -1074,9 +1075,10 @@ def test_pruning_leaves_an_entry_whose_lock_another_holds(tmp_path):
     age(made["folder"], 100)
     with open(made["folder"].with_name(f".{made['folder'].name}.lock"), "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
-        assert made["folder"] not in [item.path for item in remove_unused(0, tmp_path)]
+        pruned = remove_unused(0, tmp_path)
+        assert made["folder"] not in [item.path for item in pruned.removed] and pruned.left == 1
     assert made["folder"].exists()
-    assert made["folder"] in [item.path for item in remove_unused(0, tmp_path)]
+    assert made["folder"] in [item.path for item in remove_unused(0, tmp_path).removed]
 
 
 def test_a_pruned_model_folder_is_built_again_and_answers_the_same(tiny_gguf, cache):
@@ -1085,7 +1087,7 @@ def test_a_pruned_model_folder_is_built_again_and_answers_the_same(tiny_gguf, ca
 
     before = answer(tiny_gguf)
     folder = model_folder(cache)
-    assert folder in [item.path for item in remove_unused(0, cache)]
+    assert folder in [item.path for item in remove_unused(0, cache).removed]
     assert not any(p.name.startswith("tiny-") for p in cache.iterdir() if p.is_dir())
     assert_same(answer(tiny_gguf), before)
 
@@ -1098,7 +1100,8 @@ def test_the_cache_command_lists_prunes_and_refuses_bad_days(tmp_path, monkeypat
     age(made["folder"], 10)
     assert main(["cache"]) == 0
     out = capsys.readouterr().out
-    assert "model-abc/" in out and "kernels/ (1 item)" in out and "drafters/ (1 item)  (not removed by --prune)" in out
+    assert "in 3 items" in out and "model-abc/\n" in out and "kernels/ (1 item)\n" in out
+    assert "drafters/ (1 item)  (not removed by --prune)" in out
     assert main(["cache", "--prune", "5", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [item["path"] for item in report["removed"]] == ["model-abc"]
@@ -1109,3 +1112,84 @@ def test_the_cache_command_lists_prunes_and_refuses_bad_days(tmp_path, monkeypat
         err = capsys.readouterr().err
         assert err.startswith("decodekit: error:") and len(err.strip().splitlines()) == 1
     assert made["library"].exists()
+
+
+def test_pruning_a_cache_pointed_at_a_users_folder_removes_only_what_decodekit_wrote(tmp_path):
+    """A cache variable pointed at a folder of the user's own (the home folder): a web app's
+    ``manifest.json``, a file with a ``.manifest.json`` beside it that decodekit did not write, a
+    ``.x.y.tmp`` file and files deeper than decodekit writes are never listed, locked or removed."""
+    from decodekit.models.cache import cached_items, remove_unused
+
+    made = make_entries(tmp_path)
+    app = tmp_path / "webapp" / "public"
+    app.mkdir(parents=True)
+    (app / "manifest.json").write_text('{"name": "my app", "files": {}}')
+    (app / "index.html").write_text("<html></html>")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.tex").write_text("chapter one")
+    (notes / "thesis.tex.manifest.json").write_text(json.dumps({"digest": "sha256", "files": {"thesis.tex": {}}}))
+    (notes / ".draft.old.tmp").write_text("a user's temporary file")
+    deep = tmp_path / "a" / "b" / "c"
+    deep.mkdir(parents=True)
+    (deep / "weights.bin").write_bytes(bytes(10))
+    users = [app / "manifest.json", app / "index.html", notes / "thesis.tex", notes / "thesis.tex.manifest.json",
+             notes / ".draft.old.tmp", deep / "weights.bin", made["drafter"]]
+    for path in made.values():
+        age(path, 100)
+    assert {item.path for item in cached_items(tmp_path)} == set(made.values())
+    assert {item.path for item in remove_unused(0, tmp_path).removed} == {made["folder"], made["library"]}
+    assert all(path.exists() for path in users)
+    assert not list(notes.glob(".*.lock")) and not list(app.parent.glob(".*.lock"))
+
+
+def test_a_crashed_builders_temporary_is_listed_and_pruned_but_not_a_live_builders(tmp_path):
+    """A temporary whose entry's lock no one holds is what a crashed build left: listed as unfinished
+    and removed by pruning, however recent; while a builder holds the lock it is neither."""
+    import fcntl
+
+    from decodekit.models.cache import cached_items, remove_unused
+
+    entry = Entry(tmp_path / "model-abc", folder=True)
+    with entry.locked():
+        pass  # the lock file a builder makes first
+    orphan = tmp_path / ".model-abc.k2j3h4.tmp"
+    orphan.mkdir()
+    (orphan / "model.safetensors").write_bytes(bytes(500))
+    with open(entry.lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        assert cached_items(tmp_path) == [] and remove_unused(0, tmp_path).removed == []
+    (item,) = cached_items(tmp_path)
+    assert item.path == orphan and item.unfinished and item.size == 500
+    assert [i.path for i in remove_unused(0, tmp_path).removed] == [orphan] and not orphan.exists()
+
+
+def test_a_model_being_loaded_is_not_pruned_from_under_its_reader(tiny_gguf, cache):
+    """A load reads the model's cached folder under the folder's shared lock: pruning everything
+    meanwhile leaves that folder (said as left in use) and the load completes."""
+    from decodekit import models
+    from decodekit.models.cache import reading, remove_unused
+
+    answer(tiny_gguf)  # built
+    folder = model_folder(cache)
+    with reading(folder):
+        pruned = remove_unused(0, cache)
+        assert folder not in [item.path for item in pruned.removed] and pruned.left >= 1 and folder.exists()
+    seen = []
+    real = models.file_tokenizer
+
+    def prune_meanwhile(path):
+        seen.append(remove_unused(0, cache))
+        return real(path)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(models, "file_tokenizer", prune_meanwhile)
+        load_model(str(tiny_gguf))
+    assert folder.exists() and folder not in [item.path for item in seen[0].removed]
+
+
+def test_the_cache_command_on_a_missing_cache_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "never"))
+    assert main(["cache", "--prune", "0"]) == 0
+    assert capsys.readouterr().out.strip() == f"{tmp_path / 'never'}: no cache there (nothing built yet)"
+    assert not (tmp_path / "never").exists()

@@ -341,6 +341,29 @@ def test_a_package_cannot_take_a_built_in_methods_name(monkeypatch):
     assert registry.available_methods()["greedy"].description == "again"
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"name": 5}, "a method's name must be a non-empty string, got 5"),
+    ({"name": " "}, "a method's name must be a non-empty string, got ' '"),
+    ({"build": 5}, "method 'mine': build must be callable"),
+    ({"description": None}, "method 'mine': description must be a string"),
+    ({"lossless": "yes"}, "method 'mine': lossless must be True or False, got 'yes'"),
+    ({"family": "bogus"}, "method 'mine': family must be one of plain, speculative, search, got 'bogus'"),
+])
+def test_a_plugins_bad_registration_is_refused_at_once_and_leaves_the_registry_working(monkeypatch, change, message):
+    """A plugin's mistake is one line when it registers, and nothing of it reaches the registry: a
+    name that is not a string would break the unknown-method message (sorted names) for everyone."""
+    from decodekit.errors import UnknownMethod
+
+    monkeypatch.setattr(registry, "_METHODS", dict(registry.available_methods()))
+    given = {"name": "mine", "build": registry.plain_decoder, "description": "a plugin's method", "lossless": True,
+             "family": "plain", **change}
+    with pytest.raises(InvalidParameter, match=f"^{re.escape(message)}"):
+        registry.register_method(given.pop("name"), given.pop("build"), given.pop("description"), **given)
+    assert "mine" not in registry.available_methods()
+    with pytest.raises(UnknownMethod, match="^unknown method 'pdl'; choose from: "):
+        registry.method_spec("pdl")
+
+
 def test_a_partials_method_belongs_to_the_module_of_the_function_inside(monkeypatch):
     """A builder made with functools.partial is the package's whose function it wraps (a partial's
     own module is functools'): one package's partial cannot replace another package's method."""

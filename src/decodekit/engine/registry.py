@@ -27,13 +27,17 @@ from .core import Decoder, PlainDecoding, StepDecoder
 Sampling = Literal["never", "always", "when-temperature"]
 
 
+#: What a method is: plain decoding, draft and verify (lossless), or a search over whole answers.
+FAMILIES = ("plain", "speculative", "search")
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
     build: Callable[..., Decoder]  # keyword options (checked against ``options``) -> Decoder
     description: str
     lossless: bool  # True: output identical to plain decoding with the same sampler
-    family: str  # "plain" | "speculative" | "search"
+    family: str  # one of FAMILIES
     # The method's options; None: not declared (the builder checks what it is given).
     options: Mapping[str, OptionSpec] | None = field(default=None)
     sampling: Sampling = "when-temperature"
@@ -91,6 +95,17 @@ def register_method(name: str, build: Callable[..., Decoder], description: str, 
     """Add a method. A name another module registered is refused: an installed package must not
     replace a built-in method (a ``pld`` whose output differs) without anyone asking for it. The same
     module registering again (its import retried after a failure) replaces its own entry."""
+    # a plugin's mistake is refused here, in one line, not later in every user's request
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidParameter(f"a method's name must be a non-empty string, got {name!r:.80}")
+    if not callable(build):
+        raise InvalidParameter(f"method {name!r}: build must be callable (it returns the decoder), got {build!r:.80}")
+    if not isinstance(description, str):
+        raise InvalidParameter(f"method {name!r}: description must be a string, got {description!r:.80}")
+    if not isinstance(lossless, bool):
+        raise InvalidParameter(f"method {name!r}: lossless must be True or False, got {lossless!r:.80}")
+    if family not in FAMILIES:
+        raise InvalidParameter(f"method {name!r}: family must be one of {', '.join(FAMILIES)}, got {family!r:.80}")
     if sampling not in ("never", "always", "when-temperature"):
         raise InvalidParameter(f"sampling must be never, always or when-temperature, got {sampling!r}")
     clash = sorted(set(options or ()) & set(SAMPLER_OPTIONS))

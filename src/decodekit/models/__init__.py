@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .backend import Backend, ModelInfo, StepOutput
+from .cache import reading
 from .loading import DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, check_backend, parse_dtype, resolve_model
 from .kv_policy import KVPolicy, parse_kv_cache
 from .memory import return_freed_memory
@@ -51,12 +52,14 @@ def load_model(
     if gguf is None:  # a Hugging Face folder: its config and weights are checked first, each with its own message
         loaded = weights()
         return LoadedModel(backend=loaded, tokenizer=HFTokenizer(folder), name=model or DEFAULT_MODEL)
-    # A folder decodekit wrote from the GGUF file: the tokenizer first. Parsing a big one (Gemma's
-    # 262k tokens) frees most of what it takes, which goes back to the system before the weights
-    # arrive, so the two peaks do not add up.
-    tokenizer = file_tokenizer(folder)
-    return_freed_memory()
-    return LoadedModel(backend=weights(), tokenizer=tokenizer, name=model or DEFAULT_MODEL)
+    # A folder decodekit wrote from the GGUF file, read under its shared lock (a `decodekit cache
+    # --prune` meanwhile leaves it): the tokenizer first. Parsing a big one (Gemma's 262k tokens)
+    # frees most of what it takes, which goes back to the system before the weights arrive, so the
+    # two peaks do not add up.
+    with reading(folder):
+        tokenizer = file_tokenizer(folder)
+        return_freed_memory()
+        return LoadedModel(backend=weights(), tokenizer=tokenizer, name=model or DEFAULT_MODEL)
 
 
 __all__ = [

@@ -56,9 +56,9 @@ class CacheRefused(InvalidParameter):
 
 
 def cache_root() -> Path:
-    """``$DECODEKIT_CACHE``, default ``~/.cache/decodekit`` (also where it is set but empty: an
-    empty path would be the current folder)."""
-    return Path(os.environ.get("DECODEKIT_CACHE") or Path.home() / ".cache" / "decodekit")
+    """``$DECODEKIT_CACHE`` (a leading ``~`` is the home folder), default ``~/.cache/decodekit`` (also
+    where it is set but empty: an empty path would be the current folder)."""
+    return Path(os.environ.get("DECODEKIT_CACHE") or Path.home() / ".cache" / "decodekit").expanduser()
 
 
 # Digests ----------------------------------------------------------------------------------------
@@ -179,19 +179,29 @@ class Entry:
             return "built from another version of its source"
         return problem
 
+    @property
+    def lock(self) -> Path:
+        return self.path.with_name(f".{self.path.name}.lock")
+
     @contextmanager
     def locked(self) -> Iterator[None]:
         """Hold this entry's lock (released on exit, or by the system if the process dies)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_name(f".{self.path.name}.lock"), "a") as handle:
+        with open(self.lock, "a") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             yield
 
     @contextmanager
     def locked_if_free(self) -> Iterator[bool]:
-        """Hold this entry's lock where no one else holds it; yields whether it was taken (a
-        builder at work is never waited for, nor disturbed)."""
-        with open(self.path.with_name(f".{self.path.name}.lock"), "a") as handle:
+        """Hold this entry's lock where no one else holds it (a builder, a reader: see
+        :func:`reading`); yields whether it was taken, never waiting. A lock that cannot be opened
+        (a read-only cache) counts as taken."""
+        try:
+            handle = open(self.lock, "a")
+        except OSError:
+            yield False
+            return
+        with handle:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -345,17 +355,25 @@ def update_json(path: Path, update: Callable[[Any | None], Any]) -> None:
 
 # What the cache holds, and removing what has gone unused ---------------------------------------
 
+#: Folders of the cache whose files are not entries (no manifest: written by a command, or by a
+#: package's own code) but still decodekit's: trained drafters and their data, assembled model files.
+DRAFTERS, MODELS = "drafters", "models"
+#: How deep under the cache's root decodekit writes (``kernels/<library>``): nothing deeper is looked at,
+#: so a cache variable pointed at a big folder (the home folder) is not walked whole.
+DEPTH = 2
+
 
 @dataclass(frozen=True)
 class CachedItem:
-    """One thing under :func:`cache_root`: an entry (it has a manifest, and decodekit builds it
-    again by itself when it is gone) or another file (a trained drafter, its training data, an
-    assembled model file: written by a command, or by a package's own code)."""
+    """One thing under :func:`cache_root`: an entry (it has a manifest decodekit wrote, and is built
+    again when needed), a builder's temporary left by a crash, or another file of decodekit's
+    (:data:`DRAFTERS`, :data:`MODELS`), which pruning never removes."""
 
     path: Path
     size: int  # bytes, the manifest's included
-    used: float  # when it was last used (an entry) or written (another file), seconds since the epoch
-    entry: bool
+    used: float  # when it was last used (an entry) or written (the others), seconds since the epoch
+    entry: bool  # removable: an entry or an orphan temporary
+    unfinished: bool = False  # a temporary whose builder is gone
 
 
 def _is_bookkeeping(name: str) -> bool:
@@ -363,28 +381,63 @@ def _is_bookkeeping(name: str) -> bool:
     return (name.startswith(".") and (name.endswith(".lock") or name.endswith(".tmp"))) or name.endswith(".manifest.json")
 
 
+def _ours(manifest: Path, names: set[str] | None = None) -> bool:
+    """Whether ``manifest`` is a manifest decodekit wrote (its digest named, every file's stamp),
+    listing exactly ``names`` where given: a user's ``manifest.json`` is never taken for one."""
+    stamps = read_manifest(manifest)
+    return stamps is not None and (names is None or set(stamps) == names)
+
+
+def _temporary_of(path: Path) -> Entry | None:
+    """The entry whose builder wrote temporary ``path`` (``.<name>.<random>.tmp``), or None."""
+    name = path.name
+    if not (name.startswith(".") and name.endswith(".tmp")) or name.count(".") < 3:
+        return None
+    return Entry(path.with_name(name[1:].rsplit(".", 2)[0]), folder=path.is_dir())
+
+
 def cached_items(root: Path | None = None) -> list[CachedItem]:
-    """Everything the cache at ``root`` (default :func:`cache_root`) holds, entries and other files."""
+    """What the cache at ``root`` (default :func:`cache_root`) holds: its entries, the temporaries
+    crashed builders left (those whose entry's lock no one holds) and the files of :data:`DRAFTERS`
+    and :data:`MODELS`. Nothing else is listed, whatever else the folder holds."""
     root = cache_root() if root is None else root
-    items = []
-    for folder, subfolders, files in os.walk(root):
-        here = Path(folder)
-        if here != root and MANIFEST in files:  # a folder entry: itself one item
-            subfolders.clear()
-            size = sum(_size(Path(inside) / name) for inside, _, names in os.walk(here) for name in names)
-            items.append(CachedItem(here, size, _mtime(here / MANIFEST), True))
-            continue
-        subfolders[:] = [name for name in subfolders if not _is_bookkeeping(name)]
-        for name in files:
-            path = here / name
-            if _is_bookkeeping(name) or path.is_symlink():
+    items: list[CachedItem] = []
+
+    def visit(folder: Path, depth: int) -> None:
+        try:
+            children = sorted(folder.iterdir())
+        except OSError:  # not a folder, or unreadable
+            return
+        for path in children:
+            if path.is_symlink():
                 continue
-            manifest = Entry(path, folder=False).manifest
-            if manifest.exists():
-                items.append(CachedItem(path, _size(path) + _size(manifest), _mtime(manifest), True))
-            else:
-                items.append(CachedItem(path, _size(path), _mtime(path), False))
+            temporary = _temporary_of(path)
+            if temporary is not None:
+                if not temporary.lock.exists():  # decodekit's builders lock before they write: not one of theirs
+                    continue
+                with temporary.locked_if_free() as free:
+                    if free:  # its builder is gone
+                        items.append(CachedItem(path, _tree_size(path), _mtime(path), True, unfinished=True))
+            elif path.is_dir():
+                if _ours(path / MANIFEST):
+                    items.append(CachedItem(path, _tree_size(path), _mtime(path / MANIFEST), True))
+                elif depth < DEPTH:
+                    visit(path, depth + 1)
+            elif not _is_bookkeeping(path.name):
+                manifest = Entry(path, folder=False).manifest
+                if _ours(manifest, {path.name}):
+                    items.append(CachedItem(path, _size(path) + _size(manifest), _mtime(manifest), True))
+                elif depth == 2 and folder.name in (DRAFTERS, MODELS):
+                    items.append(CachedItem(path, _size(path), _mtime(path), False))
+
+    visit(root, 1)
     return items
+
+
+def _tree_size(path: Path) -> int:
+    if not path.is_dir():
+        return _size(path)
+    return sum(_size(Path(inside) / name) for inside, _, names in os.walk(path) for name in names)
 
 
 def _size(path: Path) -> int:
@@ -401,20 +454,46 @@ def _mtime(path: Path) -> float:
         return 0.0
 
 
-def remove_unused(days: float, root: Path | None = None, now: float | None = None) -> list[CachedItem]:
-    """Remove the entries of the cache at ``root`` not used for ``days`` days (0: every entry), and
-    return them. Only entries go, which decodekit builds again when it needs them; other files stay
-    (a trained drafter took minutes to make). An entry whose lock another process holds (a build
-    under way) is left, and so is one used since it was listed."""
+@contextmanager
+def reading(path: Path) -> Iterator[None]:
+    """Hold a shared lock on cached entry ``path`` while its files are read, after its check passed:
+    pruning, which takes the lock alone and never waits, leaves the entry in place meanwhile (a
+    builder of the same entry waits). A cache that cannot be written takes no lock: nothing prunes it."""
+    try:
+        handle = open(Entry(path, folder=path.is_dir()).lock, "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        yield
+
+
+@dataclass(frozen=True)
+class Pruned:
+    removed: list[CachedItem]
+    left: int  # unused long enough, but in use by another process or not removable (a read-only cache)
+
+
+def remove_unused(days: float, root: Path | None = None, now: float | None = None) -> Pruned:
+    """Remove what the cache at ``root`` holds of decodekit's that has not been used for ``days``
+    days (0: all of it): entries, which are built again when needed, and temporaries that crashed
+    builders left. Other files stay (a trained drafter took minutes to make), and so does an entry
+    another process is building or reading (it holds the entry's lock) or used since this call began."""
     cutoff = (time.time() if now is None else now) - days * 86400
-    removed = []
+    removed, left = [], 0
     for item in cached_items(root):
         if not item.entry or item.used > cutoff:
             continue
-        entry = Entry(item.path, folder=item.path.is_dir())
-        with entry.locked_if_free() as held:
-            if held and _mtime(entry.manifest) <= cutoff:
-                for path in [entry.path, entry.manifest]:
+        entry = _temporary_of(item.path) if item.unfinished else Entry(item.path, folder=item.path.is_dir())
+        assert entry is not None
+        with entry.locked_if_free() as free:
+            if free and (item.unfinished or _mtime(entry.manifest) <= cutoff):
+                paths = [item.path] if item.unfinished else [entry.path, entry.manifest]
+                for path in paths:
                     _remove(path)
-                removed.append(item)
-    return removed
+                if not any(path.exists() for path in paths):
+                    removed.append(item)
+                    continue
+            left += 1
+    return Pruned(removed, left)

@@ -173,9 +173,9 @@ def dequantised_folder(gguf: Path) -> Path:
     """Dequantise a GGUF file once into a cached Hugging Face folder; return that folder (checked
     at every load, rebuilt when it fails the check: :func:`.cache.cached_folder`)."""
     check_gguf_header(gguf)
-    # one folder per file content, wherever the file is: the same model installed in several
-    # environments is dequantised once, and a file changed in place gets a folder of its own (the
-    # old one goes with `decodekit cache --prune`)
+    # one folder per file name and content, wherever the file is: the same model installed in
+    # several environments is dequantised once, and a file changed in place gets a folder of its own
+    # (the old one goes with `decodekit cache --prune`)
     stamp = file_stamp(gguf)
     folder = cache_root() / f"{gguf.stem}-{stamp.split(':')[1][:12]}"
     try:
