@@ -547,3 +547,44 @@ def test_a_folder_transformers_does_not_recognise_is_one_clear_error(tmp_path):
     with pytest.raises(InvalidModel, match=rf"^{tmp_path}: transformers cannot load this model \(ValueError: ") as err:
         HFBackend.from_folder(tmp_path)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"rms_norm_eps": 0}, "rms_norm_eps must be a positive number, got 0"),
+    ({"rope_parameters": {"rope_theta": 0.0, "rope_type": "default"}}, "rope_theta must be a positive number, got 0.0"),
+    ({"rope_parameters": {"rope_theta": float("inf"), "rope_type": "default"}},
+     "rope_theta must be a positive number, got inf"),
+    ({"max_position_embeddings": (1 << 24) + 1}, "max_position 16777217 is more than the 16777216 positions"),
+])
+def test_config_json_numbers_just_outside_their_ranges_are_refused(change, problem):
+    """eps and the rotary base must be positive and finite (zero or infinity give NaN or constant
+    angles), and the context at most MAX_POSITIONS: a value just outside is one ValueError."""
+    import re
+
+    from decodekit.models.llama_weights import LlamaConfig
+    from decodekit.models.tiny import tiny_hf_config
+
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        LlamaConfig.from_hf(tiny_hf_config() | change)
+
+
+def test_a_context_of_exactly_max_positions_is_taken():
+    """MAX_POSITIONS is the longest context the backend holds: a config.json that names exactly it is taken."""
+    from decodekit.models.llama_weights import MAX_POSITIONS, LlamaConfig
+    from decodekit.models.tiny import tiny_hf_config
+
+    config = LlamaConfig.from_hf(tiny_hf_config() | {"max_position_embeddings": MAX_POSITIONS})
+    assert config.max_position == MAX_POSITIONS
+
+
+def test_a_window_on_some_of_the_listed_layers_is_refused_natively():
+    """layer_types that name any sliding-attention layer (Qwen2 with max_window_layers mixes both):
+    those layers attend to a window the native backend does not compute, so it refuses rather than
+    running them as full attention; a list of full-attention layers only runs."""
+    from decodekit.models.llama_weights import native_unsupported
+    from decodekit.models.tiny import tiny_hf_config
+
+    config = tiny_hf_config(max_position=128) | {"model_type": "qwen2", "sliding_window": 16,
+                                                 "layer_types": ["full_attention", "sliding_attention"]}
+    assert "a window of 16" in native_unsupported(config)
+    assert native_unsupported(config | {"layer_types": ["full_attention", "full_attention"]}) is None

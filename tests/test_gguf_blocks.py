@@ -614,3 +614,57 @@ def test_unread_weights_whose_float32_copies_just_fit_are_run_not_refused(monkey
     monkeypatch.setattr(loading, "available_memory", lambda: 4 << 20)  # 4 bytes a weight
     loading.check_unread_weights(tmp_path / "m.gguf", unread)
     assert "run as float32" in capsys.readouterr().err
+
+
+@needs_kernel
+def test_a_projection_recorded_as_unmatched_keeps_float32_without_a_check(monkeypatch):
+    """A record that found a projection's blocks not to match (None) is taken as it is: a later
+    build of the same files runs that projection on float32 and dequantises nothing to check again."""
+    llama, state, blocks = tied_model_on_blocks(seed=7)
+    matches: dict = {}
+    NativeLlama(llama, state, gguf_blocks=blocks, block_matches=matches)
+    name = "model.layers.0.mlp.gate_proj.weight"
+    monkeypatch.setattr(BlockMatrix, "dequantize", lambda self: pytest.fail("a recorded match was checked again"))
+    taken = NativeLlama(llama, state, gguf_blocks=blocks, block_matches={**matches, name: None})
+    assert not taken.weights.layers[0]["gate_up"].on_blocks
+    assert taken.weights.layers[0]["qkv"].on_blocks and taken.weights.layers[1]["gate_up"].on_blocks
+
+
+@needs_kernel
+@pytest.mark.parametrize("reorderings, choice", [(1, 0), (0, 1), (2, 2)])
+def test_q_and_k_blocks_are_found_in_either_rotary_row_order(reorderings, choice):
+    """The fused q/k weights hold each head's rotary pairs adjacent: blocks whose rows are stored
+    that way (llama.cpp's order), in the checkpoint's order, or reordered the other way round are
+    each found (their choice recorded), so the projection streams its blocks, bit for bit."""
+    llama, state, blocks = _tiny_gguf_model()
+    for n in "qk":
+        name = f"model.layers.0.self_attn.{n}_proj.weight"
+        for _ in range(reorderings):  # the rotary interleaving applied to the checkpoint's rows, once or twice
+            blocks[name] = blocks[name].take(rope_row_order(blocks[name].shape[0], llama.head_dim))
+    matches: dict = {}
+    backend = NativeLlama(llama, state, gguf_blocks=blocks, block_matches=matches)
+    assert matches["model.layers.0.self_attn.q_proj.weight"] == [choice, choice, 0]
+    assert backend.weights.layers[0]["qkv"].on_blocks
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(backend.append(ids).logits, NativeLlama(llama, state).append(ids).logits)
+
+
+@needs_kernel
+def test_a_negative_token_id_is_refused_by_a_tied_head_on_blocks_as_by_the_float32_table():
+    """An embedding lookup reads only rows of the table: a negative id is an IndexError (as
+    F.embedding's on the float32 table), never the row counted back from the end."""
+    llama, state, blocks = tied_model_on_blocks(seed=5)
+    for backend in (NativeLlama(llama, state), NativeLlama(llama, state, gguf_blocks=blocks)):
+        with pytest.raises(IndexError):
+            backend.weights.embedding(torch.tensor([[5, -1]]))
+
+
+def test_parts_of_different_block_types_are_not_stacked_as_one_matrix():
+    """Blocks of two types cannot be read as one matrix of either (Gemma's q, k in Q5_0 and v in
+    Q8_0): stack declines them, and stacks parts of one type and width row after row."""
+    gen = torch.Generator().manual_seed(2)
+    a, b = (BlockMatrix.quantize(torch.randn(8, 64, generator=gen), kind) for kind in ("q4_1", "q8_0"))
+    assert BlockMatrix.stack([a, b]) is None and BlockMatrix.stack([b, a]) is None
+    c = BlockMatrix.quantize(torch.randn(4, 64, generator=gen), "q4_1")
+    both = BlockMatrix.stack([a, c])
+    assert both.kind == "q4_1" and torch.equal(both.dequantize(), torch.cat([a.dequantize(), c.dequantize()]))

@@ -386,6 +386,34 @@ def test_kvdraft_drafts_attending_to_the_first_sink_and_the_last_window_entries(
     assert swapped != chain
 
 
+def test_kvdraft_used_without_the_loop_builds_its_draft_cache_in_begin():
+    """A drafter used without the loop (no ``check`` before prefill) checks the target in ``begin``
+    (the drafter contract): a compressed draft cache is made there, from the target's prompt entries,
+    and the chain is the greedy chain of that cache; the target's cache is left as it was."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+    from decodekit.samplers import Sampler
+    from decodekit.speculative.drafters.kvdraft import CompressedCacheDrafter
+
+    prompt, root = tokens(30, seed=2), 7
+    target = tiny_llama(seed=0, hidden_size=64, scale=3.0)
+    state = DecodeState(target, Sampler(greedy=True), prompt, GenerationStats())
+    state.prefill()
+    state.commit([root])
+    drafter = CompressedCacheDrafter(draft_cache="int8", confidence=0.0)
+    drafter.begin(state)
+    tree = drafter.draft(state, 3)
+    assert target.length == len(prompt)
+    reference = tiny_llama(seed=0, hidden_size=64, scale=3.0)
+    reference.prefill(prompt)
+    draft = reference.with_kv_cache("int8")
+    draft.adopt(reference, prompt)
+    token, chain = root, []
+    for _ in range(3):
+        token = int(draft.append(torch.tensor([[token]])).logits[0, -1].argmax())
+        chain.append(token)
+    assert tree.tokens == chain and tree.parents == [-1, 0, 1]
+
+
 def test_h2o_reads_a_prompt_64_tokens_a_pass_evicting_between_them(monkeypatch):
     """The choice H2O's docstring states: a long prompt in the kernels' passes of 64 tokens, the cache
     evicted down to its budget before each pass that finds it over (in either numerics, alone and

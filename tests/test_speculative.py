@@ -428,6 +428,31 @@ def test_a_full_corpus_keeps_its_newest_outputs(monkeypatch):
     assert 8 in sam.next[sam.next[0][7]] and 1 not in sam.next[0]
 
 
+def test_a_full_corpus_counts_the_separators_in_the_half_it_keeps(monkeypatch):
+    """The corpus's size is its automaton's, separators included: the newest half of a limit of 10 is
+    5 tokens, and [4, 5, 6] + [7, 8] with their separators are 7 of them, so only [7, 8] stays."""
+    from decodekit.speculative.drafters import suffix
+
+    monkeypatch.setattr(suffix, "CORPUS_LIMIT", 10)
+    corpus = suffix.Corpus()
+    for doc in ([1, 2, 3], [4, 5, 6], [7, 8]):  # 4 + 4 + 3 = 11 tokens with separators: over 10
+        corpus.add(doc)
+    assert corpus.documents == [[7, 8]] and corpus.automaton.size == 3
+
+
+def test_an_empty_output_adds_nothing_to_the_corpus():
+    """A request that generated nothing leaves the corpus as it was: no empty document, no separator
+    taking room under the corpus's size limit."""
+    from decodekit.speculative.drafters.suffix import Corpus
+
+    corpus = Corpus()
+    corpus.add([])
+    assert corpus.documents == [] and corpus.automaton.size == 0
+    corpus.add([1, 2])
+    corpus.add([])
+    assert corpus.documents == [[1, 2]] and corpus.automaton.size == 3
+
+
 def test_recycling_best_first_tree_follows_the_rank_weights():
     """The tree is grown best-first by path score, the product of the successors' rank weights
     (0.55, 0.18, ...): a first successor's first successor (0.55^2 = 0.30) before the root's second
@@ -526,6 +551,27 @@ def test_the_loop_calls_every_hook_of_the_contract():
     g = StepDecoder(method).generate(model, Request(model.tokenizer.encode(PROMPTS[1]), Sampler(greedy=True), 12))
     steps = g.stats.extra["verifications"] + g.stats.extra["plain_steps"]
     assert calls == ["observe"] * steps + ["finish"] and g.stats.extra["recorded"] is True
+
+
+@pytest.mark.parametrize("budget", [4, 0], ids=["speculating", "resting"])
+def test_the_drafter_observes_every_token_each_step_produced(budget):
+    """``observe(tokens, seconds)`` gets what each step produced (the bonus included; a plain step's one
+    token, also while speculation rests): all the tokens but the first, which the prefill's logits gave."""
+    observed: list[int] = []
+
+    class Recording(PromptLookup):
+        def observe(self, tokens, seconds):
+            observed.append(tokens)
+
+    model = tiny(seed=0)
+    method = SpeculativeMethod(Recording(), Controller(8, budget=budget))
+    g = StepDecoder(method).generate(model, Request(model.tokenizer.encode(PROMPTS[1]), Sampler(greedy=True), 24))
+    assert g.finish_reason == "length" and len(g.tokens) == 24
+    assert sum(observed) == len(g.tokens) - 1 and min(observed) >= 1
+    if budget:
+        assert g.stats.extra["accepted"] > 0 and max(observed) > 1
+    else:
+        assert g.stats.extra["plain_steps"] == len(observed)
 
 
 def test_one_drafter_registry_with_the_shared_mechanisms_in_the_base_module():

@@ -676,3 +676,88 @@ def test_no_draft_runs_after_an_end_of_sequence_from_the_prompts_pass(method, op
     got = engine.generate("abcabcabcabc", method=method, max_new_tokens=8, chat=False, budget=6, confidence=0.0, **options)
     assert got.tokens == [] and got.finish_reason == "eos"
     assert got.stats.forward_passes == 0 and got.stats.extra["drafted"] == 0
+
+
+@pytest.mark.parametrize("method, options", [("layerskip", {}), ("draft", {"draft_model": "self-truncated:1"})])
+def test_a_fixed_budget_of_zero_is_plain_decoding_for_a_chain_drafter(method, options):
+    """``budget=0`` (a fixed budget of no nodes) rests speculation: every step a plain one, greedy's
+    tokens, and a chain drafter made with it (its own cap is at least 1, as ``max_draft`` must be)."""
+    engine = Engine(LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny"))
+    plain = engine.generate("abcabcabcabc", max_new_tokens=10, chat=False)
+    got = engine.generate("abcabcabcabc", method=method, max_new_tokens=10, chat=False, budget=0, **options)
+    assert got.tokens == plain.tokens
+    assert got.stats.extra["verifications"] == 0 and got.stats.extra["drafted"] == 0
+
+
+def test_a_draft_model_of_a_shorter_context_drafts_only_within_it():
+    """The draft model keeps its own cache: its chains fit its own context (not the target's), and
+    once the text outgrows it the steps are plain ones, with greedy's tokens throughout."""
+    engine = Engine(LoadedModel(tiny_llama(seed=1, num_layers=2, scale=2.0, max_position=256), CharTokenizer(96), "tiny"))
+    short = tiny_llama(seed=1, num_layers=2, scale=2.0, max_position=24)
+    prompt = "abcabcabcabcabcabc"  # 18 tokens: room for the draft model's first chains only
+    plain = engine.generate(prompt, max_new_tokens=20, chat=False, ignore_eos=True)
+    got = engine.generate(prompt, method="draft", draft_model=short, max_new_tokens=20, chat=False, ignore_eos=True,
+                          budget=4, confidence=0.0)
+    assert got.tokens == plain.tokens
+    assert got.stats.extra["verifications"] > 0 and got.stats.extra["plain_steps"] > 0
+
+
+def test_the_layer_importance_probe_is_the_last_probe_tokens_of_the_context():
+    """The block influence is measured on a probe of the *last* ``PROBE_TOKENS`` tokens (the module
+    docstring), run after the cache and rolled back."""
+    from decodekit.speculative.drafters.layerskip import PROBE_TOKENS
+
+    seen = []
+
+    class Probed:
+        length = 0
+        info = SimpleNamespace(num_layers=2, max_length=256)
+        kv_policy = None
+
+        def append(self, tokens, hidden_layers):
+            seen.append(tokens[0].tolist())
+            return SimpleNamespace(hidden=[torch.ones(1, tokens.shape[1], 2)] * 3)
+
+        def truncate(self, length):
+            self.length = length
+
+    context = list(range(1, 2 * PROBE_TOKENS + 4))
+    assert layer_importance(Probed(), context) is not None
+    assert seen == [context[-PROBE_TOKENS:]]
+
+
+def test_a_probe_that_exactly_fills_the_context_is_run():
+    """The probe is refused only when it does not fit: a cache of ``max_length - len(probe)`` entries
+    takes it exactly."""
+
+    class Probed:
+        length = 6
+        info = SimpleNamespace(num_layers=2, max_length=8)
+        kv_policy = None
+
+        def append(self, tokens, hidden_layers):
+            assert self.length + tokens.shape[1] <= self.info.max_length
+            return SimpleNamespace(hidden=[torch.ones(1, tokens.shape[1], 2)] * 3)
+
+        def truncate(self, length):
+            self.length = length
+
+    assert layer_importance(Probed(), [4, 5]) == pytest.approx([0.0, 0.0], abs=1e-6)
+    assert layer_importance(Probed(), [3, 4, 5]) is None  # one token too many
+
+
+def test_skip_trials_never_skip_the_first_or_the_last_layer():
+    """Like the starting set, a trial's added layer is one of the layers 1 .. L-2: the first and last
+    layers always run (the module docstring), whatever the fixed-seed choice."""
+    for seed in range(10):
+        search = SkipSearch(6, frozenset({2}), seed=seed)
+        feed(search, 4, 5)  # per pass 0.8, score 5 / (5 * 5/6 + 1) < 1: a grow trial
+        assert search.trial and len(search.current) == 2
+        assert search.current <= {1, 2, 3, 4}, seed
+
+
+def test_an_evenly_spread_skip_set_takes_the_middle_of_each_share():
+    """Without an importance estimate the skipped layers are spread evenly over the layers 1 .. L-2:
+    each in the middle of its equal share (of 1..10 in two shares, 1..5 and 6..10: layers 3 and 8)."""
+    assert initial_skip_set(12, 2) == {3, 8}
+    assert initial_skip_set(12, 1) == {6}  # the middle of 1..10, rounded down: index 5

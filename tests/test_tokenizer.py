@@ -121,7 +121,7 @@ def test_the_char_tokenizer_never_spells_the_end_of_sequence():
     assert tok.encode("é") == [95] and 0 not in tok.encode("line one\nline two")
 
 
-def gemma_folder(folder: Path, byte_fallback: bool = True) -> Path:
+def gemma_folder(folder: Path, byte_fallback: bool = True, dropout: float | None = None) -> Path:
     """A tiny tokenizer with the pipeline transformers' GemmaTokenizer builds (spaces as "▁", bytes
     of characters outside the vocabulary spelt as <0xNN> tokens where ``byte_fallback``)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -129,7 +129,7 @@ def gemma_folder(folder: Path, byte_fallback: bool = True) -> Path:
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, **{f"<0x{b:02X}>": 4 + b for b in range(256)},
              "▁": 260, "a": 261, "t": 262, "▁a": 263, "at": 264}
     rust = Tokenizer(models.BPE(vocab, [("▁", "a"), ("a", "t")], unk_token="<unk>", byte_fallback=byte_fallback,
-                                fuse_unk=True))
+                                fuse_unk=True, dropout=dropout))
     rust.normalizer = normalizers.Replace(" ", "▁")
     rust.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous", invert=False)
     rust.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
@@ -187,3 +187,98 @@ def test_a_message_key_whose_value_is_none_is_left_out_as_auto_tokenizer_leaves_
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
     assert ours.chat_prompt(chat) == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     assert "None" not in ours.chat_prompt(chat)
+
+
+def test_special_tokens_written_as_added_token_objects_are_their_text(tmp_path):
+    """tokenizer_config.json may give a special token as an added token's fields ({"content": "<s>",
+    ...}, as transformers writes some): the chat template and the end of sequence see its text."""
+    from transformers import AutoTokenizer
+
+    def added(text: str) -> dict:
+        return {"__type": "AddedToken", "content": text, "lstrip": False, "normalized": False, "rstrip": False,
+                "single_word": False, "special": True}
+
+    folder = tokenizer_folder(tmp_path / "tok", bos_token=added("<s>"), eos_token=added("</s>"))
+    ours, auto = file_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert isinstance(ours, FileTokenizer)
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.chat_prompt(chat) == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert ours.chat_prompt(chat).startswith("<s>user: hi</s>")
+    ends = {auto.eos_token_id, auto.convert_tokens_to_ids("<|im_end|>")}
+    assert ours.eos_token_ids == HFTokenizer(folder).eos_token_ids == ends
+
+
+def test_a_chat_template_kept_in_the_tokenizer_config_is_the_folders_template(tmp_path):
+    """A folder may keep its chat template in tokenizer_config.json rather than in chat_template.jinja
+    (as older transformers saved it): the folder's tokenizer renders it as AutoTokenizer does."""
+    from transformers import AutoTokenizer
+
+    folder = tokenizer_folder(tmp_path / "tok", chat_template=TEMPLATE)
+    (folder / "chat_template.jinja").unlink()
+    ours, auto = file_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert isinstance(ours, FileTokenizer)
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.chat_prompt(chat) == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert ours.chat_prompt(chat).startswith("<s>user: hi</s>")
+
+
+def test_named_chat_templates_send_the_folder_to_auto_tokenizer(tmp_path):
+    """A chat_template that is a list of named templates (a default one and one for tool use) is not one
+    template to render: such a folder goes to AutoTokenizer, which picks among them."""
+    from transformers import AutoTokenizer
+
+    named = [{"name": "default", "template": TEMPLATE}, {"name": "tool_use", "template": "tools"}]
+    folder = tokenizer_folder(tmp_path / "tok", chat_template=named)
+    (folder / "chat_template.jinja").unlink()
+    ours = file_tokenizer(folder)
+    assert isinstance(ours, HFTokenizer)
+    chat = [{"role": "user", "content": "hi"}]
+    want = AutoTokenizer.from_pretrained(folder).apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert ours.chat_prompt(chat) == want
+
+
+def test_an_empty_chat_template_gives_no_chat_prompt(tmp_path):
+    """An empty chat template is no template: the chat prompt is None (the caller then uses the
+    plain text), as HFTokenizer says, never an empty prompt."""
+    folder = tokenizer_folder(tmp_path / "tok")
+    (folder / "chat_template.jinja").write_text("")
+    ours = file_tokenizer(folder)
+    assert isinstance(ours, FileTokenizer)
+    assert ours.chat_prompt([{"role": "user", "content": "hi"}]) is None
+
+
+def test_a_gemma_folder_whose_model_drops_merges_at_random_goes_to_auto_tokenizer(tmp_path):
+    """GemmaTokenizer keeps only the file's vocabulary and merges, so a BPE dropout in the file (which
+    would split the same text differently from call to call) is not what AutoTokenizer runs."""
+    assert isinstance(file_tokenizer(gemma_folder(tmp_path / "gemma", dropout=0.5)), HFTokenizer)
+    assert isinstance(file_tokenizer(gemma_folder(tmp_path / "plain")), FileTokenizer)
+
+
+def test_a_tokenizer_file_replaced_by_one_of_the_same_size_and_time_is_read_again(tmp_path):
+    """A file replaced whole is a new inode: even with the size and modification time of the one it
+    replaced (a copy that keeps times), the folder's tokenizer is read again, never the old one kept."""
+    folder = tokenizer_folder(tmp_path / "tok")
+    first = file_tokenizer(folder)
+    path = folder / "chat_template.jinja"
+    old = path.stat()
+    fresh = folder / "chat_template.new"
+    fresh.write_text(TEMPLATE.replace("assistant:", "assistanT:"))  # the same size
+    os.utime(fresh, ns=(old.st_atime_ns, old.st_mtime_ns))
+    os.replace(fresh, path)
+    again = file_tokenizer(folder)
+    assert again is not first
+    assert again.chat_prompt([{"role": "user", "content": "hi"}]).endswith("assistanT:")
+
+
+def test_a_special_token_set_to_null_is_undefined_to_the_chat_template(tmp_path):
+    """tokenizer_config.json may name a special token null (no padding token): the template sees it
+    undefined, as AutoTokenizer renders it, never as the text "None"."""
+    from transformers import AutoTokenizer
+
+    folder = tokenizer_folder(tmp_path / "tok", pad_token=None)
+    (folder / "chat_template.jinja").write_text("{% if pad_token %}pad={{ pad_token }} {% endif %}" + TEMPLATE)
+    ours, auto = file_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert isinstance(ours, FileTokenizer)
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.chat_prompt(chat) == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert ours.chat_prompt(chat).startswith("<s>user: hi</s>")
