@@ -588,3 +588,76 @@ def test_a_window_on_some_of_the_listed_layers_is_refused_natively():
                                                  "layer_types": ["full_attention", "sliding_attention"]}
     assert "a window of 16" in native_unsupported(config)
     assert native_unsupported(config | {"layer_types": ["full_attention", "full_attention"]}) is None
+
+
+def test_keep_records_only_the_tokens_the_cache_holds():
+    """keep(): the last token decoded is not read yet, so kept_ids stop at the cache's length."""
+    backend = tiny_llama(seed=0)
+    ids = tokens(6)[0].tolist()
+    backend.prefill(ids[:5])
+    backend.keep(ids)
+    assert backend.kept_ids == ids[:5]
+
+
+def test_a_kept_prefix_rolled_back_is_shared_only_as_far_as_the_cache_still_holds_it():
+    """shared_prefix counts the kept tokens the cache still holds: after a rollback, only those
+    before it, and the prompt read after them gives the logits of reading it whole."""
+    ids = tokens(12)[0].tolist()
+    backend = prefix_reusing_llama()
+    backend.prefill(ids)
+    backend.keep(ids)
+    backend.truncate(6)
+    assert backend.shared_prefix(ids + [3]) == 6
+    assert torch.equal(backend.prefill(ids + [3]), prefix_reusing_llama().prefill(ids + [3]))
+
+
+def test_own_clone_keeps_one_clone_per_other_backend_and_at_most_keep_of_them():
+    """own_clone: each other backend gets a clone of its own (its weights, its own cache), the same
+    one each time it is asked for, and only the ``keep`` most recently used are kept."""
+    owner = tiny_llama(seed=0)
+    others = [tiny_llama(seed=s) for s in (1, 2, 3)]
+    ids = tokens(5)[0].tolist()
+    first = owner.own_clone(others[0], "judge", keep=2)
+    second = owner.own_clone(others[1], "judge", keep=2)
+    assert first is not second and first is not others[0] and owner.own_clone(others[0], "judge", keep=2) is first
+    for clone, other in ((first, others[0]), (second, others[1])):
+        assert torch.equal(clone.prefill(ids), other.prefill(ids))
+    owner.own_clone(others[2], "judge", keep=2)  # the second was the least recently used: dropped
+    kept = {k[1] for k in owner._memory if isinstance(k, tuple) and k[0] == "judge.clone"}
+    assert kept == {id(others[0]), id(others[2])}
+
+
+def test_a_clone_holds_no_request_of_its_parent():
+    """A clone starts with an empty cache and no request: its parent's request thread and
+    should_stop (interrupt) are not its own."""
+    backend = tiny_llama(seed=0)
+    backend.interrupt = lambda: True
+    backend.request_thread = 1
+    twin = backend.clone()
+    assert twin.interrupt is None and twin.request_thread is None
+    twin.check_interrupt()  # nothing asks it to stop
+    twin.prefill(tokens(5)[0].tolist())
+
+
+def test_a_prompt_read_after_a_kept_prefix_has_its_logits_checked_too():
+    """A request's first logits are refused when not finite, whether the whole prompt was read or
+    only its rest after the kept prefix."""
+    from decodekit.errors import InvalidModel
+
+    ids = tokens(12)[0].tolist()
+    backend = prefix_reusing_llama()
+    backend.prefill(ids[:8])
+    backend.keep(ids[:8])
+    assert backend.shared_prefix(ids) == 8
+    backend.weights.final_norm[0] = torch.nan  # damaged from here on: every logit NaN
+    with pytest.raises(InvalidModel, match="not finite"):
+        backend.prefill(ids)
+
+
+def test_a_memory_familys_bound_leaves_the_other_families_alone():
+    """``keep`` bounds one family (key[0]): values of another family are never dropped for it."""
+    backend = tiny_llama(seed=0)
+    backend.memory(("judge.clone", 1), lambda: "judge", keep=1)
+    backend.memory(("draft.clone", 1), lambda: "draft", keep=1)
+    backend.memory(("draft.clone", 2), lambda: "draft 2", keep=1)
+    assert [k for k in backend._memory if isinstance(k, tuple)] == [("judge.clone", 1), ("draft.clone", 2)]

@@ -975,3 +975,196 @@ def test_beam_mean_logprob_is_its_log_probability_per_token():
     logp = 2.0 - math.log(math.exp(2) + math.exp(1) + 1)
     assert g.extra["candidates"][0]["logp"] == pytest.approx(logp, abs=1e-3)
     assert g.extra["uncertainty"]["mean_logprob"] == pytest.approx(logp / 2, abs=1e-3)
+
+
+# Batched decoding's promises, pinned one by one ------------------------------------------------------
+
+
+def test_row_seeds_wrap_around_at_the_seed_limit(tiny):
+    """Row i is seeded (seed + i) mod SEED_LIMIT: a request seeded with the last seed there
+    draws its second row as the sequential sample seeded 0."""
+    from decodekit.samplers.params import SEED_LIMIT
+
+    samples = decode_batch(tiny, request(tiny, "hello", seed=SEED_LIMIT - 1, max_new=12), 2)
+    engine = Engine(tiny)
+    for sample, seed in zip(samples, (SEED_LIMIT - 1, 0)):
+        assert sample.tokens == engine.generate("hello", method="sample", seed=seed, max_new_tokens=12, chat=False).tokens
+
+
+def test_batch_rows_with_penalties_are_sequential_samples_with_their_own_seed(tiny):
+    """A row's penalties read its whole history, the prompt included (the repetition penalty
+    counts it), as plain sampling's do: row i is still the sample seeded seed + i."""
+    params = dict(repetition_penalty=3.0, frequency_penalty=1.0, temperature=1.0)
+    samples = decode_batch(tiny, request(tiny, "hello hello", seed=5, max_new=16, **params), 3)
+    engine = Engine(tiny)
+    for i, sample in enumerate(samples):
+        assert sample.tokens == engine.generate("hello hello", method="sample", seed=5 + i, max_new_tokens=16,
+                                                chat=False, **params).tokens
+
+
+def test_a_step_decoded_after_earlier_steps_counts_their_tokens_as_generated():
+    """Frequency and presence penalties count the generated ids, not the prompt's: a step search's
+    earlier steps were generated, so the step after them is penalised for their tokens.
+    After "a": logits a 1.0, b 0.5; "a" generated once, frequency penalty 1: a 0.0 < b 0.5."""
+    from decodekit.search.batch import SearchContext
+
+    model = bigram_model({"a": {"a": 1.0, "b": 0.5}, "b": {"": 5.0}})
+    req = Request(TOK.encode("a"), make_sampler("greedy", {"frequency_penalty": 1.0}), 5)
+    ctx = SearchContext(model, req)
+    [step] = ctx.decode(ctx.prompt + [cid("a")], ctx.greedy_rows(), [0], 3)
+    assert step.tokens == [cid("b")] and step.finish_reason == "eos"
+
+
+def test_step_done_reads_whitespace_before_a_leading_delimiter_as_no_content():
+    """Only content before the delimiter ends a step: blanks and delimiters before it do not."""
+    assert not step_done(" \n\n", "\n\n")
+    assert not step_done("\t\n\n\n\n", "\n\n")
+    assert step_done(" \n\nStep one.\n\n", "\n\n")
+
+
+def test_a_step_that_begins_with_a_stop_string_keeps_none_of_its_tokens():
+    """A stop string beginning at a step's first token is cut within the step: the step keeps no
+    token and the stop's tokens are its cut-off (only a stop begun in the steps before leaves the
+    step whole, for finalize to cut)."""
+    from decodekit.search.batch import SearchContext
+
+    model = bigram_model({"a": {"c": 5.0}, "c": {"d": 5.0}, "d": {"e": 5.0}})
+    ctx = SearchContext(model, Request(TOK.encode("p"), make_sampler("greedy", {}), 10, stop="cd"))
+    [step] = ctx.decode(ctx.prompt + [cid("a")], ctx.greedy_rows(), [0], 5)
+    assert (step.tokens, step.cut_off, step.finish_reason, step.text) == ([], [cid("c"), cid("d")], "stop", "")
+
+
+def test_a_search_reports_a_sample_cut_by_steps_or_the_batch_as_ending_at_the_length_limit(tiny):
+    """A Generation ends on eos, stop or length: a chosen sample that stopped at a step delimiter
+    or was left unfinished by the batch is reported as "length"."""
+    from decodekit.search.batch import SearchContext
+
+    ctx = SearchContext(tiny, request(tiny, "hello", max_new=4))
+    for reason, want in (("step", "length"), ("unfinished", "length"), ("length", "length"), ("eos", "eos")):
+        sample = Sample([cid("a")], [-0.1], [0.0], [0.0], [[-0.1]], reason, "a")
+        assert ctx.finalize(sample, {}).finish_reason == want, reason
+
+
+def test_a_search_refuses_a_request_past_the_context_before_decoding(tiny):
+    """A search checks that the prompt and max_new_tokens fit the context first, in one line, as
+    plain decoding does (not once the cache overflows mid-search)."""
+    from decodekit.errors import PromptTooLong
+
+    too_long = request(tiny, "hello", max_new=tiny.backend.info.max_length)
+    for method in ("best-of-n", "step-beam"):
+        with pytest.raises(PromptTooLong, match="exceeds the model's context"):
+            build_decoder(method, n=2).generate(tiny, too_long)
+
+
+def test_a_row_ending_on_eos_records_one_statistic_per_kept_token():
+    """The EOS step's statistics are kept apart (eos_logprob): certainty, margin and top-K hold one
+    entry per token, as the log-probs do."""
+    model = bigram_model({"p": {"a": 2.0, "b": 1.0}, "a": {"": 3.0, "c": 0.0}})
+    [s] = decode_batch(model, request(model, "p", method="greedy", max_new=5), 1)
+    assert s.finish_reason == "eos" and s.eos_logprob is not None
+    assert len(s.tokens) == len(s.logprobs) == len(s.certainty) == len(s.margin) == len(s.topk) == 1
+
+
+def test_a_search_judged_by_its_own_model_uses_its_own_prefix_cache(tiny):
+    """cache_for: the request's own model is read on the request's own prefix cache (what the
+    search already read is reused), never on a judge's clone."""
+    from decodekit.search.batch import SearchContext
+
+    ctx = SearchContext(tiny, request(tiny, "hello"))
+    assert ctx.cache_for(tiny) is ctx.cache
+    assert ctx.cache_for(LoadedModel(tiny.backend, TOK, "the same backend")) is ctx.cache
+    assert not any(isinstance(k, tuple) and k[0] == "judge.clone" for k in tiny.backend.__dict__.get("_memory", {}))
+
+
+def test_decode_batch_samples_a_greedy_request_at_the_temperature_given(tiny):
+    """decode_batch's temperature makes a greedy request's rows samples at that temperature: row i
+    is the sequential sample seeded seed + i."""
+    samples = decode_batch(tiny, request(tiny, "hello", method="greedy", seed=7, max_new=16), 3, temperature=1.0)
+    engine = Engine(tiny)
+    for i, sample in enumerate(samples):
+        assert sample.tokens == engine.generate("hello", method="sample", seed=7 + i, temperature=1.0,
+                                                max_new_tokens=16, chat=False).tokens
+
+
+# Selection's promises, pinned one by one --------------------------------------------------------------
+
+
+def test_a_greedy_requests_samples_are_drawn_at_the_sample_temperature(tiny):
+    """The module's rule: a greedy request's n samples are drawn at sample_temperature from the same
+    processed distribution, sample i being the sequential sample seeded seed + i."""
+    g = Engine(tiny).generate("hello", method="best-of-n", n=3, seed=7, sample_temperature=1.0, max_new_tokens=12,
+                              chat=False)
+    engine = Engine(tiny)
+    want = [engine.generate("hello", method="sample", seed=7 + i, temperature=1.0, max_new_tokens=12, chat=False).text
+            for i in range(3)]
+    assert [c["text"] for c in g.extra["candidates"]] == want
+
+
+def test_mbr_ties_go_to_the_first_sample_and_one_sample_is_chosen_alone():
+    """MBR picks the highest expected utility, ties to the first sample (the selection module's
+    sample-order rule); with one sample there is nothing to compare and it is chosen."""
+    same = lambda h, r: float(h == r)  # noqa: E731
+    index, expected = mbr_select(["x", "y", "x", "y"], same)
+    assert expected == [1 / 3] * 4 and index == 0
+
+    def never(h, r):
+        raise AssertionError("no other sample to compare with")
+
+    assert mbr_select(["alone"], never)[0] == 0
+
+
+def test_weighted_vote_takes_zero_weights_and_an_all_zero_vote_ties_to_the_first_answer(tiny):
+    """Weights need only be non-negative: zero is a weight, and when all are zero every answer
+    ties, which goes to the answer seen first."""
+    g = Engine(tiny).generate("hello", method="weighted-vote", n=4, scorer=lambda text: 0.0,
+                              answer=lambda t: t[:1] or None, max_new_tokens=4, chat=False, seed=0)
+    answers = [c["answer"] for c in g.extra["candidates"]]
+    first = next(a for a in answers if a is not None)
+    assert g.extra["answer"] == first and g.extra["chosen"] == answers.index(first)
+
+
+def test_a_vote_with_no_answer_to_count_returns_the_first_sample():
+    """Samples with no extractable answer do not vote: with none voting, the first sample is
+    returned (sample order), whatever the weights."""
+    from types import SimpleNamespace
+
+    from decodekit.search.select import SelfConsistency, WeightedVote
+
+    samples = [Sample(TOK.encode(t), [], [], [], [], "length", t) for t in ("a", "bb", "c")]
+    assert SelfConsistency(n=3).choose(None, samples, [None] * 3)[0] == 0
+    ctx = SimpleNamespace(tokenizer=TOK)
+    index, weights = WeightedVote(n=3, scorer=lambda text: float(len(text))).choose(ctx, samples, [None] * 3)
+    assert weights == [1.0, 2.0, 1.0] and index == 0
+
+
+def test_agreement_is_the_share_of_samples_agreeing_with_the_chosen_answer(tiny):
+    """The agreement signal counts the samples whose answer is the chosen sample's, not the first's."""
+    answer = lambda t: t[:1] or None  # noqa: E731
+    for seed in range(40):
+        g = Engine(tiny).generate("hello", method="best-of-n", n=4, seed=seed, answer=answer, max_new_tokens=6,
+                                  chat=False)
+        answers = [c["answer"] for c in g.extra["candidates"]]
+        chosen = answers[g.extra["chosen"]]
+        if answers.count(chosen) != answers.count(answers[0]):
+            break
+    else:
+        pytest.fail("no seed chose a sample whose answer is less or more common than the first's")
+    assert g.extra["uncertainty"]["agreement"] == answers.count(chosen) / 4
+
+
+def test_a_candidates_token_count_leaves_out_its_eos():
+    """A candidate's "tokens" are its text's tokens: the EOS a row ended on is no token of it."""
+    model = random_bigram(0, eos_logit=0.5)
+    g = build_decoder("best-of-n", n=6).generate(model, request(model, "p", seed=1, max_new=40))
+    candidates = g.extra["candidates"]
+    assert any(c["finish_reason"] == "eos" for c in candidates)
+    assert all(c["tokens"] == len(TOK.encode(c["text"])) for c in candidates)
+
+
+def test_first_finish_scores_each_candidate_by_the_steps_it_took():
+    """First-finish's score is the steps a row took: its tokens and, where it ended on EOS, that choice."""
+    model = random_bigram(1, eos_logit=0.0)
+    g = build_decoder("first-finish", n=6).generate(model, request(model, "p", seed=4, max_new=40))
+    candidates = g.extra["candidates"]
+    assert g.finish_reason == "eos"
+    assert [c["score"] for c in candidates] == [c["tokens"] + (c["finish_reason"] == "eos") for c in candidates]

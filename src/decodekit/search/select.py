@@ -54,7 +54,8 @@ def chrf_utility() -> Utility:
 
 
 def mbr_select(texts: Sequence[str], utility: Utility) -> tuple[int, list[float]]:
-    """Index of the text with the highest mean utility against all the others, and those means."""
+    """Index of the text with the highest mean utility against all the others (ties: the first, as
+    best-of-n's), and those means."""
     n = len(texts)
     if n == 1:
         return 0, [0.0]
