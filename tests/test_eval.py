@@ -621,3 +621,115 @@ def test_the_report_lists_every_item_of_a_small_run_and_its_interval_low_to_high
     rows = [line for line in text.split("## Items", 1)[1].splitlines() if line.startswith("| ") and "gold" not in line]
     assert rows == [f"| {i} | 4 | {'4' if i % 2 else '5'} | {'yes' if i % 2 else 'no'} |" for i in range(12)]
     assert "95% Wilson CI [0.057, 0.510]" in text
+
+
+def test_a_gsm8k_prompt_is_the_instruction_then_the_problem(tmp_path):
+    """The model is told to end with a number (what the extractor reads), then given the problem as written."""
+    from decodekit.eval.tasks import GSM8K_INSTRUCTION
+
+    data = tmp_path / "g.jsonl"
+    data.write_text(json.dumps({"question": "What is 2+2?", "answer": "#### 4"}) + "\n")
+    assert gsm8k_task(data).items[0].question == GSM8K_INSTRUCTION + "What is 2+2?"
+
+
+def test_a_capitals_answer_drops_every_lead_in_the_paraphrases_invite():
+    """"The capital of X is (the city of)" and "X's capital is (the city of)" lead in; the city that follows is the answer."""
+    from decodekit.eval.tasks import capital_answer_start
+
+    for lead in ("The capital of France is the city of ", "France's capital is ", "France's capital city is the city of "):
+        assert capital_answer(lead + "Paris.") == "paris", lead
+        assert capital_answer_start(lead + "Paris.") == len(lead), lead
+
+
+def test_a_capital_is_named_by_whole_words_not_inside_another_word():
+    """"Limassol" is not Lima, "Romeo" is not Rome: the name must stand as words of its own."""
+    assert not capital_correct("Limassol", Item("PE", "", "Lima", "Peru"))
+    assert not capital_correct("Romeo", Item("IT", "", "Rome", "Italy"))
+    assert capital_correct("It is Lima.", Item("PE", "", "Lima", "Peru"))
+
+
+def test_a_structured_answer_is_the_output_stripped_and_a_blank_one_is_no_answer(tmp_path):
+    """Votes compare the JSON text itself: surrounding whitespace is not part of it, and an empty output votes for nothing."""
+    from decodekit.eval.tasks import structured_task
+
+    path = tmp_path / "s.jsonl"
+    path.write_text(json.dumps({"id": "a", "prompt": "Any JSON:", "schema": True}) + "\n")
+    task = structured_task(path)
+    assert task.answer(' {"a": 1}\n') == '{"a": 1}'
+    assert task.answer(" \n") is None and task.answer("") is None
+
+
+def test_longctx_flags_given_to_an_item_task_are_refused(tmp_path):
+    """Each of --policies, --lengths, --depths, --continuation applies to longctx only: never silently ignored."""
+    register_task("fake3", fake_task)
+    for flag, value in (("--policies", "full"), ("--lengths", "100"), ("--depths", "0.5"), ("--continuation", "8")):
+        with pytest.raises(InvalidParameter, match=f"^{flag} applies to longctx only"):
+            run(eval_args(tmp_path, flag, value), model=lambda: pytest.fail("the model was loaded"))
+
+
+class _Loaded(Exception):
+    """Raised by a stand-in for the model loader or the evaluation: what it was given, no work done."""
+
+
+def test_an_item_task_loads_its_model_with_the_kv_cache_asked_for(tmp_path, monkeypatch):
+    """--kv-cache applies to the item tasks: the model is loaded with it."""
+    import decodekit.models
+
+    def load_model(name, **kwargs):
+        raise _Loaded(kwargs)
+
+    monkeypatch.setattr(decodekit.models, "load_model", load_model)
+    register_task("fake3", fake_task)
+    with pytest.raises(_Loaded) as loaded:
+        run(eval_args(tmp_path, "--kv-cache", "int8"))
+    assert loaded.value.args[0]["kv_cache"] == "int8"
+
+
+def test_unconstrained_decodes_without_the_schema_and_the_default_under_it(tmp_path, monkeypatch):
+    """--unconstrained leaves the items' schemas out of the decoding; without it they are followed."""
+    import decodekit.eval.runner as runner
+
+    def evaluate(model, task, config, progress=None):
+        raise _Loaded(config.constrained)
+
+    monkeypatch.setattr(runner, "evaluate", evaluate)
+    path = tmp_path / "s.jsonl"
+    path.write_text(json.dumps({"id": "a", "prompt": "Any JSON:", "schema": {"type": "integer"}}) + "\n")
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for flags, constrained in (([], True), (["--unconstrained"], False)):
+        with pytest.raises(_Loaded) as got:
+            run(parser.parse_args(["structured", "--data", str(path), "--out", str(tmp_path), *flags]), model=model)
+        assert got.value.args[0] is constrained, flags
+
+
+def test_longctx_has_one_default_folder_whatever_the_method_default():
+    """The help promises eval-out/longctx for longctx (it runs no --method)."""
+    from decodekit.eval.cli import output_folder
+    from decodekit.eval.tasks import LONG_CONTEXT
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert str(output_folder(parser.parse_args(["longctx"]), LONG_CONTEXT)) == "eval-out/longctx"
+
+
+def test_the_reproducing_command_gives_a_switch_without_a_value(tmp_path):
+    """--unconstrained takes no value: the command names it alone, and parses back to the run's flags."""
+    from decodekit.eval.cli import command_line
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["structured", "--unconstrained", "--out", str(tmp_path)])
+    parts = shlex.split(command_line(args))
+    assert "--unconstrained" in parts and "True" not in parts
+    assert vars(parser.parse_args(parts[2:])) == vars(args)
+
+
+def test_python_m_decodekit_eval_reports_a_bad_argument_in_one_line_with_status_2(capsys):
+    """Like the decodekit command: a refused argument is one line on stderr and exit status 2."""
+    from decodekit.eval.cli import main
+
+    assert main(["no-such-task"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("decodekit eval: error: unknown task 'no-such-task'") and err.count("\n") == 1

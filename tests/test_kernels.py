@@ -628,6 +628,32 @@ def test_argmax_is_torch_argmax_on_ties_infinities_nans_and_short_rows():
     assert cases == 8 * 60
 
 
+
+@needs_kernel
+def test_top_k_indices_of_rows_shorter_than_a_block_match_torch_topk():
+    """A row under 16 entries is read by the scalar tail alone: once k entries are in, the bar
+    must rise to the k-th best there too, or a later smaller value displaces the k-th."""
+    generator = torch.Generator().manual_seed(26)
+    descending = torch.arange(10, 0, -1, dtype=torch.float32)[None]
+    assert kernels.top_k_indices(descending, 2).tolist() == [[0, 1]]
+    for n in range(1, 16):
+        x = torch.randn(4, n, generator=generator)
+        for k in range(1, n + 1):
+            assert torch.equal(kernels.top_k_indices(x, k), torch.topk(x, k, dim=-1).indices.to(torch.int32)), (n, k)
+
+
+def test_argmax_of_an_empty_row_fails_as_torch_argmax_does():
+    """argmax is int(x.argmax()): an empty row has no largest entry, so it raises as torch does
+    (the kernels take rows of at least one entry; theirs would answer index 0)."""
+    import numpy as np
+
+    with pytest.raises(IndexError):
+        torch.empty(0).argmax()
+    with pytest.raises(IndexError):
+        kernels.argmax(torch.empty(0))
+    with pytest.raises(IndexError):
+        kernels.masked_argmax(torch.empty(0), np.zeros(2, dtype=np.uint8))
+
 @needs_kernel
 def test_top_k_indices_and_argmax_read_strided_rows_as_their_values():
     """The kernels read packed float32 rows: a transposed matrix or a column (a strided view)
@@ -754,6 +780,37 @@ def test_the_exponential_race_is_the_argmax_over_every_token(kernel, monkeypatch
         with pytest.raises(ValueError, match="finite, non-negative"):
             kernels.exponential_race(torch.tensor(bad), 7)
 
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False], ids=["kernel", "fallback"])
+def test_the_exponential_race_refuses_a_nan_or_infinity_anywhere_in_the_row(kernel, monkeypatch):
+    """Sampling needs finite, non-negative probabilities: a NaN (or inf, or a negative entry) is
+    refused wherever it stands, in the 8-token blocks as in the tail past them."""
+    if not kernel:
+        monkeypatch.setattr(kernels.sampling, "_race_function", lambda: None)
+    for n in (8, 13, 24):
+        for at in range(n):
+            for bad in (float("nan"), float("inf"), -0.25):
+                p = torch.full((n,), 0.1)
+                p[at] = bad
+                with pytest.raises(ValueError, match="finite, non-negative"):
+                    kernels.exponential_race(p, 11)
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False], ids=["kernel", "fallback"])
+def test_the_exponential_race_reads_a_strided_row_as_its_values(kernel, monkeypatch):
+    """A draw depends only on the key and the distribution: a column of a matrix (a strided view)
+    gives the draw of the same values packed, not of the bytes in memory order."""
+    if not kernel:
+        monkeypatch.setattr(kernels.sampling, "_race_function", lambda: None)
+    generator = torch.Generator().manual_seed(27)
+    matrix = torch.softmax(torch.randn(200, 3, generator=generator) * 3, dim=0)
+    matrix[:, 0] = 0.0  # the neighbours in memory: a reader of the wrong bytes sees zeros and others
+    for column in (1, 2):
+        row = matrix[:, column]
+        assert not row.is_contiguous()
+        for key in range(20):
+            assert kernels.exponential_race(row, key) == race_by_brute_force(row.contiguous(), key), (column, key)
 
 @pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False], ids=["kernel", "fallback"])
 def test_a_race_key_is_a_64_bit_unsigned_integer(kernel, monkeypatch):

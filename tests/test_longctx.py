@@ -214,3 +214,94 @@ def test_longctx_on_a_backend_without_kv_cache_policies_is_one_line():
     config = LongContextConfig(policies=("full",), lengths=(120,), depths=(0.5,), continuation=4, decode_tokens=4)
     with pytest.raises(InvalidParameter, match="needs the native backend"):
         evaluate_long_context(trigram_model(), config)
+
+
+def test_the_document_repeats_the_texts_until_it_has_the_tokens_needed():
+    """A tokenizer that reads the texts as few tokens still gets ``needed`` of them (the texts repeated)."""
+
+    class Short:
+        def encode(self, text):
+            return [1, 2, 3]
+
+    assert document_tokens(Short(), 10) == [1, 2, 3] * 3 + [1]
+
+
+class _RecordingEngine(_EchoEngine):
+    """An echo engine that records what each run was given."""
+
+    calls: list = []
+
+    def generate(self, prompt, max_new_tokens, ignore_eos=False):
+        _RecordingEngine.calls.append((len(prompt), max_new_tokens, ignore_eos))
+        return super().generate(prompt, max_new_tokens, ignore_eos)
+
+
+def test_every_policy_at_a_length_is_asked_for_the_same_pass_keys_and_the_seed_draws_them(model, monkeypatch):
+    """Policies are compared on the same prompts (the keys drawn per length, from the seed): another
+    seed hides other keys."""
+    import decodekit.eval.longctx as longctx
+
+    monkeypatch.setattr("decodekit.engine.Engine", _EchoEngine)
+    keys = []
+    original = longctx.passkey_prompt
+    monkeypatch.setattr(longctx, "passkey_prompt", lambda tok, length, depth, key: keys.append(key) or original(tok, length, depth, key))
+
+    def drawn(seed):
+        keys.clear()
+        config = LongContextConfig(policies=("full", "int8"), lengths=(120,), depths=(0.0, 1.0), continuation=4,
+                                   decode_tokens=4, seed=seed)
+        evaluate_long_context(model, config)
+        return list(keys)
+
+    zero = drawn(0)
+    assert zero[:2] == zero[2:] and zero == drawn(0)
+    assert drawn(1) != zero
+
+
+def test_decode_speed_is_timed_over_the_context_alone_for_the_tokens_asked_ignoring_eos(model, monkeypatch):
+    """The decode run reads the ``length`` context tokens and generates ``decode_tokens`` whatever the
+    model says (an early EOS would time fewer); the pass-key answers are short greedy runs."""
+    from decodekit.eval.longctx import PASSKEY_ANSWER_TOKENS
+
+    monkeypatch.setattr("decodekit.engine.Engine", _RecordingEngine)
+    _RecordingEngine.calls = []
+    config = LongContextConfig(policies=("full",), lengths=(120,), depths=(0.5,), continuation=4, decode_tokens=6)
+    evaluate_long_context(model, config)
+    (decode, (_, answer_tokens, _)) = _RecordingEngine.calls
+    assert decode == (120, 6, True) and answer_tokens == PASSKEY_ANSWER_TOKENS
+
+
+def test_the_report_gives_the_nll_change_and_memory_saved_in_percent():
+    """A row's NLL change +0.0125 reads +1.25%, its memory saved 0.75 reads 75%, its peak 2e6 bytes 2.0 MB."""
+    from decodekit.eval.longctx import markdown
+
+    row = {"length": 100, "policy": "int8", "nll": 2.0, "nll_change": 0.0125, "cache_bytes": 2_000_000,
+           "memory_saved": 0.75, "decode_tok_s": 10.0, "passkey": {"0.5": True}}
+    result = {"config": {"depths": [0.5], "continuation": 8, "decode_tokens": 4}, "rows": [row]}
+    assert "| 100 | int8 | 2.0000 | +1.25% | 2.0 | 75% | 10.0 | yes |" in markdown(result)
+
+
+def test_a_misspelt_policy_is_refused_before_any_row_runs(model):
+    """A bad spelling is one error before any work, not an error row after the others have run."""
+    config = LongContextConfig(policies=("full", "lru"), lengths=(120,), depths=(0.5,), continuation=4, decode_tokens=4)
+    with pytest.raises(InvalidParameter, match="unknown kv cache 'lru'"):
+        evaluate_long_context(model, config, progress=lambda row: pytest.fail("a row ran"))
+
+
+def test_the_seed_flag_reaches_the_long_context_run(model, tmp_path):
+    """--seed draws the pass keys of longctx too: the run's config records the seed it was given."""
+    parser = eval_cli.ArgumentParser()
+    eval_cli.add_arguments(parser)
+    args = parser.parse_args(["longctx", "--policies", "full", "--lengths", "100", "--depths", "0.5",
+                              "--continuation", "4", "--seed", "7", "--out", str(tmp_path)])
+    assert eval_cli.run(args, model=model) == 0
+    assert json.loads((tmp_path / "results.json").read_text())["config"]["seed"] == 7
+
+
+def test_longctx_refuses_ray_before_loading():
+    """Its rows share one long prompt on one machine: --ray is refused, before any model loads."""
+    pytest.importorskip("ray")
+    parser = eval_cli.ArgumentParser()
+    eval_cli.add_arguments(parser)
+    with pytest.raises(InvalidParameter, match="longctx runs on one machine"):
+        eval_cli.run(parser.parse_args(["longctx", "--ray"]), model=lambda: pytest.fail("the model was loaded"))

@@ -710,7 +710,7 @@ def test_sample_from_uses_given_weights():
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"frequency_penalty": float("nan")}, "frequency_penalty"),
         ({"presence_penalty": float("inf")}, "presence_penalty"),
-        ({"penalty_window": 0}, "penalty_window"),
+        ({"penalty_window": 0}, "penalty_window"), ({"penalty_window": 2**40 + 1}, "penalty_window"),
         ({"no_repeat_ngram_size": 0}, "no_repeat_ngram_size"),
         ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"), ({"greedy": "yes"}, "greedy"),
     ],
