@@ -403,3 +403,143 @@ def test_a_results_file_that_is_not_json_or_lacks_its_levels_is_one_line(tmp_pat
     with pytest.raises(InvalidParameter, match=re.escape(f"{path} {problem}")) as err:
         run(parse("--compare", str(path), "--out", str(tmp_path / "cmp")))
     assert "\n" not in str(err.value)
+
+
+def clocked_stream(monkeypatch, lines: list[bytes]):
+    """``lines`` as http.client yields them, the load generator's clock reading i while line i is read."""
+    import decodekit.serve.load as load
+
+    now = [0.0]
+    monkeypatch.setattr(load, "time", argparse.Namespace(perf_counter=lambda: now[0]))
+
+    def reader():
+        for i, line in enumerate(lines):
+            now[0] = float(i)
+            yield line
+    return reader()
+
+
+def test_a_chunk_with_empty_content_is_neither_the_first_token_nor_a_token(monkeypatch):
+    """TTFT runs up to the first chunk with content: OpenAI's opening chunk (role, content "") carries no text."""
+    from decodekit.serve.load import read_stream
+
+    def delta(**d) -> dict:
+        return {"choices": [{"index": 0, "delta": d}]}
+    lines = stream_lines(delta(role="assistant", content=""), delta(content="Hi"), delta(content="!"), "[DONE]")
+    out = Outcome()
+    read_stream(clocked_stream(monkeypatch, lines), out, 0.0, 60)
+    assert out.error is None and out.ttft_s == 1.0 and out.tokens == 2
+
+
+def test_a_null_usage_in_every_chunk_is_no_count_and_the_last_usage_wins():
+    """With include_usage, OpenAI-compatible servers send "usage": null in each chunk and the counts in the last one."""
+    from decodekit.serve.load import read_stream
+
+    content = {"choices": [{"index": 0, "delta": {"content": "Hi"}}], "usage": None}
+    out = Outcome()
+    read_stream(stream_lines(content, content, {"choices": [], "usage": {"completion_tokens": 5}}, "[DONE]"),
+                out, time.perf_counter(), 60)
+    assert out.error is None and out.tokens == 5
+
+
+def test_comments_and_event_lines_in_the_stream_are_skipped():
+    """Server-sent events may hold comments (": keep-alive") and event names: only data lines are chunks."""
+    from decodekit.serve.load import read_stream
+
+    content = {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}
+    lines = [b": keep-alive\n", b"event: message\n", *stream_lines(content), b"\n", *stream_lines("[DONE]")]
+    out = Outcome()
+    read_stream(lines, out, time.perf_counter(), 60)
+    assert out.error is None and out.tokens == 1
+
+
+class OneAnswerServer(ThreadingHTTPServer):
+    """Answers every GET and POST with one status and body."""
+
+    daemon_threads = True
+
+    def __init__(self, status: int, body: bytes, content_type: str):
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def answer(self) -> None:
+                if self.command == "POST":
+                    self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            do_GET = do_POST = answer
+        super().__init__(("127.0.0.1", 0), Handler)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/v1"
+
+
+@pytest.fixture
+def one_answer_server():
+    servers = []
+
+    def start(status: int, body: bytes, content_type: str = "application/json") -> OneAnswerServer:
+        srv = OneAnswerServer(status, body, content_type)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return srv
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_stream_that_is_not_json_is_a_failed_request_not_an_exception(one_answer_server):
+    """send turns every failure into the outcome's error: a load test goes on past a server's garbled stream."""
+    srv = one_answer_server(200, b"data: {not json\n\n", "text/event-stream")
+    out = send(srv.url, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, timeout=10)
+    assert out.error is not None and out.error.startswith("JSONDecodeError")
+
+
+def test_a_request_refused_with_a_client_error_is_its_status_and_message(one_answer_server):
+    """Only a 200 is a stream: a 400 (a bad --method, --model) is recorded as its status and the server's message."""
+    srv = one_answer_server(400, b'{"error": {"message": "unknown method", "type": "invalid_request_error"}}')
+    out = send(srv.url, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, timeout=10)
+    assert out.error == "HTTP 400: unknown method"
+
+
+def test_a_model_list_with_no_model_is_one_line(one_answer_server):
+    """GET /models listing nothing cannot name a model to send: one line asking for --model."""
+    from decodekit.serve.load import first_model
+
+    srv = one_answer_server(200, b'{"object": "list", "data": []}')
+    with pytest.raises(InvalidParameter, match=rf"^{re.escape(srv.url)}/models lists no model; give --model$"):
+        first_model(srv.url, timeout=10)
+
+
+def test_infinite_temperature_is_refused():
+    """--temperature is 0 or a finite positive number: inf would reach the server as a value JSON cannot carry."""
+    from decodekit.serve.load import check_options
+
+    with pytest.raises(InvalidParameter, match="--temperature must be 0"):
+        check_options(parse("--temperature", "inf"))
+
+
+def test_the_in_flight_note_appears_only_past_the_number_of_questions(fake_server, tmp_path, capsys):
+    """A level with as many workers as questions has them all in flight; only a level past that is told to raise --limit."""
+    srv = fake_server()
+    levels = f"{N_QUESTIONS},{N_QUESTIONS + 1}"
+    assert run(parse("--url", srv.url, "--concurrency", levels, "--limit", "1", "--out", str(tmp_path))) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("concurrency ")]
+    assert notes == [f"concurrency {N_QUESTIONS}: {N_QUESTIONS} requests",
+                     f"concurrency {N_QUESTIONS + 1}: {N_QUESTIONS} requests (so at most {N_QUESTIONS} in flight, "
+                     f"not {N_QUESTIONS + 1}: raise --limit)"]
+
+
+def test_the_markdown_table_gives_each_latency_as_p50_p90_p99():
+    """The printed table's latency cells are the level's 50th, 90th and 99th percentiles, in that order."""
+    from decodekit.serve.load import markdown_table
+
+    table = markdown_table({"label": "srv", "model": "m", "levels": [level(2, 100.0, 20.0)]})
+    assert "| 2 | 4 | 0 | 100.0 | 20.0 / 40.0 / 60.0 | 20.0 / 40.0 / 60.0 | 20.0 / 40.0 / 60.0 |" in table.splitlines()

@@ -1761,3 +1761,34 @@ def test_metrics_gauges_and_histograms_read_their_own_figures():
     assert value("decodekit:request_queue_time_seconds_sum") == 0.5
     assert value("decodekit:e2e_request_latency_seconds_sum") == 3.0
     assert value("decodekit:request_success_total", {"finished_reason": "eos"}) == 1
+
+
+def test_a_waiting_choices_queue_time_runs_until_a_slot_frees():
+    """queued_s is from submission to the start in a slot: a choice that waited for a busy slot
+    starts only after that slot's choice was stopped, not when it was submitted."""
+    from decodekit.serve.scheduler import Job
+
+    with scheduler_of(max_batch=1, max_queue=1) as (model, scheduler):
+        prompt = model.tokenizer.encode(PROMPTS[0])
+        long, waiting = Job(prompt, "greedy", {}, 1900, ignore_eos=True), Job(prompt, "greedy", {}, 4)
+        (running,) = scheduler.submit([long])
+        started(scheduler)
+        (queued,) = scheduler.submit([waiting])
+        stopped_at = time.perf_counter()
+        scheduler.cancel([long])
+        outcome = queued.result(timeout=60)
+        assert running.result(timeout=60).generation.finish_reason == "cancelled"
+        assert waiting.started > stopped_at > waiting.submitted
+        assert outcome.queued_s == waiting.started - waiting.submitted
+
+
+def test_a_choice_cancelled_before_it_decodes_has_no_logprobs():
+    """Log-probabilities come with an answer: a cancelled choice (its client gone) gets none, and no teacher-forced pass."""
+    from decodekit.serve.scheduler import Job
+
+    with scheduler_of(max_batch=1, max_queue=0) as (model, scheduler):
+        job = Job(model.tokenizer.encode(PROMPTS[1]), "greedy", {}, 6, top_logprobs=2)
+        job.cancelled.set()  # the client left before the choice took its slot
+        (future,) = scheduler.submit([job])
+        outcome = future.result(timeout=60)
+        assert outcome.generation.finish_reason == "cancelled" and outcome.logprobs is None
