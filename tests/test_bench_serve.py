@@ -120,12 +120,20 @@ def fake_server():
     servers = []
 
     def start(usage: bool = True, done: bool = True) -> FakeServer:
-        srv = FakeServer(usage, done)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        servers.append(srv)
-        return srv
+        return serving(FakeServer(usage, done), servers)
 
     yield start
+    stop_serving(servers)
+
+
+def serving(srv, servers: list):
+    """``srv`` answering on a thread of its own, noted in ``servers`` to be stopped."""
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    servers.append(srv)
+    return srv
+
+
+def stop_serving(servers: list) -> None:
     for srv in servers:
         srv.shutdown()
         srv.server_close()
@@ -484,15 +492,10 @@ def one_answer_server():
     servers = []
 
     def start(status: int, body: bytes, content_type: str = "application/json") -> OneAnswerServer:
-        srv = OneAnswerServer(status, body, content_type)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        servers.append(srv)
-        return srv
+        return serving(OneAnswerServer(status, body, content_type), servers)
 
     yield start
-    for srv in servers:
-        srv.shutdown()
-        srv.server_close()
+    stop_serving(servers)
 
 
 def test_a_stream_that_is_not_json_is_a_failed_request_not_an_exception(one_answer_server):

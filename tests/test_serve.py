@@ -953,6 +953,18 @@ def test_a_completions_tokens_join_to_its_text_and_their_offsets_index_it():
     assert "".join(unfinished) == "ab\ufffd"  # as the output's text ends
 
 
+class Words:
+    """A tokenizer of five multi-character tokens: "He", "llo", " wor", "ld", "!"."""
+
+    vocab = ["He", "llo", " wor", "ld", "!"]
+
+    def decode(self, tokens):
+        return "".join(self.vocab[t] for t in tokens)
+
+    def token_bytes(self, token):
+        return self.vocab[token].encode()
+
+
 def test_a_stop_inside_a_token_leaves_its_shown_part_in_the_logprobs_and_usage_counts_every_token():
     """The text keeps a cut token's characters before the stop string: its log-probability is given,
     its text as far as the output's goes (the pieces join to the text), and usage counts every token
@@ -960,15 +972,6 @@ def test_a_stop_inside_a_token_leaves_its_shown_part_in_the_logprobs_and_usage_c
     from decodekit.engine.core import Generation, GenerationStats
     from decodekit.engine.stops import cut_at_stop, shown_tokens
     from decodekit.serve.reply import token_texts
-
-    class Words:
-        vocab = ["He", "llo", " wor", "ld", "!"]
-
-        def decode(self, tokens):
-            return "".join(self.vocab[t] for t in tokens)
-
-        def token_bytes(self, token):
-            return self.vocab[token].encode()
 
     words = Words()
     generated = [0, 1, 2, 3, 4]
@@ -1613,15 +1616,6 @@ def test_legacy_logprobs_show_a_cut_tokens_text_only_as_far_as_the_text_goes():
     from decodekit.engine.core import Generation, GenerationStats
     from decodekit.engine.stops import cut_at_stop
     from decodekit.serve.scheduler import Outcome
-
-    class Words:
-        vocab = ["He", "llo", " wor", "ld", "!"]
-
-        def decode(self, tokens):
-            return "".join(self.vocab[t] for t in tokens)
-
-        def token_bytes(self, token):
-            return self.vocab[token].encode()
 
     generated = [0, 1, 2, 3, 4]
     text, kept, _ = cut_at_stop(Words(), generated, ["rld"])
