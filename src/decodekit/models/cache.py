@@ -192,16 +192,25 @@ class Entry:
             yield
 
     @contextmanager
+    def _lock_file(self) -> Iterator[Any]:
+        """This entry's lock file, open, or None where it cannot be opened (a read-only cache)."""
+        try:
+            handle = open(self.lock, "a")
+        except OSError:
+            yield None
+            return
+        with handle:
+            yield handle
+
+    @contextmanager
     def locked_if_free(self) -> Iterator[bool]:
         """Hold this entry's lock where no one else holds it (a builder, a reader: see
         :func:`reading`); yields whether it was taken, never waiting. A lock that cannot be opened
         (a read-only cache) counts as taken."""
-        try:
-            handle = open(self.lock, "a")
-        except OSError:
-            yield False
-            return
-        with handle:
+        with self._lock_file() as handle:
+            if handle is None:
+                yield False
+                return
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -459,13 +468,9 @@ def reading(path: Path) -> Iterator[None]:
     """Hold a shared lock on cached entry ``path`` while its files are read, after its check passed:
     pruning, which takes the lock alone and never waits, leaves the entry in place meanwhile (a
     builder of the same entry waits). A cache that cannot be written takes no lock: nothing prunes it."""
-    try:
-        handle = open(Entry(path, folder=path.is_dir()).lock, "a")
-    except OSError:
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_SH)
+    with Entry(path, folder=path.is_dir())._lock_file() as handle:
+        if handle is not None:
+            fcntl.flock(handle, fcntl.LOCK_SH)
         yield
 
 

@@ -176,20 +176,16 @@ def dequantised_folder(gguf: Path) -> Path:
     # one folder per file name and content, wherever the file is: the same model installed in
     # several environments is dequantised once, and a file changed in place gets a folder of its own
     # (the old one goes with `decodekit cache --prune`)
-    stamp = file_stamp(gguf)
-    folder = cache_root() / f"{gguf.stem}-{stamp.split(':')[1][:12]}"
+    digest = file_digest(gguf)
+    folder = cache_root() / f"{gguf.stem}-{digest[:12]}"
+    # what the folder records of its source, checked at every load: the file's size and whole digest
+    # (a read of the file, tens of milliseconds for the embedded model), which tell a file changed in
+    # place apart even where its size and time were kept (cp -p, rsync -a, an archive unpacked over it)
+    source = f"{gguf.stat().st_size}:{digest}"
     try:
-        return cached_folder(folder, lambda tmp: dequantise(gguf, tmp), source=stamp)
+        return cached_folder(folder, lambda tmp: dequantise(gguf, tmp), source=source)
     except OSError as err:
         raise CacheError(f"cannot write the cache folder {folder.parent} ({err.strerror or err}); set DECODEKIT_CACHE") from err
-
-
-def file_stamp(path: Path) -> str:
-    """Size and digest of a file's bytes (:func:`.cache.file_digest`): what a cached folder built
-    from it records. The digest (a read of the file, tens of milliseconds for the embedded model)
-    tells a file changed in place apart even where its size and time were kept (``cp -p``,
-    ``rsync -a``, an archive unpacked over it)."""
-    return f"{path.stat().st_size}:{file_digest(path)}"
 
 
 def dequantise(gguf: Path, folder: Path) -> None:
