@@ -465,6 +465,13 @@ def started(scheduler, deadline_s: float = 30) -> None:
         time.sleep(0.005)
 
 
+def slot_holder(prompt: list[int]):
+    """A greedy choice that holds its slot until it is cancelled (1,900 tokens, past any EOS)."""
+    from decodekit.serve.scheduler import Job
+
+    return Job(prompt, "greedy", {}, 1900, ignore_eos=True)
+
+
 def test_a_request_cancelled_while_it_waits_gives_its_queue_place_back_at_once(alone):
     """A waiting choice whose client left frees its queue place then, not when a slot frees: the
     next client is admitted (it got a 503), and the cancelled choice never takes a slot."""
@@ -472,7 +479,7 @@ def test_a_request_cancelled_while_it_waits_gives_its_queue_place_back_at_once(a
 
     with scheduler_of(max_batch=1, max_queue=1) as (model, scheduler):
         prompt = model.tokenizer.encode(PROMPTS[0])
-        long, waiting, later = (Job(prompt, "greedy", {}, 1900, ignore_eos=True), Job(prompt, "greedy", {}, 4),
+        long, waiting, later = (slot_holder(prompt), Job(prompt, "greedy", {}, 4),
                                 Job(prompt, "greedy", {}, 6))
         (running,) = scheduler.submit([long])
         started(scheduler)
@@ -511,7 +518,7 @@ def test_waiting_choices_start_oldest_first(alone):
 
     with scheduler_of(max_batch=1, max_queue=2) as (model, scheduler):
         prompt = model.tokenizer.encode(PROMPTS[0])
-        long = Job(prompt, "greedy", {}, 1900, ignore_eos=True)
+        long = slot_holder(prompt)
         (running,) = scheduler.submit([long])
         started(scheduler)
         older, newer = Job(prompt, "greedy", {}, 4), Job(prompt, "greedy", {}, 4)
@@ -1249,7 +1256,7 @@ def test_a_backend_that_cannot_batch_its_passes_serves_one_choice_at_a_time():
     try:
         assert scheduler.max_batch == 1
         prompt = model.tokenizer.encode(PROMPTS[0])
-        long, short = Job(prompt, "greedy", {}, 1900, ignore_eos=True), Job(prompt, "greedy", {}, 3, ignore_eos=True)
+        long, short = slot_holder(prompt), Job(prompt, "greedy", {}, 3, ignore_eos=True)
         futures = scheduler.submit([long, short])
         started(scheduler)
         assert (scheduler.running, scheduler.waiting) == (1, 1)
@@ -1266,7 +1273,7 @@ def test_a_waiting_choice_whose_future_was_cancelled_never_takes_a_slot(alone):
 
     with scheduler_of(max_batch=1, max_queue=2) as (model, scheduler):
         prompt = model.tokenizer.encode(PROMPTS[0])
-        long, dropped, later = (Job(prompt, "greedy", {}, 1900, ignore_eos=True), Job(prompt, "greedy", {}, 4),
+        long, dropped, later = (slot_holder(prompt), Job(prompt, "greedy", {}, 4),
                                 Job(prompt, "greedy", {}, 5))
         (running,) = scheduler.submit([long])
         started(scheduler)
@@ -1318,7 +1325,7 @@ def test_cancelling_a_choice_whose_future_its_caller_cancelled_is_quiet():
 
     with scheduler_of(max_batch=1, max_queue=1) as (model, scheduler):
         prompt = model.tokenizer.encode(PROMPTS[0])
-        long, waiting = Job(prompt, "greedy", {}, 1900, ignore_eos=True), Job(prompt, "greedy", {}, 4)
+        long, waiting = slot_holder(prompt), Job(prompt, "greedy", {}, 4)
         (running,) = scheduler.submit([long])
         started(scheduler)
         (queued,) = scheduler.submit([waiting])
@@ -1349,7 +1356,7 @@ def test_closing_the_scheduler_cancels_the_choices_that_wait():
 
     with scheduler_of(max_batch=1, max_queue=1) as (model, scheduler):
         prompt = model.tokenizer.encode(PROMPTS[0])
-        long = Job(prompt, "greedy", {}, 1900, ignore_eos=True)
+        long = slot_holder(prompt)
         scheduler.submit([long])
         started(scheduler)
         (queued,) = scheduler.submit([Job(prompt, "greedy", {}, 4)])
@@ -1764,7 +1771,7 @@ def test_a_waiting_choices_queue_time_runs_until_a_slot_frees():
 
     with scheduler_of(max_batch=1, max_queue=1) as (model, scheduler):
         prompt = model.tokenizer.encode(PROMPTS[0])
-        long, waiting = Job(prompt, "greedy", {}, 1900, ignore_eos=True), Job(prompt, "greedy", {}, 4)
+        long, waiting = slot_holder(prompt), Job(prompt, "greedy", {}, 4)
         (running,) = scheduler.submit([long])
         started(scheduler)
         (queued,) = scheduler.submit([waiting])
