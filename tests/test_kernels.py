@@ -22,7 +22,9 @@ needs_kernel = pytest.mark.skipif(matmul is None, reason="no C compiler or no AV
 def test_kernel_matches_torch(rows, shape):
     gen = torch.Generator().manual_seed(rows)
     weight, x = torch.randn(*shape, generator=gen), torch.randn(rows, shape[1], generator=gen)
-    torch.testing.assert_close(matmul(weight, x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    # torch sums in another order (oneDNN's, which depends on the CPU): sums of up to 576 unit
+    # products round differently by up to ~1e-5 each way
+    torch.testing.assert_close(matmul(weight, x), F.linear(x, weight), rtol=1e-5, atol=5e-5)
 
 
 @needs_kernel

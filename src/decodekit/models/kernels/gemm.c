@@ -5,7 +5,7 @@
  * (M = 1) or a small verification pass reads every weight once and does little arithmetic with
  * it, so its speed is set by how fast weights stream from memory. A few inputs: each thread
  * streams its share of the rows one row at a time, applying each row to all inputs (a single
- * sequential stream is what this machine's prefetchers serve best). More inputs: blocks of four
+ * sequential stream is what the prefetchers serve best, asked for a little ahead: ask_ahead). More inputs: blocks of four
  * rows are applied to the inputs four at a time while they sit in L1. Rows are split between
  * threads with OpenMP (inside torch's process this is torch's own OpenMP runtime).
  *
@@ -28,6 +28,13 @@
 #include "decodekit.h"
 #include "gguf.h"
 
+/* Bytes ahead of the weights a step rebuilds that it asks the memory for. On an Intel Xeon
+ * (Sapphire Rapids class) the hardware prefetchers alone left a decode step waiting on memory most
+ * of its time (docs/BENCHMARKS.md has the figures); a couple of kilobytes ahead, a thread's stream
+ * of weights arrives in time. */
+#define PREFETCH_AHEAD 2048
+static inline void ask_ahead(const void *weights) { _mm_prefetch((const char *)weights + PREFETCH_AHEAD, _MM_HINT_T0); }
+
 /* Each weight format says where row r starts (P_row) and how to load the weights of a row as the
  * vectors its multiply-accumulate takes: P_at fills P_STEP vectors with the weights
  * [i, i + P_STEP * lanes) (a GGUF block's 32 weights are rebuilt together, sharing its scales),
@@ -41,7 +48,7 @@ static inline f32_mask f32_tail(int n) { return (f32_mask)((1u << n) - 1u); }
 static inline __m512 f32_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 f32_load_masked(const float *p, f32_mask m) { return _mm512_maskz_loadu_ps(m, p); }
 static inline const float *f32_row(const float *w, int r, int n_in) { return w + (size_t)r * n_in; }
-static inline void f32_at(const float *row, int i, __m512 *out) { out[0] = f32_load(row + i); }
+static inline void f32_at(const float *row, int i, __m512 *out) { ask_ahead(row + i), out[0] = f32_load(row + i); }
 static inline __m512 f32_at_masked(const float *row, int i, f32_mask m) { return f32_load_masked(row + i, m); }
 static inline __m512 f32_mac(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
 static inline float f32_out(float s) { return s; }
@@ -54,7 +61,7 @@ static inline bf16_mask bf16_tail(int n) { return (bf16_mask)((1ull << n) - 1ull
 static inline __m512i bf16_load(const uint16_t *p) { return _mm512_loadu_si512((const void *)p); }
 static inline __m512i bf16_load_masked(const uint16_t *p, bf16_mask m) { return _mm512_maskz_loadu_epi16(m, p); }
 static inline const uint16_t *bf16_row(const uint16_t *w, int r, int n_in) { return w + (size_t)r * n_in; }
-static inline void bf16_at(const uint16_t *row, int i, __m512i *out) { out[0] = bf16_load(row + i); }
+static inline void bf16_at(const uint16_t *row, int i, __m512i *out) { ask_ahead(row + i), out[0] = bf16_load(row + i); }
 static inline __m512i bf16_at_masked(const uint16_t *row, int i, bf16_mask m) { return bf16_load_masked(row + i, m); }
 static inline __m512 bf16_mac(__m512 acc, __m512i w, __m512i x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
 /* float32 -> bfloat16, round to nearest even (torch's conversion; NaN stays NaN) */
@@ -83,7 +90,10 @@ static inline void q4_1_block(const uint8_t *block, __m512 *out) {
     out[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f))), d, m);
     out[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
 }
-static inline void q4_1_at(const uint8_t *row, int i, __m512 *out) { q4_1_block(row + (size_t)(i / 32) * Q4_1_BYTES, out); }
+static inline void q4_1_at(const uint8_t *row, int i, __m512 *out) {
+    const uint8_t *block = row + (size_t)(i / 32) * Q4_1_BYTES;
+    ask_ahead(block), q4_1_block(block, out);
+}
 
 static inline const uint8_t *q8_0_row(const uint8_t *w, int r, int n_in) { return w + (size_t)r * (n_in / 32) * Q8_0_BYTES; }
 static inline void q8_0_block(const uint8_t *block, __m512 *out) {
@@ -91,7 +101,10 @@ static inline void q8_0_block(const uint8_t *block, __m512 *out) {
     out[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 2)))), d);
     out[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 18)))), d);
 }
-static inline void q8_0_at(const uint8_t *row, int i, __m512 *out) { q8_0_block(row + (size_t)(i / 32) * Q8_0_BYTES, out); }
+static inline void q8_0_at(const uint8_t *row, int i, __m512 *out) {
+    const uint8_t *block = row + (size_t)(i / 32) * Q8_0_BYTES;
+    ask_ahead(block), q8_0_block(block, out);
+}
 
 /* The same blocks with rows interleaved in fours, block by block: [n_out / 4][n_in / 32][4][block]
  * (gguf_blocks.BlockMatrix.interleaved; n_out a multiple of 4). Four rows read side by side are then
@@ -99,9 +112,15 @@ static inline void q8_0_at(const uint8_t *row, int i, __m512 *out) { q8_0_block(
 #define q4_1x4_STEP 2
 #define q8_0x4_STEP 2
 static inline const uint8_t *q4_1x4_row(const uint8_t *w, int r, int n_in) { return w + ((size_t)(r / 4) * (n_in / 32) * 4 + r % 4) * Q4_1_BYTES; }
-static inline void q4_1x4_at(const uint8_t *row, int i, __m512 *out) { q4_1_block(row + (size_t)(i / 32) * 80, out); }
+static inline void q4_1x4_at(const uint8_t *row, int i, __m512 *out) {
+    const uint8_t *block = row + (size_t)(i / 32) * 4 * Q4_1_BYTES;
+    ask_ahead(block), q4_1_block(block, out);
+}
 static inline const uint8_t *q8_0x4_row(const uint8_t *w, int r, int n_in) { return w + ((size_t)(r / 4) * (n_in / 32) * 4 + r % 4) * Q8_0_BYTES; }
-static inline void q8_0x4_at(const uint8_t *row, int i, __m512 *out) { q8_0_block(row + (size_t)(i / 32) * 136, out); }
+static inline void q8_0x4_at(const uint8_t *row, int i, __m512 *out) {
+    const uint8_t *block = row + (size_t)(i / 32) * 4 * Q8_0_BYTES;
+    ask_ahead(block), q8_0_block(block, out);
+}
 
 /* Q5_0 {fp16 d, 32 high bits, 16 bytes of nibbles as Q4_1's} -> d * (q - 16), q = nibble + 16 * bit;
  * exact in float32, as Q8_0's. */
@@ -186,6 +205,7 @@ static inline void q6_k_block_at(const uint8_t *block, int i, __m512 *out) {
 #define DEFINE_FILE_FORMAT(F, BYTES, WEIGHTS, CALL)                                                 \
     static inline void F##_at(const uint8_t *row, int i, __m512 *out) {                            \
         const uint8_t *block = row + (size_t)(i / WEIGHTS) * BYTES;                                \
+        ask_ahead(block);                                                                          \
         CALL;                                                                                      \
     }                                                                                              \
     static inline const uint8_t *F##x4_row(const uint8_t *w, int r, int n_in) {                    \
@@ -193,6 +213,7 @@ static inline void q6_k_block_at(const uint8_t *block, int i, __m512 *out) {
     }                                                                                              \
     static inline void F##x4_at(const uint8_t *row, int i, __m512 *out) {                          \
         const uint8_t *block = row + (size_t)(i / WEIGHTS) * 4 * BYTES;                            \
+        ask_ahead(block);                                                                          \
         CALL;                                                                                      \
     }
 DEFINE_FILE_FORMAT(q5_0, Q5_0_BYTES, SMALL_BLOCK_WEIGHTS, q5_0_block_at(block, out))

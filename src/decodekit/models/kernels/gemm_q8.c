@@ -247,6 +247,64 @@ void decodekit_q8_pack(int kind, const uint8_t *w, uint8_t *packed, int n_out, i
         }
 }
 
+/* A packed block's 32 x 16 unsigned weights as 8 vectors: vector j holds inputs 4j .. 4j + 3 of the
+ * 16 rows (the packed layout, nibbles split apart and Q5_0's fifth bits put back). */
+static inline __attribute__((always_inline)) void unpack_weights(int kind, const uint8_t *block, __m512i w[8]) {
+    if (nibble_kind(kind)) {
+        const __m512i low = _mm512_set1_epi8(0x0f);
+        for (int j = 0; j < 4; j++) {
+            __m512i packed = _mm512_loadu_si512((const void *)(block + 64 * j));
+            w[j] = _mm512_and_si512(packed, low);
+            w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        }
+        if (kind == KIND_Q5_0) { /* the fifth bits: 16 where a chunk's mask has its bit */
+            const __m512i sixteen = _mm512_set1_epi8(16);
+            for (int j = 0; j < 8; j++) {
+                __mmask64 fifth;
+                memcpy(&fifth, block + 256 + 8 * j, 8);
+                w[j] = _mm512_or_si512(w[j], _mm512_maskz_mov_epi8(fifth, sixteen));
+            }
+        }
+    } else {
+        for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(block + 64 * j));
+    }
+}
+
+/* A packed block's 16 rows' first scale (s0) and their offset or second scale (s1), in float32. */
+static inline __attribute__((always_inline)) void load_scales(int kind, const uint8_t *block, __m512 *s0, __m512 *s1) {
+    const uint8_t *scales = block + SCALES_AT[kind];
+    if (half_scales(kind)) {
+        *s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+        *s1 = kind == KIND_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 2 * GROUP)))
+                                : _mm512_setzero_ps();
+    } else {
+        *s0 = _mm512_loadu_ps(scales);
+        *s1 = _mm512_loadu_ps(scales + 4 * GROUP);
+    }
+}
+
+/* The corrections of offset weights that start an input block's integer sums: -128 sx (Q8_0),
+ * -16 sx (Q5_0), -32 per half (Q6_K: `first` for weights 0-15, `second` for 16-31), else none. */
+static inline __attribute__((always_inline)) void corrections(int kind, const Quantised *in, size_t at, __m512i *first,
+                                                              __m512i *second) {
+    int32_t correction = kind == KIND_Q8_0 ? in->cx[at] : kind == KIND_Q5_0 ? in->cx[at] / 8 : 0;
+    *first = _mm512_set1_epi32(kind == KIND_Q6_K ? in->c0[at] : correction);
+    *second = _mm512_set1_epi32(in->c1[at]);
+}
+
+/* acc plus one block's share for input block `at`, from its integer sums (corrections included):
+ * the arithmetic of the header comment, for 16 output rows at once. */
+static inline __attribute__((always_inline)) __m512 add_block(int kind, __m512 acc, __m512i isum0, __m512i isum1,
+                                                              __m512 s0, __m512 s1, const Quantised *in, size_t at) {
+    __m512 dx = _mm512_set1_ps(in->dx[at]);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum0), _mm512_mul_ps(s0, dx), acc);
+    if (kind == KIND_Q6_K)
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum1), _mm512_mul_ps(s1, dx), acc);
+    else if (kind != KIND_Q8_0 && kind != KIND_Q5_0)
+        acc = _mm512_fmadd_ps(s1, _mm512_set1_ps(in->ex[at]), acc);
+    return acc;
+}
+
 /* G groups of 16 output rows (G = 1 or 2; the second group `stride` bytes after the first)
  * against input rows m0 .. m0 + T - 1. Two groups share each broadcast input and each input's
  * scales: more multiply-adds per instruction for passes of several rows. `kind` is a constant
@@ -254,55 +312,29 @@ void decodekit_q8_pack(int kind, const uint8_t *w, uint8_t *packed, int n_out, i
 static inline __attribute__((always_inline)) void group_tile(int kind, const uint8_t *group, size_t stride,
                                                               const Quantised *in, float *y, int n_out, int n_in,
                                                               int m0, const int T, const int G) {
-    int nb = n_in / QK, size = PACKED_BYTES[kind], nibbles = nibble_kind(kind), weights = SCALES_AT[kind];
+    int nb = n_in / QK, size = PACKED_BYTES[kind];
     __m512 acc[2][TILE];
     for (int g = 0; g < G; g++)
         for (int t = 0; t < T; t++) acc[g][t] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         __m512i w[2][8];
-        __m512 s0[2], s1[2]; /* the rows' first scale, and their offset or second scale */
+        __m512 s0[2], s1[2];
         for (int g = 0; g < G; g++) {
             const uint8_t *block = group + g * stride + (size_t)b * size;
-            if (T > 1) /* ask for the weights a few blocks ahead: their multiply-adds then hide the wait */
-                for (int line = 0; line < size; line += 64)
-                    _mm_prefetch((const char *)block + PREFETCH_BLOCKS * size + line, _MM_HINT_T0);
-            if (nibbles) {
-                const __m512i low = _mm512_set1_epi8(0x0f);
-                for (int j = 0; j < 4; j++) {
-                    __m512i packed = _mm512_loadu_si512((const void *)(block + 64 * j));
-                    w[g][j] = _mm512_and_si512(packed, low);
-                    w[g][j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-                }
-                if (kind == KIND_Q5_0) { /* the fifth bits: 16 where a chunk's mask has its bit */
-                    const __m512i sixteen = _mm512_set1_epi8(16);
-                    for (int j = 0; j < 8; j++) {
-                        __mmask64 fifth;
-                        memcpy(&fifth, block + 256 + 8 * j, 8);
-                        w[g][j] = _mm512_or_si512(w[g][j], _mm512_maskz_mov_epi8(fifth, sixteen));
-                    }
-                }
-            } else {
-                for (int j = 0; j < 8; j++) w[g][j] = _mm512_loadu_si512((const void *)(block + 64 * j));
-            }
-            if (half_scales(kind)) {
-                s0[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + weights)));
-                s1[g] = kind == KIND_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + weights + 2 * GROUP)))
-                                          : _mm512_setzero_ps();
-            } else {
-                s0[g] = _mm512_loadu_ps(block + weights);
-                s1[g] = _mm512_loadu_ps(block + weights + 4 * GROUP);
-            }
+            /* ask for the weights a few blocks ahead: their multiply-adds then hide the wait (in a
+             * one-row pass too: on an Intel Xeon the prefetchers alone left it waiting on memory) */
+            for (int line = 0; line < size; line += 64)
+                _mm_prefetch((const char *)block + PREFETCH_BLOCKS * size + line, _MM_HINT_T0);
+            unpack_weights(kind, block, w[g]);
+            load_scales(kind, block, &s0[g], &s1[g]);
         }
         for (int t = 0; t < T; t++) {
             size_t at = (size_t)(m0 + t) * nb + b;
             const int8_t *xq = in->q + (size_t)(m0 + t) * n_in + (size_t)b * QK;
-            __m512 dx = _mm512_set1_ps(in->dx[at]);
             /* integer sums: one per block, or one per half (Q6_K: a scale per 16 weights) */
             int halves = kind == KIND_Q6_K;
-            /* the corrections of offset weights: -128 sx (Q8_0), -16 sx (Q5_0), -32 per half (Q6_K) */
-            int32_t correction = kind == KIND_Q8_0 ? in->cx[at] : kind == KIND_Q5_0 ? in->cx[at] / 8 : 0;
-            __m512i first = _mm512_set1_epi32(halves ? in->c0[at] : correction);
-            __m512i second = _mm512_set1_epi32(in->c1[at]);
+            __m512i first, second;
+            corrections(kind, in, at, &first, &second);
             __m512i isum[2][2] = {{first, second}, {first, second}};
             for (int j = 0; j < 8; j++) {
                 int32_t four;
@@ -311,13 +343,7 @@ static inline __attribute__((always_inline)) void group_tile(int kind, const uin
                 int h = halves && j >= 4;
                 for (int g = 0; g < G; g++) isum[g][h] = _mm512_dpbusd_epi32(isum[g][h], w[g][j], x);
             }
-            for (int g = 0; g < G; g++) {
-                acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g][0]), _mm512_mul_ps(s0[g], dx), acc[g][t]);
-                if (halves)
-                    acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g][1]), _mm512_mul_ps(s1[g], dx), acc[g][t]);
-                else if (kind != KIND_Q8_0 && kind != KIND_Q5_0)
-                    acc[g][t] = _mm512_fmadd_ps(s1[g], _mm512_set1_ps(in->ex[at]), acc[g][t]);
-            }
+            for (int g = 0; g < G; g++) acc[g][t] = add_block(kind, acc[g][t], isum[g][0], isum[g][1], s0[g], s1[g], in, at);
         }
     }
     for (int g = 0; g < G; g++)
