@@ -33,6 +33,17 @@ def one_thread_count():
     enabled, GOVERNOR.enabled = GOVERNOR.enabled, False
     yield
     GOVERNOR.enabled = enabled
+
+
+@pytest.fixture(autouse=True, scope="session")
+def short_cost_measurements():
+    """Cost tables timed over short runs of each size: the tests check what a table is made of and
+    what it does, not this machine's steady costs (a full measurement's runs add seconds each)."""
+    from decodekit.speculative import controller
+
+    run_s, controller.RUN_S = controller.RUN_S, 0.002
+    yield
+    controller.RUN_S = run_s
 _DRAFTER_FILES: dict[tuple[str, str], str] = {}
 
 

@@ -84,6 +84,11 @@ from .tree import DraftTree, Verification, select_nodes
 
 MEASURE_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
 MEASURE_CONTEXTS = (256, 1024)  # contexts a measurement puts before its passes (a typical prompt, a long one)
+#: How long a measurement runs passes of one size before it moves on (the fastest is kept). On some
+#: CPUs a pass right after passes of another size costs far more than in a run of its own size, for
+#: up to about this long (docs/BENCHMARKS.md has the figures), and decoding runs passes of one size
+#: in a row: plain steps, or verifications.
+RUN_S = 0.1
 MAX_BACKOFF = 512
 MIN_REALISED_STEPS = 8  # speculative steps measured before their realised speed can veto drafting
 EXPLORE_SHARE = 0.01  # at most ~1% of decode time spent on probes that do not pay
@@ -209,11 +214,12 @@ class CostTable:
         return f"{info.name}|{info.architecture}|{dtype}|threads={GOVERNOR.full_count()}|kernels={sources_digest()}{cache}"
 
     @classmethod
-    def measure(cls, backend: Backend, sizes=MEASURE_SIZES, rounds: int = 3) -> "CostTable":
+    def measure(cls, backend: Backend, sizes=MEASURE_SIZES, rounds: int = 2) -> "CostTable":
         """Time ``append`` of n tokens after ``MEASURE_CONTEXTS`` tokens of context, and after the
         current cache too where it is longer; the cache is left as it was. The shortest context
-        gives the table, the longest its per-context term. Sizes are interleaved over ``rounds``
-        rounds after a warm-up and the minimum kept, so a burst of load does not skew one size only.
+        gives the table, the longest its per-context term. Each size is timed over a run of passes
+        of its own (:data:`RUN_S`), in each of ``rounds`` rounds over the sizes, and the fastest pass
+        kept, so a burst of load does not skew one size only.
 
         A backend holding tokens is measured at the standard contexts on an empty twin (its own
         cache must stay), and at its own length in place, each pass rolled back, where its cache
@@ -251,21 +257,25 @@ class CostTable:
 
     @staticmethod
     def _time_passes(backend: Backend, sizes, rounds: int) -> dict[int, float]:
-        """The fastest of ``rounds`` timed ``append`` s of each size after the cache (rolled back
-        each time), sizes interleaved, after one untimed round."""
+        """The fastest timed ``append`` of each size after the cache (rolled back each time), over
+        ``rounds`` rounds of the sizes; in each, a size runs for :data:`RUN_S` (two passes at least),
+        its first pass untimed."""
         origin = backend.length
         room = backend.info.max_length - origin
         best = {n: math.inf for n in [n for n in sizes if n <= room] or [1]}
-        for rnd in range(rounds + 1):
+        for _ in range(rounds):
             for n in best:
-                t0 = time.perf_counter()
-                backend.append(torch.zeros(1, n, dtype=torch.long))
-                elapsed = time.perf_counter() - t0
-                # every policy measured here rolls its last pass back (a window, which compacts within
-                # a pass, is timed on a full-cache twin: measure())
-                backend.truncate(origin)
-                if rnd:
-                    best[n] = min(best[n], elapsed)
+                end, passes = time.perf_counter() + RUN_S, 0
+                while passes < 2 or time.perf_counter() < end:
+                    t0 = time.perf_counter()
+                    backend.append(torch.zeros(1, n, dtype=torch.long))
+                    elapsed = time.perf_counter() - t0
+                    # every policy measured here rolls its last pass back (a window, which compacts
+                    # within a pass, is timed on a full-cache twin: measure())
+                    backend.truncate(origin)
+                    if passes:
+                        best[n] = min(best[n], elapsed)
+                    passes += 1
         return best
 
     @classmethod
