@@ -10,6 +10,7 @@ import types
 import pytest
 
 from decodekit.bench import profile
+from decodekit.bench.results import cpu_model
 from decodekit.interfaces.cli import main
 from decodekit.models import CharTokenizer, LoadedModel, kernels
 from decodekit.models.threads import GOVERNOR
@@ -34,8 +35,8 @@ def test_profile_reports_every_pass_size_and_the_rates_they_imply(capsys, monkey
     weight_bytes, macs = model.backend.weight_traffic()
     assert exact["weight_gb_s_at_1"] == round(weight_bytes / (exact["pass_ms"]["1"] / 1e3) / 1e9, 2)
     assert exact["gflop_s_at_32"] == round(2 * macs * 32 / (exact["pass_ms"]["32"] / 1e3) / 1e9, 1)
-    assert set(result["machine"]) == {"copy_gb_s", "fma_gflop_s", "vnni_gop_s"}
-    assert result["machine"]["copy_gb_s"] > 0 and result["machine"]["fma_gflop_s"] > 0
+    assert set(result["machine"]) == {"cpu", "copy_gb_s", "fma_gflop_s", "vnni_gop_s"}
+    assert result["machine"]["cpu"] == cpu_model() and result["machine"]["copy_gb_s"] > 0 and result["machine"]["fma_gflop_s"] > 0
     if "fast" in models:
         fast = result["numerics"]["fast"]
         assert result["machine"]["vnni_gop_s"] > 0 and fast["vnni_share_at_32"] > 0
@@ -72,7 +73,7 @@ def test_profile_measures_the_numerics_it_is_asked_for_or_both(capsys, monkeypat
         assert loaded == want and list(json.loads(capsys.readouterr().out)["numerics"]) == want
 
 
-MACHINE = {"copy_gb_s": 20.0, "fma_gflop_s": 100.0, "vnni_gop_s": 400.0}
+MACHINE = {"cpu": "a test CPU", "copy_gb_s": 20.0, "fma_gflop_s": 100.0, "vnni_gop_s": 400.0}
 COSTS = {  # per numerics, as pass_costs gives them (made-up round figures)
     "exact": {"context": 256, "pass_ms": {"1": 10.0, "2": 12.0, "4": 15.0, "32": 40.0}, "prefill_tok_s": 500.0,
               "weight_gb_s_at_1": 5.0, "gflop_s_at_32": 30.0},
@@ -103,6 +104,7 @@ def test_profile_sets_bandwidth_against_the_copy_and_operations_against_each_num
     assert fast["bandwidth_share_at_1"] == 0.4 and fast["vnni_share_at_32"] == 0.25  # 8 / 20, 100 / 400
     assert "vnni_share_at_32" not in exact and "fma_share_at_32" not in fast
     lines = profile.describe(result).splitlines()
+    assert lines[1].startswith("machine: a test CPU, copy 20.0 GB/s")
     assert "  x one token: 1:1.00  2:1.20  4:1.50  32:4.00" in lines  # exact: 12 / 10, 15 / 10, 40 / 10
     assert "  x one token: 1:1.00  2:1.25  4:1.50  32:5.00" in lines  # fast: 5 / 4, 6 / 4, 20 / 4
     assert "  one-token pass reads weights at 5.0 GB/s (25% of the copy bandwidth)" in lines
@@ -205,6 +207,6 @@ def test_a_figure_without_its_machine_rate_is_described_without_a_share():
 
     r = {"context": 256, "pass_ms": {"1": 4.0}, "prefill_tok_s": 1.0, "weight_gb_s_at_1": 8.0, "gflop_s_at_32": 100.0,
          "bandwidth_share_at_1": 0.4}
-    text = profile.describe({"model": "m", "machine": {"copy_gb_s": 20.0, "fma_gflop_s": 100.0, "vnni_gop_s": None},
+    text = profile.describe({"model": "m", "machine": {"cpu": "c", "copy_gb_s": 20.0, "fma_gflop_s": 100.0, "vnni_gop_s": None},
                              "numerics": {"fast": r}})
     assert "100.0 G operations/s (two a multiply-add)\n" in text + "\n" and "VNNI loop rate" not in text

@@ -58,6 +58,7 @@ def machine_limits() -> dict[str, float | None]:
     import torch
 
     from ..models.kernels import integer_peak_loop
+    from .results import cpu_model
 
     src = torch.ones(COPY_BYTES // 4)
     dst = torch.empty_like(src)
@@ -70,6 +71,7 @@ def machine_limits() -> dict[str, float | None]:
         vnni_s = best_of(lambda: loop(PEAK_ITERATIONS, threads))
         vnni = round(2 * 64 * 12 * PEAK_ITERATIONS * threads / vnni_s / 1e9, 1)
     return {
+        "cpu": cpu_model(),  # the figures below are this CPU's
         "copy_gb_s": round(2 * COPY_BYTES / copy_s / 1e9, 2),
         "fma_gflop_s": round(2 * GEMM_SIZE**3 / gemm_s / 1e9, 1),
         "vnni_gop_s": vnni,  # byte multiply-adds, counted as two operations each
@@ -159,7 +161,8 @@ def describe(result: dict[str, Any]) -> str:
     lines = [f"model {result['model']}"]
     m = result["machine"]
     vnni = f", VNNI loop {m['vnni_gop_s']} GOP/s" if m["vnni_gop_s"] else ""
-    lines.append(f"machine: copy {m['copy_gb_s']} GB/s (read + write), float32 matrix product {m['fma_gflop_s']} GFLOP/s{vnni}")
+    lines.append(f"machine: {m['cpu']}, copy {m['copy_gb_s']} GB/s (read + write), float32 matrix product "
+                 f"{m['fma_gflop_s']} GFLOP/s{vnni}")
     for numerics, r in result["numerics"].items():
         if "unavailable" in r:
             lines.append(f"{numerics}: unavailable ({r['unavailable']})")
