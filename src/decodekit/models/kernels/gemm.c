@@ -5,8 +5,9 @@
  * (M = 1) or a small verification pass reads every weight once and does little arithmetic with
  * it, so its speed is set by how fast weights stream from memory. A few inputs: each thread
  * streams its share of the rows one row at a time, applying each row to all inputs (a single
- * sequential stream is what the prefetchers serve best, asked for a little ahead: ask_ahead). More inputs: blocks of four
- * rows are applied to the inputs four at a time while they sit in L1. Rows are split between
+ * sequential stream is what the prefetchers serve best, asked for a little ahead: ask_ahead).
+ * More inputs: blocks of four rows are applied to the inputs four at a time while they sit in L1
+ * (GGUF blocks rebuilt in float32 once a pass for them all: REBUILT_ONCE). Rows are split between
  * threads with OpenMP (inside torch's process this is torch's own OpenMP runtime).
  *
  * bfloat16 uses AVX512-BF16's dot-product instruction: exact products of bfloat16 pairs, summed
@@ -265,10 +266,12 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
 #define q4_kx4_SINGLE_ROW_MAX 0
 #define q5_kx4_SINGLE_ROW_MAX 0
 #define q6_kx4_SINGLE_ROW_MAX 0
+#define REBUILT_ROWS 5 /* inputs from which a block format's weights are rebuilt once a pass (REBUILT_ONCE): two groups of four */
 #define BLOCK_CASE(NAME, R, M) case M: NAME##_block(wr, x, y, n_in, n_out, R, M); break;
 
-/* NAME: weights of type WT in format WP, inputs and outputs of type T with arithmetic P. */
-#define DEFINE_KERNEL(NAME, WT, WP, T, VEC, P, OUT)                                                \
+/* NAME: weights of type WT in format WP, inputs and outputs of type T with arithmetic P; ENTRY
+ * defines the entry point NAME (STREAMED or REBUILT_ONCE, below). */
+#define DEFINE_KERNEL(NAME, WT, WP, T, VEC, P, OUT, ENTRY)                                         \
     /* Rows [0, R) of w against inputs x[0, M), R * M <= 16 (both constants once inlined). */      \
     static inline __attribute__((always_inline)) void NAME##_block(                               \
         const WT *w, const T *x, OUT *y, int n_in, int n_out, const int R, const int M) {          \
@@ -323,35 +326,88 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
-    void NAME(const WT *w, const T *x, OUT *y, int M, int n_out, int n_in, int threads) {          \
+    /* The rows past the last four (n_out % 4 of them), against all M inputs. */                   \
+    static void NAME##_last_rows(const WT *w, const T *x, OUT *y, int M, int n_out, int n_in) {     \
+        for (int r = n_out / 4 * 4; r < n_out; r++)                                                \
+            for (int m0 = 0; m0 < M; m0 += SINGLE_ROW_MAX)                                         \
+                NAME##_row(w, x + (size_t)m0 * n_in, y + (size_t)m0 * n_out, n_in, n_out, r,       \
+                           M - m0 < SINGLE_ROW_MAX ? M - m0 : SINGLE_ROW_MAX);                     \
+    }                                                                                              \
+                                                                                                   \
+    /* The whole product, rebuilding the weights for every four inputs. */                         \
+    static void NAME##_streamed(const WT *w, const T *x, OUT *y, int M, int n_out, int n_in, int threads) { \
         if (M <= WP##_SINGLE_ROW_MAX) {                                                            \
             _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")     \
             for (int r = 0; r < n_out; r++) NAME##_row(w, x, y, n_in, n_out, r, M);                \
             return;                                                                                \
         }                                                                                          \
-        int blocks = n_out / 4;                                                                    \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")         \
-        for (int b = 0; b < blocks; b++) NAME##_four_rows(w, x, y, n_in, n_out, 4 * b, M);         \
-        for (int r = 4 * blocks; r < n_out; r++)                                                   \
-            for (int m0 = 0; m0 < M; m0 += SINGLE_ROW_MAX)                                         \
-                NAME##_row(w, x + (size_t)m0 * n_in, y + (size_t)m0 * n_out, n_in, n_out, r,       \
-                           M - m0 < SINGLE_ROW_MAX ? M - m0 : SINGLE_ROW_MAX);                     \
+        for (int b = 0; b < n_out / 4; b++) NAME##_four_rows(w, x, y, n_in, n_out, 4 * b, M);      \
+        NAME##_last_rows(w, x, y, M, n_out, n_in);                                                 \
+    }                                                                                              \
+    ENTRY(NAME, WT, WP, T, OUT)
+
+/* The entry point of formats that need no rebuilding (float32, bfloat16). */
+#define STREAMED(NAME, WT, WP, T, OUT)                                                             \
+    void NAME(const WT *w, const T *x, OUT *y, int M, int n_out, int n_in, int threads) {          \
+        NAME##_streamed(w, x, y, M, n_out, n_in, threads);                                         \
     }
 
-DEFINE_KERNEL(decodekit_gemm_f32, float, f32, float, __m512, f32, float)
-DEFINE_KERNEL(decodekit_gemm_bf16, uint16_t, bf16, uint16_t, __m512i, bf16, uint16_t)
-DEFINE_KERNEL(decodekit_gemm_q4_1, uint8_t, q4_1, float, __m512, f32, float)
-DEFINE_KERNEL(decodekit_gemm_q8_0, uint8_t, q8_0, float, __m512, f32, float)
-DEFINE_KERNEL(decodekit_gemm_q4_1x4, uint8_t, q4_1x4, float, __m512, f32, float)
-DEFINE_KERNEL(decodekit_gemm_q8_0x4, uint8_t, q8_0x4, float, __m512, f32, float)
-DEFINE_KERNEL(decodekit_gemm_q5_0, uint8_t, q5_0, float, __m512, f32, float)
-DEFINE_KERNEL(decodekit_gemm_q4_k, uint8_t, q4_k, float, __m512, f32, float)
-DEFINE_KERNEL(decodekit_gemm_q5_k, uint8_t, q5_k, float, __m512, f32, float)
-DEFINE_KERNEL(decodekit_gemm_q6_k, uint8_t, q6_k, float, __m512, f32, float)
-DEFINE_KERNEL(decodekit_gemm_q5_0x4, uint8_t, q5_0x4, float, __m512, f32, float)
-DEFINE_KERNEL(decodekit_gemm_q4_kx4, uint8_t, q4_kx4, float, __m512, f32, float)
-DEFINE_KERNEL(decodekit_gemm_q5_kx4, uint8_t, q5_kx4, float, __m512, f32, float)
-DEFINE_KERNEL(decodekit_gemm_q6_kx4, uint8_t, q6_kx4, float, __m512, f32, float)
+/* The entry point of the block formats: from REBUILT_ROWS inputs on, each thread rebuilds four rows
+ * of weights at a time into float32 once (`panel`, 4 x n_in, in L1 or L2) and applies them to all
+ * M inputs with the float32 kernel, instead of rebuilding them for every four inputs. The same
+ * weights (the same rebuilt bits) and the same sums in the same order: bit for bit what streaming
+ * gives, in a pass of any size (a test compares the two). */
+#define REBUILT_ONCE(NAME, WT, WP, T, OUT)                                                         \
+    static void NAME##_rebuilt(const uint8_t *w, const float *x, float *y, int n_in, int n_out, int row, int M, \
+                               float *panel) {                                                     \
+        for (int r = 0; r < 4; r++) {                                                              \
+            const uint8_t *wr = WP##_row(w, row + r, n_in);                                        \
+            for (int i = 0; i < n_in; i += WP##_STEP * 16) {                                       \
+                __m512 v[WP##_STEP];                                                               \
+                WP##_at(wr, i, v);                                                                 \
+                for (int s = 0; s < WP##_STEP; s++) _mm512_store_ps(panel + (size_t)r * n_in + i + 16 * s, v[s]); \
+            }                                                                                      \
+        }                                                                                          \
+        decodekit_gemm_f32_four_rows(panel, x, y + row, n_in, n_out, 0, M);                        \
+    }                                                                                              \
+                                                                                                   \
+    void NAME(const WT *w, const T *x, OUT *y, int M, int n_out, int n_in, int threads) {          \
+        if (M < REBUILT_ROWS || M <= WP##_SINGLE_ROW_MAX) {                                        \
+            NAME##_streamed(w, x, y, M, n_out, n_in, threads);                                     \
+            return;                                                                                \
+        }                                                                                          \
+        int failed = 0;                                                                            \
+        _Pragma("omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)")        \
+        {                                                                                          \
+            float *panel = aligned_alloc(64, sizeof(float) * 4 * (size_t)n_in);                    \
+            failed = panel == NULL;                                                                \
+            _Pragma("omp for schedule(static)")                                                    \
+            for (int b = 0; b < n_out / 4; b++)                                                    \
+                if (panel) NAME##_rebuilt(w, x, y, n_in, n_out, 4 * b, M, panel);                  \
+            free(panel);                                                                           \
+        }                                                                                          \
+        if (failed) { /* no memory: the slower way */                                              \
+            NAME##_streamed(w, x, y, M, n_out, n_in, threads);                                     \
+            return;                                                                                \
+        }                                                                                          \
+        NAME##_last_rows(w, x, y, M, n_out, n_in);                                                 \
+    }
+
+DEFINE_KERNEL(decodekit_gemm_f32, float, f32, float, __m512, f32, float, STREAMED)
+DEFINE_KERNEL(decodekit_gemm_bf16, uint16_t, bf16, uint16_t, __m512i, bf16, uint16_t, STREAMED)
+DEFINE_KERNEL(decodekit_gemm_q4_1, uint8_t, q4_1, float, __m512, f32, float, REBUILT_ONCE)
+DEFINE_KERNEL(decodekit_gemm_q8_0, uint8_t, q8_0, float, __m512, f32, float, REBUILT_ONCE)
+DEFINE_KERNEL(decodekit_gemm_q4_1x4, uint8_t, q4_1x4, float, __m512, f32, float, REBUILT_ONCE)
+DEFINE_KERNEL(decodekit_gemm_q8_0x4, uint8_t, q8_0x4, float, __m512, f32, float, REBUILT_ONCE)
+DEFINE_KERNEL(decodekit_gemm_q5_0, uint8_t, q5_0, float, __m512, f32, float, REBUILT_ONCE)
+DEFINE_KERNEL(decodekit_gemm_q4_k, uint8_t, q4_k, float, __m512, f32, float, REBUILT_ONCE)
+DEFINE_KERNEL(decodekit_gemm_q5_k, uint8_t, q5_k, float, __m512, f32, float, REBUILT_ONCE)
+DEFINE_KERNEL(decodekit_gemm_q6_k, uint8_t, q6_k, float, __m512, f32, float, REBUILT_ONCE)
+DEFINE_KERNEL(decodekit_gemm_q5_0x4, uint8_t, q5_0x4, float, __m512, f32, float, REBUILT_ONCE)
+DEFINE_KERNEL(decodekit_gemm_q4_kx4, uint8_t, q4_kx4, float, __m512, f32, float, REBUILT_ONCE)
+DEFINE_KERNEL(decodekit_gemm_q5_kx4, uint8_t, q5_kx4, float, __m512, f32, float, REBUILT_ONCE)
+DEFINE_KERNEL(decodekit_gemm_q6_kx4, uint8_t, q6_kx4, float, __m512, f32, float, REBUILT_ONCE)
 
 /* Whether this CPU runs the bfloat16 kernel (the float32 one needs only AVX-512F). */
 int decodekit_has_avx512bf16(void) {
