@@ -876,7 +876,8 @@ def test_cost_table_measurement_restores_the_cache():
 def test_a_size_is_timed_over_a_run_of_its_own_passes_its_first_untimed(monkeypatch):
     """A pass right after passes of another size can cost far more than in a run of its own size:
     each size runs for RUN_S (two passes at least) and the fastest pass after the first is kept,
-    in every round. Here a pass costs 5 units after a change of size, then 4, 3, 2, 1, 1, ..."""
+    in every round. Here a run's passes cost 0.5 units a token (never timed, whatever it costs), then
+    5, 4, 3, 2, 1, 1, ..."""
     from decodekit.speculative import controller
 
     clock, appended = [0.0], []
@@ -888,17 +889,17 @@ def test_a_size_is_timed_over_a_run_of_its_own_passes_its_first_untimed(monkeypa
             n = tokens.shape[1]
             run = sum(1 for _ in itertools.takewhile(lambda m: m == n, reversed(appended)))
             appended.append(n)
-            clock[0] += max(1, 5 - run) * n
+            clock[0] += (0.5 if run == 0 else max(1, 6 - run)) * n
 
         def truncate(self, length):
             assert length == 7
 
     monkeypatch.setattr(controller.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(controller, "RUN_S", 15)
-    best = CostTable._time_passes(Scripted(), (1, 4, 200), rounds=2)
-    assert best == {1: 1, 4: 4 * 4}  # 200 does not fit the context
+    best = CostTable._time_passes(Scripted(), (1, 40, 200), rounds=2)
+    assert best == {1: 1, 40: 40 * 5}  # 200 does not fit the context
     runs = [len(list(group)) for _, group in itertools.groupby(appended)]
-    assert runs == [5, 2, 5, 2]  # 5+4+3+2+1 units fill a run of 15; 4's two passes (20, 16) overrun it
+    assert runs == [6, 2, 6, 2]  # 0.5+5+4+3+2+1 units fill a run of 15; 40's first pass alone (20) overruns it
 
 
 def test_a_table_measured_after_a_long_prompt_also_has_the_short_contexts(monkeypatch):
