@@ -364,6 +364,7 @@ static inline void store_q8_scores(Scratch *s, int queries, int n, int count, co
         float row_scales[16];                                                                       \
         FOR_EACH_VISIBLE(j, vis, n_keys) {                                                          \
             const int8_t *kj = kh + (size_t)j * row;                                                \
+            ask_for(kj + AHEAD * row, (size_t)row);                                                 \
             for (int c = 0; c < (CH); c++) kv[c] = load_q8(kj + 16 * c);                            \
             for (int m = 0; m < Q; m++) {                                                           \
                 __m512 acc = _mm512_mul_ps(qv[m][0], kv[0]);                                        \
@@ -382,6 +383,7 @@ static inline void store_q8_scores(Scratch *s, int queries, int n, int count, co
             for (int c = 0; c < (CH); c++) o[m][c] = _mm512_setzero_ps();                           \
         for (int t = 0; t < n; t++) {                                                               \
             const int8_t *vj = vh + (size_t)s->keys[t] * row;                                       \
+            if (t + AHEAD < n) ask_for(vh + (size_t)s->keys[t + AHEAD] * row, (size_t)row);        \
             float vscale;                                                                           \
             memcpy(&vscale, vj + 16 * (CH), sizeof(float));                                         \
             for (int c = 0; c < (CH); c++) vv[c] = load_q8(vj + 16 * c);                            \
