@@ -239,7 +239,7 @@ static inline void softmax_numerators_of(Scratch *s, int queries, int n, float *
         int n = 0, waiting = 0;                                                                     \
         FOR_EACH_VISIBLE(j, vis, n_keys) {                                                          \
             const T *kj = kh + (size_t)j * CH * 16;                                                 \
-            ask_for(kj + AHEAD * CH * 16, CH * 16 * sizeof(T));                                     \
+            if (j + AHEAD < n_keys) ask_for(kj + AHEAD * CH * 16, CH * 16 * sizeof(T));             \
             __m512 kv[CH];                                                                          \
             for (int c = 0; c < CH; c++) kv[c] = LOAD(kj + 16 * c);                                 \
             SCORE_KEY(Q, CH, j);                                                                    \
@@ -364,7 +364,7 @@ static inline void store_q8_scores(Scratch *s, int queries, int n, int count, co
         float row_scales[16];                                                                       \
         FOR_EACH_VISIBLE(j, vis, n_keys) {                                                          \
             const int8_t *kj = kh + (size_t)j * row;                                                \
-            ask_for(kj + AHEAD * row, (size_t)row);                                                 \
+            if (j + AHEAD < n_keys) ask_for(kj + AHEAD * row, (size_t)row);                         \
             for (int c = 0; c < (CH); c++) kv[c] = load_q8(kj + 16 * c);                            \
             for (int m = 0; m < Q; m++) {                                                           \
                 __m512 acc = _mm512_mul_ps(qv[m][0], kv[0]);                                        \

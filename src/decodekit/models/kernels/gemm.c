@@ -266,7 +266,9 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
 #define q4_kx4_SINGLE_ROW_MAX 0
 #define q5_kx4_SINGLE_ROW_MAX 0
 #define q6_kx4_SINGLE_ROW_MAX 0
-#define REBUILT_ROWS 5 /* inputs from which a block format's weights are rebuilt once a pass (REBUILT_ONCE): two groups of four */
+/* Inputs from which a block format's weights are rebuilt once a pass (REBUILT_ONCE): two groups of
+ * four. Formats that stream a row at a time up to their SINGLE_ROW_MAX keep doing so below it. */
+#define REBUILT_ROWS 5
 #define BLOCK_CASE(NAME, R, M) case M: NAME##_block(wr, x, y, n_in, n_out, R, M); break;
 
 /* NAME: weights of type WT in format WP, inputs and outputs of type T with arithmetic P; ENTRY
