@@ -210,3 +210,110 @@ def test_a_figure_without_its_machine_rate_is_described_without_a_share():
     text = profile.describe({"model": "m", "machine": {"cpu": "c", "copy_gb_s": 20.0, "fma_gflop_s": 100.0, "vnni_gop_s": None},
                              "numerics": {"fast": r}})
     assert "100.0 G operations/s (two a multiply-add)\n" in text + "\n" and "VNNI loop rate" not in text
+
+
+def test_decode_speed_is_the_median_of_timed_requests_after_an_untimed_one(monkeypatch):
+    """One short untimed request first (the thread governor sees the machine as it is now), then the
+    median tokens/s of the requests: tokens actually generated (a request may stop early) over decode
+    time, the median so that one lucky or unlucky request does not decide."""
+    import decodekit.engine
+
+    runs = iter([(16, 9.0), (64, 1.0), (32, 1.0), (64, 2.0), (64, 0.5)])  # (tokens, decode seconds)
+    asked = []
+
+    class Engine:
+        def __init__(self, model):
+            pass
+
+        def generate(self, prompt, max_new_tokens):
+            asked.append(max_new_tokens)
+            tokens, seconds = next(runs)
+            return types.SimpleNamespace(tokens=[0] * tokens, stats=types.SimpleNamespace(decode_s=seconds))
+
+    monkeypatch.setattr(decodekit.engine, "Engine", Engine)
+    assert profile.decode_speed(object()) == 48.0  # median of 64, 32, 32 and 128 tokens/s
+    assert asked == [16, 64, 64, 64, 64]
+
+
+def test_contention_stops_its_busy_loop(monkeypatch):
+    """The busy loop is another process: it is killed and reaped once the shared speed is measured."""
+    monkeypatch.setattr(profile, "decode_speed", lambda model: 10.0)
+    spinners = []
+
+    class Spinner:
+        def __init__(self, *args, **kwargs):
+            self.killed = self.waited = False
+            spinners.append(self)
+
+        def kill(self):
+            self.killed = True
+
+        def wait(self):
+            self.waited = self.killed
+
+    monkeypatch.setattr(profile.subprocess, "Popen", Spinner)
+    profile.contention(object())
+    assert len(spinners) == 1 and spinners[0].killed and spinners[0].waited
+
+
+def test_contention_is_measured_for_every_numerics_outside_the_hold(monkeypatch):
+    """``--contention`` decodes in each numerics with the governor free (not held on all threads, which
+    would measure what it is there to avoid), and the description reports it, quiet speed first."""
+    stub_measurements(monkeypatch)
+    held = []
+
+    def contention(model):
+        held.append((model.numerics, GOVERNOR.held))
+        return {"quiet_tok_s": 10.0, "busy_core_tok_s": 8.0, "ratio": 0.8}
+
+    monkeypatch.setattr(profile, "contention", contention)
+    result = profile.profile({n: stub_model(n) for n in ("exact", "fast")}, with_contention=True)
+    assert held == [("exact", None), ("fast", None)]
+    assert list(result["contention"]) == ["exact", "fast"]
+    lines = profile.describe(result).splitlines()
+    assert "contention, fast: decode 10.0 tok/s quiet, 8.0 beside a busy loop (0.80x)" in lines
+    held.clear()
+    assert "contention" not in profile.profile({"exact": stub_model("exact")}) and held == []
+
+
+def test_the_command_line_profiles_both_numerics_with_its_kv_cache_and_contention(capsys, monkeypatch):
+    """``decodekit profile`` with no --numerics loads both (the command's own default, not the model
+    arguments' ``exact``), each with the --kv-cache asked for, and --contention reaches the profile."""
+    import decodekit.models
+
+    stub_measurements(monkeypatch)
+    monkeypatch.setattr(profile, "contention", lambda model: {"quiet_tok_s": 10.0, "busy_core_tok_s": 5.0, "ratio": 0.5})
+    loaded = []
+
+    def load_model(*args, numerics="exact", kv_cache="full", **kwargs):
+        loaded.append((numerics, kv_cache))
+        return stub_model(numerics)
+
+    monkeypatch.setattr(decodekit.models, "load_model", load_model)
+    assert main(["profile", "--kv-cache", "int8", "--contention", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert loaded == [("exact", "int8"), ("fast", "int8")]
+    assert result["contention"]["fast"]["ratio"] == 0.5
+
+
+def test_a_numerics_asked_for_by_name_that_cannot_load_is_an_error(monkeypatch):
+    """``--numerics fast`` on a model or machine without it: the error stands, not an empty profile."""
+    import decodekit.models
+    from decodekit.errors import InvalidParameter
+
+    stub_measurements(monkeypatch)
+
+    def load_model(*args, numerics="exact", **kwargs):
+        raise InvalidParameter(f"no {numerics} numerics here")
+
+    monkeypatch.setattr(decodekit.models, "load_model", load_model)
+    args = argparse.Namespace(model=None, backend="auto", dtype="float32", kv_cache="full", numerics="fast",
+                              contention=False, json=True)
+    with pytest.raises(InvalidParameter, match="no fast numerics here"):
+        profile.run(args)
+
+
+def test_a_machine_without_a_vnni_loop_is_described_without_one():
+    """No VNNI loop (``vnni_gop_s`` None): the machine line names the copy and matrix-product rates only."""
+    text = profile.describe({"model": "m", "machine": {**MACHINE, "vnni_gop_s": None}, "numerics": {}})
+    assert text.splitlines()[1] == "machine: a test CPU, copy 20.0 GB/s (read + write), float32 matrix product 100.0 GFLOP/s"

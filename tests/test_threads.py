@@ -330,3 +330,143 @@ def test_once_the_cores_are_free_again_every_models_next_timed_pass_tries_the_ot
     others[0] = 0.0
     assert drive(governor, {2: 3.0, 1: 5.0}, 5, key="target") == [1, 2, 2, 2, 2]
     assert drive(governor, {2: 3.0, 1: 5.0}, 5, key="draft") == [1, 2, 2, 2, 2]
+
+
+def test_a_try_that_ties_is_not_a_loss_the_pause_is_short_again(two_threads):
+    """The pause doubles only while the other count keeps losing: a try that times the same as the
+    leader (the machine's load changed, one thread caught up) makes the pause FIRST_PROBE again, so
+    the counts keep being compared every FIRST_PROBE passes while they are this close."""
+    governor = ThreadGovernor()
+    drive(governor, {2: 3.0, 1: 5.0}, 200)
+    assert governor._records["m"].pause > FIRST_PROBE  # one thread lost its tries
+    used = drive(governor, {2: 3.0, 1: 3.0}, 6 * LONGEST_PAUSE)
+    tries = [i for i, n in enumerate(used) if n == 1]
+    assert governor._records["m"].pause == FIRST_PROBE
+    assert [b - a for a, b in zip(tries, tries[1:])] == [FIRST_PROBE] * (len(tries) - 1)  # a tie each time
+
+
+def test_a_one_thread_process_never_tries_another_count():
+    """With torch on one thread there is no other count: no pass is reported as a try, timed or not."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        governor = ThreadGovernor()
+        assert [governor.choose("m", timed=True) for _ in range(100)] == [(1, False)] * 100
+        assert [governor.choose("m", timed=False) for _ in range(5)] == [(1, False)] * 5
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_pauses_and_the_slower_weight_are_the_documented_figures(two_threads):
+    """The module's documentation promises tries of a losing count 16 passes apart, doubling up to 512,
+    and a slower timing moving an estimate a fifth of the way: the figures, not only their names."""
+    used = drive(ThreadGovernor(), {2: 3.0, 1: 5.0}, 2000)
+    tries = [i for i, n in enumerate(used) if n == 1]
+    assert [b - a for a, b in zip(tries, tries[1:])][:6] == [30, 64, 128, 256, 512, 512]
+    governor = ThreadGovernor()
+    governor.observe("m", 2, 10.0)
+    governor.observe("m", 2, 20.0)
+    assert governor._records["m"].estimate[2] == pytest.approx(12.0)
+
+
+# What the machine gives this process -------------------------------------------------------------
+
+
+def test_usable_cores_are_the_process_affinity_not_the_machines_count(monkeypatch):
+    """A process pinned to some cores (taskset, a container's cpuset) may run on those only."""
+    from decodekit import machine
+
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: {1, 3}, raising=False)
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 8)
+    assert machine.usable_cores() == 2
+
+
+def test_available_memory_is_memavailable_in_bytes_and_none_without_proc_meminfo(monkeypatch):
+    """MemAvailable (what a new allocation can get without swapping, page cache included), not MemFree;
+    /proc/meminfo counts in KiB; no /proc/meminfo (another system) is None, not an error."""
+    import io
+
+    from decodekit import machine
+
+    meminfo = "MemTotal:       16000000 kB\nMemFree:          500000 kB\nMemAvailable:    8000000 kB\n"
+    monkeypatch.setattr(machine, "open", lambda path, *a, **k: io.StringIO(meminfo), raising=False)
+    assert machine.available_memory() == 8000000 * 1024
+
+    def missing(path, *a, **k):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(machine, "open", missing, raising=False)
+    assert machine.available_memory() is None
+    assert machine._cpu_times({0}) is None  # nor /proc/stat: no figure rather than a made-up one
+
+
+def test_busy_elsewhere_samples_once_a_whole_window_has_passed(monkeypatch):
+    """A window of at least ``window_s``: exactly ``window_s`` after the last sample is a window."""
+    from decodekit.machine import BusyElsewhere
+
+    clock, machine = [0.0], [(0.0, 0.0)]
+    busy = BusyElsewhere(window_s=0.25, times=lambda: machine[0], own=lambda: 0.0, clock=lambda: clock[0])
+    busy.cpus = 2
+    clock[0], machine[0] = 0.25, (0.25, 0.5)  # one of the two cores busy throughout
+    assert busy() == pytest.approx(1.0)
+
+
+def test_one_failed_read_of_the_cpu_times_does_not_freeze_the_busy_count():
+    """A read of /proc/stat that fails once (no file handle left, say) keeps the last figure for that
+    call and reads again at the next: it used to become the window's start, after which the count
+    never moved again (a busy figure frozen above half a core kept the governor on fewer threads for
+    the rest of the process)."""
+    from decodekit.machine import BusyElsewhere
+
+    clock, machine = [0.0], [(0.0, 0.0)]
+    busy = BusyElsewhere(window_s=0.1, times=lambda: machine[0], own=lambda: 0.0, clock=lambda: clock[0])
+    busy.cpus = 2
+    clock[0], machine[0] = 0.2, (0.2, 0.4)  # one core busy
+    assert busy() == pytest.approx(1.0)
+    clock[0], machine[0] = 0.4, None  # the read fails
+    assert busy() == pytest.approx(1.0)
+    clock[0], machine[0] = 0.6, (0.2, 0.8)  # idle since: measured from the last good sample
+    assert busy() == 0.0
+
+
+def test_busy_elsewhere_is_never_negative_counts_own_time_since_the_window_and_survives_an_empty_window():
+    """This process's CPU time counts from the window's start (it may have run long before); its own
+    time can exceed the cores' busy ticks (the kernel counts them apart): that is no core busy, never a
+    negative count; and a window in which the kernel counted no tick keeps the last figure."""
+    from decodekit.machine import BusyElsewhere
+
+    clock, machine, own = [0.0], [(0.0, 0.0)], [5.0]  # 5 CPU-s of ours before the first window
+    busy = BusyElsewhere(window_s=0.1, times=lambda: machine[0], own=lambda: own[0], clock=lambda: clock[0])
+    busy.cpus = 2
+    clock[0], machine[0], own[0] = 0.2, (0.3, 0.4), 5.1
+    assert busy() == pytest.approx(1.0)  # (0.3 - 0.1) CPU-s over 0.2 s
+    clock[0], machine[0], own[0] = 0.4, (0.4, 0.8), 5.4  # ours 0.3 CPU-s, the cores' ticks 0.1
+    assert busy() == 0.0
+    clock[0], machine[0], own[0] = 0.6, (0.5, 1.2), 5.4
+    assert busy() == pytest.approx(0.5)
+    clock[0] = 0.8  # /proc/stat did not move (no tick counted): no division by zero
+    assert busy() == pytest.approx(0.5)
+
+
+def test_busy_elsewhere_by_default_reads_this_processs_cores_and_its_user_and_system_time(monkeypatch):
+    """Without injected readings: /proc/stat's lines of the CPUs in this process's affinity, as many
+    cores as those, and this process's own user plus system time (os.times)."""
+    from decodekit import machine
+
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: {1, 2}, raising=False)
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 8)
+    asked, readings = [], iter([(0.0, 0.0), (1.0, 2.0)])  # 1 busy CPU-s of 2 (2 cores x 1 s)
+
+    def cpu_times(cpus):
+        asked.append(set(cpus))
+        return next(readings)
+
+    monkeypatch.setattr(machine, "_cpu_times", cpu_times)
+    own = iter([(0.1, 0.1, 9.0, 9.0, 0.0), (0.3, 0.3, 9.0, 9.0, 0.0)])  # 0.4 CPU-s of ours, half system
+    monkeypatch.setattr(machine.os, "times", lambda: next(own))
+    clock = [0.0]
+    busy = machine.BusyElsewhere(window_s=0.1, clock=lambda: clock[0])
+    assert busy.cpus == 2
+    clock[0] = 1.0
+    assert busy() == pytest.approx(0.6)  # (1.0 - 0.4) CPU-s x 2 cores over 2 CPU-s
+    assert asked == [{1, 2}, {1, 2}]

@@ -64,9 +64,11 @@ class BusyElsewhere:
         start, machine, own = self._since
         if machine is None or self.clock() - start < self.window_s:
             return self.cores
-        self._since = now = self._sample()
-        if now[1] is not None:
-            busy, elapsed = now[1][0] - machine[0], now[1][1] - machine[1]
-            if elapsed > 0:  # CPU-seconds of the cores over seconds of each: cores
-                self.cores = max(0.0, (busy - (now[2] - own)) * self.cpus / elapsed)
+        now = self._sample()
+        if now[1] is None:  # a failed read (no file handle left, say): the window goes on, read again next call
+            return self.cores
+        self._since = now
+        busy, elapsed = now[1][0] - machine[0], now[1][1] - machine[1]
+        if elapsed > 0:  # CPU-seconds of the cores over seconds of each: cores
+            self.cores = max(0.0, (busy - (now[2] - own)) * self.cpus / elapsed)
         return self.cores
