@@ -846,6 +846,21 @@ def test_a_match_record_is_keyed_by_the_gguf_packages_version(tiny_gguf, cache, 
     assert _match_key(model_folder(cache)) != key
 
 
+def test_a_match_record_is_keyed_by_the_dequantising_code(tiny_gguf, cache, monkeypatch, tmp_path):
+    """The record holds for the code that compared the blocks: another version of gguf_blocks.py
+    (its dequantisation, its matching) changes the key, so nothing it recorded is taken unchecked."""
+    from pathlib import Path
+
+    from decodekit.models import gguf_blocks
+
+    load_model(str(tiny_gguf))
+    key = gguf_blocks._match_key(model_folder(cache))
+    edited = tmp_path / "gguf_blocks.py"
+    edited.write_bytes(Path(gguf_blocks.__file__).read_bytes() + b"\n# another version\n")
+    monkeypatch.setattr(gguf_blocks, "__file__", str(edited))
+    assert key is not None and gguf_blocks._match_key(model_folder(cache)) not in (None, key)
+
+
 def test_a_window_as_long_as_the_context_restricts_nothing_and_loads(tmp_path):
     """A sliding window no shorter than the context (Mistral configs that keep the field) never
     leaves a key out: the native backend computes it as plain attention, so it is not refused."""

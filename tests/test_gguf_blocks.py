@@ -670,3 +670,131 @@ def test_parts_of_different_block_types_are_not_stacked_as_one_matrix():
     c = BlockMatrix.quantize(torch.randn(4, 64, generator=gen), "q4_1")
     both = BlockMatrix.stack([a, c])
     assert both.kind == "q4_1" and torch.equal(both.dequantize(), torch.cat([a.dequantize(), c.dequantize()]))
+
+
+def test_q4_1_quantize_gives_each_weight_its_nearest_level_even_far_from_zero():
+    """Q4_1 rounds each weight to the nearest of its block's 16 levels m + d q (q in 0..15) and
+    saturates at the ends: a block far from zero (its float16 minimum rounded well below the true
+    one) puts weights past level 15, which must clamp to 15, never spill a 16 into the next nibble."""
+    gen = torch.Generator().manual_seed(8)
+    weight = torch.cat([torch.randn(2, 64, generator=gen), 100.02 + 0.01 * torch.rand(2, 64, generator=gen)])
+    blocks = BlockMatrix.quantize(weight, "q4_1")
+    raw = blocks.data.view(4, 2, 20)
+    d = raw[..., 0:2].contiguous().view(torch.float16).float()
+    m = raw[..., 2:4].contiguous().view(torch.float16).float()
+    levels = m + d * torch.arange(16, dtype=torch.float32)  # [rows, blocks, 16]
+    w = weight.view(4, 2, 32)
+    nearest = (w.unsqueeze(-1) - levels.unsqueeze(-2)).abs().argmin(-1)
+    assert torch.equal(blocks.dequantize().view(4, 2, 32), levels.gather(-1, nearest))
+    assert (blocks.dequantize()[2:] > 100).all()  # the far block saturated at its top level, not wrapped to 0
+
+
+@pytest.mark.parametrize("kind, n_in", [("q4_1", 48), ("q8_0", 16), ("q4_k", 128), ("q6_k", 288)])
+def test_blocks_of_a_width_that_is_not_whole_blocks_are_refused(kind, n_in):
+    """A matrix whose width is not a whole number of its type's blocks has no block layout: both
+    constructors refuse it with a ValueError, never a matrix of missing or garbled blocks."""
+    gen = torch.Generator().manual_seed(0)
+    if kind in ("q4_1", "q8_0"):
+        with pytest.raises(ValueError, match="divisible"):
+            BlockMatrix.quantize(torch.randn(4, n_in, generator=gen), kind)
+    with pytest.raises(ValueError, match="divisible"):
+        BlockMatrix.random(4, n_in, kind, gen)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q4_k", "q6_k"])
+def test_rows_taken_back_from_the_interleaved_layout_are_the_rows_taken_from_the_matrix(kind):
+    """from_interleaved walks the interleaved layout by whole blocks of the type (256 weights for
+    the K-quants, not sub-blocks of 32) and, like take, accepts an index of any shape: the rows it
+    returns are the matrix's own rows, [len(rows), n_in]."""
+    blocks = BlockMatrix.random(8, 512, kind, torch.Generator().manual_seed(9))
+    rows = torch.tensor([[7], [0], [5], [2]])
+    back = BlockMatrix.from_interleaved(kind, blocks.interleaved(), rows, 512)
+    taken = blocks.take(rows)
+    assert back.shape == taken.shape == (4, 512) and taken.data.shape == blocks.data[:4].shape
+    assert torch.equal(back.data, taken.data) and torch.equal(taken.data, blocks.data[[7, 0, 5, 2]])
+
+
+def test_blocks_one_ulp_away_from_the_float32_weights_do_not_match():
+    """Decoding on blocks is bit-identical only where they dequantise exactly to the float32
+    weights: a single weight one ulp off is no match (a tolerance would put the model on weights
+    that differ from its float32 ones)."""
+    blocks = BlockMatrix.quantize(torch.randn(8, 64, generator=torch.Generator().manual_seed(10)), "q4_1")
+    weight = blocks.dequantize()
+    assert matching_blocks([blocks], weight, []) is not None
+    nudged = weight.clone()
+    nudged[3, 17] = torch.nextafter(nudged[3, 17], torch.tensor(float("inf")))
+    assert matching_blocks([blocks], nudged, []) is None
+
+
+def test_saved_blocks_list_the_unread_weights_on_the_first_read_and_every_later_one(tmp_path):
+    """The weights no kernel reads (name -> (type, number of weights)) are what the loader runs in
+    float32 or refuses: reported the same when the blocks are first read from the GGUF and saved,
+    and when they are read back from the saved file (whose metadata key for them is no matrix); the
+    saved file's name lists every type read."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    from decodekit.models.gguf_blocks import BLOCK_BYTES, UNREAD_KEY, cached_block_matrices
+
+    assert all(kind.replace("_", "") in BLOCKS_FILE for kind in BLOCK_BYTES)
+    gen = torch.Generator().manual_seed(11)
+    writer = GGUFWriter(tmp_path / "tiny.gguf", "llama")
+    v = BlockMatrix.random(8, 256, "q8_0", gen)
+    writer.add_tensor("blk.0.attn_v.weight", v.data.numpy(), raw_dtype=GGMLQuantizationType.Q8_0)
+    q2_k = torch.randint(0, 256, (8, 84), dtype=torch.uint8, generator=gen).numpy()
+    writer.add_tensor("blk.0.ffn_gate.weight", q2_k, raw_dtype=GGMLQuantizationType.Q2_K)  # no kernel reads Q2_K
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    expected = {"model.layers.0.mlp.gate_proj.weight": ("q2_k", 8 * 256)}
+    first = cached_block_matrices(tmp_path / "tiny.gguf", tmp_path, num_layers=1)
+    again = cached_block_matrices(tmp_path / "tiny.gguf", tmp_path, num_layers=1)
+    assert first.unread == expected and again.unread == expected
+    assert list(again) == ["model.layers.0.self_attn.v_proj.weight"] and UNREAD_KEY not in again
+    assert torch.equal(again["model.layers.0.self_attn.v_proj.weight"].data, v.data)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_integer_operands_the_c_code_would_misread_are_refused(kind):
+    """What gemm_q8.c relies on, checked in Python (no kernel needed): inputs exactly n_in wide and
+    uint8 blocks exactly n_in / block weights * block bytes wide; other inputs or blocks of another
+    dtype (the same shape, other bytes) are refused, never read past their ends."""
+    from decodekit.models.kernels.matmul import _check_integer_operands
+
+    blocks = BlockMatrix.random(16, 64, kind, torch.Generator().manual_seed(12)).data
+    _check_integer_operands(kind, blocks, torch.zeros(2, 64), 64)  # as the C code reads them
+    with pytest.raises(ValueError, match="inputs"):
+        _check_integer_operands(kind, blocks, torch.zeros(2, 32), 64)  # inputs narrower than n_in
+    with pytest.raises(ValueError, match="blocks"):
+        _check_integer_operands(kind, blocks.to(torch.int8), torch.zeros(2, 64), 64)
+    with pytest.raises(ValueError, match="blocks"):
+        _check_integer_operands(kind, blocks.float(), torch.zeros(2, 64), 64)
+
+
+@needs_vnni
+def test_packing_into_room_the_c_code_cannot_write_as_packed_bytes_is_refused():
+    """The C code writes packed bytes row after row from the room's first byte: room of the right
+    shape but another dtype (other row lengths in bytes) or other strides is refused, and left as
+    it was, never written in memory order."""
+    blocks = BlockMatrix.random(32, 256, "q8_0", torch.Generator().manual_seed(13))
+    whole = kernels.pack_integer_blocks("q8_0", blocks.data, 256)
+    for room in (torch.zeros(whole.shape, dtype=torch.int8), torch.zeros(whole.shape, dtype=torch.float32),
+                 torch.zeros(whole.shape[1], whole.shape[0], dtype=torch.uint8).t()):
+        before = room.clone()
+        with pytest.raises(ValueError, match="do not fit"):
+            kernels.pack_integer_blocks("q8_0", blocks.data, 256, into=room)
+        assert torch.equal(room, before)
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_integer_reference_reads_inputs_of_any_float_dtype_as_their_values(kind):
+    """Both the kernel and its scalar reference take inputs as float32 values (converted first, as
+    the kernel does): bfloat16 or float64 inputs give the float32 inputs' results bit for bit, never
+    their bytes read as float32."""
+    blocks = BlockMatrix.random(16, 64, kind, torch.Generator().manual_seed(14))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(15)).bfloat16().float()
+    expected = kernels.integer_block_matmul_reference(kind, blocks.data, x, 64)
+    for other in (x.bfloat16(), x.double()):
+        assert torch.equal(kernels.integer_block_matmul_reference(kind, blocks.data, other, 64), expected)
+        assert torch.equal(integer_product(kind, blocks, other), integer_product(kind, blocks, x))

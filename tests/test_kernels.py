@@ -899,3 +899,51 @@ def test_the_tables_python_shares_with_the_c_kernels_agree():
     enum = re.search(r"enum \{ (KIND_\w+(?:, KIND_\w+)*), KINDS \};", (Path(kernels.__file__).parent / "decodekit.h").read_text())
     order = [name.removeprefix("KIND_").lower() for name in enum[1].split(", ")]
     assert {kind: i for i, kind in enumerate(order)} == kernels.INTEGER_KINDS
+
+
+def test_kernels_run_on_avx512_and_amx_cpus_unless_switched_off(monkeypatch):
+    """Every CPU torch reports as AVX512 or AMX (Sapphire Rapids and later: AVX-512 too) runs the
+    kernels; DECODEKIT_KERNELS=0 switches them off, and a library is then not even built."""
+    monkeypatch.delenv("DECODEKIT_KERNELS", raising=False)
+    for capability, supported in (("AVX512", True), ("AMX", True), ("AVX2", False), ("DEFAULT", False)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert kernels.build._supported() is supported
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setenv("DECODEKIT_KERNELS", "0")
+    monkeypatch.setattr(kernels.build, "_build", lambda source: pytest.fail("built while switched off"))
+    assert kernels.build._library.__wrapped__("gemm") is None
+
+
+def test_a_missing_cc_falls_back_to_gcc(monkeypatch, tmp_path):
+    """CC (or ``cc``) names the compiler; where it is not found, gcc builds the library."""
+    gcc = shutil.which("gcc")
+    if gcc is None or kernels.build._build(Path(kernels.__file__).with_name("topk.c")) is None:
+        pytest.skip("no gcc that builds the kernels")
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels.build.shutil, "which", lambda name: gcc if name == "gcc" else None)
+    source = tmp_path / "probe.c"
+    source.write_text("int probe(void) { return 7; }\n")
+    built = kernels.build._build(source)
+    assert built is not None and ctypes.CDLL(str(built)).probe() == 7
+
+
+def test_the_kernels_digest_changes_when_source_text_moves_to_another_file(monkeypatch, tmp_path):
+    """The cost table's key covers which file holds which text: one source split in two (the same
+    bytes in the same order, now two libraries) or renamed is other kernels, another digest."""
+    folder = tmp_path / "kernels_dir"
+    folder.mkdir()
+    monkeypatch.setattr(kernels.build, "__file__", str(folder / "build.py"))
+    digests = []
+    try:
+        for files in ({"one.c": "int a;\nint b;\n"}, {"one.c": "int a;\n", "two.c": "int b;\n"},
+                      {"two.c": "int a;\nint b;\n"}):
+            for old in folder.glob("*.c"):
+                old.unlink()
+            for name, text in files.items():
+                (folder / name).write_text(text)
+            kernels.build.sources_digest.cache_clear()
+            digests.append(kernels.build.sources_digest())
+    finally:
+        kernels.build.sources_digest.cache_clear()
+    assert len(set(digests)) == 3

@@ -873,6 +873,16 @@ def test_cost_table_measurement_restores_the_cache():
     assert backend.length == 3 and table.sizes == [1, 4] and all(c > 0 for c in table.costs)
 
 
+def test_the_per_context_term_is_fitted_on_the_sizes_timed_at_both_contexts():
+    """A size with no room at the long context (a short model's context) says nothing of its
+    per-context term: it used to count as a term of zero, halving the fitted term of the sizes that
+    were timed at both; and with no size timed at both there is no term at all."""
+    table = CostTable.from_rows({0: {1: 1.0, 8: 2.0}, 1000: {1: 2.0}})
+    assert table(1, 1000) == pytest.approx(2.0) and table(8, 1000) == pytest.approx(3.0)  # one point: flat
+    alone = CostTable.from_rows({0: {1: 1.0, 8: 2.0}, 1000: {16: 9.0}})
+    assert alone(1, 1000) == alone(1, 0) == 1.0
+
+
 def test_a_size_is_timed_over_a_run_of_its_own_passes_its_first_untimed(monkeypatch):
     """A pass right after passes of another size can cost far more than in a run of its own size:
     each size runs for RUN_S (two passes at least) and the fastest pass after the first is kept,
@@ -1318,6 +1328,229 @@ def test_realised_speed_carries_over_to_the_next_request():
     second = Controller(8, cost_table=costs)
     second.begin(backend, "optimistic-drafter")
     assert not second.speculation_pays() and second.budget() == 0
+
+
+def test_cost_table_bounds_are_inclusive_and_booleans_are_not_token_counts():
+    """Values run from a nanosecond to an hour, both ends included; True is an int to Python but
+    not a token count (it would silently stand for the cost of 1 token)."""
+    table = CostTable({1: 1e-9, 2: 3600.0})
+    assert table(1) == 1e-9 and table(2) == 3600.0
+    with pytest.raises(InvalidParameter, match="keys must be token counts >= 1, got True"):
+        CostTable({True: 1.0})
+
+
+def test_per_context_costs_of_zero_are_valid_and_other_sizes_are_not():
+    """A context that adds nothing (a pass as fast after 1,000 tokens as after none) is a measured
+    term of zero, not a damaged one; per-context costs for sizes the table lacks (or lacking one of
+    its sizes) are refused rather than read as zero."""
+    same = {1: 1.0, 2: 1.2, 4: 1.5}
+    table = CostTable.from_rows({0: same, 1000: same})
+    assert table(2, 5000) == pytest.approx(1.2)
+    assert CostTable({1: 1.0, 2: 1.2}, per_context={1: 0.0, 2: 0.0})(2, 100) == pytest.approx(1.2)
+    with pytest.raises(InvalidParameter, match="same sizes"):
+        CostTable({1: 1.0, 2: 1.2}, per_context={1: 1e-3})
+
+
+def test_context_terms_that_fall_with_the_size_are_priced_at_their_mean():
+    """Terms falling with n (noise: a row more cannot make the context cheaper) give a flat term, the
+    mean of the measured ones, not none at all: long prompts still cost more. Here (2.0, 1.9, 1.8,
+    1.5) ms per 1,000 tokens: 1.8 for every size."""
+    near = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7}
+    falling = CostTable.from_rows({0: near, 1000: {1: 3.0, 2: 3.0, 4: 3.1, 8: 3.2}})
+    for n in near:
+        assert falling(n, 1000) - falling(n, 0) == pytest.approx(1.8)
+
+
+def test_a_size_not_measured_at_the_long_context_does_not_cancel_the_others_terms():
+    """A size that does not fit after the long context is not timed there; it adds no evidence on
+    the context term, rather than a term of minus its whole cost per token of context."""
+    table = CostTable.from_rows({0: {1: 1.0, 8: 2.0}, 1000: {1: 2.0}})
+    assert table(1, 1000) > 1.0 and table(8, 1000) > 2.0
+
+
+def test_cost_tables_are_keyed_by_the_thread_count():
+    """A pass with 4 threads costs about twice one with 8: a table measured under one thread count
+    must not be read back under another."""
+    from decodekit.models.threads import GOVERNOR
+
+    backend = tiny_llama(seed=0)
+    counts = iter([4, 8])
+    keys = []
+    for _ in range(2):
+        count = next(counts)
+        original = GOVERNOR.full_count
+        GOVERNOR.full_count = lambda count=count: count
+        try:
+            keys.append(CostTable.key(backend))
+        finally:
+            GOVERNOR.full_count = original
+    assert keys[0] != keys[1] and "threads=4" in keys[0]
+
+
+def test_saving_a_table_keeps_the_other_models_tables(tmp_path, monkeypatch):
+    """One file holds the tables of every model/dtype/thread count/cache policy: saving one must
+    not drop the others (each would be measured again at its next start)."""
+    monkeypatch.setenv("DECODEKIT_COST_TABLE", str(tmp_path / "verify_cost.json"))
+    small = tiny_llama(seed=0, hidden_size=64)
+    large = tiny_llama(seed=0, hidden_size=64).with_kv_cache("int4:group=8,residual=64")
+    assert CostTable.key(small) != CostTable.key(large)
+    CostTable({n: 1.0 * n for n in MEASURE_SIZES}).save(small)
+    CostTable({n: 2.0 * n for n in MEASURE_SIZES}).save(large)
+    monkeypatch.setattr(CostTable, "measure", classmethod(lambda cls, *a, **k: pytest.fail("measured again")))
+    assert CostTable.cached(small)(1) == 1.0 and CostTable.cached(large)(1) == 2.0
+
+
+def test_a_twin_measured_beside_a_batched_backend_runs_its_passes_alone():
+    """The twin a measurement times is a copy of the backend; a batched backend's copy would send
+    its passes through the batch (waiting for, and timed with, other requests' rows)."""
+    from decodekit.models.batching import PassBatcher
+    from decodekit.speculative.controller import _twin
+
+    backend = tiny_llama(seed=0)
+    batcher = backend.batcher = PassBatcher()
+    twin = _twin(backend)
+    assert twin.batcher is None and backend.batcher is batcher
+
+
+def test_a_fixed_budget_measures_no_cost_table_and_a_measured_table_learns(monkeypatch):
+    """A fixed budget prices nothing, so its request measures no table; a measured (shared) table
+    follows observed pass times, while a table given by the caller is kept as given."""
+    backend = tiny_llama(seed=0)
+    monkeypatch.setattr(CostTable, "cached", classmethod(lambda cls, b: pytest.fail("measured for a fixed budget")))
+    fixed = Controller(8, budget=4)
+    fixed.begin(backend)
+    assert fixed.cost is None and not fixed.learn_costs
+    monkeypatch.setattr(CostTable, "cached", classmethod(lambda cls, b: CostTable({1: 1.0, 8: 2.0})))
+    measured = Controller(8)
+    measured.begin(backend)
+    measured.observe_cost(1, 1.4)
+    assert measured.learn_costs and measured.pass_cost(1) > 1.0
+    given = Controller(8, cost_table={1: 1.0, 8: 2.0})
+    given.begin(backend)
+    given.observe_cost(1, 1.4)
+    assert given.pass_cost(1) == 1.0
+
+
+def test_a_planned_chain_that_pays_ends_the_back_off():
+    """For a costly drafter budget() decides: once a chain depth pays again, the back-off level
+    returns to zero, so the next losing stretch pauses one step first, not twice the old pause."""
+    costs = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.6, 16: 2.2}
+    ctl = Controller(8, cost_table=costs)
+    ctl.observe_draft(8, 8 * 0.05)
+    assert ctl.costly_drafting()
+    for _ in range(30):
+        ctl.observe(chain_tree(8, ""), Verification(list(range(8)), 0), overhead_s=0.0)
+    ctl.learnt.backoff = 64  # left over from a stretch that did not pay
+    assert ctl.budget() > 0 and ctl.learnt.backoff == 0
+    ctl._back_off()
+    assert ctl._skip == 1
+
+
+def test_a_draft_call_at_exactly_two_percent_of_a_plain_step_is_planned():
+    """CHEAP_DRAFT: a call *under* 2% of a plain step needs no depth planning; at 2% it does."""
+    ctl = Controller(8, cost_table={1: 0.5, 8: 1.0})
+    ctl.observe_draft(1, 0.01)
+    assert ctl.costly_drafting()
+    ctl.observe_draft(1, 0.0)
+    assert not ctl.costly_drafting()
+
+
+def test_an_empty_draft_is_no_choice_and_starts_no_back_off():
+    """A drafter that finds no match proposes nothing, and nothing is verified: that is not the
+    controller choosing a plain step, so it does not pause drafting (the next step may match)."""
+    ctl = Controller(8, cost_table=FLAT_COSTS)
+    assert len(ctl.select(DraftTree())) == 0
+    assert ctl.budget() == 8 and ctl.learnt.backoff == 0
+
+
+def test_the_first_back_off_pauses_one_step_and_probes_are_bounded(monkeypatch):
+    """The pause starts at one plain step; the longest pause is the probe's extra cost over 1%,
+    never under 4 steps nor over MAX_BACKOFF (512), and a probe's extra cost counts its drafting."""
+    ctl = Controller(8, cost_table=STEEP_COSTS)
+    assert len(ctl.select(chain_tree(4))) == 0 and ctl._skip == 1
+    assert Controller(8, cost_table=FLAT_COSTS)._max_backoff() == 4  # a probe costs nothing: still 4
+    assert Controller(8, cost_table={1: 1.0, 2: 10.0, 64: 640.0})._max_backoff() == 512  # 900 capped
+    drafting = Controller(8, cost_table=FLAT_COSTS)
+    drafting.observe_draft(1, 0.5)  # half a plain step per drafted node: a probe costs 1.5 steps
+    assert 50 <= drafting._max_backoff() <= 51
+
+
+def test_realised_speed_starts_from_the_first_step_not_from_zero():
+    """The first speculative step starts the averages (as the first draft call does): averaged
+    with zeros, a fast first step would be forgotten. 8 tokens in 1 s, then 7 steps of 1 token in
+    2 s: the averages are about 3.2 tokens per 1.7 s, faster than plain decoding (1 per 1 s)."""
+    ctl = Controller(8, cost_table={1: 1.0, 8: 1.0})
+    ctl.observe_step(8, 1.0)
+    assert (ctl.learnt.step_tokens, ctl.learnt.step_seconds) == (8.0, 1.0)
+    for _ in range(7):
+        ctl.observe_step(1, 2.0)
+    assert ctl.speculation_pays()
+
+
+def test_the_first_steps_bookkeeping_is_taken_whole_and_charged_to_speculation():
+    """The verifier's bookkeeping starts at the first step's (not averaged with zero) and is added
+    to a speculative step's time, not taken off a plain step's: one node accepted 3 times in 10
+    beats plain decoding by 5% with 0.2 s of it (1.3 / 1.2 > 1.05), not once it is wrongly moved."""
+    ctl = Controller(8, cost_table=FLAT_COSTS)
+    ctl.observe(DraftTree(), Verification([], 0), overhead_s=0.2)
+    assert ctl.overhead == pytest.approx(0.2)
+    ctl.learnt.accept[("s", 0, 0)] = 0.3
+    assert len(ctl.select(chain_tree(1))) == 1
+
+
+def test_the_chain_source_is_the_first_nodes_and_survives_an_empty_draft():
+    """A costly drafter's chain is planned with the acceptance of the source of the last tree's
+    first node; a step whose drafter proposed nothing tells nothing about it and leaves it."""
+    ctl = Controller(8, cost_table=FLAT_COSTS)
+    tree = DraftTree([1, 2], [-1, -1], {}, ["a", "b"])
+    ctl.observe(tree, Verification([0], 0), overhead_s=0.0)
+    assert ctl.learnt.chain_source == "a"
+    ctl.observe(DraftTree(), Verification([], 0), overhead_s=0.0)
+    assert ctl.learnt.chain_source == "a"
+
+
+def test_node_keys_cap_depth_and_rank():
+    """Deep and late siblings pool their evidence under the last tracked depth (15) and rank (7)."""
+    chain = chain_tree(20)
+    assert [key[1] for key in node_keys(chain)] == list(range(16)) + [15] * 4
+    wide = DraftTree(list(range(10)), [-1] * 10, {}, ["s"] * 10)
+    assert [key[2] for key in node_keys(wide)] == list(range(8)) + [7, 7]
+
+
+def test_a_size_is_timed_where_it_exactly_fills_the_context_and_its_fastest_pass_is_kept(monkeypatch):
+    """A pass of exactly the room left fits; the fastest timed pass is kept, not the last one
+    (another process only ever adds time). Passes cost what the script says: 9 (untimed) then the
+    listed seconds, two passes a run (RUN_S = 0), two rounds."""
+    from decodekit.speculative import controller
+
+    clock = [0.0]
+    script = {1: [9, 2, 9, 5], 4: [9, 3, 9, 1]}
+
+    class Scripted:
+        length, info = 7, SimpleNamespace(max_length=11)
+
+        def append(self, tokens):
+            clock[0] += script[tokens.shape[1]].pop(0)
+
+        def truncate(self, length):
+            assert length == 7
+
+    monkeypatch.setattr(controller.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(controller, "RUN_S", 0)
+    assert CostTable._time_passes(Scripted(), (1, 4, 5), rounds=2) == {1: 2, 4: 1}  # 5 does not fit
+
+
+
+def test_a_costly_drafters_probe_that_verifies_keeps_its_back_off_level():
+    """Once drafted, a probe's node is worth verifying (select() weighs verification only), but for a
+    costly drafter budget() decides whether drafting pays: the probe must not end the back-off, or a
+    drafter too dear to pay would be probed after one plain step again."""
+    ctl = Controller(8, cost_table={1: 1.0, 2: 1.1, 4: 1.3, 8: 1.6})
+    ctl.observe_draft(1, 0.5)  # half a plain step per node: 1.3 tokens for 1.6 s never beats 1 for 1 s
+    ctl.learnt.accept[("", 0, 0)] = 0.3  # 1.3 tokens for a 1.1 s pass once drafted: verified
+    ctl.learnt.backoff, ctl._explore = 16, True  # a probe at the end of a 16-step pause
+    assert ctl.budget() == 1 and len(ctl.select(chain_tree(1, ""))) == 1
+    assert ctl.learnt.backoff == 16
 
 
 # Seeded sampling ------------------------------------------------------------------------------------

@@ -293,7 +293,10 @@ class CostTable:
         (near, table), (far, longer) = min(rows.items()), max(rows.items())
         if far == near:
             return cls(table, at=near)
-        slopes = {n: (longer.get(n, cost) - cost) / (far - near) for n, cost in table.items()}
+        # sizes timed at both contexts only (a size with no room at the long one says nothing of its term)
+        slopes = {n: (longer[n] - cost) / (far - near) for n, cost in table.items() if n in longer}
+        if not slopes:
+            return cls(table, at=near)
         a, b = _line_at_or_above_zero(slopes)
         return cls(table, at=near, per_context={n: a + b * n for n in table})
 
