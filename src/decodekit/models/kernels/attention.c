@@ -120,13 +120,6 @@ typedef struct {
 #define AHEAD 8 /* keys ahead of the one read that a job asks the memory for (ask_for) */
 #endif
 
-/* Ask the memory for the `bytes` from p on, a cache line at a time: a key or value row a few keys
- * ahead of its use (on an Intel Xeon the hardware prefetchers alone left a long cache's rows
- * waiting; docs/BENCHMARKS.md). */
-static inline void ask_for(const void *p, size_t bytes) {
-    for (size_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)p + at, _MM_HINT_T0);
-}
-
 static void scratch_init(Scratch *s, size_t keys) {
     s->stride = keys + 1;
     s->scores = malloc(sizeof(float) * s->stride * MAX_Q);

@@ -33,6 +33,7 @@
 
 #include "decodekit.h"
 #include "gguf.h"
+#include "simd.h"
 
 #define QK 32
 #define GROUP DECODEKIT_Q8_GROUP
@@ -323,8 +324,7 @@ static inline __attribute__((always_inline)) void group_tile(int kind, const uin
             const uint8_t *block = group + g * stride + (size_t)b * size;
             /* ask for the weights a few blocks ahead: their multiply-adds then hide the wait (in a
              * one-row pass too: on an Intel Xeon the prefetchers alone left it waiting on memory) */
-            for (int line = 0; line < size; line += 64)
-                _mm_prefetch((const char *)block + PREFETCH_BLOCKS * size + line, _MM_HINT_T0);
+            ask_for(block + PREFETCH_BLOCKS * size, (size_t)size);
             unpack_weights(kind, block, w[g]);
             load_scales(kind, block, &s0[g], &s1[g]);
         }

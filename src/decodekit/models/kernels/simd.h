@@ -4,9 +4,17 @@
 #ifndef DECODEKIT_SIMD_H
 #define DECODEKIT_SIMD_H
 #include <immintrin.h>
+#include <stddef.h>
 #include <stdint.h>
 
 static inline __m512 load_f32(const float *p) { return _mm512_loadu_ps(p); }
+
+/* Ask the memory for the `bytes` from p on, a cache line at a time (a prefetch: a hint, never a
+ * load, so a pointer past the data is harmless): a stream's next data a little ahead of its use, where
+ * the hardware prefetchers alone leave the loads waiting (an Intel Xeon's; docs/BENCHMARKS.md). */
+static inline __attribute__((always_inline)) void ask_for(const void *p, size_t bytes) {
+    for (size_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)p + at, _MM_HINT_T0);
+}
 
 /* 16 bfloat16 values widened to float32 (exact). */
 static inline __m512 load_bf16(const uint16_t *p) {
