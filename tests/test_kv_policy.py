@@ -354,21 +354,27 @@ def test_kvdraft_draft_cache_is_the_targets_compressed():
     assert (draft.length, draft.slots) == (22, 2)
 
 
-def test_kvdraft_drafts_attending_to_the_first_sink_and_the_last_window_entries():
-    """MagicDec's StreamingLLM draft: each draft pass of ``sink:S,window:W`` attends to the first S and
-    the last W entries of the target's own cache; its greedy chain is the one such passes give."""
+def kvdraft_chain(prompt: list[int], root: int, draft_cache: str, depth: int):
+    """A greedy target (tiny, seed 0) after ``prompt`` and ``root``, and the chain of ``depth`` tokens
+    that kvdraft over ``draft_cache`` drafts from there, used without the loop (``begin`` only)."""
     from decodekit.engine.core import DecodeState, GenerationStats
     from decodekit.samplers import Sampler
     from decodekit.speculative.drafters.kvdraft import CompressedCacheDrafter
 
-    prompt, root = tokens(40, seed=4), 7
     target = tiny_llama(seed=0, hidden_size=64, scale=3.0)
     state = DecodeState(target, Sampler(greedy=True), prompt, GenerationStats())
     state.prefill()
     state.commit([root])
-    drafter = CompressedCacheDrafter(draft_cache="sink:2,window:8", confidence=0.0)
+    drafter = CompressedCacheDrafter(draft_cache=draft_cache, confidence=0.0)
     drafter.begin(state)
-    tree = drafter.draft(state, 4)
+    return target, drafter.draft(state, depth)
+
+
+def test_kvdraft_drafts_attending_to_the_first_sink_and_the_last_window_entries():
+    """MagicDec's StreamingLLM draft: each draft pass of ``sink:S,window:W`` attends to the first S and
+    the last W entries of the target's own cache; its greedy chain is the one such passes give."""
+    prompt, root = tokens(40, seed=4), 7
+    target, tree = kvdraft_chain(prompt, root, "sink:2,window:8", 4)
     assert target.length == len(prompt)  # the draft's entries rolled back
     reference = tiny_llama(seed=0, hidden_size=64, scale=3.0)
     reference.prefill(prompt)
@@ -390,18 +396,8 @@ def test_kvdraft_used_without_the_loop_builds_its_draft_cache_in_begin():
     """A drafter used without the loop (no ``check`` before prefill) checks the target in ``begin``
     (the drafter contract): a compressed draft cache is made there, from the target's prompt entries,
     and the chain is the greedy chain of that cache; the target's cache is left as it was."""
-    from decodekit.engine.core import DecodeState, GenerationStats
-    from decodekit.samplers import Sampler
-    from decodekit.speculative.drafters.kvdraft import CompressedCacheDrafter
-
     prompt, root = tokens(30, seed=2), 7
-    target = tiny_llama(seed=0, hidden_size=64, scale=3.0)
-    state = DecodeState(target, Sampler(greedy=True), prompt, GenerationStats())
-    state.prefill()
-    state.commit([root])
-    drafter = CompressedCacheDrafter(draft_cache="int8", confidence=0.0)
-    drafter.begin(state)
-    tree = drafter.draft(state, 3)
+    target, tree = kvdraft_chain(prompt, root, "int8", 3)
     assert target.length == len(prompt)
     reference = tiny_llama(seed=0, hidden_size=64, scale=3.0)
     reference.prefill(prompt)
