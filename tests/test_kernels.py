@@ -227,6 +227,64 @@ def test_a_masked_query_gets_the_bits_of_its_visible_keys_alone(dtype, dim):
         assert torch.equal(got[row], alone[0]), row
 
 
+def _rows_of_a_long_pass(n_keys: int, gen: torch.Generator) -> torch.Tensor:
+    """Masks of 20 rows (a pass that the kernel cuts into blocks of rows, read a tile of 128 keys at
+    a time): a causal prompt chunk, a tree's rows, keys alone at tile and 16-key edges, a row that
+    sees only the last, partial block, one that sees nothing past the first key."""
+    visible = torch.zeros(20, n_keys, dtype=torch.bool)
+    for row in range(12):  # the end of a prompt read in a chunk: a prefix, one key longer each row
+        visible[row, : n_keys - 20 + row + 1] = True
+    visible[12:16] = torch.rand(4, n_keys, generator=gen) < 0.5
+    visible[16, [0, 15, 16, 127, 128, 255, 256, n_keys - 1]] = True
+    visible[17, n_keys - n_keys % 16 :] = True
+    visible[18, 0] = True
+    visible[19, 100:260] = True  # a run across two tiles
+    return visible
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 48])  # a group's heads a job; two; one head a job (general size)
+def test_rows_read_a_tile_at_a_time_get_the_bits_of_each_row_alone(dtype, dim):
+    """A pass of many rows is cut into blocks of rows that read each tile of keys once and score it
+    transposed (the keys' sums across registers, not across lanes). Every row's result must be bit
+    for bit what the row gets alone, from its visible keys packed together (the one-row path)."""
+    attend = kernels.layout_independent_attention(dtype, dim)
+    if attend is None:
+        pytest.skip("no C compiler or no AVX-512 on this machine")
+    gen = torch.Generator().manual_seed(12)
+    heads, kv_heads, n_keys = 6, 2, 333  # three tiles, the last ending inside a block of 16
+    k = torch.randn(kv_heads, n_keys, dim, generator=gen).to(dtype)
+    v = torch.randn(kv_heads, n_keys, dim, generator=gen).to(dtype)
+    q = torch.randn(20, heads, dim, generator=gen).to(dtype)
+    visible = _rows_of_a_long_pass(n_keys, gen)
+    got = attend(q, k, v, visible, dim**-0.5)
+    for row in range(20):
+        seen = visible[row].nonzero().flatten()
+        alone = attend(q[row : row + 1], k[:, seen].contiguous(), v[:, seen].contiguous(), None, dim**-0.5)
+        assert torch.equal(got[row], alone[0]), row
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_int8_rows_read_a_tile_at_a_time_get_the_bits_of_each_row_alone(head_dim):
+    """The same for the int8 cache, whose transposed tiles carry each key's row scale."""
+    from decodekit.models.kernels import int8_cache_kernels, quantise_int8_rows
+
+    int8 = int8_cache_kernels(head_dim)
+    if int8 is None:
+        pytest.skip("kernels unavailable")
+    gen = torch.Generator().manual_seed(13)
+    n_keys = 333
+    pk = quantise_int8_rows(torch.randn(2, n_keys, head_dim, generator=gen))
+    pv = quantise_int8_rows(torch.randn(2, n_keys, head_dim, generator=gen))
+    q = torch.randn(20, 6, head_dim, generator=gen)
+    visible = _rows_of_a_long_pass(n_keys, gen)
+    got = int8.attention(q, pk, pv, visible, head_dim**-0.5)
+    for row in range(20):
+        seen = visible[row].nonzero().flatten()
+        alone = int8.attention(q[row : row + 1], pk[:, seen].contiguous(), pv[:, seen].contiguous(), None, head_dim**-0.5)
+        assert torch.equal(got[row], alone[0]), row
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tree_nodes_are_bit_identical_to_one_token_decoding(dtype):
     """With the kernels, verifying a token in a tree gives exactly the logits of plain one-token

@@ -14,10 +14,13 @@
  * bfloat16. visible: [n_q, n_keys] bytes, or NULL for "all n_keys". out: [n_q, H, D] float32.
  * Needs D % 16 == 0 and D <= 256.
  *
- * Loop order, which changes no result: a job is one row and the heads of a group that share a
- * key/value head (as many as registers hold), so each key and value row is loaded once for them
- * all and their sums run as independent chains; scores are summed sixteen at a time
- * (sum_lanes16, the same pairing as one _mm512_reduce_add_ps each).
+ * Loop order, which changes no result: a job is the heads of a group that share a key/value head
+ * (as many as registers hold), so each key and value row is loaded once for them all and their
+ * sums run as independent chains, for one row or, where the cache is long or the rows many, a
+ * block of rows that go over each tile of keys in turn (a tile then comes from memory once for
+ * them all, transposed once, and each key's score is summed across registers instead of across
+ * lanes). A score always has the bits of the 16-lane product summed in _mm512_reduce_add_ps's
+ * pairing (sum_lanes16 sums sixteen at a time that way).
  */
 #include <math.h>
 #include <stddef.h>
@@ -80,11 +83,11 @@ static inline int next_run(const uint8_t *vis, int j, int n, int seen) {
     return n;
 }
 
-/* Every key j < n the row sees, in cache order: the loop body runs once per visible key, with
- * no test between the keys of a run (run_ and end_ bound each run). */
-#define FOR_EACH_VISIBLE(j, vis, n)                                                                 \
-    for (int run_ = next_run(vis, 0, n, 1), end_ = next_run(vis, run_, n, 0); run_ < (n);            \
-         run_ = next_run(vis, end_, n, 1), end_ = next_run(vis, run_, n, 0))                         \
+/* Every key lo <= j < hi the row sees, in cache order: the loop body runs once per visible key,
+ * with no test between the keys of a run (run_ and end_ bound each run). */
+#define FOR_EACH_VISIBLE(j, vis, lo, hi)                                                            \
+    for (int run_ = next_run(vis, lo, hi, 1), end_ = next_run(vis, run_, hi, 0); run_ < (hi);        \
+         run_ = next_run(vis, end_, hi, 1), end_ = next_run(vis, run_, hi, 0))                       \
         for (int j = run_; j < end_; j++)
 
 /* The lane sums of 16 vectors at once: lane l of the result is the sum of the vector in slot
@@ -106,64 +109,125 @@ static inline __m512 sum_lanes16(const __m512 *v) {
                          _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* Scratch of one thread: per query of a job, its scores (and total past the end) and its q.k
- * products waiting to be summed 16 at a time; the job's visible keys. */
+/* A job's row in progress: its queries' scores (and total past the end) and its visible keys in
+ * order; the q.k products waiting to be summed 16 at a time (and, over an int8 cache, their keys'
+ * row scales); between tiles of keys, how far it has got and its value sums. */
 typedef struct {
-    float *scores; /* [MAX_Q][n_keys + 1] */
-    int *keys;     /* [n_keys] */
-    __m512 *waiting; /* [MAX_Q][16] */
+    float *scores;         /* [MAX_Q][stride] */
+    int *keys;             /* [stride] */
+    __m512 *waiting, *o;   /* [MAX_Q][16] each */
+    float row_scales[16];
     size_t stride;
-} Scratch;
+    int n, held, t;        /* scores stored, products waiting, keys whose values are added */
+} RowState;
 
 #define MAX_Q 4
+#ifndef ROW_BLOCK
+#define ROW_BLOCK 16 /* rows a job takes at most (reading each tile of keys once for them all) */
+#endif
+#ifndef TILE_KEYS
+#define TILE_KEYS 128 /* a tile of keys (and values): read once from memory for a job's rows (a multiple of 16) */
+#endif
 #ifndef AHEAD
 #define AHEAD 8 /* keys ahead of the one read that a job asks the memory for (ask_for) */
 #endif
 
-static void scratch_init(Scratch *s, size_t keys) {
-    s->stride = keys + 1;
-    s->scores = malloc(sizeof(float) * s->stride * MAX_Q);
-    s->keys = malloc(sizeof(int) * s->stride);
-    s->waiting = aligned_alloc(64, sizeof(__m512) * 16 * MAX_Q);
-    for (int i = 0; i < 16 * MAX_Q; i++) s->waiting[i] = _mm512_setzero_ps();
+/* Scratch of one thread: the rows of its jobs; for jobs of several rows, a tile of keys
+ * transposed (TILE_KEYS keys of `dims` values as float32, and their row scales). */
+typedef struct {
+    RowState row[ROW_BLOCK];
+    void *vectors;
+    float *kt, *kscale;
+    int rows;
+} Scratch;
+
+static void scratch_init(Scratch *s, int rows, size_t keys, int dims) {
+    size_t stride = keys + 1;
+    s->rows = rows;
+    s->vectors = aligned_alloc(64, sizeof(__m512) * 32 * MAX_Q * (size_t)rows);
+    s->kt = rows > 1 ? aligned_alloc(64, sizeof(float) * TILE_KEYS * (size_t)dims) : NULL;
+    s->kscale = rows > 1 ? aligned_alloc(64, sizeof(float) * TILE_KEYS) : NULL;
+    for (int r = 0; r < rows; r++) {
+        RowState *rs = &s->row[r];
+        rs->stride = stride;
+        rs->scores = malloc(sizeof(float) * stride * MAX_Q);
+        rs->keys = malloc(sizeof(int) * stride);
+        rs->waiting = (__m512 *)s->vectors + 32 * MAX_Q * r;
+        rs->o = rs->waiting + 16 * MAX_Q;
+        for (int i = 0; i < 32 * MAX_Q; i++) rs->waiting[i] = _mm512_setzero_ps();
+    }
 }
 
-static void scratch_free(Scratch *s) { free(s->scores), free(s->keys), free(s->waiting); }
+static void scratch_free(Scratch *s) {
+    for (int r = 0; r < s->rows; r++) free(s->row[r].scores), free(s->row[r].keys);
+    free(s->vectors), free(s->kt), free(s->kscale);
+}
 
-/* How a pass is cut into jobs: (key/value head, row, a share of the group's heads), in that
- * order. A job takes a group's heads together, as many as registers hold (MAX_Q where head_dim
- * is 64, 2 where 128, else 1), fewer only where there would be under `min_jobs` jobs. */
+/* How a pass is cut into jobs: (key/value head, block of rows, a share of the group's heads), in
+ * the order job_of says. A job takes up to `max_rows` rows and a group's heads together, as many
+ * as registers hold (MAX_Q where head_dim is 64, 2 where 128, else 1); rows are split into more
+ * blocks where the jobs would not be a multiple of `min_jobs` (or fewer), then heads into shares
+ * where there would still be under `min_jobs` jobs. */
 typedef struct {
-    int n_q, n_heads, group, per_job, shares, head_dim, jobs;
+    int n_q, n_heads, n_kv, group, per_job, shares, blocks, head_dim, jobs;
 } JobPlan;
 
-static JobPlan plan_jobs(int n_q, int n_heads, int n_kv_heads, int head_dim, int min_jobs) {
+static JobPlan plan_jobs(int n_q, int n_heads, int n_kv_heads, int head_dim, int min_jobs, int max_rows) {
     int group = n_heads / n_kv_heads, chunks = head_dim / 16;
     int most = chunks == 4 ? MAX_Q : chunks == 8 ? 2 : 1;
     int per_job = group < most ? group : most;
-    while (per_job > 1 && n_kv_heads * n_q * ((group + per_job - 1) / per_job) < min_jobs) per_job--;
+    int blocks = (n_q + max_rows - 1) / max_rows;
+    /* attention is bound by its arithmetic more than by reading the cache: as many jobs as threads
+     * at least, in a multiple of them where the rows allow (each thread as many) */
+    while (blocks < n_q && (n_kv_heads * blocks < min_jobs || n_kv_heads * blocks % min_jobs)) blocks++;
+    while (per_job > 1 && n_kv_heads * blocks * ((group + per_job - 1) / per_job) < min_jobs) per_job--;
     int shares = (group + per_job - 1) / per_job;
-    return (JobPlan){n_q, n_heads, group, per_job, shares, head_dim, n_kv_heads * n_q * shares};
+    return (JobPlan){n_q, n_heads, n_kv_heads, group, per_job, shares, blocks, head_dim, n_kv_heads * blocks * shares};
 }
 
-/* Job `job`'s key/value head and row, its queries' and outputs' rows (qs[m], outs[m]); returns
- * how many (1..MAX_Q). */
-static inline int job_queries(const JobPlan *p, int job, const float *q, float *out, const float **qs, float **outs,
-                              int *kv, int *row) {
-    int share = job % p->shares, count = p->group - share * p->per_job;
-    *kv = job / (p->n_q * p->shares), *row = job / p->shares % p->n_q;
-    int first = *kv * p->group + share * p->per_job;
-    if (count > p->per_job) count = p->per_job;
-    for (int m = 0; m < count; m++) {
-        qs[m] = q + ((size_t)*row * p->n_heads + first + m) * p->head_dim;
-        outs[m] = out + ((size_t)*row * p->n_heads + first + m) * p->head_dim;
+/* Whether the jobs of a pass of n_q rows take several rows each (tiles of keys read once for them,
+ * scored transposed: DEFINE_JOB), given the bytes of a head's keys and values: for many rows, or
+ * where the head outgrows the cache next to a core (measured, docs/BENCHMARKS.md). Otherwise a
+ * job a row: more jobs to share between threads, and for a few rows over a short cache, faster. */
+static inline int rows_share_jobs(int n_q, size_t head_bytes) {
+    return n_q >= 16 || (n_q >= 8 && head_bytes >= ((size_t)1 << 20)) || head_bytes >= ((size_t)2 << 20);
+}
+
+/* One job: `rows` rows of the pass, `count` queries each (heads of one group, so they read the
+ * same key/value head): their query and output rows, and each row's mask (NULL: all keys). */
+typedef struct {
+    const float *q[ROW_BLOCK][MAX_Q];
+    float *out[ROW_BLOCK][MAX_Q];
+    const uint8_t *vis[ROW_BLOCK];
+    int rows, count, kv, first_row;
+} Job;
+
+static inline void job_of(const JobPlan *p, int index, const float *q, float *out, const uint8_t *visible, int n_keys,
+                          Job *job) {
+    int share = index % p->shares, kv, block;
+    if (p->blocks == p->n_q) /* a row a job: a thread's jobs follow each other in the same key/value head */
+        block = index / p->shares % p->blocks, kv = index / (p->shares * p->blocks);
+    else /* blocks of rows: the threads read the same key/value head at the same time */
+        kv = index / p->shares % p->n_kv, block = index / (p->shares * p->n_kv);
+    int count = p->group - share * p->per_job;
+    int first_row = (int)((int64_t)block * p->n_q / p->blocks), end_row = (int)((int64_t)(block + 1) * p->n_q / p->blocks);
+    job->kv = kv;
+    job->count = count > p->per_job ? p->per_job : count;
+    job->rows = end_row - first_row, job->first_row = first_row;
+    int first = job->kv * p->group + share * p->per_job;
+    for (int r = 0; r < job->rows; r++) {
+        size_t row = (size_t)(first_row + r);
+        job->vis[r] = visible ? visible + row * n_keys : NULL;
+        for (int m = 0; m < job->count; m++) {
+            job->q[r][m] = q + (row * p->n_heads + first + m) * p->head_dim;
+            job->out[r][m] = out + (row * p->n_heads + first + m) * p->head_dim;
+        }
     }
-    return count;
 }
 
-/* Which compiled job takes `count` queries of head size 16 * `chunks` (0: none; the caller then runs
- * one query at a time), and the case labels calling it, for `switch (job_kind(chunks, count))`.
- * Every kernel compiles the same kinds: 1 to 4 queries at head size 64, 1 or 2 at 128. */
+/* Which compiled job takes `count` queries of head size 16 * `chunks` (the caller's case labels
+ * come from JOB_CASES): 1 to 4 queries at head size 64, 1 or 2 at 128, else the general job, one
+ * query at a time with the head size counted at run time. */
 static inline int job_kind(int chunks, int count) { return chunks == 4 ? count : chunks == 8 ? 10 + count : 0; }
 #define JOB_CASES(PREFIX, ...)                                                                      \
     case 1: PREFIX##_q1_c4(__VA_ARGS__); break;                                                     \
@@ -173,37 +237,42 @@ static inline int job_kind(int chunks, int count) { return chunks == 4 ? count :
     case 11: PREFIX##_q1_c8(__VA_ARGS__); break;                                                    \
     case 12: PREFIX##_q2_c8(__VA_ARGS__); break;
 
-/* In a job over Q queries with registers qv[m][c] and a key in kv[c]: each query's products with
- * the key wait in its slot SLOT(waiting) until 16 keys are in, then become 16 scores at once. */
-#define SCORE_KEY(Q, CH, position)                                                                  \
+/* The scaled scores of the `count` (1..16) keys waiting for each of `queries` queries of a row,
+ * stored from score n on; over an int8 cache (`scaled`) times their keys' row scales first. */
+static inline void store_scores(RowState *rs, int queries, int n, int count, float scale, int scaled) {
+    __mmask16 mask = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
+    for (int m = 0; m < queries; m++) {
+        __m512 sums = sum_lanes16(rs->waiting + 16 * m);
+        if (scaled) sums = _mm512_mul_ps(sums, _mm512_maskz_loadu_ps(mask, rs->row_scales));
+        _mm512_mask_storeu_ps(rs->scores + m * rs->stride + n, mask, _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+    }
+}
+
+/* In a job over Q queries with registers qv[m][c] and a key in kv[c], for row `rs` with n scores
+ * stored and `held` products waiting: each query's product with the key waits in its slot
+ * SLOT(held) until 16 keys are in, then they become 16 scores at once. */
+#define SCORE_KEY(Q, CH, position, SCALED)                                                          \
     do {                                                                                            \
         for (int m = 0; m < Q; m++) {                                                               \
             __m512 acc = _mm512_mul_ps(qv[m][0], kv[0]);                                            \
             for (int c = 1; c < (CH); c++) acc = _mm512_fmadd_ps(qv[m][c], kv[c], acc);             \
-            s->waiting[16 * m + SLOT(waiting)] = acc;                                               \
+            rs->waiting[16 * m + SLOT(held)] = acc;                                                 \
         }                                                                                           \
-        s->keys[n + waiting] = (position);                                                          \
-        if (++waiting == 16) {                                                                      \
-            store_scores(s, Q, n, 16, scale);                                                       \
-            n += 16, waiting = 0;                                                                   \
+        rs->keys[n + held] = (position);                                                            \
+        if (++held == 16) {                                                                         \
+            store_scores(rs, Q, n, 16, scale, SCALED);                                              \
+            n += 16, held = 0;                                                                      \
         }                                                                                           \
     } while (0)
 
-/* The scaled scores of the `count` (1..16) keys waiting for each of `queries` queries, stored from
- * score n on. */
-static inline void store_scores(Scratch *s, int queries, int n, int count, float scale) {
-    __mmask16 mask = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
-    for (int m = 0; m < queries; m++)
-        _mm512_mask_storeu_ps(s->scores + m * s->stride + n, mask,
-                              _mm512_mul_ps(sum_lanes16(s->waiting + 16 * m), _mm512_set1_ps(scale)));
-}
-
-/* Each query's n scores replaced by their softmax numerators; inverse[m]: 1 / their sum (0 for none). */
-static inline void softmax_numerators_of(Scratch *s, int queries, int n, float *inverse) {
+/* A row's scores replaced by their softmax numerators (its waiting products stored first);
+ * inverse[m]: 1 / their sum (0 for none). */
+static inline void finish_scores(RowState *rs, int queries, float scale, int scaled, float *inverse) {
+    if (rs->held) store_scores(rs, queries, rs->n, rs->held, scale, scaled), rs->n += rs->held, rs->held = 0;
     for (int m = 0; m < queries; m++) {
-        float *scores = s->scores + m * s->stride;
-        float total = softmax_numerators(scores, n, largest(scores, n));
-        inverse[m] = n ? 1.0f / total : 0.0f;
+        float *scores = rs->scores + m * rs->stride;
+        float total = softmax_numerators(scores, rs->n, largest(scores, rs->n));
+        inverse[m] = rs->n ? 1.0f / total : 0.0f;
     }
 }
 
@@ -214,212 +283,232 @@ static inline void softmax_numerators_of(Scratch *s, int queries, int n, float *
         __m512 p = _mm512_set1_ps(WEIGHT);                                                          \
         for (int c = 0; c < (CH); c++) o[m][c] = _mm512_fmadd_ps(p, vv[c], o[m][c]);                \
     }
-#define STORE_OUTPUTS(Q, CH)                                                                        \
+#define STORE_OUTPUTS(Q, CH, OUT, INVERSE)                                                          \
     for (int m = 0; m < Q; m++)                                                                     \
         for (int c = 0; c < (CH); c++)                                                              \
-            _mm512_storeu_ps(out[m] + 16 * c, _mm512_mul_ps(o[m][c], _mm512_set1_ps(inverse[m])));
+            _mm512_storeu_ps((OUT)[m] + 16 * c, _mm512_mul_ps(o[m][c], _mm512_set1_ps((INVERSE)[m])));
 
-/* One job: Q queries (rows q[m], outputs out[m]) that read the same key/value head and see the
- * same keys (the heads of one group, for one row). Each key and value row is loaded once for all
- * Q; each query's arithmetic is exactly what it would be alone, and its Q x CH accumulators are
- * independent chains. CH = head_dim / 16 (a constant, so everything stays in registers). */
-#define DEFINE_JOB(NAME, T, LOAD, Q, CH)                                                            \
-    static void NAME(const float *const *q, const T *kh, const T *vh, const uint8_t *vis, float *const *out, \
-                     int n_keys, float scale, Scratch *s) {                                         \
-        __m512 qv[Q][CH];                                                                           \
-        for (int m = 0; m < Q; m++)                                                                 \
-            for (int c = 0; c < CH; c++) qv[m][c] = _mm512_loadu_ps(q[m] + 16 * c);                 \
-        int n = 0, waiting = 0;                                                                     \
-        FOR_EACH_VISIBLE(j, vis, n_keys) {                                                          \
-            const T *kj = kh + (size_t)j * CH * 16;                                                 \
-            if (j + AHEAD < n_keys) ask_for(kj + AHEAD * CH * 16, CH * 16 * sizeof(T));             \
-            __m512 kv[CH];                                                                          \
-            for (int c = 0; c < CH; c++) kv[c] = LOAD(kj + 16 * c);                                 \
-            SCORE_KEY(Q, CH, j);                                                                    \
+/* The int8 cache (kv cache "int8"): each (head, slot) row is head_dim int8 values then their
+ * float32 scale (row bytes head_dim + 4), value = scale * q. Written by layer_ops.c's
+ * decodekit_rope_store_q8 and read by the same jobs as the float caches: scores q . k_int summed
+ * 16 lanes at once, times the row's scale, then the softmax scale; values the sum of (p scale_v)
+ * v_int in key order. */
+static inline __m512 load_q8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+
+/* x[i] <- column i of the 16 x 16 matrix whose rows are x[0..15]. */
+static inline __attribute__((always_inline)) void transpose16(__m512 *x) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(x[i], x[i + 1]), t[i + 1] = _mm512_unpackhi_ps(x[i], x[i + 1]);
+    for (int i = 0; i < 16; i += 4) {
+        __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+        __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+        x[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c)), x[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        x[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d)), x[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    /* x[4a + b], 128-bit lane k: rows 4a..4a+3 of column 4k + b */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(x[i], x[i + 4], 0x88), t[i + 4] = _mm512_shuffle_f32x4(x[i], x[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(x[i + 8], x[i + 12], 0x88), t[i + 12] = _mm512_shuffle_f32x4(x[i + 8], x[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++)
+        x[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), x[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+}
+
+/* Keys j0 .. j1 - 1 (at most TILE_KEYS) of a head as float32, 16 keys a block, transposed: in
+ * block b, value d of the block's key t at kt[(b * dims + d) * 16 + t] (keys past j1: zeros);
+ * their row scales (SCALED) at kscale[j - j0]. */
+#define TRANSPOSE_TILE(T, LOAD, SCALED, CH)                                                         \
+    for (int b = j0; b < j1; b += 16) {                                                             \
+        int count = j1 - b < 16 ? j1 - b : 16;                                                      \
+        float *kb = s->kt + (size_t)(b - j0) * 16 * (CH);                                           \
+        ask_for(kh + (size_t)(b + 32) * row, 16 * row * sizeof(T));                                 \
+        for (int c = 0; c < (CH); c++) {                                                            \
+            __m512 x[16];                                                                           \
+            for (int t = 0; t < 16; t++) x[t] = t < count ? LOAD(kh + (size_t)(b + t) * row + 16 * c) : _mm512_setzero_ps(); \
+            transpose16(x);                                                                         \
+            for (int i = 0; i < 16; i++) _mm512_store_ps(kb + (16 * c + i) * 16, x[i]);            \
         }                                                                                           \
-        if (waiting) store_scores(s, Q, n, waiting, scale), n += waiting;                           \
-        float inverse[Q];                                                                           \
-        softmax_numerators_of(s, Q, n, inverse);                                                    \
-        __m512 o[Q][CH];                                                                            \
-        for (int m = 0; m < Q; m++)                                                                 \
-            for (int c = 0; c < CH; c++) o[m][c] = _mm512_setzero_ps();                             \
-        for (int t = 0; t < n; t++) {                                                               \
-            const T *vj = vh + (size_t)s->keys[t] * CH * 16;                                        \
-            if (t + AHEAD < n) ask_for(vh + (size_t)s->keys[t + AHEAD] * CH * 16, CH * 16 * sizeof(T)); \
-            __m512 vv[CH];                                                                          \
-            for (int c = 0; c < CH; c++) vv[c] = LOAD(vj + 16 * c);                                 \
-            ADD_VALUE_ROW(Q, CH, s->scores[m * s->stride + t])                                      \
-        }                                                                                           \
-        STORE_OUTPUTS(Q, CH)                                                                        \
+        if (SCALED)                                                                                 \
+            for (int t = 0; t < 16; t++) {                                                          \
+                float v = 0.0f;                                                                     \
+                if (t < count) memcpy(&v, kh + (size_t)(b + t) * row + 16 * (CH), sizeof(float));  \
+                s->kscale[b - j0 + t] = v;                                                          \
+            }                                                                                       \
     }
 
-/* The general case (any head_dim, one query a job): the same arithmetic, chunks counted at run time. */
-#define DEFINE_ONE(NAME, T, LOAD)                                                                   \
-    static void NAME(const float *q, const T *kh, const T *vh, const uint8_t *vis, float *out, int n_keys, \
-                     int chunks, float scale, Scratch *s) {                                         \
-        __m512 qv[16];                                                                              \
-        for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);                       \
-        int n = 0, waiting = 0;                                                                     \
-        FOR_EACH_VISIBLE(j, vis, n_keys) {                                                          \
-            const T *kj = kh + (size_t)j * chunks * 16;                                             \
-            __m512 acc = _mm512_mul_ps(qv[0], LOAD(kj));                                            \
-            for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], LOAD(kj + 16 * c), acc);  \
-            s->waiting[SLOT(waiting)] = acc;                                                        \
-            s->keys[n + waiting] = j;                                                               \
-            if (++waiting == 16) store_scores(s, 1, n, 16, scale), n += 16, waiting = 0;            \
+/* Row r's scores over a transposed tile (TRANSPOSE_TILE), 16 keys a block: for each query, lane t
+ * of a[l] runs the products of lane l of key t's own 16-lane sum (q[l] k[l], then q[16c + l]
+ * k[16c + l] added by fused multiply-adds, c in order), and the a[l] are added in
+ * _mm512_reduce_add_ps's pairing (8 apart, then 4, 2, 1): each key's score has the bits of the
+ * one-row arithmetic (SCORE_KEY, then sum_lanes16), for no horizontal sums. The row's visible
+ * keys of the block are appended, in order, to its scores and keys. */
+#define SCORE_TRANSPOSED(T, SCALED, Q, CH)                                                           \
+    do {                                                                                            \
+        RowState *rs = &s->row[r];                                                                  \
+        const uint8_t *vis = job->vis[r];                                                           \
+        int n = rs->n;                                                                              \
+        for (int b = j0; b < j1; b += 16) {                                                         \
+            __mmask16 seen = j1 - b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (j1 - b)) - 1u); \
+            if (vis) {                                                                              \
+                __m128i bytes = _mm_maskz_loadu_epi8(seen, vis + b);                                \
+                seen = _mm_test_epi8_mask(bytes, bytes);                                            \
+            }                                                                                       \
+            if (!seen) continue;                                                                    \
+            const float *kb = s->kt + (size_t)(b - j0) * 16 * (CH);                                 \
+            { /* the next tile's block b, a share of it from each row: the memory's work spread over theirs */ \
+                size_t bytes_ = 16 * row * sizeof(T), share_ = (bytes_ / 64 + job->rows - 1) / job->rows * 64; \
+                size_t from_ = (size_t)r * share_;                                                  \
+                if (from_ < bytes_)                                                                 \
+                    ask_for_later((const char *)(kh + (size_t)(b + TILE_KEYS) * row) + from_, bytes_ - from_ < share_ ? bytes_ - from_ : share_); \
+            }                                                                                       \
+            int count = __builtin_popcount(seen);                                                   \
+            __mmask16 packed = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);   \
+            for (int m = 0; m < Q; m++) {                                                           \
+                const float *qm = job->q[r][m];                                                     \
+                __m512 a[16];                                                                       \
+                for (int l = 0; l < 16; l++) a[l] = _mm512_mul_ps(_mm512_set1_ps(qm[l]), _mm512_load_ps(kb + 16 * l)); \
+                for (int c = 1; c < (CH); c++)                                                      \
+                    for (int l = 0; l < 16; l++)                                                    \
+                        a[l] = _mm512_fmadd_ps(_mm512_set1_ps(qm[16 * c + l]), _mm512_load_ps(kb + 16 * (16 * c + l)), a[l]); \
+                for (int w = 8; w >= 1; w /= 2)                                                     \
+                    for (int l = 0; l < w; l++) a[l] = _mm512_add_ps(a[l], a[l + w]);               \
+                __m512 e = a[0];                                                                    \
+                if (SCALED) e = _mm512_mul_ps(e, _mm512_loadu_ps(s->kscale + (b - j0)));            \
+                e = _mm512_maskz_compress_ps(seen, _mm512_mul_ps(e, _mm512_set1_ps(scale)));        \
+                _mm512_mask_storeu_ps(rs->scores + m * rs->stride + n, packed, e);                  \
+            }                                                                                       \
+            __m512i at = _mm512_add_epi32(_mm512_set1_epi32(b), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)); \
+            _mm512_mask_storeu_epi32(rs->keys + n, packed, _mm512_maskz_compress_epi32(seen, at)); \
+            n += count;                                                                             \
         }                                                                                           \
-        if (waiting) store_scores(s, 1, n, waiting, scale), n += waiting;                           \
-        float inverse;                                                                              \
-        softmax_numerators_of(s, 1, n, &inverse);                                                   \
-        __m512 o[16];                                                                               \
-        for (int c = 0; c < chunks; c++) o[c] = _mm512_setzero_ps();                                \
-        for (int t = 0; t < n; t++) {                                                               \
-            __m512 p = _mm512_set1_ps(s->scores[t]);                                                \
-            const T *vj = vh + (size_t)s->keys[t] * chunks * 16;                                    \
-            for (int c = 0; c < chunks; c++) o[c] = _mm512_fmadd_ps(p, LOAD(vj + 16 * c), o[c]);    \
+        rs->n = n;                                                                                  \
+    } while (0)
+
+/* One job (Job: rows, and Q queries a row that read the same key/value head), over keys and
+ * values of type T read with LOAD (SCALED: int8 rows with their scale after them). CH = head_dim /
+ * 16: a constant (everything stays in registers), or the run-time `chunks_` (then Q = 1).
+ *
+ * Keys are taken a tile at a time (`tile` keys; all of them where the job has one row), and each
+ * row of the job goes over the tile before the next tile is read: a tile is read from memory once
+ * for all the rows. A job of one row scores key after key (SCORE_KEY); one of several rows scores
+ * each tile transposed (TRANSPOSE_TILE, SCORE_TRANSPOSED). Each row's arithmetic is exactly what
+ * it would be alone, key after key in cache order (between tiles its value sums wait in its
+ * RowState), so no result depends on the tiles, the rows or the heads beside it. */
+#define DEFINE_JOB(NAME, T, LOAD, SCALED, Q, CH)                                                    \
+    static void NAME(const Job *job, const T *kh, const T *vh, int n_keys, int chunks_, int tile, float scale,  \
+                     Scratch *s) {                                                                  \
+        (void)chunks_;                                                                              \
+        const size_t row = 16 * (size_t)(CH) + (SCALED ? 4 / sizeof(T) : 0);                        \
+        __m512 vv[16], o[Q][16];                                                                    \
+        float inverse[ROW_BLOCK][Q];                                                                \
+        for (int r = 0; r < job->rows; r++) s->row[r].n = s->row[r].held = s->row[r].t = 0;         \
+        for (int j0 = 0; j0 < n_keys; j0 += tile) { /* the scores */                                \
+            int j1 = n_keys - j0 > tile ? j0 + tile : n_keys;                                       \
+            if (job->rows > 1) { /* the tile transposed once, for every row and query */            \
+                TRANSPOSE_TILE(T, LOAD, SCALED, CH)                                                 \
+                for (int r = 0; r < job->rows; r++) SCORE_TRANSPOSED(T, SCALED, Q, CH);             \
+                continue;                                                                           \
+            }                                                                                       \
+            for (int r = 0; r < job->rows; r++) {                                                   \
+                RowState *rs = &s->row[r];                                                          \
+                int n = rs->n, held = rs->held;                                                     \
+                __m512 qv[Q][16], kv[16];                                                           \
+                for (int m = 0; m < Q; m++)                                                         \
+                    for (int c = 0; c < (CH); c++) qv[m][c] = _mm512_loadu_ps(job->q[r][m] + 16 * c); \
+                FOR_EACH_VISIBLE(j, job->vis[r], j0, j1) {                                          \
+                    const T *kj = kh + (size_t)j * row;                                             \
+                    if (j + AHEAD < n_keys) ask_for(kj + AHEAD * row, row * sizeof(T));             \
+                    for (int c = 0; c < (CH); c++) kv[c] = LOAD(kj + 16 * c);                       \
+                    if (SCALED) memcpy(&rs->row_scales[held], kj + 16 * (CH), sizeof(float));       \
+                    SCORE_KEY(Q, CH, j, SCALED);                                                    \
+                }                                                                                   \
+                rs->n = n, rs->held = held;                                                         \
+            }                                                                                       \
         }                                                                                           \
-        __m512 inv = _mm512_set1_ps(inverse);                                                       \
-        for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(o[c], inv));  \
+        for (int r = 0; r < job->rows; r++) {                                                       \
+            finish_scores(&s->row[r], Q, scale, SCALED, inverse[r]);                                \
+            for (int i = 0; i < 16 * Q; i++) s->row[r].o[i] = _mm512_setzero_ps();                  \
+        }                                                                                           \
+        for (int j0 = 0; j0 < n_keys; j0 += tile) { /* the values, the same tiles */                \
+            int j1 = n_keys - j0 > tile ? j0 + tile : n_keys;                                       \
+            for (int r = 0; r < job->rows; r++) {                                                   \
+                RowState *rs = &s->row[r];                                                          \
+                const int *keys = rs->keys;                                                         \
+                const float *scores = rs->scores;                                                   \
+                size_t stride = rs->stride;                                                         \
+                int t = rs->t, n = rs->n;                                                           \
+                if (t == n || keys[t] >= j1) continue;                                              \
+                for (int m = 0; m < Q; m++)                                                         \
+                    for (int c = 0; c < (CH); c++) o[m][c] = rs->o[16 * m + c];                     \
+                for (; t < n && keys[t] < j1; t++) {                                                \
+                    const T *vj = vh + (size_t)keys[t] * row;                                       \
+                    if (r == 0 && t + AHEAD < n) ask_for(vh + (size_t)keys[t + AHEAD] * row, row * sizeof(T)); \
+                    if (job->rows > 1 && t % job->rows == r) ask_for_later(vj + (size_t)TILE_KEYS * row, row * sizeof(T)); \
+                    float vscale = 1.0f;                                                            \
+                    if (SCALED) memcpy(&vscale, vj + 16 * (CH), sizeof(float));                     \
+                    for (int c = 0; c < (CH); c++) vv[c] = LOAD(vj + 16 * c);                       \
+                    ADD_VALUE_ROW(Q, CH, SCALED ? scores[m * stride + t] * vscale : scores[m * stride + t]) \
+                }                                                                                   \
+                for (int m = 0; m < Q; m++)                                                         \
+                    for (int c = 0; c < (CH); c++) rs->o[16 * m + c] = o[m][c];                     \
+                rs->t = t;                                                                          \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < job->rows; r++) {                                                       \
+            for (int m = 0; m < Q; m++)                                                             \
+                for (int c = 0; c < (CH); c++) o[m][c] = s->row[r].o[16 * m + c];                   \
+            STORE_OUTPUTS(Q, CH, job->out[r], inverse[r])                                           \
+        }                                                                                           \
     }
 
-/* A pass (plan_jobs): a group's heads are split between jobs only where a thread would have no
- * job. Each job reads its group's keys and values, and reading the cache bounds a decode step's
- * attention, so a one-row pass over three groups on two threads runs them 2:1 rather than
- * halving each group (which read every key and value twice). */
-#define DEFINE_ATTENTION(NAME, T, LOAD)                                                             \
-    DEFINE_JOB(NAME##_q1_c4, T, LOAD, 1, 4)                                                         \
-    DEFINE_JOB(NAME##_q2_c4, T, LOAD, 2, 4)                                                         \
-    DEFINE_JOB(NAME##_q3_c4, T, LOAD, 3, 4)                                                         \
-    DEFINE_JOB(NAME##_q4_c4, T, LOAD, 4, 4)                                                         \
-    DEFINE_JOB(NAME##_q1_c8, T, LOAD, 1, 8)                                                         \
-    DEFINE_JOB(NAME##_q2_c8, T, LOAD, 2, 8)                                                         \
-    DEFINE_ONE(NAME##_one, T, LOAD)                                                                 \
+/* A pass (plan_jobs). Each job reads its group's keys and values, and reading the cache bounds a
+ * decode step's attention, so a one-row pass over three groups on two threads runs them 2:1
+ * rather than halving each group (which read every key and value twice). A head size the
+ * compiled jobs do not cover runs one query at a time (the general job). */
+#define DEFINE_ATTENTION(NAME, T, LOAD, SCALED)                                                     \
+    DEFINE_JOB(NAME##_q1_c4, T, LOAD, SCALED, 1, 4)                                                 \
+    DEFINE_JOB(NAME##_q2_c4, T, LOAD, SCALED, 2, 4)                                                 \
+    DEFINE_JOB(NAME##_q3_c4, T, LOAD, SCALED, 3, 4)                                                 \
+    DEFINE_JOB(NAME##_q4_c4, T, LOAD, SCALED, 4, 4)                                                 \
+    DEFINE_JOB(NAME##_q1_c8, T, LOAD, SCALED, 1, 8)                                                 \
+    DEFINE_JOB(NAME##_q2_c8, T, LOAD, SCALED, 2, 8)                                                 \
+    DEFINE_JOB(NAME##_one, T, LOAD, SCALED, 1, chunks_)                                             \
     void NAME(const float *q, const T *k, const T *v, const uint8_t *visible, float *out,            \
               int n_q, int n_heads, int n_kv_heads, int head_dim, int cap, int n_keys,               \
               float scale, int threads) {                                                           \
         int chunks = head_dim / 16;                                                                 \
-        JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads);                      \
+        size_t row = (size_t)head_dim + (SCALED ? 4 / sizeof(T) : 0);                               \
+        int shared = rows_share_jobs(n_q, (size_t)n_keys * row * sizeof(T) * 2);                    \
+        JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads, shared ? ROW_BLOCK : 1); \
+        int rows = (n_q + plan.blocks - 1) / plan.blocks;                                           \
         _Pragma("omp parallel num_threads(threads) if (threads > 1)")                               \
         {                                                                                           \
             Scratch s;                                                                              \
-            scratch_init(&s, (size_t)n_keys);                                                       \
+            scratch_init(&s, rows, (size_t)n_keys, head_dim);                                       \
             _Pragma("omp for schedule(static)")                                                     \
-            for (int job = 0; job < plan.jobs; job++) {                                             \
-                const float *qs[MAX_Q];                                                             \
-                float *outs[MAX_Q];                                                                 \
-                int kv, i, count = job_queries(&plan, job, q, out, qs, outs, &kv, &i);              \
-                const T *kh = k + (size_t)kv * cap * head_dim, *vh = v + (size_t)kv * cap * head_dim; \
-                const uint8_t *vis = visible ? visible + (size_t)i * n_keys : NULL;                 \
-                switch (job_kind(chunks, count)) {                                                  \
-                JOB_CASES(NAME, qs, kh, vh, vis, outs, n_keys, scale, &s)                           \
+            for (int index = 0; index < plan.jobs; index++) {                                       \
+                Job job;                                                                            \
+                job_of(&plan, index, q, out, visible, n_keys, &job);                                \
+                const T *kh = k + (size_t)job.kv * cap * row, *vh = v + (size_t)job.kv * cap * row; \
+                int span = job.rows > 1 ? TILE_KEYS : n_keys;                                       \
+                switch (job_kind(chunks, job.count)) {                                              \
+                JOB_CASES(NAME, &job, kh, vh, n_keys, chunks, span, scale, &s)                      \
                 default:                                                                            \
-                    for (int m = 0; m < count; m++)                                                 \
-                        NAME##_one(qs[m], kh, vh, vis, outs[m], n_keys, chunks, scale, &s);         \
+                    for (int m = 0; m < job.count; m++) {                                           \
+                        Job one = job;                                                              \
+                        one.count = 1;                                                              \
+                        for (int r = 0; r < job.rows; r++) one.q[r][0] = job.q[r][m], one.out[r][0] = job.out[r][m]; \
+                        NAME##_one(&one, kh, vh, n_keys, chunks, span, scale, &s);                  \
+                    }                                                                               \
                 }                                                                                   \
             }                                                                                       \
             scratch_free(&s);                                                                       \
         }                                                                                           \
     }
 
-DEFINE_ATTENTION(decodekit_attention_f32, float, load_f32)
-DEFINE_ATTENTION(decodekit_attention_bf16, uint16_t, load_bf16)
-
-/* The int8 cache (kv cache "int8"): each (head, slot) row is head_dim int8 values then their
- * float32 scale (row bytes head_dim + 4), value = scale * q. Written by layer_ops.c's
- * decodekit_rope_store_q8; read here directly, each query's arithmetic in the same fixed order
- * as above (scores: q . k_int summed 16 lanes at once, times the row's scale and the softmax
- * scale; values: sum of (p scale_v) v_int in key order), so a token's result is the same in any
- * pass. */
-static inline __m512 load_q8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
-
-/* The scaled scores of the `count` (1..16) int8 keys waiting for each of `queries` queries
- * (row_scales[w]: the w-th waiting key's row scale), stored from score n on. */
-static inline void store_q8_scores(Scratch *s, int queries, int n, int count, const float *row_scales, float scale) {
-    __mmask16 mask = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
-    __m512 rows = _mm512_maskz_loadu_ps(mask, row_scales);
-    for (int m = 0; m < queries; m++)
-        _mm512_mask_storeu_ps(s->scores + m * s->stride + n, mask,
-                              _mm512_mul_ps(_mm512_mul_ps(sum_lanes16(s->waiting + 16 * m), rows), _mm512_set1_ps(scale)));
-}
-
-/* One job on the int8 cache: Q queries of one row that share a key/value head (as DEFINE_JOB),
- * each key and value row loaded and widened once for all of them. CH: head_dim / 16, a constant
- * or the run-time `chunks_` (then one query). */
-#define DEFINE_Q8_JOB(NAME, Q, CH)                                                                  \
-    static void NAME(const float *const *q, const int8_t *kh, const int8_t *vh, const uint8_t *vis, \
-                     float *const *out, int n_keys, int chunks_, float scale, Scratch *s) {         \
-        (void)chunks_;                                                                              \
-        const size_t row = 16 * (size_t)(CH) + 4;                                                   \
-        __m512 qv[Q][16], kv[16];                                                                   \
-        for (int m = 0; m < Q; m++)                                                                 \
-            for (int c = 0; c < (CH); c++) qv[m][c] = _mm512_loadu_ps(q[m] + 16 * c);               \
-        int n = 0, waiting = 0;                                                                     \
-        float row_scales[16];                                                                       \
-        FOR_EACH_VISIBLE(j, vis, n_keys) {                                                          \
-            const int8_t *kj = kh + (size_t)j * row;                                                \
-            if (j + AHEAD < n_keys) ask_for(kj + AHEAD * row, (size_t)row);                         \
-            for (int c = 0; c < (CH); c++) kv[c] = load_q8(kj + 16 * c);                            \
-            for (int m = 0; m < Q; m++) {                                                           \
-                __m512 acc = _mm512_mul_ps(qv[m][0], kv[0]);                                        \
-                for (int c = 1; c < (CH); c++) acc = _mm512_fmadd_ps(qv[m][c], kv[c], acc);         \
-                s->waiting[16 * m + SLOT(waiting)] = acc;                                           \
-            }                                                                                       \
-            memcpy(&row_scales[waiting], kj + 16 * (CH), sizeof(float));                            \
-            s->keys[n + waiting] = j;                                                               \
-            if (++waiting == 16) store_q8_scores(s, Q, n, 16, row_scales, scale), n += 16, waiting = 0; \
-        }                                                                                           \
-        if (waiting) store_q8_scores(s, Q, n, waiting, row_scales, scale), n += waiting;            \
-        float inverse[Q];                                                                           \
-        softmax_numerators_of(s, Q, n, inverse);                                                    \
-        __m512 o[Q][16], vv[16];                                                                    \
-        for (int m = 0; m < Q; m++)                                                                 \
-            for (int c = 0; c < (CH); c++) o[m][c] = _mm512_setzero_ps();                           \
-        for (int t = 0; t < n; t++) {                                                               \
-            const int8_t *vj = vh + (size_t)s->keys[t] * row;                                       \
-            if (t + AHEAD < n) ask_for(vh + (size_t)s->keys[t + AHEAD] * row, (size_t)row);        \
-            float vscale;                                                                           \
-            memcpy(&vscale, vj + 16 * (CH), sizeof(float));                                         \
-            for (int c = 0; c < (CH); c++) vv[c] = load_q8(vj + 16 * c);                            \
-            ADD_VALUE_ROW(Q, CH, s->scores[m * s->stride + t] * vscale)                             \
-        }                                                                                           \
-        STORE_OUTPUTS(Q, CH)                                                                        \
-    }
-
-DEFINE_Q8_JOB(q8_q1_c4, 1, 4)
-DEFINE_Q8_JOB(q8_q2_c4, 2, 4)
-DEFINE_Q8_JOB(q8_q3_c4, 3, 4)
-DEFINE_Q8_JOB(q8_q4_c4, 4, 4)
-DEFINE_Q8_JOB(q8_q1_c8, 1, 8)
-DEFINE_Q8_JOB(q8_q2_c8, 2, 8)
-DEFINE_Q8_JOB(q8_one, 1, chunks_)
-
-/* Jobs as the float kernels'. */
-void decodekit_attention_q8(const float *q, const int8_t *k, const int8_t *v, const uint8_t *visible, float *out,
-                            int n_q, int n_heads, int n_kv_heads, int head_dim, int cap, int n_keys, float scale,
-                            int threads) {
-    int chunks = head_dim / 16;
-    size_t row = (size_t)head_dim + 4;
-    JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads);
-    _Pragma("omp parallel num_threads(threads) if (threads > 1)")
-    {
-        Scratch s;
-        scratch_init(&s, (size_t)n_keys);
-        _Pragma("omp for schedule(static)")
-        for (int job = 0; job < plan.jobs; job++) {
-            const float *qs[MAX_Q];
-            float *outs[MAX_Q];
-            int kv, i, count = job_queries(&plan, job, q, out, qs, outs, &kv, &i);
-            const int8_t *kh = k + (size_t)kv * cap * row, *vh = v + (size_t)kv * cap * row;
-            const uint8_t *vis = visible ? visible + (size_t)i * n_keys : NULL;
-            switch (job_kind(chunks, count)) {
-            JOB_CASES(q8, qs, kh, vh, vis, outs, n_keys, chunks, scale, &s)
-            default:
-                for (int m = 0; m < count; m++) q8_one(qs + m, kh, vh, vis, outs + m, n_keys, chunks, scale, &s);
-            }
-        }
-        scratch_free(&s);
-    }
-}
+DEFINE_ATTENTION(decodekit_attention_f32, float, load_f32, 0)
+DEFINE_ATTENTION(decodekit_attention_bf16, uint16_t, load_bf16, 0)
+DEFINE_ATTENTION(decodekit_attention_q8, int8_t, load_q8, 1)
 
 /* The KIVI caches (kv caches "int4" and "int2"; Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric
  * 2bit Quantization for KV Cache"). Positions below a row's quantised end `qend[i]` are read from
@@ -484,7 +573,7 @@ static inline void load_q2_x4(const uint8_t *p, __m512 *out) {
 
 /* The codes of `chunks` chunks of 16 channels as floats, four chunks at once where they can be
  * (the same values either way). */
-static inline void load_codes(const uint8_t *p, __m512 *out, int chunks, int bits) {
+static inline __attribute__((always_inline)) void load_codes(const uint8_t *p, __m512 *out, int chunks, int bits) {
     int c = 0, bytes = 2 * bits; /* a chunk's */
     for (; c + 4 <= chunks; c += 4) {
         if (bits == 4) load_q4_x4(p + bytes * c, out + c);
@@ -512,7 +601,8 @@ typedef struct {
         __m512 qv[Q][CH], ks[CH], km[CH], kv[CH];                                                   \
         for (int m = 0; m < Q; m++)                                                                 \
             for (int c = 0; c < (CH); c++) qv[m][c] = _mm512_loadu_ps(q[m] + 16 * c);               \
-        int n = 0, waiting = 0;                                                                     \
+        RowState *rs = &s->row[0];                                                                  \
+        int n = 0, held = 0;                                                                        \
         for (int c = 0; c < (CH); c++) ks[c] = km[c] = _mm512_setzero_ps();                         \
         for (int j = 0; j < h->end; j++) { /* the codes: positions 0 .. end - 1 */                  \
             if (j % h->group == 0) {                                                                \
@@ -522,22 +612,23 @@ typedef struct {
             }                                                                                       \
             load_codes(h->kc + (size_t)j * row_bytes, kv, (CH), h->bits);                           \
             for (int c = 0; c < (CH); c++) kv[c] = _mm512_fmadd_ps(kv[c], ks[c], km[c]);            \
-            SCORE_KEY(Q, CH, j);                                                                    \
+            SCORE_KEY(Q, CH, j, 0);                                                                 \
         }                                                                                           \
-        FOR_EACH_VISIBLE(slot, vis, h->n_residual) { /* the residual, from the row's quantised end on */ \
+        FOR_EACH_VISIBLE(slot, vis, 0, h->n_residual) { /* the residual, from the row's quantised end on */ \
             if (h->base + slot < h->end) continue;                                                  \
             const float *kj = h->kb + (size_t)slot * 16 * (CH);                                     \
             for (int c = 0; c < (CH); c++) kv[c] = _mm512_loadu_ps(kj + 16 * c);                    \
-            SCORE_KEY(Q, CH, h->base + slot);                                                       \
+            SCORE_KEY(Q, CH, h->base + slot, 0);                                                    \
         }                                                                                           \
-        if (waiting) store_scores(s, Q, n, waiting, scale), n += waiting;                           \
+        rs->n = n, rs->held = held;                                                                 \
         float inverse[Q];                                                                           \
-        softmax_numerators_of(s, Q, n, inverse);                                                    \
+        finish_scores(rs, Q, scale, 0, inverse);                                                    \
+        n = rs->n;                                                                                  \
         __m512 o[Q][CH], vv[CH];                                                                    \
         for (int m = 0; m < Q; m++)                                                                 \
             for (int c = 0; c < (CH); c++) o[m][c] = _mm512_setzero_ps();                           \
         for (int t = 0; t < n; t++) {                                                               \
-            int position = s->keys[t];                                                              \
+            int position = rs->keys[t];                                                              \
             if (position < h->end) {                                                                \
                 const uint8_t *vj = h->vc + (size_t)position * row_bytes;                           \
                 __m512 vs = _mm512_set1_ps(h->vp[2 * (size_t)position]);                            \
@@ -548,9 +639,9 @@ typedef struct {
                 const float *vj = h->vb + (size_t)(position - h->base) * 16 * (CH);                 \
                 for (int c = 0; c < (CH); c++) vv[c] = _mm512_loadu_ps(vj + 16 * c);                \
             }                                                                                       \
-            ADD_VALUE_ROW(Q, CH, s->scores[m * s->stride + t])                                      \
+            ADD_VALUE_ROW(Q, CH, rs->scores[m * rs->stride + t])                                    \
         }                                                                                           \
-        STORE_OUTPUTS(Q, CH)                                                                        \
+        STORE_OUTPUTS(Q, CH, out, inverse)                                                          \
     }
 
 DEFINE_KIVI_JOB(kivi_q1_c4, 1, chunks_, 4)
@@ -569,21 +660,23 @@ void decodekit_attention_kivi(const float *q, const uint8_t *k_codes, const floa
     int chunks = head_dim / 16, row_bytes = head_dim * bits / 8;
     /* two jobs for every thread at least: the codes are light to read, so here an uneven split
      * costs more than reading a group's codes twice */
-    JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, 2 * threads);
+    JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, 2 * threads, 1);
     _Pragma("omp parallel num_threads(threads) if (threads > 1)")
     {
         Scratch s;
-        scratch_init(&s, (size_t)cap_q + n_residual);
+        scratch_init(&s, 1, (size_t)cap_q + n_residual, head_dim);
         _Pragma("omp for schedule(static)")
-        for (int job = 0; job < plan.jobs; job++) {
-            const float *qs[MAX_Q];
-            float *outs[MAX_Q];
-            int kv, i, count = job_queries(&plan, job, q, out, qs, outs, &kv, &i);
+        for (int index = 0; index < plan.jobs; index++) {
+            Job job;
+            job_of(&plan, index, q, out, visible, n_residual, &job);
+            int kv = job.kv, i = job.first_row, count = job.count;
+            const float **qs = (const float **)job.q[0];
+            float **outs = job.out[0];
             KiviHead h = {k_codes + (size_t)kv * cap_q * row_bytes, v_codes + (size_t)kv * cap_q * row_bytes,
                           k_params + (size_t)kv * (cap_q / group) * 2 * head_dim, v_params + (size_t)kv * cap_q * 2,
                           k_residual + (size_t)kv * cap_residual * head_dim, v_residual + (size_t)kv * cap_residual * head_dim,
                           group, base, qend[i], n_residual, bits};
-            const uint8_t *vis = visible ? visible + (size_t)i * n_residual : NULL;
+            const uint8_t *vis = job.vis[0];
             switch (job_kind(chunks, count)) {
             JOB_CASES(kivi, qs, outs, &h, vis, chunks, scale, &s)
             default:

@@ -16,6 +16,11 @@ static inline __attribute__((always_inline)) void ask_for(const void *p, size_t 
     for (size_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)p + at, _MM_HINT_T0);
 }
 
+/* The same into the second-level cache only: data wanted after the next few thousand cycles. */
+static inline __attribute__((always_inline)) void ask_for_later(const void *p, size_t bytes) {
+    for (size_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)p + at, _MM_HINT_T1);
+}
+
 /* 16 bfloat16 values widened to float32 (exact). */
 static inline __m512 load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
