@@ -180,12 +180,13 @@ def test_a_library_that_cannot_be_loaded_falls_back_to_torch(monkeypatch, tmp_pa
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_kernel_matches_sdpa(dtype):
-    attend = kernels.layout_independent_attention(dtype, 32)
+@pytest.mark.parametrize("dim", [32, 64, 128])  # one head a job (general size); a group's three heads a job; two and one
+def test_attention_kernel_matches_sdpa(dtype, dim):
+    attend = kernels.layout_independent_attention(dtype, dim)
     if attend is None:
         pytest.skip("no C compiler or no AVX-512 on this machine")
     gen = torch.Generator().manual_seed(3)
-    heads, kv_heads, dim, cap, start, n = 6, 2, 32, 64, 40, 5
+    heads, kv_heads, cap, start, n = 6, 2, 64, 40, 5
     k = torch.randn(kv_heads, cap, dim, generator=gen).to(dtype)
     v = torch.randn(kv_heads, cap, dim, generator=gen).to(dtype)
     q = torch.randn(n, heads, dim, generator=gen).to(dtype)
@@ -227,11 +228,16 @@ def test_a_masked_query_gets_the_bits_of_its_visible_keys_alone(dtype, dim):
         assert torch.equal(got[row], alone[0]), row
 
 
+ROWS_OF_A_LONG_PASS = 23
+
+
 def _rows_of_a_long_pass(n_keys: int, gen: torch.Generator) -> torch.Tensor:
-    """Masks of 20 rows (a pass that the kernel cuts into blocks of rows, read a tile of 128 keys at
-    a time): a causal prompt chunk, a tree's rows, keys alone at tile and 16-key edges, a row that
-    sees only the last, partial block, one that sees nothing past the first key."""
-    visible = torch.zeros(20, n_keys, dtype=torch.bool)
+    """Masks of 23 rows (a pass that the kernel cuts into blocks of rows, read a tile of 128 keys at
+    a time; a prime count, so that no number of blocks splits the rows evenly): a causal prompt
+    chunk, a tree's rows, keys alone at tile and 16-key edges, a row that sees only the last,
+    partial block, one that sees nothing past the first key, the last key of every 16, a whole
+    tile, every key."""
+    visible = torch.zeros(ROWS_OF_A_LONG_PASS, n_keys, dtype=torch.bool)
     for row in range(12):  # the end of a prompt read in a chunk: a prefix, one key longer each row
         visible[row, : n_keys - 20 + row + 1] = True
     visible[12:16] = torch.rand(4, n_keys, generator=gen) < 0.5
@@ -239,6 +245,9 @@ def _rows_of_a_long_pass(n_keys: int, gen: torch.Generator) -> torch.Tensor:
     visible[17, n_keys - n_keys % 16 :] = True
     visible[18, 0] = True
     visible[19, 100:260] = True  # a run across two tiles
+    visible[20, 15::16] = True
+    visible[21, 128:256] = True
+    visible[22] = True
     return visible
 
 
@@ -255,10 +264,10 @@ def test_rows_read_a_tile_at_a_time_get_the_bits_of_each_row_alone(dtype, dim):
     heads, kv_heads, n_keys = 6, 2, 333  # three tiles, the last ending inside a block of 16
     k = torch.randn(kv_heads, n_keys, dim, generator=gen).to(dtype)
     v = torch.randn(kv_heads, n_keys, dim, generator=gen).to(dtype)
-    q = torch.randn(20, heads, dim, generator=gen).to(dtype)
+    q = torch.randn(ROWS_OF_A_LONG_PASS, heads, dim, generator=gen).to(dtype)
     visible = _rows_of_a_long_pass(n_keys, gen)
     got = attend(q, k, v, visible, dim**-0.5)
-    for row in range(20):
+    for row in range(ROWS_OF_A_LONG_PASS):
         seen = visible[row].nonzero().flatten()
         alone = attend(q[row : row + 1], k[:, seen].contiguous(), v[:, seen].contiguous(), None, dim**-0.5)
         assert torch.equal(got[row], alone[0]), row
@@ -276,10 +285,10 @@ def test_int8_rows_read_a_tile_at_a_time_get_the_bits_of_each_row_alone(head_dim
     n_keys = 333
     pk = quantise_int8_rows(torch.randn(2, n_keys, head_dim, generator=gen))
     pv = quantise_int8_rows(torch.randn(2, n_keys, head_dim, generator=gen))
-    q = torch.randn(20, 6, head_dim, generator=gen)
+    q = torch.randn(ROWS_OF_A_LONG_PASS, 6, head_dim, generator=gen)
     visible = _rows_of_a_long_pass(n_keys, gen)
     got = int8.attention(q, pk, pv, visible, head_dim**-0.5)
-    for row in range(20):
+    for row in range(ROWS_OF_A_LONG_PASS):
         seen = visible[row].nonzero().flatten()
         alone = int8.attention(q[row : row + 1], pk[:, seen].contiguous(), pv[:, seen].contiguous(), None, head_dim**-0.5)
         assert torch.equal(got[row], alone[0]), row
