@@ -7423,6 +7423,12 @@ MUTATIONS = (
     Mutation('per-context-term-counts-untimed-sizes-as-zero', 'src/decodekit/speculative/controller.py',
              'slopes = {n: (longer[n] - cost) / (far - near) for n, cost in table.items() if n in longer}', 'slopes = {n: (longer.get(n, cost) - cost) / (far - near) for n, cost in table.items()}',
              ('tests/test_speculative.py', '-k', 'timed_at_both_contexts')),
+    Mutation('batched-sequence-of-many-rows-attends-as-its-first-row', 'src/decodekit/models/kernels/forward.c',
+             '(size_t)p->starts[s], 0, (int)seqs[s].rows, i,', '(size_t)p->starts[s], 0, 1, i,',
+             ('tests/test_batching.py', '-k', 'each_request_gets_its_own_tokens')),
+    Mutation('batched-sequence-of-many-rows-never-attends', 'src/decodekit/models/kernels/forward.c',
+             '            if (seqs[s].rows >= MANY_ROWS)\n                sequence_attention(', '            if (seqs[s].rows >= MANY_ROWS && 0)\n                sequence_attention(',
+             ('tests/test_batching.py', '-k', 'each_request_gets_its_own_tokens')),
 )
 
 

@@ -73,6 +73,8 @@ static int window_of(const Sequence *q, int64_t window, Window *out) {
     return 0;
 }
 
+#define MANY_ROWS 8 /* a sequence's rows in a batched pass from which its attention runs on its own */
+
 /* Layer `layer`'s attention for `n_q` rows of one sequence, from its row `row` (stacked row
  * `first + row`), over its cache (from slot w->lo, under w's mask, for a sliding-window layer). */
 static void sequence_attention(const Model *m, const Sequence *q, const Window *w, size_t first, int row, int n_q,
@@ -196,17 +198,23 @@ static void attention_half(const Model *m, const Layer *l, int i, Pass *p, void 
                             (int)m->head_dim, eps);
         }
     const float *table = l->freqs ? l->freqs : freqs;
-    /* one sequence: its attention splits over the threads; several: the rows of all of them do,
-     * in one parallel region a layer (not one per sequence, and a long prompt chunk beside single
-     * decode rows still splits evenly). A query's result is the same either way. */
+    /* one sequence: its attention splits over the threads; several: a sequence of many rows (a
+     * prompt's chunk) takes the threads on its own, so that its rows share the reading of its cache
+     * (attention.c's blocks of rows), and the other rows split over the threads in one parallel
+     * region a layer (not one per sequence). A query's result is the same either way. */
     if (p->n_seq == 1) {
         sequence_rope(m, &seqs[0], 0, i, buf[QKV], buf[Q], table);
         sequence_attention(m, &seqs[0], w, 0, 0, (int)seqs[0].rows, i, buf[Q], buf[HEADS], scale, threads);
     } else {
         for (int s = 0; s < p->n_seq; s++) sequence_rope(m, &seqs[s], (size_t)p->starts[s], i, buf[QKV], buf[Q], table);
+        for (int s = 0; s < p->n_seq; s++)
+            if (seqs[s].rows >= MANY_ROWS)
+                sequence_attention(m, &seqs[s], w ? w + s : NULL, (size_t)p->starts[s], 0, (int)seqs[s].rows, i,
+                                   buf[Q], buf[HEADS], scale, threads);
         _Pragma("omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)")
         for (int row = 0; row < rows; row++) {
             int s = p->row_sequence[row];
+            if (seqs[s].rows >= MANY_ROWS) continue;
             sequence_attention(m, &seqs[s], w ? w + s : NULL, (size_t)p->starts[s], row - (int)p->starts[s], 1, i,
                                buf[Q], buf[HEADS], scale, 1);
         }
