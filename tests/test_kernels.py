@@ -273,6 +273,23 @@ def test_rows_read_a_tile_at_a_time_get_the_bits_of_each_row_alone(dtype, dim):
         assert torch.equal(got[row], alone[0]), row
 
 
+def test_a_pass_of_no_rows_or_no_threads_asked_for_returns():
+    """No rows: nothing to plan (no blocks of rows, so no division by them); no thread asked for
+    (0): one, as before blocks of rows were planned by the thread count."""
+    attend = kernels.layout_independent_attention(torch.float32, 64)
+    if attend is None:
+        pytest.skip("no C compiler or no AVX-512 on this machine")
+    lib = kernels.build._library("attention")
+    gen = torch.Generator().manual_seed(14)
+    k, v = torch.randn(1, 40, 64, generator=gen), torch.randn(1, 40, 64, generator=gen)
+    assert attend(torch.randn(0, 1, 64, generator=gen), k, v, None, 0.125).shape == (0, 1, 64)
+    q = torch.randn(20, 1, 64, generator=gen)  # 20 rows: blocks of rows
+    out = torch.full_like(q, float("nan"))
+    lib.decodekit_attention_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.decodekit_attention_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), None, out.data_ptr(), 20, 1, 1, 64, 40, 40, 0.125, 0)
+    assert torch.equal(out, attend(q, k, v, None, 0.125))
+
+
 @pytest.mark.parametrize("head_dim", [64, 48])
 def test_int8_rows_read_a_tile_at_a_time_get_the_bits_of_each_row_alone(head_dim):
     """The same for the int8 cache, whose transposed tiles carry each key's row scale."""

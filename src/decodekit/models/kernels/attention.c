@@ -131,6 +131,7 @@ typedef struct {
 #ifndef AHEAD
 #define AHEAD 8 /* keys ahead of the one read that a job asks the memory for (ask_for) */
 #endif
+_Static_assert(TILE_KEYS > 0 && TILE_KEYS % 16 == 0, "TILE_KEYS: a multiple of 16 (TRANSPOSE_TILE, kscale)");
 
 /* Scratch of one thread: the rows of its jobs; for jobs of several rows, a tile of keys
  * transposed (TILE_KEYS keys of `dims` values as float32, and their row scales). */
@@ -173,6 +174,7 @@ typedef struct {
 } JobPlan;
 
 static JobPlan plan_jobs(int n_q, int n_heads, int n_kv_heads, int head_dim, int min_jobs, int max_rows) {
+    if (min_jobs < 1) min_jobs = 1; /* no thread asked for: one (and no division by zero below) */
     int group = n_heads / n_kv_heads, chunks = head_dim / 16;
     int most = chunks == 4 ? MAX_Q : chunks == 8 ? 2 : 1;
     int per_job = group < most ? group : most;
@@ -479,6 +481,7 @@ static inline __attribute__((always_inline)) void transpose16(__m512 *x) {
         int chunks = head_dim / 16;                                                                 \
         size_t row = (size_t)head_dim + (SCALED ? 4 / sizeof(T) : 0);                               \
         int shared = rows_share_jobs(n_q, (size_t)n_keys * row * sizeof(T) * 2);                    \
+        if (n_q <= 0) return; /* no rows: no jobs */                                                \
         JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads, shared ? ROW_BLOCK : 1); \
         int rows = (n_q + plan.blocks - 1) / plan.blocks;                                           \
         _Pragma("omp parallel num_threads(threads) if (threads > 1)")                               \
