@@ -138,6 +138,18 @@ def test_the_one_call_generate_loads_a_model_once_however_its_choices_are_spelt(
     assert len(built) == 2
 
 
+def test_a_stream_never_hands_over_an_empty_delta(tiny_model):
+    """``on_text`` is called only with new text: neither a step whose new text is all held back (a
+    stop string may start there) nor the final update, once everything was streamed, sends ``""``."""
+    engine = Engine(tiny_model)
+    free = engine.generate("stream me", max_new_tokens=30, chat=False).text
+    for stop in ((), [free[3:6] + "\x00"]):
+        deltas: list[str] = []
+        g = engine.generate("stream me", max_new_tokens=30, chat=False, stop=stop, on_text=deltas.append)
+        assert "".join(deltas) == g.text and deltas, stop
+        assert all(deltas), (stop, deltas)
+
+
 def test_streams_hold_back_the_longest_start_of_any_stop_string(tiny_model):
     """With several stop strings a stream holds back the longest end of the text that any of them
     starts with, in either order (it held back each in turn, the later ones within what was left,

@@ -228,6 +228,26 @@ def test_draft_model_keeps_its_cache_in_sync_and_catches_up_in_one_pass():
     assert drafter.draft(state, 1).tokens == [expected]
 
 
+def test_last_steps_counts_the_draft_passes_of_the_latest_draft_only():
+    """``last_steps`` (documented on the chain drafters) is the number of forward passes the draft
+    model ran in the latest ``draft``: the catch-up pass and one per further chain token, counted
+    afresh by every draft, not summed over a request's drafts."""
+    target = tiny_llama(seed=4, num_layers=2, scale=2.0)
+    state = pending_state(target, [1, 2, 3, 4, 5], 6)
+    drafter = DraftModelDrafter(draft_model=tiny_llama(seed=5, num_layers=2, scale=2.0), confidence=0.0)
+    drafter.begin(state)
+    state.commit([6])
+    calls: list[int] = []
+    real_append = drafter.backend.append
+    drafter.backend.append = lambda tokens, **kw: calls.append(tokens.shape[1]) or real_append(tokens, **kw)
+    for budget in (4, 2, 3):
+        calls.clear()
+        tree = drafter.draft(state, budget)
+        assert len(tree) == budget
+        assert drafter.last_steps == len(calls) == budget  # one pass per chain token, the first catching up
+        state.commit(tree.tokens[:1] + [(tree.tokens[1] + 1) % 96])  # one accepted, then a rejection
+
+
 def test_a_new_request_starts_the_draft_cache_afresh():
     """``begin`` empties the draft cache: the next request's first draft runs its whole context, even
     where it shares a prefix with the last request's, and drafts what a fresh draft model would."""
@@ -529,6 +549,54 @@ def test_sampled_draft_records_its_distributions():
         assert abs(float(q.sum()) - 1) < 1e-5 and int((q > 0).sum()) <= 5 and q[child] > 0
 
 
+def test_sampled_drafts_of_a_draft_model_identical_to_the_target_are_all_accepted(engine):
+    """A sampled draft token is drawn with the target's keyed noise at the position it will take
+    (``Sampler.sample_at(q, position)``), so where q equals the target's distribution the draft is
+    the token plain seeded sampling draws there: a draft model with all the target's layers drafts
+    exactly seeded sampling's tokens, and every draft token is accepted."""
+    for prompt in PROMPTS[:2]:
+        args = dict(max_new_tokens=24, chat=False, temperature=0.8, seed=3)
+        want = engine.generate(prompt, method="sample", **args).tokens
+        got = engine.generate(prompt, method="draft", draft_model=f"self-truncated:{LAYERS}", confidence=0.0,
+                              budget=4, **args)
+        assert got.tokens == want
+        assert got.stats.extra["acceptance_rate"] == 1.0, prompt
+
+
+def test_stochastic_false_drafts_greedily_for_a_sampled_request():
+    """``stochastic=False``: a sampling request still gets greedy drafts, the top token of the
+    request's processed draft distribution at each step (temperature and top-k keep the draft
+    model's argmax), and no draft distributions are recorded."""
+    prompt, root = [3, 14, 15, 92, 65], 35
+    state = pending_state(tiny_llama(seed=3, num_layers=LAYERS, scale=2.0), prompt, root,
+                          Sampler.from_params(temperature=1.5, top_k=20, seed=1))
+    state.commit([root])
+    drafter = DraftModelDrafter(draft_model=tiny_llama(seed=5, num_layers=2, scale=2.0), confidence=0.0,
+                                stochastic=False)
+    drafter.begin(state)
+    tree = drafter.draft(state, 6)
+    fresh = tiny_llama(seed=5, num_layers=2, scale=2.0)
+    chain, context = [], list(state.tokens)
+    for _ in range(6):
+        chain.append(int(fresh.prefill(context + chain)[0].argmax()))
+    assert tree.tokens == chain
+    assert tree.draft_probs == {}
+
+
+def test_the_draft_methods_documented_stochastic_default_is_the_one_it_takes():
+    """``draft`` samples its drafts for sampled requests unless told not to (the module docstring;
+    layerskip's default is the other way): its option table, which help texts and the method's
+    signature show, gives the default the drafter itself takes."""
+    import inspect
+
+    from decodekit.engine import build_decoder
+    from decodekit.speculative.drafters.draft_model import OPTIONS
+
+    taken = inspect.signature(DraftModelDrafter).parameters["stochastic"].default
+    assert OPTIONS["stochastic"].default is taken is True
+    assert build_decoder("draft", draft_model="self-truncated:1").method.drafter.stochastic is True
+
+
 # Invalid options ----------------------------------------------------------------------------------
 
 
@@ -594,6 +662,23 @@ def test_a_draft_model_folder_is_loaded_once_and_each_target_drafts_with_its_own
     mine, theirs = draft_model.draft_backend(str(tmp_path), target), draft_model.draft_backend(str(tmp_path), twin)
     assert mine is not theirs and draft_model.draft_backend(str(tmp_path), target) is mine
     assert len(loads) == 1 and mine.weights is theirs.weights
+
+
+def test_a_draft_model_folder_spelt_two_ways_is_one_draft_model(monkeypatch, tmp_path):
+    """A folder is known by its resolved path: ``m`` and ``m/../m`` are one draft model, loaded once
+    and kept once in the target's memory (two entries would each hold weights and a cache, and
+    crowd out the target's other kept draft model)."""
+    from decodekit.models import loading
+    from decodekit.speculative.drafters import draft_model
+
+    loads = []
+    monkeypatch.setattr(loading, "build_backend", lambda folder, dtype: loads.append(folder) or tiny_llama(seed=3))
+    monkeypatch.setattr(draft_model, "_loaded", {})
+    target = tiny_llama(seed=0)
+    (tmp_path / "m").mkdir()
+    first = draft_model.draft_backend(str(tmp_path / "m"), target)
+    assert draft_model.draft_backend(str(tmp_path / "m" / ".." / "m"), target) is first
+    assert len(loads) == 1
 
 
 @pytest.mark.parametrize("method, options", [("draft", {"draft_model": "self-truncated:1"}), ("layerskip", {}),
@@ -700,6 +785,28 @@ def test_a_draft_model_of_a_shorter_context_drafts_only_within_it():
                           budget=4, confidence=0.0)
     assert got.tokens == plain.tokens
     assert got.stats.extra["verifications"] > 0 and got.stats.extra["plain_steps"] > 0
+
+
+def test_a_draft_model_whose_context_is_full_runs_no_pass_and_one_with_room_drafts():
+    """The draft model's chain must fit its own context: tokens that fill it leave no room, so the
+    draft is empty and the draft model runs no pass (none past its context); with room for one
+    more token the draft model runs the context and drafts."""
+    for length, drafts in ((8, False), (7, True)):
+        target = tiny_llama(seed=1, num_layers=2, scale=2.0, max_position=64)
+        state = pending_state(target, list(range(1, length)), 9)
+        drafter = DraftModelDrafter(draft_model=tiny_llama(seed=1, num_layers=2, scale=2.0, max_position=8),
+                                    confidence=0.0)
+        drafter.begin(state)
+        state.commit([9])
+        calls: list[int] = []
+        real_append = drafter.backend.append
+        drafter.backend.append = lambda tokens, **kw: calls.append(tokens.shape[1]) or real_append(tokens, **kw)
+        tree = drafter.draft(state, 4)
+        assert drafter.backend.length <= 8, length
+        if drafts:
+            assert len(tree) >= 1 and calls[0] == length
+        else:
+            assert len(tree) == 0 and calls == [] and drafter.last_steps == 0
 
 
 def test_the_layer_importance_probe_is_the_last_probe_tokens_of_the_context():
