@@ -423,6 +423,42 @@ def test_a_second_commit_path_without_a_new_verification_is_refused():
     assert backend.length == 7
 
 
+def test_a_commit_path_after_a_rollback_or_an_append_is_refused():
+    """A verified tree is pending only until the cache changes: after a truncate or an append its
+    entries are no longer after the committed ones, and commit_path is refused rather than moving
+    whatever now sits in those slots."""
+    backend = tiny_llama(seed=0)
+    backend.append(tokens(5))
+    backend.verify_tree(tokens(3, seed=2)[0], [-1, 0, 1])
+    backend.truncate(4)
+    with pytest.raises(RuntimeError, match="verify_tree"):
+        backend.commit_path([0])
+    backend.verify_tree(tokens(3, seed=2)[0], [-1, 0, 1])
+    backend.append(tokens(1, seed=3))
+    with pytest.raises(RuntimeError, match="verify_tree"):
+        backend.commit_path([0])
+    assert backend.length == 5
+
+
+def test_a_cache_of_several_rows_grows_past_its_initial_capacity_keeping_every_row():
+    """Growing the cache copies every row of a search's cache: each row then decodes as its
+    sequence does alone."""
+    small = tiny_llama(seed=2)
+    small._initial_capacity = 8
+    small.reset()
+    prompt = tokens(6)
+    small.prefill(prompt[0].tolist(), batch_size=2)
+    nxt = torch.tensor([[3], [4]])
+    for _ in range(5):  # 16 tokens: past the 8 slots
+        out = small.append(torch.cat([nxt, nxt], dim=1))
+    for row in range(2):
+        alone = tiny_llama(seed=2)
+        alone.append(prompt)
+        for _ in range(5):
+            want = alone.append(torch.cat([nxt[row : row + 1]] * 2, dim=1))
+        assert torch.allclose(out.logits[row], want.logits[0], atol=ATOL)
+
+
 def test_tree_verification_over_several_rows_is_refused():
     """A token tree is verified for one sequence (batch of one row): with forked rows it is refused."""
     backend = tiny_llama(seed=0)

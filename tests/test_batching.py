@@ -66,6 +66,31 @@ def test_each_request_gets_its_own_tokens_in_a_shared_batch(numerics):
     assert_batched_as_alone(base(numerics), CASES)
 
 
+def test_a_served_pass_that_skips_layers_or_asks_for_hidden_states_gets_what_it_gets_alone():
+    """The batcher runs every layer and returns no hidden states: a served clone's pass that skips
+    layers (a self-speculation draft) or asks for hidden states runs on its own, with the logits
+    and hidden states it gets alone, as does a last-only prompt pass through the batcher."""
+    model = tiny_llama(seed=0, hidden_size=64, max_position=1024, num_layers=3)
+    if model._stack is None:
+        pytest.skip("kernels unavailable on this machine")
+    prompt = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(5))
+    step, pair = torch.tensor([[6]]), torch.tensor([[7, 8]])
+    alone, served = model.clone(), model.clone()
+    batcher = PassBatcher()
+    served.batcher = batcher
+    try:
+        with batcher.member():
+            got = [served.append(prompt, last_only=True), served.append(step, skip_layers=frozenset({1})),
+                   served.append(pair, hidden_layers=(1,))]
+    finally:
+        batcher.close()
+    want = [alone.append(prompt, last_only=True), alone.append(step, skip_layers=frozenset({1})),
+            alone.append(pair, hidden_layers=(1,))]
+    for g, w in zip(got, want):
+        assert torch.equal(g.logits, w.logits)
+    assert torch.equal(got[2].hidden[1], want[2].hidden[1])
+
+
 @pytest.mark.parametrize("numerics", NUMERICS)
 def test_gemma3_requests_get_their_own_tokens_in_a_shared_batch(numerics):
     """Gemma 3's sliding-window layers in a batch: each sequence's window is its own."""

@@ -386,6 +386,84 @@ def test_a_truncated_model_ignores_skips_of_layers_it_does_not_have():
     assert torch.equal(plain.append(tokens[:, 3:], skip_layers=frozenset({1})).logits, logits[0])
 
 
+def test_rows_of_one_cache_read_together_get_the_bits_each_row_gets_alone():
+    """A search's rows (one cache, several sequences) take forward.c under a causal mask, each on
+    its own slice of the cache: a prompt chunk and a step give every row the logits it gets alone,
+    bit for bit (the layer loop would attend through torch and round otherwise)."""
+    model = tiny_llama(seed=4, hidden_size=64)
+    if model._stack is None:
+        pytest.skip("kernels unavailable on this machine")
+    a, b = (torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    model.reset(2)
+    together = [model.append(torch.cat([a[:, :7], b[:, :7]])).logits,  # a causal mask over 7 new tokens
+                model.append(torch.cat([a[:, 7:], b[:, 7:]])).logits]
+    for row, sequence in enumerate((a, b)):
+        alone = model.clone()
+        expected = [alone.append(sequence[:, :7]).logits, alone.append(sequence[:, 7:]).logits]
+        for got, want in zip(together, expected):
+            assert torch.equal(got[row], want[0])
+
+
+def test_a_pass_of_exactly_the_kernels_row_limit_asking_for_hidden_states_keeps_the_kernels_bits():
+    """A pass that asks for hidden states runs layer by layer from Python, through the same kernels
+    as forward.c up to MAX_ROWS tokens, that limit included: its logits and features are those of
+    the same pass without hidden states, and its hidden states those of the torch-only layer loop."""
+    fused = tiny_llama(seed=4, hidden_size=64, num_layers=3)
+    if fused._stack is None:
+        pytest.skip("kernels unavailable on this machine")
+    looped = tiny_llama(seed=4, hidden_size=64, num_layers=3)
+    looped._stack = None
+    prompt = torch.randint(0, 96, (1, kernels.MAX_ROWS), generator=torch.Generator().manual_seed(8))
+    plain = fused.clone().append(prompt)
+    outputs = [backend.append(prompt, hidden_layers=(0, 2, 3)) for backend in (fused, looped)]
+    for out in outputs:
+        assert set(out.hidden) == {0, 2, 3}
+        assert torch.equal(out.logits, plain.logits) and torch.equal(out.features, plain.features)
+    for layer in (0, 2, 3):
+        assert torch.equal(outputs[0].hidden[layer], outputs[1].hidden[layer])
+
+
+def test_a_prompt_read_in_chunks_has_the_features_of_every_chunk():
+    """A prompt longer than MAX_ROWS is read a chunk at a time: its features (what trained drafters
+    read, also kept as ``last_features``) cover every token, bit for bit those of reading it one
+    token at a time, as its logits do."""
+    model = tiny_llama(seed=4, hidden_size=64)
+    if model._stack is None:
+        pytest.skip("kernels unavailable on this machine")
+    prompt = torch.randint(0, 96, (1, 2 * kernels.MAX_ROWS + 22), generator=torch.Generator().manual_seed(3))
+    whole = model.append(prompt)
+    stepped = model.clone()
+    steps = [stepped.append(prompt[:, i : i + 1]) for i in range(prompt.shape[1])]
+    assert torch.equal(whole.logits, torch.cat([s.logits for s in steps], dim=1))
+    assert torch.equal(whole.features, torch.cat([s.features for s in steps], dim=1))
+    assert torch.equal(model.last_features, whole.features)
+
+
+def test_decoder_layers_read_strided_or_int32_positions_and_strided_masks_as_their_values():
+    """forward.c reads positions as contiguous int64 and masks as contiguous bools: positions
+    given strided or as int32, and a strided mask, give the bits of their contiguous copies (x,
+    the pending MLP output and the keys and values written)."""
+    model = tiny_llama(seed=4, hidden_size=64)
+    if model._stack is None:
+        pytest.skip("kernels unavailable on this machine")
+    model.append(torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(1)))
+    x = model._embed(torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(9)))[0].contiguous()
+    visible = torch.ones(4, 10, dtype=torch.bool).tril(diagonal=6)
+    positions = torch.arange(6, 10)
+    strided_positions = torch.stack([positions, positions], dim=1).view(-1)[::2]
+    strided_visible = visible.T.contiguous().T
+    assert not strided_positions.is_contiguous() and not strided_visible.is_contiguous()
+    results = []
+    for pos, vis in ((positions, visible), (strided_positions, strided_visible), (positions.to(torch.int32), visible)):
+        k, v, rows = model._k[:, 0].clone(), model._v[:, 0].clone(), x.clone()
+        pending = torch.empty_like(rows)
+        assert model._stack.run(rows, pending, model._freqs_pairs, pos, vis, k, v, 6)
+        results.append((rows, pending, k, v))
+    for other in results[1:]:
+        for got, want in zip(other, results[0]):
+            assert torch.equal(got, want)
+
+
 def test_a_batch_whose_parts_do_not_add_up_to_its_rows_is_refused():
     """forward.c reads each part's rows from the stacked input: parts that do not cover exactly
     the rows given would have it read past them or leave rows unrun."""
