@@ -31,12 +31,15 @@
 #include "decodekit.h"
 #include "simd.h"
 
+/* The mask of a vector's first `count` lanes (all 16 from 16 on). */
+static inline __mmask16 first_lanes(int count) { return count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u); }
+
 /* Replace scores[t] by exp(scores[t] - best) and return their sum. The t-th visible key always
  * lands in lane t % 16, so the sum depends only on the sequence of visible scores. */
 static float softmax_numerators(float *scores, int n, float best) {
     __m512 sum = _mm512_setzero_ps(), shift = _mm512_set1_ps(best);
     for (int t = 0; t < n; t += 16) {
-        __mmask16 m = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u);
+        __mmask16 m = first_lanes(n - t);
         __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), shift));
         e = _mm512_maskz_mov_ps(m, e);
         _mm512_mask_storeu_ps(scores + t, m, e);
@@ -49,7 +52,7 @@ static float softmax_numerators(float *scores, int n, float best) {
 static float largest(const float *scores, int n) {
     __m512 best = _mm512_set1_ps(-INFINITY);
     for (int t = 0; t < n; t += 16) {
-        __mmask16 m = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u);
+        __mmask16 m = first_lanes(n - t);
         __m512 s = _mm512_maskz_loadu_ps(m, scores + t);
         best = _mm512_mask_mov_ps(best, _mm512_mask_cmp_ps_mask(m, s, best, _CMP_GT_OQ), s);
     }
@@ -242,7 +245,7 @@ static inline int job_kind(int chunks, int count) { return chunks == 4 ? count :
 /* The scaled scores of the `count` (1..16) keys waiting for each of `queries` queries of a row,
  * stored from score n on; over an int8 cache (`scaled`) times their keys' row scales first. */
 static inline void store_scores(RowState *rs, int queries, int n, int count, float scale, int scaled) {
-    __mmask16 mask = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
+    __mmask16 mask = first_lanes(count);
     for (int m = 0; m < queries; m++) {
         __m512 sums = sum_lanes16(rs->waiting + 16 * m);
         if (scaled) sums = _mm512_mul_ps(sums, _mm512_maskz_loadu_ps(mask, rs->row_scales));
@@ -350,7 +353,7 @@ static inline __attribute__((always_inline)) void transpose16(__m512 *x) {
         const uint8_t *vis = job->vis[r];                                                           \
         int n = rs->n;                                                                              \
         for (int b = j0; b < j1; b += 16) {                                                         \
-            __mmask16 seen = j1 - b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (j1 - b)) - 1u); \
+            __mmask16 seen = first_lanes(j1 - b);                                                   \
             if (vis) {                                                                              \
                 __m128i bytes = _mm_maskz_loadu_epi8(seen, vis + b);                                \
                 seen = _mm_test_epi8_mask(bytes, bytes);                                            \
@@ -364,7 +367,7 @@ static inline __attribute__((always_inline)) void transpose16(__m512 *x) {
                     ask_for_later((const char *)(kh + (size_t)(b + TILE_KEYS) * row) + from_, bytes_ - from_ < share_ ? bytes_ - from_ : share_); \
             }                                                                                       \
             int count = __builtin_popcount(seen);                                                   \
-            __mmask16 packed = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);   \
+            __mmask16 packed = first_lanes(count);                                                  \
             for (int m = 0; m < Q; m++) {                                                           \
                 const float *qm = job->q[r][m];                                                     \
                 __m512 a[16];                                                                       \
@@ -480,8 +483,8 @@ static inline __attribute__((always_inline)) void transpose16(__m512 *x) {
               float scale, int threads) {                                                           \
         int chunks = head_dim / 16;                                                                 \
         size_t row = (size_t)head_dim + (SCALED ? 4 / sizeof(T) : 0);                               \
-        int shared = rows_share_jobs(n_q, (size_t)n_keys * row * sizeof(T) * 2);                    \
         if (n_q <= 0) return; /* no rows: no jobs */                                                \
+        int shared = rows_share_jobs(n_q, (size_t)n_keys * row * sizeof(T) * 2);                    \
         JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads, shared ? ROW_BLOCK : 1); \
         int rows = (n_q + plan.blocks - 1) / plan.blocks;                                           \
         _Pragma("omp parallel num_threads(threads) if (threads > 1)")                               \
