@@ -7485,6 +7485,18 @@ MUTATIONS = (
     Mutation('first-lanes-one-short', 'src/decodekit/models/kernels/attention.c',
              '(__mmask16)((1u << count) - 1u); }', '(__mmask16)((1u << count) - 2u); }',
              ('tests/test_kernels.py', '-k', 'attention_kernel_matches_sdpa or tile_at_a_time')),
+    Mutation('measured-gain-does-not-keep-a-costly-drafter-drafting', 'src/decodekit/speculative/controller.py',
+             '            depth = 1  # the estimates lag what speculative steps have realised: keep stepping, and learning', '            depth = 0  # the estimates lag what speculative steps have realised: keep stepping, and learning',
+             ('tests/test_speculative.py', '-k', 'measured_to_pay')),
+    Mutation('measured-gain-needs-no-margin', 'src/decodekit/speculative/controller.py',
+             'learnt.step_tokens / learnt.step_seconds >= (1.0 + GAIN_MARGIN) / self.plain_step_s())', 'learnt.step_tokens / learnt.step_seconds >= 1.0 / self.plain_step_s())',
+             ('tests/test_speculative.py', '-k', 'measured_to_pay')),
+    Mutation('measured-gain-on-too-few-steps', 'src/decodekit/speculative/controller.py',
+             '        return (learnt.spec_steps >= MIN_REALISED_STEPS\n', '        return (learnt.spec_steps >= 1\n',
+             ('tests/test_speculative.py', '-k', 'measured_to_pay')),
+    Mutation('probe-loss-ignores-its-expected-tokens', 'src/decodekit/speculative/controller.py',
+             '/ self.pass_cost(1) - (1.0 + probe)', '/ self.pass_cost(1) - 1.0',
+             ('tests/test_speculative.py', '-k', 'first_back_off')),
 )
 
 

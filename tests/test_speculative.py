@@ -1464,15 +1464,18 @@ def test_an_empty_draft_is_no_choice_and_starts_no_back_off():
 
 
 def test_the_first_back_off_pauses_one_step_and_probes_are_bounded(monkeypatch):
-    """The pause starts at one plain step; the longest pause is the probe's extra cost over 1%,
-    never under 4 steps nor over MAX_BACKOFF (512), and a probe's extra cost counts its drafting."""
+    """The pause starts at one plain step; the longest pause is the probe's expected extra cost over
+    1%, never under 4 steps nor over MAX_BACKOFF (512), and a probe's extra cost counts its drafting
+    and takes off the tokens its node is expected to add."""
     ctl = Controller(8, cost_table=STEEP_COSTS)
     assert len(ctl.select(chain_tree(4))) == 0 and ctl._skip == 1
     assert Controller(8, cost_table=FLAT_COSTS)._max_backoff() == 4  # a probe costs nothing: still 4
     assert Controller(8, cost_table={1: 1.0, 2: 10.0, 64: 640.0})._max_backoff() == 512  # 900 capped
     drafting = Controller(8, cost_table=FLAT_COSTS)
     drafting.observe_draft(1, 0.5)  # half a plain step per drafted node: a probe costs 1.5 steps
-    assert 50 <= drafting._max_backoff() <= 51
+    assert 40 <= drafting._max_backoff() <= 41  # for 1.1 tokens (the prior's 0.1 for its node)
+    drafting.learnt.accept[("", 0, 0)] = 0.45  # for 1.45 tokens: 0.05 steps lost
+    assert 5 <= drafting._max_backoff() <= 6
 
 
 def test_realised_speed_starts_from_the_first_step_not_from_zero():
@@ -1539,6 +1542,25 @@ def test_a_size_is_timed_where_it_exactly_fills_the_context_and_its_fastest_pass
     monkeypatch.setattr(controller, "RUN_S", 0)
     assert CostTable._time_passes(Scripted(), (1, 4, 5), rounds=2) == {1: 2, 4: 1}  # 5 does not fit
 
+
+
+def test_a_costly_drafter_measured_to_pay_keeps_drafting_when_its_estimates_lag():
+    """Acceptance estimates start from a low prior and learn from one-node probes; where the
+    speculative steps measured so far (MIN_REALISED_STEPS of them) realised plain decoding's speed
+    and the 5% margin besides, a costly drafter keeps drafting one node a step (and learning)
+    instead of backing off on the estimates alone. Below the margin, or on fewer steps, it backs off."""
+    def controller(steps: int, tokens: float) -> Controller:
+        ctl = Controller(8, cost_table={1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8})
+        ctl.observe_draft(1, 0.4)  # 1.1 tokens (the prior) for 1.6 s: no depth pays by the estimates
+        for _ in range(steps):
+            ctl.observe_step(tokens, 1.0)  # each speculative step: `tokens` in a plain step's time
+        return ctl
+    assert controller(8, 1.0).best_chain_depth() == 0
+    pays = controller(8, 1.06)
+    pays.learnt.backoff = 16
+    assert pays.budget() == 1 and pays.learnt.backoff == 0
+    assert controller(8, 1.04).budget() == 0  # within the margin
+    assert controller(7, 1.5).budget() == 0  # not yet measured enough
 
 
 def test_a_costly_drafters_probe_that_verifies_keeps_its_back_off_level():

@@ -46,15 +46,21 @@ decides for itself, assuming each other sequence keeps its rows.)
 
 When the best choice is a plain step the controller stops drafting for 1, 2, 4, ... steps and
 then explores with the single best node, so acceptance estimates keep being refreshed; the
-longest pause (4 to 512 steps) is set so such probes cost about 1% of decode time (a probe of a
-draft model that must first catch up with the context costs several forward passes).
+longest pause (4 to 512 steps) is set so such probes cost about 1% of decode time: a probe's
+expected loss is its time in plain steps less the tokens it is expected to give (one, and its
+node's estimate), so a drafter whose probes are mostly accepted is probed often, one whose
+probes fail rarely (a probe of a draft model that must first catch up with the context costs
+several forward passes).
 
 The per-node model can be optimistic (acceptance estimates lag, a lookahead window is all or
 nothing), so the controller also measures what speculation *realises*: tokens per second of
 its speculative steps, drafting and bookkeeping included (ratio of moving averages). When that
 falls below plain decoding's ``1 / cost(1)``, it backs off as above whatever the model expects,
 and only probes until speculation measurably pays again: never slower than plain decoding by
-measurement, not only by estimate. (Our design.)
+measurement, not only by estimate. The model can be pessimistic too: the prior is learnt away
+one probe at a time. So where a costly drafter's speculative steps have realised plain decoding's
+speed and the 5% margin, it keeps drafting (one node a step at least, learning at every step)
+while its estimates say no depth pays. (Our design.)
 
 Drafting itself can cost as much as verifying (a draft model, or the target with layers
 skipped). The controller times drafting per draft call and per drafted node; when a call is not
@@ -491,6 +497,8 @@ class Controller:
         if not self.costly_drafting():  # drafting is nearly free: let select() trim the tree,
             return 1 if self._explore else self.max_draft  # but a probe is one node whatever the drafter
         depth = self.best_chain_depth()
+        if depth == 0 and self.speculation_measurably_pays():
+            depth = 1  # the estimates lag what speculative steps have realised: keep stepping, and learning
         if depth > 0:
             self.learnt.backoff = 0
         elif not self._explore:
@@ -506,6 +514,13 @@ class Controller:
         if learnt.spec_steps < MIN_REALISED_STEPS:
             return True
         return learnt.step_tokens / learnt.step_seconds >= 1.0 / self.plain_step_s()
+
+    def speculation_measurably_pays(self) -> bool:
+        """Whether speculative steps, ``MIN_REALISED_STEPS`` of them measured at least, have realised
+        plain decoding's tokens per second and the ``GAIN_MARGIN`` besides."""
+        learnt = self.learnt
+        return (learnt.spec_steps >= MIN_REALISED_STEPS
+                and learnt.step_tokens / learnt.step_seconds >= (1.0 + GAIN_MARGIN) / self.plain_step_s())
 
     def costly_drafting(self) -> bool:
         """Whether a draft call costs more than a small share of a plain step. Judged per call, not
@@ -560,9 +575,11 @@ class Controller:
 
     def _max_backoff(self) -> int:
         """Plain steps between probes, so that a probe costs about EXPLORE_SHARE of the time. A probe
-        loses what a one-node step costs beyond a plain step, or, once measured, what speculative
-        steps took beyond the plain steps their tokens would have needed, if that is more."""
-        extra = (self.pass_cost(2) + self.overhead + self.draft_node_s) / self.pass_cost(1) - 1.0
+        loses what a one-node step costs beyond the plain steps its expected tokens would have
+        needed (1 and its node's estimate), or, once measured, what speculative steps took beyond
+        the plain steps their tokens would have needed, if that is more."""
+        probe = self._accept((self.learnt.chain_source, 0, 0))
+        extra = (self.pass_cost(2) + self.overhead + self.draft_node_s) / self.pass_cost(1) - (1.0 + probe)
         learnt = self.learnt
         if learnt.spec_steps >= MIN_REALISED_STEPS:
             extra = max(extra, learnt.step_seconds / self.pass_cost(1) - learnt.step_tokens)
