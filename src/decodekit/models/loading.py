@@ -102,7 +102,7 @@ def _assembled_gguf(model: EmbeddedModel) -> Path:
     target = cache_root() / "models" / package.MODEL_NAME
     try:
         return package.assemble(target)
-    except FileNotFoundError as err:  # a chunk package is missing
+    except (FileNotFoundError, ModuleNotFoundError) as err:  # a chunk package or its file is missing
         raise ModelNotFound(f"{model.package}: {err}; run: {model.install}") from err
     except (FileExistsError, ValueError):  # a damaged copy (its digest differs): said, and written again
         report(target, "its SHA-256 is not the package's")
