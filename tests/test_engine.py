@@ -373,6 +373,83 @@ def test_a_step_that_runs_past_max_new_tokens_returns_max_new_tokens(tiny_model)
     assert (got.tokens, got.text, got.finish_reason, got.stats.new_tokens) == (burst[:7], "abcdefg", "length", 7)
 
 
+def scripted_steps(groups: list[list[int]]):
+    """A step method that commits the given groups of tokens, one group a step (a speculative step accepts several)."""
+    from decodekit.engine.core import StepMethod
+
+    left = [list(g) for g in groups]
+
+    class Scripted(StepMethod):
+        def step(self, state):
+            group = left.pop(0)
+            state.commit(group)
+            return group
+
+    return Scripted()
+
+
+def test_tokens_a_step_produced_after_an_end_of_sequence_token_are_not_output(tiny_model):
+    """A step's tokens end at the first end-of-sequence token among them: what a step accepted past
+    it is neither text nor token of the answer, and the request ends there ("eos")."""
+    from decodekit.engine.core import Request, StepDecoder
+    from decodekit.samplers import Sampler
+
+    tok = tiny_model.tokenizer
+    burst = tok.encode("abc") + [0] + tok.encode("def")
+    request = Request(tok.encode("hi"), Sampler.from_params(), max_new_tokens=20)
+    got = StepDecoder(scripted_steps([burst, tok.encode("ghi")])).generate(tiny_model, request)
+    assert (got.tokens, got.text, got.finish_reason, got.cut_off) == (tok.encode("abc"), "abc", "eos", [])
+
+
+def test_a_stop_completed_in_the_step_that_ends_at_an_end_of_sequence_token_finishes_on_the_stop(tiny_model):
+    """A stop string completed in a step that also ends at an end-of-sequence token cuts the text
+    there and is the finish reason, as when the same tokens come one a step (the stop is found first)."""
+    from decodekit.engine.core import Request, StepDecoder
+    from decodekit.samplers import Sampler
+
+    tok = tiny_model.tokenizer
+    tokens = tok.encode("abcd") + [0]
+    results = []
+    for groups in ([tokens], [[t] for t in tokens]):
+        request = Request(tok.encode("hi"), Sampler.from_params(), max_new_tokens=20, stop="bc")
+        got = StepDecoder(scripted_steps(groups)).generate(tiny_model, request)
+        results.append((got.tokens, got.text, got.finish_reason, got.cut_off))
+    assert results[0] == results[1] == (tok.encode("a"), "a", "stop", tok.encode("bc"))
+
+
+def test_a_stream_hands_over_at_the_end_what_it_held_back_for_a_stop_string_that_never_came(tiny_model):
+    """A stream holds back text a stop string may still claim; when the output ends without it
+    (max_new_tokens), the last update hands that text over, so the deltas join to the whole answer."""
+    engine = Engine(tiny_model)
+    free = engine.generate("stream me", max_new_tokens=30, chat=False, ignore_eos=True).text
+    deltas: list[str] = []
+    g = engine.generate("stream me", max_new_tokens=30, chat=False, ignore_eos=True, stop=free[-3:] + "\x00",
+                        on_text=deltas.append)
+    assert (g.text, g.finish_reason) == (free, "length")
+    assert "".join(deltas) == free and deltas[-1].endswith(free[-3:])
+
+
+def test_a_request_cancelled_before_it_decoded_reports_zero_tokens_per_second(tiny_model):
+    """A request that ran no decode time (cancelled before its first step) has 0 tokens/s in its
+    figures, not a division by zero."""
+    g = Engine(tiny_model).generate("hello", max_new_tokens=5, chat=False, should_stop=lambda: True)
+    assert g.finish_reason == "cancelled" and g.stats.decode_s == 0
+    assert g.stats.tokens_per_s == 0.0 and g.as_dict()["stats"]["tokens_per_s"] == 0.0
+
+
+def test_a_request_decoded_twice_keeps_its_prompt_and_answers_the_same(tiny_model):
+    """The decode state extends a copy of the prompt: the request's prompt_ids stay as given, so a
+    request run again (a retry) reads the same prompt and gives the same answer."""
+    from decodekit.engine.core import PlainDecoding, Request, StepDecoder
+    from decodekit.samplers import Sampler
+
+    prompt = tiny_model.tokenizer.encode("hello")
+    request = Request(list(prompt), Sampler.from_params(), max_new_tokens=8, ignore_eos=True)
+    first = StepDecoder(PlainDecoding()).generate(tiny_model, request)
+    assert request.prompt_ids == prompt and len(first.tokens) == 8
+    assert StepDecoder(PlainDecoding()).generate(tiny_model, request).tokens == first.tokens
+
+
 def test_tokens_left_counts_only_the_new_tokens():
     """DecodeState.tokens_left: what max_new_tokens still allows, the prompt not counted."""
     from decodekit.engine.core import DecodeState, GenerationStats

@@ -1250,6 +1250,50 @@ def test_auto_shares_the_drafters_its_hierarchy_arm_is_made_of():
     assert len(auto.leaves()) == len(hierarchy.parts)  # each leaf begins/updates once per step
 
 
+def test_a_composite_drafter_begins_updates_and_finishes_each_of_its_drafters_once(tiny_model):
+    """begin, update and finish reach each leaf drafter once a call, also one that two parts share
+    (as auto's hierarchy arm and its pld arm): going through the parts would reach a shared leaf
+    twice (its context indexed twice, a verification learnt twice)."""
+    from collections import Counter
+
+    from decodekit.speculative.drafters.base import CompositeDrafter
+
+    class Counting(PromptLookup):
+        def __init__(self):
+            super().__init__()
+            self.calls = Counter()
+
+        def begin(self, state):
+            self.calls["begin"] += 1
+            super().begin(state)
+
+        def update(self, state, tree, verdict, logits):
+            self.calls["update"] += 1
+
+        def finish(self, state):
+            self.calls["finish"] += 1
+
+    class First(CompositeDrafter):
+        name = "first"
+
+        def __init__(self, parts):
+            self.parts = parts
+
+        def draft(self, state, budget):
+            return self.parts[0].draft(state, budget)
+
+    shared, other = Counting(), Counting()
+    drafter = First([First([shared, other]), shared])
+    assert drafter.leaves() == [shared, other]
+    request = Request(tiny_model.tokenizer.encode("abcabcabcabc"), Sampler.from_params(), max_new_tokens=20,
+                      ignore_eos=True)
+    g = StepDecoder(SpeculativeMethod(drafter, Controller(8, budget=4))).generate(tiny_model, request)
+    steps = g.stats.extra["verifications"] + g.stats.extra["plain_steps"]
+    assert g.stats.extra["verifications"] > 0
+    for leaf in (shared, other):
+        assert leaf.calls == Counter(begin=1, update=steps, finish=1)
+
+
 def test_auto_reports_its_arm_pulls(engines):
     g = engines[0].generate(PROMPTS[1], method="auto", max_new_tokens=30, chat=False, budget=6)
     assert sum(g.stats.extra["arm_pulls"].values()) >= 1

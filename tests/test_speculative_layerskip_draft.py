@@ -694,6 +694,18 @@ def test_a_chain_drafts_as_far_as_the_budget_says(method, options):
 
 @pytest.mark.parametrize("method, options", [("draft", {"draft_model": "self-truncated:1"}), ("layerskip", {}),
                                              ("kvdraft", {})])
+def test_a_chains_accepted_tokens_are_counted_under_its_drafters_name(method, options):
+    """Each node of a chain names the drafter that proposed it: the accepted tokens are counted under
+    that name (``accepted_by_source``; layer skipping's skip search counts its own accepted tokens by it)."""
+    engine = Engine(LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny"))
+    g = engine.generate("abcabcabcabcabcabcabc", method=method, max_new_tokens=40, chat=False, budget=4,
+                        confidence=0.0, ignore_eos=True, **options)
+    assert g.stats.extra["accepted"] > 0
+    assert g.stats.extra["accepted_by_source"] == {method: g.stats.extra["accepted"]}
+
+
+@pytest.mark.parametrize("method, options", [("draft", {"draft_model": "self-truncated:1"}), ("layerskip", {}),
+                                             ("kvdraft", {})])
 def test_a_max_draft_given_is_the_chains_cap_too(method, options):
     """The common ``max_draft`` a request gives caps the chains the controller sizes, past the chain
     drafters' own default cap of 6 (which it did not reach: they kept 6)."""

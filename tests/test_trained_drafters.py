@@ -1123,6 +1123,80 @@ def test_a_feature_history_gives_every_position_it_holds_the_last_included():
     assert history.before([5, 6, 7, 8], 4) is None  # 3 positions held
     assert history.before([5, 1, 7, 8], 3) is None
 
+def begun_feature_drafter(prompt: list[int]):
+    """A feature drafter (the features alone: no network) begun on a tiny model's prompt pass."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+    from decodekit.speculative.drafters.base import FeatureDrafter
+    from decodekit.speculative.tree import DraftTree
+
+    class Features(FeatureDrafter):
+        kind = "medusa"
+
+        def draft(self, state, budget):
+            return DraftTree()
+
+    model = tiny()
+    state = DecodeState(model.backend, Sampler(greedy=True), list(prompt), GenerationStats())
+    state.prefill()
+    drafter = Features()
+    drafter.net, drafter._net_for = object(), model.backend
+    drafter.begin(state)
+    return model, state, drafter
+
+
+def test_a_feature_drafter_takes_no_feature_from_a_pass_that_is_not_the_updates():
+    """update takes the features of the pass the loop says it ran (the root, then the tree's nodes):
+    where the backend's last pass is another (still the prompt's, of many rows), it learns nothing
+    rather than file another position's feature under the root's."""
+    from decodekit.speculative.tree import DraftTree, Verification
+
+    prompt = PROMPTS[1]
+    model, state, drafter = begun_feature_drafter(prompt)
+    whole = model.backend.last_features[0].float().clone()
+    logits = state.next_logits()  # the prompt's pass's: no pass more
+    state.commit([int(logits.argmax())])  # the root is pending: no pass has read it yet
+    drafter.update(state, DraftTree(), Verification([], int(logits.argmax())), logits[None])
+    assert drafter.known == len(prompt) and torch.equal(drafter.features_from(0), whole)
+    logits = state.next_logits()  # the root's pass: now the update takes its feature
+    drafter.update(state, DraftTree(), Verification([], int(logits.argmax())), logits[None])
+    assert drafter.known == len(prompt) + 1
+    assert torch.equal(drafter.features_from(len(prompt))[0], model.backend.last_features[0, 0].float())
+
+
+def test_a_feature_drafter_that_missed_a_step_takes_no_feature_and_knows_none_before_the_root():
+    """After a step whose update the drafter did not see, the next pass's feature is not the one of
+    the position it would file it under: it takes none, and has no feature for the position before
+    the root (Medusa's input), rather than an older position's."""
+    from decodekit.speculative.tree import DraftTree, Verification
+
+    prompt = PROMPTS[1]
+    model, state, drafter = begun_feature_drafter(prompt)
+    state.commit([int(state.next_logits().argmax())])
+    assert drafter.last_feature(state) is not None  # the prompt's last position: known
+    state.commit([int(state.next_logits().argmax())])  # a step the drafter did not see
+    logits = state.next_logits()
+    drafter.update(state, DraftTree(), Verification([], int(logits.argmax())), logits[None])
+    assert drafter.known == len(prompt)
+    assert drafter.last_feature(state) is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_drafter_checked_for_one_model_and_begun_on_another_checks_again(kind):
+    """begin checks the drafter again where it was checked for another target (a drafter used
+    without the loop, or moved to a second model): a network trained for another model is refused
+    there, never drafted with."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+    from tests.conftest import required_options
+
+    model, other = tiny(), tiny(seed=1)
+    drafter = DRAFTER_SPECS[kind].factory(**required_options(kind, model.backend))
+    drafter.check(model.backend)
+    state = DecodeState(other.backend, Sampler(greedy=True), list(PROMPTS[0]), GenerationStats())
+    state.prefill()
+    with pytest.raises(InvalidParameter, match="trained for another model"):
+        drafter.begin(state)
+
+
 def test_eagle_predicts_the_same_after_pairs_committed_one_by_one_or_together(drafter_files):
     """The draft network's cache of committed pairs gives the same prediction whether the pairs came
     in one pass or several (after a verification several arrive at once)."""
