@@ -1793,3 +1793,142 @@ def test_a_choice_cancelled_before_it_decodes_has_no_logprobs():
         (future,) = scheduler.submit([job])
         outcome = future.result(timeout=60)
         assert outcome.generation.finish_reason == "cancelled" and outcome.logprobs is None
+
+
+def test_streamed_choices_each_carry_their_own_index(served):
+    """n = 2 streamed: each chunk names the choice its text is of (each choice's text callback keeps
+    its own index), so the texts joined by index are the choices the same request gets unstreamed."""
+    ask = {"max_tokens": 12, "temperature": 0.9, "seed": 5, "n": 2}
+    want = [c.message.content for c in chat(served, PROMPTS[2], **ask).choices]
+    texts, ends = ["", ""], [None, None]
+    for chunk in chat(served, PROMPTS[2], stream=True, **ask):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            ends[c.index] = c.finish_reason or ends[c.index]
+    assert want[0] != want[1] and texts == want and None not in ends
+
+
+def test_a_chats_max_completion_tokens_is_its_limit():
+    """max_completion_tokens is OpenAI's newer name for a chat's max_tokens (the one its current
+    clients send): a chat takes it as its limit, not the rest of the context."""
+    messages = [{"role": "user", "content": "hi"}]
+    assert parse_request({"messages": messages, "max_completion_tokens": 5}, chat=True).max_tokens == 5
+
+
+def test_logprobs_without_top_logprobs_give_each_tokens_own(served):
+    """logprobs: true without top_logprobs (a chat), or a completion's logprobs 0: every token's own
+    log-probability, with no alternatives; 0 alternatives is not "no logprobs"."""
+    got = chat(served, PROMPTS[3], max_tokens=4, temperature=0, logprobs=True, extra_body={"ignore_eos": True})
+    content = got.choices[0].logprobs.content
+    assert len(content) == 4 and all(e.top_logprobs == [] and e.logprob <= 0 for e in content)
+    text = served.client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=4, temperature=0, logprobs=0,
+                                            extra_body={"ignore_eos": True})
+    assert len(text.choices[0].logprobs.token_logprobs) == 4
+
+
+def test_a_get_of_a_post_route_is_a_405_error_object(served):
+    """A route asked with the wrong method (a browser's GET of the chat API): 405, an OpenAI error
+    object saying which route was asked for, as a missing route's 404 does."""
+    status, body, _ = served.get("/v1/chat/completions")
+    error = json.loads(body)["error"]
+    assert status == 405 and error["message"] == "no route GET /v1/chat/completions"
+    assert error["type"] == "invalid_request_error"
+
+
+def test_an_unforeseen_exception_is_a_counted_500_naming_its_type(served, monkeypatch):
+    """An error no check foresaw is a 500 server_error naming its type (no traceback), and it is
+    counted in /metrics as every error answered is."""
+    def broken(jobs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(served.server.scheduler, "submit", broken)
+    before = server_errors(served)
+    status, body = post(served, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    error = json.loads(body)["error"]
+    assert status == 500 and error["type"] == "server_error" and error["message"] == "internal error: RuntimeError: boom"
+    assert server_errors(served) - before == 1
+
+
+def test_a_servers_fault_found_while_decoding_is_a_500_with_no_retry_after(served, monkeypatch):
+    """A damaged model found while decoding is a 500 server_error; Retry-After is for a 503 only
+    (loading or full: come back later), not for a fault a retry would meet again."""
+    from concurrent.futures import Future
+
+    from decodekit.errors import InvalidModel
+
+    def damaged(jobs):
+        failed: Future = Future()
+        failed.set_exception(InvalidModel("the weights are damaged"))
+        return [failed for _ in jobs]
+
+    monkeypatch.setattr(served.server.scheduler, "submit", damaged)
+    request = urllib.request.Request(served.url + "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
+                                     {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request)
+    error = json.loads(err.value.read())["error"]
+    assert err.value.code == 500 and error["type"] == "server_error" and "damaged" in error["message"]
+    assert err.value.headers.get("Retry-After") is None
+
+
+def test_a_stream_is_sent_as_server_sent_events_that_no_cache_keeps(served):
+    """A stream's reply is text/event-stream with Cache-Control: no-cache, so that a proxy between
+    the server and its client passes each event on instead of holding the reply."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 2, "stream": True}).encode()
+    request = urllib.request.Request(served.url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request) as reply:
+        assert reply.status == 200 and reply.read().decode().endswith("data: [DONE]\n\n")
+        assert reply.headers["Content-Type"].startswith("text/event-stream")
+        assert reply.headers["Cache-Control"] == "no-cache"
+
+
+def test_a_boolean_is_not_a_sampling_number():
+    """temperature, top_p and the penalties are numbers: true is refused (it would be read as 1),
+    the error naming the field, as a boolean for an integer field is."""
+    for field in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        assert refused({"prompt": "hi", field: True}) == field, field
+
+
+def test_a_messages_text_parts_join_as_they_are_written():
+    """A content given as text parts is their text end to end (no separator added between them)."""
+    parts = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]
+    spec = parse_request({"messages": [{"role": "user", "content": parts}]}, chat=True)
+    assert spec.prompt == [{"role": "user", "content": "Hello, world"}]
+
+
+def test_a_streamed_request_with_a_bad_option_is_a_400_before_its_stream_starts(served):
+    """The method's options and the sampler's parameters are checked before anything is queued: a
+    bad one in a streamed request is a 400 error object, not a 200 stream that ends in an error event."""
+    base = {"prompt": "hi", "max_tokens": 2, "stream": True}
+    for extra, param in (({"method": "pld", "budget": -1}, "budget"), ({"temperature": 0.7, "top_k": 0}, "top_k")):
+        status, body = post(served, "/v1/completions", {**base, **extra})
+        assert status == 400 and json.loads(body)["error"]["param"] == param, (extra, status, body)
+
+
+def test_a_body_that_is_not_utf8_is_a_400_not_json():
+    """A body whose bytes are not UTF-8 is not JSON: a 400 naming it so, never an unforeseen 500."""
+    import asyncio
+
+    from decodekit.serve.errors import ApiError
+    from decodekit.serve.request import read_body
+
+    class Sent:
+        headers = {}
+
+        async def stream(self):
+            yield b'{"prompt": "\xff"}'
+
+    with pytest.raises(ApiError) as err:
+        asyncio.run(read_body(Sent()))
+    assert err.value.status == 400 and "not valid JSON" in str(err.value)
+
+
+def test_another_models_name_is_a_404_with_its_code(served):
+    """A request or a card for a model this server does not serve: 404 with OpenAI's code
+    model_not_found and param model, which clients read to tell it from a missing route."""
+    status, body = post(served, "/v1/completions", {"model": "gpt-9", "prompt": "hi", "max_tokens": 2})
+    error = json.loads(body)["error"]
+    assert status == 404 and (error["code"], error["param"], error["type"]) == ("model_not_found", "model",
+                                                                                  "invalid_request_error")
+    status, body, _ = served.get("/v1/models/gpt-9")
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
