@@ -220,9 +220,39 @@ def test_stop_with_json_returns_tokens_that_spell_the_text(capsys, tiny_cli, eng
     assert engine.model.tokenizer.decode(record["tokens"]) == record["text"]
 
 
-def chat(capsys, monkeypatch, typed: str, out: list[str] | None = None, stdin=None) -> tuple[list[str], str]:
-    """Run ``decodekit chat`` on ``typed`` lines (or on ``stdin``); return the user messages sent and
-    stderr (and stdout into ``out``). The model answers "ok <message>", streamed."""
+def test_generate_passes_its_flags_to_the_engine_and_prints_the_result(capsys, monkeypatch, tiny_cli, engine):
+    """--raw, --method, --max-new-tokens, --stop, --opt and the constraint reach the engine; --stream
+    writes the text once, as it comes, and ends the line; --json keeps non-ASCII text as it is."""
+    calls: list[dict] = []
+    real = engine.generate
+
+    def recording(prompt, **kwargs):
+        calls.append(kwargs)
+        return real(prompt, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", recording)
+    argv = ["generate", "hello there", "--raw", "--method", "pld", "--max-new-tokens", "20", "--stop", "<end>",
+            "--opt", "max_ngram=2"]
+    text = real("hello there", method="pld", max_new_tokens=20, chat=False, max_ngram=2).text
+    assert cli.main([*argv, "--stream"]) == 0
+    assert capsys.readouterr().out == text + "\n"
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == text + "\n"
+    assert callable(calls[0]["on_text"]) and calls[1]["on_text"] is None
+    assert (calls[0]["chat"], calls[0]["method"], calls[0]["max_new_tokens"], calls[0]["stop"], calls[0]["max_ngram"]) == (
+        False, "pld", 20, ["<end>"], 2)
+    assert cli.main(["generate", "hi", "--raw", "--max-new-tokens", "8", "--choice", "yes,no"]) == 0
+    assert calls[2]["constraint"] == {"choice": ["yes", "no"]} and capsys.readouterr().out.strip() in ("yes", "no")
+    monkeypatch.setattr(engine, "generate", lambda prompt, **kwargs: SimpleNamespace(as_dict=lambda: {"text": "café"}))
+    assert cli.main(["generate", "hi", "--json"]) == 0
+    assert capsys.readouterr().out == '{"text": "café"}\n'  # not "caf\\u00e9"
+
+
+def chat(capsys, monkeypatch, typed: str, out: list[str] | None = None, stdin=None, flags: tuple[str, ...] = (),
+         calls: list[dict] | None = None) -> tuple[list[str], str]:
+    """Run ``decodekit chat`` (with ``flags``) on ``typed`` lines (or on ``stdin``); return the user
+    messages sent and stderr (and stdout into ``out``, each call's keywords into ``calls``). The model
+    answers "ok <message>", streamed."""
     sent: list[str] = []
 
     class Recorder:
@@ -230,6 +260,8 @@ def chat(capsys, monkeypatch, typed: str, out: list[str] | None = None, stdin=No
 
         def generate(self, messages, on_text=None, **kwargs):
             sent.append(messages[-1]["content"])
+            if calls is not None:
+                calls.append(kwargs)
             text = f"ok {messages[-1]['content']}"
             on_text(text)
             return SimpleNamespace(text=text, stats=SimpleNamespace(new_tokens=1, tokens_per_s=1.0))
@@ -237,7 +269,7 @@ def chat(capsys, monkeypatch, typed: str, out: list[str] | None = None, stdin=No
     monkeypatch.setattr(cli, "make_engine", lambda args: Recorder())
     monkeypatch.setattr(cli, "check_room_for_a_message", lambda engine, max_new_tokens: None)  # the recorder has no context
     monkeypatch.setattr(sys, "stdin", stdin or io.StringIO(typed))
-    assert cli.main(["chat"]) == 0
+    assert cli.main(["chat", *flags]) == 0
     captured = capsys.readouterr()
     if out is not None:
         out.append(captured.out)
@@ -251,6 +283,20 @@ def test_chat_writes_answer_by_answer_to_stdout_and_skips_a_line_that_is_not_utf
     sent, err = chat(capsys, monkeypatch, "hello\ncaf\udce9 au lait\nworld\n", out)
     assert sent == ["hello", "world"] and err.count("the line is not valid UTF-8; not sent") == 1
     assert out[0] == "> ok hello\n> > ok world\n> \n"
+
+
+def test_chat_gives_every_message_the_flags_of_the_command_line(capsys, monkeypatch):
+    """Each message is answered with the command line's method, answer length, stop strings, sampling
+    flags and structured-output constraint, not the defaults."""
+    calls: list[dict] = []
+    flags = ("--method", "sample", "--temperature", "0.5", "--seed", "3", "--max-new-tokens", "7", "--stop", "XY",
+             "--json-object")
+    sent, _ = chat(capsys, monkeypatch, "hello\nworld\n", flags=flags, calls=calls)
+    assert sent == ["hello", "world"] and len(calls) == 2
+    for kwargs in calls:
+        assert (kwargs["method"], kwargs["max_new_tokens"], kwargs["stop"], kwargs["constraint"]) == (
+            "sample", 7, ["XY"], {"json": None})
+        assert (kwargs["temperature"], kwargs["seed"]) == (0.5, 3)
 
 
 def test_chat_read_strictly_still_loses_only_the_line_that_is_not_utf8(capsys, monkeypatch):
@@ -301,6 +347,47 @@ def test_an_output_that_cannot_be_written_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdout", Full())
     assert cli.main(["methods"]) == 1
     assert capsys.readouterr().err == "decodekit: error: No space left on device\n"
+
+
+def test_a_file_error_names_the_file(capsys, monkeypatch):
+    """An OSError reading a file (permission denied) is one line naming the file, status 1."""
+    import errno
+
+    def unreadable(args):
+        raise OSError(errno.EACCES, "Permission denied", "/data/questions.jsonl")
+
+    monkeypatch.setattr(cli, "cmd_methods", unreadable)
+    assert cli.main(["methods"]) == 1
+    assert capsys.readouterr().err == "decodekit: error: Permission denied: /data/questions.jsonl\n"
+
+
+def test_no_prompt_and_a_terminal_on_standard_input_is_refused(capsys, no_model, monkeypatch):
+    """``decodekit generate`` typed alone at a terminal is refused in one line, not left waiting for
+    standard input to end."""
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal("never read\n"))
+    one_error_line(capsys, ["generate"], "no prompt: give one as an argument or on standard input")
+
+
+def test_a_schema_file_that_is_not_utf8_is_one_line(capsys, no_model, tmp_path):
+    """A --json-schema or --grammar file that cannot be decoded is refused in one line, not a traceback."""
+    schema = tmp_path / "schema.json"
+    schema.write_bytes(b'{"type": "string", "description": "caf\xe9"}')
+    one_error_line(capsys, ["generate", "hi", "--json-schema", str(schema)], f"cannot read {schema}")
+    one_error_line(capsys, ["generate", "hi", "--grammar", str(schema)], f"cannot read {schema}")
+
+
+def test_an_inline_schema_longer_than_a_file_name_is_a_schema(capsys, no_model):
+    """An inline --json-schema of more than 255 characters (a file name's limit) is the schema, not a
+    file name the system refuses (exit 1); a --grammar name that long is no such file (exit 2)."""
+    schema = json.dumps({"type": "object", "description": "a" * 300})
+    args = cli.build_parser(commands=["generate"]).parse_args(["generate", "hi", "--json-schema", schema])
+    assert cli.constraint_from_args(args) == {"json_schema": schema}
+    one_error_line(capsys, ["generate", "hi", "--grammar", "g" * 300], "--grammar: no such file")
 
 
 def test_invalid_utf8_argument_from_a_real_command_line():

@@ -112,6 +112,31 @@ def test_a_prompt_on_standard_input_keeps_its_indentation(monkeypatch):
         read_prompt("-")
 
 
+def test_a_prompt_on_standard_input_loses_a_final_windows_line_end(monkeypatch):
+    """A prompt file saved with CRLF line ends loses the whole final line end, as a LF one does: the
+    model is not asked to continue a stray carriage return."""
+    import io
+
+    from decodekit.interfaces.cli import read_prompt
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"first line\r\nsecond line\r\n")))
+    assert read_prompt(None) == "first line\r\nsecond line"
+
+
+def test_the_model_flags_reach_the_engine(monkeypatch):
+    """--model, --backend, --dtype, --numerics and --kv-cache are all given to the Engine."""
+    from decodekit import engine
+    from decodekit.interfaces.cli import build_parser, make_engine
+
+    made = []
+    monkeypatch.setattr(engine, "Engine", lambda model, **kwargs: made.append((model, kwargs)))
+    args = build_parser(commands=["generate"]).parse_args(
+        ["generate", "hi", "--model", "m.gguf", "--backend", "hf", "--dtype", "bfloat16", "--numerics", "fast",
+         "--kv-cache", "int8"])
+    make_engine(args)
+    assert made == [("m.gguf", {"backend": "hf", "dtype": "bfloat16", "numerics": "fast", "kv_cache": "int8"})]
+
+
 def test_choice_flag_drops_empty_alternatives():
     """--choice a,,b is the choices a and b: an empty one (a doubled or trailing comma) would let the
     model answer nothing at all."""

@@ -61,6 +61,15 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     structured.add_argument("--grammar", metavar="FILE", help="the output follows this Lark grammar (as llguidance reads it)")
 
 
+def is_file(path: Path) -> bool:
+    """``path.is_file()``, false where the system refuses the name (longer than a file name may be:
+    an inline JSON schema of more than 255 characters), which would otherwise be an OSError."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
     """The structured-output flag as a constraint (``--json-schema`` and ``--grammar`` read a file
     when given one), checked now: a bad schema, pattern or grammar is one line before any model loads."""
@@ -68,7 +77,7 @@ def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
 
     def text_or_file(value: str) -> str:
         path = Path(value)
-        if len(value) < 4096 and path.is_file():
+        if len(value) < 4096 and is_file(path):
             try:
                 return path.read_text()
             except (OSError, UnicodeDecodeError) as err:
@@ -86,7 +95,7 @@ def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
     elif args.choice is not None:
         spec = {"choice": [c for c in args.choice.split(",") if c]}
     elif args.grammar is not None:
-        if not Path(args.grammar).is_file():
+        if not is_file(Path(args.grammar)):
             raise InvalidParameter(f"--grammar: no such file {args.grammar!r}")
         spec = {"grammar": text_or_file(args.grammar)}
     else:
