@@ -507,20 +507,25 @@ class Controller:
             depth = 1  # a one-node probe keeps the acceptance estimate fresh
         return depth
 
-    def speculation_pays(self) -> bool:
-        """Whether speculative steps have realised at least plain decoding's tokens per second
-        (assumed until ``MIN_REALISED_STEPS`` of them are measured)."""
+    def realised_rate(self) -> float | None:
+        """Tokens per second that speculative steps have realised (drafting and bookkeeping
+        included); None until ``MIN_REALISED_STEPS`` of them are measured."""
         learnt = self.learnt
         if learnt.spec_steps < MIN_REALISED_STEPS:
-            return True
-        return learnt.step_tokens / learnt.step_seconds >= 1.0 / self.plain_step_s()
+            return None
+        return learnt.step_tokens / learnt.step_seconds
+
+    def speculation_pays(self) -> bool:
+        """Whether speculative steps have realised at least plain decoding's tokens per second
+        (assumed until they are measured)."""
+        rate = self.realised_rate()
+        return rate is None or rate >= 1.0 / self.plain_step_s()
 
     def speculation_measurably_pays(self) -> bool:
-        """Whether speculative steps, ``MIN_REALISED_STEPS`` of them measured at least, have realised
-        plain decoding's tokens per second and the ``GAIN_MARGIN`` besides."""
-        learnt = self.learnt
-        return (learnt.spec_steps >= MIN_REALISED_STEPS
-                and learnt.step_tokens / learnt.step_seconds >= (1.0 + GAIN_MARGIN) / self.plain_step_s())
+        """Whether speculative steps, measured, have realised plain decoding's tokens per second and
+        the ``GAIN_MARGIN`` besides."""
+        rate = self.realised_rate()
+        return rate is not None and rate >= (1.0 + GAIN_MARGIN) / self.plain_step_s()
 
     def costly_drafting(self) -> bool:
         """Whether a draft call costs more than a small share of a plain step. Judged per call, not
