@@ -169,6 +169,19 @@ def test_bench_out_must_be_writable_before_the_model_loads(capsys, no_model, tmp
                        f"{out / name} is in the way of the file this command writes there")
 
 
+def test_an_out_that_is_a_file_is_refused_and_a_folder_still_to_make_is_not(tmp_path):
+    """--out naming an existing file (not a folder inside one) is refused; folders several levels
+    deep that do not exist yet are fine; the check leaves nothing behind."""
+    from decodekit.arguments import check_writable
+
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(InvalidParameter, match=r"is not a writable folder \(.*a-file is not a folder\)"):
+        check_writable(tmp_path / "a-file")
+    check_writable(tmp_path / "new" / "deeper" / "out")
+    check_writable(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
 def test_bench_resume_refuses_malformed_records(capsys, no_model, tmp_path):
     qfile = questions_file(tmp_path / "q.jsonl", QUESTION)
     argv = ["bench", "--questions", str(qfile), "--methods", "greedy", "--baselines", "none", "--out", str(tmp_path)]

@@ -125,6 +125,23 @@ def test_question_file_resolution_and_errors(tmp_path: Path, monkeypatch):
     assert resolve_question_file("q.jsonl") == (tmp_path / "q.jsonl").resolve()
 
 
+def test_a_question_file_may_be_named_from_home_and_a_folder_is_not_one(tmp_path: Path, monkeypatch):
+    """--questions ~/q.jsonl is the file in the home folder; a folder is refused in one line, not
+    read as a file."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_questions(tmp_path / "q.jsonl")
+    assert resolve_question_file("~/q.jsonl") == (tmp_path / "q.jsonl").resolve()
+    assert len(load_questions("~/q.jsonl")) == len(CATEGORIES)
+    with pytest.raises(InvalidParameter, match="not found"):
+        resolve_question_file(tmp_path)
+
+
+@pytest.mark.parametrize("limit", [0, -1])
+def test_a_limit_below_one_is_refused_not_an_empty_benchmark(qfile: Path, limit):
+    with pytest.raises(InvalidParameter, match=f"--limit must be an integer >= 1, got {limit}"):
+        load_questions(qfile, limit=limit)
+
+
 # --------------------------------------------------------------------------- interleaving
 
 

@@ -722,6 +722,148 @@ def test_serve_loads_fast_numerics_by_default_and_falls_back_to_exact_with_a_not
     assert load_for_serving(argparse.Namespace(**{**vars(args), "numerics": "exact"})) == "exact" and asked == ["exact"]
 
 
+def test_the_exact_fallback_loads_the_model_as_asked_but_for_its_numerics(monkeypatch, capsys):
+    """Falling back from fast to exact changes the numerics only: the model, backend, dtype and kv
+    cache asked for are those of the first try."""
+    import argparse
+
+    from decodekit.serve.cli import load_for_serving
+
+    asked = []
+
+    def load_model(model, **kwargs):
+        asked.append((model, kwargs))
+        if kwargs["numerics"] == "fast":
+            raise InvalidParameter("no fast numerics here")
+        return kwargs["numerics"]
+
+    monkeypatch.setattr("decodekit.models.load_model", load_model)
+    args = argparse.Namespace(model="some-model", backend="native", dtype="bfloat16", kv_cache="int8", numerics=None)
+    assert load_for_serving(args) == "exact"
+    (first, fast), (second, exact) = asked
+    assert first == second == "some-model" and fast == {**exact, "numerics": "fast"}
+    assert exact == {"backend": "native", "dtype": "bfloat16", "numerics": "exact", "kv_cache": "int8"}
+
+
+class _ServerMade(Exception):
+    pass
+
+
+def _serve_until_the_server_is_made(monkeypatch, argv):
+    """``decodekit serve ARGV`` up to the Server it makes, which is not run: what was looked up, in
+    order, and the Server's settings (or main's exit status where it ended before)."""
+    from decodekit.interfaces.cli import main
+    from decodekit.serve import app as serve_app
+    from decodekit.serve import cli as serve_cli
+
+    steps, made = [], {}
+
+    def listen(host, port):
+        steps.append(("listen", host, port))
+        return object()  # the Server is made before the socket is used
+
+    def server(load, **kwargs):
+        made.update(kwargs)
+        raise _ServerMade
+
+    monkeypatch.setattr("decodekit.models.loading.resolve_model_folder", lambda name: steps.append(("model", name)))
+    monkeypatch.setattr(serve_cli, "listen", listen)
+    monkeypatch.setattr(serve_app, "Server", server)
+    try:
+        status = main(["serve", *argv])
+    except _ServerMade:
+        status = None
+    return steps, made, status
+
+
+def test_the_serve_command_hands_its_flags_to_the_server_after_finding_the_model(monkeypatch):
+    """The limits and the comma-separated origins (blanks trimmed, empty items dropped) reach the
+    Server as given; --stream-interval-ms is in milliseconds; the model is found before anything
+    listens."""
+    from decodekit.serve import MAX_BATCH, MAX_QUEUE, STREAM_INTERVAL_S
+
+    steps, made, status = _serve_until_the_server_is_made(monkeypatch, [
+        "--model", "m", "--host", "0.0.0.0", "--port", "0", "--max-batch", "3", "--max-queue", "5",
+        "--allowed-origins", " https://a.example , ,http://b.example:8080 ", "--stream-interval-ms", "500"])
+    assert status is None and steps == [("model", "m"), ("listen", "0.0.0.0", 0)]
+    assert (made["max_batch"], made["max_queue"], made["stream_interval_s"]) == (3, 5, 0.5)
+    assert made["allowed_origins"] == ["https://a.example", "http://b.example:8080"]
+    _, made, _ = _serve_until_the_server_is_made(monkeypatch, [])
+    assert (made["max_batch"], made["max_queue"], made["stream_interval_s"]) == (MAX_BATCH, MAX_QUEUE, STREAM_INTERVAL_S)
+    assert made["allowed_origins"] == []
+
+
+def test_a_bad_kv_cache_spelling_is_one_line_before_the_model_is_looked_for(monkeypatch, capsys):
+    """A misspelt --kv-cache is its own error (exit code 2), not a reason to fall back from the fast
+    numerics once the model loads."""
+    steps, made, status = _serve_until_the_server_is_made(monkeypatch, ["--kv-cache", "int9"])
+    assert status == 2 and steps == [] and made == {}
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("decodekit: error: ") and "int9" in err[0]
+
+
+def test_a_port_past_65535_is_one_line(monkeypatch, capsys):
+    from decodekit.interfaces.cli import main
+    from decodekit.serve.cli import listen
+
+    with pytest.raises(InvalidParameter, match="cannot listen on 127.0.0.1:70000"):
+        listen("127.0.0.1", 70000)
+    monkeypatch.setattr("decodekit.models.loading.resolve_model_folder", lambda name: None)
+    assert main(["serve", "--port", "70000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("decodekit: error: cannot listen on 127.0.0.1:70000")
+
+
+def test_the_server_listens_on_an_ipv6_address_too():
+    """--host ::1 (or ::) is an address to listen on like 127.0.0.1, and the start-up line's URL puts
+    it in brackets."""
+    from decodekit.serve.cli import base_url, listen
+
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 on this machine")
+    for host, url in (("127.0.0.1", "http://127.0.0.1:{}/v1"), ("::1", "http://[::1]:{}/v1")):
+        sock = listen(host, 0)
+        try:
+            port = sock.getsockname()[1]
+            assert base_url(sock) == url.format(port)
+            with socket.create_connection((host, port), timeout=5):
+                sock.accept()[0].close()
+        finally:
+            sock.close()
+
+
+def test_a_second_signal_stops_waiting_and_a_sigint_ignored_from_the_start_stays_ignored(capsys):
+    """SIGTERM or SIGINT: the first asks uvicorn to finish the requests in progress, a second to stop
+    now; a SIGINT the process was started ignoring (a background job) is left ignored."""
+    from types import SimpleNamespace
+
+    from decodekit.serve.cli import shut_down_on_signals
+
+    saved = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        web = SimpleNamespace(should_exit=False, force_exit=False)
+        shut_down_on_signals(web)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        handler = signal.getsignal(signal.SIGTERM)
+        handler(signal.SIGTERM, None)
+        assert web.should_exit and not web.force_exit
+        handler(signal.SIGTERM, None)
+        assert web.force_exit
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored: Ctrl-C shuts down too
+        web = SimpleNamespace(should_exit=False, force_exit=False)
+        shut_down_on_signals(web)
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+        assert web.should_exit and not web.force_exit
+    finally:
+        for number, handler in saved.items():
+            signal.signal(number, handler)
+    err = capsys.readouterr().err
+    assert err.count("SIGTERM, shutting down") == 1 and err.count("SIGINT, shutting down") == 1
+
+
 def test_the_outbox_hands_over_a_first_text_and_an_end_at_once_and_gathers_the_rest():
     """What a stream writes when: a choice's first text at once (time to first token), later text
     gathered for the interval (here longer than the test), a choice's end at once and with

@@ -427,6 +427,128 @@ def test_the_corpus_stops_at_the_tokens_asked_for(monkeypatch):
     assert corpus.tokens == 6 and len(corpus.samples) == 3  # 2 + 2 < 5 tokens: a third; then 6 >= 5
 
 
+def test_every_benchmark_question_is_excluded_every_spec_bench_turn_and_every_gsm8k_problem():
+    """The shipped files read on their own: each turn of each Spec-Bench question (not only the
+    first) and each GSM8K problem overlaps the default exclusion."""
+    from decodekit.data import GSM8K_TEST, SPEC_BENCH_QUESTIONS, data_file, read_jsonl
+
+    exclusion = Exclusion()
+    turns = [turn for _, row in read_jsonl(data_file(SPEC_BENCH_QUESTIONS)) for turn in row["turns"]]
+    problems = [row["question"] for _, row in read_jsonl(data_file(GSM8K_TEST))]
+    assert len(turns) > 240 and problems  # second turns there too
+    assert [t for t in turns if not exclusion.overlaps(t)] == []
+    assert [p for p in problems if not exclusion.overlaps(p)] == []
+
+
+def test_a_query_that_differs_from_a_question_only_in_case_and_punctuation_is_excluded():
+    """Words are compared, not spelling: case and punctuation do not hide a question; the questions
+    may come as any iterable (a generator too), read for the whole texts and the 8-word runs alike."""
+    exclusion = Exclusion(q for q in ["What is the capital of France?", "one two three four five six seven eight nine, ten."])
+    assert exclusion.overlaps("what is the capital of france")
+    assert exclusion.overlaps("WHAT IS THE CAPITAL OF FRANCE !!")
+    assert exclusion.overlaps("Quote: one two three four five six seven eight")  # an 8-word run
+    assert exclusion.overlaps("three four five six seven eight nine ten")  # the last run, across the comma
+    assert not exclusion.overlaps("what is the capital of spain")
+
+
+def test_queries_that_differ_only_in_case_and_punctuation_are_one_query(monkeypatch):
+    """De-duplication compares the normalised text: the first spelling is kept, the others dropped."""
+    queries = iter([["What is the weather today?", "what is the weather today", "WHAT, is the weather today!"]] + [[]] * 1000)
+    monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: next(queries))
+    model = tiny()
+    corpus = self_distil(model.backend, model.tokenizer, 10_000, max_new_tokens=4, rows=4, exclusion=Exclusion([]))
+    assert [s.query for s in corpus.samples] == ["What is the weather today?"]
+
+
+def test_sampled_answers_keep_their_turn_across_waves_and_each_has_a_seed_of_its_own(monkeypatch):
+    """Every ``sampled_every``-th answer of the whole corpus is sampled, however the queries fall into
+    waves; each answer's seed is its own, and another run seed gives other seeds."""
+    model = tiny()
+
+    def jobs_of(seed):
+        queries = iter([[f"fresh question number {i}"] for i in range(8)] + [[]] * 1000)  # one a round
+        monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: next(queries))
+        jobs = []
+
+        def answered(backend, tokenizer, given, max_new_tokens, concurrency):
+            jobs.extend(given)
+            return [data_module.Sample([1, 2], 0, torch.zeros(2, 4), query) for query, _, _ in given]
+
+        monkeypatch.setattr(data_module, "answer_all", answered)
+        self_distil(model.backend, model.tokenizer, 10_000, rows=1, wave=3, sampled_every=4, seed=seed,
+                    exclusion=Exclusion([]))
+        return jobs
+
+    jobs = jobs_of(0)
+    assert [query for query, _, _ in jobs] == [f"fresh question number {i}" for i in range(8)]
+    assert [temperature for _, temperature, _ in jobs] == [0.0, 0.0, 0.0, 1.0] * 2  # waves of 3, 3 and 2
+    seeds = [seed for _, _, seed in jobs]
+    assert len(set(seeds)) == len(seeds)
+    assert [seed for _, _, seed in jobs_of(1)] != seeds
+
+
+def test_answers_made_side_by_side_are_each_the_answer_made_alone():
+    """answer_all: each job's answer (tokens and features) is :func:`answer`'s for the same query,
+    temperature and seed, in the jobs' order."""
+    model = tiny()
+    jobs = [("hello world", 0.0, 5), ("the cat sat", 1.0, 11), ("the cat sat", 1.0, 13), ("xyz xyz", 1.0, 12)]
+    got = data_module.answer_all(model.backend, model.tokenizer, jobs, 12, concurrency=3)
+    assert [s.query for s in got] == [query for query, _, _ in jobs]
+    for sample, (query, temperature, seed) in zip(got, jobs):
+        alone = answer(model.backend, model.tokenizer, query, 12, temperature,
+                       torch.Generator().manual_seed(seed) if temperature > 0 else None)
+        assert sample.tokens == alone.tokens and sample.scored_from == alone.scored_from
+        assert torch.equal(sample.features, alone.features)
+    assert got[1].tokens != got[2].tokens  # two seeds, two samples of one query
+
+
+def test_an_answer_that_fails_side_by_side_fails_answer_all(monkeypatch):
+    """An error on a worker thread is raised on the caller's, never a corpus quietly short of it."""
+    model = tiny()
+    real = data_module.answer
+
+    def failing(backend, tokenizer, query, *args):
+        if query == "bad query":
+            raise ValueError("the pass failed")
+        return real(backend, tokenizer, query, *args)
+
+    monkeypatch.setattr(data_module, "answer", failing)
+    jobs = [("hello world", 0.0, 0), ("bad query", 0.0, 1), ("the cat sat", 0.0, 2)]
+    with pytest.raises(ValueError, match="the pass failed"):
+        data_module.answer_all(model.backend, model.tokenizer, jobs, 4, concurrency=2)
+
+
+def test_a_saved_corpus_loads_as_it_was_and_a_damaged_or_half_written_one_is_made_again(tmp_path, monkeypatch):
+    """save_corpus/load_corpus round-trip; a save that fails midway leaves the last whole corpus in
+    place; a damaged file or none loads as None (the data is made again), never a traceback."""
+    model = tiny()
+    corpus = corpus_of(model, tokens=6, count=3)
+    corpus.queries_drafted, corpus.seconds = 7, 1.5
+    path = tmp_path / "drafters" / "tiny-data.pt"
+    data_module.save_corpus(corpus, path)
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    loaded = data_module.load_corpus(path)
+    assert (loaded.queries_drafted, loaded.seconds, loaded.tokens) == (7, 1.5, corpus.tokens)
+    for a, b in zip(loaded.samples, corpus.samples, strict=True):
+        assert (a.tokens, a.scored_from, a.query) == (b.tokens, b.scored_from, b.query)
+        assert torch.equal(a.features, b.features)
+
+    def half_written(obj, file):
+        open(file, "wb").write(b"half a corpus")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(data_module.torch, "save", half_written)
+    with pytest.raises(OSError, match="No space"):
+        data_module.save_corpus(Corpus(), path)
+    monkeypatch.undo()
+    assert data_module.load_corpus(path).queries_drafted == 7
+    whole = path.read_bytes()
+    for damaged in (whole[: len(whole) // 2], b"not a corpus", b""):
+        path.write_bytes(damaged)
+        assert data_module.load_corpus(path) is None
+    assert data_module.load_corpus(tmp_path / "none.pt") is None
+
+
 # Drafter files ------------------------------------------------------------------------------------------------
 
 

@@ -52,12 +52,21 @@ def load_for_serving(args: argparse.Namespace):
 
 
 def listen(host: str, port: int) -> socket.socket:
+    """The listening socket: IPv6 for an IPv6 address (``::``, ``::1``), else IPv4."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        sock = socket.create_server((host, port), reuse_port=False)
+        sock = socket.create_server((host, port), family=family, reuse_port=False)
     except (OSError, OverflowError) as err:
         raise InvalidParameter(f"cannot listen on {host}:{port} ({getattr(err, 'strerror', None) or err})") from None
     sock.set_inheritable(True)
     return sock
+
+
+def base_url(sock: socket.socket) -> str:
+    """The API's address on ``sock``, an IPv6 host in brackets."""
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/v1"
 
 
 SHUTDOWN_SIGNALS = ("SIGTERM", "SIGINT")
@@ -116,8 +125,7 @@ def run(args: argparse.Namespace) -> int:
         server.load_now()
         if web.should_exit:  # a signal came while the model loaded: the HTTP thread has closed the socket
             return 0
-        host, port = sock.getsockname()[:2]
-        print(f"decodekit serve: {server.model_id}, {server.numerics} numerics, http://{host}:{port}/v1 "
+        print(f"decodekit serve: {server.model_id}, {server.numerics} numerics, {base_url(sock)} "
               f"(max batch {server.scheduler.max_batch}, queue {server.max_queue})", file=sys.stderr, flush=True)
         threading.Thread(target=lambda: (http.join(), stopped.set(), server.scheduler.batcher.stop_waiting()),
                          daemon=True).start()
