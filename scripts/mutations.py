@@ -7698,7 +7698,7 @@ MUTATIONS = (
              'if self.window_copy == "int8" and not target.kv_policy.quantised', 'if False and not target.kv_policy.quantised',
              ('tests/test_kv_policy.py', '-k', 'samples_its_drafts_from_the_windows_int8_copy')),
     Mutation('kvdraft-window-copy-never-brought-level', 'src/decodekit/speculative/drafters/kvdraft.py',
-             'self._reader.follow_window(self._target, state.tokens[: self._target.length], self.policy.sink, self.policy.window)', 'pass',
+             'self._copy.follow_window(self._target, state.tokens[: self._target.length], sink, window)', 'pass',
              ('tests/test_kv_policy.py', '-k', 'through_an_int8_copy')),
     Mutation('window-copy-takes-passes-that-read-past-it', 'src/decodekit/models/native.py',
              'if held is not None and (window is None or window[0] > held[0] or window[1] > held[1]):', 'if held is not None and window is None:',
@@ -7811,6 +7811,9 @@ MUTATIONS = (
              "family = socket.AF_INET6 if \":\" in host else socket.AF_INET",
              "family = socket.AF_INET",
              ("tests/test_serve.py", "-k", "ipv6")),
+    Mutation('kvdraft-copies-a-window-that-covers-the-cache', 'src/decodekit/speculative/drafters/kvdraft.py',
+             'if self._copy is not None and self._target.length > sink + window:', 'if self._copy is not None and self._target.length >= sink + window:',
+             ('tests/test_kv_policy.py', '-k', 'samples_its_drafts_from_the_windows_int8_copy')),
 )
 
 

@@ -454,14 +454,16 @@ def test_kvdraft_drafts_through_an_int8_copy_of_its_window_or_the_cache_itself(w
         kvdraft_steps(drafter, state, more, steps, window_copy)
 
 
-def test_kvdraft_samples_its_drafts_from_the_windows_int8_copy():
+@pytest.mark.parametrize("length", [11, 40, 10, 6])
+def test_kvdraft_samples_its_drafts_from_the_windows_int8_copy(length):
     """A sampled draft records the distribution it drew from (for speculative sampling): under the
-    default ``window_copy=int8`` that of the windowed pass over the int8 copy, not over the float cache."""
+    default ``window_copy=int8`` that of the windowed pass over the int8 copy, not over the float
+    cache, once the cache holds more than sink + window entries (10 here); up to that, the float cache's."""
     from decodekit.engine.core import DecodeState, GenerationStats
     from decodekit.samplers import Sampler
     from decodekit.speculative.drafters.kvdraft import CompressedCacheDrafter
 
-    prompt = tokens(40, seed=4)
+    prompt = tokens(length, seed=4)
     target = tiny_llama(seed=0, hidden_size=64, scale=3.0)
     state = DecodeState(target, Sampler(seed=3), prompt, GenerationStats())
     state.prefill()
@@ -472,9 +474,10 @@ def test_kvdraft_samples_its_drafts_from_the_windows_int8_copy():
     root = torch.tensor([[7]])
     int8 = int8_copy_of(target, prompt).append_windowed(root, 2, 8).logits[0, -1]
     as_float = target.append_windowed(root, 2, 8).logits[0, -1]
-    target.truncate(40)
-    assert torch.equal(tree.draft_probs[-1], torch.softmax(int8, dim=-1))
-    assert not torch.equal(tree.draft_probs[-1], torch.softmax(as_float, dim=-1))
+    target.truncate(length)
+    want, other = (int8, as_float) if length > 10 else (as_float, int8)
+    assert torch.equal(tree.draft_probs[-1], torch.softmax(want, dim=-1))
+    assert not torch.equal(tree.draft_probs[-1], torch.softmax(other, dim=-1))
 
 
 def kvdraft_steps(drafter, state, more: list[int], steps: int, window_copy: str) -> None:

@@ -23,7 +23,8 @@ Choices the papers leave open (each one tested):
     per token and head as ``--kv-cache int8`` stores them, brought level with the target's cache
     before each draft, copying what is new since the last), a quarter of the bytes float32 entries take to read; ``window_copy=none``
     reads the target's cache as it is (as where the target's own cache is int8 already, or the model
-    is not float32). The draft's logits change by the quantisation, never the output.
+    is not float32, or holds no more than S + W entries: the draft then reads all of it, and a copy
+    would cost more than it saves). The draft's logits change by the quantisation, never the output.
   * Any other compressed policy (``snapkv:...``, ``h2o:...``, ``int8``; TriForce retrieves
     chunks instead): a clone of the target with that cache, made from the target's entries after
     the prompt (:meth:`NativeLlama.adopt`: a second read of the prompt only where the policy observes it,
@@ -86,7 +87,8 @@ class CompressedCacheDrafter(DraftModelDrafter):
         self.windowed = isinstance(self.policy, StreamingPolicy)  # drafts on the target's own cache
         self.window_copy = OPTIONS["window_copy"].parse(window_copy)
         self._target = None
-        self._reader = None  # what a windowed draft runs on: the target, or its window's int8 copy
+        self._copy = None  # the int8 copy of the window (window_copy="int8", where one can be made)
+        self._reader = None  # what the latest windowed draft ran on: the target, or that copy
         self._origin = 0
 
     def _parse_spec(self, spec: object) -> object:
@@ -122,12 +124,12 @@ class CompressedCacheDrafter(DraftModelDrafter):
         self.check(target)  # again for a drafter used without the loop: the draft's backend is kept, not rebuilt
         self._target = target
         if self.windowed:
-            self._reader = target
+            self._reader, self._copy = target, None
             if self.window_copy == "int8" and not target.kv_policy.quantised and target.info.dtype == torch.float32:
                 try:
-                    self._reader = target.memory(("kvdraft.window", "int8"), lambda: target.with_kv_cache("int8"))
+                    self._copy = target.memory(("kvdraft.window", "int8"), lambda: target.with_kv_cache("int8"))
                 except InvalidParameter:  # no int8 cache kernels here (no compiler, or switched off)
-                    return
+                    pass
             return
         assert self.backend is not None
         prompt = state.tokens[: target.length]
@@ -139,10 +141,13 @@ class CompressedCacheDrafter(DraftModelDrafter):
     def _start(self, state: DecodeState, budget: int) -> tuple[torch.Tensor | None, int]:
         if not self.windowed:
             return super()._start(state, budget)
-        if self._target is None or self._reader is None:
+        if self._target is None:
             raise RuntimeError("kvdraft.draft() before begin()")
-        if self._reader is not self._target:
-            self._reader.follow_window(self._target, state.tokens[: self._target.length], self.policy.sink, self.policy.window)
+        sink, window = self.policy.sink, self.policy.window
+        self._reader = self._target
+        if self._copy is not None and self._target.length > sink + window:  # shorter: the draft reads it all
+            self._copy.follow_window(self._target, state.tokens[: self._target.length], sink, window)
+            self._reader = self._copy
         self._origin = self._reader.length
         budget = self.within_rollback(min(budget, self._target.info.max_length - len(state.tokens)), self._target)
         if budget <= 0:
