@@ -697,3 +697,81 @@ def test_a_memory_familys_bound_leaves_the_other_families_alone():
     backend.memory(("draft.clone", 1), lambda: "draft", keep=1)
     backend.memory(("draft.clone", 2), lambda: "draft 2", keep=1)
     assert [k for k in backend._memory if isinstance(k, tuple)] == [("judge.clone", 1), ("draft.clone", 2)]
+
+
+def test_truncating_to_zero_leaves_an_empty_cache_that_reads_a_new_sequence_as_a_fresh_one():
+    """truncate(0) rolls everything back (a full cache keeps no floor): the cache then reads another
+    sequence as a fresh cache does."""
+    backend = tiny_llama(seed=0)
+    backend.append(tokens(9))
+    backend.truncate(0)
+    assert (backend.length, backend.slots) == (0, 0)
+    other = tokens(7, seed=4)
+    assert torch.allclose(backend.append(other).logits, tiny_llama(seed=0).append(other).logits, atol=ATOL)
+
+
+def test_reset_drops_a_pending_tree_and_the_last_passs_features():
+    """After reset nothing of the last sequence is pending: a tree verified before it cannot be
+    committed (its entries are gone), and no features of its passes are left for a drafter to read."""
+    backend = tiny_llama(seed=0)
+    backend.append(tokens(5))
+    backend.verify_tree(tokens(3, seed=2)[0], [-1, 0, 1])
+    assert backend.last_features is not None
+    backend.reset()
+    assert backend.last_features is None
+    with pytest.raises(RuntimeError, match="verify_tree"):
+        backend.commit_path([0, 1])
+    assert backend.length == 0
+
+
+def test_reset_forgets_the_kept_prefix():
+    """kept_ids says what the cache holds: once it is reset and holds other tokens, a prompt that
+    starts as the old kept tokens shares nothing with it and is read afresh."""
+    first = tokens(12, seed=1)[0].tolist()
+    backend = prefix_reusing_llama()
+    backend.prefill(first)
+    backend.keep(first)
+    backend.reset()
+    backend.append(torch.tensor([[(t + 1) % 96 for t in first[:6]]]))
+    again = first + [5]
+    assert backend.shared_prefix(again) == 0
+    assert torch.equal(backend.prefill(again), prefix_reusing_llama().prefill(again))
+
+
+def test_the_cache_bytes_of_several_rows_are_one_rows_times_the_rows():
+    ids = tokens(8)[0].tolist()
+    one, three = tiny_llama(seed=0), tiny_llama(seed=0)
+    one.prefill(ids)
+    three.prefill(ids, batch_size=3)
+    c = one.config
+    assert one.cache_bytes() == 2 * c.num_layers * c.num_kv_heads * 8 * c.head_dim * 4  # float32 keys and values
+    assert three.cache_bytes() == 3 * one.cache_bytes()
+
+
+def test_rows_are_checked_against_the_memory_the_cache_they_fork_takes(monkeypatch):
+    """check_rows sizes the rows' cache as reorder allocates it, at the capacity already allocated
+    (not only the entries filled so far): rows that would fit only by the filled entries are refused."""
+    from decodekit.errors import InvalidParameter
+    from decodekit.models import native
+
+    backend = tiny_llama(seed=0)
+    backend.append(tokens(10))
+    c, capacity = backend.config, backend._k.shape[3]
+    row = 2 * c.num_layers * c.num_kv_heads * capacity * c.head_dim * 4  # one row's float32 keys and values
+    monkeypatch.setattr(native, "available_memory", lambda: 4 * row)
+    backend.check_rows(4)
+    with pytest.raises(InvalidParameter, match=f"^5 sequences of {capacity} positions need"):
+        backend.check_rows(5)
+
+
+def test_a_tree_reaching_the_first_position_of_a_new_rotary_chunk_matches_sequential_decoding():
+    """A tree's deepest node can sit at the first position whose rotary angles no pass has needed
+    yet (the tables fill ROPE_CHUNK positions at a time): the tree's pass computes them too."""
+    from decodekit.models.llama_weights import ROPE_CHUNK
+
+    context, chain = tokens(ROPE_CHUNK - 1), tokens(2, seed=3)
+    backend = tiny_llama(seed=0, max_position=2 * ROPE_CHUNK)
+    backend.append(context)
+    tree = backend.verify_tree(chain[0], [-1, 0]).logits[0]  # positions ROPE_CHUNK - 1 and ROPE_CHUNK
+    sequential = tiny_llama(seed=0, max_position=2 * ROPE_CHUNK).append(torch.cat([context, chain], dim=1))
+    assert torch.allclose(tree, sequential.logits[0, -2:], atol=ATOL)

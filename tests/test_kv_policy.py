@@ -184,6 +184,7 @@ class Recorder:
             n = keep.shape[-1]
             assert backend.slots == n
             assert torch.equal(backend._held[..., :n], held.gather(2, keep))
+            assert torch.equal(backend._mass[..., :n], mass.gather(2, keep))  # each keeps the attention it received
             index = keep[..., None].expand(-1, -1, -1, v.shape[-1])
             assert torch.equal(backend._v[:, 0, :, :n], v.gather(2, index))  # values move untouched
             self.count += 1
@@ -1230,3 +1231,210 @@ def test_a_snapkv_cache_rolls_back_through_its_observation_window_and_no_further
     assert backend.slots == 14 and bool((backend._held[..., :14] < 34).all())
     with pytest.raises(ValueError, match="evicted"):
         backend.truncate(33)
+
+
+def test_an_h2o_cache_that_grows_keeps_each_entrys_token_and_attention_mass():
+    """Growing the cache past its initial capacity copies H2O's bookkeeping with the entries: a cache
+    that started small holds, scores and evicts as one that never had to grow."""
+    def cache(capacity: int):
+        backend = tiny_llama(seed=1, hidden_size=64).with_kv_cache("h2o:budget=12,window=3")
+        backend._initial_capacity = capacity
+        backend.reset()
+        backend.prefill(tokens(6))
+        for t in tokens(20, seed=3):
+            backend.step(torch.tensor([t]))
+        return backend
+
+    small, large = cache(8), cache(512)
+    assert small._k.shape[3] > 8  # it grew, with entries held and scored
+    n = large.slots
+    assert small.slots == n and small.length == large.length == 26
+    assert torch.equal(small._held[..., :n], large._held[..., :n])
+    assert torch.allclose(small._mass[..., :n], large._mass[..., :n], atol=1e-5)
+
+
+def test_a_streaming_cache_reads_a_prompt_at_most_prefill_chunk_tokens_a_pass(monkeypatch):
+    """StreamingLLM reads a prompt ``every`` tokens a pass, but never more than PREFILL_CHUNK (the same
+    passes alone and served, where the batcher takes no more)."""
+    from decodekit.models.batching import PREFILL_CHUNK
+    from decodekit.models.native import NativeLlama
+
+    cache = tiny_llama(seed=0, hidden_size=64).with_kv_cache(f"sink:2,window:64,every:{2 * PREFILL_CHUNK}")
+    passes, forward = [], NativeLlama._forward
+    monkeypatch.setattr(NativeLlama, "_forward", lambda self, tokens, *a, **k: passes.append(tokens.shape[1])
+                        or forward(self, tokens, *a, **k))
+    cache.prefill(tokens(3 * PREFILL_CHUNK + 4))
+    assert passes == [PREFILL_CHUNK] * 3 + [4]
+
+
+def test_an_int4_cache_refuses_windowed_passes():
+    """Every query reads KIVI's quantised tokens: a pass attending to a window of the cache is refused
+    in one line, and the cache is left as it was."""
+    backend = tiny_llama(seed=0, hidden_size=64).with_kv_cache("int4:group=8,residual=64")
+    backend.prefill(tokens(20))
+    with pytest.raises(InvalidParameter, match="windowed passes are not supported"):
+        backend.append_windowed(torch.tensor([[3]]), 2, 8)
+    assert backend.length == 20
+
+
+def test_adopt_refuses_another_models_cache_a_cache_of_several_rows_and_an_int4_cache():
+    prompt = tokens(30)
+    target = tiny_llama(seed=2, hidden_size=64)
+    target.prefill(prompt)
+    longer = tiny_llama(seed=2, hidden_size=64, max_position=1024).with_kv_cache("sink:2,window:8,every:1")
+    with pytest.raises(ValueError, match="same model"):  # the same shapes, another context: another model
+        longer.adopt(target, prompt)
+    rows = tiny_llama(seed=2, hidden_size=64)
+    rows.prefill(prompt, batch_size=2)
+    draft = target.with_kv_cache("sink:2,window:8,every:1")
+    with pytest.raises(ValueError, match="holding one sequence"):
+        draft.adopt(rows, prompt)
+    draft.adopt(target, prompt)
+    assert (draft.length, draft.slots) == (30, 10)
+    int4 = target.with_kv_cache("int4:group=8,residual=64")
+    with pytest.raises(InvalidParameter, match="cannot be made from another cache"):
+        int4.adopt(target, prompt)
+    assert int4.length == 0
+
+
+def test_the_room_for_a_pass_counts_what_a_streaming_cache_keeps_once_it_compacts():
+    """pass_room() under a window is the context less the entries the next pass finds, after the
+    compaction it starts with: a tree of exactly that many nodes fits, one more does not."""
+    def cache():
+        backend = tiny_llama(seed=0, hidden_size=64, max_position=64).with_kv_cache("sink:2,window:8,every:4")
+        backend.prefill(tokens(16))  # 4 a pass: 16 entries, over the 14 that compact (to 10) before a pass
+        return backend
+
+    backend = cache()
+    assert backend.slots == 16 and backend.pass_room() == 64 - 10
+    room = backend.pass_room()
+    assert backend.verify_tree(torch.tensor(tokens(room)), list(range(-1, room - 1))).logits.shape[1] == room
+    with pytest.raises(PromptTooLong):
+        cache().verify_tree(torch.tensor(tokens(room + 1)), list(range(-1, room)))
+
+
+def test_an_h2o_cache_commits_a_tree_path_with_its_nodes_tokens_and_attention_mass():
+    """commit_path moves the accepted nodes' entries to the committed slots with what H2O knows of
+    them: the token each holds (the sequence's next) and the attention it has received."""
+    backend = tiny_llama(seed=1, hidden_size=64).with_kv_cache("h2o:budget=64,window=4")
+    backend.prefill(tokens(10))
+    backend.verify_tree(torch.tensor(tokens(4, seed=2)), [-1, 0, 0, 2])
+    mass = backend._mass.clone()
+    backend.commit_path([0, 2, 3])
+    assert (backend.length, backend.slots) == (13, 13)
+    c = backend.config
+    assert backend._held[..., 10:13].tolist() == [[[10, 11, 12]] * c.num_kv_heads] * c.num_layers
+    assert torch.equal(backend._mass[..., 10:13], mass[..., [10, 12, 13]])
+
+
+def test_h2o_counts_a_verified_trees_attention_as_that_of_the_same_tokens_appended():
+    """H2O observes every pass: a chain verified as a tree and committed leaves each entry with the
+    attention it gets when the chain is appended in one pass."""
+    chain = tokens(5, seed=2)
+    appended, verified = (tiny_llama(seed=1, hidden_size=64).with_kv_cache("h2o:budget=64,window=4") for _ in range(2))
+    for backend in (appended, verified):
+        backend.prefill(tokens(10))
+    before = verified._mass[..., :10].clone()
+    appended.append(torch.tensor([chain]))
+    verified.verify_tree(torch.tensor(chain), [-1, 0, 1, 2, 3])
+    verified.commit_path(range(5))
+    assert not torch.allclose(verified._mass[..., :10], before)  # the chain's queries were counted
+    assert torch.allclose(verified._mass[..., :15], appended._mass[..., :15], atol=1e-5)
+
+
+def test_an_int4_caches_rollback_floor_stays_put_after_a_rollback_to_it():
+    """Rolling back to the floor and reading on brings back neither the quantised tokens nor the
+    float rows dropped before it: the floor stays where it was, and a rollback below it is refused."""
+    backend = tiny_llama(seed=0, hidden_size=64).with_kv_cache("int4:group=8,residual=96")
+    backend.prefill(tokens(150))
+    floor = backend.rollback_floor()
+    assert floor > 0
+    backend.truncate(floor)
+    backend.step(torch.tensor([5]))
+    assert backend.rollback_floor() == floor
+    with pytest.raises(ValueError, match="roll back"):
+        backend.truncate(floor - 1)
+
+
+def test_a_streaming_cache_whose_entries_exactly_fill_the_context_is_taken():
+    """A streaming cache holds at most sink + window + 2 every - 1 entries in one-token passes: one
+    that needs exactly the model's context is taken, and decodes past it; one entry more is refused."""
+    backend = tiny_llama(seed=0, hidden_size=64, max_position=64).with_kv_cache("sink:4,window:53,every:4")
+    assert backend.kv_policy.peak_slots(1) == 64
+    backend.prefill(tokens(70))
+    for t in tokens(10, seed=1):
+        backend.step(torch.tensor([t]))
+    assert backend.length == 80 and backend.slots <= 64
+    with pytest.raises(InvalidParameter, match="more than the model's context"):
+        tiny_llama(seed=0, hidden_size=64, max_position=64).with_kv_cache("sink:4,window:54,every:4")
+
+
+def test_hidden_states_of_a_prompt_a_streaming_cache_reads_in_chunks_cover_every_token():
+    """A streaming cache reads a prompt in passes of ``every`` tokens: the hidden states asked for are
+    those of every token (as the full cache's, while nothing is evicted), not the last pass's."""
+    ids = torch.tensor([tokens(60)])
+    streaming = tiny_llama(seed=0, hidden_size=64).with_kv_cache("sink:4,window:200")  # 25 a pass
+    got = streaming.append(ids, hidden_layers=[1, 2])
+    want = tiny_llama(seed=0, hidden_size=64).append(ids, hidden_layers=[1, 2])
+    for layer in (1, 2):
+        assert got.hidden[layer].shape == want.hidden[layer].shape == (1, 60, 64)
+        assert torch.allclose(got.hidden[layer], want.hidden[layer], atol=1e-4)
+    assert torch.allclose(got.logits, want.logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget=24,window=4", "h2o:budget=20,window=4", "sink:2,window:8,every:1"])
+def test_a_cache_adopted_again_is_the_cache_adopted_fresh(spec):
+    """adopt() starts the cache afresh: a draft cache that held another request's sequence (kvdraft
+    keeps one per model) holds, scores and rolls back as a new one adopted from the same source."""
+    target = tiny_llama(seed=2, hidden_size=64)
+    first, second = tokens(30, seed=1), tokens(30, seed=2)
+    target.prefill(first)
+    used = target.with_kv_cache(spec)
+    used.adopt(target, first)
+    for t in tokens(5, seed=3):
+        used.step(torch.tensor([t]))
+    target.prefill(second)
+    used.adopt(target, second)
+    fresh = target.with_kv_cache(spec)
+    fresh.adopt(target, second)
+    assert (used.length, used.slots, used.rollback_floor()) == (fresh.length, fresh.slots, fresh.rollback_floor())
+    n = fresh.slots
+    assert torch.equal(used._k[:, :, :, :n], fresh._k[:, :, :, :n])
+    assert torch.equal(used._held[..., :n], fresh._held[..., :n])
+    assert torch.allclose(used._mass[..., :n], fresh._mass[..., :n], atol=1e-5)
+    assert torch.equal(used.step(torch.tensor([7])), fresh.step(torch.tensor([7])))
+
+
+@pytest.mark.parametrize("hidden", SIZES)
+def test_snapkv_observes_a_window_of_more_than_256_rows_in_full(hidden):
+    """The observation window's attention is computed 256 rows at a time (bounded memory; torch's
+    path reads the window in one pass, the kernels' 64 rows a pass): a window longer than that ranks
+    the prompt by every one of its rows' attention, as transformers gives it."""
+    ids = tokens(300, seed=4)
+    policy = SnapKVPolicy(budget=280, window=260, kernel=3)
+    backend = tiny_llama(seed=6, hidden_size=hidden).with_kv_cache(policy)
+    backend.prefill(ids)
+    assert backend.slots == 280 and backend.length == 300
+    for layer, weights in enumerate(transformers_attention(6, hidden, ids)):
+        mass = grouped(weights[:, -260:, :].sum(1), backend.config.num_kv_heads)
+        want = snapkv_keep(mass[None], 280, 260, 3)[0]
+        got = backend._held[layer, :, :280]
+        assert (got[:, :20] == want[:, :20]).float().mean() > 0.9, layer  # the pooled picks before the window
+        assert got[:, 20:].tolist() == [list(range(40, 300))] * backend.config.num_kv_heads
+
+
+def test_an_adopted_streaming_cache_rotates_keys_by_distances_its_own_passes_never_reached():
+    """adopt() may take the cache of another instance of the model: the window's keys then move back
+    by a distance whose rotary angles no pass of the adopting model has computed (here exactly the
+    first position of the tables' second chunk); they are computed for the rotation."""
+    from decodekit.models.llama_weights import ROPE_CHUNK
+
+    n = ROPE_CHUNK + 2 + 8  # sink 2, window 8: the window's keys move back ROPE_CHUNK slots
+    prompt = tokens(n)
+    target = tiny_llama(seed=2, hidden_size=64, max_position=2 * ROPE_CHUNK)
+    target.prefill(prompt)
+    draft = tiny_llama(seed=2, hidden_size=64, max_position=2 * ROPE_CHUNK).with_kv_cache("sink:2,window:8,every:1")
+    draft.adopt(target, prompt)
+    assert (draft.length, draft.slots) == (n, 10)
+    want = rotate(target._k[:, 0, :, streaming_keep(n, 2, 8)], [0, 0] + [-ROPE_CHUNK] * 8, target.config.rope_theta)
+    assert torch.allclose(draft._k[:, 0, :, :10], want, atol=1e-3)
