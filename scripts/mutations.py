@@ -7914,6 +7914,18 @@ MUTATIONS = (
              'self._rope.reach(int(moved_by.max()) + 1)',
              'self._rope.reach(int(moved_by.max()))',
              ('tests/test_kv_policy.py', '-k', 'never_reached')),
+    Mutation('choice-spelling-not-checked', 'src/decodekit/samplers/constraint.py',
+             '            if lltokenizer.decode_bytes(lltokenizer.greedy_tokenize(choice)) != choice.encode():', '            if False:',
+             ('tests/test_constraint.py', '-k', 'vocabulary_cannot_write')),
+    Mutation('dead-end-only-where-the-mask-is-empty', 'src/decodekit/samplers/constraint.py',
+             '        return not any(matcher.validate_tokens(self._known([int(t)])) == 1 for t in allowed)', '        return not len(allowed)',
+             ('tests/test_constraint.py', '-k', 'no_token_writes')),
+    Mutation('dead-end-reported-as-a-bug', 'src/decodekit/samplers/constraint.py',
+             '        if self._dead_end(matcher):', '        if False:',
+             ('tests/test_constraint.py', '-k', 'no_token_writes')),
+    Mutation('every-broken-output-called-a-dead-end', 'src/decodekit/samplers/constraint.py',
+             '        return not any(matcher.validate_tokens(self._known([int(t)])) == 1 for t in allowed)', '        return True',
+             ('tests/test_constraint.py', '-k', 'still_a_bug')),
 )
 
 

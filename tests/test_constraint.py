@@ -765,6 +765,34 @@ def test_choices_are_matched_literally_not_as_patterns():
     assert proc.broken_by(tok.encode("a+")) is None and proc.forced(tok.encode("a")) == tok.encode("+b")
 
 
+def test_a_choice_the_vocabulary_cannot_write_is_refused_before_decoding():
+    """A choice with a character no token writes (here "é", which the character tokenizer lacks)
+    would reach a dead end inside it: refused in one line naming it, before any token is decoded."""
+    tok = CharTokenizer(96)
+    with pytest.raises(InvalidParameter, match="choice 'café' cannot be written with this model's tokens"):
+        constraint_processor({"choice": ["cafe", "café"]}, tok)
+    assert constraint_processor({"choice": ["cafe", "tea"]}, tok).broken_by(tok.encode("tea")) is None
+
+
+@pytest.mark.parametrize("method", ["greedy", "pld"])
+@pytest.mark.parametrize("constraint", [{"regex": "café|thé"}, {"json_schema": {"enum": ["café", "thé"]}}])
+def test_a_constraint_that_needs_text_no_token_writes_is_one_line_not_a_bug(constraint, method):
+    """Where decoding reaches a dead end (after "th" only "é" may follow, which no token writes), the
+    output breaks the constraint through no fault of decoding: one InvalidParameter line saying
+    where, plainly and speculatively alike, not the "decodekit bug" error of an output that broke a
+    grammar its tokens could follow."""
+    engine = Engine(LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny"))
+    with pytest.raises(InvalidParameter, match=r"after '\"?th' the .* constraint needs text that no token of this model"):
+        engine.generate("abc", constraint=constraint, max_new_tokens=8, chat=False, method=method)
+
+
+def test_an_output_that_breaks_a_followable_constraint_is_still_a_bug():
+    """The dead-end check does not excuse an output that left the grammar where tokens could go on."""
+    tok = CharTokenizer(96)
+    proc = constraint_processor({"regex": "cafe|the"}, tok)
+    assert proc.broken_by(tok.encode("thx")) == "the output breaks its regex constraint"
+
+
 def test_no_draft_is_allowed_after_a_path_the_grammar_refuses():
     """``allowed_prefix`` after generated tokens the grammar refuses is 0: nothing can follow a broken path."""
     tok = CharTokenizer(96)

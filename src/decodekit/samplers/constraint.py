@@ -278,6 +278,10 @@ class MatcherPaths:
         return len(self.anchor_tokens)
 
 
+#: How many allowed tokens an output that broke its constraint has checked one by one for a dead end.
+DEAD_END_CHECKS = 64
+
+
 class ConstrainedTokens(LogitsProcessor):
     """Logits of tokens the grammar does not allow after a row's generated tokens become -inf.
 
@@ -298,9 +302,10 @@ class ConstrainedTokens(LogitsProcessor):
         return spare_cores() > 0
 
     def __init__(self, matcher, constraint: Constraint, vocab: int | None = None, special: dict[int, str] | None = None,
-                 eos: frozenset[int] = frozenset()):
+                 eos: frozenset[int] = frozenset(), lltokenizer=None):
         self.constraint = constraint
         self.vocab = vocab  # the grammar tokenizer's size: an id past it puts llguidance's matcher in error
+        self.lltokenizer = lltokenizer  # llguidance's view of the vocabulary (for messages), where given
         self.paths = MatcherPaths(matcher, self._known)
         # llguidance spells text with special tokens too ("<|im_end|>"), which decode to no text: a
         # mask never allows one, but for an end-of-sequence token where the grammar accepts
@@ -458,9 +463,30 @@ class ConstrainedTokens(LogitsProcessor):
 
     def broken_by(self, generated: list[int]) -> str | None:
         self._settle()
-        if self._follow(list(generated)) is not None:
+        matcher, taken = self.paths.at(list(generated))
+        self._check(matcher)
+        if taken == len(generated):
             return None
+        if self._dead_end(matcher):  # not a fault of decoding: no token writes what the grammar needs next
+            raise InvalidParameter(f"structured decoding failed: after {self.text_of(list(generated[:taken]))!r} the "
+                                   f"{self.constraint.kind.replace('_', ' ')} constraint needs text that no token of this "
+                                   "model's vocabulary writes", param="constraint")
         return f"the output breaks its {self.constraint.kind.replace('_', ' ')} constraint"
+
+    def _dead_end(self, matcher) -> bool:
+        """Whether no token goes on from ``matcher``'s state: its mask allows none, or none of the few
+        it allows is one its parser takes (a tokenizer that cannot spell a character the grammar
+        fixes: llguidance spells forced text with the tokenizer's own encoding, which may replace it)."""
+        allowed = np.flatnonzero(np.unpackbits(self._bitmask(matcher), bitorder="little"))
+        if len(allowed) > DEAD_END_CHECKS:
+            return False
+        return not any(matcher.validate_tokens(self._known([int(t)])) == 1 for t in allowed)
+
+    def text_of(self, tokens: list[int]) -> str:
+        """What ``tokens`` write, as the grammar's tokenizer spells them (for messages)."""
+        if self.lltokenizer is None:
+            return f"tokens {tokens}"
+        return self.lltokenizer.decode_bytes(self._known(tokens)).decode("utf-8", "replace")
 
 
 
@@ -487,5 +513,11 @@ def constraint_processor(constraint: Constraint | dict, tokenizer) -> Constraine
         matcher = tokenizer.grammar_matcher(grammar)
     except ValueError as error:
         raise InvalidParameter(f"invalid {constraint.kind.replace('_', ' ')} constraint: {error}") from None
-    vocab = tokenizer.grammar_tokenizer().vocab_size
-    return ConstrainedTokens(matcher, constraint, vocab, tokenizer.special_tokens(), tokenizer.eos_token_ids)
+    lltokenizer = tokenizer.grammar_tokenizer()
+    if constraint.kind == "choice":  # each choice must be written by some tokens, or decoding reaches a dead end in it
+        for choice in constraint.value:
+            if lltokenizer.decode_bytes(lltokenizer.greedy_tokenize(choice)) != choice.encode():
+                raise InvalidParameter(f"choice {choice!r} cannot be written with this model's tokens (its vocabulary "
+                                       "has no token for part of it)", param="constraint")
+    return ConstrainedTokens(matcher, constraint, lltokenizer.vocab_size, tokenizer.special_tokens(), tokenizer.eos_token_ids,
+                             lltokenizer)
