@@ -206,6 +206,25 @@ def test_select_nodes_reindexes_a_subtree():
     assert sub.tokens == [1, 3, 4] and sub.parents == [-1, -1, 1] and set(sub.draft_probs) == {1}
 
 
+def test_select_nodes_keeps_the_nodes_in_their_original_topological_order():
+    """However the nodes are given, the subtree lists them in the tree's order (parents first), each
+    under its own parent: checked on random ancestor-closed subsets of a random tree."""
+    rng = random.Random(5)
+    parents = [-1] + [rng.randrange(-1, i) for i in range(1, 20)]
+    tree = DraftTree([100 + i for i in range(20)], parents)
+    for _ in range(200):
+        chosen = set()
+        for node in rng.sample(range(20), rng.randrange(1, 5)):
+            while node >= 0:
+                chosen.add(node)
+                node = parents[node]
+        sub = select_nodes(tree, list(chosen))
+        assert sub.tokens == [100 + i for i in sorted(chosen)]
+        for i, (token, parent) in enumerate(zip(sub.tokens, sub.parents)):
+            original = parents[token - 100]
+            assert parent < i and (parent == -1 if original < 0 else sub.tokens[parent] == 100 + original)
+
+
 def test_best_first_growth_adds_nodes_in_score_order():
     table = {0: [(1, 0.9, 1), (2, 0.1, 2)], 1: [(3, 0.5, 3)], 2: [(4, 1.0, 4)], 3: [], 4: []}
     tree = DraftTree()
@@ -223,6 +242,19 @@ def test_best_first_growth_multiplies_relative_scores_and_stops_at_max_depth():
     shallow = DraftTree()
     grow_best_first(shallow, table[0], lambda s: table[s], budget=10, max_depth=1, source="t")
     assert shallow.tokens == [1, 2] and shallow.depth() == 1
+
+
+def test_best_first_growth_adds_equally_scored_candidates_in_the_order_they_were_proposed():
+    """On a tie the candidate proposed first is added first: siblings in their listed order, and a
+    node's children after the candidates already waiting (so a budget cut keeps the earlier ones)."""
+    table = {0: [(1, 0.5, 1), (2, 0.5, 2)], 1: [(3, 1.0, 3), (4, 1.0, 4)], 2: [(5, 1.0, 5), (6, 1.0, 6)],
+             3: [], 4: [], 5: [], 6: []}
+    tree = DraftTree()
+    grow_best_first(tree, table[0], lambda s: table[s], budget=10, max_depth=4, source="t")
+    assert tree.tokens == [1, 2, 3, 4, 5, 6] and tree.parents == [-1, -1, 0, 0, 1, 1]
+    cut = DraftTree()
+    grow_best_first(cut, table[0], lambda s: table[s], budget=3, max_depth=4, source="t")
+    assert cut.tokens == [1, 2, 3]
 
 
 def test_a_trees_depth_is_its_number_of_levels():
@@ -482,6 +514,41 @@ def test_a_request_with_fewer_successors_reads_the_rows_a_wider_one_learnt():
     narrow.begin(state)
     assert narrow.matrix is wide.matrix
     assert narrow.draft(state, 2).tokens == [10, 11]
+
+
+def test_a_narrower_request_drafts_from_only_its_own_columns_of_a_wider_matrix():
+    """A request with k = 2 on the matrix a k = 8 one left reads each row's first two successors only,
+    at every level: its tree is the best-first tree of the two-column table."""
+    from decodekit.speculative.drafters.recycling import TokenRecycling
+
+    state = state_for([1, 2, 5], vocab=64)
+    wide = TokenRecycling(k=8)
+    wide.begin(state)
+    wide.matrix[5, :8] = torch.arange(10, 18, dtype=torch.int32)
+    wide.matrix[10, :8] = torch.arange(20, 28, dtype=torch.int32)
+    narrow = TokenRecycling(k=2)
+    narrow.begin(state)
+    tree = narrow.draft(state, 16)
+    edges = {(token, -1 if parent < 0 else tree.tokens[parent]) for token, parent in zip(tree.tokens, tree.parents)}
+    # below the root: 10 and 11 (row 5's first two); below 10: 20 and 21; rows 11, 20, 21 are empty
+    assert edges == {(10, -1), (11, -1), (20, 10), (21, 10)} and len(tree) == 4
+
+
+def test_a_request_with_more_successors_than_the_held_matrix_starts_a_wider_one():
+    """A request asking for more columns than the backend's matrix has gets a wider one, which it
+    fills and drafts from: its root's successors are the top k of the verification logits."""
+    from decodekit.speculative.drafters.recycling import TokenRecycling
+
+    state = state_for([1, 2, 5], vocab=64)
+    narrow = TokenRecycling(k=2)
+    narrow.begin(state)
+    wide = TokenRecycling(k=4)
+    wide.begin(state)
+    assert wide.matrix.shape[1] >= 4
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(2))
+    wide.update(state, DraftTree(), Verification([], 0), logits)
+    tree = wide.draft(state, 4)
+    assert tree.parents == [-1] * 4 and tree.tokens == torch.topk(logits[0], 4).indices.tolist()
 
 
 def test_recycling_matrix_is_kept_across_requests():
@@ -1868,6 +1935,53 @@ def test_auto_takes_no_reward_from_a_step_timed_at_zero_seconds():
     auto.draft(None, 3)
     auto.observe(4, 0.0)
     assert auto.bandit.count == {"pld": 0.0, "suffix": 0.0} and auto.chosen is None
+
+
+def test_discounted_ucb_reports_each_pulled_arms_discounted_mean_reward():
+    """The report is each arm's mean reward under the same discount as its index: a's 4 (weight
+    0.5^2) and 6 (weight 1) average to 5.6; an arm never pulled has no figure."""
+    bandit = DiscountedUCB(["a", "b", "c"], discount=0.5, exploration=1.0)
+    for arm, value in (("a", 4.0), ("b", 2.0), ("a", 6.0)):
+        bandit.reward(arm, value)
+    assert bandit.report() == {"a": round((0.25 * 4.0 + 6.0) / 1.25, 2), "b": 2.0}
+
+
+def test_discounted_ucb_still_explores_when_every_reward_was_the_same():
+    """With no spread among the rewards the bonus falls back to the mean's scale (or 1 when that is
+    0): the arm pulled less, its mean tied, is tried next instead of the first arm forever."""
+    for value in (2.0, 0.0):
+        bandit = DiscountedUCB(["a", "b"], discount=0.5, exploration=1.0)
+        for arm in ("a", "b", "a"):
+            bandit.reward(arm, value)
+        assert bandit.count["b"] < bandit.count["a"]
+        assert bandit.choose() == "b"
+
+
+def test_auto_keeps_one_bandit_per_discount_and_exploration_and_at_most_kept_bandits():
+    """The bandit's statistics live in the backend's memory under the request's settings: the same
+    settings share one, another discount or exploration weight gets its own (with that setting), and
+    only the KEPT_BANDITS most recently used settings are kept."""
+    from decodekit.speculative.drafters.bandit import KEPT_BANDITS, BanditDrafter
+
+    state = state_for([1, 2, 3, 1, 2])
+
+    def bandit(**options) -> DiscountedUCB:
+        auto = BanditDrafter(arms="pld,suffix", **options)
+        auto.begin(state)
+        return auto.bandit
+
+    first = bandit(discount=0.9)
+    assert first.discount == 0.9 and bandit(discount=0.9) is first
+    other = bandit(discount=0.8)
+    assert other is not first and other.discount == 0.8
+    bolder = bandit(discount=0.9, exploration=2.0)
+    assert bolder is not first and bolder.exploration == 2.0 and bolder.discount == 0.9
+    for i in range(KEPT_BANDITS - 3):
+        bandit(discount=0.7 - 0.01 * i)
+    assert bandit(discount=0.9) is first  # KEPT_BANDITS settings used: all still kept
+    for i in range(KEPT_BANDITS):
+        bandit(discount=0.5 - 0.05 * i)
+    assert bandit(discount=0.9) is not first  # pushed out by KEPT_BANDITS later settings
 
 
 def test_a_context_drafter_indexes_each_token_once_and_forgets_the_last_request():

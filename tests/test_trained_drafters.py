@@ -1137,6 +1137,56 @@ def test_eagle_drafts_each_level_at_the_position_a_committed_pair_would_take(dra
     assert torch.allclose(below[0], drafter.ahead, atol=1e-4)
 
 
+def test_eagle_drafts_every_node_as_if_its_whole_path_were_committed(drafter_files):
+    """Each drafted node sees the committed pairs and the pairs of all its ancestors (not only its
+    parent), in the draft cache's order: the feature the draft network predicts after a node of
+    depth 1, 2 or 3 is the one it predicts after the node's path committed as pairs (with the
+    predicted features), as a verification that accepted the path would commit it."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+    from decodekit.speculative.drafters.eagle import EagleDrafter
+
+    model = tiny()
+    tokens = PROMPTS[1] + PROMPTS[2]  # the last one is the root
+    model.backend.prefill(tokens)
+    features = model.backend.last_features[0].clone()
+    drafter = EagleDrafter(drafter=str(drafter_files["eagle", "exact"]), candidates=2, max_depth=4, min_confidence=0.0)
+    drafter.net = store.load(model.backend, "eagle", drafter.path)
+    n = len(tokens)
+    drafter.chunks, drafter.chunk_start, drafter.known, drafter.first = [features[: n - 1]], 0, n - 1, 0
+    drafter.past, drafter.pairs, drafter.ahead = None, 0, None
+    levels, grown = [], []  # per level drafted: (its parents, the feature predicted at each one's position)
+    add_children = drafter._add_children
+    drafter._add_children = lambda tree, scores, feature, parents, predicted, root: (
+        levels.append((list(parents), predicted.clone())) or grown.append(tree)
+        or add_children(tree, scores, feature, parents, predicted, root))
+    with torch.inference_mode():
+        drafter.draft(DecodeState(model.backend, Sampler(greedy=True), tokens, GenerationStats()), 40)
+        tree, past, pairs = grown[0], drafter.past, drafter.pairs  # the whole tree drafted, before selection
+        assert len(levels) == 4  # the root's children, then three levels expanded
+
+        def predicted(node: int, level: int) -> torch.Tensor:
+            parents, out = levels[level]
+            return out[parents.index(node)]
+
+        checked = 0
+        for level in range(1, len(levels)):
+            for node in levels[level][0]:
+                path = [node]
+                while tree.parents[path[0]] >= 0:
+                    path.insert(0, tree.parents[path[0]])
+                assert len(path) == level
+                # committed: the features predicted at the root's and each ancestor's position, the path's tokens
+                chunk = torch.cat([features[: n - 1], levels[0][1], *[predicted(a, i + 1)[None] for i, a in enumerate(path[:-1])]])
+                drafter.chunks, drafter.chunk_start, drafter.known = [chunk], 0, len(chunk)
+                drafter.past, drafter.pairs, drafter.ahead = past, pairs, None
+                state = DecodeState(model.backend, Sampler(greedy=True), tokens + [tree.tokens[a] for a in path],
+                                    GenerationStats())
+                drafter._commit_pairs(state, n + level - 1)
+                assert torch.allclose(predicted(node, level), drafter.ahead, atol=1e-4), (level, node)
+                checked += 1
+    assert checked == 3 * 2
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_drafter_holds_the_targets_feature_at_every_position(drafter_files, kind):
     """After every verification and plain step, the features a drafter takes are, position by position,
@@ -1505,6 +1555,41 @@ def test_medusa_hangs_head_ks_candidates_below_every_node_of_depth_k():
     for parent in tree.parents:
         depth.append(0 if parent < 0 else depth[parent] + 1)
     assert all(token in (10 + 2 * d, 11 + 2 * d) for token, d in zip(tree.tokens, depth))
+
+
+@pytest.mark.parametrize("budget", [1, 5, 11, 20])
+def test_medusa_trees_are_the_most_probable_paths_of_the_heads(budget):
+    """The tree is grown best first by the product of the heads' softmax probabilities along a path:
+    it is the ``budget`` most probable paths (head d's candidates at depth d), checked against every
+    path written out."""
+    import itertools
+
+    from decodekit.speculative.drafters.medusa import MedusaDrafter
+
+    heads, candidates, vocab = 3, 3, torch.tensor([40, 41, 42, 43, 44, 45, 46])
+    logits = torch.randn(heads, len(vocab), generator=torch.Generator().manual_seed(budget)) * 2
+
+    class Net:
+        head = argparse.Namespace(vocab=vocab)
+
+        def __call__(self, feature):
+            return logits
+
+    drafter = MedusaDrafter(candidates=candidates)
+    drafter.net = Net()
+    drafter.last_feature = lambda state: torch.zeros(4)
+    tree = drafter.draft(None, budget=budget)
+
+    probs = torch.softmax(logits, dim=-1)
+    top = [probs[k].topk(candidates) for k in range(heads)]
+    every = {}  # path of tokens -> its probability
+    for depth in range(1, heads + 1):
+        for choice in itertools.product(range(candidates), repeat=depth):
+            path = tuple(int(vocab[top[k].indices[c]]) for k, c in enumerate(choice))
+            every[path] = math.prod(float(top[k].values[c]) for k, c in enumerate(choice))
+    best = set(sorted(every, key=lambda path: -every[path])[:budget])
+    paths = {tuple(path) for path in tree.paths()}
+    assert paths == best and len(tree) == budget
 
 
 def _crafted(source, path, tensors=None, **meta_changes):
