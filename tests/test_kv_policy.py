@@ -49,6 +49,9 @@ def test_spellings_parse_and_round_trip():
     "sink:4,window:8,window:9", "h2o:budget=-1,window=1", "int4:residual=32", "int4:group=0", "int4:bits=2", "int3",
     "int4:group=99999999999999999999", "int2:residual=2147483648", "h2o:budget=99999999999999999999,window=4",
     "snapkv:window=8", "sink:,window:4", "int4:",
+    # a spelling's fields are all read: none ignored, every one the syntax needs given, none out of the rule's range
+    "h2o:budget=128", "full:budget=8", "full:", "int8:group=8", "int8:", "sink", "sink:", "h2o:budget=8,window=0",
+    "snapkv:budget=8,window=0",
 ])
 def test_bad_spellings_fail_in_one_line(spec):
     with pytest.raises(InvalidParameter) as err:
@@ -62,6 +65,14 @@ def test_every_policys_spelling_reads_back_as_the_same_policy():
     for policy in (KiviPolicy(32, 64), KiviPolicy(32, 256, bits=2), KiviPolicy(16, 128), KiviPolicy(8, 64, bits=2),
                    StreamingPolicy(0, 8, 2), StreamingPolicy(4, 64), HeavyHitterPolicy(16, 16), SnapKVPolicy(100, 8, 7)):
         assert parse_kv_cache(policy.spec) == policy, policy
+
+
+@pytest.mark.parametrize("bits", [1, 3, 8])
+def test_a_kivi_policy_of_other_than_4_or_2_bits_is_refused(bits):
+    """KIVI's codes are packed 16 channels in ``2 * bits`` bytes for 4 and 2 bits only (int8 is its own
+    per-token policy): a KiviPolicy of another width is refused when made, in one line."""
+    with pytest.raises(InvalidParameter, match="4 or 2 bits"):
+        KiviPolicy(bits=bits)
 
 
 def test_a_field_of_exactly_the_limit_is_accepted():
@@ -100,6 +111,20 @@ def test_heavy_hitter_rule_with_ties():
             scores = mass[layer, head, :26].tolist()
             assert got[layer, head].tolist() == slow_top(scores, 8) + list(range(26, 30))
     assert heavy_hitter_keep(mass[..., :10], 12, 4).tolist() == [[list(range(10))] * 3] * 2  # within budget: all
+
+
+@pytest.mark.parametrize("policy", [HeavyHitterPolicy(budget=12, window=4), SnapKVPolicy(budget=12, window=4, kernel=3)])
+def test_a_policy_ranks_only_its_committed_slots_of_a_mass_table_with_room_to_spare(policy):
+    """The backend's mass table is as long as the cache's capacity; ``keep(slots, mass)`` ranks the
+    first ``slots`` entries only (what lies beyond is spare room, or a rolled-back pass's leftovers)."""
+    g = torch.Generator().manual_seed(5)
+    mass = torch.rand(2, 2, 40, generator=g)
+    mass[..., 20:] += 10.0  # spare room holding stale, heavy mass
+    rule = heavy_hitter_keep if isinstance(policy, HeavyHitterPolicy) else (
+        lambda m, b, w: snapkv_keep(m, b, w, policy.kernel))
+    got = policy.keep(20, mass)
+    assert torch.equal(got, rule(mass[..., :20].clone(), 12, 4))
+    assert got.shape == (2, 2, 12) and int(got.max()) == 19 and got[..., -4:].tolist() == [[list(range(16, 20))] * 2] * 2
 
 
 def test_snapkv_rule_pools_then_picks():
@@ -783,6 +808,28 @@ def test_kivi_codes_are_within_half_a_step_per_channel_group_and_per_token(bits)
     assert (keys - x)[..., 0].abs().max() < 0.1 / levels * 4
 
 
+def test_a_kivi_store_refuses_head_sizes_it_cannot_pack_and_part_groups():
+    """Codes are packed 16 channels a chunk, and keys quantised over whole groups of tokens: a head size
+    that is not a multiple of 16, or an append of part of a group, is refused with a ValueError that
+    says so, and the store is left as it was."""
+    from decodekit.models.kivi import KiviStore
+
+    for head_dim in (8, 24, 40):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            KiviStore(1, 2, head_dim, 8, 4)
+    g = torch.Generator().manual_seed(6)
+    store = KiviStore(1, 2, 32, 8, 2)
+    store.append(torch.randn(1, 2, 8, 32, generator=g), torch.randn(1, 2, 8, 32, generator=g))
+    before = store.k_codes[:, :, :8].clone(), store.k_params[:, :, :1].clone()
+    for n in (4, 12, 1):
+        with pytest.raises(ValueError, match="whole groups of 8 tokens"):
+            store.append(torch.randn(1, 2, n, 32, generator=g), torch.randn(1, 2, n, 32, generator=g))
+        assert store.tokens == 8
+    assert torch.equal(store.k_codes[:, :, :8], before[0]) and torch.equal(store.k_params[:, :, :1], before[1])
+    store.append(torch.randn(1, 2, 16, 32, generator=g), torch.randn(1, 2, 16, 32, generator=g))
+    assert store.tokens == 24
+
+
 @pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("head_dim, heads", [(32, 6), (64, 6), (64, 8), (128, 6)])
 def test_kivi_attention_is_float_attention_on_the_dequantised_entries(head_dim, heads, bits):
@@ -1231,6 +1278,24 @@ def test_a_snapkv_cache_rolls_back_through_its_observation_window_and_no_further
     assert backend.slots == 14 and bool((backend._held[..., :14] < 34).all())
     with pytest.raises(ValueError, match="evicted"):
         backend.truncate(33)
+
+
+def test_an_h2o_cache_rolls_back_through_its_window_and_no_further():
+    """After an eviction the ``window`` tokens before the pass are held in the last slots, in order (a
+    rollback into them moves a counter); the token before them was ranked with the heavy hitters and
+    may be gone from some heads: a rollback to it is refused."""
+    backend = tiny_llama(seed=6, hidden_size=64).with_kv_cache("h2o:budget=12,window=4")
+    backend.prefill(tokens(30, seed=4))  # one pass: nothing to evict before it
+    backend.step(torch.tensor([5]))  # starts with 30 > 12 entries: evicts down to 12 first
+    assert (backend.slots, backend.length) == (13, 31)
+    held = backend._held[..., : backend.slots]
+    assert held[..., 8:].tolist() == [[[26, 27, 28, 29, 30]] * 2] * 2
+    assert bool((held[..., :8] < 26).all()) and not bool((held[..., :8] == 25).all())  # 25 is gone somewhere
+    backend.truncate(26)  # the whole window
+    assert backend.slots == 8 and torch.equal(backend._held[..., :8], held[..., :8])
+    with pytest.raises(ValueError, match="evicted"):
+        backend.truncate(25)
+    assert (backend.slots, backend.length) == (8, 26)
 
 
 def test_an_h2o_cache_that_grows_keeps_each_entrys_token_and_attention_mass():
