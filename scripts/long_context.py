@@ -14,7 +14,7 @@ each (sharing the weights), 16 steps a round then rolled back, policies alternat
 round, the fastest round of ``--rounds`` kept: what the cache costs a decode step, where the
 machine's noise moves every policy alike.
 
-    .venv/bin/python scripts/long_context.py kvdraft [--tokens 6000] [--prompts 3] [--new 128] [--numerics exact] [--budget N] [--kv-cache sink:S,window:W] [--window-copy int8,none]
+    .venv/bin/python scripts/long_context.py kvdraft [--tokens 6000] [--prompts 3] [--new 128] [--numerics exact] [--budget N] [--kv-cache sink:S,window:W]
     .venv/bin/python scripts/long_context.py streaming [--new 32768] [--kv-cache sink:4,window:1024] [--stream-text]
     .venv/bin/python scripts/long_context.py decode [--tokens 2048,4096,8000] [--kv-cache 'full;int8;int4'] [--numerics fast]
 """
@@ -47,34 +47,26 @@ def kvdraft(args: argparse.Namespace) -> None:
     engine = Engine(model)
     prompts = documents(model.tokenizer, args.tokens, args.prompts + 1)
     options = {"draft_cache": args.kv_cache, **({"budget": args.budget} if args.budget else {})}
-    copies = args.window_copy.split(",")
-    # each window_copy its own clone (its own controller memory), in alternating order prompt by prompt
-    engines = {copy: Engine(LoadedModel(model.backend.clone(), model.tokenizer, model.name)) for copy in copies}
     rows = []
     for i, prompt in enumerate(prompts):
         plain = engine.generate(prompt, max_new_tokens=args.new, ignore_eos=True)
-        for copy in copies[:: 1 if i % 2 == 0 else -1]:
-            spec = engines[copy].generate(prompt, method="kvdraft", max_new_tokens=args.new, ignore_eos=True,
-                                          window_copy=copy, **options)
-            if spec.tokens != plain.tokens:
-                raise SystemExit(f"prompt {i}: kvdraft's tokens differ from greedy's")
-            extra = spec.stats.extra
-            row = {"prompt_tokens": len(model.prompt_ids(prompt)), "window_copy": copy,
-                   "greedy_tok_s": plain.stats.new_tokens / plain.stats.decode_s,
-                   "kvdraft_tok_s": spec.stats.new_tokens / spec.stats.decode_s, "verifications": extra.get("verifications", 0),
-                   "accepted": extra.get("accepted", 0), "draft_s": extra.get("draft_s", 0.0), "warm_up": i == 0}
-            row["speedup"] = row["kvdraft_tok_s"] / row["greedy_tok_s"]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    for copy in copies:
-        timed = [r for r in rows if not r["warm_up"] and r["window_copy"] == copy]
-        greedy = statistics.mean(r["greedy_tok_s"] for r in timed)
-        spec = statistics.mean(r["kvdraft_tok_s"] for r in timed)
-        accepted = sum(r["accepted"] for r in timed) / max(sum(r["verifications"] for r in timed), 1)
-        print(json.dumps({"numerics": args.numerics, "kv_cache": args.kv_cache, "window_copy": copy,
-                          "budget": args.budget or "controller", "greedy_tok_s": round(greedy, 1),
-                          "kvdraft_tok_s": round(spec, 1), "speedup": round(spec / greedy, 3),
-                          "accepted_per_verification": round(accepted, 2), "identical": True}))
+        spec = engine.generate(prompt, method="kvdraft", max_new_tokens=args.new, ignore_eos=True, **options)
+        if spec.tokens != plain.tokens:
+            raise SystemExit(f"prompt {i}: kvdraft's tokens differ from greedy's")
+        extra = spec.stats.extra
+        row = {"prompt_tokens": len(model.prompt_ids(prompt)), "greedy_tok_s": plain.stats.new_tokens / plain.stats.decode_s,
+               "kvdraft_tok_s": spec.stats.new_tokens / spec.stats.decode_s, "verifications": extra.get("verifications", 0),
+               "accepted": extra.get("accepted", 0), "warm_up": i == 0}
+        row["speedup"] = row["kvdraft_tok_s"] / row["greedy_tok_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    timed = [r for r in rows if not r["warm_up"]]
+    greedy = statistics.mean(r["greedy_tok_s"] for r in timed)
+    spec = statistics.mean(r["kvdraft_tok_s"] for r in timed)
+    accepted = sum(r["accepted"] for r in timed) / max(sum(r["verifications"] for r in timed), 1)
+    print(json.dumps({"numerics": args.numerics, "kv_cache": args.kv_cache, "budget": args.budget or "controller", "greedy_tok_s": round(greedy, 1),
+                      "kvdraft_tok_s": round(spec, 1), "speedup": round(spec / greedy, 3),
+                      "accepted_per_verification": round(accepted, 2), "identical": True}))
 
 
 def streaming(args: argparse.Namespace) -> None:
@@ -137,8 +129,6 @@ def main() -> None:
     k.add_argument("--kv-cache", default=KVDRAFT_CACHE)
     k.add_argument("--numerics", default="exact")
     k.add_argument("--budget", type=int, default=0, help="a fixed chain length (default: the controller decides)")
-    k.add_argument("--window-copy", default="int8", help="kvdraft's window_copy, or several comma-separated "
-                   "(each on its own clone of the model, alternating)")
     k.set_defaults(func=kvdraft)
     s = sub.add_parser("streaming")
     s.add_argument("--new", type=int, default=32768)

@@ -380,7 +380,7 @@ def test_kvdraft_draft_cache_is_the_targets_compressed():
     assert (draft.length, draft.slots) == (22, 2)
 
 
-def kvdraft_chain(prompt: list[int], root: int, draft_cache: str, depth: int, window_copy: str = "none"):
+def kvdraft_chain(prompt: list[int], root: int, draft_cache: str, depth: int):
     """A greedy target (tiny, seed 0) after ``prompt`` and ``root``, and the chain of ``depth`` tokens
     that kvdraft over ``draft_cache`` drafts from there, used without the loop (``begin`` only)."""
     from decodekit.engine.core import DecodeState, GenerationStats
@@ -391,142 +391,16 @@ def kvdraft_chain(prompt: list[int], root: int, draft_cache: str, depth: int, wi
     state = DecodeState(target, Sampler(greedy=True), prompt, GenerationStats())
     state.prefill()
     state.commit([root])
-    drafter = CompressedCacheDrafter(draft_cache=draft_cache, confidence=0.0, window_copy=window_copy)
+    drafter = CompressedCacheDrafter(draft_cache=draft_cache, confidence=0.0)
     drafter.begin(state)
     return target, drafter.draft(state, depth)
-
-
-def windowed_chain(cache, root: int, sink: int, window: int, depth: int) -> list[int]:
-    """The greedy chain of ``depth`` windowed passes over ``cache`` from ``root`` (rolled back after)."""
-    start, token, chain = cache.length, root, []
-    for _ in range(depth):
-        token = int(cache.append_windowed(torch.tensor([[token]]), sink, window).logits[0, -1].argmax())
-        chain.append(token)
-    cache.truncate(start)
-    return chain
-
-
-def int8_copy_of(target, prompt):
-    """An int8 cache holding every entry of ``target``'s (after ``prompt``), quantised: the reference
-    a window's int8 copy (``follow_window``) must equal wherever a window reads it."""
-    copy = target.with_kv_cache("int8")
-    copy.adopt(target, prompt)
-    return copy
-
-
-def test_a_windows_int8_copy_holds_the_sinks_and_the_window_of_the_cache_it_follows():
-    """``follow_window``: the first S and last W entries of the source, quantised into the same slots,
-    and windowed passes over them give bit for bit what they give over an int8 copy of every entry;
-    later calls copy what the source added, or changed after rolling back; any pass that would read
-    past the copy is refused."""
-    target = tiny_llama(seed=0, hidden_size=64, scale=3.0)
-    prompt = tokens(40, seed=4)
-    target.prefill(prompt)
-    copy = target.with_kv_cache("int8")
-    copy.follow_window(target, prompt, 2, 8)
-    reference = int8_copy_of(target, prompt)
-    assert copy.length == 40
-    for mine, theirs in ((copy._k, reference._k), (copy._v, reference._v)):  # (int8 rows: compared as bits)
-        mine, theirs = mine.view(torch.int32)[:, 0], theirs.view(torch.int32)[:, 0]
-        assert torch.equal(mine[:, :, :2], theirs[:, :, :2]) and torch.equal(mine[:, :, 32:40], theirs[:, :, 32:40])
-        assert not mine[:, :, 2:32].any()  # the entries between: never copied
-    new = torch.tensor([tokens(3, seed=2)])
-    for sink, window in ((2, 8), (1, 5)):
-        assert torch.equal(copy.append_windowed(new, sink, window).logits, reference.append_windowed(new, sink, window).logits)
-        copy.truncate(40), reference.truncate(40)
-    # the source moves on: the next call brings the copy level, a chain then reads the new entries
-    more = tokens(6, seed=5)
-    target.append(torch.tensor([more]))
-    copy.follow_window(target, prompt + more, 2, 8)
-    reference = int8_copy_of(target, prompt + more)
-    assert copy.length == 46 and windowed_chain(copy, 7, 2, 8, 4) == windowed_chain(reference, 7, 2, 8, 4)
-    # the source goes back and on with other tokens: the copy starts again
-    target.truncate(42)
-    other = tokens(6, seed=8)
-    target.append(torch.tensor([other]))
-    copy.follow_window(target, prompt + more[:2] + other, 2, 8)
-    reference = int8_copy_of(target, prompt + more[:2] + other)
-    assert windowed_chain(copy, 7, 2, 8, 4) == windowed_chain(reference, 7, 2, 8, 4)
-    for wider in ((3, 8), (2, 9)):
-        with pytest.raises(RuntimeError, match="does not hold"):
-            copy.append_windowed(new, *wider)
-    with pytest.raises(RuntimeError, match="does not hold"):
-        copy.append(new)
-    copy.reset(1)  # a cache again
-    copy.prefill(prompt)
-    assert copy.length == 40
-    for source, ids in ((target.with_kv_cache("sink:2,window:8"), []), (target, prompt)):  # a window's cache; ids not its
-        with pytest.raises(ValueError, match="keep every token"):
-            copy.follow_window(source, ids, 2, 8)
-
-
-@pytest.mark.parametrize("window_copy", ["int8", "none"])
-def test_kvdraft_drafts_through_an_int8_copy_of_its_window_or_the_cache_itself(window_copy):
-    """The windowed draft reads an int8 copy of the window (the default) or the target's own float
-    cache (``window_copy=none``): each chain is the greedy chain of windowed passes over that, also
-    for a second draft after the target moved on (the copy brought level, the draft rolled back)."""
-    from decodekit.engine.core import DecodeState, GenerationStats
-    from decodekit.samplers import Sampler
-    from decodekit.speculative.drafters.kvdraft import CompressedCacheDrafter
-
-    target = tiny_llama(seed=0, hidden_size=64, scale=3.0)
-    drafter = CompressedCacheDrafter(draft_cache="sink:2,window:8", confidence=0.0, window_copy=window_copy)
-    # two requests in turn, the second's prompt longer than all the first held (its copy made afresh)
-    for prompt, more, steps in ((tokens(40, seed=4), tokens(5, seed=6), 2), (tokens(60, seed=9), [], 1)):
-        state = DecodeState(target, Sampler(greedy=True), prompt, GenerationStats())
-        state.prefill()
-        state.commit([7])
-        drafter.begin(state)
-        kvdraft_steps(drafter, state, more, steps, window_copy)
-
-
-@pytest.mark.parametrize("length", [11, 40, 10, 6])
-def test_kvdraft_samples_its_drafts_from_the_windows_int8_copy(length):
-    """A sampled draft records the distribution it drew from (for speculative sampling): under the
-    default ``window_copy=int8`` that of the windowed pass over the int8 copy, not over the float
-    cache, once the cache holds more than sink + window entries (10 here); up to that, the float cache's."""
-    from decodekit.engine.core import DecodeState, GenerationStats
-    from decodekit.samplers import Sampler
-    from decodekit.speculative.drafters.kvdraft import CompressedCacheDrafter
-
-    prompt = tokens(length, seed=4)
-    target = tiny_llama(seed=0, hidden_size=64, scale=3.0)
-    state = DecodeState(target, Sampler(seed=3), prompt, GenerationStats())
-    state.prefill()
-    state.commit([7])
-    drafter = CompressedCacheDrafter(draft_cache="sink:2,window:8", confidence=0.0)
-    drafter.begin(state)
-    tree = drafter.draft(state, 1)
-    root = torch.tensor([[7]])
-    int8 = int8_copy_of(target, prompt).append_windowed(root, 2, 8).logits[0, -1]
-    as_float = target.append_windowed(root, 2, 8).logits[0, -1]
-    target.truncate(length)
-    want, other = (int8, as_float) if length > 10 else (as_float, int8)
-    assert torch.equal(tree.draft_probs[-1], torch.softmax(want, dim=-1))
-    assert not torch.equal(tree.draft_probs[-1], torch.softmax(other, dim=-1))
-
-
-def kvdraft_steps(drafter, state, more: list[int], steps: int, window_copy: str) -> None:
-    """``steps`` drafts of 4 by ``drafter`` (begun on ``state``), each checked against the greedy chain
-    of windowed passes over the target's cache or its int8 copy; after the first, ``more[:3]`` committed."""
-    target = state.backend
-    for step in range(steps):
-        committed = state.tokens[: target.length]
-        reference = int8_copy_of(target, committed) if window_copy == "int8" else target
-        want = windowed_chain(reference, state.tokens[-1], 2, 8, 4)
-        tree = drafter.draft(state, 4)
-        assert target.length == len(committed)  # the target's cache is left as it was
-        assert tree.tokens == want, step
-        if step + 1 < steps:  # the target moves on: 7 and two more tokens committed, the third pending
-            state.commit(more[:3])
-            target.append(torch.tensor([state.tokens[target.length : -1]]))
 
 
 def test_kvdraft_drafts_attending_to_the_first_sink_and_the_last_window_entries():
     """MagicDec's StreamingLLM draft: each draft pass of ``sink:S,window:W`` attends to the first S and
     the last W entries of the target's own cache; its greedy chain is the one such passes give."""
     prompt, root = tokens(40, seed=4), 7
-    target, tree = kvdraft_chain(prompt, root, "sink:2,window:8", 4, window_copy="none")
+    target, tree = kvdraft_chain(prompt, root, "sink:2,window:8", 4)
     assert target.length == len(prompt)  # the draft's entries rolled back
     reference = tiny_llama(seed=0, hidden_size=64, scale=3.0)
     reference.prefill(prompt)

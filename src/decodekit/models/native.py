@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..arguments import NUMERICS
 from ..errors import InvalidParameter, PromptTooLong, RollbackRefused
 from ..machine import available_memory
-from .backend import Backend, ModelInfo, StepOutput, common_prefix
+from .backend import Backend, ModelInfo, StepOutput
 from .batching import PREFILL_CHUNK, PassBatcher
 from .gguf_blocks import BlockMatrix
 from .kivi import KiviStore, KiviView
@@ -213,8 +213,6 @@ class NativeLlama(Backend):
         self._tail_from = 0  # tokens from here on sit in the last slots, in order (rollback reaches that far)
         self._first_pass = True
         self._pending_tree = None
-        self._window_only: tuple[int, int] | None = None  # (sink, window) of a window's copy (follow_window)
-        self._copied: list[int] = []  # the ids of the tokens a window's copy holds
         capacity = min(self._initial_capacity, self.config.max_position)
         c, policy = self.config, self.kv_policy
         # int4, int2: the quantised tokens; the float cache then holds the residual, slot 0 at position _base
@@ -375,13 +373,10 @@ class NativeLlama(Backend):
         return self._commit_pass(tokens, causal, hidden_layers, skip_layers, last_only, observe, causal=True)
 
     def _commit_pass(self, tokens: torch.Tensor, visibility, hidden_layers=(), skip_layers=frozenset(),
-                     last_only: bool = False, observe: bool = False, causal: bool = False,
-                     window: tuple[int, int] | None = None) -> StepOutput:
+                     last_only: bool = False, observe: bool = False, causal: bool = False) -> StepOutput:
         """One pass of ``tokens`` ``[B, k]`` after the cache, committed: room made first (a policy may
         compact), then written at the next slots and positions, seeing ``visibility(start, k)`` (the
-        mask over the ``start`` committed slots and the new ones; None: all). ``window``: the
-        (sink, window) a windowed pass sees, which a window's copy checks it holds."""
-        self._check_window(window)
+        mask over the ``start`` committed slots and the new ones; None: all)."""
         k = tokens.shape[1]
         self._make_room(k)
         start, position = self._next_slot()
@@ -416,52 +411,7 @@ class NativeLlama(Backend):
             visible[:, start:] = torch.ones(k, k, dtype=torch.bool).tril()
             return visible
 
-        return self._commit_pass(tokens, sinks_and_window, window=(sink, window))
-
-    @torch.inference_mode()
-    def follow_window(self, source: "NativeLlama", token_ids: Sequence[int], sink: int, window: int) -> None:
-        """Bring this cache level with ``source``'s committed entries (the same model, one sequence, a
-        cache that keeps every token, holding ``token_ids``) where a windowed pass
-        (:meth:`append_windowed` with at most ``sink`` and ``window``) reads them: the first ``sink``
-        and the last ``window``, copied into the same slots (quantised, for an int8 cache); the
-        entries between are never read, so never copied. What was copied for the same leading
-        tokens is kept (an entry depends only on the tokens up to it), so calling it after each of
-        ``source``'s passes copies only what they added. Such a cache takes windowed passes only (any
-        other is refused), until :meth:`reset`. ``kvdraft``'s copy of the window it drafts through: a
-        quarter of the bytes to read in int8."""
-        if (source.kv_policy.one_sequence() or source.config != self.config or source.batch_size != 1
-                or self.kv_policy.evicts() or self.kv_policy.reassigns_positions or self._kivi is not None
-                or source.length != len(token_ids)):
-            raise ValueError("follow_window() needs two caches of the same model that keep every token, one sequence, "
-                             "and the ids of the source's tokens")
-        n = source.length
-        if self.batch_size != 1:
-            self.reset(1)
-        if self._window_only != (sink, window):  # nothing copied counts (the allocation is kept)
-            self._window_only, self._copied = (sink, window), []
-        copied = self._copied
-        same = len(copied) if list(token_ids[: len(copied)]) == copied else common_prefix(copied, token_ids)
-        done = min(same, self._length)
-        self._ensure_capacity(n)
-        for lo, hi in ((done, min(sink, n)), (max(done, sink, n - window), n)):
-            if lo >= hi:
-                continue
-            for mine, theirs in ((self._k, source._k), (self._v, source._v)):
-                rows = theirs[:, :, :, lo:hi].contiguous()  # (quantised faster in one piece)
-                mine[:, :, :, lo:hi] = quantise_int8_rows(rows) if self._int8 is not None else rows
-        del copied[done:]
-        copied.extend(token_ids[done:])
-        self._length = self._slots = n
-        self._first_pass = False
-        self._pending_tree = None
-
-    def _check_window(self, window: tuple[int, int] | None) -> None:
-        """Refuse a pass that would read entries a window's copy does not hold (:meth:`follow_window`)."""
-        held = self._window_only
-        if held is not None and (window is None or window[0] > held[0] or window[1] > held[1]):
-            seen = "all of it" if window is None else f"sink {window[0]}, window {window[1]}"
-            raise RuntimeError(f"this cache copies sink {held[0]} and window {held[1]} of another; a pass seeing "
-                               f"{seen} would read entries it does not hold")
+        return self._commit_pass(tokens, sinks_and_window)
 
     @torch.inference_mode()
     def adopt(self, source: "NativeLlama", token_ids: Sequence[int]) -> None:
@@ -608,7 +558,6 @@ class NativeLlama(Backend):
             self._mass[layer, :, :end] += scores.softmax(-1).sum(dim=(0, 2))
 
     def _run_tree(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> StepOutput:
-        self._check_window(None)
         start, position = self._next_slot()
         self._check_positions(int(positions.max()) + 1)
         self._written(start, self._length + positions - position)

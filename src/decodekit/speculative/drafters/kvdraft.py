@@ -18,13 +18,6 @@ Choices the papers leave open (each one tested):
     draft's entries are rolled back after it. The draft's cache is thus a view of the target's, as
     in both papers: nothing is copied and nothing falls behind (so ``every:E``, how often a
     StreamingLLM cache compacts, changes nothing here: each draft pass sees exactly S + W entries).
-  * ``window_copy="int8"`` (the default): the windowed draft reads an int8 copy of the entries its
-    window sees (:meth:`NativeLlama.follow_window`: the sinks and the last W entries, quantised
-    per token and head as ``--kv-cache int8`` stores them, brought level with the target's cache
-    before each draft, copying what is new since the last), a quarter of the bytes float32 entries take to read; ``window_copy=none``
-    reads the target's cache as it is (as where the target's own cache is int8 already, or the model
-    is not float32, or holds no more than S + W entries: the draft then reads all of it, and a copy
-    would cost more than it saves). The draft's logits change by the quantisation, never the output.
   * Any other compressed policy (``snapkv:...``, ``h2o:...``, ``int8``; TriForce retrieves
     chunks instead): a clone of the target with that cache, made from the target's entries after
     the prompt (:meth:`NativeLlama.adopt`: a second read of the prompt only where the policy observes it,
@@ -59,8 +52,6 @@ DEFAULT_CACHE = "sink:4,window:1024"
 OPTIONS = option_table(
     OptionSpec("draft_cache", str, DEFAULT_CACHE, "the draft's cache policy (a --kv-cache spelling other than full, "
                "int4 or int2; the target keeps its own cache)"),
-    OptionSpec("window_copy", str, "int8", "what a sink:S,window:W draft reads: int8, a copy of the window's entries in "
-               "8 bits; none, the target's cache as it is", choices=("int8", "none")),
     CHAIN_OPTIONS,
     dataclasses.replace(CHAIN_OPTIONS["stochastic"], default=True),
 )
@@ -69,13 +60,13 @@ OPTIONS = option_table(
 class CompressedCacheDrafter(DraftModelDrafter):
     """The target model with a compressed cache drafts chains (TriForce, MagicDec). Lossless
     under the project's verifiers. Options: ``draft_cache`` (the draft's policy; named apart from the
-    model's own ``kv_cache``, which ``decodekit.generate`` takes), ``window_copy``, ``confidence``,
+    model's own ``kv_cache``, which ``decodekit.generate`` takes), ``confidence``,
     ``stochastic``, ``max_draft`` (see the module docstring)."""
 
     name = "kvdraft"
 
-    def __init__(self, *, draft_cache: str = DEFAULT_CACHE, window_copy: str = "int8", max_draft: int | None = CHAIN_CAP,
-                 confidence: float = CHAIN_CONFIDENCE, stochastic: bool = True):
+    def __init__(self, *, draft_cache: str = DEFAULT_CACHE, max_draft: int | None = CHAIN_CAP, confidence: float = CHAIN_CONFIDENCE,
+                 stochastic: bool = True):
         super().__init__(draft_model=None, max_draft=max_draft, confidence=confidence, stochastic=stochastic)
         try:
             self.policy = parse_kv_cache(draft_cache)
@@ -85,10 +76,7 @@ class CompressedCacheDrafter(DraftModelDrafter):
             raise InvalidParameter(f"kvdraft needs a compressed draft_cache other than int4/int2 (e.g. {DEFAULT_CACHE} or int8), "
                                    f"got {self.policy.spec!r}", param="draft_cache")
         self.windowed = isinstance(self.policy, StreamingPolicy)  # drafts on the target's own cache
-        self.window_copy = OPTIONS["window_copy"].parse(window_copy)
         self._target = None
-        self._copy = None  # the int8 copy of the window (window_copy="int8", where one can be made)
-        self._reader = None  # what the latest windowed draft ran on: the target, or that copy
         self._origin = 0
 
     def _parse_spec(self, spec: object) -> object:
@@ -124,12 +112,6 @@ class CompressedCacheDrafter(DraftModelDrafter):
         self.check(target)  # again for a drafter used without the loop: the draft's backend is kept, not rebuilt
         self._target = target
         if self.windowed:
-            self._reader, self._copy = target, None
-            if self.window_copy == "int8" and not target.kv_policy.quantised and target.info.dtype == torch.float32:
-                try:
-                    self._copy = target.memory(("kvdraft.window", "int8"), lambda: target.with_kv_cache("int8"))
-                except InvalidParameter:  # no int8 cache kernels here (no compiler, or switched off)
-                    pass
             return
         assert self.backend is not None
         prompt = state.tokens[: target.length]
@@ -143,12 +125,7 @@ class CompressedCacheDrafter(DraftModelDrafter):
             return super()._start(state, budget)
         if self._target is None:
             raise RuntimeError("kvdraft.draft() before begin()")
-        sink, window = self.policy.sink, self.policy.window
-        self._reader = self._target
-        if self._copy is not None and self._target.length > sink + window:  # shorter: the draft reads it all
-            self._copy.follow_window(self._target, state.tokens[: self._target.length], sink, window)
-            self._reader = self._copy
-        self._origin = self._reader.length
+        self._origin = self._target.length
         budget = self.within_rollback(min(budget, self._target.info.max_length - len(state.tokens)), self._target)
         if budget <= 0:
             return None, 0
@@ -160,14 +137,14 @@ class CompressedCacheDrafter(DraftModelDrafter):
         return self._windowed([token])
 
     def _windowed(self, tokens: list[int]) -> torch.Tensor:
-        assert self._reader is not None and isinstance(self.policy, StreamingPolicy)
+        assert self._target is not None and isinstance(self.policy, StreamingPolicy)
         self.last_steps += 1
-        out = self._reader.append_windowed(torch.tensor([tokens]), self.policy.sink, self.policy.window)
+        out = self._target.append_windowed(torch.tensor([tokens]), self.policy.sink, self.policy.window)
         return out.logits[0, -1]
 
     def _stop(self, state: DecodeState) -> None:
-        if self.windowed and self._reader is not None and self._reader.length > self._origin:
-            self._reader.truncate(self._origin)
+        if self.windowed and self._target is not None and self._target.length > self._origin:
+            self._target.truncate(self._origin)
 
 
 register_drafter(
