@@ -730,6 +730,7 @@ def test_best_of_n_loglik_is_the_sum_of_the_samples_token_logprobs(tiny):
         logprobs = torch.log_softmax(rows.logits[0, len(prompt) - 1 : -1].float(), dim=-1)
         total = logprobs.gather(-1, torch.tensor(tokens)[:, None]).sum().item()
         assert candidate["score"] == pytest.approx(total, abs=1e-3)
+        assert candidate["loglik"] == pytest.approx(total, abs=1e-3)  # the candidate's record: the sum too
 
 
 def test_every_search_stops_at_the_step_its_should_stop_says_so(tiny):
@@ -1168,3 +1169,45 @@ def test_first_finish_scores_each_candidate_by_the_steps_it_took():
     candidates = g.extra["candidates"]
     assert g.finish_reason == "eos"
     assert [c["score"] for c in candidates] == [c["tokens"] + (c["finish_reason"] == "eos") for c in candidates]
+
+
+def test_a_weighted_vote_adds_each_samples_own_weight_to_its_answer():
+    """Weights stay with their samples when some samples have no answer (those do not vote)."""
+    answers = ["a", None, "b", "a", None, "b"]
+    weights = [1.0, 9.0, 3.0, 1.5, 7.0, 0.25]
+    reference: dict[str, float] = {}
+    for a, w in zip(answers, weights):
+        if a is not None:
+            reference[a] = reference.get(a, 0.0) + w
+    winner, totals = majority_vote(answers, weights)
+    assert totals == pytest.approx(reference) and winner == max(reference, key=reference.get) == "b"
+
+
+def test_weighted_vote_returns_the_first_sample_with_the_winning_answer_not_its_heaviest():
+    """The returned text is the first sample carrying the winning answer (the module's rule), whatever
+    the weights of the later samples carrying it."""
+    from types import SimpleNamespace
+
+    from decodekit.search.select import WeightedVote
+
+    texts = ["x", "yy", "xxx", "y"]
+    samples = [Sample(TOK.encode(t), [], [], [], [], "length", t) for t in texts]
+    answers = [t[:1] for t in texts]
+    index, weights = WeightedVote(n=4, scorer=lambda text: float(len(text))).choose(
+        SimpleNamespace(tokenizer=TOK), samples, answers)
+    assert weights == [1.0, 2.0, 3.0, 1.0]
+    assert majority_vote(answers, weights)[0] == "x" and index == answers.index("x") == 0
+
+
+def test_the_reported_answer_is_the_chosen_samples(tiny):
+    """extra['answer'] is the answer of the sample returned (extra['chosen']), read from its text."""
+    answer = lambda t: t[:1] or None  # noqa: E731
+    for seed in range(40):
+        g = Engine(tiny).generate("hello", method="best-of-n", n=4, seed=seed, answer=answer, max_new_tokens=6,
+                                  chat=False)
+        answers = [c["answer"] for c in g.extra["candidates"]]
+        if answers[g.extra["chosen"]] != answers[0]:
+            break
+    else:
+        pytest.fail("no seed chose a sample whose answer differs from the first's")
+    assert g.extra["answer"] == answers[g.extra["chosen"]] == answer(g.text)

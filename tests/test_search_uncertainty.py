@@ -329,3 +329,165 @@ def test_a_judge_whose_question_would_pass_the_context_refuses_the_request_befor
     assert watched.calls == 0
     engine.generate(prompt, method=method, n=2, seed=1, scorer="judge", max_new_tokens=room, chat=False)
     assert watched.calls > 0
+
+
+def test_a_comma_before_more_than_three_digits_groups_nothing():
+    """Commas sit only between groups of exactly three digits: "1,2345" holds no thousands' comma,
+    so it reads as the numbers 1 and 2345 (the last one is 2345), never as 1,234 cut short."""
+    cases = {"1,2345": "2345", "paid 12,3456 in all": "3456", "1,234,5678": "5678", "1,234": "1234"}
+    assert {text: extract_number(text) for text in cases} == cases
+
+
+def test_normalized_text_folds_compatibility_forms():
+    """NFKD, not NFD: full-width letters and ligatures read as their plain letters."""
+    assert normalize_text("\uff30\uff41\uff52\uff49\uff53") == normalize_text("Paris") == "paris"
+    assert normalize_text("\ufb01nal answer") == "final answer"
+    assert extract_line("\n\uff2c\uff49\uff4d\uff41!") == extract_line("Lima!") == "lima"
+
+
+def test_an_answer_start_callable_returning_a_bool_is_refused():
+    from decodekit.errors import InvalidParameter
+    from decodekit.search.answers import answer_functions
+
+    _, start = answer_functions("auto", lambda text: True)
+    with pytest.raises(InvalidParameter, match="answer_start callable must return an offset"):
+        start("abc")
+
+
+def test_a_built_in_extractor_given_as_a_function_starts_its_answer_as_its_mode_does():
+    """An eval task's answer extractor may be the built-in function itself (extract_number): its
+    answer starts where that mode's does (the last number), not at 0 as a user callable's."""
+    from decodekit.search.answers import answer_functions
+
+    text = "so the total is 42."
+    for fn, mode in ((extract_number, "number"), (extract_auto, "auto"), (extract_line, "line")):
+        _, start = answer_functions(fn, None)
+        assert start(text) == answer_start(text, mode)
+    assert answer_functions(extract_number, None)[1](text) == text.index("42")
+    assert answer_functions(lambda t: t, None)[1](text) == 0
+
+
+def test_a_samples_phi_first_is_read_where_its_answer_starts():
+    """sample_signals' phi_first is phi_first at the answer's start, not at the text's first content."""
+    tokens = TOK.encode(" .Ab 7")
+    flat, sharp = [0.0] * 10, [30.0] + [0.0] * 9
+    sample = Sample(tokens, [0.0] * 6, [0.0] * 6, [0.0] * 6, [sharp, sharp, flat, flat, sharp, sharp], "eos")
+    for start in (0, 3, 4):
+        want = phi_first(sample, TOK, start_char=start)
+        assert sample_signals(sample, TOK, start)["phi_first"] == pytest.approx(want)
+    assert sample_signals(sample, TOK, 4)["phi_first"] != pytest.approx(sample_signals(sample, TOK, 0)["phi_first"])
+
+
+def test_an_answer_that_is_only_an_eos_has_the_eos_choices_mean_logprob():
+    """A row that chose EOS at once made one choice: its mean log-prob is that choice's; a row that
+    made no choice has none. The per-token signals have no token to average over."""
+    eos_only = Sample([], [], [], [], [], "eos", "", eos_logprob=-0.5)
+    signals = sample_signals(eos_only, TOK)
+    assert signals["mean_logprob"] == pytest.approx(eos_only.mean_logprob) == pytest.approx(-0.5)
+    assert signals["self_certainty"] is None and signals["margin"] is None and signals["phi_first"] is None
+    assert sample_signals(Sample.empty(), TOK)["mean_logprob"] is None
+
+
+def test_sampled_agreement_draws_a_greedy_requests_samples_at_its_temperature():
+    """sampled_agreement's n answers are samples at ``temperature`` even for a greedy request: answer
+    i is the sequential sample seeded seed + i at that temperature."""
+    from decodekit.engine import Engine, make_sampler
+    from decodekit.engine.core import Request
+    from decodekit.search.uncertainty import sampled_agreement
+
+    model = LoadedModel(tiny_llama(seed=0), TOK, "tiny")
+    req = Request(TOK.encode("hello"), make_sampler("greedy", {"seed": 7}), 12)
+    found = sampled_agreement(model, req, None, lambda t: t, n=3, temperature=1.0)
+    engine = Engine(model)
+    want = [engine.generate("hello", method="sample", seed=7 + i, temperature=1.0, max_new_tokens=12, chat=False).text
+            for i in range(3)]
+    assert found["answers"] == want
+    assert len(set(want)) > 1  # samples, not three copies of the greedy answer
+
+
+def test_paraphrase_consistency_is_the_agreement_of_greedy_answers_to_each_paraphrase():
+    """PC@k decodes each paraphrase greedily (even when the request samples), with or without the
+    chat template as asked, and counts every paraphrase's tokens."""
+    from decodekit.engine import Engine, make_sampler
+    from decodekit.engine.core import Request
+    from decodekit.search.uncertainty import paraphrase_consistency
+
+    class Chat(CharTokenizer):
+        def chat_prompt(self, messages):
+            return "".join(f"<{m['role'][0]}>{m['content']}</{m['role'][0]}>" for m in messages) + "<a>"
+
+    model = LoadedModel(tiny_llama(seed=0), Chat(96), "tiny")
+    prompts = ["hello there", "a question", "Answer this: why?"]
+    sampled = Request([], make_sampler("sample", {"seed": 3, "temperature": 1.5}), 10)
+    engine = Engine(model)
+    for chat in (False, True):
+        gens = [engine.generate(p, method="greedy", max_new_tokens=10, chat=chat) for p in prompts]
+        want = [g.text for g in gens]
+        found = paraphrase_consistency(model, prompts, want[1], lambda t: t, sampled, chat=chat)
+        assert found["answers"] == want
+        assert found["pc"] == pytest.approx(want.count(want[1]) / len(want))
+        assert found["tokens_spent"] == sum(len(g.tokens) + (g.finish_reason == "eos") for g in gens)
+    plain = [engine.generate(p, method="greedy", max_new_tokens=10, chat=False).text for p in prompts]
+    assert plain != want  # the template changes the answers, so the chat flag is seen
+
+
+def test_a_judge_used_outside_a_search_still_refuses_a_request_with_no_room_for_its_question():
+    """score() checks the judge's room itself: a scorer called directly (no search's check before it)
+    refuses a request whose answer would push the judge's question past the context."""
+    from decodekit.engine import make_sampler
+    from decodekit.engine.core import Request
+    from decodekit.errors import PromptTooLong
+    from decodekit.search.batch import SearchContext
+
+    model = LoadedModel(tiny_llama(seed=0, hidden_size=64, max_position=200), TOK, "tiny")
+    question = max(len(Judge._follow_up(model, q)) for q in (Judge.ANSWER_QUESTION, Judge.STEP_QUESTION))
+    prompt = TOK.encode("a" * 120)
+    room = 200 - len(prompt) - question
+    answer = Sample(TOK.encode("b"), [0.0], [0.0], [0.0], [[0.0]], "length")
+    tight = SearchContext(model, Request(prompt, make_sampler("greedy", {}), room + 1))
+    with pytest.raises(PromptTooLong, match="judge's question"):
+        Judge().score(tight, [], answer)
+    with pytest.raises(PromptTooLong, match="judge's question"):
+        Judge().score_step(tight, [], answer)
+    fits = SearchContext(model, Request(prompt, make_sampler("greedy", {}), room))
+    assert 0.0 <= Judge().score(fits, [], answer) <= 1.0
+
+
+def test_only_scorers_that_cannot_go_negative_may_weigh_votes():
+    """Weighted voting takes only scorers whose values are never negative: log-likelihoods are
+    (a probability's log), so they are no vote weights."""
+    from decodekit.search.scorers import NONNEGATIVE_SCORER_NAMES, make_scorer
+
+    sample = Sample(TOK.encode("ab"), [-1.0, -3.0], [0.5, 1.5], [0.2, 0.4], [[0.0] * 4] * 2, "eos", eos_logprob=-2.0)
+    for name in ("loglik", "mean-logprob", "prob", "self-certainty"):
+        can_go_negative = make_scorer(name).score(None, [], sample) < 0
+        assert (name in NONNEGATIVE_SCORER_NAMES) == (not can_go_negative), name
+    assert "judge" in NONNEGATIVE_SCORER_NAMES
+
+
+def test_the_judge_counts_a_token_once_however_many_spellings_it_is():
+    """p(yes) sums the probabilities of the distinct tokens spelling yes: a tokenizer that reads
+    " yes" as the "yes" token does not count that token twice (while " no" is a token of its own)."""
+
+    class Spaced(Tokenizer):
+        WORDS = ["<eos>", "yes", "Yes", "no", "No", " no", " No", "maybe", "Q"]
+
+        def __init__(self):
+            self.eos_token_ids = frozenset({0})
+
+        def encode(self, text):
+            word = text if text in self.WORDS else text.strip()
+            return [self.WORDS.index(word)] if word in self.WORDS else []
+
+        def decode(self, ids):
+            return "".join(self.WORDS[i] for i in ids if i)
+
+    tok = Spaced()
+    model = LoadedModel(tiny_llama(seed=0, vocab_size=len(Spaced.WORDS)), tok, "spaced")
+    logits = torch.tensor([0.0, 1.0, 0.5, 0.2, -1.0, 0.7, -0.3, 3.0, 0.0])
+    p = torch.softmax(logits, -1)
+    yes_ids = {tok.encode(w)[0] for w in ("yes", "Yes", " yes", " Yes")}
+    no_ids = {tok.encode(w)[0] for w in ("no", "No", " no", " No")}
+    assert len(yes_ids) == 2 and len(no_ids) == 4
+    yes, no = float(sum(p[i] for i in yes_ids)), float(sum(p[i] for i in no_ids))
+    assert Judge.yes_share(model, logits) == pytest.approx(yes / (yes + no), abs=1e-6)
