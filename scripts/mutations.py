@@ -8070,6 +8070,9 @@ MUTATIONS = (
              "ids = {ids[0] for w in words if len(ids := judge.tokenizer.encode(w)) == 1}",
              "ids = [ids[0] for w in words if len(ids := judge.tokenizer.encode(w)) == 1]",
              ("tests/test_search_uncertainty.py", "-k", "counts_a_token_once")),
+    Mutation('numbers-of-other-scripts-kept-as-written', 'src/decodekit/search/answers.py',
+             '    value = "".join(str(unicodedata.decimal(c)) if c.isdecimal() else c for c in value)  # ４２, ٤٢ -> 42\n', '',
+             ('tests/test_search_uncertainty.py', '-k', 'extraction_modes')),
 )
 
 

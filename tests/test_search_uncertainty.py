@@ -54,6 +54,9 @@ def test_answer_extraction_modes():
     cases = {"1,2,3": "3", "1,000,000 apples": "1000000", "a loss of -$5": "-5", "$-5": "-5", "it is $3.50.": "3.5",
              "version 1.5.2": "1.5", "10,000.00": "10000", "12,34": "34", "so...42": "42"}
     assert {text: extract_number(text) for text in cases} == cases
+    # digits of any script are the same number as ASCII ones (so a vote or a gold answer matches them)
+    cases = {"ﬁnal \uff14\uff12": "42", "\u0664\u0662 \u0641\u0642\u0637": "42", "\uff11,\uff10\uff10\uff10.\uff15\uff10": "1000.5"}
+    assert {text: extract_number(text) for text in cases} == cases
     assert answer_start("it is $3.50.", "number") == len("it is $")
     assert extract_line("\n  Bogotá, Colombia!\nmore") == "bogota colombia"
     assert extract_auto("The answer: 42") == "42" and extract_auto("Paris.") == "paris"

@@ -1,7 +1,7 @@
 """Answer extraction shared by voting, CoT-decoding, uncertainty signals and the eval tasks.
 
 Modes: ``number`` (the last number in the text, its thousands' commas removed, ``12.0`` -> ``12``, ``.5`` -> ``0.5``,
-``007`` -> ``7``; a hyphen after a letter or digit, as in ``pages 3-4``, is not a minus sign), ``line``
+``007`` -> ``7``, digits of any script written as ASCII digits, full-width ``４２`` -> ``42``; a hyphen after a letter or digit, as in ``pages 3-4``, is not a minus sign), ``line``
 (the first non-empty line, normalised), ``text`` (the whole text, normalised), ``auto`` (the last
 number when there is one, else the first line). A callable ``text -> str | None`` may replace a mode.
 """
@@ -38,6 +38,7 @@ def normalize_text(text: str) -> str:
 
 def normalize_number(raw: str) -> str:
     value = raw.replace(",", "").replace("$", "").replace("\u2212", "-")
+    value = "".join(str(unicodedata.decimal(c)) if c.isdecimal() else c for c in value)  # ４２, ٤٢ -> 42
     sign, value = ("-", value[1:]) if value.startswith("-") else ("", value)
     if "." in value:
         value = value.rstrip("0").rstrip(".")
