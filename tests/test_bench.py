@@ -1586,3 +1586,198 @@ def test_a_methods_run_reports_the_tokens_it_accepted_per_verification(tiny: Loa
     result = MethodContestant(Engine(LoadedModel(tiny.backend.clone(), tiny.tokenizer, "tiny")), "pld").run(ids, 12)
     assert isinstance(expected, (int, float)) and result.mean_accepted == pytest.approx(float(expected))
     assert "mean_accepted" not in result.extra
+
+
+# --------------------------------------------------------------------------- mutation hunt: aggregates, tables, resume
+
+
+def test_throughputs_and_speedups_are_summed_tokens_over_summed_seconds():
+    """The documented aggregate: summed new tokens over summed seconds, and a speedup the ratio of two
+    such throughputs: not a mean of per-question rates or of per-question speedups (a short question
+    would weigh as much as a long one); the category's seconds are sums too, each of its own kind."""
+    greedy = {1: (10, 1.0), 2: (40, 2.0)}  # question -> (new tokens, decode seconds)
+    fast = {1: (10, 0.25), 2: (40, 2.0)}
+    prefill = 0.5
+    records = [hand_record("greedy", q, new_tokens=n, decode_s=d, prefill_s=prefill) for q, (n, d) in greedy.items()]
+    records += [hand_record("fast", q, new_tokens=n, decode_s=d, prefill_s=prefill) for q, (n, d) in fast.items()]
+    stats = summarize(records, hand_contestants("greedy", "fast"), {})["methods"]["fast"]["categories"]["overall"]
+
+    def rates(side):
+        tokens, decode = sum(n for n, _ in side.values()), sum(d for _, d in side.values())
+        return tokens / decode, tokens / (decode + prefill * len(side))
+
+    (fast_tps, fast_e2e), (greedy_tps, greedy_e2e) = rates(fast), rates(greedy)
+    assert stats["decode_tps"] == pytest.approx(fast_tps) and stats["e2e_tps"] == pytest.approx(fast_e2e)
+    assert stats["speedup"] == pytest.approx(fast_tps / greedy_tps)
+    assert stats["e2e_speedup"] == pytest.approx(fast_e2e / greedy_e2e)
+    # (the per-question means differ here, so the test tells them apart)
+    mean_rate = sum(n / d for n, d in fast.values()) / len(fast)
+    mean_ratio = sum((fast[q][0] / fast[q][1]) / (greedy[q][0] / greedy[q][1]) for q in fast) / len(fast)
+    assert mean_rate != pytest.approx(fast_tps) and mean_ratio != pytest.approx(fast_tps / greedy_tps)
+    assert stats["decode_s"] == pytest.approx(sum(d for _, d in fast.values()))
+    assert stats["prefill_s"] == pytest.approx(prefill * len(fast))
+
+
+def test_exact_text_match_and_prefix_shares_come_from_their_own_verdicts():
+    """exact: token-identical outputs; text match: identical text (the one verdict a llama.cpp run
+    gets, and true of an output spelt with other tokens); prefix share: how much of greedy's text an
+    output reproduces. Three figures from three verdicts, each the mean of the runs that have one."""
+    verdicts = [(True, True, 1.0), (False, True, 1.0), (None, True, 1.0), (None, False, 0.25)]
+    records = [hand_record("greedy", q) for q in range(len(verdicts))]
+    records += [{**hand_record("m", q), "identical_to_reference": exact, "text_match": text, "text_prefix_share": prefix}
+                for q, (exact, text, prefix) in enumerate(verdicts)]
+    stats = summarize(records, hand_contestants("greedy", "m"), {})["methods"]["m"]["categories"]["overall"]
+
+    def mean_present(i):
+        present = [float(v[i]) for v in verdicts if v[i] is not None]
+        return sum(present) / len(present)
+
+    assert stats["exact_share"] == pytest.approx(mean_present(0))
+    assert stats["text_match_share"] == pytest.approx(mean_present(1))
+    assert stats["text_prefix_share"] == pytest.approx(mean_present(2))
+    assert len({stats["exact_share"], stats["text_match_share"], stats["text_prefix_share"]}) == 3
+
+
+def test_the_vs_hf_column_is_the_decode_only_ratio():
+    """vs HF, like speedup, is decode-only throughput against transformers (the e2e ratio is in results.json)."""
+    from decodekit.bench.report import method_table
+
+    summary = hand_summary()
+    summary["methods"]["spec"]["categories"]["overall"] |= {"speedup_vs_hf": 1.5, "e2e_speedup_vs_hf": 1.25}
+    assert table_row(method_table(summary, "overall", markdown=True), "spec", markdown=True)["vs HF"] == "1.50x"
+
+
+def test_each_categorys_table_shows_that_categorys_figures():
+    """A per-category section shows the category's own figures, not the overall ones again."""
+    summary = hand_summary()
+    for name, speedup, tps in (("greedy", 1.0, 12.0), ("spec", 1.75, 21.0)):
+        summary["methods"][name]["categories"]["qa"] |= {"speedup": speedup, "decode_tps": tps, "questions": 1}
+    report = markdown_report(hand_results(summary=summary), image=None)
+    qa = report.split("### qa (1 question)\n\n", 1)[1].split("\n\n", 1)[0]
+    row = table_row(qa, "spec", markdown=True)
+    assert row["speedup"] == "1.75x" and row["tok/s"] == "21.0" and row["questions"] == "1"
+    overall = table_row(report.split("## Overall\n\n", 1)[1].split("\n\n", 1)[0], "spec", markdown=True)
+    assert overall["speedup"] == "3.25x"
+
+
+def test_the_terminal_matrix_shows_the_decode_only_speedup():
+    """The terminal's by-category matrix is headed decode-only: it shows speedup, not e2e speedup."""
+    terminal = terminal_report(hand_results())
+    matrix_text = terminal.split("by category:\n", 1)[1]
+    row = table_row(matrix_text, "spec")
+    assert row["overall"] == "3.25x" and row["qa"] == "3.25x"
+
+
+def test_a_methods_run_reports_the_engines_prefill_and_decode_times(tiny: LoadedModel, monkeypatch):
+    """A decodekit contestant's timings are the engine's own: prefill as prefill, decode as decode."""
+    contestant = MethodContestant(Engine(LoadedModel(tiny.backend.clone(), tiny.tokenizer, "tiny")), "greedy")
+    made = []
+    generate = contestant.engine.generate
+    monkeypatch.setattr(contestant.engine, "generate", lambda *a, **k: made.append(generate(*a, **k)) or made[-1])
+    result = contestant.run(tiny.prompt_ids("abc abc"), 6)
+    stats = made[0].stats
+    assert (result.prefill_s, result.decode_s) == (stats.prefill_s, stats.decode_s)
+    assert result.tokens == list(made[0].tokens) and result.forward_passes == stats.forward_passes
+
+
+def test_a_fresh_speculative_contestant_has_its_cost_table_before_the_repeats_warm_up(tiny: LoadedModel, tmp_path: Path,
+                                                                                        monkeypatch):
+    """Starting a repeat afresh is set-up like the first start: the verify-cost table is read (or
+    measured) in fresh(), not in the repeat's warm-up or its first question."""
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))
+    contestant = MethodContestant(Engine(LoadedModel(tiny.backend.clone(), tiny.tokenizer, "tiny")), "pld")
+    contestant.fresh()
+    contestant.engine.model.backend.memory("speculative.cost_table", lambda: pytest.fail("not prepared"))
+    plain = MethodContestant(Engine(LoadedModel(tiny.backend.clone(), tiny.tokenizer, "tiny")), "greedy")
+    plain.fresh()  # nothing speculative to prepare
+    assert "speculative.cost_table" not in plain.engine.model.backend.__dict__.get("_memory", {})
+
+
+def test_results_say_which_contestants_are_token_exact(tiny: LoadedModel, qfile: Path):
+    """results.json tells a reader whose exact share is comparable: a contestant that is not token
+    exact is described as such, in the run and in the summary."""
+    class Loose(Scripted):
+        token_exact = False
+
+    run = run_bench([Scripted("greedy", []), Loose("loose", [])], load_questions(qfile, limit=1)[:1], prompt_fn(tiny),
+                    BenchConfig(max_new_tokens=3), progress=False)
+    assert {c["name"]: c["token_exact"] for c in run.contestants} == {"greedy": True, "loose": False}
+    methods = summarize(run.records, run.contestants, run.peak_rss_mb)["methods"]
+    assert methods["loose"]["token_exact"] is False and methods["greedy"]["token_exact"] is True
+
+
+def test_the_resumed_note_is_about_this_run_only(tiny: LoadedModel, qfile: Path, tmp_path: Path):
+    """"resumed: N question(s)" describes the run that says it: it is not saved in the checkpoint,
+    so a run resumed twice says its own count once, not also the count of the run before."""
+    out = tmp_path / "out"
+    common = ("--questions", str(qfile), "--methods", "greedy", "--baselines", "none", "--max-new-tokens", "4",
+              "--out", str(out))
+    execute(bench_cli.make_plan(parse(*common, "--categories", "qa")), tiny, progress=False)
+    second = execute(bench_cli.make_plan(parse(*common, "--categories", "qa,rag", "--resume")), tiny, progress=False)
+    assert [n for n in second["notes"] if n.startswith("resumed:")] == [
+        "resumed: 1 question(s) taken from an earlier run of the same code and settings"]
+    third = execute(bench_cli.make_plan(parse(*common, "--resume")), tiny, progress=False)
+    assert [n for n in third["notes"] if n.startswith("resumed:")] == [
+        "resumed: 2 question(s) taken from an earlier run of the same code and settings"]
+    saved = json.loads((out / "checkpoint.json").read_text())["notes"]
+    assert not any(n.startswith("resumed:") for n in saved)
+
+
+@pytest.mark.parametrize("changed, key", [(("--repeats", "2"), "repeats"), (("--opt", "pld.max_ngram=3"), "options"),
+                                          (("--all-turns",), "all_turns"), (("--dtype", "bfloat16"), "dtype")])
+def test_resume_refuses_other_repeats_options_turns_or_dtype(qfile: Path, tmp_path: Path, changed, key):
+    """Records measured with other settings cannot be mixed into this run's medians and ratios."""
+    from decodekit.bench.execution import save_checkpoint
+
+    common = ("--questions", str(qfile), "--methods", "greedy,pld", "--baselines", "none", "--out", str(tmp_path / "out"))
+    save_checkpoint(bench_cli.make_plan(parse(*common)), [], [])
+    bench_cli.make_plan(parse(*common, "--resume"))  # the same settings resume
+    with pytest.raises(InvalidParameter, match=f"other settings .*{key}"):
+        bench_cli.make_plan(parse(*common, *changed, "--resume"))
+
+
+def test_a_checkpoint_write_that_fails_midway_leaves_the_last_one_whole(qfile: Path, tmp_path: Path, monkeypatch):
+    """The checkpoint is replaced atomically: a write cut short (a full disk, a kill) leaves the
+    previous checkpoint to resume from, not half a JSON file."""
+    from decodekit.bench.execution import save_checkpoint
+
+    common = ("--questions", str(qfile), "--methods", "greedy", "--baselines", "none", "--out", str(tmp_path / "out"))
+    plan = bench_cli.make_plan(parse(*common))
+    save_checkpoint(plan, [], ["after question 1"])
+    write_text = Path.write_text
+
+    def cut_short(self, text, *args, **kwargs):
+        write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", cut_short)
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(plan, [], ["after question 2"])
+    monkeypatch.setattr(Path, "write_text", write_text)
+    assert bench_cli.make_plan(parse(*common, "--resume")).previous_notes == ["after question 1"]
+
+
+def test_the_checkpoint_names_the_question_file_the_questions_were_read_from(tiny: LoadedModel, qfile: Path,
+                                                                             tmp_path: Path, monkeypatch):
+    """The question file is fingerprinted when its questions are read: edited later (while the model
+    loads, or during the first question), the checkpoint still says which file the answers are to,
+    and a resume from the edited file is refused rather than mixing answers to two question sets."""
+    from decodekit.bench import execution
+
+    common = ("--questions", str(qfile), "--methods", "greedy", "--baselines", "none", "--max-new-tokens", "4",
+              "--out", str(tmp_path / "out"))
+    plan = bench_cli.make_plan(parse(*common, "--categories", "qa"))
+    original = qfile.read_text()
+    run_bench_ = execution.run_bench
+
+    def edited_meanwhile(*args, **kwargs):
+        qfile.write_text(original.replace("say more", "say less"))
+        return run_bench_(*args, **kwargs)
+
+    monkeypatch.setattr(execution, "run_bench", edited_meanwhile)
+    results = execute(plan, tiny, progress=False)
+    assert all("say more" in q.turns[0] for q in plan.questions) and results["records"]
+    with pytest.raises(InvalidParameter, match="has changed since"):
+        bench_cli.make_plan(parse(*common, "--resume"))
+    qfile.write_text(original)
+    assert bench_cli.make_plan(parse(*common, "--resume")).previous  # the file it was: resumes

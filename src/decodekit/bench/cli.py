@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shlex
@@ -144,9 +145,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
     categories = split_list(args.categories)
     if args.categories is not None and not categories:
         raise InvalidParameter(f"--categories names no category, got {args.categories!r}")
+    fingerprint = hashlib.sha256(path.read_bytes()).hexdigest()  # as the questions are read, not at the first checkpoint
     plan = Plan(
         methods=methods, options=parse_method_options(args.opt, methods), baselines=list(dict.fromkeys(baselines)),
         questions=load_questions(path, categories=categories, limit=limit), question_file=path,
+        question_file_sha256=fingerprint,
         max_new_tokens=max_new, limit=limit, categories=categories, repeats=repeats, all_turns=args.all_turns,
         model=args.model, dtype=args.dtype, numerics=args.numerics, threads=args.threads, out=Path(args.out), command="", notes=notes,
         resume=getattr(args, "resume", False), ray=getattr(args, "ray", None), workers=getattr(args, "workers", None),

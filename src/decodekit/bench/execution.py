@@ -5,7 +5,6 @@ cluster (:mod:`decodekit.bench.distributed`); ``decodekit bench`` (:mod:`.cli`) 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -30,6 +29,9 @@ class Plan:
     baselines: list[str]
     questions: list[Question]
     question_file: Path
+    #: The question file's contents when the questions were read: a resumed run must read the same
+    #: questions, not only the same path (a file edited while the model loads is not what ran).
+    question_file_sha256: str
     max_new_tokens: int
     limit: int | None
     categories: list[str]
@@ -56,12 +58,6 @@ class Plan:
             "options": self.options, "reference": REFERENCE,
         }
 
-
-    @functools.cached_property
-    def question_file_sha256(self) -> str:
-        """The question file's contents: a resumed run must read the same questions, not only the
-        same path (taken once, when the run starts)."""
-        return hashlib.sha256(self.question_file.read_bytes()).hexdigest()
 
     def resume_key(self) -> dict[str, Any]:
         """What a resumed run must share with the checkpoint (the question selection may grow)."""
