@@ -1138,19 +1138,24 @@ def test_a_vote_with_no_answer_to_count_returns_the_first_sample():
     assert weights == [1.0, 2.0, 1.0] and index == 0
 
 
-def test_agreement_is_the_share_of_samples_agreeing_with_the_chosen_answer(tiny):
-    """The agreement signal counts the samples whose answer is the chosen sample's, not the first's."""
+def best_of_n_where(tiny, wanted, why: str):
+    """A best-of-4 generation (answers: first characters) whose candidates' answers and chosen index
+    satisfy ``wanted(answers, chosen)``, the first of 40 seeds that gives one."""
     answer = lambda t: t[:1] or None  # noqa: E731
     for seed in range(40):
         g = Engine(tiny).generate("hello", method="best-of-n", n=4, seed=seed, answer=answer, max_new_tokens=6,
                                   chat=False)
         answers = [c["answer"] for c in g.extra["candidates"]]
-        chosen = answers[g.extra["chosen"]]
-        if answers.count(chosen) != answers.count(answers[0]):
-            break
-    else:
-        pytest.fail("no seed chose a sample whose answer is less or more common than the first's")
-    assert g.extra["uncertainty"]["agreement"] == answers.count(chosen) / 4
+        if wanted(answers, g.extra["chosen"]):
+            return g, answers
+    pytest.fail(f"no seed chose {why}")
+
+
+def test_agreement_is_the_share_of_samples_agreeing_with_the_chosen_answer(tiny):
+    """The agreement signal counts the samples whose answer is the chosen sample's, not the first's."""
+    g, answers = best_of_n_where(tiny, lambda a, chosen: a.count(a[chosen]) != a.count(a[0]),
+                                 "a sample whose answer is less or more common than the first's")
+    assert g.extra["uncertainty"]["agreement"] == answers.count(answers[g.extra["chosen"]]) / 4
 
 
 def test_a_candidates_token_count_leaves_out_its_eos():
@@ -1201,13 +1206,5 @@ def test_weighted_vote_returns_the_first_sample_with_the_winning_answer_not_its_
 
 def test_the_reported_answer_is_the_chosen_samples(tiny):
     """extra['answer'] is the answer of the sample returned (extra['chosen']), read from its text."""
-    answer = lambda t: t[:1] or None  # noqa: E731
-    for seed in range(40):
-        g = Engine(tiny).generate("hello", method="best-of-n", n=4, seed=seed, answer=answer, max_new_tokens=6,
-                                  chat=False)
-        answers = [c["answer"] for c in g.extra["candidates"]]
-        if answers[g.extra["chosen"]] != answers[0]:
-            break
-    else:
-        pytest.fail("no seed chose a sample whose answer differs from the first's")
-    assert g.extra["answer"] == answers[g.extra["chosen"]] == answer(g.text)
+    g, answers = best_of_n_where(tiny, lambda a, chosen: a[chosen] != a[0], "a sample whose answer differs from the first's")
+    assert g.extra["answer"] == answers[g.extra["chosen"]] == g.text[:1]

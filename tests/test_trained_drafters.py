@@ -229,18 +229,24 @@ def test_every_eight_word_run_of_a_question_is_excluded_the_last_one_too():
     assert not exclusion.overlaps(" ".join(words[3:]))  # seven words
 
 
-def test_queries_of_fewer_than_three_words_are_dropped(monkeypatch):
-    """A query needs three words to be one; three are enough."""
-    queries = iter([["just two", "now three words", "one"]] + [[]] * 1000)
+def kept_queries(monkeypatch, drafted: list[str]) -> list[str]:
+    """The queries a corpus keeps when the model drafts ``drafted`` in its first round, then nothing."""
+    queries = iter([drafted] + [[]] * 1000)
     monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: next(queries))
     model = tiny()
     corpus = self_distil(model.backend, model.tokenizer, 10_000, max_new_tokens=4, rows=4, exclusion=Exclusion([]))
-    assert [s.query for s in corpus.samples] == ["now three words"]
+    return [s.query for s in corpus.samples]
 
 
-def test_every_fourth_answer_is_sampled_and_the_others_are_greedy(monkeypatch):
-    """``sampled_every=4``: answers 3, 7, ... (0-based) are sampled at temperature 1, the rest greedy."""
-    queries = iter([[f"fresh question number {i}" for i in range(8)]] + [[]] * 1000)
+def test_queries_of_fewer_than_three_words_are_dropped(monkeypatch):
+    """A query needs three words to be one; three are enough."""
+    assert kept_queries(monkeypatch, ["just two", "now three words", "one"]) == ["now three words"]
+
+
+def answer_jobs(monkeypatch, model, rounds: list[list[str]], **options) -> list[tuple]:
+    """The (query, temperature, seed) answer jobs ``self_distil`` gives out when the model drafts the
+    queries of ``rounds`` one round after another (answers are not decoded)."""
+    queries = iter(rounds + [[]] * 1000)
     monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: next(queries))
     jobs = []
 
@@ -249,8 +255,13 @@ def test_every_fourth_answer_is_sampled_and_the_others_are_greedy(monkeypatch):
         return [data_module.Sample([1, 2], 0, torch.zeros(2, 4), query) for query, _, _ in given]
 
     monkeypatch.setattr(data_module, "answer_all", answered)
-    model = tiny()
-    self_distil(model.backend, model.tokenizer, 10_000, rows=8, sampled_every=4, exclusion=Exclusion([]))
+    self_distil(model.backend, model.tokenizer, 10_000, exclusion=Exclusion([]), **options)
+    return jobs
+
+
+def test_every_fourth_answer_is_sampled_and_the_others_are_greedy(monkeypatch):
+    """``sampled_every=4``: answers 3, 7, ... (0-based) are sampled at temperature 1, the rest greedy."""
+    jobs = answer_jobs(monkeypatch, tiny(), [[f"fresh question number {i}" for i in range(8)]], rows=8, sampled_every=4)
     assert [temperature for _, temperature, _ in jobs] == [0.0, 0.0, 0.0, 1.0] * 2
 
 
@@ -453,11 +464,8 @@ def test_a_query_that_differs_from_a_question_only_in_case_and_punctuation_is_ex
 
 def test_queries_that_differ_only_in_case_and_punctuation_are_one_query(monkeypatch):
     """De-duplication compares the normalised text: the first spelling is kept, the others dropped."""
-    queries = iter([["What is the weather today?", "what is the weather today", "WHAT, is the weather today!"]] + [[]] * 1000)
-    monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: next(queries))
-    model = tiny()
-    corpus = self_distil(model.backend, model.tokenizer, 10_000, max_new_tokens=4, rows=4, exclusion=Exclusion([]))
-    assert [s.query for s in corpus.samples] == ["What is the weather today?"]
+    spellings = ["What is the weather today?", "what is the weather today", "WHAT, is the weather today!"]
+    assert kept_queries(monkeypatch, spellings) == ["What is the weather today?"]
 
 
 def test_sampled_answers_keep_their_turn_across_waves_and_each_has_a_seed_of_its_own(monkeypatch):
@@ -466,18 +474,8 @@ def test_sampled_answers_keep_their_turn_across_waves_and_each_has_a_seed_of_its
     model = tiny()
 
     def jobs_of(seed):
-        queries = iter([[f"fresh question number {i}"] for i in range(8)] + [[]] * 1000)  # one a round
-        monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: next(queries))
-        jobs = []
-
-        def answered(backend, tokenizer, given, max_new_tokens, concurrency):
-            jobs.extend(given)
-            return [data_module.Sample([1, 2], 0, torch.zeros(2, 4), query) for query, _, _ in given]
-
-        monkeypatch.setattr(data_module, "answer_all", answered)
-        self_distil(model.backend, model.tokenizer, 10_000, rows=1, wave=3, sampled_every=4, seed=seed,
-                    exclusion=Exclusion([]))
-        return jobs
+        rounds = [[f"fresh question number {i}"] for i in range(8)]  # one a round
+        return answer_jobs(monkeypatch, model, rounds, rows=1, wave=3, sampled_every=4, seed=seed)
 
     jobs = jobs_of(0)
     assert [query for query, _, _ in jobs] == [f"fresh question number {i}" for i in range(8)]
@@ -1105,26 +1103,39 @@ def test_eagle_grows_a_level_whose_best_confidence_is_exactly_the_minimum(monkey
     assert depth_of_tree(math.nextafter(level_best, 1.0)) == 1
 
 
-def test_eagle_drafts_each_level_at_the_position_a_committed_pair_would_take(drafter_files):
-    """A drafted node's pair (the feature predicted at its parent's position, its token) sits right
-    after the committed pairs, where it would be were it committed: the draft network predicts the
-    same next feature from it as from that pair committed with the predicted feature."""
-    from decodekit.engine.core import DecodeState, GenerationStats
+def eagle_drafting_levels(drafter_files, candidates: int, max_depth: int):
+    """A tiny target after two prompts (the last token the root), its features, and an EAGLE drafter
+    set up with those features committed but the root's, which records each level it drafts: the
+    lists ``levels`` (per level: its parents, the feature predicted at each parent's position) and
+    ``grown`` (the tree as drafted, before selection), filled by its next draft."""
     from decodekit.speculative.drafters.eagle import EagleDrafter
 
     model = tiny()
     tokens = PROMPTS[1] + PROMPTS[2]  # the last one is the root
     model.backend.prefill(tokens)
     features = model.backend.last_features[0].clone()
-    drafter = EagleDrafter(drafter=str(drafter_files["eagle", "exact"]), candidates=3, max_depth=2, min_confidence=0.0)
+    drafter = EagleDrafter(drafter=str(drafter_files["eagle", "exact"]), candidates=candidates, max_depth=max_depth,
+                           min_confidence=0.0)
     drafter.net = store.load(model.backend, "eagle", drafter.path)
     n = len(tokens)
     drafter.chunks, drafter.chunk_start, drafter.known, drafter.first = [features[: n - 1]], 0, n - 1, 0
     drafter.past, drafter.pairs, drafter.ahead = None, 0, None
-    levels = []  # (parents, the feature predicted at each parent's position) per level drafted
+    levels, grown = [], []
     add_children = drafter._add_children
     drafter._add_children = lambda tree, scores, feature, parents, predicted, root: (
-        levels.append((list(parents), predicted.clone())) or add_children(tree, scores, feature, parents, predicted, root))
+        levels.append((list(parents), predicted.clone())) or grown.append(tree)
+        or add_children(tree, scores, feature, parents, predicted, root))
+    return model, tokens, features, drafter, levels, grown
+
+
+def test_eagle_drafts_each_level_at_the_position_a_committed_pair_would_take(drafter_files):
+    """A drafted node's pair (the feature predicted at its parent's position, its token) sits right
+    after the committed pairs, where it would be were it committed: the draft network predicts the
+    same next feature from it as from that pair committed with the predicted feature."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+
+    model, tokens, features, drafter, levels, grown = eagle_drafting_levels(drafter_files, candidates=3, max_depth=2)
+    n = len(tokens)
     state = DecodeState(model.backend, Sampler(greedy=True), tokens, GenerationStats())
     with torch.inference_mode():
         tree = drafter.draft(state, 12)
@@ -1143,22 +1154,9 @@ def test_eagle_drafts_every_node_as_if_its_whole_path_were_committed(drafter_fil
     depth 1, 2 or 3 is the one it predicts after the node's path committed as pairs (with the
     predicted features), as a verification that accepted the path would commit it."""
     from decodekit.engine.core import DecodeState, GenerationStats
-    from decodekit.speculative.drafters.eagle import EagleDrafter
 
-    model = tiny()
-    tokens = PROMPTS[1] + PROMPTS[2]  # the last one is the root
-    model.backend.prefill(tokens)
-    features = model.backend.last_features[0].clone()
-    drafter = EagleDrafter(drafter=str(drafter_files["eagle", "exact"]), candidates=2, max_depth=4, min_confidence=0.0)
-    drafter.net = store.load(model.backend, "eagle", drafter.path)
+    model, tokens, features, drafter, levels, grown = eagle_drafting_levels(drafter_files, candidates=2, max_depth=4)
     n = len(tokens)
-    drafter.chunks, drafter.chunk_start, drafter.known, drafter.first = [features[: n - 1]], 0, n - 1, 0
-    drafter.past, drafter.pairs, drafter.ahead = None, 0, None
-    levels, grown = [], []  # per level drafted: (its parents, the feature predicted at each one's position)
-    add_children = drafter._add_children
-    drafter._add_children = lambda tree, scores, feature, parents, predicted, root: (
-        levels.append((list(parents), predicted.clone())) or grown.append(tree)
-        or add_children(tree, scores, feature, parents, predicted, root))
     with torch.inference_mode():
         drafter.draft(DecodeState(model.backend, Sampler(greedy=True), tokens, GenerationStats()), 40)
         tree, past, pairs = grown[0], drafter.past, drafter.pairs  # the whole tree drafted, before selection
