@@ -775,3 +775,58 @@ def test_a_tree_reaching_the_first_position_of_a_new_rotary_chunk_matches_sequen
     tree = backend.verify_tree(chain[0], [-1, 0]).logits[0]  # positions ROPE_CHUNK - 1 and ROPE_CHUNK
     sequential = tiny_llama(seed=0, max_position=2 * ROPE_CHUNK).append(torch.cat([context, chain], dim=1))
     assert torch.allclose(tree, sequential.logits[0, -2:], atol=ATOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_rms_norm_is_transformers_llama_rms_norm(dtype):
+    """The norm the layer loop runs without the kernels: transformers' LlamaRMSNorm (eps under the
+    root, the normalised rows rounded to the model's dtype before the weight multiplies them), on
+    rows as small as eps, where leaving eps out would change them."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from decodekit.models.llama_weights import rms_norm
+
+    gen = torch.Generator().manual_seed(3)
+    reference = LlamaRMSNorm(64, eps=1e-2)
+    with torch.no_grad():
+        reference.weight.copy_(torch.randn(64, generator=gen))
+    reference = reference.to(dtype)
+    x = (torch.randn(5, 64, generator=gen) * torch.tensor([1.0, 0.1, 0.03, 0.01, 3.0])[:, None]).to(dtype)
+    with torch.no_grad():
+        want = reference(x)
+    got = rms_norm(x, reference.weight.detach(), 1e-2)
+    assert got.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_weights_given_as_strided_views_give_the_logits_of_their_contiguous_copies():
+    """A state dict may hold views (a transposed copy's transpose, a column of a wider tensor): the
+    kernels read packed rows, so every weight is made contiguous first, and the logits are the
+    contiguous weights' bit for bit."""
+    from decodekit.models.llama_weights import LlamaConfig
+    from decodekit.models.native import NativeLlama
+    from decodekit.models.tiny import tiny_hf_config, tiny_state_dict
+
+    config = tiny_hf_config(hidden_size=64)
+    state = tiny_state_dict(config, seed=2)
+    state = {name: t + 0.1 * torch.randn_like(t) if name.endswith("norm.weight") else t for name, t in state.items()}
+
+    def strided(t):
+        view = t.t().contiguous().t() if t.dim() == 2 else torch.stack([t, -t], dim=1)[:, 0]
+        assert torch.equal(view, t) and not view.is_contiguous()
+        return view
+
+    ids = tokens(12)
+    want = NativeLlama(LlamaConfig.from_hf(config), state).append(ids).logits
+    got = NativeLlama(LlamaConfig.from_hf(config), {n: strided(t) for n, t in state.items()}).append(ids).logits
+    assert torch.equal(got, want)
+
+
+def test_a_bfloat16_tiny_llama_computes_in_bfloat16():
+    f32, b16 = tiny_llama(seed=1), tiny_llama(seed=1, dtype=torch.bfloat16)
+    assert b16.dtype == torch.bfloat16 and b16.weights.layers[0]["attn_norm"].dtype == torch.bfloat16
+    ids = tokens(8)
+    assert not torch.equal(f32.append(ids).logits, b16.append(ids).logits)  # rounded to bfloat16 on the way

@@ -272,3 +272,63 @@ def test_a_pass_longer_than_the_kernels_rows_gives_transformers_logits():
     with torch.no_grad():
         ref = hf(ids).logits
     assert torch.allclose(native.append(ids, hidden_layers=(1,)).logits, ref, atol=ATOL)
+
+
+def test_a_multimodal_config_json_is_read_from_its_text_config():
+    """Gemma 3 4B and up ship Gemma3ForConditionalGeneration's config.json: the text model's fields
+    sit under ``text_config``, which is what the native backend reads."""
+    from transformers import Gemma3Config as HFGemma3Config, Gemma3TextConfig
+
+    text = tiny_gemma3_hf_config(sliding_window=8)
+    outer = HFGemma3Config(text_config=Gemma3TextConfig(**{k: v for k, v in text.items() if k != "model_type"}))
+    config = outer.to_dict()
+    assert "num_hidden_layers" not in config  # only the text_config holds the sizes
+    assert Gemma3Config.from_hf(config) == Gemma3Config.from_hf(text)
+
+
+@pytest.mark.parametrize("change", [
+    {"attn_logit_softcapping": 50.0},  # Gemma 2's attention soft-capping, not computed here
+    {"hidden_activation": "gelu"},  # exact GeLU, where the kernels compute the tanh approximation
+    {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e4}}},
+], ids=["attention-softcap", "exact-gelu", "local-rope-scaling"])
+def test_a_config_asking_for_what_the_native_backend_does_not_compute_is_refused(change):
+    """transformers computes each of these otherwise than the native layers would: refused in one
+    line, never run as plain Gemma 3 (other logits without a word)."""
+    with pytest.raises(NotImplementedError, match="not supported by the native backend"):
+        Gemma3Config.from_hf({**tiny_gemma3_hf_config(), **change})
+
+
+def test_a_bfloat16_embedding_is_scaled_by_the_square_root_rounded_to_bfloat16_as_transformers_does():
+    """The reference multiplies the embedding rows by sqrt(hidden_size) cast to the model's dtype
+    first: with hidden size 48 (sqrt not a bfloat16 value) the rows are transformers' bit for bit."""
+    native = tiny_gemma3(seed=3, dtype=torch.bfloat16, hidden_size=48)
+    hf = tiny_gemma3_hf_model(seed=3, hidden_size=48).to(torch.bfloat16)
+    assert native.dtype == torch.bfloat16
+    ids = tokens(30)
+    with torch.no_grad():
+        want = hf.model.embed_tokens(ids)[0].float()
+    assert torch.equal(native.token_embeddings(ids[0]), want)
+
+
+def test_the_int8_cache_holds_the_quantised_rows_of_the_full_caches_keys_and_values():
+    """Under the int8 cache Gemma's layers run with the int8 kernels (its rows are codes and a
+    scale, not head_dim floats): layer 0's stored keys and values are the full cache's quantised,
+    and the logits stay close to transformers' past the window."""
+    from decodekit.models.kernels import quantise_int8_rows
+
+    full = tiny_gemma3(seed=3, sliding_window=8)
+    int8 = full.with_kv_cache("int8")
+    hf = tiny_gemma3_hf_model(seed=3, sliding_window=8)
+    ids = tokens(30)
+    with torch.no_grad():
+        ref = hf(ids).logits
+    full.append(ids[:, :20])
+    got = [int8.append(ids[:, :20]).logits]
+    for i in range(20, 30):
+        full.append(ids[:, i : i + 1])
+        got.append(int8.append(ids[:, i : i + 1]).logits)
+    for mine, theirs in ((int8._k, full._k), (int8._v, full._v)):
+        assert torch.equal(mine[0, 0, :, :30].view(torch.int32), quantise_int8_rows(theirs[0, 0, :, :30]).view(torch.int32))
+    got = torch.cat(got, dim=1)
+    assert (got - ref).abs().max() < 0.5 and torch.equal(got.argmax(-1), ref.argmax(-1))

@@ -798,3 +798,52 @@ def test_the_integer_reference_reads_inputs_of_any_float_dtype_as_their_values(k
     for other in (x.bfloat16(), x.double()):
         assert torch.equal(kernels.integer_block_matmul_reference(kind, blocks.data, other, 64), expected)
         assert torch.equal(integer_product(kind, blocks, other), integer_product(kind, blocks, x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n_out", [6, 37])
+def test_a_projection_on_blocks_of_rows_not_in_fours_multiplies_as_its_float32_weights(kind, n_out):
+    """Rows interleaved in fours need a row count divisible by 4: a projection of another height
+    (a vocabulary of 37 tokens) streams the blocks as stored, bit for bit its float32 weights'
+    product, and its rows read back as the dequantised rows."""
+    from decodekit.models.llama_weights import Projection
+
+    gen = torch.Generator().manual_seed(n_out)
+    blocks = BlockMatrix.quantize(torch.randn(n_out, 64, generator=gen), kind)
+    weight = blocks.dequantize()
+    on_blocks, plain = Projection(weight, None, blocks), Projection(weight)
+    assert on_blocks.on_blocks
+    x = torch.randn(3, 64, generator=gen)
+    assert torch.equal(on_blocks(x), plain(x))
+    rows = torch.tensor([n_out - 1, 0, 2])
+    assert torch.equal(on_blocks.weight_rows(rows), weight[rows])
+
+
+@needs_kernel
+def test_a_qwen2_whose_q_k_and_v_blocks_differ_in_type_keeps_their_biases():
+    """A Qwen2 GGUF file may hold v in Q8_0 beside q and k in Q4_1 (as llama.cpp's mixed
+    quantisations do): the three run as separate projections, each adding its own rows of the
+    q/k/v bias, giving the float32 model's logits."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from decodekit.models.llama_weights import LlamaConfig, SplitProjection
+    from decodekit.models.tiny import as_gguf_blocks
+
+    config = tiny_hf_config(hidden_size=64) | {"model_type": "qwen2"}
+    torch.manual_seed(0)
+    hf = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in config.items() if k != "model_type"}))
+    state = {name: t + 0.2 * torch.randn_like(t) if name.endswith("bias") else t for name, t in hf.state_dict().items()}
+    state, blocks = as_gguf_blocks(state)
+    for name in [n for n in state if n.endswith("v_proj.weight")]:
+        blocks[name] = BlockMatrix.quantize(state[name], "q8_0")
+        state[name] = blocks[name].dequantize()
+    llama = LlamaConfig.from_hf(config)
+    plain, on_blocks = NativeLlama(llama, state), NativeLlama(llama, state, gguf_blocks=blocks)
+    assert all(isinstance(layer["qkv"], SplitProjection) for layer in on_blocks.weights.layers)
+    ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(5))
+    want = plain.append(ids).logits
+    assert torch.allclose(on_blocks.append(ids).logits, want, atol=1e-4)
+    for i in range(3):  # decode steps: few-row passes on the blocks
+        step = torch.tensor([[i + 7]])
+        assert torch.allclose(on_blocks.append(step).logits, plain.append(step).logits, atol=1e-4)

@@ -1109,3 +1109,54 @@ def test_the_kernels_digest_changes_when_source_text_moves_to_another_file(monke
     finally:
         kernels.build.sources_digest.cache_clear()
     assert len(set(digests)) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_reads_int32_positions_as_their_values(dtype):
+    """Positions given as int32 rotate and fill the cache bit for bit as the same positions in
+    int64 (the C code reads int64: an int32 tensor handed over raw would be read two at a time)."""
+    gen = torch.Generator().manual_seed(31)
+    ops, heads, kv_heads, dim = _ops(dtype), 4, 2, 16
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    freqs = torch.view_as_real(torch.polar(torch.ones(40, dim // 2), torch.rand(40, dim // 2, generator=gen))).reshape(40, -1)
+    results = []
+    for positions in (torch.tensor([17, 9, 30]), torch.tensor([17, 9, 30], dtype=torch.int32)):
+        k_cache, v_cache = torch.zeros(kv_heads, 8, dim, dtype=dtype), torch.zeros(kv_heads, 8, dim, dtype=dtype)
+        results.append((ops.rope_store(qkv, freqs, positions, k_cache, v_cache, 2, heads), k_cache, v_cache))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_decoder_layers_refuse_a_forward_c_whose_structures_their_mirrors_do_not_match(monkeypatch):
+    """A ctypes mirror of decodekit.h's structures that no longer matches the C sizes (a field
+    added on one side only) is refused when the layers are built, before C reads the wrong memory."""
+    from decodekit.models.kernels import layers
+
+    backend = tiny_llama(seed=0, hidden_size=64)
+    if backend._stack is None:
+        pytest.skip("kernels unavailable on this machine")
+
+    class _LongerSequence(ctypes.Structure):
+        _fields_ = layers._Sequence._fields_ + [("extra", ctypes.c_void_p)]
+
+    monkeypatch.setattr(layers, "MIRRORED_STRUCTS", layers.MIRRORED_STRUCTS[:-1] + (_LongerSequence,))
+    with pytest.raises(RuntimeError, match="Sequence is .* bytes in decodekit.h"):
+        backend._decoder_layers()
+
+
+def test_decoder_layers_refuse_a_sliding_window_over_the_int8_cache():
+    """forward.c's window offset counts rows of head_dim model-dtype values, which the int8 cache's
+    rows (codes and a scale) are not: a window over it is refused, not read at the wrong slots."""
+    from decodekit.models.kernels import int8_cache_kernels
+
+    backend = tiny_llama(seed=0, hidden_size=64)
+    int8 = int8_cache_kernels(backend.config.head_dim)
+    if backend._stack is None or int8 is None:
+        pytest.skip("kernels unavailable on this machine")
+    c, names = backend.config, ("qkv", "o", "gate_up", "down")
+    layers = [{"attn_norm": layer["attn_norm"], "mlp_norm": layer["mlp_norm"], **{n: layer[n].kernel for n in names}}
+              for layer in backend.weights.layers]
+    sizes = dict(hidden=c.hidden_size, inter=c.intermediate_size, n_heads=c.num_heads, n_kv_heads=c.num_kv_heads,
+                 head_dim=c.head_dim, eps=c.rms_norm_eps, layers=layers, int8_cache=int8)
+    assert kernels.decoder_layers(torch.float32, backend._ops, backend._attend, **sizes) is not None
+    with pytest.raises(ValueError, match="int8 cache"):
+        kernels.decoder_layers(torch.float32, backend._ops, backend._attend, window=8, **sizes)

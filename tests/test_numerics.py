@@ -147,3 +147,14 @@ def test_the_native_backend_asked_for_an_architecture_it_lacks_is_one_clear_erro
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 96}))
     with pytest.raises(InvalidParameter, match="^the native backend supports llama, .*not 'gpt2'; use --backend hf"):
         build_backend(tmp_path, backend="native")
+
+
+def test_a_fast_tiny_gemma3_is_close_to_exact_on_the_same_blocks_and_not_the_same():
+    """tiny_gemma3(numerics="fast") runs the fast numerics on its blocks (not exact on them)."""
+    from decodekit.models.tiny import tiny_gemma3
+
+    exact, fast = tiny_gemma3(seed=2, gguf_blocks=True), tiny_gemma3(seed=2, numerics="fast")
+    assert fast.numerics == "fast" and "numerics-fast" in fast.info.architecture
+    tokens = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(2))
+    a, b = exact.append(tokens).logits, fast.append(tokens).logits
+    assert 0 < ((a - b).norm() / a.norm()).item() < 0.05
