@@ -8138,8 +8138,8 @@ MUTATIONS = (
              "fingerprint = hashlib.sha256(str(path).encode()).hexdigest()",
              ("tests/test_bench.py", "-k", "names_the_question_file")),
     Mutation("gemma-multimodal-text-config-ignored", "src/decodekit/models/gemma3.py",
-             "cfg = dict(config_object(cfg, \"text_config\") or cfg)",
-             "cfg = dict(cfg)",
+             "**(config_object(cfg, \"text_config\") or cfg)}",
+             "**cfg}",
              ("tests/test_gemma3.py", "-k", "multimodal")),
     Mutation("gemma-attention-softcapping-run-without", "src/decodekit/models/gemma3.py",
              "if cfg.get(\"attn_logit_softcapping\") is not None:",
@@ -8205,6 +8205,12 @@ MUTATIONS = (
              "    if window and int8_cache is not None:",
              "    if False:",
              ("tests/test_kernels.py", "-k", "window_over_the_int8")),
+    Mutation('gemma-config-defaults-read-as-a-llamas', 'src/decodekit/models/gemma3.py',
+             'cfg = {**GEMMA3_DEFAULTS, **(config_object(cfg, "text_config") or cfg)}', 'cfg = dict(config_object(cfg, "text_config") or cfg)',
+             ('tests/test_gemma3.py', '-k', 'leaves_a_key_out')),
+    Mutation('gemma-default-window-of-none', 'src/decodekit/models/gemma3.py',
+             '"query_pre_attn_scalar": 256, "sliding_window": 4096,', '"query_pre_attn_scalar": 256, "sliding_window": 0,',
+             ('tests/test_gemma3.py', '-k', 'leaves_a_key_out')),
 )
 
 

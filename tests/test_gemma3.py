@@ -48,6 +48,17 @@ def test_a_config_that_does_not_say_ties_the_head_as_transformers_gemma3_does():
     assert Gemma3Config.from_hf({**silent, "tie_word_embeddings": False}).tie_word_embeddings is False
 
 
+@pytest.mark.parametrize("left_out", ["head_dim", "num_key_value_heads", "max_position_embeddings",
+                                      "query_pre_attn_scalar", "sliding_window", "rms_norm_eps"])
+def test_a_config_that_leaves_a_key_out_reads_as_transformers_reads_it(left_out):
+    """A hand-written config may leave out a key transformers' Gemma3TextConfig has a default for:
+    the model read is the one transformers reads (Gemma's defaults, not a Llama's reading of the sizes)."""
+    from transformers import Gemma3TextConfig
+
+    given = {k: v for k, v in tiny_gemma3_hf_config().items() if k != left_out}
+    assert Gemma3Config.from_hf(given) == Gemma3Config.from_hf(Gemma3TextConfig(**given).to_dict())
+
+
 @pytest.mark.parametrize("window", [8, 64])
 def test_native_logits_match_transformers(window):
     """40 tokens against a window of 8: local layers must drop the keys that fell out of it."""

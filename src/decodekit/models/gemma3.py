@@ -40,6 +40,12 @@ from .llama_weights import (LlamaConfig, LlamaWeights, RopeTable, SplitProjectio
 from .native import NativeLlama
 
 
+#: What transformers' Gemma3TextConfig reads for a key a config leaves out, where reading the config
+#: as a Llama's would read something else (a hand-written config must mean the same model here).
+GEMMA3_DEFAULTS = {"head_dim": 256, "num_key_value_heads": 4, "max_position_embeddings": 131072,
+                   "query_pre_attn_scalar": 256, "sliding_window": 4096, "rms_norm_eps": 1e-6}
+
+
 @dataclass(frozen=True)
 class Gemma3Config(LlamaConfig):
     query_scale: float = 1.0
@@ -50,7 +56,7 @@ class Gemma3Config(LlamaConfig):
 
     @classmethod
     def from_hf(cls, cfg: Mapping) -> "Gemma3Config":
-        cfg = dict(config_object(cfg, "text_config") or cfg)  # a multimodal config holds the text model's
+        cfg = {**GEMMA3_DEFAULTS, **(config_object(cfg, "text_config") or cfg)}  # a multimodal config holds the text model's
         if cfg.get("rope_scaling"):  # the older spelling of a scaled rotary embedding
             raise NotImplementedError(f"rope scaling {cfg['rope_scaling']!r} is not supported by the native backend")
         rope = config_object(cfg, "rope_parameters")
