@@ -1578,6 +1578,29 @@ def test_the_llamacpp_baseline_stops_at_its_budget_or_eos(monkeypatch, tmp_path:
     assert result.text == "".join(map(str, expected[0])) and baseline.llm.resets == 1
 
 
+def test_the_llamacpp_baseline_runs_on_the_threads_given_for_its_prefill_too(monkeypatch, tmp_path: Path, tiny):
+    """--threads bounds llama.cpp's prefill (its batch threads) as well as its decode: left unset,
+    llama-cpp-python takes every core of the machine for the prefill, unlike the other contestants."""
+    import sys
+    import types
+
+    from decodekit.bench import baselines
+
+    made = []
+
+    class Recorded(FakeLlama):
+        def __init__(self, model_path, **kwargs):
+            super().__init__(model_path)
+            made.append(kwargs)
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Recorded))
+    monkeypatch.setattr(baselines, "llamacpp_available", lambda: True)
+    monkeypatch.setattr(baselines, "model_gguf", lambda model: tmp_path / "m.gguf")
+    built, notes = build_baselines(["llamacpp"], tiny, model=None, dtype="float32", threads=3)
+    assert [b.name for b in built] == ["llamacpp"] and "n_threads=3" in notes[0]
+    assert made[0].get("n_threads") == 3 and made[0].get("n_threads_batch") == 3
+
+
 def test_a_methods_run_reports_the_tokens_it_accepted_per_verification(tiny: LoadedModel):
     """The bench's "accepted/verify" column is the method's own mean_accepted figure for the run."""
     ids = tiny.prompt_ids("abc abc abc abc abc abc")

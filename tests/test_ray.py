@@ -591,6 +591,46 @@ def test_workers_still_being_created_are_let_finish_before_they_are_stopped():
     assert waits_for_creation[0] < next(i for i in kills if fake.events[i][1] is second)
 
 
+class Tagged(Echo):
+    """A payload that says which worker's payload ran each unit."""
+
+    def describe(self):
+        return {"payload": id(self)}
+
+    def run(self, unit):
+        return (unit, id(self))
+
+
+def test_each_worker_is_credited_with_the_units_it_ran_and_only_the_lost_one_is_marked_lost():
+    """A worker's description lists the units its own payload completed (a lost worker's unfinished
+    unit is credited to the worker that ran it again), and only the worker that died is marked lost."""
+    fake = FakeRay(cpus=2, die={1})
+    pool = Pool(fake, Tagged, PoolSettings(workers=2))
+    results = pool.map({k: k for k in range(6)}, lambda key, value: None)
+    assert sorted(results) == list(range(6)) and pool.lost == 1 and len(pool.descriptions) == 3
+    ran_by = {d["payload"]: sorted(k for k, (_, payload) in results.items() if payload == d["payload"])
+              for d in pool.descriptions}
+    assert [sorted(d["done"]) for d in pool.descriptions] == [ran_by[d["payload"]] for d in pool.descriptions]
+    assert sum(bool(d["done"]) for d in pool.descriptions) >= 2  # the work was shared: the check above means something
+    assert sorted(k for d in pool.descriptions for k in d["done"]) == list(range(6))
+    lost = [d for d in pool.descriptions if d["lost"]]
+    assert len(lost) == 1 and 1 not in lost[0]["done"]
+
+
+def test_a_replacements_start_timeout_counts_from_its_own_start(monkeypatch):
+    """Once a worker's setup has ended, its start time no longer bounds any wait: a replacement set up
+    alone later gets the whole start_timeout_s from when it was asked for (asked at t=200, waited at
+    t=300: 500 s left), not what is left of the first worker's (asked at t=0)."""
+    import decodekit.cluster as cluster_module
+
+    clock = iter(range(0, 10**6, 100))
+    monkeypatch.setattr(cluster_module.time, "monotonic", lambda: next(clock))
+    fake = FakeRay(die={0})
+    pool = Pool(fake, Echo, PoolSettings(workers=1, start_timeout_s=600))
+    assert pool.map({0: 0, 1: 1}, lambda key, value: None) == {0: 0, 1: 1} and pool.lost == 1
+    assert [timeout for timeout, kinds in fake.waits if kinds == ["setup"]] == [500, 500]
+
+
 # bench --ray -------------------------------------------------------------------------------------------
 
 
@@ -738,6 +778,23 @@ def test_a_bench_on_ray_merges_its_workers_figures(tmp_path):
     again = distributed._run(resumed, fake_pool(["driver"], [{}], "a worker's note"), "driver", progress=False)
     assert any(n.startswith("resumed: 2 question(s)") for n in again["notes"])
     assert [m["questions"] for m in again["machines"]] == [[[0, 7]]]
+
+
+def test_a_bench_on_ray_notes_workers_that_kept_other_contestants(tmp_path):
+    """When one worker kept fewer contestants after its warm-up than the first, the run says so once;
+    when all kept the same, it says nothing."""
+    from decodekit.bench import distributed
+
+    qfile = write_questions(tmp_path / "q.jsonl")
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy", "--baselines", "none",
+                                     "--max-new-tokens", "4", "--categories", "qa,rag", "--out", str(tmp_path / "out")))
+    note = "workers kept different contestants after their warm-up; ratios use the questions both sides ran"
+    same = distributed._run(plan, fake_pool(["driver", "driver"], [{}, {}], "n"), "driver", progress=False)
+    assert note not in same["notes"]
+    pool = fake_pool(["driver", "driver"], [{}, {}], "n")
+    pool.descriptions[1]["contestants"] = pool.descriptions[1]["contestants"][:1]
+    differ = distributed._run(plan, pool, "driver", progress=False)
+    assert differ["notes"].count(note) == 1
 
 
 def test_threads_under_ray_are_per_worker_not_checked_against_this_machine(tmp_path):

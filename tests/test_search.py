@@ -534,6 +534,47 @@ def test_cot_takes_a_tasks_answer_extractor_and_answer_start():
     assert [p["delta"] for p in as_function.extra["candidates"]] == [p["delta"] for p in by_number.extra["candidates"]]
 
 
+def test_cot_branches_only_on_first_tokens_the_sampler_leaves_possible():
+    """A truncating sampler (top_k=2) leaves two possible first tokens: asked for three branches,
+    CoT-decoding takes those two, never a token the sampler ruled out (probability 0)."""
+    model = cot_model()
+    g = build_decoder("cot", n=3).generate(model, request(model, "p", method="greedy", max_new=5, top_k=2))
+    assert [p["first_token"] for p in g.extra["candidates"]] == ["a", "b"]
+    assert g.text == "b2"
+
+
+def test_cot_aggregate_reports_the_confidence_of_the_path_it_returns():
+    """With aggregate=True the answer "2" (two paths of Δ about 0.64 each) outweighs "1" (one path of
+    Δ about 0.90): the path returned is a "2" path, and its uncertainty signals (Δ included) are that
+    path's, not those of the path of highest Δ."""
+    model = bigram_model({
+        "p": {"a": 5.0, "b": 4.0, "c": 3.0},
+        "a": {"1": 3.0, "7": 0.0}, "b": {"2": 1.5, "8": 0.0}, "c": {"2": 1.5, "9": 0.0},
+        **{d: {"": 10.0} for d in "12789"},
+    })
+    g = build_decoder("cot", n=3, aggregate=True).generate(model, request(model, "p", method="greedy", max_new=5))
+    paths = g.extra["candidates"]
+    deltas = [p["delta"] for p in paths]
+    assert [p["answer"] for p in paths] == ["1", "2", "2"]
+    assert deltas[0] == max(deltas) and deltas[1] + deltas[2] > deltas[0]  # the set-up the test needs
+    chosen = g.extra["chosen"]
+    assert paths[chosen]["answer"] == "2" == g.extra["answer"] and g.text == paths[chosen]["text"]
+    assert g.extra["uncertainty"]["delta"] == pytest.approx(paths[chosen]["delta"], abs=1e-6)
+    alone = build_decoder("cot", n=3).generate(model, request(model, "p", method="greedy", max_new=5))
+    assert alone.extra["chosen"] == 0 and alone.extra["uncertainty"]["delta"] == pytest.approx(deltas[0], abs=1e-6)
+
+
+def test_cot_an_answer_start_past_the_text_takes_the_whole_continuation():
+    """An answer start whose line holds no text (here: the end of the continuation) gives no answer
+    span: Δ falls back to the whole continuation, as with no answer start at all, not to 0."""
+    model = cot_model()
+    req = lambda: request(model, "p", method="greedy", max_new=5)
+    whole = build_decoder("cot", n=3, answer="text").generate(model, req())
+    past = build_decoder("cot", n=3, answer="text", answer_start=lambda text: len(text)).generate(model, req())
+    assert [p["delta"] for p in past.extra["candidates"]] == [p["delta"] for p in whole.extra["candidates"]]
+    assert all(p["delta"] > 0 for p in past.extra["candidates"])
+
+
 # Step-level search ---------------------------------------------------------------------------------
 
 

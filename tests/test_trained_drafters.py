@@ -740,6 +740,60 @@ def test_train_drafter_learns_its_vocabulary_on_the_training_part_and_evaluates_
     assert json.loads(capsys.readouterr().out)["conversations"] == 5
 
 
+def test_train_drafter_options_reach_the_data_the_training_the_file_and_the_evaluation(monkeypatch, tmp_path, capsys):
+    """Every option of train-drafter is used: --seed, --prompts and --tokens make the data, --unroll,
+    --steps, --vocab and --seed train (and are recorded), --out is where the drafter is saved and what
+    the evaluation reads, --max-new-tokens the evaluation's answer length."""
+    from decodekit.speculative.trained import cli
+
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))
+    samples = [data_module.Sample([10 + i] * 6, 0, torch.zeros(6, 64), f"q{i}") for i in range(5)]
+    distilled, evaluated = [], []
+
+    def distil(backend, tokenizer, tokens, **kwargs):
+        distilled.append({"tokens": tokens, "seed": kwargs.get("seed", 0), "prompts": kwargs.get("prompts", "magpie")})
+        return Corpus(list(samples))
+
+    monkeypatch.setattr(cli, "self_distil", distil)
+    monkeypatch.setattr(cli, "evaluate", lambda model, kind, path, asked, n: evaluated.append((kind, path, asked, n)) or {})
+    out = tmp_path / "mine" / "drafter.safetensors"
+    out.parent.mkdir()
+    args = argparse.Namespace(kind="eagle", tokens=30, prompts="tasks", minutes=0.02, steps=2, vocab=8, seed=3, eval_queries=2,
+                              unroll=2, max_new_tokens=7, out=out)
+    model = tiny()
+    assert cli.run(args, model=model) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert distilled == [{"tokens": 30, "seed": 3, "prompts": "tasks"}]
+    assert {k: record["settings"][k] for k in ("kind", "tokens", "prompts", "steps", "vocab", "seed", "held_out", "unroll")} == {
+        "kind": "eagle", "tokens": 30, "prompts": "tasks", "steps": 2, "vocab": 8, "seed": 3, "held_out": 2, "unroll": 2}
+    assert record["train_steps"] == 2
+    assert record["drafter"] == str(out) and out.is_file() and not store.cache_path(model.backend, "eagle").exists()
+    assert evaluated == [("eagle", out, ["q3", "q4"], 7)]
+
+
+def test_the_evaluation_decodes_both_answers_to_the_length_asked(monkeypatch):
+    """Plain greedy and the drafter's answer are each max_new_tokens long at most: compared at
+    different lengths they could never be identical."""
+    from types import SimpleNamespace
+
+    from decodekit.engine import api
+    from decodekit.speculative.trained.cli import evaluate
+
+    asked = []
+
+    class Recorded:
+        def __init__(self, model):
+            pass
+
+        def generate(self, query, method, **kwargs):
+            asked.append((method, kwargs.get("max_new_tokens")))
+            return SimpleNamespace(tokens=[1, 2], stats=SimpleNamespace(extra={"verifications": 1, "accepted": 1}))
+
+    monkeypatch.setattr(api, "Engine", Recorded)
+    evaluate(None, "medusa", "drafter.safetensors", ["a"], 9)
+    assert sorted(asked) == [("greedy", 9), ("medusa", 9)]
+
+
 def test_the_evaluation_counts_each_verifications_bonus_token_in_the_mean_accepted(monkeypatch):
     """Mean accepted tokens per verification, as the papers report it: accepted drafts plus the
     target's own token of each verification, over all the queries' verifications."""
