@@ -58,7 +58,6 @@ class Plan:
             "options": self.options, "reference": REFERENCE,
         }
 
-
     def resume_key(self) -> dict[str, Any]:
         """What a resumed run must share with the checkpoint (the question selection may grow)."""
         key = {k: v for k, v in self.config().items() if k not in ("limit", "categories")}

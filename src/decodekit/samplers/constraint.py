@@ -468,7 +468,7 @@ class ConstrainedTokens(LogitsProcessor):
         if taken == len(generated):
             return None
         if self._dead_end(matcher):  # not a fault of decoding: no token writes what the grammar needs next
-            raise InvalidParameter(f"structured decoding failed: after {self.text_of(list(generated[:taken]))!r} the "
+            raise InvalidParameter(f"structured decoding failed: after {self._text_of(list(generated[:taken]))!r} the "
                                    f"{self.constraint.kind.replace('_', ' ')} constraint needs text that no token of this "
                                    "model's vocabulary writes", param="constraint")
         return f"the output breaks its {self.constraint.kind.replace('_', ' ')} constraint"
@@ -482,12 +482,11 @@ class ConstrainedTokens(LogitsProcessor):
             return False
         return not any(matcher.validate_tokens(self._known([int(t)])) == 1 for t in allowed)
 
-    def text_of(self, tokens: list[int]) -> str:
+    def _text_of(self, tokens: list[int]) -> str:
         """What ``tokens`` write, as the grammar's tokenizer spells them (for messages)."""
         if self.lltokenizer is None:
             return f"tokens {tokens}"
         return self.lltokenizer.decode_bytes(self._known(tokens)).decode("utf-8", "replace")
-
 
 
 def checked_grammar(constraint: Constraint | dict, lltokenizer=None) -> tuple[Constraint, str]:

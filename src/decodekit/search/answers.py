@@ -1,9 +1,10 @@
 """Answer extraction shared by voting, CoT-decoding, uncertainty signals and the eval tasks.
 
 Modes: ``number`` (the last number in the text, its thousands' commas removed, ``12.0`` -> ``12``, ``.5`` -> ``0.5``,
-``007`` -> ``7``, digits of any script written as ASCII digits, full-width ``４２`` -> ``42``; a hyphen after a letter or digit, as in ``pages 3-4``, is not a minus sign), ``line``
-(the first non-empty line, normalised), ``text`` (the whole text, normalised), ``auto`` (the last
-number when there is one, else the first line). A callable ``text -> str | None`` may replace a mode.
+``007`` -> ``7``, digits of any script written as ASCII digits, full-width ``４２`` -> ``42``; a hyphen after a
+letter or digit, as in ``pages 3-4``, is not a minus sign), ``line`` (the first non-empty line, normalised),
+``text`` (the whole text, normalised), ``auto`` (the last number when there is one, else the first line). A
+callable ``text -> str | None`` may replace a mode.
 """
 
 from __future__ import annotations
