@@ -423,6 +423,7 @@ def test_invalid_utf8_argument_from_a_real_command_line():
     ([{"content": "hi"}], "prompt message 0 needs"),
     ([1, 2, 96], "prompt token id 96 is outside the vocabulary [0, 96)"),
     ([-1], "prompt token id -1 is outside the vocabulary"),
+    ([True, False], "the prompt must be a string"),  # bools are no token ids
     ("caf\udce9", "the prompt is not valid UTF-8 text"),
     ([{"role": "user", "content": "\udcff"}], "prompt message 0 is not valid UTF-8 text"),
 ])

@@ -45,7 +45,8 @@ def decoder_for(*argv: str):
 
 
 @pytest.mark.parametrize("word, value", [("yes", True), ("no", False), ("true", True), ("False", False),
-                                         ("1", True), ("0", False), (True, True), (False, False)])
+                                         ("1", True), ("0", False), (True, True), (False, False),
+                                         (" yes ", True), ("True\n", True), (" 0", False)])
 def test_one_bool_parser(word, value):
     assert parse_bool("flag", word) is value
     assert OptionSpec("flag", bool, False).parse(word) is value
@@ -99,6 +100,60 @@ def test_an_open_high_end_is_listed_as_open_too():
     assert OptionSpec("r", float, 0.5, lo=0.0, hi=1.0, hi_open=True).describe() == "r (float in [0, 1), default 0.5)"
 
 
+def test_a_range_with_one_end_names_that_end_and_whether_it_is_open_in_its_message():
+    """The error for a number with only a high end says "<" for an open end and "<=" for a closed
+    one (as describe() does); an integer option with only a high end says "<= hi"."""
+    with pytest.raises(InvalidParameter, match=r"^r must be a finite number < 1, got 1.0$"):
+        OptionSpec("r", float, 0.5, hi=1.0, hi_open=True).parse("1")
+    with pytest.raises(InvalidParameter, match=r"^r must be a finite number <= 1, got 1.5$"):
+        OptionSpec("r", float, 0.5, hi=1.0).parse("1.5")
+    assert OptionSpec("r", float, 0.5, hi=1.0).parse("1") == 1.0
+    with pytest.raises(InvalidParameter, match=r"^n must be an integer <= 5, got 9$"):
+        OptionSpec("n", int, 1, hi=5).parse("9")
+    assert OptionSpec("n", int, 1, hi=5).parse("-3") == -3
+
+
+def test_describe_shows_every_default_choice_and_open_end_as_declared():
+    """A falsy default (0, False, "") is a default, not "off"; a spec that takes a callable says so;
+    an open low end of a two-ended range is "("; a text default is shown quoted."""
+    assert OptionSpec("flag", bool, False, "a flag").describe() == "flag (bool, default False): a flag"
+    assert OptionSpec("n", int, 0, lo=0).describe() == "n (int >= 0, default 0)"
+    assert OptionSpec("n", int, None, lo=1).describe() == "n (int >= 1, off by default)"
+    assert (OptionSpec("scorer", str, "loglik", choices=("loglik", "prob"), allow_callable=True).describe()
+            == "scorer (loglik | prob | callable, default 'loglik')")
+    assert OptionSpec("mode", str, "a", choices=("a", "b")).describe() == "mode (a | b, default 'a')"
+    assert OptionSpec("p", float, 0.9, lo=0.0, hi=1.0, lo_open=True).describe() == "p (float in (0, 1], default 0.9)"
+    assert OptionSpec("p", float, 0.5, lo=0.0, hi=1.0, lo_open=True, hi_open=True).describe() == "p (float in (0, 1), default 0.5)"
+    assert SAMPLER_OPTIONS["top_p"].describe().startswith("top_p (float in (0, 1], off by default)")
+
+
+def test_a_callable_is_taken_only_by_an_option_that_allows_one():
+    """allow_callable: a Python callable passes the check; any other option refuses one (a callable
+    is no choice of a str option, no number)."""
+    allows = OptionSpec("scorer", str, "a", choices=("a", "b"), allow_callable=True)
+    assert allows.check(len) is len and allows.parse("b") == "b"
+    with pytest.raises(InvalidParameter, match="^mode must be one of a, b, got <built-in function len>$"):
+        OptionSpec("mode", str, "a", choices=("a", "b")).check(len)
+    with pytest.raises(InvalidParameter, match="^s must be a non-empty string"):
+        OptionSpec("s", str, "a").parse(len)
+    with pytest.raises(InvalidParameter, match="^x must be a finite number"):
+        OptionSpec("x", float, 1.0).parse(len)
+    with pytest.raises(InvalidParameter, match="^delimiter must be a non-empty string"):
+        build_decoder("step-beam", delimiter=str.upper)
+
+
+def test_the_samplers_signature_shows_each_options_default():
+    """Sampler.from_params's signature (keyword_signature over the table) carries every option's
+    default, for help() and inspect; an option off by default is annotated as optional."""
+    params = inspect.signature(Sampler.from_params).parameters
+    for name, spec in SAMPLER_OPTIONS.items():
+        assert params[name].default == spec.default, name
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert params[name].annotation == (spec.type if spec.default is not None else spec.type | None), name
+    signature = options_module.keyword_signature({"n": OptionSpec("n", int, 4)}, "self")
+    assert str(signature) == "(self, *, n: int = 4)"
+
+
 def test_a_bool_is_no_number_for_a_float_option():
     """check_real refuses bools (True is no temperature), as check_int does, naming the option."""
     with pytest.raises(InvalidParameter, match="^x must be a finite number, got True"):
@@ -113,6 +168,9 @@ def test_a_string_option_refuses_an_empty_string_and_a_path_option_takes_a_path(
         OptionSpec("s", str, "a").parse("")
     assert OptionSpec("f", Path, None).parse(Path("some/file.bin")) == "some/file.bin"
     assert OptionSpec("f", Path, None).parse("some/file.bin") == "some/file.bin"
+    for bad, shown in (("", "''"), (5, "5")):  # a path option is as strict as a string one
+        with pytest.raises(InvalidParameter, match=f"^f must be a non-empty string, got {shown}$"):
+            OptionSpec("f", Path, None).parse(bad)
 
 
 def test_typed_values_are_not_parsed_from_text_when_text_is_off():
@@ -215,6 +273,16 @@ def test_every_registered_method_declares_its_options():
             if option.default is not None:  # every default passes its own check
                 assert parse_options(name, spec.options, {option_name: option.default})[option_name] == option.default
     assert {"max_draft", "budget", "cost_table", "max_ngram"} <= set(method_spec("pld").options)
+
+
+def test_available_methods_is_a_copy_that_cannot_change_the_registry():
+    """available_methods() hands out a new dict each call: a caller that edits it (removes one it
+    does not offer, adds its own) changes nothing for the next lookup."""
+    listed = available_methods()
+    listed.pop("greedy")
+    listed["mine"] = listed["pld"]
+    assert "greedy" in available_methods() and "mine" not in available_methods()
+    assert method_spec("greedy").name == "greedy"
 
 
 def test_search_spec_defaults_reach_the_method():

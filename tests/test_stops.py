@@ -68,6 +68,26 @@ def test_shown_tokens_take_the_cut_token_that_holds_even_one_character_of_the_te
     assert shown_tokens(tok, text, kept, tokens[len(kept):]) == [0, 1, 2] == kept
 
 
+def test_an_empty_stop_string_never_cuts():
+    """The empty string is in every text: given among the stop strings, it must not cut the text
+    at its start (stop_strings drops it; cut_at_stop passes it over too)."""
+    tok = WordTokenizer()
+    tokens = [0, 1, 2, 3, 4]  # "hello world!"
+    assert cut_at_stop(tok, tokens, ("",)) == ("hello world!", tokens, None)
+    assert cut_at_stop(tok, tokens, ("", "ld")) == cut_at_stop(tok, tokens, ("ld",)) == ("hello wor", [0, 1, 2], "ld")
+
+
+def test_shown_tokens_leave_the_kept_tokens_as_they_were():
+    """shown_tokens returns a new list: the cut's kept tokens (the generation's tokens) are not
+    extended with the cut-off ones that the text shows."""
+    tok = WordTokenizer()
+    tokens = [0, 1, 2, 3, 4]
+    text, kept, _ = cut_at_stop(tok, tokens, ("wor",))
+    before = list(kept)
+    shown = shown_tokens(tok, text, kept, tokens[len(kept):])
+    assert shown == before + [2] and kept == before and shown is not kept
+
+
 def test_hits_stop_looks_at_the_tail_only_as_far_as_needed():
     tok = WordTokenizer()
     assert hits_stop(tok, [0, 1, 5], ("sea",))
@@ -162,6 +182,20 @@ def test_text_ending_inside_a_character_keeps_the_whole_characters_before_it(tok
         streamer.update(tokens[:n])
     streamer.update(tokens, final_text=text)
     assert "".join(pieces) == text  # the stream and the final text agree
+
+
+def test_a_replacement_character_at_the_start_of_the_text_keeps_the_cut_in_place():
+    """A model may write a byte that is no UTF-8 at the start (decoded as U+FFFD, never completed):
+    only replacement characters at the end stand for an unfinished character, so the cut is at the
+    stop string's place in the whole text, and the kept tokens spell the text before it."""
+    tokenizer, tokens = ByteTokenizer(), [0xFF] + list(b"ab!cd")
+    full = tokenizer.decode(tokens)
+    assert full == "\ufffdab!cd"
+    assert cut_at_stop(tokenizer, tokens, ("!",)) == ("\ufffdab", tokens[:3], "!")
+    assert hits_stop(tokenizer, tokens, ("!",)) and not hits_stop(tokenizer, tokens[:3], ("!",))
+    text, kept, hit = cut_at_stop(tokenizer, tokens, ("b!",))
+    assert (text, hit) == (full[: full.index("b!")], "b!") and tokenizer.decode(kept) == text
+    assert through_stop(tokenizer, tokens, text, hit, len(kept)) == tokens[:4]
 
 
 def test_no_stop_string_is_found_in_a_character_not_yet_whole():
