@@ -149,6 +149,20 @@ def test_top_p_minimality_on_random_rows():
         assert probs[r][keep].min() >= probs[r][~keep].max()
 
 
+
+def test_top_p_sums_the_mass_exactly_on_a_large_vocabulary():
+    """The nucleus is the smallest top set whose mass reaches p, however large the vocabulary: with p
+    a hair (1e-12) above the mass of the k most probable tokens, token k is still needed and no more.
+    A float32 running sum (or p rounded to float32) is off by ~1e-8 near mass 0.9, more than that hair."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 100_000, generator=g) * 1.5
+    probs = torch.softmax(x, -1)[0]
+    sp = torch.sort(probs, descending=True, stable=True).values.double()
+    before = torch.cumsum(sp, 0) - sp  # exact enough: float64 sums of float32 values
+    for k in torch.searchsorted(before, torch.linspace(0.5, 0.95, 12, dtype=torch.float64)).tolist():
+        out = TopP(before[k].item() + 1e-12)(x, [])
+        assert torch.equal(torch.isfinite(out[0]), probs >= sp[k].float()), k
+
 def test_top_p_keeps_tied_tokens_together():
     x = logits_of(0.5, 0.25, 0.25)
     assert kept(TopP(0.6)(x, [])) == {0, 1, 2}
@@ -272,6 +286,39 @@ def test_eta_uses_eta_when_entropy_is_low():
     assert kept(EtaCutoff(eta)(logits_of(*ps), [])) == {0, 1, 2}
 
 
+
+def test_eta_matches_the_papers_threshold_on_random_rows():
+    """Hewitt et al.'s eta cutoff: keep p >= min(eta, sqrt(eta) * exp(-H)), H the entropy in nats of
+    the distribution the processor receives (removed tokens have p = 0), and the argmax. Checked
+    against that rule, written out, on rows of low and high entropy, some with removed tokens."""
+    g = torch.Generator().manual_seed(5)
+    for scale in (0.5, 1.0, 2.0, 4.0):
+        x = torch.randn(6, 60, generator=g) * scale
+        x[3:, ::4] = NEG  # half the rows come with removed tokens
+        probs = torch.softmax(x.double(), -1)
+        for eta in (0.001, 0.01, 0.05, 0.2):
+            out = EtaCutoff(eta)(x, [])
+            for r in range(6):
+                ps = probs[r].tolist()
+                thr = min(eta, math.sqrt(eta) * math.exp(-entropy(ps)))
+                want = {i for i, p in enumerate(ps) if p >= thr} | {max(range(60), key=ps.__getitem__)}
+                close = {i for i, p in enumerate(ps) if abs(p - thr) <= 1e-5 * thr}  # float32 rounding
+                assert kept(out, r) - close == want - close, (scale, eta, r)
+
+
+@pytest.mark.parametrize("proc", [EtaCutoff(0.05), EtaCutoff(0.3), TypicalP(0.5), TypicalP(0.9)], ids=repr)
+def test_entropy_based_cutoffs_ignore_removed_tokens(proc):
+    """A token already at -inf has probability 0 and adds 0 (0·log 0) to the entropy: padding a row
+    with removed tokens leaves the kept set as it was (not NaN, which would keep the argmax alone)."""
+    g = torch.Generator().manual_seed(6)
+    clean = torch.randn(4, 30, generator=g) * 1.5
+    padded = torch.cat([clean, torch.full((4, 10), NEG)], dim=-1)
+    out = proc(padded, [])
+    assert torch.isneginf(out[:, 30:]).all()
+    for r in range(4):
+        assert kept(out, r) == kept(proc(clean, []), r)
+        assert len(kept(out, r)) > 1
+
 # ---------------------------------------------------------------- top-n-sigma
 
 
@@ -297,6 +344,13 @@ def test_top_n_sigma_ignores_removed_tokens_in_sigma():
         assert kept(TopNSigma(n)(padded, [])) == kept(TopNSigma(n)(clean, [])), n
     assert kept(TopNSigma(1.3)(padded, [])) == {0, 1}
 
+
+
+def test_top_n_sigma_keeps_a_logit_exactly_n_sigma_below_the_max():
+    """Tang et al. keep logits >= max - n·σ: a logit on the cutoff itself is kept."""
+    x = torch.tensor([[1.0, -1.0, 1.0, -1.0]])  # mean 0, population σ 1: exact in float32
+    assert kept(TopNSigma(2.0)(x, [])) == {0, 1, 2, 3}  # cutoff 1 - 2·1 = -1, the logit of 1 and 3
+    assert kept(TopNSigma(1.999)(x, [])) == {0, 2}
 
 # ---------------------------------------------------------------- top-H
 
@@ -336,6 +390,16 @@ def test_top_h_uniform_keeps_alpha_n_tokens():
     assert kept(TopH(0.5)(x, [])) == set(range(50))  # ties by token id, lower first (a stable sort)
     assert kept(TopH(0.3)(x, [])) == set(range(30))
 
+
+
+def test_top_h_uniform_keeps_alpha_n_tokens_for_every_alpha():
+    """The docstring's promise, alpha · n of n equal tokens, for alpha = k / n over a row of 1000:
+    the sum of k equal terms equals the bound in exact arithmetic, which float32 running sums (a
+    relative error near 1e-7, past the rule's 1e-9 slack) would miss by a token either way."""
+    n = 1000
+    x = torch.zeros(1, n)
+    for k in range(1, n, 5):
+        assert torch.isfinite(TopH(k / n)(x, [])).sum().item() == k, k
 
 def test_top_h_matches_reference_rule_on_random_rows():
     g = torch.Generator().manual_seed(7)
@@ -392,6 +456,19 @@ def test_adaptive_k_minimises_the_kl_l0_objective():
         best = cost.argmin(-1) + 1
         assert torch.isfinite(out).sum(-1).tolist() == best.tolist()
 
+
+
+def test_adaptive_k_stops_where_the_increment_equals_lambda():
+    """The optimum is the smallest k with log(1 + p_(k+1) / S_k) <= λ: where the increment is exactly
+    λ, cost(k + 1) == cost(k) and the smaller k is the one kept; a λ a hair below it takes k + 1."""
+    x = logits_of(0.5, 0.3, 0.15, 0.05)
+    p = torch.sort(torch.softmax(x, -1), dim=-1, descending=True, stable=True).values.double()
+    nxt = torch.cat([p[..., 1:], torch.zeros_like(p[..., :1])], dim=-1)
+    increments = torch.log1p(nxt / torch.cumsum(p, -1))[0].tolist()  # 0.470, 0.172, 0.051, 0
+    for k in (1, 2, 3):
+        lam = increments[k - 1]
+        assert kept(AdaptiveTopK(lam)(x, [])) == set(range(k)), k
+        assert kept(AdaptiveTopK(math.nextafter(lam, 0.0))(x, [])) == set(range(k + 1)), k
 
 # ---------------------------------------------------------------- penalties
 
@@ -470,6 +547,15 @@ def test_penalties_refuse_history_ids_outside_the_vocabulary(rows):
             proc(torch.zeros(2, 4), hist)
 
 
+
+def test_penalties_refuse_more_histories_than_rows():
+    """One history per row: a third history for two rows is an error (its ids would be counted into
+    a row that does not exist), whether the processor is called alone or through a Sampler."""
+    hist = [torch.tensor([1]), torch.tensor([2]), torch.tensor([3])]
+    for proc in (FrequencyPenalty(1.0), PresencePenalty(1.0), RepetitionPenalty(2.0)):
+        with pytest.raises(ValueError, match="expected 2 histories"):
+            proc(torch.zeros(2, 4), hist)
+
 # ---------------------------------------------------------------- no-repeat-n-gram
 
 
@@ -505,6 +591,32 @@ def test_no_repeat_ngram_needs_the_whole_prefix_to_match():
     out = NoRepeatNGram(3)(x, [torch.tensor([1, 2, 3, 1, 2])])  # (1, 2) again: 3 would repeat (1, 2, 3)
     assert kept(out) == set(range(10)) - {3}
 
+
+
+def test_no_repeat_ngram_counts_the_prompt():
+    """The whole history counts, prompt included (Paulus et al.; Hugging Face's processor sees the
+    prompt's ids too), unlike the frequency and presence penalties: an n-gram of the prompt is not
+    repeated either."""
+    x = torch.zeros(1, 10)
+    hist = Histories([[5, 6, 7, 1, 5, 6]], prompt_len=4)  # (5, 6, 7) is in the prompt only
+    assert kept(NoRepeatNGram(3)(x, hist)) == set(range(10)) - {7}
+    assert kept(NoRepeatNGram(1)(x, hist)) == set(range(10)) - {1, 5, 6, 7}
+    sampler = Sampler.from_params(no_repeat_ngram_size=3, temperature=0)
+    assert sampler.pick(logits_of(0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.3), hist).item() != 7
+
+
+def test_no_repeat_ngram_matches_hugging_face_with_a_prompt():
+    """Against transformers' NoRepeatNGramLogitsProcessor, which is given prompt and generated ids as
+    one sequence: the same bans, whatever part of the history is the prompt."""
+    hf = pytest.importorskip("transformers.generation.logits_process").NoRepeatNGramLogitsProcessor
+    g = torch.Generator().manual_seed(8)
+    for n in (1, 2, 3):
+        ids = torch.randint(0, 6, (4, 14), generator=g)
+        x = torch.randn(4, 6, generator=g)
+        ours = NoRepeatNGram(n)(x, Histories(list(ids), prompt_len=[0, 5, 9, 14]))
+        theirs = hf(n)(ids, x.clone())
+        emptied = torch.isneginf(theirs).all(-1)  # we leave such a row unchanged instead
+        assert torch.equal(torch.isfinite(ours[~emptied]), torch.isfinite(theirs[~emptied])), n
 
 # ---------------------------------------------------------------- shared invariants
 
@@ -693,6 +805,15 @@ def test_sample_from_uses_given_weights():
         s.sample_from(torch.zeros(1, 5))
 
 
+
+@pytest.mark.parametrize("weights", [[1.0, float("inf"), 2.0], [float("nan"), 1.0, 2.0], [0.0, 0.0, 0.0]],
+                         ids=["inf", "nan", "zero"])
+def test_sample_from_refuses_weights_it_cannot_draw_from(weights):
+    """Weights that are not finite (a penalty past float32's range, a NaN) or sum to 0 are the
+    sampler's own InvalidParameter, saying why, never torch's RuntimeError from multinomial."""
+    with pytest.raises(InvalidParameter, match="no token can be sampled"):
+        Sampler(seed=0).sample_from(torch.tensor([weights, [1.0, 1.0, 1.0]]))
+
 @pytest.mark.parametrize(
     "kwargs, name",
     [
@@ -795,6 +916,30 @@ def test_pick_at_never_returns_a_token_the_mask_refuses():
     sampled = Sampler([RefuseTokens({0}), Temperature(0.01)], seed=0)
     assert all(sampled.pick_at(logits, position) == 1 for position in range(8))
 
+
+
+def test_pick_at_lets_the_mask_decide_where_the_unmasked_row_cannot_be_sampled():
+    """The choice before the mask is an optimisation: where the row without the mask cannot be
+    sampled (an infinite or NaN logit on a token the mask refuses), the masked row is, and is."""
+    s = Sampler([RefuseTokens({0}), Temperature(0.5)], seed=0)
+    for bad in (float("inf"), float("nan")):
+        logits = torch.tensor([bad, 1.0, 2.0])
+        assert {s.pick_at(logits, position) for position in range(8)} <= {1, 2}
+        assert s.process(logits[None])[0, 0] == NEG
+
+
+def test_broken_by_asks_every_processor():
+    """A finished request's tokens are checked against every processor's promise, not the first one's."""
+    class Refuses7(LogitsProcessor):
+        def __call__(self, logits, histories):
+            return logits.clone()
+
+        def broken_by(self, generated):
+            return "7 is not allowed" if 7 in generated else None
+
+    s = Sampler([Temperature(0.5), TopK(3), Refuses7()], seed=0)
+    assert s.broken_by([1, 2]) is None
+    assert s.broken_by([1, 7]) == "7 is not allowed"
 
 def test_process_refuses_a_history_count_unlike_the_rows():
     """A history processor needs one history per row: one history for two rows is an error, not a guess."""
