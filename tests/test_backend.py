@@ -830,3 +830,119 @@ def test_a_bfloat16_tiny_llama_computes_in_bfloat16():
     assert b16.dtype == torch.bfloat16 and b16.weights.layers[0]["attn_norm"].dtype == torch.bfloat16
     ids = tokens(8)
     assert not torch.equal(f32.append(ids).logits, b16.append(ids).logits)  # rounded to bfloat16 on the way
+
+
+def test_a_verified_tree_left_uncommitted_is_dropped_by_the_next_append_or_verification(backend):
+    """A verified tree's entries stay uncommitted: an append (or another verification) after it
+    without commit_path reads its tokens after the committed ones, as a fresh run of them does,
+    and a truncate cannot reach past the committed length into the tree's entries."""
+    context, nodes = tokens(5), tokens(3, seed=2)[0]
+    reference = tiny_llama(seed=0).append(torch.cat([context, tokens(2, seed=3)], dim=1)).logits[:, -2:]
+    backend.append(context)
+    backend.verify_tree(nodes, [-1, 0, 1])
+    with pytest.raises(ValueError, match="cannot truncate a cache of 5 tokens to 6"):
+        backend.truncate(6)
+    assert backend.length == 5
+    backend.verify_tree(nodes, [-1, -1, 0])
+    assert torch.allclose(backend.append(tokens(2, seed=3)).logits, reference, atol=ATOL)
+    assert backend.length == 7
+
+
+def test_a_commit_path_after_a_rollback_an_append_or_a_reset_is_refused_on_either_backend(backend):
+    """Either backend forgets a verified tree once the cache changes (a truncate, an append, a reset):
+    commit_path is then refused rather than committing whatever the tree's slots now hold."""
+    for change in (lambda: backend.truncate(4), lambda: backend.append(tokens(1, seed=3)), lambda: backend.reset()):
+        backend.reset()
+        backend.append(tokens(5))
+        backend.verify_tree(tokens(3, seed=2)[0], [-1, 0, 1])
+        change()
+        length = backend.length
+        with pytest.raises(RuntimeError, match="verify_tree"):
+            backend.commit_path([0])
+        assert backend.length == length
+
+
+def test_a_rollback_of_one_token_drops_that_tokens_entry(backend):
+    """Speculative decoding often rolls back a single rejected token: the cache drops its entry, and
+    the next token reads as in a fresh run."""
+    ids = tokens(12)
+    fresh = backend.append(ids).logits
+    backend.reset()
+    backend.append(ids[:, :10])
+    backend.append(tokens(1, seed=9))
+    backend.truncate(10)
+    assert torch.allclose(backend.append(ids[:, 10:]).logits, fresh[:, 10:], atol=ATOL)
+
+
+def tiny_mistral(window: int = 4):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                            sliding_window=window, max_position_embeddings=128)).eval()
+
+
+def test_the_hf_backends_window_in_a_tree_counts_positions_not_slots():
+    """In a verified tree a node's slot is its index, its position its depth: the window reaches back
+    ``sliding_window`` positions along the node's path (a chain under siblings sits at slots past
+    its positions), as transformers' own run of that path does."""
+    model = tiny_mistral(window=4)
+    backend = HFBackend(model)
+    context = tokens(6)
+    parents = [-1, -1, -1, -1, 0, 4, 5, 6, 7]  # siblings first, then a chain under node 0 deeper than the window
+    node_tokens = tokens(len(parents), seed=4)[0]
+    backend.append(context)
+    tree = backend.verify_tree(node_tokens, parents).logits[0]
+    for node in range(len(parents)):
+        with torch.no_grad():
+            want = model(torch.cat([context, node_tokens[path_to(node, parents)][None]], dim=1)).logits[0, -1]
+        assert torch.allclose(tree[node], want, atol=1e-5), node
+
+
+def test_the_hf_backends_hidden_states_are_the_native_backends():
+    """hidden_layers names the same layers on either backend (0: the embeddings, i: after layer i;
+    the last layer's entry is left out: transformers' is after the final norm)."""
+    ids = tokens(9)
+    layers = (0, 1, 2)
+    native = tiny_llama(seed=4, num_layers=3).append(ids, hidden_layers=layers).hidden
+    hf = HFBackend(tiny_hf_model(seed=4, num_layers=3)).append(ids, hidden_layers=layers).hidden
+    assert set(hf) == set(native) == set(layers)
+    for layer in layers:
+        assert torch.allclose(hf[layer], native[layer], atol=ATOL), layer
+
+
+def test_the_hf_backend_loads_a_folder_in_the_dtype_asked_for(tmp_path):
+    """from_folder's dtype is the dtype the model computes in, whatever the dtype its weights were saved in."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from decodekit.models.tiny import tiny_hf_config, tiny_state_dict
+
+    save_file(tiny_state_dict(tiny_hf_config()), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config() | {"torch_dtype": "float32"}))
+    backend = HFBackend.from_folder(tmp_path, dtype=torch.bfloat16)
+    assert backend.dtype == torch.bfloat16 and backend.info.dtype == torch.bfloat16
+    assert backend.append(tokens(4)).logits.isfinite().all()
+
+
+def test_transformers_verbosity_is_restored_after_a_quiet_load_even_a_failed_one():
+    from transformers.utils import logging as transformers_logging
+
+    from decodekit.models.hf import quietly_loaded
+
+    before = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_info()
+    try:
+        assert quietly_loaded(lambda: transformers_logging.get_verbosity()) == transformers_logging.ERROR
+        assert transformers_logging.get_verbosity() == transformers_logging.INFO
+
+        def failing():
+            raise OSError("no weights")
+
+        with pytest.raises(OSError, match="no weights"):
+            quietly_loaded(failing)
+        assert transformers_logging.get_verbosity() == transformers_logging.INFO
+    finally:
+        transformers_logging.set_verbosity(before)

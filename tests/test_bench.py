@@ -1804,3 +1804,105 @@ def test_the_checkpoint_names_the_question_file_the_questions_were_read_from(tin
         bench_cli.make_plan(parse(*common, "--resume"))
     qfile.write_text(original)
     assert bench_cli.make_plan(parse(*common, "--resume")).previous  # the file it was: resumes
+
+
+def test_each_turn_is_fed_in_the_files_order_after_the_contestants_earlier_answers(tiny: LoadedModel, tmp_path: Path):
+    """The prompts a contestant reads are the chat of the question's turns in order, each after the
+    answers it gave to the earlier ones; without all_turns, the first turn alone."""
+    questions = load_questions(write_questions(tmp_path / "q.jsonl", ["qa"], turns=3))
+    turns = questions[0].turns
+    prompt_ids = prompt_fn(tiny)
+    log: list = []
+    run_bench([Scripted("greedy", log, tokens=(40, 41))], questions, prompt_ids,
+              BenchConfig(max_new_tokens=2, all_turns=True), progress=False)
+    chat: list[dict[str, str]] = []
+    expected = []
+    for turn in turns:
+        chat.append({"role": "user", "content": turn})
+        expected.append(prompt_ids(list(chat)))
+        chat.append({"role": "assistant", "content": "xx"})  # Scripted's text for two tokens
+    assert [ids for _, ids in log[1:]] == expected
+    log.clear()
+    run_bench([Scripted("greedy", log, tokens=(40, 41))], questions, prompt_ids, BenchConfig(max_new_tokens=2),
+              progress=False)
+    assert [ids for _, ids in log[1:]] == [prompt_ids([{"role": "user", "content": turns[0]}])]
+
+
+def test_a_multi_turn_records_extra_figures_are_its_last_turns():
+    """A record ends as its conversation ended: the method's own figures (extra) are its last turn's."""
+    from decodekit.bench.questions import Question
+    from decodekit.bench.runner import make_record
+
+    first = RunResult([1], "a", 0.1, 0.2, "length", forward_passes=1, extra={"draft": 1})
+    last = RunResult([2], "b", 0.1, 0.2, "length", forward_passes=1, extra={"draft": 2})
+    assert make_record(Scripted("m", []), Question(1, "qa", ("a", "b")), 0, 0, [(3, first), (5, last)])["extra"] == {"draft": 2}
+
+
+def test_a_record_with_a_time_that_is_not_finite_is_not_a_record():
+    """A checkpoint's times are checked as finite numbers: NaN or infinity (an edited file) is refused."""
+    from decodekit.bench.questions import Question
+    from decodekit.bench.runner import is_record, make_record
+
+    record = make_record(Scripted("m", []), Question(1, "qa", ("a",)), 0, 0,
+                         [(3, RunResult([1, 2], "xy", 0.1, 0.2, "length", forward_passes=2))])
+    assert is_record(record)
+    for key in ("prefill_s", "decode_s", "decode_tps"):
+        for bad in (float("nan"), float("inf")):
+            assert not is_record({**record, key: bad}), (key, bad)
+
+
+def test_a_bench_without_questions_or_with_a_name_twice_is_refused(tiny: LoadedModel, qfile: Path):
+    questions = load_questions(qfile, limit=1)
+    with pytest.raises(InvalidParameter, match="no questions"):
+        run_bench([Scripted("greedy", [])], [], prompt_fn(tiny), BenchConfig(max_new_tokens=2), progress=False)
+    log: list = []
+    with pytest.raises(InvalidParameter, match="names must be unique"):
+        run_bench([Scripted("greedy", log), Scripted("b", log), Scripted("b", log)], questions, prompt_fn(tiny),
+                  BenchConfig(max_new_tokens=2), progress=False)
+    assert log == []  # refused before any warm-up
+
+
+def test_a_checkpoint_of_a_run_with_more_contestants_resumes_this_runs_questions(tiny: LoadedModel, qfile: Path):
+    """Resuming with fewer contestants than the interrupted run had takes the questions every one of
+    this run's contestants finished, and reports only their records."""
+    questions = load_questions(qfile, limit=1)
+    config = BenchConfig(max_new_tokens=3)
+    wider = run_bench([Scripted(n, []) for n in ("greedy", "b", "c")], questions, prompt_fn(tiny), config, progress=False)
+    log: list = []
+    narrower = run_bench([Scripted(n, log) for n in ("greedy", "b")], questions, prompt_fn(tiny), config, progress=False,
+                         previous=wider.records)
+    assert narrower.resumed == len(questions) and len(log) == 2  # the warm-ups alone
+    assert {r["method"] for r in narrower.records} == {"greedy", "b"}
+
+
+def test_the_reference_text_is_compared_without_surrounding_whitespace():
+    """Texts are compared as the reports show them: greedy's trailing newline is no mismatch."""
+    from decodekit.bench.runner import compare_to_reference
+
+    def rec(method, text):
+        return {"method": method, "error": None, "texts": [text], "tokens": [[1]],
+                "identical_to_reference": None, "text_match": None, "text_prefix_share": None}
+
+    greedy, other = rec("greedy", "the answer\n"), rec("m", "the answer")
+    compare_to_reference([greedy, other], "greedy", {})
+    assert other["text_match"] is True and other["text_prefix_share"] == 1.0
+
+
+def test_a_bench_leaves_the_collector_as_its_caller_had_it(tiny: LoadedModel, qfile: Path):
+    """A caller that turned the collector off finds it off after the bench (timed runs turn it off, then restore it)."""
+    import gc
+
+    seen: list[bool] = []
+
+    class Probe(Scripted):
+        def run(self, prompt_ids, max_new_tokens):
+            seen.append(gc.isenabled())
+            return super().run(prompt_ids, max_new_tokens)
+
+    gc.disable()
+    try:
+        run_bench([Probe("greedy", [])], load_questions(qfile, limit=2), prompt_fn(tiny), BenchConfig(max_new_tokens=2),
+                  progress=False)
+        assert seen and not any(seen) and not gc.isenabled()
+    finally:
+        gc.enable()

@@ -1439,3 +1439,74 @@ def test_the_cache_command_on_a_missing_cache_says_so(tmp_path, monkeypatch, cap
     assert main(["cache", "--prune", "0"]) == 0
     assert capsys.readouterr().out.strip() == f"{tmp_path / 'never'}: no cache there (nothing built yet)"
     assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("folder", [False, True])
+def test_a_build_that_fails_leaves_no_temporary_and_no_entry(tmp_path, folder):
+    """A builder that raises (a full disk, an interrupted download) leaves nothing of its own behind:
+    not its temporary beside the entry, not a half-written entry; the next use builds it afresh."""
+    from decodekit.models.cache import cached_file
+
+    path = tmp_path / ("entry" if folder else "entry.bin")
+    cache_it = cached_folder if folder else cached_file
+
+    def failing(tmp: Path) -> None:
+        (tmp / "part.bin" if folder else tmp).write_bytes(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        cache_it(path, failing)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{path.name}.lock"]
+    cache_it(path, lambda tmp: (tmp / "part.bin" if folder else tmp).write_bytes(b"whole"))
+    assert Entry(path, folder=folder).check() is None
+
+
+def test_the_cache_listing_looks_no_deeper_than_decodekit_writes(tmp_path):
+    """Entries sit at most two folders down (``kernels/<library>``): one deeper (a cache variable
+    pointed at a folder of the user's that holds a copy of a cache) is not listed, nor pruned."""
+    from decodekit.models.cache import cached_file, cached_items, remove_unused
+
+    shallow = cached_file(tmp_path / "kernels" / "a.so", lambda tmp: tmp.write_bytes(bytes(10)))
+    deep = cached_file(tmp_path / "backup" / "kernels" / "a.so", lambda tmp: tmp.write_bytes(bytes(10)))
+    assert [item.path for item in cached_items(tmp_path)] == [shallow]
+    remove_unused(0, tmp_path)
+    assert deep.exists() and not shallow.exists()
+
+
+def test_a_folder_entrys_size_counts_the_files_of_its_subfolders(tmp_path):
+    from decodekit.models.cache import cached_items
+
+    def build(tmp: Path) -> None:
+        (tmp / "sub" / "deeper").mkdir(parents=True)
+        (tmp / "top.bin").write_bytes(bytes(100))
+        (tmp / "sub" / "deeper" / "inner.bin").write_bytes(bytes(5000))
+
+    path = cached_folder(tmp_path / "model", build)
+    (item,) = cached_items(tmp_path)
+    assert item.size == 100 + 5000 + (path / "manifest.json").stat().st_size
+
+
+def test_pruning_counts_an_entry_it_could_not_remove_as_left_not_removed(tmp_path, monkeypatch):
+    """An entry whose files survive the removal (a read-only cache) is reported as left, never as removed."""
+    from decodekit.models import cache as cache_module
+
+    made = make_entries(tmp_path)
+    monkeypatch.setattr(cache_module, "_remove", lambda path: None)
+    pruned = cache_module.remove_unused(0, tmp_path)
+    assert pruned.removed == [] and pruned.left == 2
+    assert made["folder"].exists() and made["library"].exists()
+
+
+def test_an_entry_whose_use_cannot_be_recorded_is_still_used(tmp_path, monkeypatch):
+    """Marking a use is best effort: a cache the user can read but not write (a shared, read-only one)
+    still serves its entries, unbuilt."""
+    from decodekit.models.cache import cached_file
+
+    path = cached_file(tmp_path / "a.so", lambda tmp: tmp.write_bytes(bytes(10)))
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "utime", refused)
+    assert cached_file(path, lambda tmp: pytest.fail("rebuilt")) == path
+    assert cached_folder(cached_folder(tmp_path / "f", lambda tmp: None), lambda tmp: pytest.fail("rebuilt"))

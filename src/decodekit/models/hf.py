@@ -132,6 +132,9 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def _run(self, tokens, positions, allowed, hidden_layers=(), last_only=False) -> StepOutput:
+        uncommitted = self._cache.get_seq_length() - self._length
+        if uncommitted:  # a verified tree's entries, never committed: the new tokens take their slots
+            self._cache.crop(-uncommitted)
         out = self.model(
             input_ids=tokens,
             position_ids=positions.expand(tokens.shape[0], -1),
@@ -157,7 +160,7 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= self._cache.get_seq_length():
+        if not 0 <= length <= self._length:  # (the cache may hold a verified tree's uncommitted entries past it)
             raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
         removed = self._cache.get_seq_length() - length
         if removed:
