@@ -8331,7 +8331,7 @@ MUTATIONS = (
              ("tests/test_samplers.py", "-k", "broken_by_asks_every_processor")),
     # the HF backend's cache bookkeeping and masks, the cache's failure paths, the bench runner's turns and records
     Mutation("hf-uncommitted-tree-kept-under-the-next-pass", "src/decodekit/models/hf.py",
-             "        if uncommitted:  # a verified", "        if False:  # a verified",
+             "        self._drop_past(self._length)  # a verified", "        pass  # a verified",
              ("tests/test_backend.py", "-k", "uncommitted")),
     Mutation("hf-truncate-into-a-pending-tree-accepted", "src/decodekit/models/hf.py",
              "        if not 0 <= length <= self._length:  # (the cache", "        if not 0 <= length <= self._cache.get_seq_length():  # (the cache",

@@ -132,9 +132,7 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def _run(self, tokens, positions, allowed, hidden_layers=(), last_only=False) -> StepOutput:
-        uncommitted = self._cache.get_seq_length() - self._length
-        if uncommitted:  # a verified tree's entries, never committed: the new tokens take their slots
-            self._cache.crop(-uncommitted)
+        self._drop_past(self._length)  # a verified tree's entries, never committed: the new tokens take their slots
         out = self.model(
             input_ids=tokens,
             position_ids=positions.expand(tokens.shape[0], -1),
@@ -162,11 +160,15 @@ class HFBackend(Backend):
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._length:  # (the cache may hold a verified tree's uncommitted entries past it)
             raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
+        self._drop_past(length)
+        self._length = length
+        self._pending_tree = None
+
+    def _drop_past(self, length: int) -> None:
+        """The cache's entries past ``length`` removed (rolled back, or a tree's left uncommitted)."""
         removed = self._cache.get_seq_length() - length
         if removed:
             self._cache.crop(-removed)
-        self._length = length
-        self._pending_tree = None
 
     def _run_tree(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> StepOutput:
         return self._run(tokens, positions[None], visible)
