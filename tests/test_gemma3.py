@@ -136,10 +136,15 @@ def test_the_window_matters():
     assert not torch.allclose(a[8:], b[8:], atol=1e-3)
 
 
-def test_tree_nodes_are_bit_identical_to_one_token_steps_across_the_window():
+@pytest.mark.parametrize("parents", [
+    [-1, 0, 0, 1, 2, 4, 5, 6, 3],  # paths deeper than the window's reach from the context
+    # a chain deeper than the window behind a sibling: a node's slot (its index) is past its
+    # position (its depth), and node 12 (depth 11) must not see node 4 (depth 3) in its own slot 4
+    [-1, 0, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+])
+def test_tree_nodes_are_bit_identical_to_one_token_steps_across_the_window(parents):
     backend = tiny_gemma3(seed=1, sliding_window=8)
-    context, node_tokens = tokens(20), tokens(9, seed=7)[0]
-    parents = [-1, 0, 0, 1, 2, 4, 5, 6, 3]  # paths deeper than the window's reach from the context
+    context, node_tokens = tokens(20), tokens(len(parents), seed=7)[0]
     backend.append(context)
     tree = backend.verify_tree(node_tokens, parents).logits[0]
     on_path = tree_ancestor_mask(parents)  # row i: node i and its ancestors, root first in index order
@@ -149,6 +154,26 @@ def test_tree_nodes_are_bit_identical_to_one_token_steps_across_the_window():
         for token in node_tokens[on_path[node]]:
             step = backend.append(token.view(1, 1)).logits[0, -1]
         assert torch.equal(step, tree[node]), node
+
+
+def test_a_pass_without_a_mask_in_forward_c_still_keeps_each_rows_window():
+    """forward.c reads no mask (None) as every key for every row, an all-true mask as the same; a
+    sliding-window layer still keeps each row to its own window, the later row seeing one key fewer
+    than the first: both give the same bits."""
+    backend = tiny_gemma3(seed=3, sliding_window=8)
+    assert backend._stack is not None
+    backend.append(tokens(20))
+    start, rows = backend._slots, 2
+    backend._ensure_capacity(start + rows)
+    positions = torch.arange(start, start + rows)
+    x = backend._embed(tokens(rows, seed=5))[0]
+    results = []
+    for visible in (None, torch.ones(rows, start + rows, dtype=torch.bool)):
+        out, pending = x.clone(), torch.empty_like(x)
+        k_cache, v_cache = backend._k[:, 0].clone(), backend._v[:, 0].clone()
+        assert backend._stack.run(out, pending, backend._freqs_pairs, positions, visible, k_cache, v_cache, start)
+        results.append(out + pending)
+    assert torch.equal(results[0], results[1])
 
 
 def test_the_one_call_layer_path_gives_the_layer_loops_bits():

@@ -275,6 +275,16 @@ def integer_product(kind: str, blocks: BlockMatrix, x: torch.Tensor) -> torch.Te
     return kernels.integer_block_matmul(kind)(packed, x, blocks.n_in)
 
 
+def integer_product_on_threads(threads: int, kind: str, blocks: BlockMatrix, x: torch.Tensor) -> torch.Tensor:
+    """:func:`integer_product` with torch's (and so the kernel's) thread count set to ``threads``."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        return integer_product(kind, blocks, x)
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs_vnni
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 64, 100])
@@ -328,16 +338,38 @@ def test_two_threads_quantising_a_pass_together_give_the_reference_bit_for_bit(k
     n_in = blocks.n_in
     x = torch.randn(rows, n_in, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
     x[rows - 2, 5] = float("inf")  # a block of the second thread's share
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        got = integer_product(kind, blocks, x)
-    finally:
-        torch.set_num_threads(before)
+    got = integer_product_on_threads(2, kind, blocks, x)
     want = kernels.integer_block_matmul_reference(kind, blocks.data, x, n_in)
     assert torch.equal(got.isnan(), want.isnan()) and got[rows - 2].isnan().all() and not got[: rows - 2].isnan().any()
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
     assert torch.equal(got[0], integer_product(kind, blocks, x[:1].contiguous())[0])
+
+
+@needs_vnni
+def test_an_odd_number_of_blocks_shared_between_two_threads_is_quantised_to_the_last():
+    """43 rows of 3 blocks: 129 blocks to quantise (from 128 on the threads share them), which two
+    threads cannot split evenly; the one past the halves is quantised too, as the reference does."""
+    gen = torch.Generator().manual_seed(43)
+    blocks = BlockMatrix.quantize(torch.randn(16, 96, generator=gen), "q4_1")
+    x = torch.randn(43, 96, generator=gen)
+    got = integer_product_on_threads(2, "q4_1", blocks, x)
+    assert torch.equal(got, kernels.integer_block_matmul_reference("q4_1", blocks.data, x, 96))
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", ["q4_1", "q6_k"])
+def test_every_pass_length_computes_every_row_of_every_group(kind):
+    """Passes of 1 to 19 rows against three groups of 16 output rows: up to 8 rows the groups one
+    by one in tiles of any length (1-8), from 9 on in pairs, tiles of 4 and a last one of 1-4
+    rows, and the odd third group alone with a last tile of any length; every row of every group
+    is the reference's, bit for bit."""
+    gen = torch.Generator().manual_seed(19)
+    blocks = (BlockMatrix.quantize(torch.randn(48, 64, generator=gen), kind) if kind in KINDS
+              else BlockMatrix.random(48, 256, kind, gen))
+    x = torch.randn(19, blocks.n_in, generator=gen)
+    want = kernels.integer_block_matmul_reference(kind, blocks.data, x, blocks.n_in)
+    for rows in range(1, 20):
+        assert torch.equal(integer_product(kind, blocks, x[:rows]), want[:rows]), rows
 
 
 @needs_vnni
@@ -361,7 +393,8 @@ def test_integer_kernel_on_k_quants_is_its_reference_and_close_to_float32(kind, 
 @pytest.mark.parametrize("kind", KINDS + FILE_KINDS)
 def test_packed_rows_are_the_dequantised_rows_bit_for_bit(kind):
     """A tied embedding's lookups read the head's packed blocks: each row exactly the file's
-    dequantised row (signs of zeros included), and NaN for a row outside the matrix."""
+    dequantised row (signs of zeros included), and NaN for a row outside the matrix (past its end or
+    before its start)."""
     gen = torch.Generator().manual_seed(3)
     blocks = BlockMatrix.random(48, 512, kind, gen)
     packed = kernels.pack_integer_blocks(kind, blocks.data, blocks.n_in)
@@ -369,7 +402,7 @@ def test_packed_rows_are_the_dequantised_rows_bit_for_bit(kind):
     got = kernels.integer_block_rows(kind, packed, rows, blocks.n_in)
     want = blocks.dequantize()[rows]
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    assert kernels.integer_block_rows(kind, packed, torch.tensor([48]), blocks.n_in).isnan().all()
+    assert kernels.integer_block_rows(kind, packed, torch.tensor([48, -1]), blocks.n_in).isnan().all()
 
 
 @needs_vnni
@@ -425,10 +458,11 @@ def test_integer_kernel_turns_a_non_finite_input_into_nan_and_refuses_bad_shapes
     packed = kernels.pack_integer_blocks("q4_1", blocks.data, 64)
     fast = kernels.integer_block_matmul("q4_1")
     for bad in (float("nan"), float("inf")):
-        x = torch.randn(2, 64)
-        x[1, 40] = bad
-        got = fast(packed, x, 64)
-        assert torch.isfinite(got[0]).all() and torch.isnan(got[1]).all()
+        for column in (40, 56):  # in the first and in the second half of a block (two vectors of 16)
+            x = torch.randn(2, 64)
+            x[1, column] = bad
+            got = fast(packed, x, 64)
+            assert torch.isfinite(got[0]).all() and torch.isnan(got[1]).all(), (bad, column)
     with pytest.raises(ValueError, match="inputs"):
         fast(packed, torch.randn(3, 60), 60)
     with pytest.raises(ValueError, match="inputs"):  # no row at all: the kernel's pass needs one
