@@ -53,7 +53,9 @@ def required_options(method: str, backend) -> dict:
     what a lossless method outputs; ``test_trained_drafters.py`` tests trained ones)."""
     if method == "draft":
         return {"draft_model": "self-truncated:1"}
-    if method in ("eagle", "medusa"):
+    from decodekit.speculative.trained.networks import NETWORKS
+
+    if method in NETWORKS:
         from decodekit.speculative.trained import store
         from decodekit.speculative.trained.train import Settings, new_net
 

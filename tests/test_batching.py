@@ -231,11 +231,12 @@ def test_a_cache_without_its_prompts_float_entries_takes_no_prefix(cache):
 
 @pytest.mark.parametrize("numerics", NUMERICS)
 def test_trained_drafters_read_their_features_from_a_shared_batch(numerics):
-    """EAGLE and Medusa read each pass's features; served, the batch hands each sequence its own."""
+    """EAGLE, Medusa and Hydra read each pass's features; served, the batch hands each sequence its own."""
     from tests.conftest import required_options
 
     model = base(numerics)
-    cases = [("abcabcabcabc" * 4, method, {"budget": 4, **required_options(method, model)}) for method in ("eagle", "medusa")]
+    cases = [("abcabcabcabc" * 4, method, {"budget": 4, **required_options(method, model)})
+             for method in ("eagle", "medusa", "hydra")]
     assert_batched_as_alone(model, cases + CASES[:2])
 
 

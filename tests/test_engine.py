@@ -9,6 +9,7 @@ from decodekit.engine import Engine
 from decodekit.errors import InvalidParameter, PromptTooLong, UnknownMethod
 from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.tiny import tiny_llama
+from decodekit.speculative.trained.networks import NETWORKS
 
 
 def manual_greedy(backend, prompt_ids: list[int], n: int, eos: set[int]) -> list[int]:
@@ -163,7 +164,7 @@ def test_streams_hold_back_the_longest_start_of_any_stop_string(tiny_model):
             assert "".join(deltas) == g.text, order
 
 
-NEEDS_FILES = {"eagle", "medusa"}  # trained drafters: none exists for the tiny model (their loop is StepDecoder's)
+NEEDS_FILES = set(NETWORKS)  # trained drafters: none exists for the tiny model (their loop is StepDecoder's)
 
 
 def test_every_method_streams_text_that_joins_to_its_answer(tiny_model):

@@ -29,7 +29,7 @@ from decodekit.speculative.trained.train import Settings, batches, draft_vocabul
 from decodekit.speculative.verify import SamplingVerifier
 from tests.test_speculative_sampling import chi_square_passes, marginal
 
-KINDS = ["eagle", "medusa"]
+KINDS = ["eagle", "medusa", "hydra"]
 QUERIES = ["abcabc", "hello world", "xyz xyz", "the cat sat", "qqq rrr", "mnop", "a b c d", "zzz"]
 PROMPTS = [CharTokenizer(96).encode(q) for q in QUERIES[:4]]
 
@@ -44,7 +44,7 @@ def corpus_of(model: LoadedModel, tokens: int = 60, count: int = len(QUERIES)) -
     return Corpus(samples)
 
 
-STEPS = {"eagle": 100, "medusa": 400}  # enough for the acceptance test's margin (about twice it), with room to spare
+STEPS = {"eagle": 100, "medusa": 400, "hydra": 200}  # enough for the acceptance test's margin (about twice it), with room to spare
 
 
 def trained_net(model: LoadedModel, kind: str):
@@ -105,7 +105,7 @@ def test_features_are_the_same_in_a_step_a_tree_and_a_prompt():
 # Training ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind, unroll", [("eagle", 1), ("eagle", 2), ("medusa", 1)])
+@pytest.mark.parametrize("kind, unroll", [("eagle", 1), ("eagle", 2), ("medusa", 1), ("hydra", 1)])
 def test_training_lowers_the_loss(kind, unroll):
     model = tiny()
     settings = Settings(kind, minutes=1, steps=STEPS[kind] // 2, vocab=64, batch_tokens=256, unroll=unroll)
@@ -1554,6 +1554,95 @@ def test_medusa_loss_weighs_head_k_by_the_decay_to_the_k():
     head1 = -sum(log_q[j, targets[0, j + 3]] for j in range(2)) / 2
     with torch.no_grad():
         assert net.loss(features, targets, mask, decay=0.5)[0].item() == pytest.approx((head0 + 0.5 * head1).item(), rel=1e-5)
+
+
+def random_hydra(hidden: int = 4, heads: int = 3, vocab: int = 5, seed: int = 0):
+    """A Hydra net with random (not the initial, feature-only) weights, attached to random head rows."""
+    from decodekit.speculative.trained.networks import HydraConfig, HydraNet
+
+    net = HydraNet(HydraConfig(hidden=hidden, heads=heads), torch.arange(vocab) + 30)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    net.head.attach(torch.randn(vocab, hidden, generator=g))
+    return net.requires_grad_(False), g
+
+
+def test_untrained_hydra_heads_are_the_targets_head_on_the_feature():
+    """Each head starts as the target's head on the feature, whatever tokens follow it."""
+    from decodekit.speculative.trained.networks import HydraConfig, HydraNet
+
+    net = HydraNet(HydraConfig(hidden=4, heads=3), torch.arange(3))
+    rows = torch.randn(3, 4)
+    net.head.attach(rows)
+    feature = torch.randn(4)
+    for k in range(3):
+        inputs = torch.cat([feature, torch.randn((k + 1) * 4)])
+        assert torch.allclose(net(k, inputs), rows @ feature, atol=1e-6), k
+
+
+def test_hydra_loss_is_head_ks_cross_entropy_against_the_target_k_plus_1_positions_on():
+    """Head k at position t reads f_t and the embeddings of tokens t + 1 .. t + k + 1, and is scored
+    against the target's distribution at t + k + 1 (its head on that feature), where t and t + k + 2
+    are scored; the heads' losses add up. Checked position by position."""
+    net, g = random_hydra(heads=2)
+    features, embeds = torch.randn(2, 6, 4, generator=g), torch.randn(2, 6, 4, generator=g)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, :1] = False  # the template: not scored
+    mask[1, 5:] = False  # padding
+    want = 0.0
+    with torch.no_grad():
+        for k in range(2):
+            terms = []
+            for b in range(2):
+                for t in range(6 - k - 2):
+                    if not (mask[b, t] and mask[b, t + k + 2]):
+                        continue
+                    inputs = torch.cat([features[b, t]] + [embeds[b, t + j] for j in range(1, k + 2)])
+                    p = torch.softmax(net.head(features[b, t + k + 1]), -1)
+                    terms.append(-(p * torch.log_softmax(net(k, inputs), -1)).sum())
+            want += sum(terms) / len(terms)
+        got = net.loss(features, embeds, mask)[0]
+    assert got.item() == pytest.approx(float(want), rel=1e-5)
+
+
+@pytest.mark.parametrize("budget", [1, 4, 9, 25])
+def test_hydra_trees_are_the_most_probable_paths_each_head_reading_its_path(budget):
+    """Head d expands a depth-d node from the feature, the root's token and the path's tokens down to
+    it (siblings get children of their own), and the tree is the ``budget`` most probable paths:
+    checked against every path written out, each scored by running the heads along it."""
+    import itertools
+
+    from decodekit.speculative.drafters.hydra import HydraDrafter
+
+    heads, candidates = 3, 2
+    net, g = random_hydra(heads=heads, seed=budget)
+    embeddings = torch.randn(40, 4, generator=g)
+    feature, root = torch.randn(4, generator=g), 7
+    state = argparse.Namespace(tokens=[3, root], backend=argparse.Namespace(token_embeddings=lambda t: embeddings[t]))
+    drafter = HydraDrafter(candidates=candidates)
+    drafter.net = net
+    drafter.last_feature = lambda state: feature
+    tree = drafter.draft(state, budget=budget)
+
+    def top(path: tuple[int, ...]):
+        inputs = torch.cat([feature, embeddings[root]] + [embeddings[t] for t in path])
+        probs = torch.softmax(net(len(path), inputs), -1)
+        best = probs.topk(candidates)
+        return [(int(net.head.vocab[i]), float(p)) for p, i in zip(best.values, best.indices)]
+
+    every = {(): 1.0}  # path of tokens -> its probability
+    with torch.no_grad():
+        for depth in range(heads):
+            for path in [p for p in every if len(p) == depth]:
+                for token, p in top(path):
+                    every[path + (token,)] = every[path] * p
+    del every[()]
+    best = set(sorted(every, key=lambda path: -every[path])[:budget])
+    paths = {tuple(path) for path in tree.paths()}
+    assert paths == best and len(tree) == min(budget, len(every))
+    assert len({tuple(top((a,))) for a, in [p for p in every if len(p) == 1]}) > 1  # siblings' children differ
 
 
 def test_a_damaged_drafter_in_the_cache_falls_back_to_the_shipped_one_with_a_line(drafter_files, monkeypatch,

@@ -8,7 +8,7 @@
   from the JSON-Schema-Test-Suite (draft 2020-12; MIT, ``structured/LICENSE``; schemas only, with
   prompts written here, so not the Test Suite itself) and 10 application schemas written here, built
   by ``scripts/build_structured_corpus.py``.
-* ``drafters/smollm2-135m-{eagle,medusa}.safetensors``: the trained drafters of the embedded model,
+* ``drafters/smollm2-135m-{eagle,medusa,hydra}.safetensors``: the trained drafters of the embedded model,
   made by ``decodekit train-drafter`` from the model's own outputs (``drafters/README.md``).
 """
 

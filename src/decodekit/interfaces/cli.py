@@ -31,7 +31,7 @@ PLUGIN_COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("decodekit.serve.cli", "an OpenAI-compatible server with continuous batching"),
     "bench-serve": ("decodekit.serve.load",
                     "replay Spec-Bench questions against an OpenAI-compatible server at several concurrency levels"),
-    "train-drafter": ("decodekit.speculative.trained.cli", "train an EAGLE or Medusa drafter on the model's own outputs"),
+    "train-drafter": ("decodekit.speculative.trained.cli", "train an EAGLE, Medusa or Hydra drafter on the model's own outputs"),
     "cache": ("decodekit.interfaces.cache_command", "what decodekit keeps on disk, and removing what has gone unused"),
 }
 

@@ -155,7 +155,7 @@ def grow_best_first(
     while heap and len(tree) < budget:
         neg, _, par, depth, token, payload = heapq.heappop(heap)
         node = tree.add(token, par, source)
-        if depth < max_depth:
+        if depth < max_depth and len(tree) < budget:  # a full tree takes no more children: none to list
             for child, rel, child_payload in expand(payload):
                 counter += 1
                 heapq.heappush(heap, (neg * rel, counter, node, depth + 1, child, child_payload))

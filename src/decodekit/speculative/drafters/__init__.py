@@ -40,4 +40,4 @@ def register_drafter(name: str, description: str, *, options: Mapping[str, Optio
 __all__ = ["DRAFTER_SPECS", "Drafter", "DrafterSpec", "register_drafter"]
 
 # Each module registers its drafters on import.
-from . import ngram, suffix, recycling, lookahead, hierarchy, layerskip, draft_model, kvdraft, bandit, medusa, eagle  # noqa: E402,F401
+from . import ngram, suffix, recycling, lookahead, hierarchy, layerskip, draft_model, kvdraft, bandit, medusa, hydra, eagle  # noqa: E402,F401

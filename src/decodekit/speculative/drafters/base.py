@@ -5,7 +5,7 @@
 whose defaults do nothing, so the loop calls them unconditionally. Shared mechanisms:
 :class:`ContextDrafter` (index the growing context one token at a time: pld, suffix),
 :class:`ChainDrafter` (autoregressive chains from a draft model: draft, layerskip),
-:class:`FeatureDrafter` (trained networks on the target's features: eagle, medusa) and
+:class:`FeatureDrafter` (trained networks on the target's features: eagle, medusa, hydra) and
 :class:`CompositeDrafter` (drafters made of drafters: hierarchy, auto).
 """
 
@@ -222,7 +222,7 @@ class FeatureHistory:
 
 
 class FeatureDrafter(Drafter):
-    """What EAGLE and Medusa share: their network, loaded for the target, and the target's features
+    """What EAGLE, Medusa and Hydra share: their network, loaded for the target, and the target's features
     at the committed positions, taken from every pass the loop runs (and, for a prompt whose
     beginning the cache kept from the last request, from its :class:`FeatureHistory`)."""
 

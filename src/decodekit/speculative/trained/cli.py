@@ -1,4 +1,4 @@
-"""``decodekit train-drafter``: self-distil data from the target, train an EAGLE or Medusa drafter,
+"""``decodekit train-drafter``: self-distil data from the target, train an EAGLE, Medusa or Hydra drafter,
 save it beside the model's cache, and evaluate it on held-aside queries."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from ...errors import InvalidParameter
 from ...models.cache import cache_root
 from .data import PROMPTS, check_trainable, load_corpus, save_corpus, self_distil
 from .store import cache_path, save, target_fingerprint
-from .train import Settings, draft_vocabulary, new_net, report, split, train
+from .train import KINDS, Settings, draft_vocabulary, new_net, report, split, train
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kind", required=True, choices=["eagle", "medusa"])
+    parser.add_argument("--kind", required=True, choices=KINDS)
     defaults = Settings("eagle")
     parser.add_argument("--tokens", type=int, default=defaults.tokens, help="self-distilled tokens to generate (made once per model and seed, then reused)")
     parser.add_argument("--prompts", choices=PROMPTS, default=defaults.prompts,

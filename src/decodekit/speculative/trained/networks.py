@@ -1,6 +1,7 @@
-"""The trained drafters' networks: an EAGLE feature drafter and Medusa heads, in plain PyTorch.
+"""The trained drafters' networks: an EAGLE feature drafter, Medusa heads and Hydra heads, in plain
+PyTorch.
 
-Both read the target's *features* (its final norm's output, the output head's input) and score a
+All three read the target's *features* (its final norm's output, the output head's input) and score a
 reduced vocabulary: the ``vocab`` most frequent tokens of the training data, through the target's
 own (frozen) output-head rows for those tokens. Drafting over the whole vocabulary would read the
 whole head (a fifth of a small model's weights) at every draft level; the reduced head is the
@@ -47,6 +48,15 @@ class MedusaConfig:
         check_sizes(self, "hidden", "heads")
 
 
+@dataclass(frozen=True)
+class HydraConfig:
+    hidden: int
+    heads: int  # K: head k predicts the token k + 2 positions after the feature's, from the k + 1 tokens between
+
+    def __post_init__(self) -> None:
+        check_sizes(self, "hidden", "heads")
+
+
 def check_sizes(config: object, *names: str) -> None:
     """A network config's sizes are positive integers (ValueError otherwise: a damaged drafter file's)."""
     for name in names:
@@ -55,7 +65,7 @@ def check_sizes(config: object, *names: str) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def as_dict(config: EagleConfig | MedusaConfig) -> dict:
+def as_dict(config: EagleConfig | MedusaConfig | HydraConfig) -> dict:
     return asdict(config)
 
 
@@ -276,3 +286,72 @@ class MedusaNet(nn.Module):
             with torch.no_grad():
                 top1[f"top1_head{k}"] = float(((head_logits.argmax(-1) == labels) & scored).sum() / scored.sum().clamp(min=1))
         return total, top1
+
+
+class HydraNet(nn.Module):
+    """Hydra heads (Ankner et al., 2024, "Hydra: Sequentially-Dependent Draft Heads for Medusa
+    Decoding"): Medusa's heads, each also reading the tokens of the candidate path before its own.
+    Head k (0-based) reads ``concat(f_t, e(x_{t+1}), ..., e(x_{t+k+1}))``, the target's feature at
+    position t and the embeddings of the k + 1 tokens after it (the first is the target's own next
+    token, the others the path's drafted ones), through Hydra's residual block
+    ``P x + c + SiLU(W x + b)``, and predicts token t + k + 2 through the target's head.
+
+    Choices: one block per head (Hydra's ``hydra_num_layers`` = 1), P and W one matrix (one product a
+    head), no prefix-attention layer (Hydra++'s other change, which makes it EAGLE's network); the heads
+    share the target's frozen output head (its draft-vocabulary rows), as :class:`MedusaNet` does; W and
+    the biases start at zero and P as the projection onto f_t, so that each head starts as the target's
+    head on the feature; trained with Hydra++'s
+    teacher objective (the cross-entropy against the target's own distribution at the predicted
+    position, :meth:`loss`), not against the data's tokens."""
+
+    def __init__(self, config: HydraConfig, vocab: torch.Tensor):
+        super().__init__()
+        self.config = config
+        hidden = config.hidden
+        # head k's rows: P (the residual projection), then W
+        self.blocks = nn.ModuleList(nn.Linear((k + 2) * hidden, 2 * hidden) for k in range(config.heads))
+        with torch.no_grad():
+            for block in self.blocks:
+                block.weight.zero_()
+                block.bias.zero_()
+                block.weight[:hidden, :hidden] = torch.eye(hidden)
+        self.head = ReducedHead(vocab)
+
+    def forward(self, k: int, inputs: torch.Tensor) -> torch.Tensor:
+        """Head ``k``'s draft-vocabulary logits ``[..., N]`` for inputs ``[..., (k + 2) D]`` (the
+        feature, then the k + 1 tokens' embeddings)."""
+        residual, gate = self.blocks[k](inputs).chunk(2, dim=-1)
+        return self.head(residual + F.silu(gate))
+
+    def loss(self, features: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The sum over heads of head k's cross-entropy against the target's distribution over the
+        draft vocabulary at the position it predicts (softmax of the head on f_{t+k+1}), teacher-forced:
+        the path's tokens are the data's. ``features``, ``embeds`` ``[B, L, D]`` (position j holding
+        token j's embedding), ``mask`` ``[B, L]``: position t is scored for head k where t and
+        t + k + 2 both are (padding never is)."""
+        total = features.new_zeros(())
+        top1: dict = {}
+        with torch.no_grad():
+            teacher = torch.softmax(self.head(features), dim=-1)  # the target's next-token distribution
+        for k in range(self.config.heads):
+            shift = k + 2
+            if features.shape[1] <= shift:
+                break
+            span = features.shape[1] - shift
+            inputs = torch.cat([features[:, :span]] + [embeds[:, j : j + span] for j in range(1, shift)], dim=-1)
+            weight = (mask[:, :span] & mask[:, shift:]).float()
+            if not weight.any():  # nothing to score for this head (a mean over nothing is NaN)
+                continue
+            log_q = torch.log_softmax(self(k, inputs), dim=-1)
+            p = teacher[:, shift - 1 : shift - 1 + span]  # f_{t+k+1}'s distribution: token t + k + 2
+            count = weight.sum()
+            total = total + (-(p * log_q).sum(-1) * weight).sum() / count
+            with torch.no_grad():
+                top1[f"top1_head{k}"] = float(((log_q.argmax(-1) == p.argmax(-1)).float() * weight).sum() / count)
+        return total, top1
+
+
+Net = EagleNet | MedusaNet | HydraNet
+#: each drafter kind's network and config, by the name ``--kind`` and ``--method`` use
+NETWORKS: dict[str, tuple[type[Net], type]] = {"eagle": (EagleNet, EagleConfig), "medusa": (MedusaNet, MedusaConfig),
+                                               "hydra": (HydraNet, HydraConfig)}

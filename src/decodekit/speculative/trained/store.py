@@ -6,7 +6,7 @@ the target's weight files' digests (the GGUF file where the model came from one)
 built in memory, of its output head. A drafter whose fingerprint differs from the target's is
 refused in one line: it would still be lossless, but it would draft for another model.
 
-Lookup for ``--method eagle`` / ``medusa``: the ``drafter=`` option's file, else the one
+Lookup for ``--method eagle`` / ``medusa`` / ``hydra``: the ``drafter=`` option's file, else the one
 ``decodekit train-drafter`` saved in ``$DECODEKIT_CACHE/drafters``, else one shipped in the package
 (``decodekit/data/drafters``, the embedded model's). A damaged file in the cache is said so in one
 line and the shipped drafter is used instead, where there is one.
@@ -25,9 +25,8 @@ import torch
 from ...errors import InvalidModel, InvalidParameter
 from ...models.backend import Backend
 from ...models.cache import cache_root, file_digest, save_tensors
-from .networks import EagleConfig, EagleNet, MedusaConfig, MedusaNet, on_kernels
+from .networks import NETWORKS, Net, on_kernels
 
-KINDS = {"eagle": (EagleNet, EagleConfig), "medusa": (MedusaNet, MedusaConfig)}
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "drafters"  # decodekit/data/drafters
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what a drafter's weights may be stored in
 
@@ -52,7 +51,7 @@ def cache_path(backend: Backend, kind: str) -> Path:
     return cache_root() / "drafters" / f"{target_fingerprint(backend)}-{kind}.safetensors"
 
 
-def save(net: EagleNet | MedusaNet, kind: str, backend: Backend, path: Path, trained: dict[str, Any]) -> Path:
+def save(net: Net, kind: str, backend: Backend, path: Path, trained: dict[str, Any]) -> Path:
     """Write ``net`` (float16, without the target's head rows) with its metadata to ``path``."""
     state = {name: (t.half() if t.is_floating_point() else t).contiguous() for name, t in net.state_dict().items()}
     meta = {"kind": kind, "config": json.dumps(net.config.__dict__), "target": target_fingerprint(backend),
@@ -89,7 +88,7 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise InvalidParameter(f"drafter file {path} not found") from None
     except Exception as err:  # safetensors raises several types for a damaged header or body
         raise InvalidModel.because(path, "cannot be read as a drafter file", err) from err
-    if meta.get("kind") not in KINDS or "config" not in meta or "target" not in meta:
+    if meta.get("kind") not in NETWORKS or "config" not in meta or "target" not in meta:
         raise InvalidModel(f"{path}: not a decodekit drafter (its metadata has no kind, config and target)")
     if meta.get("digest") != tensors_digest(tensors):
         raise InvalidModel(f"{path}: damaged (its weights do not match the digest it was saved with)")
@@ -107,7 +106,7 @@ def _target_of(path: Path) -> str | None:
         return None
 
 
-def build(path: Path, kind: str, backend: Backend) -> EagleNet | MedusaNet:
+def build(path: Path, kind: str, backend: Backend) -> Net:
     """The drafter in ``path``, checked against ``kind`` and the target, attached to its head rows."""
     tensors, meta = read(path)
     if meta["kind"] != kind:
@@ -123,7 +122,7 @@ def build(path: Path, kind: str, backend: Backend) -> EagleNet | MedusaNet:
                                f"bfloat16 or float32 values)")
         if not floating and t.is_floating_point():
             raise InvalidModel(f"{path}: does not hold a valid {kind} drafter (its head.vocab is not a list of token ids)")
-    net_class, config_class = KINDS[kind]
+    net_class, config_class = NETWORKS[kind]
     try:
         config = config_class(**json.loads(meta["config"]))
         net = net_class(config, tensors["head.vocab"])
@@ -151,11 +150,11 @@ def shipped(backend: Backend, kind: str) -> Path | None:
     return None
 
 
-def load(backend: Backend, kind: str, given: str | Path | None = None) -> EagleNet | MedusaNet:
+def load(backend: Backend, kind: str, given: str | Path | None = None) -> Net:
     """The target's drafter of ``kind`` (see the module docstring), loaded once per model (kept in
     the backend's memory), or one line saying how to make one. A damaged drafter in the cache is
     said so in one line and the shipped one is used, where there is one."""
-    def built(path: Path) -> EagleNet | MedusaNet:
+    def built(path: Path) -> Net:
         # one entry per file however it is spelt, and a few files at most (requests may name others)
         return backend.memory(("drafter.net", kind, str(path.resolve())), lambda: build(path, kind, backend), keep=4)
 

@@ -22,12 +22,14 @@ import torch
 from ...errors import InvalidParameter
 from ...models.backend import Backend
 from .data import Corpus, Sample, check_prompts
-from .networks import EagleConfig, EagleNet, MedusaConfig, MedusaNet
+from .networks import NETWORKS, EagleConfig, EagleNet, HydraConfig, HydraNet, MedusaConfig, MedusaNet, Net
+
+KINDS = tuple(NETWORKS)
 
 
 @dataclass
 class Settings:
-    kind: str  # eagle | medusa
+    kind: str  # eagle | medusa | hydra
     tokens: int = 360_000  # self-distilled tokens to generate
     prompts: str = "magpie"  # magpie | tasks (see .data)
     minutes: float = 15.0  # training time (after the data)
@@ -37,17 +39,18 @@ class Settings:
     max_len: int = 512
     lr: float = 2e-3
     medusa_heads: int = 4
+    hydra_heads: int = 3  # each reads one more embedding than the last: a fourth would add half again to the file
     unroll: int = 1  # EAGLE: steps trained on its own predicted features (1: the original EAGLE loss)
     held_out: int = 8  # conversations kept aside for the evaluation
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("eagle", "medusa"):
-            raise InvalidParameter(f"--kind must be eagle or medusa, got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise InvalidParameter(f"--kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         check_prompts(self.prompts)
         if self.steps is not None and self.steps < 1:
             raise InvalidParameter("--steps must be at least 1")
-        for name in ("tokens", "vocab", "batch_tokens", "max_len", "medusa_heads", "unroll", "held_out"):
+        for name in ("tokens", "vocab", "batch_tokens", "max_len", "medusa_heads", "hydra_heads", "unroll", "held_out"):
             if getattr(self, name) < 1:
                 flag = "eval-queries" if name == "held_out" else name.replace("_", "-")
                 raise InvalidParameter(f"--{flag} must be at least 1, got {getattr(self, name)}")
@@ -57,13 +60,13 @@ class Settings:
             raise InvalidParameter("--minutes must be positive")
         if math.isinf(self.minutes) and self.steps is None:
             raise InvalidParameter("--minutes inf needs --steps: training would never end")
-        if self.kind == "medusa" and self.unroll != 1:
-            raise InvalidParameter("--unroll applies to --kind eagle (Medusa's heads read no features of their own)")
+        if self.kind != "eagle" and self.unroll != 1:
+            raise InvalidParameter(f"--unroll applies to --kind eagle ({self.kind}'s heads read no features of their own)")
 
 
 @dataclass
 class Outcome:
-    net: EagleNet | MedusaNet
+    net: Net
     steps: int = 0
     seconds: float = 0.0
     tokens_seen: int = 0
@@ -86,16 +89,18 @@ def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int) -> torch
     return torch.tensor(sorted(ranked[:size]))
 
 
-def new_net(kind: str, backend: Backend, vocab: torch.Tensor, settings: Settings) -> EagleNet | MedusaNet:
+def new_net(kind: str, backend: Backend, vocab: torch.Tensor, settings: Settings) -> Net:
     """A freshly initialised drafter for ``backend``, attached to its head rows."""
     hidden = backend.info.hidden_size
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)  # the seed's initial weights, whatever ran before
         if kind == "eagle":
             head_dim = 64 if hidden % 64 == 0 else hidden // max(1, hidden // 64)
-            net: EagleNet | MedusaNet = EagleNet(EagleConfig(hidden, hidden // head_dim, head_dim, 2 * hidden), vocab)
-        else:
+            net: Net = EagleNet(EagleConfig(hidden, hidden // head_dim, head_dim, 2 * hidden), vocab)
+        elif kind == "medusa":
             net = MedusaNet(MedusaConfig(hidden, settings.medusa_heads), vocab)
+        else:
+            net = HydraNet(HydraConfig(hidden, settings.hydra_heads), vocab)
     net.head.attach(backend.head_rows(vocab))
     return net
 
@@ -136,22 +141,24 @@ def padded(group: list[Sample], backend: Backend, max_len: int) -> tuple[torch.T
     return features, embeds, tokens, mask
 
 
-def vocab_index(net: EagleNet | MedusaNet, vocab_size: int) -> torch.Tensor:
+def vocab_index(net: Net, vocab_size: int) -> torch.Tensor:
     """Token id -> draft-vocabulary index (-1: outside the draft vocabulary)."""
     index = torch.full((vocab_size,), -1, dtype=torch.long)
     index[net.head.vocab] = torch.arange(len(net.head.vocab))
     return index
 
 
-def batch_loss(net: EagleNet | MedusaNet, batch: tuple[torch.Tensor, ...], index: torch.Tensor,
+def batch_loss(net: Net, batch: tuple[torch.Tensor, ...], index: torch.Tensor,
                unroll: int = 1) -> tuple[torch.Tensor, dict]:
     features, embeds, tokens, mask = batch
     if isinstance(net, EagleNet):
         return net.loss(features, embeds, mask, unroll=unroll)
+    if isinstance(net, HydraNet):
+        return net.loss(features, embeds, mask)
     return net.loss(features, index[tokens], mask)
 
 
-def train(net: EagleNet | MedusaNet, samples: list[Sample], backend: Backend, settings: Settings,
+def train(net: Net, samples: list[Sample], backend: Backend, settings: Settings,
           progress: Callable[[int, float, dict], None] | None = None) -> Outcome:
     """Train ``net`` on ``samples`` for ``settings.minutes``, or ``settings.steps`` optimiser steps if
     they come first; returns what happened. The learning rate decays over whichever of the two is
@@ -196,7 +203,7 @@ def train(net: EagleNet | MedusaNet, samples: list[Sample], backend: Backend, se
     return outcome
 
 
-def mean_loss(net: EagleNet | MedusaNet, samples: list[Sample], backend: Backend, settings: Settings) -> float:
+def mean_loss(net: Net, samples: list[Sample], backend: Backend, settings: Settings) -> float:
     """The loss over ``samples`` (no training): what a test compares before and after."""
     index = vocab_index(net, backend.info.vocab_size)
     with torch.no_grad():
