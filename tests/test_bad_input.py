@@ -85,12 +85,12 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["generate", "hi", "--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
     (["generate", "hi", "--method", "pld", "--temperature", "nan"], "temperature must be a finite number >= 0"),
     (["generate", "hi", "--method", "beam", "--temperature", "-1"], "temperature must be a finite number >= 0"),
-    (["generate", "hi", "--top-k", "abc"], "argument --top-k: invalid int value: 'abc'"),
+    (["generate", "hi", "--top-k", "abc"], "argument --top-k: invalid int value: 'abc' (see decodekit generate --help)"),
     (["generate", "hi", "--method", "layerskip", "--opt", "adapt=maybe"], "adapt must be true or false"),
     (["generate", "hi", "--method", "pld", "--opt", "max_ngramz=2"], "has no option 'max_ngramz'"),
     (["generate", "caf\udce9"], r"argument b'caf\xe9' is not valid UTF-8"),
     (["chat", "--stop", "\udcff"], "is not valid UTF-8"),
-    (["chat", "--raw"], "unrecognized arguments: --raw"),  # a chat is its template
+    (["chat", "--raw"], "unrecognized arguments: --raw (see decodekit --help)"),  # a chat is its template
     (["eval", "capitals", "--temperature", "0.5"], "method 'greedy' never samples"),
     (["nonsense"], "invalid choice: 'nonsense'"),
     (["generate", "hi", "--kv-cache", "sink:4"], "kv cache 'sink:4': window is missing"),

@@ -1299,6 +1299,50 @@ def test_the_cache_command_lists_prunes_and_refuses_bad_days(tmp_path, monkeypat
     assert made["library"].exists()
 
 
+def test_the_cache_command_lists_the_largest_first_each_with_its_size_last_use_and_state(tmp_path, monkeypatch, capsys):
+    """One line per top-level folder or file, the largest first: its size in decimal units (1000 B
+    is 1.0 KB; past 1000 GB still GB), its members' most recent use, and an unfinished build only
+    where every member is one. ``--prune`` says what it removed, in words, and what it left; the
+    JSON gives each item's days unused and what was left in use."""
+    from decodekit.models import cache as cache_module
+    from decodekit.models.cache import cached_file
+
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    made = make_entries(tmp_path)
+    made["drafter"].write_bytes(bytes(1000))
+    older = cached_file(tmp_path / "kernels" / "attention-0000.so", lambda tmp: tmp.write_bytes(bytes(300)))
+    age(made["library"], 2)
+    age(older, 30)
+    age(made["folder"], 10)
+    with Entry(tmp_path / "kernels" / "sampling-1.so", folder=False).locked():
+        pass  # the lock a builder makes before it writes; it crashed with its temporary left
+    crashed = tmp_path / "kernels" / ".sampling-1.so.x7k2.tmp"
+    crashed.write_bytes(bytes(10))
+    age(crashed, 3)
+    model = tmp_path / "models" / "huge.gguf"
+    model.parent.mkdir()
+    with open(model, "wb") as handle:
+        handle.truncate(2_500_000_000_000)  # sparse: its size, not its blocks
+    assert main(["cache"]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    names = [line.split()[-1] if "(" not in line else line.split("(")[0].split()[-1] for line in lines]
+    assert names == ["models/", "model-abc/", "drafters/", "kernels/"]  # the largest first
+    assert lines[0].split()[:2] == ["2500.0", "GB"]
+    assert lines[2].split()[:2] == ["1.0", "KB"] and " today " in lines[2]
+    assert " 2 days ago " in lines[3] and lines[3].endswith("kernels/ (3 items)")  # not all unfinished
+    assert " 10 days ago " in lines[1]
+
+    monkeypatch.setattr(cache_module, "_remove", lambda path: None)  # a read-only cache: nothing goes
+    assert main(["cache", "--prune=-0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("removed 0 items not used for 0 days: 0 B; 4 items in use by another process, or not removable, left\n")
+    assert main(["cache", "--prune", "5", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["removed"] == [] and report["left_in_use"] == 2
+    unused = {item["path"]: item["days_unused"] for item in report["items"]}
+    assert unused["model-abc"] == pytest.approx(10, abs=0.01) and unused["kernels/attention-0000.so"] == pytest.approx(30, abs=0.01)
+
+
 def test_pruning_a_cache_pointed_at_a_users_folder_removes_only_what_decodekit_wrote(tmp_path):
     """A cache variable pointed at a folder of the user's own (the home folder): a web app's
     ``manifest.json``, a file with a ``.manifest.json`` beside it that decodekit did not write, a

@@ -568,6 +568,7 @@ def test_the_report_states_per_item_figures_and_each_signals_direction():
 
     text = markdown({**REPORT_BASE, "auroc": {"phi_first": 0.8, "agreement": 0.6, "pc": None}})
     assert "tokens spent by the method: 100 (10.0 per item)" in text and "(0.10 s per item)" in text
+    assert "- accuracy: **0.200** (2/10), 95% Wilson CI [0.057, 0.510]" in text  # correct of the items
     assert "| phi_first | lower = confident | 0.800 |" in text
     assert "| agreement | higher = confident | 0.600 |" in text and "| pc | higher = confident | n/a |" in text
 
@@ -578,6 +579,30 @@ def test_an_answer_with_a_pipe_keeps_the_items_table_in_four_columns():
     record = {"id": "0", "gold": "4", "answer": "4 | 5", "correct": False}
     rows = [line for line in markdown({**REPORT_BASE, "records": [record]}).splitlines() if line.startswith("| 0 |")]
     assert rows == ["| 0 | 4 | 4 \\| 5 | no |"]
+
+
+def test_a_long_answer_is_cut_to_60_characters_in_the_items_table():
+    from decodekit.eval.report import markdown
+
+    record = {"id": "0", "gold": "4", "answer": "7" * 59 + "89", "correct": False}
+    rows = [line for line in markdown({**REPORT_BASE, "records": [record]}).splitlines() if line.startswith("| 0 |")]
+    assert rows == [f"| 0 | 4 | {'7' * 59 + '8'} | no |"]
+
+
+def test_a_ray_runs_report_names_each_worker_and_the_lost_ones():
+    from decodekit.eval.report import markdown
+
+    machines = [{"host": "a", "pid": 1, "units": 7, "lost": False}, {"host": "b", "pid": 2, "units": 3, "lost": True}]
+    assert "- Ray workers: a pid 1, 7 items; b pid 2, 3 items (lost)\n" in markdown({**REPORT_BASE, "machines": machines})
+    assert "Ray workers" not in markdown(REPORT_BASE)
+
+
+def test_a_report_without_items_has_no_plot(tmp_path):
+    """Nothing was evaluated (an empty data file's run): the report and results, no empty plot."""
+    from decodekit.eval.report import write_report
+
+    paths = write_report({**REPORT_BASE, "records": []}, tmp_path / "out", {"command": "decodekit eval"})
+    assert sorted(p.name for p in paths) == sorted(p.name for p in (tmp_path / "out").iterdir()) == ["report.md", "results.json"]
 
 
 def test_the_reliability_plot_orients_each_signal_as_its_auroc_does():

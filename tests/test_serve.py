@@ -1991,16 +1991,18 @@ def test_an_unforeseen_exception_is_a_counted_500_naming_its_type(served, monkey
     assert server_errors(served) - before == 1
 
 
-def test_a_servers_fault_found_while_decoding_is_a_500_with_no_retry_after(served, monkeypatch):
-    """A damaged model found while decoding is a 500 server_error; Retry-After is for a 503 only
-    (loading or full: come back later), not for a fault a retry would meet again."""
+@pytest.mark.parametrize("fault", ["InvalidModel", "CacheError", "ModelNotFound", "ClusterError"])
+def test_a_servers_fault_found_while_decoding_is_a_500_with_no_retry_after(served, monkeypatch, fault):
+    """A damaged model (or cache, or a model file gone, or a cluster lost) found while decoding is a
+    500 server_error, not the request's 400; Retry-After is for a 503 only (loading or full: come back
+    later), not for a fault a retry would meet again."""
     from concurrent.futures import Future
 
-    from decodekit.errors import InvalidModel
+    from decodekit import errors
 
     def damaged(jobs):
         failed: Future = Future()
-        failed.set_exception(InvalidModel("the weights are damaged"))
+        failed.set_exception(getattr(errors, fault)("the weights are damaged"))
         return [failed for _ in jobs]
 
     monkeypatch.setattr(served.server.scheduler, "submit", damaged)

@@ -4,12 +4,15 @@ files, and the lossless promise (greedy token identity, keyed-sampling identity,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
 import re
+import shutil
 import warnings
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +28,7 @@ from decodekit.speculative.loop import SpeculativeMethod
 from decodekit.speculative.trained import data as data_module
 from decodekit.speculative.trained import store
 from decodekit.speculative.trained.data import Corpus, Exclusion, answer, check_excluded, self_distil
+from decodekit.speculative.trained.networks import EagleNet, MedusaNet
 from decodekit.speculative.trained.train import Settings, batches, draft_vocabulary, mean_loss, new_net, report, split, train
 from decodekit.speculative.verify import SamplingVerifier
 from tests.test_speculative_sampling import chi_square_passes, marginal
@@ -183,14 +187,75 @@ def test_training_records_its_first_and_last_loss_and_the_scored_tokens_seen():
     assert outcome.tokens_seen == 3 * ((12 - 4) + (8 - 2))  # both samples in one batch, every step
 
 
+def learning_rates(monkeypatch, settings: Settings, clock=None) -> tuple[list[float], object]:
+    """The learning rate of each optimiser step of a short Medusa training (and its outcome);
+    ``clock``: what ``time.perf_counter`` reads in the training, where a test sets the time."""
+    from decodekit.speculative.trained import train as train_module
+
+    rates: list[float] = []
+
+    class Recording(torch.optim.AdamW):
+        def step(self, *args, **kwargs):
+            rates.append(self.param_groups[0]["lr"])
+            return super().step(*args, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", Recording)
+    if clock is not None:
+        monkeypatch.setattr(train_module, "time", SimpleNamespace(perf_counter=clock))
+    model = tiny()
+    samples = [data_module.Sample(list(range(1, 9)), 2, torch.zeros(8, 64))]
+    net = new_net("medusa", model.backend, draft_vocabulary(samples, settings.vocab, 96), settings)
+    return rates, train(net, samples, model.backend, settings)
+
+
+def test_the_learning_rate_warms_up_over_20_steps_then_decays_as_a_cosine_over_the_steps_to_a_floor(monkeypatch):
+    """From lr / 20 up to about lr over the first 20 steps, then a cosine over the steps asked for
+    (half of lr halfway), never below lr / 50; the clock has no part in it when steps are given."""
+    lr = 1e-3
+    rates, outcome = learning_rates(monkeypatch, Settings("medusa", minutes=1, steps=100, vocab=16, lr=lr))
+    assert outcome.steps == len(rates) == 100
+    assert rates[0] == pytest.approx(lr / 20)
+    assert all(a < b for a, b in zip(rates[:20], rates[1:20]))  # the warm-up
+    assert all(a >= b for a, b in zip(rates[19:], rates[20:]))  # the decay
+    assert rates[50] == pytest.approx(lr / 2)
+    assert min(rates) == pytest.approx(lr / 50) and rates[-1] == pytest.approx(lr / 50)
+
+
+def test_a_training_without_steps_stops_at_its_minutes_and_decays_over_them(monkeypatch):
+    """No ``steps``: the budget is ``minutes`` of the clock, and the schedule runs over it."""
+    now = iter(range(0, 10_000, 10))  # every reading of the clock 10 seconds after the last
+    lr = 1e-3
+    rates, outcome = learning_rates(monkeypatch, Settings("medusa", minutes=1, vocab=16, lr=lr), lambda: next(now))
+    assert outcome.steps == len(rates) == 5  # at 10, 20, ..., 50 s of the 60; none at 60
+    assert outcome.seconds == 70  # the reading after the stop
+    # the warm-up's factor (k + 1) / 20 times the cosine at 10 (k + 1) of the 60 seconds, above the floor
+    expected = [max(lr * (k + 1) / 20 * 0.5 * (1 + math.cos(math.pi * (k + 1) / 6)), lr / 50) for k in range(5)]
+    assert rates == pytest.approx(expected)
+
+
+def test_medusa_never_scores_a_token_outside_the_draft_vocabulary():
+    """A label outside the draft vocabulary is not a draft target: a sample whose scored tokens all
+    lie outside it has nothing to score (loss 0), whatever the draft index its id might be mistaken for."""
+    model = tiny()
+    settings = Settings("medusa", vocab=4)
+    net = new_net("medusa", model.backend, torch.tensor([1, 2, 3, 4]), settings)
+    outside = data_module.Sample([1, 2, 50, 60, 70, 80, 90], 2, torch.randn(7, 64))
+    inside = data_module.Sample([1, 2, 3, 4, 1, 2, 3], 2, torch.randn(7, 64))
+    assert mean_loss(net, [outside], model.backend, settings) == 0
+    assert mean_loss(net, [inside], model.backend, settings) > 0
+
+
 @pytest.mark.parametrize("change, message", [
     ({"minutes": 0}, "--minutes must be positive"),
     ({"minutes": float("nan")}, "--minutes must be positive"),
     ({"seed": -1}, "--seed must be >= 0, got -1"),
+    ({"kind": "lookahead"}, "--kind must be one of eagle, medusa, hydra, got 'lookahead'"),
+    ({"kind": "medusa", "unroll": 2}, "--unroll applies to --kind eagle"),
+    ({"kind": "hydra", "unroll": 2}, "--unroll applies to --kind eagle"),
 ])
 def test_training_settings_out_of_range_are_one_line(change, message):
     with pytest.raises(InvalidParameter, match=re.escape(message)):
-        Settings("eagle", **change)
+        Settings(**{"kind": "eagle", **change})
 
 
 def test_held_aside_conversations_are_not_trained_on():
@@ -198,6 +263,8 @@ def test_held_aside_conversations_are_not_trained_on():
     training, held = split(corpus, 2)
     assert [s.query for s in held] == ["q3", "q4"] and len(training) == 3
     assert len(split(corpus, 10)[0]) == 1  # always something to train on
+    alone = Corpus(corpus.samples[:1])
+    assert split(alone, 8) == (alone.samples, [])  # even when that leaves nothing aside
 
 
 # The benchmark questions never reach the training data ------------------------------------------------------
@@ -553,7 +620,8 @@ def test_a_saved_corpus_loads_as_it_was_and_a_damaged_or_half_written_one_is_mad
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_drafter_for_another_model_is_refused(drafter_files, kind):
     other = tiny(seed=1)
-    with pytest.raises(InvalidParameter, match="trained for another model"):
+    other.backend.info = dataclasses.replace(other.backend.info, name="other-llama")
+    with pytest.raises(InvalidParameter, match=r"trained for another model \(tiny-llama\), not other-llama"):
         store.load(other.backend, kind, drafter_files[kind, "exact"])
     assert store.load(tiny().backend, kind, drafter_files[kind, "exact"]) is not None
 
@@ -1452,6 +1520,28 @@ def test_a_drafter_file_may_be_given_as_a_path(drafter_files):
     path = drafter_files["eagle", "exact"]
     given = engine.generate("hello", method="eagle", drafter=path, max_new_tokens=8, chat=False)
     assert given.tokens == engine.generate("hello", method="eagle", drafter=str(path), max_new_tokens=8, chat=False).tokens
+
+
+def test_a_drafter_file_is_loaded_once_however_its_path_is_spelt(drafter_files, monkeypatch):
+    backend = tiny().backend
+    path = drafter_files["eagle", "exact"]
+    net = store.load(backend, "eagle", path)
+    monkeypatch.chdir(path.parent)
+    assert store.load(backend, "eagle", path.name) is net
+    assert store.load(backend, "eagle", path.parent / "." / path.name) is net
+
+
+def test_the_cache_keeps_a_drafter_of_each_kind_for_a_target(drafter_files, monkeypatch, tmp_path):
+    """``train-drafter --kind eagle`` and ``--kind medusa`` for one model: both files stay, each
+    found by its own method."""
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    backend = tiny().backend
+    paths = {kind: store.cache_path(backend, kind) for kind in KINDS}
+    for kind in KINDS:
+        paths[kind].parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(drafter_files[kind, "exact"], paths[kind])
+    assert isinstance(store.load(backend, "eagle"), EagleNet)
+    assert isinstance(store.load(backend, "medusa"), MedusaNet)
 
 
 def test_medusa_loss_is_the_same_with_a_samples_padding():
