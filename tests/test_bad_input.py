@@ -362,6 +362,15 @@ def test_an_output_that_cannot_be_written_is_one_line(capsys, monkeypatch):
     assert capsys.readouterr().err == "decodekit: error: No space left on device\n"
 
 
+def test_a_closed_standard_output_is_one_line_before_the_model_loads(capsys, no_model, monkeypatch):
+    """``decodekit generate hi >&-``: Python starts with no sys.stdout, where every print is dropped
+    without a word; the answer would be lost, so it is refused (status 1), not computed for nobody."""
+    monkeypatch.setattr(sys, "stdout", None)
+    for argv in (["generate", "hi"], ["methods"]):
+        assert cli.main(argv) == 1
+        assert capsys.readouterr().err == "decodekit: error: standard output is closed\n"
+
+
 def test_a_file_error_names_the_file(capsys, monkeypatch):
     """An OSError reading a file (permission denied) is one line naming the file, status 1."""
     import errno
@@ -384,6 +393,13 @@ def test_no_prompt_and_a_terminal_on_standard_input_is_refused(capsys, no_model,
 
     monkeypatch.setattr(sys, "stdin", Terminal("never read\n"))
     one_error_line(capsys, ["generate"], "no prompt: give one as an argument or on standard input")
+
+
+def test_a_closed_standard_input_is_one_line_before_the_model_loads(capsys, no_model, monkeypatch):
+    """``decodekit generate <&-`` or ``decodekit chat <&-``: Python starts with no sys.stdin."""
+    monkeypatch.setattr(sys, "stdin", None)
+    one_error_line(capsys, ["generate"], "no prompt: give one as an argument or on standard input")
+    one_error_line(capsys, ["chat"], "standard input is closed: chat reads its messages there")
 
 
 def test_a_schema_file_that_is_not_utf8_is_one_line(capsys, no_model, tmp_path):

@@ -134,6 +134,8 @@ def test_a_question_file_may_be_named_from_home_and_a_folder_is_not_one(tmp_path
     assert len(load_questions("~/q.jsonl")) == len(CATEGORIES)
     with pytest.raises(InvalidParameter, match="not found"):
         resolve_question_file(tmp_path)
+    with pytest.raises(InvalidParameter, match="not found"):  # ~user of no user: a path, not a RuntimeError
+        resolve_question_file("~no-such-user-of-decodekit/q.jsonl")
 
 
 @pytest.mark.parametrize("limit", [0, -1])
@@ -673,7 +675,8 @@ def test_compare_prints_changes(executed, tmp_path: Path, capsys):
     for flag in (("--methods", "nope"), ("--limit", "-5"), ("--quick",)):  # it runs nothing: never ignored
         with pytest.raises(InvalidParameter, match=f"^--compare reads two results files and runs nothing; {flag[0]} "):
             bench_cli.run(parse("--compare", str(out / "results.json"), str(path_b), *flag))
-    for damage in ({"records": "x"}, {"summary": {}}):  # a damaged or edited file: one line, not a KeyError
+    # a damaged or edited file: one line, not a KeyError (or a TypeError on categories that are no list)
+    for damage in ({"records": "x"}, {"summary": {}}, {"summary": {**b["summary"], "categories": 5}}):
         (tmp_path / "bad.json").write_text(json.dumps({**b, **damage}))
         with pytest.raises(InvalidParameter, match=r"bad\.json: results\.json does not follow"):
             bench_cli.run(parse("--compare", str(out / "results.json"), str(tmp_path / "bad.json")))

@@ -22,7 +22,7 @@ import pytest
 
 import torch
 
-from decodekit.errors import InvalidModel
+from decodekit.errors import InvalidModel, ModelNotFound
 from decodekit.interfaces.cli import main
 from decodekit.models import kernels, load_model
 from decodekit.models.cache import Entry, cached_folder, read_json, read_manifest, update_json
@@ -646,6 +646,9 @@ def test_a_cache_variable_starting_with_a_tilde_is_under_the_home_folder(tmp_pat
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("DECODEKIT_CACHE", "~/decodekit-cache")
     assert cache_root() == tmp_path / "decodekit-cache"
+    # ~user of no user is left as it is, as a shell leaves it (pathlib's expanduser raises RuntimeError)
+    monkeypatch.setenv("DECODEKIT_CACHE", "~no-such-user-of-decodekit/cache")
+    assert cache_root() == Path("~no-such-user-of-decodekit/cache")
 
 
 def test_a_model_folder_with_damaged_weights_is_one_clear_error(tmp_path):
@@ -1039,6 +1042,10 @@ def test_a_model_path_starting_with_a_tilde_is_under_the_home_folder(tmp_path, m
     assert loading.resolve_model("~/m.gguf") == (tmp_path / "m", tmp_path / "m.gguf")
     assert loading.resolve_model("~/hf") == (tmp_path / "hf", None)
     assert loading.model_gguf("~/m.gguf") == tmp_path / "m.gguf"
+    # ~user of no user is a path of its own, not found (not a RuntimeError from pathlib's expanduser)
+    with pytest.raises(ModelNotFound, match="model '~no-such-user-of-decodekit/m.gguf' not found"):
+        loading.resolve_model("~no-such-user-of-decodekit/m.gguf")
+    assert loading.model_gguf("~no-such-user-of-decodekit/m.gguf") is None
 
 
 def test_a_cached_folder_whose_name_collides_with_another_files_is_rebuilt_from_its_own(tmp_path, monkeypatch, capsys):

@@ -572,7 +572,11 @@ def test_bad_constraints_are_one_clear_line(engine):
     for spec, match in (({"regex": "[0-9"}, "^invalid regex constraint"), ({"json_schema": '{"type": 5}'}, "^invalid json schema"),
                         ({"json_schema": "{not json"}, "^the JSON schema is not valid JSON"), ({"choice": []}, "non-empty list"),
                         ({"grammar": "start: foo"}, "^invalid grammar constraint"), ({"xml": "x"}, "constraint kind must be"),
-                        ({"regex": r"[^\s\S]"}, "^invalid regex constraint: no text can continue")):  # matches nothing
+                        ({"regex": r"[^\s\S]"}, "^invalid regex constraint: no text can continue"),  # matches nothing
+                        # a lone surrogate (undecodable bytes, a JSON "\ud800") is no text llguidance can take
+                        ({"regex": "a\ud800"}, "^a regex constraint is not valid UTF-8 text .*position 1"),
+                        ({"choice": ["a", "\udcff"]}, "^a choice constraint is not valid UTF-8"),
+                        ({"grammar": 'start: "\ud800"'}, "^a grammar constraint is not valid UTF-8")):
         with pytest.raises(InvalidParameter, match=match) as err:
             engine.generate("hi", max_new_tokens=4, chat=False, constraint=spec)
         assert "\n" not in str(err.value)

@@ -317,6 +317,21 @@ def test_values_no_request_should_send_are_400s_never_500s(served):
     assert server_errors(served) == before
     assert served.get("/health")[0] == 200
 
+
+def test_lone_surrogates_in_a_constraint_or_a_field_name_are_400s_never_500s(served):
+    """JSON may spell a lone surrogate ("\\ud800"), which UTF-8 cannot encode: in a constraint it is
+    refused as the request's fault, and an error naming it (an unknown field called so) is still answered."""
+    before = server_errors(served)
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    for extra, param in (({"guided_regex": "a\ud800"}, "guided_regex"), ({"guided_choice": ["a", "\udcff"]}, "guided_choice"),
+                         ({"guided_grammar": 'start: "\ud800"'}, "guided_grammar"), ({"x\ud800": 1}, "x\\ud800")):
+        status, text = post(served, "/v1/chat/completions", {**base, **extra})
+        error = json.loads(text)["error"]
+        assert status == 400 and error["type"] == "invalid_request_error" and error["param"] == param, (extra, text)
+    assert "not valid UTF-8" in json.loads(post(served, "/v1/chat/completions", {**base, "guided_regex": "\ud800"})[1])["error"]["message"]
+    assert server_errors(served) == before
+
+
 def test_health_models_and_metrics(served):
     status, body, _ = served.get("/health")
     assert status == 200 and json.loads(body) == {"status": "ok"}
@@ -668,6 +683,9 @@ def test_serve_command_refuses_a_taken_port_and_a_missing_model_in_one_line(caps
     (["serve", "--max-queue", "0"], "--max-queue must be >= 1, got 0"),
     (["serve", "--stream-interval-ms", "1001"], "--stream-interval-ms must be between 0 and 1000, got 1001"),
     (["serve", "--stream-interval-ms", "nan"], "--stream-interval-ms must be between 0 and 1000, got nan"),
+    # an origin no browser sends would leave the flag without effect, unsaid
+    (["serve", "--allowed-origins", "https://a.example,localhost:3000"], "'localhost:3000' is not a web origin"),
+    (["serve", "--allowed-origins", "http://localhost:3000/"], "'http://localhost:3000/' is not a web origin"),
 ])
 def test_serve_command_refuses_bad_limits_before_it_looks_for_the_model(argv, message, capsys, monkeypatch):
     """Each limit is checked first, in one line (exit code 2): a queue of 0 or an interval past a second

@@ -14,6 +14,12 @@ from .errors import InvalidParameter
 from .options import check_int
 
 
+def user_path(spec: str | os.PathLike) -> Path:
+    """A path the user gave, a leading ``~`` or ``~user`` read as that home folder; ``~nouser/x`` stays
+    as it is, as a shell leaves it (pathlib's ``expanduser`` raises RuntimeError on it)."""
+    return Path(os.path.expanduser(spec))
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors raise InvalidParameter, so that they reach the user as the same
     one line (``decodekit: error: ...``, exit code 2) as every other bad input."""

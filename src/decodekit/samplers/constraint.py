@@ -100,6 +100,12 @@ class Constraint:
                                    f"json_schema, got {self.value!r:.80}")
         if self.kind in ("regex", "grammar") and (not isinstance(self.value, str) or not self.value):
             raise InvalidParameter(f"a {self.kind} constraint needs a non-empty string, got {self.value!r}")
+        for text in self.value if self.kind == "choice" else [self.value] if isinstance(self.value, str) else []:
+            try:  # a lone surrogate (from undecodable bytes, or a JSON "\\ud800") reaches llguidance as no text
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise InvalidParameter(f"a {self.kind.replace('_', ' ')} constraint is not valid UTF-8 text "
+                                       f"(undecodable character at position {err.start} of {text!r:.80})") from None
 
     def grammar(self) -> str:
         """The llguidance grammar of this constraint (InvalidParameter for a schema that is not JSON)."""

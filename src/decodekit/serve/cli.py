@@ -94,6 +94,20 @@ def shut_down_on_signals(web) -> None:
             signal.signal(number, shut_down)
 
 
+def allowed_origins(text: str) -> list[str]:
+    """The comma-separated origins of ``--allowed-origins``. Each is ``*`` or ``scheme://host[:port]``,
+    as a browser's Origin header spells it: one with a path (a trailing slash too) or without a scheme
+    would never match a page, leaving the flag silently without effect, so it is refused."""
+    import re
+
+    origins = [o.strip() for o in text.split(",") if o.strip()]
+    for origin in origins:
+        if origin != "*" and not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+", origin):
+            raise InvalidParameter(f"--allowed-origins: {origin!r} is not a web origin (scheme://host[:port] without "
+                                   "a path, such as https://app.example:8443, or *)")
+    return origins
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -107,13 +121,14 @@ def run(args: argparse.Namespace) -> int:
     interval_s = STREAM_INTERVAL_S if args.stream_interval_ms is None else args.stream_interval_ms / 1000
     if not 0 <= interval_s <= 1:  # NaN too
         raise InvalidParameter(f"--stream-interval-ms must be between 0 and 1000, got {args.stream_interval_ms}")
+    origins = allowed_origins(args.allowed_origins)
     if args.kv_cache is not None:
         parse_kv_cache(args.kv_cache)  # a bad spelling is its own line, not a reason to leave the fast numerics
     resolve_model_folder(args.model)  # a missing model is reported now, before anything listens
     sock = listen(args.host, args.port)
     server = Server(lambda: load_for_serving(args), max_batch=args.max_batch, max_queue=args.max_queue,
                     passes_on_caller=True, stream_interval_s=interval_s,
-                    allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()])
+                    allowed_origins=origins)
     web = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=5))
     # HTTP on a thread, answering 503 while the model loads; the main thread loads the model and
     # then runs every forward pass (see models/batching.py for why the main thread)

@@ -33,8 +33,15 @@ class ClientGone(Exception):
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """An OpenAI error object (what goes under ``"error"``, in a reply or in a stream's event)."""
-    return {"message": message, "type": kind, "param": param, "code": code}
+    """An OpenAI error object (what goes under ``"error"``, in a reply or in a stream's event). A lone
+    surrogate the request sent (a field named ``"\\ud800"``), which UTF-8 cannot encode, is written as
+    its escape: the error is still answered."""
+    return {"message": writable(message), "type": kind, "param": None if param is None else writable(param), "code": code}
+
+
+def writable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (lone surrogates) as backslash escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,

@@ -92,9 +92,9 @@ def draft_backend(spec: Backend | int | str, target: Backend) -> Backend:
 def _one_spelling(spec: str) -> str:
     """A folder or file by its resolved path (``m`` and ``m/../m`` are one model, loaded once); a
     model's name as given."""
-    from pathlib import Path
+    from ...arguments import user_path
 
-    path = Path(spec).expanduser()
+    path = user_path(spec)
     return str(path.resolve()) if path.exists() else spec
 
 
