@@ -2818,7 +2818,7 @@ MUTATIONS = (
              "if False:",
              ("tests/test_samplers.py", "-k", "prompt_length_per_row")),
     Mutation("cli-missing-grammar-file-named-as-a-schema", "src/decodekit/interfaces/cli.py",
-             "if not is_file(Path(args.grammar)):",
+             "if not exists_as(Path(args.grammar)) and not exists_as(Path(args.grammar), \"folder\"):",
              "if False:",
              ("tests/test_bad_input.py", "-k", "bad_arguments_are_one_line and grammar")),
     Mutation("cli-inline-schema-check-dropped", "src/decodekit/interfaces/cli.py",
@@ -5196,7 +5196,7 @@ MUTATIONS = (
              "+ \"\"",
              ("tests/test_bad_input.py", "-k", "file_error_names_the_file")),
     Mutation("cli-long-inline-schema-taken-for-a-file-name", "src/decodekit/interfaces/cli.py",
-             "if len(value) < 4096 and is_file(path):",
+             "if len(value) < 4096 and exists_as(path):",
              "if len(value) < 4096 and path.is_file():",
              ("tests/test_bad_input.py", "-k", "inline_schema_longer")),
     Mutation("bench-rotation-ignores-the-repeat", "src/decodekit/bench/runner.py",
@@ -8737,6 +8737,12 @@ MUTATIONS = (
     Mutation("serve-origin-with-a-path-allowed", "src/decodekit/serve/cli.py",
              r'://[^/\s?#]+"', r'://\S+"',
              ("tests/test_serve.py", "-k", "refuses_bad_limits")),
+    Mutation('cost-table-measured-in-silence', 'src/decodekit/speculative/controller.py',
+             '        print(f"decodekit: timing passes of', '        (lambda *a, **k: None)(f"decodekit: timing passes of',
+             ('tests/test_cache_integrity.py', '-k', 'damaged_cost_table')),
+    Mutation('schema-folder-read-as-inline-text', 'src/decodekit/interfaces/cli.py',
+             '        if exists_as(path, "folder"):', '        if False:',
+             ('tests/test_bad_input.py', '-k', 'before_the_model_loads')),
 )
 
 

@@ -139,6 +139,8 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["eval", "capitals", "--limit", "0"], "--limit must be an integer >= 1, got 0"),  # 0 would mean every item
     (["generate", "hi", "--json", "--stream"], "argument --stream: not allowed with argument --json"),
     (["generate", "hi", "--grammar", "/no/such/grammar.lark"], "--grammar: no such file '/no/such/grammar.lark'"),
+    (["generate", "hi", "--json-schema", "/tmp"], "--json-schema '/tmp' is a folder: give a file"),
+    (["generate", "hi", "--grammar", "/tmp"], "--grammar '/tmp' is a folder: give a file"),
 ])
 def test_bad_arguments_are_one_line_before_the_model_loads(capsys, no_model, argv, expected):
     one_error_line(capsys, argv, expected)

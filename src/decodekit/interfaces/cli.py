@@ -62,11 +62,12 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     structured.add_argument("--grammar", metavar="FILE", help="the output follows this Lark grammar (as llguidance reads it)")
 
 
-def is_file(path: Path) -> bool:
-    """``path.is_file()``, false where the system refuses the name (longer than a file name may be:
-    an inline JSON schema of more than 255 characters), which would otherwise be an OSError."""
+def exists_as(path: Path, kind: str = "file") -> bool:
+    """``path.is_file()`` (``is_dir()`` for the kind ``"folder"``), false where the system refuses the
+    name (longer than a file name may be: an inline JSON schema of more than 255 characters), which
+    would otherwise be an OSError."""
     try:
-        return path.is_file()
+        return path.is_dir() if kind == "folder" else path.is_file()
     except OSError:
         return False
 
@@ -76,9 +77,11 @@ def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
     when given one), checked now: a bad schema, pattern or grammar is one line before any model loads."""
     from ..samplers.constraint import checked_grammar
 
-    def text_or_file(value: str) -> str:
+    def text_or_file(value: str, flag: str) -> str:
         path = Path(value)
-        if len(value) < 4096 and is_file(path):
+        if exists_as(path, "folder"):
+            raise InvalidParameter(f"{flag} {value!r} is a folder: give a file")
+        if len(value) < 4096 and exists_as(path):
             try:
                 return path.read_text()
             except (OSError, UnicodeDecodeError) as err:
@@ -90,15 +93,15 @@ def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.json_object:
         spec = {"json": None}
     elif args.json_schema is not None:
-        spec = {"json_schema": text_or_file(args.json_schema)}
+        spec = {"json_schema": text_or_file(args.json_schema, "--json-schema")}
     elif args.regex is not None:
         spec = {"regex": args.regex}
     elif args.choice is not None:
         spec = {"choice": [c for c in args.choice.split(",") if c]}
     elif args.grammar is not None:
-        if not is_file(Path(args.grammar)):
+        if not exists_as(Path(args.grammar)) and not exists_as(Path(args.grammar), "folder"):
             raise InvalidParameter(f"--grammar: no such file {args.grammar!r}")
-        spec = {"grammar": text_or_file(args.grammar)}
+        spec = {"grammar": text_or_file(args.grammar, "--grammar")}
     else:
         return None
     checked_grammar(spec)

@@ -74,6 +74,7 @@ its cost is spent, so :meth:`Controller.select` weighs only verification.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -348,6 +349,9 @@ class CostTable:
         table = cls.from_entry(saved.get(cls.key(backend)) if isinstance(saved, dict) else None)
         if table is not None:
             return table
+        # minutes on a slow machine, once: said, so that a first speculative request is not taken for a hang
+        print(f"decodekit: timing passes of {', '.join(map(str, MEASURE_SIZES))} tokens on this machine for the "
+              f"speculative controller (once per model and settings; kept in {cls._path()})", file=sys.stderr, flush=True)
         table = cls.measure(backend)
         table.save(backend)
         return table
