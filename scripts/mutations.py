@@ -8743,6 +8743,9 @@ MUTATIONS = (
     Mutation('schema-folder-read-as-inline-text', 'src/decodekit/interfaces/cli.py',
              '        if exists_as(path, "folder"):', '        if False:',
              ('tests/test_bad_input.py', '-k', 'before_the_model_loads')),
+    Mutation('best-first-expands-the-node-that-fills-the-tree', 'src/decodekit/speculative/tree.py',
+             'if depth < max_depth and len(tree) < budget:', 'if depth < max_depth:',
+             ('tests/test_speculative.py', '-k', 'full_tree')),
 )
 
 

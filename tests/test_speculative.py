@@ -244,6 +244,17 @@ def test_best_first_growth_multiplies_relative_scores_and_stops_at_max_depth():
     assert shallow.tokens == [1, 2] and shallow.depth() == 1
 
 
+def test_best_first_growth_lists_no_children_for_a_full_tree():
+    """A node is expanded only while the tree has room for its children (for Hydra, each listing is
+    a pass of the draft network): the last node added never is."""
+    table = {0: [(1, 0.9, 1), (2, 0.5, 2)], 1: [(3, 0.4, 3)], 2: [(4, 0.9, 4)], 3: [(5, 1.0, 5)], 4: [], 5: []}
+    for budget in (1, 2, 3):
+        expanded: list[int] = []
+        tree = DraftTree()
+        grow_best_first(tree, table[0], lambda s: expanded.append(s) or table[s], budget=budget, max_depth=4, source="t")
+        assert len(tree) == budget and expanded == tree.tokens[: budget - 1]
+
+
 def test_best_first_growth_adds_equally_scored_candidates_in_the_order_they_were_proposed():
     """On a tie the candidate proposed first is added first: siblings in their listed order, and a
     node's children after the candidates already waiting (so a budget cut keeps the earlier ones)."""
