@@ -576,7 +576,10 @@ def test_bad_constraints_are_one_clear_line(engine):
                         # a lone surrogate (undecodable bytes, a JSON "\ud800") is no text llguidance can take
                         ({"regex": "a\ud800"}, "^a regex constraint is not valid UTF-8 text .*position 1"),
                         ({"choice": ["a", "\udcff"]}, "^a choice constraint is not valid UTF-8"),
-                        ({"grammar": 'start: "\ud800"'}, "^a grammar constraint is not valid UTF-8")):
+                        ({"grammar": 'start: "\ud800"'}, "^a grammar constraint is not valid UTF-8"),
+                        # a schema's, as a dict (what a server request holds) or as JSON text escaping it
+                        ({"json_schema": {"properties": {"\ud800": {"type": "string"}}}}, "^a json schema constraint is not valid UTF-8"),
+                        ({"json_schema": '{"enum": ["\\ud800"]}'}, "^a json schema constraint is not valid UTF-8")):
         with pytest.raises(InvalidParameter, match=match) as err:
             engine.generate("hi", max_new_tokens=4, chat=False, constraint=spec)
         assert "\n" not in str(err.value)

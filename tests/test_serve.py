@@ -802,10 +802,10 @@ def test_the_serve_command_hands_its_flags_to_the_server_after_finding_the_model
 
     steps, made, status = _serve_until_the_server_is_made(monkeypatch, [
         "--model", "m", "--host", "0.0.0.0", "--port", "0", "--max-batch", "3", "--max-queue", "5",
-        "--allowed-origins", " https://a.example , ,http://b.example:8080 ", "--stream-interval-ms", "500"])
+        "--allowed-origins", " https://a.example , ,HTTP://B.example:8080 ", "--stream-interval-ms", "500"])
     assert status is None and steps == [("model", "m"), ("listen", "0.0.0.0", 0)]
     assert (made["max_batch"], made["max_queue"], made["stream_interval_s"]) == (3, 5, 0.5)
-    assert made["allowed_origins"] == ["https://a.example", "http://b.example:8080"]
+    assert made["allowed_origins"] == ["https://a.example", "http://b.example:8080"]  # as a browser spells them
     _, made, _ = _serve_until_the_server_is_made(monkeypatch, [])
     assert (made["max_batch"], made["max_queue"], made["stream_interval_s"]) == (MAX_BATCH, MAX_QUEUE, STREAM_INTERVAL_S)
     assert made["allowed_origins"] == []

@@ -61,7 +61,7 @@ def test_greedy_matches_plain_up_to_near_ties(real_model, plain_runs, method):
             assert margins[first_diff] < TIE, f"{method} differs at {first_diff} with margin {margins[first_diff]}"
 
 
-@pytest.mark.parametrize("method", ["eagle", "medusa"])
+@pytest.mark.parametrize("method", ["eagle", "medusa", "hydra"])
 def test_the_shipped_trained_drafters_are_exact_and_accepted(real_model, plain_runs, method):
     """The drafters shipped for the embedded model load for it (fingerprint), reproduce plain greedy
     token for token, and get more than one token per verification."""
@@ -72,4 +72,5 @@ def test_the_shipped_trained_drafters_are_exact_and_accepted(real_model, plain_r
         assert got.tokens == plain
         accepted += got.stats.extra["accepted"]
         verifications += got.stats.extra["verifications"]
-    assert (accepted + verifications) / verifications > {"eagle": 1.5, "medusa": 1.2}[method]  # docs/BENCHMARKS.md: 1.66, 1.35
+    # docs/BENCHMARKS.md, on the dev questions: 1.65, 1.35, 1.59
+    assert (accepted + verifications) / verifications > {"eagle": 1.5, "medusa": 1.2, "hydra": 1.4}[method]

@@ -663,7 +663,9 @@ def test_damaged_and_wrong_drafter_files_are_one_line(drafter_files, tmp_path):
     for change, problem in (({"heads": 0}, "heads must be a positive integer"),
                             ({"rope_theta": float("nan")}, "rope_theta must be a positive number"),
                             ({"eps": -1}, "eps must be a positive number"),
-                            ({"intermediate": 7}, "size mismatch for")):  # the weights' shapes say otherwise
+                            ({"intermediate": 7}, "size mismatch for"),  # the weights' shapes say otherwise
+                            # sizes a damaged config could ask for: refused before anything is allocated
+                            ({"intermediate": 10**12}, "its config asks for [0-9]+ weights, more than the file holds")):
         save_file(tensors, str(broken), metadata={**meta, "config": json.dumps({**config, **change})})
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # one line: no torch warning before it
@@ -1670,6 +1672,32 @@ def test_untrained_hydra_heads_are_the_targets_head_on_the_feature():
     for k in range(3):
         inputs = torch.cat([feature, torch.randn((k + 1) * 4)])
         assert torch.allclose(net(k, inputs), rows @ feature, atol=1e-6), k
+
+
+def test_a_hydra_head_is_the_residual_block_on_its_path():
+    """Head k: the target's head on ``f + D x + c + SiLU(W x + b)``, where x is the feature and the
+    k + 1 embeddings, and head k's matrix holds D's rows, then W's (Hydra's ResBlock, its projection
+    written as the feature plus D)."""
+    net, g = random_hydra(hidden=4, heads=2)
+    for k in range(2):
+        x = torch.randn((k + 2) * 4, generator=g)
+        weight, bias = net.blocks[k].weight, net.blocks[k].bias
+        state = x[:4] + weight[:4] @ x + bias[:4] + torch.nn.functional.silu(weight[4:] @ x + bias[4:])
+        assert torch.allclose(net(k, x), net.head.rows @ state, atol=1e-5), k
+
+
+def test_a_hydra_file_whose_config_asks_for_thousands_of_heads_is_refused_before_they_are_made(tmp_path):
+    """Head k holds (k + 2) D x 2D weights: a damaged ``heads`` would allocate terabytes; the sizes are
+    compared with the file's on no memory first."""
+    model = tiny()
+    path = store.save(new_net("hydra", model.backend, torch.arange(16), Settings("hydra")), "hydra", model.backend,
+                      tmp_path / "hydra.safetensors", {})
+    assert isinstance(store.load(model.backend, "hydra", path).blocks, torch.nn.ModuleList)
+    meta = _crafted(path, path)[1]
+    config = json.loads(meta["config"])
+    _crafted(path, path, config=json.dumps({**config, "heads": 3000}))
+    with pytest.raises(InvalidModel, match="config asks for [0-9]+ weights, more than the file holds"):
+        store.load(tiny().backend, "hydra", path)
 
 
 def test_hydra_loss_is_head_ks_cross_entropy_against_the_target_k_plus_1_positions_on():

@@ -361,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         if sys.stdout is None and args.command != "serve":  # started with it closed (`>&-`): the answer would be lost
             raise OSError(errno.EBADF, "standard output is closed")
         status = args.func(args)
-        sys.stdout.flush()  # a reader that left shows up here, where it is handled
+        if sys.stdout is not None:  # (serve may run with it closed)
+            sys.stdout.flush()  # a reader that left shows up here, where it is handled
         return status
     except DecodeKitError as err:
         print(f"decodekit: error: {err}", file=sys.stderr)

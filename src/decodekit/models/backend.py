@@ -44,7 +44,7 @@ class StepOutput:
     last decoder layer, before the final norm) to ``[B, k, D]`` states, when requested.
     ``features`` is the final norm's output ``[B, k, D]`` (the output head's input) at every new
     position, ``last_only`` or not, where the backend has it for free (the native backend); trained
-    drafters (EAGLE, Medusa) read it.
+    drafters (EAGLE, Medusa, Hydra) read it.
     """
 
     logits: torch.Tensor

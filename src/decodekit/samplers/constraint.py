@@ -79,6 +79,16 @@ def inexact_number(schema: Any, at: str = "") -> str | None:
     return None
 
 
+def check_utf8(text: str, kind: str) -> None:
+    """A constraint's text must be UTF-8: a lone surrogate (from undecodable bytes, or a JSON
+    ``"\\ud800"``) would reach llguidance as no text, or as another."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidParameter(f"a {kind.replace('_', ' ')} constraint is not valid UTF-8 text "
+                               f"(undecodable character at position {err.start} of {text!r:.80})") from None
+
+
 @dataclass(frozen=True)
 class Constraint:
     """What the generated text must match. ``kind``: ``json`` (any JSON object), ``json_schema``
@@ -101,11 +111,7 @@ class Constraint:
         if self.kind in ("regex", "grammar") and (not isinstance(self.value, str) or not self.value):
             raise InvalidParameter(f"a {self.kind} constraint needs a non-empty string, got {self.value!r}")
         for text in self.value if self.kind == "choice" else [self.value] if isinstance(self.value, str) else []:
-            try:  # a lone surrogate (from undecodable bytes, or a JSON "\\ud800") reaches llguidance as no text
-                text.encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise InvalidParameter(f"a {self.kind.replace('_', ' ')} constraint is not valid UTF-8 text "
-                                       f"(undecodable character at position {err.start} of {text!r:.80})") from None
+            check_utf8(text, self.kind)
 
     def grammar(self) -> str:
         """The llguidance grammar of this constraint (InvalidParameter for a schema that is not JSON)."""
@@ -124,6 +130,7 @@ class Constraint:
                 raise InvalidParameter(f"a JSON schema must be a JSON object or a boolean, got {type(schema).__name__}")
             if schema is False:
                 raise InvalidParameter("the JSON schema false allows no value at all")
+            check_utf8(json.dumps(schema, ensure_ascii=False), self.kind)  # a "\\ud800" of its JSON text, or a dict's
             inexact = inexact_number(schema)
             if inexact is not None:
                 raise InvalidParameter(f"the JSON schema's {inexact}: llguidance reads a schema's numbers as 64-bit "

@@ -96,11 +96,12 @@ def shut_down_on_signals(web) -> None:
 
 def allowed_origins(text: str) -> list[str]:
     """The comma-separated origins of ``--allowed-origins``. Each is ``*`` or ``scheme://host[:port]``,
-    as a browser's Origin header spells it: one with a path (a trailing slash too) or without a scheme
-    would never match a page, leaving the flag silently without effect, so it is refused."""
+    as a browser's Origin header spells it (in lower case, as it is kept): one with a path (a trailing
+    slash too) or without a scheme would never match a page, leaving the flag silently without effect,
+    so it is refused."""
     import re
 
-    origins = [o.strip() for o in text.split(",") if o.strip()]
+    origins = [o.strip().lower() for o in text.split(",") if o.strip()]
     for origin in origins:
         if origin != "*" and not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+", origin):
             raise InvalidParameter(f"--allowed-origins: {origin!r} is not a web origin (scheme://host[:port] without "

@@ -296,32 +296,31 @@ class HydraNet(nn.Module):
     token, the others the path's drafted ones), through Hydra's residual block
     ``P x + c + SiLU(W x + b)``, and predicts token t + k + 2 through the target's head.
 
-    Choices: one block per head (Hydra's ``hydra_num_layers`` = 1), P and W one matrix (one product a
-    head), no prefix-attention layer (Hydra++'s other change, which makes it EAGLE's network); the heads
-    share the target's frozen output head (its draft-vocabulary rows), as :class:`MedusaNet` does; W and
-    the biases start at zero and P as the projection onto f_t, so that each head starts as the target's
-    head on the feature; trained with Hydra++'s
-    teacher objective (the cross-entropy against the target's own distribution at the predicted
-    position, :meth:`loss`), not against the data's tokens."""
+    Choices: one block per head (Hydra's ``hydra_num_layers`` = 1), no prefix-attention layer (Hydra++'s
+    other change, which makes it EAGLE's network); P written as the projection onto f_t plus a learned
+    D (``f_t + D x``: the same functions, but no 1 among the small weights of a matrix the ``fast``
+    numerics quantise in blocks of 32), D and W one matrix (one product a head), both starting at zero
+    with the biases, so that each head starts as the target's head on the feature; the heads share the
+    target's frozen output head (its draft-vocabulary rows), as :class:`MedusaNet` does; trained with
+    Hydra++'s teacher objective (the cross-entropy against the target's own distribution at the
+    predicted position, :meth:`loss`), not against the data's tokens."""
 
     def __init__(self, config: HydraConfig, vocab: torch.Tensor):
         super().__init__()
         self.config = config
         hidden = config.hidden
-        # head k's rows: P (the residual projection), then W
+        # head k's rows: D (the residual's learned part), then W
         self.blocks = nn.ModuleList(nn.Linear((k + 2) * hidden, 2 * hidden) for k in range(config.heads))
-        with torch.no_grad():
-            for block in self.blocks:
-                block.weight.zero_()
-                block.bias.zero_()
-                block.weight[:hidden, :hidden] = torch.eye(hidden)
+        for block in self.blocks:
+            nn.init.zeros_(block.weight)
+            nn.init.zeros_(block.bias)
         self.head = ReducedHead(vocab)
 
     def forward(self, k: int, inputs: torch.Tensor) -> torch.Tensor:
         """Head ``k``'s draft-vocabulary logits ``[..., N]`` for inputs ``[..., (k + 2) D]`` (the
         feature, then the k + 1 tokens' embeddings)."""
         residual, gate = self.blocks[k](inputs).chunk(2, dim=-1)
-        return self.head(residual + F.silu(gate))
+        return self.head(inputs[..., : self.config.hidden] + residual + F.silu(gate))
 
     def loss(self, features: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The sum over heads of head k's cross-entropy against the target's distribution over the

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ...arguments import user_path
 from ...errors import InvalidModel, InvalidParameter
 from ...models.backend import Backend
 from ...models.cache import cache_root, file_digest, save_tensors
@@ -125,6 +126,11 @@ def build(path: Path, kind: str, backend: Backend) -> Net:
     net_class, config_class = NETWORKS[kind]
     try:
         config = config_class(**json.loads(meta["config"]))
+        with torch.device("meta"):  # the config's sizes, nothing allocated: a damaged one could ask for terabytes
+            wanted = sum(t.numel() for t in net_class(config, tensors["head.vocab"]).parameters())
+        if wanted > sum(t.numel() for t in tensors.values()):
+            raise InvalidModel(f"{path}: does not hold a valid {kind} drafter (its config asks for {wanted} weights, "
+                               f"more than the file holds)")
         net = net_class(config, tensors["head.vocab"])
         net.load_state_dict({name: t.float() if t.is_floating_point() else t for name, t in tensors.items()})
     except (TypeError, ValueError, KeyError, RuntimeError) as err:
@@ -159,7 +165,7 @@ def load(backend: Backend, kind: str, given: str | Path | None = None) -> Net:
         return backend.memory(("drafter.net", kind, str(path.resolve())), lambda: build(path, kind, backend), keep=4)
 
     if given is not None:
-        return built(Path(given))
+        return built(user_path(given))
     saved = cache_path(backend, kind)
     if saved.exists():
         try:
