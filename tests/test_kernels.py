@@ -720,7 +720,8 @@ def test_add_rms_norm_reads_a_strided_delta_as_its_values(dtype):
 
 def test_rope_store_refuses_a_value_cache_it_cannot_write_as_rows():
     """rope_store writes both caches as packed [H_kv, cap, D] rows: a value cache that is a strided
-    view (a transpose) is refused like a key cache would be, not written in memory order."""
+    view (a transpose) is refused like a key cache would be, not written in memory order; a head
+    narrower than the kernel's 16-value rows is refused too."""
     ops = _ops(torch.float32)
     qkv, freqs = torch.randn(1, 8 * 16), torch.tensor([1.0, 0.0] * 8).repeat(4, 1)
     k_cache, v_cache = torch.zeros(2, 4, 16), torch.zeros(2, 16, 4).transpose(1, 2)
@@ -728,6 +729,9 @@ def test_rope_store_refuses_a_value_cache_it_cannot_write_as_rows():
         ops.rope_store(qkv, freqs, torch.tensor([0]), k_cache, v_cache, 0, 4)
     with pytest.raises(ValueError, match="contiguous caches"):
         ops.rope_store(qkv, freqs, torch.tensor([0]), v_cache, k_cache, 0, 4)
+    narrow = torch.zeros(2, 4, 8)  # head_dim 8: the kernel's rows are 16 values wide
+    with pytest.raises(ValueError, match="head_dim a multiple of 16"):
+        ops.rope_store(torch.randn(1, 8 * 8), freqs[:, :8], torch.tensor([0]), narrow, narrow.clone(), 0, 4)
 
 
 def test_layer_ops_decline_sizes_they_cannot_run():

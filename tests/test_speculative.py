@@ -458,6 +458,35 @@ def test_the_longer_of_the_contexts_and_the_corpus_match_drafts_first():
     assert (tree.tokens, tree.parents, tree.source) == ([4, 3], [-1, -1], ["suffix:corpus", "suffix"])
 
 
+def test_a_match_that_repeats_the_first_ones_drafts_still_fills_the_budget():
+    """The second match's nodes that the first already drafted merge into them and take no room:
+    the budget is filled with its new ones (growing it to only the room left left that room empty)."""
+    from decodekit.speculative.drafters.suffix import corpus_for
+
+    state = state_for([1, 2, 3, 9, 1, 2])  # its own longest repeat is "1 2": then 3, 9
+    corpus_for(state.backend).add([9, 1, 2, 3, 5])  # the corpus's longer "9 1 2": then 3, 5
+    drafter = SuffixDrafter(corpus=True)
+    drafter.begin(state)
+    tree = drafter.draft(state, 3)
+    assert (tree.tokens, tree.parents, tree.source) == ([3, 5, 9], [-1, 0, 0], ["suffix:corpus", "suffix:corpus", "suffix"])
+
+
+def test_a_suffix_drafter_begun_again_matches_the_new_context_in_the_corpus_afresh():
+    """A drafter reused for another request forgets the last context's corpus match: the new
+    context "3" is followed by 4 and by 5 in the corpus, not only by what followed "1 2 3"."""
+    from decodekit.speculative.drafters.suffix import corpus_for
+
+    first = state_for([1, 2])
+    corpus = corpus_for(first.backend)
+    corpus.add([1, 2, 3, 4])
+    corpus.add([3, 5])
+    drafter = SuffixDrafter(corpus=True)
+    drafter.begin(first)
+    second = DecodeState(first.backend, Sampler(greedy=True), [3], GenerationStats())
+    drafter.begin(second)
+    assert sorted(drafter.draft(second, 2).tokens) == [4, 5]
+
+
 def test_a_full_corpus_keeps_its_newest_outputs(monkeypatch):
     """Past its size limit the corpus keeps the newest half: recent outputs are the likeliest to recur."""
     from decodekit.speculative.drafters import suffix

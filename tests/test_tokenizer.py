@@ -61,6 +61,24 @@ def test_a_folders_tokenizer_gives_what_auto_tokenizer_gives(tmp_path):
         ours.chat_prompt([])
 
 
+def test_padding_and_truncation_saved_in_the_tokenizer_file_change_no_encoding_as_with_auto_tokenizer(tmp_path):
+    """A tokenizer.json saved with padding and truncation on: AutoTokenizer's encode does neither
+    unless asked, so a folder's own tokenizer neither pads a short text nor cuts a long one."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    folder = tokenizer_folder(tmp_path / "tok")
+    rust = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    rust.enable_padding(length=12, pad_id=rust.token_to_id("</s>"), pad_token="</s>")
+    rust.enable_truncation(max_length=3)
+    rust.save(str(folder / "tokenizer.json"))
+    ours, auto = file_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert isinstance(ours, FileTokenizer)
+    for text in ["the", "the cat sat on the mat in the hand"]:
+        assert ours.encode(text) == auto.encode(text, add_special_tokens=False)
+    assert len(ours.encode("the")) < 3 < len(ours.encode("the cat sat on the mat in the hand")) < 12
+
+
 def test_a_turn_end_that_is_the_unknown_token_ends_no_turn_as_with_auto_tokenizer(tmp_path):
     """AutoTokenizer cannot tell the unknown token from a turn end it does not know, so HFTokenizer
     leaves the unknown token's id out of the end-of-sequence ids: a folder's own tokenizer does too."""
@@ -160,6 +178,15 @@ def test_the_char_tokenizers_end_of_sequence_is_its_one_special_token():
     assert tok.decode([ord("h") - 31, ord("i") - 31, 0]) == "hi"
     assert tok.special_tokens() == {0: "<eos>"}
     assert tok.token_bytes(0) == b"" and tok.token_bytes(ord("a") - 31) == b"a"
+
+
+def test_an_id_past_the_tokenizers_vocabulary_has_the_bytes_of_its_text():
+    """A model may have more rows than its tokenizer has tokens (a padded head): such an id's bytes
+    are those of its decoded text, not llguidance's placeholder for an id it does not know."""
+    tok = CharTokenizer(96)
+    assert tok.grammar_tokenizer().vocab_size == 96
+    for token in (96, 200):
+        assert tok.token_bytes(token) == tok.decode([token]).encode("utf-8", "replace") != b""
 
 
 def test_a_folders_special_tokens_are_its_special_added_tokens_only(tmp_path):

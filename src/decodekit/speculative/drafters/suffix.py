@@ -180,12 +180,14 @@ class SuffixDrafter(ContextDrafter):
             if length < self.min_match or len(tree) >= budget:
                 continue
             depth = min(self.max_depth, max(1, math.floor(self.growth * length)))
+            # grown to the whole budget: nodes the earlier match already drafted merge into it (a
+            # part of only the room left would leave that room empty by as many nodes)
             part = DraftTree()
             grow_best_first(
                 part,
                 automaton.continuations(start, self.width),
                 lambda s, a=automaton: a.continuations(s, self.width),
-                budget - len(tree),
+                budget,
                 depth,
                 source,
             )
