@@ -451,6 +451,20 @@ def test_python_api_refuses_what_is_not_a_prompt(engine, prompt, expected):
     assert expected in str(err.value) and "\n" not in str(err.value)
 
 
+def test_python_api_takes_token_ids_at_both_ends_of_the_vocabulary(engine):
+    """Token ids 0 .. vocab - 1 are a prompt; only those outside (above) are refused."""
+    vocab = engine.model.backend.info.vocab_size
+    g = engine.generate([0, vocab - 1], max_new_tokens=3, chat=False)
+    assert g.finish_reason in ("length", "eos") and len(g.tokens) <= 3
+
+
+@pytest.mark.parametrize("choice", [{"backend": "hf"}, {"dtype": "bfloat16"}, {"numerics": "fast"}, {"kv_cache": "int8"}])
+def test_an_engine_on_a_loaded_model_refuses_loading_choices_rather_than_ignore_them(engine, choice):
+    with pytest.raises(InvalidParameter, match="chosen when a model is loaded") as err:
+        Engine(engine.model, **choice)
+    assert err.value.param == next(iter(choice))
+
+
 def test_python_api_other_bad_arguments(engine):
     with pytest.raises(InvalidParameter, match="method 'greedy' never samples"):
         engine.generate("hi", temperature=0.8, seed=1)
@@ -477,6 +491,7 @@ def test_python_api_other_bad_arguments(engine):
     ({"model": ["x"]}, "^model, backend, dtype, numerics and kv_cache are names"),
     ({"kv_cache": {"int8": 1}}, "^unknown kv cache"),
     ({"dtype": torch.float16}, "^dtype must be one of float32, bfloat16, got torch.float16$"),
+    ({"dtype": ["float32"]}, r"^dtype must be one of float32, bfloat16, got \['float32'\]$"),
     ({"backend": "gpu"}, "^backend must be auto, native or hf, got 'gpu'$"),
 ])
 def test_the_one_call_api_refuses_what_names_no_model_in_one_line(monkeypatch, kwargs, expected):

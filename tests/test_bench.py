@@ -1604,6 +1604,35 @@ def test_the_llamacpp_baseline_runs_on_the_threads_given_for_its_prefill_too(mon
     assert made[0].get("n_threads") == 3 and made[0].get("n_threads_batch") == 3
 
 
+def test_the_hf_baselines_quiet_transformers_only_while_they_run():
+    from transformers.utils import logging
+
+    from decodekit.bench.baselines import quiet_transformers
+
+    before = logging.get_verbosity()
+    logging.set_verbosity_info()
+    try:
+        with quiet_transformers():
+            assert logging.get_verbosity() == logging.ERROR
+        assert logging.get_verbosity() == logging.INFO
+    finally:
+        logging.set_verbosity(before)
+
+
+def test_the_llamacpp_baseline_on_a_model_without_a_gguf_file_is_a_note(monkeypatch, tiny):
+    """A Hugging Face folder has no GGUF file for llama.cpp: the baseline is skipped with a note."""
+    import sys
+    import types
+
+    from decodekit.bench import baselines
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    monkeypatch.setattr(baselines, "llamacpp_available", lambda: True)
+    monkeypatch.setattr(baselines, "model_gguf", lambda model: None)
+    built, notes = build_baselines(["llamacpp"], tiny, model="some/folder", dtype="float32", threads=1)
+    assert built == [] and notes == ["llamacpp baseline skipped: model 'some/folder' has no GGUF file"]
+
+
 def test_a_methods_run_reports_the_tokens_it_accepted_per_verification(tiny: LoadedModel):
     """The bench's "accepted/verify" column is the method's own mean_accepted figure for the run."""
     ids = tiny.prompt_ids("abc abc abc abc abc abc")

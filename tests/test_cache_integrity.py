@@ -619,6 +619,21 @@ def test_the_hf_backend_refuses_weights_transformers_would_make_up(tmp_path):
     assert build_backend(tmp_path, backend="hf").info.vocab_size == 96  # whole weights load
 
 
+def test_a_model_folder_of_an_architecture_the_native_backend_lacks_runs_on_the_hf_backend(tmp_path):
+    """backend "auto" (the default) picks the HF backend for a model_type with no native model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from decodekit.models.hf import HFBackend
+    from decodekit.models.loading import NATIVE_ARCHITECTURES, build_backend
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=96, n_positions=64, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    assert config.model_type not in NATIVE_ARCHITECTURES
+    backend = build_backend(tmp_path)
+    assert isinstance(backend, HFBackend) and backend.info.vocab_size == 96
+
+
 def test_weights_that_are_not_floats_are_one_clear_error(tmp_path):
     from safetensors.torch import save_file
 
@@ -1046,6 +1061,7 @@ def test_a_model_path_starting_with_a_tilde_is_under_the_home_folder(tmp_path, m
     assert loading.resolve_model("~/m.gguf") == (tmp_path / "m", tmp_path / "m.gguf")
     assert loading.resolve_model("~/hf") == (tmp_path / "hf", None)
     assert loading.model_gguf("~/m.gguf") == tmp_path / "m.gguf"
+    assert loading.model_gguf(None) == loading.model_gguf(loading.DEFAULT_MODEL)  # no model named: the default's
     # ~user of no user is a path of its own, not found (not a RuntimeError from pathlib's expanduser)
     with pytest.raises(ModelNotFound, match="model '~no-such-user-of-decodekit/m.gguf' not found"):
         loading.resolve_model("~no-such-user-of-decodekit/m.gguf")

@@ -132,11 +132,22 @@ def test_the_one_call_generate_loads_a_model_once_however_its_choices_are_spelt(
 
     monkeypatch.setattr(api, "Engine", Counted)
     monkeypatch.setattr(api, "_default_engines", {})
-    for kw in ({}, {"model": DEFAULT_MODEL}, {"kv_cache": " full"}, {"dtype": "float32", "backend": "auto"}):
+    for kw in ({}, {"model": DEFAULT_MODEL}, {"kv_cache": " full"}, {"dtype": "float32", "backend": "auto"},
+               {"dtype": torch.float32}):
         assert api.generate("hi", **kw) == "hi"
     assert len(built) == 1
     api.generate("hi", kv_cache="int8")
     assert len(built) == 2
+
+
+def test_a_generation_as_a_dict_carries_its_methods_figures(tiny_model):
+    """``as_dict`` (the CLI's --json record) holds the text, tokens and stats, and a method's own
+    figures beside them (a search's candidates and uncertainty signals)."""
+    g = Engine(tiny_model).generate("hello", method="best-of-n", n=2, max_new_tokens=6, chat=False, seed=1)
+    record = g.as_dict()
+    assert (record["text"], record["tokens"], record["finish_reason"]) == (g.text, g.tokens, g.finish_reason)
+    assert record["stats"] == g.stats.as_dict() and record["stats"]["new_tokens"] == len(g.tokens)
+    assert g.extra and all(record[key] == value for key, value in g.extra.items())
 
 
 def test_a_stream_never_hands_over_an_empty_delta(tiny_model):

@@ -817,6 +817,19 @@ def test_more_samples_than_memory_holds_is_one_line_before_anything_is_built(tin
         Engine(tiny).generate("hello", method=method, n=3 * 10**6, max_new_tokens=4, chat=False)
 
 
+def test_a_particle_filter_too_large_for_memory_is_refused_before_its_first_particle(tiny, monkeypatch):
+    """The particle filter asks for its n rows before it makes a particle per slot (the check that
+    the first step's decode would make, millions of particles later)."""
+    from decodekit.search import steps
+
+    def built(cls):
+        raise AssertionError("a particle was built before the rows were checked")
+
+    monkeypatch.setattr(steps.Sample, "empty", classmethod(built))
+    with pytest.raises(InvalidParameter, match="sequences of .* need a .* KV cache"):
+        Engine(tiny).generate("hello", method="particle", n=3 * 10**6, max_new_tokens=4, chat=False)
+
+
 # Step searches' rules, checked against what each step search saw -----------------------------------
 
 
@@ -1000,6 +1013,21 @@ def test_astar_out_of_budget_prefers_a_finished_solution_to_a_better_partial_one
     assert forked, "some seed should give one child of each kind"
     for g in forked:
         assert g.extra.get("budget_exhausted") and (g.text, g.finish_reason) == ("x", "eos")
+
+
+def test_astar_reports_every_child_it_expanded_as_a_candidate():
+    """A*'s candidates are all the children its expansions gave (n each), finished or not, each
+    marked done as its text ended: "x" and "y z" end on EOS, "y " stops at the delimiter."""
+    model = bigram_model(FORK_RULES)
+    scores = {"x": 0.0, "y ": 1.0, "y z": 2.0}
+    decoder = build_decoder("astar", n=2, token_budget=64, delimiter=" ", aggregate="last",
+                            scorer=lambda text: scores[text])
+    runs = [decoder.generate(model, request(model, "p", seed=seed, max_new=10)) for seed in range(0, 12, 3)]
+    for g in runs:
+        cands = g.extra["candidates"]
+        assert len(cands) == 2 * g.extra["expansions"] and g.text in [c["text"] for c in cands]
+        assert all(c["done"] == (c["text"] != "y ") for c in cands)
+    assert any(c["text"] == "y " for g in runs for c in g.extra["candidates"]), "some seed should step through 'y '"
 
 
 def test_beam_spends_a_token_per_live_beam_per_step():
