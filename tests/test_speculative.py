@@ -1278,6 +1278,52 @@ def test_probes_are_one_node_for_every_drafter_also_an_all_or_nothing_tree():
         assert len(verified) <= 6  # and rare: the back-off doubles after each failed probe
 
 
+class _SourceChain(Drafter):
+    """Proposes the chain ``tokens`` (cut to the budget) every step, under source "s"."""
+
+    def __init__(self, tokens: list[int], trimmable: bool = True):
+        self.tokens, self.trimmable = tokens, trimmable
+
+    def draft(self, state, budget):
+        return DraftTree.chain(self.tokens[:budget], "s")
+
+
+@pytest.mark.parametrize("trimmable", [True, False])
+def test_the_loop_lets_the_controller_trim_only_trimmable_drafters_trees(trimmable):
+    """Two of a six-node chain pay (three rows cost what one does), the whole chain does not: a
+    trimmable drafter's tree is cut to its first two nodes, an all-or-nothing one's is not verified."""
+    ctl = Controller(8, cost_table={1: 1.0, 3: 1.0, 7: 10.0})
+    for depth in range(6):
+        ctl.learnt.accept[("s", depth, 0)] = 0.9
+    method = SpeculativeMethod(_SourceChain([1, 2, 3, 4, 5, 6], trimmable), ctl)
+    tree = method._draft(state_for([1, 2, 3]), 8)
+    assert tree.tokens == ([1, 2] if trimmable else [])
+
+
+def test_the_controller_is_told_each_passs_rows_and_only_drafted_steps_as_speculative(monkeypatch):
+    """A verification's pass carries the root's row besides the tree's nodes (a plain step's, one
+    row); a step whose drafter proposed nothing is a plain step, not a speculative one whose
+    realised speed the controller measures."""
+    costs: list[int] = []
+    monkeypatch.setattr(Controller, "observe_cost", lambda self, n, seconds: costs.append(n))
+    for chain in ([7, 8, 9], []):
+        model, ctl = tiny(seed=0), Controller(8, budget=3)  # a model each: what controllers learn is kept on it
+        costs.clear()
+        g = StepDecoder(SpeculativeMethod(_SourceChain(chain), ctl)).generate(
+            model, Request(model.tokenizer.encode(PROMPTS[1]), Sampler(greedy=True), 9))
+        steps, plain, drafted = (g.stats.extra[k] for k in ("verifications", "plain_steps", "drafted"))
+        assert len(costs) == steps + plain and sum(costs) == drafted + steps + plain
+        assert ctl.learnt.spec_steps == steps and (steps > 0) == bool(chain)
+
+
+def test_a_fixed_budget_leaves_the_acceptance_estimates_to_adaptive_requests():
+    """A fixed budget verifies what it is told whatever the estimates say: its outcomes are not
+    learnt (they would be shared with later adaptive requests of the drafter); its overhead is."""
+    ctl = Controller(8, budget=4)
+    ctl.observe(chain_tree(3), Verification([0, 1], 0), overhead_s=0.5)
+    assert ctl.learnt.accept == {} and ctl.learnt.seen == {} and ctl.overhead == 0.5
+
+
 def test_first_outcomes_move_the_estimate_fast_and_deeper_levels_borrow_it():
     ctl = Controller(32, cost_table=CPU_COSTS)
     ctl.observe(chain_tree(1), Verification([0], 0), overhead_s=0.0)  # one accepted probe
@@ -1916,6 +1962,25 @@ def test_lookahead_window_fills_the_budget_left_by_the_pool():
     assert tree.tokens == [1, 2, 20, 21] and tree.source == ["lookahead"] * 2 + ["lookahead:window"] * 2
 
 
+def test_lookahead_bigrams_pair_each_window_token_with_its_next_iterate():
+    """With ``ngram=2`` no earlier iterates are kept: every Jacobi step adds the bigrams
+    (window[j - 1], new[j]) of the window it verified, not of an older one."""
+    from decodekit.speculative.drafters.lookahead import LookaheadDrafter
+
+    drafter = LookaheadDrafter(window=3, ngram=2, guesses=4)
+    state = _Tokens([5, 6, 7], 3)
+    drafter.begin(state)
+    drafter.window = [20, 21, 22]
+    for guesses in ((30, 31, 32, 33), (40, 41, 42, 43)):  # the argmax after the root and each window token
+        logits = torch.full((4, 64), -1.0)
+        for row, guess in enumerate(guesses):
+            logits[row, guess] = 1.0
+        drafter.update(state, DraftTree.chain(list(drafter.window), "lookahead:window"), Verification([], 0), logits)
+        assert drafter.levels == [] and drafter.window == list(guesses[:3])
+    assert {key: list(bucket) for key, bucket in drafter.pool.items()} == {
+        20: [(31,)], 21: [(32,)], 30: [(41,)], 31: [(42,)]}
+
+
 def test_a_cost_table_entry_with_an_infinite_term_is_measured_again():
     """What a damaged or another version's file holds is measured again, never run: an infinite
     per-context term or anchor (a NaN or an overflow later, in a request) counts as damaged."""
@@ -1924,6 +1989,7 @@ def test_a_cost_table_entry_with_an_infinite_term_is_measured_again():
     assert CostTable.from_entry(good) is not None
     assert CostTable.from_entry({**good, "per_context": dict.fromkeys(sizes, math.inf)}) is None
     assert CostTable.from_entry({**good, "at": math.inf}) is None
+    assert CostTable.from_entry({"at": 256, "costs": good["costs"]}) is None  # an older version's: no term
 
 
 def test_the_suffix_corpus_keeps_a_requests_output_not_its_prompt():

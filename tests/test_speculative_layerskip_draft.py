@@ -346,6 +346,13 @@ def test_half_right_drafts_that_do_not_pay_trigger_a_swap():
     assert search.trial and len(search.current) == 5 and len(search.current - start) == 1
 
 
+def test_an_empty_skip_set_has_nothing_to_swap_and_is_kept():
+    """Half-right drafts from the full model (nothing skipped: a skip ratio rounded to zero) ask for
+    a swap; with no skipped layer to swap out the set stays empty and no trial starts."""
+    search = SkipSearch(12, frozenset())
+    feed(search, 2, 4)  # per pass 0.5, score 3 / (4 + 1) < 1
+    assert search.current == frozenset() and not search.trial and search.changes == 0
+
 def test_a_trial_that_only_ties_the_best_set_is_dropped():
     """A trial is kept if it scores better (the module docstring); one that does as well as the set
     it replaced is not, so the set does not wander among equals."""

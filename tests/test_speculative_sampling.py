@@ -612,3 +612,20 @@ def test_a_residual_with_no_mass_left_is_the_target_without_the_rejected_token()
     assert torch.equal(residual(p, p.clone(), 0), torch.tensor([0.0, 0.5, 0.5, 0.0]))
     assert torch.equal(residual(p, None, 1), torch.tensor([2 / 3, 0.0, 1 / 3, 0.0]))  # a point mass: p without it
     assert torch.equal(residual(torch.tensor([1.0, 0.0]), None, 0), torch.tensor([0.5, 0.5]))  # nothing left at all
+
+
+@pytest.mark.parametrize("with_q", [False, True], ids=["point-mass", "sampled"])
+def test_a_draft_the_target_gives_no_probability_is_never_accepted_even_at_a_uniform_of_zero(with_q):
+    """Accept x when u < p(x) / q(x), strictly: U(0, 1) draws can be exactly 0, and a token the
+    processed target rules out (p(x) = 0, here cut by top-k) must then still be rejected."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+
+    sampler = EnumeratedSampler(temperature=1.0, top_k=2)
+    sampler.grid = [0.0]
+    p_logits = torch.arange(V, dtype=torch.float32)  # top-2 keeps tokens V-1 and V-2 only
+    q = torch.full((V,), 1.0 / V) if with_q else None
+    tree = DraftTree([0], [-1], {} if q is None else {-1: q}, ["t"])
+    verdict = SamplingVerifier().verify(DecodeState(None, sampler, [1, 2], GenerationStats()), tree,
+                                        torch.stack([p_logits, p_logits]))
+    assert verdict.path == []
+    assert float(sampler.bonus_dist[0]) == 0.0 and float(sampler.bonus_dist[V - 2:].sum()) == pytest.approx(1.0)
