@@ -323,6 +323,18 @@ def test_a_levels_throughput_counts_only_the_requests_that_succeeded_and_compare
     assert (level["ok"], level["failed"], level["output_tokens"], level["output_tok_s"]) == (1, 1, 10, 5.0)
     table = compare_table([{"label": "a", "levels": [level]}])
     assert "| 2 | failed / sent | 1 / 2 |" in table.splitlines()
+    # a level timed at no wall time (a coarse clock) has no rate rather than a division by zero
+    assert summarize([Outcome(e2e_s=0.0, ttft_s=0.0, tokens=3)], wall_s=0.0, concurrency=1)["output_tok_s"] == 0.0
+
+
+def test_compare_rows_go_by_rising_concurrency_whatever_order_the_files_list_them():
+    """Every concurrency level of every file, one block each, smallest first."""
+    from decodekit.serve.load import compare_table
+
+    table = compare_table([{"label": "a", "levels": [level(4, 1.0, 1.0), level(1, 1.0, 1.0)]},
+                           {"label": "b", "levels": [level(2, 1.0, 1.0)]}])
+    rows = [line.split(" | ")[0] for line in table.splitlines() if "output tok/s" in line]
+    assert rows == ["| 1", "| 2", "| 4"]
 
 
 def test_a_level_latencies_are_those_of_the_requests_that_succeeded():
@@ -333,6 +345,8 @@ def test_a_level_latencies_are_those_of_the_requests_that_succeeded():
                       wall_s=2.0, concurrency=2)
     assert level["e2e_ms"] == {"p50": 2000.0, "p90": 2000.0, "p99": 2000.0}
     assert level["ttft_ms"] == {"p50": 1000.0, "p90": 1000.0, "p99": 1000.0}
+    # milliseconds to two decimals: a fast server's sub-millisecond differences still show
+    assert summarize([Outcome(e2e_s=0.0012345)], wall_s=1.0, concurrency=1)["e2e_ms"]["p50"] == 1.23
 
 
 def test_a_servers_error_is_its_message_or_the_first_line_of_its_body():
@@ -342,6 +356,7 @@ def test_a_servers_error_is_its_message_or_the_first_line_of_its_body():
     assert error_message(b'{"error": {"message": "model not loaded"}}') == "model not loaded"
     assert error_message(b"\n502 Bad Gateway\n<html>details</html>\n") == "502 Bad Gateway"
     assert error_message(b"") == "(empty body)"
+    assert error_message(b"x" * 500 + b"\nmore") == "x" * 200  # a long first line is cut, not copied whole
 
 
 def stream_lines(*chunks: dict | str) -> list[bytes]:

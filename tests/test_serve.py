@@ -340,6 +340,7 @@ def test_health_models_and_metrics(served):
             assert r.status == 200 and r.read() == b""
     models = served.client.models.list().data
     assert [m.id for m in models] == [MODEL] and models[0].numerics == served.server.numerics
+    assert models[0].max_model_len == 2048  # the tiny model's context (max_position), as vLLM reports it
     counts = ("decodekit:time_to_first_token_seconds_count", "decodekit:e2e_request_latency_seconds_count",
               "decodekit:time_per_output_token_seconds_count")
     before = [metric(served, c) for c in counts]
@@ -1602,6 +1603,11 @@ def test_without_max_tokens_a_chat_decodes_to_the_end_of_the_context():
         reply = chat(running, PROMPTS[0], temperature=0, extra_body={"ignore_eos": True})
         assert reply.usage.prompt_tokens + reply.usage.completion_tokens == 96
         assert reply.choices[0].finish_reason == "length"
+        # a prompt that fills the context leaves no room for one token: refused, not answered with nothing
+        fill = "x" * (96 - reply.usage.prompt_tokens + len(PROMPTS[0]))
+        with pytest.raises(openai.BadRequestError) as err:
+            chat(running, fill, temperature=0)
+        assert err.value.code == "context_length_exceeded"
     finally:
         running.stop()
 
@@ -1724,6 +1730,19 @@ def test_a_streamed_chat_gives_every_choice_its_role_then_its_text_its_end_and_t
     assert events[-2]["choices"] == [] and events[-2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
 
 
+def test_a_stream_without_include_usage_sends_no_usage_chunk(monkeypatch):
+    """Usage is streamed only when stream_options.include_usage asks for it: else the choices' chunks, then [DONE]."""
+    from decodekit.engine.core import Generation, GenerationStats
+    from decodekit.serve.reply import FINISHED
+    from decodekit.serve.scheduler import Outcome
+
+    outcome = Outcome(Generation("a", [3], GenerationStats(), "eos"), None, 0.0)
+    for chat in (True, False):
+        events = run_stream(bare_reply(chat), [[(0, "a")], [(0, FINISHED)]], [outcome], monkeypatch)
+        assert events[-1] == "[DONE]"
+        assert all(len(e["choices"]) == 1 and "usage" not in e for e in events[:-1])
+
+
 def test_a_streamed_choices_time_to_first_token_is_its_first_text(monkeypatch):
     """The time to first token of a stream: when its first text was handed over, not a later one."""
     import itertools
@@ -1741,6 +1760,25 @@ def test_a_streamed_choices_time_to_first_token_is_its_first_text(monkeypatch):
     value = metrics.registry.get_sample_value
     assert value("decodekit:time_to_first_token_seconds_sum") == 1.0
     assert value("decodekit:e2e_request_latency_seconds_sum") == 3.0
+
+
+def test_choices_cancelled_mid_stream_are_counted_each_with_its_own_first_token_time():
+    """A stream that ends early (its client gone) counts each choice when its thread stops, with the
+    time to first token that choice had: choice 0 had text at 1 s, choice 1 none yet."""
+    from concurrent.futures import Future
+
+    from decodekit.engine.core import Generation, GenerationStats
+    from decodekit.serve.scheduler import Outcome
+
+    metrics = fake_metrics()
+    futures = {0: Future(), 1: Future()}
+    bare_reply(True, metrics=metrics).record_when_stopped(futures, {0: 1.0})
+    for future in futures.values():  # the threads stop after the stream has gone
+        future.set_result(Outcome(Generation("a", [3], GenerationStats(), "cancelled"), None, 0.0))
+    value = metrics.registry.get_sample_value
+    assert value("decodekit:e2e_request_latency_seconds_count") == 2
+    assert value("decodekit:time_to_first_token_seconds_count") == 1
+    assert value("decodekit:time_to_first_token_seconds_sum") == 1.0
 
 
 def test_an_error_in_a_stream_is_counted_by_its_status(monkeypatch):
