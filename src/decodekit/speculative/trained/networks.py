@@ -69,6 +69,16 @@ def as_dict(config: EagleConfig | MedusaConfig | HydraConfig) -> dict:
     return asdict(config)
 
 
+def distilled(log_q: torch.Tensor, p: torch.Tensor, weight: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The cross-entropy of the drafter's ``log_q`` against the target's distribution ``p`` (what EAGLE
+    and Hydra distil), summed with ``weight`` over ``count`` positions, and the weighted share of
+    positions where their top tokens agree."""
+    cross_entropy = (-(p * log_q).sum(-1) * weight).sum() / count
+    with torch.no_grad():
+        agree = ((log_q.argmax(-1) == p.argmax(-1)).float() * weight).sum() / count
+    return cross_entropy, float(agree)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -229,12 +239,9 @@ class EagleNet(nn.Module):
         regression = (F.smooth_l1_loss(predicted, target, reduction="none").mean(-1) * weight).sum() / count
         with torch.no_grad():
             p = torch.softmax(self.head(target), dim=-1)
-        log_q = torch.log_softmax(self.head(predicted), dim=-1)
-        classification = (-(p * log_q).sum(-1) * weight).sum() / count
-        with torch.no_grad():
-            agree = ((log_q.argmax(-1) == p.argmax(-1)).float() * weight).sum() / count
+        classification, agree = distilled(torch.log_softmax(self.head(predicted), dim=-1), p, weight, count)
         figures = {"regression": float(regression.detach()), "cross_entropy": float(classification.detach()),
-                   "top1": float(agree)}
+                   "top1": agree}
         return regression + classification_weight * classification, figures
 
 
@@ -341,12 +348,9 @@ class HydraNet(nn.Module):
             weight = (mask[:, :span] & mask[:, shift:]).float()
             if not weight.any():  # nothing to score for this head (a mean over nothing is NaN)
                 continue
-            log_q = torch.log_softmax(self(k, inputs), dim=-1)
             p = teacher[:, shift - 1 : shift - 1 + span]  # f_{t+k+1}'s distribution: token t + k + 2
-            count = weight.sum()
-            total = total + (-(p * log_q).sum(-1) * weight).sum() / count
-            with torch.no_grad():
-                top1[f"top1_head{k}"] = float(((log_q.argmax(-1) == p.argmax(-1)).float() * weight).sum() / count)
+            loss, top1[f"top1_head{k}"] = distilled(torch.log_softmax(self(k, inputs), dim=-1), p, weight, weight.sum())
+            total = total + loss
         return total, top1
 
 
