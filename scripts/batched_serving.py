@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 
-from decodekit.models import batching, load_model
+from decodekit.models import load_model
+from decodekit.models.native import NativeLlama
 from decodekit.serve.app import Server
 
 SHORT = "Explain how a bicycle works."
@@ -38,19 +39,20 @@ def main() -> None:
     args = parser.parse_args()
     stats = {"exec": 0.0, "passes": 0, "rows": 0, "gap": 0.0}
     last_end: list[float | None] = [None]
-    execute = batching.PassBatcher._execute
+    forward_batch = NativeLlama.forward_batch
 
     def timed(self, batch):  # what each batched pass costs, and how long it waited for its requests
         start = time.perf_counter()
         if last_end[0] is not None:
             stats["gap"] += start - last_end[0]
-        execute(self, batch)
+        outputs = forward_batch(self, batch)
         last_end[0] = time.perf_counter()
         stats["exec"] += last_end[0] - start
         stats["passes"] += 1
         stats["rows"] += sum(len(p.tokens) for p in batch)
+        return outputs
 
-    batching.PassBatcher._execute = timed
+    NativeLlama.forward_batch = timed
     server = Server(lambda: load_model(numerics="fast", kv_cache=args.kv_cache), max_batch=max(args.concurrency), passes_on_caller=True,
                     **({} if args.stream_interval_ms is None else {"stream_interval_s": args.stream_interval_ms / 1000}))
     server.load_now()

@@ -9172,6 +9172,15 @@ MUTATIONS = (
              "            if self.spec.include_usage:\n                body = {",
              "            if True:\n                body = {",
              ("tests/test_serve.py", "-k", "without_include_usage")),
+    Mutation('member-error-swallowed', 'src/decodekit/models/batching.py',
+             '                future.set_exception(err)\n', '                future.set_result(None)\n',
+             ('tests/test_batching.py', '-k', 'members')),
+    Mutation('member-loop-outside-inference-mode', 'src/decodekit/models/batching.py',
+             '            with torch.inference_mode():\n                while not self._finished(until):', '            with contextlib.nullcontext():\n                while not self._finished(until):',
+             ('tests/test_batching.py',)),
+    Mutation('member-never-leaves-the-active-count', 'src/decodekit/models/batching.py',
+             "                with self._cond:\n                    self._active -= 1\n                    self._cond.notify()  # a thread's batch", "                with self._cond:\n                    self._cond.notify()  # a thread's batch",
+             ('tests/test_batching.py', '-k', 'members')),
 )
 
 

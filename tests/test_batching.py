@@ -1,9 +1,11 @@
 """Continuous batching of forward passes (models/batching.py): requests decoding on their own
-clones in their own threads share passes, and each gets exactly the tokens it gets alone."""
+clones, as members on the pass thread or in threads of their own, share passes, and each gets
+exactly the tokens it gets alone."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import pytest
@@ -49,15 +51,30 @@ def concurrently(model, batcher: PassBatcher, cases) -> list:
     return got, threads
 
 
+def member_generate(model, batcher: PassBatcher, case) -> list[int]:
+    backend = model.clone()
+    backend.batcher = batcher
+    return generate(backend, case)
+
+
+def as_members(model, batcher: PassBatcher, cases) -> list:
+    """The cases decoded as members of ``batcher`` on this thread (as the server runs requests)."""
+    return batcher.run_here([functools.partial(member_generate, model, batcher, case) for case in cases])
+
+
 def assert_batched_as_alone(model, cases, shared: bool = True) -> None:
-    """The cases run concurrently on clones of ``model`` give each case the tokens it gets alone,
-    in passes that were shared (unless ``shared`` is False: a policy whose passes never batch)."""
+    """The cases run concurrently on clones of ``model``, as threads and as members, give each case
+    the tokens it gets alone, in passes that were shared (unless ``shared`` is False: a policy
+    whose passes never batch)."""
     alone = [generate(model.clone(), case) for case in cases]
     batcher = PassBatcher()
     got, threads = concurrently(model, batcher, cases)
     for t in threads:
         t.join()
     assert got == alone
+    assert batcher.rows > batcher.passes or not shared
+    batcher = PassBatcher(own_thread=False)
+    assert as_members(model, batcher, cases) == alone
     assert batcher.rows > batcher.passes or not shared
 
 
@@ -135,6 +152,37 @@ def test_passes_can_run_on_the_callers_thread():
     threading.Thread(target=lambda: ([t.join() for t in threads], stop.set(), batcher.stop_waiting())).start()
     batcher.serve(stop)
     assert got == alone and batcher.passes > 0
+
+
+def test_members_share_every_pass_and_their_errors_reach_their_futures():
+    """Members run on the pass thread between their passes, so every batch holds a pass of each
+    member still decoding (none waits for a straggler); one member's error is its own future's,
+    and the others finish."""
+    model = base(NUMERICS[-1])
+    batcher = PassBatcher(own_thread=False)
+    sizes: list[int] = []
+    execute = batcher._execute
+    batcher._execute = lambda batch: (sizes.append(len(batch)), execute(batch))
+    cases = [("hello world hello world", "greedy", {}), ("the cat sat", "greedy", {})]
+    assert as_members(model, batcher, cases) == [generate(model.clone(), case) for case in cases]
+    assert sizes[0] == 2 and sizes == sorted(sizes, reverse=True)  # both in every batch until one is done
+    # members run in inference mode, as the loop does (their thread's state is the same at every
+    # switch), and the serving thread's own state is what it was
+    assert PassBatcher(own_thread=False).run_here([torch.is_inference_mode_enabled]) == [True]
+    assert not torch.is_inference_mode_enabled()
+
+    def failing():
+        raise ValueError("a member's own error")
+
+    futures = [batcher.start(failing), batcher.start(functools.partial(member_generate, model, batcher, cases[1]))]
+    until = threading.Event()
+    futures[1].add_done_callback(lambda _: until.set())
+    batcher.serve(until)
+    assert isinstance(futures[0].exception(), ValueError) and futures[1].result() == generate(model.clone(), cases[1])
+    assert batcher.active == 0
+    with pytest.raises(ValueError, match="a member's own error"):  # run_here raises it
+        batcher.run_here([functools.partial(member_generate, model, batcher, cases[0]), failing])
+    assert batcher.run_here([]) == []
 
 
 def test_a_long_prompt_arrives_in_chunks_and_errors_reach_the_request():

@@ -568,7 +568,7 @@ def test_answers_made_side_by_side_are_each_the_answer_made_alone():
 
 
 def test_an_answer_that_fails_side_by_side_fails_answer_all(monkeypatch):
-    """An error on a worker thread is raised on the caller's, never a corpus quietly short of it."""
+    """An error in one of the answers made side by side is raised on the caller, never a corpus quietly short of it."""
     model = tiny()
     real = data_module.answer
 

@@ -1,25 +1,36 @@
 """Continuous batching of forward passes: many sequences, one pass over the weights.
 
-Each request keeps decoding with its own backend clone (its own cache, drafter and sampler state)
-in its own thread, exactly as it would alone. When a clone attached to a :class:`PassBatcher`
-runs a forward pass, the pass waits for the other active sequences' passes and all of them run as
-one: projections over every row together (the weights stream from memory once for the whole
-batch), rotary embedding, cache writes and attention per sequence on its own cache. Sequences
-join and leave between passes; a long prompt arrives as chunks (:data:`PREFILL_CHUNK` tokens a
-pass), so it never stalls the others' decode steps for a whole prefill.
+Each request keeps decoding with its own backend clone (its own cache, drafter and sampler state),
+exactly as it would alone. When a clone attached to a :class:`PassBatcher` runs a forward pass,
+the pass waits for the other active sequences' passes and all of them run as one: projections
+over every row together (the weights stream from memory once for the whole batch), rotary
+embedding, cache writes and attention per sequence on its own cache. Sequences join and leave
+between passes; a long prompt arrives as chunks (:data:`PREFILL_CHUNK` tokens a pass), so it never
+stalls the others' decode steps for a whole prefill.
 
 Batch invariance: every row is computed on its own in the kernels (see ``kernels/forward.c``),
 so a request's tokens are the same whatever else shares its passes: plain, speculative (a
 verification tree is just a pass of several rows) or sampled.
 
-When does a batch run? As soon as every active sequence has a pass waiting (none is still
-choosing its next tokens), or ``wait_s`` after the oldest pass arrived, or when the waiting
-rows fill ``max_rows``. The waiting threads block, never spin: each request thread on its own
-pass's event, set when that pass is done, and the pass thread on a condition variable, woken only
-when a pass arrives that could start a batch (the first one, which starts the wait, or the one
-that completes it) or when a request leaves. One shared condition for everything woke every
-waiting request thread at every arrival, to find its own pass not done: with 8 requests, some
-forty wake-ups a step, each wanting the interpreter's lock.
+A request decodes either as a *member* started with :meth:`PassBatcher.start` (the server's
+requests, and the answers that train drafters), or on a thread of its own inside
+:meth:`PassBatcher.member`. A member is a greenlet on the pass thread itself: its pass switches
+back to the pass loop, which switches into each member of a batch once the batch has run, so a
+member's Python work between its passes (choosing its tokens, checking its stops) costs no thread
+wake-up and no handoff of the interpreter's lock. With a thread per request, those handoffs cost
+more than the work itself (see docs/BENCHMARKS.md, "Requests as greenlets"). Members leave their
+greenlet only inside :meth:`PassBatcher.run`, from a pass, with torch in inference mode, and the
+loop runs in inference mode too: what the greenlets share of their thread's state is the same at
+every switch. A member must never block its thread waiting for another member (they all run on it).
+
+When does a batch run? At once when every active sequence has a pass waiting (members always do
+when the loop runs: none is still choosing its next tokens), else ``wait_s`` after the oldest pass
+arrived, or when the waiting rows fill ``max_rows``. Waiting threads block, never spin: each
+request thread on its own pass's event, set when that pass is done, and the pass thread on a
+condition variable, woken only when a pass arrives that could start a batch (the first one, which
+starts the wait, or the one that completes it), when a member is started, or when a request
+leaves. One shared condition for everything woke every waiting request thread at every arrival,
+to find its own pass not done: with 8 requests, some forty wake-ups a step.
 
 Which thread runs the passes matters. The kernels split each step over OpenMP threads, and
 GNU OpenMP keeps a team of worker threads per thread that starts parallel work. Once the teams
@@ -27,8 +38,8 @@ hold more threads than there are cores, it stops letting idle workers spin and p
 between parallel regions; waking them costs a fraction of a millisecond a region, a few hundred
 regions a step (a pass on a second thread measured several times slower than on the main
 thread). So the passes run on one thread (:meth:`PassBatcher.serve`, ideally called by the main
-thread, whose team already exists), and the request threads keep their own torch work on one thread
-(:func:`single_threaded`), so that they never start a team of their own.
+thread, whose team already exists), members run on it, and request threads keep their own torch
+work on one thread (:func:`single_threaded`), so that they never start a team of their own.
 """
 
 from __future__ import annotations
@@ -36,10 +47,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import greenlet
 import torch
 
 from .kernels import MAX_ROWS
@@ -70,13 +83,24 @@ class _Pass:
     arrived: float = field(default_factory=time.perf_counter)
     output: tuple[torch.Tensor, torch.Tensor] | None = None  # logits, features
     error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)  # set by the pass thread
+    done: threading.Event = field(default_factory=threading.Event)  # set by the pass thread (a thread's pass)
+    member: greenlet.greenlet | None = None  # a started member's pass: switched back into when done
+
+
+class _Member(greenlet.greenlet):
+    """A member started by :meth:`PassBatcher.start`: a greenlet on its batcher's pass thread."""
+
+    def __init__(self, run: Callable[[], None], batcher: "PassBatcher"):
+        super().__init__(run)
+        self.batcher = batcher
 
 
 class PassBatcher:
     """Gathers the forward passes of the sequences attached to it and runs them together, all on
     one thread: a thread of its own started at the first pass, or, with ``own_thread=False``,
-    the one that calls :meth:`serve` (passes wait for it).
+    the one that calls :meth:`serve` (passes wait for it). A sequence is attached either as a
+    member started on that thread (:meth:`start`: no thread of its own) or as a thread of its
+    own that decodes inside :meth:`member`.
 
     ``max_rows``: most rows in one pass (the kernels' few-row limit for the ``exact`` numerics);
     ``wait_s``: longest a pass waits for the other sequences."""
@@ -92,6 +116,21 @@ class PassBatcher:
         self.passes = 0  # batched passes run (for metrics and tests)
         self.rows = 0  # rows they carried
         self._last_batch: dict[int, int] = {}  # the last batch: rows per sequence (by backend id)
+        self._arrivals: list[tuple[Callable[[], Any], Future]] = []  # members started, not yet begun
+        self._hub: greenlet.greenlet | None = None  # the pass loop's greenlet while it runs
+
+    def start(self, work: Callable[[], Any]) -> Future:
+        """Run ``work`` as a member on the pass thread, as a greenlet (see the module docstring): it
+        counts as active until it returns, and its passes join the batches. Returns the future of
+        its result (or of what it raised). ``work`` must not block its thread waiting for another
+        member (a lock held by one, say): they all run on it."""
+        future: Future = Future()
+        with self._cond:
+            self._ensure_thread()
+            self._active += 1
+            self._arrivals.append((work, future))
+            self._cond.notify()
+        return future
 
     @contextlib.contextmanager
     def member(self) -> Iterator[None]:
@@ -121,21 +160,50 @@ class PassBatcher:
         """Logits ``[k, V]`` (``[1, V]`` with ``last_only``) and features ``[k, D]`` of one
         sequence's pass, run with the others'."""
         job = _Pass(backend, tokens, positions, visible, start, last_only, backend.batch_key)
+        current = greenlet.getcurrent()
+        if isinstance(current, _Member) and current.batcher is self:
+            job.member = current
         with self._cond:
-            if self._thread is None and self.own_thread:
-                self._thread = threading.Thread(target=self._loop, args=(self._closed,), name="decodekit-passes",
-                                                daemon=True)
-                self._thread.start()
+            self._ensure_thread()
             self._waiting.append(job)
-            # the pass thread needs to hear of the first pass (its wait starts) and of the one
-            # that fills the batch; it waits for a timeout in between
-            if len(self._waiting) == 1 or self._full():
+            # the pass thread needs to hear of a thread's first pass (its wait starts) and of the
+            # one that fills the batch; it waits for a timeout in between (a member's pass is
+            # already on the pass thread)
+            if job.member is None and (len(self._waiting) == 1 or self._full()):
                 self._cond.notify()
-        job.done.wait()
+        if job.member is not None:
+            self._hub.switch()  # the loop runs the batch, then switches back here
+        else:
+            job.done.wait()
         if job.error is not None:
             raise job.error
         assert job.output is not None
         return job.output
+
+    def run_here(self, works: list[Callable[[], Any]]) -> list[Any]:
+        """Run ``works`` as members on the calling thread until every one has returned (a batcher
+        made with ``own_thread=False``): their results, in order, or the first error one raised."""
+        futures = [self.start(work) for work in works]
+        if not futures:
+            return []
+        all_done, left = threading.Event(), [len(futures)]
+
+        def one_done(_: Future) -> None:  # called on this thread, as a member ends
+            left[0] -= 1
+            if not left[0]:
+                all_done.set()
+
+        for future in futures:
+            future.add_done_callback(one_done)
+        self.serve(all_done)
+        return [future.result() for future in futures]
+
+    def _ensure_thread(self) -> None:
+        """Start the batcher's own pass thread if it has one and it is not running (lock held)."""
+        if self._thread is None and self.own_thread:
+            self._thread = threading.Thread(target=self._loop, args=(self._closed,), name="decodekit-passes",
+                                            daemon=True)
+            self._thread.start()
 
     def serve(self, until: threading.Event) -> None:
         """Run the passes on the calling thread until ``until`` is set (a batcher made with
@@ -164,15 +232,42 @@ class PassBatcher:
         return until is not None and until.is_set() and not (self.own_thread and (self._active or self._waiting))
 
     def _loop(self, until: threading.Event | None = None) -> None:
-        while not self._finished(until):
-            with self._cond:
-                batch = self._ready()
-                while not batch and not self._finished(until):
-                    oldest = max(self._waiting[0].arrived, self._last_end) if self._waiting else None
-                    self._cond.wait(0.5 if oldest is None else max(0.0, oldest + self.wait_s - time.perf_counter()))
-                    batch = self._ready()
-            if batch:
-                self._execute(batch)
+        self._hub = greenlet.getcurrent()
+        try:
+            # the members' state on this thread: inference mode at every switch (see the module docstring)
+            with torch.inference_mode():
+                while not self._finished(until):
+                    with self._cond:
+                        arrivals, batch = self._next()
+                        while not arrivals and not batch and not self._finished(until):
+                            oldest = max(self._waiting[0].arrived, self._last_end) if self._waiting else None
+                            self._cond.wait(0.5 if oldest is None else max(0.0, oldest + self.wait_s - time.perf_counter()))
+                            arrivals, batch = self._next()
+                    for work, future in arrivals:  # each runs until its first pass (or its end)
+                        _Member(self._member_body(work, future), self).switch()
+                    if batch:
+                        self._execute(batch)
+        finally:
+            self._hub = None
+
+    def _next(self) -> tuple[list[tuple[Callable[[], Any], Future]], list[_Pass]]:
+        """The members to begin, or else the next batch (lock held): members begin first, so that
+        their first passes join the batch."""
+        arrivals, self._arrivals = self._arrivals, []
+        return arrivals, ([] if arrivals else self._ready())
+
+    def _member_body(self, work: Callable[[], Any], future: Future) -> Callable[[], None]:
+        def body() -> None:
+            try:
+                if future.set_running_or_notify_cancel():
+                    future.set_result(work())
+            except BaseException as err:  # the caller's, through the future
+                future.set_exception(err)
+            finally:
+                with self._cond:
+                    self._active -= 1
+                    self._cond.notify()  # a thread's batch may have been waiting for this one
+        return body
 
     def _full(self) -> bool:
         """Whether the waiting passes make a batch without waiting longer: every active sequence's
@@ -213,4 +308,8 @@ class PassBatcher:
             self.rows += sum(len(p.tokens) for p in batch)
             self._last_batch = {id(p.backend): len(p.tokens) for p in batch}
         for job in batch:
-            job.done.set()
+            if job.member is None:
+                job.done.set()
+        for job in batch:  # each member's Python runs now, until its next pass (or its end)
+            if job.member is not None:
+                job.member.switch()

@@ -97,7 +97,7 @@ class Tokenizer:
             return matcher.deep_copy()
 
 
-_GRAMMARS_LOCK = threading.Lock()  # the server's request threads share a tokenizer
+_GRAMMARS_LOCK = threading.Lock()  # requests decoding on threads of their own share a tokenizer
 
 
 def matcher_error_line(error: str) -> str:

@@ -1,5 +1,5 @@
 """The answers: OpenAI response bodies and server-sent events made from a request's outcomes
-(:class:`Reply`), and the hand-over of streamed text from the request threads to the event loop
+(:class:`Reply`), and the hand-over of streamed text from the decoding requests to the event loop
 (:class:`Outbox`)."""
 
 from __future__ import annotations
@@ -82,13 +82,13 @@ class Channel:
 
 
 class Outbox:
-    """What the request threads post for the streams of one event loop, handed to the loop in batches.
+    """What the decoding requests post for the streams of one event loop, handed to the loop in batches.
 
     A choice's first text and its end are handed over at once (the time to the first token, and
     the response's end); other text is gathered for ``interval_s`` and handed over together with
     whatever every other stream posted meanwhile: one wake-up of the loop, and one write a stream,
     for several tokens. Each wake-up, generator resumption and socket write takes the interpreter
-    and a core that a request thread or the next pass needs; a wake-up a token showed as time
+    and a core that a request's decoding or the next pass needs; a wake-up a token showed as time
     between passes (docs/BENCHMARKS.md, "Streaming"). ``interval_s`` 0: every token at once."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float):
@@ -146,7 +146,7 @@ class Reply:
                 "total_tokens": len(self.prompt_ids) + completion}
 
     def record_when_stopped(self, futures: dict[int, Any], first: dict[int, float]) -> None:
-        """Count each of these choices when its request thread has stopped (a cancelled one with
+        """Count each of these choices when its decoding has stopped (a cancelled one with
         what it generated before; one that failed is counted as an error where it is answered)."""
         for index, future in futures.items():
             # (a future the scheduler's close cancelled has nothing to count)
@@ -232,7 +232,7 @@ class Reply:
         outcomes: dict[int, Outcome] = {}
         for index, future in enumerate(futures):
             # a choice's end comes the same way as its text, after it (both are posted from its
-            # request thread, in order): the stream waits for deliveries, never polls
+            # decoding, in order): the stream waits for deliveries, never polls
             future.add_done_callback(lambda f, i=index: deltas.post((i, FINISHED)))
         try:
             if self.chat:

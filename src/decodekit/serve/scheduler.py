@@ -1,11 +1,10 @@
 """The server's scheduler: request slots, a bounded waiting queue, one batcher for all passes.
 
 Each slot is an :class:`..engine.Engine` over its own clone of the model (its own cache, and
-its own memory of what speculative methods learn), run by one thread of a pool of
-``max_batch``. Every slot's forward passes go through one :class:`..models.batching.PassBatcher`,
-which runs them together on its own thread: continuous batching with the engine's decode loop
-unchanged, so every method (speculative ones included) serves concurrent requests, and a
-request's output does not depend on what else runs (the kernels compute each row on its own), except
+its own memory of what speculative methods learn). A running request decodes in its slot as a
+member of one :class:`..models.batching.PassBatcher`, on the thread that runs every slot's forward
+passes together: continuous batching with the engine's decode loop unchanged, so every method
+(speculative ones included) serves concurrent requests, and a request's output does not depend on what else runs (the kernels compute each row on its own), except
 a speculative method's under an evicting cache (``sink:``, ``h2o:``, ``snapkv:``), where the passes the
 controller sizes, from the batch too, decide what is evicted (as the README says).
 
@@ -17,10 +16,11 @@ slot.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,7 +96,7 @@ class Scheduler:
                  passes_on_caller: bool = False):
         """``passes_on_caller``: the passes wait for a thread to call ``self.batcher.serve`` (the
         main thread, in ``decodekit serve``) instead of running on a thread of their own."""
-        from ..models.batching import PassBatcher, single_threaded
+        from ..models.batching import PassBatcher
 
         self.model = model
         self.batcher = PassBatcher(own_thread=not passes_on_caller)
@@ -111,8 +111,6 @@ class Scheduler:
                 backend.batcher = self.batcher
             self._free.append(Engine(LoadedModel(backend, model.tokenizer, model.name)))
         self.prefix_tokens = 0  # prompt tokens taken from a slot's cache instead of being read again
-        self._pool = ThreadPoolExecutor(self.max_batch, thread_name_prefix="decodekit-request",
-                                        initializer=single_threaded if self.batching else None)
         self._lock = threading.Lock()
         self.running = 0
         # the choices admitted that wait for a slot, oldest first, with the futures their callers hold:
@@ -149,7 +147,7 @@ class Scheduler:
             engine = self._take_slot(job.prompt_ids)
             self.running += 1
             job.started = time.perf_counter()
-            self._pool.submit(self._run, job, engine, future)
+            self.batcher.start(functools.partial(self._run, job, engine, future))
 
     def _take_slot(self, prompt_ids: list[int]) -> Engine:
         """The idle slot whose cache shares the longest prefix with the prompt (called with the lock
@@ -189,18 +187,17 @@ class Scheduler:
 
     def _decode(self, job: Job, engine: Engine) -> Outcome:
         """The choice decoded in its slot's engine, with its log-probabilities where asked for."""
-        with self.batcher.member():
-            generation = engine.generate(
-                job.prompt_ids, method=job.method, max_new_tokens=job.max_new_tokens, stop=job.stop, chat=False,
-                on_text=job.on_text, should_stop=job.cancelled.is_set, ignore_eos=job.ignore_eos,
-                constraint=job.constraint, **job.params,
-            )
-            logprobs = None
-            if job.top_logprobs is not None and generation.finish_reason != "cancelled":
-                shown = shown_tokens(engine.model.tokenizer, generation.text, generation.tokens, generation.cut_off)
-                logprobs = token_logprobs(engine.model.backend, job.prompt_ids, shown, job.top_logprobs)
-                if shown:  # the teacher-forced pass read prompt and answer: the cache holds them, after a search too
-                    engine.model.backend.keep(job.prompt_ids + generation.tokens)
+        generation = engine.generate(
+            job.prompt_ids, method=job.method, max_new_tokens=job.max_new_tokens, stop=job.stop, chat=False,
+            on_text=job.on_text, should_stop=job.cancelled.is_set, ignore_eos=job.ignore_eos,
+            constraint=job.constraint, **job.params,
+        )
+        logprobs = None
+        if job.top_logprobs is not None and generation.finish_reason != "cancelled":
+            shown = shown_tokens(engine.model.tokenizer, generation.text, generation.tokens, generation.cut_off)
+            logprobs = token_logprobs(engine.model.backend, job.prompt_ids, shown, job.top_logprobs)
+            if shown:  # the teacher-forced pass read prompt and answer: the cache holds them, after a search too
+                engine.model.backend.keep(job.prompt_ids + generation.tokens)
         return Outcome(generation, logprobs, job.started - job.submitted)
 
     def close(self) -> None:
@@ -209,5 +206,4 @@ class Scheduler:
             waiting, self._queued = list(self._queued.values()), {}
         for future in waiting:
             future.cancel()
-        self._pool.shutdown(wait=False, cancel_futures=True)
         self.batcher.close()

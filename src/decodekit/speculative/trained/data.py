@@ -22,6 +22,7 @@ theirs is dropped, and :func:`check_excluded` asserts it on the finished set by 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import time
@@ -231,43 +232,26 @@ def answer_all(backend: Backend, tokenizer: Tokenizer, jobs: list[tuple[str, flo
     """Answers to ``jobs`` (query, temperature, seed), ``concurrency`` at a time, each on its own clone
     of the model, their passes run as one by a :class:`~decodekit.models.batching.PassBatcher` (rows
     are computed independently: every answer is the one it would be alone, features included)."""
-    import threading
-
     from ...models.batching import PassBatcher
 
-    batcher = PassBatcher(own_thread=True)
+    batcher = PassBatcher(own_thread=False)  # its members and their passes on this thread
     results: list[Sample | None] = [None] * len(jobs)
     queue = list(range(len(jobs)))[::-1]
-    lock = threading.Lock()
-    errors: list[BaseException] = []
+    failed: list[bool] = []  # one member's error stops the others at their next answer
 
     def work(clone: Backend) -> None:
         clone.batcher = batcher
-        with batcher.member():
-            while True:
-                with lock:
-                    if not queue or errors:
-                        return
-                    i = queue.pop()
-                query, temperature, seed = jobs[i]
-                generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
-                try:
-                    results[i] = answer(clone, tokenizer, query, max_new_tokens, temperature, generator)
-                except BaseException as err:  # reported on the calling thread
-                    errors.append(err)
-                    return
+        while queue and not failed:
+            i = queue.pop()
+            query, temperature, seed = jobs[i]
+            generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
+            try:
+                results[i] = answer(clone, tokenizer, query, max_new_tokens, temperature, generator)
+            except BaseException:
+                failed.append(True)
+                raise
 
-    threads = [threading.Thread(target=work, args=(backend.clone(),), daemon=True)
-               for _ in range(max(1, min(concurrency, len(jobs))))]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        batcher.close()
-    if errors:
-        raise errors[0]
+    batcher.run_here([functools.partial(work, backend.clone()) for _ in range(max(1, min(concurrency, len(jobs))))])
     return [r for r in results if r is not None]
 
 
