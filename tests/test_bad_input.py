@@ -650,5 +650,6 @@ def test_a_drafter_that_cannot_draft_for_the_model_says_so_before_the_prompt_is_
             draft_model=tiny_llama(seed=1, vocab_size=2000))
     refused(tiny_llama(seed=0), "no eagle drafter for", method="eagle")
     refused(HFBackend(tiny_hf_model(num_layers=2)), "needs a backend that gives features", method="medusa")
+    refused(HFBackend(tiny_hf_model(num_layers=2)), "kvdraft needs the native backend", method="kvdraft")
     refused(tiny_llama(seed=0, hidden_size=64).with_kv_cache("int4"), "kvdraft drafts for a cache that keeps every token",
             method="hierarchy", order="pld,kvdraft")  # a drafter's parts are checked as it is

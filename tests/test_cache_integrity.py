@@ -1420,6 +1420,46 @@ def test_a_crashed_builders_temporary_is_listed_and_pruned_but_not_a_live_builde
     assert [i.path for i in remove_unused(0, tmp_path).removed] == [orphan] and not orphan.exists()
 
 
+def test_an_old_temporary_of_a_crashed_rebuild_is_pruned_though_its_entry_is_in_use(tmp_path):
+    """A crashed builder's temporary is weighed by its own age, not its entry's last use: the one a
+    failed rebuild left weeks ago beside an entry in daily use is pruned, and the entry stays."""
+    from decodekit.models.cache import remove_unused
+
+    made = make_entries(tmp_path)  # the folder entry: its lock made, used just now
+    orphan = made["folder"].with_name(f".{made['folder'].name}.k2j3h4.tmp")
+    orphan.mkdir()
+    (orphan / "weights.bin").write_bytes(bytes(500))
+    age(orphan, 40)
+    assert [item.path for item in remove_unused(30, tmp_path).removed] == [orphan] and not orphan.exists()
+    assert Entry(made["folder"], folder=True).check() is None
+
+
+def test_a_cached_file_that_cannot_be_read_is_reported_and_rebuilt(tmp_path, monkeypatch, capsys):
+    """A file the check cannot read (a permission, an I/O error) is a damaged entry: one line on
+    stderr, and the entry is built again, not an OSError out of the load."""
+    from decodekit.models import cache as cache_module
+
+    path = cache_module.cached_file(tmp_path / "table.bin", lambda tmp: tmp.write_bytes(b"old" * 10))
+    digest = cache_module.file_digest
+
+    def unreadable_old_bytes(file: Path) -> str:
+        if file == path and file.read_bytes() == b"old" * 10:
+            raise PermissionError(13, "Permission denied")
+        return digest(file)
+
+    monkeypatch.setattr(cache_module, "file_digest", unreadable_old_bytes)
+    cache_module.cached_file(path, lambda tmp: tmp.write_bytes(b"new" * 10))
+    assert reports(capsys.readouterr().err) == [f"decodekit: cache {path} failed its check (table.bin cannot be read "
+                                                f"(Permission denied)); rebuilding it"]
+    assert path.read_bytes() == b"new" * 10
+
+
+def test_reading_a_json_value_never_written_leaves_no_trace(tmp_path):
+    """A read of a value not there (the cost table of a fresh cache) writes nothing: no folder, no lock."""
+    assert read_json(tmp_path / "cache" / "speculative" / "verify_cost.json") is None
+    assert not (tmp_path / "cache").exists()
+
+
 def test_reading_a_cached_json_value_marks_it_used(tmp_path):
     """The cost table is read at every run and written rarely: each read counts as a use, or pruning
     would remove a table in daily use and every run would measure it again."""

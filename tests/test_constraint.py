@@ -555,6 +555,41 @@ def test_decoding_with_masks_computed_ahead_is_decoding_without(engine, method, 
         where.clear()
 
 
+@pytest.mark.parametrize("method", ["greedy", "sample"])
+def test_a_row_whose_mask_was_computed_ahead_moves_its_own_matcher_on(engine, method, monkeypatch):
+    """A row served a mask computed ahead keeps its path for the next pass's rows, which grow from it:
+    the matcher moves on from there, and only the prefill's row branches from the anchor (a copy of
+    the anchor brought along the whole output at every pass would cost a parse of it each token)."""
+    from decodekit.samplers import constraint as constraint_module
+    from decodekit.samplers.constraint import ConstrainedTokens
+
+    branched: list[int] = []
+    move = constraint_module.MatcherPaths._move_anchor
+    monkeypatch.setattr(constraint_module.MatcherPaths, "_move_anchor",
+                        lambda self, tokens: branched.append(len(tokens)) or move(self, tokens))
+    monkeypatch.setattr(ConstrainedTokens, "looks_ahead", True)  # as with a core to spare
+    schema = {"type": "array", "items": {"type": "string"}}
+    options = {"temperature": 0.9, "seed": 2} if method == "sample" else {}
+    got = engine.generate("abc abc abc", method=method, max_new_tokens=40, chat=False, constraint={"json_schema": schema},
+                          **options)
+    assert len(got.tokens) == 40 and branched == [0]
+
+
+def test_a_call_about_more_rows_than_are_kept_keeps_the_last_rows_paths():
+    """At most KEPT matchers are kept, each holding parser state for its whole row: a call asking
+    about more rows (a wide batch or tree) keeps the paths of the rows it asked about last."""
+    from itertools import product
+
+    tok = CharTokenizer(96)
+    proc = constraint_processor({"regex": "[ab]+"}, tok)
+    kept = proc.paths.KEPT
+    prompt = tok.encode("zz")
+    rows = [prompt + tok.encode("".join(letters)) for letters in product("ab", repeat=7)][: kept + 6]
+    out = proc(torch.zeros(len(rows), 96), Histories(rows, len(prompt)))
+    assert bool((out[:, tok.encode("a")] == 0).all())  # every row masked as its own ("a" allowed after each)
+    assert list(proc.paths.paths) == [tuple(row[len(prompt):]) for row in rows[-kept:]]
+
+
 def test_masks_are_computed_ahead_only_with_a_core_to_spare(monkeypatch):
     """Beside a pass that uses every core, a mask thread takes a core from it (measured slower)."""
     from decodekit.samplers import constraint as constraint_module
@@ -571,6 +606,8 @@ def test_masks_are_computed_ahead_only_with_a_core_to_spare(monkeypatch):
 def test_bad_constraints_are_one_clear_line(engine):
     for spec, match in (({"regex": "[0-9"}, "^invalid regex constraint"), ({"json_schema": '{"type": 5}'}, "^invalid json schema"),
                         ({"json_schema": "{not json"}, "^the JSON schema is not valid JSON"), ({"choice": []}, "non-empty list"),
+                        ({"regex": ""}, "regex constraint needs a non-empty string"),
+                        ({"grammar": ""}, "grammar constraint needs a non-empty string"),
                         ({"grammar": "start: foo"}, "^invalid grammar constraint"), ({"xml": "x"}, "constraint kind must be"),
                         ({"regex": r"[^\s\S]"}, "^invalid regex constraint: no text can continue"),  # matches nothing
                         # a lone surrogate (undecodable bytes, a JSON "\ud800") is no text llguidance can take
@@ -693,7 +730,13 @@ def test_a_matcher_error_outside_the_mask_is_one_line_not_an_unmasked_row(engine
     assert "\n" not in str(err.value)
 
 
-def test_a_json_constraint_takes_no_schema():
+def test_a_json_constraint_means_any_json_object_and_takes_no_schema():
+    tok = CharTokenizer(96)
+    proc = constraint_processor({"json": None}, tok)
+    for text in ('{"a": [1, "x"]}', "{}"):
+        assert proc.allowed_prefix([], tok.encode(text)) == len(text), text
+    for text in ("[1]", '"x"', "12", "null"):  # JSON, but not an object
+        assert proc.allowed_prefix([], tok.encode(text)) == 0, text
     with pytest.raises(InvalidParameter, match="takes no value; for a schema use json_schema"):
         Constraint.coerce({"json": {"type": "integer"}})
 

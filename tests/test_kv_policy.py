@@ -380,27 +380,28 @@ def test_kvdraft_draft_cache_is_the_targets_compressed():
     assert (draft.length, draft.slots) == (22, 2)
 
 
-def kvdraft_chain(prompt: list[int], root: int, draft_cache: str, depth: int):
-    """A greedy target (tiny, seed 0) after ``prompt`` and ``root``, and the chain of ``depth`` tokens
-    that kvdraft over ``draft_cache`` drafts from there, used without the loop (``begin`` only)."""
+def kvdraft_chain(prompt: list[int], root: int, draft_cache: str, depth: int, **config):
+    """A greedy target (tiny, seed 0; ``config`` its own, e.g. ``max_position``) after ``prompt`` and
+    ``root``, the chain of ``depth`` tokens that kvdraft over ``draft_cache`` drafts from there, used
+    without the loop (``begin`` only), and the drafter."""
     from decodekit.engine.core import DecodeState, GenerationStats
     from decodekit.samplers import Sampler
     from decodekit.speculative.drafters.kvdraft import CompressedCacheDrafter
 
-    target = tiny_llama(seed=0, hidden_size=64, scale=3.0)
+    target = tiny_llama(seed=0, hidden_size=64, scale=3.0, **config)
     state = DecodeState(target, Sampler(greedy=True), prompt, GenerationStats())
     state.prefill()
     state.commit([root])
     drafter = CompressedCacheDrafter(draft_cache=draft_cache, confidence=0.0)
     drafter.begin(state)
-    return target, drafter.draft(state, depth)
+    return target, drafter.draft(state, depth), drafter
 
 
 def test_kvdraft_drafts_attending_to_the_first_sink_and_the_last_window_entries():
     """MagicDec's StreamingLLM draft: each draft pass of ``sink:S,window:W`` attends to the first S and
     the last W entries of the target's own cache; its greedy chain is the one such passes give."""
     prompt, root = tokens(40, seed=4), 7
-    target, tree = kvdraft_chain(prompt, root, "sink:2,window:8", 4)
+    target, tree, drafter = kvdraft_chain(prompt, root, "sink:2,window:8", 4)
     assert target.length == len(prompt)  # the draft's entries rolled back
     reference = tiny_llama(seed=0, hidden_size=64, scale=3.0)
     reference.prefill(prompt)
@@ -409,6 +410,7 @@ def test_kvdraft_drafts_attending_to_the_first_sink_and_the_last_window_entries(
         token = int(reference.append_windowed(torch.tensor([[token]]), 2, 8).logits[0, -1].argmax())
         chain.append(token)
     assert tree.tokens == chain and tree.parents == [-1, 0, 1, 2]
+    assert drafter.last_steps == 4  # a draft pass per token: what the controller prices the chain by
     other = tiny_llama(seed=0, hidden_size=64, scale=3.0)  # the same chain with sink and window swapped differs
     other.prefill(prompt)
     token, swapped = root, []
@@ -423,7 +425,7 @@ def test_kvdraft_used_without_the_loop_builds_its_draft_cache_in_begin():
     (the drafter contract): a compressed draft cache is made there, from the target's prompt entries,
     and the chain is the greedy chain of that cache; the target's cache is left as it was."""
     prompt, root = tokens(30, seed=2), 7
-    target, tree = kvdraft_chain(prompt, root, "int8", 3)
+    target, tree, _ = kvdraft_chain(prompt, root, "int8", 3)
     assert target.length == len(prompt)
     reference = tiny_llama(seed=0, hidden_size=64, scale=3.0)
     reference.prefill(prompt)
@@ -434,6 +436,16 @@ def test_kvdraft_used_without_the_loop_builds_its_draft_cache_in_begin():
         token = int(draft.append(torch.tensor([[token]])).logits[0, -1].argmax())
         chain.append(token)
     assert tree.tokens == chain and tree.parents == [-1, 0, 1]
+
+
+@pytest.mark.parametrize("draft_cache", ["sink:2,window:8", "int8"])
+def test_kvdraft_near_the_end_of_the_context_drafts_only_what_the_context_holds(draft_cache):
+    """Asked for a chain longer than the context has room for, kvdraft drafts what fits (the target
+    then verifies root and chain within its context) and, with no room left, makes no draft pass."""
+    for length, fits in ((91, 4), (93, 2), (95, 0)):  # a context of 96: prompt, root, then the chain
+        target, tree, drafter = kvdraft_chain(tokens(length, seed=4), 7, draft_cache, 4, max_position=96)
+        assert len(tree.tokens) == fits and drafter.last_steps == fits, (length, draft_cache)
+        assert target.length == length  # the target's cache left as it was
 
 
 def test_h2o_reads_a_prompt_64_tokens_a_pass_evicting_between_them(monkeypatch):
@@ -702,6 +714,21 @@ def test_a_kivi_store_refuses_head_sizes_it_cannot_pack_and_part_groups():
     assert torch.equal(store.k_codes[:, :, :8], before[0]) and torch.equal(store.k_params[:, :, :1], before[1])
     store.append(torch.randn(1, 2, 16, 32, generator=g), torch.randn(1, 2, 16, 32, generator=g))
     assert store.tokens == 24
+
+
+def test_a_kivi_store_appended_a_group_at_a_time_grows_by_doubling():
+    """Decoding appends one group at a time: the store's capacity at least doubles each time it grows
+    (a copy of every code so far at each group would make a long output's appends quadratic)."""
+    from decodekit.models.kivi import KiviStore
+
+    g = torch.Generator().manual_seed(7)
+    store, capacities = KiviStore(1, 2, 32, 8, 4), []
+    for _ in range(40):
+        store.append(torch.randn(1, 2, 8, 32, generator=g), torch.randn(1, 2, 8, 32, generator=g))
+        if store.capacity not in capacities:
+            capacities.append(store.capacity)
+    assert store.tokens == 320 <= store.capacity
+    assert all(after >= 2 * before for before, after in zip(capacities, capacities[1:])), capacities
 
 
 @pytest.mark.parametrize("bits", [4, 2])

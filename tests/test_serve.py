@@ -1251,6 +1251,16 @@ def test_stop_takes_up_to_four_strings():
     assert refused({"prompt": "hi", "stop": list("abcde")}) == "stop"
 
 
+@pytest.mark.parametrize("field, value", [(field, value) for field in ("stop", "stream_options", "method_options")
+                                          for value in (0, 1, False, True, "") if (field, value) != ("stop", "")])
+def test_a_field_of_the_wrong_type_is_refused_whatever_its_value(field, value):
+    """0, false or "" is no list or object either (a stop may be a string): refused as 1 is, never
+    read as "not given" (null is)."""
+    body = {"prompt": "hi", "stream": True} if field == "stream_options" else {"prompt": "hi"}
+    assert refused({**body, field: value}) == field
+    assert parse_request({**body, field: None}, chat=False).prompt == "hi"
+
+
 def test_logprob_fields_that_would_be_ignored_are_refused():
     """top_logprobs without logprobs: true (even 0, as OpenAI answers it), and a completion's logprobs
     (even 0) with stream: a 400, never a reply without the log-probabilities asked for."""
@@ -1287,6 +1297,9 @@ def test_structured_output_fields_are_read_as_their_kinds_one_at_most():
     read = lambda **body: parse_request({"prompt": "hi", **body}, chat=False).constraint  # noqa: E731
     assert read(response_format={"type": "json_object"}) == {"json": None}
     assert read(response_format={"type": "json_schema", "json_schema": {"schema": schema}}) == {"json_schema": schema}
+    # a boolean schema is a JSON schema (true: any value), as guided_json and --json-schema take it
+    assert read(response_format={"type": "json_schema", "json_schema": {"schema": True}}) == {"json_schema": True}
+    assert refused({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": 1}}}) == "response_format"
     assert read(response_format={"type": "text"}) is None
     assert read(guided_json=schema) == {"json_schema": schema}
     assert read(guided_regex="a+") == {"regex": "a+"} and read(guided_choice=["a", "b"]) == {"choice": ["a", "b"]}
@@ -2132,3 +2145,7 @@ def test_another_models_name_is_a_404_with_its_code(served):
                                                                                   "invalid_request_error")
     status, body, _ = served.get("/v1/models/gpt-9")
     assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    for model in (5, ["gpt-9"], {"name": "gpt-9"}):  # not a name at all: a malformed field
+        status, body = post(served, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2})
+        error = json.loads(body)["error"]
+        assert status == 400 and error["param"] == "model" and "model must be a string" in error["message"]

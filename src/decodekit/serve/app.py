@@ -195,8 +195,11 @@ class Server:
         scheduler = self.ready()
         self.check_origin(request)
         body = await read_body(request)
-        if body.get("model") not in (None, self.model_id):
-            raise self.unknown_model(body.get("model"))
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):  # a malformed field, not a model this server lacks
+            raise ApiError(400, f"model must be a string, got {model!r:.80}", param="model")
+        if model not in (None, self.model_id):
+            raise self.unknown_model(model)
         spec = parse_request(body, chat=chat)
         try:
             # on a thread: a long prompt takes a while to tokenise, and other clients wait meanwhile otherwise

@@ -162,12 +162,12 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
     max_tokens = _integer(body, "max_tokens", max_tokens if chat else max_tokens or 16, 1)
     n = _integer(body, "n", 1, 1, MAX_N)
     stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop or []
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop  # (0 or false is no list either)
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop):
         raise ApiError(400, "stop must be a string or a list of at most 4 strings", param="stop")
     stream = _flag(body, "stream")
     top_logprobs = _top_logprobs(body, chat, stream)
-    options = body.get("stream_options") or {}
+    options = {} if body.get("stream_options") is None else body["stream_options"]
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", param="stream_options")
     if options and not stream:  # as OpenAI answers it: options of a stream that is not asked for
@@ -213,7 +213,7 @@ def _method_options(body: dict[str, Any]) -> dict[str, Any]:
                               if k not in NOT_OPTIONS and k not in UNSUPPORTED and v is not None}
     # a method's options may also come in an object of their own: the only way to give those named
     # like an OpenAI field (a search method's n, which the body's n cannot be)
-    named = body.get("method_options") or {}
+    named = {} if body.get("method_options") is None else body["method_options"]
     if not isinstance(named, dict) or not all(isinstance(k, str) for k in named):
         raise ApiError(400, "method_options must be an object of a method's options", param="method_options")
     # the OpenAI fields are read from the body below: inside method_options they would be lost
@@ -265,8 +265,8 @@ def structured_output(body: dict[str, Any]) -> dict[str, Any] | None:
         if kind == "json_object":
             found.append({"json": None})
         elif kind == "json_schema":
-            schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
-            if not isinstance(schema, dict):
+            schema = fmt["json_schema"].get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+            if not isinstance(schema, (dict, bool)):  # a boolean schema is one too, as guided_json takes it
                 raise ApiError(400, "response_format json_schema needs json_schema.schema, an object", param="response_format")
             found.append({"json_schema": schema})
         elif kind != "text":
