@@ -853,27 +853,33 @@ def test_the_server_listens_on_an_ipv6_address_too():
             sock.close()
 
 
-def test_a_second_signal_stops_waiting_and_a_sigint_ignored_from_the_start_stays_ignored(capsys):
-    """SIGTERM or SIGINT: the first asks uvicorn to finish the requests in progress, a second to stop
-    now; a SIGINT the process was started ignoring (a background job) is left ignored."""
+def test_a_second_signal_stops_waiting_and_a_sigint_ignored_from_the_start_stays_ignored(capsys, monkeypatch):
+    """SIGTERM or SIGINT: the first asks uvicorn to finish the requests in progress, and stops those
+    still running a second before its grace ends; a second signal stops now; a SIGINT the process
+    was started ignoring (a background job) is left ignored."""
     from types import SimpleNamespace
 
-    from decodekit.serve.cli import shut_down_on_signals
+    from decodekit.serve import cli as serve_cli
 
+    monkeypatch.setattr(serve_cli, "SHUTDOWN_GRACE_S", 1.02)
     saved = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+    stopped = []
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         web = SimpleNamespace(should_exit=False, force_exit=False)
-        shut_down_on_signals(web)
+        serve_cli.shut_down_on_signals(web, lambda: stopped.append(time.perf_counter()))
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         handler = signal.getsignal(signal.SIGTERM)
+        signalled = time.perf_counter()
         handler(signal.SIGTERM, None)
-        assert web.should_exit and not web.force_exit
+        assert web.should_exit and not web.force_exit and not stopped
         handler(signal.SIGTERM, None)
         assert web.force_exit
+        time.sleep(0.5)
+        assert len(stopped) == 1 and stopped[0] - signalled >= 0.02  # once, a second before the grace's end
         signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored: Ctrl-C shuts down too
         web = SimpleNamespace(should_exit=False, force_exit=False)
-        shut_down_on_signals(web)
+        serve_cli.shut_down_on_signals(web, lambda: None)
         signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
         assert web.should_exit and not web.force_exit
     finally:
@@ -881,6 +887,40 @@ def test_a_second_signal_stops_waiting_and_a_sigint_ignored_from_the_start_stays
             signal.signal(number, handler)
     err = capsys.readouterr().err
     assert err.count("SIGTERM, shutting down") == 1 and err.count("SIGINT, shutting down") == 1
+
+
+def test_answers_stopped_by_a_shutdown_end_as_503s_a_stream_with_its_error_event():
+    """Server.stop_answers (the end of a shutdown's grace): a stream in progress ends with an error
+    event and [DONE], never a connection cut mid-text; a whole answer in progress and a new request
+    are 503s with code server_shutting_down; text posted once the event loop has closed is dropped."""
+    running = Running(tiny_model(), max_batch=2, max_queue=4)
+    try:
+        long = {"prompt": "hello", "max_tokens": 1900, "temperature": 0, "ignore_eos": True}
+        request = urllib.request.Request(running.url + "/v1/completions", json.dumps({**long, "stream": True}).encode(),
+                                         {"Content-Type": "application/json"})
+        with ThreadPoolExecutor(1) as pool, urllib.request.urlopen(request) as stream:
+            whole = pool.submit(post, running, "/v1/completions", long)
+            assert stream.readline().startswith(b"data: {")
+            deadline = time.perf_counter() + 30
+            while running.server.scheduler.running < 2 and time.perf_counter() < deadline:
+                time.sleep(0.01)
+            assert running.server.scheduler.running == 2  # both decoding (1,900 tokens take a while)
+            running.server.stop_answers()
+            events = [line for line in stream.read().decode().split("\n") if line]
+            status, body = whole.result(timeout=60)
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "server_shutting_down"
+        assert events[-1] == "data: [DONE]"
+        assert status == 503 and json.loads(body)["error"]["code"] == "server_shutting_down"
+        status, body = post(running, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 503 and json.loads(body)["error"]["code"] == "server_shutting_down"
+    finally:
+        running.stop()
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    outbox = Outbox(loop, 0.0)
+    outbox.post(outbox.channel(), (0, "text"))  # nobody reads it: no error either
 
 
 def test_the_outbox_hands_over_a_first_text_and_an_end_at_once_and_gathers_the_rest():

@@ -36,7 +36,7 @@ from ..errors import DecodeKitError, PromptTooLong
 from ..models import LoadedModel
 from ..samplers.params import SEED_LIMIT
 from . import MAX_BATCH, MAX_QUEUE, RETRY_AFTER_S, STREAM_INTERVAL_S
-from .errors import ApiError, ClientGone, error_response, internal_error
+from .errors import ApiError, ClientGone, error_response, internal_error, shutting_down
 from .metrics import ServerMetrics
 from .reply import Outbox, Reply
 from .request import check_method, decoding_error, field_named, parse_request, read_body
@@ -64,6 +64,7 @@ class Server:
         self.scheduler: Scheduler | None = None
         self.metrics: ServerMetrics | None = None
         self.load_error: str | None = None
+        self.stopping = False  # stop_answers() was called: the server is shutting down
         # redirect_slashes=False: a path with a trailing slash is a 404 error object, not an empty 307
         self.app = FastAPI(title="decodekit", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
         if allowed_origins:
@@ -104,7 +105,17 @@ class Server:
     def model_id(self) -> str:
         return self.scheduler.model.name if self.scheduler else ""
 
+    def stop_answers(self) -> None:
+        """End every answer in progress now, each with a 503 (in its stream if it has one): the server
+        is shutting down and its grace is nearly over, so the answers end as errors a client can read,
+        never as connections cut in the middle of a text."""
+        self.stopping = True
+        if self.scheduler is not None:
+            self.scheduler.cancel_all()
+
     def ready(self) -> Scheduler:
+        if self.stopping:
+            raise shutting_down()
         if self.scheduler is None:
             reason = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
             raise ApiError(503, reason, "server_error", code="model_loading")
@@ -245,6 +256,8 @@ class Server:
         except DecodeKitError as err:  # found while decoding: an option the checks above cannot judge alone, or a fault
             reply.record_finished(futures, jobs)  # the other choices ran to their end: they count
             raise decoding_error(err, body, chat) from None
+        if self.stopping and any(o.generation.finish_reason == "cancelled" for o in outcomes):
+            raise shutting_down()
         return reply.whole(outcomes, jobs)
 
 

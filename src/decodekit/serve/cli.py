@@ -11,6 +11,7 @@ import argparse
 import socket
 import sys
 import threading
+from collections.abc import Callable
 
 from ..arguments import add_model_arguments
 from ..errors import InvalidParameter
@@ -70,14 +71,18 @@ def base_url(sock: socket.socket) -> str:
 
 
 SHUTDOWN_SIGNALS = ("SIGTERM", "SIGINT")
+#: How long a shutdown waits for the requests in progress (uvicorn's graceful timeout); the answers
+#: still running a second before its end are stopped, each with an error its client can read.
+SHUTDOWN_GRACE_S = 5
 
 
-def shut_down_on_signals(web) -> None:
+def shut_down_on_signals(web, stop_answers: Callable[[], None]) -> None:
     """SIGTERM and Ctrl-C shut the server down as uvicorn does on its own thread (which installs no
     handlers off the main thread): no new connections, the requests in progress answered in full
-    (the passes go on meanwhile) for up to the graceful timeout, then the process ends with status
-    0. A second signal stops waiting for them. A SIGINT the process was started ignoring (a
-    background job of a shell) stays ignored."""
+    (the passes go on meanwhile) for up to the graceful timeout, less a second in which
+    ``stop_answers`` ends those still running with a 503; then the process ends with status 0. A
+    second signal stops waiting for them. A SIGINT the process was started ignoring (a background
+    job of a shell) stays ignored."""
     import signal
 
     def shut_down(signum: int, frame) -> None:
@@ -85,6 +90,9 @@ def shut_down_on_signals(web) -> None:
             web.force_exit = True
             return
         web.should_exit = True
+        deadline = threading.Timer(SHUTDOWN_GRACE_S - 1, stop_answers)
+        deadline.daemon = True
+        deadline.start()
         print(f"decodekit serve: {signal.Signals(signum).name}, shutting down (the requests in progress are "
               "finished; another signal stops now)", file=sys.stderr, flush=True)
 
@@ -130,13 +138,13 @@ def run(args: argparse.Namespace) -> int:
     server = Server(lambda: load_for_serving(args), max_batch=args.max_batch, max_queue=args.max_queue,
                     passes_on_caller=True, stream_interval_s=interval_s,
                     allowed_origins=origins)
-    web = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=5))
+    web = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     # HTTP on a thread, answering 503 while the model loads; the main thread loads the model and
     # then runs every forward pass (see models/batching.py for why the main thread)
     http = threading.Thread(target=web.run, kwargs={"sockets": [sock]}, name="decodekit-http", daemon=True)
     http.start()
     stopped = threading.Event()
-    shut_down_on_signals(web)
+    shut_down_on_signals(web, server.stop_answers)
     try:
         server.load_now()
         if web.should_exit:  # a signal came while the model loaded: the HTTP thread has closed the socket

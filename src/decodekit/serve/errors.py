@@ -28,6 +28,12 @@ def internal_error(err: Exception) -> str:
     return f"internal error: {type(err).__name__}: {err}"
 
 
+def shutting_down() -> ApiError:
+    """The answer to a request the server stopped because it is shutting down (a 503 to retry elsewhere)."""
+    return ApiError(503, "the server is shutting down: this answer was stopped before its end; retry", "server_error",
+                    code="server_shutting_down")
+
+
 class ClientGone(Exception):
     """The client closed the connection before its answer: nobody to answer, nothing to count as an error."""
 

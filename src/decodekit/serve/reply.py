@@ -19,7 +19,7 @@ from fastapi import Request
 from ..engine.registry import method_spec
 from ..engine.stops import shown_tokens
 from ..models.tokenizer import Tokenizer
-from .errors import error_body
+from .errors import ApiError, error_body, shutting_down
 from .request import RequestSpec, decoding_error
 from .scheduler import Job, Outcome
 
@@ -110,10 +110,15 @@ class Outbox:
             if self._due == "now" or self._due == wanted:
                 return  # the loop has been asked already, soon enough
             self._due = wanted
-        if wanted == "now":
-            self.loop.call_soon_threadsafe(self._hand_over)
-        else:
-            self.loop.call_soon_threadsafe(self.loop.call_later, self.interval_s, self._hand_over)
+        try:
+            if wanted == "now":
+                self.loop.call_soon_threadsafe(self._hand_over)
+            else:
+                self.loop.call_soon_threadsafe(self.loop.call_later, self.interval_s, self._hand_over)
+        except RuntimeError:
+            # the loop has closed (the server shut down while this choice decoded): nobody reads it now
+            if not self.loop.is_closed():
+                raise
 
     def _hand_over(self) -> None:
         """On the loop: every posted item to its channel. (A timer that finds nothing is harmless.)"""
@@ -246,6 +251,8 @@ class Reply:
                         out.append(self._chunk(index, text, None))
                         continue
                     outcome = outcomes[index] = futures[index].result()  # an engine error propagates
+                    if outcome.generation.finish_reason == "cancelled" and self.server.stopping:
+                        raise shutting_down()
                     del unrecorded[index]
                     self.record(outcome, first.get(index))
                     out.append(self._chunk(index, None, FINISH[outcome.generation.finish_reason]))
@@ -256,7 +263,7 @@ class Reply:
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
         except Exception as err:  # the stream has started: the error goes in it, as OpenAI does, then [DONE]
-            answer = decoding_error(err, self.body, self.chat)
+            answer = err if isinstance(err, ApiError) else decoding_error(err, self.body, self.chat)
             self.server.count_error(answer.status)
             yield f"data: {json.dumps({'error': error_body(str(answer), answer.kind, answer.param, answer.code)})}\n\n"
             yield "data: [DONE]\n\n"

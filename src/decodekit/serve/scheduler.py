@@ -113,6 +113,7 @@ class Scheduler:
         self.prefix_tokens = 0  # prompt tokens taken from a slot's cache instead of being read again
         self._lock = threading.Lock()
         self.running = 0
+        self._running: set[Job] = set()
         # the choices admitted that wait for a slot, oldest first, with the futures their callers hold:
         # here, not in the pool's queue, so that one cancelled is dropped at once, memory and all
         self._queued: dict[Job, Future[Outcome]] = {}
@@ -146,6 +147,7 @@ class Scheduler:
                 continue
             engine = self._take_slot(job.prompt_ids)
             self.running += 1
+            self._running.add(job)
             job.started = time.perf_counter()
             self.batcher.start(functools.partial(self._run, job, engine, future))
 
@@ -167,22 +169,29 @@ class Scheduler:
             if future.set_running_or_notify_cancel():  # unless its caller cancelled the future itself
                 future.set_result(Outcome(Generation.cancelled(), None, time.perf_counter() - job.submitted))
 
+    def cancel_all(self) -> None:
+        """Stop every choice, running or waiting (the server shutting down)."""
+        with self._lock:
+            jobs = [*self._queued, *self._running]
+        self.cancel(jobs)
+
     def _run(self, job: Job, engine: Engine, future: Future[Outcome]) -> None:
         """Decode a choice in its slot, give the slot back (the next waiting choice starts), then
         answer its future: a caller that submits again at once finds the slot free."""
         try:
             outcome = self._decode(job, engine)
         except BaseException as err:  # handed to the caller, whatever it is (nothing is left hanging)
-            self._release(engine)
+            self._release(job, engine)
             future.set_exception(err)
             return
-        self._release(engine)
+        self._release(job, engine)
         future.set_result(outcome)
 
-    def _release(self, engine: Engine) -> None:
+    def _release(self, job: Job, engine: Engine) -> None:
         with self._lock:
             self._free.append(engine)
             self.running -= 1
+            self._running.discard(job)
             self._dispatch()
 
     def _decode(self, job: Job, engine: Engine) -> Outcome:
