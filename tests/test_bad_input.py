@@ -439,6 +439,8 @@ def test_invalid_utf8_argument_from_a_real_command_line():
     ([{"role": "user"}], "prompt message 0 needs a 'role' and a 'content' string"),
     ([{"role": "user", "content": None}], "prompt message 0 needs"),
     ([{"content": "hi"}], "prompt message 0 needs"),
+    ([{"role": "bot", "content": "x"}], "prompt message 0 must have a role, one of system, developer, user, assistant; "
+                                        "got 'bot'"),  # the server's words (test_serve.py)
     ([1, 2, 96], "prompt token id 96 is outside the vocabulary [0, 96)"),
     ([-1], "prompt token id -1 is outside the vocabulary"),
     ([True, False], "the prompt must be a string"),  # bools are no token ids
@@ -449,6 +451,17 @@ def test_python_api_refuses_what_is_not_a_prompt(engine, prompt, expected):
     with pytest.raises(InvalidParameter) as err:
         engine.generate(prompt, max_new_tokens=4, chat=False)
     assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_python_api_gives_the_chat_template_a_developer_message_as_a_system_message_as_the_server_does(
+        engine, monkeypatch):
+    from decodekit.engine.api import prompt_token_ids
+
+    rendered = []
+    monkeypatch.setattr(engine.model.tokenizer, "chat_prompt", lambda messages: rendered.append(messages) or "x")
+    prompt_token_ids(engine.model, [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+                     chat=True)
+    assert rendered == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]]
 
 
 def test_python_api_takes_token_ids_at_both_ends_of_the_vocabulary(engine):
@@ -463,6 +476,19 @@ def test_an_engine_on_a_loaded_model_refuses_loading_choices_rather_than_ignore_
     with pytest.raises(InvalidParameter, match="chosen when a model is loaded") as err:
         Engine(engine.model, **choice)
     assert err.value.param == next(iter(choice))
+
+
+@pytest.mark.parametrize("choice", [{"kv_cache": "int8"}, {"numerics": "fast"}, {"dtype": "bfloat16"}, {"backend": "hf"},
+                                    {"model": "smollm2-135m"}])
+def test_generate_refuses_a_loading_choice_saying_where_it_goes(engine, choice):
+    """kv_cache and the other loading choices belong to Engine(...) or decodekit.generate(...):
+    given to Engine.generate they are refused saying so, not as options the method lacks."""
+    name = next(iter(choice))
+    with pytest.raises(InvalidParameter) as err:
+        engine.generate("hi", max_new_tokens=2, **choice)
+    assert str(err.value) == (f"{name}: chosen when a model is loaded; pass it to Engine(...) or decodekit.generate(...), "
+                              "not to Engine.generate()")
+    assert err.value.param == name
 
 
 def test_python_api_other_bad_arguments(engine):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -137,15 +138,22 @@ def test_the_model_flags_reach_the_engine(monkeypatch):
     assert made == [("m.gguf", {"backend": "hf", "dtype": "bfloat16", "numerics": "fast", "kv_cache": "int8"})]
 
 
-def test_choice_flag_drops_empty_alternatives():
-    """--choice a,,b is the choices a and b: an empty one (a doubled or trailing comma) would let the
-    model answer nothing at all."""
+def test_choice_flag_refuses_empty_alternatives_quoting_what_was_given():
+    """--choice a,,b is refused, not run as the choices a and b: an empty choice (a doubled, leading or
+    trailing comma) would let the model answer nothing, and dropping it would run something other than
+    what was asked (the server refuses an empty choice too). The line quotes the flag's text."""
     import argparse
 
     from decodekit.interfaces.cli import constraint_from_args
 
-    args = argparse.Namespace(json_object=False, json_schema=None, regex=None, choice="yes,,no,", grammar=None)
-    assert constraint_from_args(args) == {"choice": ["yes", "no"]}
+    def choice(text: str):
+        return constraint_from_args(argparse.Namespace(json_object=False, json_schema=None, regex=None, choice=text,
+                                                       grammar=None))
+
+    assert choice("yes,no") == {"choice": ["yes", "no"]}
+    for text in ("yes,,no", "yes,no,", ",yes", ",", ""):
+        with pytest.raises(InvalidParameter, match=f"^--choice {re.escape(repr(text))}: a choice is empty"):
+            choice(text)
 
 
 def test_generate_and_chat_flags_default_to_what_the_readme_says():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import re
@@ -192,6 +193,20 @@ def test_eval_end_to_end_on_a_tiny_model(tmp_path, method, capsys):
     assert vars(parser.parse_args(shlex.split(result["command"])[2:])) == vars(args) == vars(parser.parse_args(given))
 
 
+def test_results_record_n_only_where_something_drew_n_samples():
+    """--n (default 8) counts a method's samples and --signals agreement's: a greedy run without the
+    signal draws one answer, so its results say n null and its report names no n."""
+    from decodekit.eval.report import markdown
+    from decodekit.eval.runner import EvalConfig, evaluate
+
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    for config, n in ((EvalConfig(), None), (EvalConfig(method="self-consistency", n=3), 3),
+                      (EvalConfig(n=3, signals=["agreement"]), 3)):
+        result = evaluate(model, fake_task(), dataclasses.replace(config, max_new_tokens=2, limit=1))
+        assert result["n"] == n, config
+        assert (", n 3," in markdown(result)) == (n is not None)
+
+
 def test_signal_tokens_add_up_every_extra_signals_samples(monkeypatch):
     """An item's signal_tokens is what all its extra signals spent: the agreement samples' tokens and
     the paraphrases' tokens together."""
@@ -284,7 +299,7 @@ def test_real_model_greedy_signals_and_judge(real_model):
 def test_report_says_when_accuracy_is_low():
     from decodekit.eval.report import markdown
 
-    base = {"task": "gsm8k", "method": "greedy", "seed": 0, "n": 1, "options": {}, "correct": 0, "items": 10,
+    base = {"task": "gsm8k", "method": "greedy", "seed": 0, "n": None, "options": {}, "correct": 0, "items": 10,
             "tokens_spent": 10, "signal_tokens": 0, "time_s": 1.0, "auroc": {}, "budget_curve": [], "records": []}
     low = markdown({**base, "accuracy": 0.0, "ci95": [0.0, 0.278]})
     high = markdown({**base, "accuracy": 0.8, "correct": 8, "ci95": [0.49, 0.94]})
@@ -549,7 +564,7 @@ def test_numbers_equal_compares_what_float_cannot_read_as_text():
     assert not numbers_equal("1/2", "0.5") and not numbers_equal("7", "n/a")
 
 
-REPORT_BASE = {"task": "gsm8k", "method": "greedy", "seed": 0, "n": 1, "options": {}, "correct": 2, "items": 10,
+REPORT_BASE = {"task": "gsm8k", "method": "greedy", "seed": 0, "n": None, "options": {}, "correct": 2, "items": 10,
                "accuracy": 0.2, "ci95": [0.057, 0.51], "tokens_spent": 100, "signal_tokens": 0, "time_s": 1.0,
                "auroc": {}, "budget_curve": [], "records": []}
 

@@ -1145,6 +1145,19 @@ def test_a_developer_message_is_a_system_message():
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
 
 
+def test_an_unknown_role_is_refused_in_the_python_apis_words():
+    """One check for the server and the Python API (engine/api.py's chat_role): the same line, here
+    naming the request's messages (test_bad_input.py has the API's)."""
+    from decodekit.serve.errors import ApiError
+    from decodekit.serve.request import chat_messages
+
+    for role in ("bot", None, ["user"]):
+        with pytest.raises(ApiError) as err:
+            chat_messages([{"role": "user", "content": "hi"}, {"role": role, "content": "x"}])
+        assert (err.value.status, err.value.param) == (400, "messages")
+        assert str(err.value) == f"messages[1] must have a role, one of system, developer, user, assistant; got {role!r}"
+
+
 def test_a_completions_tokens_join_to_its_text_and_their_offsets_index_it():
     from decodekit.serve.reply import token_texts
 
@@ -1457,6 +1470,27 @@ def test_metrics_time_per_output_token_is_over_the_tokens_after_the_first():
     assert value("decodekit:time_to_first_token_seconds_count") == 2
     assert (value("decodekit:spec_decode_num_draft_tokens_total"), value("decodekit:spec_decode_num_accepted_tokens_total")) == (6, 4)
     assert value("decodekit:generation_tokens_total") == 6 and value("decodekit:prompt_tokens_total") == 6
+
+
+def test_slots_whose_caches_would_not_fit_in_memory_are_refused_before_they_are_made(monkeypatch):
+    """--max-batch makes a clone with a cache of its own per slot: a count whose caches exceed the
+    memory available is refused in one line naming the flag and both sizes, before the clones are
+    made (here: memory for 3 slots' caches; 4 refused, 3 served). The scheduler checks, so the Python
+    API's Server is covered as well as the CLI."""
+    from decodekit.errors import InvalidParameter
+    from decodekit.models import native
+    from decodekit.serve.scheduler import Scheduler
+
+    model = tiny_model()
+    slot = model.backend.clone()
+    monkeypatch.setattr(native, "available_memory", lambda: 3 * (slot._k.nbytes + slot._v.nbytes))
+    clones, clone = [], type(slot).clone
+    monkeypatch.setattr(type(slot), "clone", lambda self: clones.append(clone(self)) or clones[-1])
+    with pytest.raises(InvalidParameter, match=r"^4 sequences of \d+ positions need a [\d.]+ MiB KV cache, more than the "
+                                               r"[\d.]+ MiB of memory available; ask for a smaller --max-batch \(each of its 4 "):
+        Scheduler(model, max_batch=4)
+    assert len(clones) == 1  # only the one whose cache was sized
+    Scheduler(model, max_batch=3).close()
 
 
 def test_a_backend_that_cannot_batch_its_passes_serves_one_choice_at_a_time():

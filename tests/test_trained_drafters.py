@@ -649,16 +649,17 @@ def test_damaged_and_wrong_drafter_files_are_one_line(drafter_files, tmp_path):
         meta, tensors = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
     for vocab in (torch.cat([torch.tensor([-5]), tensors["head.vocab"][1:]]), tensors["head.vocab"][:0]):
         crafted = {**tensors, "head.vocab": vocab.contiguous()}
-        save_file(crafted, str(broken), metadata={**meta, "digest": store.tensors_digest(crafted)})
+        save_file(crafted, str(broken), metadata={**meta, "digest": store.drafter_digest(crafted, meta)})
         with pytest.raises(InvalidModel, match="head.vocab is not a list of token ids"):
             store.load(backend, "eagle", broken)
     # weights that are not finite, or not stored as a drafter's are; a config that cannot be a network's
     name = next(n for n, t in tensors.items() if t.is_floating_point())
     for weights in (torch.full_like(tensors[name], float("nan")), tensors[name].double(), tensors[name].to(torch.int8)):
         crafted = {**tensors, name: weights.contiguous()}
-        save_file(crafted, str(broken), metadata={**meta, "digest": store.tensors_digest(crafted)})
+        save_file(crafted, str(broken), metadata={**meta, "digest": store.drafter_digest(crafted, meta)})
         with pytest.raises(InvalidModel, match=f"{re.escape(name)} must hold finite float16"):
             store.load(backend, "eagle", broken)
+    # (each under the digest a save would write: the config's own checks, behind the digest's)
     config = json.loads(meta["config"])
     for change, problem in (({"heads": 0}, "heads must be a positive integer"),
                             ({"rope_theta": float("nan")}, "rope_theta must be a positive number"),
@@ -666,7 +667,8 @@ def test_damaged_and_wrong_drafter_files_are_one_line(drafter_files, tmp_path):
                             ({"intermediate": 7}, "size mismatch for"),  # the weights' shapes say otherwise
                             # sizes a damaged config could ask for: refused before anything is allocated
                             ({"intermediate": 10**12}, "its config asks for [0-9]+ weights, more than the file holds")):
-        save_file(tensors, str(broken), metadata={**meta, "config": json.dumps({**config, **change})})
+        edited = {**meta, "config": json.dumps({**config, **change})}
+        save_file(tensors, str(broken), metadata={**edited, "digest": store.drafter_digest(tensors, edited)})
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # one line: no torch warning before it
             with pytest.raises(InvalidModel, match=problem):
@@ -686,7 +688,7 @@ def test_a_drafter_whose_token_ids_reach_past_the_targets_vocabulary_is_refused(
         vocab = tensors["head.vocab"].clone()
         vocab[-1] = last
         crafted = {**tensors, "head.vocab": vocab}
-        save_file(crafted, str(crafted_path), metadata={**meta, "digest": store.tensors_digest(crafted)})
+        save_file(crafted, str(crafted_path), metadata={**meta, "digest": store.drafter_digest(crafted, meta)})
         if fits:
             assert store.build(crafted_path, "eagle", backend) is not None
         else:
@@ -1695,7 +1697,7 @@ def test_a_hydra_file_whose_config_asks_for_thousands_of_heads_is_refused_before
     assert isinstance(store.load(model.backend, "hydra", path).blocks, torch.nn.ModuleList)
     meta = _crafted(path, path)[1]
     config = json.loads(meta["config"])
-    _crafted(path, path, config=json.dumps({**config, "heads": 3000}))
+    _crafted(path, path, redigest=True, config=json.dumps({**config, "heads": 3000}))
     with pytest.raises(InvalidModel, match="config asks for [0-9]+ weights, more than the file holds"):
         store.load(tiny().backend, "hydra", path)
 
@@ -1851,16 +1853,20 @@ def test_medusa_trees_are_the_most_probable_paths_of_the_heads(budget):
     assert paths == best and len(tree) == budget
 
 
-def _crafted(source, path, tensors=None, **meta_changes):
-    """``source``'s drafter file written again to ``path`` with other tensors or metadata (its saved
-    digest kept unless the change names one)."""
+def _crafted(source, path, tensors=None, redigest=False, **meta_changes):
+    """``source``'s drafter file written again to ``path`` with other tensors or metadata: under its
+    saved digest (a damaged file), or with ``redigest`` under the digest a save would write (a file
+    that passes the digest, for the checks behind it)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     with safe_open(str(source), framework="pt") as handle:
         meta, original = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
     meta = {k: v for k, v in {**meta, **meta_changes}.items() if v is not None}
-    save_file({n: t.contiguous() for n, t in (tensors or original).items()}, str(path), metadata=meta)
+    tensors = tensors or original
+    if redigest:
+        meta["digest"] = store.drafter_digest(tensors, meta)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(path), metadata=meta)
     return original, meta
 
 
@@ -1889,6 +1895,24 @@ def test_a_tensor_reshaped_under_its_saved_digest_is_damaged(drafter_files, tmp_
         store.load(tiny().backend, "eagle", path)
 
 
+def test_a_drafter_whose_metadata_was_edited_under_its_saved_digest_is_damaged(drafter_files, tmp_path):
+    """The digest covers the metadata that shapes the network and says whose it is, not only the
+    weights: any config field (heads, head_dim, rope_theta...), the kind or the target record edited
+    under the saved digest is refused as damaged, not built into another network; untouched, it loads."""
+    backend, source = tiny().backend, drafter_files["eagle", "exact"]
+    untouched = tmp_path / "untouched.safetensors"
+    meta = _crafted(source, untouched)[1]
+    assert store.load(backend, "eagle", untouched) is not None
+    config = json.loads(meta["config"])
+    edits = [{"config": json.dumps({**config, key: value * 2})} for key, value in config.items()]
+    edits += [{"kind": "medusa"}, {"target": "0" * 32}, {"target_name": "other-llama"}]
+    for i, edit in enumerate(edits):
+        path = tmp_path / f"edited-{i}.safetensors"
+        _crafted(source, path, **edit)
+        with pytest.raises(InvalidModel, match=r"damaged \(its weights or metadata do not match the digest"):
+            store.load(backend, "eagle", path)
+
+
 def test_a_file_whose_metadata_names_no_target_is_not_a_drafter(drafter_files, tmp_path):
     """Kind, config and target are what make a drafter file: without a target it is one line, not a KeyError."""
     path = tmp_path / "no-target.safetensors"
@@ -1905,7 +1929,7 @@ def test_a_head_whose_token_ids_are_floats_is_refused(drafter_files, tmp_path):
     with safe_open(str(drafter_files["eagle", "exact"]), framework="pt") as handle:
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     crafted = {**tensors, "head.vocab": tensors["head.vocab"].float()}
-    _crafted(drafter_files["eagle", "exact"], path, crafted, digest=store.tensors_digest(crafted))
+    _crafted(drafter_files["eagle", "exact"], path, crafted, redigest=True)
     with pytest.raises(InvalidModel, match="head.vocab is not a list of token ids"):
         store.load(tiny().backend, "eagle", path)
 
@@ -1915,7 +1939,7 @@ def test_a_drafter_of_another_width_is_refused_though_its_header_names_the_targe
     features: one line, whatever fingerprint its header carries."""
     wide = tiny(hidden_size=128)
     path = tmp_path / "other-width.safetensors"
-    _crafted(drafter_files["eagle", "exact"], path, target=store.target_fingerprint(wide.backend))
+    _crafted(drafter_files["eagle", "exact"], path, redigest=True, target=store.target_fingerprint(wide.backend))
     with pytest.raises(InvalidParameter, match="does not fit"):
         store.build(path, "eagle", wide.backend)
 

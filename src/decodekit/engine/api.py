@@ -60,6 +60,20 @@ def check_text(text: str, what: str, param: str | None = None) -> str:
     return text
 
 
+#: The roles a chat message may have: OpenAI's ("developer" is its newer name for "system").
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def chat_role(role: Any, where: str) -> str:
+    """A chat message's role as chat templates know it (a developer message is a system one). Any
+    other is refused in one line, here for the Python API and the server alike: a template would
+    render it as a turn the model was never trained on."""
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        raise InvalidParameter(f"{where} must have a role, one of {', '.join(CHAT_ROLES)}; got {role!r:.80}",
+                               param="prompt")
+    return "system" if role == "developer" else role
+
+
 def prompt_token_ids(model: LoadedModel, prompt: Any, *, chat: bool) -> list[int]:
     """The token ids of a prompt (a string, a list of chat messages or a list of token ids);
     anything else, an empty prompt or a token id outside the vocabulary raises InvalidParameter."""
@@ -74,12 +88,14 @@ def prompt_token_ids(model: LoadedModel, prompt: Any, *, chat: bool) -> list[int
             raise InvalidParameter("the prompt is empty", param="prompt")
         ids = model.prompt_ids(check_text(prompt, "the prompt", "prompt"), chat=chat)
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        messages = []
         for i, message in enumerate(prompt):
             if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
                 raise InvalidParameter(f"prompt message {i} needs a 'role' and a 'content' string, got {message!r}",
                                        param="prompt")
             check_text(message["content"], f"prompt message {i}", "prompt")
-        ids = model.prompt_ids(list(prompt), chat=chat)
+            messages.append({**message, "role": chat_role(message["role"], f"prompt message {i}")})
+        ids = model.prompt_ids(messages, chat=chat)
     elif isinstance(prompt, (list, tuple)) and not prompt:
         raise InvalidParameter("the prompt is empty", param="prompt")
     else:
@@ -146,6 +162,7 @@ class Engine:
             raise InvalidParameter(f"ignore_eos is for plain and speculative decoding; {method} chooses among candidates "
                                    "that end where the model ends them", param="ignore_eos")
         sampler_params, options = split_params(params)
+        refuse_loading_choices(method, options)
         decoder = build_decoder(method, **options)
         mask = None
         if constraint is not None:
@@ -178,6 +195,16 @@ class Engine:
 LOAD_DEFAULTS = {name: p.default for name, p in inspect.signature(load_model).parameters.items() if p.kind is p.KEYWORD_ONLY}
 _default_engines: dict[tuple, Engine] = {}
 _default_engines_lock = threading.Lock()
+
+
+def refuse_loading_choices(method: str, options: Mapping[str, Any]) -> None:
+    """A loading choice (kv_cache, numerics, dtype, backend, model) given to ``Engine.generate``
+    is refused in one line that says where it goes, rather than as an option the method lacks."""
+    misplaced = [name for name in ("model", *LOAD_DEFAULTS) if name in options and name not in method_spec(method).options]
+    if misplaced:
+        raise InvalidParameter(f"{', '.join(misplaced)}: chosen when a model is loaded; pass "
+                               f"{'it' if len(misplaced) == 1 else 'them'} to Engine(...) or decodekit.generate(...), "
+                               "not to Engine.generate()", param=misplaced[0])
 
 
 def keep_answer(backend: Backend, method: str, prompt_ids: list[int], generation: Generation) -> None:

@@ -31,11 +31,12 @@ LOW_ACCURACY = 0.3  # below this upper confidence bound the report warns that th
 
 def markdown(r: dict[str, Any]) -> str:
     lo, hi = r["ci95"]
+    samples = "" if r["n"] is None else f", n {r['n']}"  # null: the run drew one answer (runner.uses_n)
     lines = [
         f"# decodekit eval: {r['task']} · {r['method']}",
         "",
         f"- command: `{r.get('command', '')}`",
-        f"- model: {r.get('model', '')} ({r.get('dtype', '')}), seed {r['seed']}, n {r['n']}, options {r['options'] or '{}'}",
+        f"- model: {r.get('model', '')} ({r.get('dtype', '')}), seed {r['seed']}{samples}, options {r['options'] or '{}'}",
         f"- accuracy: **{r['accuracy']:.3f}** ({r['correct']}/{r['items']}), 95% Wilson CI [{lo:.3f}, {hi:.3f}]",
         f"- tokens spent by the method: {r['tokens_spent']} ({r['tokens_spent'] / max(r['items'], 1):.1f} per item);"
         f" by extra signals: {r['signal_tokens']}",

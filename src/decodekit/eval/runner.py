@@ -46,6 +46,12 @@ class EvalConfig:
     constrained: bool = True  # decode under an item's constraint (structured tasks); False to compare
 
 
+def uses_n(config: EvalConfig) -> bool:
+    """Whether ``--n`` counts anything in this run: the samples (beams, branches) of a method that
+    takes n, or those of ``--signals agreement``; otherwise the method draws one answer."""
+    return "n" in (method_spec(config.method).options or {}) or "agreement" in config.signals
+
+
 def make_decoder(config: EvalConfig, task: Task) -> Decoder:
     """Plain greedy/sample go through :class:`SampleDecoder` (same tokens, plus signals); the rest
     through the registry, with ``--n`` and the task's answer extractor where the method takes them."""
@@ -54,7 +60,7 @@ def make_decoder(config: EvalConfig, task: Task) -> Decoder:
     if bad:
         raise InvalidParameter(f"unknown signal(s) {', '.join(bad)}; extra signals: {', '.join(EXTRA_SIGNALS)}")
     make_sampler(config.method, {"seed": config.seed, "temperature": config.temperature})  # e.g. greedy + temperature
-    if config.n != EvalConfig.n and "n" not in (spec.options or {}) and "agreement" not in config.signals:
+    if config.n != EvalConfig.n and not uses_n(config):
         raise InvalidParameter(f"--n {config.n}: method {config.method!r} draws one answer; --n sets the samples of the "
                                f"methods that take n and of --signals agreement", param="n")
     if spec.family == "plain":
@@ -152,7 +158,8 @@ def summarize(task: Task, config: EvalConfig, records: list[dict[str, Any]], ela
     right = sum(r["correct"] for r in records)
     lo, hi = wilson_interval(right, len(records))
     return {
-        "task": task.name, "method": config.method, "n": config.n, "seed": config.seed,
+        # n: null where nothing used it (a greedy run draws one answer), not the default it was left at
+        "task": task.name, "method": config.method, "n": config.n if uses_n(config) else None, "seed": config.seed,
         "options": {k: v for k, v in config.options.items() if not callable(v)}, "signals_requested": list(config.signals),
         "items": len(records), "correct": right, "accuracy": right / len(records) if records else 0.0,
         "ci95": [lo, hi], "tokens_spent": sum(r["tokens_spent"] for r in records),

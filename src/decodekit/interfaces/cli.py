@@ -97,7 +97,11 @@ def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
     elif args.regex is not None:
         spec = {"regex": args.regex}
     elif args.choice is not None:
-        spec = {"choice": [c for c in args.choice.split(",") if c]}
+        choices = args.choice.split(",")
+        if "" in choices:  # refused, not dropped, as the server refuses one: the user may have meant another choice
+            raise InvalidParameter(f"--choice {args.choice!r}: a choice is empty (a doubled, leading or trailing "
+                                   "comma); give comma-separated non-empty strings")
+        spec = {"choice": choices}
     elif args.grammar is not None:
         if not exists_as(Path(args.grammar)) and not exists_as(Path(args.grammar), "folder"):
             raise InvalidParameter(f"--grammar: no such file {args.grammar!r}")

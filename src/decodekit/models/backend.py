@@ -20,6 +20,10 @@ import torch
 from ..errors import InvalidModel, InvalidParameter
 
 
+#: What :meth:`Backend.check_rows` tells a user whose sequences would not fit, unless told otherwise.
+SEARCH_REMEDY = "ask for fewer samples or beams"
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What algorithms may need to know about the model behind a backend."""
@@ -283,9 +287,11 @@ class Backend(ABC):
         """Make the first ``length`` cache slots the committed ones."""
         raise NotImplementedError("a backend implements these hooks or overrides verify_tree/commit_path")
 
-    def check_rows(self, rows: int) -> None:
-        """Refuse, in one line, ``rows`` sequences at once where their cache cannot fit (a search
-        asks before it builds anything per sequence). Nothing is checked by default."""
+    def check_rows(self, rows: int, remedy: str = SEARCH_REMEDY) -> None:
+        """Refuse, in one line that ends with ``remedy`` (what the user can ask for instead), ``rows``
+        sequences at once where their cache, at the capacity this cache has now, cannot fit (a search
+        asks before it builds anything per sequence; the server before it makes its slots). Nothing
+        is checked by default."""
 
     @abstractmethod
     def reorder(self, rows: torch.Tensor) -> None:

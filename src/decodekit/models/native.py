@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..arguments import NUMERICS
 from ..errors import InvalidParameter, PromptTooLong, RollbackRefused
 from ..machine import available_memory
-from .backend import Backend, ModelInfo, StepOutput
+from .backend import SEARCH_REMEDY, Backend, ModelInfo, StepOutput
 from .batching import PREFILL_CHUNK, PassBatcher
 from .gguf_blocks import BlockMatrix
 from .kivi import KiviStore, KiviView
@@ -223,9 +223,10 @@ class NativeLlama(Backend):
             capacity = min(capacity, policy.recent + policy.residual + 2 * policy.group + MAX_ROWS)
         self._allocate(batch_size, capacity)
 
-    def _check_memory(self, rows: int, capacity: int) -> None:
-        """Refuse, in one line, a cache larger than the memory left (many samples or beams of a
-        search), rather than fail deep in the allocator or be killed by the system."""
+    def _check_memory(self, rows: int, capacity: int, remedy: str = SEARCH_REMEDY) -> None:
+        """Refuse, in one line that ends with ``remedy``, a cache larger than the memory left (many
+        samples or beams of a search, many server slots), rather than fail deep in the allocator or
+        be killed by the system."""
         c = self.config
         need = 2 * c.num_layers * rows * c.num_kv_heads * capacity * self._row * self.dtype.itemsize
         free = available_memory()
@@ -234,10 +235,10 @@ class NativeLlama(Backend):
                 return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
             raise InvalidParameter(f"{rows} sequences of {capacity} positions need a {size(need)} KV cache, more than "
-                                   f"the {size(free)} of memory available; ask for fewer samples or beams")
+                                   f"the {size(free)} of memory available; {remedy}")
 
-    def check_rows(self, rows: int) -> None:
-        self._check_memory(rows, self._k.shape[3])
+    def check_rows(self, rows: int, remedy: str = SEARCH_REMEDY) -> None:
+        self._check_memory(rows, self._k.shape[3], remedy)
 
     def _allocate(self, batch_size: int, capacity: int) -> None:
         c = self.config

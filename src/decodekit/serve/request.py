@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from ..engine.api import make_sampler, split_params
+from ..engine.api import chat_role, make_sampler, split_params
 from ..engine.registry import build_decoder, method_spec
 from ..errors import DecodeKitError, InvalidParameter
 from ..models import LoadedModel
@@ -21,7 +21,6 @@ from .errors import SERVER_FAULTS, ApiError, ClientGone, internal_error
 
 MAX_N = 16
 MAX_BODY_BYTES = 16 << 20  # a context's worth of text or token ids is well under a megabyte
-ROLES = ("system", "developer", "user", "assistant")
 MAX_TOP_LOGPROBS = 20
 #: vLLM's fields for structured output, beside OpenAI's response_format
 GUIDED = tuple("guided_" + kind for kind in KINDS if kind != "json_schema")
@@ -291,9 +290,10 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(message, dict):
             raise ApiError(400, f"messages[{i}] must be an object with a role and a content, got {message!r:.80}",
                            param="messages")
-        if message.get("role") not in ROLES:
-            raise ApiError(400, f"messages[{i}] must be an object with a role, one of {', '.join(ROLES)}; "
-                                f"got {message.get('role')!r}", param="messages")
+        try:
+            role = chat_role(message.get("role"), f"messages[{i}]")
+        except InvalidParameter as err:
+            raise ApiError(400, str(err), param="messages") from None
         content = message.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
@@ -301,8 +301,7 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
-        # OpenAI's developer messages are its newer name for system ones: chat templates know "system"
-        out.append({"role": "system" if message["role"] == "developer" else message["role"], "content": content})
+        out.append({"role": role, "content": content})
     return out
 
 

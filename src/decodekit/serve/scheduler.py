@@ -105,8 +105,13 @@ class Scheduler:
         self.max_batch = max_batch if self.batching else 1
         self.max_queue = max_queue
         self._free: list[Engine] = []  # idle slots; each cache still holds its last request (kept_ids)
-        for _ in range(self.max_batch):
-            backend = model.backend.clone()
+        backends = [model.backend.clone()]
+        # every slot's cache starts as this first clone's: refuse, before making the others, the
+        # slots whose caches would take more memory than the machine has left
+        backends[0].check_rows(self.max_batch, remedy=f"ask for a smaller --max-batch (each of its {self.max_batch} "
+                                                       "slots has a cache of its own)")
+        backends += [model.backend.clone() for _ in range(self.max_batch - 1)]
+        for backend in backends:
             if self.batching:
                 backend.batcher = self.batcher
             self._free.append(Engine(LoadedModel(backend, model.tokenizer, model.name)))

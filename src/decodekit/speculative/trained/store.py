@@ -1,9 +1,10 @@
 """Where trained drafters live, and the check that a drafter belongs to its target.
 
 A drafter file is safetensors (float16 weights) with metadata: its kind, network config, the
-fingerprint of the target it was trained on, and how it was trained. The fingerprint is a hash of
-the target's weight files' digests (the GGUF file where the model came from one), or, for a model
-built in memory, of its output head. A drafter whose fingerprint differs from the target's is
+fingerprint of the target it was trained on, how it was trained, and a digest of all of these and
+the weights (:func:`drafter_digest`): a file whose weights or metadata changed is refused as
+damaged. The fingerprint is a hash of the target's weight files' digests (the GGUF file where the
+model came from one), or, for a model built in memory, of its output head. A drafter whose fingerprint differs from the target's is
 refused in one line: it would still be lossless, but it would draft for another model.
 
 Lookup for ``--method eagle`` / ``medusa`` / ``hydra``: the ``drafter=`` option's file, else the one
@@ -56,7 +57,8 @@ def save(net: Net, kind: str, backend: Backend, path: Path, trained: dict[str, A
     """Write ``net`` (float16, without the target's head rows) with its metadata to ``path``."""
     state = {name: (t.half() if t.is_floating_point() else t).contiguous() for name, t in net.state_dict().items()}
     meta = {"kind": kind, "config": json.dumps(net.config.__dict__), "target": target_fingerprint(backend),
-            "target_name": backend.info.name, "trained": json.dumps(trained), "digest": tensors_digest(state)}
+            "target_name": backend.info.name, "trained": json.dumps(trained)}
+    meta["digest"] = drafter_digest(state, meta)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".partial")
     try:
@@ -67,9 +69,14 @@ def save(net: Net, kind: str, backend: Backend, path: Path, trained: dict[str, A
     return path
 
 
-def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
-    """A hash of the tensors' names, shapes and bytes (a damaged body is detected, not trusted)."""
+def drafter_digest(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    """The digest a drafter file is saved with: a hash of every metadata entry but the digest itself
+    (the kind, the config that shapes the network, the target record, how it was trained) as
+    canonical JSON, and of the tensors' names, shapes and bytes. A damaged body, or an edited header
+    that would build another network from the same weights, is detected, not trusted."""
+    described = {key: value for key, value in meta.items() if key != "digest"}
     h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(described, sort_keys=True, separators=(",", ":")).encode())
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
@@ -91,8 +98,8 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise InvalidModel.because(path, "cannot be read as a drafter file", err) from err
     if meta.get("kind") not in NETWORKS or "config" not in meta or "target" not in meta:
         raise InvalidModel(f"{path}: not a decodekit drafter (its metadata has no kind, config and target)")
-    if meta.get("digest") != tensors_digest(tensors):
-        raise InvalidModel(f"{path}: damaged (its weights do not match the digest it was saved with)")
+    if meta.get("digest") != drafter_digest(tensors, meta):
+        raise InvalidModel(f"{path}: damaged (its weights or metadata do not match the digest it was saved with)")
     return tensors, meta
 
 
