@@ -9334,6 +9334,9 @@ MUTATIONS = (
     Mutation('shutdown-whole-answer-cut-as-a-200', 'src/decodekit/serve/app.py',
              '        if self.stopping and any(o.generation.finish_reason == "cancelled" for o in outcomes):\n            raise shutting_down()\n', '',
              ('tests/test_serve.py', '-k', 'stopped_by_a_shutdown')),
+    Mutation('constraint-size-keywords-unchecked', 'src/decodekit/samplers/constraint.py',
+             '                    "minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",\n                    "minContains", "maxContains")', ')',
+             ('tests/test_constraint.py', '-k', 'round_is_refused')),
 )
 
 

@@ -746,6 +746,8 @@ def test_a_json_constraint_means_any_json_object_and_takes_no_schema():
     ({"type": "integer", "minimum": 2**64}, "minimum at /"),
     ({"type": "object", "properties": {"id": {"enum": ["a", [1, 10**20]]}}}, "enum at /properties/id"),
     ('{"const": 1e400}', "const at / holds inf"),  # JSON text whose literal overflows a float
+    ('{"type": "string", "maxLength": 1e400}', "maxLength at / holds inf"),  # llguidance said "got null"
+    ({"type": "array", "minItems": 2**60}, "minItems at /"),
     ({"properties": {"const": {"maximum": 2**60}}}, "maximum at /properties/const"),  # a property named const
     ({"anyOf": [{"type": "string"}, {"type": "integer", "maximum": 2**60}]}, "maximum at /anyOf/1"),  # a list of subschemas
 ])

@@ -43,8 +43,10 @@ from .base import LogitsProcessor, generated_lists
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
 
 
-#: Schema keywords whose numbers bound or spell the output's values.
-NUMERIC_KEYWORDS = ("const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+#: Schema keywords whose numbers bound or spell the output's values, or bound its sizes.
+NUMERIC_KEYWORDS = ("const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+                    "minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+                    "minContains", "maxContains")
 EXACT_INTEGERS = 2**53  # float64 holds every integer up to this, and not all beyond
 
 
