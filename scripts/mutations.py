@@ -9337,6 +9337,15 @@ MUTATIONS = (
     Mutation('constraint-size-keywords-unchecked', 'src/decodekit/samplers/constraint.py',
              '                    "minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",\n                    "minContains", "maxContains")', ')',
              ('tests/test_constraint.py', '-k', 'round_is_refused')),
+    Mutation('fingerprint-kept-after-a-rewrite', 'src/decodekit/speculative/trained/store.py',
+             'stamps.append((str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns))', 'stamps.append((str(Path(path).resolve()), 0, 0))',
+             ('tests/test_trained_drafters.py', '-k', 'fingerprint_covers_every')),
+    Mutation('fingerprint-read-per-clone', 'src/decodekit/speculative/trained/store.py',
+             '@functools.lru_cache(maxsize=8)\n', '',
+             ('tests/test_trained_drafters.py', '-k', 'fingerprint_covers_every')),
+    Mutation('shutdown-late-request-accepted', 'src/decodekit/serve/scheduler.py',
+             '            if self._stopped:', '            if False:',
+             ('tests/test_serve.py', '-k', 'stopped_by_a_shutdown')),
 )
 
 

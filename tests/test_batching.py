@@ -183,6 +183,10 @@ def test_members_share_every_pass_and_their_errors_reach_their_futures():
     with pytest.raises(ValueError, match="a member's own error"):  # run_here raises it
         batcher.run_here([functools.partial(member_generate, model, batcher, cases[0]), failing])
     assert batcher.run_here([]) == []
+    closed = PassBatcher()
+    closed.close()
+    with pytest.raises(RuntimeError, match="closed"):  # its thread would never run the member
+        closed.start(failing)
 
 
 def test_a_long_prompt_arrives_in_chunks_and_errors_reach_the_request():

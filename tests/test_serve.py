@@ -893,6 +893,8 @@ def test_answers_stopped_by_a_shutdown_end_as_503s_a_stream_with_its_error_event
     """Server.stop_answers (the end of a shutdown's grace): a stream in progress ends with an error
     event and [DONE], never a connection cut mid-text; a whole answer in progress and a new request
     are 503s with code server_shutting_down; text posted once the event loop has closed is dropped."""
+    from decodekit.serve.scheduler import Job, ShuttingDown
+
     running = Running(tiny_model(), max_batch=2, max_queue=4)
     try:
         long = {"prompt": "hello", "max_tokens": 1900, "temperature": 0, "ignore_eos": True}
@@ -913,6 +915,9 @@ def test_answers_stopped_by_a_shutdown_end_as_503s_a_stream_with_its_error_event
         assert status == 503 and json.loads(body)["error"]["code"] == "server_shutting_down"
         status, body = post(running, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert status == 503 and json.loads(body)["error"]["code"] == "server_shutting_down"
+        # a request read while the answers were stopped (past the server's first check) is refused too
+        with pytest.raises(ShuttingDown):
+            running.server.scheduler.submit([Job([1, 2], "greedy", {}, 2)])
     finally:
         running.stop()
     import asyncio

@@ -696,9 +696,11 @@ def test_a_drafter_whose_token_ids_reach_past_the_targets_vocabulary_is_refused(
                 store.build(crafted_path, "eagle", backend)
 
 
-def test_the_target_fingerprint_covers_every_weights_file(tmp_path):
+def test_the_target_fingerprint_covers_every_weights_file(tmp_path, monkeypatch):
     """A model in several weight files (shards) is another model when any one of them differs."""
     import types
+
+    real_digest = store.file_digest
 
     files = {}
     for name, body in (("a", b"first shard"), ("b", b"second shard"), ("c", b"another second shard")):
@@ -713,6 +715,13 @@ def test_the_target_fingerprint_covers_every_weights_file(tmp_path):
     assert fingerprint("a", "b") == fingerprint("a", "b")
     assert fingerprint("a", "b") != fingerprint("a", "c")
     assert fingerprint("a", "b") != fingerprint("b", "a")  # the files in order
+    # each file is read once as it stands (a server's slots ask one after another), again once rewritten
+    read = []
+    monkeypatch.setattr(store, "file_digest", lambda path: read.append(path.name) or real_digest(path))
+    before = fingerprint("a", "c")
+    assert fingerprint("a", "c") == before and read == []
+    files["c"].write_bytes(b"a second shard, rewritten")
+    assert fingerprint("a", "c") != before and read == ["a.safetensors", "c.safetensors"]
 
 
 def test_without_a_drafter_the_message_says_how_to_train_one(monkeypatch, tmp_path):

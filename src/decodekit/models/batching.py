@@ -124,6 +124,8 @@ class PassBatcher:
         counts as active until it returns, and its passes join the batches. Returns the future of
         its result (or of what it raised). ``work`` must not block its thread waiting for another
         member (a lock held by one, say): they all run on it."""
+        if self._closed.is_set():  # its thread ends once no member is left: this one would never run
+            raise RuntimeError("this batcher is closed")
         future: Future = Future()
         with self._cond:
             self._ensure_thread()

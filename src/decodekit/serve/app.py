@@ -40,7 +40,7 @@ from .errors import ApiError, ClientGone, error_response, internal_error, shutti
 from .metrics import ServerMetrics
 from .reply import Outbox, Reply
 from .request import check_method, decoding_error, field_named, parse_request, read_body
-from .scheduler import Job, Outcome, Overloaded, Scheduler
+from .scheduler import Job, Outcome, Overloaded, Scheduler, ShuttingDown
 
 #: Seeds between two choices of a search method (its samples are seeded seed, seed + 1, ...).
 SEARCH_CHOICE_SPACING = 2**32
@@ -242,6 +242,8 @@ class Server:
             futures = scheduler.submit(jobs)
         except Overloaded as err:
             raise ApiError(503, str(err), "server_error", code="overloaded") from None
+        except ShuttingDown:
+            raise shutting_down() from None
         except DecodeKitError as err:  # more choices than the server ever holds at once
             raise ApiError(400, str(err), param=field_named(err, body, chat)) from None
         reply = Reply(self, chat, spec, prompt_ids, started, body)

@@ -93,8 +93,8 @@ def shut_down_on_signals(web, stop_answers: Callable[[], None]) -> None:
         deadline = threading.Timer(SHUTDOWN_GRACE_S - 1, stop_answers)
         deadline.daemon = True
         deadline.start()
-        print(f"decodekit serve: {signal.Signals(signum).name}, shutting down (the requests in progress are "
-              "finished; another signal stops now)", file=sys.stderr, flush=True)
+        print(f"decodekit serve: {signal.Signals(signum).name}, shutting down (the requests in progress have "
+              f"{SHUTDOWN_GRACE_S - 1} s to finish; another signal stops now)", file=sys.stderr, flush=True)
 
     for name in SHUTDOWN_SIGNALS:
         number = getattr(signal, name)

@@ -38,6 +38,10 @@ class Overloaded(DecodeKitError):
     """Every slot is busy and the waiting queue is full."""
 
 
+class ShuttingDown(DecodeKitError):
+    """The server is shutting down: :meth:`Scheduler.cancel_all` has stopped every choice."""
+
+
 @dataclass(eq=False)  # each job is itself (a set member), whatever its fields
 class Job:
     """One choice of one request, tokenised and checked, ready to run in a slot."""
@@ -47,7 +51,7 @@ class Job:
     params: dict[str, Any]  # sampler parameters and method options
     max_new_tokens: int
     stop: list[str] = field(default_factory=list)
-    on_text: Callable[[str], None] | None = None  # called from the slot's thread
+    on_text: Callable[[str], None] | None = None  # called as the choice decodes (on the pass thread)
     top_logprobs: int | None = None  # None: no log-probabilities
     ignore_eos: bool = False
     constraint: dict | None = None  # structured output (see samplers/constraint.py)
@@ -119,6 +123,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self.running = 0
         self._running: set[Job] = set()
+        self._stopped = False  # cancel_all was called: nothing new starts
         # the choices admitted that wait for a slot, oldest first, with the futures their callers hold:
         # here, not in the pool's queue, so that one cancelled is dropped at once, memory and all
         self._queued: dict[Job, Future[Outcome]] = {}
@@ -135,6 +140,8 @@ class Scheduler:
             raise InvalidParameter(f"n={len(jobs)} choices exceed what this server holds at once ({self.max_batch} "
                                    f"running + {self.max_queue} waiting)", param="n")
         with self._lock:
+            if self._stopped:  # (a request read while the server stopped its answers: refused with them)
+                raise ShuttingDown("the server is shutting down")
             if self.running + self.waiting + len(jobs) > room:
                 raise Overloaded(f"the server is busy ({self.running} requests running, {self.waiting} waiting); "
                                  "retry shortly")
@@ -175,8 +182,9 @@ class Scheduler:
                 future.set_result(Outcome(Generation.cancelled(), None, time.perf_counter() - job.submitted))
 
     def cancel_all(self) -> None:
-        """Stop every choice, running or waiting (the server shutting down)."""
+        """Stop every choice, running or waiting, and refuse new ones (the server shutting down)."""
         with self._lock:
+            self._stopped = True
             jobs = [*self._queued, *self._running]
         self.cancel(jobs)
 

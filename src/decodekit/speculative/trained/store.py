@@ -15,6 +15,7 @@ line and the shipped drafter is used instead, where there is one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
@@ -34,18 +35,30 @@ WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what a drafter
 
 
 def target_fingerprint(backend: Backend) -> str:
-    """A hash of the target's weights (see the module docstring), computed once per model."""
+    """A hash of the target's weights (see the module docstring), computed once per model: once per
+    weight file as it stands (its size and modification time), whichever clone of the model asks
+    (a server's slots each ask on their first request, on the thread that runs every pass)."""
 
     def compute() -> str:
-        h = hashlib.blake2b(digest_size=16)
         if backend.weights_files:
+            stamps = []
             for path in backend.weights_files:
-                h.update(file_digest(Path(path)).encode())
-        else:
-            h.update(backend.head_rows(torch.arange(backend.info.vocab_size)).numpy().tobytes())
+                stat = Path(path).stat()
+                stamps.append((str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns))
+            return _files_fingerprint(tuple(stamps))
+        h = hashlib.blake2b(digest_size=16)
+        h.update(backend.head_rows(torch.arange(backend.info.vocab_size)).numpy().tobytes())
         return h.hexdigest()
 
     return backend.memory("drafter.fingerprint", compute)
+
+
+@functools.lru_cache(maxsize=8)
+def _files_fingerprint(stamps: tuple[tuple[str, int, int], ...]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for path, _, _ in stamps:
+        h.update(file_digest(Path(path)).encode())
+    return h.hexdigest()
 
 
 def cache_path(backend: Backend, kind: str) -> Path:
