@@ -284,7 +284,8 @@ def native_and_transformers_logits(config: dict, state: dict, hf_class=None, hf_
     {"num_key_value_heads": 1},  # one key/value head for every query head (MQA)
     {"num_key_value_heads": 4},  # no sharing (MHA)
     {"rms_norm_eps": 0.5},
-], ids=["rope-theta", "head-dim", "mqa", "mha", "eps"])
+    {"rope_scaling": None, "mlp_bias": False, "attention_bias": False},  # as transformers writes "none": null, false
+], ids=["rope-theta", "head-dim", "mqa", "mha", "eps", "nothing-named"])
 def test_native_reads_config_json_as_transformers_does(change):
     """Each config.json field the native backend reads means what it means to transformers' Llama."""
     from decodekit.models.tiny import tiny_hf_config, tiny_state_dict

@@ -121,6 +121,7 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["eval", "longctx", "--lengths", ""], "--lengths must be comma-separated numbers"),
     (["bench", "--threads", "99999"], "more than this machine's"),
     (["bench", "--methods", ",,"], "--methods names no method"),
+    (["bench", "--methods", "pld", "--opt", "pld.max_ngram"], "--opt expects METHOD.KEY=VALUE, got 'pld.max_ngram'"),
     (["bench", "--categories", ""], "--categories names no category"),
     (["bench-serve", "--timeout", "nan", "--url", "http://127.0.0.1:1/v1"], "--timeout must be in"),
     (["serve", "--kv-cache", "bogus"], "unknown kv cache 'bogus'"),

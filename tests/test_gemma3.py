@@ -74,6 +74,16 @@ def test_native_logits_match_transformers(window):
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
+def test_attention_bias_gives_q_k_v_and_o_their_biases_as_transformers_does():
+    """transformers' Gemma 3 gives all four attention projections a bias under attention_bias (a
+    Llama's rule, not Qwen2's, whose o has none): the native backend adds o's too."""
+    native, hf = tiny_gemma3(seed=4, attention_bias=True), tiny_gemma3_hf_model(seed=4, attention_bias=True)
+    assert native.config.output_bias and any(name.endswith("o_proj.bias") for name in hf.state_dict())
+    ids = tokens(24)
+    with torch.no_grad():
+        assert torch.allclose(native.append(ids).logits, hf(ids).logits, atol=ATOL)
+
+
 @pytest.mark.parametrize("hidden_layers", [(), (1,)])
 def test_passes_of_two_tokens_past_the_window_give_transformers_logits(hidden_layers):
     """A pass of positions p and p + 1: the first row's window starts one key before the second's,

@@ -611,13 +611,16 @@ def test_quantize_maps_each_blocks_extremes_onto_the_ends_of_its_integer_range(k
 
 
 @needs_kernel
-def test_a_tied_head_checked_slice_by_slice_matches_every_slice(monkeypatch):
+@pytest.mark.parametrize("values", [16 * 64, 64 * 64, 64], ids=["six-slices", "a-shorter-last-slice", "under-a-group"])
+def test_a_tied_head_checked_slice_by_slice_matches_every_slice(monkeypatch, values):
     """The tied head's blocks are checked against the float32 table a slice of rows at a time, each
-    slice against its own rows: blocks that match put the head on blocks, whatever the slicing."""
+    slice against its own rows: blocks that match put the head on blocks, whatever the slicing (96
+    rows: six slices of 16; a slice of 64 and the last 32; a slice of fewer values than a group of
+    16 rows still takes a whole group)."""
     from decodekit.models import llama_weights
 
     llama, state, blocks = tied_model_on_blocks(seed=5)
-    monkeypatch.setattr(llama_weights, "HEAD_SLICE_VALUES", 16 * 64)  # six slices of 16 rows
+    monkeypatch.setattr(llama_weights, "HEAD_SLICE_VALUES", values)
     matches: dict = {}
     sliced = NativeLlama(llama, state, gguf_blocks=blocks, block_matches=matches)
     assert sliced.weights.embed is None and matches[TIED_HEAD] is True
@@ -693,6 +696,42 @@ def test_a_negative_token_id_is_refused_by_a_tied_head_on_blocks_as_by_the_float
     for backend in (NativeLlama(llama, state), NativeLlama(llama, state, gguf_blocks=blocks)):
         with pytest.raises(IndexError):
             backend.weights.embedding(torch.tensor([[5, -1]]))
+
+
+@needs_kernel
+def test_an_empty_lookup_gives_no_rows_on_blocks_as_from_the_float32_table():
+    """A lookup of no tokens is no rows, not an error, whether the rows come from the table or from
+    the tied head's blocks (interleaved in fours)."""
+    llama, state, blocks = tied_model_on_blocks(seed=5)
+    for backend in (NativeLlama(llama, state), NativeLlama(llama, state, gguf_blocks=blocks)):
+        assert backend.weights.embedding(torch.zeros(1, 0, dtype=torch.long)).shape == (1, 0, 64)
+
+
+@needs_kernel
+def test_a_model_on_blocks_streams_its_blocks_bytes_not_its_float32_weights():
+    """What a one-token pass reads (the profile's weight traffic): the blocks where the projections
+    run on them (Q4_1 and Q8_0: a few bits a weight), the float32 weights where they do not."""
+    llama, state, blocks = tied_model_on_blocks(seed=5)
+    plain, on_blocks = NativeLlama(llama, state), NativeLlama(llama, state, gguf_blocks=blocks)
+    floats, weights = plain.weight_traffic()
+    assert floats == 4 * weights
+    assert on_blocks.weight_traffic() == (sum(b.data.nbytes for b in blocks.values()), weights)
+
+
+def test_the_fast_numerics_says_why_a_projection_cannot_run_it(monkeypatch):
+    from decodekit.models import llama_weights
+    from decodekit.models.llama_weights import fast_numerics_unavailable
+
+    blocks = BlockMatrix.quantize(torch.randn(16, 64, generator=torch.Generator().manual_seed(0)), "q4_1")
+    assert "a GGUF model's blocks" in fast_numerics_unavailable(None)
+    monkeypatch.setattr(llama_weights, "integer_block_matmul", lambda kind: None)  # no kernel for it here
+    monkeypatch.setenv("DECODEKIT_KERNELS", "0")
+    assert fast_numerics_unavailable(blocks) == "it needs the compiled kernels, which DECODEKIT_KERNELS=0 turns off"
+    monkeypatch.setenv("DECODEKIT_KERNELS", "1")
+    assert fast_numerics_unavailable(blocks) == "it needs a CPU with AVX512-VNNI and a C compiler"
+    monkeypatch.setattr(llama_weights, "integer_block_matmul", lambda kind: object())  # a kernel, whatever the machine
+    assert fast_numerics_unavailable(blocks) is None
+    assert fast_numerics_unavailable(blocks.take(torch.arange(8))) == "it needs projections of a multiple of 16 rows"
 
 
 def test_parts_of_different_block_types_are_not_stacked_as_one_matrix():

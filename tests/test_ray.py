@@ -721,6 +721,8 @@ def test_ray_flags_are_checked_before_anything_starts(tmp_path, monkeypatch):
     plan = bench_cli.make_plan(parse("--questions", str(tmp_path / "q.jsonl"), "--ray", "auto", "--workers", "3",
                                      "--out", str(tmp_path)))
     assert plan.command.endswith("--ray auto --workers 3") and "ray" not in plan.resume_key()
+    bare = bench_cli.make_plan(parse("--questions", str(tmp_path / "q.jsonl"), "--ray", "--out", str(tmp_path)))
+    assert bare.ray == "local" and bare.command.endswith("--ray local")  # alone: a local instance, not a cluster's
     monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
     with pytest.raises(DecodeKitError, match=r"^--ray needs Ray, which is not installed: pip install 'decodekit\[ray\]'$"):
         bench_cli.make_plan(parse("--questions", str(tmp_path / "q.jsonl"), "--ray", "--out", str(tmp_path)))

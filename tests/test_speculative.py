@@ -176,7 +176,7 @@ def test_unknown_drafter_names_raise_unknown_method(engines):
         engines[0].generate("hi", method="hierarchy", order="pld,nope", chat=False)
     # known drafters a combination cannot hold: itself, or draft (whose draft_model it would not pass on)
     for method, option, names in (("auto", "arms", ["pld", "auto"]), ("hierarchy", "order", "draft,pld"),
-                                  ("auto", "arms", "draft")):
+                                  ("auto", "arms", "draft"), ("hierarchy", "order", "auto,pld")):
         with pytest.raises(InvalidParameter, match=f"cannot be one of {option} .*choose from") as err:
             engines[0].generate("hi", method=method, chat=False, **{option: names})
         assert err.value.param == option and "draft" not in str(err.value).split("choose from: ")[1].split(", ")
@@ -1859,6 +1859,18 @@ def test_hierarchy_gives_each_level_half_of_what_is_left_and_the_last_the_rest()
     tree = hierarchy.draft(None, 10)
     assert [part.asked for part in hierarchy.parts] == [[5], [2], [3]]
     assert tree.source == ["from100"] * 5 + ["from200"] * 2 + ["from300"] * 3
+
+
+def test_hierarchy_reads_its_order_as_written_with_its_suffix_level_on_the_corpus():
+    """Names around commas may be spaced; a blank one is refused as naming nothing. The statistics
+    level (suffix) drafts from earlier outputs too, as the suffix drafter alone does only when asked."""
+    from decodekit.speculative.drafters.hierarchy import HierarchyDrafter
+
+    hierarchy = HierarchyDrafter(order=" pld , suffix")
+    assert [part.name for part in hierarchy.parts] == ["pld", "suffix"]
+    assert hierarchy.parts[1].use_corpus and not SuffixDrafter().use_corpus
+    with pytest.raises(InvalidParameter, match="^order must name drafters, got 'pld,,suffix'$"):
+        HierarchyDrafter(order="pld,,suffix")
 
 
 def test_hierarchy_gives_the_first_level_the_only_node_of_a_budget_of_one():

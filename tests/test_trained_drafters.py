@@ -1166,6 +1166,25 @@ def test_eagle_trees_are_eagle2s_most_confident_paths(monkeypatch, top_k, depth,
     assert len(tree) == min(budget, len(every))
 
 
+def test_eagle_drafts_nothing_while_a_committed_tokens_feature_is_unknown(monkeypatch):
+    """The network reads the feature of every committed position but the root's: a token committed
+    without its pass's features (a pass that gave none) leaves nothing to draft from, so the tree
+    is empty rather than drafted from features that are not the tokens'."""
+    from decodekit.engine.core import DecodeState, GenerationStats
+    from decodekit.speculative.drafters.eagle import EagleDrafter
+
+    backend = tiny().backend
+    monkeypatch.setattr(store, "load", lambda *args, **kwargs: StubEagle(backend))
+    drafter = EagleDrafter(candidates=2, max_depth=3, min_confidence=0.0)
+    state = DecodeState(backend, Sampler(greedy=True), [5, 6, 7, 8], GenerationStats())
+    state.prefill()
+    drafter.begin(state)
+    state.commit([int(state.next_logits().argmax())])
+    assert len(drafter.draft(state, 4)) == 4
+    state.commit([3])  # no update: the feature at the last root's position is unknown
+    assert len(drafter.draft(state, 4)) == 0
+
+
 def test_eagle_stops_growing_once_no_deeper_node_could_be_kept(monkeypatch):
     """A level is drafted only while one of its nodes could still be among the ``budget`` most
     confident: the same trees with fewer passes of the draft network than growing to ``max_depth``."""

@@ -77,7 +77,8 @@ class Gemma3Config(LlamaConfig):
         ]
         # the sizes as a Llama's; its windows and gating are Gemma's own, read here and below
         # (transformers' Gemma 3 ties the output head to the embedding table unless told otherwise)
-        base = LlamaConfig.from_hf({**cfg, "rope_parameters": {"rope_theta": full.get("rope_theta", 1e6)},
+        base = LlamaConfig.from_hf({**cfg, "model_type": "gemma3_text",  # (its attention_bias covers o too)
+                                    "rope_parameters": {"rope_theta": full.get("rope_theta", 1e6)},
                                     "layer_types": None, "sliding_window": None, "hidden_act": "silu",
                                     "tie_word_embeddings": cfg.get("tie_word_embeddings", True)})
         return cls(
@@ -157,8 +158,8 @@ class NativeGemma3(NativeLlama):
 
     def _decoder_layers(self, int8_cache=None):
         """The one-call layer path (``kernels/forward.c``) with Gemma's fields; None under the int8
-        cache (its rows are not ``head_dim`` floats, which the window's slot offset assumes) and where
-        a piece is missing."""
+        cache (its rows are not ``head_dim`` floats, which the window's slot offset assumes), where
+        a piece is missing and where a projection has a bias."""
         c, w = self.config, self.weights
         if int8_cache is not None or self._ops is None or self._attend is None:
             return None
@@ -170,6 +171,8 @@ class NativeGemma3(NativeLlama):
             kernels.update({n: layer[n].kernel for n in ("o", "gate_up", "down")})
             if len(parts) not in (1, 3) or any(k is None for k in kernels.values()):
                 return None
+            if any(p.bias is not None for p in (*parts, *(layer[n] for n in ("o", "gate_up", "down")))):
+                return None  # (forward.c adds no biases: attention_bias runs layer by layer)
             layers.append({**kernels, **{n: layer[n] for n in ("attn_norm", "mlp_norm", *LAYER_NORMS)},
                            "freqs": self._local_pairs if local else None, "local": local})
         return decoder_layers(

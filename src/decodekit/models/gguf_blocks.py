@@ -73,7 +73,7 @@ class BlockMatrix:
 
             values = dequantize(self.data.numpy(), GGMLQuantizationType[self.kind.upper()])
             return torch.from_numpy(values.astype("float32", copy=False)).reshape(rows, self.n_in)
-        blocks = self.data.view(rows, -1, BLOCK_BYTES[self.kind])
+        blocks = self.data.view(rows, self.n_in // BLOCK_WEIGHTS[self.kind], BLOCK_BYTES[self.kind])  # (rows may be 0)
         d = blocks[..., 0:2].contiguous().view(torch.float16).float()
         if self.kind == "q8_0":
             q = blocks[..., 2:].contiguous().view(torch.int8).float()
@@ -101,7 +101,7 @@ class BlockMatrix:
         """Rows ``rows`` of a matrix laid out as :meth:`interleaved` gives it (``data``), as blocks."""
         rows = rows.reshape(-1)
         blocks = data.view(data.shape[0] // 4, n_in // BLOCK_WEIGHTS[kind], 4, BLOCK_BYTES[kind])
-        return cls(kind, blocks[rows // 4, :, rows % 4].reshape(rows.numel(), -1), n_in)
+        return cls(kind, blocks[rows // 4, :, rows % 4].reshape(rows.numel(), data.shape[1]), n_in)  # (none: 0 rows)
 
     @staticmethod
     def stack(parts: list["BlockMatrix"]) -> "BlockMatrix | None":

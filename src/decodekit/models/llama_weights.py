@@ -49,7 +49,7 @@ class LlamaConfig:
     max_position: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # q, k and v have biases (Qwen2; Llama with attention_bias)
-    output_bias: bool = False  # o too (Llama with attention_bias)
+    output_bias: bool = False  # o too (Llama and Gemma 3 with attention_bias)
 
     def __post_init__(self) -> None:
         """A config.json whose sizes cannot describe a model is refused here, in one line, rather
@@ -106,7 +106,8 @@ class LlamaConfig:
             max_position=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
-            output_bias=bool(cfg.get("attention_bias")) and cfg.get("model_type") == "llama",
+            # o's too where attention_bias covers all four (Llama's and Gemma 3's; Qwen2's o has none)
+            output_bias=bool(cfg.get("attention_bias")) and cfg.get("model_type") in ("llama", "gemma3_text"),
         )
 
 
@@ -513,7 +514,8 @@ class LlamaWeights:
     def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
         """The embedding rows of ``tokens`` (any shape): a fresh float tensor ``[*tokens.shape, D]``."""
         if self.embed is None:
-            return self.lm_head.weight_rows(tokens).view(*tokens.shape, -1)
+            # (the width named: a lookup of no tokens is no rows)
+            return self.lm_head.weight_rows(tokens).view(*tokens.shape, self.lm_head.weight.shape[1])
         return F.embedding(tokens, self.embed)
 
     @property

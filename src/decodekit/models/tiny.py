@@ -111,7 +111,7 @@ def tiny_hf_model(seed: int = 0, scale: float = 1.0, **config_kwargs):
 
 
 def tiny_gemma3_hf_config(vocab_size: int = 96, num_layers: int = 4, hidden_size: int = 64, sliding_window: int = 8,
-                          max_position: int = 512) -> dict:
+                          max_position: int = 512, attention_bias: bool = False) -> dict:
     """A Hugging Face style Gemma 3 text config: local (sliding-window) and global layers
     alternating, each kind with its own rotary base."""
     return {
@@ -131,6 +131,7 @@ def tiny_gemma3_hf_config(vocab_size: int = 96, num_layers: int = 4, hidden_size
                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
         "max_position_embeddings": max_position,
         "tie_word_embeddings": True,
+        "attention_bias": attention_bias,  # q, k, v and o biases
     }
 
 
