@@ -9459,6 +9459,9 @@ MUTATIONS = (
     Mutation("weights-no-token-lookup-width-guessed", "src/decodekit/models/llama_weights.py",
              ".view(*tokens.shape, self.lm_head.weight.shape[1])", ".view(*tokens.shape, -1)",
              ("tests/test_gguf_blocks.py", "-k", "empty_lookup")),
+    Mutation('eagle-keeps-the-worst-nodes', 'src/decodekit/speculative/drafters/eagle.py',
+             'keep = sorted(range(len(tree)), key=lambda i: -scores[i])[:budget]', 'keep = sorted(range(len(tree)), key=lambda i: scores[i])[:budget]',
+             ('tests/test_trained_drafters.py', '-k', 'eagle')),
 )
 
 

@@ -112,8 +112,10 @@ class EagleDrafter(FeatureDrafter):
             values = new_v if values is None else torch.cat([values, new_v], 2)
             run.extend(frontier)
             children = self._add_children(tree, scores, parent_feature, frontier, out[0], None)
+        # a child scores at most its parent (a probability times it) and was added after it: the best
+        # `budget` nodes by a stable sort hold every kept node's ancestors
         keep = sorted(range(len(tree)), key=lambda i: -scores[i])[:budget]
-        return select_nodes(tree, _with_ancestors(tree, keep))
+        return select_nodes(tree, keep)
 
     def _add_children(self, tree: DraftTree, scores: list[float], parent_feature: dict, parents: list[int],
                       predicted: torch.Tensor, root_score: float | None) -> list[int]:
@@ -139,16 +141,6 @@ def _can_enter(scores: list[float], best: float, budget: int) -> bool:
     (the selection's sort is stable), so once ``budget`` nodes reach ``best``, deeper levels would be
     drafted for nothing (EAGLE-2 reranks the whole tree the same way)."""
     return len(scores) < budget or sum(score >= best for score in scores) < budget
-
-
-def _with_ancestors(tree: DraftTree, nodes: list[int]) -> list[int]:
-    chosen = set(nodes)
-    for node in nodes:
-        parent = tree.parents[node]
-        while parent >= 0 and parent not in chosen:
-            chosen.add(parent)
-            parent = tree.parents[parent]
-    return sorted(chosen)
 
 
 register_drafter(
