@@ -855,28 +855,34 @@ def test_the_server_listens_on_an_ipv6_address_too():
 
 def test_a_second_signal_stops_waiting_and_a_sigint_ignored_from_the_start_stays_ignored(capsys, monkeypatch):
     """SIGTERM or SIGINT: the first asks uvicorn to finish the requests in progress, and stops those
-    still running a second before its grace ends; a second signal stops now; a SIGINT the process
+    still running a second before its grace ends; a second signal stops them at once and the server
+    soon after; a SIGINT the process
     was started ignoring (a background job) is left ignored."""
     from types import SimpleNamespace
 
     from decodekit.serve import cli as serve_cli
 
-    monkeypatch.setattr(serve_cli, "SHUTDOWN_GRACE_S", 1.02)
+    scheduled = []  # what the handler leaves to timer threads: (seconds, action)
+    monkeypatch.setattr(serve_cli, "later", lambda seconds, action: scheduled.append((seconds, action)))
     saved = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
     stopped = []
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         web = SimpleNamespace(should_exit=False, force_exit=False)
-        serve_cli.shut_down_on_signals(web, lambda: stopped.append(time.perf_counter()))
+        serve_cli.shut_down_on_signals(web, lambda: stopped.append(True))
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         handler = signal.getsignal(signal.SIGTERM)
-        signalled = time.perf_counter()
         handler(signal.SIGTERM, None)
         assert web.should_exit and not web.force_exit and not stopped
-        handler(signal.SIGTERM, None)
-        assert web.force_exit
-        time.sleep(0.5)
-        assert len(stopped) == 1 and stopped[0] - signalled >= 0.02  # once, a second before the grace's end
+        assert [seconds for seconds, _ in scheduled] == [serve_cli.SHUTDOWN_GRACE_S - 1]  # a second before the end
+        scheduled.pop()[1]()
+        assert stopped == [True]
+        handler(signal.SIGTERM, None)  # the second: the answers stopped at once, the server soon after
+        assert [seconds for seconds, _ in scheduled] == [0, serve_cli.STOP_NOW_S] and not web.force_exit
+        for _, action in scheduled:
+            action()
+        assert stopped == [True, True] and web.force_exit
+        scheduled.clear()
         signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored: Ctrl-C shuts down too
         web = SimpleNamespace(should_exit=False, force_exit=False)
         serve_cli.shut_down_on_signals(web, lambda: None)
@@ -887,6 +893,10 @@ def test_a_second_signal_stops_waiting_and_a_sigint_ignored_from_the_start_stays
             signal.signal(number, handler)
     err = capsys.readouterr().err
     assert err.count("SIGTERM, shutting down") == 1 and err.count("SIGINT, shutting down") == 1
+    monkeypatch.undo()
+    ran = threading.Event()
+    serve_cli.later(0, ran.set)  # on a thread of its own, never the signal handler's (the main thread)
+    assert ran.wait(10)
 
 
 def test_answers_stopped_by_a_shutdown_end_as_503s_a_stream_with_its_error_event():

@@ -74,6 +74,9 @@ SHUTDOWN_SIGNALS = ("SIGTERM", "SIGINT")
 #: How long a shutdown waits for the requests in progress (uvicorn's graceful timeout); the answers
 #: still running a second before its end are stopped, each with an error its client can read.
 SHUTDOWN_GRACE_S = 5
+#: After a second signal: the answers are stopped at once, and the server exits this much later
+#: (time for their error events to go out), or when they have.
+STOP_NOW_S = 1
 
 
 def shut_down_on_signals(web, stop_answers: Callable[[], None]) -> None:
@@ -81,18 +84,19 @@ def shut_down_on_signals(web, stop_answers: Callable[[], None]) -> None:
     handlers off the main thread): no new connections, the requests in progress answered in full
     (the passes go on meanwhile) for up to the graceful timeout, less a second in which
     ``stop_answers`` ends those still running with a 503; then the process ends with status 0. A
-    second signal stops waiting for them. A SIGINT the process was started ignoring (a background
-    job of a shell) stays ignored."""
+    second signal stops the answers at once and exits. A SIGINT the process was started ignoring
+    (a background job of a shell) stays ignored."""
     import signal
 
     def shut_down(signum: int, frame) -> None:
+        # stop_answers runs on a thread of its own: the handler runs on the main thread, which runs the
+        # requests too, and could be holding the scheduler's lock that stop_answers takes
         if web.should_exit:
-            web.force_exit = True
+            later(0, stop_answers)
+            later(STOP_NOW_S, lambda: setattr(web, "force_exit", True))
             return
         web.should_exit = True
-        deadline = threading.Timer(SHUTDOWN_GRACE_S - 1, stop_answers)
-        deadline.daemon = True
-        deadline.start()
+        later(SHUTDOWN_GRACE_S - 1, stop_answers)
         print(f"decodekit serve: {signal.Signals(signum).name}, shutting down (the requests in progress have "
               f"{SHUTDOWN_GRACE_S - 1} s to finish; another signal stops now)", file=sys.stderr, flush=True)
 
@@ -100,6 +104,13 @@ def shut_down_on_signals(web, stop_answers: Callable[[], None]) -> None:
         number = getattr(signal, name)
         if signal.getsignal(number) is not signal.SIG_IGN:
             signal.signal(number, shut_down)
+
+
+def later(seconds: float, action: Callable[[], object]) -> None:
+    """Run ``action`` on a thread of its own after ``seconds`` (a daemon: it never holds the exit up)."""
+    timer = threading.Timer(seconds, action)
+    timer.daemon = True
+    timer.start()
 
 
 def allowed_origins(text: str) -> list[str]:
