@@ -129,6 +129,8 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["train-drafter", "--kind", "eagle", "--out", "/tmp"], "must name the drafter's file"),
     (["train-drafter", "--kind", "eagle", "--minutes", "inf"], "--minutes inf needs --steps"),
     (["train-drafter", "--kind", "medusa", "--unroll", "3"], "--unroll applies to --kind eagle"),
+    (["train-drafter", "--kind", "eagle", "--heads", "2"], "--heads applies to --kind medusa or hydra"),
+    (["train-drafter", "--kind", "hydra", "--heads", "0"], "--heads must be at least 1, got 0"),
     (["train-drafter", "--kind", "eagle", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
     (["train-drafter", "--kind", "eagle", "--minutes", "0"], "--minutes must be positive"),
     (["train-drafter", "--kind", "eagle", "--seed", "-1"], "--seed must be >= 0, got -1"),

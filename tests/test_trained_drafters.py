@@ -38,6 +38,15 @@ QUERIES = ["abcabc", "hello world", "xyz xyz", "the cat sat", "qqq rrr", "mnop",
 PROMPTS = [CharTokenizer(96).encode(q) for q in QUERIES[:4]]
 
 
+
+def train_args(**given) -> argparse.Namespace:
+    """``train-drafter``'s arguments as its parser gives them, with ``given`` in place of its defaults."""
+    from decodekit.speculative.trained import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return argparse.Namespace(**{**vars(parser.parse_args(["--kind", given["kind"]])), **given})
+
 def tiny(seed: int = 0, **kwargs) -> LoadedModel:
     kwargs.setdefault("hidden_size", 64)  # head_dim 16: the kernels' path, where every row is computed on its own
     return LoadedModel(tiny_llama(seed=seed, scale=2.0, **kwargs), CharTokenizer(kwargs.get("vocab_size", 96)), "tiny")
@@ -345,7 +354,7 @@ def test_a_model_that_drafts_no_query_stops_soon_in_one_line_and_caches_no_data(
     with pytest.raises(InvalidParameter, match="no usable query in 5 drafting rounds: it has no chat template.*--prompts tasks"):
         self_distil(model.backend, model.tokenizer, 300, max_new_tokens=4, rows=2)
     assert len(asked) == data_module.FIRST_BARREN_ROUNDS
-    args = argparse.Namespace(kind="medusa", tokens=400, prompts="magpie", minutes=1, steps=40, vocab=64, seed=0,
+    args = train_args(kind="medusa", tokens=400, prompts="magpie", minutes=1, steps=40, vocab=64, seed=0,
                               eval_queries=2, unroll=1, max_new_tokens=16, out=None)
     with pytest.raises(InvalidParameter, match="no usable query"):
         cli.run(args, model=model)
@@ -738,7 +747,7 @@ def test_train_drafter_saves_in_the_cache_and_the_method_finds_it(monkeypatch, t
     queries = iter([[f"query number {i} about things" for i in range(4)] for _ in range(200)])
     monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: next(queries))
     model = tiny()
-    args = argparse.Namespace(kind="medusa", tokens=400, prompts="magpie", minutes=1, steps=40, vocab=64, seed=0, eval_queries=2, unroll=1,
+    args = train_args(kind="medusa", tokens=400, prompts="magpie", minutes=1, steps=40, vocab=64, seed=0, eval_queries=2, unroll=1,
                               max_new_tokens=16, out=None)
     assert cli.run(args, model=model) == 0
     record = json.loads(capsys.readouterr().out)
@@ -763,7 +772,7 @@ def test_train_drafter_refuses_a_model_it_cannot_train_on_before_making_data(mon
 
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
     monkeypatch.setattr(cli, "self_distil", lambda *args, **kwargs: pytest.fail("data was made"))
-    args = argparse.Namespace(kind="eagle", tokens=400, prompts="magpie", minutes=1, steps=4, vocab=64, seed=0, eval_queries=2, unroll=1,
+    args = train_args(kind="eagle", tokens=400, prompts="magpie", minutes=1, steps=4, vocab=64, seed=0, eval_queries=2, unroll=1,
                               max_new_tokens=16, out=None)
     for change, message in ((("gives_features", False), "needs a backend that gives features"),
                             (("kv_policy", parse_kv_cache("int8")), "needs the full kv cache, not int8")):
@@ -787,7 +796,7 @@ def test_train_drafter_refuses_a_vocabulary_past_the_models_and_answers_as_long_
 
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
     monkeypatch.setattr(cli, "self_distil", lambda *args, **kwargs: pytest.fail("data was made"))
-    args = argparse.Namespace(kind="eagle", tokens=400, prompts="magpie", minutes=1, steps=4, vocab=97, seed=0, eval_queries=2,
+    args = train_args(kind="eagle", tokens=400, prompts="magpie", minutes=1, steps=4, vocab=97, seed=0, eval_queries=2,
                               unroll=1, max_new_tokens=16, out=None)
     with pytest.raises(InvalidParameter, match="--vocab 97 is more than the model's 96 tokens"):
         cli.run(args, model=tiny())
@@ -814,7 +823,7 @@ def test_train_drafter_learns_its_vocabulary_on_the_training_part_and_evaluates_
 
     monkeypatch.setattr(cli, "draft_vocabulary", vocabulary)
     monkeypatch.setattr(cli, "evaluate", lambda model, kind, path, asked, n: queries.extend(asked) or {})
-    args = argparse.Namespace(kind="medusa", tokens=30, prompts="magpie", minutes=1, steps=2, vocab=8, seed=0, eval_queries=2,
+    args = train_args(kind="medusa", tokens=30, prompts="magpie", minutes=1, steps=2, vocab=8, seed=0, eval_queries=2,
                               unroll=1, max_new_tokens=8, out=None)
     assert cli.run(args, model=tiny()) == 0
     assert [s.query for s in vocab_samples] == ["q0", "q1", "q2"] and queries == ["q3", "q4"]
@@ -839,7 +848,7 @@ def test_train_drafter_options_reach_the_data_the_training_the_file_and_the_eval
     monkeypatch.setattr(cli, "evaluate", lambda model, kind, path, asked, n: evaluated.append((kind, path, asked, n)) or {})
     out = tmp_path / "mine" / "drafter.safetensors"
     out.parent.mkdir()
-    args = argparse.Namespace(kind="eagle", tokens=30, prompts="tasks", minutes=0.02, steps=2, vocab=8, seed=3, eval_queries=2,
+    args = train_args(kind="eagle", tokens=30, prompts="tasks", minutes=0.02, steps=2, vocab=8, seed=3, eval_queries=2,
                               unroll=2, max_new_tokens=7, out=out)
     model = tiny()
     assert cli.run(args, model=model) == 0
@@ -850,6 +859,19 @@ def test_train_drafter_options_reach_the_data_the_training_the_file_and_the_eval
     assert record["train_steps"] == 2
     assert record["drafter"] == str(out) and out.is_file() and not store.cache_path(model.backend, "eagle").exists()
     assert evaluated == [("eagle", out, ["q3", "q4"], 7)]
+    # --heads: Medusa's and Hydra's, in the file's network
+    assert cli.run(train_args(kind="hydra", tokens=30, steps=1, vocab=8, eval_queries=2, heads=2, out=out),
+                   model=model) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["heads"] == 2 and store.load(model.backend, "hydra", out).config.heads == 2
+
+
+def test_heads_default_per_kind_and_settings_without_a_flag_are_named_as_fields():
+    assert (Settings("medusa").heads, Settings("hydra").heads, Settings("eagle").heads) == (4, 3, None)
+    assert Settings("medusa", heads=2).heads == 2
+    with pytest.raises(InvalidParameter, match="--heads applies to --kind medusa or hydra"):
+        Settings("eagle", heads=2)
+    with pytest.raises(InvalidParameter, match="^batch_tokens must be at least 1, got 0$"):  # no flag: the field's name
+        Settings("eagle", batch_tokens=0)
 
 
 def test_the_evaluation_decodes_both_answers_to_the_length_asked(monkeypatch):

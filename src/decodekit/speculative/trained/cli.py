@@ -14,7 +14,7 @@ from ...errors import InvalidParameter
 from ...models.cache import cache_root
 from .data import PROMPTS, check_trainable, load_corpus, save_corpus, self_distil
 from .store import cache_path, save, target_fingerprint
-from .train import KINDS, Settings, draft_vocabulary, new_net, report, split, train
+from .train import DEFAULT_HEADS, KINDS, Settings, draft_vocabulary, new_net, report, split, train
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None,
                         help="stop after this many optimiser steps if before --minutes (the same drafter on any machine)")
     parser.add_argument("--vocab", type=int, default=defaults.vocab, help="draft vocabulary size (the data's most frequent tokens)")
+    parser.add_argument("--heads", type=int, default=None,
+                        help="medusa, hydra: draft heads, each one token further (default: "
+                             + ", ".join(f"{kind} {n}" for kind, n in DEFAULT_HEADS.items()) + ")")
     parser.add_argument("--unroll", type=int, default=defaults.unroll,
                         help="eagle: training steps on its own predicted features (1: the original EAGLE loss)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace, model=None) -> int:
     from ...models import load_model
 
     settings = Settings(args.kind, tokens=args.tokens, prompts=args.prompts, minutes=args.minutes, steps=args.steps, vocab=args.vocab, seed=args.seed,
-                        held_out=args.eval_queries, unroll=args.unroll)
+                        held_out=args.eval_queries, unroll=args.unroll, heads=args.heads)
     if args.max_new_tokens < 1:
         raise InvalidParameter(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.out is not None:

@@ -25,6 +25,11 @@ from .data import Corpus, Sample, check_prompts
 from .networks import NETWORKS, EagleConfig, EagleNet, HydraConfig, HydraNet, MedusaConfig, MedusaNet, Net
 
 KINDS = tuple(NETWORKS)
+#: Each head drafts one token further. Hydra's head k reads k + 2 embeddings: a fourth head would add
+#: half again to its file.
+DEFAULT_HEADS = {"medusa": 4, "hydra": 3}
+#: The command-line flags of the settings that have one (the others are the Python API's alone).
+FLAGS = {"tokens": "--tokens", "vocab": "--vocab", "heads": "--heads", "unroll": "--unroll", "held_out": "--eval-queries"}
 
 
 @dataclass
@@ -38,8 +43,7 @@ class Settings:
     batch_tokens: int = 2048
     max_len: int = 512
     lr: float = 2e-3
-    medusa_heads: int = 4
-    hydra_heads: int = 3  # each reads one more embedding than the last: a fourth would add half again to the file
+    heads: int | None = None  # Medusa's and Hydra's (None: DEFAULT_HEADS); EAGLE has none
     unroll: int = 1  # EAGLE: steps trained on its own predicted features (1: the original EAGLE loss)
     held_out: int = 8  # conversations kept aside for the evaluation
     seed: int = 0
@@ -50,10 +54,15 @@ class Settings:
         check_prompts(self.prompts)
         if self.steps is not None and self.steps < 1:
             raise InvalidParameter("--steps must be at least 1")
-        for name in ("tokens", "vocab", "batch_tokens", "max_len", "medusa_heads", "hydra_heads", "unroll", "held_out"):
-            if getattr(self, name) < 1:
-                flag = "eval-queries" if name == "held_out" else name.replace("_", "-")
-                raise InvalidParameter(f"--{flag} must be at least 1, got {getattr(self, name)}")
+        if self.kind not in DEFAULT_HEADS and self.heads is not None:
+            raise InvalidParameter(f"--heads applies to --kind {' or '.join(DEFAULT_HEADS)} (EAGLE drafts with one "
+                                   "layer, level by level)")
+        if self.heads is None:
+            self.heads = DEFAULT_HEADS.get(self.kind)
+        for name in ("tokens", "vocab", "batch_tokens", "max_len", "heads", "unroll", "held_out"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidParameter(f"{FLAGS.get(name, name)} must be at least 1, got {value}")
         if self.seed < 0:
             raise InvalidParameter(f"--seed must be >= 0, got {self.seed}")
         if not self.minutes > 0:
@@ -98,9 +107,9 @@ def new_net(kind: str, backend: Backend, vocab: torch.Tensor, settings: Settings
             head_dim = 64 if hidden % 64 == 0 else hidden // max(1, hidden // 64)
             net: Net = EagleNet(EagleConfig(hidden, hidden // head_dim, head_dim, 2 * hidden), vocab)
         elif kind == "medusa":
-            net = MedusaNet(MedusaConfig(hidden, settings.medusa_heads), vocab)
+            net = MedusaNet(MedusaConfig(hidden, settings.heads), vocab)
         else:
-            net = HydraNet(HydraConfig(hidden, settings.hydra_heads), vocab)
+            net = HydraNet(HydraConfig(hidden, settings.heads), vocab)
     net.head.attach(backend.head_rows(vocab))
     return net
 
