@@ -121,12 +121,16 @@ class Scheduler:
             self._free.append(Engine(LoadedModel(backend, model.tokenizer, model.name)))
         self.prefix_tokens = 0  # prompt tokens taken from a slot's cache instead of being read again
         self._lock = threading.Lock()
-        self.running = 0
-        self._running: set[Job] = set()
+        self._running: set[Job] = set()  # the choices decoding in a slot
         self._stopped = False  # cancel_all was called: nothing new starts
         # the choices admitted that wait for a slot, oldest first, with the futures their callers hold:
         # here, not in the pool's queue, so that one cancelled is dropped at once, memory and all
         self._queued: dict[Job, Future[Outcome]] = {}
+
+    @property
+    def running(self) -> int:
+        """Choices decoding in a slot."""
+        return len(self._running)
 
     @property
     def waiting(self) -> int:
@@ -158,7 +162,6 @@ class Scheduler:
             if not future.set_running_or_notify_cancel():  # its caller cancelled the future meanwhile
                 continue
             engine = self._take_slot(job.prompt_ids)
-            self.running += 1
             self._running.add(job)
             job.started = time.perf_counter()
             self.batcher.start(functools.partial(self._run, job, engine, future))
@@ -203,7 +206,6 @@ class Scheduler:
     def _release(self, job: Job, engine: Engine) -> None:
         with self._lock:
             self._free.append(engine)
-            self.running -= 1
             self._running.discard(job)
             self._dispatch()
 
