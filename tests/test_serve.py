@@ -930,6 +930,13 @@ def test_answers_stopped_by_a_shutdown_end_as_503s_a_stream_with_its_error_event
             running.server.scheduler.submit([Job([1, 2], "greedy", {}, 2)])
     finally:
         running.stop()
+    from decodekit.serve.errors import ApiError
+
+    loading = Server(tiny_model)  # stopped before its model loaded: refused as shutting down, not as loading
+    loading.stop_answers()
+    with pytest.raises(ApiError) as refused_early:
+        loading.ready()
+    assert (refused_early.value.status, refused_early.value.code) == (503, "server_shutting_down")
     import asyncio
 
     loop = asyncio.new_event_loop()
@@ -1740,6 +1747,7 @@ def bare_reply(chat: bool, include_usage: bool = False, method: str = "greedy", 
     reply = Reply.__new__(Reply)
     reply.server = types.SimpleNamespace(metrics=metrics, model_id="tiny", numerics="exact",
                                          scheduler=types.SimpleNamespace(cancel=lambda jobs: None),
+                                         refuse_if_stopped=lambda outcomes: None,  # (never shutting down)
                                          count_error=lambda status: metrics and metrics.errors.labels(str(status)).inc())
     reply.chat, reply.prompt_ids, reply.started, reply.body = chat, [1, 2], 0.0, {}
     reply.spec = types.SimpleNamespace(method=method, include_usage=include_usage)

@@ -113,6 +113,11 @@ class Server:
         if self.scheduler is not None:
             self.scheduler.cancel_all()
 
+    def refuse_if_stopped(self, outcomes: list[Outcome]) -> None:
+        """A 503 for answers that :meth:`stop_answers` cut short (cancelled while stopping)."""
+        if self.stopping and any(o.generation.finish_reason == "cancelled" for o in outcomes):
+            raise shutting_down()
+
     def ready(self) -> Scheduler:
         if self.stopping:
             raise shutting_down()
@@ -258,8 +263,7 @@ class Server:
         except DecodeKitError as err:  # found while decoding: an option the checks above cannot judge alone, or a fault
             reply.record_finished(futures, jobs)  # the other choices ran to their end: they count
             raise decoding_error(err, body, chat) from None
-        if self.stopping and any(o.generation.finish_reason == "cancelled" for o in outcomes):
-            raise shutting_down()
+        self.refuse_if_stopped(outcomes)
         return reply.whole(outcomes, jobs)
 
 

@@ -19,7 +19,7 @@ from fastapi import Request
 from ..engine.registry import method_spec
 from ..engine.stops import shown_tokens
 from ..models.tokenizer import Tokenizer
-from .errors import ApiError, error_body, shutting_down
+from .errors import ApiError, error_body
 from .request import RequestSpec, decoding_error
 from .scheduler import Job, Outcome
 
@@ -251,8 +251,7 @@ class Reply:
                         out.append(self._chunk(index, text, None))
                         continue
                     outcome = outcomes[index] = futures[index].result()  # an engine error propagates
-                    if outcome.generation.finish_reason == "cancelled" and self.server.stopping:
-                        raise shutting_down()
+                    self.server.refuse_if_stopped([outcome])
                     del unrecorded[index]
                     self.record(outcome, first.get(index))
                     out.append(self._chunk(index, None, FINISH[outcome.generation.finish_reason]))

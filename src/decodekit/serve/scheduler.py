@@ -4,9 +4,10 @@ Each slot is an :class:`..engine.Engine` over its own clone of the model (its ow
 its own memory of what speculative methods learn). A running request decodes in its slot as a
 member of one :class:`..models.batching.PassBatcher`, on the thread that runs every slot's forward
 passes together: continuous batching with the engine's decode loop unchanged, so every method
-(speculative ones included) serves concurrent requests, and a request's output does not depend on what else runs (the kernels compute each row on its own), except
-a speculative method's under an evicting cache (``sink:``, ``h2o:``, ``snapkv:``), where the passes the
-controller sizes, from the batch too, decide what is evicted (as the README says).
+(speculative ones included) serves concurrent requests, and a request's output does not depend on
+what else runs (the kernels compute each row on its own), except a speculative method's under an
+evicting cache (``sink:``, ``h2o:``, ``snapkv:``), where the passes the controller sizes, from the
+batch too, decide what is evicted (as the README says).
 
 Admission: at most ``max_batch`` requests run and ``max_queue`` wait; past that a request is
 refused at once (:class:`Overloaded`, HTTP 503 with ``Retry-After``) rather than left to wait
