@@ -550,11 +550,33 @@ def test_serve_runs_the_passes_until_its_event_is_set():
 
 
 def test_serve_is_refused_for_a_batcher_with_a_thread_of_its_own():
-    """A batcher runs its passes on one thread: its own, or the caller of serve(), never both."""
+    """A batcher runs its passes on one thread: its own, or the caller of serve(), never both; and
+    run_here refuses before it starts any work (none is left running on a call that failed)."""
     until = threading.Event()
     until.set()
     with pytest.raises(RuntimeError, match="thread of its own"):
         PassBatcher().serve(until)
+    batcher, ran = PassBatcher(), []
+    with pytest.raises(RuntimeError, match="thread of its own"):
+        batcher.run_here([lambda: ran.append(True)])
+    assert batcher.active == 0 and batcher._thread is None and not ran
+
+
+def test_an_interrupt_in_one_member_leaves_the_pass_loop_at_once():
+    """Ctrl-C while a member chooses its tokens (train-drafter's answers run as members) leaves
+    run_here at once, not after every other member has decoded to its end."""
+    batcher, backend = PassBatcher(own_thread=False, wait_s=0.0), StubBackend()
+    backend.batch_key = None
+
+    def passes(n: int, interrupted: bool = False) -> None:
+        for _ in range(n):
+            batcher.run(backend, torch.zeros(1, dtype=torch.long), torch.arange(1), None, 0, False)
+        if interrupted:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        batcher.run_here([functools.partial(passes, 2, interrupted=True), functools.partial(passes, 1000)])
+    assert batcher.passes == 2
 
 
 def test_closing_with_a_request_still_in_leaves_its_thread_running_without_waiting():
@@ -574,3 +596,16 @@ def test_closing_with_a_request_still_in_leaves_its_thread_running_without_waiti
     assert len(joined) == 1
     join(timeout=5)
     assert not thread.is_alive()
+    # a pass after that is refused: no thread is left to run it, and it would wait for ever
+    outcome = []
+
+    def late_request() -> None:
+        try:
+            batcher.run(backend, torch.zeros(1, dtype=torch.long), torch.arange(1), None, 0, False)
+        except RuntimeError as err:
+            outcome.append(err)
+
+    late = threading.Thread(target=late_request, daemon=True)
+    late.start()
+    late.join(timeout=5)
+    assert len(outcome) == 1 and "closed" in str(outcome[0])

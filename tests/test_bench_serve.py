@@ -17,7 +17,7 @@ import pytest
 
 from decodekit.bench.questions import load_questions, resolve_question_file
 from decodekit.errors import InvalidParameter
-from decodekit.serve.load import SCHEMA, Outcome, add_arguments, percentile, run, send
+from decodekit.serve.load import SCHEMA, RequestTiming, add_arguments, percentile, run, send
 
 FIRST_SLEEP = 0.05  # before the first content chunk: the fake server's time to first token
 CHUNK_SLEEP = 0.01  # between content chunks
@@ -170,9 +170,9 @@ def test_percentile_matches_numpy_linear():
 
 
 def test_tpot_is_time_after_the_first_token_per_later_token():
-    assert Outcome(e2e_s=1.0, ttft_s=0.2, tokens=5).tpot_s == pytest.approx(0.2)
-    assert Outcome(e2e_s=1.0, ttft_s=0.2, tokens=1).tpot_s == pytest.approx(0.8)  # one token: all of it
-    assert Outcome(e2e_s=1.0).tpot_s is None
+    assert RequestTiming(e2e_s=1.0, ttft_s=0.2, tokens=5).tpot_s == pytest.approx(0.2)
+    assert RequestTiming(e2e_s=1.0, ttft_s=0.2, tokens=1).tpot_s == pytest.approx(0.8)  # one token: all of it
+    assert RequestTiming(e2e_s=1.0).tpot_s is None
 
 
 def test_run_against_fake_server(fake_server, tmp_path, capsys):
@@ -209,7 +209,7 @@ def test_run_against_fake_server(fake_server, tmp_path, capsys):
         assert lv["e2e_ms"]["p50"] >= stream_s * 1e3
         # the time after the first token, spread over USAGE_TOKENS - 1 later tokens (never more than
         # the whole request's: a lower bound from the server's sleeps fails when the client reads its
-        # first chunk late on a busy machine; Outcome.tpot_s's arithmetic is tested above)
+        # first chunk late on a busy machine; RequestTiming.tpot_s's arithmetic is tested above)
         assert 0 < lv["tpot_ms"]["p50"] <= lv["e2e_ms"]["p50"] / (USAGE_TOKENS - 1)
     assert sum(lv["wall_s"] for lv in result["levels"]) <= elapsed
     # three workers overlap requests: the level takes well under three times one request each
@@ -318,13 +318,13 @@ def test_a_levels_throughput_counts_only_the_requests_that_succeeded_and_compare
     partial tokens are not output); --compare's "failed / sent" row counts every request sent."""
     from decodekit.serve.load import compare_table, summarize
 
-    level = summarize([Outcome(e2e_s=1.0, ttft_s=0.5, tokens=10), Outcome(e2e_s=1.0, tokens=6, error="HTTP 503: full")],
+    level = summarize([RequestTiming(e2e_s=1.0, ttft_s=0.5, tokens=10), RequestTiming(e2e_s=1.0, tokens=6, error="HTTP 503: full")],
                       wall_s=2.0, concurrency=2)
     assert (level["ok"], level["failed"], level["output_tokens"], level["output_tok_s"]) == (1, 1, 10, 5.0)
     table = compare_table([{"label": "a", "levels": [level]}])
     assert "| 2 | failed / sent | 1 / 2 |" in table.splitlines()
     # a level timed at no wall time (a coarse clock) has no rate rather than a division by zero
-    assert summarize([Outcome(e2e_s=0.0, ttft_s=0.0, tokens=3)], wall_s=0.0, concurrency=1)["output_tok_s"] == 0.0
+    assert summarize([RequestTiming(e2e_s=0.0, ttft_s=0.0, tokens=3)], wall_s=0.0, concurrency=1)["output_tok_s"] == 0.0
 
 
 def test_compare_rows_go_by_rising_concurrency_whatever_order_the_files_list_them():
@@ -341,12 +341,12 @@ def test_a_level_latencies_are_those_of_the_requests_that_succeeded():
     """TTFT and latency percentiles describe the answers served: a refused request's quick 503 is not a latency."""
     from decodekit.serve.load import summarize
 
-    level = summarize([Outcome(e2e_s=2.0, ttft_s=1.0, tokens=3), Outcome(e2e_s=0.5, ttft_s=0.1, tokens=1, error="cut")],
+    level = summarize([RequestTiming(e2e_s=2.0, ttft_s=1.0, tokens=3), RequestTiming(e2e_s=0.5, ttft_s=0.1, tokens=1, error="cut")],
                       wall_s=2.0, concurrency=2)
     assert level["e2e_ms"] == {"p50": 2000.0, "p90": 2000.0, "p99": 2000.0}
     assert level["ttft_ms"] == {"p50": 1000.0, "p90": 1000.0, "p99": 1000.0}
     # milliseconds to two decimals: a fast server's sub-millisecond differences still show
-    assert summarize([Outcome(e2e_s=0.0012345)], wall_s=1.0, concurrency=1)["e2e_ms"]["p50"] == 1.23
+    assert summarize([RequestTiming(e2e_s=0.0012345)], wall_s=1.0, concurrency=1)["e2e_ms"]["p50"] == 1.23
 
 
 def test_a_servers_error_is_its_message_or_the_first_line_of_its_body():
@@ -368,7 +368,7 @@ def test_an_error_chunk_in_the_stream_fails_the_request():
     """A server that fails mid-answer says so in a chunk with an error object: the request failed, whatever follows."""
     from decodekit.serve.load import read_stream
 
-    out = Outcome()
+    out = RequestTiming()
     content = {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}
     read_stream(stream_lines(content, {"error": {"message": "out of memory"}}, content, "[DONE]"), out, time.perf_counter(), 60)
     assert out.error == "error in stream: out of memory"
@@ -379,7 +379,7 @@ def test_a_stream_that_outlasts_the_timeout_is_a_failure():
     going past it is cut and counted as failed. The request here started 10 s before a 1 s timeout."""
     from decodekit.serve.load import read_stream
 
-    out = Outcome()
+    out = RequestTiming()
     content = {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}
     read_stream(stream_lines(content, content, "[DONE]"), out, time.perf_counter() - 10, 1.0)
     assert out.error == "timed out after 1 s"
@@ -449,7 +449,7 @@ def test_a_chunk_with_empty_content_is_neither_the_first_token_nor_a_token(monke
     def delta(**d) -> dict:
         return {"choices": [{"index": 0, "delta": d}]}
     lines = stream_lines(delta(role="assistant", content=""), delta(content="Hi"), delta(content="!"), "[DONE]")
-    out = Outcome()
+    out = RequestTiming()
     read_stream(clocked_stream(monkeypatch, lines), out, 0.0, 60)
     assert out.error is None and out.ttft_s == 1.0 and out.tokens == 2
 
@@ -459,7 +459,7 @@ def test_a_null_usage_in_every_chunk_is_no_count_and_the_last_usage_wins():
     from decodekit.serve.load import read_stream
 
     content = {"choices": [{"index": 0, "delta": {"content": "Hi"}}], "usage": None}
-    out = Outcome()
+    out = RequestTiming()
     read_stream(stream_lines(content, content, {"choices": [], "usage": {"completion_tokens": 5}}, "[DONE]"),
                 out, time.perf_counter(), 60)
     assert out.error is None and out.tokens == 5
@@ -471,7 +471,7 @@ def test_comments_and_event_lines_in_the_stream_are_skipped():
 
     content = {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}
     lines = [b": keep-alive\n", b"event: message\n", *stream_lines(content), b"\n", *stream_lines("[DONE]")]
-    out = Outcome()
+    out = RequestTiming()
     read_stream(lines, out, time.perf_counter(), 60)
     assert out.error is None and out.tokens == 1
 

@@ -45,6 +45,21 @@ def test_the_text_is_transformers_text(name):
         assert render_chat(TEMPLATES[name], MESSAGES, add_generation_prompt=prompt, **SPECIAL) == theirs[0]
 
 
+def test_a_templates_refusal_of_the_messages_is_the_callers_mistake_and_its_other_errors_stay_jinjas():
+    from decodekit.errors import InvalidParameter
+    from decodekit.models.chat_template import refusals_as_invalid
+
+    with pytest.raises(InvalidParameter, match="^the model's chat template refuses these messages: no system$") as err:
+        with refusals_as_invalid():
+            render_chat("{{ raise_exception('no system') }}", MESSAGES)
+    assert err.value.param == "prompt"
+    for broken in ("{{ messages.__class__.__mro__ }}", "{% for %}"):  # out of its sandbox; not Jinja
+        with pytest.raises(jinja2.exceptions.TemplateError) as err:
+            with refusals_as_invalid():
+                render_chat(broken, MESSAGES)
+        assert not isinstance(err.value, InvalidParameter)
+
+
 def test_a_template_is_sandboxed_and_its_errors_are_jinjas():
     with pytest.raises(jinja2.exceptions.TemplateError, match="^no system message$"):
         render_chat("{{ raise_exception('no system message') }}", MESSAGES)

@@ -38,6 +38,33 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 
 
 @needs_kernel
+def test_every_thread_of_a_team_flushes_subnormals_whenever_the_team_was_made():
+    """Flushing subnormals to zero (torch.set_flush_denormal) is a per-thread setting: a team of
+    threads made before it was set keeps computing with subnormals, so a row's bits would depend
+    on which thread computed it. Every thread sets it at the start of every parallel region."""
+    import threading
+
+    weight, x = torch.full((64, 16), 1e-20), torch.full((1, 16), 1e-20)  # every product 1e-40: subnormal
+    out = {}
+
+    def on_a_fresh_thread() -> None:  # (its own team, made by its first kernel call)
+        torch.set_flush_denormal(False)
+        matmul(weight, x)  # the team made while this thread computes with subnormals
+        torch.set_flush_denormal(True)  # this thread's setting, not its team's other threads'
+        out["y"] = matmul(weight, x)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        thread = threading.Thread(target=on_a_fresh_thread)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.count_nonzero(out["y"]) == 0  # every row flushed, the team's other thread's too
+
+
+@needs_kernel
 def test_a_strided_input_is_multiplied_as_its_values():
     """Rows taken as a view (a transpose, every other column) are made contiguous before the C
     code reads them as packed rows: the product of the values, as for a contiguous copy."""

@@ -488,6 +488,18 @@ def slot_holder(prompt: list[int]):
     return Job(prompt, "greedy", {}, 1900, ignore_eos=True)
 
 
+def test_a_closed_scheduler_refuses_new_choices_and_keeps_its_slots():
+    """After close() a submit is refused at once (it used to take a slot, then fail to start on the
+    closed batcher: the slot lost, the running count stuck, the future never answered)."""
+    from decodekit.serve.scheduler import ShuttingDown
+
+    with scheduler_of(max_batch=2, max_queue=2) as (model, scheduler):
+        scheduler.close()
+        with pytest.raises(ShuttingDown):
+            scheduler.submit([slot_holder([1, 2, 3])])
+        assert (scheduler.running, scheduler.waiting, len(scheduler._free)) == (0, 0, 2)
+
+
 def test_a_request_cancelled_while_it_waits_gives_its_queue_place_back_at_once(alone):
     """A waiting choice whose client left frees its queue place then, not when a slot frees: the
     next client is admitted (it got a 503), and the cancelled choice never takes a slot."""
@@ -856,8 +868,9 @@ def test_the_server_listens_on_an_ipv6_address_too():
 def test_a_second_signal_stops_waiting_and_a_sigint_ignored_from_the_start_stays_ignored(capsys, monkeypatch):
     """SIGTERM or SIGINT: the first asks uvicorn to finish the requests in progress, and stops those
     still running a second before its grace ends; a second signal stops them at once and the server
-    soon after; a SIGINT the process
-    was started ignoring (a background job) is left ignored."""
+    soon after; a SIGINT the process was started ignoring (a background job) is left ignored. The
+    handler itself (on the main thread, which runs the requests) only sets flags: the rest, its
+    message too, is left to timer threads."""
     from types import SimpleNamespace
 
     from decodekit.serve import cli as serve_cli
@@ -869,14 +882,17 @@ def test_a_second_signal_stops_waiting_and_a_sigint_ignored_from_the_start_stays
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         web = SimpleNamespace(should_exit=False, force_exit=False)
-        serve_cli.shut_down_on_signals(web, lambda: stopped.append(True))
+        serve_cli.shut_down_on_signals(web, lambda: stopped.append(True), loading=lambda: False)
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         handler = signal.getsignal(signal.SIGTERM)
         handler(signal.SIGTERM, None)
         assert web.should_exit and not web.force_exit and not stopped
-        assert [seconds for seconds, _ in scheduled] == [serve_cli.SHUTDOWN_GRACE_S - 1]  # a second before the end
-        scheduled.pop()[1]()
+        # a second before the grace's end, the answers stopped; at once, the message
+        assert [seconds for seconds, _ in scheduled] == [serve_cli.SHUTDOWN_GRACE_S - 1, 0]
+        for _, action in scheduled:
+            action()
         assert stopped == [True]
+        scheduled.clear()
         handler(signal.SIGTERM, None)  # the second: the answers stopped at once, the server soon after
         assert [seconds for seconds, _ in scheduled] == [0, serve_cli.STOP_NOW_S] and not web.force_exit
         for _, action in scheduled:
@@ -885,9 +901,11 @@ def test_a_second_signal_stops_waiting_and_a_sigint_ignored_from_the_start_stays
         scheduled.clear()
         signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored: Ctrl-C shuts down too
         web = SimpleNamespace(should_exit=False, force_exit=False)
-        serve_cli.shut_down_on_signals(web, lambda: None)
+        serve_cli.shut_down_on_signals(web, lambda: None, loading=lambda: False)
         signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
         assert web.should_exit and not web.force_exit
+        for _, action in scheduled:
+            action()
     finally:
         for number, handler in saved.items():
             signal.signal(number, handler)
@@ -897,6 +915,26 @@ def test_a_second_signal_stops_waiting_and_a_sigint_ignored_from_the_start_stays
     ran = threading.Event()
     serve_cli.later(0, ran.set)  # on a thread of its own, never the signal handler's (the main thread)
     assert ran.wait(10)
+
+
+def test_a_signal_while_the_model_loads_stops_the_load_itself(monkeypatch):
+    """No answers to finish yet, and the main thread is the one loading: the signal interrupts it
+    there (a KeyboardInterrupt naming the signal), instead of waiting for the load to end."""
+    from types import SimpleNamespace
+
+    from decodekit.serve import cli as serve_cli
+
+    scheduled = []
+    monkeypatch.setattr(serve_cli, "later", lambda seconds, action: scheduled.append((seconds, action)))
+    saved = signal.getsignal(signal.SIGTERM)
+    try:
+        web = SimpleNamespace(should_exit=False, force_exit=False)
+        serve_cli.shut_down_on_signals(web, lambda: pytest.fail("no answers to stop"), loading=lambda: True)
+        with pytest.raises(KeyboardInterrupt, match="^SIGTERM, shutting down"):
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        assert web.should_exit and not scheduled
+    finally:
+        signal.signal(signal.SIGTERM, saved)
 
 
 def test_answers_stopped_by_a_shutdown_end_as_503s_a_stream_with_its_error_event():
@@ -1178,6 +1216,24 @@ def test_an_unknown_role_is_refused_in_the_python_apis_words():
             chat_messages([{"role": "user", "content": "hi"}, {"role": role, "content": "x"}])
         assert (err.value.status, err.value.param) == (400, "messages")
         assert str(err.value) == f"messages[1] must have a role, one of system, developer, user, assistant; got {role!r}"
+
+
+def test_messages_the_chat_template_refuses_are_a_400_naming_them(served, monkeypatch):
+    """Gemma's and Mistral's templates call raise_exception when roles do not alternate: the
+    client's mistake (a 400 naming its messages), not the server's (it was a 500)."""
+    from decodekit.models.chat_template import render_chat
+
+    alternating = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                   "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                   "{{ m['content'] }}{% endfor %}")
+    monkeypatch.setattr(served.model.tokenizer, "chat_prompt", lambda messages: render_chat(alternating, messages))
+    errors = server_errors(served)
+    status, text = post(served, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"},
+                                                                      {"role": "user", "content": "again"}]})
+    error = json.loads(text)["error"]
+    assert (status, error["param"], error["type"]) == (400, "messages", "invalid_request_error")
+    assert error["message"] == "the model's chat template refuses these messages: Conversation roles must alternate user/assistant"
+    assert server_errors(served) == errors
 
 
 def test_a_completions_tokens_join_to_its_text_and_their_offsets_index_it():

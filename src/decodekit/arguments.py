@@ -68,13 +68,15 @@ DTYPES = ("float32", "bfloat16")
 NUMERICS = ("exact", "fast")
 
 
-def add_numerics_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--dtype`` and ``--numerics``."""
+def add_numerics_arguments(parser: argparse.ArgumentParser, numerics: str | None = "exact") -> None:
+    """``--dtype`` and ``--numerics``, whose default is ``numerics`` ("exact", or None where the
+    command chooses: fast where the model and the CPU allow it, else exact)."""
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and compute dtype")
-    parser.add_argument(
-        "--numerics", default="exact", choices=NUMERICS,
-        help="exact: float32, identical to the dequantised model (default); fast: 8-bit inputs and integer dot products on the GGUF blocks",
-    )
+    exact, fast = ("exact: float32, identical to the dequantised model",
+                   "fast: 8-bit inputs and integer dot products on the GGUF blocks")
+    help = (f"{exact} (default); {fast}" if numerics == "exact"
+            else f"{fast} (default where this model and CPU allow it); {exact} (default otherwise)")
+    parser.add_argument("--numerics", default=numerics, choices=NUMERICS, help=help)
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -82,10 +84,12 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
                         help=f"embedded model name, HF model folder or .gguf file (default: {DEFAULT_MODEL})")
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, numerics: str | None = "exact") -> None:
+    """``--model``, ``--backend``, ``--dtype``, ``--numerics`` (see :func:`add_numerics_arguments`)
+    and ``--kv-cache``."""
     add_model_argument(parser)
     parser.add_argument("--backend", default="auto", choices=BACKENDS, help="model backend (default: native for Llama-family)")
-    add_numerics_arguments(parser)
+    add_numerics_arguments(parser, numerics)
     parser.add_argument(
         "--kv-cache", default="full", metavar="POLICY",
         help="which keys and values to keep: full (default), int8, int4 and int2 (KIVI), sink:S,window:W (StreamingLLM), h2o:budget=B,window=W, "

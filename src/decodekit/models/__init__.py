@@ -8,6 +8,7 @@ import torch
 
 from .backend import Backend, ModelInfo, StepOutput
 from .cache import reading
+from .chat_template import refusals_as_invalid
 from .loading import DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, check_backend, parse_dtype, resolve_model
 from .kv_policy import KVPolicy, parse_kv_cache
 from .memory import return_freed_memory
@@ -23,10 +24,12 @@ class LoadedModel:
     name: str
 
     def prompt_ids(self, prompt: str | list[dict[str, str]], *, chat: bool = True) -> list[int]:
-        """Token ids of a prompt; a chat template is applied when the model has one and ``chat``;
-        the ids start with the tokenizer's prompt prefix (e.g. a BOS token) when the text does not."""
+        """Token ids of a prompt; a chat template is applied when the model has one and ``chat`` (one
+        that refuses the messages raises InvalidParameter); the ids start with the tokenizer's
+        prompt prefix (e.g. a BOS token) when the text does not."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = self.tokenizer.chat_prompt(messages) if chat else None
+        with refusals_as_invalid():  # roles the template does not take: the caller's mistake
+            text = self.tokenizer.chat_prompt(messages) if chat else None
         if text is None:
             text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
         ids, prefix = self.tokenizer.encode(text), list(self.tokenizer.prompt_prefix)

@@ -29,8 +29,7 @@ arrived, or when the waiting rows fill ``max_rows``. Waiting threads block, neve
 request thread on its own pass's event, set when that pass is done, and the pass thread on a
 condition variable, woken only when a pass arrives that could start a batch (the first one, which
 starts the wait, or the one that completes it), when a member is started, or when a request
-leaves. One shared condition for everything woke every waiting request thread at every arrival,
-to find its own pass not done: with 8 requests, some forty wake-ups a step.
+leaves.
 
 Which thread runs the passes matters. The kernels split each step over OpenMP threads, and
 GNU OpenMP keeps a team of worker threads per thread that starts parallel work. Once the teams
@@ -79,7 +78,7 @@ class _Pass:
     visible: torch.Tensor | None  # [k, start + k] or None: every cached key
     start: int
     last_only: bool
-    model: object  # passes of the same model (the same layer kernels) can share a batch
+    key: object  # the backend's batch_key: passes of the same layer kernels (one model) can share a batch
     arrived: float = field(default_factory=time.perf_counter)
     output: tuple[torch.Tensor, torch.Tensor] | None = None  # logits, features
     error: BaseException | None = None
@@ -124,10 +123,10 @@ class PassBatcher:
         counts as active until it returns, and its passes join the batches. Returns the future of
         its result (or of what it raised). ``work`` must not block its thread waiting for another
         member (a lock held by one, say): they all run on it."""
-        if self._closed.is_set():  # its thread ends once no member is left: this one would never run
-            raise RuntimeError("this batcher is closed")
         future: Future = Future()
         with self._cond:
+            if self._closed.is_set():  # its thread ends once no member is left: this one would never run
+                raise RuntimeError("this batcher is closed")
             self._ensure_thread()
             self._active += 1
             self._arrivals.append((work, future))
@@ -184,7 +183,10 @@ class PassBatcher:
 
     def run_here(self, works: list[Callable[[], Any]]) -> list[Any]:
         """Run ``works`` as members on the calling thread until every one has returned (a batcher
-        made with ``own_thread=False``): their results, in order, or the first error one raised."""
+        made with ``own_thread=False``): their results, in order, or the error of the first in that
+        order that failed."""
+        if self.own_thread:  # (checked before any work starts: none is left running on a failed call)
+            raise RuntimeError("this batcher runs its passes on a thread of its own")
         futures = [self.start(work) for work in works]
         if not futures:
             return []
@@ -201,7 +203,10 @@ class PassBatcher:
         return [future.result() for future in futures]
 
     def _ensure_thread(self) -> None:
-        """Start the batcher's own pass thread if it has one and it is not running (lock held)."""
+        """Start the batcher's own pass thread if it has one and it is not running (lock held); a
+        closed batcher's thread that has ended is not started again: a pass would wait for ever."""
+        if self.own_thread and self._closed.is_set() and not (self._thread and self._thread.is_alive()):
+            raise RuntimeError("this batcher is closed")
         if self._thread is None and self.own_thread:
             self._thread = threading.Thread(target=self._loop, args=(self._closed,), name="decodekit-passes",
                                             daemon=True)
@@ -209,16 +214,18 @@ class PassBatcher:
 
     def serve(self, until: threading.Event) -> None:
         """Run the passes on the calling thread until ``until`` is set (a batcher made with
-        ``own_thread=False``; ``decodekit serve`` calls it from the main thread)."""
+        ``own_thread=False``; ``decodekit serve`` calls it from the main thread). Members still
+        decoding then stay suspended, their futures unanswered, until a later call runs them on."""
         if self.own_thread:
             raise RuntimeError("this batcher runs its passes on a thread of its own")
         self._loop(until)
 
     def close(self) -> None:
-        """End the batcher's own thread once no request is left to run passes for (a batcher per wave
-        of answers, or a scheduler closed: each thread left would wake twice a second for ever)."""
-        self._closed.set()
-        self.stop_waiting()
+        """Take no new members, and end the batcher's own thread once no request is left to run
+        passes for (a scheduler closed: each thread left would wake twice a second for ever)."""
+        with self._cond:  # (under the lock: a member started now either runs or is refused)
+            self._closed.set()
+            self._cond.notify_all()
         thread = self._thread
         if thread is not None and not self._active:
             thread.join(timeout=10)
@@ -265,6 +272,8 @@ class PassBatcher:
                     future.set_result(work())
             except BaseException as err:  # the caller's, through the future
                 future.set_exception(err)
+                if isinstance(err, (KeyboardInterrupt, SystemExit, greenlet.GreenletExit)):
+                    raise  # out of the pass loop too, at once: not after every other member has ended
             finally:
                 with self._cond:
                     self._active -= 1
@@ -285,9 +294,9 @@ class PassBatcher:
         since = time.perf_counter() - max(self._waiting[0].arrived, self._last_end)
         if not (self._full() or since >= self.wait_s):
             return []
-        batch, taken, model = [], 0, self._waiting[0].model
+        batch, taken, key = [], 0, self._waiting[0].key
         for job in list(self._waiting):  # oldest first; a pass is never split
-            if job.model is not model:
+            if job.key is not key:
                 continue
             if batch and taken + len(job.tokens) > self.max_rows:
                 break

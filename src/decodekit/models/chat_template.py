@@ -17,9 +17,13 @@ compare the text.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
+
+from ..errors import InvalidParameter
 
 #: the names transformers reads a message's reasoning from; templates read the first
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -30,6 +34,22 @@ def render_chat(template: str, messages: list[dict[str, Any]], add_generation_pr
     """``template`` rendered for ``messages`` (plain dictionaries), as transformers renders it."""
     return compiled(template).render(messages=_aliased(messages), tools=None, documents=None,
                                      add_generation_prompt=add_generation_prompt, **variables)
+
+
+@contextmanager
+def refusals_as_invalid() -> Iterator[None]:
+    """A template's own refusal of the messages (its ``raise_exception``, as Gemma's when roles do not
+    alternate) as an :class:`InvalidParameter` naming the prompt: the caller's mistake, one line. Its
+    other errors pass as jinja2's (a broken template, or one reaching out of its sandbox, is the
+    model's fault, not the caller's)."""
+    import jinja2
+
+    try:
+        yield
+    except jinja2.exceptions.TemplateError as err:
+        if type(err) is not jinja2.exceptions.TemplateError:  # its subclasses: syntax, security, undefined
+            raise
+        raise InvalidParameter(f"the model's chat template refuses these messages: {err}", param="prompt") from None
 
 
 @lru_cache(maxsize=8)

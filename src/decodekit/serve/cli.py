@@ -19,11 +19,7 @@ from . import MAX_BATCH, MAX_QUEUE, STREAM_INTERVAL_S
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p)
-    p.set_defaults(numerics=None)  # the server's default: fast where the model and CPU allow it, else exact
-    for action in p._actions:
-        if action.dest == "numerics":
-            action.help = "fast (the server's default, where this model and CPU allow it; else exact) or exact"
+    add_model_arguments(p, numerics=None)  # the server's default: fast where the model and CPU allow it, else exact
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch", type=int, default=MAX_BATCH, help=f"requests decoded together (default {MAX_BATCH})")
@@ -79,26 +75,31 @@ SHUTDOWN_GRACE_S = 5
 STOP_NOW_S = 1
 
 
-def shut_down_on_signals(web, stop_answers: Callable[[], None]) -> None:
+def shut_down_on_signals(web, stop_answers: Callable[[], None], loading: Callable[[], bool]) -> None:
     """SIGTERM and Ctrl-C shut the server down as uvicorn does on its own thread (which installs no
     handlers off the main thread): no new connections, the requests in progress answered in full
     (the passes go on meanwhile) for up to the graceful timeout, less a second in which
     ``stop_answers`` ends those still running with a 503; then the process ends with status 0. A
-    second signal stops the answers at once and exits. A SIGINT the process was started ignoring
-    (a background job of a shell) stays ignored."""
+    second signal stops the answers at once and exits. While the model is ``loading()`` (on the main
+    thread, with no answers to finish) a signal stops the load there, as a KeyboardInterrupt. A
+    SIGINT the process was started ignoring (a background job of a shell) stays ignored."""
     import signal
 
     def shut_down(signum: int, frame) -> None:
-        # stop_answers runs on a thread of its own: the handler runs on the main thread, which runs the
-        # requests too, and could be holding the scheduler's lock that stop_answers takes
+        # the handler runs on the main thread, which also runs the requests: what it leaves to timer
+        # threads (stopping the answers, which takes the scheduler's lock; printing, which a request
+        # may be doing) could otherwise meet the same work half done below it
+        name = signal.Signals(signum).name
         if web.should_exit:
             later(0, stop_answers)
             later(STOP_NOW_S, lambda: setattr(web, "force_exit", True))
             return
         web.should_exit = True
+        if loading():
+            raise KeyboardInterrupt(f"{name}, shutting down (the model was loading)")
         later(SHUTDOWN_GRACE_S - 1, stop_answers)
-        print(f"decodekit serve: {signal.Signals(signum).name}, shutting down (the requests in progress have "
-              f"{SHUTDOWN_GRACE_S - 1} s to finish; another signal stops now)", file=sys.stderr, flush=True)
+        later(0, lambda: print(f"decodekit serve: {name}, shutting down (the requests in progress have "
+                               f"{SHUTDOWN_GRACE_S - 1} s to finish; another signal stops now)", file=sys.stderr, flush=True))
 
     for name in SHUTDOWN_SIGNALS:
         number = getattr(signal, name)
@@ -155,18 +156,17 @@ def run(args: argparse.Namespace) -> int:
     http = threading.Thread(target=web.run, kwargs={"sockets": [sock]}, name="decodekit-http", daemon=True)
     http.start()
     stopped = threading.Event()
-    shut_down_on_signals(web, server.stop_answers)
+    shut_down_on_signals(web, server.stop_answers, loading=lambda: server.scheduler is None)
     try:
         server.load_now()
-        if web.should_exit:  # a signal came while the model loaded: the HTTP thread has closed the socket
-            return 0
         print(f"decodekit serve: {server.model_id}, {server.numerics} numerics, {base_url(sock)} "
               f"(max batch {server.scheduler.max_batch}, queue {server.max_queue})", file=sys.stderr, flush=True)
         threading.Thread(target=lambda: (http.join(), stopped.set(), server.scheduler.batcher.stop_waiting()),
                          daemon=True).start()
         server.scheduler.batcher.serve(stopped)
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt as interrupt:  # a signal while the model loaded
+        if interrupt.args:
+            print(f"decodekit serve: {interrupt.args[0]}", file=sys.stderr, flush=True)
     finally:
         web.should_exit = True
         http.join(timeout=10)

@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @dataclass
-class Outcome:
+class RequestTiming:
     """One request; times in seconds from just before it was sent. ``error`` is None when it succeeded."""
 
     e2e_s: float = 0.0
@@ -97,7 +97,7 @@ def quantiles_ms(values: Sequence[float]) -> dict[str, float | None]:
     return {f"p{q}": None if (v := percentile(values, q)) is None else round(v * 1e3, 2) for q in QUANTILES}
 
 
-def summarize(outcomes: Sequence[Outcome], wall_s: float, concurrency: int) -> dict[str, Any]:
+def summarize(outcomes: Sequence[RequestTiming], wall_s: float, concurrency: int) -> dict[str, Any]:
     """One level of results.json. Latencies are those of the requests that succeeded."""
     ok = [o for o in outcomes if o.error is None]
     tokens = sum(o.tokens for o in ok)
@@ -147,7 +147,7 @@ def first_model(url: str, timeout: float) -> str:
         raise InvalidParameter(f"{url}/models lists no model; give --model") from None
 
 
-def read_stream(response: http.client.HTTPResponse, out: Outcome, start: float, timeout: float) -> None:
+def read_stream(response: http.client.HTTPResponse, out: RequestTiming, start: float, timeout: float) -> None:
     """Read server-sent events (``data: {...}`` lines up to ``data: [DONE]``) into ``out``."""
     chunks, usage = 0, None
     for raw in response:
@@ -175,10 +175,10 @@ def read_stream(response: http.client.HTTPResponse, out: Outcome, start: float, 
     out.error = "the stream ended before data: [DONE]"
 
 
-def send(url: str, body: dict[str, Any], timeout: float) -> Outcome:
+def send(url: str, body: dict[str, Any], timeout: float) -> RequestTiming:
     """One streamed chat completion. Every failure becomes the outcome's error, never an exception:
     a load test must go on when the server refuses or drops a request."""
-    out = Outcome()
+    out = RequestTiming()
     start = time.perf_counter()
     conn, base = connect(url, timeout)
     try:

@@ -59,8 +59,8 @@ class ServerMetrics:
         self.e2e.observe(e2e_s)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
-            if len(generation.tokens) > 1:
-                self.itl.observe((e2e_s - ttft_s) / (len(generation.tokens) - 1))
+            if generation.generated > 1:  # (tokens a stop string cut off were decoded in that time too)
+                self.itl.observe((e2e_s - ttft_s) / (generation.generated - 1))
         extra = generation.stats.extra
         if "drafted" in extra:
             self.spec_drafted.inc(extra["drafted"])

@@ -32,6 +32,7 @@ from ..engine.core import Generation
 from ..engine.stops import shown_tokens
 from ..errors import DecodeKitError, InvalidParameter
 from ..models import LoadedModel
+from ..models.batching import PassBatcher
 from . import MAX_BATCH, MAX_QUEUE
 
 
@@ -101,8 +102,6 @@ class Scheduler:
                  passes_on_caller: bool = False):
         """``passes_on_caller``: the passes wait for a thread to call ``self.batcher.serve`` (the
         main thread, in ``decodekit serve``) instead of running on a thread of their own."""
-        from ..models.batching import PassBatcher
-
         self.model = model
         self.batcher = PassBatcher(own_thread=not passes_on_caller)
         self.batching = getattr(model.backend, "batch_key", None) is not None
@@ -123,7 +122,7 @@ class Scheduler:
         self.prefix_tokens = 0  # prompt tokens taken from a slot's cache instead of being read again
         self._lock = threading.Lock()
         self._running: set[Job] = set()  # the choices decoding in a slot
-        self._stopped = False  # cancel_all was called: nothing new starts
+        self._stopped = False  # cancel_all or close was called: nothing new starts
         # the choices admitted that wait for a slot, oldest first, with the futures their callers hold:
         # here, not in the pool's queue, so that one cancelled is dropped at once, memory and all
         self._queued: dict[Job, Future[Outcome]] = {}
@@ -226,8 +225,10 @@ class Scheduler:
         return Outcome(generation, logprobs, job.started - job.submitted)
 
     def close(self) -> None:
-        """Stop: what waits is dropped (its futures cancelled), what runs finishes on its own."""
+        """Stop: what waits is dropped (its futures cancelled), what runs finishes on its own, and
+        nothing new is taken."""
         with self._lock:
+            self._stopped = True
             waiting, self._queued = list(self._queued.values()), {}
         for future in waiting:
             future.cancel()

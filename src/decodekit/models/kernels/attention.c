@@ -489,6 +489,7 @@ static inline __attribute__((always_inline)) void transpose16(__m512 *x) {
         int rows = (n_q + plan.blocks - 1) / plan.blocks;                                           \
         _Pragma("omp parallel num_threads(threads) if (threads > 1)")                               \
         {                                                                                           \
+            flush_denormals();                                                                      \
             Scratch s;                                                                              \
             scratch_init(&s, rows, (size_t)n_keys, head_dim);                                       \
             _Pragma("omp for schedule(static)")                                                     \
@@ -669,6 +670,7 @@ void decodekit_attention_kivi(const float *q, const uint8_t *k_codes, const floa
     JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, 2 * threads, 1);
     _Pragma("omp parallel num_threads(threads) if (threads > 1)")
     {
+        flush_denormals();
         Scratch s;
         scratch_init(&s, 1, (size_t)cap_q + n_residual, head_dim);
         _Pragma("omp for schedule(static)")

@@ -211,12 +211,16 @@ static void attention_half(const Model *m, const Layer *l, int i, Pass *p, void 
             if (seqs[s].rows >= MANY_ROWS)
                 sequence_attention(m, &seqs[s], w ? w + s : NULL, (size_t)p->starts[s], 0, (int)seqs[s].rows, i,
                                    buf[Q], buf[HEADS], scale, threads);
-        _Pragma("omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)")
-        for (int row = 0; row < rows; row++) {
-            int s = p->row_sequence[row];
-            if (seqs[s].rows >= MANY_ROWS) continue;
-            sequence_attention(m, &seqs[s], w ? w + s : NULL, (size_t)p->starts[s], row - (int)p->starts[s], 1, i,
-                               buf[Q], buf[HEADS], scale, 1);
+        _Pragma("omp parallel num_threads(threads) if (threads > 1)")
+        {
+            flush_denormals();
+            _Pragma("omp for schedule(dynamic)")
+            for (int row = 0; row < rows; row++) {
+                int s = p->row_sequence[row];
+                if (seqs[s].rows >= MANY_ROWS) continue;
+                sequence_attention(m, &seqs[s], w ? w + s : NULL, (size_t)p->starts[s], row - (int)p->starts[s], 1,
+                                   i, buf[Q], buf[HEADS], scale, 1);
+            }
         }
     }
     if (es == 2) /* rounded to bfloat16 as torch's .to() rounds (q_width is a multiple of 16) */

@@ -28,6 +28,7 @@
 
 #include "decodekit.h"
 #include "gguf.h"
+#include "simd.h"
 
 /* Bytes ahead of the weights a step rebuilds that it asks the memory for. On an Intel Xeon
  * (Sapphire Rapids class) the hardware prefetchers alone left a decode step waiting on memory most
@@ -338,14 +339,18 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
                                                                                                    \
     /* The whole product, rebuilding the weights for every four inputs. */                         \
     static void NAME##_streamed(const WT *w, const T *x, OUT *y, int M, int n_out, int n_in, int threads) { \
-        if (M <= WP##_SINGLE_ROW_MAX) {                                                            \
-            _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")     \
-            for (int r = 0; r < n_out; r++) NAME##_row(w, x, y, n_in, n_out, r, M);                \
-            return;                                                                                \
+        _Pragma("omp parallel num_threads(threads) if (threads > 1)")                              \
+        {                                                                                          \
+            flush_denormals();                                                                     \
+            if (M <= WP##_SINGLE_ROW_MAX) {                                                        \
+                _Pragma("omp for schedule(static)")                                                \
+                for (int r = 0; r < n_out; r++) NAME##_row(w, x, y, n_in, n_out, r, M);            \
+            } else {                                                                               \
+                _Pragma("omp for schedule(static)")                                                \
+                for (int b = 0; b < n_out / 4; b++) NAME##_four_rows(w, x, y, n_in, n_out, 4 * b, M); \
+            }                                                                                      \
         }                                                                                          \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")         \
-        for (int b = 0; b < n_out / 4; b++) NAME##_four_rows(w, x, y, n_in, n_out, 4 * b, M);      \
-        NAME##_last_rows(w, x, y, M, n_out, n_in);                                                 \
+        if (M > WP##_SINGLE_ROW_MAX) NAME##_last_rows(w, x, y, M, n_out, n_in);                    \
     }                                                                                              \
     ENTRY(NAME, WT, WP, T, OUT)
 
@@ -382,6 +387,7 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
         int failed = 0;                                                                            \
         _Pragma("omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)")        \
         {                                                                                          \
+            flush_denormals();                                                                     \
             float *panel = aligned_alloc(64, sizeof(float) * 4 * (size_t)n_in);                    \
             failed = panel == NULL;                                                                \
             _Pragma("omp for schedule(static)")                                                    \

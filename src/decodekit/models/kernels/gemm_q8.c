@@ -397,6 +397,7 @@ static void run(group_fn group, int packed_size, const uint8_t *packed, const fl
     if (!shared) quantize_vector(x, 0, blocks, &in);
     _Pragma("omp parallel num_threads(threads) if (threads > 1)")
     {
+        flush_denormals();
         if (shared) {
             int team = omp_get_num_threads(), me = omp_get_thread_num();
             quantize_vector(x, blocks * me / team, blocks * (me + 1) / team, &in);

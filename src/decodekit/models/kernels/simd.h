@@ -9,6 +9,13 @@
 
 static inline __m512 load_f32(const float *p) { return _mm512_loadu_ps(p); }
 
+/* Subnormal inputs and results read and written as zero (MXCSR's DAZ and FTZ), on the calling
+ * thread: what torch.set_flush_denormal sets, set again by every thread at the start of every
+ * parallel region, because the setting is per thread and a team made before the model was loaded
+ * (or by a thread made before) lacks it. Otherwise a row's bits could depend on which thread of a
+ * team computed it, and subnormal arithmetic is many times slower. */
+static inline void flush_denormals(void) { _mm_setcsr(_mm_getcsr() | 0x8040); }
+
 /* Ask the memory for the `bytes` from p on, a cache line at a time (a prefetch: a hint, never a
  * load, so a pointer past the data is harmless): a stream's next data a little ahead of its use, where
  * the hardware prefetchers alone leave the loads waiting (an Intel Xeon's; docs/BENCHMARKS.md). */
