@@ -9498,6 +9498,9 @@ MUTATIONS = (
     Mutation('template-refusal-names-no-field', 'src/decodekit/models/chat_template.py',
              'refuses these messages: {err}", param="prompt")', 'refuses these messages: {err}")',
              ('tests/test_serve.py', '-k', 'chat_template_refuses')),
+    Mutation('tpot-over-the-shown-tokens', 'src/decodekit/serve/metrics.py',
+             '                self.itl.observe((e2e_s - ttft_s) / (generation.generated - 1))', '                self.itl.observe((e2e_s - ttft_s) / (len(generation.tokens) - 1))',
+             ('tests/test_serve.py', '-k', 'time_per_output_token')),
 )
 
 

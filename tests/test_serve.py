@@ -1527,8 +1527,9 @@ def test_stream_chunks_carry_a_null_usage_when_usage_is_asked_for():
 
 
 def test_metrics_time_per_output_token_is_over_the_tokens_after_the_first():
-    """vLLM's TPOT: (latency - time to first token) / (tokens - 1), none for a one-token answer; the
-    speculative counters take the drafted and the accepted tokens each."""
+    """vLLM's TPOT: (latency - time to first token) / (tokens - 1), none for a one-token answer, the
+    tokens a stop string cut off counted (they were decoded in that time); the speculative counters
+    take the drafted and the accepted tokens each."""
     import types
 
     from decodekit.serve.metrics import ServerMetrics
@@ -1536,18 +1537,19 @@ def test_metrics_time_per_output_token_is_over_the_tokens_after_the_first():
     scheduler = types.SimpleNamespace(running=0, waiting=0, prefix_tokens=0, batcher=types.SimpleNamespace(passes=0, rows=0))
     metrics = ServerMetrics(scheduler)
 
-    def generation(n, extra):
-        return types.SimpleNamespace(generated=n, tokens=list(range(n)), finish_reason="length",
+    def generation(n, extra, cut_off=0):
+        return types.SimpleNamespace(generated=n, tokens=list(range(n - cut_off)), finish_reason="length",
                                      stats=types.SimpleNamespace(extra=extra))
 
     metrics.finished(prompt_tokens=3, generation=generation(5, {"drafted": 6, "accepted": 4}), queued_s=0.0, ttft_s=1.0, e2e_s=3.0)
     metrics.finished(prompt_tokens=3, generation=generation(1, {}), queued_s=0.0, ttft_s=1.0, e2e_s=1.5)
+    metrics.finished(prompt_tokens=3, generation=generation(4, {}, cut_off=2), queued_s=0.0, ttft_s=1.0, e2e_s=2.5)
     value = metrics.registry.get_sample_value
-    assert value("decodekit:time_per_output_token_seconds_count") == 1
-    assert value("decodekit:time_per_output_token_seconds_sum") == pytest.approx((3.0 - 1.0) / 4)
-    assert value("decodekit:time_to_first_token_seconds_count") == 2
+    assert value("decodekit:time_per_output_token_seconds_count") == 2
+    assert value("decodekit:time_per_output_token_seconds_sum") == pytest.approx((3.0 - 1.0) / 4 + (2.5 - 1.0) / 3)
+    assert value("decodekit:time_to_first_token_seconds_count") == 3
     assert (value("decodekit:spec_decode_num_draft_tokens_total"), value("decodekit:spec_decode_num_accepted_tokens_total")) == (6, 4)
-    assert value("decodekit:generation_tokens_total") == 6 and value("decodekit:prompt_tokens_total") == 6
+    assert value("decodekit:generation_tokens_total") == 10 and value("decodekit:prompt_tokens_total") == 9
 
 
 def test_slots_whose_caches_would_not_fit_in_memory_are_refused_before_they_are_made(monkeypatch):
