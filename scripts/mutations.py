@@ -9501,6 +9501,18 @@ MUTATIONS = (
     Mutation('tpot-over-the-shown-tokens', 'src/decodekit/serve/metrics.py',
              '                self.itl.observe((e2e_s - ttft_s) / (generation.generated - 1))', '                self.itl.observe((e2e_s - ttft_s) / (len(generation.tokens) - 1))',
              ('tests/test_serve.py', '-k', 'time_per_output_token')),
+    Mutation('greedy-truncation-ignored-silently', 'src/decodekit/engine/api.py',
+             '    asked = truncation_asked(params) if params.get("greedy") and spec.lossless else {}\n', '    asked = {}\n',
+             ('tests/test_bad_input.py', '-k', 'truncation_a_greedy')),
+    Mutation('greedy-truncation-refused-for-searches-too', 'src/decodekit/engine/api.py',
+             '    asked = truncation_asked(params) if params.get("greedy") and spec.lossless else {}\n', '    asked = truncation_asked(params) if params.get("greedy") else {}\n',
+             ('tests/test_bad_input.py', '-k', 'truncation_a_greedy')),
+    Mutation('origins-flag-naming-none-accepted', 'src/decodekit/serve/cli.py',
+             '    if text.strip() and not origins:', '    if False:',
+             ('tests/test_serve.py', '-k', 'bad_limits')),
+    Mutation('top-p-forwarded-beside-temperature-0', 'src/decodekit/serve/request.py',
+             '    if top_p is not None and top_p != 1 and temperature != 0:', '    if top_p is not None and top_p != 1:',
+             ('tests/test_serve.py', '-k', 'top_p_beside')),
 )
 
 

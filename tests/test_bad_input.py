@@ -92,6 +92,9 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["chat", "--stop", "\udcff"], "is not valid UTF-8"),
     (["chat", "--raw"], "unrecognized arguments: --raw (see decodekit --help)"),  # a chat is its template
     (["eval", "capitals", "--temperature", "0.5"], "method 'greedy' never samples"),
+    (["generate", "hi", "--top-p", "0.5"], "method 'greedy' never samples, so top_p=0.5 would be ignored"),
+    (["generate", "hi", "--method", "pld", "--top-k", "3"],
+     "method 'pld' samples only with a temperature, so top_k=3 would be ignored; give one to sample"),
     (["nonsense"], "invalid choice: 'nonsense'"),
     (["generate", "hi", "--kv-cache", "sink:4"], "kv cache 'sink:4': window is missing"),
     (["generate", "hi", "--kv-cache", "lru"], "unknown kv cache 'lru'"),
@@ -492,6 +495,19 @@ def test_generate_refuses_a_loading_choice_saying_where_it_goes(engine, choice):
     assert str(err.value) == (f"{name}: chosen when a model is loaded; pass it to Engine(...) or decodekit.generate(...), "
                               "not to Engine.generate()")
     assert err.value.param == name
+
+
+def test_truncation_a_greedy_decoding_would_ignore_is_refused_as_a_temperature_is(engine):
+    """Plain greedy decoding and a speculative method without a temperature take the most likely
+    token, which no truncation sampler changes: one given is refused (naming it), not ignored. A
+    value that truncates nothing is no request, and a search reads them (CoT branches on them)."""
+    for method, options in (("greedy", {"min_p": 0.1}), ("pld", {"top_k": 3}), ("eagle", {"top_p": 0.9})):
+        with pytest.raises(InvalidParameter, match=f"so {next(iter(options))}=") as err:
+            engine.generate("hi", method=method, max_new_tokens=2, **options)
+        assert err.value.param == next(iter(options))
+    assert engine.generate("hi", max_new_tokens=2, top_p=1.0, min_p=0.0).finish_reason
+    assert engine.generate("hi", method="pld", max_new_tokens=2, top_k=3, temperature=0.7, seed=1).finish_reason
+    assert engine.generate("hi", method="cot", max_new_tokens=2, top_k=2).finish_reason
 
 
 def test_python_api_other_bad_arguments(engine):

@@ -538,7 +538,7 @@ def test_cot_branches_only_on_first_tokens_the_sampler_leaves_possible():
     """A truncating sampler (top_k=2) leaves two possible first tokens: asked for three branches,
     CoT-decoding takes those two, never a token the sampler ruled out (probability 0)."""
     model = cot_model()
-    g = build_decoder("cot", n=3).generate(model, request(model, "p", method="greedy", max_new=5, top_k=2))
+    g = build_decoder("cot", n=3).generate(model, request(model, "p", method="cot", max_new=5, top_k=2))
     assert [p["first_token"] for p in g.extra["candidates"]] == ["a", "b"]
     assert g.text == "b2"
 

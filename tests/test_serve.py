@@ -110,6 +110,17 @@ def test_chat_and_completions_answer_as_the_engine_alone(served, alone):
         assert got.choices[0].text == alone(PROMPTS[0], max_new_tokens=20).text
 
 
+def test_top_p_beside_temperature_0_is_greedy_and_beside_a_greedy_method_a_400(served, alone):
+    """OpenAI's temperature 0 decodes greedily whatever top_p says (clients send both); a request
+    that names a method decoding greedily and a top_p is refused, as the Python API refuses it."""
+    got = chat(served, PROMPTS[0], max_tokens=8, temperature=0, top_p=0.5)
+    assert got.choices[0].message.content == alone(PROMPTS[0], max_new_tokens=8).text
+    for method in ("greedy", "pld"):
+        status, text = post(served, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                              "method": method, "top_p": 0.5, "max_tokens": 2})
+        assert (status, json.loads(text)["error"]["param"]) == (400, "top_p")
+
+
 def test_streaming_gives_the_same_text_and_the_usage(served, alone):
     want = alone(PROMPTS[0], max_new_tokens=24)
     chunks = list(chat(served, PROMPTS[0], max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}))
@@ -699,6 +710,7 @@ def test_serve_command_refuses_a_taken_port_and_a_missing_model_in_one_line(caps
     # an origin no browser sends would leave the flag without effect, unsaid
     (["serve", "--allowed-origins", "https://a.example,localhost:3000"], "'localhost:3000' is not a web origin"),
     (["serve", "--allowed-origins", "http://localhost:3000/"], "'http://localhost:3000/' is not a web origin"),
+    (["serve", "--allowed-origins", " , "], "--allowed-origins: ' , ' names no origin"),
 ])
 def test_serve_command_refuses_bad_limits_before_it_looks_for_the_model(argv, message, capsys, monkeypatch):
     """Each limit is checked first, in one line (exit code 2): a queue of 0 or an interval past a second

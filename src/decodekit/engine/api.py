@@ -16,6 +16,7 @@ from ..models.backend import Backend, Interrupted
 from ..models.kv_policy import parse_kv_cache
 from ..options import check_int
 from ..samplers import SAMPLER_OPTIONS, LogitsProcessor, Sampler
+from ..samplers.sampler import truncation_asked
 from ..samplers.constraint import Constraint, constraint_processor
 from .core import Generation, Request, stop_requested
 from .registry import build_decoder, method_spec
@@ -24,20 +25,29 @@ from .registry import build_decoder, method_spec
 def make_sampler(method: str, params: Mapping[str, Any], constraint: LogitsProcessor | None = None) -> Sampler:
     """The sampler for a request. Every value is checked, whatever the method; then the method's
     ``sampling`` decides: "always" samples, "when-temperature" samples only when a temperature is
-    given, "never" decodes greedily and refuses a positive temperature (rather than ignore it).
-    ``constraint`` (a compiled structured-output mask) runs before every other processor."""
+    given, "never" decodes greedily and refuses a positive temperature. Plain greedy decoding, and a
+    speculative method decoding greedily, refuse truncation samplers too (``top_p``, ``top_k``, ...):
+    they take the most likely token, so those would be ignored (a search's greedy paths do read
+    them: CoT-decoding branches on the first tokens they leave). ``constraint`` (a compiled
+    structured-output mask) runs before every other processor."""
     params = {k: v for k, v in params.items() if v is not None}
-    sampling = method_spec(method).sampling
+    spec = method_spec(method)
+    sampling = spec.sampling
     temperature = params.get("temperature")
+    why = f"method {method!r} never samples"
+    remedy = "use method 'sample' (or a speculative or search method) to sample"
     if sampling == "never":
         if temperature is not None and SAMPLER_OPTIONS["temperature"].check(temperature) > 0:
-            raise InvalidParameter(
-                f"method {method!r} never samples, so temperature={temperature:g} would be ignored; "
-                "use method 'sample' (or a speculative or search method) to sample")
+            raise InvalidParameter(f"{why}, so temperature={temperature:g} would be ignored; {remedy}")
         params["greedy"] = True
     elif sampling == "when-temperature" and temperature is None:
         params["greedy"] = True
+        why, remedy = f"method {method!r} samples only with a temperature", "give one to sample"
     sampler = Sampler.from_params(**params)
+    asked = truncation_asked(params) if params.get("greedy") and spec.lossless else {}
+    if asked:
+        name, value = next(iter(asked.items()))
+        raise InvalidParameter(f"{why}, so {name}={value:g} would be ignored; {remedy}", param=name)
     if constraint is None:
         return sampler
     return Sampler([constraint, *sampler.processors], greedy=sampler.is_greedy, seed=sampler.seed)

@@ -47,8 +47,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=None, help="draft model for --method draft")
     parser.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="method option (repeatable), e.g. --opt max_ngram=3")
     group = parser.add_argument_group(
-        "sampling", "greedy never samples (a positive --temperature is an error: use --method sample); sample "
-        "always does; speculative methods sample when --temperature is given, else decode greedily; beam and cot "
+        "sampling", "greedy never samples (a positive --temperature or a truncation such as --top-p is an error: use "
+        "--method sample); sample always does; speculative methods sample when --temperature is given, else decode "
+        "greedily (and refuse truncations likewise); beam and cot "
         "never sample; the search methods that choose among samples draw them at --temperature, or at their "
         "sample_temperature option where it is not given or 0")
     for name, spec in SAMPLER_FLAGS.items():

@@ -33,6 +33,19 @@ from .truncation import (
 )
 
 
+#: The truncation samplers in the order they apply, each with its value that changes nothing (None: none).
+TRUNCATION = (
+    ("top_n_sigma", TopNSigma, None), ("top_k", TopK, None), ("top_p", TopP, 1.0),
+    ("min_p", MinP, 0.0), ("typical_p", TypicalP, 1.0), ("epsilon", EpsilonCutoff, None),
+    ("eta", EtaCutoff, None), ("top_h", TopH, None), ("adaptive_k", AdaptiveTopK, None),
+)
+
+
+def truncation_asked(params: dict[str, Any]) -> dict[str, Any]:
+    """The truncation samplers ``params`` asks for (given, at a value that changes something)."""
+    return {name: params[name] for name, _, noop in TRUNCATION if params.get(name) is not None and params[name] != noop}
+
+
 #: What a draw from probabilities that are not finite, negative or all zero says: huge penalties take
 #: float32 logits to infinity, which no draw can follow (a temperature near 0 does not: see Temperature).
 UNSAMPLEABLE = ("no token can be sampled: the processed probabilities are not finite or sum to zero "
@@ -131,14 +144,8 @@ class Sampler:
             greedy = True
         elif p["temperature"] != 1.0:
             procs.append(Temperature(p["temperature"]))
-        truncation = (
-            ("top_n_sigma", TopNSigma, None), ("top_k", TopK, None), ("top_p", TopP, 1.0),
-            ("min_p", MinP, 0.0), ("typical_p", TypicalP, 1.0), ("epsilon", EpsilonCutoff, None),
-            ("eta", EtaCutoff, None), ("top_h", TopH, None), ("adaptive_k", AdaptiveTopK, None),
-        )
-        for name, klass, noop in truncation:
-            if p[name] is not None and p[name] != noop:
-                procs.append(klass(p[name]))
+        asked = truncation_asked(p)
+        procs += [klass(asked[name]) for name, klass, _ in TRUNCATION if name in asked]
         return cls(procs, greedy=greedy, seed=p["seed"])
 
     # help() and inspect show the table's keywords, not **params

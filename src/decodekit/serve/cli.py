@@ -122,6 +122,8 @@ def allowed_origins(text: str) -> list[str]:
     import re
 
     origins = [o.strip().lower() for o in text.split(",") if o.strip()]
+    if text.strip() and not origins:  # given, but naming none: the flag would be silently without effect
+        raise InvalidParameter(f"--allowed-origins: {text!r} names no origin (scheme://host[:port], or *)")
     for origin in origins:
         if origin != "*" and not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+", origin):
             raise InvalidParameter(f"--allowed-origins: {origin!r} is not a web origin (scheme://host[:port] without "

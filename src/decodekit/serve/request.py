@@ -239,7 +239,7 @@ def _sampling(body: dict[str, Any], method: str, params: dict[str, Any]) -> tupl
     elif temperature is not None:
         params["temperature"] = temperature
     top_p = _number(body, "top_p")
-    if top_p is not None and top_p != 1:
+    if top_p is not None and top_p != 1 and temperature != 0:  # (temperature 0: greedy, whatever top_p says)
         params["top_p"] = top_p
     for name in ("presence_penalty", "frequency_penalty"):
         value = _number(body, name)
