@@ -1429,6 +1429,7 @@ def test_openai_sampling_defaults_pass_nothing_on_to_the_sampler():
     spec = parse_request({"prompt": "hi", "temperature": 0, "top_p": 1, "presence_penalty": 0,
                           "frequency_penalty": 0.0}, chat=False)
     assert (spec.method, spec.params) == ("greedy", {})
+    assert parse_request({"prompt": "hi", "method": "pld", "top_p": 1}, chat=False).params == {}
     spec = parse_request({"prompt": "hi", "temperature": 0.5, "top_p": 0.9, "presence_penalty": 0.5, "seed": 3}, chat=False)
     assert (spec.method, spec.params) == ("sample", {"temperature": 0.5, "top_p": 0.9, "presence_penalty": 0.5, "seed": 3})
 

@@ -15,6 +15,7 @@ import torch
 from tests.conftest import record_verified_tree_sizes, required_options
 from decodekit.engine import Engine, available_methods
 from decodekit.engine.core import DecodeState, GenerationStats, Request, StepDecoder
+from decodekit.engine.registry import build_decoder
 from decodekit.errors import InvalidParameter, UnknownMethod
 from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.tiny import tiny_llama
@@ -736,6 +737,30 @@ def test_cost_table_interpolates_and_extrapolates():
     table = CostTable({1: 1.0, 4: 2.5, 8: 3.0})
     assert table(1) == 1.0 and table(2) == pytest.approx(1.5) and table(6) == pytest.approx(2.75)
     assert table(12) == pytest.approx(3.5)
+
+
+def test_a_falling_cost_table_never_prices_a_pass_at_zero_or_below():
+    """A user's table may say two tokens cost less than one: extended past its last size by that
+    falling slope it reached zero at 3 tokens, and the controller divided by it (ZeroDivisionError).
+    Past the last size a table never falls; a request decodes."""
+    table = CostTable({1: 0.010, 2: 0.005})
+    assert [table(n) for n in (3, 8, 64)] == [0.005] * 3
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    decoder = build_decoder("pld", cost_table={"1": 0.010, "2": 0.005})
+    tokens = decoder.generate(model, Request(model.prompt_ids("abcabcabc", chat=False), Sampler(greedy=True), 40, ignore_eos=True))
+    assert len(tokens.tokens) == 40
+
+
+def test_a_request_starts_without_the_last_ones_pause():
+    """The back-off level carries over to the next request, its pause does not: a new prompt is
+    judged at its first step (an evaluation reusing one decoder began items with hundreds of plain steps)."""
+    ctl = Controller(4, cost_table={1: 1.0, 2: 1.9, 4: 3.7})
+    ctl.begin(tiny_llama(seed=0), "d")
+    for _ in range(3):
+        ctl.select(chain_tree(4))  # nothing pays at these costs: back off
+    assert ctl.budget() == 0
+    ctl.begin(tiny_llama(seed=0), "d")
+    assert ctl.budget() > 0
 
 
 def test_a_table_of_one_size_prices_n_tokens_as_n_passes():

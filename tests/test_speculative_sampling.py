@@ -29,6 +29,7 @@ from decodekit.models.tiny import tiny_llama
 from decodekit.samplers import Sampler
 from decodekit.speculative.controller import Controller
 from decodekit.speculative.drafters import DRAFTER_SPECS, Drafter
+from decodekit.speculative.drafters.base import ChainDrafter
 from decodekit.speculative.loop import SpeculativeMethod
 from decodekit.speculative.tree import DraftTree, Verification, select_nodes
 from decodekit.speculative.verify import GreedyVerifier, KeyedVerifier, SamplingVerifier
@@ -134,14 +135,16 @@ def chi_square_passes(counts: Counter, expected_p: dict[tuple, float], n: int) -
     return stat < critical, stat, critical
 
 
-def sample_outcomes(model: LoadedModel, method: SpeculativeMethod, prompt: list[int], params: dict, n: int, length: int):
+def sample_outcomes(model: LoadedModel, method, prompt: list[int], params: dict, n: int, length: int):
     """The first ``length`` tokens of ``n`` seeded requests. Each request asks for more (a method
-    drafts no token past a request's end: the later positions would come from shallow trees only)."""
-    decoder = StepDecoder(method)
+    drafts no token past a request's end: the later positions would come from shallow trees only).
+    ``method``: a SpeculativeMethod for every request, or a function making a fresh one for each."""
+    decoder = None if callable(method) else StepDecoder(method)
     counts: Counter = Counter()
     for seed in range(n):
         sampler = Sampler.from_params(seed=seed, **params)
-        tokens = decoder.generate(model, Request(list(prompt), sampler, max_new_tokens=length + 2)).tokens
+        request = Request(list(prompt), sampler, max_new_tokens=length + 2)
+        tokens = (decoder or StepDecoder(method())).generate(model, request).tokens
         counts[tuple(tokens[:length])] += 1
     return counts
 
@@ -244,6 +247,42 @@ def test_a_greedy_verifier_is_refused_for_sampled_requests():
     decoder = StepDecoder(method(TableTreeDrafter(model.backend.table, widths=(2, 1)), verifier=GreedyVerifier()))
     with pytest.raises(InvalidParameter, match="GreedyVerifier"):
         decoder.generate(model, Request(list(PROMPT), Sampler.from_params(seed=0, temperature=1.0), 4))
+
+
+class ChainLongAfterOne(ChainDrafter):
+    """A sampled chain whose length follows its own tokens: the first draft is 1 or 2 (q = 1/2 each);
+    after a 1 the draft stays confident and the chain goes on, after anything else it stops."""
+
+    name = "toy"
+
+    def __init__(self):
+        super().__init__(max_draft=None, confidence=0.3, stochastic=True)
+
+    def _start(self, state, budget):
+        return torch.log(torch.tensor([0.0, 0.5, 0.5] + [0.0] * (V - 3))), budget
+
+    def _advance(self, token):
+        confident = torch.tensor([0.0, 0.9] + [0.1 / (V - 2)] * (V - 2))
+        return torch.log(confident if token == 1 else torch.tensor([0.0] + [1.0 / (V - 1)] * (V - 1)))
+
+
+def test_speculative_sampling_of_chains_sized_by_the_controller_samples_the_target_distribution():
+    """Speculative sampling is exact only where whether a draft is verified does not depend on the
+    draft itself. An adaptive controller trimming the drawn chain reads its length, which follows
+    its tokens here: a long chain after a 1 pays, a short one after a 2 does not and was dropped for
+    a plain step (the second token came out 1 in 0.60 of samples against 0.50); and a dropped
+    draft's keyed noise was drawn again by that plain step. The tree is now verified as drafted,
+    its draws independent of the target's."""
+    # tokens 1, 2, 3 at 1/2, 1/4, 1/4 whatever came before: the drafts of 1 and 2 are often right
+    p = torch.log(torch.tensor([0.0, 0.5, 0.25, 0.25] + [0.0] * (V - 4)))
+    model = LoadedModel(TrigramBackend(p.expand(V, V, V).clone()), CharTokenizer(V), "unigram")
+    costs = {1: 1.0, 2: 1.05, 3: 1.05, 4: 1.05, 5: 1.05}
+
+    def fresh() -> SpeculativeMethod:  # a new controller, with no record of what earlier requests learnt
+        model.backend.memory("speculative.records", dict).clear()
+        return SpeculativeMethod(ChainLongAfterOne(), Controller(4, cost_table=costs), SamplingVerifier())
+
+    check_exact(model, fresh, PROMPT, {"temperature": 1.0})
 
 
 class KeepOnlyTheSecondDraw(Controller):

@@ -109,6 +109,9 @@ class DecodeState:
         # tokens would be thrown away
         self.max_new_tokens: int | None = None
         self.eos: frozenset[int] = frozenset()
+        # how a drafter that samples draws its drafts (the speculative loop sets it from its
+        # verifier's ``keyed_drafts``): with the target's keyed noise, or from the generator
+        self.keyed_drafts = True
 
     @property
     def tokens_left(self) -> int | None:

@@ -108,7 +108,8 @@ GAIN_MARGIN = 0.05  # speculate only where the estimate beats plain decoding by 
 
 
 def _interpolate(xs: list[int], ys: list[float], x: int) -> float:
-    """Piecewise-linear ``y(x)`` through the points, extended by the last segment's slope."""
+    """Piecewise-linear ``y(x)`` through the points, extended by the last segment's slope where it
+    rises (a falling one, as a user's table may have, would price large passes at zero and below)."""
     if x <= xs[0]:
         return ys[0]
     for i in range(1, len(xs)):
@@ -117,7 +118,7 @@ def _interpolate(xs: list[int], ys: list[float], x: int) -> float:
             return ys[i - 1] + t * (ys[i] - ys[i - 1])
     if len(xs) == 1:
         return ys[0] * x
-    return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
+    return ys[-1] + max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])) * (x - xs[-1])
 
 
 def _non_decreasing(row: Mapping[int, float]) -> dict[int, float]:
@@ -447,6 +448,7 @@ class Controller:
         """Per request: take the backend's cost table (measured on first use) and the record of
         what earlier requests of the same drafter on the same model learnt. The back-off level
         carries over, the pause does not: a new prompt is judged afresh at its first step."""
+        self._skip, self._explore = 0, False
         if self.fixed is None and self.cost is None:
             self.cost = CostTable.shared(backend)
             self.learn_costs = True
@@ -576,6 +578,11 @@ class Controller:
         elif not self.costly_drafting() and self.speculation_pays():
             self.learnt.backoff = 0  # (costly drafting: budget() decides when to back off)
         return select_nodes(tree, order[:best_n]) if best_n < len(tree) else tree
+
+    def keep_whole(self) -> None:
+        """A drafted tree is verified whole, unselected (speculative sampling's; the budget before
+        drafting was the plan): a probe it was is spent."""
+        self._explore = False
 
     def _back_off(self) -> None:
         """Plain steps before drafting again: 1, 2, 4, ... up to :meth:`_max_backoff`."""

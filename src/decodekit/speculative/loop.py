@@ -70,6 +70,7 @@ class SpeculativeMethod(StepMethod):
         self.drafter.begin(state)  # first: it may read what prefill left in the backend (trained drafters' features)
         self.controller.begin(state.backend, self.drafter.name)
         self.verifier = make_verifier(state, self.sampled_verifier)
+        state.keyed_drafts = self.verifier.keyed_drafts
         self.verifications = self.accepted = self.drafted = self.plain_steps = 0
         self.draft_s = self.verify_s = 0.0
         self.by_source: dict[str, int] = {}
@@ -132,6 +133,9 @@ class SpeculativeMethod(StepMethod):
         self.controller.observe_draft(len(tree), time.perf_counter() - t0)  # empty drafts cost too
         if len(tree) > budget:
             tree = tree.truncated(budget)
+        if not isinstance(self.verifier, PathVerifier):  # speculative sampling: the tree as drafted
+            self.controller.keep_whole()  # (see SamplingVerifier: no trim may read the drawn tree)
+            return tree
         return self._allowed(state, self.controller.select(tree, trimmable=self.drafter.trimmable))
 
     def _allowed(self, state: DecodeState, tree: DraftTree) -> DraftTree:

@@ -73,6 +73,11 @@ def row_histories(state: DecodeState, tree: DraftTree) -> Callable[[int], Histor
 
 
 class Verifier(ABC):
+    #: Whether a drafter that samples its drafts draws them with the target's keyed noise (coupled
+    #: to the token plain sampling would draw there: accepted more often), or else from the
+    #: request's generator, independent of every other draw (what speculative sampling assumes).
+    keyed_drafts = True
+
     @abstractmethod
     def verify(self, state: DecodeState, tree: DraftTree, logits: torch.Tensor) -> Verification:
         """``logits`` ``[N + 1, V]``: row 0 follows the root, row i + 1 follows node i."""
@@ -145,7 +150,15 @@ class SamplingVerifier(Verifier):
     probability p(x), else remove x from p and renormalise. When no child is accepted the bonus is
     drawn from what is left of p; after a leaf it is drawn from the leaf's p. All draws go through
     ``state.sampler`` (uniform / sample_from).
+
+    The proof assumes two things that the speculative loop provides for this verifier: drafts drawn
+    independently of every other draw (:attr:`keyed_drafts` False: a plain step at a drafted
+    position, keyed, would otherwise reuse that draft's noise), and a verified tree that is the
+    drafted one (no trim after drafting: whether a node is verified must not depend on its own draw,
+    and a chain's length, which a trim reads, follows its tokens).
     """
+
+    keyed_drafts = False
 
     def verify(self, state: DecodeState, tree: DraftTree, logits: torch.Tensor) -> Verification:
         sampler = state.sampler

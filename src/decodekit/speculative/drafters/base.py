@@ -183,8 +183,8 @@ class ChainDrafter(Drafter):
                 token, top_prob, q = choose_token(logits, sampler, history, sample, state.prompt_len)
                 if top_prob < self.confidence:
                     break
-                if sample:  # the target's keyed noise at this position: agrees with it where q ~ p
-                    token = sampler.sample_at(q, len(history))
+                if sample:  # keyed: the target's noise at this position, which agrees with it where q ~ p
+                    token = sampler.sample_at(q, len(history)) if state.keyed_drafts else int(sampler.sample_from(q))
                     tree.draft_probs[i - 1] = q
                 tree.add(token, i - 1, self.name)
                 history.append(token)
