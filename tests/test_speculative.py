@@ -27,6 +27,7 @@ from decodekit.speculative.drafters.ngram import PromptLookup
 from decodekit.speculative.drafters.suffix import SuffixAutomaton, SuffixDrafter
 from decodekit.speculative.loop import SpeculativeMethod
 from decodekit.speculative.tree import DraftTree, Verification, add_chain, grow_best_first, merge_into, select_nodes
+from decodekit.speculative.verify import GreedyVerifier
 
 PROMPTS = (
     "hello world hello world hello world hello",
@@ -278,7 +279,6 @@ def test_a_trees_depth_is_its_number_of_levels():
 
 def test_the_path_verifier_follows_the_first_of_duplicate_siblings():
     """Of two siblings with the same token the first proposed is followed, as ``child_with_token`` finds it."""
-    from decodekit.speculative.verify import GreedyVerifier
 
     tree = DraftTree([3, 4, 3], [-1, 0, -1])  # node 2 repeats node 0's token, with no subtree
     logits = torch.full((4, 8), -1.0)
@@ -1321,6 +1321,7 @@ def test_the_loop_lets_the_controller_trim_only_trimmable_drafters_trees(trimmab
     for depth in range(6):
         ctl.learnt.accept[("s", depth, 0)] = 0.9
     method = SpeculativeMethod(_SourceChain([1, 2, 3, 4, 5, 6], trimmable), ctl)
+    method.verifier = GreedyVerifier()  # (what begin() gives a greedy request)
     tree = method._draft(state_for([1, 2, 3]), 8)
     assert tree.tokens == ([1, 2] if trimmable else [])
 
