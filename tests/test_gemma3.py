@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from decodekit.engine import Engine
-from decodekit.errors import InvalidParameter
+from decodekit.errors import InvalidModel, InvalidParameter
 from decodekit.models import LoadedModel, kernels
 from decodekit.models.backend import tree_ancestor_mask
 from decodekit.models.gemma3 import Gemma3Config
@@ -294,6 +294,32 @@ def test_a_sequence_past_the_context_is_not_pointed_to_a_cache_gemma_refuses():
     backend = tiny_gemma3(seed=1, sliding_window=8)
     with pytest.raises(ValueError, match=r"exceeds the model's context of 512$"):
         backend.prefill(tokens(600)[0].tolist())
+
+
+def gguf_header(architecture: str | None, path) -> str:
+    """A file holding only a GGUF header whose first entry is ``general.architecture`` (or, for
+    None, another key): what the loader reads before anything is dequantised."""
+    import struct
+
+    key, value = (b"general.architecture", architecture.encode()) if architecture else (b"general.name", b"x")
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+    path.write_bytes(header + struct.pack("<IQ", 8, len(value)) + value)
+    return str(path)
+
+
+def test_a_cache_gemma_cannot_take_is_refused_before_its_gguf_is_dequantised(tmp_path):
+    """The policy is checked against the file's architecture, read from its header, before the
+    loader dequantises it into the cache (about 20 s for the embedded Gemma, the first time): here
+    the file holds a header alone, so anything read past it would fail otherwise."""
+    from decodekit.models import load_model
+    from decodekit.models.loading import gguf_architecture
+
+    gemma = gguf_header("gemma3", tmp_path / "gemma.gguf")
+    assert gguf_architecture(gemma) == "gemma3" and gguf_architecture(gguf_header(None, tmp_path / "x.gguf")) is None
+    with pytest.raises(InvalidParameter, match="not supported for Gemma 3"):
+        load_model(gemma, kv_cache="sink:4,window:16")
+    with pytest.raises(InvalidModel, match="cannot be read as a GGUF model"):  # int8 it takes: the loader reads on
+        load_model(gemma, kv_cache="int8")
 
 
 @pytest.mark.parametrize("cache", ["sink:4,window:16", "int4"])

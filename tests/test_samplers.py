@@ -94,6 +94,15 @@ def test_a_temperature_near_0_keeps_the_most_likely_tokens_evenly(temperature):
     assert torch.isinf(Temperature(temperature)(torch.tensor([[float("inf"), 1.0]]), NoTouch())[0, 0])  # left as it is
 
 
+def test_a_rows_scaled_logits_do_not_depend_on_a_row_beside_it_that_overflowed():
+    """The shift that keeps an overflowing row in range applies to that row alone: a batch's other
+    rows (a verification's, a served batch's) keep the bits they get by themselves."""
+    calm = torch.tensor([[0.1, 0.2, -0.3, 0.05]])
+    together = torch.cat([calm, torch.tensor([[50.0, 80.0, -3.0, 1.0]])])
+    temperature = Temperature(1e-37)
+    assert torch.equal(temperature(together, NoTouch())[:1], temperature(calm, NoTouch()))
+
+
 def test_a_temperature_past_float32s_range_makes_every_allowed_token_equally_likely():
     probs = torch.softmax(Temperature(1e39)(torch.tensor([[1.0, NEG, 2.0, -30.0]]), NoTouch()), dim=-1)
     assert probs[0].tolist() == pytest.approx([1 / 3, 0.0, 1 / 3, 1 / 3])  # not NaN: the masked token stays masked

@@ -9,7 +9,8 @@ import torch
 from .backend import Backend, ModelInfo, StepOutput
 from .cache import reading
 from .chat_template import refusals_as_invalid
-from .loading import DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, check_backend, parse_dtype, resolve_model
+from .loading import (DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, check_backend, parse_dtype, refuse_kv_policy,
+                      resolve_model)
 from .kv_policy import KVPolicy, parse_kv_cache
 from .memory import return_freed_memory
 from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer, file_tokenizer
@@ -46,7 +47,7 @@ def load_model(
     policy = parse_kv_cache(kv_cache)  # a bad spelling fails before any loading
     check_backend(backend)
     parse_dtype(dtype)
-    folder, gguf = resolve_model(model)
+    folder, gguf = resolve_model(model, check=lambda file: refuse_kv_policy(file, policy))
 
     def weights() -> Backend:
         return build_backend(folder, backend=backend, dtype=parse_dtype(dtype), gguf=gguf, numerics=numerics,

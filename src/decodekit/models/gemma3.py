@@ -150,10 +150,14 @@ class NativeGemma3(NativeLlama):
         self._ropes.append(local)
         self.info = dataclasses.replace(self.info, architecture=self.info.architecture.replace("native-llama", "native-gemma3"))
 
-    def _use_policy(self, policy: KVPolicy) -> None:
+    @classmethod
+    def check_policy(cls, policy: KVPolicy) -> None:
         if policy.evicts() or policy.reassigns_positions or policy.kivi:
             raise InvalidParameter(f"kv cache {policy.spec} is not supported for Gemma 3 (its sliding-window layers "
                                    "need every slot at its position, in float32 or int8); use full or int8")
+
+    def _use_policy(self, policy: KVPolicy) -> None:
+        self.check_policy(policy)
         super()._use_policy(policy)
 
     def _decoder_layers(self, int8_cache=None):

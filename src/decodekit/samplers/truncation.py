@@ -59,13 +59,17 @@ class Temperature(LogitsProcessor):
         logits = logits.float()
         scaled = logits / self._divisor
         # (one max per row: a third of the time, on the sampling path of every token)
-        if self._divisor < 1.0 and not bool(scaled.amax(dim=-1).isfinite().all()):
-            # a temperature this near 0 takes finite logits past float32's range, up to +inf or
-            # (a row whose largest logit is negative) down to -inf everywhere; shifted by each row's
-            # largest first they do not, and softmax(l / T) is the same distribution (as T -> 0: the
-            # most likely tokens, evenly). A row whose largest is ±inf itself is left as it was.
-            peak = logits.amax(dim=-1, keepdim=True)
-            scaled = (logits - torch.where(peak.isfinite(), peak, torch.zeros_like(peak))) / self._divisor
+        if self._divisor < 1.0:
+            overflowed = ~scaled.amax(dim=-1, keepdim=True).isfinite()
+            if bool(overflowed.any()):
+                # a temperature this near 0 takes finite logits past float32's range, up to +inf or
+                # (a row whose largest logit is negative) down to -inf everywhere; shifted by the row's
+                # largest first they do not, and softmax(l / T) is the same distribution (as T -> 0:
+                # the most likely tokens, evenly). Only those rows: a row's values never depend on the
+                # others of its batch. A row whose largest is ±inf itself is left as it was.
+                peak = logits.amax(dim=-1, keepdim=True)
+                shift = torch.where(overflowed & peak.isfinite(), peak, torch.zeros_like(peak))
+                scaled = (logits - shift) / self._divisor
         return scaled
 
     def describe(self) -> dict[str, Any]:
