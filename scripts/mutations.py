@@ -9523,6 +9523,12 @@ MUTATIONS = (
     Mutation('temperature-shift-for-every-row', 'src/decodekit/samplers/truncation.py',
              'torch.where(overflowed & peak.isfinite(), peak, torch.zeros_like(peak))', 'torch.where(peak.isfinite(), peak, torch.zeros_like(peak))',
              ('tests/test_samplers.py', '-k', 'overflowed')),
+    Mutation('auto-trimmable-whatever-its-arm', 'src/decodekit/speculative/drafters/bandit.py',
+             '        return chosen is None or self.parts[self.names.index(chosen)].trimmable', '        return True',
+             ('tests/test_speculative.py', '-k', 'all_or_nothing')),
+    Mutation('composite-trimmable-whatever-its-parts', 'src/decodekit/speculative/drafters/base.py',
+             '        return all(part.trimmable for part in self.parts)', '        return True',
+             ('tests/test_speculative.py', '-k', 'all_or_nothing')),
 )
 
 

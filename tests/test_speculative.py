@@ -695,6 +695,20 @@ def test_one_drafter_registry_with_the_shared_mechanisms_in_the_base_module():
         assert getattr(base, shared).__module__ == base.__name__
 
 
+def test_a_composite_with_an_all_or_nothing_part_is_all_or_nothing():
+    """Lookahead's window is verified whole or not at all: inside hierarchy its merged tree is too,
+    and as an arm of auto, the steps that arm drafts (the controller trimmed them node by node)."""
+    from decodekit.speculative.drafters.bandit import BanditDrafter
+    from decodekit.speculative.drafters.hierarchy import HierarchyDrafter
+
+    assert HierarchyDrafter().trimmable and not HierarchyDrafter(order="pld,lookahead").trimmable
+    auto = BanditDrafter(arms="pld,lookahead")
+    assert auto.trimmable  # no arm chosen yet
+    for arm, trimmable in (("lookahead", False), ("pld", True)):
+        auto.chosen = arm
+        assert auto.trimmable is trimmable
+
+
 def test_a_clone_shares_the_weights_but_not_what_the_parent_learnt():
     """Backend.memory is the one home of what methods learn per model; a clone starts it empty."""
     from decodekit.speculative.drafters.bandit import BanditDrafter

@@ -112,6 +112,12 @@ class BanditDrafter(CompositeDrafter):
         self.pulls[self.chosen] += 1
         return self.parts[self.names.index(self.chosen)].draft(state, budget)
 
+    @property
+    def trimmable(self) -> bool:  # type: ignore[override]
+        """The arm that drafted this step's tree says (lookahead's is all or nothing)."""
+        chosen = getattr(self, "chosen", None)  # (None before a request begins)
+        return chosen is None or self.parts[self.names.index(chosen)].trimmable
+
     def observe(self, tokens: int, seconds: float) -> None:
         """The loop reports each step's output; steps without a draft (controller backoff) are not pulls."""
         if self.chosen is not None and seconds > 0:

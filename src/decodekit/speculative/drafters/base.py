@@ -306,6 +306,11 @@ class CompositeDrafter(Drafter):
                     out.append(leaf)
         return out
 
+    @property
+    def trimmable(self) -> bool:  # type: ignore[override]
+        """A tree with an all-or-nothing part in it (lookahead's) is all or nothing too."""
+        return all(part.trimmable for part in self.parts)
+
     def check(self, backend: Backend) -> None:
         for leaf in self.leaves():
             leaf.check(backend)
