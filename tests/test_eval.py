@@ -167,6 +167,17 @@ def test_cot_in_eval_answers_with_the_tasks_extractor():
     assert all(len(c["answer"]) == 1 and c["correct"] == (c["answer"] == gold) for c, gold in candidates)  # the task's: t[:1]
 
 
+def test_the_budget_curve_leaves_out_answers_a_method_stopped_midway():
+    """first-finish stops its other samples when the first finishes: their cut answers are no
+    samples to vote over (they voted in the budget curve)."""
+    from decodekit.eval.runner import EvalConfig, evaluate
+
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    result = evaluate(model, fake_task(), EvalConfig(method="first-finish", n=4, max_new_tokens=6))
+    kept = sum(len(record.get("candidates", [])) for record in result["records"])
+    assert 0 < kept < 4 * len(result["records"])  # the finished ones, not every sample drawn
+
+
 @pytest.mark.parametrize("method", ["greedy", "self-consistency"])
 def test_eval_end_to_end_on_a_tiny_model(tmp_path, method, capsys):
     register_task("fake3", fake_task)
@@ -574,7 +585,12 @@ def test_the_low_accuracy_warning_reads_the_upper_bound():
     from decodekit.eval.report import markdown
 
     assert "Accuracy is low" not in markdown({**REPORT_BASE, "ci95": [0.1, 0.6]})
-    assert "Accuracy is low" in markdown({**REPORT_BASE, "ci95": [0.0, 0.25]})
+    low = markdown({**REPORT_BASE, "ci95": [0.0, 0.25], "auroc": {"mean_logprob": 0.7}}).splitlines()
+    assert "Accuracy is low" in "\n".join(low)
+    # the warning before the table, whose rows follow its header: a table cut in two shows as text
+    header = low.index("| signal | direction | AUROC |")
+    assert low[header + 1] == "|---|---|---|" and low[header + 2].startswith("| mean_logprob |")
+    assert any("Accuracy is low" in line for line in low[:header])
 
 
 def test_the_report_states_per_item_figures_and_each_signals_direction():

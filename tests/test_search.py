@@ -392,6 +392,29 @@ def test_best_of_n_picks_the_highest_log_likelihood(tiny):
     assert g.text == g.extra["candidates"][g.extra["chosen"]]["text"]
 
 
+def test_a_sample_a_stop_string_cut_scores_the_stops_tokens_as_an_eos():
+    """After "p" the model writes "a" (about 0.95) or the stop string "c" (about 0.05). A sample cut
+    at the stop keeps no token, but the model's choice to end there counts in its score, as an EOS
+    does: it scored a perfect 0 and won best-of-n over every "ab"."""
+    model = bigram_model({"p": {"a": 3.0, "c": 0.0}, "a": {"b": 5.0}, "b": {"": 5.0}, "c": {"": 5.0}})
+    request = Request(TOK.encode("p"), make_sampler("best-of-n", {"seed": 0}), 10, stop=["c"])
+    g = build_decoder("best-of-n", n=16, sample_temperature=1.0).generate(model, request)
+    cut = [c for c in g.extra["candidates"] if c["finish_reason"] == "stop"]
+    assert cut and all(c["text"] == "" and c["loglik"] < -2.5 for c in cut)  # log 0.05 = -3
+    assert g.text == "ab"
+
+
+def test_self_certainty_of_a_near_uniform_row_is_never_negative():
+    """KL(U || p) >= 0, but computed as -log V - mean(log p) a near-uniform row rounds to about
+    -1e-7, which the self-certainty scorer (declared non-negative) refuses in weighted votes."""
+    from decodekit.search.batch import StepRecorder
+
+    recorder = StepRecorder()
+    for seed in range(8):  # rows of logits 1e-5 apart: several of them round below 0
+        recorder.add(torch.randn(4, 96, generator=torch.Generator().manual_seed(seed)) * 1e-5, [0] * 4)
+    assert min(min(step.tolist()) for step in recorder.certainty) >= 0.0
+
+
 def test_best_of_n_ties_go_to_the_first_sample():
     """BestOfN's documented tie rule: of equal scores, the first sample wins."""
     from decodekit.search.select import BestOfN
@@ -689,6 +712,25 @@ def test_step_beam_returns_its_best_finished_solution():
     values = [c["value"] for c in g.extra["candidates"]]
     assert all(c["done"] for c in g.extra["candidates"])
     assert g.extra["uncertainty"]["value"] == pytest.approx(max(values), abs=1e-5)
+
+
+def test_step_searches_never_draw_with_a_slot_an_earlier_expansion_used(monkeypatch):
+    """Draws are keyed by (slot's seed, position): an expansion reusing a slot that an earlier one
+    drew with would redraw, from a kept prefix shorter than that one's, the positions it drew, with
+    the same noise. Step-beam gives every expansion fresh slots; the particle filter, every round
+    after a resample (here after each step)."""
+    from decodekit.search.steps import StepSearch
+
+    model = random_bigram(4, eos_logit=0.0)
+    used: list[list[int]] = []
+    expand = StepSearch.expand
+    monkeypatch.setattr(StepSearch, "expand", lambda self, ctx, node, rows, slots, cap=None: (
+        used.append(list(slots)), expand(self, ctx, node, rows, slots, cap))[1])
+    for method, options in (("step-beam", {"n": 2, "expand": 3}), ("particle", {"n": 4, "ess_threshold": 1.0})):
+        used.clear()
+        build_decoder(method, delimiter=" ", **options).generate(model, request(model, "p", seed=2, max_new=25))
+        slots = [s for call in used for s in call]
+        assert len(used) > 2 and len(slots) == len(set(slots)), (method, used)
 
 
 def test_bad_options_raise_one_line_errors():

@@ -46,13 +46,12 @@ def markdown(r: dict[str, Any]) -> str:
         "",
         "## Uncertainty signals: AUROC for predicting correctness",
         "",
-        "| signal | direction | AUROC |",
-        "|---|---|---|",
     ]
-    if hi < LOW_ACCURACY:
-        lines += ["", f"> Accuracy is low (the 95% upper bound is below {LOW_ACCURACY:.0%}). Small models such as the"
+    if hi < LOW_ACCURACY:  # (before the table: inside it, the rows after it would not be a table's)
+        lines += [f"> Accuracy is low (the 95% upper bound is below {LOW_ACCURACY:.0%}). Small models such as the"
                   " embedded 135M SmolLM2 rarely solve multi-step problems; such a run checks the pipeline end to"
                   " end more than it ranks methods, and AUROCs are n/a when every answer is wrong.", ""]
+    lines += ["| signal | direction | AUROC |", "|---|---|---|"]
     for name, value in r["auroc"].items():
         direction = "lower = confident" if CONFIDENCE_DIRECTION.get(name, 1) < 0 else "higher = confident"
         lines.append(f"| {name} | {direction} | {'n/a' if value is None else f'{value:.3f}'} |")

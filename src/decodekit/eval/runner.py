@@ -120,7 +120,9 @@ def run_item(model, task, config, decoder, item, seed, max_new) -> dict[str, Any
         "correct": task.is_correct(gen.text, item), "tokens_spent": spent, "signal_tokens": extra_spent,
         "time_s": round(time.perf_counter() - t0, 3), "signals": signals,
     }
-    candidates = gen.extra.get("candidates")
+    # the samples' answers, for the budget curve; not those a method stopped mid-answer (first-finish's
+    # others, cut off when the first one finished)
+    candidates = [c for c in gen.extra.get("candidates") or [] if c.get("finish_reason") != "unfinished"]
     if candidates and all("answer" in c for c in candidates):
         record["candidates"] = [{"answer": c["answer"], "correct": task.is_correct(c["text"], item)} for c in candidates]
     return record

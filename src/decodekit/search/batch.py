@@ -48,7 +48,9 @@ class Sample:
     ``logprobs[i]``, ``certainty[i]``, ``margin[i]``, ``topk[i]`` describe the step that chose
     ``tokens[i]``; the step that chose EOS (when the row ended on it) is kept apart in ``eos_logprob``.
     ``cut_off``: the tokens a stop string cut off the end (the stop's, and one that held text before
-    it), kept so that steps joined later are cut again exactly where the text is.
+    it), kept so that steps joined later are cut again exactly where the text is; ``cut_logprobs``
+    their log-probabilities, which count in the sample's score as an EOS's does (the model chose to
+    end there: without them a sample cut to nothing would score a perfect 0).
     """
 
     tokens: list[int]
@@ -60,15 +62,17 @@ class Sample:
     text: str = ""
     eos_logprob: float | None = None
     cut_off: list[int] = field(default_factory=list)
+    cut_logprobs: list[float] = field(default_factory=list)
 
     @property
     def loglik(self) -> float:
-        """Sequence log-likelihood, the EOS choice included when the row ended on EOS."""
-        return sum(self.logprobs) + (self.eos_logprob or 0.0)
+        """Sequence log-likelihood, its ending included: the EOS choice, or the tokens a stop
+        string cut off."""
+        return sum(self.logprobs) + (self.eos_logprob or 0.0) + sum(self.cut_logprobs)
 
     @property
     def mean_logprob(self) -> float:
-        n = len(self.logprobs) + (self.eos_logprob is not None)
+        n = len(self.logprobs) + (self.eos_logprob is not None) + len(self.cut_logprobs)
         return self.loglik / n if n else 0.0
 
     @property
@@ -86,13 +90,14 @@ class Sample:
         if n == len(self.tokens):
             return self
         return Sample(self.tokens[:n], self.logprobs[:n], self.certainty[:n], self.margin[:n], self.topk[:n],
-                      self.finish_reason, self.text, None, self.tokens[n:] + self.cut_off)
+                      self.finish_reason, self.text, None, self.tokens[n:] + self.cut_off,
+                      self.logprobs[n:] + self.cut_logprobs)
 
     def then(self, other: "Sample") -> "Sample":
         """This sample followed by ``other`` (step-level search joins steps)."""
         return Sample(self.tokens + other.tokens, self.logprobs + other.logprobs, self.certainty + other.certainty,
                       self.margin + other.margin, self.topk + other.topk, other.finish_reason, "", other.eos_logprob,
-                      other.cut_off)
+                      other.cut_off, other.cut_logprobs)
 
     @classmethod
     def empty(cls) -> "Sample":
@@ -147,7 +152,8 @@ class StepRecorder:
         logp = torch.log_softmax(logits.float(), dim=-1)
         top = logp.topk(max(2, self.topk), dim=-1).values
         self.chosen.append(logp.gather(1, torch.tensor(list(chosen)).view(-1, 1))[:, 0])
-        self.certainty.append(-math.log(logp.shape[-1]) - logp.mean(dim=-1))
+        # (>= 0 as a KL divergence is: on a near-uniform row rounding gives -1e-7, which scorers refuse)
+        self.certainty.append((-math.log(logp.shape[-1]) - logp.mean(dim=-1)).clamp(min=0.0))
         self.margin.append(top[:, 0].exp() - top[:, 1].exp())
         self.top.append(top[:, : self.topk])
 

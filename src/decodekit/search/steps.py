@@ -165,10 +165,13 @@ class StepBeamSearch(StepSearch):
         ctx = self.context(model, request)
         rows = ctx.row_samplers(self.temperature)
         beams, finished = [Partial(Sample.empty(), [])], []
+        expansions = 0
         while beams:
             children = []
-            for b, beam in enumerate(beams):
-                children += self.expand(ctx, beam, rows, range(b * self.k, (b + 1) * self.k))
+            for beam in beams:  # each expansion its own slots: a kept prefix shorter than a sibling
+                # would otherwise redraw, in the same slot, positions that sibling drew
+                children += self.expand(ctx, beam, rows, rows.fresh_slots(expansions * self.k, self.k))
+                expansions += 1
             children.sort(key=lambda p: p.value(self.how), reverse=True)
             keep = children[: self.n - len(finished)]
             finished += [c for c in keep if c.done]
@@ -215,10 +218,14 @@ class ParticleFilter(StepSearch):
         log_w = [0.0] * self.n
         resamples = 0
         while not all(p.done for p in particles):
-            for slots in self._groups(particles):
-                children = self.expand(ctx, particles[slots[0]], rows, slots)
-                for slot, child in zip(slots, children):
-                    particles[slot] = child
+            for group in self._groups(particles):
+                # particle i draws with slot i until the first resample, then with slots no draw has
+                # used (a copied prefix shorter than the particle it replaced would otherwise redraw
+                # the positions that particle drew, with its noise)
+                slots = rows.fresh_slots(resamples * self.n, self.n)
+                children = self.expand(ctx, particles[group[0]], rows, [slots[i] for i in group])
+                for i, child in zip(group, children):
+                    particles[i] = child
             log_w = [w + p.value(self.how) / self.weight_temperature for w, p in zip(log_w, particles)]
             if self._should_resample(log_w):
                 # after a resample every particle stands for an equal share of the distribution
