@@ -9545,6 +9545,15 @@ MUTATIONS = (
     Mutation('unfinished-samples-vote-in-the-budget-curve', 'src/decodekit/eval/runner.py',
              'if c.get("finish_reason") != "unfinished"]', ']',
              ('tests/test_eval.py', '-k', 'stopped_midway')),
+    Mutation('head-over-every-row-at-once', 'src/decodekit/models/native.py',
+             '        if rows.shape[0] <= MAX_ROWS:\n            return self.weights.lm_head(h).float()', '        if True:\n            return self.weights.lm_head(h).float()',
+             ('tests/test_backend.py', '-k', 'more_rows_than')),
+    Mutation('tree-past-the-pass-reaches-the-cache', 'src/decodekit/models/backend.py',
+             '        if most is not None and len(parents) > most:', '        if False:',
+             ('tests/test_kv_policy.py', '-k', 'larger_than_a_pass')),
+    Mutation('verification-past-the-kernels-rows', 'src/decodekit/models/native.py',
+             '        return min(self._context_room(), self.max_pass_tokens)', '        return self._context_room()',
+             ('tests/test_speculative.py', '-k', 'more_rows_than')),
 )
 
 

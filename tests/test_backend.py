@@ -136,6 +136,23 @@ def test_fork_and_reorder_rows(backend):
     assert not torch.allclose(step[0], step[1])
 
 
+def test_a_batch_of_more_rows_than_the_kernels_take_gets_each_rows_own_logits():
+    """A search steps B rows at once, and B may pass the row kernels' 64: the output head then went
+    to a GEMM over all of them, which sums otherwise (logits 2e-6 off each row's alone)."""
+    from decodekit.models.kernels import MAX_ROWS
+
+    together, alone = tiny_llama(seed=2, hidden_size=64), tiny_llama(seed=2, hidden_size=64)
+    prompt, rows = tokens(20, seed=3), MAX_ROWS + 6
+    together.append(prompt)
+    together.reorder(torch.zeros(rows, dtype=torch.long))
+    nxt = torch.randint(0, 96, (rows,), generator=torch.Generator().manual_seed(0))
+    batch = together.step(nxt)
+    for r in (0, MAX_ROWS - 1, MAX_ROWS, rows - 1):  # rows of the first call, and of the second
+        alone.reset()
+        alone.append(prompt)
+        assert torch.equal(batch[r], alone.step(nxt[r : r + 1])[0])
+
+
 def test_cache_grows_past_its_initial_capacity():
     small = tiny_llama(seed=2)
     small._initial_capacity = 8

@@ -1263,6 +1263,21 @@ def test_adopt_refuses_another_models_cache_a_cache_of_several_rows_and_an_int4_
     assert int4.length == 0
 
 
+def test_a_tree_larger_than_a_pass_is_refused_before_the_int4_cache_is_touched():
+    """The int4 cache quantises ahead of a pass: a 100-node tree (more than a pass holds) quantised
+    slots no token had written, then failed, and the cache gave wrong logits later. It is refused
+    first, and the cache is as it was."""
+    tree, same = (tiny_llama(seed=1, hidden_size=64).with_kv_cache("int4:group=8,residual=64") for _ in range(2))
+    prompt = torch.randint(0, 96, (1, 100), generator=torch.Generator().manual_seed(0))
+    tree.append(prompt)
+    same.append(prompt)
+    with pytest.raises(InvalidParameter, match=r"a tree of 100 tokens is more than a pass holds \(64\)"):
+        tree.verify_tree(torch.zeros(100, dtype=torch.long), [-1] + list(range(99)))
+    for i in range(80):  # past the next quantisation
+        step = torch.tensor([[i % 96]])
+        assert torch.equal(tree.append(step).logits, same.append(step).logits)
+
+
 def test_the_room_for_a_pass_counts_what_a_streaming_cache_keeps_once_it_compacts():
     """pass_room() under a window is the context less the entries the next pass finds, after the
     compaction it starts with: a tree of exactly that many nodes fits, one more does not."""

@@ -695,6 +695,25 @@ def test_one_drafter_registry_with_the_shared_mechanisms_in_the_base_module():
         assert getattr(base, shared).__module__ == base.__name__
 
 
+@pytest.mark.parametrize("cache", ["full", "int8"])
+def test_a_verification_never_passes_more_rows_than_the_kernels_take(cache, monkeypatch):
+    """A budget of 100 drafts asks for trees of 101 rows: past the kernels' 64 a pass went to torch
+    (not one-token steps' bits) and the int8 cache refused it mid-request. Passes hold 64 at most."""
+    from decodekit.models.kernels import MAX_ROWS
+    from decodekit.models.native import NativeLlama
+
+    rows: list[int] = []
+    verify = NativeLlama.verify_tree
+    monkeypatch.setattr(NativeLlama, "verify_tree", lambda self, tokens, parents: (
+        rows.append(len(parents)), verify(self, tokens, parents))[1])
+    backend = tiny_llama(seed=0, hidden_size=64)  # (head size 16: the int8 cache's kernels)
+    engine = Engine(LoadedModel(backend if cache == "full" else backend.with_kv_cache(cache), CharTokenizer(96), "tiny"))
+    asked = {"max_new_tokens": 150, "ignore_eos": True, "chat": False}
+    g = engine.generate("abcabcabc", method="draft", draft_model="self-truncated:1", budget=100, max_draft=100,
+                        confidence=0.0, **asked)
+    assert max(rows) == MAX_ROWS and g.tokens == engine.generate("abcabcabc", **asked).tokens
+
+
 def test_a_composite_with_an_all_or_nothing_part_is_all_or_nothing():
     """Lookahead's window is verified whole or not at all: inside hierarchy its merged tree is too,
     and as an arm of auto, the steps that arm drafts (the controller trimmed them node by node)."""

@@ -229,6 +229,10 @@ class Backend(ABC):
         last tokens as they were (an evicting one), which refuses to go back past them."""
         return 0
 
+    #: The most tokens a verification pass takes (None: any): a backend whose row kernels take so
+    #: many gives one-token steps' bits up to there only.
+    max_pass_tokens: int | None = None
+
     def pass_room(self) -> int:
         """The most tokens the next pass can hold (a verification's root and tree included)."""
         return self.info.max_length - self.length
@@ -246,6 +250,9 @@ class Backend(ABC):
         """
         if self.batch_size != 1:
             raise ValueError("tree verification needs a batch of one row")
+        most = self.max_pass_tokens
+        if most is not None and len(parents) > most:  # refused before a cache policy evicts or quantises for it
+            raise InvalidParameter(f"a tree of {len(parents)} tokens is more than a pass holds ({most})")
         self._make_room(len(parents))
         start, position = self._next_slot()
         visible, positions = tree_layout(start, parents)

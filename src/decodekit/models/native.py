@@ -60,6 +60,7 @@ class NativeLlama(Backend):
     weights_class = LlamaWeights
     gives_features = True
     takes_streaming_cache = True  # (a sink:S,window:W cache: what a too-long sequence is pointed to)
+    max_pass_tokens = MAX_ROWS  # the row kernels' (longer: torch's sums, and no int8 or int4 cache)
     batcher: PassBatcher | None = None
     _observed_rows = False  # set during a pass whose attention weights go to the cache policy
 
@@ -460,6 +461,9 @@ class NativeLlama(Backend):
         return self._slots, self._slots if self.kv_policy.reassigns_positions else self._length
 
     def pass_room(self) -> int:
+        return min(self._context_room(), self.max_pass_tokens)
+
+    def _context_room(self) -> int:
         # a window's positions are its slots: what is left of the context after the entries the
         # next pass finds (fewer if the pass compacts the cache first)
         if not self.kv_policy.reassigns_positions:
@@ -726,8 +730,14 @@ class NativeLlama(Backend):
         return StepOutput(logits=self._head(h), hidden=hidden, features=features)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits (float32) from the final norm's output."""
-        return self.weights.lm_head(h).float()
+        """Logits (float32) from the final norm's output, at most ``MAX_ROWS`` rows a call: a
+        search's batch can hold more rows than the row kernels take, and each row must get the
+        bits it gets alone (a longer call to float32 weights goes to a GEMM, which sums otherwise)."""
+        rows = h.reshape(-1, h.shape[-1])
+        if rows.shape[0] <= MAX_ROWS:
+            return self.weights.lm_head(h).float()
+        parts = [self.weights.lm_head(rows[i : i + MAX_ROWS]) for i in range(0, rows.shape[0], MAX_ROWS)]
+        return torch.cat(parts).view(*h.shape[:-1], -1).float()
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, ops) -> torch.Tensor:
         """``x += delta`` in place (the residual add), then the RMSNorm of x."""
