@@ -761,6 +761,40 @@ def test_rope_store_refuses_a_value_cache_it_cannot_write_as_rows():
         ops.rope_store(torch.randn(1, 8 * 8), freqs[:, :8], torch.tensor([0]), narrow, narrow.clone(), 0, 4)
 
 
+def test_rope_store_refuses_slots_and_shapes_outside_its_tensors():
+    """The C code trusts its sizes: a start at the cache's end wrote past it (the heap broke and the
+    process aborted); qkv rows of another width, or a position missing, read past their tensors."""
+    ops = _ops(torch.float32)
+    qkv, freqs = torch.randn(2, 8 * 16), torch.tensor([1.0, 0.0] * 8).repeat(4, 1)
+    k_cache, v_cache, positions = torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), torch.tensor([0, 1])
+    for start in (3, 4, -1):  # two rows from slot 3 need slot 4 of 4
+        with pytest.raises(ValueError, match="within the cache's 4"):
+            ops.rope_store(qkv, freqs, positions, k_cache, v_cache, start, 4)
+    with pytest.raises(ValueError, match="as many positions"):
+        ops.rope_store(qkv, freqs, positions[:1], k_cache, v_cache, 0, 4)
+    with pytest.raises(ValueError, match="qkv rows of 128"):
+        ops.rope_store(qkv[:, :100], freqs, positions, k_cache, v_cache, 0, 4)
+    ops.rope_store(qkv, freqs, positions, k_cache, v_cache, 2, 4)  # the last two slots: fine
+    assert k_cache[:, 2:].abs().sum() > 0
+
+
+def test_matmuls_refuse_inputs_whose_width_is_not_the_weights():
+    """A row of x narrower than the weight's rows was read past its end (garbage out, where F.linear
+    raises); the block kernels' operands are held to their shapes likewise."""
+    from decodekit.models.gguf_blocks import BlockMatrix
+
+    weight = torch.randn(32, 64)
+    with pytest.raises(ValueError, match=r"inputs \[rows, 64\]"):
+        matmul(weight, torch.randn(2, 16))
+    blocks = BlockMatrix.quantize(weight, "q8_0")
+    exact = kernels.block_matmul("q8_0")
+    with pytest.raises(ValueError, match="inputs"):
+        exact(blocks.data, torch.randn(2, 32), 64)
+    with pytest.raises(ValueError, match="blocks"):
+        exact(blocks.data[:, :10].contiguous(), torch.randn(2, 64), 64)
+    assert torch.equal(exact(blocks.data, torch.ones(1, 64), 64), matmul(blocks.dequantize(), torch.ones(1, 64)))
+
+
 def test_layer_ops_decline_sizes_they_cannot_run():
     assert kernels.layer_ops(torch.float32, 40, 64) is None  # hidden size not a multiple of 16
     assert kernels.layer_ops(torch.float32, 64, 40) is None  # intermediate size not a multiple of 16

@@ -50,6 +50,22 @@ def _run_attention(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibl
     return out
 
 
+def check_rope_store(qkv: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, start: int, n_heads: int,
+                     n_kv_heads: int, head_dim: int, cap: int) -> int:
+    """What ``rope_store`` writes and reads must lie inside its tensors (the C code trusts it: a
+    slot past the cache's end overwrote the heap): qkv's rows ``(H + 2 H_kv) D`` wide, a position
+    a row, slots ``start .. start + rows`` within the ``cap`` slots, (cos, sin) rows D wide.
+    Returns the number of rows."""
+    if qkv.shape[-1] != (n_heads + 2 * n_kv_heads) * head_dim or freqs.dim() != 2 or freqs.shape[1] != head_dim:
+        raise ValueError(f"rope_store: qkv rows of {(n_heads + 2 * n_kv_heads) * head_dim} and angles of {head_dim} "
+                         f"values, got {qkv.shape[-1]} and {tuple(freqs.shape)}")
+    rows = qkv.numel() // qkv.shape[-1]
+    if positions.numel() != rows or not 0 <= start <= cap - rows:
+        raise ValueError(f"rope_store: {rows} rows need as many positions (got {positions.numel()}) and slots "
+                         f"{start} .. {start + rows} within the cache's {cap}")
+    return rows
+
+
 class Int8CacheKernels:
     """The int8 cache's two kernels (kv cache ``int8``, float32 models): each (head, slot) row is
     ``head_dim`` int8 values then their float32 scale, held in float32 tensors of
@@ -72,7 +88,7 @@ class Int8CacheKernels:
         n_kv_heads, cap = k_cache.shape[0], k_cache.shape[1]
         if k_cache.shape[2] != self.row or not k_cache.is_contiguous() or not v_cache.is_contiguous():
             raise ValueError("int8 rope_store needs contiguous [H_kv, cap, head_dim / 4 + 1] caches")
-        rows = qkv.numel() // qkv.shape[-1]
+        rows = check_rope_store(qkv, freqs, positions, start, n_heads, n_kv_heads, self.head_dim, cap)
         q = torch.empty(rows, n_heads, self.head_dim, dtype=torch.float32)
         positions = positions.to(torch.int64).contiguous()
         qkv = qkv.float().contiguous()

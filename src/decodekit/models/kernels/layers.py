@@ -10,7 +10,7 @@ from functools import cache
 
 import torch
 
-from .attention import AttentionKernel, Int8CacheKernels, kivi_attention
+from .attention import AttentionKernel, Int8CacheKernels, check_rope_store, kivi_attention
 from .build import _address, _library
 
 class LayerOps:
@@ -73,7 +73,7 @@ class LayerOps:
         n_kv_heads, cap, head_dim = k_cache.shape
         if head_dim % 16 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("rope_store needs head_dim a multiple of 16 and contiguous caches")
-        rows = qkv.numel() // qkv.shape[-1]
+        rows = check_rope_store(qkv, freqs, positions, start, n_heads, n_kv_heads, head_dim, cap)
         q = torch.empty(rows, n_heads, head_dim, dtype=torch.float32)
         positions = positions.to(torch.int64).contiguous()
         qkv = qkv.contiguous()

@@ -36,6 +36,11 @@ def few_rows_matmul(dtype: torch.dtype = torch.float32) -> MatmulKernel | None:
         return None
 
     def matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # what the C code relies on (it reads weight.shape[1] values a row of x, past its end otherwise)
+        if (x.dim() != 2 or x.shape[1] != weight.shape[1] or weight.dim() != 2 or weight.dtype != dtype
+                or not weight.is_contiguous()):
+            raise ValueError(f"matmul: inputs [rows, {weight.shape[-1]}] against contiguous {dtype} weights [out, in], "
+                             f"got {tuple(x.shape)} against {tuple(weight.shape)} {weight.dtype}")
         rows = x.shape[0]
         x = x.to(dtype).contiguous()
         out = torch.empty(rows, weight.shape[0], dtype=dtype)
@@ -59,7 +64,19 @@ def block_matmul(kind: str, interleaved: bool = False) -> Callable[[torch.Tensor
     lib = _library("gemm")
     if lib is None or kind not in EXACT_BLOCK_KINDS:
         return None
-    return _blocks_times_rows(getattr(lib, f"decodekit_gemm_{kind}{'x4' if interleaved else ''}"))
+    return _blocks_times_rows(getattr(lib, f"decodekit_gemm_{kind}{'x4' if interleaved else ''}"),
+                              lambda blocks, x, n_in: _check_block_operands(kind, blocks, x, n_in))
+
+
+def _check_block_operands(kind: str, blocks: torch.Tensor, x: torch.Tensor, n_in: int, width: int | None = None) -> None:
+    """What the block kernels rely on: rows of ``n_in`` values, a multiple of the block's weights,
+    against contiguous uint8 rows of blocks ``width`` bytes wide (the file's width by default)."""
+    size, weights = BLOCK_BYTES[kind], BLOCK_WEIGHTS[kind]
+    if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] != n_in or n_in % weights:
+        raise ValueError(f"{kind} matmul: inputs [rows, {n_in}] with {n_in} a multiple of {weights}, got {tuple(x.shape)}")
+    width = n_in // weights * size if width is None else width
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != width or not blocks.is_contiguous():
+        raise ValueError(f"{kind} matmul: blocks [out, {width}] contiguous uint8, got {tuple(blocks.shape)} {blocks.dtype}")
 
 
 def _blocks_times_rows(fn, check: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None):
@@ -171,13 +188,9 @@ def _check_integer_operands(kind: str, blocks: torch.Tensor, x: torch.Tensor, n_
     """What ``gemm_q8.c`` relies on: rows of ``n_in`` values, a multiple of the block's weights,
     against contiguous uint8 blocks (as the file has them, or ``packed``) of the right width, a
     multiple of 16 rows."""
-    size, weights = BLOCK_BYTES[kind], BLOCK_WEIGHTS[kind]
-    if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] != n_in or n_in % weights:
-        raise ValueError(f"integer matmul: inputs [rows, {n_in}] with {n_in} a multiple of {weights}, got {tuple(x.shape)}")
-    width = _packed_width(kind, n_in) if packed else n_in // weights * size
-    if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != width or not blocks.is_contiguous()
-            or blocks.shape[0] % INTEGER_GROUP):
-        raise ValueError(f"integer matmul: {kind} blocks [16 n, {width}] contiguous uint8, got {tuple(blocks.shape)} {blocks.dtype}")
+    _check_block_operands(kind, blocks, x, n_in, _packed_width(kind, n_in) if packed else None)
+    if blocks.shape[0] % INTEGER_GROUP:
+        raise ValueError(f"integer matmul: {kind} blocks in groups of {INTEGER_GROUP} rows, got {blocks.shape[0]}")
 
 
 def integer_block_matmul_reference(kind: str, blocks: torch.Tensor, x: torch.Tensor, n_in: int) -> torch.Tensor | None:
