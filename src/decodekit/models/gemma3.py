@@ -4,7 +4,9 @@ Gemma Team, "Gemma 3 Technical Report" (2025); the reference is transformers' ``
 Where it differs from a Llama, and how this module follows it:
 
 * the embedding is scaled by ``sqrt(hidden_size)`` (rounded to float32 first, as the reference does);
-* RMSNorm weights are offsets: the norm multiplies by ``1 + w`` (added once here, in float32);
+* RMSNorm weights are offsets: the norm multiplies by ``1 + w`` (added once here, in float32; a
+  bfloat16 model keeps the sum in bfloat16 and multiplies in it, where transformers multiplies in
+  float32: bfloat16 is outside the exact numerics' promise);
 * "sandwich" norms: the attention's and the MLP's outputs are normalised before the residual add
   (``post_attention_layernorm``, ``post_feedforward_layernorm``), and the MLP's input by
   ``pre_feedforward_layernorm``;
