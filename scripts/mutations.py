@@ -9564,6 +9564,12 @@ MUTATIONS = (
     Mutation('rope-store-slots-past-the-cache', 'src/decodekit/models/kernels/attention.py',
              '    if positions.numel() != rows or not 0 <= start <= cap - rows:', '    if positions.numel() != rows or not 0 <= start <= cap:',
              ('tests/test_kernels.py', '-k', 'outside_its_tensors')),
+    Mutation('load-gives-up-on-a-pruned-entry', 'src/decodekit/models/__init__.py',
+             '        return read(resolve_model(model)[0])', '        raise',
+             ('tests/test_cache_integrity.py', '-k', 'pruned_between')),
+    Mutation('reading-a-pruned-entry-unchecked', 'src/decodekit/models/cache.py',
+             '        if not path.exists():\n            raise EntryRemoved(', '        if False:\n            raise EntryRemoved(',
+             ('tests/test_cache_integrity.py', '-k', 'pruned_between')),
 )
 
 

@@ -1621,3 +1621,33 @@ def test_an_entry_whose_use_cannot_be_recorded_is_still_used(tmp_path, monkeypat
     monkeypatch.setattr(os, "utime", refused)
     assert cached_file(path, lambda tmp: pytest.fail("rebuilt")) == path
     assert cached_folder(cached_folder(tmp_path / "f", lambda tmp: None), lambda tmp: pytest.fail("rebuilt"))
+
+
+def test_an_entry_pruned_between_its_check_and_its_reading_is_built_again(tmp_path, monkeypatch):
+    """A `decodekit cache --prune --days 0` can remove an entry after the loader checked it and
+    before the loader's shared lock: reading() says so, and load_model checks (so builds) it again,
+    rather than failing with a misleading "no usable tokenizer"."""
+    import decodekit.models as models
+    from decodekit.models.cache import EntryRemoved, reading, remove_unused
+    from decodekit.models.tokenizer import CharTokenizer
+
+    backend = tiny_llama(seed=0)  # (before the cache moves: its kernels are built in the test run's)
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    entry = cached_folder(tmp_path / "m", lambda tmp: (tmp / "config.json").write_text("{}"))
+    assert remove_unused(0, tmp_path, now=time.time() + 1).removed  # a prune that began just after the check
+    with pytest.raises(EntryRemoved, match="removed from the cache while it was being opened"):
+        with reading(entry):
+            pass
+    built = []
+
+    def resolve(model, check=None):  # the first folder pruned before it is read; the second built again
+        built.append(cached_folder(tmp_path / "m", lambda tmp: (tmp / "config.json").write_text("{}")))
+        if len(built) == 1:
+            remove_unused(0, tmp_path, now=time.time() + 1)
+        return built[-1], tmp_path / "model.gguf"
+
+    monkeypatch.setattr(models, "resolve_model", resolve)
+    monkeypatch.setattr(models, "file_tokenizer", lambda folder: CharTokenizer(96))
+    monkeypatch.setattr(models, "build_backend", lambda folder, **kw: backend)
+    loaded = models.load_model("anything")
+    assert len(built) == 2 and (tmp_path / "m").is_dir() and loaded.backend.info.vocab_size == 96

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .backend import Backend, ModelInfo, StepOutput
-from .cache import reading
+from .cache import EntryRemoved, reading
 from .chat_template import refusals_as_invalid
 from .loading import (DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, check_backend, parse_dtype, refuse_kv_policy,
                       resolve_model)
@@ -47,23 +48,29 @@ def load_model(
     policy = parse_kv_cache(kv_cache)  # a bad spelling fails before any loading
     check_backend(backend)
     parse_dtype(dtype)
+    name = model or DEFAULT_MODEL
     folder, gguf = resolve_model(model, check=lambda file: refuse_kv_policy(file, policy))
 
-    def weights() -> Backend:
+    def weights(folder: Path) -> Backend:
         return build_backend(folder, backend=backend, dtype=parse_dtype(dtype), gguf=gguf, numerics=numerics,
                              kv_cache=policy)
 
     if gguf is None:  # a Hugging Face folder: its config and weights are checked first, each with its own message
-        loaded = weights()
-        return LoadedModel(backend=loaded, tokenizer=HFTokenizer(folder), name=model or DEFAULT_MODEL)
+        return LoadedModel(backend=weights(folder), tokenizer=HFTokenizer(folder), name=name)
     # A folder decodekit wrote from the GGUF file, read under its shared lock (a `decodekit cache
-    # --prune` meanwhile leaves it): the tokenizer first. Parsing a big one (Gemma's 262k tokens)
-    # frees most of what it takes, which goes back to the system before the weights arrive, so the
-    # two peaks do not add up.
-    with reading(folder):
-        tokenizer = file_tokenizer(folder)
-        return_freed_memory()
-        return LoadedModel(backend=weights(), tokenizer=tokenizer, name=model or DEFAULT_MODEL)
+    # --prune` meanwhile leaves it; one that pruned it between its check and the lock: checked, so
+    # built, again): the tokenizer first. Parsing a big one (Gemma's 262k tokens) frees most of what
+    # it takes, which goes back to the system before the weights arrive, so the peaks do not add up.
+    def read(folder: Path) -> LoadedModel:
+        with reading(folder):
+            tokenizer = file_tokenizer(folder)
+            return_freed_memory()
+            return LoadedModel(backend=weights(folder), tokenizer=tokenizer, name=name)
+
+    try:
+        return read(folder)
+    except EntryRemoved:
+        return read(resolve_model(model)[0])
 
 
 __all__ = [

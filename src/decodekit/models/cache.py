@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ..arguments import user_path
-from ..errors import InvalidParameter
+from ..errors import CacheError, InvalidParameter
 
 DIGEST = "crc32/16MiB"  # recorded in each manifest: a manifest made with another digest fails the check
 CHUNK = 16 << 20
@@ -464,15 +464,24 @@ def _mtime(path: Path) -> float:
         return 0.0
 
 
+class EntryRemoved(CacheError):
+    """A cached entry was pruned between its check and its reading."""
+
+
 @contextmanager
 def reading(path: Path) -> Iterator[None]:
     """Hold a shared lock on cached entry ``path`` while its files are read, after its check passed:
     pruning, which takes the lock alone and never waits, leaves the entry in place meanwhile (a
-    builder of the same entry waits). A cache that cannot be written takes no lock: nothing prunes it."""
+    builder of the same entry waits). A cache that cannot be written takes no lock: nothing prunes it.
+    An entry a prune removed between its check and this lock raises :class:`EntryRemoved` (the
+    caller checks it again, which builds it again)."""
     with Entry(path, folder=path.is_dir())._lock_file() as handle:
         if handle is not None:
             fcntl.flock(handle, fcntl.LOCK_SH)
+        if not path.exists():
+            raise EntryRemoved(f"{path}: removed from the cache while it was being opened")
         yield
+
 
 
 @dataclass(frozen=True)
