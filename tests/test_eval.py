@@ -580,6 +580,19 @@ REPORT_BASE = {"task": "gsm8k", "method": "greedy", "seed": 0, "n": None, "optio
                "auroc": {}, "budget_curve": [], "records": []}
 
 
+def test_python_api_configs_refuse_a_limit_or_continuation_of_0():
+    """The CLI refuses them; through the Python API a limit of 0 ran every item, and a continuation of
+    0 divided by 0 at the end of a long-context run."""
+    from decodekit.eval.longctx import LongContextConfig
+    from decodekit.eval.runner import EvalConfig
+
+    with pytest.raises(InvalidParameter, match="^limit must be an integer >= 1, got 0"):
+        EvalConfig(limit=0)
+    with pytest.raises(InvalidParameter, match="^continuation must be an integer >= 1, got 0"):
+        LongContextConfig(continuation=0)
+    assert EvalConfig(limit=None).limit is None and EvalConfig(limit=2).limit == 2
+
+
 def test_the_low_accuracy_warning_reads_the_upper_bound():
     """Warned only when even the 95% upper bound is below 30%: an interval reaching above it is not."""
     from decodekit.eval.report import markdown

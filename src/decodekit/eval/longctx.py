@@ -30,6 +30,7 @@ import torch
 
 from ..data import SPEC_BENCH_QUESTIONS, data_file
 from ..errors import InvalidParameter
+from ..options import check_int
 
 DEFAULT_POLICIES = ("full", "int8", "int4", "sink:4,window:1024", "h2o:budget=1024,window=128", "snapkv:budget=1024,window=32")
 DEFAULT_LENGTHS = (2048, 4096, 8000, 16384)
@@ -48,6 +49,9 @@ class LongContextConfig:
     continuation: int = 128
     decode_tokens: int = 32
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("continuation", self.continuation, 1)  # its NLL is a mean over these tokens
 
 
 def document_tokens(tokenizer, needed: int) -> list[int]:

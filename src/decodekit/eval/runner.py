@@ -12,6 +12,7 @@ from ..samplers.constraint import constraint_processor
 from ..engine.core import Decoder, Request
 from ..errors import InvalidParameter
 from ..models import LoadedModel
+from ..options import check_int
 from ..samplers.params import SEED_LIMIT
 from ..search import SampleDecoder, majority_vote
 from ..search.uncertainty import CONFIDENCE_DIRECTION, paraphrase_consistency, sampled_agreement
@@ -44,6 +45,10 @@ class EvalConfig:
     signals: Sequence[str] = ()  # extra signals computed besides the method's own
     paraphrases: int = 4
     constrained: bool = True  # decode under an item's constraint (structured tasks); False to compare
+
+    def __post_init__(self) -> None:
+        if self.limit is not None:  # (0 would read as "no limit": every item, not none)
+            check_int("limit", self.limit, 1)
 
 
 def uses_n(config: EvalConfig) -> bool:

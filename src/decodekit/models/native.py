@@ -562,7 +562,7 @@ class NativeLlama(Backend):
         rows = q.shape[0]
         grouped = q.float().reshape(rows, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
         for r in range(0, rows, 256):  # bounded memory for a long prompt
-            scores = torch.einsum("rhgd,hnd->rhgn", grouped[r : r + 256], keys) * c.head_dim**-0.5
+            scores = torch.einsum("rhgd,hnd->rhgn", grouped[r : r + 256], keys) * self._attention_scale
             if mask is not None:
                 scores = scores.masked_fill(~mask[r : r + 256, None, None, :end], float("-inf"))
             self._mass[layer, :, :end] += scores.softmax(-1).sum(dim=(0, 2))

@@ -539,10 +539,15 @@ class Controller:
         (per node, mostly empty drafts would look dear), while a draft model pays for every node."""
         return self.learnt.draft_seconds >= CHEAP_DRAFT * self.pass_cost(1)
 
+    def _rate_to_beat(self) -> float:
+        """A plain step's tokens per second (without the speculative step's overhead) and the
+        ``GAIN_MARGIN``: what speculation must promise to be chosen."""
+        return (1.0 + GAIN_MARGIN) * self.rate(1.0, 1, -self.overhead)
+
     def best_chain_depth(self) -> int:
         """The chain depth (0 = none) with the best expected tokens per second, counting
         drafting at the measured cost per node."""
-        best_depth, best_rate = 0, (1.0 + GAIN_MARGIN) * self.rate(1.0, 1, -self.overhead)
+        best_depth, best_rate = 0, self._rate_to_beat()
         expected, reach = 1.0, 1.0
         for depth in range(1, self.max_draft + 1):
             reach *= self._accept((self.learnt.chain_source, min(depth - 1, MAX_DEPTH_KEY), 0))
@@ -562,7 +567,7 @@ class Controller:
             return tree
         probs = self.node_probs(tree)
         order = sorted(range(len(tree)), key=lambda i: -probs[i]) if trimmable else list(range(len(tree)))
-        best_n, best_rate = 0, (1.0 + GAIN_MARGIN) * self.rate(1.0, 1, -self.overhead)
+        best_n, best_rate = 0, self._rate_to_beat()
         expected = 1.0
         for n, node in enumerate(order, start=1):
             expected += probs[node]
