@@ -936,14 +936,20 @@ def test_the_reference_throughput_is_taken_on_the_questions_the_method_finished(
     assert stats["e2e_speedup"] == pytest.approx(1.5 / 1.0)  # 10/1.0 against 10/1.5
 
 
-def test_accepted_per_verification_is_the_mean_over_questions_and_passes_per_token_a_ratio():
-    """accepted/verify is documented as the mean over questions (not a median); passes/token is
-    decode passes over new tokens (below 1 when a pass yields several tokens)."""
+def test_accepted_per_verification_is_over_every_verification_and_passes_per_token_a_ratio():
+    """accepted/verify is Spec-Bench's mean accepted tokens: over every verification of the questions,
+    so a question verified 100 times weighs 100 times one verified once (a file without counts: the
+    mean over questions, not a median); passes/token is decode passes over new tokens (below 1 when
+    a pass yields several tokens)."""
     records = [hand_record("greedy", q) for q in (1, 2, 3)]
-    records += [hand_record("spec", q, new_tokens=10, passes=p, accepted=a) for q, p, a in ((1, 2, 1.0), (2, 4, 2.0), (3, 9, 6.0))]
-    stats = summarize(records, hand_contestants("greedy", "spec"), {})["methods"]["spec"]["categories"]["overall"]
+    spec = [hand_record("spec", q, new_tokens=10, passes=p, accepted=a) for q, p, a in ((1, 2, 1.0), (2, 4, 2.0), (3, 9, 6.0))]
+    stats = summarize(records + spec, hand_contestants("greedy", "spec"), {})["methods"]["spec"]["categories"]["overall"]
     assert stats["mean_accepted"] == pytest.approx(3.0)  # (1 + 2 + 6) / 3; the median would be 2
     assert stats["passes_per_token"] == pytest.approx(15 / 30)
+    for record, verifications in zip(spec, (1, 100, 1)):
+        record["verifications"] = verifications
+    stats = summarize(records + spec, hand_contestants("greedy", "spec"), {})["methods"]["spec"]["categories"]["overall"]
+    assert stats["mean_accepted"] == pytest.approx((1.0 + 200.0 + 6.0) / 102)
 
 
 def test_passes_per_token_is_unknown_when_a_question_has_no_pass_count():
@@ -1235,6 +1241,11 @@ def test_a_records_accepted_per_verification_is_the_mean_over_its_turns():
 
     turns = [(3, RunResult([1], "a", 0.1, 0.2, "length", forward_passes=1, mean_accepted=a)) for a in (2.0, None, 4.0)]
     assert make_record(Scripted("m", []), Question(1, "qa", ("a", "b", "c")), 0, 0, turns)["mean_accepted"] == 3.0
+    # where the turns count their verifications, over all of them: 2 tokens in each of 10, 4 in each of 30
+    counted = [(3, RunResult([1], "a", 0.1, 0.2, "length", mean_accepted=a, extra={"verifications": n}))
+               for a, n in ((2.0, 10), (4.0, 30))]
+    record = make_record(Scripted("m", []), Question(1, "qa", ("a", "b")), 0, 0, counted)
+    assert (record["mean_accepted"], record["verifications"]) == (pytest.approx(140 / 40), 40)
 
 
 def test_the_warm_up_stays_within_the_token_budget(tiny: LoadedModel, qfile: Path):

@@ -189,6 +189,20 @@ def is_record(rec: Any) -> bool:
             and all(rec[k] is None or _seconds(rec[k]) for k in ("decode_tps", "e2e_tps", "mean_accepted")))
 
 
+def accepted_per_verification(results: list[RunResult]) -> tuple[float | None, int | None]:
+    """Tokens per verification over the turns' verifications together (a turn of many verifications
+    weighs more than one of few: Spec-Bench's mean accepted tokens averages over every step), and
+    how many there were; where a turn does not count them, the mean of the turns' figures and None."""
+    reported = [r for r in results if r.mean_accepted is not None]
+    if not reported:
+        return None, None
+    counts = [r.extra.get("verifications") for r in reported]
+    if any(not isinstance(n, int) for n in counts):
+        return statistics.fmean(r.mean_accepted for r in reported), None
+    total = sum(counts)
+    return (sum(r.mean_accepted * n for r, n in zip(reported, counts)) / total if total else 1.0), total
+
+
 def make_record(contestant: Contestant, question: Question, repeat: int, position: int,
                 turns: list[tuple[int, RunResult]] | None, error: str | None = None) -> dict[str, Any]:
     """One record: figures summed over the turns that ran."""
@@ -197,7 +211,7 @@ def make_record(contestant: Contestant, question: Question, repeat: int, positio
     prefill = sum(r.prefill_s for r in results)
     decode = sum(r.decode_s for r in results)
     passes = [r.forward_passes for r in results]
-    accepted = [r.mean_accepted for r in results if r.mean_accepted is not None]
+    accepted, verifications = accepted_per_verification(results)
     return {
         "method": contestant.name, "kind": contestant.kind, "family": contestant.family, "lossless": contestant.lossless,
         "question_id": question.question_id, "category": question.category, "group": question.group,
@@ -206,7 +220,7 @@ def make_record(contestant: Contestant, question: Question, repeat: int, positio
         "new_tokens": new, "prefill_s": prefill, "decode_s": decode,
         "forward_passes": sum(passes) if results and None not in passes else None,
         "decode_tps": rate(new, decode), "e2e_tps": rate(new, prefill + decode),
-        "mean_accepted": statistics.fmean(accepted) if accepted else None,
+        "mean_accepted": accepted, "verifications": verifications,
         "finish_reason": results[-1].finish_reason if results else None,
         "identical_to_reference": None, "text_match": None, "text_prefix_share": None,
         "texts": [r.text for r in results], "tokens": [r.tokens for r in results],
