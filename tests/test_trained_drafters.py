@@ -656,10 +656,12 @@ def test_damaged_and_wrong_drafter_files_are_one_line(drafter_files, tmp_path):
 
     with safe_open(str(drafter_files["eagle", "exact"]), framework="pt") as handle:
         meta, tensors = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
-    for vocab in (torch.cat([torch.tensor([-5]), tensors["head.vocab"][1:]]), tensors["head.vocab"][:0]):
+    ids = tensors["head.vocab"]
+    # not ids, none, or an id twice (it would be proposed twice among siblings)
+    for vocab in (torch.cat([torch.tensor([-5]), ids[1:]]), ids[:0], torch.cat([ids[:1], ids[:-1]])):
         crafted = {**tensors, "head.vocab": vocab.contiguous()}
         save_file(crafted, str(broken), metadata={**meta, "digest": store.drafter_digest(crafted, meta)})
-        with pytest.raises(InvalidModel, match="head.vocab is not a list of token ids"):
+        with pytest.raises(InvalidModel, match="head.vocab is not a list of distinct token ids"):
             store.load(backend, "eagle", broken)
     # weights that are not finite, or not stored as a drafter's are; a config that cannot be a network's
     name = next(n for n, t in tensors.items() if t.is_floating_point())
@@ -703,6 +705,23 @@ def test_a_drafter_whose_token_ids_reach_past_the_targets_vocabulary_is_refused(
         else:
             with pytest.raises(InvalidParameter, match="does not fit"):
                 store.build(crafted_path, "eagle", backend)
+
+
+def test_a_model_made_in_memory_is_fingerprinted_by_its_sizes_too():
+    """Without weight files the fingerprint read the output head alone: a model and a truncated copy
+    sharing it (one layer less) took each other's drafters."""
+    assert store.target_fingerprint(tiny_llama(seed=0, num_layers=2)) != store.target_fingerprint(tiny_llama(seed=0, num_layers=1))
+    assert store.target_fingerprint(tiny_llama(seed=0)) == store.target_fingerprint(tiny_llama(seed=0))
+
+
+def test_the_loss_a_test_compares_is_eagles_without_its_training_noise():
+    """mean_loss measures, it does not train: EAGLE's inputs carry no noise there (three calls on one
+    net gave three losses, and drew from the global random state)."""
+    model = tiny()
+    settings = Settings("eagle", minutes=1, steps=1, vocab=64, batch_tokens=256)
+    samples = corpus_of(model).samples[:4]
+    net = new_net("eagle", model.backend, draft_vocabulary(samples, settings.vocab, 96), settings)
+    assert len({mean_loss(net, samples, model.backend, settings) for _ in range(3)}) == 1
 
 
 def test_the_target_fingerprint_covers_every_weights_file(tmp_path, monkeypatch):
@@ -753,15 +772,31 @@ def test_train_drafter_saves_in_the_cache_and_the_method_finds_it(monkeypatch, t
     record = json.loads(capsys.readouterr().out)
     assert record["evaluation"]["identical_to_greedy"] == "2/2"
     assert record["data_tokens"] >= 400 and record["train_steps"] > 0
-    saved, loaded = store.cache_path(model.backend, "medusa"), store.load(model.backend, "medusa")
-    from_file = store.build(saved, "medusa", model.backend).state_dict()
-    assert all(torch.equal(t, from_file[name]) for name, t in loaded.state_dict().items())
+    saved = store.cache_path(model.backend, "medusa")
+    feature = torch.randn(1, model.backend.info.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def drafts(net) -> torch.Tensor:  # (the weights live in the kernels' closures: compared by what they compute)
+        return net(feature)
+
+    assert torch.equal(drafts(store.load(model.backend, "medusa")), drafts(store.build(saved, "medusa", model.backend)))
+    first = drafts(store.load(model.backend, "medusa"))
+    args.steps = 80  # trained again into the same file, in the same process: the new drafter is the one used
     assert cli.run(args, model=model) == 0  # the data is made once, then reused
     assert json.loads(capsys.readouterr().out)["data_seconds"] == record["data_seconds"]
+    again = drafts(store.load(model.backend, "medusa"))
+    assert not torch.equal(first, again) and torch.equal(again, drafts(store.build(saved, "medusa", model.backend)))
+    # cached data with a benchmark question in it (an earlier version's, or edited) is made again
+    data_path = next((tmp_path / "drafters").glob("*-data*.pt"))
+    corpus = data_module.load_corpus(data_path)
+    corpus.samples[0].query = data_module.benchmark_questions()[0]
+    data_module.save_corpus(corpus, data_path)
+    assert cli.run(args, model=model) == 0
+    assert not data_module.leaked(data_module.load_corpus(data_path), Exclusion())
     args.prompts = "tasks"  # another recipe: data of its own, not the Magpie data again
     assert cli.run(args, model=model) == 0
+    numerics = model.backend.numerics  # and the data of one numerics is not the other's
     made = sorted(path.name.split("-data")[1] for path in (tmp_path / "drafters").glob("*-data*.pt"))
-    assert made == ["-400-s0.pt", "-tasks-400-s0.pt"]
+    assert made == [f"-{numerics}-400-s0.pt", f"-tasks-{numerics}-400-s0.pt"]
 
 
 def test_train_drafter_refuses_a_model_it_cannot_train_on_before_making_data(monkeypatch, tmp_path, capsys):

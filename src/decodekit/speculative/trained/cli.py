@@ -12,7 +12,7 @@ from pathlib import Path
 from ...arguments import add_model_arguments, check_writable
 from ...errors import InvalidParameter
 from ...models.cache import cache_root
-from .data import PROMPTS, check_trainable, load_corpus, save_corpus, self_distil
+from .data import PROMPTS, Exclusion, check_trainable, leaked, load_corpus, save_corpus, self_distil
 from .store import cache_path, save, target_fingerprint
 from .train import DEFAULT_HEADS, KINDS, Settings, draft_vocabulary, new_net, report, split, train
 
@@ -71,8 +71,13 @@ def run(args: argparse.Namespace, model=None) -> int:
             raise InvalidParameter(f"{path} is a folder: the drafter's file cannot be saved there (remove it, or give --out)")
         check_writable(path.parent)
     recipe = "" if settings.prompts == "magpie" else f"-{settings.prompts}"
-    corpus_path = cache_root() / "drafters" / f"{target_fingerprint(backend)}-data{recipe}-{settings.tokens}-s{settings.seed}.pt"
+    # the features are the numerics' own: data recorded in one is not the other's
+    numerics = getattr(backend, "numerics", "exact")
+    corpus_path = (cache_root() / "drafters"
+                   / f"{target_fingerprint(backend)}-data{recipe}-{numerics}-{settings.tokens}-s{settings.seed}.pt")
     corpus = load_corpus(corpus_path)
+    if corpus is not None and leaked(corpus, Exclusion()):  # (an earlier version's, or edited): made again
+        corpus = None
     if corpus is None:
         queries = "Magpie queries" + (", every other one opening a task" if settings.prompts == "tasks" else "")
         _say(f"self-distilling {settings.tokens} tokens from {backend.info.name} ({queries}, the model's answers)")

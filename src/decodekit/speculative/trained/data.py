@@ -114,11 +114,17 @@ BARREN_ROUNDS = 50
 FIRST_BARREN_ROUNDS = 5
 
 
+def leaked(corpus: Corpus, exclusion: Exclusion) -> list[str]:
+    """The training queries that are, or share an 8-word run with, a benchmark question."""
+    return [s.query for s in corpus.samples if exclusion.overlaps(s.query)]
+
+
 def check_excluded(corpus: Corpus, exclusion: Exclusion) -> None:
     """Assert that no training query is, or shares an 8-word run with, a benchmark question."""
-    leaked = [s.query for s in corpus.samples if exclusion.overlaps(s.query)]
-    if leaked:
-        raise AssertionError(f"{len(leaked)} training queries overlap the benchmark questions, e.g. {leaked[0]!r}")
+    leaked_queries = leaked(corpus, exclusion)
+    if leaked_queries:
+        raise AssertionError(f"{len(leaked_queries)} training queries overlap the benchmark questions, e.g. "
+                             f"{leaked_queries[0]!r}")
 
 
 # Generation on the target ----------------------------------------------------------------------------------

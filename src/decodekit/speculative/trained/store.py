@@ -46,7 +46,10 @@ def target_fingerprint(backend: Backend) -> str:
                 stat = Path(path).stat()
                 stamps.append((str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns))
             return _files_fingerprint(tuple(stamps))
+        # a model made in memory: its sizes and its output head (two models sharing a head, a
+        # truncated one say, differ in their sizes at least)
         h = hashlib.blake2b(digest_size=16)
+        h.update(repr(sorted(vars(getattr(backend, "config", backend.info)).items())).encode())
         h.update(backend.head_rows(torch.arange(backend.info.vocab_size)).numpy().tobytes())
         return h.hexdigest()
 
@@ -159,8 +162,10 @@ def build(path: Path, kind: str, backend: Backend) -> Net:
             raise InvalidModel(f"{path}: does not hold a valid {kind} drafter ({lines[1]})") from err
         raise InvalidModel.because(path, f"does not hold a valid {kind} drafter", err) from err
     vocab = net.head.vocab
-    if not vocab.numel() or int(vocab.min()) < 0:  # the draft head's token ids
-        raise InvalidModel(f"{path}: does not hold a valid {kind} drafter (its head.vocab is not a list of token ids)")
+    # the draft head's token ids, each once (a repeated id would be proposed twice among siblings)
+    if vocab.dim() != 1 or not vocab.numel() or int(vocab.min()) < 0 or vocab.unique().numel() != vocab.numel():
+        raise InvalidModel(f"{path}: does not hold a valid {kind} drafter (its head.vocab is not a list of distinct "
+                           "token ids)")
     if config.hidden != backend.info.hidden_size or int(vocab.max()) >= backend.info.vocab_size:
         raise InvalidParameter(f"{path}: the {kind} drafter does not fit {backend.info.name}'s sizes")
     net.head.attach(backend.head_rows(net.head.vocab))
@@ -181,8 +186,11 @@ def load(backend: Backend, kind: str, given: str | Path | None = None) -> Net:
     the backend's memory), or one line saying how to make one. A damaged drafter in the cache is
     said so in one line and the shipped one is used, where there is one."""
     def built(path: Path) -> Net:
-        # one entry per file however it is spelt, and a few files at most (requests may name others)
-        return backend.memory(("drafter.net", kind, str(path.resolve())), lambda: build(path, kind, backend), keep=4)
+        # one entry per file however it is spelt and as it stands (a drafter trained again in this
+        # process, or by another, is read again), and a few files at most (requests may name others)
+        stat = path.stat() if path.exists() else None
+        stamp = None if stat is None else (stat.st_size, stat.st_mtime_ns)
+        return backend.memory(("drafter.net", kind, str(path.resolve()), stamp), lambda: build(path, kind, backend), keep=4)
 
     if given is not None:
         return built(user_path(given))

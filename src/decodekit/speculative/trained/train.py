@@ -158,10 +158,11 @@ def vocab_index(net: Net, vocab_size: int) -> torch.Tensor:
 
 
 def batch_loss(net: Net, batch: tuple[torch.Tensor, ...], index: torch.Tensor,
-               unroll: int = 1) -> tuple[torch.Tensor, dict]:
+               unroll: int = 1, training: bool = True) -> tuple[torch.Tensor, dict]:
+    """The net's loss on a batch; EAGLE's inputs carry their training noise only while ``training``."""
     features, embeds, tokens, mask = batch
     if isinstance(net, EagleNet):
-        return net.loss(features, embeds, mask, unroll=unroll)
+        return net.loss(features, embeds, mask, unroll=unroll, **({} if training else {"noise": 0.0}))
     if isinstance(net, HydraNet):
         return net.loss(features, embeds, mask)
     return net.loss(features, index[tokens], mask)
@@ -216,7 +217,8 @@ def mean_loss(net: Net, samples: list[Sample], backend: Backend, settings: Setti
     """The loss over ``samples`` (no training): what a test compares before and after."""
     index = vocab_index(net, backend.info.vocab_size)
     with torch.no_grad():
-        losses = [float(batch_loss(net, padded([s], backend, settings.max_len), index)[0]) for s in samples]
+        losses = [float(batch_loss(net, padded([s], backend, settings.max_len), index, training=False)[0])
+                  for s in samples]
     return sum(losses) / len(losses)
 
 
