@@ -93,6 +93,9 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["chat", "--raw"], "unrecognized arguments: --raw (see decodekit --help)"),  # a chat is its template
     (["eval", "capitals", "--temperature", "0.5"], "method 'greedy' never samples"),
     (["generate", "hi", "--top-p", "0.5"], "method 'greedy' never samples, so top_p=0.5 would be ignored"),
+    (["generate", "hi", "--method", "sample", "--opt", "greedy=true"], "greedy decoding is a method (--method greedy)"),
+    (["generate", "hi", "--method", "sample", "--opt", "temperature=yes"],  # read by the sampler's own parser
+     "temperature must be a finite number >= 0, got 'yes'"),
     (["generate", "hi", "--method", "pld", "--top-k", "3"],
      "method 'pld' samples only with a temperature, so top_k=3 would be ignored; give one to sample"),
     (["nonsense"], "invalid choice: 'nonsense'"),
@@ -416,6 +419,25 @@ def test_a_schema_file_that_is_not_utf8_is_one_line(capsys, no_model, tmp_path):
     schema.write_bytes(b'{"type": "string", "description": "caf\xe9"}')
     one_error_line(capsys, ["generate", "hi", "--json-schema", str(schema)], f"cannot read {schema}")
     one_error_line(capsys, ["generate", "hi", "--grammar", str(schema)], f"cannot read {schema}")
+
+
+def test_a_schema_or_grammar_comes_from_a_pipe_or_a_home_relative_path_as_from_a_file(tmp_path, monkeypatch):
+    """`--json-schema <(...)` names a pipe, not a regular file: it was "no such file"; and `~/` is the
+    home folder here as in every other path a user gives."""
+    import os
+
+    read, write = os.pipe()
+    os.write(write, b'{"type": "string"}')
+    os.close(write)
+    args = cli.build_parser(commands=["generate"]).parse_args(["generate", "hi", "--json-schema", f"/dev/fd/{read}"])
+    try:
+        assert cli.constraint_from_args(args) == {"json_schema": '{"type": "string"}'}
+    finally:
+        os.close(read)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "g.lark").write_text('start: "a"')
+    args = cli.build_parser(commands=["generate"]).parse_args(["generate", "hi", "--grammar", "~/g.lark"])
+    assert cli.constraint_from_args(args) == {"grammar": 'start: "a"'}
 
 
 def test_an_inline_schema_longer_than_a_file_name_is_a_schema(capsys, no_model):

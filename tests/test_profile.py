@@ -198,6 +198,10 @@ def test_prefill_speed_is_the_prompts_tokens_over_its_time(monkeypatch):
     monkeypatch.setattr(profile, "best_of", lambda fn, rounds=5: 0.25)
     model = LoadedModel(tiny_llama(seed=0, max_position=1024), CharTokenizer(96), "tiny")
     assert profile.pass_costs(model)["prefill_tok_s"] == 2048.0  # 512 tokens in a quarter of a second
+    # a model of a shorter context reads a prompt of all of it but one token (it failed: "a sequence
+    # of 512 tokens exceeds the model's context"), and says so
+    short = profile.pass_costs(LoadedModel(tiny_llama(seed=0, max_position=300), CharTokenizer(96), "tiny"))
+    assert (short["prefill_tokens"], short["prefill_tok_s"]) == (299, 1196.0)
 
 
 def test_a_figure_without_its_machine_rate_is_described_without_a_share():

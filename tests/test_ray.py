@@ -403,6 +403,28 @@ def test_ray_local_spelled_out_means_a_local_instance():
     assert parse_address("auto") == "auto" and parse_address("10.0.0.1:6379") == "10.0.0.1:6379"
 
 
+def test_a_unit_that_ends_every_worker_it_runs_on_stops_the_run_naming_it():
+    """One item that crashes its worker (a kernel's fault, memory it cannot have) went back to the
+    queue each time, and each worker that took it died, until the run's whole allowance of lost workers
+    was spent (12 workers started, each loading the model) and the cluster was blamed. After two, it
+    is named; lost workers on other units still count against the allowance as before."""
+
+    class Forever(set):
+        def discard(self, unit):  # never cured
+            pass
+
+    fake = FakeRay(cpus=4)
+    fake.die = Forever({2})
+    pool = Pool(fake, Echo, PoolSettings(workers=4))
+    with pytest.raises(ClusterError, match=r"^work unit 2 lost 2 workers \(it ends any worker that runs it\)"):
+        pool.map({i: i for i in range(6)}, lambda key, value: None)
+    assert pool.lost == 2 and len(fake.actors) <= 6
+    # a lost worker is killed when it is replaced (in case Ray only lost sight of it: it would hold its
+    # CPUs and model, and close() no longer knows it), before the pool waits for its replacement
+    kinds = [event[0] for event in fake.events]
+    assert "kill" in kinds and kinds.index("kill") < len(kinds) - 1 - kinds[::-1].index("wait")
+
+
 def test_no_lost_worker_tolerated_is_a_valid_setting():
     """--max-lost 0 means any lost worker ends the run: a setting, not an error (negative ones are refused)."""
     PoolSettings(max_lost=0).validate()

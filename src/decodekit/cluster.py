@@ -38,6 +38,7 @@ from .options import check_int
 INSTALL_HINT = "pip install 'decodekit[ray]'"
 LOCAL_OBJECT_STORE = 256 * 1024 * 1024  # results are small; Ray's default takes 30% of the memory
 _SETUP = object()  # the in-flight key of a worker's setup call
+UNIT_LOSSES = 2  # workers one unit may lose before the run stops: that unit ends any worker it runs on
 
 
 def import_ray():
@@ -146,6 +147,7 @@ class Pool:
                                "thread(s) do not fit; lower --workers" + (" or --threads" if settings.threads > 1 else ""))
         self.max_lost = settings.max_lost if settings.max_lost is not None else 2 * count
         self.lost = 0
+        self._lost_by_unit: dict[Any, int] = {}  # workers each unit's runs lost
         self.idle: list[Any] = []
         self.in_flight: dict[Any, tuple[Any, Any]] = {}  # object ref -> (actor, unit key or _SETUP)
         self.started: dict[Any, float] = {}  # setup ref -> when it was asked for
@@ -224,12 +226,22 @@ class Pool:
         self.idle.append(actor)
 
     def _replace(self, actor: Any, key: Any, pending: deque, err: BaseException) -> None:
+        # killed, in case it still runs (Ray says an actor it cannot reach is lost too): it would
+        # hold its CPUs and its model, and no list of the pool's holds it any more for close()
+        self.ray.kill(actor)
         self.lost += 1
         if actor in self._description_of:
             self._description_of[actor]["lost"] = True
+        last = (str(err).strip().splitlines() or ["?"])[0]
+        if key is not _SETUP:
+            # a unit that loses every worker it runs on (a crash in a kernel, memory it cannot have on
+            # that item) is said so after two, not given every worker the run may lose
+            self._lost_by_unit[key] = self._lost_by_unit.get(key, 0) + 1
+            if self._lost_by_unit[key] >= UNIT_LOSSES:
+                raise ClusterError(f"work unit {key!r} lost {UNIT_LOSSES} workers (it ends any worker that runs "
+                                   f"it); the last: {last}")
         if self.lost > self.max_lost:
-            raise ClusterError(f"{self.lost} workers lost, more than the {self.max_lost} tolerated; "
-                               f"the last: {(str(err).strip().splitlines() or ['?'])[0]}")
+            raise ClusterError(f"{self.lost} workers lost, more than the {self.max_lost} tolerated; the last: {last}")
         if key is not _SETUP:
             pending.appendleft(key)
         self._start_worker()

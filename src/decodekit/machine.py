@@ -26,8 +26,10 @@ def available_memory() -> int | None:
 
 
 def _cpu_times(cpus: set[int]) -> tuple[float, float] | None:
-    """(busy, elapsed) seconds of these CPUs since boot, from /proc/stat: busy counts user, system,
-    interrupt and stolen time (a hypervisor's other guests), not niced work, which yields to ours."""
+    """(busy, elapsed) seconds of these CPUs since boot, from /proc/stat: busy counts user, niced,
+    system, interrupt and stolen time (a hypervisor's other guests). Niced work counts: Linux still
+    gives it time slices that stall a parallel region, and a process run under ``nice`` has its own
+    time booked there (left out, it would be subtracted without having been counted)."""
     try:
         with open("/proc/stat") as stat:
             lines = [line.split() for line in stat if line.startswith("cpu") and line[3].isdigit()]
@@ -37,7 +39,7 @@ def _cpu_times(cpus: set[int]) -> tuple[float, float] | None:
     for fields in lines:
         if int(fields[0][3:]) in cpus:
             user, nice, system, idle, iowait, irq, softirq, steal = map(int, fields[1:9])
-            busy += user + system + irq + softirq + steal
+            busy += user + nice + system + irq + softirq + steal
             total += user + nice + system + idle + iowait + irq + softirq + steal
     tick = os.sysconf("SC_CLK_TCK")
     return (busy / tick, total / tick) if total else None

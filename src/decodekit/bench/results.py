@@ -19,8 +19,8 @@
          (0-based place in that question's rotated order), turns, prompt_tokens, new_tokens,
          prefill_s, decode_s, forward_passes (int|null: decode passes, prefill excluded),
          decode_tps (new_tokens/decode_s), e2e_tps (new_tokens/(prefill_s+decode_s)),
-         mean_accepted (float|null: tokens per verification), verifications (int|null, in newer files:
-         how many), finish_reason, identical_to_reference (bool|null: token-identical
+         mean_accepted (float|null: tokens per verification), verifications (int|null: how many),
+         finish_reason, identical_to_reference (bool|null: token-identical
          to decodekit greedy; null where not comparable, e.g. llama.cpp), text_match (bool|null),
          text_prefix_share (float|null: share of greedy's text reproduced from the start),
          texts [str per turn], tokens [[int] per turn], extra {method figures}, error (str|null)}

@@ -164,8 +164,8 @@ def rate(tokens: int, seconds: float) -> float | None:
 RECORD_FIELDS = frozenset({
     "method", "kind", "family", "lossless", "question_id", "category", "group", "repeat", "position", "turns",
     "prompt_tokens", "new_tokens", "prefill_s", "decode_s", "forward_passes", "decode_tps", "e2e_tps",
-    "mean_accepted", "finish_reason", "identical_to_reference", "text_match", "text_prefix_share", "texts",
-    "tokens", "extra", "error",
+    "mean_accepted", "verifications", "finish_reason", "identical_to_reference", "text_match", "text_prefix_share",
+    "texts", "tokens", "extra", "error",
 })
 
 

@@ -13,7 +13,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
-from ..arguments import ArgumentParser, add_model_arguments, check_argv
+from ..arguments import ArgumentParser, add_model_arguments, check_argv, user_path
 from ..errors import DecodeKitError, InvalidParameter, PromptTooLong
 from ..options import OptionSpec, parse_option_items
 from ..samplers.params import SAMPLER_OPTIONS
@@ -64,11 +64,12 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def exists_as(path: Path, kind: str = "file") -> bool:
-    """``path.is_file()`` (``is_dir()`` for the kind ``"folder"``), false where the system refuses the
-    name (longer than a file name may be: an inline JSON schema of more than 255 characters), which
+    """Whether ``path`` is a folder (the kind ``"folder"``) or something to read as a file (anything
+    else that exists: a pipe too, as ``<(...)`` gives), false where the system refuses the name
+    (longer than a file name may be: an inline JSON schema of more than 255 characters), which
     would otherwise be an OSError."""
     try:
-        return path.is_dir() if kind == "folder" else path.is_file()
+        return path.is_dir() if kind == "folder" else path.exists() and not path.is_dir()
     except OSError:
         return False
 
@@ -79,7 +80,7 @@ def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
     from ..samplers.constraint import checked_grammar
 
     def text_or_file(value: str, flag: str) -> str:
-        path = Path(value)
+        path = user_path(value)
         if exists_as(path, "folder"):
             raise InvalidParameter(f"{flag} {value!r} is a folder: give a file")
         if len(value) < 4096 and exists_as(path):
@@ -88,7 +89,7 @@ def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
             except (OSError, UnicodeDecodeError) as err:
                 raise InvalidParameter(f"cannot read {value}: {err}") from None
         if not value.lstrip().startswith(("{", "[", "true", "false")):  # not inline JSON: meant as a file
-            raise InvalidParameter(f"--json-schema {value!r}: no such file (give a file or the schema as JSON text)")
+            raise InvalidParameter(f"{flag} {value!r}: no such file (give a file or the schema as JSON text)")
         return value
 
     if args.json_object:
@@ -104,7 +105,7 @@ def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
                                    "comma); give comma-separated non-empty strings")
         spec = {"choice": choices}
     elif args.grammar is not None:
-        if not exists_as(Path(args.grammar)) and not exists_as(Path(args.grammar), "folder"):
+        if not exists_as(user_path(args.grammar)) and not exists_as(user_path(args.grammar), "folder"):
             raise InvalidParameter(f"--grammar: no such file {args.grammar!r}")
         spec = {"grammar": text_or_file(args.grammar, "--grammar")}
     else:
@@ -119,7 +120,11 @@ def decoding_params(args: argparse.Namespace) -> dict[str, Any]:
 
     params: dict[str, Any] = {name: getattr(args, name) for name in SAMPLER_FLAGS if getattr(args, name) is not None}
     options = method_spec(args.method).options
-    for key, value in parse_option_items(args.opt, options).items():  # an --opt given twice: refused there
+    # a sampler parameter given as --opt is read as its flag reads it; greedy decoding is a method
+    given = parse_option_items(args.opt, {**SAMPLER_FLAGS, **(options or {})})  # (twice: refused there)
+    if "greedy" in given:
+        raise InvalidParameter("--opt greedy=...: greedy decoding is a method (--method greedy), not a sampler option")
+    for key, value in given.items():
         if key in params:  # never one value silently over another
             raise InvalidParameter(f"--{key.replace('_', '-')} and --opt {key}=... both set {key}; give one")
         params[key] = value

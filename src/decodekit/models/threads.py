@@ -105,7 +105,9 @@ class ThreadGovernor:
             others = self.busy_elsewhere() if self.busy_elsewhere is not None and self.most > 1 else None
             if others is not None and others >= BUSY_ELSEWHERE:
                 self._crowded = True
-                threads = max(1, min(self.most, round(usable_cores() - others)))
+                # to the nearest core, half a busy core given up whatever the count (round() went to
+                # the even one: 3 - 0.5 gave 2 threads, 4 - 0.5 gave 4)
+                threads = max(1, min(self.most, math.ceil(usable_cores() - others - 0.5)))
                 self._set(threads)
                 return threads, False
             if self._crowded:  # the cores are free again: the next timed pass tries the other count
