@@ -9603,6 +9603,9 @@ MUTATIONS = (
     Mutation('schema-from-a-pipe-is-no-such-file', 'src/decodekit/interfaces/cli.py',
              'path.exists() and not path.is_dir()', 'path.is_file()',
              ('tests/test_bad_input.py', '-k', 'pipe')),
+    Mutation('chat-prompt-on-stdout', 'src/decodekit/interfaces/cli.py',
+             '            print(prompt, end="", file=sys.stderr, flush=True)', '            print(prompt, end="", flush=True)',
+             ('tests/test_bad_input.py', '-k', 'chat_writes_answer_by_answer or prompts_a_person')),
 )
 
 

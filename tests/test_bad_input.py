@@ -301,12 +301,23 @@ def chat(capsys, monkeypatch, typed: str, out: list[str] | None = None, stdin=No
 
 
 def test_chat_writes_answer_by_answer_to_stdout_and_skips_a_line_that_is_not_utf8(capsys, monkeypatch):
-    """Each answer ends its line on stdout (saved apart from stderr, it reads answer by answer); a
-    line whose bytes are not UTF-8 (read back as lone surrogates) is not sent, and the chat goes on."""
+    """Each answer ends its line on stdout (saved apart from stderr, it reads answer by answer, with no
+    prompt between them: a terminal's goes to stderr); a line whose bytes are not UTF-8 (read back as
+    lone surrogates) is not sent, and the chat goes on."""
     out: list[str] = []
     sent, err = chat(capsys, monkeypatch, "hello\ncaf\udce9 au lait\nworld\n", out)
     assert sent == ["hello", "world"] and err.count("the line is not valid UTF-8; not sent") == 1
-    assert out[0] == "> ok hello\n> > ok world\n> \n"
+    assert out[0] == "ok hello\nok world\n"
+
+
+def test_chat_prompts_a_person_at_a_terminal_on_stderr(capsys, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out: list[str] = []
+    sent, err = chat(capsys, monkeypatch, "", out, stdin=Terminal("hello\n"))
+    assert sent == ["hello"] and out[0] == "ok hello\n" and err.count("> ") == 2  # before each line, and at the end
 
 
 def test_chat_gives_every_message_the_flags_of_the_command_line(capsys, monkeypatch):

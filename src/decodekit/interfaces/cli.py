@@ -263,12 +263,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
     # (the locale's or PYTHONIOENCODING's) would drop the whole buffered chunk of input with them
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")
+    # a prompt for a person at a terminal, on stderr: stdout holds the answers alone
+    prompt = "> " if sys.stdin.isatty() else ""
     while True:
         try:
-            line = input("> ").strip()
+            print(prompt, end="", file=sys.stderr, flush=True)
+            line = input().strip()
             line.encode("utf-8")  # a lone surrogate: a byte that is not UTF-8
         except EOFError:
-            print()  # the prompt's line ends
+            if prompt:
+                print(file=sys.stderr)  # the prompt's line ends
             break
         except (UnicodeDecodeError, UnicodeEncodeError):  # that line only: the conversation goes on
             print("decodekit: the line is not valid UTF-8; not sent", file=sys.stderr)
