@@ -9606,6 +9606,9 @@ MUTATIONS = (
     Mutation('chat-prompt-on-stdout', 'src/decodekit/interfaces/cli.py',
              '            print(prompt, end="", file=sys.stderr, flush=True)', '            print(prompt, end="", flush=True)',
              ('tests/test_bad_input.py', '-k', 'chat_writes_answer_by_answer or prompts_a_person')),
+    Mutation('closed-stderr-prints-into-stdout', 'src/decodekit/interfaces/cli.py',
+             '    if sys.stderr is None:  # started with it closed', '    if False:  # started with it closed',
+             ('tests/test_bad_input.py', '-k', 'stderr_closed')),
 )
 
 

@@ -460,6 +460,14 @@ def test_an_inline_schema_longer_than_a_file_name_is_a_schema(capsys, no_model):
     one_error_line(capsys, ["generate", "hi", "--grammar", "g" * 300], "--grammar: no such file")
 
 
+def test_with_stderr_closed_an_error_goes_nowhere_not_into_stdout():
+    """`2>&-`: print's default for a closed stderr is stdout, where the error line would pass for the
+    command's output (into a file the user saves it in)."""
+    command = f"{sys.executable} -m decodekit generate hi --max-new-tokens 0 2>&-"
+    out = subprocess.run(["bash", "-c", command], stdout=subprocess.PIPE, timeout=120, check=False)
+    assert (out.returncode, out.stdout) == (2, b"")
+
+
 def test_invalid_utf8_argument_from_a_real_command_line():
     out = subprocess.run([sys.executable, "-m", "decodekit", "generate", b"caf\xe9"], capture_output=True, timeout=120, check=False)
     assert out.returncode == 2

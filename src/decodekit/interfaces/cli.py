@@ -369,6 +369,8 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
 def main(argv: list[str] | None = None) -> int:
     """Run one command; every bad input ends in one line on stderr and exit code 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if sys.stderr is None:  # started with it closed (`2>&-`): messages go nowhere, not into stdout (print's default)
+        sys.stderr = open(os.devnull, "w")
     try:
         check_argv(argv)
         args = build_parser(commands=argv[:1]).parse_args(argv)  # the command comes first
