@@ -9609,6 +9609,9 @@ MUTATIONS = (
     Mutation('closed-stderr-prints-into-stdout', 'src/decodekit/interfaces/cli.py',
              '    if sys.stderr is None:  # started with it closed', '    if False:  # started with it closed',
              ('tests/test_bad_input.py', '-k', 'stderr_closed')),
+    Mutation('governor-times-both-numerics-together', 'src/decodekit/models/native.py',
+             '        return self.info.name, self.numerics, str(self.dtype), self.kv_policy.spec', '        return self.info.name, self.kv_policy.spec',
+             ('tests/test_threads.py', '-k', 'plain_steps_only')),
 )
 
 

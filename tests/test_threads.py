@@ -159,7 +159,14 @@ def test_the_governor_times_plain_steps_only_each_cache_policy_apart(monkeypatch
     int8 = backend.with_kv_cache("int8")
     int8.step(torch.tensor([5]))
     assert [timed for _, timed in seen] == [False, True, False, False, False, True]
-    assert seen[1][0] == ("tiny-llama", "full") and seen[-1][0] == ("tiny-llama", "int8")
+    assert seen[1][0] == ("tiny-llama", "exact", "torch.float32", "full")
+    assert seen[5][0] == ("tiny-llama", "exact", "torch.float32", "int8")
+    from decodekit.models import kernels
+
+    if kernels.integer_block_matmul("q4_1") is not None:  # (a CPU with VNNI) the other numerics: its own times
+        fast = tiny_llama(seed=0, hidden_size=64, numerics="fast", gguf_blocks=True)
+        fast.step(torch.tensor([5]))
+        assert seen[-1] == (("tiny-llama", "fast", "torch.float32", "full"), True)
 
 
 def test_busy_elsewhere_is_the_cores_busy_time_less_this_processs_own():

@@ -613,7 +613,7 @@ class NativeLlama(Backend):
         # cost less (a kvdraft draft attending to a window, a layer-skipping draft), which would
         # make one thread look faster whenever it happened to time one of them.
         plain_step = tokens.numel() == 1 and not skip_layers and mask is None
-        with GOVERNOR.governed((self.info.name, self.kv_policy.spec), timed=plain_step):
+        with GOVERNOR.governed(self._governor_key, timed=plain_step):
             start = self._slots
             self._ensure_capacity(start + tokens.shape[1])
             # Passes the matmul kernels take also get the element-wise kernels, so a token's
@@ -671,7 +671,7 @@ class NativeLlama(Backend):
         """Run the waiting passes of several clones of this model (:class:`.batching.PassBatcher`)
         as one: returns each pass's logits ``[k, V]`` (``[1, V]`` where it wants the last only)
         and features ``[k, D]``."""
-        with GOVERNOR.governed((self.info.name, self.kv_policy.spec), timed=False):
+        with GOVERNOR.governed(self._governor_key, timed=False):
             w = self.weights
             x = self._embed(torch.cat([p.tokens for p in passes]))
             pending = torch.empty_like(x)
@@ -795,6 +795,12 @@ class NativeLlama(Backend):
             q, self._k[i, :, :, lo:end], self._v[i, :, :, lo:end], attn_mask=None if plain_causal else mask,
             is_causal=plain_causal, enable_gqa=c.num_heads != c.num_kv_heads, scale=scale,
         ).transpose(1, 2).reshape(batch, k, q_size)
+
+    @property
+    def _governor_key(self) -> tuple:
+        """What the thread governor keeps its pass times under: this model in these numerics, dtype
+        and cache (each its own speed; one model's two numerics in ``decodekit profile`` shared them)."""
+        return self.info.name, self.numerics, str(self.dtype), self.kv_policy.spec
 
     @property
     def _attention_scale(self) -> float:
