@@ -603,6 +603,22 @@ def test_recycling_matrix_is_kept_across_requests():
     assert second.stats.extra["plain_steps"] <= 1 and second.tokens == first.tokens
 
 
+def test_recycling_rows_a_narrower_request_refreshed_hold_no_stale_wider_columns():
+    """A request with k=2 refreshed a row's first two columns only: a later k=8 request read those
+    beside an older request's six, the same token twice among a node's successors (siblings must
+    be distinct tokens)."""
+    from decodekit.speculative.drafters.recycling import adjacency_for
+
+    engine = Engine(tiny(seed=6))
+    for k in (8, 2, 8):
+        engine.generate("abcabc", method="recycling", max_new_tokens=30, chat=False, budget=8, k=k)
+        if k == 2:
+            matrix = adjacency_for(engine.model.backend, 8)
+            for row in matrix.tolist():
+                successors = [t for t in row if t >= 0]
+                assert len(successors) == len(set(successors)), row
+
+
 def test_recycling_proposes_token_0_and_ends_a_branch_only_at_an_unfilled_row():
     """-1 marks a row never filled; token 0 is a token like any other."""
     from decodekit.speculative.drafters.recycling import TokenRecycling

@@ -7,6 +7,7 @@ import pytest
 from decodekit.engine import Engine
 from decodekit.engine.stops import cut_at_stop, hits_stop, shown_tokens, stop_strings, through_stop
 from decodekit.errors import InvalidParameter
+from decodekit.models import CharTokenizer
 
 
 class WordTokenizer:
@@ -95,6 +96,17 @@ def test_hits_stop_looks_at_the_tail_only_as_far_as_needed():
     assert not hits_stop(tok, [0] + [4] * 100, ("he",))  # beyond the window: found at the final cut instead
     assert hits_stop(tok, [0] + [4] * 100, ("he" + "!" * 100,))  # a long stop string widens the window
     assert hits_stop(tok, [0] + [4] * 100, ("he",), added=101)  # and so do the tokens one step added
+
+
+def test_tokens_that_decode_to_nothing_do_not_hide_a_stops_start():
+    """The window is sized in characters: 70 tokens of no text (an EOS kept under ignore_eos, special
+    tokens) between "a" and "b" left "a" outside 64 tokens, so the stop "ab" went by, was streamed,
+    and the text was cut at the end only (the stream and the answer then differed)."""
+    tok = CharTokenizer(96)
+    a, b = tok.encode("ab")
+    assert tok.decode([0]) == ""
+    assert hits_stop(tok, [a] + [0] * 70 + [b], ("ab",))
+    assert not hits_stop(tok, [a] + [0] * 70 + [a], ("ab",))
 
 
 def test_the_earliest_stop_in_the_text_wins_whatever_its_place_in_the_list():

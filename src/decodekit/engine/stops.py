@@ -45,9 +45,16 @@ def hits_stop(tokenizer: Tokenizer, tokens: Sequence[int], stop: Sequence[str], 
     (decodes only the tail that can: one that ends in a new token; a speculative step adds many)."""
     if not stop:
         return False
-    window = max(MIN_WINDOW, CHARACTER_BYTES * (max(len(s) for s in stop) + 1)) + max(0, added - 1)
-    text = settled(tokenizer.decode(list(tokens[-window:])))
-    return any(s in text for s in stop)
+    longest = max(len(s) for s in stop)
+    window = max(MIN_WINDOW, CHARACTER_BYTES * (longest + 1)) + max(0, added - 1)
+    new = len(tokenizer.decode(list(tokens[-added:]))) if added > 0 else 0
+    while True:
+        text = settled(tokenizer.decode(list(tokens[-window:])))
+        # the window holds a stop's whole length before the new text, or all there is: tokens that
+        # decode to nothing (an EOS kept, special tokens) could otherwise leave a stop's start outside
+        if len(text) >= longest + new or window >= len(tokens):
+            return any(s in text for s in stop)
+        window *= 2
 
 
 def settled(text: str) -> str:

@@ -76,3 +76,6 @@ class TokenRecycling(Drafter):
     def update(self, state: DecodeState, tree: DraftTree, verdict: Verification, logits: torch.Tensor) -> None:
         rows = torch.tensor([state.tokens[-1], *tree.tokens])
         self.matrix[rows, : self.k] = top_k_indices(logits, self.k)
+        # the columns past this request's k are an earlier, wider request's, stale now: a later wider
+        # one would read them beside these (the same token twice among a node's successors)
+        self.matrix[rows, self.k :] = -1
