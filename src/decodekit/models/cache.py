@@ -483,7 +483,6 @@ def reading(path: Path) -> Iterator[None]:
         yield
 
 
-
 @dataclass(frozen=True)
 class Pruned:
     removed: list[CachedItem]
