@@ -3614,10 +3614,9 @@ MUTATIONS = (
              "if _target_of(path) == fingerprint:\n",
              "if True:\n",
              ("tests/test_trained_drafters.py", "-k", "shipped_drafter_for_another")),
-    Mutation("damaged-cache-without-shipped-swallowed", "src/decodekit/speculative/trained/store.py",
-             "if shipped(backend, kind) is None:\n                raise\n",
-             "",
-             ("tests/test_trained_drafters.py", "-k", "falls_back")),
+    Mutation('damaged-cache-without-shipped-swallowed', 'src/decodekit/speculative/trained/store.py',
+             '        if shipped(backend, kind) is None:\n            raise InvalidModel(damaged[stamp])\n', '',
+             ('tests/test_trained_drafters.py', '-k', 'falls_back')),
     Mutation("fingerprint-misses-the-last-head-row", "src/decodekit/speculative/trained/store.py",
              "backend.head_rows(torch.arange(backend.info.vocab_size))",
              "backend.head_rows(torch.arange(backend.info.vocab_size - 1))",
@@ -9573,7 +9572,7 @@ MUTATIONS = (
              'index, training=False)[0])', 'index)[0])',
              ('tests/test_trained_drafters.py', '-k', 'training_noise')),
     Mutation('retrained-drafter-served-from-the-old-entry', 'src/decodekit/speculative/trained/store.py',
-             'str(path.resolve()), stamp)', 'str(path.resolve()))',
+             '        return str(path.resolve()), None if stat is None else (stat.st_size, stat.st_mtime_ns)', '        return str(path.resolve()), None',
              ('tests/test_trained_drafters.py', '-k', 'saves_in_the_cache')),
     Mutation('training-data-shared-between-numerics', 'src/decodekit/speculative/trained/cli.py',
              '-data{recipe}-{numerics}-{settings.tokens}', '-data{recipe}-{settings.tokens}',
@@ -9614,6 +9613,9 @@ MUTATIONS = (
     Mutation('stop-window-counted-in-tokens-only', 'src/decodekit/engine/stops.py',
              '        if len(text) >= longest + new or window >= len(tokens):', '        if True:',
              ('tests/test_stops.py', '-k', 'decode_to_nothing')),
+    Mutation('damaged-drafter-read-at-every-request', 'src/decodekit/speculative/trained/store.py',
+             '        if stamp not in damaged:', '        if True:',
+             ('tests/test_trained_drafters.py', '-k', 'falls_back')),
 )
 
 

@@ -1871,6 +1871,11 @@ def test_a_damaged_drafter_in_the_cache_falls_back_to_the_shipped_one_with_a_lin
     assert f"decodekit: {saved}: damaged" in err and "using the drafter shipped with decodekit instead" in err
     from_package = store.build(good, "medusa", model.backend).state_dict()
     assert all(torch.equal(t, from_package[name]) for name, t in loaded.state_dict().items())
+    # the next request (a server's) neither reads the damaged file again nor says so again
+    monkeypatch.setattr(store, "build", lambda path, *args: pytest.fail(f"{path} read again"))
+    assert store.load(model.backend, "medusa") is loaded and capsys.readouterr().err == ""
+    monkeypatch.undo()
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(store, "SHIPPED", tmp_path / "nothing")  # no fallback: the damage is the error
     with pytest.raises(InvalidModel, match="damaged"):
         store.load(tiny().backend, "medusa")

@@ -185,23 +185,31 @@ def load(backend: Backend, kind: str, given: str | Path | None = None) -> Net:
     """The target's drafter of ``kind`` (see the module docstring), loaded once per model (kept in
     the backend's memory), or one line saying how to make one. A damaged drafter in the cache is
     said so in one line and the shipped one is used, where there is one."""
-    def built(path: Path) -> Net:
+    def as_it_stands(path: Path) -> tuple:
         # one entry per file however it is spelt and as it stands (a drafter trained again in this
-        # process, or by another, is read again), and a few files at most (requests may name others)
+        # process, or by another, is read again)
         stat = path.stat() if path.exists() else None
-        stamp = None if stat is None else (stat.st_size, stat.st_mtime_ns)
-        return backend.memory(("drafter.net", kind, str(path.resolve()), stamp), lambda: build(path, kind, backend), keep=4)
+        return str(path.resolve()), None if stat is None else (stat.st_size, stat.st_mtime_ns)
+
+    def built(path: Path) -> Net:  # (a few files at most: requests may name others)
+        return backend.memory(("drafter.net", kind, *as_it_stands(path)), lambda: build(path, kind, backend), keep=4)
 
     if given is not None:
         return built(user_path(given))
     saved = cache_path(backend, kind)
     if saved.exists():
-        try:
-            return built(saved)
-        except InvalidModel as err:
-            if shipped(backend, kind) is None:
-                raise
-            print(f"decodekit: {err}; using the drafter shipped with decodekit instead", file=sys.stderr)
+        # a damaged file is read, and said, once as it stands: not at every request (a server's)
+        damaged: dict[tuple, str] = backend.memory(("drafter.damaged", kind), dict)
+        stamp = as_it_stands(saved)
+        if stamp not in damaged:
+            try:
+                return built(saved)
+            except InvalidModel as err:
+                damaged[stamp] = str(err)
+                if shipped(backend, kind) is not None:
+                    print(f"decodekit: {err}; using the drafter shipped with decodekit instead", file=sys.stderr)
+        if shipped(backend, kind) is None:
+            raise InvalidModel(damaged[stamp])
     fallback = shipped(backend, kind)
     if fallback is not None:
         return built(fallback)
