@@ -950,6 +950,10 @@ def test_accepted_per_verification_is_over_every_verification_and_passes_per_tok
         record["verifications"] = verifications
     stats = summarize(records + spec, hand_contestants("greedy", "spec"), {})["methods"]["spec"]["categories"]["overall"]
     assert stats["mean_accepted"] == pytest.approx((1.0 + 200.0 + 6.0) / 102)
+    for record in spec:  # a method that verified nothing (its figure 1.0 each time): that figure, not unknown
+        record["verifications"], record["mean_accepted"] = 0, 1.0
+    stats = summarize(records + spec, hand_contestants("greedy", "spec"), {})["methods"]["spec"]["categories"]["overall"]
+    assert stats["mean_accepted"] == 1.0
 
 
 def test_passes_per_token_is_unknown_when_a_question_has_no_pass_count():

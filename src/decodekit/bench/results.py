@@ -54,7 +54,7 @@ from typing import Any
 from ..errors import InvalidParameter
 from ..machine import usable_cores
 from .questions import OVERALL
-from .runner import RECORD_FIELDS
+from .runner import RECORD_FIELDS, per_verification
 
 SCHEMA = "decodekit-bench/1"
 AGGREGATE = ("throughput = summed new tokens / summed seconds over a category's questions (per-question "
@@ -132,29 +132,13 @@ def category_stats(rows: dict[Any, dict[str, Any]], records: list[dict[str, Any]
         "prefill_s": sum(r["prefill_s"] for r in rows.values()), "decode_s": sum(r["decode_s"] for r in rows.values()),
         "decode_tps": decode_tps, "e2e_tps": e2e_tps, "speedup": speedup, "e2e_speedup": e2e_speedup,
         "speedup_vs_hf": vs_hf, "e2e_speedup_vs_hf": e2e_vs_hf,
-        "mean_accepted": _per_verification(list(rows.values())),
+        "mean_accepted": per_verification([(r["mean_accepted"], r.get("verifications")) for r in rows.values()])[0],
         "passes_per_token": sum(passes) / tokens if qids and tokens and None not in passes else None,
         "exact_share": _share([r["identical_to_reference"] for r in ok]),
         "text_match_share": _share([r["text_match"] for r in ok]),
         "text_prefix_share": _share([r["text_prefix_share"] for r in ok]),
         "errors": len(records) - len(ok),
     }
-
-
-def _per_verification(rows: list[dict[str, Any]]) -> float | None:
-    """Tokens per verification over every verification of the questions, as Spec-Bench's mean
-    accepted tokens is (a question verified often weighs more); where a row has no count (a file
-    from before counts were kept), the mean of the questions' figures."""
-    reported = [r for r in rows if r["mean_accepted"] is not None]
-    if any(r.get("verifications") is None for r in reported):
-        return _mean_present([r["mean_accepted"] for r in reported])
-    total = sum(r["verifications"] for r in reported)
-    return sum(r["mean_accepted"] * r["verifications"] for r in reported) / total if total else None
-
-
-def _mean_present(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.fmean(present) if present else None
 
 
 def _rows_in(medians: dict[str, dict], method: str | None, group: str) -> dict | None:

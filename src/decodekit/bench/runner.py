@@ -189,18 +189,18 @@ def is_record(rec: Any) -> bool:
             and all(rec[k] is None or _seconds(rec[k]) for k in ("decode_tps", "e2e_tps", "mean_accepted")))
 
 
-def accepted_per_verification(results: list[RunResult]) -> tuple[float | None, int | None]:
-    """Tokens per verification over the turns' verifications together (a turn of many verifications
-    weighs more than one of few: Spec-Bench's mean accepted tokens averages over every step), and
-    how many there were; where a turn does not count them, the mean of the turns' figures and None."""
-    reported = [r for r in results if r.mean_accepted is not None]
+def per_verification(figures: Sequence[tuple[float | None, int | None]]) -> tuple[float | None, int | None]:
+    """Tokens per verification over every verification of the parts (turns, questions) that report a
+    figure, and how many verifications: Spec-Bench's mean accepted tokens averages over every step, so
+    a part verified often weighs more. Where a part has no count (a file from before counts were
+    kept), or none was verified, the mean of the parts' figures."""
+    reported = [(accepted, n) for accepted, n in figures if accepted is not None]
     if not reported:
         return None, None
-    counts = [r.extra.get("verifications") for r in reported]
-    if any(not isinstance(n, int) for n in counts):
-        return statistics.fmean(r.mean_accepted for r in reported), None
-    total = sum(counts)
-    return (sum(r.mean_accepted * n for r, n in zip(reported, counts)) / total if total else 1.0), total
+    total = None if any(not isinstance(n, int) for _, n in reported) else sum(n for _, n in reported)
+    if not total:
+        return statistics.fmean(accepted for accepted, _ in reported), total
+    return sum(accepted * n for accepted, n in reported) / total, total
 
 
 def make_record(contestant: Contestant, question: Question, repeat: int, position: int,
@@ -211,7 +211,7 @@ def make_record(contestant: Contestant, question: Question, repeat: int, positio
     prefill = sum(r.prefill_s for r in results)
     decode = sum(r.decode_s for r in results)
     passes = [r.forward_passes for r in results]
-    accepted, verifications = accepted_per_verification(results)
+    accepted, verifications = per_verification([(r.mean_accepted, r.extra.get("verifications")) for r in results])
     return {
         "method": contestant.name, "kind": contestant.kind, "family": contestant.family, "lossless": contestant.lossless,
         "question_id": question.question_id, "category": question.category, "group": question.group,
