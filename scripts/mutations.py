@@ -3615,7 +3615,7 @@ MUTATIONS = (
              "if True:\n",
              ("tests/test_trained_drafters.py", "-k", "shipped_drafter_for_another")),
     Mutation('damaged-cache-without-shipped-swallowed', 'src/decodekit/speculative/trained/store.py',
-             '        if shipped(backend, kind) is None:\n            raise InvalidModel(damaged[stamp])\n', '',
+             '    if problem is not None and fallback is None:\n        raise InvalidModel(problem)\n', '',
              ('tests/test_trained_drafters.py', '-k', 'falls_back')),
     Mutation("fingerprint-misses-the-last-head-row", "src/decodekit/speculative/trained/store.py",
              "backend.head_rows(torch.arange(backend.info.vocab_size))",

@@ -197,6 +197,7 @@ def load(backend: Backend, kind: str, given: str | Path | None = None) -> Net:
     if given is not None:
         return built(user_path(given))
     saved = cache_path(backend, kind)
+    problem, new_problem = None, False
     if saved.exists():
         # a damaged file is read, and said, once as it stands: not at every request (a server's)
         damaged: dict[tuple, str] = backend.memory(("drafter.damaged", kind), dict)
@@ -205,12 +206,13 @@ def load(backend: Backend, kind: str, given: str | Path | None = None) -> Net:
             try:
                 return built(saved)
             except InvalidModel as err:
-                damaged[stamp] = str(err)
-                if shipped(backend, kind) is not None:
-                    print(f"decodekit: {err}; using the drafter shipped with decodekit instead", file=sys.stderr)
-        if shipped(backend, kind) is None:
-            raise InvalidModel(damaged[stamp])
+                damaged[stamp], new_problem = str(err), True
+        problem = damaged[stamp]
     fallback = shipped(backend, kind)
+    if problem is not None and fallback is None:
+        raise InvalidModel(problem)
+    if new_problem:
+        print(f"decodekit: {problem}; using the drafter shipped with decodekit instead", file=sys.stderr)
     if fallback is not None:
         return built(fallback)
     raise InvalidParameter(
