@@ -9616,6 +9616,15 @@ MUTATIONS = (
     Mutation('damaged-drafter-read-at-every-request', 'src/decodekit/speculative/trained/store.py',
              '        if stamp not in damaged:', '        if True:',
              ('tests/test_trained_drafters.py', '-k', 'falls_back')),
+    Mutation('stops_bisect_strict', 'src/decodekit/engine/stops.py',
+             '        if len(settled(tokenizer.decode(tokens[:mid]))) <= cut:', '        if len(settled(tokenizer.decode(tokens[:mid]))) < cut:',
+             ('tests/test_stops.py',)),
+    Mutation('stops_no_bisection', 'src/decodekit/engine/stops.py',
+             '    low, high = 0, len(tokens)  #', '    low, high = len(tokens), len(tokens)  #',
+             ('tests/test_stops.py', '-k', 'few_decodes')),
+    Mutation('stops_scan_below_bisection', 'src/decodekit/engine/stops.py',
+             '    for k in range(low, 0, -1):', '    for k in range(low - 1, 0, -1):',
+             ('tests/test_stops.py',)),
 )
 
 

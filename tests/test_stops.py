@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from decodekit.engine import Engine
-from decodekit.engine.stops import cut_at_stop, hits_stop, shown_tokens, stop_strings, through_stop
+from decodekit.engine.stops import (cut_at_stop, decoded, hits_stop, settled, shown_tokens, stop_strings, through_stop,
+                                     tokens_before)
 from decodekit.errors import InvalidParameter
 from decodekit.models import CharTokenizer
 
@@ -268,3 +271,44 @@ def test_a_long_stop_string_of_many_byte_characters_is_found_in_its_window():
     assert len(stop.encode()) == 81
     assert hits_stop(ByteTokenizer(), tokens, (stop,))
     assert not hits_stop(ByteTokenizer(), tokens[:-1], (stop,))  # its last character not whole yet
+
+
+def tokens_before_one_prefix_at_a_time(tokenizer, tokens, text, cut):
+    """What :func:`cut_at_stop` keeps, by its definition: every prefix decoded in turn."""
+    kept = 0
+    for k in range(1, len(tokens) + 1):
+        prefix = tokenizer.decode(tokens[:k])
+        if len(settled(prefix)) > cut:
+            break
+        if len(prefix) <= cut and text.startswith(prefix):
+            kept = k
+    return kept
+
+
+@pytest.mark.parametrize("tokenizer", [ByteTokenizer(), RunTokenizer()])
+def test_the_tokens_kept_before_a_cut_are_those_of_every_prefix_decoded_in_turn(tokenizer):
+    rng = random.Random(0)
+    for _ in range(150):
+        tokens = list("".join(rng.choice("ab é𐍈ア!") for _ in range(rng.randint(1, 12))).encode())
+        tokens = tokens[: rng.randint(1, len(tokens))]  # at times ending inside a character
+        text = decoded(tokenizer, tokens)
+        for cut in range(len(settled(text)) + 1):
+            expected = tokens_before_one_prefix_at_a_time(tokenizer, tokens, text, cut)
+            assert tokens_before(tokenizer, tokens, text, cut) == expected, (tokens, cut)
+
+
+def test_a_long_answer_is_cut_with_a_few_decodes():
+    class Counting(ByteTokenizer):
+        calls = 0
+
+        def decode(self, tokens):
+            self.calls += 1
+            return super().decode(tokens)
+
+    tok = Counting()
+    for after in ("", " and more" * 200):  # the stop at the end (a decode's last step), or before (a search's joined steps)
+        tokens = list(("word " * 2000 + "STOP" + after).encode())
+        tok.calls = 0
+        text, kept, hit = cut_at_stop(tok, tokens, ("STOP",))
+        assert (hit, kept) == ("STOP", tokens[: 5 * 2000]) and text == "word " * 2000
+        assert tok.calls < 40  # a bisection, not one decode per token

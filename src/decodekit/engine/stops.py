@@ -87,17 +87,31 @@ def cut_at_stop(tokenizer: Tokenizer, tokens: list[int], stop: Sequence[str]) ->
     if not hits:
         return text, tokens, None
     cut, hit = min(hits)
-    # the longest run of tokens whose text is a prefix of the text before the cut; a prefix that ends
-    # inside a character (byte tokens) decodes to replacement characters and is passed over, not
-    # taken as the end (a tokenizer may give one per byte, and even garble the character before)
-    kept = 0
-    for k in range(1, len(tokens) + 1):
+    return text[:cut], tokens[:tokens_before(tokenizer, tokens, text, cut)], hit
+
+
+def tokens_before(tokenizer: Tokenizer, tokens: list[int], text: str, cut: int) -> int:
+    """How many of ``tokens`` (whose text is ``text``) lie wholly before character ``cut``: the
+    longest run whose text is a prefix of ``text[:cut]``. A prefix that ends inside a character
+    (byte tokens) decodes to replacement characters and is passed over, not taken as the end (a
+    tokenizer may give one per byte, and even garble the character before).
+
+    A longer run's settled text is no shorter (but where a tokenizer garbles the characters before
+    an unfinished one, and those never match the text), so a bisection finds the longest run whose
+    settled text fits before the cut, and the runs below it are tried from there down: a few
+    decodes, where one per token made a long answer's last step take seconds."""
+    low, high = 0, len(tokens)  # the settled text of tokens[:low] fits; of tokens[:high + 1], not
+    while low < high:
+        mid = (low + high + 1) // 2
+        if len(settled(tokenizer.decode(tokens[:mid]))) <= cut:
+            low = mid
+        else:
+            high = mid - 1
+    for k in range(low, 0, -1):
         prefix = tokenizer.decode(tokens[:k])
-        if len(settled(prefix)) > cut:
-            break
         if len(prefix) <= cut and text.startswith(prefix):
-            kept = k
-    return text[:cut], tokens[:kept], hit
+            return k
+    return 0
 
 
 def through_stop(tokenizer: Tokenizer, tokens: list[int], text: str, hit: str, kept: int) -> list[int]:
