@@ -9625,6 +9625,9 @@ MUTATIONS = (
     Mutation('stops_scan_below_bisection', 'src/decodekit/engine/stops.py',
              '    for k in range(low, 0, -1):', '    for k in range(low - 1, 0, -1):',
              ('tests/test_stops.py',)),
+    Mutation('search-answer-not-checked-against-its-constraint', 'src/decodekit/search/batch.py',
+             '        broken = self.request.sampler.broken_by(generated)\n', '        broken = None\n',
+             ('tests/test_constraint.py', '-k', 'search_that_reaches_a_dead_end')),
 )
 
 

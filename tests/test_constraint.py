@@ -838,6 +838,16 @@ def test_a_constraint_that_needs_text_no_token_writes_is_one_line_not_a_bug(cons
         engine.generate("abc", constraint=constraint, max_new_tokens=8, chat=False, method=method)
 
 
+@pytest.mark.parametrize("method, options", [("beam", {"n": 2}), ("best-of-n", {"n": 3, "temperature": 1.0, "seed": 0})])
+def test_a_search_that_reaches_a_dead_end_is_one_line_not_an_answer_that_breaks_it(engine, method, options):
+    """A search's rows go on past a mask that allows no token (a row the grammar refused is left
+    unmasked, as a verification's is): its answer is checked as plain decoding's is, so the dead end
+    is one line, never text that breaks the constraint handed back as an answer."""
+    for constraint in ({"regex": "café|thé"}, {"json_schema": {"enum": ["café", "thé"]}}):
+        with pytest.raises(InvalidParameter, match=r"the .* constraint needs text that no token of this model"):
+            engine.generate("abc", method=method, constraint=constraint, max_new_tokens=8, chat=False, **options)
+
+
 def test_an_output_that_breaks_a_followable_constraint_is_still_a_bug():
     """The dead-end check does not excuse an output that left the grammar where tokens could go on."""
     tok = CharTokenizer(96)

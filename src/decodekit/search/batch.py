@@ -294,6 +294,11 @@ class SearchContext:
         """The request's Generation for the chosen sample; statistics over the whole search."""
         # the steps of a step search, joined, may hold a stop string across a step's boundary
         generated = list(sample.tokens) + sample.cut_off
+        # as the decode loop does: a constraint's mask that allows no token (a dead end: text no token
+        # writes) leaves a search's rows to go on unmasked, so the answer is checked, never handed back broken
+        broken = self.request.sampler.broken_by(generated)
+        if broken is not None:
+            raise RuntimeError(f"decodekit bug: {broken} ({extra.get('method', 'search')}); please report it")
         text, tokens, hit = cut_at_stop(self.tokenizer, generated, self.request.stop)
         if hit is not None:
             generated = through_stop(self.tokenizer, generated, text, hit, len(tokens))
