@@ -2089,10 +2089,9 @@ MUTATIONS = (
              "return saved.get_slice(name).get_shape()[0]",
              "return saved.get_slice(name).get_shape()[1]",
              ("tests/test_gguf_blocks.py", "-k", "fast_head")),
-    Mutation("folder-source-not-written", "src/decodekit/models/cache.py",
-             "if self.source is not None:\n                    (tmp / SOURCE).write_text(self.source)\n",
-             "",
-             ("tests/test_cache_integrity.py", "-k", "replaced_at_its_path")),
+    Mutation('folder-source-not-written', 'src/decodekit/models/cache.py',
+             'if self.source is not None:\n                    (tmp / SOURCE).write_text(self.source)\n', '',
+             ('tests/test_cache_integrity.py', '-k', 'built_without_a_source_is_rebuilt')),
     Mutation("cache-refusal-swallowed-by-read-json", "src/decodekit/models/cache.py",
              "except CacheRefused:\n        raise\n",
              "",
@@ -9628,6 +9627,48 @@ MUTATIONS = (
     Mutation('search-answer-not-checked-against-its-constraint', 'src/decodekit/search/batch.py',
              '        broken = self.request.sampler.broken_by(generated)\n', '        broken = None\n',
              ('tests/test_constraint.py', '-k', 'search_that_reaches_a_dead_end')),
+    Mutation('cli_schema_file_keeps_bom', 'src/decodekit/interfaces/cli.py',
+             'return path.read_text(encoding="utf-8-sig")', 'return path.read_text(encoding="utf-8")',
+             ('tests/test_bad_input.py', '-k', 'byte_order_mark')),
+    Mutation('cli_schema_true_prefix_inline', 'src/decodekit/interfaces/cli.py',
+             'or value.strip() in ("true", "false")):', 'or value.lstrip().startswith(("true", "false"))):',
+             ('tests/test_bad_input.py', '-k', 'one_line_before_the_model_loads')),
+    Mutation('gguf-tensor-offsets-trusted', 'src/decodekit/models/loading.py',
+             '        if offset != end:', '        if False:',
+             ('tests/test_cache_integrity.py', '-k', 'misplaces_its_tensors')),
+    Mutation('gguf-block-count-trusted', 'src/decodekit/models/loading.py',
+             '    if type(layers) is int:', '    if False:',
+             ('tests/test_cache_integrity.py', '-k', 'misplaces_its_tensors')),
+    Mutation('gguf-nan-weights-cached', 'src/decodekit/models/loading.py',
+             '    if damaged is not None:', '    if False:',
+             ('tests/test_cache_integrity.py', '-k', 'nan_scale')),
+    Mutation('gguf-conversion-bar-on-stderr', 'src/decodekit/models/hf.py',
+             '        gguf_loading.tqdm = functools.partial(gguf_bar, disable=True)', '        pass',
+             ('tests/test_cache_integrity.py', '-k', 'nan_scale')),
+    Mutation('streaming-peak-counts-prompt-passes-of-a-whole-step', 'src/decodekit/models/kv_policy.py',
+             'max(longest_pass, self.prefill_chunk())', 'max(longest_pass, self.step)',
+             ('tests/test_kv_policy.py', '-k', 'wide_window')),
+    Mutation('h2o-prompt-read-whole-without-the-kernels', 'src/decodekit/models/native.py',
+             '        if observe and self.kv_policy.observes_every_pass:', '        if False:',
+             ('tests/test_kv_policy.py', '-k', 'h2o_reads_a_prompt_64')),
+    Mutation('attention-heads-past-the-last-group-unwritten', 'src/decodekit/models/kernels/attention.py',
+             '    if q.dim() != 3 or n_kv_heads < 1 or n_heads % n_kv_heads:', '    if q.dim() != 3 or n_kv_heads < 1:',
+             ('tests/test_kernels.py', '-k', 'refuses_heads_that_do_not_group')),
+    Mutation('attention-mask-narrower-than-keys-read', 'src/decodekit/models/kernels/attention.py',
+             '    if visible is not None and tuple(visible.shape) != (n_q, n_keys):', '    if False:',
+             ('tests/test_kernels.py', '-k', 'refuses_heads_that_do_not_group')),
+    Mutation('serve-null-method-refused', 'src/decodekit/serve/request.py',
+             '    method = "sample" if body.get("method") is None else body["method"]', '    method = body.get("method", "sample")',
+             ('tests/test_serve.py', '-k', 'null_is_a_method')),
+    Mutation('serve-temperature-0-greedy-despite-truncation', 'src/decodekit/serve/request.py',
+             '    if plain_greedy and not truncation_asked(params):', '    if plain_greedy:',
+             ('tests/test_serve.py', '-k', 'beside_temperature_0')),
+    Mutation('serve-temperature-0-not-passed-on', 'src/decodekit/serve/request.py',
+             '    elif temperature is not None:\n        # as the engine', '    elif temperature:\n        # as the engine',
+             ('tests/test_serve.py', '-k', 'beside_temperature_0')),
+    Mutation('serve-top-p-dropped-beside-temperature-0', 'src/decodekit/serve/request.py',
+             '    if top_p is not None and top_p != 1 and not plain_greedy:', '    if top_p is not None and top_p != 1 and temperature != 0:',
+             ('tests/test_serve.py', '-k', 'beside_temperature_0')),
 )
 
 
@@ -9656,7 +9697,9 @@ def run(mutation: Mutation) -> str:
         env = {**__import__("os").environ, "PYTHONPATH": str(copy / "src")}
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutation.tests],
                                 cwd=copy, env=env, capture_output=True, text=True)
-        return "caught" if result.returncode != 0 else "SURVIVED"
+        # pytest's exit codes: 1 tests failed; 5 no test selected and 4 a usage error (a -k that matches
+        # nothing, a wrong test path) would pass for "caught" while no test ran
+        return {0: "SURVIVED", 4: "BAD TESTS", 5: "NO TESTS"}.get(result.returncode, "caught")
 
 
 def main() -> int:
@@ -9678,7 +9721,7 @@ def main() -> int:
     for m in chosen:
         verdicts[m.name] = run(m)
         print(f"{verdicts[m.name]:9} {m.name}", flush=True)
-    if "STALE" in verdicts.values():
+    if {"STALE", "BAD TESTS", "NO TESTS"} & set(verdicts.values()):
         return 2
     return 1 if "SURVIVED" in verdicts.values() else 0
 

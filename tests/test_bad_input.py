@@ -114,6 +114,7 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["generate", "hi", "--method", "best-of-n", "--opt", "answer_start=foo"], "answer_start must be a Python callable"),
     (["generate", "hi", "--json-schema", "/no/such/schema.json"], "no such file"),
     (["generate", "hi", "--json-schema", "[1]"], "a JSON schema must be a JSON object or a boolean, got list"),
+    (["generate", "hi", "--json-schema", "true.json"], "no such file"),  # a file's name, not the schema true
     (["generate", "hi", "--model", ""], "argument --model: is empty"),
     (["eval", "capitals", "--out", ""], "argument --out: is empty"),
     (["bench", "--out", ""], "argument --out: is empty"),
@@ -430,6 +431,13 @@ def test_a_schema_file_that_is_not_utf8_is_one_line(capsys, no_model, tmp_path):
     schema.write_bytes(b'{"type": "string", "description": "caf\xe9"}')
     one_error_line(capsys, ["generate", "hi", "--json-schema", str(schema)], f"cannot read {schema}")
     one_error_line(capsys, ["generate", "hi", "--grammar", str(schema)], f"cannot read {schema}")
+
+
+def test_a_schema_or_grammar_file_with_a_byte_order_mark_is_read_without_it(tmp_path):
+    """Some editors begin a UTF-8 file with a byte-order mark, which JSON and grammars do not allow."""
+    (tmp_path / "s.json").write_text('\ufeff{"type": "string"}', encoding="utf-8")
+    args = cli.build_parser(commands=["generate"]).parse_args(["generate", "hi", "--json-schema", str(tmp_path / "s.json")])
+    assert cli.constraint_from_args(args) == {"json_schema": '{"type": "string"}'}
 
 
 def test_a_schema_or_grammar_comes_from_a_pipe_or_a_home_relative_path_as_from_a_file(tmp_path, monkeypatch):

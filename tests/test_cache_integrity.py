@@ -883,6 +883,84 @@ def test_a_file_that_does_not_start_as_gguf_is_refused_by_its_first_bytes(tiny_g
     assert not [p for p in cache.rglob("*") if not p.name.endswith(".lock")]
 
 
+def gguf_tensor_info(data: bytes, name: str) -> tuple[int, int, int]:
+    """Where tensor ``name``'s entry in a GGUF header keeps its first dimension, its type and its
+    offset (a tensor entry: name length u64, name, dimension count u32, dimensions u64, type u32,
+    offset u64)."""
+    import struct
+
+    at = data.index(struct.pack("<Q", len(name)) + name.encode()) + 8 + len(name)
+    dims = at + 4
+    kind = dims + 8 * struct.unpack_from("<I", data, at)[0]
+    return dims, kind, kind + 4
+
+
+def patched(data: bytes, at: int, fmt: str, value) -> bytes:
+    import struct
+
+    changed = bytearray(data)
+    struct.pack_into(fmt, changed, at, value)
+    return bytes(changed)
+
+
+def test_a_gguf_whose_header_misplaces_its_tensors_or_layers_is_refused_not_loaded_as_another_model(
+        tiny_gguf, cache, tmp_path, capsys):
+    """transformers' GGUF reader takes each tensor at the offset its header gives and builds the
+    layers block_count says: a damaged offset, type or count loaded (tensors read across each
+    other's bytes, a layer left out) and decoded as another model, or built layers by the billion.
+    Each is refused in one line, as llama.cpp refuses it, before anything is cached."""
+    import struct
+
+    data = tiny_gguf.read_bytes()
+    q_dims, q_type, q_offset = gguf_tensor_info(data, "blk.0.attn_q.weight")
+    k_offset = gguf_tensor_info(data, "blk.0.attn_k.weight")[2]
+    at = data.index(b"llama.block_count") + len("llama.block_count") + 4  # its value, after its type
+    assert struct.unpack_from("<I", data, at)[0] == 2
+    q_at = struct.unpack_from("<Q", data, q_offset)[0]
+    damages = {
+        "unaligned": (patched(data, q_offset, "<Q", q_at + 1), "is at offset"),
+        "overlapping": (patched(data, k_offset, "<Q", q_at), "is at offset"),
+        "retyped": (patched(data, q_type, "<I", 1), "is at offset"),  # Q8_0 -> F16: other sizes
+        "reshaped": (patched(data, q_dims + 8, "<Q", 1 << 40), "ends past the end of the file"),
+        "fewer layers": (patched(data, at, "<I", 1), "its block_count is 1, its tensors are those of 2 layers"),
+        "absurd layers": (patched(data, at, "<I", 2**32 - 1), "its block_count is 4294967295"),
+        "a huge string": (patched(data, 24, "<Q", 1 << 60), "past the end of the file"),
+    }
+    for damage, (changed, problem) in damages.items():
+        bad = tmp_path / f"{damage.replace(' ', '_')}.gguf"
+        bad.write_bytes(changed)
+        assert main(["generate", "--model", str(bad), "hi", "--max-new-tokens", "1"]) == 2, damage
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and f"{bad}: not a valid GGUF file (" in err and problem in err, err
+    assert not [p for p in cache.rglob("*") if not p.name.endswith(".lock")]  # nothing cached for any
+
+
+def test_a_gguf_block_with_a_nan_scale_is_refused_in_one_line(tiny_gguf, cache, tmp_path, capsys):
+    """A NaN or infinite float16 scale is damage no parser sees, and the native backend's prefill
+    (torch's flash attention gives a NaN row zeros) decoded through a NaN in a q row without a
+    word. The dequantised weights are checked once, before they are cached; the first load of a
+    file says nothing else on stderr (no progress bars, no numpy warnings)."""
+    import struct
+
+    data = tiny_gguf.read_bytes()
+    first = struct.unpack_from("<Q", data, gguf_tensor_info(data, "blk.0.attn_q.weight")[2])[0]
+    from gguf import GGUFReader
+
+    begins = GGUFReader(tiny_gguf).data_offset + first  # the tensor's first block: its scale, then 32 int8
+    for value in (float("nan"), float("inf")):
+        bad = tmp_path / "nan.gguf"
+        bad.write_bytes(data[:begins] + np.array([value], dtype=np.float16).tobytes() + data[begins + 2 :])
+        assert main(["generate", "--model", str(bad), "hi", "--max-new-tokens", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.strip().splitlines() == [f"decodekit: error: {bad}: weight tensor model.layers.0.self_attn.q_proj.weight "
+                                            "holds values that are not finite (NaN or infinity): damaged weights"]
+    assert not list(cache.glob("nan-*/model.safetensors"))
+    good = tmp_path / "good.gguf"
+    good.write_bytes(data)
+    assert main(["generate", "--model", str(good), "hi", "--max-new-tokens", "1"]) == 0
+    assert capsys.readouterr().err == ""  # a first load: no progress bars
+
+
 def test_a_gguf_tensor_of_the_wrong_shape_is_refused_not_made_up(tmp_path):
     """transformers initialises a tensor whose shape differs from the config's at random, saying so
     only in its report (mismatched_keys): refused like a missing one."""

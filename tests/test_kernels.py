@@ -624,6 +624,28 @@ def test_attention_refuses_queries_of_another_head_size():
         attend(torch.randn(1, 2, 16, generator=gen), k, v, None, 1.0)
 
 
+def test_attention_refuses_heads_that_do_not_group_and_masks_of_another_width():
+    """A key/value head serves H / H_kv query heads: with H not a multiple of H_kv the last heads
+    were never computed (their output was whatever memory held), and a mask narrower than the keys
+    was read past its end. Both are refused, over the float and the int8 caches."""
+    attend = kernels.layout_independent_attention(torch.float32, 32)
+    int8 = kernels.int8_cache_kernels(32)
+    if attend is None or int8 is None:
+        pytest.skip("no C compiler or no AVX-512 on this machine")
+    gen = torch.Generator().manual_seed(24)
+    k, v = torch.randn(2, 40, 32, generator=gen), torch.randn(2, 40, 32, generator=gen)
+    k8, v8 = kernels.quantise_int8_rows(k), kernels.quantise_int8_rows(v)
+    q = torch.randn(3, 4, 32, generator=gen)
+    for run, keys, values in ((attend, k, v), (int8.attention, k8, v8)):
+        with pytest.raises(ValueError, match="multiple of the cache's 2 key/value heads"):
+            run(torch.randn(3, 5, 32, generator=gen), keys, values, None, 1.0)
+        for mask in (torch.ones(3, 8, dtype=torch.bool), torch.ones(2, 40, dtype=torch.bool)):
+            with pytest.raises(ValueError, match=r"a mask \[3, 40\]"):
+                run(q, keys, values, mask, 1.0)
+        full = run(q, keys, values, torch.ones(3, 40, dtype=torch.bool), 1.0)  # the right width: read as given
+        assert torch.equal(full, run(q, keys, values, None, 1.0))
+
+
 def test_attention_kernel_declines_head_dims_it_cannot_run():
     assert kernels.layout_independent_attention(torch.float32, 8) is None  # not a multiple of 16
     assert kernels.layout_independent_attention(torch.float32, 512) is None  # over 256

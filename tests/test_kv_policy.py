@@ -279,6 +279,21 @@ def test_a_window_too_large_for_the_context_is_refused():
         tiny_llama(max_position=64).with_kv_cache("sink:4,window:60")
 
 
+def test_a_wide_window_counts_prompt_passes_of_at_most_the_prefill_chunk():
+    """A window over 256 compacts every window // 8 tokens, more than a prompt pass reads (at most
+    PREFILL_CHUNK): its peak counts the prompt's passes as they are, so a window that fits the
+    context is taken, decodes past it, and never holds more entries than the peak said."""
+    from decodekit.models.batching import PREFILL_CHUNK
+
+    backend = tiny_llama(seed=0, hidden_size=64, max_position=512).with_kv_cache("sink:4,window:420")
+    policy = backend.kv_policy
+    assert policy.step > PREFILL_CHUNK and policy.peak_slots(1) == 4 + 420 + policy.step - 1 + PREFILL_CHUNK <= 512
+    backend.prefill(tokens(600))
+    for t in tokens(100, seed=1):
+        backend.step(torch.tensor([t]))
+    assert backend.length == 700 and backend._peak_slots <= policy.peak_slots(1)
+
+
 @pytest.mark.parametrize("spec", ["h2o:budget=200,window=8", "snapkv:budget=200,window=8", "sink:4,window:200"])
 def test_a_budget_larger_than_the_sequence_changes_nothing(spec):
     prompt = tokens(40)
@@ -448,13 +463,15 @@ def test_kvdraft_near_the_end_of_the_context_drafts_only_what_the_context_holds(
         assert target.length == length  # the target's cache left as it was
 
 
-def test_h2o_reads_a_prompt_64_tokens_a_pass_evicting_between_them(monkeypatch):
+@pytest.mark.parametrize("hidden", SIZES)
+def test_h2o_reads_a_prompt_64_tokens_a_pass_evicting_between_them(monkeypatch, hidden):
     """The choice H2O's docstring states: a long prompt in the kernels' passes of 64 tokens, the cache
     evicted down to its budget before each pass that finds it over (in either numerics, alone and
-    served: where it evicts must not depend on what else runs)."""
+    served: where it evicts must not depend on what else runs; nor on whether the kernels take the
+    passes: head size 8 runs torch's, which would take the prompt whole)."""
     from decodekit.models.native import NativeLlama
 
-    cache = tiny_llama(seed=0, hidden_size=64, max_position=1024).with_kv_cache("h2o:budget=40,window=8")
+    cache = tiny_llama(seed=0, hidden_size=hidden, max_position=1024).with_kv_cache("h2o:budget=40,window=8")
     passes, forward = [], NativeLlama._forward
     monkeypatch.setattr(NativeLlama, "_forward", lambda self, tokens, *a, **k: passes.append((tokens.shape[1], self._slots))
                         or forward(self, tokens, *a, **k))

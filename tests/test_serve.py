@@ -2058,7 +2058,7 @@ def test_openai_sampling_fields_keep_the_method_asked_for():
     at its sample_temperature); OpenAI's default temperature 1 is for plain sampling only; both
     penalties are passed on; an unseeded sampling request gets a seed of its own."""
     spec = parse_request({"prompt": "hi", "method": "best-of-n", "temperature": 0}, chat=False)
-    assert (spec.method, spec.params) == ("best-of-n", {})
+    assert (spec.method, spec.params) == ("best-of-n", {"temperature": 0.0})
     spec = parse_request({"prompt": "hi", "method": "pld"}, chat=False)
     assert (spec.method, spec.params) == ("pld", {})
     spec = parse_request({"prompt": "hi", "temperature": 0.5, "frequency_penalty": 0.5, "seed": 1}, chat=False)
@@ -2261,6 +2261,30 @@ def test_a_stream_is_sent_as_server_sent_events_that_no_cache_keeps(served):
         assert reply.status == 200 and reply.read().decode().endswith("data: [DONE]\n\n")
         assert reply.headers["Content-Type"].startswith("text/event-stream")
         assert reply.headers["Cache-Control"] == "no-cache"
+
+
+def test_a_method_set_to_null_is_a_method_not_given():
+    """A null field is a field not given, ``method`` too: plain sampling at OpenAI's default
+    temperature, or greedy decoding at temperature 0 (not a 400 "method must be a string")."""
+    spec = parse_request({"prompt": "hi", "method": None, "seed": 1}, chat=False)
+    assert (spec.method, spec.params) == ("sample", {"temperature": 1.0, "seed": 1})
+    assert parse_request({"prompt": "hi", "method": None, "temperature": 0}, chat=False).method == "greedy"
+
+
+def test_truncation_options_beside_temperature_0_are_read_as_the_engine_reads_them(served, alone):
+    """Temperature 0 reaches the method as the Python API takes it: plain sampling or a speculative
+    method with a truncation option beside it decodes greedily (not a 400 saying no temperature was
+    given), and a search method's samples, drawn at its sample_temperature, keep the top_p asked for."""
+    greedy = alone(PROMPTS[0], max_new_tokens=8).text
+    for options in ({"top_k": 3}, {"method": "sample", "min_p": 0.2}, {"method": "pld", "top_k": 3}):
+        got = chat(served, PROMPTS[0], max_tokens=8, temperature=0, extra_body=options)
+        assert got.choices[0].message.content == greedy, options
+    spec = parse_request({"prompt": "hi", "method": "best-of-n", "temperature": 0, "top_p": 0.5}, chat=False)
+    assert spec.params["top_p"] == 0.5
+    search = {"method": "best-of-n", "n": 3, "max_new_tokens": 8, "temperature": 0, "seed": 5}
+    got = served.client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0, seed=5,
+                                           top_p=0.3, extra_body={"method": "best-of-n", "method_options": {"n": 3}})
+    assert got.choices[0].text == alone(PROMPTS[2], **search, top_p=0.3).text
 
 
 def test_a_boolean_is_not_a_sampling_number():

@@ -85,10 +85,10 @@ def constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
             raise InvalidParameter(f"{flag} {value!r} is a folder: give a file")
         if len(value) < 4096 and exists_as(path):
             try:
-                return path.read_text()
+                return path.read_text(encoding="utf-8-sig")  # (a byte-order mark some editors write, dropped)
             except (OSError, UnicodeDecodeError) as err:
                 raise InvalidParameter(f"cannot read {value}: {err}") from None
-        if not value.lstrip().startswith(("{", "[", "true", "false")):  # not inline JSON: meant as a file
+        if not (value.lstrip().startswith(("{", "[")) or value.strip() in ("true", "false")):  # meant as a file
             raise InvalidParameter(f"{flag} {value!r}: no such file (give a file or the schema as JSON text)")
         return value
 

@@ -32,16 +32,33 @@ WINDOW_EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3", "starcoder2"})
 
 
 def quietly_loaded(load: Callable[[], T]) -> T:
-    """``load()`` with transformers' own load report silenced: what is wrong with the weights is
-    said by :func:`check_loading_report`, in one line."""
+    """``load()`` with transformers' own load report and progress bars silenced: what is wrong with
+    the weights is said by :func:`check_loading_report`, in one line, and the CLI's stderr is for
+    errors (a GGUF file's first load drew two bars, before the one line of a damaged file's error),
+    so are the warnings of the libraries it runs (numpy's on a damaged block's NaN, torch's...).
+    The GGUF converter's bar is plain tqdm, not transformers' switchable one: turned off in its module."""
+    import functools
+    import warnings
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_loading
     from transformers.utils import logging as transformers_logging
 
-    verbosity = transformers_logging.get_verbosity()
+    verbosity, bars = transformers_logging.get_verbosity(), transformers_logging.is_progress_bar_enabled()
+    gguf_bar = getattr(gguf_loading, "tqdm", None)
     transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+    if gguf_bar is not None:
+        gguf_loading.tqdm = functools.partial(gguf_bar, disable=True)
     try:
-        return load()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return load()
     finally:
         transformers_logging.set_verbosity(verbosity)
+        if bars:
+            transformers_logging.enable_progress_bar()
+        if gguf_bar is not None:
+            gguf_loading.tqdm = gguf_bar
 
 
 def check_loading_report(source: Path, report: dict, *, tied: bool) -> None:

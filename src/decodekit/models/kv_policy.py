@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InvalidParameter
+from .batching import PREFILL_CHUNK
 from .kernels import MAX_ROWS
 
 POLICY_HELP = {
@@ -251,13 +252,16 @@ class StreamingPolicy(KVPolicy):
         return slots >= self.sink + self.window + self.step
 
     def peak_slots(self, longest_pass: int) -> int | None:
-        return self.sink + self.window + self.step - 1 + max(longest_pass, self.step)
+        # a pass starts below sink + window + step entries; a prompt's passes are prefill_chunk() long
+        return self.sink + self.window + self.step - 1 + max(longest_pass, self.prefill_chunk())
 
     def keep(self, slots: int, mass: torch.Tensor | None) -> torch.Tensor:
         return streaming_keep(slots, self.sink, self.window)
 
     def prefill_chunk(self) -> int | None:
-        return self.step
+        """``step`` tokens, at most :data:`.batching.PREFILL_CHUNK` (a wider window's prompt is not read in
+        longer passes, so they add no more to the peak)."""
+        return min(self.step, PREFILL_CHUNK)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import math
+import mmap
 import os
 import struct
 import sys
@@ -176,6 +178,110 @@ def check_gguf_header(gguf: Path) -> None:
             raise InvalidModel(f"{gguf}: not a GGUF file (it does not start with {GGUF_MAGIC!r})")
 
 
+#: GGUF metadata values of a fixed size, by type id (struct formats); 8 is a string, 9 an array
+GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def check_gguf_layout(gguf: Path) -> None:
+    """Refuse, in one line, a GGUF file whose header does not describe the tensors it holds, before
+    transformers reads it: its reader takes each tensor at the offset the header gives, whatever the
+    others', and builds as many layers as ``<arch>.block_count`` says, whatever the file holds. A
+    damaged header would otherwise load as another model without a word (tensors read across each
+    other's bytes, layers left out) or allocate layers by the billion.
+
+    The checks are llama.cpp's (``gguf_init_from_file``, its model loader): the tensors lie one
+    after another in the order they are listed, each padded to the alignment, within the file; the
+    layers with tensors are ``blk.0 .. blk.<block_count - 1>``. The header is walked here, arrays
+    skipped (the ``gguf`` package's reader takes seconds over a 262k-token vocabulary)."""
+    with open(gguf, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+        _check_gguf_layout(gguf, buffer)
+
+
+def _check_gguf_layout(gguf: Path, buffer: "mmap.mmap") -> None:
+    """:func:`check_gguf_layout` on the file's bytes, ``buffer``."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size, at = len(buffer), 0
+
+    def bad(problem: str) -> InvalidModel:
+        return InvalidModel(f"{gguf}: not a valid GGUF file ({problem})")
+
+    def take(fmt: str) -> tuple:
+        nonlocal at
+        try:
+            values = struct.unpack_from("<" + fmt, buffer, at)
+        except struct.error:
+            raise bad("its header is cut short") from None
+        at += struct.calcsize("<" + fmt)
+        return values
+
+    def string() -> bytes:
+        nonlocal at
+        (length,) = take("Q")
+        if length > size - at:
+            raise bad(f"a string of {length} bytes at byte {at}, past the end of the file")
+        at += length
+        return buffer[at - length : at]
+
+    def value(kind: int):
+        """The value of type ``kind`` at ``at``: a scalar's or a string's; an array is skipped (None)."""
+        nonlocal at
+        if kind in GGUF_SCALARS:
+            return take(GGUF_SCALARS[kind])[0]
+        if kind == 8:
+            return string()
+        if kind != 9:
+            raise bad(f"a value of unknown type {kind}")
+        item, count = take("IQ")
+        width = struct.calcsize(GGUF_SCALARS.get(item, "Q"))  # (a string or an array takes 8 bytes or more)
+        if count * width > size - at:
+            raise bad(f"an array of {count} values, past the end of the file")
+        if item in GGUF_SCALARS:
+            at += count * width
+        else:
+            for _ in range(count):
+                value(item)
+        return None
+
+    magic, version = take("4sI")
+    if magic != GGUF_MAGIC or version not in (2, 3):
+        return  # (not GGUF v2 or v3: transformers' reader says so)
+    n_tensors, n_values = take("QQ")
+    fields = {}
+    for _ in range(n_values):
+        key = string()
+        fields[key] = value(take("I")[0])
+    tensors = []
+    for _ in range(n_tensors):
+        name = string().decode("utf-8", "replace")
+        dims = take(f"{take('I')[0]}Q")
+        tensors.append((name, dims, *take("IQ")))
+    alignment = fields.get(b"general.alignment", 32)
+    if type(alignment) is not int or alignment < 1 or alignment & (alignment - 1):
+        raise bad(f"an alignment of {alignment!r}, not a power of two")
+    start, end = -(-at // alignment) * alignment, 0  # where the tensors' data begins; where the last one ends
+    for name, dims, kind, offset in tensors:
+        try:
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        except (ValueError, KeyError):
+            raise bad(f"tensor {name!r} is of unknown type {kind}") from None
+        count = math.prod(dims)
+        if count % block:
+            raise bad(f"tensor {name!r} of {count} values is not whole blocks of {block}")
+        if offset != end:
+            raise bad(f"tensor {name!r} is at offset {offset}, where the tensors listed before it end at {end}")
+        nbytes = count // block * block_bytes
+        if start + offset + nbytes > size:
+            raise bad(f"tensor {name!r} ends past the end of the file")
+        end += -(-nbytes // alignment) * alignment
+    architecture = fields.get(b"general.architecture")
+    layers = fields.get(architecture + b".block_count") if isinstance(architecture, bytes) else None
+    if type(layers) is int:
+        found = {name.split(".")[1] for name, *_ in tensors if name.startswith("blk.")}
+        if found != {str(i) for i in range(min(layers, len(tensors) + 1))}:
+            raise bad(f"its block_count is {layers}, its tensors are those of {len(found)} layers")
+
+
 def dequantised_folder(gguf: Path) -> Path:
     """Dequantise a GGUF file once into a cached Hugging Face folder; return that folder (checked
     at every load, rebuilt when it fails the check: :func:`.cache.cached_folder`)."""
@@ -204,12 +310,19 @@ def dequantise(gguf: Path, folder: Path) -> None:
         return tokenizer, *AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                                 output_loading_info=True)
 
+    check_gguf_layout(gguf)
     try:
         tokenizer, model, loading_info = quietly_loaded(read)
     except Exception as err:  # the GGUF parser fails in many ways on a damaged file; all mean the same here
         raise InvalidModel.because(gguf, "cannot be read as a GGUF model", err) from err
     check_loading_report(gguf, loading_info, tied=model.config.tie_word_embeddings)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    # a NaN or infinite scale in a block is damage no parser sees, and the native backend's attention
+    # would not always show it (torch's flash attention gives a NaN row zeros): refused before caching
+    damaged = next((name for name, tensor in state.items() if not bool(torch.isfinite(tensor).all())), None)
+    if damaged is not None:
+        raise InvalidModel(f"{gguf}: weight tensor {damaged} holds values that are not finite (NaN or infinity): "
+                           "damaged weights")
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # safetensors refuses shared tensors
     save_tensors(state, folder / "model.safetensors", metadata={"format": "pt"})

@@ -343,6 +343,8 @@ class NativeLlama(Backend):
         evicting = self.kv_policy.prefill_chunk()
         if evicting is not None:
             return min(evicting, PREFILL_CHUNK)
+        if observe and self.kv_policy.observes_every_pass:  # H2O evicts between them: the kernels' passes on any path
+            return MAX_ROWS
         if not observe and self._batched(tokens, hidden_layers, skip_layers):
             return PREFILL_CHUNK if self.batcher.active > 1 else self.batcher.max_rows
         # the kernels' passes; and only the kernels read and write the int8 and int4 caches

@@ -17,6 +17,7 @@ from ..models import LoadedModel
 from ..options import finite
 from ..samplers.constraint import KINDS, constraint_processor
 from ..samplers.params import SEED_LIMIT
+from ..samplers.sampler import truncation_asked
 from .errors import SERVER_FAULTS, ApiError, ClientGone, internal_error
 
 MAX_N = 16
@@ -171,7 +172,7 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
         raise ApiError(400, "stream_options must be an object", param="stream_options")
     if options and not stream:  # as OpenAI answers it: options of a stream that is not asked for
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    method = body.get("method", "sample")
+    method = "sample" if body.get("method") is None else body["method"]  # (null: not given, as every field)
     if not isinstance(method, str):
         raise ApiError(400, f"method must be a string, got {method!r}", param="method")
     method, params = _sampling(body, method, _method_options(body))
@@ -231,16 +232,18 @@ def _sampling(body: dict[str, Any], method: str, params: dict[str, Any]) -> tupl
     """The OpenAI sampling fields as decodekit's: temperature 0 is greedy decoding, OpenAI's default
     temperature is 1 (for plain sampling), and a sampling request without a seed gets a random one."""
     temperature = _number(body, "temperature")
-    if temperature is None and "method" not in body and not body.get("greedy"):
+    if temperature is None and body.get("method") is None and not body.get("greedy"):
         temperature = 1.0  # OpenAI's default
-    if temperature == 0:
-        if method == "sample":
-            method = "greedy"
-    elif temperature is not None:
-        params["temperature"] = temperature
     top_p = _number(body, "top_p")
-    if top_p is not None and top_p != 1 and temperature != 0:  # (temperature 0: greedy, whatever top_p says)
+    plain_greedy = temperature == 0 and method == "sample"
+    if top_p is not None and top_p != 1 and not plain_greedy:  # (plain greedy decoding: whatever top_p says)
         params["top_p"] = top_p
+    if plain_greedy and not truncation_asked(params):
+        method = "greedy"  # the same tokens, decoded by plain greedy decoding
+    elif temperature is not None:
+        # as the engine reads it, 0 included: greedy decoding where a truncation option such as top_k is
+        # given beside it (refused without a temperature), a search's samples at its sample_temperature
+        params["temperature"] = temperature
     for name in ("presence_penalty", "frequency_penalty"):
         value = _number(body, name)
         if value:

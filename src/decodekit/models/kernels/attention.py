@@ -42,12 +42,25 @@ def _run_attention(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibl
     """Call an ``attention.c`` kernel on ``k``/``v`` ``[H_kv, keys, row]`` (sliced to the keys in use,
     ``row`` cache elements a key) for ``q`` ``[n_q, H, head_dim]``; returns ``[n_q, H, head_dim]``."""
     n_q, n_heads = q.shape[:2]
+    _check_heads_and_mask(q, k.shape[0], visible, k.shape[1])
     q = q.float().contiguous()
     out = torch.empty(n_q, n_heads, head_dim, dtype=torch.float32)
     mask = None if visible is None else visible.to(torch.bool).contiguous()
     fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(), out.data_ptr(),
        n_q, n_heads, k.shape[0], head_dim, k.stride(0) // row, k.shape[1], scale, torch.get_num_threads())
     return out
+
+
+def _check_heads_and_mask(q: torch.Tensor, n_kv_heads: int, visible: torch.Tensor | None, n_keys: int) -> None:
+    """What the attention kernels rely on: H query heads in groups of H / H_kv per key/value head
+    (the heads past the last whole group were never written: their output was whatever memory
+    held), and a mask of one byte per row and key (a narrower one was read past its end)."""
+    n_q, n_heads = q.shape[:2]
+    if q.dim() != 3 or n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise ValueError(f"attention kernel: queries [n_q, H, D] with H a multiple of the cache's {n_kv_heads} "
+                         f"key/value heads, got {tuple(q.shape)}")
+    if visible is not None and tuple(visible.shape) != (n_q, n_keys):
+        raise ValueError(f"attention kernel: a mask [{n_q}, {n_keys}] (rows, keys), got {tuple(visible.shape)}")
 
 
 def check_rope_store(qkv: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, start: int, n_heads: int,
@@ -139,8 +152,9 @@ def kivi_attention(head_dim: int) -> "KiviAttention | None":
                 or k_residual.shape != v_residual.shape or k_residual.shape[2] != head_dim
                 or n_residual > k_residual.shape[1]):
             raise ValueError(f"kivi attention: needs head_dim {head_dim} and contiguous [H_kv, cap, D] residuals")
-        if int(view.qend.min()) < view.base or int(view.qend.max()) > store.tokens:
-            raise ValueError("kivi attention: every row's quantised end must lie between the residual's base and the "
+        _check_heads_and_mask(q, k_residual.shape[0], visible, n_residual)
+        if view.qend.numel() != n_q or int(view.qend.min()) < view.base or int(view.qend.max()) > store.tokens:
+            raise ValueError("kivi attention: every row needs a quantised end, between the residual's base and the "
                              "quantised tokens")
         q = q.float().contiguous()
         qend = view.qend.to(torch.int32).contiguous()
