@@ -9669,6 +9669,12 @@ MUTATIONS = (
     Mutation('serve-top-p-dropped-beside-temperature-0', 'src/decodekit/serve/request.py',
              '    if top_p is not None and top_p != 1 and not plain_greedy:', '    if top_p is not None and top_p != 1 and temperature != 0:',
              ('tests/test_serve.py', '-k', 'beside_temperature_0')),
+    Mutation('first-content-decodes-every-prefix', 'src/decodekit/search/uncertainty.py',
+             '    end = 0  # as token_ends gives it', '    end = token_ends(tokens, tokenizer)[-1] * 0  # as token_ends gives it',
+             ('tests/test_search_uncertainty.py', '-k', 'without_decoding_the_whole_answer')),
+    Mutation('first-content-lead-in-end-inclusive', 'src/decodekit/search/uncertainty.py',
+             '            if end <= start_char:\n                continue', '            if end < start_char:\n                continue',
+             ('tests/test_search_uncertainty.py', '-k', 'lead_in')),
 )
 
 

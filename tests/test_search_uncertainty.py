@@ -19,6 +19,21 @@ from decodekit.samplers import Histories, Sampler, Temperature
 TOK = CharTokenizer(96)
 
 
+def test_the_first_content_token_after_a_lead_in_is_found_without_decoding_the_whole_answer():
+    """Only the prefixes up to the first token ending past the lead-in are decoded (a decode per
+    token of the whole answer made phi_first quadratic in a long answer's length)."""
+    calls = []
+
+    class Counting:
+        def decode(self, tokens):
+            calls.append(len(tokens))
+            return TOK.decode(tokens)
+
+    tokens = TOK.encode("The answer is 42." + " and more" * 300)
+    assert first_content_index(tokens, Counting(), start_char=len("The answer is ")) == len("The answer is ")
+    assert max(calls) <= len("The answer is 4") and len(calls) <= 2 * len("The answer is 4")
+
+
 def test_normalized_entropy_on_hand_made_distributions():
     assert normalized_entropy([0.0] * 10) == pytest.approx(1.0)
     assert normalized_entropy([50.0] + [0.0] * 9) == pytest.approx(0.0, abs=1e-12)

@@ -67,10 +67,12 @@ def token_ends(tokens: Sequence[int], tokenizer: Tokenizer) -> list[int]:
 
 def first_content_index(tokens: Sequence[int], tokenizer: Tokenizer, start_char: int = 0) -> int | None:
     """Index of the first token ending after ``start_char`` whose own text holds a letter or digit."""
-    ends = token_ends(tokens, tokenizer) if start_char > 0 else None
+    end = 0  # as token_ends gives it, decoded only until a token ends after start_char (all later ones do)
     for i, token in enumerate(tokens):
-        if ends is not None and ends[i] <= start_char:
-            continue
+        if end <= start_char and start_char > 0:
+            end = max(end, len(tokenizer.decode(tokens[: i + 1])))
+            if end <= start_char:
+                continue
         if any(c.isalnum() for c in tokenizer.decode([token])):
             return i
     return None
