@@ -4,11 +4,11 @@ Each mutation is a deliberate bug (one exact text replacement in one file). For 
 copies the repository to a temporary folder, applies the mutation there, runs the tests named
 for it, and reports whether they failed ("caught") or passed ("SURVIVED"). The working tree is
 never touched. Exit status 1 if any mutation survived, 2 if a mutation no longer applies (the
-code moved on: update its text).
+code moved on: update its text), its tests select nothing, or a name given is no mutation's.
 
     .venv/bin/python scripts/mutations.py            # every mutation
     .venv/bin/python scripts/mutations.py --list     # what they are
-    .venv/bin/python scripts/mutations.py top-p-boundary keyed-verifier
+    .venv/bin/python scripts/mutations.py top-p-boundary keyed-draws-depend-on-the-draw-order
 
 Add a mutation with every algorithm: the bug a reader could plausibly write, and the tests that
 must catch it.
@@ -9675,6 +9675,9 @@ MUTATIONS = (
     Mutation('first-content-lead-in-end-inclusive', 'src/decodekit/search/uncertainty.py',
              '            if end <= start_char:\n                continue', '            if end < start_char:\n                continue',
              ('tests/test_search_uncertainty.py', '-k', 'lead_in')),
+    Mutation("a-misspelt-mutation-name-skipped-silently", "scripts/mutations.py",
+             "    if unknown:\n        print(", "    if False:\n        print(",
+             ("tests/test_mutations_script.py", "-k", "misspelt")),
 )
 
 
@@ -9713,6 +9716,11 @@ def main() -> int:
     parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     args = parser.parse_args()
+    # a misspelt name is refused, not skipped: the run would otherwise report the others alone, all caught
+    unknown = sorted(set(args.names) - {m.name for m in MUTATIONS})
+    if unknown:
+        print(f"no mutation named {', '.join(unknown)} (--list shows them)", file=sys.stderr)
+        return 2
     chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
     if args.list or not chosen:
         for m in MUTATIONS:

@@ -1,5 +1,6 @@
-"""``decodekit eval``: tasks (gsm8k, capitals), accuracy with Wilson intervals, uncertainty AUROCs.
-The names below are imported on first use (:mod:`decodekit.exports`)."""
+"""``decodekit eval``: tasks (gsm8k, capitals, structured), accuracy with Wilson intervals,
+uncertainty AUROCs; and ``longctx`` (:mod:`.longctx`), which compares KV-cache policies on long
+inputs instead of scoring a method. The names below are imported on first use (:mod:`decodekit.exports`)."""
 
 from __future__ import annotations
 

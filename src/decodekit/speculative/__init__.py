@@ -2,7 +2,8 @@
 
 Every drafter registered in :data:`decodekit.speculative.drafters.DRAFTER_SPECS` becomes a decoding
 method of the same name (``pld``, ``suffix``, ``recycling``, ``lookahead``, ``hierarchy``,
-``layerskip``, ``draft``, and ``auto`` which picks among them with a bandit). Options common to
+``layerskip``, ``draft``, ``kvdraft``, the trained ``eagle``, ``medusa`` and ``hydra``, and ``auto``
+which picks among them with a bandit). Options common to
 all: ``max_draft``, ``budget`` (fixed size, no controller), ``cost_table``; plus each drafter's own.
 """
 
