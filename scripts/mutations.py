@@ -9678,6 +9678,10 @@ MUTATIONS = (
     Mutation("a-misspelt-mutation-name-skipped-silently", "scripts/mutations.py",
              "    if unknown:\n        print(", "    if False:\n        print(",
              ("tests/test_mutations_script.py", "-k", "misspelt")),
+    Mutation('speculative-cost-measurement-timed-as-prefill', 'src/decodekit/speculative/loop.py',
+             '        if self.controller.fixed is None and self.controller.cost is None:\n            # a model',
+             '        if False:\n            # a model',
+             ('tests/test_speculative.py', '-k', 'first_cost_measurement')),
 )
 
 

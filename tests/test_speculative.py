@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -143,6 +144,23 @@ def test_stats_record_the_speculative_figures(engines):
     produced = 1 + round(extra["mean_accepted"] * extra["verifications"]) + extra["plain_steps"]
     assert produced >= g.stats.new_tokens
     assert set(extra.get("accepted_by_source", {})) <= {"pld:1", "pld:2", "pld:3", "recycling", "suffix", "suffix:corpus"}
+
+
+
+def test_a_models_first_cost_measurement_is_not_counted_as_its_requests_prefill(monkeypatch, tmp_path):
+    """A model's first speculative request times its passes for the controller (a minute on a slow
+    machine, once): that is set-up, not the prompt's reading, so ``prefill_s`` leaves it out."""
+    monkeypatch.setenv("DECODEKIT_COST_TABLE", str(tmp_path / "verify_cost.json"))  # nothing measured yet
+    measure, measured = CostTable.measure.__func__, []
+
+    def slow_measure(cls, backend, *args, **kwargs):
+        measured.append(backend)
+        time.sleep(1.0)
+        return measure(cls, backend, *args, **kwargs)
+
+    monkeypatch.setattr(CostTable, "measure", classmethod(slow_measure))
+    g = Engine(tiny(5)).generate(PROMPTS[0], method="pld", max_new_tokens=4, chat=False)
+    assert measured and g.stats.prefill_s < 1.0
 
 
 # Options ------------------------------------------------------------------------------------------

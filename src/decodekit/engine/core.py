@@ -159,7 +159,8 @@ class StepMethod(ABC):
 
     def check(self, backend: Backend) -> None:
         """Called before prefill: refuse (:class:`~decodekit.errors.InvalidParameter`) a model this method cannot run
-        on, so that a request it cannot serve costs no prompt read."""
+        on, so that a request it cannot serve costs no prompt read; and set up, once per model, what is no part of
+        the request's timed prefill (the speculative controller's verify costs)."""
 
     def begin(self, state: DecodeState) -> None:
         """Called once after prefill (e.g. to index the prompt)."""

@@ -36,7 +36,7 @@ import torch
 from ..engine.core import DecodeState, StepDecoder, StepMethod
 from ..models.backend import Backend
 from ..options import OptionSpec, option_table, parse_options
-from .controller import Controller
+from .controller import Controller, prepare
 from .drafters import Drafter
 from .tree import DraftTree, Verification, select_nodes
 from .verify import PathVerifier, Verifier, make_verifier, node_histories
@@ -65,6 +65,10 @@ class SpeculativeMethod(StepMethod):
 
     def check(self, backend: Backend) -> None:
         self.drafter.check(backend)
+        if self.controller.fixed is None and self.controller.cost is None:
+            # a model's first request measures its verify costs (a minute on a slow machine, once)
+            # here, before the decode loop's timed prefill: prefill_s is the prompt's reading alone
+            prepare(backend)
 
     def begin(self, state: DecodeState) -> None:
         self.drafter.begin(state)  # first: it may read what prefill left in the backend (trained drafters' features)
