@@ -9682,6 +9682,15 @@ MUTATIONS = (
              '        if self.controller.fixed is None and self.controller.cost is None:\n            # a model',
              '        if False:\n            # a model',
              ('tests/test_speculative.py', '-k', 'first_cost_measurement')),
+    Mutation('eagle-unrolled-ancestors-seen-causally', 'src/decodekit/speculative/trained/networks.py',
+             '[torch.eye(L, dtype=torch.bool)] * step, 1)', '[torch.ones(L, L, dtype=torch.bool).tril()] * step, 1)',
+             ('tests/test_trained_drafters.py', '-k', 'predict_what_drafting_predicts')),
+    Mutation('eagle-unrolled-keys-aligned-at-the-end', 'src/decodekit/speculative/trained/networks.py',
+             'torch.cat([k[:, :, :L] for k in keys], 2)', 'torch.cat([k[:, :, -L:] for k in keys], 2)',
+             ('tests/test_trained_drafters.py', '-k', 'predict_what_drafting_predicts')),
+    Mutation('eagle-unrolled-steps-see-only-their-own-pairs', 'src/decodekit/speculative/trained/networks.py',
+             '            predicted, (k, v) = self(inputs, embeds[:, 1 + step :], torch.arange(step, step + L), visible, past)', '            predicted, (k, v) = self(inputs, embeds[:, 1 + step :], torch.arange(step, step + L), torch.ones(L, L, dtype=torch.bool).tril())',
+             ('tests/test_trained_drafters.py', '-k', 'predict_what_drafting_predicts or as_constants')),
 )
 
 

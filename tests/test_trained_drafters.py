@@ -2086,8 +2086,9 @@ def test_a_save_that_fails_leaves_no_file_behind(drafter_files, monkeypatch, tmp
 
 def test_eagle_unrolled_steps_learn_from_their_inputs_as_constants():
     """Step s of an unrolled loss reads the features step s - 1 predicted, detached: its gradient is
-    that of its own loss with those inputs held fixed, so the total gradient is the first step's
-    plus the second's (and not through the first step's predictions again)."""
+    that of its own loss with those inputs held fixed (the earlier steps' keys it attends to still
+    learn from it), so the total gradient is the first step's plus the second's (and not through the
+    first step's predictions again)."""
     g = torch.Generator().manual_seed(3)
     features, embeds = torch.randn(1, 9, 8, generator=g), torch.randn(1, 9, 8, generator=g)
     mask = torch.ones(1, 9, dtype=torch.bool)
@@ -2101,13 +2102,38 @@ def test_eagle_unrolled_steps_learn_from_their_inputs_as_constants():
     net = small_eagle()
     first = gradients(net.loss(features, embeds, mask, noise=0.0, unroll=1)[0], net)
     net = small_eagle()
-    with torch.no_grad():
-        causal = torch.ones(8, 8, dtype=torch.bool).tril()
-        inputs = net(features[:, :-1], embeds[:, 1:], torch.arange(8), causal)[0][:, :-1]
-    predicted, _ = net(inputs, embeds[:, 2:], torch.arange(1, 8), torch.ones(7, 7, dtype=torch.bool).tril())
+    first_step, (k, v) = net(features[:, :-1], embeds[:, 1:], torch.arange(8), torch.ones(8, 8, dtype=torch.bool).tril())
+    visible = torch.cat([torch.ones(7, 7, dtype=torch.bool).tril(), torch.eye(7, dtype=torch.bool)], 1)
+    predicted, _ = net(first_step.detach()[:, :-1], embeds[:, 2:], torch.arange(1, 8), visible, (k[:, :, :7], v[:, :, :7]))
     second = gradients(net._scored(predicted, features[:, 2:], mask[:, 2:].float(), 0.1)[0], net)
     assert len(both) == len(first) == len(second) > 0
     assert all(torch.allclose(b, f + s, rtol=1e-4, atol=1e-6) for b, f, s in zip(both, first, second))
+
+
+def test_eagle_unrolled_steps_predict_what_drafting_predicts_at_each_depth():
+    """Step s of the unrolled loss trains the pair a depth-s draft node runs, in the context drafting
+    gives it (EAGLE-3's training-time test): the target's features up to the draft's start, then the
+    node's ancestors on its path. Drafting is spelt out here as EagleDrafter runs it: the prefix's
+    pairs in one pass, then one pair a level with the cache of the levels before."""
+    g = torch.Generator().manual_seed(5)
+    features, embeds = torch.randn(1, 9, 8, generator=g), torch.randn(1, 9, 8, generator=g)
+    net = small_eagle()
+    with torch.no_grad():
+        steps = net.unrolled(features[:, :-1], embeds, 3)
+        assert [tuple(t.shape) for t in steps] == [(1, 8, 8), (1, 7, 8), (1, 6, 8)]
+        for start in range(6):  # the draft starts after the target's features 0..start
+            n = start + 1
+            out, (k, v) = net(features[:, :n], embeds[:, 1 : n + 1], torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
+            feature = out[:, -1:]
+            assert torch.allclose(feature, steps[0][:, start : start + 1], atol=1e-5)
+            for depth in (1, 2):  # the node's pair: its parent's predicted feature, its own token
+                if start + depth >= 8:
+                    break
+                out, (k_new, v_new) = net(feature, embeds[:, start + depth + 1 : start + depth + 2],
+                                          torch.tensor([start + depth]), torch.ones(1, k.shape[2] + 1, dtype=torch.bool), (k, v))
+                k, v = torch.cat([k, k_new], 2), torch.cat([v, v_new], 2)
+                feature = out
+                assert torch.allclose(feature, steps[depth][:, start : start + 1], atol=1e-5), (start, depth)
 
 
 def test_a_training_without_a_time_limit_records_its_minutes_as_json_can_read_them():

@@ -214,24 +214,45 @@ class EagleNet(nn.Module):
 
         ``unroll`` > 1 also trains on the network's own predictions, as drafting feeds them back
         beyond the first level: step s pairs the (detached) features predicted at step s - 1 with
-        the next tokens (a short form of EAGLE-3's training-time test); the steps' losses are summed."""
+        the next tokens (a short form of EAGLE-3's training-time test); the steps' losses are summed.
+        Each step's pairs attend to what a draft level's pair sees (:meth:`unrolled`)."""
         inputs = features[:, :-1]
         if noise:
             inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
         total = features.new_zeros(())
         metrics: dict = {}
-        for step in range(unroll):
-            L = inputs.shape[1]
-            if L < 1:
-                break
-            causal = torch.ones(L, L, dtype=torch.bool).tril()
-            predicted, _ = self(inputs, embeds[:, 1 + step :], torch.arange(step, step + L), causal)
+        for step, predicted in enumerate(self.unrolled(inputs, embeds, unroll)):
             loss, figures = self._scored(predicted, features[:, 1 + step :], mask[:, 1 + step :].float(),
                                          classification_weight)
             total = total + loss
             metrics.update({(name if step == 0 else f"{name}_{step + 1}"): value for name, value in figures.items()})
-            inputs = predicted.detach()[:, :-1]
         return total, metrics
+
+    def unrolled(self, inputs: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """The features predicted at each of ``steps`` steps over a sequence: step 0's pairs are
+        (``inputs[j]``, ``embeds[j + 1]``) at position j, step s's (step s - 1's prediction at j,
+        detached; ``embeds[j + s + 1]``) at position j + s.
+
+        A pair of step s at position p sees what the pair of a depth-s draft node at p sees: step 0's
+        pairs at positions up to p - s (the target's features: the prefix drafting starts from) and,
+        of each later step t <= s, the one pair at position p - s + t (the node's ancestor at depth t,
+        itself at t = s). So step s's query j reads step 0's keys 0..j and each later step's key j."""
+        out: list[torch.Tensor] = []
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for step in range(steps):
+            L = inputs.shape[1]
+            if L < 1:
+                break
+            visible = torch.cat([torch.ones(L, L, dtype=torch.bool).tril()] + [torch.eye(L, dtype=torch.bool)] * step, 1)
+            past = None if step == 0 else (torch.cat([k[:, :, :L] for k in keys], 2),
+                                           torch.cat([v[:, :, :L] for v in values], 2))
+            predicted, (k, v) = self(inputs, embeds[:, 1 + step :], torch.arange(step, step + L), visible, past)
+            keys.append(k)
+            values.append(v)
+            out.append(predicted)
+            inputs = predicted.detach()[:, :-1]
+        return out
 
     def _scored(self, predicted: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
                 classification_weight: float) -> tuple[torch.Tensor, dict]:
