@@ -9691,6 +9691,25 @@ MUTATIONS = (
     Mutation('eagle-unrolled-steps-see-only-their-own-pairs', 'src/decodekit/speculative/trained/networks.py',
              '            predicted, (k, v) = self(inputs, embeds[:, 1 + step :], torch.arange(step, step + L), visible, past)', '            predicted, (k, v) = self(inputs, embeds[:, 1 + step :], torch.arange(step, step + L), torch.ones(L, L, dtype=torch.bool).tril())',
              ('tests/test_trained_drafters.py', '-k', 'predict_what_drafting_predicts or as_constants')),
+    Mutation('bench-serve-one-token-answer-has-a-tpot', 'src/decodekit/serve/load.py',
+             'return None if self.ttft_s is None or self.tokens < 2 else (self.e2e_s - self.ttft_s) / (self.tokens - 1)',
+             'return None if self.ttft_s is None else (self.e2e_s - self.ttft_s) / max(1, self.tokens - 1)',
+             ('tests/test_bench_serve.py', '-k', 'one_token_answer')),
+    Mutation('bench-serve-keep-alive-comments-skip-the-timeout', 'src/decodekit/serve/load.py',
+             '            out.tokens = usage if isinstance(usage, int) else chunks\n            return\n',
+             '            out.tokens = usage if isinstance(usage, int) else chunks\n            return\n'
+             '        if data is None:\n            continue\n',
+             ('tests/test_bench_serve.py', '-k', 'keep_alive')),
+    Mutation('bench-serve-non-object-chunk-raises', 'src/decodekit/serve/load.py',
+             '        if not isinstance(chunk, dict):\n            raise ValueError(',
+             '        if False:\n            raise ValueError(',
+             ('tests/test_bench_serve.py', '-k', 'not_an_openai_object')),
+    Mutation('bench-serve-ctrl-c-waits-for-the-requests-in-flight', 'src/decodekit/serve/load.py',
+             '            in_flight.cut()\n            raise', '            raise',
+             ('tests/test_bench_serve.py', '-k', 'ctrl_c')),
+    Mutation('bench-serve-chart-joins-levels-in-run-order', 'src/decodekit/serve/load.py',
+             'lvs = sorted(r["levels"], key=lambda lv: lv["concurrency"])', 'lvs = r["levels"]',
+             ('tests/test_bench_serve.py', '-k', 'charts_lines')),
 )
 
 

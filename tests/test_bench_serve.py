@@ -171,8 +171,20 @@ def test_percentile_matches_numpy_linear():
 
 def test_tpot_is_time_after_the_first_token_per_later_token():
     assert RequestTiming(e2e_s=1.0, ttft_s=0.2, tokens=5).tpot_s == pytest.approx(0.2)
-    assert RequestTiming(e2e_s=1.0, ttft_s=0.2, tokens=1).tpot_s == pytest.approx(0.8)  # one token: all of it
     assert RequestTiming(e2e_s=1.0).tpot_s is None
+
+
+def test_a_one_token_answer_has_no_tpot_and_stays_out_of_the_levels_tpot():
+    """vLLM's benchmark_serving.py: TPOT only for answers of more than one token. After a one-token
+    answer's only token comes the stream's end, no token: as a TPOT it would pull the level's down."""
+    from decodekit.serve.load import summarize
+
+    assert RequestTiming(e2e_s=1.0, ttft_s=0.2, tokens=1).tpot_s is None
+    assert RequestTiming(e2e_s=1.0, ttft_s=0.2, tokens=0).tpot_s is None  # a server whose usage says none
+    level = summarize([RequestTiming(e2e_s=1.0, ttft_s=0.2, tokens=5), RequestTiming(e2e_s=0.3, ttft_s=0.2, tokens=1)],
+                      wall_s=1.0, concurrency=2)
+    assert level["tpot_ms"] == {"p50": 200.0, "p90": 200.0, "p99": 200.0}
+    assert level["ok"] == 2 and level["e2e_ms"]["p50"] == 650.0  # the answer counts everywhere else
 
 
 def test_run_against_fake_server(fake_server, tmp_path, capsys):
@@ -465,6 +477,34 @@ def test_a_null_usage_in_every_chunk_is_no_count_and_the_last_usage_wins():
     assert out.error is None and out.tokens == 5
 
 
+def test_a_stream_of_keep_alive_comments_past_the_timeout_is_a_failure(monkeypatch):
+    """--timeout bounds the whole request even while the server sends only comments (a keep-alive
+    while the request waits): each read returns, so the socket's own timeout never fires."""
+    from decodekit.serve.load import read_stream
+
+    import decodekit.serve.load as load
+
+    lines = [b": keep-alive\n"] * 10 + stream_lines("[DONE]")  # the clock reads i at line i
+    out = RequestTiming()
+    read_stream(clocked_stream(monkeypatch, lines), out, 0.0, 2.5)
+    assert out.error == "timed out after 2.5 s"
+    assert load.time.perf_counter() == 3.0  # given up at the first line past the timeout, not at the stream's end
+
+
+def test_a_chunk_that_is_not_an_openai_object_fails_the_request_not_the_run(one_answer_server):
+    """JSON of another shape (null, a list, choices that are not objects) is the request's error: an
+    exception would end the whole load test with a traceback."""
+    from decodekit.serve.load import read_stream
+
+    srv = one_answer_server(200, b"data: null\n\ndata: [DONE]\n\n", "text/event-stream")
+    out = send(srv.url, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, timeout=10)
+    assert out.error == "ValueError: a stream chunk that is not a JSON object: null"
+    for odd in ({"choices": ["x"]}, {"choices": {"0": {}}}, {"choices": [{"delta": "x"}]}, {"choices": None}):
+        out = RequestTiming()
+        read_stream(stream_lines(odd, "[DONE]"), out, time.perf_counter(), 60)
+        assert out.error is None and out.tokens == 0 and out.ttft_s is None
+
+
 def test_comments_and_event_lines_in_the_stream_are_skipped():
     """Server-sent events may hold comments (": keep-alive") and event names: only data lines are chunks."""
     from decodekit.serve.load import read_stream
@@ -561,3 +601,86 @@ def test_the_markdown_table_gives_each_latency_as_p50_p90_p99():
 
     table = markdown_table({"label": "srv", "model": "m", "levels": [level(2, 100.0, 20.0)]})
     assert "| 2 | 4 | 0 | 100.0 | 20.0 / 40.0 / 60.0 | 20.0 / 40.0 / 60.0 | 20.0 / 40.0 / 60.0 |" in table.splitlines()
+
+
+class HoldingServer(ThreadingHTTPServer):
+    """Opens every stream, then holds it for HOLD_S before it answers: requests in flight for a while."""
+
+    daemon_threads = True
+    HOLD_S = 8.0
+
+    def __init__(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                with server.lock:
+                    server.posts += 1
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                try:
+                    self.wfile.write(b'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n')
+                    self.wfile.flush()
+                    time.sleep(server.HOLD_S)
+                    self.wfile.write(b'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\ndata: [DONE]\n\n')
+                except OSError:  # the client went away
+                    pass
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.lock, self.posts = threading.Lock(), 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/v1"
+
+
+def test_ctrl_c_during_a_level_cuts_the_requests_in_flight_instead_of_waiting_for_them():
+    """An interrupt ends the run now: the requests in flight are cut (the pool would otherwise wait for
+    each answer, up to --timeout, before the program could end) and the questions not sent stay unsent."""
+    import signal
+
+    from decodekit.serve.load import run_level
+
+    servers: list = []
+    srv = serving(HoldingServer(), servers)
+    main = threading.main_thread().ident
+
+    def interrupt_once_both_are_in_flight() -> None:
+        deadline = time.perf_counter() + 5
+        while srv.posts < 2 and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    try:
+        threading.Thread(target=interrupt_once_both_are_in_flight, daemon=True).start()
+        t0 = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt):
+            run_level(srv.url, [body] * 6, concurrency=2, timeout=60)
+        assert time.perf_counter() - t0 < HoldingServer.HOLD_S / 2
+        time.sleep(0.2)
+        assert srv.posts == 2  # nothing sent after the interrupt
+    finally:
+        stop_serving(servers)
+
+
+def test_the_charts_lines_join_the_levels_by_rising_concurrency(tmp_path, monkeypatch):
+    """Levels given in any order (--concurrency 4,1,2) are drawn left to right, as the table of a
+    --compare lists them: a line through them in the order run would zigzag across the chart."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from decodekit.serve.load import plot
+
+    figures = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (figures.append(fig), close(fig)))
+    result = {"label": "a", "model": "m", "levels": [level(4, 30.0, 3.0), level(1, 10.0, 1.0), level(2, 20.0, 2.0)]}
+    plot([result], tmp_path / "throughput.png")
+    throughput, ttft = (ax.lines[0] for ax in figures[0].axes)
+    assert list(throughput.get_xdata()) == [1, 2, 4] and list(throughput.get_ydata()) == [10.0, 20.0, 30.0]
+    assert list(ttft.get_xdata()) == [1, 2, 4] and list(ttft.get_ydata()) == [1.0, 2.0, 3.0]

@@ -5,9 +5,10 @@ as a streamed chat completion (``POST {url}/chat/completions``), each worker tak
 question as soon as its previous answer has finished, so c requests are in flight until the
 questions run out. Per request: time to first token (TTFT: up to the first chunk with content),
 end-to-end latency, output tokens (the server's ``usage`` when it sends one, else the content
-chunks) and time per output token after the first (TPOT). Per level: requests ok and failed, the
-level's output tokens/s (the output tokens of every request that succeeded over the level's wall
-time) and the 50th, 90th and 99th percentiles of TTFT, TPOT and latency.
+chunks) and time per output token after the first (TPOT; none for a one-token answer). Per level:
+requests ok and failed, the level's output tokens/s (the output tokens of every request that
+succeeded over the level's wall time) and the 50th, 90th and 99th percentiles of TTFT, TPOT and
+latency.
 
 Writes DIR/results.json and DIR/throughput.png and prints a Markdown table. ``--compare`` puts
 several results files (decodekit serve, llama-server, vLLM, ...) on one chart and one table,
@@ -21,7 +22,9 @@ import http.client
 import json
 import math
 import shlex
+import socket
 import sys
+import threading
 import time
 import urllib.parse
 from collections.abc import Sequence
@@ -73,8 +76,10 @@ class RequestTiming:
 
     @property
     def tpot_s(self) -> float | None:
-        """Time per output token after the first: the decode rate one user sees."""
-        return None if self.ttft_s is None else (self.e2e_s - self.ttft_s) / max(1, self.tokens - 1)
+        """Time per output token after the first: the decode rate one user sees. None for an answer
+        of one token (as vLLM's benchmark_serving.py has it): no token follows the first, and the
+        time after it is the stream's end, not a token's."""
+        return None if self.ttft_s is None or self.tokens < 2 else (self.e2e_s - self.ttft_s) / (self.tokens - 1)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -152,36 +157,83 @@ def read_stream(response: http.client.HTTPResponse, out: RequestTiming, start: f
     chunks, usage = 0, None
     for raw in response:
         line = raw.decode("utf-8").strip()
-        if not line.startswith("data:"):  # blank separators, comments, event names
-            continue
-        data = line[len("data:"):].strip()
+        data = line[len("data:"):].strip() if line.startswith("data:") else None  # else a separator, comment, event name
         if data == "[DONE]":
             out.tokens = usage if isinstance(usage, int) else chunks
             return
+        # the socket timeout only bounds each read: checked on every line, as a server may send
+        # keep-alive comments for as long as a request waits
+        if time.perf_counter() - start > timeout:
+            out.error = f"timed out after {timeout:g} s"
+            return
+        if data is None:
+            continue
         chunk = json.loads(data)
+        if not isinstance(chunk, dict):
+            raise ValueError(f"a stream chunk that is not a JSON object: {data[:80]}")
         if chunk.get("error"):  # a server that fails mid-stream says so in a chunk
             out.error = f"error in stream: {error_message(data.encode())}"
             return
         if isinstance(chunk.get("usage"), dict):
             usage = chunk["usage"].get("completion_tokens")
-        choices = chunk.get("choices") or []
-        if choices and (choices[0].get("delta") or {}).get("content"):
+        choices = chunk.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices else None
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if isinstance(delta, dict) and delta.get("content"):
             chunks += 1
             if out.ttft_s is None:
                 out.ttft_s = time.perf_counter() - start
-        if time.perf_counter() - start > timeout:  # the socket timeout only bounds each read
-            out.error = f"timed out after {timeout:g} s"
-            return
     out.error = "the stream ended before data: [DONE]"
 
 
-def send(url: str, body: dict[str, Any], timeout: float) -> RequestTiming:
+class InFlight:
+    """The sockets of a level's requests in flight. An interrupted run (Ctrl-C) cuts them
+    (:meth:`cut`), and none starts after: else the interrupt would wait for every answer in flight,
+    up to --timeout each, before the program could end (the pool's threads are joined at exit).
+    Sockets, not connections: a response that ends with the connection's close takes the socket
+    from its connection."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._cut = False
+
+    def add(self, sock: socket.socket) -> bool:
+        """Note a connected socket; False (and it is not noted) once the level has been cut."""
+        with self._lock:
+            if not self._cut:
+                self._open.add(sock)
+            return not self._cut
+
+    def discard(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._open.discard(sock)
+
+    def cut(self) -> None:
+        """Shut every noted socket down: a read waiting on one returns at once (from any thread)."""
+        with self._lock:
+            self._cut = True
+            for sock in self._open:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:  # already closed
+                    pass
+
+
+def send(url: str, body: dict[str, Any], timeout: float, in_flight: InFlight | None = None) -> RequestTiming:
     """One streamed chat completion. Every failure becomes the outcome's error, never an exception:
-    a load test must go on when the server refuses or drops a request."""
+    a load test must go on when the server refuses or drops a request. ``in_flight``: where the
+    connection is noted while it is open, for an interrupt to cut."""
     out = RequestTiming()
     start = time.perf_counter()
     conn, base = connect(url, timeout)
+    sock = None
     try:
+        conn.connect()
+        sock = conn.sock
+        if in_flight is not None and not in_flight.add(sock):
+            out.error = "interrupted"
+            return out
         conn.request("POST", base + "/chat/completions", json.dumps(body).encode(),
                      {"Content-Type": "application/json", "Accept": "text/event-stream"})
         response = conn.getresponse()
@@ -192,6 +244,8 @@ def send(url: str, body: dict[str, Any], timeout: float) -> RequestTiming:
     except (OSError, http.client.HTTPException, ValueError) as err:  # ValueError: bad JSON or UTF-8
         out.error = f"{type(err).__name__}: {err}"
     finally:
+        if in_flight is not None and sock is not None:
+            in_flight.discard(sock)
         conn.close()
     out.e2e_s = time.perf_counter() - start
     return out
@@ -200,9 +254,14 @@ def send(url: str, body: dict[str, Any], timeout: float) -> RequestTiming:
 def run_level(url: str, bodies: Sequence[dict[str, Any]], concurrency: int, timeout: float) -> dict[str, Any]:
     """Send every body with ``concurrency`` requests in flight; the level's summary."""
     start = time.perf_counter()
+    in_flight = InFlight()
     # The pool's queue is the shared iterator: a worker takes the next question when its answer is done.
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        outcomes = list(pool.map(lambda body: send(url, body, timeout), bodies))
+        try:
+            outcomes = list(pool.map(lambda body: send(url, body, timeout, in_flight), bodies))
+        except BaseException:  # Ctrl-C: the questions not sent are dropped (by map); those in flight end now
+            in_flight.cut()
+            raise
     return summarize(outcomes, time.perf_counter() - start, concurrency)
 
 
@@ -293,7 +352,7 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> Path:
 
     fig, axes = plt.subplots(1, 2, figsize=(11.0, 4.2), dpi=130)
     for r in results:
-        lvs = r["levels"]
+        lvs = sorted(r["levels"], key=lambda lv: lv["concurrency"])  # a line joins the levels left to right
         axes[0].plot([lv["concurrency"] for lv in lvs], [lv["output_tok_s"] for lv in lvs], marker="o", label=r["label"])
         ttft = [(lv["concurrency"], lv["ttft_ms"]["p50"]) for lv in lvs if lv["ttft_ms"]["p50"] is not None]
         axes[1].plot([c for c, _ in ttft], [t for _, t in ttft], marker="o", label=r["label"])
