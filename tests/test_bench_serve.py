@@ -11,6 +11,7 @@ import shlex
 import socket
 import threading
 import time
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -30,8 +31,8 @@ N_QUESTIONS = len(load_questions(resolve_question_file(None), limit=1))
 class FakeServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, usage: bool = True, done: bool = True):
-        super().__init__(("127.0.0.1", 0), FakeHandler)
+    def __init__(self, usage: bool = True, done: bool = True, port: int = 0):
+        super().__init__(("127.0.0.1", port), FakeHandler)
         self.usage, self.done = usage, done
         self.lock = threading.Lock()
         self.posts: list[dict] = []
@@ -684,3 +685,97 @@ def test_the_charts_lines_join_the_levels_by_rising_concurrency(tmp_path, monkey
     throughput, ttft = (ax.lines[0] for ax in figures[0].axes)
     assert list(throughput.get_xdata()) == [1, 2, 4] and list(throughput.get_ydata()) == [10.0, 20.0, 30.0]
     assert list(ttft.get_xdata()) == [1, 2, 4] and list(ttft.get_ydata()) == [1.0, 2.0, 3.0]
+
+
+# --start: servers bench-serve runs itself ------------------------------------------------------
+
+#: A fake server in a process of its own, as --start runs a peer: it writes its pid, then serves.
+FAKE_PEER = ("import os, sys; sys.path.insert(0, {tests!r}); import test_bench_serve as t; "
+             "open(sys.argv[2], 'w').write(str(os.getpid())); t.FakeServer(port=int(sys.argv[1])).serve_forever()")
+
+
+def fake_peers(monkeypatch, tmp_path, **commands):
+    """PEERS replaced by fakes: a name mapped to "fake" runs FAKE_PEER, to None is not installed,
+    to a list runs that command; returns where each fake writes its pid."""
+    import sys
+
+    from decodekit.serve import peers
+
+    pids = {name: tmp_path / f"{name}.pid" for name in commands}
+
+    def command_of(name, spec):
+        def command(gguf, port, slots):
+            if spec == "fake":
+                return [sys.executable, "-c", FAKE_PEER.format(tests=str(Path(__file__).parent)), str(port), str(pids[name])]
+            return spec
+        return command
+
+    monkeypatch.setattr(peers, "PEERS", {name: peers.Peer(name, command_of(name, spec), "not installed here")
+                                         for name, spec in commands.items()})
+    return pids
+
+
+def gone(pid_file) -> bool:
+    import os
+
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_started_servers_are_measured_one_after_another_and_stopped(monkeypatch, tmp_path, capsys):
+    pids = fake_peers(monkeypatch, tmp_path, first="fake", absent=None, second="fake")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    out = tmp_path / "out"
+    assert run(parse("--start", "first,absent,second", "--serve-model", str(tmp_path / "m.gguf"), "--concurrency", "1,2",
+                     "--limit", "1", "--out", str(out), "--timeout", "30")) == 0
+    captured = capsys.readouterr()
+    assert "absent: skipped, not installed here" in captured.err
+    for name in ("first", "second"):
+        result = json.loads((out / name / "results.json").read_text())
+        assert result["label"] == name and [lv["concurrency"] for lv in result["levels"]] == [1, 2]
+        assert all(lv["ok"] + lv["failed"] == N_QUESTIONS and lv["ok"] > 0 for lv in result["levels"])
+        assert str(pids[name]) in result["server_command"]
+        assert gone(pids[name])  # stopped before the next one started, and before the run ended
+    assert "| first | second |" in captured.out  # the comparison of the two
+    assert (out / "throughput.png").stat().st_size > 0
+    assert not (out / "absent").exists()
+
+
+def test_a_started_server_that_exits_before_it_answers_is_one_line(monkeypatch, tmp_path):
+    import sys
+
+    fake_peers(monkeypatch, tmp_path, broken=[sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"])
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(InvalidParameter, match="broken exited with status 3 before it answered: no model here"):
+        run(parse("--start", "broken", "--serve-model", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "out")))
+
+
+def test_an_interrupted_run_stops_the_server_it_started(monkeypatch, tmp_path):
+    from decodekit.serve import load
+
+    pids = fake_peers(monkeypatch, tmp_path, only="fake")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(load, "run_level", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(parse("--start", "only", "--serve-model", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "out")))
+    assert gone(pids["only"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--start", "decodekit,vllm"], "--start takes comma-separated servers"),
+    (["--start", "decodekit,decodekit"], "each once"),
+    (["--start", "decodekit", "--serve-model", "/no/such.gguf"], "--serve-model must be an embedded model or a .gguf"),
+    (["--start", "decodekit", "--model", "x"], "with --start, give --serve-model"),
+    (["--serve-model", "x.gguf"], "--serve-model applies with --start"),
+])
+def test_bad_start_options_are_one_line(argv, message, tmp_path):
+    with pytest.raises(InvalidParameter, match=re.escape(message)):
+        run(parse(*argv, "--out", str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()

@@ -27,6 +27,7 @@ from decodekit.interfaces.cli import main
 from decodekit.models import kernels, load_model
 from decodekit.models.cache import Entry, cached_folder, read_json, read_manifest, update_json
 from decodekit.models.gguf_blocks import BLOCKS_FILE, MATCHES_FILE, BlockMatrix
+from decodekit.models.loading import check_gguf_layout
 from decodekit.models.tiny import tiny_hf_config, tiny_llama, tiny_state_dict
 from decodekit.speculative.controller import CostTable
 
@@ -36,15 +37,21 @@ REPORT = "failed its check"
 # A tiny GGUF model ------------------------------------------------------------------------------
 
 
-def write_tiny_gguf(path: Path) -> None:
+def write_tiny_gguf(path: Path, alignment: int | None = None, fields: dict | None = None) -> None:
     """The tiny Llama of :mod:`decodekit.models.tiny` as a GGUF file as llama.cpp writes one: Q8_0
-    projections (q/k rows in llama.cpp's order), float32 norms, a byte-level BPE vocabulary."""
+    projections (q/k rows in llama.cpp's order), float32 norms, a byte-level BPE vocabulary.
+    ``alignment``: the tensors' (general.alignment; 32, unsaid, by default); ``fields``: more
+    metadata, ``{key: (value, GGUFValueType)}``."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     config = tiny_hf_config(vocab_size=260, hidden_size=32, num_layers=2)
     state = tiny_state_dict(config)
     writer = gguf.GGUFWriter(str(path), "llama")
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    for key, (value, kind) in (fields or {}).items():
+        writer.add_key_value(key, value, kind)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -912,19 +919,28 @@ def test_a_gguf_whose_header_misplaces_its_tensors_or_layers_is_refused_not_load
     import struct
 
     data = tiny_gguf.read_bytes()
+    check_gguf_layout(tiny_gguf)  # the file as written passes, its last tensor ending the file
     q_dims, q_type, q_offset = gguf_tensor_info(data, "blk.0.attn_q.weight")
     k_offset = gguf_tensor_info(data, "blk.0.attn_k.weight")[2]
+    embd_dims = gguf_tensor_info(data, "token_embd.weight")[0]  # 32 x 260 values, Q8_0: blocks of 32
     at = data.index(b"llama.block_count") + len("llama.block_count") + 4  # its value, after its type
     assert struct.unpack_from("<I", data, at)[0] == 2
+    tokens = data.index(b"tokenizer.ggml.tokens") + len("tokenizer.ggml.tokens") + 8  # after type, item type
     q_at = struct.unpack_from("<Q", data, q_offset)[0]
     damages = {
         "unaligned": (patched(data, q_offset, "<Q", q_at + 1), "is at offset"),
         "overlapping": (patched(data, k_offset, "<Q", q_at), "is at offset"),
         "retyped": (patched(data, q_type, "<I", 1), "is at offset"),  # Q8_0 -> F16: other sizes
+        "untyped": (patched(data, q_type, "<I", 99), "tensor 'blk.0.attn_q.weight' is of unknown type 99"),
         "reshaped": (patched(data, q_dims + 8, "<Q", 1 << 40), "ends past the end of the file"),
+        "partial blocks": (patched(data, embd_dims, "<Q", 31), "of 8060 values is not whole blocks of 32"),
+        "cut short": (data[:-1], "tensor 'blk.1.ffn_down.weight' ends past the end of the file"),
         "fewer layers": (patched(data, at, "<I", 1), "its block_count is 1, its tensors are those of 2 layers"),
         "absurd layers": (patched(data, at, "<I", 2**32 - 1), "its block_count is 4294967295"),
+        "renamed layer": (data.replace(b"blk.1.", b"blk.7."), "its block_count is 2, its tensors are those of 2 layers"),
         "a huge string": (patched(data, 24, "<Q", 1 << 60), "past the end of the file"),
+        "a huge array": (patched(data, tokens, "<Q", 1 << 40), f"an array of {1 << 40} values, past the end of the file"),
+        "a value of no type": (patched(data, at - 4, "<I", 13), "a value of unknown type 13"),
     }
     for damage, (changed, problem) in damages.items():
         bad = tmp_path / f"{damage.replace(' ', '_')}.gguf"
@@ -933,6 +949,32 @@ def test_a_gguf_whose_header_misplaces_its_tensors_or_layers_is_refused_not_load
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and f"{bad}: not a valid GGUF file (" in err and problem in err, err
     assert not [p for p in cache.rglob("*") if not p.name.endswith(".lock")]  # nothing cached for any
+
+
+def test_the_gguf_layout_check_takes_the_files_alignment_and_every_value_type(tmp_path):
+    """A valid file aligned to 64 (general.alignment), with a value of every scalar type, passes the
+    check, which walks the header as llama.cpp does; an alignment of 0 or not a power of two is
+    refused in one line, as llama.cpp refuses it."""
+    import struct
+
+    from gguf import GGUFValueType as T
+
+    from decodekit.models.loading import GGUF_SCALARS
+
+    values = {T.FLOAT32: 0.5, T.FLOAT64: 0.25, T.BOOL: True}
+    fields = {f"test.{kind.name.lower()}": (values.get(kind, 7), kind) for kind in map(T, GGUF_SCALARS)}
+    path = tmp_path / "aligned.gguf"
+    write_tiny_gguf(path, alignment=64, fields=fields)
+    check_gguf_layout(path)
+    data = path.read_bytes()
+    at = data.index(b"general.alignment") + len("general.alignment") + 4  # its value, after its type
+    assert struct.unpack_from("<I", data, at)[0] == 64
+    for alignment in (0, 48):
+        bad = tmp_path / f"aligned-{alignment}.gguf"
+        bad.write_bytes(patched(data, at, "<I", alignment))
+        with pytest.raises(InvalidModel, match=re.escape(f"{bad}: not a valid GGUF file (an alignment of {alignment}, "
+                                                         "not a power of two)")):
+            check_gguf_layout(bad)
 
 
 def test_a_gguf_block_with_a_nan_scale_is_refused_in_one_line(tiny_gguf, cache, tmp_path, capsys):

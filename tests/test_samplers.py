@@ -747,6 +747,7 @@ def test_greedy_equals_argmax_of_processed_logits():
     pen = Sampler.from_params(temperature=0, no_repeat_ngram_size=1)
     picked = pen.pick(x, hist)
     assert torch.equal(picked, x.topk(2, -1).indices[:, 1])
+    assert torch.equal(pen.probs(x, hist), torch.nn.functional.one_hot(picked, 30).float())  # one-hot at the processed argmax
 
 
 def test_same_seed_same_samples_different_seed_different():
@@ -815,13 +816,17 @@ def test_sample_from_uses_given_weights():
 
 
 
-@pytest.mark.parametrize("weights", [[1.0, float("inf"), 2.0], [float("nan"), 1.0, 2.0], [0.0, 0.0, 0.0]],
-                         ids=["inf", "nan", "zero"])
+@pytest.mark.parametrize("weights", [[1.0, float("inf"), 2.0], [float("nan"), 1.0, 2.0], [0.0, 0.0, 0.0],
+                                     [-1.0, 2.0, 1.0]], ids=["inf", "nan", "zero", "negative"])
 def test_sample_from_refuses_weights_it_cannot_draw_from(weights):
-    """Weights that are not finite (a penalty past float32's range, a NaN) or sum to 0 are the
-    sampler's own InvalidParameter, saying why, never torch's RuntimeError from multinomial."""
+    """Weights that are not finite (a penalty past float32's range, a NaN), negative or sum to 0 are
+    the sampler's own InvalidParameter, saying why, never torch's RuntimeError from multinomial; the
+    keyed draw (:meth:`Sampler.sample_at`) refuses the same weights."""
+    s = Sampler(seed=0)
     with pytest.raises(InvalidParameter, match="no token can be sampled"):
-        Sampler(seed=0).sample_from(torch.tensor([weights, [1.0, 1.0, 1.0]]))
+        s.sample_from(torch.tensor([weights, [1.0, 1.0, 1.0]]))
+    with pytest.raises(InvalidParameter, match="no token can be sampled"):
+        s.sample_at(torch.tensor(weights), 0)
 
 @pytest.mark.parametrize(
     "kwargs, name",
@@ -949,6 +954,28 @@ def test_broken_by_asks_every_processor():
     s = Sampler([Temperature(0.5), TopK(3), Refuses7()], seed=0)
     assert s.broken_by([1, 2]) is None
     assert s.broken_by([1, 7]) == "7 is not allowed"
+
+def test_forced_asks_every_processor():
+    """The tokens a processor forces are found whichever processor of the chain forces them."""
+    class ForcesAfter2(LogitsProcessor):
+        def __call__(self, logits, histories):
+            return logits.clone()
+
+        def forced(self, generated):
+            return [3, 4] if generated[-1:] == [2] else []
+
+    s = Sampler([Temperature(0.5), TopK(3), ForcesAfter2()], seed=0)
+    assert s.forced([1]) == []
+    assert s.forced([1, 2]) == [3, 4]
+
+
+@pytest.mark.parametrize("shape", [(4,), (1, 2, 4)])
+def test_process_refuses_logits_that_are_not_rows(shape):
+    """``process`` takes ``[batch, vocab]``: one flat row or a 3-D tensor is a ValueError saying so."""
+    for s in (Sampler(seed=0), Sampler.from_params(top_k=2, seed=0)):
+        with pytest.raises(ValueError, match=r"logits must have shape \[batch, vocab\]"):
+            s.process(torch.zeros(shape))
+
 
 def test_process_refuses_a_history_count_unlike_the_rows():
     """A history processor needs one history per row: one history for two rows is an error, not a guess."""

@@ -314,8 +314,8 @@ def test_beam_length_penalty_counts_the_eos_token():
     assert g.text == "" and g.finish_reason == "eos"
 
 
-def beam(model: LoadedModel, n: int = 2, max_new: int = 5):
-    req = request(model, "p", method="greedy", max_new=max_new)
+def beam(model: LoadedModel, n: int = 2, max_new: int = 5, **sampler):
+    req = request(model, "p", method="beam", max_new=max_new, **sampler)
     return build_decoder("beam", n=n, length_penalty=0.0).generate(model, req)
 
 
@@ -351,6 +351,35 @@ def test_beam_at_max_new_tokens_unfinished_beams_compete_with_fewer_than_width_f
     g = beam(model, max_new=2)
     assert outcomes(g) == [("aa", "length"), ("", "eos"), ("bb", "length")]
     assert g.text == "aa" and g.finish_reason == "length"
+
+
+def test_beam_stops_once_width_hypotheses_have_finished():
+    """HF's ``early_stopping=True``: from "p", "a" and "b" go on and both end on EOS at step 2, ranked 0
+    and 1; two finished for width 2 end the search there (1 + 2 rows spent), before the unlikely
+    beams left over would run a step."""
+    model = bigram_model({"p": {"a": 1.0, "b": 0.0}, "a": {"": 10.0}, "b": {"": 10.0}})
+    g = beam(model)
+    assert outcomes(g) == [("a", "eos"), ("b", "eos")]
+    assert g.stats.extra["tokens_spent"] == 3
+
+
+def test_beam_never_extends_a_candidate_the_sampler_removed():
+    """A token the sampler removed (top_k=1: every token but the best has logit -inf) is no candidate:
+    width 3 keeps one beam, greedy's path, and never a hypothesis of log-probability -inf."""
+    model = bigram_model({"p": {"a": 1.0, "b": 0.0}, "a": {"b": 1.0, "": 0.0}, "b": {"": 10.0}})
+    g = beam(model, n=3, top_k=1)
+    assert outcomes(g) == [("ab", "eos")]
+    assert math.isfinite(g.extra["candidates"][0]["logp"])
+
+
+@pytest.mark.parametrize("penalty, text", [({"repetition_penalty": 4.0}, "a"), ({"frequency_penalty": 1.5}, "pa")])
+def test_beam_penalties_see_the_histories_plain_decoding_gives_them(penalty, text):
+    """As in plain decoding, the repetition penalty counts the prompt and the frequency penalty the
+    generated tokens only. From the prompt "p", "p" (logit 2) beats "a" (1) unless penalised: divided
+    by 4 for the prompt's "p", it loses at once; less 1.5 once generated, it wins once, then loses."""
+    model = bigram_model({"p": {"p": 2.0, "a": 1.0}, "a": {"": 10.0}})
+    plain = build_decoder("greedy").generate(model, request(model, "p", method="greedy", max_new=5, **penalty))
+    assert beam(model, n=1, **penalty).text == plain.text == text
 
 
 # Multi-sample selection -------------------------------------------------------------------------
@@ -1087,6 +1116,11 @@ def test_beam_mean_logprob_is_its_log_probability_per_token():
     logp = 2.0 - math.log(math.exp(2) + math.exp(1) + 1)
     assert g.extra["candidates"][0]["logp"] == pytest.approx(logp, abs=1e-3)
     assert g.extra["uncertainty"]["mean_logprob"] == pytest.approx(logp / 2, abs=1e-3)
+    # an answer that ended on EOS: its EOS is one of its choices, counted once ("a" + EOS: logP / 2)
+    ended = beam(bigram_model({"p": {"a": 1.0, "b": 0.0}, "a": {"": 10.0}, "b": {"": 10.0}}))
+    best = ended.extra["candidates"][0]
+    assert (best["text"], best["finish_reason"]) == ("a", "eos")
+    assert ended.extra["uncertainty"]["mean_logprob"] == pytest.approx(best["logp"] / 2, abs=1e-3)
 
 
 # Batched decoding's promises, pinned one by one ------------------------------------------------------

@@ -48,7 +48,7 @@ def truncation_asked(params: dict[str, Any]) -> dict[str, Any]:
 
 #: What a draw from probabilities that are not finite, negative or all zero says: huge penalties take
 #: float32 logits to infinity, which no draw can follow (a temperature near 0 does not: see Temperature).
-UNSAMPLEABLE = ("no token can be sampled: the processed probabilities are not finite or sum to zero "
+UNSAMPLEABLE = ("no token can be sampled: the processed probabilities are not finite, are negative or sum to zero "
                 "(a penalty too extreme for float32?)")
 
 
@@ -282,7 +282,7 @@ class Sampler:
         """One draw per row from (possibly unnormalised, non-negative) ``probs`` ``[..., V]``,
         using ``self.generator``; returns a LongTensor of shape ``probs.shape[:-1]``."""
         flat = probs.reshape(-1, probs.shape[-1]).to(self.generator.device, torch.float32)
-        if bool((flat.sum(dim=-1) <= 0).any()) or not bool(torch.isfinite(flat).all()):
+        if bool((flat.sum(dim=-1) <= 0).any()) or not bool(torch.isfinite(flat).all()) or bool((flat < 0).any()):
             raise InvalidParameter(UNSAMPLEABLE)
         ids = torch.multinomial(flat, 1, generator=self.generator).view(probs.shape[:-1])
         return ids.to(probs.device)

@@ -12,7 +12,9 @@ latency.
 
 Writes DIR/results.json and DIR/throughput.png and prints a Markdown table. ``--compare`` puts
 several results files (decodekit serve, llama-server, vLLM, ...) on one chart and one table,
-sending nothing. HTTP is the standard library's, so that the client is the same for every server.
+sending nothing. ``--start decodekit,llama-cpp-python,llama-server`` starts those servers itself on
+one GGUF file, one after another (:mod:`.peers`), measures each (DIR/<server>/results.json) and
+compares them. HTTP is the standard library's, so that the client is the same for every server.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 from ..arguments import named
 from ..bench.questions import load_questions, resolve_question_file
 from ..errors import InvalidParameter
+from . import peers
 
 SCHEMA = "decodekit-bench-serve/1"
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
@@ -62,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default 300)")
     p.add_argument("--compare", nargs="+", metavar="RESULTS.json",
                    help="draw these results files on one DIR/throughput.png and print them side by side; sends nothing")
+    p.add_argument("--start", metavar="SERVERS",
+                   help=f"start these servers one after another on --serve-model and measure each, instead of --url "
+                        f"(comma-separated: {', '.join(peers.PEERS)}; one not installed is skipped with a note)")
+    p.add_argument("--serve-model", default=None, metavar="MODEL",
+                   help="with --start: the embedded model's name or a .gguf file every server runs (default smollm2-135m)")
     p.set_defaults(func=run)
 
 
@@ -277,7 +285,7 @@ def parse_concurrency(text: str) -> list[int]:
 
 def check_options(args: argparse.Namespace) -> None:
     parts = urllib.parse.urlsplit(args.url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    if args.start is None and (parts.scheme not in ("http", "https") or not parts.netloc):
         raise InvalidParameter(f"--url must be an http:// or https:// URL such as {DEFAULT_URL}, got {args.url!r}")
     if args.max_tokens <= 0:
         raise InvalidParameter(f"--max-tokens must be positive, got {args.max_tokens}")
@@ -287,9 +295,9 @@ def check_options(args: argparse.Namespace) -> None:
         raise InvalidParameter(f"--temperature must be 0 (greedy) or a finite positive number, got {args.temperature}")
 
 
-def command_line(args: argparse.Namespace, model: str, label: str) -> str:
+def command_line(args: argparse.Namespace, model: str, label: str, url: str | None = None) -> str:
     """An explicit command that reproduces the run (every default and the model spelled out)."""
-    parts = ["decodekit", "bench-serve", "--url", args.url, "--model", model, "--concurrency", args.concurrency,
+    parts = ["decodekit", "bench-serve", "--url", url or args.url, "--model", model, "--concurrency", args.concurrency,
              "--limit", str(args.limit), "--max-tokens", str(args.max_tokens), "--temperature", f"{args.temperature:g}",
              "--out", str(args.out), "--label", label, "--timeout", f"{args.timeout:g}"]
     return shlex.join(parts + (["--method", args.method] if args.method else []))
@@ -392,31 +400,83 @@ def run_compare(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.compare:
         return run_compare(args)
+    if args.start is not None:
+        return run_started(args)
+    if args.serve_model is not None:
+        raise InvalidParameter("--serve-model applies with --start (with --url, the server runs its own model)")
     levels = parse_concurrency(args.concurrency)
     check_options(args)
     questions = load_questions(resolve_question_file(None), limit=args.limit)
     model = args.model or first_model(args.url, args.timeout)
-    out = Path(args.out)
-    try:  # last: a run refused for any other reason leaves no folder behind
+    out = make_folder(Path(args.out))  # last: a run refused for any other reason leaves no folder behind
+    result = measure(args, args.url, model, args.label or urllib.parse.urlsplit(args.url).netloc, questions, levels, out)
+    print(markdown_table(result))
+    print(f"wrote {out / 'results.json'} and {plot([result], out / 'throughput.png')}", file=sys.stderr)
+    return 0
+
+
+def make_folder(out: Path) -> Path:
+    try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise InvalidParameter(f"cannot create the --out folder {out}: {err.strerror or err}") from None
-    label = args.label or urllib.parse.urlsplit(args.url).netloc
+    return out
+
+
+def measure(args: argparse.Namespace, url: str, model: str, label: str, questions: Sequence[Any], levels: Sequence[int],
+            out: Path, server_command: str | None = None) -> dict[str, Any]:
+    """Every concurrency level against ``url``; the results, also written to ``out``/results.json."""
     extra = {"method": args.method} if args.method else {}
     bodies = [{"model": model, "messages": [{"role": "user", "content": q.turns[0]}], "stream": True,
                "stream_options": {"include_usage": True}, "max_tokens": args.max_tokens,
                "temperature": args.temperature, **extra} for q in questions]
-    result = {"schema": SCHEMA, "label": label, "url": args.url, "model": model,
-              "command": command_line(args, model, label), "levels": []}
+    result = {"schema": SCHEMA, "label": label, "url": url, "model": model,
+              "command": command_line(args, model, label, url), "levels": []}
+    if server_command is not None:
+        result["server_command"] = server_command
+    who = "" if server_command is None else f"{label}: "  # (several servers in one run)
     for c in levels:
         note = f" (so at most {len(bodies)} in flight, not {c}: raise --limit)" if c > len(bodies) else ""
-        print(f"concurrency {c}: {len(bodies)} requests{note}", file=sys.stderr, flush=True)
-        level = run_level(args.url, bodies, c, args.timeout)
+        print(f"{who}concurrency {c}: {len(bodies)} requests{note}", file=sys.stderr, flush=True)
+        level = run_level(url, bodies, c, args.timeout)
         result["levels"].append(level)
         # after every level, so that an interrupted run keeps the levels it finished
         (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
         if level["ok"] == 0:  # every request refused (a bad --method, --model, --max-tokens): no figure to report
-            raise InvalidParameter(f"every request at concurrency {c} failed, the first with: {level['errors'][0]}")
-    print(markdown_table(result))
-    print(f"wrote {out / 'results.json'} and {plot([result], out / 'throughput.png')}", file=sys.stderr)
+            raise InvalidParameter(f"{who}every request at concurrency {c} failed, the first with: {level['errors'][0]}")
+    return result
+
+
+def run_started(args: argparse.Namespace) -> int:
+    """``--start``: each server in turn on the same GGUF file, measured alone, then stopped; one table and chart."""
+    from ..models.loading import model_gguf
+
+    names = peers.parse_servers(args.start)
+    levels = parse_concurrency(args.concurrency)
+    check_options(args)
+    if args.model is not None:
+        raise InvalidParameter("--model names the model id to send to --url; with --start, give --serve-model")
+    gguf = model_gguf(args.serve_model)
+    if gguf is None or not gguf.is_file():
+        raise InvalidParameter(f"--serve-model must be an embedded model or a .gguf file every server can read, "
+                               f"got {args.serve_model!r}")
+    questions = load_questions(resolve_question_file(None), limit=args.limit)
+    out, results = make_folder(Path(args.out)), []
+    for name in names:
+        port = peers.free_port()
+        argv = peers.PEERS[name].command(gguf, port, max(levels))
+        if argv is None:
+            print(f"{name}: skipped, {peers.PEERS[name].missing}", file=sys.stderr, flush=True)
+            continue
+        print(f"{name}: starting {shlex.join(argv)}", file=sys.stderr, flush=True)
+        folder = make_folder(out / name)
+        with peers.started(name, argv, port, folder / "server.log", args.timeout) as url:
+            model = first_model(url, args.timeout)
+            results.append(measure(args, url, model, name, questions, levels, folder, shlex.join(argv)))
+        print(markdown_table(results[-1]), flush=True)
+    if not results:
+        raise InvalidParameter(f"none of the servers in --start {args.start!r} is installed")
+    if len(results) > 1:
+        print(compare_table(results))
+    print(f"wrote {out}/<server>/results.json and {plot(results, out / 'throughput.png')}", file=sys.stderr)
     return 0
