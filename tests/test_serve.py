@@ -2281,6 +2281,9 @@ def test_truncation_options_beside_temperature_0_are_read_as_the_engine_reads_th
         assert got.choices[0].message.content == greedy, options
     spec = parse_request({"prompt": "hi", "method": "best-of-n", "temperature": 0, "top_p": 0.5}, chat=False)
     assert spec.params["top_p"] == 0.5
+    # plain sampling at temperature 0 with only top_p (which OpenAI clients often send) is plain greedy decoding
+    spec = parse_request({"prompt": "hi", "temperature": 0, "top_p": 0.5}, chat=False)
+    assert spec.method == "greedy" and "top_p" not in spec.params
     search = {"method": "best-of-n", "n": 3, "max_new_tokens": 8, "temperature": 0, "seed": 5}
     got = served.client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0, seed=5,
                                            top_p=0.3, extra_body={"method": "best-of-n", "method_options": {"n": 3}})
