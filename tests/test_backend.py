@@ -237,6 +237,8 @@ def test_a_growing_cache_never_allocates_past_the_context():
     model.reset()
     model.append(tokens(10))
     assert model._k.shape[3] == 16 and model._v.shape[3] == 16
+    small = tiny_llama(seed=0, max_position=16)  # a first capacity (512) past the context: the context's
+    assert small._k.shape[3] == 16 and small._v.shape[3] == 16
 
 
 def test_reset_forgets_the_last_sequences_peak():
@@ -260,7 +262,12 @@ def test_clone_shares_weights_but_not_the_cache(backend):
     assert torch.allclose(backend.append(ids[:, :4]).logits, fresh, atol=ATOL)
 
 
-def test_a_llama_with_attention_bias_adds_the_output_projections_bias_too():
+# head size 8 runs through torch; 16 has every kernel (whose one-call path takes no bias)
+HEAD_SIZES = pytest.mark.parametrize("hidden_size", [32, 64], ids=["torch", "kernels"])
+
+
+@HEAD_SIZES
+def test_a_llama_with_attention_bias_adds_the_output_projections_bias_too(hidden_size):
     """transformers' Llama puts attention_bias on q, k, v and o (Qwen2 on q, k, v only)."""
     from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
 
@@ -268,7 +275,7 @@ def test_a_llama_with_attention_bias_adds_the_output_projections_bias_too():
     from decodekit.models.native import NativeLlama
     from decodekit.models.tiny import tiny_hf_config
 
-    config = tiny_hf_config() | {"attention_bias": True}
+    config = tiny_hf_config(hidden_size=hidden_size) | {"attention_bias": True}
     torch.manual_seed(0)
     hf = LlamaForCausalLM(HFLlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})).eval()
     state = {name: t + 0.1 * torch.randn_like(t) if name.endswith("bias") else t for name, t in hf.state_dict().items()}
@@ -328,13 +335,14 @@ def test_a_tied_head_is_the_embedding_table_even_where_the_weights_hold_another(
     assert torch.allclose(with_head, hf, atol=ATOL)
 
 
-def test_a_qwen2_config_json_gives_q_k_and_v_their_biases():
+@HEAD_SIZES
+def test_a_qwen2_config_json_gives_q_k_and_v_their_biases(hidden_size):
     """Qwen2's q, k and v projections carry biases although its config.json names no attention_bias."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from decodekit.models.tiny import tiny_hf_config
 
-    config = tiny_hf_config() | {"model_type": "qwen2"}
+    config = tiny_hf_config(hidden_size=hidden_size) | {"model_type": "qwen2"}
     torch.manual_seed(0)
     hf = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in config.items() if k != "model_type"}))
     state = {name: t + 0.2 * torch.randn_like(t) if name.endswith("bias") else t for name, t in hf.state_dict().items()}

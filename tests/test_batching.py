@@ -108,6 +108,14 @@ def test_a_served_pass_that_skips_layers_or_asks_for_hidden_states_gets_what_it_
     assert torch.equal(got[2].hidden[1], want[2].hidden[1])
 
 
+def test_searches_and_self_truncated_drafts_get_their_own_tokens_in_a_shared_batch():
+    """A search's passes over several rows and a self-truncated draft's passes (fewer layers than the
+    batched passes run) never join a batch: each request gets the tokens it gets alone beside the
+    batched ones."""
+    cases = [("hello world", "beam", {"n": 3}), ("abcabcabc", "draft", {"draft_model": "self-truncated:1"})]
+    assert_batched_as_alone(base("exact"), CASES[:2] + cases)
+
+
 @pytest.mark.parametrize("numerics", NUMERICS)
 def test_gemma3_requests_get_their_own_tokens_in_a_shared_batch(numerics):
     """Gemma 3's sliding-window layers in a batch: each sequence's window is its own."""
@@ -393,6 +401,26 @@ def test_a_failed_batch_hands_its_error_to_every_sequence_in_it():
     PassBatcher()._execute(batch)
     for job in batch:
         assert job.done.is_set() and job.output is None and job.error is failing.error
+
+
+def test_a_pass_whose_batch_fails_raises_the_batchs_error_in_its_request():
+    """A request decoding on a thread of its own or as a member hears of its batch's error as that
+    error (not as a missing output)."""
+    def failing(passes):
+        raise RuntimeError("the batch failed")
+
+    for own_thread in (True, False):
+        backend = base("exact").clone()
+        backend.batcher = PassBatcher(own_thread=own_thread)
+        backend.forward_batch = failing  # (the batch runs on its first pass's backend)
+        step = functools.partial(backend.append, torch.tensor([[1, 2]]))
+        with pytest.raises(RuntimeError, match="the batch failed"):
+            if own_thread:
+                with backend.batcher.member():
+                    step()
+            else:
+                backend.batcher.run_here([step])
+        backend.batcher.close()
 
 
 def test_the_pass_that_completes_a_batch_wakes_the_pass_thread():

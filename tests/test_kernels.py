@@ -464,6 +464,8 @@ def test_a_prompt_read_in_chunks_has_the_features_of_every_chunk():
     assert torch.equal(whole.logits, torch.cat([s.logits for s in steps], dim=1))
     assert torch.equal(whole.features, torch.cat([s.features for s in steps], dim=1))
     assert torch.equal(model.last_features, whole.features)
+    last = model.clone().append(prompt, last_only=True)  # (a prompt read for its next token only)
+    assert torch.equal(last.logits, whole.logits[:, -1:]) and torch.equal(last.features, whole.features)
 
 
 def test_decoder_layers_read_strided_or_int32_positions_and_strided_masks_as_their_values():

@@ -1250,6 +1250,28 @@ def test_a_streaming_cache_reads_a_prompt_at_most_prefill_chunk_tokens_a_pass(mo
     assert passes == [PREFILL_CHUNK] * 3 + [4]
 
 
+def unfit_for_quantised_caches() -> dict:
+    """Tiny models the int8 and int4 caches' kernels cannot run: bfloat16, a head size of 8, and a
+    hidden size that is no multiple of 16 (no layer kernels) beside heads of 16."""
+    from decodekit.models.llama_weights import LlamaConfig
+    from decodekit.models.native import NativeLlama
+    from decodekit.models.tiny import tiny_hf_config, tiny_state_dict
+
+    config = tiny_hf_config(hidden_size=40) | {"head_dim": 16, "intermediate_size": 64}
+    return {"bfloat16": lambda: tiny_llama(seed=0, hidden_size=64, dtype=torch.bfloat16),
+            "head-8": lambda: tiny_llama(seed=0, hidden_size=32),
+            "hidden-40": lambda: NativeLlama(LlamaConfig.from_hf(config), tiny_state_dict(config))}
+
+
+@pytest.mark.parametrize("cache", ["int8", "int4:group=8,residual=64"])
+@pytest.mark.parametrize("model", list(unfit_for_quantised_caches()))
+def test_a_quantised_cache_on_a_model_its_kernels_cannot_run_is_refused_in_one_line(cache, model):
+    backend = unfit_for_quantised_caches()[model]()
+    backend.prefill(tokens(5))  # the model itself runs (through torch where its kernels cannot)
+    with pytest.raises(InvalidParameter, match="needs a float32 model, the compiled kernels"):
+        backend.with_kv_cache(cache)
+
+
 def test_an_int4_cache_refuses_windowed_passes():
     """Every query reads KIVI's quantised tokens: a pass attending to a window of the cache is refused
     in one line, and the cache is left as it was."""
