@@ -31,14 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidParameter
+from ..machine import usable_cores
 
 STOP_GRACE_S = 15.0  # decodekit serve finishes its requests within 4 s of SIGINT; llama-server at once
 POLL_S = 0.25
 REPOSITORY = Path(__file__).resolve().parents[3]  # (where an editable install's scripts/ build into)
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def decodekit_command(gguf: Path, port: int, slots: int) -> list[str] | None:
@@ -51,7 +48,7 @@ def llama_cpp_python_command(gguf: Path, port: int, slots: int) -> list[str] | N
         return None
     # its default thread count is half the cores; the context fits a question and its answer
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-            "--n_threads", str(cores()), "--n_ctx", "4096"]
+            "--n_threads", str(usable_cores()), "--n_ctx", "4096"]
 
 
 def llama_server_binary() -> str | None:
@@ -68,7 +65,7 @@ def llama_server_command(gguf: Path, port: int, slots: int) -> list[str] | None:
         return None
     # a slot per request in flight, each with room for a question and its answer
     return [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-cb",
-            "-c", str(2048 * slots), "-t", str(cores())]
+            "-c", str(2048 * slots), "-t", str(usable_cores())]
 
 
 @dataclass(frozen=True)
