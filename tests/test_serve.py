@@ -877,7 +877,21 @@ def test_the_server_listens_on_an_ipv6_address_too():
             sock.close()
 
 
-def test_a_second_signal_stops_waiting_and_a_sigint_ignored_from_the_start_stays_ignored(capsys, monkeypatch):
+@pytest.fixture
+def signal_handlers():
+    """The shutdown signals' handlers as they were before the test: shut_down_on_signals installs its
+    own for the process, and one left behind turns a later test's Ctrl-C into a server's shutdown."""
+    from decodekit.serve.cli import SHUTDOWN_SIGNALS
+
+    numbers = [getattr(signal, name) for name in SHUTDOWN_SIGNALS]
+    saved = {number: signal.getsignal(number) for number in numbers}
+    yield
+    for number, handler in saved.items():
+        signal.signal(number, handler)
+
+
+def test_a_second_signal_stops_waiting_and_a_sigint_ignored_from_the_start_stays_ignored(capsys, monkeypatch,
+                                                                                         signal_handlers):
     """SIGTERM or SIGINT: the first asks uvicorn to finish the requests in progress, and stops those
     still running a second before its grace ends; a second signal stops them at once and the server
     soon after; a SIGINT the process was started ignoring (a background job) is left ignored. The
@@ -889,38 +903,33 @@ def test_a_second_signal_stops_waiting_and_a_sigint_ignored_from_the_start_stays
 
     scheduled = []  # what the handler leaves to timer threads: (seconds, action)
     monkeypatch.setattr(serve_cli, "later", lambda seconds, action: scheduled.append((seconds, action)))
-    saved = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
     stopped = []
-    try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        web = SimpleNamespace(should_exit=False, force_exit=False)
-        serve_cli.shut_down_on_signals(web, lambda: stopped.append(True), loading=lambda: False)
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-        handler = signal.getsignal(signal.SIGTERM)
-        handler(signal.SIGTERM, None)
-        assert web.should_exit and not web.force_exit and not stopped
-        # a second before the grace's end, the answers stopped; at once, the message
-        assert [seconds for seconds, _ in scheduled] == [serve_cli.SHUTDOWN_GRACE_S - 1, 0]
-        for _, action in scheduled:
-            action()
-        assert stopped == [True]
-        scheduled.clear()
-        handler(signal.SIGTERM, None)  # the second: the answers stopped at once, the server soon after
-        assert [seconds for seconds, _ in scheduled] == [0, serve_cli.STOP_NOW_S] and not web.force_exit
-        for _, action in scheduled:
-            action()
-        assert stopped == [True, True] and web.force_exit
-        scheduled.clear()
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored: Ctrl-C shuts down too
-        web = SimpleNamespace(should_exit=False, force_exit=False)
-        serve_cli.shut_down_on_signals(web, lambda: None, loading=lambda: False)
-        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
-        assert web.should_exit and not web.force_exit
-        for _, action in scheduled:
-            action()
-    finally:
-        for number, handler in saved.items():
-            signal.signal(number, handler)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    web = SimpleNamespace(should_exit=False, force_exit=False)
+    serve_cli.shut_down_on_signals(web, lambda: stopped.append(True), loading=lambda: False)
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    handler = signal.getsignal(signal.SIGTERM)
+    handler(signal.SIGTERM, None)
+    assert web.should_exit and not web.force_exit and not stopped
+    # a second before the grace's end, the answers stopped; at once, the message
+    assert [seconds for seconds, _ in scheduled] == [serve_cli.SHUTDOWN_GRACE_S - 1, 0]
+    for _, action in scheduled:
+        action()
+    assert stopped == [True]
+    scheduled.clear()
+    handler(signal.SIGTERM, None)  # the second: the answers stopped at once, the server soon after
+    assert [seconds for seconds, _ in scheduled] == [0, serve_cli.STOP_NOW_S] and not web.force_exit
+    for _, action in scheduled:
+        action()
+    assert stopped == [True, True] and web.force_exit
+    scheduled.clear()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored: Ctrl-C shuts down too
+    web = SimpleNamespace(should_exit=False, force_exit=False)
+    serve_cli.shut_down_on_signals(web, lambda: None, loading=lambda: False)
+    signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+    assert web.should_exit and not web.force_exit
+    for _, action in scheduled:
+        action()
     err = capsys.readouterr().err
     assert err.count("SIGTERM, shutting down") == 1 and err.count("SIGINT, shutting down") == 1
     monkeypatch.undo()
@@ -929,7 +938,7 @@ def test_a_second_signal_stops_waiting_and_a_sigint_ignored_from_the_start_stays
     assert ran.wait(10)
 
 
-def test_a_signal_while_the_model_loads_stops_the_load_itself(monkeypatch):
+def test_a_signal_while_the_model_loads_stops_the_load_itself(monkeypatch, signal_handlers):
     """No answers to finish yet, and the main thread is the one loading: the signal interrupts it
     there (a KeyboardInterrupt naming the signal), instead of waiting for the load to end."""
     from types import SimpleNamespace
@@ -938,15 +947,11 @@ def test_a_signal_while_the_model_loads_stops_the_load_itself(monkeypatch):
 
     scheduled = []
     monkeypatch.setattr(serve_cli, "later", lambda seconds, action: scheduled.append((seconds, action)))
-    saved = signal.getsignal(signal.SIGTERM)
-    try:
-        web = SimpleNamespace(should_exit=False, force_exit=False)
-        serve_cli.shut_down_on_signals(web, lambda: pytest.fail("no answers to stop"), loading=lambda: True)
-        with pytest.raises(KeyboardInterrupt, match="^SIGTERM, shutting down"):
-            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
-        assert web.should_exit and not scheduled
-    finally:
-        signal.signal(signal.SIGTERM, saved)
+    web = SimpleNamespace(should_exit=False, force_exit=False)
+    serve_cli.shut_down_on_signals(web, lambda: pytest.fail("no answers to stop"), loading=lambda: True)
+    with pytest.raises(KeyboardInterrupt, match="^SIGTERM, shutting down"):
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    assert web.should_exit and not scheduled
 
 
 def test_answers_stopped_by_a_shutdown_end_as_503s_a_stream_with_its_error_event():
