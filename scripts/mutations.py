@@ -9985,6 +9985,12 @@ MUTATIONS = (
              '        if job.error is not None:\n            raise job.error\n',
              '',
              ('tests/test_batching.py', '-k', 'batch_fails')),
+    Mutation('bench-serve-start-keeps-a-given-label', 'src/decodekit/serve/load.py',
+             '                        ("--label", args.label is not None)):', '                        ("--label", False)):',
+             ('tests/test_bench_serve.py', '-k', 'bad_start_options')),
+    Mutation('bench-serve-start-records-the-dead-url', 'src/decodekit/serve/load.py',
+             '            command = command_line(args, ["--start", name, "--serve-model", str(gguf)])', '            command = command_line(args, ["--url", url, "--model", model, "--label", name])',
+             ('tests/test_bench_serve.py', '-k', 'measured_one_after_another')),
 )
 
 

@@ -423,7 +423,7 @@ def test_the_recorded_command_reproduces_the_run_method_included():
     from decodekit.serve.load import command_line
 
     args = parse("--url", "http://h:1/v1", "--method", "pld", "--limit", "3", "--temperature", "0.5")
-    argv = shlex.split(command_line(args, "m", "lab"))
+    argv = shlex.split(command_line(args, ["--url", args.url, "--model", "m", "--label", "lab"]))
     again = parse(*argv[2:])
     assert argv[:2] == ["decodekit", "bench-serve"] and again.method == "pld" and again.model == "m"
     assert vars(again) | {"model": None, "label": None} == vars(args)
@@ -738,6 +738,9 @@ def test_started_servers_are_measured_one_after_another_and_stopped(monkeypatch,
         assert result["label"] == name and [lv["concurrency"] for lv in result["levels"]] == [1, 2]
         assert all(lv["ok"] + lv["failed"] == N_QUESTIONS and lv["ok"] > 0 for lv in result["levels"])
         assert str(pids[name]) in result["server_command"]
+        # the run again, for this server alone (the port it had is gone)
+        again = parse(*shlex.split(result["command"])[2:])
+        assert (again.start, again.serve_model, again.concurrency) == (name, str(tmp_path / "m.gguf"), "1,2")
         assert gone(pids[name])  # stopped before the next one started, and before the run ended
     assert "| first | second |" in captured.out  # the comparison of the two
     assert (out / "throughput.png").stat().st_size > 0
@@ -772,7 +775,9 @@ def test_an_interrupted_run_stops_the_server_it_started(monkeypatch, tmp_path):
     (["--start", "decodekit,vllm"], "--start takes comma-separated servers"),
     (["--start", "decodekit,decodekit"], "each once"),
     (["--start", "decodekit", "--serve-model", "/no/such.gguf"], "--serve-model must be an embedded model or a .gguf"),
-    (["--start", "decodekit", "--model", "x"], "with --start, give --serve-model"),
+    (["--start", "decodekit", "--model", "x"], "--model names the server at --url; with --start"),
+    (["--start", "decodekit", "--url", "http://h:1/v1"], "--url names the server at --url; with --start"),
+    (["--start", "decodekit", "--label", "x"], "--label names the server at --url; with --start"),
     (["--serve-model", "x.gguf"], "--serve-model applies with --start"),
 ])
 def test_bad_start_options_are_one_line(argv, message, tmp_path):

@@ -295,11 +295,12 @@ def check_options(args: argparse.Namespace) -> None:
         raise InvalidParameter(f"--temperature must be 0 (greedy) or a finite positive number, got {args.temperature}")
 
 
-def command_line(args: argparse.Namespace, model: str, label: str, url: str | None = None) -> str:
-    """An explicit command that reproduces the run (every default and the model spelled out)."""
-    parts = ["decodekit", "bench-serve", "--url", url or args.url, "--model", model, "--concurrency", args.concurrency,
+def command_line(args: argparse.Namespace, target: Sequence[str]) -> str:
+    """An explicit command that reproduces the run (every default spelled out): ``target`` names the
+    server (``--url``, ``--model`` and ``--label``, or ``--start`` and ``--serve-model``)."""
+    parts = ["decodekit", "bench-serve", *target, "--concurrency", args.concurrency,
              "--limit", str(args.limit), "--max-tokens", str(args.max_tokens), "--temperature", f"{args.temperature:g}",
-             "--out", str(args.out), "--label", label, "--timeout", f"{args.timeout:g}"]
+             "--out", str(args.out), "--timeout", f"{args.timeout:g}"]
     return shlex.join(parts + (["--method", args.method] if args.method else []))
 
 
@@ -409,7 +410,9 @@ def run(args: argparse.Namespace) -> int:
     questions = load_questions(resolve_question_file(None), limit=args.limit)
     model = args.model or first_model(args.url, args.timeout)
     out = make_folder(Path(args.out))  # last: a run refused for any other reason leaves no folder behind
-    result = measure(args, args.url, model, args.label or urllib.parse.urlsplit(args.url).netloc, questions, levels, out)
+    label = args.label or urllib.parse.urlsplit(args.url).netloc
+    result = measure(args, args.url, model, label, questions, levels, out,
+                     command_line(args, ["--url", args.url, "--model", model, "--label", label]))
     print(markdown_table(result))
     print(f"wrote {out / 'results.json'} and {plot([result], out / 'throughput.png')}", file=sys.stderr)
     return 0
@@ -424,14 +427,15 @@ def make_folder(out: Path) -> Path:
 
 
 def measure(args: argparse.Namespace, url: str, model: str, label: str, questions: Sequence[Any], levels: Sequence[int],
-            out: Path, server_command: str | None = None) -> dict[str, Any]:
-    """Every concurrency level against ``url``; the results, also written to ``out``/results.json."""
+            out: Path, command: str, server_command: str | None = None) -> dict[str, Any]:
+    """Every concurrency level against ``url``; the results, also written to ``out``/results.json.
+    ``command`` reproduces the run; ``server_command``: how the server was started, where this run did."""
     extra = {"method": args.method} if args.method else {}
     bodies = [{"model": model, "messages": [{"role": "user", "content": q.turns[0]}], "stream": True,
                "stream_options": {"include_usage": True}, "max_tokens": args.max_tokens,
                "temperature": args.temperature, **extra} for q in questions]
     result = {"schema": SCHEMA, "label": label, "url": url, "model": model,
-              "command": command_line(args, model, label, url), "levels": []}
+              "command": command, "levels": []}
     if server_command is not None:
         result["server_command"] = server_command
     who = "" if server_command is None else f"{label}: "  # (several servers in one run)
@@ -454,8 +458,11 @@ def run_started(args: argparse.Namespace) -> int:
     names = peers.parse_servers(args.start)
     levels = parse_concurrency(args.concurrency)
     check_options(args)
-    if args.model is not None:
-        raise InvalidParameter("--model names the model id to send to --url; with --start, give --serve-model")
+    for flag, given in (("--url", args.url != DEFAULT_URL), ("--model", args.model is not None),
+                        ("--label", args.label is not None)):
+        if given:  # each started server has its own address, model id and name
+            raise InvalidParameter(f"{flag} names the server at --url; with --start, the servers are started on "
+                                   "--serve-model and named after themselves")
     gguf = model_gguf(args.serve_model)
     if gguf is None or not gguf.is_file():
         raise InvalidParameter(f"--serve-model must be an embedded model or a .gguf file every server can read, "
@@ -472,7 +479,8 @@ def run_started(args: argparse.Namespace) -> int:
         folder = make_folder(out / name)
         with peers.started(name, argv, port, folder / "server.log", args.timeout) as url:
             model = first_model(url, args.timeout)
-            results.append(measure(args, url, model, name, questions, levels, folder, shlex.join(argv)))
+            command = command_line(args, ["--start", name, "--serve-model", str(gguf)])
+            results.append(measure(args, url, model, name, questions, levels, folder, command, shlex.join(argv)))
         print(markdown_table(results[-1]), flush=True)
     if not results:
         raise InvalidParameter(f"none of the servers in --start {args.start!r} is installed")
