@@ -183,7 +183,7 @@ def test_a_one_token_answer_has_no_tpot_and_stays_out_of_the_levels_tpot():
     assert RequestTiming(e2e_s=1.0, ttft_s=0.2, tokens=1).tpot_s is None
     assert RequestTiming(e2e_s=1.0, ttft_s=0.2, tokens=0).tpot_s is None  # a server whose usage says none
     level = summarize([RequestTiming(e2e_s=1.0, ttft_s=0.2, tokens=5), RequestTiming(e2e_s=0.3, ttft_s=0.2, tokens=1)],
-                      wall_s=1.0, concurrency=2)
+                      wall_s=1.0, load={"concurrency": 2})
     assert level["tpot_ms"] == {"p50": 200.0, "p90": 200.0, "p99": 200.0}
     assert level["ok"] == 2 and level["e2e_ms"]["p50"] == 650.0  # the answer counts everywhere else
 
@@ -194,8 +194,8 @@ def test_run_against_fake_server(fake_server, tmp_path, capsys):
     assert run(parse("--url", srv.url, "--concurrency", "1,3", "--limit", "1", "--out", str(tmp_path), "--method", "pld")) == 0
     elapsed = time.perf_counter() - t0
 
-    # every question sent once per level, with the model from GET /models and the flags asked for
-    assert len(srv.posts) == 2 * N_QUESTIONS
+    # a warm-up request, then every question once per level, with the model from GET /models and the flags asked for
+    assert len(srv.posts) == 1 + 2 * N_QUESTIONS
     body = srv.posts[0]
     assert body["model"] == "fake-model" and body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["max_tokens"] == 128 and body["temperature"] == 0 and body["method"] == "pld"
@@ -206,12 +206,15 @@ def test_run_against_fake_server(fake_server, tmp_path, capsys):
     assert result["schema"] == SCHEMA and result["model"] == "fake-model" and result["url"] == srv.url
     assert result["label"] == srv.url.split("/")[2]
     assert "--model fake-model" in result["command"] and "--concurrency 1,3" in result["command"]
+    assert result["load"] == "concurrency" and result["warmup"] == 1
     assert [lv["concurrency"] for lv in result["levels"]] == [1, 3]
-    # the server fails every 5th POST: levels run one after the other, so the failures fall by count
+    # the server fails every 5th POST: the warm-up is the first, the levels run one after the other,
+    # so the failures fall by count
     failures = [sum(1 for n in range(start + 1, start + N_QUESTIONS + 1) if n % FAIL_EVERY == 0)
-                for start in (0, N_QUESTIONS)]
+                for start in (1, 1 + N_QUESTIONS)]
     for lv, failed in zip(result["levels"], failures):
         assert lv["failed"] == failed and lv["ok"] == N_QUESTIONS - failed
+        assert lv["request_s"] == pytest.approx(lv["ok"] / lv["wall_s"], rel=1e-2)
         assert lv["errors"] == ["HTTP 503: overloaded"] * failed
         assert lv["output_tokens"] == lv["ok"] * USAGE_TOKENS  # usage wins over the 4 content chunks
         assert lv["output_tok_s"] == pytest.approx(lv["output_tokens"] / lv["wall_s"], rel=1e-3)
@@ -227,9 +230,10 @@ def test_run_against_fake_server(fake_server, tmp_path, capsys):
     assert sum(lv["wall_s"] for lv in result["levels"]) <= elapsed
     # three workers overlap requests: the level takes well under three times one request each
     assert result["levels"][1]["wall_s"] < result["levels"][0]["wall_s"]
+    assert result["levels"][0]["most_in_flight"] == 1 and 1 < result["levels"][1]["most_in_flight"] <= 3
 
     table = capsys.readouterr().out
-    assert "| concurrency | ok | failed | output tok/s |" in table
+    assert "| concurrency | ok | failed | most in flight | output tok/s | requests/s |" in table
     assert f"| 3 | {result['levels'][1]['ok']} | {result['levels'][1]['failed']} |" in table
     assert (tmp_path / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -250,7 +254,8 @@ def test_stream_cut_before_done_is_an_error(fake_server):
 def test_errors_are_recorded_and_a_level_with_no_answer_ends_the_run_in_one_line(tmp_path):
     # --model given: no model list to fetch, so every request reaches the closed port and fails
     with pytest.raises(InvalidParameter, match="^every request at concurrency 2 failed, the first with: ConnectionRefusedError"):
-        run(parse("--url", closed_port_url(), "--model", "m", "--concurrency", "2,4", "--limit", "1", "--out", str(tmp_path)))
+        run(parse("--url", closed_port_url(), "--model", "m", "--concurrency", "2,4", "--limit", "1", "--out", str(tmp_path),
+                  "--warmup", "0"))
     (level,) = json.loads((tmp_path / "results.json").read_text())["levels"]  # recorded, and no further level run
     assert level["ok"] == 0 and level["failed"] == N_QUESTIONS and level["output_tok_s"] == 0
     assert level["ttft_ms"]["p50"] is None and len(level["errors"]) == 5
@@ -259,7 +264,8 @@ def test_errors_are_recorded_and_a_level_with_no_answer_ends_the_run_in_one_line
 
 def level(c: int, tok_s: float, ttft: float) -> dict:
     ms = {"p50": ttft, "p90": ttft * 2, "p99": ttft * 3}
-    return {"concurrency": c, "ok": 4, "failed": 0, "output_tok_s": tok_s, "ttft_ms": ms, "tpot_ms": ms, "e2e_ms": ms, "errors": []}
+    return {"concurrency": c, "ok": 4, "failed": 0, "most_in_flight": c, "output_tok_s": tok_s, "request_s": tok_s / 100,
+            "ttft_ms": ms, "tpot_ms": ms, "e2e_ms": ms, "errors": []}
 
 
 def test_compare_two_results_files(tmp_path, capsys):
@@ -301,6 +307,11 @@ def test_compare_unreadable_file(tmp_path):
     (["--url", "http:///v1"], "--url must be an http"),  # no host to send to
     (["--timeout", "0"], "--timeout must be in"),
     (["--temperature", "-0.5"], "--temperature must be 0"),
+    (["--request-rate", "0"], "--request-rate levels must be positive"),
+    (["--request-rate", "nan"], "--request-rate levels must be positive"),
+    (["--request-rate", "2,fast"], "--request-rate must be comma-separated"),
+    (["--request-rate", "2", "--concurrency", "4"], "--concurrency and --request-rate are two ways"),
+    (["--warmup", "-1"], "--warmup must be 0 or more"),
 ])
 def test_bad_options_are_one_line(tmp_path, argv, match):
     with pytest.raises(InvalidParameter, match=match) as err:
@@ -332,12 +343,12 @@ def test_a_levels_throughput_counts_only_the_requests_that_succeeded_and_compare
     from decodekit.serve.load import compare_table, summarize
 
     level = summarize([RequestTiming(e2e_s=1.0, ttft_s=0.5, tokens=10), RequestTiming(e2e_s=1.0, tokens=6, error="HTTP 503: full")],
-                      wall_s=2.0, concurrency=2)
+                      wall_s=2.0, load={"concurrency": 2})
     assert (level["ok"], level["failed"], level["output_tokens"], level["output_tok_s"]) == (1, 1, 10, 5.0)
     table = compare_table([{"label": "a", "levels": [level]}])
     assert "| 2 | failed / sent | 1 / 2 |" in table.splitlines()
     # a level timed at no wall time (a coarse clock) has no rate rather than a division by zero
-    assert summarize([RequestTiming(e2e_s=0.0, ttft_s=0.0, tokens=3)], wall_s=0.0, concurrency=1)["output_tok_s"] == 0.0
+    assert summarize([RequestTiming(e2e_s=0.0, ttft_s=0.0, tokens=3)], wall_s=0.0, load={"concurrency": 1})["output_tok_s"] == 0.0
 
 
 def test_compare_rows_go_by_rising_concurrency_whatever_order_the_files_list_them():
@@ -355,11 +366,11 @@ def test_a_level_latencies_are_those_of_the_requests_that_succeeded():
     from decodekit.serve.load import summarize
 
     level = summarize([RequestTiming(e2e_s=2.0, ttft_s=1.0, tokens=3), RequestTiming(e2e_s=0.5, ttft_s=0.1, tokens=1, error="cut")],
-                      wall_s=2.0, concurrency=2)
+                      wall_s=2.0, load={"concurrency": 2})
     assert level["e2e_ms"] == {"p50": 2000.0, "p90": 2000.0, "p99": 2000.0}
     assert level["ttft_ms"] == {"p50": 1000.0, "p90": 1000.0, "p99": 1000.0}
     # milliseconds to two decimals: a fast server's sub-millisecond differences still show
-    assert summarize([RequestTiming(e2e_s=0.0012345)], wall_s=1.0, concurrency=1)["e2e_ms"]["p50"] == 1.23
+    assert summarize([RequestTiming(e2e_s=0.0012345)], wall_s=1.0, load={"concurrency": 1})["e2e_ms"]["p50"] == 1.23
 
 
 def test_a_servers_error_is_its_message_or_the_first_line_of_its_body():
@@ -426,7 +437,10 @@ def test_the_recorded_command_reproduces_the_run_method_included():
     argv = shlex.split(command_line(args, ["--url", args.url, "--model", "m", "--label", "lab"]))
     again = parse(*argv[2:])
     assert argv[:2] == ["decodekit", "bench-serve"] and again.method == "pld" and again.model == "m"
-    assert vars(again) | {"model": None, "label": None} == vars(args)
+    assert vars(again) | {"model": None, "label": None} == vars(args) | {"concurrency": "1,2,4,8,16"}  # the default, spelt out
+    rated = parse("--url", "http://h:1/v1", "--request-rate", "2,inf", "--seed", "3", "--warmup", "0")
+    again = parse(*shlex.split(command_line(rated, ["--url", rated.url]))[2:])
+    assert (again.request_rate, again.seed, again.warmup, again.concurrency) == ("2,inf", 3, 0, None)
 
 
 @pytest.mark.parametrize("content, problem", [("{not json", "is not a JSON file"),
@@ -601,7 +615,7 @@ def test_the_markdown_table_gives_each_latency_as_p50_p90_p99():
     from decodekit.serve.load import markdown_table
 
     table = markdown_table({"label": "srv", "model": "m", "levels": [level(2, 100.0, 20.0)]})
-    assert "| 2 | 4 | 0 | 100.0 | 20.0 / 40.0 / 60.0 | 20.0 / 40.0 / 60.0 | 20.0 / 40.0 / 60.0 |" in table.splitlines()
+    assert "| 2 | 4 | 0 | 2 | 100.0 | 1.0 | 20.0 / 40.0 / 60.0 | 20.0 / 40.0 / 60.0 | 20.0 / 40.0 / 60.0 |" in table.splitlines()
 
 
 class HoldingServer(ThreadingHTTPServer):
@@ -784,3 +798,103 @@ def test_bad_start_options_are_one_line(argv, message, tmp_path):
     with pytest.raises(InvalidParameter, match=re.escape(message)):
         run(parse(*argv, "--out", str(tmp_path / "out")))
     assert not (tmp_path / "out").exists()
+
+
+# --request-rate: an open loop of Poisson arrivals --------------------------------------------
+
+def test_arrivals_are_a_poisson_process_of_the_rate():
+    """Exponential gaps of mean 1 / rate (their spread equals their mean, unlike evenly spaced or
+    uniform gaps), the first request at once, the same times for the same seed; all at once for inf."""
+    import statistics
+
+    from decodekit.serve.load import arrival_offsets
+
+    offsets = arrival_offsets(4000, 8.0, seed=0)
+    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    assert offsets[0] == 0.0 and all(g >= 0 for g in gaps)
+    assert statistics.fmean(gaps) == pytest.approx(1 / 8, rel=0.05)
+    assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(1.0, rel=0.08)
+    assert arrival_offsets(50, 8.0, seed=0) == offsets[:50] != arrival_offsets(50, 8.0, seed=1)
+    assert arrival_offsets(3, float("inf"), seed=0) == [0.0, 0.0, 0.0]
+
+
+def test_most_in_flight_counts_overlapping_requests_and_not_one_that_ends_as_another_starts():
+    from decodekit.serve.load import most_in_flight
+
+    timing = lambda sent, e2e: RequestTiming(e2e_s=e2e, sent_at=sent)  # noqa: E731
+    assert most_in_flight([timing(0.0, 1.0), timing(1.0, 1.0), timing(2.0, 1.0)]) == 1
+    assert most_in_flight([timing(0.0, 2.0), timing(0.5, 1.0), timing(1.0, 3.0), timing(3.5, 1.0)]) == 3
+    assert most_in_flight([]) == 0
+
+
+def test_a_rate_level_sends_each_request_at_its_arrival_whatever_is_in_flight(monkeypatch):
+    """Open loop: request i goes at its arrival time (not before, and not held back by the slow
+    answers before it), so answers longer than the gaps pile up in flight."""
+    from decodekit.serve import load
+
+    offsets = [0.0, 0.05, 0.1, 0.4, 0.45]
+    monkeypatch.setattr(load, "arrival_offsets", lambda n, rate, seed: offsets[:n])
+    sent: list[tuple[int, float]] = []
+
+    def slow_send(url, body, timeout, in_flight=None):
+        out = RequestTiming(sent_at=time.perf_counter(), ttft_s=0.01, tokens=4)
+        sent.append((body["i"], out.sent_at))
+        time.sleep(0.2)
+        out.e2e_s = time.perf_counter() - out.sent_at
+        return out
+
+    monkeypatch.setattr(load, "send", slow_send)
+    t0 = time.perf_counter()
+    level = load.run_rate_level("http://unused/v1", [{"i": i} for i in range(5)], 4.0, 0, timeout=10)
+    assert [i for i, _ in sent] == [0, 1, 2, 3, 4]
+    for (i, at), offset in zip(sent, offsets):
+        assert offset <= at - t0 < offset + 0.15, i
+    assert level["request_rate"] == 4.0 and level["ok"] == 5 and level["most_in_flight"] == 3
+    assert level["output_tokens"] == 20
+
+
+def test_rate_levels_against_a_server_and_compared(fake_server, tmp_path, capsys):
+    srv = fake_server()
+    out = tmp_path / "rate"
+    assert run(parse("--url", srv.url, "--request-rate", "inf,200", "--limit", "1", "--out", str(out), "--warmup", "0")) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert result["load"] == "request_rate" and result["seed"] == 0 and "--request-rate inf,200" in result["command"]
+    assert [lv["request_rate"] for lv in result["levels"]] == ["inf", 200.0]  # JSON has no infinity
+    assert len(srv.posts) == 2 * N_QUESTIONS
+    assert all(lv["ok"] + lv["failed"] == N_QUESTIONS for lv in result["levels"])
+    first = result["levels"][0]  # all sent at once: every answer that streams overlaps the others
+    assert first["most_in_flight"] >= first["ok"] and srv.max_in_flight >= first["ok"]
+    table = capsys.readouterr().out
+    assert "| request rate /s | ok |" in table and "\n| inf | " in table and "\n| 200 | " in table
+    # compared with itself: one table of rates; beside a file of concurrency levels: refused in one line
+    run(parse("--out", str(tmp_path / "cmp"), "--compare", str(out / "results.json"), str(out / "results.json")))
+    assert "| inf | output tok/s |" in capsys.readouterr().out
+    (tmp_path / "conc.json").write_text(json.dumps({"schema": SCHEMA, "label": "c", "model": "m", "levels": [level(1, 5.0, 1.0)]}))
+    with pytest.raises(InvalidParameter, match="different ways"):
+        run(parse("--out", str(tmp_path / "cmp"), "--compare", str(out / "results.json"), str(tmp_path / "conc.json")))
+
+
+def test_a_warm_up_is_sent_before_the_levels_and_a_failed_one_ends_the_run_in_one_line(fake_server, tmp_path):
+    srv = fake_server()
+    assert run(parse("--url", srv.url, "--concurrency", "2", "--limit", "1", "--out", str(tmp_path / "a"), "--warmup", "3")) == 0
+    result = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert len(srv.posts) == 3 + N_QUESTIONS and result["warmup"] == 3
+    assert result["levels"][0]["ok"] + result["levels"][0]["failed"] == N_QUESTIONS  # the warm-up is not counted
+    with pytest.raises(InvalidParameter, match="^the warm-up request failed: ConnectionRefusedError"):
+        run(parse("--url", closed_port_url(), "--model", "m", "--limit", "1", "--out", str(tmp_path / "b")))
+    assert not (tmp_path / "b" / "results.json").exists()
+
+
+def test_llama_cpp_pythons_server_lets_each_request_finish_and_is_skipped_without_its_server_modules(monkeypatch):
+    """Its server answers one request at a time and, by default, cuts the streamed one short when
+    another arrives: started with that off. Without its server's modules it would exit at start: skipped."""
+    import importlib.util
+
+    from decodekit.serve import peers
+
+    present = set(peers.LLAMA_CPP_SERVER_MODULES)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in present else None)
+    argv = peers.llama_cpp_python_command(Path("m.gguf"), 8123, 8)
+    assert argv[argv.index("--interrupt_requests") + 1] == "False" and argv[argv.index("--port") + 1] == "8123"
+    present.discard("sse_starlette")
+    assert peers.llama_cpp_python_command(Path("m.gguf"), 8123, 8) is None

@@ -1,14 +1,21 @@
 """``decodekit bench-serve``: load any OpenAI-compatible server with Spec-Bench questions.
 
-At each concurrency level c, c workers send the first turn of every selected Spec-Bench question
-as a streamed chat completion (``POST {url}/chat/completions``), each worker taking the next
-question as soon as its previous answer has finished, so c requests are in flight until the
-questions run out. Per request: time to first token (TTFT: up to the first chunk with content),
-end-to-end latency, output tokens (the server's ``usage`` when it sends one, else the content
-chunks) and time per output token after the first (TPOT; none for a one-token answer). Per level:
-requests ok and failed, the level's output tokens/s (the output tokens of every request that
-succeeded over the level's wall time) and the 50th, 90th and 99th percentiles of TTFT, TPOT and
-latency.
+Each level sends the first turn of every selected Spec-Bench question as a streamed chat
+completion (``POST {url}/chat/completions``), in one of two ways:
+
+* ``--concurrency c`` (closed loop): c workers, each taking the next question as soon as its
+  previous answer has finished, so c requests are in flight until the questions run out;
+* ``--request-rate r`` (open loop, as vLLM's ``benchmark_serving.py``): requests arrive as a
+  Poisson process of r a second (exponential gaps drawn from ``--seed``; ``inf``: all at once), each
+  sent at its arrival whatever is still in flight, so a server slower than the rate builds a queue.
+
+Before the first level, ``--warmup`` requests (default 1) are sent and not counted: a server's
+first request pays for what it sets up once. Per request: time to first token (TTFT: up to the
+first chunk with content), end-to-end latency, output tokens (the server's ``usage`` when it sends
+one, else the content chunks) and time per output token after the first (TPOT; none for a one-token
+answer). Per level: requests ok and failed, output tokens/s and requests/s (of the requests that
+succeeded, over the level's wall time), the most requests that were in flight at once, and the
+50th, 90th and 99th percentiles of TTFT, TPOT and latency.
 
 Writes DIR/results.json and DIR/throughput.png and prints a Markdown table. ``--compare`` puts
 several results files (decodekit serve, llama-server, vLLM, ...) on one chart and one table,
@@ -23,6 +30,7 @@ import argparse
 import http.client
 import json
 import math
+import random
 import shlex
 import socket
 import sys
@@ -45,17 +53,27 @@ DEFAULT_URL = "http://127.0.0.1:8000/v1"
 QUANTILES = (50, 90, 99)
 MAX_ERRORS = 5  # error messages kept per level: enough to see what went wrong, not a log
 MAX_TIMEOUT_S = 86400.0  # a day: a larger value overflows the socket's timer (and no request takes that long)
-COMPARE_ROWS = (("output tok/s", "output_tok_s", None), ("TTFT p50 ms", "ttft_ms", "p50"),
+DEFAULT_CONCURRENCY = "1,2,4,8,16"
+RATE_SLOTS = 16  # the batch a server started for --request-rate levels gets (--start); more requests wait in its queue
+LOADS = {"concurrency": "concurrency", "request_rate": "request rate /s"}  # a level's load: results key -> heading
+COMPARE_ROWS = (("output tok/s", "output_tok_s", None), ("requests/s", "request_s", None), ("TTFT p50 ms", "ttft_ms", "p50"),
                 ("TTFT p99 ms", "ttft_ms", "p99"), ("TPOT p50 ms", "tpot_ms", "p50"), ("latency p50 ms", "e2e_ms", "p50"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Send Spec-Bench questions as streamed chat completions to an OpenAI-compatible server, c at a "
-                     "time for each concurrency level c. Writes DIR/results.json and DIR/throughput.png and prints a "
-                     "Markdown table.")
+                     "time for each concurrency level c (or arriving at each request rate r). Writes DIR/results.json "
+                     "and DIR/throughput.png and prints a Markdown table.")
     p.add_argument("--url", default=DEFAULT_URL, help=f"the server's base URL, up to /v1 (default {DEFAULT_URL})")
     p.add_argument("--model", default=None, help="model id to send (default: the first id of GET URL/models)")
-    p.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated requests in flight (default 1,2,4,8,16)")
+    p.add_argument("--concurrency", default=None,
+                   help=f"comma-separated requests in flight, a level each (default {DEFAULT_CONCURRENCY})")
+    p.add_argument("--request-rate", default=None, metavar="RATES",
+                   help="comma-separated requests a second, a level each, instead of --concurrency: requests arrive "
+                        "as a Poisson process at that rate, whatever is in flight ('inf': all at once)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --request-rate arrival times (default 0)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="requests sent before the first level and not counted (default 1)")
     p.add_argument("--limit", type=int, default=2, help="questions per category (default 2)")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
@@ -81,6 +99,7 @@ class RequestTiming:
     ttft_s: float | None = None
     tokens: int = 0
     error: str | None = None
+    sent_at: float = 0.0  # time.perf_counter() when it was sent
 
     @property
     def tpot_s(self) -> float | None:
@@ -110,13 +129,27 @@ def quantiles_ms(values: Sequence[float]) -> dict[str, float | None]:
     return {f"p{q}": None if (v := percentile(values, q)) is None else round(v * 1e3, 2) for q in QUANTILES}
 
 
-def summarize(outcomes: Sequence[RequestTiming], wall_s: float, concurrency: int) -> dict[str, Any]:
-    """One level of results.json. Latencies are those of the requests that succeeded."""
+def most_in_flight(outcomes: Sequence[RequestTiming]) -> int:
+    """The most requests open at one time (from each one's send to its end): what a request rate
+    made of the server's load. A request that ends at the moment another is sent is not counted
+    beside it."""
+    events = sorted(e for o in outcomes for e in ((o.sent_at, 1), (o.sent_at + o.e2e_s, -1)))  # ends first at a tie
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def summarize(outcomes: Sequence[RequestTiming], wall_s: float, load: dict[str, float | str]) -> dict[str, Any]:
+    """One level of results.json; ``load``: its ``{"concurrency": c}`` or ``{"request_rate": r}``.
+    Latencies are those of the requests that succeeded."""
     ok = [o for o in outcomes if o.error is None]
     tokens = sum(o.tokens for o in ok)
+    per_s = lambda n: round(n / wall_s, 2) if wall_s > 0 else 0.0  # noqa: E731
     return {
-        "concurrency": concurrency, "ok": len(ok), "failed": len(outcomes) - len(ok),
-        "output_tokens": tokens, "wall_s": round(wall_s, 4), "output_tok_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
+        **load, "ok": len(ok), "failed": len(outcomes) - len(ok), "most_in_flight": most_in_flight(outcomes),
+        "output_tokens": tokens, "wall_s": round(wall_s, 4), "output_tok_s": per_s(tokens), "request_s": per_s(len(ok)),
         "ttft_ms": quantiles_ms([o.ttft_s for o in ok if o.ttft_s is not None]),
         "tpot_ms": quantiles_ms([o.tpot_s for o in ok if o.tpot_s is not None]),
         "e2e_ms": quantiles_ms([o.e2e_s for o in ok]),
@@ -233,7 +266,7 @@ def send(url: str, body: dict[str, Any], timeout: float, in_flight: InFlight | N
     a load test must go on when the server refuses or drops a request. ``in_flight``: where the
     connection is noted while it is open, for an interrupt to cut."""
     out = RequestTiming()
-    start = time.perf_counter()
+    start = out.sent_at = time.perf_counter()
     conn, base = connect(url, timeout)
     sock = None
     try:
@@ -270,7 +303,40 @@ def run_level(url: str, bodies: Sequence[dict[str, Any]], concurrency: int, time
         except BaseException:  # Ctrl-C: the questions not sent are dropped (by map); those in flight end now
             in_flight.cut()
             raise
-    return summarize(outcomes, time.perf_counter() - start, concurrency)
+    return summarize(outcomes, time.perf_counter() - start, {"concurrency": concurrency})
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds from a level's start at which each of ``n`` requests is sent: a Poisson process of
+    ``rate`` requests a second, so the gaps are exponential with mean 1 / rate (vLLM's
+    benchmark_serving.py at burstiness 1). The first request goes at 0; all do for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng, offsets, t = random.Random(seed), [], 0.0
+    for _ in range(n):
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    return offsets
+
+
+def run_rate_level(url: str, bodies: Sequence[dict[str, Any]], rate: float, seed: int, timeout: float) -> dict[str, Any]:
+    """Send each body at its arrival time (:func:`arrival_offsets`), whatever is still in flight; the level's summary."""
+    start = time.perf_counter()
+    in_flight = InFlight()
+    pool = ThreadPoolExecutor(max_workers=max(1, len(bodies)))  # a thread a request: none waits for another
+    try:
+        futures = []
+        for body, offset in zip(bodies, arrival_offsets(len(bodies), rate, seed)):
+            time.sleep(max(0.0, start + offset - time.perf_counter()))
+            futures.append(pool.submit(send, url, body, timeout, in_flight))
+        outcomes = [f.result() for f in futures]
+    except BaseException:  # Ctrl-C: no request is sent after it, and those in flight end now
+        in_flight.cut()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    # an infinite rate as the string "inf": JSON has no infinity (float() reads it back)
+    return summarize(outcomes, time.perf_counter() - start, {"request_rate": "inf" if math.isinf(rate) else rate})
 
 
 def parse_concurrency(text: str) -> list[int]:
@@ -283,6 +349,25 @@ def parse_concurrency(text: str) -> list[int]:
     return levels
 
 
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise InvalidParameter(f"--request-rate must be comma-separated requests a second (or inf), got {text!r}") from None
+    if not all(r > 0 for r in rates):  # NaN fails too
+        raise InvalidParameter(f"--request-rate levels must be positive (or inf), got {text!r}")
+    return rates
+
+
+def parse_levels(args: argparse.Namespace) -> tuple[str, list[float]]:
+    """The levels' load (a key of LOADS) and their values, from --concurrency or --request-rate."""
+    if args.request_rate is not None:
+        if args.concurrency is not None:
+            raise InvalidParameter("--concurrency and --request-rate are two ways to load the server: give one")
+        return "request_rate", parse_rates(args.request_rate)
+    return "concurrency", parse_concurrency(args.concurrency or DEFAULT_CONCURRENCY)
+
+
 def check_options(args: argparse.Namespace) -> None:
     parts = urllib.parse.urlsplit(args.url)
     if args.start is None and (parts.scheme not in ("http", "https") or not parts.netloc):
@@ -293,12 +378,16 @@ def check_options(args: argparse.Namespace) -> None:
         raise InvalidParameter(f"--timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {args.timeout}")
     if not 0 <= args.temperature < math.inf:
         raise InvalidParameter(f"--temperature must be 0 (greedy) or a finite positive number, got {args.temperature}")
+    if args.warmup < 0:
+        raise InvalidParameter(f"--warmup must be 0 or more requests, got {args.warmup}")
 
 
 def command_line(args: argparse.Namespace, target: Sequence[str]) -> str:
     """An explicit command that reproduces the run (every default spelled out): ``target`` names the
     server (``--url``, ``--model`` and ``--label``, or ``--start`` and ``--serve-model``)."""
-    parts = ["decodekit", "bench-serve", *target, "--concurrency", args.concurrency,
+    load = (["--request-rate", args.request_rate, "--seed", str(args.seed)] if args.request_rate is not None
+            else ["--concurrency", args.concurrency or DEFAULT_CONCURRENCY])
+    parts = ["decodekit", "bench-serve", *target, *load, "--warmup", str(args.warmup),
              "--limit", str(args.limit), "--max-tokens", str(args.max_tokens), "--temperature", f"{args.temperature:g}",
              "--out", str(args.out), "--timeout", f"{args.timeout:g}"]
     return shlex.join(parts + (["--method", args.method] if args.method else []))
@@ -313,29 +402,54 @@ def load_results(path: Path) -> dict[str, Any]:
         raise InvalidParameter(f"{path} is not a JSON file") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("levels"), list):
         raise InvalidParameter(f"{path} is not a bench-serve results file (schema {SCHEMA})")
+    if data.get("load", "concurrency") not in LOADS:
+        raise InvalidParameter(f"{path} has levels of an unknown load {data['load']!r} (known: {', '.join(LOADS)})")
     return data
+
+
+def load_of(result: dict[str, Any]) -> str:
+    """The key its levels are told apart by (results files before --request-rate had concurrency levels only)."""
+    return result.get("load", "concurrency")
+
+
+def level_load(level: dict[str, Any], key: str) -> float:
+    """A level's concurrency or request rate (an infinite rate is stored as "inf")."""
+    return float(level[key])
 
 
 def fmt(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}"
 
 
+def fmt_load(value: float) -> str:
+    return "inf" if math.isinf(value) else f"{value:g}"
+
+
 def markdown_table(result: dict[str, Any]) -> str:
-    """One row per concurrency level; latencies as p50 / p90 / p99."""
+    """One row per level; latencies as p50 / p90 / p99."""
     spread = lambda q: " / ".join(fmt(q[f"p{n}"]) for n in QUANTILES)  # noqa: E731
+    key = load_of(result)
     lines = [f"{result['label']} · {result['model']}", "",
-             "| concurrency | ok | failed | output tok/s | TTFT ms p50 / p90 / p99 | TPOT ms p50 / p90 / p99 | latency ms p50 / p90 / p99 |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             f"| {LOADS[key]} | ok | failed | most in flight | output tok/s | requests/s | TTFT ms p50 / p90 / p99 | "
+             "TPOT ms p50 / p90 / p99 | latency ms p50 / p90 / p99 |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for lv in result["levels"]:
-        lines.append(f"| {lv['concurrency']} | {lv['ok']} | {lv['failed']} | {fmt(lv['output_tok_s'])} | "
+        lines.append(f"| {fmt_load(level_load(lv, key))} | {lv['ok']} | {lv['failed']} | {lv.get('most_in_flight', '–')} | "
+                     f"{fmt(lv['output_tok_s'])} | {fmt(lv.get('request_s'))} | "
                      f"{spread(lv['ttft_ms'])} | {spread(lv['tpot_ms'])} | {spread(lv['e2e_ms'])} |")
     return "\n".join(lines)
 
 
 def compare_table(results: Sequence[dict[str, Any]]) -> str:
-    """One column per results file; a row per concurrency level and measure (– where a run lacks the level)."""
-    levels = [{lv["concurrency"]: lv for lv in r["levels"]} for r in results]
-    lines = ["| concurrency | measure | " + " | ".join(r["label"] for r in results) + " |",
+    """One column per results file; a row per level and measure (– where a run lacks the level or
+    the measure). The files' levels must be of one load."""
+    loads = {load_of(r) for r in results}
+    if len(loads) > 1:
+        raise InvalidParameter("these results files load their servers in different ways (concurrency levels and request "
+                               "rates): compare files of one kind")
+    key = loads.pop()
+    levels = [{level_load(lv, key): lv for lv in r["levels"]} for r in results]
+    lines = [f"| {LOADS[key]} | measure | " + " | ".join(r["label"] for r in results) + " |",
              "|---:|---|" + "---:|" * len(results)]
     for c in sorted({c for by_c in levels for c in by_c}):
         for name, key, sub in (*COMPARE_ROWS, ("failed / sent", None, None)):
@@ -347,30 +461,35 @@ def compare_table(results: Sequence[dict[str, Any]]) -> str:
                 elif key is None:
                     cells.append(f"{lv['failed']} / {lv['ok'] + lv['failed']}")
                 else:
-                    cells.append(fmt(lv[key] if sub is None else lv[key][sub]))
-            lines.append(f"| {c} | {name} | " + " | ".join(cells) + " |")
+                    cells.append(fmt(lv.get(key) if sub is None else lv[key][sub]))
+            lines.append(f"| {fmt_load(c)} | {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def plot(results: Sequence[dict[str, Any]], path: Path) -> Path:
-    """Output tokens/s and p50 TTFT against concurrency, a line per results file."""
+    """Output tokens/s and p50 TTFT against the levels' load, a line per results file (one load:
+    :func:`compare_table` refuses a mix). An infinite request rate is drawn at twice the highest finite one."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 
+    key = load_of(results[0])
+    values = {level_load(lv, key) for r in results for lv in r["levels"]}
+    finite = [v for v in values if not math.isinf(v)]
+    x = lambda v: 2 * max(finite, default=1) if math.isinf(v) else v  # noqa: E731
     fig, axes = plt.subplots(1, 2, figsize=(11.0, 4.2), dpi=130)
     for r in results:
-        lvs = sorted(r["levels"], key=lambda lv: lv["concurrency"])  # a line joins the levels left to right
-        axes[0].plot([lv["concurrency"] for lv in lvs], [lv["output_tok_s"] for lv in lvs], marker="o", label=r["label"])
-        ttft = [(lv["concurrency"], lv["ttft_ms"]["p50"]) for lv in lvs if lv["ttft_ms"]["p50"] is not None]
+        lvs = sorted(r["levels"], key=lambda lv: level_load(lv, key))  # a line joins the levels left to right
+        axes[0].plot([x(level_load(lv, key)) for lv in lvs], [lv["output_tok_s"] for lv in lvs], marker="o", label=r["label"])
+        ttft = [(x(level_load(lv, key)), lv["ttft_ms"]["p50"]) for lv in lvs if lv["ttft_ms"]["p50"] is not None]
         axes[1].plot([c for c, _ in ttft], [t for _, t in ttft], marker="o", label=r["label"])
-    ticks = sorted({lv["concurrency"] for r in results for lv in r["levels"]})
+    ticks = sorted(values)
     for ax, ylabel in zip(axes, ("output tokens/s (all requests)", "p50 time to first token (ms)")):
         ax.set_xscale("log", base=2)  # levels usually double
-        ax.set_xticks(ticks, [str(c) for c in ticks])
+        ax.set_xticks([x(v) for v in ticks], [fmt_load(v) for v in ticks])
         ax.minorticks_off()
-        ax.set_xlabel("concurrent requests")
+        ax.set_xlabel("concurrent requests" if key == "concurrency" else "requests a second (arrival rate)")
         ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
@@ -378,7 +497,7 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> Path:
             ax.spines[side].set_visible(False)
     axes[0].legend(fontsize=8, frameon=False)
     models = ", ".join(dict.fromkeys(str(r.get("model")) for r in results))
-    fig.suptitle(f"Throughput and time to first token vs concurrency ({models})", fontsize=11)
+    fig.suptitle(f"Throughput and time to first token vs {LOADS[key].removesuffix(' /s')} ({models})", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -405,7 +524,7 @@ def run(args: argparse.Namespace) -> int:
         return run_started(args)
     if args.serve_model is not None:
         raise InvalidParameter("--serve-model applies with --start (with --url, the server runs its own model)")
-    levels = parse_concurrency(args.concurrency)
+    levels = parse_levels(args)
     check_options(args)
     questions = load_questions(resolve_question_file(None), limit=args.limit)
     model = args.model or first_model(args.url, args.timeout)
@@ -426,28 +545,46 @@ def make_folder(out: Path) -> Path:
     return out
 
 
-def measure(args: argparse.Namespace, url: str, model: str, label: str, questions: Sequence[Any], levels: Sequence[int],
-            out: Path, command: str, server_command: str | None = None) -> dict[str, Any]:
-    """Every concurrency level against ``url``; the results, also written to ``out``/results.json.
+def warm_up(url: str, bodies: Sequence[dict[str, Any]], n: int, timeout: float, who: str) -> None:
+    """Send ``n`` requests one after another (the first questions), not counted; the first that
+    fails ends the run in one line, before any level (a bad --method, --model or --max-tokens)."""
+    for i in range(n):
+        outcome = send(url, bodies[i % len(bodies)], timeout)
+        if outcome.error is not None:
+            raise InvalidParameter(f"{who}the warm-up request failed: {outcome.error}")
+
+
+def measure(args: argparse.Namespace, url: str, model: str, label: str, questions: Sequence[Any],
+            levels: tuple[str, Sequence[float]], out: Path, command: str, server_command: str | None = None) -> dict[str, Any]:
+    """Every level (:func:`parse_levels`) against ``url``; the results, also written to ``out``/results.json.
     ``command`` reproduces the run; ``server_command``: how the server was started, where this run did."""
     extra = {"method": args.method} if args.method else {}
     bodies = [{"model": model, "messages": [{"role": "user", "content": q.turns[0]}], "stream": True,
                "stream_options": {"include_usage": True}, "max_tokens": args.max_tokens,
                "temperature": args.temperature, **extra} for q in questions]
-    result = {"schema": SCHEMA, "label": label, "url": url, "model": model,
-              "command": command, "levels": []}
+    key, values = levels
+    result = {"schema": SCHEMA, "label": label, "url": url, "model": model, "load": key,
+              "command": command, "warmup": args.warmup, "levels": []}
+    if key == "request_rate":
+        result["seed"] = args.seed
     if server_command is not None:
         result["server_command"] = server_command
     who = "" if server_command is None else f"{label}: "  # (several servers in one run)
-    for c in levels:
-        note = f" (so at most {len(bodies)} in flight, not {c}: raise --limit)" if c > len(bodies) else ""
-        print(f"{who}concurrency {c}: {len(bodies)} requests{note}", file=sys.stderr, flush=True)
-        level = run_level(url, bodies, c, args.timeout)
+    warm_up(url, bodies, args.warmup, args.timeout, who)
+    for value in values:
+        if key == "concurrency":
+            note = f" (so at most {len(bodies)} in flight, not {value}: raise --limit)" if value > len(bodies) else ""
+            print(f"{who}concurrency {value}: {len(bodies)} requests{note}", file=sys.stderr, flush=True)
+            level = run_level(url, bodies, int(value), args.timeout)
+        else:
+            print(f"{who}request rate {fmt_load(value)}/s: {len(bodies)} requests", file=sys.stderr, flush=True)
+            level = run_rate_level(url, bodies, value, args.seed, args.timeout)
         result["levels"].append(level)
         # after every level, so that an interrupted run keeps the levels it finished
         (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-        if level["ok"] == 0:  # every request refused (a bad --method, --model, --max-tokens): no figure to report
-            raise InvalidParameter(f"{who}every request at concurrency {c} failed, the first with: {level['errors'][0]}")
+        if level["ok"] == 0:  # every request refused: no figure to report
+            raise InvalidParameter(f"{who}every request at {LOADS[key].removesuffix(' /s')} {fmt_load(value)} failed, "
+                                   f"the first with: {level['errors'][0]}")
     return result
 
 
@@ -456,7 +593,7 @@ def run_started(args: argparse.Namespace) -> int:
     from ..models.loading import model_gguf
 
     names = peers.parse_servers(args.start)
-    levels = parse_concurrency(args.concurrency)
+    levels = parse_levels(args)
     check_options(args)
     for flag, given in (("--url", args.url != DEFAULT_URL), ("--model", args.model is not None),
                         ("--label", args.label is not None)):
@@ -471,7 +608,8 @@ def run_started(args: argparse.Namespace) -> int:
     out, results = make_folder(Path(args.out)), []
     for name in names:
         port = peers.free_port()
-        argv = peers.PEERS[name].command(gguf, port, max(levels))
+        slots = int(max(levels[1])) if levels[0] == "concurrency" else RATE_SLOTS
+        argv = peers.PEERS[name].command(gguf, port, slots)
         if argv is None:
             print(f"{name}: skipped, {peers.PEERS[name].missing}", file=sys.stderr, flush=True)
             continue

@@ -43,12 +43,17 @@ def decodekit_command(gguf: Path, port: int, slots: int) -> list[str] | None:
             "--port", str(port), "--max-batch", str(slots)]
 
 
+LLAMA_CPP_SERVER_MODULES = ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")  # llama-cpp-python[server]
+
+
 def llama_cpp_python_command(gguf: Path, port: int, slots: int) -> list[str] | None:
-    if importlib.util.find_spec("llama_cpp") is None:
+    if any(importlib.util.find_spec(module) is None for module in LLAMA_CPP_SERVER_MODULES):
         return None
-    # its default thread count is half the cores; the context fits a question and its answer
+    # Its default thread count is half the cores; the context fits a question and its answer. It answers
+    # one request at a time, and by default a new request cuts the one being streamed short
+    # (--interrupt_requests): off, so that each request waits its turn and gets its whole answer.
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-            "--n_threads", str(usable_cores()), "--n_ctx", "4096"]
+            "--n_threads", str(usable_cores()), "--n_ctx", "4096", "--interrupt_requests", "False"]
 
 
 def llama_server_binary() -> str | None:
@@ -78,7 +83,7 @@ class Peer:
 PEERS = {peer.name: peer for peer in (
     Peer("decodekit", decodekit_command, "decodekit is always there"),
     Peer("llama-cpp-python", llama_cpp_python_command,
-         "not installed: pip install -e '.[llamacpp]' (builds llama.cpp from source, about 10 minutes)"),
+         "not installed with its server: pip install -e '.[llamacpp]' (builds llama.cpp from source, about 10 minutes)"),
     Peer("llama-server", llama_server_command,
          "not built: bash scripts/build_llama_server.sh (about 10 minutes), or set DECODEKIT_LLAMA_SERVER"),
 )}
