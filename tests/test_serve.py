@@ -1552,7 +1552,7 @@ def test_metrics_time_per_output_token_is_over_the_tokens_after_the_first():
 
     from decodekit.serve.metrics import ServerMetrics
 
-    scheduler = types.SimpleNamespace(running=0, waiting=0, prefix_tokens=0, batcher=types.SimpleNamespace(passes=0, rows=0))
+    scheduler = types.SimpleNamespace(running=0, waiting=0, prefix_tokens=0, prompt_cache=None, batcher=types.SimpleNamespace(passes=0, rows=0))
     metrics = ServerMetrics(scheduler)
 
     def generation(n, extra, cut_off=0):
@@ -1837,7 +1837,7 @@ def fake_metrics():
     from decodekit.serve.metrics import ServerMetrics
 
     batcher = types.SimpleNamespace(passes=3, rows=7)
-    return ServerMetrics(types.SimpleNamespace(running=2, waiting=5, prefix_tokens=0, batcher=batcher))
+    return ServerMetrics(types.SimpleNamespace(running=2, waiting=5, prefix_tokens=0, prompt_cache=None, batcher=batcher))
 
 
 def test_response_and_chunk_objects_are_named_as_openai_names_them():
@@ -2349,3 +2349,120 @@ def test_another_models_name_is_a_404_with_its_code(served):
         status, body = post(served, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2})
         error = json.loads(body)["error"]
         assert status == 400 and error["param"] == "model" and "model must be a string" in error["message"]
+
+
+# The prompt cache: what a slot held before another prompt overwrote it -------------------------
+
+def test_a_cached_prefix_restored_in_another_cache_reads_the_rest_to_the_same_bits():
+    """A slot's entries copied out (snapshot) and into another clone (restore): the prompt's rest read
+    there gives the logits, and then the decode, of the whole prompt read in a fresh cache."""
+    model = tiny_model()
+    prompt = model.tokenizer.encode(PROMPTS[2])
+    source, target, fresh = (model.backend.clone() for _ in range(3))
+    source.prefill(prompt[:20])
+    source.keep(prompt[:20])
+    target.prefill(model.tokenizer.encode(PROMPTS[1]))  # it held something else before
+    target.restore(source.snapshot())
+    assert target.shared_prefix(prompt) == 20 and target.length == 20
+    got, want = target.prefill(prompt), fresh.prefill(prompt)
+    assert torch.equal(got, want) and target.length == fresh.length == len(prompt)
+    token = torch.tensor([[int(want.argmax())]])
+    assert torch.equal(target.append(token).logits, fresh.append(token).logits)
+
+
+def test_a_snapshot_fits_only_caches_of_its_own_model_and_policy():
+    model = tiny_model()
+    source = model.backend.clone()
+    source.prefill([5, 6, 7])
+    assert source.snapshot() is None  # nothing said to be kept
+    source.keep([5, 6, 7])
+    snap = source.snapshot()
+    assert snap.ids == (5, 6, 7) and snap.nbytes > 0
+    other = tiny_model().backend  # the same shapes, other weights
+    with pytest.raises(ValueError, match="another model"):
+        other.restore(snap)
+    windowed = model.backend.with_kv_cache("sink:2,window:8")  # evicts: its entries are not the prompt's
+    windowed.prefill([5, 6, 7])
+    windowed.keep([5, 6, 7])
+    assert windowed.snapshot() is None
+    with pytest.raises(ValueError, match="another model, policy"):
+        windowed.restore(snap)
+
+
+def prefix(ids, nbytes):
+    from decodekit.models.backend import CachedPrefix
+
+    return CachedPrefix(tuple(ids), "owner", (torch.zeros(nbytes, dtype=torch.uint8),))
+
+
+def test_the_prompt_cache_keeps_the_longest_entries_within_its_budget_least_recently_used_out_first():
+    from decodekit.serve.prompt_cache import PromptCache
+
+    cache = PromptCache(budget_bytes=300)
+    cache.put(prefix([1, 2, 3], 100))
+    cache.put(prefix([1, 2, 3, 4, 5], 100))  # covers the first: it replaces it
+    cache.put(prefix([1, 2], 100))  # covered by an entry: nothing to add
+    assert len(cache) == 1 and cache.nbytes == 100
+    cache.put(prefix([7, 8, 9], 100))
+    cache.put(prefix([4, 4, 4], 100))
+    entry, shared = cache.longest([1, 2, 3, 4, 9, 9])  # the oldest, now the most recently used
+    assert entry.ids == (1, 2, 3, 4, 5) and shared == 4
+    cache.put(prefix([6, 6], 100))  # over the budget: the least recently used ([7, 8, 9]) goes
+    assert cache.longest([7, 8, 9, 1]) == (None, 0) and cache.longest([4, 4, 4, 4])[1] == 3
+    assert cache.nbytes == 300 and len(cache) == 3
+    assert cache.longest([1, 2, 3, 4, 5])[1] == 4  # never the prompt's last token: it is read for its logits
+    cache.put(prefix([9], 301))  # larger than the whole budget: not kept, nothing dropped for it
+    assert len(cache) == 3 and cache.covers([4, 4]) and not cache.covers([4, 4, 4, 4])
+
+
+def test_a_prompt_whose_slot_was_taken_by_others_starts_from_the_prompt_cache(alone):
+    """One slot, three conversations in turn: the first's cache is overwritten by the second's, goes to
+    the prompt cache, and the first's next turn starts from it; answers as alone."""
+    from decodekit.serve.scheduler import Job
+
+    with scheduler_of(max_batch=1, max_queue=0) as (model, scheduler):
+        first, second = (model.tokenizer.encode(p) for p in ("tell me about cats and dogs", PROMPTS[1]))
+        (future,) = scheduler.submit([Job(first, "greedy", {}, 6, ignore_eos=True)])
+        answer = future.result(timeout=60).generation.tokens
+        (future,) = scheduler.submit([Job(second, "greedy", {}, 6, ignore_eos=True)])
+        future.result(timeout=60)
+        assert len(scheduler.prompt_cache) == 1
+        before = scheduler.prefix_tokens
+        follow = first + answer + model.tokenizer.encode(" and fish?")
+        (again,) = scheduler.submit([Job(follow, "greedy", {}, 8, ignore_eos=True)])
+        answer = again.result(timeout=60).generation.tokens
+        assert answer == alone(follow, max_new_tokens=8, ignore_eos=True).tokens
+        assert scheduler.prefix_tokens - before == len(first) + 6 - 1  # (the last answer token: unread)
+        assert len(scheduler.prompt_cache) == 2  # the second conversation, overwritten in turn
+        # the turn after: the slot holds more of it than the prompt cache's entry of its start
+        before, third = scheduler.prefix_tokens, follow + answer + model.tokenizer.encode(" ok?")
+        (turn,) = scheduler.submit([Job(third, "greedy", {}, 4)])
+        assert turn.result(timeout=60).generation.tokens == alone(third, max_new_tokens=4).tokens
+        assert scheduler.prefix_tokens - before == len(follow) + len(answer) - 1
+
+
+def test_without_a_prompt_cache_a_taken_slot_forgets(alone):
+    from decodekit.serve.scheduler import Job
+
+    with scheduler_of(max_batch=1, max_queue=0, prompt_cache_mib=0) as (model, scheduler):
+        first, second = (model.tokenizer.encode(p) for p in ("tell me about cats and dogs", PROMPTS[1]))
+        for prompt in (first, second):
+            scheduler.submit([Job(prompt, "greedy", {}, 4)])[0].result(timeout=60)
+        before = scheduler.prefix_tokens
+        (again,) = scheduler.submit([Job(first + [5], "greedy", {}, 4)])
+        assert again.result(timeout=60).generation.tokens == alone(first + [5], max_new_tokens=4).tokens
+        assert scheduler.prefix_tokens == before and scheduler.prompt_cache is None
+
+
+def test_of_idle_slots_sharing_nothing_the_one_freed_first_is_taken():
+    """The cache used last stays in its slot for a conversation's next turn."""
+    from decodekit.serve.scheduler import Job
+
+    with scheduler_of(max_batch=2, max_queue=0, prompt_cache_mib=0) as (model, scheduler):
+        a, b = (model.tokenizer.encode(p) for p in ("tell me about cats", "the weather today"))
+        for prompt in (a, b):  # one after the other: a's slot is freed first
+            scheduler.submit([Job(prompt, "greedy", {}, 3)])[0].result(timeout=60)
+        scheduler.submit([Job(model.tokenizer.encode("zzz unrelated"), "greedy", {}, 3)])[0].result(timeout=60)
+        slots = [engine.model.backend for engine in scheduler._free]
+        assert any(s.shared_prefix(b + [1]) == len(b) for s in slots)  # b's cache was kept
+        assert not any(s.shared_prefix(a + [1]) == len(a) for s in slots)

@@ -102,6 +102,20 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class CachedPrefix:
+    """A copy of what a cache held for ``ids`` (:meth:`Backend.snapshot`), for another cache of the
+    same model, policy and numerics to start from (:meth:`Backend.restore`): a server's prompt cache."""
+
+    ids: tuple[int, ...]
+    owner: object  # what the tensors fit: caches with the same owner key (Backend.prefix_owner)
+    tensors: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
 class Interrupted(Exception):
     """A long prompt abandoned between two of its passes: the request's ``should_stop`` said so
     (:attr:`Backend.interrupt`). The cache then holds part of the prompt; the next request resets it."""
@@ -146,6 +160,17 @@ class Backend(ABC):
         if not kept or self.batch_size != 1 or not self.reuses_prefix():
             return 0
         return common_prefix(kept[: self.length], token_ids[: len(token_ids) - 1])
+
+    def snapshot(self) -> CachedPrefix | None:
+        """A copy of the cache's entries for :attr:`kept_ids`, or None where there is nothing to copy
+        (nothing kept, several rows) or the backend cannot hand its entries over."""
+        return None
+
+    def restore(self, prefix: CachedPrefix) -> None:
+        """Make the cache hold what ``prefix`` holds, as if its tokens had just been read and kept:
+        a next :meth:`prefill` that starts with them reads only the rest, the same bits as reading
+        the whole prompt (where :meth:`reuses_prefix`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take a cached prefix")
 
     def memory(self, key: str | tuple, factory: Callable[[], T], keep: int | None = None) -> T:
         """What algorithms learn about this model across requests (a suffix corpus, a recycling

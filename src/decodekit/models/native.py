@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..arguments import NUMERICS
 from ..errors import InvalidParameter, PromptTooLong, RollbackRefused
 from ..machine import available_memory
-from .backend import SEARCH_REMEDY, Backend, ModelInfo, StepOutput
+from .backend import SEARCH_REMEDY, Backend, CachedPrefix, ModelInfo, StepOutput
 from .batching import PREFILL_CHUNK, PassBatcher
 from .gguf_blocks import BlockMatrix
 from .kivi import KiviStore, KiviView
@@ -300,6 +300,32 @@ class NativeLlama(Backend):
             self._check_memory(rows.numel(), self._k.shape[3])
         self._k = self._k[:, rows].contiguous()
         self._v = self._v[:, rows].contiguous()
+
+    @torch.inference_mode()
+    def snapshot(self) -> CachedPrefix | None:
+        kept = self.kept_ids
+        if not kept or self.batch_size != 1 or not self.reuses_prefix():
+            return None
+        n = len(kept)  # (keep() cut them to the cache's length)
+        return CachedPrefix(tuple(kept), self._prefix_owner(),
+                            (self._k[:, :, :, :n].clone(), self._v[:, :, :, :n].clone()))
+
+    @torch.inference_mode()
+    def restore(self, prefix: CachedPrefix) -> None:
+        if prefix.owner != self._prefix_owner() or not self.reuses_prefix():
+            raise ValueError("this cached prefix was taken from a cache of another model, policy or numerics")
+        n = len(prefix.ids)
+        self.reset(1)
+        self._ensure_capacity(n)
+        self._k[:, :, :, :n], self._v[:, :, :, :n] = prefix.tensors
+        self._length = self._slots = n
+        self._first_pass = False
+        self.kept_ids = list(prefix.ids)
+
+    def _prefix_owner(self) -> tuple:
+        """What a cached prefix's entries depend on: the weights (and numerics) of this stack, and
+        the cache's layout."""
+        return (id(self._stack), self.kv_policy.spec, self.dtype, self._row)
 
     # Forward passes -------------------------------------------------------------------------
 

@@ -9,3 +9,6 @@ MAX_BATCH = 8
 MAX_QUEUE = 64
 #: Seconds a client answered 503 is asked to wait (``Retry-After``).
 RETRY_AFTER_S = 1
+#: Host memory for the keys and values of prompts that left their slots (``--prompt-cache-mib``;
+#: see ``prompt_cache``). llama.cpp's server keeps up to 8 GiB by default.
+PROMPT_CACHE_MIB = 1024

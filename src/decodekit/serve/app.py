@@ -35,7 +35,7 @@ from ..engine.registry import method_spec
 from ..errors import DecodeKitError, PromptTooLong
 from ..models import LoadedModel
 from ..samplers.params import SEED_LIMIT
-from . import MAX_BATCH, MAX_QUEUE, RETRY_AFTER_S, STREAM_INTERVAL_S
+from . import MAX_BATCH, MAX_QUEUE, PROMPT_CACHE_MIB, RETRY_AFTER_S, STREAM_INTERVAL_S
 from .errors import ApiError, ClientGone, error_response, internal_error, shutting_down
 from .metrics import ServerMetrics
 from .reply import Outbox, Reply
@@ -52,12 +52,13 @@ class Server:
 
     def __init__(self, load: Callable[[], LoadedModel], *, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
                  passes_on_caller: bool = False, stream_interval_s: float = STREAM_INTERVAL_S,
-                 allowed_origins: Sequence[str] = ()):
-        """``stream_interval_s``: how long a stream's text after its first is gathered before it is
+                 allowed_origins: Sequence[str] = (), prompt_cache_mib: float = PROMPT_CACHE_MIB):
+        """``prompt_cache_mib``: the scheduler's prompt cache (0: none). ``stream_interval_s``: how long a stream's text after its first is gathered before it is
         written (:class:`Outbox`). ``allowed_origins``: web pages (``https://host:port``, or ``*``)
         whose scripts may call the API from a browser (CORS); none by default, so that a page the
         user happens to visit cannot use a server on their machine."""
         self.max_batch, self.max_queue, self.passes_on_caller = max_batch, max_queue, passes_on_caller
+        self.prompt_cache_mib = prompt_cache_mib
         self.allowed_origins = frozenset(allowed_origins)
         self.stream_interval_s = stream_interval_s
         self._outboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one per event loop
@@ -90,7 +91,7 @@ class Server:
 
             prepare(model.backend)  # the cost table speculative methods need, measured once, outside requests
             scheduler = Scheduler(model, max_batch=self.max_batch, max_queue=self.max_queue,
-                                  passes_on_caller=self.passes_on_caller)
+                                  passes_on_caller=self.passes_on_caller, prompt_cache_mib=self.prompt_cache_mib)
             self.metrics = ServerMetrics(scheduler)
             self.scheduler = scheduler
         except DecodeKitError as err:

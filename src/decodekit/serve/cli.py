@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from ..arguments import add_model_arguments
 from ..errors import InvalidParameter
-from . import MAX_BATCH, MAX_QUEUE, STREAM_INTERVAL_S
+from . import MAX_BATCH, MAX_QUEUE, PROMPT_CACHE_MIB, STREAM_INTERVAL_S
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=MAX_BATCH, help=f"requests decoded together (default {MAX_BATCH})")
     p.add_argument("--max-queue", type=int, default=MAX_QUEUE,
                    help=f"requests waiting for a slot before 503s (default {MAX_QUEUE})")
+    p.add_argument("--prompt-cache-mib", type=float, default=PROMPT_CACHE_MIB, metavar="MIB",
+                   help="host memory for the keys and values of earlier prompts, so that a prompt that starts like "
+                        f"one of them reads only the rest (default {PROMPT_CACHE_MIB}; 0: only what the slots hold)")
     p.add_argument("--allowed-origins", default="", metavar="ORIGINS",
                    help="comma-separated web origins (https://host:port, or *) whose pages may call the API from a "
                         "browser (CORS; default none)")
@@ -141,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("max_batch", "max_queue"):
         if getattr(args, name) < 1:
             raise InvalidParameter(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.prompt_cache_mib < float("inf"):  # NaN too
+        raise InvalidParameter(f"--prompt-cache-mib must be 0 or a finite number of MiB, got {args.prompt_cache_mib}")
     interval_s = STREAM_INTERVAL_S if args.stream_interval_ms is None else args.stream_interval_ms / 1000
     if not 0 <= interval_s <= 1:  # NaN too
         raise InvalidParameter(f"--stream-interval-ms must be between 0 and 1000, got {args.stream_interval_ms}")
@@ -151,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     sock = listen(args.host, args.port)
     server = Server(lambda: load_for_serving(args), max_batch=args.max_batch, max_queue=args.max_queue,
                     passes_on_caller=True, stream_interval_s=interval_s,
-                    allowed_origins=origins)
+                    allowed_origins=origins, prompt_cache_mib=args.prompt_cache_mib)
     web = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     # HTTP on a thread, answering 503 while the model loads; the main thread loads the model and
     # then runs every forward pass (see models/batching.py for why the main thread)

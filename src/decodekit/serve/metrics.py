@@ -6,7 +6,7 @@ existing dashboards need only the prefix changed."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .scheduler import Scheduler
 
@@ -23,8 +23,13 @@ class _BatcherCollector:
         batcher = self.scheduler.batcher
         yield CounterMetricFamily("decodekit:batched_passes", "Forward passes run for the batch", value=batcher.passes)
         yield CounterMetricFamily("decodekit:batched_rows", "Token rows those passes carried", value=batcher.rows)
-        yield CounterMetricFamily("decodekit:prefix_cache_hit_tokens", "Prompt tokens taken from a slot's cache",
-                                  value=self.scheduler.prefix_tokens)
+        yield CounterMetricFamily("decodekit:prefix_cache_hit_tokens",
+                                  "Prompt tokens taken from a slot's cache or the prompt cache", value=self.scheduler.prefix_tokens)
+        cache = self.scheduler.prompt_cache
+        yield GaugeMetricFamily("decodekit:prompt_cache_bytes", "Bytes the prompt cache holds",
+                                value=0 if cache is None else cache.nbytes)
+        yield GaugeMetricFamily("decodekit:prompt_cache_entries", "Prompts the prompt cache holds",
+                                value=0 if cache is None else len(cache))
 
 
 class ServerMetrics:

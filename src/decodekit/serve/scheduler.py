@@ -9,6 +9,10 @@ what else runs (the kernels compute each row on its own), except a speculative m
 evicting cache (``sink:``, ``h2o:``, ``snapkv:``), where the passes the controller sizes, from the
 batch too, decide what is evicted (as the README says).
 
+A prompt that starts like what an idle slot holds reads only the rest there (a chat's next turn);
+what a slot held before another prompt overwrote it goes to the prompt cache in host memory
+(:mod:`.prompt_cache`), from which a later prompt that starts the same way starts instead.
+
 Admission: at most ``max_batch`` requests run and ``max_queue`` wait; past that a request is
 refused at once (:class:`Overloaded`, HTTP 503 with ``Retry-After``) rather than left to wait
 without bound. A cancelled request (its client went away) stops at its next step and frees its
@@ -33,7 +37,8 @@ from ..engine.stops import shown_tokens
 from ..errors import DecodeKitError, InvalidParameter
 from ..models import LoadedModel
 from ..models.batching import PassBatcher
-from . import MAX_BATCH, MAX_QUEUE
+from . import MAX_BATCH, MAX_QUEUE, PROMPT_CACHE_MIB
+from .prompt_cache import PromptCache
 
 
 class Overloaded(DecodeKitError):
@@ -99,10 +104,12 @@ class Scheduler:
     """Slots, admission and the shared batcher for one loaded model."""
 
     def __init__(self, model: LoadedModel, *, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
-                 passes_on_caller: bool = False):
+                 passes_on_caller: bool = False, prompt_cache_mib: float = PROMPT_CACHE_MIB):
         """``passes_on_caller``: the passes wait for a thread to call ``self.batcher.serve`` (the
-        main thread, in ``decodekit serve``) instead of running on a thread of their own."""
+        main thread, in ``decodekit serve``) instead of running on a thread of their own.
+        ``prompt_cache_mib``: the prompt cache's budget (0: none)."""
         self.model = model
+        self.prompt_cache = PromptCache(int(prompt_cache_mib * 2**20)) if prompt_cache_mib > 0 else None
         self.batcher = PassBatcher(own_thread=not passes_on_caller)
         self.batching = getattr(model.backend, "batch_key", None) is not None
         # a backend that cannot batch its passes serves one request at a time
@@ -119,7 +126,7 @@ class Scheduler:
             if self.batching:
                 backend.batcher = self.batcher
             self._free.append(Engine(LoadedModel(backend, model.tokenizer, model.name)))
-        self.prefix_tokens = 0  # prompt tokens taken from a slot's cache instead of being read again
+        self.prefix_tokens = 0  # prompt tokens taken from a slot's cache or the prompt cache instead of being read again
         self._lock = threading.Lock()
         self._running: set[Job] = set()  # the choices decoding in a slot
         self._stopped = False  # cancel_all or close was called: nothing new starts
@@ -167,11 +174,30 @@ class Scheduler:
             self.batcher.start(functools.partial(self._run, job, engine, future))
 
     def _take_slot(self, prompt_ids: list[int]) -> Engine:
-        """The idle slot whose cache shares the longest prefix with the prompt (called with the lock
-        held, where one is free)."""
-        shared, best = max((e.model.backend.shared_prefix(prompt_ids), i) for i, e in enumerate(self._free))
+        """The idle slot whose cache shares the longest prefix with the prompt; of slots that share
+        as much, the one freed first, so the caches used last stay (called with the lock held, where
+        one is free)."""
+        shared, best = max((e.model.backend.shared_prefix(prompt_ids), -i) for i, e in enumerate(self._free))
         self.prefix_tokens += shared
-        return self._free.pop(best)
+        return self._free.pop(-best)
+
+    def _from_prompt_cache(self, prompt_ids: list[int], engine: Engine) -> None:
+        """Before a prompt is read in this slot: what the slot holds beyond the prompt's shared
+        prefix goes to the prompt cache (the prompt would overwrite it), and a cached prefix longer
+        than that shared one is copied into the slot, to be read no further."""
+        cache, backend = self.prompt_cache, engine.model.backend
+        if cache is None:
+            return
+        own, kept = backend.shared_prefix(prompt_ids), backend.kept_ids
+        if kept and own < len(kept) and not cache.covers(kept):
+            snapshot = backend.snapshot()
+            if snapshot is not None:
+                cache.put(snapshot)
+        entry, shared = cache.longest(prompt_ids)
+        if entry is not None and shared > own:
+            backend.restore(entry)
+            with self._lock:
+                self.prefix_tokens += shared - own
 
     def cancel(self, jobs: list[Job]) -> None:
         """Stop these choices: a running one at its next step or between its prompt's passes, a
@@ -195,6 +221,7 @@ class Scheduler:
         """Decode a choice in its slot, give the slot back (the next waiting choice starts), then
         answer its future: a caller that submits again at once finds the slot free."""
         try:
+            self._from_prompt_cache(job.prompt_ids, engine)
             outcome = self._decode(job, engine)
         except BaseException as err:  # handed to the caller, whatever it is (nothing is left hanging)
             self._release(job, engine)
