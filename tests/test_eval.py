@@ -426,6 +426,15 @@ def test_a_structured_file_takes_boolean_schemas_and_is_checked_whole_before_any
         load_task("structured", str(path))
 
 
+def test_a_structured_data_path_that_is_no_file_is_bad_input(tmp_path, capsys):
+    """A missing file or a folder given as --data is the user's mistake: one line and exit code 2,
+    as for gsm8k, not the exit code 1 of a failed read."""
+    for where in (tmp_path / "missing.jsonl", tmp_path):
+        assert cli_main(["eval", "structured", "--data", str(where), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "structured data not found" in err
+
+
 def test_agreement_samples_are_drawn_under_the_items_schema_and_apart_from_the_answer(monkeypatch):
     """The agreement signal's samples: under the item's constraint (a `const` schema leaves one
     answer, so they all agree with it), from seeds of their own (never the answer's draws, which
@@ -625,6 +634,17 @@ def test_an_answer_with_a_pipe_keeps_the_items_table_in_four_columns():
     assert rows == ["| 0 | 4 | 4 \\| 5 | no |"]
 
 
+def test_a_schema_gold_and_a_multi_line_answer_keep_the_items_table_in_four_columns():
+    """A structured item's gold is its schema (a pattern may hold a pipe) and an unconstrained
+    answer may span lines: each stays inside its cell."""
+    from decodekit.eval.report import markdown
+
+    record = {"id": "s1", "gold": '{"pattern": "^(a|b)$"}', "answer": '{\n "a": 1}', "correct": True}
+    items = markdown({**REPORT_BASE, "records": [record]}).split("## Items")[1].strip().splitlines()
+    assert len(items) == 3 and items[2].startswith("| s1 |") and items[2].endswith("| yes |")
+    assert items[2].replace("\\|", "").count("|") == 5
+
+
 def test_a_long_answer_is_cut_to_60_characters_in_the_items_table():
     from decodekit.eval.report import markdown
 
@@ -715,6 +735,23 @@ def test_a_capital_is_named_by_whole_words_not_inside_another_word():
     assert not capital_correct("Limassol", Item("PE", "", "Lima", "Peru"))
     assert not capital_correct("Romeo", Item("IT", "", "Rome", "Italy"))
     assert capital_correct("It is Lima.", Item("PE", "", "Lima", "Peru"))
+
+
+@pytest.mark.parametrize("gold, country, wrong, right", [
+    ("Paris", "France", ["not Paris", "The capital of France is not Paris, it is Lyon.", "It isn't Paris."],
+     ["No, Paris.", "Paris, not Lyon", "The capital of France is Paris."]),
+    ("Santiago", "Chile", ["Santiago de Cuba"], ["Santiago de Chile", "Santiago"]),
+    ("Victoria", "Seychelles", ["Victoria Falls"], ["Victoria, Seychelles"]),
+    ("Jerusalem", "Israel", ["East Jerusalem"], ["Jerusalem"]),
+    ("Mexico City", "Mexico", ["New Mexico City"], ["Mexico City"]),
+    ("Bissau", "Guinea-Bissau", ["Guinea-Bissau's capital is not Bissau"], ["Bissau, Guinea-Bissau"]),
+])
+def test_a_capital_denied_or_inside_a_longer_place_name_is_not_an_answer(gold, country, wrong, right):
+    """The name found as words is not enough: "not Paris" denies it, and "Santiago de Cuba" or "East
+    Jerusalem" name other places; a comma or a full stop ends the name ("No, Paris.")."""
+    item = Item("X", "", gold, country)
+    assert not [text for text in wrong if capital_correct(text, item)]
+    assert all(capital_correct(text, item) for text in right)
 
 
 def test_a_structured_answer_is_the_output_stripped_and_a_blank_one_is_no_answer(tmp_path):

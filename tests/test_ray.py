@@ -464,8 +464,11 @@ class FakeRay:
         class RayActorError(Exception):
             pass
 
-    def __init__(self, cpus: int = 2, die=()):
-        self.cpus, self.die = cpus, set(die)
+        class OutOfMemoryError(Exception):  # Ray's memory monitor killed the worker: not an actor error
+            pass
+
+    def __init__(self, cpus: int = 2, die=(), oom=()):
+        self.cpus, self.die, self.oom = cpus, set(die), set(oom)
         self.values: dict = {}  # ref -> ("ok", value) or ("err", exception)
         self.kinds: dict = {}  # ref -> "created", "setup" or "run"
         self.actors: list = []
@@ -480,7 +483,7 @@ class FakeRay:
         self.kinds[ref] = kind
         try:
             self.values[ref] = ("ok", call(*args))
-        except self.exceptions.RayActorError as err:
+        except (self.exceptions.RayActorError, self.exceptions.OutOfMemoryError) as err:
             self.values[ref] = ("err", err)
         except Exception as err:  # the payload's own error, as Ray wraps it
             self.values[ref] = ("err", self.exceptions.RayTaskError(err))
@@ -514,6 +517,9 @@ class FakeRay:
                 if unit in fake.die:
                     fake.die.discard(unit)
                     raise fake.exceptions.RayActorError("the worker died")
+                if unit in fake.oom:
+                    fake.oom.discard(unit)
+                    raise fake.exceptions.OutOfMemoryError("1 worker(s) were killed due to the node running low on memory.\n...")
                 return self.host.run(unit)
 
         class ActorClass:
@@ -637,6 +643,16 @@ def test_each_worker_is_credited_with_the_units_it_ran_and_only_the_lost_one_is_
     assert sorted(k for d in pool.descriptions for k in d["done"]) == list(range(6))
     lost = [d for d in pool.descriptions if d["lost"]]
     assert len(lost) == 1 and 1 not in lost[0]["done"]
+
+
+def test_a_worker_killed_by_rays_memory_monitor_is_a_lost_worker_replaced_and_its_unit_run_again():
+    """Ray reports a worker its memory monitor killed as ``OutOfMemoryError``, not as an actor error: the
+    worker is lost all the same, its unit runs again on a replacement, and the run ends with every unit
+    once (it ended with Ray's own multi-line error)."""
+    fake = FakeRay(cpus=2, oom={1})
+    pool = Pool(fake, Echo, PoolSettings(workers=2))
+    assert pool.map({k: k for k in range(4)}, lambda key, value: None) == {0: 0, 1: 1, 2: 2, 3: 3}
+    assert pool.lost == 1 and len(pool.descriptions) == 3 and [d["lost"] for d in pool.descriptions].count(True) == 1
 
 
 def test_a_replacements_start_timeout_counts_from_its_own_start(monkeypatch):

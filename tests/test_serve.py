@@ -570,10 +570,11 @@ def test_waiting_choices_start_oldest_first(alone):
 
 def test_a_prompt_goes_to_the_idle_slot_whose_cache_shares_most_of_it(alone):
     """Of two idle slots, the one that last read this prompt's start takes it (not the one freed last,
-    whose cache the other conversation's next turn would then miss)."""
+    whose cache the other conversation's next turn would then miss; without the prompt cache,
+    which would hand it back)."""
     from decodekit.serve.scheduler import Job
 
-    with scheduler_of(max_batch=2, max_queue=0) as (model, scheduler):
+    with scheduler_of(max_batch=2, max_queue=0, prompt_cache_mib=0) as (model, scheduler):
         first, other = (model.tokenizer.encode(p) for p in ("tell me about cats and dogs", "a different prompt"))
         # both run at once; the first ends long before the other, whose slot is freed last
         done = scheduler.submit([Job(first, "greedy", {}, 2), Job(other, "greedy", {}, 40, ignore_eos=True)])

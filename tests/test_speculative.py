@@ -451,6 +451,20 @@ def test_suffix_corpus_carries_earlier_outputs_across_requests():
     assert again.stats.extra.get("accepted_by_source", {}).get("suffix:corpus", 0) > 0
 
 
+def test_the_corpus_holds_an_output_through_its_end_of_sequence_not_the_tokens_accepted_past_it():
+    """A verification may accept drafts past an end-of-sequence token: the request never output them."""
+    from decodekit.speculative.drafters.suffix import corpus_for
+
+    model = tiny(seed=0)
+    engine = Engine(model)
+    plain = engine.generate(PROMPTS[1], max_new_tokens=40, chat=False).tokens
+    for eos in sorted(set(plain)):
+        model.tokenizer.eos_token_ids = frozenset({eos})
+        got = engine.generate(PROMPTS[1], method="suffix", corpus=True, max_new_tokens=40, chat=False, budget=16)
+        assert got.finish_reason == "eos"
+        assert corpus_for(model.backend).documents[-1] == got.tokens + [eos]
+
+
 def test_suffix_trees_are_no_deeper_than_max_depth():
     """The depth cap holds however long the match is (growth x match length would go deeper)."""
     state = state_for([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6])  # the last six tokens occurred before: a match of 6
@@ -1400,7 +1414,7 @@ def test_the_controller_is_told_each_passs_rows_and_only_drafted_steps_as_specul
     costs: list[int] = []
     monkeypatch.setattr(Controller, "observe_cost", lambda self, n, seconds: costs.append(n))
     for chain in ([7, 8, 9], []):
-        model, ctl = tiny(seed=0), Controller(8, budget=3)  # a model each: what controllers learn is kept on it
+        model, ctl = tiny(seed=0), Controller(3, cost_table=FLAT_COSTS)  # a model each: what controllers learn is kept on it
         costs.clear()
         g = StepDecoder(SpeculativeMethod(_SourceChain(chain), ctl)).generate(
             model, Request(model.tokenizer.encode(PROMPTS[1]), Sampler(greedy=True), 9))
@@ -1415,6 +1429,18 @@ def test_a_fixed_budget_leaves_the_acceptance_estimates_to_adaptive_requests():
     ctl = Controller(8, budget=4)
     ctl.observe(chain_tree(3), Verification([0, 1], 0), overhead_s=0.5)
     assert ctl.learnt.accept == {} and ctl.learnt.seen == {} and ctl.overhead == 0.5
+
+
+def test_a_fixed_budgets_realised_speed_is_not_shared_with_adaptive_requests():
+    """What a fixed budget's steps realise is the budget's, not the controller's choice: kept out of
+    the drafter's shared record, where it could veto a later adaptive request's speculation."""
+    engine = Engine(tiny(seed=5))
+    records = engine.model.backend.memory("speculative.records", dict)
+    engine.generate(PROMPTS[1], method="pld", max_new_tokens=30, chat=False, budget=8)
+    fixed = records["pld"]
+    assert fixed.spec_steps == 0 and fixed.step_seconds == 0.0
+    adaptive = engine.generate(PROMPTS[1], method="pld", max_new_tokens=30, chat=False, cost_table=FLAT_COSTS)
+    assert adaptive.stats.extra["verifications"] > 0 and records["pld"].spec_steps == adaptive.stats.extra["verifications"]
 
 
 def test_first_outcomes_move_the_estimate_fast_and_deeper_levels_borrow_it():
@@ -1964,6 +1990,17 @@ def test_hierarchy_reads_its_order_as_written_with_its_suffix_level_on_the_corpu
     assert hierarchy.parts[1].use_corpus and not SuffixDrafter().use_corpus
     with pytest.raises(InvalidParameter, match="^order must name drafters, got 'pld,,suffix'$"):
         HierarchyDrafter(order="pld,,suffix")
+
+
+def test_a_drafter_named_twice_in_a_hierarchy_is_one_level_and_adds_each_output_to_the_corpus_once():
+    from decodekit.speculative.drafters.suffix import corpus_for
+
+    engine = Engine(tiny(seed=2))
+    plain = engine.generate(PROMPTS[1], max_new_tokens=20, chat=False)
+    got = engine.generate(PROMPTS[1], method="hierarchy", order="pld,suffix,suffix", max_new_tokens=20, chat=False,
+                          budget=8)
+    assert got.tokens == plain.tokens
+    assert corpus_for(engine.model.backend).documents == [got.tokens]
 
 
 def test_hierarchy_gives_the_first_level_the_only_node_of_a_budget_of_one():

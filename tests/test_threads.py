@@ -478,3 +478,24 @@ def test_busy_elsewhere_by_default_reads_this_processs_cores_and_its_user_and_sy
     clock[0] = 1.0
     assert busy() == pytest.approx(0.6)  # (1.0 - 0.4) CPU-s x 2 cores over 2 CPU-s
     assert asked == [{1, 2}, {1, 2}]
+
+
+def test_a_pass_on_another_thread_does_not_pin_a_thread_to_the_count_the_governor_tried(two_threads):
+    """Torch's count is per thread: a request thread the governor tried on one thread, beside another
+    request thread running on two, must not take its own one thread for a count someone set, keep it as
+    ``most`` and stay on it on a quiet machine where two threads are faster."""
+    governor = ThreadGovernor()
+    go, ran = threading.Event(), threading.Event()
+
+    def other_request() -> None:  # started before any pass: torch's count of two
+        go.wait()
+        governor.choose("m", timed=False)
+        ran.set()
+
+    other = threading.Thread(target=other_request)
+    other.start()
+    assert drive(governor, {2: 3.0, 1: 5.0}, 2) == [2, 1]  # the second pass tries one thread
+    go.set()
+    ran.wait(10)
+    other.join()
+    assert governor.most == 2 and drive(governor, {2: 3.0, 1: 5.0}, 30)[-20:].count(2) >= 18

@@ -115,6 +115,15 @@ class Host:
         return self.payload.run(unit)
 
 
+def lost_worker_errors(ray: Any) -> tuple[type[BaseException], ...]:
+    """What ``ray.get`` raises for a call whose worker's process is gone. Ray's memory
+    monitor kills a worker when its node runs low on memory, and the call then raises
+    ``OutOfMemoryError``, not an actor error: such a worker is lost too, its unit run again elsewhere
+    (a unit that needs more memory than any worker has ends the run after :data:`UNIT_LOSSES`)."""
+    return tuple(getattr(ray.exceptions, name) for name in ("RayActorError", "OutOfMemoryError")
+                 if hasattr(ray.exceptions, name))
+
+
 @dataclass
 class PoolSettings:
     workers: int | None = None  # None: as many as the cluster's CPUs hold at ``threads`` each
@@ -212,7 +221,7 @@ class Pool:
         except ray.exceptions.RayTaskError as err:  # the payload raised: the same error anywhere
             ray.kill(actor)
             raise (err.cause if isinstance(err.cause, BaseException) else err) from None
-        except ray.exceptions.RayActorError as err:  # the worker's process died
+        except lost_worker_errors(ray) as err:  # the worker's process died
             self._replace(actor, key, pending, err)
             return
         if key is _SETUP:

@@ -60,9 +60,15 @@ def markdown(r: dict[str, Any]) -> str:
         lines += [f"| {p['samples']} | {p['accuracy']:.3f} |" for p in r["budget_curve"]]
     lines += ["", "## Items", "", "| id | gold | answer | correct |", "|---|---|---|---|"]
     for rec in r["records"][:100]:
-        answer = str(rec["answer"]).replace("|", "\\|")[:60]
-        lines.append(f"| {rec['id']} | {rec['gold']} | {answer} | {'yes' if rec['correct'] else 'no'} |")
+        answer = cell(rec["answer"])[:60]
+        lines.append(f"| {cell(rec['id'])} | {cell(rec['gold'])} | {answer} | {'yes' if rec['correct'] else 'no'} |")
     return "\n".join(lines) + "\n"
+
+
+def cell(value: object) -> str:
+    """``value`` as one markdown table cell: its line breaks as spaces and its pipes escaped, since
+    either would end the cell early (a structured task's gold is a schema, its answer free JSON)."""
+    return " ".join(str(value).splitlines()).replace("|", "\\|")
 
 
 def voted(r: dict[str, Any]) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import string
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,14 +121,61 @@ def capital_answer(text: str) -> str | None:
     return None
 
 
+#: A word right before the capital's name that denies it ("not Paris", "isn't Paris": "t" once normalised).
+NEGATIONS = frozenset({"not", "no", "never", "nor", "t"})
+#: Words right before or after a name that make it part of another place's name: "New Mexico City",
+#: "East Jerusalem", "Victoria Falls", "Washington State".
+PLACE_PREFIXES = frozenset({"new", "old", "east", "west", "north", "south", "upper", "lower", "greater", "port",
+                            "fort", "san", "santa", "santo", "saint", "st", "little", "mount", "lake"})
+PLACE_SUFFIXES = frozenset({"falls", "bay", "beach", "springs", "heights", "hills", "county", "state", "province",
+                            "island", "islands", "park", "valley", "river", "lake", "harbour", "harbor"})
+#: Words that join a name to a longer one ("Santiago de Cuba", "Kingston upon Hull"), unless the
+#: country's name follows ("Santiago de Chile" is Chile's capital).
+PLACE_JOINS = frozenset({"de", "del", "da", "do", "dos", "das", "du", "upon", "sur", "am"})
+_WORD = re.compile(rf"[^\s{re.escape(string.punctuation)}]+")  # a word as normalize_text splits the text
+
+
+def _blank_other_places(text: str, names: list[str], country: str) -> str:
+    """``text`` (accents dropped) with every mention of the capital's ``names`` that does not name it
+    blanked: one denied by the word just before it, or part of a longer place's name. Only words
+    separated by spaces count as adjacent: "No, Paris." still names Paris."""
+    text = "".join(c for c in unicodedata.normalize("NFKD", text) if not unicodedata.combining(c))
+    found = list(_WORD.finditer(text))
+    words = [m.group().lower() for m in found]
+    after_country = country.split()
+
+    def joined(i: int) -> bool:  # only spaces between word i - 1 and word i (no punctuation, no line break)
+        return 0 < i < len(found) and not text[found[i - 1].end():found[i].start()].strip(" \t")
+
+    blanks = []
+    for name in names:
+        size = len(name.split())
+        for i in range(len(words) - size + 1):
+            if words[i:i + size] != name.split():
+                continue
+            j = i + size  # the word after the mention
+            denied = joined(i) and (words[i - 1] in NEGATIONS or words[i - 1].endswith("n\u2019t"))
+            longer = ((joined(i) and words[i - 1] in PLACE_PREFIXES)
+                      or (joined(j) and words[j] in PLACE_SUFFIXES)
+                      or (joined(j) and words[j] in PLACE_JOINS
+                          and (not after_country or words[j + 1:j + 1 + len(after_country)] != after_country)))
+            if denied or longer:
+                blanks.append((found[i].start(), found[j - 1].end()))
+    for start, end in sorted(blanks, reverse=True):
+        text = text[:start] + "|" * (end - start) + text[end:]
+    return text
+
+
 def capital_correct(text: str, item: Item) -> bool:
     """Whether the answer names the capital. Where the capital's name is inside the country's
     (Singapore, Luxembourg, Guinea-Bissau), an answer that only repeats the country's name does not
-    count ("Singapore has no capital"): the name must stand outside it, or be the whole answer."""
-    answer = capital_answer(text)
+    count ("Singapore has no capital"): the name must stand outside it, or be the whole answer. A
+    mention that denies the capital ("not Paris") or names a longer place that holds its name
+    ("Santiago de Cuba" for Santiago) does not count either (:func:`_blank_other_places`)."""
+    names = [normalize_text(n) for n in (item.gold, *CAPITAL_ALIASES.get(item.gold, ()))]
+    answer = capital_answer(_blank_other_places(text, names, normalize_text(item.subject or "")))
     if answer is None:
         return False
-    names = [normalize_text(n) for n in (item.gold, *CAPITAL_ALIASES.get(item.gold, ()))]
     shown = f" {answer} "
     if answer in names or any(f" {n} city " in shown for n in names):  # "Luxembourg City is its capital"
         return True
@@ -171,8 +220,11 @@ def schema_valid(text: str, item: Item) -> bool:
 def structured_task(path: str | Path | None = None) -> Task:
     """JSON Schemas with a prompt each (``structured/schemas.jsonl``); an answer is correct when it is
     valid JSON against its schema. Each item decodes under its own schema (compact JSON)."""
+    file = Path(path) if path else data_file(STRUCTURED_SCHEMAS)
+    if not file.is_file():  # a bad --data is the user's input: one line, exit code 2 (not an OSError's 1)
+        raise InvalidParameter(f"structured data not found at {file} (give --data PATH to a JSONL with id/prompt/schema)")
     items = []
-    for where, row in read_jsonl(Path(path) if path else data_file(STRUCTURED_SCHEMAS)):
+    for where, row in read_jsonl(file):
         if not isinstance(row.get("schema"), (dict, bool)) or not isinstance(row.get("prompt"), str):
             raise InvalidParameter(f"{where}: a structured item needs a 'prompt' string and a 'schema'")
         schema = row["schema"]

@@ -71,7 +71,8 @@ class ThreadGovernor:
         self.enabled = enabled
         self.busy_elsewhere = busy_elsewhere  # cores other processes keep busy (None: unknown)
         self._crowded = False  # whether the last choice left cores to other processes
-        self.current: int | None = None  # the count this governor last set
+        self.current: int | None = None  # the count this governor last set, on whichever thread
+        self._mine = threading.local()  # .count: the count it last set on this thread
         self.most = 1
         self.held: int | None = None  # set by hold(): every pass uses it, nothing is timed
         self._records: dict[Hashable, _Record] = {}
@@ -79,16 +80,21 @@ class ThreadGovernor:
 
     def _sync(self) -> int:
         """Torch's count now; when someone else changed it, that count becomes ``most`` and what
-        was learnt starts over (called with the lock held)."""
+        was learnt starts over (called with the lock held). Torch's count belongs to the calling
+        thread (a new one starts with the last count set on any), so it is compared with what the
+        governor last set on this thread: compared with the last count set anywhere, a thread the
+        governor had put on one thread (a try, or beside a busy process) met another thread's full
+        count, took its own one thread for someone else's setting, and kept it as ``most``."""
         found = torch.get_num_threads()
-        if found != self.current:
-            self.most, self.current, self._records = found, found, {}
+        if found != getattr(self._mine, "count", self.current):
+            self.most, self._records = found, {}
+        self.current = self._mine.count = found
         return found
 
     def _set(self, threads: int) -> None:
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-        self.current = threads
+        self.current = self._mine.count = threads
 
     def choose(self, key: Hashable, timed: bool) -> tuple[int, bool]:
         """Set torch's count for the next pass of model ``key``; returns (count, whether the pass

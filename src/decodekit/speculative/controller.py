@@ -629,7 +629,12 @@ class Controller:
         learnt.draft_calls += 1
 
     def observe_step(self, tokens: int, seconds: float) -> None:
-        """A speculative step (drafting, verification and bookkeeping took ``seconds``) produced ``tokens``."""
+        """A speculative step (drafting, verification and bookkeeping took ``seconds``) produced ``tokens``.
+        Not under a fixed budget: what its steps realise is the budget's, not the controller's choice,
+        and the record is shared with later adaptive requests of the drafter (a fixed budget of bad
+        drafts would veto their speculation)."""
+        if self.fixed is not None:
+            return
         learnt = self.learnt
         if learnt.spec_steps == 0:
             learnt.step_tokens, learnt.step_seconds = float(tokens), seconds

@@ -59,7 +59,9 @@ class HierarchyDrafter(CompositeDrafter):
 
     def __init__(self, order=DEFAULT_ORDER):
         names = parse_names("order", order, set(DRAFTER_SPECS) - {"hierarchy", "auto"} - NEEDS_ITS_OWN_OPTIONS)
-        self.parts = [DRAFTER_SPECS[n].factory(**LEVEL_OPTIONS.get(n, {})) for n in names]
+        # a drafter named twice is one level (as ``auto``'s arms): a second would only repeat the first's
+        # proposals, and a second suffix level would add each output to the corpus twice
+        self.parts = [DRAFTER_SPECS[n].factory(**LEVEL_OPTIONS.get(n, {})) for n in dict.fromkeys(names)]
 
     def draft(self, state: DecodeState, budget: int) -> DraftTree:
         tree = DraftTree()

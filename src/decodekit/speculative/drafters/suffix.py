@@ -195,6 +195,9 @@ class SuffixDrafter(ContextDrafter):
         return tree
 
     def finish(self, state: DecodeState) -> None:
-        """Add this request's output to the corpus (when enabled)."""
+        """Add this request's output to the corpus (when enabled): through its end-of-sequence token,
+        not the tokens a verification accepted past it, which the request never output."""
         if self.corpus is not None:
-            self.corpus.add(state.generated)
+            generated = state.generated
+            end = next((i for i, token in enumerate(generated) if token in state.eos), len(generated))
+            self.corpus.add(generated[: end + 1])
