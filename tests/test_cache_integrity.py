@@ -403,6 +403,27 @@ def test_a_manifest_missing_a_field_is_no_valid_manifest_not_a_crash(tmp_path):
     assert path.read_bytes() == b"y" * 100 and Entry(path, folder=False).check() is None
 
 
+def test_a_manifest_whose_size_is_infinite_is_no_valid_manifest_not_a_crash(tmp_path, monkeypatch, capsys):
+    """JSON reads ``Infinity`` (or ``1e400``) as a float no int holds, and lists nested deeper than
+    Python recurses are no JSON it can read: a manifest damaged so is no valid manifest, the entry
+    is rebuilt, and ``decodekit cache`` lists the rest in one piece."""
+    from decodekit.interfaces.cli import main
+    from decodekit.models.cache import DIGEST, cached_file
+
+    path = tmp_path / "entry.bin"
+    manifest = path.with_name("entry.bin.manifest.json")
+    cached_file(path, lambda tmp: tmp.write_bytes(b"x" * 100))
+    for size in ("Infinity", "1e400", "[" * 100_000):
+        manifest.write_text(f'{{"digest": "{DIGEST}", "files": {{"entry.bin": {{"size": {size}, "digest": "0"}}}}}}')
+        assert read_manifest(manifest) is None
+        assert Entry(path, folder=False).check() == "no valid manifest"
+        monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+        assert main(["cache", "--prune", "0"]) == 0
+        assert "in 0 items" in capsys.readouterr().out and path.exists()  # not decodekit's: left
+    cached_file(path, lambda tmp: tmp.write_bytes(b"y" * 100))
+    assert path.read_bytes() == b"y" * 100 and Entry(path, folder=False).check() is None
+
+
 def test_a_folder_built_without_a_source_is_rebuilt_when_one_is_asked_for(tmp_path, capsys):
     """A folder checks out for a source only if its manifest vouches for the source it was built
     from: one that records none (built before sources were kept) is rebuilt, not read."""

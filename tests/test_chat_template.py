@@ -45,19 +45,22 @@ def test_the_text_is_transformers_text(name):
         assert render_chat(TEMPLATES[name], MESSAGES, add_generation_prompt=prompt, **SPECIAL) == theirs[0]
 
 
-def test_a_templates_refusal_of_the_messages_is_the_callers_mistake_and_its_other_errors_stay_jinjas():
-    from decodekit.errors import InvalidParameter
+def test_a_templates_refusal_of_the_messages_is_the_callers_mistake_and_its_other_errors_the_models():
+    """A refusal is the caller's (InvalidParameter); a template out of its sandbox, not Jinja or reading
+    past the messages is the model's fault (InvalidModel: one line, not jinja2's traceback), its cause kept."""
+    from decodekit.errors import InvalidModel, InvalidParameter
     from decodekit.models.chat_template import refusals_as_invalid
 
     with pytest.raises(InvalidParameter, match="^the model's chat template refuses these messages: no system$") as err:
         with refusals_as_invalid():
             render_chat("{{ raise_exception('no system') }}", MESSAGES)
     assert err.value.param == "prompt"
-    for broken in ("{{ messages.__class__.__mro__ }}", "{% for %}"):  # out of its sandbox; not Jinja
-        with pytest.raises(jinja2.exceptions.TemplateError) as err:
+    for broken in ("{{ messages.__class__.__mro__ }}", "{% for %}", "{{ messages[9].content.upper() }}"):
+        with pytest.raises(InvalidModel, match="^the model's chat template is broken") as err:
             with refusals_as_invalid():
                 render_chat(broken, MESSAGES)
         assert not isinstance(err.value, InvalidParameter)
+        assert isinstance(err.value.__cause__, jinja2.exceptions.TemplateError)
 
 
 def test_a_template_is_sandboxed_and_its_errors_are_jinjas():

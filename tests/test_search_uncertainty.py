@@ -53,6 +53,35 @@ def test_phi_first_skips_whitespace_and_punctuation_and_the_lead_in():
     assert phi_first(Sample(TOK.encode(" ."), [0, 0], [0, 0], [0, 0], [flat, flat], "eos"), TOK) is None
 
 
+class ByteTokenizer(Tokenizer):
+    """One token per UTF-8 byte, as byte-level BPE spells a character it has no token for: a piece
+    of a character decodes, on its own, to U+FFFD."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(ids).decode("utf-8", "replace")
+
+
+@pytest.mark.parametrize("lead, answer", [(" ", "\u4e1c\u4eac"), ("\U0001f600 ", "\u041e\u0442\u0432\u0435\u0442"),
+                                          ("\u3002", "\u00e9t\u00e9")])
+def test_the_first_content_token_may_hold_only_part_of_its_character(lead, answer):
+    """A letter spelled in byte tokens is content from its first byte: phi_first of "东京" or "Ответ" is
+    read where the answer's first letter is chosen, not at a later letter or nowhere. Bytes of an
+    emoji or of an ideographic full stop hold no letter, and are skipped."""
+    tok = ByteTokenizer()
+    tokens = tok.encode(lead + answer)
+    assert first_content_index(tokens, tok) == len(lead.encode("utf-8"))
+    assert first_content_index(tokens, tok, start_char=len(lead)) == len(lead.encode("utf-8"))
+    flat, sharp = [0.0] * 10, [30.0] + [0.0] * 9
+    n = len(tokens)
+    topk = [sharp] * n
+    topk[len(lead.encode("utf-8"))] = flat
+    assert phi_first(Sample(tokens, [0.0] * n, [0.0] * n, [0.0] * n, topk, "eos"), tok) == pytest.approx(1.0)
+    assert first_content_index(tok.encode("\U0001f600\u3002"), tok) is None
+
+
 def test_answer_extraction_modes():
     assert extract_number("it costs $1,250.50 in total, not 3.") == "3"
     assert extract_number("so the answer is 1,250.") == "1250"
@@ -303,6 +332,17 @@ def test_normalized_text_reads_punctuation_as_a_space():
     assert normalize_text("Port-au-Prince") == normalize_text("Port au Prince") == "port au prince"
     assert normalize_text("a,b") == normalize_text("a, b") == "a b"
     assert normalize_text("  São  Tomé! ") == "sao tome"
+
+
+def test_punctuation_of_any_script_reads_as_a_space():
+    """A curly apostrophe, an en or em dash, guillemets, curly quotes and an ideographic full stop
+    are punctuation as their ASCII forms are: the same answer, however the model typed it, votes
+    once and matches its gold."""
+    pairs = [("N\u2019Djamena", "N'Djamena"), ("Port\u2013au\u2013Prince", "Port-au-Prince"),
+             ("\u00abParis\u00bb", "Paris"), ("\u201cParis\u201d\u3002", '"Paris".'), ("Lima\u2014Peru", "Lima-Peru")]
+    for typed, ascii_form in pairs:
+        assert normalize_text(typed) == normalize_text(ascii_form), typed
+    assert extract_line("The capital is N\u2019Djamena.") == extract_line("The capital is N'Djamena") == "the capital is n djamena"
 
 
 def test_phi_first_reads_only_the_top_k_logits_it_is_asked_for():

@@ -249,6 +249,17 @@ def test_a_chat_template_kept_in_the_tokenizer_config_is_the_folders_template(tm
     assert ours.chat_prompt(chat).startswith("<s>user: hi</s>")
 
 
+def test_a_chat_template_that_is_not_jinja_is_a_broken_model_in_one_line(tmp_path):
+    """A model file's template that does not compile is the model's fault, said when it loads as
+    :class:`InvalidModel` (the command line's one error line), not as jinja2's traceback."""
+    from decodekit.errors import InvalidModel
+
+    folder = tokenizer_folder(tmp_path / "tok")
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}")  # no endfor
+    with pytest.raises(InvalidModel, match="^the model's chat template is broken .*TemplateSyntaxError"):
+        file_tokenizer(folder)
+
+
 def test_named_chat_templates_send_the_folder_to_auto_tokenizer(tmp_path):
     """A chat_template that is a list of named templates (a default one and one for tool use) is not one
     template to render: such a folder goes to AutoTokenizer, which picks among them."""

@@ -113,13 +113,15 @@ def manifest_text(stamps: dict[str, Stamp]) -> str:
 
 
 def read_manifest(path: Path) -> dict[str, Stamp] | None:
-    """The stamps a manifest holds, or None when it is missing, unreadable or of another digest."""
+    """The stamps a manifest holds, or None when it is missing, unreadable or of another digest
+    (or damaged: a size of ``Infinity``, which JSON reads as a float no int holds, or lists nested
+    past the parser's recursion limit, are none either)."""
     try:
         saved = json.loads(path.read_text())
         if saved["digest"] != DIGEST:
             return None
         return {str(name): Stamp(int(f["size"]), str(f["digest"])) for name, f in saved["files"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
         return None
 
 

@@ -23,7 +23,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from ..errors import InvalidParameter
+from ..errors import InvalidModel, InvalidParameter, cause_line
 
 #: the names transformers reads a message's reasoning from; templates read the first
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -40,15 +40,16 @@ def render_chat(template: str, messages: list[dict[str, Any]], add_generation_pr
 def refusals_as_invalid() -> Iterator[None]:
     """A template's own refusal of the messages (its ``raise_exception``, as Gemma's when roles do not
     alternate) as an :class:`InvalidParameter` naming the prompt: the caller's mistake, one line. Its
-    other errors pass as jinja2's (a broken template, or one reaching out of its sandbox, is the
-    model's fault, not the caller's)."""
+    other errors (a broken template, or one reaching out of its sandbox) are the model's fault, not
+    the caller's: an :class:`InvalidModel`, one line too (a server's 500, the command line's error
+    line), with jinja2's error as its cause."""
     import jinja2
 
     try:
         yield
     except jinja2.exceptions.TemplateError as err:
         if type(err) is not jinja2.exceptions.TemplateError:  # its subclasses: syntax, security, undefined
-            raise
+            raise InvalidModel(f"the model's chat template is broken ({cause_line(err)})") from err
         raise InvalidParameter(f"the model's chat template refuses these messages: {err}", param="prompt") from None
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidModel
-from .chat_template import compiled, render_chat
+from .chat_template import compiled, refusals_as_invalid, render_chat
 
 if TYPE_CHECKING:
     import llguidance
@@ -188,8 +188,9 @@ class FileTokenizer(Tokenizer):
         self._rust.no_truncation()
         self._special = {name: _token_text(config[name]) for name in SPECIAL_TOKEN_NAMES if config.get(name) is not None}
         self._template = template
-        if template:  # compiled now, not in the first request
-            compiled(template)
+        if template:  # compiled now, not in the first request (a syntax error: the model's, one line)
+            with refusals_as_invalid():
+                compiled(template)
         eos = {self._id("eos_token")}
         # as HFTokenizer does (AutoTokenizer cannot tell the unknown token from one it does not know)
         eos |= {self._rust.token_to_id(token) for token in TURN_ENDS} - {self._id("unk_token")}

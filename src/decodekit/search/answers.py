@@ -28,12 +28,19 @@ NUMBER = re.compile(r"(?<!\d)(?<!\d\.)(?:[-\u2212]\$?)?(?:(?:\d{1,3}(?:,\d{3})+(
 Extractor = Callable[[str], "str | None"]
 
 
+def is_punctuation(c: str) -> bool:
+    """ASCII punctuation and symbols, and punctuation of any script (Unicode category P*): a model
+    writes a curly apostrophe, an en dash, guillemets or an ideographic full stop as often as their
+    ASCII forms, and "N’Djamena" must read as "N'Djamena" does."""
+    return c in string.punctuation or unicodedata.category(c).startswith("P")
+
+
 def normalize_text(text: str) -> str:
-    """Lower case, accents removed (NFKD), punctuation read as a space (so "Port-au-Prince" is
-    "port au prince", as written either way), whitespace collapsed."""
+    """Lower case, accents removed (NFKD), punctuation (:func:`is_punctuation`) read as a space (so
+    "Port-au-Prince" is "port au prince", as written either way), whitespace collapsed."""
     text = unicodedata.normalize("NFKD", text)
     text = "".join(c for c in text if not unicodedata.combining(c)).lower()
-    text = text.translate(str.maketrans({c: " " for c in string.punctuation}))
+    text = "".join(" " if is_punctuation(c) else c for c in text)
     return " ".join(text.split())
 
 

@@ -3,11 +3,12 @@
 * ``phi_first`` (Gabriel, 2026, "The First Token Knows: Single-Decode Confidence for Hallucination
   Detection", arXiv:2605.05166): normalised entropy H(softmax(top-K logits)) / log K at the first
   content-bearing token of the answer (K = 10 by default). Content-bearing (our reading of the
-  paper's rule, which depends on the template and tokenizer): the token decodes, on its
-  own, to text holding a letter or a digit; whitespace, punctuation and template/special tokens
-  (which decode to nothing) are skipped. The answer starts at a character offset given by the
-  caller (the last number for numeric answers; a task may skip a lead-in such as "The capital of
-  X is"); tokens ending before it are skipped too. On a greedy decode it is the paper-style signal; on a
+  paper's rule, which depends on the template and tokenizer): the token writes text holding a
+  letter or a digit (a byte-level token holding part of a character, of "О" or "东", writes that
+  character); whitespace, punctuation and template/special tokens (which decode to nothing) are
+  skipped. The answer starts at a character offset given by the caller (the last number for
+  numeric answers; a task may skip a lead-in such as "The capital of X is"); tokens ending before
+  it are skipped too. On a greedy decode it is the paper-style signal; on a
   sampled answer it is computed the same way. Low = confident.
 * ``self_certainty``: mean over answer tokens of KL(U || p) (Kang et al., 2025, "Scalable Best-of-N
   Selection for Large Language Models via Self-Certainty"). High = confident.
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from ..engine.core import Request
+from ..engine.stops import CHARACTER_BYTES, settled
 from ..errors import InvalidParameter
 from ..models import LoadedModel
 from ..models.tokenizer import Tokenizer
@@ -65,15 +67,32 @@ def token_ends(tokens: Sequence[int], tokenizer: Tokenizer) -> list[int]:
     return ends
 
 
+def token_text(tokens: Sequence[int], i: int, tokenizer: Tokenizer) -> str:
+    """The text token ``i`` writes: its own, or, where it holds only part of a character (a
+    byte-level token of "东" or "О" decodes on its own to U+FFFD), the character(s) it helps write,
+    read with the few tokens around it that hold the rest of their bytes."""
+    own = tokenizer.decode([tokens[i]])
+    if "\ufffd" not in own:
+        return own
+    first = max(0, i - CHARACTER_BYTES + 1)  # a character's earlier bytes lie in these tokens
+    before = settled(tokenizer.decode(list(tokens[first:i])))  # (less a character token i finishes)
+    for end in range(i + 1, min(i + CHARACTER_BYTES, len(tokens)) + 1):
+        through = tokenizer.decode(list(tokens[first:end]))
+        if not through.endswith("\ufffd"):
+            break
+    return settled(through)[len(before) :]
+
+
 def first_content_index(tokens: Sequence[int], tokenizer: Tokenizer, start_char: int = 0) -> int | None:
-    """Index of the first token ending after ``start_char`` whose own text holds a letter or digit."""
+    """Index of the first token ending after ``start_char`` whose text (:func:`token_text`) holds a
+    letter or digit."""
     end = 0  # as token_ends gives it, decoded only until a token ends after start_char (all later ones do)
-    for i, token in enumerate(tokens):
+    for i in range(len(tokens)):
         if end <= start_char and start_char > 0:
             end = max(end, len(tokenizer.decode(tokens[: i + 1])))
             if end <= start_char:
                 continue
-        if any(c.isalnum() for c in tokenizer.decode([token])):
+        if any(c.isalnum() for c in token_text(tokens, i, tokenizer)):
             return i
     return None
 
