@@ -465,6 +465,25 @@ def test_the_corpus_holds_an_output_through_its_end_of_sequence_not_the_tokens_a
         assert corpus_for(model.backend).documents[-1] == got.tokens + [eos]
 
 
+def test_the_corpus_holds_an_output_up_to_its_stop_string_not_the_tokens_accepted_past_it():
+    """A stop string ends the output where it begins: what a verification accepted after it was never output."""
+    from decodekit.speculative.drafters.suffix import corpus_for
+
+    model = tiny(seed=0)
+    engine = Engine(model)
+    plain = engine.generate(PROMPTS[1], max_new_tokens=40, chat=False, ignore_eos=True)
+    stops = [plain.text[i : i + 2] for i in range(4, len(plain.text) - 8, 3)]
+    cut = 0
+    for stop in stops:
+        got = engine.generate(PROMPTS[1], method="suffix", corpus=True, max_new_tokens=40, chat=False, budget=16,
+                              ignore_eos=True, stop=[stop])
+        assert got.finish_reason == "stop" and got.tokens == engine.generate(
+            PROMPTS[1], max_new_tokens=40, chat=False, ignore_eos=True, stop=[stop]).tokens
+        assert corpus_for(model.backend).documents[-1] == got.tokens
+        cut += len(got.cut_off) > 0
+    assert cut  # some verification did accept tokens past its stop string
+
+
 def test_suffix_trees_are_no_deeper_than_max_depth():
     """The depth cap holds however long the match is (growth x match length would go deeper)."""
     state = state_for([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6])  # the last six tokens occurred before: a match of 6

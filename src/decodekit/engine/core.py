@@ -112,6 +112,10 @@ class DecodeState:
         # how a drafter that samples draws its drafts (the speculative loop sets it from its
         # verifier's ``keyed_drafts``): with the target's keyed noise, or from the generator
         self.keyed_drafts = True
+        # the request's output as its caller gets it, set by the decode loop before the method's
+        # finish: through the end-of-sequence token that ended it, none of the tokens a step
+        # produced past that token, a stop string or the length (None: not said; see ``generated``)
+        self.output: list[int] | None = None
 
     @property
     def tokens_left(self) -> int | None:
@@ -293,12 +297,13 @@ class StepDecoder(Decoder):
         state.max_new_tokens, state.eos = request.max_new_tokens, frozenset(eos)
         finish = "length"
         new: list[int] = []
+        ended_by: list[int] = []  # the end-of-sequence token that ended the output
         while len(new) < request.max_new_tokens:
             before = len(new)
             produced = self.method.step(state)
             for token in produced:
                 if token in eos:
-                    finish = "eos"
+                    finish, ended_by = "eos", [token]
                     break
                 new.append(token)
                 if len(new) == request.max_new_tokens:
@@ -312,8 +317,6 @@ class StepDecoder(Decoder):
             if stop_requested(request):
                 finish = "cancelled"
                 break
-        self.method.finish(state)
-        stats.decode_s = time.perf_counter() - t1
         broken = request.sampler.broken_by(new)
         if broken is not None:  # never hand back a silently wrong result
             raise RuntimeError(f"decodekit bug: {broken} ({self.method.name}); please report it")
@@ -322,6 +325,9 @@ class StepDecoder(Decoder):
         if hit is not None:
             finish = "stop"
             new = through_stop(tokenizer, new, text, hit, len(kept))  # a step's tokens past the stop are not generated
+        state.output = kept + ended_by if hit is None else list(kept)
+        self.method.finish(state)
+        stats.decode_s = time.perf_counter() - t1
         streamer.update(kept, final_text=text)
         stats.new_tokens = len(kept)
         return Generation(text=text, tokens=kept, stats=stats, finish_reason=finish, cut_off=new[len(kept):])

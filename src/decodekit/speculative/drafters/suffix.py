@@ -195,9 +195,8 @@ class SuffixDrafter(ContextDrafter):
         return tree
 
     def finish(self, state: DecodeState) -> None:
-        """Add this request's output to the corpus (when enabled): through its end-of-sequence token,
-        not the tokens a verification accepted past it, which the request never output."""
+        """Add this request's output to the corpus (when enabled): :attr:`DecodeState.output`,
+        through its end-of-sequence token, without the tokens a verification accepted past that
+        token or past a stop string, which the request never output."""
         if self.corpus is not None:
-            generated = state.generated
-            end = next((i for i, token in enumerate(generated) if token in state.eos), len(generated))
-            self.corpus.add(generated[: end + 1])
+            self.corpus.add(state.output if state.output is not None else state.generated)
