@@ -10109,6 +10109,9 @@ MUTATIONS = (
     Mutation('decode-output-without-its-eos', 'src/decodekit/engine/core.py',
              '        state.output = kept + ended_by if hit is None else list(kept)', '        state.output = list(kept)',
              ('tests/test_speculative.py', '-k', 'corpus_holds_an_output_through')),
+    Mutation('prompt-cache-ignores-the-machines-memory', 'src/decodekit/serve/prompt_cache.py',
+             '        if free is not None and free < prefix.nbytes + MEMORY_RESERVE:\n            return\n', '',
+             ('tests/test_serve.py', '-k', 'short_of_memory')),
 )
 
 

@@ -2416,6 +2416,19 @@ def test_the_prompt_cache_keeps_the_longest_entries_within_its_budget_least_rece
     assert len(cache) == 3 and cache.covers([4, 4]) and not cache.covers([4, 4, 4, 4])
 
 
+def test_a_machine_short_of_memory_keeps_nothing_more_in_the_prompt_cache(monkeypatch):
+    from decodekit import machine
+    from decodekit.serve.prompt_cache import MEMORY_RESERVE, PromptCache
+
+    cache = PromptCache(budget_bytes=10**6)
+    monkeypatch.setattr(machine, "available_memory", lambda: MEMORY_RESERVE + 99)
+    cache.put(prefix([1, 2, 3], 100))
+    assert len(cache) == 0
+    monkeypatch.setattr(machine, "available_memory", lambda: MEMORY_RESERVE + 100)
+    cache.put(prefix([1, 2, 3], 100))
+    assert len(cache) == 1
+
+
 def test_a_prompt_whose_slot_was_taken_by_others_starts_from_the_prompt_cache(alone):
     """One slot, three conversations in turn: the first's cache is overwritten by the second's, goes to
     the prompt cache, and the first's next turn starts from it; answers as alone."""

@@ -9,7 +9,9 @@ cache) and vLLM (automatic prefix caching) do. The copy is the cache's own entri
 the same bits as reading the whole prompt (the backend's :meth:`reuses_prefix` promise).
 
 Entries are kept up to a byte budget, the least recently used dropped first. An entry whose tokens
-start another's is dropped for the longer one (the longer serves every prompt the shorter did).
+start another's is dropped for the longer one (the longer serves every prompt the shorter did). On a
+machine short of memory (less than :data:`MEMORY_RESERVE` left beside an entry), nothing more is kept:
+the cache saves reading, and must never be what pushes the machine out of memory.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from .. import machine
 from ..models.backend import CachedPrefix, common_prefix
+
+MEMORY_RESERVE = 512 * 2**20  # bytes of memory an entry must leave free, for the slots' caches to grow
 
 
 class PromptCache:
@@ -46,7 +51,9 @@ class PromptCache:
     def put(self, prefix: CachedPrefix) -> None:
         """Keep ``prefix`` as the most recently used entry, unless an entry already covers it or it
         alone exceeds the budget; entries it covers are dropped, then the oldest until it fits."""
-        n = len(prefix.ids)
+        n, free = len(prefix.ids), machine.available_memory()
+        if free is not None and free < prefix.nbytes + MEMORY_RESERVE:
+            return
         with self._lock:
             if prefix.nbytes > self.budget_bytes or any(len(k) >= n and k[:n] == prefix.ids for k in self._entries):
                 return
