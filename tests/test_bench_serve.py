@@ -309,6 +309,7 @@ def test_compare_unreadable_file(tmp_path):
     (["--temperature", "-0.5"], "--temperature must be 0"),
     (["--request-rate", "0"], "--request-rate levels must be positive"),
     (["--request-rate", "nan"], "--request-rate levels must be positive"),
+    (["--request-rate", "1e-12"], "at least one a day"),  # (its arrivals overflowed time.sleep: a traceback)
     (["--request-rate", "2,fast"], "--request-rate must be comma-separated"),
     (["--request-rate", "2", "--concurrency", "4"], "--concurrency and --request-rate are two ways"),
     (["--warmup", "-1"], "--warmup must be 0 or more"),

@@ -2382,6 +2382,8 @@ def test_a_snapshot_fits_only_caches_of_its_own_model_and_policy():
     other = tiny_model().backend  # the same shapes, other weights
     with pytest.raises(ValueError, match="another model"):
         other.restore(snap)
+    with pytest.raises(ValueError, match="another model"):
+        model.backend.truncated(1).restore(snap)  # its first layer only (the same weights)
     windowed = model.backend.with_kv_cache("sink:2,window:8")  # evicts: its entries are not the prompt's
     windowed.prefill([5, 6, 7])
     windowed.keep([5, 6, 7])
@@ -2453,6 +2455,48 @@ def test_a_prompt_whose_slot_was_taken_by_others_starts_from_the_prompt_cache(al
         (turn,) = scheduler.submit([Job(third, "greedy", {}, 4)])
         assert turn.result(timeout=60).generation.tokens == alone(third, max_new_tokens=4).tokens
         assert scheduler.prefix_tokens - before == len(follow) + len(answer) - 1
+
+
+def test_a_prompt_sharing_a_few_tokens_of_a_long_entry_copies_only_those(alone):
+    """A long conversation in the prompt cache, and a prompt that shares its first tokens only: the
+    slot takes those (not the whole entry, to be overwritten at once, its cache grown for it), and
+    answers as alone."""
+    from decodekit.serve.scheduler import Job
+
+    with scheduler_of(max_batch=1, max_queue=0) as (model, scheduler):
+        slot = scheduler._free[0].model.backend
+        long = model.tokenizer.encode("tell me about cats " * 40)  # longer than a fresh cache's capacity
+        for prompt in (long, model.tokenizer.encode(PROMPTS[1])):  # the second overwrites the first
+            scheduler.submit([Job(prompt, "greedy", {}, 3, ignore_eos=True)])[0].result(timeout=60)
+        assert len(scheduler.prompt_cache) == 1
+        fresh_capacity, before = slot._k.shape[3], scheduler.prefix_tokens
+        prompt = long[:12] + model.tokenizer.encode("dogs?")
+        (future,) = scheduler.submit([Job(prompt, "greedy", {}, 4, ignore_eos=True)])
+        assert future.result(timeout=60).generation.tokens == alone(prompt, max_new_tokens=4, ignore_eos=True).tokens
+        assert scheduler.prefix_tokens - before == 12
+        assert slot._k.shape[3] == fresh_capacity < len(long)
+
+
+def test_a_slot_holding_more_than_the_whole_budget_is_not_copied_out(monkeypatch):
+    """A copy the prompt cache would refuse anyway is never made (a transient copy of a long
+    conversation, past the budget, on the thread that runs every slot's passes)."""
+    from decodekit.serve.scheduler import Job
+
+    model = tiny_model()
+    source = model.backend.clone()
+    source.prefill([5, 6, 7, 8])
+    source.keep([5, 6, 7, 8])
+    size = source.snapshot().nbytes
+    assert source.snapshot(max_bytes=size).nbytes == size and source.snapshot(max_bytes=size - 1) is None
+    with scheduler_of(max_batch=1, max_queue=0, prompt_cache_mib=0.01) as (model, scheduler):
+        slot = scheduler._free[0].model.backend
+        made = []
+        snapshot = slot.snapshot
+        monkeypatch.setattr(slot, "snapshot", lambda **kw: made.append(snapshot(**kw)) or made[-1])
+        for prompt in ("tell me about cats and dogs and fish", "ab", "tell me about cats and dogs"):
+            scheduler.submit([Job(model.tokenizer.encode(prompt), "greedy", {}, 3)])[0].result(timeout=60)
+        assert len(made) == 2 and made[0] is None and made[1].nbytes <= scheduler.prompt_cache.budget_bytes
+        assert len(scheduler.prompt_cache) == 1  # the short one
 
 
 def test_without_a_prompt_cache_a_taken_slot_forgets(alone):

@@ -108,7 +108,7 @@ class CachedPrefix:
     same model, policy and numerics to start from (:meth:`Backend.restore`): a server's prompt cache."""
 
     ids: tuple[int, ...]
-    owner: object  # what the tensors fit: caches with the same owner key (Backend.prefix_owner)
+    owner: object  # what the tensors fit: caches with an equal owner key (NativeLlama._prefix_owner)
     tensors: tuple[torch.Tensor, ...]
 
     @property
@@ -161,15 +161,18 @@ class Backend(ABC):
             return 0
         return common_prefix(kept[: self.length], token_ids[: len(token_ids) - 1])
 
-    def snapshot(self) -> CachedPrefix | None:
+    def snapshot(self, max_bytes: int | None = None) -> CachedPrefix | None:
         """A copy of the cache's entries for :attr:`kept_ids`, or None where there is nothing to copy
-        (nothing kept, several rows) or the backend cannot hand its entries over."""
+        (nothing kept, several rows), the backend cannot hand its entries over, or the copy would
+        take more than ``max_bytes`` (a prompt cache's whole budget: not made only to be dropped)."""
         return None
 
-    def restore(self, prefix: CachedPrefix) -> None:
-        """Make the cache hold what ``prefix`` holds, as if its tokens had just been read and kept:
-        a next :meth:`prefill` that starts with them reads only the rest, the same bits as reading
-        the whole prompt (where :meth:`reuses_prefix`)."""
+    def restore(self, prefix: CachedPrefix, length: int | None = None) -> None:
+        """Make the cache hold what ``prefix`` holds for its first ``length`` tokens (None: all of
+        them), as if they had just been read and kept: a next :meth:`prefill` that starts with them
+        reads only the rest, the same bits as reading the whole prompt (where :meth:`reuses_prefix`).
+        A prompt that shares a few tokens of a long entry copies those only: the rest would be
+        copied, and the cache grown for it, to be dropped by the prefill at once."""
         raise NotImplementedError(f"{type(self).__name__} cannot take a cached prefix")
 
     def memory(self, key: str | tuple, factory: Callable[[], T], keep: int | None = None) -> T:

@@ -302,30 +302,36 @@ class NativeLlama(Backend):
         self._v = self._v[:, rows].contiguous()
 
     @torch.inference_mode()
-    def snapshot(self) -> CachedPrefix | None:
+    def snapshot(self, max_bytes: int | None = None) -> CachedPrefix | None:
         kept = self.kept_ids
         if not kept or self.batch_size != 1 or not self.reuses_prefix():
             return None
         n = len(kept)  # (keep() cut them to the cache's length)
+        if max_bytes is not None and 2 * self._k[:, :, :, :n].numel() * self._k.element_size() > max_bytes:
+            return None
         return CachedPrefix(tuple(kept), self._prefix_owner(),
                             (self._k[:, :, :, :n].clone(), self._v[:, :, :, :n].clone()))
 
     @torch.inference_mode()
-    def restore(self, prefix: CachedPrefix) -> None:
+    def restore(self, prefix: CachedPrefix, length: int | None = None) -> None:
         if prefix.owner != self._prefix_owner() or not self.reuses_prefix():
             raise ValueError("this cached prefix was taken from a cache of another model, policy or numerics")
-        n = len(prefix.ids)
+        n = len(prefix.ids) if length is None else length
+        if not 0 < n <= len(prefix.ids):
+            raise ValueError(f"cannot restore {n} tokens of a cached prefix of {len(prefix.ids)}")
         self.reset(1)
         self._ensure_capacity(n)
-        self._k[:, :, :, :n], self._v[:, :, :, :n] = prefix.tensors
+        self._k[:, :, :, :n], self._v[:, :, :, :n] = (t[:, :, :, :n] for t in prefix.tensors)
         self._length = self._slots = n
         self._first_pass = False
-        self.kept_ids = list(prefix.ids)
+        self.kept_ids = list(prefix.ids[:n])
 
     def _prefix_owner(self) -> tuple:
         """What a cached prefix's entries depend on: the weights (and numerics) of this stack, and
         the cache's layout."""
-        return (id(self._stack), self.kv_policy.spec, self.dtype, self._row)
+        # the stack itself (compared by identity, and kept alive by the entries: an id could be
+        # reused), and the layers this cache holds (a truncated view shares the stack)
+        return (self._stack, self.config.num_layers, self.kv_policy.spec, self.dtype, self._row)
 
     # Forward passes -------------------------------------------------------------------------
 

@@ -53,6 +53,8 @@ DEFAULT_URL = "http://127.0.0.1:8000/v1"
 QUANTILES = (50, 90, 99)
 MAX_ERRORS = 5  # error messages kept per level: enough to see what went wrong, not a log
 MAX_TIMEOUT_S = 86400.0  # a day: a larger value overflows the socket's timer (and no request takes that long)
+#: The slowest --request-rate, a request a day: far slower, the arrival times overflow the sleep's timer.
+MIN_RATE = 1 / MAX_TIMEOUT_S
 DEFAULT_CONCURRENCY = "1,2,4,8,16"
 RATE_SLOTS = 16  # the batch a server started for --request-rate levels gets (--start); more requests wait in its queue
 LOADS = {"concurrency": "concurrency", "request_rate": "request rate /s"}  # a level's load: results key -> heading
@@ -354,8 +356,9 @@ def parse_rates(text: str) -> list[float]:
         rates = [float(part) for part in text.split(",")]
     except ValueError:
         raise InvalidParameter(f"--request-rate must be comma-separated requests a second (or inf), got {text!r}") from None
-    if not all(r > 0 for r in rates):  # NaN fails too
-        raise InvalidParameter(f"--request-rate levels must be positive (or inf), got {text!r}")
+    if not all(r >= MIN_RATE for r in rates):  # NaN fails too
+        raise InvalidParameter(f"--request-rate levels must be positive, at least one a day ({MIN_RATE:.2g}/s), "
+                               f"or inf, got {text!r}")
     return rates
 
 

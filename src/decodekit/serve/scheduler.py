@@ -183,19 +183,20 @@ class Scheduler:
 
     def _from_prompt_cache(self, prompt_ids: list[int], engine: Engine) -> None:
         """Before a prompt is read in this slot: what the slot holds beyond the prompt's shared
-        prefix goes to the prompt cache (the prompt would overwrite it), and a cached prefix longer
-        than that shared one is copied into the slot, to be read no further."""
+        prefix goes to the prompt cache (the prompt would overwrite it), and where a cached prefix
+        shares more with the prompt than that, the part it shares is copied into the slot, to be
+        read no further (not the whole entry: its rest would be overwritten at once)."""
         cache, backend = self.prompt_cache, engine.model.backend
         if cache is None:
             return
         own, kept = backend.shared_prefix(prompt_ids), backend.kept_ids
         if kept and own < len(kept) and not cache.covers(kept):
-            snapshot = backend.snapshot()
+            snapshot = backend.snapshot(max_bytes=cache.budget_bytes)
             if snapshot is not None:
                 cache.put(snapshot)
         entry, shared = cache.longest(prompt_ids)
         if entry is not None and shared > own:
-            backend.restore(entry)
+            backend.restore(entry, shared)
             with self._lock:
                 self.prefix_tokens += shared - own
 
