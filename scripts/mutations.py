@@ -10026,7 +10026,7 @@ MUTATIONS = (
              '                self._drop(next(iter(self._entries)))', '                self._drop(next(reversed(self._entries)))',
              ('tests/test_serve.py', '-k', 'least_recently_used_out_first')),
     Mutation('prompt-cache-hit-not-made-recent', 'src/decodekit/serve/prompt_cache.py',
-             '                self._entries.move_to_end(best.ids)', '                pass',
+             '            self._entries.move_to_end(best.ids)\n', '',
              ('tests/test_serve.py', '-k', 'least_recently_used_out_first')),
     Mutation('prompt-cache-hits-not-counted', 'src/decodekit/serve/scheduler.py',
              '                self.prefix_tokens += shared - own', '                pass',
@@ -10043,9 +10043,9 @@ MUTATIONS = (
     Mutation('prompt-cache-restore-of-another-model-taken', 'src/decodekit/models/native.py',
              '        if prefix.owner != self._prefix_owner() or not self.reuses_prefix():\n            raise', '        if False:\n            raise',
              ('tests/test_serve.py', '-k', 'snapshot_fits')),
-    Mutation('prompt-cache-restores-a-shorter-prefix', 'src/decodekit/serve/scheduler.py',
-             '        if entry is not None and shared > own:', '        if entry is not None:',
-             ('tests/test_serve.py', '-k', 'prompt_goes_to_the_idle_slot or prefix_counter or from_the_prompt_cache or next_turn')),
+    Mutation('prompt-cache-restores-a-shorter-prefix', 'src/decodekit/serve/prompt_cache.py',
+             '            best, shared = None, beyond', '            best, shared = None, 0',
+             ('tests/test_serve.py', '-k', 'from_the_prompt_cache or least_recently')),
     Mutation('prompt-cache-shares-the-last-token', 'src/decodekit/serve/prompt_cache.py',
              '        head = prompt_ids[: len(prompt_ids) - 1]', '        head = prompt_ids',
              ('tests/test_serve.py', '-k', 'least_recently_used_out_first')),
@@ -10131,6 +10131,9 @@ MUTATIONS = (
     Mutation('prompt-cache-owner-ignores-the-layers', 'src/decodekit/models/native.py',
              '        return (self._stack, self.config.num_layers, self.kv_policy.spec, self.dtype, self._row)', '        return (self._stack, self.kv_policy.spec, self.dtype, self._row)',
              ('tests/test_serve.py', '-k', 'snapshot_fits')),
+    Mutation('prompt-cache-beyond-ignored-by-the-scheduler', 'src/decodekit/serve/scheduler.py',
+             '        entry, shared = cache.longest(prompt_ids, beyond=own)', '        entry, shared = cache.longest(prompt_ids)',
+             ('tests/test_serve.py', '-k', 'from_the_prompt_cache')),
 )
 
 

@@ -2414,6 +2414,10 @@ def test_the_prompt_cache_keeps_the_longest_entries_within_its_budget_least_rece
     assert cache.longest([7, 8, 9, 1]) == (None, 0) and cache.longest([4, 4, 4, 4])[1] == 3
     assert cache.nbytes == 300 and len(cache) == 3
     assert cache.longest([1, 2, 3, 4, 5])[1] == 4  # never the prompt's last token: it is read for its logits
+    # an entry sharing no more than the prompt's slot does is not used: neither found nor made recent
+    assert cache.longest([6, 6, 6], beyond=2) == (None, 0)
+    cache.put(prefix([5, 5], 100))  # so the least recently used, [6, 6], goes
+    assert cache.longest([6, 6, 6]) == (None, 0) and cache.longest([4, 4, 4, 4])[1] == 3
     cache.put(prefix([9], 301))  # larger than the whole budget: not kept, nothing dropped for it
     assert len(cache) == 3 and cache.covers([4, 4]) and not cache.covers([4, 4, 4, 4])
 

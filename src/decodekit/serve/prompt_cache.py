@@ -64,20 +64,22 @@ class PromptCache:
             self._entries[prefix.ids] = prefix
             self._bytes += prefix.nbytes
 
-    def longest(self, prompt_ids: Sequence[int]) -> tuple[CachedPrefix | None, int]:
-        """The entry sharing the most leading tokens with the prompt, and how many it shares (as a
-        prefill takes them: never the prompt's last token, which is read for its logits); (None, 0)
-        where none shares any. The entry found becomes the most recently used."""
+    def longest(self, prompt_ids: Sequence[int], beyond: int = 0) -> tuple[CachedPrefix | None, int]:
+        """The entry sharing the most leading tokens with the prompt, more than ``beyond`` (what the
+        prompt's slot shares already), and how many it shares (as a prefill takes them: never the
+        prompt's last token, which is read for its logits); (None, 0) where none shares more. The
+        entry found, which will be used, becomes the most recently used."""
         head = prompt_ids[: len(prompt_ids) - 1]
         with self._lock:
-            best, shared = None, 0
+            best, shared = None, beyond
             for key, entry in self._entries.items():
                 if key[0:1] == tuple(head[0:1]):  # (most entries share nothing: skip them cheaply)
                     n = common_prefix(key, head)
                     if n > shared:
                         best, shared = entry, n
-            if best is not None:
-                self._entries.move_to_end(best.ids)
+            if best is None:
+                return None, 0
+            self._entries.move_to_end(best.ids)
             return best, shared
 
     def _drop(self, key: tuple[int, ...]) -> None:

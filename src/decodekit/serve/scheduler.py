@@ -194,8 +194,8 @@ class Scheduler:
             snapshot = backend.snapshot(max_bytes=cache.budget_bytes)
             if snapshot is not None:
                 cache.put(snapshot)
-        entry, shared = cache.longest(prompt_ids)
-        if entry is not None and shared > own:
+        entry, shared = cache.longest(prompt_ids, beyond=own)
+        if entry is not None:
             backend.restore(entry, shared)
             with self._lock:
                 self.prefix_tokens += shared - own
