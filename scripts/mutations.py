@@ -10134,6 +10134,9 @@ MUTATIONS = (
     Mutation('prompt-cache-beyond-ignored-by-the-scheduler', 'src/decodekit/serve/scheduler.py',
              '        entry, shared = cache.longest(prompt_ids, beyond=own)', '        entry, shared = cache.longest(prompt_ids)',
              ('tests/test_serve.py', '-k', 'from_the_prompt_cache')),
+    Mutation('cli-unencodable-output-is-a-traceback', 'src/decodekit/interfaces/cli.py',
+             '            reconfigure(errors="replace")', '            pass',
+             ('tests/test_cli.py', '-k', 'terminals_encoding')),
 )
 
 

@@ -92,6 +92,19 @@ def test_prompt_longer_than_context_is_a_clear_error(real_model, capsys, monkeyp
     assert "exceeds the model's context" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_output_the_terminals_encoding_cannot_hold_is_replaced_not_a_traceback(monkeypatch):
+    """`decodekit methods` prints an option's Δ: under an ASCII or Latin-1 standard output it is a '?'."""
+    import io
+
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["methods"]) == 0
+    out.flush()
+    text = raw.getvalue().decode("ascii")
+    assert "sum ? over paths with the same answer" in text
+
+
 def test_every_sampler_parameter_has_a_flag():
     from decodekit.interfaces.cli import SAMPLER_FLAGS
     from decodekit.samplers import SAMPLER_PARAMS

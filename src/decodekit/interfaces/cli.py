@@ -366,11 +366,24 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
     return parser
 
 
+def tolerate_unencodable_output() -> None:
+    """Text that standard output's encoding cannot hold (a model's emoji, an option's Δ, under a
+    Latin-1 locale or ``PYTHONIOENCODING=ascii``) is written as '?' instead of ending the command
+    in a UnicodeEncodeError traceback (standard error already escapes it)."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        try:
+            reconfigure(errors="replace")
+        except (ValueError, OSError):  # a stream closed or detached: nothing will be written to it
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; every bad input ends in one line on stderr and exit code 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if sys.stderr is None:  # started with it closed (`2>&-`): messages go nowhere, not into stdout (print's default)
         sys.stderr = open(os.devnull, "w")
+    tolerate_unencodable_output()
     try:
         check_argv(argv)
         args = build_parser(commands=argv[:1]).parse_args(argv)  # the command comes first
