@@ -10050,7 +10050,7 @@ MUTATIONS = (
              '        head = prompt_ids[: len(prompt_ids) - 1]', '        head = prompt_ids',
              ('tests/test_serve.py', '-k', 'least_recently_used_out_first')),
     Mutation('prompt-cache-slot-content-not-saved', 'src/decodekit/serve/scheduler.py',
-             '            if snapshot is not None:\n                cache.put(snapshot)', '            pass',
+             '                cache.put(dataclasses.replace(snapshot, features=kept_features(backend, snapshot.ids)))', '                pass',
              ('tests/test_serve.py', '-k', 'from_the_prompt_cache')),
     Mutation('prompt-cache-snapshot-of-an-evicting-cache', 'src/decodekit/models/native.py',
              '        if not kept or self.batch_size != 1 or not self.reuses_prefix():\n            return None\n        n = len(kept)', '        if not kept or self.batch_size != 1:\n            return None\n        n = len(kept)',
@@ -10137,6 +10137,15 @@ MUTATIONS = (
     Mutation('cli-unencodable-output-is-a-traceback', 'src/decodekit/interfaces/cli.py',
              '            reconfigure(errors="replace")', '            pass',
              ('tests/test_cli.py', '-k', 'terminals_encoding')),
+    Mutation('cached-prefix-features-not-counted', 'src/decodekit/models/backend.py',
+             '        held = self.tensors if self.features is None else (*self.tensors, self.features)', '        held = self.tensors',
+             ('tests/test_serve.py', '-k', 'snapshot_fits')),
+    Mutation('prompt-cache-gives-no-features', 'src/decodekit/serve/scheduler.py',
+             '            if entry.features is not None:\n                give_features(backend, entry.ids[:shared], entry.features[:shared])', '            pass',
+             ('tests/test_trained_drafters.py', '-k', 'back_from_the_servers_prompt_cache')),
+    Mutation('prompt-cache-keeps-no-features', 'src/decodekit/serve/scheduler.py',
+             'features=kept_features(backend, snapshot.ids)', 'features=None',
+             ('tests/test_trained_drafters.py', '-k', 'back_from_the_servers_prompt_cache')),
 )
 
 

@@ -2379,6 +2379,9 @@ def test_a_snapshot_fits_only_caches_of_its_own_model_and_policy():
     source.keep([5, 6, 7])
     snap = source.snapshot()
     assert snap.ids == (5, 6, 7) and snap.nbytes > 0
+    import dataclasses
+
+    assert dataclasses.replace(snap, features=torch.zeros(3, 4)).nbytes == snap.nbytes + 48  # (the features count)
     other = tiny_model().backend  # the same shapes, other weights
     with pytest.raises(ValueError, match="another model"):
         other.restore(snap)

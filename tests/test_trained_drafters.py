@@ -1455,6 +1455,39 @@ def test_a_prompt_whose_beginning_the_cache_kept_drafts_as_if_read_whole(drafter
     assert trees[1] and trees[1] == trees[2]
 
 
+def test_a_conversation_back_from_the_servers_prompt_cache_drafts_as_a_fresh_engine(drafter_files, monkeypatch):
+    """A served EAGLE conversation whose slot another prompt took, then whose next turn starts from
+    the prompt cache: the cache's entries come back with the features of their positions, so it
+    drafts the trees a fresh engine drafts, as after a kept slot (the test above)."""
+    from decodekit.engine import Engine
+    from decodekit.serve.scheduler import Job, Scheduler
+
+    options = {"drafter": str(drafter_files["eagle", "exact"]), "budget": 4}
+    trees = recorded_trees(monkeypatch, type(DRAFTER_SPECS["eagle"].factory(drafter=options["drafter"])))
+    model = tiny()
+    scheduler = Scheduler(model, max_batch=1, max_queue=0)
+    try:
+        def served(prompt, method, params):
+            (future,) = scheduler.submit([Job(prompt, method, params, 24, ignore_eos=True)])
+            return future.result(timeout=60).generation
+
+        prompt = model.tokenizer.encode(QUERIES[0])
+        trees.append([])
+        first = served(prompt, "eagle", options)
+        trees.append([])
+        served(model.tokenizer.encode(QUERIES[1]), "eagle", options)  # takes the only slot, and its feature history
+        turn = prompt + first.tokens + model.tokenizer.encode(QUERIES[2])
+        before = scheduler.prefix_tokens
+        trees.append([])
+        served(turn, "eagle", options)
+        assert scheduler.prefix_tokens - before > len(prompt)  # from the prompt cache
+    finally:
+        scheduler.close()
+    trees.append([])
+    Engine(tiny()).generate(turn, method="eagle", max_new_tokens=24, chat=False, ignore_eos=True, **options)
+    assert trees[-2] and trees[-2] == trees[-1]
+
+
 def test_only_a_drafter_that_reads_earlier_features_keeps_them_for_the_next_request(drafter_files):
     """Medusa reads the last feature alone: it keeps no history of a request's features; EAGLE,
     whose network attends to every earlier one, does."""

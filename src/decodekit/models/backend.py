@@ -110,10 +110,14 @@ class CachedPrefix:
     ids: tuple[int, ...]
     owner: object  # what the tensors fit: caches with an equal owner key (NativeLlama._prefix_owner)
     tensors: tuple[torch.Tensor, ...]
+    #: The target's features at these positions, where a feature drafter kept them (EAGLE reads the
+    #: earlier positions' features: see speculative.drafters.base.FeatureHistory); None otherwise.
+    features: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        held = self.tensors if self.features is None else (*self.tensors, self.features)
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 class Interrupted(Exception):

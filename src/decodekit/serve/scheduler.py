@@ -21,6 +21,7 @@ slot.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -37,6 +38,7 @@ from ..engine.stops import shown_tokens
 from ..errors import DecodeKitError, InvalidParameter
 from ..models import LoadedModel
 from ..models.batching import PassBatcher
+from ..speculative.drafters.base import give_features, kept_features
 from . import MAX_BATCH, MAX_QUEUE, PROMPT_CACHE_MIB
 from .prompt_cache import PromptCache
 
@@ -192,11 +194,13 @@ class Scheduler:
         own, kept = backend.shared_prefix(prompt_ids), backend.kept_ids
         if kept and own < len(kept) and not cache.covers(kept):
             snapshot = backend.snapshot(max_bytes=cache.budget_bytes)
-            if snapshot is not None:
-                cache.put(snapshot)
+            if snapshot is not None:  # with the features of its positions, where an EAGLE request left them
+                cache.put(dataclasses.replace(snapshot, features=kept_features(backend, snapshot.ids)))
         entry, shared = cache.longest(prompt_ids, beyond=own)
         if entry is not None:
             backend.restore(entry, shared)
+            if entry.features is not None:
+                give_features(backend, entry.ids[:shared], entry.features[:shared])
             with self._lock:
                 self.prefix_tokens += shared - own
 

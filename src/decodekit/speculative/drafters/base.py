@@ -12,6 +12,7 @@ whose defaults do nothing, so the loop calls them unconditionally. Shared mechan
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +220,19 @@ class FeatureHistory:
         if sum(len(c) for c in self.chunks) < position or self.tokens[:position] != tokens[:position]:
             return None
         return torch.cat(self.chunks)[:position]
+
+
+def kept_features(backend: Backend, ids: Sequence[int]) -> torch.Tensor | None:
+    """The features the backend's history holds for every position of ``ids`` (its kept tokens),
+    or None: what a server's prompt cache keeps beside the cache's entries."""
+    return backend.memory("features.history", FeatureHistory).before(list(ids), len(ids))
+
+
+def give_features(backend: Backend, ids: Sequence[int], features: torch.Tensor) -> None:
+    """Make ``features`` (one row a position of ``ids``) the backend's history: a cache whose
+    entries for ``ids`` came from elsewhere (a server's prompt cache) drafts as if it had read them."""
+    history = backend.memory("features.history", FeatureHistory)
+    history.tokens, history.chunks = list(ids), [features]
 
 
 class FeatureDrafter(Drafter):
