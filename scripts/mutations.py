@@ -10035,7 +10035,7 @@ MUTATIONS = (
              '            for key in [k for k in self._entries if k == prefix.ids[: len(k)]]:\n                self._drop(key)\n', '',
              ('tests/test_serve.py', '-k', 'least_recently_used_out_first')),
     Mutation('prompt-cache-over-budget-entry-kept', 'src/decodekit/serve/prompt_cache.py',
-             '            if prefix.nbytes > self.budget_bytes or any(', '            if any(',
+             '            if prefix.nbytes > self.budget_bytes or self._covered(prefix.ids):', '            if self._covered(prefix.ids):',
              ('tests/test_serve.py', '-k', 'least_recently_used_out_first')),
     Mutation('prompt-cache-restore-leaves-the-length', 'src/decodekit/models/native.py',
              '        self._length = self._slots = n\n        self._first_pass = False\n        self.kept_ids = list(prefix.ids[:n])', '        self._first_pass = False\n        self.kept_ids = list(prefix.ids[:n])',
@@ -10146,6 +10146,9 @@ MUTATIONS = (
     Mutation('prompt-cache-keeps-no-features', 'src/decodekit/serve/scheduler.py',
              'features=kept_features(backend, snapshot.ids)', 'features=None',
              ('tests/test_trained_drafters.py', '-k', 'back_from_the_servers_prompt_cache')),
+    Mutation('prompt-cache-covered-entry-added-again', 'src/decodekit/serve/prompt_cache.py',
+             '        return any(len(key) >= n and key[:n] == ids for key in self._entries)', '        return any(key == ids for key in self._entries)',
+             ('tests/test_serve.py', '-k', 'least_recently_used_out_first')),
 )
 
 

@@ -44,18 +44,21 @@ class PromptCache:
 
     def covers(self, ids: Sequence[int]) -> bool:
         """Whether an entry already starts with all of ``ids`` (copying them again would add nothing)."""
-        n = len(ids)
         with self._lock:
-            return any(len(key) >= n and key[:n] == tuple(ids) for key in self._entries)
+            return self._covered(tuple(ids))
+
+    def _covered(self, ids: tuple[int, ...]) -> bool:
+        n = len(ids)  # (called with the lock held)
+        return any(len(key) >= n and key[:n] == ids for key in self._entries)
 
     def put(self, prefix: CachedPrefix) -> None:
         """Keep ``prefix`` as the most recently used entry, unless an entry already covers it or it
         alone exceeds the budget; entries it covers are dropped, then the oldest until it fits."""
-        n, free = len(prefix.ids), machine.available_memory()
+        free = machine.available_memory()
         if free is not None and free < prefix.nbytes + MEMORY_RESERVE:
             return
         with self._lock:
-            if prefix.nbytes > self.budget_bytes or any(len(k) >= n and k[:n] == prefix.ids for k in self._entries):
+            if prefix.nbytes > self.budget_bytes or self._covered(prefix.ids):
                 return
             for key in [k for k in self._entries if k == prefix.ids[: len(k)]]:
                 self._drop(key)
