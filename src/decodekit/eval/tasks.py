@@ -132,7 +132,9 @@ PLACE_SUFFIXES = frozenset({"falls", "bay", "beach", "springs", "heights", "hill
 #: Words that join a name to a longer one ("Santiago de Cuba", "Kingston upon Hull"), unless the
 #: country's name follows ("Santiago de Chile" is Chile's capital).
 PLACE_JOINS = frozenset({"de", "del", "da", "do", "dos", "das", "du", "upon", "sur", "am"})
-_WORD = re.compile(rf"[^\s{re.escape(string.punctuation)}]+")  # a word as normalize_text splits the text
+# a word: a run of characters that are neither whitespace nor ASCII punctuation (a curly apostrophe
+# stays inside it, "isn’t"; normalize_text reads every script's punctuation as a space)
+_WORD = re.compile(rf"[^\s{re.escape(string.punctuation)}]+")
 
 
 def _blank_other_places(text: str, names: list[str], country: str) -> str:

@@ -222,16 +222,21 @@ class FeatureHistory:
         return torch.cat(self.chunks)[:position]
 
 
+def feature_history(backend: Backend) -> FeatureHistory:
+    """The backend's :class:`FeatureHistory` (in its memory: its clones start without one)."""
+    return backend.memory("features.history", FeatureHistory)
+
+
 def kept_features(backend: Backend, ids: Sequence[int]) -> torch.Tensor | None:
     """The features the backend's history holds for every position of ``ids`` (its kept tokens),
     or None: what a server's prompt cache keeps beside the cache's entries."""
-    return backend.memory("features.history", FeatureHistory).before(list(ids), len(ids))
+    return feature_history(backend).before(list(ids), len(ids))
 
 
 def give_features(backend: Backend, ids: Sequence[int], features: torch.Tensor) -> None:
     """Make ``features`` (one row a position of ``ids``) the backend's history: a cache whose
     entries for ``ids`` came from elsewhere (a server's prompt cache) drafts as if it had read them."""
-    history = backend.memory("features.history", FeatureHistory)
+    history = feature_history(backend)
     history.tokens, history.chunks = list(ids), [features]
 
 
@@ -267,7 +272,7 @@ class FeatureDrafter(Drafter):
         self.history_chunks = None  # every position's features, for the next request's history
         if self.reads_earlier_features:
             if self.chunk_start > 0:  # the cache kept the prompt's beginning
-                earlier = state.backend.memory("features.history", FeatureHistory).before(state.tokens, self.chunk_start)
+                earlier = feature_history(state.backend).before(state.tokens, self.chunk_start)
                 if earlier is not None:
                     self.chunks.insert(0, earlier)
                     self.chunk_start = 0
@@ -286,7 +291,7 @@ class FeatureDrafter(Drafter):
 
     def finish(self, state: DecodeState) -> None:
         if self.history_chunks is not None:
-            history = state.backend.memory("features.history", FeatureHistory)
+            history = feature_history(state.backend)
             history.tokens, history.chunks = list(state.tokens), self.history_chunks
 
     def features_from(self, position: int) -> torch.Tensor:
