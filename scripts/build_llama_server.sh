@@ -11,10 +11,10 @@
 # runs on can reach package registries only (no git clone from GitHub). So the
 # sdist is fetched with pip, unpacked, and its vendor/llama.cpp is built here.
 #
-# Build flags: GGML_NATIVE=OFF plus an explicit AVX/AVX2/FMA/F16C/AVX-512
-# (F, CD, VL, DQ, BW) baseline, so the binary runs on any AVX-512 x86-64
-# machine, not only the one it was built on (-march=native could pull in e.g.
-# AVX512-VNNI/BF16/AMX that another host lacks). Static libllama/libggml
+# Build flags: GGML_NATIVE=OFF plus an explicit AVX/AVX2/FMA/F16C baseline, and
+# AVX-512 (F, CD, VL, DQ, BW) where the building CPU has it, so the binary runs
+# on any x86-64 machine of that level, not only the one it was built on
+# (-march=native could pull in e.g. AVX512-VNNI/BF16/AMX that another host lacks). Static libllama/libggml
 # (BUILD_SHARED_LIBS=OFF) so the two binaries can be copied around alone.
 # No curl/HTTPS and no web-UI download (the build is offline-friendly; the
 # benchmark talks plain HTTP to localhost).
@@ -114,10 +114,16 @@ for opt in LLAMA_BUILD_TESTS LLAMA_BUILD_EXAMPLES LLAMA_BUILD_APP LLAMA_USE_PREB
     fi
 done
 
+# AVX-512 only where this CPU has it: a binary built with it dies with "Illegal instruction" on an
+# AVX2 CPU (most laptops and desktops), and decodekit's kernels run at the AVX2 level there too.
+AVX512=OFF
+if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then AVX512=ON; fi
+echo "llama.cpp instruction set: AVX2 + FMA + F16C, AVX-512 $AVX512" >&2
+
 "$CMAKE" -S "$LLAMA_SRC" -B "$BUILD_DIR" ${GENERATOR[@]+"${GENERATOR[@]}"} \
     -DCMAKE_BUILD_TYPE=Release \
     -DGGML_NATIVE=OFF \
-    -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+    -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=$AVX512 \
     -DLLAMA_CURL=OFF \
     -DBUILD_SHARED_LIBS=OFF \
     ${EXTRA[@]+"${EXTRA[@]}"}

@@ -196,7 +196,7 @@ def pytest_runtest_setup(item):
 _frozen_at: list = [None]
 
 
-#: Skip reasons of the kernel tests (they need a C compiler and AVX-512, or AVX512-VNNI).
+#: Skip reasons of the kernel tests (they need a C compiler and AVX2 or AVX-512, or AVX512-VNNI).
 KERNEL_SKIP = ("no C compiler", "kernels unavailable")
 
 
@@ -225,7 +225,13 @@ def pytest_sessionfinish(session, exitstatus):
     if reporter is None or os.environ.get("CI") != "true":
         return
     # (the VNNI kernel's tests may skip: not every AVX-512 CPU has VNNI)
-    failed_build = [r for r in _kernel_skips(reporter) if "no AVX-512" in r or r.endswith("kernels unavailable on this machine")]
+    failed_build = [r for r in _kernel_skips(reporter) if "no AVX" in r or r.endswith("kernels unavailable on this machine")]
     if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") and failed_build:
         reporter.write_line("decodekit: kernel tests skipped on an AVX-512 machine in CI: the kernels did not build")
+        session.exitstatus = 1
+    from decodekit.models import kernels
+
+    # on an AVX2 machine the kernels build too (at the AVX2 level)
+    if kernels.build.level() is not None and kernels.few_rows_matmul(torch.float32) is None:
+        reporter.write_line(f"decodekit: the kernels did not build at the {kernels.build.level()} level in CI")
         session.exitstatus = 1

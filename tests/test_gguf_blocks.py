@@ -13,7 +13,7 @@ from tests.marks import needs_vnni
 KINDS = ["q4_1", "q8_0"]
 needs_kernel = pytest.mark.skipif(
     kernels.block_matmul("q4_1") is None or kernels.few_rows_matmul(torch.float32) is None,
-    reason="no C compiler or no AVX-512 on this machine",
+    reason="no C compiler or no AVX2 on this machine",
 )
 
 

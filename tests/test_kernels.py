@@ -13,7 +13,11 @@ from decodekit.models.llama_weights import Projection
 from decodekit.models.tiny import tiny_llama
 
 matmul = kernels.few_rows_matmul(torch.float32)
-needs_kernel = pytest.mark.skipif(matmul is None, reason="no C compiler or no AVX-512 on this machine")
+needs_kernel = pytest.mark.skipif(matmul is None, reason="no C compiler or no AVX2 on this machine")
+needs_bf16_kernel = pytest.mark.skipif(kernels.few_rows_matmul(torch.bfloat16) is None,
+                                       reason="no bfloat16 kernel on this machine (it needs AVX512-BF16)")
+needs_race_kernel = pytest.mark.skipif(kernels.sampling._race_function() is None,
+                                       reason="no race kernel on this machine (it needs AVX512DQ)")
 
 
 @needs_kernel
@@ -87,7 +91,7 @@ def test_projection_uses_the_kernel_for_few_rows_and_keeps_shapes_and_bias():
     assert Projection(weight.double()).few_rows is None  # float32 and bfloat16 only
 
 
-@needs_kernel
+@needs_bf16_kernel
 def test_bfloat16_weights_multiply_exactly_and_sum_in_float32():
     gen = torch.Generator().manual_seed(2)
     weight, x = torch.randn(64, 48, generator=gen).bfloat16(), torch.randn(3, 48, generator=gen).bfloat16()
@@ -98,7 +102,7 @@ def test_bfloat16_weights_multiply_exactly_and_sum_in_float32():
     assert torch.equal(out[1], kernels.few_rows_matmul(torch.bfloat16)(weight, x[1:2])[0])
 
 
-@needs_kernel
+@needs_bf16_kernel
 def test_bfloat16_outputs_round_a_tie_to_the_even_neighbour():
     """A float32 sum exactly halfway between two bfloat16 values goes to the even one (torch's
     round-to-nearest-even conversion): 1 + 2^-8 -> 1, and 1 + 3 * 2^-8 -> 1 + 2^-6."""
@@ -110,7 +114,7 @@ def test_bfloat16_outputs_round_a_tie_to_the_even_neighbour():
     assert out.float().tolist() == [[1.0, 1.0 + 2.0**-6]]
 
 
-@needs_kernel
+@needs_bf16_kernel
 def test_bfloat16_outputs_keep_infinities_and_nans():
     """Rounding to bfloat16 is torch's conversion: a float32 sum of +-inf stays +-inf (only a NaN,
     whose mantissa is non-zero, is made a quiet NaN), and a NaN stays a NaN."""
@@ -157,8 +161,9 @@ def test_every_kernel_source_builds_wherever_the_kernels_run(source):
     """A kernel that fails to compile is silently replaced by torch (and its tests skip): so every
     source, with its own extra instructions (VNNI, AVX512DQ), must build wherever gemm.c does."""
     if kernels.build._library("gemm") is None:
-        pytest.skip("no C compiler or no AVX-512 on this machine")
-    assert kernels.build._build(Path(kernels.__file__).with_name(source)) is not None
+        pytest.skip("no C compiler or no AVX2 on this machine")
+    level = "avx512" if Path(source).stem in kernels.build.AVX512_ONLY else kernels.build.level()
+    assert kernels.build._build(Path(kernels.__file__).with_name(source), level) is not None  # (built, if not run, anywhere)
 
 
 def test_a_library_is_rebuilt_when_its_headers_or_flags_change(monkeypatch, tmp_path):
@@ -171,26 +176,27 @@ def test_a_library_is_rebuilt_when_its_headers_or_flags_change(monkeypatch, tmp_
     source, header = tmp_path / "probe.c", tmp_path / "probe.h"
     header.write_text("#define ANSWER 41\n")
     source.write_text('#include "probe.h"\nint probe(void) { return ANSWER; }\n')
-    first = kernels.build._build(source)
+    first = kernels.build._build(source, "avx512")  # (compiled, never run: the probe has no AVX-512 instruction)
     header.write_text("#define ANSWER 42\n")
-    second = kernels.build._build(source)
+    second = kernels.build._build(source, "avx512")
     monkeypatch.setitem(kernels.build.EXTRA_FLAGS, "probe", ["-DUNUSED"])
-    third = kernels.build._build(source)
-    assert None not in (first, second, third) and len({first, second, third}) == 3
-    assert ctypes.CDLL(str(third)).probe() == 42
+    third = kernels.build._build(source, "avx512")
+    fourth = kernels.build._build(source, "avx2")  # another level, other flags
+    assert None not in (first, second, third, fourth) and len({first, second, third, fourth}) == 4
+    assert ctypes.CDLL(str(fourth)).probe() == 42
 
     for name in ("probe.c", "probe.h"):
         (tmp_path / "kernels_dir").mkdir(exist_ok=True)
         shutil.copy(tmp_path / name, tmp_path / "kernels_dir" / name)
     monkeypatch.setattr(kernels.build, "__file__", str(tmp_path / "kernels_dir" / "build.py"))
     try:
-        kernels.build.sources_digest.cache_clear()
+        kernels.build._sources_digest.cache_clear()
         before = kernels.build.sources_digest()
         (tmp_path / "kernels_dir" / "probe.h").write_text("#define ANSWER 43\n")
-        kernels.build.sources_digest.cache_clear()
+        kernels.build._sources_digest.cache_clear()
         assert kernels.build.sources_digest() != before
     finally:
-        kernels.build.sources_digest.cache_clear()  # (the real sources' digest on the next call)
+        kernels.build._sources_digest.cache_clear()  # (the real sources' digest on the next call)
 
 
 def test_a_library_that_cannot_be_loaded_falls_back_to_torch(monkeypatch, tmp_path):
@@ -199,8 +205,8 @@ def test_a_library_that_cannot_be_loaded_falls_back_to_torch(monkeypatch, tmp_pa
         pytest.skip("compiled kernels are off or unsupported here")
     junk = tmp_path / "junk.so"
     junk.write_bytes(b"not a shared library")
-    monkeypatch.setattr(kernels.build, "_build", lambda source: junk)
-    assert kernels.build._library.__wrapped__("gemm") is None
+    monkeypatch.setattr(kernels.build, "_build", lambda source, at: junk)
+    assert kernels.build._library_at.__wrapped__("gemm", kernels.build.level()) is None
 
 
 # Layout-independent attention ---------------------------------------------------------------------
@@ -211,7 +217,7 @@ def test_a_library_that_cannot_be_loaded_falls_back_to_torch(monkeypatch, tmp_pa
 def test_attention_kernel_matches_sdpa(dtype, dim):
     attend = kernels.layout_independent_attention(dtype, dim)
     if attend is None:
-        pytest.skip("no C compiler or no AVX-512 on this machine")
+        pytest.skip("no C compiler or no AVX2 on this machine")
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, cap, start, n = 6, 2, 64, 40, 5
     k = torch.randn(kv_heads, cap, dim, generator=gen).to(dtype)
@@ -236,7 +242,7 @@ def test_a_masked_query_gets_the_bits_of_its_visible_keys_alone(dtype, dim):
     together with no mask (what a plain step over a contiguous cache computes)."""
     attend = kernels.layout_independent_attention(dtype, dim)
     if attend is None:
-        pytest.skip("no C compiler or no AVX-512 on this machine")
+        pytest.skip("no C compiler or no AVX2 on this machine")
     gen = torch.Generator().manual_seed(11)
     heads, kv_heads, n_keys = 6, 2, 300
     k = torch.randn(kv_heads, n_keys, dim, generator=gen).to(dtype)
@@ -286,7 +292,7 @@ def test_rows_read_a_tile_at_a_time_get_the_bits_of_each_row_alone(dtype, dim):
     for bit what the row gets alone, from its visible keys packed together (the one-row path)."""
     attend = kernels.layout_independent_attention(dtype, dim)
     if attend is None:
-        pytest.skip("no C compiler or no AVX-512 on this machine")
+        pytest.skip("no C compiler or no AVX2 on this machine")
     gen = torch.Generator().manual_seed(12)
     heads, kv_heads, n_keys = 6, 2, 333  # three tiles, the last ending inside a block of 16
     k = torch.randn(kv_heads, n_keys, dim, generator=gen).to(dtype)
@@ -305,7 +311,7 @@ def test_a_pass_of_no_rows_or_no_threads_asked_for_returns():
     (0): one, as before blocks of rows were planned by the thread count."""
     attend = kernels.layout_independent_attention(torch.float32, 64)
     if attend is None:
-        pytest.skip("no C compiler or no AVX-512 on this machine")
+        pytest.skip("no C compiler or no AVX2 on this machine")
     lib = kernels.build._library("attention")
     gen = torch.Generator().manual_seed(14)
     k, v = torch.randn(1, 40, 64, generator=gen), torch.randn(1, 40, 64, generator=gen)
@@ -533,7 +539,7 @@ def test_attention_scores_hundreds_apart_give_the_best_keys_value(dim):
     16th, the last lane of the 16 the largest score is looked for in."""
     attend = kernels.layout_independent_attention(torch.float32, dim)
     if attend is None:
-        pytest.skip("no C compiler or no AVX-512 on this machine")
+        pytest.skip("no C compiler or no AVX2 on this machine")
     n_keys = 20
     weights = torch.zeros(n_keys)
     weights[3], weights[15] = 1.0, 2.0  # scores 0, 10 * dim * 1 and 10 * dim * 2
@@ -551,7 +557,7 @@ def test_a_query_that_sees_no_key_gets_zeros_not_nan(dim):
     zeros, not the NaN of 0 * inf, and the other rows of the pass are untouched by it."""
     attend = kernels.layout_independent_attention(torch.float32, dim)
     if attend is None:
-        pytest.skip("no C compiler or no AVX-512 on this machine")
+        pytest.skip("no C compiler or no AVX2 on this machine")
     gen = torch.Generator().manual_seed(13)
     k, v, q = torch.randn(2, 20, dim, generator=gen), torch.randn(2, 20, dim, generator=gen), torch.randn(2, 6, dim, generator=gen)
     visible = torch.ones(2, 20, dtype=torch.bool)
@@ -568,7 +574,7 @@ def test_a_query_that_sees_one_key_gets_that_keys_value_exactly(dim):
     its score, and the others of the pass are untouched by it."""
     attend = kernels.layout_independent_attention(torch.float32, dim)
     if attend is None:
-        pytest.skip("no C compiler or no AVX-512 on this machine")
+        pytest.skip("no C compiler or no AVX2 on this machine")
     gen = torch.Generator().manual_seed(14)
     k, v, q = torch.randn(2, 20, dim, generator=gen), torch.randn(2, 20, dim, generator=gen), torch.randn(3, 6, dim, generator=gen)
     visible = torch.zeros(3, 20, dtype=torch.bool)
@@ -586,7 +592,7 @@ def test_attention_reads_strided_queries_and_masks_as_their_values():
     other strides) must give the bits of its contiguous copy, not the bytes in memory order."""
     attend = kernels.layout_independent_attention(torch.float32, 32)
     if attend is None:
-        pytest.skip("no C compiler or no AVX-512 on this machine")
+        pytest.skip("no C compiler or no AVX2 on this machine")
     gen = torch.Generator().manual_seed(21)
     k, v = torch.randn(2, 40, 32, generator=gen), torch.randn(2, 40, 32, generator=gen)
     q = torch.randn(6, 5, 32, generator=gen).transpose(0, 1)  # [5 queries, 6 heads, 32], strided
@@ -602,7 +608,7 @@ def test_attention_refuses_keys_and_values_whose_rows_it_cannot_walk():
     slice of a wider row, or values laid out unlike the keys, are refused, not read wrongly."""
     attend = kernels.layout_independent_attention(torch.float32, 32)
     if attend is None:
-        pytest.skip("no C compiler or no AVX-512 on this machine")
+        pytest.skip("no C compiler or no AVX2 on this machine")
     gen = torch.Generator().manual_seed(22)
     q, cache = torch.randn(1, 2, 32, generator=gen), torch.randn(2, 64, 32, generator=gen)
     wide = torch.randn(2, 20, 64, generator=gen)[:, :, :32]  # rows 64 apart
@@ -619,7 +625,7 @@ def test_attention_refuses_queries_of_another_head_size():
     would be read past their rows (or short of them), so they are refused."""
     attend = kernels.layout_independent_attention(torch.float32, 32)
     if attend is None:
-        pytest.skip("no C compiler or no AVX-512 on this machine")
+        pytest.skip("no C compiler or no AVX2 on this machine")
     gen = torch.Generator().manual_seed(23)
     k, v = torch.randn(2, 8, 32, generator=gen), torch.randn(2, 8, 32, generator=gen)
     with pytest.raises(ValueError, match="head_dim 32"):
@@ -633,7 +639,7 @@ def test_attention_refuses_heads_that_do_not_group_and_masks_of_another_width():
     attend = kernels.layout_independent_attention(torch.float32, 32)
     int8 = kernels.int8_cache_kernels(32)
     if attend is None or int8 is None:
-        pytest.skip("no C compiler or no AVX-512 on this machine")
+        pytest.skip("no C compiler or no AVX2 on this machine")
     gen = torch.Generator().manual_seed(24)
     k, v = torch.randn(2, 40, 32, generator=gen), torch.randn(2, 40, 32, generator=gen)
     k8, v8 = kernels.quantise_int8_rows(k), kernels.quantise_int8_rows(v)
@@ -671,7 +677,7 @@ def test_attention_kernel_takes_head_dims_up_to_256():
 def _ops(dtype):
     ops = kernels.layer_ops(dtype, 64, 96)
     if ops is None:
-        pytest.skip("no C compiler or no AVX-512 on this machine")
+        pytest.skip("no C compiler or no AVX2 on this machine")
     return ops
 
 
@@ -1005,7 +1011,7 @@ def race_by_brute_force(p: torch.Tensor, key: int) -> int:
     return best_at
 
 
-@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False], ids=["kernel", "fallback"])
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_race_kernel), False], ids=["kernel", "fallback"])
 def test_the_exponential_race_is_the_argmax_over_every_token(kernel, monkeypatch):
     """The race's filter (a logarithm only for tokens that can still win) against the ratio of
     every token: peaked and flat rows, rows with zeros, unnormalised ones, lengths around the
@@ -1035,7 +1041,7 @@ def test_the_exponential_race_is_the_argmax_over_every_token(kernel, monkeypatch
 
 
 
-@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False], ids=["kernel", "fallback"])
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_race_kernel), False], ids=["kernel", "fallback"])
 def test_the_exponential_race_refuses_a_nan_or_infinity_anywhere_in_the_row(kernel, monkeypatch):
     """Sampling needs finite, non-negative probabilities: a NaN (or inf, or a negative entry) is
     refused wherever it stands, in the 8-token blocks as in the tail past them."""
@@ -1050,7 +1056,7 @@ def test_the_exponential_race_refuses_a_nan_or_infinity_anywhere_in_the_row(kern
                     kernels.exponential_race(p, 11)
 
 
-@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False], ids=["kernel", "fallback"])
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_race_kernel), False], ids=["kernel", "fallback"])
 def test_the_exponential_race_reads_a_strided_row_as_its_values(kernel, monkeypatch):
     """A draw depends only on the key and the distribution: a column of a matrix (a strided view)
     gives the draw of the same values packed, not of the bytes in memory order."""
@@ -1152,17 +1158,26 @@ def test_the_tables_python_shares_with_the_c_kernels_agree():
     assert {kind: i for i, kind in enumerate(order)} == kernels.INTEGER_KINDS
 
 
-def test_kernels_run_on_avx512_and_amx_cpus_unless_switched_off(monkeypatch):
-    """Every CPU torch reports as AVX512 or AMX (Sapphire Rapids and later: AVX-512 too) runs the
-    kernels; DECODEKIT_KERNELS=0 switches them off, and a library is then not even built."""
+def test_the_kernels_level_follows_the_cpu_unless_switched_off(monkeypatch):
+    """A CPU torch reports as AVX512 or AMX (Sapphire Rapids and later: AVX-512 too) runs the
+    AVX-512 kernels, one it reports as AVX2 the same sources on AVX2 (DECODEKIT_KERNELS=avx2 asks for
+    those on an AVX-512 CPU too), an older one none; the integer kernel and the race exist at the
+    AVX-512 level only, and are not even built at the other. DECODEKIT_KERNELS=0 switches them all
+    off."""
     monkeypatch.delenv("DECODEKIT_KERNELS", raising=False)
-    for capability, supported in (("AVX512", True), ("AMX", True), ("AVX2", False), ("DEFAULT", False)):
+    for capability, level in (("AVX512", "avx512"), ("AMX", "avx512"), ("AVX2", "avx2"), ("DEFAULT", None)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        assert kernels.build._supported() is supported
+        assert kernels.build.level() == level
+        assert kernels.build._supported() is (level is not None)
+    monkeypatch.setattr(kernels.build, "_build", lambda source, at: pytest.fail(f"{source.name} built at {at}"))
+    for name in ("gemm_q8", "race"):
+        assert kernels.build._library_at.__wrapped__(name, "avx2") is None
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setenv("DECODEKIT_KERNELS", "avx2")
+    assert kernels.build.level() == "avx2"
     monkeypatch.setenv("DECODEKIT_KERNELS", "0")
-    monkeypatch.setattr(kernels.build, "_build", lambda source: pytest.fail("built while switched off"))
-    assert kernels.build._library.__wrapped__("gemm") is None
+    assert kernels.build.level() is None
+    assert kernels.build._library_at.__wrapped__("gemm", kernels.build.level()) is None
 
 
 def test_a_missing_cc_falls_back_to_gcc(monkeypatch, tmp_path):
@@ -1193,10 +1208,10 @@ def test_the_kernels_digest_changes_when_source_text_moves_to_another_file(monke
                 old.unlink()
             for name, text in files.items():
                 (folder / name).write_text(text)
-            kernels.build.sources_digest.cache_clear()
+            kernels.build._sources_digest.cache_clear()
             digests.append(kernels.build.sources_digest())
     finally:
-        kernels.build.sources_digest.cache_clear()
+        kernels.build._sources_digest.cache_clear()
     assert len(set(digests)) == 3
 
 

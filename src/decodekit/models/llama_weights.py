@@ -204,16 +204,18 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * freqs).flatten(-2).to(x.dtype)
 
 
-def _onednn_linear_works() -> bool:
-    """Whether this torch build has oneDNN's linear (CPU builds with MKL-DNN do)."""
+def _onednn_linear_works(dtype: torch.dtype) -> bool:
+    """Whether this torch build has oneDNN's linear for ``dtype`` (CPU builds with MKL-DNN do; in
+    bfloat16 only on a CPU with AVX-512: on an AVX2 one it fails to make its kernel, where torch's
+    own F.linear still multiplies bfloat16)."""
     try:
-        x, w = torch.ones(2, 3), torch.ones(4, 3)
+        x, w = torch.ones(2, 3, dtype=dtype), torch.ones(4, 3, dtype=dtype)
         return bool(torch.equal(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), F.linear(x, w)))
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
 
-ONEDNN_LINEAR = _onednn_linear_works()
+ONEDNN_LINEAR = {dtype: _onednn_linear_works(dtype) for dtype in (torch.float32, torch.bfloat16)}
 
 
 def native_architecture(dtype: torch.dtype, gguf_blocks: bool = False, numerics: str = "exact") -> str:
@@ -223,7 +225,7 @@ def native_architecture(dtype: torch.dtype, gguf_blocks: bool = False, numerics:
         parts.append("kernel")
     if gguf_blocks:
         parts.append("gguf-blocks")
-    if ONEDNN_LINEAR:
+    if ONEDNN_LINEAR.get(dtype, False):
         parts.append("onednn")
     if numerics != "exact":
         parts.append(f"numerics-{numerics}")
@@ -337,7 +339,7 @@ class Projection:
         if self.few_rows is not None and (rows <= MAX_ROWS or self.any_rows):
             out = self.few_rows(self.weight, x.reshape(rows, -1).contiguous()).view(*x.shape[:-1], -1)
             return out if self.bias is None else out + self.bias
-        if ONEDNN_LINEAR:
+        if ONEDNN_LINEAR.get(self.weight.dtype, False):
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

@@ -1,8 +1,15 @@
 """Building and loading the C kernels: each ``*.c`` file here is compiled with the system compiler
-(``cc``, OpenMP, AVX-512) into ``cache_root()/kernels`` the first time it is needed (a few
-seconds) and loaded with ctypes once its digest checks out (:mod:`..cache`: a damaged library is
-rebuilt, never loaded). Without a compiler, on a CPU without AVX-512, or with
-``DECODEKIT_KERNELS=0``, :func:`_library` returns None and callers keep using torch."""
+(``cc``, OpenMP) into ``cache_root()/kernels`` the first time it is needed (a few seconds) and
+loaded with ctypes once its digest checks out (:mod:`..cache`: a damaged library is rebuilt, never
+loaded).
+
+The instruction set is chosen at run time, for the CPU the process runs on (:func:`level`):
+AVX-512 where the CPU has it; AVX2 + FMA + F16C otherwise, where the same sources are compiled
+against ``avx512_on_avx2.h`` (each AVX-512 intrinsic computed lane for lane on two 8-lane halves:
+the same bits, at AVX2's width). The integer kernel (``gemm_q8.c``, VNNI) and the sampler race
+(``race.c``, AVX512DQ) exist at the AVX-512 level only. Without a compiler, on an older CPU, or
+with ``DECODEKIT_KERNELS=0``, :func:`_library` returns None and callers keep using torch;
+``DECODEKIT_KERNELS=avx2`` builds the AVX2 level on an AVX-512 CPU too (to compare the two)."""
 
 from __future__ import annotations
 
@@ -19,30 +26,51 @@ import torch
 from ..cache import cache_root, cached_file
 
 MAX_ROWS = 64  # passes of up to this many tokens use the kernels
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-lm"]
+FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-lm"]
+#: The AVX2 level's flags: the same sources, their AVX-512 intrinsics from avx512_on_avx2.h.
+AVX2_FLAGS = ["-O3", "-ffp-contract=off", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-lm"]
 #: Instructions only some AVX-512 CPUs have, for the one library that uses them (it checks the CPU
 #: before use, so the other libraries never contain them).
 EXTRA_FLAGS = {"gemm_q8": ["-mavx512vnni"], "race": ["-mavx512dq"]}
+#: Libraries built at the AVX-512 level only (their instructions have no lane-for-lane AVX2 form here).
+AVX512_ONLY = frozenset(EXTRA_FLAGS)
+
+
+def level() -> str | None:
+    """The instruction set the kernels are built for here: ``"avx512"`` on a CPU torch reports as
+    AVX512 or AMX, ``"avx2"`` on one it reports as AVX2 (which implies FMA; every such CPU has
+    F16C), None where they are switched off (``DECODEKIT_KERNELS=0``) or the CPU is older.
+    ``DECODEKIT_KERNELS=avx2`` asks for the AVX2 level on an AVX-512 CPU."""
+    asked = os.environ.get("DECODEKIT_KERNELS", "1")
+    if asked == "0":
+        return None
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except AttributeError:
+        return None
+    if capability in ("AVX512", "AMX"):
+        return "avx2" if asked == "avx2" else "avx512"
+    return "avx2" if capability == "AVX2" else None
 
 
 def _supported() -> bool:
-    """AVX-512 present (as torch sees it) and not switched off."""
-    if os.environ.get("DECODEKIT_KERNELS", "1") == "0":
-        return False
-    try:
-        return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
-    except AttributeError:
-        return False
+    """Kernels at some level on this CPU, and not switched off."""
+    return level() is not None
 
 
-def _build(source: Path) -> Path | None:
-    """The compiled ``source`` in the cache (built once per source version, and again whenever
-    the cached library fails its check: a damaged one could crash ``dlopen``); None if that fails."""
+def _flags(name: str, at: str) -> list[str]:
+    return FLAGS + EXTRA_FLAGS.get(name, []) if at == "avx512" else AVX2_FLAGS
+
+
+def _build(source: Path, at: str | None = None) -> Path | None:
+    """The compiled ``source`` for level ``at`` (by default this CPU's) in the cache (built once
+    per source version and level, and again whenever the cached library fails its check: a
+    damaged one could crash ``dlopen``); None if that fails."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    flags = FLAGS + EXTRA_FLAGS.get(source.stem, [])
+    flags = _flags(source.stem, at or level() or "avx512")
     digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:16]
 
     def compile_to(path: Path) -> None:
@@ -54,22 +82,32 @@ def _build(source: Path) -> Path | None:
         return None
 
 
-@cache
 def sources_digest() -> str:
-    """A short digest of every kernel source: what a measurement of kernel speed (the speculative
-    controller's cost table) is keyed by, so that new kernels are measured afresh."""
-    digest = hashlib.sha256()
+    """A short digest of every kernel source and of the level they are built for: what a
+    measurement of kernel speed (the speculative controller's cost table) is keyed by, so that new
+    kernels, or the same at another level, are measured afresh."""
+    return _sources_digest(level() or "torch")
+
+
+@cache
+def _sources_digest(at: str) -> str:
+    digest = hashlib.sha256(at.encode())
     for source in sorted(Path(__file__).parent.glob("*.[ch]")):
         digest.update(source.name.encode() + source.read_bytes())
     return digest.hexdigest()[:10]
 
 
-@cache
 def _library(name: str) -> ctypes.CDLL | None:
-    """The compiled ``name.c`` next to this file, or None where it cannot be built or loaded."""
-    if not _supported():
+    """The compiled ``name.c`` next to this file at this CPU's level, or None where it cannot be
+    built or loaded (or exists at the AVX-512 level only, on an AVX2 CPU)."""
+    return _library_at(name, level())
+
+
+@cache
+def _library_at(name: str, at: str | None) -> ctypes.CDLL | None:
+    if at is None or (at != "avx512" and name in AVX512_ONLY):
         return None
-    path = _build(Path(__file__).with_name(f"{name}.c"))
+    path = _build(Path(__file__).with_name(f"{name}.c"), at)
     if path is None:
         return None
     try:

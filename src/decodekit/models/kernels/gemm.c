@@ -55,6 +55,7 @@ static inline __m512 f32_at_masked(const float *row, int i, f32_mask m) { return
 static inline __m512 f32_mac(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
 static inline float f32_out(float s) { return s; }
 
+#ifdef __AVX512BF16__ /* (an AVX2 build has none: decodekit_has_avx512bf16 says so) */
 /* bfloat16: 32 values per vector, pairs multiplied and added into 16 float32 lanes */
 #define bf16_LANES 32
 #define bf16_STEP 1
@@ -72,6 +73,7 @@ static inline uint16_t bf16_out(float s) {
     if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
+#endif
 
 /* GGUF blocks of 32 weights, rebuilt in float32 exactly as GGUF dequantisation computes them
  * (gguf-py, ggml): Q4_1 {fp16 d, fp16 m, 16 bytes: weight j in the low nibble of byte j, weight
@@ -249,28 +251,48 @@ DEFINE_BLOCK_AT_MASKED(q5_kx4)
 DEFINE_BLOCK_AT_MASKED(q6_kx4)
 
 /* A pass of at most WP_SINGLE_ROW_MAX inputs streams the weights one row at a time; a longer
- * one, four rows side by side against groups of four inputs (their shared input loads pay off
- * with enough inputs). The cut-offs are where the two met, per format, measured with SmolLM2's
- * matrices (docs/BENCHMARKS.md). */
+ * one, four rows side by side against groups of inputs (their shared input loads pay off with
+ * enough inputs). The cut-offs are where the two met, per format, measured with SmolLM2's
+ * matrices (docs/BENCHMARKS.md). A block of BLOCK_ROWS rows by BLOCK_INPUTS inputs keeps its
+ * sums in registers: 16 of AVX-512's 32. AVX2 has 16 registers of half the width (an AVX-512
+ * vector is two of them here): its blocks are four rows by one input, which measured fastest
+ * there (docs/BENCHMARKS.md). Each sum runs in element order whatever the block, so the bits are
+ * the same at both levels. */
+#ifdef __AVX512F__
 #define SINGLE_ROW_MAX 8 /* the largest of the formats' cut-offs */
-#define f32_SINGLE_ROW_MAX 4
-#define bf16_SINGLE_ROW_MAX 8
-#define q4_1_SINGLE_ROW_MAX 8
-#define q8_0_SINGLE_ROW_MAX 8
-#define q4_1x4_SINGLE_ROW_MAX 0
-#define q8_0x4_SINGLE_ROW_MAX 0
-#define q5_0_SINGLE_ROW_MAX 8
-#define q4_k_SINGLE_ROW_MAX 8
-#define q5_k_SINGLE_ROW_MAX 8
-#define q6_k_SINGLE_ROW_MAX 8
-#define q5_0x4_SINGLE_ROW_MAX 0
-#define q4_kx4_SINGLE_ROW_MAX 0
-#define q5_kx4_SINGLE_ROW_MAX 0
-#define q6_kx4_SINGLE_ROW_MAX 0
+#define BLOCK_ROWS 4
+#define BLOCK_INPUTS 4
+#define X4_SINGLE_ROW_MAX 0 /* rows interleaved in fours: always four at a time */
+#else
+#define SINGLE_ROW_MAX 4
+#define BLOCK_ROWS 4
+#define BLOCK_INPUTS 1
+#define X4_SINGLE_ROW_MAX 4 /* (blocks of one input would rebuild the weights for each) */
+#endif
+#define AT_MOST_SINGLE(n) ((n) < SINGLE_ROW_MAX ? (n) : SINGLE_ROW_MAX)
+#define f32_SINGLE_ROW_MAX AT_MOST_SINGLE(4)
+#define bf16_SINGLE_ROW_MAX AT_MOST_SINGLE(8)
+#define q4_1_SINGLE_ROW_MAX AT_MOST_SINGLE(8)
+#define q8_0_SINGLE_ROW_MAX AT_MOST_SINGLE(8)
+#define q4_1x4_SINGLE_ROW_MAX X4_SINGLE_ROW_MAX
+#define q8_0x4_SINGLE_ROW_MAX X4_SINGLE_ROW_MAX
+#define q5_0_SINGLE_ROW_MAX AT_MOST_SINGLE(8)
+#define q4_k_SINGLE_ROW_MAX AT_MOST_SINGLE(8)
+#define q5_k_SINGLE_ROW_MAX AT_MOST_SINGLE(8)
+#define q6_k_SINGLE_ROW_MAX AT_MOST_SINGLE(8)
+#define q5_0x4_SINGLE_ROW_MAX X4_SINGLE_ROW_MAX
+#define q4_kx4_SINGLE_ROW_MAX X4_SINGLE_ROW_MAX
+#define q5_kx4_SINGLE_ROW_MAX X4_SINGLE_ROW_MAX
+#define q6_kx4_SINGLE_ROW_MAX X4_SINGLE_ROW_MAX
 /* Inputs from which a block format's weights are rebuilt once a pass (REBUILT_ONCE): two groups of
  * four. Formats that stream a row at a time up to their SINGLE_ROW_MAX keep doing so below it. */
 #define REBUILT_ROWS 5
 #define BLOCK_CASE(NAME, R, M) case M: NAME##_block(wr, x, y, n_in, n_out, R, M); break;
+#if SINGLE_ROW_MAX == 8
+#define WIDE_ROW_CASES(NAME) BLOCK_CASE(NAME, 1, 5) BLOCK_CASE(NAME, 1, 6) BLOCK_CASE(NAME, 1, 7) BLOCK_CASE(NAME, 1, 8)
+#else
+#define WIDE_ROW_CASES(NAME)
+#endif
 
 /* NAME: weights of type WT in format WP, inputs and outputs of type T with arithmetic P; ENTRY
  * defines the entry point NAME (STREAMED or REBUILT_ONCE, below). */
@@ -311,20 +333,23 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
         y += row;                                                                                  \
         switch (M) {                                                                               \
             BLOCK_CASE(NAME, 1, 1) BLOCK_CASE(NAME, 1, 2) BLOCK_CASE(NAME, 1, 3) BLOCK_CASE(NAME, 1, 4) \
-            BLOCK_CASE(NAME, 1, 5) BLOCK_CASE(NAME, 1, 6) BLOCK_CASE(NAME, 1, 7) BLOCK_CASE(NAME, 1, 8) \
+            WIDE_ROW_CASES(NAME)                                                                   \
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
-    /* Rows [row, row + 4) of W against all M inputs, four at a time. */                           \
+    /* Rows [row, row + 4) of W against all M inputs, in blocks of BLOCK_ROWS by BLOCK_INPUTS. */ \
     static void NAME##_four_rows(const WT *w, const T *x, OUT *y, int n_in, int n_out, int row, int M) { \
-        const WT *wr = WP##_row(w, row, n_in);                                                     \
-        for (int m0 = 0; m0 < M; m0 += 4, x += (size_t)4 * n_in) {                                 \
-            OUT *y0 = y + (size_t)m0 * n_out + row;                                                \
-            switch (M - m0 < 4 ? M - m0 : 4) {                                                     \
-                case 1: NAME##_block(wr, x, y0, n_in, n_out, 4, 1); break;                         \
-                case 2: NAME##_block(wr, x, y0, n_in, n_out, 4, 2); break;                         \
-                case 3: NAME##_block(wr, x, y0, n_in, n_out, 4, 3); break;                         \
-                default: NAME##_block(wr, x, y0, n_in, n_out, 4, 4); break;                        \
+        for (int r0 = 0; r0 < 4; r0 += BLOCK_ROWS) {                                               \
+            const WT *wr = WP##_row(w, row + r0, n_in);                                            \
+            for (int m0 = 0; m0 < M; m0 += BLOCK_INPUTS) {                                         \
+                const T *xm = x + (size_t)m0 * n_in;                                               \
+                OUT *y0 = y + (size_t)m0 * n_out + row + r0;                                       \
+                switch (M - m0 < BLOCK_INPUTS ? M - m0 : BLOCK_INPUTS) {                           \
+                    case 1: NAME##_block(wr, xm, y0, n_in, n_out, BLOCK_ROWS, 1); break;           \
+                    case 2: NAME##_block(wr, xm, y0, n_in, n_out, BLOCK_ROWS, 2); break;           \
+                    case 3: NAME##_block(wr, xm, y0, n_in, n_out, BLOCK_ROWS, 3); break;           \
+                    default: NAME##_block(wr, xm, y0, n_in, n_out, BLOCK_ROWS, BLOCK_INPUTS); break; \
+                }                                                                                  \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
@@ -403,7 +428,9 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
     }
 
 DEFINE_KERNEL(decodekit_gemm_f32, float, f32, float, __m512, f32, float, STREAMED)
+#ifdef __AVX512BF16__
 DEFINE_KERNEL(decodekit_gemm_bf16, uint16_t, bf16, uint16_t, __m512i, bf16, uint16_t, STREAMED)
+#endif
 DEFINE_KERNEL(decodekit_gemm_q4_1, uint8_t, q4_1, float, __m512, f32, float, REBUILT_ONCE)
 DEFINE_KERNEL(decodekit_gemm_q8_0, uint8_t, q8_0, float, __m512, f32, float, REBUILT_ONCE)
 DEFINE_KERNEL(decodekit_gemm_q4_1x4, uint8_t, q4_1x4, float, __m512, f32, float, REBUILT_ONCE)
@@ -419,6 +446,10 @@ DEFINE_KERNEL(decodekit_gemm_q6_kx4, uint8_t, q6_kx4, float, __m512, f32, float,
 
 /* Whether this CPU runs the bfloat16 kernel (the float32 one needs only AVX-512F). */
 int decodekit_has_avx512bf16(void) {
+#ifdef __AVX512BF16__
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
 }

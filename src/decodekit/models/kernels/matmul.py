@@ -25,15 +25,14 @@ def few_rows_matmul(dtype: torch.dtype = torch.float32) -> MatmulKernel | None:
     lib = _library("gemm")
     if lib is None:
         return None
-    for fn in (lib.decodekit_gemm_f32, lib.decodekit_gemm_bf16):
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-        fn.restype = None
     if dtype == torch.float32:
         fn = lib.decodekit_gemm_f32
-    elif dtype == torch.bfloat16 and lib.decodekit_has_avx512bf16():
+    elif dtype == torch.bfloat16 and lib.decodekit_has_avx512bf16():  # (an AVX2 build has no bfloat16 kernel)
         fn = lib.decodekit_gemm_bf16
     else:
         return None
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    fn.restype = None
 
     def matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # what the C code relies on (it reads weight.shape[1] values a row of x, past its end otherwise)

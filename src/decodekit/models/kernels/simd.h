@@ -1,9 +1,13 @@
 /* AVX-512 helpers shared by the kernels: bfloat16 loads and stores, and a vectorised exponential.
  * Every lane computes the same function of its own input, so results never depend on which
- * lane (or which neighbours) a value has. */
+ * lane (or which neighbours) a value has. Built for AVX2 (no __AVX512F__), the AVX-512 intrinsics
+ * are those of avx512_on_avx2.h, lane for lane the same. */
 #ifndef DECODEKIT_SIMD_H
 #define DECODEKIT_SIMD_H
 #include <immintrin.h>
+#ifndef __AVX512F__
+#include "avx512_on_avx2.h"
+#endif
 #include <stddef.h>
 #include <stdint.h>
 

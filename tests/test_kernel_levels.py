@@ -1,0 +1,70 @@
+"""The kernels' two instruction-set levels compute the same bits: the AVX2 build (the same sources,
+their AVX-512 intrinsics from ``avx512_on_avx2.h``, lane for lane) against the AVX-512 build. Only a
+CPU with AVX-512 runs both; elsewhere these tests skip, and the rest of the suite checks the AVX2
+build against torch and against itself (rows independent, verification as one-token steps)."""
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from decodekit.models import kernels
+from decodekit.models.gguf_blocks import BlockMatrix
+
+both_levels = pytest.mark.skipif(kernels.build.level() != "avx512", reason="needs an AVX-512 CPU, which runs both levels")
+
+
+def product(level: str, kind: str, weights: torch.Tensor, x: torch.Tensor, n_out: int, n_in: int) -> torch.Tensor:
+    """weights (float32 rows, or GGUF blocks of ``kind``) times the rows of x, by the gemm library of ``level``."""
+    fn = getattr(kernels.build._library_at("gemm", level), f"decodekit_gemm_{kind}")
+    fn.argtypes, fn.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4, None
+    out = torch.empty(x.shape[0], n_out)
+    fn(weights.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n_out, n_in, 2)
+    return out
+
+
+@both_levels
+@pytest.mark.parametrize("kind", ["f32", "q4_1", "q8_0", "q5_0", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_every_weight_format_gives_the_same_bits_at_both_levels(kind, rows):
+    gen = torch.Generator().manual_seed(rows)
+    n_out, n_in = 37, 512  # a ragged last block of four rows
+    if kind == "f32":
+        weights = torch.randn(n_out, n_in, generator=gen)
+    elif kind in ("q4_1", "q8_0"):
+        weights = BlockMatrix.quantize(torch.randn(n_out, n_in, generator=gen), kind).data
+    else:
+        weights = BlockMatrix.random(n_out, n_in, kind, gen).data
+    x = torch.randn(rows, n_in, generator=gen)
+    assert torch.equal(product("avx512", kind, weights, x, n_out, n_in), product("avx2", kind, weights, x, n_out, n_in))
+
+
+LOGITS = """
+import json, sys, torch
+from decodekit.models import load_model
+model = load_model(numerics="exact")
+backend = model.backend
+ids = model.tokenizer.encode("The kernels of both levels read this prompt, a chunk at a time, then decode.")
+rows = [backend.prefill(ids)[-1]]
+for token in (42, 7, 1234, 99):
+    rows.append(backend.step(torch.tensor([token]))[-1])
+bits = torch.stack(rows).float().contiguous().view(torch.int32)
+print(json.dumps(bits.flatten().tolist()[::97] + [int(bits.sum())]))
+"""
+
+
+@both_levels
+def test_the_embedded_model_gives_the_same_logits_at_both_levels():
+    """A prompt's read (multi-row passes: projections, attention, the layer ops, forward.c's layer
+    loop) and one-token steps, in a process of each level."""
+    results = []
+    for level in ("1", "avx2"):
+        ran = subprocess.run([sys.executable, "-c", LOGITS], env={**os.environ, "DECODEKIT_KERNELS": level},
+                             capture_output=True, text=True, timeout=300)
+        assert ran.returncode == 0, ran.stderr[-2000:]
+        results.append(json.loads(ran.stdout.strip().splitlines()[-1]))
+    assert results[0] == results[1]
