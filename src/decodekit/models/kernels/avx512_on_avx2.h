@@ -84,11 +84,14 @@ DK_INLINE dk_m512 dk_abs_ps(dk_m512 a) {
     __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     return (dk_m512){_mm256_and_ps(a.lo, magnitude), _mm256_and_ps(a.hi, magnitude)};
 }
-/* round to an integer (the kernels ask for nearest, ties to even; no scaling bits) */
+/* round to an integer (the kernels ask for nearest, ties to even): the scale bits imm[7:4] must
+ * be 0, as they are in every use */
 #undef _mm512_roundscale_ps
 #define _mm512_roundscale_ps(a, imm) ((dk_m512){_mm256_round_ps((a).lo, (imm) & 0x0f), _mm256_round_ps((a).hi, (imm) & 0x0f)})
 /* a * 2^floor(b): as two exact power-of-two products, so that the result is rounded once, as
- * vscalefps rounds it (the halves of b stay within a float's exponents) */
+ * vscalefps rounds it. Exact for what vexp passes (|floor(b)| <= 252, a finite, b not NaN: each
+ * half of b is then a float's exponent); not vscalefps for a NaN or infinite b, nor for a b past
+ * +-252 that the instruction would still bring back into range. */
 DK_INLINE __m256 dk_pow2(__m256i n) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23)); }
 DK_INLINE __m256 dk_scalef8(__m256 a, __m256 b) {
     __m256i n = _mm256_cvtps_epi32(_mm256_floor_ps(_mm256_max_ps(_mm256_min_ps(b, _mm256_set1_ps(252.0f)), _mm256_set1_ps(-252.0f))));
@@ -214,8 +217,10 @@ DK_INLINE __m128i dk_mm_maskz_loadu_epi8(__mmask16 k, const void *p) {
     return _mm_loadu_si128((const __m128i *)bytes);
 }
 
-/* the names the kernels use (some are macros in GCC's own header) */
+/* the names the kernels use (some are macros in GCC's own header, the shifts at -O0) */
 #undef _mm512_setr_epi32
+#undef _mm512_slli_epi32
+#undef _mm512_srli_epi32
 #define _mm512_loadu_ps dk_loadu_ps
 #define _mm512_load_ps dk_load_ps
 #define _mm512_storeu_ps dk_storeu_ps
