@@ -1,11 +1,11 @@
 """Continuous batching inside one process, without the network's noise: the server's app and
-scheduler on the embedded model (fast numerics), passes on the main thread as in ``decodekit
+scheduler on the embedded model (fast numerics by default), passes on the main thread as in ``decodekit
 serve``, and C concurrent requests of 128 tokens each (``ignore_eos``), short or long prompts.
 Prints aggregate tokens/s and what the batcher did: passes, rows per pass, milliseconds a pass
 computes, and milliseconds the next pass waits for its requests to come back (their Python work).
 An uncounted first round of as many requests as the largest level warms every slot up first.
 
-    .venv/bin/python scripts/batched_serving.py 1 8 16 [--long] [--stream [--stream-interval-ms MS]] [--method pld] [--kv-cache int8]
+    .venv/bin/python scripts/batched_serving.py 1 8 16 [--long] [--stream [--stream-interval-ms MS]] [--method pld] [--kv-cache int8] [--numerics exact]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--long", action="store_true", help="a prompt of about 270 tokens instead of one sentence")
     parser.add_argument("--method", default="greedy", help="the decoding method each request asks for (e.g. pld)")
     parser.add_argument("--kv-cache", default="full", help="the server's cache policy (as decodekit serve --kv-cache)")
+    parser.add_argument("--numerics", default="fast", help="the server's numerics (exact where the CPU has no VNNI)")
     parser.add_argument("--stream", action="store_true", help="streamed requests (server-sent events, read as they come)")
     parser.add_argument("--stream-interval-ms", type=float, default=None, help="as decodekit serve's (default: its default)")
     args = parser.parse_args()
@@ -53,7 +54,7 @@ def main() -> None:
         return outputs
 
     NativeLlama.forward_batch = timed
-    server = Server(lambda: load_model(numerics="fast", kv_cache=args.kv_cache), max_batch=max(args.concurrency), passes_on_caller=True,
+    server = Server(lambda: load_model(numerics=args.numerics, kv_cache=args.kv_cache), max_batch=max(args.concurrency), passes_on_caller=True,
                     **({} if args.stream_interval_ms is None else {"stream_interval_s": args.stream_interval_ms / 1000}))
     server.load_now()
     sock = socket.create_server(("127.0.0.1", 0))
