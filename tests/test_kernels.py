@@ -17,7 +17,7 @@ needs_kernel = pytest.mark.skipif(matmul is None, reason="no C compiler or no AV
 needs_bf16_kernel = pytest.mark.skipif(kernels.few_rows_matmul(torch.bfloat16) is None,
                                        reason="no bfloat16 kernel on this machine (it needs AVX512-BF16)")
 needs_race_kernel = pytest.mark.skipif(kernels.sampling._race_function() is None,
-                                       reason="no race kernel on this machine (it needs AVX512DQ)")
+                                       reason="no race kernel on this machine (AVX2, or AVX-512 with AVX512DQ)")
 
 
 @needs_kernel
@@ -1161,17 +1161,15 @@ def test_the_tables_python_shares_with_the_c_kernels_agree():
 def test_the_kernels_level_follows_the_cpu_unless_switched_off(monkeypatch):
     """A CPU torch reports as AVX512 or AMX (Sapphire Rapids and later: AVX-512 too) runs the
     AVX-512 kernels, one it reports as AVX2 the same sources on AVX2 (DECODEKIT_KERNELS=avx2 asks for
-    those on an AVX-512 CPU too), an older one none; the integer kernel and the race exist at the
-    AVX-512 level only, and are not even built at the other. DECODEKIT_KERNELS=0 switches them all
-    off."""
+    those on an AVX-512 CPU too), an older one none; the integer kernel exists at the AVX-512 level
+    only, and is not even built at the other. DECODEKIT_KERNELS=0 switches them all off."""
     monkeypatch.delenv("DECODEKIT_KERNELS", raising=False)
     for capability, level in (("AVX512", "avx512"), ("AMX", "avx512"), ("AVX2", "avx2"), ("DEFAULT", None)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         assert kernels.build.level() == level
         assert kernels.build._supported() is (level is not None)
     monkeypatch.setattr(kernels.build, "_build", lambda source, at: pytest.fail(f"{source.name} built at {at}"))
-    for name in ("gemm_q8", "race"):
-        assert kernels.build._library_at.__wrapped__(name, "avx2") is None
+    assert kernels.build._library_at.__wrapped__("gemm_q8", "avx2") is None
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setenv("DECODEKIT_KERNELS", "avx2")
     assert kernels.build.level() == "avx2"

@@ -26,8 +26,9 @@ and :mod:`.sampling` (topk.c, race.c, token_mask.c); their public names are impo
 
 In all, a row's result does not depend on the other rows of the pass or on the attention
 layout, so a token verified in a tree gets bit for bit its one-token-step logits. Where a kernel
-cannot be built (no compiler, no AVX-512, ``DECODEKIT_KERNELS=0``), its function here returns
-None and callers keep using torch.
+cannot be built (no compiler, no AVX2, ``DECODEKIT_KERNELS=0``; the integer kernel also needs
+AVX512-VNNI), its function here returns None and callers keep using torch. :mod:`.build` picks the
+instruction set for the CPU at run time: AVX-512, or AVX2 through ``avx512_on_avx2.h``.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ void decodekit_mask_logits_f32(float *out, const float *in, const uint8_t *bits,
 int64_t decodekit_masked_argmax_f32(const float *in, const uint8_t *bits, int64_t n, int64_t known);
 double decodekit_race_uniform(uint64_t key, int64_t v);
 int64_t decodekit_race_f32(const float *p, int64_t n, uint64_t key);
-int decodekit_has_avx512dq(void);
+int decodekit_race_runs(void);
 
 /* forward.c: every decoder layer of a pass in one call, through the kernels above, their element
  * types erased (void *: float32 or bfloat16 activations, a format's weights). */

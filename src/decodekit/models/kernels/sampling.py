@@ -72,7 +72,7 @@ def _kernel_row(x: torch.Tensor) -> bool:
 @cache
 def _race_function() -> ctypes._CFuncPtr | None:
     lib = _library("race")
-    if lib is None or not lib.decodekit_has_avx512dq():  # built with AVX512DQ allowed: only where it runs
+    if lib is None or not lib.decodekit_race_runs():  # the AVX-512 build needs AVX512DQ: only where it runs
         return None
     fn = lib.decodekit_race_f32
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64], ctypes.c_int64
