@@ -40,7 +40,8 @@ def test_every_weight_format_gives_the_same_bits_at_both_levels(kind, rows):
     else:
         weights = BlockMatrix.random(n_out, n_in, kind, gen).data
     x = torch.randn(rows, n_in, generator=gen)
-    assert torch.equal(product("avx512", kind, weights, x, n_out, n_in), product("avx2", kind, weights, x, n_out, n_in))
+    wide, narrow = (product(level, kind, weights, x, n_out, n_in) for level in ("avx512", "avx2"))
+    assert torch.equal(wide.view(torch.int32), narrow.view(torch.int32))  # the bits (a NaN from random blocks too)
 
 
 LOGITS = """
