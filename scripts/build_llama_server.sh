@@ -35,8 +35,14 @@ SRC_DIR=$ROOT/src
 BUILD_DIR=$ROOT/build
 BIN_DIR=$ROOT/bin
 
-# --- idempotent: an existing, working binary is enough --------------------------
-if [ -x "$BIN_DIR/llama-server" ] && "$BIN_DIR/llama-server" --version >/dev/null 2>&1; then
+# AVX-512 only where this CPU has it: a binary built with it dies with "Illegal instruction" on an
+# AVX2 CPU (most laptops and desktops), and decodekit's kernels run at the AVX2 level there too.
+AVX512=OFF
+if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then AVX512=ON; fi
+
+# --- idempotent: an existing, working binary built for this CPU's level is enough -
+if [ -x "$BIN_DIR/llama-server" ] && [ "$(cat "$BIN_DIR/AVX512" 2>/dev/null)" = "$AVX512" ] \
+        && "$BIN_DIR/llama-server" --version >/dev/null 2>&1; then
     echo "$(pwd)/$BIN_DIR/llama-server"
     exit 0
 fi
@@ -114,10 +120,6 @@ for opt in LLAMA_BUILD_TESTS LLAMA_BUILD_EXAMPLES LLAMA_BUILD_APP LLAMA_USE_PREB
     fi
 done
 
-# AVX-512 only where this CPU has it: a binary built with it dies with "Illegal instruction" on an
-# AVX2 CPU (most laptops and desktops), and decodekit's kernels run at the AVX2 level there too.
-AVX512=OFF
-if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then AVX512=ON; fi
 echo "llama.cpp instruction set: AVX2 + FMA + F16C, AVX-512 $AVX512" >&2
 
 "$CMAKE" -S "$LLAMA_SRC" -B "$BUILD_DIR" ${GENERATOR[@]+"${GENERATOR[@]}"} \
@@ -141,6 +143,7 @@ for b in llama-server llama-bench; do
     fi
     cp -f "$built" "$BIN_DIR/$b"
 done
+echo "$AVX512" > "$BIN_DIR/AVX512"  # the level they were built for (a rebuild where it differs)
 
 "$BIN_DIR/llama-server" --version
 echo "$(pwd)/$BIN_DIR/llama-server"

@@ -10183,7 +10183,7 @@ MUTATIONS = (
     Mutation("emulated-reduce-pairs-neighbours", "src/decodekit/models/kernels/avx512_on_avx2.h",
              "__m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));\n    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));",
              "__m128 two = _mm_add_ps(four, _mm_movehdup_ps(four));\n    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehl_ps(two, two)));",
-             ("tests/test_kernel_levels.py",)),  # (the sums' pairing, the same in every path of one level: only an AVX-512 CPU, running both levels, tells)
+             ("tests/test_kernels.py", "-k", "pairing")),
     Mutation("emulated-masked-byte-load-reads-every-byte", "src/decodekit/models/kernels/avx512_on_avx2.h",
              "if (k >> l & 1) bytes[l] = ((const uint8_t *)p)[l];", "bytes[l] = ((const uint8_t *)p)[l];",
              ("tests/test_kernels.py", "-k", "masked_query or tile_at_a_time")),
@@ -10199,6 +10199,9 @@ MUTATIONS = (
     Mutation("race-avx2-block-of-eight", "src/decodekit/models/kernels/race.c",
              "#define LANES 4", "#define LANES 8",
              ("tests/test_kernels.py", "-k", "exponential_race")),
+    Mutation("avx2-level-fuses-what-the-source-keeps-apart", "src/decodekit/models/kernels/build.py",
+             'AVX2_FLAGS = ["-O3", "-ffp-contract=off", "-mavx2"', 'AVX2_FLAGS = ["-O3", "-mavx2"',
+             ("tests/test_kernels.py", "-k", "pairing")),
 )
 
 

@@ -29,19 +29,27 @@ def product(level: str, kind: str, weights: torch.Tensor, x: torch.Tensor, n_out
 
 @both_levels
 @pytest.mark.parametrize("kind", ["f32", "q4_1", "q8_0", "q5_0", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rows", "x4"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])
-def test_every_weight_format_gives_the_same_bits_at_both_levels(kind, rows):
+def test_every_float32_weight_format_gives_the_same_bits_at_both_levels(kind, interleaved, rows):
+    """Float32 weights and every GGUF block type, rows as stored and interleaved in fours (where the
+    levels' block shapes differ most), at pass sizes on both sides of their cut-offs."""
+    if kind == "f32" and interleaved:
+        pytest.skip("float32 rows are never interleaved")
     gen = torch.Generator().manual_seed(rows)
-    n_out, n_in = 37, 512  # a ragged last block of four rows
+    n_out, n_in = (36 if interleaved else 37), 512  # (37: a ragged last block of four rows)
     if kind == "f32":
         weights = torch.randn(n_out, n_in, generator=gen)
     elif kind in ("q4_1", "q8_0"):
-        weights = BlockMatrix.quantize(torch.randn(n_out, n_in, generator=gen), kind).data
+        blocks = BlockMatrix.quantize(torch.randn(n_out, n_in, generator=gen), kind)
     else:
-        weights = BlockMatrix.random(n_out, n_in, kind, gen).data
+        blocks = BlockMatrix.random(n_out, n_in, kind, gen)
+    if kind != "f32":
+        weights = blocks.interleaved() if interleaved else blocks.data
+    name = kind + ("x4" if interleaved else "")
     x = torch.randn(rows, n_in, generator=gen)
-    wide, narrow = (product(level, kind, weights, x, n_out, n_in) for level in ("avx512", "avx2"))
-    assert torch.equal(wide.view(torch.int32), narrow.view(torch.int32))  # the bits (a NaN from random blocks too)
+    wide, narrow = (product(level, name, weights, x, n_out, n_in) for level in ("avx512", "avx2"))
+    assert torch.equal(wide.view(torch.int32), narrow.view(torch.int32))  # bit for bit
 
 
 LOGITS = """

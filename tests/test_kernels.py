@@ -4,6 +4,7 @@ import ctypes
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,8 +17,9 @@ matmul = kernels.few_rows_matmul(torch.float32)
 needs_kernel = pytest.mark.skipif(matmul is None, reason="no C compiler or no AVX2 on this machine")
 needs_bf16_kernel = pytest.mark.skipif(kernels.few_rows_matmul(torch.bfloat16) is None,
                                        reason="no bfloat16 kernel on this machine (it needs AVX512-BF16)")
-needs_race_kernel = pytest.mark.skipif(kernels.sampling._race_function() is None,
-                                       reason="no race kernel on this machine (AVX2, or AVX-512 with AVX512DQ)")
+# (at the AVX2 level the race is always built: a test that needs it then runs, and fails without it)
+needs_race_kernel = pytest.mark.skipif(kernels.sampling._race_function() is None and kernels.build.level() != "avx2",
+                                       reason="no race kernel on this machine (it needs AVX2, or AVX-512 with AVX512DQ)")
 
 
 @needs_kernel
@@ -349,6 +351,8 @@ def test_tree_nodes_are_bit_identical_to_one_token_decoding(dtype):
     """With the kernels, verifying a token in a tree gives exactly the logits of plain one-token
     decoding of its path: lossless speculation holds bit for bit, also in bfloat16."""
     backend = tiny_llama(seed=4, dtype=dtype, hidden_size=64)  # head_dim 16: the kernel's path
+    if dtype == torch.bfloat16 and kernels.few_rows_matmul(torch.bfloat16) is None:
+        pytest.skip("no bfloat16 kernel on this machine (it needs AVX512-BF16)")
     if backend._attend is None or Projection(torch.zeros(4, 4, dtype=dtype)).few_rows is None:
         pytest.skip("kernels unavailable on this machine")
     assert backend._ops is not None  # the element-wise kernels are on the path too
@@ -374,6 +378,8 @@ def test_one_call_decoder_layers_match_the_layer_by_layer_path(dtype):
     """forward.c runs the same kernels as the Python layer loop: prefill chunks, steps and tree
     verification give bit-identical logits and caches either way."""
     fused = tiny_llama(seed=4, dtype=dtype, hidden_size=64)
+    if dtype == torch.bfloat16 and kernels.few_rows_matmul(torch.bfloat16) is None:
+        pytest.skip("no bfloat16 kernel on this machine (it needs AVX512-BF16)")
     if fused._stack is None:
         pytest.skip("kernels unavailable on this machine")
     looped = tiny_llama(seed=4, dtype=dtype, hidden_size=64)
@@ -1015,7 +1021,7 @@ def race_by_brute_force(p: torch.Tensor, key: int) -> int:
 def test_the_exponential_race_is_the_argmax_over_every_token(kernel, monkeypatch):
     """The race's filter (a logarithm only for tokens that can still win) against the ratio of
     every token: peaked and flat rows, rows with zeros, unnormalised ones, lengths around the
-    8-lane blocks, a 49152-token row; and one clear error for a row that is not a distribution."""
+    4- and 8-lane blocks, a 49152-token row; and one clear error for a row that is not a distribution."""
     if kernel:
         assert kernels.sampling._race_function() is not None
     else:
@@ -1044,7 +1050,7 @@ def test_the_exponential_race_is_the_argmax_over_every_token(kernel, monkeypatch
 @pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_race_kernel), False], ids=["kernel", "fallback"])
 def test_the_exponential_race_refuses_a_nan_or_infinity_anywhere_in_the_row(kernel, monkeypatch):
     """Sampling needs finite, non-negative probabilities: a NaN (or inf, or a negative entry) is
-    refused wherever it stands, in the 8-token blocks as in the tail past them."""
+    refused wherever it stands, in the 4- or 8-token blocks as in the tail past them."""
     if not kernel:
         monkeypatch.setattr(kernels.sampling, "_race_function", lambda: None)
     for n in (8, 13, 24):
@@ -1262,3 +1268,23 @@ def test_decoder_layers_refuse_a_sliding_window_over_the_int8_cache():
     assert kernels.decoder_layers(torch.float32, backend._ops, backend._attend, **sizes) is not None
     with pytest.raises(ValueError, match="int8 cache"):
         kernels.decoder_layers(torch.float32, backend._ops, backend._attend, window=8, **sizes)
+
+
+@needs_kernel
+def test_a_sum_of_sixteen_lanes_is_added_in_gccs_pairing_at_every_level():
+    """_mm512_reduce_add_ps adds lanes 8 apart, then 4, then 2, then 1 (GCC's pairing), and the AVX2
+    level's emulation must add in that order too, or its sums are other bits than the AVX-512
+    level's: one 16-lane product, summed, against numpy's float32 arithmetic in that order, over
+    values of many magnitudes (where the order shows). Both levels compile with -ffp-contract=off,
+    so no product is fused into a sum the source keeps apart."""
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(200):
+        w = torch.randn(1, 16, generator=gen) * 10.0 ** torch.randint(-4, 5, (1, 16), generator=gen)
+        x = torch.randn(1, 16, generator=gen) * 10.0 ** torch.randint(-4, 5, (1, 16), generator=gen)
+        p = (w * x)[0].numpy().astype(np.float32)  # each product rounded once, as the kernel's first fused multiply-add
+        eight = p[8:] + p[:8]
+        four = eight[4:] + eight[:4]
+        two = four[:2] + four[2:]
+        expected = np.float32(two[0] + two[1])
+        assert matmul(w, x)[0, 0].item() == expected, trial
+    assert "-ffp-contract=off" in kernels.build.FLAGS and "-ffp-contract=off" in kernels.build.AVX2_FLAGS

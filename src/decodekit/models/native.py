@@ -127,7 +127,7 @@ class NativeLlama(Backend):
         kernels = self._int8 or self._kivi_attention
         if policy.quantised and (kernels is None or self._ops is None):
             raise InvalidParameter(f"kv cache {policy.spec} needs a float32 model, the compiled kernels (a C "
-                                   "compiler, AVX-512) and a head size that is a multiple of 16")
+                                   "compiler, AVX2 or AVX-512) and a head size that is a multiple of 16")
         # the int4 cache's passes carry their codes to forward.c (a KiviView), over the float path
         self._stack = self._decoder_layers(self._int8) if self._int8 is not None else self._float_stack
         self._row = self._int8.row if self._int8 is not None else self.config.head_dim  # cache elements a row

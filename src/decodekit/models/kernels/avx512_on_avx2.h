@@ -8,8 +8,8 @@
  * either CPU. The one horizontal sum, _mm512_reduce_add_ps, adds in GCC's pairing (lanes 8 apart,
  * then 4, 2, 1), which the kernels' own sums of 16 lanes already follow (attention.c).
  *
- * Only what the kernels of this folder call is here (the integer kernel, gemm_q8.c, and the
- * sampler race.c stay AVX-512 only). The names are the AVX-512 ones, defined as macros after
+ * Only what the kernels of this folder call is here (the integer kernel, gemm_q8.c, stays AVX-512
+ * only; the sampler race.c has an AVX2 loop of its own). The names are the AVX-512 ones, defined as macros after
  * <immintrin.h>, so the kernels read the same on both levels.
  */
 #ifndef DECODEKIT_AVX512_ON_AVX2_H

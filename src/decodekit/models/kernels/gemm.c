@@ -253,7 +253,8 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
 /* A pass of at most WP_SINGLE_ROW_MAX inputs streams the weights one row at a time; a longer
  * one, four rows side by side against groups of inputs (their shared input loads pay off with
  * enough inputs). The cut-offs are where the two met, per format, measured with SmolLM2's
- * matrices (docs/BENCHMARKS.md). A block of BLOCK_ROWS rows by BLOCK_INPUTS inputs keeps its
+ * matrices at the AVX-512 level (docs/BENCHMARKS.md); at the AVX2 level, whose single-row blocks
+ * take at most four inputs, they are capped at four (AT_MOST_SINGLE). A block of BLOCK_ROWS rows by BLOCK_INPUTS inputs keeps its
  * sums in registers: 16 of AVX-512's 32. AVX2 has 16 registers of half the width (an AVX-512
  * vector is two of them here): its blocks are four rows by one input, which measured fastest
  * there (docs/BENCHMARKS.md). Each sum runs in element order whatever the block, so the bits are
@@ -444,7 +445,7 @@ DEFINE_KERNEL(decodekit_gemm_q4_kx4, uint8_t, q4_kx4, float, __m512, f32, float,
 DEFINE_KERNEL(decodekit_gemm_q5_kx4, uint8_t, q5_kx4, float, __m512, f32, float, REBUILT_ONCE)
 DEFINE_KERNEL(decodekit_gemm_q6_kx4, uint8_t, q6_kx4, float, __m512, f32, float, REBUILT_ONCE)
 
-/* Whether this CPU runs the bfloat16 kernel (the float32 one needs only AVX-512F). */
+/* Whether this CPU runs the bfloat16 kernel (the float32 one runs wherever this library was built for). */
 int decodekit_has_avx512bf16(void) {
 #ifdef __AVX512BF16__
     __builtin_cpu_init();
