@@ -7,9 +7,10 @@ The instruction set is chosen at run time, for the CPU the process runs on (:fun
 AVX-512 where the CPU has it; AVX2 + FMA + F16C otherwise, where the same sources are compiled
 against ``avx512_on_avx2.h`` (each AVX-512 intrinsic computed lane for lane on two 8-lane halves:
 the same bits, at AVX2's width). The integer kernel (``gemm_q8.c``, VNNI) exists at the AVX-512
-level only; the sampler race (``race.c``) has a four-lane AVX2 loop of its own. Without a compiler, on an older CPU, or
-with ``DECODEKIT_KERNELS=0``, :func:`_library` returns None and callers keep using torch;
-``DECODEKIT_KERNELS=avx2`` builds the AVX2 level on an AVX-512 CPU too (to compare the two)."""
+level only; the sampler race (``race.c``) has a four-lane AVX2 loop of its own. Without a
+compiler, on an older CPU, or with ``DECODEKIT_KERNELS=0``, :func:`_library` returns None and
+callers keep using torch; ``DECODEKIT_KERNELS=avx2`` builds the AVX2 level on an AVX-512 CPU too
+(to compare the two)."""
 
 from __future__ import annotations
 
