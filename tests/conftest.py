@@ -196,7 +196,7 @@ def pytest_runtest_setup(item):
 _frozen_at: list = [None]
 
 
-#: Skip reasons of the kernel tests (they need a C compiler and AVX2 or AVX-512, or AVX512-VNNI).
+#: Skip reasons of the kernel tests (they need a C compiler and AVX2 or AVX-512).
 KERNEL_SKIP = ("no C compiler", "kernels unavailable")
 
 
@@ -224,7 +224,6 @@ def pytest_sessionfinish(session, exitstatus):
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None or os.environ.get("CI") != "true":
         return
-    # (the VNNI kernel's tests may skip: not every AVX-512 CPU has VNNI)
     from decodekit.models import kernels
 
     # (kernels are built at the AVX-512 or, on an AVX2 CPU, the AVX2 level: a skip for their absence means a failed build)

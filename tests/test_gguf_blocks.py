@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from decodekit.models import kernels
-from decodekit.models.gguf_blocks import BLOCKS_FILE, BlockMatrix, matching_blocks, read_block_matrices
+from decodekit.models.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, BLOCKS_FILE, BlockMatrix, matching_blocks, read_block_matrices
 from decodekit.models.llama_weights import TIED_HEAD, rope_row_order
 from decodekit.models.native import NativeLlama
 from decodekit.models.tiny import tiny_hf_config, tiny_state_dict
-from tests.marks import needs_vnni
+from tests.marks import needs_fast_numerics
 
 KINDS = ["q4_1", "q8_0"]
 needs_kernel = pytest.mark.skipif(
@@ -164,7 +164,7 @@ def test_a_tied_head_on_blocks_replaces_the_float32_embedding_bit_for_bit():
         on_blocks.weights.embedding(torch.tensor([[96]]))
 
 
-@pytest.mark.parametrize("numerics", ["exact", pytest.param("fast", marks=needs_vnni)])
+@pytest.mark.parametrize("numerics", ["exact", pytest.param("fast", marks=needs_fast_numerics)])
 def test_a_build_from_recorded_matches_compares_nothing_and_decodes_the_same(numerics, monkeypatch):
     """What one build finds of the blocks (the tied head's and each projection's match) is what a
     later build takes without dequantising; a head recorded as not matching keeps float32."""
@@ -285,7 +285,7 @@ def integer_product_on_threads(threads: int, kind: str, blocks: BlockMatrix, x: 
         torch.set_num_threads(before)
 
 
-@needs_vnni
+@needs_fast_numerics
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 64, 100])
 def test_integer_kernel_is_its_scalar_reference_bit_for_bit_and_close_to_float32(kind, rows):
@@ -304,7 +304,7 @@ def test_integer_kernel_is_its_scalar_reference_bit_for_bit_and_close_to_float32
     assert torch.equal(got[0], integer_product(kind, blocks, torch.cat([x[rows - 1 :], x[:1]]))[1])
 
 
-@needs_vnni
+@needs_fast_numerics
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_block_of_values_too_small_to_invert_its_scale_is_quantised_to_zeros(kind):
     """Below ~3.7e-37 a block's 1 / scale is infinite: its values (an exact zero among them: 0 *
@@ -323,7 +323,7 @@ def test_a_block_of_values_too_small_to_invert_its_scale_is_quantised_to_zeros(k
     assert torch.equal(got[1], integer_product(kind, blocks, normal)[0])
 
 
-@needs_vnni
+@needs_fast_numerics
 @pytest.mark.parametrize("kind", KINDS + ["q6_k"])
 @pytest.mark.parametrize("rows", [21, 22, 40])
 def test_two_threads_quantising_a_pass_together_give_the_reference_bit_for_bit(kind, rows):
@@ -345,7 +345,7 @@ def test_two_threads_quantising_a_pass_together_give_the_reference_bit_for_bit(k
     assert torch.equal(got[0], integer_product(kind, blocks, x[:1].contiguous())[0])
 
 
-@needs_vnni
+@needs_fast_numerics
 def test_an_odd_number_of_blocks_shared_between_two_threads_is_quantised_to_the_last():
     """43 rows of 3 blocks: 129 blocks to quantise (from 128 on the threads share them), which two
     threads cannot split evenly; the one past the halves is quantised too, as the reference does."""
@@ -356,7 +356,7 @@ def test_an_odd_number_of_blocks_shared_between_two_threads_is_quantised_to_the_
     assert torch.equal(got, kernels.integer_block_matmul_reference("q4_1", blocks.data, x, 96))
 
 
-@needs_vnni
+@needs_fast_numerics
 @pytest.mark.parametrize("kind", ["q4_1", "q6_k"])
 def test_every_pass_length_computes_every_row_of_every_group(kind):
     """Passes of 1 to 19 rows against three groups of 16 output rows: up to 8 rows the groups one
@@ -372,7 +372,7 @@ def test_every_pass_length_computes_every_row_of_every_group(kind):
         assert torch.equal(integer_product(kind, blocks, x[:rows]), want[:rows]), rows
 
 
-@needs_vnni
+@needs_fast_numerics
 @pytest.mark.parametrize("kind", ["q5_0", "q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("rows", [1, 5, 9, 40])
 def test_integer_kernel_on_k_quants_is_its_reference_and_close_to_float32(kind, rows):
@@ -389,7 +389,32 @@ def test_integer_kernel_on_k_quants_is_its_reference_and_close_to_float32(kind, 
     assert torch.equal(got[-1], integer_product(kind, blocks, x[-1:].contiguous())[0])
 
 
-@needs_vnni
+@needs_fast_numerics
+@pytest.mark.parametrize("kind", KINDS + FILE_KINDS)
+@pytest.mark.parametrize("byte", [0xFF, 0x80, 0x7F])
+def test_integer_sums_at_the_ends_of_the_weight_and_input_ranges_are_exact(kind, byte):
+    """Every weight byte set to one value (4-, 5- and 6-bit weights at their largest; Q8_0's at -1,
+    -128 and 127) against inputs at +-127 after quantisation, of one sign and alternating: the
+    largest integer sums a block can have, which AVX2's 16-bit partial sums (vpmaddubsw) must hold
+    without saturating. Bit for bit the scalar reference, at whatever level the CPU runs."""
+    gen = torch.Generator().manual_seed(byte)
+    blocks = BlockMatrix.random(32, 512, kind, gen)
+    data = blocks.data.view(32, 512 // BLOCK_WEIGHTS[kind], BLOCK_BYTES[kind])
+    scales = data.clone()
+    data.fill_(byte)
+    at = BLOCK_BYTES[kind] - 2 if kind == "q6_k" else 0  # where random() put d (and dmin after it)
+    data[..., at : at + 2] = scales[..., at : at + 2]
+    if kind in ("q4_1", "q4_k", "q5_k"):
+        data[..., 2:4] = scales[..., 2:4]
+    ones = torch.ones(512)
+    x = torch.stack([ones, -ones, ones * torch.tensor([1.0, -1.0]).repeat(256)])
+    got = integer_product(kind, blocks, x)
+    assert torch.equal(got, kernels.integer_block_matmul_reference(kind, blocks.data, x, blocks.n_in))
+    exact = x @ blocks.dequantize().T
+    assert ((got - exact).norm() / exact.norm()).item() < 1e-5  # (+-1 quantises without error)
+
+
+@needs_fast_numerics
 @pytest.mark.parametrize("kind", KINDS + FILE_KINDS)
 def test_packed_rows_are_the_dequantised_rows_bit_for_bit(kind):
     """A tied embedding's lookups read the head's packed blocks: each row exactly the file's
@@ -405,7 +430,7 @@ def test_packed_rows_are_the_dequantised_rows_bit_for_bit(kind):
     assert kernels.integer_block_rows(kind, packed, torch.tensor([48, -1]), blocks.n_in).isnan().all()
 
 
-@needs_vnni
+@needs_fast_numerics
 @pytest.mark.parametrize("kind", KINDS)
 def test_integer_kernel_quantises_inputs_as_q8_blocks(kind):
     """An input exactly on a block's 8-bit grid (its largest magnitude maps to 127) loses nothing
@@ -418,7 +443,7 @@ def test_integer_kernel_quantises_inputs_as_q8_blocks(kind):
     assert torch.allclose(got, x @ blocks.dequantize().T, rtol=1e-6, atol=1e-5)
 
 
-@needs_vnni
+@needs_fast_numerics
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_input_halfway_between_two_steps_rounds_to_the_even_one(kind):
     """The inputs' conversion rounds to nearest even (as nearbyintf and the vector conversion do):
@@ -438,7 +463,7 @@ def test_an_input_halfway_between_two_steps_rounds_to_the_even_one(kind):
         assert torch.equal(got, torch.round(x) @ weight.T)
 
 
-@needs_vnni
+@needs_fast_numerics
 @pytest.mark.parametrize("kind", KINDS)
 def test_block_kernels_read_a_strided_input_as_its_values(kind):
     """An input given as a view (a transpose) is made contiguous before the C code reads it as
@@ -452,7 +477,7 @@ def test_block_kernels_read_a_strided_input_as_its_values(kind):
     assert torch.equal(exact(blocks.data, x, 64), exact(blocks.data, x.contiguous(), 64))
 
 
-@needs_vnni
+@needs_fast_numerics
 def test_integer_kernel_turns_a_non_finite_input_into_nan_and_refuses_bad_shapes():
     blocks = BlockMatrix.quantize(torch.randn(16, 64, generator=torch.Generator().manual_seed(0)), "q4_1")
     packed = kernels.pack_integer_blocks("q4_1", blocks.data, 64)
@@ -473,7 +498,7 @@ def test_integer_kernel_turns_a_non_finite_input_into_nan_and_refuses_bad_shapes
         kernels.pack_integer_blocks("q4_1", blocks.data[:5].contiguous(), 64)
 
 
-@needs_vnni
+@needs_fast_numerics
 def test_a_matrix_packed_slice_by_slice_is_the_matrix_packed_whole():
     """A big head is packed a slice at a time (its file blocks are never all in memory): the same
     bytes as packing it whole; a slice that does not start on a group of 16 rows, that runs past
@@ -494,7 +519,7 @@ def test_a_matrix_packed_slice_by_slice_is_the_matrix_packed_whole():
     assert torch.equal(sliced, whole)  # a refused slice writes nothing
 
 
-@needs_vnni
+@needs_fast_numerics
 def test_packing_no_rows_writes_nothing_even_at_the_end_of_the_room():
     """A slice of no rows (a head's last, empty slice) packs nothing: the room is returned as it
     was, also where the slice starts at the room's end, and a matrix of no rows packs to no rows."""
@@ -506,7 +531,7 @@ def test_packing_no_rows_writes_nothing_even_at_the_end_of_the_room():
     assert kernels.pack_integer_blocks("q4_1", blocks.data[:0], 64).shape[0] == 0
 
 
-@needs_vnni
+@needs_fast_numerics
 def test_integer_kernel_refuses_blocks_it_cannot_read_as_packed_rows():
     """The C code reads the blocks as packed rows: a view with other strides (the same shape and
     values) is refused, packed or as the file has them, not read in memory order; a kind the integer
@@ -543,7 +568,7 @@ def test_tiny_models_on_blocks_hold_projections_in_q4_1_and_the_head_in_q8_0():
         assert all(torch.equal(quantised[name], b.dequantize()) for name, b in blocks.items())
 
 
-@needs_vnni
+@needs_fast_numerics
 def test_a_fast_head_read_slice_by_slice_from_the_saved_blocks_decodes_as_one_held_whole(tmp_path, monkeypatch):
     """The `fast` tied head reads its blocks from the saved file a slice at a time (16 rows here,
     six slices): the model decodes bit for bit as one built from blocks held in memory, and asking
@@ -728,7 +753,7 @@ def test_the_fast_numerics_says_why_a_projection_cannot_run_it(monkeypatch):
     monkeypatch.setenv("DECODEKIT_KERNELS", "0")
     assert fast_numerics_unavailable(blocks) == "it needs the compiled kernels, which DECODEKIT_KERNELS=0 turns off"
     monkeypatch.setenv("DECODEKIT_KERNELS", "1")
-    assert fast_numerics_unavailable(blocks) == "it needs a CPU with AVX512-VNNI and a C compiler"
+    assert fast_numerics_unavailable(blocks) == "it needs a CPU with AVX2 and a C compiler"
     monkeypatch.setattr(llama_weights, "integer_block_matmul", lambda kind: object())  # a kernel, whatever the machine
     assert fast_numerics_unavailable(blocks) is None
     assert fast_numerics_unavailable(blocks.take(torch.arange(8))) == "it needs projections of a multiple of 16 rows"
@@ -844,7 +869,7 @@ def test_integer_operands_the_c_code_would_misread_are_refused(kind):
         _check_integer_operands(kind, blocks.float(), torch.zeros(2, 64), 64)
 
 
-@needs_vnni
+@needs_fast_numerics
 def test_packing_into_room_the_c_code_cannot_write_as_packed_bytes_is_refused():
     """The C code writes packed bytes row after row from the room's first byte: room of the right
     shape but another dtype (other row lengths in bytes) or other strides is refused, and left as
@@ -859,7 +884,7 @@ def test_packing_into_room_the_c_code_cannot_write_as_packed_bytes_is_refused():
         assert torch.equal(room, before)
 
 
-@needs_vnni
+@needs_fast_numerics
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_integer_reference_reads_inputs_of_any_float_dtype_as_their_values(kind):
     """Both the kernel and its scalar reference take inputs as float32 values (converted first, as

@@ -52,10 +52,45 @@ def test_every_float32_weight_format_gives_the_same_bits_at_both_levels(kind, in
     assert torch.equal(wide.view(torch.int32), narrow.view(torch.int32))  # bit for bit
 
 
+def vnni_here() -> bool:
+    lib = kernels.build._library_at("gemm_q8", "avx512") if kernels.build.level() == "avx512" else None
+    return lib is not None and bool(lib.decodekit_q8_runs_here())
+
+
+both_integer_levels = pytest.mark.skipif(not vnni_here(), reason="needs an AVX512-VNNI CPU, which runs both levels")
+
+
+def integer_product(level: str, kind: str, packed: torch.Tensor, x: torch.Tensor, n_out: int, n_in: int) -> torch.Tensor:
+    """Packed GGUF blocks of ``kind`` times the rows of x, by the gemm_q8 library of ``level``."""
+    fn = getattr(kernels.build._library_at("gemm_q8", level), f"decodekit_q8_{kind}")
+    fn.argtypes, fn.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4, None
+    out = torch.empty(x.shape[0], n_out)
+    fn(packed.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n_out, n_in, 2)
+    return out
+
+
+@both_integer_levels
+@pytest.mark.parametrize("kind", list(kernels.INTEGER_KINDS))
+@pytest.mark.parametrize("rows", [1, 5, 9, 40])
+def test_the_integer_kernel_gives_the_same_bits_at_both_levels(kind, rows):
+    """The `fast` numerics: VNNI's vpdpbusd on 16 rows a vector against AVX2's vpmaddubsw on 8, at
+    pass sizes on both sides of each level's tiles (and the AVX-512 level's pairs of groups)."""
+    gen = torch.Generator().manual_seed(rows)
+    n_out, n_in = 48, 512
+    if kind in ("q4_1", "q8_0"):
+        blocks = BlockMatrix.quantize(torch.randn(n_out, n_in, generator=gen), kind)
+    else:
+        blocks = BlockMatrix.random(n_out, n_in, kind, gen)
+    packed = kernels.pack_integer_blocks(kind, blocks.data, n_in)
+    x = torch.randn(rows, n_in, generator=gen) * 3
+    wide, narrow = (integer_product(level, kind, packed, x, n_out, n_in) for level in ("avx512", "avx2"))
+    assert torch.equal(wide.view(torch.int32), narrow.view(torch.int32))
+
+
 LOGITS = """
 import json, sys, torch
 from decodekit.models import load_model
-model = load_model(numerics="exact")
+model = load_model(numerics=sys.argv[1])
 backend = model.backend
 ids = model.tokenizer.encode("The kernels of both levels read this prompt, a chunk at a time, then decode.")
 rows = [backend.prefill(ids)[-1]]
@@ -67,12 +102,13 @@ print(json.dumps(bits.flatten().tolist()[::97] + [int(bits.sum())]))
 
 
 @both_levels
-def test_the_embedded_model_gives_the_same_logits_at_both_levels():
+@pytest.mark.parametrize("numerics", ["exact", pytest.param("fast", marks=both_integer_levels)])
+def test_the_embedded_model_gives_the_same_logits_at_both_levels(numerics):
     """A prompt's read (multi-row passes: projections, attention, the layer ops, forward.c's layer
-    loop) and one-token steps, in a process of each level."""
+    loop) and one-token steps, in a process of each level, in each numerics."""
     results = []
     for level in ("1", "avx2"):
-        ran = subprocess.run([sys.executable, "-c", LOGITS], env={**os.environ, "DECODEKIT_KERNELS": level},
+        ran = subprocess.run([sys.executable, "-c", LOGITS, numerics], env={**os.environ, "DECODEKIT_KERNELS": level},
                              capture_output=True, text=True, timeout=300)
         assert ran.returncode == 0, ran.stderr[-2000:]
         results.append(json.loads(ran.stdout.strip().splitlines()[-1]))

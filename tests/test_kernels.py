@@ -164,8 +164,7 @@ def test_every_kernel_source_builds_wherever_the_kernels_run(source):
     source, with its own extra instructions (VNNI, AVX512DQ), must build wherever gemm.c does."""
     if kernels.build._library("gemm") is None:
         pytest.skip("no C compiler or no AVX2 on this machine")
-    level = "avx512" if Path(source).stem in kernels.build.AVX512_ONLY else kernels.build.level()
-    assert kernels.build._build(Path(kernels.__file__).with_name(source), level) is not None  # (built, if not run, anywhere)
+    assert kernels.build._build(Path(kernels.__file__).with_name(source), kernels.build.level()) is not None
 
 
 def test_a_library_is_rebuilt_when_its_headers_or_flags_change(monkeypatch, tmp_path):
@@ -1167,15 +1166,13 @@ def test_the_tables_python_shares_with_the_c_kernels_agree():
 def test_the_kernels_level_follows_the_cpu_unless_switched_off(monkeypatch):
     """A CPU torch reports as AVX512 or AMX (Sapphire Rapids and later: AVX-512 too) runs the
     AVX-512 kernels, one it reports as AVX2 the same sources on AVX2 (DECODEKIT_KERNELS=avx2 asks for
-    those on an AVX-512 CPU too), an older one none; the integer kernel exists at the AVX-512 level
-    only, and is not even built at the other. DECODEKIT_KERNELS=0 switches them all off."""
+    those on an AVX-512 CPU too), an older one none. DECODEKIT_KERNELS=0 switches them all off."""
     monkeypatch.delenv("DECODEKIT_KERNELS", raising=False)
     for capability, level in (("AVX512", "avx512"), ("AMX", "avx512"), ("AVX2", "avx2"), ("DEFAULT", None)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         assert kernels.build.level() == level
         assert kernels.build._supported() is (level is not None)
     monkeypatch.setattr(kernels.build, "_build", lambda source, at: pytest.fail(f"{source.name} built at {at}"))
-    assert kernels.build._library_at.__wrapped__("gemm_q8", "avx2") is None
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setenv("DECODEKIT_KERNELS", "avx2")
     assert kernels.build.level() == "avx2"

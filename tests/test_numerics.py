@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import required_options
-from tests.marks import needs_vnni
+from tests.marks import needs_fast_numerics
 from decodekit.engine import Engine, available_methods
 from decodekit.errors import InvalidParameter
 from decodekit.models import CharTokenizer, LoadedModel
@@ -20,7 +20,7 @@ from decodekit.models.native import NativeLlama
 from decodekit.models.tiny import tiny_hf_config, tiny_llama, tiny_state_dict
 from decodekit.speculative.controller import CostTable
 
-pytestmark = needs_vnni
+pytestmark = needs_fast_numerics
 
 PROMPTS = ("hello world hello world hello world hello", "abcabcabcabcabcabcabc", "Q: 12+12? A: 24. Q: 13+13? A:")
 FLAT_COSTS = {1: 1.0, 64: 1.0}

@@ -95,7 +95,7 @@ def stub_measurements(monkeypatch) -> None:
 
 def test_profile_sets_bandwidth_against_the_copy_and_operations_against_each_numerics_peak(monkeypatch):
     """The one-token pass's weight bandwidth is a share of the copy bandwidth; the 32-token pass's
-    rate a share of the matrix-product rate (exact) or the VNNI loop's (fast); the "x one token"
+    rate a share of the matrix-product rate (exact) or the integer dot-product loop's (fast); the "x one token"
     line is each pass's time over a one-token pass's."""
     stub_measurements(monkeypatch)
     result = profile.profile({n: stub_model(n) for n in ("exact", "fast")})
@@ -109,7 +109,7 @@ def test_profile_sets_bandwidth_against_the_copy_and_operations_against_each_num
     assert "  x one token: 1:1.00  2:1.25  4:1.50  32:5.00" in lines  # fast: 5 / 4, 6 / 4, 20 / 4
     assert "  one-token pass reads weights at 5.0 GB/s (25% of the copy bandwidth)" in lines
     assert "  32-token pass computes 30.0 G operations/s (two a multiply-add) (30% of the matrix-product rate)" in lines
-    assert "  32-token pass computes 100.0 G operations/s (two a multiply-add) (25% of the VNNI loop rate)" in lines
+    assert "  32-token pass computes 100.0 G operations/s (two a multiply-add) (25% of the integer dot-product loop rate)" in lines
 
 
 def test_profile_reports_fast_unavailable_but_a_missing_exact_is_an_error(capsys, monkeypatch):
@@ -140,7 +140,7 @@ def test_profile_reports_fast_unavailable_but_a_missing_exact_is_an_error(capsys
 
 def test_machine_limits_count_a_copy_as_read_plus_write_and_a_multiply_add_as_two_operations(monkeypatch):
     """The copy moves COPY_BYTES each way; a GEMM_SIZE matrix product is GEMM_SIZE**3 multiply-adds; the
-    VNNI loop runs PEAK_ITERATIONS rounds of 12 instructions of 64 byte multiply-adds on every thread."""
+    integer dot-product loop runs PEAK_ITERATIONS rounds of 12 instructions of 64 byte multiply-adds on every thread."""
     import torch
 
     monkeypatch.setattr(profile, "COPY_BYTES", 10**6)
@@ -183,8 +183,8 @@ def test_contention_ratio_is_the_busy_speed_over_the_quiet_one(monkeypatch):
     assert profile.contention(object()) == {"quiet_tok_s": 10.0, "busy_core_tok_s": 8.0, "ratio": 0.8}
 
 
-def test_a_machine_without_a_vnni_loop_gives_fast_no_share_of_it(monkeypatch):
-    """Without a VNNI loop (``vnni_gop_s`` None) ``fast`` still gets its bandwidth share, and no operations share."""
+def test_a_machine_without_an_integer_loop_gives_fast_no_share_of_it(monkeypatch):
+    """Without an integer dot-product loop (``vnni_gop_s`` None) ``fast`` still gets its bandwidth share, and no operations share."""
     stub_measurements(monkeypatch)
     monkeypatch.setattr(profile, "machine_limits", lambda: {**MACHINE, "vnni_gop_s": None})
     result = profile.profile({n: stub_model(n) for n in ("exact", "fast")})
@@ -205,7 +205,7 @@ def test_prefill_speed_is_the_prompts_tokens_over_its_time(monkeypatch):
 
 
 def test_a_figure_without_its_machine_rate_is_described_without_a_share():
-    """A machine whose peak loop could not run (no VNNI) gives no share of it: the description
+    """A machine whose peak loop could not run (no integer kernel) gives no share of it: the description
     leaves the share out rather than failing."""
     from decodekit.bench import profile
 
@@ -213,7 +213,7 @@ def test_a_figure_without_its_machine_rate_is_described_without_a_share():
          "bandwidth_share_at_1": 0.4}
     text = profile.describe({"model": "m", "machine": {"cpu": "c", "copy_gb_s": 20.0, "fma_gflop_s": 100.0, "vnni_gop_s": None},
                              "numerics": {"fast": r}})
-    assert "100.0 G operations/s (two a multiply-add)\n" in text + "\n" and "VNNI loop rate" not in text
+    assert "100.0 G operations/s (two a multiply-add)\n" in text + "\n" and "integer dot-product loop rate" not in text
 
 
 def test_decode_speed_is_the_median_of_timed_requests_after_an_untimed_one(monkeypatch):
@@ -318,6 +318,6 @@ def test_a_numerics_asked_for_by_name_that_cannot_load_is_an_error(monkeypatch):
 
 
 def test_a_machine_without_a_vnni_loop_is_described_without_one():
-    """No VNNI loop (``vnni_gop_s`` None): the machine line names the copy and matrix-product rates only."""
+    """No integer dot-product loop (``vnni_gop_s`` None): the machine line names the copy and matrix-product rates only."""
     text = profile.describe({"model": "m", "machine": {**MACHINE, "vnni_gop_s": None}, "numerics": {}})
     assert text.splitlines()[1] == "machine: a test CPU, copy 20.0 GB/s (read + write), float32 matrix product 100.0 GFLOP/s"

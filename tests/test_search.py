@@ -20,7 +20,7 @@ from decodekit.search.cache import PrefixCache
 from decodekit.search.cot import answer_token_span, choose_path, path_confidence
 from decodekit.search.select import chrf_utility, first_finished
 from decodekit.search.steps import ParticleFilter, effective_sample_size
-from tests.marks import needs_vnni
+from tests.marks import needs_fast_numerics
 
 TOK = CharTokenizer(96)
 
@@ -104,7 +104,7 @@ def test_batch_rows_are_sequential_samples_with_their_own_seed(tiny):
     assert len({tuple(s.tokens) for s in samples}) > 1
 
 
-@pytest.mark.parametrize("numerics", ["exact", pytest.param("fast", marks=needs_vnni)])
+@pytest.mark.parametrize("numerics", ["exact", pytest.param("fast", marks=needs_fast_numerics)])
 def test_a_batch_rows_logits_are_bit_for_bit_those_of_one_sequence(numerics):
     """On the kernels of a model on GGUF blocks, a batch of rows runs as the pass batcher runs
     sequences (each row on its own slice of the cache): a row's logits are exactly those of the

@@ -32,7 +32,7 @@ from decodekit.speculative.trained.networks import EagleNet, MedusaNet
 from decodekit.speculative.trained.train import Settings, batches, draft_vocabulary, mean_loss, new_net, report, split, train
 from decodekit.speculative.verify import SamplingVerifier
 from tests.test_speculative_sampling import chi_square_passes, marginal
-from tests.marks import HAS_FAST_NUMERICS, needs_vnni
+from tests.marks import HAS_FAST_NUMERICS, needs_fast_numerics
 
 KINDS = ["eagle", "medusa", "hydra"]
 QUERIES = ["abcabc", "hello world", "xyz xyz", "the cat sat", "qqq rrr", "mnop", "a b c d", "zzz"]
@@ -967,7 +967,7 @@ def test_an_evaluation_that_verified_nothing_reports_no_figure(drafter_files):
 # Lossless -------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("numerics", ["exact", pytest.param("fast", marks=needs_vnni)])
+@pytest.mark.parametrize("numerics", ["exact", pytest.param("fast", marks=needs_fast_numerics)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_trained_drafters_are_token_identical_to_greedy(drafter_files, kind, numerics):
     model = tiny(numerics=numerics)

@@ -6,7 +6,8 @@ new tokens after a 256-token context (the verify-cost curve every speculative me
 prefill speed for a 512-token prompt, and what those imply: the weight bandwidth of a one-token
 pass (bytes of weights it reads per second, against a measured copy bandwidth) and the
 multiply-add rate of a 32-token pass (against a measured float32 matrix-product rate for
-``exact``, a VNNI loop's rate for ``fast``). ``--contention`` adds decode speed beside a busy loop
+``exact``, the rate of a loop of the integer kernel's dot-product instructions for ``fast``:
+VNNI's, or AVX2's). ``--contention`` adds decode speed beside a busy loop
 (another process spinning on one core), in each numerics.
 """
 
@@ -26,7 +27,7 @@ PASS_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_TOKENS = 512
 COPY_BYTES = 256 * 2**20  # far beyond the caches: a copy this size streams from memory
 GEMM_SIZE = 2048  # large enough for the matrix product to run near the multiply-add peak
-PEAK_ITERATIONS = 2_000_000  # rounds of 12 VNNI instructions a thread: a few milliseconds
+PEAK_ITERATIONS = 2_000_000  # rounds of 12 x 64 byte products a thread: a few milliseconds
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,7 +55,8 @@ def best_of(fn, rounds: int = 5) -> float:
 def machine_limits() -> dict[str, float | None]:
     """A STREAM-like copy (bytes read + written per second), the rate of a large float32 matrix
     product (torch's, through oneDNN: the multiply-add rate this machine reaches in practice) and
-    the rate of a loop of nothing but VNNI byte dot products (None without VNNI)."""
+    the rate of a loop of nothing but the integer kernel's byte dot products (VNNI's, or AVX2's; None
+    without the integer kernel)."""
     import torch
 
     from ..models.kernels import integer_peak_loop
@@ -161,7 +163,7 @@ def profile(models: dict[str, Any], *, with_contention: bool = False, unavailabl
 def describe(result: dict[str, Any]) -> str:
     lines = [f"model {result['model']}"]
     m = result["machine"]
-    vnni = f", VNNI loop {m['vnni_gop_s']} GOP/s" if m["vnni_gop_s"] else ""
+    vnni = f", integer dot-product loop {m['vnni_gop_s']} GOP/s" if m["vnni_gop_s"] else ""
     lines.append(f"machine: {m['cpu']}, copy {m['copy_gb_s']} GB/s (read + write), float32 matrix product "
                  f"{m['fma_gflop_s']} GFLOP/s{vnni}")
     for numerics, r in result["numerics"].items():
@@ -177,7 +179,7 @@ def describe(result: dict[str, Any]) -> str:
             lines.append(f"  one-token pass reads weights at {r['weight_gb_s_at_1']} GB/s "
                          f"({100 * r['bandwidth_share_at_1']:.0f}% of the copy bandwidth)")
             share, _ = PEAKS[numerics]
-            rate = "matrix-product" if numerics == "exact" else "VNNI loop"
+            rate = "matrix-product" if numerics == "exact" else "integer dot-product loop"
             against = f" ({100 * r[share]:.0f}% of the {rate} rate)" if share in r else ""
             lines.append(f"  32-token pass computes {r['gflop_s_at_32']} G operations/s (two a multiply-add){against}")
     for numerics, c in result.get("contention", {}).items():

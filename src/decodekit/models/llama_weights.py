@@ -240,9 +240,7 @@ def fast_numerics_unavailable(blocks: "BlockMatrix | None") -> str | None:
     if integer_block_matmul(blocks.kind) is None:
         if os.environ.get("DECODEKIT_KERNELS", "1") == "0":
             return "it needs the compiled kernels, which DECODEKIT_KERNELS=0 turns off"
-        if os.environ.get("DECODEKIT_KERNELS") == "avx2":
-            return "it needs the AVX-512 kernels, which DECODEKIT_KERNELS=avx2 replaces"
-        return "it needs a CPU with AVX512-VNNI and a C compiler"
+        return "it needs a CPU with AVX2 and a C compiler"
     if blocks.shape[0] % INTEGER_GROUP:
         return f"it needs projections of a multiple of {INTEGER_GROUP} rows"
     return None

@@ -3,8 +3,9 @@
 * ``gemm.c``: a float32 or bfloat16 weight matrix (or GGUF blocks of the types in :data:`EXACT_BLOCK_KINDS`, rebuilt in
   float32 on the fly) times a few rows, what a decode step (one row) or a verification pass (a
   few) spends most of its time on (``exact`` numerics; docs/BENCHMARKS.md compares it with oneDNN).
-* ``gemm_q8.c``: GGUF blocks times inputs quantised to 8 bits, with AVX512-VNNI integer dot
-  products, and its scalar reference: the ``fast`` numerics.
+* ``gemm_q8.c``: GGUF blocks times inputs quantised to 8 bits, with integer dot products
+  (AVX512-VNNI, or AVX2's byte multiply-adds: the same sums), and its scalar reference: the
+  ``fast`` numerics.
 * ``attention.c``: attention over the cache for a few queries, each computed from the keys it
   sees in cache order.
 * ``layer_ops.c``: a layer's element-wise work (residual add + RMSNorm, SiLU gating, rotary
@@ -26,8 +27,7 @@ and :mod:`.sampling` (topk.c, race.c, token_mask.c); their public names are impo
 
 In all, a row's result does not depend on the other rows of the pass or on the attention
 layout, so a token verified in a tree gets bit for bit its one-token-step logits. Where a kernel
-cannot be built (no compiler, no AVX2, ``DECODEKIT_KERNELS=0``; the integer kernel also needs
-AVX512-VNNI), its function here returns None and callers keep using torch. :mod:`.build` picks the
+cannot be built (no compiler, no AVX2, ``DECODEKIT_KERNELS=0``), its function here returns None and callers keep using torch. :mod:`.build` picks the
 instruction set for the CPU at run time: AVX-512, or AVX2 through ``avx512_on_avx2.h``.
 """
 

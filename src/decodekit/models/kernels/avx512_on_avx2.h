@@ -8,8 +8,9 @@
  * either CPU. The one horizontal sum, _mm512_reduce_add_ps, adds in GCC's pairing (lanes 8 apart,
  * then 4, 2, 1), which the kernels' own sums of 16 lanes already follow (attention.c).
  *
- * Only what the kernels of this folder call is here (the integer kernel, gemm_q8.c, stays AVX-512
- * only; the sampler race.c has an AVX2 loop of its own). The names are the AVX-512 ones, defined as macros after
+ * Only what the kernels of this folder call is here (the integer kernel gemm_q8.c takes its input
+ * quantisation from here and has an AVX2 dot product of its own, as the sampler race.c has its own
+ * loop). The names are the AVX-512 ones, defined as macros after
  * <immintrin.h>, so the kernels read the same on both levels.
  */
 #ifndef DECODEKIT_AVX512_ON_AVX2_H
@@ -169,6 +170,20 @@ DK_INLINE __m128i dk_cvtsepi32_epi8(dk_m512i a) {
     return _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
 }
 
+/* 16 int32 -> 16 int8, truncated (each value's low byte) */
+DK_INLINE __m128i dk_cvtepi32_epi8(dk_m512i a) {
+    const __m256i low = _mm256_set1_epi32(0xff);  /* then packus, which saturates, keeps them as they are */
+    __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(a.lo, low), _mm256_and_si256(a.hi, low)), 0xd8);
+    return _mm_packus_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+}
+/* the sum of 16 int32 lanes (wrapping, as the instruction's: any order gives the same) */
+DK_INLINE int dk_reduce_add_epi32(dk_m512i a) {
+    __m256i s = _mm256_add_epi32(a.lo, a.hi);
+    __m128i q = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    q = _mm_add_epi32(q, _mm_shuffle_epi32(q, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 0xb1)));
+}
+
 /* lane masks ------------------------------------------------------------------------------- */
 #undef _mm512_cmp_ps_mask
 #define _mm512_cmp_ps_mask(a, b, imm) dk_bits16(_mm256_cmp_ps((a).lo, (b).lo, imm), _mm256_cmp_ps((a).hi, (b).hi, imm))
@@ -274,6 +289,8 @@ DK_INLINE __m128i dk_mm_maskz_loadu_epi8(__mmask16 k, const void *p) {
 #define _mm512_cvtepu16_epi32 dk_cvtepu16_epi32
 #define _mm512_cvtepi32_epi16 dk_cvtepi32_epi16
 #define _mm512_cvtsepi32_epi8 dk_cvtsepi32_epi8
+#define _mm512_cvtepi32_epi8 dk_cvtepi32_epi8
+#define _mm512_reduce_add_epi32 dk_reduce_add_epi32
 #define _mm512_mask_mov_ps dk_mask_mov_ps
 #define _mm512_mask_blend_ps dk_mask_blend_ps
 #define _mm512_maskz_mov_ps dk_maskz_mov_ps

@@ -6,8 +6,9 @@ loaded).
 The instruction set is chosen at run time, for the CPU the process runs on (:func:`level`):
 AVX-512 where the CPU has it; AVX2 + FMA + F16C otherwise, where the same sources are compiled
 against ``avx512_on_avx2.h`` (each AVX-512 intrinsic computed lane for lane on two 8-lane halves:
-the same bits, at AVX2's width). The integer kernel (``gemm_q8.c``, VNNI) exists at the AVX-512
-level only; the sampler race (``race.c``) has a four-lane AVX2 loop of its own. Without a
+the same bits, at AVX2's width). The integer kernel (``gemm_q8.c``) and the sampler race
+(``race.c``) have AVX2 loops of their own (AVX2 has no VNNI, and half the lanes for 64-bit
+integers). Without a
 compiler, on an older CPU, or with ``DECODEKIT_KERNELS=0``, :func:`_library` returns None and
 callers keep using torch; ``DECODEKIT_KERNELS=avx2`` builds the AVX2 level on an AVX-512 CPU too
 (to compare the two)."""
@@ -33,8 +34,6 @@ AVX2_FLAGS = ["-O3", "-ffp-contract=off", "-mavx2", "-mfma", "-mf16c", "-fopenmp
 #: Instructions only some AVX-512 CPUs have, for the one library that uses them (it checks the CPU
 #: before use, so the other libraries never contain them).
 EXTRA_FLAGS = {"gemm_q8": ["-mavx512vnni"], "race": ["-mavx512dq"]}
-#: Libraries built at the AVX-512 level only (VNNI's byte dot products have no AVX2 form here).
-AVX512_ONLY = frozenset({"gemm_q8"})
 
 
 def level() -> str | None:
@@ -100,13 +99,13 @@ def _sources_digest(at: str) -> str:
 
 def _library(name: str) -> ctypes.CDLL | None:
     """The compiled ``name.c`` next to this file at this CPU's level, or None where it cannot be
-    built or loaded (or exists at the AVX-512 level only, on an AVX2 CPU)."""
+    built or loaded."""
     return _library_at(name, level())
 
 
 @cache
 def _library_at(name: str, at: str | None) -> ctypes.CDLL | None:
-    if at is None or (at != "avx512" and name in AVX512_ONLY):
+    if at is None:
         return None
     path = _build(Path(__file__).with_name(f"{name}.c"), at)
     if path is None:

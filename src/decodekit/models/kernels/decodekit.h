@@ -34,7 +34,7 @@ DECODEKIT_BLOCK_GEMM(q6_kx4);
 int decodekit_has_avx512bf16(void);
 
 /* gemm_q8.c: GGUF blocks repacked once (`decodekit_q8_pack`; kind: one of the kinds below, as
- * INTEGER_KINDS in matmul.py) times inputs quantised to 8 bits per block of 32, with VNNI integer dot products.
+ * INTEGER_KINDS in matmul.py) times inputs quantised to 8 bits per block of 32, with integer dot products.
  * The `fast` numerics; decodekit_q8_reference is its scalar reference, bit for bit. */
 enum { KIND_Q4_1, KIND_Q8_0, KIND_Q4_K, KIND_Q6_K, KIND_Q5_K, KIND_Q5_0, KINDS };
 #define DECODEKIT_Q8_GROUP 16 /* output rows side by side in the packed layout (matmul.py's INTEGER_GROUP) */
@@ -51,7 +51,7 @@ DECODEKIT_Q8_GEMM(q5_0);
 void decodekit_q8_rows(int kind, const uint8_t *packed, const int64_t *rows, int n, int n_out, int n_in, float *out);
 void decodekit_q8_reference(int kind, const uint8_t *w, const float *x, float *y, int M, int n_out, int n_in);
 int64_t decodekit_q8_peak(int64_t iterations, int threads);
-int decodekit_has_avx512vnni(void);
+int decodekit_q8_runs_here(void);
 
 /* attention.c: n_q queries [n_q, n_heads, head_dim] against the first n_keys of a cache
  * [n_kv_heads, cap, head_dim] (grouped-query heads), visible[n_q, n_keys] or NULL (every key). */

@@ -1,6 +1,7 @@
 /* The `fast` numerics: GGUF weight blocks (Q4_1, Q8_0, Q5_0, Q4_K, Q5_K, Q6_K) times inputs quantised to
  * 8 bits, with integer dot products (AVX512-VNNI's vpdpbusd: 64 products of an unsigned and a
- * signed byte, summed four by four into 16 int32 lanes, per instruction).
+ * signed byte, summed four by four into 16 int32 lanes, per instruction; on a CPU without VNNI,
+ * AVX2's vpmaddubsw and vpmaddwd give the same sums, 8 rows a vector: see the AVX2 section).
  *
  * Inputs. Each input row is quantised per block of 32 values as llama.cpp's Q8_1 does:
  * dx = max|x| / 127, qx = nearest integer to x * (1 / dx), sx = the block's sum of qx.
@@ -190,7 +191,7 @@ static void quantize_scalar(const float *x, int M, int n_in, Quantised *in) {
  * blocks `first .. last - 1` of the M x (n_in / QK) input blocks, row after row: each block on its
  * own, so threads may share the rows' blocks between them. */
 static void quantize_vector(const float *x, size_t first, size_t last, Quantised *in) {
-    const __m512 limit = _mm512_set1_ps(127.0f), infinity = _mm512_set1_ps(INFINITY);
+    const __m512 limit = _mm512_set1_ps(127.0f), below = _mm512_set1_ps(-127.0f), infinity = _mm512_set1_ps(INFINITY);
     for (size_t at = first; at < last; at++) {
         const float *xb = x + at * QK; /* (rows are n_in = nb * QK values: block `at` starts at at * QK) */
         int8_t *qb = in->q + at * QK;
@@ -206,8 +207,8 @@ static void quantize_vector(const float *x, size_t first, size_t last, Quantised
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
         float dx = amax / 127.0f, inv = inverse_scale(dx);
         __m512 scale = _mm512_set1_ps(inv);
-        __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(-limit, _mm512_mul_ps(x0, scale))));
-        __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(-limit, _mm512_mul_ps(x1, scale))));
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(below, _mm512_mul_ps(x0, scale))));
+        __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(below, _mm512_mul_ps(x1, scale))));
         _mm_storeu_si128((__m128i *)qb, _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtepi32_epi8(q1));
         finish_block(in, at, dx, _mm512_reduce_add_epi32(q0), _mm512_reduce_add_epi32(q1));
@@ -247,6 +248,9 @@ void decodekit_q8_pack(int kind, const uint8_t *w, uint8_t *packed, int n_out, i
             }
         }
 }
+
+#ifdef __AVX512VNNI__ /* 16 rows a vector, vpdpbusd */
+#define PAIR_GROUPS 1
 
 /* A packed block's 32 x 16 unsigned weights as 8 vectors: vector j holds inputs 4j .. 4j + 3 of the
  * 16 rows (the packed layout, nibbles split apart and Q5_0's fifth bits put back). */
@@ -376,6 +380,141 @@ DEFINE_GROUP(q5_k_group, KIND_Q5_K)
 DEFINE_GROUP(q6_k_group, KIND_Q6_K)
 DEFINE_GROUP(q5_0_group, KIND_Q5_0)
 
+#else /* AVX2 + FMA + F16C, without VNNI: the same integer sums from vpmaddubsw, half a group a vector */
+
+/* vpmaddubsw multiplies 32 unsigned bytes by 32 signed ones and adds neighbours into 16 int16
+ * lanes, saturating; vpmaddwd then adds neighbouring int16 lanes into int32 lanes of four products,
+ * what a vpdpbusd lane holds. That is exact while no int16 sum passes 32767: inputs lie within
+ * +-127, so a pair of products of 4-bit weights (u <= 15) is at most 3810 and eight of them add up
+ * in int16 (30480) before vpmaddwd; 5-bit weights four, 6-bit two (STEPS_IN_INT16). Q8_0's u = q +
+ * 128 would overflow a pair, so its weights are used signed (q = u - 128, the sign trick:
+ * |q| times x with q's sign, at most 32512 a pair) and its sums start at 0 instead of -128 sx: the
+ * same integer. Every integer sum is therefore the VNNI kernel's, and the float arithmetic on it is
+ * the same operations in the same order, so the results are the same bits at either level. */
+#define PAIR_GROUPS 0
+#define HALF 8       /* output rows a vector holds: half a group */
+#define HALF_TILE 4 /* input rows a half's unpacked weights serve at once (of 2, 3 and 4, the fastest) */
+static inline int steps_in_int16(int kind) {
+    return kind == KIND_Q8_0 ? 1 : kind == KIND_Q6_K ? 2 : kind == KIND_Q5_0 || kind == KIND_Q5_K ? 4 : 8;
+}
+
+/* Bit i of `bits` as byte i: 0xff where set (Q5_0's fifth bits of 32 weights of a half). */
+static inline __m256i bits_to_bytes(uint32_t bits) {
+    const __m256i byte_of_bit = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int32_t)bits), byte_of_bit);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
+/* Half h (rows 8h .. 8h + 7) of a packed block's weights as 8 vectors: vector j holds inputs 4j ..
+ * 4j + 3 of the 8 rows (the low or high 32 bytes of each 64-byte vector of the packed layout);
+ * Q8_0's signed. */
+static inline __attribute__((always_inline)) void unpack_half(int kind, const uint8_t *block, int h, __m256i w[8]) {
+    if (nibble_kind(kind)) {
+        const __m256i low = _mm256_set1_epi8(0x0f);
+        for (int j = 0; j < 4; j++) {
+            __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 64 * j + 32 * h));
+            w[j] = _mm256_and_si256(packed, low);
+            w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        }
+        if (kind == KIND_Q5_0) {
+            const __m256i sixteen = _mm256_set1_epi8(16);
+            for (int j = 0; j < 8; j++) {
+                uint32_t fifth;
+                memcpy(&fifth, block + 256 + 8 * j + 4 * h, 4);
+                w[j] = _mm256_or_si256(w[j], _mm256_and_si256(bits_to_bytes(fifth), sixteen));
+            }
+        }
+    } else {
+        const __m256i flip = _mm256_set1_epi8((char)0x80); /* u - 128 = u ^ 0x80 as a signed byte */
+        for (int j = 0; j < 8; j++) {
+            w[j] = _mm256_loadu_si256((const __m256i *)(block + 64 * j + 32 * h));
+            if (kind == KIND_Q8_0) w[j] = _mm256_xor_si256(w[j], flip);
+        }
+    }
+}
+
+/* Half h's 8 rows' first scale (s0) and their offset or second scale (s1), in float32. */
+static inline __attribute__((always_inline)) void load_half_scales(int kind, const uint8_t *block, int h, __m256 *s0,
+                                                                   __m256 *s1) {
+    const uint8_t *scales = block + SCALES_AT[kind];
+    if (half_scales(kind)) {
+        *s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 2 * HALF * h)));
+        *s1 = kind == KIND_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 2 * GROUP + 2 * HALF * h)))
+                                : _mm256_setzero_ps();
+    } else {
+        *s0 = _mm256_loadu_ps((const float *)(scales + 4 * HALF * h));
+        *s1 = _mm256_loadu_ps((const float *)(scales + 4 * GROUP + 4 * HALF * h));
+    }
+}
+
+/* Half h of one group against input rows m0 .. m0 + T - 1: the arithmetic of the header comment
+ * for 8 output rows at once. */
+static inline __attribute__((always_inline)) void half_tile(int kind, const uint8_t *group, int h, const Quantised *in,
+                                                             float *y, int n_out, int n_in, int m0, const int T) {
+    int nb = n_in / QK, size = PACKED_BYTES[kind], steps = steps_in_int16(kind), halves = kind == KIND_Q6_K;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[HALF_TILE];
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *block = group + (size_t)b * size;
+        if (h == 0) ask_for(block + PREFETCH_BLOCKS * size, (size_t)size);
+        __m256i w[8];
+        __m256 s0, s1;
+        unpack_half(kind, block, h, w);
+        load_half_scales(kind, block, h, &s0, &s1);
+        for (int t = 0; t < T; t++) {
+            size_t at = (size_t)(m0 + t) * nb + b;
+            const int8_t *xq = in->q + (size_t)(m0 + t) * n_in + (size_t)b * QK;
+            int32_t correction = kind == KIND_Q5_0 ? in->cx[at] / 8 : 0; /* Q8_0's: none, its weights are signed */
+            __m256i isum[2] = {_mm256_set1_epi32(kind == KIND_Q6_K ? in->c0[at] : correction), _mm256_set1_epi32(in->c1[at])};
+            __m256i part = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                int32_t four;
+                memcpy(&four, xq + 4 * j, 4);
+                __m256i x = _mm256_set1_epi32(four), product;
+                if (kind == KIND_Q8_0)
+                    product = _mm256_maddubs_epi16(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(x, w[j]));
+                else
+                    product = _mm256_maddubs_epi16(w[j], x);
+                part = j % steps == 0 ? product : _mm256_add_epi16(part, product);
+                if (j % steps == steps - 1) {
+                    int half = halves && j >= 4;
+                    isum[half] = _mm256_add_epi32(isum[half], _mm256_madd_epi16(part, ones));
+                }
+            }
+            __m256 dx = _mm256_set1_ps(in->dx[at]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[0]), _mm256_mul_ps(s0, dx), acc[t]);
+            if (kind == KIND_Q6_K)
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[1]), _mm256_mul_ps(s1, dx), acc[t]);
+            else if (kind != KIND_Q8_0 && kind != KIND_Q5_0)
+                acc[t] = _mm256_fmadd_ps(s1, _mm256_set1_ps(in->ex[at]), acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) _mm256_storeu_ps(y + (size_t)(m0 + t) * n_out + h * HALF, acc[t]);
+}
+
+#define HALF_CASE(T) case T: half_tile(kind, group, h, in, y, n_out, n_in, m0, T); break;
+#define DEFINE_GROUP(NAME, KIND)                                                                     \
+    static void NAME(const uint8_t *group, size_t stride, int pair, const Quantised *in, float *y,  \
+                     int M, int n_out, int n_in) {                                                   \
+        const int kind = KIND;                                                                       \
+        (void)stride, (void)pair;                                                                    \
+        for (int m0 = 0; m0 < M; m0 += HALF_TILE)                                                    \
+            for (int h = 0; h < 2; h++)                                                              \
+                switch (M - m0 < HALF_TILE ? M - m0 : HALF_TILE) {                                   \
+                    HALF_CASE(1) HALF_CASE(2) HALF_CASE(3) HALF_CASE(4)                              \
+                }                                                                                    \
+    }
+DEFINE_GROUP(q4_1_group, KIND_Q4_1)
+DEFINE_GROUP(q8_0_group, KIND_Q8_0)
+DEFINE_GROUP(q4_k_group, KIND_Q4_K)
+DEFINE_GROUP(q5_k_group, KIND_Q5_K)
+DEFINE_GROUP(q6_k_group, KIND_Q6_K)
+DEFINE_GROUP(q5_0_group, KIND_Q5_0)
+#endif
+
 typedef void (*group_fn)(const uint8_t *, size_t, int, const Quantised *, float *, int, int, int);
 
 /* y [M, n_out] = W x for packed weights (n_out a multiple of 16, n_in of 32), any M >= 1. A pass
@@ -389,7 +528,7 @@ static void run(group_fn group, int packed_size, const uint8_t *packed, const fl
         quantised_free(&in);
         return;
     }
-    int groups = n_out / GROUP, nb = n_in / QK, span = M > TILE ? 2 : 1, units = (groups + span - 1) / span;
+    int groups = n_out / GROUP, nb = n_in / QK, span = PAIR_GROUPS && M > TILE ? 2 : 1, units = (groups + span - 1) / span;
     size_t stride = (size_t)nb * packed_size, blocks = (size_t)M * nb;
     /* A pass of several rows has the threads quantise the input's blocks between them first (each
      * block on its own: the same bits whoever does it); a few blocks take less than the barrier. */
@@ -504,24 +643,42 @@ __attribute__((optimize("no-tree-vectorize"))) void decodekit_q8_reference(int k
 }
 
 /* The integer multiply-add peak (`decodekit profile`): `iterations` rounds of 12 independent
- * vpdpbusd per thread, 64 byte products each. Returns a sum of every result, so that none of
- * them can be left out. */
+ * vpdpbusd per thread (AVX2: 12 pairs of vpmaddubsw, each added up as the kernel adds them), 64
+ * byte products each. Returns a sum of every result, so that none of them can be left out. */
 int64_t decodekit_q8_peak(int64_t iterations, int threads) {
     int64_t total = 0;
     _Pragma("omp parallel num_threads(threads) reduction(+ : total)")
     {
+#ifdef __AVX512VNNI__
         const __m512i a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(1);
         __m512i acc[12];
         for (int j = 0; j < 12; j++) acc[j] = _mm512_setzero_si512();
         for (int64_t i = 0; i < iterations; i++)
             for (int j = 0; j < 12; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], a, b);
         for (int j = 0; j < 12; j++) total += _mm512_reduce_add_epi32(acc[j]);
+#else
+        const __m256i a = _mm256_set1_epi8(1), b = _mm256_set1_epi8(1);
+        __m256i acc[12];
+        for (int j = 0; j < 12; j++) acc[j] = _mm256_setzero_si256();
+        for (int64_t i = 0; i < iterations; i++)
+            for (int j = 0; j < 12; j++) /* int16 lanes wrap after 16383 rounds: a count, not a result */
+                acc[j] = _mm256_add_epi16(acc[j], _mm256_add_epi16(_mm256_maddubs_epi16(a, b), _mm256_maddubs_epi16(b, a)));
+        for (int j = 0; j < 12; j++) {
+            int16_t lanes[16];
+            _mm256_storeu_si256((__m256i *)lanes, acc[j]);
+            for (int l = 0; l < 16; l++) total += lanes[l];
+        }
+#endif
     }
     return total;
 }
 
-/* Whether this CPU has the instructions the kernels above use. */
-int decodekit_has_avx512vnni(void) {
+/* Whether this CPU has the instructions the kernels above were built with. */
+int decodekit_q8_runs_here(void) {
     __builtin_cpu_init();
+#ifdef __AVX512VNNI__
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+#else
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
 }

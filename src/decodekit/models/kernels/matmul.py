@@ -1,7 +1,7 @@
 """``gemm.c`` and ``gemm_q8.c``: a weight matrix times a few rows. float32 or bfloat16 weights, or
 GGUF blocks rebuilt in float32 in registers (the ``exact`` numerics); or GGUF blocks repacked once
-and multiplied by inputs quantised to 8 bits with VNNI integer dot products (the ``fast``
-numerics), with its scalar reference."""
+and multiplied by inputs quantised to 8 bits with integer dot products (the ``fast`` numerics:
+AVX512-VNNI, or AVX2's byte multiply-adds, the same bits), with its scalar reference."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from functools import cache
 import torch
 
 from ..gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS
-from .build import _address, _library
+from .build import _address, _library, _library_at, level
 
 MatmulKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -101,7 +101,9 @@ def _blocks_times_rows(fn, check: Callable[[torch.Tensor, torch.Tensor, int], No
 @cache
 def _integer_library() -> ctypes.CDLL | None:
     lib = _library("gemm_q8")
-    if lib is None or not lib.decodekit_has_avx512vnni():  # built with VNNI allowed: only where it runs
+    if lib is not None and not lib.decodekit_q8_runs_here() and level() == "avx512":
+        lib = _library_at("gemm_q8", "avx2")  # an AVX-512 CPU without VNNI: AVX2's dot products
+    if lib is None or not lib.decodekit_q8_runs_here():
         return None
     lib.decodekit_q8_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.decodekit_q8_reference.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
@@ -117,7 +119,8 @@ def _integer_library() -> ctypes.CDLL | None:
 
 def integer_peak_loop() -> Callable[[int, int], int] | None:
     """``loop(iterations, threads)``: ``iterations`` x 12 x 64 byte multiply-adds per thread with
-    VNNI, nothing else (``decodekit profile`` times it); None where unavailable."""
+    the kernel's integer instructions (VNNI, or AVX2's), nothing else (``decodekit profile`` times
+    it); None where unavailable."""
     lib = _integer_library()
     return None if lib is None else lib.decodekit_q8_peak
 
@@ -132,7 +135,7 @@ def integer_block_matmul(kind: str) -> Callable[[torch.Tensor, torch.Tensor, int
     [rows, out]`` float32 for GGUF ``kind`` blocks (one of :data:`INTEGER_KINDS`) repacked by
     :func:`pack_integer_blocks`, with the inputs quantised to 8 bits per block of 32 and integer dot
     products; any number of rows, each computed on its own. None where unavailable (no compiler,
-    or a CPU without AVX512-VNNI)."""
+    or a CPU without AVX2)."""
     lib = _integer_library()
     if lib is None or kind not in INTEGER_KINDS:
         return None
