@@ -167,6 +167,15 @@ def test_every_kernel_source_builds_wherever_the_kernels_run(source):
     assert kernels.build._build(Path(kernels.__file__).with_name(source), kernels.build.level()) is not None
 
 
+def test_the_integer_kernel_runs_wherever_the_float32_kernels_do():
+    """The `fast` numerics is not limited to VNNI CPUs: where the kernels run at all (AVX2 or
+    AVX-512), the integer kernel loads and says it runs here; its tests must never skip there."""
+    if kernels.build.level() is None or kernels.few_rows_matmul(torch.float32) is None:
+        pytest.skip("no C compiler or no AVX2 on this machine")
+    assert kernels.integer_block_matmul("q4_1") is not None
+    assert kernels.integer_peak_loop() is not None
+
+
 def test_a_library_is_rebuilt_when_its_headers_or_flags_change(monkeypatch, tmp_path):
     """The compiled library is found by a digest of its source, the headers beside it and its
     flags: a change to any of them builds a new one (an old library is never loaded for new code);
