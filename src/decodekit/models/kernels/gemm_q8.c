@@ -38,7 +38,7 @@
 
 #define QK 32
 #define GROUP DECODEKIT_Q8_GROUP
-#define TILE 8     /* input rows a group's unpacked weights are used for before they are rebuilt */
+#define TILE 8     /* input rows a group's unpacked weights are used for before they are rebuilt (VNNI) */
 #define SHARED_QUANTISATION 128 /* input blocks from which the threads quantise them together */
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 8 /* how far ahead a pass of several rows asks for its weights */
@@ -386,13 +386,13 @@ DEFINE_GROUP(q5_0_group, KIND_Q5_0)
  * lanes, saturating; vpmaddwd then adds neighbouring int16 lanes into int32 lanes of four products,
  * what a vpdpbusd lane holds. That is exact while no int16 sum passes 32767: inputs lie within
  * +-127, so a pair of products of 4-bit weights (u <= 15) is at most 3810 and eight of them add up
- * in int16 (30480) before vpmaddwd; 5-bit weights four, 6-bit two (STEPS_IN_INT16). Q8_0's u = q +
+ * in int16 (30480) before vpmaddwd; 5-bit weights four, 6-bit two (steps_in_int16). Q8_0's u = q +
  * 128 would overflow a pair, so its weights are used signed (q = u - 128, the sign trick:
  * |q| times x with q's sign, at most 32512 a pair) and its sums start at 0 instead of -128 sx: the
  * same integer. Every integer sum is therefore the VNNI kernel's, and the float arithmetic on it is
  * the same operations in the same order, so the results are the same bits at either level. */
 #define PAIR_GROUPS 0
-#define HALF 8       /* output rows a vector holds: half a group */
+#define HALF 8      /* output rows a vector holds: half a group */
 #define HALF_TILE 4 /* input rows a half's unpacked weights serve at once (of 2, 3 and 4, the fastest) */
 static inline int steps_in_int16(int kind) {
     return kind == KIND_Q8_0 ? 1 : kind == KIND_Q6_K ? 2 : kind == KIND_Q5_0 || kind == KIND_Q5_K ? 4 : 8;
@@ -519,7 +519,7 @@ typedef void (*group_fn)(const uint8_t *, size_t, int, const Quantised *, float 
 
 /* y [M, n_out] = W x for packed weights (n_out a multiple of 16, n_in of 32), any M >= 1. A pass
  * of up to TILE input rows takes groups one by one (one tile: each weight is unpacked once);
- * longer passes take them in pairs. */
+ * longer passes take them in pairs (VNNI; AVX2 has no registers for a pair: PAIR_GROUPS). */
 static void run(group_fn group, int packed_size, const uint8_t *packed, const float *x, float *y, int M, int n_out,
                 int n_in, int threads) {
     Quantised in;
