@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--long", action="store_true", help="a prompt of about 270 tokens instead of one sentence")
     parser.add_argument("--method", default="greedy", help="the decoding method each request asks for (e.g. pld)")
     parser.add_argument("--kv-cache", default="full", help="the server's cache policy (as decodekit serve --kv-cache)")
-    parser.add_argument("--numerics", default="fast", help="the server's numerics (exact where the CPU has no VNNI)")
+    parser.add_argument("--numerics", default="fast", help="the server's numerics (exact where the CPU has no AVX2)")
     parser.add_argument("--stream", action="store_true", help="streamed requests (server-sent events, read as they come)")
     parser.add_argument("--stream-interval-ms", type=float, default=None, help="as decodekit serve's (default: its default)")
     args = parser.parse_args()

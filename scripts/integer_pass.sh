@@ -7,7 +7,8 @@
 #
 # lib 0 is REV's gemm_q8.c, lib 1 this checkout's, both compiled with the flags decodekit builds the
 # kernel with (kernels.FLAGS and EXTRA_FLAGS, read from this checkout); each row says whether lib 1's
-# output is lib 0's bit for bit. Needs the install's .venv, a C compiler and a CPU with AVX512-VNNI.
+# output is lib 0's bit for bit. Needs the install's .venv, a C compiler and a CPU with AVX512-VNNI (it
+# times the VNNI build; `decodekit profile` times whichever build the CPU runs).
 set -euo pipefail
 rev=${1:-HEAD}; threads=${2:-2}; passes=${3:-40}
 here=$(cd "$(dirname "$0")/.." && pwd)

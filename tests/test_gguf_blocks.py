@@ -1,5 +1,7 @@
 """Decoding from GGUF blocks: the same float32 results as the dequantised weights, bit for bit."""
 
+import ctypes
+
 import pytest
 import torch
 
@@ -275,6 +277,20 @@ def integer_product(kind: str, blocks: BlockMatrix, x: torch.Tensor) -> torch.Te
     return kernels.integer_block_matmul(kind)(packed, x, blocks.n_in)
 
 
+def integer_products_of_every_build(kind: str, blocks: BlockMatrix, x: torch.Tensor) -> list[torch.Tensor]:
+    """:func:`integer_product` by the build in use, and on an AVX-512 CPU by the AVX2 build as well."""
+    products = [integer_product(kind, blocks, x)]
+    if kernels.build.level() == "avx512":
+        lib = kernels.build._library_at("gemm_q8", "avx2")
+        fn = getattr(lib, f"decodekit_q8_{kind}")
+        fn.argtypes, fn.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4, None
+        packed = kernels.pack_integer_blocks(kind, blocks.data, blocks.n_in)
+        out = torch.empty(x.shape[0], blocks.shape[0])
+        fn(packed.data_ptr(), x.contiguous().data_ptr(), out.data_ptr(), x.shape[0], blocks.shape[0], blocks.n_in, 2)
+        products.append(out)
+    return products
+
+
 def integer_product_on_threads(threads: int, kind: str, blocks: BlockMatrix, x: torch.Tensor) -> torch.Tensor:
     """:func:`integer_product` with torch's (and so the kernel's) thread count set to ``threads``."""
     before = torch.get_num_threads()
@@ -396,7 +412,8 @@ def test_integer_sums_at_the_ends_of_the_weight_and_input_ranges_are_exact(kind,
     """Every weight byte set to one value (4-, 5- and 6-bit weights at their largest; Q8_0's at -1,
     -128 and 127) against inputs at +-127 after quantisation, of one sign and alternating: the
     largest integer sums a block can have, which AVX2's 16-bit partial sums (vpmaddubsw) must hold
-    without saturating. Bit for bit the scalar reference, at whatever level the CPU runs."""
+    without saturating. Bit for bit the scalar reference, in every build this CPU runs (an AVX-512
+    CPU runs the AVX2 build too)."""
     gen = torch.Generator().manual_seed(byte)
     blocks = BlockMatrix.random(32, 512, kind, gen)
     data = blocks.data.view(32, 512 // BLOCK_WEIGHTS[kind], BLOCK_BYTES[kind])
@@ -408,10 +425,11 @@ def test_integer_sums_at_the_ends_of_the_weight_and_input_ranges_are_exact(kind,
         data[..., 2:4] = scales[..., 2:4]
     ones = torch.ones(512)
     x = torch.stack([ones, -ones, ones * torch.tensor([1.0, -1.0]).repeat(256)])
-    got = integer_product(kind, blocks, x)
-    assert torch.equal(got, kernels.integer_block_matmul_reference(kind, blocks.data, x, blocks.n_in))
+    want = kernels.integer_block_matmul_reference(kind, blocks.data, x, blocks.n_in)
+    for got in integer_products_of_every_build(kind, blocks, x):
+        assert torch.equal(got, want)
     exact = x @ blocks.dequantize().T
-    assert ((got - exact).norm() / exact.norm()).item() < 1e-5  # (+-1 quantises without error)
+    assert ((want - exact).norm() / exact.norm()).item() < 1e-5  # (+-1 quantises without error)
 
 
 @needs_fast_numerics

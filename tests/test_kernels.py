@@ -2,6 +2,7 @@
 
 import ctypes
 import shutil
+import types
 from pathlib import Path
 
 import numpy as np
@@ -174,6 +175,39 @@ def test_the_integer_kernel_runs_wherever_the_float32_kernels_do():
         pytest.skip("no C compiler or no AVX2 on this machine")
     assert kernels.integer_block_matmul("q4_1") is not None
     assert kernels.integer_peak_loop() is not None
+
+
+class FakeIntegerLibrary:
+    """A stand-in for a gemm_q8 build that says whether it runs on this CPU."""
+
+    def __init__(self, runs: bool):
+        self.runs = runs
+
+    def decodekit_q8_runs_here(self) -> int:
+        return int(self.runs)
+
+    def __getattr__(self, name):  # the entry points, which only get their ctypes declarations here
+        entry = types.SimpleNamespace()
+        setattr(self, name, entry)
+        return entry
+
+
+@pytest.mark.parametrize("wide", ["runs", "no-vnni", "not-built"])
+def test_an_avx512_cpu_without_vnni_runs_the_avx2_integer_build(monkeypatch, wide):
+    """Skylake-X has AVX-512 but no VNNI: the AVX-512 build of gemm_q8.c cannot run there (or did
+    not build), so the AVX2 build serves the `fast` numerics; on an AVX2 CPU a build that cannot run
+    gives no integer kernel at all."""
+    from decodekit.models.kernels import matmul
+
+    builds = {"avx512": {"runs": FakeIntegerLibrary(True), "no-vnni": FakeIntegerLibrary(False), "not-built": None}[wide],
+              "avx2": FakeIntegerLibrary(True)}
+    monkeypatch.setattr(matmul, "level", lambda: "avx512")
+    monkeypatch.setattr(matmul, "_library", lambda name: builds["avx512"])
+    monkeypatch.setattr(matmul, "_library_at", lambda name, at: builds[at])
+    assert matmul._integer_library.__wrapped__() is builds["avx2" if wide != "runs" else "avx512"]
+    monkeypatch.setattr(matmul, "level", lambda: "avx2")
+    monkeypatch.setattr(matmul, "_library", lambda name: FakeIntegerLibrary(False))
+    assert matmul._integer_library.__wrapped__() is None
 
 
 def test_a_library_is_rebuilt_when_its_headers_or_flags_change(monkeypatch, tmp_path):

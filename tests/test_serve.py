@@ -33,7 +33,7 @@ PROMPTS = ["hello world hello world hello", "abcabcabcabcabc", "Q: 12+12? A: 24.
 
 
 def tiny_model() -> LoadedModel:
-    # head size 16: the one-call layer path the batcher uses; fast numerics where the CPU has VNNI
+    # head size 16: the one-call layer path the batcher uses; fast numerics where the CPU has the integer kernel (AVX2)
     numerics = "fast" if kernels.integer_block_matmul("q4_1") is not None else "exact"
     backend = tiny_llama(seed=0, hidden_size=64, max_position=2048, numerics=numerics, gguf_blocks=True)
     return LoadedModel(backend, CharTokenizer(96), MODEL)

@@ -163,7 +163,7 @@ def test_the_governor_times_plain_steps_only_each_cache_policy_apart(monkeypatch
     assert seen[5][0] == ("tiny-llama", "exact", "torch.float32", "int8")
     from decodekit.models import kernels
 
-    if kernels.integer_block_matmul("q4_1") is not None:  # (a CPU with VNNI) the other numerics: its own times
+    if kernels.integer_block_matmul("q4_1") is not None:  # (a CPU with the integer kernel) the other numerics: its own times
         fast = tiny_llama(seed=0, hidden_size=64, numerics="fast", gguf_blocks=True)
         fast.step(torch.tensor([5]))
         assert seen[-1] == (("tiny-llama", "fast", "torch.float32", "full"), True)

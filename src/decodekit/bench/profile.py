@@ -76,7 +76,7 @@ def machine_limits() -> dict[str, float | None]:
         "cpu": cpu_model(),  # the figures below are this CPU's
         "copy_gb_s": round(2 * COPY_BYTES / copy_s / 1e9, 2),
         "fma_gflop_s": round(2 * GEMM_SIZE**3 / gemm_s / 1e9, 1),
-        "vnni_gop_s": vnni,  # byte multiply-adds, counted as two operations each
+        "vnni_gop_s": vnni,  # byte multiply-adds, two operations each (the key issue 15 named; AVX2's loop too)
     }
 
 

@@ -519,7 +519,8 @@ typedef void (*group_fn)(const uint8_t *, size_t, int, const Quantised *, float 
 
 /* y [M, n_out] = W x for packed weights (n_out a multiple of 16, n_in of 32), any M >= 1. A pass
  * of up to TILE input rows takes groups one by one (one tile: each weight is unpacked once);
- * longer passes take them in pairs (VNNI; AVX2 has no registers for a pair: PAIR_GROUPS). */
+ * longer passes take them in pairs (VNNI; on AVX2, tiles of HALF_TILE rows a half and no pairs:
+ * PAIR_GROUPS). */
 static void run(group_fn group, int packed_size, const uint8_t *packed, const float *x, float *y, int M, int n_out,
                 int n_in, int threads) {
     Quantised in;
@@ -643,7 +644,8 @@ __attribute__((optimize("no-tree-vectorize"))) void decodekit_q8_reference(int k
 }
 
 /* The integer multiply-add peak (`decodekit profile`): `iterations` rounds of 12 independent
- * vpdpbusd per thread (AVX2: 12 chains of two vpmaddubsw), 64 byte products each. Returns a sum of every result, so that none of them can be left out. */
+ * vpdpbusd per thread, 64 byte products each (AVX2: 8 chains of three vpmaddubsw, 32 each, within
+ * its 16 registers). Returns a sum of every result, so that none of them can be left out. */
 int64_t decodekit_q8_peak(int64_t iterations, int threads) {
     int64_t total = 0;
     _Pragma("omp parallel num_threads(threads) reduction(+ : total)")
@@ -657,12 +659,12 @@ int64_t decodekit_q8_peak(int64_t iterations, int threads) {
         for (int j = 0; j < 12; j++) total += _mm512_reduce_add_epi32(acc[j]);
 #else
         const __m256i a = _mm256_set1_epi8(1);
-        __m256i acc[12];
-        for (int j = 0; j < 12; j++) acc[j] = _mm256_set1_epi8((char)j);
+        __m256i acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_set1_epi8((char)j);
         /* each product reads the last (a dependency the compiler cannot hoist out of the loop) */
         for (int64_t i = 0; i < iterations; i++)
-            for (int j = 0; j < 12; j++) acc[j] = _mm256_maddubs_epi16(a, _mm256_maddubs_epi16(a, acc[j]));
-        for (int j = 0; j < 12; j++) {
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_maddubs_epi16(a, _mm256_maddubs_epi16(a, _mm256_maddubs_epi16(a, acc[j])));
+        for (int j = 0; j < 8; j++) {
             int16_t lanes[16];
             _mm256_storeu_si256((__m256i *)lanes, acc[j]);
             for (int l = 0; l < 16; l++) total += lanes[l];

@@ -101,7 +101,7 @@ def _blocks_times_rows(fn, check: Callable[[torch.Tensor, torch.Tensor, int], No
 @cache
 def _integer_library() -> ctypes.CDLL | None:
     lib = _library("gemm_q8")
-    if lib is not None and not lib.decodekit_q8_runs_here() and level() == "avx512":
+    if level() == "avx512" and (lib is None or not lib.decodekit_q8_runs_here()):
         lib = _library_at("gemm_q8", "avx2")  # an AVX-512 CPU without VNNI: AVX2's dot products
     if lib is None or not lib.decodekit_q8_runs_here():
         return None
