@@ -373,12 +373,6 @@ static inline __attribute__((always_inline)) void group_tile(int kind, const uin
                     TILE_CASE(5, 1) TILE_CASE(6, 1) TILE_CASE(7, 1) TILE_CASE(8, 1)                  \
                 }                                                                                    \
     }
-DEFINE_GROUP(q4_1_group, KIND_Q4_1)
-DEFINE_GROUP(q8_0_group, KIND_Q8_0)
-DEFINE_GROUP(q4_k_group, KIND_Q4_K)
-DEFINE_GROUP(q5_k_group, KIND_Q5_K)
-DEFINE_GROUP(q6_k_group, KIND_Q6_K)
-DEFINE_GROUP(q5_0_group, KIND_Q5_0)
 
 #else /* AVX2 + FMA + F16C, without VNNI: the same integer sums from vpmaddubsw, half a group a vector */
 
@@ -507,13 +501,15 @@ static inline __attribute__((always_inline)) void half_tile(int kind, const uint
                     HALF_CASE(1) HALF_CASE(2) HALF_CASE(3) HALF_CASE(4)                              \
                 }                                                                                    \
     }
+#endif
+
+/* One loop of each kind's, for either level's DEFINE_GROUP. */
 DEFINE_GROUP(q4_1_group, KIND_Q4_1)
 DEFINE_GROUP(q8_0_group, KIND_Q8_0)
 DEFINE_GROUP(q4_k_group, KIND_Q4_K)
 DEFINE_GROUP(q5_k_group, KIND_Q5_K)
 DEFINE_GROUP(q6_k_group, KIND_Q6_K)
 DEFINE_GROUP(q5_0_group, KIND_Q5_0)
-#endif
 
 typedef void (*group_fn)(const uint8_t *, size_t, int, const Quantised *, float *, int, int, int);
 
