@@ -18,9 +18,12 @@ from decodekit.models.gguf_blocks import BlockMatrix
 both_levels = pytest.mark.skipif(kernels.build.level() != "avx512", reason="needs an AVX-512 CPU, which runs both levels")
 
 
-def product(level: str, kind: str, weights: torch.Tensor, x: torch.Tensor, n_out: int, n_in: int) -> torch.Tensor:
-    """weights (float32 rows, or GGUF blocks of ``kind``) times the rows of x, by the gemm library of ``level``."""
-    fn = getattr(kernels.build._library_at("gemm", level), f"decodekit_gemm_{kind}")
+def product(level: str, kind: str, weights: torch.Tensor, x: torch.Tensor, n_out: int, n_in: int,
+            library: str = "gemm") -> torch.Tensor:
+    """weights (float32 rows, GGUF blocks of ``kind``, or for ``library="gemm_q8"`` those blocks
+    packed) times the rows of x, by ``library``'s build at ``level``."""
+    prefix = "decodekit_q8_" if library == "gemm_q8" else "decodekit_gemm_"
+    fn = getattr(kernels.build._library_at(library, level), prefix + kind)
     fn.argtypes, fn.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4, None
     out = torch.empty(x.shape[0], n_out)
     fn(weights.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n_out, n_in, 2)
@@ -60,15 +63,6 @@ def vnni_here() -> bool:
 both_integer_levels = pytest.mark.skipif(not vnni_here(), reason="needs an AVX512-VNNI CPU, which runs both levels")
 
 
-def integer_product(level: str, kind: str, packed: torch.Tensor, x: torch.Tensor, n_out: int, n_in: int) -> torch.Tensor:
-    """Packed GGUF blocks of ``kind`` times the rows of x, by the gemm_q8 library of ``level``."""
-    fn = getattr(kernels.build._library_at("gemm_q8", level), f"decodekit_q8_{kind}")
-    fn.argtypes, fn.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4, None
-    out = torch.empty(x.shape[0], n_out)
-    fn(packed.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n_out, n_in, 2)
-    return out
-
-
 @both_integer_levels
 @pytest.mark.parametrize("kind", list(kernels.INTEGER_KINDS))
 @pytest.mark.parametrize("rows", [1, 5, 9, 40])
@@ -83,7 +77,7 @@ def test_the_integer_kernel_gives_the_same_bits_at_both_levels(kind, rows):
         blocks = BlockMatrix.random(n_out, n_in, kind, gen)
     packed = kernels.pack_integer_blocks(kind, blocks.data, n_in)
     x = torch.randn(rows, n_in, generator=gen) * 3
-    wide, narrow = (integer_product(level, kind, packed, x, n_out, n_in) for level in ("avx512", "avx2"))
+    wide, narrow = (product(level, kind, packed, x, n_out, n_in, library="gemm_q8") for level in ("avx512", "avx2"))
     assert torch.equal(wide.view(torch.int32), narrow.view(torch.int32))
 
 
