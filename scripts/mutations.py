@@ -10287,8 +10287,9 @@ def run(mutation: Mutation) -> str:
         if text.count(mutation.old) != 1:
             return "STALE"
         target.write_text(text.replace(mutation.old, mutation.new))
-        # the copy's source comes first on the path, ahead of the installed (editable) package
-        env = {**__import__("os").environ, "PYTHONPATH": str(copy / "src")}
+        # the copy's source comes first on the path, ahead of the installed (editable) package; CI=true
+        # as in CI, where a kernel test skipped because its kernel no longer builds here fails the run
+        env = {**__import__("os").environ, "PYTHONPATH": str(copy / "src"), "CI": "true"}
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutation.tests],
                                 cwd=copy, env=env, capture_output=True, text=True)
         # pytest's exit codes: 1 tests failed; 5 no test selected and 4 a usage error (a -k that matches
