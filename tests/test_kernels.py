@@ -177,13 +177,16 @@ def test_the_integer_kernel_runs_wherever_the_float32_kernels_do():
     assert kernels.integer_peak_loop() is not None
 
 
-class FakeIntegerLibrary:
-    """A stand-in for a gemm_q8 build that says whether it runs on this CPU."""
+class FakeLibrary:
+    """A stand-in for a build of gemm_q8.c or race.c that says whether it runs on this CPU."""
 
     def __init__(self, runs: bool):
         self.runs = runs
 
     def decodekit_q8_runs_here(self) -> int:
+        return int(self.runs)
+
+    def decodekit_race_runs(self) -> int:
         return int(self.runs)
 
     def __getattr__(self, name):  # the entry points, which only get their ctypes declarations here
@@ -192,22 +195,25 @@ class FakeIntegerLibrary:
         return entry
 
 
-@pytest.mark.parametrize("wide", ["runs", "no-vnni", "not-built"])
-def test_an_avx512_cpu_without_vnni_runs_the_avx2_integer_build(monkeypatch, wide):
-    """Skylake-X has AVX-512 but no VNNI: the AVX-512 build of gemm_q8.c cannot run there (or did
-    not build), so the AVX2 build serves the `fast` numerics; on an AVX2 CPU a build that cannot run
-    gives no integer kernel at all."""
-    from decodekit.models.kernels import matmul
-
-    builds = {"avx512": {"runs": FakeIntegerLibrary(True), "no-vnni": FakeIntegerLibrary(False), "not-built": None}[wide],
-              "avx2": FakeIntegerLibrary(True)}
-    monkeypatch.setattr(matmul, "level", lambda: "avx512")
-    monkeypatch.setattr(matmul, "_library", lambda name: builds["avx512"])
-    monkeypatch.setattr(matmul, "_library_at", lambda name, at: builds[at])
-    assert matmul._integer_library.__wrapped__() is builds["avx2" if wide != "runs" else "avx512"]
-    monkeypatch.setattr(matmul, "level", lambda: "avx2")
-    monkeypatch.setattr(matmul, "_library", lambda name: FakeIntegerLibrary(False))
-    assert matmul._integer_library.__wrapped__() is None
+@pytest.mark.parametrize("wide", ["runs", "lacks-an-extension", "not-built"])
+@pytest.mark.parametrize("name, runs_here", [("gemm_q8", "decodekit_q8_runs_here"), ("race", "decodekit_race_runs")])
+def test_an_avx512_cpu_without_an_extension_runs_the_avx2_build(monkeypatch, wide, name, runs_here):
+    """Skylake-X has AVX-512 but no VNNI: the AVX-512 build of gemm_q8.c (or race.c's, which needs
+    AVX512DQ) cannot run there, or did not build, so its AVX2 build serves; on an AVX2 CPU a build
+    that cannot run gives no kernel at all. The integer kernel's library is found this way."""
+    build = kernels.build
+    builds = {"avx512": {"runs": FakeLibrary(True), "lacks-an-extension": FakeLibrary(False), "not-built": None}[wide],
+              "avx2": FakeLibrary(True)}
+    monkeypatch.setattr(build, "level", lambda: "avx512")
+    monkeypatch.setattr(build, "_library", lambda n: builds["avx512"])
+    monkeypatch.setattr(build, "_library_at", lambda n, at: builds[at])
+    want = builds["avx2" if wide != "runs" else "avx512"]
+    assert build._library_that_runs(name, runs_here) is want
+    if name == "gemm_q8":
+        assert kernels.matmul._integer_library.__wrapped__() is want
+    monkeypatch.setattr(build, "level", lambda: "avx2")
+    monkeypatch.setattr(build, "_library", lambda n: FakeLibrary(False))
+    assert build._library_that_runs(name, runs_here) is None
 
 
 def test_a_library_is_rebuilt_when_its_headers_or_flags_change(monkeypatch, tmp_path):

@@ -170,11 +170,10 @@ DK_INLINE __m128i dk_cvtsepi32_epi8(dk_m512i a) {
     return _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
 }
 
-/* 16 int32 -> 16 int8, truncated (each value's low byte) */
+/* 16 int32 -> 16 int8, truncated (each value's low byte: the low byte of its low 16 bits) */
 DK_INLINE __m128i dk_cvtepi32_epi8(dk_m512i a) {
-    const __m256i low = _mm256_set1_epi32(0xff);  /* then packus, which saturates, keeps them as they are */
-    __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(a.lo, low), _mm256_and_si256(a.hi, low)), 0xd8);
-    return _mm_packus_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+    __m256i bytes = _mm256_and_si256(dk_cvtepi32_epi16(a), _mm256_set1_epi16(0xff));  /* packus keeps them */
+    return _mm_packus_epi16(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1));
 }
 /* the sum of 16 int32 lanes (wrapping, as the instruction's: any order gives the same) */
 DK_INLINE int dk_reduce_add_epi32(dk_m512i a) {

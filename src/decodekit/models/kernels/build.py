@@ -116,6 +116,16 @@ def _library_at(name: str, at: str | None) -> ctypes.CDLL | None:
         return None
 
 
+def _library_that_runs(name: str, runs_here: str) -> ctypes.CDLL | None:
+    """``name``'s build at this CPU's level if its function ``runs_here`` says the CPU has what it
+    was built with; on an AVX-512 CPU that lacks an extension the AVX-512 build uses (VNNI,
+    AVX512DQ), or where that build failed, its AVX2 build; None where neither runs."""
+    lib = _library(name)
+    if level() == "avx512" and (lib is None or not getattr(lib, runs_here)()):
+        lib = _library_at(name, "avx2")
+    return lib if lib is not None and getattr(lib, runs_here)() else None
+
+
 def _address(fn: ctypes._CFuncPtr) -> int:
     """A compiled function's address, for kernels that call it from C (``forward.c``)."""
     return ctypes.cast(fn, ctypes.c_void_p).value

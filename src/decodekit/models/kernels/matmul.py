@@ -12,7 +12,7 @@ from functools import cache
 import torch
 
 from ..gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS
-from .build import _address, _library, _library_at, level
+from .build import _address, _library, _library_that_runs
 
 MatmulKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -100,10 +100,8 @@ def _blocks_times_rows(fn, check: Callable[[torch.Tensor, torch.Tensor, int], No
 
 @cache
 def _integer_library() -> ctypes.CDLL | None:
-    lib = _library("gemm_q8")
-    if level() == "avx512" and (lib is None or not lib.decodekit_q8_runs_here()):
-        lib = _library_at("gemm_q8", "avx2")  # an AVX-512 CPU without VNNI: AVX2's dot products
-    if lib is None or not lib.decodekit_q8_runs_here():
+    lib = _library_that_runs("gemm_q8", "decodekit_q8_runs_here")  # (an AVX-512 CPU without VNNI: AVX2's)
+    if lib is None:
         return None
     lib.decodekit_q8_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.decodekit_q8_reference.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3

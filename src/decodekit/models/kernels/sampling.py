@@ -11,7 +11,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from .build import _c_function, _library
+from .build import _c_function, _library_that_runs
 
 @cache
 def _topk_function() -> ctypes._CFuncPtr | None:
@@ -71,8 +71,8 @@ def _kernel_row(x: torch.Tensor) -> bool:
 
 @cache
 def _race_function() -> ctypes._CFuncPtr | None:
-    lib = _library("race")
-    if lib is None or not lib.decodekit_race_runs():  # the AVX-512 build needs AVX512DQ: only where it runs
+    lib = _library_that_runs("race", "decodekit_race_runs")  # (the AVX-512 build needs AVX512DQ)
+    if lib is None:
         return None
     fn = lib.decodekit_race_f32
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64], ctypes.c_int64
