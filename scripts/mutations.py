@@ -10167,7 +10167,7 @@ MUTATIONS = (
              "dk_pow2(_mm256_sub_epi32(n, half))", "dk_pow2(half)",
              ("tests/test_kernels.py", "-k", "attention_kernel_matches_sdpa")),
     Mutation("emulated-compress-keeps-lanes-in-place", "src/decodekit/models/kernels/avx512_on_avx2.h",
-             "if (k >> l & 1) out[n++] = in[l];\n    return dk_loadu_ps(out);", "if (k >> l & 1) out[l] = in[l];\n    return dk_loadu_ps(out);",
+             "if (k >> l & 1) out[n++] = in[l];\n    return dk_loadu_si512(out);", "if (k >> l & 1) out[l] = in[l];\n    return dk_loadu_si512(out);",
              ("tests/test_kernels.py", "tests/test_kv_policy.py", "tests/test_speculative.py")),
     Mutation("emulated-lane-mask-repeats-a-bit", "src/decodekit/models/kernels/avx512_on_avx2.h",
              "_mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128)", "_mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 64)",

@@ -197,14 +197,7 @@ DK_INLINE dk_m512 dk_maskz_mov_ps(__mmask16 k, dk_m512 a) { return dk_mask_mov_p
 DK_INLINE dk_m512i dk_mask_mov_epi32(dk_m512i src, __mmask16 k, dk_m512i a) {
     return (dk_m512i){_mm256_blendv_epi8(src.lo, a.lo, dk_lanes8(k & 0xff)), _mm256_blendv_epi8(src.hi, a.hi, dk_lanes8(k >> 8))};
 }
-/* the lanes of k, packed to the front in order, zeros after */
-DK_INLINE dk_m512 dk_maskz_compress_ps(__mmask16 k, dk_m512 a) {
-    float in[16], out[16] = {0};
-    dk_storeu_ps(in, a);
-    for (int l = 0, n = 0; l < 16; l++)
-        if (k >> l & 1) out[n++] = in[l];
-    return dk_loadu_ps(out);
-}
+/* the lanes of k, packed to the front in order, zeros after (floats moved as their bits) */
 DK_INLINE dk_m512i dk_maskz_compress_epi32(__mmask16 k, dk_m512i a) {
     int32_t in[16], out[16] = {0};
     dk_storeu_si512(in, a);
@@ -212,6 +205,7 @@ DK_INLINE dk_m512i dk_maskz_compress_epi32(__mmask16 k, dk_m512i a) {
         if (k >> l & 1) out[n++] = in[l];
     return dk_loadu_si512(out);
 }
+DK_INLINE dk_m512 dk_maskz_compress_ps(__mmask16 k, dk_m512 a) { return dk_castsi512_ps(dk_maskz_compress_epi32(k, dk_castps_si512(a))); }
 /* a set bit for each nonzero byte */
 DK_INLINE uint64_t dk_test_epi8_mask(dk_m512i a, dk_m512i b) {
     const __m256i zero = _mm256_setzero_si256();
