@@ -18,9 +18,11 @@
  * (as many as registers hold), so each key and value row is loaded once for them all and their
  * sums run as independent chains, for one row or, where the cache is long or the rows many, a
  * block of rows that go over each tile of keys in turn (a tile then comes from memory once for
- * them all, transposed once, and each key's score is summed across registers instead of across
- * lanes). A score always has the bits of the 16-lane product summed in _mm512_reduce_add_ps's
- * pairing (sum_lanes16 sums sixteen at a time that way).
+ * them all; on AVX-512 it is transposed once, and each key's score is summed across registers
+ * instead of across lanes; on AVX2, whose 16 registers cannot hold those sums, the keys stay rows
+ * and eight keys' lanes are summed at once by shuffles: tile_scores_all). A score always has the
+ * bits of the 16-lane product summed in _mm512_reduce_add_ps's pairing (sum_lanes16 sums sixteen
+ * at a time that way).
  */
 #include <math.h>
 #include <stddef.h>
@@ -134,10 +136,10 @@ typedef struct {
 #ifndef AHEAD
 #define AHEAD 8 /* keys ahead of the one read that a job asks the memory for (ask_for) */
 #endif
-_Static_assert(TILE_KEYS > 0 && TILE_KEYS % 16 == 0, "TILE_KEYS: a multiple of 16 (TRANSPOSE_TILE, kscale)");
+_Static_assert(TILE_KEYS > 0 && TILE_KEYS % 16 == 0, "TILE_KEYS: a multiple of 16 (PREPARE_TILE, kscale)");
 
 /* Scratch of one thread: the rows of its jobs; for jobs of several rows, a tile of keys
- * transposed (TILE_KEYS keys of `dims` values as float32, and their row scales). */
+ * prepared (PREPARE_TILE: TILE_KEYS keys of `dims` values as float32, and their row scales). */
 typedef struct {
     RowState row[ROW_BLOCK];
     void *vectors;
@@ -191,7 +193,7 @@ static JobPlan plan_jobs(int n_q, int n_heads, int n_kv_heads, int head_dim, int
 }
 
 /* Whether the jobs of a pass of n_q rows take several rows each (tiles of keys read once for them,
- * scored transposed: DEFINE_JOB), given the bytes of a head's keys and values: for many rows, or
+ * scored a block at once: DEFINE_JOB), given the bytes of a head's keys and values: for many rows, or
  * where the head outgrows the cache next to a core (measured, docs/BENCHMARKS.md). Otherwise a
  * job a row: more jobs to share between threads, and for a few rows over a short cache, faster. */
 static inline int rows_share_jobs(int n_q, size_t head_bytes) {
@@ -319,10 +321,19 @@ static inline __attribute__((always_inline)) void transpose16(__m512 *x) {
         x[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), x[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
 }
 
-/* Keys j0 .. j1 - 1 (at most TILE_KEYS) of a head as float32, 16 keys a block, transposed: in
- * block b, value d of the block's key t at kt[(b * dims + d) * 16 + t] (keys past j1: zeros);
- * their row scales (SCALED) at kscale[j - j0]. */
-#define TRANSPOSE_TILE(T, LOAD, SCALED, CH)                                                         \
+/* Keys j0 .. j1 - 1 (at most TILE_KEYS) of a head as float32 (keys past j1 in the last block of
+ * 16: zeros), their row scales (SCALED) at kscale[j - j0]. On AVX-512 each block of 16 keys is
+ * transposed: in block b, value d of the block's key t at kt[(b * dims + d) * 16 + t]; on AVX2
+ * the keys stay rows, key t of block b at kt[(b * 16 + t) * dims] (tile_scores). */
+#define TILE_SCALES(SCALED, CH)                                                                     \
+        if (SCALED)                                                                                 \
+            for (int t = 0; t < 16; t++) {                                                          \
+                float v = 0.0f;                                                                     \
+                if (t < count) memcpy(&v, kh + (size_t)(b + t) * row + 16 * (CH), sizeof(float));  \
+                s->kscale[b - j0 + t] = v;                                                          \
+            }
+#ifdef __AVX512F__
+#define PREPARE_TILE(T, LOAD, SCALED, CH)                                                         \
     for (int b = j0; b < j1; b += 16) {                                                             \
         int count = j1 - b < 16 ? j1 - b : 16;                                                      \
         float *kb = s->kt + (size_t)(b - j0) * 16 * (CH);                                           \
@@ -333,20 +344,79 @@ static inline __attribute__((always_inline)) void transpose16(__m512 *x) {
             transpose16(x);                                                                         \
             for (int i = 0; i < 16; i++) _mm512_store_ps(kb + (16 * c + i) * 16, x[i]);            \
         }                                                                                           \
-        if (SCALED)                                                                                 \
-            for (int t = 0; t < 16; t++) {                                                          \
-                float v = 0.0f;                                                                     \
-                if (t < count) memcpy(&v, kh + (size_t)(b + t) * row + 16 * (CH), sizeof(float));  \
-                s->kscale[b - j0 + t] = v;                                                          \
-            }                                                                                       \
+        TILE_SCALES(SCALED, CH)                                                                     \
     }
+#else
+#define PREPARE_TILE(T, LOAD, SCALED, CH)                                                           \
+    for (int b = j0; b < j1; b += 16) {                                                             \
+        int count = j1 - b < 16 ? j1 - b : 16;                                                      \
+        float *kb = s->kt + (size_t)(b - j0) * 16 * (CH);                                           \
+        ask_for(kh + (size_t)(b + 32) * row, 16 * row * sizeof(T));                                 \
+        for (int t = 0; t < 16; t++)                                                                \
+            for (int c = 0; c < (CH); c++)                                                          \
+                _mm512_store_ps(kb + (size_t)t * 16 * (CH) + 16 * c,                                \
+                                t < count ? LOAD(kh + (size_t)(b + t) * row + 16 * c) : _mm512_setzero_ps()); \
+        TILE_SCALES(SCALED, CH)                                                                     \
+    }
+#endif
 
-/* Row r's scores over a transposed tile (TRANSPOSE_TILE), 16 keys a block: for each query, lane t
- * of a[l] runs the products of lane l of key t's own 16-lane sum (q[l] k[l], then q[16c + l]
- * k[16c + l] added by fused multiply-adds, c in order), and the a[l] are added in
- * _mm512_reduce_add_ps's pairing (8 apart, then 4, 2, 1): each key's score has the bits of the
- * one-row arithmetic (SCORE_KEY, then sum_lanes16), for no horizontal sums. The row's visible
- * keys of the block are appended, in order, to its scores and keys. */
+/* The 16 scores of query q against a block of 16 transposed keys (PREPARE_TILE's layout: value d
+ * of key t at kb[16 d + t]), before scaling: lane t of a[l] runs the products of lane l of key t's
+ * own 16-lane sum (q[l] k[l], then q[16c + l] k[16c + l] added by fused multiply-adds, c in order),
+ * and the a[l] are added in _mm512_reduce_add_ps's pairing (8 apart, then 4, 2, 1). */
+#ifdef __AVX512F__
+static inline __attribute__((always_inline)) __m512 transposed_scores(const float *q, const float *kb, int chunks) {
+    __m512 a[16];
+    for (int l = 0; l < 16; l++) a[l] = _mm512_mul_ps(_mm512_set1_ps(q[l]), _mm512_load_ps(kb + 16 * l));
+    for (int c = 1; c < chunks; c++)
+        for (int l = 0; l < 16; l++) a[l] = _mm512_fmadd_ps(_mm512_set1_ps(q[16 * c + l]), _mm512_load_ps(kb + 16 * (16 * c + l)), a[l]);
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) a[l] = _mm512_add_ps(a[l], a[l + w]);
+    return a[0];
+}
+static inline __attribute__((always_inline)) void tile_scores_all(const float *const *q, int count, const float *kb, int chunks, __m512 *e) {
+    for (int m = 0; m < count; m++) e[m] = transposed_scores(q[m], kb, chunks);
+}
+#else
+/* On AVX2 the same sums from the keys as rows (PREPARE_TILE), a query's 64 values in registers:
+ * key t's 16-lane products are two 8-lane halves (lanes l and l + 8), whose sum is the first
+ * level of the pairing; the next three (4, 2, 1 apart) are taken across 8 keys at once by
+ * shuffles, which leave key t in lane t. (Transposed, each multiply-add would need a broadcast and
+ * a load, and the sixteen partial sums would not fit the sixteen registers.) */
+static inline __attribute__((always_inline)) __m256 key_pairs8(const __m256 *qv, const float *k, int chunks) {
+    __m256 lo = _mm256_mul_ps(qv[0], _mm256_load_ps(k)), hi = _mm256_mul_ps(qv[1], _mm256_load_ps(k + 8));
+    for (int c = 1; c < chunks; c++) {
+        lo = _mm256_fmadd_ps(qv[2 * c], _mm256_load_ps(k + 16 * c), lo);
+        hi = _mm256_fmadd_ps(qv[2 * c + 1], _mm256_load_ps(k + 16 * c + 8), hi);
+    }
+    return _mm256_add_ps(lo, hi);
+}
+/* keys t and t + 4 of 8 (rows `stride` floats apart): lanes 4 apart added, key t's in the low half */
+static inline __attribute__((always_inline)) __m256 key_quads8(const __m256 *qv, const float *k, size_t stride, int t, int chunks) {
+    __m256 x = key_pairs8(qv, k + t * stride, chunks), y = key_pairs8(qv, k + (t + 4) * stride, chunks);
+    return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+}
+static inline __attribute__((always_inline)) __m256 halves_added(__m256 x, __m256 y) { /* lanes 2 apart */
+    return _mm256_add_ps(_mm256_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+static inline __attribute__((always_inline)) __m256 tile_scores8(const __m256 *qv, const float *k, int chunks) {
+    size_t stride = 16 * (size_t)chunks;
+    __m256 x01 = halves_added(key_quads8(qv, k, stride, 0, chunks), key_quads8(qv, k, stride, 1, chunks));
+    __m256 x23 = halves_added(key_quads8(qv, k, stride, 2, chunks), key_quads8(qv, k, stride, 3, chunks));
+    return _mm256_add_ps(_mm256_shuffle_ps(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+static inline __attribute__((always_inline)) void tile_scores_all(const float *const *q, int count, const float *kb, int chunks, __m512 *e) {
+    for (int m = 0; m < count; m++) {
+        __m256 qv[32]; /* head size up to 256 */
+        for (int i = 0; i < 2 * chunks; i++) qv[i] = _mm256_loadu_ps(q[m] + 8 * i);
+        e[m] = (__m512){tile_scores8(qv, kb, chunks), tile_scores8(qv, kb + 8 * 16 * (size_t)chunks, chunks)};
+    }
+}
+#endif
+
+/* Row r's scores over a tile (PREPARE_TILE), 16 keys a block (tile_scores_all): each key's score
+ * has the bits of the one-row arithmetic (SCORE_KEY, then sum_lanes16). The row's visible keys of
+ * the block are appended, in order, to its scores and keys (a block it sees whole: as they are). */
 #define SCORE_TRANSPOSED(T, SCALED, Q, CH)                                                           \
     do {                                                                                            \
         RowState *rs = &s->row[r];                                                                  \
@@ -368,26 +438,87 @@ static inline __attribute__((always_inline)) void transpose16(__m512 *x) {
             }                                                                                       \
             int count = __builtin_popcount(seen);                                                   \
             __mmask16 packed = first_lanes(count);                                                  \
+            __m512 es[Q];                                                                           \
+            tile_scores_all(job->q[r], Q, kb, (CH), es);                                            \
             for (int m = 0; m < Q; m++) {                                                           \
-                const float *qm = job->q[r][m];                                                     \
-                __m512 a[16];                                                                       \
-                for (int l = 0; l < 16; l++) a[l] = _mm512_mul_ps(_mm512_set1_ps(qm[l]), _mm512_load_ps(kb + 16 * l)); \
-                for (int c = 1; c < (CH); c++)                                                      \
-                    for (int l = 0; l < 16; l++)                                                    \
-                        a[l] = _mm512_fmadd_ps(_mm512_set1_ps(qm[16 * c + l]), _mm512_load_ps(kb + 16 * (16 * c + l)), a[l]); \
-                for (int w = 8; w >= 1; w /= 2)                                                     \
-                    for (int l = 0; l < w; l++) a[l] = _mm512_add_ps(a[l], a[l + w]);               \
-                __m512 e = a[0];                                                                    \
+                __m512 e = es[m];                                                                   \
                 if (SCALED) e = _mm512_mul_ps(e, _mm512_loadu_ps(s->kscale + (b - j0)));            \
-                e = _mm512_maskz_compress_ps(seen, _mm512_mul_ps(e, _mm512_set1_ps(scale)));        \
+                e = _mm512_mul_ps(e, _mm512_set1_ps(scale));                                        \
+                if (seen != 0xFFFF) e = _mm512_maskz_compress_ps(seen, e); /* all seen: in place */ \
                 _mm512_mask_storeu_ps(rs->scores + m * rs->stride + n, packed, e);                  \
             }                                                                                       \
             __m512i at = _mm512_add_epi32(_mm512_set1_epi32(b), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)); \
-            _mm512_mask_storeu_epi32(rs->keys + n, packed, _mm512_maskz_compress_epi32(seen, at)); \
+            _mm512_mask_storeu_epi32(rs->keys + n, packed, seen == 0xFFFF ? at : _mm512_maskz_compress_epi32(seen, at)); \
             n += count;                                                                             \
         }                                                                                           \
         rs->n = n;                                                                                  \
     } while (0)
+
+/* Row rs's keys t .. (the first of them at or past j1) - 1 added to its value sums (rs->o), the
+ * values of key keys[t] weighted by each query's softmax numerator, one key after another in
+ * order (t is left at the first key not added). A row of a job asks for every rows-th key's
+ * values of the next tile (turn_). On AVX-512 every query's sums stay in registers while each
+ * value row is read once for them all. AVX2's 16 registers hold one query's 64-value sums, not
+ * three (they spill: a load and a store a multiply-add), so in a job of several rows, whose
+ * arithmetic bounds it, or over a short cache, each query goes over the keys in turn, 32 keys
+ * at a time (VALUE_TILE) so that the values are read from the first-level cache after the first
+ * query. A job of one row over a long cache is bound by reading it and keeps the one pass. Every sum gets the same operations
+ * in the same order either way. */
+#define VALUE_PREFETCH(T)                                                                           \
+    const T *vj = vh + (size_t)keys[t] * row;                                                       \
+    if (r == 0 && t + AHEAD < n) ask_for(vh + (size_t)keys[t + AHEAD] * row, row * sizeof(T));      \
+    if (job->rows > 1 && turn_ == r) ask_for_later(vj + (size_t)TILE_KEYS * row, row * sizeof(T)); \
+    if (++turn_ == job->rows) turn_ = 0;
+#define VALUE_WEIGHT(SCALED, CH, m, t)                                                              \
+    float vscale = 1.0f;                                                                            \
+    if (SCALED) memcpy(&vscale, vj + 16 * (CH), sizeof(float));                                     \
+    float weight = SCALED ? scores[(m) * stride + (t)] * vscale : scores[(m) * stride + (t)];
+#define ADD_VALUES_AT_ONCE(T, LOAD, SCALED, Q, CH)                                                  \
+    for (int m = 0; m < Q; m++)                                                                     \
+        for (int c = 0; c < (CH); c++) o[m][c] = rs->o[16 * m + c];                                 \
+    int turn_ = t % job->rows;                                                                      \
+    for (; t < n && keys[t] < j1; t++) {                                                            \
+        VALUE_PREFETCH(T)                                                                           \
+        for (int c = 0; c < (CH); c++) vv[c] = LOAD(vj + 16 * c);                                   \
+        for (int m = 0; m < Q; m++) {                                                               \
+            VALUE_WEIGHT(SCALED, CH, m, t)                                                          \
+            __m512 p = _mm512_set1_ps(weight);                                                      \
+            for (int c = 0; c < (CH); c++) o[m][c] = _mm512_fmadd_ps(p, vv[c], o[m][c]);            \
+        }                                                                                           \
+    }                                                                                               \
+    for (int m = 0; m < Q; m++)                                                                     \
+        for (int c = 0; c < (CH); c++) rs->o[16 * m + c] = o[m][c];
+#ifdef __AVX512F__
+#define VALUE_TILE(T, tile) (tile)
+#define ADD_VALUES ADD_VALUES_AT_ONCE
+#else
+/* a job of one row over a head's values too large for the second-level cache */
+#define VALUES_AT_ONCE(T) (job->rows == 1 && (size_t)n_keys * row * sizeof(T) >= ((size_t)256 << 10))
+#define VALUE_TILE(T, tile) (VALUES_AT_ONCE(T) ? (tile) : 32)
+#define ADD_VALUES(T, LOAD, SCALED, Q, CH)                                                          \
+    if (VALUES_AT_ONCE(T)) { /* bound by reading the cache: each value row read once */            \
+        ADD_VALUES_AT_ONCE(T, LOAD, SCALED, Q, CH)                                                  \
+    } else {                                                                                        \
+        int end_ = t, turn_ = t % job->rows;                                                        \
+        for (; end_ < n && keys[end_] < j1; end_++) {                                               \
+            int t = end_;                                                                           \
+            VALUE_PREFETCH(T)                                                                       \
+            (void)vj;                                                                               \
+        }                                                                                           \
+        for (int m = 0; m < Q; m++) {                                                               \
+            __m512 sums[(CH)];                                                                      \
+            for (int c = 0; c < (CH); c++) sums[c] = rs->o[16 * m + c];                             \
+            for (int u = t; u < end_; u++) {                                                        \
+                const T *vj = vh + (size_t)keys[u] * row;                                           \
+                VALUE_WEIGHT(SCALED, CH, m, u)                                                      \
+                __m512 p = _mm512_set1_ps(weight);                                                  \
+                for (int c = 0; c < (CH); c++) sums[c] = _mm512_fmadd_ps(p, LOAD(vj + 16 * c), sums[c]); \
+            }                                                                                       \
+            for (int c = 0; c < (CH); c++) rs->o[16 * m + c] = sums[c];                             \
+        }                                                                                           \
+        t = end_;                                                                                   \
+    }
+#endif
 
 /* One job (Job: rows, and Q queries a row that read the same key/value head), over keys and
  * values of type T read with LOAD (SCALED: int8 rows with their scale after them). CH = head_dim /
@@ -396,7 +527,7 @@ static inline __attribute__((always_inline)) void transpose16(__m512 *x) {
  * Keys are taken a tile at a time (`tile` keys; all of them where the job has one row), and each
  * row of the job goes over the tile before the next tile is read: a tile is read from memory once
  * for all the rows. A job of one row scores key after key (SCORE_KEY); one of several rows scores
- * each tile transposed (TRANSPOSE_TILE, SCORE_TRANSPOSED). Each row's arithmetic is exactly what
+ * each tile from PREPARE_TILE (SCORE_TRANSPOSED). Each row's arithmetic is exactly what
  * it would be alone, key after key in cache order (between tiles its value sums wait in its
  * RowState), so no result depends on the tiles, the rows or the heads beside it. */
 #define DEFINE_JOB(NAME, T, LOAD, SCALED, Q, CH)                                                    \
@@ -409,8 +540,8 @@ static inline __attribute__((always_inline)) void transpose16(__m512 *x) {
         for (int r = 0; r < job->rows; r++) s->row[r].n = s->row[r].held = s->row[r].t = 0;         \
         for (int j0 = 0; j0 < n_keys; j0 += tile) { /* the scores */                                \
             int j1 = n_keys - j0 > tile ? j0 + tile : n_keys;                                       \
-            if (job->rows > 1) { /* the tile transposed once, for every row and query */            \
-                TRANSPOSE_TILE(T, LOAD, SCALED, CH)                                                 \
+            if (job->rows > 1) { /* the tile prepared once, for every row and query */              \
+                PREPARE_TILE(T, LOAD, SCALED, CH)                                                   \
                 for (int r = 0; r < job->rows; r++) SCORE_TRANSPOSED(T, SCALED, Q, CH);             \
                 continue;                                                                           \
             }                                                                                       \
@@ -434,8 +565,8 @@ static inline __attribute__((always_inline)) void transpose16(__m512 *x) {
             finish_scores(&s->row[r], Q, scale, SCALED, inverse[r]);                                \
             for (int i = 0; i < 16 * Q; i++) s->row[r].o[i] = _mm512_setzero_ps();                  \
         }                                                                                           \
-        for (int j0 = 0; j0 < n_keys; j0 += tile) { /* the values, the same tiles */                \
-            int j1 = n_keys - j0 > tile ? j0 + tile : n_keys;                                       \
+        for (int j0 = 0; j0 < n_keys; j0 += VALUE_TILE(T, tile)) { /* the values, tile by tile */     \
+            int j1 = n_keys - j0 > VALUE_TILE(T, tile) ? j0 + VALUE_TILE(T, tile) : n_keys;               \
             for (int r = 0; r < job->rows; r++) {                                                   \
                 RowState *rs = &s->row[r];                                                          \
                 const int *keys = rs->keys;                                                         \
@@ -443,19 +574,7 @@ static inline __attribute__((always_inline)) void transpose16(__m512 *x) {
                 size_t stride = rs->stride;                                                         \
                 int t = rs->t, n = rs->n;                                                           \
                 if (t == n || keys[t] >= j1) continue;                                              \
-                for (int m = 0; m < Q; m++)                                                         \
-                    for (int c = 0; c < (CH); c++) o[m][c] = rs->o[16 * m + c];                     \
-                for (; t < n && keys[t] < j1; t++) {                                                \
-                    const T *vj = vh + (size_t)keys[t] * row;                                       \
-                    if (r == 0 && t + AHEAD < n) ask_for(vh + (size_t)keys[t + AHEAD] * row, row * sizeof(T)); \
-                    if (job->rows > 1 && t % job->rows == r) ask_for_later(vj + (size_t)TILE_KEYS * row, row * sizeof(T)); \
-                    float vscale = 1.0f;                                                            \
-                    if (SCALED) memcpy(&vscale, vj + 16 * (CH), sizeof(float));                     \
-                    for (int c = 0; c < (CH); c++) vv[c] = LOAD(vj + 16 * c);                       \
-                    ADD_VALUE_ROW(Q, CH, SCALED ? scores[m * stride + t] * vscale : scores[m * stride + t]) \
-                }                                                                                   \
-                for (int m = 0; m < Q; m++)                                                         \
-                    for (int c = 0; c < (CH); c++) rs->o[16 * m + c] = o[m][c];                     \
+                ADD_VALUES(T, LOAD, SCALED, Q, CH)                                                  \
                 rs->t = t;                                                                          \
             }                                                                                       \
         }                                                                                           \
