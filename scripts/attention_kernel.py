@@ -19,16 +19,16 @@ from pathlib import Path
 
 import torch
 
-from decodekit.models.kernels.build import _flags, level
+from decodekit.models.kernels.build import compiler_flags, level
 
-EXTRA_CFLAGS: list[str] = []
 KERNELS = Path(__file__).resolve().parents[1] / "src/decodekit/models/kernels"
 
 
 def compile_source(source: str, folder: Path, name: str) -> ctypes.CDLL:
     path = folder / f"{name}.c"
     path.write_text(source)
-    subprocess.run(["gcc", *_flags("attention", level() or "avx512"), *EXTRA_CFLAGS, "-I", str(KERNELS), str(path), "-o", str(folder / f"{name}.so")], check=True)
+    flags = compiler_flags("attention", level() or "avx512")  # this CPU's level, as the package builds it
+    subprocess.run(["gcc", *flags, "-I", str(KERNELS), str(path), "-o", str(folder / f"{name}.so")], check=True)
     lib = ctypes.CDLL(str(folder / f"{name}.so"))
     lib.decodekit_attention_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     return lib

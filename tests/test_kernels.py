@@ -338,7 +338,8 @@ def _rows_of_a_long_pass(n_keys: int, gen: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("dim", [64, 128, 48, 256])  # a group's heads a job; two; one head a job (general size; the largest, Gemma 3's)
 def test_rows_read_a_tile_at_a_time_get_the_bits_of_each_row_alone(dtype, dim):
     """A pass of many rows is cut into blocks of rows that read each tile of keys once and score it
-    transposed (the keys' sums across registers, not across lanes). Every row's result must be bit
+    a block at once (AVX-512: transposed, the keys' sums across registers, not across lanes; AVX2: as
+    rows, eight keys' lanes summed by shuffles). Every row's result must be bit
     for bit what the row gets alone, from its visible keys packed together (the one-row path)."""
     attend = kernels.layout_independent_attention(dtype, dim)
     if attend is None:

@@ -417,7 +417,7 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
 /* Row r's scores over a tile (PREPARE_TILE), 16 keys a block (tile_scores_all): each key's score
  * has the bits of the one-row arithmetic (SCORE_KEY, then sum_lanes16). The row's visible keys of
  * the block are appended, in order, to its scores and keys (a block it sees whole: as they are). */
-#define SCORE_TRANSPOSED(T, SCALED, Q, CH)                                                           \
+#define SCORE_TILE(T, SCALED, Q, CH)                                                                \
     do {                                                                                            \
         RowState *rs = &s->row[r];                                                                  \
         const uint8_t *vis = job->vis[r];                                                           \
@@ -462,29 +462,27 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
  * three (they spill: a load and a store a multiply-add), so in a job of several rows, whose
  * arithmetic bounds it, or over a short cache, each query goes over the keys in turn, 32 keys
  * at a time (VALUE_TILE) so that the values are read from the first-level cache after the first
- * query. A job of one row over a long cache is bound by reading it and keeps the one pass. Every sum gets the same operations
- * in the same order either way. */
-#define VALUE_PREFETCH(T)                                                                           \
-    const T *vj = vh + (size_t)keys[t] * row;                                                       \
-    if (r == 0 && t + AHEAD < n) ask_for(vh + (size_t)keys[t + AHEAD] * row, row * sizeof(T));      \
-    if (job->rows > 1 && turn_ == r) ask_for_later(vj + (size_t)TILE_KEYS * row, row * sizeof(T)); \
+ * query. A job of one row over a long cache is bound by reading it and keeps the one pass. Every
+ * sum gets the same operations in the same order either way. */
+#define VALUE_PREFETCH(T, i)                                                                        \
+    if (r == 0 && (i) + AHEAD < n) ask_for(vh + (size_t)keys[(i) + AHEAD] * row, row * sizeof(T));  \
+    if (job->rows > 1 && turn_ == r) ask_for_later(vh + (size_t)(keys[i] + TILE_KEYS) * row, row * sizeof(T)); \
     if (++turn_ == job->rows) turn_ = 0;
-#define VALUE_WEIGHT(SCALED, CH, m, t)                                                              \
+/* value row vj's scale (int8 rows: after the values), and query m's weight of key t */
+#define VALUE_SCALE(SCALED, CH)                                                                     \
     float vscale = 1.0f;                                                                            \
-    if (SCALED) memcpy(&vscale, vj + 16 * (CH), sizeof(float));                                     \
-    float weight = SCALED ? scores[(m) * stride + (t)] * vscale : scores[(m) * stride + (t)];
+    if (SCALED) memcpy(&vscale, vj + 16 * (CH), sizeof(float));
+#define VALUE_WEIGHT(SCALED, m, t) (SCALED ? scores[(m) * stride + (t)] * vscale : scores[(m) * stride + (t)])
 #define ADD_VALUES_AT_ONCE(T, LOAD, SCALED, Q, CH)                                                  \
     for (int m = 0; m < Q; m++)                                                                     \
         for (int c = 0; c < (CH); c++) o[m][c] = rs->o[16 * m + c];                                 \
     int turn_ = t % job->rows;                                                                      \
     for (; t < n && keys[t] < j1; t++) {                                                            \
-        VALUE_PREFETCH(T)                                                                           \
+        VALUE_PREFETCH(T, t)                                                                        \
+        const T *vj = vh + (size_t)keys[t] * row;                                                   \
+        VALUE_SCALE(SCALED, CH)                                                                     \
         for (int c = 0; c < (CH); c++) vv[c] = LOAD(vj + 16 * c);                                   \
-        for (int m = 0; m < Q; m++) {                                                               \
-            VALUE_WEIGHT(SCALED, CH, m, t)                                                          \
-            __m512 p = _mm512_set1_ps(weight);                                                      \
-            for (int c = 0; c < (CH); c++) o[m][c] = _mm512_fmadd_ps(p, vv[c], o[m][c]);            \
-        }                                                                                           \
+        ADD_VALUE_ROW(Q, CH, VALUE_WEIGHT(SCALED, m, t))                                            \
     }                                                                                               \
     for (int m = 0; m < Q; m++)                                                                     \
         for (int c = 0; c < (CH); c++) rs->o[16 * m + c] = o[m][c];
@@ -500,18 +498,14 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
         ADD_VALUES_AT_ONCE(T, LOAD, SCALED, Q, CH)                                                  \
     } else {                                                                                        \
         int end_ = t, turn_ = t % job->rows;                                                        \
-        for (; end_ < n && keys[end_] < j1; end_++) {                                               \
-            int t = end_;                                                                           \
-            VALUE_PREFETCH(T)                                                                       \
-            (void)vj;                                                                               \
-        }                                                                                           \
+        for (; end_ < n && keys[end_] < j1; end_++) { VALUE_PREFETCH(T, end_) }                     \
         for (int m = 0; m < Q; m++) {                                                               \
             __m512 sums[(CH)];                                                                      \
             for (int c = 0; c < (CH); c++) sums[c] = rs->o[16 * m + c];                             \
             for (int u = t; u < end_; u++) {                                                        \
                 const T *vj = vh + (size_t)keys[u] * row;                                           \
-                VALUE_WEIGHT(SCALED, CH, m, u)                                                      \
-                __m512 p = _mm512_set1_ps(weight);                                                  \
+                VALUE_SCALE(SCALED, CH)                                                             \
+                __m512 p = _mm512_set1_ps(VALUE_WEIGHT(SCALED, m, u));                              \
                 for (int c = 0; c < (CH); c++) sums[c] = _mm512_fmadd_ps(p, LOAD(vj + 16 * c), sums[c]); \
             }                                                                                       \
             for (int c = 0; c < (CH); c++) rs->o[16 * m + c] = sums[c];                             \
@@ -527,7 +521,7 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
  * Keys are taken a tile at a time (`tile` keys; all of them where the job has one row), and each
  * row of the job goes over the tile before the next tile is read: a tile is read from memory once
  * for all the rows. A job of one row scores key after key (SCORE_KEY); one of several rows scores
- * each tile from PREPARE_TILE (SCORE_TRANSPOSED). Each row's arithmetic is exactly what
+ * each tile from PREPARE_TILE (SCORE_TILE). Each row's arithmetic is exactly what
  * it would be alone, key after key in cache order (between tiles its value sums wait in its
  * RowState), so no result depends on the tiles, the rows or the heads beside it. */
 #define DEFINE_JOB(NAME, T, LOAD, SCALED, Q, CH)                                                    \
@@ -542,7 +536,7 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
             int j1 = n_keys - j0 > tile ? j0 + tile : n_keys;                                       \
             if (job->rows > 1) { /* the tile prepared once, for every row and query */              \
                 PREPARE_TILE(T, LOAD, SCALED, CH)                                                   \
-                for (int r = 0; r < job->rows; r++) SCORE_TRANSPOSED(T, SCALED, Q, CH);             \
+                for (int r = 0; r < job->rows; r++) SCORE_TILE(T, SCALED, Q, CH);                   \
                 continue;                                                                           \
             }                                                                                       \
             for (int r = 0; r < job->rows; r++) {                                                   \

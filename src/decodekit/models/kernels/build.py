@@ -58,7 +58,8 @@ def _supported() -> bool:
     return level() is not None
 
 
-def _flags(name: str, at: str) -> list[str]:
+def compiler_flags(name: str, at: str) -> list[str]:
+    """The flags kernel `name` is compiled with at level `at` (``"avx512"`` or ``"avx2"``)."""
     return FLAGS + EXTRA_FLAGS.get(name, []) if at == "avx512" else AVX2_FLAGS
 
 
@@ -70,7 +71,7 @@ def _build(source: Path, at: str | None = None) -> Path | None:
     if compiler is None:
         return None
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    flags = _flags(source.stem, at or level() or "avx512")
+    flags = compiler_flags(source.stem, at or level() or "avx512")
     digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:16]
 
     def compile_to(path: Path) -> None:
