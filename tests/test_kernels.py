@@ -159,13 +159,15 @@ def test_a_failed_build_falls_back_to_torch(monkeypatch, tmp_path):
     assert kernels.build._build(Path(kernels.__file__).with_name("gemm.c")) is None
 
 
+@pytest.mark.parametrize("at", ["avx512", "avx2"])
 @pytest.mark.parametrize("source", sorted(p.name for p in Path(kernels.__file__).parent.glob("*.c")))
-def test_every_kernel_source_builds_wherever_the_kernels_run(source):
+def test_every_kernel_source_builds_wherever_the_kernels_run(source, at):
     """A kernel that fails to compile is silently replaced by torch (and its tests skip): so every
-    source, with its own extra instructions (VNNI, AVX512DQ), must build wherever gemm.c does."""
+    source, with its own extra instructions (VNNI, AVX512DQ), must build wherever gemm.c does, at
+    both levels (an AVX-512 CPU may load either; compiling runs nothing, so any CPU checks both)."""
     if kernels.build._library("gemm") is None:
         pytest.skip("no C compiler or no AVX2 on this machine")
-    assert kernels.build._build(Path(kernels.__file__).with_name(source), kernels.build.level()) is not None
+    assert kernels.build._build(Path(kernels.__file__).with_name(source), at) is not None
 
 
 def test_the_integer_kernel_runs_wherever_the_float32_kernels_do():
@@ -214,6 +216,20 @@ def test_an_avx512_cpu_without_an_extension_runs_the_avx2_build(monkeypatch, wid
     monkeypatch.setattr(build, "level", lambda: "avx2")
     monkeypatch.setattr(build, "_library", lambda n: FakeLibrary(False))
     assert build._library_that_runs(name, runs_here) is None
+
+
+def test_a_librarys_own_extra_flags_reach_its_compiler(monkeypatch, tmp_path):
+    """EXTRA_FLAGS is keyed by the library's name (gemm_q8, race), and those flags are given at the
+    AVX-512 level only. (Without them gemm_q8.c still builds: its AVX2 section, slower on a VNNI CPU.)"""
+    if kernels.build._build(Path(kernels.__file__).with_name("topk.c")) is None:
+        pytest.skip("no C compiler that builds the kernels")
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "flagged.c"
+    source.write_text("#ifndef ANSWER\n#define ANSWER 0\n#endif\nint probe(void) { return ANSWER; }\n")
+    monkeypatch.setitem(kernels.build.EXTRA_FLAGS, "flagged", ["-DANSWER=42"])
+    wide, narrow = kernels.build._build(source, "avx512"), kernels.build._build(source, "avx2")
+    assert ctypes.CDLL(str(wide)).probe() == 42  # (compiled for AVX-512, but the probe has no such instruction)
+    assert ctypes.CDLL(str(narrow)).probe() == 0
 
 
 def test_a_library_is_rebuilt_when_its_headers_or_flags_change(monkeypatch, tmp_path):
