@@ -6,6 +6,10 @@ rows up to itself.
 
     .venv/bin/python scripts/attention_kernel.py --against 905ae4f   # any git revision of attention.c
     .venv/bin/python scripts/attention_kernel.py --against HEAD --contexts 256,6000 --rows 1,8,32   # an uncommitted change
+    .venv/bin/python scripts/attention_kernel.py --against 9f348fe --bit-keys 256   # bits compared up to 256 keys
+
+--bit-keys bounds the key counts whose bits are compared: against a version with other arithmetic
+past some count (9f348fe and before: no segments, so the same bits up to one segment of 256 keys).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def main() -> None:
     parser.add_argument("--against", required=True, help="git revision whose attention.c is compared")
     parser.add_argument("--contexts", default="2000,6000")
     parser.add_argument("--rows", default="1,2,5")
+    parser.add_argument("--bit-keys", type=int, default=300, help="the most keys whose bits are compared")
     args = parser.parse_args()
     old_source = subprocess.run(["git", "show", f"{args.against}:src/decodekit/models/kernels/attention.c"],
                                 check=True, capture_output=True, text=True).stdout
@@ -55,11 +60,11 @@ def main() -> None:
                 "new": compile_source((KERNELS / "attention.c").read_text(), Path(tmp), "new")}
         g = torch.Generator().manual_seed(0)
         for trial in range(100):  # shapes, masks: the same bits (head sizes of the grouped jobs and the general one)
-            rows, keys, dim = 1 + trial % 7 + 16 * (trial % 3 == 0), 1 + (trial * 37) % 300, (64, 128, 48, 16)[trial % 4]
+            rows, keys, dim = 1 + trial % 7 + 16 * (trial % 3 == 0), 1 + (trial * 37) % args.bit_keys, (64, 128, 48, 16)[trial % 4]
             q, k, v = torch.randn(rows, 9, dim, generator=g), torch.randn(3, keys, dim, generator=g), torch.randn(3, keys, dim, generator=g)
             visible = None if trial % 2 else (torch.rand(rows, keys, generator=g) < 0.7).to(torch.uint8)
             assert torch.equal(attend(libs["old"], q, k, v, visible), attend(libs["new"], q, k, v, visible)), trial
-        print("bit-identical on 100 random shapes and masks (a third of them 17 rows or more: blocks of rows)")
+        print(f"bit-identical on 100 random shapes and masks of up to {args.bit_keys} keys (a third of them 17 rows or more: blocks of rows)")
         for context in map(int, args.contexts.split(",")):
             for rows in map(int, args.rows.split(",")):
                 layers = [(torch.randn(3, context + rows, 64), torch.randn(3, context + rows, 64)) for _ in range(30)]

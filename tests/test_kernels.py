@@ -603,6 +603,73 @@ def test_a_batch_with_a_cache_deeper_than_the_model_or_parts_of_other_depths_is_
             backend._stack.run_batch(x, torch.empty_like(x), backend._freqs_pairs, parts)
 
 
+SEGMENT_KEYS = 256  # attention.c's: visible keys a segment
+
+
+def _attend_on(threads: int, attend, *args) -> torch.Tensor:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return attend(*args)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
+@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 9, 3), (64, 4, 1), (48, 6, 2), (128, 4, 2)])
+def test_a_decode_steps_segments_split_between_threads_give_the_bits_of_one_thread(dtype, dim, heads, kv_heads):
+    """A one-row pass that sees every key (a decode step) cuts each head's segments of 256 keys into
+    pieces, a job each, so that threads share every head (Flash-Decoding) and fold the pieces after.
+    On any number of threads, for every key count (from two segments, where pieces start; whole
+    segments and a part of one), the row gets the bits of one thread, which takes whole heads, and of the
+    same row in a pass of several rows under a mask (a verification), which never cuts. The same
+    over the int8 cache (its rows' scales)."""
+    if dtype == "int8":
+        int8 = kernels.int8_cache_kernels(dim)
+        attend, cache = (None, None) if int8 is None else (int8.attention, kernels.quantise_int8_rows)
+    else:
+        attend, cache = kernels.layout_independent_attention(dtype, dim), lambda x: x.to(dtype)
+    if attend is None:
+        pytest.skip("no C compiler or no AVX2 on this machine")
+    gen = torch.Generator().manual_seed(15)
+    for n_keys in (2 * SEGMENT_KEYS, 3 * SEGMENT_KEYS + 77, 4 * SEGMENT_KEYS, 5 * SEGMENT_KEYS + 255):
+        k = cache(torch.randn(kv_heads, n_keys + 3, dim, generator=gen))
+        v = cache(torch.randn(kv_heads, n_keys + 3, dim, generator=gen))
+        q = torch.randn(3, heads, dim, generator=gen)
+        alone = _attend_on(1, attend, q[:1], k[:, :n_keys], v[:, :n_keys], None, dim**-0.5)
+        for threads in (2, 3, 4):
+            assert torch.equal(_attend_on(threads, attend, q[:1], k[:, :n_keys], v[:, :n_keys], None, dim**-0.5), alone), (n_keys, threads)
+        visible = torch.zeros(3, n_keys + 3, dtype=torch.bool)
+        visible[0, :n_keys] = True  # the row's keys, among others it does not see
+        visible[1:, :-1] = True
+        in_a_pass = _attend_on(2, attend, q, k, v, visible, dim**-0.5)
+        assert torch.equal(in_a_pass[0], alone[0]), n_keys
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dim", [64, 48])  # a group's heads a job; one head a job
+def test_segments_folded_match_sdpa_where_each_segment_has_its_own_largest_score(threads, dim):
+    """Over many segments, each with its own largest score (far apart, so a weight exp(m_k - m)
+    taken the wrong way round, a sum not restarted at a segment, or a segment's sum left out is
+    far off), the fold gives softmax attention, whether one thread takes whole heads or pieces."""
+    attend = kernels.layout_independent_attention(torch.float32, dim)
+    if attend is None:
+        pytest.skip("no C compiler or no AVX2 on this machine")
+    gen = torch.Generator().manual_seed(16)
+    n_keys = 5 * SEGMENT_KEYS + 100
+    k = torch.randn(3, n_keys, dim, generator=gen)
+    k *= torch.linspace(0.2, 1.5, n_keys).roll(SEGMENT_KEYS // 2)[None, :, None]  # the largest scores in the middle of segment 3
+    v = torch.randn(3, n_keys, dim, generator=gen)
+    q = 2 * torch.randn(2, 9, dim, generator=gen)
+    visible = torch.ones(2, n_keys, dtype=torch.bool)
+    visible[1, ::3] = False
+    got = torch.cat([_attend_on(threads, attend, q[:1], k, v, None, dim**-0.5),
+                     _attend_on(threads, attend, q[1:], k, v, visible[1:], dim**-0.5)])
+    ref = F.scaled_dot_product_attention(q.double().transpose(0, 1)[None], k[None].double(), v[None].double(),
+                                         attn_mask=visible, enable_gqa=True, scale=dim**-0.5)[0].transpose(0, 1)
+    torch.testing.assert_close(got, ref.float(), rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("dim", [16, 64])  # one query a job; a group's heads in one job
 def test_attention_scores_hundreds_apart_give_the_best_keys_value(dim):
     """Softmax subtracts the largest score before exponentiating: with scores 320 apart (exp far

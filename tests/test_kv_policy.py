@@ -750,9 +750,12 @@ def test_a_kivi_store_appended_a_group_at_a_time_grows_by_doubling():
 
 @pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("head_dim, heads", [(32, 6), (64, 6), (64, 8), (128, 6)])
-def test_kivi_attention_is_float_attention_on_the_dequantised_entries(head_dim, heads, bits):
+@pytest.mark.parametrize("earlier", [0, 256])  # tokens before: every row's keys in one segment of 256, or in two
+def test_kivi_attention_is_float_attention_on_the_dequantised_entries(head_dim, heads, bits, earlier):
     """Head sizes 64 and 128 take the kernels that rebuild each entry once for a group's heads
-    (3 or 4 a job, 2 at 128) and unpack four chunks at once, 32 the general one chunk by chunk."""
+    (3 or 4 a job, 2 at 128) and unpack four chunks at once, 32 the general one chunk by chunk.
+    A row that sees more than 256 keys has its values summed a segment at a time, as the float
+    kernel's (the reference) are."""
     from decodekit.models.kernels import kivi_attention, layout_independent_attention
     from decodekit.models.kivi import KiviStore, KiviView, dequantise_keys, dequantise_values
 
@@ -761,12 +764,13 @@ def test_kivi_attention_is_float_attention_on_the_dequantised_entries(head_dim, 
     if kernel is None or reference is None:
         pytest.skip("kernels unavailable")
     g = torch.Generator().manual_seed(0)
-    n, group, base = 90, 8, 40  # positions 0..89; 0..63 quantised, the buffer from 40 on
+    n, group, base = 90 + earlier, 8, 40 + earlier  # positions 0..n-1; 0..63 (+ earlier) quantised, the buffer from base on
     k, v = torch.randn(1, 2, n, D, generator=g), torch.randn(1, 2, n, D, generator=g)
     store = KiviStore(1, 2, D, group, bits)
-    store.append(k[:, :, :32], v[:, :, :32]), store.append(k[:, :, 32:64], v[:, :, 32:64])  # grows once
+    for at in range(0, 64 + earlier, 32):  # grows
+        store.append(k[:, :, at : at + 32], v[:, :, at : at + 32])
     q = torch.randn(4, heads, D, generator=g)
-    qend = torch.tensor([40, 48, 64, 56])
+    qend = torch.tensor([40, 48, 64, 56]) + earlier
     visible = torch.rand(4, n - base, generator=g) < 0.7
     buffer_k, buffer_v = k[0, :, base:].contiguous(), v[0, :, base:].contiguous()
     got = kernel(q, KiviView(store, base, qend), 0, buffer_k, buffer_v, n - base, visible, D**-0.5)

@@ -2,13 +2,20 @@
  * depends only on the keys it sees, in order: not on how many other queries share the pass,
  * nor on where masked keys sit in the cache.
  *
- * For each (head, query): scores s_j = scale * q.k_j over the visible keys j in cache order
- * (each a fixed-order 16-lane dot product), their max, p_j = exp(s_j - max) (a vectorised
- * exponential), the sum of p_j with the t-th visible key in lane t % 16, and out = (sum_j p_j v_j)
- * / sum with v accumulated one key at a time across the head dimension. A token verified in a tree (prefix + its ancestors visible) thus
- * gets bit for bit the attention output it gets in plain one-token decoding, where the same keys
- * are the contiguous cache prefix. Library attention kernels block the key axis by position,
- * so their rounding depends on the layout; with bfloat16 that flips near-tied tokens.
+ * For each (head, query): scores s_t = scale * q.k_t over the visible keys in cache order (t
+ * counts the visible keys; each score a fixed-order 16-lane dot product), cut into segments of
+ * SEGMENT_KEYS visible keys. In segment k: its max m_k, p_t = exp(s_t - m_k) (a vectorised
+ * exponential), their sum l_k with key t in lane t % 16, and o_k = sum_t p_t v_t with v added one
+ * key at a time across the head dimension. Then, segment after segment, with m the largest m_k
+ * and w_k = expf(m_k - m): L = sum_k w_k l_k, O = sum_k w_k o_k (fused multiply-adds from zero),
+ * and out = O * (1 / L). (One segment: out = o_0 * (1 / l_0).) The segments are the split of
+ * Flash-Decoding (Dao, Haziza, Massa, Sizov, 2023): a one-row pass over few key/value heads gives
+ * each thread a share of every head's segments instead of whole heads (plan_jobs), and folds them
+ * after (fold_segments). Since they count visible keys, not cache slots, a token verified in a
+ * tree (prefix + its ancestors visible) gets bit for bit the attention output it gets in plain
+ * one-token decoding, where the same keys are the contiguous cache prefix, however the pass is
+ * split. Library attention kernels block the key axis by position, so their rounding depends on
+ * the layout; with bfloat16 that flips near-tied tokens.
  *
  * q: [n_q, H, D] float32. k, v: cache of one layer and batch row, [H_kv, cap, D] in float32 or
  * bfloat16. visible: [n_q, n_keys] bytes, or NULL for "all n_keys". out: [n_q, H, D] float32.
@@ -116,15 +123,26 @@ static inline __m512 sum_lanes16(const __m512 *v) {
 
 /* A job's row in progress: its queries' scores (and total past the end) and its visible keys in
  * order; the q.k products waiting to be summed 16 at a time (and, over an int8 cache, their keys'
- * row scales); between tiles of keys, how far it has got and its value sums. */
+ * row scales); between tiles of keys, how far it has got and its value sums; its segments'
+ * results, where a job that holds all of them keeps them (segment_slot). */
 typedef struct {
     float *scores;         /* [MAX_Q][stride] */
     int *keys;             /* [stride] */
     __m512 *waiting, *o;   /* [MAX_Q][16] each */
+    float *part;           /* [MAX_Q][Scratch.segments][segment_slot] */
     float row_scales[16];
     size_t stride;
     int n, held, t;        /* scores stored, products waiting, keys whose values are added */
 } RowState;
+
+#ifndef SEGMENT_KEYS
+#define SEGMENT_KEYS 256 /* visible keys a segment (the header): a multiple of 16, so a key's lane is the same in its segment */
+#endif
+_Static_assert(SEGMENT_KEYS > 0 && SEGMENT_KEYS % 16 == 0, "SEGMENT_KEYS: a multiple of 16 (the lanes of the sums)");
+
+/* A segment's result takes a slot of head_dim + 2 floats: o_k, then m_k and l_k. */
+static inline size_t segment_slot(int head_dim) { return (size_t)head_dim + 2; }
+static inline int segments_of(int n_keys) { return (n_keys + SEGMENT_KEYS - 1) / SEGMENT_KEYS; }
 
 #define MAX_Q 4
 #ifndef ROW_BLOCK
@@ -144,12 +162,13 @@ typedef struct {
     RowState row[ROW_BLOCK];
     void *vectors;
     float *kt, *kscale;
-    int rows;
+    int rows, segments;
 } Scratch;
 
 static void scratch_init(Scratch *s, int rows, size_t keys, int dims) {
     size_t stride = keys + 1;
     s->rows = rows;
+    s->segments = segments_of((int)keys) > 0 ? segments_of((int)keys) : 1;
     s->vectors = aligned_alloc(64, sizeof(__m512) * 32 * MAX_Q * (size_t)rows);
     s->kt = rows > 1 ? aligned_alloc(64, sizeof(float) * TILE_KEYS * (size_t)dims) : NULL;
     s->kscale = rows > 1 ? aligned_alloc(64, sizeof(float) * TILE_KEYS) : NULL;
@@ -158,6 +177,7 @@ static void scratch_init(Scratch *s, int rows, size_t keys, int dims) {
         rs->stride = stride;
         rs->scores = malloc(sizeof(float) * stride * MAX_Q);
         rs->keys = malloc(sizeof(int) * stride);
+        rs->part = malloc(sizeof(float) * MAX_Q * (size_t)s->segments * segment_slot(dims));
         rs->waiting = (__m512 *)s->vectors + 32 * MAX_Q * r;
         rs->o = rs->waiting + 16 * MAX_Q;
         for (int i = 0; i < 32 * MAX_Q; i++) rs->waiting[i] = _mm512_setzero_ps();
@@ -165,20 +185,24 @@ static void scratch_init(Scratch *s, int rows, size_t keys, int dims) {
 }
 
 static void scratch_free(Scratch *s) {
-    for (int r = 0; r < s->rows; r++) free(s->row[r].scores), free(s->row[r].keys);
+    for (int r = 0; r < s->rows; r++) free(s->row[r].scores), free(s->row[r].keys), free(s->row[r].part);
     free(s->vectors), free(s->kt), free(s->kscale);
 }
 
-/* How a pass is cut into jobs: (key/value head, block of rows, a share of the group's heads), in
- * the order job_of says. A job takes up to `max_rows` rows and a group's heads together, as many
- * as registers hold (MAX_Q where head_dim is 64, 2 where 128, else 1); rows are split into more
- * blocks where the jobs would not be a multiple of `min_jobs` (or fewer), then heads into shares
- * where there would still be under `min_jobs` jobs. */
+/* How a pass is cut into jobs: (key/value head, block of rows, a share of the group's heads, a
+ * piece of the segments), in the order job_of says. A job takes up to `max_rows` rows and a
+ * group's heads together, as many as registers hold (MAX_Q where head_dim is 64, 2 where 128,
+ * else 1); rows are split into more blocks where the jobs would not be a multiple of `min_jobs`
+ * (or fewer), then heads into shares where there would still be under `min_jobs` jobs. A pass
+ * of one row that sees all of its `segments` segments (else 0) has them cut into pieces instead,
+ * each a job, until the jobs are a multiple of `min_jobs`: a decode step over three key/value heads on
+ * two threads runs 3:3 half heads, not 2:1 heads (reading the cache bounds it), and reads every
+ * key once. */
 typedef struct {
-    int n_q, n_heads, n_kv, group, per_job, shares, blocks, head_dim, jobs;
+    int n_q, n_heads, n_kv, group, per_job, shares, blocks, head_dim, pieces, segments, jobs;
 } JobPlan;
 
-static JobPlan plan_jobs(int n_q, int n_heads, int n_kv_heads, int head_dim, int min_jobs, int max_rows) {
+static JobPlan plan_jobs(int n_q, int n_heads, int n_kv_heads, int head_dim, int min_jobs, int max_rows, int segments) {
     if (min_jobs < 1) min_jobs = 1; /* no thread asked for: one (and no division by zero below) */
     int group = n_heads / n_kv_heads, chunks = head_dim / 16;
     int most = chunks == 4 ? MAX_Q : chunks == 8 ? 2 : 1;
@@ -187,9 +211,10 @@ static JobPlan plan_jobs(int n_q, int n_heads, int n_kv_heads, int head_dim, int
     /* attention is bound by its arithmetic more than by reading the cache: as many jobs as threads
      * at least, in a multiple of them where the rows allow (each thread as many) */
     while (blocks < n_q && (n_kv_heads * blocks < min_jobs || n_kv_heads * blocks % min_jobs)) blocks++;
-    while (per_job > 1 && n_kv_heads * blocks * ((group + per_job - 1) / per_job) < min_jobs) per_job--;
-    int shares = (group + per_job - 1) / per_job;
-    return (JobPlan){n_q, n_heads, n_kv_heads, group, per_job, shares, blocks, head_dim, n_kv_heads * blocks * shares};
+    while (segments < 2 && per_job > 1 && n_kv_heads * blocks * ((group + per_job - 1) / per_job) < min_jobs) per_job--;
+    int shares = (group + per_job - 1) / per_job, jobs = n_kv_heads * blocks * shares, pieces = 1;
+    while (pieces < segments && jobs * pieces % min_jobs) pieces++;
+    return (JobPlan){n_q, n_heads, n_kv_heads, group, per_job, shares, blocks, head_dim, pieces, segments, jobs * pieces};
 }
 
 /* Whether the jobs of a pass of n_q rows take several rows each (tiles of keys read once for them,
@@ -201,16 +226,29 @@ static inline int rows_share_jobs(int n_q, size_t head_bytes) {
 }
 
 /* One job: `rows` rows of the pass, `count` queries each (heads of one group, so they read the
- * same key/value head): their query and output rows, and each row's mask (NULL: all keys). */
+ * same key/value head): their query and output rows, each row's mask (NULL: all keys), where each
+ * query's segment results go (its first segment in the job's slot), and the cache slots lo .. hi
+ * - 1 it scores. A whole job (every segment of its rows) folds them; a piece leaves them for
+ * the pass to fold. */
 typedef struct {
     const float *q[ROW_BLOCK][MAX_Q];
     float *out[ROW_BLOCK][MAX_Q];
+    float *part[ROW_BLOCK][MAX_Q];
     const uint8_t *vis[ROW_BLOCK];
-    int rows, count, kv, first_row;
+    int rows, count, kv, first_row, lo, hi, whole;
 } Job;
 
+/* Job `index` of plan p. A whole job keeps its segments in the thread's scratch s; a piece in
+ * `pieces` ([n_heads][p->segments][segment_slot], the one row's). */
 static inline void job_of(const JobPlan *p, int index, const float *q, float *out, const uint8_t *visible, int n_keys,
-                          Job *job) {
+                          Scratch *s, float *pieces, Job *job) {
+    int piece = index % p->pieces;
+    index /= p->pieces;
+    int first_segment = p->segments * piece / p->pieces, end_segment = p->segments * (piece + 1) / p->pieces;
+    job->whole = p->pieces == 1;
+    job->lo = job->whole ? 0 : first_segment * SEGMENT_KEYS;
+    job->hi = job->whole || end_segment * SEGMENT_KEYS > n_keys ? n_keys : end_segment * SEGMENT_KEYS;
+    size_t slot = segment_slot(p->head_dim);
     int share = index % p->shares, kv, block;
     if (p->blocks == p->n_q) /* a row a job: a thread's jobs follow each other in the same key/value head */
         block = index / p->shares % p->blocks, kv = index / (p->shares * p->blocks);
@@ -228,6 +266,8 @@ static inline void job_of(const JobPlan *p, int index, const float *q, float *ou
         for (int m = 0; m < job->count; m++) {
             job->q[r][m] = q + (row * p->n_heads + first + m) * p->head_dim;
             job->out[r][m] = out + (row * p->n_heads + first + m) * p->head_dim;
+            job->part[r][m] = job->whole ? s->row[r].part + (size_t)m * s->segments * slot
+                                         : pieces + ((size_t)(first + m) * p->segments + first_segment) * slot;
         }
     }
 }
@@ -272,28 +312,63 @@ static inline void store_scores(RowState *rs, int queries, int n, int count, flo
         }                                                                                           \
     } while (0)
 
-/* A row's scores replaced by their softmax numerators (its waiting products stored first);
- * inverse[m]: 1 / their sum (0 for none). */
-static inline void finish_scores(RowState *rs, int queries, float scale, int scaled, float *inverse) {
+/* A row's scores (its waiting products stored first) replaced, segment by segment, by their
+ * softmax numerators within the segment; query m's segment k gets m_k and l_k in its slot
+ * part[m] + k * segment_slot (slot k of the row's first segment in the job). */
+static inline void finish_segments(RowState *rs, int queries, float scale, int scaled, float *const *part, int head_dim) {
     if (rs->held) store_scores(rs, queries, rs->n, rs->held, scale, scaled), rs->n += rs->held, rs->held = 0;
-    for (int m = 0; m < queries; m++) {
-        float *scores = rs->scores + m * rs->stride;
-        float total = softmax_numerators(scores, rs->n, largest(scores, rs->n));
-        inverse[m] = rs->n ? 1.0f / total : 0.0f;
+    size_t slot = segment_slot(head_dim);
+    for (int m = 0; m < queries; m++)
+        for (int t = 0; t < rs->n; t += SEGMENT_KEYS) {
+            float *scores = rs->scores + m * rs->stride + t, *at = part[m] + (size_t)(t / SEGMENT_KEYS) * slot + head_dim;
+            int count = rs->n - t < SEGMENT_KEYS ? rs->n - t : SEGMENT_KEYS;
+            at[0] = largest(scores, count);
+            at[1] = softmax_numerators(scores, count, at[0]);
+        }
+}
+
+/* Where the segment of key t (t counting the row's visible keys, from a segment's start) ends. */
+static inline int segment_end(int t, int n) {
+    int end = (t / SEGMENT_KEYS + 1) * SEGMENT_KEYS;
+    return end < n ? end : n;
+}
+
+/* The value sums of `queries` queries (query m's at o + m * o_stride, head_dim / 16 vectors) as
+ * segment k's o_k, then set to zero for the next. */
+static inline void keep_segment(float *const *part, int k, __m512 *o, int o_stride, int queries, int head_dim) {
+    for (int m = 0; m < queries; m++)
+        for (int c = 0; c < head_dim / 16; c++) {
+            _mm512_storeu_ps(part[m] + (size_t)k * segment_slot(head_dim) + 16 * c, o[m * o_stride + c]);
+            o[m * o_stride + c] = _mm512_setzero_ps();
+        }
+}
+
+/* A query's output from its `segments` segments' results (the header's fold: with one segment,
+ * exactly o_0 * (1 / l_0); none: zeros). */
+static void fold_segments(const float *part, int segments, int head_dim, float *out) {
+    size_t slot = segment_slot(head_dim);
+    float best = -INFINITY, total = 0.0f;
+    for (int k = 0; k < segments; k++)
+        if (part[k * slot + head_dim] > best) best = part[k * slot + head_dim];
+    __m512 o[16];
+    for (int c = 0; c < head_dim / 16; c++) o[c] = _mm512_setzero_ps();
+    for (int k = 0; k < segments; k++) {
+        const float *at = part + k * slot;
+        float w = expf(at[head_dim] - best);
+        total = fmaf(w, at[head_dim + 1], total);
+        for (int c = 0; c < head_dim / 16; c++) o[c] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(at + 16 * c), o[c]);
     }
+    __m512 inverse = _mm512_set1_ps(segments ? 1.0f / total : 0.0f);
+    for (int c = 0; c < head_dim / 16; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(o[c], inverse));
 }
 
 /* In a job over Q queries with accumulators o[m][c] and a value row in vv[c]: each query adds the
- * row times its weight (WEIGHT, an expression of m); then out[m] = o[m] / its softmax sum. */
+ * row times its weight (WEIGHT, an expression of m), to the sums of its segment (keep_segment). */
 #define ADD_VALUE_ROW(Q, CH, WEIGHT)                                                                \
     for (int m = 0; m < Q; m++) {                                                                   \
         __m512 p = _mm512_set1_ps(WEIGHT);                                                          \
         for (int c = 0; c < (CH); c++) o[m][c] = _mm512_fmadd_ps(p, vv[c], o[m][c]);                \
     }
-#define STORE_OUTPUTS(Q, CH, OUT, INVERSE)                                                          \
-    for (int m = 0; m < Q; m++)                                                                     \
-        for (int c = 0; c < (CH); c++)                                                              \
-            _mm512_storeu_ps((OUT)[m] + 16 * c, _mm512_mul_ps(o[m][c], _mm512_set1_ps((INVERSE)[m])));
 
 /* The int8 cache (kv cache "int8"): each (head, slot) row is head_dim int8 values then their
  * float32 scale (row bytes head_dim + 4), value = scale * q. Written by layer_ops.c's
@@ -477,7 +552,7 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
     for (int m = 0; m < Q; m++)                                                                     \
         for (int c = 0; c < (CH); c++) o[m][c] = rs->o[16 * m + c];                                 \
     int turn_ = t % job->rows;                                                                      \
-    for (; t < n && keys[t] < j1; t++) {                                                            \
+    for (; t < stop && keys[t] < j1; t++) {                                                         \
         VALUE_PREFETCH(T, t)                                                                        \
         const T *vj = vh + (size_t)keys[t] * row;                                                   \
         VALUE_SCALE(SCALED, CH)                                                                     \
@@ -498,7 +573,7 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
         ADD_VALUES_AT_ONCE(T, LOAD, SCALED, Q, CH)                                                  \
     } else {                                                                                        \
         int end_ = t, turn_ = t % job->rows;                                                        \
-        for (; end_ < n && keys[end_] < j1; end_++) { VALUE_PREFETCH(T, end_) }                     \
+        for (; end_ < stop && keys[end_] < j1; end_++) { VALUE_PREFETCH(T, end_) }                  \
         for (int m = 0; m < Q; m++) {                                                               \
             __m512 sums[(CH)];                                                                      \
             for (int c = 0; c < (CH); c++) sums[c] = rs->o[16 * m + c];                             \
@@ -523,17 +598,18 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
  * for all the rows. A job of one row scores key after key (SCORE_KEY); one of several rows scores
  * each tile from PREPARE_TILE (SCORE_TILE). Each row's arithmetic is exactly what
  * it would be alone, key after key in cache order (between tiles its value sums wait in its
- * RowState), so no result depends on the tiles, the rows or the heads beside it. */
+ * RowState), a segment at a time, so no result depends on the tiles, the rows or the heads
+ * beside it. A piece of a row's segments (cache slots lo .. hi - 1, which start a segment) gets
+ * their results as the whole row would. */
 #define DEFINE_JOB(NAME, T, LOAD, SCALED, Q, CH)                                                    \
     static void NAME(const Job *job, const T *kh, const T *vh, int n_keys, int chunks_, int tile, float scale,  \
                      Scratch *s) {                                                                  \
         (void)chunks_;                                                                              \
         const size_t row = 16 * (size_t)(CH) + (SCALED ? 4 / sizeof(T) : 0);                        \
         __m512 vv[16], o[Q][16];                                                                    \
-        float inverse[ROW_BLOCK][Q];                                                                \
         for (int r = 0; r < job->rows; r++) s->row[r].n = s->row[r].held = s->row[r].t = 0;         \
-        for (int j0 = 0; j0 < n_keys; j0 += tile) { /* the scores */                                \
-            int j1 = n_keys - j0 > tile ? j0 + tile : n_keys;                                       \
+        for (int j0 = job->lo; j0 < job->hi; j0 += tile) { /* the scores */                         \
+            int j1 = job->hi - j0 > tile ? j0 + tile : job->hi;                                     \
             if (job->rows > 1) { /* the tile prepared once, for every row and query */              \
                 PREPARE_TILE(T, LOAD, SCALED, CH)                                                   \
                 for (int r = 0; r < job->rows; r++) SCORE_TILE(T, SCALED, Q, CH);                   \
@@ -556,33 +632,34 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
             }                                                                                       \
         }                                                                                           \
         for (int r = 0; r < job->rows; r++) {                                                       \
-            finish_scores(&s->row[r], Q, scale, SCALED, inverse[r]);                                \
+            finish_segments(&s->row[r], Q, scale, SCALED, job->part[r], 16 * (CH));                 \
             for (int i = 0; i < 16 * Q; i++) s->row[r].o[i] = _mm512_setzero_ps();                  \
         }                                                                                           \
-        for (int j0 = 0; j0 < n_keys; j0 += VALUE_TILE(T, tile)) { /* the values, tile by tile */     \
-            int j1 = n_keys - j0 > VALUE_TILE(T, tile) ? j0 + VALUE_TILE(T, tile) : n_keys;               \
+        for (int j0 = job->lo; j0 < job->hi; j0 += VALUE_TILE(T, tile)) { /* the values, tile by tile */ \
+            int j1 = job->hi - j0 > VALUE_TILE(T, tile) ? j0 + VALUE_TILE(T, tile) : job->hi;             \
             for (int r = 0; r < job->rows; r++) {                                                   \
                 RowState *rs = &s->row[r];                                                          \
                 const int *keys = rs->keys;                                                         \
                 const float *scores = rs->scores;                                                   \
                 size_t stride = rs->stride;                                                         \
                 int t = rs->t, n = rs->n;                                                           \
-                if (t == n || keys[t] >= j1) continue;                                              \
-                ADD_VALUES(T, LOAD, SCALED, Q, CH)                                                  \
+                while (t < n && keys[t] < j1) { /* up to the tile's end or the segment's */         \
+                    int stop = segment_end(t, n);                                                   \
+                    ADD_VALUES(T, LOAD, SCALED, Q, CH)                                              \
+                    if (t == stop) keep_segment(job->part[r], (t - 1) / SEGMENT_KEYS, rs->o, 16, Q, 16 * (CH)); \
+                }                                                                                   \
                 rs->t = t;                                                                          \
             }                                                                                       \
         }                                                                                           \
-        for (int r = 0; r < job->rows; r++) {                                                       \
-            for (int m = 0; m < Q; m++)                                                             \
-                for (int c = 0; c < (CH); c++) o[m][c] = s->row[r].o[16 * m + c];                   \
-            STORE_OUTPUTS(Q, CH, job->out[r], inverse[r])                                           \
-        }                                                                                           \
+        for (int r = 0; job->whole && r < job->rows; r++)                                           \
+            for (int m = 0; m < Q; m++) fold_segments(job->part[r][m], segments_of(s->row[r].n), 16 * (CH), job->out[r][m]); \
     }
 
 /* A pass (plan_jobs). Each job reads its group's keys and values, and reading the cache bounds a
- * decode step's attention, so a one-row pass over three groups on two threads runs them 2:1
- * rather than halving each group (which read every key and value twice). A head size the
- * compiled jobs do not cover runs one query at a time (the general job). */
+ * decode step's attention, so a one-row pass over three groups on two threads cuts each group's
+ * segments into pieces rather than halving each group's heads (which read every key and value
+ * twice); the pieces' results are folded once every job is done. A head size the compiled jobs
+ * do not cover runs one query at a time (the general job). */
 #define DEFINE_ATTENTION(NAME, T, LOAD, SCALED)                                                     \
     DEFINE_JOB(NAME##_q1_c4, T, LOAD, SCALED, 1, 4)                                                 \
     DEFINE_JOB(NAME##_q2_c4, T, LOAD, SCALED, 2, 4)                                                 \
@@ -598,7 +675,13 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
         size_t row = (size_t)head_dim + (SCALED ? 4 / sizeof(T) : 0);                               \
         if (n_q <= 0) return; /* no rows: no jobs */                                                \
         int shared = rows_share_jobs(n_q, (size_t)n_keys * row * sizeof(T) * 2);                    \
-        JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads, shared ? ROW_BLOCK : 1); \
+        /* pieces for one row that sees every key, of two segments or more (the fold costs more   \
+         * than a shorter split saves, measured) */                                                \
+        int segments = n_q == 1 && !visible && n_keys >= 2 * SEGMENT_KEYS ? segments_of(n_keys) : 0; \
+        JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads, shared ? ROW_BLOCK : 1, segments); \
+        float *pieces = NULL;                                                                       \
+        if (plan.pieces > 1 && !(pieces = malloc(sizeof(float) * n_heads * segments * segment_slot(head_dim)))) \
+            plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads, shared ? ROW_BLOCK : 1, 0); /* no memory: whole */ \
         int rows = (n_q + plan.blocks - 1) / plan.blocks;                                           \
         _Pragma("omp parallel num_threads(threads) if (threads > 1)")                               \
         {                                                                                           \
@@ -608,7 +691,7 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
             _Pragma("omp for schedule(static)")                                                     \
             for (int index = 0; index < plan.jobs; index++) {                                       \
                 Job job;                                                                            \
-                job_of(&plan, index, q, out, visible, n_keys, &job);                                \
+                job_of(&plan, index, q, out, visible, n_keys, &s, pieces, &job);                    \
                 const T *kh = k + (size_t)job.kv * cap * row, *vh = v + (size_t)job.kv * cap * row; \
                 int span = job.rows > 1 ? TILE_KEYS : n_keys;                                       \
                 switch (job_kind(chunks, job.count)) {                                              \
@@ -617,13 +700,20 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
                     for (int m = 0; m < job.count; m++) {                                           \
                         Job one = job;                                                              \
                         one.count = 1;                                                              \
-                        for (int r = 0; r < job.rows; r++) one.q[r][0] = job.q[r][m], one.out[r][0] = job.out[r][m]; \
+                        for (int r = 0; r < job.rows; r++)                                          \
+                            one.q[r][0] = job.q[r][m], one.out[r][0] = job.out[r][m], one.part[r][0] = job.part[r][m]; \
                         NAME##_one(&one, kh, vh, n_keys, chunks, span, scale, &s);                  \
                     }                                                                               \
                 }                                                                                   \
             }                                                                                       \
+            if (pieces) { /* every piece done (the loop's barrier): each query's segments folded */ \
+                _Pragma("omp for schedule(static)")                                                 \
+                for (int h = 0; h < n_heads; h++)                                                   \
+                    fold_segments(pieces + (size_t)h * segments * segment_slot(head_dim), segments, head_dim, out + (size_t)h * head_dim); \
+            }                                                                                       \
             scratch_free(&s);                                                                       \
         }                                                                                           \
+        free(pieces);                                                                               \
     }
 
 DEFINE_ATTENTION(decodekit_attention_f32, float, load_f32, 0)
@@ -741,8 +831,9 @@ typedef struct {
             SCORE_KEY(Q, CH, h->base + slot, 0);                                                    \
         }                                                                                           \
         rs->n = n, rs->held = held;                                                                 \
-        float inverse[Q];                                                                           \
-        finish_scores(rs, Q, scale, 0, inverse);                                                    \
+        float *part[Q];                                                                             \
+        for (int m = 0; m < Q; m++) part[m] = rs->part + (size_t)m * s->segments * segment_slot(16 * (CH)); \
+        finish_segments(rs, Q, scale, 0, part, 16 * (CH));                                          \
         n = rs->n;                                                                                  \
         __m512 o[Q][CH], vv[CH];                                                                    \
         for (int m = 0; m < Q; m++)                                                                 \
@@ -760,8 +851,9 @@ typedef struct {
                 for (int c = 0; c < (CH); c++) vv[c] = _mm512_loadu_ps(vj + 16 * c);                \
             }                                                                                       \
             ADD_VALUE_ROW(Q, CH, rs->scores[m * rs->stride + t])                                    \
+            if (t + 1 == segment_end(t, n)) keep_segment(part, t / SEGMENT_KEYS, &o[0][0], (CH), Q, 16 * (CH)); \
         }                                                                                           \
-        STORE_OUTPUTS(Q, CH, out, inverse)                                                          \
+        for (int m = 0; m < Q; m++) fold_segments(part[m], segments_of(n), 16 * (CH), out[m]);      \
     }
 
 DEFINE_KIVI_JOB(kivi_q1_c4, 1, chunks_, 4)
@@ -780,7 +872,7 @@ void decodekit_attention_kivi(const float *q, const uint8_t *k_codes, const floa
     int chunks = head_dim / 16, row_bytes = head_dim * bits / 8;
     /* two jobs for every thread at least: the codes are light to read, so here an uneven split
      * costs more than reading a group's codes twice */
-    JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, 2 * threads, 1);
+    JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, 2 * threads, 1, 0);
     _Pragma("omp parallel num_threads(threads) if (threads > 1)")
     {
         flush_denormals();
@@ -789,7 +881,7 @@ void decodekit_attention_kivi(const float *q, const uint8_t *k_codes, const floa
         _Pragma("omp for schedule(static)")
         for (int index = 0; index < plan.jobs; index++) {
             Job job;
-            job_of(&plan, index, q, out, visible, n_residual, &job);
+            job_of(&plan, index, q, out, visible, n_residual, &s, NULL, &job);
             int kv = job.kv, i = job.first_row, count = job.count;
             const float **qs = (const float **)job.q[0];
             float **outs = job.out[0];
