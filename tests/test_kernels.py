@@ -620,10 +620,10 @@ def _attend_on(threads: int, attend, *args) -> torch.Tensor:
 def test_a_decode_steps_segments_split_between_threads_give_the_bits_of_one_thread(dtype, dim, heads, kv_heads):
     """A one-row pass that sees every key (a decode step) cuts each head's segments of 256 keys into
     pieces, a job each, so that threads share every head (Flash-Decoding) and fold the pieces after.
-    On any number of threads, for every key count (from two segments, where pieces start; whole
-    segments and a part of one), the row gets the bits of one thread, which takes whole heads, and of the
-    same row in a pass of several rows under a mask (a verification), which never cuts. The same
-    over the int8 cache (its rows' scales)."""
+    On any number of threads, for every key count (one key past a segment; segments and a part of
+    one; whole segments), the row gets the bits of one thread, which takes whole heads, and of
+    the same row in a pass of several rows under a mask (a verification), which never cuts. The
+    same over the int8 cache (its rows' scales)."""
     if dtype == "int8":
         int8 = kernels.int8_cache_kernels(dim)
         attend, cache = (None, None) if int8 is None else (int8.attention, kernels.quantise_int8_rows)
@@ -632,7 +632,7 @@ def test_a_decode_steps_segments_split_between_threads_give_the_bits_of_one_thre
     if attend is None:
         pytest.skip("no C compiler or no AVX2 on this machine")
     gen = torch.Generator().manual_seed(15)
-    for n_keys in (2 * SEGMENT_KEYS, 3 * SEGMENT_KEYS + 77, 4 * SEGMENT_KEYS, 5 * SEGMENT_KEYS + 255):
+    for n_keys in (SEGMENT_KEYS + 1, 3 * SEGMENT_KEYS + 77, 4 * SEGMENT_KEYS, 5 * SEGMENT_KEYS + 255):
         k = cache(torch.randn(kv_heads, n_keys + 3, dim, generator=gen))
         v = cache(torch.randn(kv_heads, n_keys + 3, dim, generator=gen))
         q = torch.randn(3, heads, dim, generator=gen)

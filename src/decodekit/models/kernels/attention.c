@@ -675,9 +675,7 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
         size_t row = (size_t)head_dim + (SCALED ? 4 / sizeof(T) : 0);                               \
         if (n_q <= 0) return; /* no rows: no jobs */                                                \
         int shared = rows_share_jobs(n_q, (size_t)n_keys * row * sizeof(T) * 2);                    \
-        /* pieces for one row that sees every key, of two segments or more (the fold costs more   \
-         * than a shorter split saves, measured) */                                                \
-        int segments = n_q == 1 && !visible && n_keys >= 2 * SEGMENT_KEYS ? segments_of(n_keys) : 0; \
+        int segments = n_q == 1 && !visible ? segments_of(n_keys) : 0; /* a piece sees every key */ \
         JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads, shared ? ROW_BLOCK : 1, segments); \
         float *pieces = NULL;                                                                       \
         if (plan.pieces > 1 && !(pieces = malloc(sizeof(float) * n_heads * segments * segment_slot(head_dim)))) \
