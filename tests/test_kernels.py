@@ -646,6 +646,43 @@ def test_a_decode_steps_segments_split_between_threads_give_the_bits_of_one_thre
         assert torch.equal(in_a_pass[0], alone[0]), n_keys
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [2, 5, 8, 20])
+def test_a_verifications_rows_cut_into_pieces_get_the_bits_of_each_row_alone(dtype, rows):
+    """A pass whose rows all see a prefix (a verification's tree, a prompt's chunk) is cut into
+    pieces at the segments of that prefix, with all its rows in a piece (one reading of the keys
+    for them all), the last piece taking the rows' own keys. On any number of threads each row
+    gets the bits it gets alone, from its visible keys packed together on one thread: a prefix
+    shorter than a segment (no pieces), ending two keys before a segment's end (the last piece
+    starts at that segment), past 4,096 keys (blocks of rows read a tile at a time), and one that
+    a row does not see whole (no piece may start past the key it does not see)."""
+    attend = kernels.layout_independent_attention(dtype, 64)
+    if attend is None:
+        pytest.skip("no C compiler or no AVX2 on this machine")
+    gen = torch.Generator().manual_seed(17)
+    for start, hole in ((SEGMENT_KEYS - 3, None), (3 * SEGMENT_KEYS - 2, None), (4200, None), (3 * SEGMENT_KEYS - 2, 10)):
+        n_keys = start + rows
+        k = torch.randn(3, n_keys, 64, generator=gen).to(dtype)
+        v = torch.randn(3, n_keys, 64, generator=gen).to(dtype)
+        q = torch.randn(rows, 9, 64, generator=gen)
+        visible = torch.zeros(rows, n_keys, dtype=torch.bool)
+        visible[:, :start] = True
+        for row in range(rows):  # a tree: each row sees itself and its parent's path
+            parent = int(torch.randint(-1, row, (1,), generator=gen)) if row else -1
+            if parent >= 0:
+                visible[row, start:] = visible[parent, start:]
+            visible[row, start + row] = True
+        if hole is not None:
+            visible[rows // 2, hole] = False
+        got = {threads: _attend_on(threads, attend, q, k, v, visible, 0.125) for threads in (1, 2, 3, 4)}
+        for threads in (2, 3, 4):
+            assert torch.equal(got[threads], got[1]), (start, threads)
+        for row in range(rows):
+            seen = visible[row].nonzero().flatten()
+            alone = _attend_on(1, attend, q[row : row + 1], k[:, seen].contiguous(), v[:, seen].contiguous(), None, 0.125)
+            assert torch.equal(got[2][row], alone[0]), (start, row)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dim", [64, 48])  # a group's heads a job; one head a job
 def test_segments_folded_match_sdpa_where_each_segment_has_its_own_largest_score(threads, dim):

@@ -9,13 +9,14 @@
  * key at a time across the head dimension. Then, segment after segment, with m the largest m_k
  * and w_k = expf(m_k - m): L = sum_k w_k l_k, O = sum_k w_k o_k (fused multiply-adds from zero),
  * and out = O * (1 / L). (One segment: out = o_0 * (1 / l_0).) The segments are the split of
- * Flash-Decoding (Dao, Haziza, Massa, Sizov, 2023): a one-row pass over few key/value heads gives
- * each thread a share of every head's segments instead of whole heads (plan_jobs), and folds them
- * after (fold_segments). Since they count visible keys, not cache slots, a token verified in a
- * tree (prefix + its ancestors visible) gets bit for bit the attention output it gets in plain
- * one-token decoding, where the same keys are the contiguous cache prefix, however the pass is
- * split. Library attention kernels block the key axis by position, so their rounding depends on
- * the layout; with bfloat16 that flips near-tied tokens.
+ * Flash-Decoding (Dao, Haziza, Massa, Sizov, 2023): a pass over few key/value heads (a decode
+ * step, a verification) gives each thread a share of every head's segments, from those that every
+ * row sees whole, instead of whole heads (plan_jobs), and folds them after (fold_segments). Since
+ * segments count visible keys, not cache slots, a token verified in a tree (prefix + its
+ * ancestors visible) gets bit for bit the attention output it gets in plain one-token decoding,
+ * where the same keys are the contiguous cache prefix, however the pass is split. Library
+ * attention kernels block the key axis by position, so their rounding depends on the layout; with
+ * bfloat16 that flips near-tied tokens.
  *
  * q: [n_q, H, D] float32. k, v: cache of one layer and batch row, [H_kv, cap, D] in float32 or
  * bfloat16. visible: [n_q, n_keys] bytes, or NULL for "all n_keys". out: [n_q, H, D] float32.
@@ -190,19 +191,20 @@ static void scratch_free(Scratch *s) {
 }
 
 /* How a pass is cut into jobs: (key/value head, block of rows, a share of the group's heads, a
- * piece of the segments), in the order job_of says. A job takes up to `max_rows` rows and a
- * group's heads together, as many as registers hold (MAX_Q where head_dim is 64, 2 where 128,
- * else 1); rows are split into more blocks where the jobs would not be a multiple of `min_jobs`
- * (or fewer), then heads into shares where there would still be under `min_jobs` jobs. A pass
- * of one row that sees all of its `segments` segments (else 0) has them cut into pieces instead,
- * each a job, until the jobs are a multiple of `min_jobs`: a decode step over three key/value heads on
- * two threads runs 3:3 half heads, not 2:1 heads (reading the cache bounds it), and reads every
- * key once. */
+ * piece of the keys), in the order job_of says. A job takes up to `max_rows` rows and a group's
+ * heads together, as many as registers hold (MAX_Q where head_dim is 64, 2 where 128, else 1).
+ * Where the keys can be cut (`units` of them, at least 2: pieces_of), they are cut into pieces,
+ * each a job, until the jobs are a multiple of `min_jobs`: a decode step over three key/value
+ * heads on two threads runs 3:3 half heads, not 2:1 heads, and a verification of 5 rows over a
+ * long cache runs its rows together (each tile of keys read once for them all) in 3:3 half
+ * heads, not in blocks of 2 and 3 rows (every key read twice, 2:3 rows). Otherwise rows are
+ * split into more blocks where the jobs would not be a multiple of `min_jobs` (or fewer), then
+ * heads into shares where there would still be under `min_jobs` jobs. */
 typedef struct {
-    int n_q, n_heads, n_kv, group, per_job, shares, blocks, head_dim, pieces, segments, jobs;
+    int n_q, n_heads, n_kv, group, per_job, shares, blocks, head_dim, pieces, units, jobs;
 } JobPlan;
 
-static JobPlan plan_jobs(int n_q, int n_heads, int n_kv_heads, int head_dim, int min_jobs, int max_rows, int segments) {
+static JobPlan plan_jobs(int n_q, int n_heads, int n_kv_heads, int head_dim, int min_jobs, int max_rows, int units) {
     if (min_jobs < 1) min_jobs = 1; /* no thread asked for: one (and no division by zero below) */
     int group = n_heads / n_kv_heads, chunks = head_dim / 16;
     int most = chunks == 4 ? MAX_Q : chunks == 8 ? 2 : 1;
@@ -210,11 +212,41 @@ static JobPlan plan_jobs(int n_q, int n_heads, int n_kv_heads, int head_dim, int
     int blocks = (n_q + max_rows - 1) / max_rows;
     /* attention is bound by its arithmetic more than by reading the cache: as many jobs as threads
      * at least, in a multiple of them where the rows allow (each thread as many) */
-    while (blocks < n_q && (n_kv_heads * blocks < min_jobs || n_kv_heads * blocks % min_jobs)) blocks++;
-    while (segments < 2 && per_job > 1 && n_kv_heads * blocks * ((group + per_job - 1) / per_job) < min_jobs) per_job--;
+    while (units < 2 && blocks < n_q && (n_kv_heads * blocks < min_jobs || n_kv_heads * blocks % min_jobs)) blocks++;
+    while (units < 2 && per_job > 1 && n_kv_heads * blocks * ((group + per_job - 1) / per_job) < min_jobs) per_job--;
     int shares = (group + per_job - 1) / per_job, jobs = n_kv_heads * blocks * shares, pieces = 1;
-    while (pieces < segments && jobs * pieces % min_jobs) pieces++;
-    return (JobPlan){n_q, n_heads, n_kv_heads, group, per_job, shares, blocks, head_dim, pieces, segments, jobs * pieces};
+    while (pieces < units && jobs * pieces % min_jobs) pieces++;
+    return (JobPlan){n_q, n_heads, n_kv_heads, group, per_job, shares, blocks, head_dim, pieces, units, jobs * pieces};
+}
+
+/* The first key some row of the pass does not see (n_keys: none), by runs of its mask. */
+static int seen_by_every_row(const uint8_t *visible, int n_q, int n_keys) {
+    int common = n_keys;
+    for (int r = 0; visible && r < n_q && common > 0; r++) {
+        int unseen = next_run(visible + (size_t)r * n_keys, 0, common, 0);
+        if (unseen < common) common = unseen;
+    }
+    return common;
+}
+
+/* Where a pass's keys can be cut into pieces: at the starts of the segments that every row sees
+ * from its first key on (there a key's segment is the same in every row: the row sees every key
+ * before it), the last piece taking the rest. Returns the units between those starts (whole
+ * segments, then the rest); under 2, no pieces. */
+static inline int pieces_of(int common, int n_keys) {
+    int units = common / SEGMENT_KEYS + 1;
+    return units < segments_of(n_keys) ? units : segments_of(n_keys);
+}
+
+/* How many keys a row sees (n_keys where visible is NULL). */
+static int visible_count(const uint8_t *visible, int n_keys) {
+    int count = 0;
+    for (int run = next_run(visible, 0, n_keys, 1); run < n_keys;) {
+        int end = next_run(visible, run, n_keys, 0);
+        count += end - run;
+        run = next_run(visible, end, n_keys, 1);
+    }
+    return count;
 }
 
 /* Whether the jobs of a pass of n_q rows take several rows each (tiles of keys read once for them,
@@ -222,7 +254,7 @@ static JobPlan plan_jobs(int n_q, int n_heads, int n_kv_heads, int head_dim, int
  * where the head outgrows the cache next to a core (measured, docs/BENCHMARKS.md). Otherwise a
  * job a row: more jobs to share between threads, and for a few rows over a short cache, faster. */
 static inline int rows_share_jobs(int n_q, size_t head_bytes) {
-    return n_q >= 16 || (n_q >= 8 && head_bytes >= ((size_t)1 << 20)) || head_bytes >= ((size_t)2 << 20);
+    return n_q >= 16 || (n_q >= 8 && head_bytes >= ((size_t)1 << 20)) || (n_q >= 4 && head_bytes >= ((size_t)2 << 20));
 }
 
 /* One job: `rows` rows of the pass, `count` queries each (heads of one group, so they read the
@@ -239,16 +271,16 @@ typedef struct {
 } Job;
 
 /* Job `index` of plan p. A whole job keeps its segments in the thread's scratch s; a piece in
- * `pieces` ([n_heads][p->segments][segment_slot], the one row's). */
+ * `pieces` ([n_q][n_heads][segments_of(n_keys)][segment_slot]). */
 static inline void job_of(const JobPlan *p, int index, const float *q, float *out, const uint8_t *visible, int n_keys,
                           Scratch *s, float *pieces, Job *job) {
     int piece = index % p->pieces;
     index /= p->pieces;
-    int first_segment = p->segments * piece / p->pieces, end_segment = p->segments * (piece + 1) / p->pieces;
+    int first_unit = p->units * piece / p->pieces, end_unit = p->units * (piece + 1) / p->pieces;
     job->whole = p->pieces == 1;
-    job->lo = job->whole ? 0 : first_segment * SEGMENT_KEYS;
-    job->hi = job->whole || end_segment * SEGMENT_KEYS > n_keys ? n_keys : end_segment * SEGMENT_KEYS;
-    size_t slot = segment_slot(p->head_dim);
+    job->lo = job->whole ? 0 : first_unit * SEGMENT_KEYS;
+    job->hi = job->whole || end_unit == p->units ? n_keys : end_unit * SEGMENT_KEYS;
+    size_t slot = segment_slot(p->head_dim), slots = (size_t)segments_of(n_keys) * slot; /* a query's, in pieces */
     int share = index % p->shares, kv, block;
     if (p->blocks == p->n_q) /* a row a job: a thread's jobs follow each other in the same key/value head */
         block = index / p->shares % p->blocks, kv = index / (p->shares * p->blocks);
@@ -267,7 +299,7 @@ static inline void job_of(const JobPlan *p, int index, const float *q, float *ou
             job->q[r][m] = q + (row * p->n_heads + first + m) * p->head_dim;
             job->out[r][m] = out + (row * p->n_heads + first + m) * p->head_dim;
             job->part[r][m] = job->whole ? s->row[r].part + (size_t)m * s->segments * slot
-                                         : pieces + ((size_t)(first + m) * p->segments + first_segment) * slot;
+                                         : pieces + (row * p->n_heads + first + m) * slots + (size_t)first_unit * slot;
         }
     }
 }
@@ -399,7 +431,8 @@ static inline __attribute__((always_inline)) void transpose16(__m512 *x) {
 /* Keys j0 .. j1 - 1 (at most TILE_KEYS) of a head as float32 (keys past j1 in the last block of
  * 16: zeros), their row scales (SCALED) at kscale[j - j0]. On AVX-512 each block of 16 keys is
  * transposed: in block b, value d of the block's key t at kt[(b * dims + d) * 16 + t]; on AVX2
- * the keys stay rows, key t of block b at kt[(b * 16 + t) * dims] (tile_scores). */
+ * the keys stay rows, key t of block b at kt[(b * 16 + t) * dims] (tile_scores), and a whole
+ * block of float32 rows is not copied but read in the cache (TILE_BLOCK says where a block is). */
 #define TILE_SCALES(SCALED, CH)                                                                     \
         if (SCALED)                                                                                 \
             for (int t = 0; t < 16; t++) {                                                          \
@@ -421,12 +454,18 @@ static inline __attribute__((always_inline)) void transpose16(__m512 *x) {
         }                                                                                           \
         TILE_SCALES(SCALED, CH)                                                                     \
     }
+#define TILE_BLOCK(T, SCALED, CH, b) (s->kt + (size_t)((b) - j0) * 16 * (CH))
 #else
+/* float32 rows are read where they are, but for a last block of under 16 keys (padded with zeros) */
+#define READ_IN_PLACE(T, SCALED, b) (sizeof(T) == 4 && !(SCALED) && j1 - (b) >= 16)
+#define TILE_BLOCK(T, SCALED, CH, b)                                                                \
+    (READ_IN_PLACE(T, SCALED, b) ? (const float *)(const void *)(kh + (size_t)(b) * row) : s->kt + (size_t)((b) - j0) * 16 * (CH))
 #define PREPARE_TILE(T, LOAD, SCALED, CH)                                                           \
     for (int b = j0; b < j1; b += 16) {                                                             \
         int count = j1 - b < 16 ? j1 - b : 16;                                                      \
         float *kb = s->kt + (size_t)(b - j0) * 16 * (CH);                                           \
         ask_for(kh + (size_t)(b + 32) * row, 16 * row * sizeof(T));                                 \
+        if (READ_IN_PLACE(T, SCALED, b)) continue;                                                  \
         for (int t = 0; t < 16; t++)                                                                \
             for (int c = 0; c < (CH); c++)                                                          \
                 _mm512_store_ps(kb + (size_t)t * 16 * (CH) + 16 * c,                                \
@@ -459,10 +498,10 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
  * shuffles, which leave key t in lane t. (Transposed, each multiply-add would need a broadcast and
  * a load, and the sixteen partial sums would not fit the sixteen registers.) */
 static inline __attribute__((always_inline)) __m256 key_pairs8(const __m256 *qv, const float *k, int chunks) {
-    __m256 lo = _mm256_mul_ps(qv[0], _mm256_load_ps(k)), hi = _mm256_mul_ps(qv[1], _mm256_load_ps(k + 8));
+    __m256 lo = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k)), hi = _mm256_mul_ps(qv[1], _mm256_loadu_ps(k + 8));
     for (int c = 1; c < chunks; c++) {
-        lo = _mm256_fmadd_ps(qv[2 * c], _mm256_load_ps(k + 16 * c), lo);
-        hi = _mm256_fmadd_ps(qv[2 * c + 1], _mm256_load_ps(k + 16 * c + 8), hi);
+        lo = _mm256_fmadd_ps(qv[2 * c], _mm256_loadu_ps(k + 16 * c), lo);
+        hi = _mm256_fmadd_ps(qv[2 * c + 1], _mm256_loadu_ps(k + 16 * c + 8), hi);
     }
     return _mm256_add_ps(lo, hi);
 }
@@ -504,7 +543,7 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
                 seen = _mm_test_epi8_mask(bytes, bytes);                                            \
             }                                                                                       \
             if (!seen) continue;                                                                    \
-            const float *kb = s->kt + (size_t)(b - j0) * 16 * (CH);                                 \
+            const float *kb = TILE_BLOCK(T, SCALED, CH, b);                                         \
             { /* the next tile's block b, a share of it from each row: the memory's work spread over theirs */ \
                 size_t bytes_ = 16 * row * sizeof(T), share_ = (bytes_ / 64 + job->rows - 1) / job->rows * 64; \
                 size_t from_ = (size_t)r * share_;                                                  \
@@ -656,10 +695,10 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
     }
 
 /* A pass (plan_jobs). Each job reads its group's keys and values, and reading the cache bounds a
- * decode step's attention, so a one-row pass over three groups on two threads cuts each group's
- * segments into pieces rather than halving each group's heads (which read every key and value
- * twice); the pieces' results are folded once every job is done. A head size the compiled jobs
- * do not cover runs one query at a time (the general job). */
+ * decode step's attention, so a pass over three groups on two threads cuts each group's keys into
+ * pieces (pieces_of) rather than halving each group's heads (which read every key and value
+ * twice); the pieces' results are folded once every job is done, each row's by how many keys it
+ * sees. A head size the compiled jobs do not cover runs one query at a time (the general job). */
 #define DEFINE_ATTENTION(NAME, T, LOAD, SCALED)                                                     \
     DEFINE_JOB(NAME##_q1_c4, T, LOAD, SCALED, 1, 4)                                                 \
     DEFINE_JOB(NAME##_q2_c4, T, LOAD, SCALED, 2, 4)                                                 \
@@ -675,10 +714,10 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
         size_t row = (size_t)head_dim + (SCALED ? 4 / sizeof(T) : 0);                               \
         if (n_q <= 0) return; /* no rows: no jobs */                                                \
         int shared = rows_share_jobs(n_q, (size_t)n_keys * row * sizeof(T) * 2);                    \
-        int segments = n_q == 1 && !visible ? segments_of(n_keys) : 0; /* a piece sees every key */ \
-        JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads, shared ? ROW_BLOCK : 1, segments); \
+        int segments = segments_of(n_keys), units = pieces_of(seen_by_every_row(visible, n_q, n_keys), n_keys); \
+        JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads, shared ? ROW_BLOCK : 1, units); \
         float *pieces = NULL;                                                                       \
-        if (plan.pieces > 1 && !(pieces = malloc(sizeof(float) * n_heads * segments * segment_slot(head_dim)))) \
+        if (plan.pieces > 1 && !(pieces = malloc(sizeof(float) * n_q * n_heads * segments * segment_slot(head_dim)))) \
             plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads, shared ? ROW_BLOCK : 1, 0); /* no memory: whole */ \
         int rows = (n_q + plan.blocks - 1) / plan.blocks;                                           \
         _Pragma("omp parallel num_threads(threads) if (threads > 1)")                               \
@@ -706,8 +745,10 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
             }                                                                                       \
             if (pieces) { /* every piece done (the loop's barrier): each query's segments folded */ \
                 _Pragma("omp for schedule(static)")                                                 \
-                for (int h = 0; h < n_heads; h++)                                                   \
-                    fold_segments(pieces + (size_t)h * segments * segment_slot(head_dim), segments, head_dim, out + (size_t)h * head_dim); \
+                for (int i = 0; i < n_q * n_heads; i++) {                                           \
+                    int seen = visible_count(visible ? visible + (size_t)(i / n_heads) * n_keys : NULL, n_keys); \
+                    fold_segments(pieces + (size_t)i * segments * segment_slot(head_dim), segments_of(seen), head_dim, out + (size_t)i * head_dim); \
+                }                                                                                   \
             }                                                                                       \
             scratch_free(&s);                                                                       \
         }                                                                                           \
