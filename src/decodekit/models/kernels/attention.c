@@ -251,8 +251,9 @@ static int visible_count(const uint8_t *visible, int n_keys) {
 
 /* Whether the jobs of a pass of n_q rows take several rows each (tiles of keys read once for them,
  * scored a block at once: DEFINE_JOB), given the bytes of a head's keys and values: for many rows, or
- * where the head outgrows the cache next to a core (measured, docs/BENCHMARKS.md). Otherwise a
- * job a row: more jobs to share between threads, and for a few rows over a short cache, faster. */
+ * where the head outgrows the cache next to a core, from 4 rows (measured, docs/BENCHMARKS.md: 2
+ * rows over a long cache run faster a job a row, each reading it). Otherwise a job a row: more
+ * jobs to share between threads, and for a few rows over a short cache, faster. */
 static inline int rows_share_jobs(int n_q, size_t head_bytes) {
     return n_q >= 16 || (n_q >= 8 && head_bytes >= ((size_t)1 << 20)) || (n_q >= 4 && head_bytes >= ((size_t)2 << 20));
 }
