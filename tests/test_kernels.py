@@ -695,7 +695,8 @@ def test_segments_folded_match_sdpa_where_each_segment_has_its_own_largest_score
     gen = torch.Generator().manual_seed(16)
     n_keys = 5 * SEGMENT_KEYS + 100
     k = torch.randn(3, n_keys, dim, generator=gen)
-    k *= torch.linspace(0.2, 1.5, n_keys).roll(SEGMENT_KEYS // 2)[None, :, None]  # the largest scores in the middle of segment 3
+    # keys scaled from 0.2 to 1.5 along the cache, rolled so that the largest end up mid-way through the first segment
+    k *= torch.linspace(0.2, 1.5, n_keys).roll(SEGMENT_KEYS // 2)[None, :, None]
     v = torch.randn(3, n_keys, dim, generator=gen)
     q = 2 * torch.randn(2, 9, dim, generator=gen)
     visible = torch.ones(2, n_keys, dtype=torch.bool)
