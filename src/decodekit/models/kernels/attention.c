@@ -745,9 +745,11 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
                 }                                                                                   \
             }                                                                                       \
             if (pieces) { /* every piece done (the loop's barrier): each query's segments folded */ \
+                int counted = -1, seen = 0; /* the row whose visible keys `seen` counts */          \
                 _Pragma("omp for schedule(static)")                                                 \
                 for (int i = 0; i < n_q * n_heads; i++) {                                           \
-                    int seen = visible_count(visible ? visible + (size_t)(i / n_heads) * n_keys : NULL, n_keys); \
+                    if (i / n_heads != counted)                                                     \
+                        counted = i / n_heads, seen = visible_count(visible ? visible + (size_t)counted * n_keys : NULL, n_keys); \
                     fold_segments(pieces + (size_t)i * segments * segment_slot(head_dim), segments_of(seen), head_dim, out + (size_t)i * head_dim); \
                 }                                                                                   \
             }                                                                                       \
