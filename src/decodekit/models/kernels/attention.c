@@ -715,7 +715,8 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
         size_t row = (size_t)head_dim + (SCALED ? 4 / sizeof(T) : 0);                               \
         if (n_q <= 0) return; /* no rows: no jobs */                                                \
         int shared = rows_share_jobs(n_q, (size_t)n_keys * row * sizeof(T) * 2);                    \
-        int segments = segments_of(n_keys), units = pieces_of(seen_by_every_row(visible, n_q, n_keys), n_keys); \
+        /* one thread takes whole jobs: no pieces, and no mask to read for them */                \
+        int segments = segments_of(n_keys), units = threads > 1 ? pieces_of(seen_by_every_row(visible, n_q, n_keys), n_keys) : 0; \
         JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads, shared ? ROW_BLOCK : 1, units); \
         float *pieces = NULL;                                                                       \
         if (plan.pieces > 1 && !(pieces = malloc(sizeof(float) * n_q * n_heads * segments * segment_slot(head_dim)))) \
@@ -842,12 +843,13 @@ typedef struct {
     int group, base, end, n_residual, bits;
 } KiviHead;
 
-/* One job: Q queries (rows q[m], outputs out[m]) of one row that share a key/value head, CH =
- * head_dim / 16 (a constant where registers hold them all, else a variable). Each key and value
- * is rebuilt once for all Q; each query's arithmetic is what it would be alone. */
+/* One job: Q queries (rows q[m], outputs out[m], segment results part[m]: job_of's) of one row
+ * that share a key/value head, CH = head_dim / 16 (a constant where registers hold them all, else
+ * a variable). Each key and value is rebuilt once for all Q; each query's arithmetic is what it
+ * would be alone. */
 #define DEFINE_KIVI_JOB(NAME, Q, CH_PARAM, CH)                                                      \
-    static void NAME(const float *const *q, float *const *out, const KiviHead *h, const uint8_t *vis, \
-                     int CH_PARAM, float scale, Scratch *s) {                                       \
+    static void NAME(const float *const *q, float *const *out, float *const *part, const KiviHead *h, \
+                     const uint8_t *vis, int CH_PARAM, float scale, Scratch *s) {                   \
         (void)chunks_;                                                                              \
         const int row_bytes = 2 * h->bits * (CH);                                                   \
         __m512 qv[Q][CH], ks[CH], km[CH], kv[CH];                                                   \
@@ -873,8 +875,6 @@ typedef struct {
             SCORE_KEY(Q, CH, h->base + slot, 0);                                                    \
         }                                                                                           \
         rs->n = n, rs->held = held;                                                                 \
-        float *part[Q];                                                                             \
-        for (int m = 0; m < Q; m++) part[m] = rs->part + (size_t)m * s->segments * segment_slot(16 * (CH)); \
         finish_segments(rs, Q, scale, 0, part, 16 * (CH));                                          \
         n = rs->n;                                                                                  \
         __m512 o[Q][CH], vv[CH];                                                                    \
@@ -933,9 +933,9 @@ void decodekit_attention_kivi(const float *q, const uint8_t *k_codes, const floa
                           group, base, qend[i], n_residual, bits};
             const uint8_t *vis = job.vis[0];
             switch (job_kind(chunks, count)) {
-            JOB_CASES(kivi, qs, outs, &h, vis, chunks, scale, &s)
+            JOB_CASES(kivi, qs, outs, job.part[0], &h, vis, chunks, scale, &s)
             default:
-                for (int m = 0; m < count; m++) kivi_one(qs + m, outs + m, &h, vis, chunks, scale, &s);
+                for (int m = 0; m < count; m++) kivi_one(qs + m, outs + m, job.part[0] + m, &h, vis, chunks, scale, &s);
             }
         }
         scratch_free(&s);
