@@ -683,6 +683,32 @@ def test_a_verifications_rows_cut_into_pieces_get_the_bits_of_each_row_alone(dty
             assert torch.equal(got[2][row], alone[0]), (start, row)
 
 
+def test_a_pass_is_cut_into_pieces_only_where_they_share_the_work_out_evenly():
+    """Pieces end at segment starts. A decode step over 6,000 keys and three key/value heads is cut
+    into pieces (each of two threads half of every head, not two heads and one). 16 rows over 272
+    keys would make pieces of 256 and 16 keys (528 : 288 keys a row between two threads), so their
+    rows are cut into two blocks of 8 instead, dealt evenly; their bits are one thread's either way."""
+    attend = kernels.layout_independent_attention(torch.float32, 64)
+    if attend is None:
+        pytest.skip("no C compiler or no AVX2 on this machine")
+    from decodekit.models.kernels.attention import attention_plan
+
+    step = attention_plan(1, 9, 3, 64, 6000, None, 2)
+    assert step["pieces"] == 2 and step["jobs"] == 6
+    # pieces of 12 segments (3,072 keys) and the other 2,928; a thread takes three, of 3 queries each
+    assert step["heaviest"] == 3 * (2 * 3072 + 2928)
+    assert attention_plan(1, 9, 3, 64, 6000, None, 1)["pieces"] == 1  # one thread: whole heads
+    rows, n_keys = 16, 272
+    visible = torch.ones(rows, n_keys, dtype=torch.bool).tril(n_keys - rows)  # a prefix, then causal
+    plan = attention_plan(rows, 9, 3, 64, n_keys, visible, 2)
+    assert plan["pieces"] == 1 and plan["blocks"] == 2 and plan["jobs"] == 6
+    assert plan["heaviest"] == rows * 9 * n_keys // 2
+    gen = torch.Generator().manual_seed(18)
+    q = torch.randn(rows, 9, 64, generator=gen)
+    k, v = torch.randn(3, n_keys, 64, generator=gen), torch.randn(3, n_keys, 64, generator=gen)
+    assert torch.equal(_attend_on(2, attend, q, k, v, visible, 0.125), _attend_on(1, attend, q, k, v, visible, 0.125))
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dim", [64, 48])  # a group's heads a job; one head a job
 def test_segments_folded_match_sdpa_where_each_segment_has_its_own_largest_score(threads, dim):

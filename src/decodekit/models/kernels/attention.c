@@ -11,7 +11,7 @@
  * and out = O * (1 / L). (One segment: out = o_0 * (1 / l_0).) The segments are the split of
  * Flash-Decoding (Dao, Haziza, Massa, Sizov, 2023): a pass over few key/value heads (a decode
  * step, a verification) gives each thread a share of every head's segments, from those that every
- * row sees whole, instead of whole heads (plan_jobs), and folds them after (fold_segments). Since
+ * row sees whole, instead of whole heads (plan_jobs, plan_pass), and folds them after (fold_segments). Since
  * segments count visible keys, not cache slots, a token verified in a tree (prefix + its
  * ancestors visible) gets bit for bit the attention output it gets in plain one-token decoding,
  * where the same keys are the contiguous cache prefix, however the pass is split. Library
@@ -201,7 +201,7 @@ static void scratch_free(Scratch *s) {
  * split into more blocks where the jobs would not be a multiple of `min_jobs` (or fewer), then
  * heads into shares where there would still be under `min_jobs` jobs. */
 typedef struct {
-    int n_q, n_heads, n_kv, group, per_job, shares, blocks, head_dim, pieces, units, jobs;
+    int n_q, n_heads, n_kv, group, per_job, shares, blocks, head_dim, pieces, units, jobs, max_rows;
 } JobPlan;
 
 static JobPlan plan_jobs(int n_q, int n_heads, int n_kv_heads, int head_dim, int min_jobs, int max_rows, int units) {
@@ -216,7 +216,7 @@ static JobPlan plan_jobs(int n_q, int n_heads, int n_kv_heads, int head_dim, int
     while (units < 2 && per_job > 1 && n_kv_heads * blocks * ((group + per_job - 1) / per_job) < min_jobs) per_job--;
     int shares = (group + per_job - 1) / per_job, jobs = n_kv_heads * blocks * shares, pieces = 1;
     while (pieces < units && jobs * pieces % min_jobs) pieces++;
-    return (JobPlan){n_q, n_heads, n_kv_heads, group, per_job, shares, blocks, head_dim, pieces, units, jobs * pieces};
+    return (JobPlan){n_q, n_heads, n_kv_heads, group, per_job, shares, blocks, head_dim, pieces, units, jobs * pieces, max_rows};
 }
 
 /* The first key some row of the pass does not see (n_keys: none), by runs of its mask. */
@@ -271,36 +271,93 @@ typedef struct {
     int rows, count, kv, first_row, lo, hi, whole;
 } Job;
 
+/* Where job `index` of plan p falls: its key/value head, its first row and row count, its first
+ * query head and query count, and its piece's first unit and cache slots lo .. hi - 1. */
+typedef struct {
+    int kv, first_row, rows, first, count, first_unit, lo, hi;
+} JobSpan;
+
+static inline JobSpan span_of(const JobPlan *p, int index, int n_keys) {
+    JobSpan j;
+    int piece = index % p->pieces;
+    index /= p->pieces;
+    j.first_unit = p->units * piece / p->pieces;
+    int end_unit = p->units * (piece + 1) / p->pieces;
+    j.lo = p->pieces == 1 ? 0 : j.first_unit * SEGMENT_KEYS;
+    j.hi = p->pieces == 1 || end_unit == p->units ? n_keys : end_unit * SEGMENT_KEYS;
+    int share = index % p->shares, block;
+    if (p->blocks == p->n_q) /* a row a job: a thread's jobs follow each other in the same key/value head */
+        block = index / p->shares % p->blocks, j.kv = index / (p->shares * p->blocks);
+    else /* blocks of rows: the threads read the same key/value head at the same time */
+        j.kv = index / p->shares % p->n_kv, block = index / (p->shares * p->n_kv);
+    int count = p->group - share * p->per_job;
+    j.first_row = (int)((int64_t)block * p->n_q / p->blocks);
+    j.rows = (int)((int64_t)(block + 1) * p->n_q / p->blocks) - j.first_row;
+    j.count = count > p->per_job ? p->per_job : count;
+    j.first = j.kv * p->group + share * p->per_job;
+    return j;
+}
+
+/* The most work one of `threads` threads gets from plan p, in rows x queries x keys, as
+ * schedule(static) deals the jobs (in contiguous runs, the first jobs % threads one longer). */
+static int64_t heaviest_thread(const JobPlan *p, int n_keys, int threads) {
+    int64_t most = 0;
+    for (int t = 0, index = 0; t < threads; t++) {
+        int64_t load = 0;
+        for (int end = index + p->jobs / threads + (t < p->jobs % threads); index < end; index++) {
+            JobSpan j = span_of(p, index, n_keys);
+            load += (int64_t)j.rows * j.count * (j.hi - j.lo);
+        }
+        most = load > most ? load : most;
+    }
+    return most;
+}
+
+/* The plan of a pass of n_q rows over n_keys keys (`visible` as the kernels take it) whose heads'
+ * keys and values take `head_bytes` each: pieces where the keys can be cut, unless cutting the rows
+ * and heads instead leaves the busiest thread less to do. Pieces end at segment starts, so over a
+ * short cache they can be lopsided: 16 rows over 272 keys and three key/value heads make pieces of
+ * 256 and 16 keys, dealt 528 : 288 keys a row, where two blocks of 8 rows run 3 : 3 jobs. One
+ * thread takes whole jobs: no pieces, and no mask to read for them. */
+static JobPlan plan_pass(int n_q, int n_heads, int n_kv_heads, int head_dim, int n_keys, size_t head_bytes,
+                         const uint8_t *visible, int threads) {
+    int max_rows = rows_share_jobs(n_q, head_bytes) ? ROW_BLOCK : 1;
+    int units = threads > 1 ? pieces_of(seen_by_every_row(visible, n_q, n_keys), n_keys) : 0;
+    JobPlan pieces = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads, max_rows, units);
+    if (pieces.pieces == 1) return pieces;
+    JobPlan whole = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads, max_rows, 0);
+    return heaviest_thread(&whole, n_keys, threads) < heaviest_thread(&pieces, n_keys, threads) ? whole : pieces;
+}
+
+/* The plan the float32 kernel makes for a pass (for tests and scripts): {jobs, pieces, blocks of
+ * rows, shares of heads, the busiest thread's rows x queries x keys}. */
+void decodekit_attention_plan(int n_q, int n_heads, int n_kv_heads, int head_dim, int n_keys, const uint8_t *visible,
+                              int threads, int64_t *out) {
+    JobPlan p = plan_pass(n_q, n_heads, n_kv_heads, head_dim, n_keys, (size_t)n_keys * head_dim * sizeof(float) * 2,
+                          visible, threads);
+    out[0] = p.jobs, out[1] = p.pieces, out[2] = p.blocks, out[3] = p.shares;
+    out[4] = heaviest_thread(&p, n_keys, threads > 0 ? threads : 1);
+}
+
 /* Job `index` of plan p. A whole job keeps its segments in the thread's scratch s; a piece in
  * `pieces` ([n_q][n_heads][segments_of(n_keys)][segment_slot]). */
 static inline void job_of(const JobPlan *p, int index, const float *q, float *out, const uint8_t *visible, int n_keys,
                           Scratch *s, float *pieces, Job *job) {
-    int piece = index % p->pieces;
-    index /= p->pieces;
-    int first_unit = p->units * piece / p->pieces, end_unit = p->units * (piece + 1) / p->pieces;
+    JobSpan j = span_of(p, index, n_keys);
     job->whole = p->pieces == 1;
-    job->lo = job->whole ? 0 : first_unit * SEGMENT_KEYS;
-    job->hi = job->whole || end_unit == p->units ? n_keys : end_unit * SEGMENT_KEYS;
+    job->lo = j.lo, job->hi = j.hi;
     size_t slot = segment_slot(p->head_dim), slots = (size_t)segments_of(n_keys) * slot; /* a query's, in pieces */
-    int share = index % p->shares, kv, block;
-    if (p->blocks == p->n_q) /* a row a job: a thread's jobs follow each other in the same key/value head */
-        block = index / p->shares % p->blocks, kv = index / (p->shares * p->blocks);
-    else /* blocks of rows: the threads read the same key/value head at the same time */
-        kv = index / p->shares % p->n_kv, block = index / (p->shares * p->n_kv);
-    int count = p->group - share * p->per_job;
-    int first_row = (int)((int64_t)block * p->n_q / p->blocks), end_row = (int)((int64_t)(block + 1) * p->n_q / p->blocks);
-    job->kv = kv;
-    job->count = count > p->per_job ? p->per_job : count;
-    job->rows = end_row - first_row, job->first_row = first_row;
-    int first = job->kv * p->group + share * p->per_job;
+    job->kv = j.kv;
+    job->count = j.count;
+    job->rows = j.rows, job->first_row = j.first_row;
     for (int r = 0; r < job->rows; r++) {
-        size_t row = (size_t)(first_row + r);
+        size_t row = (size_t)(j.first_row + r);
         job->vis[r] = visible ? visible + row * n_keys : NULL;
         for (int m = 0; m < job->count; m++) {
-            job->q[r][m] = q + (row * p->n_heads + first + m) * p->head_dim;
-            job->out[r][m] = out + (row * p->n_heads + first + m) * p->head_dim;
+            job->q[r][m] = q + (row * p->n_heads + j.first + m) * p->head_dim;
+            job->out[r][m] = out + (row * p->n_heads + j.first + m) * p->head_dim;
             job->part[r][m] = job->whole ? s->row[r].part + (size_t)m * s->segments * slot
-                                         : pieces + (row * p->n_heads + first + m) * slots + (size_t)first_unit * slot;
+                                         : pieces + (row * p->n_heads + j.first + m) * slots + (size_t)j.first_unit * slot;
         }
     }
 }
@@ -714,13 +771,11 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
         int chunks = head_dim / 16;                                                                 \
         size_t row = (size_t)head_dim + (SCALED ? 4 / sizeof(T) : 0);                               \
         if (n_q <= 0) return; /* no rows: no jobs */                                                \
-        int shared = rows_share_jobs(n_q, (size_t)n_keys * row * sizeof(T) * 2);                    \
-        /* one thread takes whole jobs: no pieces, and no mask to read for them */                \
-        int segments = segments_of(n_keys), units = threads > 1 ? pieces_of(seen_by_every_row(visible, n_q, n_keys), n_keys) : 0; \
-        JobPlan plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads, shared ? ROW_BLOCK : 1, units); \
+        int segments = segments_of(n_keys);                                                         \
+        JobPlan plan = plan_pass(n_q, n_heads, n_kv_heads, head_dim, n_keys, (size_t)n_keys * row * sizeof(T) * 2, visible, threads); \
         float *pieces = NULL;                                                                       \
         if (plan.pieces > 1 && !(pieces = malloc(sizeof(float) * n_q * n_heads * segments * segment_slot(head_dim)))) \
-            plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads, shared ? ROW_BLOCK : 1, 0); /* no memory: whole */ \
+            plan = plan_jobs(n_q, n_heads, n_kv_heads, head_dim, threads, plan.max_rows, 0); /* no memory: whole */ \
         int rows = (n_q + plan.blocks - 1) / plan.blocks;                                           \
         _Pragma("omp parallel num_threads(threads) if (threads > 1)")                               \
         {                                                                                           \

@@ -37,6 +37,24 @@ def layout_independent_attention(dtype: torch.dtype, head_dim: int) -> Attention
     return attention
 
 
+def attention_plan(n_q: int, n_heads: int, n_kv_heads: int, head_dim: int, n_keys: int,
+                   visible: torch.Tensor | None, threads: int) -> dict[str, int] | None:
+    """How the float32 kernel would cut a pass between ``threads`` (``decodekit_attention_plan``):
+    its jobs, the pieces each group's keys are cut into, the blocks of rows, the shares of a group's
+    heads, and the busiest thread's work in rows x queries x keys; None where the kernels are unavailable."""
+    lib = _library("attention")
+    if lib is None:
+        return None
+    fn = lib.decodekit_attention_plan
+    fn.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = None
+    _check_heads_and_mask(torch.empty(n_q, n_heads, 0), n_kv_heads, visible, n_keys)
+    mask = None if visible is None else visible.to(torch.bool).contiguous()
+    out = (ctypes.c_int64 * 5)()
+    fn(n_q, n_heads, n_kv_heads, head_dim, n_keys, None if mask is None else mask.data_ptr(), threads, out)
+    return dict(zip(("jobs", "pieces", "blocks", "shares", "heaviest"), out))
+
+
 def _run_attention(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
                    scale: float, head_dim: int, row: int) -> torch.Tensor:
     """Call an ``attention.c`` kernel on ``k``/``v`` ``[H_kv, keys, row]`` (sliced to the keys in use,

@@ -65,6 +65,10 @@ void decodekit_attention_bf16(const float *q, const uint16_t *k, const uint16_t 
 void decodekit_attention_q8(const float *q, const int8_t *k, const int8_t *v, const uint8_t *visible, float *out,
                             int n_q, int n_heads, int n_kv_heads, int head_dim, int cap, int n_keys, float scale,
                             int threads);
+/* How the float32 kernel would cut a pass into jobs: out = {jobs, pieces of the keys, blocks of rows,
+ * shares of a group's heads, the busiest thread's rows x queries x keys}. */
+void decodekit_attention_plan(int n_q, int n_heads, int n_kv_heads, int head_dim, int n_keys, const uint8_t *visible,
+                              int threads, int64_t *out);
 /* The KIVI cache: positions below qend[row] read from the 2- or 4-bit codes, the rest from the
  * float residual whose slot 0 holds position `base`. */
 void decodekit_attention_kivi(const float *q, const uint8_t *k_codes, const float *k_params, const uint8_t *v_codes,
