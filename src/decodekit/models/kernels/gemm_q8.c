@@ -456,10 +456,8 @@ static inline __attribute__((always_inline)) void half_tile(int kind, const uint
     for (int b = 0; b < nb; b++) {
         const uint8_t *block = group + (size_t)b * size;
         if (h == 0) ask_for(block + PREFETCH_BLOCKS * size, (size_t)size);
-        __m256i w[8];
-        __m256 s0, s1;
+        __m256i w[8], isum[HALF_TILE][2];
         unpack_half(kind, block, h, w);
-        __m256i isum[HALF_TILE][2];
         for (int t = 0; t < T; t++) {
             size_t at = (size_t)(m0 + t) * nb + b;
             const int8_t *xq = in->q + (size_t)(m0 + t) * n_in + (size_t)b * QK;
@@ -482,6 +480,7 @@ static inline __attribute__((always_inline)) void half_tile(int kind, const uint
                 }
             }
         }
+        __m256 s0, s1;
         load_half_scales(kind, block, h, &s0, &s1);
         for (int t = 0; t < T; t++) {
             size_t at = (size_t)(m0 + t) * nb + b;
