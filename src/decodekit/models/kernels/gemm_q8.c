@@ -443,64 +443,78 @@ static inline __attribute__((always_inline)) void load_half_scales(int kind, con
     }
 }
 
-/* Half h of one group against input rows m0 .. m0 + T - 1: the arithmetic of the header comment
- * for 8 output rows at once. Each block's integer sums are made for every input row first, while
- * its weights take 8 of the 16 vector registers, and turned into floats after: the floats' scales
- * and sums then need no registers during the integer work (fewer spills, measured faster). */
-static inline __attribute__((always_inline)) void half_tile(int kind, const uint8_t *group, int h, const Quantised *in,
-                                                             float *y, int n_out, int n_in, int m0, const int T) {
+/* Halves h0 .. h0 + H - 1 (H: 1 or 2) of one group against input rows m0 .. m0 + T - 1: the
+ * arithmetic of the header comment for 8 output rows at once. Each block's integer sums are made
+ * for every input row first, while its weights take 8 of the 16 vector registers, and turned into
+ * floats after: the floats' scales and sums then need no registers during the integer work (fewer
+ * spills, measured faster). With both halves in one walk over the blocks, each block's bytes are
+ * used together as they arrive from memory: faster for one or two rows (a decode step), whose
+ * work per byte is small, and slower for more, whose sums then take twice the registers. Each
+ * output row's sum runs over the blocks in the same order either way: the same bits. */
+static inline __attribute__((always_inline)) void half_tile(int kind, const uint8_t *group, int h0, const int H,
+                                                             const Quantised *in, float *y, int n_out, int n_in,
+                                                             int m0, const int T) {
     int nb = n_in / QK, size = PACKED_BYTES[kind], steps = steps_in_int16(kind), halves = kind == KIND_Q6_K;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[HALF_TILE];
-    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    __m256 acc[2][HALF_TILE];
+    for (int h = 0; h < H; h++)
+        for (int t = 0; t < T; t++) acc[h][t] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *block = group + (size_t)b * size;
-        if (h == 0) ask_for(block + PREFETCH_BLOCKS * size, (size_t)size);
-        __m256i w[8], isum[HALF_TILE][2];
-        unpack_half(kind, block, h, w);
-        for (int t = 0; t < T; t++) {
-            size_t at = (size_t)(m0 + t) * nb + b;
-            const int8_t *xq = in->q + (size_t)(m0 + t) * n_in + (size_t)b * QK;
-            int32_t correction = kind == KIND_Q5_0 ? in->cx[at] / 8 : 0; /* Q8_0's: none, its weights are signed */
-            isum[t][0] = _mm256_set1_epi32(kind == KIND_Q6_K ? in->c0[at] : correction);
-            isum[t][1] = _mm256_set1_epi32(in->c1[at]);
-            __m256i part = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j++) {
-                int32_t four;
-                memcpy(&four, xq + 4 * j, 4);
-                __m256i x = _mm256_set1_epi32(four), product;
-                if (kind == KIND_Q8_0)
-                    product = _mm256_maddubs_epi16(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(x, w[j]));
-                else
-                    product = _mm256_maddubs_epi16(w[j], x);
-                part = j % steps == 0 ? product : _mm256_add_epi16(part, product);
-                if (j % steps == steps - 1) {
-                    int half = halves && j >= 4;
-                    isum[t][half] = _mm256_add_epi32(isum[t][half], _mm256_madd_epi16(part, ones));
+        if (h0 == 0) ask_for(block + PREFETCH_BLOCKS * size, (size_t)size);
+        for (int h = 0; h < H; h++) {
+            __m256i w[8], isum[HALF_TILE][2];
+            unpack_half(kind, block, h0 + h, w);
+            for (int t = 0; t < T; t++) {
+                size_t at = (size_t)(m0 + t) * nb + b;
+                const int8_t *xq = in->q + (size_t)(m0 + t) * n_in + (size_t)b * QK;
+                int32_t correction = kind == KIND_Q5_0 ? in->cx[at] / 8 : 0; /* Q8_0's: none, its weights are signed */
+                isum[t][0] = _mm256_set1_epi32(kind == KIND_Q6_K ? in->c0[at] : correction);
+                isum[t][1] = _mm256_set1_epi32(in->c1[at]);
+                __m256i part = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++) {
+                    int32_t four;
+                    memcpy(&four, xq + 4 * j, 4);
+                    __m256i x = _mm256_set1_epi32(four), product;
+                    if (kind == KIND_Q8_0)
+                        product = _mm256_maddubs_epi16(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(x, w[j]));
+                    else
+                        product = _mm256_maddubs_epi16(w[j], x);
+                    part = j % steps == 0 ? product : _mm256_add_epi16(part, product);
+                    if (j % steps == steps - 1) {
+                        int half = halves && j >= 4;
+                        isum[t][half] = _mm256_add_epi32(isum[t][half], _mm256_madd_epi16(part, ones));
+                    }
                 }
             }
-        }
-        __m256 s0, s1;
-        load_half_scales(kind, block, h, &s0, &s1);
-        for (int t = 0; t < T; t++) {
-            size_t at = (size_t)(m0 + t) * nb + b;
-            __m256 dx = _mm256_set1_ps(in->dx[at]);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t][0]), _mm256_mul_ps(s0, dx), acc[t]);
-            if (kind == KIND_Q6_K)
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t][1]), _mm256_mul_ps(s1, dx), acc[t]);
-            else if (kind != KIND_Q8_0 && kind != KIND_Q5_0)
-                acc[t] = _mm256_fmadd_ps(s1, _mm256_set1_ps(in->ex[at]), acc[t]);
+            __m256 s0, s1;
+            load_half_scales(kind, block, h0 + h, &s0, &s1);
+            for (int t = 0; t < T; t++) {
+                size_t at = (size_t)(m0 + t) * nb + b;
+                __m256 dx = _mm256_set1_ps(in->dx[at]);
+                acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t][0]), _mm256_mul_ps(s0, dx), acc[h][t]);
+                if (kind == KIND_Q6_K)
+                    acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t][1]), _mm256_mul_ps(s1, dx), acc[h][t]);
+                else if (kind != KIND_Q8_0 && kind != KIND_Q5_0)
+                    acc[h][t] = _mm256_fmadd_ps(s1, _mm256_set1_ps(in->ex[at]), acc[h][t]);
+            }
         }
     }
-    for (int t = 0; t < T; t++) _mm256_storeu_ps(y + (size_t)(m0 + t) * n_out + h * HALF, acc[t]);
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < H; h++) _mm256_storeu_ps(y + (size_t)(m0 + t) * n_out + (h0 + h) * HALF, acc[h][t]);
 }
 
-#define HALF_CASE(T) case T: half_tile(kind, group, h, in, y, n_out, n_in, m0, T); break;
+#define HALF_CASE(T) case T: half_tile(kind, group, h, 1, in, y, n_out, n_in, m0, T); break;
 #define DEFINE_GROUP(NAME, KIND)                                                                     \
     static void NAME(const uint8_t *group, size_t stride, int pair, const Quantised *in, float *y,  \
                      int M, int n_out, int n_in) {                                                   \
         const int kind = KIND;                                                                       \
         (void)stride, (void)pair;                                                                    \
+        if (M <= 2) { /* one or two rows: both halves in one walk */                                 \
+            if (M == 1) half_tile(kind, group, 0, 2, in, y, n_out, n_in, 0, 1);                      \
+            else half_tile(kind, group, 0, 2, in, y, n_out, n_in, 0, 2);                             \
+            return;                                                                                  \
+        }                                                                                            \
         for (int m0 = 0; m0 < M; m0 += HALF_TILE)                                                    \
             for (int h = 0; h < 2; h++)                                                              \
                 switch (M - m0 < HALF_TILE ? M - m0 : HALF_TILE) {                                   \
