@@ -264,11 +264,13 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
 #define BLOCK_ROWS 4
 #define BLOCK_INPUTS 4
 #define X4_SINGLE_ROW_MAX 0 /* rows interleaved in fours: always four at a time */
+#define ONE_INPUT_IN_FOURS 0
 #else
 #define SINGLE_ROW_MAX 4
 #define BLOCK_ROWS 4
 #define BLOCK_INPUTS 1
 #define X4_SINGLE_ROW_MAX 4 /* (blocks of one input would rebuild the weights for each) */
+#define ONE_INPUT_IN_FOURS 1 /* one input: rows four at a time, one row's weights at once */
 #endif
 #define AT_MOST_SINGLE(n) ((n) < SINGLE_ROW_MAX ? (n) : SINGLE_ROW_MAX)
 #define f32_SINGLE_ROW_MAX AT_MOST_SINGLE(4)
@@ -355,6 +357,31 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
+    /* Rows [row, row + 4) of W against one input, each row's weights rebuilt and applied before   \
+     * the next row's: the four sums are independent chains of multiply-adds (one row's alone      \
+     * would wait on each add's latency), and they and one row's weights fit AVX2's 16 registers   \
+     * (_block with four rows holds all four rows' weights at once). Each sum in element order,    \
+     * as _block's: the same bits. */                                                              \
+    static void NAME##_four_rows_one_input(const WT *w, const T *x, OUT *y, int n_in, int row) {    \
+        __m512 acc[4];                                                                             \
+        const WT *rows[4];                                                                         \
+        for (int r = 0; r < 4; r++) rows[r] = WP##_row(w, row + r, n_in), acc[r] = _mm512_setzero_ps(); \
+        int i = 0;                                                                                 \
+        for (; i + WP##_STEP * P##_LANES <= n_in; i += WP##_STEP * P##_LANES)                      \
+            for (int r = 0; r < 4; r++) {                                                          \
+                VEC wv[WP##_STEP];                                                                 \
+                WP##_at(rows[r], i, wv);                                                           \
+                for (int s = 0; s < WP##_STEP; s++)                                                \
+                    acc[r] = P##_mac(acc[r], wv[s], P##_load(x + i + s * P##_LANES));              \
+            }                                                                                      \
+        for (; i < n_in; i += P##_LANES) {                                                         \
+            P##_mask mask = P##_tail(n_in - i < P##_LANES ? n_in - i : P##_LANES);                 \
+            VEC xv = P##_load_masked(x + i, mask);                                                 \
+            for (int r = 0; r < 4; r++) acc[r] = P##_mac(acc[r], WP##_at_masked(rows[r], i, mask), xv); \
+        }                                                                                          \
+        for (int r = 0; r < 4; r++) y[row + r] = P##_out(_mm512_reduce_add_ps(acc[r]));           \
+    }                                                                                              \
+                                                                                                   \
     /* The rows past the last four (n_out % 4 of them), against all M inputs. */                   \
     static void NAME##_last_rows(const WT *w, const T *x, OUT *y, int M, int n_out, int n_in) {     \
         for (int r = n_out / 4 * 4; r < n_out; r++)                                                \
@@ -368,7 +395,10 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
         _Pragma("omp parallel num_threads(threads) if (threads > 1)")                              \
         {                                                                                          \
             flush_denormals();                                                                     \
-            if (M <= WP##_SINGLE_ROW_MAX) {                                                        \
+            if (M == 1 && ONE_INPUT_IN_FOURS) {                                                    \
+                _Pragma("omp for schedule(static)")                                                \
+                for (int b = 0; b < n_out / 4; b++) NAME##_four_rows_one_input(w, x, y, n_in, 4 * b); \
+            } else if (M <= WP##_SINGLE_ROW_MAX) {                                                 \
                 _Pragma("omp for schedule(static)")                                                \
                 for (int r = 0; r < n_out; r++) NAME##_row(w, x, y, n_in, n_out, r, M);            \
             } else {                                                                               \
@@ -376,7 +406,7 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
                 for (int b = 0; b < n_out / 4; b++) NAME##_four_rows(w, x, y, n_in, n_out, 4 * b, M); \
             }                                                                                      \
         }                                                                                          \
-        if (M > WP##_SINGLE_ROW_MAX) NAME##_last_rows(w, x, y, M, n_out, n_in);                    \
+        if (M > WP##_SINGLE_ROW_MAX || (M == 1 && ONE_INPUT_IN_FOURS)) NAME##_last_rows(w, x, y, M, n_out, n_in); \
     }                                                                                              \
     ENTRY(NAME, WT, WP, T, OUT)
 
