@@ -264,13 +264,13 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
 #define BLOCK_ROWS 4
 #define BLOCK_INPUTS 4
 #define X4_SINGLE_ROW_MAX 0 /* rows interleaved in fours: always four at a time */
-#define ONE_INPUT_IN_FOURS 0
+#define FEW_INPUTS_IN_FOURS 0
 #else
 #define SINGLE_ROW_MAX 4
 #define BLOCK_ROWS 4
 #define BLOCK_INPUTS 1
 #define X4_SINGLE_ROW_MAX 4 /* (blocks of one input would rebuild the weights for each) */
-#define ONE_INPUT_IN_FOURS 1 /* one input: rows four at a time, one row's weights at once */
+#define FEW_INPUTS_IN_FOURS 2 /* one or two inputs: rows four at a time, one row's weights at once */
 #endif
 #define AT_MOST_SINGLE(n) ((n) < SINGLE_ROW_MAX ? (n) : SINGLE_ROW_MAX)
 #define f32_SINGLE_ROW_MAX AT_MOST_SINGLE(4)
@@ -357,29 +357,48 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
-    /* Rows [row, row + 4) of W against one input, each row's weights rebuilt and applied before   \
-     * the next row's: the four sums are independent chains of multiply-adds (one row's alone      \
-     * would wait on each add's latency), and they and one row's weights fit AVX2's 16 registers   \
-     * (_block with four rows holds all four rows' weights at once). Each sum in element order,    \
-     * as _block's: the same bits. */                                                              \
-    static void NAME##_four_rows_one_input(const WT *w, const T *x, OUT *y, int n_in, int row) {    \
-        __m512 acc[4];                                                                             \
+    /* Rows [row, row + R) of W against M inputs (R * M <= 4), each row's weights rebuilt and      \
+     * applied before the next row's: the R * M sums are independent chains of multiply-adds (one  \
+     * row's alone would wait on each add's latency), and they and one row's weights fit AVX2's 16 \
+     * registers (_block holds all its rows' weights at once). Each sum in element order, as       \
+     * _block's: the same bits. */                                                                 \
+    static inline __attribute__((always_inline)) void NAME##_rows_at_once(                        \
+        const WT *w, const T *x, OUT *y, int n_in, int n_out, int row, const int R, const int M) { \
+        __m512 acc[4][2];                                                                          \
         const WT *rows[4];                                                                         \
-        for (int r = 0; r < 4; r++) rows[r] = WP##_row(w, row + r, n_in), acc[r] = _mm512_setzero_ps(); \
+        for (int r = 0; r < R; r++) {                                                              \
+            rows[r] = WP##_row(w, row + r, n_in);                                                  \
+            for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();                           \
+        }                                                                                          \
         int i = 0;                                                                                 \
         for (; i + WP##_STEP * P##_LANES <= n_in; i += WP##_STEP * P##_LANES)                      \
-            for (int r = 0; r < 4; r++) {                                                          \
+            for (int r = 0; r < R; r++) {                                                          \
                 VEC wv[WP##_STEP];                                                                 \
                 WP##_at(rows[r], i, wv);                                                           \
                 for (int s = 0; s < WP##_STEP; s++)                                                \
-                    acc[r] = P##_mac(acc[r], wv[s], P##_load(x + i + s * P##_LANES));              \
+                    for (int m = 0; m < M; m++)                                                    \
+                        acc[r][m] = P##_mac(acc[r][m], wv[s], P##_load(x + (size_t)m * n_in + i + s * P##_LANES)); \
             }                                                                                      \
         for (; i < n_in; i += P##_LANES) {                                                         \
             P##_mask mask = P##_tail(n_in - i < P##_LANES ? n_in - i : P##_LANES);                 \
-            VEC xv = P##_load_masked(x + i, mask);                                                 \
-            for (int r = 0; r < 4; r++) acc[r] = P##_mac(acc[r], WP##_at_masked(rows[r], i, mask), xv); \
+            for (int r = 0; r < R; r++) {                                                          \
+                VEC wv = WP##_at_masked(rows[r], i, mask);                                         \
+                for (int m = 0; m < M; m++)                                                        \
+                    acc[r][m] = P##_mac(acc[r][m], wv, P##_load_masked(x + (size_t)m * n_in + i, mask)); \
+            }                                                                                      \
         }                                                                                          \
-        for (int r = 0; r < 4; r++) y[row + r] = P##_out(_mm512_reduce_add_ps(acc[r]));           \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int m = 0; m < M; m++) y[(size_t)m * n_out + row + r] = P##_out(_mm512_reduce_add_ps(acc[r][m])); \
+    }                                                                                              \
+                                                                                                   \
+    /* Rows [row, row + 4) against one input (four rows at once) or two (two rows at once, twice). */ \
+    static void NAME##_four_rows_few_inputs(const WT *w, const T *x, OUT *y, int n_in, int n_out, int row, int M) { \
+        if (M == 1) {                                                                              \
+            NAME##_rows_at_once(w, x, y, n_in, n_out, row, 4, 1);                                  \
+        } else {                                                                                   \
+            NAME##_rows_at_once(w, x, y, n_in, n_out, row, 2, 2);                                  \
+            NAME##_rows_at_once(w, x, y, n_in, n_out, row + 2, 2, 2);                              \
+        }                                                                                          \
     }                                                                                              \
                                                                                                    \
     /* The rows past the last four (n_out % 4 of them), against all M inputs. */                   \
@@ -395,9 +414,9 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
         _Pragma("omp parallel num_threads(threads) if (threads > 1)")                              \
         {                                                                                          \
             flush_denormals();                                                                     \
-            if (M == 1 && ONE_INPUT_IN_FOURS) {                                                    \
+            if (M <= FEW_INPUTS_IN_FOURS) {                                                        \
                 _Pragma("omp for schedule(static)")                                                \
-                for (int b = 0; b < n_out / 4; b++) NAME##_four_rows_one_input(w, x, y, n_in, 4 * b); \
+                for (int b = 0; b < n_out / 4; b++) NAME##_four_rows_few_inputs(w, x, y, n_in, n_out, 4 * b, M); \
             } else if (M <= WP##_SINGLE_ROW_MAX) {                                                 \
                 _Pragma("omp for schedule(static)")                                                \
                 for (int r = 0; r < n_out; r++) NAME##_row(w, x, y, n_in, n_out, r, M);            \
@@ -406,7 +425,7 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
                 for (int b = 0; b < n_out / 4; b++) NAME##_four_rows(w, x, y, n_in, n_out, 4 * b, M); \
             }                                                                                      \
         }                                                                                          \
-        if (M > WP##_SINGLE_ROW_MAX || (M == 1 && ONE_INPUT_IN_FOURS)) NAME##_last_rows(w, x, y, M, n_out, n_in); \
+        if (M > WP##_SINGLE_ROW_MAX || M <= FEW_INPUTS_IN_FOURS) NAME##_last_rows(w, x, y, M, n_out, n_in); \
     }                                                                                              \
     ENTRY(NAME, WT, WP, T, OUT)
 
