@@ -87,7 +87,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < 64 * 3072; i++) x[i] = (float)(rand() % 2000 - 1000) / 1000.f;
     double layer_macs = 0;
     for (int j = 0; j < 4; j++) layer_macs += (double)LAYERS * SHAPES[j][0] * SHAPES[j][1];
-    const int rows[] = {1, 2, 4, 8, 16, 32, 64};
+    const int rows[] = {1, 2, 3, 4, 8, 16, 32, 64};
     printf("%s weights, %d threads, fastest of %d passes\n", hot ? "cached (HOT=1)" : "streamed", threads, passes);
     for (int s = 0; s < 7; s++) {
         int m = rows[s];
