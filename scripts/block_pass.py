@@ -10,6 +10,8 @@ The integer kernel's counterpart is ``scripts/integer_pass.sh``; alternate two c
 from __future__ import annotations
 
 import argparse
+import ctypes
+import sys
 import time
 
 import torch
@@ -17,7 +19,6 @@ import torch
 from decodekit.models import load_model
 from decodekit.models.gguf_blocks import BlockMatrix, cached_block_matrices
 from decodekit.models.kernels import block_matmul
-from decodekit.models.kernels.matmul import _library
 from decodekit.models.loading import model_gguf, resolve_model_folder
 
 PROJECTIONS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
@@ -36,10 +37,15 @@ def matrices() -> tuple[list[BlockMatrix], BlockMatrix]:
     return stacked, blocks["model.embed_tokens.weight"]
 
 
+KERNEL = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 3, *[ctypes.c_int] * 4)  # blocks, x, out, rows, n_out, n_in, threads
+
+
 def bound_call(matrix: BlockMatrix, rows: int, threads: int, keep: list):
     """A call of the interleaved kernel on ``matrix`` with inputs and outputs made once."""
-    block_matmul(matrix.kind, interleaved=True)  # declares the C function's argument types
-    fn = getattr(_library("gemm"), f"decodekit_gemm_{matrix.kind}x4")
+    matmul = block_matmul(matrix.kind, interleaved=True)
+    if matmul is None:
+        sys.exit(f"block_pass: no block kernel for {matrix.kind} on this machine")
+    fn = KERNEL(matmul.address)
     data, x = matrix.interleaved(), torch.randn(rows, matrix.n_in)
     out = torch.empty(rows, data.shape[0])
     keep.extend((data, x, out))
@@ -59,14 +65,15 @@ def main() -> None:
         layer_calls = [bound_call(m, rows, args.threads, keep) for m in layers]
         head_call = bound_call(head, rows, args.threads, keep)
         best_layers = best_head = float("inf")
-        for _ in range(args.passes + 1):  # the first is untimed
+        for p in range(args.passes + 1):
             start = time.perf_counter()
             for call in layer_calls:
                 call()
             middle = time.perf_counter()
             head_call()
             end = time.perf_counter()
-            best_layers, best_head = min(best_layers, middle - start), min(best_head, end - middle)
+            if p > 0:  # the first pass warms up, untimed
+                best_layers, best_head = min(best_layers, middle - start), min(best_head, end - middle)
         print(f"rows {rows}: layers {best_layers * 1e3:.3f} ms, head {best_head * 1e3:.3f} ms")
 
 

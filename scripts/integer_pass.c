@@ -89,7 +89,7 @@ int main(int argc, char **argv) {
     for (int j = 0; j < 4; j++) layer_macs += (double)LAYERS * SHAPES[j][0] * SHAPES[j][1];
     const int rows[] = {1, 2, 3, 4, 8, 16, 32, 64};
     printf("%s weights, %d threads, fastest of %d passes\n", hot ? "cached (HOT=1)" : "streamed", threads, passes);
-    for (int s = 0; s < 7; s++) {
+    for (int s = 0; s < (int)(sizeof rows / sizeof rows[0]); s++) {
         int m = rows[s];
         double best_layers[MAX_LIBS], best_head[MAX_LIBS];
         for (int i = 0; i < libs; i++) best_layers[i] = best_head[i] = 1e9;

@@ -48,7 +48,7 @@ def test_block_kernel_is_bit_identical_to_the_float32_kernel(kind, rows):
 
 @needs_kernel
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 4, 5, 7, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 7, 9, 16])
 def test_interleaved_block_kernel_is_bit_identical(kind, rows):
     """Rows interleaved in fours give the same bits as the row-major blocks, for any pass size.
     Three blocks a row: with four, interleaving four rows would be a transpose, its own inverse."""
@@ -61,12 +61,28 @@ def test_interleaved_block_kernel_is_bit_identical(kind, rows):
         BlockMatrix.quantize(torch.randn(6, 32, generator=gen), kind).interleaved()
 
 
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_a_block_pass_of_no_rows_reads_and_writes_nothing(kind, interleaved):
+    """A pass of no inputs (the C function called with M = 0) leaves the output alone: no path for
+    one or two inputs may take it for one of them."""
+    gen = torch.Generator().manual_seed(3)
+    blocks = BlockMatrix.quantize(torch.randn(40, 96, generator=gen), kind)
+    data = blocks.interleaved() if interleaved else blocks.data
+    address = kernels.block_matmul(kind, interleaved=interleaved).address
+    call = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 3, *[ctypes.c_int] * 4)(address)
+    x, out = torch.randn(2, 96, generator=gen), torch.full((2, 40), float("nan"))
+    call(data.data_ptr(), x.data_ptr(), out.data_ptr(), 0, 40, 96, 2)
+    assert out.isnan().all()
+
+
 FILE_KINDS = ["q5_0", "q4_k", "q5_k", "q6_k"]  # read from files as they are (no quantize() for them)
 
 
 @needs_kernel
 @pytest.mark.parametrize("kind", FILE_KINDS)
-@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11])
 def test_file_block_kernels_are_bit_identical_to_the_gguf_package_dequantisation(kind, rows):
     """Random blocks (every bit pattern counts: scales, minima, high bits); the reference is the
     ``gguf`` package's own dequantisation, which is what the float32 weights are."""

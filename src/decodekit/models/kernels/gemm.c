@@ -5,7 +5,8 @@
  * (M = 1) or a small verification pass reads every weight once and does little arithmetic with
  * it, so its speed is set by how fast weights stream from memory. A few inputs: each thread
  * streams its share of the rows one row at a time, applying each row to all inputs (a single
- * sequential stream is what the prefetchers serve best, asked for a little ahead: ask_ahead).
+ * sequential stream is what the prefetchers serve best, asked for a little ahead: ask_ahead); on
+ * AVX2, rows interleaved in fours take one or two inputs four or two rows at once (FEW_IN_FOURS).
  * More inputs: blocks of four rows are applied to the inputs four at a time while they sit in L1
  * (GGUF blocks rebuilt in float32 once a pass for them all: REBUILT_ONCE). Rows are split between
  * threads with OpenMP (inside torch's process this is torch's own OpenMP runtime).
@@ -250,7 +251,8 @@ DEFINE_BLOCK_AT_MASKED(q4_kx4)
 DEFINE_BLOCK_AT_MASKED(q5_kx4)
 DEFINE_BLOCK_AT_MASKED(q6_kx4)
 
-/* A pass of at most WP_SINGLE_ROW_MAX inputs streams the weights one row at a time; a longer
+/* A pass of at most WP_SINGLE_ROW_MAX inputs streams the weights one row at a time (but see
+ * FEW_IN_FOURS below); a longer
  * one, four rows side by side against groups of inputs (their shared input loads pay off with
  * enough inputs). The cut-offs are where the two met, per format, measured with SmolLM2's
  * matrices at the AVX-512 level (docs/BENCHMARKS.md); at the AVX2 level, whose single-row blocks
@@ -264,13 +266,13 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
 #define BLOCK_ROWS 4
 #define BLOCK_INPUTS 4
 #define X4_SINGLE_ROW_MAX 0 /* rows interleaved in fours: always four at a time */
-#define FEW_INPUTS_IN_FOURS 0
+#define X4_FEW_IN_FOURS 0
 #else
 #define SINGLE_ROW_MAX 4
 #define BLOCK_ROWS 4
 #define BLOCK_INPUTS 1
 #define X4_SINGLE_ROW_MAX 4 /* (blocks of one input would rebuild the weights for each) */
-#define FEW_INPUTS_IN_FOURS 2 /* one or two inputs: rows four at a time, one row's weights at once */
+#define X4_FEW_IN_FOURS 2 /* one input: four rows at once; two inputs: two rows at once, twice (rows_at_once) */
 #endif
 #define AT_MOST_SINGLE(n) ((n) < SINGLE_ROW_MAX ? (n) : SINGLE_ROW_MAX)
 #define f32_SINGLE_ROW_MAX AT_MOST_SINGLE(4)
@@ -287,6 +289,24 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
 #define q4_kx4_SINGLE_ROW_MAX X4_SINGLE_ROW_MAX
 #define q5_kx4_SINGLE_ROW_MAX X4_SINGLE_ROW_MAX
 #define q6_kx4_SINGLE_ROW_MAX X4_SINGLE_ROW_MAX
+/* Inputs up to which a format's four rows of a group are taken at once (rows_at_once), at most two
+ * (its sums' registers): only rows interleaved in fours, which are one stream however they are
+ * taken (four rows as stored would be four streams), and whose rows are whole blocks (rows_at_once
+ * has no masked tail). */
+#define f32_FEW_IN_FOURS 0
+#define bf16_FEW_IN_FOURS 0
+#define q4_1_FEW_IN_FOURS 0
+#define q8_0_FEW_IN_FOURS 0
+#define q5_0_FEW_IN_FOURS 0
+#define q4_k_FEW_IN_FOURS 0
+#define q5_k_FEW_IN_FOURS 0
+#define q6_k_FEW_IN_FOURS 0
+#define q4_1x4_FEW_IN_FOURS X4_FEW_IN_FOURS
+#define q8_0x4_FEW_IN_FOURS X4_FEW_IN_FOURS
+#define q5_0x4_FEW_IN_FOURS X4_FEW_IN_FOURS
+#define q4_kx4_FEW_IN_FOURS X4_FEW_IN_FOURS
+#define q5_kx4_FEW_IN_FOURS X4_FEW_IN_FOURS
+#define q6_kx4_FEW_IN_FOURS X4_FEW_IN_FOURS
 /* Inputs from which a block format's weights are rebuilt once a pass (REBUILT_ONCE): two groups of
  * four. Formats that stream a row at a time up to their SINGLE_ROW_MAX keep doing so below it. */
 #define REBUILT_ROWS 5
@@ -364,14 +384,13 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
      * _block's: the same bits. */                                                                 \
     static inline __attribute__((always_inline)) void NAME##_rows_at_once(                        \
         const WT *w, const T *x, OUT *y, int n_in, int n_out, int row, const int R, const int M) { \
-        __m512 acc[4][2];                                                                          \
+        __m512 acc[4][2]; /* R * M <= 4: (4, 1) or (2, 2) */                                      \
         const WT *rows[4];                                                                         \
         for (int r = 0; r < R; r++) {                                                              \
             rows[r] = WP##_row(w, row + r, n_in);                                                  \
             for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();                           \
         }                                                                                          \
-        int i = 0;                                                                                 \
-        for (; i + WP##_STEP * P##_LANES <= n_in; i += WP##_STEP * P##_LANES)                      \
+        for (int i = 0; i < n_in; i += WP##_STEP * P##_LANES) /* whole blocks: no partial step */ \
             for (int r = 0; r < R; r++) {                                                          \
                 VEC wv[WP##_STEP];                                                                 \
                 WP##_at(rows[r], i, wv);                                                           \
@@ -379,23 +398,16 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
                     for (int m = 0; m < M; m++)                                                    \
                         acc[r][m] = P##_mac(acc[r][m], wv[s], P##_load(x + (size_t)m * n_in + i + s * P##_LANES)); \
             }                                                                                      \
-        for (; i < n_in; i += P##_LANES) {                                                         \
-            P##_mask mask = P##_tail(n_in - i < P##_LANES ? n_in - i : P##_LANES);                 \
-            for (int r = 0; r < R; r++) {                                                          \
-                VEC wv = WP##_at_masked(rows[r], i, mask);                                         \
-                for (int m = 0; m < M; m++)                                                        \
-                    acc[r][m] = P##_mac(acc[r][m], wv, P##_load_masked(x + (size_t)m * n_in + i, mask)); \
-            }                                                                                      \
-        }                                                                                          \
         for (int r = 0; r < R; r++)                                                                \
             for (int m = 0; m < M; m++) y[(size_t)m * n_out + row + r] = P##_out(_mm512_reduce_add_ps(acc[r][m])); \
     }                                                                                              \
                                                                                                    \
-    /* Rows [row, row + 4) against one input (four rows at once) or two (two rows at once, twice). */ \
+    /* Rows [row, row + 4) against one input (four rows at once) or two (two rows at once, twice); \
+     * no inputs, nothing. */                                                                      \
     static void NAME##_four_rows_few_inputs(const WT *w, const T *x, OUT *y, int n_in, int n_out, int row, int M) { \
         if (M == 1) {                                                                              \
             NAME##_rows_at_once(w, x, y, n_in, n_out, row, 4, 1);                                  \
-        } else {                                                                                   \
+        } else if (M == 2) {                                                                       \
             NAME##_rows_at_once(w, x, y, n_in, n_out, row, 2, 2);                                  \
             NAME##_rows_at_once(w, x, y, n_in, n_out, row + 2, 2, 2);                              \
         }                                                                                          \
@@ -414,7 +426,7 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
         _Pragma("omp parallel num_threads(threads) if (threads > 1)")                              \
         {                                                                                          \
             flush_denormals();                                                                     \
-            if (M <= FEW_INPUTS_IN_FOURS) {                                                        \
+            if (M <= WP##_FEW_IN_FOURS) {                                                          \
                 _Pragma("omp for schedule(static)")                                                \
                 for (int b = 0; b < n_out / 4; b++) NAME##_four_rows_few_inputs(w, x, y, n_in, n_out, 4 * b, M); \
             } else if (M <= WP##_SINGLE_ROW_MAX) {                                                 \
@@ -425,7 +437,7 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
                 for (int b = 0; b < n_out / 4; b++) NAME##_four_rows(w, x, y, n_in, n_out, 4 * b, M); \
             }                                                                                      \
         }                                                                                          \
-        if (M > WP##_SINGLE_ROW_MAX || M <= FEW_INPUTS_IN_FOURS) NAME##_last_rows(w, x, y, M, n_out, n_in); \
+        if (M > WP##_SINGLE_ROW_MAX || M <= WP##_FEW_IN_FOURS) NAME##_last_rows(w, x, y, M, n_out, n_in); \
     }                                                                                              \
     ENTRY(NAME, WT, WP, T, OUT)
 
