@@ -48,11 +48,17 @@ DK_INLINE void dk_storeu_si512(void *p, dk_m512i a) { _mm256_storeu_si256((__m25
 DK_INLINE dk_m512 dk_maskz_loadu_ps(__mmask16 k, const void *p) {
     return (dk_m512){_mm256_maskload_ps((const float *)p, dk_lanes8(k & 0xff)), _mm256_maskload_ps((const float *)p + 8, dk_lanes8(k >> 8))};
 }
+/* Masked stores: a half whose 8 lanes are all stored is one plain store (vmaskmovps stores are
+ * slow on some CPUs, AMD's Zen among them, and a full block of keys is the common case). */
+DK_INLINE void dk_mask_store8_ps(float *p, unsigned k8, __m256 a) {
+    if (k8 == 0xff) _mm256_storeu_ps(p, a);
+    else if (k8) _mm256_maskstore_ps(p, dk_lanes8(k8), a);
+}
 DK_INLINE void dk_mask_storeu_ps(void *p, __mmask16 k, dk_m512 a) {
-    _mm256_maskstore_ps((float *)p, dk_lanes8(k & 0xff), a.lo), _mm256_maskstore_ps((float *)p + 8, dk_lanes8(k >> 8), a.hi);
+    dk_mask_store8_ps((float *)p, k & 0xff, a.lo), dk_mask_store8_ps((float *)p + 8, k >> 8, a.hi);
 }
 DK_INLINE void dk_mask_storeu_epi32(void *p, __mmask16 k, dk_m512i a) {
-    _mm256_maskstore_epi32((int *)p, dk_lanes8(k & 0xff), a.lo), _mm256_maskstore_epi32((int *)p + 8, dk_lanes8(k >> 8), a.hi);
+    dk_mask_store8_ps((float *)p, k & 0xff, _mm256_castsi256_ps(a.lo)), dk_mask_store8_ps((float *)p + 8, k >> 8, _mm256_castsi256_ps(a.hi));
 }
 DK_INLINE dk_m512 dk_set1_ps(float x) { __m256 v = _mm256_set1_ps(x); return (dk_m512){v, v}; }
 DK_INLINE dk_m512 dk_setzero_ps(void) { return (dk_m512){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
