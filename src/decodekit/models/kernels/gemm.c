@@ -6,7 +6,7 @@
  * it, so its speed is set by how fast weights stream from memory. A few inputs: each thread
  * streams its share of the rows one row at a time, applying each row to all inputs (a single
  * sequential stream is what the prefetchers serve best, asked for a little ahead: ask_ahead); on
- * AVX2, rows interleaved in fours take one or two inputs four or two rows at once (FEW_IN_FOURS).
+ * AVX2, rows interleaved in fours take one or two inputs four or two rows at once (WP_FEW_IN_FOURS).
  * More inputs: blocks of four rows are applied to the inputs four at a time while they sit in L1
  * (GGUF blocks rebuilt in float32 once a pass for them all: REBUILT_ONCE). Rows are split between
  * threads with OpenMP (inside torch's process this is torch's own OpenMP runtime).
@@ -252,9 +252,8 @@ DEFINE_BLOCK_AT_MASKED(q5_kx4)
 DEFINE_BLOCK_AT_MASKED(q6_kx4)
 
 /* A pass of at most WP_SINGLE_ROW_MAX inputs streams the weights one row at a time (but see
- * FEW_IN_FOURS below); a longer
- * one, four rows side by side against groups of inputs (their shared input loads pay off with
- * enough inputs). The cut-offs are where the two met, per format, measured with SmolLM2's
+ * WP_FEW_IN_FOURS below); a longer one, four rows side by side against groups of inputs (their
+ * shared input loads pay off with enough inputs). The cut-offs are where the two met, per format, measured with SmolLM2's
  * matrices at the AVX-512 level (docs/BENCHMARKS.md); at the AVX2 level, whose single-row blocks
  * take at most four inputs, they are capped at four (AT_MOST_SINGLE). A block of BLOCK_ROWS rows
  * by BLOCK_INPUTS inputs keeps its sums in registers: 16 of AVX-512's 32. AVX2 has 16 registers of
