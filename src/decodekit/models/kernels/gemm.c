@@ -53,6 +53,14 @@ static inline __m512 f32_load_masked(const float *p, f32_mask m) { return _mm512
 static inline const float *f32_row(const float *w, int r, int n_in) { return w + (size_t)r * n_in; }
 static inline void f32_at(const float *row, int i, __m512 *out) { ask_ahead(row + i), out[0] = f32_load(row + i); }
 static inline __m512 f32_at_masked(const float *row, int i, f32_mask m) { return f32_load_masked(row + i, m); }
+
+/* A panel of rebuilt weights (REBUILT_ONCE): float32 rows just written, in the first- or
+ * second-level cache, read as f32's without asking the memory ahead (there a prefetch a vector
+ * only takes load slots from the multiply-adds). */
+#define panel_STEP 1
+static inline const float *panel_row(const float *w, int r, int n_in) { return f32_row(w, r, n_in); }
+static inline void panel_at(const float *row, int i, __m512 *out) { out[0] = f32_load(row + i); }
+static inline __m512 panel_at_masked(const float *row, int i, f32_mask m) { return f32_at_masked(row, i, m); }
 static inline __m512 f32_mac(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
 static inline float f32_out(float s) { return s; }
 
@@ -275,6 +283,7 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
 #endif
 #define AT_MOST_SINGLE(n) ((n) < SINGLE_ROW_MAX ? (n) : SINGLE_ROW_MAX)
 #define f32_SINGLE_ROW_MAX AT_MOST_SINGLE(4)
+#define panel_SINGLE_ROW_MAX f32_SINGLE_ROW_MAX
 #define bf16_SINGLE_ROW_MAX AT_MOST_SINGLE(8)
 #define q4_1_SINGLE_ROW_MAX AT_MOST_SINGLE(8)
 #define q8_0_SINGLE_ROW_MAX AT_MOST_SINGLE(8)
@@ -293,6 +302,7 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
  * taken (four rows as stored would be four streams), and whose rows are whole blocks (rows_at_once
  * has no masked tail). */
 #define f32_FEW_IN_FOURS 0
+#define panel_FEW_IN_FOURS 0
 #define bf16_FEW_IN_FOURS 0
 #define q4_1_FEW_IN_FOURS 0
 #define q8_0_FEW_IN_FOURS 0
@@ -440,6 +450,9 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
     }                                                                                              \
     ENTRY(NAME, WT, WP, T, OUT)
 
+/* No entry point: the kernel's pieces, for REBUILT_ONCE's panels (decodekit_gemm_panel_four_rows). */
+#define PIECES_ONLY(NAME, WT, WP, T, OUT)
+
 /* The entry point of formats that need no rebuilding (float32, bfloat16). */
 #define STREAMED(NAME, WT, WP, T, OUT)                                                             \
     void NAME(const WT *w, const T *x, OUT *y, int M, int n_out, int n_in, int threads) {          \
@@ -462,7 +475,7 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
                 for (int s = 0; s < WP##_STEP; s++) _mm512_store_ps(panel + (size_t)r * n_in + i + 16 * s, v[s]); \
             }                                                                                      \
         }                                                                                          \
-        decodekit_gemm_f32_four_rows(panel, x, y + row, n_in, n_out, 0, M);                        \
+        decodekit_gemm_panel_four_rows(panel, x, y + row, n_in, n_out, 0, M);                      \
     }                                                                                              \
                                                                                                    \
     void NAME(const WT *w, const T *x, OUT *y, int M, int n_out, int n_in, int threads) {          \
@@ -489,6 +502,7 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
     }
 
 DEFINE_KERNEL(decodekit_gemm_f32, float, f32, float, __m512, f32, float, STREAMED)
+DEFINE_KERNEL(decodekit_gemm_panel, float, panel, float, __m512, f32, float, PIECES_ONLY)
 #ifdef __AVX512BF16__
 DEFINE_KERNEL(decodekit_gemm_bf16, uint16_t, bf16, uint16_t, __m512i, bf16, uint16_t, STREAMED)
 #endif
