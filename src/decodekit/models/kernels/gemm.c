@@ -261,13 +261,13 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
 
 /* A pass of at most WP_SINGLE_ROW_MAX inputs streams the weights one row at a time (but see
  * WP_FEW_IN_FOURS below); a longer one, four rows side by side against groups of inputs (their
- * shared input loads pay off with enough inputs). The cut-offs are where the two met, per format, measured with SmolLM2's
- * matrices at the AVX-512 level (docs/BENCHMARKS.md); at the AVX2 level, whose single-row blocks
- * take at most four inputs, they are capped at four (AT_MOST_SINGLE). A block of BLOCK_ROWS rows
- * by BLOCK_INPUTS inputs keeps its sums in registers: 16 of AVX-512's 32. AVX2 has 16 registers of
- * half the width (an AVX-512 vector is two of them here): its blocks are four rows by one input,
- * which measured fastest there (docs/BENCHMARKS.md). Each sum runs in element order whatever the
- * block, so the bits are the same at both levels. */
+ * shared input loads pay off with enough inputs). The cut-offs are where the two met, per format,
+ * measured with SmolLM2's matrices at the AVX-512 level (docs/BENCHMARKS.md); at the AVX2 level,
+ * whose single-row blocks take at most four inputs, they are capped at four (AT_MOST_SINGLE). A
+ * block of BLOCK_ROWS rows by BLOCK_INPUTS inputs keeps its sums in registers: 16 of AVX-512's 32.
+ * AVX2 has 16 registers of half the width (an AVX-512 vector is two of them here): its blocks are
+ * four rows by one input, which measured fastest there (docs/BENCHMARKS.md). Each sum runs in
+ * element order whatever the block, so the bits are the same at both levels. */
 #ifdef __AVX512F__
 #define SINGLE_ROW_MAX 8 /* the largest of the formats' cut-offs */
 #define BLOCK_ROWS 4
