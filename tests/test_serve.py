@@ -1171,6 +1171,36 @@ def test_a_methods_options_come_as_extra_fields_or_in_an_object_of_their_own(ser
     assert err.value.param == "method_options"
 
 
+def test_out_of_range_unknown_and_colliding_fields_and_wide_searches_are_400s(served, alone):
+    """OpenAI's ranges for its sampling fields (whatever the temperature), a field that is no one's
+    named as such, an option called like the registry's own argument (``name``), a ``greedy`` flag
+    that is no bool, and a search wider than the body's n: each a 400 naming its field, never a 500."""
+    before = server_errors(served)
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    refused = [({"temperature": 2.5}, "temperature"), ({"top_p": 1.5, "temperature": 0}, "top_p"),
+               ({"top_p": -0.1, "temperature": 0}, "top_p"), ({"presence_penalty": 3}, "presence_penalty"),
+               ({"frequency_penalty": -2.5}, "frequency_penalty"), ({"name": "x"}, "name"),
+               ({"greedy": "x", "temperature": 0}, None), ({"method": "beam", "name": "x"}, None),
+               ({"method": "pld", "temperature": 0, "method_options": {"name": "x"}}, "name"),
+               ({"method": "beam", "method_options": {"n": 17}}, "method_options"),
+               ({"method": "step-beam", "method_options": {"n": 8}}, "method_options")]  # 8 beams x 4 steps
+    for extra, param in refused:
+        status, text = post(served, "/v1/chat/completions", {**base, **extra})
+        error = json.loads(text)["error"]
+        assert status == 400 and error["type"] == "invalid_request_error", (extra, status, text)
+        assert param is None or error["param"] == param, (extra, error)
+    assert "unknown field 'name'" in json.loads(post(served, "/v1/chat/completions", {**base, "name": "x"})[1])["error"]["message"]
+    assert "at most 16 candidates at once, got n 8 x expand 4" in json.loads(
+        post(served, "/v1/chat/completions", {**base, "method": "step-beam", "method_options": {"n": 8}})[1])["error"]["message"]
+    for extra in ({"temperature": 2}, {"presence_penalty": -2, "frequency_penalty": 2, "temperature": 0}):  # the ends: taken
+        assert post(served, "/v1/chat/completions", {**base, **extra, "seed": 1})[0] == 200, extra
+    # a search's candidates are rows of its slot's cache: freed when it ends, not held until the slot's next request
+    got = chat(served, "hello", max_tokens=6, temperature=0, extra_body={"method": "beam", "method_options": {"n": 3}})
+    assert got.choices[0].message.content == alone("hello", method="beam", n=3, max_new_tokens=6).text
+    assert all(engine.model.backend.batch_size == 1 for engine in served.server.scheduler._free)
+    assert server_errors(served) == before
+
+
 def test_a_prompt_that_starts_like_a_slots_last_one_reuses_its_cache(served, alone):
     """A chat's next turn (or the same prompt again) takes the shared prefix from a slot's cache and
     reads only the rest: same answer as alone, fewer prompt tokens read."""

@@ -34,6 +34,8 @@ def make_sampler(method: str, params: Mapping[str, Any], constraint: LogitsProce
     spec = method_spec(method)
     sampling = spec.sampling
     temperature = params.get("temperature")
+    if "greedy" in params:  # checked before a method that decides it sets it
+        SAMPLER_OPTIONS["greedy"].check(params["greedy"])
     why = f"method {method!r} never samples"
     remedy = "use method 'sample' (or a speculative or search method) to sample"
     if sampling == "never":

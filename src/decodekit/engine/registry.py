@@ -145,7 +145,9 @@ def validate_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
     return parse_options(f"method {name!r}", spec.options, options, defaults=False)
 
 
-def build_decoder(name: str, **options: Any) -> Decoder:
+def build_decoder(name: str, /, **options: Any) -> Decoder:
+    """Method ``name``'s decoder with ``options`` checked (``name`` is positional only: an option
+    may be called ``name`` too, and is then checked as any other)."""
     return method_spec(name).build(**validate_options(name, options))
 
 

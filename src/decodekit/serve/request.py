@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import secrets
 from typing import Any
 
@@ -11,7 +12,7 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from ..engine.api import chat_role, make_sampler, split_params
-from ..engine.registry import build_decoder, method_spec
+from ..engine.registry import build_decoder, method_spec, validate_options
 from ..errors import DecodeKitError, InvalidParameter
 from ..models import LoadedModel
 from ..options import finite
@@ -128,12 +129,17 @@ def _flag(body: dict, name: str, field: str | None = None) -> bool:
     return value
 
 
+#: OpenAI's ranges for its sampling fields (its API refuses values outside them, and so does this server)
+RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
+
+
 def _number(body: dict, name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not finite(value):
-        raise ApiError(400, f"{name} must be a finite number, got {value!r:.80}", param=name)
+    lo, hi = RANGES[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not finite(value) or not lo <= value <= hi:
+        raise ApiError(400, f"{name} must be a number in [{lo:g}, {hi:g}], got {value!r:.80}", param=name)
     return float(value)
 
 
@@ -176,6 +182,11 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
     if not isinstance(method, str):
         raise ApiError(400, f"method must be a string, got {method!r}", param="method")
     method, params = _sampling(body, method, _method_options(body))
+    if body.get("method") is None:  # every other field is one of OpenAI's or a sampler parameter
+        unknown = sorted(split_params(params)[1])
+        if unknown:
+            raise ApiError(400, f"unknown field {unknown[0]!r}: not a field of this API or a sampler parameter (a "
+                                f"method's options need the method named in 'method')", param=unknown[0])
     include_usage = _flag(options, "include_usage", "stream_options.include_usage")
     return RequestSpec(prompt, method, params, max_tokens, stop, n, top_logprobs, include_usage,
                        _flag(body, "ignore_eos"), structured_output(body), stream)
@@ -319,6 +330,13 @@ def check_method(spec: RequestSpec, model: LoadedModel) -> None:
             raise ApiError(400, f"{name} names a file, a model or an object of the server's machine, which a request "
                                 f"cannot choose", param=name)
     build_decoder(spec.method, **options)
+    if method_spec(spec.method).family == "search":  # each candidate a row of the slot's cache, in every pass
+        checked = validate_options(spec.method, options)
+        widths = {name: checked.get(name, declared[name].default) for name in ("n", "expand") if name in declared}
+        if math.prod(widths.values()) > MAX_N:
+            shown = " x ".join(f"{name} {value}" for name, value in widths.items())
+            raise ApiError(400, f"a search on this server takes at most {MAX_N} candidates at once, got {shown}",
+                           param="method_options")
     make_sampler(spec.method, sampler_params)
     if spec.constraint is not None:
         try:

@@ -254,6 +254,8 @@ class Scheduler:
             logprobs = token_logprobs(engine.model.backend, job.prompt_ids, shown, job.top_logprobs)
             if shown:  # the teacher-forced pass read prompt and answer: the cache holds them, after a search too
                 engine.model.backend.keep(job.prompt_ids + generation.tokens)
+        if engine.model.backend.batch_size > 1:  # a search's candidates: their rows freed, not kept until the slot's next request
+            engine.model.backend.reset()
         return Outcome(generation, logprobs, job.started - job.submitted)
 
     def close(self) -> None:
