@@ -10414,6 +10414,12 @@ MUTATIONS = (
     Mutation("serve-search-rows-held-after-it-ends", "src/decodekit/serve/scheduler.py",
              "        if engine.model.backend.batch_size > 1:  # a search's", "        if False:  # a search's",
              ("tests/test_serve.py", "-k", "out_of_range")),
+    Mutation("values-of-two-second-query-takes-the-firsts-weights", "src/decodekit/models/kernels/attention.c",
+             "s1[c] = _mm512_fmadd_ps(p1, v, s1[c]);", "s1[c] = _mm512_fmadd_ps(p0, v, s1[c]);",
+             ("tests/test_kernels.py", "-k", "attention")),
+    Mutation("values-of-two-one-half-only", "src/decodekit/models/kernels/attention.c",
+             "    for (int half = 0; half < 2; half++) {", "    for (int half = 0; half < 1; half++) {",
+             ("tests/test_kernels.py", "-k", "attention")),
 )
 
 

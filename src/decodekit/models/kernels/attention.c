@@ -48,7 +48,13 @@ static inline __mmask16 first_lanes(int count) { return count >= 16 ? (__mmask16
  * lands in lane t % 16, so the sum depends only on the sequence of visible scores. */
 static float softmax_numerators(float *scores, int n, float best) {
     __m512 sum = _mm512_setzero_ps(), shift = _mm512_set1_ps(best);
-    for (int t = 0; t < n; t += 16) {
+    int t = 0;
+    for (; t + 16 <= n; t += 16) { /* whole vectors: no masks (each one several operations on AVX2) */
+        __m512 e = vexp(_mm512_sub_ps(_mm512_loadu_ps(scores + t), shift));
+        _mm512_storeu_ps(scores + t, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (t < n) {
         __mmask16 m = first_lanes(n - t);
         __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), shift));
         e = _mm512_maskz_mov_ps(m, e);
@@ -58,10 +64,13 @@ static float softmax_numerators(float *scores, int n, float best) {
     return _mm512_reduce_add_ps(sum);
 }
 
-/* The largest score, as "if (s > best) best = s" over them in order finds it (NaN never wins). */
+/* The largest score, as "if (s > best) best = s" over them in order finds it (NaN never wins):
+ * max_ps(s, best) is exactly that, "s > best ? s : best", lane by lane. */
 static float largest(const float *scores, int n) {
     __m512 best = _mm512_set1_ps(-INFINITY);
-    for (int t = 0; t < n; t += 16) {
+    int t = 0;
+    for (; t + 16 <= n; t += 16) best = _mm512_max_ps(_mm512_loadu_ps(scores + t), best);
+    if (t < n) {
         __mmask16 m = first_lanes(n - t);
         __m512 s = _mm512_maskz_loadu_ps(m, scores + t);
         best = _mm512_mask_mov_ps(best, _mm512_mask_cmp_ps_mask(m, s, best, _CMP_GT_OQ), s);
@@ -582,6 +591,9 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
         __m256 qv[32]; /* head size up to 256 */
         for (int i = 0; i < 2 * chunks; i++) qv[i] = _mm256_loadu_ps(q[m] + 8 * i);
         e[m] = (__m512){tile_scores8(qv, kb, chunks), tile_scores8(qv, kb + 8 * 16 * (size_t)chunks, chunks)};
+        /* a compiler barrier: the next query loads the keys again from the cache, where GCC would
+         * keep all 128 key vectors for it and spill them to the stack, a copy of the block per row */
+        __asm__ volatile("" ::: "memory");
     }
 }
 #endif
@@ -632,10 +644,11 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
  * values of the next tile (turn_). On AVX-512 every query's sums stay in registers while each
  * value row is read once for them all. AVX2's 16 registers hold one query's 64-value sums, not
  * three (they spill: a load and a store a multiply-add), so in a job of several rows, whose
- * arithmetic bounds it, or over a short cache, each query goes over the keys in turn, 32 keys
- * at a time (VALUE_TILE) so that the values are read from the first-level cache after the first
- * query. A job of one row over a long cache is bound by reading it and keeps the one pass. Every
- * sum gets the same operations in the same order either way. */
+ * arithmetic bounds it, or over a short cache, the queries go over the keys in turn (two at a
+ * time over half the values each, for a head size of 64), 32 keys at a time (VALUE_TILE) so that
+ * the values are read from the first-level cache after the first query. A job of one row over a
+ * long cache is bound by reading it and keeps the one pass. Every sum gets the same operations in
+ * the same order either way. */
 #define VALUE_PREFETCH(T, i)                                                                        \
     if (r == 0 && (i) + AHEAD < n) ask_for(vh + (size_t)keys[(i) + AHEAD] * row, row * sizeof(T));  \
     if (job->rows > 1 && turn_ == r) ask_for_later(vh + (size_t)(keys[i] + TILE_KEYS) * row, row * sizeof(T)); \
@@ -665,13 +678,33 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *c
 /* a job of one row over a head's values too large for the second-level cache */
 #define VALUES_AT_ONCE(T) (job->rows == 1 && (size_t)n_keys * row * sizeof(T) >= ((size_t)256 << 10))
 #define VALUE_TILE(T, tile) (VALUES_AT_ONCE(T) ? (tile) : 32)
+/* Queries m and m + 1 of a head of 64 values, half of it at a time (their 2 x 32 sums take 8 of the
+ * 16 registers): each value vector is loaded once for both, half the loads of a query at a time. */
+#define ADD_VALUES_OF_TWO(T, LOAD, SCALED, CH)                                                      \
+    for (int half = 0; half < 2; half++) {                                                          \
+        __m512 s0[2], s1[2];                                                                        \
+        for (int c = 0; c < 2; c++) s0[c] = rs->o[16 * m + 2 * half + c], s1[c] = rs->o[16 * (m + 1) + 2 * half + c]; \
+        for (int u = t; u < end_; u++) {                                                            \
+            const T *vj = vh + (size_t)keys[u] * row;                                               \
+            VALUE_SCALE(SCALED, CH)                                                                 \
+            __m512 p0 = _mm512_set1_ps(VALUE_WEIGHT(SCALED, m, u)), p1 = _mm512_set1_ps(VALUE_WEIGHT(SCALED, m + 1, u)); \
+            for (int c = 0; c < 2; c++) {                                                           \
+                __m512 v = LOAD(vj + 16 * (2 * half + c));                                          \
+                s0[c] = _mm512_fmadd_ps(p0, v, s0[c]), s1[c] = _mm512_fmadd_ps(p1, v, s1[c]);       \
+            }                                                                                       \
+        }                                                                                           \
+        for (int c = 0; c < 2; c++) rs->o[16 * m + 2 * half + c] = s0[c], rs->o[16 * (m + 1) + 2 * half + c] = s1[c]; \
+    }
 #define ADD_VALUES(T, LOAD, SCALED, Q, CH)                                                          \
     if (VALUES_AT_ONCE(T)) { /* bound by reading the cache: each value row read once */            \
         ADD_VALUES_AT_ONCE(T, LOAD, SCALED, Q, CH)                                                  \
     } else {                                                                                        \
         int end_ = t, turn_ = t % job->rows;                                                        \
         for (; end_ < stop && keys[end_] < j1; end_++) { VALUE_PREFETCH(T, end_) }                  \
-        for (int m = 0; m < Q; m++) {                                                               \
+        int m = 0;                                                                                  \
+        if ((CH) == 4) /* head size 64: two queries at once, each value vector loaded for both */    \
+            for (; m + 1 < Q; m += 2) ADD_VALUES_OF_TWO(T, LOAD, SCALED, CH)                         \
+        for (; m < Q; m++) {                                                                        \
             __m512 sums[(CH)];                                                                      \
             for (int c = 0; c < (CH); c++) sums[c] = rs->o[16 * m + c];                             \
             for (int u = t; u < end_; u++) {                                                        \
