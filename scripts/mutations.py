@@ -10420,6 +10420,18 @@ MUTATIONS = (
     Mutation("values-of-two-one-half-only", "src/decodekit/models/kernels/attention.c",
              "    for (int half = 0; half < 2; half++) {", "    for (int half = 0; half < 1; half++) {",
              ("tests/test_kernels.py", "-k", "attention")),
+    Mutation("gguf-bytes-past-the-last-tensor-trusted", "src/decodekit/models/loading.py",
+             "    if tensors and size > start + end:", "    if False:",
+             ("tests/test_cache_integrity.py", "-k", "bytes_past")),
+    Mutation("gguf-zero-size-taken-as-positive", "src/decodekit/models/loading.py",
+             "if not ok or not math.isfinite(value) or value <= 0:", "if not ok or not math.isfinite(value) or value < 0:",
+             ("tests/test_cache_integrity.py", "-k", "bytes_past")),
+    Mutation("gguf-heads-not-dividing-taken", "src/decodekit/models/loading.py",
+             "    if heads and kv_heads and heads % kv_heads:", "    if False:",
+             ("tests/test_cache_integrity.py", "-k", "bytes_past")),
+    Mutation("gguf-special-token-past-the-vocabulary-taken", "src/decodekit/models/loading.py",
+             "not (type(token) is int and 0 <= token < vocabulary)", "not (type(token) is int and 0 <= token)",
+             ("tests/test_cache_integrity.py", "-k", "bytes_past")),
 )
 
 

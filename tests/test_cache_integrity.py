@@ -972,6 +972,47 @@ def test_a_gguf_whose_header_misplaces_its_tensors_or_layers_is_refused_not_load
     assert not [p for p in cache.rglob("*") if not p.name.endswith(".lock")]  # nothing cached for any
 
 
+def test_a_gguf_with_bytes_past_its_last_tensor_or_impossible_sizes_is_refused_before_it_is_read(
+        tiny_gguf, cache, tmp_path, capsys):
+    """A header that lists less than the file holds (the last tensor retyped to a smaller type, junk
+    appended) read the last tensor's bytes as another type and decoded garbage; sizes no model can
+    have (no context, no key/value heads, heads that do not divide the width, a rotary base or
+    epsilon that is not a positive number, a vocabulary or width that is not the embedding
+    table's, a special token past the vocabulary) failed deep in a reader (a division by zero, an
+    index error) or after the weights were dequantised and cached. Each is one line naming the
+    header's key, before anything is cached."""
+    data = tiny_gguf.read_bytes()
+    last_type = gguf_tensor_info(data, "blk.1.ffn_down.weight")[1]  # Q8_0, the file's last tensor
+
+    def value_of(key: str) -> int:  # where a scalar value of the header starts, after its type
+        return data.index(key.encode()) + len(key) + 4
+
+    damages = {
+        "last retyped": (patched(data, last_type, "<I", 2), "bytes after the last tensor's data"),  # Q8_0 -> Q4_0
+        "bytes appended": (data + bytes(4096), "4096 bytes after the last tensor's data"),
+        "no context": (patched(data, value_of("llama.context_length"), "<I", 0), "llama.context_length is 0, not a positive integer"),
+        "no kv heads": (patched(data, value_of("llama.attention.head_count_kv"), "<I", 0), "head_count_kv is 0"),
+        "heads not dividing": (patched(data, value_of("llama.attention.head_count"), "<I", 3),
+                               "llama.attention.head_count 3 is not a multiple of llama.attention.head_count_kv 2"),
+        "width not of heads": (patched(data, value_of("llama.attention.head_count"), "<I", 6),
+                               "llama.embedding_length 32 is not a multiple of llama.attention.head_count 6"),
+        "a wider width": (patched(data, value_of("llama.embedding_length"), "<I", 40), "the embedding table's rows are 32 wide"),
+        "a nan epsilon": (patched(data, value_of("llama.attention.layer_norm_rms_epsilon"), "<f", float("nan")),
+                          "layer_norm_rms_epsilon is nan, not a positive finite number"),
+        "a negative rope base": (patched(data, value_of("llama.rope.freq_base"), "<f", -1.0), "freq_base is -1.0"),
+        "a smaller vocabulary": (patched(data, value_of("llama.vocab_size"), "<I", 5), "llama.vocab_size gives 5 tokens, the embedding table has 260"),
+        "an eos past the vocabulary": (patched(data, value_of("tokenizer.ggml.eos_token_id"), "<I", 10**9),
+                                       "tokenizer.ggml.eos_token_id is 1000000000, outside the 260 tokens"),
+    }
+    for damage, (changed, problem) in damages.items():
+        bad = tmp_path / f"{damage.replace(' ', '_')}.gguf"
+        bad.write_bytes(changed)
+        assert main(["generate", "--model", str(bad), "hi", "--max-new-tokens", "1"]) == 2, damage
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and f"{bad}: not a valid GGUF file (" in err and problem in err, (damage, err)
+    assert not [p for p in cache.rglob("*") if not p.name.endswith(".lock")]  # nothing cached for any
+
+
 def test_the_gguf_layout_check_takes_the_files_alignment_and_every_value_type(tmp_path):
     """A valid file aligned to 64 (general.alignment), with a value of every scalar type, passes the
     check, which walks the header as llama.cpp does; an alignment of 0 or not a power of two is

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -182,6 +182,12 @@ def check_gguf_header(gguf: Path) -> None:
 GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
+class GgufArray(NamedTuple):
+    """A GGUF metadata array, as :func:`check_gguf_layout` records it: its length (the values skipped)."""
+
+    count: int
+
+
 def check_gguf_layout(gguf: Path) -> None:
     """Refuse, in one line, a GGUF file whose header does not describe the tensors it holds, before
     transformers reads it: its reader takes each tensor at the offset the header gives, whatever the
@@ -190,8 +196,9 @@ def check_gguf_layout(gguf: Path) -> None:
     other's bytes, layers left out) or allocate layers by the billion.
 
     The checks are llama.cpp's (``gguf_init_from_file``, its model loader): the tensors lie one
-    after another in the order they are listed, each padded to the alignment, within the file; the
-    layers with tensors are ``blk.0 .. blk.<block_count - 1>``. The header is walked here, arrays
+    after another in the order they are listed, each padded to the alignment, and the last one ends
+    the file; the layers with tensors are ``blk.0 .. blk.<block_count - 1>``; the model's sizes are
+    ones it can have (:func:`check_gguf_hyperparameters`). The header is walked here, arrays
     skipped (the ``gguf`` package's reader takes seconds over a 262k-token vocabulary)."""
     with open(gguf, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
         _check_gguf_layout(gguf, buffer)
@@ -241,7 +248,7 @@ def _check_gguf_layout(gguf: Path, buffer: "mmap.mmap") -> None:
         else:
             for _ in range(count):
                 value(item)
-        return None
+        return GgufArray(count)
 
     magic, version = take("4sI")
     if magic != GGUF_MAGIC or version not in (2, 3):
@@ -260,6 +267,7 @@ def _check_gguf_layout(gguf: Path, buffer: "mmap.mmap") -> None:
     if type(alignment) is not int or alignment < 1 or alignment & (alignment - 1):
         raise bad(f"an alignment of {alignment!r}, not a power of two")
     start, end = -(-at // alignment) * alignment, 0  # where the tensors' data begins; where the last one ends
+    data_end = start  # where the last tensor's bytes end (before its padding)
     for name, dims, kind, offset in tensors:
         try:
             block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
@@ -273,13 +281,68 @@ def _check_gguf_layout(gguf: Path, buffer: "mmap.mmap") -> None:
         nbytes = count // block * block_bytes
         if start + offset + nbytes > size:
             raise bad(f"tensor {name!r} ends past the end of the file")
+        data_end = start + offset + nbytes
         end += -(-nbytes // alignment) * alignment
+    # the file ends with the last tensor, padded or not (llama.cpp's writer and gguf-py's): bytes past
+    # it are a header that lists less than the file holds (a tensor's type or shape changed), or junk
+    if tensors and size > start + end:
+        raise bad(f"{size - data_end} bytes after the last tensor's data, which the header says ends at byte {data_end}")
+    check_gguf_hyperparameters(fields, {name: dims for name, dims, *_ in tensors}, bad)
     architecture = fields.get(b"general.architecture")
     layers = fields.get(architecture + b".block_count") if isinstance(architecture, bytes) else None
     if type(layers) is int:
         found = {name.split(".")[1] for name, *_ in tensors if name.startswith("blk.")}
         if found != {str(i) for i in range(min(layers, len(tensors) + 1))}:
             raise bad(f"its block_count is {layers}, its tensors are those of {len(found)} layers")
+
+
+def check_gguf_hyperparameters(fields: dict, shapes: dict[str, tuple[int, ...]], bad) -> None:
+    """Refuse the model sizes a damaged header gives (``fields``: its metadata; ``shapes``: each
+    tensor's dimensions, fastest first as GGUF lists them), before any reader divides by them or
+    sizes the model by them: a count that is not a positive integer, heads that do not divide the
+    width or each other, an epsilon or rotary base that is not a positive finite number, a width or
+    vocabulary that is not the embedding table's, a special token past the vocabulary. These are
+    llama.cpp's own conditions (its loader asserts them or fails on the shapes)."""
+    architecture = fields.get(b"general.architecture")
+    if not isinstance(architecture, bytes):
+        return
+    arch = architecture.decode("utf-8", "replace")
+
+    def field(key: str):
+        return fields.get(key.encode())
+
+    def positive(key: str, kind: type = int) -> "int | float | None":
+        value = field(key)
+        if value is None or isinstance(value, GgufArray):  # (newer architectures give some per layer)
+            return None
+        ok = type(value) is int if kind is int else isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or value <= 0:
+            raise bad(f"{key} is {value!r}, not a positive {'integer' if kind is int else 'finite number'}")
+        return value
+
+    for key in ("block_count", "context_length", "feed_forward_length"):
+        positive(f"{arch}.{key}")
+    heads, kv_heads = positive(f"{arch}.attention.head_count"), positive(f"{arch}.attention.head_count_kv")
+    positive(f"{arch}.attention.layer_norm_rms_epsilon", float)
+    positive(f"{arch}.rope.freq_base", float)
+    width = positive(f"{arch}.embedding_length")
+    if heads and kv_heads and heads % kv_heads:
+        raise bad(f"{arch}.attention.head_count {heads} is not a multiple of {arch}.attention.head_count_kv {kv_heads}")
+    if heads and width and field(f"{arch}.attention.key_length") is None and width % heads:
+        raise bad(f"{arch}.embedding_length {width} is not a multiple of {arch}.attention.head_count {heads}")
+    embedding = shapes.get("token_embd.weight")
+    tokens = field("tokenizer.ggml.tokens")
+    vocabulary = tokens.count if isinstance(tokens, GgufArray) else None
+    if embedding is not None and len(embedding) == 2:
+        if width is not None and embedding[0] != width:
+            raise bad(f"{arch}.embedding_length is {width}, the embedding table's rows are {embedding[0]} wide")
+        for key, count in ((f"{arch}.vocab_size", field(f"{arch}.vocab_size")), ("tokenizer.ggml.tokens", vocabulary)):
+            if count is not None and count != embedding[1]:
+                raise bad(f"{key} gives {count!r} tokens, the embedding table has {embedding[1]}")
+    for role in ("bos", "eos", "unknown", "padding", "sep"):
+        token = field(f"tokenizer.ggml.{role}_token_id")
+        if token is not None and vocabulary is not None and not (type(token) is int and 0 <= token < vocabulary):
+            raise bad(f"tokenizer.ggml.{role}_token_id is {token!r}, outside the {vocabulary} tokens")
 
 
 def dequantised_folder(gguf: Path) -> Path:
