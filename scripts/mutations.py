@@ -10432,6 +10432,15 @@ MUTATIONS = (
     Mutation("gguf-special-token-past-the-vocabulary-taken", "src/decodekit/models/loading.py",
              "not (type(token) is int and 0 <= token < vocabulary)", "not (type(token) is int and 0 <= token)",
              ("tests/test_cache_integrity.py", "-k", "bytes_past")),
+    Mutation("empty-stop-string-dropped", "src/decodekit/engine/stops.py",
+             "        if not s:\n            raise InvalidParameter(\"a stop string is empty", "        if False:\n            raise InvalidParameter(\"a stop string is empty",
+             ("tests/test_stops.py", "tests/test_serve.py", "-k", "stop")),
+    Mutation("whitespace-prompt-taken", "src/decodekit/engine/api.py",
+             "    if not text.strip():\n        raise InvalidParameter(f\"{what} is empty\"", "    if not text:\n        raise InvalidParameter(f\"{what} is empty\"",
+             ("tests/test_bad_input.py", "-k", "prompt")),
+    Mutation("kv-cache-field-given-twice-overrides", "src/decodekit/models/kv_policy.py",
+             "        if eq and name in fields:", "        if False:",
+             ("tests/test_kv_policy.py", "tests/test_bad_input.py", "-k", "kv or field")),
 )
 
 

@@ -106,8 +106,13 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["eval", "longctx", "--method", "beam"], "--method applies to the item tasks, not longctx"),
     (["generate", "hi", "--method", "kvdraft", "--opt", "draft_cache=full"], "kvdraft needs a compressed draft_cache"),
     (["generate", "hi", "--method", "kvdraft", "--opt", "draft_cache=int4"], "kvdraft needs a compressed draft_cache other than int4"),
-    (["generate", "hi", "--kv-cache", "int2:residual=16"], "needs group >= 1, residual >= 64"),
+    (["generate", "hi", "--kv-cache", "int2:residual=16"], "residual must be at least 64 (the longest pass), got 16"),
+    (["generate", "hi", "--kv-cache", "int4:group=32,group=16"], "kv cache 'int4:group=32,group=16': group is given twice"),
+    (["generate", "hi", "--kv-cache", "sink:-1,window:10"], "sink must be a non-negative integer, got -1"),
     (["generate", "   "], "the prompt is empty"),
+    (["generate", "hi", "--stop", ""], "a stop string is empty"),
+    (["generate", "hi", "--stop", "x", "--stop", ""], "a stop string is empty"),
+    (["chat", "--stop", ""], "a stop string is empty"),
     (["generate", "hi", "--method", "draft", "--draft-model", "self-truncated:2", "--opt", "draft_model=self-truncated:3"],
      "both name the draft model"),
     (["generate", "hi", "--frequency-penalty=1e39"], "frequency_penalty must be in"),  # past float32: inf * 0 = nan
@@ -490,6 +495,8 @@ def test_invalid_utf8_argument_from_a_real_command_line():
     (42, "the prompt must be a string"),
     (b"bytes", "the prompt must be a string"),
     ("", "the prompt is empty"),
+    ("   ", "the prompt is empty"),  # as the CLI refuses it
+    (" \n\t", "the prompt is empty"),
     ([], "the prompt is empty"),
     ([{"role": "user"}], "prompt message 0 needs a 'role' and a 'content' string"),
     ([{"role": "user", "content": None}], "prompt message 0 needs"),
@@ -517,6 +524,31 @@ def test_python_api_gives_the_chat_template_a_developer_message_as_a_system_mess
     prompt_token_ids(engine.model, [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
                      chat=True)
     assert rendered == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]]
+
+
+def test_python_api_refuses_a_whitespace_prompt_as_the_cli_does_but_not_token_ids_of_whitespace(engine):
+    """Only text is asked: token ids that spell whitespace are a prompt (the caller chose them)."""
+    import decodekit
+
+    for call in (lambda p: engine.generate(p, max_new_tokens=2), lambda p: decodekit.generate(p, model=engine.model,
+                                                                                              max_new_tokens=2)):
+        with pytest.raises(InvalidParameter, match="^the prompt is empty$") as err:
+            call("   ")
+        assert err.value.param == "prompt"
+    spaces = engine.model.tokenizer.encode("   ")
+    assert spaces and engine.generate(spaces, max_new_tokens=2, chat=False).finish_reason in ("length", "eos")
+
+
+@pytest.mark.parametrize("stop", ["", ["ok", ""]])
+def test_python_api_refuses_an_empty_stop_string(engine, stop):
+    with pytest.raises(InvalidParameter, match="a stop string is empty") as err:
+        engine.generate("hi", max_new_tokens=2, stop=stop, chat=False)
+    assert err.value.param == "stop"
+
+
+def test_a_drafter_option_naming_a_folder_is_one_line_as_the_file_options_say_it(capsys, tiny_cli, tmp_path):
+    one_error_line(capsys, ["generate", "hi", "--method", "eagle", "--opt", f"drafter={tmp_path}"],
+                   f"drafter {str(tmp_path)!r} is a folder: give a file")
 
 
 def test_python_api_takes_token_ids_at_both_ends_of_the_vocabulary(engine):

@@ -59,6 +59,36 @@ def test_bad_spellings_fail_in_one_line(spec):
     assert "\n" not in str(err.value) and "kv cache" in str(err.value)
 
 
+@pytest.mark.parametrize("spec, expected", [
+    # a field given twice: said so, as --opt says it, not "cannot read"
+    ("int4:group=32,group=16", "group is given twice; give one"),
+    ("h2o:budget=8,window=4,budget=9", "budget is given twice; give one"),
+    ("sink:4,sink:5,window:8", "sink is given twice; give one"),
+    ("sink:4,window:8,window:9", "window is given twice; give one"),
+    # a value out of the policy's range: the field and its value named, a negative one too
+    ("sink:-1,window:10", "sink must be a non-negative integer, got -1"),
+    ("sink:4,window:0", "window must be at least 1, got 0"),
+    ("sink:4,window:-3", "window must be at least 1, got -3"),
+    ("sink:4,window:8,every:-1", "every must be at least 1 (or 0: window // 8), got -1"),
+    ("h2o:budget=8,window=0", "window must be at least 1, got 0"),
+    ("h2o:budget=-1,window=1", "budget must be at least the window (1), got -1"),
+    ("h2o:budget=8,window=9", "budget must be at least the window (9), got 8"),
+    ("snapkv:budget=8,window=0", "window must be at least 1, got 0"),
+    ("snapkv:budget=8,window=8", "budget must be more than the window (8), got 8"),
+    ("snapkv:budget=-5", "budget must be more than the window (32), got -5"),
+    ("snapkv:budget=100,window=2,kernel=4", "kernel must be a positive odd number, got 4"),
+    ("snapkv:budget=100,window=2,kernel=-1", "kernel must be a positive odd number, got -1"),
+    ("int4:group=0", "group must be at least 1, got 0"),
+    ("int4:group=-2", "group must be at least 1, got -2"),
+    ("int2:residual=16", "residual must be at least 64 (the longest pass), got 16"),
+    ("int4:residual=-1", "residual must be at least 64 (the longest pass), got -1"),
+])
+def test_a_bad_field_is_named_with_its_value(spec, expected):
+    with pytest.raises(InvalidParameter) as err:
+        parse_kv_cache(spec)
+    assert str(err.value).startswith("kv cache '") and str(err.value).endswith(expected), str(err.value)
+
+
 def test_every_policys_spelling_reads_back_as_the_same_policy():
     """``spec`` is what logs, the cost table and the server name a cache by: read back, it must give the
     same policy, a default group with another residual (or the reverse) included."""
@@ -71,7 +101,7 @@ def test_every_policys_spelling_reads_back_as_the_same_policy():
 def test_a_kivi_policy_of_other_than_4_or_2_bits_is_refused(bits):
     """KIVI's codes are packed 16 channels in ``2 * bits`` bytes for 4 and 2 bits only (int8 is its own
     per-token policy): a KiviPolicy of another width is refused when made, in one line."""
-    with pytest.raises(InvalidParameter, match="4 or 2 bits"):
+    with pytest.raises(InvalidParameter, match=f"bits must be 4 or 2, got {bits}"):
         KiviPolicy(bits=bits)
 
 

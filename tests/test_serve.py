@@ -1424,10 +1424,12 @@ def test_integer_fields_take_both_ends_of_their_range_and_nothing_past_them():
 
 
 def test_stop_takes_up_to_four_strings():
-    """OpenAI's limit: a string or a list of at most 4."""
+    """OpenAI's limit: a string or a list of at most 4; an empty one, which every text contains, is
+    refused before anything is queued or streamed (the engine's check)."""
     assert parse_request({"prompt": "hi", "stop": list("abcd")}, chat=False).stop == list("abcd")
     assert parse_request({"prompt": "hi", "stop": "ab"}, chat=False).stop == ["ab"]
     assert refused({"prompt": "hi", "stop": list("abcde")}) == "stop"
+    assert refused({"prompt": "hi", "stop": ""}) == refused({"prompt": "hi", "stop": ["a", ""], "stream": True}) == "stop"
 
 
 @pytest.mark.parametrize("field, value", [(field, value) for field in ("stop", "stream_options", "method_options")

@@ -24,7 +24,7 @@ class WordTokenizer:
 
 def test_one_string_is_one_stop_string():
     assert stop_strings("sea") == ("sea",)
-    assert stop_strings(["a", "", "bc"]) == ("a", "bc")
+    assert stop_strings(["a", "bc"]) == ("a", "bc")
     assert stop_strings(None) == ()
     with pytest.raises(InvalidParameter, match="stop"):
         stop_strings([1, 2])
@@ -72,9 +72,18 @@ def test_shown_tokens_take_the_cut_token_that_holds_even_one_character_of_the_te
     assert shown_tokens(tok, text, kept, tokens[len(kept):]) == [0, 1, 2] == kept
 
 
+@pytest.mark.parametrize("stop", ["", ["a", ""], ("",)])
+def test_an_empty_stop_string_is_refused_not_dropped(stop):
+    """The empty string is in every text: dropped, the stop the user asked for would silently never
+    come; refused in one line, naming the field (the CLI, the API and the server share this check)."""
+    with pytest.raises(InvalidParameter, match="a stop string is empty") as err:
+        stop_strings(stop)
+    assert err.value.param == "stop" and "\n" not in str(err.value)
+
+
 def test_an_empty_stop_string_never_cuts():
     """The empty string is in every text: given among the stop strings, it must not cut the text
-    at its start (stop_strings drops it; cut_at_stop passes it over too)."""
+    at its start (stop_strings refuses it; cut_at_stop passes it over too)."""
     tok = WordTokenizer()
     tokens = [0, 1, 2, 3, 4]  # "hello world!"
     assert cut_at_stop(tok, tokens, ("",)) == ("hello world!", tokens, None)

@@ -636,6 +636,13 @@ def test_a_drafter_for_another_model_is_refused(drafter_files, kind):
     assert store.load(tiny().backend, kind, drafter_files[kind, "exact"]) is not None
 
 
+def test_a_drafter_given_as_a_folder_is_refused_in_the_file_options_words(tmp_path):
+    """Not safetensors' "No such device (os error 19)": the words of the CLI's file options."""
+    with pytest.raises(InvalidParameter, match=r"^drafter '.*' is a folder: give a file$") as err:
+        store.load(tiny().backend, "eagle", tmp_path)
+    assert err.value.param == "drafter"
+
+
 def test_damaged_and_wrong_drafter_files_are_one_line(drafter_files, tmp_path):
     backend = tiny().backend
     broken = tmp_path / "broken.safetensors"

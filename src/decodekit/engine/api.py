@@ -72,6 +72,14 @@ def check_text(text: str, what: str, param: str | None = None) -> str:
     return text
 
 
+def check_prompt_text(text: str, what: str = "the prompt") -> str:
+    """``text`` as a prompt, refused where it is empty or only whitespace: the same check for the
+    CLI's prompt and the API's (a prompt of token ids is not text, and is not asked)."""
+    if not text.strip():
+        raise InvalidParameter(f"{what} is empty", param="prompt")
+    return text
+
+
 #: The roles a chat message may have: OpenAI's ("developer" is its newer name for "system").
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
@@ -96,9 +104,7 @@ def prompt_token_ids(model: LoadedModel, prompt: Any, *, chat: bool) -> list[int
             raise InvalidParameter(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
         return [int(t) for t in prompt]
     if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidParameter("the prompt is empty", param="prompt")
-        ids = model.prompt_ids(check_text(prompt, "the prompt", "prompt"), chat=chat)
+        ids = model.prompt_ids(check_text(check_prompt_text(prompt), "the prompt", "prompt"), chat=chat)
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping) for m in prompt):
         messages = []
         for i, message in enumerate(prompt):

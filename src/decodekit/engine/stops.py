@@ -24,7 +24,8 @@ CHARACTER_BYTES = 4
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    """Validated stop strings: one string is one stop string (not its characters); empty ones are dropped."""
+    """Validated stop strings: one string is one stop string (not its characters); an empty one is
+    refused (every text contains it: dropped, the stop the user asked for would silently never come)."""
     if stop is None:
         return ()
     if isinstance(stop, str):
@@ -32,12 +33,15 @@ def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
         raise InvalidParameter(f"stop must be a string or a list of strings, got {stop!r}")
     for s in stop:
+        if not s:
+            raise InvalidParameter("a stop string is empty (every text contains it); give non-empty stop strings",
+                                   param="stop")
         try:  # a lone surrogate (bytes that were not UTF-8) is no text a model can write
             s.encode("utf-8")
         except UnicodeEncodeError as err:
             raise InvalidParameter(f"stop string {s!r} is not valid UTF-8 text (undecodable character at "
                                    f"position {err.start})", param="stop") from None
-    return tuple(s for s in stop if s)
+    return tuple(stop)
 
 
 def hits_stop(tokenizer: Tokenizer, tokens: Sequence[int], stop: Sequence[str], added: int = 1) -> bool:

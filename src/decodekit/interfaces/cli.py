@@ -140,12 +140,13 @@ def decoding_params(args: argparse.Namespace) -> dict[str, Any]:
 def validate_decoding(args: argparse.Namespace) -> dict[str, Any] | None:
     """Reject a bad method, sampler value, option or constraint before the model is loaded; return
     the structured-output constraint, if any (:func:`constraint_from_args`)."""
-    from ..engine import build_decoder, make_sampler, method_spec, split_params
+    from ..engine import build_decoder, make_sampler, method_spec, split_params, stop_strings
     from ..models.kv_policy import parse_kv_cache
 
     method_spec(args.method)
     if args.max_new_tokens < 1:
         raise InvalidParameter(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    stop_strings(args.stop)  # the engine's check, before the model loads
     sampler_params, options = split_params(decoding_params(args))
     make_sampler(args.method, sampler_params)
     build_decoder(args.method, **options)
@@ -173,10 +174,10 @@ def silence_stdout() -> None:
 def read_prompt(prompt: str | None) -> str:
     """The prompt argument, or standard input for none or ``-`` (which must be UTF-8 text), less its
     final newlines, as ``"$(cat file)"`` gives it: a code prompt keeps its leading indentation."""
+    from ..engine.api import check_prompt_text  # (the API's check: empty or only whitespace)
+
     if prompt not in (None, "-"):
-        if not prompt.strip():  # as on standard input, where the text is stripped
-            raise InvalidParameter("the prompt is empty")
-        return prompt
+        return check_prompt_text(prompt)
     if sys.stdin is None or sys.stdin.isatty():
         raise InvalidParameter("no prompt: give one as an argument or on standard input")
     if hasattr(sys.stdin, "buffer"):
@@ -187,10 +188,7 @@ def read_prompt(prompt: str | None) -> str:
             raise InvalidParameter(f"standard input is not valid UTF-8 (byte {data[err.start]:#04x} at offset {err.start})") from None
     else:  # already text (a StringIO in tests)
         text = sys.stdin.read()
-    text = text.rstrip("\r\n")
-    if not text.strip():
-        raise InvalidParameter("the prompt on standard input is empty")
-    return text
+    return check_prompt_text(text.rstrip("\r\n"), "the prompt on standard input")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -173,9 +173,9 @@ class KiviPolicy(KVPolicy):
     bits: int = 4
 
     def __post_init__(self) -> None:
-        if self.group < 1 or self.residual < MAX_ROWS or self.bits not in (2, 4):
-            raise InvalidParameter(f"kv cache {self.spec!r}: needs group >= 1, residual >= {MAX_ROWS} (the longest pass) "
-                                   "and 4 or 2 bits")
+        _check(self, ("group", self.group >= 1, "at least 1"),
+               ("residual", self.residual >= MAX_ROWS, f"at least {MAX_ROWS} (the longest pass)"),
+               ("bits", self.bits in (2, 4), "4 or 2"))
 
     @property
     def spec(self) -> str:
@@ -228,8 +228,8 @@ class StreamingPolicy(KVPolicy):
     every: int = 0  # 0: window // 8 (at least 1)
 
     def __post_init__(self) -> None:
-        if self.sink < 0 or self.window < 1 or self.every < 0:
-            raise InvalidParameter(f"kv cache {self.spec!r}: needs sink >= 0, window >= 1, every >= 1 (or 0: window // 8)")
+        _check(self, ("sink", self.sink >= 0, "a non-negative integer"), ("window", self.window >= 1, "at least 1"),
+               ("every", self.every >= 0, "at least 1 (or 0: window // 8)"))
 
     @property
     def step(self) -> int:
@@ -287,8 +287,8 @@ class HeavyHitterPolicy(KVPolicy):
     window: int = 64
 
     def __post_init__(self) -> None:
-        if not 1 <= self.window <= self.budget:
-            raise InvalidParameter(f"kv cache {self.spec!r}: needs 1 <= window <= budget")
+        _check(self, ("window", self.window >= 1, "at least 1"),
+               ("budget", self.budget >= self.window, f"at least the window ({self.window})"))
 
     @property
     def spec(self) -> str:
@@ -332,8 +332,9 @@ class SnapKVPolicy(KVPolicy):
     kernel: int = 5
 
     def __post_init__(self) -> None:
-        if not 1 <= self.window < self.budget or self.kernel < 1 or self.kernel % 2 == 0:
-            raise InvalidParameter(f"kv cache {self.spec!r}: needs 1 <= window < budget and an odd kernel")
+        _check(self, ("window", self.window >= 1, "at least 1"),
+               ("budget", self.budget > self.window, f"more than the window ({self.window})"),
+               ("kernel", self.kernel >= 1 and self.kernel % 2 == 1, "a positive odd number"))
 
     @property
     def spec(self) -> str:
@@ -355,6 +356,14 @@ class SnapKVPolicy(KVPolicy):
     def keep(self, slots: int, mass: torch.Tensor | None) -> torch.Tensor:
         assert mass is not None
         return snapkv_keep(mass[..., :slots], self.budget, self.window, self.kernel)
+
+
+def _check(policy: KVPolicy, *rules: tuple[str, bool, str]) -> None:
+    """Refuse ``policy`` at the first ``(field, holds, what it must be)`` that does not hold, naming the
+    field and its value (a policy made in Python, not spelt, is checked the same)."""
+    for name, holds, need in rules:
+        if not holds:
+            raise InvalidParameter(f"kv cache {policy.spec!r}: {name} must be {need}, got {getattr(policy, name)}")
 
 
 # The rules, as pure functions (tests check them against slow loops) ------------------------------
@@ -435,13 +444,16 @@ def parse_kv_cache(spec: "str | KVPolicy | None") -> KVPolicy:
 def _fields(text: str, rest: str, sep: str, names: tuple[str, ...], first: str | None = None) -> dict[str, int]:
     parts = rest.split(",") if rest else []
     fields: dict[str, int] = {}
+    # a sign is read, so that the policy names a negative value as out of its range
     if first is not None:  # "sink:4,window:..." puts the first value right after the kind
-        if not parts or not re.fullmatch(r"[0-9]+", parts[0]):
+        if not parts or not re.fullmatch(INTEGER, parts[0]):
             raise InvalidParameter(f"kv cache {text!r}: expected {first}:N first")
         fields[first] = int(parts.pop(0))
     for part in parts:
         name, eq, value = part.partition(sep)
-        if not eq or name not in names or not re.fullmatch(r"[0-9]+", value) or name in fields:
+        if eq and name in fields:  # as --opt refuses a key given twice: never one value silently over another
+            raise InvalidParameter(f"kv cache {text!r}: {name} is given twice; give one")
+        if not eq or name not in names or not re.fullmatch(INTEGER, value):
             raise InvalidParameter(f"kv cache {text!r}: cannot read {part!r} (expected {sep.join(('NAME', 'N'))} "
                                    f"with NAME one of {', '.join(names)})")
         fields[name] = int(value)
@@ -452,6 +464,7 @@ def _fields(text: str, rest: str, sep: str, names: tuple[str, ...], first: str |
 
 
 FIELD_LIMIT = 2**31 - 1
+INTEGER = r"-?[0-9]+"  # a field's value (ASCII digits only: int() would read other scripts' too)
 
 
 def _required(text: str, fields: dict[str, int], *names: str) -> None:

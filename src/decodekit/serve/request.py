@@ -13,6 +13,7 @@ from starlette.requests import ClientDisconnect
 
 from ..engine.api import chat_role, make_sampler, split_params
 from ..engine.registry import build_decoder, method_spec, validate_options
+from ..engine.stops import stop_strings
 from ..errors import DecodeKitError, InvalidParameter
 from ..models import LoadedModel
 from ..options import finite
@@ -171,6 +172,10 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop  # (0 or false is no list either)
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop):
         raise ApiError(400, "stop must be a string or a list of at most 4 strings", param="stop")
+    try:  # the engine's own check (an empty string, a lone surrogate), before a stream starts
+        stop_strings(stop)
+    except InvalidParameter as err:
+        raise ApiError(400, str(err), param="stop") from None
     stream = _flag(body, "stream")
     top_logprobs = _top_logprobs(body, chat, stream)
     options = {} if body.get("stream_options") is None else body["stream_options"]

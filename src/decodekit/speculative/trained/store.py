@@ -104,6 +104,8 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A drafter file's tensors and metadata; a damaged or foreign file is one line."""
     from safetensors import safe_open
 
+    if path.is_dir():  # worded as the CLI's file options word it (safetensors: "No such device (os error 19)")
+        raise InvalidParameter(f"drafter {str(path)!r} is a folder: give a file", param="drafter")
     try:
         with safe_open(str(path), framework="pt") as handle:
             meta = handle.metadata() or {}
