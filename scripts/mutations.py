@@ -10441,6 +10441,16 @@ MUTATIONS = (
     Mutation("kv-cache-field-given-twice-overrides", "src/decodekit/models/kv_policy.py",
              "        if eq and name in fields:", "        if False:",
              ("tests/test_kv_policy.py", "tests/test_bad_input.py", "-k", "kv or field")),
+    Mutation("a-folder-given-as-a-file-said-missing", "src/decodekit/arguments.py",
+             "    if path.is_dir():\n        raise InvalidParameter(f\"{what} {str(path)!r} is a folder: give a file\")",
+             "    if False:\n        raise InvalidParameter(f\"{what} {str(path)!r} is a folder: give a file\")",
+             ("tests/test_bad_input.py", "-k", "bad_arguments_are_one_line")),
+    Mutation("bench-serve-level-measured-twice", "src/decodekit/serve/load.py",
+             "    if len(set(levels)) < len(levels):", "    if False:",
+             ("tests/test_bad_input.py", "-k", "bad_arguments_are_one_line")),
+    Mutation("empty-baselines-taken-for-none", "src/decodekit/bench/cli.py",
+             "    if not baselines:\n        raise InvalidParameter", "    if False:\n        raise InvalidParameter",
+             ("tests/test_bad_input.py", "-k", "bad_arguments_are_one_line")),
 )
 
 

@@ -135,6 +135,16 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["bench", "--methods", ",,"], "--methods names no method"),
     (["bench", "--methods", "pld", "--opt", "pld.max_ngram"], "--opt expects METHOD.KEY=VALUE, got 'pld.max_ngram'"),
     (["bench", "--categories", ""], "--categories names no category"),
+    (["bench", "--baselines", ""], "--baselines names no baseline: '' (give 'none' for none)"),  # not taken for none
+    (["bench", "--baselines", "none,hf"], "--baselines: 'none' stands alone"),
+    (["bench", "--questions", "/tmp"], "question file '/tmp' is a folder: give a file"),
+    (["bench", "--compare", "/tmp", "/tmp"], "results file '/tmp' is a folder: give a file"),
+    (["eval", "gsm8k", "--data", "/tmp"], "GSM8K data '/tmp' is a folder: give a file"),
+    (["eval", "structured", "--data", "/tmp"], "structured data '/tmp' is a folder: give a file"),
+    (["bench-serve", "--concurrency", "", "--url", "http://127.0.0.1:1/v1"], "--concurrency must be comma-separated positive integers"),
+    (["bench-serve", "--concurrency", "1,1", "--url", "http://127.0.0.1:1/v1"], "--concurrency names a level twice"),
+    (["bench-serve", "--request-rate", "inf,inf", "--url", "http://127.0.0.1:1/v1"], "--request-rate names a level twice"),
+    (["train-drafter", "--kind", "medusa", "--out", "/proc/x"], "--out '/proc/x' is not a writable folder (no folder can be made in /proc"),
     (["bench-serve", "--timeout", "nan", "--url", "http://127.0.0.1:1/v1"], "--timeout must be in"),
     (["serve", "--kv-cache", "bogus"], "unknown kv cache 'bogus'"),
     (["train-drafter", "--kind", "eagle", "--eval-queries", "0"], "--eval-queries must be at least 1"),
@@ -173,7 +183,7 @@ def test_bench_out_must_be_writable_before_the_model_loads(capsys, no_model, tmp
     one_error_line(capsys, [*argv, "--out", str(tmp_path / "a-file" / "out")], "is not a writable folder")
     assert not (tmp_path / "a-file").is_dir()
     if Path("/proc").is_dir():  # a folder root may "write" by its permissions, where nothing can be made
-        one_error_line(capsys, [*argv, "--out", "/proc/decodekit-out"], "--out '/proc/decodekit-out' is not a writable folder (/proc: ")
+        one_error_line(capsys, [*argv, "--out", "/proc/decodekit-out"], "--out '/proc/decodekit-out' is not a writable folder (no folder can be made in /proc: ")
     one_error_line(capsys, ["eval", "capitals", "--out", "/proc/x"] if Path("/proc").is_dir() else
                    ["eval", "capitals", "--out", str(tmp_path / "a-file" / "out")], "is not a writable folder")
     bench_cli.make_plan(cli.build_parser().parse_args([*argv, "--out", str(tmp_path / "new" / "out")]))  # writable

@@ -132,7 +132,7 @@ def test_a_question_file_may_be_named_from_home_and_a_folder_is_not_one(tmp_path
     write_questions(tmp_path / "q.jsonl")
     assert resolve_question_file("~/q.jsonl") == (tmp_path / "q.jsonl").resolve()
     assert len(load_questions("~/q.jsonl")) == len(CATEGORIES)
-    with pytest.raises(InvalidParameter, match="not found"):
+    with pytest.raises(InvalidParameter, match="is a folder: give a file"):
         resolve_question_file(tmp_path)
     with pytest.raises(InvalidParameter, match="not found"):  # ~user of no user: a path, not a RuntimeError
         resolve_question_file("~no-such-user-of-decodekit/q.jsonl")

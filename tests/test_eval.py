@@ -429,10 +429,10 @@ def test_a_structured_file_takes_boolean_schemas_and_is_checked_whole_before_any
 def test_a_structured_data_path_that_is_no_file_is_bad_input(tmp_path, capsys):
     """A missing file or a folder given as --data is the user's mistake: one line and exit code 2,
     as for gsm8k, not the exit code 1 of a failed read."""
-    for where in (tmp_path / "missing.jsonl", tmp_path):
+    for where, said in ((tmp_path / "missing.jsonl", "not found"), (tmp_path, "is a folder: give a file")):
         assert cli_main(["eval", "structured", "--data", str(where), "--out", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "structured data not found" in err
+        assert err.count("\n") == 1 and f"structured data {str(where)!r} {said}" in err
 
 
 def test_agreement_samples_are_drawn_under_the_items_schema_and_apart_from_the_answer(monkeypatch):

@@ -121,22 +121,34 @@ def check_ray_arguments(ray: str | None, workers: int | None) -> None:
         import_ray()
 
 
-def check_writable(out: Path, files: Sequence[str] = ()) -> None:
+def existing_file(path: Path, what: str, missing: str = "not found") -> Path:
+    """``path`` if it is a file; else one line naming ``what`` it should be: a folder given for it is
+    said to be one (not "not found"), anything else gets ``missing``."""
+    if path.is_dir():
+        raise InvalidParameter(f"{what} {str(path)!r} is a folder: give a file")
+    if not path.is_file():
+        raise InvalidParameter(f"{what} {str(path)!r} {missing}")
+    return path
+
+
+def check_writable(out: Path, files: Sequence[str] = (), given: Path | None = None) -> None:
     """``--out`` must be a folder this process can write, or one it can create: checked before
     the model loads, leaving nothing behind. A folder is made and removed where the first part of
     the path that exists is: permissions alone do not tell (root may write anywhere, but not in
-    ``/proc``). ``files``: what the command writes there; none of them may already be a folder."""
+    ``/proc``). ``files``: what the command writes there; none of them may already be a folder.
+    ``given``: the path the user gave, where ``out`` is derived from it (a file's folder)."""
+    shown = str(given if given is not None else out)
     taken = next((name for name in files if (out / name).exists() and not (out / name).is_file()), None)
     if taken is not None:
-        raise InvalidParameter(f"--out {str(out)!r}: {out / taken} is in the way of the file this command writes there "
+        raise InvalidParameter(f"--out {shown!r}: {out / taken} is in the way of the file this command writes there "
                                "(it is not a file)")
     existing = out.absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise InvalidParameter(f"--out {str(out)!r} is not a writable folder ({existing} is not a folder)")
+        raise InvalidParameter(f"--out {shown!r} is not a writable folder ({existing} is not a folder)")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".decodekit-out-", dir=existing))
     except OSError as err:
-        raise InvalidParameter(f"--out {str(out)!r} is not a writable folder ({existing}: "
+        raise InvalidParameter(f"--out {shown!r} is not a writable folder (no folder can be made in {existing}: "
                                f"{err.strerror or err})") from None

@@ -59,6 +59,22 @@ def split_list(text: str | None) -> list[str]:
     return [item.strip() for item in (text or "").split(",") if item.strip()]
 
 
+def choose_baselines(text: str) -> list[str]:
+    """--baselines: known names, or 'none' alone; an empty list is refused (as --methods refuses one),
+    not taken for 'none'."""
+    from .baselines import check_baselines
+
+    if text.strip() == "none":
+        return []
+    baselines = split_list(text)
+    if not baselines:
+        raise InvalidParameter(f"--baselines names no baseline: {text!r} (give 'none' for none)")
+    if "none" in baselines:
+        raise InvalidParameter(f"--baselines: 'none' stands alone, got {text!r}")
+    check_baselines(baselines)
+    return baselines
+
+
 def choose_methods(requested: str | None, quick: bool, notes: list[str]) -> list[str]:
     """User-named methods must exist; default lists keep only what is registered."""
     from ..engine import available_methods, build_decoder, method_spec
@@ -123,7 +139,6 @@ def positive(name: str, value: int | None, allow_none: bool = False) -> None:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     """Validate the arguments (unknown methods, baselines, categories, missing files) without loading a model."""
-    from .baselines import check_baselines
     from .execution import Plan, load_checkpoint
     from .questions import load_questions, resolve_question_file
 
@@ -139,8 +154,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                                f"makes the threads wait on each other")
     notes: list[str] = []
     methods = choose_methods(args.methods, args.quick, notes)
-    baselines = [] if (args.baselines or "").strip() == "none" else split_list(args.baselines if args.baselines is not None else defaults["baselines"])
-    check_baselines(baselines)
+    baselines = choose_baselines(args.baselines if args.baselines is not None else defaults["baselines"])
     path = resolve_question_file(args.questions)
     categories = split_list(args.categories)
     if args.categories is not None and not categories:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..data import SPEC_BENCH_QUESTIONS, data_file, first_repeated, read_jsonl
-from ..arguments import user_path
+from ..arguments import existing_file, user_path
 from ..errors import InvalidParameter
 from ..options import check_int
 
@@ -48,9 +48,7 @@ def resolve_question_file(path: str | Path | None = None) -> Path:
     to the current directory)."""
     if path is None:
         return data_file(SPEC_BENCH_QUESTIONS)
-    spec = user_path(path)
-    if not spec.is_file():
-        raise InvalidParameter(f"question file {str(spec)!r} not found; give an existing JSONL file with --questions")
+    spec = existing_file(user_path(path), "question file", "not found; give an existing JSONL file with --questions")
     return spec.resolve()
 
 

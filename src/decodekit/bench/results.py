@@ -51,6 +51,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from ..arguments import existing_file
 from ..errors import InvalidParameter
 from ..machine import usable_cores
 from .questions import OVERALL
@@ -322,9 +323,7 @@ def read_document(path: Path, schema: str, what: str, *, prefix: str = "", requi
 
 def load_results(path: str | Path) -> dict[str, Any]:
     """Read a results.json; a missing or foreign file is a one-line error."""
-    path = Path(path)
-    if not path.is_file():
-        raise InvalidParameter(f"results file {str(path)!r} not found")
+    path = existing_file(Path(path), "results file")
     results = read_document(path, SCHEMA, f"decodekit bench results file (schema {SCHEMA})", required=("summary",))
     try:
         validate_results(results)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..arguments import existing_file
 from ..data import GSM8K_TEST, STRUCTURED_SCHEMAS, data_file, first_repeated, read_jsonl
 from ..errors import InvalidParameter, UnknownMethod
 from ..samplers.constraint import checked_grammar
@@ -70,8 +71,7 @@ def numbers_equal(a: str | None, b: str) -> bool:
 
 def gsm8k_task(path: str | Path | None = None) -> Task:
     file = Path(path) if path else data_file(GSM8K_TEST)
-    if not file.is_file():
-        raise InvalidParameter(f"GSM8K data not found at {file} (give --data PATH to a JSONL with question/answer)")
+    existing_file(file, "GSM8K data", "not found (give --data PATH to a JSONL with question/answer)")
     items = []
     for i, (where, row) in enumerate(read_jsonl(file)):
         if not isinstance(row.get("question"), str) or not row["question"].strip() or not isinstance(row.get("answer"), str):
@@ -223,8 +223,8 @@ def structured_task(path: str | Path | None = None) -> Task:
     """JSON Schemas with a prompt each (``structured/schemas.jsonl``); an answer is correct when it is
     valid JSON against its schema. Each item decodes under its own schema (compact JSON)."""
     file = Path(path) if path else data_file(STRUCTURED_SCHEMAS)
-    if not file.is_file():  # a bad --data is the user's input: one line, exit code 2 (not an OSError's 1)
-        raise InvalidParameter(f"structured data not found at {file} (give --data PATH to a JSONL with id/prompt/schema)")
+    # a bad --data is the user's input: one line, exit code 2 (not an OSError's 1)
+    existing_file(file, "structured data", "not found (give --data PATH to a JSONL with id/prompt/schema)")
     items = []
     for where, row in read_jsonl(file):
         if not isinstance(row.get("schema"), (dict, bool)) or not isinstance(row.get("prompt"), str):

@@ -348,6 +348,13 @@ def parse_concurrency(text: str) -> list[int]:
         raise InvalidParameter(f"--concurrency must be comma-separated positive integers, got {text!r}") from None
     if any(c < 1 for c in levels):
         raise InvalidParameter(f"--concurrency levels must be positive, got {text!r}")
+    return distinct(levels, "--concurrency", text)
+
+
+def distinct(levels: list, flag: str, text: str) -> list:
+    """``levels`` if none is named twice (a level measured twice would be reported under one key)."""
+    if len(set(levels)) < len(levels):
+        raise InvalidParameter(f"{flag} names a level twice: {text!r}")
     return levels
 
 
@@ -359,7 +366,7 @@ def parse_rates(text: str) -> list[float]:
     if not all(r >= MIN_RATE for r in rates):  # NaN fails too
         raise InvalidParameter(f"--request-rate levels must be positive, at least one a day ({MIN_RATE:.2g}/s), "
                                f"or inf, got {text!r}")
-    return rates
+    return distinct(rates, "--request-rate", text)
 
 
 def parse_levels(args: argparse.Namespace) -> tuple[str, list[float]]:
@@ -368,7 +375,7 @@ def parse_levels(args: argparse.Namespace) -> tuple[str, list[float]]:
         if args.concurrency is not None:
             raise InvalidParameter("--concurrency and --request-rate are two ways to load the server: give one")
         return "request_rate", parse_rates(args.request_rate)
-    return "concurrency", parse_concurrency(args.concurrency or DEFAULT_CONCURRENCY)
+    return "concurrency", parse_concurrency(DEFAULT_CONCURRENCY if args.concurrency is None else args.concurrency)
 
 
 def check_options(args: argparse.Namespace) -> None:

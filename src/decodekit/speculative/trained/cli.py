@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, model=None) -> int:
     if args.out is not None:
         if not args.out.name or args.out.is_dir():
             raise InvalidParameter(f"--out {str(args.out)!r} must name the drafter's file, not a folder")
-        check_writable(args.out.parent)
+        check_writable(args.out.parent, given=args.out)
     model = model or load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics,
                                 kv_cache=args.kv_cache)
     backend, tokenizer = model.backend, model.tokenizer
