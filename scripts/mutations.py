@@ -10451,6 +10451,18 @@ MUTATIONS = (
     Mutation("empty-baselines-taken-for-none", "src/decodekit/bench/cli.py",
              "    if not baselines:\n        raise InvalidParameter", "    if False:\n        raise InvalidParameter",
              ("tests/test_bad_input.py", "-k", "bad_arguments_are_one_line")),
+    Mutation("eval-signal-named-twice-kept", "src/decodekit/eval/cli.py",
+             "    if len(set(signals)) < len(signals):", "    if False:",
+             ("tests/test_bad_input.py", "-k", "bad_arguments_are_one_line")),
+    Mutation("eval-paraphrases-without-pc-ignored", "src/decodekit/eval/cli.py",
+             '    if "pc" not in signals and "paraphrases" in flags_given(', '    if False and "paraphrases" in flags_given(',
+             ("tests/test_bad_input.py", "-k", "bad_arguments_are_one_line")),
+    Mutation("cache-that-is-a-file-said-not-built", "src/decodekit/interfaces/cache_command.py",
+             "    if root.exists() and not root.is_dir():", "    if False:",
+             ("tests/test_bad_input.py", "-k", "cache_that_is_a_file")),
+    Mutation("bench-serve-folder-made-before-the-warm-up", "src/decodekit/serve/load.py",
+             "    out = Path(args.out)  # made once the warm-up", "    out = make_folder(Path(args.out))  # made once the warm-up",
+             ("tests/test_bad_input.py", "-k", "cache_that_is_a_file")),
 )
 
 

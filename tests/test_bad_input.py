@@ -145,6 +145,9 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["bench-serve", "--concurrency", "1,1", "--url", "http://127.0.0.1:1/v1"], "--concurrency names a level twice"),
     (["bench-serve", "--request-rate", "inf,inf", "--url", "http://127.0.0.1:1/v1"], "--request-rate names a level twice"),
     (["train-drafter", "--kind", "medusa", "--out", "/proc/x"], "--out '/proc/x' is not a writable folder (no folder can be made in /proc"),
+    (["eval", "gsm8k", "--paraphrases", "3"], "--paraphrases applies to --signals pc"),
+    (["eval", "gsm8k", "--signals", "agreement,agreement"], "--signals names a signal twice"),
+    (["eval", "longctx", "--policies", "full;;int8"], "--policies names an empty policy between two ';'"),
     (["bench-serve", "--timeout", "nan", "--url", "http://127.0.0.1:1/v1"], "--timeout must be in"),
     (["serve", "--kv-cache", "bogus"], "unknown kv cache 'bogus'"),
     (["train-drafter", "--kind", "eagle", "--eval-queries", "0"], "--eval-queries must be at least 1"),
@@ -169,6 +172,18 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
 ])
 def test_bad_arguments_are_one_line_before_the_model_loads(capsys, no_model, argv, expected):
     one_error_line(capsys, argv, expected)
+
+
+def test_a_cache_that_is_a_file_and_a_dead_server_leave_one_line_and_nothing_behind(capsys, monkeypatch, tmp_path):
+    """DECODEKIT_CACHE naming a file is no cache "not built yet"; bench-serve against a server that
+    does not answer ends at the warm-up, before its --out folder is made."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "a-file"))
+    one_error_line(capsys, ["cache"], f"the cache {str(tmp_path / 'a-file')!r} (DECODEKIT_CACHE) is not a folder")
+    out = tmp_path / "bs"
+    one_error_line(capsys, ["bench-serve", "--url", "http://127.0.0.1:9/v1", "--model", "m", "--out", str(out),
+                            "--timeout", "5"], "the warm-up request failed")
+    assert not out.exists()
 
 
 def test_invalid_utf8_on_stdin(capsys, no_model, monkeypatch):

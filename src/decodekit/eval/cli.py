@@ -64,11 +64,15 @@ def run(args: argparse.Namespace, model=None) -> int:
         if args.ray is not None:
             raise InvalidParameter("--ray runs item-by-item tasks; longctx runs on one machine (its rows share one long prompt)")
         return run_long_context(args, out, model)
+    signals = [s.strip() for s in args.signals.split(",") if s.strip()]
+    if len(set(signals)) < len(signals):
+        raise InvalidParameter(f"--signals names a signal twice: {args.signals!r}")
+    if "pc" not in signals and "paraphrases" in flags_given(args, add_arguments, [args.task]):
+        raise InvalidParameter("--paraphrases applies to --signals pc (it would be ignored)")
     config = EvalConfig(
         method=args.method, n=args.n, limit=args.limit, max_new_tokens=args.max_new_tokens, seed=args.seed,
         temperature=args.temperature, options=parse_option_items(args.opt, method_spec(args.method).options),
-        signals=[s.strip() for s in args.signals.split(",") if s.strip()], paraphrases=args.paraphrases,
-        constrained=not args.unconstrained,
+        signals=signals, paraphrases=args.paraphrases, constrained=not args.unconstrained,
     )
     task = load_task(args.task, args.data)
     if args.unconstrained and not any(item.constraint for item in task.items):
@@ -178,6 +182,8 @@ def run_long_context(args: argparse.Namespace, out: Path, model=None) -> int:
         config.policies = tuple(p.strip() for p in args.policies.split(";") if p.strip())
         if not config.policies:
             raise InvalidParameter(f"--policies must name kv cache policies, ';'-separated, got {args.policies!r}")
+        if len(config.policies) < len(args.policies.strip().strip(";").split(";")):  # (a last ';' is harmless)
+            raise InvalidParameter(f"--policies names an empty policy between two ';': {args.policies!r}")
     for policy in config.policies:
         parse_kv_cache(policy)  # a bad spelling: one line, before loading
     if args.lengths is not None:

@@ -36,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidParameter(f"--prune takes a number of days >= 0, got {days:g}")
         days += 0.0  # -0 reads as 0
     root = cache_root()
+    if root.exists() and not root.is_dir():  # (no cache could ever be built there: not "nothing built yet")
+        raise InvalidParameter(f"the cache {str(root)!r} (DECODEKIT_CACHE) is not a folder")
     if not root.is_dir():
         print(json.dumps({"root": str(root), "bytes": 0, "items": [], "removed": []}) if args.json
               else f"{root}: no cache there (nothing built yet)")

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..arguments import named
+from ..arguments import check_writable, named
 from ..bench.questions import load_questions, resolve_question_file
 from ..errors import InvalidParameter
 from . import peers
@@ -538,7 +538,8 @@ def run(args: argparse.Namespace) -> int:
     check_options(args)
     questions = load_questions(resolve_question_file(None), limit=args.limit)
     model = args.model or first_model(args.url, args.timeout)
-    out = make_folder(Path(args.out))  # last: a run refused for any other reason leaves no folder behind
+    out = Path(args.out)  # made once the warm-up has answered: a refused run leaves no folder behind
+    check_writable(out, ("results.json", "throughput.png"))
     label = args.label or urllib.parse.urlsplit(args.url).netloc
     result = measure(args, args.url, model, label, questions, levels, out,
                      command_line(args, ["--url", args.url, "--model", model, "--label", label]))
@@ -581,6 +582,7 @@ def measure(args: argparse.Namespace, url: str, model: str, label: str, question
         result["server_command"] = server_command
     who = "" if server_command is None else f"{label}: "  # (several servers in one run)
     warm_up(url, bodies, args.warmup, args.timeout, who)
+    make_folder(out)
     for value in values:
         if key == "concurrency":
             note = f" (so at most {len(bodies)} in flight, not {value}: raise --limit)" if value > len(bodies) else ""
