@@ -113,8 +113,11 @@ def load_hf_model(model: str | None, dtype: str | torch.dtype):
     """The transformers model on the same (dequantised) weights decodekit loads."""
     from transformers import AutoModelForCausalLM
 
+    from ..models.hf import quietly_loaded  # (no progress bars on the bench's stderr)
+
     torch.set_flush_denormal(True)  # as decodekit's backends do
-    return AutoModelForCausalLM.from_pretrained(resolve_model_folder(model), dtype=parse_dtype(dtype))
+    folder = resolve_model_folder(model)
+    return quietly_loaded(lambda: AutoModelForCausalLM.from_pretrained(folder, dtype=parse_dtype(dtype)))
 
 
 class LlamaCpp(Contestant):
