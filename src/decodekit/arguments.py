@@ -121,13 +121,14 @@ def check_ray_arguments(ray: str | None, workers: int | None) -> None:
         import_ray()
 
 
-def existing_file(path: Path, what: str, missing: str = "not found") -> Path:
+def existing_file(path: Path, what: str, missing: str = "not found", param: str | None = None) -> Path:
     """``path`` if it is a file; else one line naming ``what`` it should be: a folder given for it is
-    said to be one (not "not found"), anything else gets ``missing``."""
+    said to be one (not "not found"), anything else gets ``missing``. ``param``: the option it
+    came in, for the error (a server request's field)."""
     if path.is_dir():
-        raise InvalidParameter(f"{what} {str(path)!r} is a folder: give a file")
+        raise InvalidParameter(f"{what} {str(path)!r} is a folder: give a file", param=param)
     if not path.is_file():
-        raise InvalidParameter(f"{what} {str(path)!r} {missing}")
+        raise InvalidParameter(f"{what} {str(path)!r} {missing}", param=param)
     return path
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ...arguments import user_path
+from ...arguments import existing_file, user_path
 from ...errors import InvalidModel, InvalidParameter
 from ...models.backend import Backend
 from ...models.cache import cache_root, file_digest, save_tensors
@@ -104,8 +104,7 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A drafter file's tensors and metadata; a damaged or foreign file is one line."""
     from safetensors import safe_open
 
-    if path.is_dir():  # worded as the CLI's file options word it (safetensors: "No such device (os error 19)")
-        raise InvalidParameter(f"drafter {str(path)!r} is a folder: give a file", param="drafter")
+    existing_file(path, "drafter", param="drafter")  # (safetensors would say "No such device" of a folder)
     try:
         with safe_open(str(path), framework="pt") as handle:
             meta = handle.metadata() or {}
