@@ -179,10 +179,11 @@ def run_long_context(args: argparse.Namespace, out: Path, model=None) -> int:
     if args.continuation is not None:
         config.continuation = args.continuation
     if args.policies is not None:
-        config.policies = tuple(p.strip() for p in args.policies.split(";") if p.strip())
+        parts = [p.strip() for p in args.policies.strip().strip(";").split(";")]  # (a first or last ';' is harmless)
+        config.policies = tuple(p for p in parts if p)
         if not config.policies:
             raise InvalidParameter(f"--policies must name kv cache policies, ';'-separated, got {args.policies!r}")
-        if len(config.policies) < len(args.policies.strip().strip(";").split(";")):  # (a last ';' is harmless)
+        if len(config.policies) < len(parts):
             raise InvalidParameter(f"--policies names an empty policy between two ';': {args.policies!r}")
     for policy in config.policies:
         parse_kv_cache(policy)  # a bad spelling: one line, before loading
