@@ -795,7 +795,7 @@ def test_unconstrained_decodes_without_the_schema_and_the_default_under_it(tmp_p
     """--unconstrained leaves the items' schemas out of the decoding; without it they are followed."""
     import decodekit.eval.runner as runner
 
-    def evaluate(model, task, config, progress=None):
+    def evaluate(model, task, config, progress=None, **resume):
         raise _Loaded(config.constrained)
 
     monkeypatch.setattr(runner, "evaluate", evaluate)
@@ -839,3 +839,88 @@ def test_python_m_decodekit_eval_reports_a_bad_argument_in_one_line_with_status_
     assert main(["no-such-task"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("decodekit eval: error: unknown task 'no-such-task'") and err.count("\n") == 1
+
+
+# --------------------------------------------------------------------------- checkpoint and --resume
+
+
+def test_an_interrupted_eval_resumes_with_the_records_one_run_gives(tmp_path, monkeypatch):
+    """A run stopped after its second item, resumed with a larger --limit, decodes only the items it
+    lacks, and its results equal an uninterrupted run's (each item has its own seed)."""
+    import decodekit.eval.runner as runner
+
+    register_task("fake3", fake_task)
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    settings = ("--method", "self-consistency", "--n", "3", "--temperature", "0.9")
+    assert run(eval_args(tmp_path / "whole", *settings), model=model) == 0
+    whole = json.loads((tmp_path / "whole" / "results.json").read_text())
+
+    decoded, real = [], runner.run_item
+
+    def stopping(model, task, config, decoder, item, seed, max_new):
+        if len(decoded) == 2:
+            raise KeyboardInterrupt
+        decoded.append(item.id)
+        return real(model, task, config, decoder, item, seed, max_new)
+
+    monkeypatch.setattr(runner, "run_item", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        run(eval_args(tmp_path / "cut", *settings), model=model)
+    saved = json.loads((tmp_path / "cut" / "checkpoint.json").read_text())
+    assert sorted(saved["records"]) == ["0", "1"] and not (tmp_path / "cut" / "results.json").exists()
+
+    decoded.clear()
+    monkeypatch.setattr(runner, "run_item", lambda *a: decoded.append(a[4].id) or real(*a))
+    assert run(eval_args(tmp_path / "cut", *settings, "--limit", "1", "--resume"), model=model) == 0
+    assert decoded == [] and json.loads((tmp_path / "cut" / "results.json").read_text())["items"] == 1
+    assert run(eval_args(tmp_path / "cut", *settings, "--resume"), model=model) == 0
+    assert decoded == ["2"]  # only the item the first run did not reach
+    resumed = json.loads((tmp_path / "cut" / "results.json").read_text())
+    assert resumed["resumed_items"] == 2 and whole["resumed_items"] == 0
+    same = ("id", "output", "answer", "correct", "tokens_spent", "signals", "candidates")
+    assert [{k: r.get(k) for k in same} for r in resumed["records"]] == [{k: r.get(k) for k in same} for r in whole["records"]]
+    assert {k: resumed[k] for k in ("items", "correct", "accuracy", "auroc", "budget_curve")} == \
+        {k: whole[k] for k in ("items", "correct", "accuracy", "auroc", "budget_curve")}
+    assert "--resume" not in resumed["command"]
+
+
+def test_resume_refuses_other_settings_other_items_and_an_edited_checkpoint(tmp_path, capsys):
+    """Each refusal is one line, before the model is loaded."""
+    from decodekit.errors import DecodeKitError
+    from decodekit.eval.checkpoint import Progress, digest
+
+    register_task("fake3", fake_task)
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    assert run(eval_args(tmp_path, "--limit", "2"), model=model) == 0
+    path = tmp_path / "checkpoint.json"
+    never = lambda: pytest.fail("the model was loaded")  # noqa: E731
+
+    def refused(*argv: str, match: str) -> None:
+        with pytest.raises(DecodeKitError, match=match):
+            run(eval_args(tmp_path, *argv, "--resume"), model=never)
+
+    refused("--seed", "1", match=r"other settings \(seed\)")
+    refused("--max-new-tokens", "3", match=r"other settings \(max_new_tokens\)")
+    refused("--numerics", "fast", match=r"other settings \(numerics\)")
+    register_task("fake3", lambda: dataclasses.replace(fake_task(), items=[dataclasses.replace(fake_task().items[0], gold="z"),
+                                                                          *fake_task().items[1:]]))
+    refused(match="the task's items have changed")
+    register_task("fake3", fake_task)
+    saved = json.loads(path.read_text())
+    saved["records"]["1"]["correct"] = not saved["records"]["1"]["correct"]
+    path.write_text(json.dumps(saved))
+    refused(match="has been changed since decodekit wrote it")
+    saved["records"]["7"] = saved["records"].pop("1")
+    path.write_text(json.dumps(saved))
+    refused(match="record '7' is not item 7's")
+    # two items' records swapped, under a digest made for them: each is still checked against its item
+    records = {0: saved["records"].pop("7"), 1: saved["records"].pop("0")}
+    saved.update(records={str(i): r for i, r in records.items()}, digest=digest(Progress(records, saved["time_s"])))
+    path.write_text(json.dumps(saved))
+    refused(match="record '0' is not item 0's")
+    path.write_text("{")
+    refused(match="not a JSON file")
+    path.unlink()
+    refused(match="no checkpoint.json")
+    with pytest.raises(DecodeKitError, match="applies to the item tasks"):
+        run(eval_args(tmp_path, "--resume").__class__(**{**vars(eval_args(tmp_path, "--resume")), "task": "longctx"}))

@@ -883,6 +883,22 @@ def test_an_eval_on_ray_with_a_limit_past_the_last_item_runs_every_item_once(clu
     assert [r["output"] for r in remote["records"]] == [r["output"] for r in local["records"]]
 
 
+def test_an_eval_on_ray_resumed_sends_only_the_items_its_checkpoint_lacks(cluster):
+    from decodekit.eval.checkpoint import Progress
+
+    task = load_task("capitals")
+    config = EvalConfig(limit=4, max_new_tokens=6)
+    local = evaluate(TINY(), task, config)
+    saved = []
+    resumed = Progress({1: local["records"][1], 3: local["records"][3]}, 2.0)
+    remote = evaluate_on_ray(TINY, task, config, None, PoolSettings(workers=1), resumed=resumed,
+                             checkpoint=lambda progress: saved.append(sorted(progress.records)))
+    assert sorted(i for m in remote["machines"] for i in m["items"]) == [0, 2]
+    assert saved == [[0, 1, 3], [0, 1, 2, 3]] or saved == [[1, 2, 3], [0, 1, 2, 3]]  # after each item, as it arrives
+    assert [r["output"] for r in remote["records"]] == [r["output"] for r in local["records"]]
+    assert remote["time_s"] > 2.0  # the checkpoint's time and this run's
+
+
 def test_eval_ray_cli_writes_the_usual_files(cluster, tmp_path, capsys):
     from decodekit.eval.cli import add_arguments, run
     from decodekit.arguments import ArgumentParser

@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--continuation", type=int, default=None, help="longctx: tokens whose NLL is measured (default 128)")
     parser.add_argument("--out", default=None, type=named, help="output folder (default eval-out/TASK-METHOD, eval-out/TASK-METHOD-unconstrained with "
                         "--unconstrained; longctx: eval-out/longctx)")
+    parser.add_argument("--resume", action="store_true", help="continue the run saved in --out (DIR/checkpoint.json, written "
+                        "after every item) with the same code and settings; --limit may grow")
     add_model_arguments(parser)
     add_ray_arguments(parser)
     parser.set_defaults(func=run)
@@ -50,7 +52,10 @@ def run(args: argparse.Namespace, model=None) -> int:
     from ..engine import method_spec
     from ..models import load_model
     from .report import write_report
-    from .runner import EvalConfig, evaluate, make_decoder
+    from .checkpoint import CHECKPOINT, Progress, resume_key
+    from .checkpoint import load as load_checkpoint
+    from .checkpoint import save as save_checkpoint
+    from .runner import EvalConfig, evaluate, item_count, make_decoder
     from .tasks import LONG_CONTEXT, load_task
 
     for flag in ("n", "limit", "max_new_tokens", "paraphrases", "continuation"):
@@ -59,7 +64,7 @@ def run(args: argparse.Namespace, model=None) -> int:
     check_ray_arguments(args.ray, args.workers)
     check_task_flags(args, LONG_CONTEXT)
     out = output_folder(args, LONG_CONTEXT)
-    check_writable(out, ("results.json", "report.md", "plot.png"))
+    check_writable(out, ("results.json", "report.md", "plot.png", CHECKPOINT, CHECKPOINT + ".tmp"))
     if args.task == LONG_CONTEXT:
         if args.ray is not None:
             raise InvalidParameter("--ray runs item-by-item tasks; longctx runs on one machine (its rows share one long prompt)")
@@ -82,7 +87,15 @@ def run(args: argparse.Namespace, model=None) -> int:
         task.paraphrase(task.items[0], config.paraphrases)  # more than the task has: fail before loading
     recipe = functools.partial(load_model, args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics,
                                kv_cache=args.kv_cache)
-    right = [0]
+    key = resume_key(task, run_settings(args, config, task))
+    resumed = load_checkpoint(out, key, task) if args.resume else Progress()  # read now, not after loading the model
+    taken = [r for i, r in resumed.records.items() if i < item_count(task, config)]
+    if args.resume:
+        print(f"--resume: {len(taken)} of {item_count(task, config)} items done in {out / CHECKPOINT}", file=sys.stderr)
+    right = [sum(r["correct"] for r in taken)]
+
+    def saved(progress: Progress) -> None:
+        save_checkpoint(out, key, progress)
 
     def progress(done: int, total: int, record: dict) -> None:
         right[0] += record["correct"]
@@ -94,12 +107,14 @@ def run(args: argparse.Namespace, model=None) -> int:
 
         if model is not None and not callable(model):
             raise InvalidParameter("with --ray, pass a callable that loads the model (each worker calls it), not a model")
-        result = evaluate_on_ray(model or recipe, task, config, args.ray, PoolSettings(workers=args.workers), progress)
+        result = evaluate_on_ray(model or recipe, task, config, args.ray, PoolSettings(workers=args.workers), progress,
+                                 resumed=resumed, checkpoint=saved)
         name = result["machines"][0]["model"]  # a pool has at least one worker
     else:
         model = model or recipe()
-        result = evaluate(model, task, config, progress)
+        result = evaluate(model, task, config, progress, resumed=resumed, checkpoint=saved)
         name = model.name
+    result["resumed_items"] = len(taken)
     header = {"command": command_line(args), "model": name, "dtype": args.dtype, "numerics": args.numerics}
     paths = write_report(result, out, header)
     lo, hi = result["ci95"]
@@ -111,10 +126,21 @@ def run(args: argparse.Namespace, model=None) -> int:
     return 0
 
 
+def run_settings(args: argparse.Namespace, config, task) -> dict:
+    """Every setting that changes an item's record: a checkpoint is resumed only under the same ones."""
+    from .runner import uses_n
+
+    return {"method": config.method, "n": config.n if uses_n(config) else None, "seed": config.seed,
+            "temperature": config.temperature, "options": config.options, "signals": list(config.signals),
+            "paraphrases": config.paraphrases if "pc" in config.signals else None, "constrained": config.constrained,
+            "max_new_tokens": config.max_new_tokens or task.max_new_tokens, "model": args.model, "backend": args.backend,
+            "dtype": args.dtype, "numerics": args.numerics, "kv_cache": args.kv_cache}
+
+
 #: The flags of the long-context evaluation alone, and those of the item-by-item tasks alone.
 LONG_CONTEXT_FLAGS = ("policies", "lengths", "depths", "continuation")
 ITEM_FLAGS = ("data", "unconstrained", "signals", "opt", "method", "n", "limit", "max_new_tokens", "temperature",
-              "paraphrases", "kv_cache")  # longctx runs greedy decoding under its own --policies
+              "paraphrases", "kv_cache", "resume")  # longctx runs greedy decoding under its own --policies
 
 
 def check_task_flags(args: argparse.Namespace, long_context: str) -> None:
@@ -150,13 +176,13 @@ def output_folder(args: argparse.Namespace, long_context: str) -> Path:
 
 def command_line(args: argparse.Namespace) -> str:
     """A command that reproduces the run: the task and every flag not at its default, wherever
-    it was given on the command line."""
+    it was given on the command line (but --resume: a resumed run's records are one run's)."""
     parser = ArgumentParser()
     add_arguments(parser)
     parts = ["decodekit", "eval", args.task]
     for action in parser._actions:
         value = getattr(args, action.dest, None)
-        if not action.option_strings or action.dest == "help" or value == action.default:
+        if not action.option_strings or action.dest in ("help", "resume") or value == action.default:
             continue
         flag = max(action.option_strings, key=len)
         if action.nargs == 0:

@@ -15,7 +15,8 @@ from typing import Any
 
 from ..cluster import Pool, PoolSettings, connected, parse_address
 from ..models import LoadedModel
-from .runner import EvalConfig, item_seed, make_decoder, run_item, summarize
+from .checkpoint import Progress
+from .runner import EvalConfig, item_count, item_seed, make_decoder, run_item, summarize
 from .tasks import Task
 
 ModelRecipe = Callable[[], LoadedModel]
@@ -39,26 +40,33 @@ class EvalWorker:
 
 
 def evaluate_on_ray(load: ModelRecipe, task: Task, config: EvalConfig, address: str | None, settings: PoolSettings,
-                    progress: Callable[[int, int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """:func:`decodekit.eval.runner.evaluate` on a Ray cluster; the summary gains ``machines``."""
+                    progress: Callable[[int, int, dict[str, Any]], None] | None = None, *,
+                    resumed: Progress | None = None, checkpoint: Callable[[Progress], None] | None = None) -> dict[str, Any]:
+    """:func:`decodekit.eval.runner.evaluate` on a Ray cluster (the items ``resumed`` holds are not
+    sent); the summary gains ``machines``."""
     make_decoder(config, task)  # a bad method or option: the one-line error before any worker starts
-    count = min(len(task.items), config.limit) if config.limit else len(task.items)
-    records: dict[int, dict[str, Any]] = {}
+    count = item_count(task, config)
+    done = resumed or Progress()
+    before = done.time_s
+    todo = {i: i for i in range(count) if i not in done.records}
 
     def arrived(index: Any, record: dict[str, Any]) -> None:
-        records[index] = record
+        done.records[index] = record
+        done.time_s = before + time.perf_counter() - start  # the cluster's wall time: its items ran side by side
+        if checkpoint:
+            checkpoint(done)
         if progress:
-            progress(len(records), count, record)
+            progress(sum(i < count for i in done.records), count, record)
 
     with connected(parse_address(address)) as ray:
         pool = Pool(ray, functools.partial(EvalWorker, load, task, config), settings)
         start = time.perf_counter()  # as on one machine: the items' time, not the workers' start-up
         try:
-            pool.map({i: i for i in range(count)}, arrived)
+            pool.map(todo, arrived)
         finally:
             pool.close()
-        elapsed = time.perf_counter() - start
-    result = summarize(task, config, [records[i] for i in range(count)], elapsed)
+        done.time_s = before + time.perf_counter() - start
+    result = summarize(task, config, [done.records[i] for i in range(count)], done.time_s)
     result["machines"] = [{**{k: d[k] for k in MACHINE_KEYS}, "units": len(d["done"]), "items": sorted(d["done"])}
                           for d in pool.descriptions]
     return result

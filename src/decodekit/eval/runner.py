@@ -17,6 +17,7 @@ from ..samplers.params import SEED_LIMIT
 from ..search import SampleDecoder, majority_vote
 from ..search.uncertainty import CONFIDENCE_DIRECTION, paraphrase_consistency, sampled_agreement
 from .metrics import auroc, wilson_interval
+from .checkpoint import Progress
 from .tasks import Task
 
 EXTRA_SIGNALS = ("agreement", "pc")
@@ -84,18 +85,30 @@ def make_decoder(config: EvalConfig, task: Task) -> Decoder:
     return build_decoder(config.method, **options)
 
 
+def item_count(task: Task, config: EvalConfig) -> int:
+    """How many of the task's items the run evaluates (the first ``limit``)."""
+    return min(len(task.items), config.limit) if config.limit else len(task.items)
+
+
 def evaluate(model: LoadedModel, task: Task, config: EvalConfig,
-             progress: Callable[[int, int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+             progress: Callable[[int, int, dict[str, Any]], None] | None = None, *,
+             resumed: Progress | None = None, checkpoint: Callable[[Progress], None] | None = None) -> dict[str, Any]:
+    """Every item in order; ``resumed`` holds the records of items already done (an earlier run's,
+    kept and not decoded again), and ``checkpoint`` is called with the progress after each item."""
     decoder = make_decoder(config, task)
-    items = task.items[: config.limit] if config.limit else task.items
-    max_new = config.max_new_tokens or task.max_new_tokens
-    records = []
-    start = time.perf_counter()
-    for index, item in enumerate(items):
-        records.append(run_item(model, task, config, decoder, item, item_seed(config, index), max_new))
+    count, max_new = item_count(task, config), config.max_new_tokens or task.max_new_tokens
+    done = resumed or Progress()
+    for index in range(count):
+        if index in done.records:
+            continue
+        start = time.perf_counter()
+        done.records[index] = run_item(model, task, config, decoder, task.items[index], item_seed(config, index), max_new)
+        done.time_s += time.perf_counter() - start
+        if checkpoint:
+            checkpoint(done)
         if progress:
-            progress(index + 1, len(items), records[-1])
-    return summarize(task, config, records, time.perf_counter() - start)
+            progress(sum(i < count for i in done.records), count, done.records[index])
+    return summarize(task, config, [done.records[i] for i in range(count)], done.time_s)
 
 
 def run_item(model, task, config, decoder, item, seed, max_new) -> dict[str, Any]:
