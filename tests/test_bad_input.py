@@ -152,6 +152,8 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["serve", "--kv-cache", "bogus"], "unknown kv cache 'bogus'"),
     (["train-drafter", "--kind", "eagle", "--eval-queries", "0"], "--eval-queries must be at least 1"),
     (["train-drafter", "--kind", "eagle", "--out", "/tmp"], "must name the drafter's file"),
+    (["train-drafter", "--kind", "eagle", "--out", "/tmp/no-such-folder/"], "must name the drafter's file, not a folder"),
+    (["train-drafter", "--kind", "medusa", "--out", "/dev/null"], "--out '/dev/null' is not a regular file"),
     (["train-drafter", "--kind", "eagle", "--minutes", "inf"], "--minutes inf needs --steps"),
     (["train-drafter", "--kind", "medusa", "--unroll", "3"], "--unroll applies to --kind eagle"),
     (["train-drafter", "--kind", "eagle", "--heads", "2"], "--heads applies to --kind medusa or hydra"),

@@ -12,6 +12,7 @@ import re
 import shutil
 import warnings
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -1822,8 +1823,25 @@ def test_a_hydra_file_whose_config_asks_for_thousands_of_heads_is_refused_before
     meta = _crafted(path, path)[1]
     config = json.loads(meta["config"])
     _crafted(path, path, redigest=True, config=json.dumps({**config, "heads": 3000}))
-    with pytest.raises(InvalidModel, match="config asks for [0-9]+ weights, more than the file holds"):
+    with pytest.raises(InvalidModel, match="config asks for [0-9]+ weights, more than the file holds") as refused:
         store.load(tiny().backend, "hydra", path)
+    assert str(refused.value).count("does not hold a valid") == 1  # said once, not wrapped in itself
+
+
+def test_a_drafter_is_never_saved_over_a_device_or_under_a_folders_name(tmp_path):
+    """Saving renames a new file over the name: /dev/null itself would become that file (a pipe
+    stands in for the device here, so that a mutant replaces nothing the machine needs)."""
+    import os
+
+    model = tiny()
+    net = new_net("medusa", model.backend, torch.arange(16), Settings("medusa"))
+    os.mkfifo(tmp_path / "pipe")
+    for path, problem in ((tmp_path / "pipe", "is not a regular file"), (tmp_path, "must name the drafter's file")):
+        with pytest.raises(InvalidParameter, match=problem):
+            store.save(net, "medusa", model.backend, path, {})
+    assert (tmp_path / "pipe").is_fifo()
+    with pytest.raises(InvalidParameter, match="must name the drafter's file, not a folder"):
+        store.check_drafter_path(tmp_path / "new", f"{tmp_path / 'new'}/")  # as typed: a folder to be
 
 
 def test_hydra_loss_is_head_ks_cross_entropy_against_the_target_k_plus_1_positions_on():

@@ -9,11 +9,11 @@ import sys
 import time
 from pathlib import Path
 
-from ...arguments import add_model_arguments, check_writable
+from ...arguments import add_model_arguments, check_writable, named
 from ...errors import InvalidParameter
 from ...models.cache import cache_root
 from .data import PROMPTS, Exclusion, check_trainable, leaked, load_corpus, save_corpus, self_distil
-from .store import cache_path, save, target_fingerprint
+from .store import cache_path, check_drafter_path, save, target_fingerprint
 from .train import DEFAULT_HEADS, KINDS, Settings, draft_vocabulary, new_net, report, split, train
 
 
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--eval-queries", type=int, default=defaults.held_out, help="held-aside queries to evaluate on")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per evaluation answer")
-    parser.add_argument("--out", type=Path, default=None, help="where to save the drafter (default: the model's cache)")
+    parser.add_argument("--out", type=named, default=None, help="the drafter's file (default: the model's cache)")
     add_model_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -52,10 +52,9 @@ def run(args: argparse.Namespace, model=None) -> int:
                         held_out=args.eval_queries, unroll=args.unroll, heads=args.heads)
     if args.max_new_tokens < 1:
         raise InvalidParameter(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.out is not None:
-        if not args.out.name or args.out.is_dir():
-            raise InvalidParameter(f"--out {str(args.out)!r} must name the drafter's file, not a folder")
-        check_writable(args.out.parent, given=args.out)
+    out = None if args.out is None else check_drafter_path(Path(args.out), args.out)
+    if out is not None:
+        check_writable(out.parent, given=out)
     model = model or load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics,
                                 kv_cache=args.kv_cache)
     backend, tokenizer = model.backend, model.tokenizer
@@ -65,8 +64,8 @@ def run(args: argparse.Namespace, model=None) -> int:
     if args.max_new_tokens >= backend.info.max_length:  # the evaluation's answers: said now, not after the training
         raise InvalidParameter(f"--max-new-tokens {args.max_new_tokens} leaves no room for a query in the model's "
                                f"context of {backend.info.max_length} tokens")
-    path = args.out or cache_path(backend, settings.kind)
-    if args.out is None:  # the cache's place for it, checked as --out was before the model loaded
+    path = out or cache_path(backend, settings.kind)
+    if out is None:  # the cache's place for it, checked as --out was before the model loaded
         if path.is_dir():
             raise InvalidParameter(f"{path} is a folder: the drafter's file cannot be saved there (remove it, or give --out)")
         check_writable(path.parent)

@@ -69,8 +69,21 @@ def cache_path(backend: Backend, kind: str) -> Path:
     return cache_root() / "drafters" / f"{target_fingerprint(backend)}-{kind}.safetensors"
 
 
+def check_drafter_path(path: Path, given: str | None = None) -> Path:
+    """``path`` must name a drafter's file: not a folder (a name ending in ``/`` included), and not
+    something else that exists there (a device such as ``/dev/null``, a pipe), which saving it, a
+    new file renamed over the name, would replace. ``given``: the path as the user wrote it."""
+    shown = given if given is not None else str(path)
+    if not path.name or shown.endswith(("/", "\\")) or path.is_dir():
+        raise InvalidParameter(f"--out {shown!r} must name the drafter's file, not a folder")
+    if path.exists() and not path.is_file():
+        raise InvalidParameter(f"--out {shown!r} is not a regular file (a device or a pipe): give a file's path")
+    return path
+
+
 def save(net: Net, kind: str, backend: Backend, path: Path, trained: dict[str, Any]) -> Path:
     """Write ``net`` (float16, without the target's head rows) with its metadata to ``path``."""
+    check_drafter_path(path)
     state = {name: (t.half() if t.is_floating_point() else t).contiguous() for name, t in net.state_dict().items()}
     meta = {"kind": kind, "config": json.dumps(net.config.__dict__), "target": target_fingerprint(backend),
             "target_name": backend.info.name, "trained": json.dumps(trained)}
@@ -157,6 +170,8 @@ def build(path: Path, kind: str, backend: Backend) -> Net:
                                f"more than the file holds)")
         net = net_class(config, tensors["head.vocab"])
         net.load_state_dict({name: t.float() if t.is_floating_point() else t for name, t in tensors.items()})
+    except InvalidModel:  # (a ValueError too) said already
+        raise
     except (TypeError, ValueError, KeyError, RuntimeError) as err:
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         if len(lines) > 1 and lines[0].startswith("Error(s) in loading state_dict"):  # the details are below it
