@@ -375,6 +375,38 @@ def test_chat_read_strictly_still_loses_only_the_line_that_is_not_utf8(capsys, m
     assert sent == ["hello", "world"] and err.count("the line is not valid UTF-8; not sent") == 1
 
 
+def test_chat_reads_its_messages_as_utf8_whatever_the_locale_says(capsys, monkeypatch):
+    """A latin-1 or ASCII locale (or PYTHONIOENCODING) does not change what a UTF-8 line says, as it does
+    not for generate's prompt: "café" is sent as "café", not "cafÃ©" nor refused."""
+    for encoding in ("latin-1", "ascii"):
+        typed = io.TextIOWrapper(io.BytesIO("café\nthé\n".encode()), encoding=encoding)
+        sent, err = chat(capsys, monkeypatch, "", stdin=typed)
+        assert sent == ["café", "thé"] and "not valid UTF-8" not in err, encoding
+
+
+def test_ctrl_c_stops_an_answer_and_the_chat_goes_on_without_that_exchange(capsys, monkeypatch):
+    histories: list[list[str]] = []
+
+    class Interrupted:
+        model = SimpleNamespace(name="tiny")
+
+        def generate(self, messages, on_text=None, **kwargs):
+            histories.append([m["content"] for m in messages])
+            on_text("a half")
+            if messages[-1]["content"] == "long story":
+                raise KeyboardInterrupt
+            return SimpleNamespace(text="done", stats=SimpleNamespace(new_tokens=1, tokens_per_s=1.0))
+
+    monkeypatch.setattr(cli, "make_engine", lambda args: Interrupted())
+    monkeypatch.setattr(cli, "check_room_for_a_message", lambda engine, max_new_tokens: None)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nlong story\nagain\n"))
+    assert cli.main(["chat"]) == 0
+    captured = capsys.readouterr()
+    assert histories == [["hi"], ["hi", "done", "long story"], ["hi", "done", "again"]]
+    assert captured.out == "a half\na half\na half\n"  # the cut answer's line ended too
+    assert captured.err.count("[stopped: this message and its answer are not kept]") == 1
+
+
 @pytest.mark.parametrize("typed, sent", [
     ("hello\n\n   \nworld\n/exit\nnever\n", ["hello", "world"]),  # empty lines send nothing, and do not leave
     ("hello\n/quit\nnever\n", ["hello"]),

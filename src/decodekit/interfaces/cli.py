@@ -248,6 +248,19 @@ def check_room_for_a_message(engine, max_new_tokens: int) -> None:
                                f"{shortest} tokens)")
 
 
+def read_chat_line() -> str | None:
+    """The next line of standard input, None at its end. Its bytes are read as UTF-8 whatever the
+    locale or PYTHONIOENCODING says (as ``generate`` reads its prompt), one line at a time, so a line
+    that is not UTF-8 (a UnicodeError) loses that line alone. A text stream without bytes (a test's)
+    is taken as it is, a lone surrogate in it standing for a byte that was not UTF-8."""
+    raw = sys.stdin.buffer.readline() if hasattr(sys.stdin, "buffer") else sys.stdin.readline()
+    if not raw:
+        return None
+    line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    line.encode("utf-8")  # a lone surrogate: UnicodeEncodeError
+    return line
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     constraint = validate_decoding(args)
     if sys.stdin is None:  # started with it closed (`<&-`): no message can come
@@ -256,34 +269,37 @@ def cmd_chat(args: argparse.Namespace) -> int:
     params = decoding_params(args)
     check_room_for_a_message(engine, args.max_new_tokens)
     messages: list[dict[str, str]] = []
-    print(f"decodekit chat · {engine.model.name} · {args.method} · /exit, /quit or Ctrl-D to leave", file=sys.stderr)
-    # bytes that are not UTF-8 come back as lone surrogates, in their own line only: a strict reader
-    # (the locale's or PYTHONIOENCODING's) would drop the whole buffered chunk of input with them
-    if hasattr(sys.stdin, "reconfigure"):
-        sys.stdin.reconfigure(errors="surrogateescape")
+    print(f"decodekit chat · {engine.model.name} · {args.method} · /exit, /quit or Ctrl-D to leave, "
+          "Ctrl-C to stop an answer", file=sys.stderr)
     # a prompt for a person at a terminal, on stderr: stdout holds the answers alone
     prompt = "> " if sys.stdin.isatty() else ""
     while True:
+        print(prompt, end="", file=sys.stderr, flush=True)
         try:
-            print(prompt, end="", file=sys.stderr, flush=True)
-            line = input().strip()
-            line.encode("utf-8")  # a lone surrogate: a byte that is not UTF-8
-        except EOFError:
+            line = read_chat_line()
+        except UnicodeError:  # that line only: the conversation goes on
+            print("decodekit: the line is not valid UTF-8; not sent", file=sys.stderr)
+            continue
+        if line is None:  # the end of input (Ctrl-D)
             if prompt:
                 print(file=sys.stderr)  # the prompt's line ends
             break
-        except (UnicodeDecodeError, UnicodeEncodeError):  # that line only: the conversation goes on
-            print("decodekit: the line is not valid UTF-8; not sent", file=sys.stderr)
-            continue
+        line = line.strip()
         if not line:  # nothing to send
             continue
         if line.lower() in CHAT_EXIT:
             break
         messages.append({"role": "user", "content": line})
-        result, sent = answer_within_context(
-            engine, messages, method=args.method, max_new_tokens=args.max_new_tokens, stop=args.stop,
-            on_text=lambda d: (sys.stdout.write(d), sys.stdout.flush()), constraint=constraint, **params,
-        )
+        try:
+            result, sent = answer_within_context(
+                engine, messages, method=args.method, max_new_tokens=args.max_new_tokens, stop=args.stop,
+                on_text=lambda d: (sys.stdout.write(d), sys.stdout.flush()), constraint=constraint, **params,
+            )
+        except KeyboardInterrupt:  # Ctrl-C stops this answer, not the chat (at the prompt it leaves)
+            print(flush=True)  # the cut answer's line ends
+            print("  [stopped: this message and its answer are not kept]", file=sys.stderr)
+            messages.pop()
+            continue
         if result is None:  # the message alone does not fit: the history stays as it was
             messages.pop()
             continue
