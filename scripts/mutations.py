@@ -766,6 +766,8 @@ MUTATIONS = (
     Mutation("chat-ctrl-c-keeps-the-cut-exchange", "src/decodekit/interfaces/cli.py",
              "            messages.pop()\n            continue\n        if result is None:",
              "            continue\n        if result is None:", ("tests/test_bad_input.py", "-k", "chat")),
+    Mutation("ray-address-of-another-service-taken", "src/decodekit/cluster.py",
+             "if len(header) < 9 or header[3] != SETTINGS_FRAME:", "if False:", ("tests/test_ray.py", "-k", "grpc")),
     Mutation("eval-resume-decodes-the-saved-items-again", "src/decodekit/eval/runner.py",
              "        if index in done.records:\n            continue\n", "", ("tests/test_eval.py", "-k", "resume")),
     Mutation("eval-resume-trusts-an-edited-checkpoint", "src/decodekit/eval/checkpoint.py",

@@ -360,6 +360,43 @@ def test_an_ipv6_address_in_brackets_is_tried_without_them():
             check_reachable(address)
 
 
+@pytest.mark.parametrize("answer, joined", [
+    (b"HTTP/1.0 400 Bad request\r\n\r\n", False),  # a web server on the port
+    (b"", False),  # one that closes at once
+    (b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x03\x00\x00\x00\x64", True),  # a gRPC server's SETTINGS
+])
+def test_an_address_where_no_grpc_server_answers_is_refused_at_once(answer, joined):
+    """Ray retries another service's port for minutes, printing its own warnings: the address is
+    refused in one line unless what listens there answers HTTP/2's preface with a SETTINGS frame."""
+    import socket
+    import threading
+
+    from decodekit.cluster import check_reachable
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    received: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            received.append(conn.recv(64))
+            conn.sendall(answer)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        if joined:
+            check_reachable(address)
+        else:
+            with pytest.raises(ClusterError, match=rf"^'{re.escape(address)}' is not a Ray cluster: "):
+                check_reachable(address)
+    finally:
+        server.join(5)
+        listener.close()
+    assert received[0].startswith(b"PRI * HTTP/2.0")
+
+
 def test_an_address_that_does_not_answer_in_time_is_said_so(monkeypatch):
     """A head that never answers (a firewall dropping packets) is told apart from one that refuses."""
     import decodekit.cluster as cluster_module

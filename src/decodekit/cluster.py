@@ -49,17 +49,34 @@ def import_ray():
     return ray
 
 
+#: An HTTP/2 client's connection preface and an empty SETTINGS frame: a gRPC server (Ray's GCS, a
+#: Ray Client server) answers with a SETTINGS frame of its own (RFC 9113, section 3.4).
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+SETTINGS_FRAME = 0x04
+
+
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """An address of the form ``host:port`` (or ``ray://host:port``) must take a connection:
-    Ray itself retries an unreachable one for minutes."""
+    """An address of the form ``host:port`` (or ``ray://host:port``) must take a connection and
+    answer as a gRPC server does: Ray itself retries an unreachable address, or another service's
+    (a web server on that port), for minutes, printing its own warnings."""
     host, colon, port = address.removeprefix("ray://").rpartition(":")
     if not colon or not port.isdigit():  # "auto", or a form Ray resolves itself
         return
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
+            conn.sendall(HTTP2_PREFACE)
+            header = b""
+            while len(header) < 9:  # the first frame's header
+                part = conn.recv(9 - len(header))
+                if not part:
+                    break
+                header += part
     except OSError as err:
         reason = f"no answer within {timeout_s:g} s" if isinstance(err, TimeoutError) else err.strerror or type(err).__name__
         raise ClusterError(f"could not reach the Ray cluster at {address!r}: {reason}") from None
+    if len(header) < 9 or header[3] != SETTINGS_FRAME:
+        raise ClusterError(f"{address!r} is not a Ray cluster: what listens there does not answer as Ray's gRPC "
+                           "server does (the head's GCS port, 6379 by default, or ray://HOST:10001 for Ray Client)")
 
 
 @contextmanager
