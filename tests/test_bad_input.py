@@ -176,6 +176,24 @@ def test_bad_arguments_are_one_line_before_the_model_loads(capsys, no_model, arg
     one_error_line(capsys, argv, expected)
 
 
+def test_a_cache_folder_that_cannot_be_read_is_said_so_not_listed_empty(capsys, monkeypatch, tmp_path):
+    """(chmod 000 binds no root: the refusal is simulated where the folder is read.)"""
+    from pathlib import Path
+
+    locked, real = tmp_path / "locked", Path.iterdir
+    locked.mkdir()
+
+    def iterdir(self):
+        if self == locked:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    monkeypatch.setenv("DECODEKIT_CACHE", str(locked))
+    for argv in (["cache"], ["cache", "--prune", "0"]):
+        one_error_line(capsys, argv, f"cannot read the cache {str(locked)!r} (DECODEKIT_CACHE): Permission denied")
+
+
 def test_a_cache_that_is_a_file_and_a_dead_server_leave_one_line_and_nothing_behind(capsys, monkeypatch, tmp_path):
     """DECODEKIT_CACHE naming a file is no cache "not built yet"; bench-serve against a server that
     does not answer ends at the warm-up, before its --out folder is made."""

@@ -541,6 +541,27 @@ def test_a_damaged_kernel_is_rebuilt_before_it_is_loaded(cache):
     assert len(built.read_bytes()) == len(original)
 
 
+def test_a_kernel_the_cache_cannot_take_is_compiled_for_the_run_and_said_so(cache, monkeypatch, capsys):
+    """A read-only cache whose library is damaged or missing: its lock cannot be made, so nothing is
+    rebuilt there. The library is compiled in a folder of the process's own, with one line, instead
+    of the torch path taken unsaid for good."""
+    import ctypes
+
+    if not kernels.build._supported() or kernels.build._build(Path(kernels.__file__).with_name("topk.c")) is None:
+        pytest.skip("compiled kernels are off or unsupported here, or no C compiler")
+    capsys.readouterr()
+
+    def read_only(path, build):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(kernels.build, "cached_file", read_only)
+    built = kernels.build._build(Path(kernels.__file__).with_name("topk.c"))
+    assert built is not None and cache not in built.parents and built.parent.name.startswith("decodekit-kernels-")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("decodekit: the cache cannot hold ") and "(Permission denied); compiled for this run in" in line
+    ctypes.CDLL(str(built))  # a library that loads
+
+
 # Damaged model files ------------------------------------------------------------------------------
 
 

@@ -42,6 +42,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"root": str(root), "bytes": 0, "items": [], "removed": []}) if args.json
               else f"{root}: no cache there (nothing built yet)")
         return 0
+    try:  # an unreadable cache is said so, not listed as empty
+        next(root.iterdir(), None)
+    except OSError as err:
+        raise InvalidParameter(f"cannot read the cache {str(root)!r} (DECODEKIT_CACHE): {err.strerror or err}") from None
     pruned = remove_unused(days, root) if days is not None else None
     items = cached_items(root)
     now = time.time()

@@ -15,11 +15,15 @@ callers keep using torch; ``DECODEKIT_KERNELS=avx2`` builds the AVX2 level on an
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -77,10 +81,33 @@ def _build(source: Path, at: str | None = None) -> Path | None:
     def compile_to(path: Path) -> None:
         subprocess.run([compiler, *flags, str(source), "-o", str(path)], check=True, capture_output=True, timeout=120)
 
+    cached = cache_root() / "kernels" / f"{source.stem}-{digest}.so"
     try:
-        return cached_file(cache_root() / "kernels" / f"{source.stem}-{digest}.so", compile_to)
+        return cached_file(cached, compile_to)
+    except subprocess.SubprocessError:
+        return None
+    except OSError as err:  # a cache this process cannot write (read-only, its lock in the way)
+        return _built_aside(cached, compile_to, err)
+
+
+def _built_aside(cached: Path, compile_to: Callable[[Path], None], err: OSError) -> Path | None:
+    """``cached``, which the cache cannot take (missing or damaged there), compiled for this process
+    alone in a folder of its own, removed at exit: said in one line, not run on the slow path unsaid."""
+    folder = Path(_private_folder())
+    try:
+        compile_to(folder / cached.name)
     except (OSError, subprocess.SubprocessError):
         return None
+    print(f"decodekit: the cache cannot hold {cached} ({err.strerror or err}); compiled for this run in {folder}",
+          file=sys.stderr)
+    return folder / cached.name
+
+
+@cache
+def _private_folder() -> str:
+    folder = tempfile.mkdtemp(prefix="decodekit-kernels-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # (a loaded library outlives its file's name)
+    return folder
 
 
 def sources_digest() -> str:
