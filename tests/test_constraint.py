@@ -4,6 +4,7 @@ decoding, and a bad schema, pattern or grammar is one clear line."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -616,7 +617,11 @@ def test_bad_constraints_are_one_clear_line(engine):
                         ({"grammar": 'start: "\ud800"'}, "^a grammar constraint is not valid UTF-8"),
                         # a schema's, as a dict (what a server request holds) or as JSON text escaping it
                         ({"json_schema": {"properties": {"\ud800": {"type": "string"}}}}, "^a json schema constraint is not valid UTF-8"),
-                        ({"json_schema": '{"enum": ["\\ud800"]}'}, "^a json schema constraint is not valid UTF-8")):
+                        ({"json_schema": '{"enum": ["\\ud800"]}'}, "^a json schema constraint is not valid UTF-8"),
+                        # nested past what Python's json reads or writes: as text (a file, guided_json) or a dict
+                        ({"json_schema": '{"items":' * 5000 + "{}" + "}" * 5000}, "^the JSON schema is nested too deeply$"),
+                        ({"json_schema": functools.reduce(lambda inner, _: {"items": inner}, range(5000), {})},
+                         "^the JSON schema is nested too deeply$")):
         with pytest.raises(InvalidParameter, match=match) as err:
             engine.generate("hi", max_new_tokens=4, chat=False, constraint=spec)
         assert "\n" not in str(err.value)

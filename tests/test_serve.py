@@ -335,7 +335,9 @@ def test_lone_surrogates_in_a_constraint_or_a_field_name_are_400s_never_500s(ser
     before = server_errors(served)
     base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
     for extra, param in (({"guided_regex": "a\ud800"}, "guided_regex"), ({"guided_choice": ["a", "\udcff"]}, "guided_choice"),
-                         ({"guided_grammar": 'start: "\ud800"'}, "guided_grammar"), ({"x\ud800": 1}, "x\\ud800")):
+                         ({"guided_grammar": 'start: "\ud800"'}, "guided_grammar"), ({"x\ud800": 1}, "x\\ud800"),
+                         # a schema as text, nested past what Python's json reads (the body itself is not)
+                         ({"guided_json": '{"items":' * 5000 + "{}" + "}" * 5000}, "guided_json")):
         status, text = post(served, "/v1/chat/completions", {**base, **extra})
         error = json.loads(text)["error"]
         assert status == 400 and error["type"] == "invalid_request_error" and error["param"] == param, (extra, text)

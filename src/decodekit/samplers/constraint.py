@@ -122,30 +122,39 @@ class Constraint:
         if self.kind == "json":
             return LLMatcher.grammar_from_json_schema({"type": "object"})
         if self.kind == "json_schema":
-            schema = self.value
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError as err:
-                    raise InvalidParameter(f"the JSON schema is not valid JSON ({err})") from None
-            if not isinstance(schema, (dict, bool)):  # true: any JSON value; false: none
-                raise InvalidParameter(f"a JSON schema must be a JSON object or a boolean, got {type(schema).__name__}")
-            if schema is False:
-                raise InvalidParameter("the JSON schema false allows no value at all")
-            check_utf8(json.dumps(schema, ensure_ascii=False), self.kind)  # a "\\ud800" of its JSON text, or a dict's
-            inexact = inexact_number(schema)
-            if inexact is not None:
-                raise InvalidParameter(f"the JSON schema's {inexact}: llguidance reads a schema's numbers as 64-bit "
-                                       f"floats, so its output could break the schema")
             try:
-                return LLMatcher.grammar_from_json_schema(schema)
-            except ValueError as err:
-                raise InvalidParameter(f"invalid json schema constraint: {err}") from None
+                return self._schema_grammar()
+            except RecursionError:  # json's readers and writers, and inexact_number, recurse
+                raise InvalidParameter("the JSON schema is nested too deeply") from None
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.value)
         if self.kind == "choice":
             return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in self.value))
         return LLMatcher.grammar_from_lark(self.value)
+
+    def _schema_grammar(self) -> str:
+        """The grammar of a json_schema constraint, its schema read and checked first."""
+        from llguidance import LLMatcher
+
+        schema = self.value
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as err:
+                raise InvalidParameter(f"the JSON schema is not valid JSON ({err})") from None
+        if not isinstance(schema, (dict, bool)):  # true: any JSON value; false: none
+            raise InvalidParameter(f"a JSON schema must be a JSON object or a boolean, got {type(schema).__name__}")
+        if schema is False:
+            raise InvalidParameter("the JSON schema false allows no value at all")
+        check_utf8(json.dumps(schema, ensure_ascii=False), self.kind)  # a "\\ud800" of its JSON text, or a dict's
+        inexact = inexact_number(schema)
+        if inexact is not None:
+            raise InvalidParameter(f"the JSON schema's {inexact}: llguidance reads a schema's numbers as 64-bit "
+                                   f"floats, so its output could break the schema")
+        try:
+            return LLMatcher.grammar_from_json_schema(schema)
+        except ValueError as err:
+            raise InvalidParameter(f"invalid json schema constraint: {err}") from None
 
     @classmethod
     def coerce(cls, value: "Constraint | dict | None") -> "Constraint | None":
