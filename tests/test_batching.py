@@ -116,6 +116,31 @@ def test_searches_and_self_truncated_drafts_get_their_own_tokens_in_a_shared_bat
     assert_batched_as_alone(base("exact"), CASES[:2] + cases)
 
 
+def test_a_served_search_takes_turns_with_the_other_requests_passes():
+    """A search's passes over several rows never batch. Run at once, they held the pass thread, and
+    every other request with it, until the search ended; each now takes a turn after the others'
+    passes: the plain request's steps run between the search's, and each gets the tokens it gets alone."""
+    model = base("exact")
+    cases = [("hello world", "beam", {"n": 3}), ("abcabcabc", "greedy", {})]
+    alone = [generate(model.clone(), case) for case in cases]
+    batcher = PassBatcher(own_thread=False)
+    order: list[str] = []
+    execute = batcher._execute
+
+    def logged(batch) -> None:
+        order.append("search" if batch[0].work is not None else "batch")
+        execute(batch)
+
+    batcher._execute = logged
+    assert as_members(model, batcher, cases) == alone
+    turns = [i for i, kind in enumerate(order) if kind == "search"]
+    assert len(turns) > 10 and all(order[i + 1] == "batch" for i in turns[:10])  # the others' steps between them
+    # alone, a search's passes run at once: no turn to wait for
+    batcher, order[:] = PassBatcher(own_thread=False), []
+    batcher._execute = logged
+    assert as_members(model, batcher, cases[:1]) == alone[:1] and "search" not in order
+
+
 @pytest.mark.parametrize("numerics", NUMERICS)
 def test_gemma3_requests_get_their_own_tokens_in_a_shared_batch(numerics):
     """Gemma 3's sliding-window layers in a batch: each sequence's window is its own."""

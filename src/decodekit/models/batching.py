@@ -84,6 +84,7 @@ class _Pass:
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)  # set by the pass thread (a thread's pass)
     member: greenlet.greenlet | None = None  # a started member's pass: switched back into when done
+    work: Callable[[], Any] | None = None  # a pass run on its own (PassBatcher.take_turn): its whole job
 
 
 class _Member(greenlet.greenlet):
@@ -179,6 +180,25 @@ class PassBatcher:
         if job.error is not None:
             raise job.error
         assert job.output is not None
+        return job.output
+
+    def take_turn(self, backend: "NativeLlama", rows: int, work: Callable[[], Any]) -> Any:
+        """``work()``: a pass of ``backend`` over ``rows`` rows that no batch can take (a search's
+        sequences), run for the calling member at once where it is the only request, else as a batch
+        of its own after the passes waiting: where another request is active (its pass waiting, or its
+        Python about to run after the last batch), it gets a turn first. A member whose passes never
+        batch would otherwise hold the pass thread, and every other request with it, for its whole
+        run. (A request on a thread of its own runs it at once: the others' passes are not on its
+        thread.)"""
+        current = greenlet.getcurrent()
+        if not (isinstance(current, _Member) and current.batcher is self and self._active > 1):
+            return work()
+        job = _Pass(backend, torch.empty(rows), torch.empty(0), None, 0, False, object(), member=current, work=work)
+        with self._cond:
+            self._waiting.append(job)
+        self._hub.switch()  # the loop runs the passes waiting before it, then this one, then switches back
+        if job.error is not None:
+            raise job.error
         return job.output
 
     def run_here(self, works: list[Callable[[], Any]]) -> list[Any]:
@@ -307,9 +327,12 @@ class PassBatcher:
 
     def _execute(self, batch: list[_Pass]) -> None:
         try:
-            outputs = batch[0].backend.forward_batch(batch)
-            for job, output in zip(batch, outputs):
-                job.output = output
+            if batch[0].work is not None:  # a pass of its own (its key is no other pass's)
+                batch[0].output = batch[0].work()
+            else:
+                outputs = batch[0].backend.forward_batch(batch)
+                for job, output in zip(batch, outputs):
+                    job.output = output
         except BaseException as err:  # every waiting request hears of it
             for job in batch:
                 job.error = err

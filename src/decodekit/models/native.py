@@ -642,6 +642,15 @@ class NativeLlama(Backend):
             self._ensure_capacity(self._slots + tokens.shape[1])
             logits, features = self.batcher.run(self, tokens[0], positions, mask, self._slots, last_only)
             return StepOutput(logits=logits[None], features=features[None])
+        if self.batcher is not None and tokens.shape[0] > 1:  # a served search's sequences: a turn of their own
+            return self.batcher.take_turn(self, tokens.numel(), lambda: self._forward_alone(
+                tokens, positions, mask, hidden_layers, skip_layers, last_only, causal))
+        return self._forward_alone(tokens, positions, mask, hidden_layers, skip_layers, last_only, causal)
+
+    def _forward_alone(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                       hidden_layers: Sequence[int], skip_layers: frozenset[int], last_only: bool,
+                       causal: bool) -> StepOutput:
+        """A pass of this backend's own, on the calling thread (not through the batcher)."""
         # The kernels' thread count for this pass. The governor compares the times of one pass kind
         # under each count: plain steps over this cache are timed, not the one-token passes that
         # cost less (a kvdraft draft attending to a window, a layer-skipping draft), which would
