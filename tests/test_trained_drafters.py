@@ -1936,6 +1936,13 @@ def test_a_damaged_drafter_in_the_cache_falls_back_to_the_shipped_one_with_a_lin
     monkeypatch.setattr(store, "SHIPPED", tmp_path / "nothing")  # no fallback: the damage is the error
     with pytest.raises(InvalidModel, match="damaged"):
         store.load(tiny().backend, "medusa")
+    # a drafter of another model under this model's name in the cache (its file since replaced): the same
+    monkeypatch.setattr(store, "SHIPPED", package)
+    _crafted(good, saved, redigest=True, target="another model's weights", target_name="other")
+    loaded = store.load(tiny().backend, "medusa")
+    err = capsys.readouterr().err
+    assert "was trained for another model (other)" in err and "using the drafter shipped with decodekit instead" in err
+    assert all(torch.equal(t, from_package[name]) for name, t in loaded.state_dict().items())
 
 
 def test_medusa_hangs_head_ks_candidates_below_every_node_of_depth_k():

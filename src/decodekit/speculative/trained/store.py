@@ -69,11 +69,11 @@ def cache_path(backend: Backend, kind: str) -> Path:
     return cache_root() / "drafters" / f"{target_fingerprint(backend)}-{kind}.safetensors"
 
 
-def check_drafter_path(path: Path, given: str | None = None) -> Path:
+def check_drafter_path(path: Path, given: str | Path | None = None) -> Path:
     """``path`` must name a drafter's file: not a folder (a name ending in ``/`` included), and not
     something else that exists there (a device such as ``/dev/null``, a pipe), which saving it, a
     new file renamed over the name, would replace. ``given``: the path as the user wrote it."""
-    shown = given if given is not None else str(path)
+    shown = str(given if given is not None else path)
     if not path.name or shown.endswith(("/", "\\")) or path.is_dir():
         raise InvalidParameter(f"--out {shown!r} must name the drafter's file, not a folder")
     if path.exists() and not path.is_file():
@@ -199,8 +199,8 @@ def shipped(backend: Backend, kind: str) -> Path | None:
 
 def load(backend: Backend, kind: str, given: str | Path | None = None) -> Net:
     """The target's drafter of ``kind`` (see the module docstring), loaded once per model (kept in
-    the backend's memory), or one line saying how to make one. A damaged drafter in the cache is
-    said so in one line and the shipped one is used, where there is one."""
+    the backend's memory), or one line saying how to make one. A damaged drafter in the cache, or
+    one trained for another model, is said so in one line and the shipped one is used, where there is one."""
     def as_it_stands(path: Path) -> tuple:
         # one entry per file however it is spelt and as it stands (a drafter trained again in this
         # process, or by another, is read again)
@@ -221,7 +221,7 @@ def load(backend: Backend, kind: str, given: str | Path | None = None) -> Net:
         if stamp not in damaged:
             try:
                 return built(saved)
-            except InvalidModel as err:
+            except (InvalidModel, InvalidParameter) as err:  # damaged, or another model's (its file replaced since)
                 damaged[stamp], new_problem = str(err), True
         problem = damaged[stamp]
     fallback = shipped(backend, kind)
