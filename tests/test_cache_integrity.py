@@ -816,6 +816,28 @@ def test_a_cached_folder_whose_source_stamp_differs_is_rebuilt_in_place(tiny_ggu
     assert_same(answer(tiny_gguf), before)
 
 
+def test_models_lists_a_chunked_model_without_assembling_it(cache, capsys, monkeypatch):
+    """``decodekit models`` is a listing: a model shipped in chunks is not assembled by it (hundreds of
+    megabytes written into the cache), only said to be installed, with its file once it is there."""
+    import types
+
+    from decodekit.interfaces.cli import main
+    from decodekit.models import loading
+
+    package = types.SimpleNamespace(MODEL_NAME="fake.gguf", assemble=lambda *a, **k: pytest.fail("assembled by a listing"))
+    monkeypatch.setattr(loading.importlib, "import_module", lambda name: package)
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: types.SimpleNamespace(submodule_search_locations=["x"]))
+    monkeypatch.setattr(loading, "EMBEDDED_MODELS", {"fake": loading.EmbeddedModel("fake_package", "pip install fake", "a fake",
+                                                                                    assembled=True)})
+    assert main(["models"]) == 0
+    assert "fake: a fake\n      installed (its file is assembled into the cache at first use)" in capsys.readouterr().out
+    assert not (cache / "models").exists()
+    (cache / "models").mkdir(parents=True)
+    (cache / "models" / "fake.gguf").write_bytes(b"GGUF")
+    assert main(["models"]) == 0
+    assert f"installed: {cache / 'models' / 'fake.gguf'}" in capsys.readouterr().out
+
+
 def test_an_assembled_model_file_that_fails_its_check_is_reported_and_written_again(cache, capsys, monkeypatch):
     """A chunked model package's assembled file whose SHA-256 differs (FileExistsError from the
     package) is written again, and the user is told, as for every other damaged cache entry."""

@@ -314,12 +314,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     from ..models.cache import cache_root
-    from ..models.loading import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf
+    from ..models.loading import DEFAULT_MODEL, EMBEDDED_MODELS, assembled_target, embedded_gguf
 
     print("Embedded models (pip packages carrying a GGUF file):")
     for name, model in EMBEDDED_MODELS.items():
-        path = embedded_gguf(name)
-        status = f"installed: {path}" if path else f"not installed ({model.install})"
+        # a model shipped in chunks is listed, not assembled (hundreds of megabytes written by a listing)
+        target = assembled_target(name)
+        path = target if target is not None else None if model.assembled else embedded_gguf(name)
+        status = (f"not installed ({model.install})" if path is None else f"installed: {path}" if path.is_file()
+                  else "installed (its file is assembled into the cache at first use)")
         default = " (default)" if name == DEFAULT_MODEL else ""
         print(f"  {name}{default}: {model.description}\n      {status}")
     print(f"Dequantised weights are cached in {cache_root()} (override with DECODEKIT_CACHE).")

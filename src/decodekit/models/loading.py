@@ -100,6 +100,15 @@ def embedded_gguf(name: str) -> Path | None:
     return None
 
 
+def assembled_target(name: str) -> Path | None:
+    """Where an installed embedded model that ships in chunks has its file assembled (it may not be
+    yet); None for a model that ships whole, or is not installed. Writes nothing."""
+    model = EMBEDDED_MODELS[name]
+    if not model.assembled or importlib.util.find_spec(model.package) is None:
+        return None
+    return cache_root() / "models" / importlib.import_module(model.package).MODEL_NAME
+
+
 def _assembled_gguf(model: EmbeddedModel) -> Path:
     package = importlib.import_module(model.package)
     target = cache_root() / "models" / package.MODEL_NAME
