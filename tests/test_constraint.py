@@ -635,6 +635,10 @@ def test_bad_constraints_are_one_clear_line(engine):
             checked_grammar(spec)
     with pytest.raises(InvalidParameter, match="constraint must be a Constraint or a dict"):
         Constraint.coerce("json")
+    # a long pattern is not echoed whole: its start and its length
+    with pytest.raises(InvalidParameter, match=r'^invalid regex constraint: .*"\(a{59}\.\.\." \(3001 characters\).*unclosed group') as err:
+        checked_grammar({"regex": "(" + "a" * 3000})
+    assert len(str(err.value)) < 300
 
 
 def test_cli_flags_constrain_and_refuse_in_one_line(capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -115,6 +116,8 @@ def grammar_error_line(error: str) -> str:
     line ends in "regex parse error:" and whose cause comes after a picture of the pattern)."""
     lines = [line.strip() for line in error.strip().splitlines()]
     first = lines[0] if lines else "invalid grammar"
+    # a long pattern it quotes is cut (a request's 100,000-character regex, echoed whole)
+    first = re.sub(r'"([^"]{81,})"', lambda m: f'"{m.group(1)[:60]}..." ({len(m.group(1))} characters)', first)
     cause = next((line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")), "")
     return f"{first.rstrip(':')}: {cause}" if cause else first
 
