@@ -47,6 +47,7 @@ def resume_key(task: Task, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def digest(progress: Progress) -> str:
+    """SHA-256 of the saved records and time as JSON: what an edit or damage after saving changes."""
     text = json.dumps([progress.time_s, {str(i): r for i, r in progress.records.items()}], sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
