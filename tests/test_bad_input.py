@@ -152,6 +152,11 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["serve", "--kv-cache", "bogus"], "unknown kv cache 'bogus'"),
     (["train-drafter", "--kind", "eagle", "--eval-queries", "0"], "--eval-queries must be at least 1"),
     (["train-drafter", "--kind", "eagle", "--out", "/tmp"], "must name the drafter's file"),
+    # a search under a cache of one sequence: known before the model loads (it was refused after the prompt)
+    (["generate", "hi", "--method", "beam", "--kv-cache", "int8"], "kv cache int8 holds one sequence; this method needs 4 at once"),
+    (["generate", "hi", "--method", "step-beam", "--opt", "n=1", "--opt", "expand=2", "--kv-cache", "sink:4,window:64"],
+     "this method needs 2 at once"),
+    (["eval", "capitals", "--method", "self-consistency", "--n", "3", "--kv-cache", "int4"], "kv cache int4 holds one sequence"),
     (["train-drafter", "--kind", "eagle", "--out", "/tmp/no-such-folder/"], "must name the drafter's file, not a folder"),
     (["train-drafter", "--kind", "medusa", "--out", "/dev/null"], "--out '/dev/null' is not a regular file"),
     (["train-drafter", "--kind", "eagle", "--minutes", "inf"], "--minutes inf needs --steps"),

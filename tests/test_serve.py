@@ -1248,6 +1248,23 @@ def test_without_max_tokens_a_windowed_cache_decodes_as_many_tokens_as_the_model
         running.stop()
 
 
+def test_a_search_under_a_cache_of_one_sequence_is_a_400_before_it_is_queued():
+    """The server's --kv-cache int8 holds one sequence a slot: a search of n > 1 is refused when the
+    request is read, not after it has waited for a slot and read its prompt; n = 1 is served."""
+    from decodekit.serve.errors import ApiError
+    from decodekit.serve.request import check_method, parse_request
+
+    model = LoadedModel(tiny_llama(seed=0, hidden_size=64).with_kv_cache("int8"), CharTokenizer(96), MODEL)
+    if model.backend.kv_policy.spec != "int8":
+        pytest.skip("the int8 cache needs the compiled kernels")
+    for method, options, width in (("beam", {}, 4), ("step-beam", {"n": 1, "expand": 2}, 2)):
+        spec = parse_request({"prompt": "hi", "method": method, "method_options": options}, chat=False)
+        with pytest.raises(ApiError, match=f"kv cache int8 holds one sequence; this method needs {width} at once") as err:
+            check_method(spec, model)
+        assert (err.value.status, err.value.param) == (400, "method")
+    check_method(parse_request({"prompt": "hi", "method": "beam", "method_options": {"n": 1}}, chat=False), model)
+
+
 def test_a_developer_message_is_a_system_message():
     from decodekit.serve.request import chat_messages
 

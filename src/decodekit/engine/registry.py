@@ -9,6 +9,7 @@ then any installed package's own methods, declared as a ``decodekit.methods`` en
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -143,6 +144,21 @@ def validate_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
     if spec.options is None:
         return dict(options)
     return parse_options(f"method {name!r}", spec.options, options, defaults=False)
+
+
+#: The options whose product is how many sequences a search decodes at once (its candidates, and the
+#: children each of them expands into), each its cache's row in every pass.
+WIDTH_OPTIONS = ("n", "expand")
+
+
+def sequences_at_once(name: str, options: Mapping[str, Any]) -> int:
+    """How many sequences method ``name`` with ``options`` decodes at once: a search's width (its
+    declared ``n`` times ``expand``, defaults included); 1 for every other family."""
+    spec = method_spec(name)
+    if spec.family != "search" or not spec.options:
+        return 1
+    checked = validate_options(name, options)
+    return math.prod(checked.get(key, spec.options[key].default) for key in WIDTH_OPTIONS if key in spec.options)
 
 
 def build_decoder(name: str, /, **options: Any) -> Decoder:

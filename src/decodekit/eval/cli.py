@@ -55,7 +55,9 @@ def run(args: argparse.Namespace, model=None) -> int:
     from .checkpoint import CHECKPOINT, Progress, resume_key
     from .checkpoint import load as load_checkpoint
     from .checkpoint import save as save_checkpoint
-    from .runner import EvalConfig, evaluate, item_count, make_decoder
+    from ..engine import sequences_at_once
+    from ..models.kv_policy import parse_kv_cache
+    from .runner import EvalConfig, evaluate, item_count, make_decoder, method_options
     from .tasks import LONG_CONTEXT, load_task
 
     for flag in ("n", "limit", "max_new_tokens", "paraphrases", "continuation"):
@@ -83,6 +85,7 @@ def run(args: argparse.Namespace, model=None) -> int:
     if args.unconstrained and not any(item.constraint for item in task.items):
         raise InvalidParameter(f"--unconstrained: task {args.task!r} has no constraint to leave out")
     make_decoder(config, task)  # bad method or option: fail before loading the model
+    parse_kv_cache(args.kv_cache).check_sequences(sequences_at_once(config.method, method_options(config, task)))
     if "pc" in config.signals and task.items:
         task.paraphrase(task.items[0], config.paraphrases)  # more than the task has: fail before loading
     recipe = functools.partial(load_model, args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics,

@@ -72,7 +72,13 @@ def make_decoder(config: EvalConfig, task: Task) -> Decoder:
     if spec.family == "plain":
         validate_options(config.method, config.options)  # none taken
         return SampleDecoder(task.answer_start)
-    accepted = spec.options or {}
+    return build_decoder(config.method, **method_options(config, task))
+
+
+def method_options(config: EvalConfig, task: Task) -> dict[str, Any]:
+    """The options the method is built with: ``--opt``'s, with ``--n`` and the task's answer extractor
+    where the method takes them."""
+    accepted = method_spec(config.method).options or {}
     options = dict(config.options)
     if "n" in options:  # one n: the report, the agreement signal and the budget curve read --n
         raise InvalidParameter("the number of samples is --n (EvalConfig.n), not --opt n=", param="n")
@@ -82,7 +88,7 @@ def make_decoder(config: EvalConfig, task: Task) -> Decoder:
         options.setdefault("answer", task.answer)
     if "answer_start" in accepted:
         options.setdefault("answer_start", task.answer_start)
-    return build_decoder(config.method, **options)
+    return options
 
 
 def item_count(task: Task, config: EvalConfig) -> int:

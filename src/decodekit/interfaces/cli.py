@@ -140,7 +140,7 @@ def decoding_params(args: argparse.Namespace) -> dict[str, Any]:
 def validate_decoding(args: argparse.Namespace) -> dict[str, Any] | None:
     """Reject a bad method, sampler value, option or constraint before the model is loaded; return
     the structured-output constraint, if any (:func:`constraint_from_args`)."""
-    from ..engine import build_decoder, make_sampler, method_spec, split_params, stop_strings
+    from ..engine import build_decoder, make_sampler, method_spec, sequences_at_once, split_params, stop_strings
     from ..models.kv_policy import parse_kv_cache
 
     method_spec(args.method)
@@ -150,7 +150,7 @@ def validate_decoding(args: argparse.Namespace) -> dict[str, Any] | None:
     sampler_params, options = split_params(decoding_params(args))
     make_sampler(args.method, sampler_params)
     build_decoder(args.method, **options)
-    parse_kv_cache(args.kv_cache)
+    parse_kv_cache(args.kv_cache).check_sequences(sequences_at_once(args.method, options))  # a search under int8
     return constraint_from_args(args)
 
 

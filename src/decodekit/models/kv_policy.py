@@ -83,6 +83,13 @@ class KVPolicy:
         """Whether the cache holds one sequence only (every policy but the full cache)."""
         return self.evicts() or self.quantised
 
+    def check_sequences(self, count: int) -> None:
+        """Refuse a method that decodes ``count`` sequences at once where this cache holds one (what
+        a search's width asks for, checked before the model loads and again as its rows are made)."""
+        if count != 1 and self.one_sequence():
+            raise InvalidParameter(f"kv cache {self.spec} holds one sequence; this method needs {count} at once "
+                                   f"(searches over several sequences run with the full cache)")
+
     def evicts(self) -> bool:
         return False
 

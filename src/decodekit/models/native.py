@@ -210,9 +210,7 @@ class NativeLlama(Backend):
 
     @torch.inference_mode()
     def reset(self, batch_size: int = 1) -> None:
-        if batch_size != 1 and self.kv_policy.one_sequence():
-            raise InvalidParameter(f"kv cache {self.kv_policy.spec} holds one sequence; this method needs {batch_size} at "
-                                   f"once (searches over several sequences run with the full cache)")
+        self.kv_policy.check_sequences(batch_size)
         self.kept_ids = None
         self.last_features = None
         self._length = self._slots = self._peak_slots = 0
@@ -293,9 +291,7 @@ class NativeLlama(Backend):
 
     @torch.inference_mode()
     def reorder(self, rows: torch.Tensor) -> None:
-        if rows.numel() != 1 and self.kv_policy.one_sequence():
-            raise InvalidParameter(f"kv cache {self.kv_policy.spec} holds one sequence; this method needs {rows.numel()} at "
-                                   f"once (searches over several sequences run with the full cache)")
+        self.kv_policy.check_sequences(rows.numel())
         if rows.numel() > self._k.shape[1]:
             self._check_memory(rows.numel(), self._k.shape[3])
         self._k = self._k[:, rows].contiguous()
