@@ -84,10 +84,13 @@ def test_every_speculative_method_gives_fast_greedys_tokens_and_fast_samplings(e
 
 
 def test_fast_without_blocks_or_in_bfloat16_is_one_clear_error():
+    """(NumericsUnavailable: what `decodekit serve` falls back to exact on, and only that.)"""
+    from decodekit.errors import NumericsUnavailable
+
     config = tiny_hf_config()
-    with pytest.raises(InvalidParameter, match="^the fast numerics is unavailable: it needs a GGUF model"):
+    with pytest.raises(NumericsUnavailable, match="^the fast numerics is unavailable: it needs a GGUF model"):
         NativeLlama(LlamaConfig.from_hf(config), tiny_state_dict(config), numerics="fast")
-    with pytest.raises(InvalidParameter, match="float32"):
+    with pytest.raises(NumericsUnavailable, match="float32"):
         tiny_llama(numerics="fast", dtype=torch.bfloat16)
     with pytest.raises(InvalidParameter, match="^numerics must be one of exact, fast"):
         tiny_llama(numerics="int4")

@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from decodekit.engine import Engine  # noqa: E402
-from decodekit.errors import InvalidParameter  # noqa: E402
+from decodekit.errors import InvalidParameter, NumericsUnavailable  # noqa: E402
 from decodekit.models import CharTokenizer, LoadedModel, kernels  # noqa: E402
 from decodekit.models.tiny import tiny_llama  # noqa: E402
 from decodekit.serve.app import Server  # noqa: E402
@@ -754,7 +754,7 @@ def test_serve_loads_fast_numerics_by_default_and_falls_back_to_exact_with_a_not
     def load_model(model, *, numerics, **kwargs):
         asked.append(numerics)
         if numerics == "fast" and fast_refused:
-            raise InvalidParameter("no fast numerics here")
+            raise NumericsUnavailable("no fast numerics here")
         return numerics
 
     monkeypatch.setattr("decodekit.models.load_model", load_model)
@@ -766,6 +766,26 @@ def test_serve_loads_fast_numerics_by_default_and_falls_back_to_exact_with_a_not
     assert "no fast numerics here; serving the exact numerics" in capsys.readouterr().err
     asked[:] = []
     assert load_for_serving(argparse.Namespace(**{**vars(args), "numerics": "exact"})) == "exact" and asked == ["exact"]
+
+
+def test_an_error_of_the_cache_or_the_model_is_not_retried_in_exact_numerics(monkeypatch, capsys):
+    """Only the fast numerics being unavailable falls back: a cache the model cannot hold fails in
+    either numerics, once, in its own words (it was said twice, after a second load)."""
+    import argparse
+
+    from decodekit.serve.cli import load_for_serving
+
+    asked = []
+
+    def load_model(model, numerics, **kwargs):
+        asked.append(numerics)
+        raise InvalidParameter("kv cache sink:4,window:99999 needs up to 112533 entries")
+
+    monkeypatch.setattr("decodekit.models.load_model", load_model)
+    args = argparse.Namespace(model=None, backend="auto", dtype="float32", kv_cache="sink:4,window:99999", numerics=None)
+    with pytest.raises(InvalidParameter, match="needs up to 112533 entries"):
+        load_for_serving(args)
+    assert asked == ["fast"] and capsys.readouterr().err == ""
 
 
 def test_the_exact_fallback_loads_the_model_as_asked_but_for_its_numerics(monkeypatch, capsys):
@@ -780,7 +800,7 @@ def test_the_exact_fallback_loads_the_model_as_asked_but_for_its_numerics(monkey
     def load_model(model, **kwargs):
         asked.append((model, kwargs))
         if kwargs["numerics"] == "fast":
-            raise InvalidParameter("no fast numerics here")
+            raise NumericsUnavailable("no fast numerics here")
         return kwargs["numerics"]
 
     monkeypatch.setattr("decodekit.models.load_model", load_model)

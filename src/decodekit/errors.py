@@ -14,6 +14,11 @@ class InvalidParameter(DecodeKitError, ValueError):
         self.param = param
 
 
+class NumericsUnavailable(InvalidParameter):
+    """The numerics asked for cannot run this model here (``fast`` on the HF backend, in bfloat16,
+    without the compiled kernels): what ``decodekit serve`` falls back to ``exact`` on, and only that."""
+
+
 class RollbackRefused(InvalidParameter):
     """A cache asked to roll back past what its policy kept (an evicting or int4 cache holds only the
     last ``recent`` tokens as they were): callers that roll back limit themselves to that reach."""

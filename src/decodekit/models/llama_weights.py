@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..errors import InvalidModel, InvalidParameter
+from ..errors import InvalidModel, InvalidParameter, NumericsUnavailable
 from .gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, BlockMatrix, matching_blocks, matrix_rows, matrix_shape
 from .kernels import (
     INTEGER_GROUP, MAX_ROWS, KernelProjection, block_matmul, empty_packed, few_rows_matmul, integer_block_matmul,
@@ -250,7 +250,7 @@ def require_fast_numerics(blocks: "BlockMatrix | None") -> None:
     """Refuse, in one line, a projection that cannot run the ``fast`` numerics."""
     reason = fast_numerics_unavailable(blocks)
     if reason is not None:
-        raise InvalidParameter(f"the fast numerics is unavailable: {reason}; use --numerics exact")
+        raise NumericsUnavailable(f"the fast numerics is unavailable: {reason}; use --numerics exact")
 
 
 class Projection:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ..arguments import BACKENDS, DEFAULT_MODEL, DTYPES as DTYPE_NAMES, NUMERICS, user_path
-from ..errors import CacheError, InvalidModel, InvalidParameter, ModelNotFound
+from ..errors import CacheError, InvalidModel, InvalidParameter, ModelNotFound, NumericsUnavailable
 from ..machine import available_memory
 from .backend import Backend
 from .cache import cache_root, cached_folder, file_digest, report, save_tensors
@@ -498,7 +498,7 @@ def build_backend(
         raise InvalidParameter(f"the native backend supports {', '.join(NATIVE_ARCHITECTURES)}, not {arch!r}; use --backend hf")
     if backend == "hf" or arch not in NATIVE_ARCHITECTURES:
         if numerics != "exact":
-            raise InvalidParameter(f"the {numerics} numerics runs on the native backend only (this model uses the HF backend)")
+            raise NumericsUnavailable(f"the {numerics} numerics runs on the native backend only (this model uses the HF backend)")
         if policy.spec != "full":  # an evicting or a quantised cache: the native backend's
             raise InvalidParameter(f"kv cache {policy.spec} runs on the native backend only (this model uses the HF backend)")
         from .hf import HFBackend

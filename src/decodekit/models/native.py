@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arguments import NUMERICS
-from ..errors import InvalidParameter, PromptTooLong, RollbackRefused
+from ..errors import InvalidParameter, NumericsUnavailable, PromptTooLong, RollbackRefused
 from ..machine import available_memory
 from .backend import SEARCH_REMEDY, Backend, CachedPrefix, ModelInfo, StepOutput
 from .batching import PREFILL_CHUNK, PassBatcher
@@ -80,7 +80,7 @@ class NativeLlama(Backend):
         if numerics not in NUMERICS:
             raise InvalidParameter(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         if numerics == "fast" and dtype != torch.float32:
-            raise InvalidParameter("the fast numerics runs on float32 activations; use --dtype float32")
+            raise NumericsUnavailable("the fast numerics runs on float32 activations; use --dtype float32")
         # Some real weights hold subnormal floats, on which multi-row matmul kernels run several times slower.
         torch.set_flush_denormal(True)
         self.config = config

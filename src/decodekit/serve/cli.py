@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from ..arguments import add_model_arguments
-from ..errors import InvalidParameter
+from ..errors import InvalidParameter, NumericsUnavailable
 from . import MAX_BATCH, MAX_QUEUE, PROMPT_CACHE_MIB, STREAM_INTERVAL_S
 
 
@@ -46,7 +46,7 @@ def load_for_serving(args: argparse.Namespace):
         return load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics, kv_cache=args.kv_cache)
     try:
         return load_model(args.model, backend=args.backend, dtype=args.dtype, numerics="fast", kv_cache=args.kv_cache)
-    except InvalidParameter as err:
+    except NumericsUnavailable as err:  # (any other error is the model's or the cache's: said once, as it is)
         print(f"decodekit serve: {err}; serving the exact numerics", file=sys.stderr)
         return load_model(args.model, backend=args.backend, dtype=args.dtype, numerics="exact", kv_cache=args.kv_cache)
 
