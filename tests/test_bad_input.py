@@ -168,6 +168,8 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["train-drafter", "--kind", "eagle", "--seed", "-1"], "--seed must be >= 0, got -1"),
     (["eval", "capitals", "--policies", "full"], "--policies applies to longctx only"),
     (["eval", "gsm8k", "--continuation", "64"], "--continuation applies to longctx only"),
+    (["eval", "longctx", "--policies", "sink:4,window:64", "--continuation", "99999999999"],
+     "--continuation must be an integer in [1, 1048576], got 99999999999"),  # a windowed cache has no end
     (["eval", "longctx", "--unconstrained"], "--unconstrained applies to the item tasks, not longctx"),
     (["eval", "longctx", "--opt", "a=1"], "--opt applies to the item tasks, not longctx"),
     (["eval", "capitals", "--unconstrained"], "task 'capitals' has no constraint to leave out"),

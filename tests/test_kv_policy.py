@@ -693,6 +693,21 @@ def test_kvdraft_inside_hierarchy_and_auto(method, options):
     assert got.stats.extra["accepted_by_source"].get("kvdraft", 0) > 0
 
 
+def test_a_windowed_caches_bound_is_not_called_the_models_context():
+    """A sink:S,window:W cache runs past the model's context up to a bound of its own: an answer
+    longer than that is refused naming that bound, not a "context" the model does not have."""
+    from decodekit.engine import check_fits
+    from decodekit.errors import PromptTooLong
+
+    backend = tiny_llama(seed=0, hidden_size=64, max_position=64).with_kv_cache("sink:2,window:16")
+    check_fits(backend, 10, 10_000)  # past the model's 64 tokens: the window makes room
+    with pytest.raises(PromptTooLong, match=rf"^prompt of 10 tokens \+ {2**40} new tokens exceeds the {2**40} tokens a "
+                                            "sequence may have under its windowed cache$"):
+        check_fits(backend, 10, 2**40)
+    with pytest.raises(PromptTooLong, match="exceeds the model's context of 64$"):
+        check_fits(tiny_llama(seed=0, hidden_size=64, max_position=64), 10, 60)
+
+
 @pytest.mark.parametrize("spec", ["h2o:budget=16,window=4", "snapkv:budget=16,window=4"])
 def test_policies_that_keep_positions_stop_at_the_context_window(spec):
     """They evict, so their cache never fills, but positions past the window have no rotary angle:

@@ -202,11 +202,11 @@ def run_long_context(args: argparse.Namespace, out: Path, model=None) -> int:
     """``decodekit eval longctx`` (:mod:`.longctx`)."""
     from ..models import load_model
     from ..models.kv_policy import parse_kv_cache
-    from .longctx import LongContextConfig, evaluate_long_context, write
+    from .longctx import LONGEST, LongContextConfig, evaluate_long_context, write
 
-    config = LongContextConfig(seed=args.seed)
-    if args.continuation is not None:
-        config.continuation = args.continuation
+    if args.continuation is not None:  # (a windowed cache would read a huge one for ever)
+        check_int("--continuation", args.continuation, 1, LONGEST)
+    config = LongContextConfig(seed=args.seed, **({} if args.continuation is None else {"continuation": args.continuation}))
     if args.policies is not None:
         parts = [p.strip() for p in args.policies.strip().strip(";").split(";")]  # (a first or last ';' is harmless)
         config.policies = tuple(p for p in parts if p)
@@ -217,7 +217,7 @@ def run_long_context(args: argparse.Namespace, out: Path, model=None) -> int:
     for policy in config.policies:
         parse_kv_cache(policy)  # a bad spelling: one line, before loading
     if args.lengths is not None:
-        config.lengths = _numbers("lengths", args.lengths, int, 16, 1 << 20)
+        config.lengths = _numbers("lengths", args.lengths, int, 16, LONGEST)
     if args.depths is not None:
         config.depths = _numbers("depths", args.depths, float, 0.0, 1.0)
     model = model or load_model(args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics)

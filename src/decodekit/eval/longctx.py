@@ -41,6 +41,10 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 PASSKEY_ANSWER_TOKENS = 8  # a five-digit number and what the model says around it
 
 
+#: The longest context, and continuation, an evaluation reads (a windowed cache has no bound of its own).
+LONGEST = 1 << 20
+
+
 @dataclass
 class LongContextConfig:
     policies: tuple[str, ...] = DEFAULT_POLICIES
@@ -51,7 +55,7 @@ class LongContextConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        check_int("continuation", self.continuation, 1)  # its NLL is a mean over these tokens
+        check_int("continuation", self.continuation, 1, LONGEST)  # its NLL is a mean over these tokens
 
 
 def document_tokens(tokenizer, needed: int) -> list[int]:
