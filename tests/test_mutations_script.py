@@ -42,3 +42,11 @@ def test_every_name_given_runs_after_the_control(mutations, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["mutations.py", *names])
     assert mutations.main() == 0
     assert ran == ["control", *names]
+
+
+def test_every_mutation_still_finds_the_one_place_it_changes(mutations):
+    """A mutation whose text the code no longer holds once (moved, reworded) changes nothing, or the
+    wrong place: the check would report it stale only when it is run. Each is found here, at once."""
+    root = SCRIPT.parents[1]
+    stale = [m.name for m in mutations.MUTATIONS if (root / m.path).read_text().count(m.old) != 1]
+    assert stale == []
