@@ -151,14 +151,20 @@ def validate_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
 WIDTH_OPTIONS = ("n", "expand")
 
 
-def sequences_at_once(name: str, options: Mapping[str, Any]) -> int:
-    """How many sequences method ``name`` with ``options`` decodes at once: a search's width (its
-    declared ``n`` times ``expand``, defaults included); 1 for every other family."""
+def search_widths(name: str, options: Mapping[str, Any]) -> dict[str, int]:
+    """A search's :data:`WIDTH_OPTIONS` as ``options`` set them (defaults included); empty for every
+    other family."""
     spec = method_spec(name)
     if spec.family != "search" or not spec.options:
-        return 1
+        return {}
     checked = validate_options(name, options)
-    return math.prod(checked.get(key, spec.options[key].default) for key in WIDTH_OPTIONS if key in spec.options)
+    return {key: checked.get(key, spec.options[key].default) for key in WIDTH_OPTIONS if key in spec.options}
+
+
+def sequences_at_once(name: str, options: Mapping[str, Any]) -> int:
+    """How many sequences method ``name`` with ``options`` decodes at once: a search's width (its
+    ``n`` times ``expand``); 1 for every other family."""
+    return math.prod(search_widths(name, options).values())
 
 
 def build_decoder(name: str, /, **options: Any) -> Decoder:

@@ -49,14 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, model=None) -> int:
     """Run the evaluation; ``model`` skips loading by name, for tests and notebooks: a LoadedModel,
     or with ``--ray`` a picklable callable that returns one (each worker calls it once)."""
-    from ..engine import method_spec
+    from ..engine import method_spec, sequences_at_once
     from ..models import load_model
-    from .report import write_report
+    from ..models.kv_policy import parse_kv_cache
     from .checkpoint import CHECKPOINT, Progress, resume_key
     from .checkpoint import load as load_checkpoint
     from .checkpoint import save as save_checkpoint
-    from ..engine import sequences_at_once
-    from ..models.kv_policy import parse_kv_cache
+    from .report import write_report
     from .runner import EvalConfig, evaluate, item_count, make_decoder, method_options
     from .tasks import LONG_CONTEXT, load_task
 
@@ -92,9 +91,10 @@ def run(args: argparse.Namespace, model=None) -> int:
                                kv_cache=args.kv_cache)
     key = resume_key(task, run_settings(args, config, task))
     resumed = load_checkpoint(out, key, task) if args.resume else Progress()  # read now, not after loading the model
-    taken = [r for i, r in resumed.records.items() if i < item_count(task, config)]
+    count = item_count(task, config)
+    taken = [r for i, r in resumed.records.items() if i < count]
     if args.resume:
-        print(f"--resume: {len(taken)} of {item_count(task, config)} items done in {out / CHECKPOINT}", file=sys.stderr)
+        print(f"--resume: {len(taken)} of {count} items done in {out / CHECKPOINT}", file=sys.stderr)
     right = [sum(r["correct"] for r in taken)]
 
     def saved(progress: Progress) -> None:

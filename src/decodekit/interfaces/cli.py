@@ -319,8 +319,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     print("Embedded models (pip packages carrying a GGUF file):")
     for name, model in EMBEDDED_MODELS.items():
         # a model shipped in chunks is listed, not assembled (hundreds of megabytes written by a listing)
-        target = assembled_target(name)
-        path = target if target is not None else None if model.assembled else embedded_gguf(name)
+        path = assembled_target(name) if model.assembled else embedded_gguf(name)
         status = (f"not installed ({model.install})" if path is None else f"installed: {path}" if path.is_file()
                   else "installed (its file is assembled into the cache at first use)")
         default = " (default)" if name == DEFAULT_MODEL else ""

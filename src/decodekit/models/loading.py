@@ -106,12 +106,16 @@ def assembled_target(name: str) -> Path | None:
     model = EMBEDDED_MODELS[name]
     if not model.assembled or importlib.util.find_spec(model.package) is None:
         return None
-    return cache_root() / "models" / importlib.import_module(model.package).MODEL_NAME
+    return _assembled_path(importlib.import_module(model.package))
+
+
+def _assembled_path(package) -> Path:
+    return cache_root() / "models" / package.MODEL_NAME
 
 
 def _assembled_gguf(model: EmbeddedModel) -> Path:
     package = importlib.import_module(model.package)
-    target = cache_root() / "models" / package.MODEL_NAME
+    target = _assembled_path(package)
     try:
         return package.assemble(target)
     except (FileNotFoundError, ModuleNotFoundError) as err:  # a chunk package or its file is missing

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import secrets
 from typing import Any
 
@@ -11,7 +12,7 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from ..engine.api import chat_role, make_sampler, split_params
-from ..engine.registry import WIDTH_OPTIONS, build_decoder, method_spec, sequences_at_once, validate_options
+from ..engine.registry import build_decoder, method_spec, search_widths
 from ..engine.stops import stop_strings
 from ..errors import DecodeKitError, InvalidParameter
 from ..models import LoadedModel
@@ -334,10 +335,10 @@ def check_method(spec: RequestSpec, model: LoadedModel) -> None:
             raise ApiError(400, f"{name} names a file, a model or an object of the server's machine, which a request "
                                 f"cannot choose", param=name)
     build_decoder(spec.method, **options)
-    width = sequences_at_once(spec.method, options)  # each candidate a row of the slot's cache, in every pass
+    widths = search_widths(spec.method, options)  # each candidate a row of the slot's cache, in every pass
+    width = math.prod(widths.values())
     if width > MAX_N:
-        checked = validate_options(spec.method, options)
-        shown = " x ".join(f"{name} {checked.get(name, declared[name].default)}" for name in WIDTH_OPTIONS if name in declared)
+        shown = " x ".join(f"{name} {value}" for name, value in widths.items())
         raise ApiError(400, f"a search on this server takes at most {MAX_N} candidates at once, got {shown}",
                        param="method_options")
     policy = getattr(model.backend, "kv_policy", None)
