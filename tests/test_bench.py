@@ -788,7 +788,7 @@ def test_resume_grows_the_question_set_and_refuses_other_settings_or_code(tiny: 
         (r["question_id"], r["decode_s"]) for r in grown["records"])
     with pytest.raises(InvalidParameter, match="other settings .*max_new_tokens"):
         bench_cli.make_plan(parse(*common[:-5], "--max-new-tokens", "8", "--out", str(out), "--resume"))
-    monkeypatch.setattr("decodekit.bench.results.code_version", lambda: "0.0.0+other")
+    monkeypatch.setattr("decodekit.bench.checkpoint.code_version", lambda: "0.0.0+other")
     with pytest.raises(InvalidParameter, match="cannot be mixed"):
         bench_cli.make_plan(parse(*common, "--resume"))
 
@@ -834,13 +834,13 @@ def test_resume_refuses_a_changed_question_file_and_an_edited_checkpoint(tiny: L
         with pytest.raises(InvalidParameter, match="has been changed since decodekit wrote it"):
             bench_cli.make_plan(parse(*common, "--resume"))
     # edited with its digest computed again: each field of its type, or the record is refused
-    from decodekit.bench.execution import checkpoint_digest
+    from decodekit.bench.checkpoint import HEADER, digest
 
     for field, value in (("new_tokens", "abc"), ("decode_s", -1.0), ("prefill_s", None), ("forward_passes", 2.5),
                          ("mean_accepted", "x"), ("turns", True)):
         doc = json.loads(saved)
         doc["records"][0][field] = value
-        doc["digest"] = checkpoint_digest(doc["records"], doc["notes"])
+        doc["digest"] = digest({k: v for k, v in doc.items() if k not in HEADER})
         checkpoint.write_text(json.dumps(doc))
         with pytest.raises(InvalidParameter, match="record 0 is malformed"):
             bench_cli.make_plan(parse(*common, "--resume"))

@@ -887,7 +887,7 @@ def test_an_interrupted_eval_resumes_with_the_records_one_run_gives(tmp_path, mo
 def test_resume_refuses_other_settings_other_items_and_an_edited_checkpoint(tmp_path, capsys):
     """Each refusal is one line, before the model is loaded."""
     from decodekit.errors import DecodeKitError
-    from decodekit.eval.checkpoint import Progress, digest
+    from decodekit.bench.checkpoint import digest
 
     register_task("fake3", fake_task)
     model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
@@ -910,12 +910,15 @@ def test_resume_refuses_other_settings_other_items_and_an_edited_checkpoint(tmp_
     saved["records"]["1"]["correct"] = not saved["records"]["1"]["correct"]
     path.write_text(json.dumps(saved))
     refused(match="has been changed since decodekit wrote it")
+    saved["records"]["1"]["correct"] = not saved["records"]["1"]["correct"]
+    # a record moved past the items, under a digest made for it: each is still checked against its item
     saved["records"]["7"] = saved["records"].pop("1")
+    saved["digest"] = digest({"time_s": saved["time_s"], "records": saved["records"]})
     path.write_text(json.dumps(saved))
     refused(match="record '7' is not item 7's")
-    # two items' records swapped, under a digest made for them: each is still checked against its item
+    # two items' records swapped, under a digest made for them
     records = {0: saved["records"].pop("7"), 1: saved["records"].pop("0")}
-    saved.update(records={str(i): r for i, r in records.items()}, digest=digest(Progress(records, saved["time_s"])))
+    saved.update(records={str(i): r for i, r in records.items()}, digest=digest({"time_s": saved["time_s"], "records": {str(i): r for i, r in records.items()}}))
     path.write_text(json.dumps(saved))
     refused(match="record '0' is not item 0's")
     path.write_text("{")

@@ -139,6 +139,7 @@ def positive(name: str, value: int | None, allow_none: bool = False) -> None:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     """Validate the arguments (unknown methods, baselines, categories, missing files) without loading a model."""
+    from .checkpoint import CHECKPOINT
     from .execution import Plan, load_checkpoint
     from .questions import load_questions, resolve_question_file
 
@@ -173,7 +174,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     check_ray_arguments(plan.ray, plan.workers)
     plan.command = command_line(plan, args.quick)
     # (it makes nothing: a plan that fails later leaves no folder behind either)
-    check_writable(plan.out, ("results.json", "report.md", "speedup.png", "checkpoint.json", "checkpoint.json.tmp"))
+    check_writable(plan.out, ("results.json", "report.md", "speedup.png", CHECKPOINT, CHECKPOINT + ".tmp"))
     if plan.resume:  # read (and check) now, not after loading the model
         plan.previous, plan.previous_notes = load_checkpoint(plan)
     return plan

@@ -5,14 +5,13 @@ cluster (:mod:`decodekit.bench.distributed`); ``decodekit bench`` (:mod:`.cli`) 
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidParameter
+from . import checkpoint
 from .questions import Question
 from .results import merged_notes
 from .runner import BenchConfig, is_record, run_bench
@@ -64,67 +63,32 @@ class Plan:
         return json.loads(json.dumps({**key, "threads": self.threads, "question_file_sha256": self.question_file_sha256}))
 
 
-CHECKPOINT = "checkpoint.json"
 CHECKPOINT_SCHEMA = "decodekit-bench-checkpoint/1"
 
 
 def load_checkpoint(plan: Plan) -> tuple[list[dict[str, Any]], list[str]]:
     """Records and notes saved by an earlier run of ``plan`` in ``plan.out``; a missing checkpoint,
     other settings or other code is a one-line error (checked before the model loads)."""
-    from .results import code_version, read_document
-
-    path = plan.out / CHECKPOINT
-    if not path.is_file():
-        raise InvalidParameter(f"--resume: no {CHECKPOINT} in {str(plan.out)!r}; run without --resume first")
-    saved = read_document(path, CHECKPOINT_SCHEMA, "decodekit bench checkpoint", prefix="--resume: ")
-    code = code_version()
-    if saved.get("code") != code:
-        raise InvalidParameter(f"--resume: {path} was written by decodekit {saved.get('code')}, this is "
-                               f"{code}; timings from different code cannot be mixed, run without --resume")
-    key, saved_key = plan.resume_key(), saved.get("resume_key") or {}
-    if not isinstance(saved_key, dict):
-        raise InvalidParameter(f"--resume: {path} is not a decodekit bench checkpoint (resume_key is not an object)")
-    if saved_key != key:
-        differ = sorted(k for k in key if saved_key.get(k) != key[k])
-        if differ == ["question_file_sha256"]:
-            raise InvalidParameter(f"--resume: the question file {str(plan.question_file)!r} has changed since {path} "
-                                   "was written; run without --resume")
-        raise InvalidParameter(f"--resume: {path} was made with other settings ({', '.join(differ)})")
-    records, notes = saved.get("records", []), saved.get("notes", [])
+    path, saved = checkpoint.load(plan.out, CHECKPOINT_SCHEMA, "decodekit bench checkpoint", plan.resume_key(),
+                                  input_key="question_file_sha256",
+                                  input_changed=f"the question file {str(plan.question_file)!r} has changed")
+    records, notes = saved.get("records"), saved.get("notes")
     if not isinstance(records, list) or not isinstance(notes, list):
         raise InvalidParameter(f"--resume: {path}: records and notes must be lists; run without --resume")
-    if saved.get("digest") != checkpoint_digest(records, notes):
-        raise InvalidParameter(f"--resume: {path} has been changed since decodekit wrote it (its records do not "
-                               "match their digest); run without --resume")
     bad = next((i for i, rec in enumerate(records) if not is_record(rec)), None)
     if bad is not None:
         raise InvalidParameter(f"--resume: {path}: record {bad} is malformed; run without --resume")
     return records, [str(n) for n in notes]
 
 
-def checkpoint_digest(records: list[dict[str, Any]], notes: list[str]) -> str:
-    """SHA-256 of a checkpoint's notes and records as JSON: a record edited or damaged after it was
-    written (a token, a timing, a duplicate) would otherwise pass its shape check and reach the report."""
-    text = json.dumps([notes, records], sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
 def save_checkpoint(plan: Plan, records: list[dict[str, Any]], notes: list[str]) -> None:
-    """Write the records so far atomically, so an interrupted run loses at most one question. The
-    resumed checkpoint's records of questions this run does not ask (a smaller --limit or other
+    """Save the records so far, so an interrupted run loses at most one question. The resumed
+    checkpoint's records of questions this run does not ask (a smaller --limit or other
     --categories) are kept in it, for a later run that asks them again."""
-    from .results import code_version
-
     if plan.previous:
         asked = {q.question_id for q in plan.questions}
         records = [*records, *(r for r in plan.previous if r.get("question_id") not in asked)]
-    plan.out.mkdir(parents=True, exist_ok=True)
-    doc = {"schema": CHECKPOINT_SCHEMA, "code": code_version(), "resume_key": plan.resume_key(),
-           "digest": checkpoint_digest(records, notes), "notes": notes, "records": records}
-    tmp = plan.out / (CHECKPOINT + ".tmp")
-    tmp.write_text(json.dumps(doc, ensure_ascii=False))
-    os.replace(tmp, plan.out / CHECKPOINT)
-
+    checkpoint.save(plan.out, CHECKPOINT_SCHEMA, plan.resume_key(), {"notes": notes, "records": records})
 
 
 def build_contestants(plan: Plan, model, *, hf_model=None) -> tuple[list, list[str]]:

@@ -52,7 +52,8 @@ def run(args: argparse.Namespace, model=None) -> int:
     from ..engine import method_spec, sequences_at_once
     from ..models import load_model
     from ..models.kv_policy import parse_kv_cache
-    from .checkpoint import CHECKPOINT, Progress, resume_key
+    from ..bench.checkpoint import CHECKPOINT
+    from .checkpoint import Progress, resume_key
     from .checkpoint import load as load_checkpoint
     from .checkpoint import save as save_checkpoint
     from .report import write_report
