@@ -791,8 +791,8 @@ MUTATIONS = (
              "path = assembled_target(name) if model.assembled else embedded_gguf(name)",
              "path = embedded_gguf(name)", ("tests/test_cache_integrity.py", "-k", "models_lists")),
     Mutation("cli-search-under-one-sequence-cache-refused-late", "src/decodekit/interfaces/cli.py",
-             "parse_kv_cache(args.kv_cache).check_sequences(sequences_at_once(args.method, options))",
-             "parse_kv_cache(args.kv_cache)", ("tests/test_bad_input.py", "-k", "bad_arguments_are_one_line")),
+             "    policy.check_sequences(sequences_at_once(args.method, options))  # a search under int8\n",
+             "", ("tests/test_bad_input.py", "-k", "bad_arguments_are_one_line")),
     Mutation("server-search-under-one-sequence-cache-queued", "src/decodekit/serve/request.py",
              "            policy.check_sequences(width)", "            pass", ("tests/test_serve.py", "-k", "one_sequence")),
     Mutation("search-width-forgets-expand", "src/decodekit/engine/registry.py",
@@ -10506,6 +10506,15 @@ MUTATIONS = (
     Mutation("bench-serve-folder-made-before-the-warm-up", "src/decodekit/serve/load.py",
              "    out = Path(args.out)  # made once the warm-up", "    out = make_folder(Path(args.out))  # made once the warm-up",
              ("tests/test_bad_input.py", "-k", "cache_that_is_a_file")),
+    Mutation("cli-loads-the-model-before-kvdraft-refuses-its-cache", "src/decodekit/interfaces/cli.py",
+             "    decoder.check_kv_cache(policy)  # kvdraft under a cache it cannot draft for\n", "",
+             ("tests/test_bad_input.py", "-k", "kvdraft_under")),
+    Mutation("eval-loads-the-model-before-kvdraft-refuses-its-cache", "src/decodekit/eval/cli.py",
+             "    decoder.check_kv_cache(policy)\n", "", ("tests/test_bad_input.py", "-k", "bad_arguments_are_one_line")),
+    Mutation("step-decoder-skips-its-methods-cache-check", "src/decodekit/engine/core.py",
+             "        self.method.check_kv_cache(policy)\n", "        pass\n", ("tests/test_bad_input.py", "-k", "kvdraft_under")),
+    Mutation("hierarchy-skips-its-parts-cache-checks", "src/decodekit/speculative/drafters/base.py",
+             "            leaf.check_kv_cache(policy)\n", "            pass\n", ("tests/test_bad_input.py", "-k", "kvdraft_under")),
 )
 
 

@@ -92,6 +92,7 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["chat", "--stop", "\udcff"], "is not valid UTF-8"),
     (["chat", "--raw"], "unrecognized arguments: --raw (see decodekit --help)"),  # a chat is its template
     (["eval", "capitals", "--temperature", "0.5"], "method 'greedy' never samples"),
+    (["eval", "capitals", "--method", "kvdraft", "--kv-cache", "int4"], "kvdraft drafts for a cache that keeps every token"),
     (["generate", "hi", "--top-p", "0.5"], "method 'greedy' never samples, so top_p=0.5 would be ignored"),
     (["generate", "hi", "--method", "sample", "--opt", "greedy=true"], "greedy decoding is a method (--method greedy)"),
     (["generate", "hi", "--method", "sample", "--opt", "temperature=yes"],  # read by the sampler's own parser
@@ -833,6 +834,18 @@ def test_another_librarys_error_is_named_by_its_first_line():
     # a message that opens with blank lines (some parsers start with a newline) is named by its first words
     assert cause_line(ValueError("\n\n  header is damaged\nmore")) == "ValueError: header is damaged"
     assert str(InvalidModel.because("m.gguf", "cannot be read", err)) == "m.gguf: cannot be read (ValueError: header is damaged)"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--kv-cache", "sink:4,window:64"], "kvdraft drafts for a cache that keeps every token"),
+    (["--kv-cache", "int4", "--opt", "draft_cache=int8"], "this model's is int4"),
+    (["--kv-cache", "int8", "--opt", "draft_cache=int8"], "under the model's int8 cache kvdraft drafts through a window"),
+])
+def test_kvdraft_under_a_cache_it_cannot_draft_for_is_refused_before_the_model_loads(capsys, no_model, argv, expected):
+    """The model's --kv-cache is known before the model is: kvdraft's refusal of it costs no load."""
+    one_error_line(capsys, ["generate", "--method", "kvdraft", *argv, "hi"], expected)
+    if "--opt" not in argv:  # (hierarchy's kvdraft drafts with its default draft_cache)
+        one_error_line(capsys, ["generate", "--method", "hierarchy", "--opt", "order=pld,kvdraft", *argv, "hi"], expected)
 
 
 def test_a_drafter_that_cannot_draft_for_the_model_says_so_before_the_prompt_is_read(monkeypatch, tmp_path):

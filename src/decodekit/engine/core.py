@@ -19,6 +19,7 @@ import torch
 from ..errors import PromptTooLong
 from ..models import LoadedModel
 from ..models.backend import Backend, Interrupted
+from ..models.kv_policy import KVPolicy
 from ..samplers import Histories, Sampler
 from .stops import cut_at_stop, hits_stop, settled, stop_strings, through_stop
 
@@ -166,6 +167,9 @@ class StepMethod(ABC):
         on, so that a request it cannot serve costs no prompt read; and set up, once per model, what is no part of
         the request's timed prefill (the speculative controller's verify costs)."""
 
+    def check_kv_cache(self, policy: KVPolicy) -> None:
+        """Called before the model loads: refuse a model cache policy this method cannot decode under."""
+
     def begin(self, state: DecodeState) -> None:
         """Called once after prefill (e.g. to index the prompt)."""
 
@@ -198,6 +202,10 @@ class Decoder(ABC):
 
     @abstractmethod
     def generate(self, model: LoadedModel, request: Request) -> Generation: ...
+
+    def check_kv_cache(self, policy: KVPolicy) -> None:
+        """Called before the model loads: refuse (:class:`~decodekit.errors.InvalidParameter`) a model
+        cache policy this method cannot decode under, so that the refusal costs no model load."""
 
 
 class Cancelled(Interrupted):
@@ -277,6 +285,9 @@ class StepDecoder(Decoder):
 
     def __init__(self, method: StepMethod):
         self.method = method
+
+    def check_kv_cache(self, policy: KVPolicy) -> None:
+        self.method.check_kv_cache(policy)
 
     def generate(self, model: LoadedModel, request: Request) -> Generation:
         backend, tokenizer = model.backend, model.tokenizer

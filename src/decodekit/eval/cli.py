@@ -84,8 +84,10 @@ def run(args: argparse.Namespace, model=None) -> int:
     task = load_task(args.task, args.data)
     if args.unconstrained and not any(item.constraint for item in task.items):
         raise InvalidParameter(f"--unconstrained: task {args.task!r} has no constraint to leave out")
-    make_decoder(config, task)  # bad method or option: fail before loading the model
-    parse_kv_cache(args.kv_cache).check_sequences(sequences_at_once(config.method, method_options(config, task)))
+    decoder = make_decoder(config, task)  # bad method or option: fail before loading the model
+    policy = parse_kv_cache(args.kv_cache)
+    policy.check_sequences(sequences_at_once(config.method, method_options(config, task)))
+    decoder.check_kv_cache(policy)
     if "pc" in config.signals and task.items:
         task.paraphrase(task.items[0], config.paraphrases)  # more than the task has: fail before loading
     recipe = functools.partial(load_model, args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics,

@@ -149,8 +149,10 @@ def validate_decoding(args: argparse.Namespace) -> dict[str, Any] | None:
     stop_strings(args.stop)  # the engine's check, before the model loads
     sampler_params, options = split_params(decoding_params(args))
     make_sampler(args.method, sampler_params)
-    build_decoder(args.method, **options)
-    parse_kv_cache(args.kv_cache).check_sequences(sequences_at_once(args.method, options))  # a search under int8
+    decoder = build_decoder(args.method, **options)
+    policy = parse_kv_cache(args.kv_cache)
+    policy.check_sequences(sequences_at_once(args.method, options))  # a search under int8
+    decoder.check_kv_cache(policy)  # kvdraft under a cache it cannot draft for
     return constraint_from_args(args)
 
 

@@ -35,6 +35,7 @@ import torch
 
 from ..engine.core import DecodeState, StepDecoder, StepMethod
 from ..models.backend import Backend
+from ..models.kv_policy import KVPolicy
 from ..options import OptionSpec, option_table, parse_options
 from .controller import Controller, prepare
 from .drafters import Drafter
@@ -62,6 +63,9 @@ class SpeculativeMethod(StepMethod):
         self.controller = controller
         self.sampled_verifier = verifier
         self.name = drafter.name
+
+    def check_kv_cache(self, policy: KVPolicy) -> None:
+        self.drafter.check_kv_cache(policy)
 
     def check(self, backend: Backend) -> None:
         self.drafter.check(backend)

@@ -21,6 +21,7 @@ import torch
 from ...engine.core import DecodeState
 from ...errors import InvalidParameter
 from ...models.backend import Backend
+from ...models.kv_policy import KVPolicy
 from ...samplers import Histories, Sampler
 from ...options import OptionSpec, any_value, check_int, option_table
 from ..trained import store
@@ -41,6 +42,10 @@ class Drafter(ABC):
         drafter cannot draft for, before the prompt is read. Drafters whose check prepares what
         ``begin`` uses (a draft model, a trained network) check again in ``begin`` where it was
         not done for this target (a drafter used without the loop)."""
+
+    def check_kv_cache(self, policy: KVPolicy) -> None:
+        """Called before the model loads: refuse a model cache policy this drafter cannot draft
+        under (what :meth:`check` would refuse once the model is loaded, known from the policy alone)."""
 
     def begin(self, state: DecodeState) -> None:
         """Called once per request after prefill (e.g. index the prompt)."""
@@ -329,6 +334,10 @@ class CompositeDrafter(Drafter):
     def trimmable(self) -> bool:  # type: ignore[override]
         """A tree with an all-or-nothing part in it (lookahead's) is all or nothing too."""
         return all(part.trimmable for part in self.parts)
+
+    def check_kv_cache(self, policy: KVPolicy) -> None:
+        for leaf in self.leaves():
+            leaf.check_kv_cache(policy)
 
     def check(self, backend: Backend) -> None:
         for leaf in self.leaves():

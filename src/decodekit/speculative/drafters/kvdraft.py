@@ -41,7 +41,7 @@ import torch
 from ...engine.core import DecodeState
 from ...errors import InvalidParameter
 from ...models.backend import Backend
-from ...models.kv_policy import StreamingPolicy, parse_kv_cache
+from ...models.kv_policy import KVPolicy, StreamingPolicy, parse_kv_cache
 from ...options import OptionSpec, option_table
 from . import register_drafter
 from .base import CHAIN_CAP, CHAIN_CONFIDENCE, CHAIN_OPTIONS
@@ -82,16 +82,19 @@ class CompressedCacheDrafter(DraftModelDrafter):
     def _parse_spec(self, spec: object) -> object:
         return None  # the draft is the target itself, found at check()
 
-    def check(self, target: Backend) -> None:
-        if not hasattr(target, "with_kv_cache"):
-            raise InvalidParameter(f"kvdraft needs the native backend, not {target.info.architecture}", param="method")
-        policy = target.kv_policy  # windowed drafts read an int8 cache as they read a float one, not int4's
+    def check_kv_cache(self, policy: KVPolicy) -> None:
+        # windowed drafts read an int8 cache as they read a float one, not int4's
         if policy.quantised and policy.code_bits == 8 and not self.windowed:
             raise InvalidParameter(f"under the model's int8 cache kvdraft drafts through a window of it: draft_cache "
                                    f"must be sink:S,window:W, got {self.policy.spec}", param="draft_cache")
         if policy.evicts() or policy.quantised and policy.code_bits != 8:
             raise InvalidParameter(f"kvdraft drafts for a cache that keeps every token (full, or int8 with sink:S,window:W "
-                                   f"drafts); this model's is {target.kv_policy.spec}", param="method")
+                                   f"drafts); this model's is {policy.spec}", param="method")
+
+    def check(self, target: Backend) -> None:
+        if not hasattr(target, "with_kv_cache"):
+            raise InvalidParameter(f"kvdraft needs the native backend, not {target.info.architecture}", param="method")
+        self.check_kv_cache(target.kv_policy)
         peak = self.policy.peak_slots(1)
         # as --kv-cache refuses it (it would compress nothing); the default's is let be on a model of a short context
         if self.policy.spec != DEFAULT_CACHE and peak is not None and peak > target.info.max_length:
