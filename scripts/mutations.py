@@ -10515,6 +10515,9 @@ MUTATIONS = (
              "        self.method.check_kv_cache(policy)\n", "        pass\n", ("tests/test_bad_input.py", "-k", "kvdraft_under")),
     Mutation("hierarchy-skips-its-parts-cache-checks", "src/decodekit/speculative/drafters/base.py",
              "            leaf.check_kv_cache(policy)\n", "            pass\n", ("tests/test_bad_input.py", "-k", "kvdraft_under")),
+    Mutation("cost-table-unkept-reason-hides-the-path-in-the-way", "src/decodekit/speculative/controller.py",
+             'reason = f"{err.strerror}: {err.filename}" if err.strerror and err.filename else err.strerror or err',
+             "reason = err.strerror or err", ("tests/test_speculative.py", "-k", "cannot_be_kept")),
 )
 
 

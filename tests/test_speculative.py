@@ -1313,6 +1313,20 @@ def test_cost_table_is_measured_at_two_contexts_and_cached_whole(tmp_path, monke
     assert (again.at, again.costs, again.slopes) == (table.at, table.costs, table.slopes)
 
 
+def test_a_cost_table_that_cannot_be_kept_says_so(tmp_path, monkeypatch, capsys):
+    """The notice names where the table will be kept; where it cannot be, one more line says so."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("DECODEKIT_COST_TABLE", str(tmp_path / "a-file" / "verify_cost.json"))
+    monkeypatch.setattr(CostTable, "_time_passes", staticmethod(lambda backend, sizes, rounds: {n: 1e-3 * n for n in sizes}))
+    table = CostTable.cached(tiny_llama(seed=0))
+    assert table.costs
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and "kept in" in lines[0]
+    assert lines[1].startswith(f"decodekit: the verify costs could not be kept in {tmp_path / 'a-file' / 'verify_cost.json'} (")
+    assert f": {tmp_path / 'a-file'}" in lines[1]  # the reason names the path in the way
+    assert lines[1].endswith("they are measured again by the next process")
+
+
 def test_requests_share_the_backends_cost_table_and_timings_are_not_written_to_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
     monkeypatch.setenv("DECODEKIT_COST_TABLE", str(tmp_path / "verify_cost.json"))

@@ -373,8 +373,10 @@ class CostTable:
 
         try:
             update_json(self._path(), with_table)
-        except OSError:
-            pass  # a read-only cache only costs a re-measurement next time
+        except OSError as err:  # a read-only cache only costs a re-measurement next time; said, not hidden
+            reason = f"{err.strerror}: {err.filename}" if err.strerror and err.filename else err.strerror or err
+            print(f"decodekit: the verify costs could not be kept in {self._path()} ({reason}); "
+                  "they are measured again by the next process", file=sys.stderr, flush=True)
 
 
 def _twin(backend: Backend) -> Backend:
