@@ -10518,6 +10518,21 @@ MUTATIONS = (
     Mutation("cost-table-unkept-reason-hides-the-path-in-the-way", "src/decodekit/speculative/controller.py",
              'reason = f"{err.strerror}: {err.filename}" if err.strerror and err.filename else err.strerror or err',
              "reason = err.strerror or err", ("tests/test_speculative.py", "-k", "cannot_be_kept")),
+    Mutation("fewest-tokens-counts-the-text-before-its-normaliser", "src/decodekit/models/tokenizer.py",
+             "    if rust.normalizer is not None:\n        text = rust.normalizer.normalize_str(text)\n", "",
+             ("tests/test_tokenizer.py", "-k", "fewest")),
+    Mutation("fewest-tokens-forgets-the-added-tokens", "src/decodekit/models/tokenizer.py",
+             "rust.get_vocab(with_added_tokens=True)", "rust.get_vocab(with_added_tokens=False)",
+             ("tests/test_tokenizer.py", "-k", "fewest")),
+    Mutation("fewest-tokens-rounds-up-past-the-bound", "src/decodekit/models/tokenizer.py",
+             "    return -(-len(text) // longest)", "    return -(-len(text) // longest) + 1",
+             ("tests/test_tokenizer.py", "-k", "fewest")),
+    Mutation("a-huge-prompt-is-tokenised-before-it-is-refused", "src/decodekit/models/__init__.py",
+             "        if fewest > info.max_length:", "        if False:",
+             ("tests/test_tokenizer.py", "-k", "surely_past")),
+    Mutation("a-body-still-coming-at-shutdown-waits-for-the-cancel", "src/decodekit/serve/request.py",
+             "            if stopping():\n                raise shutting_down()\n", "            pass\n",
+             ("tests/test_serve.py", "-k", "still_coming")),
 )
 
 

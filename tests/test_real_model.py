@@ -81,6 +81,7 @@ def test_the_tokenizer_gives_what_auto_tokenizer_gives(name, specbench_prompts):
     for text in texts:
         ids = auto.encode(text, add_special_tokens=False)
         assert ours.encode(text) == ids
+        assert ours.fewest_tokens(text) <= len(ids) and ours.fewest_tokens(text * 50) <= len(ours.encode(text * 50))
         assert ours.decode(ids) == auto.decode(ids, skip_special_tokens=True)
         assert ours.decode(auto.encode(text)) == auto.decode(auto.encode(text), skip_special_tokens=True)
         chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text, "name": None}]

@@ -1549,6 +1549,32 @@ def test_an_error_about_a_chats_prompt_names_its_messages():
     assert field_named(err, {"prompt": ""}, chat=False) == "prompt"
 
 
+def test_a_body_still_coming_when_the_server_stops_is_a_503_not_a_cancelled_task():
+    """A client that sent half its body when a shutdown began is answered with a 503 as soon as the
+    server is stopping, instead of being cancelled (a traceback in the log) when the grace ends."""
+    import asyncio
+
+    from decodekit.serve.errors import ApiError
+    from decodekit.serve.request import read_body
+
+    class Stalled:
+        headers = {"content-length": "1000"}
+
+        async def stream(self):
+            yield b'{"messages":'
+            await asyncio.sleep(3600)
+            yield b"[]}"
+
+    async def stopped_after(seconds: float):
+        start = asyncio.get_running_loop().time()
+        with pytest.raises(ApiError) as err:
+            await read_body(Stalled(), stopping=lambda: asyncio.get_running_loop().time() - start > seconds)
+        return err.value
+
+    err = asyncio.run(asyncio.wait_for(stopped_after(0.3), timeout=30))
+    assert (err.status, err.code) == (503, "server_shutting_down")
+
+
 def test_a_body_of_exactly_the_limit_is_read():
     """The limit is the largest body read (a 413 past it, not at it)."""
     import asyncio

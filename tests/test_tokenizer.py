@@ -320,3 +320,57 @@ def test_a_special_token_set_to_null_is_undefined_to_the_chat_template(tmp_path)
     chat = [{"role": "user", "content": "hi"}]
     assert ours.chat_prompt(chat) == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     assert ours.chat_prompt(chat).startswith("<s>user: hi</s>")
+
+
+def composing_tokenizer(special: bool = False) -> FileTokenizer:
+    """A BPE whose normaliser (NFC) composes "e" + U+0301 into "é", with entries of up to four "é":
+    a text of decomposed accents makes half as many tokens as its characters suggest. ``special``:
+    with a special token, matched whole, longer than any entry of the model's vocabulary."""
+    from tokenizers import Tokenizer, models, normalizers
+
+    vocab = {"<unk>": 0, "a": 1, "é": 2, "éé": 3, "éééé": 4}
+    rust = Tokenizer(models.BPE(vocab, [("é", "é"), ("éé", "éé")], unk_token="<unk>"))
+    rust.normalizer = normalizers.NFC()
+    if special:
+        rust.add_special_tokens([SPECIAL])
+    return FileTokenizer(rust, {"unk_token": "<unk>"}, None)
+
+
+SPECIAL = "<|reserved_special_token|>"
+TEXTS = [SPECIAL * 10, "the cat sat on the mat " * 40, "naïve café 🦊 " * 30, "</s> inside <s>" * 20, "", " " * 500, "\n\n  \t" * 90,
+         "a", "🦊" * 100, "the" * 300, "e\u0301" * 64]
+
+
+@pytest.mark.parametrize("make", ["file", "auto", "gemma", "composing", "special"])
+def test_fewest_tokens_never_exceeds_the_tokens_a_text_makes(tmp_path, make):
+    """fewest_tokens refuses a prompt before it is tokenised, so it must never count more tokens than
+    the text makes: not for runs of the longest entries, special tokens in the text, or a normaliser
+    that shortens the text (NFC composing accents)."""
+    tokenizer = {"file": lambda: file_tokenizer(tokenizer_folder(tmp_path / "tok")),
+                 "auto": lambda: file_tokenizer(tokenizer_folder(tmp_path / "tok", add_bos_token=False)),
+                 "gemma": lambda: file_tokenizer(gemma_folder(tmp_path / "gemma")),
+                 "composing": composing_tokenizer, "special": lambda: composing_tokenizer(special=True)}[make]()
+    assert isinstance(tokenizer, HFTokenizer if make == "auto" else FileTokenizer)
+    for text in TEXTS:
+        assert 0 <= tokenizer.fewest_tokens(text) <= len(tokenizer.encode(text)), text[:20]
+    long = "the cat sat on the mat " * 400
+    assert tokenizer.fewest_tokens(long) >= len(long) // 32  # a bound, not 0
+    if make == "composing":  # the bound is as close as the text allows: 8 "é", two entries of four
+        assert tokenizer.fewest_tokens("e\u0301" * 8) == len(tokenizer.encode("e\u0301" * 8)) == 2
+    if make == "special":  # three special tokens, each the longest entry
+        assert tokenizer.fewest_tokens(SPECIAL * 3) == len(tokenizer.encode(SPECIAL * 3)) == 3
+
+
+def test_a_prompt_surely_past_the_context_is_refused_before_it_is_tokenised(tmp_path, monkeypatch):
+    """The bound spares a server the seconds a huge prompt takes to tokenise; a prompt the bound
+    cannot rule out is tokenised and counted exactly."""
+    from decodekit.errors import PromptTooLong
+    from decodekit.models import LoadedModel
+    from decodekit.models.tiny import tiny_llama
+
+    tokenizer = file_tokenizer(tokenizer_folder(tmp_path / "tok"))
+    model = LoadedModel(tiny_llama(seed=0, max_position=64), tokenizer, "tiny")
+    assert len(model.prompt_ids("the cat", chat=False)) <= 64
+    monkeypatch.setattr(tokenizer, "encode", lambda text: pytest.fail("a prompt past any bound was tokenised"))
+    with pytest.raises(PromptTooLong, match=r"^prompt of 20000 characters, at least \d+ tokens, exceeds the model's context of 64$"):
+        model.prompt_ids("ab" * 10_000, chat=False)

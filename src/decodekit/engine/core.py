@@ -229,10 +229,7 @@ def check_cancelled(request: Request) -> None:
 def check_fits(backend: Backend, prompt_len: int, max_new_tokens: int) -> None:
     info = backend.info
     if prompt_len + max_new_tokens > info.max_length:
-        # past a windowed cache's bound, not the model's context (which the window goes beyond)
-        limit = (f"the {info.max_length} tokens a sequence may have under its windowed cache" if info.trained_length
-                 else f"the model's context of {info.max_length}")
-        raise PromptTooLong(f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens exceeds {limit}")
+        raise PromptTooLong(f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens exceeds {info.length_limit()}")
 
 
 class TextStreamer:

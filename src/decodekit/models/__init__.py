@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import PromptTooLong
 from .backend import Backend, ModelInfo, StepOutput
 from .cache import EntryRemoved, reading
 from .chat_template import refusals_as_invalid
@@ -34,6 +35,10 @@ class LoadedModel:
             text = self.tokenizer.chat_prompt(messages) if chat else None
         if text is None:
             text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
+        info = self.backend.info
+        fewest = self.tokenizer.fewest_tokens(text)
+        if fewest > info.max_length:  # refused before tokenising it: that would take a while
+            raise PromptTooLong(f"prompt of {len(text)} characters, at least {fewest} tokens, exceeds {info.length_limit()}")
         ids, prefix = self.tokenizer.encode(text), list(self.tokenizer.prompt_prefix)
         return ids if ids[: len(prefix)] == prefix else prefix + ids
 

@@ -38,6 +38,11 @@ class ModelInfo:
     #: The context the model was trained for, where max_length goes past it (0: max_length is it).
     trained_length: int = 0
 
+    def length_limit(self) -> str:
+        """``max_length`` as an error message says it: a windowed cache's bound, or the model's context."""
+        return (f"the {self.max_length} tokens a sequence may have under its windowed cache" if self.trained_length
+                else f"the model's context of {self.max_length}")
+
 
 @dataclass
 class StepOutput:

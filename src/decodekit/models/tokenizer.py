@@ -7,7 +7,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +32,11 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on ``len(self.encode(text))`` known without encoding it (0 where none is
+        known): a prompt far past a model's context is refused before the work of tokenising it."""
+        return 0
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str | None:
         """The prompt text for a chat (generation prompt added), or None without a chat template."""
@@ -156,6 +161,14 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)
 
+    def fewest_tokens(self, text: str) -> int:
+        rust = getattr(self.hf, "backend_tokenizer", None)  # (a slow tokenizer has none)
+        return fewest_tokens(rust, text, self._longest_entry) if rust is not None else 0
+
+    @cached_property
+    def _longest_entry(self) -> int:
+        return longest_entry(self.hf.backend_tokenizer)
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
@@ -205,7 +218,16 @@ class FileTokenizer(Tokenizer):
         return self._rust.token_to_id(self._special[name]) if name in self._special else None
 
     def encode(self, text: str) -> list[int]:
-        return self._rust.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of the interpreter's lock while it works (encode holds it): a server's
+        # other requests go on while a long prompt is tokenised on another thread
+        return self._rust.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def fewest_tokens(self, text: str) -> int:
+        return fewest_tokens(self._rust, text, self._longest_entry)
+
+    @cached_property
+    def _longest_entry(self) -> int:
+        return longest_entry(self._rust)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._rust.decode(list(ids), skip_special_tokens=True)
@@ -226,6 +248,22 @@ class FileTokenizer(Tokenizer):
 
     def _find_special_tokens(self) -> dict[int, str]:
         return {t: added.content for t, added in self._rust.get_added_tokens_decoder().items() if added.special}
+
+
+def fewest_tokens(rust, text: str, longest: int) -> int:
+    """A lower bound on the tokens a ``tokenizers`` tokenizer makes of ``text``: its normalised text
+    (NFKC, say, may shorten it) over ``longest``, the most characters an entry of its vocabulary
+    holds (:func:`longest_entry`). Each token covers at most that many characters of the normalised
+    text: an entry of a byte-level vocabulary holds one character per byte, and a character is one
+    byte or more; an added token is matched whole."""
+    if rust.normalizer is not None:
+        text = rust.normalizer.normalize_str(text)
+    return -(-len(text) // longest)
+
+
+def longest_entry(rust) -> int:
+    """The most characters an entry of a ``tokenizers`` vocabulary (added tokens included) holds."""
+    return max(map(len, rust.get_vocab(with_added_tokens=True)), default=1) or 1
 
 
 def _token_text(token) -> str:

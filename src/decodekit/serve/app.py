@@ -211,7 +211,7 @@ class Server:
         started = time.perf_counter()  # the request's arrival: its latencies count reading and checking it too
         scheduler = self.ready()
         self.check_origin(request)
-        body = await read_body(request)
+        body = await read_body(request, stopping=lambda: self.stopping)
         model = body.get("model")
         if model is not None and not isinstance(model, str):  # a malformed field, not a model this server lacks
             raise ApiError(400, f"model must be a string, got {model!r:.80}", param="model")
@@ -219,7 +219,9 @@ class Server:
             raise self.unknown_model(model)
         spec = parse_request(body, chat=chat)
         try:
-            # on a thread: a long prompt takes a while to tokenise, and other clients wait meanwhile otherwise
+            # on a thread, which the tokenizer lets go of the interpreter's lock (FileTokenizer.encode): a long
+            # prompt takes a while to tokenise, and other clients would wait meanwhile (one surely past the
+            # context is refused at once, LoadedModel.prompt_ids)
             prompt_ids = await asyncio.to_thread(prompt_token_ids, scheduler.model, spec.prompt, chat=chat)
             if spec.max_tokens is None:  # to the context's end; past a windowed cache's, as many as the model's context holds
                 info = scheduler.model.backend.info

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -20,7 +22,7 @@ from ..options import finite
 from ..samplers.constraint import KINDS, constraint_processor
 from ..samplers.params import SEED_LIMIT
 from ..samplers.sampler import truncation_asked
-from .errors import SERVER_FAULTS, ApiError, ClientGone, internal_error
+from .errors import SERVER_FAULTS, ApiError, ClientGone, internal_error, shutting_down
 
 MAX_N = 16
 MAX_BODY_BYTES = 16 << 20  # a context's worth of text or token ids is well under a megabyte
@@ -43,22 +45,26 @@ UNSUPPORTED = {"tools": "tool calls", "tool_choice": "tool calls", "functions": 
                "web_search_options": "web search"}
 
 
-async def read_body(request: Request) -> dict[str, Any]:
+#: How often a body still being read asks whether the server is shutting down.
+BODY_WAIT_S = 0.25
+
+
+async def read_body(request: Request, stopping: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """The request's JSON object; a body past :data:`MAX_BODY_BYTES` is a 413 as soon as it is
-    declared or read that far (no prompt that fits the context comes near it)."""
+    declared or read that far (no prompt that fits the context comes near it). A body still coming
+    when the server is ``stopping()`` is a 503 then: its client is answered, not cut off when the
+    shutdown's grace ends."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise ApiError(413, f"the request body is {int(declared)} bytes, more than the {MAX_BODY_BYTES} this server reads")
-    chunks, size = [], 0
+    reading = asyncio.ensure_future(body_bytes(request))
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise ApiError(413, f"the request body is more than the {MAX_BODY_BYTES} bytes this server reads")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientGone from None
-    raw = b"".join(chunks)
+        while not (await asyncio.wait({reading}, timeout=BODY_WAIT_S))[0]:
+            if stopping():
+                raise shutting_down()
+        raw = reading.result()
+    finally:
+        reading.cancel()
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
@@ -68,6 +74,20 @@ async def read_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
+
+
+async def body_bytes(request: Request) -> bytes:
+    """The body's bytes, up to :data:`MAX_BODY_BYTES` (a 413 past it)."""
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is more than the {MAX_BODY_BYTES} bytes this server reads")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone from None
+    return b"".join(chunks)
 
 
 def field_named(err: DecodeKitError, body: dict[str, Any], chat: bool) -> str | None:
