@@ -10533,6 +10533,9 @@ MUTATIONS = (
     Mutation("a-body-still-coming-at-shutdown-waits-for-the-cancel", "src/decodekit/serve/request.py",
              "            if stopping():\n                raise shutting_down()\n", "            pass\n",
              ("tests/test_serve.py", "-k", "still_coming")),
+    Mutation("judge-model-beside-another-scorer-ignored", "src/decodekit/search/scorers.py",
+             'if judge_model is not None and not (isinstance(spec, str) and spec == "judge"):', "if False:",
+             ("tests/test_bad_input.py", "-k", "bad_arguments or python_api")),
 )
 
 

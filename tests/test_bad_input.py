@@ -93,6 +93,10 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["chat", "--raw"], "unrecognized arguments: --raw (see decodekit --help)"),  # a chat is its template
     (["eval", "capitals", "--temperature", "0.5"], "method 'greedy' never samples"),
     (["eval", "capitals", "--method", "kvdraft", "--kv-cache", "int4"], "kvdraft drafts for a cache that keeps every token"),
+    (["generate", "hi", "--method", "best-of-n", "--opt", "judge_model=/nowhere"],
+     "judge_model is the judge scorer's model; with scorer='loglik' it would be ignored (give scorer=judge too)"),
+    (["generate", "hi", "--method", "step-beam", "--opt", "scorer=prob", "--opt", "judge_model=/nowhere"],
+     "with scorer='prob' it would be ignored"),
     (["generate", "hi", "--top-p", "0.5"], "method 'greedy' never samples, so top_p=0.5 would be ignored"),
     (["generate", "hi", "--method", "sample", "--opt", "greedy=true"], "greedy decoding is a method (--method greedy)"),
     (["generate", "hi", "--method", "sample", "--opt", "temperature=yes"],  # read by the sampler's own parser
@@ -694,6 +698,9 @@ def test_python_api_other_bad_arguments(engine):
         engine.generate("hi", method=["pld"])
     with pytest.raises(InvalidParameter, match="^judge_model must be a model's name or a loaded model"):
         engine.generate("hi", method="best-of-n", scorer="judge", judge_model=object(), n=2, max_new_tokens=2)
+    for method in ("best-of-n", "weighted-vote", "particle", "astar"):  # a judge model beside another scorer
+        with pytest.raises(InvalidParameter, match="^judge_model is the judge scorer's model; with scorer=a callable"):
+            engine.generate("hi", method=method, scorer=len, judge_model="/nowhere", n=2, max_new_tokens=2)
 
 
 @pytest.mark.parametrize("kwargs, expected", [
