@@ -869,13 +869,20 @@ def test_an_interrupted_eval_resumes_with_the_records_one_run_gives(tmp_path, mo
     saved = json.loads((tmp_path / "cut" / "checkpoint.json").read_text())
     assert sorted(saved["records"]) == ["0", "1"] and not (tmp_path / "cut" / "results.json").exists()
 
+    from decodekit.bench.checkpoint import HEADER, digest
+
+    saved["seconds"] = {"0": 5.0, "1": 7.0}  # times that tell the items apart (a tiny model's are ~0)
+    saved["digest"] = digest({k: v for k, v in saved.items() if k not in HEADER})
+    (tmp_path / "cut" / "checkpoint.json").write_text(json.dumps(saved))
     decoded.clear()
     monkeypatch.setattr(runner, "run_item", lambda *a: decoded.append(a[4].id) or real(*a))
     assert run(eval_args(tmp_path / "cut", *settings, "--limit", "1", "--resume"), model=model) == 0
-    assert decoded == [] and json.loads((tmp_path / "cut" / "results.json").read_text())["items"] == 1
+    limited = json.loads((tmp_path / "cut" / "results.json").read_text())
+    assert decoded == [] and limited["items"] == 1 and limited["time_s"] == 5.0  # item 0's time alone
     assert run(eval_args(tmp_path / "cut", *settings, "--resume"), model=model) == 0
     assert decoded == ["2"]  # only the item the first run did not reach
     resumed = json.loads((tmp_path / "cut" / "results.json").read_text())
+    assert 12.0 <= resumed["time_s"] < 12.0 + whole["time_s"] + 5  # the saved items' time and this run's
     assert resumed["resumed_items"] == 2 and whole["resumed_items"] == 0
     same = ("id", "output", "answer", "correct", "tokens_spent", "signals", "candidates")
     assert [{k: r.get(k) for k in same} for r in resumed["records"]] == [{k: r.get(k) for k in same} for r in whole["records"]]
@@ -887,7 +894,7 @@ def test_an_interrupted_eval_resumes_with_the_records_one_run_gives(tmp_path, mo
 def test_resume_refuses_other_settings_other_items_and_an_edited_checkpoint(tmp_path, capsys):
     """Each refusal is one line, before the model is loaded."""
     from decodekit.errors import DecodeKitError
-    from decodekit.bench.checkpoint import digest
+    from decodekit.bench.checkpoint import HEADER, digest
 
     register_task("fake3", fake_task)
     model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
@@ -911,16 +918,24 @@ def test_resume_refuses_other_settings_other_items_and_an_edited_checkpoint(tmp_
     path.write_text(json.dumps(saved))
     refused(match="has been changed since decodekit wrote it")
     saved["records"]["1"]["correct"] = not saved["records"]["1"]["correct"]
-    # a record moved past the items, under a digest made for it: each is still checked against its item
-    saved["records"]["7"] = saved["records"].pop("1")
-    saved["digest"] = digest({"time_s": saved["time_s"], "records": saved["records"]})
-    path.write_text(json.dumps(saved))
-    refused(match="record '7' is not item 7's")
-    # two items' records swapped, under a digest made for them
-    records = {0: saved["records"].pop("7"), 1: saved["records"].pop("0")}
-    saved.update(records={str(i): r for i, r in records.items()}, digest=digest({"time_s": saved["time_s"], "records": {str(i): r for i, r in records.items()}}))
-    path.write_text(json.dumps(saved))
-    refused(match="record '0' is not item 0's")
+
+    def rewritten(match: str) -> None:  # an edit under a digest made for it: the checks past the digest see it
+        saved["digest"] = digest({k: v for k, v in saved.items() if k not in HEADER})
+        path.write_text(json.dumps(saved))
+        refused(match=match)
+
+    # a record moved past the items: each is still checked against its item
+    saved["records"]["7"], saved["seconds"]["7"] = saved["records"].pop("1"), saved["seconds"].pop("1")
+    rewritten("record '7' is not item 7's")
+    # two items' records swapped
+    saved["records"] = {"0": saved["records"]["7"], "1": saved["records"]["0"]}
+    saved["seconds"] = {"0": 1.0, "1": 1.0}
+    rewritten("record '0' is not item 0's")
+    saved["records"] = {"0": saved["records"]["1"], "1": saved["records"]["0"]}  # (in place again)
+    for seconds in ({"0": 1.0}, {"0": 1.0, "1": -1.0}, {"0": 1.0, "1": True}, {"0": 1.0, "1": "1"}):
+        saved["seconds"] = seconds
+        rewritten("records and seconds must be objects of the same items" if len(seconds) == 1 else
+                  "item 1's seconds must be a number >= 0")
     path.write_text("{")
     refused(match="not a JSON file")
     path.unlink()

@@ -927,7 +927,7 @@ def test_an_eval_on_ray_resumed_sends_only_the_items_its_checkpoint_lacks(cluste
     config = EvalConfig(limit=4, max_new_tokens=6)
     local = evaluate(TINY(), task, config)
     saved = []
-    resumed = Progress({1: local["records"][1], 3: local["records"][3]}, 2.0)
+    resumed = Progress({1: local["records"][1], 3: local["records"][3]}, {1: 1.0, 3: 1.0})
     remote = evaluate_on_ray(TINY, task, config, None, PoolSettings(workers=1), resumed=resumed,
                              checkpoint=lambda progress: saved.append(sorted(progress.records)))
     assert sorted(i for m in remote["machines"] for i in m["items"]) == [0, 2]

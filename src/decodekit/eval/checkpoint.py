@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,10 +28,19 @@ RECORD_KEYS = ("id", "output", "answer", "correct", "tokens_spent", "signal_toke
 
 @dataclass
 class Progress:
-    """Records by item index, and the seconds the runs that made them spent on items."""
+    """Records by item index, and the wall seconds each item added to the run that made it (on a
+    cluster, where items run side by side, the time since the item before it arrived): a resumed run
+    that asks fewer items than its checkpoint holds reports those items' time alone."""
 
     records: dict[int, dict[str, Any]] = field(default_factory=dict)
-    time_s: float = 0.0
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def add(self, index: int, record: dict[str, Any], seconds: float) -> None:
+        self.records[index], self.seconds[index] = record, seconds
+
+    def time_s(self, count: int) -> float:
+        """The wall seconds of items 0 to ``count`` - 1."""
+        return sum(s for i, s in self.seconds.items() if i < count)
 
 
 def items_digest(task: Task) -> str:
@@ -48,7 +58,8 @@ def resume_key(task: Task, settings: dict[str, Any]) -> dict[str, Any]:
 def save(out: Path, key: dict[str, Any], progress: Progress) -> None:
     """Save the records so far: an interrupted run loses at most the item it was on."""
     records = {str(i): r for i, r in sorted(progress.records.items())}
-    checkpoint.save(out, SCHEMA, key, {"time_s": progress.time_s, "records": records})
+    seconds = {str(i): s for i, s in sorted(progress.seconds.items())}
+    checkpoint.save(out, SCHEMA, key, {"records": records, "seconds": seconds})
 
 
 def load(out: Path, key: dict[str, Any], task: Task) -> Progress:
@@ -56,14 +67,18 @@ def load(out: Path, key: dict[str, Any], task: Task) -> Progress:
     error (read before the model loads)."""
     path, saved = checkpoint.load(out, SCHEMA, "decodekit eval checkpoint", key, input_key="items_sha256",
                                   input_changed="the task's items have changed")
-    records, time_s = saved.get("records"), saved.get("time_s")
-    if not isinstance(records, dict) or not isinstance(time_s, (int, float)) or isinstance(time_s, bool):
-        raise InvalidParameter(f"--resume: {path}: records must be an object and time_s a number; run without --resume")
-    progress = Progress({}, float(time_s))
+    records, seconds = saved.get("records"), saved.get("seconds")
+    if not isinstance(records, dict) or not isinstance(seconds, dict) or seconds.keys() != records.keys():
+        raise InvalidParameter(f"--resume: {path}: records and seconds must be objects of the same items; "
+                               "run without --resume")
+    progress = Progress()
     for name, record in records.items():
         index = int(name) if name.isdigit() else -1
         if not (0 <= index < len(task.items) and isinstance(record, dict) and all(k in record for k in RECORD_KEYS)
                 and record["id"] == task.items[index].id):
             raise InvalidParameter(f"--resume: {path}: record {name!r} is not item {name}'s; run without --resume")
-        progress.records[index] = record
+        time_s = seconds[name]
+        if isinstance(time_s, bool) or not isinstance(time_s, (int, float)) or not 0 <= time_s < math.inf:
+            raise InvalidParameter(f"--resume: {path}: item {name}'s seconds must be a number >= 0; run without --resume")
+        progress.add(index, record, float(time_s))
     return progress

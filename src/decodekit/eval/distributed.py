@@ -47,12 +47,14 @@ def evaluate_on_ray(load: ModelRecipe, task: Task, config: EvalConfig, address: 
     make_decoder(config, task)  # a bad method or option: the one-line error before any worker starts
     count = item_count(task, config)
     done = resumed or Progress()
-    before = done.time_s
     todo = {i: i for i in range(count) if i not in done.records}
+    last = 0.0  # when the item before arrived
 
     def arrived(index: Any, record: dict[str, Any]) -> None:
-        done.records[index] = record
-        done.time_s = before + time.perf_counter() - start  # the cluster's wall time: its items ran side by side
+        nonlocal last
+        now = time.perf_counter()
+        done.add(index, record, now - last)  # the cluster's wall time, shared out: its items ran side by side
+        last = now
         if checkpoint:
             checkpoint(done)
         if progress:
@@ -60,13 +62,12 @@ def evaluate_on_ray(load: ModelRecipe, task: Task, config: EvalConfig, address: 
 
     with connected(parse_address(address)) as ray:
         pool = Pool(ray, functools.partial(EvalWorker, load, task, config), settings)
-        start = time.perf_counter()  # as on one machine: the items' time, not the workers' start-up
+        last = time.perf_counter()  # as on one machine: the items' time, not the workers' start-up
         try:
             pool.map(todo, arrived)
         finally:
             pool.close()
-        done.time_s = before + time.perf_counter() - start
-    result = summarize(task, config, [done.records[i] for i in range(count)], done.time_s)
+    result = summarize(task, config, [done.records[i] for i in range(count)], done.time_s(count))
     result["machines"] = [{**{k: d[k] for k in MACHINE_KEYS}, "units": len(d["done"]), "items": sorted(d["done"])}
                           for d in pool.descriptions]
     return result

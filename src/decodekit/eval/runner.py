@@ -108,13 +108,13 @@ def evaluate(model: LoadedModel, task: Task, config: EvalConfig,
         if index in done.records:
             continue
         start = time.perf_counter()
-        done.records[index] = run_item(model, task, config, decoder, task.items[index], item_seed(config, index), max_new)
-        done.time_s += time.perf_counter() - start
+        record = run_item(model, task, config, decoder, task.items[index], item_seed(config, index), max_new)
+        done.add(index, record, time.perf_counter() - start)
         if checkpoint:
             checkpoint(done)
         if progress:
-            progress(sum(i < count for i in done.records), count, done.records[index])
-    return summarize(task, config, [done.records[i] for i in range(count)], done.time_s)
+            progress(sum(i < count for i in done.records), count, record)
+    return summarize(task, config, [done.records[i] for i in range(count)], done.time_s(count))
 
 
 def run_item(model, task, config, decoder, item, seed, max_new) -> dict[str, Any]:
