@@ -10540,6 +10540,12 @@ MUTATIONS = (
     Mutation("judge-model-beside-another-scorer-ignored", "src/decodekit/search/scorers.py",
              'if judge_model is not None and not (isinstance(spec, str) and spec == "judge"):', "if False:",
              ("tests/test_bad_input.py", "-k", "bad_arguments or python_api")),
+    Mutation("json-lines-split-at-unicode-line-breaks", "src/decodekit/data/__init__.py",
+             'enumerate(text.split("\\n"), 1)', "enumerate(text.splitlines(), 1)",
+             ("tests/test_bad_input.py", "-k", "json_lines")),
+    Mutation("json-lines-take-a-lone-surrogate", "src/decodekit/data/__init__.py",
+             '            json.dumps(row, ensure_ascii=False).encode("utf-8")\n', "            pass\n",
+             ("tests/test_bad_input.py", "-k", "question_files")),
 )
 
 

@@ -276,6 +276,8 @@ def test_record_fields_are_what_make_record_writes():
     (b'{"question_id": 1, "category": "qa", "turns": ["caf\xe9"]}\n', "q.jsonl:1: not valid UTF-8 (byte 0xe9)"),
     (QUESTION.encode() + b'\n{"question_id": 2, "turns": ["x"]}\n', "q.jsonl:2: a question needs question_id, category and turns"),
     (b"[1, 2]\n", "q.jsonl:1: expected a JSON object"),
+    (QUESTION.encode() + b'\n{"question_id": 2, "category": "x\\udc80", "turns": ["hi"]}\n',
+     "q.jsonl:2: a string escapes half a character ('\\udc80'), which is no text"),
 ])
 def test_bad_question_files(capsys, no_model, tmp_path, content, expected):
     (tmp_path / "q.jsonl").write_bytes(content)
@@ -293,6 +295,18 @@ def test_bad_question_files(capsys, no_model, tmp_path, content, expected):
 def test_bad_gsm8k_files(capsys, no_model, tmp_path, content, expected):
     (tmp_path / "test.jsonl").write_bytes(content)
     one_error_line(capsys, ["eval", "gsm8k", "--data", str(tmp_path / "test.jsonl"), "--limit", "1"], expected)
+
+
+def test_a_json_lines_file_ends_its_lines_at_newlines_alone(tmp_path):
+    """U+2028, U+2029 and U+0085 may stand raw in a JSON string (str.splitlines would end a line
+    there); a line may end in CRLF."""
+    from decodekit.data import read_jsonl
+
+    turns = ["a\u2028b", "c\u2029d", "e\x85f\x1cg"]
+    path = tmp_path / "q.jsonl"
+    path.write_bytes(b"".join(json.dumps({"n": i, "turn": t}, ensure_ascii=False).encode() + b"\r\n"
+                              for i, t in enumerate(turns)))
+    assert [(where, row["turn"]) for where, row in read_jsonl(path)] == [(f"{path}:{i + 1}", t) for i, t in enumerate(turns)]
 
 
 # Command line with the tiny model ------------------------------------------------------------------

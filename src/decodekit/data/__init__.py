@@ -34,7 +34,9 @@ def data_file(name: str) -> Path:
 
 def read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """The objects of a UTF-8 JSON Lines file, each with ``"PATH:LINE"`` for error messages; blank
-    lines are skipped. Undecodable bytes, bad JSON or a line that is not an object: one-line errors."""
+    lines are skipped. Undecodable bytes, bad JSON, a line that is not an object or a string escaping
+    half a character (a lone surrogate such as ``"\\udc80"``, which no text holds): one-line errors.
+    Lines end at ``\n`` alone, as JSON Lines says: U+2028 and the like may stand in a JSON string."""
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -42,7 +44,7 @@ def read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
         line = data.count(b"\n", 0, err.start) + 1
         raise InvalidParameter(f"{path}:{line}: not valid UTF-8 (byte {data[err.start]:#04x})") from None
     rows = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
@@ -52,6 +54,11 @@ def read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
             raise InvalidParameter(f"{where}: not valid JSON ({err.msg})") from None
         if not isinstance(row, dict):
             raise InvalidParameter(f"{where}: expected a JSON object, got {type(row).__name__}")
+        try:
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise InvalidParameter(f"{where}: a string escapes half a character ({err.object[err.start]!r}), "
+                                   "which is no text") from None
         rows.append((where, row))
     return rows
 
