@@ -10231,8 +10231,8 @@ MUTATIONS = (
     Mutation("structured-missing-data-is-an-oserror", "src/decodekit/eval/tasks.py",
              '    existing_file(file, "structured data", "not found', '    (lambda *_: None)(file, "structured data", "not found',
              ("tests/test_eval.py", "-k", "structured_data_path")),
-    Mutation("eval-report-cell-keeps-line-breaks", "src/decodekit/eval/report.py",
-             '    return " ".join(str(value).splitlines()).replace("|", "\\\\|")', '    return str(value).replace("|", "\\\\|")',
+    Mutation("eval-report-cell-keeps-line-breaks", "src/decodekit/bench/report.py",
+             '    return " ".join(str(value).splitlines())', '    return str(value)',
              ("tests/test_eval.py", "-k", "table_in_four_columns")),
     Mutation('controller-fixed-budget-realised-speed-shared', 'src/decodekit/speculative/controller.py',
              '        if self.fixed is not None:\n            return\n        learnt = self.learnt\n        if learnt.spec_steps == 0:',
@@ -10546,6 +10546,10 @@ MUTATIONS = (
     Mutation("json-lines-take-a-lone-surrogate", "src/decodekit/data/__init__.py",
              '            json.dumps(row, ensure_ascii=False).encode("utf-8")\n', "            pass\n",
              ("tests/test_bad_input.py", "-k", "question_files")),
+    Mutation("bench-report-headers-unescaped", "src/decodekit/bench/report.py",
+             '" | ".join(map(cell, headers))', '" | ".join(headers)', ("tests/test_bench.py", "-k", "pipe_or_a_line_break")),
+    Mutation("bench-report-heading-keeps-its-line-break", "src/decodekit/bench/report.py",
+             'f"### {one_line(cat)} (', 'f"### {cat} (', ("tests/test_bench.py", "-k", "pipe_or_a_line_break")),
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -569,6 +570,22 @@ def test_a_question_category_named_like_the_reports_total_is_refused(tmp_path: P
     path.write_text(json.dumps({"question_id": 1, "category": "overall", "turns": ["hi"]}) + "\n")
     with pytest.raises(InvalidParameter, match="reserved"):
         load_questions(path)
+
+
+def test_a_category_with_a_pipe_or_a_line_break_keeps_the_reports_tables_whole(tiny: LoadedModel, tmp_path: Path):
+    """A category is the question file's text: in report.md its pipes are escaped and its line
+    breaks made spaces, so each table row keeps its columns and each heading its line."""
+    qfile = write_questions(tmp_path / "q.jsonl", categories=["a|b", "two\nlines"])
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy", "--baselines", "none",
+                                     "--max-new-tokens", "2", "--out", str(tmp_path / "out"), "--no-progress"))
+    execute(plan, tiny, progress=False)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "### a|b (1 question)" in report and "### two lines (1 question)" in report
+    for table in report.split("\n\n"):
+        rows = [line for line in table.splitlines() if line.startswith("|")]
+        if rows:  # every row of a table has its header's cells (escaped pipes are no cell ends)
+            assert len({len(re.split(r"(?<!\\)\|", row)) for row in rows}) == 1, table
+    assert "a\\|b" in report
 
 
 def test_the_numerics_is_part_of_the_plan_its_command_and_its_resume_key(qfile: Path):

@@ -38,11 +38,23 @@ COLUMNS: list[tuple[str, str, Fmt]] = [
 ]
 
 
+def one_line(value: object) -> str:
+    """``value`` as text on one line (its line breaks as spaces): a markdown heading or cell."""
+    return " ".join(str(value).splitlines())
+
+
+def cell(value: object) -> str:
+    """``value`` as one markdown table cell: its line breaks as spaces and its pipes escaped, since
+    either would end the cell early (a category is the question file's, a structured task's gold a schema)."""
+    return one_line(value).replace("|", "\\|")
+
+
 def render(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool = False) -> str:
     """A plain aligned table, or a GitHub-flavoured markdown table (first column left, rest right)."""
     if markdown:
-        lines = ["| " + " | ".join(headers) + " |", "|" + "|".join([":---"] + ["---:"] * (len(headers) - 1)) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+        lines = ["| " + " | ".join(map(cell, headers)) + " |", "|" + "|".join([":---"] + ["---:"] * (len(headers) - 1)) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(map(cell, r)) + " |" for r in rows])
+    headers, rows = [one_line(h) for h in headers], [[one_line(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
@@ -145,7 +157,7 @@ def markdown_report(results: dict[str, Any], image: str | None = "speedup.png") 
     for cat in summary["categories"]:
         if cat != OVERALL:
             n = summary["methods"][summary["reference"]]["categories"][cat]["questions"]
-            out += [f"### {cat} ({n} question{'s' if n != 1 else ''})", "", method_table(summary, cat, markdown=True), ""]
+            out += [f"### {one_line(cat)} ({n} question{'s' if n != 1 else ''})", "", method_table(summary, cat, markdown=True), ""]
     out += ["## How to read this", "", *(f"- {line}" for line in explanations(summary)), ""]
     if results.get("notes"):
         out += ["## Notes", "", *(f"- {n}" for n in results["notes"]), ""]

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..bench.report import cell
 from ..search.uncertainty import CONFIDENCE_DIRECTION
 from .metrics import reliability_bins
 
@@ -63,12 +64,6 @@ def markdown(r: dict[str, Any]) -> str:
         answer = cell(rec["answer"])[:60]
         lines.append(f"| {cell(rec['id'])} | {cell(rec['gold'])} | {answer} | {'yes' if rec['correct'] else 'no'} |")
     return "\n".join(lines) + "\n"
-
-
-def cell(value: object) -> str:
-    """``value`` as one markdown table cell: its line breaks as spaces and its pipes escaped, since
-    either would end the cell early (a structured task's gold is a schema, its answer free JSON)."""
-    return " ".join(str(value).splitlines()).replace("|", "\\|")
 
 
 def voted(r: dict[str, Any]) -> str:
