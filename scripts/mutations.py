@@ -10550,6 +10550,9 @@ MUTATIONS = (
              '" | ".join(map(cell, headers))', '" | ".join(headers)', ("tests/test_bench.py", "-k", "pipe_or_a_line_break")),
     Mutation("bench-report-heading-keeps-its-line-break", "src/decodekit/bench/report.py",
              'f"### {one_line(cat)} (', 'f"### {cat} (', ("tests/test_bench.py", "-k", "pipe_or_a_line_break")),
+    Mutation("structured-default-id-is-the-path-as-typed", "src/decodekit/eval/tasks.py",
+             "items.append(Item(str(row.get(\"id\", unnamed)),", "items.append(Item(str(row.get(\"id\", where)),",
+             ("tests/test_eval.py", "-k", "however_its_file_is_named")),
 )
 
 

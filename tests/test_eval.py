@@ -765,6 +765,19 @@ def test_a_structured_answer_is_the_output_stripped_and_a_blank_one_is_no_answer
     assert task.answer(" \n") is None and task.answer("") is None
 
 
+def test_a_structured_item_without_an_id_is_named_the_same_however_its_file_is_named(tmp_path, monkeypatch):
+    """The default id (file name and line) is part of the items' digest: the same file given as a
+    relative or an absolute path is the same task to --resume."""
+    from decodekit.eval.checkpoint import items_digest
+    from decodekit.eval.tasks import structured_task
+
+    (tmp_path / "s.jsonl").write_text(json.dumps({"prompt": "Any JSON:", "schema": True}) + "\n")
+    monkeypatch.chdir(tmp_path)
+    relative, absolute = structured_task("s.jsonl"), structured_task(tmp_path / "s.jsonl")
+    assert [item.id for item in relative.items] == [item.id for item in absolute.items] == ["s.jsonl:1"]
+    assert items_digest(relative) == items_digest(absolute)
+
+
 def test_longctx_flags_given_to_an_item_task_are_refused(tmp_path):
     """Each of --policies, --lengths, --depths, --continuation applies to longctx only: never silently ignored."""
     register_task("fake3", fake_task)

@@ -235,7 +235,10 @@ def structured_task(path: str | Path | None = None) -> Task:
             checked_grammar({"json_schema": constrained})
         except InvalidParameter as err:
             raise InvalidParameter(f"{where}: {err}") from None
-        items.append(Item(str(row.get("id", where)), row["prompt"], json.dumps(schema), constraint={"json_schema": constrained}))
+        # an item without an id is named by its file's name and line, not by the path as typed: the
+        # same file named another way (./x, an absolute path) holds the same items for --resume
+        unnamed = f"{file.name}:{where.rsplit(':', 1)[1]}"
+        items.append(Item(str(row.get("id", unnamed)), row["prompt"], json.dumps(schema), constraint={"json_schema": constrained}))
     return Task("structured", items, answer=lambda text: text.strip() or None, is_correct=schema_valid, max_new_tokens=128)
 
 
