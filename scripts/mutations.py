@@ -10553,6 +10553,9 @@ MUTATIONS = (
     Mutation("structured-default-id-is-the-path-as-typed", "src/decodekit/eval/tasks.py",
              "items.append(Item(str(row.get(\"id\", unnamed)),", "items.append(Item(str(row.get(\"id\", where)),",
              ("tests/test_eval.py", "-k", "however_its_file_is_named")),
+    Mutation("bench-runs-with-more-new-tokens-than-the-context", "src/decodekit/bench/execution.py",
+             "    if plan.max_new_tokens >= context:", "    if plan.max_new_tokens > context:",
+             ("tests/test_bench.py", "-k", "more_new_tokens_than_the_context")),
 )
 
 

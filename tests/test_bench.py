@@ -588,6 +588,22 @@ def test_a_category_with_a_pipe_or_a_line_break_keeps_the_reports_tables_whole(t
     assert "a\\|b" in report
 
 
+def test_more_new_tokens_than_the_context_holds_is_one_error_not_every_question_failed(tiny: LoadedModel, qfile: Path,
+                                                                                     tmp_path: Path):
+    context = tiny.backend.info.max_length
+    for max_new, refused in ((context, True), (context - 64, False)):
+        plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy", "--baselines", "none",
+                                         "--max-new-tokens", str(max_new), "--limit", "1", "--categories", "qa",
+                                         "--out", str(tmp_path / str(max_new)), "--no-progress"))
+        if refused:
+            with pytest.raises(InvalidParameter, match=f"^--max-new-tokens {context}: no prompt fits beside that many new "
+                                                       f"tokens in the model's context of {context}$"):
+                execute(plan, tiny, progress=False)
+            assert not (tmp_path / str(max_new)).exists()
+        else:
+            assert execute(plan, tiny, progress=False)["records"]
+
+
 def test_the_numerics_is_part_of_the_plan_its_command_and_its_resume_key(qfile: Path):
     exact = bench_cli.make_plan(parse("--questions", str(qfile), "--baselines", "none"))
     fast = bench_cli.make_plan(parse("--questions", str(qfile), "--baselines", "none", "--numerics", "fast"))

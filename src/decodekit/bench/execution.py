@@ -101,6 +101,10 @@ def build_contestants(plan: Plan, model, *, hf_model=None) -> tuple[list, list[s
     from .baselines import build_baselines
     from .contestants import MethodContestant
 
+    context = model.backend.info.max_length
+    if plan.max_new_tokens >= context:  # every question would fail; said once, before any runs
+        raise InvalidParameter(f"--max-new-tokens {plan.max_new_tokens}: no prompt fits beside that many new tokens in "
+                               f"the model's context of {context}")
     if plan.threads:
         torch.set_num_threads(plan.threads)
     # Each method gets its own backend clone (shared weights, own cache and own cross-request
