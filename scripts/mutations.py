@@ -10556,6 +10556,11 @@ MUTATIONS = (
     Mutation("bench-runs-with-more-new-tokens-than-the-context", "src/decodekit/bench/execution.py",
              "    if plan.max_new_tokens >= context:", "    if plan.max_new_tokens > context:",
              ("tests/test_bench.py", "-k", "more_new_tokens_than_the_context")),
+    Mutation("gsm8k-numbers-compared-as-floats", "src/decodekit/eval/tasks.py",
+             "return abs(Fraction(Decimal(a)) - Fraction(Decimal(b))) < Fraction(1, 10**6)",
+             "return abs(float(a) - float(b)) < 1e-6", ("tests/test_eval.py", "-k", "by_its_value")),
+    Mutation("gsm8k-gold-of-two-numbers-taken", "src/decodekit/eval/tasks.py",
+             "    if len(NUMBER.findall(final)) > 1:", "    if False:", ("tests/test_eval.py", "-k", "gsm8k_task_parsing")),
 )
 
 

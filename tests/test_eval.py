@@ -103,6 +103,8 @@ def test_gsm8k_task_parsing(tmp_path):
     for answer in ("####", "blah #### 12 ####"):  # no number after the last '####': no answer could match it
         with pytest.raises(InvalidParameter, match="without a number after its last '####'"):
             gsm8k_gold(answer)
+    with pytest.raises(InvalidParameter, match=r"more than one number after its last '####': '1/2'"):
+        gsm8k_gold("#### 1/2")  # (its last number, 2, is not its value)
     data = tmp_path / "g.jsonl"
     data.write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n")
     task = gsm8k_task(data)
@@ -574,6 +576,8 @@ def test_gsm8k_judges_the_final_number_by_its_value():
 
     assert numbers_equal("7.0", "7") and numbers_equal("7", "7")
     assert not numbers_equal("7.5", "7") and not numbers_equal("6.99", "7") and not numbers_equal(None, "7")
+    assert not numbers_equal("12345678901234567891", "12345678901234567890")  # (equal as floats)
+    assert numbers_equal("0.1", ".1000000001") and not numbers_equal("0.1", "0.100002")
 
 
 def test_numbers_equal_compares_what_float_cannot_read_as_text():

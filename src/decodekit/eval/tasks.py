@@ -14,13 +14,15 @@ import string
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from pathlib import Path
 
 from ..arguments import existing_file
 from ..data import GSM8K_TEST, STRUCTURED_SCHEMAS, data_file, first_repeated, read_jsonl
 from ..errors import InvalidParameter, UnknownMethod
 from ..samplers.constraint import checked_grammar
-from ..search.answers import Extractor, answer_start, extract_number, normalize_text
+from ..search.answers import NUMBER, Extractor, answer_start, extract_number, normalize_text
 from ..search.uncertainty import first_paraphrases, paraphrases as generic_paraphrases
 
 
@@ -51,21 +53,27 @@ GSM8K_INSTRUCTION = "Solve the problem step by step. End with the final answer a
 
 
 def gsm8k_gold(answer: str) -> str:
-    """The number after ``####`` in a GSM8K reference solution."""
+    """The number after ``####`` in a GSM8K reference solution (one number: ``1/2`` is no GSM8K
+    answer, and taking its last number, 2, would judge answers against the wrong value)."""
     if "####" not in answer:
         raise InvalidParameter(f"GSM8K answer without '####': {answer[:60]!r}")
-    gold = extract_number(answer.split("####")[-1])
+    final = answer.split("####")[-1]
+    gold = extract_number(final)
     if gold is None:  # an item no answer could ever match
         raise InvalidParameter(f"GSM8K answer without a number after its last '####': {answer[-60:]!r}")
+    if len(NUMBER.findall(final)) > 1:
+        raise InvalidParameter(f"GSM8K answer with more than one number after its last '####': {final.strip()[:60]!r}")
     return gold
 
 
 def numbers_equal(a: str | None, b: str) -> bool:
+    """Whether two decimal numbers' values agree within 1e-6, computed exactly (as floats, 20-digit
+    integers a unit apart are equal); text that is no decimal number matches the same text only."""
     if a is None:
         return False
     try:
-        return abs(float(a) - float(b)) < 1e-6
-    except ValueError:
+        return abs(Fraction(Decimal(a)) - Fraction(Decimal(b))) < Fraction(1, 10**6)
+    except (InvalidOperation, ValueError, OverflowError):  # (not a number; infinity or NaN)
         return a == b
 
 
