@@ -10561,6 +10561,9 @@ MUTATIONS = (
              "return abs(float(a) - float(b)) < 1e-6", ("tests/test_eval.py", "-k", "by_its_value")),
     Mutation("gsm8k-gold-of-two-numbers-taken", "src/decodekit/eval/tasks.py",
              "    if len(NUMBER.findall(final)) > 1:", "    if False:", ("tests/test_eval.py", "-k", "gsm8k_task_parsing")),
+    Mutation("bench-question-of-a-blank-turn-taken", "src/decodekit/bench/questions.py",
+             "isinstance(t, str) and t.strip() for t in turns", "isinstance(t, str) and t for t in turns",
+             ("tests/test_bench.py", "-k", "empty_turn_or_category")),
 )
 
 

@@ -1472,7 +1472,8 @@ def test_a_resumed_run_keeps_the_notes_of_the_run_it_continues(tiny: LoadedModel
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"question_id": 1, "category": "qa", "turns": ["a", ""]}, "turns must be a non-empty list of non-empty strings"),
+    ({"question_id": 1, "category": "qa", "turns": ["a", ""]}, "turns must be a non-empty list of strings that are not blank"),
+    ({"question_id": 1, "category": "qa", "turns": [" \n\t"]}, "turns must be a non-empty list of strings that are not blank"),
     ({"question_id": 1, "category": "", "turns": ["a"]}, "category must be a non-empty string"),
 ])
 def test_a_question_with_an_empty_turn_or_category_is_refused(tmp_path: Path, raw, message):

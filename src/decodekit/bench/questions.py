@@ -56,8 +56,9 @@ def parse_question(raw: dict, where: str) -> Question:
     if not {"question_id", "category", "turns"} <= raw.keys():
         raise InvalidParameter(f"{where}: a question needs question_id, category and turns")
     turns = raw["turns"]
-    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
-        raise InvalidParameter(f"{where}: turns must be a non-empty list of non-empty strings")
+    # (a turn of whitespace alone is refused as decodekit generate refuses such a prompt)
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        raise InvalidParameter(f"{where}: turns must be a non-empty list of strings that are not blank")
     if not isinstance(raw["category"], str) or not raw["category"]:
         raise InvalidParameter(f"{where}: category must be a non-empty string")
     if category_group(raw["category"]) == OVERALL:  # the reports' name for all categories together
