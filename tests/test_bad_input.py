@@ -93,6 +93,7 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["chat", "--raw"], "unrecognized arguments: --raw (see decodekit --help)"),  # a chat is its template
     (["eval", "capitals", "--temperature", "0.5"], "method 'greedy' never samples"),
     (["eval", "capitals", "--method", "kvdraft", "--kv-cache", "int4"], "kvdraft drafts for a cache that keeps every token"),
+    (["eval", "capitals", "--signals", " , "], "--signals names no signal, got ' , '"),
     (["generate", "hi", "--method", "best-of-n", "--opt", "judge_model=/nowhere"],
      "judge_model is the judge scorer's model; with scorer='loglik' it would be ignored (give scorer=judge too)"),
     (["generate", "hi", "--method", "step-beam", "--opt", "scorer=prob", "--opt", "judge_model=/nowhere"],

@@ -72,6 +72,8 @@ def run(args: argparse.Namespace, model=None) -> int:
             raise InvalidParameter("--ray runs item-by-item tasks; longctx runs on one machine (its rows share one long prompt)")
         return run_long_context(args, out, model)
     signals = [s.strip() for s in args.signals.split(",") if s.strip()]
+    if args.signals.strip() and not signals:  # given, but naming none: as bench's --categories
+        raise InvalidParameter(f"--signals names no signal, got {args.signals!r}")
     if len(set(signals)) < len(signals):
         raise InvalidParameter(f"--signals names a signal twice: {args.signals!r}")
     if "pc" not in signals and "paraphrases" in flags_given(args, add_arguments, [args.task]):
