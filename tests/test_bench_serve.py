@@ -899,3 +899,180 @@ def test_llama_cpp_pythons_server_lets_each_request_finish_and_is_skipped_withou
     assert argv[argv.index("--interrupt_requests") + 1] == "False" and argv[argv.index("--port") + 1] == "8123"
     present.discard("sse_starlette")
     assert peers.llama_cpp_python_command(Path("m.gguf"), 8123, 8) is None
+
+
+# damaged input and misbehaving servers ---------------------------------------------------------
+
+def results_file(tmp_path, name: str, **changes) -> Path:
+    """A valid results file of two concurrency levels, with ``changes`` made to it (a value of None
+    drops the key); ``levels`` may instead be a function of the two levels."""
+    data = {"schema": SCHEMA, "label": "a", "url": "u", "model": "m", "load": "concurrency", "command": "c",
+            "levels": [level(1, 50.0, 20.0), level(2, 90.0, 30.0)]}
+    for key, value in changes.items():
+        data[key] = value(data[key]) if callable(value) else value
+    path = tmp_path / name
+    path.write_text(json.dumps({k: v for k, v in data.items() if v is not None}))
+    return path
+
+
+def edit_first(**changes):
+    """The levels with ``changes`` made to the first (a value of None drops the key)."""
+    def edit(levels):
+        first = {k: v for k, v in {**levels[0], **changes}.items() if v is not None}
+        return [first, *levels[1:]]
+    return edit
+
+
+@pytest.mark.parametrize("changes, where", [
+    ({"levels": edit_first(concurrency=None)}, "at levels/0: 'concurrency' is a required property"),
+    ({"label": None}, "at (top): 'label' is a required property"),
+    ({"levels": lambda levels: [5, *levels[1:]]}, "at levels/0: 5 is not of type 'object'"),
+    ({"levels": edit_first(ttft_ms=None)}, "at levels/0: 'ttft_ms' is a required property"),
+    ({"levels": edit_first(ttft_ms={"p50": 1})}, "at levels/0/ttft_ms: 'p90' is a required property"),
+    ({"levels": edit_first(concurrency="abc")}, "at levels/0/concurrency: 'abc' is not of type 'integer'"),
+    ({"levels": edit_first(ok=True)}, "at levels/0/ok: True is not of type 'integer'"),
+    ({"levels": edit_first(output_tok_s=-4.0)}, "at levels/0/output_tok_s: -4.0 is less than the minimum of 0"),
+    ({"levels": lambda levels: [levels[0], levels[0]]}, "lists concurrency 1 twice"),
+    ({"levels": []}, "at levels: [] should be non-empty"),
+    ({"load": ["concurrency"]}, "has levels of an unknown load ['concurrency'] (known: concurrency, request_rate)"),
+    ({"load": "request_rate", "levels": lambda levels: [{**levels[0], "request_rate": "fast"}]},
+     "at levels/0/request_rate: 'fast' is not valid under any of the given schemas"),  # a number or "inf"
+    ({"load": "request_rate"}, ": 'request_rate' is a required property"),  # levels keyed by concurrency
+])
+def test_a_damaged_results_file_is_refused_in_one_line_before_anything_is_printed(tmp_path, capsys, changes, where):
+    """--compare checks what it reads against the results file's schema (as bench --compare does): an
+    edited or damaged file is named with where it is wrong, not met as a traceback halfway through the table."""
+    good = results_file(tmp_path, "good.json")
+    damaged = results_file(tmp_path, "damaged.json", **changes)
+    with pytest.raises(InvalidParameter) as err:
+        run(parse("--compare", str(good), str(damaged), "--out", str(tmp_path / "cmp")))
+    assert str(err.value).startswith(f"{damaged} ") and str(err.value).endswith(where), str(err.value)
+    assert "\n" not in str(err.value)
+    assert capsys.readouterr().out == "" and not (tmp_path / "cmp").exists()
+
+
+def test_a_rate_levels_inf_and_the_files_a_run_writes_pass_the_check(fake_server, tmp_path, capsys):
+    """What bench-serve writes is what it reads: an infinite rate (the string "inf") and a run's own file."""
+    rated = results_file(tmp_path, "rate.json", load="request_rate",
+                         levels=lambda levels: [{**lv, "request_rate": rate} for lv, rate in zip(levels, ("inf", 2.5))])
+    srv = fake_server()
+    assert run(parse("--url", srv.url, "--concurrency", "2", "--limit", "1", "--out", str(tmp_path / "run"))) == 0
+    own = tmp_path / "run" / "results.json"
+    assert run(parse("--compare", str(own), str(results_file(tmp_path, "old.json", load=None)), "--out", str(tmp_path / "c"))) == 0
+    assert run(parse("--compare", str(rated), "--out", str(tmp_path / "r"))) == 0
+    assert "| inf | output tok/s | 50.0 |" in capsys.readouterr().out
+
+
+def test_compare_refuses_an_out_that_is_a_file_before_it_prints(tmp_path, capsys):
+    good = results_file(tmp_path, "good.json")
+    with pytest.raises(InvalidParameter, match=re.escape(f"--out '{good}' is not a writable folder")):
+        run(parse("--compare", str(good), "--out", str(good)))
+    assert capsys.readouterr().out == ""
+
+
+class TricklingServer(ThreadingHTTPServer):
+    """Sends a byte every 0.05 s for up to TRICKLE_S and never a line break: in the stream's first
+    data line, or (``in_headers``) in a header line, before the response's headers have ended."""
+
+    daemon_threads = True
+    TRICKLE_S = 20.0
+
+    def __init__(self, in_headers: bool):
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                if in_headers:
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                else:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    self.wfile.write(b"data: ")
+                try:
+                    for _ in range(int(TricklingServer.TRICKLE_S / 0.05)):
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                        time.sleep(0.05)
+                except OSError:  # the client gave up
+                    pass
+                self.close_connection = True
+        super().__init__(("127.0.0.1", 0), Handler)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/v1"
+
+
+@pytest.mark.parametrize("in_headers", [False, True], ids=["in_a_data_line", "in_the_headers"])
+def test_a_server_trickling_bytes_without_a_line_break_is_cut_at_the_timeout(in_headers):
+    """--timeout bounds the whole request whatever the server sends: bytes that keep coming without
+    a line break keep every socket read returning, and no line ever ends to check the clock at."""
+    servers: list = []
+    srv = serving(TricklingServer(in_headers), servers)
+    try:
+        t0 = time.perf_counter()
+        out = send(srv.url, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, timeout=0.5)
+        elapsed = time.perf_counter() - t0
+    finally:
+        stop_serving(servers)
+    assert out.error == "timed out after 0.5 s"
+    assert elapsed < TricklingServer.TRICKLE_S / 2  # generous: cut near 0.5 s, not at the trickle's end
+
+
+@pytest.mark.parametrize("usage, reason", [
+    (-1000, "usage.completion_tokens -1000 is not a count of tokens"),
+    (True, "usage.completion_tokens true is not a count of tokens"),
+    (2.5, "usage.completion_tokens 2.5 is not a count of tokens"),
+    ("3", 'usage.completion_tokens "3" is not a count of tokens'),
+    (0, "usage.completion_tokens is 0, yet 2 chunks of content were streamed"),
+])
+def test_a_usage_that_is_not_a_count_or_contradicts_the_stream_fails_the_request(one_answer_server, usage, reason):
+    """The server's usage is its word on the output tokens, checked before it is counted: a negative
+    count would make a negative tok/s, true would count as 1, and 0 would erase the content streamed."""
+    from decodekit.serve.load import read_stream, summarize
+
+    content = {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}
+    lines = stream_lines(content, content, {"choices": [], "usage": {"completion_tokens": usage}}, "[DONE]")
+    with pytest.raises(ValueError, match=f"^{re.escape(reason)}$"):
+        read_stream(lines, RequestTiming(), time.perf_counter(), 60)
+    srv = one_answer_server(200, b"".join(line + b"\n" for line in lines), "text/event-stream")
+    out = send(srv.url, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, timeout=10)
+    assert out.error == f"ValueError: {reason}"  # recorded as the request's failure, as a garbled stream is
+    level = summarize([out], 1.0, {"concurrency": 1})
+    assert level["failed"] == 1 and level["output_tokens"] == 0 and level["output_tok_s"] == 0
+
+
+def test_a_usage_of_zero_tokens_for_an_empty_answer_and_an_absent_count_are_taken():
+    """0 tokens with no content streamed is an empty answer, not a contradiction; a usage without
+    completion_tokens says nothing of the output: the content chunks count."""
+    from decodekit.serve.load import read_stream
+
+    out = RequestTiming()
+    read_stream(stream_lines({"choices": [], "usage": {"completion_tokens": 0}}, "[DONE]"), out, time.perf_counter(), 60)
+    assert out.error is None and out.tokens == 0
+    content = {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}
+    out = RequestTiming()
+    read_stream(stream_lines(content, {"choices": [], "usage": {"prompt_tokens": 3}}, "[DONE]"), out, time.perf_counter(), 60)
+    assert out.error is None and out.tokens == 1
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("http://127.0.0.1:abc/v1", "Port could not be cast to integer value as 'abc'"),
+    ("http://[::1/v1", "Invalid IPv6 URL"),
+    ("http://127.0.0.1:99999/v1", "Port out of range 0-65535"),
+    ("http://user:secret@127.0.0.1/v1", "nonnumeric port: 'secret@127.0.0.1'"),  # http.client's reading of the host
+])
+@pytest.mark.parametrize("model", [[], ["--model", "m"]], ids=["model_listed", "model_given"])
+def test_a_malformed_url_is_refused_in_one_line_when_the_arguments_are_read(tmp_path, url, problem, model):
+    """A --url whose port or host cannot be read is refused before anything is sent, --model given or not
+    (it was an exception from the first connection: a traceback)."""
+    with pytest.raises(InvalidParameter) as err:
+        run(parse("--url", url, *model, "--limit", "1", "--out", str(tmp_path / "out")))
+    assert str(err.value) == f"--url {url!r} is not a URL this client can send to ({problem})"
+    assert not (tmp_path / "out").exists()

@@ -195,19 +195,35 @@ def first_model(url: str, timeout: float) -> str:
         raise InvalidParameter(f"{url}/models lists no model; give --model") from None
 
 
+def output_tokens(usage: Any, chunks: int) -> int:
+    """The answer's output tokens: the server's ``usage.completion_tokens`` (the last one sent), else
+    the ``chunks`` of content streamed. A usage is the server's word, checked before it is counted: one
+    that is not a count (a negative number, ``true``, a string) or that says 0 while content was
+    streamed raises ValueError, so that the request fails with the reason rather than turn into a
+    negative or erased tok/s. None (no usage, or one without the count) says nothing: the chunks count."""
+    if usage is None:
+        return chunks
+    if isinstance(usage, bool) or not isinstance(usage, int) or usage < 0:
+        raise ValueError(f"usage.completion_tokens {json.dumps(usage)} is not a count of tokens")
+    if usage == 0 and chunks:
+        raise ValueError(f"usage.completion_tokens is 0, yet {chunks} chunks of content were streamed")
+    return usage
+
+
 def read_stream(response: http.client.HTTPResponse, out: RequestTiming, start: float, timeout: float) -> None:
-    """Read server-sent events (``data: {...}`` lines up to ``data: [DONE]``) into ``out``."""
+    """Read server-sent events (``data: {...}`` lines up to ``data: [DONE]``) into ``out``. A stream
+    that is not one (not JSON, chunks that are not objects, a usage that is no count) raises ValueError."""
     chunks, usage = 0, None
     for raw in response:
         line = raw.decode("utf-8").strip()
         data = line[len("data:"):].strip() if line.startswith("data:") else None  # else a separator, comment, event name
         if data == "[DONE]":
-            out.tokens = usage if isinstance(usage, int) else chunks
+            out.tokens = output_tokens(usage, chunks)
             return
         # the socket timeout only bounds each read: checked on every line, as a server may send
         # keep-alive comments for as long as a request waits
         if time.perf_counter() - start > timeout:
-            out.error = f"timed out after {timeout:g} s"
+            out.error = timed_out(timeout)
             return
         if data is None:
             continue
@@ -227,6 +243,46 @@ def read_stream(response: http.client.HTTPResponse, out: RequestTiming, start: f
             if out.ttft_s is None:
                 out.ttft_s = time.perf_counter() - start
     out.error = "the stream ended before data: [DONE]"
+
+
+def timed_out(timeout: float) -> str:
+    """The error of a request that ran past --timeout."""
+    return f"timed out after {timeout:g} s"
+
+
+def shut(sock: socket.socket) -> None:
+    """Shut ``sock`` down, from any thread: a read waiting on it returns at once. The plain socket's
+    shutdown, also for https: an SSL socket's own unwraps it under the thread reading it."""
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:  # already closed
+        pass
+
+
+class Watchdog:
+    """Cuts a request's socket at its deadline. The socket's timeout bounds each read, not the
+    request: a server that trickles bytes (a header or a data line that never ends) has every read
+    return something, and no line ends for :func:`read_stream` to check the clock at, so without
+    this --timeout would never fire. ``fired``: it cut the request before :meth:`stop`."""
+
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
+        self._sock, self._lock, self._stopped, self.fired = sock, threading.Lock(), False, False
+        self._timer = threading.Timer(max(0.0, seconds), self._fire)
+        self._timer.daemon = True  # never holds the program open
+        self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:  # a request that has ended is not cut, nor said to be
+            if self._stopped:
+                return
+            self.fired = True
+        shut(self._sock)
+
+    def stop(self) -> None:
+        """The request has ended: from now on the watchdog does nothing."""
+        with self._lock:
+            self._stopped = True
+        self._timer.cancel()
 
 
 class InFlight:
@@ -257,26 +313,25 @@ class InFlight:
         with self._lock:
             self._cut = True
             for sock in self._open:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:  # already closed
-                    pass
+                shut(sock)
 
 
 def send(url: str, body: dict[str, Any], timeout: float, in_flight: InFlight | None = None) -> RequestTiming:
     """One streamed chat completion. Every failure becomes the outcome's error, never an exception:
     a load test must go on when the server refuses or drops a request. ``in_flight``: where the
-    connection is noted while it is open, for an interrupt to cut."""
+    connection is noted while it is open, for an interrupt to cut; a :class:`Watchdog` cuts it at
+    ``timeout`` seconds from its start, whatever the server is sending."""
     out = RequestTiming()
     start = out.sent_at = time.perf_counter()
     conn, base = connect(url, timeout)
-    sock = None
+    sock = watchdog = None
     try:
         conn.connect()
         sock = conn.sock
         if in_flight is not None and not in_flight.add(sock):
             out.error = "interrupted"
             return out
+        watchdog = Watchdog(sock, start + timeout - time.perf_counter())
         conn.request("POST", base + "/chat/completions", json.dumps(body).encode(),
                      {"Content-Type": "application/json", "Accept": "text/event-stream"})
         response = conn.getresponse()
@@ -287,9 +342,13 @@ def send(url: str, body: dict[str, Any], timeout: float, in_flight: InFlight | N
     except (OSError, http.client.HTTPException, ValueError) as err:  # ValueError: bad JSON or UTF-8
         out.error = f"{type(err).__name__}: {err}"
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         if in_flight is not None and sock is not None:
             in_flight.discard(sock)
         conn.close()
+    if watchdog is not None and watchdog.fired and out.error is not None:  # the cut's effect (a short read, a bad line)
+        out.error = timed_out(timeout)
     out.e2e_s = time.perf_counter() - start
     return out
 
@@ -378,10 +437,23 @@ def parse_levels(args: argparse.Namespace) -> tuple[str, list[float]]:
     return "concurrency", parse_concurrency(DEFAULT_CONCURRENCY if args.concurrency is None else args.concurrency)
 
 
+def check_url(url: str) -> None:
+    """--url must be an http(s) URL whose host and port this client can read, checked when the
+    arguments are read: a port that is not a number in 0..65535, a broken IPv6 host or what
+    http.client cannot take as host:port (user info) would otherwise be an exception at the first request."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # read for its ValueError: a port that is not a number in 0..65535
+        connect(url, 1.0)  # http.client's own reading of host:port (InvalidURL); connects to nothing
+    except (ValueError, http.client.InvalidURL) as err:
+        raise InvalidParameter(f"--url {url!r} is not a URL this client can send to ({err})") from None
+    if (parts.scheme not in ("http", "https") or not parts.netloc):  # (no host: nothing to send to)
+        raise InvalidParameter(f"--url must be an http:// or https:// URL such as {DEFAULT_URL}, got {url!r}")
+
+
 def check_options(args: argparse.Namespace) -> None:
-    parts = urllib.parse.urlsplit(args.url)
-    if args.start is None and (parts.scheme not in ("http", "https") or not parts.netloc):
-        raise InvalidParameter(f"--url must be an http:// or https:// URL such as {DEFAULT_URL}, got {args.url!r}")
+    if args.start is None:
+        check_url(args.url)
     if args.max_tokens <= 0:
         raise InvalidParameter(f"--max-tokens must be positive, got {args.max_tokens}")
     if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN fails too
@@ -403,7 +475,46 @@ def command_line(args: argparse.Namespace, target: Sequence[str]) -> str:
     return shlex.join(parts + (["--method", args.method] if args.method else []))
 
 
+_COUNT = {"type": "integer", "minimum": 0}
+_PER_S = {"type": "number", "minimum": 0}
+_MS = {"type": "object", "required": [f"p{q}" for q in QUANTILES],
+       "properties": {f"p{q}": {"type": ["number", "null"], "minimum": 0} for q in QUANTILES}}
+#: A level's load in results.json, by its key in LOADS: an infinite request rate is "inf" (JSON has no infinity).
+LOAD_VALUES = {"concurrency": {"type": "integer", "minimum": 1},
+               "request_rate": {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"const": "inf"}]}}
+
+
+def results_schema(key: str) -> dict[str, Any]:
+    """results.json as JSON Schema, for levels of the load ``key``: what --compare reads of a file
+    (its label, each level's load and measures), so that a damaged or edited file is refused in one
+    line instead of failing halfway through the table. Keys it does not read are not required
+    (files written before some of them existed still compare)."""
+    level = {"type": "object", "required": [key, "ok", "failed", "output_tok_s", "ttft_ms", "tpot_ms", "e2e_ms"],
+             "properties": {key: LOAD_VALUES[key], "ok": _COUNT, "failed": _COUNT, "most_in_flight": _COUNT,
+                            "output_tok_s": _PER_S, "request_s": _PER_S, "ttft_ms": _MS, "tpot_ms": _MS, "e2e_ms": _MS}}
+    return {"type": "object", "required": ["schema", "label", "levels"],
+            "properties": {"schema": {"const": SCHEMA}, "label": {"type": "string"}, "model": {"type": "string"},
+                           "levels": {"type": "array", "minItems": 1, "items": level}}}  # a run writes after a level
+
+
+def check_results(data: dict[str, Any], path: Path) -> None:
+    """Raise InvalidParameter (one line: the file, where and what) if ``data`` does not follow
+    :func:`results_schema` or names one level twice (the table would show one of the two)."""
+    import jsonschema
+
+    key = load_of(data)
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(results_schema(key)).iter_errors(data))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "(top)"
+        raise InvalidParameter(f"{path} does not follow {SCHEMA} at {where}: {error.message}")
+    values = [level_load(lv, key) for lv in data["levels"]]
+    twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    if twice is not None:
+        raise InvalidParameter(f"{path} lists {LOADS[key].removesuffix(' /s')} {fmt_load(twice)} twice")
+
+
 def load_results(path: Path) -> dict[str, Any]:
+    """A bench-serve results file, checked (:func:`check_results`); anything else is one line."""
     try:
         data = json.loads(path.read_text())
     except OSError as err:
@@ -412,8 +523,9 @@ def load_results(path: Path) -> dict[str, Any]:
         raise InvalidParameter(f"{path} is not a JSON file") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("levels"), list):
         raise InvalidParameter(f"{path} is not a bench-serve results file (schema {SCHEMA})")
-    if data.get("load", "concurrency") not in LOADS:
+    if data.get("load", "concurrency") not in tuple(LOADS):  # (a tuple: an edited load may be a list, unhashable)
         raise InvalidParameter(f"{path} has levels of an unknown load {data['load']!r} (known: {', '.join(LOADS)})")
+    check_results(data, path)
     return data
 
 
@@ -516,6 +628,7 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> Path:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    check_writable(Path(args.out), ("throughput.png",))  # before the table is printed: a refused run prints nothing
     results = [load_results(Path(p)) for p in args.compare]
     seen: set[str] = set()
     for path, r in zip(args.compare, results):  # two runs of one URL share a default label: add their folder
