@@ -245,6 +245,30 @@ def test_a_damaged_model_cache_file_is_reported_rebuilt_and_answers_the_same(tin
     assert not leftovers(cache)
 
 
+def test_a_gguf_rewritten_while_it_is_read_leaves_no_cache_under_its_old_digest(tmp_path, cache, monkeypatch):
+    """A file changed between its digest and the end of its reading: the weights read are no one
+    file's, so nothing is kept under the digest; the next load reads the file as it is now."""
+    from decodekit.errors import InvalidModel
+    from decodekit.models import loading
+
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf)
+    real = loading.dequantise
+
+    def rewritten_meanwhile(path, folder):
+        real(path, folder)
+        with open(path, "ab") as handle:  # (another writer, mid-build)
+            handle.write(b"\0" * 32)
+
+    monkeypatch.setattr(loading, "dequantise", rewritten_meanwhile)
+    with pytest.raises(InvalidModel, match="tiny.gguf changed while it was read; load it again once it is written in full"):
+        load_model(str(gguf))
+    assert not [p for p in cache.iterdir() if "tiny-" in p.name and p.suffix != ".lock"]  # (nor its build folder)
+    monkeypatch.setattr(loading, "dequantise", real)
+    write_tiny_gguf(gguf)
+    assert answer(gguf)[0]
+
+
 def test_what_a_load_finds_of_the_blocks_is_kept_and_spares_the_next_load_its_check(tiny_gguf, cache, monkeypatch):
     before = answer(tiny_gguf)
     record = json.loads((model_folder(cache) / MATCHES_FILE).read_text())

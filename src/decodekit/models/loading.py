@@ -371,8 +371,16 @@ def dequantised_folder(gguf: Path) -> Path:
     # (a read of the file, tens of milliseconds for the embedded model), which tell a file changed in
     # place apart even where its size and time were kept (cp -p, rsync -a, an archive unpacked over it)
     source = f"{gguf.stat().st_size}:{digest}"
+
+    def build(tmp: Path) -> None:
+        dequantise(gguf, tmp)
+        # a file rewritten while it was read gave weights of no one file: kept under the digest taken
+        # before, they would pass every later check as that file's
+        if file_digest(gguf) != digest:
+            raise InvalidModel(f"{gguf} changed while it was read; load it again once it is written in full")
+
     try:
-        return cached_folder(folder, lambda tmp: dequantise(gguf, tmp), source=source)
+        return cached_folder(folder, build, source=source)
     except OSError as err:
         raise CacheError(f"cannot write the cache folder {folder.parent} ({err.strerror or err}); set DECODEKIT_CACHE") from err
 
