@@ -1029,6 +1029,8 @@ def test_a_gguf_whose_header_misplaces_its_tensors_or_layers_is_refused_not_load
         "a huge string": (patched(data, 24, "<Q", 1 << 60), "past the end of the file"),
         "a huge array": (patched(data, tokens, "<Q", 1 << 40), f"an array of {1 << 40} values, past the end of the file"),
         "a value of no type": (patched(data, at - 4, "<I", 13), "a value of unknown type 13"),
+        # arrays nested deep enough once raised RecursionError, a traceback
+        "arrays of arrays": (patched(data, tokens - 4, "<I", 9), "an array of arrays"),
     }
     for damage, (changed, problem) in damages.items():
         bad = tmp_path / f"{damage.replace(' ', '_')}.gguf"

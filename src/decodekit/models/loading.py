@@ -253,6 +253,8 @@ def _check_gguf_layout(gguf: Path, buffer: "mmap.mmap") -> None:
         if kind != 9:
             raise bad(f"a value of unknown type {kind}")
         item, count = take("IQ")
+        if item == 9:  # as llama.cpp refuses them (and a chain of them nested deep enough is no header)
+            raise bad("an array of arrays")
         width = struct.calcsize(GGUF_SCALARS.get(item, "Q"))  # (a string or an array takes 8 bytes or more)
         if count * width > size - at:
             raise bad(f"an array of {count} values, past the end of the file")
