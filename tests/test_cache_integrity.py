@@ -692,6 +692,27 @@ def test_the_hf_backend_refuses_weights_transformers_would_make_up(tmp_path):
     assert build_backend(tmp_path, backend="hf").info.vocab_size == 96  # whole weights load
 
 
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_a_config_of_no_heads_or_of_fewer_layers_than_the_weights_is_one_clear_error(tmp_path, backend):
+    """No attention heads and no head_dim divided by zero (a traceback); a num_hidden_layers one
+    short loaded the weights as a cut-down model, its last layer left out without a word."""
+    from safetensors.torch import save_file
+
+    from decodekit.models.loading import build_backend
+
+    save_file(tiny_state_dict(tiny_hf_config()), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config() | {"num_attention_heads": 0, "head_dim": None}))
+    with pytest.raises(InvalidModel, match=re.escape(f"{tmp_path}") + ".*(num_heads must be a positive integer, got 0|"
+                                                                       "ZeroDivisionError)") as err:
+        build_backend(tmp_path, backend=backend)
+    assert "\n" not in str(err.value)
+    layers = tiny_hf_config()["num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config() | {"num_hidden_layers": layers - 1}))
+    with pytest.raises(InvalidModel, match=re.escape(f"{tmp_path}: the weights hold layers past the config's {layers - 1} "
+                                                     f"(num_hidden_layers): model.layers.{layers - 1}.")):
+        build_backend(tmp_path, backend=backend)
+
+
 def test_a_model_folder_of_an_architecture_the_native_backend_lacks_runs_on_the_hf_backend(tmp_path):
     """backend "auto" (the default) picks the HF backend for a model_type with no native model."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -963,9 +984,9 @@ def test_a_missing_output_head_is_refused_unless_it_is_tied_to_the_embedding(tmp
     from decodekit.models.loading import check_loading_report
 
     report = {"missing_keys": ["lm_head.weight"], "mismatched_keys": []}
-    check_loading_report(tmp_path / "m.gguf", report, tied=True)
+    check_loading_report(tmp_path / "m.gguf", report, tied=True, num_layers=2)
     with pytest.raises(InvalidModel, match=r"m.gguf: 1 weight tensor\(s\) missing \(lm_head.weight\)"):
-        check_loading_report(tmp_path / "m.gguf", report, tied=False)
+        check_loading_report(tmp_path / "m.gguf", report, tied=False, num_layers=2)
 
 
 def test_a_file_that_does_not_start_as_gguf_is_refused_by_its_first_bytes(tiny_gguf, cache, tmp_path):
@@ -1142,7 +1163,7 @@ def test_a_gguf_tensor_of_the_wrong_shape_is_refused_not_made_up(tmp_path):
     report = {"missing_keys": [], "mismatched_keys": [("model.layers.0.mlp.up_proj.weight", (64, 16), (64, 32))]}
     with pytest.raises(InvalidModel, match=r"m.gguf: 1 weight tensor\(s\) of the wrong shape "
                                            r"\(model.layers.0.mlp.up_proj.weight\): damaged weights"):
-        check_loading_report(tmp_path / "m.gguf", report, tied=True)
+        check_loading_report(tmp_path / "m.gguf", report, tied=True, num_layers=2)
 
 
 def test_an_empty_model_spec_is_refused_not_taken_for_the_default(monkeypatch):

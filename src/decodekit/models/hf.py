@@ -10,7 +10,8 @@ with sliding-window layers (Gemma 3) gets a mask of each kind, the window applie
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -61,16 +62,36 @@ def quietly_loaded(load: Callable[[], T]) -> T:
             gguf_loading.tqdm = gguf_bar
 
 
-def check_loading_report(source: Path, report: dict, *, tied: bool) -> None:
+def check_loading_report(source: Path, report: dict, *, tied: bool, num_layers: int) -> None:
     """Refuse a model transformers could load only by making weights up: a tensor the model needs
     and the file lacks (a damaged name, fewer layers than its config says) is initialised at
-    random, without an error; one of another shape likewise."""
+    random, without an error; one of another shape likewise. Layers past the config's
+    ``num_layers`` are left out unread, without an error: refused too."""
     missing = [k for k in report.get("missing_keys", ()) if not (tied and k == "lm_head.weight")]
     mismatched = [k for k, *_ in report.get("mismatched_keys", ())]
     if missing or mismatched:
         which = missing or mismatched
         raise InvalidModel(f"{source}: {len(which)} weight tensor(s) " + ("missing" if missing else "of the wrong shape")
-                           + f" ({', '.join(sorted(which)[:3])}{', ...' if len(which) > 3 else ''}): damaged weights")
+                           + f" ({', '.join(listed(which))}): damaged weights")
+    refuse_layers_past(source, report.get("unexpected_keys", ()), num_layers)
+
+
+LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def refuse_layers_past(source: Path, names: Iterable[str], num_layers: int) -> None:
+    """Refuse weights (by ``names``) that hold layers at or past ``num_layers``: a config that counts
+    too few layers would load as a cut-down model, its last layers left out without a word."""
+    past = [name for name in names if (found := LAYER_KEY.search(name)) and int(found.group(1)) >= num_layers]
+    if past:
+        raise InvalidModel(f"{source}: the weights hold layers past the config's {num_layers} (num_hidden_layers): "
+                           f"{', '.join(listed(past))}; a damaged config")
+
+
+def listed(names: Iterable[str]) -> list[str]:
+    """The first three of ``names`` in order, and "..." for the rest."""
+    names = sorted(names)
+    return names[:3] + (["..."] if len(names) > 3 else [])
 
 
 class HFBackend(Backend):
@@ -111,9 +132,11 @@ class HFBackend(Backend):
             # (mismatched sizes reported, not raised: the check below names the tensor)
             model, report = quietly_loaded(lambda: AutoModelForCausalLM.from_pretrained(
                 folder, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True))
-        except (OSError, ValueError, KeyError, TypeError) as err:  # transformers' ways of refusing a folder
+        # transformers' ways of refusing a folder (ArithmeticError: a config of no heads divides by zero)
+        except (OSError, ValueError, KeyError, TypeError, ArithmeticError) as err:
             raise InvalidModel.because(folder, "transformers cannot load this model", err) from err
-        check_loading_report(folder, report, tied=model.config.tie_word_embeddings)
+        check_loading_report(folder, report, tied=model.config.tie_word_embeddings,
+                             num_layers=model.config.get_text_config().num_hidden_layers)
         return cls(model, name=Path(folder).name)
 
     @property

@@ -100,7 +100,8 @@ class LlamaConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            # (no heads: refused below by name, not a division by zero here)
+            head_dim=cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads else 0),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
             max_position=cfg.get("max_position_embeddings", 4096),
