@@ -10639,6 +10639,14 @@ MUTATIONS = (
     Mutation("native-config-of-no-heads-divides-by-zero", "src/decodekit/models/llama_weights.py",
              'cfg["hidden_size"] // heads if heads else 0)', 'cfg["hidden_size"] // heads)',
              ("tests/test_cache_integrity.py", "-k", "fewer_layers_than_the_weights")),
+    Mutation("bench-report-hides-passes-on-fewer-threads", "src/decodekit/bench/report.py",
+             "fewer, total = sum(c for n, c in passes.items() if n < machine[\"torch_threads\"]), sum(passes.values())",
+             "fewer, total = 0, sum(passes.values())", ("tests/test_bench.py", "-k", "fewer_threads")),
+    Mutation("bench-machine-threads-are-the-governors-last-choice", "src/decodekit/bench/results.py",
+             '"torch_threads": GOVERNOR.full_count(),', '"torch_threads": torch.get_num_threads(),',
+             ("tests/test_bench.py", "-k", "fewer_threads")),
+    Mutation("governor-counts-no-passes", "src/decodekit/models/threads.py",
+             "            self.passes[threads] += 1\n", "            pass\n", ("tests/test_threads.py", "-k", "counts_the_passes")),
 )
 
 

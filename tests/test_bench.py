@@ -1094,6 +1094,24 @@ def hand_results(**given) -> dict:
                        "max_new_tokens": 4, "repeats": 1, "methods": ["greedy", "spec"], "baselines": []}} | given
 
 
+def test_the_report_says_what_share_of_the_passes_ran_on_fewer_threads(monkeypatch):
+    """torch's count at the end of a run is the thread governor's last choice: the report gives the
+    machine's count, and the share of passes the governor ran on fewer where it did (a busy machine)."""
+    from decodekit.bench.report import machine_lines
+    from decodekit.bench.results import machine_info
+    from decodekit.models.threads import GOVERNOR
+
+    machine = hand_results()["machine"] | {"torch_threads": 2}
+    assert "with 2 threads;" in machine_lines(machine | {"passes_by_threads": {"2": 10}})[1]
+    assert "with 2 threads (25% of decodekit's passes on fewer: the machine was busy);" in \
+        machine_lines(machine | {"passes_by_threads": {"1": 5, "2": 15}})[1]
+    assert "with 2 threads;" in machine_lines(machine)[1]  # (a file written before the count was kept)
+    monkeypatch.setattr(GOVERNOR, "full_count", lambda: 7)  # (torch's count now may be a busy pass's 1)
+    info = machine_info(model="m", dtype="float32")
+    assert info["torch_threads"] == 7
+    assert info["passes_by_threads"] == {str(n): c for n, c in sorted(GOVERNOR.passes.items())}
+
+
 def table_row(table: str, name: str, markdown: bool = False) -> dict[str, str]:
     """A rendered table's row for one method, keyed by header."""
     lines = table.splitlines()

@@ -499,3 +499,13 @@ def test_a_pass_on_another_thread_does_not_pin_a_thread_to_the_count_the_governo
     ran.wait(10)
     other.join()
     assert governor.most == 2 and drive(governor, {2: 3.0, 1: 5.0}, 30)[-20:].count(2) >= 18
+
+
+def test_the_thread_governor_counts_the_passes_by_their_thread_count():
+    from decodekit.models.threads import ThreadGovernor
+
+    governor = ThreadGovernor(busy_elsewhere=lambda: None)
+    for _ in range(3):
+        with governor.governed("m", timed=False) as threads:
+            pass
+    assert governor.passes == {threads: 3}

@@ -107,11 +107,20 @@ def terminal_report(results: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def fewer_threads(machine: dict[str, Any]) -> str:
+    """What share of decodekit's passes the thread governor ran on fewer threads than the machine's
+    count (the machine was busy), said beside that count; nothing where every pass had them all."""
+    passes = {int(n): count for n, count in machine.get("passes_by_threads", {}).items()}
+    fewer, total = sum(c for n, c in passes.items() if n < machine["torch_threads"]), sum(passes.values())
+    return f" ({fewer / total:.0%} of decodekit's passes on fewer: the machine was busy)" if fewer else ""
+
+
 def machine_lines(machine: dict[str, Any]) -> list[str]:
     return [
         f"- CPU: {machine['cpu']} ({machine['usable_cores']} usable of {machine['logical_cores']} logical cores, "
         f"{machine['memory_gb']} GB RAM)",
-        f"- torch {machine['torch']} with {machine['torch_threads']} threads; transformers {machine['transformers']}; "
+        f"- torch {machine['torch']} with {machine['torch_threads']} threads{fewer_threads(machine)}; "
+        f"transformers {machine['transformers']}; "
         f"llama-cpp-python {machine['llama_cpp'] or 'not installed'}",
         f"- model {machine['model']}, dtype {machine['dtype']}, {machine.get('numerics', 'exact')} numerics; {machine['platform']}, Python {machine['python']}",
         f"- decodekit {machine.get('decodekit', 'unknown')} (the code that ran)",

@@ -9,7 +9,7 @@
       "config": {questions, methods, baselines, max_new_tokens, limit, categories, dtype, numerics, model,
                  repeats, all_turns, options},
       "machine": {cpu, logical_cores, usable_cores, memory_gb, platform, python, torch, torch_threads,
-                  transformers, llama_cpp, dtype, numerics, model},
+                  passes_by_threads {count: passes}, transformers, llama_cpp, dtype, numerics, model},
       "machines": [{host, pid, threads, units, questions [[repeat, question_id]], lost, machine}],
                                                   # only in a run on a Ray cluster: one per worker
       "notes": [str, ...],                        # skipped methods/baselines, failures, caveats
@@ -217,10 +217,16 @@ def code_version() -> str:
 def machine_info(*, model: str, dtype: str, numerics: str = "exact") -> dict[str, Any]:
     import torch
 
+    from ..models.threads import GOVERNOR
+
     return {
         "cpu": cpu_model(), "logical_cores": os.cpu_count(), "usable_cores": usable_cores(), "memory_gb": memory_gb(),
         "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(), "transformers": _version("transformers"),
+        # the count passes run on when the machine is quiet (torch's count now is the governor's
+        # last choice), and how many passes the governor ran on each count: fewer when it was busy
+        "torch_threads": GOVERNOR.full_count(),
+        "passes_by_threads": {str(n): count for n, count in sorted(GOVERNOR.passes.items())},
+        "transformers": _version("transformers"),
         "llama_cpp": _version("llama-cpp-python"), "dtype": dtype, "numerics": numerics, "model": model,
         "decodekit": code_version(),
     }

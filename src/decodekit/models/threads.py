@@ -39,6 +39,7 @@ import math
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -75,6 +76,7 @@ class ThreadGovernor:
         self._mine = threading.local()  # .count: the count it last set on this thread
         self.most = 1
         self.held: int | None = None  # set by hold(): every pass uses it, nothing is timed
+        self.passes: Counter[int] = Counter()  # the passes governed, by the thread count they ran on
         self._records: dict[Hashable, _Record] = {}
         self._lock = threading.Lock()
 
@@ -150,6 +152,8 @@ class ThreadGovernor:
         """Around a pass of model ``key``: choose its thread count and, for a ``timed`` one-token
         pass, report its time."""
         threads, probing = self.choose(key, timed)
+        with self._lock:
+            self.passes[threads] += 1
         t0 = time.perf_counter()
         yield threads
         if timed and self.enabled and self.held is None:
