@@ -75,7 +75,7 @@ def test_the_tokenizer_gives_what_auto_tokenizer_gives(name, specbench_prompts):
         pytest.skip(f"embedded model {name} is not installed")
     folder = resolve_model_folder(name)
     ours, auto = file_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
-    assert isinstance(ours, FileTokenizer)
+    assert isinstance(ours, FileTokenizer) and ours.bound is not None  # (a prompt far too long is refused untokenised)
     turn = "<|im_start|>user\nhi<|im_end|>" if name.startswith("smollm2") else "<start_of_turn>user\nhi<end_of_turn>"
     texts = [*specbench_prompts, "naïve café — 東京 🦊\n\ttabs  and  spaces", turn, "", "  lead", "\x00\x01 bytes"]
     for text in texts:

@@ -329,7 +329,7 @@ def composing_tokenizer(special: bool = False) -> FileTokenizer:
     from tokenizers import Tokenizer, models, normalizers
 
     vocab = {"<unk>": 0, "a": 1, "é": 2, "éé": 3, "éééé": 4}
-    rust = Tokenizer(models.BPE(vocab, [("é", "é"), ("éé", "éé")], unk_token="<unk>"))
+    rust = Tokenizer(models.BPE(vocab, [("é", "é"), ("éé", "éé")], unk_token="<unk>", byte_fallback=True))
     rust.normalizer = normalizers.NFC()
     if special:
         rust.add_special_tokens([SPECIAL])
@@ -345,7 +345,8 @@ TEXTS = [SPECIAL * 10, "the cat sat on the mat " * 40, "naïve café 🦊 " * 30
 def test_fewest_tokens_never_exceeds_the_tokens_a_text_makes(tmp_path, make):
     """fewest_tokens refuses a prompt before it is tokenised, so it must never count more tokens than
     the text makes: not for runs of the longest entries, special tokens in the text, or a normaliser
-    that shortens the text (NFC composing accents)."""
+    that shortens the text (NFC composing accents). AutoTokenizer's own Python may change the text
+    before its tokenizer reads it: no bound there."""
     tokenizer = {"file": lambda: file_tokenizer(tokenizer_folder(tmp_path / "tok")),
                  "auto": lambda: file_tokenizer(tokenizer_folder(tmp_path / "tok", add_bos_token=False)),
                  "gemma": lambda: file_tokenizer(gemma_folder(tmp_path / "gemma")),
@@ -354,11 +355,46 @@ def test_fewest_tokens_never_exceeds_the_tokens_a_text_makes(tmp_path, make):
     for text in TEXTS:
         assert 0 <= tokenizer.fewest_tokens(text) <= len(tokenizer.encode(text)), text[:20]
     long = "the cat sat on the mat " * 400
+    if make == "auto":
+        assert tokenizer.fewest_tokens(long) == 0 and tokenizer.surely_more_tokens(long, 1) is None
+        return
     assert tokenizer.fewest_tokens(long) >= len(long) // 32  # a bound, not 0
+    assert tokenizer.surely_more_tokens(long, 1) == tokenizer.fewest_tokens(long)
+    assert tokenizer.surely_more_tokens(long, len(long)) is None
     if make == "composing":  # the bound is as close as the text allows: 8 "é", two entries of four
         assert tokenizer.fewest_tokens("e\u0301" * 8) == len(tokenizer.encode("e\u0301" * 8)) == 2
     if make == "special":  # three special tokens, each the longest entry
         assert tokenizer.fewest_tokens(SPECIAL * 3) == len(tokenizer.encode(SPECIAL * 3)) == 3
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "unknown runs fused", "whitespace dropped", "lstrip token", "removed splits"])
+def test_a_tokenizer_that_can_make_fewer_tokens_than_the_bound_has_none(kind):
+    """Where one token can cover more than an entry's characters (a fused run of unknown characters,
+    WordPiece's [UNK] for a whole word), or characters vanish (a pre-tokenizer that drops whitespace,
+    an added token swallowing the spaces beside it), no bound is given: a prompt that fits is never
+    refused by a count it does not have."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from decodekit.models.tokenizer import TokenBound
+
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, "c": 3, "ab": 4, "abc": 5}
+    rust = {
+        "wordpiece": lambda: Tokenizer(models.WordPiece(vocab, unk_token="[UNK]")),
+        "unknown runs fused": lambda: Tokenizer(models.BPE(vocab, [("a", "b"), ("ab", "c")], unk_token="[UNK]",
+                                                            fuse_unk=True)),
+        "whitespace dropped": lambda: Tokenizer(models.BPE(vocab, [], unk_token="[UNK]", byte_fallback=True)),
+        "lstrip token": lambda: Tokenizer(models.BPE(vocab, [], unk_token="[UNK]", byte_fallback=True)),
+        "removed splits": lambda: Tokenizer(models.BPE(vocab, [], unk_token="[UNK]", byte_fallback=True)),
+    }[kind]()
+    if kind == "whitespace dropped":
+        rust.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(), pre_tokenizers.WhitespaceSplit()])
+    if kind == "lstrip token":
+        rust.add_special_tokens([AddedToken("<|end|>", lstrip=True, rstrip=True)])
+    if kind == "removed splits":
+        rust.pre_tokenizer = pre_tokenizers.Split(" ", "removed")
+    assert TokenBound.of(rust) is None
+    tokenizer = FileTokenizer(rust, {"unk_token": "[UNK]"}, None)
+    assert tokenizer.fewest_tokens("xyz" * 1000) == 0 and tokenizer.surely_more_tokens(" " * 9000, 8) is None
 
 
 def test_a_prompt_surely_past_the_context_is_refused_before_it_is_tokenised(tmp_path, monkeypatch):

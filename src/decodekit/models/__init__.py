@@ -36,8 +36,8 @@ class LoadedModel:
         if text is None:
             text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
         info = self.backend.info
-        fewest = self.tokenizer.fewest_tokens(text)
-        if fewest > info.max_length:  # refused before tokenising it: that would take a while
+        fewest = self.tokenizer.surely_more_tokens(text, info.max_length)
+        if fewest is not None:  # refused before tokenising it: that would take a while
             raise PromptTooLong(f"prompt of {len(text)} characters, at least {fewest} tokens, exceeds {info.length_limit()}")
         ids, prefix = self.tokenizer.encode(text), list(self.tokenizer.prompt_prefix)
         return ids if ids[: len(prefix)] == prefix else prefix + ids

@@ -7,7 +7,8 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from functools import cached_property, lru_cache
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,10 +34,18 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
 
+    #: What bounds the tokens of a text from below without tokenising it (None: nothing known).
+    bound: TokenBound | None = None
+
     def fewest_tokens(self, text: str) -> int:
         """A lower bound on ``len(self.encode(text))`` known without encoding it (0 where none is
         known): a prompt far past a model's context is refused before the work of tokenising it."""
-        return 0
+        return self.bound.fewest(text) if self.bound is not None else 0
+
+    def surely_more_tokens(self, text: str, limit: int) -> int | None:
+        """:meth:`fewest_tokens` where it is more than ``limit``, else None; worked out only where
+        the text's raw length allows it (normalising a long text holds the interpreter's lock)."""
+        return self.bound.past(text, limit) if self.bound is not None else None
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str | None:
         """The prompt text for a chat (generation prompt added), or None without a chat template."""
@@ -161,13 +170,6 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)
 
-    def fewest_tokens(self, text: str) -> int:
-        rust = getattr(self.hf, "backend_tokenizer", None)  # (a slow tokenizer has none)
-        return fewest_tokens(rust, text, self._longest_entry) if rust is not None else 0
-
-    @cached_property
-    def _longest_entry(self) -> int:
-        return longest_entry(self.hf.backend_tokenizer)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
@@ -213,6 +215,7 @@ class FileTokenizer(Tokenizer):
         self.eos_token_ids = frozenset(eos - {None})
         marked, plain = self._rust.encode("a").ids, self._rust.encode("a", add_special_tokens=False).ids
         self.prompt_prefix = special_prefix(marked, plain)
+        self.bound = TokenBound.of(rust)  # (read now: a large vocabulary takes a moment, not the first request's)
 
     def _id(self, name: str) -> int | None:
         return self._rust.token_to_id(self._special[name]) if name in self._special else None
@@ -222,12 +225,6 @@ class FileTokenizer(Tokenizer):
         # other requests go on while a long prompt is tokenised on another thread
         return self._rust.encode_batch([text], add_special_tokens=False)[0].ids
 
-    def fewest_tokens(self, text: str) -> int:
-        return fewest_tokens(self._rust, text, self._longest_entry)
-
-    @cached_property
-    def _longest_entry(self) -> int:
-        return longest_entry(self._rust)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._rust.decode(list(ids), skip_special_tokens=True)
@@ -250,20 +247,61 @@ class FileTokenizer(Tokenizer):
         return {t: added.content for t, added in self._rust.get_added_tokens_decoder().items() if added.special}
 
 
-def fewest_tokens(rust, text: str, longest: int) -> int:
-    """A lower bound on the tokens a ``tokenizers`` tokenizer makes of ``text``: its normalised text
-    (NFKC, say, may shorten it) over ``longest``, the most characters an entry of its vocabulary
-    holds (:func:`longest_entry`). Each token covers at most that many characters of the normalised
-    text: an entry of a byte-level vocabulary holds one character per byte, and a character is one
-    byte or more; an added token is matched whole."""
-    if rust.normalizer is not None:
-        text = rust.normalizer.normalize_str(text)
-    return -(-len(text) // longest)
+#: Pre-tokenizers that keep every character of the text in some piece (Split may drop its matches).
+KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation", "Sequence"})
 
 
-def longest_entry(rust) -> int:
-    """The most characters an entry of a ``tokenizers`` vocabulary (added tokens included) holds."""
-    return max(map(len, rust.get_vocab(with_added_tokens=True)), default=1) or 1
+@dataclass(frozen=True)
+class TokenBound:
+    """A lower bound on the tokens a ``tokenizers`` tokenizer makes of a text: its normalised text
+    (NFKC, say, may shorten it) over ``longest``, the most characters a vocabulary entry holds.
+
+    It holds where every character of the normalised text is covered by some token, none by more
+    than one entry's characters: a byte-level BPE (an entry holds one character per byte, and a
+    character is one byte or more) or a BPE or Unigram model with byte fallback, after a
+    pre-tokenizer that drops nothing, with no added token that swallows the whitespace beside it
+    (lstrip, rstrip). Elsewhere (an unknown-token model that folds a run of unknown characters into
+    one token, WordPiece, a pre-tokenizer that drops whitespace) there is no bound: :meth:`of`
+    gives None."""
+
+    normalizer: object | None
+    longest: int
+
+    @classmethod
+    def of(cls, rust) -> TokenBound | None:
+        spec = json.loads(rust.to_str())
+        model, pre = spec.get("model") or {}, spec.get("pre_tokenizer")
+        byte_level = any(node.get("type") == "ByteLevel" for node in _nodes(pre))
+        covered = (model.get("type") == "BPE" and (model.get("byte_fallback") or byte_level)
+                   or model.get("type") == "Unigram" and model.get("byte_fallback"))
+        keeping = all(node.get("type") in KEEPING_PRE_TOKENIZERS and node.get("behavior") != "Removed"
+                      for node in _nodes(pre))
+        swallowing = any(token.get("lstrip") or token.get("rstrip") for token in spec.get("added_tokens") or ())
+        if not covered or not keeping or swallowing:
+            return None
+        longest = max(map(len, rust.get_vocab(with_added_tokens=True)), default=0)
+        return cls(rust.normalizer, longest) if longest else None
+
+    def fewest(self, text: str) -> int:
+        if self.normalizer is not None:
+            text = self.normalizer.normalize_str(text)
+        return -(-len(text) // self.longest)
+
+    def past(self, text: str, limit: int) -> int | None:
+        """:meth:`fewest` where it is more than ``limit``; None without normalising a text whose raw
+        length could not make it so (a normaliser that lengthens it only loses this early refusal:
+        the exact count still refuses)."""
+        if -(-len(text) // self.longest) <= limit:
+            return None
+        fewest = self.fewest(text)
+        return fewest if fewest > limit else None
+
+
+def _nodes(pre_tokenizer: dict | None) -> list[dict]:
+    """A pre-tokenizer's parts, a Sequence's own included."""
+    if not pre_tokenizer:
+        return []
+    return [pre_tokenizer, *(node for part in pre_tokenizer.get("pretokenizers") or () for node in _nodes(part))]
 
 
 def _token_text(token) -> str:
