@@ -269,14 +269,14 @@ class TokenBound:
 
     @classmethod
     def of(cls, rust) -> TokenBound | None:
-        spec = json.loads(rust.to_str())
-        model, pre = spec.get("model") or {}, spec.get("pre_tokenizer")
+        # (from the parts, not the whole tokenizer as JSON: a 262k-token vocabulary takes a second so)
+        pre = json.loads(rust.pre_tokenizer.__getstate__()) if rust.pre_tokenizer is not None else None
+        kind, byte_fallback = type(rust.model).__name__, getattr(rust.model, "byte_fallback", False)
         byte_level = any(node.get("type") == "ByteLevel" for node in _nodes(pre))
-        covered = (model.get("type") == "BPE" and (model.get("byte_fallback") or byte_level)
-                   or model.get("type") == "Unigram" and model.get("byte_fallback"))
+        covered = kind == "BPE" and (byte_fallback or byte_level) or kind == "Unigram" and byte_fallback
         keeping = all(node.get("type") in KEEPING_PRE_TOKENIZERS and node.get("behavior") != "Removed"
                       for node in _nodes(pre))
-        swallowing = any(token.get("lstrip") or token.get("rstrip") for token in spec.get("added_tokens") or ())
+        swallowing = any(token.lstrip or token.rstrip for token in rust.get_added_tokens_decoder().values())
         if not covered or not keeping or swallowing:
             return None
         longest = max(map(len, rust.get_vocab(with_added_tokens=True)), default=0)
