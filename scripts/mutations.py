@@ -4543,8 +4543,7 @@ MUTATIONS = (
              "pass\n",
              ("tests/test_ray.py", "-k", "caller_initialised")),
     Mutation("hf-backend-trusts-made-up-weights", "src/decodekit/models/hf.py",
-             "        check_loading_report(folder, report, tied=model.config.tie_word_embeddings,\n"
-             "                             num_layers=model.config.get_text_config().num_hidden_layers)\n",
+             "        check_loading_report(folder, report, tied=model.config.tie_word_embeddings, num_layers=stored_layers(model.config))\n",
              "        pass\n",
              ("tests/test_cache_integrity.py", "-k", "hf_backend_refuses_weights")),
     Mutation("config-object-takes-any-value", "src/decodekit/models/llama_weights.py",
@@ -10627,7 +10626,7 @@ MUTATIONS = (
              "    refuse_layers_past(folder, state.keys(), native_config.num_layers)\n", "",
              ("tests/test_cache_integrity.py", "-k", "fewer_layers_than_the_weights")),
     Mutation("hf-loads-weights-past-the-configs-layers", "src/decodekit/models/hf.py",
-             '    refuse_layers_past(source, report.get("unexpected_keys", ()), num_layers)\n', "",
+             '        refuse_layers_past(source, report.get("unexpected_keys", ()), num_layers)\n', "        pass\n",
              ("tests/test_cache_integrity.py", "-k", "fewer_layers_than_the_weights")),
     Mutation("layers-past-counts-from-one", "src/decodekit/models/hf.py",
              "int(found.group(1)) >= num_layers]", "int(found.group(1)) > num_layers]",
@@ -10652,6 +10651,9 @@ MUTATIONS = (
              ("tests/test_tokenizer.py", "-k", "has_none")),
     Mutation("token-bound-takes-a-split-that-drops", "src/decodekit/models/tokenizer.py",
              ' and node.get("behavior") != "Removed"', "", ("tests/test_tokenizer.py", "-k", "has_none")),
+    Mutation("stored-layers-forget-the-prediction-layers", "src/decodekit/models/hf.py",
+             "    return layers + (extra if isinstance(extra, int) else 0)", "    return layers",
+             ("tests/test_cache_integrity.py", "-k", "prediction_layers")),
 )
 
 

@@ -713,6 +713,29 @@ def test_a_config_of_no_heads_or_of_fewer_layers_than_the_weights_is_one_clear_e
         build_backend(tmp_path, backend=backend)
 
 
+def test_the_layers_a_config_has_weights_for_count_its_prediction_layers_and_may_be_unknown():
+    """DeepSeek-V3's and GLM-4.5's checkpoints store their multi-token-prediction layers after the
+    decoder's (transformers leaves them unread, as it should): not layers past the config. A config
+    with no text part counts none, and no layer is refused for it."""
+    from types import SimpleNamespace
+
+    from decodekit.models.hf import check_loading_report, stored_layers
+
+    def config(**text):
+        return SimpleNamespace(get_text_config=lambda: SimpleNamespace(**text))
+
+    assert stored_layers(config(num_hidden_layers=2)) == 2
+    assert stored_layers(config(num_hidden_layers=61, num_nextn_predict_layers=1)) == 62
+    assert stored_layers(config(num_hidden_layers=46, num_mtp_layers=1)) == 47
+    assert stored_layers(config()) is None
+    assert stored_layers(SimpleNamespace(get_text_config=lambda: (_ for _ in ()).throw(ValueError("no text")))) is None
+    report = {"missing_keys": [], "mismatched_keys": [], "unexpected_keys": ["model.layers.61.eh_proj.weight"]}
+    check_loading_report(Path("m"), report, tied=True, num_layers=62)
+    check_loading_report(Path("m"), report, tied=True, num_layers=None)
+    with pytest.raises(InvalidModel, match="past the config's 61"):
+        check_loading_report(Path("m"), report, tied=True, num_layers=61)
+
+
 def test_a_model_folder_of_an_architecture_the_native_backend_lacks_runs_on_the_hf_backend(tmp_path):
     """backend "auto" (the default) picks the HF backend for a model_type with no native model."""
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -62,21 +62,38 @@ def quietly_loaded(load: Callable[[], T]) -> T:
             gguf_loading.tqdm = gguf_bar
 
 
-def check_loading_report(source: Path, report: dict, *, tied: bool, num_layers: int) -> None:
+def check_loading_report(source: Path, report: dict, *, tied: bool, num_layers: int | None) -> None:
     """Refuse a model transformers could load only by making weights up: a tensor the model needs
     and the file lacks (a damaged name, fewer layers than its config says) is initialised at
     random, without an error; one of another shape likewise. Layers past the config's
-    ``num_layers`` are left out unread, without an error: refused too."""
+    ``num_layers`` (:func:`stored_layers`; None: not known) are left out unread, without an error:
+    refused too."""
     missing = [k for k in report.get("missing_keys", ()) if not (tied and k == "lm_head.weight")]
     mismatched = [k for k, *_ in report.get("mismatched_keys", ())]
     if missing or mismatched:
         which = missing or mismatched
         raise InvalidModel(f"{source}: {len(which)} weight tensor(s) " + ("missing" if missing else "of the wrong shape")
                            + f" ({', '.join(listed(which))}): damaged weights")
-    refuse_layers_past(source, report.get("unexpected_keys", ()), num_layers)
+    if num_layers is not None:
+        refuse_layers_past(source, report.get("unexpected_keys", ()), num_layers)
 
 
-LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+def stored_layers(config) -> int | None:
+    """The layers a transformers config has weights for: its decoder layers, and the
+    multi-token-prediction layers some checkpoints store after them (DeepSeek-V3's, GLM-4.5's);
+    None where the config counts no layers of text."""
+    try:
+        text = config.get_text_config()
+    except (AttributeError, ValueError):  # (a config with no text part: transformers' ways of saying so)
+        return None
+    layers = getattr(text, "num_hidden_layers", None)
+    if not isinstance(layers, int):
+        return None
+    extra = getattr(text, "num_nextn_predict_layers", None) or getattr(text, "num_mtp_layers", None) or 0
+    return layers + (extra if isinstance(extra, int) else 0)
+
+
+LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d{1,9})\.")
 
 
 def refuse_layers_past(source: Path, names: Iterable[str], num_layers: int) -> None:
@@ -135,8 +152,7 @@ class HFBackend(Backend):
         # transformers' ways of refusing a folder (ArithmeticError: a config of no heads divides by zero)
         except (OSError, ValueError, KeyError, TypeError, ArithmeticError) as err:
             raise InvalidModel.because(folder, "transformers cannot load this model", err) from err
-        check_loading_report(folder, report, tied=model.config.tie_word_embeddings,
-                             num_layers=model.config.get_text_config().num_hidden_layers)
+        check_loading_report(folder, report, tied=model.config.tie_word_embeddings, num_layers=stored_layers(model.config))
         return cls(model, name=Path(folder).name)
 
     @property

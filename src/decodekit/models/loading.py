@@ -33,7 +33,7 @@ from ..errors import CacheError, InvalidModel, InvalidParameter, ModelNotFound, 
 from ..machine import available_memory
 from .backend import Backend
 from .cache import cache_root, cached_folder, file_digest, report, save_tensors
-from .hf import check_loading_report, quietly_loaded, refuse_layers_past
+from .hf import check_loading_report, quietly_loaded, refuse_layers_past, stored_layers
 
 if TYPE_CHECKING:
     from .kv_policy import KVPolicy
@@ -401,8 +401,7 @@ def dequantise(gguf: Path, folder: Path) -> None:
         tokenizer, model, loading_info = quietly_loaded(read)
     except Exception as err:  # the GGUF parser fails in many ways on a damaged file; all mean the same here
         raise InvalidModel.because(gguf, "cannot be read as a GGUF model", err) from err
-    check_loading_report(gguf, loading_info, tied=model.config.tie_word_embeddings,
-                         num_layers=model.config.get_text_config().num_hidden_layers)
+    check_loading_report(gguf, loading_info, tied=model.config.tie_word_embeddings, num_layers=stored_layers(model.config))
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     # a NaN or infinite scale in a block is damage no parser sees, and the native backend's attention
     # would not always show it (torch's flash attention gives a NaN row zeros): refused before caching
