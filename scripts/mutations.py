@@ -10589,7 +10589,7 @@ MUTATIONS = (
              "",
              ("tests/test_bench_serve.py", "-k", "out_that_is_a_file")),
     Mutation("bench-serve-timeout-watchdog-cuts-nothing", "src/decodekit/serve/load.py",
-             "            self.fired = True\n        shut(self._sock)\n",
+             "            self.fired = True\n            shut(self._sock)\n",
              "            self.fired = True\n",
              ("tests/test_bench_serve.py", "-k", "trickling")),
     Mutation("bench-serve-timeout-cut-said-as-a-disconnect", "src/decodekit/serve/load.py",

@@ -652,6 +652,7 @@ def test_execute_writes_results_report_and_png(executed):
     validate_results(loaded)  # the JSON Schema a run on Ray is checked against too
     assert loaded["summary"] == json.loads(json.dumps(results["summary"]))
     assert {"cpu", "torch_threads", "dtype", "model"} <= loaded["machine"].keys()
+    assert sum(loaded["machine"]["passes_by_threads"].values()) > 0  # the run's own passes, by thread count
     assert loaded["summary"]["hf_reference"] == "hf"
     assert loaded["summary"]["methods"]["hf"]["categories"]["overall"]["speedup_vs_hf"] == pytest.approx(1.0)
     report = (out / "report.md").read_text()
@@ -1110,6 +1111,7 @@ def test_the_report_says_what_share_of_the_passes_ran_on_fewer_threads(monkeypat
     info = machine_info(model="m", dtype="float32")
     assert info["torch_threads"] == 7
     assert info["passes_by_threads"] == {str(n): c for n, c in sorted(GOVERNOR.passes.items())}
+    assert machine_info(model="m", dtype="float32", passes={2: 3})["passes_by_threads"] == {"2": 3}
 
 
 def table_row(table: str, name: str, markdown: bool = False) -> dict[str, str]:

@@ -34,7 +34,7 @@ def save(folder: Path, schema: str, key: dict[str, Any], payload: dict[str, Any]
     folder.mkdir(parents=True, exist_ok=True)
     doc = {"schema": schema, "code": code_version(), "resume_key": key, "digest": digest(payload), **payload}
     tmp = folder / (CHECKPOINT + ".tmp")
-    tmp.write_text(json.dumps(doc, ensure_ascii=False))
+    tmp.write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
     os.replace(tmp, folder / CHECKPOINT)
 
 

@@ -130,14 +130,16 @@ def bench_config(plan: Plan) -> BenchConfig:
 
 def execute(plan: Plan, model, *, hf_model=None, progress: bool = True) -> dict[str, Any]:
     """Run the plan on a loaded model; write results.json, report.md and speedup.png; return the results."""
+    from ..models.threads import GOVERNOR
     from .results import code_version, machine_info
 
     code_version()  # fix the code stamp of this run's checkpoints and results now
+    before = GOVERNOR.passes.copy()  # (the process's passes so far are not this run's)
     contestants, notes = build_contestants(plan, model, hf_model=hf_model)
     notes = merged_notes(plan.notes, notes, plan.previous_notes)
     run_ = run_bench(contestants, plan.questions, model.prompt_ids, bench_config(plan), progress=progress,
                      previous=plan.previous, checkpoint=lambda records: save_checkpoint(plan, records, notes))
-    machine = machine_info(model=model.name, dtype=plan.dtype, numerics=plan.numerics)
+    machine = machine_info(model=model.name, dtype=plan.dtype, numerics=plan.numerics, passes=GOVERNOR.passes - before)
     return finish(plan, run_, notes, machine)
 
 

@@ -45,7 +45,7 @@ import json
 import os
 import platform
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cache
 from pathlib import Path
@@ -214,10 +214,13 @@ def code_version() -> str:
     return f"{decodekit.__version__}+{digest.hexdigest()[:12]}"
 
 
-def machine_info(*, model: str, dtype: str, numerics: str = "exact") -> dict[str, Any]:
+def machine_info(*, model: str, dtype: str, numerics: str = "exact", passes: Mapping[int, int] | None = None) -> dict[str, Any]:
+    """This machine and process; ``passes``: the run's passes by thread count (default: the process's)."""
     import torch
 
     from ..models.threads import GOVERNOR
+
+    passes = GOVERNOR.passes if passes is None else passes
 
     return {
         "cpu": cpu_model(), "logical_cores": os.cpu_count(), "usable_cores": usable_cores(), "memory_gb": memory_gb(),
@@ -225,7 +228,7 @@ def machine_info(*, model: str, dtype: str, numerics: str = "exact") -> dict[str
         # the count passes run on when the machine is quiet (torch's count now is the governor's
         # last choice), and how many passes the governor ran on each count: fewer when it was busy
         "torch_threads": GOVERNOR.full_count(),
-        "passes_by_threads": {str(n): count for n, count in sorted(GOVERNOR.passes.items())},
+        "passes_by_threads": {str(n): count for n, count in sorted(passes.items())},
         "transformers": _version("transformers"),
         "llama_cpp": _version("llama-cpp-python"), "dtype": dtype, "numerics": numerics, "model": model,
         "decodekit": code_version(),
@@ -319,7 +322,7 @@ def read_document(path: Path, schema: str, what: str, *, prefix: str = "", requi
     """A JSON object with ``"schema": schema`` (and the ``required`` keys) from an existing file;
     anything else is a one-line error naming ``what`` the file should have been."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise InvalidParameter(f"{prefix}{path}: not a JSON file ({err})") from None
     if not isinstance(data, dict) or data.get("schema") != schema or any(key not in data for key in required):

@@ -21,7 +21,7 @@ from ..bench import checkpoint
 from ..errors import InvalidParameter
 from .tasks import Task
 
-SCHEMA = "decodekit-eval-checkpoint/1"
+SCHEMA = "decodekit-eval-checkpoint/2"  # /2: each item's seconds, not the run's
 #: The fields every saved record has (runner.run_item), checked when a checkpoint is read.
 RECORD_KEYS = ("id", "output", "answer", "correct", "tokens_spent", "signal_tokens", "time_s", "signals")
 
@@ -73,7 +73,7 @@ def load(out: Path, key: dict[str, Any], task: Task) -> Progress:
                                "run without --resume")
     progress = Progress()
     for name, record in records.items():
-        index = int(name) if name.isdigit() else -1
+        index = int(name) if name.isascii() and name.isdigit() else -1  # ("²".isdigit(), and int() refuses it)
         if not (0 <= index < len(task.items) and isinstance(record, dict) and all(k in record for k in RECORD_KEYS)
                 and record["id"] == task.items[index].id):
             raise InvalidParameter(f"--resume: {path}: record {name!r} is not item {name}'s; run without --resume")

@@ -183,7 +183,7 @@ def make_scorer(spec: str | Callable[[str], float] | Scorer, judge_model: Loaded
     """A scorer from a name, a callable or a Scorer instance; ``judge_model`` goes with ``"judge"``
     alone (beside any other scorer it would be ignored, so it is refused)."""
     if judge_model is not None and not (isinstance(spec, str) and spec == "judge"):
-        shown = repr(spec) if isinstance(spec, str) else "a callable"
+        shown = repr(spec) if isinstance(spec, str) else type(spec).__name__ if isinstance(spec, Scorer) else "a callable"
         raise InvalidParameter(f"judge_model is the judge scorer's model; with scorer={shown} it would be ignored "
                                "(give scorer=judge too)", param="judge_model")
     if isinstance(spec, Scorer):

@@ -272,11 +272,11 @@ class Watchdog:
         self._timer.start()
 
     def _fire(self) -> None:
-        with self._lock:  # a request that has ended is not cut, nor said to be
+        with self._lock:  # a request that has ended is not cut, nor said to be (stop() waits for a cut under way)
             if self._stopped:
                 return
             self.fired = True
-        shut(self._sock)
+            shut(self._sock)
 
     def stop(self) -> None:
         """The request has ended: from now on the watchdog does nothing."""

@@ -58,6 +58,7 @@ async def read_body(request: Request, stopping: Callable[[], bool] = lambda: Fal
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise ApiError(413, f"the request body is {int(declared)} bytes, more than the {MAX_BODY_BYTES} this server reads")
     reading = asyncio.ensure_future(body_bytes(request))
+    reading.add_done_callback(lambda task: task.cancelled() or task.exception())  # (retrieved, whoever waits for it)
     try:
         while not (await asyncio.wait({reading}, timeout=BODY_WAIT_S))[0]:
             if stopping():
