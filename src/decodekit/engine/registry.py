@@ -18,6 +18,7 @@ from importlib.metadata import entry_points
 from typing import Any, Literal
 
 from ..errors import DecodeKitError, InvalidParameter, UnknownMethod, cause_line
+from ..models.kv_policy import parse_kv_cache
 from ..options import OptionSpec, parse_options
 from ..samplers.params import SAMPLER_OPTIONS
 from .core import Decoder, PlainDecoding, StepDecoder
@@ -165,6 +166,16 @@ def sequences_at_once(name: str, options: Mapping[str, Any]) -> int:
     """How many sequences method ``name`` with ``options`` decodes at once: a search's width (its
     ``n`` times ``expand``); 1 for every other family."""
     return math.prod(search_widths(name, options).values())
+
+
+def check_model_cache(name: str, options: Mapping[str, Any], decoder: Decoder, kv_cache: str) -> None:
+    """Refuse, before the model loads, a model cache (a ``--kv-cache`` spelling) that method ``name``
+    with ``options``, built as ``decoder``, cannot decode under: a search's sequences at once where
+    the cache holds one (a search under int8), or what the decoder itself refuses (kvdraft under a
+    cache it cannot draft for, :meth:`Decoder.check_kv_cache`)."""
+    policy = parse_kv_cache(kv_cache)
+    policy.check_sequences(sequences_at_once(name, options))
+    decoder.check_kv_cache(policy)
 
 
 def build_decoder(name: str, /, **options: Any) -> Decoder:

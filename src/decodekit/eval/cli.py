@@ -49,9 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, model=None) -> int:
     """Run the evaluation; ``model`` skips loading by name, for tests and notebooks: a LoadedModel,
     or with ``--ray`` a picklable callable that returns one (each worker calls it once)."""
-    from ..engine import method_spec, sequences_at_once
+    from ..engine import check_model_cache, method_spec
     from ..models import load_model
-    from ..models.kv_policy import parse_kv_cache
     from ..bench.checkpoint import CHECKPOINT
     from .checkpoint import Progress, resume_key
     from .checkpoint import load as load_checkpoint
@@ -87,9 +86,7 @@ def run(args: argparse.Namespace, model=None) -> int:
     if args.unconstrained and not any(item.constraint for item in task.items):
         raise InvalidParameter(f"--unconstrained: task {args.task!r} has no constraint to leave out")
     decoder = make_decoder(config, task)  # bad method or option: fail before loading the model
-    policy = parse_kv_cache(args.kv_cache)
-    policy.check_sequences(sequences_at_once(config.method, method_options(config, task)))
-    decoder.check_kv_cache(policy)
+    check_model_cache(config.method, method_options(config, task), decoder, args.kv_cache)
     if "pc" in config.signals and task.items:
         task.paraphrase(task.items[0], config.paraphrases)  # more than the task has: fail before loading
     recipe = functools.partial(load_model, args.model, backend=args.backend, dtype=args.dtype, numerics=args.numerics,

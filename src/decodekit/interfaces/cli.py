@@ -140,8 +140,7 @@ def decoding_params(args: argparse.Namespace) -> dict[str, Any]:
 def validate_decoding(args: argparse.Namespace) -> dict[str, Any] | None:
     """Reject a bad method, sampler value, option or constraint before the model is loaded; return
     the structured-output constraint, if any (:func:`constraint_from_args`)."""
-    from ..engine import build_decoder, make_sampler, method_spec, sequences_at_once, split_params, stop_strings
-    from ..models.kv_policy import parse_kv_cache
+    from ..engine import build_decoder, check_model_cache, make_sampler, method_spec, split_params, stop_strings
 
     method_spec(args.method)
     if args.max_new_tokens < 1:
@@ -149,10 +148,7 @@ def validate_decoding(args: argparse.Namespace) -> dict[str, Any] | None:
     stop_strings(args.stop)  # the engine's check, before the model loads
     sampler_params, options = split_params(decoding_params(args))
     make_sampler(args.method, sampler_params)
-    decoder = build_decoder(args.method, **options)
-    policy = parse_kv_cache(args.kv_cache)
-    policy.check_sequences(sequences_at_once(args.method, options))  # a search under int8
-    decoder.check_kv_cache(policy)  # kvdraft under a cache it cannot draft for
+    check_model_cache(args.method, options, build_decoder(args.method, **options), args.kv_cache)
     return constraint_from_args(args)
 
 

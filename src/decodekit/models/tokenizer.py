@@ -170,7 +170,6 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)
 
-
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
@@ -224,7 +223,6 @@ class FileTokenizer(Tokenizer):
         # encode_batch lets go of the interpreter's lock while it works (encode holds it): a server's
         # other requests go on while a long prompt is tokenised on another thread
         return self._rust.encode_batch([text], add_special_tokens=False)[0].ids
-
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._rust.decode(list(ids), skip_special_tokens=True)
