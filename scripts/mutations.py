@@ -611,7 +611,7 @@ MUTATIONS = (
              "heapq.heappush(queue, (child.value(self.how), next(order), child))", ("tests/test_search.py", "-k", "astar")),
     Mutation("aggregate-min-is-max", "src/decodekit/search/steps.py", "return min(scores)", "return max(scores)",
              ("tests/test_search.py", "-k", "aggregate")),
-    Mutation("cot-branches-on-eos", "src/decodekit/search/cot.py", '        processed[list(ctx.eos)] = float("-inf")\n', "",
+    Mutation("cot-branches-on-eos", "src/decodekit/search/cot.py", '        branches[list(ctx.eos)] = float("-inf")\n', "",
              ("tests/test_search.py", "-k", "cot")),
     Mutation("batch-rows-past-max-rows", "src/decodekit/models/batching.py",
              "if batch and taken + len(job.tokens) > self.max_rows:", "if False:", ("tests/test_batching.py", "-k", "waits_for_every")),
@@ -8324,7 +8324,7 @@ MUTATIONS = (
              '"query_pre_attn_scalar": 256, "sliding_window": 4096,', '"query_pre_attn_scalar": 256, "sliding_window": 0,',
              ('tests/test_gemma3.py', '-k', 'leaves_a_key_out')),
     Mutation("cot-branches-on-first-tokens-the-sampler-ruled-out", "src/decodekit/search/cot.py",
-             "k = min(self.k, int(processed.isfinite().sum()))", "k = self.k",
+             "k = min(self.k, int(branches.isfinite().sum()))", "k = self.k",
              ("tests/test_search.py", "-k", "cot_branches_only_on_first_tokens")),
     Mutation("cot-reports-the-highest-delta-not-the-chosen-paths", "src/decodekit/search/cot.py",
              'signals["delta"] = deltas[index]', 'signals["delta"] = max(deltas)',
@@ -10657,6 +10657,12 @@ MUTATIONS = (
     Mutation("cli-checks-no-model-cache-before-loading", "src/decodekit/interfaces/cli.py",
              "    check_model_cache(args.method, options, build_decoder(args.method, **options), args.kv_cache)\n",
              "    build_decoder(args.method, **options)\n", ("tests/test_bad_input.py", "-k", "kvdraft_under")),
+    Mutation("cot-branches-on-a-removed-token-when-only-eos-is-left", "src/decodekit/search/cot.py",
+             "return [int(processed.argmax())]", "return branches.topk(1).indices.tolist()",
+             ("tests/test_search.py", "-k", "cot")),
+    Mutation("beam-relative-pruning-floor-too-low", "src/decodekit/search/beam.py",
+             "(math.log(self.prune) if self.prune > 0", "(2 * math.log(self.prune) if self.prune > 0",
+             ("tests/test_search.py", "-k", "pruning")),
 )
 
 

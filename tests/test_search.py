@@ -289,6 +289,16 @@ def test_full_relative_pruning_keeps_only_the_best_candidate(tiny):
     assert pruned.tokens == plain.tokens
 
 
+@pytest.mark.parametrize("ratio, kept", [(0.5, ["a"]), (0.3, ["a", "b"])])
+def test_relative_pruning_drops_candidates_below_the_ratio_of_the_best(ratio, kept):
+    """Freitag & Al-Onaizan's relative threshold: after "p", "b" has e^-1 (0.37) of "a"'s
+    probability, so rp = 0.5 drops it and rp = 0.3 keeps it."""
+    model = bigram_model({"p": {"a": 1.0, "b": 0.0}, "a": {"": 10.0}, "b": {"": 10.0}})
+    beam = build_decoder("beam", n=2, length_penalty=0.0, prune_ratio=ratio)
+    g = beam.generate(model, request(model, "p", method="beam", max_new=5))
+    assert [c["text"] for c in g.extra["candidates"]] == kept
+
+
 def test_beam_ranks_candidates_by_gnmt_normalised_score(tiny):
     g = Engine(tiny).generate("hi", method="beam", n=3, length_penalty=1.0, max_new_tokens=12, chat=False)
     scores = [c["score"] for c in g.extra["candidates"]]
@@ -594,6 +604,22 @@ def test_cot_branches_only_on_first_tokens_the_sampler_leaves_possible():
     g = build_decoder("cot", n=3).generate(model, request(model, "p", method="cot", max_new=5, top_k=2))
     assert [p["first_token"] for p in g.extra["candidates"]] == ["a", "b"]
     assert g.text == "b2"
+
+
+def test_cot_with_only_an_end_of_text_left_returns_the_empty_answer():
+    """Where the sampler (top_k=1) leaves only EOS possible first, there is no first token to branch
+    on: the one path is the empty answer, never a token the sampler removed (a top-k of an all -inf
+    row gives id 0, here a character; EOS is put elsewhere so that the two differ)."""
+    tokenizer = CharTokenizer(96)
+    tokenizer.eos_token_ids = frozenset({cid("z")})
+    table = torch.full((96, 96), -30.0)
+    table[cid("p"), cid("z")], table[cid("p"), cid("a")] = 9.0, 5.0
+    table[0, cid("q")] = table[cid("a"), cid("z")] = table[cid("q"), cid("z")] = 10.0
+    model = LoadedModel(BigramBackend(table), tokenizer, "bigram")
+    req = Request(tokenizer.encode("p"), make_sampler("cot", {"seed": 0, "top_k": 1}), 3)
+    g = build_decoder("cot", n=3).generate(model, req)
+    assert g.tokens == [] and g.text == "" and g.finish_reason == "eos"
+    assert len(g.extra["candidates"]) == 1
 
 
 def test_cot_aggregate_reports_the_confidence_of_the_path_it_returns():

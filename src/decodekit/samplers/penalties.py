@@ -58,7 +58,8 @@ class RepetitionPenalty(_HistoryPenalty):
     """Repetition penalty (Keskar et al., 2019, "CTRL: A Conditional Transformer Language Model for
     Controllable Generation"): for every token present in the (windowed) history, prompt included,
     a positive logit is divided by r and a negative one multiplied by r, however often the token
-    occurred. r > 1 discourages repeats, r < 1 encourages them."""
+    occurred. r > 1 discourages repeats, r < 1 encourages them. The sign rule is Hugging Face's
+    (as in llama.cpp and vLLM): CTRL divides every such logit by r, which raises a negative one."""
 
     name = "repetition_penalty"
 

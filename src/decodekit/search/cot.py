@@ -1,6 +1,7 @@
 """CoT-decoding (Wang & Zhou, 2024, "Chain-of-Thought Reasoning Without Prompting").
 
-Branch on the top-k first tokens (EOS excluded), continue every branch greedily (one batch of k
+Branch on the top-k first tokens (EOS excluded; where the sampler leaves only EOS, the one path is
+the empty answer), continue every branch greedily (one batch of k
 rows), and return the path with the highest answer confidence
 Δ = mean over the answer tokens of (p_top1 − p_top2), from the raw model distribution.
 Answer span (our choice, as the paper leaves it task-specific): with ``answer='number'`` or
@@ -100,6 +101,9 @@ class CoTDecoding(Decoder):
         logits = ctx.cache.fork(ctx.prompt, 1)
         history = Histories([ctx.prompt], len(ctx.prompt)) if ctx.request.sampler.needs_history else None
         processed = ctx.request.sampler.process(logits, history)[0]
-        processed[list(ctx.eos)] = float("-inf")
-        k = min(self.k, int(processed.isfinite().sum()))
-        return processed.topk(max(k, 1)).indices.tolist()
+        branches = processed.clone()
+        branches[list(ctx.eos)] = float("-inf")
+        k = min(self.k, int(branches.isfinite().sum()))
+        if k == 0:  # the sampler leaves nothing but an end of text: the one path is the empty answer
+            return [int(processed.argmax())]
+        return branches.topk(k).indices.tolist()
