@@ -10663,6 +10663,13 @@ MUTATIONS = (
     Mutation("beam-relative-pruning-floor-too-low", "src/decodekit/search/beam.py",
              "(math.log(self.prune) if self.prune > 0", "(2 * math.log(self.prune) if self.prune > 0",
              ("tests/test_search.py", "-k", "pruning")),
+    Mutation("per-head-compaction-leaves-the-keys-behind", "src/decodekit/models/native.py",
+             "                for cache in (self._k, self._v):\n                    cache[:, :, :, :n] = cache[:, :, :, : self._slots].gather(3, index)",
+             "                for cache in (self._v,):\n                    cache[:, :, :, :n] = cache[:, :, :, : self._slots].gather(3, index)",
+             ("tests/test_kv_policy.py", "-k", "h2o or snapkv")),
+    Mutation("kivi-zero-span-divides-by-zero", "src/decodekit/models/kivi.py",
+             "inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))", "inverse = 1.0 / scale",
+             ("tests/test_kv_policy.py", "-k", "kivi_codes")),
 )
 
 

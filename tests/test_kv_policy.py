@@ -213,6 +213,12 @@ def test_snapkv_ranks_by_the_observation_windows_attention(hidden):
         # near-ties may order differently under float rounding: compare where the scores are apart
         assert (got == want).float().mean() > 0.95, layer
         assert got[:, -6:].tolist() == [list(range(34, 40))] * backend.config.num_kv_heads
+    # each kept slot holds the key and value the full cache holds for the token it names
+    full = tiny_llama(seed=6, hidden_size=hidden)
+    full.prefill(ids)
+    index = backend._held[:, :, :20, None].expand(-1, -1, -1, full._k.shape[-1])
+    assert torch.allclose(backend._k[:, 0, :, :20], full._k[:, 0].gather(2, index), atol=1e-5)  # (its prefill may differ in rounding)
+    assert torch.allclose(backend._v[:, 0, :, :20], full._v[:, 0].gather(2, index), atol=1e-5)
     # a generated token is kept, as every later one (SnapKV compresses the prompt only)
     for _ in range(30):
         backend.step(torch.tensor([1]))
@@ -231,7 +237,8 @@ class Recorder:
 
         def compact():
             slots = backend.slots
-            held, mass, v = backend._held[..., :slots].clone(), backend._mass[..., :slots].clone(), backend._v[:, 0, :, :slots].clone()
+            held, mass = backend._held[..., :slots].clone(), backend._mass[..., :slots].clone()
+            k, v = backend._k[:, 0, :, :slots].clone(), backend._v[:, 0, :, :slots].clone()
             original()
             keep = self.rule(slots, mass)
             if keep.dim() == 1:
@@ -242,6 +249,8 @@ class Recorder:
             assert torch.equal(backend._mass[..., :n], mass.gather(2, keep))  # each keeps the attention it received
             index = keep[..., None].expand(-1, -1, -1, v.shape[-1])
             assert torch.equal(backend._v[:, 0, :, :n], v.gather(2, index))  # values move untouched
+            if not backend.kv_policy.reassigns_positions:  # (StreamingLLM's keys turn: its test checks them)
+                assert torch.equal(backend._k[:, 0, :, :n], k.gather(2, index))  # keys with their values
             self.count += 1
 
         backend._compact = compact
@@ -754,6 +763,9 @@ def test_kivi_codes_are_within_half_a_step_per_channel_group_and_per_token(bits)
     assert bool(((values - x).abs() <= step / 2 + 1e-6).all())
     # per channel, not per token: a key channel's error is bounded by its own span, however large another's is
     assert (keys - x)[..., 0].abs().max() < 0.1 / levels * 4
+    # a span of 0 has no step: every code is 0 (the code is the minimum), never 1 / 0's infinity or a NaN cast
+    from decodekit.models.kivi import _codes
+    assert _codes(torch.tensor([2.0]), torch.tensor([0.0]), torch.tensor([1.0]), bits).tolist() == [0]
 
 
 def test_a_kivi_store_refuses_head_sizes_it_cannot_pack_and_part_groups():
