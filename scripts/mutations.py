@@ -10670,6 +10670,19 @@ MUTATIONS = (
     Mutation("kivi-zero-span-divides-by-zero", "src/decodekit/models/kivi.py",
              "inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))", "inverse = 1.0 / scale",
              ("tests/test_kv_policy.py", "-k", "kivi_codes")),
+    Mutation("realised-speed-leaves-out-the-drafting-time", "src/decodekit/speculative/loop.py",
+             "self.controller.observe_step(len(produced), t2 - t0)", "self.controller.observe_step(len(produced), t2 - t1)",
+             ("tests/test_speculative.py", "-k", "times_drafting")),
+    Mutation("verify-time-counts-the-drafting", "src/decodekit/speculative/loop.py",
+             "self.verify_s += t2 - t1", "self.verify_s += t2 - t0", ("tests/test_speculative.py", "-k", "times_drafting")),
+    Mutation("drafting-cost-is-the-last-calls", "src/decodekit/speculative/controller.py",
+             "learnt.draft_seconds += self.ema * (seconds - learnt.draft_seconds)", "learnt.draft_seconds = seconds",
+             ("tests/test_speculative.py", "-k", "moving_average")),
+    Mutation("mean-accepted-counts-plain-steps", "src/decodekit/speculative/loop.py",
+             "round((self.accepted + steps) / steps, 3)", "round((self.accepted + steps + self.plain_steps) / steps, 3)",
+             ("tests/test_speculative.py", "-k", "stats_record")),
+    Mutation("auto-counts-an-arms-pulls-once", "src/decodekit/speculative/drafters/bandit.py",
+             "self.pulls[self.chosen] += 1", "self.pulls[self.chosen] = 1", ("tests/test_speculative.py", "-k", "arm_pulls")),
 )
 
 

@@ -143,6 +143,9 @@ def test_stats_record_the_speculative_figures(engines):
     # produced tokens: the first (from the prefill logits) + (accepted + bonus) per verification + plain steps
     produced = 1 + round(extra["mean_accepted"] * extra["verifications"]) + extra["plain_steps"]
     assert produced >= g.stats.new_tokens
+    # Spec-Bench's mean accepted tokens: accepted drafts and the bonus, per verification (plain steps are not counted)
+    assert extra["plain_steps"] > 0  # (the set-up the next line needs to tell the two apart)
+    assert extra["mean_accepted"] == round((extra["accepted"] + extra["verifications"]) / extra["verifications"], 3)
     assert set(extra.get("accepted_by_source", {})) <= {"pld:1", "pld:2", "pld:3", "recycling", "suffix", "suffix:corpus"}
 
 
@@ -1603,7 +1606,47 @@ def test_a_composite_drafter_begins_updates_and_finishes_each_of_its_drafters_on
 
 def test_auto_reports_its_arm_pulls(engines):
     g = engines[0].generate(PROMPTS[1], method="auto", max_new_tokens=30, chat=False, budget=6)
-    assert sum(g.stats.extra["arm_pulls"].values()) >= 1
+    assert sum(g.stats.extra["arm_pulls"].values()) >= max(1, g.stats.extra["verifications"])  # a draft each
+
+
+class _ClockedDrafter(Drafter):
+    """Proposes token 1 twice; each call takes ``seconds`` of the fake clock the test gives the loop."""
+
+    name = "clocked"
+
+    def __init__(self, clock: SimpleNamespace, seconds: float):
+        self.clock, self.seconds = clock, seconds
+
+    def draft(self, state, budget):
+        self.clock.now += self.seconds
+        return DraftTree.chain([1] * min(budget, 2), self.name)
+
+
+def test_speculation_times_drafting_and_verification_apart(monkeypatch):
+    """On a clock that only drafting moves: the draft time is every draft call's, the verification
+    time none of it, and each step the controller judges (tokens per second against plain decoding)
+    costs its draft and its verification together."""
+    import decodekit.speculative.loop as loop_module
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(loop_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    controller, steps = Controller(4, budget=4), []
+    observe_step = controller.observe_step
+    monkeypatch.setattr(controller, "observe_step", lambda tokens, seconds: (steps.append(seconds), observe_step(tokens, seconds)))
+    method = SpeculativeMethod(_ClockedDrafter(clock, 100.0), controller)
+    g = StepDecoder(method).generate(tiny(3), Request(list(range(1, 9)), Sampler(greedy=True), 12))
+    extra = g.stats.extra
+    assert extra["verifications"] > 0 and extra["draft_s"] == 100.0 * extra["verifications"]
+    assert extra["verify_s"] == 0.0
+    assert steps == [100.0] * extra["verifications"]
+
+
+def test_the_drafting_cost_is_a_moving_average_of_the_calls():
+    controller = Controller(8, cost_table={1: 1.0, 2: 1.1})
+    controller.observe_draft(4, 0.4)
+    controller.observe_draft(4, 0.0)  # one fast call does not make drafting look free
+    assert controller.learnt.draft_seconds == pytest.approx(0.4 + controller.ema * (0.0 - 0.4))
+    assert controller.learnt.draft_calls == 2
 
 
 def test_realised_speed_below_plain_decoding_vetoes_drafting_until_it_pays_again():
