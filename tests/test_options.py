@@ -432,6 +432,26 @@ def test_a_plugins_bad_registration_is_refused_at_once_and_leaves_the_registry_w
         registry.method_spec("pdl")
 
 
+def test_a_plugin_build_that_returns_no_decoder_is_one_line(monkeypatch):
+    """register_method cannot call a builder (its options come with each request): what it returns
+    is checked where it is built, before the engine calls a method of it."""
+    from decodekit.engine import Engine
+    from decodekit.models import CharTokenizer, LoadedModel
+    from decodekit.models.tiny import tiny_llama
+
+    def build_nothing(**options):
+        return None
+
+    build_nothing.__module__ = "package_a.methods"
+    monkeypatch.setattr(registry, "_METHODS", dict(registry.available_methods()))
+    registry.register_method("returns-none", build_nothing, "a plugin's mistake", lossless=True, family="plain")
+    engine = Engine(LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny"))
+    with pytest.raises(InvalidParameter, match=r"^method 'returns-none': its build \(package_a\.methods\) returned "
+                                               r"NoneType, not a decodekit Decoder$"):
+        engine.generate("hi", method="returns-none", max_new_tokens=2, chat=False)
+    assert engine.generate("hi", max_new_tokens=2, chat=False).tokens  # the engine goes on
+
+
 def test_a_partials_method_belongs_to_the_module_of_the_function_inside(monkeypatch):
     """A builder made with functools.partial is the package's whose function it wraps (a partial's
     own module is functools'): one package's partial cannot replace another package's method."""

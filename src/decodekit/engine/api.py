@@ -28,7 +28,9 @@ def make_sampler(method: str, params: Mapping[str, Any], constraint: LogitsProce
     given, "never" decodes greedily and refuses a positive temperature. Plain greedy decoding, and a
     speculative method decoding greedily, refuse truncation samplers too (``top_p``, ``top_k``, ...):
     they take the most likely token, so those would be ignored (a search's greedy paths do read
-    them: CoT-decoding branches on the first tokens they leave). ``constraint`` (a compiled
+    them: CoT-decoding branches on the first tokens they leave). An explicit temperature of 0 is
+    greedy decoding as OpenAI's API defines it, with no refusal: its clients send ``top_p`` with every
+    request. ``constraint`` (a compiled
     structured-output mask) runs before every other processor."""
     params = {k: v for k, v in params.items() if v is not None}
     spec = method_spec(method)

@@ -181,7 +181,12 @@ def check_model_cache(name: str, options: Mapping[str, Any], decoder: Decoder, k
 def build_decoder(name: str, /, **options: Any) -> Decoder:
     """Method ``name``'s decoder with ``options`` checked (``name`` is positional only: an option
     may be called ``name`` too, and is then checked as any other)."""
-    return method_spec(name).build(**validate_options(name, options))
+    spec = method_spec(name)
+    decoder = spec.build(**validate_options(name, options))
+    if not isinstance(decoder, Decoder):  # a plugin's build, which register_method can only call later
+        raise InvalidParameter(f"method {name!r}: its build ({_module_of(spec.build)}) returned {type(decoder).__name__}, "
+                               "not a decodekit Decoder")
+    return decoder
 
 
 def plain_decoder() -> Decoder:
