@@ -10683,6 +10683,8 @@ MUTATIONS = (
              ("tests/test_speculative.py", "-k", "stats_record")),
     Mutation("auto-counts-an-arms-pulls-once", "src/decodekit/speculative/drafters/bandit.py",
              "self.pulls[self.chosen] += 1", "self.pulls[self.chosen] = 1", ("tests/test_speculative.py", "-k", "arm_pulls")),
+    Mutation("a-plugins-build-is-trusted-to-return-a-decoder", "src/decodekit/engine/registry.py",
+             "    if not isinstance(decoder, Decoder):", "    if False:", ("tests/test_options.py", "-k", "plugin")),
 )
 
 
