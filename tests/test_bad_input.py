@@ -388,6 +388,48 @@ def test_chat_writes_answer_by_answer_to_stdout_and_skips_a_line_that_is_not_utf
     assert out[0] == "ok hello\nok world\n"
 
 
+@pytest.mark.parametrize("line_end", [b"\n", b""])
+def test_chat_drops_a_line_longer_than_it_reads_and_goes_on(capsys, monkeypatch, line_end):
+    """A line past the cap on standard input (input without end would fill the memory) is read to its
+    end, not sent, and the chat goes on with the next line; one at the cap is sent."""
+    monkeypatch.setattr(cli, "MAX_STDIN_BYTES", 64)
+    typed = b"x" * 64 + b"\n" + b"y" * 200 + line_end + (b"hello\n" if line_end else b"")
+    sent, err = chat(capsys, monkeypatch, "", stdin=io.TextIOWrapper(io.BytesIO(typed), encoding="utf-8"))
+    assert sent == ["x" * 64, "hello"][: 2 if line_end else 1]
+    assert err.count("the line is more than 0 MiB") == 1 and err.count("not sent") == 1
+
+
+def test_a_prompt_on_standard_input_past_the_cap_is_refused_unread(monkeypatch):
+    """Standard input is read up to the cap and one byte: input without end (`< /dev/zero`) is one
+    line, not a process that fills the memory."""
+    monkeypatch.setattr(cli, "MAX_STDIN_BYTES", 64)
+
+    class Endless(io.RawIOBase):
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer) -> int:
+            buffer[:] = b"z" * len(buffer)
+            return len(buffer)
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BufferedReader(Endless())))
+    with pytest.raises(InvalidParameter, match="^standard input holds more than 0 MiB: more text than"):
+        cli.read_prompt(None)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"w" * 64)))
+    assert cli.read_prompt(None) == "w" * 64
+
+
+def test_json_output_is_escaped_where_standard_output_is_not_utf8(monkeypatch, tiny_cli, engine):
+    """--json under a Latin-1 or ASCII standard output writes \\u escapes, not the '?' that plain text
+    gets there: the record stays true to its tokens."""
+    monkeypatch.setattr(engine, "generate", lambda prompt, **kwargs: SimpleNamespace(as_dict=lambda: {"text": "中 café"}))
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="latin-1"))
+    assert cli.main(["generate", "hi", "--json"]) == 0
+    sys.stdout.flush()
+    assert json.loads(raw.getvalue().decode("latin-1")) == {"text": "中 café"}
+
+
 def test_chat_prompts_a_person_at_a_terminal_on_stderr(capsys, monkeypatch):
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

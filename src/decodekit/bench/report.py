@@ -189,7 +189,7 @@ def explanations(summary: dict[str, Any]) -> list[str]:
 
 def write_report(results: dict[str, Any], path: Path, image: str | None = "speedup.png") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(markdown_report(results, image))
+    path.write_text(markdown_report(results, image), encoding="utf-8")
     return path
 
 

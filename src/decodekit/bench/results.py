@@ -171,7 +171,7 @@ def summarize(records: Sequence[dict[str, Any]], contestants: Sequence[dict[str,
 
 def cpu_model() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
             if line.lower().startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
@@ -181,7 +181,7 @@ def cpu_model() -> str:
 
 def memory_gb() -> float | None:
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines():
             if line.startswith("MemTotal:"):
                 return round(int(line.split()[1]) / 1024**2, 1)
     except (OSError, ValueError):
@@ -314,7 +314,7 @@ def validate_results(results: dict[str, Any]) -> None:
 
 def write_results(results: dict[str, Any], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1, ensure_ascii=False))
+    path.write_text(json.dumps(results, indent=1, ensure_ascii=False), encoding="utf-8")
     return path
 
 

@@ -60,7 +60,8 @@ class LongContextConfig:
 
 def document_tokens(tokenizer, needed: int) -> list[int]:
     """At least ``needed`` tokens of the Spec-Bench questions' texts, concatenated (repeated if short)."""
-    texts = [turn for line in data_file(SPEC_BENCH_QUESTIONS).read_text().splitlines() for turn in json.loads(line)["turns"]]
+    lines = data_file(SPEC_BENCH_QUESTIONS).read_text(encoding="utf-8").splitlines()
+    texts = [turn for line in lines for turn in json.loads(line)["turns"]]
     ids: list[int] = []
     while len(ids) < needed:
         ids += tokenizer.encode("\n\n".join(texts) + "\n\n")
@@ -214,7 +215,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def write(result: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "report.md").write_text(markdown(result))
+    (out / "results.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    (out / "report.md").write_text(markdown(result), encoding="utf-8")
     plot(result, out / "plot.png")
     return [out / "report.md", out / "results.json", out / "plot.png"]

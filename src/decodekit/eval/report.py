@@ -18,8 +18,8 @@ CALIBRATION_SIGNALS = {"agreement": lambda v: v, "pc": lambda v: v, "phi_first":
 def write_report(result: dict[str, Any], out: Path, header: dict[str, Any]) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     result = {**header, **result}
-    (out / "results.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
-    (out / "report.md").write_text(markdown(result))
+    (out / "results.json").write_text(json.dumps(result, indent=1, ensure_ascii=False), encoding="utf-8")
+    (out / "report.md").write_text(markdown(result), encoding="utf-8")
     paths = [out / "report.md", out / "results.json"]
     if result["records"]:
         plot(result, out / "plot.png")

@@ -4,6 +4,7 @@ train-drafter, cache."""
 from __future__ import annotations
 
 import argparse
+import codecs
 import errno
 import json
 import os
@@ -169,6 +170,11 @@ def silence_stdout() -> None:
         pass
 
 
+#: Standard input past this many bytes is refused, read no further: more text than any model's context
+#: holds (ten million tokens at four bytes a token is 40 MB), and input without end would fill the memory.
+MAX_STDIN_BYTES = 64 << 20
+
+
 def read_prompt(prompt: str | None) -> str:
     """The prompt argument, or standard input for none or ``-`` (which must be UTF-8 text), less its
     final newlines, as ``"$(cat file)"`` gives it: a code prompt keeps its leading indentation."""
@@ -179,7 +185,10 @@ def read_prompt(prompt: str | None) -> str:
     if sys.stdin is None or sys.stdin.isatty():
         raise InvalidParameter("no prompt: give one as an argument or on standard input")
     if hasattr(sys.stdin, "buffer"):
-        data = sys.stdin.buffer.read()
+        data = sys.stdin.buffer.read(MAX_STDIN_BYTES + 1)
+        if len(data) > MAX_STDIN_BYTES:
+            raise InvalidParameter(f"standard input holds more than {MAX_STDIN_BYTES >> 20} MiB: more text than a "
+                                   "model's context window holds")
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as err:
@@ -209,8 +218,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         constraint=constraint,
         **decoding_params(args),
     )
-    if args.json:
-        print(json.dumps(result.as_dict(), ensure_ascii=False))
+    if args.json:  # escaped where standard output's encoding is not UTF-8: machine-readable, nothing lost
+        print(json.dumps(result.as_dict(), ensure_ascii=not writes_utf8(sys.stdout)))
     elif stream:
         print()
     else:
@@ -249,11 +258,20 @@ def check_room_for_a_message(engine, max_new_tokens: int) -> None:
 def read_chat_line() -> str | None:
     """The next line of standard input, None at its end. Its bytes are read as UTF-8 whatever the
     locale or PYTHONIOENCODING says (as ``generate`` reads its prompt), one line at a time, so a line
-    that is not UTF-8 (a UnicodeError) loses that line alone. A text stream without bytes (a test's)
-    is taken as it is, a lone surrogate in it standing for a byte that was not UTF-8."""
-    raw = sys.stdin.buffer.readline() if hasattr(sys.stdin, "buffer") else sys.stdin.readline()
+    that is not UTF-8 (a UnicodeError) loses that line alone, and so does a line past
+    :data:`MAX_STDIN_BYTES` (an InvalidParameter, once the rest of it is read and dropped). A text
+    stream without bytes (a test's) is taken as it is, a lone surrogate in it standing for a byte
+    that was not UTF-8."""
+    stream = sys.stdin.buffer if hasattr(sys.stdin, "buffer") else sys.stdin
+    raw = stream.readline(MAX_STDIN_BYTES + 2)  # the cap, one more, and the line's end
     if not raw:
         return None
+    line_end = b"\n" if isinstance(raw, bytes) else "\n"
+    if len(raw) - raw.endswith(line_end) > MAX_STDIN_BYTES:
+        while raw and not raw.endswith(line_end):  # the rest of the line
+            raw = stream.readline(1 << 20)
+        raise InvalidParameter(f"the line is more than {MAX_STDIN_BYTES >> 20} MiB: more text than a model's "
+                               "context window holds")
     line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
     line.encode("utf-8")  # a lone surrogate: UnicodeEncodeError
     return line
@@ -277,6 +295,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             line = read_chat_line()
         except UnicodeError:  # that line only: the conversation goes on
             print("decodekit: the line is not valid UTF-8; not sent", file=sys.stderr)
+            continue
+        except InvalidParameter as err:  # (a line too long to read)
+            print(f"decodekit: {err}; not sent", file=sys.stderr)
             continue
         if line is None:  # the end of input (Ctrl-D)
             if prompt:
@@ -378,6 +399,14 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
         if commands is None or name in commands:
             import_module(module).add_arguments(command)
     return parser
+
+
+def writes_utf8(stream) -> bool:
+    """Whether ``stream`` encodes its text as UTF-8."""
+    try:
+        return codecs.lookup(getattr(stream, "encoding", None) or "ascii").name == "utf-8"
+    except LookupError:
+        return False
 
 
 def tolerate_unencodable_output() -> None:

@@ -117,7 +117,7 @@ def read_manifest(path: Path) -> dict[str, Stamp] | None:
     (or damaged: a size of ``Infinity``, which JSON reads as a float no int holds, or lists nested
     past the parser's recursion limit, are none either)."""
     try:
-        saved = json.loads(path.read_text())
+        saved = json.loads(path.read_text(encoding="utf-8"))
         if saved["digest"] != DIGEST:
             return None
         return {str(name): Stamp(int(f["size"]), str(f["digest"])) for name, f in saved["files"].items()}
@@ -177,8 +177,8 @@ class Entry:
         if stamps is None or (not self.folder and set(stamps) != {self.path.name}):
             return "no valid manifest"
         problem = problem_with(self.path if self.folder else self.path.parent, stamps)
-        if problem is None and self.source is not None and (SOURCE not in stamps or
-                                                            (self.path / SOURCE).read_text() != self.source):
+        if problem is None and self.source is not None and (
+                SOURCE not in stamps or (self.path / SOURCE).read_text(encoding="utf-8") != self.source):
             return "built from another version of its source"
         return problem
 
@@ -253,9 +253,9 @@ class Entry:
             build(tmp)
             if self.folder:
                 if self.source is not None:
-                    (tmp / SOURCE).write_text(self.source)
+                    (tmp / SOURCE).write_text(self.source, encoding="utf-8")
                 names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-                (tmp / MANIFEST).write_text(manifest_text({n: Stamp.of(tmp / n) for n in names}))
+                (tmp / MANIFEST).write_text(manifest_text({n: Stamp.of(tmp / n) for n in names}), encoding="utf-8")
                 os.replace(tmp, self.path)
             else:
                 stamp = Stamp.of(tmp)
@@ -279,7 +279,7 @@ class Entry:
         """Write ``path`` (a file entry's manifest) as the entry itself is written: aside, then renamed."""
         tmp = self._new_temporary()
         try:
-            tmp.write_text(text)
+            tmp.write_text(text, encoding="utf-8")
             os.replace(tmp, path)
         finally:
             _remove(tmp)
@@ -362,7 +362,7 @@ def update_json(path: Path, update: Callable[[Any | None], Any]) -> None:
             except ValueError:
                 current = None
         text = json.dumps(update(current), indent=1, sort_keys=True)
-        entry.build(lambda tmp: tmp.write_text(text))
+        entry.build(lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 # What the cache holds, and removing what has gone unused ---------------------------------------

@@ -414,7 +414,7 @@ def dequantise(gguf: Path, folder: Path) -> None:
     save_tensors(state, folder / "model.safetensors", metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    (folder / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     tokenizer.save_pretrained(folder)
 
 
@@ -480,7 +480,7 @@ def read_config(folder: Path) -> dict:
     """A model folder's ``config.json`` as a dict."""
     path = folder / "config.json"
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise InvalidModel.because(path, "cannot be read as JSON", err) from err
     if not isinstance(config, dict):

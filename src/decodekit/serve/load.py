@@ -516,7 +516,7 @@ def check_results(data: dict[str, Any], path: Path) -> None:
 def load_results(path: Path) -> dict[str, Any]:
     """A bench-serve results file, checked (:func:`check_results`); anything else is one line."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as err:
         raise InvalidParameter(f"cannot read {path}: {err.strerror or err}") from None
     except ValueError:
@@ -706,7 +706,7 @@ def measure(args: argparse.Namespace, url: str, model: str, label: str, question
             level = run_rate_level(url, bodies, value, args.seed, args.timeout)
         result["levels"].append(level)
         # after every level, so that an interrupted run keeps the levels it finished
-        (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / "results.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         if level["ok"] == 0:  # every request refused: no figure to report
             raise InvalidParameter(f"{who}every request at {LOADS[key].removesuffix(' /s')} {fmt_load(value)} failed, "
                                    f"the first with: {level['errors'][0]}")
