@@ -10685,6 +10685,15 @@ MUTATIONS = (
              "self.pulls[self.chosen] += 1", "self.pulls[self.chosen] = 1", ("tests/test_speculative.py", "-k", "arm_pulls")),
     Mutation("a-plugins-build-is-trusted-to-return-a-decoder", "src/decodekit/engine/registry.py",
              "    if not isinstance(decoder, Decoder):", "    if False:", ("tests/test_options.py", "-k", "plugin")),
+    Mutation("stdin-read-one-byte-past-the-cap", "src/decodekit/interfaces/cli.py",
+             "        if len(data) > MAX_STDIN_BYTES:", "        if len(data) > MAX_STDIN_BYTES + 1:",
+             ("tests/test_bad_input.py", "-k", "past_the_cap")),
+    Mutation("chat-line-cap-counts-the-line-end", "src/decodekit/interfaces/cli.py",
+             "if len(raw) - raw.endswith(line_end) > MAX_STDIN_BYTES:", "if len(raw) > MAX_STDIN_BYTES:",
+             ("tests/test_bad_input.py", "-k", "longer_than_it_reads")),
+    Mutation("json-output-unescaped-on-a-latin1-stdout", "src/decodekit/interfaces/cli.py",
+             "ensure_ascii=not writes_utf8(sys.stdout)", "ensure_ascii=False",
+             ("tests/test_bad_input.py", "-k", "escaped_where")),
 )
 
 
