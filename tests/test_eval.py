@@ -929,6 +929,9 @@ def test_resume_refuses_other_settings_other_items_and_an_edited_checkpoint(tmp_
     register_task("fake3", lambda: dataclasses.replace(fake_task(), items=[dataclasses.replace(fake_task().items[0], gold="z"),
                                                                           *fake_task().items[1:]]))
     refused(match="the task's items have changed")
+    register_task("fake3", lambda: dataclasses.replace(fake_task(), items=[dataclasses.replace(fake_task().items[0], question="abd"),
+                                                                          *fake_task().items[1:]]))
+    refused(match="the task's items have changed")  # a question edited, its gold kept
     register_task("fake3", fake_task)
     saved = json.loads(path.read_text())
     saved["records"]["1"]["correct"] = not saved["records"]["1"]["correct"]
@@ -941,8 +944,10 @@ def test_resume_refuses_other_settings_other_items_and_an_edited_checkpoint(tmp_
         path.write_text(json.dumps(saved))
         refused(match=match)
 
-    # a record moved past the items: each is still checked against its item
-    saved["records"]["7"], saved["seconds"]["7"] = saved["records"].pop("1"), saved["seconds"].pop("1")
+    # a record moved past the items (just past, and far): each is still checked against its item
+    saved["records"]["3"], saved["seconds"]["3"] = saved["records"].pop("1"), saved["seconds"].pop("1")
+    rewritten("record '3' is not item 3's")
+    saved["records"]["7"], saved["seconds"]["7"] = saved["records"].pop("3"), saved["seconds"].pop("3")
     rewritten("record '7' is not item 7's")
     # two items' records swapped
     saved["records"] = {"0": saved["records"]["7"], "1": saved["records"]["0"]}
@@ -959,3 +964,88 @@ def test_resume_refuses_other_settings_other_items_and_an_edited_checkpoint(tmp_
     refused(match="no checkpoint.json")
     with pytest.raises(DecodeKitError, match="applies to the item tasks"):
         run(eval_args(tmp_path, "--resume").__class__(**{**vars(eval_args(tmp_path, "--resume")), "task": "longctx"}))
+
+
+def test_resume_refuses_each_other_setting_that_changes_a_record(tmp_path):
+    """The sampling temperature, the signals, the constraint and a method's options each change what
+    an item's record holds: a checkpoint made with other ones is refused, before the model loads."""
+    from decodekit.errors import DecodeKitError
+
+    def constrained() -> Task:
+        task = fake_task()
+        return dataclasses.replace(task, items=[dataclasses.replace(i, constraint={"regex": "[a-e]{1,3}"}) for i in task.items])
+
+    sampled = ("--method", "self-consistency", "--n", "2", "--temperature", "0.9")
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    never = lambda: pytest.fail("the model was loaded")  # noqa: E731
+    register_task("fake3", constrained)
+    try:
+        assert run(eval_args(tmp_path / "sampled", *sampled, "--limit", "1"), model=model) == 0
+        for argv, setting in ((sampled[:4] + ("--temperature", "0.5"), "temperature"),
+                              ((*sampled, "--signals", "agreement"), "signals"),
+                              ((*sampled, "--unconstrained"), "constrained")):
+            with pytest.raises(DecodeKitError, match=rf"other settings \(.*{setting}"):
+                run(eval_args(tmp_path / "sampled", *argv, "--limit", "1", "--resume"), model=never)
+    finally:
+        register_task("fake3", fake_task)
+    beam = ("--method", "beam", "--n", "2", "--limit", "1")
+    assert run(eval_args(tmp_path / "beam", *beam), model=model) == 0
+    with pytest.raises(DecodeKitError, match=r"other settings \(.*options"):
+        run(eval_args(tmp_path / "beam", *beam, "--opt", "length_penalty=2", "--resume"), model=never)
+
+
+def test_a_resumed_run_counts_only_the_saved_items_under_its_limit(tmp_path, capsys):
+    """Items 0 and 2 saved, --limit 2: one item is resumed (item 2 lies past the limit), and the
+    progress counts to 2 of 2."""
+    from decodekit.bench.checkpoint import HEADER, digest
+
+    register_task("fake3", fake_task)
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    assert run(eval_args(tmp_path), model=model) == 0
+    path = tmp_path / "checkpoint.json"
+    saved = json.loads(path.read_text())
+    del saved["records"]["1"], saved["seconds"]["1"]
+    saved["digest"] = digest({k: v for k, v in saved.items() if k not in HEADER})
+    path.write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert run(eval_args(tmp_path, "--limit", "2", "--resume"), model=model) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["items"] == 2 and result["resumed_items"] == 1
+    err = capsys.readouterr().err
+    assert "1 of 2 items done" in err and "[2/2]" in err and "[3/2]" not in err
+
+
+def test_an_eval_on_ray_times_each_item_from_the_one_before(monkeypatch):
+    """A cluster's items run side by side: each is given the wall time since the item before arrived,
+    so that their sum is the run's wall time (here on a clock only the arrivals move, one second
+    apart), not a sum of times since the start. No cluster: the pool is a stand-in."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from decodekit.cluster import PoolSettings
+    from decodekit.eval import distributed
+    from decodekit.eval.runner import EvalConfig
+
+    clock = SimpleNamespace(now=100.0)
+
+    class OneByOne:
+        def __init__(self, ray, factory, settings):
+            self.descriptions = [{"host": "h", "pid": 1, "threads": 1, "lost": False, "usable_cores": 1,
+                                  "platform": "p", "model": "tiny", "done": []}]
+
+        def map(self, units, on_result):
+            for key in units:
+                clock.now += 1.0
+                self.descriptions[0]["done"].append(key)
+                on_result(key, {"id": str(key), "output": "a", "answer": "a", "correct": True, "tokens_spent": 1,
+                                "signal_tokens": 0, "signals": {}})
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(distributed, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(distributed, "connected", lambda address: contextlib.nullcontext(None))
+    monkeypatch.setattr(distributed, "Pool", OneByOne)
+    result = distributed.evaluate_on_ray(lambda: None, fake_task(), EvalConfig(), None, PoolSettings(workers=1))
+    assert result["items"] == 3 and result["time_s"] == pytest.approx(3.0)
+
