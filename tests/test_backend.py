@@ -946,3 +946,21 @@ def test_transformers_verbosity_is_restored_after_a_quiet_load_even_a_failed_one
         assert transformers_logging.get_verbosity() == transformers_logging.INFO
     finally:
         transformers_logging.set_verbosity(before)
+
+
+def test_swish_is_silu_to_the_native_backend():
+    from decodekit.models.llama_weights import native_unsupported
+
+    assert native_unsupported({"hidden_act": "swish"}) is None
+    assert native_unsupported({"hidden_act": "gelu"}) is not None
+
+
+def test_restoring_no_tokens_of_a_cached_prefix_is_refused():
+    b = tiny_llama(seed=0, hidden_size=64, max_position=256)  # head size 16: the kernels' stack
+    b.prefill([1, 2, 3, 4])
+    b.keep([1, 2, 3, 4])
+    prefix = b.snapshot()
+    assert prefix is not None
+    b.clone().restore(prefix, 1)
+    with pytest.raises(ValueError, match="cannot restore 0 tokens"):
+        b.clone().restore(prefix, 0)

@@ -1946,3 +1946,38 @@ def test_an_entry_pruned_between_its_check_and_its_reading_is_built_again(tmp_pa
     monkeypatch.setattr(models, "build_backend", lambda folder, **kw: backend)
     loaded = models.load_model("anything")
     assert len(built) == 2 and (tmp_path / "m").is_dir() and loaded.backend.info.vocab_size == 96
+
+
+def test_gguf_sizes_a_model_can_have_pass_the_header_check():
+    from decodekit.models.loading import GgufArray, check_gguf_hyperparameters
+
+    # key_length given: the width need not divide among the heads (heads * head_dim != width)
+    check_gguf_hyperparameters({b"general.architecture": b"gemma3", b"gemma3.embedding_length": 640,
+                                b"gemma3.attention.head_count": 3, b"gemma3.attention.head_count_kv": 1,
+                                b"gemma3.attention.key_length": 256}, {}, ValueError)
+    # per-layer counts (OpenELM's head_count arrays) are not scalars to check
+    check_gguf_hyperparameters({b"general.architecture": b"openelm", b"openelm.attention.head_count": GgufArray(16),
+                                b"openelm.attention.head_count_kv": GgufArray(16),
+                                b"openelm.feed_forward_length": GgufArray(16)}, {}, ValueError)
+    # every special token's id, whatever its role, in GGUF's spelling ("seperator")
+    for role in ("seperator", "eot", "mask"):
+        with pytest.raises(ValueError, match=f"^tokenizer.ggml.{role}_token_id is 300, outside the 260 tokens$"):
+            check_gguf_hyperparameters({b"general.architecture": b"llama", b"tokenizer.ggml.tokens": GgufArray(260),
+                                        f"tokenizer.ggml.{role}_token_id".encode(): 300}, {}, ValueError)
+    with pytest.raises(ValueError, match="not a multiple of"):
+        check_gguf_hyperparameters({b"general.architecture": b"gemma3", b"gemma3.embedding_length": 640,
+                                    b"gemma3.attention.head_count": 3}, {}, ValueError)
+
+
+def test_a_gguf_v2_header_is_checked_as_v3(tiny_gguf, tmp_path):
+    """GGUF v2 and v3 share their layout: a damaged v2 header is refused too."""
+    import struct
+
+    data = bytearray(tiny_gguf.read_bytes())
+    struct.pack_into("<I", data, 4, 2)
+    v2 = tmp_path / "v2.gguf"
+    v2.write_bytes(bytes(data))
+    check_gguf_layout(v2)
+    (tmp_path / "v2_junk.gguf").write_bytes(bytes(data) + bytes(4096))
+    with pytest.raises(InvalidModel, match="4096 bytes after the last tensor"):
+        check_gguf_layout(tmp_path / "v2_junk.gguf")

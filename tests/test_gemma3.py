@@ -404,3 +404,11 @@ def test_the_int8_cache_holds_the_quantised_rows_of_the_full_caches_keys_and_val
         assert torch.equal(mine[0, 0, :, :30].view(torch.int32), quantise_int8_rows(theirs[0, 0, :, :30]).view(torch.int32))
     got = torch.cat(got, dim=1)
     assert (got - ref).abs().max() < 0.5 and torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_the_older_spelling_without_bases_reads_transformers_defaults():
+    """A config with neither rope_parameters, rope_theta nor rope_local_base_freq: Gemma3TextConfig's
+    defaults, 1e6 for the global layers and 1e4 for the local ones."""
+    older = {k: v for k, v in tiny_gemma3_hf_config(num_layers=2).items() if k != "rope_parameters"}
+    c = Gemma3Config.from_hf(older)
+    assert (c.rope_theta, c.local_rope_theta) == (1e6, 1e4)

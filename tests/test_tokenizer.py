@@ -410,3 +410,63 @@ def test_a_prompt_surely_past_the_context_is_refused_before_it_is_tokenised(tmp_
     monkeypatch.setattr(tokenizer, "encode", lambda text: pytest.fail("a prompt past any bound was tokenised"))
     with pytest.raises(PromptTooLong, match=r"^prompt of 20000 characters, at least \d+ tokens, exceeds the model's context of 64$"):
         model.prompt_ids("ab" * 10_000, chat=False)
+
+
+def test_a_unigram_without_byte_fallback_has_no_bound():
+    """Unigram folds a run of unknown characters into one <unk>: no lower bound from the text's length."""
+    from tokenizers import Tokenizer, models
+    from decodekit.models.tokenizer import FileTokenizer, TokenBound
+
+    rust = Tokenizer(models.Unigram([("<unk>", 0.0), ("a", -1.0), ("ab", -1.5)], unk_id=0, byte_fallback=False))
+    assert len(rust.encode("xyz" * 100).ids) < 300 // 2  # fewer tokens than the bound would claim
+    assert TokenBound.of(rust) is None
+    assert FileTokenizer(rust, {"unk_token": "<unk>"}, None).surely_more_tokens("xyz" * 1000, 8) is None
+
+
+def test_an_rstrip_token_alone_has_no_bound():
+    """An added token with rstrip (lstrip off) swallows the whitespace after it: no bound."""
+    from tokenizers import AddedToken, Tokenizer, models
+    from decodekit.models.tokenizer import FileTokenizer, TokenBound
+
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, "ab": 3}
+    rust = Tokenizer(models.BPE(vocab, [], unk_token="[UNK]", byte_fallback=True))
+    rust.add_special_tokens([AddedToken("<|end|>", lstrip=False, rstrip=True)])
+    text = "<|end|>" + " " * 700
+    assert len(rust.encode(text, add_special_tokens=False).ids) == 1
+    assert TokenBound.of(rust) is None
+    tok = FileTokenizer(rust, {"unk_token": "[UNK]"}, None)
+    assert tok.fewest_tokens(text) <= len(tok.encode(text))
+
+
+def test_a_text_whose_bound_is_the_limit_is_not_surely_past_it():
+    """past() refuses only a bound above the limit: a text that may make exactly `limit` tokens fits."""
+    tok = composing_tokenizer()
+    text = "e\u0301" * 8
+    assert tok.fewest_tokens(text) == len(tok.encode(text)) == 2
+    assert tok.surely_more_tokens(text, 2) is None
+    assert tok.surely_more_tokens(text, 1) == 2
+
+
+def test_a_gemma_folder_whose_decoder_is_not_gemmas_goes_to_auto_tokenizer(tmp_path):
+    """GemmaTokenizer rebuilds its own decoder (it keeps only the vocabulary, merges and post-processor
+    from tokenizer.json): a file with another decoder is not read as it is."""
+    from tokenizers import Tokenizer, decoders
+    from transformers import AutoTokenizer
+
+    folder = gemma_folder(tmp_path / "gemma")
+    rust = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    rust.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])  # no "▁" -> " "
+    rust.save(str(folder / "tokenizer.json"))
+    ours, auto = file_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert isinstance(ours, HFTokenizer)
+    ids = ours.encode("a at")
+    assert ours.decode(ids) == auto.decode(ids, skip_special_tokens=True)
+
+
+def test_the_auto_tokenizers_grammar_tokenizer_ends_at_every_end_of_turn(tmp_path):
+    """A grammar's end may be any end-of-sequence token the tokenizer knows (<|im_end|> beside </s>)."""
+    tok = file_tokenizer(tokenizer_folder(tmp_path / "tok", add_bos_token=False))
+    assert isinstance(tok, HFTokenizer)
+    assert len(tok.eos_token_ids) == 2
+    eos = tok.grammar_tokenizer().eos_tokens
+    assert set(eos() if callable(eos) else eos) == set(tok.eos_token_ids)

@@ -354,10 +354,11 @@ def check_gguf_hyperparameters(fields: dict, shapes: dict[str, tuple[int, ...]],
         for key, count in ((f"{arch}.vocab_size", field(f"{arch}.vocab_size")), ("tokenizer.ggml.tokens", vocabulary)):
             if count is not None and count != embedding[1]:
                 raise bad(f"{key} gives {count!r} tokens, the embedding table has {embedding[1]}")
-    for role in ("bos", "eos", "unknown", "padding", "sep"):
-        token = field(f"tokenizer.ggml.{role}_token_id")
-        if token is not None and vocabulary is not None and not (type(token) is int and 0 <= token < vocabulary):
-            raise bad(f"tokenizer.ggml.{role}_token_id is {token!r}, outside the {vocabulary} tokens")
+    for key, token in fields.items():  # every special token's id: bos, eos, eot, seperator (GGUF's spelling), ...
+        name = key.decode("utf-8", "replace")
+        if (name.startswith("tokenizer.ggml.") and name.endswith("_token_id") and vocabulary is not None
+                and not (type(token) is int and 0 <= token < vocabulary)):
+            raise bad(f"{name} is {token!r}, outside the {vocabulary} tokens")
 
 
 def dequantised_folder(gguf: Path) -> Path:
