@@ -316,8 +316,10 @@ def check_gguf_hyperparameters(fields: dict, shapes: dict[str, tuple[int, ...]],
     tensor's dimensions, fastest first as GGUF lists them), before any reader divides by them or
     sizes the model by them: a count that is not a positive integer, heads that do not divide the
     width or each other, an epsilon or rotary base that is not a positive finite number, a width or
-    vocabulary that is not the embedding table's, a special token past the vocabulary. These are
-    llama.cpp's own conditions (its loader asserts them or fails on the shapes)."""
+    vocabulary that is not the embedding table's, a special token the model is read with past the
+    vocabulary. These are llama.cpp's own conditions (its loader asserts them or fails on the shapes;
+    a special token past the vocabulary it replaces with its default, where decodekit would end at
+    no token or fail at a mask)."""
     architecture = fields.get(b"general.architecture")
     if not isinstance(architecture, bytes):
         return
@@ -354,11 +356,12 @@ def check_gguf_hyperparameters(fields: dict, shapes: dict[str, tuple[int, ...]],
         for key, count in ((f"{arch}.vocab_size", field(f"{arch}.vocab_size")), ("tokenizer.ggml.tokens", vocabulary)):
             if count is not None and count != embedding[1]:
                 raise bad(f"{key} gives {count!r} tokens, the embedding table has {embedding[1]}")
-    for key, token in fields.items():  # every special token's id: bos, eos, eot, seperator (GGUF's spelling), ...
-        name = key.decode("utf-8", "replace")
-        if (name.startswith("tokenizer.ggml.") and name.endswith("_token_id") and vocabulary is not None
-                and not (type(token) is int and 0 <= token < vocabulary)):
-            raise bad(f"{name} is {token!r}, outside the {vocabulary} tokens")
+    # the special tokens the model is read with (transformers' GGUF reader maps these four); llama.cpp
+    # only warns for an id past the vocabulary, and so do the other roles (eot, fim, ...) go unchecked
+    for role in ("bos", "eos", "unknown", "padding"):
+        token = field(f"tokenizer.ggml.{role}_token_id")
+        if token is not None and vocabulary is not None and not (type(token) is int and 0 <= token < vocabulary):
+            raise bad(f"tokenizer.ggml.{role}_token_id is {token!r}, outside the {vocabulary} tokens")
 
 
 def dequantised_folder(gguf: Path) -> Path:
