@@ -2007,3 +2007,54 @@ def test_a_bench_leaves_the_collector_as_its_caller_had_it(tiny: LoadedModel, qf
         assert seen and not any(seen) and not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_machine_record_and_report_keep_usable_and_logical_cores_apart(monkeypatch):
+    from decodekit.bench import results as results_mod
+    from decodekit.bench.report import machine_lines
+
+    monkeypatch.setattr(results_mod, "usable_cores", lambda: 1)
+    monkeypatch.setattr(results_mod.os, "cpu_count", lambda: 8)
+    m = results_mod.machine_info(model="m", dtype="float32")
+    assert (m["usable_cores"], m["logical_cores"]) == (1, 8)
+    assert "(1 usable of 8 logical cores" in machine_lines(m)[0]
+
+
+def test_the_cpu_is_named_by_its_model_name_line(monkeypatch):
+    from decodekit.bench import results as results_mod
+
+    class FakePath:
+        def __init__(self, p):
+            self.p = p
+
+        def read_text(self, encoding=None):
+            return "processor\t: 0\nmodel name\t: Test CPU @ 2.00GHz\n"
+
+    monkeypatch.setattr(results_mod, "Path", FakePath)
+    assert results_mod.cpu_model() == "Test CPU @ 2.00GHz"
+
+
+def test_a_run_on_another_model_never_resumes(qfile):
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--baselines", "none"))
+    import dataclasses
+
+    assert dataclasses.replace(plan, model="other.gguf").resume_key() != plan.resume_key()
+
+
+def test_the_machine_record_counts_only_this_runs_passes(tiny, qfile, tmp_path, monkeypatch):
+    from decodekit.models.threads import GOVERNOR
+
+    monkeypatch.setitem(GOVERNOR.passes, 999, 5)  # passes an earlier run of this process made
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy", "--baselines", "none",
+                                     "--max-new-tokens", "2", "--limit", "1", "--out", str(tmp_path / "o")))
+    results = execute(plan, tiny, progress=False)
+    assert "999" not in results["machine"]["passes_by_threads"]
+
+
+def test_all_turns_records_sum_every_turns_prefill_and_match_identical_texts(tiny, tmp_path):
+    questions = load_questions(write_questions(tmp_path / "q.jsonl", ["qa"], turns=2))
+    run = run_bench([Scripted("greedy", [], tokens=(40, 41)), Scripted("copy", [], tokens=(40, 41))], questions,
+                    prompt_fn(tiny), BenchConfig(max_new_tokens=2, all_turns=True), progress=False)
+    for rec in run.records:
+        assert rec["turns"] == 2 and rec["prefill_s"] == pytest.approx(2 * 0.002)
+        assert rec["text_match"] is True and rec["text_prefix_share"] == 1.0

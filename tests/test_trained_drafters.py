@@ -2212,3 +2212,48 @@ def test_a_training_without_a_time_limit_records_its_minutes_as_json_can_read_th
     assert unbounded["settings"]["minutes"] is None and unbounded["settings"]["steps"] == 3
     json.dumps(unbounded, allow_nan=False)  # strict JSON: raises on an infinity
     assert report(Settings("eagle", minutes=2.5, steps=3), corpus, outcome, {})["settings"]["minutes"] == 2.5
+
+
+def test_eagle_unroll_reaches_the_training_loss():
+    model = tiny()
+    samples = corpus_of(model, count=2).samples
+    settings = Settings("eagle", minutes=1, steps=1, vocab=64, batch_tokens=256, unroll=2)
+    net = new_net("eagle", model.backend, draft_vocabulary(samples, settings.vocab, 96), settings)
+    outcome = train(net, samples, model.backend, settings)
+    assert "regression_2" in outcome.metrics
+
+
+def fake_tokenizer(encode):
+    return SimpleNamespace(prompt_prefix=(1,), encode=encode,
+                           chat_prompt=lambda messages: f"<u>{messages[-1]['content']}</u><a>")
+
+
+def test_the_pre_query_template_and_the_query_start_keep_the_prompt_prefix():
+    from decodekit.speculative.trained.data import chat_ids, pre_query
+
+    tok = fake_tokenizer(lambda text: [ord(c) for c in text])
+    assert pre_query(tok) == [1, *map(ord, "<u>")]
+    ids, start = chat_ids(tok, "hi there")
+    assert start == 4 and ids[:start] == pre_query(tok)
+
+
+def test_the_query_start_is_0_where_the_templates_tokens_do_not_begin_the_prompt():
+    from decodekit.speculative.trained.data import chat_ids
+
+    tok = fake_tokenizer(lambda text: [ord(c) for c in reversed(text)])
+    assert chat_ids(tok, "hi there")[1] == 0
+
+
+def test_the_saved_drafter_records_its_evaluation(monkeypatch, tmp_path, capsys):
+    from decodekit.speculative.trained import cli
+
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    queries = iter([[f"query number {i} about things" for i in range(4)] for _ in range(200)])
+    monkeypatch.setattr(data_module, "draft_queries", lambda *args, **kwargs: next(queries))
+    model = tiny()
+    args = train_args(kind="medusa", tokens=400, prompts="magpie", minutes=1, steps=5, vocab=64, seed=0,
+                      eval_queries=2, unroll=1, max_new_tokens=16, out=None)
+    assert cli.run(args, model=model) == 0
+    printed = json.loads(capsys.readouterr().out)
+    _, meta = store.read(store.cache_path(model.backend, "medusa"))
+    assert json.loads(meta["trained"])["evaluation"] == printed["evaluation"]
