@@ -662,3 +662,47 @@ def test_closing_with_a_request_still_in_leaves_its_thread_running_without_waiti
     late.start()
     late.join(timeout=5)
     assert len(outcome) == 1 and "closed" in str(outcome[0])
+
+
+def test_a_failed_turn_raises_in_its_member():
+    batcher = PassBatcher(own_thread=False)
+
+    def boom():
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        batcher.run_here([lambda: batcher.take_turn(None, 1, boom), lambda: None])
+
+
+@pytest.fixture
+def slow_idle(monkeypatch):
+    """An idle pass thread that would sleep 30 s unless woken: a missed wake-up is plain to see."""
+    from decodekit.models import batching
+
+    monkeypatch.setattr(batching, "IDLE_WAIT_S", 30.0)
+
+
+def test_a_member_started_on_an_idle_pass_thread_begins_at_once(slow_idle):
+    import time
+
+    batcher = PassBatcher()
+    try:
+        batcher.start(lambda: None).result(timeout=60)
+        time.sleep(0.05)  # the pass thread now sleeps in its idle wait
+        began = time.perf_counter()
+        batcher.start(lambda: None).result(timeout=60)
+        assert time.perf_counter() - began < 10
+    finally:
+        batcher.close()
+
+
+def test_closing_an_idle_batcher_ends_its_thread_at_once(slow_idle):
+    import time
+
+    batcher = PassBatcher()
+    batcher.start(lambda: None).result(timeout=60)
+    time.sleep(0.05)
+    began = time.perf_counter()
+    batcher.close()
+    assert not batcher._thread.is_alive() and time.perf_counter() - began < 10
+

@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -2628,3 +2629,69 @@ def test_of_idle_slots_sharing_nothing_the_one_freed_first_is_taken():
         slots = [engine.model.backend for engine in scheduler._free]
         assert any(s.shared_prefix(b + [1]) == len(b) for s in slots)  # b's cache was kept
         assert not any(s.shared_prefix(a + [1]) == len(a) for s in slots)
+
+
+def test_a_shutdown_refuses_an_answer_with_any_choice_cut_short():
+    """An answer of n choices with any of them cut short by the shutdown is a 503, not a 200 with part of its text."""
+    from decodekit.serve.app import Server
+    from decodekit.serve.errors import ApiError
+
+    server = Server(tiny_model)
+    server.stopping = True
+    outcome = lambda reason: SimpleNamespace(generation=SimpleNamespace(finish_reason=reason))  # noqa: E731
+    server.refuse_if_stopped([outcome("length"), outcome("eos")])  # nothing cut short: answered
+    with pytest.raises(ApiError) as refused:
+        server.refuse_if_stopped([outcome("length"), outcome("cancelled")])
+    assert refused.value.status == 503
+
+
+def test_prompt_cache_gauges_read_their_own_figures():
+    from decodekit.serve.metrics import ServerMetrics
+
+    class Cache(list):
+        nbytes = 1000
+
+    batcher = SimpleNamespace(passes=0, rows=0)
+    scheduler = SimpleNamespace(running=0, waiting=0, prefix_tokens=7, prompt_cache=Cache([1, 2]), batcher=batcher)
+    metrics = ServerMetrics(scheduler)
+    value = metrics.registry.get_sample_value
+    assert value("decodekit:prompt_cache_bytes") == 1000 and value("decodekit:prompt_cache_entries") == 2
+    assert value("decodekit:prefix_cache_hit_tokens_total") == 7
+
+
+def test_a_search_of_exactly_16_candidates_is_taken():
+    from decodekit.serve.errors import ApiError
+    from decodekit.serve.request import check_method, parse_request
+
+    model = tiny_model()
+    check_method(parse_request({"prompt": "hi", "method": "beam", "method_options": {"n": 16}}, chat=False), model)
+    with pytest.raises(ApiError):
+        check_method(parse_request({"prompt": "hi", "method": "beam", "method_options": {"n": 17}}, chat=False), model)
+
+
+def test_a_choice_cancelled_while_it_waits_counts_its_wait_as_queue_time():
+    """The queue-time histogram reads each choice's wait, a choice cancelled before it ran included."""
+    from decodekit.serve.scheduler import Job, Scheduler
+
+    scheduler = Scheduler(tiny_model(), max_batch=1, max_queue=1, prompt_cache_mib=0)
+    ids = list(range(10, 30))
+    long, short = Job(ids, "greedy", {}, 1500, ignore_eos=True), Job(ids, "greedy", {}, 2)
+    (running,), (waiting,) = scheduler.submit([long]), scheduler.submit([short])
+    time.sleep(0.3)
+    scheduler.cancel([short])
+    assert waiting.result(timeout=5).queued_s >= 0.3
+    scheduler.cancel([long])
+    running.result(timeout=60)
+    scheduler.close()
+
+
+def test_a_prompt_that_extends_all_its_slot_holds_copies_nothing_to_the_prompt_cache():
+    """A chat's next turn goes on from its slot: nothing of it is copied to the prompt cache."""
+    from decodekit.serve.scheduler import Job, Scheduler
+
+    scheduler = Scheduler(tiny_model(), max_batch=1, prompt_cache_mib=64)
+    scheduler.submit([Job(list(range(10, 30)), "greedy", {}, 4)])[0].result(timeout=60)
+    kept = list(scheduler._free[0].model.backend.kept_ids)
+    scheduler.submit([Job(kept + [40, 41], "greedy", {}, 4)])[0].result(timeout=60)
+    assert len(scheduler.prompt_cache) == 0
+    scheduler.close()

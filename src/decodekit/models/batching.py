@@ -61,6 +61,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: Prompt tokens a sequence sends per batched pass while its prompt is being read.
 PREFILL_CHUNK = 32
+#: Longest an idle pass thread sleeps between looks at its state: an arrival or a close wakes it at
+#: once; this only bounds a wake-up that was missed.
+IDLE_WAIT_S = 0.5
 
 
 def single_threaded() -> None:
@@ -270,7 +273,7 @@ class PassBatcher:
                         arrivals, batch = self._next()
                         while not arrivals and not batch and not self._finished(until):
                             oldest = max(self._waiting[0].arrived, self._last_end) if self._waiting else None
-                            self._cond.wait(0.5 if oldest is None else max(0.0, oldest + self.wait_s - time.perf_counter()))
+                            self._cond.wait(IDLE_WAIT_S if oldest is None else max(0.0, oldest + self.wait_s - time.perf_counter()))
                             arrivals, batch = self._next()
                     for work, future in arrivals:  # each runs until its first pass (or its end)
                         _Member(self._member_body(work, future), self).switch()
