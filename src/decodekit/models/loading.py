@@ -356,8 +356,8 @@ def check_gguf_hyperparameters(fields: dict, shapes: dict[str, tuple[int, ...]],
         for key, count in ((f"{arch}.vocab_size", field(f"{arch}.vocab_size")), ("tokenizer.ggml.tokens", vocabulary)):
             if count is not None and count != embedding[1]:
                 raise bad(f"{key} gives {count!r} tokens, the embedding table has {embedding[1]}")
-    # the special tokens the model is read with (transformers' GGUF reader maps these four); llama.cpp
-    # only warns for an id past the vocabulary, and so do the other roles (eot, fim, ...) go unchecked
+    # the special tokens the model is read with (transformers' GGUF reader maps these four); the other
+    # roles (eot, fim, ...) are not read here and are left unchecked, as llama.cpp only warns of them
     for role in ("bos", "eos", "unknown", "padding"):
         token = field(f"tokenizer.ggml.{role}_token_id")
         if token is not None and vocabulary is not None and not (type(token) is int and 0 <= token < vocabulary):
