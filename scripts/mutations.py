@@ -10838,6 +10838,20 @@ MUTATIONS = (
     Mutation("a-close-wakes-no-idle-pass-thread", "src/decodekit/models/batching.py",
              "            self._closed.set()\n            self._cond.notify_all()\n", "            self._closed.set()\n",
              ("tests/test_batching.py", "-k", "idle_batcher")),
+    Mutation("particles-grouped-by-length-not-text", "src/decodekit/search/steps.py",
+             "groups.setdefault(tuple(p.sample.tokens), []).append(i)", "groups.setdefault(len(p.sample.tokens), []).append(i)",
+             ("tests/test_search.py",)),
+    Mutation("mbr-utility-is-chrf-plus-plus", "src/decodekit/search/select.py",
+             "metric = CHRF()", "metric = CHRF(word_order=2)", ("tests/test_search.py",)),
+    Mutation("step-search-candidate-tokens-count-the-eos", "src/decodekit/search/steps.py",
+             '"tokens": len(p.sample.tokens), "done"', '"tokens": p.sample.choices, "done"', ("tests/test_search.py",)),
+    Mutation("token-text-looks-back-one-token-too-few", "src/decodekit/search/uncertainty.py",
+             "first = max(0, i - CHARACTER_BYTES + 1)", "first = max(0, i - CHARACTER_BYTES + 2)", ("tests/test_search_uncertainty.py",)),
+    Mutation("token-ends-may-fall-back", "src/decodekit/search/uncertainty.py",
+             "last = max(last, len(tokenizer.decode(tokens[: i + 1])))", "last = len(tokenizer.decode(tokens[: i + 1]))",
+             ("tests/test_search_uncertainty.py",)),
+    Mutation("paraphrase-consistency-drops-the-stop-strings", "src/decodekit/search/uncertainty.py",
+             "request.sampler, request.max_new_tokens, request.stop)", "request.sampler, request.max_new_tokens)", ("tests/test_search_uncertainty.py",)),
 )
 
 

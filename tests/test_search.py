@@ -1380,3 +1380,43 @@ def test_the_reported_answer_is_the_chosen_samples(tiny):
     """extra['answer'] is the answer of the sample returned (extra['chosen']), read from its text."""
     g, answers = best_of_n_where(tiny, lambda a, chosen: a[chosen] != a[0], "a sample whose answer differs from the first's")
     assert g.extra["answer"] == answers[g.extra["chosen"]] == g.text[:1]
+
+
+def test_particle_filter_particles_of_equal_length_keep_their_own_text():
+    """Particles whose steps differ in text but not in length are expanded from their own prefix:
+    with a constant scorer (no resample below ess_threshold 1), particle i keeps its first step, so
+    different first steps survive to the end."""
+
+    model = bigram_model({"p": {"a": 0.0, "b": 0.0}, "a": {" ": 0.0}, "b": {" ": 0.0},
+                          " ": {"c": 0.0, "d": 0.0}, "c": {"": 0.0}, "d": {"": 0.0}})
+    decoder = build_decoder("particle", n=4, scorer=lambda text: 0.0, delimiter=" ", ess_threshold=0.5)
+    firsts = set()
+    for seed in range(5):
+        g = decoder.generate(model, request(model, "p", seed=seed, max_new=10))
+        assert g.extra["resamples"] == 0
+        texts = [c["text"] for c in g.extra["candidates"]]
+        assert all(len(t) == 3 for t in texts)
+        firsts |= {frozenset(t[0] for t in texts)}
+    assert any(len(f) == 2 for f in firsts)  # some run keeps both first steps "a " and "b "
+
+
+def test_mbr_utility_is_plain_chrf():
+    """The utility is chrF (character n-grams only, sacrebleu's CHRF()), not chrF++ (word n-grams)."""
+    from sacrebleu.metrics import CHRF
+    from decodekit.search.select import chrf_utility
+
+    u = chrf_utility()
+    hyp, ref = "the cat sat on the mat", "on the mat the cat sat"
+    assert u(hyp, ref) == CHRF().sentence_score(hyp, [ref]).score
+    assert u(hyp, ref) != CHRF(word_order=2).sentence_score(hyp, [ref]).score
+
+
+def test_step_search_candidates_count_tokens_without_the_eos():
+    """A candidate's "tokens" are its text's tokens; the EOS that finished it is not one of them."""
+
+    model = bigram_model(FORK_RULES)
+    for method in ("step-beam", "astar", "particle"):
+        g = build_decoder(method, n=2, delimiter=" ").generate(model, request(model, "p", seed=1, max_new=10))
+        assert any(c["done"] for c in g.extra["candidates"])
+        for c in g.extra["candidates"]:
+            assert c["tokens"] == len(TOK.encode(c["text"]))

@@ -549,3 +549,52 @@ def test_the_judge_counts_a_token_once_however_many_spellings_it_is():
     assert len(yes_ids) == 2 and len(no_ids) == 4
     yes, no = float(sum(p[i] for i in yes_ids)), float(sum(p[i] for i in no_ids))
     assert Judge.yes_share(model, logits) == pytest.approx(yes / (yes + no), abs=1e-6)
+
+
+class _ByteTokenizer(Tokenizer):
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", "replace")
+
+
+def test_token_text_of_every_byte_of_a_four_byte_letter_is_the_letter():
+    from decodekit.search.uncertainty import token_text
+
+    """Each byte token of a 4-byte letter (CJK Ext. B, math bold A) writes that letter, the last
+    byte included: its three earlier bytes lie in the CHARACTER_BYTES - 1 tokens before it."""
+    tok = _ByteTokenizer()
+    for text in ["\U00020000", "a\U0001d400b"]:
+        tokens = tok.encode(text)
+        start = 1 if text[0] == "a" else 0
+        assert [token_text(tokens, i, tok) for i in range(start, start + 4)] == [text[start]] * 4
+
+
+def test_token_ends_never_decrease_even_when_a_prefix_decodes_longer():
+    """token_ends is documented non-decreasing: a tokenizer that spells a partial character as
+    escapes ("\\xe4") decodes a prefix longer than the next one, and the end must not fall back."""
+    from decodekit.search.uncertainty import token_ends
+
+    class EscapingByteTokenizer(_ByteTokenizer):
+        def decode(self, ids):
+            return bytes(ids).decode("utf-8", "backslashreplace")
+
+    tok = EscapingByteTokenizer()
+    ends = token_ends(tok.encode("a\u4e1c"), tok)
+    assert ends == sorted(ends) and ends[-1] >= len("a\u4e1c")
+
+
+def test_paraphrase_consistency_keeps_the_requests_stop_strings():
+    """Each paraphrase's greedy answer is cut at the request's stop strings, as the answer was:
+    "4;9" stopped at ";" answers 4, not 9."""
+    from tests.test_search import TOK, bigram_model
+    from decodekit.engine import make_sampler
+    from decodekit.engine.core import Request
+    from decodekit.search.answers import extract_number
+    from decodekit.search.uncertainty import paraphrase_consistency
+
+    model = bigram_model({"p": {"4": 0.0}, "4": {";": 0.0}, ";": {"9": 0.0}, "9": {"": 0.0}})
+    req = Request(TOK.encode("p"), make_sampler("greedy", {}), 10, stop=(";",))
+    out = paraphrase_consistency(model, ["xp", "yp"], "4", extract_number, req, chat=False)
+    assert out["answers"] == ["4", "4"] and out["pc"] == 1.0
