@@ -10852,6 +10852,19 @@ MUTATIONS = (
              ("tests/test_search_uncertainty.py",)),
     Mutation("paraphrase-consistency-drops-the-stop-strings", "src/decodekit/search/uncertainty.py",
              "request.sampler, request.max_new_tokens, request.stop)", "request.sampler, request.max_new_tokens)", ("tests/test_search_uncertainty.py",)),
+    Mutation("stop-window-ignores-the-steps-text", "src/decodekit/engine/stops.py",
+             "new = len(tokenizer.decode(list(tokens[-added:]))) if added > 0 else 0", "new = 0",
+             ("tests/test_stops.py", "-k", "empty_tokens")),
+    Mutation("decoded-looks-back-too-few-bytes", "src/decodekit/engine/stops.py",
+             "max(len(tokens) - CHARACTER_BYTES, 0) - 1, -1)", "max(len(tokens) - 2, 0) - 1, -1)",
+             ("tests/test_stops.py", "-k", "three_bytes_into")),
+    Mutation("a-prompt-of-no-tokens-reaches-the-model", "src/decodekit/engine/api.py",
+             "    if not ids:\n        raise InvalidParameter(\"the prompt is empty\"",
+             "    if False:\n        raise InvalidParameter(\"the prompt is empty\"",
+             ("tests/test_engine.py", "-k", "encodes_to_no_tokens")),
+    Mutation("a-methods-own-option-refused-as-a-loading-choice", "src/decodekit/engine/api.py",
+             "if name in options and name not in method_spec(method).options]", "if name in options]",
+             ("tests/test_engine.py", "-k", "loading_choice_reaches")),
 )
 
 

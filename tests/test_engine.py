@@ -550,3 +550,30 @@ def test_should_stop_is_asked_after_every_step(tiny_model):
     got = Engine(tiny_model).generate("hello", max_new_tokens=30, chat=False, ignore_eos=True, on_text=pieces.append,
                                       should_stop=lambda: bool(pieces))
     assert (got.finish_reason, len(got.tokens), "".join(pieces)) == ("cancelled", 1, got.text)
+
+
+def test_a_prompt_that_encodes_to_no_tokens_is_refused(tiny_model):
+    with pytest.raises(InvalidParameter, match="empty"):
+        Engine(tiny_model).generate([{"role": "user", "content": ""}], chat=False, max_new_tokens=3)
+
+
+def test_a_methods_own_option_named_like_a_loading_choice_reaches_it(tiny_model):
+    """A plugin's method may have an option called kv_cache (or model, ...): it is the method's, not
+    a loading choice refused per request."""
+    from decodekit.engine.registry import _METHODS, plain_decoder, register_method
+    from decodekit.options import OptionSpec
+
+    seen = {}
+
+    def build(kv_cache=None):
+        seen["kv_cache"] = kv_cache
+        return plain_decoder()
+
+    register_method("test-kvopt", build, "test", lossless=True, family="plain",
+                    options={"kv_cache": OptionSpec("kv_cache", str, None)}, sampling="never")
+    try:
+        Engine(tiny_model).generate("hi", method="test-kvopt", kv_cache="int8", max_new_tokens=2, chat=False)
+        assert seen["kv_cache"] == "int8"
+    finally:
+        _METHODS.pop("test-kvopt", None)
+

@@ -321,3 +321,18 @@ def test_a_long_answer_is_cut_with_a_few_decodes():
         text, kept, hit = cut_at_stop(tok, tokens, ("STOP",))
         assert (hit, kept) == ("STOP", tokens[: 5 * 2000]) and text == "word " * 2000
         assert tok.calls < 40  # a bisection, not one decode per token
+
+
+def test_a_stop_before_empty_tokens_is_found_when_a_step_adds_text_as_long_as_the_stop():
+    """"a", 70 tokens with no text (EOS kept under ignore_eos), then one step adds "bc": the window
+    the check reads reaches back to "a"."""
+    tok = CharTokenizer(96)
+    a, b, c = tok.encode("abc")
+    assert hits_stop(tok, [a] + [0] * 70 + [b, c], ("ab",), added=2)
+
+
+def test_text_ending_three_bytes_into_a_four_byte_character_keeps_the_whole_characters_before_it():
+    tokens = list("ab 𐍈𠀀".encode())[:-1]  # 𠀀 cut after three of its four bytes
+    text = cut_at_stop(RunTokenizer(), tokens, ())[0]
+    assert text.startswith("ab 𐍈") and set(text[len("ab 𐍈"):]) == {"\ufffd"}
+
