@@ -49,9 +49,9 @@ def loop_pieces(lines: list[str]) -> dict[str, list[str]]:
     labels = {line[:-1]: i for i, line in enumerate(lines) if re.match(r"^\.L\d+:$", line)}
     backward = [(labels[m.group(1)], i) for i, line in enumerate(lines)
                 if (m := re.match(r"^\s+j\w+\s+(\.L\d+)$", line)) and m.group(1) in labels and labels[m.group(1)] < i]
-    inner = next((s, e) for s, e in sorted(backward, key=lambda p: p[1] - p[0])
-                 if any("vpmaddubsw" in line for line in lines[s:e]))
-    outer = next(((s, e) for s, e in sorted(backward, key=lambda p: p[1] - p[0]) if s < inner[0] and e > inner[1]), None)
+    loops = sorted(backward, key=lambda p: p[1] - p[0])  # innermost first
+    inner = next((s, e) for s, e in loops if any("vpmaddubsw" in line for line in lines[s:e]))
+    outer = next(((s, e) for s, e in loops if s < inner[0] and e > inner[1]), None)
     if outer is None:
         return {"block": lines[inner[0] + 1:inner[1] + 1]}
     return {"unpack": lines[outer[0] + 1:inner[0]], "inner": lines[inner[0] + 1:inner[1] + 1],
