@@ -963,6 +963,29 @@ def test_a_rate_levels_inf_and_the_files_a_run_writes_pass_the_check(fake_server
     assert "| inf | output tok/s | 50.0 |" in capsys.readouterr().out
 
 
+def test_a_disk_that_fills_midway_leaves_the_levels_already_written(fake_server, tmp_path, monkeypatch):
+    """results.json is written after every level, so that an interrupted run keeps what it measured:
+    a write cut short at the second level leaves the first level's file whole, not half of the second's."""
+    write_text, writes = Path.write_text, []
+
+    def second_cut_short(self, text, *args, **kwargs):
+        writes.append(self.name)
+        if len(writes) == 2:
+            write_text(self, text[: len(text) // 2], *args, **kwargs)
+            raise OSError(28, "No space left on device")
+        return write_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", second_cut_short)
+    srv = fake_server()
+    with pytest.raises(OSError, match="No space left"):
+        run(parse("--url", srv.url, "--concurrency", "1,2", "--limit", "1", "--out", str(tmp_path / "run")))
+    monkeypatch.undo()
+    assert len(writes) == 2
+    kept = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert [level["concurrency"] for level in kept["levels"]] == [1]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["results.json"]
+
+
 def test_compare_refuses_an_out_that_is_a_file_before_it_prints(tmp_path, capsys):
     good = results_file(tmp_path, "good.json")
     with pytest.raises(InvalidParameter, match=re.escape(f"--out '{good}' is not a writable folder")):

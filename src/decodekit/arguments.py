@@ -1,11 +1,12 @@
 """Command-line pieces shared by every subcommand (``decodekit``, ``bench``, ``eval``): the
-parser class, the model flags and the check of an ``--out`` folder. Below the features so that bench and eval need not import the
+parser class, the model flags, the check of an ``--out`` folder and the writing of the files there. Below the features so that bench and eval need not import the
 top-level CLI; the ``--opt key=value`` parser is :func:`decodekit.options.parse_option`."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -153,3 +154,36 @@ def check_writable(out: Path, files: Sequence[str] = (), given: Path | None = No
     except OSError as err:
         raise InvalidParameter(f"--out {shown!r} is not a writable folder (no folder can be made in {existing}: "
                                f"{err.strerror or err})") from None
+
+
+def replace_file(path: Path, fill: Callable[[Path], object]) -> Path:
+    """Write ``path`` whole or not at all: ``fill`` writes a temporary file beside it (hidden, with
+    ``path``'s suffix, which a plot's writer reads its format from), and one rename puts it in
+    ``path``'s place. A run stopped while writing (Ctrl-C, a full disk, a writer's error) leaves the
+    previous file, or none, never half of one; the temporary is removed, except after a kill that
+    gives no chance (then it is a ``.<name>.<random>.tmp<suffix>`` file beside ``path``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = _new_file_beside(path)
+    try:
+        fill(temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return path
+
+
+def replace_text(path: Path, text: str) -> Path:
+    """:func:`replace_file` with ``text`` in UTF-8 (a report, a results file)."""
+    return replace_file(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
+
+
+def _new_file_beside(path: Path) -> Path:
+    """An empty, new, hidden file in ``path``'s folder, made with the permissions the user's umask
+    gives a new file (``tempfile.mkstemp`` makes it private, and the rename would keep that)."""
+    while True:  # (a name already taken is tried again under another: 2^-32 a try)
+        temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp{path.suffix}")
+        try:
+            os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return temporary
+        except FileExistsError:
+            continue

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..arguments import replace_text
 from .results import OVERALL
 
 Fmt = Callable[[Any], str]
@@ -188,9 +189,7 @@ def explanations(summary: dict[str, Any]) -> list[str]:
 
 
 def write_report(results: dict[str, Any], path: Path, image: str | None = "speedup.png") -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(markdown_report(results, image), encoding="utf-8")
-    return path
+    return replace_text(path, markdown_report(results, image))
 
 
 def compare(a: dict[str, Any], b: dict[str, Any]) -> str:

@@ -51,7 +51,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from ..arguments import existing_file
+from ..arguments import existing_file, replace_text
 from ..errors import InvalidParameter
 from ..machine import usable_cores
 from .questions import OVERALL
@@ -313,9 +313,7 @@ def validate_results(results: dict[str, Any]) -> None:
 
 
 def write_results(results: dict[str, Any], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1, ensure_ascii=False), encoding="utf-8")
-    return path
+    return replace_text(path, json.dumps(results, indent=1, ensure_ascii=False))
 
 
 def read_document(path: Path, schema: str, what: str, *, prefix: str = "", required: Sequence[str] = ()) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..arguments import replace_file, replace_text
 from ..data import SPEC_BENCH_QUESTIONS, data_file
 from ..errors import InvalidParameter
 from ..options import check_int
@@ -208,14 +209,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     if ax.get_legend_handles_labels()[0]:  # no policy gave a point: no legend to draw
         ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        replace_file(path, fig.savefig)
+    finally:
+        plt.close(fig)
 
 
 def write(result: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    (out / "report.md").write_text(markdown(result), encoding="utf-8")
+    replace_text(out / "results.json", json.dumps(result, indent=1))
+    replace_text(out / "report.md", markdown(result))
     plot(result, out / "plot.png")
     return [out / "report.md", out / "results.json", out / "plot.png"]

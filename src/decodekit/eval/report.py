@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..arguments import replace_file, replace_text
 from ..bench.report import cell
 from ..search.uncertainty import CONFIDENCE_DIRECTION
 from .metrics import reliability_bins
@@ -18,8 +19,8 @@ CALIBRATION_SIGNALS = {"agreement": lambda v: v, "pc": lambda v: v, "phi_first":
 def write_report(result: dict[str, Any], out: Path, header: dict[str, Any]) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     result = {**header, **result}
-    (out / "results.json").write_text(json.dumps(result, indent=1, ensure_ascii=False), encoding="utf-8")
-    (out / "report.md").write_text(markdown(result), encoding="utf-8")
+    replace_text(out / "results.json", json.dumps(result, indent=1, ensure_ascii=False))
+    replace_text(out / "report.md", markdown(result))
     paths = [out / "report.md", out / "results.json"]
     if result["records"]:
         plot(result, out / "plot.png")
@@ -107,5 +108,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
     lo, hi = r["ci95"]
     fig.suptitle(f"accuracy {r['accuracy']:.3f} [{lo:.3f}, {hi:.3f}] · {r['tokens_spent']} tokens · {r['time_s']} s")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        replace_file(path, lambda temporary: fig.savefig(temporary, dpi=110))
+    finally:
+        plt.close(fig)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..arguments import check_writable, named
+from ..arguments import check_writable, named, replace_file, replace_text
 from ..bench.questions import load_questions, resolve_question_file
 from ..errors import InvalidParameter
 from . import peers
@@ -621,10 +621,10 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> Path:
     models = ", ".join(dict.fromkeys(str(r.get("model")) for r in results))
     fig.suptitle(f"Throughput and time to first token vs {LOADS[key].removesuffix(' /s')} ({models})", fontsize=11)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    try:
+        return replace_file(path, fig.savefig)
+    finally:
+        plt.close(fig)
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -706,7 +706,7 @@ def measure(args: argparse.Namespace, url: str, model: str, label: str, question
             level = run_rate_level(url, bodies, value, args.seed, args.timeout)
         result["levels"].append(level)
         # after every level, so that an interrupted run keeps the levels it finished
-        (out / "results.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        replace_text(out / "results.json", json.dumps(result, indent=2) + "\n")
         if level["ok"] == 0:  # every request refused: no figure to report
             raise InvalidParameter(f"{who}every request at {LOADS[key].removesuffix(' /s')} {fmt_load(value)} failed, "
                                    f"the first with: {level['errors'][0]}")

@@ -28,9 +28,11 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from ...arguments import replace_file
 from ...data import GSM8K_TEST, SPEC_BENCH_QUESTIONS, data_file, read_jsonl
 from ...errors import InvalidParameter
 from ...models.backend import Backend
@@ -318,12 +320,10 @@ def self_distil(backend: Backend, tokenizer: Tokenizer, tokens: int, *, seed: in
 
 
 def save_corpus(corpus: Corpus, path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".partial")
-    torch.save({"samples": [{"tokens": s.tokens, "scored_from": s.scored_from, "features": s.features,
-                             "query": s.query} for s in corpus.samples],
-                "queries_drafted": corpus.queries_drafted, "seconds": corpus.seconds}, temporary)
-    temporary.replace(path)
+    saved = {"samples": [{"tokens": s.tokens, "scored_from": s.scored_from, "features": s.features, "query": s.query}
+                         for s in corpus.samples],
+             "queries_drafted": corpus.queries_drafted, "seconds": corpus.seconds}
+    replace_file(Path(path), lambda temporary: torch.save(saved, temporary))
 
 
 def load_corpus(path) -> Corpus | None:
