@@ -392,9 +392,10 @@ def test_an_odd_number_of_blocks_shared_between_two_threads_is_quantised_to_the_
 @pytest.mark.parametrize("kind", ["q4_1", "q6_k"])
 def test_every_pass_length_computes_every_row_of_every_group(kind):
     """Passes of 1 to 19 rows against three groups of 16 output rows: up to 8 rows the groups one
-    by one in tiles of any length (1-8), from 9 on in pairs, tiles of 4 and a last one of 1-4
-    rows, and the odd third group alone with a last tile of any length; every row of every group
-    is the reference's, bit for bit."""
+    by one in tiles of any length (1-8); from 9 on, nibbles (Q4_1) still one by one, tiles of 8 and
+    a last one of 1-8, and whole bytes (Q6_K) in pairs, tiles of 4 and a last one of 1-4 rows, the
+    odd third group alone with a last tile of any length; every row of every group is the
+    reference's, bit for bit."""
     gen = torch.Generator().manual_seed(19)
     blocks = (BlockMatrix.quantize(torch.randn(48, 64, generator=gen), kind) if kind in KINDS
               else BlockMatrix.random(48, 256, kind, gen))

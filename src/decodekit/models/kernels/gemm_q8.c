@@ -536,9 +536,11 @@ typedef void (*group_fn)(const uint8_t *, size_t, int, const Quantised *, float 
 
 /* y [M, n_out] = W x for packed weights (n_out a multiple of 16, n_in of 32), any M >= 1. A pass
  * of up to TILE input rows takes groups one by one (one tile: each weight is unpacked once);
- * longer passes take them in pairs (VNNI; on AVX2, tiles of HALF_TILE rows a half and no pairs:
- * PAIR_GROUPS). */
-static void run(group_fn group, int packed_size, const uint8_t *packed, const float *x, float *y, int M, int n_out,
+ * longer passes of whole bytes (Q8_0, Q5_K, Q6_K) take them in pairs, which share each broadcast
+ * input (VNNI; on AVX2, tiles of HALF_TILE rows a half and no pairs: PAIR_GROUPS). Nibbles stay in
+ * single groups, tiles of TILE rows: a pair's tiles of TILE / 2 unpack each weight twice as often,
+ * which cost more than the broadcasts saved (16 and 32 rows of Q4_1 took 14% and 7% longer). */
+static void run(int kind, group_fn group, const uint8_t *packed, const float *x, float *y, int M, int n_out,
                 int n_in, int threads) {
     Quantised in;
     if (!quantised_alloc(&in, M, n_in)) {
@@ -546,8 +548,8 @@ static void run(group_fn group, int packed_size, const uint8_t *packed, const fl
         quantised_free(&in);
         return;
     }
-    int groups = n_out / GROUP, nb = n_in / QK, span = PAIR_GROUPS && M > TILE ? 2 : 1, units = (groups + span - 1) / span;
-    size_t stride = (size_t)nb * packed_size, blocks = (size_t)M * nb;
+    int groups = n_out / GROUP, nb = n_in / QK, span = PAIR_GROUPS && M > TILE && !nibble_kind(kind) ? 2 : 1, units = (groups + span - 1) / span;
+    size_t stride = (size_t)nb * PACKED_BYTES[kind], blocks = (size_t)M * nb;
     /* A pass of several rows has the threads quantise the input's blocks between them first (each
      * block on its own: the same bits whoever does it); a few blocks take less than the barrier. */
     int shared = threads > 1 && blocks >= SHARED_QUANTISATION;
@@ -573,7 +575,7 @@ static void run(group_fn group, int packed_size, const uint8_t *packed, const fl
 #define DEFINE_ENTRY(NAME, KIND)                                                                    \
     void decodekit_q8_##NAME(const uint8_t *packed, const float *x, float *y, int M, int n_out, int n_in, \
                              int threads) {                                                          \
-        run(NAME##_group, PACKED_BYTES[KIND], packed, x, y, M, n_out, n_in, threads);                \
+        run(KIND, NAME##_group, packed, x, y, M, n_out, n_in, threads);                              \
     }
 DEFINE_ENTRY(q4_1, KIND_Q4_1)
 DEFINE_ENTRY(q8_0, KIND_Q8_0)
