@@ -10905,6 +10905,14 @@ MUTATIONS = (
              '        replace_text(out / "results.json", json.dumps(result, indent=2) + "\\n")',
              '        (out / "results.json").write_text(json.dumps(result, indent=2) + "\\n", encoding="utf-8")',
              ("tests/test_bench_serve.py", "-k", "fills_midway")),
+    Mutation("gemm-pairs-leave-the-second-pair-of-rows", "src/decodekit/models/kernels/gemm.c",
+             "for (int r0 = 0; r0 < 4; r0 += 2) {",
+             "for (int r0 = 0; r0 < 2; r0 += 2) {",
+             ("tests/test_kernels.py",)),
+    Mutation("gemm-pairs-from-four-inputs", "src/decodekit/models/kernels/gemm.c",
+             "} else if (M > BLOCK_INPUTS && M <= IN_PAIRS_MAX) {",
+             "} else if (M >= BLOCK_INPUTS && M <= IN_PAIRS_MAX) {",
+             ("tests/test_kernels.py", "tests/test_gguf_blocks.py")),
 )
 
 

@@ -7,8 +7,9 @@
  * streams its share of the rows one row at a time, applying each row to all inputs (a single
  * sequential stream is what the prefetchers serve best, asked for a little ahead: ask_ahead); on
  * AVX2, rows interleaved in fours take one or two inputs four or two rows at once (WP_FEW_IN_FOURS).
- * More inputs: blocks of four rows are applied to the inputs four at a time while they sit in L1
- * (GGUF blocks rebuilt in float32 once a pass for them all: REBUILT_ONCE). Rows are split between
+ * More inputs: on AVX-512, up to 8, two rows at a time against all of them (each GGUF block
+ * rebuilt once: four_rows_in_pairs); beyond, blocks of four rows are applied to the inputs four at
+ * a time while they sit in L1 (GGUF blocks rebuilt in float32 once a pass for them all: REBUILT_ONCE). Rows are split between
  * threads with OpenMP (inside torch's process this is torch's own OpenMP runtime).
  *
  * bfloat16 uses AVX512-BF16's dot-product instruction: exact products of bfloat16 pairs, summed
@@ -274,12 +275,14 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
 #define BLOCK_INPUTS 4
 #define X4_SINGLE_ROW_MAX 0 /* rows interleaved in fours: always four at a time */
 #define X4_FEW_IN_FOURS 0
+#define IN_PAIRS_MAX 8 /* up to 8 inputs, a group of four rows is taken two rows at a time (four_rows_in_pairs) */
 #else
 #define SINGLE_ROW_MAX 4
 #define BLOCK_ROWS 4
 #define BLOCK_INPUTS 1
 #define X4_SINGLE_ROW_MAX 4 /* (blocks of one input would rebuild the weights for each) */
 #define X4_FEW_IN_FOURS 2 /* one input: four rows at once; two inputs: two rows at once, twice (rows_at_once) */
+#define IN_PAIRS_MAX 0
 #endif
 #define AT_MOST_SINGLE(n) ((n) < SINGLE_ROW_MAX ? (n) : SINGLE_ROW_MAX)
 #define f32_SINGLE_ROW_MAX AT_MOST_SINGLE(4)
@@ -322,8 +325,11 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
 #define BLOCK_CASE(NAME, R, M) case M: NAME##_block(wr, x, y, n_in, n_out, R, M); break;
 #if SINGLE_ROW_MAX == 8
 #define WIDE_ROW_CASES(NAME) BLOCK_CASE(NAME, 1, 5) BLOCK_CASE(NAME, 1, 6) BLOCK_CASE(NAME, 1, 7) BLOCK_CASE(NAME, 1, 8)
+#define PAIR_CASE(NAME, M) case M: NAME##_block(wr, x, y0, n_in, n_out, 2, M); break;
+#define PAIR_CASES(NAME) PAIR_CASE(NAME, 5) PAIR_CASE(NAME, 6) PAIR_CASE(NAME, 7) PAIR_CASE(NAME, 8)
 #else
 #define WIDE_ROW_CASES(NAME)
+#define PAIR_CASES(NAME)
 #endif
 
 /* NAME: weights of type WT in format WP, inputs and outputs of type T with arithmetic P; ENTRY
@@ -366,6 +372,20 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
         switch (M) {                                                                               \
             BLOCK_CASE(NAME, 1, 1) BLOCK_CASE(NAME, 1, 2) BLOCK_CASE(NAME, 1, 3) BLOCK_CASE(NAME, 1, 4) \
             WIDE_ROW_CASES(NAME)                                                                   \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* Rows [row, row + 4) of W against 5 to IN_PAIRS_MAX inputs, two rows by all the inputs at     \
+     * a time: each weight is rebuilt once for them all (four_rows rebuilds it for every four       \
+     * inputs, REBUILT_ONCE writes it to a panel and reads it back), and the 2 x M sums take at     \
+     * most 16 of AVX-512's 32 registers. */                                                        \
+    static void NAME##_four_rows_in_pairs(const WT *w, const T *x, OUT *y, int n_in, int n_out, int row, int M) { \
+        for (int r0 = 0; r0 < 4; r0 += 2) {                                                        \
+            const WT *wr = WP##_row(w, row + r0, n_in);                                            \
+            OUT *y0 = y + row + r0;                                                                \
+            switch (M) {                                                                           \
+                PAIR_CASES(NAME)                                                                   \
+            }                                                                                      \
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
@@ -441,6 +461,9 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
             } else if (M <= WP##_SINGLE_ROW_MAX) {                                                 \
                 _Pragma("omp for schedule(static)")                                                \
                 for (int r = 0; r < n_out; r++) NAME##_row(w, x, y, n_in, n_out, r, M);            \
+            } else if (M > BLOCK_INPUTS && M <= IN_PAIRS_MAX) {                                                  \
+                _Pragma("omp for schedule(static)")                                                \
+                for (int b = 0; b < n_out / 4; b++) NAME##_four_rows_in_pairs(w, x, y, n_in, n_out, 4 * b, M); \
             } else {                                                                               \
                 _Pragma("omp for schedule(static)")                                                \
                 for (int b = 0; b < n_out / 4; b++) NAME##_four_rows(w, x, y, n_in, n_out, 4 * b, M); \
@@ -479,7 +502,7 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
     }                                                                                              \
                                                                                                    \
     void NAME(const WT *w, const T *x, OUT *y, int M, int n_out, int n_in, int threads) {          \
-        if (M < REBUILT_ROWS || M <= WP##_SINGLE_ROW_MAX) {                                        \
+        if (M < REBUILT_ROWS || M <= WP##_SINGLE_ROW_MAX || M <= IN_PAIRS_MAX) {                   \
             NAME##_streamed(w, x, y, M, n_out, n_in, threads);                                     \
             return;                                                                                \
         }                                                                                          \
