@@ -964,3 +964,15 @@ def test_restoring_no_tokens_of_a_cached_prefix_is_refused():
     b.clone().restore(prefix, 1)
     with pytest.raises(ValueError, match="cannot restore 0 tokens"):
         b.clone().restore(prefix, 0)
+
+
+def test_a_cache_of_several_sequences_gives_no_snapshot():
+    """A prompt cache's entry is one sequence's entries: a cache forked into several rows (a search's
+    beams) after its prompt was kept gives none, rather than an entry no batch-1 cache can take."""
+    backend = tiny_llama(seed=0, hidden_size=64)
+    backend.prefill([5, 6, 7, 8])
+    backend.keep([5, 6, 7, 8])
+    assert backend.snapshot() is not None
+    backend.reorder(torch.tensor([0, 0, 0]))
+    assert backend.batch_size == 3 and backend.kept_ids == [5, 6, 7, 8]
+    assert backend.snapshot() is None

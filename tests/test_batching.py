@@ -706,3 +706,24 @@ def test_closing_an_idle_batcher_ends_its_thread_at_once(slow_idle):
     batcher.close()
     assert not batcher._thread.is_alive() and time.perf_counter() - began < 10
 
+
+
+def test_a_served_search_turn_counts_its_rows():
+    """A search's turn is a pass of all its rows: the batcher counts them (its rows, and what the other
+    requests see of the last batch), as it counts every batched pass's."""
+    model = base("exact")
+    cases = [("hello world", "beam", {"n": 3}), ("abcabcabc", "greedy", {})]
+    batcher = PassBatcher(own_thread=False)
+    turns = []
+    execute = batcher._execute
+
+    def logged(batch) -> None:
+        before = batcher.rows
+        execute(batch)
+        if batch[0].work is not None:
+            turns.append((len(batch[0].tokens), batcher.rows - before, sum(batcher._last_batch.values())))
+
+    batcher._execute = logged
+    as_members(model, batcher, cases)
+    assert len(turns) > 10
+    assert all(rows >= 2 and counted == rows and last == rows for rows, counted, last in turns)

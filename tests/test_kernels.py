@@ -1482,3 +1482,69 @@ def test_a_sum_of_sixteen_lanes_is_added_in_gccs_pairing_at_every_level():
         expected = np.float32(two[0] + two[1])
         assert matmul(w, x)[0, 0].item() == expected, trial
     assert "-ffp-contract=off" in kernels.build.FLAGS and "-ffp-contract=off" in kernels.build.AVX2_FLAGS
+
+
+def test_rope_store_refuses_angle_tables_of_another_width():
+    """rope_store reads head_dim (cos, sin) values a position from its table: a table narrower than
+    that (or not a table) was read past its rows."""
+    ops = kernels.layer_ops(torch.float32, 64, 96)
+    if ops is None:
+        pytest.skip("no C compiler or no AVX2 on this machine")
+    qkv = torch.randn(2, 8 * 16)
+    k_cache, v_cache, positions = torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), torch.tensor([0, 1])
+    for freqs in (torch.tensor([1.0, 0.0] * 4).repeat(4, 1),  # 8 values a row, not 16
+                  torch.tensor([1.0, 0.0] * 8)):  # one row, not a table
+        with pytest.raises(ValueError, match="angles of 16"):
+            ops.rope_store(qkv, freqs, positions, k_cache, v_cache, 0, 4)
+    ops.rope_store(qkv, torch.tensor([1.0, 0.0] * 8).repeat(4, 1), positions, k_cache, v_cache, 0, 4)
+
+
+def test_rope_store_refuses_positions_outside_its_rotary_table():
+    """The C code reads row ``position`` of the (cos, sin) table unchecked: a position past the
+    table's rows read memory past it (or crashed), and a negative one before it."""
+    ops = kernels.layer_ops(torch.float32, 64, 96)
+    if ops is None:
+        pytest.skip("no C compiler or no AVX2 on this machine")
+    freqs = torch.tensor([1.0, 0.0] * 8).repeat(4, 1)  # the angles of positions 0 .. 3
+    for position in (4, 100_000_000, -1):
+        with pytest.raises(ValueError, match="outside the rotary table's 4"):
+            ops.rope_store(torch.randn(1, 128), freqs, torch.tensor([position]), torch.zeros(2, 4, 16),
+                           torch.zeros(2, 4, 16), 0, 4)
+    ops.rope_store(torch.randn(1, 128), freqs, torch.tensor([3]), torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), 0, 4)
+
+
+def test_attention_refuses_queries_that_are_not_rows_of_heads():
+    """Queries are [n_q, H, D]: a tensor of more axes is refused, not read as its first n_q * H * D values."""
+    attend = kernels.layout_independent_attention(torch.float32, 16)
+    if attend is None:
+        pytest.skip("kernels unavailable")
+    g = torch.Generator().manual_seed(6)
+    k, v = torch.randn(2, 8, 16, generator=g), torch.randn(2, 8, 16, generator=g)
+    q = torch.randn(1, 4, 16, 2, generator=g)
+    with pytest.raises(ValueError, match=r"queries \[n_q, H, D\]"):
+        attend(q, k, v, None, 0.25)
+    assert attend(q[..., 0], k, v, None, 0.25).shape == (1, 4, 16)
+
+
+def test_the_decoder_layers_kernel_refuses_a_pass_past_its_cache_or_its_tables():
+    """forward.c writes a pass's keys to slots start .. start + rows and reads each position's
+    rotary angles unchecked: a slot past the cache's end corrupted the heap, so the wrapper refuses
+    it, a position outside the table, a position count that is not the row count, and a mask of
+    another shape, before any layer runs."""
+    backend = tiny_llama(seed=0, hidden_size=64)
+    backend.prefill([1, 2, 3])
+    stack = getattr(backend, "_stack", None)
+    if stack is None:
+        pytest.skip("no decoder-layers kernel on this machine")
+    cap, table = backend._k.shape[3], backend._freqs_pairs
+    x = backend._embed(torch.tensor([[5]]))[0]
+    k, v = backend._k[:, 0], backend._v[:, 0]
+    before = k.clone()
+    bad = [(torch.tensor([3]), None, cap, "slots"), (torch.tensor([3, 4]), None, 3, "positions"),
+           (torch.tensor([table.shape[0]]), None, 3, "rotary table"),
+           (torch.tensor([3]), torch.ones(1, 3, dtype=torch.bool), 3, "mask")]
+    for positions, visible, start, what in bad:
+        with pytest.raises(ValueError, match=what):
+            stack.run(x.clone(), torch.empty_like(x), table, positions, visible, k, v, start)
+    assert torch.equal(k, before)
+    assert stack.run(x.clone(), torch.empty_like(x), table, torch.tensor([3]), None, k, v, 3)

@@ -1519,3 +1519,52 @@ def test_an_adopted_streaming_cache_rotates_keys_by_distances_its_own_passes_nev
     assert (draft.length, draft.slots) == (n, 10)
     want = rotate(target._k[:, 0, :, streaming_keep(n, 2, 8)], [0, 0] + [-ROPE_CHUNK] * 8, target.config.rope_theta)
     assert torch.allclose(draft._k[:, 0, :, :10], want, atol=1e-3)
+
+
+def test_int8_kernels_refuse_caches_of_float_rows_and_queries_of_another_head_size():
+    """The int8 cache's rows are head_dim / 4 + 1 float32 elements (head_dim bytes and a scale): a
+    float cache of head_dim elements a row (or a row cut short) is refused, not written or read with
+    the wrong row size; so are queries of another head size (read head_dim values a query past them)."""
+    from decodekit.models.kernels import int8_cache_kernels, quantise_int8_rows
+
+    d = 16
+    int8 = int8_cache_kernels(d)
+    if int8 is None:
+        pytest.skip("kernels unavailable")
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(1, 3 * d, generator=g)
+    freqs = torch.tensor([1.0, 0.0] * (d // 2)).repeat(4, 1)
+    wide = torch.zeros(1, 4, d)  # a float32 cache's rows: C wrote its slots 20 bytes apart, not 64
+    with pytest.raises(ValueError, match="int8 rope_store"):
+        int8.rope_store(qkv, freqs, torch.tensor([0]), wide, wide.clone(), 0, 1)
+    narrow = torch.zeros(1, 4, 2)  # 2 elements a row, not d / 4 + 1 = 5: slot 3 was written past the cache's end
+    with pytest.raises(ValueError, match="int8 rope_store"):
+        int8.rope_store(qkv, freqs, torch.tensor([3]), narrow, narrow.clone(), 3, 1)
+    packed = quantise_int8_rows(torch.randn(2, 8, d, generator=g))
+    q = torch.randn(1, 2, d, generator=g)
+    cut = packed[..., :-1]  # the scale cut off: the kernel read it anyway
+    with pytest.raises(ValueError, match="int8 attention"):
+        int8.attention(q, cut, packed.clone()[..., :-1], None, d**-0.5)
+    with pytest.raises(ValueError, match="int8 attention needs queries of head_dim 16"):
+        int8.attention(torch.randn(1, 2, 4, generator=g), packed, packed.clone(), None, d**-0.5)
+    assert int8.attention(q, packed, packed.clone(), None, d**-0.5).isfinite().all()
+
+
+def test_kivi_attention_refuses_a_quantised_end_missing_for_a_row():
+    """Every query row has its own quantised end: fewer ends than rows were read past their tensor."""
+    from decodekit.models.kernels import kivi_attention
+    from decodekit.models.kivi import KiviStore, KiviView
+
+    kernel = kivi_attention(32)
+    if kernel is None:
+        pytest.skip("kernels unavailable")
+    g = torch.Generator().manual_seed(3)
+    store = KiviStore(1, 2, 32, 8, 4)
+    store.append(torch.randn(1, 2, 8, 32, generator=g), torch.randn(1, 2, 8, 32, generator=g))
+    q, k, v = torch.randn(3, 6, 32, generator=g), torch.randn(2, 16, 32, generator=g), torch.randn(2, 16, 32, generator=g)
+    visible = torch.ones(3, 16, dtype=torch.bool)
+    assert kernel(q, KiviView(store, 8, torch.tensor([8, 8, 8])), 0, k, v, 16, visible, 32**-0.5).isfinite().all()
+    # (the ends a slice of three: a kernel reading the third reads a valid end, not memory past the tensor)
+    for qend in (torch.tensor([8, 8, 8], dtype=torch.int32)[:2], torch.tensor([8, 8, 8], dtype=torch.int32)[:1]):
+        with pytest.raises(ValueError, match="every row needs a quantised end"):
+            kernel(q, KiviView(store, 8, qend), 0, k, v, 16, visible, 32**-0.5)

@@ -94,7 +94,16 @@ def check_rope_store(qkv: torch.Tensor, freqs: torch.Tensor, positions: torch.Te
     if positions.numel() != rows or not 0 <= start <= cap - rows:
         raise ValueError(f"rope_store: {rows} rows need as many positions (got {positions.numel()}) and slots "
                          f"{start} .. {start + rows} within the cache's {cap}")
+    check_positions("rope_store", positions, freqs)
     return rows
+
+
+def check_positions(what: str, positions: torch.Tensor, freqs: torch.Tensor) -> None:
+    """Every position must have its row of (cos, sin) in ``freqs`` (the C code reads row
+    ``position`` unchecked: a position past the table read memory past it, or crashed)."""
+    if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < freqs.shape[0]:
+        raise ValueError(f"{what}: positions {int(positions.min())} .. {int(positions.max())} outside the "
+                         f"rotary table's {freqs.shape[0]}")
 
 
 class Int8CacheKernels:
@@ -130,8 +139,10 @@ class Int8CacheKernels:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
                   scale: float) -> torch.Tensor:
         """As :func:`layout_independent_attention`'s, over int8 caches sliced to the keys in use."""
-        if k.shape[2] != self.row or k.stride(1) != self.row or v.stride() != k.stride():
-            raise ValueError("int8 attention needs [H_kv, keys, head_dim / 4 + 1] caches with contiguous rows")
+        if (q.shape[-1] != self.head_dim or k.shape[2] != self.row or k.stride(1) != self.row
+                or v.stride() != k.stride()):
+            raise ValueError(f"int8 attention needs queries of head_dim {self.head_dim} and [H_kv, keys, "
+                             "head_dim / 4 + 1] caches with contiguous rows")
         return _run_attention(self._attention, q, k, v, visible, scale, self.head_dim, self.row)
 
 

@@ -10,7 +10,7 @@ from functools import cache
 
 import torch
 
-from .attention import AttentionKernel, Int8CacheKernels, check_rope_store, kivi_attention
+from .attention import AttentionKernel, Int8CacheKernels, check_positions, check_rope_store, kivi_attention
 from .build import _address, _library
 
 class LayerOps:
@@ -160,6 +160,21 @@ class SequencePart:
     kivi: object = None
 
 
+def _check_part(p: SequencePart, freqs: torch.Tensor) -> None:
+    """What forward.c writes and reads for a sequence must lie inside its tensors (the C code trusts
+    it, as rope_store's does: a slot past the cache's end overwrote the heap): a position a row,
+    each in the rotary table, slots ``start .. start + rows`` within the cache, a mask of one byte
+    a row and key, and the values' cache shaped as the keys'."""
+    cap = p.k_cache.shape[2]
+    if p.positions.numel() != p.rows or not 0 <= p.start <= cap - p.rows or p.v_cache.shape != p.k_cache.shape:
+        raise ValueError(f"decoder layers kernel: {p.rows} rows need as many positions (got {p.positions.numel()}) "
+                         f"and slots {p.start} .. {p.start + p.rows} within the cache's {cap}")
+    if p.visible is not None and tuple(p.visible.shape) != (p.rows, p.start + p.rows):
+        raise ValueError(f"decoder layers kernel: a mask [{p.rows}, {p.start + p.rows}] (rows, keys), "
+                         f"got {tuple(p.visible.shape)}")
+    check_positions("decoder layers kernel", p.positions, freqs)
+
+
 def _kivi_codes(view, head_dim: int, keep: list) -> _KiviCodes:
     """forward.c's view of a sequence's int4 codes (``view``: a :class:`..kivi.KiviView`)."""
     store, qend = view.store, view.qend.to(torch.int32).contiguous()
@@ -215,6 +230,7 @@ class DecoderLayers:
         for p in parts:
             if p.k_cache.shape[0] != num_layers or num_layers > self.num_layers:
                 raise ValueError(f"decoder layers kernel: a cache of {p.k_cache.shape[0]} layers for {self.num_layers} layers")
+            _check_part(p, freqs)
             positions = p.positions.to(torch.int64).contiguous()
             mask = None if p.visible is None else p.visible.to(torch.bool).contiguous()
             keep += [positions, mask]
