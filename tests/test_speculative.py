@@ -2377,3 +2377,100 @@ def test_max_draft_caps_a_fixed_budget_too(engines, monkeypatch):
     got = engines[0].generate(PROMPTS[1], method="pld", budget=10, max_draft=4, max_new_tokens=30, chat=False)
     assert got.tokens == engines[0].generate(PROMPTS[1], max_new_tokens=30, chat=False).tokens
     assert max(verified) == 4, verified
+
+def test_recycling_trees_are_no_deeper_than_max_depth():
+    """A chain of filled rows (5 -> 10 -> 20 -> 30 -> 40) drafts only ``max_depth`` levels of it,
+    however much budget is left."""
+    from decodekit.speculative.drafters.recycling import TokenRecycling
+
+    state = state_for([1, 2, 5], vocab=64)
+    for depth in (1, 2, 3):
+        drafter = TokenRecycling(k=1, max_depth=depth)
+        drafter.begin(state)
+        drafter.matrix.fill_(-1)
+        for token, successor in ((5, 10), (10, 20), (20, 30), (30, 40)):
+            drafter.matrix[token, 0] = successor
+        tree = drafter.draft(state, 8)
+        assert tree.tokens == [10, 20, 30, 40][:depth] and tree.parents == list(range(-1, depth - 1))
+
+
+def test_suffix_width_bounds_the_continuations_followed_at_every_node():
+    """``width`` continuations are followed below the root and below every deeper node alike:
+    the most frequent ones, ties by token id."""
+    # "1" is followed by 3, 4, 5 (once each); the last "1" (after 9, never seen before) matches "1"
+    state = state_for([1, 3, 1, 4, 1, 5, 9, 1])
+    drafter = SuffixDrafter(width=2)
+    drafter.begin(state)
+    tree = drafter.draft(state, 8)
+    assert sorted(tree.tokens[c] for c in tree.children(-1)) == [3, 4]
+    assert 5 not in tree.tokens
+    # "1" is followed by 2 three times; "1 2" by 3, 4, 5 once each: depth 2 (growth 2 x match 1)
+    state = state_for([1, 2, 3, 1, 2, 4, 1, 2, 5, 7, 1])
+    for width, below in ((1, [3]), (2, [3, 4]), (3, [3, 4, 5])):
+        drafter = SuffixDrafter(width=width)
+        drafter.begin(state)
+        tree = drafter.draft(state, 8)
+        assert [tree.tokens[c] for c in tree.children(-1)] == [2]
+        assert sorted(tree.tokens[c] for c in tree.children(0)) == below
+
+
+def test_a_rebuilt_corpus_keeps_its_documents_oldest_first(monkeypatch):
+    """Past its size limit the corpus keeps the newest outputs in the order they came: the newest
+    stays the last document (the next rebuild again keeps from that end)."""
+    from decodekit.speculative.drafters import suffix
+
+    monkeypatch.setattr(suffix, "CORPUS_LIMIT", 10)
+    corpus = suffix.Corpus()
+    for doc in ([1, 2, 3, 4, 5], [6], [7]):  # 6 + 2 + 2 = 10 tokens with separators: at the limit
+        corpus.add(doc)
+    assert corpus.automaton.size == 10
+    corpus.add([8])  # 12: over it; the newest that fit in 5 stay: [8], [7], [6] with their separators
+    assert corpus.documents == [[6], [7], [8]] and corpus.automaton.size == 6
+
+
+def test_a_full_corpus_keeps_only_its_newest_outputs_not_an_older_one_that_fits(monkeypatch):
+    """The kept half is the newest run of outputs: an older short one that would fit beside them is
+    not kept once a newer one did not fit."""
+    from decodekit.speculative.drafters import suffix
+
+    monkeypatch.setattr(suffix, "CORPUS_LIMIT", 10)
+    corpus = suffix.Corpus()
+    for doc in ([1], [2, 3, 4, 5], [6, 7, 8]):  # 2 + 5 + 4 = 11 tokens with separators: over 10
+        corpus.add(doc)
+    # [6, 7, 8] takes 4 of the 5; [2, 3, 4, 5] does not fit beside it, so neither does anything older
+    assert corpus.documents == [[6, 7, 8]] and 1 not in corpus.automaton.next[0]
+
+
+def test_suffix_counts_walk_at_most_count_walk_states_per_token():
+    """Each token counts at most COUNT_WALK states along its suffix-link path: in a run of one token
+    repeated, the n-th token counts the strings of lengths n, n - 1, ..., n - COUNT_WALK + 1, so a
+    string of length m is counted by the tokens m .. m + COUNT_WALK - 1 only (the short ones undercounted)."""
+    from decodekit.speculative.drafters.suffix import COUNT_WALK
+
+    sam = SuffixAutomaton()
+    length = COUNT_WALK + 20
+    for _ in range(length):
+        sam.extend(1)
+    state = 0
+    for m in range(1, length + 1):
+        state = sam.next[state][1]
+        assert sam.count[state] == min(length, m + COUNT_WALK - 1) - m + 1, m
+    # only the short strings are undercounted: the long ones have their true counts
+    state = 0
+    for m in range(1, length + 1):
+        state = sam.next[state][1]
+        if m > length - COUNT_WALK:
+            assert sam.count[state] == length - m + 1
+
+
+def test_a_context_match_as_long_as_the_corpus_match_drafts_first():
+    """Of two matches of the same length, the request's own context (the nearer evidence, as in
+    hierarchy drafting's temporal locality) drafts before the earlier outputs."""
+    from decodekit.speculative.drafters.suffix import corpus_for
+
+    state = state_for([1, 2, 3, 9, 1, 2])  # its own longest repeat is "1 2" (then 3)
+    corpus_for(state.backend).add([5, 1, 2, 4])  # the corpus's longest match is "1 2" too (then 4)
+    drafter = SuffixDrafter(corpus=True)
+    drafter.begin(state)
+    tree = drafter.draft(state, 1)
+    assert (tree.tokens, tree.source) == ([3], ["suffix"])

@@ -6,7 +6,8 @@ tokens that followed its occurrences, ranked by occurrence count, are grown best
 tree. As in SuffixDecoding, the tree may be as deep as ``growth`` x the match length (so long
 matches draft far, short ones barely). With ``corpus=True`` a second automaton over earlier
 outputs of the same model (kept across requests in the backend's memory, capped in size)
-proposes too; the longer match drafts first. Model-free; lossless through the verifier.
+proposes too; the longer match drafts first, and of two as long the request's own context (the
+nearer evidence). Model-free; lossless through the verifier.
 
 Choices the papers leave open: occurrence counts are maintained incrementally along the
 suffix-link path, which we cap at ``COUNT_WALK`` states per token (only pathological repetition
@@ -174,7 +175,7 @@ class SuffixDrafter(ContextDrafter):
         if self.corpus is not None and self.corpus_match[1] > 0:
             state_, length = self.corpus_match
             matches.append((length, self.corpus.automaton, state_, "suffix:corpus"))
-        matches.sort(key=lambda m: -m[0])
+        matches.sort(key=lambda m: -m[0])  # (stable: of two as long, the context's first)
         tree = DraftTree()
         for length, automaton, start, source in matches:
             if length < self.min_match or len(tree) >= budget:
