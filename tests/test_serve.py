@@ -1534,7 +1534,7 @@ def test_a_completion_takes_one_prompt_and_null_flags_are_false():
     ids is no prompt; best_of must be the integer 1 (true is not); a flag set to null is not given."""
     assert parse_request({"prompt": ["hi"]}, chat=False).prompt == "hi"
     assert parse_request({"prompt": [[1, 2]]}, chat=False).prompt == [1, 2]
-    for prompt in (["a", "b"], [], [[1], [2]]):
+    for prompt in (["a", "b"], [], [[1], [2]], [True, False], [[1, True]]):  # (JSON's true is no token id)
         assert refused({"prompt": prompt}) == "prompt", prompt
     assert refused({"prompt": "hi", "best_of": True}) == "best_of"
     spec = parse_request({"prompt": "hi", "stream": None, "ignore_eos": None}, chat=False)
@@ -2695,3 +2695,126 @@ def test_a_prompt_that_extends_all_its_slot_holds_copies_nothing_to_the_prompt_c
     scheduler.submit([Job(kept + [40, 41], "greedy", {}, 4)])[0].result(timeout=60)
     assert len(scheduler.prompt_cache) == 0
     scheduler.close()
+
+def test_a_prompt_cache_entry_of_exactly_the_budget_is_kept_and_the_others_make_room():
+    """The budget is the most the cache holds: an entry of exactly the budget is kept (only one past it
+    is refused), the entries before it dropped to make room for it."""
+    from decodekit.serve.prompt_cache import PromptCache
+
+    cache = PromptCache(budget_bytes=300)
+    cache.put(prefix([1, 2], 100))
+    cache.put(prefix([3, 4], 300))
+    assert len(cache) == 1 and cache.nbytes == 300 and cache.covers([3, 4]) and not cache.covers([1, 2])
+    cache.put(prefix([5, 6], 301))
+    assert len(cache) == 1 and cache.covers([3, 4])
+
+
+def test_a_prompt_cache_entry_put_again_keeps_its_place_in_the_order():
+    """An entry whose tokens the cache holds already adds nothing: it is not made the most recently
+    used (only a hit, longest(), does that), so it is still the first to go."""
+    from decodekit.serve.prompt_cache import PromptCache
+
+    cache = PromptCache(budget_bytes=200)
+    first = prefix([1, 2], 100)
+    cache.put(first)
+    cache.put(prefix([3, 4], 100))
+    cache.put(prefix([1, 2], 100))  # covered by the entry [1, 2]: nothing to add
+    assert len(cache) == 2 and cache.nbytes == 200
+    cache.put(prefix([5, 6], 100))  # over the budget: the least recently used, [1, 2], goes
+    assert not cache.covers([1, 2]) and cache.covers([3, 4]) and cache.covers([5, 6])
+
+
+def test_a_replys_id_fingerprint_model_and_message_are_as_openai_writes_them():
+    """A chat's id starts "chatcmpl-", a completion's "cmpl-"; every body and chunk names the model
+    and the numerics as its system_fingerprint; a chat's message carries the assistant's role."""
+    import types
+
+    from decodekit.engine.core import Generation, GenerationStats
+    from decodekit.serve.reply import Reply
+    from decodekit.serve.scheduler import Job, Outcome
+
+    server = types.SimpleNamespace(metrics=None, model_id="tiny", numerics="exact",
+                                   scheduler=types.SimpleNamespace(model=types.SimpleNamespace(tokenizer=None)))
+    spec = types.SimpleNamespace(method="greedy", include_usage=False)
+    outcome = Outcome(Generation("ab", [3, 4], GenerationStats(), "eos"), None, 0.0)
+    for chat, start in ((True, "chatcmpl-"), (False, "cmpl-")):
+        reply = Reply(server, chat, spec, [1, 2], 0.0, {})
+        assert reply.id.startswith(start) and len(reply.id) == len(start) + 24
+        body = reply.whole([outcome], [Job([1, 2], "greedy", {}, 8)])
+        chunk = json.loads(reply._chunk(0, "a", None).removeprefix("data: "))
+        for event in (body, chunk):
+            assert (event["id"], event["model"], event["system_fingerprint"]) == (reply.id, "tiny", "decodekit-exact")
+            assert isinstance(event["created"], int)
+        if chat:
+            assert body["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+        else:
+            assert body["choices"][0]["text"] == "ab" and "message" not in body["choices"][0]
+
+
+def test_openai_fields_that_change_no_answer_are_accepted_and_passed_on_to_nothing():
+    """user, store, metadata and OpenAI's other bookkeeping fields mean nothing for a local model:
+    accepted (an OpenAI client sends them) and never read as a sampler parameter or a method option."""
+    body = {"prompt": "hi", "temperature": 0, "user": "u1", "safety_identifier": "s", "store": True,
+            "metadata": {"k": "v"}, "prompt_cache_key": "k", "prompt_cache_retention": "24h",
+            "parallel_tool_calls": True, "service_tier": "auto"}
+    spec = parse_request(body, chat=False)
+    assert (spec.method, spec.params) == ("greedy", {})
+    spec = parse_request({**body, "messages": [{"role": "user", "content": "hi"}]}, chat=True)
+    assert (spec.method, spec.params) == ("greedy", {})
+
+
+def test_a_shutdown_answer_is_the_servers_error_to_retry():
+    from decodekit.serve.errors import error_body, shutting_down
+
+    err = shutting_down()
+    assert (err.status, err.kind, err.code, err.param) == (503, "server_error", "server_shutting_down", None)
+    assert error_body(str(err), err.kind, err.param, err.code)["type"] == "server_error"
+
+
+def test_top_logprobs_name_each_alternative_with_its_own_value():
+    """Each token's alternatives, best first: in a chat each an entry of its own token, bytes and
+    log-probability; in a legacy completion a map from each alternative's text to its value."""
+    from decodekit.engine.core import Generation, GenerationStats
+    from decodekit.serve.scheduler import Outcome
+
+    logprobs = [(-0.5, [(2, -0.25), (0, -0.5)]), (-0.75, [(1, -0.75), (4, -2.0)])]
+    outcome = Outcome(Generation("Hello", [0, 1], GenerationStats(), "eos"), logprobs, 0.0)
+    content = bare_reply(True, tokenizer=Words())._logprobs(outcome)["content"]
+    assert [(c["token"], c["logprob"], c["bytes"]) for c in content] == [("He", -0.5, list(b"He")), ("llo", -0.75, list(b"llo"))]
+    assert content[0]["top_logprobs"] == [{"token": " wor", "logprob": -0.25, "bytes": list(b" wor")},
+                                          {"token": "He", "logprob": -0.5, "bytes": list(b"He")}]
+    assert content[1]["top_logprobs"] == [{"token": "llo", "logprob": -0.75, "bytes": list(b"llo")},
+                                          {"token": "!", "logprob": -2.0, "bytes": list(b"!")}]
+    legacy = bare_reply(False, tokenizer=Words())._logprobs(outcome)
+    assert legacy == {"tokens": ["He", "llo"], "token_logprobs": [-0.5, -0.75],
+                      "top_logprobs": [{" wor": -0.25, "He": -0.5}, {"llo": -0.75, "!": -2.0}], "text_offset": [0, 2]}
+
+
+def test_a_streamed_completion_is_its_texts_then_its_end_then_done(monkeypatch):
+    """A legacy completion's stream has no role chunk (a chat's delta thing): each text as a chunk,
+    the choice's end with its finish reason and an empty text, the usage when asked, then [DONE]."""
+    from decodekit.engine.core import Generation, GenerationStats
+    from decodekit.serve.reply import FINISHED
+    from decodekit.serve.scheduler import Outcome
+
+    outcome = Outcome(Generation("ab", [3, 4], GenerationStats(), "length"), None, 0.0)
+    events = run_stream(bare_reply(False, include_usage=True), [[(0, "a")], [(0, "b"), (0, FINISHED)]], [outcome], monkeypatch)
+    assert [e["choices"] for e in events[:-1]] == [
+        [{"index": 0, "text": "a", "finish_reason": None, "logprobs": None}],
+        [{"index": 0, "text": "b", "finish_reason": None, "logprobs": None}],
+        [{"index": 0, "text": "", "finish_reason": "length", "logprobs": None}],
+        []]
+    assert events[-2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert all(e["object"] == "text_completion" and e["usage"] is None for e in events[:-2]) and events[-1] == "[DONE]"
+
+
+def test_an_errors_param_is_the_field_its_message_begins_with_quoted_or_not():
+    """An error that names no field begins with it, bare, followed by a colon, or quoted: the param
+    is the field's name, as the request spells it."""
+    from decodekit.errors import DecodeKitError
+    from decodekit.serve.request import field_named
+
+    body = {"prompt": "hi", "top_k": 0}
+    for message in ("top_k must be >= 1", "top_k: must be >= 1", "'top_k' must be >= 1"):
+        assert field_named(DecodeKitError(message), body, chat=False) == "top_k", message
+    assert field_named(DecodeKitError("'min_p' must be >= 0"), body, chat=False) is None  # not a field sent

@@ -222,7 +222,8 @@ def _completion_prompt(body: dict[str, Any]) -> str | list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # one prompt in a list of them: text, or token ids
-    if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+    token_ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if not isinstance(prompt, str) and not token_ids:  # (true and false are JSON's, not token ids)
         raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
     return prompt
 
