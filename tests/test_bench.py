@@ -2058,3 +2058,87 @@ def test_all_turns_records_sum_every_turns_prefill_and_match_identical_texts(tin
     for rec in run.records:
         assert rec["turns"] == 2 and rec["prefill_s"] == pytest.approx(2 * 0.002)
         assert rec["text_match"] is True and rec["text_prefix_share"] == 1.0
+
+
+def test_a_speedup_against_a_reference_that_produced_no_tokens_is_unknown():
+    """A reference that produced no tokens has a throughput of 0: a ratio over it has no size, shown
+    as unknown rather than dividing by zero."""
+    records = [hand_record("greedy", 1, new_tokens=0, decode_s=1.0), hand_record("fast", 1, new_tokens=10, decode_s=0.5)]
+    stats = summarize(records, hand_contestants("greedy", "fast"), {})["methods"]["fast"]["categories"]["overall"]
+    assert stats["decode_tps"] == pytest.approx(10 / 0.5)
+    assert stats["speedup"] is None and stats["e2e_speedup"] is None
+
+
+def test_accepted_per_verification_weighs_questions_by_verifications_over_an_even_number_of_repeats():
+    """A question's verification count over repeats is one observed count (the lower median), so it
+    still weighs its question: with two repeats each, 10 verifications of 2.0 tokens and 2 of 4.0
+    give (20 + 8) / 12 tokens per verification, not the mean of the questions' figures (3.0)."""
+    records = [hand_record("greedy", q, repeat=r) for q in (1, 2) for r in (0, 1)]
+    for q, accepted, verifications in ((1, 2.0, 10), (2, 4.0, 2)):
+        for r in (0, 1):
+            records.append(hand_record("spec", q, accepted=accepted, repeat=r) | {"verifications": verifications})
+    stats = summarize(records, hand_contestants("greedy", "spec"), {})["methods"]["spec"]["categories"]["overall"]
+    assert stats["mean_accepted"] == pytest.approx((2.0 * 10 + 4.0 * 2) / 12)
+
+
+def test_a_share_of_zero_reads_0_percent_not_unknown():
+    """An exact or text-match share of 0 (no output matched greedy) is a figure, 0%; only a share
+    that could not be measured reads "-"."""
+    from decodekit.bench.report import method_table
+
+    summary = hand_summary()
+    summary["methods"]["spec"]["categories"]["overall"] |= {"exact_share": 0.0, "text_match_share": None}
+    row = table_row(method_table(summary, "overall", markdown=True), "spec", markdown=True)
+    assert row["exact"] == "0%" and row["text match"] == "-"
+
+
+def test_compare_shows_no_change_as_zero_not_unknown():
+    """Two runs with the same figures changed by +0, which is not the "-" of a change that cannot be computed."""
+    from decodekit.bench.report import change, speedups
+
+    assert change(5.0, 5.0) == ["5.0", "5.0", "+0.0%"]
+    assert speedups({"speedup": 2.0}, {"speedup": 2.0}) == ["2.00x", "2.00x", "+0.00"]
+    spec = next(line for line in compare(hand_results(), hand_results()).splitlines() if line.startswith("spec "))
+    assert spec.split() == ["spec", "qa", "30.0", "30.0", "+0.0%", "3.25x", "3.25x", "+0.00"]
+
+
+def test_a_category_heading_counts_the_references_questions_whatever_the_method_order():
+    """The heading's count is the reference's (every question of the category), not that of the first
+    method listed, which may have failed some."""
+    summary = hand_summary()
+    summary["methods"] = {"spec": summary["methods"]["spec"], "greedy": summary["methods"]["greedy"]}
+    summary["methods"]["spec"]["categories"]["qa"]["questions"] = 1
+    report = markdown_report(hand_results(summary=summary), image=None)
+    assert "### qa (2 questions)\n" in report
+
+
+def test_memory_is_reported_to_a_tenth_of_a_gib(monkeypatch):
+    """8000000 KiB is 8000000 / 1024**2 = 7.63 GiB: the machine record keeps one decimal, 7.6, not 8."""
+    from pathlib import Path
+
+    from decodekit.bench import results
+
+    read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "MemTotal:        8000000 kB\n"
+                        if str(self) == "/proc/meminfo" else read_text(self, *a, **k))
+    assert results.memory_gb() == 7.6
+
+
+def test_the_exactness_note_reads_the_overall_share_not_a_categorys():
+    """A lossless method that matched greedy on every qa output but on none of the writing ones matched
+    on half of all outputs: the note gives the overall share, and is made although qa alone is 100%."""
+    from decodekit.bench.results import exactness_notes
+
+    shares = {"qa": 1.0, "writing": 0.0, "overall": 0.5}
+    spec = {"lossless": True, "categories": {c: {"exact_share": s} for c, s in shares.items()}}
+    notes = exactness_notes({"reference": "greedy", "methods": {"spec": spec}})
+    assert len(notes) == 1 and notes[0].startswith("spec is lossless but matched greedy on 50% of outputs")
+
+
+def test_end_to_end_throughput_counts_a_run_with_no_decode_time():
+    """An answer of one token comes out of the prefill: no decode seconds, so no decode-only rate,
+    but its end-to-end rate is 1 token / 0.5 s, and the end-to-end speedup over an identical reference is 1."""
+    records = [hand_record(m, 1, new_tokens=1, decode_s=0.0, prefill_s=0.5) for m in ("greedy", "m")]
+    stats = summarize(records, hand_contestants("greedy", "m"), {})["methods"]["m"]["categories"]["overall"]
+    assert stats["decode_tps"] is None and stats["speedup"] is None
+    assert stats["e2e_tps"] == pytest.approx(1 / 0.5) and stats["e2e_speedup"] == pytest.approx(1.0)

@@ -12,6 +12,8 @@ import pytest
 
 from decodekit.eval import Item, Task, auroc, register_task, reliability_bins, wilson_interval
 from decodekit.eval.cli import add_arguments, run
+from decodekit.eval.metrics import Z95
+from decodekit.eval.report import markdown
 from decodekit.eval.runner import budget_curve
 from decodekit.eval.tasks import capital_answer, capital_correct, capitals_task, gsm8k_gold, gsm8k_task
 from decodekit.errors import InvalidParameter, UnknownMethod
@@ -209,7 +211,6 @@ def test_eval_end_to_end_on_a_tiny_model(tmp_path, method, capsys):
 def test_results_record_n_only_where_something_drew_n_samples():
     """--n (default 8) counts a method's samples and --signals agreement's: a greedy run without the
     signal draws one answer, so its results say n null and its report names no n."""
-    from decodekit.eval.report import markdown
     from decodekit.eval.runner import EvalConfig, evaluate
 
     model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
@@ -310,7 +311,6 @@ def test_real_model_greedy_signals_and_judge(real_model):
 
 
 def test_report_says_when_accuracy_is_low():
-    from decodekit.eval.report import markdown
 
     base = {"task": "gsm8k", "method": "greedy", "seed": 0, "n": None, "options": {}, "correct": 0, "items": 10,
             "tokens_spent": 10, "signal_tokens": 0, "time_s": 1.0, "auroc": {}, "budget_curve": [], "records": []}
@@ -322,7 +322,6 @@ def test_report_says_when_accuracy_is_low():
 
 def test_the_budget_curve_names_what_it_votes_over():
     """CoT-decoding's candidates are its first-token branches, not samples."""
-    from decodekit.eval.report import markdown
 
     curve = [{"samples": 1, "accuracy": 0.5}, {"samples": 2, "accuracy": 0.5}]
     base = {"task": "gsm8k", "seed": 0, "n": 2, "options": {}, "correct": 1, "items": 2, "accuracy": 0.5,
@@ -608,7 +607,6 @@ def test_python_api_configs_refuse_a_limit_or_continuation_of_0():
 
 def test_the_low_accuracy_warning_reads_the_upper_bound():
     """Warned only when even the 95% upper bound is below 30%: an interval reaching above it is not."""
-    from decodekit.eval.report import markdown
 
     assert "Accuracy is low" not in markdown({**REPORT_BASE, "ci95": [0.1, 0.6]})
     low = markdown({**REPORT_BASE, "ci95": [0.0, 0.25], "auroc": {"mean_logprob": 0.7}}).splitlines()
@@ -621,7 +619,6 @@ def test_the_low_accuracy_warning_reads_the_upper_bound():
 
 def test_the_report_states_per_item_figures_and_each_signals_direction():
     """Tokens per item divide by the items evaluated; phi_first (entropy) is confident when low."""
-    from decodekit.eval.report import markdown
 
     text = markdown({**REPORT_BASE, "auroc": {"phi_first": 0.8, "agreement": 0.6, "pc": None}})
     assert "tokens spent by the method: 100 (10.0 per item)" in text and "(0.10 s per item)" in text
@@ -631,7 +628,6 @@ def test_the_report_states_per_item_figures_and_each_signals_direction():
 
 
 def test_an_answer_with_a_pipe_keeps_the_items_table_in_four_columns():
-    from decodekit.eval.report import markdown
 
     record = {"id": "0", "gold": "4", "answer": "4 | 5", "correct": False}
     rows = [line for line in markdown({**REPORT_BASE, "records": [record]}).splitlines() if line.startswith("| 0 |")]
@@ -641,7 +637,6 @@ def test_an_answer_with_a_pipe_keeps_the_items_table_in_four_columns():
 def test_a_schema_gold_and_a_multi_line_answer_keep_the_items_table_in_four_columns():
     """A structured item's gold is its schema (a pattern may hold a pipe) and an unconstrained
     answer may span lines: each stays inside its cell."""
-    from decodekit.eval.report import markdown
 
     record = {"id": "s1", "gold": '{"pattern": "^(a|b)$"}', "answer": '{\n "a": 1}', "correct": True}
     items = markdown({**REPORT_BASE, "records": [record]}).split("## Items")[1].strip().splitlines()
@@ -650,7 +645,6 @@ def test_a_schema_gold_and_a_multi_line_answer_keep_the_items_table_in_four_colu
 
 
 def test_a_long_answer_is_cut_to_60_characters_in_the_items_table():
-    from decodekit.eval.report import markdown
 
     record = {"id": "0", "gold": "4", "answer": "7" * 59 + "89", "correct": False}
     rows = [line for line in markdown({**REPORT_BASE, "records": [record]}).splitlines() if line.startswith("| 0 |")]
@@ -658,7 +652,6 @@ def test_a_long_answer_is_cut_to_60_characters_in_the_items_table():
 
 
 def test_a_ray_runs_report_names_each_worker_and_the_lost_ones():
-    from decodekit.eval.report import markdown
 
     machines = [{"host": "a", "pid": 1, "units": 7, "lost": False}, {"host": "b", "pid": 2, "units": 3, "lost": True}]
     assert "- Ray workers: a pid 1, 7 items; b pid 2, 3 items (lost)\n" in markdown({**REPORT_BASE, "machines": machines})
@@ -707,7 +700,6 @@ def test_the_reproducing_command_keeps_every_repeated_opt(tmp_path):
 def test_the_report_lists_every_item_of_a_small_run_and_its_interval_low_to_high():
     """The items table is the run's items in order (a dozen is far below the table's cap), and the
     Wilson interval reads [lower, upper]."""
-    from decodekit.eval.report import markdown
 
     records = [{"id": str(i), "gold": "4", "answer": "4" if i % 2 else "5", "correct": bool(i % 2)} for i in range(12)]
     text = markdown({**REPORT_BASE, "records": records})
@@ -1049,3 +1041,43 @@ def test_an_eval_on_ray_times_each_item_from_the_one_before(monkeypatch):
     result = distributed.evaluate_on_ray(lambda: None, fake_task(), EvalConfig(), None, PoolSettings(workers=1))
     assert result["items"] == 3 and result["time_s"] == pytest.approx(3.0)
 
+
+def test_wilson_bounds_stay_inside_0_1_at_all_wrong_and_all_right():
+    """At 0/n the lower bound is 0 and at n/n the upper is 1 (exactly, in closed form); rounding
+    must not leave them a hair outside [0, 1], where the report would print -0.000."""
+    for n in range(1, 60):
+        lo, hi = wilson_interval(0, n)
+        assert 0.0 <= lo < 1e-12  # 0 in closed form
+        assert hi == pytest.approx((Z95 ** 2 / n) / (1 + Z95 ** 2 / n))
+        lo, hi = wilson_interval(n, n)
+        assert 0.0 <= lo and hi <= 1.0 and hi == pytest.approx(1.0)
+    lo, hi = wilson_interval(0, 21)
+    text = markdown({**REPORT_BASE, "correct": 0, "items": 21, "accuracy": 0.0, "ci95": [lo, hi]})
+    assert "95% Wilson CI [0.000, 0.155]" in text  # (3.8415/21) / (1 + 3.8415/21) = 0.1546
+
+
+def test_auroc_averages_the_ranks_of_a_tie_of_three():
+    """A tie counts one half however many scores share it: positives 0.5 and 0.9 against negatives
+    0.1, 0.5, 0.5 win 1 + 3 pairs and tie 2, so (4 + 2/2) / 6."""
+    assert auroc([0.1, 0.5, 0.5, 0.5, 0.9], [False, True, False, False, True]) == pytest.approx(5 / 6)
+    assert auroc([0.3, 0.3, 0.3], [True, False, False]) == pytest.approx(0.5)
+
+
+def test_the_report_shows_an_auroc_of_zero_as_a_figure():
+    """An AUROC of 0 (a signal that ranks every wrong answer above every right one) is a result, not
+    the n/a of a signal with one class only."""
+    text = markdown({**REPORT_BASE, "auroc": {"agreement": 0.0, "phi_first": None}})
+    assert "| agreement | higher = confident | 0.000 |" in text
+    assert "| phi_first | lower = confident | n/a |" in text
+
+
+def test_the_budget_curve_table_shows_three_decimals():
+    """Accuracies of the budget curve read like the headline accuracy: three decimals."""
+    text = markdown({**REPORT_BASE, "budget_curve": [{"samples": 1, "accuracy": 2 / 3}, {"samples": 3, "accuracy": 1 / 3}]})
+    assert "| 1 | 0.667 |" in text and "| 3 | 0.333 |" in text
+
+
+def test_the_low_accuracy_warning_needs_the_upper_bound_strictly_below_the_threshold():
+    """The warning is for runs whose 95% upper bound is below 30%; an upper bound of exactly 30% is not."""
+    assert "Accuracy is low" not in markdown({**REPORT_BASE, "ci95": [0.1, 0.3]})
+    assert "Accuracy is low" in markdown({**REPORT_BASE, "ci95": [0.1, 0.2999]})
