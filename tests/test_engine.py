@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decodekit.engine import Engine
+from decodekit.engine import Engine, make_sampler, validate_options
 from decodekit.errors import InvalidParameter, PromptTooLong, UnknownMethod
 from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.tiny import tiny_llama
@@ -577,3 +577,50 @@ def test_a_methods_own_option_named_like_a_loading_choice_reaches_it(tiny_model)
     finally:
         _METHODS.pop("test-kvopt", None)
 
+
+class TemplatedChars(CharTokenizer):
+    """A character tokenizer with a chat template, which records the chats it renders."""
+
+    def __init__(self, size):
+        super().__init__(size)
+        self.chats = []
+
+    def chat_prompt(self, messages):
+        self.chats.append(messages)
+        return "U:" + messages[-1]["content"] + "\nA:"
+
+
+def test_generate_applies_the_chat_template_unless_told_not_to():
+    tokenizer = TemplatedChars(96)
+    engine = Engine(LoadedModel(backend=tiny_llama(seed=0), tokenizer=tokenizer, name="tiny"))
+    default = engine.generate("hi", max_new_tokens=3)
+    assert tokenizer.chats == [[{"role": "user", "content": "hi"}]]
+    assert default.tokens == engine.generate("hi", max_new_tokens=3, chat=True).tokens
+    tokenizer.chats.clear()
+    engine.generate("hi", max_new_tokens=3, chat=False)
+    assert tokenizer.chats == []
+
+
+def test_max_new_tokens_defaults_to_256(tiny_model):
+    g = Engine(tiny_model).generate("hello", chat=False, ignore_eos=True)
+    assert len(g.tokens) == 256 and g.finish_reason == "length"
+
+
+def test_validate_options_returns_the_options_given_parsed_and_no_defaults():
+    from decodekit.engine import validate_options
+
+    assert validate_options("pld", {"max_ngram": "3"}) == {"max_ngram": 3}
+    assert validate_options("pld", {}) == {}
+
+
+def test_a_tuple_of_token_ids_is_a_prompt_as_a_list_is(tiny_model):
+    engine = Engine(tiny_model)
+    ids = tiny_model.tokenizer.encode("hello")
+    assert engine.generate(tuple(ids), max_new_tokens=5).tokens == engine.generate(list(ids), max_new_tokens=5).tokens
+
+
+def test_a_refused_temperature_is_shown_short():
+    from decodekit.engine import make_sampler
+
+    with pytest.raises(InvalidParameter, match=r"temperature=0\.3 would be ignored"):
+        make_sampler("greedy", {"temperature": 0.1 + 0.2})

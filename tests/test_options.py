@@ -4,11 +4,15 @@ bool parser; one ``parse_option`` used by the CLI, bench and eval; ``decodekit m
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
+from types import MappingProxyType
 
+import numpy as np
 import pytest
 
 import decodekit
@@ -26,7 +30,8 @@ from decodekit.engine import (
 from decodekit.errors import DecodeKitError, InvalidParameter
 from decodekit.eval import cli as eval_cli
 from decodekit.interfaces import cli
-from decodekit.options import OptionSpec, parse_bool, parse_option, parse_options
+from decodekit.options import (OptionSpec, check_int, check_real, parse_bool, parse_option, parse_option_items,
+                               parse_options, shown)
 from decodekit.samplers import SAMPLER_OPTIONS, SAMPLER_PARAMS, Sampler
 from decodekit.speculative.drafters import DRAFTER_SPECS
 
@@ -600,3 +605,93 @@ def test_every_methods_constructor_defaults_are_its_option_tables():
         given = defaults(factory)
         for option, spec in options.items():
             assert option in given and given[option] == spec.default, (name, option, given.get(option), spec.default)
+
+
+def test_a_value_is_shown_whole_up_to_the_width_and_cut_to_the_width_past_it():
+    exact = "a" * 58  # repr: 60 characters, the width
+    assert shown(exact) == repr(exact)
+    longer = "a" * 59
+    assert shown(longer) == repr(longer)[:57] + "..."
+    assert len(shown(longer)) == 60
+    assert shown(12345, width=5) == "12345"
+    assert shown(123456, width=5) == "12..."
+
+
+def test_a_float_option_hands_back_a_python_float_whatever_real_number_it_was_given():
+    spec = OptionSpec("temperature", float, lo=0)
+    for value in (2, Fraction(1, 2), np.float32(0.5), np.int64(3), spec.parse("1e3")):
+        out = spec.check(value)
+        assert type(out) is float and out == float(value)
+    assert type(check_real("temperature", 1)) is float
+    assert json.dumps(parse_options("t", {"t": spec}, {"t": Fraction(1, 4)})) == '{"t": 0.25}'
+
+
+def test_an_int_option_hands_back_a_python_int_which_a_results_file_can_hold():
+    spec = OptionSpec("n", int, lo=1)
+    out = spec.check(np.int64(3))
+    assert type(out) is int and out == 3
+    assert type(check_int("n", np.int32(2))) is int
+    # a numpy integer would make the options unwritable as JSON
+    assert json.dumps(parse_options("method 'x'", {"n": spec}, {"n": np.int64(4)})) == '{"n": 4}'
+
+
+def test_an_opt_value_may_hold_an_equals_sign_the_key_ends_at_the_first():
+    from decodekit.options import parse_option, parse_option_items
+
+    assert parse_option("stop=a=b") == ("stop", "a=b")
+    assert parse_option("x==") == ("x", "=")
+    spec = {"pattern": OptionSpec("pattern", str)}
+    assert parse_option("pattern=k=v", spec) == ("pattern", "k=v")
+    assert parse_option_items(["pattern=a=1", "n=2"], spec) == {"pattern": "a=1", "n": 2}
+
+
+def test_a_choice_option_that_takes_a_callable_too_says_so_when_refusing():
+    takes = OptionSpec("scorer", str, choices=("a", "b"), allow_callable=True)
+    with pytest.raises(InvalidParameter, match=r"^scorer must be one of a, b or a callable, got 'c'$"):
+        takes.check("c")
+    plain = OptionSpec("scorer", str, choices=("a", "b"))
+    with pytest.raises(InvalidParameter, match=r"^scorer must be one of a, b, got 'c'$"):
+        plain.check("c")
+
+
+def test_unknown_options_are_named_in_order_and_the_first_is_the_param_and_valid_ones_are_sorted():
+    specs = {"zeta": OptionSpec("zeta", int), "alpha": OptionSpec("alpha", int), "mid": OptionSpec("mid", int)}
+    with pytest.raises(InvalidParameter) as err:
+        parse_options("method 'x'", specs, {"yy": 1, "bb": 2})
+    assert str(err.value) == "method 'x' has no option 'bb', 'yy'; valid options: alpha, mid, zeta"
+    assert err.value.param == "bb"
+
+
+def test_an_unknown_method_lists_the_methods_in_alphabetical_order():
+    from decodekit.engine import available_methods, method_spec
+    from decodekit.errors import UnknownMethod
+
+    with pytest.raises(UnknownMethod) as err:
+        method_spec("nosuch")
+    listed = str(err.value).split("choose from: ")[1].split(", ")
+    assert listed == sorted(available_methods()) and len(listed) > 2
+    assert err.value.param == "method"
+
+
+def test_a_two_ended_range_message_shows_an_open_high_end():
+    with pytest.raises(InvalidParameter, match=r"^p must be in \[0, 1\), got 2\.0$"):
+        check_real("p", 2.0, 0, 1, hi_open=True)
+
+
+def test_a_mapping_option_takes_any_mapping_and_names_text_that_is_no_json_object():
+    spec = OptionSpec("cost_table", dict)
+    table = MappingProxyType({"1": 0.004})
+    assert spec.check(table) is table
+    with pytest.raises(InvalidParameter, match=r"^cost_table must be a mapping, got '\[1\]'$"):
+        spec.parse("[1]")
+
+
+def test_an_opt_given_twice_is_named_with_its_prefix():
+    with pytest.raises(InvalidParameter, match=r"^--opt pld\.n=\.\.\. is given twice; give one$"):
+        parse_option_items(["n=1", "n=2"], prefix="pld.")
+
+
+def test_an_option_given_to_a_method_without_options_is_the_param():
+    with pytest.raises(InvalidParameter, match="takes no options, got: x") as err:
+        parse_options("method 'greedy'", {}, {"x": 1})
+    assert err.value.param == "x"

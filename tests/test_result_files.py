@@ -99,6 +99,8 @@ def longctx_report(out: Path) -> Path:
 
 
 @pytest.mark.parametrize("write", [bench_results, bench_report, eval_report, longctx_report])
+
+
 def test_each_report_writer_leaves_the_previous_file_when_the_disk_fills(write, tmp_path: Path, monkeypatch):
     from decodekit.bench import report
     from decodekit.eval import longctx
@@ -138,3 +140,21 @@ def test_a_plot_that_fails_midway_leaves_the_previous_image(tmp_path: Path, monk
         plot_speedup(summary, image)
     assert image.read_bytes() == b"previous image"
     assert [p.name for p in tmp_path.iterdir()] == ["speedup.png"]
+
+
+def test_a_result_file_is_written_into_folders_still_to_make(tmp_path):
+    path = tmp_path / "a" / "b" / "results.json"
+    assert replace_text(path, "{}\n") == path
+    assert path.read_text() == "{}\n"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["results.json"]
+
+
+def test_the_temporary_result_file_is_hidden(tmp_path):
+    seen = []
+
+    def fill(temporary):
+        seen.append(temporary.name)
+        temporary.write_text("x")
+
+    replace_file(tmp_path / "r.json", fill)
+    assert seen[0].startswith(".r.json.") and seen[0].endswith(".json")
