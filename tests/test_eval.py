@@ -1081,3 +1081,122 @@ def test_the_low_accuracy_warning_needs_the_upper_bound_strictly_below_the_thres
     """The warning is for runs whose 95% upper bound is below 30%; an upper bound of exactly 30% is not."""
     assert "Accuracy is low" not in markdown({**REPORT_BASE, "ci95": [0.1, 0.3]})
     assert "Accuracy is low" in markdown({**REPORT_BASE, "ci95": [0.1, 0.2999]})
+
+
+def test_a_gsm8k_answer_starts_at_its_last_number(tmp_path):
+    """phi_first reads GSM8K's answer at the final number, not at the text's start."""
+    data = tmp_path / "g.jsonl"
+    data.write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n")
+    task = gsm8k_task(data)
+    text = "2 and 2 make 4, so the answer is 4."
+    assert task.answer_start(text) == len("2 and 2 make 4, so the answer is ")
+    assert task.answer_start("no number here") == 0
+
+
+def test_a_tasks_default_answer_start_is_the_last_number():
+    """A registered task that names no answer_start: its answer begins at the last number (auto)."""
+    task = Task("t", [Item("0", "q", "7")], answer=lambda t: t, is_correct=lambda t, item: True)
+    assert task.answer_start("first 3 then 7.") == len("first 3 then ")
+    assert task.answer_start("Paris") == 0
+
+
+def test_a_capital_lead_in_after_markup_or_quotes_is_skipped_for_the_answer_start():
+    from decodekit.eval.tasks import capital_answer_start
+
+    for prefix in ("**", '"', "  ", "- "):
+        text = prefix + "The capital of France is Paris."
+        assert capital_answer_start(text) == len(prefix + "The capital of France is "), prefix
+
+
+def test_a_capital_lead_in_without_the_is_dropped_from_the_answer():
+    """"Capital of France is Paris" (no "The") leads in as "The capital of France is" does."""
+    assert capital_answer("Capital of France is Paris.") == "paris"
+    assert capital_answer("Capital city of France is Paris.") == "paris"
+
+
+def test_a_capital_denied_with_a_curly_apostrophe_is_not_an_answer():
+    """Models write "isn’t" with a curly apostrophe as often as "isn't": it denies the name too."""
+    item = Item("FR", "", "Paris", "France")
+    assert not capital_correct("It isn’t Paris.", item)
+    assert not capital_correct("The capital of France isn’t Paris, it is Lyon.", item)
+    assert capital_correct("It is Paris.", item)
+
+
+def test_words_on_two_lines_are_not_one_place_name():
+    """A line break ends the name: "Santiago" then a new line beginning "De facto" is Santiago."""
+    item = Item("CL", "", "Santiago", "Chile")
+    assert capital_correct("Santiago\nDe facto, it is the seat of government.", item)
+    assert not capital_correct("Santiago de Cuba", item)
+
+
+def test_the_last_word_of_the_text_is_not_the_word_before_the_first():
+    """The first word has no word before it: a prefix or a negation at the text's end does not reach it."""
+    item = Item("FR", "", "Paris", "France")
+    assert capital_correct("Paris, a city in the north", item)
+    assert capital_correct("Paris, or so I think, not", item)
+
+
+def test_a_structured_answer_is_judged_by_json_schema_2020_12():
+    """The schema is a 2020-12 one: prefixItems constrains the array's first items (draft 7 ignores it)."""
+    pytest.importorskip("jsonschema")
+    from decodekit.eval.tasks import schema_valid
+
+    item = Item("x", "", json.dumps({"type": "array", "prefixItems": [{"type": "integer"}]}))
+    assert schema_valid("[1, \"a\"]", item)
+    assert not schema_valid("[\"a\"]", item)
+    item = Item("y", "", json.dumps({"type": "object", "dependentRequired": {"a": ["b"]}}))
+    assert not schema_valid('{"a": 1}', item) and schema_valid('{"a": 1, "b": 2}', item)
+
+
+def test_an_items_seed_wraps_inside_the_seed_range():
+    from decodekit.eval.runner import EvalConfig, item_seed
+    from decodekit.samplers.params import SEED_LIMIT
+
+    config = EvalConfig(seed=SEED_LIMIT - 1)
+    assert item_seed(config, 0) == SEED_LIMIT - 1
+    assert item_seed(config, 1) == 2**32 - 1  # seed + 2**32, past 2**64 - 1, wrapped
+
+
+def test_the_budget_curve_judges_the_winner_among_the_first_m_samples_only():
+    """At m samples the vote and its correctness read those m alone: a later sample with the same
+    answer, judged right, does not make the first sample's vote right."""
+    records = [{"candidates": [{"answer": "x", "correct": False}, {"answer": "x", "correct": True}]}]
+    assert budget_curve(records) == [{"samples": 1, "accuracy": 0.0}, {"samples": 2, "accuracy": 1.0}]
+
+
+def test_extra_signals_are_drawn_with_the_ns_and_paraphrases_asked(monkeypatch):
+    """--signals agreement draws --n samples; --signals pc asks for --paraphrases rephrasings."""
+    import decodekit.eval.runner as runner
+
+    seen = []
+    monkeypatch.setattr(runner, "sampled_agreement",
+                        lambda *a, n=8, **kw: seen.append(("n", n)) or {"agreement": 1.0, "tokens_spent": 0})
+    monkeypatch.setattr(runner, "paraphrase_consistency",
+                        lambda model, prompts, *a, **kw: seen.append(("k", len(prompts))) or {"pc": 1.0, "tokens_spent": 0})
+    scripted_eval(monkeypatch, ScriptedDecoder(lambda prompt: ("a", {}, {})), n=3, signals=["agreement", "pc"],
+                  paraphrases=2)
+    assert seen == [("n", 3), ("k", 2)] * 3
+
+
+def test_results_options_leave_out_python_callables():
+    """A callable given as an option (answer=) is no JSON: the summary's options keep the rest."""
+    from decodekit.eval.runner import EvalConfig, summarize
+
+    config = EvalConfig(method="self-consistency", options={"answer": lambda t: t, "temperature": 0.5})
+    result = summarize(fake_task(), config, [], 0.0)
+    assert result["options"] == {"temperature": 0.5}
+    json.dumps(result)
+
+
+@pytest.mark.parametrize("method", ["greedy", "cot", "self-consistency"])
+def test_every_method_reads_the_tasks_answer_start(method):
+    """phi_first is read where the task says its answer begins, for the plain methods too."""
+    from decodekit.eval.runner import EvalConfig, evaluate
+
+    task = fake_task()
+    seen = []
+    task.answer_start = lambda text: seen.append(text) or 0
+    model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
+    n = 8 if method == "greedy" else 2
+    evaluate(model, task, EvalConfig(method=method, n=n, max_new_tokens=3, limit=1))
+    assert seen

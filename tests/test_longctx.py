@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from decodekit.eval import cli as eval_cli
-from decodekit.eval.longctx import LongContextConfig, continuation_nll, document_tokens, evaluate_long_context, passkey_prompt
+from decodekit.eval.longctx import FILLER, LongContextConfig, continuation_nll, document_tokens, evaluate_long_context, passkey_prompt
 from decodekit.errors import InvalidParameter
 from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.tiny import tiny_llama
@@ -305,3 +305,32 @@ def test_longctx_refuses_ray_before_loading():
     eval_cli.add_arguments(parser)
     with pytest.raises(InvalidParameter, match="longctx runs on one machine"):
         eval_cli.run(parser.parse_args(["longctx", "--ray"]), model=lambda: pytest.fail("the model was loaded"))
+
+
+@pytest.fixture(scope="module")
+def model() -> LoadedModel:
+    return LoadedModel(tiny_llama(seed=0, hidden_size=64, max_position=512), CharTokenizer(96), "tiny")
+
+
+def test_the_nll_is_over_the_continuation_asked_not_the_decode_run(model, monkeypatch):
+    """--continuation 4 scores 4 tokens after the context, even when the decode run reads more."""
+    import decodekit.eval.longctx as longctx
+
+    scored = []
+    original = longctx.continuation_nll
+    monkeypatch.setattr(longctx, "continuation_nll",
+                        lambda backend, ids, context: scored.append(len(ids) - context) or original(backend, ids, context))
+    config = LongContextConfig(policies=("full",), lengths=(120,), depths=(0.5,), continuation=4, decode_tokens=16)
+    evaluate_long_context(model, config)
+    assert scored == [4]
+
+
+def test_the_pass_key_sits_at_the_nearest_whole_filler_to_its_depth():
+    """The filler before the key is the whole number of sentences nearest depth x all of them."""
+    tok = CharTokenizer(128)
+    for length in range(300, 1600, 89):
+        for depth in (0.1, 0.3, 0.7, 0.9):
+            text = tok.decode(passkey_prompt(tok, length, depth, 12345))
+            before = text[:text.index("The pass key is 12345")].count(FILLER)
+            total = text.count(FILLER)
+            assert abs(before - depth * total) <= 0.5, (length, depth, before, total)

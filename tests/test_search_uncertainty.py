@@ -10,7 +10,7 @@ import torch
 from decodekit.models import CharTokenizer, LoadedModel
 from decodekit.models.tokenizer import Tokenizer
 from decodekit.models.tiny import tiny_llama
-from decodekit.search.answers import answer_start, extract_auto, extract_line, extract_number, normalize_text
+from decodekit.search.answers import answer_start, extract_auto, extract_line, extract_number, extractor, normalize_text
 from decodekit.search.batch import Sample
 from decodekit.search.scorers import Judge
 from decodekit.search.uncertainty import agreement, first_content_index, normalized_entropy, phi_first, sample_signals
@@ -598,3 +598,12 @@ def test_paraphrase_consistency_keeps_the_requests_stop_strings():
     req = Request(TOK.encode("p"), make_sampler("greedy", {}), 10, stop=(";",))
     out = paraphrase_consistency(model, ["xp", "yp"], "4", extract_number, req, chat=False)
     assert out["answers"] == ["4", "4"] and out["pc"] == 1.0
+
+
+def test_text_mode_of_a_text_with_nothing_but_punctuation_is_no_answer():
+    """``text`` mode: a text that normalises to nothing (blank, or punctuation alone) is no answer
+    (None), not an empty string that would vote."""
+    text = extractor("text")
+    assert text("  ?!...\n\t") is None
+    assert text("") is None
+    assert text("Paris!") == "paris"
