@@ -10931,7 +10931,7 @@ MUTATIONS = (
              ("tests/test_kv_policy.py", "-k", "caches_of_float_rows")),
     Mutation("kivi-qend-count-unchecked", "src/decodekit/models/kernels/attention.py",
              "if view.qend.numel() != n_q or int(view.qend.min())", "if int(view.qend.min())",
-             ("tests/test_kv_policy.py", "-k", "missing_for_a_row")),
+             ("tests/test_kv_policy.py", "-k", "quantised_ends_outside")),
     Mutation("rope-store-positions-past-the-table", "src/decodekit/models/kernels/attention.py",
              '    check_positions("rope_store", positions, freqs)\n', "",
              ("tests/test_kernels.py", "-k", "outside_its_rotary_table")),

@@ -852,7 +852,7 @@ def test_kivi_attention_is_float_attention_on_the_dequantised_entries(head_dim, 
 def test_kivi_attention_refuses_quantised_ends_outside_the_codes_written():
     """A row's quantised end lies between the residual's base and the tokens quantised so far: an
     end past those tokens (codes never written, in the store's spare room) or below the base (keys
-    in neither part) is refused, not read."""
+    in neither part) is refused, not read; so are fewer ends than rows."""
     from decodekit.models.kernels import kivi_attention
     from decodekit.models.kivi import KiviStore, KiviView
 
@@ -868,6 +868,13 @@ def test_kivi_attention_refuses_quantised_ends_outside_the_codes_written():
     for base, qend in ((8, 16), (8, 4)):
         with pytest.raises(ValueError, match="quantised end"):
             kernel(q, KiviView(store, base, torch.tensor([qend])), 0, k, v, 16, None, 32**-0.5)
+    # every row has its own end: fewer ends than rows were read past their tensor (the ends here a
+    # slice of three, so that a kernel reading the third reads a valid end, not memory past the tensor)
+    q, visible = torch.randn(3, 6, 32, generator=g), torch.ones(3, 16, dtype=torch.bool)
+    assert kernel(q, KiviView(store, 8, torch.tensor([8, 8, 8])), 0, k, v, 16, visible, 32**-0.5).isfinite().all()
+    for qend in (torch.tensor([8, 8, 8], dtype=torch.int32)[:2], torch.tensor([8, 8, 8], dtype=torch.int32)[:1]):
+        with pytest.raises(ValueError, match="every row needs a quantised end"):
+            kernel(q, KiviView(store, 8, qend), 0, k, v, 16, visible, 32**-0.5)
 
 
 def test_kivi_attention_refuses_residuals_and_queries_it_cannot_read():
@@ -1549,22 +1556,3 @@ def test_int8_kernels_refuse_caches_of_float_rows_and_queries_of_another_head_si
         int8.attention(torch.randn(1, 2, 4, generator=g), packed, packed.clone(), None, d**-0.5)
     assert int8.attention(q, packed, packed.clone(), None, d**-0.5).isfinite().all()
 
-
-def test_kivi_attention_refuses_a_quantised_end_missing_for_a_row():
-    """Every query row has its own quantised end: fewer ends than rows were read past their tensor."""
-    from decodekit.models.kernels import kivi_attention
-    from decodekit.models.kivi import KiviStore, KiviView
-
-    kernel = kivi_attention(32)
-    if kernel is None:
-        pytest.skip("kernels unavailable")
-    g = torch.Generator().manual_seed(3)
-    store = KiviStore(1, 2, 32, 8, 4)
-    store.append(torch.randn(1, 2, 8, 32, generator=g), torch.randn(1, 2, 8, 32, generator=g))
-    q, k, v = torch.randn(3, 6, 32, generator=g), torch.randn(2, 16, 32, generator=g), torch.randn(2, 16, 32, generator=g)
-    visible = torch.ones(3, 16, dtype=torch.bool)
-    assert kernel(q, KiviView(store, 8, torch.tensor([8, 8, 8])), 0, k, v, 16, visible, 32**-0.5).isfinite().all()
-    # (the ends a slice of three: a kernel reading the third reads a valid end, not memory past the tensor)
-    for qend in (torch.tensor([8, 8, 8], dtype=torch.int32)[:2], torch.tensor([8, 8, 8], dtype=torch.int32)[:1]):
-        with pytest.raises(ValueError, match="every row needs a quantised end"):
-            kernel(q, KiviView(store, 8, qend), 0, k, v, 16, visible, 32**-0.5)
