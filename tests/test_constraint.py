@@ -984,3 +984,29 @@ def test_a_long_constrained_output_keeps_only_the_matchers_of_its_last_rows(engi
     assert got.tokens == plain.tokens and len(got.tokens) == 200
     paths = made[-1]
     assert paths.call > 20 and len(paths.paths) <= 8, (paths.call, sorted(len(k) for k in paths.paths))
+
+
+def test_choices_may_be_a_tuple():
+    """A choice constraint takes any list of strings, a tuple as well (the documented list or tuple)."""
+    c = Constraint.coerce({"choice": ("yes", "no")})
+    assert c.kind == "choice" and tuple(c.value) == ("yes", "no")
+    assert Constraint("choice", ("a",)).value == ("a",)
+
+
+def test_a_dict_with_several_kinds_is_refused_clearly():
+    """A constraint is one kind: a dict naming two is the library's InvalidParameter, not a ValueError
+    from unpacking it."""
+    with pytest.raises(InvalidParameter, match="constraint must be a Constraint or a dict"):
+        Constraint.coerce({"regex": "a", "choice": ["b"]})
+    with pytest.raises(InvalidParameter, match="constraint must be a Constraint or a dict"):
+        Constraint.coerce({})
+
+
+@pytest.mark.parametrize("schema, where", [
+    ({"type": "integer", "minimum": -(2**53) - 1}, "minimum at /"),
+    ({"enum": [0, -(2**64)]}, "enum at /"),
+])
+def test_a_negative_schema_number_past_2_53_is_refused(schema, where):
+    """float64 holds every integer of magnitude <= 2**53 and not all beyond, on either side of 0."""
+    with pytest.raises(InvalidParameter, match=where):
+        Constraint("json_schema", schema).grammar()

@@ -1017,3 +1017,41 @@ def test_splitmix64_keys_stay_below_2_to_the_63():
     outs = [splitmix64(x) for x in (*range(64), 2**64 - 1, 2**63, 12345678901234567)]
     assert all(0 <= k < 2**63 for k in outs)
     assert any(k >= 2**62 for k in outs)  # the top kept bit is used (the outputs are not just small)
+
+
+def test_typical_p_of_one_is_allowed_and_adds_no_processor():
+    """typical_p is in (0, 1]: at 1 the typical set must hold the whole mass, i.e. every token of
+    positive probability, so the value changes nothing and from_params adds no processor (as for
+    top_p=1 and min_p=0)."""
+    s = Sampler.from_params(typical_p=1.0, seed=0)
+    assert s.processors == [] and "typical_p" not in s.describe()
+    x = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
+    for keep_argmax in (True, False):
+        out = TypicalP(1.0, keep_argmax=keep_argmax)(x, [])
+        assert torch.equal(out, x)  # the whole mass: nothing cut, nothing changed
+
+
+def test_repetition_penalty_below_float32s_smallest_normal_is_refused():
+    """repetition_penalty is in [FLOAT32_TINY, FLOAT32_MAX]: a subnormal (or smaller) float32 divisor
+    is refused by name, the smallest normal one is taken."""
+    from decodekit.samplers import RepetitionPenalty
+    from decodekit.samplers.params import FLOAT32_TINY
+
+    for tiny in (1e-39, 1e-45, FLOAT32_TINY / 2):
+        with pytest.raises(InvalidParameter, match="^repetition_penalty must be"):
+            Sampler.from_params(repetition_penalty=tiny)
+    assert RepetitionPenalty(FLOAT32_TINY).penalty == FLOAT32_TINY
+
+
+def test_a_penalty_window_longer_than_the_history_counts_all_of_it():
+    """Only the last W ids count: with fewer than W ids, every one of them counts."""
+    from decodekit.samplers import FrequencyPenalty, RepetitionPenalty
+
+    x = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
+    hist = [torch.tensor([1, 1, 2])]
+    # logit -= 0.5 * count: id 1 twice, id 2 once
+    assert FrequencyPenalty(0.5, window=5)(x, hist).tolist() == [[1.0, 0.0, 0.5, 1.0]]
+    assert FrequencyPenalty(0.5, window=3)(x, hist).tolist() == [[1.0, 0.0, 0.5, 1.0]]
+    assert FrequencyPenalty(0.5, window=2)(x, hist).tolist() == [[1.0, 0.5, 0.5, 1.0]]  # the last 2: [1, 2]
+    # positive logits divided by 2 for every seen id, whatever the count
+    assert RepetitionPenalty(2.0, window=10)(x, [torch.tensor([0, 3])]).tolist() == [[0.5, 1.0, 1.0, 0.5]]
