@@ -2474,3 +2474,83 @@ def test_a_context_match_as_long_as_the_corpus_match_drafts_first():
     drafter.begin(state)
     tree = drafter.draft(state, 1)
     assert (tree.tokens, tree.source) == ([3], ["suffix"])
+
+
+def test_a_context_term_of_zero_for_one_size_leaves_the_others_terms():
+    """A per-context term may be zero for some sizes only (a cached or given table): the other
+    sizes still pay for the context. Here 2 tokens cost 2.0 + 1,000 x 0.001 after 1,000 tokens."""
+    table = CostTable({1: 1.0, 2: 2.0}, per_context={1: 0.0, 2: 0.001})
+    assert table(1, 1000) == pytest.approx(1.0)
+    assert table(2, 1000) == pytest.approx(3.0) and table(2, 500) == pytest.approx(2.5)
+
+
+def test_per_context_costs_keyed_by_digits_are_read_as_their_sizes():
+    """JSON writes keys as digits: per-context costs given so are the same terms as integer keys."""
+    table = CostTable({1: 1.0, 2: 2.0}, per_context={"1": 0.001, "2": 0.002})
+    assert table.slopes == [0.001, 0.002]
+    assert table(1, 1000) == pytest.approx(2.0) and table(2, 1000) == pytest.approx(4.0)
+
+
+def test_realised_speed_sets_the_longest_pause_from_the_eighth_measured_step():
+    """Verifying is free here, so a probe's estimated loss is nothing and the pause is the floor of 4;
+    once MIN_REALISED_STEPS (8) speculative steps are measured, each 1 token in 2 plain steps' time,
+    a probe loses one plain step: the pause is 1 / EXPLORE_SHARE = 100 steps, from the eighth on."""
+    ctl = Controller(8, cost_table={1: 1.0, 2: 1.0})
+    for _ in range(7):
+        ctl.observe_step(1, 2.0)
+    assert ctl._max_backoff() == 4
+    ctl.observe_step(1, 2.0)
+    assert ctl._max_backoff() == 100
+
+
+def test_realised_tokens_and_seconds_are_moving_averages_of_the_steps():
+    """The first speculative step sets both averages; later ones move them by ema (0.15)."""
+    ctl = Controller(8, cost_table={1: 1.0, 2: 1.1})
+    ctl.observe_step(4, 1.0)
+    assert (ctl.learnt.step_tokens, ctl.learnt.step_seconds) == (4.0, 1.0)
+    ctl.observe_step(1, 3.0)
+    assert ctl.learnt.step_tokens == pytest.approx(4.0 + 0.15 * (1 - 4.0))  # 3.55
+    assert ctl.learnt.step_seconds == pytest.approx(1.0 + 0.15 * (3.0 - 1.0))  # 1.3
+    assert ctl.learnt.spec_steps == 2
+
+
+def test_the_verifiers_bookkeeping_is_a_moving_average_of_the_steps():
+    ctl = Controller(8, cost_table={1: 1.0, 2: 1.1})
+    ctl.observe(DraftTree.chain([1], "s"), Verification([0], 0), overhead_s=0.1)
+    assert ctl.overhead == pytest.approx(0.1)
+    ctl.observe(DraftTree.chain([1], "s"), Verification([0], 0), overhead_s=0.3)
+    assert ctl.overhead == pytest.approx(0.1 + 0.15 * (0.3 - 0.1))  # 0.13
+
+
+def test_a_selected_subtree_keeps_each_nodes_own_source():
+    from decodekit.speculative.tree import select_nodes
+
+    tree = DraftTree([1, 2, 3, 4], [-1, -1, -1, 2], {}, ["a", "b", "c", "d"])
+    kept = select_nodes(tree, [3, 2, 0])
+    assert kept.tokens == [1, 3, 4] and kept.parents == [-1, -1, 1] and kept.source == ["a", "c", "d"]
+
+
+def test_a_residual_with_no_mass_anywhere_is_uniform():
+    """Rejecting the only token p allows (a rejection of probability 0, by rounding) leaves nothing
+    of p: the residual falls back to the uniform distribution, never to NaN."""
+    import torch
+
+    from decodekit.speculative.verify import residual
+
+    out = residual(torch.tensor([1.0, 0.0, 0.0, 0.0]), None, 0)
+    assert torch.equal(out, torch.full((4,), 0.25))
+    out = residual(torch.tensor([0.0, 1.0]), torch.tensor([0.0, 1.0]), 1)
+    assert torch.equal(out, torch.full((2,), 0.5))
+
+
+def test_accepted_by_source_counts_the_accepted_drafts_only():
+    """Each accepted draft token is credited to the drafter that proposed it; rejected ones to none:
+    the counts add up to the run's accepted drafts, fewer than it drafted."""
+    from decodekit.engine import Engine
+    from decodekit.models import CharTokenizer, LoadedModel
+    from decodekit.models.tiny import tiny_llama
+
+    engine = Engine(LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny"))
+    extra = engine.generate("abcabcabcabcabcabcabc", method="hierarchy", max_new_tokens=30, chat=False, budget=8).stats.extra
+    assert 0 < extra["accepted"] < extra["drafted"]
+    assert sum(extra["accepted_by_source"].values()) == extra["accepted"]
