@@ -940,3 +940,37 @@ def test_a_drafter_that_cannot_draft_for_the_model_says_so_before_the_prompt_is_
     refused(HFBackend(tiny_hf_model(num_layers=2)), "kvdraft needs the native backend", method="kvdraft")
     refused(tiny_llama(seed=0, hidden_size=64).with_kv_cache("int4"), "kvdraft drafts for a cache that keeps every token",
             method="hierarchy", order="pld,kvdraft")  # a drafter's parts are checked as it is
+
+
+def test_chat_sends_each_message_stripped_and_says_its_stats_and_nothing_dropped_where_nothing_was(capsys, monkeypatch):
+    """A message is sent without its surrounding spaces; after each answer stderr gives its new tokens
+    and speed, and says exchanges were dropped only where some were."""
+    sent, err = chat(capsys, monkeypatch, "  hello  \n\tworld\n")
+    assert sent == ["hello", "world"]
+    assert err.count("  [1 tokens, 1.0 tok/s]\n") == 2  # the engine's count, not the answer's characters
+    assert "dropped" not in err
+
+
+def test_chat_at_a_terminal_ends_the_prompts_line_at_ctrl_d(capsys, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    sent, err = chat(capsys, monkeypatch, "", stdin=Terminal("hello\n"))
+    assert sent == ["hello"] and err.endswith("> \n")  # the shell's prompt starts a line of its own
+
+
+def test_two_structured_output_flags_are_one_line_before_the_model_loads(capsys, no_model):
+    """One constraint at a time: a second is refused, not silently dropped."""
+    one_error_line(capsys, ["generate", "hi", "--json-object", "--regex", "a+"], "not allowed with argument")
+    one_error_line(capsys, ["chat", "--choice", "a,b", "--grammar", "g.lark"], "not allowed with argument")
+
+
+def test_draft_model_flag_reaches_the_draft_method():
+    """--draft-model is the draft method's draft_model (refused only where --opt draft_model= names one too)."""
+    args = cli.build_parser(["generate"]).parse_args(["generate", "hi", "--method", "draft", "--draft-model", "small.gguf"])
+    assert cli.decoding_params(args)["draft_model"] == "small.gguf"
+    args = cli.build_parser(["generate"]).parse_args(["generate", "hi", "--method", "draft", "--draft-model", "a.gguf",
+                                                      "--opt", "draft_model=b.gguf"])
+    with pytest.raises(InvalidParameter, match="both name the draft model"):
+        cli.decoding_params(args)

@@ -1985,3 +1985,47 @@ def test_a_gguf_v2_header_is_checked_as_v3(tiny_gguf, tmp_path):
     (tmp_path / "v2_junk.gguf").write_bytes(bytes(data) + bytes(4096))
     with pytest.raises(InvalidModel, match="4096 bytes after the last tensor"):
         check_gguf_layout(tmp_path / "v2_junk.gguf")
+
+
+def test_the_cache_command_json_says_what_is_rebuilt_and_a_missing_cache_is_json_too(tmp_path, monkeypatch, capsys):
+    """--json marks each item rebuilt when needed (an entry decodekit wrote) or not (a trained drafter);
+    a cache not built yet is still one JSON object under --json, with no bytes and no items."""
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "never"))
+    assert main(["cache", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"root": str(tmp_path / "never"), "bytes": 0, "items": [], "removed": []}
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    make_entries(tmp_path)
+    assert main(["cache", "--json"]) == 0
+    items = {item["path"]: item for item in json.loads(capsys.readouterr().out)["items"]}
+    assert {path: item["rebuilt_when_needed"] for path, item in items.items()} == {
+        "model-abc": True, "kernels/attention-1234.so": True, "drafters/eagle.safetensors": False}
+    assert not any(item["unfinished"] for item in items.values())
+
+
+def test_the_cache_command_names_a_file_as_a_file_rounds_its_days_and_notes_a_mixed_folder(tmp_path, monkeypatch, capsys):
+    """A file at the top of the cache is listed without a slash; a use more than a day ago is in days
+    (1.7 days: "2 days ago", not "today"); a folder holding anything --prune does not remove
+    says so, even beside entries it does."""
+    from decodekit.models.cache import cached_file
+
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    made = make_entries(tmp_path)
+    table = cached_file(tmp_path / "table.json", lambda tmp: tmp.write_bytes(bytes(5)))
+    cached_file(tmp_path / "drafters" / "vocab.bin", lambda tmp: tmp.write_bytes(bytes(7)))  # beside a trained drafter
+    age(made["folder"], 1.7)
+    assert main(["cache"]) == 0
+    lines = {line.split()[-1] if "(" not in line else line.split("(")[0].split()[-1]: line
+             for line in capsys.readouterr().out.splitlines()[1:]}
+    assert lines["table.json"].endswith("  table.json") and " today " in lines["table.json"]
+    assert " 2 days ago " in lines["model-abc/"]
+    assert lines["drafters/"].endswith("drafters/ (2 items)  (not removed by --prune)")  # one of them is not
+    assert lines["kernels/"].endswith("kernels/ (1 item)")
+    assert table.exists()
+
+
+def test_the_cache_command_says_one_day_in_the_singular(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    made = make_entries(tmp_path)
+    age(made["folder"], 1.2)
+    assert main(["cache"]) == 0
+    assert " 1 day ago " in capsys.readouterr().out

@@ -192,3 +192,10 @@ def test_ctrl_c_ends_with_status_130_and_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_methods", interrupted)
     assert main(["methods"]) == 130
     assert capsys.readouterr().err.strip() == "decodekit: interrupted"
+
+
+def test_methods_says_which_methods_keep_the_output(capsys):
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^  greedy +plain +lossless +plain greedy decoding$", out, re.M), out
+    assert re.search(r"^  beam +search +changes output +beam search", out, re.M), out

@@ -92,4 +92,4 @@ def _size(n: float) -> str:
 
 def _ago(seconds: float) -> str:
     days = seconds / 86400
-    return "today" if days < 1 else f"{days:.0f} days ago"
+    return "today" if days < 1 else "1 day ago" if round(days) == 1 else f"{days:.0f} days ago"
