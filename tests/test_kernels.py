@@ -1529,8 +1529,8 @@ def test_attention_refuses_queries_that_are_not_rows_of_heads():
 def test_the_decoder_layers_kernel_refuses_a_pass_past_its_cache_or_its_tables():
     """forward.c writes a pass's keys to slots start .. start + rows and reads each position's
     rotary angles unchecked: a slot past the cache's end corrupted the heap, so the wrapper refuses
-    it, a position outside the table, a position count that is not the row count, and a mask of
-    another shape, before any layer runs."""
+    it, a position outside the table, a position count that is not the row count, a mask of
+    another shape and a values' cache unlike the keys', before any layer runs."""
     backend = tiny_llama(seed=0, hidden_size=64)
     backend.prefill([1, 2, 3])
     stack = getattr(backend, "_stack", None)
@@ -1546,5 +1546,7 @@ def test_the_decoder_layers_kernel_refuses_a_pass_past_its_cache_or_its_tables()
     for positions, visible, start, what in bad:
         with pytest.raises(ValueError, match=what):
             stack.run(x.clone(), torch.empty_like(x), table, positions, visible, k, v, start)
+    with pytest.raises(ValueError, match="unlike the keys'"):
+        stack.run(x.clone(), torch.empty_like(x), table, torch.tensor([3]), None, k, v[:, :, :-1], 3)
     assert torch.equal(k, before)
     assert stack.run(x.clone(), torch.empty_like(x), table, torch.tensor([3]), None, k, v, 3)

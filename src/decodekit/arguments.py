@@ -177,6 +177,17 @@ def replace_text(path: Path, text: str) -> Path:
     return replace_file(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
 
 
+def save_figure(fig, path: Path, **savefig) -> Path:
+    """Write a matplotlib figure to ``path`` whole (:func:`replace_file`) and close it, written or
+    not (pyplot keeps every open figure). ``savefig``: the options of ``Figure.savefig``."""
+    import matplotlib.pyplot as plt  # (the caller made the figure: matplotlib is loaded already)
+
+    try:
+        return replace_file(path, lambda temporary: fig.savefig(temporary, **savefig))
+    finally:
+        plt.close(fig)
+
+
 def _new_file_beside(path: Path) -> Path:
     """An empty, new, hidden file in ``path``'s folder, made with the permissions the user's umask
     gives a new file (``tempfile.mkstemp`` makes it private, and the rename would keep that)."""

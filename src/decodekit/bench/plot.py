@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..arguments import replace_file
+from ..arguments import save_figure
 from .results import OVERALL
 
 TITLES = {"speedup": "Decode-only speedup vs decodekit greedy", "e2e_speedup": "End-to-end speedup vs decodekit greedy"}
@@ -51,7 +51,4 @@ def plot_speedup(summary: dict[str, Any], path: Path, *, key: str = "speedup", s
         ax.spines[side].set_visible(False)
     ax.legend(fontsize=8, ncol=min(len(methods) + 1, 6), loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)
     fig.tight_layout()
-    try:
-        return replace_file(path, fig.savefig)
-    finally:
-        plt.close(fig)
+    return save_figure(fig, path)

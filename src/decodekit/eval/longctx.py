@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..arguments import replace_file, replace_text
+from ..arguments import replace_text, save_figure
 from ..data import SPEC_BENCH_QUESTIONS, data_file
 from ..errors import InvalidParameter
 from ..options import check_int
@@ -209,14 +209,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     if ax.get_legend_handles_labels()[0]:  # no policy gave a point: no legend to draw
         ax.legend(fontsize=8)
     fig.tight_layout()
-    try:
-        replace_file(path, fig.savefig)
-    finally:
-        plt.close(fig)
+    save_figure(fig, path)
 
 
 def write(result: dict[str, Any], out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
     replace_text(out / "results.json", json.dumps(result, indent=1))
     replace_text(out / "report.md", markdown(result))
     plot(result, out / "plot.png")

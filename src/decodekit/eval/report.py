@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..arguments import replace_file, replace_text
+from ..arguments import replace_text, save_figure
 from ..bench.report import cell
 from ..search.uncertainty import CONFIDENCE_DIRECTION
 from .metrics import reliability_bins
@@ -17,7 +17,6 @@ CALIBRATION_SIGNALS = {"agreement": lambda v: v, "pc": lambda v: v, "phi_first":
 
 
 def write_report(result: dict[str, Any], out: Path, header: dict[str, Any]) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
     result = {**header, **result}
     replace_text(out / "results.json", json.dumps(result, indent=1, ensure_ascii=False))
     replace_text(out / "report.md", markdown(result))
@@ -108,7 +107,4 @@ def plot(r: dict[str, Any], path: Path) -> None:
     lo, hi = r["ci95"]
     fig.suptitle(f"accuracy {r['accuracy']:.3f} [{lo:.3f}, {hi:.3f}] · {r['tokens_spent']} tokens · {r['time_s']} s")
     fig.tight_layout()
-    try:
-        replace_file(path, lambda temporary: fig.savefig(temporary, dpi=110))
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, dpi=110)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..arguments import check_writable, named, replace_file, replace_text
+from ..arguments import check_writable, named, replace_text, save_figure
 from ..bench.questions import load_questions, resolve_question_file
 from ..errors import InvalidParameter
 from . import peers
@@ -621,10 +621,7 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> Path:
     models = ", ".join(dict.fromkeys(str(r.get("model")) for r in results))
     fig.suptitle(f"Throughput and time to first token vs {LOADS[key].removesuffix(' /s')} ({models})", fontsize=11)
     fig.tight_layout()
-    try:
-        return replace_file(path, fig.savefig)
-    finally:
-        plt.close(fig)
+    return save_figure(fig, path)
 
 
 def run_compare(args: argparse.Namespace) -> int:

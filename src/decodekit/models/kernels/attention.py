@@ -91,16 +91,17 @@ def check_rope_store(qkv: torch.Tensor, freqs: torch.Tensor, positions: torch.Te
         raise ValueError(f"rope_store: qkv rows of {(n_heads + 2 * n_kv_heads) * head_dim} and angles of {head_dim} "
                          f"values, got {qkv.shape[-1]} and {tuple(freqs.shape)}")
     rows = qkv.numel() // qkv.shape[-1]
-    if positions.numel() != rows or not 0 <= start <= cap - rows:
-        raise ValueError(f"rope_store: {rows} rows need as many positions (got {positions.numel()}) and slots "
-                         f"{start} .. {start + rows} within the cache's {cap}")
-    check_positions("rope_store", positions, freqs)
+    check_slots("rope_store", rows, positions, start, cap, freqs)
     return rows
 
 
-def check_positions(what: str, positions: torch.Tensor, freqs: torch.Tensor) -> None:
-    """Every position must have its row of (cos, sin) in ``freqs`` (the C code reads row
-    ``position`` unchecked: a position past the table read memory past it, or crashed)."""
+def check_slots(what: str, rows: int, positions: torch.Tensor, start: int, cap: int, freqs: torch.Tensor) -> None:
+    """``rows`` new tokens written to cache slots ``start .. start + rows`` of ``cap``, each at its
+    position, whose row of (cos, sin) in ``freqs`` the C code reads unchecked: a slot past the
+    cache's end overwrote the heap, a position past the table read memory past it (or crashed)."""
+    if positions.numel() != rows or not 0 <= start <= cap - rows:
+        raise ValueError(f"{what}: {rows} rows need as many positions (got {positions.numel()}) and slots "
+                         f"{start} .. {start + rows} within the cache's {cap}")
     if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < freqs.shape[0]:
         raise ValueError(f"{what}: positions {int(positions.min())} .. {int(positions.max())} outside the "
                          f"rotary table's {freqs.shape[0]}")

@@ -9,8 +9,9 @@
  * AVX2, rows interleaved in fours take one or two inputs four or two rows at once (WP_FEW_IN_FOURS).
  * More inputs: on AVX-512, up to 8, two rows at a time against all of them (each GGUF block
  * rebuilt once: four_rows_in_pairs); beyond, blocks of four rows are applied to the inputs four at
- * a time while they sit in L1 (GGUF blocks rebuilt in float32 once a pass for them all: REBUILT_ONCE). Rows are split between
- * threads with OpenMP (inside torch's process this is torch's own OpenMP runtime).
+ * a time while they sit in L1 (GGUF blocks rebuilt in float32 once a pass for them all:
+ * REBUILT_ONCE). Rows are split between threads with OpenMP (inside torch's process this is
+ * torch's own OpenMP runtime).
  *
  * bfloat16 uses AVX512-BF16's dot-product instruction: exact products of bfloat16 pairs, summed
  * in float32 (the arithmetic of oneDNN's bfloat16 GEMM, in a different order).
@@ -461,7 +462,7 @@ DEFINE_BLOCK_AT_MASKED(q6_kx4)
             } else if (M <= WP##_SINGLE_ROW_MAX) {                                                 \
                 _Pragma("omp for schedule(static)")                                                \
                 for (int r = 0; r < n_out; r++) NAME##_row(w, x, y, n_in, n_out, r, M);            \
-            } else if (M > BLOCK_INPUTS && M <= IN_PAIRS_MAX) {                                                  \
+            } else if (M > BLOCK_INPUTS && M <= IN_PAIRS_MAX) {                                 \
                 _Pragma("omp for schedule(static)")                                                \
                 for (int b = 0; b < n_out / 4; b++) NAME##_four_rows_in_pairs(w, x, y, n_in, n_out, 4 * b, M); \
             } else {                                                                               \

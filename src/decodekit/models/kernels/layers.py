@@ -10,7 +10,7 @@ from functools import cache
 
 import torch
 
-from .attention import AttentionKernel, Int8CacheKernels, check_positions, check_rope_store, kivi_attention
+from .attention import AttentionKernel, Int8CacheKernels, check_rope_store, check_slots, kivi_attention
 from .build import _address, _library
 
 class LayerOps:
@@ -162,17 +162,15 @@ class SequencePart:
 
 def _check_part(p: SequencePart, freqs: torch.Tensor) -> None:
     """What forward.c writes and reads for a sequence must lie inside its tensors (the C code trusts
-    it, as rope_store's does: a slot past the cache's end overwrote the heap): a position a row,
-    each in the rotary table, slots ``start .. start + rows`` within the cache, a mask of one byte
-    a row and key, and the values' cache shaped as the keys'."""
-    cap = p.k_cache.shape[2]
-    if p.positions.numel() != p.rows or not 0 <= p.start <= cap - p.rows or p.v_cache.shape != p.k_cache.shape:
-        raise ValueError(f"decoder layers kernel: {p.rows} rows need as many positions (got {p.positions.numel()}) "
-                         f"and slots {p.start} .. {p.start + p.rows} within the cache's {cap}")
+    it, as rope_store's does: :func:`check_slots`), its mask of one byte a row and key, and the
+    values' cache shaped as the keys'."""
+    check_slots("decoder layers kernel", p.rows, p.positions, p.start, p.k_cache.shape[2], freqs)
+    if p.v_cache.shape != p.k_cache.shape:
+        raise ValueError(f"decoder layers kernel: a values' cache {tuple(p.v_cache.shape)} unlike the keys' "
+                         f"{tuple(p.k_cache.shape)}")
     if p.visible is not None and tuple(p.visible.shape) != (p.rows, p.start + p.rows):
         raise ValueError(f"decoder layers kernel: a mask [{p.rows}, {p.start + p.rows}] (rows, keys), "
                          f"got {tuple(p.visible.shape)}")
-    check_positions("decoder layers kernel", p.positions, freqs)
 
 
 def _kivi_codes(view, head_dim: int, keep: list) -> _KiviCodes:
