@@ -1047,10 +1047,10 @@ def test_wilson_bounds_stay_inside_0_1_at_all_wrong_and_all_right():
     must not leave them a hair outside [0, 1], where the report would print -0.000."""
     for n in range(1, 60):
         lo, hi = wilson_interval(0, n)
-        assert 0.0 <= lo < 1e-12  # 0 in closed form
+        assert lo == 0.0  # 0 in closed form, not a rounding of it
         assert hi == pytest.approx((Z95 ** 2 / n) / (1 + Z95 ** 2 / n))
         lo, hi = wilson_interval(n, n)
-        assert 0.0 <= lo and hi <= 1.0 and hi == pytest.approx(1.0)
+        assert hi == 1.0 and lo == pytest.approx(1 / (1 + Z95 ** 2 / n))
     lo, hi = wilson_interval(0, 21)
     text = markdown({**REPORT_BASE, "correct": 0, "items": 21, "accuracy": 0.0, "ci95": [lo, hi]})
     assert "95% Wilson CI [0.000, 0.155]" in text  # (3.8415/21) / (1 + 3.8415/21) = 0.1546

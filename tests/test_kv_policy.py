@@ -1556,3 +1556,77 @@ def test_int8_kernels_refuse_caches_of_float_rows_and_queries_of_another_head_si
         int8.attention(torch.randn(1, 2, 4, generator=g), packed, packed.clone(), None, d**-0.5)
     assert int8.attention(q, packed, packed.clone(), None, d**-0.5).isfinite().all()
 
+
+
+@pytest.mark.parametrize("policy", [StreamingPolicy(2, 8, 1), StreamingPolicy(3, 6, 4), StreamingPolicy(0, 5),
+                                    HeavyHitterPolicy(8, 8), HeavyHitterPolicy(12, 4), SnapKVPolicy(20, 6)])
+def test_a_chain_on_an_evicting_cache_stops_before_a_pass_that_would_compact_it(policy):
+    """A drafter's chain of one-token passes, rolled back, must leave the cache as it was: on an
+    evicting cache, no pass of the chain may compact it (it would keep the window of the drafted
+    length, and the rollback would leave the window short by the tokens evicted for the drafts),
+    but for a compaction before the first pass, which a pass at that length makes anyway. Checked
+    against a slow loop over the policy's own rule; at most ``recent`` + 1 passes, as before."""
+    for slots in range(0, 40):
+        s, passes = slots, 0
+        if policy.compact_before(s, 1):
+            s = policy.keep(s, torch.zeros(1, 1, s)).shape[-1]
+        while True:
+            s, passes = s + 1, passes + 1  # a pass
+            if policy.compact_before(s, 1) or passes == policy.recent + 1:
+                break
+        assert policy.one_token_passes_rolled_back(slots) == passes, slots
+    assert KVPolicy().one_token_passes_rolled_back(7) is None and parse_kv_cache("int8").one_token_passes_rolled_back(7) is None
+    assert KiviPolicy(8, 64).one_token_passes_rolled_back(500) == 64 - 64 + 1
+
+
+@pytest.mark.parametrize("spec", ["sink:2,window:8,every:1", "sink:2,window:6,every:3", "h2o:budget=8,window=8",
+                                  "h2o:budget=12,window=4"])
+def test_a_chain_drafted_on_an_evicting_cache_and_rolled_back_leaves_what_plain_decoding_holds(spec):
+    """After a chain as long as the cache allows and its rollback, the cache holds its recent window
+    (the chain used to compact the cache at every pass, and its rollback left the window empty); a
+    window cache holds what a cache never drafted on holds, so the logits next are the same (H2O's
+    scores count the drafts' rows, its documented choice, so its later evictions may differ)."""
+    base = tiny_llama(seed=0, hidden_size=64)
+    drafted, plain = base.with_kv_cache(spec), base.with_kv_cache(spec)
+    for backend in (drafted, plain):
+        backend.prefill(tokens(30))
+    for t in tokens(12, seed=2):
+        drafted.step(torch.tensor([t]))
+        plain.step(torch.tensor([t]))
+        origin, held = drafted.length, set(drafted._held[0, 0, : drafted.slots].tolist())
+        chain = drafted.kv_policy.one_token_passes_rolled_back(drafted.slots)
+        for d in tokens(chain, seed=t):
+            drafted.step(torch.tensor([d]))
+        drafted.truncate(origin)
+        recent = set(range(origin - drafted.kv_policy.recent, origin))
+        assert recent <= set(drafted._held[0, 0, : drafted.slots].tolist()) and recent <= held
+    if not drafted.kv_policy.observes_every_pass:
+        assert torch.equal(drafted.step(torch.tensor([7])), plain.step(torch.tensor([7])))
+
+
+@pytest.mark.parametrize("spec, method, options", [
+    ("sink:2,window:8,every:1", "layerskip", {}), ("h2o:budget=16,window=4", "layerskip", {}),
+    ("full", "kvdraft", {"draft_cache": "h2o:budget=16,window=4"}),
+    ("full", "kvdraft", {"draft_cache": "h2o:budget=10,window=6"}),
+])
+def test_a_chain_on_an_evicting_cache_keeps_the_recent_window_through_every_rollback(monkeypatch, spec, method, options):
+    """Self-speculation on the model's own evicting cache, and kvdraft's chains on a compressed copy
+    (an H2O one; a window drafts on the full cache): after every rollback the cache still holds the last ``recent`` tokens of the sequence (the
+    README lets the output differ from plain decoding under such a cache, not lose the newest
+    context; a compressed draft would lose acceptance)."""
+    from decodekit.models.native import NativeLlama
+
+    backend = tiny_llama(seed=0, hidden_size=64, scale=2.0).with_kv_cache(spec)
+    missing, truncate = [], NativeLlama.truncate
+
+    def checked(self, length):
+        truncate(self, length)
+        if self.kv_policy.evicts():
+            held = set(self._held[0, 0, : self.slots].tolist())
+            missing.append(sum(t not in held for t in range(max(0, length - self.kv_policy.recent), length)))
+
+    monkeypatch.setattr(NativeLlama, "truncate", checked)
+    out = Engine(LoadedModel(backend, CharTokenizer(96), "tiny")).generate(
+        tokens(40) * 2, method=method, max_new_tokens=60, ignore_eos=True, budget=6, **options)
+    assert len(out.tokens) == 60 and out.stats.extra["verifications"] > 0
+    assert len(missing) > 5 and not any(missing)

@@ -98,11 +98,26 @@ class KVPolicy:
         the last ``recent`` tokens before the last pass."""
         return not self.evicts()
 
-    def one_token_passes_rolled_back(self) -> int | None:
-        """How many one-token passes can be appended and then all rolled back (a drafter's chain on
-        the model's own cache): any number (None) where the cache rolls back anywhere, else the
-        ``recent`` tokens held as they were, plus the last pass."""
-        return None if self.rolls_back_anywhere() else self.recent + 1
+    def one_token_passes_rolled_back(self, slots: int) -> int | None:
+        """How many one-token passes can be appended to a cache of ``slots`` entries and then all
+        rolled back, leaving it as it was (a drafter's chain on a cache): any number (None) where
+        the cache rolls back anywhere; else the ``recent`` tokens held as they were, plus the last
+        pass. An evicting cache also stops before a pass that would compact it
+        (:meth:`_passes_before_compaction`): a compaction keeps the window of the drafted length,
+        and the rollback would leave it short of the tokens evicted for the drafts."""
+        if self.rolls_back_anywhere():
+            return None
+        reach = self.recent + 1
+        if self.evicts():
+            before = self._passes_before_compaction(slots)
+            reach = reach if before is None else min(reach, before)
+        return reach
+
+    def _passes_before_compaction(self, slots: int) -> int | None:
+        """One-token passes from ``slots`` entries with no compaction but, maybe, one before the first
+        (the one a pass at that length makes anyway: it evicts nothing a rollback returns to); None:
+        no pass compacts."""
+        return None
 
     def peak_slots(self, longest_pass: int) -> int | None:
         """The most entries the cache can hold with passes of up to ``longest_pass`` tokens (None:
@@ -258,6 +273,10 @@ class StreamingPolicy(KVPolicy):
     def compact_before(self, slots: int, incoming: int) -> bool:
         return slots >= self.sink + self.window + self.step
 
+    def _passes_before_compaction(self, slots: int) -> int | None:
+        after_first = self.sink + self.window if self.compact_before(slots, 1) else slots
+        return self.sink + self.window + self.step - after_first
+
     def peak_slots(self, longest_pass: int) -> int | None:
         # a pass starts below sink + window + step entries; a prompt's passes are prefill_chunk() long
         return self.sink + self.window + self.step - 1 + max(longest_pass, self.prefill_chunk())
@@ -282,7 +301,7 @@ class HeavyHitterPolicy(KVPolicy):
 
     Choices the paper leaves open: with grouped-query attention a key/value head is shared by a
     group of query heads, so its score is the sum of the group's attention; rows of a verification
-    pass that are later rolled back still count (the accumulated score is a heuristic either way);
+    pass or a drafted chain that are later rolled back still count (the accumulated score is a heuristic either way);
     kept entries stay in sequence order; a prompt is read 64 tokens a pass (the kernels' passes, in
     either numerics, alone and served alike), evicted down to the budget between them as during
     generation (the reference reads the prompt whole first: its peak memory is the whole prompt's).
@@ -312,6 +331,9 @@ class HeavyHitterPolicy(KVPolicy):
 
     def compact_before(self, slots: int, incoming: int) -> bool:
         return slots > self.budget
+
+    def _passes_before_compaction(self, slots: int) -> int | None:
+        return self.budget - min(slots, self.budget) + 1
 
     def keep(self, slots: int, mass: torch.Tensor | None) -> torch.Tensor:
         assert mass is not None

@@ -166,7 +166,7 @@ class ChainDrafter(Drafter):
         """``budget`` cut to the one-token passes ``backend``'s cache can take and then roll back
         (a chain drafted on a cache is rolled back past what the target did not accept)."""
         policy = getattr(backend, "kv_policy", None)
-        reach = policy.one_token_passes_rolled_back() if policy is not None else None
+        reach = policy.one_token_passes_rolled_back(backend.slots) if policy is not None else None
         return budget if reach is None else min(budget, reach)
 
     def draft(self, state: DecodeState, budget: int) -> DraftTree:

@@ -188,8 +188,7 @@ class DraftModelDrafter(ChainDrafter):
         if self.backend is None:
             raise RuntimeError("DraftModelDrafter.draft() before begin()")
         tokens = state.tokens
-        # (the chain is rolled back, past what the target does not accept, at the next draft)
-        budget = self.within_rollback(min(budget, self.backend.info.max_length - len(tokens)), self.backend)
+        budget = min(budget, self.backend.info.max_length - len(tokens))
         if budget <= 0:
             return None, 0
         # Keep the longest common prefix, but always run at least the root to get its logits.
@@ -197,7 +196,10 @@ class DraftModelDrafter(ChainDrafter):
         self.backend.truncate(keep)
         del self._cached[keep:]
         self._vocab = state.backend.info.vocab_size
-        return fit_vocab(self._append(tokens[keep:]), self._vocab), budget
+        logits = fit_vocab(self._append(tokens[keep:]), self._vocab)
+        # the chain's own passes start here, and are rolled back past what the target does not
+        # accept at the next draft: no more of them than the cache can roll back as it is now
+        return logits, self.within_rollback(budget, self.backend)
 
     def _advance(self, token: int) -> torch.Tensor:
         return fit_vocab(self._append([token]), self._vocab)
