@@ -1420,3 +1420,37 @@ def test_step_search_candidates_count_tokens_without_the_eos():
         assert any(c["done"] for c in g.extra["candidates"])
         for c in g.extra["candidates"]:
             assert c["tokens"] == len(TOK.encode(c["text"]))
+
+
+def test_sequences_at_once_are_a_searchs_rows_in_one_pass():
+    """What a cache of one sequence is checked against: step-beam expands its beams one after another,
+    ``expand`` rows each; every other search decodes its ``n`` at once; other families one."""
+    from decodekit.engine import sequences_at_once
+
+    assert sequences_at_once("step-beam", {"n": 3, "expand": 1}) == 1
+    assert sequences_at_once("step-beam", {"n": 1, "expand": 4}) == 4 == sequences_at_once("step-beam", {})
+    assert sequences_at_once("beam", {"n": 3}) == 3 and sequences_at_once("particle", {"n": 5}) == 5
+    assert sequences_at_once("greedy", {}) == 1 == sequences_at_once("pld", {})
+
+
+def test_step_beam_of_one_row_at_a_time_runs_under_a_cache_of_one_sequence():
+    """n beams expanded one child at a time (expand=1) use one row: accepted by the check before the
+    model loads and by the server's, and decoded; expand=2 is refused by both."""
+    from decodekit.engine.registry import build_decoder, check_model_cache
+    from decodekit.serve.errors import ApiError
+    from decodekit.serve.request import check_method, parse_request
+
+    backend = tiny_llama(seed=0, hidden_size=64).with_kv_cache("int8")
+    if backend.kv_policy.spec != "int8":
+        pytest.skip("the int8 cache needs the compiled kernels")
+    model = LoadedModel(backend, CharTokenizer(96), "tiny")
+    one = {"n": 3, "expand": 1}
+    check_model_cache("step-beam", one, build_decoder("step-beam", **one), "int8")
+    check_method(parse_request({"prompt": "hi", "method": "step-beam", "method_options": one}, chat=False), model)
+    out = Engine(model).generate("hello", method="step-beam", max_new_tokens=12, **one)
+    assert 0 < len(out.tokens) == out.stats.new_tokens <= 12
+    two = {"n": 3, "expand": 2}
+    with pytest.raises(InvalidParameter, match="needs 2 at once"):
+        check_model_cache("step-beam", two, build_decoder("step-beam", **two), "int8")
+    with pytest.raises(ApiError, match="needs 2 at once"):
+        check_method(parse_request({"prompt": "hi", "method": "step-beam", "method_options": two}, chat=False), model)

@@ -202,8 +202,12 @@ def test_bad_requests_are_openai_error_objects(served):
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):  # not silently none
         chat(served, "hi", max_tokens=2, top_logprobs=3)
     assert parse_request({"prompt": "hi", "greedy": True}, chat=False).params == {"greedy": True}  # no OpenAI default T
+    errors = {code: metric(served, f'decodekit:request_errors_total{{status="{code}"}}') for code in (404, 405)}
     status, body, _ = served.get("/v1/nothing")
     assert status == 404 and json.loads(body)["error"]["message"] == "no route GET /v1/nothing"
+    assert post(served, "/v1/models", {})[0] == 405  # a route's errors are counted as a request's are
+    assert [metric(served, f'decodekit:request_errors_total{{status="{code}"}}') for code in (404, 405)] == [
+        errors[404] + 1, errors[405] + 1]
     status, body = post(served, "/v1/chat/completions/", {"messages": [{"role": "user", "content": "hi"}]})
     assert status == 404 and json.loads(body)["error"]["message"] == "no route POST /v1/chat/completions/"  # not a 307
     base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -215,6 +219,7 @@ def test_bad_requests_are_openai_error_objects(served):
         assert status == 400 and error["message"] == message and error["param"] == next(iter(extra)), body
     # the field at fault named, though the message starts elsewhere
     for extra, param in (({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
+                         ({"stream": True, "stream_options": {"include_usage": True, "bogus": 1}}, "stream_options"),
                          ({"method": "draft", "draft_model": "self-truncated:1000"}, "draft_model"),
                          ({"method": "kvdraft", "draft_cache": "sink:4"}, "draft_cache"),
                          ({"method": "kvdraft", "draft_cache": "full"}, "draft_cache"),
@@ -609,7 +614,8 @@ def test_the_prefix_counter_sums_the_tokens_every_request_took_from_a_slot():
 
 def test_a_damaged_model_found_while_decoding_is_the_servers_fault_not_the_request():
     """A model whose logits are not finite (a damaged weight) fails each request with a 500
-    server_error, streamed or not; it was a 400 telling the client its request was bad."""
+    server_error, streamed or not (a stream fails before its first text: the status says so, as
+    without stream); it was a 400 telling the client its request was bad."""
     backend = tiny_llama(seed=0)
     backend.weights.final_norm[3] = float("nan")
     running = Running(LoadedModel(backend, CharTokenizer(96), MODEL), max_batch=1, max_queue=1)
@@ -620,11 +626,12 @@ def test_a_damaged_model_found_while_decoding_is_the_servers_fault_not_the_reque
         body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True}).encode()
         request = urllib.request.Request(running.url + "/v1/completions", data=body, method="POST",
                                          headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request) as reply:
-            stream = reply.read().decode()
-        error = next(json.loads(line[6:])["error"] for line in stream.splitlines() if '"error"' in line)
-        assert error["type"] == "server_error" and "not finite" in error["message"]
+        with pytest.raises(urllib.error.HTTPError) as streamed:
+            urllib.request.urlopen(request)
+        error = json.loads(streamed.value.read())["error"]
+        assert streamed.value.code == 500 and error["type"] == "server_error" and "not finite" in error["message"]
         assert metric(running, 'decodekit:request_errors_total{status="500"}') == 2
+        assert running.get("/health")[0] == 200
     finally:
         running.stop()
 
@@ -1880,6 +1887,47 @@ def test_a_request_whose_wait_is_cancelled_cancels_its_choices():
     assert scheduler.cancelled == [jobs]
 
 
+
+def test_a_stream_whose_client_goes_before_its_first_text_cancels_its_choices():
+    """A stream waits for its first delivery before its response starts (an error found by then is
+    the request's status): a client gone meanwhile, its request still queued, is a ClientGone, and
+    its choices are cancelled and counted as they stop, as a stream's client gone later."""
+    import asyncio
+    from concurrent.futures import Future
+
+    from decodekit.serve.app import first_delivery
+    from decodekit.serve.errors import ClientGone
+    from decodekit.serve.reply import Outbox
+
+    class Gone:
+        async def is_disconnected(self) -> bool:
+            return True
+
+    class Recording:
+        def __init__(self):
+            self.cancelled = []
+
+        def cancel(self, jobs):
+            self.cancelled.append(jobs)
+
+    class Counting:
+        stopped = []
+
+        def record_when_stopped(self, futures, first):
+            self.stopped.append(dict(futures))
+
+        watch = staticmethod(lambda futures, deltas: None)
+
+    scheduler, jobs, futures, reply = Recording(), ["a choice"], [Future()], Counting()
+
+    async def waited():
+        deltas = Outbox(asyncio.get_running_loop(), 0.0).channel()  # nothing is ever delivered
+        with pytest.raises(ClientGone):
+            await first_delivery(Gone(), scheduler, jobs, futures, deltas, reply)
+
+    asyncio.run(waited())
+    assert scheduler.cancelled == [jobs] and reply.stopped == [{0: futures[0]}]
+
 def test_without_max_tokens_a_chat_decodes_to_the_end_of_the_context():
     """OpenAI's default for a chat: as many tokens as the context holds after the prompt."""
     running = Running(LoadedModel(tiny_llama(seed=0, max_position=96), CharTokenizer(96), MODEL), max_batch=1, max_queue=1)
@@ -1990,7 +2038,7 @@ def run_stream(reply, takes: list, outcomes: list, monkeypatch, clock=None) -> l
     jobs = [Job([1, 2], reply.spec.method, {}, 8) for _ in outcomes]
 
     async def main():
-        return [text async for text in reply.stream(None, jobs, futures, Scripted())]
+        return [text async for text in reply.stream(None, jobs, futures, Scripted(), takes.pop(0))]
 
     events = [e.removeprefix("data: ") for part in asyncio.run(main()) for e in part.split("\n\n") if e]
     return [json.loads(e) for e in events[:-1]] + [events[-1]]
@@ -2296,6 +2344,10 @@ def test_a_chats_max_completion_tokens_is_its_limit():
     clients send): a chat takes it as its limit, not the rest of the context."""
     messages = [{"role": "user", "content": "hi"}]
     assert parse_request({"messages": messages, "max_completion_tokens": 5}, chat=True).max_tokens == 5
+    # both given: the newer name wins, as vLLM has it (the older one is deprecated for chats)
+    assert parse_request({"messages": messages, "max_tokens": 2, "max_completion_tokens": 5}, chat=True).max_tokens == 5
+    assert parse_request({"prompt": "hi", "max_tokens": 7, "max_completion_tokens": 3}, chat=False).max_tokens == 3
+    assert parse_request({"prompt": "hi", "max_tokens": 7}, chat=False).max_tokens == 7
 
 
 def test_logprobs_without_top_logprobs_give_each_tokens_own(served):
@@ -2410,11 +2462,20 @@ def test_a_messages_text_parts_join_as_they_are_written():
 
 def test_a_streamed_request_with_a_bad_option_is_a_400_before_its_stream_starts(served):
     """The method's options and the sampler's parameters are checked before anything is queued: a
-    bad one in a streamed request is a 400 error object, not a 200 stream that ends in an error event."""
+    bad one in a streamed request is a 400 error object, not a 200 stream that ends in an error event;
+    and so is one found as decoding starts, before the stream's first text."""
     base = {"prompt": "hi", "max_tokens": 2, "stream": True}
     for extra, param in (({"method": "pld", "budget": -1}, "budget"), ({"temperature": 0.7, "top_k": 0}, "top_k")):
         status, body = post(served, "/v1/completions", {**base, **extra})
         assert status == 400 and json.loads(body)["error"]["param"] == param, (extra, status, body)
+    # found once decoding starts, before any text (the tiny model has no trained drafter): the status
+    # is the request's, as without stream, and the stream never starts
+    errors = metric(served, 'decodekit:request_errors_total{status="400"}')
+    for stream in (False, True):
+        status, body = post(served, "/v1/completions", {**base, "stream": stream, "method": "eagle"})
+        assert status == 400 and "no eagle drafter for" in json.loads(body)["error"]["message"], (stream, body)
+    assert metric(served, 'decodekit:request_errors_total{status="400"}') == errors + 2
+    assert served.get("/health")[0] == 200
 
 
 def test_a_body_that_is_not_utf8_is_a_400_not_json():

@@ -9,7 +9,6 @@ then any installed package's own methods, declared as a ``decodekit.methods`` en
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -147,8 +146,7 @@ def validate_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
     return parse_options(f"method {name!r}", spec.options, options, defaults=False)
 
 
-#: The options whose product is how many sequences a search decodes at once (its candidates, and the
-#: children each of them expands into), each its cache's row in every pass.
+#: The options that size a search: its candidates, and the children each of them expands into.
 WIDTH_OPTIONS = ("n", "expand")
 
 
@@ -163,9 +161,11 @@ def search_widths(name: str, options: Mapping[str, Any]) -> dict[str, int]:
 
 
 def sequences_at_once(name: str, options: Mapping[str, Any]) -> int:
-    """How many sequences method ``name`` with ``options`` decodes at once: a search's width (its
-    ``n`` times ``expand``); 1 for every other family."""
-    return math.prod(search_widths(name, options).values())
+    """How many sequences method ``name`` with ``options`` decodes at once, each a row of its cache in
+    every pass: a search's ``expand`` where it has one (step-beam expands its beams one after
+    another), else its ``n``; 1 for every other family."""
+    widths = search_widths(name, options)
+    return widths.get("expand", widths.get("n", 1))
 
 
 def check_model_cache(name: str, options: Mapping[str, Any], decoder: Decoder, kv_cache: str) -> None:

@@ -38,7 +38,7 @@ from ..samplers.params import SEED_LIMIT
 from . import MAX_BATCH, MAX_QUEUE, PROMPT_CACHE_MIB, RETRY_AFTER_S, STREAM_INTERVAL_S
 from .errors import ApiError, ClientGone, error_response, internal_error, shutting_down
 from .metrics import ServerMetrics
-from .reply import Outbox, Reply
+from .reply import FINISHED, Outbox, Reply
 from .request import check_method, decoding_error, field_named, parse_request, read_body
 from .scheduler import Job, Outcome, Overloaded, Scheduler, ShuttingDown
 
@@ -150,6 +150,7 @@ class Server:
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, err: StarletteHTTPException):
             message = f"no route {request.method} {request.url.path}" if err.status_code in (404, 405) else str(err.detail)
+            self.count_error(err.status_code)
             return error_response(err.status_code, message, "invalid_request_error")
 
         @app.exception_handler(Exception)
@@ -256,7 +257,8 @@ class Server:
             raise ApiError(400, str(err), param=field_named(err, body, chat)) from None
         reply = Reply(self, chat, spec, prompt_ids, started, body)
         if stream:
-            return StreamingResponse(reply.stream(request, jobs, futures, deltas), media_type="text/event-stream",
+            first = await first_delivery(request, scheduler, jobs, futures, deltas, reply)
+            return StreamingResponse(reply.stream(request, jobs, futures, deltas, first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
             outcomes = await wait_or_cancel(request, scheduler, jobs, futures)
@@ -270,16 +272,43 @@ class Server:
         return reply.whole(outcomes, jobs)
 
 
+DISCONNECT_POLL_S = 0.25  # how often a request waiting for its decoding asks whether its client is still there
+
+
+async def until_done(request: Request, waiting: Sequence[asyncio.Future]) -> None:
+    """Wait for every one of ``waiting``; :class:`ClientGone` if the client goes away meanwhile."""
+    while (await asyncio.wait(waiting, timeout=DISCONNECT_POLL_S))[1]:
+        if await request.is_disconnected():
+            raise ClientGone
+
+
 async def wait_or_cancel(request: Request, scheduler: Scheduler, jobs: list[Job], futures) -> list[Outcome]:
     """The outcomes, cancelling every choice if the client goes away meanwhile."""
     waiting = [asyncio.wrap_future(f) for f in futures]
     try:
-        while True:
-            done, pending = await asyncio.wait(waiting, timeout=0.25)
-            if not pending:
-                return [await f for f in waiting]
-            if await request.is_disconnected():
-                raise ClientGone
+        await until_done(request, waiting)
+        return [await f for f in waiting]
     except BaseException:
         scheduler.cancel(jobs)
+        raise
+
+
+async def first_delivery(request: Request, scheduler: Scheduler, jobs: list[Job], futures, deltas, reply: Reply) -> list:
+    """A stream's first delivery (a choice's text, or its end), waited for before its response starts:
+    an error found before any text (a method this model has no drafter for, say) is then the
+    request's status, a 400 as without ``stream``, not an event in a stream that answered 200. A
+    client that goes away meanwhile cancels every choice, as one that goes away later."""
+    reply.watch(futures, deltas)
+    take = asyncio.ensure_future(deltas.take())
+    try:
+        await until_done(request, [take])
+        for index, text in take.result():
+            failed = futures[index]
+            if text is FINISHED and not failed.cancelled() and failed.exception() is not None:
+                raise decoding_error(failed.exception(), reply.body, reply.chat)
+        return take.result()
+    except BaseException:
+        take.cancel()
+        scheduler.cancel(jobs)
+        reply.record_when_stopped(dict(enumerate(futures)), {})  # the choices that did not fail count
         raise

@@ -228,24 +228,30 @@ class Reply:
             body["usage"] = None
         return f"data: {json.dumps(body)}\n\n"
 
-    async def stream(self, request: Request, jobs: list[Job], futures, deltas: Channel) -> AsyncIterator[str]:
+    @staticmethod
+    def watch(futures, deltas: Channel) -> None:
+        """Post each choice's end to ``deltas`` as it comes: the same way as its text, after it (both
+        are posted from its decoding, in order), so that a stream waits for deliveries, never polls."""
+        for index, future in enumerate(futures):
+            future.add_done_callback(lambda f, i=index: deltas.post((i, FINISHED)))
+
+    async def stream(self, request: Request, jobs: list[Job], futures, deltas: Channel,
+                     delivered: list[tuple[int, Any]]) -> AsyncIterator[str]:
         """Server-sent events: text as it is decoded, each choice's finish reason, the usage when
-        asked for, then ``[DONE]``. A client that goes away cancels every choice. What the
+        asked for, then ``[DONE]``, from the ``delivered`` items on (what :meth:`watch`-ed
+        ``deltas`` handed over first). A client that goes away cancels every choice. What the
         server's :class:`Outbox` hands over together goes out in one write."""
         unrecorded = dict(enumerate(futures))
         first: dict[int, float] = {}
         outcomes: dict[int, Outcome] = {}
-        for index, future in enumerate(futures):
-            # a choice's end comes the same way as its text, after it (both are posted from its
-            # decoding, in order): the stream waits for deliveries, never polls
-            future.add_done_callback(lambda f, i=index: deltas.post((i, FINISHED)))
         try:
             if self.chat:
                 for i in range(len(jobs)):
                     yield self._chunk(i, None, None, role=True)
             while len(outcomes) < len(futures):
                 out = []
-                for index, text in await deltas.take():
+                items, delivered = delivered or await deltas.take(), []
+                for index, text in items:
                     if text is not FINISHED:
                         first.setdefault(index, time.perf_counter() - self.started)
                         out.append(self._chunk(index, text, None))

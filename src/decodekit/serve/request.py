@@ -14,7 +14,7 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from ..engine.api import chat_role, make_sampler, split_params
-from ..engine.registry import build_decoder, method_spec, search_widths
+from ..engine.registry import build_decoder, method_spec, search_widths, sequences_at_once
 from ..engine.stops import stop_strings
 from ..errors import DecodeKitError, InvalidParameter
 from ..models import LoadedModel
@@ -185,9 +185,10 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
         if not asks_for_nothing(name, body.get(name)):
             raise ApiError(400, f"{what} ({name}) is not supported by this server", param=name)
     prompt = chat_messages(body.get("messages")) if chat else _completion_prompt(body)
-    max_tokens = _integer(body, "max_completion_tokens", None, 1)
-    # unset: the rest of the context for chat (filled in once the prompt is tokenised), 16 for completions as OpenAI's
-    max_tokens = _integer(body, "max_tokens", max_tokens if chat else max_tokens or 16, 1)
+    max_tokens = _integer(body, "max_tokens", None, 1)
+    # max_completion_tokens, OpenAI's newer name, wins where both are given (as in vLLM); neither: the rest
+    # of the context for chat (filled in once the prompt is tokenised), 16 for completions as OpenAI's
+    max_tokens = _integer(body, "max_completion_tokens", max_tokens if chat else max_tokens or 16, 1)
     n = _integer(body, "n", 1, 1, MAX_N)
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop  # (0 or false is no list either)
@@ -204,6 +205,10 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
         raise ApiError(400, "stream_options must be an object", param="stream_options")
     if options and not stream:  # as OpenAI answers it: options of a stream that is not asked for
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:  # as an unknown field of the body is: not silently ignored
+        raise ApiError(400, f"unknown field {unknown[0]!r:.80} in stream_options: it takes include_usage",
+                       param="stream_options")
     method = "sample" if body.get("method") is None else body["method"]  # (null: not given, as every field)
     if not isinstance(method, str):
         raise ApiError(400, f"method must be a string, got {method!r}", param="method")
@@ -357,16 +362,15 @@ def check_method(spec: RequestSpec, model: LoadedModel) -> None:
             raise ApiError(400, f"{name} names a file, a model or an object of the server's machine, which a request "
                                 f"cannot choose", param=name)
     build_decoder(spec.method, **options)
-    widths = search_widths(spec.method, options)  # each candidate a row of the slot's cache, in every pass
-    width = math.prod(widths.values())
-    if width > MAX_N:
-        shown = " x ".join(f"{name} {value}" for name, value in widths.items())
+    widths = search_widths(spec.method, options)  # the candidates a search scores at each step
+    if math.prod(widths.values()) > MAX_N:
+        shown = " x ".join(f"{name} {value!r:.20}" for name, value in widths.items())  # (not a 4,000-digit n)
         raise ApiError(400, f"a search on this server takes at most {MAX_N} candidates at once, got {shown}",
                        param="method_options")
     policy = getattr(model.backend, "kv_policy", None)
     if policy is not None:
         try:
-            policy.check_sequences(width)
+            policy.check_sequences(sequences_at_once(spec.method, options))
         except InvalidParameter as err:
             raise ApiError(400, str(err), param="method") from None
     make_sampler(spec.method, sampler_params)
