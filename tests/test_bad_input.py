@@ -171,7 +171,9 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["train-drafter", "--kind", "hydra", "--heads", "0"], "--heads must be at least 1, got 0"),
     (["train-drafter", "--kind", "eagle", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
     (["train-drafter", "--kind", "eagle", "--minutes", "0"], "--minutes must be positive"),
-    (["train-drafter", "--kind", "eagle", "--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["train-drafter", "--kind", "eagle", "--seed", "-1"], "--seed must be in [0, 18446744073709551615], got -1"),
+    (["train-drafter", "--kind", "eagle", "--seed", str(2**64)], "--seed must be in [0, 18446744073709551615], got 1844"),
+    (["train-drafter", "--kind", "hydra", "--heads", "1000000"], "--heads must be at most 63, got 1000000"),
     (["eval", "capitals", "--policies", "full"], "--policies applies to longctx only"),
     (["eval", "gsm8k", "--continuation", "64"], "--continuation applies to longctx only"),
     (["eval", "longctx", "--policies", "sink:4,window:64", "--continuation", "99999999999"],
@@ -827,6 +829,10 @@ def test_a_kv_cache_larger_than_the_free_memory_is_one_line(monkeypatch, tiny_cl
     one_error_line(capsys, ["generate", "hi", "--method", "beam", "--opt", "n=5", "--max-new-tokens", "4"],
                    "5 sequences of 512 positions need a 0.6 MiB KV cache, more than the 0.5 MiB of memory available; "
                    "ask for fewer samples or beams")
+    # the batched samplers too, before a hundred billion rows are indexed (it was the allocator's traceback)
+    for method in ("best-of-n", "first-finish", "self-consistency", "mbr", "weighted-vote"):
+        one_error_line(capsys, ["generate", "hi", "--method", method, "--opt", "n=99999999999", "--max-new-tokens", "4"],
+                       "99999999999 sequences of 512 positions need a")
     long = LoadedModel(tiny_llama(seed=0, max_position=2048), CharTokenizer(96), "tiny")
     monkeypatch.setattr(native, "available_memory", lambda: 600 * row_position)
     Engine(long).generate("hi", max_new_tokens=500, chat=False, ignore_eos=True)  # 512 positions fit

@@ -1952,6 +1952,25 @@ def test_a_record_with_a_time_that_is_not_finite_is_not_a_record():
             assert not is_record({**record, key: bad}), (key, bad)
 
 
+def test_a_record_edited_by_hand_is_refused_field_by_field():
+    """Every field of a checkpoint's record is of the type make_record writes: a value of another
+    (a "no" where the report sums booleans: it was a traceback in the summary) is refused; the
+    values make_record writes after the comparison with the reference are taken."""
+    from decodekit.bench.questions import Question
+    from decodekit.bench.runner import is_record, make_record
+
+    record = make_record(Scripted("m", []), Question(1, "qa", ("a",)), 0, 0,
+                         [(3, RunResult([1, 2], "xy", 0.1, 0.2, "length", forward_passes=2, extra={"verifications": 2}))])
+    compared = {**record, "identical_to_reference": True, "text_match": False, "text_prefix_share": 0.5,
+                "verifications": 2, "error": "boom", "finish_reason": None}
+    assert is_record(record) and is_record(compared)
+    for key, bad in (("identical_to_reference", "no"), ("text_match", 1), ("text_prefix_share", "x"),
+                     ("category", 123), ("kind", None), ("family", 5), ("lossless", "yes"), ("texts", [5]),
+                     ("tokens", ["a"]), ("tokens", [[1, -2]]), ("tokens", [[True]]), ("finish_reason", 5),
+                     ("verifications", "x"), ("verifications", -1), ("error", 3), ("extra", []), ("group", None)):
+        assert not is_record({**compared, key: bad}), (key, bad)
+
+
 def test_a_bench_without_questions_or_with_a_name_twice_is_refused(tiny: LoadedModel, qfile: Path):
     questions = load_questions(qfile, limit=1)
     with pytest.raises(InvalidParameter, match="no questions"):

@@ -1466,6 +1466,12 @@ def test_integer_fields_take_both_ends_of_their_range_and_nothing_past_them():
     for field, value in (("max_tokens", 0), ("max_completion_tokens", 0), ("n", 0), ("n", 17), ("seed", -1),
                          ("seed", SEED_LIMIT), ("logprobs", -1), ("logprobs", 21), ("n", True), ("max_tokens", 2.0)):
         assert refused({"prompt": "hi", field: value}) == field, (field, value)
+    from decodekit.serve.errors import ApiError
+
+    for field in ("max_tokens", "max_completion_tokens"):  # a 4,000-digit limit is said by its size
+        assert parse_request({"prompt": "hi", field: 2**31 - 1}, chat=False).max_tokens == 2**31 - 1
+        with pytest.raises(ApiError, match=f"{field} must be an integer in \\[1, 2147483647\\], got an integer of 13288 bits"):
+            parse_request({"prompt": "hi", field: 10**4000}, chat=False)
     assert refused({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
                    chat=True) == "top_logprobs"
 

@@ -259,7 +259,9 @@ def test_medusa_never_scores_a_token_outside_the_draft_vocabulary():
 @pytest.mark.parametrize("change, message", [
     ({"minutes": 0}, "--minutes must be positive"),
     ({"minutes": float("nan")}, "--minutes must be positive"),
-    ({"seed": -1}, "--seed must be >= 0, got -1"),
+    ({"seed": -1}, "--seed must be in [0, 18446744073709551615], got -1"),
+    ({"seed": 2**64}, "--seed must be in [0, 18446744073709551615], got 18446744073709551616"),
+    ({"kind": "medusa", "heads": 64}, "--heads must be at most 63, got 64"),
     ({"kind": "lookahead"}, "--kind must be one of eagle, medusa, hydra, got 'lookahead'"),
     ({"kind": "medusa", "unroll": 2}, "--unroll applies to --kind eagle"),
     ({"kind": "hydra", "unroll": 2}, "--unroll applies to --kind eagle"),
@@ -267,6 +269,11 @@ def test_medusa_never_scores_a_token_outside_the_draft_vocabulary():
 def test_training_settings_out_of_range_are_one_line(change, message):
     with pytest.raises(InvalidParameter, match=re.escape(message)):
         Settings(**{"kind": "eagle", **change})
+
+
+def test_training_settings_at_their_limits_are_taken():
+    """The largest seed torch's generators take, and as many heads as a verification pass can check."""
+    assert Settings("eagle", seed=2**64 - 1).seed == 2**64 - 1 and Settings("medusa", heads=63).heads == 63
 
 
 def test_held_aside_conversations_are_not_trained_on():

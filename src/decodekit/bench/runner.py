@@ -177,16 +177,26 @@ def _seconds(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and finite(value) and value >= 0
 
 
+def _optional(value: Any, check: Callable[[Any], bool]) -> bool:
+    return value is None or check(value)
+
+
 def is_record(rec: Any) -> bool:
-    """Whether ``rec`` has the shape of a record (the fields resuming and the summary read, each of
-    its type: a checkpoint edited by hand is refused, not summed into a traceback)."""
-    return (isinstance(rec, dict) and RECORD_FIELDS <= rec.keys() and isinstance(rec["method"], str)
-            and _count(rec["repeat"]) and isinstance(rec["question_id"], (int, str))
-            and isinstance(rec["group"], str) and isinstance(rec["texts"], list) and isinstance(rec["tokens"], list)
+    """Whether ``rec`` has the shape of a record (every field of its type, as :func:`make_record`
+    writes it: a checkpoint edited by hand is refused, not summed into a traceback or a report)."""
+    return (isinstance(rec, dict) and RECORD_FIELDS <= rec.keys()
+            and all(isinstance(rec[k], str) for k in ("method", "kind", "family", "category", "group"))
+            and isinstance(rec["lossless"], bool) and _count(rec["repeat"]) and isinstance(rec["question_id"], (int, str))
+            and isinstance(rec["texts"], list) and all(isinstance(text, str) for text in rec["texts"])
+            and isinstance(rec["tokens"], list)
+            and all(isinstance(ids, list) and all(_count(t) for t in ids) for ids in rec["tokens"])
             and all(_count(rec[k]) for k in ("position", "turns", "prompt_tokens", "new_tokens"))
             and all(_seconds(rec[k]) for k in ("prefill_s", "decode_s"))
-            and (rec["forward_passes"] is None or _count(rec["forward_passes"]))
-            and all(rec[k] is None or _seconds(rec[k]) for k in ("decode_tps", "e2e_tps", "mean_accepted")))
+            and all(_optional(rec[k], _count) for k in ("forward_passes", "verifications"))
+            and all(_optional(rec[k], _seconds) for k in ("decode_tps", "e2e_tps", "mean_accepted", "text_prefix_share"))
+            and all(_optional(rec[k], lambda v: isinstance(v, bool)) for k in ("identical_to_reference", "text_match"))
+            and all(_optional(rec[k], lambda v: isinstance(v, str)) for k in ("finish_reason", "error"))
+            and isinstance(rec["extra"], dict))
 
 
 def per_verification(figures: Sequence[tuple[float | None, int | None]]) -> tuple[float | None, int | None]:

@@ -25,6 +25,7 @@ from ..samplers.sampler import truncation_asked
 from .errors import SERVER_FAULTS, ApiError, ClientGone, internal_error, shutting_down
 
 MAX_N = 16
+MAX_TOKENS = 2**31 - 1  # far past any context; a larger one is said by its size, not in its digits
 MAX_BODY_BYTES = 16 << 20  # a context's worth of text or token ids is well under a megabyte
 MAX_TOP_LOGPROBS = 20
 #: vLLM's fields for structured output, beside OpenAI's response_format
@@ -185,10 +186,10 @@ def parse_request(body: dict[str, Any], *, chat: bool) -> RequestSpec:
         if not asks_for_nothing(name, body.get(name)):
             raise ApiError(400, f"{what} ({name}) is not supported by this server", param=name)
     prompt = chat_messages(body.get("messages")) if chat else _completion_prompt(body)
-    max_tokens = _integer(body, "max_tokens", None, 1)
+    max_tokens = _integer(body, "max_tokens", None, 1, MAX_TOKENS)
     # max_completion_tokens, OpenAI's newer name, wins where both are given (as in vLLM); neither: the rest
     # of the context for chat (filled in once the prompt is tokenised), 16 for completions as OpenAI's
-    max_tokens = _integer(body, "max_completion_tokens", max_tokens if chat else max_tokens or 16, 1)
+    max_tokens = _integer(body, "max_completion_tokens", max_tokens if chat else max_tokens or 16, 1, MAX_TOKENS)
     n = _integer(body, "n", 1, 1, MAX_N)
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop  # (0 or false is no list either)

@@ -21,6 +21,8 @@ import torch
 
 from ...errors import InvalidParameter
 from ...models.backend import Backend
+from ...models.kernels import MAX_ROWS
+from ...samplers.params import SEED_LIMIT
 from .data import Corpus, Sample, check_prompts
 from .networks import NETWORKS, EagleConfig, EagleNet, HydraConfig, HydraNet, MedusaConfig, MedusaNet, Net
 
@@ -63,8 +65,11 @@ class Settings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidParameter(f"{FLAGS.get(name, name)} must be at least 1, got {value}")
-        if self.seed < 0:
-            raise InvalidParameter(f"--seed must be >= 0, got {self.seed}")
+        if not 0 <= self.seed < SEED_LIMIT:  # (torch's generators take 64 bits)
+            raise InvalidParameter(f"--seed must be in [0, {SEED_LIMIT - 1}], got {self.seed}")
+        if self.heads is not None and self.heads > MAX_ROWS - 1:  # before the data is made, not after
+            raise InvalidParameter(f"--heads must be at most {MAX_ROWS - 1}, got {self.heads}: head i drafts the token i "
+                                   f"+ 1 ahead, and no verification pass holds more than {MAX_ROWS} tokens")
         if not self.minutes > 0:
             raise InvalidParameter("--minutes must be positive")
         if math.isinf(self.minutes) and self.steps is None:
