@@ -155,6 +155,7 @@ QUESTION = json.dumps({"question_id": 1, "category": "qa", "turns": ["What is 2+
     (["eval", "gsm8k", "--signals", "agreement,agreement"], "--signals names a signal twice"),
     (["eval", "longctx", "--policies", "full;;int8"], "--policies names an empty policy between two ';'"),
     (["bench-serve", "--timeout", "nan", "--url", "http://127.0.0.1:1/v1"], "--timeout must be in"),
+    (["bench-serve", "--seed", "-1", "--request-rate", "2", "--url", "http://127.0.0.1:1/v1"], "--seed must be 0 or more, got -1"),
     (["serve", "--kv-cache", "bogus"], "unknown kv cache 'bogus'"),
     (["train-drafter", "--kind", "eagle", "--eval-queries", "0"], "--eval-queries must be at least 1"),
     (["train-drafter", "--kind", "eagle", "--out", "/tmp"], "must name the drafter's file"),

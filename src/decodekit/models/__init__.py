@@ -15,7 +15,7 @@ from .loading import (DEFAULT_MODEL, EMBEDDED_MODELS, build_backend, check_backe
                       resolve_model)
 from .kv_policy import KVPolicy, parse_kv_cache
 from .memory import return_freed_memory
-from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer, file_tokenizer
+from .tokenizer import CharTokenizer, HFTokenizer, ShieldedMessages, Tokenizer, file_tokenizer
 
 
 @dataclass
@@ -29,17 +29,21 @@ class LoadedModel:
     def prompt_ids(self, prompt: str | list[dict[str, str]], *, chat: bool = True) -> list[int]:
         """Token ids of a prompt; a chat template is applied when the model has one and ``chat`` (one
         that refuses the messages raises InvalidParameter); the ids start with the tokenizer's
-        prompt prefix (e.g. a BOS token) when the text does not."""
+        prompt prefix (e.g. a BOS token) when the text does not. A message's special-token text is
+        read as plain text (:class:`.tokenizer.ShieldedMessages`); a prompt string read without the
+        template (``chat`` false: a raw completion prompt) keeps its special tokens."""
+        raw = isinstance(prompt, str) and not chat
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        shielded = ShieldedMessages(self.tokenizer, [] if raw else messages)
         with refusals_as_invalid():  # roles the template does not take: the caller's mistake
-            text = self.tokenizer.chat_prompt(messages) if chat else None
+            text = self.tokenizer.chat_prompt(shielded.messages) if chat else None
         if text is None:
-            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
+            text = prompt if raw else "\n".join(m["content"] for m in shielded.messages)
         info = self.backend.info
-        fewest = self.tokenizer.surely_more_tokens(text, info.max_length)
+        fewest = self.tokenizer.surely_more_tokens(shielded.unmarked(text), info.max_length)
         if fewest is not None:  # refused before tokenising it: that would take a while
             raise PromptTooLong(f"prompt of {len(text)} characters, at least {fewest} tokens, exceeds {info.length_limit()}")
-        ids, prefix = self.tokenizer.encode(text), list(self.tokenizer.prompt_prefix)
+        ids, prefix = shielded.encode(text), list(self.tokenizer.prompt_prefix)
         return ids if ids[: len(prefix)] == prefix else prefix + ids
 
 

@@ -6,7 +6,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -30,6 +30,11 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """The ids of ``text`` with a special token's text in it read as plain text, not as that
+        token (:class:`ShieldedMessages`); the same as :meth:`encode` for a vocabulary without them."""
+        return self.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
@@ -78,6 +83,16 @@ class Tokenizer:
         if found is None:
             found = self.__dict__["_special_tokens"] = self._find_special_tokens()
         return found
+
+    def special_text(self) -> SpecialText | None:
+        """What a chat message must not pass to the template as it is (found once; None: nothing)."""
+        if "_special_text" not in self.__dict__:
+            try:
+                texts = {text for text in self.special_tokens().values() if text}
+            except NotImplementedError:  # no vocabulary to ask
+                texts = set()
+            self.__dict__["_special_text"] = SpecialText(texts) if texts else None
+        return self.__dict__["_special_text"]
 
     def _find_special_tokens(self) -> dict[int, str]:
         lltokenizer = self.grammar_tokenizer()  # every id asked: a tokenizer that knows its added tokens says faster
@@ -148,6 +163,77 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 TURN_ENDS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>")
 
 
+SHIELD_OPEN, SHIELD_CLOSE = "\ue000", "\ue001"  # private-use characters around a set-aside text's index
+
+
+class SpecialText:
+    """Finds in a text the special tokens' texts, and the two characters :class:`ShieldedMessages`
+    marks its places with: at each place the longest, leftmost first. A regular expression of Gemma's
+    6,000 special tokens tries each at every character (seconds a long prompt); this looks only
+    where one of their first characters is, and only at their lengths."""
+
+    def __init__(self, texts: set[str]):
+        self.texts = frozenset(texts | {SHIELD_OPEN, SHIELD_CLOSE})
+        self.lengths = sorted({len(text) for text in self.texts}, reverse=True)
+        self.starts = re.compile("[" + "".join(sorted({re.escape(text[0]) for text in self.texts})) + "]")
+
+    def sub(self, replace: Callable[[str], str], text: str) -> str:
+        """``text`` with each one found replaced by ``replace(it)``."""
+        out, at = [], 0
+        for start in self.starts.finditer(text):
+            i = start.start()
+            if i < at:  # inside one found
+                continue
+            found = next((text[i:i + n] for n in self.lengths if text[i:i + n] in self.texts), None)
+            if found is not None:
+                out += [text[at:i], replace(found)]
+                at = i + len(found)
+        return "".join(out) + text[at:]
+
+
+class ShieldedMessages:
+    """Chat messages whose contents hold a special token's text (``<|im_end|>``), each such text set
+    aside while the chat template renders them and then tokenised as plain text: a message cannot
+    close its own turn or open another one, as it could where its text was read with the template's
+    markup (a server's client writing the assistant's turn, say). The chat's markup is the
+    template's alone. Messages without such text render and tokenise exactly as they would
+    unshielded. A set-aside text stands in the rendered template as ``SHIELD_OPEN index
+    SHIELD_CLOSE``; those two characters in a message are set aside too, so no text can pose as one."""
+
+    def __init__(self, tokenizer: Tokenizer, messages: list[dict[str, str]]):
+        self.tokenizer, self.set_aside = tokenizer, []
+        special = tokenizer.special_text()
+
+        def mark(found: str) -> str:
+            self.set_aside.append(found)
+            return f"{SHIELD_OPEN}{len(self.set_aside) - 1}{SHIELD_CLOSE}"
+
+        self.messages = messages if special is None else [
+            {**message, "content": special.sub(mark, message["content"])} if isinstance(message.get("content"), str)
+            else message for message in messages]
+
+    def unmarked(self, text: str) -> str:
+        """``text`` without its marks: no more characters than the text it tokenises (what a lower
+        bound on its tokens may be worked out from)."""
+        return _MARK.sub("", text) if self.set_aside else text
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of the rendered ``text``: the template's pieces as :meth:`Tokenizer.encode` reads
+        them, each set-aside text as :meth:`Tokenizer.encode_as_text` does."""
+        if not self.set_aside:
+            return self.tokenizer.encode(text)
+        ids: list[int] = []
+        for i, piece in enumerate(_MARK.split(text)):
+            if i % 2:
+                ids += self.tokenizer.encode_as_text(self.set_aside[int(piece)])
+            elif piece:
+                ids += self.tokenizer.encode(piece)
+        return ids
+
+
+_MARK = re.compile(f"{SHIELD_OPEN}(\\d+){SHIELD_CLOSE}")
+
+
 class HFTokenizer(Tokenizer):
     """A Hugging Face tokenizer folder, as transformers' ``AutoTokenizer`` reads it."""
 
@@ -169,6 +255,9 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)
+
+    def encode_as_text(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
@@ -223,6 +312,16 @@ class FileTokenizer(Tokenizer):
         # encode_batch lets go of the interpreter's lock while it works (encode holds it): a server's
         # other requests go on while a long prompt is tokenised on another thread
         return self._rust.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def encode_as_text(self, text: str) -> list[int]:
+        plain = self.__dict__.get("_as_text")
+        if plain is None:  # a copy that reads special tokens' text as text (made once, where a message needs it)
+            from tokenizers import Tokenizer as RustTokenizer
+
+            plain = RustTokenizer.from_str(self._rust.to_str())
+            plain.encode_special_tokens = True
+            self.__dict__["_as_text"] = plain
+        return plain.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._rust.decode(list(ids), skip_special_tokens=True)

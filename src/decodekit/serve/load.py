@@ -462,6 +462,8 @@ def check_options(args: argparse.Namespace) -> None:
         raise InvalidParameter(f"--temperature must be 0 (greedy) or a finite positive number, got {args.temperature}")
     if args.warmup < 0:
         raise InvalidParameter(f"--warmup must be 0 or more requests, got {args.warmup}")
+    if args.seed < 0:  # random.Random(-s) is random.Random(s): two seeds that looked apart would not be
+        raise InvalidParameter(f"--seed must be 0 or more, got {args.seed}")
 
 
 def command_line(args: argparse.Namespace, target: Sequence[str]) -> str:
