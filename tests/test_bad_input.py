@@ -981,3 +981,15 @@ def test_draft_model_flag_reaches_the_draft_method():
                                                       "--opt", "draft_model=b.gguf"])
     with pytest.raises(InvalidParameter, match="both name the draft model"):
         cli.decoding_params(args)
+
+
+def test_a_constrained_answer_cut_by_max_new_tokens_says_so(tiny_cli, capsys):
+    """The output of --regex (--json-schema, ...) is a whole match, or a line on stderr says it is not:
+    it was printed with exit 0 and nothing else, as if it were one (--json has its finish_reason)."""
+    assert cli.main(["generate", "hi", "--raw", "--max-new-tokens", "3", "--regex", "[a-z]{10}"]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.strip()) == 3
+    assert captured.err == "decodekit: the answer stopped at --max-new-tokens 3 before its constraint was met: it is not a whole match\n"
+    assert cli.main(["generate", "hi", "--raw", "--max-new-tokens", "12", "--regex", "[a-z]{10}"]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.strip()) == 10 and captured.err == ""

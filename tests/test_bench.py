@@ -1963,7 +1963,7 @@ def test_a_record_edited_by_hand_is_refused_field_by_field():
                          [(3, RunResult([1, 2], "xy", 0.1, 0.2, "length", forward_passes=2, extra={"verifications": 2}))])
     compared = {**record, "identical_to_reference": True, "text_match": False, "text_prefix_share": 0.5,
                 "verifications": 2, "error": "boom", "finish_reason": None}
-    assert is_record(record) and is_record(compared)
+    assert is_record(record) and is_record(compared) and is_record({**compared, "lossless": None})  # a peer's
     for key, bad in (("identical_to_reference", "no"), ("text_match", 1), ("text_prefix_share", "x"),
                      ("category", 123), ("kind", None), ("family", 5), ("lossless", "yes"), ("texts", [5]),
                      ("tokens", ["a"]), ("tokens", [[1, -2]]), ("tokens", [[True]]), ("finish_reason", 5),

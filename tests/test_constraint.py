@@ -1010,3 +1010,43 @@ def test_a_negative_schema_number_past_2_53_is_refused(schema, where):
     """float64 holds every integer of magnitude <= 2**53 and not all beyond, on either side of 0."""
     with pytest.raises(InvalidParameter, match=where):
         Constraint("json_schema", schema).grammar()
+
+
+def test_a_finished_answer_is_checked_against_the_schema_itself():
+    """llguidance's grammar for an exclusive bound lets the bound itself through (0 for
+    exclusiveMinimum 0 below a maximum under 1): such an answer is an error naming the schema's
+    rule, never a result; every answer returned is valid against the schema."""
+    import jsonschema
+
+    from decodekit.samplers.constraint import schema_refusal
+
+    assert "less than or equal to the minimum of 0" in schema_refusal({"type": "number", "exclusiveMinimum": 0}, "0")
+    assert "greater than or equal to the maximum of 0" in schema_refusal({"exclusiveMaximum": 0}, "-0")
+    assert schema_refusal({"type": "object"}, "{") == "it is not JSON"
+    assert schema_refusal({"type": "number", "multipleOf": 0.01}, "0.57") is None  # not judged in floating point
+    assert schema_refusal({"type": "string", "format": "date"}, '"soon"') is None
+    assert schema_refusal({"type": "object", "required": ["a"]}, '{"a": 1}') is None
+    engine = Engine(LoadedModel(tiny_llama(seed=0, hidden_size=64), CharTokenizer(96), "tiny"))
+    schema = {"type": "number", "exclusiveMinimum": 0, "maximum": 0.5}
+    refused = 0
+    for seed in range(12):
+        try:
+            out = engine.generate("p", max_new_tokens=12, constraint={"json_schema": schema}, method="sample",
+                                  temperature=1.0, seed=seed)
+        except InvalidParameter as err:
+            assert "breaks the JSON schema, which llguidance's grammar for it let through" in str(err)
+            refused += 1
+            continue
+        if out.finish_reason == "eos":
+            jsonschema.validate(json.loads(out.text), schema)
+    assert refused > 0
+
+
+@pytest.mark.parametrize("option", ["lenient", "coerce_one_of", "item_separator", "key_separator"])
+def test_llguidance_options_that_break_a_schema_are_refused(option):
+    from decodekit.samplers.constraint import Constraint
+
+    schema = {"x-guidance": {option: ";"}, "type": "array", "items": {"enum": ["a"]}, "uniqueItems": True}
+    with pytest.raises(InvalidParameter, match=f"x-guidance option {option} lets llguidance write what the schema refuses"):
+        Constraint("json_schema", schema).grammar()
+    assert Constraint("json_schema", {"x-guidance": {"whitespace_flexible": False}, "type": "object"}).grammar()

@@ -1934,6 +1934,53 @@ def test_a_stream_whose_client_goes_before_its_first_text_cancels_its_choices():
     asyncio.run(waited())
     assert scheduler.cancelled == [jobs] and reply.stopped == [{0: futures[0]}]
 
+
+def test_a_stream_stopped_by_a_shutdown_before_its_first_text_is_a_503():
+    """A stream's choices cut short by a shutdown before any text: the request's status is the 503 a
+    whole answer gets (it was a 200 stream holding the error); its first text, when one came first,
+    is handed on with the time it came."""
+    import asyncio
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from decodekit.engine.core import Generation, GenerationStats
+    from decodekit.serve.app import first_delivery
+    from decodekit.serve.errors import ApiError
+    from decodekit.serve.reply import FINISHED, Outbox, Reply
+    from decodekit.serve.scheduler import Outcome
+
+    class Connected:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    cancelled = [], []
+
+    def stopped(outcomes):
+        if any(o.generation.finish_reason == "cancelled" for o in outcomes):
+            raise ApiError(503, "the server is shutting down", "server_error", code="server_shutting_down")
+
+    server = SimpleNamespace(refuse_if_stopped=stopped)
+    scheduler = SimpleNamespace(cancel=lambda jobs: cancelled[0].append(jobs))
+    reply = SimpleNamespace(server=server, body={}, chat=False, watch=Reply.watch,
+                            record_when_stopped=lambda futures, first: cancelled[1].append(dict(futures)))
+
+    async def first(outcome, text=None):
+        deltas, future = Outbox(asyncio.get_running_loop(), 0.0).channel(), Future()
+        if text is not None:
+            deltas.post((0, text))
+        future.set_result(outcome)
+        return await first_delivery(Connected(), scheduler, ["a job"], [future], deltas, reply)
+
+    cut = Outcome(Generation("", [], GenerationStats(), "cancelled"), None, 0.0)
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(first(cut))
+    assert refused.value.status == 503 and cancelled[0] == [["a job"]] and len(cancelled[1]) == 1
+    done = Outcome(Generation("a", [5], GenerationStats(), "length"), None, 0.0)
+    before = time.perf_counter()
+    items, at = asyncio.run(first(done, "a"))
+    assert items == [(0, "a"), (0, FINISHED)] and before <= at <= time.perf_counter()
+    assert cancelled[0] == [["a job"]]  # nothing cancelled this time
+
 def test_without_max_tokens_a_chat_decodes_to_the_end_of_the_context():
     """OpenAI's default for a chat: as many tokens as the context holds after the prompt."""
     running = Running(LoadedModel(tiny_llama(seed=0, max_position=96), CharTokenizer(96), MODEL), max_batch=1, max_queue=1)
@@ -2044,7 +2091,7 @@ def run_stream(reply, takes: list, outcomes: list, monkeypatch, clock=None) -> l
     jobs = [Job([1, 2], reply.spec.method, {}, 8) for _ in outcomes]
 
     async def main():
-        return [text async for text in reply.stream(None, jobs, futures, Scripted(), takes.pop(0))]
+        return [text async for text in reply.stream(None, jobs, futures, Scripted(), takes.pop(0), None)]
 
     events = [e.removeprefix("data: ") for part in asyncio.run(main()) for e in part.split("\n\n") if e]
     return [json.loads(e) for e in events[:-1]] + [events[-1]]

@@ -492,12 +492,13 @@ def test_a_messages_special_token_text_is_read_as_text_not_as_the_chats_markup(t
     ids = model.prompt_ids([{"role": "user", "content": evil}])
     assert ids.count(eos[0]) == 1 and end[0] not in ids  # the template's one end of turn, no other
     assert tokenizer.decode(ids) == "user: " + evil + "\nassistant:"  # every character kept, as text
-    assert ids[: len(tokenizer.encode("<s>user: the cat"))] == tokenizer.encode("<s>user: the cat")
+    # the content in one piece, as plain text is tokenised; the template's pieces as they always were
+    assert ids == tokenizer.encode("<s>user: ") + tokenizer.encode_as_text(evil) + tokenizer.encode("</s>\nassistant:")
     assert model.prompt_ids("a</s>", chat=False).count(eos[0]) == 1  # a raw prompt's markup is its own
     # the characters that mark a set-aside text in the rendered template cannot pose as a mark
-    posing = [{"role": "user", "content": "</s>\ue0000\ue001the"}]
-    assert tokenizer.decode(model.prompt_ids(posing)) == "user: </s>\ue0000\ue001the\nassistant:"
-    assert model.prompt_ids(posing).count(eos[0]) == 1
+    posing = [{"role": "user", "content": "the</s>cat"}, {"role": "user", "content": "\ue0000\ue001the"}]
+    assert tokenizer.decode(model.prompt_ids(posing)) == "user: the</s>cat\nuser: \ue0000\ue001the\nassistant:"
+    assert model.prompt_ids(posing).count(eos[0]) == 2
 
 
 def test_messages_without_a_special_tokens_text_are_passed_on_as_they_are():
@@ -510,9 +511,9 @@ def test_messages_without_a_special_tokens_text_are_passed_on_as_they_are():
     assert shielded.messages == messages and shielded.encode("xy") == CharTokenizer().encode("xy")
 
 
-def test_special_text_finds_what_a_regular_expression_of_them_longest_first_finds():
-    """SpecialText against a slow reference (an alternation, longest first: leftmost, then longest),
-    on random texts of overlapping special tokens, the shield's characters among them."""
+def test_special_text_finds_what_a_regular_expression_of_them_finds():
+    """SpecialText against a slow reference (an alternation of every text), on random texts of
+    overlapping special tokens, the shield's characters among them."""
     import random
     import re
 
@@ -520,9 +521,29 @@ def test_special_text_finds_what_a_regular_expression_of_them_longest_first_find
 
     texts = {"<a>", "<ab>", "<a", "b>", "<<", "x"}
     finder = SpecialText(texts)
-    every = sorted(texts | {SHIELD_OPEN, SHIELD_CLOSE}, key=len, reverse=True)
-    reference = re.compile("|".join(map(re.escape, every)))
+    reference = re.compile("|".join(map(re.escape, texts | {SHIELD_OPEN, SHIELD_CLOSE})))
     rng = random.Random(0)
-    for _ in range(2000):
-        text = "".join(rng.choice(["<", ">", "a", "b", "x", "y", SHIELD_OPEN, SHIELD_CLOSE]) for _ in range(rng.randint(0, 12)))
-        assert finder.sub(lambda s: f"[{s}]", text) == reference.sub(lambda m: f"[{m.group(0)}]", text), text
+    found = 0
+    for _ in range(3000):
+        text = "".join(rng.choice(["<", ">", "a", "b", "y", SHIELD_OPEN, SHIELD_CLOSE]) for _ in range(rng.randint(0, 8)))
+        assert finder.found_in(text) == (reference.search(text) is not None), text
+        found += finder.found_in(text)
+    assert 500 < found < 2500  # both answers, often
+
+
+def test_a_set_aside_content_keeps_its_whitespace_at_either_end_in_the_message():
+    """A template that trims a content trims a set-aside one as before: the whitespace at its ends
+    stays in the message, the rest is set aside whole."""
+    from decodekit.models.tokenizer import SHIELD_CLOSE, SHIELD_OPEN, ShieldedMessages, SpecialText
+
+    class Special(CharTokenizer):
+        def special_text(self):
+            return SpecialText({"</s>"})
+
+    messages = [{"role": "user", "content": " \n a</s> b \t"}, {"role": "user", "content": "plain"},
+                {"role": "user", "content": "x</s>"}]
+    shielded = ShieldedMessages(Special(), messages)
+    assert [m["content"] for m in shielded.messages] == [f" \n {SHIELD_OPEN}0{SHIELD_CLOSE} \t", "plain",
+                                                         f"{SHIELD_OPEN}1{SHIELD_CLOSE}"]
+    assert shielded.set_aside == ["a</s> b", "x</s>"] and shielded.messages[0]["role"] == "user"
+    assert shielded.unmarked(f"[{SHIELD_OPEN}1{SHIELD_CLOSE}|{SHIELD_OPEN}0{SHIELD_CLOSE}]") == "[x</s>|a</s> b]"

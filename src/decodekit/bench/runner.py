@@ -186,7 +186,7 @@ def is_record(rec: Any) -> bool:
     writes it: a checkpoint edited by hand is refused, not summed into a traceback or a report)."""
     return (isinstance(rec, dict) and RECORD_FIELDS <= rec.keys()
             and all(isinstance(rec[k], str) for k in ("method", "kind", "family", "category", "group"))
-            and isinstance(rec["lossless"], bool) and _count(rec["repeat"]) and isinstance(rec["question_id"], (int, str))
+            and _count(rec["repeat"]) and isinstance(rec["question_id"], (int, str))
             and isinstance(rec["texts"], list) and all(isinstance(text, str) for text in rec["texts"])
             and isinstance(rec["tokens"], list)
             and all(isinstance(ids, list) and all(_count(t) for t in ids) for ids in rec["tokens"])
@@ -194,7 +194,8 @@ def is_record(rec: Any) -> bool:
             and all(_seconds(rec[k]) for k in ("prefill_s", "decode_s"))
             and all(_optional(rec[k], _count) for k in ("forward_passes", "verifications"))
             and all(_optional(rec[k], _seconds) for k in ("decode_tps", "e2e_tps", "mean_accepted", "text_prefix_share"))
-            and all(_optional(rec[k], lambda v: isinstance(v, bool)) for k in ("identical_to_reference", "text_match"))
+            and all(_optional(rec[k], lambda v: isinstance(v, bool))  # (lossless: None for a peer such as llama.cpp)
+                    for k in ("lossless", "identical_to_reference", "text_match"))
             and all(_optional(rec[k], lambda v: isinstance(v, str)) for k in ("finish_reason", "error"))
             and isinstance(rec["extra"], dict))
 

@@ -224,6 +224,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print()
     else:
         print(result.text)
+    if constraint is not None and result.finish_reason == "length" and not args.json:  # (--json says so itself)
+        print(f"decodekit: the answer stopped at --max-new-tokens {args.max_new_tokens} before its constraint was met: "
+              "it is not a whole match", file=sys.stderr)
     return 0
 
 

@@ -128,6 +128,7 @@ class Tokenizer:
 
 
 _GRAMMARS_LOCK = threading.Lock()  # requests decoding on threads of their own share a tokenizer
+_AS_TEXT_LOCK = threading.Lock()
 
 
 def matcher_error_line(error: str) -> str:
@@ -167,59 +168,55 @@ SHIELD_OPEN, SHIELD_CLOSE = "\ue000", "\ue001"  # private-use characters around 
 
 
 class SpecialText:
-    """Finds in a text the special tokens' texts, and the two characters :class:`ShieldedMessages`
-    marks its places with: at each place the longest, leftmost first. A regular expression of Gemma's
-    6,000 special tokens tries each at every character (seconds a long prompt); this looks only
-    where one of their first characters is, and only at their lengths."""
+    """Whether a text holds a special token's text, or one of the two characters
+    :class:`ShieldedMessages` marks its places with. A regular expression of Gemma's 6,000 special
+    tokens tries each at every character (seconds a long prompt); this looks only where one of their
+    first characters is, and only at their lengths."""
 
     def __init__(self, texts: set[str]):
         self.texts = frozenset(texts | {SHIELD_OPEN, SHIELD_CLOSE})
-        self.lengths = sorted({len(text) for text in self.texts}, reverse=True)
+        self.lengths = sorted({len(text) for text in self.texts})
         self.starts = re.compile("[" + "".join(sorted({re.escape(text[0]) for text in self.texts})) + "]")
 
-    def sub(self, replace: Callable[[str], str], text: str) -> str:
-        """``text`` with each one found replaced by ``replace(it)``."""
-        out, at = [], 0
-        for start in self.starts.finditer(text):
-            i = start.start()
-            if i < at:  # inside one found
-                continue
-            found = next((text[i:i + n] for n in self.lengths if text[i:i + n] in self.texts), None)
-            if found is not None:
-                out += [text[at:i], replace(found)]
-                at = i + len(found)
-        return "".join(out) + text[at:]
+    def found_in(self, text: str) -> bool:
+        return any(text[i:i + n] in self.texts for i in (start.start() for start in self.starts.finditer(text))
+                   for n in self.lengths)
 
 
 class ShieldedMessages:
-    """Chat messages whose contents hold a special token's text (``<|im_end|>``), each such text set
-    aside while the chat template renders them and then tokenised as plain text: a message cannot
-    close its own turn or open another one, as it could where its text was read with the template's
-    markup (a server's client writing the assistant's turn, say). The chat's markup is the
-    template's alone. Messages without such text render and tokenise exactly as they would
-    unshielded. A set-aside text stands in the rendered template as ``SHIELD_OPEN index
-    SHIELD_CLOSE``; those two characters in a message are set aside too, so no text can pose as one."""
+    """Chat messages, each whose content holds a special token's text (``<|im_end|>``) set aside
+    while the chat template renders them and then tokenised as plain text: a message cannot close
+    its own turn or open another one, as it could where its text was read with the template's markup
+    (a server's client writing the assistant's turn, say). The chat's markup is the template's alone.
+
+    Messages without such text render and tokenise exactly as they would unshielded. A set-aside
+    content is tokenised in one piece, as plain text is; its whitespace at either end stays in the
+    message (a template that trims contents trims it as before), and the rest stands in the rendered
+    template as ``SHIELD_OPEN index SHIELD_CLOSE``; a message that holds those two characters is set
+    aside too, so no text can pose as a mark."""
 
     def __init__(self, tokenizer: Tokenizer, messages: list[dict[str, str]]):
         self.tokenizer, self.set_aside = tokenizer, []
         special = tokenizer.special_text()
-
-        def mark(found: str) -> str:
-            self.set_aside.append(found)
-            return f"{SHIELD_OPEN}{len(self.set_aside) - 1}{SHIELD_CLOSE}"
-
         self.messages = messages if special is None else [
-            {**message, "content": special.sub(mark, message["content"])} if isinstance(message.get("content"), str)
-            else message for message in messages]
+            {**message, "content": self._mark(message["content"])}
+            if isinstance(message.get("content"), str) and special.found_in(message["content"]) else message
+            for message in messages]
+
+    def _mark(self, content: str) -> str:
+        core = content.strip()
+        start = len(content) - len(content.lstrip())
+        self.set_aside.append(core)
+        return f"{content[:start]}{SHIELD_OPEN}{len(self.set_aside) - 1}{SHIELD_CLOSE}{content[start + len(core):]}"
 
     def unmarked(self, text: str) -> str:
-        """``text`` without its marks: no more characters than the text it tokenises (what a lower
-        bound on its tokens may be worked out from)."""
-        return _MARK.sub("", text) if self.set_aside else text
+        """The rendered ``text`` with each set-aside content back in its place (what a lower bound on
+        its tokens is worked out from)."""
+        return _MARK.sub(lambda mark: self.set_aside[int(mark.group(1))], text) if self.set_aside else text
 
     def encode(self, text: str) -> list[int]:
         """The ids of the rendered ``text``: the template's pieces as :meth:`Tokenizer.encode` reads
-        them, each set-aside text as :meth:`Tokenizer.encode_as_text` does."""
+        them, each set-aside content as :meth:`Tokenizer.encode_as_text` does."""
         if not self.set_aside:
             return self.tokenizer.encode(text)
         ids: list[int] = []
@@ -314,13 +311,13 @@ class FileTokenizer(Tokenizer):
         return self._rust.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_as_text(self, text: str) -> list[int]:
-        plain = self.__dict__.get("_as_text")
-        if plain is None:  # a copy that reads special tokens' text as text (made once, where a message needs it)
-            from tokenizers import Tokenizer as RustTokenizer
+        with _AS_TEXT_LOCK:  # a copy that reads special tokens' text as text: made once (seconds for Gemma's)
+            plain = self.__dict__.get("_as_text")
+            if plain is None:
+                from tokenizers import Tokenizer as RustTokenizer
 
-            plain = RustTokenizer.from_str(self._rust.to_str())
-            plain.encode_special_tokens = True
-            self.__dict__["_as_text"] = plain
+                plain = self.__dict__["_as_text"] = RustTokenizer.from_str(self._rust.to_str())
+                plain.encode_special_tokens = True
         return plain.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -81,6 +81,28 @@ def inexact_number(schema: Any, at: str = "") -> str | None:
     return None
 
 
+#: llguidance's own schema options (``x-guidance``) that let its grammar break the schema: what a
+#: constraint refuses (its whitespace options change only the spacing of valid JSON).
+LOOSENING_OPTIONS = frozenset({"lenient", "coerce_one_of", "item_separator", "key_separator"})
+
+
+def schema_refusal(schema: dict | bool, text: str) -> str | None:
+    """Why ``text`` is no JSON value valid against ``schema`` (``jsonschema``), or None. What
+    llguidance's grammar for a schema is known to let through: an exclusive bound's own value (0 for
+    ``exclusiveMinimum: 0`` below a maximum under 1), ``-0`` below an exclusive 0. Left to the
+    grammar: ``multipleOf``, which floating point cannot judge (0.57 is no multiple of 0.01 in
+    binary), and ``format``, of which the checker knows few."""
+    import jsonschema
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return "it is not JSON"
+    errors = jsonschema.validators.validator_for(schema)(schema).iter_errors(value)
+    return next((f"{error.message} (at {error.json_path})" for error in errors
+                 if error.validator not in ("multipleOf", "format")), None)
+
+
 def check_utf8(text: str, kind: str) -> None:
     """A constraint's text must be UTF-8: a lone surrogate (from undecodable bytes, or a JSON
     ``"\\ud800"``) would reach llguidance as no text, or as another."""
@@ -132,10 +154,8 @@ class Constraint:
             return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in self.value))
         return LLMatcher.grammar_from_lark(self.value)
 
-    def _schema_grammar(self) -> str:
-        """The grammar of a json_schema constraint, its schema read and checked first."""
-        from llguidance import LLMatcher
-
+    def schema(self) -> dict | bool:
+        """A json_schema constraint's schema, read and checked (InvalidParameter where it is no schema)."""
         schema = self.value
         if isinstance(schema, str):
             try:
@@ -146,6 +166,18 @@ class Constraint:
             raise InvalidParameter(f"a JSON schema must be a JSON object or a boolean, got {type(schema).__name__}")
         if schema is False:
             raise InvalidParameter("the JSON schema false allows no value at all")
+        options = schema.get("x-guidance") if isinstance(schema, dict) else None
+        changing = sorted(set(options) & LOOSENING_OPTIONS) if isinstance(options, dict) else []
+        if changing:
+            raise InvalidParameter(f"the JSON schema's x-guidance option {changing[0]} lets llguidance write what the "
+                                   f"schema refuses (or no JSON at all); leave it out")
+        return schema
+
+    def _schema_grammar(self) -> str:
+        """The grammar of a json_schema constraint, its schema read and checked first."""
+        from llguidance import LLMatcher
+
+        schema = self.schema()
         check_utf8(json.dumps(schema, ensure_ascii=False), self.kind)  # a "\\ud800" of its JSON text, or a dict's
         inexact = inexact_number(schema)
         if inexact is not None:
@@ -490,12 +522,23 @@ class ConstrainedTokens(LogitsProcessor):
         matcher, taken = self.paths.at(list(generated))
         self._check(matcher)
         if taken == len(generated):
+            if self.constraint.kind == "json_schema" and matcher.is_accepting():
+                self._check_schema(self._text_of(list(generated)))
             return None
         if self._dead_end(matcher):  # not a fault of decoding: no token writes what the grammar needs next
             raise InvalidParameter(f"structured decoding failed: after {self._text_of(list(generated[:taken]))!r} the "
                                    f"{self.constraint.kind.replace('_', ' ')} constraint needs text that no token of this "
                                    "model's vocabulary writes", param="constraint")
         return f"the output breaks its {self.constraint.kind.replace('_', ' ')} constraint"
+
+    def _check_schema(self, text: str) -> None:
+        """A finished answer to a json_schema constraint, checked against the schema itself: llguidance's
+        grammar lets through some values a schema refuses (:func:`schema_refusal`), and such an answer
+        is an error, never a result."""
+        refused = schema_refusal(self.constraint.schema(), text)
+        if refused is not None:
+            raise InvalidParameter(f"structured decoding failed: the answer {text!r:.200} breaks the JSON schema, which "
+                                   f"llguidance's grammar for it let through: {refused:.300}", param="constraint")
 
     def _dead_end(self, matcher) -> bool:
         """Whether no token goes on from ``matcher``'s state: its mask allows none, or none of the few

@@ -35,7 +35,7 @@ class PrefixCache:
         ids = list(ids)
         if not ids:
             raise ValueError("cannot run an empty prefix")
-        if n > 1:  # one line where n caches cannot fit, before the prompt is read or n rows are indexed
+        if n > 1:  # one line where n caches of this one's size cannot fit (growing, each is checked again)
             self.backend.check_rows(n)
         best, common = self._best_row(ids)
         if self.last_fork is not None and self.last_fork[0] == ids and common == len(ids):

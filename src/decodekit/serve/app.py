@@ -257,9 +257,9 @@ class Server:
             raise ApiError(400, str(err), param=field_named(err, body, chat)) from None
         reply = Reply(self, chat, spec, prompt_ids, started, body)
         if stream:
-            first = await first_delivery(request, scheduler, jobs, futures, deltas, reply)
-            return StreamingResponse(reply.stream(request, jobs, futures, deltas, first), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            first, at = await first_delivery(request, scheduler, jobs, futures, deltas, reply)
+            return StreamingResponse(reply.stream(request, jobs, futures, deltas, first, at),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             outcomes = await wait_or_cancel(request, scheduler, jobs, futures)
         except ClientGone:
@@ -293,20 +293,26 @@ async def wait_or_cancel(request: Request, scheduler: Scheduler, jobs: list[Job]
         raise
 
 
-async def first_delivery(request: Request, scheduler: Scheduler, jobs: list[Job], futures, deltas, reply: Reply) -> list:
-    """A stream's first delivery (a choice's text, or its end), waited for before its response starts:
-    an error found before any text (a method this model has no drafter for, say) is then the
-    request's status, a 400 as without ``stream``, not an event in a stream that answered 200. A
-    client that goes away meanwhile cancels every choice, as one that goes away later."""
+async def first_delivery(request: Request, scheduler: Scheduler, jobs: list[Job], futures, deltas,
+                         reply: Reply) -> tuple[list, float]:
+    """A stream's first delivery (a choice's text, or its end) and when it came, waited for before its
+    response starts: an error found before any text (a method this model has no drafter for, say; a
+    shutdown) is then the request's status, a 400 or a 503 as without ``stream``, not an event in a
+    stream that answered 200. A client that goes away meanwhile cancels every choice, as one that
+    goes away later."""
     reply.watch(futures, deltas)
     take = asyncio.ensure_future(deltas.take())
     try:
         await until_done(request, [take])
+        at = time.perf_counter()
         for index, text in take.result():
-            failed = futures[index]
-            if text is FINISHED and not failed.cancelled() and failed.exception() is not None:
-                raise decoding_error(failed.exception(), reply.body, reply.chat)
-        return take.result()
+            ended = futures[index]
+            if text is not FINISHED or ended.cancelled():
+                continue
+            if ended.exception() is not None:
+                raise decoding_error(ended.exception(), reply.body, reply.chat)
+            reply.server.refuse_if_stopped([ended.result()])
+        return take.result(), at
     except BaseException:
         take.cancel()
         scheduler.cancel(jobs)

@@ -236,11 +236,11 @@ class Reply:
             future.add_done_callback(lambda f, i=index: deltas.post((i, FINISHED)))
 
     async def stream(self, request: Request, jobs: list[Job], futures, deltas: Channel,
-                     delivered: list[tuple[int, Any]]) -> AsyncIterator[str]:
+                     delivered: list[tuple[int, Any]], delivered_at: float) -> AsyncIterator[str]:
         """Server-sent events: text as it is decoded, each choice's finish reason, the usage when
         asked for, then ``[DONE]``, from the ``delivered`` items on (what :meth:`watch`-ed
-        ``deltas`` handed over first). A client that goes away cancels every choice. What the
-        server's :class:`Outbox` hands over together goes out in one write."""
+        ``deltas`` handed over first, at ``delivered_at``). A client that goes away cancels every
+        choice. What the server's :class:`Outbox` hands over together goes out in one write."""
         unrecorded = dict(enumerate(futures))
         first: dict[int, float] = {}
         outcomes: dict[int, Outcome] = {}
@@ -250,10 +250,13 @@ class Reply:
                     yield self._chunk(i, None, None, role=True)
             while len(outcomes) < len(futures):
                 out = []
-                items, delivered = delivered or await deltas.take(), []
+                if delivered:  # (its texts' time to first token: when they came, not once the response began)
+                    items, at, delivered = delivered, delivered_at, []
+                else:
+                    items, at = await deltas.take(), None
                 for index, text in items:
                     if text is not FINISHED:
-                        first.setdefault(index, time.perf_counter() - self.started)
+                        first.setdefault(index, (at or time.perf_counter()) - self.started)
                         out.append(self._chunk(index, text, None))
                         continue
                     outcome = outcomes[index] = futures[index].result()  # an engine error propagates

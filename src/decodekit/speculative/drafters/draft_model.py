@@ -197,9 +197,9 @@ class DraftModelDrafter(ChainDrafter):
         del self._cached[keep:]
         self._vocab = state.backend.info.vocab_size
         logits = fit_vocab(self._append(tokens[keep:]), self._vocab)
-        # the chain's own passes start here, and are rolled back past what the target does not
-        # accept at the next draft: no more of them than the cache can roll back as it is now
-        return logits, self.within_rollback(budget, self.backend)
+        # the chain's own passes (one a token after the first) start here, and are rolled back past
+        # what the target does not accept at the next draft: no more than the cache can roll back now
+        return logits, 1 + self.within_rollback(budget - 1, self.backend)
 
     def _advance(self, token: int) -> torch.Tensor:
         return fit_vocab(self._append([token]), self._vocab)
