@@ -922,6 +922,29 @@ def test_results_that_break_the_schema_are_one_line(executed):
     del broken["summary"]
     with pytest.raises(InvalidParameter, match="'summary' is a required property"):
         validate_results(broken)
+    # figures a run never writes (an edited file): a negative rate, NaN, infinity; --compare printed them
+    method = next(iter(results["summary"]["methods"]))
+    for bad, message in ((-50.0, "less than the minimum of 0"), (float("nan"), "not a finite number"),
+                         (float("inf"), "not a finite number")):
+        edited = json.loads(json.dumps(results))
+        edited["summary"]["methods"][method]["categories"]["overall"]["decode_tps"] = bad
+        with pytest.raises(InvalidParameter, match=f"at summary/methods/{method}/categories/overall/decode_tps: .*{message}"):
+            validate_results(edited)
+    validate_results(json.loads(json.dumps(results)))
+
+
+def test_a_line_of_json_nested_thousands_deep_is_one_line(tmp_path: Path):
+    """json's reader recurses: a question file's, a results file's or a checkpoint's [[[[... was a
+    RecursionError's traceback."""
+    from decodekit.bench.results import read_document
+
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "\n")
+    with pytest.raises(InvalidParameter, match="deep.jsonl:1: JSON nested too deeply"):
+        load_questions(deep)
+    deep.write_text('{"schema": ' + "[" * 100_000)
+    with pytest.raises(InvalidParameter, match="not a results file \\(JSON nested too deeply\\)"):
+        read_document(deep, "x", "results file")
 
 
 def test_a_question_file_with_a_repeated_id_is_refused(tmp_path: Path):
@@ -988,6 +1011,19 @@ def test_accepted_per_verification_is_over_every_verification_and_passes_per_tok
         record["verifications"], record["mean_accepted"] = 0, 1.0
     stats = summarize(records + spec, hand_contestants("greedy", "spec"), {})["methods"]["spec"]["categories"]["overall"]
     assert stats["mean_accepted"] == 1.0
+
+
+def test_accepted_per_verification_pools_the_repeats_of_a_question():
+    """A question's repeats are pooled over their verifications as the questions are: one repeat's
+    acceptance is never paired with another's count (a repeat of 3.0 over 10 verifications and one of
+    1.0 over none was a row of 2.0 over 0, left out of the figure)."""
+    records = [hand_record("greedy", q, repeat=r) for q in (1, 2) for r in (0, 1)]
+    spec = [hand_record("spec", 1, accepted=3.0, repeat=0), hand_record("spec", 1, accepted=1.0, repeat=1),
+            hand_record("spec", 2, accepted=1.5, repeat=0), hand_record("spec", 2, accepted=1.5, repeat=1)]
+    for record, verifications in zip(spec, (10, 0, 4, 4)):
+        record["verifications"] = verifications
+    stats = summarize(records + spec, hand_contestants("greedy", "spec"), {})["methods"]["spec"]["categories"]["overall"]
+    assert stats["mean_accepted"] == pytest.approx((3.0 * 10 + 1.5 * 8) / 18)
 
 
 def test_passes_per_token_is_unknown_when_a_question_has_no_pass_count():

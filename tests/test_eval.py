@@ -950,6 +950,17 @@ def test_resume_refuses_other_settings_other_items_and_an_edited_checkpoint(tmp_
         saved["seconds"] = seconds
         rewritten("records and seconds must be objects of the same items" if len(seconds) == 1 else
                   "item 1's seconds must be a number >= 0")
+    saved["seconds"] = {"0": 1.0, "1": 1.0}
+    # a field of the wrong type or range under a digest made for it: summed into an accuracy of 2 right
+    # out of 1, or a traceback, before
+    for key, bad in (("correct", 2), ("correct", "yes"), ("tokens_spent", -1), ("tokens_spent", 1.5),
+                     ("signal_tokens", None), ("time_s", float("nan")), ("output", 5), ("answer", 3),
+                     ("signals", []), ("signals", {"agreement": "high"}), ("candidates", [{"answer": "a"}])):
+        kept = saved["records"]["1"].get(key, "(none)")
+        saved["records"]["1"][key] = bad
+        rewritten("record '1' has a field of the wrong type or out of range")
+        saved["records"]["1"][key] = kept
+    saved["records"]["1"].pop("candidates")
     path.write_text("{")
     refused(match="not a JSON file")
     path.unlink()

@@ -42,6 +42,7 @@ text_match_share, text_prefix_share, errors``. Speedups are ratios of aggregate 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -86,10 +87,13 @@ def per_question(records: Iterable[dict[str, Any]]) -> dict[str, dict[Any, dict[
         out[method] = {}
         for qid, recs in questions.items():
             row = {"group": recs[0]["group"]}
-            row |= {key: _median([r[key] for r in recs]) for key in ("prefill_s", "decode_s", "mean_accepted")}
+            row |= {key: _median([r[key] for r in recs]) for key in ("prefill_s", "decode_s")}
             # Counts stay integers: the lower median is one of the observed values.
             row |= {key: _median([r[key] for r in recs], low=True) for key in ("new_tokens", "forward_passes")}
-            row["verifications"] = _median([r.get("verifications") for r in recs], low=True)
+            # accepted tokens pooled over the repeats' verifications, as over the questions' (a median of
+            # each apart paired one repeat's acceptance with another's count, which could be 0)
+            row["mean_accepted"], row["verifications"] = per_verification(
+                [(r["mean_accepted"], r.get("verifications")) for r in recs])
             out[method][qid] = row
     return out
 
@@ -267,7 +271,7 @@ def build_results(run, *, command: str, config: dict[str, Any], machine: dict[st
     return results
 
 
-_NUMBER = {"type": ["number", "null"]}
+_NUMBER = {"type": ["number", "null"], "minimum": 0}  # (every figure a count, a time, a rate or a ratio)
 _STATS = {"type": "object", "required": list(STAT_KEYS), "properties": {k: _NUMBER for k in STAT_KEYS}}
 #: results.json as JSON Schema (the module docstring in prose); checked by :func:`validate_results`.
 RESULTS_JSON_SCHEMA: dict[str, Any] = {
@@ -310,6 +314,17 @@ def validate_results(results: dict[str, Any]) -> None:
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(top)"
         raise InvalidParameter(f"results.json does not follow {SCHEMA} at {where}: {error.message}")
+    where = _not_finite(results.get("summary"), "summary")
+    if where is not None:  # (NaN passes a schema's bounds: every comparison with it is false)
+        raise InvalidParameter(f"results.json does not follow {SCHEMA} at {where}: a figure that is not a finite number")
+
+
+def _not_finite(value: Any, at: str) -> str | None:
+    """Where in ``value`` a float is NaN or infinite, or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else at
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    return next((found for key, inner in items if (found := _not_finite(inner, f"{at}/{key}")) is not None), None)
 
 
 def write_results(results: dict[str, Any], path: Path) -> Path:
@@ -323,6 +338,8 @@ def read_document(path: Path, schema: str, what: str, *, prefix: str = "", requi
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise InvalidParameter(f"{prefix}{path}: not a JSON file ({err})") from None
+    except RecursionError:  # json's reader recurses: [[[[... thousands deep
+        raise InvalidParameter(f"{prefix}{path}: not a {what} (JSON nested too deeply)") from None
     if not isinstance(data, dict) or data.get("schema") != schema or any(key not in data for key in required):
         raise InvalidParameter(f"{prefix}{path}: not a {what}")
     return data

@@ -52,6 +52,8 @@ def read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise InvalidParameter(f"{where}: not valid JSON ({err.msg})") from None
+        except RecursionError:  # json's reader recurses: a line of [[[[... thousands deep
+            raise InvalidParameter(f"{where}: JSON nested too deeply") from None
         if not isinstance(row, dict):
             raise InvalidParameter(f"{where}: expected a JSON object, got {type(row).__name__}")
         try:

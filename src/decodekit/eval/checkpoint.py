@@ -26,6 +26,28 @@ SCHEMA = "decodekit-eval-checkpoint/2"  # /2: each item's seconds, not the run's
 RECORD_KEYS = ("id", "output", "answer", "correct", "tokens_spent", "signal_tokens", "time_s", "signals")
 
 
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def well_typed(record: dict[str, Any]) -> bool:
+    """Whether a saved record's fields are of the types a run writes (:func:`.runner.run_item`): an
+    edited one is refused, not summed into a wrong accuracy or a traceback."""
+    candidates = record.get("candidates", [])
+    return (isinstance(record["correct"], bool) and isinstance(record["output"], str)
+            and (record["answer"] is None or isinstance(record["answer"], str))
+            and _count(record["tokens_spent"]) and _count(record["signal_tokens"])
+            and _number(record["time_s"]) and record["time_s"] >= 0
+            and isinstance(record["signals"], dict)
+            and all(isinstance(k, str) and (v is None or _number(v)) for k, v in record["signals"].items())
+            and isinstance(candidates, list)
+            and all(isinstance(c, dict) and isinstance(c.get("correct"), bool) and "answer" in c for c in candidates))
+
+
 @dataclass
 class Progress:
     """Records by item index, and the wall seconds each item added to the run that made it (on a
@@ -77,6 +99,9 @@ def load(out: Path, key: dict[str, Any], task: Task) -> Progress:
         if not (0 <= index < len(task.items) and isinstance(record, dict) and all(k in record for k in RECORD_KEYS)
                 and record["id"] == task.items[index].id):
             raise InvalidParameter(f"--resume: {path}: record {name!r} is not item {name}'s; run without --resume")
+        if not well_typed(record):
+            raise InvalidParameter(f"--resume: {path}: record {name!r} has a field of the wrong type or out of range "
+                                   "(edited by hand?); run without --resume")
         time_s = seconds[name]
         if isinstance(time_s, bool) or not isinstance(time_s, (int, float)) or not 0 <= time_s < math.inf:
             raise InvalidParameter(f"--resume: {path}: item {name}'s seconds must be a number >= 0; run without --resume")
