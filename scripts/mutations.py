@@ -11416,6 +11416,9 @@ MUTATIONS = (
              "        except RecursionError:  # json's reader recurses: a line of [[[[... thousands deep\n"
              '            raise InvalidParameter(f"{where}: JSON nested too deeply") from None\n', "",
              ("tests/test_bench.py", "-k", "nested_thousands")),
+    Mutation("compare-pairs-runs-of-other-questions-silently", "src/decodekit/bench/report.py",
+             'COMPARED_SETTINGS = ("questions", "max_new_tokens",', 'COMPARED_SETTINGS = ("max_new_tokens",',
+             ("tests/test_bench.py", "-k", "compare_prints_changes")),
 )
 
 

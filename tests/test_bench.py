@@ -702,6 +702,10 @@ def test_compare_prints_changes(executed, tmp_path: Path, capsys):
     assert "different CPUs" not in text  # both ran here
     b["machine"]["cpu"] = "another CPU"
     assert f"note: different CPUs ({results['machine']['cpu']} vs another CPU)" in compare(results, b)
+    assert "different settings" not in compare(results, b)
+    b["config"]["max_new_tokens"], b["config"]["questions"] = 99, "other.jsonl"  # other questions under the same ids
+    assert (f"note: different settings (questions {results['config']['questions']!r} vs 'other.jsonl'; max_new_tokens "
+            f"{results['config']['max_new_tokens']} vs 99)") in compare(results, b)
     path_b = tmp_path / "b.json"
     path_b.write_text(json.dumps(b))
     assert bench_cli.run(parse("--compare", str(out / "results.json"), str(path_b))) == 0

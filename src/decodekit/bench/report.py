@@ -192,6 +192,10 @@ def write_report(results: dict[str, Any], path: Path, image: str | None = "speed
     return replace_text(path, markdown_report(results, image))
 
 
+#: The settings two runs must share for their figures and outputs to compare question by question.
+COMPARED_SETTINGS = ("questions", "max_new_tokens", "repeats", "dtype", "numerics", "model", "temperature")
+
+
 def compare(a: dict[str, Any], b: dict[str, Any]) -> str:
     """Per method x category change from run A to run B: tokens/s (%) and speedup vs greedy."""
     sa, sb = a["summary"], b["summary"]
@@ -208,6 +212,10 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> str:
     lines = [f"A: {a['command']} ({a['created']})", f"B: {b['command']} ({b['created']})"]
     if a["machine"].get("cpu") != b["machine"].get("cpu"):
         lines.append(f"note: different CPUs ({a['machine'].get('cpu')} vs {b['machine'].get('cpu')})")
+    differ = [key for key in COMPARED_SETTINGS if a["config"].get(key) != b["config"].get(key)]
+    if differ:  # the same question ids may then be other questions, and outputs differ for that alone
+        lines.append("note: different settings (" + "; ".join(
+            f"{key} {a['config'].get(key)!r:.60} vs {b['config'].get(key)!r:.60}" for key in differ) + ")")
     lines.append(same_outputs(a["records"], b["records"]))
     if not rows:
         return "\n".join(lines + ["no method and category in common"])
