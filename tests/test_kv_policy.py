@@ -1558,34 +1558,29 @@ def test_int8_kernels_refuse_caches_of_float_rows_and_queries_of_another_head_si
 
 
 
-@pytest.mark.parametrize("policy", [StreamingPolicy(2, 8, 1), StreamingPolicy(3, 6, 4), StreamingPolicy(0, 5),
-                                    HeavyHitterPolicy(8, 8), HeavyHitterPolicy(12, 4), SnapKVPolicy(20, 6)])
-def test_a_chain_on_an_evicting_cache_stops_before_a_pass_that_would_compact_it(policy):
-    """A drafter's chain of one-token passes, rolled back, must leave the cache as it was: on an
-    evicting cache, no pass of the chain may compact it (it would keep the window of the drafted
-    length, and the rollback would leave the window short by the tokens evicted for the drafts),
-    but for a compaction before the first pass, which a pass at that length makes anyway. Checked
-    against a slow loop over the policy's own rule; at most ``recent`` + 1 passes, as before."""
-    for slots in range(0, 40):
-        s, passes = slots, 0
-        if policy.compact_before(s, 1):
-            s = policy.keep(s, torch.zeros(1, 1, s)).shape[-1]
-        while True:
-            s, passes = s + 1, passes + 1  # a pass
-            if policy.compact_before(s, 1) or passes == policy.recent + 1:
-                break
-        assert policy.one_token_passes_rolled_back(slots) == passes, slots
-    assert KVPolicy().one_token_passes_rolled_back(7) is None and parse_kv_cache("int8").one_token_passes_rolled_back(7) is None
-    assert KiviPolicy(8, 64).one_token_passes_rolled_back(500) == 64 - 64 + 1
+def test_a_chain_on_a_cache_reaches_as_far_as_it_can_roll_back_uncompacted():
+    """A drafted chain holds the cache's compaction, so an evicting cache rolls back from any length
+    of chain; KIVI's codes, written as passes go, from recent + 1 passes; a window whose positions
+    are its slots, from as many as the context has room for."""
+    for policy in (KVPolicy(), parse_kv_cache("int8"), StreamingPolicy(2, 8, 1), HeavyHitterPolicy(8, 8), SnapKVPolicy(20, 6)):
+        assert policy.one_token_passes_rolled_back() is None, policy
+    assert KiviPolicy(8, 64).one_token_passes_rolled_back() == 64 - 64 + 1
+    window = tiny_llama(seed=0, hidden_size=64, max_position=64).with_kv_cache("sink:2,window:8,every:1")
+    window.prefill(tokens(30))
+    assert window.chain_reach() == 64 - window.slots
+    heavy = tiny_llama(seed=0, hidden_size=64).with_kv_cache("h2o:budget=8,window=4")
+    heavy.prefill(tokens(30))
+    assert heavy.chain_reach() is None and tiny_llama(seed=0, hidden_size=64).chain_reach() is None
 
 
 @pytest.mark.parametrize("spec", ["sink:2,window:8,every:1", "sink:2,window:6,every:3", "h2o:budget=8,window=8",
                                   "h2o:budget=12,window=4"])
 def test_a_chain_drafted_on_an_evicting_cache_and_rolled_back_leaves_what_plain_decoding_holds(spec):
-    """After a chain as long as the cache allows and its rollback, the cache holds its recent window
-    (the chain used to compact the cache at every pass, and its rollback left the window empty); a
-    window cache holds what a cache never drafted on holds, so the logits next are the same (H2O's
-    scores count the drafts' rows, its documented choice, so its later evictions may differ)."""
+    """A chain longer than the window, its compaction held, then rolled back: the cache holds what it
+    held, every head's tokens (the chain used to compact the cache at every pass, and its rollback
+    left the window empty); a window cache then holds what a cache never drafted on holds, so the
+    logits next are the same (H2O's scores count the drafts' rows, its documented choice, so its
+    later evictions may differ)."""
     base = tiny_llama(seed=0, hidden_size=64)
     drafted, plain = base.with_kv_cache(spec), base.with_kv_cache(spec)
     for backend in (drafted, plain):
@@ -1593,13 +1588,13 @@ def test_a_chain_drafted_on_an_evicting_cache_and_rolled_back_leaves_what_plain_
     for t in tokens(12, seed=2):
         drafted.step(torch.tensor([t]))
         plain.step(torch.tensor([t]))
-        origin, held = drafted.length, set(drafted._held[0, 0, : drafted.slots].tolist())
-        chain = drafted.kv_policy.one_token_passes_rolled_back(drafted.slots)
-        for d in tokens(chain, seed=t):
-            drafted.step(torch.tensor([d]))
+        origin, held = drafted.length, drafted._held[..., : drafted.slots].clone()
+        with drafted.compaction_held():  # a chain longer than the window: every pass past the compaction point
+            for d in tokens(drafted.kv_policy.recent + 2, seed=t):
+                drafted.step(torch.tensor([d]))
         drafted.truncate(origin)
-        recent = set(range(origin - drafted.kv_policy.recent, origin))
-        assert recent <= set(drafted._held[0, 0, : drafted.slots].tolist()) and recent <= held
+        assert torch.equal(drafted._held[..., : drafted.slots], held)  # as it was, every head
+        assert set(range(origin - drafted.kv_policy.recent, origin)) <= set(held[0, 0].tolist())
     if not drafted.kv_policy.observes_every_pass:
         assert torch.equal(drafted.step(torch.tensor([7])), plain.step(torch.tensor([7])))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import threading
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -265,6 +266,18 @@ class Backend(ABC):
         """The shortest length :meth:`truncate` takes now: 0 but for a cache that keeps only its
         last tokens as they were (an evicting one), which refuses to go back past them."""
         return 0
+
+    def compaction_held(self) -> AbstractContextManager:
+        """While entered, passes leave the cache as they find it but for what they write: a chain of
+        drafted passes, rolled back after, then leaves an evicting cache as it was (a compaction
+        would keep the window of the drafted length, and the rollback would leave it short). Nothing
+        to hold by default."""
+        return nullcontext()
+
+    def chain_reach(self) -> int | None:
+        """How many one-token passes a chain drafted on this cache (under :meth:`compaction_held`)
+        can append and all roll back (None: any number)."""
+        return None
 
     #: The most tokens a verification pass takes (None: any): a backend whose row kernels take so
     #: many gives one-token steps' bits up to there only.

@@ -98,26 +98,12 @@ class KVPolicy:
         the last ``recent`` tokens before the last pass."""
         return not self.evicts()
 
-    def one_token_passes_rolled_back(self, slots: int) -> int | None:
-        """How many one-token passes can be appended to a cache of ``slots`` entries and then all
-        rolled back, leaving it as it was (a drafter's chain on a cache): any number (None) where
-        the cache rolls back anywhere; else the ``recent`` tokens held as they were, plus the last
-        pass. An evicting cache also stops before a pass that would compact it
-        (:meth:`_passes_before_compaction`): a compaction keeps the window of the drafted length,
-        and the rollback would leave it short of the tokens evicted for the drafts."""
-        if self.rolls_back_anywhere():
-            return None
-        reach = self.recent + 1
-        if self.evicts():
-            before = self._passes_before_compaction(slots)
-            reach = reach if before is None else min(reach, before)
-        return reach
-
-    def _passes_before_compaction(self, slots: int) -> int | None:
-        """One-token passes from ``slots`` entries with no compaction but, maybe, one before the first
-        (the one a pass at that length makes anyway: it evicts nothing a rollback returns to); None:
-        no pass compacts."""
-        return None
+    def one_token_passes_rolled_back(self) -> int | None:
+        """How many one-token passes can be appended and then all rolled back, leaving the cache as it
+        was (a drafter's chain, run under :meth:`.native.NativeLlama.compaction_held`): any number
+        (None) where nothing is compacted mid-chain; KIVI's ``recent`` tokens held in float, plus
+        the last pass (its codes are written as passes go)."""
+        return None if self.rolls_back_anywhere() or self.evicts() else self.recent + 1
 
     def peak_slots(self, longest_pass: int) -> int | None:
         """The most entries the cache can hold with passes of up to ``longest_pass`` tokens (None:
@@ -272,11 +258,6 @@ class StreamingPolicy(KVPolicy):
 
     def compact_before(self, slots: int, incoming: int) -> bool:
         return slots >= self.sink + self.window + self.step
-
-    def _passes_before_compaction(self, slots: int) -> int | None:
-        after_first = self.sink + self.window if self.compact_before(slots, 1) else slots
-        return self.sink + self.window + self.step - after_first
-
     def peak_slots(self, longest_pass: int) -> int | None:
         # a pass starts below sink + window + step entries; a prompt's passes are prefill_chunk() long
         return self.sink + self.window + self.step - 1 + max(longest_pass, self.prefill_chunk())
@@ -331,10 +312,6 @@ class HeavyHitterPolicy(KVPolicy):
 
     def compact_before(self, slots: int, incoming: int) -> bool:
         return slots > self.budget
-
-    def _passes_before_compaction(self, slots: int) -> int | None:
-        return self.budget - min(slots, self.budget) + 1
-
     def keep(self, slots: int, mass: torch.Tensor | None) -> torch.Tensor:
         assert mass is not None
         return heavy_hitter_keep(mass[..., :slots], self.budget, self.window)

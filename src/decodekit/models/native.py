@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -216,6 +217,7 @@ class NativeLlama(Backend):
         self._length = self._slots = self._peak_slots = 0
         self._tail_from = 0  # tokens from here on sit in the last slots, in order (rollback reaches that far)
         self._first_pass = True
+        self._compaction_held = False
         self._pending_tree = None
         capacity = min(self._initial_capacity, self.config.max_position)
         c, policy = self.config, self.kv_policy
@@ -499,7 +501,7 @@ class NativeLlama(Backend):
         if not self.kv_policy.reassigns_positions:
             return super().pass_room()
         policy, slots = self.kv_policy, self._slots
-        if policy.compact_before(slots, 1):
+        if not self._compaction_held and policy.compact_before(slots, 1):
             slots = policy.keep(slots, None).numel()
         return self.config.max_position - slots
 
@@ -516,8 +518,25 @@ class NativeLlama(Backend):
         for table in self._ropes:
             table.reach(end)
 
+    @contextmanager
+    def compaction_held(self) -> Iterator[None]:
+        held, self._compaction_held = self._compaction_held, True
+        try:
+            yield
+        finally:
+            self._compaction_held = held
+
+    def chain_reach(self) -> int | None:
+        """Any number of passes, but under KIVI's codes (:meth:`KVPolicy.one_token_passes_rolled_back`)
+        and a window whose positions are its slots: as many as the context has room for uncompacted."""
+        reach = self.kv_policy.one_token_passes_rolled_back()
+        if self.kv_policy.reassigns_positions:
+            room = max(0, self.config.max_position - self._slots)
+            reach = room if reach is None else min(reach, room)
+        return reach
+
     def _make_room(self, incoming: int) -> None:
-        if self.kv_policy.compact_before(self._slots, incoming):
+        if not self._compaction_held and self.kv_policy.compact_before(self._slots, incoming):
             self._compact()
         if self._kivi is not None:
             self._quantise_ahead(incoming)

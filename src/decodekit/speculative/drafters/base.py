@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -162,12 +163,16 @@ class ChainDrafter(Drafter):
         """Called after drafting, also on error (e.g. roll a shared cache back)."""
 
     @staticmethod
-    def within_rollback(budget: int, backend: object) -> int:
+    def within_rollback(budget: int, backend: Backend) -> int:
         """``budget`` cut to the one-token passes ``backend``'s cache can take and then roll back
         (a chain drafted on a cache is rolled back past what the target did not accept)."""
-        policy = getattr(backend, "kv_policy", None)
-        reach = policy.one_token_passes_rolled_back(backend.slots) if policy is not None else None
+        reach = backend.chain_reach()
         return budget if reach is None else min(budget, reach)
+
+    def _chain_cache(self) -> AbstractContextManager:
+        """Held while the chain's passes run (:meth:`Backend.compaction_held` of the cache they write
+        to, rolled back after); nothing where they write to none of their own."""
+        return nullcontext()
 
     def draft(self, state: DecodeState, budget: int) -> DraftTree:
         self.last_steps = 0
@@ -183,20 +188,26 @@ class ChainDrafter(Drafter):
             sampler = state.sampler
             sample = self.stochastic and not sampler.is_greedy
             history = list(state.tokens)
-            for i in range(budget):
-                if i:
-                    logits = self._advance(tree.tokens[-1])
-                token, top_prob, q = choose_token(logits, sampler, history, sample, state.prompt_len)
-                if top_prob < self.confidence:
-                    break
-                if sample:  # keyed: the target's noise at this position, which agrees with it where q ~ p
-                    token = sampler.sample_at(q, len(history)) if state.keyed_drafts else int(sampler.sample_from(q))
-                    tree.draft_probs[i - 1] = q
-                tree.add(token, i - 1, self.name)
-                history.append(token)
+            with self._chain_cache():
+                self._chain(state, tree, logits, budget, sampler, sample, history)
         finally:
             self._stop(state)
         return tree
+
+    def _chain(self, state: DecodeState, tree: DraftTree, logits: torch.Tensor, budget: int, sampler, sample: bool,
+               history: list[int]) -> None:
+        """Up to ``budget`` drafted tokens into ``tree``, from the root's ``logits`` on."""
+        for i in range(budget):
+            if i:
+                logits = self._advance(tree.tokens[-1])
+            token, top_prob, q = choose_token(logits, sampler, history, sample, state.prompt_len)
+            if top_prob < self.confidence:
+                break
+            if sample:  # keyed: the target's noise at this position, which agrees with it where q ~ p
+                token = sampler.sample_at(q, len(history)) if state.keyed_drafts else int(sampler.sample_from(q))
+                tree.draft_probs[i - 1] = q
+            tree.add(token, i - 1, self.name)
+            history.append(token)
 
 
 # Feature drafters ----------------------------------------------------------------------------------

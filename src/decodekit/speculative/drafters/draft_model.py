@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -200,6 +201,10 @@ class DraftModelDrafter(ChainDrafter):
         # the chain's own passes (one a token after the first) start here, and are rolled back past
         # what the target does not accept at the next draft: no more than the cache can roll back now
         return logits, 1 + self.within_rollback(budget - 1, self.backend)
+
+    def _chain_cache(self) -> AbstractContextManager:
+        # (the catch-up in _start, tokens the target has taken, compacts the draft's cache as a step would)
+        return self.backend.compaction_held() if self.backend is not None else nullcontext()
 
     def _advance(self, token: int) -> torch.Tensor:
         return fit_vocab(self._append([token]), self._vocab)

@@ -36,6 +36,7 @@ Choices made here (each one tested):
 from __future__ import annotations
 
 import random
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,6 +215,10 @@ class LayerSkipDrafter(ChainDrafter):
         if state.pending is None:  # the root is cached: its full-model logits are known
             return state.next_logits(), budget
         return self._advance(state.pending), budget
+
+    def _chain_cache(self) -> AbstractContextManager:
+        assert self._backend is not None
+        return self._backend.compaction_held()  # (the root's own pass, in _start, compacts as a step would)
 
     def _advance(self, token: int) -> torch.Tensor:
         assert self._backend is not None
