@@ -11427,6 +11427,9 @@ MUTATIONS = (
              "        return None if self.rolls_back_anywhere() or self.evicts() else self.recent + 1",
              "        return None if self.rolls_back_anywhere() else self.recent + 1",
              ("tests/test_kv_policy.py", "-k", "reaches_as_far")),
+    Mutation("negative-exponent-taken-for-a-flag", "src/decodekit/arguments.py",
+             "        self._negative_number_matcher = NEGATIVE_NUMBER\n", "",
+             ("tests/test_arguments.py", "-k", "negative_number")),
 )
 
 

@@ -41,3 +41,16 @@ def test_a_command_that_chooses_its_numerics_gets_none_by_default():
         add_numerics_arguments(parser, default)
         assert parser.parse_args([]).numerics == default
         assert parser.parse_args(["--numerics", "exact"]).numerics == "exact"
+
+
+@pytest.mark.parametrize("text, value", [("-3e38", -3e38), ("-1E-3", -1e-3), ("-.5", -0.5), ("-2.", -2.0),
+                                         ("-inf", float("-inf")), ("-7", -7.0)])
+def test_a_negative_number_in_any_notation_is_a_value_not_a_flag(text, value):
+    """argparse before Python 3.13 took -3e38 or -inf for a flag: "expected one argument", a line that
+    named nothing wrong with the number (which the option's own check then judges)."""
+    from decodekit.interfaces.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "--frequency-penalty", text])
+    assert args.frequency_penalty == value
+    with pytest.raises(InvalidParameter, match="expected one argument"):
+        build_parser().parse_args(["generate", "hi", "--frequency-penalty", "-x"])  # a flag is still a flag

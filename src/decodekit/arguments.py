@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import secrets
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from .errors import InvalidParameter
 from .options import check_int
@@ -21,9 +23,19 @@ def user_path(spec: str | os.PathLike) -> Path:
     return Path(os.path.expanduser(spec))
 
 
+#: A negative number in any notation a float takes: argparse before Python 3.13 reads only -1 and -1.5
+#: as numbers, and takes -3e38 or -inf for a flag ("expected one argument").
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[+-]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors raise InvalidParameter, so that they reach the user as the same
-    one line (``decodekit: error: ...``, exit code 2) as every other bad input."""
+    one line (``decodekit: error: ...``, exit code 2) as every other bad input; a negative number
+    in any notation is a value (:data:`NEGATIVE_NUMBER`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_NUMBER
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise InvalidParameter(f"{message} (see {self.prog} --help)")
