@@ -271,6 +271,9 @@ def test_step_done_needs_content_before_the_delimiter():
     assert not step_done("\n\n", "\n\n")
     assert step_done("\n\nStep one.\n\n", "\n\n")
     assert not step_done("Step one.\n", "\n\n")
+    # the delimiter is a string, not a set of letters: "ep" and "Set " are content before "Step"
+    assert step_done("epStep", "Step") and step_done("Set Step", "Step") and step_done("StepStepxStep", "Step")
+    assert not step_done("Step Step", "Step") and not step_done(" StepStep", "Step")
 
 
 # Beam search -------------------------------------------------------------------------------------
@@ -281,6 +284,19 @@ def test_beam_width_one_equals_greedy(tiny, prompt):
     plain = Engine(tiny).generate(prompt, max_new_tokens=25, chat=False)
     beam = Engine(tiny).generate(prompt, method="beam", n=1, max_new_tokens=25, chat=False)
     assert beam.tokens == plain.tokens
+
+
+def test_beam_width_one_is_greedy_where_logits_tie():
+    """Greedy decoding's argmax takes the lowest of tied tokens; a beam of width one does too (topk
+    ordered ties as it liked: 'bbbb' against greedy's 'aaaa'); wider beams rank ties the same way."""
+    from decodekit.search.beam import best_entries
+
+    rules = {prev: {**{nxt: 1.0 for nxt in "abcd"}, "<eos>": -2.0} for prev in "pabcd"}
+    model = bigram_model(rules)
+    plain = Engine(model).generate("p", max_new_tokens=4, chat=False)
+    assert plain.text == "aaaa" and Engine(model).generate("p", method="beam", n=1, max_new_tokens=4, chat=False).text == "aaaa"
+    scores = torch.tensor([0.0, 2.0, 1.0, 2.0, 2.0, -1.0, 2.0])
+    assert best_entries(scores, 3) == ([2.0, 2.0, 2.0], [1, 3, 4]) and best_entries(scores, 5)[1] == [1, 3, 4, 6, 2]
 
 
 def test_full_relative_pruning_keeps_only_the_best_candidate(tiny):
@@ -318,7 +334,8 @@ def test_beam_length_penalty_counts_the_eos_token():
     g = build_decoder("beam", n=2, length_penalty=1.0).generate(model, request(model, "p", method="greedy", max_new=5))
     s = math.log1p(math.exp(0.115))
     cands = g.extra["candidates"]
-    assert [(c["text"], c["finish_reason"]) for c in cands] == [("", "eos"), ("a", "eos")]
+    # (a third, " " then EOS, far below: tied candidates at the floor are taken by lower id, EOS's 0 first)
+    assert [(c["text"], c["finish_reason"]) for c in cands][:2] == [("", "eos"), ("a", "eos")]
     assert cands[0]["score"] == pytest.approx(0.115 - s, abs=2e-4)
     assert cands[1]["score"] == pytest.approx(-s * 6 / 7, abs=2e-4)
     assert cands[1]["logp"] == pytest.approx(-s, abs=2e-4)
@@ -1029,6 +1046,7 @@ def test_a_stop_inside_a_token_keeps_the_text_before_it_in_every_method(method, 
     """The model writes "Hello", " world", ",", "Hello", ...: with steps split at ",", a stop string
     ending inside a token cuts the text there, whatever method decoded it."""
     table = torch.full((99, 99), -30.0)
+    table[:, 0] = -40.0  # EOS below the tied rest: a beam's second candidate is never an end
     order = [cid("p"), 96, 97, 98]
     for a, b in zip(order, order[1:] + [96]):
         table[a, b] = 5.0

@@ -168,10 +168,11 @@ class StepRecorder:
 
 
 def step_done(text: str, delimiter: str) -> bool:
-    """True when ``text`` holds the delimiter after some content (a leading delimiter does not count)."""
+    """True when ``text`` holds the delimiter after some content (a leading delimiter does not count):
+    text before it that is neither whitespace nor the delimiter itself (the string, not its letters)."""
     start = text.find(delimiter)
     while start >= 0:
-        if text[:start].strip(delimiter + " \t\n"):
+        if text[:start].replace(delimiter, "").strip(" \t\n"):
             return True
         start = text.find(delimiter, start + 1)
     return False

@@ -11,8 +11,9 @@ when the model is sure (the cache rows are then reordered into fewer rows). Our 
 Hugging Face, 2·width candidates are ranked per step and an EOS candidate only finishes when it
 ranks within the width; the search stops once ``width`` hypotheses have finished (HF's
 ``early_stopping=True``) or at ``max_new_tokens`` (unfinished beams then compete as they are).
-Stop strings cut the returned text afterwards (they do not end beams). Not lossless; width 1 is
-exactly greedy decoding.
+Stop strings cut the returned text afterwards (they do not end beams). Candidates of equal score
+rank by lower token id, as greedy's argmax takes them (HF's ``topk`` leaves their order open). Not
+lossless; width 1 is exactly greedy decoding, ties included.
 """
 
 from __future__ import annotations
@@ -51,6 +52,16 @@ class Hypothesis:
         return self.logp / gnmt_penalty(len(self.logprobs), alpha)
 
 
+def best_entries(scores: torch.Tensor, k: int) -> tuple[list[float], list[int]]:
+    """The ``k`` largest of ``scores`` (1-D) and their indices, highest first, ties to the lower index,
+    as greedy decoding's argmax takes them: a beam of width 1 is then greedy decoding exactly
+    (``topk`` orders tied entries as it likes)."""
+    kth = scores.topk(k).values[-1]
+    chosen = torch.cat([(scores > kth).nonzero().view(-1), (scores == kth).nonzero().view(-1)])[:k].sort().values
+    chosen = chosen[scores[chosen].sort(descending=True, stable=True).indices]
+    return scores[chosen].tolist(), chosen.tolist()
+
+
 class BeamSearch(Decoder):
     def __init__(self, n: int = 4, length_penalty: float = 0.6, prune_ratio: float = 0.0):
         self.width, self.alpha, self.prune = n, length_penalty, prune_ratio
@@ -81,10 +92,10 @@ class BeamSearch(Decoder):
         total = torch.tensor([b.logp for b in beams]).view(-1, 1) + logp
         vocab = logp.shape[-1]
         k = min(2 * self.width, int(torch.isfinite(total).sum()))
-        values, flat = total.view(-1).topk(k)
-        floor = values[0].item() + (math.log(self.prune) if self.prune > 0 else -math.inf)
+        values, flat = best_entries(total.view(-1), k)
+        floor = values[0] + (math.log(self.prune) if self.prune > 0 else -math.inf)
         new, parents, ended = [], [], []
-        for rank, (value, index) in enumerate(zip(values.tolist(), flat.tolist())):
+        for rank, (value, index) in enumerate(zip(values, flat)):
             if value < floor or len(new) == self.width:
                 break
             parent, token = divmod(index, vocab)
