@@ -11442,6 +11442,12 @@ MUTATIONS = (
              '        if text[:start].replace(delimiter, "").strip(" \\t\\n"):',
              '        if text[:start].strip(delimiter + " \\t\\n"):',
              ("tests/test_search.py", "-k", "step_done")),
+    Mutation("bench-question-prompts-past-the-context-run-anyway", "src/decodekit/bench/execution.py",
+             "    if shortest + plan.max_new_tokens > context:", "    if False:",
+             ("tests/test_bench.py", "-k", "more_new_tokens_than")),
+    Mutation("bench-question-prompt-at-the-context-refused", "src/decodekit/bench/execution.py",
+             "    if shortest + plan.max_new_tokens > context:", "    if shortest + plan.max_new_tokens >= context:",
+             ("tests/test_bench.py", "-k", "more_new_tokens_than")),
 )
 
 

@@ -591,13 +591,17 @@ def test_a_category_with_a_pipe_or_a_line_break_keeps_the_reports_tables_whole(t
 def test_more_new_tokens_than_the_context_holds_is_one_error_not_every_question_failed(tiny: LoadedModel, qfile: Path,
                                                                                      tmp_path: Path):
     context = tiny.backend.info.max_length
-    for max_new, refused in ((context, True), (context - 64, False)):
+    plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy", "--baselines", "none",
+                                     "--limit", "1", "--categories", "qa", "--no-progress"))
+    shortest = min(len(tiny.prompt_ids([{"role": "user", "content": q.turns[0]}])) for q in plan.questions)
+    for max_new, refused in ((context, "no prompt fits"), (context - shortest + 1, "no question's prompt fits"),
+                             (context - shortest, None)):
         plan = bench_cli.make_plan(parse("--questions", str(qfile), "--methods", "greedy", "--baselines", "none",
                                          "--max-new-tokens", str(max_new), "--limit", "1", "--categories", "qa",
                                          "--out", str(tmp_path / str(max_new)), "--no-progress"))
         if refused:
-            with pytest.raises(InvalidParameter, match=f"^--max-new-tokens {context}: no prompt fits beside that many new "
-                                                       f"tokens in the model's context of {context}$"):
+            with pytest.raises(InvalidParameter, match=f"^--max-new-tokens {max_new}: {refused} beside that many new "
+                                                       f"tokens in the model's context of {context}"):
                 execute(plan, tiny, progress=False)
             assert not (tmp_path / str(max_new)).exists()
         else:

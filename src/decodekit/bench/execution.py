@@ -105,6 +105,12 @@ def build_contestants(plan: Plan, model, *, hf_model=None) -> tuple[list, list[s
     if plan.max_new_tokens >= context:  # every question would fail; said once, before any runs
         raise InvalidParameter(f"--max-new-tokens {plan.max_new_tokens}: no prompt fits beside that many new tokens in "
                                f"the model's context of {context}")
+    # the same for the questions' own first prompts, as the runs build them (run_turns): a bench of
+    # nothing but failed runs would otherwise end with exit status 0 and a report of dashes
+    shortest = min((len(model.prompt_ids([{"role": "user", "content": q.turns[0]}])) for q in plan.questions), default=0)
+    if shortest + plan.max_new_tokens > context:
+        raise InvalidParameter(f"--max-new-tokens {plan.max_new_tokens}: no question's prompt fits beside that many new "
+                               f"tokens in the model's context of {context} (the shortest takes {shortest} tokens)")
     if plan.threads:
         torch.set_num_threads(plan.threads)
     # Each method gets its own backend clone (shared weights, own cache and own cross-request
