@@ -9674,7 +9674,7 @@ MUTATIONS = (
              'if c.get("finish_reason") != "unfinished"]', ']',
              ('tests/test_eval.py', '-k', 'stopped_midway')),
     Mutation('head-over-every-row-at-once', 'src/decodekit/models/native.py',
-             '        if rows.shape[0] <= MAX_ROWS:\n            return self.weights.lm_head(h).float()', '        if True:\n            return self.weights.lm_head(h).float()',
+             '        if rows.shape[0] <= MAX_ROWS:\n            return self._finite(', '        if True:\n            return self._finite(',
              ('tests/test_backend.py', '-k', 'more_rows_than')),
     Mutation('tree-past-the-pass-reaches-the-cache', 'src/decodekit/models/backend.py',
              '        if most is not None and len(parents) > most:', '        if False:',
@@ -11448,6 +11448,13 @@ MUTATIONS = (
     Mutation("bench-question-prompt-at-the-context-refused", "src/decodekit/bench/execution.py",
              "    if shortest + plan.max_new_tokens > context:", "    if shortest + plan.max_new_tokens >= context:",
              ("tests/test_bench.py", "-k", "more_new_tokens_than")),
+    Mutation("nan-mid-answer-decoded", "src/decodekit/models/native.py",
+             "            return self._finite(self.weights.lm_head(h).float())  # every pass's: a NaN mid-answer is said too",
+             "            return self.weights.lm_head(h).float()",
+             ("tests/test_backend.py", "-k", "nan_mid_answer")),
+    Mutation("finite-check-skips-a-nan-sum", "src/decodekit/models/backend.py",
+             "        if not bool(torch.isfinite(logits.sum())) and (", "        if bool(torch.isfinite(logits.sum())) and (",
+             ("tests/test_backend.py", "-k", "nan_mid_answer or not_finite")),
 )
 
 

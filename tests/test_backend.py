@@ -976,3 +976,31 @@ def test_a_cache_of_several_sequences_gives_no_snapshot():
     backend.reorder(torch.tensor([0, 0, 0]))
     assert backend.batch_size == 3 and backend.kept_ids == [5, 6, 7, 8]
     assert backend.snapshot() is None
+
+
+@pytest.mark.parametrize("method, params", [("greedy", {}), ("sample", {"top_k": 2, "seed": 0}),
+                                            ("sample", {"top_h": 0.9, "seed": 0}), ("pld", {})])
+def test_logits_that_turn_nan_mid_answer_are_a_damaged_model_not_an_answer(method, params):
+    """A NaN (or +infinity) in any pass's logits, not only the prompt's, is the model's fault in one
+    line: greedy's argmax took the NaN token, top-k dropped the real k-th token beside it and top-H
+    kept the least likely one, each an answer with no error."""
+    from decodekit.engine import Engine
+    from decodekit.errors import InvalidModel
+    from decodekit.models import CharTokenizer, LoadedModel
+
+    backend = tiny_llama(seed=0, hidden_size=64)
+    head, passes = backend.weights.lm_head, []
+
+    def failing(h):
+        passes.append(1)
+        logits = head(h)
+        if len(passes) >= 3:  # the prompt's pass and one step go through
+            logits = logits.clone()
+            logits[..., 5] = float("nan")
+        return logits
+
+    backend.weights.lm_head = failing
+    with pytest.raises(InvalidModel, match="the model's logits are not finite"):
+        Engine(LoadedModel(backend, CharTokenizer(96), "tiny")).generate(
+            "hello", method=method, max_new_tokens=8, ignore_eos=True, chat=False, **params)
+    assert len(passes) >= 3

@@ -793,9 +793,9 @@ class NativeLlama(Backend):
         bits it gets alone (a longer call to float32 weights goes to a GEMM, which sums otherwise)."""
         rows = h.reshape(-1, h.shape[-1])
         if rows.shape[0] <= MAX_ROWS:
-            return self.weights.lm_head(h).float()
+            return self._finite(self.weights.lm_head(h).float())  # every pass's: a NaN mid-answer is said too
         parts = [self.weights.lm_head(rows[i : i + MAX_ROWS]) for i in range(0, rows.shape[0], MAX_ROWS)]
-        return torch.cat(parts).view(*h.shape[:-1], -1).float()
+        return self._finite(torch.cat(parts).view(*h.shape[:-1], -1).float())
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, ops) -> torch.Tensor:
         """``x += delta`` in place (the residual add), then the RMSNorm of x."""

@@ -232,7 +232,8 @@ class TopH(LogitsProcessor):
     * H(p) and the sum run over the whole vocabulary. Both reference implementations look only at
       the 100 most probable tokens, for speed (one vectorised sort makes that unnecessary here);
       Hugging Face also renormalises over those 100, so ``TopK(100)`` followed by ``TopH(alpha)``
-      reproduces its warper. The authors' code keeps the full-vocabulary probabilities over the
+      reproduces its warper where no tokens tie at the 100th place (``TopK`` keeps every tied one;
+      Hugging Face's ``topk`` keeps 100 of them). The authors' code keeps the full-vocabulary probabilities over the
       top 100 instead (same result whenever the vocabulary has at most 100 tokens).
     * A sum equal to the bound is kept (``<=``, as in both references), up to float rounding.
     * Unlike the other prefix rules, ties at the boundary are broken by token id (lower id
