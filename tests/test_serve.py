@@ -1861,6 +1861,26 @@ def test_until_its_model_loads_the_server_answers_503_and_says_when_the_load_fai
         thread.join(timeout=10)
 
 
+class Client:
+    """A request's side that the server asks whether its client is still there."""
+
+    def __init__(self, gone: bool = False):
+        self.gone = gone
+
+    async def is_disconnected(self) -> bool:
+        return self.gone
+
+
+class Recording:
+    """A scheduler that records the jobs it is asked to cancel."""
+
+    def __init__(self):
+        self.cancelled = []
+
+    def cancel(self, jobs):
+        self.cancelled.append(jobs)
+
+
 def test_a_request_whose_wait_is_cancelled_cancels_its_choices():
     """Whatever ends the wait for a request's choices (its client gone, or its task cancelled as the
     server stops), the choices are cancelled: they never run on for nobody."""
@@ -1869,21 +1889,10 @@ def test_a_request_whose_wait_is_cancelled_cancels_its_choices():
 
     from decodekit.serve.app import wait_or_cancel
 
-    class Connected:
-        async def is_disconnected(self) -> bool:
-            return False
-
-    class Recording:
-        def __init__(self):
-            self.cancelled = []
-
-        def cancel(self, jobs):
-            self.cancelled.append(jobs)
-
     scheduler, jobs = Recording(), ["a choice"]
 
     async def cancelled_wait():
-        task = asyncio.create_task(wait_or_cancel(Connected(), scheduler, jobs, [Future()]))
+        task = asyncio.create_task(wait_or_cancel(Client(), scheduler, jobs, [Future()]))
         await asyncio.sleep(0)  # the wait starts
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -1905,17 +1914,6 @@ def test_a_stream_whose_client_goes_before_its_first_text_cancels_its_choices():
     from decodekit.serve.errors import ClientGone
     from decodekit.serve.reply import Outbox
 
-    class Gone:
-        async def is_disconnected(self) -> bool:
-            return True
-
-    class Recording:
-        def __init__(self):
-            self.cancelled = []
-
-        def cancel(self, jobs):
-            self.cancelled.append(jobs)
-
     class Counting:
         stopped = []
 
@@ -1929,7 +1927,7 @@ def test_a_stream_whose_client_goes_before_its_first_text_cancels_its_choices():
     async def waited():
         deltas = Outbox(asyncio.get_running_loop(), 0.0).channel()  # nothing is ever delivered
         with pytest.raises(ClientGone):
-            await first_delivery(Gone(), scheduler, jobs, futures, deltas, reply)
+            await first_delivery(Client(gone=True), scheduler, jobs, futures, deltas, reply)
 
     asyncio.run(waited())
     assert scheduler.cancelled == [jobs] and reply.stopped == [{0: futures[0]}]
@@ -1949,10 +1947,6 @@ def test_a_stream_stopped_by_a_shutdown_before_its_first_text_is_a_503():
     from decodekit.serve.reply import FINISHED, Outbox, Reply
     from decodekit.serve.scheduler import Outcome
 
-    class Connected:
-        async def is_disconnected(self) -> bool:
-            return False
-
     cancelled = [], []
 
     def stopped(outcomes):
@@ -1969,7 +1963,7 @@ def test_a_stream_stopped_by_a_shutdown_before_its_first_text_is_a_503():
         if text is not None:
             deltas.post((0, text))
         future.set_result(outcome)
-        return await first_delivery(Connected(), scheduler, ["a job"], [future], deltas, reply)
+        return await first_delivery(Client(), scheduler, ["a job"], [future], deltas, reply)
 
     cut = Outcome(Generation("", [], GenerationStats(), "cancelled"), None, 0.0)
     with pytest.raises(ApiError) as refused:
