@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 import threading
 from abc import ABC, abstractmethod
-from contextlib import AbstractContextManager, nullcontext
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -423,7 +423,8 @@ class Backend(ABC):
         model whose weights hold a NaN or an infinity (a damaged file) gives such logits for every
         token, and would otherwise decode token 0 over and over, silently (-infinity is a token a
         model rules out). Their sum first: finite for almost every pass, and a tenth of the cost."""
-        if not bool(torch.isfinite(logits.sum())) and (bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any())):
+        if not bool(torch.isfinite(logits.sum())) and (
+                bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any())):
             raise InvalidModel(f"{self.info.name}: the model's logits are not finite (NaN or infinity); its weights are "
                                "damaged, or its arithmetic overflows")
         return logits

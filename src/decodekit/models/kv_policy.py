@@ -258,6 +258,7 @@ class StreamingPolicy(KVPolicy):
 
     def compact_before(self, slots: int, incoming: int) -> bool:
         return slots >= self.sink + self.window + self.step
+
     def peak_slots(self, longest_pass: int) -> int | None:
         # a pass starts below sink + window + step entries; a prompt's passes are prefill_chunk() long
         return self.sink + self.window + self.step - 1 + max(longest_pass, self.prefill_chunk())
@@ -282,10 +283,11 @@ class HeavyHitterPolicy(KVPolicy):
 
     Choices the paper leaves open: with grouped-query attention a key/value head is shared by a
     group of query heads, so its score is the sum of the group's attention; rows of a verification
-    pass or a drafted chain that are later rolled back still count (the accumulated score is a heuristic either way);
-    kept entries stay in sequence order; a prompt is read 64 tokens a pass (the kernels' passes, in
-    either numerics, alone and served alike), evicted down to the budget between them as during
-    generation (the reference reads the prompt whole first: its peak memory is the whole prompt's).
+    pass or of a drafted chain that are later rolled back still count (the accumulated score is a
+    heuristic either way); kept entries stay in sequence order; a prompt is read 64 tokens a pass
+    (the kernels' passes, in either numerics, alone and served alike), evicted down to the budget
+    between them as during generation (the reference reads the prompt whole first: its peak memory
+    is the whole prompt's).
     The attention weights are computed beside the kernels' attention (in torch, float32), so this
     policy runs the layer-by-layer path.
     """
@@ -312,6 +314,7 @@ class HeavyHitterPolicy(KVPolicy):
 
     def compact_before(self, slots: int, incoming: int) -> bool:
         return slots > self.budget
+
     def keep(self, slots: int, mass: torch.Tensor | None) -> torch.Tensor:
         assert mass is not None
         return heavy_hitter_keep(mass[..., :slots], self.budget, self.window)

@@ -68,8 +68,8 @@ class Settings:
         if not 0 <= self.seed < SEED_LIMIT:  # (torch's generators take 64 bits)
             raise InvalidParameter(f"--seed must be in [0, {SEED_LIMIT - 1}], got {self.seed}")
         if self.heads is not None and self.heads > MAX_ROWS - 1:  # before the data is made, not after
-            raise InvalidParameter(f"--heads must be at most {MAX_ROWS - 1}, got {self.heads}: head i drafts the token i "
-                                   f"+ 1 ahead, and no verification pass holds more than {MAX_ROWS} tokens")
+            raise InvalidParameter(f"--heads must be at most {MAX_ROWS - 1}, got {self.heads}: head i drafts the "
+                                   f"token i + 1 ahead, and no verification pass holds more than {MAX_ROWS} tokens")
         if not self.minutes > 0:
             raise InvalidParameter("--minutes must be positive")
         if math.isinf(self.minutes) and self.steps is None:
