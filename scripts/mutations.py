@@ -11455,6 +11455,12 @@ MUTATIONS = (
     Mutation("finite-check-skips-a-nan-sum", "src/decodekit/models/backend.py",
              "        if not bool(torch.isfinite(logits.sum())) and (", "        if bool(torch.isfinite(logits.sum())) and (",
              ("tests/test_backend.py", "-k", "nan_mid_answer or not_finite")),
+    Mutation("top-p-of-one-drops-a-tail", "src/decodekit/samplers/truncation.py",
+             "        if self.top_p >= 1.0:  # every token", "        if False:  # every token",
+             ("tests/test_samplers.py", "-k", "of_one_keep_every_token")),
+    Mutation("typical-p-of-one-drops-a-tail", "src/decodekit/samplers/truncation.py",
+             "        if self.typical_p >= 1.0:  # every token, as TopP(1.0)", "        if False:",
+             ("tests/test_samplers.py", "-k", "of_one_keep_every_token")),
 )
 
 

@@ -1055,3 +1055,14 @@ def test_a_penalty_window_longer_than_the_history_counts_all_of_it():
     assert FrequencyPenalty(0.5, window=2)(x, hist).tolist() == [[1.0, 0.5, 0.5, 1.0]]  # the last 2: [1, 2]
     # positive logits divided by 2 for every seen id, whatever the count
     assert RepetitionPenalty(2.0, window=10)(x, [torch.tensor([0, 3])]).tolist() == [[0.5, 1.0, 1.0, 0.5]]
+
+
+def test_top_p_and_typical_p_of_one_keep_every_token_on_their_own():
+    """As Sampler.from_params has them (no processor): float32 probabilities summing a hair past 1
+    left the tail's mass before it at 1.0, and TopP(1.0) dropped tens of a row's tail tokens."""
+    from decodekit.samplers import TypicalP
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 49152) * 2
+    for processor in (TopP(1.0), TypicalP(1.0), TypicalP(1.0, keep_argmax=False)):
+        assert torch.equal(processor(x, []), x), processor

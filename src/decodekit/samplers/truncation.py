@@ -101,6 +101,8 @@ class TopP(LogitsProcessor):
         self.top_p = SAMPLER_OPTIONS["top_p"].check(top_p)
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
+        if self.top_p >= 1.0:  # every token (float32 probabilities summing past 1 would drop a tail)
+            return logits
         probs, sp, _ = sorted_probs(logits)
         n = _count(_mass_before(sp) < self.top_p)  # mass before the token < p: still needed
         cutoff = sp.gather(-1, n - 1)
@@ -142,6 +144,8 @@ class TypicalP(LogitsProcessor):
         self.keep_argmax = bool(keep_argmax)
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[torch.Tensor]) -> torch.Tensor:
+        if self.typical_p >= 1.0:  # every token, as TopP(1.0)
+            return logits
         x = logits.float()
         logp = torch.log_softmax(x, dim=-1)
         probs = logp.exp()
