@@ -11461,6 +11461,9 @@ MUTATIONS = (
     Mutation("typical-p-of-one-drops-a-tail", "src/decodekit/samplers/truncation.py",
              "        if self.typical_p >= 1.0:  # every token, as TopP(1.0)", "        if False:",
              ("tests/test_samplers.py", "-k", "of_one_keep_every_token")),
+    Mutation("bench-out-replaced-without-a-word", "src/decodekit/bench/cli.py",
+             "    elif (plan.out / CHECKPOINT).exists():", "    elif False:",
+             ("tests/test_bench.py", "-k", "holds_another")),
 )
 
 

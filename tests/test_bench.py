@@ -2205,3 +2205,16 @@ def test_end_to_end_throughput_counts_a_run_with_no_decode_time():
     stats = summarize(records, hand_contestants("greedy", "m"), {})["methods"]["m"]["categories"]["overall"]
     assert stats["decode_tps"] is None and stats["speedup"] is None
     assert stats["e2e_tps"] == pytest.approx(1 / 0.5) and stats["e2e_speedup"] == pytest.approx(1.0)
+
+
+def test_a_run_into_a_folder_that_holds_another_says_it_replaces_it(qfile: Path, tmp_path: Path, capsys):
+    """Without --resume, an --out holding an earlier run's checkpoint is replaced, and a line says so
+    (an interrupted run left the new checkpoint beside the old results without a word)."""
+    out = tmp_path / "run"
+    argv = ("--questions", str(qfile), "--methods", "greedy", "--baselines", "none", "--out", str(out))
+    bench_cli.make_plan(parse(*argv))
+    assert "replaces" not in capsys.readouterr().err
+    out.mkdir()
+    (out / "checkpoint.json").write_text("{}")
+    bench_cli.make_plan(parse(*argv))
+    assert capsys.readouterr().err == f"decodekit: {out} holds an earlier run, which this one replaces (--resume continues it)\n"

@@ -177,6 +177,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     check_writable(plan.out, ("results.json", "report.md", "speedup.png", CHECKPOINT, CHECKPOINT + ".tmp"))
     if plan.resume:  # read (and check) now, not after loading the model
         plan.previous, plan.previous_notes = load_checkpoint(plan)
+    elif (plan.out / CHECKPOINT).exists():  # (its results stay until this run's replace them)
+        print(f"decodekit: {plan.out} holds an earlier run, which this one replaces (--resume continues it)",
+              file=sys.stderr)
     return plan
 
 
