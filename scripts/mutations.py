@@ -11464,6 +11464,10 @@ MUTATIONS = (
     Mutation("bench-out-replaced-without-a-word", "src/decodekit/bench/cli.py",
              "    elif (plan.out / CHECKPOINT).exists():", "    elif False:",
              ("tests/test_bench.py", "-k", "holds_another")),
+    Mutation("question-ids-1-and-string-1-apart", "src/decodekit/bench/questions.py",
+             "    twice = first_repeated(str(q.question_id) for q in questions)",
+             "    twice = first_repeated(q.question_id for q in questions)",
+             ("tests/test_bench.py", "-k", "repeated_id")),
 )
 
 

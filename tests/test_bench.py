@@ -960,6 +960,10 @@ def test_a_question_file_with_a_repeated_id_is_refused(tmp_path: Path):
     path.write_text('{"question_id": 1, "category": "qa", "turns": ["a"]}\n{"question_id": 1, "category": "rag", "turns": ["b"]}\n')
     with pytest.raises(InvalidParameter, match="question_id 1 appears twice"):
         load_questions(path)
+    # 1 and "1" print alike in a report and its notes: one id there, so refused too
+    path.write_text('{"question_id": 1, "category": "qa", "turns": ["a"]}\n{"question_id": "1", "category": "rag", "turns": ["b"]}\n')
+    with pytest.raises(InvalidParameter, match="question_id 1 appears twice"):
+        load_questions(path)
 
 
 def test_a_decodekit_contestant_reads_its_whole_prompt_as_the_baselines_do(monkeypatch):

@@ -73,9 +73,10 @@ def read_questions(path: Path) -> list[Question]:
     questions = [parse_question(raw, where) for where, raw in read_jsonl(path)]
     if not questions:
         raise InvalidParameter(f"{path}: no questions")
-    twice = first_repeated(q.question_id for q in questions)
+    # as reports print them: 1 and "1" are one id there (and in the notes, which name questions by it)
+    twice = first_repeated(str(q.question_id) for q in questions)
     if twice is not None:
-        raise InvalidParameter(f"{path}: question_id {twice!r} appears twice")
+        raise InvalidParameter(f"{path}: question_id {twice} appears twice")
     return questions
 
 
