@@ -54,6 +54,16 @@ def finite(value: numbers.Real) -> bool:
         return False
 
 
+def is_count(value: Any) -> bool:
+    """Whether ``value`` is an int >= 0 (a bool is no count): what a file read back must hold for one."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def is_finite_number(value: Any) -> bool:
+    """Whether ``value`` is an int or a float (no bool) with a finite float value."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and finite(value)
+
+
 def check_real(name: str, value: Any, lo: float = -math.inf, hi: float = math.inf, *,
                lo_open: bool = False, hi_open: bool = False) -> float:
     """``float(value)`` if it is a finite real number in the interval (bools rejected), else InvalidParameter."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidParameter
-from ..options import check_int, finite
+from ..options import check_int, is_count, is_finite_number
 from .contestants import WARMUP_PROMPT, Contestant, RunResult
 from .questions import Question
 
@@ -169,12 +169,8 @@ RECORD_FIELDS = frozenset({
 })
 
 
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _seconds(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and finite(value) and value >= 0
+    return is_finite_number(value) and value >= 0
 
 
 def _optional(value: Any, check: Callable[[Any], bool]) -> bool:
@@ -186,13 +182,13 @@ def is_record(rec: Any) -> bool:
     writes it: a checkpoint edited by hand is refused, not summed into a traceback or a report)."""
     return (isinstance(rec, dict) and RECORD_FIELDS <= rec.keys()
             and all(isinstance(rec[k], str) for k in ("method", "kind", "family", "category", "group"))
-            and _count(rec["repeat"]) and isinstance(rec["question_id"], (int, str))
+            and is_count(rec["repeat"]) and isinstance(rec["question_id"], (int, str))
             and isinstance(rec["texts"], list) and all(isinstance(text, str) for text in rec["texts"])
             and isinstance(rec["tokens"], list)
-            and all(isinstance(ids, list) and all(_count(t) for t in ids) for ids in rec["tokens"])
-            and all(_count(rec[k]) for k in ("position", "turns", "prompt_tokens", "new_tokens"))
+            and all(isinstance(ids, list) and all(is_count(t) for t in ids) for ids in rec["tokens"])
+            and all(is_count(rec[k]) for k in ("position", "turns", "prompt_tokens", "new_tokens"))
             and all(_seconds(rec[k]) for k in ("prefill_s", "decode_s"))
-            and all(_optional(rec[k], _count) for k in ("forward_passes", "verifications"))
+            and all(_optional(rec[k], is_count) for k in ("forward_passes", "verifications"))
             and all(_optional(rec[k], _seconds) for k in ("decode_tps", "e2e_tps", "mean_accepted", "text_prefix_share"))
             and all(_optional(rec[k], lambda v: isinstance(v, bool))  # (lossless: None for a peer such as llama.cpp)
                     for k in ("lossless", "identical_to_reference", "text_match"))

@@ -19,19 +19,12 @@ from typing import Any
 
 from ..bench import checkpoint
 from ..errors import InvalidParameter
+from ..options import is_count, is_finite_number
 from .tasks import Task
 
 SCHEMA = "decodekit-eval-checkpoint/2"  # /2: each item's seconds, not the run's
 #: The fields every saved record has (runner.run_item), checked when a checkpoint is read.
 RECORD_KEYS = ("id", "output", "answer", "correct", "tokens_spent", "signal_tokens", "time_s", "signals")
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def well_typed(record: dict[str, Any]) -> bool:
@@ -40,10 +33,10 @@ def well_typed(record: dict[str, Any]) -> bool:
     candidates = record.get("candidates", [])
     return (isinstance(record["correct"], bool) and isinstance(record["output"], str)
             and (record["answer"] is None or isinstance(record["answer"], str))
-            and _count(record["tokens_spent"]) and _count(record["signal_tokens"])
-            and _number(record["time_s"]) and record["time_s"] >= 0
+            and is_count(record["tokens_spent"]) and is_count(record["signal_tokens"])
+            and is_finite_number(record["time_s"]) and record["time_s"] >= 0
             and isinstance(record["signals"], dict)
-            and all(isinstance(k, str) and (v is None or _number(v)) for k, v in record["signals"].items())
+            and all(isinstance(k, str) and (v is None or is_finite_number(v)) for k, v in record["signals"].items())
             and isinstance(candidates, list)
             and all(isinstance(c, dict) and isinstance(c.get("correct"), bool) and "answer" in c for c in candidates))
 
