@@ -11469,6 +11469,10 @@ MUTATIONS = (
              "    twice = first_repeated(str(q.question_id) for q in questions)",
              "    twice = first_repeated(q.question_id for q in questions)",
              ("tests/test_bench.py", "-k", "repeated_id")),
+    Mutation("stream-error-after-its-text-answers-400", "src/decodekit/serve/app.py",
+             "                break  # text came first: the stream starts, and says what follows in it",
+             "                continue",
+             ("tests/test_serve.py", "-k", "shutdown_before_its_first_text")),
 )
 
 

@@ -1936,7 +1936,7 @@ def test_a_stream_whose_client_goes_before_its_first_text_cancels_its_choices():
 def test_a_stream_stopped_by_a_shutdown_before_its_first_text_is_a_503():
     """A stream's choices cut short by a shutdown before any text: the request's status is the 503 a
     whole answer gets (it was a 200 stream holding the error); its first text, when one came first,
-    is handed on with the time it came."""
+    is handed on with the time it came, and so is an error that came after text in one delivery."""
     import asyncio
     from concurrent.futures import Future
     from types import SimpleNamespace
@@ -1962,7 +1962,10 @@ def test_a_stream_stopped_by_a_shutdown_before_its_first_text_is_a_503():
         deltas, future = Outbox(asyncio.get_running_loop(), 0.0).channel(), Future()
         if text is not None:
             deltas.post((0, text))
-        future.set_result(outcome)
+        if isinstance(outcome, Exception):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
         return await first_delivery(Client(), scheduler, ["a job"], [future], deltas, reply)
 
     cut = Outcome(Generation("", [], GenerationStats(), "cancelled"), None, 0.0)
@@ -1974,6 +1977,12 @@ def test_a_stream_stopped_by_a_shutdown_before_its_first_text_is_a_503():
     items, at = asyncio.run(first(done, "a"))
     assert items == [(0, "a"), (0, FINISHED)] and before <= at <= time.perf_counter()
     assert cancelled[0] == [["a job"]]  # nothing cancelled this time
+    # an error after some text, handed over with it: the stream starts and says it (as when it comes later)
+    items, _ = asyncio.run(first(InvalidParameter("structured decoding failed"), "x"))
+    assert items == [(0, "x"), (0, FINISHED)] and cancelled[0] == [["a job"]]
+    with pytest.raises(ApiError) as refused:  # the same error before any text: the request's 400
+        asyncio.run(first(InvalidParameter("structured decoding failed")))
+    assert refused.value.status == 400
 
 def test_without_max_tokens_a_chat_decodes_to_the_end_of_the_context():
     """OpenAI's default for a chat: as many tokens as the context holds after the prompt."""

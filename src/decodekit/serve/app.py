@@ -298,16 +298,18 @@ async def first_delivery(request: Request, scheduler: Scheduler, jobs: list[Job]
     """A stream's first delivery (a choice's text, or its end) and when it came, waited for before its
     response starts: an error found before any text (a method this model has no drafter for, say; a
     shutdown) is then the request's status, a 400 or a 503 as without ``stream``, not an event in a
-    stream that answered 200. A client that goes away meanwhile cancels every choice, as one that
-    goes away later."""
+    stream that answered 200; one after some text, in the same delivery or later, is an event in the
+    stream. A client that goes away meanwhile cancels every choice, as one that goes away later."""
     reply.watch(futures, deltas)
     take = asyncio.ensure_future(deltas.take())
     try:
         await until_done(request, [take])
         at = time.perf_counter()
         for index, text in take.result():
+            if text is not FINISHED:
+                break  # text came first: the stream starts, and says what follows in it
             ended = futures[index]
-            if text is not FINISHED or ended.cancelled():
+            if ended.cancelled():
                 continue
             if ended.exception() is not None:
                 raise decoding_error(ended.exception(), reply.body, reply.chat)
