@@ -64,6 +64,11 @@ def is_finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and finite(value)
 
 
+def is_measure(value: Any) -> bool:
+    """Whether ``value`` is a finite number >= 0 (no bool): a time, a rate or a share read back."""
+    return is_finite_number(value) and value >= 0
+
+
 def check_real(name: str, value: Any, lo: float = -math.inf, hi: float = math.inf, *,
                lo_open: bool = False, hi_open: bool = False) -> float:
     """``float(value)`` if it is a finite real number in the interval (bools rejected), else InvalidParameter."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidParameter
-from ..options import check_int, is_count, is_finite_number
+from ..options import check_int, is_count, is_measure
 from .contestants import WARMUP_PROMPT, Contestant, RunResult
 from .questions import Question
 
@@ -169,10 +169,6 @@ RECORD_FIELDS = frozenset({
 })
 
 
-def _seconds(value: Any) -> bool:
-    return is_finite_number(value) and value >= 0
-
-
 def _optional(value: Any, check: Callable[[Any], bool]) -> bool:
     return value is None or check(value)
 
@@ -187,9 +183,9 @@ def is_record(rec: Any) -> bool:
             and isinstance(rec["tokens"], list)
             and all(isinstance(ids, list) and all(is_count(t) for t in ids) for ids in rec["tokens"])
             and all(is_count(rec[k]) for k in ("position", "turns", "prompt_tokens", "new_tokens"))
-            and all(_seconds(rec[k]) for k in ("prefill_s", "decode_s"))
+            and all(is_measure(rec[k]) for k in ("prefill_s", "decode_s"))
             and all(_optional(rec[k], is_count) for k in ("forward_passes", "verifications"))
-            and all(_optional(rec[k], _seconds) for k in ("decode_tps", "e2e_tps", "mean_accepted", "text_prefix_share"))
+            and all(_optional(rec[k], is_measure) for k in ("decode_tps", "e2e_tps", "mean_accepted", "text_prefix_share"))
             and all(_optional(rec[k], lambda v: isinstance(v, bool))  # (lossless: None for a peer such as llama.cpp)
                     for k in ("lossless", "identical_to_reference", "text_match"))
             and all(_optional(rec[k], lambda v: isinstance(v, str)) for k in ("finish_reason", "error"))

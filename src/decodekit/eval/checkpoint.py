@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..bench import checkpoint
 from ..errors import InvalidParameter
-from ..options import is_count, is_finite_number
+from ..options import is_count, is_finite_number, is_measure
 from .tasks import Task
 
 SCHEMA = "decodekit-eval-checkpoint/2"  # /2: each item's seconds, not the run's
@@ -34,7 +33,7 @@ def well_typed(record: dict[str, Any]) -> bool:
     return (isinstance(record["correct"], bool) and isinstance(record["output"], str)
             and (record["answer"] is None or isinstance(record["answer"], str))
             and is_count(record["tokens_spent"]) and is_count(record["signal_tokens"])
-            and is_finite_number(record["time_s"]) and record["time_s"] >= 0
+            and is_measure(record["time_s"])
             and isinstance(record["signals"], dict)
             and all(isinstance(k, str) and (v is None or is_finite_number(v)) for k, v in record["signals"].items())
             and isinstance(candidates, list)
@@ -96,7 +95,7 @@ def load(out: Path, key: dict[str, Any], task: Task) -> Progress:
             raise InvalidParameter(f"--resume: {path}: record {name!r} has a field of the wrong type or out of range "
                                    "(edited by hand?); run without --resume")
         time_s = seconds[name]
-        if isinstance(time_s, bool) or not isinstance(time_s, (int, float)) or not 0 <= time_s < math.inf:
+        if not is_measure(time_s):
             raise InvalidParameter(f"--resume: {path}: item {name}'s seconds must be a number >= 0; run without --resume")
         progress.add(index, record, float(time_s))
     return progress
