@@ -310,6 +310,14 @@ static inline __attribute__((always_inline)) __m512 add_block(int kind, __m512 a
     return acc;
 }
 
+/* acc + w . (4 signed bytes at x, broadcast), as _mm512_dpbusd_epi32 with _mm512_set1_epi32, but
+ * with the broadcast folded into the instruction's memory operand ({1to16}), which GCC does not do
+ * by itself: a separate vpbroadcastd per product takes a vector pipe's slot. */
+static inline __attribute__((always_inline)) __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
+    return acc;
+}
+
 /* G groups of 16 output rows (G = 1 or 2; the second group `stride` bytes after the first)
  * against input rows m0 .. m0 + T - 1. Two groups share each broadcast input and each input's
  * scales: more multiply-adds per instruction for passes of several rows. `kind` is a constant
@@ -332,21 +340,22 @@ static inline __attribute__((always_inline)) void group_tile(int kind, const uin
             unpack_weights(kind, block, w[g]);
             load_scales(kind, block, &s0[g], &s1[g]);
         }
+#pragma GCC unroll 8
         for (int t = 0; t < T; t++) {
             size_t at = (size_t)(m0 + t) * nb + b;
             const int8_t *xq = in->q + (size_t)(m0 + t) * n_in + (size_t)b * QK;
-            /* integer sums: one per block, or one per half (Q6_K: a scale per 16 weights) */
             int halves = kind == KIND_Q6_K;
             __m512i first, second;
             corrections(kind, in, at, &first, &second);
-            __m512i isum[2][2] = {{first, second}, {first, second}};
-            for (int j = 0; j < 8; j++) {
-                int32_t four;
-                memcpy(&four, xq + 4 * j, 4);
-                __m512i x = _mm512_set1_epi32(four);
-                int h = halves && j >= 4;
-                for (int g = 0; g < G; g++) isum[g][h] = _mm512_dpbusd_epi32(isum[g][h], w[g][j], x);
-            }
+            /* two chains of four products, one per half of the block: Q6_K keeps them apart (a
+             * scale each); the others add them up (integer sums are exact in any order, and a
+             * single chain of eight would wait on the instruction's latency) */
+            __m512i isum[2][2];
+            for (int g = 0; g < G; g++) isum[g][0] = first, isum[g][1] = halves ? second : _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++)
+                for (int g = 0; g < G; g++) isum[g][j / 4] = dpbusd_broadcast(isum[g][j / 4], w[g][j], xq + 4 * j);
+            if (!halves)
+                for (int g = 0; g < G; g++) isum[g][0] = _mm512_add_epi32(isum[g][0], isum[g][1]);
             for (int g = 0; g < G; g++) acc[g][t] = add_block(kind, acc[g][t], isum[g][0], isum[g][1], s0[g], s1[g], in, at);
         }
     }
