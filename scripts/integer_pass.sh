@@ -6,6 +6,7 @@
 #   HOT=1 bash scripts/integer_pass.sh ...                     # weights from the caches instead of memory
 #
 #   LEVEL=avx2 bash scripts/integer_pass.sh ...               # the AVX2 build (any AVX2 CPU)
+#   PERF="perf record -o F" bash scripts/integer_pass.sh ...  # the harness run under a profiler
 #
 # lib 0 is REV's gemm_q8.c, lib 1 this checkout's, both compiled with the flags decodekit builds the
 # kernel with at that level (kernels.build.compiler_flags, read from this checkout); each row says
@@ -28,4 +29,4 @@ done
 cc "${flags[@]}" -I"$work" "$work/gemm_q8.c" -o "$work/before.so"
 cc "${flags[@]}" -I"$kernels" "$kernels/gemm_q8.c" -o "$work/after.so"
 cc -O2 -mf16c "-m${level/avx512/avx512f}" "$here/scripts/integer_pass.c" -o "$work/integer_pass" -ldl -Wl,--no-as-needed -lm  # the libraries take libm from the process, as in Python
-"$work/integer_pass" "$threads" "$passes" "$work/before.so" "$work/after.so"
+${PERF:-} "$work/integer_pass" "$threads" "$passes" "$work/before.so" "$work/after.so"

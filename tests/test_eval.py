@@ -177,9 +177,11 @@ def test_the_budget_curve_leaves_out_answers_a_method_stopped_midway():
     from decodekit.eval.runner import EvalConfig, evaluate
 
     model = LoadedModel(tiny_llama(seed=0), CharTokenizer(96), "tiny")
-    result = evaluate(model, fake_task(), EvalConfig(method="first-finish", n=4, max_new_tokens=6))
-    kept = sum(len(record.get("candidates", [])) for record in result["records"])
-    assert 0 < kept < 4 * len(result["records"])  # the finished ones, not every sample drawn
+    records = [record for seed in range(3)  # a random tiny model seldom ends early: a few runs
+               for record in evaluate(model, fake_task(), EvalConfig(method="first-finish", n=4, max_new_tokens=6,
+                                                                    seed=seed))["records"]]
+    kept = sum(len(record.get("candidates", [])) for record in records)
+    assert 0 < kept < 4 * len(records)  # the finished ones, not every sample drawn
 
 
 @pytest.mark.parametrize("method", ["greedy", "self-consistency"])
@@ -1160,12 +1162,88 @@ def test_a_structured_answer_is_judged_by_json_schema_2020_12():
 
 
 def test_an_items_seed_wraps_inside_the_seed_range():
+    from decodekit.eval.runner import ITEM_SEED_SPACING, EvalConfig, item_seed
+    from decodekit.samplers.params import SEED_LIMIT
+
+    first = item_seed(EvalConfig(seed=SEED_LIMIT - 1), 0)
+    last = item_seed(EvalConfig(seed=SEED_LIMIT - 1), 2**32 - 1)
+    assert 0 <= first < SEED_LIMIT and 0 <= last < SEED_LIMIT
+    assert last == (first + (2**32 - 1) * ITEM_SEED_SPACING) % SEED_LIMIT  # past 2**64 - 1, wrapped
+
+
+def test_runs_with_neighbouring_seeds_draw_unrelated_samples():
+    """An item's samples take its seed and the ones after it: were the run's seed used as it is,
+    --seed 1 would reuse --seed 0's samples shifted by one. Every item's seeds of one run stay
+    apart from every item's of a neighbouring run by more than any n."""
     from decodekit.eval.runner import EvalConfig, item_seed
     from decodekit.samplers.params import SEED_LIMIT
 
-    config = EvalConfig(seed=SEED_LIMIT - 1)
-    assert item_seed(config, 0) == SEED_LIMIT - 1
-    assert item_seed(config, 1) == 2**32 - 1  # seed + 2**32, past 2**64 - 1, wrapped
+    seeds = {run: [item_seed(EvalConfig(seed=run), i) for i in range(50)] for run in range(4)}
+    for a in range(4):
+        assert len(set(seeds[a])) == 50  # items apart within a run
+        for b in range(a + 1, 4):
+            gaps = [min((x - y) % SEED_LIMIT, (y - x) % SEED_LIMIT) for x in seeds[a] for y in seeds[b]]
+            assert min(gaps) > 2**16
+
+
+def test_a_capitals_name_spelled_with_unicode_punctuation_is_denied_and_extended_as_in_ascii():
+    """A name holding an apostrophe or a dash ("N’Djamena", "Port-au-Prince") is split into the
+    same words whichever script's punctuation the answer writes: a denial or a longer place's name
+    around it then counts as with ASCII."""
+    for gold, country, wrong, right in [
+        ("N'Djamena", "Chad", ["Not N’Djamena", "N’Djamena Falls", "not N'Djamena"], ["N’Djamena", "It is N’Djamena."]),
+        ("Port-au-Prince", "Haiti", ["not Port–au–Prince", "not Port-au-Prince"], ["Port–au–Prince"]),
+        ("Sanaa", "Yemen", ["not Sana’a"], ["Sana’a", "Sanaa"]),
+    ]:
+        item = Item("x", "", gold, country)
+        assert not any(capital_correct(text, item) for text in wrong), gold
+        assert all(capital_correct(text, item) for text in right), gold
+
+
+def test_a_capital_named_inside_its_country_is_answered_by_a_sentence_in_either_order():
+    """"Singapore is the capital of Singapore" names the city as "The capital of Singapore is
+    Singapore" does: the country is the mention after "of"; without one, every mention is."""
+    item = Item("SG", "", "Singapore", "Singapore")
+    assert capital_correct("Singapore is the capital of Singapore.", item)
+    assert capital_correct("The capital of Singapore is Singapore.", item)
+    assert not capital_correct("It is the capital of Singapore.", item)
+    assert not capital_correct("Singapore has no capital.", item)
+    assert not capital_correct("Singapore is not the capital of Singapore.", item)
+
+
+def test_a_capital_denied_after_its_name_or_by_neither_is_not_an_answer():
+    item = Item("FR", "", "Paris", "France")
+    for wrong in ["Neither Paris nor Lyon is the capital; it is Marseille.", "Paris is not the capital; Lyon is.",
+                  "Paris isn’t the capital.", "Paris isn't the capital.", "Paris was not the capital."]:
+        assert not capital_correct(wrong, item), wrong
+    for right in ["Paris is not only the capital but its largest city.", "Paris. It is not Lyon.", "Paris is the capital."]:
+        assert capital_correct(right, item), right
+
+
+def test_saint_and_st_name_the_same_capital():
+    """Geonames writes "St. John's" and "Saint Helier": either spelling of the first word counts."""
+    for gold, country, answers in [("St. John's", "Antigua and Barbuda", ["Saint John's", "St John's", "St. John's"]),
+                                   ("Saint Helier", "Jersey", ["St. Helier", "St Helier", "Saint Helier"]),
+                                   ("Saint-Denis", "Reunion", ["St-Denis", "Saint Denis"])]:
+        item = Item("x", "", gold, country)
+        assert all(capital_correct(a, item) for a in answers), gold
+    assert not capital_correct("Stockholm", Item("x", "", "St. John's", "Antigua and Barbuda"))
+
+
+def test_a_capital_lead_in_with_a_curly_apostrophe_is_found():
+    from decodekit.eval.tasks import capital_answer_start
+
+    assert capital_answer_start("France’s capital is Paris.") == capital_answer_start("France's capital is Paris.") == 20
+
+
+def test_a_structured_answer_must_be_strict_json():
+    """Python's json module reads NaN, Infinity and a key given twice: none of them is JSON."""
+    from decodekit.eval.tasks import schema_valid
+
+    item = Item("x", "", json.dumps({"type": "object"}))
+    for text in ['{"foo": NaN}', '{"foo": Infinity}', '{"foo": -Infinity}', "NaN", '{"foo": 1, "foo": 2}']:
+        assert not schema_valid(text, Item("x", "", json.dumps({})) if text == "NaN" else item), text
+    assert schema_valid('{"foo": 1, "bar": {"foo": 2}}', item)
 
 
 def test_the_budget_curve_judges_the_winner_among_the_first_m_samples_only():

@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=8, help="samples / beam width / branches (method-dependent; default 8)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N items")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's (gsm8k 256, capitals 16)")
-    parser.add_argument("--seed", type=int, default=0, help="item i uses seed + i * 2^32, and its samples the seeds after it")
+    parser.add_argument("--seed", type=int, default=0, help="item i uses hash(seed) + i * 2^32, and its samples the seeds after it")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (search methods default to 0.7)")
     parser.add_argument("--signals", default="", help="extra uncertainty signals, comma-separated: agreement (n samples), pc (paraphrases)")
     parser.add_argument("--paraphrases", type=int, default=4, help="k for PC@k: that many distinct rephrasings (default 4; the shipped tasks have 5)")

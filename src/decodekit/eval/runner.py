@@ -14,6 +14,7 @@ from ..errors import InvalidParameter
 from ..models import LoadedModel
 from ..options import check_int
 from ..samplers.params import SEED_LIMIT
+from ..samplers.sampler import splitmix64
 from ..search import SampleDecoder, majority_vote
 from ..search.uncertainty import CONFIDENCE_DIRECTION, paraphrase_consistency, sampled_agreement
 from .metrics import auroc, wilson_interval
@@ -30,8 +31,11 @@ AGREEMENT_SEEDS = 2**31
 
 
 def item_seed(config: "EvalConfig", index: int) -> int:
-    """The seed item ``index`` is decoded with, wherever it runs."""
-    return (config.seed + index * ITEM_SEED_SPACING) % SEED_LIMIT
+    """The seed item ``index`` is decoded with, wherever it runs: from a hash of the run's seed, so
+    that runs with neighbouring seeds (0, 1, 2, ... to measure the spread) draw unrelated samples;
+    with ``seed + index * spacing`` alone, ``--seed 1`` would reuse ``--seed 0``'s samples shifted
+    by one."""
+    return (splitmix64(config.seed) + index * ITEM_SEED_SPACING) % SEED_LIMIT
 
 
 @dataclass

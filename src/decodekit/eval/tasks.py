@@ -10,19 +10,19 @@ from __future__ import annotations
 import inspect
 import json
 import re
-import string
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 from ..arguments import existing_file
 from ..data import GSM8K_TEST, STRUCTURED_SCHEMAS, data_file, first_repeated, read_jsonl
 from ..errors import InvalidParameter, UnknownMethod
 from ..samplers.constraint import checked_grammar
-from ..search.answers import NUMBER, Extractor, answer_start, extract_number, normalize_text
+from ..search.answers import NUMBER, Extractor, answer_start, extract_number, is_punctuation, normalize_text
 from ..search.uncertainty import first_paraphrases, paraphrases as generic_paraphrases
 
 
@@ -108,9 +108,11 @@ CAPITAL_ALIASES = {
     "Nur-Sultan": ("Astana",), "Nay Pyi Taw": ("Naypyidaw", "Naypyitaw"), "Kyiv": ("Kiev",),
     "Sanaa": ("Sana'a",), "Washington": ("Washington D.C.",),
 }
+#: The first word of a name, and the same word spelled the other way ("St. John's", "Saint John's").
+SAINT = {"st": "saint", "saint": "st"}
 # "the capital of X is", or "X's capital is" (as one of the paraphrases words the question)
 _LEAD = re.compile(r"^(?:(?:the )?capital(?: city)? of [a-z ]+?|[a-z ]+? s capital(?: city)?) is (?:the city of )?")
-_RAW_LEAD = re.compile(r"^\W*(?:(?:the )?capital(?: city)? of [^\n]+?|[^\n]+?'s capital(?: city)?) is (?:the city of )?",
+_RAW_LEAD = re.compile(r"^\W*(?:(?:the )?capital(?: city)? of [^\n]+?|[^\n]+?['\u2019]s capital(?: city)?) is (?:the city of )?",
                        re.IGNORECASE)
 
 
@@ -130,7 +132,11 @@ def capital_answer(text: str) -> str | None:
 
 
 #: A word right before the capital's name that denies it ("not Paris", "isn't Paris": "t" once normalised).
-NEGATIONS = frozenset({"not", "no", "never", "nor", "t"})
+NEGATIONS = frozenset({"not", "no", "never", "neither", "nor", "t"})
+#: The two words right after the capital's name that deny it ("Paris is not the capital"), unless a
+#: third word makes it more ("is not only").
+DENIALS_AFTER = frozenset({("is", "not"), ("isn", "t"), ("was", "not"), ("wasn", "t"), ("is", "no")})
+NOT_A_DENIAL = frozenset({"only", "just", "merely"})
 #: Words right before or after a name that make it part of another place's name: "New Mexico City",
 #: "East Jerusalem", "Victoria Falls", "Washington State".
 PLACE_PREFIXES = frozenset({"new", "old", "east", "west", "north", "south", "upper", "lower", "greater", "port",
@@ -140,9 +146,21 @@ PLACE_SUFFIXES = frozenset({"falls", "bay", "beach", "springs", "heights", "hill
 #: Words that join a name to a longer one ("Santiago de Cuba", "Kingston upon Hull"), unless the
 #: country's name follows ("Santiago de Chile" is Chile's capital).
 PLACE_JOINS = frozenset({"de", "del", "da", "do", "dos", "das", "du", "upon", "sur", "am"})
-# a word: a run of characters that are neither whitespace nor ASCII punctuation (a curly apostrophe
-# stays inside it, "isn’t"; normalize_text reads every script's punctuation as a space)
-_WORD = re.compile(rf"[^\s{re.escape(string.punctuation)}]+")
+
+
+def _words(text: str) -> list[tuple[int, int]]:
+    """Where the words of ``text`` are: runs of characters that are neither whitespace nor
+    punctuation of any script, as :func:`normalize_text` splits a name ("N’Djamena" is "n djamena",
+    "isn’t" ends in the word "t")."""
+    spans, start = [], None
+    for i, c in enumerate(text + " "):
+        inside = not (c.isspace() or is_punctuation(c))
+        if inside and start is None:
+            start = i
+        elif not inside and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
 
 
 def _blank_other_places(text: str, names: list[str], country: str) -> str:
@@ -150,12 +168,12 @@ def _blank_other_places(text: str, names: list[str], country: str) -> str:
     blanked: one denied by the word just before it, or part of a longer place's name. Only words
     separated by spaces count as adjacent: "No, Paris." still names Paris."""
     text = "".join(c for c in unicodedata.normalize("NFKD", text) if not unicodedata.combining(c))
-    found = list(_WORD.finditer(text))
-    words = [m.group().lower() for m in found]
+    found = _words(text)
+    words = [text[start:end].lower() for start, end in found]
     after_country = country.split()
 
-    def joined(i: int) -> bool:  # only spaces between word i - 1 and word i (no punctuation, no line break)
-        return 0 < i < len(found) and not text[found[i - 1].end():found[i].start()].strip(" \t")
+    def joined(i: int, between: str = " \t") -> bool:  # only spaces between word i - 1 and word i (no line break)
+        return 0 < i < len(found) and not text[found[i - 1][1]:found[i][0]].strip(between)
 
     blanks = []
     for name in names:
@@ -164,13 +182,15 @@ def _blank_other_places(text: str, names: list[str], country: str) -> str:
             if words[i:i + size] != name.split():
                 continue
             j = i + size  # the word after the mention
-            denied = joined(i) and (words[i - 1] in NEGATIONS or words[i - 1].endswith("n\u2019t"))
+            denied = ((joined(i) and words[i - 1] in NEGATIONS)
+                      or (joined(j) and joined(j + 1, " \t'\u2019") and tuple(words[j:j + 2]) in DENIALS_AFTER
+                          and not (joined(j + 2) and words[j + 2] in NOT_A_DENIAL)))
             longer = ((joined(i) and words[i - 1] in PLACE_PREFIXES)
                       or (joined(j) and words[j] in PLACE_SUFFIXES)
                       or (joined(j) and words[j] in PLACE_JOINS
                           and (not after_country or words[j + 1:j + 1 + len(after_country)] != after_country)))
             if denied or longer:
-                blanks.append((found[i].start(), found[j - 1].end()))
+                blanks.append((found[i][0], found[j - 1][1]))
     for start, end in sorted(blanks, reverse=True):
         text = text[:start] + "|" * (end - start) + text[end:]
     return text
@@ -179,10 +199,13 @@ def _blank_other_places(text: str, names: list[str], country: str) -> str:
 def capital_correct(text: str, item: Item) -> bool:
     """Whether the answer names the capital. Where the capital's name is inside the country's
     (Singapore, Luxembourg, Guinea-Bissau), an answer that only repeats the country's name does not
-    count ("Singapore has no capital"): the name must stand outside it, or be the whole answer. A
+    count ("Singapore has no capital"): the name must stand outside it, or be the whole answer. The
+    country is the mention after "of" where there is one ("Singapore is the capital of Singapore"
+    names it), else every mention. A
     mention that denies the capital ("not Paris") or names a longer place that holds its name
     ("Santiago de Cuba" for Santiago) does not count either (:func:`_blank_other_places`)."""
     names = [normalize_text(n) for n in (item.gold, *CAPITAL_ALIASES.get(item.gold, ()))]
+    names += [" ".join([SAINT[n.split()[0]], *n.split()[1:]]) for n in names if n.split()[0] in SAINT]
     answer = capital_answer(_blank_other_places(text, names, normalize_text(item.subject or "")))
     if answer is None:
         return False
@@ -191,7 +214,8 @@ def capital_correct(text: str, item: Item) -> bool:
         return True
     country = normalize_text(item.subject or "")
     if country and any(f" {n} " in f" {country} " for n in names):
-        shown = shown.replace(f" {country} ", " | ")
+        of_country = f" of {country} "
+        shown = shown.replace(of_country, " of | ") if of_country in shown else shown.replace(f" {country} ", " | ")
     return any(f" {n} " in shown for n in names)
 
 
@@ -216,12 +240,23 @@ def capitals_task() -> Task:
 COMPACT_JSON = {"whitespace_flexible": False}
 
 
+def _refuse(constant: str) -> None:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) < len(keys):
+        raise ValueError("a key twice in one object")
+    return dict(pairs)
+
+
 def schema_valid(text: str, item: Item) -> bool:
     """Whether ``text`` is JSON valid against the item's schema (``item.gold``), by ``jsonschema``."""
     import jsonschema
 
-    try:
-        value = json.loads(text)
+    try:  # strict JSON: no NaN or Infinity, no key twice in an object
+        value = json.loads(text, parse_constant=_refuse, object_pairs_hook=_unique_keys)
     except ValueError:
         return False
     return jsonschema.Draft202012Validator(json.loads(item.gold)).is_valid(value)
