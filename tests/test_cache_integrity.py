@@ -318,6 +318,23 @@ def test_a_missing_cache_file_is_reported_and_rebuilt_cleanly(tiny_gguf, cache, 
     assert not reports(capsys.readouterr().err)  # fixed for good
 
 
+@pytest.mark.parametrize("how", ["bfloat16", "blocks off"])
+def test_a_damaged_blocks_file_does_not_stop_a_load_that_does_not_read_it(tiny_gguf, cache, capsys, monkeypatch, how):
+    """bfloat16 and DECODEKIT_GGUF_BLOCKS=0 read the float weights alone: the saved blocks beside
+    them (the same tensor names, another form) are neither opened nor taken for weights."""
+    def load() -> torch.Tensor:
+        model = load_model(str(tiny_gguf), dtype="bfloat16") if how == "bfloat16" else load_model(str(tiny_gguf))
+        return model.backend.prefill(model.tokenizer.encode("the cat sat on the mat"))
+
+    answer(tiny_gguf)  # the float32 load saves the blocks
+    if how == "blocks off":
+        monkeypatch.setenv("DECODEKIT_GGUF_BLOCKS", "0")
+    before = load()
+    truncate(model_folder(cache) / BLOCKS_FILE)
+    capsys.readouterr()
+    assert torch.equal(load(), before)
+
+
 def test_orphan_temporaries_of_crashed_builders_are_removed(tiny_gguf, cache, capsys):
     answer(tiny_gguf)
     folder = model_folder(cache)
@@ -1586,6 +1603,36 @@ def test_pruning_leaves_an_entry_whose_lock_another_holds(tmp_path):
         assert made["folder"] not in [item.path for item in pruned.removed] and pruned.left == 1
     assert made["folder"].exists()
     assert made["folder"] in [item.path for item in remove_unused(0, tmp_path).removed]
+
+
+def test_a_reader_waiting_on_a_builders_lock_says_so_once(tmp_path, capsys):
+    """Another process building an entry holds its lock: a reader waits for it, and says in one line
+    that it does (silence looks like a hang); with the lock free it says nothing."""
+    import fcntl
+    import threading
+
+    from decodekit.models.cache import reading
+
+    made = make_entries(tmp_path)
+    with reading(made["folder"]):
+        pass
+    assert capsys.readouterr().err == ""
+    entered = threading.Event()
+    with open(made["folder"].with_name(f".{made['folder'].name}.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+
+        def read() -> None:
+            with reading(made["folder"]):
+                entered.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert not entered.wait(0.5)  # it waits for the builder
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        reader.join(10)
+    assert entered.is_set()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("decodekit: waiting for another process") and str(made["folder"]) in line
 
 
 def test_a_pruned_model_folder_is_built_again_and_answers_the_same(tiny_gguf, cache):

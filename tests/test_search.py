@@ -1472,3 +1472,23 @@ def test_step_beam_of_one_row_at_a_time_runs_under_a_cache_of_one_sequence():
         check_model_cache("step-beam", two, build_decoder("step-beam", **two), "int8")
     with pytest.raises(ApiError, match="needs 2 at once"):
         check_method(parse_request({"prompt": "hi", "method": "step-beam", "method_options": two}, chat=False), model)
+
+
+def test_self_certainty_does_not_depend_on_torchs_thread_count():
+    """A Ray worker runs torch on one thread, a local run on several: torch splits a long row's sum
+    between its threads, so each signal must be summed in one order to be the same bits in both."""
+    before = torch.get_num_threads()
+    logits = torch.randn(50, 49152, generator=torch.Generator().manual_seed(0)) * 5
+    certainty = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            recorder = StepRecorder(topk=3)
+            for row in logits:  # one row a step, as a decode step of one sequence
+                recorder.add(row.view(1, -1), [0])
+            certainty[threads] = torch.cat(recorder.certainty)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(certainty[1], certainty[2])
+    expected = -math.log(49152) - torch.log_softmax(logits.double(), dim=-1).mean(dim=-1)
+    assert torch.allclose(certainty[1].double(), expected, rtol=1e-6, atol=1e-6)

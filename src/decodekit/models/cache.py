@@ -149,6 +149,17 @@ def report(path: Path, problem: str) -> None:
     print(f"decodekit: cache {path} failed its check ({problem}); rebuilding it", file=sys.stderr)
 
 
+def wait_for_lock(handle: Any, mode: int, path: Path) -> None:
+    """Take the lock of entry ``path`` (``fcntl.LOCK_EX`` or ``LOCK_SH``), saying in one line when
+    another process holds it (building the entry, most likely) and this one waits: a wait with no
+    word looks like a hang."""
+    try:
+        fcntl.flock(handle, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"decodekit: waiting for another process to release the cache entry {path}", file=sys.stderr)
+        fcntl.flock(handle, mode)
+
+
 # Entries ----------------------------------------------------------------------------------------
 
 
@@ -191,7 +202,7 @@ class Entry:
         """Hold this entry's lock (released on exit, or by the system if the process dies)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.lock, "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
+            wait_for_lock(handle, fcntl.LOCK_EX, self.path)
             yield
 
     @contextmanager
@@ -479,7 +490,7 @@ def reading(path: Path) -> Iterator[None]:
     caller checks it again, which builds it again)."""
     with Entry(path, folder=path.is_dir())._lock_file() as handle:
         if handle is not None:
-            fcntl.flock(handle, fcntl.LOCK_SH)
+            wait_for_lock(handle, fcntl.LOCK_SH, path)
         if not path.exists():
             raise EntryRemoved(f"{path}: removed from the cache while it was being opened")
         yield

@@ -182,8 +182,10 @@ def read_block_matrices(gguf: Path, num_layers: int) -> Blocks:
 
 
 #: the saved blocks' file name in a model's cache folder; it names the types read, so that a version
-#: reading more of them does not take a file saved by one reading fewer
-BLOCKS_FILE = f"gguf_blocks-{'-'.join(BLOCK_BYTES).replace('_', '')}.safetensors"
+#: reading more of them does not take a file saved by one reading fewer. Every such file starts with
+#: BLOCKS_PREFIX: it holds the weights' names in another form, and is never read as float weights.
+BLOCKS_PREFIX = "gguf_blocks-"
+BLOCKS_FILE = f"{BLOCKS_PREFIX}{'-'.join(BLOCK_BYTES).replace('_', '')}.safetensors"
 
 
 def cached_block_matrices(gguf: Path, folder: Path, num_layers: int) -> "Blocks | SavedBlocks":

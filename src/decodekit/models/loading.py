@@ -33,6 +33,7 @@ from ..errors import CacheError, InvalidModel, InvalidParameter, ModelNotFound, 
 from ..machine import available_memory
 from .backend import Backend
 from .cache import cache_root, cached_folder, file_digest, report, save_tensors
+from .gguf_blocks import BLOCKS_PREFIX
 from .hf import check_loading_report, quietly_loaded, refuse_layers_past, stored_layers
 
 if TYPE_CHECKING:
@@ -423,6 +424,13 @@ def dequantise(gguf: Path, folder: Path) -> None:
 
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """A model folder's float weights: its safetensors files but the saved GGUF blocks (which a
+    float32 load with blocks checks and reads on its own, :mod:`.gguf_blocks`): a damaged blocks
+    file must not stop a load that never reads it, and their tensors share the weights' names."""
+    return sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith(BLOCKS_PREFIX))
+
+
 class LazyState(Mapping):
     """A folder's safetensors weights by name, each read from disk when it is asked for (and not
     kept here): a backend that keeps only some of them in float32 (the ``fast`` numerics keeps the
@@ -432,7 +440,7 @@ class LazyState(Mapping):
     def __init__(self, folder: Path):
         from safetensors import safe_open
 
-        files = sorted(folder.glob("*.safetensors"))
+        files = weight_files(folder)
         if not files:
             raise ModelNotFound(f"{folder}: no .safetensors weights")
         self._where: dict[str, Path] = {}
@@ -555,7 +563,7 @@ def build_backend(
 def _with_files(backend: Backend, folder: Path, gguf: Path | None) -> Backend:
     """Record where the weights came from: the GGUF file where there is one (a dequantised folder is
     a copy of it), else the folder's safetensors."""
-    backend.weights_files = (gguf,) if gguf is not None else tuple(sorted(folder.glob("*.safetensors")))
+    backend.weights_files = (gguf,) if gguf is not None else tuple(weight_files(folder))
     return backend
 
 

@@ -138,6 +138,13 @@ class RowSamplers:
         return [self.sampler(s).sample_at(probs[j], positions[j]) for j, s in enumerate(slots)]
 
 
+def row_means(x: torch.Tensor) -> torch.Tensor:
+    """Each row's mean (float32), summed in one order whatever torch's thread count: torch splits a
+    long row's sum between its threads, so a Ray worker pinned to one thread would get other last
+    bits than a local run (numpy sums a row pairwise, alone)."""
+    return torch.from_numpy(x.detach().double().numpy().mean(axis=-1)).float()
+
+
 class StepRecorder:
     """Per-step statistics of the raw distributions, kept as tensors until the end."""
 
@@ -153,7 +160,7 @@ class StepRecorder:
         top = logp.topk(max(2, self.topk), dim=-1).values
         self.chosen.append(logp.gather(1, torch.tensor(list(chosen)).view(-1, 1))[:, 0])
         # (>= 0 as a KL divergence is: on a near-uniform row rounding gives -1e-7, which scorers refuse)
-        self.certainty.append((-math.log(logp.shape[-1]) - logp.mean(dim=-1)).clamp(min=0.0))
+        self.certainty.append((-math.log(logp.shape[-1]) - row_means(logp)).clamp(min=0.0))
         self.margin.append(top[:, 0].exp() - top[:, 1].exp())
         self.top.append(top[:, : self.topk])
 
