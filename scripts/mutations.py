@@ -11561,6 +11561,14 @@ MUTATIONS = (
              "- row_means(logp)).clamp(min=0.0)",
              "- logp.mean(dim=-1)).clamp(min=0.0)",
              ("tests/test_search.py", "-k", "thread_count")),
+    Mutation("drafter-digest-views-a-scalar-as-it-is", "src/decodekit/speculative/trained/store.py",
+             "h.update(t.reshape(-1).view(torch.uint8)",
+             "h.update(t.view(torch.uint8)",
+             ("tests/test_trained_drafters.py", "-k", "scalar_tensor or damaged_and_wrong")),
+    Mutation("eagle-odd-head-size-accepted", "src/decodekit/speculative/trained/networks.py",
+             "if self.head_dim % 2:",
+             "if False:",
+             ("tests/test_trained_drafters.py", "-k", "scalar_tensor or damaged_and_wrong")),
 )
 
 

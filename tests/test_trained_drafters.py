@@ -690,6 +690,8 @@ def test_damaged_and_wrong_drafter_files_are_one_line(drafter_files, tmp_path):
     config = json.loads(meta["config"])
     for change, problem in (({"heads": 0}, "heads must be a positive integer"),
                             ({"rope_theta": float("nan")}, "rope_theta must be a positive number"),
+                            # an odd head size (the rotary embedding turns pairs of values)
+                            ({"heads": config["heads"] * config["head_dim"], "head_dim": 1}, "head_dim must be even"),
                             ({"eps": -1}, "eps must be a positive number"),
                             ({"intermediate": 7}, "size mismatch for"),  # the weights' shapes say otherwise
                             # sizes a damaged config could ask for: refused before anything is allocated
@@ -2040,6 +2042,22 @@ def test_a_saved_drafter_holds_float16_weights_and_integer_token_ids(drafter_fil
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     assert tensors["head.vocab"].dtype in (torch.int32, torch.int64)
     assert {t.dtype for name, t in tensors.items() if name != "head.vocab"} == {torch.float16}
+
+
+def test_a_drafter_holding_a_scalar_tensor_is_one_line(drafter_files, tmp_path):
+    """A tensor of no dimensions (a crafted file's) is hashed as its one value: the file is refused
+    for what it holds, not with an error from the digest."""
+    from safetensors import safe_open
+
+    with safe_open(str(drafter_files["eagle", "exact"]), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    assert store.drafter_digest({"x": torch.tensor(1.0)}, {}) != store.drafter_digest({"x": torch.tensor(2.0)}, {})
+    path = tmp_path / "scalar.safetensors"
+    for crafted, problem in (({**tensors, "extra": torch.tensor(1.0, dtype=torch.float16)}, "Unexpected key"),
+                             ({**tensors, "head.vocab": torch.tensor(5)}, "head.vocab is not a list")):
+        _crafted(drafter_files["eagle", "exact"], path, crafted, redigest=True)
+        with pytest.raises(InvalidModel, match=problem):
+            store.load(tiny().backend, "eagle", path)
 
 
 def test_a_tensor_reshaped_under_its_saved_digest_is_damaged(drafter_files, tmp_path):

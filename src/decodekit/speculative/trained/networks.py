@@ -33,6 +33,8 @@ class EagleConfig:
 
     def __post_init__(self) -> None:
         check_sizes(self, "hidden", "heads", "head_dim", "intermediate")
+        if self.head_dim % 2:  # the rotary embedding turns pairs of a head's values
+            raise ValueError(f"head_dim must be even, got {self.head_dim}")
         for name in ("rope_theta", "eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:

@@ -109,7 +109,7 @@ def drafter_digest(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> st
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # (a scalar too)
     return h.hexdigest()
 
 
