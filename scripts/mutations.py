@@ -11569,6 +11569,14 @@ MUTATIONS = (
              "if self.head_dim % 2:",
              "if False:",
              ("tests/test_trained_drafters.py", "-k", "scalar_tensor or damaged_and_wrong")),
+    Mutation("unknown-pre-tokenizer-unsaid", "src/decodekit/models/loading.py",
+             "    if name not in GGUF_PRE_TOKENIZER_SPLITS:\n        print(",
+             "    if False:\n        print(",
+             ("tests/test_cache_integrity.py", "-k", "pre_tokenizer_no_reader")),
+    Mutation("readers-pre-tokenizers-called-unknown", "src/decodekit/models/loading.py",
+             "    if name not in GGUF_PRE_TOKENIZER_SPLITS:\n",
+             "    if name not in {}:\n",
+             ("tests/test_cache_integrity.py", "-k", "pre_tokenizer_no_reader")),
 )
 
 

@@ -37,11 +37,11 @@ REPORT = "failed its check"
 # A tiny GGUF model ------------------------------------------------------------------------------
 
 
-def write_tiny_gguf(path: Path, alignment: int | None = None, fields: dict | None = None) -> None:
+def write_tiny_gguf(path: Path, alignment: int | None = None, fields: dict | None = None, pre: str = "gpt2") -> None:
     """The tiny Llama of :mod:`decodekit.models.tiny` as a GGUF file as llama.cpp writes one: Q8_0
     projections (q/k rows in llama.cpp's order), float32 norms, a byte-level BPE vocabulary.
     ``alignment``: the tensors' (general.alignment; 32, unsaid, by default); ``fields``: more
-    metadata, ``{key: (value, GGUFValueType)}``."""
+    metadata, ``{key: (value, GGUFValueType)}``; ``pre``: its tokenizer.ggml.pre."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -62,7 +62,7 @@ def write_tiny_gguf(path: Path, alignment: int | None = None, fields: dict | Non
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(list(bytes_to_unicode().values()) + ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "Ġt"])
     writer.add_token_types([1] * 256 + [3, 3, 3, 1])
     writer.add_token_merges(["Ġ t"])
@@ -333,6 +333,21 @@ def test_a_damaged_blocks_file_does_not_stop_a_load_that_does_not_read_it(tiny_g
     truncate(model_folder(cache) / BLOCKS_FILE)
     capsys.readouterr()
     assert torch.equal(load(), before)
+
+
+def test_a_pre_tokenizer_no_reader_knows_is_said_in_one_line(tmp_path, cache, capsys):
+    """A byte-level GGUF vocabulary whose pre-tokenizer transformers' reader does not map is split
+    with GPT-2's rule: the load says so (once, as it converts the file), and goes on; a known one
+    (GPT-2's own, or one the reader maps such as Qwen2's) says nothing."""
+    for pre, said in (("made-up-bpe", True), ("gpt2", False), ("qwen2", False)):
+        path = tmp_path / f"{pre}.gguf"
+        write_tiny_gguf(path, pre=pre)
+        capsys.readouterr()
+        load_model(str(path))
+        lines = [line for line in capsys.readouterr().err.splitlines() if "pre-tokenizer" in line]
+        assert len(lines) == int(said), pre
+        if said:
+            assert repr(pre) in lines[0] and str(path) in lines[0]
 
 
 def test_orphan_temporaries_of_crashed_builders_are_removed(tiny_gguf, cache, capsys):

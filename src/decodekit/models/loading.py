@@ -304,12 +304,39 @@ def _check_gguf_layout(gguf: Path, buffer: "mmap.mmap") -> None:
     if tensors and size > start + end:
         raise bad(f"{size - data_end} bytes after the last tensor's data, which the header says ends at byte {data_end}")
     check_gguf_hyperparameters(fields, {name: dims for name, dims, *_ in tensors}, bad)
+    warn_of_unknown_pre_tokenizer(fields, gguf)
     architecture = fields.get(b"general.architecture")
     layers = fields.get(architecture + b".block_count") if isinstance(architecture, bytes) else None
     if type(layers) is int:
         found = {name.split(".")[1] for name, *_ in tensors if name.startswith("blk.")}
         if found != {str(i) for i in range(min(layers, len(tensors) + 1))}:
             raise bad(f"its block_count is {layers}, its tensors are those of {len(found)} layers")
+
+
+#: The pre-tokenizers (``tokenizer.ggml.pre``) of byte-level vocabularies whose text GPT-2's rule
+#: splits as llama.cpp does (the embedded SmolLM2's, "smollm": its vocabulary holds single digits only,
+#: so llama.cpp's extra split of digits changes nothing), besides those transformers' GGUF reader maps.
+GPT2_RULE_PRE_TOKENIZERS = frozenset({"default", "gpt-2", "gpt2", "smollm"})
+
+
+def warn_of_unknown_pre_tokenizer(fields: dict, gguf: Path) -> None:
+    """Say in one line when a byte-level GGUF vocabulary names a pre-tokenizer transformers' reader
+    does not know: it then splits the text with GPT-2's rule, and may tokenise a prompt otherwise
+    than the model was trained to read (llama.cpp refuses such a file). Not refused: the file may
+    well split as GPT-2 does."""
+    pre, model = fields.get(b"tokenizer.ggml.pre"), fields.get(b"tokenizer.ggml.model")
+    if model != b"gpt2" or not isinstance(pre, bytes):
+        return
+    name = pre.decode("utf-8", "replace")
+    if name in GPT2_RULE_PRE_TOKENIZERS:
+        return
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+    except ImportError:  # another version of transformers: none known beyond GPT-2's
+        GGUF_PRE_TOKENIZER_SPLITS = {}
+    if name not in GGUF_PRE_TOKENIZER_SPLITS:
+        print(f"decodekit: {gguf}: its pre-tokenizer {name!r} is not one decodekit knows; its text is split "
+              "with GPT-2's rule, which may tokenise it otherwise than the model expects", file=sys.stderr)
 
 
 def check_gguf_hyperparameters(fields: dict, shapes: dict[str, tuple[int, ...]], bad) -> None:
