@@ -3695,9 +3695,9 @@ MUTATIONS = (
              "if False:\n        raise",
              ("tests/test_trained_drafters.py", "-k", "damaged_and_wrong")),
     Mutation("float-vocab-accepted", "src/decodekit/speculative/trained/store.py",
-             "if not floating and t.is_floating_point():\n            raise",
+             "if not floating and t.dtype not in (torch.int32, torch.int64):  # (a bool or a byte is no token id)\n            raise",
              "if False:\n            raise",
-             ("tests/test_trained_drafters.py", "-k", "are_floats")),
+             ("tests/test_trained_drafters.py", "-k", "not_integers")),
     Mutation("token-id-0-refused", "src/decodekit/speculative/trained/store.py",
              "int(vocab.min()) < 0",
              "int(vocab.min()) <= 0",
@@ -11577,6 +11577,14 @@ MUTATIONS = (
              "    if name not in GGUF_PRE_TOKENIZER_SPLITS:\n",
              "    if name not in {}:\n",
              ("tests/test_cache_integrity.py", "-k", "pre_tokenizer_no_reader")),
+    Mutation("unroll-unbounded", "src/decodekit/speculative/trained/train.py",
+             "if self.unroll > MAX_ROWS - 1:",
+             "if self.unroll > 10**9:",
+             ("tests/test_trained_drafters.py", "-k", "out_of_range")),
+    Mutation("byte-token-ids-taken", "src/decodekit/speculative/trained/store.py",
+             "t.dtype not in (torch.int32, torch.int64):",
+             "t.is_floating_point():",
+             ("tests/test_trained_drafters.py", "-k", "not_integers")),
 )
 
 

@@ -265,6 +265,7 @@ def test_medusa_never_scores_a_token_outside_the_draft_vocabulary():
     ({"kind": "lookahead"}, "--kind must be one of eagle, medusa, hydra, got 'lookahead'"),
     ({"kind": "medusa", "unroll": 2}, "--unroll applies to --kind eagle"),
     ({"kind": "hydra", "unroll": 2}, "--unroll applies to --kind eagle"),
+    ({"unroll": 64}, "--unroll must be at most 63, got 64"),  # (300 was killed for memory)
 ])
 def test_training_settings_out_of_range_are_one_line(change, message):
     with pytest.raises(InvalidParameter, match=re.escape(message)):
@@ -2100,14 +2101,16 @@ def test_a_file_whose_metadata_names_no_target_is_not_a_drafter(drafter_files, t
         store.load(tiny().backend, "medusa", path)
 
 
-def test_a_head_whose_token_ids_are_floats_is_refused(drafter_files, tmp_path):
-    """head.vocab holds token ids: stored as floats (even whole ones) it is no drafter of ours."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.uint8, torch.int8])
+def test_a_head_whose_token_ids_are_not_integers_is_refused(drafter_files, tmp_path, dtype):
+    """head.vocab holds token ids: stored as floats (even whole ones), as truth values or as bytes
+    ([False, True] would read as ids 0 and 1) it is no drafter of ours."""
     from safetensors import safe_open
 
-    path = tmp_path / "float-vocab.safetensors"
+    path = tmp_path / "odd-vocab.safetensors"
     with safe_open(str(drafter_files["eagle", "exact"]), framework="pt") as handle:
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    crafted = {**tensors, "head.vocab": tensors["head.vocab"].float()}
+    crafted = {**tensors, "head.vocab": tensors["head.vocab"][:2].to(dtype)}
     _crafted(drafter_files["eagle", "exact"], path, crafted, redigest=True)
     with pytest.raises(InvalidModel, match="head.vocab is not a list of token ids"):
         store.load(tiny().backend, "eagle", path)

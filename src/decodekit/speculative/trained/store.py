@@ -158,7 +158,7 @@ def build(path: Path, kind: str, backend: Backend) -> Net:
         if floating and (t.dtype not in WEIGHT_DTYPES or not bool(torch.isfinite(t).all())):
             raise InvalidModel(f"{path}: does not hold a valid {kind} drafter ({name} must hold finite float16, "
                                f"bfloat16 or float32 values)")
-        if not floating and t.is_floating_point():
+        if not floating and t.dtype not in (torch.int32, torch.int64):  # (a bool or a byte is no token id)
             raise InvalidModel(f"{path}: does not hold a valid {kind} drafter (its head.vocab is not a list of token ids)")
     net_class, config_class = NETWORKS[kind]
     try:

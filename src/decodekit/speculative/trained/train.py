@@ -74,6 +74,9 @@ class Settings:
             raise InvalidParameter("--minutes must be positive")
         if math.isinf(self.minutes) and self.steps is None:
             raise InvalidParameter("--minutes inf needs --steps: training would never end")
+        if self.unroll > MAX_ROWS - 1:  # each unrolled step keeps its logits for the backward pass
+            raise InvalidParameter(f"--unroll must be at most {MAX_ROWS - 1}, got {self.unroll}: no draft is deeper, "
+                                   f"as no verification pass holds more than {MAX_ROWS} tokens")
         if self.kind != "eagle" and self.unroll != 1:
             raise InvalidParameter(f"--unroll applies to --kind eagle ({self.kind}'s heads read no features of their own)")
 
