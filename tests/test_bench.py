@@ -1260,6 +1260,32 @@ def test_compare_leaves_out_a_method_only_the_second_run_has():
     assert any(line.startswith("spec ") for line in text.splitlines())
 
 
+def test_compare_says_when_the_runs_asked_other_questions_or_measured_other_methods():
+    """Another --limit, --categories, --all-turns or --opt makes other questions or other outputs
+    (an "overall" row over other questions, outputs that differ for that alone): said in a note, as
+    is a method or category only one run has. The default model named or left out is the same."""
+    base = hand_results()
+    for key, value in (("limit", 2), ("categories", ["qa"]), ("all_turns", True), ("options", {"pld.k": 2})):
+        other = hand_results(config={**base["config"], key: value})
+        (note,) = [line for line in compare(base, other).splitlines() if line.startswith("note: different settings")]
+        assert note.startswith(f"note: different settings ({key} ")
+    from decodekit.arguments import DEFAULT_MODEL
+
+    named = hand_results(config={**base["config"], "model": DEFAULT_MODEL})
+    assert "note:" not in compare(base, named)
+    b = hand_results()
+    b["summary"]["methods"]["new"] = b["summary"]["methods"].pop("spec")
+    text = compare(base, b).splitlines()
+    assert "note: methods only in A: spec" in text and "note: methods only in B: new" in text
+
+
+def test_a_resumed_runs_note_counts_questions_once_per_repeat():
+    from decodekit.bench.execution import resumed_note
+
+    assert resumed_note(2, 1).startswith("resumed: 2 question(s) taken")
+    assert resumed_note(4, 2).startswith("resumed: 4 run(s) of a question (each question once per repeat) taken")
+
+
 def test_a_change_from_zero_tokens_per_second_has_no_relative_size():
     """A relative change is undefined from zero: shown as "-" rather than dividing by it."""
     from decodekit.bench.report import change

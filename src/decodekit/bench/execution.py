@@ -81,6 +81,12 @@ def load_checkpoint(plan: Plan) -> tuple[list[dict[str, Any]], list[str]]:
     return records, [str(n) for n in notes]
 
 
+def resumed_note(runs: int, repeats: int) -> str:
+    """What a resumed run took over: ``runs`` runs of a question, one per question and repeat."""
+    what = f"{runs} question(s)" if repeats == 1 else f"{runs} run(s) of a question (each question once per repeat)"
+    return f"resumed: {what} taken from an earlier run of the same code and settings"
+
+
 def save_checkpoint(plan: Plan, records: list[dict[str, Any]], notes: list[str]) -> None:
     """Save the records so far, so an interrupted run loses at most one question. The resumed
     checkpoint's records of questions this run does not ask (a smaller --limit or other
@@ -160,7 +166,7 @@ def finish(plan: Plan, run_, notes: list[str], machine: dict[str, Any], machines
     save_checkpoint(plan, run_.records, [*notes, *run_.notes])
     # Notes on this run only, not saved for a resumed one to repeat:
     if run_.resumed:
-        notes.append(f"resumed: {run_.resumed} question(s) taken from an earlier run of the same code and settings")
+        notes.append(resumed_note(run_.resumed, plan.repeats))
     if machines is not None:
         notes.append(f"ran on a Ray cluster: {len(machines)} workers ({lost} lost and replaced); every question's "
                      "contestants ran side by side on one worker, so ratios are per worker; see machines")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -192,8 +192,25 @@ def write_report(results: dict[str, Any], path: Path, image: str | None = "speed
     return replace_text(path, markdown_report(results, image))
 
 
-#: The settings two runs must share for their figures and outputs to compare question by question.
-COMPARED_SETTINGS = ("questions", "max_new_tokens", "repeats", "dtype", "numerics", "model", "temperature")
+#: The settings two runs must share for their figures and outputs to compare question by question,
+#: and for their "overall" rows to be over the same questions.
+COMPARED_SETTINGS = ("questions", "limit", "categories", "all_turns", "max_new_tokens", "repeats", "dtype", "numerics",
+                     "model", "options")
+
+
+def setting(config: dict[str, Any], key: str) -> Any:
+    """A run's setting as it took effect (``model`` None: the default model)."""
+    from ..arguments import DEFAULT_MODEL
+
+    value = config.get(key)
+    return DEFAULT_MODEL if key == "model" and value is None else value
+
+
+def only_in_one(a: Iterable[str], b: Iterable[str], what: str) -> list[str]:
+    """Notes on the ``what`` (methods, categories) one run has and the other lacks."""
+    a, b = list(a), list(b)
+    return [f"note: {what} only in {side}: {', '.join(names)}"
+            for side, names in (("A", [n for n in a if n not in b]), ("B", [n for n in b if n not in a])) if names]
 
 
 def compare(a: dict[str, Any], b: dict[str, Any]) -> str:
@@ -212,10 +229,12 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> str:
     lines = [f"A: {a['command']} ({a['created']})", f"B: {b['command']} ({b['created']})"]
     if a["machine"].get("cpu") != b["machine"].get("cpu"):
         lines.append(f"note: different CPUs ({a['machine'].get('cpu')} vs {b['machine'].get('cpu')})")
-    differ = [key for key in COMPARED_SETTINGS if a["config"].get(key) != b["config"].get(key)]
+    differ = [key for key in COMPARED_SETTINGS if setting(a["config"], key) != setting(b["config"], key)]
     if differ:  # the same question ids may then be other questions, and outputs differ for that alone
         lines.append("note: different settings (" + "; ".join(
-            f"{key} {a['config'].get(key)!r:.60} vs {b['config'].get(key)!r:.60}" for key in differ) + ")")
+            f"{key} {setting(a['config'], key)!r:.60} vs {setting(b['config'], key)!r:.60}" for key in differ) + ")")
+    lines += only_in_one(sa["methods"], sb["methods"], "methods")
+    lines += only_in_one(sa["categories"], sb["categories"], "categories")
     lines.append(same_outputs(a["records"], b["records"]))
     if not rows:
         return "\n".join(lines + ["no method and category in common"])
