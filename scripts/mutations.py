@@ -11602,6 +11602,22 @@ MUTATIONS = (
              'what = f"{runs} question(s)" if repeats == 1 else',
              'what = f"{runs} question(s)" if True else',
              ('tests/test_bench.py', '-k', 'other_questions or resumed_runs_note')),
+    Mutation("long-integer-not-json", "src/decodekit/samplers/constraint.py",
+             "value = json.loads(text, parse_int=whole_number)",
+             "value = json.loads(text)",
+             ("tests/test_constraint.py", "-k", "str_limit")),
+    Mutation("long-integer-pieces-misplaced", "src/decodekit/samplers/constraint.py",
+             "value = value * 10 ** len(piece) + int(piece)",
+             "value = value * 10 ** DIGITS_AT_ONCE + int(piece)",
+             ("tests/test_constraint.py", "-k", "str_limit")),
+    Mutation("long-integer-refusal-unquotable", "src/decodekit/samplers/constraint.py",
+             "    except ValueError:  # a message quoting",
+             "    except KeyError:  # a message quoting",
+             ("tests/test_constraint.py", "-k", "str_limit")),
+    Mutation("eval-long-integer-not-json", "src/decodekit/eval/tasks.py",
+             ", parse_int=whole_number)",
+             ")",
+             ("tests/test_eval.py", "-k", "strict_json")),
 )
 
 

@@ -1050,3 +1050,17 @@ def test_llguidance_options_that_break_a_schema_are_refused(option):
     with pytest.raises(InvalidParameter, match=f"x-guidance option {option} lets llguidance write what the schema refuses"):
         Constraint("json_schema", schema).grammar()
     assert Constraint("json_schema", {"x-guidance": {"whitespace_flexible": False}, "type": "object"}).grammar()
+
+
+def test_a_json_integer_longer_than_pythons_str_limit_is_json():
+    """Python's int() refuses more than 4300 digits and json.loads reports that as no JSON: a model
+    writing digit after digit under {"type": "integer"} gave a valid answer, refused as not JSON."""
+    from decodekit.samplers.constraint import schema_refusal, whole_number
+
+    assert whole_number("1" * 9000) == (10**9000 - 1) // 9
+    assert whole_number("-" + "9" * 4001) == -(10**4001 - 1)
+    assert whole_number("0") == 0 and whole_number("-12") == -12
+    assert schema_refusal({"type": "integer"}, "1" * 4301) is None
+    assert schema_refusal({"type": "object"}, '{"a": -' + "7" * 5000 + "}") is None
+    assert schema_refusal({"type": "integer", "maximum": 5}, "1" * 9000) == "it breaks the schema at an integer too long to quote"
+    assert schema_refusal({"type": "integer"}, "1" * 9000 + "x") == "it is not JSON"

@@ -1244,6 +1244,7 @@ def test_a_structured_answer_must_be_strict_json():
     for text in ['{"foo": NaN}', '{"foo": Infinity}', '{"foo": -Infinity}', "NaN", '{"foo": 1, "foo": 2}']:
         assert not schema_valid(text, Item("x", "", json.dumps({})) if text == "NaN" else item), text
     assert schema_valid('{"foo": 1, "bar": {"foo": 2}}', item)
+    assert schema_valid('{"foo": ' + "9" * 5000 + "}", item)  # past Python's digits for int(): still JSON
 
 
 def test_the_budget_curve_judges_the_winner_among_the_first_m_samples_only():

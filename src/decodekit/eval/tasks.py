@@ -21,7 +21,7 @@ from typing import Any
 from ..arguments import existing_file
 from ..data import GSM8K_TEST, STRUCTURED_SCHEMAS, data_file, first_repeated, read_jsonl
 from ..errors import InvalidParameter, UnknownMethod
-from ..samplers.constraint import checked_grammar
+from ..samplers.constraint import checked_grammar, whole_number
 from ..search.answers import NUMBER, Extractor, answer_start, extract_number, is_punctuation, normalize_text
 from ..search.uncertainty import first_paraphrases, paraphrases as generic_paraphrases
 
@@ -256,7 +256,7 @@ def schema_valid(text: str, item: Item) -> bool:
     import jsonschema
 
     try:  # strict JSON: no NaN or Infinity, no key twice in an object
-        value = json.loads(text, parse_constant=_refuse, object_pairs_hook=_unique_keys)
+        value = json.loads(text, parse_constant=_refuse, object_pairs_hook=_unique_keys, parse_int=whole_number)
     except ValueError:
         return False
     return jsonschema.Draft202012Validator(json.loads(item.gold)).is_valid(value)

@@ -95,12 +95,30 @@ def schema_refusal(schema: dict | bool, text: str) -> str | None:
     import jsonschema
 
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_int=whole_number)
     except ValueError:
         return "it is not JSON"
     errors = jsonschema.validators.validator_for(schema)(schema).iter_errors(value)
-    return next((f"{error.message} (at {error.json_path})" for error in errors
-                 if error.validator not in ("multipleOf", "format")), None)
+    try:
+        return next((f"{error.message} (at {error.json_path})" for error in errors
+                     if error.validator not in ("multipleOf", "format")), None)
+    except ValueError:  # a message quoting an integer past Python's digits for a str (jsonschema's repr)
+        return "it breaks the schema at an integer too long to quote"
+
+
+#: Digits Python converts between str and int in one piece (sys.int_max_str_digits' default is 4300).
+DIGITS_AT_ONCE = 4000
+
+
+def whole_number(digits: str) -> int:
+    """A JSON integer of any length: ``int()`` refuses a string of more than 4300 digits (Python's
+    guard against slow conversions), which ``json.loads`` would report as no JSON at all."""
+    sign, digits = (-1, digits[1:]) if digits.startswith("-") else (1, digits)
+    value = 0
+    for start in range(0, len(digits), DIGITS_AT_ONCE):
+        piece = digits[start:start + DIGITS_AT_ONCE]
+        value = value * 10 ** len(piece) + int(piece)
+    return sign * value
 
 
 def check_utf8(text: str, kind: str) -> None:
