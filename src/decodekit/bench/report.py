@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..arguments import replace_text
+from ..arguments import DEFAULT_MODEL, replace_text
 from .results import OVERALL
 
 Fmt = Callable[[Any], str]
@@ -200,8 +200,6 @@ COMPARED_SETTINGS = ("questions", "limit", "categories", "all_turns", "max_new_t
 
 def setting(config: dict[str, Any], key: str) -> Any:
     """A run's setting as it took effect (``model`` None: the default model)."""
-    from ..arguments import DEFAULT_MODEL
-
     value = config.get(key)
     return DEFAULT_MODEL if key == "model" and value is None else value
 

@@ -201,18 +201,18 @@ def capital_correct(text: str, item: Item) -> bool:
     (Singapore, Luxembourg, Guinea-Bissau), an answer that only repeats the country's name does not
     count ("Singapore has no capital"): the name must stand outside it, or be the whole answer. The
     country is the mention after "of" where there is one ("Singapore is the capital of Singapore"
-    names it), else every mention. A
-    mention that denies the capital ("not Paris") or names a longer place that holds its name
-    ("Santiago de Cuba" for Santiago) does not count either (:func:`_blank_other_places`)."""
+    names it), else every mention. A mention that denies the capital ("not Paris") or names a longer
+    place that holds its name ("Santiago de Cuba" for Santiago) does not count either
+    (:func:`_blank_other_places`)."""
     names = [normalize_text(n) for n in (item.gold, *CAPITAL_ALIASES.get(item.gold, ()))]
-    names += [" ".join([SAINT[n.split()[0]], *n.split()[1:]]) for n in names if n.split()[0] in SAINT]
-    answer = capital_answer(_blank_other_places(text, names, normalize_text(item.subject or "")))
+    names += [" ".join([SAINT[first], *rest]) for first, *rest in (n.split() for n in names) if first in SAINT]
+    country = normalize_text(item.subject or "")
+    answer = capital_answer(_blank_other_places(text, names, country))
     if answer is None:
         return False
     shown = f" {answer} "
     if answer in names or any(f" {n} city " in shown for n in names):  # "Luxembourg City is its capital"
         return True
-    country = normalize_text(item.subject or "")
     if country and any(f" {n} " in f" {country} " for n in names):
         of_country = f" of {country} "
         shown = shown.replace(of_country, " of | ") if of_country in shown else shown.replace(f" {country} ", " | ")
